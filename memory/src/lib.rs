@@ -1,0 +1,42 @@
+//! Guest RAM for gpuvm.
+//!
+//! All guest RAM lives in one memfd (optionally hugetlb-backed). Each guest-physical RAM
+//! region is a `MAP_SHARED` mapping of a slice of that memfd, so the same pages can be
+//! handed to KVM, to a vfio-user device process (DMA through the shared fd), and to the
+//! snapshot code, without copies.
+//!
+//! Modules:
+//! - [`backing`]: creating the memfd, mapping regions, THP/hugetlb policy, host checks.
+//! - [`prefault`]: populating guest RAM with several threads before boot.
+//! - [`snapshot`]: the memory file format (non-zero pages only), writing, diff chains,
+//!   eager restore.
+//! - [`uffd`]: lazy restore with userfaultfd (in-process loader and the external-handler
+//!   handshake).
+
+pub mod backing;
+pub mod prefault;
+pub mod snapshot;
+pub mod uffd;
+
+pub use backing::{Backing, GuestRam, GuestRamConfig};
+
+/// One contiguous range of guest-physical RAM and where it lives in the RAM memfd.
+///
+/// The VMM's memory layout produces these (RAM is split around the 32-bit MMIO hole);
+/// everything that needs to find guest pages in the memfd or the memory file uses them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RamRegion {
+    /// Guest-physical start address.
+    pub guest_addr: u64,
+    /// Length in bytes (a multiple of the backing page size).
+    pub size: u64,
+    /// Offset of the region's first byte in the RAM memfd.
+    pub file_offset: u64,
+}
+
+impl RamRegion {
+    /// One past the last guest-physical address of the region.
+    pub fn end(&self) -> u64 {
+        self.guest_addr + self.size
+    }
+}
