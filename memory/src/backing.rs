@@ -1,0 +1,887 @@
+//! Guest RAM backing: one memfd (plain shmem or hugetlb), one `MAP_SHARED` mapping per
+//! guest-physical RAM region.
+//!
+//! Everything is validated before any memory is allocated, so a bad size or an empty
+//! huge page pool is reported as a sentence the user can act on rather than as a failed
+//! `mmap`.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::fs::File;
+use std::io;
+use std::os::fd::FromRawFd;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use log::{debug, info, warn};
+use vm_memory::mmap::{MmapRegionBuilder, MmapRegionError};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionCollectionError};
+use vm_memory::{GuestRegionMmap, MmapRegion};
+
+use crate::RamRegion;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Pages of this size back the host mappings when the backing is a plain memfd.
+const BASE_PAGE_SIZE: u64 = 4 * KIB;
+
+/// mincore() is called on at most this many bytes at a time, to bound its result vector.
+const MINCORE_CHUNK: usize = GIB as usize;
+
+/// What kind of memory backs guest RAM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Backing {
+    /// A shmem memfd with 4 KiB pages (transparent huge pages if the host allows them).
+    #[default]
+    Memfd,
+    /// A hugetlb memfd with 2 MiB pages from the host's reserved pool.
+    Hugetlb2M,
+    /// A hugetlb memfd with 1 GiB pages from the host's reserved pool.
+    Hugetlb1G,
+}
+
+impl Backing {
+    /// The page size guest RAM is allocated in; sizes and region boundaries must be
+    /// multiples of it.
+    pub fn page_size(self) -> u64 {
+        match self {
+            Backing::Memfd => BASE_PAGE_SIZE,
+            Backing::Hugetlb2M => 2 * MIB,
+            Backing::Hugetlb1G => GIB,
+        }
+    }
+
+    /// Whether the pages come from the hugetlb pool.
+    pub fn is_hugetlb(self) -> bool {
+        !matches!(self, Backing::Memfd)
+    }
+
+    fn memfd_flags(self) -> libc::c_uint {
+        match self {
+            Backing::Memfd => libc::MFD_CLOEXEC,
+            Backing::Hugetlb2M => libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+            Backing::Hugetlb1G => libc::MFD_CLOEXEC | libc::MFD_HUGETLB | libc::MFD_HUGE_1GB,
+        }
+    }
+
+    /// The sysfs directory describing the hugetlb pool for this page size.
+    fn hugetlb_pool_dir(self) -> PathBuf {
+        PathBuf::from(format!(
+            "/sys/kernel/mm/hugepages/hugepages-{}kB",
+            self.page_size() / KIB
+        ))
+    }
+
+    /// The command that sets the pool to `pages` pages.
+    fn reserve_hint(self, pages: u64) -> String {
+        match self {
+            Backing::Hugetlb2M => format!("sysctl vm.nr_hugepages={pages}"),
+            _ => format!(
+                "echo {pages} > {}/nr_hugepages",
+                self.hugetlb_pool_dir().display()
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Backing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Backing::Memfd => "memfd",
+            Backing::Hugetlb2M => "hugetlb-2m",
+            Backing::Hugetlb1G => "hugetlb-1g",
+        })
+    }
+}
+
+impl FromStr for Backing {
+    type Err = RamError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "memfd" => Ok(Backing::Memfd),
+            "hugetlb-2m" => Ok(Backing::Hugetlb2M),
+            "hugetlb-1g" => Ok(Backing::Hugetlb1G),
+            other => Err(RamError::UnknownBacking(other.to_string())),
+        }
+    }
+}
+
+/// A byte count printed the way people read sizes: "64 GiB", "2 MiB", "23.4 GiB".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let bytes = self.0;
+        let Some(&(unit, name)) = [(GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")]
+            .iter()
+            .find(|(unit, _)| bytes >= *unit)
+        else {
+            return write!(f, "{bytes} bytes");
+        };
+        if bytes % unit == 0 {
+            write!(f, "{} {name}", bytes / unit)
+        } else {
+            write!(f, "{:.1} {name}", bytes as f64 / unit as f64)
+        }
+    }
+}
+
+/// Errors from creating or inspecting guest RAM.
+#[derive(Debug, thiserror::Error)]
+pub enum RamError {
+    #[error("unknown memory backing '{0}' (expected memfd, hugetlb-2m or hugetlb-1g)")]
+    UnknownBacking(String),
+    #[error("guest memory size is 0")]
+    ZeroSize,
+    #[error(
+        "guest memory size {size} bytes is not a multiple of {} (the page size of {backing} backing)",
+        ByteSize(.backing.page_size())
+    )]
+    SizeNotPageMultiple { size: u64, backing: Backing },
+    #[error("guest memory {} is larger than this host's {}", ByteSize(*.size), ByteSize(*.host))]
+    TooLargeForHost { size: u64, host: u64 },
+    #[error("no guest RAM regions were given")]
+    NoRegions,
+    #[error(
+        "guest RAM region {index} (guest {:#x}, {}, memfd offset {:#x}) is invalid: {reason}",
+        .region.guest_addr, ByteSize(.region.size), .region.file_offset
+    )]
+    InvalidRegion {
+        index: usize,
+        region: RamRegion,
+        reason: String,
+    },
+    #[error("guest RAM regions add up to {} but guest memory size is {}", ByteSize(*.regions), ByteSize(*.size))]
+    RegionSizeMismatch { regions: u64, size: u64 },
+    #[error("this host has no {} huge pages ({} is missing)", ByteSize(.backing.page_size()), .path.display())]
+    HugePageSizeUnsupported { backing: Backing, path: PathBuf },
+    #[error("cannot read the huge page pool from {}: {source}", .path.display())]
+    HugePoolRead { path: PathBuf, source: io::Error },
+    #[error(
+        "{backing} backing needs {needed} huge pages of {} for {} of guest memory, but only {available} \
+         are free (the pool has {pool}); reserve more with `{hint}`",
+        ByteSize(.backing.page_size()), ByteSize(*.size)
+    )]
+    NotEnoughHugePages {
+        backing: Backing,
+        size: u64,
+        needed: u64,
+        available: u64,
+        pool: u64,
+        hint: String,
+    },
+    #[error("cannot create the guest RAM memfd ({backing}): {source}")]
+    MemfdCreate { backing: Backing, source: io::Error },
+    #[error("cannot size the guest RAM memfd to {}: {source}", ByteSize(*.size))]
+    MemfdResize { size: u64, source: io::Error },
+    #[error("cannot map guest RAM region {index}: {source}")]
+    Map {
+        index: usize,
+        source: MmapRegionError,
+    },
+    #[error("cannot assemble guest memory: {0}")]
+    GuestMemory(#[from] GuestRegionCollectionError),
+    #[error("mincore on guest RAM failed: {0}")]
+    Mincore(io::Error),
+}
+
+/// How much guest RAM to create and what backs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestRamConfig {
+    /// Total guest RAM in bytes (the sum of the region sizes).
+    pub size: u64,
+    pub backing: Backing,
+    /// Ask for transparent huge pages (`MADV_HUGEPAGE`) on memfd mappings. Ignored for
+    /// hugetlb; harmless where the host's shmem THP policy is `never`.
+    pub thp: bool,
+}
+
+impl GuestRamConfig {
+    /// A memfd-backed configuration with THP requested.
+    pub fn new(size: u64) -> Self {
+        GuestRamConfig {
+            size,
+            backing: Backing::Memfd,
+            thp: true,
+        }
+    }
+}
+
+/// All guest RAM: one memfd, mapped once per region into this process.
+pub struct GuestRam {
+    memfd: Arc<File>,
+    memory: GuestMemoryMmap,
+    regions: Vec<RamRegion>,
+    /// Host address of each region's mapping, in `regions` order (kept as integers so
+    /// `GuestRam` stays `Send + Sync`; the mappings live as long as `memory`).
+    host_addrs: Vec<usize>,
+    backing: Backing,
+    size: u64,
+}
+
+impl fmt::Debug for GuestRam {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GuestRam")
+            .field("backing", &self.backing)
+            .field("size", &self.size)
+            .field("regions", &self.regions)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GuestRam {
+    /// Creates the memfd and maps every region of `regions` (the guest-physical layout,
+    /// sorted by address, with file offsets packed contiguously from 0).
+    pub fn create(config: &GuestRamConfig, regions: &[RamRegion]) -> Result<GuestRam, RamError> {
+        let backing = config.backing;
+        let page_size = backing.page_size();
+        let size = config.size;
+
+        if size == 0 {
+            return Err(RamError::ZeroSize);
+        }
+        if size % page_size != 0 {
+            return Err(RamError::SizeNotPageMultiple { size, backing });
+        }
+        validate_regions(regions, size, page_size)?;
+        let host = host_memory_total();
+        if host == 0 {
+            warn!("cannot determine host memory size; not checking guest memory against it");
+        } else if size > host {
+            return Err(RamError::TooLargeForHost { size, host });
+        }
+        if backing.is_hugetlb() {
+            check_hugetlb_pool(backing, size)?;
+        } else if config.thp {
+            log_shmem_thp_policy();
+        }
+
+        let memfd = Arc::new(create_memfd(backing)?);
+        memfd
+            .set_len(size)
+            .map_err(|source| RamError::MemfdResize { size, source })?;
+
+        let mut mapped = Vec::with_capacity(regions.len());
+        let mut host_addrs = Vec::with_capacity(regions.len());
+        for (index, region) in regions.iter().enumerate() {
+            let mapping = map_region(&memfd, region, backing)
+                .map_err(|source| RamError::Map { index, source })?;
+            let host_addr = mapping.as_ptr();
+            // The madvise hints are best effort: guest RAM works without them.
+            advise(
+                host_addr,
+                mapping.size(),
+                libc::MADV_DONTDUMP,
+                "MADV_DONTDUMP",
+            );
+            if config.thp && !backing.is_hugetlb() {
+                advise(
+                    host_addr,
+                    mapping.size(),
+                    libc::MADV_HUGEPAGE,
+                    "MADV_HUGEPAGE",
+                );
+            }
+            debug!(
+                "guest RAM region {index}: guest {:#x}..{:#x} ({}), memfd offset {:#x}, host {host_addr:p}",
+                region.guest_addr,
+                region.end(),
+                ByteSize(region.size),
+                region.file_offset,
+            );
+            host_addrs.push(host_addr as usize);
+            // Cannot fail: validate_regions() ruled out address wrap-around.
+            let guest_region = GuestRegionMmap::new(mapping, GuestAddress(region.guest_addr))
+                .ok_or_else(|| RamError::InvalidRegion {
+                    index,
+                    region: *region,
+                    reason: "it wraps around the address space".to_string(),
+                })?;
+            mapped.push(guest_region);
+        }
+        let memory = GuestMemoryMmap::from_regions(mapped)?;
+        info!(
+            "guest RAM: {} {backing} ({} pages{}), {} region(s)",
+            ByteSize(size),
+            ByteSize(page_size),
+            if config.thp && !backing.is_hugetlb() {
+                ", THP requested"
+            } else {
+                ""
+            },
+            regions.len()
+        );
+
+        Ok(GuestRam {
+            memfd,
+            memory,
+            regions: regions.to_vec(),
+            host_addrs,
+            backing,
+            size,
+        })
+    }
+
+    /// Guest memory for device emulation and loaders (file-backed, `MAP_SHARED`).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.memory
+    }
+
+    /// The guest-physical layout, in address order.
+    pub fn regions(&self) -> &[RamRegion] {
+        &self.regions
+    }
+
+    /// The memfd holding all guest RAM (to share with other processes or snapshot).
+    pub fn memfd(&self) -> &File {
+        &self.memfd
+    }
+
+    /// The backing page size: 4 KiB, 2 MiB or 1 GiB.
+    pub fn page_size(&self) -> u64 {
+        self.backing.page_size()
+    }
+
+    pub fn backing(&self) -> Backing {
+        self.backing
+    }
+
+    /// Total guest RAM in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Host address where region `index` is mapped, or `None` past the last region.
+    /// Valid for as long as this `GuestRam` lives.
+    pub fn host_address(&self, index: usize) -> Option<*mut u8> {
+        self.host_addrs.get(index).map(|&addr| addr as *mut u8)
+    }
+
+    /// Every region with the host address of its mapping (for KVM memslots and uffd).
+    pub fn host_regions(&self) -> impl Iterator<Item = (RamRegion, *mut u8)> + '_ {
+        self.regions
+            .iter()
+            .zip(&self.host_addrs)
+            .map(|(region, &addr)| (*region, addr as *mut u8))
+    }
+
+    /// Bytes of guest RAM that are resident now (allocated in the memfd and visible
+    /// through our mappings), measured with mincore().
+    pub fn resident_bytes(&self) -> Result<u64, RamError> {
+        let base_page = host_base_page_size();
+        let mut resident = 0u64;
+        let mut vec = Vec::new();
+        for (region, addr) in self.host_regions() {
+            let len = region.size as usize;
+            let mut done = 0;
+            while done < len {
+                let chunk = (len - done).min(MINCORE_CHUNK);
+                vec.resize(chunk.div_ceil(base_page), 0u8);
+                // SAFETY: [addr + done, +chunk) lies inside one of our live mappings and
+                // `vec` has one byte per base page of that range, as mincore requires.
+                let ret = unsafe {
+                    libc::mincore(
+                        addr.add(done).cast::<libc::c_void>(),
+                        chunk,
+                        vec.as_mut_ptr(),
+                    )
+                };
+                if ret != 0 {
+                    return Err(RamError::Mincore(io::Error::last_os_error()));
+                }
+                let pages = vec.iter().filter(|&&b| b & 1 != 0).count() as u64;
+                resident += pages * base_page as u64;
+                done += chunk;
+            }
+        }
+        Ok(resident)
+    }
+}
+
+/// Total host RAM in bytes (`MemTotal` in /proc/meminfo, else sysinfo(2); 0 if neither
+/// can be read).
+pub fn host_memory_total() -> u64 {
+    if let Some(total) = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| parse_meminfo_total(&text))
+    {
+        return total;
+    }
+    // SAFETY: sysinfo only writes into the zero-initialised struct we pass.
+    unsafe {
+        let mut info: libc::sysinfo = std::mem::zeroed();
+        if libc::sysinfo(&mut info) == 0 {
+            return (info.totalram as u64).saturating_mul(u64::from(info.mem_unit.max(1)));
+        }
+    }
+    0
+}
+
+fn parse_meminfo_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut fields = line["MemTotal:".len()..].split_whitespace();
+    let value: u64 = fields.next()?.parse().ok()?;
+    match fields.next() {
+        Some("kB") => value.checked_mul(KIB),
+        None => Some(value),
+        Some(_) => None,
+    }
+}
+
+/// The kernel's base page size (the granularity of mincore and of MADV_POPULATE).
+pub(crate) fn host_base_page_size() -> usize {
+    // SAFETY: sysconf has no side effects.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 {
+        size as usize
+    } else {
+        BASE_PAGE_SIZE as usize
+    }
+}
+
+fn validate_regions(regions: &[RamRegion], size: u64, page_size: u64) -> Result<(), RamError> {
+    if regions.is_empty() {
+        return Err(RamError::NoRegions);
+    }
+    let invalid = |index: usize, reason: String| RamError::InvalidRegion {
+        index,
+        region: regions[index],
+        reason,
+    };
+    let page = ByteSize(page_size);
+    let mut expected_offset = 0u64;
+    let mut previous_end = 0u64;
+    for (index, region) in regions.iter().enumerate() {
+        if region.size == 0 {
+            return Err(invalid(index, "it is empty".to_string()));
+        }
+        if region.guest_addr % page_size != 0 || region.size % page_size != 0 {
+            return Err(invalid(
+                index,
+                format!("its address and size must be multiples of the {page} page size"),
+            ));
+        }
+        let Some(end) = region.guest_addr.checked_add(region.size) else {
+            return Err(invalid(
+                index,
+                "it wraps around the address space".to_string(),
+            ));
+        };
+        if index > 0 && region.guest_addr < previous_end {
+            return Err(invalid(
+                index,
+                format!("it starts below the end of region {} ({previous_end:#x}): regions must be sorted and disjoint", index - 1),
+            ));
+        }
+        if region.file_offset != expected_offset {
+            return Err(invalid(
+                index,
+                format!("its memfd offset should be {expected_offset:#x} (regions are packed contiguously in the memfd)"),
+            ));
+        }
+        previous_end = end;
+        expected_offset = expected_offset.saturating_add(region.size);
+    }
+    if expected_offset != size {
+        return Err(RamError::RegionSizeMismatch {
+            regions: expected_offset,
+            size,
+        });
+    }
+    Ok(())
+}
+
+fn read_pool_counter(dir: &Path, name: &str) -> Result<u64, RamError> {
+    let path = dir.join(name);
+    let text = std::fs::read_to_string(&path).map_err(|source| RamError::HugePoolRead {
+        path: path.clone(),
+        source,
+    })?;
+    text.trim().parse().map_err(|_| RamError::HugePoolRead {
+        path,
+        source: io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not a number: {text:?}"),
+        ),
+    })
+}
+
+/// Fails unless the hugetlb pool has `size` bytes of pages free and unreserved.
+fn check_hugetlb_pool(backing: Backing, size: u64) -> Result<(), RamError> {
+    let dir = backing.hugetlb_pool_dir();
+    if !dir.is_dir() {
+        return Err(RamError::HugePageSizeUnsupported { backing, path: dir });
+    }
+    let pool = read_pool_counter(&dir, "nr_hugepages")?;
+    let free = read_pool_counter(&dir, "free_hugepages")?;
+    // Reserved pages are free but already promised to other mappings.
+    let reserved = read_pool_counter(&dir, "resv_hugepages")?;
+    let available = free.saturating_sub(reserved);
+    let needed = size / backing.page_size();
+    debug!("{backing} pool: {pool} pages, {free} free, {reserved} reserved; need {needed}");
+    if available < needed {
+        return Err(RamError::NotEnoughHugePages {
+            backing,
+            size,
+            needed,
+            available,
+            pool,
+            hint: backing.reserve_hint(pool + (needed - available)),
+        });
+    }
+    Ok(())
+}
+
+fn log_shmem_thp_policy() {
+    const PATH: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+    match std::fs::read_to_string(PATH) {
+        Ok(policy) if policy.contains("[never]") || policy.contains("[deny]") => info!(
+            "THP requested but {PATH} is {}: guest RAM uses 4 KiB pages",
+            policy.trim()
+        ),
+        Ok(policy) => debug!("{PATH}: {}", policy.trim()),
+        Err(e) => debug!("cannot read {PATH}: {e}"),
+    }
+}
+
+fn create_memfd(backing: Backing) -> Result<File, RamError> {
+    const NAME: &CStr = c"gpuvm-guest-ram";
+    // SAFETY: NAME is a valid NUL-terminated string; the flags are plain integers.
+    let fd = unsafe { libc::memfd_create(NAME.as_ptr(), backing.memfd_flags()) };
+    if fd < 0 {
+        return Err(RamError::MemfdCreate {
+            backing,
+            source: io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: fd is a new descriptor that nothing else owns.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+fn map_region(
+    memfd: &Arc<File>,
+    region: &RamRegion,
+    backing: Backing,
+) -> Result<MmapRegion, MmapRegionError> {
+    let len = usize::try_from(region.size).map_err(|_| MmapRegionError::InvalidOffsetLength)?;
+    // hugetlb pages are reserved at mmap time so a shortage fails here rather than as
+    // SIGBUS later; shmem is allocated lazily either way.
+    let flags = if backing.is_hugetlb() {
+        libc::MAP_SHARED
+    } else {
+        libc::MAP_SHARED | libc::MAP_NORESERVE
+    };
+    MmapRegionBuilder::new(len)
+        .with_file_offset(FileOffset::from_arc(Arc::clone(memfd), region.file_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(flags)
+        .with_hugetlbfs(backing.is_hugetlb())
+        .build()
+}
+
+fn advise(addr: *mut u8, len: usize, advice: libc::c_int, name: &str) {
+    // SAFETY: [addr, addr + len) is a mapping we just created; these advices only change
+    // how the kernel treats it, not its contents.
+    let ret = unsafe { libc::madvise(addr.cast::<libc::c_void>(), len, advice) };
+    if ret != 0 {
+        debug!(
+            "{name} on guest RAM at {addr:p} failed: {}",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+    use std::sync::Mutex;
+    use vm_memory::{Bytes, GuestMemoryBackend};
+
+    /// Serialises tests that read or change the hugetlb pool.
+    pub(crate) static HUGETLB_POOL: Mutex<()> = Mutex::new(());
+
+    /// Two regions with a hole between them, packed contiguously in the memfd.
+    pub(crate) fn two_regions(first: u64, hole: u64, second: u64) -> Vec<RamRegion> {
+        vec![
+            RamRegion {
+                guest_addr: 0,
+                size: first,
+                file_offset: 0,
+            },
+            RamRegion {
+                guest_addr: first + hole,
+                size: second,
+                file_offset: first,
+            },
+        ]
+    }
+
+    fn one_region(size: u64) -> Vec<RamRegion> {
+        vec![RamRegion {
+            guest_addr: 0,
+            size,
+            file_offset: 0,
+        }]
+    }
+
+    #[test]
+    fn backing_parses_and_prints() {
+        for backing in [Backing::Memfd, Backing::Hugetlb2M, Backing::Hugetlb1G] {
+            assert_eq!(backing.to_string().parse::<Backing>().unwrap(), backing);
+        }
+        assert_eq!(Backing::Memfd.page_size(), 4096);
+        assert_eq!(Backing::Hugetlb2M.page_size(), 2 << 20);
+        assert_eq!(Backing::Hugetlb1G.page_size(), 1 << 30);
+        let err = "hugetlb".parse::<Backing>().unwrap_err();
+        assert!(err.to_string().contains("'hugetlb'"), "{err}");
+    }
+
+    #[test]
+    fn byte_sizes_read_naturally() {
+        assert_eq!(ByteSize(64 * GIB).to_string(), "64 GiB");
+        assert_eq!(ByteSize(2 * MIB).to_string(), "2 MiB");
+        assert_eq!(ByteSize(GIB + GIB / 2).to_string(), "1.5 GiB");
+        assert_eq!(ByteSize(100).to_string(), "100 bytes");
+    }
+
+    #[test]
+    fn meminfo_total_is_parsed() {
+        let text = "MemFree:  10 kB\nMemTotal:       24576000 kB\n";
+        assert_eq!(parse_meminfo_total(text), Some(24576000 * 1024));
+        assert_eq!(parse_meminfo_total("MemTotal: x kB"), None);
+        assert!(host_memory_total() > 0);
+    }
+
+    #[test]
+    fn memfd_ram_is_shared_with_the_memfd() {
+        let regions = two_regions(8 * MIB, 8 * MIB, 4 * MIB);
+        let ram = GuestRam::create(&GuestRamConfig::new(12 * MIB), &regions).unwrap();
+        assert_eq!(ram.size(), 12 * MIB);
+        assert_eq!(ram.page_size(), 4096);
+        assert_eq!(ram.backing(), Backing::Memfd);
+        assert_eq!(ram.regions(), &regions[..]);
+        assert_eq!(ram.memfd().metadata().unwrap().len(), 12 * MIB);
+        assert_eq!(ram.memory().num_regions(), 2);
+
+        // Write through guest memory in both regions, read back through the memfd.
+        let second = regions[1];
+        ram.memory()
+            .write_slice(b"first", GuestAddress(0x1234))
+            .unwrap();
+        ram.memory()
+            .write_slice(b"second", GuestAddress(second.guest_addr + 0x100))
+            .unwrap();
+        let mut buf = [0u8; 6];
+        ram.memfd().read_exact_at(&mut buf[..5], 0x1234).unwrap();
+        assert_eq!(&buf[..5], b"first");
+        ram.memfd()
+            .read_exact_at(&mut buf, second.file_offset + 0x100)
+            .unwrap();
+        assert_eq!(&buf, b"second");
+        // The hole is not guest memory.
+        assert!(ram
+            .memory()
+            .write_slice(b"x", GuestAddress(9 * MIB))
+            .is_err());
+
+        // And the other way: a write to the memfd shows up in guest memory.
+        ram.memfd().write_all_at(b"fd", second.file_offset).unwrap();
+        let mut two = [0u8; 2];
+        ram.memory()
+            .read_slice(&mut two, GuestAddress(second.guest_addr))
+            .unwrap();
+        assert_eq!(&two, b"fd");
+
+        let hosts: Vec<_> = ram.host_regions().collect();
+        assert_eq!(hosts.len(), 2);
+        assert_eq!(hosts[1].0, second);
+        assert_eq!(Some(hosts[1].1), ram.host_address(1));
+        assert_eq!(ram.host_address(2), None);
+        // SAFETY: the mapping of region 1 is live and at least 2 bytes long.
+        let direct = unsafe { std::slice::from_raw_parts(hosts[1].1, 2) };
+        assert_eq!(direct, b"fd");
+    }
+
+    #[test]
+    fn fresh_ram_is_not_resident() {
+        let ram = GuestRam::create(&GuestRamConfig::new(4 * MIB), &one_region(4 * MIB)).unwrap();
+        assert_eq!(ram.resident_bytes().unwrap(), 0);
+        ram.memory()
+            .write_slice(&[1], GuestAddress(3 * 4096))
+            .unwrap();
+        assert_eq!(ram.resident_bytes().unwrap(), 4096);
+    }
+
+    #[test]
+    fn bad_sizes_are_rejected() {
+        let err = GuestRam::create(&GuestRamConfig::new(0), &one_region(0)).unwrap_err();
+        assert!(matches!(err, RamError::ZeroSize), "{err}");
+
+        let err =
+            GuestRam::create(&GuestRamConfig::new(MIB + 1), &one_region(MIB + 1)).unwrap_err();
+        assert!(matches!(err, RamError::SizeNotPageMultiple { .. }), "{err}");
+        assert!(err.to_string().contains("4 KiB"), "{err}");
+
+        let config = GuestRamConfig {
+            size: 3 * MIB,
+            backing: Backing::Hugetlb2M,
+            thp: false,
+        };
+        let err = GuestRam::create(&config, &one_region(3 * MIB)).unwrap_err();
+        assert!(err.to_string().contains("2 MiB"), "{err}");
+
+        let host = host_memory_total();
+        let too_big = (host / GIB + 1) * GIB;
+        let err =
+            GuestRam::create(&GuestRamConfig::new(too_big), &one_region(too_big)).unwrap_err();
+        assert!(matches!(err, RamError::TooLargeForHost { .. }), "{err}");
+        assert!(err.to_string().contains("larger than this host's"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_regions_are_rejected() {
+        let config = GuestRamConfig::new(8 * MIB);
+        let check = |regions: &[RamRegion], what: &str| {
+            let err = GuestRam::create(&config, regions).unwrap_err();
+            assert!(err.to_string().contains(what), "{what}: {err}");
+        };
+        check(&[], "no guest RAM regions");
+        check(&two_regions(4 * MIB, 0, 2 * MIB), "add up to 6 MiB");
+        let mut r = two_regions(4 * MIB, 0, 4 * MIB);
+        r[1].file_offset = 0;
+        check(&r, "memfd offset should be 0x400000");
+        let mut r = two_regions(4 * MIB, 0, 4 * MIB);
+        r[1].guest_addr = MIB;
+        check(&r, "sorted and disjoint");
+        let mut r = two_regions(4 * MIB, 0, 4 * MIB);
+        r[1].guest_addr = u64::MAX - 4095;
+        check(&r, "wraps");
+        let mut r = two_regions(4 * MIB, 0, 4 * MIB);
+        r[1].guest_addr += 512;
+        check(&r, "multiples of the 4 KiB page size");
+        check(&two_regions(8 * MIB, 0, 0), "empty");
+    }
+
+    #[test]
+    fn short_hugetlb_pool_says_how_to_reserve() {
+        let _pool = HUGETLB_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = Backing::Hugetlb2M.hugetlb_pool_dir();
+        if !dir.is_dir() {
+            eprintln!("skipped: no 2 MiB huge pages on this host");
+            return;
+        }
+        let free = read_pool_counter(&dir, "free_hugepages").unwrap();
+        let reserved = read_pool_counter(&dir, "resv_hugepages").unwrap();
+        let size = (free.saturating_sub(reserved) + 1) * 2 * MIB;
+        if size > host_memory_total() {
+            eprintln!("skipped: the free pool is as large as host memory");
+            return;
+        }
+        let config = GuestRamConfig {
+            size,
+            backing: Backing::Hugetlb2M,
+            thp: false,
+        };
+        let err = GuestRam::create(&config, &one_region(size)).unwrap_err();
+        let RamError::NotEnoughHugePages {
+            needed, available, ..
+        } = &err
+        else {
+            panic!("unexpected error: {err}");
+        };
+        assert_eq!(*needed, available + 1);
+        assert!(err.to_string().contains("sysctl vm.nr_hugepages="), "{err}");
+    }
+
+    /// Restores `vm.nr_hugepages` when dropped, whatever the test did.
+    struct NrHugepagesGuard {
+        old: u64,
+    }
+
+    const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+    impl NrHugepagesGuard {
+        /// Grows the default-size pool by `extra` pages; `Err` says why it could not.
+        fn reserve(extra: u64) -> Result<Self, String> {
+            let old: u64 = std::fs::read_to_string(NR_HUGEPAGES)
+                .map_err(|e| format!("cannot read {NR_HUGEPAGES}: {e}"))?
+                .trim()
+                .parse()
+                .map_err(|e| format!("cannot parse {NR_HUGEPAGES}: {e}"))?;
+            let guard = NrHugepagesGuard { old };
+            std::fs::write(NR_HUGEPAGES, (old + extra).to_string())
+                .map_err(|e| format!("cannot write {NR_HUGEPAGES}: {e}"))?;
+            Ok(guard)
+        }
+    }
+
+    impl Drop for NrHugepagesGuard {
+        fn drop(&mut self) {
+            if let Err(e) = std::fs::write(NR_HUGEPAGES, self.old.to_string()) {
+                eprintln!("could not restore {NR_HUGEPAGES} to {}: {e}", self.old);
+            }
+        }
+    }
+
+    #[test]
+    fn hugetlb_2m_ram_works_with_a_reserved_pool() {
+        let _pool = HUGETLB_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = Backing::Hugetlb2M.hugetlb_pool_dir();
+        let default_is_2m = std::fs::read_to_string("/proc/meminfo")
+            .map(|m| m.contains("Hugepagesize:       2048 kB"))
+            .unwrap_or(false);
+        if !dir.is_dir() || !default_is_2m {
+            eprintln!("skipped: 2 MiB is not this host's default huge page size");
+            return;
+        }
+        let size = 16 * MIB;
+        let needed = size / (2 * MIB);
+        let _guard = match NrHugepagesGuard::reserve(needed) {
+            Ok(guard) => guard,
+            Err(why) => {
+                eprintln!("skipped: {why}");
+                return;
+            }
+        };
+        let free = read_pool_counter(&dir, "free_hugepages").unwrap();
+        let reserved = read_pool_counter(&dir, "resv_hugepages").unwrap();
+        if free.saturating_sub(reserved) < needed {
+            eprintln!("skipped: the kernel could only make {free} huge pages free");
+            return;
+        }
+
+        let config = GuestRamConfig {
+            size,
+            backing: Backing::Hugetlb2M,
+            thp: true,
+        };
+        let regions = two_regions(4 * MIB, 2 * MIB, 12 * MIB);
+        // Dropped before the guard, so the pool shrinks back with no pages in use.
+        let ram = GuestRam::create(&config, &regions).unwrap();
+        assert_eq!(ram.page_size(), 2 * MIB);
+        assert_eq!(ram.backing(), Backing::Hugetlb2M);
+        ram.memory()
+            .write_slice(b"huge", GuestAddress(regions[1].guest_addr + 3 * MIB))
+            .unwrap();
+        let mut buf = [0u8; 4];
+        ram.memfd()
+            .read_exact_at(&mut buf, regions[1].file_offset + 3 * MIB)
+            .unwrap();
+        assert_eq!(&buf, b"huge");
+        assert_eq!(ram.resident_bytes().unwrap(), 2 * MIB);
+
+        let stats = crate::prefault::prefault(&ram, 2).unwrap();
+        assert_eq!(stats.bytes, size);
+        assert_eq!(ram.resident_bytes().unwrap(), size);
+        ram.memory()
+            .read_slice(&mut buf, GuestAddress(regions[1].guest_addr + 3 * MIB))
+            .unwrap();
+        assert_eq!(&buf, b"huge");
+    }
+}
