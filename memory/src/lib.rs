@@ -18,7 +18,8 @@ pub mod prefault;
 pub mod snapshot;
 pub mod uffd;
 
-pub use backing::{Backing, GuestRam, GuestRamConfig};
+pub use backing::{host_memory_total, Backing, ByteSize, GuestRam, GuestRamConfig, RamError};
+pub use prefault::{prefault, PrefaultError, PrefaultStats};
 
 /// One contiguous range of guest-physical RAM and where it lives in the RAM memfd.
 ///
