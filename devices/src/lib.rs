@@ -1,1 +1,22 @@
-//! placeholder
+//! Emulated devices for gpuvm.
+//!
+//! - [`bus`]: the address bus that routes port I/O and MMIO exits to devices.
+//! - [`serial`]: a 16550A UART for the console.
+//! - [`i8042`]: the keyboard controller, only for its CPU-reset command.
+//! - [`exit_port`]: where the guest reports its exit status.
+//! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
+//!
+//! Every device accepts any access a guest can make (odd widths, offsets past its
+//! registers, empty accesses) without panicking.
+
+pub mod bus;
+pub mod exit_port;
+pub mod i8042;
+pub mod serial;
+pub mod sink;
+
+pub use bus::{Bus, BusDevice, BusError};
+pub use exit_port::{ExitPort, ExitStatus};
+pub use i8042::I8042;
+pub use serial::{SerialDevice, SerialError};
+pub use sink::Sink;
