@@ -631,6 +631,12 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn guest_ram_can_be_shared_between_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<GuestRam>();
+    }
+
+    #[test]
     fn backing_parses_and_prints() {
         for backing in [Backing::Memfd, Backing::Hugetlb2M, Backing::Hugetlb1G] {
             assert_eq!(backing.to_string().parse::<Backing>().unwrap(), backing);
