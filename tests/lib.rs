@@ -1,1 +1,228 @@
-//! Helpers shared by the integration tests (see tests/*.rs).
+//! Helpers shared by gpuvm's integration tests: find the `gpuvm` binary, run it with a
+//! time limit while capturing its output, reserve huge pages for a test and give them back.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+/// The `gpuvm` binary: `$GPUVM_BIN`, else the one cargo built next to this test.
+pub fn gpuvm_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("GPUVM_BIN") {
+        return PathBuf::from(path);
+    }
+    // target/<profile>/deps/<test binary> -> target/<profile>/gpuvm
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let candidate = profile_dir.join("gpuvm");
+    assert!(
+        candidate.exists(),
+        "gpuvm binary not found at {} (build it with `cargo build --workspace`, or set GPUVM_BIN)",
+        candidate.display()
+    );
+    candidate
+}
+
+/// What one gpuvm run produced.
+#[derive(Debug)]
+pub struct RunOutput {
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl RunOutput {
+    pub fn code(&self) -> Option<i32> {
+        self.status.code()
+    }
+
+    /// Panics with the whole output unless the run exited with `code`.
+    pub fn assert_code(&self, code: i32) -> &Self {
+        assert_eq!(
+            self.code(),
+            Some(code),
+            "gpuvm exited with {:?}, expected {code}\n--- stdout\n{}\n--- stderr\n{}",
+            self.status,
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    pub fn assert_stdout_has(&self, text: &str) -> &Self {
+        assert!(
+            self.stdout.contains(text),
+            "stdout lacks {text:?}\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+
+    /// A failed run must explain itself in one line and never panic.
+    pub fn assert_clean_error(&self, needle: &str) -> &Self {
+        assert_ne!(self.code(), Some(0), "expected failure\n{}", self.stderr);
+        assert!(
+            self.status.code().is_some(),
+            "killed by a signal: {:?}\n{}",
+            self.status,
+            self.stderr
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "gpuvm panicked:\n{}",
+            self.stderr
+        );
+        assert!(
+            self.stderr.to_lowercase().contains(&needle.to_lowercase()),
+            "stderr lacks {needle:?}:\n{}",
+            self.stderr
+        );
+        self
+    }
+}
+
+fn spawn_reader<R: Read + Send + 'static>(reader: R) -> Receiver<String> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn kill(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Runs `gpuvm ARGS` to completion; kills it and panics after `limit`.
+pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
+    run_gpuvm_until(args, limit, None)
+}
+
+/// Runs `gpuvm ARGS`; if `stop_at` appears on stdout the process is killed there (for
+/// guests that never end by themselves, like Linux on this host). Panics after `limit`.
+pub fn run_gpuvm_until(args: &[&str], limit: Duration, stop_at: Option<&str>) -> RunOutput {
+    let started = Instant::now();
+    let mut child = Command::new(gpuvm_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn gpuvm");
+    let stdout_rx = spawn_reader(child.stdout.take().expect("stdout"));
+    let stderr_rx = spawn_reader(child.stderr.take().expect("stderr"));
+    let mut stdout = String::new();
+    let mut stopped_early = false;
+    let status = loop {
+        while let Ok(line) = stdout_rx.try_recv() {
+            stdout.push_str(&line);
+            stdout.push('\n');
+            if stop_at.is_some_and(|needle| line.contains(needle)) {
+                stopped_early = true;
+            }
+        }
+        if stopped_early {
+            kill(&mut child);
+            break child.wait().expect("wait");
+        }
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            kill(&mut child);
+            let stderr: Vec<String> = stderr_rx.try_iter().collect();
+            panic!(
+                "gpuvm {args:?} did not finish within {limit:?}\n--- stdout\n{stdout}\n--- stderr\n{}",
+                stderr.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    // Drain what the readers still hold (they end when the pipes close).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Ok(line) = stdout_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+    {
+        stdout.push_str(&line);
+        stdout.push('\n');
+    }
+    let mut stderr = String::new();
+    while let Ok(line) = stderr_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+    {
+        stderr.push_str(&line);
+        stderr.push('\n');
+    }
+    RunOutput {
+        status,
+        stdout,
+        stderr,
+        elapsed: started.elapsed(),
+    }
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+/// Raises the 2 MiB huge page pool for a test and puts the old size back on drop.
+pub struct HugePageReservation {
+    previous: u64,
+}
+
+impl HugePageReservation {
+    /// Makes at least `free_pages` 2 MiB pages free. Returns why not if the host refuses
+    /// (not root, not enough contiguous memory).
+    pub fn reserve(free_pages: u64) -> Result<Self, String> {
+        let read = |path: &str| -> Result<u64, String> {
+            std::fs::read_to_string(path)
+                .map_err(|e| format!("read {path}: {e}"))?
+                .trim()
+                .parse()
+                .map_err(|e| format!("parse {path}: {e}"))
+        };
+        let previous = read(NR_HUGEPAGES)?;
+        let free_path = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages";
+        let free = read(free_path)?;
+        let guard = HugePageReservation { previous };
+        if free < free_pages {
+            let wanted = previous + (free_pages - free);
+            std::fs::write(NR_HUGEPAGES, wanted.to_string())
+                .map_err(|e| format!("write {NR_HUGEPAGES}: {e}"))?;
+            let now_free = read(free_path)?;
+            if now_free < free_pages {
+                return Err(format!(
+                    "asked for {free_pages} free 2 MiB pages, the host gave {now_free}"
+                ));
+            }
+        }
+        Ok(guard)
+    }
+}
+
+impl Drop for HugePageReservation {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.previous.to_string());
+    }
+}
+
+/// Serialises tests that change the huge page pool.
+pub static HUGEPAGE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The RAM ranges (start, length) the test guest sees for `memory` bytes of guest RAM.
+pub fn guest_ram_ranges(memory: u64) -> Vec<(u64, u64)> {
+    use gpuvm_vmm::x86_64::layout::{e820_map, ram_regions, E820_RAM};
+    e820_map(&ram_regions(memory))
+        .into_iter()
+        .filter(|e| e.kind == E820_RAM)
+        .map(|e| (e.addr, e.size))
+        .collect()
+}

@@ -1,1 +1,55 @@
-//! placeholder
+//! gpuvm's virtual machine monitor: builds a KVM VM from a [`config::VmConfig`] and runs
+//! it. The `gpuvm` binary (main.rs) is a thin CLI over this crate.
+//!
+//! - [`builder`] turns a configuration into a [`machine::Machine`] (KVM VM, RAM, devices,
+//!   kernel, vCPUs).
+//! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
+//! - [`vcpu`] is one vCPU thread and its exit handling.
+//! - [`x86_64`] holds the architecture: layout, boot protocols, CPUID, MSRs, MP table.
+
+pub mod builder;
+pub mod config;
+pub mod machine;
+pub mod persist;
+pub mod vcpu;
+pub mod x86_64;
+
+pub use machine::{GuestEnd, Machine, MemoryReport};
+
+/// Everything that can go wrong building or running a VM, each with enough context to
+/// be the one line the user reads.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{hint} ({source})")]
+    Kvm {
+        hint: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("KVM failed to {what}: {source}")]
+    KvmSetup {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("invalid vCPU count {requested}: this host allows 1 to {max}")]
+    VcpuCount { requested: u8, max: u8 },
+    #[error(transparent)]
+    Memory(#[from] gpuvm_memory::RamError),
+    #[error(transparent)]
+    Prefault(#[from] gpuvm_memory::PrefaultError),
+    #[error(transparent)]
+    Boot(#[from] x86_64::boot::BootError),
+    #[error(transparent)]
+    MpTable(#[from] x86_64::mptable::MpTableError),
+    #[error(transparent)]
+    Vcpu(#[from] vcpu::VcpuError),
+    #[error("cannot place a device: {0}")]
+    Bus(gpuvm_devices::BusError),
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(std::io::Error),
+    #[error("VMM event loop failed: {0:?}")]
+    EventManager(event_manager::Error),
+    #[error("this VM has already run")]
+    AlreadyRan,
+    #[error("cannot read this process's memory use: {0}")]
+    ProcStatus(std::io::Error),
+}

@@ -1,0 +1,234 @@
+//! Builds a ready-to-run [`Machine`] from a [`VmConfig`]: KVM VM, guest RAM, devices,
+//! kernel, firmware tables and vCPUs, validated in that order so nothing is left
+//! half-built on error (everything is owned and dropped on the way out).
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use gpuvm_devices::{Bus, BusDevice};
+use gpuvm_memory::{GuestRam, GuestRamConfig};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::{Kvm, VmFd};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::config::VmConfig;
+use crate::machine::{Machine, MachineDevices};
+use crate::vcpu::Vcpu;
+use crate::x86_64::cpuid::Topology;
+use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
+use crate::x86_64::{boot, mptable};
+use crate::Error;
+
+/// Serial port COM1 and its legacy interrupt line.
+const COM1_BASE: u64 = 0x3f8;
+const COM1_IRQ: u32 = 4;
+const I8042_BASE: u64 = 0x60;
+const I8042_LEN: u64 = 5;
+/// The test guest's status port (QEMU's isa-debug-exit uses the same address).
+pub const EXIT_PORT: u64 = 0xf4;
+const POST_CODE_PORT: u64 = 0x80;
+const CMOS_BASE: u64 = 0x70;
+
+/// Opens /dev/kvm with an error that tells the user what to do.
+pub fn open_kvm() -> Result<Kvm, Error> {
+    Kvm::new().map_err(|source| {
+        let hint = match source.errno() {
+            libc::ENOENT => "no /dev/kvm: is KVM enabled (kvm_intel/kvm_amd loaded, virtualization on in firmware)?",
+            libc::EACCES | libc::EPERM => "permission denied on /dev/kvm: add this user to the 'kvm' group or run as root",
+            _ => "cannot open /dev/kvm",
+        };
+        Error::Kvm { hint, source }
+    })
+}
+
+/// The most vCPUs a VM may have here: KVM's limit, capped by what the MP table addresses.
+pub fn max_vcpus(kvm: &Kvm) -> u8 {
+    kvm.get_max_vcpus()
+        .min(usize::from(mptable::MAX_MPTABLE_CPUS)) as u8
+}
+
+pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Machine, Error> {
+    let started = Instant::now();
+    let machine_config = &config.machine;
+    let kvm = open_kvm()?;
+    let max = max_vcpus(&kvm);
+    if machine_config.vcpus == 0 || machine_config.vcpus > max {
+        return Err(Error::VcpuCount {
+            requested: machine_config.vcpus,
+            max,
+        });
+    }
+
+    let vm = kvm.create_vm().map_err(|source| Error::KvmSetup {
+        what: "create the VM",
+        source,
+    })?;
+    vm.set_tss_address(KVM_TSS_ADDR as usize)
+        .map_err(|source| Error::KvmSetup {
+            what: "set the TSS address",
+            source,
+        })?;
+    // Only Intel needs the identity map page; hosts without it answer ENOTTY/EINVAL.
+    if let Err(error) = vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR) {
+        log::debug!("KVM_SET_IDENTITY_MAP_ADDR: {error}");
+    }
+    vm.create_irq_chip().map_err(|source| Error::KvmSetup {
+        what: "create the in-kernel interrupt controller",
+        source,
+    })?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm.create_pit2(pit).map_err(|source| Error::KvmSetup {
+        what: "create the in-kernel PIT",
+        source,
+    })?;
+
+    let regions = layout::ram_regions(machine_config.memory_size);
+    let ram = GuestRam::create(
+        &GuestRamConfig {
+            size: machine_config.memory_size,
+            backing: machine_config.backing,
+            thp: machine_config.thp,
+        },
+        &regions,
+    )?;
+    if machine_config.prefault {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let stats = gpuvm_memory::prefault(&ram, threads)?;
+        log::info!(
+            "prefaulted {} MiB with {} threads in {:?}",
+            stats.bytes >> 20,
+            stats.threads,
+            stats.elapsed
+        );
+    }
+    register_memory(&vm, &ram)?;
+
+    let devices = create_devices(&vm, serial_out)?;
+
+    let loaded = boot::load(ram.memory(), ram.regions(), &config.boot)?;
+    mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
+
+    let supported_cpuid = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(|source| Error::KvmSetup {
+            what: "read supported CPUID",
+            source,
+        })?;
+    let topology = Topology {
+        vcpu_count: machine_config.vcpus,
+    };
+    let mut vcpus = Vec::with_capacity(usize::from(machine_config.vcpus));
+    for id in 0..machine_config.vcpus {
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| Error::Vcpu(crate::vcpu::VcpuError::Create { id, source }))?;
+        let vcpu = Vcpu::new(id, fd, devices.io_bus.clone(), devices.mmio_bus.clone());
+        let ignored = vcpu.configure(&supported_cpuid, topology, &machine_config.cpuid_masks)?;
+        if id == 0 {
+            for mask in ignored {
+                log::warn!(
+                    "CPUID mask {mask} did not take effect: this host's KVM still shows the feature to the guest"
+                );
+            }
+            vcpu.setup_boot_registers(ram.memory(), loaded.entry)?;
+        }
+        vcpus.push(vcpu);
+    }
+    log::info!(
+        "VM built in {:?}: {} vCPU(s), {} MiB {} RAM",
+        started.elapsed(),
+        machine_config.vcpus,
+        machine_config.memory_size >> 20,
+        machine_config.backing
+    );
+    Ok(Machine::new(kvm, vm, ram, devices, vcpus))
+}
+
+/// Hands every RAM region to KVM as a memory slot.
+fn register_memory(vm: &VmFd, ram: &GuestRam) -> Result<(), Error> {
+    for (slot, (region, host)) in ram.host_regions().enumerate() {
+        let memory_region = kvm_userspace_memory_region {
+            slot: slot as u32,
+            guest_phys_addr: region.guest_addr,
+            memory_size: region.size,
+            userspace_addr: host as u64,
+            flags: 0,
+        };
+        // SAFETY: the host range is a live mapping owned by `ram`, which the Machine keeps
+        // alive for as long as the VM fd (the VM is dropped first, see Machine's fields).
+        unsafe { vm.set_user_memory_region(memory_region) }.map_err(|source| Error::KvmSetup {
+            what: "register guest memory with KVM",
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+fn eventfd() -> Result<EventFd, Error> {
+    EventFd::new(EFD_NONBLOCK).map_err(Error::EventFd)
+}
+
+fn insert(
+    bus: &mut Bus,
+    base: u64,
+    len: u64,
+    device: Arc<Mutex<dyn BusDevice>>,
+) -> Result<(), Error> {
+    bus.insert(base, len, device).map_err(Error::Bus)
+}
+
+fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<MachineDevices, Error> {
+    let mut io_bus = Bus::new();
+
+    let serial_irq = eventfd()?;
+    vm.register_irqfd(&serial_irq, COM1_IRQ)
+        .map_err(|source| Error::KvmSetup {
+            what: "wire the serial port interrupt",
+            source,
+        })?;
+    let serial = Arc::new(Mutex::new(gpuvm_devices::SerialDevice::new(
+        serial_irq, serial_out,
+    )));
+    insert(&mut io_bus, COM1_BASE, 8, serial.clone())?;
+
+    let reset_evt = eventfd()?;
+    let i8042 = gpuvm_devices::I8042::new(reset_evt.try_clone().map_err(Error::EventFd)?);
+    insert(
+        &mut io_bus,
+        I8042_BASE,
+        I8042_LEN,
+        Arc::new(Mutex::new(i8042)),
+    )?;
+
+    let exit_evt = eventfd()?;
+    let exit_port = gpuvm_devices::ExitPort::new(exit_evt.try_clone().map_err(Error::EventFd)?);
+    let exit_status = exit_port.status();
+    insert(&mut io_bus, EXIT_PORT, 4, Arc::new(Mutex::new(exit_port)))?;
+
+    insert(
+        &mut io_bus,
+        POST_CODE_PORT,
+        1,
+        Arc::new(Mutex::new(gpuvm_devices::Sink::new("post-code", 0xff))),
+    )?;
+    insert(
+        &mut io_bus,
+        CMOS_BASE,
+        2,
+        Arc::new(Mutex::new(gpuvm_devices::Sink::new("cmos", 0))),
+    )?;
+
+    log::debug!("port I/O bus: {io_bus:?}");
+    Ok(MachineDevices {
+        io_bus: Arc::new(io_bus),
+        mmio_bus: Arc::new(Bus::new()),
+        serial,
+        reset_evt,
+        exit_evt,
+        exit_status,
+    })
+}

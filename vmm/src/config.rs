@@ -1,0 +1,41 @@
+//! What a VM is made of: the machine (vCPUs, memory, CPU features) and what it boots.
+
+use gpuvm_memory::Backing;
+
+use crate::x86_64::boot::BootSource;
+use crate::x86_64::cpuid::CpuidMask;
+
+/// Default guest memory when none is given.
+pub const DEFAULT_MEMORY_SIZE: u64 = 128 << 20;
+
+#[derive(Clone, Debug)]
+pub struct MachineConfig {
+    pub vcpus: u8,
+    pub memory_size: u64,
+    pub backing: Backing,
+    /// Request transparent huge pages for memfd backing.
+    pub thp: bool,
+    /// Populate all guest memory before boot, in parallel.
+    pub prefault: bool,
+    /// CPUID feature bits hidden from the guest.
+    pub cpuid_masks: Vec<CpuidMask>,
+}
+
+impl Default for MachineConfig {
+    fn default() -> Self {
+        MachineConfig {
+            vcpus: 1,
+            memory_size: DEFAULT_MEMORY_SIZE,
+            backing: Backing::Memfd,
+            thp: true,
+            prefault: false,
+            cpuid_masks: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub machine: MachineConfig,
+    pub boot: BootSource,
+}

@@ -1,0 +1,519 @@
+//! vCPUs: one thread each, running KVM_RUN and dispatching exits to the device buses.
+//!
+//! The VMM thread talks to a vCPU thread through a [`VcpuHandle`]: it sends a request
+//! and kicks the thread out of KVM_RUN with a signal. The signal handler sets
+//! `kvm_run.immediate_exit`, so a kick that lands just before the thread re-enters
+//! KVM_RUN is not lost (KVM_RUN returns EINTR at once).
+
+use std::cell::Cell;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use gpuvm_devices::Bus;
+use kvm_bindings::{kvm_run, CpuId, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::x86_64::cpuid::{self, CpuidMask, Topology};
+use crate::x86_64::emulate;
+use crate::x86_64::msr;
+use crate::x86_64::regs::{self, EntryPoint};
+
+/// KVM_INTERNAL_ERROR_EMULATION: the instruction emulator gave up.
+const INTERNAL_ERROR_EMULATION: u32 = 1;
+const LAPIC_LVT_LINT0: usize = 0x350;
+const LAPIC_LVT_LINT1: usize = 0x360;
+const APIC_MODE_EXTINT: u32 = 0x7;
+const APIC_MODE_NMI: u32 = 0x4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("failed to create vCPU {id}: {source}")]
+    Create { id: u8, source: kvm_ioctls::Error },
+    #[error("vCPU {id}: failed to {what}: {source}")]
+    Setup {
+        id: u8,
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {id}: {source}")]
+    BootRegs { id: u8, source: regs::RegsError },
+    #[error("vCPU {id}: KVM_RUN failed: {source}")]
+    Run { id: u8, source: kvm_ioctls::Error },
+    #[error("vCPU {id}: the guest executed an instruction this host's KVM cannot emulate at rip {rip:#x}: bytes [{bytes}]")]
+    UnemulatedInstruction { id: u8, rip: u64, bytes: String },
+    #[error("vCPU {id}: KVM internal error, suberror {suberror}")]
+    Internal { id: u8, suberror: u32 },
+    #[error("vCPU {id}: hardware failed to enter the guest (reason {reason:#x})")]
+    FailEntry { id: u8, reason: u64 },
+    #[error("vCPU {id}: unexpected exit {exit}")]
+    UnexpectedExit { id: u8, exit: String },
+    #[error("cannot start vCPU thread {id}: {source}")]
+    Spawn { id: u8, source: std::io::Error },
+    #[error("failed to install the vCPU kick signal handler: {0}")]
+    SignalHandler(vmm_sys_util::errno::Error),
+    #[error("vCPU {0} did not answer within the time limit")]
+    NoResponse(u8),
+}
+
+/// Why a vCPU stopped running the guest on its own.
+#[derive(Debug)]
+pub enum VcpuStop {
+    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN) or asked for a reset.
+    Reset,
+    /// The guest asked to power off.
+    PowerOff,
+    Error(VcpuError),
+}
+
+/// Requests from the VMM thread.
+#[derive(Debug)]
+pub enum VcpuRequest {
+    Pause,
+    Resume,
+    Stop,
+}
+
+/// Answers to requests.
+#[derive(Debug, PartialEq, Eq)]
+pub enum VcpuResponse {
+    Paused,
+    Resumed,
+}
+
+/// Where a vCPU reports that it stopped on its own.
+pub struct StopReporter {
+    pub reasons: Sender<(u8, VcpuStop)>,
+    pub event: EventFd,
+}
+
+thread_local! {
+    // This thread's kvm_run mapping, for the kick signal handler.
+    static KVM_RUN_PTR: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let run = KVM_RUN_PTR.with(|ptr| ptr.get());
+    if !run.is_null() {
+        // SAFETY: the pointer is this thread's own kvm_run mapping, valid for as long as
+        // the thread's VcpuFd lives; it is cleared before the VcpuFd is dropped. A byte
+        // store is async-signal-safe.
+        unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, 1) };
+    }
+}
+
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static INSTALL: Once = Once::new();
+    let mut result = Ok(());
+    INSTALL.call_once(|| {
+        result =
+            register_signal_handler(kick_signal(), kick_handler).map_err(VcpuError::SignalHandler);
+    });
+    result
+}
+
+/// A configured vCPU, not yet running.
+pub struct Vcpu {
+    pub id: u8,
+    fd: VcpuFd,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+}
+
+impl Vcpu {
+    pub fn new(id: u8, fd: VcpuFd, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>) -> Self {
+        Vcpu {
+            id,
+            fd,
+            io_bus,
+            mmio_bus,
+        }
+    }
+
+    fn setup_err(&self, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuError {
+        let id = self.id;
+        move |source| VcpuError::Setup { id, what, source }
+    }
+
+    /// CPUID, MSRs, FPU and local APIC: the state every vCPU needs. Returns the masks
+    /// that KVM did not honour (the bit still reads back as set).
+    pub fn configure(
+        &self,
+        supported_cpuid: &CpuId,
+        topology: Topology,
+        masks: &[CpuidMask],
+    ) -> Result<Vec<CpuidMask>, VcpuError> {
+        let mut cpuid = supported_cpuid.clone();
+        cpuid::normalize(&mut cpuid, self.id, topology, masks);
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(self.setup_err("set CPUID"))?;
+        let effective = self
+            .fd
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(self.setup_err("read CPUID back"))?;
+        let ignored = masks
+            .iter()
+            .copied()
+            .filter(|m| m.is_set_in(&effective))
+            .collect();
+
+        let msrs = msr::boot_msrs();
+        let written = self
+            .fd
+            .set_msrs(&msrs)
+            .map_err(self.setup_err("set MSRs"))?;
+        if written != msrs.as_slice().len() {
+            log::warn!(
+                "vCPU {}: KVM accepted {written} of {} boot MSRs",
+                self.id,
+                msrs.as_slice().len()
+            );
+        }
+        self.fd
+            .set_fpu(&regs::boot_fpu())
+            .map_err(self.setup_err("set FPU state"))?;
+
+        // LINT0 delivers the PIC's ExtINT, LINT1 NMIs: what firmware leaves for Linux.
+        let mut lapic = self.fd.get_lapic().map_err(self.setup_err("read LAPIC"))?;
+        set_lvt_mode(&mut lapic.regs, LAPIC_LVT_LINT0, APIC_MODE_EXTINT);
+        set_lvt_mode(&mut lapic.regs, LAPIC_LVT_LINT1, APIC_MODE_NMI);
+        self.fd
+            .set_lapic(&lapic)
+            .map_err(self.setup_err("set LAPIC"))?;
+        Ok(ignored)
+    }
+
+    /// Registers and segments of the boot vCPU. The others wait for INIT/SIPI from the
+    /// guest, as on hardware (the in-kernel LAPIC keeps them in wait-for-SIPI).
+    pub fn setup_boot_registers(
+        &self,
+        mem: &GuestMemoryMmap,
+        entry: EntryPoint,
+    ) -> Result<(), VcpuError> {
+        let sregs = self
+            .fd
+            .get_sregs()
+            .map_err(self.setup_err("read segment registers"))?;
+        let sregs =
+            regs::setup_boot_sregs(mem, entry, sregs).map_err(|source| VcpuError::BootRegs {
+                id: self.id,
+                source,
+            })?;
+        self.fd
+            .set_sregs(&sregs)
+            .map_err(self.setup_err("set segment registers"))?;
+        self.fd
+            .set_regs(&regs::boot_regs(entry))
+            .map_err(self.setup_err("set registers"))?;
+        Ok(())
+    }
+
+    /// Starts the vCPU thread.
+    pub fn start(self, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
+        install_kick_handler()?;
+        let id = self.id;
+        let (request_tx, request_rx) = channel();
+        let (response_tx, response_rx) = channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || self.thread_main(request_rx, response_tx, reporter))
+            .map_err(|source| VcpuError::Spawn { id, source })?;
+        Ok(VcpuHandle {
+            id,
+            thread: Some(thread),
+            requests: request_tx,
+            responses: response_rx,
+        })
+    }
+
+    fn thread_main(
+        mut self,
+        requests: Receiver<VcpuRequest>,
+        responses: Sender<VcpuResponse>,
+        reporter: Arc<StopReporter>,
+    ) {
+        let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
+        KVM_RUN_PTR.with(|ptr| ptr.set(run_ptr));
+        let stop = self.run_loop(&requests, &responses);
+        KVM_RUN_PTR.with(|ptr| ptr.set(std::ptr::null_mut()));
+        if let Some(stop) = stop {
+            // The VMM may already be gone if it is shutting down; nothing to report then.
+            let _ = reporter.reasons.send((self.id, stop));
+            let _ = reporter.event.write(1);
+        }
+    }
+
+    /// Runs the guest until a Stop request (returns None) or the guest stops (Some).
+    fn run_loop(
+        &mut self,
+        requests: &Receiver<VcpuRequest>,
+        responses: &Sender<VcpuResponse>,
+    ) -> Option<VcpuStop> {
+        loop {
+            // Requests are only looked at between runs; a kick makes KVM_RUN return.
+            while let Ok(request) = requests.try_recv() {
+                match request {
+                    VcpuRequest::Stop => return None,
+                    VcpuRequest::Pause => {
+                        let _ = responses.send(VcpuResponse::Paused);
+                        if !Self::wait_while_paused(requests, responses) {
+                            return None;
+                        }
+                    }
+                    VcpuRequest::Resume => {
+                        let _ = responses.send(VcpuResponse::Resumed);
+                    }
+                }
+            }
+            match self.run_once() {
+                Ok(None) => {}
+                Ok(Some(stop)) => return Some(stop),
+                Err(error) => return Some(VcpuStop::Error(error)),
+            }
+        }
+    }
+
+    /// Blocks until Resume (true) or Stop (false).
+    fn wait_while_paused(
+        requests: &Receiver<VcpuRequest>,
+        responses: &Sender<VcpuResponse>,
+    ) -> bool {
+        loop {
+            match requests.recv() {
+                Ok(VcpuRequest::Resume) => {
+                    let _ = responses.send(VcpuResponse::Resumed);
+                    return true;
+                }
+                Ok(VcpuRequest::Pause) => {
+                    let _ = responses.send(VcpuResponse::Paused);
+                }
+                Ok(VcpuRequest::Stop) | Err(_) => return false,
+            }
+        }
+    }
+
+    fn run_once(&mut self) -> Result<Option<VcpuStop>, VcpuError> {
+        let id = self.id;
+        match self.fd.run() {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if !self.io_bus.write(u64::from(port), data) {
+                    log::trace!("vCPU {id}: write to unclaimed port {port:#x}");
+                }
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                if !self.io_bus.read(u64::from(port), data) {
+                    data.fill(0xff);
+                }
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                if !self.mmio_bus.write(addr, data) {
+                    log::debug!("vCPU {id}: write to unclaimed MMIO {addr:#x}");
+                }
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                if !self.mmio_bus.read(addr, data) {
+                    data.fill(0xff);
+                }
+            }
+            Ok(VcpuExit::Shutdown) => {
+                log::warn!("vCPU {id}: guest triple-faulted; treating it as a reset");
+                return Ok(Some(VcpuStop::Reset));
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                return Ok(Some(match kind {
+                    KVM_SYSTEM_EVENT_RESET => VcpuStop::Reset,
+                    KVM_SYSTEM_EVENT_SHUTDOWN => VcpuStop::PowerOff,
+                    other => {
+                        return Err(VcpuError::UnexpectedExit {
+                            id,
+                            exit: format!("system event {other}"),
+                        })
+                    }
+                }));
+            }
+            Ok(VcpuExit::Hlt) => {
+                // Only without an in-kernel LAPIC; with it KVM halts the vCPU itself.
+                return Ok(Some(VcpuStop::PowerOff));
+            }
+            Ok(VcpuExit::InternalError) => return self.handle_internal_error().map(|()| None),
+            Ok(VcpuExit::FailEntry(reason, _)) => return Err(VcpuError::FailEntry { id, reason }),
+            Ok(VcpuExit::Intr) => {}
+            Ok(other) => {
+                return Err(VcpuError::UnexpectedExit {
+                    id,
+                    exit: format!("{other:?}"),
+                })
+            }
+            Err(error) if error.errno() == libc::EINTR || error.errno() == libc::EAGAIN => {
+                // Kicked: clear the flag the signal handler set, then look at requests.
+                self.fd.set_kvm_immediate_exit(0);
+            }
+            Err(source) => return Err(VcpuError::Run { id, source }),
+        }
+        Ok(None)
+    }
+
+    /// Completes an instruction KVM's emulator could not, or reports it.
+    fn handle_internal_error(&mut self) -> Result<(), VcpuError> {
+        let id = self.id;
+        let run = self.fd.get_kvm_run();
+        // SAFETY: after KVM_EXIT_INTERNAL_ERROR the `internal` member is the active one.
+        let internal = unsafe { run.__bindgen_anon_1.internal };
+        if internal.suberror != INTERNAL_ERROR_EMULATION {
+            return Err(VcpuError::Internal {
+                id,
+                suberror: internal.suberror,
+            });
+        }
+        // data[0] is flags; the instruction length is the first byte of data[1] and the
+        // bytes follow it (struct kvm_run.emulation_failure).
+        let mut raw = [0u8; 16];
+        for (index, word) in internal.data[1..3].iter().enumerate() {
+            raw[index * 8..index * 8 + 8].copy_from_slice(&word.to_le_bytes());
+        }
+        let has_bytes = internal.ndata >= 2 && internal.data[0] & 1 == 1;
+        let len = if has_bytes {
+            usize::from(raw[0]).min(15)
+        } else {
+            0
+        };
+        let bytes = &raw[1..1 + len];
+        let mut regs = self
+            .fd
+            .get_regs()
+            .map_err(self.setup_err("read registers"))?;
+        let Some(emulation) = emulate::decode(bytes) else {
+            return Err(VcpuError::UnemulatedInstruction {
+                id,
+                rip: regs.rip,
+                bytes: bytes
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            });
+        };
+        log::debug!(
+            "vCPU {id}: completing {emulation:?} at {:#x} for KVM",
+            regs.rip
+        );
+        let exception = emulate::apply(emulation, &mut regs);
+        self.fd
+            .set_regs(&regs)
+            .map_err(self.setup_err("set registers"))?;
+        if let Some(vector) = exception {
+            let mut events = self
+                .fd
+                .get_vcpu_events()
+                .map_err(self.setup_err("read vCPU events"))?;
+            events.exception.injected = 1;
+            events.exception.nr = vector;
+            events.exception.has_error_code = 0;
+            self.fd
+                .set_vcpu_events(&events)
+                .map_err(self.setup_err("inject exception"))?;
+        }
+        Ok(())
+    }
+}
+
+fn set_lvt_mode(regs: &mut [std::os::raw::c_char; 1024], offset: usize, mode: u32) {
+    let mut bytes = [0u8; 4];
+    for (index, byte) in bytes.iter_mut().enumerate() {
+        *byte = regs[offset + index] as u8;
+    }
+    let value = (u32::from_le_bytes(bytes) & !0x700) | (mode << 8);
+    for (index, byte) in value.to_le_bytes().iter().enumerate() {
+        regs[offset + index] = *byte as std::os::raw::c_char;
+    }
+}
+
+/// The VMM thread's handle on a running vCPU thread.
+pub struct VcpuHandle {
+    pub id: u8,
+    thread: Option<JoinHandle<()>>,
+    requests: Sender<VcpuRequest>,
+    responses: Receiver<VcpuResponse>,
+}
+
+/// How long a vCPU may take to acknowledge a request (ring-0 guest code can be slow to
+/// reach an exit on emulating hosts, but a kick interrupts KVM_RUN itself).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl VcpuHandle {
+    fn kick(&self) {
+        if let Some(thread) = &self.thread {
+            // ESRCH once the thread has exited is fine: it is not in KVM_RUN.
+            let _ = thread.kill(kick_signal());
+        }
+    }
+
+    /// Sends a request and interrupts KVM_RUN so the thread sees it.
+    pub fn send(&self, request: VcpuRequest) {
+        let _ = self.requests.send(request);
+        self.kick();
+    }
+
+    /// Waits for the answer to a request sent with [`send`](Self::send).
+    pub fn wait_response(&self, expected: VcpuResponse) -> Result<(), VcpuError> {
+        loop {
+            match self.responses.recv_timeout(RESPONSE_TIMEOUT) {
+                Ok(response) if response == expected => return Ok(()),
+                Ok(_) => continue,
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+                    return Err(VcpuError::NoResponse(self.id))
+                }
+            }
+        }
+    }
+
+    /// Stops the thread and waits for it to end.
+    pub fn stop_and_join(&mut self) {
+        self.send(VcpuRequest::Stop);
+        if let Some(thread) = self.thread.take() {
+            // Keep kicking until it leaves KVM_RUN: a single signal can race with entry.
+            while !thread.is_finished() {
+                let _ = thread.kill(kick_signal());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.join().is_err() {
+                log::error!("vCPU {} thread panicked", self.id);
+            }
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.stop_and_join();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lvt_mode_keeps_other_bits() {
+        let mut regs = [0 as std::os::raw::c_char; 1024];
+        regs[LAPIC_LVT_LINT0] = 0x30; // vector bits
+        regs[LAPIC_LVT_LINT0 + 2] = 1; // mask bit 16
+        set_lvt_mode(&mut regs, LAPIC_LVT_LINT0, APIC_MODE_EXTINT);
+        let value = u32::from_le_bytes([
+            regs[LAPIC_LVT_LINT0] as u8,
+            regs[LAPIC_LVT_LINT0 + 1] as u8,
+            regs[LAPIC_LVT_LINT0 + 2] as u8,
+            regs[LAPIC_LVT_LINT0 + 3] as u8,
+        ]);
+        assert_eq!(value, 0x1_0730);
+    }
+}

@@ -1,0 +1,139 @@
+//! Guest-physical memory layout of an x86_64 gpuvm guest.
+//!
+//! ```text
+//! 0x0000_0000  real-mode IVT / BDA (BDA word 0x40e points at the EBDA)
+//! 0x0000_0500  boot GDT (64-bit boot protocol and PVH)
+//! 0x0000_6000  PVH start_info, then its memory map and module list
+//! 0x0000_7000  Linux boot_params (the "zero page")
+//! 0x0000_9000  boot page tables (PML4, PDPT, 4 PDs identity-mapping 4 GiB)
+//! 0x0002_0000  kernel command line
+//! 0x0009_fc00  EBDA: MP floating pointer           (reserved in the e820 map)
+//! 0x000f_0000  MP configuration table              (reserved in the e820 map)
+//! 0x0010_0000  kernel / test guest, then RAM
+//! 0xc000_0000  32-bit MMIO hole (PCI, IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000)
+//! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window
+//! ```
+
+use gpuvm_memory::RamRegion;
+
+pub const BDA_EBDA_POINTER: u64 = 0x40e;
+pub const BOOT_GDT_START: u64 = 0x500;
+pub const PVH_INFO_START: u64 = 0x6000;
+pub const ZERO_PAGE_START: u64 = 0x7000;
+pub const PML4_START: u64 = 0x9000;
+pub const PDPT_START: u64 = 0xa000;
+/// Four page directories (0xb000..0xf000) map the first 4 GiB with 2 MiB pages.
+pub const PD_START: u64 = 0xb000;
+pub const CMDLINE_START: u64 = 0x20000;
+pub const CMDLINE_MAX_SIZE: usize = 4096;
+pub const EBDA_START: u64 = 0x9fc00;
+pub const MPTABLE_CONFIG_START: u64 = 0xf0000;
+pub const BIOS_AREA_END: u64 = 0x10_0000;
+/// Where kernels and the test guest are loaded; also the start of "high" memory.
+pub const HIMEM_START: u64 = 0x10_0000;
+pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+pub const FOUR_GIB: u64 = 0x1_0000_0000;
+pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
+pub const APIC_ADDR: u64 = 0xfee0_0000;
+/// KVM needs three pages for the TSS on Intel hosts; put them just below the IOAPIC.
+pub const KVM_TSS_ADDR: u64 = 0xfffb_d000;
+pub const KVM_IDENTITY_MAP_ADDR: u64 = 0xfffb_c000;
+
+/// e820 entry types.
+pub const E820_RAM: u32 = 1;
+pub const E820_RESERVED: u32 = 2;
+
+/// Splits `size` bytes of guest RAM around the 32-bit MMIO hole.
+pub fn ram_regions(size: u64) -> Vec<RamRegion> {
+    let low = size.min(MMIO_HOLE_START);
+    let mut regions = vec![RamRegion {
+        guest_addr: 0,
+        size: low,
+        file_offset: 0,
+    }];
+    if size > low {
+        regions.push(RamRegion {
+            guest_addr: FOUR_GIB,
+            size: size - low,
+            file_offset: low,
+        });
+    }
+    regions
+}
+
+/// One e820 entry as gpuvm reports it to guests (PVH memmap and boot_params).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct E820Entry {
+    pub addr: u64,
+    pub size: u64,
+    pub kind: u32,
+}
+
+/// The memory map the guest sees: low RAM below the EBDA, the BIOS area reserved,
+/// then RAM from 1 MiB, split around the MMIO hole.
+pub fn e820_map(regions: &[RamRegion]) -> Vec<E820Entry> {
+    let mut map = vec![
+        E820Entry {
+            addr: 0,
+            size: EBDA_START,
+            kind: E820_RAM,
+        },
+        E820Entry {
+            addr: EBDA_START,
+            size: BIOS_AREA_END - EBDA_START,
+            kind: E820_RESERVED,
+        },
+    ];
+    for region in regions {
+        let start = region.guest_addr.max(HIMEM_START);
+        if region.end() > start {
+            map.push(E820Entry {
+                addr: start,
+                size: region.end() - start,
+                kind: E820_RAM,
+            });
+        }
+    }
+    map
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_guest_has_one_region() {
+        let regions = ram_regions(512 << 20);
+        assert_eq!(regions.len(), 1);
+        assert_eq!(regions[0].size, 512 << 20);
+    }
+
+    #[test]
+    fn large_guest_is_split_around_the_hole() {
+        let regions = ram_regions(8 << 30);
+        assert_eq!(regions.len(), 2);
+        assert_eq!(regions[0].end(), MMIO_HOLE_START);
+        assert_eq!(regions[1].guest_addr, FOUR_GIB);
+        assert_eq!(regions[0].size + regions[1].size, 8 << 30);
+        assert_eq!(regions[1].file_offset, regions[0].size);
+    }
+
+    #[test]
+    fn e820_reserves_bios_area_and_covers_ram() {
+        let regions = ram_regions(6 << 30);
+        let map = e820_map(&regions);
+        let ram: u64 = map
+            .iter()
+            .filter(|e| e.kind == E820_RAM)
+            .map(|e| e.size)
+            .sum();
+        assert_eq!(ram, (6 << 30) - (HIMEM_START - EBDA_START));
+        assert!(map
+            .iter()
+            .any(|e| e.kind == E820_RESERVED && e.addr == EBDA_START));
+        // Sorted and non-overlapping.
+        for pair in map.windows(2) {
+            assert!(pair[0].addr + pair[0].size <= pair[1].addr);
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! x86_64 specifics: memory layout, boot protocols, CPU state, and firmware tables.
+
+pub mod boot;
+pub mod cpuid;
+pub mod emulate;
+pub mod gdt;
+pub mod layout;
+pub mod mptable;
+pub mod msr;
+pub mod regs;
