@@ -18,5 +18,5 @@ pub mod sink;
 pub use bus::{Bus, BusDevice, BusError};
 pub use exit_port::{ExitPort, ExitStatus};
 pub use i8042::I8042;
-pub use serial::{SerialDevice, SerialError};
+pub use serial::{SerialDevice, SerialError, SerialState};
 pub use sink::Sink;

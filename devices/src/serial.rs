@@ -3,6 +3,7 @@
 use std::io::{self, Write};
 
 use log::{debug, warn};
+pub use vm_superio::serial::SerialState;
 use vm_superio::serial::{Error as UartError, NoEvents};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
@@ -20,11 +21,24 @@ impl Trigger for EventFdTrigger {
     }
 }
 
-/// Errors from [`SerialDevice::enqueue_input`].
+/// A trigger for measuring the FIFO of a throwaway UART.
+struct NoTrigger;
+
+impl Trigger for NoTrigger {
+    type E = io::Error;
+
+    fn trigger(&self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Errors from [`SerialDevice::enqueue_input`] and [`SerialDevice::restore_state`].
 #[derive(Debug, thiserror::Error)]
 pub enum SerialError {
     #[error("cannot raise the serial interrupt: {0}")]
     Interrupt(io::Error),
+    #[error("saved serial state has {0} bytes queued, more than the FIFO holds")]
+    InvalidState(usize),
 }
 
 /// A 16550A serial port: guest output goes to `out` (flushed byte by byte), host input
@@ -59,6 +73,35 @@ impl SerialDevice {
             // Ruled out above (FIFO space) or not produced by enqueueing (I/O).
             Err(UartError::FullFifo) | Err(UartError::IOError(_)) => Ok(0),
         }
+    }
+
+    /// Loads saved registers and receive FIFO (snapshot restore), keeping this device's
+    /// interrupt and output.
+    pub fn restore_state(&mut self, state: &SerialState) -> Result<(), SerialError> {
+        let fifo_size = Serial::new(NoTrigger, io::sink()).fifo_capacity();
+        if state.in_buffer.len() > fifo_size {
+            return Err(SerialError::InvalidState(state.in_buffer.len()));
+        }
+        let interrupt = self
+            .uart
+            .interrupt_evt()
+            .0
+            .try_clone()
+            .map_err(SerialError::Interrupt)?;
+        let placeholder = Serial::new(
+            EventFdTrigger(interrupt.try_clone().map_err(SerialError::Interrupt)?),
+            Box::new(io::sink()) as Box<dyn Write + Send>,
+        );
+        let out = std::mem::replace(&mut self.uart, placeholder).into_writer();
+        // The FIFO size was checked above, the only reason from_state refuses a state.
+        self.uart = Serial::from_state(state, EventFdTrigger(interrupt), NoEvents, out)
+            .map_err(|_| SerialError::InvalidState(state.in_buffer.len()))?;
+        Ok(())
+    }
+
+    /// The UART's registers and receive FIFO, for snapshots.
+    pub fn state(&self) -> SerialState {
+        self.uart.state()
     }
 
     /// Free space in the receive FIFO, in bytes.
@@ -106,6 +149,29 @@ impl BusDevice for SerialDevice {
 mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn state_round_trips_and_rejects_overfull_fifo() {
+        let evt = || EventFd::new(0).unwrap();
+        let mut serial = SerialDevice::new(evt(), Box::new(io::sink()));
+        serial.write(7, &[0x5a]); // scratch register
+        serial.enqueue_input(b"abc").unwrap();
+        let state = serial.state();
+        let mut restored = SerialDevice::new(evt(), Box::new(io::sink()));
+        restored.restore_state(&state).unwrap();
+        assert_eq!(restored.state(), state);
+        let mut scratch = [0u8];
+        restored.read(7, &mut scratch);
+        assert_eq!(scratch[0], 0x5a);
+        let mut overfull = state.clone();
+        overfull.in_buffer = vec![0; 1 << 20];
+        assert!(restored.restore_state(&overfull).is_err());
+        assert_eq!(
+            restored.state(),
+            state,
+            "a refused state leaves the device as it was"
+        );
+    }
 
     const DATA: u64 = 0;
     const IER: u64 = 1;
