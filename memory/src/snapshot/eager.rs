@@ -1,0 +1,156 @@
+//! Eager restore: load every stored page into guest RAM before the guest runs, with large
+//! reads spread over several threads.
+
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::layout::RamMappings;
+use super::reader::{PlanRun, SnapshotChain};
+use super::{default_threads, Result, SnapshotError};
+
+/// How to restore eagerly.
+#[derive(Clone, Debug)]
+pub struct EagerOptions {
+    /// Reader threads.
+    pub threads: usize,
+    /// Check page CRCs (when the files have them) before the data reaches guest memory.
+    /// Costs one extra copy; without it data is read straight into guest RAM.
+    pub verify_data: bool,
+    /// Bytes per read.
+    pub chunk_bytes: usize,
+}
+
+impl Default for EagerOptions {
+    fn default() -> Self {
+        EagerOptions {
+            threads: default_threads(),
+            verify_data: true,
+            chunk_bytes: 8 << 20,
+        }
+    }
+}
+
+/// What an eager restore did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestoreStats {
+    /// Pages loaded.
+    pub pages: u64,
+    /// Bytes loaded.
+    pub bytes: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+/// Loads the chain into `ram`, which must be fresh (all zero): pages the chain does not
+/// store are left alone. On error guest memory may be partly written; do not run the guest.
+pub fn restore_eager(
+    chain: &SnapshotChain,
+    ram: &RamMappings<'_>,
+    opts: &EagerOptions,
+) -> Result<RestoreStats> {
+    let start = Instant::now();
+    chain.layers()[0].check_layout(ram.layout())?;
+    let page_size = ram.layout().page_size();
+    let chunk_pages = (opts.chunk_bytes as u64 / page_size).max(1);
+
+    // Split runs into chunk-sized reads so threads share the work evenly.
+    let mut work = Vec::new();
+    for run in chain.plan() {
+        let mut done = 0;
+        while done < run.count {
+            let count = chunk_pages.min(run.count - done);
+            work.push(PlanRun {
+                start: run.start + done,
+                count,
+                layer: run.layer,
+                file_offset: run.file_offset + done * page_size,
+                crc_index: run.crc_index + done,
+            });
+            done += count;
+        }
+    }
+
+    let next = AtomicUsize::new(0);
+    let worker = || -> Result<()> {
+        let mut buf = Vec::new();
+        while let Some(piece) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
+            load_piece(chain, ram, piece, opts.verify_data, &mut buf)?;
+        }
+        Ok(())
+    };
+    let threads = opts.threads.clamp(1, work.len().max(1));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (1..threads).map(|_| s.spawn(worker)).collect();
+        let mut result = worker();
+        for h in handles {
+            let r = h.join().map_err(|_| SnapshotError::WorkerPanicked)?;
+            result = result.and(r);
+        }
+        result
+    })?;
+
+    let pages = chain.data_pages();
+    Ok(RestoreStats {
+        pages,
+        bytes: pages * page_size,
+        elapsed: start.elapsed(),
+    })
+}
+
+fn load_piece(
+    chain: &SnapshotChain,
+    ram: &RamMappings<'_>,
+    piece: &PlanRun,
+    verify: bool,
+    buf: &mut Vec<u8>,
+) -> Result<()> {
+    let layer = &chain.layers()[piece.layer];
+    let page_size = ram.layout().page_size() as usize;
+    let len = piece.count as usize * page_size;
+    // Plan runs never cross regions, so the destination is contiguous.
+    let dst = ram.linear_page_ptr(piece.start);
+    if verify && layer.has_page_crcs() {
+        buf.resize(len, 0);
+        layer.read_data(piece.file_offset, buf)?;
+        for (i, page) in buf.chunks_exact(page_size).enumerate() {
+            chain.check_page(piece, piece.start + i as u64, page)?;
+        }
+        // SAFETY: `dst..dst + len` is inside one region's mapping (`RamMappings` keeps it
+        // mapped and writable); `buf` is a separate allocation of `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, len) };
+    } else {
+        pread_into(layer.file().as_raw_fd(), dst, len, piece.file_offset)
+            .map_err(|e| SnapshotError::io("read page data from", layer.path(), e))?;
+    }
+    Ok(())
+}
+
+/// `pread` exactly `len` bytes at `offset` into raw memory at `dst`.
+fn pread_into(fd: i32, dst: *mut u8, len: usize, offset: u64) -> std::io::Result<()> {
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: `dst + done .. dst + len` is writable memory owned by guest RAM (see
+        // caller); the kernel writes at most `len - done` bytes there.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                dst.wrapping_add(done).cast(),
+                len - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        done += n as usize;
+    }
+    Ok(())
+}

@@ -1,0 +1,608 @@
+//! Opening and validating memory files, and resolving a diff chain into one plan of which
+//! file holds each page.
+//!
+//! Everything here runs before guest memory is touched: a file that opens is structurally
+//! sound (magic, version, CRCs, lengths, index consistency), and a chain that opens matches
+//! the configured guest and is complete.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use super::bits::Bitmap;
+use super::format::{
+    computed_header_crc, decode_region, stored_header_crc, Extent, ExtentKind, Header, SnapshotId,
+    DATA_ALIGN, EXTENT_ENTRY_LEN, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS, MAGIC, PAGE_CRC_LEN,
+    REGION_ENTRY_LEN,
+};
+use super::layout::RamLayout;
+use super::writer::SnapshotInfo;
+use super::{Result, SnapshotError};
+use crate::RamRegion;
+
+/// More regions than any sane layout has; bounds what a corrupt header can make us do.
+const MAX_REGIONS: u32 = 4096;
+/// Bytes per read when verifying all data.
+const VERIFY_CHUNK: usize = 8 << 20;
+
+/// An opened, structurally validated memory file.
+#[derive(Debug)]
+pub struct MemoryFile {
+    path: PathBuf,
+    file: File,
+    header: Header,
+    layout: RamLayout,
+    extents: Vec<Extent>,
+    /// Linear page index of each extent's first page.
+    extent_linear: Vec<u64>,
+    /// Index into `page_crcs` of each extent's first page (data extents).
+    extent_crc_index: Vec<u64>,
+    page_crcs: Vec<u32>,
+}
+
+impl MemoryFile {
+    /// Opens `path` and validates it: magic, version, header CRC, lengths, index CRC and
+    /// index consistency. Page data is not read (see [`MemoryFile::verify_data`]).
+    pub fn open(path: impl AsRef<Path>) -> Result<MemoryFile> {
+        let path = path.as_ref().to_path_buf();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| SnapshotError::io("open memory file", &path, e))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| SnapshotError::io("stat memory file", &path, e))?
+            .len();
+
+        let header_bytes = read_header_bytes(&file, &path, file_len)?;
+        let header = Header::decode(&header_bytes);
+        check_header(&path, &header, file_len)?;
+
+        let metadata_len = header.metadata_len().unwrap_or(u64::MAX);
+        let mut metadata = vec![0u8; metadata_len as usize];
+        file.read_exact_at(&mut metadata, HEADER_LEN as u64)
+            .map_err(|e| SnapshotError::io("read index of", &path, e))?;
+        let computed = crc32fast::hash(&metadata);
+        if computed != header.index_crc {
+            return Err(SnapshotError::IndexCrcMismatch {
+                path,
+                stored: header.index_crc,
+                computed,
+            });
+        }
+
+        let (layout, rest) = parse_regions(&path, &header, &metadata)?;
+        let extent_bytes = header.extent_count as usize * EXTENT_ENTRY_LEN;
+        let extents = parse_extents(&path, &rest[..extent_bytes])?;
+        let page_crcs = rest[extent_bytes..]
+            .chunks_exact(PAGE_CRC_LEN)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let (extent_linear, extent_crc_index) = check_extents(&path, &header, &layout, &extents)?;
+
+        let data_end = header.data_offset + header.data_len().unwrap_or(u64::MAX);
+        if data_end > file_len {
+            return Err(SnapshotError::Truncated {
+                path,
+                what: "page data",
+                needed: data_end,
+                actual: file_len,
+            });
+        }
+        // The data is read mostly front to back; a larger readahead window helps.
+        // SAFETY: plain syscall on an fd we own.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
+
+        Ok(MemoryFile {
+            path,
+            file,
+            header,
+            layout,
+            extents,
+            extent_linear,
+            extent_crc_index,
+            page_crcs,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Identity, generation, page size and RAM size.
+    pub fn info(&self) -> SnapshotInfo {
+        SnapshotInfo {
+            id: self.header.snapshot_id,
+            base_id: self.header.is_diff().then_some(self.header.base_id),
+            generation: self.header.generation,
+            page_size: self.header.page_size,
+            ram_size: self.header.ram_size,
+        }
+    }
+
+    /// The guest RAM layout recorded in the file.
+    pub fn layout(&self) -> &RamLayout {
+        &self.layout
+    }
+
+    /// The extent index.
+    pub fn extents(&self) -> &[Extent] {
+        &self.extents
+    }
+
+    /// Number of pages stored with data.
+    pub fn data_pages(&self) -> u64 {
+        self.header.data_page_count
+    }
+
+    /// Whether the file has a CRC per data page.
+    pub fn has_page_crcs(&self) -> bool {
+        self.header.has_page_crcs()
+    }
+
+    /// Checks that the file was taken from a guest laid out like `guest`.
+    pub fn check_layout(&self, guest: &RamLayout) -> Result<()> {
+        if self.layout.page_size() != guest.page_size() {
+            return Err(SnapshotError::PageSizeMismatch {
+                path: self.path.clone(),
+                file: self.layout.page_size(),
+                guest: guest.page_size(),
+            });
+        }
+        if self.layout.ram_size() != guest.ram_size() {
+            return Err(SnapshotError::RamSizeMismatch {
+                path: self.path.clone(),
+                file: self.layout.ram_size(),
+                guest: guest.ram_size(),
+            });
+        }
+        let (ours, theirs) = (self.layout.regions(), guest.regions());
+        for index in 0..ours.len().max(theirs.len()) {
+            let (a, b) = (ours.get(index), theirs.get(index));
+            let same = matches!((a, b), (Some(a), Some(b)) if a.guest_addr == b.guest_addr && a.size == b.size);
+            if !same {
+                return Err(SnapshotError::RegionMismatch {
+                    path: self.path.clone(),
+                    index,
+                    file: a.copied(),
+                    guest: b.copied(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every data page and checks its CRC (a full scrub; restores check the pages
+    /// they load anyway). Without page CRCs this only checks that the data is readable.
+    pub fn verify_data(&self) -> Result<()> {
+        let page_size = self.layout.page_size() as usize;
+        let mut buf = vec![0u8; VERIFY_CHUNK.max(page_size)];
+        for (i, e) in self.extents.iter().enumerate() {
+            if e.kind != ExtentKind::Data {
+                continue;
+            }
+            let pages_per_read = (buf.len() / page_size) as u64;
+            let mut done = 0u64;
+            while done < u64::from(e.page_count) {
+                let n = pages_per_read.min(u64::from(e.page_count) - done);
+                let bytes = &mut buf[..(n as usize * page_size)];
+                self.read_data(e.data_offset + done * page_size as u64, bytes)?;
+                for (p, page) in bytes.chunks_exact(page_size).enumerate() {
+                    let linear = self.extent_linear[i] + done + p as u64;
+                    self.check_page(self.extent_crc_index[i] + done + p as u64, linear, page)?;
+                }
+                done += n;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Reads stored data at `offset` into `buf`.
+    pub(crate) fn read_data(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(|e| SnapshotError::io("read page data from", &self.path, e))
+    }
+
+    /// Checks one page against CRC number `crc_index` (no-op without CRCs).
+    pub(crate) fn check_page(&self, crc_index: u64, linear: u64, page: &[u8]) -> Result<()> {
+        let Some(&stored) = self.page_crcs.get(crc_index as usize) else {
+            return Ok(());
+        };
+        let computed = crc32fast::hash(page);
+        if computed != stored {
+            return Err(SnapshotError::DataCrcMismatch {
+                path: self.path.clone(),
+                guest_addr: self.layout.linear_to_gpa(linear),
+                stored,
+                computed,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Reads the fixed header, checking magic, version and header CRC in that order so each
+/// failure gets its own error.
+fn read_header_bytes(file: &File, path: &Path, file_len: u64) -> Result<[u8; HEADER_LEN]> {
+    let mut bytes = [0u8; HEADER_LEN];
+    let available = file_len.min(HEADER_LEN as u64) as usize;
+    file.read_exact_at(&mut bytes[..available], 0)
+        .map_err(|e| SnapshotError::io("read header of", path, e))?;
+    let mut magic = [0u8; 8];
+    magic.copy_from_slice(&bytes[..8]);
+    if available < MAGIC.len() || magic != MAGIC {
+        return Err(SnapshotError::BadMagic {
+            path: path.into(),
+            found: magic,
+        });
+    }
+    if available < HEADER_LEN {
+        return Err(SnapshotError::Truncated {
+            path: path.into(),
+            what: "header",
+            needed: HEADER_LEN as u64,
+            actual: file_len,
+        });
+    }
+    let version = super::format::get_u32(&bytes, 8);
+    if version != FORMAT_VERSION {
+        return Err(SnapshotError::UnsupportedVersion {
+            path: path.into(),
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let (stored, computed) = (stored_header_crc(&bytes), computed_header_crc(&bytes));
+    if stored != computed {
+        return Err(SnapshotError::HeaderCrcMismatch {
+            path: path.into(),
+            stored,
+            computed,
+        });
+    }
+    Ok(bytes)
+}
+
+/// Checks header fields (CRC already verified) and that the index fits in the file.
+fn check_header(path: &Path, h: &Header, file_len: u64) -> Result<()> {
+    let invalid = |reason: String| {
+        Err(SnapshotError::InvalidHeader {
+            path: path.into(),
+            reason,
+        })
+    };
+    if h.header_len as usize != HEADER_LEN {
+        return invalid(format!(
+            "header length {} (expected {HEADER_LEN})",
+            h.header_len
+        ));
+    }
+    if h.flags & !KNOWN_FLAGS != 0 {
+        return invalid(format!("unknown flags {:#x}", h.flags & !KNOWN_FLAGS));
+    }
+    if h.region_count == 0 || h.region_count > MAX_REGIONS {
+        return invalid(format!("{} RAM regions", h.region_count));
+    }
+    if h.snapshot_id == SnapshotId::NONE {
+        return invalid("snapshot id is zero".into());
+    }
+    if h.is_diff() {
+        if h.base_id == SnapshotId::NONE || h.generation == 0 {
+            return invalid("diff without a base id or with generation 0".into());
+        }
+    } else if h.base_id != SnapshotId::NONE || h.generation != 0 {
+        return invalid("full snapshot with a base id or a non-zero generation".into());
+    }
+    let (Some(metadata_len), Some(data_len)) = (h.metadata_len(), h.data_len()) else {
+        return invalid("index or data size overflows".into());
+    };
+    let metadata_end = HEADER_LEN as u64 + metadata_len;
+    if h.data_offset % DATA_ALIGN != 0 || h.data_offset < metadata_end {
+        return invalid(format!(
+            "data offset {:#x} is unaligned or inside the index (ending at {metadata_end:#x})",
+            h.data_offset
+        ));
+    }
+    if h.data_offset.checked_add(data_len).is_none() {
+        return invalid("data end overflows".into());
+    }
+    if metadata_end > file_len {
+        return Err(SnapshotError::Truncated {
+            path: path.into(),
+            what: "region table and page index",
+            needed: metadata_end,
+            actual: file_len,
+        });
+    }
+    Ok(())
+}
+
+/// Parses the region table into a layout; returns it and the bytes after the table.
+fn parse_regions<'m>(path: &Path, h: &Header, metadata: &'m [u8]) -> Result<(RamLayout, &'m [u8])> {
+    let table_len = h.region_count as usize * REGION_ENTRY_LEN;
+    let regions: Vec<RamRegion> = metadata[..table_len]
+        .chunks_exact(REGION_ENTRY_LEN)
+        .map(decode_region)
+        .collect();
+    let layout =
+        RamLayout::new(h.page_size, regions).map_err(|e| SnapshotError::InvalidHeader {
+            path: path.into(),
+            reason: format!("region table: {e}"),
+        })?;
+    if layout.ram_size() != h.ram_size {
+        return Err(SnapshotError::InvalidHeader {
+            path: path.into(),
+            reason: format!(
+                "RAM size {:#x} differs from the regions' total {:#x}",
+                h.ram_size,
+                layout.ram_size()
+            ),
+        });
+    }
+    Ok((layout, &metadata[table_len..]))
+}
+
+fn parse_extents(path: &Path, bytes: &[u8]) -> Result<Vec<Extent>> {
+    bytes
+        .chunks_exact(EXTENT_ENTRY_LEN)
+        .enumerate()
+        .map(|(i, b)| {
+            Extent::decode(b).map_err(|code| SnapshotError::InvalidIndex {
+                path: path.into(),
+                entry: i as u64,
+                reason: format!("unknown extent kind {code}"),
+            })
+        })
+        .collect()
+}
+
+/// Checks the extents: sorted, non-overlapping, each inside one region, data stored
+/// contiguously in index order from the data offset. Returns each extent's linear page
+/// index and first CRC index.
+fn check_extents(
+    path: &Path,
+    h: &Header,
+    layout: &RamLayout,
+    extents: &[Extent],
+) -> Result<(Vec<u64>, Vec<u64>)> {
+    let mut linear_starts = Vec::with_capacity(extents.len());
+    let mut crc_starts = Vec::with_capacity(extents.len());
+    let mut next_free_linear = 0u64;
+    let mut data_pages = 0u64;
+    for (i, e) in extents.iter().enumerate() {
+        let invalid = |reason: String| {
+            Err(SnapshotError::InvalidIndex {
+                path: path.into(),
+                entry: i as u64,
+                reason,
+            })
+        };
+        if e.page_count == 0 {
+            return invalid("empty extent".into());
+        }
+        let Some((region, linear)) = layout.locate_guest_page(e.first_page) else {
+            return invalid(format!(
+                "guest page {:#x} is outside guest RAM",
+                e.first_page
+            ));
+        };
+        let region_end = layout.region_first_linear(region) + layout.region_pages(region);
+        if linear + u64::from(e.page_count) > region_end {
+            return invalid(format!(
+                "{} pages from guest page {:#x} run past the end of RAM region {region}",
+                e.page_count, e.first_page
+            ));
+        }
+        if i > 0 && linear < next_free_linear {
+            return invalid("extents overlap or are not sorted".into());
+        }
+        next_free_linear = linear + u64::from(e.page_count);
+        match e.kind {
+            ExtentKind::Data => {
+                let expected = h.data_offset + data_pages * h.page_size;
+                if e.data_offset != expected {
+                    return invalid(format!(
+                        "data offset {:#x}, expected {expected:#x} (data is stored in index order)",
+                        e.data_offset
+                    ));
+                }
+                crc_starts.push(data_pages);
+                data_pages += u64::from(e.page_count);
+            }
+            ExtentKind::Zero => {
+                if !h.is_diff() {
+                    return invalid("zero extent in a full snapshot".into());
+                }
+                crc_starts.push(data_pages);
+            }
+        }
+        linear_starts.push(linear);
+    }
+    if data_pages != h.data_page_count {
+        return Err(SnapshotError::InvalidHeader {
+            path: path.into(),
+            reason: format!(
+                "header says {} data pages, index has {data_pages}",
+                h.data_page_count
+            ),
+        });
+    }
+    Ok((linear_starts, crc_starts))
+}
+
+/// A run of pages to restore, all stored contiguously in one file of a chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanRun {
+    /// Linear page index (0.. over all regions) of the first page.
+    pub start: u64,
+    /// Number of pages.
+    pub count: u64,
+    /// Which file of the chain holds the data.
+    pub layer: usize,
+    /// File offset of the first page's data.
+    pub file_offset: u64,
+    /// Index of the first page's CRC in that file.
+    pub(crate) crc_index: u64,
+}
+
+/// A full snapshot plus zero or more diffs on top, validated together, resolved into the
+/// set of pages to load (pages in no run are zero).
+#[derive(Debug)]
+pub struct SnapshotChain {
+    layers: Vec<MemoryFile>,
+    layout: RamLayout,
+    plan: Vec<PlanRun>,
+}
+
+impl SnapshotChain {
+    /// Opens `paths` (full snapshot first, then diffs in order) and checks that each file
+    /// matches the configured guest `guest` and that they form a chain.
+    pub fn open<P: AsRef<Path>>(paths: &[P], guest: &RamLayout) -> Result<SnapshotChain> {
+        let layers = paths
+            .iter()
+            .map(MemoryFile::open)
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_files(layers, guest)
+    }
+
+    /// Like [`SnapshotChain::open`], taking the guest layout from the first file (for a
+    /// page-fault handler process that has no guest configuration of its own).
+    pub fn open_with_file_layout<P: AsRef<Path>>(paths: &[P]) -> Result<SnapshotChain> {
+        let layers = paths
+            .iter()
+            .map(MemoryFile::open)
+            .collect::<Result<Vec<_>>>()?;
+        let Some(first) = layers.first() else {
+            return Err(empty_chain());
+        };
+        let layout = first.layout().clone();
+        Self::from_files(layers, &layout)
+    }
+
+    /// Validates already opened files as a chain for `guest`.
+    pub fn from_files(layers: Vec<MemoryFile>, guest: &RamLayout) -> Result<SnapshotChain> {
+        let Some(first) = layers.first() else {
+            return Err(empty_chain());
+        };
+        if first.header.is_diff() {
+            return Err(SnapshotError::BrokenChain {
+                path: first.path.clone(),
+                reason: format!(
+                    "the first file must be a full snapshot, this is a diff (generation {}) of {}",
+                    first.header.generation, first.header.base_id
+                ),
+            });
+        }
+        for layer in &layers {
+            layer.check_layout(guest)?;
+        }
+        for pair in layers.windows(2) {
+            let (base, diff) = (&pair[0], &pair[1]);
+            let reason = if !diff.header.is_diff() {
+                Some("a full snapshot cannot follow another file in a chain".to_string())
+            } else if diff.header.base_id != base.header.snapshot_id {
+                Some(format!(
+                    "its base is snapshot {}, but the previous file {} is snapshot {}",
+                    diff.header.base_id,
+                    base.path.display(),
+                    base.header.snapshot_id
+                ))
+            } else if diff.header.generation != base.header.generation + 1 {
+                Some(format!(
+                    "generation {} does not follow its base's generation {}",
+                    diff.header.generation, base.header.generation
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(SnapshotError::BrokenChain {
+                    path: diff.path.clone(),
+                    reason,
+                });
+            }
+        }
+        let plan = build_plan(&layers, guest);
+        Ok(SnapshotChain {
+            layers,
+            layout: guest.clone(),
+            plan,
+        })
+    }
+
+    /// The files, full snapshot first.
+    pub fn layers(&self) -> &[MemoryFile] {
+        &self.layers
+    }
+
+    /// The guest layout the chain was validated against.
+    pub fn layout(&self) -> &RamLayout {
+        &self.layout
+    }
+
+    /// What to load, sorted by page: newest data for every page that has non-zero content.
+    pub fn plan(&self) -> &[PlanRun] {
+        &self.plan
+    }
+
+    /// Pages that hold data after restore.
+    pub fn data_pages(&self) -> u64 {
+        self.plan.iter().map(|r| r.count).sum()
+    }
+
+    /// Info of the newest file (base for the next diff after restoring).
+    pub fn head(&self) -> SnapshotInfo {
+        self.layers[self.layers.len() - 1].info()
+    }
+
+    /// Checks the page at linear index `linear`, taken from `run`, against its CRC.
+    pub(crate) fn check_page(&self, run: &PlanRun, linear: u64, page: &[u8]) -> Result<()> {
+        self.layers[run.layer].check_page(run.crc_index + (linear - run.start), linear, page)
+    }
+}
+
+fn empty_chain() -> SnapshotError {
+    SnapshotError::BrokenChain {
+        path: PathBuf::new(),
+        reason: "no memory files given".into(),
+    }
+}
+
+/// Resolves which layer provides each page: newest first, a page mentioned by a newer file
+/// (data or zero) hides older ones.
+fn build_plan(layers: &[MemoryFile], layout: &RamLayout) -> Vec<PlanRun> {
+    let page_size = layout.page_size();
+    let mut covered = Bitmap::new(layout.total_pages());
+    let mut plan = Vec::new();
+    for (layer_idx, layer) in layers.iter().enumerate().rev() {
+        for (i, e) in layer.extents.iter().enumerate() {
+            let start = layer.extent_linear[i];
+            let end = start + u64::from(e.page_count);
+            if e.kind == ExtentKind::Data {
+                let mut at = covered.next(false, start, end);
+                while at < end {
+                    let run_end = covered.next(true, at, end);
+                    plan.push(PlanRun {
+                        start: at,
+                        count: run_end - at,
+                        layer: layer_idx,
+                        file_offset: e.data_offset + (at - start) * page_size,
+                        crc_index: layer.extent_crc_index[i] + (at - start),
+                    });
+                    at = covered.next(false, run_end, end);
+                }
+            }
+            covered.set_range(start, end);
+        }
+    }
+    plan.sort_unstable_by_key(|r| r.start);
+    plan
+}
