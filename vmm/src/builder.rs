@@ -8,12 +8,21 @@ use std::time::Instant;
 
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use std::path::Path;
+
+use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings};
+use gpuvm_memory::uffd::external::{mappings_for, send_handshake};
+use gpuvm_memory::uffd::{register_guest_ram, start_lazy_restore, LazyOptions};
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::config::VmConfig;
-use crate::machine::{Machine, MachineDevices};
+use crate::config::{MachineConfig, VmConfig};
+use crate::machine::{LazyMemory, Machine, MachineDevices};
+use crate::persist;
+use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError};
 use crate::vcpu::Vcpu;
 use crate::x86_64::cpuid::Topology;
 use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
@@ -48,10 +57,19 @@ pub fn max_vcpus(kvm: &Kvm) -> u8 {
         .min(usize::from(mptable::MAX_MPTABLE_CPUS)) as u8
 }
 
-pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Machine, Error> {
-    let started = Instant::now();
-    let machine_config = &config.machine;
-    let kvm = open_kvm()?;
+/// A KVM VM with guest RAM and devices, before a kernel or saved state goes in.
+struct MachineBase {
+    kvm: Kvm,
+    vm: VmFd,
+    ram: GuestRam,
+    devices: MachineDevices,
+}
+
+fn create_base(
+    kvm: Kvm,
+    machine_config: &MachineConfig,
+    serial_out: Box<dyn Write + Send>,
+) -> Result<MachineBase, Error> {
     let max = max_vcpus(&kvm);
     if machine_config.vcpus == 0 || machine_config.vcpus > max {
         return Err(Error::VcpuCount {
@@ -59,7 +77,16 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
             max,
         });
     }
-
+    let regions = layout::ram_regions(machine_config.memory_size);
+    // Create RAM first: it is where bad sizes are caught, before any KVM object exists.
+    let ram = GuestRam::create(
+        &GuestRamConfig {
+            size: machine_config.memory_size,
+            backing: machine_config.backing,
+            thp: machine_config.thp,
+        },
+        &regions,
+    )?;
     let vm = kvm.create_vm().map_err(|source| Error::KvmSetup {
         what: "create the VM",
         source,
@@ -85,16 +112,6 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
         what: "create the in-kernel PIT",
         source,
     })?;
-
-    let regions = layout::ram_regions(machine_config.memory_size);
-    let ram = GuestRam::create(
-        &GuestRamConfig {
-            size: machine_config.memory_size,
-            backing: machine_config.backing,
-            thp: machine_config.thp,
-        },
-        &regions,
-    )?;
     if machine_config.prefault {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let stats = gpuvm_memory::prefault(&ram, threads)?;
@@ -105,9 +122,26 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
             stats.elapsed
         );
     }
-    register_memory(&vm, &ram)?;
-
+    register_memory(&vm, &ram, machine_config.track_dirty_pages)?;
     let devices = create_devices(&vm, serial_out)?;
+    Ok(MachineBase {
+        kvm,
+        vm,
+        ram,
+        devices,
+    })
+}
+
+/// Builds a machine that boots `config.boot`.
+pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Machine, Error> {
+    let started = Instant::now();
+    let machine_config = &config.machine;
+    let MachineBase {
+        kvm,
+        vm,
+        ram,
+        devices,
+    } = create_base(open_kvm()?, machine_config, serial_out)?;
 
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot)?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
@@ -123,10 +157,7 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
     };
     let mut vcpus = Vec::with_capacity(usize::from(machine_config.vcpus));
     for id in 0..machine_config.vcpus {
-        let fd = vm
-            .create_vcpu(u64::from(id))
-            .map_err(|source| Error::Vcpu(crate::vcpu::VcpuError::Create { id, source }))?;
-        let vcpu = Vcpu::new(id, fd, devices.io_bus.clone(), devices.mmio_bus.clone());
+        let vcpu = create_vcpu(&vm, id, &devices)?;
         let ignored = vcpu.configure(&supported_cpuid, topology, &machine_config.cpuid_masks)?;
         if id == 0 {
             for mask in ignored {
@@ -145,18 +176,132 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
         machine_config.memory_size >> 20,
         machine_config.backing
     );
-    Ok(Machine::new(kvm, vm, ram, devices, vcpus))
+    Ok(Machine::new(
+        kvm,
+        vm,
+        ram,
+        devices,
+        vcpus,
+        machine_config.clone(),
+    ))
+}
+
+fn create_vcpu(vm: &VmFd, id: u8, devices: &MachineDevices) -> Result<Vcpu, Error> {
+    let fd = vm
+        .create_vcpu(u64::from(id))
+        .map_err(|source| Error::Vcpu(crate::vcpu::VcpuError::Create { id, source }))?;
+    Ok(Vcpu::new(
+        id,
+        fd,
+        devices.io_bus.clone(),
+        devices.mmio_bus.clone(),
+    ))
+}
+
+/// Builds a machine from the snapshot in `dir`. Everything in the snapshot is read and
+/// validated before a KVM VM exists, so a bad snapshot leaves nothing behind. With
+/// [`RestoreMode::Lazy`] the machine is ready as soon as the loader is running.
+pub fn restore(
+    dir: &Path,
+    mode: &RestoreMode,
+    serial_out: Box<dyn Write + Send>,
+) -> Result<(Machine, RestoreTimings), Error> {
+    let started = Instant::now();
+    let kvm = open_kvm()?;
+    let loaded = snapshot::load(dir, layout::ram_regions)?;
+    let validated = started.elapsed();
+    let mut config = loaded.config.clone();
+    config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
+    let MachineBase {
+        kvm,
+        vm,
+        ram,
+        devices,
+    } = create_base(kvm, &config, serial_out)?;
+
+    let memory_started = Instant::now();
+    let mappings = RamMappings::from_guest_ram(&ram).map_err(SnapshotError::from)?;
+    let lazy = match mode {
+        RestoreMode::Eager => {
+            let stats = restore_eager(&loaded.chain, &mappings, &EagerOptions::default())
+                .map_err(SnapshotError::from)?;
+            log::info!(
+                "eager restore: {} MiB in {:?}",
+                stats.bytes >> 20,
+                stats.elapsed
+            );
+            None
+        }
+        RestoreMode::Lazy => {
+            let lazy = start_lazy_restore(loaded.chain.clone(), &mappings, LazyOptions::default())
+                .map_err(SnapshotError::from)?;
+            Some(LazyMemory::InProcess(lazy))
+        }
+        RestoreMode::External(socket) => {
+            let uffd = register_guest_ram(&mappings).map_err(SnapshotError::from)?;
+            let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)
+                .map_err(SnapshotError::from)?;
+            Some(LazyMemory::External {
+                _connection: connection,
+            })
+        }
+    };
+    let memory = memory_started.elapsed();
+
+    lock(&devices.serial)
+        .restore_state(&(&loaded.state.serial).into())
+        .map_err(|e| SnapshotError::Invalid {
+            dir: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    persist::restore_vm(&vm, &loaded.state.vm).map_err(SnapshotError::from)?;
+    let mut vcpus = Vec::with_capacity(loaded.state.vcpus.len());
+    for state in &loaded.state.vcpus {
+        let vcpu = create_vcpu(&vm, state.id, &devices)?;
+        vcpu.restore_state(state).map_err(SnapshotError::from)?;
+        vcpus.push(vcpu);
+    }
+    let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
+    machine.lazy = lazy;
+    if let Some(last) = loaded.chain.layers().last() {
+        machine.set_memory_chain(MemoryChain {
+            dir: dir.to_path_buf(),
+            files: loaded.state.memory_files.clone(),
+            last: last.info(),
+        });
+    }
+    let timings = RestoreTimings {
+        validate: validated,
+        memory,
+        total_to_ready: started.elapsed(),
+    };
+    log::info!(
+        "restored {} ({mode:?}) in {:?}",
+        dir.display(),
+        timings.total_to_ready
+    );
+    Ok((machine, timings))
+}
+
+fn lock<T: ?Sized>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Hands every RAM region to KVM as a memory slot.
-fn register_memory(vm: &VmFd, ram: &GuestRam) -> Result<(), Error> {
+fn register_memory(vm: &VmFd, ram: &GuestRam, track_dirty_pages: bool) -> Result<(), Error> {
     for (slot, (region, host)) in ram.host_regions().enumerate() {
         let memory_region = kvm_userspace_memory_region {
             slot: slot as u32,
             guest_phys_addr: region.guest_addr,
             memory_size: region.size,
             userspace_addr: host as u64,
-            flags: 0,
+            flags: if track_dirty_pages {
+                KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
         };
         // SAFETY: the host range is a live mapping owned by `ram`, which the Machine keeps
         // alive for as long as the VM fd (the VM is dropped first, see Machine's fields).

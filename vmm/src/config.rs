@@ -19,6 +19,8 @@ pub struct MachineConfig {
     pub prefault: bool,
     /// CPUID feature bits hidden from the guest.
     pub cpuid_masks: Vec<CpuidMask>,
+    /// Log dirty pages in KVM so later snapshots write only what changed.
+    pub track_dirty_pages: bool,
 }
 
 impl Default for MachineConfig {
@@ -30,6 +32,7 @@ impl Default for MachineConfig {
             thp: true,
             prefault: false,
             cpuid_masks: Vec::new(),
+            track_dirty_pages: false,
         }
     }
 }

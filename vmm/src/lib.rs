@@ -11,6 +11,7 @@ pub mod builder;
 pub mod config;
 pub mod machine;
 pub mod persist;
+pub mod snapshot;
 pub mod vcpu;
 pub mod x86_64;
 
@@ -48,6 +49,8 @@ pub enum Error {
     EventFd(std::io::Error),
     #[error("VMM event loop failed: {0:?}")]
     EventManager(event_manager::Error),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
     #[error("this VM has already run")]
     AlreadyRan,
     #[error("cannot read this process's memory use: {0}")]

@@ -4,16 +4,29 @@
 
 use std::io::Read;
 use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use gpuvm_devices::{Bus, ExitStatus, SerialDevice};
+use gpuvm_memory::snapshot::RamMappings;
+use gpuvm_memory::uffd::{LazyRestore, LazyStats};
 use gpuvm_memory::GuestRam;
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::signal::register_signal_handler;
 use vmm_sys_util::terminal::Terminal;
+use vmm_sys_util::timerfd::TimerFd;
 
+use crate::config::MachineConfig;
+use crate::persist;
+use crate::snapshot::{
+    self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
+};
 use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop};
 use crate::Error;
 
@@ -36,6 +49,8 @@ pub enum GuestEnd {
     Reset,
     /// The guest powered off.
     PowerOff,
+    /// A snapshot was taken and the run was asked to end there.
+    Snapshotted,
 }
 
 impl GuestEnd {
@@ -43,7 +58,7 @@ impl GuestEnd {
     pub fn exit_code(&self) -> i32 {
         match self {
             GuestEnd::ExitStatus(status) => (*status & 0xff) as i32,
-            GuestEnd::Reset | GuestEnd::PowerOff => 0,
+            GuestEnd::Reset | GuestEnd::PowerOff | GuestEnd::Snapshotted => 0,
         }
     }
 }
@@ -62,13 +77,47 @@ impl MemoryReport {
     }
 }
 
+/// What to do after a snapshot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterSnapshot {
+    Resume,
+    Exit,
+}
+
+/// When the running machine snapshots itself (until the API socket drives it).
+#[derive(Clone, Debug)]
+pub struct SnapshotPolicy {
+    pub dir: PathBuf,
+    /// Snapshot this long after the vCPUs start.
+    pub after: Option<Duration>,
+    /// Also snapshot on SIGUSR1 (`gpuvm snapshot --pid`).
+    pub on_signal: bool,
+    pub then: AfterSnapshot,
+}
+
+/// Memory being restored lazily behind the running guest.
+pub(crate) enum LazyMemory {
+    InProcess(LazyRestore),
+    /// An external page-fault handler owns the userfaultfd; keep its connection open.
+    External {
+        _connection: UnixStream,
+    },
+}
+
 pub struct Machine {
-    // Field order is drop order: vCPUs and the VM fd go before the memory they map.
+    // Field order is drop order: vCPUs, lazy loaders and the VM fd go before the memory
+    // they use.
     vcpus: Vec<Vcpu>,
+    pub(crate) lazy: Option<LazyMemory>,
     devices: MachineDevices,
     vm: VmFd,
     ram: GuestRam,
-    _kvm: Kvm,
+    kvm: Kvm,
+    config: MachineConfig,
+    memory_chain: Option<MemoryChain>,
+    snapshot_policy: Option<SnapshotPolicy>,
+    snapshots: Vec<SnapshotReport>,
+    vcpus_started: Option<Instant>,
 }
 
 impl Machine {
@@ -78,13 +127,57 @@ impl Machine {
         ram: GuestRam,
         devices: MachineDevices,
         vcpus: Vec<Vcpu>,
+        config: MachineConfig,
     ) -> Self {
         Machine {
             vcpus,
+            lazy: None,
             devices,
             vm,
             ram,
-            _kvm: kvm,
+            kvm,
+            config,
+            memory_chain: None,
+            snapshot_policy: None,
+            snapshots: Vec::new(),
+            vcpus_started: None,
+        }
+    }
+
+    /// Makes the running machine snapshot itself as `policy` says.
+    pub fn set_snapshot_policy(&mut self, policy: SnapshotPolicy) {
+        self.snapshot_policy = Some(policy);
+    }
+
+    /// Continues the memory chain a restored snapshot came from, so that a later diff
+    /// snapshot into the same directory builds on it.
+    pub(crate) fn set_memory_chain(&mut self, chain: MemoryChain) {
+        self.memory_chain = Some(chain);
+    }
+
+    /// Snapshots taken during the run.
+    pub fn snapshots(&self) -> &[SnapshotReport] {
+        &self.snapshots
+    }
+
+    /// When the vCPU threads were started.
+    pub fn vcpus_started(&self) -> Option<Instant> {
+        self.vcpus_started
+    }
+
+    /// Statistics of an in-process lazy restore, if one ran.
+    pub fn lazy_stats(&self) -> Option<LazyStats> {
+        match &self.lazy {
+            Some(LazyMemory::InProcess(lazy)) => Some(lazy.stats()),
+            _ => None,
+        }
+    }
+
+    /// Waits until lazily restored memory is fully loaded (for benchmarks and tests).
+    pub fn wait_lazy_complete(&self, limit: Duration) -> Option<LazyStats> {
+        match &self.lazy {
+            Some(LazyMemory::InProcess(lazy)) => lazy.wait_timeout(Some(limit)).ok().flatten(),
+            _ => None,
         }
     }
 
@@ -107,13 +200,30 @@ impl Machine {
             reasons: reasons_tx,
             event: EventFd::new(EFD_NONBLOCK).map_err(Error::EventFd)?,
         });
+        let snapshot_evt = EventFd::new(EFD_NONBLOCK).map_err(Error::EventFd)?;
+        let mut snapshot_timer = None;
+        if let Some(policy) = &self.snapshot_policy {
+            if policy.on_signal {
+                install_snapshot_signal(&snapshot_evt)?;
+            }
+            if let Some(after) = policy.after {
+                let mut timer = TimerFd::new().map_err(|e| Error::EventFd(e.into()))?;
+                timer
+                    .reset(after.max(Duration::from_millis(1)), None)
+                    .map_err(|e| Error::EventFd(e.into()))?;
+                snapshot_timer = Some(timer);
+            }
+        }
         let control = Arc::new(Mutex::new(ControlEvents {
             exit_evt: self.devices.exit_evt.try_clone().map_err(Error::EventFd)?,
             reset_evt: self.devices.reset_evt.try_clone().map_err(Error::EventFd)?,
             vcpu_evt: reporter.event.try_clone().map_err(Error::EventFd)?,
+            snapshot_evt,
+            snapshot_timer,
             exit_status: self.devices.exit_status.clone(),
             vcpu_reasons: reasons_rx,
             outcome: None,
+            snapshot_requested: false,
         }));
         let mut events: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
             EventManager::new().map_err(Error::EventManager)?;
@@ -124,18 +234,125 @@ impl Machine {
         for vcpu in self.vcpus.drain(..) {
             handles.push(vcpu.start(reporter.clone())?);
         }
+        self.vcpus_started = Some(Instant::now());
         let outcome = loop {
             if let Err(error) = events.run() {
                 break Err(Error::EventManager(error));
+            }
+            let snapshot_requested = std::mem::take(&mut lock(&control).snapshot_requested);
+            if snapshot_requested {
+                if let Some(outcome) = self.snapshot_requested(&handles) {
+                    break outcome;
+                }
             }
             if let Some(outcome) = lock(&control).outcome.take() {
                 break outcome;
             }
         };
+        SNAPSHOT_SIGNAL_FD.store(-1, Ordering::SeqCst);
         for handle in handles.iter_mut() {
             handle.stop_and_join();
         }
         outcome
+    }
+
+    /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
+    fn snapshot_requested(&mut self, handles: &[VcpuHandle]) -> Option<Result<GuestEnd, Error>> {
+        let policy = self.snapshot_policy.clone()?;
+        let resume = policy.then == AfterSnapshot::Resume;
+        match self.take_snapshot(handles, &policy.dir, resume) {
+            Ok(report) => {
+                log::info!("snapshot written to {}: {report:?}", policy.dir.display());
+                self.snapshots.push(report);
+                (!resume).then_some(Ok(GuestEnd::Snapshotted))
+            }
+            Err(error) => Some(Err(error)),
+        }
+    }
+
+    /// Pauses every vCPU, saves every component and guest memory into `dir`, and
+    /// resumes if asked. On failure the vCPUs stay paused and the error ends the run;
+    /// the previous snapshot in `dir` stays intact (see [`snapshot`]).
+    pub fn take_snapshot(
+        &mut self,
+        handles: &[VcpuHandle],
+        dir: &std::path::Path,
+        resume: bool,
+    ) -> Result<SnapshotReport, Error> {
+        let paused_at = Instant::now();
+        for handle in handles {
+            handle.pause()?;
+        }
+        snapshot::create_dir(dir)?;
+        let msr_indices =
+            Arc::new(persist::saved_msr_indices(&self.kvm).map_err(SnapshotError::from)?);
+        let mut vcpus = Vec::with_capacity(handles.len());
+        for handle in handles {
+            vcpus.push(handle.save_state(msr_indices.clone())?);
+        }
+        let vm = persist::save_vm(&self.vm).map_err(SnapshotError::from)?;
+        let serial = lock(&self.devices.serial).state().into();
+
+        let memory_started = Instant::now();
+        let dirty = if self.config.track_dirty_pages {
+            Some(self.take_dirty_bitmaps()?)
+        } else {
+            None
+        };
+        let mappings = RamMappings::from_guest_ram(&self.ram).map_err(SnapshotError::from)?;
+        let (memory_file, stats, files) =
+            snapshot::write_memory(dir, &mappings, self.memory_chain.as_ref(), dirty.as_deref())?;
+        let memory_time = memory_started.elapsed();
+
+        let state = MachineState {
+            config: SavedMachineConfig::from_config(&self.config),
+            vm,
+            vcpus,
+            serial,
+            memory_files: files.clone(),
+        };
+        persist::write_state_file(&dir.join(snapshot::STATE_FILE), &state)
+            .map_err(SnapshotError::from)?;
+        snapshot::remove_unreferenced(dir, &files);
+        self.memory_chain = Some(MemoryChain {
+            dir: dir.to_path_buf(),
+            files,
+            last: stats.info.clone(),
+        });
+        if resume {
+            for handle in handles {
+                handle.resume()?;
+            }
+        }
+        Ok(SnapshotReport {
+            dir: dir.to_path_buf(),
+            memory_file,
+            diff: stats.info.is_diff(),
+            memory_bytes_written: stats.file_len,
+            data_pages: stats.data_pages,
+            zero_pages: stats.zero_pages,
+            pause_to_resume: paused_at.elapsed(),
+            memory_time,
+        })
+    }
+
+    /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset).
+    fn take_dirty_bitmaps(&self) -> Result<Vec<Vec<u64>>, Error> {
+        self.ram
+            .regions()
+            .iter()
+            .enumerate()
+            .map(|(slot, region)| {
+                self.vm
+                    .get_dirty_log(slot as u32, region.size as usize)
+                    .map_err(|source| {
+                        Error::Snapshot(SnapshotError::Kvm {
+                            what: "read the dirty page log",
+                            source,
+                        })
+                    })
+            })
+            .collect()
     }
 
     /// Peak RSS of this process against the guest pages it holds.
@@ -175,9 +392,35 @@ struct ControlEvents {
     exit_evt: EventFd,
     reset_evt: EventFd,
     vcpu_evt: EventFd,
+    snapshot_evt: EventFd,
+    snapshot_timer: Option<TimerFd>,
     exit_status: ExitStatus,
     vcpu_reasons: Receiver<(u8, VcpuStop)>,
     outcome: Option<Result<GuestEnd, Error>>,
+    snapshot_requested: bool,
+}
+
+/// The eventfd SIGUSR1 writes to (-1: none). A signal handler can only reach a global.
+static SNAPSHOT_SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn snapshot_signal_handler(
+    _: libc::c_int,
+    _: *mut libc::siginfo_t,
+    _: *mut libc::c_void,
+) {
+    let fd = SNAPSHOT_SIGNAL_FD.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let one: u64 = 1;
+        // SAFETY: write(2) is async-signal-safe; the buffer is a live 8-byte value and fd
+        // is an eventfd kept open for as long as it is published here.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
+fn install_snapshot_signal(evt: &EventFd) -> Result<(), Error> {
+    SNAPSHOT_SIGNAL_FD.store(evt.as_raw_fd(), Ordering::SeqCst);
+    register_signal_handler(libc::SIGUSR1, snapshot_signal_handler)
+        .map_err(|e| Error::EventFd(std::io::Error::from_raw_os_error(e.errno())))
 }
 
 impl ControlEvents {
@@ -201,6 +444,18 @@ impl MutEventSubscriber for ControlEvents {
             let _ = self.reset_evt.read();
             log::info!("guest requested a reset through the i8042");
             self.finish(Ok(GuestEnd::Reset));
+        } else if fd == self.snapshot_evt.as_raw_fd() {
+            let _ = self.snapshot_evt.read();
+            self.snapshot_requested = true;
+        } else if self
+            .snapshot_timer
+            .as_ref()
+            .is_some_and(|t| t.as_raw_fd() == fd)
+        {
+            if let Some(timer) = self.snapshot_timer.as_mut() {
+                let _ = timer.wait();
+            }
+            self.snapshot_requested = true;
         } else if fd == self.vcpu_evt.as_raw_fd() {
             let _ = self.vcpu_evt.read();
             while let Ok((id, stop)) = self.vcpu_reasons.try_recv() {
@@ -215,9 +470,19 @@ impl MutEventSubscriber for ControlEvents {
     }
 
     fn init(&mut self, ops: &mut EventOps) {
-        for fd in [&self.exit_evt, &self.reset_evt, &self.vcpu_evt] {
+        for fd in [
+            &self.exit_evt,
+            &self.reset_evt,
+            &self.vcpu_evt,
+            &self.snapshot_evt,
+        ] {
             if let Err(error) = ops.add(Events::new(fd, EventSet::IN)) {
                 log::error!("cannot watch a VM control event: {error}");
+            }
+        }
+        if let Some(timer) = &self.snapshot_timer {
+            if let Err(error) = ops.add(Events::new(timer, EventSet::IN)) {
+                log::error!("cannot watch the snapshot timer: {error}");
             }
         }
     }

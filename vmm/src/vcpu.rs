@@ -18,6 +18,7 @@ use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
+use crate::persist::{self, PersistError, VcpuState};
 use crate::x86_64::cpuid::{self, CpuidMask, Topology};
 use crate::x86_64::emulate;
 use crate::x86_64::msr;
@@ -58,6 +59,10 @@ pub enum VcpuError {
     SignalHandler(vmm_sys_util::errno::Error),
     #[error("vCPU {0} did not answer within the time limit")]
     NoResponse(u8),
+    #[error("vCPU {0} answered unexpectedly: {1}")]
+    UnexpectedResponse(u8, String),
+    #[error("vCPU {0}: cannot save its state: {1}")]
+    SaveState(u8, PersistError),
 }
 
 /// Why a vCPU stopped running the guest on its own.
@@ -76,13 +81,18 @@ pub enum VcpuRequest {
     Pause,
     Resume,
     Stop,
+    /// Capture the vCPU's state (only honoured while paused); the MSR indices to save.
+    SaveState(Arc<Vec<u32>>),
 }
 
 /// Answers to requests.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum VcpuResponse {
     Paused,
     Resumed,
+    State(Box<Result<VcpuState, PersistError>>),
+    /// SaveState arrived while the vCPU was running.
+    NotPaused,
 }
 
 /// Where a vCPU reports that it stopped on its own.
@@ -217,6 +227,11 @@ impl Vcpu {
         Ok(())
     }
 
+    /// Loads state saved by a snapshot into this (not yet started) vCPU.
+    pub fn restore_state(&self, state: &VcpuState) -> Result<(), PersistError> {
+        persist::restore_vcpu(&self.fd, state)
+    }
+
     /// Starts the vCPU thread.
     pub fn start(self, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
@@ -265,12 +280,15 @@ impl Vcpu {
                     VcpuRequest::Stop => return None,
                     VcpuRequest::Pause => {
                         let _ = responses.send(VcpuResponse::Paused);
-                        if !Self::wait_while_paused(requests, responses) {
+                        if !self.wait_while_paused(requests, responses) {
                             return None;
                         }
                     }
                     VcpuRequest::Resume => {
                         let _ = responses.send(VcpuResponse::Resumed);
+                    }
+                    VcpuRequest::SaveState(_) => {
+                        let _ = responses.send(VcpuResponse::NotPaused);
                     }
                 }
             }
@@ -282,8 +300,9 @@ impl Vcpu {
         }
     }
 
-    /// Blocks until Resume (true) or Stop (false).
+    /// Blocks until Resume (true) or Stop (false), answering state requests meanwhile.
     fn wait_while_paused(
+        &self,
         requests: &Receiver<VcpuRequest>,
         responses: &Sender<VcpuResponse>,
     ) -> bool {
@@ -295,6 +314,10 @@ impl Vcpu {
                 }
                 Ok(VcpuRequest::Pause) => {
                     let _ = responses.send(VcpuResponse::Paused);
+                }
+                Ok(VcpuRequest::SaveState(msr_indices)) => {
+                    let state = persist::save_vcpu(&self.fd, self.id, &msr_indices);
+                    let _ = responses.send(VcpuResponse::State(Box::new(state)));
                 }
                 Ok(VcpuRequest::Stop) | Err(_) => return false,
             }
@@ -464,15 +487,41 @@ impl VcpuHandle {
     }
 
     /// Waits for the answer to a request sent with [`send`](Self::send).
-    pub fn wait_response(&self, expected: VcpuResponse) -> Result<(), VcpuError> {
-        loop {
-            match self.responses.recv_timeout(RESPONSE_TIMEOUT) {
-                Ok(response) if response == expected => return Ok(()),
-                Ok(_) => continue,
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                    return Err(VcpuError::NoResponse(self.id))
-                }
+    pub fn wait_response(&self) -> Result<VcpuResponse, VcpuError> {
+        match self.responses.recv_timeout(RESPONSE_TIMEOUT) {
+            Ok(response) => Ok(response),
+            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
+                Err(VcpuError::NoResponse(self.id))
             }
+        }
+    }
+
+    /// Pauses the vCPU and waits until it is out of KVM_RUN.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.send(VcpuRequest::Pause);
+        match self.wait_response()? {
+            VcpuResponse::Paused => Ok(()),
+            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+        }
+    }
+
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        // No kick needed: a paused thread is blocked on the request channel, not in KVM_RUN.
+        let _ = self.requests.send(VcpuRequest::Resume);
+        match self.wait_response()? {
+            VcpuResponse::Resumed => Ok(()),
+            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+        }
+    }
+
+    /// Captures the state of a paused vCPU.
+    pub fn save_state(&self, msr_indices: Arc<Vec<u32>>) -> Result<VcpuState, VcpuError> {
+        let _ = self.requests.send(VcpuRequest::SaveState(msr_indices));
+        match self.wait_response()? {
+            VcpuResponse::State(state) => {
+                (*state).map_err(|source| VcpuError::SaveState(self.id, source))
+            }
+            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
         }
     }
 

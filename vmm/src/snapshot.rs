@@ -1,0 +1,375 @@
+//! Snapshots of a running machine and restore into a new process.
+//!
+//! A snapshot directory holds:
+//! - `state`: the [`MachineState`] (vCPUs, in-kernel devices, serial, configuration, and
+//!   the names of the memory files), framed by [`crate::persist`];
+//! - `memory-<N>`: memory files in gpuvm's sparse format (docs/memory-file-format.md), a
+//!   full one first, then diffs when dirty-page tracking is on.
+//!
+//! Commit protocol: new memory files get fresh names, then the state file is replaced
+//! atomically, and only then are memory files the new state does not name deleted. A
+//! snapshot killed at any point leaves the previous `state` and every file it names.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuvm_devices::SerialState;
+use gpuvm_memory::snapshot::{
+    RamLayout, RamMappings, SnapshotChain, SnapshotInfo, WriteOptions, WriteStats,
+};
+use gpuvm_memory::Backing;
+use serde::{Deserialize, Serialize};
+
+use crate::config::MachineConfig;
+use crate::persist::{PersistError, VcpuState, VmState};
+use crate::x86_64::cpuid::CpuidMask;
+
+pub const STATE_FILE: &str = "state";
+const MEMORY_FILE_PREFIX: &str = "memory-";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("cannot create snapshot directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    State(#[from] PersistError),
+    #[error(transparent)]
+    Memory(#[from] gpuvm_memory::snapshot::SnapshotError),
+    #[error(transparent)]
+    Uffd(#[from] gpuvm_memory::uffd::UffdError),
+    #[error("snapshot {dir}: {reason}")]
+    Invalid { dir: PathBuf, reason: String },
+    #[error("KVM failed to {what}: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+}
+
+/// The machine configuration as stored in a snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SavedMachineConfig {
+    pub vcpus: u8,
+    pub memory_size: u64,
+    pub backing: String,
+    pub thp: bool,
+    pub cpuid_masks: Vec<String>,
+    pub track_dirty_pages: bool,
+}
+
+impl SavedMachineConfig {
+    pub fn from_config(config: &MachineConfig) -> Self {
+        SavedMachineConfig {
+            vcpus: config.vcpus,
+            memory_size: config.memory_size,
+            backing: config.backing.to_string(),
+            thp: config.thp,
+            cpuid_masks: config.cpuid_masks.iter().map(|m| m.to_string()).collect(),
+            track_dirty_pages: config.track_dirty_pages,
+        }
+    }
+
+    pub fn to_config(&self, dir: &Path) -> Result<MachineConfig, SnapshotError> {
+        let invalid = |reason: String| SnapshotError::Invalid {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let backing: Backing = self
+            .backing
+            .parse()
+            .map_err(|e: gpuvm_memory::RamError| invalid(e.to_string()))?;
+        let cpuid_masks = self
+            .cpuid_masks
+            .iter()
+            .map(|m| m.parse::<CpuidMask>().map_err(|e| invalid(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MachineConfig {
+            vcpus: self.vcpus,
+            memory_size: self.memory_size,
+            backing,
+            thp: self.thp,
+            prefault: false,
+            cpuid_masks,
+            track_dirty_pages: self.track_dirty_pages,
+        })
+    }
+}
+
+/// Serial UART registers (vm-superio's state, in a serialisable form).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SavedSerial {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<SerialState> for SavedSerial {
+    fn from(s: SerialState) -> Self {
+        SavedSerial {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+}
+
+impl From<&SavedSerial> for SerialState {
+    fn from(s: &SavedSerial) -> Self {
+        SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        }
+    }
+}
+
+/// Everything in a snapshot's state file.
+#[derive(Serialize, Deserialize)]
+pub struct MachineState {
+    pub config: SavedMachineConfig,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+    pub serial: SavedSerial,
+    /// Memory files in this directory, base first, then diffs in order.
+    pub memory_files: Vec<String>,
+}
+
+/// Where the memory chain of the running machine stands, for diff snapshots.
+#[derive(Clone, Debug)]
+pub struct MemoryChain {
+    pub dir: PathBuf,
+    pub files: Vec<String>,
+    pub last: SnapshotInfo,
+}
+
+/// What a snapshot took.
+#[derive(Clone, Debug)]
+pub struct SnapshotReport {
+    pub dir: PathBuf,
+    pub memory_file: String,
+    pub diff: bool,
+    pub memory_bytes_written: u64,
+    pub data_pages: u64,
+    pub zero_pages: u64,
+    pub pause_to_resume: Duration,
+    pub memory_time: Duration,
+}
+
+pub(crate) fn create_dir(dir: &Path) -> Result<(), SnapshotError> {
+    std::fs::create_dir_all(dir).map_err(|source| SnapshotError::CreateDir {
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+/// A memory-file name not used in `dir` yet (the time in ns, bumped on collision).
+pub(crate) fn fresh_memory_file(dir: &Path) -> String {
+    let mut stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    loop {
+        let name = format!("{MEMORY_FILE_PREFIX}{stamp}");
+        if !dir.join(&name).exists() {
+            return name;
+        }
+        stamp += 1;
+    }
+}
+
+/// Writes the memory file for a snapshot: a diff against `chain` when `dirty` bitmaps
+/// are given and the chain is in `dir`, a full file otherwise.
+pub(crate) fn write_memory(
+    dir: &Path,
+    mappings: &RamMappings<'_>,
+    chain: Option<&MemoryChain>,
+    dirty: Option<&[Vec<u64>]>,
+) -> Result<(String, WriteStats, Vec<String>), SnapshotError> {
+    let name = fresh_memory_file(dir);
+    let path = dir.join(&name);
+    let options = WriteOptions::default();
+    match (chain.filter(|c| c.dir == dir), dirty) {
+        (Some(chain), Some(dirty)) => {
+            let slices: Vec<&[u64]> = dirty.iter().map(|d| d.as_slice()).collect();
+            let stats = gpuvm_memory::snapshot::write_diff(
+                &path,
+                mappings,
+                &slices,
+                &chain.last,
+                &options,
+            )?;
+            let mut files = chain.files.clone();
+            files.push(name.clone());
+            Ok((name, stats, files))
+        }
+        _ => {
+            let stats = gpuvm_memory::snapshot::write_full(&path, mappings, &options)?;
+            Ok((name.clone(), stats, vec![name]))
+        }
+    }
+}
+
+/// Removes memory files in `dir` that `keep` does not name (after a state commit).
+pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(MEMORY_FILE_PREFIX) && !keep.contains(&name) {
+            if let Err(error) = std::fs::remove_file(entry.path()) {
+                log::warn!(
+                    "cannot remove old memory file {}: {error}",
+                    entry.path().display()
+                );
+            }
+        }
+    }
+}
+
+/// A snapshot read and validated before anything touches KVM.
+pub struct LoadedSnapshot {
+    pub dir: PathBuf,
+    pub state: MachineState,
+    pub config: MachineConfig,
+    pub chain: Arc<SnapshotChain>,
+}
+
+/// Reads `dir/state`, checks its configuration, and opens and validates the memory
+/// chain against the guest layout that configuration implies.
+pub fn load(
+    dir: &Path,
+    regions: impl Fn(u64) -> Vec<gpuvm_memory::RamRegion>,
+) -> Result<LoadedSnapshot, SnapshotError> {
+    let invalid = |reason: String| SnapshotError::Invalid {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    if !dir.is_dir() {
+        return Err(invalid("no such snapshot directory".into()));
+    }
+    let state: MachineState = crate::persist::read_state_file(&dir.join(STATE_FILE))?;
+    let config = state.config.to_config(dir)?;
+    if state.vcpus.len() != usize::from(config.vcpus) || config.vcpus == 0 {
+        return Err(invalid(format!(
+            "state has {} vCPU states for {} configured vCPUs",
+            state.vcpus.len(),
+            config.vcpus
+        )));
+    }
+    if state
+        .vcpus
+        .iter()
+        .enumerate()
+        .any(|(i, v)| usize::from(v.id) != i)
+    {
+        return Err(invalid("vCPU states are not in id order".into()));
+    }
+    if state.memory_files.is_empty() {
+        return Err(invalid("the state names no memory file".into()));
+    }
+    if state
+        .memory_files
+        .iter()
+        .any(|f| !f.starts_with(MEMORY_FILE_PREFIX) || f.contains('/') || f.contains(".."))
+    {
+        return Err(invalid(
+            "the state names a memory file outside the snapshot directory".into(),
+        ));
+    }
+    let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
+    let paths: Vec<PathBuf> = state.memory_files.iter().map(|f| dir.join(f)).collect();
+    let chain = SnapshotChain::open(&paths, &layout)?;
+    Ok(LoadedSnapshot {
+        dir: dir.to_path_buf(),
+        state,
+        config,
+        chain: Arc::new(chain),
+    })
+}
+
+/// How restored guest memory is filled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestoreMode {
+    /// Read everything, then run.
+    Eager,
+    /// Run at once; pages load on fault and in the background (userfaultfd).
+    Lazy,
+    /// Hand the userfaultfd to an external page-fault handler at this socket
+    /// (Firecracker's handshake).
+    External(PathBuf),
+}
+
+/// Timings of a restore, for reports and benchmarks.
+#[derive(Clone, Debug, Default)]
+pub struct RestoreTimings {
+    pub validate: Duration,
+    pub memory: Duration,
+    pub total_to_ready: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_config_round_trips() {
+        let config = MachineConfig {
+            vcpus: 2,
+            memory_size: 256 << 20,
+            backing: Backing::Hugetlb2M,
+            thp: false,
+            prefault: true,
+            cpuid_masks: vec!["popcnt".parse().unwrap()],
+            track_dirty_pages: true,
+        };
+        let saved = SavedMachineConfig::from_config(&config);
+        let back = saved.to_config(Path::new("/x")).unwrap();
+        assert_eq!(back.vcpus, 2);
+        assert_eq!(back.backing, Backing::Hugetlb2M);
+        assert_eq!(back.cpuid_masks, config.cpuid_masks);
+        assert!(back.track_dirty_pages);
+        let mut bad = saved.clone();
+        bad.backing = "tape".into();
+        assert!(bad.to_config(Path::new("/x")).is_err());
+    }
+
+    #[test]
+    fn fresh_names_do_not_collide() {
+        let dir = std::env::temp_dir().join(format!("gpuvm-names-{}", std::process::id()));
+        create_dir(&dir).unwrap();
+        let first = fresh_memory_file(&dir);
+        std::fs::write(dir.join(&first), b"x").unwrap();
+        let second = fresh_memory_file(&dir);
+        assert_ne!(first, second);
+        std::fs::write(dir.join(&second), b"y").unwrap();
+        remove_unreferenced(&dir, std::slice::from_ref(&second));
+        assert!(!dir.join(&first).exists());
+        assert!(dir.join(&second).exists());
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
