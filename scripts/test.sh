@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# gpuvm's test command (what CI runs through .ci/run).
+#
+#   scripts/test.sh
+#
+# 1. installs the Debian packages the tests need (scripts/install-deps.sh; root on Debian 12),
+# 2. builds the Linux guest images (guest-images/linux/build.sh) into $GPUVM_LINUX_DIR,
+# 3. cargo build --release --workspace, then cargo test --release --workspace.
+# Tests find the VMM binary through GPUVM_BIN and the Linux images through GPUVM_LINUX_DIR.
+# GPUVM_TEST_TIMEOUT (default 30m, a timeout(1) duration) bounds the cargo test step so a hung guest
+# fails the run instead of stalling it.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
+readonly REPO_ROOT
+cd "$REPO_ROOT"
+
+started_at=$SECONDS
+step() {
+    echo
+    echo "=== test.sh [$((SECONDS - started_at))s]: $*"
+}
+
+step "installing dependencies"
+scripts/install-deps.sh
+
+step "building Linux guest images"
+export GPUVM_LINUX_DIR="${GPUVM_LINUX_DIR:-$REPO_ROOT/guest-images/linux/out}"
+guest-images/linux/build.sh "$GPUVM_LINUX_DIR"
+
+if ! command -v cargo >/dev/null; then
+    echo "test.sh: error: cargo not found; install Rust (https://rustup.rs) and retry" >&2
+    exit 1
+fi
+
+step "cargo build --release --workspace"
+cargo build --release --workspace
+
+target_dir="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
+[[ "$target_dir" == /* ]] || target_dir="$REPO_ROOT/$target_dir"
+export GPUVM_BIN="$target_dir/release/gpuvm"
+if [[ ! -x "$GPUVM_BIN" ]]; then
+    echo "test.sh: error: the build produced no $GPUVM_BIN" >&2
+    exit 1
+fi
+
+step "cargo test --release --workspace (GPUVM_BIN=$GPUVM_BIN GPUVM_LINUX_DIR=$GPUVM_LINUX_DIR)"
+test_status=0
+timeout --foreground --kill-after=30s "${GPUVM_TEST_TIMEOUT:-30m}" cargo test --release --workspace ||
+    test_status=$?
+if ((test_status == 124 || test_status == 137)); then
+    echo "test.sh: error: cargo test ran longer than ${GPUVM_TEST_TIMEOUT:-30m} and was stopped" >&2
+fi
+((test_status == 0)) || exit "$test_status"
+
+step "all tests passed"
