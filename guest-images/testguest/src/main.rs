@@ -1,0 +1,36 @@
+//! gpuvm test guest: a freestanding PVH guest that sets up long mode with as few (emulated)
+//! ring-0 instructions as possible and runs its workloads in ring 3, talking to the VMM only
+//! through port I/O (serial 0x3f8, exit 0xf4) and MMIO. See ../README.md for the I/O contract.
+
+#![no_std]
+#![no_main]
+
+mod arch;
+mod args;
+mod boot;
+mod bootinfo;
+mod console;
+mod exception;
+mod memfns;
+mod pattern;
+mod region;
+mod smp;
+mod workloads;
+
+use bootinfo::BootInfo;
+
+/// First ring-3 code on the boot CPU (entered by `iretq` from boot.rs).
+#[no_mangle]
+pub extern "sysv64" fn tg_bsp_main() -> ! {
+    arch::init_fpu();
+    println!("testguest: ready");
+    let info = match BootInfo::read(boot::start_info_paddr()) {
+        Ok(info) => info,
+        Err(err) => {
+            println!("testguest: unusable boot information: {err}");
+            console::exit(2)
+        }
+    };
+    boot::map_high_memory();
+    workloads::run(&info)
+}
