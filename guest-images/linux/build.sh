@@ -315,6 +315,8 @@ poweroff -f
 EOF
     chmod 755 "$root/init"
 
+    # Fixed timestamps and inode numbers (--reproducible) make the archive byte-for-byte repeatable.
+    find "$root" -exec touch -h -d @0 {} +
     (cd "$root" && find . -mindepth 1 | LC_ALL=C sort |
         cpio --quiet -o -H newc --owner=0:0 --reproducible) >"$OUTDIR/initramfs.cpio.tmp" ||
         die "cpio failed"

@@ -18,7 +18,7 @@ pub const TEST_GUEST_ELF_PATH: &str = env!("GPUVM_TEST_GUEST_ELF");
 
 /// The test guest's fixed protocol: ports, lines and exit statuses.
 pub mod protocol {
-    /// 16550 transmit register the guest writes its lines to (whole lines with `rep outsb`).
+    /// 16550 transmit register: the guest writes each character as a 1-byte `out` (one exit each).
     pub const SERIAL_PORT: u16 = 0x3f8;
     /// The guest writes its exit status here as a 32-bit `out`.
     pub const EXIT_PORT: u16 = 0xf4;

@@ -190,7 +190,7 @@ tg_exc_stubs_end:
 
     /* #GP. This hypervisor's emulated iretq drops RFLAGS.IOPL, so port I/O from ring 3 faults;
        do the faulting I/O instruction here with the ring-3 registers and return after it.
-       Forms: f3 6e rep outsb (a whole line), ef out eax, ee out al, 66 ef out ax,
+       Forms: f3 6e rep outsb (a whole line, sent byte by byte), ef out eax, ee out al, 66 ef out ax,
        ed in eax, ec in al, 66 ed in ax. Anything else is a real #GP.
        Stack: rbx, rax, error code, rip, cs, rflags, rsp, ss. */
 tg_gp_entry:
@@ -222,7 +222,11 @@ tg_gp_entry:
 .Lgp_rep_outsb:
     popq %rbx
     popq %rax
-    rep outsb
+    /* Byte by byte, not rep outsb: one exit per byte, because a VMM may take a string I/O
+       exit (count > 1) as a single access. Same end state as rep outsb (rcx 0, rsi past). */
+    jrcxz .Lgp_done2
+1:  outsb
+    loop 1b
     jmp .Lgp_done2
 .Lgp_out32:
     popq %rbx

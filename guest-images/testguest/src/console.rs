@@ -10,9 +10,9 @@ const EXIT_PORT: u16 = 0xf4;
 /// Serialises whole lines between CPUs (ring-3 spinlock).
 static SERIAL_LOCK: AtomicBool = AtomicBool::new(false);
 
-/// Collects a line so it goes out with one `rep outsb`: where ring-3 port I/O traps (see the
-/// #GP handler in boot.rs), that is one trap per line instead of one per byte. The VMM sees a
-/// string I/O exit (KVM_EXIT_IO with count = bytes) where it is emulated.
+/// Collects a line so it goes out in one go: where ring-3 port I/O traps (see the #GP handler in
+/// boot.rs), one `rep outsb` is one trap per line instead of one per byte. Either way the VMM
+/// sees one single-byte write to the THR per character.
 struct LineBuffer {
     bytes: [u8; 256],
     len: usize,
@@ -40,8 +40,28 @@ impl Write for LineBuffer {
     }
 }
 
+/// Whether this CPU really runs ring 3 with IOPL=3 (hardware KVM). Under kvm_pvm the emulated
+/// iretq drops IOPL, so I/O instructions fault and the ring-0 #GP handler performs them.
+fn native_port_io() -> bool {
+    let rflags: u64;
+    // SAFETY: reads RFLAGS through the stack only.
+    unsafe { core::arch::asm!("pushfq", "pop {}", out(reg) rflags, options(preserves_flags)) };
+    rflags & 0x3000 == 0x3000
+}
+
 fn write_serial(bytes: &[u8]) {
     if bytes.is_empty() {
+        return;
+    }
+    if native_port_io() {
+        // Single-byte writes: a native `rep outsb` would reach the VMM as one string I/O exit.
+        for &byte in bytes {
+            // SAFETY: port I/O to the emulated serial port touches no memory.
+            unsafe {
+                core::arch::asm!("out dx, al", in("dx") SERIAL_THR, in("al") byte,
+                    options(nomem, nostack, preserves_flags));
+            }
+        }
         return;
     }
     // SAFETY: reads `bytes` only, writes them to the serial port; DF is clear per the ABI.

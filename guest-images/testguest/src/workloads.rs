@@ -181,12 +181,16 @@ fn zerofill(info: &BootInfo, words: &mut Words) -> ! {
 
 fn smp_workload(info: &BootInfo) -> ! {
     let cpus = smp::discover(info.rsdp_paddr);
-    println!(
-        "smp: {} cpus listed ({}), local apic {:#x}",
-        cpus.apic_ids().len(),
-        cpus.source.name(),
-        cpus.lapic_base
-    );
+    if cpus.source == smp::CpuSource::BootCpuOnly {
+        println!("smp: no MP table or ACPI MADT found, only the boot cpu is known");
+    } else {
+        println!(
+            "smp: {} cpus listed ({}), local apic {:#x}",
+            cpus.apic_ids().len(),
+            cpus.source.name(),
+            cpus.lapic_base
+        );
+    }
     if cpus.ignored > 0 {
         println!("smp: ignoring {} cpus beyond {MAX_CPUS}", cpus.ignored);
     }
