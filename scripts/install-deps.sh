@@ -12,6 +12,7 @@
 #                    decompress the vmlinux payload inside a bzImage (whichever the kernel uses)
 #   python3          bench/boot (standard library only)
 #   ca-certificates  apt-get download over https mirrors
+#   libclang-dev     bindgen, for the userfaultfd-sys crate (gpuvm-memory's lazy restore)
 set -euo pipefail
 
 readonly PACKAGES=(
@@ -26,6 +27,7 @@ readonly PACKAGES=(
     gzip
     python3
     ca-certificates
+    libclang-dev
 )
 
 is_installed() {
