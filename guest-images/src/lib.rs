@@ -195,7 +195,19 @@ mod tests {
         );
     }
 
-    /// Printed by the guest under QEMU (`-m 512M`, 1 and 2 vCPUs): `memloop 64M 7 3` ->
+    /// Printed by the guest under gpuvm (`run --memory 256M --cmdline "memtest 64M 42"`, whose
+    /// e820 RAM is 0..0x9fc00 and 1 MiB..256 MiB): checksum=0xb40cd1244ca9a8d0.
+    #[test]
+    fn memtest_checksum_matches_the_guest_under_gpuvm() {
+        let gpuvm_256m_ram = [(0, 0x9fc00), (0x10_0000, 0x1000_0000 - 0x10_0000)];
+        assert_eq!(
+            memtest_checksum(&gpuvm_256m_ram, 64 << 20, 42),
+            0xb40c_d124_4ca9_a8d0
+        );
+    }
+
+    /// Printed by the guest under QEMU (`-m 512M`, 1 and 2 vCPUs) and gpuvm (2 vCPUs):
+    /// `memloop 64M 7 3` ->
     /// iter 0 0x41110f19a8b06877, iter 1 0xa22c4e61262138a7, iter 2 0xe61c711a0fe953a6.
     #[test]
     fn memloop_checksums_match_the_guest_under_qemu() {
