@@ -38,7 +38,7 @@ cargo build --release --workspace
 
 target_dir="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
 [[ "$target_dir" == /* ]] || target_dir="$REPO_ROOT/$target_dir"
-export GPUVM_BIN="$target_dir/release/gpuvm"
+export GPUVM_BIN="$target_dir/x86_64-unknown-linux-gnu/release/gpuvm"
 if [[ ! -x "$GPUVM_BIN" ]]; then
     echo "test.sh: error: the build produced no $GPUVM_BIN" >&2
     exit 1

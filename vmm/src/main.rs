@@ -139,26 +139,20 @@ struct RestoreArgs {
 /// Parses sizes like 4096, 512K, 128M, 4G (powers of 1024).
 fn parse_size(text: &str) -> Result<u64, String> {
     let text = text.trim();
-    let (digits, shift) = match text.char_indices().last() {
-        Some((index, unit)) if unit.is_ascii_alphabetic() => {
-            let shift = match unit.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => {
-                    return Err(format!(
-                        "unknown size unit '{unit}' in '{text}' (use K, M, G or T)"
-                    ))
-                }
-            };
-            (&text[..index], shift)
-        }
-        _ => (text, 0),
+    let not_a_size = || format!("'{text}' is not a size (examples: 4096, 512M, 4G)");
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(not_a_size()),
     };
-    let value: u64 = digits
-        .parse()
-        .map_err(|_| format!("'{text}' is not a size (examples: 512M, 4G)"))?;
+    let value: u64 = digits.parse().map_err(|_| not_a_size())?;
     value
         .checked_mul(1u64 << shift)
         .ok_or_else(|| format!("size '{text}' is too large"))
