@@ -20,8 +20,9 @@
 # (scripts/install-deps.sh installs them).
 set -euo pipefail
 
-readonly SCRIPT_PATH="$(readlink -f "${BASH_SOURCE[0]}")"
-readonly SCRIPT_DIR="$(dirname "$SCRIPT_PATH")"
+SCRIPT_PATH="$(readlink -f "${BASH_SOURCE[0]}")"
+SCRIPT_DIR="$(dirname "$SCRIPT_PATH")"
+readonly SCRIPT_PATH SCRIPT_DIR
 OUTDIR="$(mkdir -p "${1:-$SCRIPT_DIR/out}" && cd "${1:-$SCRIPT_DIR/out}" && pwd)"
 readonly OUTDIR
 readonly WORKDIR="$OUTDIR/.work"
