@@ -4,6 +4,7 @@
 //! - [`serial`]: a 16550A UART for the console.
 //! - [`i8042`]: the keyboard controller, only for its CPU-reset command.
 //! - [`exit_port`]: where the guest reports its exit status.
+//! - [`pci`]: the PCI root bus, BAR emulation and MSI-X.
 //! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
 //!
 //! Every device accepts any access a guest can make (odd widths, offsets past its
@@ -12,6 +13,7 @@
 pub mod bus;
 pub mod exit_port;
 pub mod i8042;
+pub mod pci;
 pub mod serial;
 pub mod sink;
 

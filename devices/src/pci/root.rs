@@ -1,0 +1,602 @@
+//! PCI bus 0: configuration access (mechanism #1 and ECAM), BAR allocation at plug time,
+//! and dispatch of guest accesses to the BARs as currently programmed.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::bars::BarKind;
+use super::{config, PciDevice};
+use crate::BusDevice;
+
+/// Bus/device/function of a PCI function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PciBdf {
+    pub bus: u8,
+    pub device: u8,
+    pub function: u8,
+}
+
+impl std::fmt::Display for PciBdf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:02x}:{:02x}.{}", self.bus, self.device, self.function)
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PciError {
+    #[error("PCI bus 0 is full (32 devices)")]
+    BusFull,
+    #[error("no room for a {size:#x}-byte BAR in the {window} MMIO window {start:#x}..{end:#x}")]
+    NoSpace {
+        window: &'static str,
+        size: u64,
+        start: u64,
+        end: u64,
+    },
+    #[error("invalid PCI MMIO layout: {0}")]
+    Layout(&'static str),
+}
+
+/// Where the root puts things in guest-physical space.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PciRootConfig {
+    /// ECAM (memory-mapped configuration) base; bus 0 only, so 1 MiB long.
+    pub ecam_base: u64,
+    /// 32-bit BARs go in `[mmio32_start, mmio32_end)`.
+    pub mmio32_start: u64,
+    pub mmio32_end: u64,
+    /// 64-bit BARs go in `[mmio64_start, mmio64_start + mmio64_size)`.
+    pub mmio64_start: u64,
+    pub mmio64_size: u64,
+}
+
+impl PciRootConfig {
+    /// Bytes of ECAM space for bus 0.
+    pub const ECAM_SIZE: u64 = 1 << 20;
+
+    pub fn validate(&self) -> Result<(), PciError> {
+        if self.mmio32_start >= self.mmio32_end || self.mmio32_end > 1 << 32 {
+            return Err(PciError::Layout(
+                "the 32-bit window must be non-empty and below 4 GiB",
+            ));
+        }
+        let ecam_end = self.ecam_base + Self::ECAM_SIZE;
+        if self.ecam_base < self.mmio32_end && ecam_end > self.mmio32_start {
+            return Err(PciError::Layout("ECAM overlaps the 32-bit window"));
+        }
+        if self.mmio64_size == 0 || self.mmio64_start.checked_add(self.mmio64_size).is_none() {
+            return Err(PciError::Layout("the 64-bit window must be non-empty"));
+        }
+        Ok(())
+    }
+}
+
+type SharedDevice = Arc<Mutex<dyn PciDevice>>;
+
+fn lock(device: &SharedDevice) -> MutexGuard<'_, dyn PciDevice + 'static> {
+    // A poisoned lock means a device panicked earlier; keep serving the guest.
+    device.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Allocator {
+    next: u64,
+    end: u64,
+    name: &'static str,
+}
+
+impl Allocator {
+    fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
+        let no_space = || PciError::NoSpace {
+            window: self.name,
+            size,
+            start: self.next,
+            end: self.end,
+        };
+        // Size-aligned: the BAR register can only hold aligned addresses anyway.
+        let base = self
+            .next
+            .checked_next_multiple_of(size)
+            .ok_or_else(no_space)?;
+        let end = base.checked_add(size).ok_or_else(no_space)?;
+        if end > self.end {
+            return Err(no_space());
+        }
+        self.next = end;
+        Ok(base)
+    }
+}
+
+/// Bus 0 and its functions (function 0 of each device only).
+pub struct PciRoot {
+    config: PciRootConfig,
+    devices: Mutex<BTreeMap<u8, SharedDevice>>,
+    mmio32: Mutex<Allocator>,
+    mmio64: Mutex<Allocator>,
+}
+
+impl PciRoot {
+    /// A root bus with a host bridge at 00:00.0.
+    pub fn new(config: PciRootConfig) -> Result<Arc<Self>, PciError> {
+        config.validate()?;
+        let root = PciRoot {
+            config,
+            devices: Mutex::new(BTreeMap::new()),
+            mmio32: Mutex::new(Allocator {
+                next: config.mmio32_start,
+                end: config.mmio32_end,
+                name: "32-bit",
+            }),
+            mmio64: Mutex::new(Allocator {
+                next: config.mmio64_start,
+                end: config.mmio64_start + config.mmio64_size,
+                name: "64-bit",
+            }),
+        };
+        root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
+        Ok(Arc::new(root))
+    }
+
+    pub fn config(&self) -> PciRootConfig {
+        self.config
+    }
+
+    /// Plugs `device` into the next free slot, places its BARs (32-bit BARs in the
+    /// 32-bit window; 64-bit BARs, prefetchable ones included, in the 64-bit window,
+    /// aligned to their size) and turns on memory decoding, as firmware would.
+    pub fn add_device(&self, device: SharedDevice) -> Result<PciBdf, PciError> {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = (0..32u8)
+            .find(|slot| !devices.contains_key(slot))
+            .ok_or(PciError::BusFull)?;
+        {
+            let mut guard = lock(&device);
+            // Largest first keeps the windows dense.
+            let mut specs = guard.bar_specs();
+            specs.sort_by(|a, b| b.size.cmp(&a.size));
+            for spec in specs {
+                let allocator = match spec.kind {
+                    BarKind::Memory64 { .. } => &self.mmio64,
+                    BarKind::Memory32 { .. } | BarKind::Rom => &self.mmio32,
+                };
+                let address = allocator
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .allocate(spec.size)?;
+                log::info!(
+                    "PCI 00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
+                    spec.index,
+                    spec.kind,
+                    spec.size
+                );
+                guard.set_bar_address(spec.index, address);
+            }
+            guard.enable_memory_decoding();
+        }
+        devices.insert(slot, device);
+        Ok(PciBdf {
+            bus: 0,
+            device: slot,
+            function: 0,
+        })
+    }
+
+    fn device(&self, bdf: PciBdf) -> Option<SharedDevice> {
+        if bdf.bus != 0 || bdf.function != 0 {
+            return None;
+        }
+        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        devices.get(&bdf.device).cloned()
+    }
+
+    /// Configuration read; absent functions read all ones.
+    pub fn config_read(&self, bdf: PciBdf, offset: u16, data: &mut [u8]) {
+        data.fill(0xff);
+        if !valid_config_access(offset, data.len()) {
+            return;
+        }
+        if let Some(device) = self.device(bdf) {
+            lock(&device).config_read(offset, data);
+        }
+    }
+
+    /// Configuration write; writes to absent functions are dropped.
+    pub fn config_write(&self, bdf: PciBdf, offset: u16, data: &[u8]) {
+        if !valid_config_access(offset, data.len()) {
+            log::debug!("PCI {bdf}: dropping unaligned config write at {offset:#x}");
+            return;
+        }
+        if let Some(device) = self.device(bdf) {
+            lock(&device).config_write(offset, data);
+        }
+    }
+
+    /// The device and BAR that decode `[address, address + len)`, with the offset in the BAR.
+    fn find_bar(&self, address: u64, len: usize) -> Option<(SharedDevice, u8, u64)> {
+        let devices: Vec<SharedDevice> = self
+            .devices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for device in devices {
+            let bars = lock(&device).active_bars();
+            for bar in bars {
+                if address >= bar.address && address - bar.address + len as u64 <= bar.size {
+                    return Some((device, bar.index, address - bar.address));
+                }
+            }
+        }
+        None
+    }
+
+    /// A guest read at guest-physical `address`; false if no BAR decodes it.
+    pub fn mmio_read(&self, address: u64, data: &mut [u8]) -> bool {
+        match self.find_bar(address, data.len()) {
+            Some((device, bar, offset)) => {
+                lock(&device).bar_read(bar, offset, data);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A guest write at guest-physical `address`; false if no BAR decodes it.
+    pub fn mmio_write(&self, address: u64, data: &[u8]) -> bool {
+        match self.find_bar(address, data.len()) {
+            Some((device, bar, offset)) => {
+                lock(&device).bar_write(bar, offset, data);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Config accesses the root passes on: 1, 2 or 4 bytes, naturally aligned, in the 4 KiB space.
+fn valid_config_access(offset: u16, len: usize) -> bool {
+    matches!(len, 1 | 2 | 4)
+        && usize::from(offset) % len == 0
+        && usize::from(offset) + len <= usize::from(config::SPACE_SIZE)
+}
+
+/// Configuration mechanism #1: 0xCF8 (address, 32-bit) and 0xCFC..0xCFF (data).
+/// Insert it on the port-I/O bus at 0xCF8 with length 8.
+pub struct ConfigAddressPort {
+    root: Arc<PciRoot>,
+    address: u32,
+}
+
+impl ConfigAddressPort {
+    pub fn new(root: Arc<PciRoot>) -> Self {
+        ConfigAddressPort { root, address: 0 }
+    }
+
+    /// The function and register selected by the address register, if enabled.
+    fn target(&self, data_offset: u64) -> Option<(PciBdf, u16)> {
+        if self.address & (1 << 31) == 0 {
+            return None;
+        }
+        let bdf = PciBdf {
+            bus: (self.address >> 16) as u8,
+            device: ((self.address >> 11) & 0x1f) as u8,
+            function: ((self.address >> 8) & 7) as u8,
+        };
+        Some((bdf, (self.address & 0xfc) as u16 + data_offset as u16))
+    }
+}
+
+impl BusDevice for ConfigAddressPort {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        match offset {
+            0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
+            4..=7 => match self.target(offset - 4) {
+                Some((bdf, register)) => self.root.config_read(bdf, register, data),
+                None => data.fill(0xff),
+            },
+            _ => data.fill(0xff),
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        match offset {
+            // Only 32-bit writes select a register; byte writes to 0xCF9 (reset control
+            // on some chipsets) and friends are ignored.
+            0 if data.len() == 4 => {
+                self.address = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) & !3
+            }
+            4..=7 => {
+                if let Some((bdf, register)) = self.target(offset - 4) {
+                    self.root.config_write(bdf, register, data);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The ECAM window (bus 0, 1 MiB): offset = device << 15 | function << 12 | register.
+pub struct EcamWindow {
+    root: Arc<PciRoot>,
+}
+
+impl EcamWindow {
+    pub fn new(root: Arc<PciRoot>) -> Self {
+        EcamWindow { root }
+    }
+
+    fn target(offset: u64) -> (PciBdf, u16) {
+        let bdf = PciBdf {
+            bus: (offset >> 20) as u8,
+            device: ((offset >> 15) & 0x1f) as u8,
+            function: ((offset >> 12) & 7) as u8,
+        };
+        (bdf, (offset & 0xfff) as u16)
+    }
+}
+
+impl BusDevice for EcamWindow {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        let (bdf, register) = Self::target(offset);
+        self.root.config_read(bdf, register, data);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let (bdf, register) = Self::target(offset);
+        self.root.config_write(bdf, register, data);
+    }
+}
+
+/// An MMIO window (the 32-bit hole or the 64-bit window) whose accesses go to whichever
+/// BAR the guest placed there. Insert it on the MMIO bus at `base`.
+pub struct MmioWindows {
+    root: Arc<PciRoot>,
+    base: u64,
+}
+
+impl MmioWindows {
+    pub fn new(root: Arc<PciRoot>, base: u64) -> Self {
+        MmioWindows { root, base }
+    }
+}
+
+impl BusDevice for MmioWindows {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if !self.root.mmio_read(self.base + offset, data) {
+            data.fill(0xff);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if !self.root.mmio_write(self.base + offset, data) {
+            log::trace!("PCI: write to {:#x} hits no BAR", self.base + offset);
+        }
+    }
+}
+
+/// The host bridge at 00:00.0: identification only.
+pub struct HostBridge {
+    space: [u8; 64],
+}
+
+impl HostBridge {
+    pub fn new() -> Self {
+        let mut space = [0u8; 64];
+        // Red Hat's ID for a generic PCIe host bridge; class 06/00 (host bridge).
+        space[0..2].copy_from_slice(&0x1b36u16.to_le_bytes());
+        space[2..4].copy_from_slice(&0x0008u16.to_le_bytes());
+        space[0x0b] = 0x06;
+        HostBridge { space }
+    }
+}
+
+impl Default for HostBridge {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PciDevice for HostBridge {
+    fn config_read(&mut self, offset: u16, data: &mut [u8]) {
+        data.fill(0);
+        super::read_le(&self.space, usize::from(offset), data);
+        if usize::from(offset) >= self.space.len() {
+            data.fill(0);
+        }
+    }
+    fn config_write(&mut self, _offset: u16, _data: &[u8]) {}
+    fn active_bars(&self) -> Vec<super::PciBar> {
+        Vec::new()
+    }
+    fn bar_specs(&self) -> Vec<super::BarSpec> {
+        Vec::new()
+    }
+    fn set_bar_address(&mut self, _bar: u8, _address: u64) {}
+    fn enable_memory_decoding(&mut self) {}
+    fn bar_read(&mut self, _bar: u8, _offset: u64, data: &mut [u8]) {
+        data.fill(0xff);
+    }
+    fn bar_write(&mut self, _bar: u8, _offset: u64, _data: &[u8]) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{BarSet, BarSpec, PciBar};
+    use super::*;
+
+    /// A function with one 32-bit BAR of plain memory and one 64-bit prefetchable BAR.
+    struct Scratch {
+        bars: BarSet,
+        memory: Vec<u8>,
+    }
+
+    impl PciDevice for Scratch {
+        fn config_read(&mut self, offset: u16, data: &mut [u8]) {
+            if BarSet::handles(offset) {
+                return self.bars.read(offset, data);
+            }
+            let ids = [0xde, 0x10, 0x30, 0x23];
+            data.fill(0);
+            super::super::read_le(&ids, usize::from(offset), data);
+            if offset >= 4 {
+                data.fill(0);
+            }
+        }
+        fn config_write(&mut self, offset: u16, data: &[u8]) {
+            if BarSet::handles(offset) {
+                self.bars.write(offset, data);
+            } else if offset == config::COMMAND {
+                self.bars.set_memory_enabled(data[0] & 2 != 0);
+            }
+        }
+        fn active_bars(&self) -> Vec<PciBar> {
+            self.bars.active()
+        }
+        fn bar_specs(&self) -> Vec<BarSpec> {
+            self.bars.specs()
+        }
+        fn set_bar_address(&mut self, bar: u8, address: u64) {
+            self.bars.set_address(bar, address);
+        }
+        fn enable_memory_decoding(&mut self) {
+            self.bars.set_memory_enabled(true);
+        }
+        fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+            assert_eq!(bar, 0);
+            super::super::read_le(&self.memory, offset as usize, data);
+        }
+        fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+            assert_eq!(bar, 0);
+            super::super::write_le(&mut self.memory, offset as usize, data);
+        }
+    }
+
+    fn root_config() -> PciRootConfig {
+        PciRootConfig {
+            ecam_base: 0xe000_0000,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 0x100_0000_0000,
+            mmio64_size: 0x100_0000_0000,
+        }
+    }
+
+    fn scratch() -> Arc<Mutex<Scratch>> {
+        Arc::new(Mutex::new(Scratch {
+            bars: BarSet::new(&[
+                BarSpec {
+                    index: 0,
+                    size: 4096,
+                    kind: BarKind::Memory32 {
+                        prefetchable: false,
+                    },
+                },
+                BarSpec {
+                    index: 2,
+                    size: 128 << 30,
+                    kind: BarKind::Memory64 { prefetchable: true },
+                },
+            ]),
+            memory: vec![0; 4096],
+        }))
+    }
+
+    fn cf8(port: &mut ConfigAddressPort, device: u8, register: u8) {
+        let address = 1u32 << 31 | u32::from(device) << 11 | u32::from(register);
+        port.write(0, &address.to_le_bytes());
+    }
+
+    fn cfc_read32(port: &mut ConfigAddressPort) -> u32 {
+        let mut data = [0; 4];
+        port.read(4, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    #[test]
+    fn enumeration_through_cf8_and_ecam() {
+        let root = PciRoot::new(root_config()).unwrap();
+        let bdf = root.add_device(scratch()).unwrap();
+        assert_eq!(bdf.to_string(), "00:01.0");
+        let mut port = ConfigAddressPort::new(root.clone());
+        cf8(&mut port, 0, 0);
+        assert_eq!(cfc_read32(&mut port), 0x0008_1b36, "host bridge");
+        cf8(&mut port, 1, 0);
+        assert_eq!(cfc_read32(&mut port), 0x2330_10de);
+        let mut word = [0; 2];
+        port.read(6, &mut word);
+        assert_eq!(u16::from_le_bytes(word), 0x2330, "CFE reads the upper half");
+        cf8(&mut port, 2, 0);
+        assert_eq!(cfc_read32(&mut port), 0xffff_ffff, "empty slot");
+        let mut ecam = EcamWindow::new(root.clone());
+        let mut data = [0; 4];
+        ecam.read(1 << 15, &mut data);
+        assert_eq!(u32::from_le_bytes(data), 0x2330_10de);
+        ecam.read(1 << 15 | 0x10, &mut data);
+        assert_eq!(
+            u32::from_le_bytes(data),
+            0xc000_0000,
+            "BAR0 placed at the hole start"
+        );
+        // The 128 GiB BAR lands size-aligned in the 64-bit window and stays 64-bit prefetchable.
+        ecam.read(1 << 15 | 0x18, &mut data);
+        assert_eq!(u32::from_le_bytes(data), 0xc);
+        ecam.read(1 << 15 | 0x1c, &mut data);
+        assert_eq!(u32::from_le_bytes(data), 0x100);
+    }
+
+    #[test]
+    fn bar_moves_keep_mmio_in_sync() {
+        let root = PciRoot::new(root_config()).unwrap();
+        root.add_device(scratch()).unwrap();
+        let mut window = MmioWindows::new(root.clone(), 0xc000_0000);
+        window.write(0x10, &[1, 2, 3, 4]);
+        let mut data = [0; 4];
+        window.read(0x10, &mut data);
+        assert_eq!(data, [1, 2, 3, 4]);
+        // The guest sizes BAR0 and moves it 1 MiB up.
+        let mut ecam = EcamWindow::new(root.clone());
+        ecam.write(1 << 15 | 0x10, &0xffff_ffffu32.to_le_bytes());
+        ecam.read(1 << 15 | 0x10, &mut data);
+        assert_eq!(u32::from_le_bytes(data), 0xffff_f000);
+        ecam.write(1 << 15 | 0x10, &0xc010_0000u32.to_le_bytes());
+        window.read(0x10, &mut data);
+        assert_eq!(data, [0xff; 4], "old address no longer decodes");
+        window.read(0x10_0010, &mut data);
+        assert_eq!(data, [1, 2, 3, 4]);
+        // Memory decoding off: nothing decodes.
+        ecam.write(1 << 15 | 0x4, &[0]);
+        window.read(0x10_0010, &mut data);
+        assert_eq!(data, [0xff; 4]);
+    }
+
+    #[test]
+    fn windows_run_out_cleanly() {
+        let mut config = root_config();
+        config.mmio64_size = 64 << 30;
+        let root = PciRoot::new(config).unwrap();
+        let error = root.add_device(scratch()).unwrap_err();
+        assert!(matches!(
+            error,
+            PciError::NoSpace {
+                window: "64-bit",
+                ..
+            }
+        ));
+        let mut bad = root_config();
+        bad.ecam_base = 0xc000_0000;
+        assert!(PciRoot::new(bad).is_err());
+    }
+
+    #[test]
+    fn odd_accesses_do_not_panic() {
+        let root = PciRoot::new(root_config()).unwrap();
+        let mut port = ConfigAddressPort::new(root.clone());
+        let mut data = [0; 3];
+        port.read(4, &mut data);
+        port.write(5, &[1, 2, 3]);
+        port.write(1, &[0xff]);
+        let mut ecam = EcamWindow::new(root);
+        ecam.read(0xfffff, &mut [0; 4]);
+        ecam.write(0xffffe, &[0; 8]);
+    }
+}
