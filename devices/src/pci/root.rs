@@ -152,7 +152,7 @@ impl PciRoot {
             let mut guard = lock(&device);
             // Largest first keeps the windows dense.
             let mut specs = guard.bar_specs();
-            specs.sort_by(|a, b| b.size.cmp(&a.size));
+            specs.sort_by_key(|spec| std::cmp::Reverse(spec.size));
             for spec in specs {
                 let allocator = match spec.kind {
                     BarKind::Memory64 { .. } => &self.mmio64,
