@@ -249,7 +249,7 @@ pub fn restore(
     let memory = memory_started.elapsed();
 
     lock(&devices.serial)
-        .restore_state(&(&loaded.state.serial).into())
+        .restore_state(&loaded.state.serial)
         .map_err(|e| SnapshotError::Invalid {
             dir: dir.to_path_buf(),
             reason: e.to_string(),

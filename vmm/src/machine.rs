@@ -104,6 +104,73 @@ pub(crate) enum LazyMemory {
     },
 }
 
+/// Serves control requests (the API socket) from inside [`Machine::run`]'s event loop, on
+/// the VMM thread, which owns the machine.
+pub trait RunControl: Send {
+    /// Readable when requests are waiting.
+    fn event(&self) -> &EventFd;
+    /// Serves the waiting requests. Returns how the run ends if a request ends it.
+    fn serve(&mut self, running: &mut RunningMachine<'_>) -> Option<GuestEnd>;
+}
+
+/// A machine whose vCPUs are running (or paused by a control request).
+pub struct RunningMachine<'a> {
+    machine: &'a mut Machine,
+    handles: &'a [VcpuHandle],
+}
+
+impl RunningMachine<'_> {
+    pub fn machine(&self) -> &Machine {
+        self.machine
+    }
+
+    /// Whether a control request paused the vCPUs.
+    pub fn is_paused(&self) -> bool {
+        self.machine.paused
+    }
+
+    pub fn pause(&mut self) -> Result<(), Error> {
+        for handle in self.handles {
+            handle.pause()?;
+        }
+        self.machine.paused = true;
+        Ok(())
+    }
+
+    pub fn resume(&mut self) -> Result<(), Error> {
+        for handle in self.handles {
+            handle.resume()?;
+        }
+        self.machine.paused = false;
+        Ok(())
+    }
+
+    /// Snapshots into `dir` and leaves the vCPUs as they were (running or paused).
+    /// `full` forces a full memory file even when dirty pages are tracked. On failure
+    /// a running VM is resumed, so a bad request does not stop the guest.
+    pub fn snapshot(&mut self, dir: &std::path::Path, full: bool) -> Result<SnapshotReport, Error> {
+        snapshot::create_dir(dir)?;
+        if full {
+            self.machine.memory_chain = None;
+        }
+        let resume = !self.machine.paused;
+        match self.machine.take_snapshot(self.handles, dir, resume) {
+            Ok(report) => {
+                self.machine.snapshots.push(report.clone());
+                Ok(report)
+            }
+            Err(error) => {
+                if resume {
+                    for handle in self.handles {
+                        let _ = handle.resume();
+                    }
+                }
+                Err(error)
+            }
+        }
+    }
+}
+
 pub struct Machine {
     // Field order is drop order: vCPUs, lazy loaders and the VM fd go before the memory
     // they use.
@@ -118,6 +185,8 @@ pub struct Machine {
     snapshot_policy: Option<SnapshotPolicy>,
     snapshots: Vec<SnapshotReport>,
     vcpus_started: Option<Instant>,
+    run_control: Option<Box<dyn RunControl>>,
+    paused: bool,
 }
 
 impl Machine {
@@ -141,12 +210,23 @@ impl Machine {
             snapshot_policy: None,
             snapshots: Vec::new(),
             vcpus_started: None,
+            run_control: None,
+            paused: false,
         }
     }
 
     /// Makes the running machine snapshot itself as `policy` says.
     pub fn set_snapshot_policy(&mut self, policy: SnapshotPolicy) {
         self.snapshot_policy = Some(policy);
+    }
+
+    /// Lets `control` serve requests while the machine runs.
+    pub fn set_run_control(&mut self, control: Box<dyn RunControl>) {
+        self.run_control = Some(control);
+    }
+
+    pub fn config(&self) -> &MachineConfig {
+        &self.config
     }
 
     /// Continues the memory chain a restored snapshot came from, so that a later diff
@@ -214,7 +294,13 @@ impl Machine {
                 snapshot_timer = Some(timer);
             }
         }
+        let api_evt = match &self.run_control {
+            Some(control) => Some(control.event().try_clone().map_err(Error::EventFd)?),
+            None => None,
+        };
         let control = Arc::new(Mutex::new(ControlEvents {
+            api_evt,
+            api_requested: false,
             exit_evt: self.devices.exit_evt.try_clone().map_err(Error::EventFd)?,
             reset_evt: self.devices.reset_evt.try_clone().map_err(Error::EventFd)?,
             vcpu_evt: reporter.event.try_clone().map_err(Error::EventFd)?,
@@ -243,6 +329,19 @@ impl Machine {
             if snapshot_requested {
                 if let Some(outcome) = self.snapshot_requested(&handles) {
                     break outcome;
+                }
+            }
+            let api_requested = std::mem::take(&mut lock(&control).api_requested);
+            if api_requested {
+                if let Some(mut run_control) = self.run_control.take() {
+                    let end = run_control.serve(&mut RunningMachine {
+                        machine: self,
+                        handles: &handles,
+                    });
+                    self.run_control = Some(run_control);
+                    if let Some(end) = end {
+                        break Ok(end);
+                    }
                 }
             }
             if let Some(outcome) = lock(&control).outcome.take() {
@@ -291,7 +390,7 @@ impl Machine {
             vcpus.push(handle.save_state(msr_indices.clone())?);
         }
         let vm = persist::save_vm(&self.vm).map_err(SnapshotError::from)?;
-        let serial = lock(&self.devices.serial).state().into();
+        let serial = lock(&self.devices.serial).state();
 
         let memory_started = Instant::now();
         let dirty = if self.config.track_dirty_pages {
@@ -389,6 +488,8 @@ fn peak_rss_bytes() -> std::io::Result<u64> {
 
 /// Turns the guest-end signals into the run's outcome.
 struct ControlEvents {
+    api_evt: Option<EventFd>,
+    api_requested: bool,
     exit_evt: EventFd,
     reset_evt: EventFd,
     vcpu_evt: EventFd,
@@ -444,6 +545,11 @@ impl MutEventSubscriber for ControlEvents {
             let _ = self.reset_evt.read();
             log::info!("guest requested a reset through the i8042");
             self.finish(Ok(GuestEnd::Reset));
+        } else if self.api_evt.as_ref().is_some_and(|e| e.as_raw_fd() == fd) {
+            if let Some(evt) = &self.api_evt {
+                let _ = evt.read();
+            }
+            self.api_requested = true;
         } else if fd == self.snapshot_evt.as_raw_fd() {
             let _ = self.snapshot_evt.read();
             self.snapshot_requested = true;
@@ -478,6 +584,11 @@ impl MutEventSubscriber for ControlEvents {
         ] {
             if let Err(error) = ops.add(Events::new(fd, EventSet::IN)) {
                 log::error!("cannot watch a VM control event: {error}");
+            }
+        }
+        if let Some(evt) = &self.api_evt {
+            if let Err(error) = ops.add(Events::new(evt, EventSet::IN)) {
+                log::error!("cannot watch the API request event: {error}");
             }
         }
         if let Some(timer) = &self.snapshot_timer {

@@ -99,53 +99,21 @@ impl SavedMachineConfig {
     }
 }
 
-/// Serial UART registers (vm-superio's state, in a serialisable form).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct SavedSerial {
-    pub baud_divisor_low: u8,
-    pub baud_divisor_high: u8,
-    pub interrupt_enable: u8,
-    pub interrupt_identification: u8,
-    pub line_control: u8,
-    pub line_status: u8,
-    pub modem_control: u8,
-    pub modem_status: u8,
-    pub scratch: u8,
-    pub in_buffer: Vec<u8>,
-}
-
-impl From<SerialState> for SavedSerial {
-    fn from(s: SerialState) -> Self {
-        SavedSerial {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer,
-        }
-    }
-}
-
-impl From<&SavedSerial> for SerialState {
-    fn from(s: &SavedSerial) -> Self {
-        SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        }
-    }
+/// Serde mirror of vm-superio's `SerialState` (its fields are public; the crate has no
+/// serde support of its own).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "SerialState")]
+struct SerialStateDef {
+    baud_divisor_low: u8,
+    baud_divisor_high: u8,
+    interrupt_enable: u8,
+    interrupt_identification: u8,
+    line_control: u8,
+    line_status: u8,
+    modem_control: u8,
+    modem_status: u8,
+    scratch: u8,
+    in_buffer: Vec<u8>,
 }
 
 /// Everything in a snapshot's state file.
@@ -154,7 +122,8 @@ pub struct MachineState {
     pub config: SavedMachineConfig,
     pub vm: VmState,
     pub vcpus: Vec<VcpuState>,
-    pub serial: SavedSerial,
+    #[serde(with = "SerialStateDef")]
+    pub serial: SerialState,
     /// Memory files in this directory, base first, then diffs in order.
     pub memory_files: Vec<String>,
 }

@@ -1,0 +1,352 @@
+//! The VMM thread's side of the API: holds the pre-boot configuration, builds or
+//! restores the machine on request, and serves actions while it runs.
+
+use std::io::Write;
+use std::sync::mpsc::Receiver;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use super::action::{
+    absolute_path, ActionError, ActionResult, BootSourceBody, InstanceState, MachineConfigBody,
+    RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType, VmmAction, VmmData,
+};
+use super::server::ApiRequest;
+use crate::config::{MachineConfig, VmConfig};
+use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
+use crate::metrics::{Metrics, METRICS};
+use crate::snapshot::RestoreMode;
+use crate::x86_64::boot::{BootSource, KernelSource};
+
+/// Makes the serial console's output stream for a new machine.
+pub type SerialOutFactory = Box<dyn Fn() -> Box<dyn Write + Send> + Send>;
+
+/// A machine the API created, and whether it should run at once.
+pub struct Started {
+    pub machine: Machine,
+    /// Restored with `resume_vm: false`: wait for PATCH /vm Resumed before running.
+    pub paused: bool,
+}
+
+/// What a paused, not yet running machine was told.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BeforeRun {
+    Run,
+    /// SendCtrlAltDel, or the API went away: end without running.
+    End,
+}
+
+pub struct ApiController {
+    requests: Receiver<ApiRequest>,
+    event: EventFd,
+    machine_config: MachineConfig,
+    boot: BootSource,
+    serial_out: SerialOutFactory,
+}
+
+/// The configuration the test guest gets when nobody says otherwise.
+pub fn default_boot_source() -> BootSource {
+    BootSource {
+        kernel: KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+        initrd: None,
+        cmdline: "hello".into(),
+    }
+}
+
+fn instance_info(state: InstanceState) -> VmmData {
+    VmmData::Json(serde_json::json!({
+        "app_name": "gpuvm",
+        "vmm_version": env!("CARGO_PKG_VERSION"),
+        "pid": std::process::id(),
+        "state": state,
+    }))
+}
+
+fn metrics(state: InstanceState, machine: Option<&Machine>) -> VmmData {
+    let mut json = METRICS.to_json();
+    json["vm"] = serde_json::json!({ "state": state });
+    if let Some(stats) = machine.and_then(|m| m.lazy_stats()) {
+        json["lazy_restore"] = serde_json::json!({
+            "faults": stats.faults,
+            "faults_served_data": stats.faults_served_data,
+            "faults_served_zero": stats.faults_served_zero,
+            "total_data_pages": stats.total_data_pages,
+            "loaded_data_pages": stats.loaded_data_pages,
+            "bytes_loaded_by_faults": stats.bytes_loaded_by_faults,
+            "bytes_loaded_background": stats.bytes_loaded_background,
+        });
+    }
+    VmmData::Json(json)
+}
+
+fn started_already() -> ActionError {
+    ActionError::wrong_state("the VM has already been started or loaded")
+}
+
+impl ApiController {
+    pub fn new(
+        requests: Receiver<ApiRequest>,
+        event: EventFd,
+        config: VmConfig,
+        serial_out: SerialOutFactory,
+    ) -> Self {
+        ApiController {
+            requests,
+            event,
+            machine_config: config.machine,
+            boot: config.boot,
+            serial_out,
+        }
+    }
+
+    /// Serves pre-boot requests until InstanceStart or snapshot/load yields a machine.
+    /// None when the API thread has gone (it never does while the socket lives).
+    pub fn wait_for_start(&mut self) -> Option<Started> {
+        loop {
+            let request = self.requests.recv().ok()?;
+            let _ = self.event.read();
+            let (result, started) = self.pre_boot(request.action);
+            let _ = request.reply.send(result);
+            if started.is_some() {
+                return started;
+            }
+        }
+    }
+
+    fn pre_boot(&mut self, action: VmmAction) -> (ActionResult, Option<Started>) {
+        let state = InstanceState::NotStarted;
+        let result = match action {
+            VmmAction::GetInstanceInfo => Ok(instance_info(state)),
+            VmmAction::GetMetrics => Ok(metrics(state, None)),
+            VmmAction::GetMachineConfig => Ok(VmmData::Json(serde_json::json!(
+                MachineConfigBody::from_config(&self.machine_config)
+            ))),
+            VmmAction::PutMachineConfig(body) => body.to_config().map(|config| {
+                self.machine_config = config;
+                VmmData::Empty
+            }),
+            VmmAction::PutBootSource(body) => self.set_boot_source(body),
+            VmmAction::StartInstance => {
+                let config = VmConfig {
+                    machine: self.machine_config.clone(),
+                    boot: self.boot.clone(),
+                };
+                return match crate::builder::build(&config, (self.serial_out)()) {
+                    Ok(machine) => (
+                        Ok(VmmData::Empty),
+                        Some(Started {
+                            machine,
+                            paused: false,
+                        }),
+                    ),
+                    Err(error) => (
+                        Err(ActionError::bad_request(format!("cannot start the VM: {error}"))),
+                        None,
+                    ),
+                };
+            }
+            VmmAction::LoadSnapshot(body) => return self.load(body),
+            VmmAction::SendCtrlAltDel | VmmAction::Pause | VmmAction::Resume => Err(
+                ActionError::wrong_state("the VM is not running (PUT /actions InstanceStart first)"),
+            ),
+            VmmAction::CreateSnapshot(_) => Err(ActionError::wrong_state(
+                "there is no VM to snapshot yet (PUT /actions InstanceStart first)",
+            )),
+        };
+        (result, None)
+    }
+
+    fn set_boot_source(&mut self, body: BootSourceBody) -> ActionResult {
+        let kernel = match body.kernel_image_path {
+            Some(path) => {
+                absolute_path(&path, "kernel_image_path")?;
+                std::fs::File::open(&path).map_err(|error| {
+                    ActionError::bad_request(format!(
+                        "cannot open kernel image {}: {error}",
+                        path.display()
+                    ))
+                })?;
+                KernelSource::File(path)
+            }
+            None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+        };
+        if let Some(initrd) = &body.initrd_path {
+            absolute_path(initrd, "initrd_path")?;
+            std::fs::File::open(initrd).map_err(|error| {
+                ActionError::bad_request(format!("cannot open initrd {}: {error}", initrd.display()))
+            })?;
+        }
+        let embedded = matches!(kernel, KernelSource::Embedded(_));
+        self.boot = BootSource {
+            kernel,
+            initrd: body.initrd_path,
+            cmdline: body
+                .boot_args
+                .unwrap_or_else(|| if embedded { "hello".into() } else { String::new() }),
+        };
+        Ok(VmmData::Empty)
+    }
+
+    fn load(&mut self, body: SnapshotLoadBody) -> (ActionResult, Option<Started>) {
+        let mode = match (body.restore_mode, &body.uffd_socket_path) {
+            (RestoreModeBody::Eager, _) => RestoreMode::Eager,
+            (RestoreModeBody::Lazy, _) => RestoreMode::Lazy,
+            (RestoreModeBody::External, Some(socket)) => RestoreMode::External(socket.clone()),
+            (RestoreModeBody::External, None) => {
+                return (
+                    Err(ActionError::bad_request(
+                        "restore_mode External needs uffd_socket_path",
+                    )),
+                    None,
+                )
+            }
+        };
+        if let Err(error) = absolute_path(&body.snapshot_path, "snapshot_path") {
+            return (Err(error), None);
+        }
+        match crate::builder::restore(&body.snapshot_path, &mode, (self.serial_out)()) {
+            Ok((machine, timings)) => {
+                Metrics::add(&METRICS.snapshots_loaded, 1);
+                log::info!("snapshot loaded through the API: {timings:?}");
+                self.machine_config = machine.config().clone();
+                (
+                    Ok(VmmData::Empty),
+                    Some(Started {
+                        machine,
+                        paused: !body.resume_vm,
+                    }),
+                )
+            }
+            Err(error) => (
+                Err(ActionError::bad_request(format!(
+                    "cannot load the snapshot: {error}"
+                ))),
+                None,
+            ),
+        }
+    }
+
+    /// For a machine loaded with `resume_vm: false`: serves requests until it is resumed
+    /// (its vCPUs have not run yet, so it is exactly at the snapshot).
+    pub fn wait_for_resume(&mut self, machine: &Machine) -> BeforeRun {
+        let state = InstanceState::Paused;
+        loop {
+            let Ok(request) = self.requests.recv() else {
+                return BeforeRun::End;
+            };
+            let _ = self.event.read();
+            let (result, next) = match request.action {
+                VmmAction::GetInstanceInfo => (Ok(instance_info(state)), None),
+                VmmAction::GetMetrics => (Ok(metrics(state, Some(machine))), None),
+                VmmAction::GetMachineConfig => (Ok(machine_config_json(machine)), None),
+                VmmAction::Pause => (Ok(VmmData::Empty), None),
+                VmmAction::Resume => (Ok(VmmData::Empty), Some(BeforeRun::Run)),
+                VmmAction::SendCtrlAltDel => (Ok(VmmData::Empty), Some(BeforeRun::End)),
+                VmmAction::CreateSnapshot(_) => (
+                    Err(ActionError::wrong_state(
+                        "this VM was loaded and has not run since; its snapshot is the one it came from",
+                    )),
+                    None,
+                ),
+                VmmAction::PutMachineConfig(_)
+                | VmmAction::PutBootSource(_)
+                | VmmAction::StartInstance
+                | VmmAction::LoadSnapshot(_) => (Err(started_already()), None),
+            };
+            let _ = request.reply.send(result);
+            if let Some(next) = next {
+                return next;
+            }
+        }
+    }
+
+    /// The part that serves a running machine.
+    pub fn into_run_control(self) -> Box<dyn RunControl> {
+        Box::new(RunningApi {
+            requests: self.requests,
+            event: self.event,
+        })
+    }
+}
+
+fn machine_config_json(machine: &Machine) -> VmmData {
+    VmmData::Json(serde_json::json!(MachineConfigBody::from_config(
+        machine.config()
+    )))
+}
+
+struct RunningApi {
+    requests: Receiver<ApiRequest>,
+    event: EventFd,
+}
+
+impl RunningApi {
+    fn act(&mut self, action: VmmAction, running: &mut RunningMachine<'_>) -> (ActionResult, Option<GuestEnd>) {
+        let state = if running.is_paused() {
+            InstanceState::Paused
+        } else {
+            InstanceState::Running
+        };
+        let result = match action {
+            VmmAction::GetInstanceInfo => Ok(instance_info(state)),
+            VmmAction::GetMetrics => Ok(metrics(state, Some(running.machine()))),
+            VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
+            VmmAction::PutMachineConfig(_)
+            | VmmAction::PutBootSource(_)
+            | VmmAction::StartInstance
+            | VmmAction::LoadSnapshot(_) => Err(started_already()),
+            VmmAction::SendCtrlAltDel => {
+                log::info!("SendCtrlAltDel: ending the run as a guest reset");
+                return (Ok(VmmData::Empty), Some(GuestEnd::Reset));
+            }
+            VmmAction::Pause => running
+                .pause()
+                .map(|()| VmmData::Empty)
+                .map_err(|e| ActionError::bad_request(format!("cannot pause: {e}"))),
+            VmmAction::Resume => running
+                .resume()
+                .map(|()| VmmData::Empty)
+                .map_err(|e| ActionError::bad_request(format!("cannot resume: {e}"))),
+            VmmAction::CreateSnapshot(body) => snapshot(running, body),
+        };
+        (result, None)
+    }
+}
+
+fn snapshot(running: &mut RunningMachine<'_>, body: SnapshotCreateBody) -> ActionResult {
+    absolute_path(&body.snapshot_path, "snapshot_path")?;
+    if body.snapshot_type == SnapshotType::Diff && !running.machine().config().track_dirty_pages {
+        return Err(ActionError::bad_request(
+            "Diff snapshots need track_dirty_pages in the machine configuration",
+        ));
+    }
+    let report = running
+        .snapshot(&body.snapshot_path, body.snapshot_type == SnapshotType::Full)
+        .map_err(|e| ActionError::bad_request(format!("snapshot failed: {e}")))?;
+    Metrics::add(&METRICS.snapshots_created, 1);
+    Metrics::add(&METRICS.snapshot_bytes_written, report.memory_bytes_written);
+    Ok(VmmData::Json(serde_json::json!({
+        "snapshot_path": report.dir,
+        "memory_file": report.memory_file,
+        "diff": report.diff,
+        "memory_bytes_written": report.memory_bytes_written,
+        "data_pages": report.data_pages,
+        "paused_ms": report.pause_to_resume.as_millis() as u64,
+    })))
+}
+
+impl RunControl for RunningApi {
+    fn event(&self) -> &EventFd {
+        &self.event
+    }
+
+    fn serve(&mut self, running: &mut RunningMachine<'_>) -> Option<GuestEnd> {
+        while let Ok(request) = self.requests.try_recv() {
+            let (result, end) = self.act(request.action, running);
+            let _ = request.reply.send(result);
+            if end.is_some() {
+                return end;
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,140 @@
+//! Process-wide counters, read by `GET /metrics`. Plain atomics: cheap to bump from any
+//! thread, no locks on hot paths.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Routes the API counts requests for, in the order [`Metrics::api_requests`] indexes them.
+pub const API_ROUTES: &[&str] = &[
+    "/",
+    "/machine-config",
+    "/boot-source",
+    "/actions",
+    "/vm",
+    "/snapshot/create",
+    "/snapshot/load",
+    "/metrics",
+    "other",
+];
+
+/// Status classes counted per route: 2xx, 4xx, 5xx.
+const STATUS_CLASSES: [&str; 3] = ["2xx", "4xx", "5xx"];
+
+pub struct Metrics {
+    /// Bytes the guest wrote to its serial console.
+    pub serial_bytes_out: AtomicU64,
+    pub snapshots_created: AtomicU64,
+    pub snapshot_bytes_written: AtomicU64,
+    pub snapshots_loaded: AtomicU64,
+    api_requests: [[AtomicU64; 3]; API_ROUTES.len()],
+}
+
+#[allow(clippy::declare_interior_mutable_const)] // only used to initialise the static
+const ZERO: AtomicU64 = AtomicU64::new(0);
+
+/// The one set of counters of this process.
+pub static METRICS: Metrics = Metrics {
+    serial_bytes_out: ZERO,
+    snapshots_created: ZERO,
+    snapshot_bytes_written: ZERO,
+    snapshots_loaded: ZERO,
+    api_requests: [[ZERO; 3]; API_ROUTES.len()],
+};
+
+impl Metrics {
+    pub fn add(counter: &AtomicU64, value: u64) {
+        counter.fetch_add(value, Ordering::Relaxed);
+    }
+
+    /// Counts one API request to `path` answered with `status`.
+    pub fn count_api_request(&self, path: &str, status: u16) {
+        let route = API_ROUTES
+            .iter()
+            .position(|r| *r == path)
+            .unwrap_or(API_ROUTES.len() - 1);
+        let class = match status {
+            200..=399 => 0,
+            400..=499 => 1,
+            _ => 2,
+        };
+        self.api_requests[route][class].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counters as JSON (without the per-machine figures the VMM adds).
+    pub fn to_json(&self) -> serde_json::Value {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut api = serde_json::Map::new();
+        for (route, counters) in API_ROUTES.iter().zip(&self.api_requests) {
+            let mut by_class = serde_json::Map::new();
+            for (class, counter) in STATUS_CLASSES.iter().zip(counters) {
+                by_class.insert((*class).into(), load(counter).into());
+            }
+            api.insert((*route).into(), by_class.into());
+        }
+        serde_json::json!({
+            "serial": { "bytes_out": load(&self.serial_bytes_out) },
+            "snapshot": {
+                "created": load(&self.snapshots_created),
+                "bytes_written": load(&self.snapshot_bytes_written),
+                "loaded": load(&self.snapshots_loaded),
+            },
+            "api_requests": api,
+        })
+    }
+}
+
+/// A writer that counts the bytes going through it (the serial console's output).
+pub struct CountingWriter<W> {
+    inner: W,
+    counter: &'static AtomicU64,
+}
+
+impl<W> CountingWriter<W> {
+    pub fn new(inner: W, counter: &'static AtomicU64) -> Self {
+        CountingWriter { inner, counter }
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for CountingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buf)?;
+        self.counter.fetch_add(written as u64, Ordering::Relaxed);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn counts_requests_by_route_and_class() {
+        let metrics = Metrics {
+            serial_bytes_out: ZERO,
+            snapshots_created: ZERO,
+            snapshot_bytes_written: ZERO,
+            snapshots_loaded: ZERO,
+            api_requests: [[ZERO; 3]; API_ROUTES.len()],
+        };
+        metrics.count_api_request("/vm", 204);
+        metrics.count_api_request("/vm", 409);
+        metrics.count_api_request("/nope", 404);
+        let json = metrics.to_json();
+        assert_eq!(json["api_requests"]["/vm"]["2xx"], 1);
+        assert_eq!(json["api_requests"]["/vm"]["4xx"], 1);
+        assert_eq!(json["api_requests"]["other"]["4xx"], 1);
+        assert_eq!(json["api_requests"]["/"]["2xx"], 0);
+    }
+
+    #[test]
+    fn counting_writer_counts() {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut writer = CountingWriter::new(Vec::new(), &COUNTER);
+        writer.write_all(b"hello").unwrap();
+        assert_eq!(COUNTER.load(Ordering::Relaxed), 5);
+    }
+}
