@@ -1,4 +1,119 @@
 //! PCI device passthrough for gpuvm.
 //!
-//! Kernel VFIO (vfio-ioctls) and vfio-user backends behind one trait land with the
-//! passthrough work (issue 4); the crate exists now so the workspace has its final shape.
+//! - [`PassthroughDevice`]: the one seam between the PCI model and a backend: regions
+//!   (info, read/write, mmap), MSI-X eventfds, DMA mappings of guest RAM, reset.
+//! - [`user::VfioUserDevice`]: the vfio-user backend (the VMM is the client; the device
+//!   process receives the guest RAM memfd with each DMA mapping).
+//! - [`pci::VfioPciDevice`]: a [`gpuvm_devices::pci::PciDevice`] over any backend: BARs,
+//!   ROM BAR and MSI-X are emulated, the rest of configuration space is passed through.
+//! - [`emu`]: an emulated NVIDIA-like GPU served over vfio-user, for tests.
+//! - [`host`]: host checks (memlock limit, IOMMU groups) shared by `gpuvm check-host`.
+
+use std::os::fd::RawFd;
+
+use vmm_sys_util::eventfd::EventFd;
+
+pub mod emu;
+pub mod host;
+pub mod pci;
+pub mod user;
+
+#[cfg(test)]
+mod tests;
+
+/// VFIO region indices of a PCI device (as in linux/vfio.h).
+pub mod region {
+    pub const BAR0: u32 = 0;
+    pub const ROM: u32 = 6;
+    pub const CONFIG: u32 = 7;
+    pub const COUNT: u32 = 9;
+}
+
+/// Region flags (linux/vfio.h VFIO_REGION_INFO_FLAG_*).
+pub const REGION_READ: u32 = 1;
+pub const REGION_WRITE: u32 = 2;
+pub const REGION_MMAP: u32 = 4;
+
+/// What a backend says about one region.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegionInfo {
+    pub index: u32,
+    pub size: u64,
+    pub flags: u32,
+    /// Parts of the region that can be mmapped (offset, size); empty when none can.
+    pub mmap_areas: Vec<(u64, u64)>,
+}
+
+/// One range of guest RAM to make visible to the device for DMA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaRegion {
+    /// I/O virtual address the device uses: the guest-physical address.
+    pub guest_addr: u64,
+    pub size: u64,
+    /// Where the range is mapped in this process (kernel VFIO pins it from here).
+    pub host_addr: u64,
+    /// The RAM file and the range's offset in it (vfio-user hands the fd to the device).
+    pub fd: RawFd,
+    pub fd_offset: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VfioError {
+    #[error("vfio-user socket {path}: {source}")]
+    Connect {
+        path: std::path::PathBuf,
+        source: vfio_user::Error,
+    },
+    #[error("vfio-user: {what}: {source}")]
+    User {
+        what: &'static str,
+        source: vfio_user::Error,
+    },
+    #[error("device has no region {0}")]
+    NoRegion(u32),
+    #[error("access at {offset:#x}+{len} is outside region {index} ({size:#x} bytes)")]
+    OutOfRange {
+        index: u32,
+        offset: u64,
+        len: usize,
+        size: u64,
+    },
+    #[error("the device is not a usable PCI function: {0}")]
+    NotPci(String),
+    #[error("cannot set up interrupts: {0}")]
+    Interrupts(std::io::Error),
+    #[error(
+        "RLIMIT_MEMLOCK is {current} bytes but DMA-mapping guest RAM pins {needed} bytes: raise it \
+         (`ulimit -l {needed_kib}` as root, or `LimitMEMLOCK=infinity` / memlock in /etc/security/limits.conf)"
+    )]
+    Memlock {
+        current: u64,
+        needed: u64,
+        needed_kib: u64,
+    },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T> = std::result::Result<T, VfioError>;
+
+/// A passthrough device as the VMM drives it, whatever carries the requests.
+pub trait PassthroughDevice: Send {
+    /// A short name for logs (BDF or socket path).
+    fn name(&self) -> String;
+    fn region_info(&self, index: u32) -> Option<RegionInfo>;
+    fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> Result<()>;
+    fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<()>;
+    /// Maps `size` bytes of region `index` at `offset` into this process, if the region
+    /// allows it; the mapping lives as long as the device.
+    fn mmap_region(&mut self, index: u32, offset: u64, size: u64) -> Result<Option<*mut u8>>;
+    /// How many MSI-X vectors the device has (0: none).
+    fn msix_vectors(&mut self) -> Result<u32>;
+    /// Makes vector i signal `eventfds[i]`.
+    fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()>;
+    fn disable_msix(&mut self) -> Result<()>;
+    /// Makes guest RAM visible to the device for DMA. Called once for every RAM range at
+    /// boot, before any vCPU runs.
+    fn dma_map(&mut self, region: &DmaRegion) -> Result<()>;
+    fn reset(&mut self) -> Result<()>;
+}

@@ -1,0 +1,328 @@
+//! A passthrough PCI function: BARs, the ROM BAR and MSI-X are emulated here; every other
+//! configuration register goes to the device.
+
+use std::sync::Arc;
+
+use gpuvm_devices::pci::{
+    config, BarKind, BarSet, BarSpec, MsiRouting, MsixCapability, MsixTable, PciBar, PciDevice,
+};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
+
+/// GSIs and their eventfds for `count` MSI-X vectors; the VMM registers each eventfd as an
+/// irqfd on its GSI.
+pub type VectorAllocator<'a> = &'a mut dyn FnMut(u32) -> std::io::Result<Vec<(u32, EventFd)>>;
+
+struct Msix {
+    capability: MsixCapability,
+    table: MsixTable,
+    eventfds: Vec<EventFd>,
+}
+
+/// A PCI function backed by a [`PassthroughDevice`].
+pub struct VfioPciDevice {
+    backend: Box<dyn PassthroughDevice>,
+    bars: BarSet,
+    msix: Option<Msix>,
+    name: String,
+}
+
+impl VfioPciDevice {
+    /// Resets the device, reads its BARs and MSI-X capability, and allocates one GSI per
+    /// MSI-X vector through `allocate`.
+    pub fn new(
+        mut backend: Box<dyn PassthroughDevice>,
+        allocate: VectorAllocator<'_>,
+        router: Arc<dyn MsiRouting>,
+    ) -> Result<Self> {
+        let name = backend.name();
+        backend.reset()?;
+        let ids = read_config32(backend.as_mut(), config::VENDOR_ID)?;
+        if ids & 0xffff == 0xffff || ids & 0xffff == 0 {
+            return Err(VfioError::NotPci(format!(
+                "{name}: vendor id reads {:#06x}",
+                ids & 0xffff
+            )));
+        }
+        let bars = BarSet::new(&bar_specs(backend.as_mut())?);
+        let msix = match find_capability(backend.as_mut(), config::CAP_ID_MSIX)? {
+            None => None,
+            Some(offset) => {
+                let mut dwords = [0u32; 3];
+                for (i, dword) in dwords.iter_mut().enumerate() {
+                    *dword = read_config32(backend.as_mut(), offset + 4 * i as u16)?;
+                }
+                let capability = MsixCapability::parse(offset, dwords);
+                let vectors = u32::from(capability.vectors).min(backend.msix_vectors()?);
+                let allocated = allocate(vectors).map_err(VfioError::Interrupts)?;
+                let (gsis, eventfds): (Vec<u32>, Vec<EventFd>) = allocated.into_iter().unzip();
+                log::info!(
+                    "{name}: MSI-X with {vectors} vector(s), table in BAR{} at {:#x}, GSIs {gsis:?}",
+                    capability.table_bar,
+                    capability.table_offset
+                );
+                Some(Msix {
+                    capability,
+                    table: MsixTable::new(gsis, router),
+                    eventfds,
+                })
+            }
+        };
+        Ok(VfioPciDevice {
+            backend,
+            bars,
+            msix,
+            name,
+        })
+    }
+
+    /// Maps guest RAM for the device's DMA (all of it, once, before the guest runs).
+    pub fn dma_map(&mut self, regions: &[DmaRegion]) -> Result<()> {
+        for region in regions {
+            self.backend.dma_map(region)?;
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn msix_control_bytes(&self, offset: u16, len: usize) -> Option<(u16, u16)> {
+        let msix = self.msix.as_ref()?;
+        let control = msix.capability.control_offset();
+        let end = offset + len as u16;
+        (offset < control + 2 && end > control).then_some((control, msix.table.control()))
+    }
+
+    fn set_msix_control(&mut self, offset: u16, data: &[u8]) {
+        let Some(msix) = self.msix.as_mut() else {
+            return;
+        };
+        let control_offset = msix.capability.control_offset();
+        let mut bytes = msix.table.control().to_le_bytes();
+        for (i, byte) in data.iter().enumerate() {
+            let at = offset + i as u16;
+            if (control_offset..control_offset + 2).contains(&at) {
+                bytes[usize::from(at - control_offset)] = *byte;
+            }
+        }
+        if !msix.table.set_control(u16::from_le_bytes(bytes)) {
+            return;
+        }
+        let result = if msix.table.enabled() {
+            let fds: Vec<&EventFd> = msix.eventfds.iter().collect();
+            self.backend.enable_msix(&fds)
+        } else {
+            self.backend.disable_msix()
+        };
+        match result {
+            Ok(()) => log::info!(
+                "{}: MSI-X {}",
+                self.name,
+                if msix.table.enabled() {
+                    "enabled"
+                } else {
+                    "disabled"
+                }
+            ),
+            Err(error) => log::warn!("{}: cannot switch MSI-X: {error}", self.name),
+        }
+    }
+
+    /// Which part of the MSI-X structures `[offset, offset + len)` of `bar` hits.
+    fn msix_target(&self, bar: u8, offset: u64, len: usize) -> Option<MsixPart> {
+        let cap = self.msix.as_ref()?.capability;
+        let within = |start: u64, size: u64| offset >= start && offset + len as u64 <= start + size;
+        if bar == cap.table_bar && within(cap.table_offset, cap.table_len()) {
+            Some(MsixPart::Table(offset - cap.table_offset))
+        } else if bar == cap.pba_bar && within(cap.pba_offset, cap.pba_len()) {
+            Some(MsixPart::Pba(offset - cap.pba_offset))
+        } else {
+            None
+        }
+    }
+}
+
+enum MsixPart {
+    Table(u64),
+    Pba(u64),
+}
+
+fn read_config32(backend: &mut dyn PassthroughDevice, offset: u16) -> Result<u32> {
+    let mut data = [0u8; 4];
+    backend.region_read(region::CONFIG, u64::from(offset), &mut data)?;
+    Ok(u32::from_le_bytes(data))
+}
+
+/// BARs from the region sizes and the type bits the device reports in its BAR registers.
+fn bar_specs(backend: &mut dyn PassthroughDevice) -> Result<Vec<BarSpec>> {
+    let mut specs = Vec::new();
+    let mut index = 0u8;
+    while index < 6 {
+        let size = backend.region_info(u32::from(index)).map_or(0, |r| r.size);
+        if size == 0 {
+            index += 1;
+            continue;
+        }
+        let register = read_config32(backend, config::BAR0 + 4 * u16::from(index))?;
+        let size = size.max(16).next_power_of_two();
+        if register & 1 == 1 {
+            log::warn!("{}: I/O BAR{index} is not passed through", backend.name());
+            index += 1;
+            continue;
+        }
+        let prefetchable = register & 0b1000 != 0;
+        if register & 0b110 == 0b100 {
+            specs.push(BarSpec {
+                index,
+                size,
+                kind: BarKind::Memory64 { prefetchable },
+            });
+            index += 2;
+        } else {
+            specs.push(BarSpec {
+                index,
+                size,
+                kind: BarKind::Memory32 { prefetchable },
+            });
+            index += 1;
+        }
+    }
+    if let Some(rom) = backend.region_info(region::ROM).filter(|r| r.size > 0) {
+        specs.push(BarSpec {
+            index: region::ROM as u8,
+            size: rom.size.max(2048).next_power_of_two(),
+            kind: BarKind::Rom,
+        });
+    }
+    Ok(specs)
+}
+
+/// Walks the standard capability list for `id`.
+fn find_capability(backend: &mut dyn PassthroughDevice, id: u8) -> Result<Option<u16>> {
+    let status = read_config32(backend, config::COMMAND)? >> 16;
+    if status as u16 & config::STATUS_CAPABILITIES == 0 {
+        return Ok(None);
+    }
+    let mut pointer = (read_config32(backend, config::CAPABILITIES_POINTER)? & 0xfc) as u16;
+    // At most 48 capabilities fit in 192 bytes; a longer chain is a loop.
+    for _ in 0..48 {
+        if pointer < 0x40 {
+            return Ok(None);
+        }
+        let header = read_config32(backend, pointer)?;
+        if header as u8 == id {
+            return Ok(Some(pointer));
+        }
+        pointer = ((header >> 8) & 0xfc) as u16;
+    }
+    Ok(None)
+}
+
+impl PciDevice for VfioPciDevice {
+    fn config_read(&mut self, offset: u16, data: &mut [u8]) {
+        if BarSet::handles(offset) {
+            return self.bars.read(offset, data);
+        }
+        if let Err(error) = self
+            .backend
+            .region_read(region::CONFIG, u64::from(offset), data)
+        {
+            log::debug!("{}: config read at {offset:#x}: {error}", self.name);
+            data.fill(0xff);
+        }
+        if let Some((control_offset, control)) = self.msix_control_bytes(offset, data.len()) {
+            let vectors = self.msix.as_ref().map_or(1, |m| m.capability.vectors);
+            let value = ((vectors - 1) & 0x7ff) | control;
+            for (i, byte) in data.iter_mut().enumerate() {
+                let at = offset + i as u16;
+                if (control_offset..control_offset + 2).contains(&at) {
+                    *byte = value.to_le_bytes()[usize::from(at - control_offset)];
+                }
+            }
+        }
+    }
+
+    fn config_write(&mut self, offset: u16, data: &[u8]) {
+        if BarSet::handles(offset) {
+            return self.bars.write(offset, data);
+        }
+        if self.msix_control_bytes(offset, data.len()).is_some() {
+            return self.set_msix_control(offset, data);
+        }
+        if offset == config::COMMAND {
+            self.bars
+                .set_memory_enabled(u16::from(data[0]) & config::COMMAND_MEMORY != 0);
+        }
+        if let Err(error) = self
+            .backend
+            .region_write(region::CONFIG, u64::from(offset), data)
+        {
+            log::debug!("{}: config write at {offset:#x}: {error}", self.name);
+        }
+    }
+
+    fn active_bars(&self) -> Vec<PciBar> {
+        self.bars.active()
+    }
+
+    fn bar_specs(&self) -> Vec<BarSpec> {
+        self.bars.specs()
+    }
+
+    fn set_bar_address(&mut self, bar: u8, address: u64) {
+        self.bars.set_address(bar, address);
+    }
+
+    fn enable_memory_decoding(&mut self) {
+        let mut command = [0u8; 2];
+        self.config_read(config::COMMAND, &mut command);
+        let value = u16::from_le_bytes(command) | config::COMMAND_MEMORY;
+        self.config_write(config::COMMAND, &value.to_le_bytes());
+    }
+
+    fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]) {
+        match (
+            self.msix_target(bar, offset, data.len()),
+            self.msix.as_ref(),
+        ) {
+            (Some(MsixPart::Table(at)), Some(msix)) => return msix.table.read_table(at, data),
+            (Some(MsixPart::Pba(at)), Some(msix)) => return msix.table.read_pba(at, data),
+            _ => {}
+        }
+        if let Err(error) = self.backend.region_read(u32::from(bar), offset, data) {
+            log::debug!("{}: BAR{bar} read at {offset:#x}: {error}", self.name);
+            data.fill(0xff);
+        }
+    }
+
+    fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]) {
+        match self.msix_target(bar, offset, data.len()) {
+            Some(MsixPart::Table(at)) => {
+                if let Some(msix) = self.msix.as_mut() {
+                    msix.table.write_table(at, data);
+                }
+                return;
+            }
+            Some(MsixPart::Pba(_)) => return,
+            None => {}
+        }
+        if let Err(error) = self.backend.region_write(u32::from(bar), offset, data) {
+            log::debug!("{}: BAR{bar} write at {offset:#x}: {error}", self.name);
+        }
+    }
+}
+
+impl Drop for VfioPciDevice {
+    /// Leaves the device quiet for whoever uses it next.
+    fn drop(&mut self) {
+        if self.msix.as_ref().is_some_and(|m| m.table.enabled()) {
+            let _ = self.backend.disable_msix();
+        }
+        if let Err(error) = self.backend.reset() {
+            log::debug!("{}: reset on teardown: {error}", self.name);
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! The vfio-user backend: gpuvm is the client, the device runs in another process and
+//! DMAs into guest RAM through the memfd it receives with each mapping.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
+    VFIO_PCI_MSIX_IRQ_INDEX,
+};
+use vfio_user::Client;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
+
+/// A device behind a vfio-user socket.
+pub struct VfioUserDevice {
+    client: Client,
+    path: PathBuf,
+}
+
+impl VfioUserDevice {
+    /// Connects and negotiates; the server must already be listening.
+    pub fn connect(path: &Path) -> Result<Self> {
+        let client = Client::new(path).map_err(|source| VfioError::Connect {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        log::info!("vfio-user: connected to {}", path.display());
+        Ok(VfioUserDevice {
+            client,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn check_range(&self, index: u32, offset: u64, len: usize) -> Result<()> {
+        let size = self
+            .client
+            .region(index)
+            .ok_or(VfioError::NoRegion(index))?
+            .size;
+        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+            return Err(VfioError::OutOfRange {
+                index,
+                offset,
+                len,
+                size,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn user(what: &'static str) -> impl FnOnce(vfio_user::Error) -> VfioError {
+    move |source| VfioError::User { what, source }
+}
+
+impl PassthroughDevice for VfioUserDevice {
+    fn name(&self) -> String {
+        format!("vfio-user:{}", self.path.display())
+    }
+
+    fn region_info(&self, index: u32) -> Option<RegionInfo> {
+        let region = self.client.region(index)?;
+        Some(RegionInfo {
+            index,
+            size: region.size,
+            flags: region.flags,
+            mmap_areas: region
+                .sparse_areas
+                .iter()
+                .map(|area| (area.offset, area.size))
+                .collect(),
+        })
+    }
+
+    fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> Result<()> {
+        self.check_range(index, offset, data.len())?;
+        self.client
+            .region_read(index, offset, data)
+            .map_err(user("region read"))
+    }
+
+    fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_range(index, offset, data.len())?;
+        self.client
+            .region_write(index, offset, data)
+            .map_err(user("region write"))
+    }
+
+    fn mmap_region(&mut self, _index: u32, _offset: u64, _size: u64) -> Result<Option<*mut u8>> {
+        // Region accesses go over the socket; the emulated device offers no mmap.
+        Ok(None)
+    }
+
+    fn msix_vectors(&mut self) -> Result<u32> {
+        let info = self
+            .client
+            .get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX)
+            .map_err(user("get MSI-X info"))?;
+        Ok(info.count)
+    }
+
+    fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
+        let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
+        self.client
+            .set_irqs(
+                VFIO_PCI_MSIX_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                fds.len() as u32,
+                &fds,
+            )
+            .map_err(user("set MSI-X eventfds"))
+    }
+
+    fn disable_msix(&mut self) -> Result<()> {
+        self.client
+            .set_irqs(
+                VFIO_PCI_MSIX_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                0,
+                &[],
+            )
+            .map_err(user("disable MSI-X"))
+    }
+
+    fn dma_map(&mut self, region: &DmaRegion) -> Result<()> {
+        log::info!(
+            "vfio-user: DMA map {:#x}+{:#x} (fd offset {:#x})",
+            region.guest_addr,
+            region.size,
+            region.fd_offset
+        );
+        self.client
+            .dma_map(region.fd_offset, region.guest_addr, region.size, region.fd)
+            .map_err(user("DMA map"))
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        if !self.client.resettable() {
+            return Ok(());
+        }
+        self.client.reset().map_err(user("reset"))
+    }
+}
+
+impl Drop for VfioUserDevice {
+    fn drop(&mut self) {
+        if let Err(error) = self.client.shutdown() {
+            log::debug!("vfio-user: shutdown of {}: {error}", self.path.display());
+        }
+    }
+}
