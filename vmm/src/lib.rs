@@ -7,9 +7,11 @@
 //! - [`vcpu`] is one vCPU thread and its exit handling.
 //! - [`x86_64`] holds the architecture: layout, boot protocols, CPUID, MSRs, MP table.
 
+pub mod api;
 pub mod builder;
 pub mod config;
 pub mod machine;
+pub mod metrics;
 pub mod persist;
 pub mod snapshot;
 pub mod vcpu;

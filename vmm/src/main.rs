@@ -6,12 +6,16 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpuvm_memory::Backing;
+use gpuvm_vmm::api::server::ApiServer;
+use gpuvm_vmm::api::vmm::{ApiController, BeforeRun, Started};
 use gpuvm_vmm::config::{MachineConfig, VmConfig};
 use gpuvm_vmm::machine::{AfterSnapshot, SnapshotPolicy};
+use gpuvm_vmm::metrics::{CountingWriter, METRICS};
 use gpuvm_vmm::snapshot::RestoreMode;
 use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
 use gpuvm_vmm::x86_64::cpuid::CpuidMask;
 use gpuvm_vmm::Machine;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 /// A KVM micro-VMM for GPU virtual machines.
 #[derive(Parser, Debug)]
@@ -34,6 +38,8 @@ enum Command {
         #[arg(long)]
         pid: i32,
     },
+    /// Talk to a running gpuvm's API socket.
+    Ctl(CtlArgs),
     /// Write the embedded test guest (a PVH ELF) to a file, e.g. to boot it elsewhere.
     GuestImage {
         /// Where to write the image.
@@ -75,10 +81,99 @@ struct RunArgs {
     /// Log dirty pages so that later snapshots into the same directory are diffs.
     #[arg(long)]
     track_dirty_pages: bool,
+    /// Serve the control API on this Unix socket. Without --config-file, gpuvm waits for
+    /// PUT /actions InstanceStart (or PUT /snapshot/load); the flags above are the
+    /// initial configuration.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// Start at once with this JSON configuration ({"machine-config": {...},
+    /// "boot-source": {...}}, the bodies of the API's routes).
+    #[arg(long)]
+    config_file: Option<PathBuf>,
     #[command(flatten)]
     snapshot: SnapshotArgs,
     #[command(flatten)]
     report: ReportArgs,
+}
+
+#[derive(Args, Debug)]
+struct CtlArgs {
+    /// The API socket of the gpuvm to talk to.
+    #[arg(long)]
+    api_sock: PathBuf,
+    #[command(subcommand)]
+    command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum CtlCommand {
+    /// GET /: instance information and state.
+    Info,
+    /// GET /machine-config.
+    GetMachineConfig,
+    /// PUT /machine-config.
+    SetMachineConfig {
+        #[arg(long)]
+        vcpus: u8,
+        #[arg(long, value_parser = parse_size)]
+        memory: u64,
+        #[arg(long, default_value = "memfd", value_parser = ["memfd", "hugetlb-2m", "hugetlb-1g"])]
+        memory_backing: String,
+        #[arg(long)]
+        no_thp: bool,
+        #[arg(long)]
+        prefault: bool,
+        #[arg(long, value_delimiter = ',')]
+        cpuid_mask: Vec<String>,
+        #[arg(long)]
+        track_dirty_pages: bool,
+    },
+    /// PUT /boot-source (no --kernel: the embedded test guest).
+    SetBootSource {
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        #[arg(long)]
+        cmdline: Option<String>,
+    },
+    /// PUT /actions InstanceStart.
+    Start,
+    /// PUT /actions SendCtrlAltDel (ends the run as a guest reset).
+    CtrlAltDel,
+    /// PATCH /vm Paused.
+    Pause,
+    /// PATCH /vm Resumed.
+    Resume,
+    /// PUT /snapshot/create.
+    SnapshotCreate {
+        /// Snapshot directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Write only pages dirtied since the last snapshot into DIR.
+        #[arg(long)]
+        diff: bool,
+    },
+    /// PUT /snapshot/load (only before start).
+    SnapshotLoad {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, value_enum, default_value = "lazy")]
+        restore_mode: Mode,
+        #[arg(long, required_if_eq("restore_mode", "external"))]
+        uffd_socket: Option<PathBuf>,
+        /// Run at once instead of waiting for `resume`.
+        #[arg(long)]
+        resume: bool,
+    },
+    /// GET /metrics.
+    Metrics,
+    /// Any request: METHOD PATH [JSON BODY].
+    Raw {
+        method: String,
+        path: String,
+        body: Option<String>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -204,11 +299,107 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Err
             }),
         },
     };
-    let mut machine = gpuvm_vmm::builder::build(&config, Box::new(std::io::stdout()))?;
+    let config = match &args.config_file {
+        Some(path) => api_config::apply_config_file(path, config)?,
+        None => config,
+    };
+    let Some(api_sock) = &args.api_sock else {
+        let mut machine = gpuvm_vmm::builder::build(&config, serial_out())?;
+        if let Some(policy) = snapshot_policy(&args.snapshot) {
+            machine.set_snapshot_policy(policy);
+        }
+        return finish(machine, &args.report, process_start, None);
+    };
+    let (requests_tx, requests_rx) = std::sync::mpsc::channel();
+    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
+    let server = ApiServer::start(
+        api_sock,
+        requests_tx,
+        wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
+    )
+    .map_err(api_config::api_error)?;
+    let mut controller =
+        ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
+    let (mut machine, paused) = if args.config_file.is_some() {
+        (gpuvm_vmm::builder::build(&config, serial_out())?, false)
+    } else {
+        match controller.wait_for_start() {
+            Some(Started { machine, paused }) => (machine, paused),
+            None => return Ok(ExitCode::from(1)),
+        }
+    };
+    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
+        server.wait_idle(Duration::from_secs(2));
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Some(policy) = snapshot_policy(&args.snapshot) {
         machine.set_snapshot_policy(policy);
     }
-    finish(machine, &args.report, process_start, None)
+    machine.set_run_control(controller.into_run_control());
+    let result = finish(machine, &args.report, process_start, None);
+    // Let the answer to a request that ended the run reach its client.
+    server.wait_idle(Duration::from_secs(2));
+    result
+}
+
+/// The serial console: stdout, counted for the metrics.
+fn serial_out() -> Box<dyn std::io::Write + Send> {
+    Box::new(CountingWriter::new(
+        std::io::stdout(),
+        &METRICS.serial_bytes_out,
+    ))
+}
+
+/// `--config-file` and API error plumbing for the CLI.
+mod api_config {
+    use std::path::Path;
+
+    use gpuvm_vmm::api::action::ConfigFile;
+    use gpuvm_vmm::api::ApiError;
+    use gpuvm_vmm::config::VmConfig;
+    use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
+
+    fn invalid(path: &Path, reason: impl std::fmt::Display) -> gpuvm_vmm::Error {
+        gpuvm_vmm::Error::EventFd(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("config file {}: {reason}", path.display()),
+        ))
+    }
+
+    pub fn api_error(error: ApiError) -> gpuvm_vmm::Error {
+        gpuvm_vmm::Error::EventFd(std::io::Error::other(error.to_string()))
+    }
+
+    /// The configuration from `path` over `config` (the command-line flags).
+    pub fn apply_config_file(
+        path: &Path,
+        mut config: VmConfig,
+    ) -> Result<VmConfig, gpuvm_vmm::Error> {
+        let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e))?;
+        let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(path, e))?;
+        if let Some(machine) = file.machine_config {
+            config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
+        }
+        if let Some(boot) = file.boot_source {
+            let kernel = match boot.kernel_image_path {
+                Some(kernel) => KernelSource::File(kernel),
+                None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+            };
+            let embedded = matches!(kernel, KernelSource::Embedded(_));
+            config.boot = BootSource {
+                kernel,
+                initrd: boot.initrd_path,
+                cmdline: boot.boot_args.unwrap_or_else(|| {
+                    if embedded {
+                        "hello".into()
+                    } else {
+                        String::new()
+                    }
+                }),
+            };
+        }
+        Ok(config)
+    }
 }
 
 fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Error> {
@@ -309,6 +500,119 @@ fn signal_snapshot(pid: i32) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// `gpuvm ctl`: one request; prints the answer's body, exits 0 on success.
+fn ctl(args: CtlArgs) -> ExitCode {
+    use serde_json::json;
+    let (method, path, body): (&str, &str, Option<serde_json::Value>) = match &args.command {
+        CtlCommand::Info => ("GET", "/", None),
+        CtlCommand::GetMachineConfig => ("GET", "/machine-config", None),
+        CtlCommand::SetMachineConfig {
+            vcpus,
+            memory,
+            memory_backing,
+            no_thp,
+            prefault,
+            cpuid_mask,
+            track_dirty_pages,
+        } => (
+            "PUT",
+            "/machine-config",
+            Some(json!({
+                "vcpu_count": vcpus,
+                "mem_size_mib": memory >> 20,
+                "backing": memory_backing,
+                "thp": !no_thp,
+                "prefault": prefault,
+                "cpuid_masks": cpuid_mask,
+                "track_dirty_pages": track_dirty_pages,
+            })),
+        ),
+        CtlCommand::SetBootSource {
+            kernel,
+            initrd,
+            cmdline,
+        } => (
+            "PUT",
+            "/boot-source",
+            Some(json!({
+                "kernel_image_path": kernel.as_ref().map(|p| absolute(p)),
+                "initrd_path": initrd.as_ref().map(|p| absolute(p)),
+                "boot_args": cmdline,
+            })),
+        ),
+        CtlCommand::Start => (
+            "PUT",
+            "/actions",
+            Some(json!({"action_type": "InstanceStart"})),
+        ),
+        CtlCommand::CtrlAltDel => (
+            "PUT",
+            "/actions",
+            Some(json!({"action_type": "SendCtrlAltDel"})),
+        ),
+        CtlCommand::Pause => ("PATCH", "/vm", Some(json!({"state": "Paused"}))),
+        CtlCommand::Resume => ("PATCH", "/vm", Some(json!({"state": "Resumed"}))),
+        CtlCommand::SnapshotCreate { dir, diff } => (
+            "PUT",
+            "/snapshot/create",
+            Some(json!({
+                "snapshot_path": absolute(dir),
+                "snapshot_type": if *diff { "Diff" } else { "Full" },
+            })),
+        ),
+        CtlCommand::SnapshotLoad {
+            dir,
+            restore_mode,
+            uffd_socket,
+            resume,
+        } => (
+            "PUT",
+            "/snapshot/load",
+            Some(json!({
+                "snapshot_path": absolute(dir),
+                "restore_mode": match restore_mode {
+                    Mode::Eager => "Eager",
+                    Mode::Lazy => "Lazy",
+                    Mode::External => "External",
+                },
+                "uffd_socket_path": uffd_socket.as_ref().map(|p| absolute(p)),
+                "resume_vm": resume,
+            })),
+        ),
+        CtlCommand::Metrics => ("GET", "/metrics", None),
+        CtlCommand::Raw { method, path, body } => {
+            let body = body.as_deref().map(str::to_owned);
+            return ctl_send(&args.api_sock, method, path, body.as_deref());
+        }
+    };
+    let body = body.map(|b| b.to_string());
+    ctl_send(&args.api_sock, method, path, body.as_deref())
+}
+
+/// Paths go to the server as absolute paths: it does not share our working directory.
+fn absolute(path: &std::path::Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+fn ctl_send(socket: &std::path::Path, method: &str, path: &str, body: Option<&str>) -> ExitCode {
+    match gpuvm_vmm::api::client::request(socket, method, path, body) {
+        Ok(response) if response.is_success() => {
+            if !response.body.is_empty() {
+                println!("{}", response.body);
+            }
+            ExitCode::SUCCESS
+        }
+        Ok(response) => {
+            eprintln!("gpuvm: error: {} ({})", response.message(), response.status);
+            ExitCode::from(1)
+        }
+        Err(error) => {
+            eprintln!("gpuvm: error: {error}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn write_guest_image(output: &std::path::Path) -> ExitCode {
     match std::fs::write(output, gpuvm_guest_images::TEST_GUEST_ELF) {
         Ok(()) => ExitCode::SUCCESS,
@@ -329,6 +633,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args, process_start),
         Command::Restore(args) => restore(args, process_start),
         Command::Snapshot { pid } => return signal_snapshot(pid),
+        Command::Ctl(args) => return ctl(args),
         Command::GuestImage { output } => return write_guest_image(&output),
     };
     match result {

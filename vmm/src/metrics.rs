@@ -30,6 +30,8 @@ pub struct Metrics {
 
 #[allow(clippy::declare_interior_mutable_const)] // only used to initialise the static
 const ZERO: AtomicU64 = AtomicU64::new(0);
+#[allow(clippy::declare_interior_mutable_const)]
+const ZERO_ROW: [AtomicU64; 3] = [ZERO, ZERO, ZERO];
 
 /// The one set of counters of this process.
 pub static METRICS: Metrics = Metrics {
@@ -37,7 +39,7 @@ pub static METRICS: Metrics = Metrics {
     snapshots_created: ZERO,
     snapshot_bytes_written: ZERO,
     snapshots_loaded: ZERO,
-    api_requests: [[ZERO; 3]; API_ROUTES.len()],
+    api_requests: [ZERO_ROW; API_ROUTES.len()],
 };
 
 impl Metrics {
@@ -118,7 +120,7 @@ mod tests {
             snapshots_created: ZERO,
             snapshot_bytes_written: ZERO,
             snapshots_loaded: ZERO,
-            api_requests: [[ZERO; 3]; API_ROUTES.len()],
+            api_requests: [ZERO_ROW; API_ROUTES.len()],
         };
         metrics.count_api_request("/vm", 204);
         metrics.count_api_request("/vm", 409);

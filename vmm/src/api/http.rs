@@ -148,7 +148,11 @@ impl<R: Read> RequestReader<R> {
         while self.buffer.len() < total {
             match self.fill() {
                 Ok(true) => {}
-                Ok(false) => return ReadOutcome::Bad(HttpError::Malformed("body shorter than Content-Length")),
+                Ok(false) => {
+                    return ReadOutcome::Bad(HttpError::Malformed(
+                        "body shorter than Content-Length",
+                    ))
+                }
                 Err(_) => return ReadOutcome::Bad(HttpError::Timeout),
             }
         }
@@ -221,7 +225,9 @@ fn parse_head(head: &[u8]) -> Result<Head, HttpError> {
         _ => return Err(HttpError::Version),
     };
     if !target.starts_with('/') || target.bytes().any(|b| b <= b' ' || b == 0x7f) {
-        return Err(HttpError::Malformed("request target must be an absolute path"));
+        return Err(HttpError::Malformed(
+            "request target must be an absolute path",
+        ));
     }
     let path = target.split('?').next().unwrap_or(target).to_string();
 
@@ -319,7 +325,11 @@ impl Response {
     }
 
     pub fn write_to(&self, out: &mut impl Write, close: bool) -> std::io::Result<()> {
-        let mut head = format!("HTTP/1.1 {} {}\r\nServer: gpuvm\r\n", self.status, reason(self.status));
+        let mut head = format!(
+            "HTTP/1.1 {} {}\r\nServer: gpuvm\r\n",
+            self.status,
+            reason(self.status)
+        );
         if !self.body.is_empty() {
             head.push_str("Content-Type: application/json\r\n");
         }

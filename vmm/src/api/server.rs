@@ -147,7 +147,11 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
             ReadOutcome::Closed => return,
             ReadOutcome::Bad(error) => {
                 log::debug!("bad API request: {error}");
-                (Response::fault(error.status(), error.to_string()), true, None)
+                (
+                    Response::fault(error.status(), error.to_string()),
+                    true,
+                    None,
+                )
             }
             ReadOutcome::Request(request) => {
                 busy.fetch_add(1, Ordering::SeqCst);
@@ -173,7 +177,11 @@ fn handle(request: &Request, link: &VmmLink) -> Response {
         Ok(action) => action,
         Err(response) => return response,
     };
-    log::debug!("API {} {}: {action:?}", request.method.as_str(), request.path);
+    log::debug!(
+        "API {} {}: {action:?}",
+        request.method.as_str(),
+        request.path
+    );
     match dispatch(action, link) {
         Ok(VmmData::Empty) => Response::no_content(),
         Ok(VmmData::Json(value)) => Response::json(200, &value),
@@ -226,11 +234,15 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
         },
         "/machine-config" => match method {
             Get => Ok(VmmAction::GetMachineConfig),
-            Put => Ok(VmmAction::PutMachineConfig(parse::<MachineConfigBody>(&request.body)?)),
+            Put => Ok(VmmAction::PutMachineConfig(parse::<MachineConfigBody>(
+                &request.body,
+            )?)),
             Patch => Err(method_not_allowed("GET, PUT")),
         },
         "/boot-source" => match method {
-            Put => Ok(VmmAction::PutBootSource(parse::<BootSourceBody>(&request.body)?)),
+            Put => Ok(VmmAction::PutBootSource(parse::<BootSourceBody>(
+                &request.body,
+            )?)),
             _ => Err(method_not_allowed("PUT")),
         },
         "/actions" => match method {
@@ -248,11 +260,15 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             _ => Err(method_not_allowed("PATCH")),
         },
         "/snapshot/create" => match method {
-            Put => Ok(VmmAction::CreateSnapshot(parse::<SnapshotCreateBody>(&request.body)?)),
+            Put => Ok(VmmAction::CreateSnapshot(parse::<SnapshotCreateBody>(
+                &request.body,
+            )?)),
             _ => Err(method_not_allowed("PUT")),
         },
         "/snapshot/load" => match method {
-            Put => Ok(VmmAction::LoadSnapshot(parse::<SnapshotLoadBody>(&request.body)?)),
+            Put => Ok(VmmAction::LoadSnapshot(parse::<SnapshotLoadBody>(
+                &request.body,
+            )?)),
             _ => Err(method_not_allowed("PUT")),
         },
         "/metrics" => match method {
@@ -263,11 +279,13 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             400,
             "GPU devices cannot be configured through the API yet",
         )),
-        _ if path.starts_with("/drives") => Err(Response::fault(
-            400,
-            "block devices are not supported yet",
+        _ if path.starts_with("/drives") => {
+            Err(Response::fault(400, "block devices are not supported yet"))
+        }
+        _ => Err(Response::fault(
+            404,
+            format!("no such route: {}", request.path),
         )),
-        _ => Err(Response::fault(404, format!("no such route: {}", request.path))),
     }
 }
 
@@ -302,7 +320,11 @@ mod tests {
             Ok(VmmAction::Pause)
         ));
         assert!(matches!(
-            route(&request(Method::Put, "/actions", r#"{"action_type":"SendCtrlAltDel"}"#)),
+            route(&request(
+                Method::Put,
+                "/actions",
+                r#"{"action_type":"SendCtrlAltDel"}"#
+            )),
             Ok(VmmAction::SendCtrlAltDel)
         ));
         assert!(matches!(
@@ -319,11 +341,21 @@ mod tests {
         assert_eq!(status(route(&request(Method::Patch, "/vm", "{"))), 400);
         assert_eq!(status(route(&request(Method::Patch, "/vm", ""))), 400);
         assert_eq!(
-            status(route(&request(Method::Patch, "/vm", r#"{"state":"Paused","x":1}"#))),
+            status(route(&request(
+                Method::Patch,
+                "/vm",
+                r#"{"state":"Paused","x":1}"#
+            ))),
             400
         );
-        assert_eq!(status(route(&request(Method::Put, "/gpus/gpu0", "{}"))), 400);
-        assert_eq!(status(route(&request(Method::Put, "/drives/rootfs", "{}"))), 400);
+        assert_eq!(
+            status(route(&request(Method::Put, "/gpus/gpu0", "{}"))),
+            400
+        );
+        assert_eq!(
+            status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
+            400
+        );
         let response = route(&request(Method::Get, "/vm", "")).err().unwrap();
         assert_eq!(response.allow, Some("PATCH"));
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();

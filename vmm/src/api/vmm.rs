@@ -139,15 +139,19 @@ impl ApiController {
                         }),
                     ),
                     Err(error) => (
-                        Err(ActionError::bad_request(format!("cannot start the VM: {error}"))),
+                        Err(ActionError::bad_request(format!(
+                            "cannot start the VM: {error}"
+                        ))),
                         None,
                     ),
                 };
             }
             VmmAction::LoadSnapshot(body) => return self.load(body),
-            VmmAction::SendCtrlAltDel | VmmAction::Pause | VmmAction::Resume => Err(
-                ActionError::wrong_state("the VM is not running (PUT /actions InstanceStart first)"),
-            ),
+            VmmAction::SendCtrlAltDel | VmmAction::Pause | VmmAction::Resume => {
+                Err(ActionError::wrong_state(
+                    "the VM is not running (PUT /actions InstanceStart first)",
+                ))
+            }
             VmmAction::CreateSnapshot(_) => Err(ActionError::wrong_state(
                 "there is no VM to snapshot yet (PUT /actions InstanceStart first)",
             )),
@@ -172,16 +176,23 @@ impl ApiController {
         if let Some(initrd) = &body.initrd_path {
             absolute_path(initrd, "initrd_path")?;
             std::fs::File::open(initrd).map_err(|error| {
-                ActionError::bad_request(format!("cannot open initrd {}: {error}", initrd.display()))
+                ActionError::bad_request(format!(
+                    "cannot open initrd {}: {error}",
+                    initrd.display()
+                ))
             })?;
         }
         let embedded = matches!(kernel, KernelSource::Embedded(_));
         self.boot = BootSource {
             kernel,
             initrd: body.initrd_path,
-            cmdline: body
-                .boot_args
-                .unwrap_or_else(|| if embedded { "hello".into() } else { String::new() }),
+            cmdline: body.boot_args.unwrap_or_else(|| {
+                if embedded {
+                    "hello".into()
+                } else {
+                    String::new()
+                }
+            }),
         };
         Ok(VmmData::Empty)
     }
@@ -280,7 +291,11 @@ struct RunningApi {
 }
 
 impl RunningApi {
-    fn act(&mut self, action: VmmAction, running: &mut RunningMachine<'_>) -> (ActionResult, Option<GuestEnd>) {
+    fn act(
+        &mut self,
+        action: VmmAction,
+        running: &mut RunningMachine<'_>,
+    ) -> (ActionResult, Option<GuestEnd>) {
         let state = if running.is_paused() {
             InstanceState::Paused
         } else {
@@ -320,7 +335,10 @@ fn snapshot(running: &mut RunningMachine<'_>, body: SnapshotCreateBody) -> Actio
         ));
     }
     let report = running
-        .snapshot(&body.snapshot_path, body.snapshot_type == SnapshotType::Full)
+        .snapshot(
+            &body.snapshot_path,
+            body.snapshot_type == SnapshotType::Full,
+        )
         .map_err(|e| ActionError::bad_request(format!("snapshot failed: {e}")))?;
     Metrics::add(&METRICS.snapshots_created, 1);
     Metrics::add(&METRICS.snapshot_bytes_written, report.memory_bytes_written);

@@ -20,7 +20,8 @@ fn first(input: &[u8]) -> ReadOutcome {
 
 #[test]
 fn parses_a_request_with_a_body() {
-    let outcome = first(b"PUT /machine-config?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}");
+    let outcome =
+        first(b"PUT /machine-config?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}");
     assert_eq!(
         outcome,
         ReadOutcome::Request(Request {
@@ -53,20 +54,46 @@ fn limits_and_framing_errors_are_4xx() {
         (b"get / HTTP/1.1\r\n\r\n".to_vec(), 400),
         (b"GET  / HTTP/1.1\r\n\r\n".to_vec(), 400),
         (b"GET noslash HTTP/1.1\r\n\r\n".to_vec(), 400),
-        (b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(), 411),
-        (b"PUT / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n".to_vec(), 413),
-        (b"PUT / HTTP/1.1\r\nContent-Length: -1\r\n\r\n".to_vec(), 400),
-        (b"PUT / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n".to_vec(), 400),
-        (b"PUT / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab".to_vec(), 400),
+        (
+            b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec(),
+            411,
+        ),
+        (
+            b"PUT / HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n".to_vec(),
+            413,
+        ),
+        (
+            b"PUT / HTTP/1.1\r\nContent-Length: -1\r\n\r\n".to_vec(),
+            400,
+        ),
+        (
+            b"PUT / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n".to_vec(),
+            400,
+        ),
+        (
+            b"PUT / HTTP/1.1\r\nContent-Length: 5\r\n\r\nab".to_vec(),
+            400,
+        ),
         (b"GET / HTTP/1.1\r\nNoColon\r\n\r\n".to_vec(), 400),
         (b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n".to_vec(), 400),
         ([b"GET /".as_slice(), &[b'a'; MAX_LINE + 10]].concat(), 431),
         (
-            [b"GET / HTTP/1.1\r\n".as_slice(), &b"A: b\r\n".repeat(MAX_HEADERS + 1), b"\r\n"].concat(),
+            [
+                b"GET / HTTP/1.1\r\n".as_slice(),
+                &b"A: b\r\n".repeat(MAX_HEADERS + 1),
+                b"\r\n",
+            ]
+            .concat(),
             431,
         ),
         (
-            [b"GET / HTTP/1.1\r\n".as_slice(), &format!("A: {}\r\n", "b".repeat(1000)).repeat(10).into_bytes()].concat(),
+            [
+                b"GET / HTTP/1.1\r\n".as_slice(),
+                &format!("A: {}\r\n", "b".repeat(1000))
+                    .repeat(10)
+                    .into_bytes(),
+            ]
+            .concat(),
             431,
         ),
         (b"GET / HTTP/1.1\r\n\xff: x\r\n\r\n".to_vec(), 400),
@@ -112,8 +139,21 @@ const VALID: &[&[u8]] = &[
 ];
 
 const PIECES: &[&[u8]] = &[
-    b"\r\n", b"\r\n\r\n", b":", b" ", b"Content-Length: ", b"99999999999999999999", b"HTTP/1.1",
-    b"Transfer-Encoding: chunked", b"\0", b"\xff\xfe", b"GET", b"/", b"\n", b"%", b"?a=b",
+    b"\r\n",
+    b"\r\n\r\n",
+    b":",
+    b" ",
+    b"Content-Length: ",
+    b"99999999999999999999",
+    b"HTTP/1.1",
+    b"Transfer-Encoding: chunked",
+    b"\0",
+    b"\xff\xfe",
+    b"GET",
+    b"/",
+    b"\n",
+    b"%",
+    b"?a=b",
 ];
 
 /// Property: for any input the reader ends (request, clean close or a 4xx error), never
@@ -176,12 +216,17 @@ fn random_inputs_never_panic_and_fail_with_4xx() {
 #[test]
 fn responses_are_framed() {
     let mut out = Vec::new();
-    Response::fault(400, "nope").write_to(&mut out, true).unwrap();
+    Response::fault(400, "nope")
+        .write_to(&mut out, true)
+        .unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(text.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{text}");
-    assert!(text.contains("Content-Length: 26\r\n"), "{text}");
+    assert!(text.contains("Content-Length: 24\r\n"), "{text}");
     assert!(text.contains("Connection: close\r\n"), "{text}");
-    assert!(text.ends_with("\r\n\r\n{\"fault_message\":\"nope\"}"), "{text}");
+    assert!(
+        text.ends_with("\r\n\r\n{\"fault_message\":\"nope\"}"),
+        "{text}"
+    );
     let mut out = Vec::new();
     Response::no_content().write_to(&mut out, false).unwrap();
     assert_eq!(out, b"HTTP/1.1 204 No Content\r\nServer: gpuvm\r\n\r\n");
