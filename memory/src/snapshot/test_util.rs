@@ -171,3 +171,13 @@ pub(crate) fn assert_ram_eq(ram: &GuestRam, expected: &[u8]) {
         assert!(got == want, "page {linear} differs after restore");
     }
 }
+
+/// Kills the child process when dropped, so a failing test leaves nothing running.
+pub(crate) struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -1,0 +1,362 @@
+//! Handing guest RAM page faults to another process, with Firecracker's handshake.
+//!
+//! Wire format matched: Firecracker's `GuestRegionUffdMapping` as sent by
+//! `send_uffd_handshake` in `src/vmm/src/persist.rs` (v1.7 and later): the VMM connects to
+//! the handler's Unix stream socket and sends, in one `sendmsg` with the userfaultfd
+//! attached as `SCM_RIGHTS`, a JSON array with one object per guest RAM region:
+//! `{"base_host_virt_addr": u64, "size": u64, "offset": u64, "page_size": u64,
+//! "page_size_kib": u64}`. `offset` is the region's offset in the flat guest RAM image,
+//! `page_size` is in bytes, and `page_size_kib` is the deprecated older name which
+//! Firecracker also fills with the size in bytes. Older senders only send
+//! `page_size_kib`; we accept it in bytes or KiB (the valid page sizes tell them apart).
+//!
+//! gpuvm sends `offset` = the region's offset in the guest RAM memfd, which is that flat
+//! image.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+
+use log::info;
+use serde::{Deserialize, Serialize};
+use userfaultfd::Uffd;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use super::{io_err, LazyOptions, LazyRestore, UffdError};
+use crate::snapshot::SnapshotChain;
+
+/// Largest handshake message accepted (a few hundred regions fit easily).
+const MAX_MESSAGE: usize = 1 << 20;
+/// Page sizes a mapping may declare.
+const VALID_PAGE_SIZES: [u64; 3] = [4096, 2 << 20, 1 << 30];
+
+/// One guest RAM region in the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UffdRegionMapping {
+    /// Where the region is mapped in the VMM (fault addresses are in these terms).
+    pub base_host_virt_addr: u64,
+    /// Region size in bytes.
+    pub size: u64,
+    /// Offset of the region in the flat guest RAM image (gpuvm: the memfd offset).
+    pub offset: u64,
+    /// Page size in bytes (4 KiB, or the huge page size for hugetlb backing).
+    pub page_size: u64,
+}
+
+/// The JSON object on the wire.
+#[derive(Serialize, Deserialize)]
+struct WireMapping {
+    base_host_virt_addr: u64,
+    size: u64,
+    offset: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    page_size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    page_size_kib: Option<u64>,
+}
+
+impl From<&UffdRegionMapping> for WireMapping {
+    fn from(m: &UffdRegionMapping) -> Self {
+        WireMapping {
+            base_host_virt_addr: m.base_host_virt_addr,
+            size: m.size,
+            offset: m.offset,
+            page_size: Some(m.page_size),
+            // Like Firecracker: the legacy field carries the size in bytes.
+            page_size_kib: Some(m.page_size),
+        }
+    }
+}
+
+impl TryFrom<WireMapping> for UffdRegionMapping {
+    type Error = UffdError;
+
+    fn try_from(w: WireMapping) -> Result<Self, UffdError> {
+        let page_size = match (w.page_size, w.page_size_kib) {
+            (Some(bytes), _) if bytes != 0 => bytes,
+            (_, Some(legacy)) if VALID_PAGE_SIZES.contains(&legacy) => legacy,
+            (_, Some(kib)) if VALID_PAGE_SIZES.contains(&kib.saturating_mul(1024)) => kib * 1024,
+            _ => {
+                return Err(UffdError::Handshake(format!(
+                    "region at {:#x} has no valid page_size",
+                    w.base_host_virt_addr
+                )))
+            }
+        };
+        let m = UffdRegionMapping {
+            base_host_virt_addr: w.base_host_virt_addr,
+            size: w.size,
+            offset: w.offset,
+            page_size,
+        };
+        let aligned = |v: u64| v % page_size == 0;
+        if !VALID_PAGE_SIZES.contains(&page_size)
+            || m.size == 0
+            || !aligned(m.size)
+            || !aligned(m.base_host_virt_addr)
+            || !aligned(m.offset)
+            || m.base_host_virt_addr.checked_add(m.size).is_none()
+        {
+            return Err(UffdError::Handshake(format!(
+                "region {m:x?} is empty, unaligned or has an invalid page size"
+            )));
+        }
+        Ok(m)
+    }
+}
+
+/// Encodes the handshake message.
+pub fn encode_mappings(regions: &[UffdRegionMapping]) -> Result<String, UffdError> {
+    let wire: Vec<WireMapping> = regions.iter().map(WireMapping::from).collect();
+    serde_json::to_string(&wire).map_err(UffdError::HandshakeJson)
+}
+
+/// Decodes and checks a handshake message.
+pub fn decode_mappings(json: &[u8]) -> Result<Vec<UffdRegionMapping>, UffdError> {
+    let wire: Vec<WireMapping> = serde_json::from_slice(json).map_err(UffdError::HandshakeJson)?;
+    if wire.is_empty() {
+        return Err(UffdError::Handshake("no regions".into()));
+    }
+    let regions = wire
+        .into_iter()
+        .map(UffdRegionMapping::try_from)
+        .collect::<Result<Vec<_>, _>>()?;
+    if regions.iter().any(|r| r.page_size != regions[0].page_size) {
+        return Err(UffdError::Handshake(
+            "regions have different page sizes".into(),
+        ));
+    }
+    Ok(regions)
+}
+
+/// VMM side: connects to the handler at `socket_path` and sends the region list with
+/// `uffd` attached. Returns the connection; keep it open while the guest runs, the
+/// handler sees the VMM's exit as EOF on it.
+pub fn send_handshake(
+    socket_path: &Path,
+    regions: &[UffdRegionMapping],
+    uffd: &impl AsRawFd,
+) -> Result<UnixStream, UffdError> {
+    let message = encode_mappings(regions)?;
+    let stream =
+        UnixStream::connect(socket_path).map_err(io_err("connect to the page-fault handler"))?;
+    let mut sent = stream
+        .send_with_fd(message.as_bytes(), uffd.as_raw_fd())
+        .map_err(|e| UffdError::Io {
+            op: "send the userfaultfd handshake",
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        })?;
+    // A stream socket may take a long message in pieces; the fd went with the first.
+    while sent < message.len() {
+        use std::io::Write;
+        sent += (&stream)
+            .write(&message.as_bytes()[sent..])
+            .map_err(io_err("send the userfaultfd handshake"))?;
+    }
+    Ok(stream)
+}
+
+/// Handler side: the userfaultfd and region list received from a VMM.
+#[derive(Debug)]
+pub struct ExternalHandler {
+    stream: UnixStream,
+    uffd: Uffd,
+    regions: Vec<UffdRegionMapping>,
+}
+
+impl ExternalHandler {
+    /// Accepts one VMM connection on `listener` and receives its handshake.
+    pub fn accept(listener: &UnixListener) -> Result<ExternalHandler, UffdError> {
+        let (stream, _) = listener
+            .accept()
+            .map_err(io_err("accept a VMM connection"))?;
+        Self::from_stream(stream)
+    }
+
+    /// Receives the handshake on an accepted connection.
+    pub fn from_stream(stream: UnixStream) -> Result<ExternalHandler, UffdError> {
+        let mut buf = vec![0u8; 64 << 10];
+        let (mut len, file) = stream.recv_with_fd(&mut buf).map_err(|e| UffdError::Io {
+            op: "receive the userfaultfd handshake",
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        })?;
+        let file =
+            file.ok_or_else(|| UffdError::Handshake("no file descriptor attached".into()))?;
+        check_is_userfaultfd(&file)?;
+        // SAFETY: the fd was just received, is owned by `file` and is a userfaultfd;
+        // ownership moves into the Uffd.
+        let uffd = unsafe { Uffd::from_raw_fd(file.into_raw_fd()) };
+
+        // Read on until the JSON is complete (long lists may arrive in pieces).
+        let regions = loop {
+            match decode_mappings(&buf[..len]) {
+                Err(UffdError::HandshakeJson(e)) if e.is_eof() && len < MAX_MESSAGE => {
+                    if len == buf.len() {
+                        buf.resize((buf.len() * 2).min(MAX_MESSAGE), 0);
+                    }
+                    let n = (&stream)
+                        .read(&mut buf[len..])
+                        .map_err(io_err("receive the userfaultfd handshake"))?;
+                    if n == 0 {
+                        return Err(UffdError::HandshakeJson(e));
+                    }
+                    len += n;
+                }
+                other => break other?,
+            }
+        };
+        info!("userfaultfd handshake: {} regions", regions.len());
+        Ok(ExternalHandler {
+            stream,
+            uffd,
+            regions,
+        })
+    }
+
+    /// The regions the VMM described.
+    pub fn regions(&self) -> &[UffdRegionMapping] {
+        &self.regions
+    }
+
+    /// The received userfaultfd.
+    pub fn uffd(&self) -> &Uffd {
+        &self.uffd
+    }
+
+    /// Splits into the connection, the userfaultfd and the regions, for handlers that
+    /// serve faults their own way.
+    pub fn into_parts(self) -> (UnixStream, Uffd, Vec<UffdRegionMapping>) {
+        (self.stream, self.uffd, self.regions)
+    }
+
+    /// Starts serving the VMM's faults from `chain` (typically opened with
+    /// [`SnapshotChain::open_with_file_layout`]). Each chain region is matched to the
+    /// mapping with its offset: the memfd offset recorded in the file, or else the
+    /// region's position in the flat RAM image. Returns the running restore and the
+    /// connection (EOF on it means the VMM exited).
+    pub fn serve(
+        self,
+        chain: Arc<SnapshotChain>,
+        opts: LazyOptions,
+    ) -> Result<(LazyRestore, UnixStream), UffdError> {
+        let host_addrs = match_regions(&chain, &self.regions)?;
+        let restore = LazyRestore::start(chain, &host_addrs, self.uffd, opts)?;
+        Ok((restore, self.stream))
+    }
+}
+
+/// For each region of the chain, the host address of the mapping that covers it.
+fn match_regions(
+    chain: &SnapshotChain,
+    mappings: &[UffdRegionMapping],
+) -> Result<Vec<u64>, UffdError> {
+    let layout = chain.layout();
+    if let Some(m) = mappings.iter().find(|m| m.page_size != layout.page_size()) {
+        return Err(UffdError::Layout(format!(
+            "the VMM uses {}-byte pages, the snapshot {}-byte pages",
+            m.page_size,
+            layout.page_size()
+        )));
+    }
+    let by_offset = |offset_of: &dyn Fn(usize) -> u64| -> Option<Vec<u64>> {
+        layout
+            .regions()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                mappings
+                    .iter()
+                    .find(|m| m.offset == offset_of(i) && m.size == r.size)
+                    .map(|m| m.base_host_virt_addr)
+            })
+            .collect()
+    };
+    let regions = layout.regions();
+    let memfd_offset = |i: usize| regions[i].file_offset;
+    let flat_offset = |i: usize| regions[..i].iter().map(|r| r.size).sum::<u64>();
+    by_offset(&memfd_offset)
+        .or_else(|| by_offset(&flat_offset))
+        .ok_or_else(|| {
+            UffdError::Layout(format!(
+                "the VMM's regions {mappings:x?} do not cover the snapshot's regions {regions:x?}"
+            ))
+        })
+}
+
+/// Refuses anything but a userfaultfd: a handler must not run ioctls on a random fd.
+fn check_is_userfaultfd(file: &File) -> Result<(), UffdError> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(io_err("inspect the received file descriptor"))?;
+    if link.to_string_lossy() != "anon_inode:[userfaultfd]" {
+        return Err(UffdError::Handshake(format!(
+            "the received file descriptor is {}, not a userfaultfd",
+            link.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The handshake regions describing `ram` as this process maps it.
+pub fn mappings_for(ram: &crate::snapshot::RamMappings<'_>) -> Vec<UffdRegionMapping> {
+    let page_size = ram.layout().page_size();
+    ram.host_addrs()
+        .into_iter()
+        .zip(ram.layout().regions())
+        .map(|(addr, r)| UffdRegionMapping {
+            base_host_virt_addr: addr,
+            size: r.size,
+            offset: r.file_offset,
+            page_size,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_format_matches_firecracker() {
+        let m = UffdRegionMapping {
+            base_host_virt_addr: 0x7f00_0000_0000,
+            size: 0x1000_0000,
+            offset: 0x2000_0000,
+            page_size: 4096,
+        };
+        let json = encode_mappings(&[m]).unwrap();
+        assert_eq!(
+            json,
+            r#"[{"base_host_virt_addr":139637976727552,"size":268435456,"offset":536870912,"page_size":4096,"page_size_kib":4096}]"#
+        );
+        assert_eq!(decode_mappings(json.as_bytes()).unwrap(), vec![m]);
+    }
+
+    #[test]
+    fn legacy_page_size_kib_is_understood() {
+        let bytes = br#"[{"base_host_virt_addr":2097152,"size":4194304,"offset":0,"page_size_kib":2097152}]"#;
+        assert_eq!(decode_mappings(bytes).unwrap()[0].page_size, 2 << 20);
+        let kib = br#"[{"base_host_virt_addr":4096,"size":8192,"offset":0,"page_size_kib":4}]"#;
+        assert_eq!(decode_mappings(kib).unwrap()[0].page_size, 4096);
+    }
+
+    #[test]
+    fn bad_messages_are_rejected() {
+        for bad in [
+            &br#"[]"#[..],
+            br#"{"base_host_virt_addr":0}"#,
+            br#"[{"base_host_virt_addr":4096,"size":8192,"offset":0}]"#,
+            br#"[{"base_host_virt_addr":4097,"size":8192,"offset":0,"page_size":4096}]"#,
+            br#"[{"base_host_virt_addr":4096,"size":0,"offset":0,"page_size":4096}]"#,
+            br#"[{"base_host_virt_addr":4096,"size":8192,"offset":0,"page_size":8192}]"#,
+        ] {
+            assert!(
+                decode_mappings(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}

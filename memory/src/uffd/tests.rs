@@ -1,0 +1,444 @@
+//! Lazy restore tests: real userfaultfd on memfd / hugetlb guest RAM, threads faulting
+//! while the background loader runs, and the external handshake across processes.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::external::{mappings_for, send_handshake, ExternalHandler};
+use super::*;
+use crate::snapshot::test_util::*;
+use crate::snapshot::{write_diff, write_full, RamMappings, SnapshotChain, WriteOptions};
+use crate::{Backing, GuestRam, RamRegion};
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 4096;
+const WAIT: Duration = Duration::from_secs(60);
+
+fn mappings(ram: &GuestRam) -> RamMappings<'_> {
+    RamMappings::from_guest_ram(ram).unwrap()
+}
+
+fn mixed(linear: u64) -> PageFill {
+    match linear % 7 {
+        0 | 2 | 3 => PageFill::Random,
+        4 => PageFill::LastByte,
+        6 => PageFill::ZeroedAgain,
+        _ => PageFill::Untouched,
+    }
+}
+
+/// Writes a full snapshot of random+zero pages; returns the file and expected contents.
+fn snapshot_of(dir: &TempDir, regions: &[RamRegion], seed: u64) -> (PathBuf, Vec<u8>) {
+    let ram = guest_ram(regions, Backing::Memfd);
+    let expected = fill_ram(&ram, &mut Rng::new(seed), mixed);
+    let path = dir.path().join("mem");
+    write_full(&path, &mappings(&ram), &WriteOptions::default()).unwrap();
+    (path, expected)
+}
+
+fn open_chain(paths: &[&Path], ram: &GuestRam) -> Arc<SnapshotChain> {
+    Arc::new(SnapshotChain::open(paths, mappings(ram).layout()).unwrap())
+}
+
+/// Reads `count` random pages from `threads` threads (each read faults if the page is
+/// missing) and checks them.
+fn read_randomly(ram: &GuestRam, expected: &[u8], threads: u64, count: u64) {
+    let page_size = ram.page_size() as usize;
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            s.spawn(move || {
+                let mut rng = Rng::new(100 + t);
+                for _ in 0..count {
+                    let linear = rng.below(total_pages(ram));
+                    let want = &expected[linear as usize * page_size..][..page_size];
+                    assert!(
+                        read_page(ram, linear) == want,
+                        "page {linear} wrong while loading"
+                    );
+                }
+            });
+        }
+    });
+}
+
+fn data_bytes(expected: &[u8], page_size: usize) -> u64 {
+    expected
+        .chunks_exact(page_size)
+        .filter(|p| p.iter().any(|&b| b != 0))
+        .count() as u64
+        * page_size as u64
+}
+
+#[test]
+fn lazy_restore_serves_faults_while_loading_in_background() {
+    let dir = TempDir::new("lazy");
+    let regions = two_regions(16 * MIB, 16 * MIB, 8 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 1);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let opts = LazyOptions {
+        chunk_bytes: 256 << 10,
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    read_randomly(&ram, &expected, 4, 400);
+    let stats = restore
+        .wait_timeout(Some(WAIT))
+        .unwrap()
+        .expect("restore finished");
+
+    assert!(stats.complete());
+    assert_eq!(stats.loaded_data_pages, stats.total_data_pages);
+    assert_eq!(
+        stats.total_data_pages * PAGE,
+        data_bytes(&expected, PAGE as usize)
+    );
+    // Every data page was loaded exactly once, by one path or the other.
+    assert_eq!(
+        stats.bytes_loaded_by_faults + stats.bytes_loaded_background,
+        stats.total_data_pages * PAGE
+    );
+    assert!(
+        stats.faults > 0,
+        "the readers should have faulted: {stats:?}"
+    );
+    assert!(stats.fault_latency_p50 <= stats.fault_latency_p99);
+    assert_ram_eq(&ram, &expected);
+    let final_stats = restore.shutdown().unwrap();
+    assert!(final_stats.time_to_complete.is_some());
+}
+
+#[test]
+fn on_demand_only_loads_exactly_the_faulted_pages() {
+    let dir = TempDir::new("ondemand");
+    let regions = two_regions(4 * MIB, 4 * MIB, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 2);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let total = chain.data_pages();
+    let opts = LazyOptions {
+        background: false,
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+
+    // Touch pages in a known order; until every data page is in, each first touch faults.
+    let pages = total_pages(&ram);
+    let mut order: Vec<u64> = (0..pages).collect();
+    let mut rng = Rng::new(3);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut touched_before_done = Vec::new();
+    for &linear in &order {
+        if !restore.is_complete() {
+            touched_before_done.push(linear);
+        }
+        let want = &expected[linear as usize * PAGE as usize..][..PAGE as usize];
+        assert!(read_page(&ram, linear) == want, "page {linear}");
+    }
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert_eq!(stats.faults_served_data, total);
+    assert_eq!(stats.bytes_loaded_background, 0);
+    assert_eq!(stats.bytes_loaded_by_faults, total * PAGE);
+    assert_eq!(
+        stats.faults,
+        stats.faults_served_data + stats.faults_served_zero
+    );
+    // The recorded fault order is the first-touch order (as guest addresses). The touch
+    // that completes the restore may be seen as "before" it.
+    let layout = mappings(&ram).layout().clone();
+    let gpas: Vec<u64> = order.iter().map(|&l| layout.linear_to_gpa(l)).collect();
+    let recorded = restore.fault_order();
+    assert!(
+        recorded.len() + 1 >= touched_before_done.len(),
+        "{} faults recorded, {} touches before completion, {stats:?}",
+        recorded.len(),
+        touched_before_done.len()
+    );
+    assert_eq!(recorded[..], gpas[..recorded.len()]);
+    assert_ram_eq(&ram, &expected);
+}
+
+#[test]
+fn lazy_restore_of_a_diff_chain_with_working_set() {
+    let dir = TempDir::new("lazychain");
+    let regions = two_regions(8 * MIB, 0, 8 * MIB);
+    let src = guest_ram(&regions, Backing::Memfd);
+    let mut rng = Rng::new(4);
+    let mut expected = fill_ram(&src, &mut rng, mixed);
+    let (base, diff) = (dir.path().join("base"), dir.path().join("diff"));
+    let base_info = write_full(&base, &mappings(&src), &WriteOptions::default())
+        .unwrap()
+        .info;
+    // Zero every data page in the first MiB (zero extents must hide the base), rewrite a
+    // few others.
+    let mut bitmaps: Vec<Vec<u64>> = regions
+        .iter()
+        .map(|r| vec![0u64; (r.size / PAGE / 64) as usize])
+        .collect();
+    for linear in (0..256).chain((1000..2000).step_by(37)) {
+        let page = &mut expected[linear as usize * PAGE as usize..][..PAGE as usize];
+        if linear < 256 {
+            page.fill(0);
+        } else {
+            rng.fill(page);
+        }
+        write_page(&src, linear, page);
+        bitmaps[0][(linear / 64) as usize] |= 1 << (linear % 64);
+    }
+    let refs: Vec<&[u64]> = bitmaps.iter().map(|b| b.as_slice()).collect();
+    write_diff(
+        &diff,
+        &mappings(&src),
+        &refs,
+        &base_info,
+        &WriteOptions::default(),
+    )
+    .unwrap();
+
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&base, &diff], &ram);
+    let opts = LazyOptions {
+        working_set: (1500..1600).map(|p| p * PAGE).collect(),
+        chunk_bytes: 1 << 20,
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    read_randomly(&ram, &expected, 3, 300);
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert_eq!(stats.loaded_data_pages, stats.total_data_pages);
+    assert_ram_eq(&ram, &expected);
+}
+
+#[test]
+fn corrupt_data_fails_the_restore_instead_of_reaching_the_guest() {
+    let dir = TempDir::new("lazycorrupt");
+    let regions = two_regions(2 * MIB, 0, 2 * MIB);
+    let (path, _) = snapshot_of(&dir, &regions, 5);
+    let file_len = std::fs::metadata(&path).unwrap().len();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(b"garbage", file_len - 3 * PAGE).unwrap();
+    }
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let restore = start_lazy_restore(chain, &mappings(&ram), LazyOptions::default()).unwrap();
+    let err = restore.wait_timeout(Some(WAIT)).unwrap_err();
+    assert!(err.to_string().contains("data CRC mismatch"), "{err}");
+    assert!(restore.shutdown().is_err());
+}
+
+#[test]
+fn layout_mismatch_is_refused_before_registering() {
+    let dir = TempDir::new("lazylayout");
+    let (path, _) = snapshot_of(&dir, &two_regions(2 * MIB, 0, 2 * MIB), 6);
+    let chain = Arc::new(SnapshotChain::open_with_file_layout(&[&path]).unwrap());
+    let other = guest_ram(&two_regions(2 * MIB, 2 * MIB, 2 * MIB), Backing::Memfd);
+    let err = start_lazy_restore(chain, &mappings(&other), LazyOptions::default()).unwrap_err();
+    assert!(matches!(err, UffdError::Snapshot(_)), "{err}");
+    // Nothing was registered: the fresh RAM is ordinary memory.
+    assert!(read_page(&other, 0).iter().all(|&b| b == 0));
+}
+
+/// Grows the 2 MiB hugetlb pool and shrinks it back by the same amount when dropped.
+struct HugePages {
+    added: u64,
+}
+
+const NR_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
+const FREE_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages";
+
+fn read_counter(path: &str) -> Result<u64, String> {
+    std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {path}: {e}"))?
+        .trim()
+        .parse()
+        .map_err(|e| format!("cannot parse {path}: {e}"))
+}
+
+impl HugePages {
+    fn reserve(pages: u64) -> Result<HugePages, String> {
+        let old = read_counter(NR_2M)?;
+        std::fs::write(NR_2M, (old + pages).to_string())
+            .map_err(|e| format!("cannot write {NR_2M}: {e}"))?;
+        let guard = HugePages {
+            added: read_counter(NR_2M)?.saturating_sub(old),
+        };
+        if guard.added < pages || read_counter(FREE_2M)? < pages {
+            return Err(format!(
+                "the kernel gave only {} of {pages} huge pages",
+                guard.added
+            ));
+        }
+        Ok(guard)
+    }
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        if let Ok(now) = read_counter(NR_2M) {
+            if let Err(e) = std::fs::write(NR_2M, now.saturating_sub(self.added).to_string()) {
+                eprintln!("could not give back {} huge pages: {e}", self.added);
+            }
+        }
+    }
+}
+
+#[test]
+fn hugetlb_2m_lazy_restore_of_full_and_diff() {
+    let _pool = crate::backing::tests::HUGETLB_POOL
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let regions = two_regions(16 * MIB, 16 * MIB, 8 * MIB);
+    let size = 24 * MIB;
+    let _pages = match HugePages::reserve(2 * size / (2 * MIB)) {
+        Ok(g) => g,
+        Err(why) => {
+            eprintln!("skipped hugetlb_2m_lazy_restore_of_full_and_diff: {why}");
+            return;
+        }
+    };
+    let dir = TempDir::new("huge");
+    let src = guest_ram(&regions, Backing::Hugetlb2M);
+    let huge = 2 * MIB;
+    let mut rng = Rng::new(7);
+    let mut expected = fill_ram(&src, &mut rng, |p| match p % 4 {
+        0 => PageFill::Random,
+        1 => PageFill::LastByte,
+        2 => PageFill::ZeroedAgain,
+        _ => PageFill::Untouched,
+    });
+    let (base, diff) = (dir.path().join("base"), dir.path().join("diff"));
+    let stats = write_full(&base, &mappings(&src), &WriteOptions::default()).unwrap();
+    assert_eq!(stats.info.page_size, huge);
+    assert_eq!(stats.data_pages, 6, "6 of 12 huge pages are non-zero");
+    // The dirty log has 4 KiB granularity; one bit dirties its whole huge page.
+    let mut bitmaps: Vec<Vec<u64>> = regions
+        .iter()
+        .map(|r| vec![0u64; (r.size / PAGE / 64) as usize])
+        .collect();
+    for linear in [0u64, 3, 5] {
+        let page = &mut expected[(linear * huge) as usize..][..huge as usize];
+        if linear == 0 {
+            page.fill(0);
+        } else {
+            rng.fill(page);
+        }
+        write_page(&src, linear, page);
+        let bit = linear * 512 + 77;
+        bitmaps[0][(bit / 64) as usize] |= 1 << (bit % 64);
+    }
+    let refs: Vec<&[u64]> = bitmaps.iter().map(|b| b.as_slice()).collect();
+    let d = write_diff(
+        &diff,
+        &mappings(&src),
+        &refs,
+        &stats.info,
+        &WriteOptions::default(),
+    )
+    .unwrap();
+    assert_eq!((d.data_pages, d.zero_pages), (2, 1));
+    drop(src);
+
+    let ram = guest_ram(&regions, Backing::Hugetlb2M);
+    let chain = open_chain(&[&base, &diff], &ram);
+    let restore = start_lazy_restore(chain, &mappings(&ram), LazyOptions::default()).unwrap();
+    read_randomly(&ram, &expected, 3, 40);
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert_eq!(stats.loaded_data_pages, stats.total_data_pages);
+    assert_ram_eq(&ram, &expected);
+}
+
+/// Environment for [`external_handler_child`]: socket path, memory file, and whether to
+/// load in the background.
+const HANDLER_SOCKET_ENV: &str = "GPUVM_UFFD_HANDLER_SOCKET";
+const HANDLER_FILE_ENV: &str = "GPUVM_UFFD_HANDLER_FILE";
+
+/// The page-fault handler process of `external_handshake_round_trip`: listens, receives
+/// the handshake, serves faults from the memory file on demand, reports and exits when
+/// the VMM side hangs up. Does nothing when run directly.
+#[test]
+#[ignore = "helper process run by external_handshake_round_trip"]
+fn external_handler_child() {
+    let (Ok(socket), Ok(file)) = (
+        std::env::var(HANDLER_SOCKET_ENV),
+        std::env::var(HANDLER_FILE_ENV),
+    ) else {
+        return;
+    };
+    let listener = UnixListener::bind(&socket).unwrap();
+    let handler = ExternalHandler::accept(&listener).unwrap();
+    println!("HANDLER-REGIONS {}", handler.regions().len());
+    let chain = Arc::new(SnapshotChain::open_with_file_layout(&[&file]).unwrap());
+    let opts = LazyOptions {
+        background: false,
+        ..LazyOptions::default()
+    };
+    let (restore, stream) = handler.serve(chain, opts).unwrap();
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    println!(
+        "HANDLER-DONE faults_served_data={} total={} pid={}",
+        stats.faults_served_data,
+        stats.total_data_pages,
+        std::process::id()
+    );
+    // Wait for the VMM to hang up.
+    let mut buf = [0u8; 1];
+    let _ = std::io::Read::read(&mut &stream, &mut buf);
+}
+
+#[test]
+fn external_handshake_round_trip() {
+    let dir = TempDir::new("external");
+    let regions = two_regions(4 * MIB, 4 * MIB, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 8);
+    let socket = dir.path().join("uffd.sock");
+    let mut child = KillOnDrop(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "uffd::tests::external_handler_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(HANDLER_SOCKET_ENV, &socket)
+            .env(HANDLER_FILE_ENV, &path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + WAIT;
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "the handler never listened");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let uffd = register_guest_ram(&mappings(&ram)).unwrap();
+    let stream = send_handshake(&socket, &mappings_for(&mappings(&ram)), &uffd).unwrap();
+    // Every first touch is served by the other process.
+    assert_ram_eq(&ram, &expected);
+
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let done = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("HANDLER-DONE"))
+        .expect("handler reported completion");
+    let data_pages = data_bytes(&expected, PAGE as usize) / PAGE;
+    assert!(
+        done.contains(&format!(
+            "faults_served_data={data_pages} total={data_pages}"
+        )),
+        "{done}"
+    );
+    assert!(!done.contains(&format!("pid={}", std::process::id())));
+    drop(stream);
+    assert!(child.0.wait().unwrap().success());
+}
