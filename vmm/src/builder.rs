@@ -21,6 +21,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{LazyMemory, Machine, MachineDevices};
+use crate::pci::PciOptions;
 use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError};
 use crate::vcpu::Vcpu;
@@ -68,6 +69,7 @@ struct MachineBase {
 fn create_base(
     kvm: Kvm,
     machine_config: &MachineConfig,
+    pci_options: &PciOptions,
     serial_out: Box<dyn Write + Send>,
 ) -> Result<MachineBase, Error> {
     let max = max_vcpus(&kvm);
@@ -123,7 +125,9 @@ fn create_base(
         );
     }
     register_memory(&vm, &ram, machine_config.track_dirty_pages)?;
-    let devices = create_devices(&vm, serial_out)?;
+    let mut devices = create_devices(&vm, serial_out)?;
+    // The root and its devices live on in the buses' entries.
+    crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?;
     Ok(MachineBase {
         kvm,
         vm,
@@ -134,6 +138,15 @@ fn create_base(
 
 /// Builds a machine that boots `config.boot`.
 pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Machine, Error> {
+    build_with_pci(config, &PciOptions::default(), serial_out)
+}
+
+/// Builds a machine that boots `config.boot` with the passthrough devices in `pci`.
+pub fn build_with_pci(
+    config: &VmConfig,
+    pci: &PciOptions,
+    serial_out: Box<dyn Write + Send>,
+) -> Result<Machine, Error> {
     let started = Instant::now();
     let machine_config = &config.machine;
     let MachineBase {
@@ -141,7 +154,7 @@ pub fn build(config: &VmConfig, serial_out: Box<dyn Write + Send>) -> Result<Mac
         vm,
         ram,
         devices,
-    } = create_base(open_kvm()?, machine_config, serial_out)?;
+    } = create_base(open_kvm()?, machine_config, pci, serial_out)?;
 
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot)?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
@@ -217,7 +230,7 @@ pub fn restore(
         vm,
         ram,
         devices,
-    } = create_base(kvm, &config, serial_out)?;
+    } = create_base(kvm, &config, &PciOptions::default(), serial_out)?;
 
     let memory_started = Instant::now();
     let mappings = RamMappings::from_guest_ram(&ram).map_err(SnapshotError::from)?;

@@ -12,6 +12,7 @@ pub mod builder;
 pub mod config;
 pub mod machine;
 pub mod metrics;
+pub mod pci;
 pub mod persist;
 pub mod snapshot;
 pub mod vcpu;
@@ -55,6 +56,8 @@ pub enum Error {
     Snapshot(#[from] snapshot::SnapshotError),
     #[error("this VM has already run")]
     AlreadyRan,
+    #[error(transparent)]
+    Pci(#[from] pci::PciSetupError),
     #[error("cannot read this process's memory use: {0}")]
     ProcStatus(std::io::Error),
 }

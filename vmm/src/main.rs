@@ -17,6 +17,8 @@ use gpuvm_vmm::x86_64::cpuid::CpuidMask;
 use gpuvm_vmm::Machine;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+mod passthrough_cli;
+
 /// A KVM micro-VMM for GPU virtual machines.
 #[derive(Parser, Debug)]
 #[command(name = "gpuvm", version, about)]
@@ -40,6 +42,9 @@ enum Command {
     },
     /// Talk to a running gpuvm's API socket.
     Ctl(CtlArgs),
+    /// Check that this host can pass GPUs through (KVM, IOMMU, vfio-pci binding, IOMMU
+    /// groups, memlock, huge pages); each failing check says how to fix it.
+    CheckHost(passthrough_cli::CheckHostArgs),
     /// Write the embedded test guest (a PVH ELF) to a file, e.g. to boot it elsewhere.
     GuestImage {
         /// Where to write the image.
@@ -90,6 +95,8 @@ struct RunArgs {
     /// "boot-source": {...}}, the bodies of the API's routes).
     #[arg(long)]
     config_file: Option<PathBuf>,
+    #[command(flatten)]
+    passthrough: passthrough_cli::PassthroughArgs,
     #[command(flatten)]
     snapshot: SnapshotArgs,
     #[command(flatten)]
@@ -284,7 +291,10 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Err
             backing: args.memory_backing,
             thp: !args.no_thp,
             prefault: args.prefault,
-            cpuid_masks: args.cpuid_mask,
+            cpuid_masks: passthrough_cli::with_hidden_hypervisor(
+                args.cpuid_mask,
+                args.passthrough.hide_hypervisor,
+            ),
             track_dirty_pages: args.track_dirty_pages,
         },
         boot: BootSource {
@@ -304,7 +314,11 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Err
         None => config,
     };
     let Some(api_sock) = &args.api_sock else {
-        let mut machine = gpuvm_vmm::builder::build(&config, serial_out())?;
+        let mut machine = gpuvm_vmm::builder::build_with_pci(
+            &config,
+            &args.passthrough.pci_options(),
+            serial_out(),
+        )?;
         if let Some(policy) = snapshot_policy(&args.snapshot) {
             machine.set_snapshot_policy(policy);
         }
@@ -634,6 +648,7 @@ fn main() -> ExitCode {
         Command::Restore(args) => restore(args, process_start),
         Command::Snapshot { pid } => return signal_snapshot(pid),
         Command::Ctl(args) => return ctl(args),
+        Command::CheckHost(args) => return passthrough_cli::check_host(&args),
         Command::GuestImage { output } => return write_guest_image(&output),
     };
     match result {

@@ -1,0 +1,304 @@
+//! Wires PCI into a VM: the root bus on the port-I/O and MMIO buses, passthrough devices
+//! (vfio-user sockets; kernel VFIO GPUs), MSI routing through KVM GSI routes and irqfds,
+//! and the DMA mapping of all guest RAM before the guest runs.
+//!
+//! PCI address space (see layout.rs):
+//! ```text
+//! 0xc000_0000..0xe000_0000   32-bit BARs
+//! 0xe000_0000..0xe010_0000   ECAM, bus 0
+//! above RAM, 64 GiB aligned  64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
+//! ```
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use gpuvm_devices::pci::{
+    ConfigAddressPort, EcamWindow, MmioWindows, MsiMessage, MsiRouting, PciError, PciRoot,
+    PciRootConfig,
+};
+use gpuvm_memory::GuestRam;
+use gpuvm_vfio::pci::VfioPciDevice;
+use gpuvm_vfio::user::VfioUserDevice;
+use gpuvm_vfio::{DmaRegion, VfioError};
+use kvm_bindings::{
+    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+};
+use kvm_ioctls::{Kvm, VmFd};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::machine::MachineDevices;
+use crate::x86_64::layout::{FOUR_GIB, MMIO_HOLE_START};
+
+pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
+pub const MMIO32_START: u64 = MMIO_HOLE_START;
+pub const MMIO32_END: u64 = 0xe000_0000;
+pub const ECAM_BASE: u64 = 0xe000_0000;
+/// Room for two 128 GiB BAR1s and their companions.
+pub const DEFAULT_MMIO64_SIZE: u64 = 512 << 30;
+const MMIO64_ALIGN: u64 = 64 << 30;
+/// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
+const FIRST_MSI_GSI: u32 = 24;
+
+/// Passthrough devices for one VM.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PciOptions {
+    /// Host PCI addresses of GPUs bound to vfio-pci (kernel VFIO).
+    pub gpus: Vec<String>,
+    /// vfio-user sockets of device processes.
+    pub vfio_user: Vec<PathBuf>,
+    /// Size of the 64-bit BAR window; 0 means [`DEFAULT_MMIO64_SIZE`].
+    pub mmio64_size: u64,
+}
+
+impl PciOptions {
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty() && self.vfio_user.is_empty()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PciSetupError {
+    #[error(transparent)]
+    Bus(#[from] PciError),
+    #[error("cannot place a PCI window on the bus: {0}")]
+    Place(gpuvm_devices::BusError),
+    #[error("{0}")]
+    Device(#[from] VfioError),
+    #[error(
+        "--gpu {0}: the kernel VFIO backend is not implemented yet in this build; \
+         run `gpuvm check-host --gpu {0}` to check the host, use --vfio-user for now"
+    )]
+    KernelVfioUnavailable(String),
+    #[error("the PCI buses were shared before PCI was attached")]
+    BusShared,
+    #[error("cannot duplicate the VM file descriptor: {0}")]
+    VmFd(std::io::Error),
+}
+
+/// The 64-bit window: after the top of RAM, aligned so large BARs pack well.
+pub fn mmio64_start(ram: &GuestRam) -> u64 {
+    let top = ram
+        .regions()
+        .iter()
+        .map(|r| r.guest_addr + r.size)
+        .max()
+        .unwrap_or(0)
+        .max(FOUR_GIB);
+    top.next_multiple_of(MMIO64_ALIGN)
+}
+
+/// Routes MSI messages to GSIs: KVM_SET_GSI_ROUTING replaces the whole table, so every
+/// update sends KVM's default IOAPIC/PIC routes plus all MSI routes.
+pub struct MsiRouter {
+    vm: VmFd,
+    routes: Mutex<BTreeMap<u32, MsiMessage>>,
+    next_gsi: AtomicU32,
+}
+
+impl MsiRouter {
+    /// Uses a duplicate of `vm`'s file descriptor so the router can live in devices.
+    pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
+        // SAFETY: dup of a valid fd we own; the new fd is handed to VmFd, which owns it.
+        let fd = unsafe { libc::dup(vm.as_raw_fd()) };
+        if fd < 0 {
+            return Err(PciSetupError::VmFd(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is a fresh duplicate of a KVM VM fd and nothing else owns it.
+        let vm = unsafe { kvm.create_vmfd_from_rawfd(fd) }
+            .map_err(|e| PciSetupError::VmFd(std::io::Error::from_raw_os_error(e.errno())))?;
+        Ok(MsiRouter {
+            vm,
+            routes: Mutex::new(BTreeMap::new()),
+            next_gsi: AtomicU32::new(FIRST_MSI_GSI),
+        })
+    }
+
+    /// `count` fresh GSIs, each with an eventfd registered as its irqfd.
+    pub fn allocate(&self, count: u32) -> std::io::Result<Vec<(u32, EventFd)>> {
+        (0..count)
+            .map(|_| {
+                let gsi = self.next_gsi.fetch_add(1, Ordering::Relaxed);
+                let eventfd = EventFd::new(EFD_NONBLOCK)?;
+                self.vm
+                    .register_irqfd(&eventfd, gsi)
+                    .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+                Ok((gsi, eventfd))
+            })
+            .collect()
+    }
+
+    fn table(routes: &BTreeMap<u32, MsiMessage>) -> Vec<kvm_irq_routing_entry> {
+        let mut entries = Vec::new();
+        let irqchip = |gsi: u32, chip: u32, pin: u32| {
+            let mut entry = kvm_irq_routing_entry {
+                gsi,
+                type_: KVM_IRQ_ROUTING_IRQCHIP,
+                ..Default::default()
+            };
+            entry.u.irqchip.irqchip = chip;
+            entry.u.irqchip.pin = pin;
+            entry
+        };
+        // KVM's default table: GSI 0..16 to the PICs and the IOAPIC, 16..24 to the IOAPIC.
+        for gsi in 0..FIRST_MSI_GSI {
+            if gsi < 16 {
+                let chip = if gsi < 8 {
+                    KVM_IRQCHIP_PIC_MASTER
+                } else {
+                    KVM_IRQCHIP_PIC_SLAVE
+                };
+                entries.push(irqchip(gsi, chip, gsi % 8));
+            }
+            entries.push(irqchip(gsi, KVM_IRQCHIP_IOAPIC, gsi));
+        }
+        for (&gsi, message) in routes {
+            let mut entry = kvm_irq_routing_entry {
+                gsi,
+                type_: KVM_IRQ_ROUTING_MSI,
+                ..Default::default()
+            };
+            entry.u.msi.address_lo = message.address as u32;
+            entry.u.msi.address_hi = (message.address >> 32) as u32;
+            entry.u.msi.data = message.data;
+            entries.push(entry);
+        }
+        entries
+    }
+}
+
+impl MsiRouting for MsiRouter {
+    fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
+        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        match message {
+            Some(message) => routes.insert(gsi, message),
+            None => routes.remove(&gsi),
+        };
+        let table = KvmIrqRouting::from_entries(&Self::table(&routes))
+            .map_err(|e| std::io::Error::other(format!("routing table: {e:?}")))?;
+        self.vm
+            .set_gsi_routing(&table)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+        log::debug!("MSI route GSI {gsi} -> {message:?}");
+        Ok(())
+    }
+}
+
+/// Puts a PCI root with the requested devices on the VM's buses; all guest RAM is
+/// DMA-mapped for every device before this returns. Nothing happens without devices.
+pub fn attach(
+    kvm: &Kvm,
+    vm: &VmFd,
+    ram: &GuestRam,
+    options: &PciOptions,
+    devices: &mut MachineDevices,
+) -> Result<Option<Arc<PciRoot>>, PciSetupError> {
+    if options.is_empty() {
+        return Ok(None);
+    }
+    if let Some(gpu) = options.gpus.first() {
+        return Err(PciSetupError::KernelVfioUnavailable(gpu.clone()));
+    }
+    let mmio64_size = match options.mmio64_size {
+        0 => DEFAULT_MMIO64_SIZE,
+        size => size,
+    };
+    let config = PciRootConfig {
+        ecam_base: ECAM_BASE,
+        mmio32_start: MMIO32_START,
+        mmio32_end: MMIO32_END,
+        mmio64_start: mmio64_start(ram),
+        mmio64_size,
+    };
+    let root = PciRoot::new(config)?;
+    let router = Arc::new(MsiRouter::new(kvm, vm)?);
+    let dma_regions: Vec<DmaRegion> = ram
+        .host_regions()
+        .map(|(region, host)| DmaRegion {
+            guest_addr: region.guest_addr,
+            size: region.size,
+            host_addr: host as u64,
+            fd: ram.memfd().as_raw_fd(),
+            fd_offset: region.file_offset,
+        })
+        .collect();
+    for socket in &options.vfio_user {
+        let backend = VfioUserDevice::connect(socket)?;
+        let mut allocate = |count| router.allocate(count);
+        let mut device = VfioPciDevice::new(Box::new(backend), &mut allocate, router.clone())?;
+        let started = Instant::now();
+        device.dma_map(&dma_regions)?;
+        log::info!(
+            "{}: DMA-mapped {} MiB of guest RAM in {:?}",
+            device.name(),
+            ram.size() >> 20,
+            started.elapsed()
+        );
+        let name = device.name().to_string();
+        let bdf = root.add_device(Arc::new(Mutex::new(device)))?;
+        log::info!("PCI {bdf}: {name}");
+    }
+
+    let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
+    io_bus
+        .insert(
+            CONFIG_ADDRESS_PORT,
+            8,
+            Arc::new(Mutex::new(ConfigAddressPort::new(root.clone()))),
+        )
+        .map_err(PciSetupError::Place)?;
+    let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
+    mmio_bus
+        .insert(
+            ECAM_BASE,
+            PciRootConfig::ECAM_SIZE,
+            Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
+        )
+        .map_err(PciSetupError::Place)?;
+    for (base, end) in [
+        (MMIO32_START, MMIO32_END),
+        (config.mmio64_start, config.mmio64_start + mmio64_size),
+    ] {
+        mmio_bus
+            .insert(
+                base,
+                end - base,
+                Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
+            )
+            .map_err(PciSetupError::Place)?;
+    }
+    Ok(Some(root))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_table_keeps_default_routes() {
+        let mut routes = BTreeMap::new();
+        routes.insert(
+            24,
+            MsiMessage {
+                address: 0x1_fee0_0000,
+                data: 0x41,
+            },
+        );
+        let table = MsiRouter::table(&routes);
+        // 16 PIC + 24 IOAPIC + 1 MSI.
+        assert_eq!(table.len(), 41);
+        let msi = table.last().unwrap();
+        assert_eq!(msi.type_, KVM_IRQ_ROUTING_MSI);
+        // SAFETY: reading the union member this entry was written with.
+        let (lo, hi, data) =
+            unsafe { (msi.u.msi.address_lo, msi.u.msi.address_hi, msi.u.msi.data) };
+        assert_eq!((lo, hi, data), (0xfee0_0000, 1, 0x41));
+        assert!(table
+            .iter()
+            .any(|e| e.gsi == 4 && e.type_ == KVM_IRQ_ROUTING_IRQCHIP));
+    }
+}
