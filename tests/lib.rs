@@ -226,3 +226,188 @@ pub fn guest_ram_ranges(memory: u64) -> Vec<(u64, u64)> {
         .map(|e| (e.addr, e.size))
         .collect()
 }
+
+/// A process started in the background, for tests that signal or kill it while it runs
+/// (snapshots, `kill -9`). Output is collected as raw bytes: a kill may cut a line, and
+/// tests that join the output of two processes need the exact bytes. Killed on drop.
+pub struct SpawnedProcess {
+    child: Child,
+    stdout: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    stderr: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    started: Instant,
+    status: Option<ExitStatus>,
+}
+
+fn spawn_raw_reader<R: Read + Send + 'static>(
+    mut reader: R,
+    sink: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        while let Ok(count) = reader.read(&mut buffer) {
+            if count == 0 {
+                break;
+            }
+            sink.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(&buffer[..count]);
+        }
+    })
+}
+
+impl SpawnedProcess {
+    /// Starts `gpuvm ARGS`.
+    pub fn gpuvm(args: &[&str]) -> SpawnedProcess {
+        Self::spawn(&gpuvm_bin(), args)
+    }
+
+    /// Starts `program ARGS` with stdin closed and stdout/stderr captured.
+    pub fn spawn(program: &std::path::Path, args: &[&str]) -> SpawnedProcess {
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
+        let stdout = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let readers = vec![
+            spawn_raw_reader(child.stdout.take().expect("stdout"), stdout.clone()),
+            spawn_raw_reader(child.stderr.take().expect("stderr"), stderr.clone()),
+        ];
+        SpawnedProcess {
+            child,
+            stdout,
+            stderr,
+            readers,
+            started: Instant::now(),
+            status: None,
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Everything the process wrote to stdout so far.
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.stdout.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+
+    /// Everything the process wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+
+    /// The exit status, if the process has ended.
+    pub fn try_status(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("wait");
+        }
+        self.status
+    }
+
+    /// Polls `ready` until it holds; panics with the output if the process ends first or
+    /// `limit` passes.
+    pub fn wait_until(
+        &mut self,
+        what: &str,
+        limit: Duration,
+        mut ready: impl FnMut(&Self) -> bool,
+    ) {
+        let deadline = Instant::now() + limit;
+        loop {
+            if ready(self) {
+                return;
+            }
+            let ended = self.try_status();
+            if ended.is_some() || Instant::now() > deadline {
+                // One last look: the output may have arrived with the exit.
+                std::thread::sleep(Duration::from_millis(50));
+                if ready(self) {
+                    return;
+                }
+                panic!(
+                    "waiting for {what}: process {} after {:?}\n--- stdout\n{}\n--- stderr\n{}",
+                    match ended {
+                        Some(status) => format!("ended with {status}"),
+                        None => "still running".into(),
+                    },
+                    self.started.elapsed(),
+                    self.stdout(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Waits until stdout contains `needle` (see [`SpawnedProcess::wait_until`]).
+    pub fn wait_for_stdout(&mut self, needle: &str, limit: Duration) {
+        self.wait_until(&format!("{needle:?} on stdout"), limit, |p| {
+            p.stdout().contains(needle)
+        });
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGKILL`) unless the process has already ended.
+    pub fn signal(&mut self, signal: i32) {
+        if self.try_status().is_none() {
+            // SAFETY: kill(2) on our own child's pid has no memory effects.
+            unsafe { libc::kill(self.pid(), signal) };
+        }
+    }
+
+    /// Waits for the process to end; `None` if it is still running after `limit` (it is
+    /// then killed, and its output is lost).
+    pub fn wait_timeout(mut self, limit: Duration) -> Option<RunOutput> {
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(status) = self.try_status() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+        Some(RunOutput {
+            status,
+            stdout: self.stdout(),
+            stderr: self.stderr(),
+            elapsed: self.started.elapsed(),
+        })
+    }
+
+    /// Waits for the process to end; kills it and panics with its output after `limit`.
+    pub fn wait(mut self, limit: Duration) -> RunOutput {
+        let deadline = Instant::now() + limit;
+        while self.try_status().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if self.try_status().is_none() {
+            self.signal(libc::SIGKILL);
+            let _ = self.child.wait();
+            std::thread::sleep(Duration::from_millis(50));
+            panic!(
+                "process did not end within {limit:?}\n--- stdout\n{}\n--- stderr\n{}",
+                self.stdout(),
+                self.stderr()
+            );
+        }
+        self.wait_timeout(Duration::ZERO).expect("ended")
+    }
+}
+
+impl Drop for SpawnedProcess {
+    fn drop(&mut self) {
+        if self.try_status().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

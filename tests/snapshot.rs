@@ -1,0 +1,1442 @@
+//! End-to-end snapshot and restore: a guest that checks its own memory (`memloop`
+//! verifies every page the previous iteration wrote) is snapshotted by one gpuvm process
+//! and restored by another, in every restore mode, after clean exits, `kill -9` and kills
+//! in the middle of writing a snapshot; diff chains; sparse memory files; and every kind
+//! of corrupt or unusable snapshot, which must fail with a clear error.
+//!
+//! The state and memory file formats are decoded here from their documentation
+//! (vmm/src/persist.rs, memory/src/snapshot/format.rs), not with gpuvm's own code, so a
+//! reader and writer that agree on a wrong format still fail.
+
+use std::collections::BTreeSet;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::{HugePageReservation, RunOutput, SpawnedProcess, HUGEPAGE_LOCK};
+
+const LIMIT: Duration = Duration::from_secs(240);
+const HANDLER: &str = env!("CARGO_BIN_EXE_gpuvm-test-uffd-handler");
+const STATE_MAGIC: &[u8; 8] = b"GPUVMSTA";
+const STATE_HEADER_LEN: usize = 24;
+const MEMORY_MAGIC: &[u8; 8] = b"GPUVMMEM";
+const MEMORY_HEADER_LEN: u64 = 128;
+const FLAG_DIFF: u32 = 1;
+
+/// A scratch directory under the system temp dir, removed on drop.
+struct Scratch {
+    root: PathBuf,
+}
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let root =
+            std::env::temp_dir().join(format!("gpuvm-snapshot-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).expect("create scratch dir");
+        Scratch { root }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn arg(path: &Path) -> &str {
+    path.to_str().expect("UTF-8 path")
+}
+
+// ---- The state file: "GPUVMSTA", u32 version, u32 CRC32 of the payload, u64 payload
+// length, JSON payload. ----
+
+fn read_state(dir: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(dir.join("state")).expect("read state");
+    assert!(bytes.len() > STATE_HEADER_LEN, "state file too short");
+    assert_eq!(&bytes[..8], STATE_MAGIC, "state magic");
+    assert_eq!(u32_at(&bytes, 8), 1, "state format version");
+    let payload = &bytes[STATE_HEADER_LEN..];
+    assert_eq!(
+        u64_at(&bytes, 16),
+        payload.len() as u64,
+        "state payload length"
+    );
+    assert_eq!(u32_at(&bytes, 12), crc32fast::hash(payload), "state CRC");
+    serde_json::from_slice(payload).expect("state payload is JSON")
+}
+
+/// Frames `payload` as a valid state file (correct CRC and length).
+fn frame_state(payload: &[u8]) -> Vec<u8> {
+    let mut bytes = STATE_MAGIC.to_vec();
+    bytes.extend_from_slice(&1u32.to_le_bytes());
+    bytes.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+fn write_state(dir: &Path, state: &serde_json::Value) {
+    let payload = serde_json::to_vec(state).expect("encode state");
+    std::fs::write(dir.join("state"), frame_state(&payload)).expect("write state");
+}
+
+fn memory_files(dir: &Path) -> Vec<String> {
+    read_state(dir)["memory_files"]
+        .as_array()
+        .expect("memory_files is a list")
+        .iter()
+        .map(|f| f.as_str().expect("file name").to_string())
+        .collect()
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap())
+}
+
+// ---- Memory files: a 128-byte header (docs/memory-file-format.md), then the index,
+// then page data from data_offset. ----
+
+#[derive(Debug)]
+struct MemoryHeader {
+    flags: u32,
+    page_size: u64,
+    ram_size: u64,
+    snapshot_id: [u8; 16],
+    base_id: [u8; 16],
+    generation: u64,
+    data_pages: u64,
+    data_offset: u64,
+    file_len: u64,
+}
+
+impl MemoryHeader {
+    fn is_diff(&self) -> bool {
+        self.flags & FLAG_DIFF != 0
+    }
+}
+
+fn memory_header(path: &Path) -> MemoryHeader {
+    let bytes = std::fs::read(path).expect("read memory file");
+    assert!(
+        bytes.len() as u64 >= MEMORY_HEADER_LEN,
+        "memory file too short"
+    );
+    assert_eq!(&bytes[..8], MEMORY_MAGIC, "memory file magic");
+    assert_eq!(u32_at(&bytes, 8), 1, "memory format version");
+    assert_eq!(
+        u32_at(&bytes, 124),
+        crc32fast::hash(&bytes[..124]),
+        "memory header CRC"
+    );
+    MemoryHeader {
+        flags: u32_at(&bytes, 16),
+        page_size: u64_at(&bytes, 24),
+        ram_size: u64_at(&bytes, 32),
+        snapshot_id: bytes[40..56].try_into().unwrap(),
+        base_id: bytes[56..72].try_into().unwrap(),
+        generation: u64_at(&bytes, 72),
+        data_pages: u64_at(&bytes, 88),
+        data_offset: u64_at(&bytes, 96),
+        file_len: bytes.len() as u64,
+    }
+}
+
+// ---- Guest and gpuvm output ----
+
+/// Iteration numbers of the `memloop: iter N ok` lines, in order.
+fn iterations(stdout: &str) -> Vec<u64> {
+    stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("memloop: iter "))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// The `key=value` fields of each line of `text` that starts with `prefix`.
+fn reports(text: &str, prefix: &str) -> Vec<Vec<(String, String)>> {
+    text.lines()
+        .filter(|line| line.starts_with(prefix))
+        .map(|line| {
+            line.split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+        .collect()
+}
+
+fn field(report: &[(String, String)], name: &str) -> i64 {
+    report
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or_else(|| panic!("no numeric {name} in {report:?}"))
+}
+
+fn has(report: &[(String, String)], name: &str, value: &str) -> bool {
+    report.iter().any(|(k, v)| k == name && v == value)
+}
+
+/// The one report line of stderr starting with `prefix`, as fields.
+fn only_report(out: &RunOutput, prefix: &str) -> Vec<(String, String)> {
+    let mut all = reports(&out.stderr, prefix);
+    assert_eq!(
+        all.len(),
+        1,
+        "expected one {prefix:?} line:\n{}",
+        out.stderr
+    );
+    all.remove(0)
+}
+
+fn describe(out: &RunOutput) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status, out.stdout, out.stderr
+    )
+}
+
+/// A restored guest really resumed (no reboot) and finished every iteration with every
+/// page verified: at least two iterations ran after restore (the one cut by the snapshot
+/// and a whole one, which checks every page), consecutively, up to the last.
+fn assert_restored_memloop_completes(out: &RunOutput, iters: u64) {
+    assert_eq!(
+        out.code(),
+        Some(0),
+        "restored guest failed: {}",
+        describe(out)
+    );
+    assert!(!out.stdout.contains("FAIL"), "{}", describe(out));
+    assert!(
+        !out.stdout.contains("testguest: ready") && !out.stdout.contains("memloop: cpus="),
+        "the guest booted again instead of resuming: {}",
+        describe(out)
+    );
+    assert!(out.stdout.contains("memloop: done"), "{}", describe(out));
+    let after = iterations(&out.stdout);
+    assert!(
+        after.len() >= 2,
+        "fewer than 2 iterations after restore: {}",
+        describe(out)
+    );
+    let first = after[0];
+    assert_eq!(
+        after,
+        (first..iters).collect::<Vec<_>>(),
+        "iterations after restore are not consecutive up to {}: {}",
+        iters - 1,
+        describe(out)
+    );
+}
+
+/// Like [`assert_restored_memloop_completes`], and the output of the snapshotted run
+/// followed by the restored one's is exactly one uninterrupted run: nothing lost or
+/// repeated across the snapshot, not even a character of a cut line.
+fn assert_continues(before: &str, out: &RunOutput, iters: u64) {
+    assert_restored_memloop_completes(out, iters);
+    let joined = format!("{before}{}", out.stdout);
+    assert_eq!(
+        iterations(&joined),
+        (0..iters).collect::<Vec<_>>(),
+        "snapshotted + restored output is not one run:\n--- before\n{before}\n--- after\n{}",
+        out.stdout
+    );
+    assert!(joined.ends_with("memloop: done\n"), "{joined}");
+}
+
+fn signal_snapshot(pid: i32) {
+    let status = std::process::Command::new(gpuvm_tests::gpuvm_bin())
+        .args(["snapshot", "--pid", &pid.to_string()])
+        .status()
+        .expect("run gpuvm snapshot");
+    assert!(status.success(), "gpuvm snapshot --pid {pid}: {status}");
+}
+
+/// A memloop guest and its VM.
+struct Memloop {
+    memory: &'static str,
+    size: &'static str,
+    vcpus: u8,
+    iters: u64,
+    backing: &'static str,
+    seed: u64,
+}
+
+impl Memloop {
+    fn args<'a>(&self, cmdline: &'a str, vcpus: &'a str) -> Vec<&'a str> {
+        vec![
+            "run",
+            "--memory",
+            self.memory,
+            "--vcpus",
+            vcpus,
+            "--memory-backing",
+            self.backing,
+            "--cmdline",
+            cmdline,
+            "--report-timing",
+        ]
+    }
+
+    fn cmdline(&self) -> String {
+        format!("memloop {} {} {}", self.size, self.seed, self.iters)
+    }
+}
+
+/// Runs `guest`, snapshots it into `dir` after iteration 1 with `gpuvm snapshot --pid`
+/// and `--snapshot-then exit`. Returns the run's stdout (everything the guest printed
+/// before the snapshot).
+fn snapshot_memloop_then_exit(dir: &Path, guest: &Memloop) -> String {
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend(["--snapshot-dir", arg(dir), "--snapshot-then", "exit"]);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_for_stdout("memloop: iter 1 ok", LIMIT);
+    signal_snapshot(run.pid());
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "snapshot run: {}", describe(&out));
+    assert!(
+        !out.stdout.contains("memloop: done"),
+        "the guest finished before the snapshot; give it more iterations: {}",
+        describe(&out)
+    );
+    let report = only_report(&out, "gpuvm: snapshot ");
+    assert!(has(&report, "diff", "false"), "{report:?}");
+    let files = memory_files(dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let header = memory_header(&dir.join(&files[0]));
+    assert!(!header.is_diff());
+    assert_eq!(
+        header.file_len,
+        field(&report, "bytes") as u64,
+        "{report:?}"
+    );
+    assert_eq!(header.data_pages, field(&report, "data_pages") as u64);
+    out.stdout
+}
+
+fn restore(dir: &Path, mode: &str, extra: &[&str]) -> RunOutput {
+    let mut args = vec![
+        "restore",
+        "--snapshot",
+        arg(dir),
+        "--restore-mode",
+        mode,
+        "--report-timing",
+    ];
+    args.extend_from_slice(extra);
+    SpawnedProcess::gpuvm(&args).wait(LIMIT)
+}
+
+/// Lazy restore loaded every data page of the (single, full) memory file exactly once,
+/// part of it on demand.
+fn assert_lazy_loaded_everything(out: &RunOutput, dir: &Path) {
+    let lazy = only_report(out, "gpuvm: lazy ");
+    let files = memory_files(dir);
+    let header = memory_header(&dir.join(&files[0]));
+    assert!(field(&lazy, "faults") > 0, "{lazy:?}");
+    assert!(
+        field(&lazy, "all_loaded_ms") >= 0,
+        "never fully loaded: {lazy:?}"
+    );
+    assert_eq!(
+        (field(&lazy, "bytes_by_faults") + field(&lazy, "bytes_background")) as u64,
+        header.data_pages * header.page_size,
+        "loaded bytes differ from the file's data: {lazy:?}"
+    );
+    assert!(field(&lazy, "fault_p50_us") >= 0 && field(&lazy, "fault_p99_us") >= 0);
+}
+
+/// Restores `dir` through the test page-fault handler; returns gpuvm's and the
+/// handler's output.
+fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput, RunOutput) {
+    let socket = scratch.path("uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(HANDLER),
+        &["--socket", arg(&socket), "--snapshot", arg(dir)],
+    );
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let mut args = vec!["--uffd-socket", arg(&socket)];
+    args.extend_from_slice(extra);
+    let out = restore(dir, "external", &args);
+    let handler = handler.wait(Duration::from_secs(30));
+    (out, handler)
+}
+
+fn assert_handler_served(handler: &RunOutput) {
+    assert_eq!(handler.code(), Some(0), "handler: {}", describe(handler));
+    assert!(handler.stdout.contains("uffd-handler: gpuvm connected"));
+    let stats = reports(&handler.stdout, "uffd-handler: faults=");
+    assert_eq!(stats.len(), 1, "{}", describe(handler));
+    assert!(
+        field(&stats[0], "faults") > 0,
+        "the handler served no faults: {stats:?}"
+    );
+}
+
+// ---- 1. Snapshot mid-run, exit, restore in a new process ----
+
+const GUEST_2_VCPUS: Memloop = Memloop {
+    memory: "512M",
+    size: "256M",
+    vcpus: 2,
+    iters: 40,
+    backing: "memfd",
+    seed: 5,
+};
+
+#[test]
+fn restore_eager_continues_memloop() {
+    let scratch = Scratch::new("eager");
+    let dir = scratch.path("snap");
+    let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let out = restore(&dir, "eager", &[]);
+    assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    let report = only_report(&out, "gpuvm: restore ");
+    assert!(has(&report, "mode", "Eager"), "{report:?}");
+    assert!(reports(&out.stderr, "gpuvm: lazy ").is_empty());
+}
+
+#[test]
+fn restore_lazy_continues_memloop() {
+    let scratch = Scratch::new("lazy");
+    let dir = scratch.path("snap");
+    let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let out = restore(&dir, "lazy", &[]);
+    assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    assert_lazy_loaded_everything(&out, &dir);
+}
+
+#[test]
+fn restore_external_handler_continues_memloop() {
+    let scratch = Scratch::new("external");
+    let dir = scratch.path("snap");
+    let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let (out, handler) = restore_external(&scratch, &dir, &[]);
+    assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    assert_handler_served(&handler);
+}
+
+#[test]
+fn restore_lazy_hugetlb_2m_continues_memloop() {
+    let _serial = HUGEPAGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // 512 MiB = 256 pages for the snapshotted run, then the same for the restore.
+    let _pages = match HugePageReservation::reserve(260) {
+        Ok(guard) => guard,
+        Err(reason) => {
+            eprintln!("SKIPPED restore_lazy_hugetlb_2m_continues_memloop: {reason}");
+            return;
+        }
+    };
+    let scratch = Scratch::new("hugetlb");
+    let dir = scratch.path("snap");
+    let guest = Memloop {
+        backing: "hugetlb-2m",
+        ..GUEST_2_VCPUS
+    };
+    let before = snapshot_memloop_then_exit(&dir, &guest);
+    let header = memory_header(&dir.join(&memory_files(&dir)[0]));
+    assert_eq!(header.page_size, 2 << 20, "{header:?}");
+    assert_eq!(read_state(&dir)["config"]["backing"], "hugetlb-2m");
+    let out = restore(&dir, "lazy", &[]);
+    assert_continues(&before, &out, guest.iters);
+    assert_lazy_loaded_everything(&out, &dir);
+}
+
+#[test]
+fn restore_4_vcpus_in_every_mode() {
+    let scratch = Scratch::new("4vcpus");
+    let dir = scratch.path("snap");
+    let guest = Memloop {
+        vcpus: 4,
+        ..GUEST_2_VCPUS
+    };
+    let before = snapshot_memloop_then_exit(&dir, &guest);
+    assert_eq!(read_state(&dir)["vcpus"].as_array().map(Vec::len), Some(4));
+    // The same snapshot restores any number of times.
+    let out = restore(&dir, "eager", &[]);
+    assert_continues(&before, &out, guest.iters);
+    let out = restore(&dir, "lazy", &[]);
+    assert_continues(&before, &out, guest.iters);
+    assert_lazy_loaded_everything(&out, &dir);
+    let (out, handler) = restore_external(&scratch, &dir, &[]);
+    assert_continues(&before, &out, guest.iters);
+    assert_handler_served(&handler);
+}
+
+#[test]
+fn restore_1_vcpu_eager() {
+    let scratch = Scratch::new("1vcpu");
+    let dir = scratch.path("snap");
+    let guest = Memloop {
+        memory: "256M",
+        size: "128M",
+        vcpus: 1,
+        ..GUEST_2_VCPUS
+    };
+    let before = snapshot_memloop_then_exit(&dir, &guest);
+    let out = restore(&dir, "eager", &[]);
+    assert_continues(&before, &out, guest.iters);
+}
+
+// ---- 2. kill -9 after a snapshot ----
+
+#[test]
+fn restore_after_kill_9() {
+    let scratch = Scratch::new("kill9");
+    let dir = scratch.path("snap");
+    let guest = GUEST_2_VCPUS;
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend([
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-after-ms",
+        "700",
+        "--snapshot-then",
+        "resume",
+    ]);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_until("the state file", LIMIT, |_| dir.join("state").exists());
+    // Let the guest run on after the snapshot, then kill it mid-iteration.
+    let seen = iterations(&run.stdout()).len();
+    run.wait_until("an iteration after the snapshot", LIMIT, |p| {
+        iterations(&p.stdout()).len() > seen
+    });
+    run.signal(libc::SIGKILL);
+    let killed = run.wait(LIMIT);
+    assert_eq!(
+        killed.status.signal(),
+        Some(libc::SIGKILL),
+        "{}",
+        describe(&killed)
+    );
+    assert!(
+        !killed.stdout.contains("memloop: done"),
+        "{}",
+        describe(&killed)
+    );
+
+    let out = restore(&dir, "lazy", &[]);
+    assert_restored_memloop_completes(&out, guest.iters);
+    assert_lazy_loaded_everything(&out, &dir);
+    let out = restore(&dir, "eager", &[]);
+    assert_restored_memloop_completes(&out, guest.iters);
+}
+
+// ---- 3. kill -9 while a snapshot is being written ----
+
+#[test]
+fn kill_9_during_snapshot_keeps_the_previous_one() {
+    let scratch = Scratch::new("kill-during");
+    let guest = Memloop {
+        memory: "768M",
+        size: "640M",
+        vcpus: 2,
+        iters: 14,
+        backing: "memfd",
+        seed: 11,
+    };
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut mid_write = 0;
+    let mut outcomes = Vec::new();
+    for delay_ms in [0u64, 20, 100, 300, 700, 5000] {
+        let dir = scratch.path(&format!("snap-{delay_ms}"));
+        let mut args = guest.args(&cmdline, &vcpus);
+        args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
+        let mut run = SpawnedProcess::gpuvm(&args);
+        run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
+        signal_snapshot(run.pid());
+        run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
+        let first_state = std::fs::read(dir.join("state")).expect("state");
+        let first_files = memory_files(&dir);
+        let seen = iterations(&run.stdout()).len();
+        run.wait_until("an iteration after the first snapshot", LIMIT, |p| {
+            iterations(&p.stdout()).len() > seen
+        });
+        signal_snapshot(run.pid());
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        run.signal(libc::SIGKILL);
+        let killed = run.wait(LIMIT);
+        assert_eq!(
+            killed.status.signal(),
+            Some(libc::SIGKILL),
+            "delay {delay_ms} ms: {}",
+            describe(&killed)
+        );
+
+        let state_now = std::fs::read(dir.join("state")).expect("a state file survives");
+        let kept_previous = state_now == first_state;
+        let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
+        for file in &named {
+            assert!(
+                dir.join(file).exists(),
+                "delay {delay_ms} ms: {file} is gone"
+            );
+        }
+        let leftovers: Vec<String> = std::fs::read_dir(&dir)
+            .expect("list dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name != "state" && !named.contains(name))
+            .collect();
+        if kept_previous {
+            assert_eq!(memory_files(&dir), first_files);
+            if !leftovers.is_empty() {
+                mid_write += 1;
+            }
+        }
+        outcomes.push(format!(
+            "delay {delay_ms} ms: {} snapshot, leftovers {leftovers:?}",
+            if kept_previous { "previous" } else { "new" }
+        ));
+
+        let out = restore(&dir, "lazy", &[]);
+        assert_restored_memloop_completes(&out, guest.iters);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    eprintln!("{}", outcomes.join("\n"));
+    assert!(
+        mid_write >= 1,
+        "no kill landed while a memory file was being written; the test proved nothing:\n{}",
+        outcomes.join("\n")
+    );
+}
+
+/// A snapshot killed while writing its memory file leaves a temporary file; the next
+/// snapshot into the directory must clean it up, or every interrupted snapshot leaks
+/// a guest-RAM-sized file.
+#[test]
+#[ignore = "gpuvm bug: temp files of interrupted memory-file writes (.memory-N.tmp.PID.K) are never removed: the next snapshot uses a new name, and only same-name temp files are cleaned"]
+fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
+    let scratch = Scratch::new("stale-temp");
+    let dir = scratch.path("snap");
+    let guest = Memloop {
+        memory: "768M",
+        size: "640M",
+        vcpus: 2,
+        iters: 14,
+        backing: "memfd",
+        seed: 13,
+    };
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
+    signal_snapshot(run.pid());
+    run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
+    signal_snapshot(run.pid());
+    // Kill as soon as the second memory file is being written.
+    let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
+    run.wait_until("the second memory file", LIMIT, |_| {
+        std::fs::read_dir(&dir).is_ok_and(|entries| {
+            entries.flatten().any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.contains("memory-") && !named.contains(&name)
+            })
+        })
+    });
+    run.signal(libc::SIGKILL);
+    drop(run);
+
+    // Restore and snapshot into the same directory: afterwards only the state and the
+    // files it names may remain.
+    let out = restore(
+        &dir,
+        "lazy",
+        &[
+            "--snapshot-dir",
+            arg(&dir),
+            "--snapshot-after-ms",
+            "300",
+            "--snapshot-then",
+            "exit",
+        ],
+    );
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
+    let garbage: Vec<String> = std::fs::read_dir(&dir)
+        .expect("list")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name != "state" && !named.contains(name))
+        .collect();
+    assert!(garbage.is_empty(), "left behind: {garbage:?}");
+}
+
+// ---- 4. Diff chains ----
+
+/// Waits until the state in `dir` names `count` memory files.
+fn wait_for_chain(run: &mut SpawnedProcess, dir: &Path, count: usize) {
+    run.wait_until(&format!("a state with {count} memory files"), LIMIT, |_| {
+        dir.join("state").exists() && memory_files(dir).len() == count
+    });
+}
+
+#[test]
+fn diff_snapshot_of_an_idle_guest_is_small() {
+    let scratch = Scratch::new("diff-idle");
+    let dir = scratch.path("snap");
+    let mut run = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "512M",
+        "--cmdline",
+        "zerofill 256M",
+        "--track-dirty-pages",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "resume",
+    ]);
+    // After zerofill the guest only spins: it writes nothing between the snapshots.
+    run.wait_for_stdout("zerofill: done", LIMIT);
+    signal_snapshot(run.pid());
+    wait_for_chain(&mut run, &dir, 1);
+    signal_snapshot(run.pid());
+    wait_for_chain(&mut run, &dir, 2);
+    run.signal(libc::SIGKILL);
+    drop(run);
+
+    let files = memory_files(&dir);
+    let base = memory_header(&dir.join(&files[0]));
+    let diff = memory_header(&dir.join(&files[1]));
+    assert!(!base.is_diff() && diff.is_diff(), "{base:?}\n{diff:?}");
+    assert_eq!(diff.base_id, base.snapshot_id);
+    assert_eq!((base.generation, diff.generation), (0, 1));
+    assert_eq!(diff.ram_size, base.ram_size);
+    assert!(base.data_pages > 0, "{base:?}");
+    assert!(
+        diff.file_len * 8 <= base.file_len && diff.data_pages * 16 <= base.data_pages.max(16),
+        "the diff of an idle guest is not much smaller than the full snapshot:\n{base:?}\n{diff:?}"
+    );
+
+    // Restore base + diff, take a third snapshot from the restored VM into the same
+    // directory: it continues the chain as a diff.
+    let mut restored = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-after-ms",
+        "500",
+        "--snapshot-then",
+        "exit",
+        "--report-timing",
+    ]);
+    wait_for_chain(&mut restored, &dir, 3);
+    let out = restored.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    let report = only_report(&out, "gpuvm: snapshot ");
+    assert!(has(&report, "diff", "true"), "{report:?}");
+    let chain = memory_files(&dir);
+    assert_eq!(&chain[..2], &files[..]);
+    let third = memory_header(&dir.join(&chain[2]));
+    assert!(third.is_diff() && third.generation == 2 && third.base_id == diff.snapshot_id);
+
+    // The three-file chain restores (eagerly this time) and runs until told to stop.
+    let other = scratch.path("after-chain");
+    let out = restore(
+        &dir,
+        "eager",
+        &[
+            "--snapshot-dir",
+            arg(&other),
+            "--snapshot-after-ms",
+            "300",
+            "--snapshot-then",
+            "exit",
+        ],
+    );
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    // A snapshot into another directory starts a new chain with a full file.
+    assert_eq!(memory_files(&other).len(), 1);
+    assert!(!memory_header(&other.join(&memory_files(&other)[0])).is_diff());
+}
+
+#[test]
+fn diff_chain_restores_memory_contents() {
+    let scratch = Scratch::new("diff-memloop");
+    let dir = scratch.path("snap");
+    // One vCPU over 768 MiB: an iteration is slow enough that the second snapshot,
+    // taken right after the first, holds only part of the memory.
+    let guest = Memloop {
+        memory: "1024M",
+        size: "768M",
+        vcpus: 1,
+        iters: 12,
+        backing: "memfd",
+        seed: 3,
+    };
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend([
+        "--track-dirty-pages",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "resume",
+    ]);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
+    signal_snapshot(run.pid());
+    wait_for_chain(&mut run, &dir, 1);
+    signal_snapshot(run.pid());
+    wait_for_chain(&mut run, &dir, 2);
+    run.signal(libc::SIGKILL);
+    let killed = run.wait(LIMIT);
+    assert!(
+        !killed.stdout.contains("memloop: done"),
+        "{}",
+        describe(&killed)
+    );
+
+    let files = memory_files(&dir);
+    let base = memory_header(&dir.join(&files[0]));
+    let diff = memory_header(&dir.join(&files[1]));
+    assert!(
+        diff.is_diff() && diff.base_id == base.snapshot_id,
+        "{diff:?}"
+    );
+    // Pages must come from both files for the restore to prove the chain works.
+    assert!(
+        diff.data_pages > 0 && diff.data_pages < base.data_pages,
+        "the diff should hold some but not all pages:\n{base:?}\n{diff:?}"
+    );
+
+    // Restore base + diff and snapshot again into the chain mid-run (exit there)...
+    let mut restored = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "exit",
+        "--report-timing",
+    ]);
+    restored.wait_until("an iteration after restore", LIMIT, |p| {
+        iterations(&p.stdout()).len() >= 2
+    });
+    signal_snapshot(restored.pid());
+    let middle = restored.wait(LIMIT);
+    assert_eq!(middle.code(), Some(0), "{}", describe(&middle));
+    assert!(
+        !middle.stdout.contains("memloop: done"),
+        "{}",
+        describe(&middle)
+    );
+    assert!(!middle.stdout.contains("FAIL"), "{}", describe(&middle));
+    assert_eq!(memory_files(&dir).len(), 3);
+
+    // ...then restore the three-file chain: the guest verifies every page once more.
+    let out = restore(&dir, "eager", &[]);
+    assert_restored_memloop_completes(&out, guest.iters);
+    let joined = format!("{}{}", middle.stdout, out.stdout);
+    let all = iterations(&joined);
+    let first = all[0];
+    assert_eq!(all, (first..guest.iters).collect::<Vec<_>>(), "{joined}");
+}
+
+#[test]
+fn full_snapshot_of_a_lazily_restored_vm() {
+    // A full snapshot reads all guest memory, including pages the lazy loader has not
+    // brought in yet.
+    let scratch = Scratch::new("resnapshot");
+    let dir = scratch.path("first");
+    let second = scratch.path("second");
+    let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let restored = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(&second),
+        "--snapshot-after-ms",
+        "1",
+        "--snapshot-then",
+        "exit",
+    ]);
+    let middle = restored
+        .wait_timeout(LIMIT)
+        .expect("restore + snapshot ended");
+    assert_eq!(middle.code(), Some(0), "{}", describe(&middle));
+    let joined = format!("{before}{}", middle.stdout);
+    let out = restore(&second, "lazy", &[]);
+    assert_continues(&joined, &out, GUEST_2_VCPUS.iters);
+}
+
+// ---- 6. Zero pages are not stored ----
+
+#[test]
+fn zero_pages_are_not_stored() {
+    let scratch = Scratch::new("zero");
+    let dir = scratch.path("snap");
+    let mut run = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "512M",
+        "--cmdline",
+        "zerofill 256M",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "exit",
+        "--report-timing",
+    ]);
+    run.wait_for_stdout("zerofill: done", LIMIT);
+    signal_snapshot(run.pid());
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    let report = only_report(&out, "gpuvm: snapshot ");
+    let files = memory_files(&dir);
+    let header = memory_header(&dir.join(&files[0]));
+    // The guest wrote 256 MiB and zeroed it again: only its own pages hold data.
+    assert!(
+        header.file_len < 32 << 20,
+        "memory file is {} bytes: {header:?}",
+        header.file_len
+    );
+    assert_eq!(
+        header.file_len,
+        header.data_offset + header.data_pages * header.page_size
+    );
+    assert!(header.data_offset < 1 << 20, "{header:?}");
+    assert_eq!(field(&report, "data_pages") as u64, header.data_pages);
+    assert_eq!(field(&report, "bytes") as u64, header.file_len);
+
+    // Restored, the zero pages stay holes in guest RAM (lazily loaded or not).
+    for mode in ["eager", "lazy"] {
+        let mut restored =
+            SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(&dir), "--restore-mode", mode]);
+        std::thread::sleep(Duration::from_millis(1500));
+        let resident_kib = shmem_resident_kib(restored.pid());
+        assert!(
+            restored.try_status().is_none(),
+            "{mode}: the restored guest ended: {}",
+            restored.stderr()
+        );
+        restored.signal(libc::SIGKILL);
+        assert!(
+            resident_kib < 32 * 1024,
+            "{mode} restore allocated {resident_kib} KiB of guest RAM for {} data pages",
+            header.data_pages
+        );
+    }
+}
+
+/// Guest RAM (a memfd, shared memory) resident in process `pid`.
+fn shmem_resident_kib(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssShmem:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("RssShmem in /proc/PID/status")
+}
+
+/// Reading guest RAM for a full snapshot must not allocate the pages the guest never
+/// touched (a read fault on a shared memfd hole allocates a page).
+#[test]
+#[ignore = "gpuvm bug: the full-snapshot scan reads every page of guest RAM, which allocates untouched memfd pages (512 MiB resident for a guest that used 16 MiB)"]
+fn full_snapshot_does_not_allocate_untouched_guest_memory() {
+    let scratch = Scratch::new("scan-allocates");
+    let dir = scratch.path("snap");
+    let mut run = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "512M",
+        "--cmdline",
+        "zerofill 16M",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "exit",
+        "--report-memory",
+    ]);
+    run.wait_for_stdout("zerofill: done", LIMIT);
+    signal_snapshot(run.pid());
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    let memory = only_report(&out, "gpuvm: memory ");
+    assert!(
+        field(&memory, "guest_resident_kib") < 64 * 1024,
+        "taking the snapshot allocated untouched guest RAM: {memory:?}"
+    );
+}
+
+/// The test oracle itself: a page restored with the wrong content (but a consistent
+/// file, all CRCs recomputed) is caught by the guest's own verification.
+#[test]
+fn guest_detects_a_wrong_page_after_restore() {
+    let scratch = Scratch::new("oracle");
+    let good = small_snapshot(&scratch);
+    let path = good.join(&memory_files(&good)[0]);
+    let header = memory_header(&path);
+    let mut bytes = std::fs::read(&path).expect("read");
+    let region_count = u64::from(u32_at(&bytes, 20));
+    let extent_count = u64_at(&bytes, 80);
+    // The middle data page: with 32 MiB of memloop data in the file, it is a memloop page.
+    let page = header.data_pages / 2;
+    let at = (header.data_offset + page * header.page_size) as usize;
+    bytes[at + 8] ^= 1;
+    let index_start = MEMORY_HEADER_LEN as usize;
+    let crcs_start = index_start + (region_count * 24 + extent_count * 24) as usize;
+    let mut metadata_end = crcs_start;
+    if header.flags & 2 != 0 {
+        let crc = crc32fast::hash(&bytes[at..at + header.page_size as usize]);
+        let crc_at = crcs_start + page as usize * 4;
+        bytes[crc_at..crc_at + 4].copy_from_slice(&crc.to_le_bytes());
+        metadata_end += header.data_pages as usize * 4;
+    }
+    let index_crc = crc32fast::hash(&bytes[index_start..metadata_end]);
+    bytes[120..124].copy_from_slice(&index_crc.to_le_bytes());
+    let header_crc = crc32fast::hash(&bytes[..124]);
+    bytes[124..128].copy_from_slice(&header_crc.to_le_bytes());
+    std::fs::write(&path, bytes).expect("write");
+
+    for mode in ["eager", "lazy"] {
+        let out = restore(&good, mode, &[]);
+        assert_eq!(out.code(), Some(1), "{mode}: {}", describe(&out));
+        assert!(
+            out.stdout.contains("memloop: FAIL"),
+            "{mode}: {}",
+            describe(&out)
+        );
+    }
+}
+
+// ---- 5. Corrupt and unusable snapshots ----
+
+/// A small valid snapshot to corrupt copies of.
+fn small_snapshot(scratch: &Scratch) -> PathBuf {
+    let dir = scratch.path("good");
+    let guest = Memloop {
+        memory: "128M",
+        size: "32M",
+        vcpus: 1,
+        iters: 150,
+        backing: "memfd",
+        seed: 1,
+    };
+    snapshot_memloop_then_exit(&dir, &guest);
+    dir
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("list").flatten() {
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+}
+
+fn flip_byte(path: &Path, at: u64) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open");
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, at).expect("read");
+    byte[0] ^= 0xff;
+    file.write_all_at(&byte, at).expect("write");
+}
+
+/// Writes a valid, empty (all-zero) full memory file for a guest of `ram_size` bytes
+/// with gpuvm's layout: to build states that are consistent but unusable on this host.
+fn write_empty_memory_file(path: &Path, ram_size: u64) {
+    let regions = gpuvm_vmm::x86_64::layout::ram_regions(ram_size);
+    let mut metadata = Vec::new();
+    for r in &regions {
+        metadata.extend_from_slice(&r.guest_addr.to_le_bytes());
+        metadata.extend_from_slice(&r.size.to_le_bytes());
+        metadata.extend_from_slice(&r.file_offset.to_le_bytes());
+    }
+    let data_offset = (MEMORY_HEADER_LEN + metadata.len() as u64).div_ceil(4096) * 4096;
+    let mut header = vec![0u8; MEMORY_HEADER_LEN as usize];
+    header[..8].copy_from_slice(MEMORY_MAGIC);
+    header[8..12].copy_from_slice(&1u32.to_le_bytes()); // version
+    header[12..16].copy_from_slice(&128u32.to_le_bytes()); // header length
+    header[16..20].copy_from_slice(&0u32.to_le_bytes()); // flags: full, no page CRCs
+    header[20..24].copy_from_slice(&(regions.len() as u32).to_le_bytes());
+    header[24..32].copy_from_slice(&4096u64.to_le_bytes());
+    header[32..40].copy_from_slice(&ram_size.to_le_bytes());
+    header[40..56].copy_from_slice(&[0x5a; 16]); // snapshot id
+                                                 // base id 0, generation 0, 0 extents, 0 data pages
+    header[96..104].copy_from_slice(&data_offset.to_le_bytes());
+    header[120..124].copy_from_slice(&crc32fast::hash(&metadata).to_le_bytes());
+    let crc = crc32fast::hash(&header[..124]);
+    header[124..128].copy_from_slice(&crc.to_le_bytes());
+    let mut bytes = header;
+    bytes.extend_from_slice(&metadata);
+    bytes.resize(data_offset as usize, 0);
+    std::fs::write(path, bytes).expect("write memory file");
+}
+
+/// One corruption: what to do to a copy of the good snapshot, which restore mode to
+/// use, and a piece of the error gpuvm must print.
+struct Corruption {
+    name: &'static str,
+    corrupt: Box<dyn Fn(&Path)>,
+    mode: &'static str,
+    error: &'static str,
+}
+
+fn edit_state(edit: impl Fn(&mut serde_json::Value) + 'static) -> Box<dyn Fn(&Path)> {
+    Box::new(move |dir: &Path| {
+        let mut state = read_state(dir);
+        edit(&mut state);
+        write_state(dir, &state);
+    })
+}
+
+fn on_memory_file(action: impl Fn(&Path) + 'static) -> Box<dyn Fn(&Path)> {
+    Box::new(move |dir: &Path| action(&dir.join(&memory_files(dir)[0])))
+}
+
+fn corruptions() -> Vec<Corruption> {
+    let case = |name, mode, error, corrupt: Box<dyn Fn(&Path)>| Corruption {
+        name,
+        corrupt,
+        mode,
+        error,
+    };
+    let state_bytes = |edit: fn(&mut Vec<u8>)| -> Box<dyn Fn(&Path)> {
+        Box::new(move |dir: &Path| {
+            let path = dir.join("state");
+            let mut bytes = std::fs::read(&path).expect("read state");
+            edit(&mut bytes);
+            std::fs::write(&path, bytes).expect("write state");
+        })
+    };
+    vec![
+        case(
+            "state: wrong magic",
+            "lazy",
+            "not a gpuvm state file",
+            state_bytes(|b| b[0..8].copy_from_slice(b"NOTSTATE")),
+        ),
+        case(
+            "state: unknown version",
+            "lazy",
+            "version 7",
+            state_bytes(|b| b[8..12].copy_from_slice(&7u32.to_le_bytes())),
+        ),
+        case(
+            "state: payload byte flipped",
+            "eager",
+            "CRC mismatch",
+            state_bytes(|b| {
+                let at = b.len() / 2;
+                b[at] ^= 0x20
+            }),
+        ),
+        case(
+            "state: truncated",
+            "lazy",
+            "truncated",
+            state_bytes(|b| b.truncate(b.len() / 2)),
+        ),
+        case(
+            "state: shorter than its header",
+            "lazy",
+            "not a gpuvm state file",
+            state_bytes(|b| b.truncate(10)),
+        ),
+        case(
+            "state: empty",
+            "lazy",
+            "not a gpuvm state file",
+            state_bytes(|b| b.clear()),
+        ),
+        case(
+            "state: trailing garbage",
+            "lazy",
+            "trailing data",
+            state_bytes(|b| b.extend_from_slice(b"xx")),
+        ),
+        case(
+            "state: missing",
+            "lazy",
+            "cannot read state file",
+            Box::new(|dir: &Path| std::fs::remove_file(dir.join("state")).unwrap()),
+        ),
+        case(
+            "state: valid CRC, not JSON",
+            "lazy",
+            "is corrupt",
+            state_bytes(|b| {
+                let framed = frame_state(b"{not json");
+                *b = framed
+            }),
+        ),
+        case(
+            "state: valid CRC, a field missing",
+            "lazy",
+            "is corrupt",
+            edit_state(|s| {
+                s["config"].as_object_mut().unwrap().remove("vcpus");
+            }),
+        ),
+        case(
+            "memory: truncated",
+            "lazy",
+            "truncated",
+            on_memory_file(|p| {
+                let len = std::fs::metadata(p).unwrap().len();
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .unwrap()
+                    .set_len(len - 4096 * 3)
+                    .unwrap();
+            }),
+        ),
+        case(
+            "memory: truncated inside the index",
+            "eager",
+            "truncated",
+            on_memory_file(|p| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .unwrap()
+                    .set_len(MEMORY_HEADER_LEN + 10)
+                    .unwrap();
+            }),
+        ),
+        case(
+            "memory: wrong magic",
+            "lazy",
+            "not a gpuvm memory file",
+            on_memory_file(|p| flip_byte(p, 0)),
+        ),
+        case(
+            "memory: header CRC",
+            "lazy",
+            "header CRC mismatch",
+            on_memory_file(|p| flip_byte(p, 33)),
+        ),
+        case(
+            "memory: index CRC",
+            "eager",
+            "index CRC mismatch",
+            on_memory_file(|p| flip_byte(p, MEMORY_HEADER_LEN + 9)),
+        ),
+        case(
+            "memory: data page CRC (eager)",
+            "eager",
+            "data CRC mismatch",
+            on_memory_file(|p| {
+                let header = memory_header(p);
+                flip_byte(p, header.data_offset + header.page_size * 3 + 17)
+            }),
+        ),
+        case(
+            "memory: file missing",
+            "lazy",
+            "No such file",
+            on_memory_file(|p| std::fs::remove_file(p).unwrap()),
+        ),
+        case(
+            "memory: state names no file",
+            "lazy",
+            "names no memory file",
+            edit_state(|s| s["memory_files"] = serde_json::json!([])),
+        ),
+        case(
+            "memory: state names a file outside the directory",
+            "lazy",
+            "outside the snapshot directory",
+            edit_state(|s| s["memory_files"] = serde_json::json!(["../../etc/passwd"])),
+        ),
+        case(
+            "config: 0 vCPUs",
+            "lazy",
+            "0 configured vCPUs",
+            edit_state(|s| s["config"]["vcpus"] = 0.into()),
+        ),
+        case(
+            "config: more vCPUs than states",
+            "lazy",
+            "1 vCPU states for 2 configured",
+            edit_state(|s| s["config"]["vcpus"] = 2.into()),
+        ),
+        case(
+            "config: 255 vCPUs with 255 states (more than the host allows)",
+            "lazy",
+            "invalid vCPU count",
+            edit_state(|s| {
+                let one = s["vcpus"][0].clone();
+                s["vcpus"] = (0..255)
+                    .map(|id| {
+                        let mut v = one.clone();
+                        v["id"] = id.into();
+                        v
+                    })
+                    .collect();
+                s["config"]["vcpus"] = 255.into();
+            }),
+        ),
+        case(
+            "config: memory size differs from the memory file",
+            "lazy",
+            "size mismatch",
+            edit_state(|s| s["config"]["memory_size"] = (256u64 << 20).into()),
+        ),
+        case(
+            "config: 1 TiB of guest memory (more than the host has)",
+            "lazy",
+            "larger than this host",
+            Box::new(|dir: &Path| {
+                let tib = 1u64 << 40;
+                write_empty_memory_file(&dir.join("memory-1"), tib);
+                let mut state = read_state(dir);
+                state["config"]["memory_size"] = tib.into();
+                state["memory_files"] = serde_json::json!(["memory-1"]);
+                write_state(dir, &state);
+            }),
+        ),
+        case(
+            "config: huge pages the memory file was not taken with",
+            "lazy",
+            "page size mismatch",
+            edit_state(|s| s["config"]["backing"] = "hugetlb-2m".into()),
+        ),
+        case(
+            "config: unknown backing",
+            "lazy",
+            "unknown memory backing",
+            edit_state(|s| s["config"]["backing"] = "tape".into()),
+        ),
+        case(
+            "config: unknown CPUID mask",
+            "lazy",
+            "bogus",
+            edit_state(|s| s["config"]["cpuid_masks"] = serde_json::json!(["bogus"])),
+        ),
+        case(
+            "external: no handler at the socket",
+            "external",
+            "page-fault handler",
+            Box::new(|_: &Path| {}),
+        ),
+    ]
+}
+
+#[test]
+fn corrupt_snapshots_fail_cleanly() {
+    let scratch = Scratch::new("corrupt");
+    let good = small_snapshot(&scratch);
+    let mut failures = Vec::new();
+    for (index, case) in corruptions().into_iter().enumerate() {
+        let dir = scratch.path(&format!("case-{index}"));
+        copy_dir(&good, &dir);
+        (case.corrupt)(&dir);
+        let socket = scratch.path("no-such-handler.sock");
+        let mut args = vec![
+            "restore",
+            "--snapshot",
+            arg(&dir),
+            "--restore-mode",
+            case.mode,
+        ];
+        if case.mode == "external" {
+            args.extend(["--uffd-socket", arg(&socket)]);
+        }
+        let started = Instant::now();
+        let problem = match SpawnedProcess::gpuvm(&args).wait_timeout(Duration::from_secs(60)) {
+            None => Some("hung (killed after 60 s)".to_string()),
+            Some(out) => {
+                let stderr = out.stderr.to_lowercase();
+                if out.status.code().is_none() {
+                    Some(format!("killed by a signal: {}", describe(&out)))
+                } else if out.code() == Some(0) {
+                    Some(format!("succeeded: {}", describe(&out)))
+                } else if stderr.contains("panicked") {
+                    Some(format!("panicked: {}", describe(&out)))
+                } else if !stderr.contains(&case.error.to_lowercase()) {
+                    Some(format!("error lacks {:?}: {}", case.error, describe(&out)))
+                } else if !out.stdout.is_empty() {
+                    Some(format!("the guest ran: {}", describe(&out)))
+                } else {
+                    eprintln!(
+                        "ok: {} -> {} ({:?})",
+                        case.name,
+                        out.stderr.trim(),
+                        started.elapsed()
+                    );
+                    None
+                }
+            }
+        };
+        if let Some(problem) = problem {
+            failures.push(format!("[{}] {problem}", case.name));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    // The good snapshot is still good (the corruptions hit copies only).
+    let out = restore(&good, "eager", &[]);
+    assert_restored_memloop_completes_or_runs(&out);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+fn assert_restored_memloop_completes_or_runs(out: &RunOutput) {
+    assert_eq!(out.code(), Some(0), "{}", describe(out));
+    assert!(out.stdout.contains("memloop: done") && !out.stdout.contains("FAIL"));
+}
+
+#[test]
+fn missing_snapshot_directory_fails_cleanly() {
+    let scratch = Scratch::new("missing");
+    for mode in ["eager", "lazy"] {
+        let out = restore(&scratch.path("nothing-here"), mode, &[]);
+        out.assert_clean_error("no such snapshot directory");
+        assert!(out.stdout.is_empty(), "{}", describe(&out));
+    }
+}
+
+/// A data page whose CRC does not match, found only while the guest runs (lazy restore
+/// checks pages as it loads them), must end gpuvm with an error, not leave the guest
+/// waiting forever for a page that will never come.
+#[test]
+#[ignore = "gpuvm bug: the lazy loader stops on the CRC error but gpuvm keeps running with a vCPU blocked on a fault nobody serves (hangs forever)"]
+fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
+    let scratch = Scratch::new("corrupt-lazy");
+    let good = small_snapshot(&scratch);
+    let file = good.join(&memory_files(&good)[0]);
+    let header = memory_header(&file);
+    flip_byte(
+        &file,
+        header.data_offset + header.page_size * (header.data_pages / 2) + 5,
+    );
+    let run = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&good),
+        "--restore-mode",
+        "lazy",
+    ]);
+    let out = run
+        .wait_timeout(Duration::from_secs(60))
+        .expect("gpuvm hung after the lazy loader found a corrupt page");
+    out.assert_clean_error("data CRC mismatch");
+}
