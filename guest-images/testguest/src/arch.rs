@@ -11,6 +11,16 @@ pub fn outl(port: u16, value: u32) {
     }
 }
 
+/// 32-bit port read (through the #GP handler where IOPL is dropped, as for [`outl`]).
+pub fn inl(port: u16) -> u32 {
+    let value: u32;
+    // SAFETY: port I/O to an emulated device touches no memory.
+    unsafe {
+        asm!("in eax, dx", in("dx") port, out("eax") value, options(nomem, nostack, preserves_flags))
+    }
+    value
+}
+
 pub struct CpuidResult {
     pub eax: u32,
     pub ebx: u32,

@@ -19,7 +19,10 @@ pub const USER_CODE_SELECTOR: u16 = 0x20 | 3;
 /// TSS descriptor of CPU 0; CPU `i` uses `FIRST_TSS_SELECTOR + 16 * i`.
 pub const FIRST_TSS_SELECTOR: u16 = 0x28;
 const GDT_LIMIT: usize = 0x28 + MAX_CPUS * 16 - 1;
-const IDT_LIMIT: usize = 32 * 16 - 1;
+/// 256 gates: 0..31 are the exception stubs (linker script); the rest start not present and
+/// ring 3 fills the ones it uses (the `pci` workload's MSI vector).
+pub const IDT_ENTRIES: usize = 256;
+const IDT_LIMIT: usize = IDT_ENTRIES * 16 - 1;
 
 /// RFLAGS for ring 3: IOPL=3 (port I/O allowed), IF=0, reserved bit 1.
 pub const USER_RFLAGS: u64 = 0x3002;
@@ -191,7 +194,9 @@ tg_exc_stubs_end:
     /* #GP. This hypervisor's emulated iretq drops RFLAGS.IOPL, so port I/O from ring 3 faults;
        do the faulting I/O instruction here with the ring-3 registers and return after it.
        Forms: f3 6e rep outsb (a whole line, sent byte by byte), ef out eax, ee out al, 66 ef out ax,
-       ed in eax, ec in al, 66 ed in ax. Anything else is a real #GP.
+       ed in eax, ec in al, 66 ed in ax. f4 hlt: wait for an interrupt here with `sti; hlt`
+       (interrupts are only delivered in ring 0 on this hypervisor), then return after the hlt.
+       Anything else is a real #GP.
        Stack: rbx, rax, error code, rip, cs, rflags, rsp, ss. */
 tg_gp_entry:
     pushq %rax
@@ -214,6 +219,8 @@ tg_gp_entry:
     je .Lgp_out16
     cmpw $0xed66, %ax
     je .Lgp_in16
+    cmpb $0xf4, %al
+    je .Lgp_hlt
 .Lgp_fault:
     popq %rbx
     popq %rax
@@ -258,6 +265,13 @@ tg_gp_entry:
     popq %rax
     inw %dx, %ax
     jmp .Lgp_done2
+.Lgp_hlt:
+    popq %rbx
+    popq %rax
+    sti
+    hlt
+    cli
+    jmp .Lgp_done1
 .Lgp_done1:
     addq $1, 8(%rsp)
     addq $8, %rsp

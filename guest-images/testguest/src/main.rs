@@ -13,6 +13,7 @@ mod console;
 mod exception;
 mod memfns;
 mod pattern;
+mod pci;
 mod region;
 mod smp;
 mod workloads;

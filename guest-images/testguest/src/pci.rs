@@ -1,0 +1,287 @@
+//! The `pci` workload: find the emulated NVIDIA-like GPU on bus 0 through configuration
+//! mechanism #1, check its IDs and BARs, round-trip BAR0 registers, then have the device DMA
+//! a pattern into RAM and raise an MSI-X interrupt.
+//!
+//! Interrupts are only delivered in ring 0 on the CI hypervisor, so the workload enables the
+//! local APIC, installs an IDT gate for its vector, and waits with `hlt`: from ring 3 that
+//! faults, and the #GP handler (boot.rs) waits in ring 0 with `sti; hlt`.
+
+use core::ptr::addr_of;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use crate::arch::{inl, outl};
+use crate::console::exit;
+use crate::pattern::pattern;
+use crate::println;
+
+const CONFIG_ADDRESS: u16 = 0xcf8;
+const CONFIG_DATA: u16 = 0xcfc;
+const NVIDIA: u32 = 0x10de;
+const H100_LIKE: u32 = 0x2330;
+const LAPIC_BASE: u64 = 0xfee0_0000;
+const LAPIC_ID: u64 = 0x20;
+const LAPIC_SVR: u64 = 0xf0;
+const MSI_VECTOR: u8 = 0x40;
+/// Emulated device BAR0 registers (gpuvm-vfio's emu::regs).
+const REG_BOOT_0: u64 = 0x0;
+const REG_SCRATCH: u64 = 0x100;
+const REG_DMA_ADDR_LO: u64 = 0x1000;
+const REG_DMA_ADDR_HI: u64 = 0x1004;
+const REG_DMA_LEN: u64 = 0x1008;
+const REG_DMA_SEED: u64 = 0x100c;
+const REG_DOORBELL: u64 = 0x1010;
+const REG_DMA_DONE: u64 = 0x1014;
+const REG_DMA_STATUS: u64 = 0x1018;
+/// DMA target: 64 KiB at 32 MiB (RAM above the image and stacks).
+const DMA_ADDR: u64 = 32 << 20;
+const DMA_LEN: u64 = 64 << 10;
+const DMA_SEED: u64 = 0x5eed;
+const EXIT_FAIL: u32 = 1;
+
+/// Interrupts taken on the MSI vector (incremented by the ring-0 handler below).
+#[no_mangle]
+static TG_MSI_COUNT: AtomicU64 = AtomicU64::new(0);
+
+core::arch::global_asm!(
+    r#"
+    .section .text, "ax", @progbits
+    .p2align 4
+    .globl tg_msi_entry
+tg_msi_entry:
+    pushq %rax
+    incq TG_MSI_COUNT(%rip)
+    /* EOI: a 32-bit address, loaded zero-extended (a disp32 would sign-extend). */
+    movl $0xfee000b0, %eax
+    movl $0, (%rax)
+    popq %rax
+    iretq
+"#,
+    options(att_syntax)
+);
+
+extern "C" {
+    static tg_msi_entry: u8;
+    static mut tg_idt: [u64; 512];
+}
+
+fn config_address(device: u8, register: u8) -> u32 {
+    1 << 31 | u32::from(device) << 11 | u32::from(register & 0xfc)
+}
+
+fn config_read(device: u8, register: u8) -> u32 {
+    outl(CONFIG_ADDRESS, config_address(device, register));
+    inl(CONFIG_DATA)
+}
+
+fn config_write(device: u8, register: u8, value: u32) {
+    outl(CONFIG_ADDRESS, config_address(device, register));
+    outl(CONFIG_DATA, value);
+}
+
+fn mmio_read(addr: u64) -> u32 {
+    // SAFETY: `addr` is in a BAR or the local APIC page, identity mapped and user accessible;
+    // the access traps to the VMM.
+    unsafe { (addr as *const u32).read_volatile() }
+}
+
+fn mmio_write(addr: u64, value: u32) {
+    // SAFETY: as in `mmio_read`.
+    unsafe { (addr as *mut u32).write_volatile(value) }
+}
+
+fn fail(what: core::fmt::Arguments) -> ! {
+    println!("pci: FAIL {what}");
+    exit(EXIT_FAIL)
+}
+
+/// Sizes BAR `index` (all-ones write, read back, restore); returns (address, size, low flags).
+fn size_bar(device: u8, index: u8) -> (u64, u64, u32) {
+    let register = 0x10 + 4 * index;
+    let original = config_read(device, register);
+    config_write(device, register, 0xffff_ffff);
+    let sized = config_read(device, register);
+    config_write(device, register, original);
+    let flags = original & 0xf;
+    let mut address = u64::from(original & !0xf);
+    let mut mask = u64::from(sized & !0xf) | 0xffff_ffff_0000_0000;
+    if flags & 0b110 == 0b100 {
+        let high = register + 4;
+        let original_high = config_read(device, high);
+        config_write(device, high, 0xffff_ffff);
+        let sized_high = config_read(device, high);
+        config_write(device, high, original_high);
+        address |= u64::from(original_high) << 32;
+        mask = u64::from(sized_high) << 32 | u64::from(sized & !0xf);
+    }
+    (address, (!mask).wrapping_add(1), flags)
+}
+
+fn find_capability(device: u8, id: u8) -> Option<u8> {
+    if config_read(device, 0x04) >> 16 & 0x10 == 0 {
+        return None;
+    }
+    let mut pointer = (config_read(device, 0x34) & 0xfc) as u8;
+    for _ in 0..48 {
+        if pointer < 0x40 {
+            return None;
+        }
+        let header = config_read(device, pointer);
+        if header as u8 == id {
+            return Some(pointer);
+        }
+        pointer = ((header >> 8) & 0xfc) as u8;
+    }
+    None
+}
+
+/// Points IDT gate `vector` at the MSI handler (interrupt gate, kernel code, DPL 0).
+fn install_msi_gate(vector: u8) {
+    let handler = addr_of!(tg_msi_entry) as u64;
+    let low = (handler & 0xffff) | 0x08 << 16 | 0x8e00 << 32 | (handler >> 16 & 0xffff) << 48;
+    let high = handler >> 32;
+    let index = usize::from(vector) * 2;
+    // SAFETY: the IDT is identity mapped and writable; gate `vector` is unused until now and
+    // nothing can raise it before MSI-X is enabled.
+    unsafe {
+        let idt = core::ptr::addr_of_mut!(tg_idt) as *mut u64;
+        idt.add(index + 1).write_volatile(high);
+        idt.add(index).write_volatile(low);
+    }
+}
+
+pub fn run() -> ! {
+    let mut gpu = None;
+    for device in 0..32u8 {
+        let ids = config_read(device, 0);
+        if ids & 0xffff == 0xffff {
+            continue;
+        }
+        let class = config_read(device, 0x08) >> 8;
+        println!(
+            "pci: 00:{device:02x}.0 vendor={:#06x} device={:#06x} class={class:#08x}",
+            ids & 0xffff,
+            ids >> 16
+        );
+        if ids & 0xffff == NVIDIA && ids >> 16 == H100_LIKE {
+            gpu = Some(device);
+        }
+    }
+    let Some(device) = gpu else {
+        fail(format_args!(
+            "no device {NVIDIA:#06x}:{H100_LIKE:#06x} on bus 0"
+        ));
+    };
+
+    let (bar0, bar0_size, bar0_flags) = size_bar(device, 0);
+    let (bar1, bar1_size, bar1_flags) = size_bar(device, 1);
+    let (bar3, bar3_size, bar3_flags) = size_bar(device, 3);
+    println!("pci: BAR0 {bar0:#x} size={bar0_size:#x} flags={bar0_flags:#x}");
+    println!("pci: BAR1 {bar1:#x} size={bar1_size:#x} flags={bar1_flags:#x}");
+    println!("pci: BAR3 {bar3:#x} size={bar3_size:#x} flags={bar3_flags:#x}");
+    if bar0_flags != 0 || bar0_size != 16 << 20 || bar0 == 0 || bar0 >= 1 << 32 {
+        fail(format_args!("BAR0 is not a 16 MiB 32-bit memory BAR"));
+    }
+    for (name, address, size, flags) in [
+        ("BAR1", bar1, bar1_size, bar1_flags),
+        ("BAR3", bar3, bar3_size, bar3_flags),
+    ] {
+        if flags != 0xc {
+            fail(format_args!(
+                "{name} is not 64-bit prefetchable (flags {flags:#x})"
+            ));
+        }
+        if address == 0 || address % size != 0 {
+            fail(format_args!(
+                "{name} at {address:#x} is not aligned to its size {size:#x}"
+            ));
+        }
+    }
+
+    // Memory decoding and bus mastering on.
+    config_write(device, 0x04, config_read(device, 0x04) & 0xffff | 0x6);
+
+    let boot0 = mmio_read(bar0 + REG_BOOT_0);
+    println!("pci: BAR0 boot0={boot0:#010x}");
+    for i in 0..16u64 {
+        let value = 0x1234_5678u32 ^ (i as u32).wrapping_mul(0x0101_0101);
+        mmio_write(bar0 + REG_SCRATCH + 4 * i, value);
+    }
+    for i in 0..16u64 {
+        let expected = 0x1234_5678u32 ^ (i as u32).wrapping_mul(0x0101_0101);
+        let got = mmio_read(bar0 + REG_SCRATCH + 4 * i);
+        if got != expected {
+            fail(format_args!(
+                "BAR0 scratch {i}: wrote {expected:#x}, read {got:#x}"
+            ));
+        }
+    }
+    println!("pci: BAR0 mmio round trip ok");
+
+    let Some(msix) = find_capability(device, 0x11) else {
+        fail(format_args!("no MSI-X capability"));
+    };
+    let table_register = config_read(device, msix + 4);
+    if table_register & 7 != 0 {
+        fail(format_args!("MSI-X table is not in BAR0"));
+    }
+    let table = bar0 + u64::from(table_register & !7);
+    let vectors = (config_read(device, msix) >> 16 & 0x7ff) + 1;
+    println!("pci: msi-x cap at {msix:#x}, {vectors} vectors, table at {table:#x}");
+
+    // Local APIC on; the gate for our vector; vector 0 of the device to this CPU.
+    let apic_id = mmio_read(LAPIC_BASE + LAPIC_ID) >> 24;
+    mmio_write(
+        LAPIC_BASE + LAPIC_SVR,
+        mmio_read(LAPIC_BASE + LAPIC_SVR) | 0x1ff,
+    );
+    install_msi_gate(MSI_VECTOR);
+    mmio_write(table, 0xfee0_0000 | apic_id << 12);
+    mmio_write(table + 4, 0);
+    mmio_write(table + 8, u32::from(MSI_VECTOR));
+    mmio_write(table + 12, 0);
+    let control = config_read(device, msix);
+    config_write(device, msix, (control | 1 << 31) & !(1 << 30));
+    if config_read(device, msix) >> 31 != 1 {
+        fail(format_args!("MSI-X did not enable"));
+    }
+
+    crate::pattern::zero(DMA_ADDR, DMA_LEN);
+    mmio_write(bar0 + REG_DMA_ADDR_LO, DMA_ADDR as u32);
+    mmio_write(bar0 + REG_DMA_ADDR_HI, (DMA_ADDR >> 32) as u32);
+    mmio_write(bar0 + REG_DMA_LEN, DMA_LEN as u32);
+    mmio_write(bar0 + REG_DMA_SEED, DMA_SEED as u32);
+    println!("pci: ringing doorbell (dma {DMA_LEN:#x} bytes to {DMA_ADDR:#x})");
+    mmio_write(bar0 + REG_DOORBELL, 0);
+    for _ in 0..1000 {
+        if TG_MSI_COUNT.load(Ordering::Acquire) > 0 {
+            break;
+        }
+        // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0.
+        unsafe { core::arch::asm!("hlt", options(nomem, nostack)) };
+    }
+    let interrupts = TG_MSI_COUNT.load(Ordering::Acquire);
+    if interrupts == 0 {
+        fail(format_args!("no MSI-X interrupt"));
+    }
+    println!("pci: msi-x interrupt received on vector {MSI_VECTOR:#x} (count {interrupts})");
+    let status = mmio_read(bar0 + REG_DMA_STATUS);
+    let done = mmio_read(bar0 + REG_DMA_DONE);
+    if status != 0 || done != 1 {
+        fail(format_args!("DMA status {status} done {done}"));
+    }
+    let mut addr = DMA_ADDR;
+    while addr < DMA_ADDR + DMA_LEN {
+        // SAFETY: RAM at 32 MiB, identity mapped; the device wrote it before the interrupt.
+        let got = unsafe { (addr as *const u64).read_volatile() };
+        let expected = pattern(DMA_SEED, addr);
+        if got != expected {
+            fail(format_args!(
+                "DMA data at {addr:#x}: expected {expected:#018x} got {got:#018x}"
+            ));
+        }
+        addr += 8;
+    }
+    println!("pci: dma verified {DMA_LEN} bytes at {DMA_ADDR:#x}");
+    println!("pci: ok");
+    exit(0)
+}
