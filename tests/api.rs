@@ -278,6 +278,16 @@ fn lifecycle_over_the_socket_from_rust() {
         "{metrics}"
     );
     assert_eq!(metrics["api_requests"]["/vm"]["2xx"], 2, "{metrics}");
+    // The serial console is one port write per byte.
+    let io_out = metrics["vcpu_exits"]["io_out"].as_u64().unwrap();
+    assert!(
+        io_out >= metrics["serial"]["bytes_out"].as_u64().unwrap(),
+        "{metrics}"
+    );
+    assert!(
+        metrics["vcpu_exits"]["kicked"].as_u64().unwrap() >= 1,
+        "pause kicks: {metrics}"
+    );
     assert_eq!(
         metrics["api_requests"]["/machine-config"]["4xx"], 1,
         "{metrics}"

@@ -16,6 +16,23 @@ pub const API_ROUTES: &[&str] = &[
     "other",
 ];
 
+/// vCPU exit reasons counted, in the order [`Metrics::vcpu_exits`] indexes them.
+pub const VCPU_EXITS: &[&str] = &[
+    "io_in",
+    "io_out",
+    "mmio_read",
+    "mmio_write",
+    "hlt",
+    "shutdown",
+    "system_event",
+    "internal_error",
+    "fail_entry",
+    "intr",
+    "kicked",
+    "other",
+    "error",
+];
+
 /// Status classes counted per route: 2xx, 4xx, 5xx.
 const STATUS_CLASSES: [&str; 3] = ["2xx", "4xx", "5xx"];
 
@@ -26,6 +43,7 @@ pub struct Metrics {
     pub snapshot_bytes_written: AtomicU64,
     pub snapshots_loaded: AtomicU64,
     api_requests: [[AtomicU64; 3]; API_ROUTES.len()],
+    vcpu_exits: [AtomicU64; VCPU_EXITS.len()],
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // only used to initialise the static
@@ -40,6 +58,7 @@ pub static METRICS: Metrics = Metrics {
     snapshot_bytes_written: ZERO,
     snapshots_loaded: ZERO,
     api_requests: [ZERO_ROW; API_ROUTES.len()],
+    vcpu_exits: [ZERO; VCPU_EXITS.len()],
 };
 
 impl Metrics {
@@ -61,6 +80,29 @@ impl Metrics {
         self.api_requests[route][class].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts one return from KVM_RUN by its reason (all vCPUs together).
+    pub fn count_vcpu_exit(&self, exit: &Result<kvm_ioctls::VcpuExit<'_>, kvm_ioctls::Error>) {
+        use kvm_ioctls::VcpuExit;
+        let reason = match exit {
+            Ok(VcpuExit::IoIn(..)) => "io_in",
+            Ok(VcpuExit::IoOut(..)) => "io_out",
+            Ok(VcpuExit::MmioRead(..)) => "mmio_read",
+            Ok(VcpuExit::MmioWrite(..)) => "mmio_write",
+            Ok(VcpuExit::Hlt) => "hlt",
+            Ok(VcpuExit::Shutdown) => "shutdown",
+            Ok(VcpuExit::SystemEvent(..)) => "system_event",
+            Ok(VcpuExit::InternalError) => "internal_error",
+            Ok(VcpuExit::FailEntry(..)) => "fail_entry",
+            Ok(VcpuExit::Intr) => "intr",
+            Ok(_) => "other",
+            Err(error) if error.errno() == libc::EINTR || error.errno() == libc::EAGAIN => "kicked",
+            Err(_) => "error",
+        };
+        if let Some(index) = VCPU_EXITS.iter().position(|r| *r == reason) {
+            self.vcpu_exits[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// The counters as JSON (without the per-machine figures the VMM adds).
     pub fn to_json(&self) -> serde_json::Value {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -72,7 +114,12 @@ impl Metrics {
             }
             api.insert((*route).into(), by_class.into());
         }
+        let mut exits = serde_json::Map::new();
+        for (reason, counter) in VCPU_EXITS.iter().zip(&self.vcpu_exits) {
+            exits.insert((*reason).into(), load(counter).into());
+        }
         serde_json::json!({
+            "vcpu_exits": exits,
             "serial": { "bytes_out": load(&self.serial_bytes_out) },
             "snapshot": {
                 "created": load(&self.snapshots_created),
@@ -121,6 +168,7 @@ mod tests {
             snapshot_bytes_written: ZERO,
             snapshots_loaded: ZERO,
             api_requests: [ZERO_ROW; API_ROUTES.len()],
+            vcpu_exits: [ZERO; VCPU_EXITS.len()],
         };
         metrics.count_api_request("/vm", 204);
         metrics.count_api_request("/vm", 409);

@@ -326,7 +326,9 @@ impl Vcpu {
 
     fn run_once(&mut self) -> Result<Option<VcpuStop>, VcpuError> {
         let id = self.id;
-        match self.fd.run() {
+        let exit = self.fd.run();
+        crate::metrics::METRICS.count_vcpu_exit(&exit);
+        match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
                 if !self.io_bus.write(u64::from(port), data) {
                     log::trace!("vCPU {id}: write to unclaimed port {port:#x}");
