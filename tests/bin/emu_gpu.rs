@@ -1,0 +1,57 @@
+//! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N]`: serves the emulated
+//! NVIDIA-like GPU (gpuvm_vfio::emu) over vfio-user to one client, then exits.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use gpuvm_vfio::emu::{serve, EmuGpuOptions};
+
+fn usage(error: &str) -> ExitCode {
+    eprintln!(
+        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N]"
+    );
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().filter_or("GPUVM_LOG", "warn")).init();
+    let mut socket = None;
+    let mut options = EmuGpuOptions::default();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
+        let result: Result<(), String> = match arg.as_str() {
+            "--socket" => value("--socket").map(|v| socket = Some(PathBuf::from(v))),
+            "--bar1-mib" => value("--bar1-mib").and_then(|v| {
+                let mib: u64 = v.parse().map_err(|_| format!("bad --bar1-mib '{v}'"))?;
+                if mib == 0 || !mib.is_power_of_two() {
+                    return Err(format!("--bar1-mib must be a power of two, not {mib}"));
+                }
+                options.bar1_size = mib << 20;
+                Ok(())
+            }),
+            "--vectors" => value("--vectors").and_then(|v| {
+                let n: u16 = v.parse().map_err(|_| format!("bad --vectors '{v}'"))?;
+                if n == 0 || n > 2048 {
+                    return Err("--vectors must be 1..=2048".into());
+                }
+                options.msix_vectors = n;
+                Ok(())
+            }),
+            other => Err(format!("unknown argument '{other}'")),
+        };
+        if let Err(error) = result {
+            return usage(&error);
+        }
+    }
+    let Some(socket) = socket else {
+        return usage("--socket is required");
+    };
+    match serve(&socket, options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("gpuvm-emu-gpu: {}: {error}", socket.display());
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,164 @@
+//! PCI passthrough end to end without hardware: the emulated NVIDIA-like GPU
+//! (`gpuvm-emu-gpu`, vfio-user server) attached with `--vfio-user`, driven by the test
+//! guest's `pci` workload (enumeration, BAR sizing, BAR0 MMIO, MSI-X, DMA into guest RAM).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::{run_gpuvm, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+fn socket_path(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("gpuvm-pci-{name}-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// Starts the emulated GPU on `socket` and waits until it listens.
+fn start_emu(socket: &Path, extra: &[&str]) -> SpawnedProcess {
+    let mut args = vec!["--socket", socket.to_str().expect("utf-8 path")];
+    args.extend_from_slice(extra);
+    let mut emu = SpawnedProcess::spawn(&emu_bin(), &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        if let Some(status) = emu.try_status() {
+            panic!("gpuvm-emu-gpu exited early: {status:?}\n{}", emu.stderr());
+        }
+        assert!(Instant::now() < deadline, "gpuvm-emu-gpu did not listen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    emu
+}
+
+#[test]
+fn pci_workload_over_vfio_user() {
+    let socket = socket_path("e2e");
+    let emu = start_emu(&socket, &[]);
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--cmdline",
+            "pci",
+            "--vfio-user",
+            socket.to_str().unwrap(),
+        ],
+        LIMIT,
+    );
+    out.assert_code(0)
+        .assert_stdout_has("pci: 00:00.0 vendor=0x1b36 device=0x0008 class=0x060000")
+        .assert_stdout_has("pci: 00:01.0 vendor=0x10de device=0x2330 class=0x030200")
+        .assert_stdout_has("size=0x1000000 flags=0x0")
+        .assert_stdout_has("size=0x10000000 flags=0xc")
+        .assert_stdout_has("size=0x2000000 flags=0xc")
+        .assert_stdout_has("pci: BAR0 boot0=0x1a0000a1")
+        .assert_stdout_has("pci: BAR0 mmio round trip ok")
+        .assert_stdout_has("pci: msi-x cap at 0x60, 4 vectors")
+        .assert_stdout_has("pci: msi-x interrupt received on vector 0x40")
+        .assert_stdout_has("pci: dma verified 65536 bytes")
+        .assert_stdout_has("pci: ok");
+    // The device server ends when gpuvm disconnects.
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+}
+
+#[test]
+fn large_bar1_stays_64_bit_prefetchable_and_size_aligned() {
+    let socket = socket_path("bar1");
+    let emu = start_emu(&socket, &["--bar1-mib", "8192"]);
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--cmdline",
+            "pci",
+            "--vfio-user",
+            socket.to_str().unwrap(),
+            "--memory",
+            "256M",
+        ],
+        LIMIT,
+    );
+    out.assert_code(0)
+        .assert_stdout_has("size=0x200000000 flags=0xc");
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("pci: BAR1 0x"))
+        .expect("BAR1 line");
+    let address = u64::from_str_radix(
+        line.trim_start_matches("pci: BAR1 0x")
+            .split(' ')
+            .next()
+            .unwrap(),
+        16,
+    )
+    .unwrap();
+    assert!(address >= 4 << 30, "64-bit BAR above 4 GiB: {line}");
+    assert_eq!(address % (8 << 30), 0, "size-aligned: {line}");
+    emu.wait(Duration::from_secs(10));
+}
+
+#[test]
+fn pci_workload_without_a_device_fails_cleanly() {
+    let out = run_gpuvm(&["run", "--cmdline", "pci"], LIMIT);
+    out.assert_code(1)
+        .assert_stdout_has("pci: FAIL no device 0x10de:0x2330 on bus 0");
+}
+
+#[test]
+fn missing_vfio_user_socket_is_a_clean_error() {
+    let socket = socket_path("absent");
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--cmdline",
+            "pci",
+            "--vfio-user",
+            socket.to_str().unwrap(),
+        ],
+        LIMIT,
+    );
+    out.assert_clean_error("vfio-user socket");
+}
+
+#[test]
+fn gpu_flag_without_kernel_vfio_is_a_clean_error() {
+    let out = run_gpuvm(&["run", "--gpu", "0000:41:00.0"], LIMIT);
+    out.assert_clean_error("--gpu 0000:41:00.0");
+}
+
+#[test]
+fn check_host_reports_truthfully() {
+    let out = run_gpuvm(
+        &["check-host", "--gpu", "0000:41:00.0", "--memory-mib", "512"],
+        LIMIT,
+    );
+    let iommu = Path::new("/sys/kernel/iommu_groups")
+        .read_dir()
+        .map(|d| d.count() > 0)
+        .unwrap_or(false);
+    let iommu_line = if iommu {
+        "ok    iommu:"
+    } else {
+        "FAIL  iommu:"
+    };
+    out.assert_stdout_has(iommu_line)
+        .assert_stdout_has("memlock:")
+        .assert_stdout_has("hugepages-2M:");
+    let device_present = Path::new("/sys/bus/pci/devices/0000:41:00.0").exists();
+    if !device_present {
+        out.assert_stdout_has("FAIL  gpu 0000:41:00.0: no PCI device 0000:41:00.0");
+    }
+    let failed = out.stdout.contains("\nFAIL") || out.stdout.starts_with("FAIL");
+    assert_eq!(
+        out.code(),
+        Some(if failed { 1 } else { 0 }),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
