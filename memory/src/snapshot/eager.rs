@@ -5,7 +5,7 @@ use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::layout::RamMappings;
+use super::layout::{RamMappings, MIN_PAGE_SIZE as BASE_PAGE_SIZE};
 use super::reader::{PlanRun, SnapshotChain};
 use super::{default_threads, Result, SnapshotError};
 
@@ -108,20 +108,37 @@ fn load_piece(
     let layer = &chain.layers()[piece.layer];
     let page_size = ram.layout().page_size() as usize;
     let len = piece.count as usize * page_size;
-    // Plan runs never cross regions, so the destination is contiguous.
-    let dst = ram.linear_page_ptr(piece.start);
-    if verify && layer.has_page_crcs() {
-        buf.resize(len, 0);
-        layer.read_data(piece.file_offset, buf)?;
+    let verify = verify && layer.has_page_crcs();
+    // Writing shmem through the memfd allocates its pages without a page fault per page
+    // (about 1.5x faster here than filling them through the mapping). hugetlbfs has no
+    // write(), so huge pages go through the mapping.
+    let memfd = ram.memfd().filter(|_| page_size as u64 == BASE_PAGE_SIZE);
+    if !verify && memfd.is_none() {
+        // Straight into guest memory: one copy.
+        let dst = ram.linear_page_ptr(piece.start);
+        return pread_into(layer.file().as_raw_fd(), dst, len, piece.file_offset)
+            .map_err(|e| SnapshotError::io("read page data from", layer.path(), e));
+    }
+    buf.resize(len, 0);
+    layer.read_data(piece.file_offset, buf)?;
+    if verify {
         for (i, page) in buf.chunks_exact(page_size).enumerate() {
             chain.check_page(piece, piece.start + i as u64, page)?;
         }
-        // SAFETY: `dst..dst + len` is inside one region's mapping (`RamMappings` keeps it
-        // mapped and writable); `buf` is a separate allocation of `len` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, len) };
-    } else {
-        pread_into(layer.file().as_raw_fd(), dst, len, piece.file_offset)
-            .map_err(|e| SnapshotError::io("read page data from", layer.path(), e))?;
+    }
+    match memfd {
+        Some(fd) => {
+            let offset = ram.memfd_offset(piece.start);
+            pwrite_all(fd.as_raw_fd(), buf, offset)
+                .map_err(|e| SnapshotError::io("write guest RAM restored from", layer.path(), e))?;
+        }
+        None => {
+            // Plan runs never cross regions, so the destination is contiguous.
+            let dst = ram.linear_page_ptr(piece.start);
+            // SAFETY: `dst..dst + len` is inside one region's mapping (`RamMappings` keeps
+            // it mapped and writable); `buf` is a separate allocation of `len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, len) };
+        }
     }
     Ok(())
 }
@@ -149,6 +166,34 @@ fn pread_into(fd: i32, dst: *mut u8, len: usize, offset: u64) -> std::io::Result
         }
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// `pwrite` all of `buf` at `offset`.
+fn pwrite_all(fd: i32, buf: &[u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        // SAFETY: the kernel reads at most `buf.len() - done` bytes from inside `buf`.
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                buf[done..].as_ptr().cast(),
+                buf.len() - done,
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(err);
+        }
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
         }
         done += n as usize;
     }

@@ -2,6 +2,7 @@
 //! that reads or writes guest memory, where each region is mapped in this process.
 
 use std::marker::PhantomData;
+use std::os::fd::{AsFd, BorrowedFd};
 
 use super::{Result, SnapshotError};
 use crate::RamRegion;
@@ -150,6 +151,8 @@ impl RamLayout {
 pub struct RamMappings<'a> {
     layout: RamLayout,
     host_addrs: Vec<usize>,
+    /// The memfd behind the mappings, for finding holes without touching them.
+    memfd: Option<BorrowedFd<'a>>,
     _mapping: PhantomData<&'a [u8]>,
 }
 
@@ -179,8 +182,22 @@ impl<'a> RamMappings<'a> {
         Ok(RamMappings {
             layout,
             host_addrs: host_addrs.into_iter().map(|a| a as usize).collect(),
+            memfd: None,
             _mapping: PhantomData,
         })
+    }
+
+    /// Names the memfd the regions are mapped from (at their `file_offset`s). Snapshot
+    /// writing then asks it where the holes are (`SEEK_HOLE`) and never reads them:
+    /// reading a never-touched shmem page would allocate it.
+    pub fn with_memfd(mut self, memfd: BorrowedFd<'a>) -> RamMappings<'a> {
+        self.memfd = Some(memfd);
+        self
+    }
+
+    /// The memfd, if known.
+    pub(crate) fn memfd(&self) -> Option<BorrowedFd<'a>> {
+        self.memfd
     }
 
     /// Describes a [`GuestRam`](crate::GuestRam)'s mappings.
@@ -189,7 +206,8 @@ impl<'a> RamMappings<'a> {
         let layout = RamLayout::new(ram.page_size(), regions)?;
         // SAFETY: `GuestRam` maps each region whole, readable and writable, at the address
         // it reports, for as long as it lives; borrowing it for 'a keeps it alive.
-        unsafe { RamMappings::new(layout, host_addrs) }
+        let mappings = unsafe { RamMappings::new(layout, host_addrs) }?;
+        Ok(mappings.with_memfd(ram.memfd().as_fd()))
     }
 
     /// The layout.
@@ -208,6 +226,13 @@ impl<'a> RamMappings<'a> {
         let offset = (linear - self.layout.region_first_linear(region)) * self.layout.page_size();
         // Inside the region's mapping, as `linear` belongs to `region`.
         self.host_addr(region).wrapping_add(offset as usize)
+    }
+
+    /// Offset of linear page `linear` (which must be in range) in the memfd.
+    pub(crate) fn memfd_offset(&self, linear: u64) -> u64 {
+        let region = self.layout.region_of_linear(linear);
+        self.layout.regions()[region].file_offset
+            + (linear - self.layout.region_first_linear(region)) * self.layout.page_size()
     }
 
     /// The host address of every region, for registering with userfaultfd.

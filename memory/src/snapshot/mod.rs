@@ -22,6 +22,8 @@ mod scan;
 mod writer;
 
 #[cfg(test)]
+mod bench;
+#[cfg(test)]
 pub(crate) mod test_util;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,8 @@
 //! Finding the pages a snapshot must record: a word-wise zero check over guest RAM (all
 //! pages for a full snapshot, dirty pages for a diff), split across threads.
 
+use std::fs::File;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -139,6 +141,7 @@ pub(crate) fn scan(
         }
     }
 
+    let memfd = ram.memfd().and_then(private_description);
     let results: Vec<Mutex<Option<ScanResult>>> = tasks.iter().map(|_| Mutex::new(None)).collect();
     let next_task = AtomicUsize::new(0);
     let threads = threads.clamp(1, tasks.len().max(1));
@@ -149,7 +152,15 @@ pub(crate) fn scan(
             let Some(&(region, first, count)) = tasks.get(t) else {
                 break;
             };
-            let result = scan_task(ram, selection, region, first, count, &mut scratch);
+            let result = scan_task(
+                ram,
+                selection,
+                memfd.as_ref(),
+                region,
+                first,
+                count,
+                &mut scratch,
+            );
             *results[t].lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
         }
     };
@@ -176,6 +187,7 @@ pub(crate) fn scan(
 fn scan_task(
     ram: &RamMappings<'_>,
     selection: Selection<'_>,
+    memfd: Option<&File>,
     region: usize,
     first: u64,
     count: u64,
@@ -186,39 +198,114 @@ fn scan_task(
     let region_linear = layout.region_first_linear(region);
     let base = ram.host_addr(region);
     let mut out = ScanResult::default();
-    let end = first + count;
-    let mut page = first;
-    while page < end {
-        if let Selection::Dirty(bitmaps) = selection {
-            match next_dirty_page(bitmaps[region], page, end, page_size / DIRTY_LOG_PAGE) {
-                Some(p) => page = p,
-                None => break,
+    for (span_start, span_end, maybe_data) in spans(ram, memfd, region, first, first + count) {
+        let mut page = span_start;
+        while page < span_end {
+            if let Selection::Dirty(bitmaps) = selection {
+                match next_dirty_page(bitmaps[region], page, span_end, page_size / DIRTY_LOG_PAGE) {
+                    Some(p) => page = p,
+                    None => break,
+                }
             }
-        }
-        let ptr = base.wrapping_add((page * page_size) as usize);
-        // SAFETY: `page` < the region's page count, so the page lies inside the region's
-        // mapping, which `RamMappings` guarantees is readable for its lifetime.
-        let zero = unsafe { page_is_zero(ptr, page_size as usize) };
-        out.pages_examined += 1;
-        if zero {
-            // Untouched zero pages are simply left out of a full snapshot; a dirty page
-            // that is now zero must be recorded so it overrides the base.
-            if matches!(selection, Selection::Dirty(_)) {
+            let zero = !maybe_data || {
+                let ptr = base.wrapping_add((page * page_size) as usize);
+                // SAFETY: `page` < the region's page count, so the page lies inside the
+                // region's mapping, which `RamMappings` guarantees is readable.
+                let zero = unsafe { page_is_zero(ptr, page_size as usize) };
+                if !zero && !scratch.is_empty() {
+                    // SAFETY: as above the page is readable; `scratch` is page_size bytes
+                    // and does not overlap guest memory. Copying first means the CRC is
+                    // computed over a stable buffer even if something races with us.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(ptr, scratch.as_mut_ptr(), scratch.len())
+                    };
+                    out.page_crcs.push(crc32fast::hash(scratch));
+                }
+                zero
+            };
+            out.pages_examined += 1;
+            if !zero {
+                out.push(region, region_linear + page, ExtentKind::Data);
+            } else if matches!(selection, Selection::Dirty(_)) {
+                // Untouched zero pages are simply left out of a full snapshot; a dirty
+                // page that is now zero must be recorded so it overrides the base.
                 out.push(region, region_linear + page, ExtentKind::Zero);
             }
-        } else {
-            if !scratch.is_empty() {
-                // SAFETY: as above the page is readable; `scratch` is page_size bytes and
-                // does not overlap guest memory. Copying first means the CRC is computed
-                // over a stable buffer even if something races with us.
-                unsafe { std::ptr::copy_nonoverlapping(ptr, scratch.as_mut_ptr(), scratch.len()) };
-                out.page_crcs.push(crc32fast::hash(scratch));
-            }
-            out.push(region, region_linear + page, ExtentKind::Data);
+            page += 1;
         }
-        page += 1;
     }
     out
+}
+
+/// Splits the region's pages `first..end` into spans that may hold data (`true`) and
+/// holes of the memfd (`false`, zero without reading: touching them would allocate them).
+/// Without a memfd, or if it cannot tell, everything may hold data.
+fn spans(
+    ram: &RamMappings<'_>,
+    memfd: Option<&File>,
+    region: usize,
+    first: u64,
+    end: u64,
+) -> Vec<(u64, u64, bool)> {
+    let page_size = ram.layout().page_size();
+    let all = vec![(first, end, true)];
+    let Some(memfd) = memfd else {
+        return all;
+    };
+    let file_base = ram.layout().regions()[region].file_offset;
+    let (start_byte, end_byte) = (file_base + first * page_size, file_base + end * page_size);
+    let to_page = |byte: u64| (byte - file_base) / page_size;
+    let mut out = Vec::new();
+    let mut pos = start_byte;
+    while pos < end_byte {
+        let data = match seek(memfd, pos, libc::SEEK_DATA) {
+            Ok(d) => d.min(end_byte),
+            // ENXIO: no data after `pos`.
+            Err(libc::ENXIO) => end_byte,
+            Err(_) => return all,
+        };
+        let hole = match seek(memfd, data, libc::SEEK_HOLE) {
+            Ok(h) => h.min(end_byte),
+            Err(libc::ENXIO) => end_byte,
+            Err(_) => return all,
+        };
+        // Round outwards: a partly allocated page may hold data.
+        let (data_page, hole_page) = (to_page(data), to_page(hole + page_size - 1));
+        if data_page > to_page(pos) {
+            out.push((to_page(pos), data_page, false));
+        }
+        if hole_page > data_page {
+            out.push((data_page, hole_page, true));
+        }
+        pos = (file_base + hole_page * page_size).max(pos + 1);
+    }
+    out
+}
+
+/// A new open file description of `memfd` (via /proc), so seeking in it does not move
+/// the file position shared with every other holder of the memfd. `None` if that fails
+/// (the scan then reads every page).
+fn private_description(memfd: BorrowedFd<'_>) -> Option<File> {
+    match File::open(format!("/proc/self/fd/{}", memfd.as_raw_fd())) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            log::warn!("cannot reopen the guest RAM memfd ({e}); scanning holes too");
+            None
+        }
+    }
+}
+
+fn seek(fd: &File, offset: u64, whence: i32) -> std::result::Result<u64, i32> {
+    // SAFETY: lseek on a valid fd; no memory is passed. The fd is our private open file
+    // description, so the position it moves is nobody else's.
+    let ret = unsafe { libc::lseek(fd.as_raw_fd(), offset as libc::off_t, whence) };
+    if ret < 0 {
+        Err(std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO))
+    } else {
+        Ok(ret as u64)
+    }
 }
 
 /// The first page in `from..end` with any dirty bit set (`bits_per_page` bits per page).

@@ -745,7 +745,8 @@ struct Piece {
     run: PlanRun,
 }
 
-fn load_chunk(shared: &Shared, chunk: usize, buf: &mut AlignedBuf) -> Result<(), UffdError> {
+/// The parts of plan runs that fall in `chunk`.
+fn chunk_pieces(shared: &Shared, chunk: usize) -> Vec<Piece> {
     let total = shared.chain.layout().total_pages();
     let first = chunk as u64 * shared.chunk_pages;
     let end = (first + shared.chunk_pages).min(total);
@@ -760,6 +761,42 @@ fn load_chunk(shared: &Shared, chunk: usize, buf: &mut AlignedBuf) -> Result<(),
         });
         idx += 1;
     }
+    pieces
+}
+
+/// Starts asynchronous readahead of `chunk`'s data, so the disk works on the next chunk
+/// while this thread copies the current one into guest memory.
+fn prefetch(shared: &Shared, chunk: usize) {
+    if chunk >= shared.chunk_state.len()
+        || shared.chunk_state[chunk].load(Ordering::Acquire) != CHUNK_PENDING
+    {
+        return;
+    }
+    let pieces = chunk_pieces(shared, chunk);
+    for (layer_idx, layer) in shared.chain.layers().iter().enumerate() {
+        let ranges = pieces.iter().filter(|p| p.run.layer == layer_idx).map(|p| {
+            let start = piece_file_offset(p, shared.page_size);
+            (start, start + (p.end - p.start) * shared.page_size)
+        });
+        let (Some(lo), Some(hi)) = (ranges.clone().map(|r| r.0).min(), ranges.map(|r| r.1).max())
+        else {
+            continue;
+        };
+        // SAFETY: plain syscall on the layer's fd; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(
+                layer.file().as_raw_fd(),
+                lo as libc::off_t,
+                (hi - lo) as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+    }
+}
+
+fn load_chunk(shared: &Shared, chunk: usize, buf: &mut AlignedBuf) -> Result<(), UffdError> {
+    let pieces = chunk_pieces(shared, chunk);
+    prefetch(shared, chunk + 1);
 
     // One read per stretch of pieces stored back to back in the same file.
     let page_size = shared.page_size;

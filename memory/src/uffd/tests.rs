@@ -352,6 +352,14 @@ fn hugetlb_2m_lazy_restore_of_full_and_diff() {
     let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
     assert_eq!(stats.loaded_data_pages, stats.total_data_pages);
     assert_ram_eq(&ram, &expected);
+    drop(restore);
+    drop(ram);
+
+    // Eager restore into huge pages goes through the mapping (hugetlbfs has no write()).
+    let ram = guest_ram(&regions, Backing::Hugetlb2M);
+    let chain = open_chain(&[&base, &diff], &ram);
+    crate::snapshot::restore_eager(&chain, &mappings(&ram), &Default::default()).unwrap();
+    assert_ram_eq(&ram, &expected);
 }
 
 /// Environment for [`external_handler_child`]: socket path, memory file, and whether to
