@@ -31,6 +31,8 @@ pub enum Emulation {
 }
 
 impl Emulation {
+    /// The instruction's length in bytes (never zero, so no `is_empty`).
+    #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> u8 {
         match self {
             Emulation::Breakpoint => 1,

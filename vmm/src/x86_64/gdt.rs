@@ -35,7 +35,7 @@ pub fn boot_gdt(long_mode: bool) -> [u64; 5] {
 
 /// Decodes a descriptor into the segment-cache form KVM_SET_SREGS takes.
 pub fn kvm_segment_from_gdt(entry: u64, table_index: u8) -> kvm_segment {
-    let base = (((entry >> 16) & 0x00ff_ffff) | ((entry >> 32) & 0xff00_0000)) as u64;
+    let base = ((entry >> 16) & 0x00ff_ffff) | ((entry >> 32) & 0xff00_0000);
     let limit_raw = ((entry & 0xffff) | ((entry >> 32) & 0xf_0000)) as u32;
     let granularity = ((entry >> 55) & 1) as u8;
     // With 4K granularity the effective limit covers whole pages.
