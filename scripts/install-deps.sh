@@ -11,6 +11,8 @@
 #   xz-utils zstd lz4 bzip2 gzip
 #                    decompress the vmlinux payload inside a bzImage (whichever the kernel uses)
 #   python3          bench/boot (standard library only)
+#   python3-venv     scripts/api-fuzz.sh installs schemathesis (PyPI) into a virtual environment
+#   curl             tests/api.rs drives the API socket with curl --unix-socket
 #   ca-certificates  apt-get download over https mirrors
 #   libclang-dev     bindgen, for the userfaultfd-sys crate (gpuvm-memory's lazy restore)
 set -euo pipefail
@@ -26,6 +28,8 @@ readonly PACKAGES=(
     bzip2
     gzip
     python3
+    python3-venv
+    curl
     ca-certificates
     libclang-dev
 )

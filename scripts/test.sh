@@ -5,7 +5,8 @@
 #
 # 1. installs the Debian packages the tests need (scripts/install-deps.sh; root on Debian 12),
 # 2. builds the Linux guest images (guest-images/linux/build.sh) into $GPUVM_LINUX_DIR,
-# 3. cargo build --release --workspace, then cargo test --release --workspace.
+# 3. cargo build --release --workspace, then cargo test --release --workspace,
+# 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh).
 # Tests find the VMM binary through GPUVM_BIN and the Linux images through GPUVM_LINUX_DIR.
 # GPUVM_TEST_TIMEOUT (default 30m, a timeout(1) duration) bounds the cargo test step so a hung guest
 # fails the run instead of stalling it.
@@ -52,5 +53,8 @@ if ((test_status == 124 || test_status == 137)); then
     echo "test.sh: error: cargo test ran longer than ${GPUVM_TEST_TIMEOUT:-30m} and was stopped" >&2
 fi
 ((test_status == 0)) || exit "$test_status"
+
+step "API fuzzing with schemathesis against live sockets (scripts/api-fuzz.sh)"
+scripts/api-fuzz.sh "$GPUVM_BIN"
 
 step "all tests passed"

@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Fuzzes gpuvm's control API with schemathesis (PyPI) against live sockets, from the OpenAPI
+# document docs/api/openapi.json. Fails on any 5xx, any answer the document does not describe,
+# or a gpuvm that died.
+#
+#   scripts/api-fuzz.sh [GPUVM_BIN]
+#
+# Two instances:
+#   1. before start: every operation except PUT /actions (which would start or end the VM);
+#   2. a running memloop guest (--config-file): every operation except PUT /actions and
+#      PUT /snapshot/create (random absolute paths would write guest memory anywhere).
+# The lifecycle itself is covered by tests/api.rs. schemathesis speaks TCP, so a small relay
+# forwards 127.0.0.1:PORT to the Unix socket (loopback only).
+# API_FUZZ_EXAMPLES (default 40) bounds the examples per operation.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
+readonly REPO_ROOT
+GPUVM_BIN="${1:-${GPUVM_BIN:-$REPO_ROOT/target/x86_64-unknown-linux-gnu/release/gpuvm}}"
+readonly GPUVM_BIN
+readonly EXAMPLES="${API_FUZZ_EXAMPLES:-40}"
+
+# schemathesis from PyPI, in a virtual environment under target/ (Debian's Python refuses
+# system-wide pip installs), unless one is on PATH already.
+st=st
+if ! command -v st >/dev/null; then
+    venv="$REPO_ROOT/target/api-fuzz-venv"
+    if [[ ! -x "$venv/bin/st" ]]; then
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
+    fi
+    st="$venv/bin/st"
+fi
+
+work="$(mktemp -d /tmp/gpuvm-api-fuzz.XXXXXX)"
+pids=()
+cleanup() {
+    local pid
+    for pid in "${pids[@]}"; do
+        kill "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+# Relay: one thread pair per TCP connection, to a fresh Unix connection.
+cat >"$work/relay.py" <<'PY'
+import socket, sys, threading
+listen_port_file, unix_path = sys.argv[1], sys.argv[2]
+server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+with open(listen_port_file, "w") as f:
+    f.write(str(server.getsockname()[1]))
+def pump(src, dst):
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+while True:
+    client, _ = server.accept()
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(unix_path)
+    except OSError:
+        client.close()
+        continue
+    threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+    threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+PY
+
+# Starts gpuvm with ARGS on socket NAME and a relay to it; sets $port and $gpuvm_pid.
+start() {
+    local name="$1"
+    shift
+    local socket="$work/$name.sock"
+    "$GPUVM_BIN" run --api-sock "$socket" "$@" >"$work/$name.out" 2>"$work/$name.err" &
+    gpuvm_pid=$!
+    pids+=("$gpuvm_pid")
+    for _ in $(seq 100); do [[ -S "$socket" ]] && break; sleep 0.05; done
+    python3 "$work/relay.py" "$work/$name.port" "$socket" &
+    pids+=($!)
+    for _ in $(seq 100); do [[ -s "$work/$name.port" ]] && break; sleep 0.05; done
+    port="$(cat "$work/$name.port")"
+}
+
+fuzz() {
+    local name="$1"
+    shift
+    echo "api-fuzz: $name"
+    timeout --kill-after=10s 600 "$st" run "$REPO_ROOT/docs/api/openapi.json" \
+        --url "http://127.0.0.1:$port" \
+        --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance \
+        --max-examples "$EXAMPLES" --seed 7 --request-timeout 30 \
+        --exclude-path /actions "$@"
+    if ! kill -0 "$gpuvm_pid" 2>/dev/null; then
+        echo "api-fuzz: error: gpuvm ($name) died during the run" >&2
+        cat "$work/$name.err" >&2
+        exit 1
+    fi
+    if grep -q panicked "$work/$name.err"; then
+        echo "api-fuzz: error: gpuvm ($name) panicked" >&2
+        cat "$work/$name.err" >&2
+        exit 1
+    fi
+}
+
+start before-start --cmdline "memloop 8M 1 0" --memory 64M
+fuzz before-start
+
+cat >"$work/running.json" <<'JSON'
+{"machine-config": {"vcpu_count": 1, "mem_size_mib": 64}, "boot-source": {"boot_args": "memloop 8M 1 0"}}
+JSON
+start running --config-file "$work/running.json"
+fuzz running --exclude-path /snapshot/create
+echo "api-fuzz: no 5xx, every answer as documented, gpuvm alive"
