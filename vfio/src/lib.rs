@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 pub mod emu;
 pub mod host;
+pub mod kernel;
 pub mod pci;
 pub mod user;
 

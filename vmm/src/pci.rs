@@ -21,9 +21,10 @@ use gpuvm_devices::pci::{
     PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
+use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio};
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
-use gpuvm_vfio::{DmaRegion, VfioError};
+use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
 use kvm_bindings::{
     kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
     KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
@@ -41,6 +42,8 @@ pub const ECAM_BASE: u64 = 0xe000_0000;
 /// Room for two 128 GiB BAR1s and their companions.
 pub const DEFAULT_MMIO64_SIZE: u64 = 512 << 30;
 const MMIO64_ALIGN: u64 = 64 << 30;
+/// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
+const DMA_CHUNK: u64 = 1 << 30;
 /// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
 const FIRST_MSI_GSI: u32 = 24;
 
@@ -69,11 +72,6 @@ pub enum PciSetupError {
     Place(gpuvm_devices::BusError),
     #[error("{0}")]
     Device(#[from] VfioError),
-    #[error(
-        "--gpu {0}: the kernel VFIO backend is not implemented yet in this build; \
-         run `gpuvm check-host --gpu {0}` to check the host, use --vfio-user for now"
-    )]
-    KernelVfioUnavailable(String),
     #[error("the PCI buses were shared before PCI was attached")]
     BusShared,
     #[error("cannot duplicate the VM file descriptor: {0}")]
@@ -200,9 +198,6 @@ pub fn attach(
     if options.is_empty() {
         return Ok(None);
     }
-    if let Some(gpu) = options.gpus.first() {
-        return Err(PciSetupError::KernelVfioUnavailable(gpu.clone()));
-    }
     let mmio64_size = match options.mmio64_size {
         0 => DEFAULT_MMIO64_SIZE,
         size => size,
@@ -226,6 +221,30 @@ pub fn attach(
             fd_offset: region.file_offset,
         })
         .collect();
+    let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
+    if let Some(first) = options.gpus.first() {
+        let vfio = KernelVfio::open(first)?;
+        for bdf in &options.gpus {
+            backends.push(Box::new(vfio.open_device(bdf)?));
+        }
+        // Kernel VFIO pins all of guest RAM: check the limit before the long mapping.
+        gpuvm_vfio::host::check_memlock(ram.size())?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        map_guest_ram(
+            &vfio.mapper(),
+            &dma_regions,
+            DMA_CHUNK,
+            ram.page_size(),
+            threads,
+        )?;
+    }
+    for backend in backends {
+        let mut allocate = |count| router.allocate(count);
+        let device = VfioPciDevice::new(backend, &mut allocate, router.clone())?;
+        let name = device.name().to_string();
+        let bdf = root.add_device(Arc::new(Mutex::new(device)))?;
+        log::info!("PCI {bdf}: {name} (kernel VFIO)");
+    }
     for socket in &options.vfio_user {
         let backend = VfioUserDevice::connect(socket)?;
         let mut allocate = |count| router.allocate(count);
