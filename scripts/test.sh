@@ -35,11 +35,18 @@ if ! command -v cargo >/dev/null; then
 fi
 
 step "cargo build --release --workspace"
-cargo build --release --workspace
-
-target_dir="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
-[[ "$target_dir" == /* ]] || target_dir="$REPO_ROOT/$target_dir"
-export GPUVM_BIN="$target_dir/x86_64-unknown-linux-gnu/release/gpuvm"
+# cargo's JSON messages say where it put the gpuvm binary (the target directory and triple come from
+# .cargo/config.toml and CARGO_* variables); diagnostics still go to stderr as usual.
+build_messages="$(mktemp)"
+trap 'rm -f "$build_messages"' EXIT
+cargo build --release --workspace --message-format=json-render-diagnostics >"$build_messages"
+GPUVM_BIN="$(grep -o '"executable":"[^"]*/gpuvm"' "$build_messages" | tail -n1 | cut -d'"' -f4 || true)"
+if [[ -z "$GPUVM_BIN" ]]; then
+    target_dir="${CARGO_TARGET_DIR:-$REPO_ROOT/target}"
+    [[ "$target_dir" == /* ]] || target_dir="$REPO_ROOT/$target_dir"
+    GPUVM_BIN="$target_dir/x86_64-unknown-linux-gnu/release/gpuvm"
+fi
+export GPUVM_BIN
 if [[ ! -x "$GPUVM_BIN" ]]; then
     echo "test.sh: error: the build produced no $GPUVM_BIN" >&2
     exit 1
