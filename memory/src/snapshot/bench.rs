@@ -248,11 +248,13 @@ fn bench(size: u64, pattern: Pattern) {
     }
 
     // Background loader alone: time until everything is resident.
-    for (chunk, cold) in [
-        (1 << 20, true),
-        (4 << 20, true),
-        (16 << 20, true),
-        (4 << 20, false),
+    for (chunk, cold, loader_threads) in [
+        (1 << 20, true, 1),
+        (4 << 20, true, 1),
+        (16 << 20, true, 1),
+        (4 << 20, true, 2),
+        (4 << 20, false, 1),
+        (4 << 20, false, 2),
     ] {
         if cold {
             drop_cache(&path);
@@ -260,6 +262,7 @@ fn bench(size: u64, pattern: Pattern) {
         let ram = guest_ram(&regions, Backing::Memfd);
         let opts = LazyOptions {
             chunk_bytes: chunk,
+            loader_threads,
             ..LazyOptions::default()
         };
         let restore = start_lazy_restore(
@@ -271,7 +274,7 @@ fn bench(size: u64, pattern: Pattern) {
         let st = restore.wait().unwrap();
         let t = st.time_to_complete.unwrap();
         println!(
-            "lazy, background only, {} MiB chunks ({} cache): all {} MiB resident after {:?} ({})",
+            "lazy, background only, {} MiB chunks, {loader_threads} loader thread(s) ({} cache): all {} MiB resident after {:?} ({})",
             chunk >> 20,
             if cold { "cold" } else { "warm" },
             data_bytes / MIB,

@@ -1,6 +1,7 @@
 //! Eager restore: load every stored page into guest RAM before the guest runs, with large
 //! reads spread over several threads.
 
+use std::ops::Range;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -9,15 +10,18 @@ use super::layout::{RamMappings, MIN_PAGE_SIZE as BASE_PAGE_SIZE};
 use super::reader::{PlanRun, SnapshotChain};
 use super::{default_threads, Result, SnapshotError};
 
+/// Runs smaller than this are copied through the mapping rather than written to the
+/// memfd (a system call per run costs more than the page faults it saves).
+const PWRITE_MIN_BYTES: usize = 64 << 10;
+
 /// How to restore eagerly.
 #[derive(Clone, Debug)]
 pub struct EagerOptions {
     /// Reader threads.
     pub threads: usize,
     /// Check page CRCs (when the files have them) before the data reaches guest memory.
-    /// Costs one extra copy; without it data is read straight into guest RAM.
     pub verify_data: bool,
-    /// Bytes per read.
+    /// Bytes per read (and per work item).
     pub chunk_bytes: usize,
 }
 
@@ -54,19 +58,38 @@ pub fn restore_eager(
     let page_size = ram.layout().page_size();
     let chunk_pages = (opts.chunk_bytes as u64 / page_size).max(1);
 
-    // Split runs into chunk-sized reads so threads share the work evenly.
-    let mut work = Vec::new();
+    // Work items: stretches of runs stored back to back in one file, at most a chunk
+    // each, so scattered pages still make large reads and threads share the work evenly.
+    let mut pieces = Vec::new();
+    let mut groups: Vec<Range<usize>> = Vec::new();
+    let mut group_pages = 0u64;
     for run in chain.plan() {
         let mut done = 0;
         while done < run.count {
             let count = chunk_pages.min(run.count - done);
-            work.push(PlanRun {
+            let piece = PlanRun {
                 start: run.start + done,
                 count,
                 layer: run.layer,
                 file_offset: run.file_offset + done * page_size,
                 crc_index: run.crc_index + done,
+            };
+            let extends = pieces.last().is_some_and(|last: &PlanRun| {
+                last.layer == piece.layer
+                    && last.file_offset + last.count * page_size == piece.file_offset
+                    && group_pages + count <= chunk_pages
             });
+            match groups.last_mut() {
+                Some(group) if extends => {
+                    group.end += 1;
+                    group_pages += count;
+                }
+                _ => {
+                    groups.push(pieces.len()..pieces.len() + 1);
+                    group_pages = count;
+                }
+            }
+            pieces.push(piece);
             done += count;
         }
     }
@@ -74,12 +97,18 @@ pub fn restore_eager(
     let next = AtomicUsize::new(0);
     let worker = || -> Result<()> {
         let mut buf = Vec::new();
-        while let Some(piece) = work.get(next.fetch_add(1, Ordering::Relaxed)) {
-            load_piece(chain, ram, piece, opts.verify_data, &mut buf)?;
+        while let Some(group) = groups.get(next.fetch_add(1, Ordering::Relaxed)) {
+            load_group(
+                chain,
+                ram,
+                &pieces[group.clone()],
+                opts.verify_data,
+                &mut buf,
+            )?;
         }
         Ok(())
     };
-    let threads = opts.threads.clamp(1, work.len().max(1));
+    let threads = opts.threads.clamp(1, groups.len().max(1));
     std::thread::scope(|s| {
         let handles: Vec<_> = (1..threads).map(|_| s.spawn(worker)).collect();
         let mut result = worker();
@@ -98,46 +127,55 @@ pub fn restore_eager(
     })
 }
 
-fn load_piece(
+/// Loads pieces stored back to back in one file with one read.
+fn load_group(
     chain: &SnapshotChain,
     ram: &RamMappings<'_>,
-    piece: &PlanRun,
+    pieces: &[PlanRun],
     verify: bool,
     buf: &mut Vec<u8>,
 ) -> Result<()> {
-    let layer = &chain.layers()[piece.layer];
+    let first = &pieces[0];
+    let layer = &chain.layers()[first.layer];
     let page_size = ram.layout().page_size() as usize;
-    let len = piece.count as usize * page_size;
+    let len: usize = pieces.iter().map(|p| p.count as usize * page_size).sum();
     let verify = verify && layer.has_page_crcs();
     // Writing shmem through the memfd allocates its pages without a page fault per page
-    // (about 1.5x faster here than filling them through the mapping). hugetlbfs has no
-    // write(), so huge pages go through the mapping.
+    // (about 1.5x faster here than filling them through the mapping), but costs a system
+    // call per run, so small runs are copied through the mapping. hugetlbfs has no
+    // write(): huge pages always go through the mapping.
     let memfd = ram.memfd().filter(|_| page_size as u64 == BASE_PAGE_SIZE);
-    if !verify && memfd.is_none() {
-        // Straight into guest memory: one copy.
-        let dst = ram.linear_page_ptr(piece.start);
-        return pread_into(layer.file().as_raw_fd(), dst, len, piece.file_offset)
+    if !verify && memfd.is_none() && pieces.len() == 1 {
+        // Straight into guest memory: one copy (plan runs never cross regions, so the
+        // destination is contiguous).
+        let dst = ram.linear_page_ptr(first.start);
+        return pread_into(layer.file().as_raw_fd(), dst, len, first.file_offset)
             .map_err(|e| SnapshotError::io("read page data from", layer.path(), e));
     }
     buf.resize(len, 0);
-    layer.read_data(piece.file_offset, buf)?;
-    if verify {
-        for (i, page) in buf.chunks_exact(page_size).enumerate() {
-            chain.check_page(piece, piece.start + i as u64, page)?;
+    layer.read_data(first.file_offset, buf)?;
+    let mut at = 0usize;
+    for piece in pieces {
+        let bytes = &buf[at..at + piece.count as usize * page_size];
+        at += bytes.len();
+        if verify {
+            for (i, page) in bytes.chunks_exact(page_size).enumerate() {
+                chain.check_page(piece, piece.start + i as u64, page)?;
+            }
         }
-    }
-    match memfd {
-        Some(fd) => {
-            let offset = ram.memfd_offset(piece.start);
-            pwrite_all(fd.as_raw_fd(), buf, offset)
-                .map_err(|e| SnapshotError::io("write guest RAM restored from", layer.path(), e))?;
-        }
-        None => {
-            // Plan runs never cross regions, so the destination is contiguous.
-            let dst = ram.linear_page_ptr(piece.start);
-            // SAFETY: `dst..dst + len` is inside one region's mapping (`RamMappings` keeps
-            // it mapped and writable); `buf` is a separate allocation of `len` bytes.
-            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), dst, len) };
+        match memfd {
+            Some(fd) if bytes.len() >= PWRITE_MIN_BYTES => {
+                pwrite_all(fd.as_raw_fd(), bytes, ram.memfd_offset(piece.start)).map_err(|e| {
+                    SnapshotError::io("write guest RAM restored from", layer.path(), e)
+                })?;
+            }
+            _ => {
+                let dst = ram.linear_page_ptr(piece.start);
+                // SAFETY: `dst..dst + bytes.len()` is inside one region's mapping (plan
+                // runs never cross regions; `RamMappings` keeps it mapped and writable);
+                // `bytes` is in a separate allocation.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+            }
         }
     }
     Ok(())

@@ -43,6 +43,9 @@ pub struct LazyOptions {
     /// Run the background loader. Without it only faulted pages are loaded (for
     /// measuring pure on-demand behaviour).
     pub background: bool,
+    /// Background loader threads (each takes whole chunks; more than one overlaps disk
+    /// reads with copying when CPUs are free).
+    pub loader_threads: usize,
     /// Guest-physical addresses to load first, in order (e.g. a previous run's
     /// [`LazyRestore::fault_order`]).
     pub working_set: Vec<u64>,
@@ -60,6 +63,7 @@ impl Default for LazyOptions {
             chunk_bytes: 4 << 20,
             verify_data: true,
             background: true,
+            loader_threads: 1,
             working_set: Vec::new(),
             unregister_when_done: true,
             max_latency_samples: 1 << 20,
@@ -278,11 +282,16 @@ impl LazyRestore {
                 .spawn(move || run_thread(&s, fault_thread))
                 .map_err(io_err("spawn fault thread"))?,
         );
-        if shared.opts.background {
+        let loaders = if shared.opts.background {
+            shared.opts.loader_threads.max(1)
+        } else {
+            0
+        };
+        for i in 0..loaders {
             let s = shared.clone();
             restore.threads.push(
                 std::thread::Builder::new()
-                    .name("uffd-loader".into())
+                    .name(format!("uffd-loader-{i}"))
                     .spawn(move || run_thread(&s, background_thread))
                     .map_err(io_err("spawn background loader"))?,
             );

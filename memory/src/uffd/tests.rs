@@ -81,6 +81,7 @@ fn lazy_restore_serves_faults_while_loading_in_background() {
     let chain = open_chain(&[&path], &ram);
     let opts = LazyOptions {
         chunk_bytes: 256 << 10,
+        loader_threads: 2,
         ..LazyOptions::default()
     };
     let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
