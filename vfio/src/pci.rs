@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use gpuvm_devices::pci::{
-    config, BarKind, BarSet, BarSpec, MsiRouting, MsixCapability, MsixTable, PciBar, PciDevice,
+    config, BarKind, BarSet, BarSpec, GuestMemoryMapper, MsiRouting, MsixCapability, MsixTable,
+    PciBar, PciDevice,
 };
 use vmm_sys_util::eventfd::EventFd;
 
@@ -20,12 +21,26 @@ struct Msix {
     eventfds: Vec<EventFd>,
 }
 
+const PAGE: u64 = 4096;
+
+/// An mmapped part of a BAR and where it is mapped in the guest now.
+struct BarMapping {
+    bar: u8,
+    offset: u64,
+    size: u64,
+    host: u64,
+    /// (mapper handle, guest address) while mapped.
+    mapped: Option<(u32, u64)>,
+}
+
 /// A PCI function backed by a [`PassthroughDevice`].
 pub struct VfioPciDevice {
     backend: Box<dyn PassthroughDevice>,
     bars: BarSet,
     msix: Option<Msix>,
     name: String,
+    mapper: Option<std::sync::Arc<dyn GuestMemoryMapper>>,
+    mappings: Vec<BarMapping>,
 }
 
 impl VfioPciDevice {
@@ -74,7 +89,127 @@ impl VfioPciDevice {
             bars,
             msix,
             name,
+            mapper: None,
+            mappings: Vec::new(),
         })
+    }
+
+    /// Mmaps the BAR parts the backend allows (never the pages holding the MSI-X table or
+    /// PBA, which must trap) and keeps them mapped into the guest wherever the guest puts
+    /// the BARs. Returns how many bytes are mapped.
+    pub fn map_bars(&mut self, mapper: Arc<dyn GuestMemoryMapper>) -> Result<u64> {
+        let mut total = 0;
+        for spec in self.bars.specs() {
+            if spec.kind == BarKind::Rom {
+                continue;
+            }
+            let Some(info) = self.backend.region_info(u32::from(spec.index)) else {
+                continue;
+            };
+            if info.flags & crate::REGION_MMAP == 0 {
+                continue;
+            }
+            let areas = if info.mmap_areas.is_empty() {
+                vec![(0, info.size)]
+            } else {
+                info.mmap_areas.clone()
+            };
+            for (offset, size) in self.split_around_msix(spec.index, &areas) {
+                let Some(host) = self
+                    .backend
+                    .mmap_region(u32::from(spec.index), offset, size)?
+                else {
+                    continue;
+                };
+                total += size;
+                self.mappings.push(BarMapping {
+                    bar: spec.index,
+                    offset,
+                    size,
+                    host: host as u64,
+                    mapped: None,
+                });
+            }
+        }
+        self.mapper = Some(mapper);
+        self.sync_guest_mappings();
+        Ok(total)
+    }
+
+    /// `areas` of `bar`, page aligned, minus the pages of the MSI-X table and PBA.
+    fn split_around_msix(&self, bar: u8, areas: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        let mut holes = Vec::new();
+        if let Some(msix) = &self.msix {
+            let cap = msix.capability;
+            if cap.table_bar == bar {
+                holes.push((cap.table_offset, cap.table_offset + cap.table_len()));
+            }
+            if cap.pba_bar == bar {
+                holes.push((cap.pba_offset, cap.pba_offset + cap.pba_len()));
+            }
+        }
+        let holes: Vec<(u64, u64)> = holes
+            .into_iter()
+            .map(|(start, end)| (start / PAGE * PAGE, end.div_ceil(PAGE) * PAGE))
+            .collect();
+        let mut pieces = Vec::new();
+        for &(offset, size) in areas {
+            let mut start = offset.div_ceil(PAGE) * PAGE;
+            let end = (offset + size) / PAGE * PAGE;
+            let mut cuts: Vec<(u64, u64)> = holes
+                .iter()
+                .copied()
+                .filter(|&(h_start, h_end)| h_start < end && h_end > start)
+                .collect();
+            cuts.sort();
+            for (h_start, h_end) in cuts {
+                if h_start > start {
+                    pieces.push((start, h_start - start));
+                }
+                start = start.max(h_end);
+            }
+            if end > start {
+                pieces.push((start, end - start));
+            }
+        }
+        pieces
+    }
+
+    /// Moves the guest mappings to where the active BARs are now.
+    fn sync_guest_mappings(&mut self) {
+        let Some(mapper) = self.mapper.clone() else {
+            return;
+        };
+        let active = self.bars.active();
+        for mapping in &mut self.mappings {
+            let wanted = active
+                .iter()
+                .find(|bar| bar.index == mapping.bar)
+                .map(|bar| bar.address + mapping.offset);
+            if mapping.mapped.map(|(_, at)| at) == wanted {
+                continue;
+            }
+            if let Some((handle, at)) = mapping.mapped.take() {
+                if let Err(error) = mapper.unmap(handle) {
+                    log::warn!(
+                        "{}: cannot unmap BAR{} at {at:#x}: {error}",
+                        self.name,
+                        mapping.bar
+                    );
+                }
+            }
+            if let Some(at) = wanted {
+                match mapper.map(at, mapping.size, mapping.host) {
+                    Ok(handle) => mapping.mapped = Some((handle, at)),
+                    Err(error) => log::warn!(
+                        "{}: cannot map BAR{} +{:#x} at {at:#x}: {error}; accesses will trap",
+                        self.name,
+                        mapping.bar,
+                        mapping.offset
+                    ),
+                }
+            }
+        }
     }
 
     /// Maps guest RAM for the device's DMA (all of it, once, before the guest runs).
@@ -247,7 +382,8 @@ impl PciDevice for VfioPciDevice {
 
     fn config_write(&mut self, offset: u16, data: &[u8]) {
         if BarSet::handles(offset) {
-            return self.bars.write(offset, data);
+            self.bars.write(offset, data);
+            return self.sync_guest_mappings();
         }
         if self.msix_control_bytes(offset, data.len()).is_some() {
             return self.set_msix_control(offset, data);
@@ -255,6 +391,7 @@ impl PciDevice for VfioPciDevice {
         if offset == config::COMMAND {
             self.bars
                 .set_memory_enabled(u16::from(data[0]) & config::COMMAND_MEMORY != 0);
+            self.sync_guest_mappings();
         }
         if let Err(error) = self
             .backend
@@ -274,6 +411,7 @@ impl PciDevice for VfioPciDevice {
 
     fn set_bar_address(&mut self, bar: u8, address: u64) {
         self.bars.set_address(bar, address);
+        self.sync_guest_mappings();
     }
 
     fn enable_memory_decoding(&mut self) {
@@ -318,6 +456,13 @@ impl PciDevice for VfioPciDevice {
 impl Drop for VfioPciDevice {
     /// Leaves the device quiet for whoever uses it next.
     fn drop(&mut self) {
+        if let Some(mapper) = &self.mapper {
+            for mapping in &mut self.mappings {
+                if let Some((handle, _)) = mapping.mapped.take() {
+                    let _ = mapper.unmap(handle);
+                }
+            }
+        }
         if self.msix.as_ref().is_some_and(|m| m.table.enabled()) {
             let _ = self.backend.disable_msix();
         }

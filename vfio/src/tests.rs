@@ -143,3 +143,172 @@ fn emulated_gpu_over_vfio_user() {
     // SAFETY: closing the fd we created.
     unsafe { libc::close(memfd.as_raw_fd()) };
 }
+
+/// A backend with one mmap-able 64 KiB BAR0 holding the MSI-X table (0x2000) and PBA (0x3000).
+struct MmapBackend {
+    config: Vec<u8>,
+    memory: Vec<u8>,
+}
+
+impl MmapBackend {
+    fn new() -> Self {
+        let mut config = vec![0u8; 256];
+        config[0..4].copy_from_slice(&0x2330_10deu32.to_le_bytes());
+        config[6] = 0x10;
+        config[0x34] = 0x60;
+        config[0x60] = 0x11;
+        config[0x62] = 1; // 2 vectors
+        config[0x64..0x68].copy_from_slice(&0x2000u32.to_le_bytes());
+        config[0x68..0x6c].copy_from_slice(&0x3000u32.to_le_bytes());
+        MmapBackend {
+            config,
+            memory: vec![0; 64 << 10],
+        }
+    }
+}
+
+impl crate::PassthroughDevice for MmapBackend {
+    fn name(&self) -> String {
+        "fake".into()
+    }
+    fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
+        match index {
+            0 => Some(crate::RegionInfo {
+                index,
+                size: 64 << 10,
+                flags: crate::REGION_READ | crate::REGION_WRITE | crate::REGION_MMAP,
+                mmap_areas: Vec::new(),
+            }),
+            crate::region::CONFIG => Some(crate::RegionInfo {
+                index,
+                size: 256,
+                flags: crate::REGION_READ | crate::REGION_WRITE,
+                mmap_areas: Vec::new(),
+            }),
+            _ => None,
+        }
+    }
+    fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> crate::Result<()> {
+        let source = if index == crate::region::CONFIG {
+            &self.config
+        } else {
+            &self.memory
+        };
+        gpuvm_devices::pci::read_le(source, offset as usize, data);
+        Ok(())
+    }
+    fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> crate::Result<()> {
+        if index == crate::region::CONFIG && offset == 4 {
+            self.config[4] = data[0];
+        }
+        Ok(())
+    }
+    fn mmap_region(
+        &mut self,
+        _index: u32,
+        offset: u64,
+        _size: u64,
+    ) -> crate::Result<Option<*mut u8>> {
+        // SAFETY: offset is inside the 64 KiB buffer (the caller maps BAR0 parts only).
+        Ok(Some(unsafe {
+            self.memory.as_mut_ptr().add(offset as usize)
+        }))
+    }
+    fn msix_vectors(&mut self) -> crate::Result<u32> {
+        Ok(2)
+    }
+    fn enable_msix(&mut self, _eventfds: &[&EventFd]) -> crate::Result<()> {
+        Ok(())
+    }
+    fn disable_msix(&mut self) -> crate::Result<()> {
+        Ok(())
+    }
+    fn dma_map(&mut self, _region: &DmaRegion) -> crate::Result<()> {
+        Ok(())
+    }
+    fn reset(&mut self) -> crate::Result<()> {
+        Ok(())
+    }
+}
+
+/// Records guest mappings as (guest address, size, host offset from the first mapping).
+#[derive(Default)]
+struct Slots {
+    live: Mutex<BTreeMap<u32, (u64, u64, u64)>>,
+    next: std::sync::atomic::AtomicU32,
+}
+
+impl gpuvm_devices::pci::GuestMemoryMapper for Slots {
+    fn map(&self, guest_addr: u64, size: u64, host: u64) -> std::io::Result<u32> {
+        let handle = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.live
+            .lock()
+            .unwrap()
+            .insert(handle, (guest_addr, size, host));
+        Ok(handle)
+    }
+    fn unmap(&self, handle: u32) -> std::io::Result<()> {
+        self.live
+            .lock()
+            .unwrap()
+            .remove(&handle)
+            .map(|_| ())
+            .ok_or_else(|| std::io::Error::other("unknown handle"))
+    }
+}
+
+fn guest_ranges(slots: &Slots) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = slots
+        .live
+        .lock()
+        .unwrap()
+        .values()
+        .map(|m| (m.0, m.1))
+        .collect();
+    ranges.sort();
+    ranges
+}
+
+#[test]
+fn mmapped_bar_parts_follow_the_bar_and_skip_msix_pages() {
+    let routes = Arc::new(Routes::default());
+    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+        (0..count)
+            .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))
+            .collect()
+    };
+    let mut device =
+        VfioPciDevice::new(Box::new(MmapBackend::new()), &mut allocate, routes).expect("device");
+    let slots = Arc::new(Slots::default());
+    let mapped = device.map_bars(slots.clone()).expect("map bars");
+    assert_eq!(
+        mapped,
+        (64 << 10) - 0x2000,
+        "table and PBA pages stay trapped"
+    );
+    assert!(guest_ranges(&slots).is_empty(), "not placed yet");
+    device.set_bar_address(0, 0xc000_0000);
+    assert!(guest_ranges(&slots).is_empty(), "memory decoding is off");
+    device.enable_memory_decoding();
+    assert_eq!(
+        guest_ranges(&slots),
+        vec![(0xc000_0000, 0x2000), (0xc000_4000, 0xc000)]
+    );
+    // The guest moves BAR0.
+    device.config_write(0x10, &0xc010_0000u32.to_le_bytes());
+    assert_eq!(
+        guest_ranges(&slots),
+        vec![(0xc010_0000, 0x2000), (0xc010_4000, 0xc000)]
+    );
+    // Memory decoding off: nothing mapped; the MSI-X table still traps to the emulation.
+    device.config_write(0x04, &[0, 0]);
+    assert!(guest_ranges(&slots).is_empty());
+    device.config_write(0x04, &[2, 0]);
+    assert_eq!(guest_ranges(&slots).len(), 2);
+    device.bar_write(0, 0x2000 + 8, &0x41u32.to_le_bytes());
+    let mut data = [0u8; 4];
+    device.bar_read(0, 0x2000 + 8, &mut data);
+    assert_eq!(u32::from_le_bytes(data), 0x41);
+    drop(device);
+    assert!(guest_ranges(&slots).is_empty(), "unmapped on drop");
+}

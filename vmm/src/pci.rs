@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use gpuvm_devices::pci::{
-    ConfigAddressPort, EcamWindow, MmioWindows, MsiMessage, MsiRouting, PciError, PciRoot,
-    PciRootConfig,
+    ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, MsiMessage, MsiRouting,
+    PciError, PciRoot, PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio};
@@ -26,8 +26,8 @@ use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
 use kvm_bindings::{
-    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
-    KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+    kvm_irq_routing_entry, kvm_userspace_memory_region, KvmIrqRouting, KVM_IRQCHIP_IOAPIC,
+    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -90,6 +90,76 @@ pub fn mmio64_start(ram: &GuestRam) -> u64 {
     top.next_multiple_of(MMIO64_ALIGN)
 }
 
+/// A second handle on the VM for devices (KVM objects are per fd, the VM is the same).
+fn duplicate_vm(kvm: &Kvm, vm: &VmFd) -> Result<VmFd, PciSetupError> {
+    // SAFETY: dup of a valid fd we own; the new fd is handed to VmFd, which owns it.
+    let fd = unsafe { libc::dup(vm.as_raw_fd()) };
+    if fd < 0 {
+        return Err(PciSetupError::VmFd(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh duplicate of a KVM VM fd and nothing else owns it.
+    unsafe { kvm.create_vmfd_from_rawfd(fd) }
+        .map_err(|e| PciSetupError::VmFd(std::io::Error::from_raw_os_error(e.errno())))
+}
+
+/// KVM memory slots for mmapped BAR parts, numbered from [`FIRST_BAR_SLOT`] (RAM uses the
+/// slots below).
+pub struct KvmBarSlots {
+    vm: VmFd,
+    free: Mutex<Vec<u32>>,
+    next: AtomicU32,
+}
+
+/// First KVM slot for BARs; RAM takes one slot per region (at most two).
+const FIRST_BAR_SLOT: u32 = 16;
+
+impl KvmBarSlots {
+    pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
+        Ok(KvmBarSlots {
+            vm: duplicate_vm(kvm, vm)?,
+            free: Mutex::new(Vec::new()),
+            next: AtomicU32::new(FIRST_BAR_SLOT),
+        })
+    }
+
+    fn set(&self, slot: u32, guest_addr: u64, size: u64, host: u64) -> std::io::Result<()> {
+        let region = kvm_userspace_memory_region {
+            slot,
+            guest_phys_addr: guest_addr,
+            memory_size: size,
+            userspace_addr: host,
+            flags: 0,
+        };
+        // SAFETY: `host` is a device BAR mapping owned by the VfioPciDevice, which removes the
+        // slot (size 0) before it unmaps the memory.
+        unsafe { self.vm.set_user_memory_region(region) }
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+    }
+}
+
+impl GuestMemoryMapper for KvmBarSlots {
+    fn map(&self, guest_addr: u64, size: u64, host: u64) -> std::io::Result<u32> {
+        let slot = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
+        self.set(slot, guest_addr, size, host)?;
+        log::debug!("BAR slot {slot}: {guest_addr:#x}+{size:#x}");
+        Ok(slot)
+    }
+
+    fn unmap(&self, slot: u32) -> std::io::Result<()> {
+        self.set(slot, 0, 0, 0)?;
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(slot);
+        Ok(())
+    }
+}
+
 /// Routes MSI messages to GSIs: KVM_SET_GSI_ROUTING replaces the whole table, so every
 /// update sends KVM's default IOAPIC/PIC routes plus all MSI routes.
 pub struct MsiRouter {
@@ -101,16 +171,8 @@ pub struct MsiRouter {
 impl MsiRouter {
     /// Uses a duplicate of `vm`'s file descriptor so the router can live in devices.
     pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
-        // SAFETY: dup of a valid fd we own; the new fd is handed to VmFd, which owns it.
-        let fd = unsafe { libc::dup(vm.as_raw_fd()) };
-        if fd < 0 {
-            return Err(PciSetupError::VmFd(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` is a fresh duplicate of a KVM VM fd and nothing else owns it.
-        let vm = unsafe { kvm.create_vmfd_from_rawfd(fd) }
-            .map_err(|e| PciSetupError::VmFd(std::io::Error::from_raw_os_error(e.errno())))?;
         Ok(MsiRouter {
-            vm,
+            vm: duplicate_vm(kvm, vm)?,
             routes: Mutex::new(BTreeMap::new()),
             next_gsi: AtomicU32::new(FIRST_MSI_GSI),
         })
@@ -238,9 +300,16 @@ pub fn attach(
             threads,
         )?;
     }
+    let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     for backend in backends {
         let mut allocate = |count| router.allocate(count);
-        let device = VfioPciDevice::new(backend, &mut allocate, router.clone())?;
+        let mut device = VfioPciDevice::new(backend, &mut allocate, router.clone())?;
+        let mapped = device.map_bars(slots.clone())?;
+        log::info!(
+            "{}: {} MiB of BARs mapped into the guest",
+            device.name(),
+            mapped >> 20
+        );
         let name = device.name().to_string();
         let bdf = root.add_device(Arc::new(Mutex::new(device)))?;
         log::info!("PCI {bdf}: {name} (kernel VFIO)");

@@ -59,6 +59,15 @@ pub trait PciDevice: Send {
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
 }
 
+/// Maps host memory into guest-physical space (KVM memory slots in the VMM), so guest
+/// accesses to a BAR's mmapped parts go straight to the device without exits.
+pub trait GuestMemoryMapper: Send + Sync {
+    /// Maps `[host, host + size)` at guest-physical `guest_addr`; returns a handle for
+    /// [`GuestMemoryMapper::unmap`]. Addresses and size are page aligned.
+    fn map(&self, guest_addr: u64, size: u64, host: u64) -> std::io::Result<u32>;
+    fn unmap(&self, handle: u32) -> std::io::Result<()>;
+}
+
 /// Reads a little-endian value of `data.len()` bytes from `bytes` at `offset`, all ones past the end.
 pub fn read_le(bytes: &[u8], offset: usize, data: &mut [u8]) {
     for (i, byte) in data.iter_mut().enumerate() {
