@@ -238,10 +238,11 @@ impl LazyRestore {
             }
         }
         let mut queues = Queues::default();
+        let mut queued = vec![false; chunk_count];
         for &gpa in &opts.working_set {
             if let Some((_, linear)) = layout.locate_guest_page(gpa / page_size) {
                 let c = (linear / chunk_pages) as usize;
-                if !queues.working_set.contains(&c) {
+                if !std::mem::replace(&mut queued[c], true) {
                     queues.working_set.push_back(c);
                 }
             }
@@ -491,7 +492,7 @@ impl Shared {
 
     /// Records pages `start..end` as loaded; `data` says whether they are data pages
     /// (which count towards completion).
-    fn mark_loaded(&self, start: u64, end: u64, data: bool) -> Result<(), UffdError> {
+    fn mark_loaded(&self, start: u64, end: u64, data: bool) {
         let newly = self.loaded.set_range(start, end);
         if data && newly > 0 {
             let total = self
@@ -503,7 +504,6 @@ impl Shared {
                 self.finish();
             }
         }
-        Ok(())
     }
 
     fn note_fill(&self, filled: Filled) {
@@ -560,7 +560,8 @@ impl Shared {
     fn next_chunk(&self) -> Option<usize> {
         let mut queues = lock(&self.queues);
         loop {
-            if self.stop.load(Ordering::SeqCst) {
+            // Once everything is loaded the remaining chunks hold nothing new.
+            if self.stop.load(Ordering::SeqCst) || self.is_done() {
                 return None;
             }
             let candidate = if let Some(c) = queues.faulted.pop_front() {
@@ -725,7 +726,7 @@ fn serve_fault(
                 c.bytes_by_faults
                     .fetch_add(page_size as u64, Ordering::Relaxed);
             }
-            shared.mark_loaded(linear, linear + 1, data)?;
+            shared.mark_loaded(linear, linear + 1, data);
         }
         // After completion the ranges are unregistered; a fault read just before that
         // was already woken by the unregister and retried as a normal fault.
@@ -872,14 +873,24 @@ fn copy_piece(
         }
         let dst = shared.host_addr_of(at);
         // SAFETY: `bytes` is inside `buf`, readable for `len` bytes.
-        let filled =
-            unsafe { ops::copy(&shared.uffd, bytes.as_ptr(), dst, len, page_size as usize)? };
+        let filled = match unsafe {
+            ops::copy(&shared.uffd, bytes.as_ptr(), dst, len, page_size as usize)
+        } {
+            Ok(filled) => filled,
+            // The fault thread loaded the last missing pages (these among them) and the
+            // ranges were unregistered before this copy: nothing is left to do.
+            Err(e) if shared.is_done() => {
+                debug!("background copy after completion at {dst:#x}: {e}");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
         shared.note_fill(filled);
         shared
             .counters
             .bytes_background
             .fetch_add(len as u64 - filled.existed * page_size, Ordering::Relaxed);
-        shared.mark_loaded(at, run_end, true)?;
+        shared.mark_loaded(at, run_end, true);
         at = shared.loaded.next(false, run_end, piece.end);
     }
     Ok(())
