@@ -170,11 +170,13 @@ impl Drop for Vmm {
     }
 }
 
+/// Iteration numbers of the `memloop: iter N ok` lines. Tolerates a line whose start was
+/// printed before a snapshot (the restored run goes on mid-line).
 fn iterations(stdout: &str) -> Vec<u64> {
     stdout
         .lines()
-        .filter_map(|line| line.strip_prefix("memloop: iter "))
-        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .filter_map(|line| line.split_once(" ok checksum="))
+        .filter_map(|(head, _)| head.split_whitespace().last()?.parse().ok())
         .collect()
 }
 
@@ -850,5 +852,113 @@ fn config_file_starts_at_once() {
     assert!(
         stderr.contains("smt") && !stderr.contains("panicked"),
         "{stderr}"
+    );
+}
+
+fn status_field(pid: u64, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))
+        .unwrap_or_else(|| panic!("no {field} in {status}"))
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `--chroot` and `--uid/--gid`: the running VMM is confined (root elsewhere, nobody's
+/// ids, no groups) and still serves every action; a snapshot lands inside the new root.
+/// Without root the drop must fail cleanly instead.
+#[test]
+fn jail_chroots_and_drops_privileges() {
+    let scratch = Scratch::new("jail");
+    let root = scratch.path("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let socket = root.join("api.sock");
+    let jail = [
+        "--chroot",
+        root.to_str().unwrap(),
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+    ];
+    // SAFETY: geteuid(2) has no side effects.
+    if unsafe { libc::geteuid() } != 0 {
+        let output = Command::new(gpuvm_bin())
+            .args(["run", "--uid", "65534", "--gid", "65534"])
+            .output()
+            .expect("run gpuvm");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("cannot"), "{stderr}");
+        return;
+    }
+    // nobody must be able to write the snapshot inside the new root.
+    std::fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let mut args = vec!["--memory", "64M", "--cmdline", "memloop 8M 3 0"];
+    args.extend(jail);
+    let vmm = Vmm::start(&socket, &args);
+    vmm.expect(
+        204,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "InstanceStart"})),
+    );
+    vmm.wait_for_stdout("memloop: iter 1 ok");
+    let pid = vmm.expect(200, "GET", "/", None)["pid"].as_u64().unwrap();
+    assert_eq!(status_field(pid, "Uid:"), "65534 65534 65534 65534");
+    assert_eq!(status_field(pid, "Gid:"), "65534 65534 65534 65534");
+    assert_eq!(status_field(pid, "Groups:"), "");
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{pid}/root")).unwrap(),
+        root.canonicalize().unwrap()
+    );
+    vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Paused"})));
+    vmm.expect(
+        200,
+        "PUT",
+        "/snapshot/create",
+        Some(json!({"snapshot_path": "/snap"})),
+    );
+    assert!(
+        root.join("snap/state").exists(),
+        "snapshot not inside the new root"
+    );
+    vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    vmm.expect(
+        204,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "SendCtrlAltDel"})),
+    );
+    assert_eq!(vmm.wait_exit().0.code(), Some(0));
+
+    // The snapshot restores outside the jail, in a plain process.
+    let mut restored = Command::new(gpuvm_bin())
+        .args(["restore", "--restore-mode", "eager", "--snapshot"])
+        .arg(root.join("snap"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("restore");
+    let output = collect(restored.stdout.take().unwrap());
+    let started = Instant::now();
+    let progressed = loop {
+        if iterations(&output.lock().unwrap()).len() >= 2 {
+            break true;
+        }
+        if started.elapsed() > LIMIT || restored.try_wait().ok().flatten().is_some() {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let _ = restored.kill();
+    let _ = restored.wait();
+    assert!(
+        progressed,
+        "restored guest made no progress: {}",
+        output.lock().unwrap()
     );
 }

@@ -91,6 +91,8 @@ struct RunArgs {
     /// initial configuration.
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    #[command(flatten)]
+    jail: JailArgs,
     /// Start at once with this JSON configuration ({"machine-config": {...},
     /// "boot-source": {...}}, the bodies of the API's routes).
     #[arg(long)]
@@ -101,6 +103,21 @@ struct RunArgs {
     snapshot: SnapshotArgs,
     #[command(flatten)]
     report: ReportArgs,
+}
+
+/// Confinement applied once /dev/kvm, guest memory and the devices are open, before the
+/// guest runs (see the `jail` module).
+#[derive(Args, Debug, Default)]
+struct JailArgs {
+    /// Change the root directory to DIR (snapshot paths are then inside DIR).
+    #[arg(long, value_name = "DIR")]
+    chroot: Option<PathBuf>,
+    /// Run as this user id (with --gid; supplementary groups are dropped).
+    #[arg(long, requires = "gid")]
+    uid: Option<u32>,
+    /// Run as this group id (with --uid).
+    #[arg(long, requires = "uid")]
+    gid: Option<u32>,
 }
 
 #[derive(Args, Debug)]
@@ -233,6 +250,8 @@ struct RestoreArgs {
     #[arg(long, required_if_eq("restore_mode", "external"))]
     uffd_socket: Option<PathBuf>,
     #[command(flatten)]
+    jail: JailArgs,
+    #[command(flatten)]
     snapshot_args: SnapshotArgs,
     #[command(flatten)]
     report: ReportArgs,
@@ -278,7 +297,7 @@ fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {
     })
 }
 
-fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Error> {
+fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let kernel = match args.kernel {
         Some(path) => KernelSource::File(path),
         None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
@@ -322,26 +341,39 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Err
         if let Some(policy) = snapshot_policy(&args.snapshot) {
             machine.set_snapshot_policy(policy);
         }
+        jail::enter(&args.jail)?;
         return finish(machine, &args.report, process_start, None);
     };
     let (requests_tx, requests_rx) = std::sync::mpsc::channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let server = ApiServer::start(
+    let mut server = ApiServer::start(
         api_sock,
         requests_tx,
         wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
     )
-    .map_err(api_config::api_error)?;
+    .map_err(|e| CliError::Other(e.to_string()))?;
     let mut controller =
         ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
+    let pci = args.passthrough.pci_options();
     let (mut machine, paused) = if args.config_file.is_some() {
-        (gpuvm_vmm::builder::build(&config, serial_out())?, false)
+        (
+            gpuvm_vmm::builder::build_with_pci(&config, &pci, serial_out())?,
+            false,
+        )
     } else {
+        controller.set_builder(Box::new(move |config, serial_out| {
+            gpuvm_vmm::builder::build_with_pci(config, &pci, serial_out)
+        }));
         match controller.wait_for_start() {
             Some(Started { machine, paused }) => (machine, paused),
             None => return Ok(ExitCode::from(1)),
         }
     };
+    if args.jail.chroot.is_some() {
+        // The socket's path means nothing inside the new root.
+        server.keep_socket_file();
+    }
+    jail::enter(&args.jail)?;
     if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
         server.wait_idle(Duration::from_secs(2));
         return Ok(ExitCode::SUCCESS);
@@ -354,6 +386,15 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Err
     // Let the answer to a request that ended the run reach its client.
     server.wait_idle(Duration::from_secs(2));
     result
+}
+
+/// What the CLI reports as `gpuvm: error: ...`.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Vmm(#[from] gpuvm_vmm::Error),
+    #[error("{0}")]
+    Other(String),
 }
 
 /// The serial console: stdout, counted for the metrics.
@@ -369,26 +410,17 @@ mod api_config {
     use std::path::Path;
 
     use gpuvm_vmm::api::action::ConfigFile;
-    use gpuvm_vmm::api::ApiError;
     use gpuvm_vmm::config::VmConfig;
     use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
 
-    fn invalid(path: &Path, reason: impl std::fmt::Display) -> gpuvm_vmm::Error {
-        gpuvm_vmm::Error::EventFd(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("config file {}: {reason}", path.display()),
-        ))
-    }
+    use super::CliError;
 
-    pub fn api_error(error: ApiError) -> gpuvm_vmm::Error {
-        gpuvm_vmm::Error::EventFd(std::io::Error::other(error.to_string()))
+    fn invalid(path: &Path, reason: impl std::fmt::Display) -> CliError {
+        CliError::Other(format!("config file {}: {reason}", path.display()))
     }
 
     /// The configuration from `path` over `config` (the command-line flags).
-    pub fn apply_config_file(
-        path: &Path,
-        mut config: VmConfig,
-    ) -> Result<VmConfig, gpuvm_vmm::Error> {
+    pub fn apply_config_file(path: &Path, mut config: VmConfig) -> Result<VmConfig, CliError> {
         let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e))?;
         let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(path, e))?;
         if let Some(machine) = file.machine_config {
@@ -416,7 +448,7 @@ mod api_config {
     }
 }
 
-fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, gpuvm_vmm::Error> {
+fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let mode = match args.restore_mode {
         Mode::Eager => RestoreMode::Eager,
         Mode::Lazy => RestoreMode::Lazy,
@@ -428,6 +460,7 @@ fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, gpuvm_
     if let Some(policy) = snapshot_policy(&args.snapshot_args) {
         machine.set_snapshot_policy(policy);
     }
+    jail::enter(&args.jail)?;
     if args.report.report_timing {
         eprintln!(
             "gpuvm: restore mode={:?} validate_us={} memory_us={} ready_us={}",
@@ -451,7 +484,7 @@ fn finish(
     report: &ReportArgs,
     process_start: Instant,
     restore_mode: Option<Mode>,
-) -> Result<ExitCode, gpuvm_vmm::Error> {
+) -> Result<ExitCode, CliError> {
     let end = machine.run()?;
     if report.report_timing {
         if let Some(started) = machine.vcpus_started() {
@@ -624,6 +657,58 @@ fn ctl_send(socket: &std::path::Path, method: &str, path: &str, body: Option<&st
             eprintln!("gpuvm: error: {error}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Confinement for cloud hosts: chroot, then drop to an unprivileged uid/gid. Applied
+/// after the VM's file descriptors are open and before the guest runs; the process cannot
+/// regain root afterwards (checked).
+mod jail {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+
+    use super::{CliError, JailArgs};
+
+    fn os_error(what: &str) -> CliError {
+        CliError::Other(format!("{what}: {}", std::io::Error::last_os_error()))
+    }
+
+    pub fn enter(args: &JailArgs) -> Result<(), CliError> {
+        if let Some(dir) = &args.chroot {
+            let path = CString::new(dir.as_os_str().as_bytes())
+                .map_err(|_| CliError::Other("--chroot path contains a NUL byte".into()))?;
+            // SAFETY: chroot(2) reads a NUL-terminated path that lives across the call.
+            if unsafe { libc::chroot(path.as_ptr()) } != 0 {
+                return Err(os_error(&format!("cannot chroot to {}", dir.display())));
+            }
+            std::env::set_current_dir("/")
+                .map_err(|e| CliError::Other(format!("cannot enter the new root: {e}")))?;
+            log::info!("chrooted to {}", dir.display());
+        }
+        if let (Some(uid), Some(gid)) = (args.uid, args.gid) {
+            // Order matters: groups and gid need the privileges that setuid gives up.
+            // glibc applies each of these to every thread of the process.
+            // SAFETY: setgroups(2) with a zero count reads no memory.
+            if unsafe { libc::setgroups(0, std::ptr::null()) } != 0 {
+                return Err(os_error("cannot drop supplementary groups"));
+            }
+            // SAFETY: setresgid/setresuid take plain integers.
+            if unsafe { libc::setresgid(gid, gid, gid) } != 0 {
+                return Err(os_error(&format!("cannot switch to gid {gid}")));
+            }
+            // SAFETY: as above.
+            if unsafe { libc::setresuid(uid, uid, uid) } != 0 {
+                return Err(os_error(&format!("cannot switch to uid {uid}")));
+            }
+            // SAFETY: as above; this must fail once root is given up.
+            if uid != 0 && unsafe { libc::setuid(0) } == 0 {
+                return Err(CliError::Other(
+                    "dropped to an unprivileged uid but could still become root again".into(),
+                ));
+            }
+            log::info!("running as uid {uid} gid {gid}");
+        }
+        Ok(())
     }
 }
 

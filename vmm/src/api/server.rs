@@ -83,6 +83,11 @@ impl ApiServer {
         })
     }
 
+    /// Leaves the socket file in place at the end (after a chroot its path is gone).
+    pub fn keep_socket_file(&mut self) {
+        self.path = PathBuf::new();
+    }
+
     /// Waits (at most `limit`) until no request is between parse and written answer, so
     /// the answer to a request that ended the VM still reaches its client.
     pub fn wait_idle(&self, limit: Duration) {
@@ -95,6 +100,9 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
+        if self.path.as_os_str().is_empty() {
+            return;
+        }
         let _ = std::fs::remove_file(&self.path);
     }
 }

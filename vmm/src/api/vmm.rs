@@ -20,6 +20,10 @@ use crate::x86_64::boot::{BootSource, KernelSource};
 /// Makes the serial console's output stream for a new machine.
 pub type SerialOutFactory = Box<dyn Fn() -> Box<dyn Write + Send> + Send>;
 
+/// Builds a machine for InstanceStart (the CLI adds its passthrough devices).
+pub type BuildFn =
+    Box<dyn Fn(&VmConfig, Box<dyn Write + Send>) -> Result<Machine, crate::Error> + Send>;
+
 /// A machine the API created, and whether it should run at once.
 pub struct Started {
     pub machine: Machine,
@@ -41,6 +45,7 @@ pub struct ApiController {
     machine_config: MachineConfig,
     boot: BootSource,
     serial_out: SerialOutFactory,
+    build: BuildFn,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -95,7 +100,13 @@ impl ApiController {
             machine_config: config.machine,
             boot: config.boot,
             serial_out,
+            build: Box::new(|config, serial_out| crate::builder::build(config, serial_out)),
         }
+    }
+
+    /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build`]).
+    pub fn set_builder(&mut self, build: BuildFn) {
+        self.build = build;
     }
 
     /// Serves pre-boot requests until InstanceStart or snapshot/load yields a machine.
@@ -130,7 +141,7 @@ impl ApiController {
                     machine: self.machine_config.clone(),
                     boot: self.boot.clone(),
                 };
-                return match crate::builder::build(&config, (self.serial_out)()) {
+                return match (self.build)(&config, (self.serial_out)()) {
                     Ok(machine) => (
                         Ok(VmmData::Empty),
                         Some(Started {
