@@ -15,10 +15,13 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 
 use vfio_bindings::bindings::vfio::{
-    vfio_region_info, VFIO_IRQ_INFO_EVENTFD, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX,
+    vfio_region_info, vfio_region_sparse_mmap_area, VFIO_IRQ_INFO_EVENTFD,
+    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_REGION_INFO_FLAG_MMAP,
     VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
-use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion};
+use vfio_user::{
+    DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion, SparseArea,
+};
 
 /// BAR0 register offsets.
 pub mod regs {
@@ -38,6 +41,12 @@ pub mod regs {
     pub const DMA_DONE: u64 = 0x1014;
     /// 0: last DMA succeeded, 1: its range is not DMA-mapped, 2: bad length.
     pub const DMA_STATUS: u64 = 0x1018;
+    /// Read: wrapping sum of the 512 u64 words of BAR1's first page (the guest checks that
+    /// writes through its direct BAR1 mapping reached the device).
+    pub const BAR1_CHECKSUM: u64 = 0x1020;
+    /// Read: how many BAR1 accesses came over the socket (0 when the client mapped BAR1
+    /// into the guest and the guest's accesses went straight to memory).
+    pub const BAR1_SOCKET_ACCESSES: u64 = 0x1028;
     pub const MSIX_TABLE: u64 = 0x80_0000;
     pub const MSIX_PBA: u64 = 0x80_1000;
 }
@@ -89,6 +98,9 @@ pub struct EmuGpu {
     memory: HashMap<(u32, u64), Box<[u8; 4096]>>,
     dma: Vec<DmaMapping>,
     msix: Vec<Option<File>>,
+    /// BAR1 memory, shared with the client (it mmaps BAR1 into the guest).
+    bar1: File,
+    bar1_socket_accesses: u32,
 }
 
 // SAFETY: the raw pointers are private MAP_SHARED mappings owned by this struct (unmapped
@@ -96,7 +108,15 @@ pub struct EmuGpu {
 unsafe impl Send for EmuGpu {}
 
 impl EmuGpu {
-    pub fn new(options: EmuGpuOptions) -> Self {
+    pub fn new(options: EmuGpuOptions) -> std::io::Result<Self> {
+        // SAFETY: memfd_create with a static name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"gpuvm-emu-bar1".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh file descriptor nobody else owns.
+        let bar1 = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        bar1.set_len(options.bar1_size)?;
         let mut config = vec![0u8; CONFIG_SIZE];
         config[0..2].copy_from_slice(&VENDOR_ID.to_le_bytes());
         config[2..4].copy_from_slice(&DEVICE_ID.to_le_bytes());
@@ -116,14 +136,16 @@ impl EmuGpu {
         config[cap + 2..cap + 4].copy_from_slice(&(options.msix_vectors - 1).to_le_bytes());
         config[cap + 4..cap + 8].copy_from_slice(&(regs::MSIX_TABLE as u32).to_le_bytes());
         config[cap + 8..cap + 12].copy_from_slice(&(regs::MSIX_PBA as u32).to_le_bytes());
-        EmuGpu {
+        Ok(EmuGpu {
             options,
             config,
             bar0: HashMap::new(),
             memory: HashMap::new(),
             dma: Vec::new(),
             msix: Vec::new(),
-        }
+            bar1,
+            bar1_socket_accesses: 0,
+        })
     }
 
     fn region_size(&self, index: u32) -> u64 {
@@ -141,11 +163,16 @@ impl EmuGpu {
         (0..crate::region::COUNT)
             .map(|index| {
                 let size = self.region_size(index);
+                let mmap = if index == 1 {
+                    VFIO_REGION_INFO_FLAG_MMAP
+                } else {
+                    0
+                };
                 ServerRegion {
                     region_info: vfio_region_info {
                         argsz: std::mem::size_of::<vfio_region_info>() as u32,
                         flags: if size > 0 {
-                            VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE
+                            VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE | mmap
                         } else {
                             0
                         },
@@ -154,8 +181,16 @@ impl EmuGpu {
                         size,
                         offset: 0,
                     },
-                    sparse_areas: Vec::new(),
-                    mmap_fd: None,
+                    // The server sends the fd only with a sparse-mmap capability, so BAR1
+                    // lists itself as one area.
+                    sparse_areas: if index == 1 {
+                        vec![SparseArea {
+                            area: vfio_region_sparse_mmap_area { offset: 0, size },
+                        }]
+                    } else {
+                        Vec::new()
+                    },
+                    mmap_fd: (index == 1).then(|| self.bar1.as_raw_fd()),
                 }
             })
             .collect()
@@ -175,9 +210,23 @@ impl EmuGpu {
             .collect()
     }
 
+    fn bar1_checksum(&self) -> u64 {
+        use std::os::unix::fs::FileExt;
+        let mut page = [0u8; 4096];
+        if self.bar1.read_exact_at(&mut page, 0).is_err() {
+            return 0;
+        }
+        page.chunks_exact(8).fold(0u64, |sum, word| {
+            sum.wrapping_add(u64::from_le_bytes(word.try_into().unwrap_or([0; 8])))
+        })
+    }
+
     fn bar0_read(&self, offset: u64) -> u32 {
         match offset {
             regs::BOOT_0 => regs::BOOT_0_VALUE,
+            regs::BAR1_CHECKSUM => self.bar1_checksum() as u32,
+            regs::BAR1_SOCKET_ACCESSES => self.bar1_socket_accesses,
+            o if o == regs::BAR1_CHECKSUM + 4 => (self.bar1_checksum() >> 32) as u32,
             _ => self.bar0.get(&offset).copied().unwrap_or(0),
         }
     }
@@ -284,7 +333,11 @@ impl ServerBackend for EmuGpu {
                     *byte = bytes.get(start + i).copied().unwrap_or(0);
                 }
             }
-            1 | 3 => self.memory_access(region, offset, Some(data), &[]),
+            1 => {
+                self.bar1_socket_accesses = self.bar1_socket_accesses.wrapping_add(1);
+                std::os::unix::fs::FileExt::read_exact_at(&self.bar1, data, offset)?
+            }
+            3 => self.memory_access(region, offset, Some(data), &[]),
             7 => data.copy_from_slice(&self.config[offset as usize..offset as usize + data.len()]),
             _ => data.fill(0),
         }
@@ -307,7 +360,11 @@ impl ServerBackend for EmuGpu {
                 }
                 self.bar0_write(base, u32::from_le_bytes(bytes));
             }
-            1 | 3 => self.memory_access(region, offset, None, data),
+            1 => {
+                self.bar1_socket_accesses = self.bar1_socket_accesses.wrapping_add(1);
+                std::os::unix::fs::FileExt::write_all_at(&self.bar1, data, offset)?
+            }
+            3 => self.memory_access(region, offset, None, data),
             // Only the command register is writable; BARs and MSI-X are the VMM's.
             7 if offset < 2 + 4 && offset + data.len() as u64 > 4 => {
                 for (i, byte) in data.iter().enumerate() {
@@ -417,7 +474,7 @@ impl Drop for EmuGpu {
 
 /// Listens on `socket` and serves one client until it disconnects.
 pub fn serve(socket: &Path, options: EmuGpuOptions) -> Result<(), vfio_user::Error> {
-    let mut device = EmuGpu::new(options);
+    let mut device = EmuGpu::new(options).map_err(vfio_user::Error::Backend)?;
     let server = Server::new(socket, true, device.irqs(), device.regions())?;
     log::info!("emu-gpu: listening on {}", socket.display());
     server.run(&mut device)

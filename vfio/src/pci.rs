@@ -22,6 +22,8 @@ struct Msix {
 }
 
 const PAGE: u64 = 4096;
+/// x86-64's architectural limit on physical addresses (52 bits).
+const MAX_GUEST_PHYS: u64 = 1 << 52;
 
 /// An mmapped part of a BAR and where it is mapped in the guest now.
 struct BarMapping {
@@ -182,9 +184,11 @@ impl VfioPciDevice {
         };
         let active = self.bars.active();
         for mapping in &mut self.mappings {
+            // While the guest sizes a 64-bit BAR its address is all ones: past any physical
+            // address width, so there is nothing to map until it writes the address back.
             let wanted = active
                 .iter()
-                .find(|bar| bar.index == mapping.bar)
+                .find(|bar| bar.index == mapping.bar && bar.address + bar.size <= MAX_GUEST_PHYS)
                 .map(|bar| bar.address + mapping.offset);
             if mapping.mapped.map(|(_, at)| at) == wanted {
                 continue;

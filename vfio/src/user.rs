@@ -88,9 +88,48 @@ impl PassthroughDevice for VfioUserDevice {
             .map_err(user("region write"))
     }
 
-    fn mmap_region(&mut self, _index: u32, _offset: u64, _size: u64) -> Result<Option<*mut u8>> {
-        // Region accesses go over the socket; the emulated device offers no mmap.
-        Ok(None)
+    /// Regions the server shares a file for (flag MMAP plus an fd) are mmapped; the rest
+    /// go over the socket.
+    fn mmap_region(&mut self, index: u32, offset: u64, size: u64) -> Result<Option<*mut u8>> {
+        let region = self
+            .client
+            .region(index)
+            .ok_or(VfioError::NoRegion(index))?;
+        let Some(file) = region
+            .file_offset
+            .as_ref()
+            .filter(|_| region.flags & crate::REGION_MMAP != 0)
+        else {
+            return Ok(None);
+        };
+        if offset.checked_add(size).is_none_or(|end| end > region.size) {
+            return Err(VfioError::OutOfRange {
+                index,
+                offset,
+                len: size as usize,
+                size: region.size,
+            });
+        }
+        // SAFETY: a fresh shared mapping of the region's file; the kernel checks the fd and
+        // range. It is never unmapped: it lives as long as the VM's memory slots may use it.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.file().as_raw_fd(),
+                (file.start() + offset) as libc::off_t,
+            )
+        };
+        if address == libc::MAP_FAILED {
+            return Err(VfioError::Io(std::io::Error::last_os_error()));
+        }
+        log::info!(
+            "{}: region {index} +{offset:#x} ({size:#x} bytes) mmapped",
+            self.name()
+        );
+        Ok(Some(address.cast()))
     }
 
     fn msix_vectors(&mut self) -> Result<u32> {

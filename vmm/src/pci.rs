@@ -6,7 +6,7 @@
 //! ```text
 //! 0xc000_0000..0xe000_0000   32-bit BARs
 //! 0xe000_0000..0xe010_0000   ECAM, bus 0
-//! above RAM, 64 GiB aligned  64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
+//! above RAM, 1 GiB aligned   64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
 //! ```
 
 use std::collections::BTreeMap;
@@ -41,7 +41,8 @@ pub const MMIO32_END: u64 = 0xe000_0000;
 pub const ECAM_BASE: u64 = 0xe000_0000;
 /// Room for two 128 GiB BAR1s and their companions.
 pub const DEFAULT_MMIO64_SIZE: u64 = 512 << 30;
-const MMIO64_ALIGN: u64 = 64 << 30;
+/// The window starts on a 1 GiB boundary; each BAR in it is aligned to its own size.
+const MMIO64_ALIGN: u64 = 1 << 30;
 /// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
 const DMA_CHUNK: u64 = 1 << 30;
 /// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
@@ -145,7 +146,13 @@ impl GuestMemoryMapper for KvmBarSlots {
             .unwrap_or_else(|e| e.into_inner())
             .pop()
             .unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
-        self.set(slot, guest_addr, size, host)?;
+        if let Err(error) = self.set(slot, guest_addr, size, host) {
+            self.free
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(slot);
+            return Err(error);
+        }
         log::debug!("BAR slot {slot}: {guest_addr:#x}+{size:#x}");
         Ok(slot)
     }
@@ -318,6 +325,12 @@ pub fn attach(
         let backend = VfioUserDevice::connect(socket)?;
         let mut allocate = |count| router.allocate(count);
         let mut device = VfioPciDevice::new(Box::new(backend), &mut allocate, router.clone())?;
+        let mapped = device.map_bars(slots.clone())?;
+        log::info!(
+            "{}: {} MiB of BARs mapped into the guest",
+            device.name(),
+            mapped >> 20
+        );
         let started = Instant::now();
         device.dma_map(&dma_regions)?;
         log::info!(
