@@ -107,3 +107,51 @@ pub fn check_host(args: &CheckHostArgs) -> ExitCode {
         ExitCode::SUCCESS
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuvm_vmm::x86_64::cpuid::{normalize, Topology};
+    use kvm_bindings::{kvm_cpuid_entry2, CpuId};
+
+    #[test]
+    fn hide_hypervisor_clears_the_bit_and_the_signature() {
+        let entries = [
+            kvm_cpuid_entry2 {
+                function: 1,
+                ecx: 1 << 23,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0x4000_0000,
+                eax: 0x4000_0001,
+                ebx: u32::from_le_bytes(*b"KVMK"),
+                ecx: u32::from_le_bytes(*b"VMKV"),
+                edx: u32::from_le_bytes(*b"M\0\0\0"),
+                ..Default::default()
+            },
+        ];
+        let topology = Topology { vcpu_count: 1 };
+        let mut shown = CpuId::from_entries(&entries).unwrap();
+        normalize(
+            &mut shown,
+            0,
+            topology,
+            &with_hidden_hypervisor(Vec::new(), false),
+        );
+        assert_ne!(shown.as_slice()[0].ecx & 1 << 31, 0, "normally advertised");
+        let mut hidden = CpuId::from_entries(&entries).unwrap();
+        normalize(
+            &mut hidden,
+            0,
+            topology,
+            &with_hidden_hypervisor(Vec::new(), true),
+        );
+        let hidden = hidden.as_slice();
+        assert_eq!(hidden[0].ecx, 1 << 23, "only the hypervisor bit goes");
+        assert_eq!(
+            (hidden[1].eax, hidden[1].ebx, hidden[1].ecx, hidden[1].edx),
+            (0, 0, 0, 0)
+        );
+    }
+}

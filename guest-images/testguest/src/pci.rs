@@ -186,7 +186,24 @@ fn install_msi_gate(vector: u8) {
     }
 }
 
+/// What CPUID tells the guest about the hypervisor (`--hide-hypervisor` clears both).
+fn print_hypervisor() {
+    let hypervisor = crate::arch::cpuid(1, 0).ecx >> 31;
+    let leaf = crate::arch::cpuid(0x4000_0000, 0);
+    let mut signature = [0u8; 12];
+    signature[0..4].copy_from_slice(&leaf.ebx.to_le_bytes());
+    signature[4..8].copy_from_slice(&leaf.ecx.to_le_bytes());
+    signature[8..12].copy_from_slice(&leaf.edx.to_le_bytes());
+    let printable = signature
+        .iter()
+        .take_while(|b| b.is_ascii_graphic())
+        .count();
+    let text = core::str::from_utf8(&signature[..printable]).unwrap_or("");
+    println!("pci: cpuid hypervisor={hypervisor} signature='{text}'");
+}
+
 pub fn run() -> ! {
+    print_hypervisor();
     let mut gpu = None;
     for device in 0..32u8 {
         let ids = config_read(device, 0);
