@@ -55,6 +55,17 @@ impl ApiServer {
         requests: Sender<ApiRequest>,
         wake: EventFd,
     ) -> Result<ApiServer, ApiError> {
+        Self::start_with_seccomp(path, requests, wake, false)
+    }
+
+    /// Like [`start`](Self::start); with `seccomp`, the API threads run under
+    /// [`super::seccomp::apply_api_filter`] (installed before the first accept).
+    pub fn start_with_seccomp(
+        path: &Path,
+        requests: Sender<ApiRequest>,
+        wake: EventFd,
+        seccomp: bool,
+    ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.file_type().is_socket() {
                 let _ = std::fs::remove_file(path);
@@ -72,10 +83,28 @@ impl ApiServer {
             wake: Arc::new(wake),
         };
         let server_busy = busy.clone();
+        let (ready_tx, ready_rx) = channel();
         std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || accept_loop(listener, link, server_busy))
+            .spawn(move || {
+                if seccomp {
+                    let applied = super::seccomp::apply_api_filter();
+                    let failed = applied.is_err();
+                    let _ = ready_tx.send(applied);
+                    if failed {
+                        return;
+                    }
+                } else {
+                    let _ = ready_tx.send(Ok(()));
+                }
+                accept_loop(listener, link, server_busy)
+            })
             .map_err(ApiError::Spawn)?;
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => return Err(ApiError::Seccomp(error)),
+            Err(_) => return Err(ApiError::Seccomp(std::io::Error::other("API thread ended"))),
+        }
         log::info!("API listening on {}", path.display());
         Ok(ApiServer {
             path: path.to_path_buf(),

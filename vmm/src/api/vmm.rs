@@ -100,7 +100,7 @@ impl ApiController {
             machine_config: config.machine,
             boot: config.boot,
             serial_out,
-            build: Box::new(|config, serial_out| crate::builder::build(config, serial_out)),
+            build: Box::new(crate::builder::build),
         }
     }
 
