@@ -16,8 +16,8 @@ use std::path::Path;
 
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, vfio_region_sparse_mmap_area, VFIO_IRQ_INFO_EVENTFD,
-    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_REGION_INFO_FLAG_MMAP,
-    VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
+    VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{
     DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion, SparseArea,
@@ -54,6 +54,7 @@ pub mod regs {
 pub const VENDOR_ID: u16 = 0x10de;
 pub const DEVICE_ID: u16 = 0x2330;
 pub const BAR0_SIZE: u64 = 16 << 20;
+const MSI_CAP_OFFSET: usize = 0x50;
 const MSIX_CAP_OFFSET: usize = 0x60;
 const CONFIG_SIZE: usize = 4096;
 
@@ -98,6 +99,8 @@ pub struct EmuGpu {
     memory: HashMap<(u32, u64), Box<[u8; 4096]>>,
     dma: Vec<DmaMapping>,
     msix: Vec<Option<File>>,
+    /// The MSI eventfd while the client has MSI enabled (the doorbell then signals it).
+    msi: Option<File>,
     /// BAR1 memory, shared with the client (it mmaps BAR1 into the guest).
     bar1: File,
     bar1_socket_accesses: u32,
@@ -129,7 +132,11 @@ impl EmuGpu {
         config[0x1c] = 0x0c;
         config[0x2c..0x2e].copy_from_slice(&VENDOR_ID.to_le_bytes());
         config[0x2e..0x30].copy_from_slice(&0x16c1u16.to_le_bytes());
-        config[0x34] = MSIX_CAP_OFFSET as u8;
+        // Capability list: MSI (64-bit, 1 vector) at 0x50, then MSI-X at 0x60.
+        config[0x34] = MSI_CAP_OFFSET as u8;
+        config[MSI_CAP_OFFSET] = 0x05;
+        config[MSI_CAP_OFFSET + 1] = MSIX_CAP_OFFSET as u8;
+        config[MSI_CAP_OFFSET + 2] = 0x80;
         config[0x3d] = 1; // INTA
         let cap = MSIX_CAP_OFFSET;
         config[cap] = 0x11;
@@ -143,6 +150,7 @@ impl EmuGpu {
             memory: HashMap::new(),
             dma: Vec::new(),
             msix: Vec::new(),
+            msi: None,
             bar1,
             bar1_socket_accesses: 0,
         })
@@ -202,7 +210,7 @@ impl EmuGpu {
                 index,
                 flags: VFIO_IRQ_INFO_EVENTFD,
                 count: match index {
-                    0 => 1,
+                    0 | 1 => 1,
                     2 => u32::from(self.options.msix_vectors),
                     _ => 0,
                 },
@@ -251,6 +259,12 @@ impl EmuGpu {
         self.bar0.insert(regs::DMA_STATUS, status);
         let done = self.bar0_read(regs::DMA_DONE).wrapping_add(1);
         self.bar0.insert(regs::DMA_DONE, done);
+        if let Some(eventfd) = self.msi.as_mut() {
+            if let Err(error) = eventfd.write_all(&1u64.to_le_bytes()) {
+                log::warn!("emu-gpu: cannot signal MSI: {error}");
+            }
+            return;
+        }
         match self.msix.get_mut(vector as usize) {
             Some(Some(eventfd)) => {
                 if let Err(error) = eventfd.write_all(&1u64.to_le_bytes()) {
@@ -428,6 +442,7 @@ impl ServerBackend for EmuGpu {
     fn reset(&mut self) -> std::io::Result<()> {
         self.bar0.clear();
         self.msix.clear();
+        self.msi = None;
         self.config[4] = 0;
         self.config[5] = 0;
         Ok(())
@@ -441,6 +456,14 @@ impl ServerBackend for EmuGpu {
         count: u32,
         fds: Vec<File>,
     ) -> std::io::Result<()> {
+        if index == VFIO_PCI_MSI_IRQ_INDEX {
+            self.msi = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 && count == 1 {
+                fds.into_iter().next()
+            } else {
+                None
+            };
+            return Ok(());
+        }
         if index != VFIO_PCI_MSIX_IRQ_INDEX {
             return Ok(());
         }

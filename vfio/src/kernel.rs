@@ -286,6 +286,18 @@ impl PassthroughDevice for KernelVfioDevice {
             .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
     }
 
+    fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
+        self.device
+            .enable_msi(eventfds.to_vec())
+            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+    }
+
+    fn disable_msi(&mut self) -> Result<()> {
+        self.device
+            .disable_msi()
+            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+    }
+
     /// Guest RAM is mapped once per IOMMU context with [`map_guest_ram`], not per device.
     fn dma_map(&mut self, _region: &DmaRegion) -> Result<()> {
         Ok(())

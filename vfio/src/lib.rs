@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 pub mod emu;
 pub mod host;
 pub mod kernel;
+pub mod msi;
 pub mod pci;
 pub mod user;
 
@@ -113,6 +114,15 @@ pub trait PassthroughDevice: Send {
     /// Makes vector i signal `eventfds[i]`.
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()>;
     fn disable_msix(&mut self) -> Result<()>;
+    /// Makes MSI vector i signal `eventfds[i]` (MSI, for devices or guests without MSI-X).
+    fn enable_msi(&mut self, _eventfds: &[&EventFd]) -> Result<()> {
+        Err(VfioError::Interrupts(std::io::Error::other(
+            "this backend does not do MSI",
+        )))
+    }
+    fn disable_msi(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Makes guest RAM visible to the device for DMA. Called once for every RAM range at
     /// boot, before any vCPU runs.
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()>;

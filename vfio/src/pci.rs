@@ -9,6 +9,7 @@ use gpuvm_devices::pci::{
 };
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::msi::{MsiChange, MsiState, CAP_ID_MSI};
 use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
 
 /// GSIs and their eventfds for `count` MSI-X vectors; the VMM registers each eventfd as an
@@ -40,6 +41,7 @@ pub struct VfioPciDevice {
     backend: Box<dyn PassthroughDevice>,
     bars: BarSet,
     msix: Option<Msix>,
+    msi: Option<MsiState>,
     name: String,
     mapper: Option<std::sync::Arc<dyn GuestMemoryMapper>>,
     mappings: Vec<BarMapping>,
@@ -81,15 +83,30 @@ impl VfioPciDevice {
                 );
                 Some(Msix {
                     capability,
-                    table: MsixTable::new(gsis, router),
+                    table: MsixTable::new(gsis, router.clone()),
                     eventfds,
                 })
+            }
+        };
+        let msi = match find_capability(backend.as_mut(), CAP_ID_MSI)? {
+            None => None,
+            Some(offset) => {
+                let mut capability = [0u8; 24];
+                for (i, chunk) in capability.chunks_mut(4).enumerate() {
+                    let dword = read_config32(backend.as_mut(), offset + 4 * i as u16)?;
+                    chunk.copy_from_slice(&dword.to_le_bytes());
+                }
+                let vectors = allocate(MsiState::capable_vectors(&capability))
+                    .map_err(VfioError::Interrupts)?;
+                log::info!("{name}: MSI with {} vector(s)", vectors.len());
+                Some(MsiState::new(offset, capability, vectors, router))
             }
         };
         Ok(VfioPciDevice {
             backend,
             bars,
             msix,
+            msi,
             name,
             mapper: None,
             mappings: Vec::new(),
@@ -372,6 +389,9 @@ impl PciDevice for VfioPciDevice {
             log::debug!("{}: config read at {offset:#x}: {error}", self.name);
             data.fill(0xff);
         }
+        if let Some(msi) = self.msi.as_ref().filter(|m| m.contains(offset, data.len())) {
+            msi.read(offset, data);
+        }
         if let Some((control_offset, control)) = self.msix_control_bytes(offset, data.len()) {
             let vectors = self.msix.as_ref().map_or(1, |m| m.capability.vectors);
             let value = ((vectors - 1) & 0x7ff) | control;
@@ -391,6 +411,20 @@ impl PciDevice for VfioPciDevice {
         }
         if self.msix_control_bytes(offset, data.len()).is_some() {
             return self.set_msix_control(offset, data);
+        }
+        if let Some(msi) = self.msi.as_mut().filter(|m| m.contains(offset, data.len())) {
+            let result = match msi.write(offset, data) {
+                MsiChange::None => return,
+                MsiChange::Enable(vectors) => {
+                    let fds: Vec<&EventFd> = msi.eventfds.iter().take(vectors).collect();
+                    self.backend.enable_msi(&fds)
+                }
+                MsiChange::Disable => self.backend.disable_msi(),
+            };
+            if let Err(error) = result {
+                log::warn!("{}: cannot switch MSI: {error}", self.name);
+            }
+            return;
         }
         if offset == config::COMMAND {
             self.bars
@@ -469,6 +503,9 @@ impl Drop for VfioPciDevice {
         }
         if self.msix.as_ref().is_some_and(|m| m.table.enabled()) {
             let _ = self.backend.disable_msix();
+        }
+        if self.msi.as_ref().is_some_and(|m| m.enabled()) {
+            let _ = self.backend.disable_msi();
         }
         if let Err(error) = self.backend.reset() {
             log::debug!("{}: reset on teardown: {error}", self.name);

@@ -56,16 +56,17 @@ fn emulated_gpu_over_vfio_user() {
     let mut eventfds_seen = Vec::new();
     let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
         (0..count)
-            .map(|i| {
+            .map(|_| {
                 let fd = EventFd::new(EFD_NONBLOCK)?;
                 eventfds_seen.push(fd.try_clone()?);
-                Ok((24 + i, fd))
+                // GSIs keep counting across calls, like the VMM's allocator.
+                Ok((24 + eventfds_seen.len() as u32 - 1, fd))
             })
             .collect()
     };
     let mut device =
         VfioPciDevice::new(Box::new(backend), &mut allocate, routes.clone()).expect("device");
-    assert_eq!(eventfds_seen.len(), 4);
+    assert_eq!(eventfds_seen.len(), 5, "4 MSI-X vectors and 1 MSI vector");
     assert_eq!(read32(&mut device, 0), 0x2330_10de);
     let specs = device.bar_specs();
     assert_eq!(specs.len(), 3, "{specs:?}");
@@ -134,6 +135,28 @@ fn emulated_gpu_over_vfio_user() {
         assert_eq!(n, 8);
         assert_eq!(u64::from_le_bytes(word), emu::pattern(7, addr));
     }
+    // MSI instead of MSI-X: the capability at 0x50 is emulated, the device signals the MSI
+    // eventfd (the first allocated after the four MSI-X ones).
+    device.config_write(0x62, &0u16.to_le_bytes());
+    assert!(routes.0.lock().unwrap().is_empty(), "MSI-X off");
+    device.config_write(0x54, &0xfee0_0000u32.to_le_bytes());
+    device.config_write(0x5c, &0x51u16.to_le_bytes());
+    device.config_write(0x52, &1u16.to_le_bytes());
+    assert_eq!(read32(&mut device, 0x50) >> 16 & 1, 1, "MSI enabled");
+    assert_eq!(
+        routes.0.lock().unwrap().get(&28),
+        Some(&MsiMessage {
+            address: 0xfee0_0000,
+            data: 0x51
+        })
+    );
+    device.bar_write(0, regs::DOORBELL, &0u32.to_le_bytes());
+    assert_eq!(eventfds_seen[4].read().expect("MSI fired"), 1);
+    assert!(
+        eventfds_seen[0].read().is_err(),
+        "MSI-X vector 0 stayed quiet"
+    );
+    device.config_write(0x52, &0u16.to_le_bytes());
     // Out of the mapped range: status 1.
     device.bar_write(0, regs::DMA_ADDR_LO, &0x20_0000u32.to_le_bytes());
     device.bar_write(0, regs::DOORBELL, &1u32.to_le_bytes());

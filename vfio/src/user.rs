@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
-    VFIO_PCI_MSIX_IRQ_INDEX,
+    VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
 };
 use vfio_user::Client;
 use vmm_sys_util::eventfd::EventFd;
@@ -163,6 +163,31 @@ impl PassthroughDevice for VfioUserDevice {
                 &[],
             )
             .map_err(user("disable MSI-X"))
+    }
+
+    fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
+        let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
+        self.client
+            .set_irqs(
+                VFIO_PCI_MSI_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                fds.len() as u32,
+                &fds,
+            )
+            .map_err(user("set MSI eventfds"))
+    }
+
+    fn disable_msi(&mut self) -> Result<()> {
+        self.client
+            .set_irqs(
+                VFIO_PCI_MSI_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                0,
+                &[],
+            )
+            .map_err(user("disable MSI"))
     }
 
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()> {
