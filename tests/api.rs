@@ -968,3 +968,55 @@ fn jail_chroots_and_drops_privileges() {
         output.lock().unwrap()
     );
 }
+
+/// A SIGUSR1 snapshot (`gpuvm snapshot --pid`) of a VM the API paused leaves it paused.
+#[test]
+fn signal_snapshot_keeps_an_api_paused_vm_paused() {
+    let scratch = Scratch::new("signal");
+    let snap = scratch.path("snap");
+    let vmm = Vmm::start(
+        &scratch.path("api.sock"),
+        &[
+            "--memory",
+            "64M",
+            "--cmdline",
+            "memloop 8M 5 0",
+            "--snapshot-dir",
+            snap.to_str().unwrap(),
+        ],
+    );
+    vmm.expect(
+        204,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "InstanceStart"})),
+    );
+    vmm.wait_for_stdout("memloop: iter 1 ok");
+    vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Paused"})));
+    let paused_at = iterations(&vmm.stdout()).len();
+    let pid = vmm.expect(200, "GET", "/", None)["pid"].to_string();
+    let status = Command::new(gpuvm_bin())
+        .args(["snapshot", "--pid", &pid])
+        .status()
+        .expect("gpuvm snapshot");
+    assert!(status.success());
+    vmm.wait_until("the signalled snapshot", |_| snap.join("state").exists());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(vmm.state(), "Paused");
+    assert!(
+        iterations(&vmm.stdout()).len() <= paused_at + 1,
+        "the guest ran on after the snapshot\n{}",
+        vmm.describe()
+    );
+    vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
+    vmm.wait_until("progress after resume", |v| {
+        iterations(&v.stdout()).len() >= paused_at + 3
+    });
+    vmm.expect(
+        204,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "SendCtrlAltDel"})),
+    );
+    assert_eq!(vmm.wait_exit().0.code(), Some(0));
+}

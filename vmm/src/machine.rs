@@ -358,12 +358,13 @@ impl Machine {
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
     fn snapshot_requested(&mut self, handles: &[VcpuHandle]) -> Option<Result<GuestEnd, Error>> {
         let policy = self.snapshot_policy.clone()?;
-        let resume = policy.then == AfterSnapshot::Resume;
-        match self.take_snapshot(handles, &policy.dir, resume) {
+        let keep_running = policy.then == AfterSnapshot::Resume;
+        // A VM the API paused stays paused after a timer or SIGUSR1 snapshot.
+        match self.take_snapshot(handles, &policy.dir, keep_running && !self.paused) {
             Ok(report) => {
                 log::info!("snapshot written to {}: {report:?}", policy.dir.display());
                 self.snapshots.push(report);
-                (!resume).then_some(Ok(GuestEnd::Snapshotted))
+                (!keep_running).then_some(Ok(GuestEnd::Snapshotted))
             }
             Err(error) => Some(Err(error)),
         }
