@@ -86,7 +86,11 @@ impl MsiState {
     pub fn read(&self, offset: u16, data: &mut [u8]) {
         for (i, byte) in data.iter_mut().enumerate() {
             let at = (offset + i as u16).wrapping_sub(self.offset);
-            if let Some(value) = self.shadow.get(usize::from(at)).filter(|_| at < self.byte_len()) {
+            if let Some(value) = self
+                .shadow
+                .get(usize::from(at))
+                .filter(|_| at < self.byte_len())
+            {
                 *byte = *value;
             }
         }
