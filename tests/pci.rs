@@ -71,6 +71,34 @@ fn pci_workload_over_vfio_user() {
 }
 
 #[test]
+fn two_devices_in_one_vm() {
+    let first = socket_path("two-a");
+    let second = socket_path("two-b");
+    let emu_a = start_emu(&first, &[]);
+    let emu_b = start_emu(&second, &[]);
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--cmdline",
+            "pci",
+            "--vfio-user",
+            first.to_str().unwrap(),
+            "--vfio-user",
+            second.to_str().unwrap(),
+        ],
+        LIMIT,
+    );
+    // The workload drives the last GPU it finds (00:02.0); both are enumerated.
+    out.assert_code(0)
+        .assert_stdout_has("pci: 00:01.0 vendor=0x10de device=0x2330")
+        .assert_stdout_has("pci: 00:02.0 vendor=0x10de device=0x2330")
+        .assert_stdout_has("pci: BAR0 0xc1000000 size=0x1000000")
+        .assert_stdout_has("pci: ok");
+    emu_a.wait(Duration::from_secs(10));
+    emu_b.wait(Duration::from_secs(10));
+}
+
+#[test]
 fn large_bar1_stays_64_bit_prefetchable_and_size_aligned() {
     let socket = socket_path("bar1");
     let emu = start_emu(&socket, &["--bar1-mib", "8192"]);
