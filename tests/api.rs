@@ -1020,3 +1020,42 @@ fn signal_snapshot_keeps_an_api_paused_vm_paused() {
     );
     assert_eq!(vmm.wait_exit().0.code(), Some(0));
 }
+
+/// `gpuvm ctl raw` reaches any route; errors are one line and exit 1.
+#[test]
+fn ctl_raw_and_errors() {
+    let scratch = Scratch::new("ctl");
+    let socket = scratch.path("api.sock");
+    let (ok, _, stderr) = ctl(&socket, &["info"]);
+    assert!(!ok && stderr.contains("cannot connect"), "{stderr}");
+    let _vmm = Vmm::start(&socket, &[]);
+    let config: Value =
+        serde_json::from_str(&ctl_ok(&socket, &["raw", "GET", "/machine-config"])).unwrap();
+    assert_eq!(config["vcpu_count"], 1);
+    ctl_ok(
+        &socket,
+        &[
+            "raw",
+            "PUT",
+            "/machine-config",
+            r#"{"vcpu_count": 3, "mem_size_mib": 96}"#,
+        ],
+    );
+    let config: Value = serde_json::from_str(&ctl_ok(&socket, &["get-machine-config"])).unwrap();
+    assert_eq!(
+        (
+            config["vcpu_count"].as_u64(),
+            config["mem_size_mib"].as_u64()
+        ),
+        (Some(3), Some(96))
+    );
+    let (ok, stdout, stderr) = ctl(&socket, &["raw", "PUT", "/gpus/gpu0", "{}"]);
+    assert!(!ok && stdout.is_empty(), "{stdout}");
+    assert!(
+        stderr.contains("not supported yet") || stderr.contains("cannot be configured"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("(400)"), "{stderr}");
+    let (ok, _, stderr) = ctl(&socket, &["pause"]);
+    assert!(!ok && stderr.contains("(409)"), "{stderr}");
+}

@@ -314,7 +314,7 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
         },
         _ if path.starts_with("/gpus") => Err(Response::fault(
             400,
-            "GPU devices cannot be configured through the API yet",
+            "/gpus is not supported yet: GPUs attach with gpuvm run --gpu or --vfio-user, without --api-sock",
         )),
         _ if path.starts_with("/drives") => {
             Err(Response::fault(400, "block devices are not supported yet"))
