@@ -99,11 +99,12 @@ fuzz() {
     local name="$1"
     shift
     echo "api-fuzz: $name"
-    timeout --kill-after=10s 600 "$st" run "$REPO_ROOT/docs/api/openapi.json" \
+    # schemathesis keeps its example database in the working directory: keep it in $work.
+    (cd "$work" && timeout --kill-after=10s 600 "$st" run "$REPO_ROOT/docs/api/openapi.json" \
         --url "http://127.0.0.1:$port" \
         --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance \
         --max-examples "$EXAMPLES" --seed 7 --request-timeout 30 \
-        --exclude-path /actions "$@"
+        --exclude-path /actions "$@")
     if ! kill -0 "$gpuvm_pid" 2>/dev/null; then
         echo "api-fuzz: error: gpuvm ($name) died during the run" >&2
         cat "$work/$name.err" >&2
