@@ -616,7 +616,6 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
 /// snapshot into the directory must clean it up, or every interrupted snapshot leaks
 /// a guest-RAM-sized file.
 #[test]
-#[ignore = "gpuvm bug: temp files of interrupted memory-file writes (.memory-N.tmp.PID.K) are never removed: the next snapshot uses a new name, and only same-name temp files are cleaned"]
 fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
     let scratch = Scratch::new("stale-temp");
     let dir = scratch.path("snap");
@@ -955,7 +954,6 @@ fn shmem_resident_kib(pid: i32) -> u64 {
 /// Reading guest RAM for a full snapshot must not allocate the pages the guest never
 /// touched (a read fault on a shared memfd hole allocates a page).
 #[test]
-#[ignore = "gpuvm bug: the full-snapshot scan reads every page of guest RAM, which allocates untouched memfd pages (512 MiB resident for a guest that used 16 MiB)"]
 fn full_snapshot_does_not_allocate_untouched_guest_memory() {
     let scratch = Scratch::new("scan-allocates");
     let dir = scratch.path("snap");
@@ -1418,7 +1416,6 @@ fn missing_snapshot_directory_fails_cleanly() {
 /// checks pages as it loads them), must end gpuvm with an error, not leave the guest
 /// waiting forever for a page that will never come.
 #[test]
-#[ignore = "gpuvm bug: the lazy loader stops on the CRC error but gpuvm keeps running with a vCPU blocked on a fault nobody serves (hangs forever)"]
 fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
     let scratch = Scratch::new("corrupt-lazy");
     let good = small_snapshot(&scratch);

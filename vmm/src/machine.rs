@@ -294,6 +294,17 @@ impl Machine {
                 snapshot_timer = Some(timer);
             }
         }
+        // A lazy restore that fails (unreadable or corrupt file) must end the run: a vCPU
+        // faulting on a page nobody will load would otherwise wait forever.
+        let lazy_timer = if matches!(self.lazy, Some(LazyMemory::InProcess(_))) {
+            let mut timer = TimerFd::new().map_err(|e| Error::EventFd(e.into()))?;
+            timer
+                .reset(LAZY_CHECK_INTERVAL, Some(LAZY_CHECK_INTERVAL))
+                .map_err(|e| Error::EventFd(e.into()))?;
+            Some(timer)
+        } else {
+            None
+        };
         let api_evt = match &self.run_control {
             Some(control) => Some(control.event().try_clone().map_err(Error::EventFd)?),
             None => None,
@@ -306,6 +317,8 @@ impl Machine {
             vcpu_evt: reporter.event.try_clone().map_err(Error::EventFd)?,
             snapshot_evt,
             snapshot_timer,
+            lazy_timer,
+            lazy_check: false,
             exit_status: self.devices.exit_status.clone(),
             vcpu_reasons: reasons_rx,
             outcome: None,
@@ -324,6 +337,18 @@ impl Machine {
         let outcome = loop {
             if let Err(error) = events.run() {
                 break Err(Error::EventManager(error));
+            }
+            let lazy_check = std::mem::take(&mut lock(&control).lazy_check);
+            if lazy_check {
+                match self.lazy_progress() {
+                    Err(error) => break Err(error),
+                    Ok(true) => {
+                        if let Some(timer) = lock(&control).lazy_timer.as_mut() {
+                            let _ = timer.clear();
+                        }
+                    }
+                    Ok(false) => {}
+                }
             }
             let snapshot_requested = std::mem::take(&mut lock(&control).snapshot_requested);
             if snapshot_requested {
@@ -355,6 +380,42 @@ impl Machine {
         outcome
     }
 
+    /// Whether lazily restored memory is fully loaded; an error if the loader failed.
+    fn lazy_progress(&self) -> Result<bool, Error> {
+        match &self.lazy {
+            Some(LazyMemory::InProcess(lazy)) => lazy
+                .wait_timeout(Some(Duration::ZERO))
+                .map(|done| done.is_some())
+                .map_err(|e| Error::Snapshot(SnapshotError::Uffd(e))),
+            _ => Ok(true),
+        }
+    }
+
+    /// Makes every page of guest RAM present in the memfd before a snapshot scans it:
+    /// pages a lazy restore has not loaded yet are holes, which the writer would record
+    /// as zero.
+    fn complete_lazy_memory(&self) -> Result<(), Error> {
+        match &self.lazy {
+            Some(LazyMemory::InProcess(lazy)) => {
+                lazy.wait()
+                    .map_err(|e| Error::Snapshot(SnapshotError::Uffd(e)))?;
+            }
+            Some(LazyMemory::External { .. }) => {
+                // The external handler loads pages only on fault: fault every page in.
+                let page = self.ram.page_size() as usize;
+                for (region, host) in self.ram.host_regions() {
+                    for offset in (0..region.size as usize).step_by(page) {
+                        // SAFETY: `host + offset` lies inside a live guest RAM mapping owned
+                        // by `self.ram`; a volatile read only makes the handler fill it.
+                        unsafe { std::ptr::read_volatile(host.add(offset)) };
+                    }
+                }
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
     fn snapshot_requested(&mut self, handles: &[VcpuHandle]) -> Option<Result<GuestEnd, Error>> {
         let policy = self.snapshot_policy.clone()?;
@@ -383,6 +444,7 @@ impl Machine {
         for handle in handles {
             handle.pause()?;
         }
+        self.complete_lazy_memory()?;
         snapshot::create_dir(dir)?;
         let msr_indices =
             Arc::new(persist::saved_msr_indices(&self.kvm).map_err(SnapshotError::from)?);
@@ -496,11 +558,16 @@ struct ControlEvents {
     vcpu_evt: EventFd,
     snapshot_evt: EventFd,
     snapshot_timer: Option<TimerFd>,
+    lazy_timer: Option<TimerFd>,
+    lazy_check: bool,
     exit_status: ExitStatus,
     vcpu_reasons: Receiver<(u8, VcpuStop)>,
     outcome: Option<Result<GuestEnd, Error>>,
     snapshot_requested: bool,
 }
+
+/// How often the VMM checks on a lazy restore (for failures and completion).
+const LAZY_CHECK_INTERVAL: Duration = Duration::from_millis(20);
 
 /// The eventfd SIGUSR1 writes to (-1: none). A signal handler can only reach a global.
 static SNAPSHOT_SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
@@ -563,6 +630,15 @@ impl MutEventSubscriber for ControlEvents {
                 let _ = timer.wait();
             }
             self.snapshot_requested = true;
+        } else if self
+            .lazy_timer
+            .as_ref()
+            .is_some_and(|t| t.as_raw_fd() == fd)
+        {
+            if let Some(timer) = self.lazy_timer.as_mut() {
+                let _ = timer.wait();
+            }
+            self.lazy_check = true;
         } else if fd == self.vcpu_evt.as_raw_fd() {
             let _ = self.vcpu_evt.read();
             while let Ok((id, stop)) = self.vcpu_reasons.try_recv() {
@@ -592,9 +668,12 @@ impl MutEventSubscriber for ControlEvents {
                 log::error!("cannot watch the API request event: {error}");
             }
         }
-        if let Some(timer) = &self.snapshot_timer {
+        for timer in [&self.snapshot_timer, &self.lazy_timer]
+            .into_iter()
+            .flatten()
+        {
             if let Err(error) = ops.add(Events::new(timer, EventSet::IN)) {
-                log::error!("cannot watch the snapshot timer: {error}");
+                log::error!("cannot watch a VMM timer: {error}");
             }
         }
     }

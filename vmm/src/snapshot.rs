@@ -202,14 +202,20 @@ pub(crate) fn write_memory(
     }
 }
 
-/// Removes memory files in `dir` that `keep` does not name (after a state commit).
+/// Removes memory files in `dir` that `keep` does not name (after a state commit), and
+/// temporary files left by snapshots killed while writing.
 pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(MEMORY_FILE_PREFIX) && !keep.contains(&name) {
+        let stale_memory = name.starts_with(MEMORY_FILE_PREFIX) && !keep.contains(&name);
+        // Temporary files of writers killed mid-snapshot (`.memory-N.tmp...`, `.state.tmp...`).
+        let stale_temporary = (name.starts_with(&format!(".{MEMORY_FILE_PREFIX}"))
+            || name.starts_with(&format!(".{STATE_FILE}.")))
+            && name.contains(".tmp");
+        if stale_memory || stale_temporary {
             if let Err(error) = std::fs::remove_file(entry.path()) {
                 log::warn!(
                     "cannot remove old memory file {}: {error}",
