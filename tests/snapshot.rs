@@ -549,8 +549,13 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
     let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
     let mut mid_write = 0;
     let mut outcomes = Vec::new();
-    for delay_ms in [0u64, 20, 100, 300, 700, 5000] {
-        let dir = scratch.path(&format!("snap-{delay_ms}"));
+    // Kill after a fixed delay into the second snapshot, and finally (None) right after
+    // it commits, so both outcomes are restored.
+    for delay in [Some(0u64), Some(20), Some(100), Some(250), Some(500), None] {
+        let label = delay.map_or("kill after the commit".to_string(), |ms| {
+            format!("kill {ms} ms into the snapshot")
+        });
+        let dir = scratch.path(&format!("snap-{}", delay.map_or(-1, |d| d as i64)));
         let mut args = guest.args(&cmdline, &vcpus);
         args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
         let mut run = SpawnedProcess::gpuvm(&args);
@@ -564,13 +569,18 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             iterations(&p.stdout()).len() > seen
         });
         signal_snapshot(run.pid());
-        std::thread::sleep(Duration::from_millis(delay_ms));
+        match delay {
+            Some(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            None => run.wait_until("the second snapshot", LIMIT, |_| {
+                std::fs::read(dir.join("state")).is_ok_and(|now| now != first_state)
+            }),
+        }
         run.signal(libc::SIGKILL);
         let killed = run.wait(LIMIT);
         assert_eq!(
             killed.status.signal(),
             Some(libc::SIGKILL),
-            "delay {delay_ms} ms: {}",
+            "{label}: {}",
             describe(&killed)
         );
 
@@ -578,10 +588,7 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
         let kept_previous = state_now == first_state;
         let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
         for file in &named {
-            assert!(
-                dir.join(file).exists(),
-                "delay {delay_ms} ms: {file} is gone"
-            );
+            assert!(dir.join(file).exists(), "{label}: {file} is gone");
         }
         let leftovers: Vec<String> = std::fs::read_dir(&dir)
             .expect("list dir")
@@ -596,7 +603,7 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             }
         }
         outcomes.push(format!(
-            "delay {delay_ms} ms: {} snapshot, leftovers {leftovers:?}",
+            "{label}: {} snapshot, leftovers {leftovers:?}",
             if kept_previous { "previous" } else { "new" }
         ));
 
