@@ -28,7 +28,7 @@ use crate::vcpu::Vcpu;
 use crate::x86_64::cpuid::Topology;
 use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use crate::x86_64::{boot, mptable};
-use crate::Error;
+use crate::{lock, Error};
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;
@@ -294,12 +294,6 @@ pub fn restore(
         timings.total_to_ready
     );
     Ok((machine, timings))
-}
-
-fn lock<T: ?Sized>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Hands every RAM region to KVM as a memory slot.

@@ -18,6 +18,14 @@ pub mod snapshot;
 pub mod vcpu;
 pub mod x86_64;
 
+/// Locks `mutex`, carrying on if a thread panicked while holding it: device and VMM state
+/// stays usable, and the panic has already been reported by its own thread.
+pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 pub use machine::{GuestEnd, Machine, MemoryReport};
 
 /// Everything that can go wrong building or running a VM, each with enough context to

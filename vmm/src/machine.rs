@@ -28,7 +28,7 @@ use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
 use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop};
-use crate::Error;
+use crate::{lock, Error};
 
 /// Devices the VMM thread itself needs to reach.
 pub struct MachineDevices {
@@ -526,12 +526,6 @@ impl Machine {
     }
 }
 
-fn lock<T: ?Sized>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// VmHWM from /proc/self/status.
 fn peak_rss_bytes() -> std::io::Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
@@ -689,7 +683,7 @@ impl StdinInput {
     fn attach(
         events: &mut EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
         serial: Arc<Mutex<SerialDevice>>,
-    ) -> Option<Arc<Mutex<StdinInput>>> {
+    ) -> Arc<Mutex<StdinInput>> {
         let stdin = std::io::stdin();
         let raw_terminal =
             std::io::IsTerminal::is_terminal(&stdin) && stdin.lock().set_raw_mode().is_ok();
@@ -698,7 +692,7 @@ impl StdinInput {
             raw_terminal,
         }));
         events.add_subscriber(input.clone());
-        Some(input)
+        input
     }
 }
 

@@ -32,6 +32,7 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::lock;
 use crate::machine::MachineDevices;
 use crate::x86_64::layout::{FOUR_GIB, MMIO_HOLE_START};
 
@@ -140,17 +141,11 @@ impl KvmBarSlots {
 
 impl GuestMemoryMapper for KvmBarSlots {
     fn map(&self, guest_addr: u64, size: u64, host: u64) -> std::io::Result<u32> {
-        let slot = self
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let slot = lock(&self.free)
             .pop()
             .unwrap_or_else(|| self.next.fetch_add(1, Ordering::Relaxed));
         if let Err(error) = self.set(slot, guest_addr, size, host) {
-            self.free
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(slot);
+            lock(&self.free).push(slot);
             return Err(error);
         }
         log::debug!("BAR slot {slot}: {guest_addr:#x}+{size:#x}");
@@ -159,10 +154,7 @@ impl GuestMemoryMapper for KvmBarSlots {
 
     fn unmap(&self, slot: u32) -> std::io::Result<()> {
         self.set(slot, 0, 0, 0)?;
-        self.free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(slot);
+        lock(&self.free).push(slot);
         Ok(())
     }
 }
@@ -240,7 +232,7 @@ impl MsiRouter {
 
 impl MsiRouting for MsiRouter {
     fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
-        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut routes = lock(&self.routes);
         match message {
             Some(message) => routes.insert(gsi, message),
             None => routes.remove(&gsi),

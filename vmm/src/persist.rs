@@ -280,7 +280,8 @@ pub fn restore_vm(vm: &VmFd, state: &VmState) -> Result<(), PersistError> {
     Ok(())
 }
 
-/// Frames `state` and writes it atomically (temporary file, fsync, rename, fsync dir).
+/// Frames `state` and writes it atomically (temporary file, fsync, rename, fsync dir), with
+/// the same helper the memory files use.
 pub fn write_state_file<T: Serialize>(path: &Path, state: &T) -> Result<(), PersistError> {
     let payload = serde_json::to_vec(state).map_err(PersistError::Encode)?;
     let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len());
@@ -289,39 +290,14 @@ pub fn write_state_file<T: Serialize>(path: &Path, state: &T) -> Result<(), Pers
     bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&payload);
-    write_file_atomically(path, &bytes).map_err(|source| PersistError::Write {
+    gpuvm_memory::snapshot::write_atomically(path, |file| {
+        use std::io::Write;
+        file.write_all(&bytes)
+    })
+    .map_err(|source| PersistError::Write {
         path: path.display().to_string(),
         source,
     })
-}
-
-/// Write-to-temporary then rename, so a crash at any point leaves either the old file or
-/// the new one, never a mix.
-pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| {
-        std::io::Error::new(std::io::ErrorKind::InvalidInput, "path has no file name")
-    })?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
 }
 
 /// Reads and validates a state file: magic, version, length, CRC, then decodes it.
@@ -445,15 +421,20 @@ mod tests {
     }
 
     #[test]
-    fn atomic_write_replaces_whole_file() {
+    fn state_write_replaces_whole_file() {
         let path = temp("atomic");
-        write_file_atomically(&path, b"first").unwrap();
-        write_file_atomically(&path, b"second version").unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), b"second version");
+        write_state_file(&path, &sample()).unwrap();
+        let second = Sample {
+            name: "second version".into(),
+            ..sample()
+        };
+        write_state_file(&path, &second).unwrap();
+        let back: Sample = read_state_file(&path).unwrap();
+        assert_eq!(back, second);
         let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
             .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
             .collect();
         assert!(leftovers.is_empty());
     }
