@@ -59,20 +59,7 @@ impl Rng {
 }
 
 /// Two regions with a hole between them (like RAM split around the MMIO hole).
-pub(crate) fn two_regions(first: u64, hole: u64, second: u64) -> Vec<RamRegion> {
-    vec![
-        RamRegion {
-            guest_addr: 0,
-            size: first,
-            file_offset: 0,
-        },
-        RamRegion {
-            guest_addr: first + hole,
-            size: second,
-            file_offset: first,
-        },
-    ]
-}
+pub(crate) use crate::backing::tests::two_regions;
 
 /// Fresh guest RAM with `regions`.
 pub(crate) fn guest_ram(regions: &[RamRegion], backing: Backing) -> GuestRam {
