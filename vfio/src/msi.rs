@@ -195,23 +195,8 @@ impl MsiState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
-    use std::sync::Mutex;
+    use gpuvm_devices::pci::RecordedRoutes;
     use vmm_sys_util::eventfd::EFD_NONBLOCK;
-
-    #[derive(Default)]
-    struct Routes(Mutex<BTreeMap<u32, MsiMessage>>);
-
-    impl MsiRouting for Routes {
-        fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
-            let mut routes = self.0.lock().unwrap();
-            match message {
-                Some(message) => routes.insert(gsi, message),
-                None => routes.remove(&gsi),
-            };
-            Ok(())
-        }
-    }
 
     #[test]
     fn multi_message_msi_routes_and_masks() {
@@ -224,7 +209,7 @@ mod tests {
         let vectors = (0..4)
             .map(|i| (30 + i, EventFd::new(EFD_NONBLOCK).unwrap()))
             .collect();
-        let routes = Arc::new(Routes::default());
+        let routes = Arc::new(RecordedRoutes::default());
         let mut msi = MsiState::new(0x50, capability, vectors, routes.clone());
         assert_eq!(msi.byte_len(), 24);
         assert!(msi.contains(0x50 + 20, 4) && !msi.contains(0x50 + 24, 4));
@@ -244,7 +229,7 @@ mod tests {
             [0x25 | 0x80, 0x01],
             "MME capped to 2; read-only bits kept"
         );
-        let routed = routes.0.lock().unwrap().clone();
+        let routed = routes.routes();
         assert_eq!(routed.len(), 3, "{routed:?}");
         assert_eq!(
             routed[&33],
@@ -255,6 +240,6 @@ mod tests {
         );
         assert!(!routed.contains_key(&32), "masked");
         assert_eq!(msi.write(0x52, &[0x00]), MsiChange::Disable);
-        assert!(routes.0.lock().unwrap().is_empty());
+        assert!(routes.routes().is_empty());
     }
 }

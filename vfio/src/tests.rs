@@ -5,27 +5,13 @@ use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
-use gpuvm_devices::pci::{BarKind, MsiMessage, MsiRouting, PciDevice};
+use gpuvm_devices::pci::{BarKind, MsiMessage, PciDevice, RecordedRoutes};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::emu::{self, regs, EmuGpuOptions};
 use crate::pci::VfioPciDevice;
 use crate::user::VfioUserDevice;
 use crate::DmaRegion;
-
-#[derive(Default)]
-struct Routes(Mutex<BTreeMap<u32, MsiMessage>>);
-
-impl MsiRouting for Routes {
-    fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
-        let mut routes = self.0.lock().unwrap();
-        match message {
-            Some(message) => routes.insert(gsi, message),
-            None => routes.remove(&gsi),
-        };
-        Ok(())
-    }
-}
 
 fn start_server(name: &str) -> std::path::PathBuf {
     let socket =
@@ -52,7 +38,7 @@ fn read32(device: &mut dyn PciDevice, offset: u16) -> u32 {
 fn emulated_gpu_over_vfio_user() {
     let socket = start_server("e2e");
     let backend = VfioUserDevice::connect(&socket).expect("connect");
-    let routes = Arc::new(Routes::default());
+    let routes = Arc::new(RecordedRoutes::default());
     let mut eventfds_seen = Vec::new();
     let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
         (0..count)
@@ -90,7 +76,7 @@ fn emulated_gpu_over_vfio_user() {
     device.config_write(0x62, &0x8000u16.to_le_bytes());
     assert_eq!(read32(&mut device, 0x60) >> 16, 0x8003);
     assert_eq!(
-        routes.0.lock().unwrap().get(&25),
+        routes.routes().get(&25),
         Some(&MsiMessage {
             address: 0xfee0_0000,
             data: 0x45
@@ -138,13 +124,13 @@ fn emulated_gpu_over_vfio_user() {
     // MSI instead of MSI-X: the capability at 0x50 is emulated, the device signals the MSI
     // eventfd (the first allocated after the four MSI-X ones).
     device.config_write(0x62, &0u16.to_le_bytes());
-    assert!(routes.0.lock().unwrap().is_empty(), "MSI-X off");
+    assert!(routes.routes().is_empty(), "MSI-X off");
     device.config_write(0x54, &0xfee0_0000u32.to_le_bytes());
     device.config_write(0x5c, &0x51u16.to_le_bytes());
     device.config_write(0x52, &1u16.to_le_bytes());
     assert_eq!(read32(&mut device, 0x50) >> 16 & 1, 1, "MSI enabled");
     assert_eq!(
-        routes.0.lock().unwrap().get(&28),
+        routes.routes().get(&28),
         Some(&MsiMessage {
             address: 0xfee0_0000,
             data: 0x51
@@ -294,7 +280,7 @@ fn guest_ranges(slots: &Slots) -> Vec<(u64, u64)> {
 
 #[test]
 fn mmapped_bar_parts_follow_the_bar_and_skip_msix_pages() {
-    let routes = Arc::new(Routes::default());
+    let routes = Arc::new(RecordedRoutes::default());
     let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
         (0..count)
             .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))

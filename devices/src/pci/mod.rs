@@ -14,6 +14,8 @@ mod msix;
 mod root;
 
 pub use bars::{BarKind, BarSet, BarSpec, PciBar};
+#[cfg(any(test, feature = "test-util"))]
+pub use msix::RecordedRoutes;
 pub use msix::{MsiMessage, MsiRouting, MsixCapability, MsixTable, MSIX_ENTRY_SIZE};
 pub use root::{
     ConfigAddressPort, EcamWindow, HostBridge, MmioWindows, PciBdf, PciError, PciRoot,

@@ -191,50 +191,57 @@ impl MsixTable {
     }
 }
 
+/// An [`MsiRouting`] that only records the routes it is given: for tests of MSI and MSI-X
+/// emulation, here and in the passthrough crate (feature `test-util`).
+#[cfg(any(test, feature = "test-util"))]
+#[derive(Default)]
+pub struct RecordedRoutes(std::sync::Mutex<std::collections::BTreeMap<u32, MsiMessage>>);
+
+#[cfg(any(test, feature = "test-util"))]
+impl RecordedRoutes {
+    /// The routes as they stand now, by GSI.
+    pub fn routes(&self) -> std::collections::BTreeMap<u32, MsiMessage> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+#[cfg(any(test, feature = "test-util"))]
+impl MsiRouting for RecordedRoutes {
+    fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
+        let mut routes = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match message {
+            Some(message) => routes.insert(gsi, message),
+            None => routes.remove(&gsi),
+        };
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
-    use std::sync::Mutex;
-
-    #[derive(Default)]
-    struct Recorder(Mutex<BTreeMap<u32, MsiMessage>>);
-
-    impl MsiRouting for Recorder {
-        fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
-            let mut routes = self.0.lock().unwrap();
-            match message {
-                Some(message) => routes.insert(gsi, message),
-                None => routes.remove(&gsi),
-            };
-            Ok(())
-        }
-    }
 
     #[test]
     fn routes_follow_enable_and_masks() {
-        let recorder = Arc::new(Recorder::default());
+        let recorder = Arc::new(RecordedRoutes::default());
         let mut table = MsixTable::new(vec![24, 25], recorder.clone());
         table.write_table(0, &0xfee0_0000u32.to_le_bytes());
         table.write_table(4, &0u32.to_le_bytes());
         table.write_table(8, &0x41u32.to_le_bytes());
-        assert!(recorder.0.lock().unwrap().is_empty(), "masked and disabled");
+        assert!(recorder.routes().is_empty(), "masked and disabled");
         table.write_table(12, &0u32.to_le_bytes());
-        assert!(
-            recorder.0.lock().unwrap().is_empty(),
-            "MSI-X still disabled"
-        );
+        assert!(recorder.routes().is_empty(), "MSI-X still disabled");
         assert!(table.set_control(CONTROL_ENABLE));
         assert_eq!(
-            recorder.0.lock().unwrap().get(&24),
+            recorder.routes().get(&24),
             Some(&MsiMessage {
                 address: 0xfee0_0000,
                 data: 0x41
             })
         );
-        assert!(!recorder.0.lock().unwrap().contains_key(&25));
+        assert!(!recorder.routes().contains_key(&25));
         table.set_control(CONTROL_ENABLE | CONTROL_FUNCTION_MASK);
-        assert!(recorder.0.lock().unwrap().is_empty());
+        assert!(recorder.routes().is_empty());
         table.set_control(CONTROL_ENABLE);
         let mut data = [0u8; 4];
         table.read_table(8, &mut data);
