@@ -99,13 +99,18 @@ impl Metrics {
             Err(_) => "error",
         };
         if let Some(index) = VCPU_EXITS.iter().position(|r| *r == reason) {
-            self.vcpu_exits[index].fetch_add(1, Ordering::Relaxed);
+            // SeqCst with the serial counter: an exit is counted before the device handles
+            // it, so a reader that loads the serial count first never sees more serial
+            // bytes than port writes (see `to_json`).
+            self.vcpu_exits[index].fetch_add(1, Ordering::SeqCst);
         }
     }
 
     /// The counters as JSON (without the per-machine figures the VMM adds).
     pub fn to_json(&self) -> serde_json::Value {
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        // Serial bytes before vCPU exits, so the snapshot keeps bytes_out <= io_out.
+        let serial_bytes_out = self.serial_bytes_out.load(Ordering::SeqCst);
         let mut api = serde_json::Map::new();
         for (route, counters) in API_ROUTES.iter().zip(&self.api_requests) {
             let mut by_class = serde_json::Map::new();
@@ -116,11 +121,11 @@ impl Metrics {
         }
         let mut exits = serde_json::Map::new();
         for (reason, counter) in VCPU_EXITS.iter().zip(&self.vcpu_exits) {
-            exits.insert((*reason).into(), load(counter).into());
+            exits.insert((*reason).into(), counter.load(Ordering::SeqCst).into());
         }
         serde_json::json!({
             "vcpu_exits": exits,
-            "serial": { "bytes_out": load(&self.serial_bytes_out) },
+            "serial": { "bytes_out": serial_bytes_out },
             "snapshot": {
                 "created": load(&self.snapshots_created),
                 "bytes_written": load(&self.snapshot_bytes_written),
@@ -146,7 +151,7 @@ impl<W> CountingWriter<W> {
 impl<W: std::io::Write> std::io::Write for CountingWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let written = self.inner.write(buf)?;
-        self.counter.fetch_add(written as u64, Ordering::Relaxed);
+        self.counter.fetch_add(written as u64, Ordering::SeqCst);
         Ok(written)
     }
 
