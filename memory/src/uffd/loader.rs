@@ -536,6 +536,14 @@ impl Shared {
                     // The VMM may already be gone (external handler); nothing to serve then.
                     warn!("cannot unregister guest RAM at {:#x}: {e}", t.host_addr);
                 }
+                // Unregistering is meant to wake threads queued on a fault in the range, but
+                // a thread can still be left asleep (seen on the nested CI hosts: a reader
+                // blocked in handle_userfault forever after the range was unregistered).
+                // The userfaultfd is still open, so wake the whole range once more; waking
+                // nobody is harmless, and the woken retry faults normally.
+                if let Err(e) = self.uffd.wake(addr, t.size as usize) {
+                    debug!("wake after unregister at {:#x}: {e}", t.host_addr);
+                }
             }
         }
     }
