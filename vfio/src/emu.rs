@@ -6,7 +6,10 @@
 //! The DMA engine: the guest writes a guest-physical address, a length and a seed to BAR0,
 //! then a vector number to the doorbell. The device writes `pattern(seed, a)` (splitmix64
 //! of seed + a) to every 8-byte word at guest-physical `a` in the range, through the guest
-//! RAM memfd it received with the DMA map, then signals that MSI-X vector.
+//! RAM memfd it received with the DMA map, then signals that MSI-X vector; with neither
+//! MSI nor MSI-X enabled it asserts its INTA line instead (level-triggered, as vfio-pci
+//! presents it: the line masks itself when it fires and fires again on unmask while the
+//! guest has not acknowledged it through `INTX_ACK`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -16,7 +19,8 @@ use std::path::Path;
 
 use vfio_bindings::bindings::vfio::{
     vfio_region_info, vfio_region_sparse_mmap_area, VFIO_IRQ_INFO_EVENTFD,
-    VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
+    VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
     VFIO_REGION_INFO_FLAG_MMAP, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{
@@ -47,6 +51,10 @@ pub mod regs {
     /// Read: how many BAR1 accesses came over the socket (0 when the client mapped BAR1
     /// into the guest and the guest's accesses went straight to memory).
     pub const BAR1_SOCKET_ACCESSES: u64 = 0x1028;
+    /// Write: deassert INTx (the guest's interrupt handler acknowledges the device).
+    pub const INTX_ACK: u64 = 0x1030;
+    /// Read: how many times INTx was signalled (each assertion and each re-assertion).
+    pub const INTX_COUNT: u64 = 0x1034;
     pub const MSIX_TABLE: u64 = 0x80_0000;
     pub const MSIX_PBA: u64 = 0x80_1000;
 }
@@ -57,6 +65,10 @@ pub const BAR0_SIZE: u64 = 16 << 20;
 const MSI_CAP_OFFSET: usize = 0x50;
 const MSIX_CAP_OFFSET: usize = 0x60;
 const CONFIG_SIZE: usize = 4096;
+/// Status register (byte 6) bit: INTx asserted.
+const STATUS_INTERRUPT: u8 = 1 << 3;
+/// Command register high byte (byte 5) bit: INTx disabled.
+const COMMAND_INTX_DISABLE: u8 = 1 << 2;
 
 /// Shape of the emulated device.
 #[derive(Clone, Copy, Debug)]
@@ -101,6 +113,13 @@ pub struct EmuGpu {
     msix: Vec<Option<File>>,
     /// The MSI eventfd while the client has MSI enabled (the doorbell then signals it).
     msi: Option<File>,
+    /// The INTx eventfd while the client has INTx on.
+    intx: Option<File>,
+    /// The line is asserted (until INTX_ACK).
+    intx_pending: bool,
+    /// Fired and not yet unmasked by the client.
+    intx_masked: bool,
+    intx_count: u32,
     /// BAR1 memory, shared with the client (it mmaps BAR1 into the guest).
     bar1: File,
     bar1_socket_accesses: u32,
@@ -151,6 +170,10 @@ impl EmuGpu {
             dma: Vec::new(),
             msix: Vec::new(),
             msi: None,
+            intx: None,
+            intx_pending: false,
+            intx_masked: false,
+            intx_count: 0,
             bar1,
             bar1_socket_accesses: 0,
         })
@@ -234,6 +257,7 @@ impl EmuGpu {
             regs::BOOT_0 => regs::BOOT_0_VALUE,
             regs::BAR1_CHECKSUM => self.bar1_checksum() as u32,
             regs::BAR1_SOCKET_ACCESSES => self.bar1_socket_accesses,
+            regs::INTX_COUNT => self.intx_count,
             o if o == regs::BAR1_CHECKSUM + 4 => (self.bar1_checksum() >> 32) as u32,
             _ => self.bar0.get(&offset).copied().unwrap_or(0),
         }
@@ -242,7 +266,11 @@ impl EmuGpu {
     fn bar0_write(&mut self, offset: u64, value: u32) {
         match offset {
             regs::DOORBELL => self.ring_doorbell(value),
-            regs::BOOT_0 | regs::DMA_DONE | regs::DMA_STATUS => {}
+            regs::INTX_ACK => {
+                log::debug!("emu-gpu: INTx ack");
+                self.set_intx_pending(false)
+            }
+            regs::BOOT_0 | regs::DMA_DONE | regs::DMA_STATUS | regs::INTX_COUNT => {}
             _ => {
                 self.bar0.insert(offset, value);
             }
@@ -265,6 +293,9 @@ impl EmuGpu {
             }
             return;
         }
+        if self.msix.is_empty() && self.intx.is_some() {
+            return self.set_intx_pending(true);
+        }
         match self.msix.get_mut(vector as usize) {
             Some(Some(eventfd)) => {
                 if let Err(error) = eventfd.write_all(&1u64.to_le_bytes()) {
@@ -272,6 +303,37 @@ impl EmuGpu {
                 }
             }
             _ => log::warn!("emu-gpu: MSI-X vector {vector} has no eventfd"),
+        }
+    }
+
+    /// Asserts or deasserts INTA. The status register's interrupt bit follows the line;
+    /// the Command register's INTx-disable bit keeps it from reaching the eventfd.
+    fn set_intx_pending(&mut self, pending: bool) {
+        self.intx_pending = pending;
+        if pending {
+            self.config[6] |= STATUS_INTERRUPT;
+        } else {
+            self.config[6] &= !STATUS_INTERRUPT;
+        }
+        self.fire_intx();
+    }
+
+    /// Signals INTx if the line is asserted, enabled and not masked; masks it (vfio-pci
+    /// does the same, so a level interrupt cannot storm before the guest handles it).
+    fn fire_intx(&mut self) {
+        let disabled = self.config[5] & COMMAND_INTX_DISABLE != 0;
+        if !self.intx_pending || self.intx_masked || disabled {
+            return;
+        }
+        if let Some(eventfd) = self.intx.as_mut() {
+            match eventfd.write_all(&1u64.to_le_bytes()) {
+                Ok(()) => {
+                    log::debug!("emu-gpu: INTx fired");
+                    self.intx_masked = true;
+                    self.intx_count = self.intx_count.wrapping_add(1);
+                }
+                Err(error) => log::warn!("emu-gpu: cannot signal INTx: {error}"),
+            }
         }
     }
 
@@ -443,8 +505,12 @@ impl ServerBackend for EmuGpu {
         self.bar0.clear();
         self.msix.clear();
         self.msi = None;
+        self.intx = None;
+        self.intx_pending = false;
+        self.intx_masked = false;
         self.config[4] = 0;
         self.config[5] = 0;
+        self.config[6] &= !STATUS_INTERRUPT;
         Ok(())
     }
 
@@ -456,6 +522,22 @@ impl ServerBackend for EmuGpu {
         count: u32,
         fds: Vec<File>,
     ) -> std::io::Result<()> {
+        if index == VFIO_PCI_INTX_IRQ_INDEX {
+            if flags & VFIO_IRQ_SET_ACTION_UNMASK != 0 {
+                log::debug!("emu-gpu: INTx unmask (pending {})", self.intx_pending);
+                self.intx_masked = false;
+                self.fire_intx();
+            } else if flags & VFIO_IRQ_SET_ACTION_TRIGGER != 0 {
+                self.intx = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 && count == 1 {
+                    fds.into_iter().next()
+                } else {
+                    None
+                };
+                self.intx_masked = false;
+                self.fire_intx();
+            }
+            return Ok(());
+        }
         if index == VFIO_PCI_MSI_IRQ_INDEX {
             self.msi = if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 && count == 1 {
                 fds.into_iter().next()

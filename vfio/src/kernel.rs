@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vfio_bindings::bindings::vfio::VFIO_PCI_MSIX_IRQ_INDEX;
+use vfio_bindings::bindings::vfio::{VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioIommufd, VfioOps};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -295,6 +295,30 @@ impl PassthroughDevice for KernelVfioDevice {
     fn disable_msi(&mut self) -> Result<()> {
         self.device
             .disable_msi()
+            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+    }
+
+    fn intx_supported(&mut self) -> bool {
+        self.device
+            .get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
+            .is_some_and(|irq| irq.count > 0)
+    }
+
+    fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
+        self.device
+            .enable_irq(VFIO_PCI_INTX_IRQ_INDEX, vec![trigger])
+            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+    }
+
+    fn disable_intx(&mut self) -> Result<()> {
+        self.device
+            .disable_irq(VFIO_PCI_INTX_IRQ_INDEX)
+            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+    }
+
+    fn unmask_intx(&mut self) -> Result<()> {
+        self.device
+            .unmask_irq(VFIO_PCI_INTX_IRQ_INDEX)
             .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
     }
 

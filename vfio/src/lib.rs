@@ -123,6 +123,24 @@ pub trait PassthroughDevice: Send {
     fn disable_msi(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Whether the device has a legacy INTx line (VFIO IRQ index 0 with a vector).
+    fn intx_supported(&mut self) -> bool {
+        false
+    }
+    /// Makes the device's INTx signal `trigger`. Like vfio-pci, the device masks its line
+    /// each time it fires, until [`PassthroughDevice::unmask_intx`].
+    fn enable_intx(&mut self, _trigger: &EventFd) -> Result<()> {
+        Err(VfioError::Interrupts(std::io::Error::other(
+            "this backend does not do INTx",
+        )))
+    }
+    fn disable_intx(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Unmasks INTx after the guest's end of interrupt; a line still asserted fires again.
+    fn unmask_intx(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Makes guest RAM visible to the device for DMA. Called once for every RAM range at
     /// boot, before any vCPU runs.
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()>;

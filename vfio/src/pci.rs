@@ -36,12 +36,50 @@ struct BarMapping {
     mapped: Option<(u32, u64)>,
 }
 
+/// The legacy INTx line. It is on in the backend only while neither MSI nor MSI-X is
+/// (vfio-pci allows one interrupt type at a time).
+struct Intx {
+    gsi: u32,
+    /// The Interrupt Line register: firmware (the VMM) writes the GSI, the guest may
+    /// overwrite it; it is only a note for the guest.
+    line: u8,
+    trigger: EventFd,
+    active: bool,
+}
+
+/// Turns INTx on or off in the backend if it is not already.
+fn switch_intx(backend: &mut dyn PassthroughDevice, intx: &mut Option<Intx>, on: bool, name: &str) {
+    let Some(intx) = intx.as_mut() else {
+        return;
+    };
+    if intx.active == on {
+        return;
+    }
+    let result = if on {
+        backend.enable_intx(&intx.trigger)
+    } else {
+        backend.disable_intx()
+    };
+    match result {
+        Ok(()) => {
+            intx.active = on;
+            log::debug!(
+                "{name}: INTx (GSI {}) {}",
+                intx.gsi,
+                if on { "on" } else { "off" }
+            );
+        }
+        Err(error) => log::warn!("{name}: cannot switch INTx: {error}"),
+    }
+}
+
 /// A PCI function backed by a [`PassthroughDevice`].
 pub struct VfioPciDevice {
     backend: Box<dyn PassthroughDevice>,
     bars: BarSet,
     msix: Option<Msix>,
     msi: Option<MsiState>,
+    intx: Option<Intx>,
     name: String,
     mapper: Option<std::sync::Arc<dyn GuestMemoryMapper>>,
     mappings: Vec<BarMapping>,
@@ -107,6 +145,7 @@ impl VfioPciDevice {
             bars,
             msix,
             msi,
+            intx: None,
             name,
             mapper: None,
             mappings: Vec::new(),
@@ -245,6 +284,58 @@ impl VfioPciDevice {
         &self.name
     }
 
+    /// The Interrupt Pin register (1..4 for INTA..INTD, 0 for none).
+    pub fn interrupt_pin(&mut self) -> u8 {
+        let mut pin = [0u8];
+        match self
+            .backend
+            .region_read(region::CONFIG, u64::from(config::INTERRUPT_PIN), &mut pin)
+        {
+            Ok(()) if pin[0] <= 4 => pin[0],
+            _ => 0,
+        }
+    }
+
+    /// Wires the device's INTx to `trigger` (which the VMM made an irqfd on `gsi`) when the
+    /// device has an interrupt pin; returns whether it did. INTx is on until the guest
+    /// enables MSI or MSI-X, and again once it disables them.
+    pub fn attach_intx(&mut self, gsi: u32, trigger: EventFd) -> Result<bool> {
+        if self.interrupt_pin() == 0 || !self.backend.intx_supported() {
+            return Ok(false);
+        }
+        self.intx = Some(Intx {
+            gsi,
+            line: u8::try_from(gsi).unwrap_or(0xff),
+            trigger,
+            active: false,
+        });
+        self.update_intx();
+        if !self.intx.as_ref().is_some_and(|i| i.active) {
+            return Err(VfioError::Interrupts(std::io::Error::other(
+                "the device refused its INTx eventfd",
+            )));
+        }
+        log::info!("{}: INTx on GSI {gsi}", self.name);
+        Ok(true)
+    }
+
+    /// The guest ended a level-triggered INTx (KVM's resample eventfd fired): unmask the
+    /// device's line so it can fire again.
+    pub fn intx_resampled(&mut self) {
+        if self.intx.as_ref().is_some_and(|i| i.active) {
+            if let Err(error) = self.backend.unmask_intx() {
+                log::warn!("{}: cannot unmask INTx: {error}", self.name);
+            }
+        }
+    }
+
+    /// INTx on exactly when neither MSI nor MSI-X is enabled.
+    fn update_intx(&mut self) {
+        let msi_on = self.msix.as_ref().is_some_and(|m| m.table.enabled())
+            || self.msi.as_ref().is_some_and(|m| m.enabled());
+        switch_intx(self.backend.as_mut(), &mut self.intx, !msi_on, &self.name);
+    }
+
     fn msix_control_bytes(&self, offset: u16, len: usize) -> Option<(u16, u16)> {
         let msix = self.msix.as_ref()?;
         let control = msix.capability.control_offset();
@@ -267,6 +358,9 @@ impl VfioPciDevice {
         if !msix.table.set_control(u16::from_le_bytes(bytes)) {
             return;
         }
+        if msix.table.enabled() {
+            switch_intx(self.backend.as_mut(), &mut self.intx, false, &self.name);
+        }
         let result = if msix.table.enabled() {
             let fds: Vec<&EventFd> = msix.eventfds.iter().collect();
             self.backend.enable_msix(&fds)
@@ -285,6 +379,7 @@ impl VfioPciDevice {
             ),
             Err(error) => log::warn!("{}: cannot switch MSI-X: {error}", self.name),
         }
+        self.update_intx();
     }
 
     /// Which part of the MSI-X structures `[offset, offset + len)` of `bar` hits.
@@ -392,6 +487,12 @@ impl PciDevice for VfioPciDevice {
         if let Some(msi) = self.msi.as_ref().filter(|m| m.contains(offset, data.len())) {
             msi.read(offset, data);
         }
+        if let Some(intx) = self.intx.as_ref() {
+            let line = config::INTERRUPT_LINE;
+            if offset <= line && line < offset + data.len() as u16 {
+                data[usize::from(line - offset)] = intx.line;
+            }
+        }
         if let Some((control_offset, control)) = self.msix_control_bytes(offset, data.len()) {
             let vectors = self.msix.as_ref().map_or(1, |m| m.capability.vectors);
             let value = ((vectors - 1) & 0x7ff) | control;
@@ -416,6 +517,7 @@ impl PciDevice for VfioPciDevice {
             let result = match msi.write(offset, data) {
                 MsiChange::None => return,
                 MsiChange::Enable(vectors) => {
+                    switch_intx(self.backend.as_mut(), &mut self.intx, false, &self.name);
                     let fds: Vec<&EventFd> = msi.eventfds.iter().take(vectors).collect();
                     self.backend.enable_msi(&fds)
                 }
@@ -424,7 +526,13 @@ impl PciDevice for VfioPciDevice {
             if let Err(error) = result {
                 log::warn!("{}: cannot switch MSI: {error}", self.name);
             }
-            return;
+            return self.update_intx();
+        }
+        if let Some(intx) = self.intx.as_mut() {
+            let line = config::INTERRUPT_LINE;
+            if offset <= line && line < offset + data.len() as u16 {
+                intx.line = data[usize::from(line - offset)];
+            }
         }
         if offset == config::COMMAND {
             self.bars
@@ -507,6 +615,7 @@ impl Drop for VfioPciDevice {
         if self.msi.as_ref().is_some_and(|m| m.enabled()) {
             let _ = self.backend.disable_msi();
         }
+        switch_intx(self.backend.as_mut(), &mut self.intx, false, &self.name);
         if let Err(error) = self.backend.reset() {
             log::debug!("{}: reset on teardown: {error}", self.name);
         }

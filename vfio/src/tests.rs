@@ -321,3 +321,66 @@ fn mmapped_bar_parts_follow_the_bar_and_skip_msix_pages() {
     drop(device);
     assert!(guest_ranges(&slots).is_empty(), "unmapped on drop");
 }
+
+/// INTx as vfio-pci presents it: level-triggered, masked each time it fires until the VMM
+/// unmasks it (at the guest's EOI); a line the guest did not acknowledge fires again on
+/// unmask, an acknowledged one does not; MSI-X takes over from INTx and gives it back.
+#[test]
+fn intx_is_level_triggered_and_yields_to_msix() {
+    let socket = start_server("intx");
+    let backend = VfioUserDevice::connect(&socket).expect("connect");
+    let routes = Arc::new(RecordedRoutes::default());
+    let mut next_gsi = 24;
+    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+        (0..count)
+            .map(|_| {
+                next_gsi += 1;
+                Ok((next_gsi, EventFd::new(EFD_NONBLOCK)?))
+            })
+            .collect()
+    };
+    let mut device = VfioPciDevice::new(Box::new(backend), &mut allocate, routes).expect("device");
+    assert_eq!(device.interrupt_pin(), 1, "INTA");
+    let trigger = EventFd::new(EFD_NONBLOCK).unwrap();
+    assert!(device
+        .attach_intx(17, trigger.try_clone().unwrap())
+        .expect("attach INTx"));
+    // Firmware's Interrupt Line is the GSI; the guest may rewrite it.
+    assert_eq!(read32(&mut device, 0x3c) & 0xffff, 0x0111);
+    let fired = |trigger: &EventFd| trigger.read().is_ok();
+    let ring = |device: &mut VfioPciDevice| {
+        device.bar_write(0, regs::DMA_LEN, &0u32.to_le_bytes());
+        device.bar_write(0, regs::DOORBELL, &0u32.to_le_bytes());
+    };
+    let intx_count = |device: &mut VfioPciDevice| {
+        let mut data = [0; 4];
+        device.bar_read(0, regs::INTX_COUNT, &mut data);
+        u32::from_le_bytes(data)
+    };
+
+    ring(&mut device);
+    assert!(fired(&trigger), "the doorbell asserts INTx");
+    assert_eq!(
+        read32(&mut device, 0x04) >> 16 & 0x8,
+        0x8,
+        "status: interrupt"
+    );
+    ring(&mut device);
+    assert!(!fired(&trigger), "masked until unmasked");
+    device.intx_resampled();
+    assert!(fired(&trigger), "still asserted: fires again on unmask");
+    device.bar_write(0, regs::INTX_ACK, &1u32.to_le_bytes());
+    assert_eq!(read32(&mut device, 0x04) >> 16 & 0x8, 0, "status clear");
+    device.intx_resampled();
+    assert!(!fired(&trigger), "acknowledged: no more interrupts");
+    assert_eq!(intx_count(&mut device), 2);
+
+    // MSI-X on: INTx is off in the device, the doorbell uses the vector.
+    device.config_write(0x62, &0x8000u16.to_le_bytes());
+    ring(&mut device);
+    assert!(!fired(&trigger), "no INTx while MSI-X is enabled");
+    device.config_write(0x62, &0u16.to_le_bytes());
+    ring(&mut device);
+    assert!(fired(&trigger), "INTx is back once MSI-X is off");
+    assert_eq!(intx_count(&mut device), 3);
+}

@@ -5,8 +5,9 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use vfio_bindings::bindings::vfio::{
-    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_IRQ_SET_DATA_NONE,
-    VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
+    VFIO_IRQ_SET_DATA_NONE, VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX,
+    VFIO_PCI_MSI_IRQ_INDEX,
 };
 use vfio_user::Client;
 use vmm_sys_util::eventfd::EventFd;
@@ -188,6 +189,48 @@ impl PassthroughDevice for VfioUserDevice {
                 &[],
             )
             .map_err(user("disable MSI"))
+    }
+
+    fn intx_supported(&mut self) -> bool {
+        self.client
+            .get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
+            .is_ok_and(|info| info.count > 0)
+    }
+
+    fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
+        self.client
+            .set_irqs(
+                VFIO_PCI_INTX_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                1,
+                &[trigger.as_raw_fd()],
+            )
+            .map_err(user("set the INTx eventfd"))
+    }
+
+    fn disable_intx(&mut self) -> Result<()> {
+        self.client
+            .set_irqs(
+                VFIO_PCI_INTX_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                0,
+                &[],
+            )
+            .map_err(user("disable INTx"))
+    }
+
+    fn unmask_intx(&mut self) -> Result<()> {
+        self.client
+            .set_irqs(
+                VFIO_PCI_INTX_IRQ_INDEX,
+                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK,
+                0,
+                1,
+                &[],
+            )
+            .map_err(user("unmask INTx"))
     }
 
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()> {

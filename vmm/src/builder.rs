@@ -382,5 +382,7 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
         reset_evt,
         exit_evt,
         exit_status,
+        passthrough: Vec::new(),
+        event_sources: Vec::new(),
     })
 }

@@ -38,6 +38,11 @@ pub struct MachineDevices {
     pub reset_evt: EventFd,
     pub exit_evt: EventFd,
     pub exit_status: ExitStatus,
+    /// Names of passthrough devices: their state lives in the hardware, so a VM with any
+    /// cannot be snapshotted.
+    pub passthrough: Vec<String>,
+    /// Device event sources the run loop watches (e.g. INTx resample eventfds).
+    pub event_sources: Vec<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
 }
 
 /// How the guest ended.
@@ -149,6 +154,8 @@ impl RunningMachine<'_> {
     /// `full` forces a full memory file even when dirty pages are tracked. On failure
     /// a running VM is resumed, so a bad request does not stop the guest.
     pub fn snapshot(&mut self, dir: &std::path::Path, full: bool) -> Result<SnapshotReport, Error> {
+        // Refuse before the directory is touched or a vCPU is paused.
+        self.machine.check_snapshottable()?;
         snapshot::create_dir(dir)?;
         if full {
             self.machine.memory_chain = None;
@@ -327,6 +334,9 @@ impl Machine {
         let mut events: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
             EventManager::new().map_err(Error::EventManager)?;
         events.add_subscriber(control.clone());
+        for source in &self.devices.event_sources {
+            events.add_subscriber(source.clone());
+        }
         let _stdin = StdinInput::attach(&mut events, self.devices.serial.clone());
 
         let mut handles: Vec<VcpuHandle> = Vec::with_capacity(self.vcpus.len());
@@ -419,6 +429,11 @@ impl Machine {
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
     fn snapshot_requested(&mut self, handles: &[VcpuHandle]) -> Option<Result<GuestEnd, Error>> {
         let policy = self.snapshot_policy.clone()?;
+        if let Err(refused) = self.check_snapshottable() {
+            // A signal or timer asked for it; the guest did nothing wrong, so it keeps running.
+            log::error!("snapshot not taken: {refused}");
+            return None;
+        }
         let keep_running = policy.then == AfterSnapshot::Resume;
         // A VM the API paused stays paused after a timer or SIGUSR1 snapshot.
         match self.take_snapshot(handles, &policy.dir, keep_running && !self.paused) {
@@ -431,6 +446,19 @@ impl Machine {
         }
     }
 
+    /// Whether this machine's state can be saved: not with passthrough devices, whose
+    /// state (GPU memory, engines) lives in the hardware.
+    pub fn check_snapshottable(&self) -> Result<(), Error> {
+        if self.devices.passthrough.is_empty() {
+            Ok(())
+        } else {
+            Err(SnapshotError::Passthrough {
+                devices: self.devices.passthrough.clone(),
+            }
+            .into())
+        }
+    }
+
     /// Pauses every vCPU, saves every component and guest memory into `dir`, and
     /// resumes if asked. On failure the vCPUs stay paused and the error ends the run;
     /// the previous snapshot in `dir` stays intact (see [`snapshot`]).
@@ -440,6 +468,7 @@ impl Machine {
         dir: &std::path::Path,
         resume: bool,
     ) -> Result<SnapshotReport, Error> {
+        self.check_snapshottable()?;
         let paused_at = Instant::now();
         for handle in handles {
             handle.pause()?;

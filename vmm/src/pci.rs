@@ -16,9 +16,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_devices::pci::{
-    ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, MsiMessage, MsiRouting,
-    PciError, PciRoot, PciRootConfig,
+    intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, MsiMessage,
+    MsiRouting, PciError, PciRoot, PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio};
@@ -78,6 +79,8 @@ pub enum PciSetupError {
     BusShared,
     #[error("cannot duplicate the VM file descriptor: {0}")]
     VmFd(std::io::Error),
+    #[error("cannot wire a device's INTx line: {0}")]
+    Intx(std::io::Error),
 }
 
 /// The 64-bit window: after the top of RAM, aligned so large BARs pack well.
@@ -247,6 +250,113 @@ impl MsiRouting for MsiRouter {
     }
 }
 
+/// What plugging a passthrough device into the root needs.
+struct Plug<'a> {
+    vm: &'a VmFd,
+    root: &'a Arc<PciRoot>,
+    router: &'a Arc<MsiRouter>,
+    slots: &'a Arc<dyn GuestMemoryMapper>,
+}
+
+impl Plug<'_> {
+    /// Sets up one device: MSI/MSI-X vectors, BAR mappings, DMA (for backends that map
+    /// per device: `dma`), a slot on the bus, and INTx on the slot's GSI.
+    fn device(
+        &self,
+        backend: Box<dyn PassthroughDevice>,
+        dma: Option<&[DmaRegion]>,
+        devices: &mut MachineDevices,
+    ) -> Result<(), PciSetupError> {
+        let mut allocate = |count| self.router.allocate(count);
+        let mut device = VfioPciDevice::new(backend, &mut allocate, self.router.clone())?;
+        let mapped = device.map_bars(self.slots.clone())?;
+        log::info!(
+            "{}: {} MiB of BARs mapped into the guest",
+            device.name(),
+            mapped >> 20
+        );
+        if let Some(regions) = dma {
+            let started = Instant::now();
+            device.dma_map(regions)?;
+            let bytes: u64 = regions.iter().map(|r| r.size).sum();
+            log::info!(
+                "{}: DMA-mapped {} MiB of guest RAM in {:?}",
+                device.name(),
+                bytes >> 20,
+                started.elapsed()
+            );
+        }
+        let pin = device.interrupt_pin();
+        let name = device.name().to_string();
+        let device = Arc::new(Mutex::new(device));
+        let bdf = self.root.add_device(device.clone())?;
+        log::info!("PCI {bdf}: {name}");
+        devices.passthrough.push(format!("{bdf} {name}"));
+        if pin > 0 {
+            let gsi = intx_gsi(bdf.device, pin - 1);
+            if let Some(resample) = self.intx(&device, gsi)? {
+                devices.event_sources.push(resample);
+            }
+        }
+        Ok(())
+    }
+
+    /// A level-triggered irqfd on `gsi` for the device's INTx; KVM signals the resample
+    /// eventfd at the guest's EOI, and the returned subscriber unmasks the device then.
+    fn intx(
+        &self,
+        device: &Arc<Mutex<VfioPciDevice>>,
+        gsi: u32,
+    ) -> Result<Option<Arc<Mutex<dyn MutEventSubscriber + Send>>>, PciSetupError> {
+        let eventfd = || EventFd::new(EFD_NONBLOCK).map_err(PciSetupError::Intx);
+        let (trigger, resample) = (eventfd()?, eventfd()?);
+        self.vm
+            .register_irqfd_with_resample(&trigger, &resample, gsi)
+            .map_err(|e| PciSetupError::Intx(std::io::Error::from_raw_os_error(e.errno())))?;
+        let unregister = || {
+            let _ = self.vm.unregister_irqfd(&trigger, gsi);
+        };
+        let irqfd = trigger.try_clone().map_err(PciSetupError::Intx)?;
+        match lock(device).attach_intx(gsi, irqfd) {
+            Ok(true) => Ok(Some(Arc::new(Mutex::new(IntxResample {
+                resample,
+                device: device.clone(),
+                _trigger: trigger,
+            })))),
+            Ok(false) => {
+                unregister();
+                Ok(None)
+            }
+            Err(error) => {
+                unregister();
+                Err(error.into())
+            }
+        }
+    }
+}
+
+/// Watches a device's INTx resample eventfd in the VMM's event loop.
+struct IntxResample {
+    resample: EventFd,
+    device: Arc<Mutex<VfioPciDevice>>,
+    /// Kept open so the irqfd stays registered as long as the device.
+    _trigger: EventFd,
+}
+
+impl MutEventSubscriber for IntxResample {
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        // Reset the count first: a new assertion after the unmask must wake us again.
+        let _ = self.resample.read();
+        lock(&self.device).intx_resampled();
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(error) = ops.add(Events::new(&self.resample, EventSet::IN)) {
+            log::error!("cannot watch an INTx resample eventfd: {error}");
+        }
+    }
+}
+
 /// Puts a PCI root with the requested devices on the VM's buses; all guest RAM is
 /// DMA-mapped for every device before this returns. Nothing happens without devices.
 pub fn attach(
@@ -300,40 +410,18 @@ pub fn attach(
         )?;
     }
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
+    let plug = Plug {
+        vm,
+        root: &root,
+        router: &router,
+        slots: &slots,
+    };
     for backend in backends {
-        let mut allocate = |count| router.allocate(count);
-        let mut device = VfioPciDevice::new(backend, &mut allocate, router.clone())?;
-        let mapped = device.map_bars(slots.clone())?;
-        log::info!(
-            "{}: {} MiB of BARs mapped into the guest",
-            device.name(),
-            mapped >> 20
-        );
-        let name = device.name().to_string();
-        let bdf = root.add_device(Arc::new(Mutex::new(device)))?;
-        log::info!("PCI {bdf}: {name} (kernel VFIO)");
+        plug.device(backend, None, devices)?;
     }
     for socket in &options.vfio_user {
         let backend = VfioUserDevice::connect(socket)?;
-        let mut allocate = |count| router.allocate(count);
-        let mut device = VfioPciDevice::new(Box::new(backend), &mut allocate, router.clone())?;
-        let mapped = device.map_bars(slots.clone())?;
-        log::info!(
-            "{}: {} MiB of BARs mapped into the guest",
-            device.name(),
-            mapped >> 20
-        );
-        let started = Instant::now();
-        device.dma_map(&dma_regions)?;
-        log::info!(
-            "{}: DMA-mapped {} MiB of guest RAM in {:?}",
-            device.name(),
-            ram.size() >> 20,
-            started.elapsed()
-        );
-        let name = device.name().to_string();
-        let bdf = root.add_device(Arc::new(Mutex::new(device)))?;
-        log::info!("PCI {bdf}: {name}");
+        plug.device(Box::new(backend), Some(&dma_regions), devices)?;
     }
 
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;

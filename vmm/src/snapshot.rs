@@ -43,6 +43,12 @@ pub enum SnapshotError {
     Uffd(#[from] gpuvm_memory::uffd::UffdError),
     #[error("snapshot {dir}: {reason}")]
     Invalid { dir: PathBuf, reason: String },
+    #[error(
+        "cannot snapshot a VM with passthrough devices ({}): their state lives in the device \
+         and cannot be saved or restored",
+        devices.join(", ")
+    )]
+    Passthrough { devices: Vec<String> },
     #[error("KVM failed to {what}: {source}")]
     Kvm {
         what: &'static str,

@@ -35,11 +35,24 @@ pub mod config {
     pub const ROM_BAR: u16 = 0x30;
     pub const CAPABILITIES_POINTER: u16 = 0x34;
     pub const INTERRUPT_LINE: u16 = 0x3c;
+    pub const INTERRUPT_PIN: u16 = 0x3d;
     pub const COMMAND_MEMORY: u16 = 1 << 1;
     pub const STATUS_CAPABILITIES: u16 = 1 << 4;
     pub const CAP_ID_MSIX: u8 = 0x11;
     /// Size of the extended (PCIe) configuration space of one function.
     pub const SPACE_SIZE: u16 = 4096;
+}
+
+/// First GSI of the IOAPIC pins that carry PCI INTx (16..24, above the ISA IRQs).
+pub const FIRST_INTX_GSI: u32 = 16;
+/// How many IOAPIC pins PCI INTx is spread over.
+pub const INTX_GSI_COUNT: u32 = 8;
+
+/// The GSI that INTx pin `pin_index` (0 for INTA .. 3 for INTD) of bus-0 device `device`
+/// is wired to: the usual swizzle, spread over the 8 IOAPIC pins above the ISA IRQs. The
+/// ACPI _PRT and the Interrupt Line the VMM programs follow this one rule.
+pub const fn intx_gsi(device: u8, pin_index: u8) -> u32 {
+    FIRST_INTX_GSI + (device as u32 + pin_index as u32) % INTX_GSI_COUNT
 }
 
 /// A function on the PCI bus.

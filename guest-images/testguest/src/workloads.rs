@@ -30,7 +30,7 @@ pub fn run(info: &BootInfo) -> ! {
         "smp" => smp_workload(info),
         "info" => print_info(info, cmdline),
         "fault" => fault(words.next_word().unwrap_or("ud")),
-        "pci" => crate::pci::run(),
+        "pci" => crate::pci::run(words.next_word()),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP_FAILED)
