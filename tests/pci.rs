@@ -64,6 +64,10 @@ fn pci_workload_over_vfio_user() {
         .assert_stdout_has("pci: msi-x cap at 0x60, 4 vectors")
         .assert_stdout_has("pci: msi-x interrupt received on vector 0x40")
         .assert_stdout_has("pci: dma verified 65536 bytes")
+        // MSI-X off: the same doorbell arrives as level-triggered INTx on slot 1's GSI,
+        // acknowledged once, not re-fired after the VMM unmasks it at the EOI.
+        .assert_stdout_has("pci: intx pin INTA line 17")
+        .assert_stdout_has("pci: intx interrupt received on GSI 17 vector 0x41, dma verified")
         .assert_stdout_has("pci: ok");
     // The device server ends when gpuvm disconnects.
     let emu_out = emu.wait(Duration::from_secs(10));
@@ -198,4 +202,117 @@ fn check_host_reports_truthfully() {
         out.stdout
     );
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
+
+fn ctl(socket: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
+    let mut all = vec!["ctl", "--api-sock", socket.to_str().expect("utf-8 path")];
+    all.extend_from_slice(args);
+    run_gpuvm(&all, LIMIT)
+}
+
+/// A GPU attached through PUT /gpus/{id} (`gpuvm ctl add-gpu`), the guest's `pci`
+/// workload passes, and a snapshot is refused with a clear message while the VM keeps
+/// running: a passthrough device's state lives in the device.
+#[test]
+fn gpu_over_the_api_and_snapshot_refused() {
+    let device = socket_path("api-dev");
+    let emu = start_emu(&device, &[]);
+    let api = std::env::temp_dir().join(format!("gpuvm-pci-api-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&api);
+    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
+    vmm.wait_until("the API socket", LIMIT, |_| api.exists());
+    let device_arg = device.to_str().unwrap();
+    // Bad bodies first: the id in the path must match, and one backend only.
+    ctl(
+        &api,
+        &[
+            "raw",
+            "PUT",
+            "/gpus/a",
+            r#"{"gpu_id":"b","host_bdf":"0000:41:00.0"}"#,
+        ],
+    )
+    .assert_clean_error("does not match");
+    ctl(
+        &api,
+        &["add-gpu", "--id", "emu0", "--vfio-user-socket", device_arg],
+    )
+    .assert_code(0);
+    ctl(&api, &["set-boot-source", "--cmdline", "pci hold"]).assert_code(0);
+    ctl(&api, &["start"]).assert_code(0);
+    vmm.wait_for_stdout("pci: holding", LIMIT);
+    assert!(vmm.stdout().contains("pci: intx interrupt received"));
+    ctl(
+        &api,
+        &["add-gpu", "--id", "late", "--host-bdf", "0000:41:00.0"],
+    )
+    .assert_clean_error("already been started");
+
+    let snapshot = std::env::temp_dir().join(format!("gpuvm-pci-snap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&snapshot);
+    ctl(
+        &api,
+        &["snapshot-create", "--dir", snapshot.to_str().unwrap()],
+    )
+    .assert_clean_error("cannot snapshot a VM with passthrough devices (00:01.0");
+    assert!(
+        !snapshot.exists(),
+        "a refused snapshot leaves nothing behind"
+    );
+    let info = ctl(&api, &["info"]);
+    info.assert_code(0)
+        .assert_stdout_has(r#""state":"Running""#);
+
+    ctl(&api, &["ctrl-alt-del"]).assert_code(0);
+    let out = vmm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+}
+
+/// `--config-file` takes the same GPU bodies as PUT /gpus/{id}.
+#[test]
+fn gpu_from_a_config_file() {
+    let device = socket_path("config-dev");
+    let emu = start_emu(&device, &[]);
+    let config = std::env::temp_dir().join(format!("gpuvm-pci-config-{}.json", std::process::id()));
+    let body = serde_json::json!({
+        "boot-source": {"boot_args": "pci"},
+        "gpus": [{"gpu_id": "emu0", "vfio_user_socket": device}],
+    });
+    std::fs::write(&config, body.to_string()).unwrap();
+    let out = run_gpuvm(&["run", "--config-file", config.to_str().unwrap()], LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("pci: 00:01.0 vendor=0x10de device=0x2330")
+        .assert_stdout_has("pci: ok");
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+
+    let twice = serde_json::json!({
+        "gpus": [
+            {"gpu_id": "a", "vfio_user_socket": "/x.sock"},
+            {"gpu_id": "a", "host_bdf": "0000:41:00.0"},
+        ],
+    });
+    std::fs::write(&config, twice.to_string()).unwrap();
+    run_gpuvm(&["run", "--config-file", config.to_str().unwrap()], LIMIT)
+        .assert_clean_error("appears twice");
+    let _ = std::fs::remove_file(&config);
+}
+
+/// Snapshot flags are refused up front with passthrough devices.
+#[test]
+fn snapshot_flags_with_a_gpu_are_refused() {
+    let snapshot = std::env::temp_dir().join("gpuvm-pci-never");
+    run_gpuvm(
+        &[
+            "run",
+            "--vfio-user",
+            "/nonexistent.sock",
+            "--snapshot-dir",
+            snapshot.to_str().unwrap(),
+        ],
+        LIMIT,
+    )
+    .assert_clean_error("--snapshot-dir cannot be used with passthrough devices");
 }

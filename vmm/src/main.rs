@@ -194,6 +194,21 @@ enum CtlCommand {
         #[arg(long)]
         resume: bool,
     },
+    /// PUT /gpus/{id}: a passthrough device (before start).
+    AddGpu {
+        #[arg(long)]
+        id: String,
+        /// A host GPU bound to vfio-pci, e.g. 0000:41:00.0.
+        #[arg(
+            long,
+            required_unless_present = "vfio_user_socket",
+            conflicts_with = "vfio_user_socket"
+        )]
+        host_bdf: Option<String>,
+        /// A vfio-user device's socket.
+        #[arg(long)]
+        vfio_user_socket: Option<PathBuf>,
+    },
     /// GET /metrics.
     Metrics,
     /// Any request: METHOD PATH [JSON BODY].
@@ -332,16 +347,18 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
             }),
         },
     };
+    let mut pci = args.passthrough.pci_options();
     let config = match &args.config_file {
-        Some(path) => api_config::apply_config_file(path, config)?,
+        Some(path) => api_config::apply_config_file(path, config, &mut pci)?,
         None => config,
     };
+    if !pci.is_empty() && args.snapshot.snapshot_dir.is_some() {
+        return Err(CliError::Other(
+            "--snapshot-dir cannot be used with passthrough devices: their state lives in the device and cannot be saved".into(),
+        ));
+    }
     let Some(api_sock) = &args.api_sock else {
-        let mut machine = gpuvm_vmm::builder::build_with_pci(
-            &config,
-            &args.passthrough.pci_options(),
-            serial_out(),
-        )?;
+        let mut machine = gpuvm_vmm::builder::build_with_pci(&config, &pci, serial_out())?;
         if let Some(policy) = snapshot_policy(&args.snapshot) {
             machine.set_snapshot_policy(policy);
         }
@@ -359,16 +376,13 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     .map_err(|e| CliError::Other(e.to_string()))?;
     let mut controller =
         ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
-    let pci = args.passthrough.pci_options();
+    controller.set_pci_options(pci);
     let (mut machine, paused) = if args.config_file.is_some() {
         (
-            gpuvm_vmm::builder::build_with_pci(&config, &pci, serial_out())?,
+            gpuvm_vmm::builder::build_with_pci(&config, &controller.pci_options(), serial_out())?,
             false,
         )
     } else {
-        controller.set_builder(Box::new(move |config, serial_out| {
-            gpuvm_vmm::builder::build_with_pci(config, &pci, serial_out)
-        }));
         match controller.wait_for_start() {
             Some(Started { machine, paused }) => (machine, paused),
             None => return Ok(ExitCode::from(1)),
@@ -416,6 +430,7 @@ mod api_config {
 
     use gpuvm_vmm::api::action::ConfigFile;
     use gpuvm_vmm::config::VmConfig;
+    use gpuvm_vmm::pci::PciOptions;
     use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
 
     use super::CliError;
@@ -425,9 +440,26 @@ mod api_config {
     }
 
     /// The configuration from `path` over `config` (the command-line flags).
-    pub fn apply_config_file(path: &Path, mut config: VmConfig) -> Result<VmConfig, CliError> {
+    /// Its `gpus` are added to `pci` (after the command line's).
+    pub fn apply_config_file(
+        path: &Path,
+        mut config: VmConfig,
+        pci: &mut PciOptions,
+    ) -> Result<VmConfig, CliError> {
         let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e))?;
         let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(path, e))?;
+        let mut ids = std::collections::HashSet::new();
+        for gpu in &file.gpus {
+            gpu.validate(None).map_err(|e| invalid(path, e.message))?;
+            if !ids.insert(gpu.gpu_id.as_str()) {
+                return Err(invalid(
+                    path,
+                    format!("gpu_id {:?} appears twice", gpu.gpu_id),
+                ));
+            }
+            pci.gpus.extend(gpu.host_bdf.clone());
+            pci.vfio_user.extend(gpu.vfio_user_socket.clone());
+        }
         if let Some(machine) = file.machine_config {
             config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
         }
@@ -635,6 +667,19 @@ fn ctl(args: CtlArgs) -> ExitCode {
         CtlCommand::Raw { method, path, body } => {
             let body = body.as_deref().map(str::to_owned);
             return ctl_send(&args.api_sock, method, path, body.as_deref());
+        }
+        CtlCommand::AddGpu {
+            id,
+            host_bdf,
+            vfio_user_socket,
+        } => {
+            let body = json!({
+                "gpu_id": id,
+                "host_bdf": host_bdf,
+                "vfio_user_socket": vfio_user_socket.as_ref().map(|p| absolute(p)),
+            })
+            .to_string();
+            return ctl_send(&args.api_sock, "PUT", &format!("/gpus/{id}"), Some(&body));
         }
     };
     let body = body.map(|b| b.to_string());

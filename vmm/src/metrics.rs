@@ -13,6 +13,7 @@ pub const API_ROUTES: &[&str] = &[
     "/snapshot/create",
     "/snapshot/load",
     "/metrics",
+    "/gpus/{id}",
     "other",
 ];
 
@@ -68,6 +69,11 @@ impl Metrics {
 
     /// Counts one API request to `path` answered with `status`.
     pub fn count_api_request(&self, path: &str, status: u16) {
+        let path = if path.starts_with("/gpus/") {
+            "/gpus/{id}"
+        } else {
+            path
+        };
         let route = API_ROUTES
             .iter()
             .position(|r| *r == path)

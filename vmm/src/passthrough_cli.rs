@@ -12,16 +12,11 @@ use gpuvm_vmm::x86_64::cpuid::{CpuidMask, CpuidReg};
 #[derive(Args, Debug)]
 pub struct PassthroughArgs {
     /// Pass through the host PCI device at this address (bound to vfio-pci), e.g.
-    /// 0000:41:00.0. Repeatable.
-    /// (Not with --api-sock/--config-file: the API does not configure devices yet.)
-    #[arg(long = "gpu", value_name = "BDF", conflicts_with_all = ["api_sock", "config_file"])]
+    /// 0000:41:00.0. Repeatable; with --api-sock, PUT /gpus/{id} can add more.
+    #[arg(long = "gpu", value_name = "BDF")]
     pub gpus: Vec<String>,
     /// Attach the vfio-user device served on this Unix socket. Repeatable.
-    #[arg(
-        long = "vfio-user",
-        value_name = "SOCKET",
-        conflicts_with_all = ["api_sock", "config_file"]
-    )]
+    #[arg(long = "vfio-user", value_name = "SOCKET")]
     pub vfio_user: Vec<PathBuf>,
     /// Size of the 64-bit PCI MMIO window above RAM in GiB (default 512: two 128 GiB BAR1s
     /// and more).

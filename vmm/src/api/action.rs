@@ -20,6 +20,8 @@ pub enum VmmAction {
     GetMachineConfig,
     PutMachineConfig(MachineConfigBody),
     PutBootSource(BootSourceBody),
+    /// PUT /gpus/{id}: a passthrough device for the VM being configured.
+    PutGpu(GpuBody),
     StartInstance,
     /// The test guest has no keyboard: this ends the run as a guest reset would.
     SendCtrlAltDel,
@@ -176,6 +178,81 @@ pub struct BootSourceBody {
     pub boot_args: Option<String>,
 }
 
+/// Longest GPU id the API accepts.
+pub const MAX_GPU_ID_LEN: usize = 64;
+
+/// PUT /gpus/{id}: one passthrough device, either a host GPU bound to vfio-pci or a
+/// device served over vfio-user.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuBody {
+    pub gpu_id: String,
+    /// PCI address of a host device bound to vfio-pci, e.g. "0000:41:00.0".
+    pub host_bdf: Option<String>,
+    /// Unix socket of a vfio-user device process (absolute path).
+    pub vfio_user_socket: Option<PathBuf>,
+}
+
+impl GpuBody {
+    /// Checks the id (against the one in the URL when given) and that exactly one
+    /// backend is named.
+    pub fn validate(&self, path_id: Option<&str>) -> Result<(), ActionError> {
+        let id = &self.gpu_id;
+        if id.is_empty()
+            || id.len() > MAX_GPU_ID_LEN
+            || !id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(ActionError::bad_request(format!(
+                "gpu_id must be 1 to {MAX_GPU_ID_LEN} characters of A-Z, a-z, 0-9, _ and -"
+            )));
+        }
+        if let Some(path_id) = path_id {
+            if path_id != id {
+                return Err(ActionError::bad_request(format!(
+                    "gpu_id {id:?} does not match the id in the path ({path_id:?})"
+                )));
+            }
+        }
+        match (&self.host_bdf, &self.vfio_user_socket) {
+            (Some(bdf), None) => parse_bdf(bdf).map(|_| ()),
+            (None, Some(socket)) => absolute_path(socket, "vfio_user_socket"),
+            _ => Err(ActionError::bad_request(
+                "give exactly one of host_bdf and vfio_user_socket",
+            )),
+        }
+    }
+}
+
+/// Checks a PCI address as sysfs spells it: DDDD:BB:DD.F (the domain may be left out).
+pub fn parse_bdf(bdf: &str) -> Result<(), ActionError> {
+    let bad = || {
+        ActionError::bad_request(format!(
+            "host_bdf {bdf:?} is not a PCI address like 0000:41:00.0"
+        ))
+    };
+    let parts: Vec<&str> = bdf.split([':', '.']).collect();
+    let widths: &[usize] = match parts.len() {
+        4 => &[4, 2, 2, 1],
+        3 => &[2, 2, 1],
+        _ => return Err(bad()),
+    };
+    let hex = parts
+        .iter()
+        .zip(widths)
+        .all(|(part, &width)| part.len() == width && part.bytes().all(|b| b.is_ascii_hexdigit()));
+    let device = parts[parts.len() - 2];
+    let function = parts[parts.len() - 1];
+    let in_range = u8::from_str_radix(device, 16).is_ok_and(|d| d < 32)
+        && u8::from_str_radix(function, 16).is_ok_and(|f| f < 8);
+    if hex && in_range {
+        Ok(())
+    } else {
+        Err(bad())
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ActionType {
     InstanceStart,
@@ -251,6 +328,9 @@ pub struct ConfigFile {
     pub machine_config: Option<MachineConfigBody>,
     #[serde(rename = "boot-source")]
     pub boot_source: Option<BootSourceBody>,
+    /// Passthrough devices, as PUT /gpus/{id} bodies.
+    #[serde(default)]
+    pub gpus: Vec<GpuBody>,
 }
 
 /// Requires an absolute path, so a request never depends on gpuvm's working directory.
@@ -300,6 +380,36 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn gpu_bodies_name_one_backend_and_a_sane_id() {
+        let gpu = |json: &str| serde_json::from_str::<GpuBody>(json).unwrap();
+        let good = gpu(r#"{"gpu_id":"gpu0","host_bdf":"0000:41:00.0"}"#);
+        assert_eq!(good.validate(Some("gpu0")), Ok(()));
+        assert_eq!(good.validate(Some("gpu1")).unwrap_err().status, 400);
+        let user = gpu(r#"{"gpu_id":"emu-1","vfio_user_socket":"/run/emu.sock"}"#);
+        assert_eq!(user.validate(None), Ok(()));
+        assert_eq!(
+            gpu(r#"{"gpu_id":"a","host_bdf":"41:00.0"}"#).validate(None),
+            Ok(())
+        );
+        for bad in [
+            r#"{"gpu_id":"gpu0"}"#,
+            r#"{"gpu_id":"gpu0","host_bdf":"0000:41:00.0","vfio_user_socket":"/s"}"#,
+            r#"{"gpu_id":"gpu0","vfio_user_socket":"relative.sock"}"#,
+            r#"{"gpu_id":"","host_bdf":"0000:41:00.0"}"#,
+            r#"{"gpu_id":"a/b","host_bdf":"0000:41:00.0"}"#,
+            r#"{"gpu_id":"g","host_bdf":"0000:41:20.0"}"#,
+            r#"{"gpu_id":"g","host_bdf":"0000:41:00.8"}"#,
+            r#"{"gpu_id":"g","host_bdf":"zz:41:00.0"}"#,
+            r#"{"gpu_id":"g","host_bdf":"../../etc"}"#,
+        ] {
+            assert_eq!(gpu(bad).validate(None).unwrap_err().status, 400, "{bad}");
+        }
+        let long = format!(r#"{{"gpu_id":"{}","host_bdf":"41:00.0"}}"#, "x".repeat(65));
+        assert!(gpu(&long).validate(None).is_err());
+        assert!(serde_json::from_str::<GpuBody>(r#"{"gpu_id":"g","bdf":"41:00.0"}"#).is_err());
     }
 
     #[test]

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::action::{
-    ActionBody, ActionResult, ActionType, BootSourceBody, MachineConfigBody, SnapshotCreateBody,
-    SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction, VmmData,
+    ActionBody, ActionResult, ActionType, BootSourceBody, GpuBody, MachineConfigBody,
+    SnapshotCreateBody, SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction, VmmData,
 };
 use super::http::{Method, ReadOutcome, Request, RequestReader, Response};
 use super::ApiError;
@@ -312,12 +312,18 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             Get => Ok(VmmAction::GetMetrics),
             _ => Err(method_not_allowed("GET")),
         },
-        _ if path.starts_with("/gpus") => Err(Response::fault(
-            400,
-            "/gpus is not supported yet: GPUs attach with gpuvm run --gpu or --vfio-user, without --api-sock",
-        )),
+        _ if path.starts_with("/gpus/") => match method {
+            Put => {
+                let body = parse::<GpuBody>(&request.body)?;
+                let id = &path["/gpus/".len()..];
+                body.validate(Some(id))
+                    .map_err(|e| Response::fault(e.status, e.message))?;
+                Ok(VmmAction::PutGpu(body))
+            }
+            _ => Err(method_not_allowed("PUT")),
+        },
         _ if path.starts_with("/drives") => {
-            Err(Response::fault(400, "block devices are not supported yet"))
+            Err(Response::fault(400, "gpuvm has no block device yet"))
         }
         _ => Err(Response::fault(
             404,
@@ -368,6 +374,10 @@ mod tests {
             route(&request(Method::Put, "/snapshot/load", r#"{"snapshot_path":"/s","resume_vm":true}"#)),
             Ok(VmmAction::LoadSnapshot(body)) if body.resume_vm
         ));
+        assert!(matches!(
+            route(&request(Method::Put, "/gpus/emu0", r#"{"gpu_id":"emu0","vfio_user_socket":"/run/emu.sock"}"#)),
+            Ok(VmmAction::PutGpu(body)) if body.gpu_id == "emu0"
+        ));
     }
 
     #[test]
@@ -389,6 +399,12 @@ mod tests {
             status(route(&request(Method::Put, "/gpus/gpu0", "{}"))),
             400
         );
+        let mismatched = r#"{"gpu_id":"gpu1","host_bdf":"0000:41:00.0"}"#;
+        assert_eq!(
+            status(route(&request(Method::Put, "/gpus/gpu0", mismatched))),
+            400
+        );
+        assert_eq!(status(route(&request(Method::Get, "/gpus/gpu0", ""))), 405);
         assert_eq!(
             status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
             400

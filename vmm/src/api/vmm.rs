@@ -7,22 +7,29 @@ use std::sync::mpsc::Receiver;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::action::{
-    absolute_path, ActionError, ActionResult, BootSourceBody, InstanceState, MachineConfigBody,
-    RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType, VmmAction, VmmData,
+    absolute_path, ActionError, ActionResult, BootSourceBody, GpuBody, InstanceState,
+    MachineConfigBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType,
+    VmmAction, VmmData,
 };
 use super::server::ApiRequest;
 use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
+use crate::pci::PciOptions;
 use crate::snapshot::RestoreMode;
 use crate::x86_64::boot::{BootSource, KernelSource};
+
+/// Passthrough devices one VM may have (bus 0 has 31 free slots; GPUs come with
+/// companions such as audio functions).
+pub const MAX_GPUS: usize = 16;
 
 /// Makes the serial console's output stream for a new machine.
 pub type SerialOutFactory = Box<dyn Fn() -> Box<dyn Write + Send> + Send>;
 
-/// Builds a machine for InstanceStart (the CLI adds its passthrough devices).
-pub type BuildFn =
-    Box<dyn Fn(&VmConfig, Box<dyn Write + Send>) -> Result<Machine, crate::Error> + Send>;
+/// Builds a machine for InstanceStart with the configured passthrough devices.
+pub type BuildFn = Box<
+    dyn Fn(&VmConfig, &PciOptions, Box<dyn Write + Send>) -> Result<Machine, crate::Error> + Send,
+>;
 
 /// A machine the API created, and whether it should run at once.
 pub struct Started {
@@ -44,6 +51,10 @@ pub struct ApiController {
     event: EventFd,
     machine_config: MachineConfig,
     boot: BootSource,
+    /// Passthrough devices by id, in the order they were added (their bus order).
+    gpus: Vec<GpuBody>,
+    /// Window sizes and devices given on the command line.
+    pci: PciOptions,
     serial_out: SerialOutFactory,
     build: BuildFn,
 }
@@ -99,12 +110,49 @@ impl ApiController {
             event,
             machine_config: config.machine,
             boot: config.boot,
+            gpus: Vec::new(),
+            pci: PciOptions::default(),
             serial_out,
-            build: Box::new(crate::builder::build),
+            build: Box::new(crate::builder::build_with_pci),
         }
     }
 
-    /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build`]).
+    /// Devices and window sizes from the command line; PUT /gpus adds to them.
+    pub fn set_pci_options(&mut self, pci: PciOptions) {
+        self.pci = pci;
+    }
+
+    /// The devices InstanceStart attaches: the command line's, then the API's.
+    pub fn pci_options(&self) -> PciOptions {
+        let mut pci = self.pci.clone();
+        for gpu in &self.gpus {
+            if let Some(bdf) = &gpu.host_bdf {
+                pci.gpus.push(bdf.clone());
+            }
+            if let Some(socket) = &gpu.vfio_user_socket {
+                pci.vfio_user.push(socket.clone());
+            }
+        }
+        pci
+    }
+
+    /// Adds or replaces (same id) a passthrough device before start.
+    pub fn put_gpu(&mut self, body: GpuBody) -> ActionResult {
+        body.validate(None)?;
+        let count = self.gpus.len();
+        match self.gpus.iter_mut().find(|g| g.gpu_id == body.gpu_id) {
+            Some(existing) => *existing = body,
+            None if count >= MAX_GPUS => {
+                return Err(ActionError::bad_request(format!(
+                    "at most {MAX_GPUS} passthrough devices per VM"
+                )))
+            }
+            None => self.gpus.push(body),
+        }
+        Ok(VmmData::Empty)
+    }
+
+    /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build_with_pci`]).
     pub fn set_builder(&mut self, build: BuildFn) {
         self.build = build;
     }
@@ -136,12 +184,14 @@ impl ApiController {
                 VmmData::Empty
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
+            VmmAction::PutGpu(body) => self.put_gpu(body),
             VmmAction::StartInstance => {
                 let config = VmConfig {
                     machine: self.machine_config.clone(),
                     boot: self.boot.clone(),
                 };
-                return match (self.build)(&config, (self.serial_out)()) {
+                let pci = self.pci_options();
+                return match (self.build)(&config, &pci, (self.serial_out)()) {
                     Ok(machine) => (
                         Ok(VmmData::Empty),
                         Some(Started {
@@ -225,6 +275,14 @@ impl ApiController {
         if let Err(error) = absolute_path(&body.snapshot_path, "snapshot_path") {
             return (Err(error), None);
         }
+        if !self.pci_options().is_empty() {
+            return (
+                Err(ActionError::bad_request(
+                    "a snapshot cannot be loaded into a VM with passthrough devices (snapshots never contain them)",
+                )),
+                None,
+            );
+        }
         match crate::builder::restore(&body.snapshot_path, &mode, (self.serial_out)()) {
             Ok((machine, timings)) => {
                 Metrics::add(&METRICS.snapshots_loaded, 1);
@@ -271,6 +329,7 @@ impl ApiController {
                 ),
                 VmmAction::PutMachineConfig(_)
                 | VmmAction::PutBootSource(_)
+                | VmmAction::PutGpu(_)
                 | VmmAction::StartInstance
                 | VmmAction::LoadSnapshot(_) => (Err(started_already()), None),
             };
@@ -318,6 +377,7 @@ impl RunningApi {
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
             VmmAction::PutMachineConfig(_)
             | VmmAction::PutBootSource(_)
+            | VmmAction::PutGpu(_)
             | VmmAction::StartInstance
             | VmmAction::LoadSnapshot(_) => Err(started_already()),
             VmmAction::SendCtrlAltDel => {
