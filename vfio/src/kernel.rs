@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::{VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
+/// The handle on a VM's KVM VFIO pseudo-device that [`KernelVfio::open`] takes.
+pub use vfio_ioctls::VfioDeviceFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioIommufd, VfioOps};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -162,12 +164,16 @@ fn sysfs_path(bdf: &str) -> Result<PathBuf> {
 impl KernelVfio {
     /// iommufd when /dev/iommu exists and the first device has a vfio-dev cdev, else the
     /// container API.
-    pub fn open(first_bdf: &str) -> Result<Self> {
+    ///
+    /// `kvm_vfio` is the VM's KVM VFIO pseudo-device (KVM_DEV_TYPE_VFIO): vfio-ioctls adds
+    /// every group or device file to it as it is opened, which tells KVM the VM has assigned
+    /// devices (needed for non-coherent DMA: KVM then honours the guest's cache attributes).
+    pub fn open(first_bdf: &str, kvm_vfio: Option<Arc<VfioDeviceFd>>) -> Result<Self> {
         let cdev = sysfs_path(first_bdf)?.join("vfio-dev").exists();
         if cdev && Path::new("/dev/iommu").exists() {
             let iommufd = iommufd_ioctls::IommuFd::new()
                 .map_err(|e| std::io::Error::other(format!("open /dev/iommu: {e}")))?;
-            let ops = VfioIommufd::new(Arc::new(iommufd), None, None)
+            let ops = VfioIommufd::new(Arc::new(iommufd), None, kvm_vfio)
                 .map_err(|e| std::io::Error::other(format!("iommufd IOAS: {e}")))?;
             log::info!("kernel VFIO: iommufd cdev API");
             return Ok(KernelVfio {
@@ -175,7 +181,7 @@ impl KernelVfio {
                 api: KernelApi::Iommufd,
             });
         }
-        let container = VfioContainer::new(None)
+        let container = VfioContainer::new(kvm_vfio)
             .map_err(|e| std::io::Error::other(format!("open /dev/vfio/vfio: {e}")))?;
         log::info!("kernel VFIO: container/group API");
         Ok(KernelVfio {
@@ -433,14 +439,14 @@ mod tests {
 
     #[test]
     fn opening_a_missing_device_is_a_clear_error() {
-        let error = KernelVfio::open("0000:ff:1f.7")
+        let error = KernelVfio::open("0000:ff:1f.7", None)
             .err()
             .expect("no such device");
         assert!(
             error.to_string().contains("no PCI device 0000:ff:1f.7"),
             "{error}"
         );
-        let error = KernelVfio::open("gpu0").err().expect("bad address");
+        let error = KernelVfio::open("gpu0", None).err().expect("bad address");
         assert!(error.to_string().contains("not a PCI address"), "{error}");
     }
 }

@@ -22,13 +22,14 @@ use gpuvm_devices::pci::{
     MsiRouting, PciError, PciRoot, PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
-use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio};
+use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio, VfioDeviceFd};
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
 use kvm_bindings::{
-    kvm_irq_routing_entry, kvm_userspace_memory_region, KvmIrqRouting, KVM_IRQCHIP_IOAPIC,
-    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+    kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_irq_routing_entry,
+    kvm_userspace_memory_region, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
+    KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -81,6 +82,23 @@ pub enum PciSetupError {
     VmFd(std::io::Error),
     #[error("cannot wire a device's INTx line: {0}")]
     Intx(std::io::Error),
+    #[error("cannot create the KVM VFIO device (KVM_DEV_TYPE_VFIO): {0}")]
+    KvmVfio(std::io::Error),
+}
+
+/// The VM's KVM VFIO pseudo-device. vfio-ioctls registers each VFIO group (or cdev device)
+/// with it, so KVM knows the VM has assigned devices: on hosts where device DMA is not
+/// cache-coherent KVM then honours the guest's memory types instead of forcing write-back.
+pub fn create_kvm_vfio_device(vm: &VmFd) -> Result<VfioDeviceFd, PciSetupError> {
+    let mut request = kvm_create_device {
+        type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
+        fd: 0,
+        flags: 0,
+    };
+    let device = vm
+        .create_device(&mut request)
+        .map_err(|e| PciSetupError::KvmVfio(std::io::Error::from_raw_os_error(e.errno())))?;
+    Ok(VfioDeviceFd::new_from_kvm(device))
 }
 
 /// The 64-bit window: after the top of RAM, aligned so large BARs pack well.
@@ -394,7 +412,7 @@ pub fn attach(
         .collect();
     let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
     if let Some(first) = options.gpus.first() {
-        let vfio = KernelVfio::open(first)?;
+        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
         for bdf in &options.gpus {
             backends.push(Box::new(vfio.open_device(bdf)?));
         }
@@ -481,5 +499,30 @@ mod tests {
         assert!(table
             .iter()
             .any(|e| e.gsi == 4 && e.type_ == KVM_IRQ_ROUTING_IRQCHIP));
+    }
+
+    /// The pseudo-device exists on this host's KVM, accepts the VFIO file attribute and
+    /// refuses a file that is not a VFIO group or device (so the registration vfio-ioctls
+    /// does on real hosts goes to a live KVM object, not a stub).
+    #[test]
+    fn kvm_vfio_device_is_created_and_checks_what_it_is_given() {
+        let kvm = Kvm::new().expect("open /dev/kvm");
+        let vm = kvm.create_vm().expect("create VM");
+        let device = create_kvm_vfio_device(&vm)
+            .expect("KVM_DEV_TYPE_VFIO")
+            .to_kvm()
+            .expect("a KVM device");
+        let not_vfio = EventFd::new(0).unwrap();
+        let fd = not_vfio.as_raw_fd();
+        let add = kvm_bindings::kvm_device_attr {
+            flags: 0,
+            group: kvm_bindings::KVM_DEV_VFIO_FILE,
+            attr: u64::from(kvm_bindings::KVM_DEV_VFIO_FILE_ADD),
+            addr: &fd as *const i32 as u64,
+        };
+        device
+            .has_device_attr(&add)
+            .expect("the VFIO file attribute is supported");
+        assert!(device.set_device_attr(&add).is_err());
     }
 }
