@@ -6,6 +6,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
@@ -25,6 +26,7 @@ use crate::pci::PciOptions;
 use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError};
 use crate::vcpu::Vcpu;
+use crate::x86_64::acpi::{self, AcpiConfig};
 use crate::x86_64::cpuid::Topology;
 use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use crate::x86_64::{boot, mptable};
@@ -64,6 +66,8 @@ struct MachineBase {
     vm: VmFd,
     ram: GuestRam,
     devices: MachineDevices,
+    /// Where the PCI root bus put ECAM and the BAR windows (the ACPI tables describe it).
+    pci: PciRootConfig,
 }
 
 fn create_base(
@@ -127,12 +131,13 @@ fn create_base(
     register_memory(&vm, &ram, machine_config.track_dirty_pages)?;
     let mut devices = create_devices(&vm, serial_out)?;
     // The root and its devices live on in the buses' entries.
-    crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?;
+    let pci = crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?.config();
     Ok(MachineBase {
         kvm,
         vm,
         ram,
         devices,
+        pci,
     })
 }
 
@@ -154,9 +159,17 @@ pub fn build_with_pci(
         vm,
         ram,
         devices,
+        pci,
     } = create_base(open_kvm()?, machine_config, pci, serial_out)?;
 
-    let loaded = boot::load(ram.memory(), ram.regions(), &config.boot)?;
+    let rsdp = acpi::setup_acpi(
+        ram.memory(),
+        &AcpiConfig {
+            vcpus: machine_config.vcpus,
+            pci,
+        },
+    )?;
+    let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
 
     let supported_cpuid = kvm
@@ -225,11 +238,13 @@ pub fn restore(
     let validated = started.elapsed();
     let mut config = loaded.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
+                             // Guest memory, ACPI tables included, comes from the snapshot.
     let MachineBase {
         kvm,
         vm,
         ram,
         devices,
+        pci: _,
     } = create_base(kvm, &config, &PciOptions::default(), serial_out)?;
 
     let memory_started = Instant::now();

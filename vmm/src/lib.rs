@@ -53,6 +53,8 @@ pub enum Error {
     #[error(transparent)]
     MpTable(#[from] x86_64::mptable::MpTableError),
     #[error(transparent)]
+    Acpi(#[from] x86_64::acpi::AcpiError),
+    #[error(transparent)]
     Vcpu(#[from] vcpu::VcpuError),
     #[error("cannot place a device: {0}")]
     Bus(gpuvm_devices::BusError),

@@ -36,12 +36,12 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::lock;
 use crate::machine::MachineDevices;
-use crate::x86_64::layout::{FOUR_GIB, MMIO_HOLE_START};
+use crate::x86_64::layout::{FOUR_GIB, MMIO_HOLE_START, PCI_ECAM_START};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
 pub const MMIO32_START: u64 = MMIO_HOLE_START;
-pub const MMIO32_END: u64 = 0xe000_0000;
-pub const ECAM_BASE: u64 = 0xe000_0000;
+pub const MMIO32_END: u64 = PCI_ECAM_START;
+pub const ECAM_BASE: u64 = PCI_ECAM_START;
 /// Room for two 128 GiB BAR1s and their companions.
 pub const DEFAULT_MMIO64_SIZE: u64 = 512 << 30;
 /// The window starts on a 1 GiB boundary; each BAR in it is aligned to its own size.
@@ -375,30 +375,78 @@ impl MutEventSubscriber for IntxResample {
     }
 }
 
-/// Puts a PCI root with the requested devices on the VM's buses; all guest RAM is
-/// DMA-mapped for every device before this returns. Nothing happens without devices.
+/// Where the root bus puts configuration space and BARs for a VM with `ram`.
+pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
+    PciRootConfig {
+        ecam_base: ECAM_BASE,
+        mmio32_start: MMIO32_START,
+        mmio32_end: MMIO32_END,
+        mmio64_start: mmio64_start(ram),
+        mmio64_size: match options.mmio64_size {
+            0 => DEFAULT_MMIO64_SIZE,
+            size => size,
+        },
+    }
+}
+
+/// Puts the PCI root bus (always: its host bridge, CF8/CFC and the ECAM window are what
+/// the ACPI tables describe) and the requested passthrough devices on the VM's buses; all
+/// guest RAM is DMA-mapped for every device before this returns.
 pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
     ram: &GuestRam,
     options: &PciOptions,
     devices: &mut MachineDevices,
-) -> Result<Option<Arc<PciRoot>>, PciSetupError> {
-    if options.is_empty() {
-        return Ok(None);
-    }
-    let mmio64_size = match options.mmio64_size {
-        0 => DEFAULT_MMIO64_SIZE,
-        size => size,
-    };
-    let config = PciRootConfig {
-        ecam_base: ECAM_BASE,
-        mmio32_start: MMIO32_START,
-        mmio32_end: MMIO32_END,
-        mmio64_start: mmio64_start(ram),
-        mmio64_size,
-    };
+) -> Result<Arc<PciRoot>, PciSetupError> {
+    let config = root_config(ram, options);
     let root = PciRoot::new(config)?;
+    if !options.is_empty() {
+        attach_devices(kvm, vm, ram, options, &root, devices)?;
+    }
+    let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
+    io_bus
+        .insert(
+            CONFIG_ADDRESS_PORT,
+            8,
+            Arc::new(Mutex::new(ConfigAddressPort::new(root.clone()))),
+        )
+        .map_err(PciSetupError::Place)?;
+    let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
+    mmio_bus
+        .insert(
+            ECAM_BASE,
+            PciRootConfig::ECAM_SIZE,
+            Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
+        )
+        .map_err(PciSetupError::Place)?;
+    for (base, end) in [
+        (MMIO32_START, MMIO32_END),
+        (
+            config.mmio64_start,
+            config.mmio64_start + config.mmio64_size,
+        ),
+    ] {
+        mmio_bus
+            .insert(
+                base,
+                end - base,
+                Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
+            )
+            .map_err(PciSetupError::Place)?;
+    }
+    Ok(root)
+}
+
+/// Plugs the passthrough devices of `options` into `root`.
+fn attach_devices(
+    kvm: &Kvm,
+    vm: &VmFd,
+    ram: &GuestRam,
+    options: &PciOptions,
+    root: &Arc<PciRoot>,
+    devices: &mut MachineDevices,
+) -> Result<(), PciSetupError> {
     let router = Arc::new(MsiRouter::new(kvm, vm)?);
     let dma_regions: Vec<DmaRegion> = ram
         .host_regions()
@@ -430,7 +478,7 @@ pub fn attach(
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     let plug = Plug {
         vm,
-        root: &root,
+        root,
         router: &router,
         slots: &slots,
     };
@@ -441,36 +489,7 @@ pub fn attach(
         let backend = VfioUserDevice::connect(socket)?;
         plug.device(Box::new(backend), Some(&dma_regions), devices)?;
     }
-
-    let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
-    io_bus
-        .insert(
-            CONFIG_ADDRESS_PORT,
-            8,
-            Arc::new(Mutex::new(ConfigAddressPort::new(root.clone()))),
-        )
-        .map_err(PciSetupError::Place)?;
-    let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
-    mmio_bus
-        .insert(
-            ECAM_BASE,
-            PciRootConfig::ECAM_SIZE,
-            Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
-        )
-        .map_err(PciSetupError::Place)?;
-    for (base, end) in [
-        (MMIO32_START, MMIO32_END),
-        (config.mmio64_start, config.mmio64_start + mmio64_size),
-    ] {
-        mmio_bus
-            .insert(
-                base,
-                end - base,
-                Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
-            )
-            .map_err(PciSetupError::Place)?;
-    }
-    Ok(Some(root))
+    Ok(())
 }
 
 #[cfg(test)]

@@ -186,11 +186,13 @@ pub struct LoadedKernel {
     setup_header: Option<setup_header>,
 }
 
-/// Loads the kernel, initrd and command line and writes the boot-protocol structures.
+/// Loads the kernel, initrd and command line and writes the boot-protocol structures;
+/// `rsdp_addr` (the ACPI tables' root, already in guest memory) goes into them.
 pub fn load(
     mem: &GuestMemoryMmap,
     regions: &[RamRegion],
     source: &BootSource,
+    rsdp_addr: Option<u64>,
 ) -> Result<LoadedKernel, BootError> {
     let (mut image, name) = match &source.kernel {
         KernelSource::Embedded(bytes) => (
@@ -245,7 +247,7 @@ pub fn load(
         kernel_end: result.kernel_end,
         setup_header: result.setup_header,
     };
-    write_boot_structures(mem, regions, source, &loaded)?;
+    write_boot_structures(mem, regions, source, &loaded, rsdp_addr.unwrap_or(0))?;
     Ok(loaded)
 }
 
@@ -311,6 +313,7 @@ fn write_boot_structures(
     regions: &[RamRegion],
     source: &BootSource,
     kernel: &LoadedKernel,
+    rsdp_addr: u64,
 ) -> Result<(), BootError> {
     if source.cmdline.len() >= CMDLINE_MAX_SIZE {
         return Err(BootError::CmdlineTooLong {
@@ -343,7 +346,7 @@ fn write_boot_structures(
                 )?),
                 None => None,
             };
-            write_pvh_start_info(mem, &e820, initrd)
+            write_pvh_start_info(mem, &e820, initrd, rsdp_addr)
         }
         EntryPoint::Linux64 { .. } => {
             let header = kernel.setup_header.unwrap_or_default();
@@ -360,7 +363,14 @@ fn write_boot_structures(
                 )?),
                 None => None,
             };
-            write_zero_page(mem, header, &e820, cmdline_len(&source.cmdline), initrd)
+            write_zero_page(
+                mem,
+                header,
+                &e820,
+                cmdline_len(&source.cmdline),
+                initrd,
+                rsdp_addr,
+            )
         }
     }
 }
@@ -373,6 +383,7 @@ fn write_pvh_start_info(
     mem: &GuestMemoryMmap,
     e820: &[E820Entry],
     initrd: Option<(u64, u64)>,
+    rsdp_addr: u64,
 ) -> Result<(), BootError> {
     let memmap: Vec<hvm_memmap_table_entry> = e820
         .iter()
@@ -394,6 +405,7 @@ fn write_pvh_start_info(
         cmdline_paddr: CMDLINE_START,
         memmap_paddr: memmap_addr.raw_value(),
         memmap_entries: memmap.len() as u32,
+        rsdp_paddr: rsdp_addr,
         ..Default::default()
     };
     let mut params;
@@ -423,6 +435,7 @@ fn write_zero_page(
     e820: &[E820Entry],
     cmdline_size: u32,
     initrd: Option<(u64, u64)>,
+    rsdp_addr: u64,
 ) -> Result<(), BootError> {
     header.type_of_loader = LOADER_TYPE_UNDEFINED;
     header.boot_flag = BOOT_FLAG_MAGIC;
@@ -434,6 +447,7 @@ fn write_zero_page(
     }
     let mut params = boot_params {
         hdr: header,
+        acpi_rsdp_addr: rsdp_addr,
         ..Default::default()
     };
     if let Some((address, size)) = initrd {
@@ -484,12 +498,14 @@ mod tests {
             &mem,
             &regions,
             &source(KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF)),
+            Some(0xe0000),
         )
         .unwrap();
         assert!(matches!(loaded.entry, EntryPoint::Pvh { .. }));
         let info: hvm_start_info = mem.read_obj(GuestAddress(PVH_INFO_START)).unwrap();
         assert_eq!(info.magic, XEN_HVM_START_MAGIC);
         assert_eq!(info.memmap_entries as usize, e820_map(&regions).len());
+        assert_eq!({ info.rsdp_paddr }, 0xe0000);
         let mut cmdline = [0u8; 6];
         mem.read_slice(&mut cmdline, GuestAddress(info.cmdline_paddr))
             .unwrap();
@@ -500,10 +516,22 @@ mod tests {
     fn garbage_is_not_a_kernel() {
         let (mem, regions) = memory(16 << 20);
         static GARBAGE: [u8; 4096] = [0x5a; 4096];
-        let err = load(&mem, &regions, &source(KernelSource::Embedded(&GARBAGE))).unwrap_err();
+        let err = load(
+            &mem,
+            &regions,
+            &source(KernelSource::Embedded(&GARBAGE)),
+            None,
+        )
+        .unwrap_err();
         assert!(matches!(err, BootError::NotAKernel(_)), "{err}");
         static EMPTY: [u8; 0] = [];
-        let err = load(&mem, &regions, &source(KernelSource::Embedded(&EMPTY))).unwrap_err();
+        let err = load(
+            &mem,
+            &regions,
+            &source(KernelSource::Embedded(&EMPTY)),
+            None,
+        )
+        .unwrap_err();
         assert!(matches!(err, BootError::NotAKernel(_)), "{err}");
     }
 
@@ -513,7 +541,13 @@ mod tests {
         let elf = gpuvm_guest_images::TEST_GUEST_ELF;
         let truncated: &'static [u8] =
             Box::leak(elf[..elf.len().min(100)].to_vec().into_boxed_slice());
-        assert!(load(&mem, &regions, &source(KernelSource::Embedded(truncated))).is_err());
+        assert!(load(
+            &mem,
+            &regions,
+            &source(KernelSource::Embedded(truncated)),
+            None
+        )
+        .is_err());
     }
 
     #[test]
@@ -523,6 +557,7 @@ mod tests {
             &mem,
             &regions,
             &source(KernelSource::File("/nonexistent/vmlinux".into())),
+            None,
         )
         .unwrap_err();
         assert!(err.to_string().contains("/nonexistent/vmlinux"), "{err}");
@@ -546,9 +581,10 @@ mod tests {
         std::fs::write(&initrd, vec![0xab; 10_000]).unwrap();
         let mut boot = source(KernelSource::Embedded(image));
         boot.initrd = Some(initrd);
-        let loaded = load(&mem, &regions, &boot).unwrap();
+        let loaded = load(&mem, &regions, &boot, Some(0xe0000)).unwrap();
         assert_eq!(loaded.entry, EntryPoint::Linux64 { entry: 0x10_0200 });
         let params: boot_params = mem.read_obj(GuestAddress(ZERO_PAGE_START)).unwrap();
+        assert_eq!({ params.acpi_rsdp_addr }, 0xe0000);
         let hdr = params.hdr;
         assert_eq!({ hdr.boot_flag }, BOOT_FLAG_MAGIC);
         assert_eq!({ hdr.cmd_line_ptr }, CMDLINE_START as u32);
@@ -568,7 +604,7 @@ mod tests {
         let mut boot = source(KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF));
         boot.cmdline = "x".repeat(CMDLINE_MAX_SIZE + 1);
         assert!(matches!(
-            load(&mem, &regions, &boot),
+            load(&mem, &regions, &boot, None),
             Err(BootError::CmdlineTooLong { .. })
         ));
     }

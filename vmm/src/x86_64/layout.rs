@@ -8,9 +8,12 @@
 //! 0x0000_9000  boot page tables (PML4, PDPT, 4 PDs identity-mapping 4 GiB)
 //! 0x0002_0000  kernel command line
 //! 0x0009_fc00  EBDA: MP floating pointer           (reserved in the e820 map)
+//! 0x000e_0000  ACPI: RSDP, then the tables          (reserved in the e820 map)
 //! 0x000f_0000  MP configuration table              (reserved in the e820 map)
 //! 0x0010_0000  kernel / test guest, then RAM
-//! 0xc000_0000  32-bit MMIO hole (PCI, IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000)
+//! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
+//!              0xe000_0000..0xe010_0000 (reserved in the e820 map), IOAPIC 0xfec0_0000,
+//!              LAPIC 0xfee0_0000
 //! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window
 //! ```
 
@@ -27,11 +30,17 @@ pub const PD_START: u64 = 0xb000;
 pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 4096;
 pub const EBDA_START: u64 = 0x9fc00;
+/// ACPI tables (RSDP first, where guests scan for it) fill `[ACPI_START, ACPI_END)`.
+pub const ACPI_START: u64 = 0xe0000;
+pub const ACPI_END: u64 = MPTABLE_CONFIG_START;
 pub const MPTABLE_CONFIG_START: u64 = 0xf0000;
 pub const BIOS_AREA_END: u64 = 0x10_0000;
 /// Where kernels and the test guest are loaded; also the start of "high" memory.
 pub const HIMEM_START: u64 = 0x10_0000;
 pub const MMIO_HOLE_START: u64 = 0xc000_0000;
+/// PCI memory-mapped configuration space (ECAM) for bus 0; the 32-bit BAR window ends here.
+pub const PCI_ECAM_START: u64 = 0xe000_0000;
+pub const PCI_ECAM_SIZE: u64 = gpuvm_devices::pci::PciRootConfig::ECAM_SIZE;
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
 pub const APIC_ADDR: u64 = 0xfee0_0000;
@@ -69,8 +78,9 @@ pub struct E820Entry {
     pub kind: u32,
 }
 
-/// The memory map the guest sees: low RAM below the EBDA, the BIOS area reserved,
-/// then RAM from 1 MiB, split around the MMIO hole.
+/// The memory map the guest sees: low RAM below the EBDA, the BIOS area (MP and ACPI
+/// tables) reserved, then RAM from 1 MiB, split around the MMIO hole, with the PCI ECAM
+/// window reserved in the hole (firmware reserves it so the OS trusts the MCFG table).
 pub fn e820_map(regions: &[RamRegion]) -> Vec<E820Entry> {
     let mut map = vec![
         E820Entry {
@@ -94,6 +104,12 @@ pub fn e820_map(regions: &[RamRegion]) -> Vec<E820Entry> {
             });
         }
     }
+    map.push(E820Entry {
+        addr: PCI_ECAM_START,
+        size: PCI_ECAM_SIZE,
+        kind: E820_RESERVED,
+    });
+    map.sort_by_key(|e| e.addr);
     map
 }
 
@@ -134,6 +150,26 @@ mod tests {
         // Sorted and non-overlapping.
         for pair in map.windows(2) {
             assert!(pair[0].addr + pair[0].size <= pair[1].addr);
+        }
+    }
+
+    #[test]
+    fn e820_reserves_acpi_tables_and_ecam() {
+        for size in [64 << 20, 6 << 30] {
+            let map = e820_map(&ram_regions(size));
+            let reserved = |start: u64, end: u64| {
+                map.iter()
+                    .any(|e| e.kind == E820_RESERVED && e.addr <= start && end <= e.addr + e.size)
+            };
+            assert!(reserved(ACPI_START, ACPI_END), "{map:?}");
+            assert!(reserved(PCI_ECAM_START, PCI_ECAM_START + PCI_ECAM_SIZE));
+            // No RAM entry overlaps the ECAM window.
+            assert!(!map.iter().any(|e| e.kind == E820_RAM
+                && e.addr < PCI_ECAM_START + PCI_ECAM_SIZE
+                && PCI_ECAM_START < e.addr + e.size));
+            for pair in map.windows(2) {
+                assert!(pair[0].addr + pair[0].size <= pair[1].addr);
+            }
         }
     }
 }

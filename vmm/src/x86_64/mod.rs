@@ -1,5 +1,6 @@
 //! x86_64 specifics: memory layout, boot protocols, CPU state, and firmware tables.
 
+pub mod acpi;
 pub mod boot;
 pub mod cpuid;
 pub mod emulate;

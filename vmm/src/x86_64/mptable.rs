@@ -34,6 +34,11 @@ pub enum MpTableError {
     Write(#[from] vm_memory::GuestMemoryError),
 }
 
+/// The IOAPIC's id: the one after the last CPU's APIC id (the ACPI MADT uses the same).
+pub fn ioapic_id(num_cpus: u8) -> u8 {
+    num_cpus
+}
+
 fn checksum(bytes: &[u8]) -> u8 {
     0u8.wrapping_sub(bytes.iter().fold(0u8, |acc, b| acc.wrapping_add(*b)))
 }
@@ -43,7 +48,7 @@ pub fn build_config_table(num_cpus: u8) -> Result<Vec<u8>, MpTableError> {
     if num_cpus == 0 || num_cpus > MAX_MPTABLE_CPUS {
         return Err(MpTableError::TooManyCpus(num_cpus));
     }
-    let ioapic_id = num_cpus;
+    let ioapic_id = ioapic_id(num_cpus);
     let mut entries = Vec::new();
     let mut count: u16 = 0;
     for cpu in 0..num_cpus {

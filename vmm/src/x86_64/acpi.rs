@@ -1,0 +1,711 @@
+//! ACPI tables, so guests find the vCPUs, the interrupt routing and PCI (with its ECAM
+//! window) the standard way:
+//!
+//! ```text
+//! RSDP (v2, at ACPI_START, where guests scan for it; PVH and bzImage get its address)
+//!  └─ XSDT ─┬─ FACP (FADT): HW-reduced ACPI, IA-PC boot flags (legacy devices, 8042, no VGA),
+//!           │        reset register = port 0x64 value 0xFE; X_DSDT ─▶ DSDT
+//!           ├─ APIC (MADT): a local APIC per vCPU, the IOAPIC, LINT1 = NMI
+//!           └─ MCFG: the ECAM window (segment 0, the buses it covers)
+//! DSDT: \_SB.PCI0 (PNP0A08/PNP0A03, _SEG/_BBN 0, _CRS bus range + CF8..CFF + both BAR
+//!       windows, _PRT for 32 slots x 4 pins), \_SB.MBRD (PNP0C02, reserves the ECAM window),
+//!       \_SB.COM1 (PNP0501, 0x3F8, IRQ 4)
+//! ```
+//!
+//! The tables are encoded by rust-vmm's `acpi_tables`. They describe what the VMM really
+//! builds: the IOAPIC id, ISA IRQ wiring and LINT pins follow the MP table (mptable.rs,
+//! kept alongside), the PCI windows and ECAM come from the root bus's [`PciRootConfig`],
+//! and the _PRT uses [`intx_gsi`], the rule the INTx wiring uses.
+
+use acpi_tables::aml::{self, AddressSpaceCacheable};
+use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
+use acpi_tables::madt::{
+    EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
+};
+use acpi_tables::mcfg::MCFG;
+use acpi_tables::rsdp::Rsdp;
+use acpi_tables::sdt::Sdt;
+use acpi_tables::xsdt::XSDT;
+use acpi_tables::{Aml, AmlSink};
+use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use zerocopy::{Immutable, IntoBytes};
+
+use super::layout::{ACPI_END, ACPI_START, APIC_ADDR, IOAPIC_ADDR};
+use super::mptable::{ioapic_id, MAX_MPTABLE_CPUS};
+
+pub const OEM_ID: [u8; 6] = *b"GPUVM ";
+const OEM_TABLE_ID: [u8; 8] = *b"GPUVMTBL";
+const OEM_REVISION: u32 = 1;
+/// Where the RSDP goes: the start of the area guests scan (0xE0000..0xFFFFF).
+pub const RSDP_ADDR: u64 = ACPI_START;
+/// Tables start 16-byte aligned.
+const TABLE_ALIGN: u64 = 16;
+/// DSDT revision 2: AML integers are 64 bits (the 64-bit BAR window needs them).
+const DSDT_REVISION: u8 = 2;
+/// Configuration mechanism #1 ports.
+const PCI_CONFIG_PORT: u16 = 0xcf8;
+const PCI_CONFIG_PORT_LEN: u8 = 8;
+/// i8042 command port; writing 0xFE pulses the CPU reset line (devices/src/i8042.rs).
+const RESET_PORT: u64 = 0x64;
+const RESET_VALUE: u8 = 0xfe;
+const COM1_PORT: u16 = 0x3f8;
+const COM1_IRQ: u32 = 4;
+const PCI_SLOTS: u8 = 32;
+const PCI_PINS: u8 = 4;
+/// One bus of ECAM is 32 devices x 8 functions x 4 KiB.
+const ECAM_BYTES_PER_BUS: u64 = 1 << 20;
+
+/// FADT IA-PC boot architecture flags.
+const IAPC_LEGACY_DEVICES: u16 = 1 << 0;
+const IAPC_8042: u16 = 1 << 1;
+const IAPC_VGA_NOT_PRESENT: u16 = 1 << 2;
+/// MADT flags: PCAT_COMPAT, the machine also has the dual 8259 PICs (KVM's in-kernel irqchip).
+const MADT_PCAT_COMPAT: u32 = 1;
+const MADT_FLAGS_OFFSET: usize = 40;
+const CHECKSUM_OFFSET: usize = 9;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AcpiError {
+    #[error("{0} vCPUs do not fit in the ACPI MADT (1 to {MAX_MPTABLE_CPUS})")]
+    CpuCount(u8),
+    #[error("invalid PCI layout for the ACPI tables: {0}")]
+    Layout(&'static str),
+    #[error("the ACPI tables need {needed} bytes but the BIOS area has {room}")]
+    TooLarge { needed: u64, room: u64 },
+    #[error("failed to write the ACPI tables into guest memory: {0}")]
+    Write(#[from] vm_memory::GuestMemoryError),
+}
+
+/// What the tables describe.
+#[derive(Clone, Copy, Debug)]
+pub struct AcpiConfig {
+    pub vcpus: u8,
+    pub pci: PciRootConfig,
+}
+
+/// The tables and where each goes in guest memory.
+#[derive(Debug)]
+pub struct AcpiTables {
+    pub rsdp_addr: u64,
+    /// (guest address, bytes), RSDP first, in ascending address order.
+    pub blobs: Vec<(u64, Vec<u8>)>,
+}
+
+impl AcpiTables {
+    /// The table with `signature` (or the RSDP for `b"RSD "`), for tests and tools.
+    pub fn find(&self, signature: &[u8; 4]) -> Option<(u64, &[u8])> {
+        self.blobs
+            .iter()
+            .find(|(_, bytes)| bytes.starts_with(signature))
+            .map(|(addr, bytes)| (*addr, bytes.as_slice()))
+    }
+}
+
+/// MADT Local APIC NMI structure (type 4): which LINT pin of which processor is NMI.
+#[repr(C, packed)]
+#[derive(Clone, Copy, Debug, IntoBytes, Immutable)]
+struct LocalApicNmi {
+    kind: u8,
+    length: u8,
+    processor_uid: u8,
+    flags: u16,
+    lint: u8,
+}
+
+impl LocalApicNmi {
+    /// Every processor (uid 0xFF), flags "conforms to the bus".
+    fn all_processors(lint: u8) -> Self {
+        LocalApicNmi {
+            kind: 4,
+            length: 6,
+            processor_uid: 0xff,
+            flags: 0,
+            lint,
+        }
+    }
+}
+
+impl Aml for LocalApicNmi {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        sink.vec(self.as_bytes());
+    }
+}
+
+fn bytes_of(table: &dyn Aml) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    table.to_aml_bytes(&mut bytes);
+    bytes
+}
+
+fn set_checksum(table: &mut [u8]) {
+    table[CHECKSUM_OFFSET] = 0;
+    let sum = table.iter().fold(0u8, |acc, b| acc.wrapping_add(*b));
+    table[CHECKSUM_OFFSET] = 0u8.wrapping_sub(sum);
+}
+
+/// The last bus the ECAM window covers (it starts at bus 0).
+fn ecam_end_bus(pci: &PciRootConfig) -> Result<u8, AcpiError> {
+    let buses = PciRootConfig::ECAM_SIZE / ECAM_BYTES_PER_BUS;
+    if buses == 0 || buses > 256 || !PciRootConfig::ECAM_SIZE.is_multiple_of(ECAM_BYTES_PER_BUS) {
+        return Err(AcpiError::Layout(
+            "the ECAM window must cover 1 to 256 whole buses",
+        ));
+    }
+    if !pci.ecam_base.is_multiple_of(ECAM_BYTES_PER_BUS) {
+        return Err(AcpiError::Layout("the ECAM window must be 1 MiB aligned"));
+    }
+    Ok((buses - 1) as u8)
+}
+
+fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
+    let end_bus = ecam_end_bus(pci)?;
+    let to_u32 = |value: u64, what| u32::try_from(value).map_err(|_| AcpiError::Layout(what));
+    let mmio32_start = to_u32(pci.mmio32_start, "the 32-bit window must lie below 4 GiB")?;
+    let mmio32_last = to_u32(
+        pci.mmio32_end.saturating_sub(1),
+        "the 32-bit window must lie below 4 GiB",
+    )?;
+    let ecam_base = to_u32(pci.ecam_base, "the ECAM window must lie below 4 GiB")?;
+    let ecam_size = to_u32(PciRootConfig::ECAM_SIZE, "the ECAM window is too large")?;
+    if pci.mmio32_end <= pci.mmio32_start || pci.mmio64_size == 0 {
+        return Err(AcpiError::Layout("a PCI BAR window is empty"));
+    }
+    let mmio64_last = pci
+        .mmio64_start
+        .checked_add(pci.mmio64_size - 1)
+        .ok_or(AcpiError::Layout("the 64-bit window wraps around"))?;
+
+    // _PRT: slot D pin P (0 = INTA) -> GSI 16 + (D + P) % 8, as the INTx wiring does.
+    let routes: Vec<(u32, u8, u32)> = (0..PCI_SLOTS)
+        .flat_map(|slot| {
+            (0..PCI_PINS).map(move |pin| (u32::from(slot) << 16 | 0xffff, pin, intx_gsi(slot, pin)))
+        })
+        .collect();
+    let entries: Vec<aml::Package> = routes
+        .iter()
+        .map(|(address, pin, gsi)| aml::Package::new(vec![address, pin, &aml::ZERO, gsi]))
+        .collect();
+    let prt = aml::Package::new(entries.iter().map(|e| e as &dyn Aml).collect());
+
+    let mut table = Sdt::new(
+        *b"DSDT",
+        36,
+        DSDT_REVISION,
+        OEM_ID,
+        OEM_TABLE_ID,
+        OEM_REVISION,
+    );
+    let mut body = Vec::new();
+    aml::Scope::new(
+        "\\_SB_".into(),
+        vec![
+            &aml::Device::new(
+                "PCI0".into(),
+                vec![
+                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0A08")),
+                    &aml::Name::new("_CID".into(), &aml::EISAName::new("PNP0A03")),
+                    &aml::Name::new("_ADR".into(), &aml::ZERO),
+                    &aml::Name::new("_SEG".into(), &aml::ZERO),
+                    &aml::Name::new("_UID".into(), &aml::ZERO),
+                    &aml::Name::new("_BBN".into(), &aml::ZERO),
+                    &aml::Name::new(
+                        "_CRS".into(),
+                        &aml::ResourceTemplate::new(vec![
+                            &aml::AddressSpace::new_bus_number(0u16, u16::from(end_bus)),
+                            &aml::IO::new(PCI_CONFIG_PORT, PCI_CONFIG_PORT, 1, PCI_CONFIG_PORT_LEN),
+                            &aml::AddressSpace::new_memory(
+                                AddressSpaceCacheable::NotCacheable,
+                                true,
+                                mmio32_start,
+                                mmio32_last,
+                                None,
+                            ),
+                            &aml::AddressSpace::new_memory(
+                                AddressSpaceCacheable::Cacheable,
+                                true,
+                                pci.mmio64_start,
+                                mmio64_last,
+                                None,
+                            ),
+                        ]),
+                    ),
+                    &aml::Name::new("_PRT".into(), &prt),
+                ],
+            ),
+            // Motherboard resources: the ECAM window belongs to the platform, not to RAM
+            // or any device (Linux checks MCFG against this or the e820 map).
+            &aml::Device::new(
+                "MBRD".into(),
+                vec![
+                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02")),
+                    &aml::Name::new("_UID".into(), &aml::ZERO),
+                    &aml::Name::new(
+                        "_CRS".into(),
+                        &aml::ResourceTemplate::new(vec![&aml::Memory32Fixed::new(
+                            true, ecam_base, ecam_size,
+                        )]),
+                    ),
+                ],
+            ),
+            &aml::Device::new(
+                "COM1".into(),
+                vec![
+                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0501")),
+                    &aml::Name::new("_UID".into(), &aml::ZERO),
+                    &aml::Name::new(
+                        "_CRS".into(),
+                        &aml::ResourceTemplate::new(vec![
+                            &aml::IO::new(COM1_PORT, COM1_PORT, 1, 8),
+                            &aml::Interrupt::new(true, true, false, false, COM1_IRQ),
+                        ]),
+                    ),
+                ],
+            ),
+        ],
+    )
+    .to_aml_bytes(&mut body);
+    table.append_slice(&body);
+    Ok(table.as_slice().to_vec())
+}
+
+fn fadt(dsdt_addr: u64) -> Vec<u8> {
+    let mut fadt = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
+        .flag(Flags::HwReducedAcpi)
+        .flag(Flags::ResetRegSup)
+        .dsdt_64(dsdt_addr);
+    fadt.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_8042 | IAPC_VGA_NOT_PRESENT).into();
+    fadt.reset_reg = GAS::new(
+        AddressSpace::SystemIo,
+        8,
+        0,
+        AccessSize::ByteAccess,
+        RESET_PORT,
+    );
+    fadt.reset_value = RESET_VALUE;
+    bytes_of(&fadt.finalize())
+}
+
+/// ISA IRQs need no interrupt source overrides: like the MP table, IRQ n is IOAPIC pin n
+/// with the bus's default polarity and trigger, which is what ACPI assumes without one.
+fn madt(vcpus: u8) -> Vec<u8> {
+    let mut madt = MADT::new(
+        OEM_ID,
+        OEM_TABLE_ID,
+        OEM_REVISION,
+        LocalInterruptController::Address(APIC_ADDR as u32),
+    );
+    for cpu in 0..vcpus {
+        madt.add_structure(ProcessorLocalApic::new(cpu, cpu, EnabledStatus::Enabled));
+    }
+    madt.add_structure(IoApic::new(ioapic_id(vcpus), IOAPIC_ADDR as u32, 0));
+    madt.add_structure(LocalApicNmi::all_processors(1));
+    let mut bytes = bytes_of(&madt);
+    // The crate has no setter for the MADT flags.
+    bytes[MADT_FLAGS_OFFSET..MADT_FLAGS_OFFSET + 4]
+        .copy_from_slice(&MADT_PCAT_COMPAT.to_le_bytes());
+    set_checksum(&mut bytes);
+    bytes
+}
+
+fn mcfg(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
+    let mut mcfg = MCFG::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    mcfg.add_ecam(pci.ecam_base, 0, 0, ecam_end_bus(pci)?);
+    Ok(bytes_of(&mcfg))
+}
+
+/// Builds every table and places it in `[ACPI_START, ACPI_END)`.
+pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
+    if config.vcpus == 0 || config.vcpus > MAX_MPTABLE_CPUS {
+        return Err(AcpiError::CpuCount(config.vcpus));
+    }
+    let mut next = RSDP_ADDR + (Rsdp::len() as u64).next_multiple_of(TABLE_ALIGN);
+    let mut place = |len: usize| {
+        let addr = next;
+        next = (addr + len as u64).next_multiple_of(TABLE_ALIGN);
+        addr
+    };
+    let dsdt = dsdt(&config.pci)?;
+    let dsdt_addr = place(dsdt.len());
+    let fadt = fadt(dsdt_addr);
+    let fadt_addr = place(fadt.len());
+    let madt = madt(config.vcpus);
+    let madt_addr = place(madt.len());
+    let mcfg = mcfg(&config.pci)?;
+    let mcfg_addr = place(mcfg.len());
+    let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    for addr in [fadt_addr, madt_addr, mcfg_addr] {
+        xsdt.add_entry(addr);
+    }
+    let xsdt = bytes_of(&xsdt);
+    let xsdt_addr = place(xsdt.len());
+    let end = next;
+    if end > ACPI_END {
+        return Err(AcpiError::TooLarge {
+            needed: end - ACPI_START,
+            room: ACPI_END - ACPI_START,
+        });
+    }
+    let rsdp = bytes_of(&Rsdp::new(OEM_ID, xsdt_addr));
+    Ok(AcpiTables {
+        rsdp_addr: RSDP_ADDR,
+        blobs: vec![
+            (RSDP_ADDR, rsdp),
+            (dsdt_addr, dsdt),
+            (fadt_addr, fadt),
+            (madt_addr, madt),
+            (mcfg_addr, mcfg),
+            (xsdt_addr, xsdt),
+        ],
+    })
+}
+
+/// Builds the tables and writes them into guest memory; returns the RSDP's address.
+pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, AcpiError> {
+    let tables = build(config)?;
+    for (addr, bytes) in &tables.blobs {
+        mem.write_slice(bytes, GuestAddress(*addr))?;
+    }
+    log::debug!(
+        "ACPI tables at {:#x}..{:#x} (RSDP {:#x})",
+        ACPI_START,
+        tables
+            .blobs
+            .iter()
+            .map(|(addr, bytes)| addr + bytes.len() as u64)
+            .max()
+            .unwrap_or(ACPI_START),
+        tables.rsdp_addr
+    );
+    Ok(tables.rsdp_addr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::x86_64::layout::{
+        e820_map, ram_regions, E820_RESERVED, PCI_ECAM_SIZE, PCI_ECAM_START,
+    };
+
+    fn pci() -> PciRootConfig {
+        PciRootConfig {
+            ecam_base: crate::pci::ECAM_BASE,
+            mmio32_start: crate::pci::MMIO32_START,
+            mmio32_end: crate::pci::MMIO32_END,
+            mmio64_start: 0x1_0000_0000,
+            mmio64_size: crate::pci::DEFAULT_MMIO64_SIZE,
+        }
+    }
+
+    fn tables(vcpus: u8) -> AcpiTables {
+        build(&AcpiConfig { vcpus, pci: pci() }).unwrap()
+    }
+
+    fn sum(bytes: &[u8]) -> u8 {
+        bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b))
+    }
+
+    fn u32_at(bytes: &[u8], offset: usize) -> u32 {
+        u32::from_le_bytes(bytes[offset..offset + 4].try_into().unwrap())
+    }
+
+    fn u64_at(bytes: &[u8], offset: usize) -> u64 {
+        u64::from_le_bytes(bytes[offset..offset + 8].try_into().unwrap())
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    #[test]
+    fn every_checksum_sums_to_zero_and_lengths_match() {
+        for vcpus in [1, 2, 64, MAX_MPTABLE_CPUS] {
+            let tables = tables(vcpus);
+            let (_, rsdp) = tables.find(b"RSD ").unwrap();
+            assert_eq!(sum(&rsdp[..20]), 0, "RSDP v1 checksum");
+            assert_eq!(sum(rsdp), 0, "RSDP extended checksum");
+            assert_eq!(u32_at(rsdp, 20) as usize, rsdp.len());
+            for (addr, bytes) in &tables.blobs[1..] {
+                assert_eq!(
+                    sum(bytes),
+                    0,
+                    "{} at {addr:#x}",
+                    String::from_utf8_lossy(&bytes[..4])
+                );
+                assert_eq!(u32_at(bytes, 4) as usize, bytes.len());
+            }
+        }
+    }
+
+    #[test]
+    fn rsdp_points_at_an_xsdt_that_lists_every_table() {
+        let tables = tables(2);
+        let (rsdp_addr, rsdp) = tables.find(b"RSD ").unwrap();
+        assert_eq!(rsdp_addr, tables.rsdp_addr);
+        assert_eq!(&rsdp[..8], b"RSD PTR ");
+        assert_eq!(rsdp[15], 2, "revision 2 (XSDT)");
+        let (xsdt_addr, xsdt) = tables.find(b"XSDT").unwrap();
+        assert_eq!(u64_at(rsdp, 24), xsdt_addr);
+        let listed: Vec<u64> = (36..xsdt.len())
+            .step_by(8)
+            .map(|o| u64_at(xsdt, o))
+            .collect();
+        let mut expected: Vec<u64> = [b"FACP", b"APIC", b"MCFG"]
+            .iter()
+            .map(|s| tables.find(s).unwrap().0)
+            .collect();
+        expected.sort();
+        let mut sorted = listed.clone();
+        sorted.sort();
+        assert_eq!(sorted, expected);
+        // Every table but the RSDP, XSDT and DSDT (reached through the FADT) is listed.
+        for (addr, bytes) in &tables.blobs {
+            let listed_here = listed.contains(addr);
+            let indirect = [b"RSD ", b"XSDT", b"DSDT"]
+                .iter()
+                .any(|s| bytes.starts_with(&s[..]));
+            assert_eq!(listed_here, !indirect, "{:?}", &bytes[..4]);
+        }
+    }
+
+    #[test]
+    fn fadt_is_hw_reduced_with_8042_reset_and_points_at_the_dsdt() {
+        let tables = tables(1);
+        let (_, fadt) = tables.find(b"FACP").unwrap();
+        let (dsdt_addr, _) = tables.find(b"DSDT").unwrap();
+        assert_eq!(u64_at(fadt, 140), dsdt_addr, "X_DSDT");
+        assert_eq!(u32_at(fadt, 40), 0, "no 32-bit DSDT pointer");
+        assert_ne!(u32_at(fadt, 112) & Flags::HwReducedAcpi as u32, 0);
+        assert_ne!(u32_at(fadt, 112) & Flags::ResetRegSup as u32, 0);
+        let iapc = u16::from_le_bytes([fadt[109], fadt[110]]);
+        assert_eq!(iapc & IAPC_8042, IAPC_8042);
+        // Reset register: GAS in system I/O space at 0x64, value 0xFE.
+        assert_eq!(fadt[116], 1, "system I/O");
+        assert_eq!(u64_at(fadt, 120), 0x64);
+        assert_eq!(fadt[128], 0xfe);
+    }
+
+    fn madt_entries(madt: &[u8]) -> Vec<(u8, Vec<u8>)> {
+        let mut entries = Vec::new();
+        let mut offset = 44;
+        while offset + 2 <= madt.len() {
+            let (kind, len) = (madt[offset], madt[offset + 1] as usize);
+            assert!(len >= 2 && offset + len <= madt.len());
+            entries.push((kind, madt[offset..offset + len].to_vec()));
+            offset += len;
+        }
+        assert_eq!(offset, madt.len());
+        entries
+    }
+
+    #[test]
+    fn madt_has_one_local_apic_per_vcpu_and_the_mptable_ioapic() {
+        for vcpus in [1u8, 2, 7, MAX_MPTABLE_CPUS] {
+            let tables = tables(vcpus);
+            let (_, madt) = tables.find(b"APIC").unwrap();
+            assert_eq!(u32_at(madt, 36), APIC_ADDR as u32);
+            assert_eq!(u32_at(madt, 40) & MADT_PCAT_COMPAT, MADT_PCAT_COMPAT);
+            let entries = madt_entries(madt);
+            let lapics: Vec<_> = entries.iter().filter(|(k, _)| *k == 0).collect();
+            assert_eq!(lapics.len(), usize::from(vcpus));
+            for (i, (_, e)) in lapics.iter().enumerate() {
+                assert_eq!((e[2], e[3]), (i as u8, i as u8), "uid and APIC id");
+                assert_eq!(u32_at(e, 4) & 1, 1, "enabled");
+            }
+            let ioapics: Vec<_> = entries.iter().filter(|(k, _)| *k == 1).collect();
+            assert_eq!(ioapics.len(), 1);
+            let ioapic = &ioapics[0].1;
+            assert_eq!(ioapic[2], ioapic_id(vcpus));
+            assert_eq!(u32_at(ioapic, 4), IOAPIC_ADDR as u32);
+            assert_eq!(u32_at(ioapic, 8), 0, "GSI base");
+            // LINT1 is NMI on every processor, as in the MP table.
+            assert!(entries
+                .iter()
+                .any(|(k, e)| *k == 4 && e[2] == 0xff && e[5] == 1));
+            // ISA IRQs are identity-mapped, as in the MP table: no overrides.
+            assert!(!entries.iter().any(|(k, _)| *k == 2));
+        }
+    }
+
+    #[test]
+    fn mcfg_describes_the_layout_ecam() {
+        let tables = tables(1);
+        let (_, mcfg) = tables.find(b"MCFG").unwrap();
+        assert_eq!(mcfg.len(), 44 + 16, "one allocation");
+        assert_eq!(u64_at(mcfg, 44), PCI_ECAM_START);
+        assert_eq!(u16::from_le_bytes([mcfg[52], mcfg[53]]), 0, "segment");
+        let (start_bus, end_bus) = (mcfg[54], mcfg[55]);
+        assert_eq!(start_bus, 0);
+        assert_eq!(
+            (u64::from(end_bus) + 1) * ECAM_BYTES_PER_BUS,
+            PCI_ECAM_SIZE,
+            "the bus range covers exactly the ECAM window"
+        );
+    }
+
+    #[test]
+    fn dsdt_names_the_devices_routes_and_windows() {
+        let config = pci();
+        let tables = tables(1);
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        assert_eq!(dsdt[8], DSDT_REVISION);
+        let aml = &dsdt[36..];
+        for name in [
+            &b"_SB_"[..],
+            b"PCI0",
+            b"_HID",
+            b"_CID",
+            b"_SEG",
+            b"_BBN",
+            b"_CRS",
+            b"_PRT",
+            b"MBRD",
+            b"COM1",
+        ] {
+            assert!(contains(aml, name), "{}", String::from_utf8_lossy(name));
+        }
+        // EISA ids: PNP0A08, PNP0A03, PNP0C02, PNP0501 (compressed, as DWords).
+        for id in [0x080a_d041u32, 0x030a_d041, 0x020c_d041, 0x0105_d041] {
+            assert!(contains(aml, &id.to_le_bytes()), "EISA id {id:#x}");
+        }
+        // _PRT: 128 entries, each Package(4) { slot << 16 | 0xFFFF, pin, Zero, GSI }.
+        let mut prt_entries = 0;
+        for slot in 0..PCI_SLOTS {
+            for pin in 0..PCI_PINS {
+                // PackageOp, PkgLength (patched below), 4 elements.
+                let mut entry = vec![0x12, 0, 4];
+                // Slot 0's address (0xFFFF) fits a Word; the others need a DWord.
+                if slot == 0 {
+                    entry.extend_from_slice(&[0x0b, 0xff, 0xff]);
+                } else {
+                    entry.push(0x0c);
+                    entry.extend_from_slice(&(u32::from(slot) << 16 | 0xffff).to_le_bytes());
+                }
+                match pin {
+                    0 => entry.push(0x00),
+                    1 => entry.push(0x01),
+                    _ => entry.extend_from_slice(&[0x0a, pin]),
+                }
+                entry.push(0x00); // Zero: a GSI, not a link device
+                entry.extend_from_slice(&[0x0a, intx_gsi(slot, pin) as u8]);
+                entry[1] = (entry.len() - 1) as u8;
+                assert!(
+                    contains(aml, &entry),
+                    "_PRT slot {slot} pin {pin}: {entry:x?}"
+                );
+                prt_entries += 1;
+            }
+        }
+        assert_eq!(prt_entries, 128);
+        // _CRS windows: DWordMemory for the 32-bit window, QWordMemory for the 64-bit one,
+        // and the CF8 ports.
+        let mut dword = Vec::new();
+        for v in [
+            0,
+            config.mmio32_start as u32,
+            config.mmio32_end as u32 - 1,
+            0,
+        ] {
+            dword.extend_from_slice(&v.to_le_bytes());
+        }
+        assert!(contains(aml, &dword), "32-bit window");
+        let mut qword = Vec::new();
+        let last = config.mmio64_start + config.mmio64_size - 1;
+        for v in [0, config.mmio64_start, last, 0, config.mmio64_size] {
+            qword.extend_from_slice(&v.to_le_bytes());
+        }
+        assert!(contains(aml, &qword), "64-bit window");
+        assert!(
+            contains(aml, &[0x47, 1, 0xf8, 0x0c, 0xf8, 0x0c, 1, 8]),
+            "IO 0xCF8..0xCFF"
+        );
+        // The motherboard device reserves the ECAM window: Memory32Fixed(base, size).
+        let mut fixed = vec![0x86, 9, 0, 1];
+        fixed.extend_from_slice(&(PCI_ECAM_START as u32).to_le_bytes());
+        fixed.extend_from_slice(&(PCI_ECAM_SIZE as u32).to_le_bytes());
+        assert!(contains(aml, &fixed), "ECAM reservation");
+        // COM1: IO 0x3F8..0x3FF, IRQ 4.
+        assert!(contains(aml, &[0x47, 1, 0xf8, 0x03, 0xf8, 0x03, 1, 8]));
+        assert!(contains(aml, &[0x89, 6, 0, 0x03, 1, 4, 0, 0, 0]));
+    }
+
+    #[test]
+    fn tables_lie_in_the_reserved_bios_area() {
+        let tables = tables(MAX_MPTABLE_CPUS);
+        assert_eq!(tables.rsdp_addr % 16, 0, "RSDP on a 16-byte boundary");
+        assert!(
+            (0xe0000..0x100000).contains(&tables.rsdp_addr),
+            "in the scanned area"
+        );
+        for (addr, bytes) in &tables.blobs {
+            assert!(*addr >= ACPI_START && addr + bytes.len() as u64 <= ACPI_END);
+        }
+        for pair in tables.blobs.windows(2) {
+            assert!(
+                pair[0].0 + pair[0].1.len() as u64 <= pair[1].0,
+                "no overlap"
+            );
+        }
+        for size in [64 << 20, 6 << 30] {
+            let map = e820_map(&ram_regions(size));
+            assert!(map.iter().any(|e| e.kind == E820_RESERVED
+                && e.addr <= ACPI_START
+                && ACPI_END <= e.addr + e.size));
+        }
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        assert!(matches!(
+            build(&AcpiConfig {
+                vcpus: 0,
+                pci: pci()
+            }),
+            Err(AcpiError::CpuCount(0))
+        ));
+        assert!(matches!(
+            build(&AcpiConfig {
+                vcpus: 255,
+                pci: pci()
+            }),
+            Err(AcpiError::CpuCount(255))
+        ));
+        let mut bad = pci();
+        bad.mmio32_end = 1 << 33;
+        assert!(matches!(
+            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            Err(AcpiError::Layout(_))
+        ));
+        let mut bad = pci();
+        bad.ecam_base += 0x8_0000;
+        assert!(matches!(
+            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            Err(AcpiError::Layout(_))
+        ));
+        let mut bad = pci();
+        bad.mmio64_start = u64::MAX - 10;
+        assert!(matches!(
+            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            Err(AcpiError::Layout(_))
+        ));
+    }
+
+    #[test]
+    fn setup_writes_the_tables_into_guest_memory() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
+        let config = AcpiConfig {
+            vcpus: 2,
+            pci: pci(),
+        };
+        let rsdp = setup_acpi(&mem, &config).unwrap();
+        let mut signature = [0u8; 8];
+        mem.read_slice(&mut signature, GuestAddress(rsdp)).unwrap();
+        assert_eq!(&signature, b"RSD PTR ");
+        for (addr, bytes) in build(&config).unwrap().blobs {
+            let mut read = vec![0u8; bytes.len()];
+            mem.read_slice(&mut read, GuestAddress(addr)).unwrap();
+            assert_eq!(read, bytes);
+        }
+    }
+}
