@@ -217,6 +217,36 @@ impl Drop for HugePageReservation {
 /// Serialises tests that change the huge page pool.
 pub static HUGEPAGE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// A Unix socket path in the temporary directory, unique to this test process and `name`
+/// (`prefix` names the test file); any stale file there is removed.
+pub fn socket_path(prefix: &str, name: &str) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("gpuvm-{prefix}-{name}-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// Starts the emulated GPU (`emu_bin`: the test's `env!("CARGO_BIN_EXE_gpuvm-emu-gpu")`)
+/// serving vfio-user on `socket`, and waits until it listens.
+pub fn start_emu_gpu(
+    emu_bin: &std::path::Path,
+    socket: &std::path::Path,
+    extra: &[&str],
+) -> SpawnedProcess {
+    let mut args = vec!["--socket", socket.to_str().expect("utf-8 path")];
+    args.extend_from_slice(extra);
+    let mut emu = SpawnedProcess::spawn(emu_bin, &args);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        if let Some(status) = emu.try_status() {
+            panic!("gpuvm-emu-gpu exited early: {status:?}\n{}", emu.stderr());
+        }
+        assert!(Instant::now() < deadline, "gpuvm-emu-gpu did not listen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    emu
+}
+
 /// The RAM ranges (start, length) the test guest sees for `memory` bytes of guest RAM.
 pub fn guest_ram_ranges(memory: u64) -> Vec<(u64, u64)> {
     use gpuvm_vmm::x86_64::layout::{e820_map, ram_regions, E820_RAM};

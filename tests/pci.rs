@@ -3,7 +3,7 @@
 //! guest's `pci` workload (enumeration, BAR sizing, BAR0 MMIO, MSI-X, DMA into guest RAM).
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpuvm_tests::{run_gpuvm, SpawnedProcess};
 
@@ -14,25 +14,11 @@ fn emu_bin() -> PathBuf {
 }
 
 fn socket_path(name: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("gpuvm-pci-{name}-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    path
+    gpuvm_tests::socket_path("pci", name)
 }
 
-/// Starts the emulated GPU on `socket` and waits until it listens.
 fn start_emu(socket: &Path, extra: &[&str]) -> SpawnedProcess {
-    let mut args = vec!["--socket", socket.to_str().expect("utf-8 path")];
-    args.extend_from_slice(extra);
-    let mut emu = SpawnedProcess::spawn(&emu_bin(), &args);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        if let Some(status) = emu.try_status() {
-            panic!("gpuvm-emu-gpu exited early: {status:?}\n{}", emu.stderr());
-        }
-        assert!(Instant::now() < deadline, "gpuvm-emu-gpu did not listen");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    emu
+    gpuvm_tests::start_emu_gpu(&emu_bin(), socket, extra)
 }
 
 #[test]

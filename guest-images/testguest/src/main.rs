@@ -5,6 +5,7 @@
 #![no_std]
 #![no_main]
 
+mod acpi;
 mod arch;
 mod args;
 mod boot;

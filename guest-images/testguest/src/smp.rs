@@ -71,7 +71,7 @@ impl CpuTable {
     }
 }
 
-fn read_u8(paddr: u64) -> u8 {
+pub fn read_u8(paddr: u64) -> u8 {
     // SAFETY: low memory, BIOS areas and ACPI tables are identity mapped and user readable.
     unsafe { (paddr as *const u8).read_volatile() }
 }
@@ -80,29 +80,29 @@ fn read_u16(paddr: u64) -> u16 {
     u16::from_le_bytes([read_u8(paddr), read_u8(paddr + 1)])
 }
 
-fn read_u32(paddr: u64) -> u32 {
+pub fn read_u32(paddr: u64) -> u32 {
     // SAFETY: as in read_u8.
     unsafe { (paddr as *const u32).read_unaligned() }
 }
 
-fn read_u64(paddr: u64) -> u64 {
+pub fn read_u64(paddr: u64) -> u64 {
     // SAFETY: as in read_u8.
     unsafe { (paddr as *const u64).read_unaligned() }
 }
 
-fn bytes_equal(paddr: u64, expected: &[u8]) -> bool {
+pub fn bytes_equal(paddr: u64, expected: &[u8]) -> bool {
     expected
         .iter()
         .enumerate()
         .all(|(i, &b)| read_u8(paddr + i as u64) == b)
 }
 
-fn checksum_ok(paddr: u64, len: u64) -> bool {
+pub fn checksum_ok(paddr: u64, len: u64) -> bool {
     (0..len).fold(0u8, |sum, i| sum.wrapping_add(read_u8(paddr + i))) == 0
 }
 
 /// Finds `signature` 16-byte aligned in [start, end) with a zero checksum over `len` bytes.
-fn scan(start: u64, end: u64, signature: &[u8], len: u64) -> Option<u64> {
+pub fn scan(start: u64, end: u64, signature: &[u8], len: u64) -> Option<u64> {
     (start..end)
         .step_by(16)
         .find(|&a| bytes_equal(a, signature) && checksum_ok(a, len))
