@@ -85,7 +85,8 @@ start() {
     local name="$1"
     shift
     local socket="$work/$name.sock"
-    "$GPUVM_BIN" run --api-sock "$socket" --seccomp "$@" >"$work/$name.out" 2>"$work/$name.err" &
+    # Seccomp filters are on by default: a blocked call ends gpuvm with 148 and one line.
+    "$GPUVM_BIN" run --api-sock "$socket" "$@" >"$work/$name.out" 2>"$work/$name.err" &
     gpuvm_pid=$!
     pids+=("$gpuvm_pid")
     for _ in $(seq 100); do [[ -S "$socket" ]] && break; sleep 0.05; done

@@ -113,9 +113,21 @@ pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
 /// Runs `gpuvm ARGS`; if `stop_at` appears on stdout the process is killed there (for
 /// guests that never end by themselves, like Linux on this host). Panics after `limit`.
 pub fn run_gpuvm_until(args: &[&str], limit: Duration, stop_at: Option<&str>) -> RunOutput {
+    run_gpuvm_with_env(args, &[], limit, stop_at)
+}
+
+/// Like [`run_gpuvm_until`], with extra environment variables (e.g. the seccomp test
+/// hooks) set for gpuvm.
+pub fn run_gpuvm_with_env(
+    args: &[&str],
+    env: &[(&str, &str)],
+    limit: Duration,
+    stop_at: Option<&str>,
+) -> RunOutput {
     let started = Instant::now();
     let mut child = Command::new(gpuvm_bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -294,8 +306,18 @@ impl SpawnedProcess {
 
     /// Starts `program ARGS` with stdin closed and stdout/stderr captured.
     pub fn spawn(program: &std::path::Path, args: &[&str]) -> SpawnedProcess {
+        Self::spawn_with_env(program, args, &[])
+    }
+
+    /// Like [`SpawnedProcess::spawn`], with extra environment variables.
+    pub fn spawn_with_env(
+        program: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> SpawnedProcess {
         let mut child = Command::new(program)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -440,4 +462,56 @@ impl Drop for SpawnedProcess {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Waits until `process` (a gpuvm started with `--api-sock socket`) accepts connections.
+pub fn wait_for_api_socket(process: &mut SpawnedProcess, socket: &std::path::Path) {
+    process.wait_until("the API socket", Duration::from_secs(30), |_| {
+        std::os::unix::net::UnixStream::connect(socket).is_ok()
+    });
+}
+
+/// One API request that must answer `status`; returns the body.
+pub fn api_expect(
+    socket: &std::path::Path,
+    status: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> String {
+    let response = gpuvm_vmm::api::client::request(socket, method, path, body)
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    assert_eq!(
+        response.status, status,
+        "{method} {path} answered {}: {}",
+        response.status, response.body
+    );
+    response.body
+}
+
+/// Each thread of process `pid`: its name and its seccomp mode (0 off, 2 filter), from
+/// /proc/PID/task/TID/status.
+pub fn thread_seccomp_modes(pid: i32) -> Vec<(String, u32)> {
+    let mut threads = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return threads;
+    };
+    for task in tasks.flatten() {
+        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+            continue;
+        };
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        threads.push((
+            field("Name:"),
+            field("Seccomp:").parse().unwrap_or(u32::MAX),
+        ));
+    }
+    threads.sort();
+    threads
 }

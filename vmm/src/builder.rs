@@ -261,7 +261,12 @@ pub fn restore(
             None
         }
         RestoreMode::Lazy => {
-            let lazy = start_lazy_restore(loaded.chain.clone(), &mappings, LazyOptions::default())
+            // The fault and loader threads run the VMM thread's filter.
+            let options = LazyOptions {
+                on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+                ..LazyOptions::default()
+            };
+            let lazy = start_lazy_restore(loaded.chain.clone(), &mappings, options)
                 .map_err(SnapshotError::from)?;
             Some(LazyMemory::InProcess(lazy))
         }

@@ -5,15 +5,18 @@
 //!   kernel, vCPUs).
 //! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
 //! - [`vcpu`] is one vCPU thread and its exit handling.
+//! - [`seccomp`] holds the seccomp filters of the vmm, vCPU and API threads.
 //! - [`x86_64`] holds the architecture: layout, boot protocols, CPUID, MSRs, MP table.
 
 pub mod api;
 pub mod builder;
 pub mod config;
+pub mod logging;
 pub mod machine;
 pub mod metrics;
 pub mod pci;
 pub mod persist;
+pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
 pub mod x86_64;
@@ -70,4 +73,6 @@ pub enum Error {
     Pci(#[from] pci::PciSetupError),
     #[error("cannot read this process's memory use: {0}")]
     ProcStatus(std::io::Error),
+    #[error(transparent)]
+    Seccomp(#[from] seccomp::SeccompError),
 }

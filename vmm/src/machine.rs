@@ -24,6 +24,7 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use crate::config::MachineConfig;
 use crate::persist;
+use crate::seccomp::{self, ThreadKind};
 use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
@@ -339,9 +340,25 @@ impl Machine {
         }
         let _stdin = StdinInput::attach(&mut events, self.devices.serial.clone());
 
+        // vCPU threads start paused with their filter installed; this thread takes its
+        // own filter once nothing privileged is left to do, then lets the guest run.
         let mut handles: Vec<VcpuHandle> = Vec::with_capacity(self.vcpus.len());
-        for vcpu in self.vcpus.drain(..) {
-            handles.push(vcpu.start(reporter.clone())?);
+        let started = (|| -> Result<(), Error> {
+            for vcpu in self.vcpus.drain(..) {
+                handles.push(vcpu.start(reporter.clone())?);
+            }
+            for handle in &handles {
+                handle.wait_ready()?;
+            }
+            seccomp::apply(ThreadKind::Vmm)?;
+            for handle in &handles {
+                handle.resume()?;
+            }
+            Ok(())
+        })();
+        if let Err(error) = started {
+            SNAPSHOT_SIGNAL_FD.store(-1, Ordering::SeqCst);
+            return Err(error);
         }
         self.vcpus_started = Some(Instant::now());
         let outcome = loop {

@@ -23,6 +23,13 @@ mod passthrough_cli;
 #[derive(Parser, Debug)]
 #[command(name = "gpuvm", version, about)]
 struct Cli {
+    /// Log output: text, or json (one object per line with ts, level, target, message).
+    #[arg(long, global = true, default_value = "text", value_name = "text|json")]
+    log_format: gpuvm_vmm::logging::LogFormat,
+    /// Log level for every module: off, error, warn, info, debug, trace (default: the
+    /// GPUVM_LOG environment variable, else warn).
+    #[arg(long, global = true, value_name = "LEVEL")]
+    log_level: Option<log::LevelFilter>,
     #[command(subcommand)]
     command: Command,
 }
@@ -93,10 +100,8 @@ struct RunArgs {
     api_sock: Option<PathBuf>,
     #[command(flatten)]
     jail: JailArgs,
-    /// Run the API threads under a seccomp filter (anything outside their syscall list
-    /// kills the process). The VMM and vCPU threads are not filtered yet.
-    #[arg(long, requires = "api_sock")]
-    seccomp: bool,
+    #[command(flatten)]
+    seccomp: SeccompArgs,
     /// Start at once with this JSON configuration ({"machine-config": {...},
     /// "boot-source": {...}}, the bodies of the API's routes).
     #[arg(long)]
@@ -122,6 +127,34 @@ struct JailArgs {
     /// Run as this group id (with --uid).
     #[arg(long, requires = "uid")]
     gid: Option<u32>,
+}
+
+/// Seccomp filters (on by default; see the `seccomp` module).
+#[derive(Args, Debug, Default)]
+struct SeccompArgs {
+    /// Run without seccomp filters (by default every vmm, vCPU and API thread runs under
+    /// its own filter, and a system call outside it ends gpuvm with status 148).
+    #[arg(long)]
+    no_seccomp: bool,
+    /// Accepted for compatibility: filters are on by default now.
+    #[arg(long, hide = true, conflicts_with = "no_seccomp")]
+    seccomp: bool,
+}
+
+impl SeccompArgs {
+    /// Compiles the filters and arms the SIGSYS handler, unless --no-seccomp.
+    fn enable(&self) -> Result<(), CliError> {
+        if self.no_seccomp {
+            log::info!("seccomp filters are off (--no-seccomp)");
+            return Ok(());
+        }
+        let settings = gpuvm_vmm::seccomp::Settings::from_env().map_err(gpuvm_vmm::Error::from)?;
+        if settings.on_violation == gpuvm_vmm::seccomp::OnViolation::Log {
+            log::warn!("seccomp filters only log violations (GPUVM_SECCOMP_LOG_ONLY)");
+        }
+        gpuvm_vmm::seccomp::enable(&settings).map_err(gpuvm_vmm::Error::from)?;
+        Ok(())
+    }
 }
 
 #[derive(Args, Debug)]
@@ -271,6 +304,8 @@ struct RestoreArgs {
     #[command(flatten)]
     jail: JailArgs,
     #[command(flatten)]
+    seccomp: SeccompArgs,
+    #[command(flatten)]
     snapshot_args: SnapshotArgs,
     #[command(flatten)]
     report: ReportArgs,
@@ -317,6 +352,7 @@ fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {
 }
 
 fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    args.seccomp.enable()?;
     let kernel = match args.kernel {
         Some(path) => KernelSource::File(path),
         None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
@@ -367,11 +403,10 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     };
     let (requests_tx, requests_rx) = std::sync::mpsc::channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let mut server = ApiServer::start_with_seccomp(
+    let mut server = ApiServer::start(
         api_sock,
         requests_tx,
         wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
-        args.seccomp,
     )
     .map_err(|e| CliError::Other(e.to_string()))?;
     let mut controller =
@@ -486,6 +521,7 @@ mod api_config {
 }
 
 fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    args.seccomp.enable()?;
     let mode = match args.restore_mode {
         Mode::Eager => RestoreMode::Eager,
         Mode::Lazy => RestoreMode::Lazy,
@@ -774,10 +810,11 @@ fn write_guest_image(output: &std::path::Path) -> ExitCode {
 
 fn main() -> ExitCode {
     let process_start = Instant::now();
-    env_logger::Builder::from_env(env_logger::Env::default().filter_or("GPUVM_LOG", "warn"))
-        .format_timestamp_micros()
-        .init();
     let cli = Cli::parse();
+    if let Err(error) = gpuvm_vmm::logging::init(cli.log_format, cli.log_level) {
+        eprintln!("gpuvm: error: cannot set up logging: {error}");
+        return ExitCode::from(1);
+    }
     let result = match cli.command {
         Command::Run(args) => run(args, process_start),
         Command::Restore(args) => restore(args, process_start),

@@ -63,6 +63,11 @@ pub enum VcpuError {
     UnexpectedResponse(u8, String),
     #[error("vCPU {0}: cannot save its state: {1}")]
     SaveState(u8, PersistError),
+    #[error("vCPU {id}: {source}")]
+    Seccomp {
+        id: u8,
+        source: crate::seccomp::SeccompError,
+    },
 }
 
 /// Why a vCPU stopped running the guest on its own.
@@ -88,6 +93,9 @@ pub enum VcpuRequest {
 /// Answers to requests.
 #[derive(Debug)]
 pub enum VcpuResponse {
+    /// The thread is up, its seccomp filter installed (or the reason it could not be);
+    /// it waits for Resume before it runs the guest.
+    Ready(Result<(), crate::seccomp::SeccompError>),
     Paused,
     Resumed,
     State(Box<Result<VcpuState, PersistError>>),
@@ -232,7 +240,8 @@ impl Vcpu {
         persist::restore_vcpu(&self.fd, state)
     }
 
-    /// Starts the vCPU thread.
+    /// Starts the vCPU thread. The thread installs its seccomp filter and then waits,
+    /// paused: [`VcpuHandle::wait_ready`], then [`VcpuHandle::resume`] to run the guest.
     pub fn start(self, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let id = self.id;
@@ -256,6 +265,13 @@ impl Vcpu {
         responses: Sender<VcpuResponse>,
         reporter: Arc<StopReporter>,
     ) {
+        // Filtered before anything else runs on this thread, guest code included.
+        let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
+        let failed = filtered.is_err();
+        let _ = responses.send(VcpuResponse::Ready(filtered));
+        if failed || !self.wait_while_paused(&requests, &responses) {
+            return;
+        }
         let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
         KVM_RUN_PTR.with(|ptr| ptr.set(run_ptr));
         let stop = self.run_loop(&requests, &responses);
@@ -495,6 +511,19 @@ impl VcpuHandle {
             Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
                 Err(VcpuError::NoResponse(self.id))
             }
+        }
+    }
+
+    /// Waits until the new thread has installed its seccomp filter (it then waits for
+    /// [`resume`](Self::resume)).
+    pub fn wait_ready(&self) -> Result<(), VcpuError> {
+        match self.wait_response()? {
+            VcpuResponse::Ready(Ok(())) => Ok(()),
+            VcpuResponse::Ready(Err(source)) => Err(VcpuError::Seccomp {
+                id: self.id,
+                source,
+            }),
+            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
         }
     }
 

@@ -33,8 +33,12 @@ use super::{io_err, UffdError};
 use crate::snapshot::bits::AtomicBitmap;
 use crate::snapshot::{PlanRun, SnapshotChain};
 
+/// Runs first thing on each thread a lazy restore starts (e.g. to install a seccomp
+/// filter); an error fails the restore.
+pub type ThreadStartHook = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
+
 /// How to run a lazy restore.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct LazyOptions {
     /// Unit of background loading and of fault-driven prefetch.
     pub chunk_bytes: usize,
@@ -55,6 +59,24 @@ pub struct LazyOptions {
     pub max_latency_samples: usize,
     /// Faulted pages remembered for [`LazyRestore::fault_order`] (the first N).
     pub max_recorded_faults: usize,
+    /// Called on the fault thread and each loader thread before they do anything else.
+    pub on_thread_start: Option<ThreadStartHook>,
+}
+
+impl std::fmt::Debug for LazyOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyOptions")
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("verify_data", &self.verify_data)
+            .field("background", &self.background)
+            .field("loader_threads", &self.loader_threads)
+            .field("working_set", &self.working_set.len())
+            .field("unregister_when_done", &self.unregister_when_done)
+            .field("max_latency_samples", &self.max_latency_samples)
+            .field("max_recorded_faults", &self.max_recorded_faults)
+            .field("on_thread_start", &self.on_thread_start.is_some())
+            .finish()
+    }
 }
 
 impl Default for LazyOptions {
@@ -68,6 +90,7 @@ impl Default for LazyOptions {
             unregister_when_done: true,
             max_latency_samples: 1 << 20,
             max_recorded_faults: 1 << 16,
+            on_thread_start: None,
         }
     }
 }
@@ -423,7 +446,11 @@ fn set_nonblocking(uffd: &Uffd) -> Result<(), UffdError> {
 
 /// Runs a loader thread body and records its error, if any.
 fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
-    if let Err(e) = body(shared) {
+    let started = match &shared.opts.on_thread_start {
+        Some(hook) => hook().map_err(io_err("prepare a lazy-restore thread")),
+        None => Ok(()),
+    };
+    if let Err(e) = started.and_then(|()| body(shared)) {
         if shared.stop.load(Ordering::SeqCst) {
             debug!("lazy-restore thread ended during shutdown: {e}");
             return;

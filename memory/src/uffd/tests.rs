@@ -453,3 +453,41 @@ fn external_handshake_round_trip() {
     drop(stream);
     assert!(child.0.wait().unwrap().success());
 }
+
+#[test]
+fn the_thread_start_hook_runs_on_every_lazy_restore_thread() {
+    let dir = TempDir::new("hook");
+    let regions = two_regions(4 * MIB, 4 * MIB, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 11);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let names = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = names.clone();
+    let opts = LazyOptions {
+        loader_threads: 2,
+        on_thread_start: Some(Arc::new(move || {
+            let name = std::thread::current().name().unwrap_or("").to_string();
+            seen.lock().unwrap().push(name);
+            Ok(())
+        })),
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    restore.wait_timeout(Some(WAIT)).unwrap().expect("done");
+    assert_ram_eq(&ram, &expected);
+    restore.shutdown().unwrap();
+    let mut names = names.lock().unwrap().clone();
+    names.sort();
+    assert_eq!(names, ["uffd-faults", "uffd-loader-0", "uffd-loader-1"]);
+
+    // A hook that fails fails the restore.
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let opts = LazyOptions {
+        on_thread_start: Some(Arc::new(|| Err(std::io::Error::other("no filter")))),
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    let error = restore.wait_timeout(Some(WAIT)).unwrap_err();
+    assert!(error.to_string().contains("no filter"), "{error}");
+}

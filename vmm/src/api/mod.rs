@@ -7,12 +7,10 @@
 //! - [`vmm`]: the VMM thread's side: pre-boot configuration, start/restore, and serving
 //!   a running machine through [`crate::machine::RunControl`].
 //! - [`client`]: a small client, for `gpuvm ctl`.
-//! - [`seccomp`]: the API threads' seccomp filter (`--seccomp`).
 
 pub mod action;
 pub mod client;
 pub mod http;
-pub mod seccomp;
 pub mod server;
 pub mod vmm;
 
@@ -29,8 +27,8 @@ pub enum ApiError {
     PathTaken(PathBuf),
     #[error("cannot start the API thread: {0}")]
     Spawn(std::io::Error),
-    #[error("cannot install the API threads' seccomp filter: {0}")]
-    Seccomp(std::io::Error),
+    #[error(transparent)]
+    Seccomp(#[from] crate::seccomp::SeccompError),
     #[error("cannot create the API eventfd: {0}")]
     EventFd(std::io::Error),
 }

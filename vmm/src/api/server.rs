@@ -49,22 +49,13 @@ pub struct ApiServer {
 
 impl ApiServer {
     /// Binds `path` and serves it on a new thread. A stale socket file at `path` is
-    /// replaced; any other file there is an error.
+    /// replaced; any other file there is an error. The API threads run under the `api`
+    /// seccomp filter once [`crate::seccomp::enable`] ran (installed before the first
+    /// accept; connection threads inherit it).
     pub fn start(
         path: &Path,
         requests: Sender<ApiRequest>,
         wake: EventFd,
-    ) -> Result<ApiServer, ApiError> {
-        Self::start_with_seccomp(path, requests, wake, false)
-    }
-
-    /// Like [`start`](Self::start); with `seccomp`, the API threads run under
-    /// [`super::seccomp::apply_api_filter`] (installed before the first accept).
-    pub fn start_with_seccomp(
-        path: &Path,
-        requests: Sender<ApiRequest>,
-        wake: EventFd,
-        seccomp: bool,
     ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.file_type().is_socket() {
@@ -87,15 +78,11 @@ impl ApiServer {
         std::thread::Builder::new()
             .name("api".into())
             .spawn(move || {
-                if seccomp {
-                    let applied = super::seccomp::apply_api_filter();
-                    let failed = applied.is_err();
-                    let _ = ready_tx.send(applied);
-                    if failed {
-                        return;
-                    }
-                } else {
-                    let _ = ready_tx.send(Ok(()));
+                let applied = crate::seccomp::apply(crate::seccomp::ThreadKind::Api);
+                let failed = applied.is_err();
+                let _ = ready_tx.send(applied);
+                if failed {
+                    return;
                 }
                 accept_loop(listener, link, server_busy)
             })
@@ -103,7 +90,7 @@ impl ApiServer {
         match ready_rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(error)) => return Err(ApiError::Seccomp(error)),
-            Err(_) => return Err(ApiError::Seccomp(std::io::Error::other("API thread ended"))),
+            Err(_) => return Err(ApiError::Spawn(std::io::Error::other("API thread ended"))),
         }
         log::info!("API listening on {}", path.display());
         Ok(ApiServer {
