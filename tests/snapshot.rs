@@ -426,6 +426,98 @@ fn restore_external_handler_continues_memloop() {
     assert_handler_served(&handler);
 }
 
+/// An external handler that dies while the guest still needs pages from it: gpuvm must
+/// end with a clear error, promptly. It must neither hang on the faults nobody serves
+/// nor let the guest go on with unserved pages reading as zero (memloop would then print
+/// FAIL, or even finish).
+#[test]
+fn external_handler_death_fails_the_restore_cleanly() {
+    let scratch = Scratch::new("handler-death");
+    let dir = scratch.path("snap");
+    snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let socket = scratch.path("uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(HANDLER),
+        &[
+            "--socket",
+            arg(&socket),
+            "--snapshot",
+            arg(&dir),
+            "--die-after-faults",
+            "300",
+        ],
+    );
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let run = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "external",
+        "--uffd-socket",
+        arg(&socket),
+    ]);
+    let out = run
+        .wait_timeout(Duration::from_secs(60))
+        .expect("gpuvm hung after the page-fault handler died");
+    let handler = handler.wait(Duration::from_secs(30));
+    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    assert!(handler.stdout.contains("uffd-handler: dying after"));
+    out.assert_clean_error("page-fault handler exited");
+    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
+    assert!(!out.stdout.contains("memloop: done"), "{}", describe(&out));
+}
+
+/// The same during a snapshot of the restored VM, which faults in every page the handler
+/// has not served yet: the snapshot fails with the handler's death as the reason, gpuvm
+/// ends with an error (no SIGSEGV, no hang), and no snapshot is left half-written.
+#[test]
+fn external_handler_death_during_a_snapshot_fails_cleanly() {
+    let scratch = Scratch::new("handler-death-snapshot");
+    // 128 MiB of RAM, 32 MiB touched by the guest: the guest alone faults well under
+    // 20,000 pages; the snapshot's fault-in of all 32,768 pages crosses that.
+    let dir = small_snapshot(&scratch);
+    let socket = scratch.path("uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(HANDLER),
+        &[
+            "--socket",
+            arg(&socket),
+            "--snapshot",
+            arg(&dir),
+            "--die-after-faults",
+            "20000",
+        ],
+    );
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let second = scratch.path("second");
+    let run = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "external",
+        "--uffd-socket",
+        arg(&socket),
+        "--snapshot-dir",
+        arg(&second),
+        "--snapshot-after-ms",
+        "300",
+    ]);
+    let out = run
+        .wait_timeout(Duration::from_secs(60))
+        .expect("gpuvm hung after the page-fault handler died during a snapshot");
+    let handler = handler.wait(Duration::from_secs(30));
+    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    out.assert_clean_error("page-fault handler exited");
+    out.assert_clean_error("while the snapshot was loading guest memory");
+    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
+    assert!(
+        !second.join("state").exists(),
+        "a snapshot was committed without the handler's pages"
+    );
+}
+
 #[test]
 fn restore_lazy_hugetlb_2m_continues_memloop() {
     let _serial = HUGEPAGE_LOCK.lock().unwrap_or_else(|e| e.into_inner());

@@ -11,8 +11,8 @@ use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
 
 use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings};
-use gpuvm_memory::uffd::external::{mappings_for, send_handshake};
-use gpuvm_memory::uffd::{register_guest_ram, start_lazy_restore, LazyOptions};
+use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
+use gpuvm_memory::uffd::{guest_ram_ranges, register_guest_ram, start_lazy_restore, LazyOptions};
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
@@ -254,9 +254,11 @@ pub fn restore(
             let uffd = register_guest_ram(&mappings).map_err(SnapshotError::from)?;
             let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)
                 .map_err(SnapshotError::from)?;
-            Some(LazyMemory::External {
-                _connection: connection,
-            })
+            // Keep our reference to the userfaultfd: if the handler dies, guest RAM is
+            // fenced instead of silently reading as zero.
+            let watch = HandlerWatch::start(connection, uffd, guest_ram_ranges(&mappings))
+                .map_err(SnapshotError::from)?;
+            Some(LazyMemory::External(watch))
         }
     };
     let memory = memory_started.elapsed();
