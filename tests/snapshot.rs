@@ -1536,3 +1536,94 @@ fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
         .expect("gpuvm hung after the lazy loader found a corrupt page");
     out.assert_clean_error("data CRC mismatch");
 }
+
+/// The memory file changes after restore validated it (the test hook holds gpuvm right
+/// after validation): truncated, or a data byte flipped. Lazy restore finds out only
+/// while the guest runs; gpuvm must then stop with the loader's error, promptly, and the
+/// guest must never run on missing or wrong data (memloop would print FAIL). Eager
+/// restore reads everything before the guest runs, so it fails before any vCPU starts.
+#[test]
+fn memory_file_changed_after_validation_fails_cleanly() {
+    use std::os::unix::fs::FileExt;
+    let scratch = Scratch::new("changed-after-validation");
+    let good = small_snapshot(&scratch);
+    let truncate = |file: &Path| {
+        let header = memory_header(file);
+        let keep = header.data_offset + header.page_size * (header.data_pages / 2);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)
+            .and_then(|f| f.set_len(keep))
+            .expect("truncate");
+    };
+    let flip = |file: &Path| {
+        let header = memory_header(file);
+        let at = header.data_offset + header.page_size * (header.data_pages / 2) + 9;
+        flip_byte(file, at);
+    };
+    let garbage = |file: &Path| {
+        // A whole page of different data.
+        let header = memory_header(file);
+        let at = header.data_offset + header.page_size * (header.data_pages * 3 / 4);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)
+            .expect("open");
+        f.write_all_at(&vec![0x5au8; header.page_size as usize], at)
+            .expect("write");
+    };
+    let cases: Vec<(&str, &str, Box<dyn Fn(&Path)>, &str)> = vec![
+        (
+            "lazy-truncated",
+            "lazy",
+            Box::new(truncate),
+            "read page data",
+        ),
+        ("lazy-flipped", "lazy", Box::new(flip), "data CRC mismatch"),
+        (
+            "lazy-rewritten",
+            "lazy",
+            Box::new(garbage),
+            "data CRC mismatch",
+        ),
+        (
+            "eager-truncated",
+            "eager",
+            Box::new(truncate),
+            "read page data",
+        ),
+    ];
+    for (name, mode, change, needle) in cases {
+        let dir = scratch.path(name);
+        copy_dir(&good, &dir);
+        let file = dir.join(&memory_files(&dir)[0]);
+        let mut run = SpawnedProcess::gpuvm_with_env(
+            &["restore", "--snapshot", arg(&dir), "--restore-mode", mode],
+            &[("GPUVM_TEST_HOLD_AFTER_VALIDATION", "1500")],
+        );
+        run.wait_for_stderr("holding", Duration::from_secs(30));
+        change(&file);
+        let out = run
+            .wait_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("{name}: gpuvm hung after the memory file changed"));
+        assert!(
+            out.stderr.contains("going on"),
+            "{name}: changed too late: {}",
+            describe(&out)
+        );
+        out.assert_clean_error(needle);
+        assert!(!out.stdout.contains("FAIL"), "{name}: {}", describe(&out));
+        assert!(
+            !out.stdout.contains("memloop: done"),
+            "{name}: {}",
+            describe(&out)
+        );
+        if mode == "eager" {
+            assert!(
+                !out.stdout.contains("memloop: iter"),
+                "{name}: the guest ran: {}",
+                describe(&out)
+            );
+        }
+    }
+}

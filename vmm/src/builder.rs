@@ -223,6 +223,7 @@ pub fn restore(
     let kvm = open_kvm()?;
     let loaded = snapshot::load(dir, layout::ram_regions)?;
     let validated = started.elapsed();
+    hold_after_validation();
     let mut config = loaded.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
     let MachineBase {
@@ -296,6 +297,25 @@ pub fn restore(
         timings.total_to_ready
     );
     Ok((machine, timings))
+}
+
+/// Test hook: `GPUVM_TEST_HOLD_AFTER_VALIDATION=<ms>` pauses a restore for that long right
+/// after the snapshot was validated, so that end-to-end tests can change the files
+/// behind gpuvm's back (truncate or corrupt a memory file) and check that the failure is
+/// still caught cleanly. Logged at warn level so a test sees when to act.
+fn hold_after_validation() {
+    const HOOK: &str = "GPUVM_TEST_HOLD_AFTER_VALIDATION";
+    let Some(value) = std::env::var_os(HOOK) else {
+        return;
+    };
+    match value.to_str().and_then(|v| v.parse::<u64>().ok()) {
+        Some(ms) => {
+            log::warn!("{HOOK}: snapshot validated, holding {ms} ms");
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            log::warn!("{HOOK}: going on");
+        }
+        None => log::warn!("{HOOK} is not a number of milliseconds; ignored"),
+    }
 }
 
 /// Hands every RAM region to KVM as a memory slot.
