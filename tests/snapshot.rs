@@ -1572,7 +1572,8 @@ fn memory_file_changed_after_validation_fails_cleanly() {
         f.write_all_at(&vec![0x5au8; header.page_size as usize], at)
             .expect("write");
     };
-    let cases: Vec<(&str, &str, Box<dyn Fn(&Path)>, &str)> = vec![
+    type Change = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, &str, Change, &str)> = vec![
         (
             "lazy-truncated",
             "lazy",
