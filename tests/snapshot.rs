@@ -356,6 +356,67 @@ fn assert_lazy_loaded_everything(out: &RunOutput, dir: &Path) {
     assert!(field(&lazy, "fault_p50_us") >= 0 && field(&lazy, "fault_p99_us") >= 0);
 }
 
+/// `--report-timing`'s per-stage line of a restore: every stage from process start to
+/// vCPUs running is there, in order, and they add up to the whole (`total_us`, which is
+/// the `process_to_vcpus_running_us` the timing line reports).
+fn assert_restore_stages(out: &RunOutput) {
+    let stages = only_report(out, "gpuvm: restore-stages ");
+    let names: Vec<&str> = stages
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| k.ends_with("_us") && *k != "total_us" && !k.starts_with("parallel_"))
+        .collect();
+    let expected_order = [
+        "process_us",
+        "open_kvm_us",
+        "state_us",
+        "memory_file_us",
+        "guest_ram_us",
+        "create_vm_us",
+        "devices_us",
+        "memory_us",
+        "vm_state_us",
+        "vcpus_us",
+        "start_vcpus_us",
+    ];
+    let positions: Vec<usize> = expected_order
+        .iter()
+        .map(|name| {
+            names
+                .iter()
+                .position(|n| n == name)
+                .unwrap_or_else(|| panic!("no {name} in {stages:?}"))
+        })
+        .collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "stages out of order: {stages:?}"
+    );
+    for name in ["memslots_us", "irqchip_pit_us"] {
+        assert!(names.contains(&name), "no {name} in {stages:?}");
+    }
+    let sum: i64 = names.iter().map(|n| field(&stages, n)).sum();
+    let total = field(&stages, "total_us");
+    assert!(
+        (sum - total).abs() <= names.len() as i64,
+        "stages add up to {sum} us, total says {total}: {stages:?}"
+    );
+    let running = field(
+        &only_report(out, "gpuvm: timing "),
+        "process_to_vcpus_running_us",
+    );
+    assert!(
+        (total - running).abs() <= 2 + total / 100,
+        "stages total {total} us, process to vCPUs running {running} us: {stages:?}"
+    );
+    assert!(
+        total > 0
+            && stages
+                .iter()
+                .all(|(k, v)| !k.ends_with("_us") || v.parse::<u64>().is_ok())
+    );
+}
+
 /// Restores `dir` through the test page-fault handler; returns gpuvm's and the
 /// handler's output.
 fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput, RunOutput) {
@@ -401,6 +462,7 @@ fn restore_eager_continues_memloop() {
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let out = restore(&dir, "eager", &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    assert_restore_stages(&out);
     let report = only_report(&out, "gpuvm: restore ");
     assert!(has(&report, "mode", "Eager"), "{report:?}");
     assert!(reports(&out.stderr, "gpuvm: lazy ").is_empty());
@@ -414,6 +476,7 @@ fn restore_lazy_continues_memloop() {
     let out = restore(&dir, "lazy", &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
     assert_lazy_loaded_everything(&out, &dir);
+    assert_restore_stages(&out);
 }
 
 #[test]
@@ -424,6 +487,7 @@ fn restore_external_handler_continues_memloop() {
     let (out, handler) = restore_external(&scratch, &dir, &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
     assert_handler_served(&handler);
+    assert_restore_stages(&out);
 }
 
 /// An external handler that dies while the guest still needs pages from it: gpuvm must
