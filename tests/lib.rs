@@ -304,6 +304,11 @@ impl SpawnedProcess {
         Self::spawn(&gpuvm_bin(), args)
     }
 
+    /// Starts `gpuvm ARGS` with extra environment variables.
+    pub fn gpuvm_with_env(args: &[&str], env: &[(&str, &str)]) -> SpawnedProcess {
+        Self::spawn_with_env(&gpuvm_bin(), args, env)
+    }
+
     /// Starts `program ARGS` with stdin closed and stdout/stderr captured.
     pub fn spawn(program: &std::path::Path, args: &[&str]) -> SpawnedProcess {
         Self::spawn_with_env(program, args, &[])
@@ -400,6 +405,13 @@ impl SpawnedProcess {
     pub fn wait_for_stdout(&mut self, needle: &str, limit: Duration) {
         self.wait_until(&format!("{needle:?} on stdout"), limit, |p| {
             p.stdout().contains(needle)
+        });
+    }
+
+    /// Waits until stderr contains `needle` (see [`SpawnedProcess::wait_until`]).
+    pub fn wait_for_stderr(&mut self, needle: &str, limit: Duration) {
+        self.wait_until(&format!("{needle:?} on stderr"), limit, |p| {
+            p.stderr().contains(needle)
         });
     }
 

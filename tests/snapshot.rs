@@ -356,6 +356,67 @@ fn assert_lazy_loaded_everything(out: &RunOutput, dir: &Path) {
     assert!(field(&lazy, "fault_p50_us") >= 0 && field(&lazy, "fault_p99_us") >= 0);
 }
 
+/// `--report-timing`'s per-stage line of a restore: every stage from process start to
+/// vCPUs running is there, in order, and they add up to the whole (`total_us`, which is
+/// the `process_to_vcpus_running_us` the timing line reports).
+fn assert_restore_stages(out: &RunOutput) {
+    let stages = only_report(out, "gpuvm: restore-stages ");
+    let names: Vec<&str> = stages
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| k.ends_with("_us") && *k != "total_us" && !k.starts_with("parallel_"))
+        .collect();
+    let expected_order = [
+        "process_us",
+        "open_kvm_us",
+        "state_us",
+        "memory_file_us",
+        "guest_ram_us",
+        "create_vm_us",
+        "devices_us",
+        "memory_us",
+        "vm_state_us",
+        "vcpus_us",
+        "start_vcpus_us",
+    ];
+    let positions: Vec<usize> = expected_order
+        .iter()
+        .map(|name| {
+            names
+                .iter()
+                .position(|n| n == name)
+                .unwrap_or_else(|| panic!("no {name} in {stages:?}"))
+        })
+        .collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "stages out of order: {stages:?}"
+    );
+    for name in ["memslots_us", "irqchip_pit_us"] {
+        assert!(names.contains(&name), "no {name} in {stages:?}");
+    }
+    let sum: i64 = names.iter().map(|n| field(&stages, n)).sum();
+    let total = field(&stages, "total_us");
+    assert!(
+        (sum - total).abs() <= names.len() as i64,
+        "stages add up to {sum} us, total says {total}: {stages:?}"
+    );
+    let running = field(
+        &only_report(out, "gpuvm: timing "),
+        "process_to_vcpus_running_us",
+    );
+    assert!(
+        (total - running).abs() <= 2 + total / 100,
+        "stages total {total} us, process to vCPUs running {running} us: {stages:?}"
+    );
+    assert!(
+        total > 0
+            && stages
+                .iter()
+                .all(|(k, v)| !k.ends_with("_us") || v.parse::<u64>().is_ok())
+    );
+}
+
 /// Restores `dir` through the test page-fault handler; returns gpuvm's and the
 /// handler's output.
 fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput, RunOutput) {
@@ -401,6 +462,7 @@ fn restore_eager_continues_memloop() {
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let out = restore(&dir, "eager", &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    assert_restore_stages(&out);
     let report = only_report(&out, "gpuvm: restore ");
     assert!(has(&report, "mode", "Eager"), "{report:?}");
     assert!(reports(&out.stderr, "gpuvm: lazy ").is_empty());
@@ -414,6 +476,7 @@ fn restore_lazy_continues_memloop() {
     let out = restore(&dir, "lazy", &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
     assert_lazy_loaded_everything(&out, &dir);
+    assert_restore_stages(&out);
 }
 
 #[test]
@@ -424,6 +487,99 @@ fn restore_external_handler_continues_memloop() {
     let (out, handler) = restore_external(&scratch, &dir, &[]);
     assert_continues(&before, &out, GUEST_2_VCPUS.iters);
     assert_handler_served(&handler);
+    assert_restore_stages(&out);
+}
+
+/// An external handler that dies while the guest still needs pages from it: gpuvm must
+/// end with a clear error, promptly. It must neither hang on the faults nobody serves
+/// nor let the guest go on with unserved pages reading as zero (memloop would then print
+/// FAIL, or even finish).
+#[test]
+fn external_handler_death_fails_the_restore_cleanly() {
+    let scratch = Scratch::new("handler-death");
+    let dir = scratch.path("snap");
+    snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    let socket = scratch.path("uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(HANDLER),
+        &[
+            "--socket",
+            arg(&socket),
+            "--snapshot",
+            arg(&dir),
+            "--die-after-faults",
+            "300",
+        ],
+    );
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let run = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "external",
+        "--uffd-socket",
+        arg(&socket),
+    ]);
+    let out = run
+        .wait_timeout(Duration::from_secs(60))
+        .expect("gpuvm hung after the page-fault handler died");
+    let handler = handler.wait(Duration::from_secs(30));
+    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    assert!(handler.stdout.contains("uffd-handler: dying after"));
+    out.assert_clean_error("page-fault handler exited");
+    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
+    assert!(!out.stdout.contains("memloop: done"), "{}", describe(&out));
+}
+
+/// The same during a snapshot of the restored VM, which faults in every page the handler
+/// has not served yet: the snapshot fails with the handler's death as the reason, gpuvm
+/// ends with an error (no SIGSEGV, no hang), and no snapshot is left half-written.
+#[test]
+fn external_handler_death_during_a_snapshot_fails_cleanly() {
+    let scratch = Scratch::new("handler-death-snapshot");
+    // 128 MiB of RAM, 32 MiB touched by the guest: the guest alone faults well under
+    // 20,000 pages; the snapshot's fault-in of all 32,768 pages crosses that.
+    let dir = small_snapshot(&scratch);
+    let socket = scratch.path("uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(HANDLER),
+        &[
+            "--socket",
+            arg(&socket),
+            "--snapshot",
+            arg(&dir),
+            "--die-after-faults",
+            "20000",
+        ],
+    );
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let second = scratch.path("second");
+    let run = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "external",
+        "--uffd-socket",
+        arg(&socket),
+        "--snapshot-dir",
+        arg(&second),
+        "--snapshot-after-ms",
+        "300",
+    ]);
+    let out = run
+        .wait_timeout(Duration::from_secs(60))
+        .expect("gpuvm hung after the page-fault handler died during a snapshot");
+    let handler = handler.wait(Duration::from_secs(30));
+    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    out.assert_clean_error("page-fault handler exited");
+    out.assert_clean_error("while the snapshot was loading guest memory");
+    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
+    assert!(
+        !second.join("state").exists(),
+        "a snapshot was committed without the handler's pages"
+    );
 }
 
 #[test]
@@ -1443,4 +1599,96 @@ fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
         .wait_timeout(Duration::from_secs(60))
         .expect("gpuvm hung after the lazy loader found a corrupt page");
     out.assert_clean_error("data CRC mismatch");
+}
+
+/// The memory file changes after restore validated it (the test hook holds gpuvm right
+/// after validation): truncated, or a data byte flipped. Lazy restore finds out only
+/// while the guest runs; gpuvm must then stop with the loader's error, promptly, and the
+/// guest must never run on missing or wrong data (memloop would print FAIL). Eager
+/// restore reads everything before the guest runs, so it fails before any vCPU starts.
+#[test]
+fn memory_file_changed_after_validation_fails_cleanly() {
+    use std::os::unix::fs::FileExt;
+    let scratch = Scratch::new("changed-after-validation");
+    let good = small_snapshot(&scratch);
+    let truncate = |file: &Path| {
+        let header = memory_header(file);
+        let keep = header.data_offset + header.page_size * (header.data_pages / 2);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)
+            .and_then(|f| f.set_len(keep))
+            .expect("truncate");
+    };
+    let flip = |file: &Path| {
+        let header = memory_header(file);
+        let at = header.data_offset + header.page_size * (header.data_pages / 2) + 9;
+        flip_byte(file, at);
+    };
+    let garbage = |file: &Path| {
+        // A whole page of different data.
+        let header = memory_header(file);
+        let at = header.data_offset + header.page_size * (header.data_pages * 3 / 4);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(file)
+            .expect("open");
+        f.write_all_at(&vec![0x5au8; header.page_size as usize], at)
+            .expect("write");
+    };
+    type Change = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, &str, Change, &str)> = vec![
+        (
+            "lazy-truncated",
+            "lazy",
+            Box::new(truncate),
+            "read page data",
+        ),
+        ("lazy-flipped", "lazy", Box::new(flip), "data CRC mismatch"),
+        (
+            "lazy-rewritten",
+            "lazy",
+            Box::new(garbage),
+            "data CRC mismatch",
+        ),
+        (
+            "eager-truncated",
+            "eager",
+            Box::new(truncate),
+            "read page data",
+        ),
+    ];
+    for (name, mode, change, needle) in cases {
+        let dir = scratch.path(name);
+        copy_dir(&good, &dir);
+        let file = dir.join(&memory_files(&dir)[0]);
+        let mut run = SpawnedProcess::gpuvm_with_env(
+            &["restore", "--snapshot", arg(&dir), "--restore-mode", mode],
+            &[("GPUVM_TEST_HOLD_AFTER_VALIDATION", "1500")],
+        );
+        run.wait_for_stderr("holding", Duration::from_secs(30));
+        change(&file);
+        let out = run
+            .wait_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("{name}: gpuvm hung after the memory file changed"));
+        assert!(
+            out.stderr.contains("going on"),
+            "{name}: changed too late: {}",
+            describe(&out)
+        );
+        out.assert_clean_error(needle);
+        assert!(!out.stdout.contains("FAIL"), "{name}: {}", describe(&out));
+        assert!(
+            !out.stdout.contains("memloop: done"),
+            "{name}: {}",
+            describe(&out)
+        );
+        if mode == "eager" {
+            assert!(
+                !out.stdout.contains("memloop: iter"),
+                "{name}: the guest ran: {}",
+                describe(&out)
+            );
+        }
+    }
 }

@@ -1,6 +1,6 @@
 //! `gpuvm-test-uffd-handler`: an external page-fault handler for gpuvm's snapshot tests.
 //!
-//! Usage: `gpuvm-test-uffd-handler --socket PATH --snapshot DIR`
+//! Usage: `gpuvm-test-uffd-handler --socket PATH --snapshot DIR [--die-after-faults N]`
 //!
 //! Listens on the Unix socket PATH, accepts one `gpuvm restore --restore-mode external`
 //! connection (Firecracker's handshake: region list plus the userfaultfd), serves its
@@ -8,6 +8,12 @@
 //! up. Prints `uffd-handler: listening` once the socket accepts connections, and a
 //! statistics line at the end. Exit status: 0 served until the hang-up, 1 any failure
 //! (bad arguments, bad snapshot, bad handshake, the loader failed while gpuvm ran).
+//!
+//! `--die-after-faults N` is for testing gpuvm's reaction to a handler that dies: the
+//! background loader is off (pages come in only on fault), guest RAM stays registered
+//! after the last data page (holes are served too), and once N faults have been
+//! served the handler prints `uffd-handler: dying after N faults` and exits with status 3
+//! at once, in the middle of the restore.
 
 use std::io::Read;
 use std::os::unix::io::AsRawFd;
@@ -37,25 +43,46 @@ fn main() -> ExitCode {
     }
 }
 
-fn parse_args() -> Result<(PathBuf, PathBuf), String> {
+/// Exit status when `--die-after-faults` ends the handler.
+const DIE_STATUS: i32 = 3;
+
+struct Args {
+    socket: PathBuf,
+    snapshot: PathBuf,
+    die_after_faults: Option<u64>,
+}
+
+fn parse_args() -> Result<Args, String> {
     let mut socket = None;
     let mut snapshot = None;
+    let mut die_after_faults = None;
     let mut args = std::env::args_os().skip(1);
     while let Some(flag) = args.next() {
         let value = args.next().map(PathBuf::from);
         match (flag.to_str(), value) {
             (Some("--socket"), Some(v)) => socket = Some(v),
             (Some("--snapshot"), Some(v)) => snapshot = Some(v),
+            (Some("--die-after-faults"), Some(v)) => {
+                let n = v
+                    .to_str()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .ok_or("--die-after-faults takes a number")?;
+                die_after_faults = Some(n);
+            }
             _ => {
                 return Err(format!(
-                    "usage: {} --socket PATH --snapshot DIR",
+                    "usage: {} --socket PATH --snapshot DIR [--die-after-faults N]",
                     env!("CARGO_BIN_NAME")
                 ))
             }
         }
     }
     match (socket, snapshot) {
-        (Some(socket), Some(snapshot)) => Ok((socket, snapshot)),
+        (Some(socket), Some(snapshot)) => Ok(Args {
+            socket,
+            snapshot,
+            die_after_faults,
+        }),
         _ => Err("both --socket and --snapshot are required".into()),
     }
 }
@@ -69,7 +96,11 @@ fn open_chain(dir: &Path) -> Result<SnapshotChain, String> {
 }
 
 fn run() -> Result<(), String> {
-    let (socket, dir) = parse_args()?;
+    let Args {
+        socket,
+        snapshot: dir,
+        die_after_faults,
+    } = parse_args()?;
     // Validate the snapshot before anyone connects: a bad one is our failure, not gpuvm's.
     let chain = Arc::new(open_chain(&dir)?);
     let _ = std::fs::remove_file(&socket);
@@ -82,10 +113,14 @@ fn run() -> Result<(), String> {
         "uffd-handler: gpuvm connected, {} regions",
         handler.regions().len()
     );
-    let (restore, connection) = handler
-        .serve(chain, LazyOptions::default())
-        .map_err(|e| e.to_string())?;
-    let outcome = serve_until_hangup(&restore, &connection);
+    let options = LazyOptions {
+        background: die_after_faults.is_none(),
+        // Serve holes too, so that every first touch counts as a fault.
+        unregister_when_done: die_after_faults.is_none(),
+        ..LazyOptions::default()
+    };
+    let (restore, connection) = handler.serve(chain, options).map_err(|e| e.to_string())?;
+    let outcome = serve_until_hangup(&restore, &connection, die_after_faults);
     let stats = restore.stats();
     println!(
         "uffd-handler: faults={} bytes_by_faults={} bytes_background={} loaded_pages={}/{} complete={}",
@@ -104,11 +139,28 @@ fn run() -> Result<(), String> {
 
 /// Waits for gpuvm to close the connection. A loader error while gpuvm is still there is
 /// a failure: its vCPU would wait forever on a fault nobody serves.
-fn serve_until_hangup(restore: &LazyRestore, connection: &UnixStream) -> Result<(), String> {
+fn serve_until_hangup(
+    restore: &LazyRestore,
+    connection: &UnixStream,
+    die_after_faults: Option<u64>,
+) -> Result<(), String> {
     let mut loader_error: Option<(String, std::time::Instant)> = None;
+    let poll = if die_after_faults.is_some() {
+        Duration::from_millis(1)
+    } else {
+        Duration::from_millis(50)
+    };
     loop {
-        if wait_hangup(connection, Duration::from_millis(50))? {
+        if wait_hangup(connection, poll)? {
             return Ok(());
+        }
+        if let Some(limit) = die_after_faults {
+            let faults = restore.stats().faults;
+            if faults >= limit {
+                println!("uffd-handler: dying after {faults} faults");
+                // Abruptly, as a crash would: no cleanup, no unregistering.
+                std::process::exit(DIE_STATUS);
+            }
         }
         match &loader_error {
             None => {

@@ -12,8 +12,8 @@ use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
 
 use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings};
-use gpuvm_memory::uffd::external::{mappings_for, send_handshake};
-use gpuvm_memory::uffd::{register_guest_ram, start_lazy_restore, LazyOptions};
+use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
+use gpuvm_memory::uffd::{guest_ram_ranges, register_guest_ram, start_lazy_restore, LazyOptions};
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
@@ -24,7 +24,7 @@ use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{LazyMemory, Machine, MachineDevices};
 use crate::pci::PciOptions;
 use crate::persist;
-use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError};
+use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::vcpu::Vcpu;
 use crate::x86_64::acpi::{self, AcpiConfig};
 use crate::x86_64::cpuid::Topology;
@@ -75,6 +75,7 @@ fn create_base(
     machine_config: &MachineConfig,
     pci_options: &PciOptions,
     serial_out: Box<dyn Write + Send>,
+    clock: &mut StageClock,
 ) -> Result<MachineBase, Error> {
     let max = max_vcpus(&kvm);
     if machine_config.vcpus == 0 || machine_config.vcpus > max {
@@ -93,6 +94,7 @@ fn create_base(
         },
         &regions,
     )?;
+    clock.mark("guest_ram");
     let vm = kvm.create_vm().map_err(|source| Error::KvmSetup {
         what: "create the VM",
         source,
@@ -106,6 +108,7 @@ fn create_base(
     if let Err(error) = vm.set_identity_map_address(KVM_IDENTITY_MAP_ADDR) {
         log::debug!("KVM_SET_IDENTITY_MAP_ADDR: {error}");
     }
+    clock.mark("create_vm");
     vm.create_irq_chip().map_err(|source| Error::KvmSetup {
         what: "create the in-kernel interrupt controller",
         source,
@@ -118,6 +121,7 @@ fn create_base(
         what: "create the in-kernel PIT",
         source,
     })?;
+    clock.mark("irqchip_pit");
     if machine_config.prefault {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let stats = gpuvm_memory::prefault(&ram, threads)?;
@@ -129,9 +133,11 @@ fn create_base(
         );
     }
     register_memory(&vm, &ram, machine_config.track_dirty_pages)?;
+    clock.mark("memslots");
     let mut devices = create_devices(&vm, serial_out)?;
     // The root and its devices live on in the buses' entries.
     let pci = crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?.config();
+    clock.mark("devices");
     Ok(MachineBase {
         kvm,
         vm,
@@ -160,7 +166,13 @@ pub fn build_with_pci(
         ram,
         devices,
         pci,
-    } = create_base(open_kvm()?, machine_config, pci, serial_out)?;
+    } = create_base(
+        open_kvm()?,
+        machine_config,
+        pci,
+        serial_out,
+        &mut StageClock::starting_at(started),
+    )?;
 
     let rsdp = acpi::setup_acpi(
         ram.memory(),
@@ -233,19 +245,27 @@ pub fn restore(
     serial_out: Box<dyn Write + Send>,
 ) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
+    let mut clock = StageClock::starting_at(started);
     let kvm = open_kvm()?;
-    let loaded = snapshot::load(dir, layout::ram_regions)?;
+    clock.mark("open_kvm");
+    let state = snapshot::load_state(dir, layout::ram_regions)?;
+    clock.mark("state");
+    let loaded = state.open_chain()?;
+    clock.mark("memory_file");
     let validated = started.elapsed();
+    if hold_after_validation() {
+        clock.mark("test_hold");
+    }
     let mut config = loaded.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-                             // Guest memory, ACPI tables included, comes from the snapshot.
+    // Guest memory, ACPI tables included, comes from the snapshot.
     let MachineBase {
         kvm,
         vm,
         ram,
         devices,
         pci: _,
-    } = create_base(kvm, &config, &PciOptions::default(), serial_out)?;
+    } = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock)?;
 
     let memory_started = Instant::now();
     let mappings = RamMappings::from_guest_ram(&ram).map_err(SnapshotError::from)?;
@@ -274,12 +294,15 @@ pub fn restore(
             let uffd = register_guest_ram(&mappings).map_err(SnapshotError::from)?;
             let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)
                 .map_err(SnapshotError::from)?;
-            Some(LazyMemory::External {
-                _connection: connection,
-            })
+            // Keep our reference to the userfaultfd: if the handler dies, guest RAM is
+            // fenced instead of silently reading as zero.
+            let watch = HandlerWatch::start(connection, uffd, guest_ram_ranges(&mappings))
+                .map_err(SnapshotError::from)?;
+            Some(LazyMemory::External(watch))
         }
     };
     let memory = memory_started.elapsed();
+    clock.mark("memory");
 
     lock(&devices.serial)
         .restore_state(&loaded.state.serial)
@@ -288,12 +311,14 @@ pub fn restore(
             reason: e.to_string(),
         })?;
     persist::restore_vm(&vm, &loaded.state.vm).map_err(SnapshotError::from)?;
+    clock.mark("vm_state");
     let mut vcpus = Vec::with_capacity(loaded.state.vcpus.len());
     for state in &loaded.state.vcpus {
         let vcpu = create_vcpu(&vm, state.id, &devices)?;
         vcpu.restore_state(state).map_err(SnapshotError::from)?;
         vcpus.push(vcpu);
     }
+    clock.mark("vcpus");
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
     machine.lazy = lazy;
     if let Some(last) = loaded.chain.layers().last() {
@@ -303,10 +328,13 @@ pub fn restore(
             last: last.info(),
         });
     }
+    let stages = clock.into_stages();
     let timings = RestoreTimings {
         validate: validated,
         memory,
-        total_to_ready: started.elapsed(),
+        total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
+        stages,
+        parallel: Vec::new(),
     };
     log::info!(
         "restored {} ({mode:?}) in {:?}",
@@ -314,6 +342,30 @@ pub fn restore(
         timings.total_to_ready
     );
     Ok((machine, timings))
+}
+
+/// Test hook: `GPUVM_TEST_HOLD_AFTER_VALIDATION=<ms>` pauses a restore for that long right
+/// after the snapshot was validated, so that end-to-end tests can change the files
+/// behind gpuvm's back (truncate or corrupt a memory file) and check that the failure is
+/// still caught cleanly. Logged at warn level so a test sees when to act.
+/// Returns whether it held.
+fn hold_after_validation() -> bool {
+    const HOOK: &str = "GPUVM_TEST_HOLD_AFTER_VALIDATION";
+    let Some(value) = std::env::var_os(HOOK) else {
+        return false;
+    };
+    match value.to_str().and_then(|v| v.parse::<u64>().ok()) {
+        Some(ms) => {
+            log::warn!("{HOOK}: snapshot validated, holding {ms} ms");
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            log::warn!("{HOOK}: going on");
+            true
+        }
+        None => {
+            log::warn!("{HOOK} is not a number of milliseconds; ignored");
+            false
+        }
+    }
 }
 
 /// Hands every RAM region to KVM as a memory slot.

@@ -4,7 +4,6 @@
 
 use std::io::Read;
 use std::os::unix::io::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{channel, Receiver};
@@ -14,7 +13,8 @@ use std::time::{Duration, Instant};
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use gpuvm_devices::{Bus, ExitStatus, SerialDevice};
 use gpuvm_memory::snapshot::RamMappings;
-use gpuvm_memory::uffd::{LazyRestore, LazyStats};
+use gpuvm_memory::uffd::external::HandlerWatch;
+use gpuvm_memory::uffd::{LazyRestore, LazyStats, UffdError};
 use gpuvm_memory::GuestRam;
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -104,10 +104,10 @@ pub struct SnapshotPolicy {
 /// Memory being restored lazily behind the running guest.
 pub(crate) enum LazyMemory {
     InProcess(LazyRestore),
-    /// An external page-fault handler owns the userfaultfd; keep its connection open.
-    External {
-        _connection: UnixStream,
-    },
+    /// An external page-fault handler serves the userfaultfd; the watch keeps the
+    /// connection and the VMM's own reference to the userfaultfd, and fences guest RAM
+    /// if the handler dies.
+    External(HandlerWatch),
 }
 
 /// Serves control requests (the API socket) from inside [`Machine::run`]'s event loop, on
@@ -304,7 +304,7 @@ impl Machine {
         }
         // A lazy restore that fails (unreadable or corrupt file) must end the run: a vCPU
         // faulting on a page nobody will load would otherwise wait forever.
-        let lazy_timer = if matches!(self.lazy, Some(LazyMemory::InProcess(_))) {
+        let lazy_timer = if self.lazy.is_some() {
             let mut timer = TimerFd::new().map_err(|e| Error::EventFd(e.into()))?;
             timer
                 .reset(LAZY_CHECK_INTERVAL, Some(LAZY_CHECK_INTERVAL))
@@ -404,17 +404,35 @@ impl Machine {
         for handle in handles.iter_mut() {
             handle.stop_and_join();
         }
+        // When guest memory could not be served, that is why the run ended, whatever
+        // ended it first (a vCPU faulting out of fenced memory, a guest that noticed).
+        if let Err(error) = self.lazy_progress() {
+            match &outcome {
+                // Already that failure, said in context (e.g. during a snapshot).
+                Err(Error::Snapshot(SnapshotError::Uffd(_))) => {}
+                Err(other) => {
+                    log::debug!("run ended with {other}, caused by the lazy restore failure");
+                    return Err(error);
+                }
+                Ok(_) => return Err(error),
+            }
+        }
         outcome
     }
 
-    /// Whether lazily restored memory is fully loaded; an error if the loader failed.
+    /// Whether lazily restored memory is fully loaded; an error if the loader failed or
+    /// the external handler is gone (an external handler's progress is unknown: `false`).
     fn lazy_progress(&self) -> Result<bool, Error> {
         match &self.lazy {
             Some(LazyMemory::InProcess(lazy)) => lazy
                 .wait_timeout(Some(Duration::ZERO))
                 .map(|done| done.is_some())
                 .map_err(|e| Error::Snapshot(SnapshotError::Uffd(e))),
-            _ => Ok(true),
+            Some(LazyMemory::External(watch)) => match watch.failure() {
+                Some(reason) => Err(SnapshotError::Uffd(UffdError::HandlerFailed(reason)).into()),
+                None => Ok(false),
+            },
+            None => Ok(true),
         }
     }
 
@@ -427,14 +445,23 @@ impl Machine {
                 lazy.wait()
                     .map_err(|e| Error::Snapshot(SnapshotError::Uffd(e)))?;
             }
-            Some(LazyMemory::External { .. }) => {
-                // The external handler loads pages only on fault: fault every page in.
-                let page = self.ram.page_size() as usize;
+            Some(LazyMemory::External(watch)) => {
+                // The external handler loads pages only on fault: fault every page in,
+                // with a system call rather than loads, so that a handler dying meanwhile
+                // (guest RAM is then fenced) is an error here, not a SIGSEGV or a hang.
                 for (region, host) in self.ram.host_regions() {
-                    for offset in (0..region.size as usize).step_by(page) {
-                        // SAFETY: `host + offset` lies inside a live guest RAM mapping owned
-                        // by `self.ram`; a volatile read only makes the handler fill it.
-                        unsafe { std::ptr::read_volatile(host.add(offset)) };
+                    if let Err(source) = populate_read(host, region.size as usize) {
+                        return Err(match watch.failure() {
+                            Some(reason) => SnapshotError::Uffd(UffdError::HandlerFailed(format!(
+                                "{reason} (while the snapshot was loading guest memory)"
+                            )))
+                            .into(),
+                            None => SnapshotError::Uffd(UffdError::Io {
+                                op: "fault in guest memory from the page-fault handler",
+                                source,
+                            })
+                            .into(),
+                        });
                     }
                 }
             }
@@ -587,6 +614,28 @@ fn peak_rss_bytes() -> std::io::Result<u64> {
         })
         .map(|kib| kib * 1024)
         .ok_or_else(|| std::io::Error::other("no VmHWM in /proc/self/status"))
+}
+
+/// Faults `len` bytes at `host` in for reading (`MADV_POPULATE_READ`, Linux 5.14), in
+/// pieces so a failure is reported promptly.
+fn populate_read(host: *mut u8, len: usize) -> std::io::Result<()> {
+    const STEP: usize = 64 << 20;
+    let mut done = 0;
+    while done < len {
+        let n = STEP.min(len - done);
+        // SAFETY: `host + done .. + n` lies inside a live guest RAM mapping; the advice only
+        // faults pages in (or fails with an error), it never changes their contents.
+        let ret = unsafe { libc::madvise(host.add(done).cast(), n, libc::MADV_POPULATE_READ) };
+        if ret != 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        done += n;
+    }
+    Ok(())
 }
 
 /// Turns the guest-end signals into the run's outcome.

@@ -528,6 +528,7 @@ fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, CliErr
         // clap makes --uffd-socket required in this mode.
         Mode::External => RestoreMode::External(args.uffd_socket.clone().unwrap_or_default()),
     };
+    let restore_called = Instant::now();
     let (mut machine, timings) =
         gpuvm_vmm::builder::restore(&args.snapshot, &mode, Box::new(std::io::stdout()))?;
     if let Some(policy) = snapshot_policy(&args.snapshot_args) {
@@ -543,12 +544,48 @@ fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, CliErr
             timings.total_to_ready.as_micros()
         );
     }
+    let restored = RestoredAt {
+        timings,
+        called: restore_called,
+        returned: Instant::now(),
+    };
     finish(
         machine,
         &args.report,
         process_start,
-        Some(args.restore_mode),
+        Some((args.restore_mode, restored)),
     )
+}
+
+/// A restore's timings and when it was called and returned, for `--report-timing`.
+struct RestoredAt {
+    timings: gpuvm_vmm::snapshot::RestoreTimings,
+    called: Instant,
+    returned: Instant,
+}
+
+/// The `gpuvm: restore-stages` line: every stage from process start to vCPUs running,
+/// back to back (`process` = exec to restore, the builder's stages, `start_vcpus` = from
+/// the restore's return to the vCPU threads running), in microseconds; `total_us` is
+/// their sum; `parallel_*` ran on another thread meanwhile and are not in the sum.
+fn restore_stages_line(restored: &RestoredAt, process_start: Instant, running: Instant) -> String {
+    let mut stages = vec![("process", restored.called.duration_since(process_start))];
+    stages.extend(restored.timings.stages.iter().copied());
+    stages.push(("start_vcpus", running.duration_since(restored.returned)));
+    // The few microseconds between the builder's last stage and its return.
+    let builder_sum: Duration = restored.timings.stages.iter().map(|&(_, d)| d).sum();
+    let builder_wall = restored.returned.duration_since(restored.called);
+    stages.push(("other", builder_wall.saturating_sub(builder_sum)));
+    let total: Duration = stages.iter().map(|&(_, d)| d).sum();
+    let mut line = String::from("gpuvm: restore-stages");
+    for (name, d) in &stages {
+        line.push_str(&format!(" {name}_us={}", d.as_micros()));
+    }
+    line.push_str(&format!(" total_us={}", total.as_micros()));
+    for (name, d) in &restored.timings.parallel {
+        line.push_str(&format!(" parallel_{name}_us={}", d.as_micros()));
+    }
+    line
 }
 
 /// Runs the machine to its end and prints the requested reports.
@@ -556,8 +593,12 @@ fn finish(
     mut machine: Machine,
     report: &ReportArgs,
     process_start: Instant,
-    restore_mode: Option<Mode>,
+    restore: Option<(Mode, RestoredAt)>,
 ) -> Result<ExitCode, CliError> {
+    let (restore_mode, restored) = match restore {
+        Some((mode, restored)) => (Some(mode), Some(restored)),
+        None => (None, None),
+    };
     let end = machine.run()?;
     if report.report_timing {
         if let Some(started) = machine.vcpus_started() {
@@ -565,6 +606,9 @@ fn finish(
                 "gpuvm: timing process_to_vcpus_running_us={}",
                 started.duration_since(process_start).as_micros()
             );
+            if let Some(restored) = &restored {
+                eprintln!("{}", restore_stages_line(restored, process_start, started));
+            }
         }
         for snap in machine.snapshots() {
             eprintln!(

@@ -246,6 +246,53 @@ pub fn load(
     dir: &Path,
     regions: impl Fn(u64) -> Vec<gpuvm_memory::RamRegion>,
 ) -> Result<LoadedSnapshot, SnapshotError> {
+    load_state(dir, regions)?.open_chain()
+}
+
+/// A snapshot's state file, read and checked, with the memory chain still to open.
+pub struct LoadedState {
+    pub dir: PathBuf,
+    pub state: MachineState,
+    pub config: MachineConfig,
+    layout: RamLayout,
+    paths: Vec<PathBuf>,
+}
+
+impl LoadedState {
+    /// Opens and validates the memory chain the state names (headers, index CRCs,
+    /// lengths, chain ids, layout).
+    pub fn open_chain(self) -> Result<LoadedSnapshot, SnapshotError> {
+        let chain = self.validate_chain()?;
+        Ok(self.with_chain(chain))
+    }
+
+    /// The chain validation alone (for running it on another thread).
+    pub fn validate_chain(&self) -> Result<SnapshotChain, SnapshotError> {
+        Ok(SnapshotChain::open(&self.paths, &self.layout)?)
+    }
+
+    /// The paths and layout [`LoadedState::validate_chain`] works on, to validate on
+    /// another thread without sharing the state.
+    pub fn chain_inputs(&self) -> (Vec<PathBuf>, RamLayout) {
+        (self.paths.clone(), self.layout.clone())
+    }
+
+    /// Joins the state with its validated chain.
+    pub fn with_chain(self, chain: SnapshotChain) -> LoadedSnapshot {
+        LoadedSnapshot {
+            dir: self.dir,
+            state: self.state,
+            config: self.config,
+            chain: Arc::new(chain),
+        }
+    }
+}
+
+/// Reads and checks `dir/state` and its configuration (the first half of [`load`]).
+pub fn load_state(
+    dir: &Path,
+    regions: impl Fn(u64) -> Vec<gpuvm_memory::RamRegion>,
+) -> Result<LoadedState, SnapshotError> {
     let invalid = |reason: String| SnapshotError::Invalid {
         dir: dir.to_path_buf(),
         reason,
@@ -284,12 +331,12 @@ pub fn load(
     }
     let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
     let paths: Vec<PathBuf> = state.memory_files.iter().map(|f| dir.join(f)).collect();
-    let chain = SnapshotChain::open(&paths, &layout)?;
-    Ok(LoadedSnapshot {
+    Ok(LoadedState {
         dir: dir.to_path_buf(),
         state,
         config,
-        chain: Arc::new(chain),
+        layout,
+        paths,
     })
 }
 
@@ -311,6 +358,61 @@ pub struct RestoreTimings {
     pub validate: Duration,
     pub memory: Duration,
     pub total_to_ready: Duration,
+    /// The restore's stages in the order they ran, back to back from its start: their
+    /// sum is `total_to_ready` (see [`RESTORE_STAGES`] for what each covers).
+    pub stages: Vec<(&'static str, Duration)>,
+    /// Work that ran on another thread in parallel with the stages (not part of their
+    /// sum), e.g. memory-file validation.
+    pub parallel: Vec<(&'static str, Duration)>,
+}
+
+/// The stages a restore reports, in order, with what each covers.
+pub const RESTORE_STAGES: &[(&str, &str)] = &[
+    ("open_kvm", "open /dev/kvm"),
+    ("state", "read the state file, check its magic, version, CRC and configuration"),
+    ("memory_file", "open the memory files and validate headers, index CRCs, lengths, chain"),
+    ("guest_ram", "create the guest RAM memfd and map it"),
+    ("create_vm", "KVM_CREATE_VM, TSS and identity-map addresses"),
+    ("memslots", "register guest RAM with KVM (KVM_SET_USER_MEMORY_REGION)"),
+    ("irqchip_pit", "create the in-kernel irqchip and PIT"),
+    ("devices", "serial port, i8042, exit port and their irqfds"),
+    ("memory", "eager: read all memory; lazy: userfaultfd registration and loader start; external: registration and handshake"),
+    ("vm_state", "serial, irqchip, PIT and clock state"),
+    ("vcpus", "create the vCPUs and set their saved state"),
+];
+
+/// Records back-to-back stage durations.
+#[derive(Debug)]
+pub struct StageClock {
+    last: std::time::Instant,
+    stages: Vec<(&'static str, Duration)>,
+}
+
+impl StageClock {
+    /// Starts timing at `start`.
+    pub fn starting_at(start: std::time::Instant) -> StageClock {
+        StageClock {
+            last: start,
+            stages: Vec::new(),
+        }
+    }
+
+    /// Ends the current stage, named `name`, now; the next starts now.
+    pub fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.stages.push((name, now - self.last));
+        self.last = now;
+    }
+
+    /// The stages so far.
+    pub fn stages(&self) -> &[(&'static str, Duration)] {
+        &self.stages
+    }
+
+    /// The recorded stages, consuming the clock.
+    pub fn into_stages(self) -> Vec<(&'static str, Duration)> {
+        self.stages
+    }
 }
 
 #[cfg(test)]

@@ -15,16 +15,19 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd};
+use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
-use log::info;
+use log::{debug, error, info, warn};
 use serde::{Deserialize, Serialize};
 use userfaultfd::Uffd;
+use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+use super::fence::RamFence;
 use super::{io_err, LazyOptions, LazyRestore, UffdError};
 use crate::snapshot::SnapshotChain;
 
@@ -157,6 +160,261 @@ pub fn send_handshake(
             .map_err(io_err("send the userfaultfd handshake"))?;
     }
     Ok(stream)
+}
+
+/// VMM side: watches the external page-fault handler after the handshake.
+///
+/// The VMM keeps its own reference to the userfaultfd it sent, so the handler's death
+/// does not drop the registration (which would make every page the handler had not
+/// served read as zero). Instead a watcher thread notices the death — through a pidfd of
+/// the handler process (`SO_PEERPIDFD`, else `pidfd_open` on `SO_PEERCRED`'s pid), or,
+/// where no pidfd can be had, the handler hanging up the connection — and then fences
+/// guest RAM (see [`RamFence`]): vCPUs waiting on a fault fault out of `KVM_RUN`, and
+/// [`HandlerWatch::failure`] says what happened so the VMM ends the run with that error.
+pub struct HandlerWatch {
+    shared: Arc<WatchShared>,
+    stop: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct WatchShared {
+    uffd: Uffd,
+    fence: RamFence,
+    failure: Mutex<Option<String>>,
+    /// Written once a failure is recorded (for event loops).
+    failed_event: EventFd,
+}
+
+impl HandlerWatch {
+    /// Starts watching the handler at the other end of `connection` (kept open, the
+    /// handler sees the VMM's exit as EOF on it). `uffd` is the VMM's reference to the
+    /// userfaultfd it sent; `ranges` are guest RAM (`(host address, length)`, mapped in
+    /// this process for as long as the watch lives).
+    pub fn start(
+        connection: UnixStream,
+        uffd: Uffd,
+        ranges: Vec<(u64, u64)>,
+    ) -> Result<HandlerWatch, UffdError> {
+        let pidfd = peer_pidfd(&connection);
+        match &pidfd {
+            Ok(_) => debug!("watching the page-fault handler through a pidfd"),
+            Err(e) => {
+                warn!("no pidfd for the page-fault handler ({e}); watching its connection instead")
+            }
+        }
+        let shared = Arc::new(WatchShared {
+            uffd,
+            fence: RamFence::new(ranges),
+            failure: Mutex::new(None),
+            failed_event: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+                .map_err(io_err("create eventfd"))?,
+        });
+        let stop = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+            .map_err(io_err("create eventfd"))?;
+        let thread_stop = stop.try_clone().map_err(io_err("clone eventfd"))?;
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("uffd-handler-watch".into())
+            .spawn(move || {
+                let outcome = watch(&connection, pidfd.ok(), &thread_stop);
+                if let Some(reason) = outcome {
+                    thread_shared.fail(reason);
+                }
+                // The connection closes here, after the fence (if any).
+                drop(connection);
+            })
+            .map_err(io_err("spawn the page-fault handler watcher"))?;
+        Ok(HandlerWatch {
+            shared,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Why the handler can no longer serve faults, once it cannot (guest RAM is fenced
+    /// by then).
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.shared.failure).clone()
+    }
+
+    /// Readable once [`HandlerWatch::failure`] has something to say.
+    pub fn failed_event(&self) -> &EventFd {
+        &self.shared.failed_event
+    }
+
+    /// The VMM's reference to the userfaultfd the handler serves.
+    pub fn uffd(&self) -> &Uffd {
+        &self.shared.uffd
+    }
+
+    /// Declares the handler failed for `reason` (e.g. a VMM thread saw it stop serving)
+    /// and fences guest RAM.
+    pub fn fail(&self, reason: String) {
+        self.shared.fail(reason);
+    }
+}
+
+impl WatchShared {
+    fn fail(&self, reason: String) {
+        {
+            let mut failure = lock(&self.failure);
+            if failure.is_some() {
+                return;
+            }
+            error!("{reason}");
+            *failure = Some(reason);
+        }
+        // Publish first, fence second: whoever is woken by the fence finds the reason.
+        if let Err(e) = self.fence.fence(&self.uffd) {
+            error!("fencing guest RAM after the page-fault handler failed: {e}");
+        }
+        let _ = self.failed_event.write(1);
+    }
+}
+
+impl Drop for HandlerWatch {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                error!("the page-fault handler watcher panicked");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for HandlerWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerWatch")
+            .field("failure", &self.failure())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the peer, free of pid-reuse races.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// A pidfd for the process at the other end of `connection`.
+fn peer_pidfd(connection: &UnixStream) -> std::io::Result<OwnedFd> {
+    let fd = connection.as_raw_fd();
+    let mut pidfd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `pidfd`, which lives on the stack.
+    let ret = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut pidfd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if ret == 0 && pidfd >= 0 {
+        // SAFETY: the kernel just created this fd for us; nothing else owns it.
+        return Ok(unsafe { OwnedFd::from_raw_fd(pidfd) });
+    }
+    // Older kernels: the peer's pid (a pid-reuse race in theory; the connection is
+    // watched too), then pidfd_open.
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which lives on the stack.
+    let ret = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if cred.pid <= 0 {
+        return Err(std::io::Error::other("the peer's pid is unknown"));
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, cred.pid, 0) };
+    if pidfd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(pidfd as libc::c_int) })
+}
+
+/// Waits until the handler is gone (returns why) or `stop` is written (returns `None`).
+fn watch(connection: &UnixStream, pidfd: Option<OwnedFd>, stop: &EventFd) -> Option<String> {
+    let have_pidfd = pidfd.is_some();
+    let mut fds = vec![libc::pollfd {
+        fd: stop.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    if let Some(pidfd) = &pidfd {
+        fds.push(libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+    }
+    // The connection: the only sign of death without a pidfd; with one, a hang-up is
+    // only noted (a handler may close it and go on serving).
+    fds.push(libc::pollfd {
+        fd: connection.as_raw_fd(),
+        events: libc::POLLIN | libc::POLLRDHUP,
+        revents: 0,
+    });
+    loop {
+        // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
+        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if ret < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Some(format!(
+                "cannot watch the external page-fault handler: {err}"
+            ));
+        }
+        if fds[0].revents != 0 {
+            return None;
+        }
+        if have_pidfd && fds[1].revents != 0 {
+            return Some(
+                "the external page-fault handler exited while the guest was running; pages it \
+                 had not served are unavailable"
+                    .into(),
+            );
+        }
+        let conn = fds.last_mut().expect("connection pollfd");
+        if conn.revents != 0 {
+            let hung_up = conn.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
+                || {
+                    // Readable: EOF, or bytes the handshake does not define, which we drop.
+                    let mut buf = [0u8; 256];
+                    matches!((&*connection).read(&mut buf), Ok(0) | Err(_))
+                };
+            if hung_up {
+                if !have_pidfd {
+                    return Some(
+                        "the external page-fault handler hung up while the guest was running; \
+                         pages it had not served are unavailable"
+                            .into(),
+                    );
+                }
+                info!("the page-fault handler closed its connection; still watching its process");
+                conn.fd = -1; // poll ignores negative fds
+            }
+        }
+    }
 }
 
 /// Handler side: the userfaultfd and region list received from a VMM.

@@ -28,6 +28,7 @@ use log::{debug, error, info, warn};
 use userfaultfd::{Event, EventBuffer, Uffd};
 use vmm_sys_util::eventfd::EventFd;
 
+use super::fence::RamFence;
 use super::ops::{self, AlignedBuf, Filled, BASE_PAGE_SIZE};
 use super::{io_err, UffdError};
 use crate::snapshot::bits::AtomicBitmap;
@@ -200,6 +201,8 @@ struct Shared {
     status: Mutex<Status>,
     status_changed: Condvar,
     started: Instant,
+    /// Guest RAM in this process, fenced when the loader fails (in-process restores).
+    fence: Option<RamFence>,
 }
 
 /// Handle to a running lazy restore. Dropping it stops the loader threads and closes
@@ -219,6 +222,18 @@ impl LazyRestore {
         host_addrs: &[u64],
         uffd: Uffd,
         opts: LazyOptions,
+    ) -> Result<LazyRestore, UffdError> {
+        Self::start_fenced(chain, host_addrs, uffd, opts, None)
+    }
+
+    /// Like [`LazyRestore::start`]; when the loader fails, `fence` (guest RAM of this
+    /// process) is fenced after the error is recorded.
+    pub(crate) fn start_fenced(
+        chain: Arc<SnapshotChain>,
+        host_addrs: &[u64],
+        uffd: Uffd,
+        opts: LazyOptions,
+        fence: Option<RamFence>,
     ) -> Result<LazyRestore, UffdError> {
         let layout = chain.layout();
         let page_size = layout.page_size();
@@ -292,6 +307,7 @@ impl LazyRestore {
             status: Mutex::new(Status::default()),
             status_changed: Condvar::new(),
             started: Instant::now(),
+            fence,
             opts,
         });
 
@@ -456,9 +472,21 @@ fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
             return;
         }
         error!("lazy restore failed: {e}");
-        let mut status = lock(&shared.status);
-        status.error.get_or_insert(e.to_string());
-        shared.status_changed.notify_all();
+        {
+            let mut status = lock(&shared.status);
+            status.error.get_or_insert(e.to_string());
+            shared.status_changed.notify_all();
+        }
+        // The other loader threads stop; nothing more is loaded.
+        shared.stop.store(true, Ordering::SeqCst);
+        let _ = shared.stop_event.write(1);
+        // Publish first, fence second: a vCPU woken by the fence faults out of KVM_RUN,
+        // and the VMM then finds the loader's error, not only the vCPU's.
+        if let Some(fence) = &shared.fence {
+            if let Err(e) = fence.fence(&shared.uffd) {
+                error!("fencing guest RAM after the lazy restore failed: {e}");
+            }
+        }
     }
 }
 

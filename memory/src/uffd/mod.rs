@@ -15,6 +15,7 @@
 //! Firecracker-compatible handshake in [`external`].
 
 pub mod external;
+pub mod fence;
 mod loader;
 mod ops;
 
@@ -99,6 +100,10 @@ pub enum UffdError {
     /// The loader stopped with an error; pages may be missing, the guest must not run on.
     #[error("lazy restore failed: {0}")]
     RestoreFailed(String),
+    /// The external page-fault handler stopped serving guest memory (it exited or hung
+    /// up); guest RAM has been fenced.
+    #[error("{0}")]
+    HandlerFailed(String),
     /// The handshake message was malformed.
     #[error("bad userfaultfd handshake: {0}")]
     Handshake(String),
@@ -165,8 +170,17 @@ fn guest_ranges(ram: &RamMappings<'_>) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// The `(host address, length)` of every guest RAM region of `ram`.
+pub fn guest_ram_ranges(ram: &RamMappings<'_>) -> Vec<(u64, u64)> {
+    guest_ranges(ram)
+}
+
 /// Registers `ram` with a new userfaultfd and starts loading `chain` into it lazily.
 /// Call before the vCPUs run; `ram` must be fresh (never touched).
+///
+/// If the loader fails (the memory file became unreadable, short or different after it
+/// was validated), guest RAM is fenced (see [`fence`]): no vCPU reads a page that was
+/// not loaded, none waits forever, and [`LazyRestore::wait_timeout`] reports the error.
 pub fn start_lazy_restore(
     chain: std::sync::Arc<crate::snapshot::SnapshotChain>,
     ram: &RamMappings<'_>,
@@ -174,5 +188,6 @@ pub fn start_lazy_restore(
 ) -> Result<LazyRestore, UffdError> {
     chain.layers()[0].check_layout(ram.layout())?;
     let uffd = register_guest_ram(ram)?;
-    LazyRestore::start(chain, &ram.host_addrs(), uffd, opts)
+    let fence = fence::RamFence::new(guest_ranges(ram));
+    LazyRestore::start_fenced(chain, &ram.host_addrs(), uffd, opts, Some(fence))
 }
