@@ -256,9 +256,9 @@ pub fn restore(
     if hold_after_validation() {
         clock.mark("test_hold");
     }
+    // Guest memory, ACPI tables included, comes from the snapshot.
     let mut config = loaded.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-    // Guest memory, ACPI tables included, comes from the snapshot.
     let MachineBase {
         kvm,
         vm,
