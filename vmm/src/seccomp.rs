@@ -480,9 +480,21 @@ fn fcntl(rules: &mut Rules) -> BuildResult<()> {
     Ok(())
 }
 
-/// Spawning threads (std uses clone3, falling back to clone).
-fn threads(rules: &mut Rules) {
-    allow_all(rules, &[libc::SYS_clone3, libc::SYS_clone]);
+/// Spawning threads: std uses clone3 (its flags live in memory a filter cannot read),
+/// glibc falls back to clone, which is allowed for threads only (CLONE_THREAD|CLONE_VM):
+/// no fork.
+fn threads(rules: &mut Rules) -> BuildResult<()> {
+    allow_all(rules, &[libc::SYS_clone3]);
+    let thread = (libc::CLONE_THREAD | libc::CLONE_VM) as u64;
+    rules.insert(
+        libc::SYS_clone,
+        vec![SeccompRule::new(vec![arg(
+            0,
+            SeccompCmpOp::MaskedEq(thread),
+            thread,
+        )?])?],
+    );
+    Ok(())
 }
 
 fn ioctl(rules: &mut Rules, requests: &[u32]) -> BuildResult<()> {
@@ -498,7 +510,7 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
     fcntl(&mut rules)?;
     match kind {
         ThreadKind::Vmm => {
-            threads(&mut rules);
+            threads(&mut rules)?;
             setid(&mut rules);
             allow_all(
                 &mut rules,
@@ -627,7 +639,7 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
             )?;
         }
         ThreadKind::Api => {
-            threads(&mut rules);
+            threads(&mut rules)?;
             setid(&mut rules);
             allow_all(
                 &mut rules,
@@ -874,6 +886,46 @@ mod tests {
             std::str::from_utf8(&buf[..len]).unwrap(),
             "gpuvm: seccomp: blocked system call 110 on a vmm thread\n"
         );
+    }
+
+    #[test]
+    fn the_vmm_filter_allows_threads_but_not_fork() {
+        let outcome = std::thread::spawn(|| {
+            let filter = SeccompFilter::new(
+                rules(ThreadKind::Vmm).unwrap(),
+                SeccompAction::Errno(libc::EPERM as u32),
+                SeccompAction::Allow,
+                TargetArch::x86_64,
+            )
+            .unwrap();
+            let program: BpfProgram = filter.try_into().unwrap();
+            seccompiler::apply_filter(&program).unwrap();
+            let thread = std::thread::spawn(|| 7).join().unwrap();
+            // SAFETY: the child, if one is ever created, leaves at once without touching
+            // anything the parent owns.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: _exit in the child ends it without running the parent's cleanup.
+                unsafe { libc::_exit(0) };
+            }
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            // SAFETY: a raw clone without CLONE_THREAD, refused before it does anything.
+            let raw = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as u64, 0, 0, 0, 0) };
+            if raw == 0 {
+                // SAFETY: as above, in a child that must not exist.
+                unsafe { libc::_exit(0) };
+            }
+            (thread, pid, errno, raw)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(outcome.0, 7, "threads can be spawned");
+        assert_eq!(
+            (outcome.1, outcome.2),
+            (-1, Some(libc::EPERM)),
+            "fork refused"
+        );
+        assert_eq!(outcome.3, -1, "clone without CLONE_THREAD refused");
     }
 
     #[test]
