@@ -191,7 +191,7 @@ fn fault_message(value: &Value) -> &str {
 #[test]
 fn lifecycle_over_the_socket_from_rust() {
     let scratch = Scratch::new("lifecycle");
-    let vmm = Vmm::start(&scratch.path("api.sock"), &["--seccomp"]);
+    let vmm = Vmm::start(&scratch.path("api.sock"), &[]);
     assert_eq!(vmm.state(), "NotStarted");
     vmm.expect(
         204,
@@ -400,7 +400,7 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
 fn lifecycle_with_curl() {
     let scratch = Scratch::new("curl");
     let socket = scratch.path("api.sock");
-    let vmm = Vmm::start(&socket, &["--seccomp"]);
+    let vmm = Vmm::start(&socket, &[]);
     let curl = |method: &str, path: &str, body: Option<&str>| -> (u16, String) {
         let mut command = Command::new("curl");
         command
@@ -502,7 +502,7 @@ fn request_bytes(method: &str, path: &str, body: &str) -> Vec<u8> {
 fn bad_requests_get_a_4xx_with_a_fault_message() {
     let scratch = Scratch::new("bad");
     let socket = scratch.path("api.sock");
-    let vmm = Vmm::start(&socket, &["--seccomp"]);
+    let vmm = Vmm::start(&socket, &[]);
     let big = "x".repeat(100_000);
     let cases: Vec<(&str, Vec<u8>, u16)> = vec![
         (
@@ -679,7 +679,7 @@ fn bad_requests_get_a_4xx_with_a_fault_message() {
 fn random_bytes_never_get_5xx_or_kill_the_server() {
     let scratch = Scratch::new("fuzz");
     let socket = scratch.path("api.sock");
-    let vmm = Vmm::start(&socket, &["--seccomp"]);
+    let vmm = Vmm::start(&socket, &[]);
     let mut seed: u64 = 0x5eed_1234_abcd_ef01;
     let mut next = move || {
         seed ^= seed << 13;
@@ -896,13 +896,7 @@ fn jail_chroots_and_drops_privileges() {
     }
     // nobody must be able to write the snapshot inside the new root.
     std::fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let mut args = vec![
-        "--seccomp",
-        "--memory",
-        "64M",
-        "--cmdline",
-        "memloop 8M 3 0",
-    ];
+    let mut args = vec!["--memory", "64M", "--cmdline", "memloop 8M 3 0"];
     args.extend(jail);
     let vmm = Vmm::start(&socket, &args);
     vmm.expect(
