@@ -366,19 +366,22 @@ pub struct RestoreTimings {
     pub parallel: Vec<(&'static str, Duration)>,
 }
 
-/// The stages a restore reports, in order, with what each covers.
+/// The stages a restore reports, in order, with what each covers. `test_hold` appears
+/// only with the `GPUVM_TEST_HOLD_AFTER_VALIDATION` hook.
 pub const RESTORE_STAGES: &[(&str, &str)] = &[
     ("open_kvm", "open /dev/kvm"),
-    ("state", "read the state file, check its magic, version, CRC and configuration"),
-    ("memory_file", "open the memory files and validate headers, index CRCs, lengths, chain"),
+    ("state", "read the state file, check its magic, version, CRC and configuration; start validating the memory files on another thread"),
     ("guest_ram", "create the guest RAM memfd and map it"),
     ("create_vm", "KVM_CREATE_VM, TSS and identity-map addresses"),
     ("memslots", "register guest RAM with KVM (KVM_SET_USER_MEMORY_REGION)"),
     ("irqchip_pit", "create the in-kernel irqchip and PIT"),
     ("devices", "serial port, i8042, exit port and their irqfds"),
-    ("memory", "eager: read all memory; lazy: userfaultfd registration and loader start; external: registration and handshake"),
+    ("create_vcpus", "KVM_CREATE_VCPU for each saved vCPU (no state yet)"),
+    ("memory_file_wait", "wait for the memory-file validation (headers, index CRCs, lengths, chain); its own time is reported as parallel_memory_file"),
+    ("test_hold", "the test hook's pause"),
+    ("memory", "eager: read all memory; lazy: userfaultfd registration and fault thread start; external: registration, handshake and watcher"),
     ("vm_state", "serial, irqchip, PIT and clock state"),
-    ("vcpus", "create the vCPUs and set their saved state"),
+    ("vcpu_state", "every vCPU's saved registers, MSRs, LAPIC, events, CPUID"),
 ];
 
 /// Records back-to-back stage durations.

@@ -36,9 +36,13 @@ pub struct MemoryFile {
     extents: Vec<Extent>,
     /// Linear page index of each extent's first page.
     extent_linear: Vec<u64>,
-    /// Index into `page_crcs` of each extent's first page (data extents).
+    /// Index into the page CRCs of each extent's first page (data extents).
     extent_crc_index: Vec<u64>,
-    page_crcs: Vec<u32>,
+    /// The file's metadata as read (region table, extent index, page CRCs): the page
+    /// CRCs are used in place, words `crc_start..crc_start + crc_count`.
+    metadata: Metadata,
+    crc_start: usize,
+    crc_count: usize,
 }
 
 impl MemoryFile {
@@ -61,10 +65,11 @@ impl MemoryFile {
         check_header(&path, &header, file_len)?;
 
         let metadata_len = header.metadata_len().unwrap_or(u64::MAX);
-        let mut metadata = vec![0u8; metadata_len as usize];
-        file.read_exact_at(&mut metadata, HEADER_LEN as u64)
+        // check_header made sure the metadata fits in the file, so this is bounded.
+        let mut metadata = Metadata::new(metadata_len as usize);
+        file.read_exact_at(metadata.bytes_mut(), HEADER_LEN as u64)
             .map_err(|e| SnapshotError::io("read index of", &path, e))?;
-        let computed = crc32fast::hash(&metadata);
+        let computed = crc32fast::hash(metadata.bytes());
         if computed != header.index_crc {
             return Err(SnapshotError::IndexCrcMismatch {
                 path,
@@ -73,13 +78,15 @@ impl MemoryFile {
             });
         }
 
-        let (layout, rest) = parse_regions(&path, &header, &metadata)?;
+        let (layout, rest) = parse_regions(&path, &header, metadata.bytes())?;
         let extent_bytes = header.extent_count as usize * EXTENT_ENTRY_LEN;
         let extents = parse_extents(&path, &rest[..extent_bytes])?;
-        let page_crcs = rest[extent_bytes..]
-            .chunks_exact(PAGE_CRC_LEN)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        // The CRC table follows the 24-byte region and extent entries, so it starts on a
+        // 4-byte boundary of the (4-byte aligned) metadata.
+        let crc_offset = metadata_len as usize - rest.len() + extent_bytes;
+        debug_assert_eq!(crc_offset % PAGE_CRC_LEN, 0);
+        let crc_start = crc_offset / PAGE_CRC_LEN;
+        let crc_count = (metadata_len as usize - crc_offset) / PAGE_CRC_LEN;
         let (extent_linear, extent_crc_index) = check_extents(&path, &header, &layout, &extents)?;
 
         let data_end = header.data_offset + header.data_len().unwrap_or(u64::MAX);
@@ -103,7 +110,9 @@ impl MemoryFile {
             extents,
             extent_linear,
             extent_crc_index,
-            page_crcs,
+            metadata,
+            crc_start,
+            crc_count,
         })
     }
 
@@ -213,9 +222,11 @@ impl MemoryFile {
 
     /// Checks one page against CRC number `crc_index` (no-op without CRCs).
     pub(crate) fn check_page(&self, crc_index: u64, linear: u64, page: &[u8]) -> Result<()> {
-        let Some(&stored) = self.page_crcs.get(crc_index as usize) else {
+        let crcs = &self.metadata.words()[self.crc_start..self.crc_start + self.crc_count];
+        let Some(&stored) = crcs.get(crc_index as usize) else {
             return Ok(());
         };
+        let stored = u32::from_le(stored);
         let computed = crc32fast::hash(page);
         if computed != stored {
             return Err(SnapshotError::DataCrcMismatch {
@@ -226,6 +237,127 @@ impl MemoryFile {
             });
         }
         Ok(())
+    }
+}
+
+/// Buffers at least this large are anonymous mappings with huge pages requested (small
+/// in unit tests, so that their files take this path too).
+#[cfg(not(test))]
+const METADATA_MAP_MIN: usize = 1 << 20;
+#[cfg(test)]
+const METADATA_MAP_MIN: usize = 4096;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A memory file's metadata, read once into 4-byte aligned memory and kept (the page
+/// CRCs are looked up in place rather than copied out). Large ones (an 8 GiB guest has
+/// 8 MiB of page CRCs) live in an anonymous mapping with transparent huge pages
+/// requested: a handful of huge-page faults instead of one fault per 4 KiB page, which
+/// is what reading them costs most on hosts with shadow paging.
+enum Metadata {
+    Heap {
+        words: Vec<u32>,
+        len: usize,
+    },
+    Mapped {
+        ptr: *mut u8,
+        len: usize,
+        map_len: usize,
+    },
+}
+
+// SAFETY: `Mapped` owns its private anonymous mapping exclusively (like a Box); shared
+// references only read it.
+unsafe impl Send for Metadata {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for Metadata {}
+
+impl Metadata {
+    fn new(len: usize) -> Metadata {
+        if len >= METADATA_MAP_MIN {
+            let map_len = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+            // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+            let ptr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if ptr != libc::MAP_FAILED {
+                // SAFETY: advice on the mapping just created; failure only means no huge
+                // pages.
+                unsafe { libc::madvise(ptr, map_len, libc::MADV_HUGEPAGE) };
+                return Metadata::Mapped {
+                    ptr: ptr.cast(),
+                    len,
+                    map_len,
+                };
+            }
+            log::debug!("cannot map {map_len} bytes for memory-file metadata; using the heap");
+        }
+        Metadata::Heap {
+            words: vec![0u32; len.div_ceil(4)],
+            len,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: the vector holds at least `len` initialised bytes; u8 has no
+            // alignment or validity requirements.
+            Metadata::Heap { words, len } => unsafe {
+                std::slice::from_raw_parts(words.as_ptr().cast(), *len)
+            },
+            // SAFETY: the mapping is `map_len >= len` readable bytes (zero-filled until
+            // written) owned by self.
+            Metadata::Mapped { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            // SAFETY: as in `bytes`, and `&mut self` gives exclusive access.
+            Metadata::Heap { words, len } => unsafe {
+                std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), *len)
+            },
+            // SAFETY: as in `bytes`, and `&mut self` gives exclusive access.
+            Metadata::Mapped { ptr, len, .. } => unsafe {
+                std::slice::from_raw_parts_mut(*ptr, *len)
+            },
+        }
+    }
+
+    /// The metadata as little-endian 32-bit words (the last partial word, if any, is
+    /// left out).
+    fn words(&self) -> &[u32] {
+        match self {
+            Metadata::Heap { words, len } => &words[..len / 4],
+            // SAFETY: mmap returns page-aligned memory, so 4-byte aligned; `len / 4`
+            // words lie inside the mapping; any bit pattern is a valid u32.
+            Metadata::Mapped { ptr, len, .. } => unsafe {
+                std::slice::from_raw_parts(ptr.cast::<u32>(), len / 4)
+            },
+        }
+    }
+}
+
+impl Drop for Metadata {
+    fn drop(&mut self) {
+        if let Metadata::Mapped { ptr, map_len, .. } = *self {
+            // SAFETY: unmaps the mapping created in `new`, which nothing else refers to.
+            unsafe { libc::munmap(ptr.cast(), map_len) };
+        }
+    }
+}
+
+impl std::fmt::Debug for Metadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metadata")
+            .field("len", &self.bytes().len())
+            .finish()
     }
 }
 

@@ -60,6 +60,16 @@ pub struct LazyOptions {
     pub max_latency_samples: usize,
     /// Faulted pages remembered for [`LazyRestore::fault_order`] (the first N).
     pub max_recorded_faults: usize,
+    /// Background loaders wait for [`LazyRestore::release_background`] before they start
+    /// (the VMM releases them once the vCPUs run, so they do not compete for CPUs with the
+    /// last steps of the restore). Faults are served from the start regardless. A
+    /// blocking [`LazyRestore::wait`], and stopping, release them too.
+    pub hold_background: bool,
+    /// Nice value for the fault and loader threads (`setpriority` on each thread):
+    /// negative = more CPU share than the vCPUs and the rest of the host. Needs
+    /// CAP_SYS_NICE for negative values; without it the threads keep the default, and
+    /// say so at debug level. `None` leaves them alone.
+    pub thread_nice: Option<i32>,
     /// Called on the fault thread and each loader thread before they do anything else.
     pub on_thread_start: Option<ThreadStartHook>,
 }
@@ -75,6 +85,8 @@ impl std::fmt::Debug for LazyOptions {
             .field("unregister_when_done", &self.unregister_when_done)
             .field("max_latency_samples", &self.max_latency_samples)
             .field("max_recorded_faults", &self.max_recorded_faults)
+            .field("hold_background", &self.hold_background)
+            .field("thread_nice", &self.thread_nice)
             .field("on_thread_start", &self.on_thread_start.is_some())
             .finish()
     }
@@ -91,6 +103,8 @@ impl Default for LazyOptions {
             unregister_when_done: true,
             max_latency_samples: 1 << 20,
             max_recorded_faults: 1 << 16,
+            hold_background: false,
+            thread_nice: Some(-10),
             on_thread_start: None,
         }
     }
@@ -203,6 +217,9 @@ struct Shared {
     started: Instant,
     /// Guest RAM in this process, fenced when the loader fails (in-process restores).
     fence: Option<RamFence>,
+    /// Whether background loaders may run (see [`LazyOptions::hold_background`]).
+    background_released: Mutex<bool>,
+    background_gate: Condvar,
 }
 
 /// Handle to a running lazy restore. Dropping it stops the loader threads and closes
@@ -308,6 +325,8 @@ impl LazyRestore {
             status_changed: Condvar::new(),
             started: Instant::now(),
             fence,
+            background_released: Mutex::new(!opts.hold_background),
+            background_gate: Condvar::new(),
             opts,
         });
 
@@ -356,6 +375,11 @@ impl LazyRestore {
         lock(&self.shared.status).completed_after.is_some()
     }
 
+    /// Lets held background loaders start (see [`LazyOptions::hold_background`]).
+    pub fn release_background(&self) {
+        self.shared.release_background();
+    }
+
     /// Blocks until every data page is loaded (or the loader failed).
     pub fn wait(&self) -> Result<LazyStats, UffdError> {
         self.wait_timeout(None)?
@@ -364,6 +388,10 @@ impl LazyRestore {
 
     /// Like [`LazyRestore::wait`] but gives up after `timeout` with `Ok(None)`.
     pub fn wait_timeout(&self, timeout: Option<Duration>) -> Result<Option<LazyStats>, UffdError> {
+        if timeout != Some(Duration::ZERO) {
+            // Waiting for completion needs the background loaders.
+            self.shared.release_background();
+        }
         let deadline = timeout.map(|t| Instant::now() + t);
         let mut status = lock(&self.shared.status);
         loop {
@@ -418,6 +446,7 @@ impl LazyRestore {
     fn stop_threads(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         let _ = self.shared.stop_event.write(1);
+        self.shared.release_background();
         for t in self.threads.drain(..) {
             if t.join().is_err() {
                 error!("a lazy-restore thread panicked");
@@ -460,8 +489,26 @@ fn set_nonblocking(uffd: &Uffd) -> Result<(), UffdError> {
     Ok(())
 }
 
+/// Sets the calling thread's nice value.
+fn set_thread_nice(nice: i32) {
+    // SAFETY: gettid has no arguments and cannot fail.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on our own thread id; no memory is passed.
+    let ret = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) };
+    if ret != 0 {
+        debug!(
+            "cannot set nice {nice} on lazy-restore thread {tid}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 /// Runs a loader thread body and records its error, if any.
 fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
+    // Priority first: the hook may install a seccomp filter without setpriority.
+    if let Some(nice) = shared.opts.thread_nice {
+        set_thread_nice(nice);
+    }
     let started = match &shared.opts.on_thread_start {
         Some(hook) => hook().map_err(io_err("prepare a lazy-restore thread")),
         None => Ok(()),
@@ -480,6 +527,7 @@ fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
         // The other loader threads stop; nothing more is loaded.
         shared.stop.store(true, Ordering::SeqCst);
         let _ = shared.stop_event.write(1);
+        shared.release_background();
         // Publish first, fence second: a vCPU woken by the fence faults out of KVM_RUN,
         // and the VMM then finds the loader's error, not only the vCPU's.
         if let Some(fence) = &shared.fence {
@@ -491,6 +539,26 @@ fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
 }
 
 impl Shared {
+    fn release_background(&self) {
+        let mut released = lock(&self.background_released);
+        if !*released {
+            *released = true;
+            self.background_gate.notify_all();
+        }
+    }
+
+    /// Blocks a background loader until it may run; `false` when stopping instead.
+    fn wait_for_background_release(&self) -> bool {
+        let mut released = lock(&self.background_released);
+        while !*released {
+            released = self
+                .background_gate
+                .wait(released)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        !self.stop.load(Ordering::SeqCst)
+    }
+
     fn stats(&self) -> LazyStats {
         let c = &self.counters;
         let mut latencies = lock(&self.latencies_ns).clone();
@@ -804,6 +872,9 @@ fn serve_fault(
 
 /// Background thread: load chunks, queued ones first, until all are claimed.
 fn background_thread(shared: &Shared) -> Result<(), UffdError> {
+    if !shared.wait_for_background_release() {
+        return Ok(());
+    }
     let mut buf = AlignedBuf::new((shared.chunk_pages * shared.page_size) as usize);
     while let Some(c) = shared.next_chunk() {
         load_chunk(shared, c, &mut buf)?;

@@ -236,6 +236,110 @@ fn corrupt_data_fails_the_restore_instead_of_reaching_the_guest() {
     assert!(restore.shutdown().is_err());
 }
 
+/// `write(2)` of `len` bytes of guest RAM at `addr` into a pipe: the kernel reads the
+/// memory (faulting through userfaultfd like a vCPU's KVM access would) and reports a
+/// fenced page as EFAULT instead of the SIGSEGV a plain load would raise.
+fn read_with_syscall(addr: usize, len: usize) -> Result<usize, i32> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: the kernel validates the source range; the pipe is ours.
+    let n = unsafe { libc::write(fds[1], addr as *const libc::c_void, len) };
+    let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+    // SAFETY: closing the fds we opened.
+    unsafe {
+        libc::close(fds[0]);
+        libc::close(fds[1]);
+    }
+    if n < 0 {
+        Err(errno)
+    } else {
+        Ok(n as usize)
+    }
+}
+
+#[test]
+fn a_failed_loader_fences_guest_ram_and_wakes_the_waiting_thread() {
+    let dir = TempDir::new("fence");
+    let regions = two_regions(2 * MIB, 0, 2 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 6);
+    // Data is stored in linear page order, so the file's last page is the last data page.
+    let last_data = expected
+        .chunks_exact(PAGE as usize)
+        .rposition(|p| p.iter().any(|&b| b != 0))
+        .unwrap() as u64;
+    let first_data = expected
+        .chunks_exact(PAGE as usize)
+        .position(|p| p.iter().any(|&b| b != 0))
+        .unwrap() as u64;
+    assert_ne!(first_data, last_data);
+    let file_len = std::fs::metadata(&path).unwrap().len();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(b"garbage", file_len - PAGE + 100).unwrap();
+    }
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let opts = LazyOptions {
+        background: false,
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    let good = page_ptr(&ram, first_data) as usize;
+    let bad = page_ptr(&ram, last_data) as usize;
+    // A good page loads.
+    assert_eq!(read_with_syscall(good, PAGE as usize), Ok(PAGE as usize));
+    // A thread reading the corrupt page waits on its fault; the loader fails on it and
+    // must wake it with an error, not leave it waiting nor hand it zeros.
+    let reader = std::thread::spawn(move || read_with_syscall(bad, PAGE as usize));
+    let started = Instant::now();
+    while !reader.is_finished() {
+        assert!(
+            started.elapsed() < WAIT,
+            "the reader still waits on a fault nobody will serve"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(reader.join().unwrap(), Err(libc::EFAULT));
+    let err = restore.wait_timeout(Some(Duration::ZERO)).unwrap_err();
+    assert!(err.to_string().contains("data CRC mismatch"), "{err}");
+    // Everything is fenced now, loaded pages too: no access reads anything.
+    assert_eq!(read_with_syscall(good, 1), Err(libc::EFAULT));
+    let untouched = page_ptr(&ram, (first_data + last_data) / 2) as usize;
+    assert_eq!(read_with_syscall(untouched, 1), Err(libc::EFAULT));
+    assert!(restore.shutdown().is_err());
+}
+
+#[test]
+fn held_background_loaders_start_on_release() {
+    let dir = TempDir::new("hold");
+    let regions = two_regions(4 * MIB, 0, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 7);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let opts = LazyOptions {
+        hold_background: true,
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    // Faults are served while the loaders are held.
+    let first_data = expected
+        .chunks_exact(PAGE as usize)
+        .position(|p| p.iter().any(|&b| b != 0))
+        .unwrap() as u64;
+    let want = &expected[(first_data * PAGE) as usize..][..PAGE as usize];
+    assert!(read_page(&ram, first_data) == want);
+    std::thread::sleep(Duration::from_millis(100));
+    let held = restore.stats();
+    assert_eq!(held.bytes_loaded_background, 0, "{held:?}");
+    assert!(held.faults >= 1 && !held.complete(), "{held:?}");
+    restore.release_background();
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert!(stats.bytes_loaded_background > 0, "{stats:?}");
+    assert_ram_eq(&ram, &expected);
+}
+
 #[test]
 fn layout_mismatch_is_refused_before_registering() {
     let dir = TempDir::new("lazylayout");
