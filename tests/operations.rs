@@ -608,3 +608,76 @@ fn jail_and_seccomp_together() {
     let out = restored.wait(LIMIT);
     assert_no_violation(&out);
 }
+
+/// The threads a restore starts (the lazy fault thread and loaders, the external
+/// handler's watcher) run under the vmm filter too: a restored VM has no unfiltered thread.
+#[test]
+fn restored_vms_have_no_unfiltered_thread() {
+    let scratch = Scratch::new("restored-threads");
+    let dir = scratch.path("snap");
+    // Enough written memory that the lazy fault thread outlives the first samples.
+    run_gpuvm(
+        &[
+            "run",
+            "--memory",
+            "1G",
+            "--cmdline",
+            "memloop 512M 9 100000",
+            "--snapshot-dir",
+            arg(&dir),
+            "--snapshot-after-ms",
+            "1000",
+            "--snapshot-then",
+            "exit",
+        ],
+        LIMIT,
+    )
+    .assert_code(0);
+
+    let socket = scratch.path("uffd.sock");
+    for (mode, thread) in [("lazy", "uffd-faults"), ("external", "uffd-handler-wa")] {
+        let handler = (mode == "external").then(|| {
+            let mut handler = SpawnedProcess::spawn(
+                Path::new(HANDLER),
+                &["--socket", arg(&socket), "--snapshot", arg(&dir)],
+            );
+            handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+            handler
+        });
+        let mut args = vec!["restore", "--snapshot", arg(&dir), "--restore-mode", mode];
+        if handler.is_some() {
+            args.extend(["--uffd-socket", arg(&socket)]);
+        }
+        let mut restored = SpawnedProcess::gpuvm(&args);
+        // Threads filter themselves as they start (main once the vCPUs run), so sample
+        // until the restore's thread is there and every thread has its filter; a thread
+        // left unfiltered keeps this from ever holding.
+        let mut threads = Vec::new();
+        let filtered = wait_for(Duration::from_secs(30), || {
+            threads = thread_seccomp_modes(restored.pid());
+            threads.iter().any(|(name, _)| name == thread)
+                && threads.iter().all(|(_, mode)| *mode == 2)
+        });
+        assert!(
+            filtered,
+            "a {mode} restore still has unfiltered threads (or no {thread}): {threads:?}"
+        );
+        restored.signal(libc::SIGTERM);
+        assert_no_violation(&restored.wait(LIMIT));
+        if let Some(handler) = handler {
+            let _ = handler.wait(Duration::from_secs(30));
+        }
+    }
+}
+
+/// Polls `ready` every few milliseconds until it holds (true) or `limit` passes (false).
+fn wait_for(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if ready() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}

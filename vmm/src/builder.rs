@@ -350,8 +350,13 @@ pub fn restore(
                 .map_err(SnapshotError::from)?;
             // Keep our reference to the userfaultfd: if the handler dies, guest RAM is
             // fenced instead of silently reading as zero.
-            let watch = HandlerWatch::start(connection, uffd, guest_ram_ranges(&mappings))
-                .map_err(SnapshotError::from)?;
+            let watch = HandlerWatch::start(
+                connection,
+                uffd,
+                guest_ram_ranges(&mappings),
+                crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+            )
+            .map_err(SnapshotError::from)?;
             Some(LazyMemory::External(watch))
         }
     };

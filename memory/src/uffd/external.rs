@@ -28,7 +28,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::fence::RamFence;
-use super::{io_err, LazyOptions, LazyRestore, UffdError};
+use super::{io_err, LazyOptions, LazyRestore, ThreadStartHook, UffdError};
 use crate::snapshot::SnapshotChain;
 
 /// Largest handshake message accepted (a few hundred regions fit easily).
@@ -189,11 +189,14 @@ impl HandlerWatch {
     /// Starts watching the handler at the other end of `connection` (kept open, the
     /// handler sees the VMM's exit as EOF on it). `uffd` is the VMM's reference to the
     /// userfaultfd it sent; `ranges` are guest RAM (`(host address, length)`, mapped in
-    /// this process for as long as the watch lives).
+    /// this process for as long as the watch lives). `on_thread_start` runs first on the
+    /// watcher thread (e.g. to install a seccomp filter); if it fails, the watch fails
+    /// at once, as if the handler had died.
     pub fn start(
         connection: UnixStream,
         uffd: Uffd,
         ranges: Vec<(u64, u64)>,
+        on_thread_start: Option<ThreadStartHook>,
     ) -> Result<HandlerWatch, UffdError> {
         let pidfd = peer_pidfd(&connection);
         match &pidfd {
@@ -216,7 +219,13 @@ impl HandlerWatch {
         let thread = std::thread::Builder::new()
             .name("uffd-handler-watch".into())
             .spawn(move || {
-                let outcome = watch(&connection, pidfd.ok(), &thread_stop);
+                let started = on_thread_start.map_or(Ok(()), |hook| hook());
+                let outcome = match started {
+                    Ok(()) => watch(&connection, pidfd.ok(), &thread_stop),
+                    Err(e) => Some(format!(
+                        "cannot prepare the page-fault handler watcher thread: {e}"
+                    )),
+                };
                 if let Some(reason) = outcome {
                     thread_shared.fail(reason);
                 }
