@@ -83,7 +83,7 @@ pub enum SeccompError {
         kind: &'static str,
         source: seccompiler::BackendError,
     },
-    #[error("cannot install the {kind} thread's seccomp filter: {source}")]
+    #[error("cannot install the {kind} thread's seccomp filter: {source} (on a host without seccomp, run with --no-seccomp)")]
     Install {
         kind: &'static str,
         source: seccompiler::Error,
