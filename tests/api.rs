@@ -9,33 +9,11 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::gpuvm_bin;
+use gpuvm_tests::{gpuvm_bin, Scratch};
 use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-/// A directory for one test's sockets and snapshots, removed afterwards.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("gpuvm-api-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A gpuvm process serving an API socket; killed on drop.
 struct Vmm {
@@ -190,7 +168,7 @@ fn fault_message(value: &Value) -> &str {
 /// (it stays paused), resume (progress again), metrics, and stop with SendCtrlAltDel.
 #[test]
 fn lifecycle_over_the_socket_from_rust() {
-    let scratch = Scratch::new("lifecycle");
+    let scratch = Scratch::new("api", "lifecycle");
     let vmm = Vmm::start(&scratch.path("api.sock"), &[]);
     assert_eq!(vmm.state(), "NotStarted");
     vmm.expect(
@@ -331,7 +309,7 @@ fn ctl_ok(socket: &Path, args: &[&str]) -> String {
 /// in a new process: paused until resumed, and it finishes the loop where it left off.
 #[test]
 fn restore_via_the_api_in_a_new_process_with_ctl() {
-    let scratch = Scratch::new("restore");
+    let scratch = Scratch::new("api", "restore");
     let snap = scratch.path("snap");
     let snap_arg = snap.to_str().unwrap();
     let iters = 60;
@@ -398,7 +376,7 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
 /// The same lifecycle with curl, as an operator would type it.
 #[test]
 fn lifecycle_with_curl() {
-    let scratch = Scratch::new("curl");
+    let scratch = Scratch::new("api", "curl");
     let socket = scratch.path("api.sock");
     let vmm = Vmm::start(&socket, &[]);
     let curl = |method: &str, path: &str, body: Option<&str>| -> (u16, String) {
@@ -500,7 +478,7 @@ fn request_bytes(method: &str, path: &str, body: &str) -> Vec<u8> {
 
 #[test]
 fn bad_requests_get_a_4xx_with_a_fault_message() {
-    let scratch = Scratch::new("bad");
+    let scratch = Scratch::new("api", "bad");
     let socket = scratch.path("api.sock");
     let vmm = Vmm::start(&socket, &[]);
     let big = "x".repeat(100_000);
@@ -677,7 +655,7 @@ fn bad_requests_get_a_4xx_with_a_fault_message() {
 /// server.
 #[test]
 fn random_bytes_never_get_5xx_or_kill_the_server() {
-    let scratch = Scratch::new("fuzz");
+    let scratch = Scratch::new("api", "fuzz");
     let socket = scratch.path("api.sock");
     let vmm = Vmm::start(&socket, &[]);
     let mut seed: u64 = 0x5eed_1234_abcd_ef01;
@@ -725,7 +703,7 @@ fn every_openapi_route_is_served() {
         serde_json::from_str(&std::fs::read_to_string(&doc_path).expect("openapi.json"))
             .expect("openapi.json is JSON");
     let schemas = &doc["components"]["schemas"];
-    let scratch = Scratch::new("openapi");
+    let scratch = Scratch::new("api", "openapi");
     let vmm = Vmm::start(&scratch.path("api.sock"), &[]);
     let paths = doc["paths"].as_object().expect("paths");
     assert!(paths.len() >= 8);
@@ -787,7 +765,7 @@ fn example(schema: &Value) -> Value {
 
 #[test]
 fn config_file_starts_at_once() {
-    let scratch = Scratch::new("config");
+    let scratch = Scratch::new("api", "config");
     let config = scratch.path("vm.json");
     std::fs::write(
         &config,
@@ -871,7 +849,7 @@ fn status_field(pid: u64, field: &str) -> String {
 /// Without root the drop must fail cleanly instead.
 #[test]
 fn jail_chroots_and_drops_privileges() {
-    let scratch = Scratch::new("jail");
+    let scratch = Scratch::new("api", "jail");
     let root = scratch.path("root");
     std::fs::create_dir_all(&root).unwrap();
     let socket = root.join("api.sock");
@@ -966,7 +944,7 @@ fn jail_chroots_and_drops_privileges() {
 /// A SIGUSR1 snapshot (`gpuvm snapshot --pid`) of a VM the API paused leaves it paused.
 #[test]
 fn signal_snapshot_keeps_an_api_paused_vm_paused() {
-    let scratch = Scratch::new("signal");
+    let scratch = Scratch::new("api", "signal");
     let snap = scratch.path("snap");
     let vmm = Vmm::start(
         &scratch.path("api.sock"),
@@ -1018,7 +996,7 @@ fn signal_snapshot_keeps_an_api_paused_vm_paused() {
 /// `gpuvm ctl raw` reaches any route; errors are one line and exit 1.
 #[test]
 fn ctl_raw_and_errors() {
-    let scratch = Scratch::new("ctl");
+    let scratch = Scratch::new("api", "ctl");
     let socket = scratch.path("api.sock");
     let (ok, _, stderr) = ctl(&socket, &["info"]);
     assert!(!ok && stderr.contains("cannot connect"), "{stderr}");

@@ -527,3 +527,26 @@ pub fn thread_seccomp_modes(pid: i32) -> Vec<(String, u32)> {
     threads.sort();
     threads
 }
+
+/// A directory for one test's sockets, snapshots and other files, removed on drop.
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// `$TMPDIR/gpuvm-<suite>-<name>-<pid>`, emptied first.
+    pub fn new(suite: &str, name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("gpuvm-{suite}-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Scratch(dir)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -2,40 +2,18 @@
 //! default), what happens on a violation, the test hooks that show the filters are really
 //! applied, `--no-seccomp`, JSON logs, and the jail combined with the filters.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::{
     api_expect, run_gpuvm, run_gpuvm_with_env, thread_seccomp_modes, wait_for_api_socket,
-    RunOutput, SpawnedProcess,
+    RunOutput, Scratch, SpawnedProcess,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
 const VIOLATION_EXIT: i32 = 148;
 const HANDLER: &str = env!("CARGO_BIN_EXE_gpuvm-test-uffd-handler");
 const EMU_GPU: &str = env!("CARGO_BIN_EXE_gpuvm-emu-gpu");
-
-/// A directory for one test's files, removed afterwards.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("gpuvm-ops-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn arg(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
@@ -88,7 +66,7 @@ fn workloads_pass_under_the_filters() {
 /// the external page-fault handler included: all under the filters.
 #[test]
 fn snapshot_and_every_restore_mode_under_the_filters() {
-    let scratch = Scratch::new("snap");
+    let scratch = Scratch::new("ops", "snap");
     let dir = scratch.path("snap");
     let out = run_gpuvm(
         &[
@@ -150,7 +128,7 @@ fn snapshot_and_every_restore_mode_under_the_filters() {
 /// loader's threads and the snapshot writer under the vmm filter), then a diff on SIGUSR1.
 #[test]
 fn lazy_restore_then_snapshot_again_under_the_filters() {
-    let scratch = Scratch::new("resnap");
+    let scratch = Scratch::new("ops", "resnap");
     let first = scratch.path("first");
     let second = scratch.path("second");
     run_gpuvm(
@@ -196,7 +174,7 @@ fn lazy_restore_then_snapshot_again_under_the_filters() {
 /// the API lifecycle (configure, start, pause, snapshot, resume, metrics, stop) works.
 #[test]
 fn every_thread_is_filtered_and_the_api_lifecycle_works() {
-    let scratch = Scratch::new("threads");
+    let scratch = Scratch::new("ops", "threads");
     let socket = scratch.path("api.sock");
     let snap = scratch.path("snap");
     let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", arg(&socket)]);
@@ -265,7 +243,7 @@ fn every_thread_is_filtered_and_the_api_lifecycle_works() {
 
 #[test]
 fn no_seccomp_leaves_threads_unfiltered_and_the_old_flag_is_accepted() {
-    let scratch = Scratch::new("off");
+    let scratch = Scratch::new("ops", "off");
     let socket = scratch.path("api.sock");
     let mut vmm = SpawnedProcess::gpuvm(&[
         "run",
@@ -315,7 +293,7 @@ fn no_seccomp_leaves_threads_unfiltered_and_the_old_flag_is_accepted() {
 /// the SIGSYS handler names it and gpuvm exits 148.
 #[test]
 fn a_violation_on_each_thread_kind_traps() {
-    let scratch = Scratch::new("violation");
+    let scratch = Scratch::new("ops", "violation");
     for kind in ["vmm", "vcpu", "api"] {
         let socket = scratch.path(&format!("{kind}.sock"));
         let config = scratch.path("config.json");
@@ -406,7 +384,7 @@ fn removing_a_call_from_a_filter_breaks_exactly_that_thread() {
         "gpuvm: seccomp: blocked system call 232 on a vmm thread",
     );
 
-    let scratch = Scratch::new("remove");
+    let scratch = Scratch::new("ops", "remove");
     let socket = scratch.path("api.sock");
     let mut vmm = SpawnedProcess::spawn_with_env(
         &gpuvm_tests::gpuvm_bin(),
@@ -435,7 +413,7 @@ fn removing_a_call_from_a_filter_breaks_exactly_that_thread() {
 /// threads, the INTx unmask from the event loop, teardown, all filtered.
 #[test]
 fn pci_with_the_emulated_gpu_under_the_filters() {
-    let scratch = Scratch::new("pci");
+    let scratch = Scratch::new("ops", "pci");
     let socket = scratch.path("gpu.sock");
     let mut emu = SpawnedProcess::spawn(Path::new(EMU_GPU), &["--socket", arg(&socket)]);
     emu.wait_until("the device socket", Duration::from_secs(10), |_| {
@@ -535,7 +513,7 @@ fn jail_and_seccomp_together() {
         eprintln!("jail_and_seccomp_together: needs root, skipped");
         return;
     }
-    let scratch = Scratch::new("jail");
+    let scratch = Scratch::new("ops", "jail");
     let root = scratch.path("root");
     std::fs::create_dir_all(&root).unwrap();
     std::fs::set_permissions(&root, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
@@ -613,7 +591,7 @@ fn jail_and_seccomp_together() {
 /// handler's watcher) run under the vmm filter too: a restored VM has no unfiltered thread.
 #[test]
 fn restored_vms_have_no_unfiltered_thread() {
-    let scratch = Scratch::new("restored-threads");
+    let scratch = Scratch::new("ops", "restored-threads");
     let dir = scratch.path("snap");
     // Enough written memory that the lazy fault thread outlives the first samples.
     run_gpuvm(
