@@ -382,13 +382,7 @@ fn watch(connection: &UnixStream, pidfd: Option<OwnedFd>, stop: &EventFd) -> Opt
         revents: 0,
     });
     loop {
-        // SAFETY: `fds` is a valid array of pollfds for the duration of the call.
-        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if ret < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
+        if let Err(err) = super::ops::poll_until_ready(&mut fds) {
             return Some(format!(
                 "cannot watch the external page-fault handler: {err}"
             ));

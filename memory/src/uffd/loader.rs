@@ -741,18 +741,7 @@ fn fault_thread(shared: &Shared) -> Result<(), UffdError> {
         },
     ];
     loop {
-        // SAFETY: `fds` is a valid array of two pollfds for the duration of the call.
-        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
-        if ret < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(UffdError::Io {
-                op: "poll the userfaultfd",
-                source: err,
-            });
-        }
+        ops::poll_until_ready(&mut fds).map_err(io_err("poll the userfaultfd"))?;
         if shared.stop.load(Ordering::SeqCst) {
             return Ok(());
         }

@@ -156,6 +156,21 @@ fn stall(stalls: &mut u32, op: &'static str, addr: u64) -> Result<(), UffdError>
     Ok(())
 }
 
+/// poll(2) on `fds` with no timeout, retried when a signal interrupts it.
+pub(crate) fn poll_until_ready(fds: &mut [libc::pollfd]) -> std::io::Result<()> {
+    loop {
+        // SAFETY: `fds` is a valid, exclusively borrowed array of pollfds for the call.
+        let ret = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if ret >= 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
 /// The errno inside a uffd-rs error, EIO when it carries none.
 pub(crate) fn raw_errno(e: &RawError) -> i32 {
     match e {
