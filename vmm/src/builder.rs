@@ -3,6 +3,7 @@
 //! half-built on error (everything is owned and dropped on the way out).
 
 use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -262,12 +263,20 @@ pub fn restore(
     // bad file still tears the half-built VM down (everything here is dropped) before
     // anything ran.
     let (paths, chain_layout) = state.chain_inputs();
+    // Whoever claims the validation does it: the thread, or this one if the thread has
+    // not been scheduled by the time the KVM setup is done (on a loaded host a new
+    // thread can wait tens of milliseconds for a CPU).
+    let claimed = Arc::new(AtomicBool::new(false));
+    let thread_claim = claimed.clone();
     let validation = std::thread::Builder::new()
         .name("snapshot-validate".into())
         .spawn(move || {
+            if thread_claim.swap(true, Ordering::AcqRel) {
+                return None;
+            }
             let started = Instant::now();
             let chain = SnapshotChain::open(&paths, &chain_layout);
-            (chain, started.elapsed())
+            Some((chain, started.elapsed()))
         })
         .map_err(|e| {
             Error::Snapshot(SnapshotError::Uffd(UffdError::Io {
@@ -290,15 +299,26 @@ pub fn restore(
         Ok((base, vcpus))
     });
     clock.mark("create_vcpus");
-    // Always join, so the thread never outlives a failed restore; the snapshot's own
-    // errors come first, as when validation ran before everything else.
-    let (chain, validate_time) = validation.join().map_err(|_| {
-        Error::Snapshot(SnapshotError::Invalid {
-            dir: dir.to_path_buf(),
-            reason: "the memory-file validation thread panicked".into(),
-        })
-    })?;
-    let chain = chain.map_err(SnapshotError::from)?;
+    // The snapshot's own errors come first, as when validation ran before everything else.
+    let (chain, parallel_validation) = if claimed.swap(true, Ordering::AcqRel) {
+        // The thread is validating (or has): wait for it.
+        let (chain, took) =
+            validation
+                .join()
+                .ok()
+                .flatten()
+                .ok_or_else(|| SnapshotError::Invalid {
+                    dir: dir.to_path_buf(),
+                    reason: "the memory-file validation thread failed".into(),
+                })?;
+        (chain.map_err(SnapshotError::from), Some(took))
+    } else {
+        // Not started yet: validate here. The thread, once it runs, finds the work
+        // claimed and ends without touching anything.
+        drop(validation);
+        (state.validate_chain(), None)
+    };
+    let chain = chain?;
     clock.mark("memory_file_wait");
     let (
         MachineBase {
@@ -390,7 +410,9 @@ pub fn restore(
         memory,
         total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
         stages,
-        parallel: vec![("memory_file", validate_time)],
+        parallel: parallel_validation
+            .map(|took| vec![("memory_file", took)])
+            .unwrap_or_default(),
     };
     log::info!(
         "restored {} ({mode:?}) in {:?}; stages (us):{}{}",

@@ -253,6 +253,14 @@ impl Machine {
         self.vcpus_started
     }
 
+    /// Lets a lazy restore's background loader start now rather than when the vCPUs run
+    /// (for a restored machine that waits, not yet run, e.g. for an API `Resumed`).
+    pub fn release_lazy_loading(&self) {
+        if let Some(LazyMemory::InProcess(lazy)) = &self.lazy {
+            lazy.release_background();
+        }
+    }
+
     /// Statistics of an in-process lazy restore, if one ran.
     pub fn lazy_stats(&self) -> Option<LazyStats> {
         match &self.lazy {

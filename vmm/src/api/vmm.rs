@@ -287,6 +287,10 @@ impl ApiController {
             Ok((machine, timings)) => {
                 Metrics::add(&METRICS.snapshots_loaded, 1);
                 log::info!("snapshot loaded through the API: {timings:?}");
+                if !body.resume_vm {
+                    // Nothing competes for CPUs while it waits for `Resumed`: load now.
+                    machine.release_lazy_loading();
+                }
                 self.machine_config = machine.config().clone();
                 (
                     Ok(VmmData::Empty),
