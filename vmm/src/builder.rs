@@ -238,12 +238,12 @@ pub fn restore(
     let validated = started.elapsed();
     let mut config = loaded.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-                             // Guest memory, ACPI tables included, comes from the snapshot.
     let MachineBase {
         kvm,
         vm,
         ram,
         devices,
+        // The ACPI tables are in guest memory, which comes from the snapshot.
         pci: _,
     } = create_base(kvm, &config, &PciOptions::default(), serial_out)?;
 
