@@ -696,6 +696,27 @@ fn restore_after_kill_9() {
 
 // ---- 3. kill -9 while a snapshot is being written ----
 
+/// When a test kills gpuvm during its second snapshot.
+#[derive(Clone, Copy)]
+enum KillPoint {
+    /// This many milliseconds after asking for the snapshot.
+    After(u64),
+    /// As soon as a memory file the first snapshot did not name exists (being written).
+    MemoryFileAppears,
+    /// Once the new state file is committed.
+    AfterCommit,
+}
+
+/// Whether `dir` holds a memory file (temporary or final) not in `named`.
+fn has_new_memory_file(dir: &Path, named: &BTreeSet<String>) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.contains("memory-") && !named.contains(&name)
+        })
+    })
+}
+
 #[test]
 fn kill_9_during_snapshot_keeps_the_previous_one() {
     let scratch = Scratch::new("kill-during");
@@ -710,13 +731,25 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
     let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
     let mut mid_write = 0;
     let mut outcomes = Vec::new();
-    // Kill after a fixed delay into the second snapshot, and finally (None) right after
-    // it commits, so both outcomes are restored.
-    for delay in [Some(0u64), Some(20), Some(100), Some(250), Some(500), None] {
-        let label = delay.map_or("kill after the commit".to_string(), |ms| {
-            format!("kill {ms} ms into the snapshot")
-        });
-        let dir = scratch.path(&format!("snap-{}", delay.map_or(-1, |d| d as i64)));
+    // Kill after fixed delays into the second snapshot, as soon as its memory file
+    // appears (always mid-write, however fast this host writes), and right after it
+    // commits, so both outcomes are restored.
+    let kill_points = [
+        KillPoint::After(0),
+        KillPoint::After(20),
+        KillPoint::After(100),
+        KillPoint::After(250),
+        KillPoint::After(500),
+        KillPoint::MemoryFileAppears,
+        KillPoint::AfterCommit,
+    ];
+    for (n, point) in kill_points.into_iter().enumerate() {
+        let label = match point {
+            KillPoint::After(ms) => format!("kill {ms} ms into the snapshot"),
+            KillPoint::MemoryFileAppears => "kill once the new memory file appears".into(),
+            KillPoint::AfterCommit => "kill after the commit".into(),
+        };
+        let dir = scratch.path(&format!("snap-{n}"));
         let mut args = guest.args(&cmdline, &vcpus);
         args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
         let mut run = SpawnedProcess::gpuvm(&args);
@@ -730,9 +763,15 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             iterations(&p.stdout()).len() > seen
         });
         signal_snapshot(run.pid());
-        match delay {
-            Some(ms) => std::thread::sleep(Duration::from_millis(ms)),
-            None => run.wait_until("the second snapshot", LIMIT, |_| {
+        match point {
+            KillPoint::After(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            KillPoint::MemoryFileAppears => {
+                let named: BTreeSet<String> = first_files.iter().cloned().collect();
+                run.wait_until("the second memory file", LIMIT, |_| {
+                    has_new_memory_file(&dir, &named)
+                });
+            }
+            KillPoint::AfterCommit => run.wait_until("the second snapshot", LIMIT, |_| {
                 std::fs::read(dir.join("state")).is_ok_and(|now| now != first_state)
             }),
         }
@@ -806,12 +845,7 @@ fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
     // Kill as soon as the second memory file is being written.
     let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
     run.wait_until("the second memory file", LIMIT, |_| {
-        std::fs::read_dir(&dir).is_ok_and(|entries| {
-            entries.flatten().any(|e| {
-                let name = e.file_name().to_string_lossy().into_owned();
-                name.contains("memory-") && !named.contains(&name)
-            })
-        })
+        has_new_memory_file(&dir, &named)
     });
     run.signal(libc::SIGKILL);
     drop(run);
