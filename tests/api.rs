@@ -369,8 +369,14 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
         !after.contains("testguest: ready"),
         "booted instead of restoring: {after}"
     );
-    assert_eq!(resumed.first().copied(), Some(last_before + 1), "{after}");
-    assert_eq!(resumed.last().copied(), Some(iters - 1), "{after}");
+    assert!(
+        resumed.first().is_some_and(|&first| first > last_before),
+        "{after}"
+    );
+    // The snapshot can split a serial line (the guest paused mid-print); the two runs'
+    // output together is the whole, unbroken loop.
+    let whole = iterations(&format!("{before}{after}"));
+    assert_eq!(whole, (0..iters).collect::<Vec<_>>(), "{before}{after}");
 }
 
 /// The same lifecycle with curl, as an operator would type it.
