@@ -550,3 +550,23 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Starts the test page-fault handler (`gpuvm-test-uffd-handler`, at `program`) listening
+/// on `socket` and serving the snapshot in `snapshot` (plus `extra` arguments), and waits
+/// until it listens.
+pub fn start_uffd_handler(
+    program: &std::path::Path,
+    socket: &std::path::Path,
+    snapshot: &std::path::Path,
+    extra: &[&str],
+) -> SpawnedProcess {
+    let (socket, snapshot) = (
+        socket.to_str().expect("UTF-8 socket path"),
+        snapshot.to_str().expect("UTF-8 snapshot path"),
+    );
+    let mut args = vec!["--socket", socket, "--snapshot", snapshot];
+    args.extend_from_slice(extra);
+    let mut handler = SpawnedProcess::spawn(program, &args);
+    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    handler
+}

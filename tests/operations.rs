@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::{
-    api_expect, run_gpuvm, run_gpuvm_with_env, thread_seccomp_modes, wait_for_api_socket,
-    RunOutput, Scratch, SpawnedProcess,
+    api_expect, run_gpuvm, run_gpuvm_with_env, start_uffd_handler, thread_seccomp_modes,
+    wait_for_api_socket, RunOutput, Scratch, SpawnedProcess,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -101,11 +101,7 @@ fn snapshot_and_every_restore_mode_under_the_filters() {
     }
 
     let socket = scratch.path("uffd.sock");
-    let mut handler = SpawnedProcess::spawn(
-        Path::new(HANDLER),
-        &["--socket", arg(&socket), "--snapshot", arg(&dir)],
-    );
-    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let handler = start_uffd_handler(Path::new(HANDLER), &socket, &dir, &[]);
     let out = run_gpuvm(
         &[
             "restore",
@@ -614,14 +610,8 @@ fn restored_vms_have_no_unfiltered_thread() {
 
     let socket = scratch.path("uffd.sock");
     for (mode, thread) in [("lazy", "uffd-faults"), ("external", "uffd-handler-wa")] {
-        let handler = (mode == "external").then(|| {
-            let mut handler = SpawnedProcess::spawn(
-                Path::new(HANDLER),
-                &["--socket", arg(&socket), "--snapshot", arg(&dir)],
-            );
-            handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
-            handler
-        });
+        let handler = (mode == "external")
+            .then(|| start_uffd_handler(Path::new(HANDLER), &socket, &dir, &[]));
         let mut args = vec!["restore", "--snapshot", arg(&dir), "--restore-mode", mode];
         if handler.is_some() {
             args.extend(["--uffd-socket", arg(&socket)]);

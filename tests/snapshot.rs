@@ -13,7 +13,9 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{HugePageReservation, RunOutput, SpawnedProcess, HUGEPAGE_LOCK};
+use gpuvm_tests::{
+    start_uffd_handler, HugePageReservation, RunOutput, SpawnedProcess, HUGEPAGE_LOCK,
+};
 
 const LIMIT: Duration = Duration::from_secs(240);
 const HANDLER: &str = env!("CARGO_BIN_EXE_gpuvm-test-uffd-handler");
@@ -426,11 +428,7 @@ fn assert_restore_stages(out: &RunOutput) {
 /// handler's output.
 fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput, RunOutput) {
     let socket = scratch.path("uffd.sock");
-    let mut handler = SpawnedProcess::spawn(
-        Path::new(HANDLER),
-        &["--socket", arg(&socket), "--snapshot", arg(dir)],
-    );
-    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
+    let handler = start_uffd_handler(Path::new(HANDLER), &socket, dir, &[]);
     let mut args = vec!["--uffd-socket", arg(&socket)];
     args.extend_from_slice(extra);
     let out = restore(dir, "external", &args);
@@ -505,18 +503,12 @@ fn external_handler_death_fails_the_restore_cleanly() {
     let dir = scratch.path("snap");
     snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let socket = scratch.path("uffd.sock");
-    let mut handler = SpawnedProcess::spawn(
+    let handler = start_uffd_handler(
         Path::new(HANDLER),
-        &[
-            "--socket",
-            arg(&socket),
-            "--snapshot",
-            arg(&dir),
-            "--die-after-faults",
-            "300",
-        ],
+        &socket,
+        &dir,
+        &["--die-after-faults", "300"],
     );
-    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
     let run = SpawnedProcess::gpuvm(&[
         "restore",
         "--snapshot",
@@ -547,18 +539,12 @@ fn external_handler_death_during_a_snapshot_fails_cleanly() {
     // 20,000 pages; the snapshot's fault-in of all 32,768 pages crosses that.
     let dir = small_snapshot(&scratch);
     let socket = scratch.path("uffd.sock");
-    let mut handler = SpawnedProcess::spawn(
+    let handler = start_uffd_handler(
         Path::new(HANDLER),
-        &[
-            "--socket",
-            arg(&socket),
-            "--snapshot",
-            arg(&dir),
-            "--die-after-faults",
-            "20000",
-        ],
+        &socket,
+        &dir,
+        &["--die-after-faults", "20000"],
     );
-    handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
     let second = scratch.path("second");
     let run = SpawnedProcess::gpuvm(&[
         "restore",
