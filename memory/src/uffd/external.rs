@@ -28,7 +28,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::fence::RamFence;
-use super::{io_err, LazyOptions, LazyRestore, ThreadStartHook, UffdError};
+use super::{io_err, lock, LazyOptions, LazyRestore, ThreadStartHook, UffdError};
 use crate::snapshot::SnapshotChain;
 
 /// Largest handshake message accepted (a few hundred regions fit easily).
@@ -181,8 +181,6 @@ struct WatchShared {
     uffd: Uffd,
     fence: RamFence,
     failure: Mutex<Option<String>>,
-    /// Written once a failure is recorded (for event loops).
-    failed_event: EventFd,
 }
 
 impl HandlerWatch {
@@ -209,8 +207,6 @@ impl HandlerWatch {
             uffd,
             fence: RamFence::new(ranges),
             failure: Mutex::new(None),
-            failed_event: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
-                .map_err(io_err("create eventfd"))?,
         });
         let stop = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
             .map_err(io_err("create eventfd"))?;
@@ -245,22 +241,6 @@ impl HandlerWatch {
     pub fn failure(&self) -> Option<String> {
         lock(&self.shared.failure).clone()
     }
-
-    /// Readable once [`HandlerWatch::failure`] has something to say.
-    pub fn failed_event(&self) -> &EventFd {
-        &self.shared.failed_event
-    }
-
-    /// The VMM's reference to the userfaultfd the handler serves.
-    pub fn uffd(&self) -> &Uffd {
-        &self.shared.uffd
-    }
-
-    /// Declares the handler failed for `reason` (e.g. a VMM thread saw it stop serving)
-    /// and fences guest RAM.
-    pub fn fail(&self, reason: String) {
-        self.shared.fail(reason);
-    }
 }
 
 impl WatchShared {
@@ -277,7 +257,6 @@ impl WatchShared {
         if let Err(e) = self.fence.fence(&self.uffd) {
             error!("fencing guest RAM after the page-fault handler failed: {e}");
         }
-        let _ = self.failed_event.write(1);
     }
 }
 
@@ -298,10 +277,6 @@ impl std::fmt::Debug for HandlerWatch {
             .field("failure", &self.failure())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the peer, free of pid-reuse races.

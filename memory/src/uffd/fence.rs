@@ -39,11 +39,6 @@ impl RamFence {
         }
     }
 
-    /// Whether [`RamFence::fence`] ran.
-    pub fn is_fenced(&self) -> bool {
-        self.fenced.load(Ordering::SeqCst)
-    }
-
     /// Makes every range inaccessible, then wakes every thread waiting on a fault in
     /// them through `uffd` (the userfaultfd they are registered with). Idempotent.
     /// Returns the first error; it still tries every range.

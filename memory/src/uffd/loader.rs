@@ -20,7 +20,7 @@
 use std::collections::VecDeque;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::fence::RamFence;
 use super::ops::{self, AlignedBuf, Filled, BASE_PAGE_SIZE};
-use super::{io_err, UffdError};
+use super::{io_err, lock, UffdError};
 use crate::snapshot::bits::AtomicBitmap;
 use crate::snapshot::{PlanRun, SnapshotChain};
 
@@ -444,9 +444,7 @@ impl LazyRestore {
     }
 
     fn stop_threads(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        let _ = self.shared.stop_event.write(1);
-        self.shared.release_background();
+        self.shared.request_stop();
         for t in self.threads.drain(..) {
             if t.join().is_err() {
                 error!("a lazy-restore thread panicked");
@@ -469,10 +467,6 @@ impl std::fmt::Debug for LazyRestore {
             .field("stats", &self.stats())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn set_nonblocking(uffd: &Uffd) -> Result<(), UffdError> {
@@ -525,9 +519,7 @@ fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
             shared.status_changed.notify_all();
         }
         // The other loader threads stop; nothing more is loaded.
-        shared.stop.store(true, Ordering::SeqCst);
-        let _ = shared.stop_event.write(1);
-        shared.release_background();
+        shared.request_stop();
         // Publish first, fence second: a vCPU woken by the fence faults out of KVM_RUN,
         // and the VMM then finds the loader's error, not only the vCPU's.
         if let Some(fence) = &shared.fence {
@@ -539,6 +531,13 @@ fn run_thread(shared: &Shared, body: fn(&Shared) -> Result<(), UffdError>) {
 }
 
 impl Shared {
+    /// Tells every loader thread to stop (held background loaders included).
+    fn request_stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.stop_event.write(1);
+        self.release_background();
+    }
+
     fn release_background(&self) {
         let mut released = lock(&self.background_released);
         if !*released {

@@ -116,6 +116,12 @@ pub(crate) fn io_err(op: &'static str) -> impl FnOnce(io::Error) -> UffdError {
     move |source| UffdError::Io { op, source }
 }
 
+/// Locks `m`, carrying on through poisoning (a panicked loader thread must not wedge the
+/// others or the VMM).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Creates a userfaultfd (non-blocking, close-on-exec, handling kernel-mode faults too:
 /// KVM reaches guest memory through `get_user_pages`, not user-mode accesses).
 pub fn create_uffd() -> Result<Uffd, UffdError> {
@@ -158,21 +164,17 @@ pub fn register_ranges(
 /// Creates a userfaultfd and registers every region of `ram` with it.
 pub fn register_guest_ram(ram: &RamMappings<'_>) -> Result<Uffd, UffdError> {
     let uffd = create_uffd()?;
-    register_ranges(&uffd, &guest_ranges(ram), ram.layout().page_size())?;
+    register_ranges(&uffd, &guest_ram_ranges(ram), ram.layout().page_size())?;
     Ok(uffd)
 }
 
-fn guest_ranges(ram: &RamMappings<'_>) -> Vec<(u64, u64)> {
+/// The `(host address, length)` of every guest RAM region of `ram`.
+pub fn guest_ram_ranges(ram: &RamMappings<'_>) -> Vec<(u64, u64)> {
     ram.host_addrs()
         .into_iter()
         .zip(ram.layout().regions())
         .map(|(addr, r)| (addr, r.size))
         .collect()
-}
-
-/// The `(host address, length)` of every guest RAM region of `ram`.
-pub fn guest_ram_ranges(ram: &RamMappings<'_>) -> Vec<(u64, u64)> {
-    guest_ranges(ram)
 }
 
 /// Registers `ram` with a new userfaultfd and starts loading `chain` into it lazily.
@@ -188,6 +190,6 @@ pub fn start_lazy_restore(
 ) -> Result<LazyRestore, UffdError> {
     chain.layers()[0].check_layout(ram.layout())?;
     let uffd = register_guest_ram(ram)?;
-    let fence = fence::RamFence::new(guest_ranges(ram));
+    let fence = fence::RamFence::new(guest_ram_ranges(ram));
     LazyRestore::start_fenced(chain, &ram.host_addrs(), uffd, opts, Some(fence))
 }
