@@ -12,7 +12,7 @@ use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
 
-use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings, SnapshotChain};
+use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings};
 use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
 use gpuvm_memory::uffd::{
     guest_ram_ranges, register_guest_ram, start_lazy_restore, LazyOptions, UffdError,
@@ -262,7 +262,7 @@ pub fn restore(
     // neither registered nor filled, no vCPU or VM state is set and no vCPU runs, so a
     // bad file still tears the half-built VM down (everything here is dropped) before
     // anything ran.
-    let (paths, chain_layout) = state.chain_inputs();
+    let inputs = state.chain_inputs();
     // Whoever claims the validation does it: the thread, or this one if the thread has
     // not been scheduled by the time the KVM setup is done (on a loaded host a new
     // thread can wait tens of milliseconds for a CPU).
@@ -275,7 +275,7 @@ pub fn restore(
                 return None;
             }
             let started = Instant::now();
-            let chain = SnapshotChain::open(&paths, &chain_layout);
+            let chain = inputs.validate();
             Some((chain, started.elapsed()))
         })
         .map_err(|e| {
@@ -311,7 +311,7 @@ pub fn restore(
                     dir: dir.to_path_buf(),
                     reason: "the memory-file validation thread failed".into(),
                 })?;
-        (chain.map_err(SnapshotError::from), Some(took))
+        (chain, Some(took))
     } else {
         // Not started yet: validate here. The thread, once it runs, finds the work
         // claimed and ends without touching anything.

@@ -371,9 +371,7 @@ impl Machine {
         self.vcpus_started = Some(Instant::now());
         // The background loader of a lazy restore was held back until now, so it did not
         // compete for CPUs with the restore's last steps.
-        if let Some(LazyMemory::InProcess(lazy)) = &self.lazy {
-            lazy.release_background();
-        }
+        self.release_lazy_loading();
         let outcome = loop {
             if let Err(error) = events.run() {
                 break Err(Error::EventManager(error));

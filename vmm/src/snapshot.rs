@@ -254,8 +254,22 @@ pub struct LoadedState {
     pub dir: PathBuf,
     pub state: MachineState,
     pub config: MachineConfig,
-    layout: RamLayout,
+    chain: ChainInputs,
+}
+
+/// What opening a snapshot's memory chain takes: its files, base first, and the guest
+/// RAM layout they must match. Cheap to clone, to validate on another thread.
+#[derive(Debug, Clone)]
+pub struct ChainInputs {
     paths: Vec<PathBuf>,
+    layout: RamLayout,
+}
+
+impl ChainInputs {
+    /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout).
+    pub fn validate(&self) -> Result<SnapshotChain, SnapshotError> {
+        Ok(SnapshotChain::open(&self.paths, &self.layout)?)
+    }
 }
 
 impl LoadedState {
@@ -268,13 +282,13 @@ impl LoadedState {
 
     /// The chain validation alone (for running it on another thread).
     pub fn validate_chain(&self) -> Result<SnapshotChain, SnapshotError> {
-        Ok(SnapshotChain::open(&self.paths, &self.layout)?)
+        self.chain.validate()
     }
 
-    /// The paths and layout [`LoadedState::validate_chain`] works on, to validate on
-    /// another thread without sharing the state.
-    pub fn chain_inputs(&self) -> (Vec<PathBuf>, RamLayout) {
-        (self.paths.clone(), self.layout.clone())
+    /// What [`LoadedState::validate_chain`] works on, to validate on another thread
+    /// without sharing the state.
+    pub fn chain_inputs(&self) -> ChainInputs {
+        self.chain.clone()
     }
 
     /// Joins the state with its validated chain.
@@ -335,8 +349,7 @@ pub fn load_state(
         dir: dir.to_path_buf(),
         state,
         config,
-        layout,
-        paths,
+        chain: ChainInputs { paths, layout },
     })
 }
 
@@ -358,31 +371,29 @@ pub struct RestoreTimings {
     pub validate: Duration,
     pub memory: Duration,
     pub total_to_ready: Duration,
-    /// The restore's stages in the order they ran, back to back from its start: their
-    /// sum is `total_to_ready` (see [`RESTORE_STAGES`] for what each covers).
+    /// The restore's stages in the order they ran, back to back from its start; their
+    /// sum is `total_to_ready`:
+    /// - `open_kvm`: open /dev/kvm;
+    /// - `state`: read the state file, check its magic, version, CRC and configuration;
+    /// - `guest_ram`: create the guest RAM memfd and map it;
+    /// - `create_vm`: KVM_CREATE_VM, TSS and identity-map addresses;
+    /// - `memslots`: register guest RAM with KVM (KVM_SET_USER_MEMORY_REGION);
+    /// - `irqchip_pit`: create the in-kernel irqchip and PIT;
+    /// - `devices`: serial port, i8042, exit port, PCI root and their irqfds;
+    /// - `create_vcpus`: KVM_CREATE_VCPU for each saved vCPU (no state yet);
+    /// - `memory_file_wait`: wait for the memory-file validation (headers, index CRCs,
+    ///   lengths, chain), or do it here if its thread had not started; the thread's own
+    ///   time is in `parallel` as `memory_file`;
+    /// - `test_hold`: only with the `GPUVM_TEST_HOLD_AFTER_VALIDATION` hook, its pause;
+    /// - `memory`: eager: read all memory; lazy: userfaultfd registration and loader
+    ///   start; external: registration, handshake and watcher;
+    /// - `vm_state`: serial, irqchip, PIT and clock state;
+    /// - `vcpu_state`: every vCPU's saved registers, MSRs, LAPIC, events, CPUID.
     pub stages: Vec<(&'static str, Duration)>,
     /// Work that ran on another thread in parallel with the stages (not part of their
     /// sum), e.g. memory-file validation.
     pub parallel: Vec<(&'static str, Duration)>,
 }
-
-/// The stages a restore reports, in order, with what each covers. `test_hold` appears
-/// only with the `GPUVM_TEST_HOLD_AFTER_VALIDATION` hook.
-pub const RESTORE_STAGES: &[(&str, &str)] = &[
-    ("open_kvm", "open /dev/kvm"),
-    ("state", "read the state file, check its magic, version, CRC and configuration; start validating the memory files on another thread"),
-    ("guest_ram", "create the guest RAM memfd and map it"),
-    ("create_vm", "KVM_CREATE_VM, TSS and identity-map addresses"),
-    ("memslots", "register guest RAM with KVM (KVM_SET_USER_MEMORY_REGION)"),
-    ("irqchip_pit", "create the in-kernel irqchip and PIT"),
-    ("devices", "serial port, i8042, exit port and their irqfds"),
-    ("create_vcpus", "KVM_CREATE_VCPU for each saved vCPU (no state yet)"),
-    ("memory_file_wait", "wait for the memory-file validation (headers, index CRCs, lengths, chain); its own time is reported as parallel_memory_file"),
-    ("test_hold", "the test hook's pause"),
-    ("memory", "eager: read all memory; lazy: userfaultfd registration and fault thread start; external: registration, handshake and watcher"),
-    ("vm_state", "serial, irqchip, PIT and clock state"),
-    ("vcpu_state", "every vCPU's saved registers, MSRs, LAPIC, events, CPUID"),
-];
 
 /// Records back-to-back stage durations.
 #[derive(Debug)]
@@ -405,11 +416,6 @@ impl StageClock {
         let now = std::time::Instant::now();
         self.stages.push((name, now - self.last));
         self.last = now;
-    }
-
-    /// The stages so far.
-    pub fn stages(&self) -> &[(&'static str, Duration)] {
-        &self.stages
     }
 
     /// The recorded stages, consuming the clock.
