@@ -198,13 +198,12 @@ static FILTERS: OnceLock<Filters> = OnceLock::new();
 /// Compiles the three filters and installs the SIGSYS handler. Threads then install
 /// their filter with [`apply`]; before this call [`apply`] does nothing.
 pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
-    let mut programs = Vec::with_capacity(3);
-    for kind in ThreadKind::ALL {
-        programs.push(compile(kind, settings)?);
-    }
-    let programs: [BpfProgram; 3] = programs
-        .try_into()
-        .map_err(|_| SeccompError::AlreadyEnabled)?;
+    // In ThreadKind::index order.
+    let programs = [
+        compile(ThreadKind::Vmm, settings)?,
+        compile(ThreadKind::Vcpu, settings)?,
+        compile(ThreadKind::Api, settings)?,
+    ];
     if settings.on_violation == OnViolation::Trap {
         install_sigsys_handler()?;
     }
