@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::{
-    start_uffd_handler, HugePageReservation, RunOutput, SpawnedProcess, HUGEPAGE_LOCK,
+    start_uffd_handler, HugePageReservation, RunOutput, Scratch, SpawnedProcess, HUGEPAGE_LOCK,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -24,31 +24,6 @@ const STATE_HEADER_LEN: usize = 24;
 const MEMORY_MAGIC: &[u8; 8] = b"GPUVMMEM";
 const MEMORY_HEADER_LEN: u64 = 128;
 const FLAG_DIFF: u32 = 1;
-
-/// A scratch directory under the system temp dir, removed on drop.
-struct Scratch {
-    root: PathBuf,
-}
-
-impl Scratch {
-    fn new(name: &str) -> Scratch {
-        let root =
-            std::env::temp_dir().join(format!("gpuvm-snapshot-test-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
-        std::fs::create_dir_all(&root).expect("create scratch dir");
-        Scratch { root }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.root.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.root);
-    }
-}
 
 fn arg(path: &Path) -> &str {
     path.to_str().expect("UTF-8 path")
@@ -460,7 +435,7 @@ const GUEST_2_VCPUS: Memloop = Memloop {
 
 #[test]
 fn restore_eager_continues_memloop() {
-    let scratch = Scratch::new("eager");
+    let scratch = Scratch::new("snapshot", "eager");
     let dir = scratch.path("snap");
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let out = restore(&dir, "eager", &[]);
@@ -473,7 +448,7 @@ fn restore_eager_continues_memloop() {
 
 #[test]
 fn restore_lazy_continues_memloop() {
-    let scratch = Scratch::new("lazy");
+    let scratch = Scratch::new("snapshot", "lazy");
     let dir = scratch.path("snap");
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let out = restore(&dir, "lazy", &[]);
@@ -484,7 +459,7 @@ fn restore_lazy_continues_memloop() {
 
 #[test]
 fn restore_external_handler_continues_memloop() {
-    let scratch = Scratch::new("external");
+    let scratch = Scratch::new("snapshot", "external");
     let dir = scratch.path("snap");
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let (out, handler) = restore_external(&scratch, &dir, &[]);
@@ -499,7 +474,7 @@ fn restore_external_handler_continues_memloop() {
 /// FAIL, or even finish).
 #[test]
 fn external_handler_death_fails_the_restore_cleanly() {
-    let scratch = Scratch::new("handler-death");
+    let scratch = Scratch::new("snapshot", "handler-death");
     let dir = scratch.path("snap");
     snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
     let socket = scratch.path("uffd.sock");
@@ -534,7 +509,7 @@ fn external_handler_death_fails_the_restore_cleanly() {
 /// ends with an error (no SIGSEGV, no hang), and no snapshot is left half-written.
 #[test]
 fn external_handler_death_during_a_snapshot_fails_cleanly() {
-    let scratch = Scratch::new("handler-death-snapshot");
+    let scratch = Scratch::new("snapshot", "handler-death-snapshot");
     // 128 MiB of RAM, 32 MiB touched by the guest: the guest alone faults well under
     // 20,000 pages; the snapshot's fault-in of all 32,768 pages crosses that.
     let dir = small_snapshot(&scratch);
@@ -584,7 +559,7 @@ fn restore_lazy_hugetlb_2m_continues_memloop() {
             return;
         }
     };
-    let scratch = Scratch::new("hugetlb");
+    let scratch = Scratch::new("snapshot", "hugetlb");
     let dir = scratch.path("snap");
     let guest = Memloop {
         backing: "hugetlb-2m",
@@ -601,7 +576,7 @@ fn restore_lazy_hugetlb_2m_continues_memloop() {
 
 #[test]
 fn restore_4_vcpus_in_every_mode() {
-    let scratch = Scratch::new("4vcpus");
+    let scratch = Scratch::new("snapshot", "4vcpus");
     let dir = scratch.path("snap");
     let guest = Memloop {
         vcpus: 4,
@@ -622,7 +597,7 @@ fn restore_4_vcpus_in_every_mode() {
 
 #[test]
 fn restore_1_vcpu_eager() {
-    let scratch = Scratch::new("1vcpu");
+    let scratch = Scratch::new("snapshot", "1vcpu");
     let dir = scratch.path("snap");
     let guest = Memloop {
         memory: "256M",
@@ -639,7 +614,7 @@ fn restore_1_vcpu_eager() {
 
 #[test]
 fn restore_after_kill_9() {
-    let scratch = Scratch::new("kill9");
+    let scratch = Scratch::new("snapshot", "kill9");
     let dir = scratch.path("snap");
     let guest = GUEST_2_VCPUS;
     let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
@@ -705,7 +680,7 @@ fn has_new_memory_file(dir: &Path, named: &BTreeSet<String>) -> bool {
 
 #[test]
 fn kill_9_during_snapshot_keeps_the_previous_one() {
-    let scratch = Scratch::new("kill-during");
+    let scratch = Scratch::new("snapshot", "kill-during");
     let guest = Memloop {
         memory: "768M",
         size: "640M",
@@ -810,7 +785,7 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
 /// a guest-RAM-sized file.
 #[test]
 fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
-    let scratch = Scratch::new("stale-temp");
+    let scratch = Scratch::new("snapshot", "stale-temp");
     let dir = scratch.path("snap");
     let guest = Memloop {
         memory: "768M",
@@ -872,7 +847,7 @@ fn wait_for_chain(run: &mut SpawnedProcess, dir: &Path, count: usize) {
 
 #[test]
 fn diff_snapshot_of_an_idle_guest_is_small() {
-    let scratch = Scratch::new("diff-idle");
+    let scratch = Scratch::new("snapshot", "diff-idle");
     let dir = scratch.path("snap");
     let mut run = SpawnedProcess::gpuvm(&[
         "run",
@@ -956,7 +931,7 @@ fn diff_snapshot_of_an_idle_guest_is_small() {
 
 #[test]
 fn diff_chain_restores_memory_contents() {
-    let scratch = Scratch::new("diff-memloop");
+    let scratch = Scratch::new("snapshot", "diff-memloop");
     let dir = scratch.path("snap");
     // One vCPU over 768 MiB: an iteration is slow enough that the second snapshot,
     // taken right after the first, holds only part of the memory.
@@ -1044,7 +1019,7 @@ fn diff_chain_restores_memory_contents() {
 fn full_snapshot_of_a_lazily_restored_vm() {
     // A full snapshot reads all guest memory, including pages the lazy loader has not
     // brought in yet.
-    let scratch = Scratch::new("resnapshot");
+    let scratch = Scratch::new("snapshot", "resnapshot");
     let dir = scratch.path("first");
     let second = scratch.path("second");
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
@@ -1074,7 +1049,7 @@ fn full_snapshot_of_a_lazily_restored_vm() {
 
 #[test]
 fn zero_pages_are_not_stored() {
-    let scratch = Scratch::new("zero");
+    let scratch = Scratch::new("snapshot", "zero");
     let dir = scratch.path("snap");
     let mut run = SpawnedProcess::gpuvm(&[
         "run",
@@ -1143,7 +1118,7 @@ fn shmem_resident_kib(pid: i32) -> u64 {
 /// touched (a read fault on a shared memfd hole allocates a page).
 #[test]
 fn full_snapshot_does_not_allocate_untouched_guest_memory() {
-    let scratch = Scratch::new("scan-allocates");
+    let scratch = Scratch::new("snapshot", "scan-allocates");
     let dir = scratch.path("snap");
     let mut run = SpawnedProcess::gpuvm(&[
         "run",
@@ -1172,7 +1147,7 @@ fn full_snapshot_does_not_allocate_untouched_guest_memory() {
 /// file, all CRCs recomputed) is caught by the guest's own verification.
 #[test]
 fn guest_detects_a_wrong_page_after_restore() {
-    let scratch = Scratch::new("oracle");
+    let scratch = Scratch::new("snapshot", "oracle");
     let good = small_snapshot(&scratch);
     let path = good.join(&memory_files(&good)[0]);
     let header = memory_header(&path);
@@ -1530,7 +1505,7 @@ fn corruptions() -> Vec<Corruption> {
 
 #[test]
 fn corrupt_snapshots_fail_cleanly() {
-    let scratch = Scratch::new("corrupt");
+    let scratch = Scratch::new("snapshot", "corrupt");
     let good = small_snapshot(&scratch);
     let mut failures = Vec::new();
     for (index, case) in corruptions().into_iter().enumerate() {
@@ -1592,7 +1567,7 @@ fn assert_restored_memloop_completes_or_runs(out: &RunOutput) {
 
 #[test]
 fn missing_snapshot_directory_fails_cleanly() {
-    let scratch = Scratch::new("missing");
+    let scratch = Scratch::new("snapshot", "missing");
     for mode in ["eager", "lazy"] {
         let out = restore(&scratch.path("nothing-here"), mode, &[]);
         out.assert_clean_error("no such snapshot directory");
@@ -1605,7 +1580,7 @@ fn missing_snapshot_directory_fails_cleanly() {
 /// waiting forever for a page that will never come.
 #[test]
 fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
-    let scratch = Scratch::new("corrupt-lazy");
+    let scratch = Scratch::new("snapshot", "corrupt-lazy");
     let good = small_snapshot(&scratch);
     let file = good.join(&memory_files(&good)[0]);
     let header = memory_header(&file);
@@ -1634,7 +1609,7 @@ fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
 #[test]
 fn memory_file_changed_after_validation_fails_cleanly() {
     use std::os::unix::fs::FileExt;
-    let scratch = Scratch::new("changed-after-validation");
+    let scratch = Scratch::new("snapshot", "changed-after-validation");
     let good = small_snapshot(&scratch);
     let truncate = |file: &Path| {
         let header = memory_header(file);
