@@ -28,7 +28,7 @@ use crate::machine::{LazyMemory, Machine, MachineDevices};
 use crate::pci::PciOptions;
 use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
-use crate::vcpu::Vcpu;
+use crate::vcpu::{Vcpu, VcpuThread};
 use crate::x86_64::acpi::{self, AcpiConfig};
 use crate::x86_64::cpuid::Topology;
 use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
@@ -213,6 +213,7 @@ pub fn build_with_pci(
         }
         vcpus.push(vcpu);
     }
+    let vcpu_threads = start_vcpu_threads(&vcpus)?;
     log::info!(
         "VM built in {:?}: {} vCPU(s), {} MiB {} RAM",
         started.elapsed(),
@@ -220,14 +221,18 @@ pub fn build_with_pci(
         machine_config.memory_size >> 20,
         machine_config.backing
     );
-    Ok(Machine::new(
-        kvm,
-        vm,
-        ram,
-        devices,
-        vcpus,
-        machine_config.clone(),
-    ))
+    let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, machine_config.clone());
+    machine.vcpu_threads = vcpu_threads;
+    Ok(machine)
+}
+
+/// Starts a thread for each of `vcpus` now, so that their seccomp filters are installed
+/// while the rest of the VM is set up (see [`VcpuThread`]).
+fn start_vcpu_threads(vcpus: &[Vcpu]) -> Result<Vec<VcpuThread>, Error> {
+    vcpus
+        .iter()
+        .map(|vcpu| VcpuThread::spawn(vcpu.id).map_err(Error::from))
+        .collect()
 }
 
 fn create_vcpu(vm: &VmFd, id: u8, devices: &MachineDevices) -> Result<Vcpu, Error> {
@@ -296,7 +301,8 @@ pub fn restore(
             .iter()
             .map(|saved| create_vcpu(&base.vm, saved.id, &base.devices))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok((base, vcpus))
+        let threads = start_vcpu_threads(&vcpus)?;
+        Ok((base, vcpus, threads))
     });
     clock.mark("create_vcpus");
     // The snapshot's own errors come first, as when validation ran before everything else.
@@ -329,6 +335,7 @@ pub fn restore(
             pci: _,
         },
         vcpus,
+        vcpu_threads,
     ) = created?;
     let loaded = state.with_chain(chain);
     let validated = started.elapsed();
@@ -396,6 +403,7 @@ pub fn restore(
     }
     clock.mark("vcpu_state");
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
+    machine.vcpu_threads = vcpu_threads;
     machine.lazy = lazy;
     if let Some(last) = loaded.chain.layers().last() {
         machine.set_memory_chain(MemoryChain {

@@ -28,7 +28,7 @@ use crate::seccomp::{self, ThreadKind};
 use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
-use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop};
+use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop, VcpuThread};
 use crate::{lock, Error};
 
 /// Devices the VMM thread itself needs to reach.
@@ -183,6 +183,8 @@ pub struct Machine {
     // Field order is drop order: vCPUs, lazy loaders and the VM fd go before the memory
     // they use.
     vcpus: Vec<Vcpu>,
+    /// Threads started early for `vcpus` (see [`VcpuThread`]), waiting for them.
+    pub(crate) vcpu_threads: Vec<VcpuThread>,
     pub(crate) lazy: Option<LazyMemory>,
     devices: MachineDevices,
     vm: VmFd,
@@ -208,6 +210,7 @@ impl Machine {
     ) -> Self {
         Machine {
             vcpus,
+            vcpu_threads: Vec::new(),
             lazy: None,
             devices,
             vm,
@@ -348,22 +351,32 @@ impl Machine {
         }
         let _stdin = StdinInput::attach(&mut events, self.devices.serial.clone());
 
-        // vCPU threads start paused with their filter installed; this thread takes its
-        // own filter once nothing privileged is left to do, then lets the guest run.
+        // vCPU threads start paused with their filter installed (usually long before:
+        // the builders start them early); this thread takes its own filter once nothing
+        // privileged is left to do, while they finish theirs, then lets the guest run.
         let mut handles: Vec<VcpuHandle> = Vec::with_capacity(self.vcpus.len());
+        let mut threads = std::mem::take(&mut self.vcpu_threads);
         let started = (|| -> Result<(), Error> {
             for vcpu in self.vcpus.drain(..) {
-                handles.push(vcpu.start(reporter.clone())?);
-            }
-            for handle in &handles {
-                handle.wait_ready()?;
+                let thread = match threads.iter().position(|t| t.id() == vcpu.id) {
+                    Some(at) => threads.swap_remove(at),
+                    None => VcpuThread::spawn(vcpu.id)?,
+                };
+                handles.push(thread.launch(vcpu, reporter.clone())?);
             }
             seccomp::apply(ThreadKind::Vmm)?;
             for handle in &handles {
-                handle.resume()?;
+                handle.wait_ready()?;
+            }
+            for handle in &handles {
+                handle.request_resume();
+            }
+            for handle in &handles {
+                handle.wait_resumed()?;
             }
             Ok(())
         })();
+        drop(threads);
         if let Err(error) = started {
             SNAPSHOT_SIGNAL_FD.store(-1, Ordering::SeqCst);
             return Err(error);

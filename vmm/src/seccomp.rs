@@ -593,6 +593,10 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
             )?;
         }
         ThreadKind::Vcpu => {
+            // vCPU threads start while the VM is built, before the jail drops privileges
+            // (their filters go in early, off the restore's critical path), so they take
+            // part in glibc's set*id broadcast like every other thread.
+            setid(&mut rules);
             allow_all(
                 &mut rules,
                 &[

@@ -61,6 +61,8 @@ pub enum VcpuError {
     NoResponse(u8),
     #[error("vCPU {0} answered unexpectedly: {1}")]
     UnexpectedResponse(u8, String),
+    #[error("vCPU {id} was handed to the thread started for vCPU {thread}")]
+    WrongThread { id: u8, thread: u8 },
     #[error("vCPU {0}: cannot save its state: {1}")]
     SaveState(u8, PersistError),
     #[error("vCPU {id}: {source}")]
@@ -243,33 +245,17 @@ impl Vcpu {
     /// Starts the vCPU thread. The thread installs its seccomp filter and then waits,
     /// paused: [`VcpuHandle::wait_ready`], then [`VcpuHandle::resume`] to run the guest.
     pub fn start(self, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
-        install_kick_handler()?;
-        let id = self.id;
-        let (request_tx, request_rx) = channel();
-        let (response_tx, response_rx) = channel();
-        let thread = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
-            .spawn(move || self.thread_main(request_rx, response_tx, reporter))
-            .map_err(|source| VcpuError::Spawn { id, source })?;
-        Ok(VcpuHandle {
-            id,
-            thread: Some(thread),
-            requests: request_tx,
-            responses: response_rx,
-        })
+        VcpuThread::spawn(self.id)?.launch(self, reporter)
     }
 
+    /// The thread's life once it has its vCPU: wait for Resume, run, report why it stopped.
     fn thread_main(
         mut self,
         requests: Receiver<VcpuRequest>,
         responses: Sender<VcpuResponse>,
         reporter: Arc<StopReporter>,
     ) {
-        // Filtered before anything else runs on this thread, guest code included.
-        let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
-        let failed = filtered.is_err();
-        let _ = responses.send(VcpuResponse::Ready(filtered));
-        if failed || !self.wait_while_paused(&requests, &responses) {
+        if !self.wait_while_paused(&requests, &responses) {
             return;
         }
         let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
@@ -478,6 +464,79 @@ fn set_lvt_mode(regs: &mut [std::os::raw::c_char; 1024], offset: usize, mode: u3
     }
 }
 
+/// What a started vCPU thread is waiting for: its vCPU and where to report stops.
+type Launch = (Vcpu, Arc<StopReporter>);
+
+/// A vCPU thread started before its vCPU is ready to run.
+///
+/// Installing a seccomp filter costs a few hundred microseconds per thread on the nested
+/// hosts (the kernel translates and JITs the program), so the builders start the
+/// threads as soon as the vCPUs exist: the filters go in while the VM is still being
+/// set up (a restore validates files and loads state meanwhile) instead of between
+/// "ready" and "running". The thread holds no vCPU until [`VcpuThread::launch`]; dropped
+/// unlaunched, it ends.
+pub struct VcpuThread {
+    // Dropped first: an unlaunched thread waits on this channel, and the handle's drop
+    // joins the thread.
+    launch: Sender<Launch>,
+    handle: VcpuHandle,
+}
+
+impl VcpuThread {
+    /// Spawns the thread for vCPU `id`: it installs the vCPU filter, reports Ready, and
+    /// waits for its vCPU.
+    pub fn spawn(id: u8) -> Result<VcpuThread, VcpuError> {
+        install_kick_handler()?;
+        let (request_tx, request_rx) = channel();
+        let (response_tx, response_rx) = channel();
+        let (launch_tx, launch_rx) = channel::<Launch>();
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{id}"))
+            .spawn(move || {
+                // Filtered before anything else runs on this thread, guest code included.
+                let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
+                let failed = filtered.is_err();
+                let _ = response_tx.send(VcpuResponse::Ready(filtered));
+                if failed {
+                    return;
+                }
+                // The sender is dropped unlaunched when the machine is torn down first.
+                if let Ok((vcpu, reporter)) = launch_rx.recv() {
+                    vcpu.thread_main(request_rx, response_tx, reporter);
+                }
+            })
+            .map_err(|source| VcpuError::Spawn { id, source })?;
+        Ok(VcpuThread {
+            launch: launch_tx,
+            handle: VcpuHandle {
+                id,
+                thread: Some(thread),
+                requests: request_tx,
+                responses: response_rx,
+            },
+        })
+    }
+
+    /// The id of the vCPU this thread is for.
+    pub fn id(&self) -> u8 {
+        self.handle.id
+    }
+
+    /// Hands `vcpu` to the thread. It runs the guest after [`VcpuHandle::wait_ready`] and
+    /// [`VcpuHandle::resume`].
+    pub fn launch(self, vcpu: Vcpu, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
+        if vcpu.id != self.handle.id {
+            return Err(VcpuError::WrongThread {
+                id: vcpu.id,
+                thread: self.handle.id,
+            });
+        }
+        // A thread whose filter failed has already ended; wait_ready reports why.
+        let _ = self.launch.send((vcpu, reporter));
+        Ok(self.handle)
+    }
+}
+
 /// The VMM thread's handle on a running vCPU thread.
 pub struct VcpuHandle {
     pub id: u8,
@@ -537,8 +596,19 @@ impl VcpuHandle {
     }
 
     pub fn resume(&self) -> Result<(), VcpuError> {
+        self.request_resume();
+        self.wait_resumed()
+    }
+
+    /// Sends Resume without waiting for the answer (to resume several vCPUs at once,
+    /// then [`wait_resumed`](Self::wait_resumed) on each).
+    pub fn request_resume(&self) {
         // No kick needed: a paused thread is blocked on the request channel, not in KVM_RUN.
         let _ = self.requests.send(VcpuRequest::Resume);
+    }
+
+    /// Waits for the answer to [`request_resume`](Self::request_resume).
+    pub fn wait_resumed(&self) -> Result<(), VcpuError> {
         match self.wait_response()? {
             VcpuResponse::Resumed => Ok(()),
             other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
@@ -595,5 +665,59 @@ mod tests {
             regs[LAPIC_LVT_LINT0 + 3] as u8,
         ]);
         assert_eq!(value, 0x1_0730);
+    }
+
+    /// Runs `f` on another thread and fails the test if it does not return in time.
+    fn within_seconds(seconds: u64, f: impl FnOnce() + Send + 'static) {
+        let (done_tx, done_rx) = channel();
+        std::thread::spawn(move || {
+            f();
+            let _ = done_tx.send(());
+        });
+        done_rx
+            .recv_timeout(Duration::from_secs(seconds))
+            .expect("did not finish in time (a vCPU thread was left waiting)");
+    }
+
+    #[test]
+    fn an_unlaunched_vcpu_thread_ends_when_dropped() {
+        within_seconds(10, || {
+            let thread = VcpuThread::spawn(3).unwrap();
+            assert_eq!(thread.id(), 3);
+            // Ready arrives whether or not the vCPU ever comes.
+            thread.handle.wait_ready().unwrap();
+            drop(thread);
+        });
+    }
+
+    #[test]
+    fn a_vcpu_is_refused_by_another_vcpus_thread_and_runs_on_its_own() {
+        within_seconds(10, || {
+            let kvm = kvm_ioctls::Kvm::new().expect("open /dev/kvm");
+            let vm = kvm.create_vm().expect("create VM");
+            let bus = || Arc::new(Bus::new());
+            let vcpu = |id: u8| Vcpu::new(id, vm.create_vcpu(u64::from(id)).unwrap(), bus(), bus());
+            let reporter = Arc::new(StopReporter {
+                reasons: channel().0,
+                event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            });
+            let err = VcpuThread::spawn(1)
+                .unwrap()
+                .launch(vcpu(0), reporter.clone())
+                .err()
+                .expect("vCPU 0 launched on vCPU 1's thread");
+            assert!(
+                matches!(err, VcpuError::WrongThread { id: 0, thread: 1 }),
+                "{err}"
+            );
+            // The right thread takes it; it stays paused until resumed, and stops on request.
+            let mut handle = VcpuThread::spawn(1)
+                .unwrap()
+                .launch(vcpu(1), reporter)
+                .unwrap();
+            handle.wait_ready().unwrap();
+            handle.pause().unwrap();
+            handle.stop_and_join();
+        });
     }
 }
