@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::{
-    start_uffd_handler, HugePageReservation, RunOutput, Scratch, SpawnedProcess, HUGEPAGE_LOCK,
+    guest_ram_ranges, start_uffd_handler, HugePageReservation, RunOutput, Scratch, SpawnedProcess,
+    HUGEPAGE_LOCK,
 };
 
 const LIMIT: Duration = Duration::from_secs(240);
@@ -1043,6 +1044,112 @@ fn full_snapshot_of_a_lazily_restored_vm() {
     let joined = format!("{before}{}", middle.stdout);
     let out = restore(&second, "lazy", &[]);
     assert_continues(&joined, &out, GUEST_2_VCPUS.iters);
+}
+
+/// The `working-set` file in `dir` (framed like the state file): the hex id of the memory
+/// file it was recorded for, and its blocks.
+fn read_working_set(dir: &Path) -> (String, Vec<u64>) {
+    let bytes = std::fs::read(dir.join("working-set")).expect("read working-set");
+    assert_eq!(&bytes[..8], STATE_MAGIC, "working-set magic");
+    let payload = &bytes[STATE_HEADER_LEN..];
+    assert_eq!(
+        u32_at(&bytes, 12),
+        crc32fast::hash(payload),
+        "working-set CRC"
+    );
+    let file: serde_json::Value = serde_json::from_slice(payload).expect("JSON");
+    assert_eq!(file["block_size"], 2 << 20, "{file}");
+    let blocks = file["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .map(|v| v.as_u64().expect("block addresses"))
+        .collect();
+    (
+        file["memory_file_id"].as_str().expect("id").to_string(),
+        blocks,
+    )
+}
+
+fn hex(id: &[u8; 16]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_recorded_working_set_loads_first_on_the_next_restore() {
+    const BLOCK: u64 = 2 << 20;
+    let scratch = Scratch::new("snapshot", "workingset");
+    let dir = scratch.path("snap");
+    let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
+    assert!(!dir.join("working-set").exists());
+
+    // The first restore records what its guest faulted on.
+    let first = restore(&dir, "lazy", &["--record-working-set"]);
+    assert_continues(&before, &first, GUEST_2_VCPUS.iters);
+    let (recorded_for, blocks) = read_working_set(&dir);
+    let header = memory_header(&dir.join(&memory_files(&dir)[0]));
+    assert_eq!(recorded_for, hex(&header.snapshot_id));
+    assert!(!blocks.is_empty(), "no working set recorded");
+    let ram = guest_ram_ranges(512 << 20);
+    let mut seen = BTreeSet::new();
+    for &block in &blocks {
+        assert_eq!(block % BLOCK, 0, "{block:#x} is not a 2 MiB block");
+        assert!(seen.insert(block), "{block:#x} recorded twice");
+        assert!(
+            ram.iter().any(|&(at, len)| block >= at && block < at + len),
+            "{block:#x} is outside guest RAM {ram:x?}"
+        );
+    }
+
+    // The next restore of the same snapshot loads those blocks first (the background
+    // loader starts on them before the vCPUs run), and the guest is still right.
+    let second = restore(&dir, "lazy", &["--log-level", "info"]);
+    assert_continues(&before, &second, GUEST_2_VCPUS.iters);
+    assert!(
+        second.stderr.contains(&format!(
+            "lazy restore: {} working-set blocks",
+            blocks.len()
+        )),
+        "{}",
+        describe(&second)
+    );
+    let lazy = only_report(&second, "gpuvm: lazy ");
+    assert!(field(&lazy, "bytes_working_set") > 0, "{lazy:?}");
+
+    // Advice only: a damaged file is ignored with a warning, the restore goes on.
+    let damaged = scratch.path("damaged");
+    copy_dir(&dir, &damaged);
+    flip_byte(&damaged.join("working-set"), 40);
+    let out = restore(&damaged, "lazy", &[]);
+    assert_continues(&before, &out, GUEST_2_VCPUS.iters);
+    assert!(
+        out.stderr.contains("ignoring the working set"),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(
+        field(&only_report(&out, "gpuvm: lazy "), "bytes_working_set"),
+        0
+    );
+
+    // A new snapshot into the directory replaces the one the working set was for: gone.
+    let snapshotted = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-after-ms",
+        "20",
+        "--snapshot-then",
+        "exit",
+    ])
+    .wait_timeout(LIMIT)
+    .expect("restore + snapshot ended");
+    assert_eq!(snapshotted.code(), Some(0), "{}", describe(&snapshotted));
+    assert!(!dir.join("working-set").exists(), "stale working set kept");
 }
 
 // ---- 6. Zero pages are not stored ----

@@ -12,7 +12,7 @@ use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
 
-use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings};
+use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings, SnapshotChain};
 use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
 use gpuvm_memory::uffd::{
     guest_ram_ranges, register_guest_ram, start_lazy_restore, LazyOptions, UffdError,
@@ -29,6 +29,7 @@ use crate::pci::PciOptions;
 use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::vcpu::{Vcpu, VcpuThread};
+use crate::working_set;
 use crate::x86_64::acpi::{self, AcpiConfig};
 use crate::x86_64::cpuid::Topology;
 use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
@@ -268,6 +269,8 @@ pub fn restore(
     // bad file still tears the half-built VM down (everything here is dropped) before
     // anything ran.
     let inputs = state.chain_inputs();
+    let wants_working_set = matches!(mode, RestoreMode::Lazy);
+    let thread_dir = dir.to_path_buf();
     // Whoever claims the validation does it: the thread, or this one if the thread has
     // not been scheduled by the time the KVM setup is done (on a loaded host a new
     // thread can wait tens of milliseconds for a CPU).
@@ -280,8 +283,8 @@ pub fn restore(
                 return None;
             }
             let started = Instant::now();
-            let chain = inputs.validate();
-            Some((chain, started.elapsed()))
+            let checked = validate_with_working_set(&inputs, &thread_dir, wants_working_set);
+            Some((checked, started.elapsed()))
         })
         .map_err(|e| {
             Error::Snapshot(SnapshotError::Uffd(UffdError::Io {
@@ -306,9 +309,9 @@ pub fn restore(
     });
     clock.mark("create_vcpus");
     // The snapshot's own errors come first, as when validation ran before everything else.
-    let (chain, parallel_validation) = if claimed.swap(true, Ordering::AcqRel) {
+    let ((chain, working_set), parallel_validation) = if claimed.swap(true, Ordering::AcqRel) {
         // The thread is validating (or has): wait for it.
-        let (chain, took) =
+        let (checked, took) =
             validation
                 .join()
                 .ok()
@@ -317,12 +320,15 @@ pub fn restore(
                     dir: dir.to_path_buf(),
                     reason: "the memory-file validation thread failed".into(),
                 })?;
-        (chain, Some(took))
+        (checked, Some(took))
     } else {
         // Not started yet: validate here. The thread, once it runs, finds the work
         // claimed and ends without touching anything.
         drop(validation);
-        (state.validate_chain(), None)
+        (
+            validate_with_working_set(&state.chain_inputs(), dir, wants_working_set),
+            None,
+        )
     };
     let chain = chain?;
     clock.mark("memory_file_wait");
@@ -360,9 +366,18 @@ pub fn restore(
             None
         }
         RestoreMode::Lazy => {
+            if !working_set.is_empty() {
+                log::info!(
+                    "lazy restore: {} working-set blocks of {} KiB load first",
+                    working_set.len(),
+                    working_set::BLOCK >> 10
+                );
+            }
             let options = LazyOptions {
-                // Background loading starts once the vCPUs run (Machine::run).
+                // Only the working set loads before the vCPUs run; the sweep waits for
+                // them (Machine::run releases it).
                 hold_background: true,
+                working_set,
                 // The fault and loader threads run the VMM thread's filter.
                 on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
                 ..LazyOptions::default()
@@ -438,6 +453,25 @@ pub fn restore(
             .collect::<String>()
     );
     Ok((machine, timings))
+}
+
+/// Validates the memory chain and, for a lazy restore, reads the working set recorded for
+/// it (advice: never an error), both off the restore's critical path when on the thread.
+fn validate_with_working_set(
+    inputs: &snapshot::ChainInputs,
+    dir: &Path,
+    wants_working_set: bool,
+) -> (Result<SnapshotChain, SnapshotError>, Vec<u64>) {
+    let chain = inputs.validate();
+    let working_set = match (&chain, wants_working_set) {
+        (Ok(chain), true) => chain
+            .layers()
+            .last()
+            .map(|newest| working_set::read(dir, &newest.info().id))
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    (chain, working_set)
 }
 
 /// Test hook: `GPUVM_TEST_HOLD_AFTER_VALIDATION=<ms>` pauses a restore for that long right

@@ -19,6 +19,7 @@ pub mod persist;
 pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
+pub mod working_set;
 pub mod x86_64;
 
 /// Locks `mutex`, carrying on if a thread panicked while holding it: device and VMM state

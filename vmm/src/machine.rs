@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use gpuvm_devices::{Bus, ExitStatus, SerialDevice};
-use gpuvm_memory::snapshot::RamMappings;
+use gpuvm_memory::snapshot::{RamMappings, SnapshotId};
 use gpuvm_memory::uffd::external::HandlerWatch;
 use gpuvm_memory::uffd::{LazyRestore, LazyStats, UffdError};
 use gpuvm_memory::GuestRam;
@@ -29,6 +29,7 @@ use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
 use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop, VcpuThread};
+use crate::working_set;
 use crate::{lock, Error};
 
 /// Devices the VMM thread itself needs to reach.
@@ -195,6 +196,9 @@ pub struct Machine {
     snapshot_policy: Option<SnapshotPolicy>,
     snapshots: Vec<SnapshotReport>,
     vcpus_started: Option<Instant>,
+    /// Where to write the working set of the snapshot this machine was lazily restored
+    /// from (`--record-working-set`), until it is written.
+    working_set_target: Option<(PathBuf, SnapshotId)>,
     run_control: Option<Box<dyn RunControl>>,
     paused: bool,
 }
@@ -221,6 +225,7 @@ impl Machine {
             snapshot_policy: None,
             snapshots: Vec::new(),
             vcpus_started: None,
+            working_set_target: None,
             run_control: None,
             paused: false,
         }
@@ -394,6 +399,7 @@ impl Machine {
                 match self.lazy_progress() {
                     Err(error) => break Err(error),
                     Ok(true) => {
+                        self.save_working_set();
                         if let Some(timer) = lock(&control).lazy_timer.as_mut() {
                             let _ = timer.clear();
                         }
@@ -441,6 +447,8 @@ impl Machine {
                 Ok(_) => return Err(error),
             }
         }
+        // The guest ended before everything was loaded: what it faulted on so far.
+        self.save_working_set();
         outcome
     }
 
@@ -457,6 +465,41 @@ impl Machine {
                 None => Ok(false),
             },
             None => Ok(true),
+        }
+    }
+
+    /// Records, once the lazy restore has loaded everything (or the run ends first), which
+    /// memory the guest faulted on, as the working set of the snapshot it was restored
+    /// from (see [`crate::working_set`]). Only for in-process lazy restores; a no-op
+    /// otherwise.
+    pub fn record_working_set(&mut self) {
+        if !matches!(self.lazy, Some(LazyMemory::InProcess(_))) {
+            log::warn!("--record-working-set needs a lazy restore; nothing will be recorded");
+            return;
+        }
+        self.working_set_target = self
+            .memory_chain
+            .as_ref()
+            .map(|chain| (chain.dir.clone(), chain.last.id));
+    }
+
+    /// Writes the working set if one is to be recorded (best effort: a failure is logged,
+    /// the guest is not disturbed).
+    fn save_working_set(&mut self) {
+        let Some((dir, memory_file)) = self.working_set_target.take() else {
+            return;
+        };
+        let Some(LazyMemory::InProcess(lazy)) = &self.lazy else {
+            return;
+        };
+        let blocks = working_set::blocks_of(&lazy.fault_order());
+        match working_set::write(&dir, &memory_file, &blocks) {
+            Ok(()) => log::info!(
+                "recorded a working set of {} blocks in {}",
+                blocks.len(),
+                dir.join(working_set::FILE).display()
+            ),
+            Err(error) => log::warn!("cannot record the working set: {error}"),
         }
     }
 
@@ -542,6 +585,8 @@ impl Machine {
             handle.pause()?;
         }
         self.complete_lazy_memory()?;
+        // Before a snapshot into the restored snapshot's own directory replaces it.
+        self.save_working_set();
         snapshot::create_dir(dir)?;
         let msr_indices =
             Arc::new(persist::saved_msr_indices(&self.kvm).map_err(SnapshotError::from)?);
@@ -573,6 +618,8 @@ impl Machine {
         persist::write_state_file(&dir.join(snapshot::STATE_FILE), &state)
             .map_err(SnapshotError::from)?;
         snapshot::remove_unreferenced(dir, &files);
+        // A working set recorded for the snapshot this one replaced no longer applies.
+        working_set::remove(dir);
         self.memory_chain = Some(MemoryChain {
             dir: dir.to_path_buf(),
             files,

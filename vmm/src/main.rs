@@ -301,6 +301,11 @@ struct RestoreArgs {
     /// Unix socket of the external page-fault handler (Firecracker's UFFD handshake).
     #[arg(long, required_if_eq("restore_mode", "external"))]
     uffd_socket: Option<PathBuf>,
+    /// Lazy restores: write down which guest memory this restore's guest faulted on
+    /// (`working-set` in the snapshot directory), so that later lazy restores of the same
+    /// snapshot load it first.
+    #[arg(long)]
+    record_working_set: bool,
     #[command(flatten)]
     jail: JailArgs,
     #[command(flatten)]
@@ -534,6 +539,9 @@ fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, CliErr
     if let Some(policy) = snapshot_policy(&args.snapshot_args) {
         machine.set_snapshot_policy(policy);
     }
+    if args.record_working_set {
+        machine.record_working_set();
+    }
     jail::enter(&args.jail)?;
     if args.report.report_timing {
         eprintln!(
@@ -625,12 +633,13 @@ fn finish(
             if let Some(stats) = machine.wait_lazy_complete(Duration::from_secs(600)) {
                 let micros = |d: Option<Duration>| d.map_or(-1, |d| d.as_micros() as i64);
                 eprintln!(
-                    "gpuvm: lazy faults={} fault_p50_us={} fault_p99_us={} bytes_by_faults={} bytes_background={} all_loaded_ms={}",
+                    "gpuvm: lazy faults={} fault_p50_us={} fault_p99_us={} bytes_by_faults={} bytes_background={} bytes_working_set={} all_loaded_ms={}",
                     stats.faults,
                     micros(stats.fault_latency_p50),
                     micros(stats.fault_latency_p99),
                     stats.bytes_loaded_by_faults,
                     stats.bytes_loaded_background,
+                    stats.bytes_loaded_working_set,
                     stats.time_to_complete.map_or(-1, |d| d.as_millis() as i64)
                 );
             }

@@ -60,10 +60,11 @@ pub struct LazyOptions {
     pub max_latency_samples: usize,
     /// Faulted pages remembered for [`LazyRestore::fault_order`] (the first N).
     pub max_recorded_faults: usize,
-    /// Background loaders wait for [`LazyRestore::release_background`] before they start
-    /// (the VMM releases them once the vCPUs run, so they do not compete for CPUs with the
-    /// last steps of the restore). Faults are served from the start regardless. A
-    /// blocking [`LazyRestore::wait`], and stopping, release them too.
+    /// Background loaders load only the working set until
+    /// [`LazyRestore::release_background`], and sweep the rest after it (the VMM releases
+    /// them once the vCPUs run, so the sweep does not compete for CPUs with the last steps
+    /// of the restore). Faults are served from the start regardless. A blocking
+    /// [`LazyRestore::wait`], and stopping, release them too.
     pub hold_background: bool,
     /// Nice value for the fault and loader threads (`setpriority` on each thread):
     /// negative = more CPU share than the vCPUs and the rest of the host. Needs
@@ -136,6 +137,8 @@ pub struct LazyStats {
     pub bytes_loaded_by_faults: u64,
     /// Bytes copied in by the background thread.
     pub bytes_loaded_background: u64,
+    /// Of those, bytes of the chunks the working set put first.
+    pub bytes_loaded_working_set: u64,
     /// Pages the kernel reported as already present (EEXIST races).
     pub copy_races: u64,
     /// EAGAIN retries.
@@ -149,6 +152,17 @@ impl LazyStats {
     pub fn complete(&self) -> bool {
         self.time_to_complete.is_some()
     }
+}
+
+/// Why the background loader took a chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// A vCPU faulted in it.
+    Faulted,
+    /// It holds part of the recorded working set.
+    WorkingSet,
+    /// Its turn in the front-to-back sweep.
+    Sweep,
 }
 
 /// Chunk states.
@@ -171,6 +185,7 @@ struct Counters {
     faults_already_loaded: AtomicU64,
     bytes_by_faults: AtomicU64,
     bytes_background: AtomicU64,
+    bytes_working_set: AtomicU64,
     loaded_data_pages: AtomicU64,
     copy_races: AtomicU64,
     eagain_retries: AtomicU64,
@@ -206,6 +221,8 @@ struct Shared {
     total_data_pages: u64,
     loaded: AtomicBitmap,
     chunk_state: Vec<AtomicU8>,
+    /// Chunks whose file data readahead was already asked for.
+    prefetched: Vec<AtomicBool>,
     queues: Mutex<Queues>,
     stop: AtomicBool,
     stop_event: EventFd,
@@ -313,6 +330,7 @@ impl LazyRestore {
             by_host,
             page_size,
             chunk_pages,
+            prefetched: (0..chunk_count).map(|_| AtomicBool::new(false)).collect(),
             chunk_state,
             queues: Mutex::new(queues),
             stop: AtomicBool::new(false),
@@ -581,6 +599,7 @@ impl Shared {
             fault_latency_max: latencies.last().map(|&ns| Duration::from_nanos(ns)),
             bytes_loaded_by_faults: c.bytes_by_faults.load(Ordering::Relaxed),
             bytes_loaded_background: c.bytes_background.load(Ordering::Relaxed),
+            bytes_loaded_working_set: c.bytes_working_set.load(Ordering::Relaxed),
             copy_races: c.copy_races.load(Ordering::Relaxed),
             eagain_retries: c.eagain_retries.load(Ordering::Relaxed),
             time_to_complete: lock(&self.status).completed_after,
@@ -687,20 +706,28 @@ impl Shared {
 
     /// Claims the next chunk to load: faulted chunks, then the working set, then the
     /// in-order sweep. `None` once every chunk is claimed.
-    fn next_chunk(&self) -> Option<usize> {
+    /// While `held`, only working-set chunks.
+    fn next_chunk(&self, held: bool) -> Option<(usize, Source)> {
         let mut queues = lock(&self.queues);
         loop {
             // Once everything is loaded the remaining chunks hold nothing new.
             if self.stop.load(Ordering::SeqCst) || self.is_done() {
                 return None;
             }
-            let candidate = if let Some(c) = queues.faulted.pop_front() {
-                c
+            let faulted = if held {
+                None
+            } else {
+                queues.faulted.pop_front()
+            };
+            let (candidate, source) = if let Some(c) = faulted {
+                (c, Source::Faulted)
             } else if let Some(c) = queues.working_set.pop_front() {
-                c
+                (c, Source::WorkingSet)
+            } else if held {
+                return None;
             } else if queues.cursor < self.chunk_state.len() {
                 queues.cursor += 1;
-                queues.cursor - 1
+                (queues.cursor - 1, Source::Sweep)
             } else {
                 return None;
             };
@@ -713,7 +740,7 @@ impl Shared {
                 )
                 .is_ok()
             {
-                return Some(candidate);
+                return Some((candidate, source));
             }
         }
     }
@@ -860,12 +887,19 @@ fn serve_fault(
 
 /// Background thread: load chunks, queued ones first, until all are claimed.
 fn background_thread(shared: &Shared) -> Result<(), UffdError> {
+    let mut buf = AlignedBuf::new((shared.chunk_pages * shared.page_size) as usize);
+    // While held, only the recorded working set: the guest is about to need it, so it is
+    // worth a CPU even before the vCPUs run (after, the guest would fault on it first and
+    // the working set would save nothing). Prefetching around faults and the
+    // front-to-back sweep wait for the release.
+    while let Some((c, source)) = shared.next_chunk(true) {
+        load_chunk(shared, c, source, &mut buf)?;
+    }
     if !shared.wait_for_background_release() {
         return Ok(());
     }
-    let mut buf = AlignedBuf::new((shared.chunk_pages * shared.page_size) as usize);
-    while let Some(c) = shared.next_chunk() {
-        load_chunk(shared, c, &mut buf)?;
+    while let Some((c, source)) = shared.next_chunk(false) {
+        load_chunk(shared, c, source, &mut buf)?;
     }
     Ok(())
 }
@@ -896,11 +930,17 @@ fn chunk_pieces(shared: &Shared, chunk: usize) -> Vec<Piece> {
     pieces
 }
 
-/// Starts asynchronous readahead of `chunk`'s data, so the disk works on the next chunk
-/// while this thread copies the current one into guest memory.
+/// Chunks after the one being loaded whose data is read ahead: enough to keep a disk busy
+/// while this thread copies (a cold file is read at disk speed only with several MiB in
+/// flight), few enough not to evict what the guest faults on.
+const PREFETCH_CHUNKS: usize = 4;
+
+/// Starts asynchronous readahead of `chunk`'s data (once), so the disk works on the next
+/// chunks while this thread copies the current one into guest memory.
 fn prefetch(shared: &Shared, chunk: usize) {
     if chunk >= shared.chunk_state.len()
         || shared.chunk_state[chunk].load(Ordering::Acquire) != CHUNK_PENDING
+        || shared.prefetched[chunk].swap(true, Ordering::AcqRel)
     {
         return;
     }
@@ -926,9 +966,16 @@ fn prefetch(shared: &Shared, chunk: usize) {
     }
 }
 
-fn load_chunk(shared: &Shared, chunk: usize, buf: &mut AlignedBuf) -> Result<(), UffdError> {
+fn load_chunk(
+    shared: &Shared,
+    chunk: usize,
+    source: Source,
+    buf: &mut AlignedBuf,
+) -> Result<(), UffdError> {
     let pieces = chunk_pieces(shared, chunk);
-    prefetch(shared, chunk + 1);
+    for ahead in 1..=PREFETCH_CHUNKS {
+        prefetch(shared, chunk + ahead);
+    }
 
     // One read per stretch of pieces stored back to back in the same file.
     let page_size = shared.page_size;
@@ -960,7 +1007,7 @@ fn load_chunk(shared: &Shared, chunk: usize, buf: &mut AlignedBuf) -> Result<(),
         shared.chain.layers()[layer].read_data(file_start, &mut buf.as_mut_slice()[..len])?;
         let mut buf_offset = 0usize;
         for piece in &pieces[group_start..i] {
-            copy_piece(shared, piece, buf, buf_offset)?;
+            copy_piece(shared, piece, source, buf, buf_offset)?;
             buf_offset += ((piece.end - piece.start) * page_size) as usize;
         }
     }
@@ -976,6 +1023,7 @@ fn piece_file_offset(piece: &Piece, page_size: u64) -> u64 {
 fn copy_piece(
     shared: &Shared,
     piece: &Piece,
+    source: Source,
     buf: &AlignedBuf,
     buf_offset: usize,
 ) -> Result<(), UffdError> {
@@ -1008,10 +1056,17 @@ fn copy_piece(
             Err(e) => return Err(e),
         };
         shared.note_fill(filled);
+        let copied = len as u64 - filled.existed * page_size;
         shared
             .counters
             .bytes_background
-            .fetch_add(len as u64 - filled.existed * page_size, Ordering::Relaxed);
+            .fetch_add(copied, Ordering::Relaxed);
+        if source == Source::WorkingSet {
+            shared
+                .counters
+                .bytes_working_set
+                .fetch_add(copied, Ordering::Relaxed);
+        }
         shared.mark_loaded(at, run_end, true);
         at = shared.loaded.next(false, run_end, piece.end);
     }

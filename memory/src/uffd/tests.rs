@@ -218,6 +218,47 @@ fn lazy_restore_of_a_diff_chain_with_working_set() {
 }
 
 #[test]
+fn the_background_loader_takes_the_working_set_before_the_sweep() {
+    let dir = TempDir::new("lazyworkingset");
+    // Two regions, so the working set's guest addresses are not linear page numbers.
+    let regions = two_regions(8 * MIB, 4 * MIB, 8 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 12);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    // With 1 MiB chunks: the first chunk of the second region, and the last but one
+    // chunk of the first, in that order; repeated and out-of-RAM entries are ignored.
+    let second = 12 * MIB;
+    let working_set = vec![second, second + 5 * PAGE, 6 * MIB + 3 * PAGE, 9 * MIB];
+    let data_bytes_in = |linear: std::ops::Range<u64>| {
+        linear
+            .filter(|&p| {
+                expected[(p * PAGE) as usize..][..PAGE as usize]
+                    .iter()
+                    .any(|&b| b != 0)
+            })
+            .count() as u64
+            * PAGE
+    };
+    // Linear pages: the first region holds 0..2048; the second region starts at 2048.
+    let want = data_bytes_in(2048..2048 + 256) + data_bytes_in(1536..1792);
+    assert!(want > 0);
+    let opts = LazyOptions {
+        working_set,
+        chunk_bytes: 1 << 20,
+        loader_threads: 1,
+        ..LazyOptions::default()
+    };
+    // Nothing faults, so the background loader alone decides the order: had it swept
+    // these chunks first, or ignored the working set, none would count as working set.
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert_eq!(stats.faults, 0, "{stats:?}");
+    assert_eq!(stats.bytes_loaded_working_set, want, "{stats:?}");
+    assert_eq!(stats.loaded_data_pages, stats.total_data_pages);
+    assert_ram_eq(&ram, &expected);
+}
+
+#[test]
 fn corrupt_data_fails_the_restore_instead_of_reaching_the_guest() {
     let dir = TempDir::new("lazycorrupt");
     let regions = two_regions(2 * MIB, 0, 2 * MIB);
@@ -337,6 +378,48 @@ fn held_background_loaders_start_on_release() {
     restore.release_background();
     let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
     assert!(stats.bytes_loaded_background > 0, "{stats:?}");
+    assert_ram_eq(&ram, &expected);
+}
+
+#[test]
+fn held_background_loaders_load_the_working_set_before_release() {
+    let dir = TempDir::new("holdws");
+    let regions = two_regions(4 * MIB, 0, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 8);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let chain = open_chain(&[&path], &ram);
+    let opts = LazyOptions {
+        hold_background: true,
+        chunk_bytes: 1 << 20,
+        // The second MiB of the second region.
+        working_set: vec![5 * MIB],
+        ..LazyOptions::default()
+    };
+    let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
+    let want = (1280..1536u64)
+        .filter(|&p| {
+            expected[(p * PAGE) as usize..][..PAGE as usize]
+                .iter()
+                .any(|&b| b != 0)
+        })
+        .count() as u64
+        * PAGE;
+    let deadline = Instant::now() + WAIT;
+    while restore.stats().bytes_loaded_working_set < want {
+        assert!(
+            Instant::now() < deadline,
+            "working set not loaded while held"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Nothing else, until released.
+    std::thread::sleep(Duration::from_millis(100));
+    let held = restore.stats();
+    assert_eq!(held.bytes_loaded_background, want, "{held:?}");
+    assert!(!held.complete(), "{held:?}");
+    restore.release_background();
+    let stats = restore.wait_timeout(Some(WAIT)).unwrap().expect("complete");
+    assert_eq!(stats.faults, 0, "{stats:?}");
     assert_ram_eq(&ram, &expected);
 }
 
