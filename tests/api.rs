@@ -350,7 +350,14 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
     let socket = second.socket.clone();
     ctl_ok(
         &socket,
-        &["snapshot-load", "--dir", snap_arg, "--restore-mode", "lazy"],
+        &[
+            "snapshot-load",
+            "--dir",
+            snap_arg,
+            "--restore-mode",
+            "lazy",
+            "--record-working-set",
+        ],
     );
     assert_eq!(second.state(), "Paused");
     let config: Value = serde_json::from_str(&ctl_ok(&socket, &["get-machine-config"])).unwrap();
@@ -624,6 +631,17 @@ fn bad_requests_get_a_4xx_with_a_fault_message() {
             serde_json::from_str(&body).unwrap_or_else(|e| panic!("{what}: {e}: {body}"));
         assert!(!fault_message(&body).is_empty(), "{what}");
     }
+    // Only a lazy restore's guest faults, so only it can record a working set.
+    let (status, fault) = vmm.call(
+        "PUT",
+        "/snapshot/load",
+        Some(json!({"snapshot_path": "/tmp", "restore_mode": "Eager", "record_working_set": true})),
+    );
+    assert_eq!(status, 400, "{fault}");
+    assert!(
+        fault_message(&fault).contains("record_working_set needs restore_mode Lazy"),
+        "{fault}"
+    );
     // A start that cannot build the VM is a 400 and leaves the API usable.
     vmm.expect(
         204,

@@ -1103,7 +1103,11 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
 
     // The next restore of the same snapshot loads those blocks first (the background
     // loader starts on them before the vCPUs run), and the guest is still right.
-    let second = restore(&dir, "lazy", &["--log-level", "info"]);
+    let second = restore(
+        &dir,
+        "lazy",
+        &["--log-level", "info", "--record-working-set"],
+    );
     assert_continues(&before, &second, GUEST_2_VCPUS.iters);
     assert!(
         second.stderr.contains(&format!(
@@ -1115,6 +1119,10 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
     );
     let lazy = only_report(&second, "gpuvm: lazy ");
     assert!(field(&lazy, "bytes_working_set") > 0, "{lazy:?}");
+    // Recording again keeps what was loaded first (the guest did not fault there), then
+    // adds what it still faulted on.
+    let (_, again) = read_working_set(&dir);
+    assert_eq!(again[..blocks.len()], blocks[..]);
 
     // Advice only: a damaged file is ignored with a warning, the restore goes on.
     let damaged = scratch.path("damaged");

@@ -199,6 +199,9 @@ pub struct Machine {
     /// Where to write the working set of the snapshot this machine was lazily restored
     /// from (`--record-working-set`), until it is written.
     working_set_target: Option<(PathBuf, SnapshotId)>,
+    /// The working set this machine's lazy restore loaded first (its guest did not fault
+    /// there, so a new recording starts from it).
+    pub(crate) loaded_working_set: Vec<u64>,
     run_control: Option<Box<dyn RunControl>>,
     paused: bool,
 }
@@ -226,6 +229,7 @@ impl Machine {
             snapshots: Vec::new(),
             vcpus_started: None,
             working_set_target: None,
+            loaded_working_set: Vec::new(),
             run_control: None,
             paused: false,
         }
@@ -469,8 +473,9 @@ impl Machine {
     }
 
     /// Records, once the lazy restore has loaded everything (or the run ends first), which
-    /// memory the guest faulted on, as the working set of the snapshot it was restored
-    /// from (see [`crate::working_set`]). Only for in-process lazy restores; a no-op
+    /// memory the guest needed first, as the working set of the snapshot it was restored
+    /// from (see [`crate::working_set`]): the working set this restore loaded, if any,
+    /// then the blocks the guest faulted on. Only for in-process lazy restores; a no-op
     /// otherwise.
     pub fn record_working_set(&mut self) {
         if !matches!(self.lazy, Some(LazyMemory::InProcess(_))) {
@@ -492,7 +497,14 @@ impl Machine {
         let Some(LazyMemory::InProcess(lazy)) = &self.lazy else {
             return;
         };
-        let blocks = working_set::blocks_of(&lazy.fault_order());
+        // What was loaded first, then what the guest still faulted on.
+        let mut needed = self.loaded_working_set.clone();
+        needed.extend(lazy.fault_order());
+        let blocks = working_set::blocks_of(&needed);
+        if blocks.is_empty() {
+            log::info!("the guest faulted on nothing: no working set to record");
+            return;
+        }
         match working_set::write(&dir, &memory_file, &blocks) {
             Ok(()) => log::info!(
                 "recorded a working set of {} blocks in {}",

@@ -226,6 +226,9 @@ enum CtlCommand {
         /// Run at once instead of waiting for `resume`.
         #[arg(long)]
         resume: bool,
+        /// Record the guest's working set for later lazy restores (lazy mode only).
+        #[arg(long)]
+        record_working_set: bool,
     },
     /// PUT /gpus/{id}: a passthrough device (before start).
     AddGpu {
@@ -738,6 +741,7 @@ fn ctl(args: CtlArgs) -> ExitCode {
             restore_mode,
             uffd_socket,
             resume,
+            record_working_set,
         } => (
             "PUT",
             "/snapshot/load",
@@ -750,6 +754,7 @@ fn ctl(args: CtlArgs) -> ExitCode {
                 },
                 "uffd_socket_path": uffd_socket.as_ref().map(|p| absolute(p)),
                 "resume_vm": resume,
+                "record_working_set": record_working_set,
             })),
         ),
         CtlCommand::Metrics => ("GET", "/metrics", None),

@@ -318,6 +318,10 @@ pub struct SnapshotLoadBody {
     /// Run the VM right away; otherwise it stays paused until PATCH /vm Resumed.
     #[serde(default)]
     pub resume_vm: bool,
+    /// Lazy restores: record the guest's working set for later restores of the same
+    /// snapshot (as `gpuvm restore --record-working-set`).
+    #[serde(default)]
+    pub record_working_set: bool,
 }
 
 /// `--config-file`: the pre-boot configuration in one JSON document.
@@ -418,7 +422,7 @@ mod tests {
         assert_eq!(body.action_type, ActionType::InstanceStart);
         let body: SnapshotLoadBody = serde_json::from_str(r#"{"snapshot_path":"/s"}"#).unwrap();
         assert_eq!(body.restore_mode, RestoreModeBody::Lazy);
-        assert!(!body.resume_vm);
+        assert!(!body.resume_vm && !body.record_working_set);
         assert!(serde_json::from_str::<VmStateBody>(r#"{"state":"Running"}"#).is_err());
     }
 }

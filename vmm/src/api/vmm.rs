@@ -272,6 +272,14 @@ impl ApiController {
                 )
             }
         };
+        if body.record_working_set && body.restore_mode != RestoreModeBody::Lazy {
+            return (
+                Err(ActionError::bad_request(
+                    "record_working_set needs restore_mode Lazy (the working set is what a lazy restore's guest faults on)",
+                )),
+                None,
+            );
+        }
         if let Err(error) = absolute_path(&body.snapshot_path, "snapshot_path") {
             return (Err(error), None);
         }
@@ -284,7 +292,10 @@ impl ApiController {
             );
         }
         match crate::builder::restore(&body.snapshot_path, &mode, (self.serial_out)()) {
-            Ok((machine, timings)) => {
+            Ok((mut machine, timings)) => {
+                if body.record_working_set {
+                    machine.record_working_set();
+                }
                 Metrics::add(&METRICS.snapshots_loaded, 1);
                 log::info!("snapshot loaded through the API: {timings:?}");
                 if !body.resume_vm {
