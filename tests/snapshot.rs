@@ -302,6 +302,30 @@ fn snapshot_memloop_then_exit(dir: &Path, guest: &Memloop) -> String {
     out.stdout
 }
 
+/// Starts a lazy restore of `from` that snapshots into `to` after `after_ms` and exits.
+fn restore_lazy_then_snapshot(
+    from: &Path,
+    to: &Path,
+    after_ms: &str,
+    extra: &[&str],
+) -> SpawnedProcess {
+    let mut args = vec![
+        "restore",
+        "--snapshot",
+        arg(from),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(to),
+        "--snapshot-after-ms",
+        after_ms,
+        "--snapshot-then",
+        "exit",
+    ];
+    args.extend_from_slice(extra);
+    SpawnedProcess::gpuvm(&args)
+}
+
 fn restore(dir: &Path, mode: &str, extra: &[&str]) -> RunOutput {
     let mut args = vec![
         "restore",
@@ -886,20 +910,7 @@ fn diff_snapshot_of_an_idle_guest_is_small() {
 
     // Restore base + diff, take a third snapshot from the restored VM into the same
     // directory: it continues the chain as a diff.
-    let mut restored = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&dir),
-        "--restore-mode",
-        "lazy",
-        "--snapshot-dir",
-        arg(&dir),
-        "--snapshot-after-ms",
-        "500",
-        "--snapshot-then",
-        "exit",
-        "--report-timing",
-    ]);
+    let mut restored = restore_lazy_then_snapshot(&dir, &dir, "500", &["--report-timing"]);
     wait_for_chain(&mut restored, &dir, 3);
     let out = restored.wait(LIMIT);
     assert_eq!(out.code(), Some(0), "{}", describe(&out));
@@ -1024,19 +1035,7 @@ fn full_snapshot_of_a_lazily_restored_vm() {
     let dir = scratch.path("first");
     let second = scratch.path("second");
     let before = snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
-    let restored = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&dir),
-        "--restore-mode",
-        "lazy",
-        "--snapshot-dir",
-        arg(&second),
-        "--snapshot-after-ms",
-        "1",
-        "--snapshot-then",
-        "exit",
-    ]);
+    let restored = restore_lazy_then_snapshot(&dir, &second, "1", &[]);
     let middle = restored
         .wait_timeout(LIMIT)
         .expect("restore + snapshot ended");
@@ -1141,21 +1140,9 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
     );
 
     // A new snapshot into the directory replaces the one the working set was for: gone.
-    let snapshotted = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&dir),
-        "--restore-mode",
-        "lazy",
-        "--snapshot-dir",
-        arg(&dir),
-        "--snapshot-after-ms",
-        "20",
-        "--snapshot-then",
-        "exit",
-    ])
-    .wait_timeout(LIMIT)
-    .expect("restore + snapshot ended");
+    let snapshotted = restore_lazy_then_snapshot(&dir, &dir, "20", &[])
+        .wait_timeout(LIMIT)
+        .expect("restore + snapshot ended");
     assert_eq!(snapshotted.code(), Some(0), "{}", describe(&snapshotted));
     assert!(!dir.join("working-set").exists(), "stale working set kept");
 }
