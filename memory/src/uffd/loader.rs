@@ -749,9 +749,13 @@ impl Shared {
 /// Fault-serving thread: poll the userfaultfd, resolve each fault with its one page.
 fn fault_thread(shared: &Shared) -> Result<(), UffdError> {
     let page_size = shared.page_size as usize;
-    let mut page_buf = AlignedBuf::new(page_size);
+    let mut page_buf = AlignedBuf::new(page_size).map_err(io_err("map the fault buffer"))?;
     // hugetlb has no UFFDIO_ZEROPAGE: holes get a copy of a zeroed huge page.
-    let zero_buf = (shared.page_size != BASE_PAGE_SIZE).then(|| AlignedBuf::new(page_size));
+    let zero_buf = if shared.page_size != BASE_PAGE_SIZE {
+        Some(AlignedBuf::new(page_size).map_err(io_err("map the zero page"))?)
+    } else {
+        None
+    };
     let mut events = EventBuffer::new(64);
     let mut pending = Vec::with_capacity(64);
     let mut fds = [
@@ -887,7 +891,8 @@ fn serve_fault(
 
 /// Background thread: load chunks, queued ones first, until all are claimed.
 fn background_thread(shared: &Shared) -> Result<(), UffdError> {
-    let mut buf = AlignedBuf::new((shared.chunk_pages * shared.page_size) as usize);
+    let mut buf = AlignedBuf::new((shared.chunk_pages * shared.page_size) as usize)
+        .map_err(io_err("map the loader buffer"))?;
     // While held, only the recorded working set: the guest is about to need it, so it is
     // worth a CPU even before the vCPUs run (after, the guest would fault on it first and
     // the working set would save nothing). Prefetching around faults and the
