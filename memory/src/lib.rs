@@ -13,6 +13,7 @@
 //! - [`uffd`]: lazy restore with userfaultfd (in-process loader and the external-handler
 //!   handshake).
 
+mod anon;
 pub mod backing;
 pub mod prefault;
 pub mod snapshot;

@@ -19,6 +19,7 @@ use super::format::{
 use super::layout::RamLayout;
 use super::writer::SnapshotInfo;
 use super::{Result, SnapshotError};
+use crate::anon::AnonMap;
 use crate::RamRegion;
 
 /// More regions than any sane layout has; bounds what a corrupt header can make us do.
@@ -246,7 +247,6 @@ impl MemoryFile {
 const METADATA_MAP_MIN: usize = 1 << 20;
 #[cfg(test)]
 const METADATA_MAP_MIN: usize = 4096;
-const HUGE_PAGE: usize = 2 << 20;
 
 /// A memory file's metadata, read once into 4-byte aligned memory and kept (the page
 /// CRCs are looked up in place rather than copied out). Large ones (an 8 GiB guest has
@@ -254,49 +254,19 @@ const HUGE_PAGE: usize = 2 << 20;
 /// requested: a handful of huge-page faults instead of one fault per 4 KiB page, which
 /// is what reading them costs most on hosts with shadow paging.
 enum Metadata {
-    Heap {
-        words: Vec<u32>,
-        len: usize,
-    },
-    Mapped {
-        ptr: *mut u8,
-        len: usize,
-        map_len: usize,
-    },
+    Heap { words: Vec<u32>, len: usize },
+    Mapped(AnonMap),
 }
-
-// SAFETY: `Mapped` owns its private anonymous mapping exclusively (like a Box); shared
-// references only read it.
-unsafe impl Send for Metadata {}
-// SAFETY: as above; no interior mutability.
-unsafe impl Sync for Metadata {}
 
 impl Metadata {
     fn new(len: usize) -> Metadata {
         if len >= METADATA_MAP_MIN {
-            let map_len = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
-            // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
-            let ptr = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if ptr != libc::MAP_FAILED {
-                // SAFETY: advice on the mapping just created; failure only means no huge
-                // pages.
-                unsafe { libc::madvise(ptr, map_len, libc::MADV_HUGEPAGE) };
-                return Metadata::Mapped {
-                    ptr: ptr.cast(),
-                    len,
-                    map_len,
-                };
+            match AnonMap::with_huge_pages(len) {
+                Ok(map) => return Metadata::Mapped(map),
+                Err(e) => log::debug!(
+                    "cannot map {len} bytes for memory-file metadata ({e}); using the heap"
+                ),
             }
-            log::debug!("cannot map {map_len} bytes for memory-file metadata; using the heap");
         }
         Metadata::Heap {
             words: vec![0u32; len.div_ceil(4)],
@@ -311,9 +281,7 @@ impl Metadata {
             Metadata::Heap { words, len } => unsafe {
                 std::slice::from_raw_parts(words.as_ptr().cast(), *len)
             },
-            // SAFETY: the mapping is `map_len >= len` readable bytes (zero-filled until
-            // written) owned by self.
-            Metadata::Mapped { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Metadata::Mapped(map) => map.as_slice(),
         }
     }
 
@@ -323,10 +291,7 @@ impl Metadata {
             Metadata::Heap { words, len } => unsafe {
                 std::slice::from_raw_parts_mut(words.as_mut_ptr().cast(), *len)
             },
-            // SAFETY: as in `bytes`, and `&mut self` gives exclusive access.
-            Metadata::Mapped { ptr, len, .. } => unsafe {
-                std::slice::from_raw_parts_mut(*ptr, *len)
-            },
+            Metadata::Mapped(map) => map.as_mut_slice(),
         }
     }
 
@@ -335,20 +300,7 @@ impl Metadata {
     fn words(&self) -> &[u32] {
         match self {
             Metadata::Heap { words, len } => &words[..len / 4],
-            // SAFETY: mmap returns page-aligned memory, so 4-byte aligned; `len / 4`
-            // words lie inside the mapping; any bit pattern is a valid u32.
-            Metadata::Mapped { ptr, len, .. } => unsafe {
-                std::slice::from_raw_parts(ptr.cast::<u32>(), len / 4)
-            },
-        }
-    }
-}
-
-impl Drop for Metadata {
-    fn drop(&mut self) {
-        if let Metadata::Mapped { ptr, map_len, .. } = *self {
-            // SAFETY: unmaps the mapping created in `new`, which nothing else refers to.
-            unsafe { libc::munmap(ptr.cast(), map_len) };
+            Metadata::Mapped(map) => map.words(),
         }
     }
 }

@@ -229,18 +229,10 @@ fn the_background_loader_takes_the_working_set_before_the_sweep() {
     // chunk of the first, in that order; repeated and out-of-RAM entries are ignored.
     let second = 12 * MIB;
     let working_set = vec![second, second + 5 * PAGE, 6 * MIB + 3 * PAGE, 9 * MIB];
-    let data_bytes_in = |linear: std::ops::Range<u64>| {
-        linear
-            .filter(|&p| {
-                expected[(p * PAGE) as usize..][..PAGE as usize]
-                    .iter()
-                    .any(|&b| b != 0)
-            })
-            .count() as u64
-            * PAGE
-    };
     // Linear pages: the first region holds 0..2048; the second region starts at 2048.
-    let want = data_bytes_in(2048..2048 + 256) + data_bytes_in(1536..1792);
+    let pages = |from: u64, to: u64| &expected[(from * PAGE) as usize..(to * PAGE) as usize];
+    let want = data_bytes(pages(2048, 2048 + 256), PAGE as usize)
+        + data_bytes(pages(1536, 1792), PAGE as usize);
     assert!(want > 0);
     let opts = LazyOptions {
         working_set,
@@ -396,14 +388,10 @@ fn held_background_loaders_load_the_working_set_before_release() {
         ..LazyOptions::default()
     };
     let restore = start_lazy_restore(chain, &mappings(&ram), opts).unwrap();
-    let want = (1280..1536u64)
-        .filter(|&p| {
-            expected[(p * PAGE) as usize..][..PAGE as usize]
-                .iter()
-                .any(|&b| b != 0)
-        })
-        .count() as u64
-        * PAGE;
+    let want = data_bytes(
+        &expected[(1280 * PAGE) as usize..(1536 * PAGE) as usize],
+        PAGE as usize,
+    );
     let deadline = Instant::now() + WAIT;
     while restore.stats().bytes_loaded_working_set < want {
         assert!(
