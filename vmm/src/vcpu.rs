@@ -242,12 +242,6 @@ impl Vcpu {
         persist::restore_vcpu(&self.fd, state)
     }
 
-    /// Starts the vCPU thread. The thread installs its seccomp filter and then waits,
-    /// paused: [`VcpuHandle::wait_ready`], then [`VcpuHandle::resume`] to run the guest.
-    pub fn start(self, reporter: Arc<StopReporter>) -> Result<VcpuHandle, VcpuError> {
-        VcpuThread::spawn(self.id)?.launch(self, reporter)
-    }
-
     /// The thread's life once it has its vCPU: wait for Resume, run, report why it stopped.
     fn thread_main(
         mut self,
