@@ -221,8 +221,6 @@ struct Shared {
     total_data_pages: u64,
     loaded: AtomicBitmap,
     chunk_state: Vec<AtomicU8>,
-    /// Chunks whose file data readahead was already asked for.
-    prefetched: Vec<AtomicBool>,
     queues: Mutex<Queues>,
     stop: AtomicBool,
     stop_event: EventFd,
@@ -330,7 +328,6 @@ impl LazyRestore {
             by_host,
             page_size,
             chunk_pages,
-            prefetched: (0..chunk_count).map(|_| AtomicBool::new(false)).collect(),
             chunk_state,
             queues: Mutex::new(queues),
             stop: AtomicBool::new(false),
@@ -935,17 +932,11 @@ fn chunk_pieces(shared: &Shared, chunk: usize) -> Vec<Piece> {
     pieces
 }
 
-/// Chunks after the one being loaded whose data is read ahead. One: four were tried and
-/// gained nothing measurable here (cold loading of 4 KiB guest RAM is bound by populating
-/// memory, not by the disk), while a cold hugetlb fault then waits behind more queued I/O.
-const PREFETCH_CHUNKS: usize = 1;
-
-/// Starts asynchronous readahead of `chunk`'s data (once), so the disk works on the next
-/// chunks while this thread copies the current one into guest memory.
+/// Starts asynchronous readahead of `chunk`'s data, so the disk works on the next chunk
+/// while this thread copies the current one into guest memory.
 fn prefetch(shared: &Shared, chunk: usize) {
     if chunk >= shared.chunk_state.len()
         || shared.chunk_state[chunk].load(Ordering::Acquire) != CHUNK_PENDING
-        || shared.prefetched[chunk].swap(true, Ordering::AcqRel)
     {
         return;
     }
@@ -978,9 +969,7 @@ fn load_chunk(
     buf: &mut AlignedBuf,
 ) -> Result<(), UffdError> {
     let pieces = chunk_pieces(shared, chunk);
-    for ahead in 1..=PREFETCH_CHUNKS {
-        prefetch(shared, chunk + ahead);
-    }
+    prefetch(shared, chunk + 1);
 
     // One read per stretch of pieces stored back to back in the same file.
     let page_size = shared.page_size;
