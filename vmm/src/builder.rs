@@ -377,7 +377,7 @@ pub fn restore(
                 // Only the working set loads before the vCPUs run; the sweep waits for
                 // them (Machine::run releases it).
                 hold_background: true,
-                working_set: working_set.clone(),
+                working_set,
                 // The fault and loader threads run the VMM thread's filter.
                 on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
                 ..LazyOptions::default()
@@ -419,7 +419,6 @@ pub fn restore(
     clock.mark("vcpu_state");
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
     machine.vcpu_threads = vcpu_threads;
-    machine.loaded_working_set = working_set;
     machine.lazy = lazy;
     if let Some(last) = loaded.chain.layers().last() {
         machine.set_memory_chain(MemoryChain {

@@ -199,9 +199,6 @@ pub struct Machine {
     /// Where to write the working set of the snapshot this machine was lazily restored
     /// from (`--record-working-set`), until it is written.
     working_set_target: Option<(PathBuf, SnapshotId)>,
-    /// The working set this machine's lazy restore loaded first (its guest did not fault
-    /// there, so a new recording starts from it).
-    pub(crate) loaded_working_set: Vec<u64>,
     run_control: Option<Box<dyn RunControl>>,
     paused: bool,
 }
@@ -229,7 +226,6 @@ impl Machine {
             snapshots: Vec::new(),
             vcpus_started: None,
             working_set_target: None,
-            loaded_working_set: Vec::new(),
             run_control: None,
             paused: false,
         }
@@ -497,8 +493,9 @@ impl Machine {
         let Some(LazyMemory::InProcess(lazy)) = &self.lazy else {
             return;
         };
-        // What was loaded first, then what the guest still faulted on.
-        let mut needed = self.loaded_working_set.clone();
+        // What was loaded first (the guest did not fault there), then what it still
+        // faulted on.
+        let mut needed = lazy.working_set().to_vec();
         needed.extend(lazy.fault_order());
         let blocks = working_set::blocks_of(&needed);
         if blocks.is_empty() {

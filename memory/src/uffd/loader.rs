@@ -441,6 +441,11 @@ impl LazyRestore {
         }
     }
 
+    /// The working set this restore was started with ([`LazyOptions::working_set`]).
+    pub fn working_set(&self) -> &[u64] {
+        &self.shared.opts.working_set
+    }
+
     /// Guest-physical addresses of the pages the guest faulted on, in fault order: save it
     /// and pass it as [`LazyOptions::working_set`] next time.
     pub fn fault_order(&self) -> Vec<u64> {
