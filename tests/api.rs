@@ -2,14 +2,13 @@
 //! with curl, and with `gpuvm ctl`; bad and random requests; the OpenAPI document
 //! against the routes the server answers.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{gpuvm_bin, Scratch};
+use gpuvm_tests::{gpuvm_bin, Scratch, SpawnedProcess};
 use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
@@ -17,59 +16,34 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 /// A gpuvm process serving an API socket; killed on drop.
 struct Vmm {
-    child: Child,
+    process: SpawnedProcess,
     socket: PathBuf,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-}
-
-fn collect(reader: impl Read + Send + 'static) -> Arc<Mutex<String>> {
-    let text = Arc::new(Mutex::new(String::new()));
-    let sink = text.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(reader).lines() {
-            let Ok(line) = line else { break };
-            let mut text = sink.lock().unwrap();
-            text.push_str(&line);
-            text.push('\n');
-        }
-    });
-    text
 }
 
 impl Vmm {
     /// Starts `gpuvm run --api-sock SOCKET EXTRA...` and waits for the socket.
     fn start(socket: &Path, extra: &[&str]) -> Vmm {
-        let mut child = Command::new(gpuvm_bin())
-            .args(["run", "--api-sock"])
-            .arg(socket)
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn gpuvm");
-        let stdout = collect(child.stdout.take().unwrap());
-        let stderr = collect(child.stderr.take().unwrap());
+        let mut args = vec!["run", "--api-sock", socket.to_str().expect("utf-8 path")];
+        args.extend_from_slice(extra);
         let vmm = Vmm {
-            child,
+            process: SpawnedProcess::gpuvm(&args),
             socket: socket.to_path_buf(),
-            stdout,
-            stderr,
         };
         vmm.wait_until("the API socket", |_| UnixStream::connect(socket).is_ok());
         vmm
     }
 
+    /// Everything gpuvm wrote to stdout so far, byte for byte (a snapshot may cut a
+    /// line, and tests join two processes' output).
     fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
+        self.process.stdout()
     }
 
     fn describe(&self) -> String {
         format!(
             "--- stdout\n{}\n--- stderr\n{}",
             self.stdout(),
-            self.stderr.lock().unwrap()
+            self.process.stderr()
         )
     }
 
@@ -123,28 +97,9 @@ impl Vmm {
             .to_string()
     }
 
-    fn wait_exit(mut self) -> (ExitStatus, String) {
-        let started = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                // Let the reader threads drain the pipes.
-                std::thread::sleep(Duration::from_millis(50));
-                return (status, self.stdout());
-            }
-            assert!(
-                started.elapsed() < LIMIT,
-                "gpuvm did not exit\n{}",
-                self.describe()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn wait_exit(self) -> (ExitStatus, String) {
+        let out = self.process.wait(LIMIT);
+        (out.status, out.stdout)
     }
 }
 
@@ -937,32 +892,17 @@ fn jail_chroots_and_drops_privileges() {
     assert_eq!(vmm.wait_exit().0.code(), Some(0));
 
     // The snapshot restores outside the jail, in a plain process.
-    let mut restored = Command::new(gpuvm_bin())
-        .args(["restore", "--restore-mode", "eager", "--snapshot"])
-        .arg(root.join("snap"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("restore");
-    let output = collect(restored.stdout.take().unwrap());
-    let started = Instant::now();
-    let progressed = loop {
-        if iterations(&output.lock().unwrap()).len() >= 2 {
-            break true;
-        }
-        if started.elapsed() > LIMIT || restored.try_wait().ok().flatten().is_some() {
-            break false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let _ = restored.kill();
-    let _ = restored.wait();
-    assert!(
-        progressed,
-        "restored guest made no progress: {}",
-        output.lock().unwrap()
-    );
+    let snap = root.join("snap");
+    let mut restored = SpawnedProcess::gpuvm(&[
+        "restore",
+        "--restore-mode",
+        "eager",
+        "--snapshot",
+        snap.to_str().expect("utf-8 path"),
+    ]);
+    restored.wait_until("two iterations after restore", LIMIT, |p| {
+        iterations(&p.stdout()).len() >= 2
+    });
 }
 
 /// A SIGUSR1 snapshot (`gpuvm snapshot --pid`) of a VM the API paused leaves it paused.

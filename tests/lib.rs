@@ -1,10 +1,9 @@
 //! Helpers shared by gpuvm's integration tests: find the `gpuvm` binary, run it with a
 //! time limit while capturing its output, reserve huge pages for a test and give them back.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
 /// The `gpuvm` binary: `$GPUVM_BIN`, else the one cargo built next to this test.
@@ -87,24 +86,6 @@ impl RunOutput {
     }
 }
 
-fn spawn_reader<R: Read + Send + 'static>(reader: R) -> Receiver<String> {
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(reader).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    rx
-}
-
-fn kill(child: &mut Child) {
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 /// Runs `gpuvm ARGS` to completion; kills it and panics after `limit`.
 pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
     run_gpuvm_until(args, limit, None)
@@ -124,64 +105,33 @@ pub fn run_gpuvm_with_env(
     limit: Duration,
     stop_at: Option<&str>,
 ) -> RunOutput {
-    let started = Instant::now();
-    let mut child = Command::new(gpuvm_bin())
-        .args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn gpuvm");
-    let stdout_rx = spawn_reader(child.stdout.take().expect("stdout"));
-    let stderr_rx = spawn_reader(child.stderr.take().expect("stderr"));
-    let mut stdout = String::new();
-    let mut stopped_early = false;
-    let status = loop {
-        while let Ok(line) = stdout_rx.try_recv() {
-            stdout.push_str(&line);
-            stdout.push('\n');
-            if stop_at.is_some_and(|needle| line.contains(needle)) {
-                stopped_early = true;
-            }
+    let mut process = SpawnedProcess::gpuvm_with_env(args, env);
+    let deadline = Instant::now() + limit;
+    loop {
+        if stop_at.is_some_and(|needle| process.stdout().contains(needle)) {
+            process.signal(libc::SIGKILL);
+            break;
         }
-        if stopped_early {
-            kill(&mut child);
-            break child.wait().expect("wait");
+        if process.try_status().is_some() {
+            break;
         }
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if started.elapsed() > limit {
-            kill(&mut child);
-            let stderr: Vec<String> = stderr_rx.try_iter().collect();
+        if Instant::now() > deadline {
+            process.signal(libc::SIGKILL);
+            let _ = process.child.wait();
+            std::thread::sleep(Duration::from_millis(50));
             panic!(
-                "gpuvm {args:?} did not finish within {limit:?}\n--- stdout\n{stdout}\n--- stderr\n{}",
-                stderr.join("\n")
+                "gpuvm {args:?} did not finish within {limit:?}\n--- stdout\n{}\n--- stderr\n{}",
+                process.stdout(),
+                process.stderr()
             );
         }
         std::thread::sleep(Duration::from_millis(5));
-    };
-    // Drain what the readers still hold (they end when the pipes close).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while let Ok(line) = stdout_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
-    {
-        stdout.push_str(&line);
-        stdout.push('\n');
     }
-    let mut stderr = String::new();
-    while let Ok(line) = stderr_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
-    {
-        stderr.push_str(&line);
-        stderr.push('\n');
-    }
-    RunOutput {
-        status,
-        stdout,
-        stderr,
-        elapsed: started.elapsed(),
-    }
+    process.wait(LIMIT_AFTER_KILL)
 }
+
+/// How long a process gets to end once it has exited or been sent SIGKILL.
+const LIMIT_AFTER_KILL: Duration = Duration::from_secs(10);
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
