@@ -91,7 +91,7 @@ pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
     run_gpuvm_until(args, limit, None)
 }
 
-/// Runs `gpuvm ARGS`; if `stop_at` appears on stdout the process is killed there (for
+/// Runs `gpuvm ARGS`; once a whole line with `stop_at` is on stdout the process is killed (for
 /// guests that never end by themselves, like Linux on this host). Panics after `limit`.
 pub fn run_gpuvm_until(args: &[&str], limit: Duration, stop_at: Option<&str>) -> RunOutput {
     run_gpuvm_with_env(args, &[], limit, stop_at)
@@ -108,7 +108,7 @@ pub fn run_gpuvm_with_env(
     let mut process = SpawnedProcess::gpuvm_with_env(args, env);
     let deadline = Instant::now() + limit;
     loop {
-        if stop_at.is_some_and(|needle| process.stdout().contains(needle)) {
+        if stop_at.is_some_and(|needle| has_whole_line_with(&process.stdout(), needle)) {
             process.signal(libc::SIGKILL);
             break;
         }
@@ -128,6 +128,13 @@ pub fn run_gpuvm_with_env(
         std::thread::sleep(Duration::from_millis(5));
     }
     process.wait(LIMIT_AFTER_KILL)
+}
+
+/// Whether `text` holds `needle` on a line that has ended (so a test that stops a guest
+/// there sees that whole line).
+fn has_whole_line_with(text: &str, needle: &str) -> bool {
+    text.find(needle)
+        .is_some_and(|at| text[at + needle.len()..].contains('\n'))
 }
 
 /// How long a process gets to end once it has exited or been sent SIGKILL.
@@ -519,4 +526,26 @@ pub fn start_uffd_handler(
     let mut handler = SpawnedProcess::spawn(program, &args);
     handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
     handler
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_whole_line_with;
+
+    #[test]
+    fn a_stop_marker_counts_once_its_line_has_ended() {
+        assert!(!has_whole_line_with(
+            "boot\nsmpboot: Allowing 2",
+            "smpboot: Allowing"
+        ));
+        assert!(has_whole_line_with(
+            "smpboot: Allowing 2 CPUs\n",
+            "smpboot: Allowing"
+        ));
+        assert!(has_whole_line_with(
+            "a\nsmpboot: Allowing\nmore",
+            "smpboot: Allowing"
+        ));
+        assert!(!has_whole_line_with("a\nb\n", "smpboot"));
+    }
 }
