@@ -25,6 +25,8 @@ const STATE_HEADER_LEN: usize = 24;
 const MEMORY_MAGIC: &[u8; 8] = b"GPUVMMEM";
 const MEMORY_HEADER_LEN: u64 = 128;
 const FLAG_DIFF: u32 = 1;
+const FLAG_PAGE_CRCS: u32 = 2;
+const FLAG_PAGE_CRCS_CHECKED_ON_LOAD: u32 = 4;
 
 fn arg(path: &Path) -> &str {
     path.to_str().expect("UTF-8 path")
@@ -91,6 +93,8 @@ struct MemoryHeader {
     snapshot_id: [u8; 16],
     base_id: [u8; 16],
     generation: u64,
+    region_count: u32,
+    extent_count: u64,
     data_pages: u64,
     data_offset: u64,
     file_len: u64,
@@ -99,6 +103,13 @@ struct MemoryHeader {
 impl MemoryHeader {
     fn is_diff(&self) -> bool {
         self.flags & FLAG_DIFF != 0
+    }
+
+    /// File offset of the CRC of stored page `index` (the table follows the 24-byte
+    /// region and extent entries).
+    fn page_crc_offset(&self, index: u64) -> u64 {
+        assert_ne!(self.flags & FLAG_PAGE_CRCS, 0, "no page CRCs: {self:?}");
+        MEMORY_HEADER_LEN + 24 * (u64::from(self.region_count) + self.extent_count) + 4 * index
     }
 }
 
@@ -122,6 +133,8 @@ fn memory_header(path: &Path) -> MemoryHeader {
         snapshot_id: bytes[40..56].try_into().unwrap(),
         base_id: bytes[56..72].try_into().unwrap(),
         generation: u64_at(&bytes, 72),
+        region_count: u32_at(&bytes, 20),
+        extent_count: u64_at(&bytes, 80),
         data_pages: u64_at(&bytes, 88),
         data_offset: u64_at(&bytes, 96),
         file_len: bytes.len() as u64,
@@ -1268,22 +1281,22 @@ fn guest_detects_a_wrong_page_after_restore() {
     let path = good.join(&memory_files(&good)[0]);
     let header = memory_header(&path);
     let mut bytes = std::fs::read(&path).expect("read");
-    let region_count = u64::from(u32_at(&bytes, 20));
-    let extent_count = u64_at(&bytes, 80);
     // The middle data page: with 32 MiB of memloop data in the file, it is a memloop page.
     let page = header.data_pages / 2;
     let at = (header.data_offset + page * header.page_size) as usize;
     bytes[at + 8] ^= 1;
     let index_start = MEMORY_HEADER_LEN as usize;
-    let crcs_start = index_start + (region_count * 24 + extent_count * 24) as usize;
-    let mut metadata_end = crcs_start;
-    if header.flags & 2 != 0 {
-        let crc = crc32fast::hash(&bytes[at..at + header.page_size as usize]);
-        let crc_at = crcs_start + page as usize * 4;
-        bytes[crc_at..crc_at + 4].copy_from_slice(&crc.to_le_bytes());
-        metadata_end += header.data_pages as usize * 4;
-    }
-    let index_crc = crc32fast::hash(&bytes[index_start..metadata_end]);
+    let crcs_start = header.page_crc_offset(0) as usize;
+    let crc = crc32fast::hash(&bytes[at..at + header.page_size as usize]);
+    let crc_at = crcs_start + page as usize * 4;
+    bytes[crc_at..crc_at + 4].copy_from_slice(&crc.to_le_bytes());
+    // The index CRC covers the page CRCs only in files without FLAG_PAGE_CRCS_CHECKED_ON_LOAD.
+    let index_end = if header.flags & FLAG_PAGE_CRCS_CHECKED_ON_LOAD != 0 {
+        crcs_start
+    } else {
+        crcs_start + header.data_pages as usize * 4
+    };
+    let index_crc = crc32fast::hash(&bytes[index_start..index_end]);
     bytes[120..124].copy_from_slice(&index_crc.to_le_bytes());
     let header_crc = crc32fast::hash(&bytes[..124]);
     bytes[124..128].copy_from_slice(&header_crc.to_le_bytes());
@@ -1698,23 +1711,28 @@ fn missing_snapshot_directory_fails_cleanly() {
 fn lazy_restore_of_a_corrupt_page_fails_cleanly() {
     let scratch = Scratch::new("snapshot", "corrupt-lazy");
     let good = small_snapshot(&scratch);
-    let file = good.join(&memory_files(&good)[0]);
-    let header = memory_header(&file);
-    flip_byte(
-        &file,
-        header.data_offset + header.page_size * (header.data_pages / 2) + 5,
-    );
-    let run = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&good),
-        "--restore-mode",
-        "lazy",
-    ]);
-    let out = run
-        .wait_timeout(Duration::from_secs(60))
-        .expect("gpuvm hung after the lazy loader found a corrupt page");
-    out.assert_clean_error("data CRC mismatch");
+    // A byte of a page's data, or of its CRC (read only when the page loads, so the
+    // restore has started before either is found).
+    for damage in ["data", "crc"] {
+        let dir = scratch.path(damage);
+        copy_dir(&good, &dir);
+        let file = dir.join(&memory_files(&dir)[0]);
+        let header = memory_header(&file);
+        let page = header.data_pages / 2;
+        flip_byte(
+            &file,
+            match damage {
+                "data" => header.data_offset + header.page_size * page + 5,
+                _ => header.page_crc_offset(page) + 2,
+            },
+        );
+        let run =
+            SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(&dir), "--restore-mode", "lazy"]);
+        let out = run
+            .wait_timeout(Duration::from_secs(60))
+            .expect("gpuvm hung after the lazy loader found a corrupt page");
+        out.assert_clean_error("data CRC mismatch");
+    }
 }
 
 /// The memory file changes after restore validated it (the test hook holds gpuvm right

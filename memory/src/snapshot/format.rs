@@ -33,8 +33,13 @@ pub const DATA_ALIGN: u64 = 4096;
 pub const FLAG_DIFF: u32 = 1 << 0;
 /// Header flag: a CRC32 per data page follows the extent index.
 pub const FLAG_PAGE_CRCS: u32 = 1 << 1;
+/// Header flag (only with `FLAG_PAGE_CRCS`): the index CRC leaves the page CRC table out.
+/// Each entry is checked with its page when that page is loaded instead, so opening a
+/// file reads the (small) region table and extent index and not the table of one CRC
+/// per page (8 MiB for 8 GiB of guest RAM).
+pub const FLAG_PAGE_CRCS_CHECKED_ON_LOAD: u32 = 1 << 2;
 /// All flags this version knows.
-pub const KNOWN_FLAGS: u32 = FLAG_DIFF | FLAG_PAGE_CRCS;
+pub const KNOWN_FLAGS: u32 = FLAG_DIFF | FLAG_PAGE_CRCS | FLAG_PAGE_CRCS_CHECKED_ON_LOAD;
 
 /// Byte offset of the index CRC inside the header.
 const INDEX_CRC_AT: usize = 120;
@@ -164,17 +169,28 @@ impl Header {
         self.flags & FLAG_PAGE_CRCS != 0
     }
 
+    /// Whether the index CRC leaves the page CRC table out (see
+    /// [`FLAG_PAGE_CRCS_CHECKED_ON_LOAD`]).
+    pub fn page_crcs_checked_on_load(&self) -> bool {
+        self.has_page_crcs() && self.flags & FLAG_PAGE_CRCS_CHECKED_ON_LOAD != 0
+    }
+
+    /// Bytes of the region table and extent index. `None` on overflow.
+    pub fn index_len(&self) -> Option<u64> {
+        let regions = u64::from(self.region_count).checked_mul(REGION_ENTRY_LEN as u64)?;
+        let extents = self.extent_count.checked_mul(EXTENT_ENTRY_LEN as u64)?;
+        regions.checked_add(extents)
+    }
+
     /// Bytes of metadata after the header: region table, extent index and page CRCs.
     /// `None` on overflow (only possible with a corrupt header, which the CRC catches first).
     pub fn metadata_len(&self) -> Option<u64> {
-        let regions = u64::from(self.region_count).checked_mul(REGION_ENTRY_LEN as u64)?;
-        let extents = self.extent_count.checked_mul(EXTENT_ENTRY_LEN as u64)?;
         let crcs = if self.has_page_crcs() {
             self.data_page_count.checked_mul(PAGE_CRC_LEN as u64)?
         } else {
             0
         };
-        regions.checked_add(extents)?.checked_add(crcs)
+        self.index_len()?.checked_add(crcs)
     }
 
     /// Bytes of page data.

@@ -9,12 +9,13 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use super::bits::Bitmap;
 use super::format::{
     computed_header_crc, decode_region, stored_header_crc, Extent, ExtentKind, Header, SnapshotId,
-    DATA_ALIGN, EXTENT_ENTRY_LEN, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS, MAGIC, PAGE_CRC_LEN,
-    REGION_ENTRY_LEN,
+    DATA_ALIGN, EXTENT_ENTRY_LEN, FLAG_PAGE_CRCS_CHECKED_ON_LOAD, FORMAT_VERSION, HEADER_LEN,
+    KNOWN_FLAGS, MAGIC, PAGE_CRC_LEN, REGION_ENTRY_LEN,
 };
 use super::layout::RamLayout;
 use super::writer::SnapshotInfo;
@@ -39,11 +40,89 @@ pub struct MemoryFile {
     extent_linear: Vec<u64>,
     /// Index into the page CRCs of each extent's first page (data extents).
     extent_crc_index: Vec<u64>,
-    /// The file's metadata as read (region table, extent index, page CRCs): the page
-    /// CRCs are used in place, words `crc_start..crc_start + crc_count`.
+    /// The file's metadata as read: region table and extent index, and in files whose
+    /// index CRC covers it, the page CRC table.
     metadata: Metadata,
-    crc_start: usize,
-    crc_count: usize,
+    page_crcs: PageCrcs,
+}
+
+/// Where a memory file's page CRCs are.
+#[derive(Debug)]
+enum PageCrcs {
+    /// The file has none.
+    Absent,
+    /// In the metadata, words `start..start + count`: files whose index CRC covers the
+    /// table, which is therefore read and checked whole when the file is opened.
+    InMetadata { start: usize, count: usize },
+    /// Read from the file a block at a time when first needed
+    /// (`FLAG_PAGE_CRCS_CHECKED_ON_LOAD`).
+    OnLoad(LazyCrcTable),
+}
+
+/// Page CRCs per block read on demand: 16 KiB, covering 64 MiB of 4 KiB pages.
+const CRC_BLOCK_ENTRIES: u64 = 4096;
+
+/// A page CRC table read a block at a time, by whichever thread (loader, fault handler,
+/// eager restore) first needs an entry of the block. The entries are checked together
+/// with their pages: a damaged entry fails its page's load like damaged data does.
+struct LazyCrcTable {
+    /// File offset of entry 0.
+    offset: u64,
+    count: u64,
+    blocks: Box<[OnceLock<Box<[u32]>>]>,
+}
+
+impl LazyCrcTable {
+    fn new(offset: u64, count: u64) -> LazyCrcTable {
+        LazyCrcTable {
+            offset,
+            count,
+            blocks: (0..count.div_ceil(CRC_BLOCK_ENTRIES))
+                .map(|_| OnceLock::new())
+                .collect(),
+        }
+    }
+
+    /// Entry `index`, reading its block from `file` if no thread has yet.
+    fn get(&self, file: &File, path: &Path, index: u64) -> Result<Option<u32>> {
+        if index >= self.count {
+            return Ok(None);
+        }
+        let (block, within) = (
+            index / CRC_BLOCK_ENTRIES,
+            (index % CRC_BLOCK_ENTRIES) as usize,
+        );
+        let slot = &self.blocks[block as usize];
+        if let Some(entries) = slot.get() {
+            return Ok(Some(entries[within]));
+        }
+        let first = block * CRC_BLOCK_ENTRIES;
+        let len = CRC_BLOCK_ENTRIES.min(self.count - first) as usize;
+        let mut bytes = vec![0u8; len * PAGE_CRC_LEN];
+        file.read_exact_at(&mut bytes, self.offset + first * PAGE_CRC_LEN as u64)
+            .map_err(|e| SnapshotError::io("read page CRCs of", path, e))?;
+        let entries: Box<[u32]> = bytes
+            .chunks_exact(PAGE_CRC_LEN)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let stored = entries[within];
+        // Another thread may have read the same block meanwhile; either copy will do.
+        let _ = slot.set(entries);
+        Ok(Some(stored))
+    }
+}
+
+impl std::fmt::Debug for LazyCrcTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyCrcTable")
+            .field("offset", &self.offset)
+            .field("count", &self.count)
+            .field(
+                "blocks_read",
+                &self.blocks.iter().filter(|b| b.get().is_some()).count(),
+            )
+            .finish()
+    }
 }
 
 impl MemoryFile {
@@ -66,8 +145,15 @@ impl MemoryFile {
         check_header(&path, &header, file_len)?;
 
         let metadata_len = header.metadata_len().unwrap_or(u64::MAX);
+        let index_len = header.index_len().unwrap_or(u64::MAX);
+        // Newer files leave the page CRC table out of the index CRC and out of this read.
+        let read_len = if header.page_crcs_checked_on_load() {
+            index_len
+        } else {
+            metadata_len
+        };
         // check_header made sure the metadata fits in the file, so this is bounded.
-        let mut metadata = Metadata::new(metadata_len as usize);
+        let mut metadata = Metadata::new(read_len as usize);
         file.read_exact_at(metadata.bytes_mut(), HEADER_LEN as u64)
             .map_err(|e| SnapshotError::io("read index of", &path, e))?;
         let computed = crc32fast::hash(metadata.bytes());
@@ -83,11 +169,21 @@ impl MemoryFile {
         let extent_bytes = header.extent_count as usize * EXTENT_ENTRY_LEN;
         let extents = parse_extents(&path, &rest[..extent_bytes])?;
         // The CRC table follows the 24-byte region and extent entries, so it starts on a
-        // 4-byte boundary of the (4-byte aligned) metadata.
-        let crc_offset = metadata_len as usize - rest.len() + extent_bytes;
-        debug_assert_eq!(crc_offset % PAGE_CRC_LEN, 0);
-        let crc_start = crc_offset / PAGE_CRC_LEN;
-        let crc_count = (metadata_len as usize - crc_offset) / PAGE_CRC_LEN;
+        // 4-byte boundary.
+        debug_assert_eq!(index_len as usize % PAGE_CRC_LEN, 0);
+        let page_crcs = if !header.has_page_crcs() {
+            PageCrcs::Absent
+        } else if header.page_crcs_checked_on_load() {
+            PageCrcs::OnLoad(LazyCrcTable::new(
+                HEADER_LEN as u64 + index_len,
+                header.data_page_count,
+            ))
+        } else {
+            PageCrcs::InMetadata {
+                start: index_len as usize / PAGE_CRC_LEN,
+                count: header.data_page_count as usize,
+            }
+        };
         let (extent_linear, extent_crc_index) = check_extents(&path, &header, &layout, &extents)?;
 
         let data_end = header.data_offset + header.data_len().unwrap_or(u64::MAX);
@@ -112,8 +208,7 @@ impl MemoryFile {
             extent_linear,
             extent_crc_index,
             metadata,
-            crc_start,
-            crc_count,
+            page_crcs,
         })
     }
 
@@ -221,13 +316,23 @@ impl MemoryFile {
             .map_err(|e| SnapshotError::io("read page data from", &self.path, e))
     }
 
+    /// CRC number `crc_index` as stored; `None` without CRCs.
+    fn stored_page_crc(&self, crc_index: u64) -> Result<Option<u32>> {
+        match &self.page_crcs {
+            PageCrcs::Absent => Ok(None),
+            PageCrcs::InMetadata { start, count } => Ok(self.metadata.words()
+                [*start..*start + *count]
+                .get(crc_index as usize)
+                .map(|&word| u32::from_le(word))),
+            PageCrcs::OnLoad(table) => table.get(&self.file, &self.path, crc_index),
+        }
+    }
+
     /// Checks one page against CRC number `crc_index` (no-op without CRCs).
     pub(crate) fn check_page(&self, crc_index: u64, linear: u64, page: &[u8]) -> Result<()> {
-        let crcs = &self.metadata.words()[self.crc_start..self.crc_start + self.crc_count];
-        let Some(&stored) = crcs.get(crc_index as usize) else {
+        let Some(stored) = self.stored_page_crc(crc_index)? else {
             return Ok(());
         };
-        let stored = u32::from_le(stored);
         let computed = crc32fast::hash(page);
         if computed != stored {
             return Err(SnapshotError::DataCrcMismatch {
@@ -248,11 +353,12 @@ const METADATA_MAP_MIN: usize = 1 << 20;
 #[cfg(test)]
 const METADATA_MAP_MIN: usize = 4096;
 
-/// A memory file's metadata, read once into 4-byte aligned memory and kept (the page
-/// CRCs are looked up in place rather than copied out). Large ones (an 8 GiB guest has
-/// 8 MiB of page CRCs) live in an anonymous mapping with transparent huge pages
-/// requested: a handful of huge-page faults instead of one fault per 4 KiB page, which
-/// is what reading them costs most on hosts with shadow paging.
+/// A memory file's metadata, read once into 4-byte aligned memory and kept (page CRCs
+/// read with it are looked up in place rather than copied out). Large ones (a file
+/// without `FLAG_PAGE_CRCS_CHECKED_ON_LOAD` of an 8 GiB guest carries 8 MiB of page
+/// CRCs here) live in an anonymous mapping with transparent huge pages requested: a
+/// handful of huge-page faults instead of one fault per 4 KiB page, which is what
+/// reading them costs most on hosts with shadow paging.
 enum Metadata {
     Heap { words: Vec<u32>, len: usize },
     Mapped(AnonMap),
@@ -371,6 +477,9 @@ fn check_header(path: &Path, h: &Header, file_len: u64) -> Result<()> {
     }
     if h.flags & !KNOWN_FLAGS != 0 {
         return invalid(format!("unknown flags {:#x}", h.flags & !KNOWN_FLAGS));
+    }
+    if h.flags & FLAG_PAGE_CRCS_CHECKED_ON_LOAD != 0 && !h.has_page_crcs() {
+        return invalid("page CRCs checked on load, but the file has none".into());
     }
     if h.region_count == 0 || h.region_count > MAX_REGIONS {
         return invalid(format!("{} RAM regions", h.region_count));

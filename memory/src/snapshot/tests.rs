@@ -6,7 +6,9 @@ use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
-use super::format::{align_up, ExtentKind, HEADER_LEN};
+use super::format::{
+    align_up, ExtentKind, Header, FLAG_PAGE_CRCS, FLAG_PAGE_CRCS_CHECKED_ON_LOAD, HEADER_LEN,
+};
 use super::test_util::*;
 use super::*;
 use crate::{Backing, GuestRam};
@@ -545,6 +547,122 @@ fn every_kind_of_damage_is_detected_with_its_own_error() {
     let err = restore_eager(&chain, &mappings(&fresh), &EagerOptions::default()).unwrap_err();
     assert!(
         matches!(err, SnapshotError::DataCrcMismatch { .. }),
+        "{err}"
+    );
+}
+
+/// The decoded header of the memory file at `path`.
+fn header_of(path: &Path) -> Header {
+    let mut bytes = [0u8; HEADER_LEN];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut bytes, 0)
+        .unwrap();
+    Header::decode(&bytes)
+}
+
+/// File offset of page CRC number `index` in the memory file at `path`.
+fn page_crc_offset(path: &Path, index: u64) -> u64 {
+    let header = header_of(path);
+    assert!(header.has_page_crcs());
+    HEADER_LEN as u64 + header.index_len().unwrap() + index * 4
+}
+
+/// Rewrites `path` as files were written before `FLAG_PAGE_CRCS_CHECKED_ON_LOAD`: the
+/// index CRC covers the page CRC table too.
+fn rewrite_with_page_crcs_in_the_index_crc(path: &Path) {
+    let mut header = header_of(path);
+    header.flags &= !FLAG_PAGE_CRCS_CHECKED_ON_LOAD;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut metadata = vec![0u8; header.metadata_len().unwrap() as usize];
+    file.read_exact_at(&mut metadata, HEADER_LEN as u64)
+        .unwrap();
+    header.index_crc = crc32fast::hash(&metadata);
+    file.write_all_at(&header.encode(), 0).unwrap();
+}
+
+#[test]
+fn page_crcs_are_read_and_checked_with_their_pages() {
+    let dir = TempDir::new("lazycrc");
+    let (good, layout, _) = small_snapshot(&dir);
+    let header = header_of(&good);
+    assert!(header.page_crcs_checked_on_load(), "{header:?}");
+    assert!(header.data_page_count > 3, "{header:?}");
+
+    // A damaged entry is not noticed when the file opens (the table is not read then),
+    // but fails the load of its page, named by guest address, like damaged data.
+    let damaged = dir.path().join("damaged-crc");
+    std::fs::copy(&good, &damaged).unwrap();
+    flip_byte(&damaged, page_crc_offset(&damaged, 3) + 1);
+    let file = MemoryFile::open(&damaged).unwrap();
+    let err = file.verify_data().unwrap_err();
+    assert!(
+        matches!(err, SnapshotError::DataCrcMismatch { .. }),
+        "{err}"
+    );
+    let chain = SnapshotChain::open(&[&damaged], &layout).unwrap();
+    let fresh = guest_ram(layout.regions(), Backing::Memfd);
+    let err = restore_eager(&chain, &mappings(&fresh), &EagerOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, SnapshotError::DataCrcMismatch { .. }),
+        "{err}"
+    );
+
+    // A file cut inside the table after it was opened (data and table gone) fails with
+    // a read error, not a panic or a pass.
+    let cut = dir.path().join("cut-crc");
+    std::fs::copy(&good, &cut).unwrap();
+    let file = MemoryFile::open(&cut).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&cut)
+        .unwrap()
+        .set_len(page_crc_offset(&cut, 1))
+        .unwrap();
+    let err = file.verify_data().unwrap_err();
+    assert!(matches!(err, SnapshotError::Io { .. }), "{err}");
+
+    // The flag means nothing without a table: refused.
+    let bare = dir.path().join("flag-without-crcs");
+    std::fs::copy(&good, &bare).unwrap();
+    let mut header = header_of(&bare);
+    header.flags &= !FLAG_PAGE_CRCS;
+    OpenOptions::new()
+        .write(true)
+        .open(&bare)
+        .unwrap()
+        .write_all_at(&header.encode(), 0)
+        .unwrap();
+    let err = MemoryFile::open(&bare).unwrap_err();
+    assert!(matches!(err, SnapshotError::InvalidHeader { .. }), "{err}");
+}
+
+#[test]
+fn files_whose_index_crc_covers_the_page_crcs_still_restore() {
+    let dir = TempDir::new("oldcrc");
+    let regions = two_regions(MIB, MIB, MIB);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let expected = fill_ram(&ram, &mut Rng::new(9), mixed);
+    let path = dir.path().join("mem");
+    write_full(&path, &mappings(&ram), &WriteOptions::default()).unwrap();
+    rewrite_with_page_crcs_in_the_index_crc(&path);
+    assert!(!header_of(&path).page_crcs_checked_on_load());
+
+    let file = MemoryFile::open(&path).unwrap();
+    file.verify_data().unwrap();
+    let chain = SnapshotChain::open(&[&path], &layout_of(&ram)).unwrap();
+    let fresh = restore_into_fresh(&chain, &regions, Backing::Memfd);
+    assert_ram_eq(&fresh, &expected);
+
+    // There the table is checked whole when the file opens.
+    flip_byte(&path, page_crc_offset(&path, 2));
+    let err = MemoryFile::open(&path).unwrap_err();
+    assert!(
+        matches!(err, SnapshotError::IndexCrcMismatch { .. }),
         "{err}"
     );
 }

@@ -10,7 +10,7 @@ use log::debug;
 use super::atomic::write_atomically;
 use super::format::{
     align_up, encode_region, Extent, ExtentKind, Header, SnapshotId, DATA_ALIGN, FLAG_DIFF,
-    FLAG_PAGE_CRCS, FORMAT_VERSION, HEADER_LEN,
+    FLAG_PAGE_CRCS, FLAG_PAGE_CRCS_CHECKED_ON_LOAD, FORMAT_VERSION, HEADER_LEN,
 };
 use super::layout::RamMappings;
 use super::scan::{check_dirty_bitmaps, scan, ScanResult, Selection};
@@ -231,6 +231,9 @@ fn build_metadata(
         }
         e.encode(&mut index);
     }
+    // The index CRC covers the region table and extent index only: each page CRC is
+    // checked with its page on load (FLAG_PAGE_CRCS_CHECKED_ON_LOAD).
+    let index_crc = crc32fast::hash(&index);
     if page_crcs {
         for crc in &scanned.page_crcs {
             index.extend_from_slice(&crc.to_le_bytes());
@@ -242,7 +245,7 @@ fn build_metadata(
         flags |= FLAG_DIFF;
     }
     if page_crcs {
-        flags |= FLAG_PAGE_CRCS;
+        flags |= FLAG_PAGE_CRCS | FLAG_PAGE_CRCS_CHECKED_ON_LOAD;
     }
     let header = Header {
         version: FORMAT_VERSION,
@@ -257,7 +260,7 @@ fn build_metadata(
         extent_count: extents.len() as u64,
         data_page_count: data_pages,
         data_offset,
-        index_crc: crc32fast::hash(&index),
+        index_crc,
     };
     let mut bytes = Vec::with_capacity(data_offset as usize);
     bytes.extend_from_slice(&header.encode());
