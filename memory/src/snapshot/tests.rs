@@ -542,13 +542,18 @@ fn every_kind_of_damage_is_detected_with_its_own_error() {
     let damaged = dir.path().join("damaged");
     std::fs::copy(&good, &damaged).unwrap();
     flip_byte(&damaged, data_offset + 5 * PAGE);
-    let chain = SnapshotChain::open(&[&damaged], &layout).unwrap();
-    let fresh = guest_ram(layout.regions(), Backing::Memfd);
-    let err = restore_eager(&chain, &mappings(&fresh), &EagerOptions::default()).unwrap_err();
+    let err = eager_restore_error(&damaged, &layout);
     assert!(
         matches!(err, SnapshotError::DataCrcMismatch { .. }),
         "{err}"
     );
+}
+
+/// The error of an eager restore of the (single-file) snapshot at `path` into fresh RAM.
+fn eager_restore_error(path: &Path, layout: &RamLayout) -> SnapshotError {
+    let chain = SnapshotChain::open(&[path], layout).unwrap();
+    let fresh = guest_ram(layout.regions(), Backing::Memfd);
+    restore_eager(&chain, &mappings(&fresh), &EagerOptions::default()).unwrap_err()
 }
 
 /// The decoded header of the memory file at `path`.
@@ -604,9 +609,7 @@ fn page_crcs_are_read_and_checked_with_their_pages() {
         matches!(err, SnapshotError::DataCrcMismatch { .. }),
         "{err}"
     );
-    let chain = SnapshotChain::open(&[&damaged], &layout).unwrap();
-    let fresh = guest_ram(layout.regions(), Backing::Memfd);
-    let err = restore_eager(&chain, &mappings(&fresh), &EagerOptions::default()).unwrap_err();
+    let err = eager_restore_error(&damaged, &layout);
     assert!(
         matches!(err, SnapshotError::DataCrcMismatch { .. }),
         "{err}"
