@@ -116,14 +116,7 @@ pub fn run_gpuvm_with_env(
             break;
         }
         if Instant::now() > deadline {
-            process.signal(libc::SIGKILL);
-            let _ = process.child.wait();
-            std::thread::sleep(Duration::from_millis(50));
-            panic!(
-                "gpuvm {args:?} did not finish within {limit:?}\n--- stdout\n{}\n--- stderr\n{}",
-                process.stdout(),
-                process.stderr()
-            );
+            process.kill_and_panic(&format!("gpuvm {args:?} did not finish within {limit:?}"));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -411,16 +404,22 @@ impl SpawnedProcess {
             std::thread::sleep(Duration::from_millis(5));
         }
         if self.try_status().is_none() {
-            self.signal(libc::SIGKILL);
-            let _ = self.child.wait();
-            std::thread::sleep(Duration::from_millis(50));
-            panic!(
-                "process did not end within {limit:?}\n--- stdout\n{}\n--- stderr\n{}",
-                self.stdout(),
-                self.stderr()
-            );
+            self.kill_and_panic(&format!("process did not end within {limit:?}"));
         }
         self.wait_timeout(Duration::ZERO).expect("ended")
+    }
+
+    /// Kills the process and panics with `why` and everything it wrote.
+    fn kill_and_panic(&mut self, why: &str) -> ! {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+        // Let the readers take what the pipes still hold.
+        std::thread::sleep(Duration::from_millis(50));
+        panic!(
+            "{why}\n--- stdout\n{}\n--- stderr\n{}",
+            self.stdout(),
+            self.stderr()
+        );
     }
 }
 

@@ -13,9 +13,9 @@ use std::sync::OnceLock;
 
 use super::bits::Bitmap;
 use super::format::{
-    computed_header_crc, decode_region, stored_header_crc, Extent, ExtentKind, Header, SnapshotId,
-    DATA_ALIGN, EXTENT_ENTRY_LEN, FLAG_PAGE_CRCS_CHECKED_ON_LOAD, FORMAT_VERSION, HEADER_LEN,
-    KNOWN_FLAGS, MAGIC, PAGE_CRC_LEN, REGION_ENTRY_LEN,
+    computed_header_crc, decode_region, get_u32, stored_header_crc, Extent, ExtentKind, Header,
+    SnapshotId, DATA_ALIGN, EXTENT_ENTRY_LEN, FLAG_PAGE_CRCS_CHECKED_ON_LOAD, FORMAT_VERSION,
+    HEADER_LEN, KNOWN_FLAGS, MAGIC, PAGE_CRC_LEN, REGION_ENTRY_LEN,
 };
 use super::layout::RamLayout;
 use super::writer::SnapshotInfo;
@@ -103,7 +103,7 @@ impl LazyCrcTable {
             .map_err(|e| SnapshotError::io("read page CRCs of", path, e))?;
         let entries: Box<[u32]> = bytes
             .chunks_exact(PAGE_CRC_LEN)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .map(|entry| get_u32(entry, 0))
             .collect();
         let stored = entries[within];
         // Another thread may have read the same block meanwhile; either copy will do.
@@ -442,7 +442,7 @@ fn read_header_bytes(file: &File, path: &Path, file_len: u64) -> Result<[u8; HEA
             actual: file_len,
         });
     }
-    let version = super::format::get_u32(&bytes, 8);
+    let version = get_u32(&bytes, 8);
     if version != FORMAT_VERSION {
         return Err(SnapshotError::UnsupportedVersion {
             path: path.into(),
