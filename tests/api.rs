@@ -805,7 +805,11 @@ fn config_file_starts_at_once() {
         .output()
         .expect("run gpuvm");
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        output.status.code(),
+        Some(gpuvm_vmm::exit_status::GPUVM_ERROR.into()),
+        "{stderr}"
+    );
     assert!(
         stderr.contains("smt") && !stderr.contains("panicked"),
         "{stderr}"
@@ -847,7 +851,11 @@ fn jail_chroots_and_drops_privileges() {
             .output()
             .expect("run gpuvm");
         let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert_eq!(
+            output.status.code(),
+            Some(gpuvm_vmm::exit_status::GPUVM_ERROR.into()),
+            "{stderr}"
+        );
         assert!(stderr.contains("cannot"), "{stderr}");
         return;
     }

@@ -113,7 +113,11 @@ fn no_access_to_dev_kvm() {
 
 fn check_kvm_denied(output: &std::process::Output) {
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        output.status.code(),
+        Some(gpuvm_vmm::exit_status::GPUVM_ERROR.into()),
+        "{stderr}"
+    );
     assert!(stderr.contains("/dev/kvm"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }

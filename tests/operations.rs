@@ -12,6 +12,7 @@ use gpuvm_tests::{
 
 const LIMIT: Duration = Duration::from_secs(120);
 const VIOLATION_EXIT: i32 = 148;
+const GPUVM_ERROR_EXIT: i32 = gpuvm_vmm::exit_status::GPUVM_ERROR as i32;
 const HANDLER: &str = env!("CARGO_BIN_EXE_gpuvm-test-uffd-handler");
 const EMU_GPU: &str = env!("CARGO_BIN_EXE_gpuvm-emu-gpu");
 
@@ -282,7 +283,7 @@ fn no_seccomp_leaves_threads_unfiltered_and_the_old_flag_is_accepted() {
     out.assert_code(0);
     run_gpuvm(&["run", "--seccomp"], LIMIT).assert_code(0);
     let out = run_gpuvm(&["run", "--seccomp", "--no-seccomp"], LIMIT);
-    assert_eq!(out.code(), Some(2), "{}", describe(&out));
+    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", describe(&out));
 }
 
 /// `GPUVM_TEST_SECCOMP_VIOLATION=KIND`: a thread of that kind makes a forbidden call;
@@ -496,7 +497,7 @@ fn json_logs_are_one_object_per_line() {
     out.assert_code(0);
     assert_eq!(out.stderr, "");
     let out = run_gpuvm(&["--log-format", "yaml", "run"], LIMIT);
-    assert_eq!(out.code(), Some(2), "{}", describe(&out));
+    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", describe(&out));
 }
 
 /// The jail and the filters together: the threads that exist before the uid drop (API,

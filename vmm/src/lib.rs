@@ -32,6 +32,22 @@ pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGu
 
 pub use machine::{GuestEnd, Machine, MemoryReport};
 
+/// The exit statuses gpuvm chooses itself. Any other status is the guest's own (what it
+/// wrote to the exit port), passed through unchanged; a guest may write any byte, so
+/// these are values the test guest never uses and the usual runners give the same
+/// meaning to (see the README's "Exit status").
+pub mod exit_status {
+    /// gpuvm itself failed (bad arguments or input, a host limit, a refused request),
+    /// with a one-line `gpuvm: error: ...`: 125, as `docker run`, `env`, `timeout` and
+    /// `chroot` report that the runner failed rather than what it ran.
+    pub const GPUVM_ERROR: u8 = 125;
+    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN): it crashed beyond recovery, e.g.
+    /// restored from a damaged state. Below 125 so that `timeout`'s 124 stays its own.
+    pub const TRIPLE_FAULT: u8 = 123;
+    /// A seccomp filter blocked a system call (Firecracker's status for the same).
+    pub const SECCOMP_VIOLATION: u8 = crate::seccomp::VIOLATION_EXIT_CODE as u8;
+}
+
 /// Everything that can go wrong building or running a VM, each with enough context to
 /// be the one line the user reads.
 #[derive(Debug, thiserror::Error)]

@@ -52,8 +52,10 @@ pub struct MachineDevices {
 pub enum GuestEnd {
     /// The guest wrote a status to the exit port.
     ExitStatus(u32),
-    /// The guest reset the machine (i8042 reset, reset system event, or triple fault).
+    /// The guest reset the machine (i8042 reset or reset system event).
     Reset,
+    /// The guest triple-faulted: a crash, not a reset (gpuvm does not reboot anyway).
+    TripleFault,
     /// The guest powered off.
     PowerOff,
     /// A snapshot was taken and the run was asked to end there.
@@ -65,6 +67,7 @@ impl GuestEnd {
     pub fn exit_code(&self) -> i32 {
         match self {
             GuestEnd::ExitStatus(status) => (*status & 0xff) as i32,
+            GuestEnd::TripleFault => i32::from(crate::exit_status::TRIPLE_FAULT),
             GuestEnd::Reset | GuestEnd::PowerOff | GuestEnd::Snapshotted => 0,
         }
     }
@@ -814,6 +817,13 @@ impl MutEventSubscriber for ControlEvents {
                 log::debug!("vCPU {id} stopped: {stop:?}");
                 self.finish(match stop {
                     VcpuStop::Reset => Ok(GuestEnd::Reset),
+                    VcpuStop::TripleFault => {
+                        log::error!(
+                            "vCPU {id}: the guest triple-faulted; the run ends with status {}",
+                            crate::exit_status::TRIPLE_FAULT
+                        );
+                        Ok(GuestEnd::TripleFault)
+                    }
                     VcpuStop::PowerOff => Ok(GuestEnd::PowerOff),
                     VcpuStop::Error(error) => Err(Error::Vcpu(error)),
                 });

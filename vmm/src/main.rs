@@ -428,7 +428,11 @@ fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     } else {
         match controller.wait_for_start() {
             Some(Started { machine, paused }) => (machine, paused),
-            None => return Ok(ExitCode::from(1)),
+            None => {
+                return Err(CliError::Other(
+                    "the API server stopped before the VM started".into(),
+                ))
+            }
         }
     };
     if args.jail.chroot.is_some() {
@@ -489,7 +493,12 @@ mod api_config {
         mut config: VmConfig,
         pci: &mut PciOptions,
     ) -> Result<VmConfig, CliError> {
-        let text = std::fs::read_to_string(path).map_err(|e| invalid(path, e))?;
+        // A configuration is a few KiB of JSON: a FIFO, a device or a huge file is refused
+        // before it is read (the read is bounded too).
+        const MAX_CONFIG_FILE: u64 = 1 << 20;
+        let bytes = gpuvm_memory::snapshot::read_regular_file(path, MAX_CONFIG_FILE)
+            .map_err(|e| invalid(path, e))?;
+        let text = String::from_utf8(bytes).map_err(|e| invalid(path, e))?;
         let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(path, e))?;
         let mut ids = std::collections::HashSet::new();
         for gpu in &file.gpus {
@@ -664,14 +673,14 @@ fn finish(
 fn signal_snapshot(pid: i32) -> ExitCode {
     if pid <= 0 {
         eprintln!("gpuvm: error: invalid process id {pid}");
-        return ExitCode::from(1);
+        return gpuvm_error();
     }
     // SAFETY: kill(2) with a positive pid and a valid signal has no memory effects.
     let result = unsafe { libc::kill(pid, libc::SIGUSR1) };
     if result != 0 {
         let error = std::io::Error::last_os_error();
         eprintln!("gpuvm: error: cannot signal process {pid}: {error}");
-        return ExitCode::from(1);
+        return gpuvm_error();
     }
     ExitCode::SUCCESS
 }
@@ -795,11 +804,11 @@ fn ctl_send(socket: &std::path::Path, method: &str, path: &str, body: Option<&st
         }
         Ok(response) => {
             eprintln!("gpuvm: error: {} ({})", response.message(), response.status);
-            ExitCode::from(1)
+            gpuvm_error()
         }
         Err(error) => {
             eprintln!("gpuvm: error: {error}");
-            ExitCode::from(1)
+            gpuvm_error()
         }
     }
 }
@@ -861,17 +870,29 @@ fn write_guest_image(output: &std::path::Path) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("gpuvm: error: cannot write {}: {error}", output.display());
-            ExitCode::from(1)
+            gpuvm_error()
         }
     }
 }
 
 fn main() -> ExitCode {
     let process_start = Instant::now();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // Help and version go to stdout and are no error; clap's own status for bad
+            // arguments (2) could be a guest's.
+            let _ = error.print();
+            return if error.use_stderr() {
+                gpuvm_error()
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     if let Err(error) = gpuvm_vmm::logging::init(cli.log_format, cli.log_level) {
         eprintln!("gpuvm: error: cannot set up logging: {error}");
-        return ExitCode::from(1);
+        return gpuvm_error();
     }
     let result = match cli.command {
         Command::Run(args) => run(args, process_start),
@@ -885,9 +906,14 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(error) => {
             eprintln!("gpuvm: error: {error}");
-            ExitCode::from(1)
+            gpuvm_error()
         }
     }
+}
+
+/// The status of every `gpuvm: error: ...`: distinct from what a guest may report.
+fn gpuvm_error() -> ExitCode {
+    ExitCode::from(gpuvm_vmm::exit_status::GPUVM_ERROR)
 }
 
 #[cfg(test)]

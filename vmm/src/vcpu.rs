@@ -75,8 +75,10 @@ pub enum VcpuError {
 /// Why a vCPU stopped running the guest on its own.
 #[derive(Debug)]
 pub enum VcpuStop {
-    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN) or asked for a reset.
+    /// The guest asked for a reset.
     Reset,
+    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN).
+    TripleFault,
     /// The guest asked to power off.
     PowerOff,
     Error(VcpuError),
@@ -345,10 +347,7 @@ impl Vcpu {
                     data.fill(0xff);
                 }
             }
-            Ok(VcpuExit::Shutdown) => {
-                log::warn!("vCPU {id}: guest triple-faulted; treating it as a reset");
-                return Ok(Some(VcpuStop::Reset));
-            }
+            Ok(VcpuExit::Shutdown) => return Ok(Some(VcpuStop::TripleFault)),
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 return Ok(Some(match kind {
                     KVM_SYSTEM_EVENT_RESET => VcpuStop::Reset,
