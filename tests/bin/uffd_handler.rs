@@ -1,6 +1,6 @@
 //! `gpuvm-test-uffd-handler`: an external page-fault handler for gpuvm's snapshot tests.
 //!
-//! Usage: `gpuvm-test-uffd-handler --socket PATH --snapshot DIR [--die-after-faults N]`
+//! Usage: `gpuvm-test-uffd-handler --socket PATH --snapshot DIR [--die-after-faults N | --stall]`
 //!
 //! Listens on the Unix socket PATH, accepts one `gpuvm restore --restore-mode external`
 //! connection (Firecracker's handshake: region list plus the userfaultfd), serves its
@@ -14,6 +14,10 @@
 //! after the last data page (holes are served too), and once N faults have been
 //! served the handler prints `uffd-handler: dying after N faults` and exits with status 3
 //! at once, in the middle of the restore.
+//!
+//! `--stall` is for testing gpuvm with a handler that hangs: it accepts the connection,
+//! prints `uffd-handler: stalling`, and never serves a fault, holding the userfaultfd and
+//! the connection until gpuvm hangs up (gpuvm's vCPUs wait on their first fault forever).
 
 use std::io::Read;
 use std::os::unix::io::AsRawFd;
@@ -50,14 +54,22 @@ struct Args {
     socket: PathBuf,
     snapshot: PathBuf,
     die_after_faults: Option<u64>,
+    stall: bool,
 }
+
+const USAGE: &str = "--socket PATH --snapshot DIR [--die-after-faults N | --stall]";
 
 fn parse_args() -> Result<Args, String> {
     let mut socket = None;
     let mut snapshot = None;
     let mut die_after_faults = None;
+    let mut stall = false;
     let mut args = std::env::args_os().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--stall" {
+            stall = true;
+            continue;
+        }
         let value = args.next().map(PathBuf::from);
         match (flag.to_str(), value) {
             (Some("--socket"), Some(v)) => socket = Some(v),
@@ -69,19 +81,18 @@ fn parse_args() -> Result<Args, String> {
                     .ok_or("--die-after-faults takes a number")?;
                 die_after_faults = Some(n);
             }
-            _ => {
-                return Err(format!(
-                    "usage: {} --socket PATH --snapshot DIR [--die-after-faults N]",
-                    env!("CARGO_BIN_NAME")
-                ))
-            }
+            _ => return Err(format!("usage: {} {USAGE}", env!("CARGO_BIN_NAME"))),
         }
+    }
+    if stall && die_after_faults.is_some() {
+        return Err("--stall and --die-after-faults exclude each other".into());
     }
     match (socket, snapshot) {
         (Some(socket), Some(snapshot)) => Ok(Args {
             socket,
             snapshot,
             die_after_faults,
+            stall,
         }),
         _ => Err("both --socket and --snapshot are required".into()),
     }
@@ -100,6 +111,7 @@ fn run() -> Result<(), String> {
         socket,
         snapshot: dir,
         die_after_faults,
+        stall,
     } = parse_args()?;
     // Validate the snapshot before anyone connects: a bad one is our failure, not gpuvm's.
     let chain = Arc::new(open_chain(&dir)?);
@@ -113,6 +125,13 @@ fn run() -> Result<(), String> {
         "uffd-handler: gpuvm connected, {} regions",
         handler.regions().len()
     );
+    if stall {
+        println!("uffd-handler: stalling");
+        // Hold the userfaultfd and the connection; read no fault.
+        let (connection, _uffd, _regions) = handler.into_parts();
+        while !wait_hangup(&connection, Duration::from_secs(1))? {}
+        return Ok(());
+    }
     let options = LazyOptions {
         background: die_after_faults.is_none(),
         // Serve holes too, so that every first touch counts as a fault.
