@@ -35,7 +35,7 @@ pub use atomic::write_atomically;
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};
 pub use layout::{RamLayout, RamMappings};
-pub use reader::{MemoryFile, PlanRun, SnapshotChain};
+pub use reader::{open_regular_file, read_regular_file, MemoryFile, PlanRun, SnapshotChain};
 pub use writer::{write_diff, write_full, SnapshotInfo, WriteOptions, WriteStats};
 
 use crate::RamRegion;
@@ -74,6 +74,13 @@ pub enum SnapshotError {
         path: PathBuf,
         stored: u32,
         computed: u32,
+    },
+    /// The file goes on after the end of its page data, where the format ends it.
+    #[error("{path}: {} bytes after the end of the page data at {data_end:#x} (the file has {actual}): the format ends the file there", actual - data_end)]
+    TrailingData {
+        path: PathBuf,
+        data_end: u64,
+        actual: u64,
     },
     /// The file is shorter than its header and index say.
     #[error("{path}: file is truncated: {needed} bytes needed for {what}, file has {actual}")]

@@ -125,20 +125,86 @@ impl std::fmt::Debug for LazyCrcTable {
     }
 }
 
+/// Opens `path` for reading if it is a regular file of at most `max_len` bytes, and
+/// returns it with its length. Anything else is refused before a byte is read: a FIFO
+/// (opened with `O_NONBLOCK`, so that the open itself cannot wait for a writer), a device
+/// such as /dev/zero (endless), a directory or socket, a file larger than the caller can
+/// hold. Symbolic links are followed; what they lead to is what is checked.
+///
+/// Callers reading the whole file still bound the read (see [`read_regular_file`]): a
+/// regular file can grow after the check, and some (in /proc) say they are empty.
+pub fn open_regular_file(path: &Path, max_len: u64) -> std::io::Result<(File, u64)> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    let metadata = file.metadata()?;
+    let file_type = metadata.file_type();
+    if !file_type.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if file_type.is_fifo() {
+            "a FIFO (named pipe)"
+        } else if file_type.is_char_device() {
+            "a character device"
+        } else if file_type.is_block_device() {
+            "a block device"
+        } else if file_type.is_dir() {
+            "a directory"
+        } else if file_type.is_socket() {
+            "a socket"
+        } else {
+            "a special file"
+        };
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("it is {what}, not a regular file"),
+        ));
+    }
+    let len = metadata.len();
+    if len > max_len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("it is too large: {len} bytes, at most {max_len} expected"),
+        ));
+    }
+    // Regular files ignore O_NONBLOCK; clear it anyway so the descriptor is an ordinary one.
+    // SAFETY: fcntl on a descriptor this function owns; no memory is passed.
+    let cleared = unsafe {
+        let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
+        flags >= 0 && libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) >= 0
+    };
+    if !cleared {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((file, len))
+}
+
+/// Reads the whole of `path`, a regular file of at most `max_len` bytes (see
+/// [`open_regular_file`]); never reads more than `max_len` bytes, even from a file that
+/// grows meanwhile.
+pub fn read_regular_file(path: &Path, max_len: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let (file, len) = open_regular_file(path, max_len)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(max_len.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max_len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("it is too large: it grew past {max_len} bytes while being read"),
+        ));
+    }
+    Ok(bytes)
+}
+
 impl MemoryFile {
-    /// Opens `path` and validates it: magic, version, header CRC, lengths, index CRC and
-    /// index consistency. Page data is not read (see [`MemoryFile::verify_data`]).
+    /// Opens `path` and validates it: file type, magic, version, header CRC, lengths,
+    /// index CRC and index consistency, and that the file ends where its page data does.
+    /// Page data is not read (see [`MemoryFile::verify_data`]).
     pub fn open(path: impl AsRef<Path>) -> Result<MemoryFile> {
         let path = path.as_ref().to_path_buf();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
+        let (file, file_len) = open_regular_file(&path, u64::MAX)
             .map_err(|e| SnapshotError::io("open memory file", &path, e))?;
-        let file_len = file
-            .metadata()
-            .map_err(|e| SnapshotError::io("stat memory file", &path, e))?
-            .len();
 
         let header_bytes = read_header_bytes(&file, &path, file_len)?;
         let header = Header::decode(&header_bytes);
@@ -192,6 +258,15 @@ impl MemoryFile {
                 path,
                 what: "page data",
                 needed: data_end,
+                actual: file_len,
+            });
+        }
+        // The format ends the file with the last data page: anything after it is not
+        // something gpuvm wrote (another file's tail, a concatenation, a bad copy).
+        if data_end < file_len {
+            return Err(SnapshotError::TrailingData {
+                path,
+                data_end,
                 actual: file_len,
             });
         }
@@ -798,4 +873,116 @@ fn build_plan(layers: &[MemoryFile], layout: &RamLayout) -> Vec<PlanRun> {
     }
     plan.sort_unstable_by_key(|r| r.start);
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::snapshot::test_util::{fill_ram, guest_ram, two_regions, PageFill, Rng, TempDir};
+    use crate::snapshot::{write_diff, write_full, RamMappings, WriteOptions};
+    use crate::Backing;
+
+    const MIB: u64 = 1 << 20;
+
+    fn mkfifo(path: &Path) {
+        let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: `name` is a valid NUL-terminated path for the duration of the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+    }
+
+    #[test]
+    fn only_regular_files_within_the_limit_are_opened() {
+        let dir = TempDir::new("regular");
+        let fifo = dir.path().join("fifo");
+        mkfifo(&fifo);
+        let started = Instant::now();
+        let error = open_regular_file(&fifo, u64::MAX).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the open waited"
+        );
+        assert!(error.to_string().contains("FIFO"), "{error}");
+        let error = read_regular_file(Path::new("/dev/zero"), 1 << 20).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("character device, not a regular file"),
+            "{error}"
+        );
+        let error = open_regular_file(dir.path(), u64::MAX).unwrap_err();
+        assert!(error.to_string().contains("directory"), "{error}");
+
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"twelve bytes").unwrap();
+        assert_eq!(read_regular_file(&file, 12).unwrap(), b"twelve bytes");
+        let error = read_regular_file(&file, 11).unwrap_err();
+        assert!(error.to_string().contains("too large: 12 bytes"), "{error}");
+        // A link is followed, and what it leads to is checked.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        assert!(open_regular_file(&link, u64::MAX).is_err());
+
+        let error = MemoryFile::open(&fifo).unwrap_err();
+        assert!(
+            matches!(&error, SnapshotError::Io { path, .. } if *path == fifo),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn bytes_after_the_page_data_are_refused_and_written_files_end_there() {
+        let dir = TempDir::new("trailing");
+        let regions = two_regions(2 * MIB, MIB, MIB);
+        let ram = guest_ram(&regions, Backing::Memfd);
+        let mappings = RamMappings::from_guest_ram(&ram).unwrap();
+        // Sparse memory (holes between written pages), a full file, then a diff.
+        let expected = fill_ram(&ram, &mut Rng::new(9), |linear| {
+            if linear % 7 == 0 {
+                PageFill::Random
+            } else {
+                PageFill::Untouched
+            }
+        });
+        assert!(expected.iter().any(|&b| b != 0));
+        let full = dir.path().join("full");
+        let stats = write_full(&full, &mappings, &WriteOptions::default()).unwrap();
+        let all_dirty: Vec<Vec<u64>> = mappings
+            .layout()
+            .regions()
+            .iter()
+            .map(|r| vec![u64::MAX; (r.size / 4096).div_ceil(64) as usize])
+            .collect();
+        let dirty: Vec<&[u64]> = all_dirty.iter().map(|d| d.as_slice()).collect();
+        let diff = dir.path().join("diff");
+        write_diff(
+            &diff,
+            &mappings,
+            &dirty,
+            &stats.info,
+            &WriteOptions::default(),
+        )
+        .unwrap();
+        for path in [&full, &diff] {
+            MemoryFile::open(path).unwrap();
+            let appended = dir.path().join("appended");
+            std::fs::copy(path, &appended).unwrap();
+            let len = std::fs::metadata(&appended).unwrap().len();
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(&appended)
+                .unwrap()
+                .write_all(b"x")
+                .unwrap();
+            match MemoryFile::open(&appended).unwrap_err() {
+                SnapshotError::TrailingData {
+                    data_end, actual, ..
+                } => assert_eq!((data_end, actual), (len, len + 1)),
+                other => panic!("{other}"),
+            }
+        }
+        SnapshotChain::open(&[&full, &diff], mappings.layout()).unwrap();
+    }
 }
