@@ -24,8 +24,10 @@ use serde::{Deserialize, Serialize};
 pub const STATE_MAGIC: &[u8; 8] = b"GPUVMSTA";
 pub const STATE_FORMAT_VERSION: u32 = 1;
 const HEADER_LEN: usize = 24;
-/// A state file is small (KiBs per vCPU); anything near this is not one of ours.
-const MAX_PAYLOAD: u64 = 256 << 20;
+/// A state file is small (tens of KiB per vCPU); anything near this is not one of ours.
+const MAX_PAYLOAD: u64 = 64 << 20;
+/// The largest state file read: larger ones are refused unread.
+pub const MAX_STATE_FILE: u64 = HEADER_LEN as u64 + MAX_PAYLOAD;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
@@ -284,6 +286,19 @@ pub fn restore_vm(vm: &VmFd, state: &VmState) -> Result<(), PersistError> {
 /// the same helper the memory files use.
 pub fn write_state_file<T: Serialize>(path: &Path, state: &T) -> Result<(), PersistError> {
     let payload = serde_json::to_vec(state).map_err(PersistError::Encode)?;
+    // Never write a file that reading would refuse.
+    if payload.len() as u64 > MAX_PAYLOAD {
+        return Err(PersistError::Write {
+            path: path.display().to_string(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the state is {} bytes, more than the {MAX_PAYLOAD} a state file may hold",
+                    payload.len()
+                ),
+            ),
+        });
+    }
     let mut bytes = Vec::with_capacity(HEADER_LEN + payload.len());
     bytes.extend_from_slice(STATE_MAGIC);
     bytes.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
@@ -300,13 +315,18 @@ pub fn write_state_file<T: Serialize>(path: &Path, state: &T) -> Result<(), Pers
     })
 }
 
-/// Reads and validates a state file: magic, version, length, CRC, then decodes it.
+/// Reads and validates a state file: a regular file of at most [`MAX_STATE_FILE`] bytes
+/// (a FIFO, a device or a huge file is refused before it is read), then magic, version,
+/// length, CRC, and decodes it.
 pub fn read_state_file<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, PersistError> {
     let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| PersistError::Read {
-        path: name.clone(),
-        source,
-    })?;
+    let bytes =
+        gpuvm_memory::snapshot::read_regular_file(path, MAX_STATE_FILE).map_err(|source| {
+            PersistError::Read {
+                path: name.clone(),
+                source,
+            }
+        })?;
     decode_state(&bytes, &name)
 }
 
@@ -418,6 +438,27 @@ mod tests {
                 "byte {at}"
             );
         }
+    }
+
+    #[test]
+    fn only_regular_state_files_of_bounded_size_are_read() {
+        let path = temp("special");
+        let _ = std::fs::remove_file(&path);
+        let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: `name` is a valid NUL-terminated path for the duration of the call.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        let error = read_state_file::<Sample>(&path).unwrap_err();
+        assert!(
+            matches!(&error, PersistError::Read { .. })
+                && error.to_string().contains("not a regular file"),
+            "{error}"
+        );
+        std::fs::remove_file(&path).unwrap();
+        // Larger than any state: refused by its size, unread.
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(MAX_STATE_FILE + 1).unwrap();
+        let error = read_state_file::<Sample>(&path).unwrap_err();
+        assert!(error.to_string().contains("too large"), "{error}");
     }
 
     #[test]

@@ -224,7 +224,7 @@ impl ApiController {
         let kernel = match body.kernel_image_path {
             Some(path) => {
                 absolute_path(&path, "kernel_image_path")?;
-                std::fs::File::open(&path).map_err(|error| {
+                crate::x86_64::boot::open_boot_file(&path).map_err(|error| {
                     ActionError::bad_request(format!(
                         "cannot open kernel image {}: {error}",
                         path.display()
@@ -236,7 +236,7 @@ impl ApiController {
         };
         if let Some(initrd) = &body.initrd_path {
             absolute_path(initrd, "initrd_path")?;
-            std::fs::File::open(initrd).map_err(|error| {
+            crate::x86_64::boot::open_boot_file(initrd).map_err(|error| {
                 ActionError::bad_request(format!(
                     "cannot open initrd {}: {error}",
                     initrd.display()

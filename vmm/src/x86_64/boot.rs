@@ -60,6 +60,8 @@ pub enum BootError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("kernel image {path} ({size} bytes) is larger than guest RAM ({ram} bytes): it cannot be a kernel for this VM; give the VM more memory or check the path")]
+    KernelTooLarge { path: PathBuf, size: u64, ram: u64 },
     #[error("cannot read kernel image {path}: {source}")]
     ReadKernel {
         path: PathBuf,
@@ -100,6 +102,13 @@ pub enum BootError {
     GuestMemory(#[from] vm_memory::GuestMemoryError),
     #[error("kernel entry point {0:#x} lies outside guest memory")]
     EntryOutsideMemory(u64),
+}
+
+/// Opens a kernel image or initrd: a regular file, never a FIFO (whose open would wait for
+/// a writer) or a device (endless); its size comes with it, for checking against guest
+/// RAM before anything is read. The API checks boot files with this too.
+pub fn open_boot_file(path: &Path) -> std::io::Result<(File, u64)> {
+    gpuvm_memory::snapshot::open_regular_file(path, u64::MAX)
 }
 
 /// A kernel image opened for loading, readable the way linux-loader wants.
@@ -200,10 +209,19 @@ pub fn load(
             "the embedded test guest".to_string(),
         ),
         KernelSource::File(path) => {
-            let file = File::open(path).map_err(|source| BootError::OpenKernel {
+            let (file, size) = open_boot_file(path).map_err(|source| BootError::OpenKernel {
                 path: path.clone(),
                 source,
             })?;
+            // The image is loaded into guest RAM, so a larger one cannot be a kernel for it.
+            let ram: u64 = regions.iter().map(|r| r.size).sum();
+            if size > ram {
+                return Err(BootError::KernelTooLarge {
+                    path: path.clone(),
+                    size,
+                    ram,
+                });
+            }
             (Image::File(file), path.display().to_string())
         }
     };
@@ -265,17 +283,10 @@ fn load_initrd(
     kernel_end: u64,
     limit: u64,
 ) -> Result<(u64, u64), BootError> {
-    let mut file = File::open(path).map_err(|source| BootError::OpenInitrd {
+    let (mut file, size) = open_boot_file(path).map_err(|source| BootError::OpenInitrd {
         path: path.to_path_buf(),
         source,
     })?;
-    let size = file
-        .metadata()
-        .map_err(|source| BootError::OpenInitrd {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .len();
     let too_large = || BootError::InitrdTooLarge {
         path: path.to_path_buf(),
         size,
