@@ -1602,6 +1602,7 @@ fn corruptions() -> Vec<Corruption> {
                 let mut state = read_state(dir);
                 state["config"]["memory_size"] = tib.into();
                 state["memory_files"] = serde_json::json!(["memory-1"]);
+                state["memory_file_id"] = "5a".repeat(16).into();
                 write_state(dir, &state);
             }),
         ),

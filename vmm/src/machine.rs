@@ -626,6 +626,7 @@ impl Machine {
             vcpus,
             serial,
             memory_files: files.clone(),
+            memory_file_id: Some(stats.info.id.to_string()),
         };
         persist::write_state_file(&dir.join(snapshot::STATE_FILE), &state)
             .map_err(SnapshotError::from)?;

@@ -44,6 +44,15 @@ pub enum SnapshotError {
     #[error("snapshot {dir}: {reason}")]
     Invalid { dir: PathBuf, reason: String },
     #[error(
+        "memory file {path} belongs to another snapshot: it is memory snapshot {found}, the \
+         state file was written with {expected}"
+    )]
+    ForeignMemoryFile {
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
+    #[error(
         "cannot snapshot a VM with passthrough devices ({}): their state lives in the device \
          and cannot be saved or restored",
         devices.join(", ")
@@ -132,6 +141,12 @@ pub struct MachineState {
     pub serial: SerialState,
     /// Memory files in this directory, base first, then diffs in order.
     pub memory_files: Vec<String>,
+    /// The id (from its header) of the newest of `memory_files`, binding them to this
+    /// state: a restore refuses the chain unless its newest file has this id, and each
+    /// diff names its base by id, so every file is bound. `None` in states written
+    /// before ids were recorded: they load with a warning, their files unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_file_id: Option<String>,
 }
 
 /// Where the memory chain of the running machine stands, for diff snapshots.
@@ -263,12 +278,28 @@ pub struct LoadedState {
 pub struct ChainInputs {
     paths: Vec<PathBuf>,
     layout: RamLayout,
+    /// The newest file's id as the state records it (see [`MachineState::memory_file_id`]).
+    head_id: Option<String>,
 }
 
 impl ChainInputs {
-    /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout).
+    /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout),
+    /// and checks that it is the one the state was written with.
     pub fn validate(&self) -> Result<SnapshotChain, SnapshotError> {
-        Ok(SnapshotChain::open(&self.paths, &self.layout)?)
+        let chain = SnapshotChain::open(&self.paths, &self.layout)?;
+        if let Some(expected) = &self.head_id {
+            let found = chain.head().id.to_string();
+            if found != *expected {
+                return Err(SnapshotError::ForeignMemoryFile {
+                    path: chain.layers()[chain.layers().len() - 1]
+                        .path()
+                        .to_path_buf(),
+                    expected: expected.clone(),
+                    found,
+                });
+            }
+        }
+        Ok(chain)
     }
 }
 
@@ -343,13 +374,25 @@ pub fn load_state(
             "the state names a memory file outside the snapshot directory".into(),
         ));
     }
+    if state.memory_file_id.is_none() {
+        log::warn!(
+            "{}: the state file records no memory-file id (written by an older gpuvm), so its \
+             memory files cannot be checked to be this snapshot's",
+            dir.join(STATE_FILE).display()
+        );
+    }
     let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
     let paths: Vec<PathBuf> = state.memory_files.iter().map(|f| dir.join(f)).collect();
+    let head_id = state.memory_file_id.clone();
     Ok(LoadedState {
         dir: dir.to_path_buf(),
         state,
         config,
-        chain: ChainInputs { paths, layout },
+        chain: ChainInputs {
+            paths,
+            layout,
+            head_id,
+        },
     })
 }
 
