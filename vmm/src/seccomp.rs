@@ -98,6 +98,10 @@ pub enum SeccompError {
     },
     #[error("seccomp filters were already enabled")]
     AlreadyEnabled,
+    #[error("seccomp filters must be enabled before gpuvm starts a thread ({0} threads run)")]
+    NotSingleThreaded(usize),
+    #[error("cannot limit glibc malloc to one arena (mallopt M_ARENA_MAX)")]
+    Allocator,
 }
 
 /// What a thread's filter does with a system call outside its list.
@@ -196,8 +200,16 @@ struct Filters {
 static FILTERS: OnceLock<Filters> = OnceLock::new();
 
 /// Compiles the three filters and installs the SIGSYS handler. Threads then install
-/// their filter with [`apply`]; before this call [`apply`] does nothing.
+/// their filter with [`apply`]; before this call [`apply`] does nothing. Must be called
+/// while the process has one thread (see [`prepare_libraries`]).
 pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        let threads = tasks.count();
+        if threads > 1 {
+            return Err(SeccompError::NotSingleThreaded(threads));
+        }
+    }
+    prepare_libraries()?;
     // In ThreadKind::index order.
     let programs = [
         compile(ThreadKind::Vmm, settings)?,
@@ -213,6 +225,46 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
             violation: settings.violation,
         })
         .map_err(|_| SeccompError::AlreadyEnabled)
+}
+
+/// Keeps library code from making, lazily and on whatever thread gets there first, a
+/// system call that thread's filter refuses (a SIGSYS would end the VM). Runs before any
+/// other thread exists. What was checked, for every kind (api, vmm, vcpu):
+///
+/// - glibc malloc. A thread's first allocation binds it to an arena; once 8 exist, the
+///   next one sizes the limit with `__get_nprocs`, which opens
+///   /sys/devices/system/cpu/online (how 8 held API connections killed gpuvm: connection
+///   threads inherit the api filter before their first allocation). Arenas other than
+///   the main one also open /proc/sys/vm/overcommit_memory the first time one of their
+///   heaps shrinks (`check_may_shrink_heap`), after any large free. `M_ARENA_MAX` = 1
+///   removes both paths: every thread uses the main arena (brk/mmap only; per-thread
+///   tcaches keep most small allocations off its lock), and the limit is never computed.
+///   It must be set before a second thread allocates, hence the single-thread check.
+/// - Thread creation (api and vmm threads start threads): glibc maps the stack and its
+///   guard (`mmap`/`mprotect`, no exec), `clone3`, `set_robust_list`, `rseq`; std names
+///   the thread with `prctl(PR_SET_NAME)` and, for its stack-overflow handler, reads the
+///   new thread's bounds with `pthread_getattr_np` (`sched_getaffinity`; only the main
+///   thread's bounds come from /proc/self/maps, read before `main`) and maps an
+///   alternate signal stack (`sigaltstack`). All in the common list.
+/// - Randomness: std's hash keys and glibc's tcache key use `getrandom` (allowed), so
+///   their /dev/urandom fallbacks never run.
+/// - Locale and messages: gpuvm never calls `setlocale`, so `strerror` (io::Error
+///   display) stays in the C locale and opens no message catalog.
+/// - Time: clocks come from the vDSO or `clock_gettime`; logs are stamped in UTC
+///   (`humantime`), so no time zone file is read.
+/// - Names and DNS: filtered threads use Unix sockets and numeric ids only; NSS is never
+///   reached.
+/// - CPU counts: `available_parallelism` (cgroup files) runs only while building the VM,
+///   on the main thread before its filter.
+/// - `RUST_BACKTRACE` set: a panic's backtrace opens the executable; the panic message is
+///   printed before that, and the process is ending anyway (`panic = "abort"`).
+pub fn prepare_libraries() -> Result<(), SeccompError> {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets a malloc parameter; M_ARENA_MAX takes a positive count.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) } != 1 {
+        return Err(SeccompError::Allocator);
+    }
+    Ok(())
 }
 
 /// Whether [`enable`] ran.
