@@ -3,7 +3,11 @@
 use std::io::Write;
 use std::time::Duration;
 
-use gpuvm_tests::run_gpuvm;
+use gpuvm_tests::{run_gpuvm, SpawnedProcess};
+use gpuvm_vmm::exit_status::GPUVM_ERROR as GPUVM_ERROR_STATUS;
+
+/// gpuvm's own errors' exit status.
+const GPUVM_ERROR: i32 = GPUVM_ERROR_STATUS as i32;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -113,11 +117,7 @@ fn no_access_to_dev_kvm() {
 
 fn check_kvm_denied(output: &std::process::Output) {
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(
-        output.status.code(),
-        Some(gpuvm_vmm::exit_status::GPUVM_ERROR.into()),
-        "{stderr}"
-    );
+    assert_eq!(output.status.code(), Some(GPUVM_ERROR), "{stderr}");
     assert!(stderr.contains("/dev/kvm"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
@@ -126,4 +126,110 @@ fn tempfile(name: &str) -> (std::path::PathBuf, std::fs::File) {
     let path = std::env::temp_dir().join(format!("gpuvm-test-{}-{name}", std::process::id()));
     let file = std::fs::File::create(&path).unwrap();
     (path, file)
+}
+
+/// `gpuvm snapshot --pid P` for a process `pid`: its output.
+fn snapshot_pid(pid: i32) -> gpuvm_tests::RunOutput {
+    run_gpuvm(&["snapshot", "--pid", &pid.to_string()], LIMIT)
+}
+
+/// The number of "ok" lines a memloop guest printed.
+fn ok_lines(process: &SpawnedProcess) -> usize {
+    process
+        .stdout()
+        .lines()
+        .filter(|l| l.contains(" ok"))
+        .count()
+}
+
+/// A gpuvm started without --snapshot-dir has no SIGUSR1 handler, so the signal would
+/// kill it: `gpuvm snapshot --pid` refuses, and the VM runs on.
+#[test]
+fn snapshot_pid_refuses_a_gpuvm_without_snapshot_dir() {
+    let mut vmm = SpawnedProcess::gpuvm(&["run", "--memory", "64M", "--cmdline", "memloop 4M 1 0"]);
+    vmm.wait_until("a memloop iteration", LIMIT, |p| ok_lines(p) >= 1);
+    snapshot_pid(vmm.pid())
+        .assert_clean_error("does not take snapshots on a signal")
+        .assert_code(GPUVM_ERROR);
+    let seen = ok_lines(&vmm);
+    vmm.wait_until("the VM to run on", LIMIT, |p| ok_lines(p) > seen);
+}
+
+/// Any other process is refused, whether it would die of SIGUSR1 (`sleep`) or do
+/// something of its own on it (a shell trap).
+#[test]
+fn snapshot_pid_refuses_processes_that_are_not_gpuvm() {
+    let sleeper = SpawnedProcess::spawn(std::path::Path::new("/bin/sleep"), &["60"]);
+    let trapper = SpawnedProcess::spawn(
+        std::path::Path::new("/bin/sh"),
+        &[
+            "-c",
+            "trap 'echo got USR1' USR1; while :; do sleep 0.05; done",
+        ],
+    );
+    // Let the shell install its trap, so that the only difference is the binary.
+    std::thread::sleep(Duration::from_millis(200));
+    for mut process in [sleeper, trapper] {
+        snapshot_pid(process.pid())
+            .assert_clean_error("is not this gpuvm")
+            .assert_code(GPUVM_ERROR);
+        // Before the fix SIGUSR1 killed `sleep` at once and the trap printed within 50 ms.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(process.try_status().is_none(), "the process was signalled");
+        assert!(
+            !process.stdout().contains("got USR1"),
+            "the process was signalled"
+        );
+    }
+    snapshot_pid(i32::MAX)
+        .assert_clean_error("no process")
+        .assert_code(GPUVM_ERROR);
+}
+
+/// And a gpuvm started with --snapshot-dir still snapshots on request.
+#[test]
+fn snapshot_pid_signals_a_gpuvm_with_snapshot_dir() {
+    let scratch = gpuvm_tests::Scratch::new("cli-errors", "snapshot-pid");
+    let dir = scratch.path("snap");
+    let mut vmm = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "64M",
+        "--cmdline",
+        "memloop 4M 1 0",
+        "--snapshot-dir",
+        dir.to_str().unwrap(),
+    ]);
+    vmm.wait_until("a memloop iteration", LIMIT, |p| ok_lines(p) >= 1);
+    snapshot_pid(vmm.pid()).assert_code(0);
+    vmm.wait_until("the snapshot", LIMIT, |_| dir.join("state").exists());
+    let seen = ok_lines(&vmm);
+    vmm.wait_until("the VM to run on", LIMIT, |p| ok_lines(p) > seen);
+}
+
+/// PUT /machine-config checks the vCPU count against this host's limit, as the builder
+/// does, instead of accepting it and failing only at InstanceStart.
+#[test]
+fn machine_config_with_too_many_vcpus_is_refused_when_put() {
+    let socket = gpuvm_tests::socket_path("cli-errors", "vcpus");
+    let socket_arg = socket.to_str().unwrap();
+    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", socket_arg]);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &socket);
+    let ctl = |args: &[&str]| {
+        let mut all = vec!["ctl", "--api-sock", socket_arg];
+        all.extend_from_slice(args);
+        run_gpuvm(&all, LIMIT)
+    };
+    ctl(&["set-machine-config", "--vcpus", "255", "--memory", "64M"])
+        .assert_clean_error("invalid vCPU count 255: this host allows 1 to")
+        .assert_code(GPUVM_ERROR);
+    // The refused value was not kept.
+    let config = ctl(&["get-machine-config"]);
+    config.assert_code(0);
+    assert!(
+        config.stdout.contains("\"vcpu_count\":1"),
+        "{}",
+        config.stdout
+    );
+    ctl(&["set-machine-config", "--vcpus", "2", "--memory", "64M"]).assert_code(0);
 }

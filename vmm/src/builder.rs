@@ -64,6 +64,14 @@ pub fn max_vcpus(kvm: &Kvm) -> u8 {
         .min(usize::from(mptable::MAX_MPTABLE_CPUS)) as u8
 }
 
+/// [`max_vcpus`] of this host, read once, for checking a configuration before anything is
+/// built (PUT /machine-config). None when /dev/kvm cannot be opened: the build then says
+/// why.
+pub fn host_max_vcpus() -> Option<u8> {
+    static MAX: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| open_kvm().ok().map(|kvm| max_vcpus(&kvm)))
+}
+
 /// A KVM VM with guest RAM and devices, before a kernel or saved state goes in.
 struct MachineBase {
     kvm: Kvm,

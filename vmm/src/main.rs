@@ -670,19 +670,94 @@ fn finish(
     Ok(ExitCode::from(end.exit_code() as u8))
 }
 
-fn signal_snapshot(pid: i32) -> ExitCode {
+/// `gpuvm snapshot --pid`: sends SIGUSR1 to a gpuvm that takes snapshots on it. SIGUSR1
+/// ends a process that does not handle it, and means something else to one that does, so
+/// the target must be this gpuvm binary with its snapshot handler installed (only
+/// `--snapshot-dir` installs it). The process is held by a pidfd from before the checks:
+/// if it ends and its pid is reused meanwhile, the signal fails instead of reaching the
+/// newcomer.
+fn signal_snapshot(pid: i32) -> Result<ExitCode, CliError> {
     if pid <= 0 {
-        eprintln!("gpuvm: error: invalid process id {pid}");
-        return gpuvm_error();
+        return Err(CliError::Other(format!("invalid process id {pid}")));
     }
-    // SAFETY: kill(2) with a positive pid and a valid signal has no memory effects.
-    let result = unsafe { libc::kill(pid, libc::SIGUSR1) };
-    if result != 0 {
+    let pidfd = pidfd::open(pid)?;
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let inspect = |what: &str, error: std::io::Error| {
+        CliError::Other(format!("cannot inspect process {pid} ({what}): {error}"))
+    };
+    let file_id = |path: &std::path::Path| {
+        std::fs::metadata(path).map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        })
+    };
+    let exe = proc_dir.join("exe");
+    let own = file_id(std::path::Path::new("/proc/self/exe"))
+        .map_err(|e| inspect("this process's binary", e))?;
+    if file_id(&exe).map_err(|e| inspect("its binary", e))? != own {
+        let runs = std::fs::read_link(&exe).unwrap_or_default();
+        return Err(CliError::Other(format!(
+            "process {pid} ({}) is not this gpuvm binary; not signalling it",
+            runs.display()
+        )));
+    }
+    let status =
+        std::fs::read_to_string(proc_dir.join("status")).map_err(|e| inspect("its status", e))?;
+    let caught = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigCgt:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .ok_or_else(|| CliError::Other(format!("process {pid}: no SigCgt in its status")))?;
+    if caught & (1 << (libc::SIGUSR1 - 1)) == 0 {
+        return Err(CliError::Other(format!(
+            "gpuvm process {pid} does not take snapshots on a signal (it was started without \
+             --snapshot-dir, or its VM is not running yet); not signalling it"
+        )));
+    }
+    pidfd::send_signal(&pidfd, pid, libc::SIGUSR1)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// pidfd_open(2) and pidfd_send_signal(2), which libc does not wrap.
+mod pidfd {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    use super::CliError;
+
+    fn error(pid: i32, what: &str) -> CliError {
         let error = std::io::Error::last_os_error();
-        eprintln!("gpuvm: error: cannot signal process {pid}: {error}");
-        return gpuvm_error();
+        CliError::Other(match error.raw_os_error() {
+            Some(libc::ESRCH) => format!("no process {pid}"),
+            _ => format!("cannot {what} process {pid}: {error}"),
+        })
     }
-    ExitCode::SUCCESS
+
+    pub fn open(pid: i32) -> Result<OwnedFd, CliError> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(error(pid, "open"));
+        }
+        // SAFETY: the descriptor was just returned to us and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    pub fn send_signal(pidfd: &OwnedFd, pid: i32, signal: i32) -> Result<(), CliError> {
+        // SAFETY: a live pidfd, a valid signal, no siginfo (null) and no flags.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                pidfd.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if result != 0 {
+            return Err(error(pid, "signal"));
+        }
+        Ok(())
+    }
 }
 
 /// `gpuvm ctl`: one request; prints the answer's body, exits 0 on success.
@@ -897,7 +972,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args, process_start),
         Command::Restore(args) => restore(args, process_start),
-        Command::Snapshot { pid } => return signal_snapshot(pid),
+        Command::Snapshot { pid } => signal_snapshot(pid),
         Command::Ctl(args) => return ctl(args),
         Command::CheckHost(args) => return passthrough_cli::check_host(&args),
         Command::GuestImage { output } => return write_guest_image(&output),

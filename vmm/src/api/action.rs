@@ -146,6 +146,15 @@ impl MachineConfigBody {
         if self.vcpu_count == 0 {
             return Err(ActionError::bad_request("vcpu_count must be at least 1"));
         }
+        if let Some(max) = crate::builder::host_max_vcpus() {
+            if self.vcpu_count > max {
+                let error = crate::Error::VcpuCount {
+                    requested: self.vcpu_count,
+                    max,
+                };
+                return Err(ActionError::bad_request(error.to_string()));
+            }
+        }
         if self.mem_size_mib == 0 || self.mem_size_mib > MAX_MEM_SIZE_MIB {
             return Err(ActionError::bad_request(format!(
                 "mem_size_mib must be between 1 and {MAX_MEM_SIZE_MIB}"
