@@ -61,7 +61,7 @@ pub enum HttpError {
     BodyTooLarge,
     #[error("a request body needs Content-Length; chunked transfer encoding is not supported")]
     LengthRequired,
-    #[error("the client stopped sending in the middle of a request")]
+    #[error("the request did not arrive complete in time")]
     Timeout,
 }
 
@@ -82,7 +82,8 @@ impl HttpError {
 #[derive(Debug, PartialEq, Eq)]
 pub enum ReadOutcome {
     Request(Request),
-    /// The client closed (or went idle past the timeout) between requests.
+    /// The client closed, or sent nothing before the read failed (an idle connection
+    /// past its deadline), between requests.
     Closed,
     /// A bad request: answer with the error, then close the connection (its framing can
     /// no longer be trusted).
@@ -102,6 +103,11 @@ impl<R: Read> RequestReader<R> {
             stream,
             buffer: Vec::new(),
         }
+    }
+
+    /// The stream, e.g. to set a deadline before the next request.
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.stream
     }
 
     /// Reads more bytes; Ok(false) on end of stream.

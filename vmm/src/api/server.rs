@@ -2,13 +2,15 @@
 //! into a [`VmmAction`], hands it to the VMM thread (channel + eventfd) and writes the
 //! answer back.
 
-use std::io::Write;
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
@@ -21,12 +23,22 @@ use super::http::{Method, ReadOutcome, Request, RequestReader, Response};
 use super::ApiError;
 use crate::metrics::METRICS;
 
-/// How long a client may stay silent in the middle of a request, or idle between
-/// requests on a kept-alive connection.
-const READ_TIMEOUT: Duration = Duration::from_secs(5);
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Connections served at once; more are answered 503 and closed.
-const MAX_CONNECTIONS: usize = 16;
+/// Connections served at once.
+pub const MAX_CONNECTIONS: usize = 16;
+/// Connections accepted while every slot is taken, waiting in order for one; a connection
+/// beyond them is answered 503 and closed.
+pub const MAX_WAITING: usize = 64;
+/// Each request must be complete this long after the server starts waiting for it (at
+/// accept, or after the previous answer on a kept-alive connection); this is also how
+/// long an idle kept-alive connection stays open. A client that trickles bytes cannot
+/// hold a slot longer than this.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+/// How long a connection waits for a slot before it is answered 503. Longer than
+/// [`REQUEST_DEADLINE`], so slots held by slow or idle clients always free in time for
+/// the connections waiting behind them.
+pub const SLOT_WAIT: Duration = Duration::from_secs(10);
+/// How long writing one answer may take.
+const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 
 /// One action on its way to the VMM thread, with where to send the answer.
 pub struct ApiRequest {
@@ -123,50 +135,198 @@ impl Drop for ApiServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, link: VmmLink, busy: Arc<AtomicUsize>) {
-    let connections = Arc::new(AtomicUsize::new(0));
-    for stream in listener.incoming() {
-        let mut stream = match stream {
-            Ok(stream) => stream,
-            Err(error) => {
-                log::warn!("API accept failed: {error}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        if connections.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-            connections.fetch_sub(1, Ordering::SeqCst);
-            let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-            let _ = Response::fault(503, "too many API connections").write_to(&mut stream, true);
-            continue;
+/// Who holds the connection slots, and the connections waiting for one (oldest first).
+/// Invariant: connections wait only while every slot is taken, so a connection that
+/// ends hands its slot to the oldest waiting one.
+#[derive(Default)]
+struct Slots {
+    state: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    serving: usize,
+    waiting: VecDeque<(UnixStream, Instant)>,
+}
+
+impl Slots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a new connection: a slot if one is free (returned to be served), else a
+    /// place in the queue, else it is refused. Also refuses those that waited too long.
+    fn admit(&self, stream: Option<UnixStream>, now: Instant) -> Option<UnixStream> {
+        let mut state = self.lock();
+        state.refuse_expired(now);
+        let stream = stream?;
+        if state.serving < MAX_CONNECTIONS {
+            state.serving += 1;
+            Some(stream)
+        } else if state.waiting.len() < MAX_WAITING {
+            state.waiting.push_back((stream, now));
+            None
+        } else {
+            refuse(stream, "too many API connections");
+            None
         }
-        let link = link.clone();
-        let busy = busy.clone();
-        let counter = connections.clone();
-        let spawned = std::thread::Builder::new()
-            .name("api-conn".into())
-            .spawn(move || {
-                serve_connection(stream, &link, &busy);
-                counter.fetch_sub(1, Ordering::SeqCst);
-            });
-        if let Err(error) = spawned {
-            log::warn!("cannot start an API connection thread: {error}");
-            connections.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// A served connection ended: its slot goes to the oldest waiting connection (to be
+    /// served next, on the same thread), or is freed.
+    fn hand_over(&self, now: Instant) -> Option<UnixStream> {
+        let mut state = self.lock();
+        state.refuse_expired(now);
+        let next = state.waiting.pop_front().map(|(stream, _)| stream);
+        if next.is_none() {
+            state.serving -= 1;
+        }
+        next
+    }
+
+    /// When the oldest waiting connection runs out of time; None when none waits.
+    fn next_expiry(&self, now: Instant) -> Option<Duration> {
+        let state = self.lock();
+        let (_, since) = state.waiting.front()?;
+        Some((*since + SLOT_WAIT).saturating_duration_since(now))
+    }
+}
+
+impl SlotState {
+    fn refuse_expired(&mut self, now: Instant) {
+        while self
+            .waiting
+            .front()
+            .is_some_and(|(_, since)| now.duration_since(*since) >= SLOT_WAIT)
+        {
+            if let Some((stream, _)) = self.waiting.pop_front() {
+                refuse(stream, "no API connection slot freed in time");
+            }
         }
     }
 }
 
-fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
-    if stream.set_read_timeout(Some(READ_TIMEOUT)).is_err()
-        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
-    {
-        return;
+/// Answers 503 and closes (a fresh connection's send buffer is empty: this never waits).
+fn refuse(mut stream: UnixStream, why: &str) {
+    let _ = stream.set_write_timeout(Some(WRITE_DEADLINE));
+    let _ = Response::fault(503, why).write_to(&mut stream, true);
+}
+
+/// Bounds the accept wait (SO_RCVTIMEO applies to accept), so connections waiting for a
+/// slot are refused on time even when nothing else happens; None waits forever.
+fn set_accept_timeout(listener: &UnixListener, timeout: Option<Duration>) {
+    let timeout = timeout.map_or(Duration::ZERO, |t| t.max(Duration::from_millis(1)));
+    let value = libc::timeval {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: SO_RCVTIMEO reads a timeval of the given size from `value`, which lives
+    // across the call; the descriptor is the listener's own.
+    let result = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&value as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if result != 0 {
+        log::warn!(
+            "cannot bound the API accept wait: {}",
+            std::io::Error::last_os_error()
+        );
     }
-    let Ok(mut writer) = stream.try_clone() else {
+}
+
+fn accept_loop(listener: UnixListener, link: VmmLink, busy: Arc<AtomicUsize>) {
+    let slots = Arc::new(Slots::default());
+    loop {
+        set_accept_timeout(&listener, slots.next_expiry(Instant::now()));
+        let accepted = match listener.accept() {
+            Ok((stream, _)) => Some(stream),
+            // The accept wait ran out: time to refuse connections that waited too long.
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(error) => {
+                log::warn!("API accept failed: {error}");
+                std::thread::sleep(Duration::from_millis(10));
+                None
+            }
+        };
+        let Some(stream) = slots.admit(accepted, Instant::now()) else {
+            continue;
+        };
+        let (link, busy, thread_slots) = (link.clone(), busy.clone(), slots.clone());
+        let spawned = std::thread::Builder::new()
+            .name("api-conn".into())
+            .spawn(move || {
+                let mut next = Some(stream);
+                while let Some(stream) = next {
+                    serve_connection(stream, &link, &busy);
+                    next = thread_slots.hand_over(Instant::now());
+                }
+            });
+        if let Err(error) = spawned {
+            log::warn!("cannot start an API connection thread: {error}");
+            // Its connection went with the closure; no thread can serve the waiting
+            // ones either: refuse them until the slot is free.
+            while let Some(stream) = slots.hand_over(Instant::now()) {
+                refuse(stream, "cannot start an API connection thread");
+            }
+        }
+    }
+}
+
+/// One side of a connection with an overall deadline: every read or write waits at most
+/// until it, so a client that sends or reads a byte at a time cannot stretch a request.
+struct Deadlined {
+    stream: UnixStream,
+    deadline: Instant,
+}
+
+impl Deadlined {
+    /// Time left, as a socket timeout; TimedOut once the deadline has passed.
+    fn left(&self) -> std::io::Result<Option<Duration>> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        Ok(Some(left))
+    }
+}
+
+impl Read for Deadlined {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.stream.set_read_timeout(self.left()?)?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadlined {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.stream.set_write_timeout(self.left()?)?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
+    let Ok(writer) = stream.try_clone() else {
         return;
     };
-    let mut reader = RequestReader::new(stream);
+    let mut writer = Deadlined {
+        stream: writer,
+        deadline: Instant::now(),
+    };
+    let mut reader = RequestReader::new(Deadlined {
+        stream,
+        deadline: Instant::now(),
+    });
     loop {
+        reader.get_mut().deadline = Instant::now() + REQUEST_DEADLINE;
         let (response, close, path) = match reader.next_request() {
             ReadOutcome::Closed => return,
             ReadOutcome::Bad(error) => {
@@ -184,12 +344,12 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
             }
         };
         METRICS.count_api_request(path.as_deref().unwrap_or("other"), response.status);
+        writer.deadline = Instant::now() + WRITE_DEADLINE;
         let written = response.write_to(&mut writer, close);
         if path.is_some() {
             busy.fetch_sub(1, Ordering::SeqCst);
         }
         if written.is_err() || close {
-            let _ = writer.flush();
             return;
         }
     }
@@ -400,5 +560,89 @@ mod tests {
         assert_eq!(response.allow, Some("PATCH"));
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
         assert!(body["fault_message"].as_str().unwrap().contains("PATCH"));
+    }
+    /// Reads what the server side wrote to `peer` until it closed.
+    fn answer(mut peer: UnixStream) -> String {
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut text = String::new();
+        let _ = peer.read_to_string(&mut text);
+        text
+    }
+
+    #[test]
+    fn slots_queue_in_order_then_refuse() {
+        let slots = Slots::default();
+        let now = Instant::now();
+        let mut peers = Vec::new();
+        let mut served = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            served.push(slots.admit(Some(ours), now).expect("a free slot"));
+            peers.push(theirs);
+        }
+        let mut waiting = Vec::new();
+        for _ in 0..MAX_WAITING {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            assert!(slots.admit(Some(ours), now).is_none(), "queued");
+            waiting.push(theirs);
+        }
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        assert!(slots.admit(Some(ours), now).is_none());
+        assert!(
+            answer(theirs).starts_with("HTTP/1.1 503 "),
+            "beyond the queue"
+        );
+        assert_eq!(slots.next_expiry(now), Some(SLOT_WAIT));
+
+        // A slot that frees goes to the oldest waiting connection.
+        let next = slots.hand_over(now).expect("handed over");
+        next.set_nonblocking(true).unwrap();
+        waiting[0].write_all(b"x").unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!((&next).read(&mut byte).unwrap(), 1, "the oldest one");
+        assert_eq!(slots.lock().serving, MAX_CONNECTIONS);
+
+        // The others run out of time: 503, and slots free as connections end.
+        let later = now + SLOT_WAIT;
+        assert!(slots.admit(None, later).is_none());
+        assert!(answer(waiting.pop().unwrap()).starts_with("HTTP/1.1 503 "));
+        assert_eq!(slots.next_expiry(later), None);
+        assert!(slots.hand_over(later).is_none());
+        assert_eq!(slots.lock().serving, MAX_CONNECTIONS - 1);
+    }
+
+    #[test]
+    fn a_trickled_request_times_out_at_its_deadline() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let started = Instant::now();
+        let mut reader = RequestReader::new(Deadlined {
+            stream: ours,
+            deadline: started + Duration::from_millis(300),
+        });
+        let trickle = std::thread::spawn(move || {
+            for byte in b"GET / HTTP/1.1\r\nX: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter() {
+                if theirs.write_all(&[*byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let outcome = reader.next_request();
+        let took = started.elapsed();
+        assert_eq!(
+            outcome,
+            ReadOutcome::Bad(super::super::http::HttpError::Timeout)
+        );
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        drop(reader);
+        trickle.join().unwrap();
+
+        // Nothing sent by the deadline: the connection just closes.
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let mut reader = RequestReader::new(Deadlined {
+            stream: ours,
+            deadline: Instant::now() + Duration::from_millis(50),
+        });
+        assert_eq!(reader.next_request(), ReadOutcome::Closed);
     }
 }
