@@ -31,7 +31,10 @@ mod tests;
 use std::io;
 use std::path::PathBuf;
 
-pub use atomic::write_atomically;
+pub use atomic::{
+    flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target,
+    write_atomically, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC,
+};
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};
 pub use layout::{RamLayout, RamMappings};

@@ -154,8 +154,10 @@ fn write_snapshot(
 
     let write_start = Instant::now();
     write_atomically(path, |file| -> std::io::Result<()> {
-        file.set_len(file_len)?;
+        // The header first: a file cut short by a kill then still starts with the magic,
+        // which is how a later snapshot knows the leftover temp file as gpuvm's own.
         write_all_at(file, &metadata, 0)?;
+        file.set_len(file_len)?;
         write_data(file, ram, &scanned, data_offset)
     })
     .map_err(|e| SnapshotError::io("write memory file", path, e))?;
