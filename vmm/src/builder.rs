@@ -268,6 +268,8 @@ pub fn restore(
     let mut clock = StageClock::starting_at(started);
     let kvm = open_kvm()?;
     clock.mark("open_kvm");
+    // Not while another process writes a snapshot there; held until the restore is set up.
+    let _reading = snapshot::SnapshotDirLock::shared(dir)?;
     let state = snapshot::load_state(dir, layout::ram_regions)?;
     clock.mark("state");
 

@@ -156,30 +156,11 @@ impl RunningMachine<'_> {
     }
 
     /// Snapshots into `dir` and leaves the vCPUs as they were (running or paused).
-    /// `full` forces a full memory file even when dirty pages are tracked. On failure
-    /// a running VM is resumed, so a bad request does not stop the guest.
+    /// `full` forces a full memory file even when dirty pages are tracked. A snapshot that
+    /// fails leaves the VM as it was (see [`Machine::take_snapshot`]).
     pub fn snapshot(&mut self, dir: &std::path::Path, full: bool) -> Result<SnapshotReport, Error> {
-        // Refuse before the directory is touched or a vCPU is paused.
-        self.machine.check_snapshottable()?;
-        snapshot::create_dir(dir)?;
-        if full {
-            self.machine.memory_chain = None;
-        }
         let resume = !self.machine.paused;
-        match self.machine.take_snapshot(self.handles, dir, resume) {
-            Ok(report) => {
-                self.machine.snapshots.push(report.clone());
-                Ok(report)
-            }
-            Err(error) => {
-                if resume {
-                    for handle in self.handles {
-                        let _ = handle.resume();
-                    }
-                }
-                Err(error)
-            }
-        }
+        self.machine.take_snapshot(self.handles, dir, full, resume)
     }
 }
 
@@ -204,6 +185,9 @@ pub struct Machine {
     working_set_target: Option<(PathBuf, SnapshotId)>,
     run_control: Option<Box<dyn RunControl>>,
     paused: bool,
+    /// Pages dirtied since the chain's last memory file that KVM no longer reports: its
+    /// dirty log was read (and so cleared) for a snapshot that then failed.
+    unsaved_dirty: Option<Vec<Vec<u64>>>,
 }
 
 impl Machine {
@@ -231,6 +215,7 @@ impl Machine {
             working_set_target: None,
             run_control: None,
             paused: false,
+            unsaved_dirty: None,
         }
     }
 
@@ -550,22 +535,28 @@ impl Machine {
     }
 
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
+    /// A snapshot that fails does not end the run (a signal or timer asked for it; the
+    /// guest did nothing wrong): it is logged and the VM runs on, unless guest memory can
+    /// no longer be served (a failed lazy restore), which ends the run in any case.
     fn snapshot_requested(&mut self, handles: &[VcpuHandle]) -> Option<Result<GuestEnd, Error>> {
         let policy = self.snapshot_policy.clone()?;
-        if let Err(refused) = self.check_snapshottable() {
-            // A signal or timer asked for it; the guest did nothing wrong, so it keeps running.
-            log::error!("snapshot not taken: {refused}");
-            return None;
-        }
         let keep_running = policy.then == AfterSnapshot::Resume;
         // A VM the API paused stays paused after a timer or SIGUSR1 snapshot.
-        match self.take_snapshot(handles, &policy.dir, keep_running && !self.paused) {
+        let resume = keep_running && !self.paused;
+        match self.take_snapshot(handles, &policy.dir, false, resume) {
             Ok(report) => {
                 log::info!("snapshot written to {}: {report:?}", policy.dir.display());
-                self.snapshots.push(report);
                 (!keep_running).then_some(Ok(GuestEnd::Snapshotted))
             }
-            Err(error) => Some(Err(error)),
+            Err(error) if self.lazy_progress().is_err() => Some(Err(error)),
+            Err(error) => {
+                log::error!(
+                    "snapshot into {} failed; the VM keeps running and the previous snapshot \
+                     there is kept: {error}",
+                    policy.dir.display()
+                );
+                None
+            }
         }
     }
 
@@ -582,24 +573,72 @@ impl Machine {
         }
     }
 
-    /// Pauses every vCPU, saves every component and guest memory into `dir`, and
-    /// resumes if asked. On failure the vCPUs stay paused and the error ends the run;
-    /// the previous snapshot in `dir` stays intact (see [`snapshot`]).
+    /// Pauses every vCPU, saves every component and guest memory into `dir` (a full memory
+    /// file when `full`, else a diff when dirty pages are tracked and the chain is in
+    /// `dir`), and resumes if `resume`.
+    ///
+    /// A snapshot that fails changes nothing: the previous snapshot in `dir` stays intact
+    /// with nothing added (see [`snapshot`]), no dirty page is forgotten, and vCPUs that
+    /// were running run again. A directory another process is using, or whose `state`
+    /// gpuvm did not write, is refused before any vCPU is paused.
     pub fn take_snapshot(
         &mut self,
         handles: &[VcpuHandle],
         dir: &std::path::Path,
+        full: bool,
         resume: bool,
     ) -> Result<SnapshotReport, Error> {
         self.check_snapshottable()?;
+        let dir_lock = snapshot::prepare_dir(dir)?;
+        let was_running = !self.paused;
         let paused_at = Instant::now();
+        let written = self.write_snapshot(handles, dir, &dir_lock, full);
+        drop(dir_lock);
+        if resume || (written.is_err() && was_running) {
+            for handle in handles {
+                if let Err(error) = handle.resume() {
+                    log::error!("cannot resume after a snapshot: {error}");
+                }
+            }
+        }
+        let (memory_file, stats, memory_time) = written?;
+        let report = SnapshotReport {
+            dir: dir.to_path_buf(),
+            memory_file,
+            diff: stats.info.is_diff(),
+            memory_bytes_written: stats.file_len,
+            data_pages: stats.data_pages,
+            zero_pages: stats.zero_pages,
+            pause_to_resume: paused_at.elapsed(),
+            memory_time,
+        };
+        self.snapshots.push(report.clone());
+        Ok(report)
+    }
+
+    /// The part of [`Machine::take_snapshot`] that pauses the vCPUs and writes, under
+    /// `dir_lock`: the new memory file's name, its figures and the time memory took.
+    fn write_snapshot(
+        &mut self,
+        handles: &[VcpuHandle],
+        dir: &std::path::Path,
+        dir_lock: &snapshot::SnapshotDirLock,
+        full: bool,
+    ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
         for handle in handles {
             handle.pause()?;
         }
         self.complete_lazy_memory()?;
-        // Before a snapshot into the restored snapshot's own directory replaces it.
+        // The working set of the snapshot this machine was restored from, before a snapshot
+        // into another directory; one into the same directory replaces that snapshot (and
+        // this lock would refuse the write).
+        if let Some((target, _)) = &self.working_set_target {
+            if dir_lock.is_for(target) {
+                log::info!("no working set recorded: this snapshot replaces the one it was for");
+                self.working_set_target = None;
+            }
+        }
         self.save_working_set();
-        snapshot::create_dir(dir)?;
         let msr_indices =
             Arc::new(persist::saved_msr_indices(&self.kvm).map_err(SnapshotError::from)?);
         let mut vcpus = Vec::with_capacity(handles.len());
@@ -615,63 +654,68 @@ impl Machine {
         } else {
             None
         };
-        let mappings = RamMappings::from_guest_ram(&self.ram).map_err(SnapshotError::from)?;
-        let (memory_file, stats, files) =
-            snapshot::write_memory(dir, &mappings, self.memory_chain.as_ref(), dirty.as_deref())?;
-        let memory_time = memory_started.elapsed();
-
-        let state = MachineState {
-            config: SavedMachineConfig::from_config(&self.config),
-            vm,
-            vcpus,
-            serial,
-            memory_files: files.clone(),
-            memory_file_id: Some(stats.info.id.to_string()),
+        let chain = if full {
+            None
+        } else {
+            self.memory_chain.as_ref()
         };
-        persist::write_state_file(&dir.join(snapshot::STATE_FILE), &state)
-            .map_err(SnapshotError::from)?;
-        snapshot::remove_unreferenced(dir, &files);
-        // A working set recorded for the snapshot this one replaced no longer applies.
-        working_set::remove(dir);
+        let written = RamMappings::from_guest_ram(&self.ram)
+            .map_err(SnapshotError::from)
+            .and_then(|mappings| snapshot::write_memory(dir, &mappings, chain, dirty.as_deref()))
+            .and_then(|(memory_file, stats, files)| {
+                let memory_time = memory_started.elapsed();
+                let state = MachineState {
+                    config: SavedMachineConfig::from_config(&self.config),
+                    vm,
+                    vcpus,
+                    serial,
+                    memory_files: files,
+                    memory_file_id: Some(stats.info.id.to_string()),
+                };
+                snapshot::commit(dir, &state, &memory_file)?;
+                Ok((memory_file, stats, memory_time, state.memory_files))
+            });
+        let (memory_file, stats, memory_time, files) = match written {
+            Ok(written) => written,
+            Err(error) => {
+                // Not saved after all: the next snapshot must still see these pages dirty.
+                self.unsaved_dirty = dirty;
+                return Err(error.into());
+            }
+        };
         self.memory_chain = Some(MemoryChain {
             dir: dir.to_path_buf(),
             files,
             last: stats.info.clone(),
         });
-        if resume {
-            for handle in handles {
-                handle.resume()?;
-            }
-        }
-        Ok(SnapshotReport {
-            dir: dir.to_path_buf(),
-            memory_file,
-            diff: stats.info.is_diff(),
-            memory_bytes_written: stats.file_len,
-            data_pages: stats.data_pages,
-            zero_pages: stats.zero_pages,
-            pause_to_resume: paused_at.elapsed(),
-            memory_time,
-        })
+        Ok((memory_file, stats, memory_time))
     }
 
-    /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset).
-    fn take_dirty_bitmaps(&self) -> Result<Vec<Vec<u64>>, Error> {
-        self.ram
-            .regions()
-            .iter()
-            .enumerate()
-            .map(|(slot, region)| {
-                self.vm
-                    .get_dirty_log(slot as u32, region.size as usize)
-                    .map_err(|source| {
-                        Error::Snapshot(SnapshotError::Kvm {
-                            what: "read the dirty page log",
-                            source,
-                        })
-                    })
-            })
-            .collect()
+    /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset),
+    /// with the pages of snapshots that failed since the last one that did not.
+    fn take_dirty_bitmaps(&mut self) -> Result<Vec<Vec<u64>>, Error> {
+        let mut bitmaps = self.unsaved_dirty.take().unwrap_or_default();
+        for (slot, region) in self.ram.regions().iter().enumerate() {
+            let fresh = match self.vm.get_dirty_log(slot as u32, region.size as usize) {
+                Ok(fresh) => fresh,
+                Err(source) => {
+                    // What was read so far is cleared in KVM: keep it for the next try.
+                    self.unsaved_dirty = Some(bitmaps);
+                    return Err(Error::Snapshot(SnapshotError::Kvm {
+                        what: "read the dirty page log",
+                        source,
+                    }));
+                }
+            };
+            match bitmaps.get_mut(slot) {
+                Some(unsaved) => unsaved
+                    .iter_mut()
+                    .zip(&fresh)
+                    .for_each(|(word, dirty)| *word |= dirty),
+                None => bitmaps.push(fresh),
+            }
+        }
+        Ok(bitmaps)
     }
 
     /// Peak RSS of this process against the guest pages it holds.

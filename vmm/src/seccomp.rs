@@ -590,6 +590,8 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     libc::SYS_fsync,
                     libc::SYS_sync_file_range,
                     libc::SYS_ftruncate,
+                    // Snapshot-directory and temp-file locks.
+                    libc::SYS_flock,
                     libc::SYS_fadvise64,
                     libc::SYS_mincore,
                     // Kernel VFIO teardown finds the device's group through sysfs.

@@ -8,15 +8,26 @@
 //!
 //! Commit protocol: new memory files get fresh names, then the state file is replaced
 //! atomically, and only then are memory files the new state does not name deleted. A
-//! snapshot killed at any point leaves the previous `state` and every file it names.
+//! snapshot killed at any point leaves the previous `state` and every file it names; one
+//! that fails removes what it wrote and leaves the rest as it was.
+//!
+//! A snapshot holds an exclusive lock on its directory ([`SnapshotDirLock`]) from before
+//! the first file is touched until its commit is done; a restore holds a shared one while
+//! it reads. gpuvm removes or replaces only files it wrote there (its names and its
+//! magic); a directory whose `state` is anything else is refused.
 
+use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpuvm_devices::SerialState;
 use gpuvm_memory::snapshot::{
-    RamLayout, RamMappings, SnapshotChain, SnapshotInfo, WriteOptions, WriteStats,
+    flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target, RamLayout,
+    RamMappings, SnapshotChain, SnapshotInfo, WriteOptions, WriteStats, FRAMED_FILE_MAGIC,
+    MEMORY_FILE_MAGIC,
 };
 use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
@@ -35,6 +46,31 @@ pub enum SnapshotError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "cannot create snapshot directory {path}: its parent directory does not exist \
+         (gpuvm creates only the last component)"
+    )]
+    NoParentDir { path: PathBuf },
+    #[error(
+        "snapshot directory {path} is in use by another gpuvm process (it is writing a \
+         snapshot there, or reading one); nothing was written"
+    )]
+    DirInUse { path: PathBuf },
+    #[error(
+        "snapshot directory {path} is being written by another gpuvm process; restore it \
+         once that snapshot is done"
+    )]
+    DirBeingWritten { path: PathBuf },
+    #[error("cannot lock snapshot directory {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to write into {dir}: its {name} is not a file gpuvm wrote (gpuvm \
+         replaces or removes only its own files)"
+    )]
+    NotGpuvmFile { dir: PathBuf, name: &'static str },
     #[error(transparent)]
     State(#[from] PersistError),
     #[error(transparent)]
@@ -170,11 +206,102 @@ pub struct SnapshotReport {
     pub memory_time: Duration,
 }
 
+/// Creates the snapshot directory `dir` if it is not there: only its last component (a
+/// mistyped parent is an error, not a new tree).
 pub(crate) fn create_dir(dir: &Path) -> Result<(), SnapshotError> {
-    std::fs::create_dir_all(dir).map_err(|source| SnapshotError::CreateDir {
-        path: dir.to_path_buf(),
-        source,
-    })
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(SnapshotError::NoParentDir {
+            path: dir.to_path_buf(),
+        }),
+        Err(source) => Err(SnapshotError::CreateDir {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// A lock on a snapshot directory: exclusive while a snapshot or a working set is
+/// written into it, shared while a restore reads it. `flock(2)` on the directory itself:
+/// nothing is added to the directory, and the lock ends with its process however that
+/// ends. Taken without waiting: a directory in use is an error at once.
+#[derive(Debug)]
+pub struct SnapshotDirLock {
+    dir: File,
+}
+
+impl SnapshotDirLock {
+    /// For writing into `dir`, which must exist.
+    pub fn exclusive(dir: &Path) -> Result<SnapshotDirLock, SnapshotError> {
+        Self::take(dir, libc::LOCK_EX)
+    }
+
+    /// For reading the snapshot in `dir`.
+    pub fn shared(dir: &Path) -> Result<SnapshotDirLock, SnapshotError> {
+        Self::take(dir, libc::LOCK_SH)
+    }
+
+    fn take(path: &Path, operation: libc::c_int) -> Result<SnapshotDirLock, SnapshotError> {
+        let lock_error = |source| SnapshotError::Lock {
+            path: path.to_path_buf(),
+            source,
+        };
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::ENOENT | libc::ENOTDIR) => SnapshotError::Invalid {
+                    dir: path.to_path_buf(),
+                    reason: "no such snapshot directory".into(),
+                },
+                _ => lock_error(source),
+            })?;
+        match flock(&dir, operation | libc::LOCK_NB) {
+            Ok(()) => Ok(SnapshotDirLock { dir }),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let path = path.to_path_buf();
+                Err(if operation == libc::LOCK_SH {
+                    SnapshotError::DirBeingWritten { path }
+                } else {
+                    SnapshotError::DirInUse { path }
+                })
+            }
+            Err(source) => Err(lock_error(source)),
+        }
+    }
+
+    /// Whether `other` is the directory this lock is on.
+    pub fn is_for(&self, other: &Path) -> bool {
+        match (self.dir.metadata(), std::fs::metadata(other)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+}
+
+/// Readies `dir` for a snapshot, before anything is written or paused: creates it (its
+/// last component), locks it, and refuses it if its `state` is not a gpuvm state file
+/// (the commit would replace it).
+pub(crate) fn prepare_dir(dir: &Path) -> Result<SnapshotDirLock, SnapshotError> {
+    create_dir(dir)?;
+    let lock = SnapshotDirLock::exclusive(dir)?;
+    check_replaceable(dir, STATE_FILE)?;
+    Ok(lock)
+}
+
+/// Refuses `dir/name` if something is there that gpuvm did not write (a framed file).
+pub(crate) fn check_replaceable(dir: &Path, name: &'static str) -> Result<(), SnapshotError> {
+    let path = dir.join(name);
+    if std::fs::symlink_metadata(&path).is_err() || is_gpuvm_file(&path, FRAMED_FILE_MAGIC) {
+        Ok(())
+    } else {
+        Err(SnapshotError::NotGpuvmFile {
+            dir: dir.to_path_buf(),
+            name,
+        })
+    }
 }
 
 /// A memory-file name not used in `dir` yet (the time in ns, bumped on collision).
@@ -184,11 +311,18 @@ pub(crate) fn fresh_memory_file(dir: &Path) -> String {
         .map_or(0, |d| d.as_nanos());
     loop {
         let name = format!("{MEMORY_FILE_PREFIX}{stamp}");
-        if !dir.join(&name).exists() {
+        // Not even a dangling link: the new file must not replace anything.
+        if std::fs::symlink_metadata(dir.join(&name)).is_err() {
             return name;
         }
         stamp += 1;
     }
+}
+
+/// Whether `name` is one gpuvm gives memory files: `memory-` and a decimal stamp.
+fn is_memory_file_name(name: &[u8]) -> bool {
+    name.strip_prefix(MEMORY_FILE_PREFIX.as_bytes())
+        .is_some_and(|stamp| !stamp.is_empty() && stamp.iter().all(u8::is_ascii_digit))
 }
 
 /// Writes the memory file for a snapshot: a diff against `chain` when `dirty` bitmaps
@@ -223,25 +357,49 @@ pub(crate) fn write_memory(
     }
 }
 
-/// Removes memory files in `dir` that `keep` does not name (after a state commit), and
-/// temporary files left by snapshots killed while writing.
+/// Writes the state file that commits a snapshot whose new memory file `new_memory_file`
+/// is written, then removes what it no longer needs (see [`remove_unreferenced`]) and the
+/// working set of the snapshot it replaced. If the state cannot be written, the new
+/// memory file is removed: the previous snapshot stays as it was, with nothing added.
+pub(crate) fn commit(
+    dir: &Path,
+    state: &MachineState,
+    new_memory_file: &str,
+) -> Result<(), SnapshotError> {
+    if let Err(error) = crate::persist::write_state_file(&dir.join(STATE_FILE), state) {
+        remove_logged(
+            &dir.join(new_memory_file),
+            "memory file of a failed snapshot",
+        );
+        return Err(error.into());
+    }
+    remove_unreferenced(dir, &state.memory_files);
+    crate::working_set::remove(dir);
+    Ok(())
+}
+
+/// Removes, in `dir`, memory files that `keep` does not name (after a state commit) and
+/// temporary files left by snapshots killed while writing: only files gpuvm wrote (its
+/// names and its magic), never anything else.
 pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let stale_memory = name.starts_with(MEMORY_FILE_PREFIX) && !keep.contains(&name);
-        // Temporary files of writers killed mid-snapshot (`.memory-N.tmp...`, `.state.tmp...`).
-        let stale_temporary = (name.starts_with(&format!(".{MEMORY_FILE_PREFIX}"))
-            || name.starts_with(&format!(".{STATE_FILE}.")))
-            && name.contains(".tmp");
-        if stale_memory || stale_temporary {
-            if let Err(error) = std::fs::remove_file(entry.path()) {
-                log::warn!(
-                    "cannot remove old memory file {}: {error}",
-                    entry.path().display()
-                );
+        let file_name = entry.file_name();
+        let name = file_name.as_bytes();
+        let path = entry.path();
+        if is_memory_file_name(name) {
+            if !keep.iter().any(|k| k.as_bytes() == name) && is_gpuvm_file(&path, MEMORY_FILE_MAGIC)
+            {
+                remove_logged(&path, "old memory file");
+            }
+        } else if let Some(target) = temp_file_target(name) {
+            let ours = is_memory_file_name(target)
+                || target == STATE_FILE.as_bytes()
+                || target == crate::working_set::FILE.as_bytes();
+            if ours {
+                remove_abandoned_temp_file(&path);
             }
         }
     }
@@ -493,18 +651,119 @@ mod tests {
         assert!(bad.to_config(Path::new("/x")).is_err());
     }
 
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gpuvm-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        create_dir(&dir).unwrap();
+        dir
+    }
+
     #[test]
     fn fresh_names_do_not_collide() {
-        let dir = std::env::temp_dir().join(format!("gpuvm-names-{}", std::process::id()));
-        create_dir(&dir).unwrap();
+        let dir = temp_dir("names");
         let first = fresh_memory_file(&dir);
-        std::fs::write(dir.join(&first), b"x").unwrap();
+        std::fs::write(dir.join(&first), MEMORY_FILE_MAGIC).unwrap();
         let second = fresh_memory_file(&dir);
         assert_ne!(first, second);
-        std::fs::write(dir.join(&second), b"y").unwrap();
+        std::fs::write(dir.join(&second), MEMORY_FILE_MAGIC).unwrap();
         remove_unreferenced(&dir, std::slice::from_ref(&second));
         assert!(!dir.join(&first).exists());
         assert!(dir.join(&second).exists());
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// Only what gpuvm wrote goes: its memory files and its abandoned temp files; a user's
+    /// files stay, whatever their names.
+    #[test]
+    fn cleanup_removes_only_gpuvm_files() {
+        let dir = temp_dir("cleanup");
+        let write = |name: &str, bytes: &[u8]| std::fs::write(dir.join(name), bytes).unwrap();
+        write("memory-1", MEMORY_FILE_MAGIC);
+        write("memory-2", MEMORY_FILE_MAGIC);
+        write(".memory-3.tmp.1.0", MEMORY_FILE_MAGIC);
+        write(".state.tmp.1.0", b"");
+        write(".working-set.tmp.1.0", FRAMED_FILE_MAGIC);
+        let users = [
+            ("memory-notes.txt", &b"notes"[..]),
+            ("memory-4", b"user data"),
+            ("memory-", b"GPUVMMEM"),
+            (".memory-notes.tmp.1.0", b"GPUVMMEM"),
+            (".state.tmp.1.1", b"user data"),
+            ("notes.txt", b"GPUVMMEM"),
+        ];
+        for (name, bytes) in users {
+            write(name, bytes);
+        }
+        remove_unreferenced(&dir, &["memory-2".to_string()]);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut expected: Vec<String> = users.iter().map(|(n, _)| n.to_string()).collect();
+        expected.push("memory-2".into());
+        expected.sort();
+        assert_eq!(left, expected);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn only_the_last_component_is_created() {
+        let dir = temp_dir("create");
+        let nested = dir.join("missing").join("snap");
+        let error = create_dir(&nested).unwrap_err();
+        assert!(
+            matches!(error, SnapshotError::NoParentDir { .. }),
+            "{error}"
+        );
+        assert!(!dir.join("missing").exists());
+        create_dir(&dir.join("snap")).unwrap();
+        create_dir(&dir.join("snap")).unwrap();
+        std::fs::write(dir.join("file"), b"x").unwrap();
+        assert!(create_dir(&dir.join("file")).is_err());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn a_locked_directory_is_refused() {
+        let dir = temp_dir("lock");
+        let writer = SnapshotDirLock::exclusive(&dir).unwrap();
+        assert!(writer.is_for(&dir));
+        assert!(matches!(
+            SnapshotDirLock::exclusive(&dir),
+            Err(SnapshotError::DirInUse { .. })
+        ));
+        assert!(matches!(
+            SnapshotDirLock::shared(&dir),
+            Err(SnapshotError::DirBeingWritten { .. })
+        ));
+        drop(writer);
+        let reader = SnapshotDirLock::shared(&dir).unwrap();
+        let _second_reader = SnapshotDirLock::shared(&dir).unwrap();
+        assert!(SnapshotDirLock::exclusive(&dir).is_err());
+        drop(reader);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn a_state_gpuvm_did_not_write_is_refused() {
+        let dir = temp_dir("foreign-state");
+        check_replaceable(&dir, STATE_FILE).unwrap();
+        std::fs::write(dir.join(STATE_FILE), b"my own notes").unwrap();
+        let error = prepare_dir(&dir).unwrap_err();
+        assert!(
+            matches!(error, SnapshotError::NotGpuvmFile { .. }),
+            "{error}"
+        );
+        std::fs::remove_file(dir.join(STATE_FILE)).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.join(STATE_FILE)).unwrap();
+        assert!(prepare_dir(&dir).is_err());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// The memory crate tells gpuvm's framed files by this magic.
+    #[test]
+    fn framed_file_magic_is_the_state_magic() {
+        assert_eq!(FRAMED_FILE_MAGIC, crate::persist::STATE_MAGIC);
     }
 }

@@ -13,13 +13,18 @@
 //! recorded for (the newest of the chain, by its random id), so a snapshot written into
 //! the same directory later makes it stale; a missing, stale or unreadable file is ignored
 //! with a warning, and a new snapshot into the directory removes it.
+//!
+//! It is written under the directory's exclusive lock (see
+//! [`crate::snapshot::SnapshotDirLock`]): not while a snapshot is being written there, and
+//! never over a `working-set` that gpuvm did not write.
 
 use std::path::Path;
 
-use gpuvm_memory::snapshot::SnapshotId;
+use gpuvm_memory::snapshot::{is_gpuvm_file, remove_logged, SnapshotId, FRAMED_FILE_MAGIC};
 use serde::{Deserialize, Serialize};
 
-use crate::persist::{self, PersistError};
+use crate::persist;
+use crate::snapshot::{check_replaceable, SnapshotDirLock, SnapshotError};
 
 /// The file's name in a snapshot directory.
 pub const FILE: &str = "working-set";
@@ -54,14 +59,18 @@ pub fn blocks_of(faults: &[u64]) -> Vec<u64> {
 }
 
 /// Writes `blocks` as the working set of the snapshot in `dir` whose newest memory file is
-/// `memory_file`; atomically, so a reader sees the old file or the new one.
-pub fn write(dir: &Path, memory_file: &SnapshotId, blocks: &[u64]) -> Result<(), PersistError> {
+/// `memory_file`; atomically, so a reader sees the old file or the new one. Refused while
+/// another process holds the directory (a snapshot being written there would replace
+/// the snapshot this describes) and over a `working-set` gpuvm did not write.
+pub fn write(dir: &Path, memory_file: &SnapshotId, blocks: &[u64]) -> Result<(), SnapshotError> {
+    let _writing = SnapshotDirLock::exclusive(dir)?;
+    check_replaceable(dir, FILE)?;
     let file = WorkingSetFile {
         memory_file_id: memory_file.to_string(),
         block_size: BLOCK,
         blocks: blocks.iter().take(MAX_BLOCKS).copied().collect(),
     };
-    persist::write_state_file(&dir.join(FILE), &file)
+    Ok(persist::write_state_file(&dir.join(FILE), &file)?)
 }
 
 /// The working set recorded for the snapshot in `dir` whose newest memory file is
@@ -101,15 +110,12 @@ pub fn read(dir: &Path, memory_file: &SnapshotId) -> Vec<u64> {
 }
 
 /// Removes `dir`'s working set (a new snapshot was committed there: it describes the old
-/// one). A file that is not there is fine.
+/// one), if gpuvm wrote it. A file that is not there is fine. The caller holds the
+/// directory's lock.
 pub fn remove(dir: &Path) {
-    match std::fs::remove_file(dir.join(FILE)) {
-        Ok(()) => log::debug!("removed the old working set in {}", dir.display()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => log::warn!(
-            "cannot remove the old working set in {}: {e}",
-            dir.display()
-        ),
+    let path = dir.join(FILE);
+    if is_gpuvm_file(&path, FRAMED_FILE_MAGIC) {
+        remove_logged(&path, "old working set");
     }
 }
 
@@ -155,6 +161,33 @@ mod tests {
         remove(&dir);
         assert!(!dir.join(FILE).exists());
         remove(&dir); // twice is fine
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Not written while another process holds the directory (here: this test, with
+    /// flock(2) as a snapshot writer takes it), nor over a file gpuvm did not write; and
+    /// such a file is not removed either.
+    #[test]
+    fn written_only_under_the_lock_and_never_over_a_user_file() {
+        use std::os::unix::io::AsRawFd;
+        let dir = temp_dir("locked");
+        let id = SnapshotId([3; 16]);
+        let holder = std::fs::File::open(&dir).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(
+            unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+            0
+        );
+        assert!(
+            write(&dir, &id, &[0]).is_err(),
+            "written under another's lock"
+        );
+        assert!(!dir.join(FILE).exists());
+        drop(holder);
+        std::fs::write(dir.join(FILE), b"user notes").unwrap();
+        assert!(write(&dir, &id, &[0]).is_err(), "replaced a user's file");
+        remove(&dir);
+        assert_eq!(std::fs::read(dir.join(FILE)).unwrap(), b"user notes");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
