@@ -151,6 +151,8 @@ fn snapshots() -> &'static Snapshots {
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&root);
+        // gpuvm creates only the last component of a snapshot directory.
+        std::fs::create_dir_all(&root).expect("mkdir");
         // SAFETY: registers a plain function without captures to run at exit.
         unsafe { libc::atexit(remove_snapshots) };
         let (a, b) = (root.join("a"), root.join("b"));
