@@ -28,7 +28,7 @@ use crate::seccomp::{self, ThreadKind};
 use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
-use crate::vcpu::{StopReporter, Vcpu, VcpuHandle, VcpuStop, VcpuThread};
+use crate::vcpu::{self, StopReporter, Vcpu, VcpuHandle, VcpuStop, VcpuThread};
 use crate::working_set;
 use crate::{lock, Error};
 
@@ -139,19 +139,20 @@ impl RunningMachine<'_> {
         self.machine.paused
     }
 
+    /// Pauses every vCPU; at once if they are paused. If one cannot pause, none is: the
+    /// VM runs on, as reported, and the error says why.
     pub fn pause(&mut self) -> Result<(), Error> {
-        for handle in self.handles {
-            handle.pause()?;
-        }
+        vcpu::pause_all(self.handles)?;
         self.machine.paused = true;
         Ok(())
     }
 
+    /// Resumes every vCPU; at once if they run.
     pub fn resume(&mut self) -> Result<(), Error> {
-        for handle in self.handles {
-            handle.resume()?;
-        }
+        // Asked to run, every vCPU does as soon as it wakes (a paused thread waits on
+        // nothing else), so the VM is running even if one fails to confirm it.
         self.machine.paused = false;
+        vcpu::resume_all(self.handles)?;
         Ok(())
     }
 
@@ -349,24 +350,24 @@ impl Machine {
         // privileged is left to do, while they finish theirs, then lets the guest run.
         let mut handles: Vec<VcpuHandle> = Vec::with_capacity(self.vcpus.len());
         let mut threads = std::mem::take(&mut self.vcpu_threads);
+        let stall_cause = self.stall_cause();
         let started = (|| -> Result<(), Error> {
             for vcpu in self.vcpus.drain(..) {
                 let thread = match threads.iter().position(|t| t.id() == vcpu.id) {
                     Some(at) => threads.swap_remove(at),
                     None => VcpuThread::spawn(vcpu.id)?,
                 };
-                handles.push(thread.launch(vcpu, reporter.clone())?);
+                let mut handle = thread.launch(vcpu, reporter.clone())?;
+                if let Some(cause) = stall_cause {
+                    handle.set_stall_cause(cause);
+                }
+                handles.push(handle);
             }
             seccomp::apply(ThreadKind::Vmm)?;
             for handle in &handles {
                 handle.wait_ready()?;
             }
-            for handle in &handles {
-                handle.request_resume();
-            }
-            for handle in &handles {
-                handle.wait_resumed()?;
-            }
+            vcpu::resume_all(&handles)?;
             Ok(())
         })();
         drop(threads);
@@ -419,9 +420,9 @@ impl Machine {
             }
         };
         SNAPSHOT_SIGNAL_FD.store(-1, Ordering::SeqCst);
-        for handle in handles.iter_mut() {
-            handle.stop_and_join();
-        }
+        // Bounded: a vCPU waiting for guest memory nobody serves is left behind, so that
+        // the run (and the process) can end.
+        vcpu::stop_all(&mut handles);
         // When guest memory could not be served, that is why the run ended, whatever
         // ended it first (a vCPU faulting out of fenced memory, a guest that noticed).
         if let Err(error) = self.lazy_progress() {
@@ -438,6 +439,20 @@ impl Machine {
         // The guest ended before everything was loaded: what it faulted on so far.
         self.save_working_set();
         outcome
+    }
+
+    /// What a vCPU that does not leave KVM_RUN when kicked waits for: guest memory that a
+    /// lazy restore has not served (nothing else blocks a kicked vCPU for long).
+    fn stall_cause(&self) -> Option<&'static str> {
+        match &self.lazy {
+            Some(LazyMemory::External(_)) => {
+                Some("guest memory from the external page-fault handler, which has not served it")
+            }
+            Some(LazyMemory::InProcess(_)) => {
+                Some("guest memory that the lazy restore has not loaded yet")
+            }
+            None => None,
+        }
     }
 
     /// Whether lazily restored memory is fully loaded; an error if the loader failed or

@@ -1,15 +1,20 @@
 //! vCPUs: one thread each, running KVM_RUN and dispatching exits to the device buses.
 //!
-//! The VMM thread talks to a vCPU thread through a [`VcpuHandle`]: it sends a request
-//! and kicks the thread out of KVM_RUN with a signal. The signal handler sets
+//! The VMM thread steers a vCPU thread through a [`VcpuHandle`]: it sets what it wants
+//! of the thread (run, pause, stop) in state they share, and kicks the thread out of
+//! KVM_RUN with a signal. The thread acts on the latest wish between KVM_RUN calls and
+//! says what it is doing in the same state, so a wish is idempotent, a wish that is
+//! withdrawn before the thread looked is never acted on, and no answer is left over for
+//! a later request to mistake for its own. The signal handler sets
 //! `kvm_run.immediate_exit`, so a kick that lands just before the thread re-enters
 //! KVM_RUN is not lost (KVM_RUN returns EINTR at once).
 
 use std::cell::Cell;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Once};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpuvm_devices::Bus;
 use kvm_bindings::{kvm_run, CpuId, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
@@ -19,6 +24,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::persist::{self, PersistError, VcpuState};
+use crate::seccomp::SeccompError;
 use crate::x86_64::cpuid::{self, CpuidMask, Topology};
 use crate::x86_64::emulate;
 use crate::x86_64::msr;
@@ -59,17 +65,27 @@ pub enum VcpuError {
     SignalHandler(vmm_sys_util::errno::Error),
     #[error("vCPU {0} did not answer within the time limit")]
     NoResponse(u8),
-    #[error("vCPU {0} answered unexpectedly: {1}")]
-    UnexpectedResponse(u8, String),
+    #[error(
+        "vCPU {id} did not stop running the guest within {} ms of being asked to{}",
+        .waited.as_millis(),
+        .cause.map(|c| format!(": it waits for {c}")).unwrap_or_default()
+    )]
+    NotStopping {
+        id: u8,
+        waited: Duration,
+        /// What the vCPU most likely waits for, when the machine knows.
+        cause: Option<&'static str>,
+    },
+    #[error("vCPU {0} has stopped")]
+    Ended(u8),
+    #[error("vCPU {0} is not paused (its state can only be saved while it is)")]
+    NotPaused(u8),
     #[error("vCPU {id} was handed to the thread started for vCPU {thread}")]
     WrongThread { id: u8, thread: u8 },
     #[error("vCPU {0}: cannot save its state: {1}")]
     SaveState(u8, PersistError),
     #[error("vCPU {id}: {source}")]
-    Seccomp {
-        id: u8,
-        source: crate::seccomp::SeccompError,
-    },
+    Seccomp { id: u8, source: SeccompError },
 }
 
 /// Why a vCPU stopped running the guest on its own.
@@ -84,27 +100,99 @@ pub enum VcpuStop {
     Error(VcpuError),
 }
 
-/// Requests from the VMM thread.
-#[derive(Debug)]
-pub enum VcpuRequest {
+/// What the VMM thread wants a vCPU thread to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wish {
+    Run,
     Pause,
-    Resume,
     Stop,
-    /// Capture the vCPU's state (only honoured while paused); the MSR indices to save.
-    SaveState(Arc<Vec<u32>>),
 }
 
-/// Answers to requests.
-#[derive(Debug)]
-pub enum VcpuResponse {
-    /// The thread is up, its seccomp filter installed (or the reason it could not be);
-    /// it waits for Resume before it runs the guest.
-    Ready(Result<(), crate::seccomp::SeccompError>),
+/// What a vCPU thread is doing, as it last said.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Activity {
+    /// Installing its seccomp filter, or waiting for its vCPU.
+    Starting,
+    /// Out of KVM_RUN until its wish changes; it captures its state on request.
     Paused,
-    Resumed,
-    State(Box<Result<VcpuState, PersistError>>),
-    /// SaveState arrived while the vCPU was running.
-    NotPaused,
+    /// Running the guest; it looks at its wish between KVM_RUN calls.
+    Running,
+    /// The thread has ended.
+    Ended,
+}
+
+/// What the VMM thread and one vCPU thread share.
+struct Shared {
+    wish: Wish,
+    activity: Activity,
+    /// How installing the thread's seccomp filter went, once it has.
+    ready: Option<Result<(), SeccompError>>,
+    /// A state capture asked of the paused thread (the MSR indices to save)...
+    save_request: Option<Arc<Vec<u32>>>,
+    /// ...and its result.
+    saved: Option<Result<VcpuState, PersistError>>,
+}
+
+/// [`Shared`] behind its lock; every change is announced on `changed`.
+struct Control {
+    shared: Mutex<Shared>,
+    changed: Condvar,
+    /// Whether the wish is anything but Run, for the running thread to read between
+    /// KVM_RUN calls without taking the lock (written only under it).
+    attention: AtomicBool,
+}
+
+impl Control {
+    fn new() -> Control {
+        Control {
+            shared: Mutex::new(Shared {
+                // A new thread waits to be resumed.
+                wish: Wish::Pause,
+                activity: Activity::Starting,
+                ready: None,
+                save_request: None,
+                saved: None,
+            }),
+            changed: Condvar::new(),
+            attention: AtomicBool::new(true),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        crate::lock(&self.shared)
+    }
+
+    fn wait<'a>(&self, shared: MutexGuard<'a, Shared>) -> MutexGuard<'a, Shared> {
+        self.changed
+            .wait(shared)
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn set_wish(&self, shared: &mut Shared, wish: Wish) {
+        // Stop is final.
+        if shared.wish != Wish::Stop {
+            shared.wish = wish;
+            self.attention.store(wish != Wish::Run, Ordering::SeqCst);
+            self.changed.notify_all();
+        }
+    }
+
+    fn set_activity(&self, shared: &mut Shared, activity: Activity) {
+        if shared.activity != activity {
+            shared.activity = activity;
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// Marks the thread Ended however it ends (a panic included), so nobody waits for it.
+struct EndedOnDrop(Arc<Control>);
+
+impl Drop for EndedOnDrop {
+    fn drop(&mut self) {
+        let mut shared = self.0.lock();
+        self.0.set_activity(&mut shared, Activity::Ended);
+    }
 }
 
 /// Where a vCPU reports that it stopped on its own.
@@ -244,19 +332,18 @@ impl Vcpu {
         persist::restore_vcpu(&self.fd, state)
     }
 
-    /// The thread's life once it has its vCPU: wait for Resume, run, report why it stopped.
-    fn thread_main(
-        mut self,
-        requests: Receiver<VcpuRequest>,
-        responses: Sender<VcpuResponse>,
-        reporter: Arc<StopReporter>,
-    ) {
-        if !self.wait_while_paused(&requests, &responses) {
-            return;
-        }
+    /// The thread's life once it has its vCPU: wait to be resumed, run, report why it
+    /// stopped.
+    fn thread_main(mut self, control: &Control, reporter: Arc<StopReporter>) {
+        // Published before any kick can be meant for KVM_RUN: a kick that lands before the
+        // first entry still makes that entry return at once.
         let run_ptr: *mut kvm_run = self.fd.get_kvm_run();
         KVM_RUN_PTR.with(|ptr| ptr.set(run_ptr));
-        let stop = self.run_loop(&requests, &responses);
+        let stop = if self.wait_while_paused(control) {
+            self.run_loop(control)
+        } else {
+            None
+        };
         KVM_RUN_PTR.with(|ptr| ptr.set(std::ptr::null_mut()));
         if let Some(stop) = stop {
             // The VMM may already be gone if it is shutting down; nothing to report then.
@@ -265,30 +352,12 @@ impl Vcpu {
         }
     }
 
-    /// Runs the guest until a Stop request (returns None) or the guest stops (Some).
-    fn run_loop(
-        &mut self,
-        requests: &Receiver<VcpuRequest>,
-        responses: &Sender<VcpuResponse>,
-    ) -> Option<VcpuStop> {
+    /// Runs the guest until the wish is Stop (returns None) or the guest stops (Some).
+    fn run_loop(&mut self, control: &Control) -> Option<VcpuStop> {
         loop {
-            // Requests are only looked at between runs; a kick makes KVM_RUN return.
-            while let Ok(request) = requests.try_recv() {
-                match request {
-                    VcpuRequest::Stop => return None,
-                    VcpuRequest::Pause => {
-                        let _ = responses.send(VcpuResponse::Paused);
-                        if !self.wait_while_paused(requests, responses) {
-                            return None;
-                        }
-                    }
-                    VcpuRequest::Resume => {
-                        let _ = responses.send(VcpuResponse::Resumed);
-                    }
-                    VcpuRequest::SaveState(_) => {
-                        let _ = responses.send(VcpuResponse::NotPaused);
-                    }
-                }
+            // The wish is only looked at between runs; a kick makes KVM_RUN return.
+            if control.attention.load(Ordering::SeqCst) && !self.wait_while_paused(control) {
+                return None;
             }
             match self.run_once() {
                 Ok(None) => {}
@@ -298,26 +367,30 @@ impl Vcpu {
         }
     }
 
-    /// Blocks until Resume (true) or Stop (false), answering state requests meanwhile.
-    fn wait_while_paused(
-        &self,
-        requests: &Receiver<VcpuRequest>,
-        responses: &Sender<VcpuResponse>,
-    ) -> bool {
+    /// Acts on the wish: true once it is Run (at once if it is), false for Stop; while it
+    /// is Pause, stays out of KVM_RUN and captures the vCPU's state on request.
+    fn wait_while_paused(&self, control: &Control) -> bool {
+        let mut shared = control.lock();
         loop {
-            match requests.recv() {
-                Ok(VcpuRequest::Resume) => {
-                    let _ = responses.send(VcpuResponse::Resumed);
+            match shared.wish {
+                Wish::Run => {
+                    control.set_activity(&mut shared, Activity::Running);
                     return true;
                 }
-                Ok(VcpuRequest::Pause) => {
-                    let _ = responses.send(VcpuResponse::Paused);
+                Wish::Stop => return false,
+                Wish::Pause => {
+                    control.set_activity(&mut shared, Activity::Paused);
+                    match shared.save_request.take() {
+                        Some(msr_indices) => {
+                            drop(shared);
+                            let state = persist::save_vcpu(&self.fd, self.id, &msr_indices);
+                            shared = control.lock();
+                            shared.saved = Some(state);
+                            control.changed.notify_all();
+                        }
+                        None => shared = control.wait(shared),
+                    }
                 }
-                Ok(VcpuRequest::SaveState(msr_indices)) => {
-                    let state = persist::save_vcpu(&self.fd, self.id, &msr_indices);
-                    let _ = responses.send(VcpuResponse::State(Box::new(state)));
-                }
-                Ok(VcpuRequest::Stop) | Err(_) => return false,
             }
         }
     }
@@ -476,26 +549,31 @@ pub struct VcpuThread {
 }
 
 impl VcpuThread {
-    /// Spawns the thread for vCPU `id`: it installs the vCPU filter, reports Ready, and
-    /// waits for its vCPU.
+    /// Spawns the thread for vCPU `id`: it installs the vCPU filter, says it is ready,
+    /// and waits for its vCPU.
     pub fn spawn(id: u8) -> Result<VcpuThread, VcpuError> {
         install_kick_handler()?;
-        let (request_tx, request_rx) = channel();
-        let (response_tx, response_rx) = channel();
+        let control = Arc::new(Control::new());
+        let thread_control = control.clone();
         let (launch_tx, launch_rx) = channel::<Launch>();
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                let _ended = EndedOnDrop(thread_control.clone());
                 // Filtered before anything else runs on this thread, guest code included.
                 let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
                 let failed = filtered.is_err();
-                let _ = response_tx.send(VcpuResponse::Ready(filtered));
+                {
+                    let mut shared = thread_control.lock();
+                    shared.ready = Some(filtered);
+                    thread_control.changed.notify_all();
+                }
                 if failed {
                     return;
                 }
                 // The sender is dropped unlaunched when the machine is torn down first.
                 if let Ok((vcpu, reporter)) = launch_rx.recv() {
-                    vcpu.thread_main(request_rx, response_tx, reporter);
+                    vcpu.thread_main(&thread_control, reporter);
                 }
             })
             .map_err(|source| VcpuError::Spawn { id, source })?;
@@ -504,8 +582,8 @@ impl VcpuThread {
             handle: VcpuHandle {
                 id,
                 thread: Some(thread),
-                requests: request_tx,
-                responses: response_rx,
+                control,
+                stall_cause: None,
             },
         })
     }
@@ -534,13 +612,20 @@ impl VcpuThread {
 pub struct VcpuHandle {
     pub id: u8,
     thread: Option<JoinHandle<()>>,
-    requests: Sender<VcpuRequest>,
-    responses: Receiver<VcpuResponse>,
+    control: Arc<Control>,
+    stall_cause: Option<&'static str>,
 }
 
-/// How long a vCPU may take to acknowledge a request (ring-0 guest code can be slow to
-/// reach an exit on emulating hosts, but a kick interrupts KVM_RUN itself).
-const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a running vCPU may take to leave KVM_RUN once kicked. It takes microseconds
+/// (the kick interrupts KVM_RUN itself, emulated guest code included), so a vCPU that
+/// takes longer is blocked in the kernel, waiting for guest memory nobody serves (a
+/// stalled page-fault handler), and may never come back.
+const STOP_RUNNING_LIMIT: Duration = Duration::from_secs(2);
+
+/// How long a thread may take to do what needs no guest: install its seccomp filter (a
+/// few hundred microseconds, much more on a loaded nested host), wake up to resume,
+/// capture its state.
+const ANSWER_LIMIT: Duration = Duration::from_secs(10);
 
 impl VcpuHandle {
     fn kick(&self) {
@@ -550,94 +635,238 @@ impl VcpuHandle {
         }
     }
 
-    /// Sends a request and interrupts KVM_RUN so the thread sees it.
-    pub fn send(&self, request: VcpuRequest) {
-        let _ = self.requests.send(request);
-        self.kick();
+    /// Says what this vCPU waits for if it does not stop running when asked to (e.g.
+    /// guest memory from an external page-fault handler), for the error that says so.
+    pub fn set_stall_cause(&mut self, cause: &'static str) {
+        self.stall_cause = Some(cause);
     }
 
-    /// Waits for the answer to a request sent with [`send`](Self::send).
-    pub fn wait_response(&self) -> Result<VcpuResponse, VcpuError> {
-        match self.responses.recv_timeout(RESPONSE_TIMEOUT) {
-            Ok(response) => Ok(response),
-            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                Err(VcpuError::NoResponse(self.id))
+    /// Waits until `done` holds, the thread has ended, or `limit` has passed; returns the
+    /// shared state as it then is.
+    fn wait_until(
+        &self,
+        limit: Duration,
+        done: impl Fn(&Shared) -> bool,
+    ) -> MutexGuard<'_, Shared> {
+        let deadline = Instant::now() + limit;
+        let mut shared = self.control.lock();
+        while !done(&shared) && shared.activity != Activity::Ended {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
             }
+            shared = self
+                .control
+                .changed
+                .wait_timeout(shared, left)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+        shared
+    }
+
+    fn not_stopping(&self, waited: Duration) -> VcpuError {
+        VcpuError::NotStopping {
+            id: self.id,
+            waited,
+            cause: self.stall_cause,
         }
     }
 
     /// Waits until the new thread has installed its seccomp filter (it then waits for
     /// [`resume`](Self::resume)).
     pub fn wait_ready(&self) -> Result<(), VcpuError> {
-        match self.wait_response()? {
-            VcpuResponse::Ready(Ok(())) => Ok(()),
-            VcpuResponse::Ready(Err(source)) => Err(VcpuError::Seccomp {
+        let mut shared = self.wait_until(ANSWER_LIMIT, |s| s.ready.is_some());
+        match shared.ready.take() {
+            Some(Ok(())) => {
+                shared.ready = Some(Ok(()));
+                Ok(())
+            }
+            Some(Err(source)) => Err(VcpuError::Seccomp {
                 id: self.id,
                 source,
             }),
-            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+            None if shared.activity == Activity::Ended => Err(VcpuError::Ended(self.id)),
+            None => Err(VcpuError::NoResponse(self.id)),
         }
     }
 
-    /// Pauses the vCPU and waits until it is out of KVM_RUN.
+    /// Pauses the vCPU and waits until it is out of KVM_RUN; at once if it is paused.
     pub fn pause(&self) -> Result<(), VcpuError> {
-        self.send(VcpuRequest::Pause);
-        match self.wait_response()? {
-            VcpuResponse::Paused => Ok(()),
-            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+        self.request_pause();
+        self.wait_paused()
+    }
+
+    /// Asks the vCPU to pause without waiting (to pause several vCPUs at once, then
+    /// [`wait_paused`](Self::wait_paused) on each).
+    pub fn request_pause(&self) {
+        let mut shared = self.control.lock();
+        self.control.set_wish(&mut shared, Wish::Pause);
+        // Only a running thread can be in KVM_RUN; a kick would only cost a paused one an
+        // empty KVM_RUN later.
+        let running = shared.activity == Activity::Running;
+        drop(shared);
+        if running {
+            self.kick();
         }
     }
 
+    /// Waits for [`request_pause`](Self::request_pause) to take effect. If the vCPU does
+    /// not leave KVM_RUN in time, the request is withdrawn: it runs on, and does not
+    /// pause later behind the VMM's back.
+    pub fn wait_paused(&self) -> Result<(), VcpuError> {
+        let mut shared = self.wait_until(STOP_RUNNING_LIMIT, |s| s.activity == Activity::Paused);
+        match shared.activity {
+            Activity::Paused => Ok(()),
+            Activity::Ended => Err(VcpuError::Ended(self.id)),
+            // Not launched yet: it pauses first thing once it is.
+            Activity::Starting => Err(VcpuError::NoResponse(self.id)),
+            Activity::Running => {
+                self.control.set_wish(&mut shared, Wish::Run);
+                Err(self.not_stopping(STOP_RUNNING_LIMIT))
+            }
+        }
+    }
+
+    /// Resumes the vCPU; at once if it is running.
     pub fn resume(&self) -> Result<(), VcpuError> {
         self.request_resume();
         self.wait_resumed()
     }
 
-    /// Sends Resume without waiting for the answer (to resume several vCPUs at once,
-    /// then [`wait_resumed`](Self::wait_resumed) on each).
+    /// Asks the vCPU to run without waiting (to resume several vCPUs at once, then
+    /// [`wait_resumed`](Self::wait_resumed) on each).
     pub fn request_resume(&self) {
-        // No kick needed: a paused thread is blocked on the request channel, not in KVM_RUN.
-        let _ = self.requests.send(VcpuRequest::Resume);
+        // No kick needed: a paused thread waits on the condition variable, not in KVM_RUN.
+        let mut shared = self.control.lock();
+        self.control.set_wish(&mut shared, Wish::Run);
     }
 
-    /// Waits for the answer to [`request_resume`](Self::request_resume).
+    /// Waits for [`request_resume`](Self::request_resume) to take effect.
     pub fn wait_resumed(&self) -> Result<(), VcpuError> {
-        match self.wait_response()? {
-            VcpuResponse::Resumed => Ok(()),
-            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+        let shared = self.wait_until(ANSWER_LIMIT, |s| s.activity == Activity::Running);
+        match shared.activity {
+            Activity::Running => Ok(()),
+            Activity::Ended => Err(VcpuError::Ended(self.id)),
+            Activity::Starting | Activity::Paused => Err(VcpuError::NoResponse(self.id)),
         }
     }
 
     /// Captures the state of a paused vCPU.
     pub fn save_state(&self, msr_indices: Arc<Vec<u32>>) -> Result<VcpuState, VcpuError> {
-        let _ = self.requests.send(VcpuRequest::SaveState(msr_indices));
-        match self.wait_response()? {
-            VcpuResponse::State(state) => {
-                (*state).map_err(|source| VcpuError::SaveState(self.id, source))
+        {
+            let mut shared = self.control.lock();
+            if shared.wish != Wish::Pause || shared.activity != Activity::Paused {
+                return Err(VcpuError::NotPaused(self.id));
             }
-            other => Err(VcpuError::UnexpectedResponse(self.id, format!("{other:?}"))),
+            shared.saved = None;
+            shared.save_request = Some(msr_indices);
+            self.control.changed.notify_all();
+        }
+        let mut shared = self.wait_until(ANSWER_LIMIT, |s| s.saved.is_some());
+        match shared.saved.take() {
+            Some(state) => state.map_err(|source| VcpuError::SaveState(self.id, source)),
+            None => {
+                shared.save_request = None;
+                Err(match shared.activity {
+                    Activity::Ended => VcpuError::Ended(self.id),
+                    _ => VcpuError::NoResponse(self.id),
+                })
+            }
         }
     }
 
-    /// Stops the thread and waits for it to end.
-    pub fn stop_and_join(&mut self) {
-        self.send(VcpuRequest::Stop);
-        if let Some(thread) = self.thread.take() {
-            // Keep kicking until it leaves KVM_RUN: a single signal can race with entry.
-            while !thread.is_finished() {
-                let _ = thread.kill(kick_signal());
-                std::thread::sleep(Duration::from_millis(1));
+    /// Asks the thread to end, without waiting (see [`join_by`](Self::join_by)).
+    pub fn request_stop(&self) {
+        let mut shared = self.control.lock();
+        self.control.set_wish(&mut shared, Wish::Stop);
+        drop(shared);
+        self.kick();
+    }
+
+    /// Waits until the thread has ended, kicking it out of KVM_RUN meanwhile. A thread
+    /// still running the guest at `deadline` is blocked in the kernel and may never come
+    /// back (see [`STOP_RUNNING_LIMIT`]): it is left behind, to end with the process,
+    /// and false is returned. True once the thread has ended (or was already joined).
+    pub fn join_by(&mut self, deadline: Instant) -> bool {
+        let Some(thread) = self.thread.take() else {
+            return true;
+        };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let shared =
+                self.wait_until(left.min(KICK_INTERVAL), |s| s.activity == Activity::Ended);
+            let ended = shared.activity == Activity::Ended;
+            drop(shared);
+            if ended {
+                // It only has to return from its closure now.
+                if thread.join().is_err() {
+                    log::error!("vCPU {} thread panicked", self.id);
+                }
+                return true;
             }
-            if thread.join().is_err() {
-                log::error!("vCPU {} thread panicked", self.id);
+            if left.is_zero() {
+                log::error!(
+                    "{}; leaving its thread behind, to end with the process",
+                    self.not_stopping(STOP_RUNNING_LIMIT)
+                );
+                // Dropping the handle detaches the thread.
+                return false;
             }
+            // Again, in case the thread was not yet in KVM_RUN's reach (still starting).
+            let _ = thread.kill(kick_signal());
         }
     }
+
+    /// Stops the thread and waits for it to end (or leaves it behind: see
+    /// [`join_by`](Self::join_by)).
+    pub fn stop_and_join(&mut self) -> bool {
+        self.request_stop();
+        self.join_by(Instant::now() + STOP_RUNNING_LIMIT)
+    }
 }
+
+/// How often [`VcpuHandle::join_by`] kicks a thread that has not ended yet.
+const KICK_INTERVAL: Duration = Duration::from_millis(50);
 
 impl Drop for VcpuHandle {
     fn drop(&mut self) {
         self.stop_and_join();
+    }
+}
+
+/// Pauses every vCPU, all asked at once, all or nothing: if one does not pause, the
+/// others are resumed, so the VM runs on as it did, and the error says which and why.
+pub fn pause_all(handles: &[VcpuHandle]) -> Result<(), VcpuError> {
+    for handle in handles {
+        handle.request_pause();
+    }
+    let Err(error) = handles.iter().try_for_each(VcpuHandle::wait_paused) else {
+        return Ok(());
+    };
+    if let Err(undo) = resume_all(handles) {
+        log::error!("cannot resume the vCPUs after a failed pause: {undo}");
+    }
+    Err(error)
+}
+
+/// Resumes every vCPU, all asked at once.
+pub fn resume_all(handles: &[VcpuHandle]) -> Result<(), VcpuError> {
+    for handle in handles {
+        handle.request_resume();
+    }
+    handles.iter().try_for_each(VcpuHandle::wait_resumed)
+}
+
+/// Stops every vCPU thread, all asked at once, and joins them within one time limit;
+/// threads that do not end by then are left behind (see [`VcpuHandle::join_by`]).
+pub fn stop_all(handles: &mut [VcpuHandle]) {
+    for handle in handles.iter() {
+        handle.request_stop();
+    }
+    let deadline = Instant::now() + STOP_RUNNING_LIMIT;
+    for handle in handles.iter_mut() {
+        handle.join_by(deadline);
     }
 }
 
@@ -710,7 +939,174 @@ mod tests {
                 .unwrap();
             handle.wait_ready().unwrap();
             handle.pause().unwrap();
-            handle.stop_and_join();
+            assert!(handle.stop_and_join());
+        });
+    }
+
+    /// A VM whose one vCPU runs `jmp $` in long mode, so that it never leaves KVM_RUN
+    /// unless kicked (as a guest's AP running ring-3 code does).
+    struct SpinningGuest {
+        handle: VcpuHandle,
+        // Guest RAM: dropped only once the vCPU thread has ended.
+        ram: GuestMemoryMmap,
+        _vm: kvm_ioctls::VmFd,
+    }
+
+    const RAM_SIZE: usize = 0x10000;
+    const CODE: u64 = 0x1000;
+
+    impl SpinningGuest {
+        /// `prepare` gets guest RAM's host address once the code and page tables are in.
+        fn start(prepare: impl FnOnce(u64, u64)) -> SpinningGuest {
+            use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+            let kvm = kvm_ioctls::Kvm::new().expect("open /dev/kvm");
+            let vm = kvm.create_vm().expect("create VM");
+            // The vCPU state a snapshot saves includes the in-kernel LAPIC.
+            vm.create_irq_chip().expect("in-kernel irqchip");
+            let ram = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM_SIZE)]).unwrap();
+            let host = ram.get_host_address(GuestAddress(0)).unwrap() as u64;
+            let region = kvm_bindings::kvm_userspace_memory_region {
+                slot: 0,
+                flags: 0,
+                guest_phys_addr: 0,
+                memory_size: RAM_SIZE as u64,
+                userspace_addr: host,
+            };
+            // SAFETY: the mapping outlives the VM's use of it (see `ram`).
+            unsafe { vm.set_user_memory_region(region) }.expect("memory slot");
+            let fd = vm.create_vcpu(0).expect("create vCPU");
+            let entry = EntryPoint::Linux64 { entry: CODE };
+            let sregs = regs::setup_boot_sregs(&ram, entry, fd.get_sregs().unwrap()).unwrap();
+            fd.set_sregs(&sregs).unwrap();
+            fd.set_regs(&regs::boot_regs(entry)).unwrap();
+            ram.write_slice(&[0xeb, 0xfe], GuestAddress(CODE)).unwrap(); // jmp $
+            prepare(host, RAM_SIZE as u64);
+            let bus = || Arc::new(Bus::new());
+            let reporter = Arc::new(StopReporter {
+                reasons: channel().0,
+                event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            });
+            let handle = VcpuThread::spawn(0)
+                .unwrap()
+                .launch(Vcpu::new(0, fd, bus(), bus()), reporter)
+                .unwrap();
+            handle.wait_ready().unwrap();
+            SpinningGuest {
+                handle,
+                ram,
+                _vm: vm,
+            }
+        }
+
+        fn wait_ended(&self) {
+            let shared = self
+                .handle
+                .wait_until(ANSWER_LIMIT, |s| s.activity == Activity::Ended);
+            assert_eq!(shared.activity, Activity::Ended);
+        }
+    }
+
+    impl Drop for SpinningGuest {
+        fn drop(&mut self) {
+            self.handle.stop_and_join();
+            // Guest RAM goes only after the thread.
+            self.wait_ended();
+            let _ = &self.ram;
+        }
+    }
+
+    /// Asserts that `f` succeeds within `limit`.
+    fn at_once(what: &str, limit: Duration, f: impl FnOnce() -> Result<(), VcpuError>) {
+        let started = Instant::now();
+        f().unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            started.elapsed() < limit,
+            "{what} took {:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn pause_and_resume_are_idempotent_on_a_vcpu_that_never_exits() {
+        within_seconds(30, || {
+            let guest = SpinningGuest::start(|_, _| {});
+            let handle = &guest.handle;
+            let quick = Duration::from_millis(500);
+            at_once("resume", ANSWER_LIMIT, || handle.resume());
+            // Redundant: nothing to do, and nothing left over for later requests.
+            at_once("a second resume", quick, || handle.resume());
+            assert!(matches!(
+                handle.save_state(Arc::new(Vec::new())),
+                Err(VcpuError::NotPaused(0))
+            ));
+            at_once("pause", quick, || handle.pause());
+            at_once("a second pause", quick, || handle.pause());
+            handle
+                .save_state(Arc::new(Vec::new()))
+                .expect("state of a paused vCPU");
+            at_once("resume", quick, || handle.resume());
+            at_once("pause", quick, || handle.pause());
+            at_once("resume", quick, || handle.resume());
+        });
+    }
+
+    #[test]
+    fn a_vcpu_waiting_for_guest_memory_fails_a_pause_and_is_left_behind_by_a_stop() {
+        within_seconds(30, || {
+            let uffd = gpuvm_memory::uffd::create_uffd().expect("userfaultfd");
+            let mut guest = SpinningGuest::start(|host, len| {
+                // Every page missing, the page tables too: the vCPU's first instruction
+                // fetch walks them from the kernel, which waits for the userfaultfd with
+                // only fatal signals able to interrupt it.
+                // SAFETY: guest RAM, private anonymous memory nobody else uses yet.
+                let ret = unsafe {
+                    libc::madvise(host as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+                };
+                assert_eq!(ret, 0);
+                gpuvm_memory::uffd::register_ranges(&uffd, &[(host, len)], 4096)
+                    .expect("register guest RAM");
+            });
+            guest.handle.set_stall_cause("a page nobody serves");
+            // Its first instruction fetch waits for a page that nobody serves.
+            guest.handle.resume().unwrap();
+            // Its fault reached the userfaultfd: it waits for a page now.
+            let deadline = Instant::now() + ANSWER_LIMIT;
+            while !matches!(uffd.read_event(), Ok(Some(_))) {
+                assert!(Instant::now() < deadline, "the vCPU never faulted");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let started = Instant::now();
+            let error = guest
+                .handle
+                .pause()
+                .expect_err("paused while waiting for memory");
+            assert!(
+                started.elapsed() < STOP_RUNNING_LIMIT + Duration::from_secs(1),
+                "{:?}",
+                started.elapsed()
+            );
+            assert!(
+                matches!(error, VcpuError::NotStopping { id: 0, .. }),
+                "{error}"
+            );
+            assert!(
+                error.to_string().contains("a page nobody serves"),
+                "{error}"
+            );
+            // The pause was withdrawn; a resume has nothing to wait for.
+            at_once("resume", Duration::from_millis(500), || {
+                guest.handle.resume()
+            });
+            let started = Instant::now();
+            assert!(
+                !guest.handle.stop_and_join(),
+                "a stuck vCPU thread was joined"
+            );
+            assert!(started.elapsed() < STOP_RUNNING_LIMIT + Duration::from_secs(1));
+            // Closing the userfaultfd drops the registration: the fault is served with a
+            // zero page (the guest then triple-faults), and the thread left behind ends.
+            drop(uffd);
+            guest.wait_ended();
         });
     }
 }
