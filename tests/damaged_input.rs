@@ -437,6 +437,75 @@ fn a_state_written_before_memory_file_ids_still_restores() {
     );
 }
 
+/// The memory files the state in `dir` names.
+fn chain_files(dir: &Path) -> Vec<String> {
+    read_state(dir)["memory_files"]
+        .as_array()
+        .expect("memory_files")
+        .iter()
+        .map(|f| f.as_str().expect("file name").to_string())
+        .collect()
+}
+
+fn wait_for_chain(run: &mut SpawnedProcess, dir: &Path, count: usize) {
+    run.wait_until(&format!("a chain of {count} files"), RUN_LIMIT, |_| {
+        dir.join("state").exists() && chain_files(dir).len() == count
+    });
+}
+
+/// A diff taken from another restore of the same base has the same base id and
+/// generation as the chain's own diff: only the state's binding tells them apart.
+#[test]
+fn a_diff_of_another_restore_of_the_same_base_is_refused() {
+    let scratch = Scratch::new("damaged_input", "twin-diff");
+    let (chain, base_only) = (scratch.path("chain"), scratch.path("base-only"));
+    let mut run = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "64M",
+        "--cmdline",
+        "memloop 8M 3 1000000",
+        "--track-dirty-pages",
+        "--snapshot-dir",
+        arg(&chain),
+        "--snapshot-then",
+        "resume",
+    ]);
+    run.wait_for_stdout("memloop: iter 1 ok", RUN_LIMIT);
+    run.signal(libc::SIGUSR1);
+    wait_for_chain(&mut run, &chain, 1);
+    copy_dir(&chain, &base_only);
+    run.signal(libc::SIGUSR1);
+    wait_for_chain(&mut run, &chain, 2);
+    run.signal(libc::SIGKILL);
+    drop(run);
+
+    // Restore the base alone and take a diff of it: [base, twin].
+    let out = gpuvm_bounded(&[
+        "restore",
+        "--snapshot",
+        arg(&base_only),
+        "--restore-mode",
+        "lazy",
+        "--snapshot-dir",
+        arg(&base_only),
+        "--snapshot-after-ms",
+        "200",
+        "--snapshot-then",
+        "exit",
+    ])
+    .wait(RUN_LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    let twin = chain_files(&base_only);
+    assert_eq!(twin.len(), 2, "{twin:?}");
+    let ours = chain_files(&chain);
+    assert_eq!(ours[0], twin[0], "both chains share the base");
+
+    let diff = chain.join(&ours[1]);
+    std::fs::copy(base_only.join(&twin[1]), &diff).unwrap();
+    assert_foreign_refused_in_every_mode(&scratch, &chain, &diff);
+}
+
 // ---- Memory files longer than their data ----
 
 #[test]
