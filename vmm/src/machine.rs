@@ -610,10 +610,8 @@ impl Machine {
         let written = self.write_snapshot(handles, dir, &dir_lock, full);
         drop(dir_lock);
         if resume || (written.is_err() && was_running) {
-            for handle in handles {
-                if let Err(error) = handle.resume() {
-                    log::error!("cannot resume after a snapshot: {error}");
-                }
+            if let Err(error) = vcpu::resume_all(handles) {
+                log::error!("cannot resume the vCPUs after a snapshot: {error}");
             }
         }
         let (memory_file, stats, memory_time) = written?;
@@ -640,9 +638,7 @@ impl Machine {
         dir_lock: &snapshot::SnapshotDirLock,
         full: bool,
     ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
-        for handle in handles {
-            handle.pause()?;
-        }
+        vcpu::pause_all(handles)?;
         self.complete_lazy_memory()?;
         // The working set of the snapshot this machine was restored from, before a snapshot
         // into another directory; one into the same directory replaces that snapshot (and
