@@ -335,8 +335,9 @@ fn stalled_restore(scratch: &Scratch) -> (Vmm, SpawnedProcess) {
     (vmm, handler)
 }
 
-/// GET / answers at once; a Pause fails promptly, says the vCPU waits on the page-fault
-/// handler, and leaves the VM Running (as it is: nothing was paused).
+/// GET / answers at once; a Pause fails promptly (a second one at once), says the vCPU
+/// waits on the page-fault handler, and leaves the VM Running (as it is: nothing was
+/// paused).
 fn assert_pause_fails_promptly(vmm: &Vmm) {
     assert_eq!(vmm.state(), "Running");
     let (status, body, took) = vmm.call("PATCH", "/vm", Some(r#"{"state": "Paused"}"#));
@@ -349,6 +350,15 @@ fn assert_pause_fails_promptly(vmm: &Vmm) {
         took < PROMPT_FAILURE,
         "the pause took {took:?} to fail: {body}"
     );
+    assert_eq!(vmm.state(), "Running");
+    // The vCPU is known to wait now: the next pause fails at once.
+    let (status, body, took) = vmm.call("PATCH", "/vm", Some(r#"{"state": "Paused"}"#));
+    assert_eq!(
+        (status, body.contains("page-fault handler")),
+        (400, true),
+        "{body}"
+    );
+    assert!(took < AT_ONCE, "the second pause took {took:?} to fail");
     assert_eq!(vmm.state(), "Running");
     vmm.patch_at_once("Resumed");
     assert_eq!(vmm.state(), "Running");

@@ -10,7 +10,7 @@
 //! KVM_RUN is not lost (KVM_RUN returns EINTR at once).
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
@@ -131,6 +131,15 @@ struct Shared {
     save_request: Option<Arc<Vec<u32>>>,
     /// ...and its result.
     saved: Option<Result<VcpuState, PersistError>>,
+    /// The last kick out of KVM_RUN.
+    kicked: Option<Kick>,
+}
+
+/// A kick: when, and how many KVM_RUN calls the thread had returned from by then.
+#[derive(Clone, Copy)]
+struct Kick {
+    at: Instant,
+    runs: u64,
 }
 
 /// [`Shared`] behind its lock; every change is announced on `changed`.
@@ -140,6 +149,9 @@ struct Control {
     /// Whether the wish is anything but Run, for the running thread to read between
     /// KVM_RUN calls without taking the lock (written only under it).
     attention: AtomicBool,
+    /// KVM_RUN calls the thread has returned from: one that has not returned since a
+    /// kick long ago waits in the kernel (see [`STOP_RUNNING_LIMIT`]).
+    runs: AtomicU64,
 }
 
 impl Control {
@@ -152,9 +164,11 @@ impl Control {
                 ready: None,
                 save_request: None,
                 saved: None,
+                kicked: None,
             }),
             changed: Condvar::new(),
             attention: AtomicBool::new(true),
+            runs: AtomicU64::new(0),
         }
     }
 
@@ -359,7 +373,9 @@ impl Vcpu {
             if control.attention.load(Ordering::SeqCst) && !self.wait_while_paused(control) {
                 return None;
             }
-            match self.run_once() {
+            let outcome = self.run_once();
+            control.runs.fetch_add(1, Ordering::SeqCst);
+            match outcome {
                 Ok(None) => {}
                 Ok(Some(stop)) => return Some(stop),
                 Err(error) => return Some(VcpuStop::Error(error)),
@@ -628,11 +644,29 @@ const STOP_RUNNING_LIMIT: Duration = Duration::from_secs(2);
 const ANSWER_LIMIT: Duration = Duration::from_secs(10);
 
 impl VcpuHandle {
-    fn kick(&self) {
+    /// Kicks a running vCPU out of KVM_RUN, unless it is stuck there: a kick it has not
+    /// answered is still pending, and another would change nothing.
+    fn kick(&self, shared: &mut Shared) {
+        if shared.activity != Activity::Running || self.stuck_since(shared).is_some() {
+            return;
+        }
         if let Some(thread) = &self.thread {
+            shared.kicked = Some(Kick {
+                at: Instant::now(),
+                runs: self.control.runs.load(Ordering::SeqCst),
+            });
             // ESRCH once the thread has exited is fine: it is not in KVM_RUN.
             let _ = thread.kill(kick_signal());
         }
+    }
+
+    /// When the vCPU was kicked, if that was over [`STOP_RUNNING_LIMIT`] ago and it has
+    /// not left KVM_RUN since: it waits in the kernel, maybe forever.
+    fn stuck_since(&self, shared: &Shared) -> Option<Instant> {
+        let kick = shared.kicked?;
+        let still_in_run = shared.activity == Activity::Running
+            && self.control.runs.load(Ordering::SeqCst) == kick.runs;
+        (still_in_run && kick.at.elapsed() >= STOP_RUNNING_LIMIT).then_some(kick.at)
     }
 
     /// Says what this vCPU waits for if it does not stop running when asked to (e.g.
@@ -665,10 +699,12 @@ impl VcpuHandle {
         shared
     }
 
-    fn not_stopping(&self, waited: Duration) -> VcpuError {
+    fn not_stopping(&self, shared: &Shared) -> VcpuError {
         VcpuError::NotStopping {
             id: self.id,
-            waited,
+            waited: shared
+                .kicked
+                .map_or(STOP_RUNNING_LIMIT, |kick| kick.at.elapsed()),
             cause: self.stall_cause,
         }
     }
@@ -702,20 +738,21 @@ impl VcpuHandle {
     pub fn request_pause(&self) {
         let mut shared = self.control.lock();
         self.control.set_wish(&mut shared, Wish::Pause);
-        // Only a running thread can be in KVM_RUN; a kick would only cost a paused one an
-        // empty KVM_RUN later.
-        let running = shared.activity == Activity::Running;
-        drop(shared);
-        if running {
-            self.kick();
-        }
+        self.kick(&mut shared);
     }
 
     /// Waits for [`request_pause`](Self::request_pause) to take effect. If the vCPU does
     /// not leave KVM_RUN in time, the request is withdrawn: it runs on, and does not
     /// pause later behind the VMM's back.
+    /// A vCPU already known to be stuck in KVM_RUN fails at once.
     pub fn wait_paused(&self) -> Result<(), VcpuError> {
-        let mut shared = self.wait_until(STOP_RUNNING_LIMIT, |s| s.activity == Activity::Paused);
+        let stuck = self.stuck_since(&self.control.lock()).is_some();
+        let limit = if stuck {
+            Duration::ZERO
+        } else {
+            STOP_RUNNING_LIMIT
+        };
+        let mut shared = self.wait_until(limit, |s| s.activity == Activity::Paused);
         match shared.activity {
             Activity::Paused => Ok(()),
             Activity::Ended => Err(VcpuError::Ended(self.id)),
@@ -723,7 +760,7 @@ impl VcpuHandle {
             Activity::Starting => Err(VcpuError::NoResponse(self.id)),
             Activity::Running => {
                 self.control.set_wish(&mut shared, Wish::Run);
-                Err(self.not_stopping(STOP_RUNNING_LIMIT))
+                Err(self.not_stopping(&shared))
             }
         }
     }
@@ -780,42 +817,38 @@ impl VcpuHandle {
     pub fn request_stop(&self) {
         let mut shared = self.control.lock();
         self.control.set_wish(&mut shared, Wish::Stop);
-        drop(shared);
-        self.kick();
+        self.kick(&mut shared);
     }
 
-    /// Waits until the thread has ended, kicking it out of KVM_RUN meanwhile. A thread
-    /// still running the guest at `deadline` is blocked in the kernel and may never come
-    /// back (see [`STOP_RUNNING_LIMIT`]): it is left behind, to end with the process,
-    /// and false is returned. True once the thread has ended (or was already joined).
+    /// Waits until the thread has ended. A thread still running the guest at `deadline`
+    /// (at once if it is known to be stuck) is blocked in the kernel and may never come
+    /// back (see [`STOP_RUNNING_LIMIT`]): it is left behind, to end with the process, and
+    /// false is returned. True once the thread has ended (or was already joined).
     pub fn join_by(&mut self, deadline: Instant) -> bool {
         let Some(thread) = self.thread.take() else {
             return true;
         };
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let shared =
-                self.wait_until(left.min(KICK_INTERVAL), |s| s.activity == Activity::Ended);
-            let ended = shared.activity == Activity::Ended;
-            drop(shared);
-            if ended {
-                // It only has to return from its closure now.
-                if thread.join().is_err() {
-                    log::error!("vCPU {} thread panicked", self.id);
-                }
-                return true;
-            }
-            if left.is_zero() {
-                log::error!(
-                    "{}; leaving its thread behind, to end with the process",
-                    self.not_stopping(STOP_RUNNING_LIMIT)
-                );
-                // Dropping the handle detaches the thread.
-                return false;
-            }
-            // Again, in case the thread was not yet in KVM_RUN's reach (still starting).
-            let _ = thread.kill(kick_signal());
+        let stuck = self.stuck_since(&self.control.lock()).is_some();
+        let limit = if stuck {
+            Duration::ZERO
+        } else {
+            deadline.saturating_duration_since(Instant::now())
+        };
+        let shared = self.wait_until(limit, |s| s.activity == Activity::Ended);
+        if shared.activity != Activity::Ended {
+            log::error!(
+                "{}; leaving its thread behind, to end with the process",
+                self.not_stopping(&shared)
+            );
+            // Dropping the handle detaches the thread.
+            return false;
         }
+        drop(shared);
+        // It only has to return from its closure now.
+        if thread.join().is_err() {
+            log::error!("vCPU {} thread panicked", self.id);
+        }
+        true
     }
 
     /// Stops the thread and waits for it to end (or leaves it behind: see
@@ -825,9 +858,6 @@ impl VcpuHandle {
         self.join_by(Instant::now() + STOP_RUNNING_LIMIT)
     }
 }
-
-/// How often [`VcpuHandle::join_by`] kicks a thread that has not ended yet.
-const KICK_INTERVAL: Duration = Duration::from_millis(50);
 
 impl Drop for VcpuHandle {
     fn drop(&mut self) {
@@ -1093,6 +1123,21 @@ mod tests {
                 error.to_string().contains("a page nobody serves"),
                 "{error}"
             );
+            // Known to be stuck now: another pause fails at once, without another kick.
+            let started = Instant::now();
+            let error = guest
+                .handle
+                .pause()
+                .expect_err("paused while waiting for memory");
+            assert!(
+                error.to_string().contains("a page nobody serves"),
+                "{error}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_millis(500),
+                "{:?}",
+                started.elapsed()
+            );
             // The pause was withdrawn; a resume has nothing to wait for.
             at_once("resume", Duration::from_millis(500), || {
                 guest.handle.resume()
@@ -1102,7 +1147,11 @@ mod tests {
                 !guest.handle.stop_and_join(),
                 "a stuck vCPU thread was joined"
             );
-            assert!(started.elapsed() < STOP_RUNNING_LIMIT + Duration::from_secs(1));
+            assert!(
+                started.elapsed() < Duration::from_millis(500),
+                "{:?}",
+                started.elapsed()
+            );
             // Closing the userfaultfd drops the registration: the fault is served with a
             // zero page (the guest then triple-faults), and the thread left behind ends.
             drop(uffd);
