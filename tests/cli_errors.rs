@@ -48,6 +48,22 @@ fn memory_larger_than_the_host() {
     run_gpuvm(&["run", "--memory", "64T"], LIMIT).assert_clean_error("larger than this host");
 }
 
+/// Guest RAM too small for the kernel (1 MiB: the image does not even load; 2 MiB: it
+/// loads, but its zero-filled data would lie beyond RAM) or for gpuvm's boot structures
+/// below 1 MiB: said so, instead of a loader's "Unable to read kernel image", an ACPI
+/// write error, or a guest that spins writing to memory that is not there.
+#[test]
+fn memory_too_small_for_the_kernel() {
+    for size in ["1M", "2M"] {
+        run_gpuvm(&["run", "--memory", size], LIMIT)
+            .assert_clean_error("guest RAM is too small for the embedded test guest")
+            .assert_code(GPUVM_ERROR);
+    }
+    run_gpuvm(&["run", "--memory", "4K"], LIMIT)
+        .assert_clean_error("guest RAM (4 KiB) is too small")
+        .assert_code(GPUVM_ERROR);
+}
+
 #[test]
 fn memory_size_garbage() {
     run_gpuvm(&["run", "--memory", "lots"], LIMIT).assert_clean_error("not a size");

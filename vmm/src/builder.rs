@@ -96,6 +96,11 @@ fn create_base(
             max,
         });
     }
+    // A size of 0 is the memory crate's error to report.
+    let size = machine_config.memory_size;
+    if size > 0 && size < layout::HIMEM_START {
+        return Err(Error::MemoryTooSmall { size });
+    }
     let regions = layout::ram_regions(machine_config.memory_size);
     // Create RAM first: it is where bad sizes are caught, before any KVM object exists.
     let ram = GuestRam::create(

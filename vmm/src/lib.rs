@@ -64,6 +64,11 @@ pub enum Error {
     },
     #[error("invalid vCPU count {requested}: this host allows 1 to {max}")]
     VcpuCount { requested: u8, max: u8 },
+    #[error(
+        "guest RAM ({} KiB) is too small: gpuvm puts its boot structures in the first 1 MiB and the kernel above it",
+        .size >> 10
+    )]
+    MemoryTooSmall { size: u64 },
     #[error(transparent)]
     Memory(#[from] gpuvm_memory::RamError),
     #[error(transparent)]

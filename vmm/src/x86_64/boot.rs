@@ -62,6 +62,12 @@ pub enum BootError {
     },
     #[error("kernel image {path} ({size} bytes) is larger than guest RAM ({ram} bytes): it cannot be a kernel for this VM; give the VM more memory or check the path")]
     KernelTooLarge { path: PathBuf, size: u64, ram: u64 },
+    #[error("guest RAM is too small for {image}: it occupies guest memory up to {end:#x}, beyond the guest's {ram_mib} MiB; give the VM more memory")]
+    RamTooSmall {
+        image: String,
+        end: u64,
+        ram_mib: u64,
+    },
     #[error("cannot read kernel image {path}: {source}")]
     ReadKernel {
         path: PathBuf,
@@ -226,6 +232,7 @@ pub fn load(
         }
     };
     let format = detect_format(&mut image, &name)?;
+    check_fits(mem, regions, &mut image, format, &name)?;
     let load_error = |source| BootError::Load {
         image: name.clone(),
         source,
@@ -267,6 +274,77 @@ pub fn load(
     };
     write_boot_structures(mem, regions, source, &loaded, rsdp_addr.unwrap_or(0))?;
     Ok(loaded)
+}
+
+/// Checks that every part of the image, its zero-filled parts (ELF `p_memsz`) included,
+/// lands in guest RAM, before anything is copied: the loader would only say "Unable to
+/// read kernel image", and a zero-filled part beyond RAM would leave a guest writing to
+/// memory that is not there. Headers the loader would refuse are left to its error.
+fn check_fits(
+    mem: &GuestMemoryMmap,
+    regions: &[RamRegion],
+    image: &mut Image,
+    format: ImageFormat,
+    name: &str,
+) -> Result<(), BootError> {
+    let Ok(extents) = image_extents(image, format) else {
+        return Ok(());
+    };
+    let outside = extents.iter().find(|&&(start, len)| {
+        usize::try_from(len).map_or(true, |len| !mem.check_range(GuestAddress(start), len))
+    });
+    if let Some(&(start, len)) = outside {
+        return Err(BootError::RamTooSmall {
+            image: name.to_string(),
+            end: start.saturating_add(len),
+            ram_mib: regions.iter().map(|r| r.size).sum::<u64>() >> 20,
+        });
+    }
+    Ok(())
+}
+
+/// The guest-physical ranges (start, length) the image is loaded into, from its headers,
+/// as linux-loader places them: ELF PT_LOAD segments at `p_paddr` for `p_memsz` bytes; a
+/// bzImage's protected-mode kernel (the image past its setup sectors) at `code32_start`.
+fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<(u64, u64)>> {
+    let mut read_at = |offset: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        image.seek(SeekFrom::Start(offset))?;
+        image.read_exact(buf)
+    };
+    let u64_at = |buf: &[u8], at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap());
+    let mut extents = Vec::new();
+    match format {
+        ImageFormat::Elf => {
+            const PT_LOAD: u32 = 1;
+            const PHDR_SIZE: u64 = 56;
+            let mut ehdr = [0u8; 64];
+            read_at(0, &mut ehdr)?;
+            let phoff = u64_at(&ehdr, 0x20);
+            let phnum = u16::from_le_bytes([ehdr[0x38], ehdr[0x39]]);
+            for index in 0..u64::from(phnum) {
+                let mut phdr = [0u8; PHDR_SIZE as usize];
+                read_at(phoff.saturating_add(index * PHDR_SIZE), &mut phdr)?;
+                let (paddr, memsz) = (u64_at(&phdr, 0x18), u64_at(&phdr, 0x28));
+                if u32::from_le_bytes(phdr[..4].try_into().unwrap()) == PT_LOAD && memsz > 0 {
+                    extents.push((paddr, memsz));
+                }
+            }
+        }
+        ImageFormat::BzImage => {
+            let mut header = [0u8; 0x218];
+            read_at(0, &mut header)?;
+            let setup_sects = match header[0x1f1] {
+                0 => 4,
+                n => u64::from(n),
+            };
+            let code32_start =
+                u64::from(u32::from_le_bytes(header[0x214..0x218].try_into().unwrap()));
+            let size = image.seek(SeekFrom::End(0))?;
+            extents.push((code32_start, size.saturating_sub((setup_sects + 1) * 512)));
+        }
+    }
+    image.seek(SeekFrom::Start(0))?;
+    Ok(extents)
 }
 
 fn elf_entry(image: &mut Image) -> std::io::Result<u64> {
