@@ -741,10 +741,9 @@ impl VcpuHandle {
         self.kick(&mut shared);
     }
 
-    /// Waits for [`request_pause`](Self::request_pause) to take effect. If the vCPU does
-    /// not leave KVM_RUN in time, the request is withdrawn: it runs on, and does not
-    /// pause later behind the VMM's back.
-    /// A vCPU already known to be stuck in KVM_RUN fails at once.
+    /// Waits for [`request_pause`](Self::request_pause) to take effect; a vCPU known to
+    /// be stuck in KVM_RUN fails at once. If the vCPU does not leave KVM_RUN in time, the
+    /// request is withdrawn: it runs on, and does not pause later behind the VMM's back.
     pub fn wait_paused(&self) -> Result<(), VcpuError> {
         let stuck = self.stuck_since(&self.control.lock()).is_some();
         let limit = if stuck {
