@@ -187,7 +187,7 @@ fn snapshot_pid_refuses_processes_that_are_not_gpuvm() {
     std::thread::sleep(Duration::from_millis(200));
     for mut process in [sleeper, trapper] {
         snapshot_pid(process.pid())
-            .assert_clean_error("is not this gpuvm")
+            .assert_clean_error("is not a gpuvm")
             .assert_code(GPUVM_ERROR);
         // Before the fix SIGUSR1 killed `sleep` at once and the trap printed within 50 ms.
         std::thread::sleep(Duration::from_millis(300));
@@ -202,20 +202,32 @@ fn snapshot_pid_refuses_processes_that_are_not_gpuvm() {
         .assert_code(GPUVM_ERROR);
 }
 
-/// And a gpuvm started with --snapshot-dir still snapshots on request.
+/// And a gpuvm started with --snapshot-dir still snapshots on request, also when it runs
+/// another copy of the binary (an upgrade, or a rebuild, since it started).
 #[test]
 fn snapshot_pid_signals_a_gpuvm_with_snapshot_dir() {
     let scratch = gpuvm_tests::Scratch::new("cli-errors", "snapshot-pid");
-    let dir = scratch.path("snap");
-    let mut vmm = SpawnedProcess::gpuvm(&[
-        "run",
-        "--memory",
-        "64M",
-        "--cmdline",
-        "memloop 4M 1 0",
-        "--snapshot-dir",
-        dir.to_str().unwrap(),
-    ]);
+    snapshot_by_pid(&gpuvm_tests::gpuvm_bin(), &scratch.path("snap"));
+    let copy = scratch.path("gpuvm-copy");
+    std::fs::copy(gpuvm_tests::gpuvm_bin(), &copy).expect("copy the binary");
+    snapshot_by_pid(&copy, &scratch.path("snap-of-copy"));
+}
+
+/// Runs `binary` with a snapshot dir `dir`, has `gpuvm snapshot --pid` snapshot it, and
+/// checks that it ran on.
+fn snapshot_by_pid(binary: &std::path::Path, dir: &std::path::Path) {
+    let mut vmm = SpawnedProcess::spawn(
+        binary,
+        &[
+            "run",
+            "--memory",
+            "64M",
+            "--cmdline",
+            "memloop 4M 1 0",
+            "--snapshot-dir",
+            dir.to_str().unwrap(),
+        ],
+    );
     vmm.wait_until("a memloop iteration", LIMIT, |p| ok_lines(p) >= 1);
     snapshot_pid(vmm.pid()).assert_code(0);
     vmm.wait_until("the snapshot", LIMIT, |_| dir.join("state").exists());

@@ -672,7 +672,8 @@ fn finish(
 
 /// `gpuvm snapshot --pid`: sends SIGUSR1 to a gpuvm that takes snapshots on it. SIGUSR1
 /// ends a process that does not handle it, and means something else to one that does, so
-/// the target must be this gpuvm binary with its snapshot handler installed (only
+/// the target must run a gpuvm binary (this file, or one holding [`SNAPSHOT_SIGNAL_MARKER`]:
+/// an upgrade or rebuild since it started) with its snapshot handler installed (only
 /// `--snapshot-dir` installs it). The process is held by a pidfd from before the checks:
 /// if it ends and its pid is reused meanwhile, the signal fails instead of reaching the
 /// newcomer.
@@ -685,19 +686,11 @@ fn signal_snapshot(pid: i32) -> Result<ExitCode, CliError> {
     let inspect = |what: &str, error: std::io::Error| {
         CliError::Other(format!("cannot inspect process {pid} ({what}): {error}"))
     };
-    let file_id = |path: &std::path::Path| {
-        std::fs::metadata(path).map(|m| {
-            use std::os::unix::fs::MetadataExt;
-            (m.dev(), m.ino())
-        })
-    };
     let exe = proc_dir.join("exe");
-    let own = file_id(std::path::Path::new("/proc/self/exe"))
-        .map_err(|e| inspect("this process's binary", e))?;
-    if file_id(&exe).map_err(|e| inspect("its binary", e))? != own {
+    if !is_gpuvm_binary(&exe).map_err(|e| inspect("its binary", e))? {
         let runs = std::fs::read_link(&exe).unwrap_or_default();
         return Err(CliError::Other(format!(
-            "process {pid} ({}) is not this gpuvm binary; not signalling it",
+            "process {pid} ({}) is not a gpuvm; not signalling it",
             runs.display()
         )));
     }
@@ -716,6 +709,45 @@ fn signal_snapshot(pid: i32) -> Result<ExitCode, CliError> {
     }
     pidfd::send_signal(&pidfd, pid, libc::SIGUSR1)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// In every gpuvm binary whose SIGUSR1 means "snapshot now" (the bytes sit in its
+/// read-only data because [`is_gpuvm_binary`] searches for them). Change the number if the
+/// signal ever means something else.
+const SNAPSHOT_SIGNAL_MARKER: &[u8] = b"gpuvm: SIGUSR1 takes a snapshot (protocol 1)";
+
+/// Whether `exe` (a process's /proc/PID/exe) is this binary, or another file holding
+/// [`SNAPSHOT_SIGNAL_MARKER`].
+fn is_gpuvm_binary(exe: &std::path::Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let id = |m: std::fs::Metadata| (m.dev(), m.ino());
+    let mut file = std::fs::File::open(exe)?;
+    if id(file.metadata()?) == id(std::fs::metadata("/proc/self/exe")?) {
+        return Ok(true);
+    }
+    // Read in chunks, each starting with the previous one's last marker-length bytes so
+    // that a marker across a boundary is found.
+    let keep = SNAPSHOT_SIGNAL_MARKER.len() - 1;
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut filled = 0;
+    loop {
+        let read = file.read(&mut buffer[filled..])?;
+        if read == 0 {
+            return Ok(false);
+        }
+        filled += read;
+        let window = &buffer[..filled];
+        if window
+            .windows(SNAPSHOT_SIGNAL_MARKER.len())
+            .any(|w| w == SNAPSHOT_SIGNAL_MARKER)
+        {
+            return Ok(true);
+        }
+        let tail = filled.saturating_sub(keep);
+        buffer.copy_within(tail..filled, 0);
+        filled -= tail;
+    }
 }
 
 /// pidfd_open(2) and pidfd_send_signal(2), which libc does not wrap.
