@@ -239,7 +239,8 @@ fn snapshot_by_pid(binary: &std::path::Path, dir: &std::path::Path) {
 /// does, instead of accepting it and failing only at InstanceStart.
 #[test]
 fn machine_config_with_too_many_vcpus_is_refused_when_put() {
-    let socket = gpuvm_tests::socket_path("cli-errors", "vcpus");
+    let scratch = gpuvm_tests::Scratch::new("cli-errors", "vcpus");
+    let socket = scratch.path("api.sock");
     let socket_arg = socket.to_str().unwrap();
     let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", socket_arg]);
     gpuvm_tests::wait_for_api_socket(&mut vmm, &socket);
