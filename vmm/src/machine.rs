@@ -517,36 +517,22 @@ impl Machine {
 
     /// Makes every page of guest RAM present in the memfd before a snapshot scans it:
     /// pages a lazy restore has not loaded yet are holes, which the writer would record
-    /// as zero.
+    /// as zero. Bounded: whoever serves the pages (the external handler, or the loader's
+    /// reads) may stop answering, and this thread must not wait on it forever; after
+    /// [`SNAPSHOT_MEMORY_STALL`] without progress the snapshot fails, and the VM stays as
+    /// it is.
     fn complete_lazy_memory(&self) -> Result<(), Error> {
-        match &self.lazy {
+        let waited = match &self.lazy {
             Some(LazyMemory::InProcess(lazy)) => {
-                lazy.wait()
-                    .map_err(|e| Error::Snapshot(SnapshotError::Uffd(e)))?;
+                lazy.wait_progressing(SNAPSHOT_MEMORY_STALL).map(drop)
             }
-            Some(LazyMemory::External(watch)) => {
-                // The external handler loads pages only on fault: fault every page in,
-                // with a system call rather than loads, so that a handler dying meanwhile
-                // (guest RAM is then fenced) is an error here, not a SIGSEGV or a hang.
-                for (region, host) in self.ram.host_regions() {
-                    if let Err(source) = populate_read(host, region.size as usize) {
-                        return Err(match watch.failure() {
-                            Some(reason) => SnapshotError::Uffd(UffdError::HandlerFailed(format!(
-                                "{reason} (while the snapshot was loading guest memory)"
-                            )))
-                            .into(),
-                            None => SnapshotError::Uffd(UffdError::Io {
-                                op: "fault in guest memory from the page-fault handler",
-                                source,
-                            })
-                            .into(),
-                        });
-                    }
-                }
-            }
-            None => {}
-        }
-        Ok(())
+            // The handler loads pages only on fault: they are faulted in, with system
+            // calls, so that a handler dying meanwhile (guest RAM is then fenced) is an
+            // error, not a SIGSEGV or a hang.
+            Some(LazyMemory::External(watch)) => watch.fault_in(SNAPSHOT_MEMORY_STALL),
+            None => Ok(()),
+        };
+        waited.map_err(|e| Error::Snapshot(SnapshotError::Uffd(e)))
     }
 
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
@@ -755,27 +741,9 @@ fn peak_rss_bytes() -> std::io::Result<u64> {
         .ok_or_else(|| std::io::Error::other("no VmHWM in /proc/self/status"))
 }
 
-/// Faults `len` bytes at `host` in for reading (`MADV_POPULATE_READ`, Linux 5.14), in
-/// pieces so a failure is reported promptly.
-fn populate_read(host: *mut u8, len: usize) -> std::io::Result<()> {
-    const STEP: usize = 64 << 20;
-    let mut done = 0;
-    while done < len {
-        let n = STEP.min(len - done);
-        // SAFETY: `host + done .. + n` lies inside a live guest RAM mapping; the advice only
-        // faults pages in (or fails with an error), it never changes their contents.
-        let ret = unsafe { libc::madvise(host.add(done).cast(), n, libc::MADV_POPULATE_READ) };
-        if ret != 0 {
-            let error = std::io::Error::last_os_error();
-            if error.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(error);
-        }
-        done += n;
-    }
-    Ok(())
-}
+/// How long a snapshot waits for lazily restored guest memory that is not loading (see
+/// [`Machine::complete_lazy_memory`]).
+const SNAPSHOT_MEMORY_STALL: Duration = Duration::from_secs(10);
 
 /// Turns the guest-end signals into the run's outcome.
 struct ControlEvents {

@@ -18,8 +18,9 @@ use std::io::Read;
 use std::os::unix::io::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use log::{debug, error, info, warn};
 use serde::{Deserialize, Serialize};
@@ -175,6 +176,8 @@ pub struct HandlerWatch {
     shared: Arc<WatchShared>,
     stop: EventFd,
     thread: Option<JoinHandle<()>>,
+    /// A [`HandlerWatch::fault_in`] still under way (its caller gave up waiting).
+    fault_in: Mutex<Option<Arc<FaultIn>>>,
 }
 
 struct WatchShared {
@@ -233,6 +236,43 @@ impl HandlerWatch {
             shared,
             stop,
             thread: Some(thread),
+            fault_in: Mutex::new(None),
+        })
+    }
+
+    /// Faults every page of guest RAM in (the handler serves what is missing), for a
+    /// snapshot that must read it all. The faults are taken on a thread of their own,
+    /// because a fault the handler never answers cannot be interrupted: when the handler
+    /// has made no progress for `no_progress` during the call, this gives up with
+    /// [`UffdError::NoProgress`] and leaves that thread waiting (it ends with the
+    /// process); the next call waits for the same thread again. A handler that dies
+    /// meanwhile fences guest RAM, which ends the faults with an error:
+    /// [`UffdError::HandlerFailed`].
+    pub fn fault_in(&self, no_progress: Duration) -> Result<(), UffdError> {
+        let job = {
+            let mut slot = lock(&self.fault_in);
+            match &*slot {
+                Some(job) => job.clone(),
+                None => slot
+                    .insert(FaultIn::start(self.shared.fence.ranges().to_vec())?)
+                    .clone(),
+            }
+        };
+        let Some(outcome) = job.wait(no_progress) else {
+            return Err(UffdError::NoProgress {
+                server: "the external page-fault handler",
+                stalled: no_progress,
+            });
+        };
+        *lock(&self.fault_in) = None;
+        outcome.map_err(|source| match self.failure() {
+            Some(reason) => UffdError::HandlerFailed(format!(
+                "{reason} (while the snapshot was loading guest memory)"
+            )),
+            None => UffdError::Io {
+                op: "fault in guest memory from the page-fault handler",
+                source,
+            },
         })
     }
 
@@ -240,6 +280,100 @@ impl HandlerWatch {
     /// by then).
     pub fn failure(&self) -> Option<String> {
         lock(&self.shared.failure).clone()
+    }
+}
+
+/// Guest RAM being faulted in on a thread of its own (see [`HandlerWatch::fault_in`]).
+struct FaultIn {
+    state: Mutex<FaultInState>,
+    finished: Condvar,
+}
+
+struct FaultInState {
+    /// When the last piece was faulted in (or the work started).
+    moved_at: Instant,
+    /// Set when the thread is done, taken by the waiter.
+    outcome: Option<std::io::Result<()>>,
+}
+
+impl FaultIn {
+    /// Pieces faulted in at a time: each is a sign of progress.
+    const PIECE: u64 = 2 << 20;
+
+    /// Starts faulting `ranges` (`(host address, length)` of guest RAM) in.
+    fn start(ranges: Vec<(u64, u64)>) -> Result<Arc<FaultIn>, UffdError> {
+        let job = Arc::new(FaultIn {
+            state: Mutex::new(FaultInState {
+                moved_at: Instant::now(),
+                outcome: None,
+            }),
+            finished: Condvar::new(),
+        });
+        let worker = job.clone();
+        // Started from the VMM thread, it runs under that thread's seccomp filter, which
+        // allows `madvise`.
+        std::thread::Builder::new()
+            .name("uffd-fault-in".into())
+            .spawn(move || {
+                let outcome = ranges
+                    .iter()
+                    .try_for_each(|&(addr, len)| worker.populate(addr, len));
+                lock(&worker.state).outcome = Some(outcome);
+                worker.finished.notify_all();
+            })
+            .map_err(io_err("spawn the guest memory fault-in thread"))?;
+        Ok(job)
+    }
+
+    /// Faults `len` bytes at `addr` in for reading (`MADV_POPULATE_READ`, Linux 5.14),
+    /// piece by piece, noting the progress.
+    fn populate(&self, addr: u64, len: u64) -> std::io::Result<()> {
+        let mut done = 0;
+        while done < len {
+            let n = Self::PIECE.min(len - done);
+            // SAFETY: the range is guest RAM, mapped while the machine lives. If the
+            // machine is torn down while this thread is left waiting on the handler, the
+            // call meets an unmapped range (an error) or whatever is mapped there by
+            // then; the advice only faults pages in for reading, so it changes no memory
+            // either way.
+            let ret = unsafe {
+                libc::madvise(
+                    (addr + done) as *mut libc::c_void,
+                    n as usize,
+                    libc::MADV_POPULATE_READ,
+                )
+            };
+            if ret != 0 {
+                let error = std::io::Error::last_os_error();
+                if error.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(error);
+            }
+            done += n;
+            lock(&self.state).moved_at = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// The thread's outcome once it is done; `None` once it has made no progress for
+    /// `no_progress` since this call began (a handler stalled before it may have gone on
+    /// since; its next fault shows it).
+    fn wait(&self, no_progress: Duration) -> Option<std::io::Result<()>> {
+        let called = Instant::now();
+        let mut state = lock(&self.state);
+        loop {
+            if let Some(outcome) = state.outcome.take() {
+                return Some(outcome);
+            }
+            let moved_at = state.moved_at.max(called);
+            let left = (moved_at + no_progress).checked_duration_since(Instant::now())?;
+            state = self
+                .finished
+                .wait_timeout(state, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 }
 

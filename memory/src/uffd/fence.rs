@@ -39,6 +39,11 @@ impl RamFence {
         }
     }
 
+    /// The ranges this fence covers.
+    pub(crate) fn ranges(&self) -> &[(u64, u64)] {
+        &self.ranges
+    }
+
     /// Makes every range inaccessible, then wakes every thread waiting on a fault in
     /// them through `uffd` (the userfaultfd they are registered with). Idempotent.
     /// Returns the first error; it still tries every range.

@@ -441,6 +441,34 @@ impl LazyRestore {
         }
     }
 
+    /// Like [`LazyRestore::wait`], but gives up with [`UffdError::NoProgress`] once no
+    /// page has loaded for `no_progress` (a loader blocked in a read that never returns,
+    /// e.g. a hung network file system); the loader goes on regardless.
+    pub fn wait_progressing(&self, no_progress: Duration) -> Result<LazyStats, UffdError> {
+        let loaded = || {
+            self.shared
+                .counters
+                .loaded_data_pages
+                .load(Ordering::Relaxed)
+        };
+        let (mut seen, mut moved_at) = (loaded(), Instant::now());
+        loop {
+            let check = no_progress.min(Duration::from_millis(100));
+            if let Some(stats) = self.wait_timeout(Some(check))? {
+                return Ok(stats);
+            }
+            let now = loaded();
+            if now != seen {
+                (seen, moved_at) = (now, Instant::now());
+            } else if moved_at.elapsed() >= no_progress {
+                return Err(UffdError::NoProgress {
+                    server: "the lazy restore's loader (reading the snapshot's memory files)",
+                    stalled: no_progress,
+                });
+            }
+        }
+    }
+
     /// The working set this restore was started with ([`LazyOptions::working_set`]).
     pub fn working_set(&self) -> &[u64] {
         &self.shared.opts.working_set

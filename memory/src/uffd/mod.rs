@@ -104,6 +104,16 @@ pub enum UffdError {
     /// up); guest RAM has been fenced.
     #[error("{0}")]
     HandlerFailed(String),
+    /// Waiting for guest memory to be loaded gave up: whoever loads it (`server`) made no
+    /// progress for `stalled`. Nothing was cancelled; it may still go on.
+    #[error(
+        "guest memory is still being served by {server}, which made no progress for {} s",
+        .stalled.as_secs()
+    )]
+    NoProgress {
+        server: &'static str,
+        stalled: std::time::Duration,
+    },
     /// The handshake message was malformed.
     #[error("bad userfaultfd handshake: {0}")]
     Handshake(String),
