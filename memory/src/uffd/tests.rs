@@ -666,3 +666,80 @@ fn the_thread_start_hook_runs_on_every_lazy_restore_thread() {
     let error = restore.wait_timeout(Some(WAIT)).unwrap_err();
     assert!(error.to_string().contains("no filter"), "{error}");
 }
+
+#[test]
+fn waiting_on_a_loader_that_makes_no_progress_gives_up() {
+    let dir = TempDir::new("no-progress");
+    let regions = two_regions(4 * MIB, 0, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 12);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    // No background loader and nothing faulting: no page ever loads.
+    let stuck = start_lazy_restore(
+        open_chain(&[&path], &ram),
+        &mappings(&ram),
+        LazyOptions {
+            background: false,
+            ..LazyOptions::default()
+        },
+    )
+    .unwrap();
+    let started = Instant::now();
+    let error = stuck
+        .wait_progressing(Duration::from_millis(300))
+        .unwrap_err();
+    assert!(matches!(error, UffdError::NoProgress { .. }), "{error}");
+    assert!(started.elapsed() < WAIT, "{:?}", started.elapsed());
+    drop(stuck);
+    // A loader that loads completes the wait.
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let restore = start_lazy_restore(
+        open_chain(&[&path], &ram),
+        &mappings(&ram),
+        LazyOptions::default(),
+    )
+    .unwrap();
+    let stats = restore.wait_progressing(WAIT).unwrap();
+    assert!(stats.complete(), "{stats:?}");
+    assert_ram_eq(&ram, &expected);
+}
+
+/// `HandlerWatch::fault_in` with a handler that serves nothing gives up after the limit
+/// (its fault-in thread stays waiting); once the handler serves, the next call completes
+/// and guest RAM holds the snapshot. The "handler" is a loader in this process on a
+/// duplicate of the userfaultfd the watch holds.
+#[test]
+fn faulting_in_from_a_stalled_handler_gives_up_and_completes_once_it_serves() {
+    use std::os::unix::io::{AsRawFd, FromRawFd};
+    let dir = TempDir::new("fault-in");
+    let regions = two_regions(4 * MIB, 4 * MIB, 4 * MIB);
+    let (path, expected) = snapshot_of(&dir, &regions, 13);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    let uffd = register_guest_ram(&mappings(&ram)).unwrap();
+    // SAFETY: dup of a valid fd; the new fd is owned by the Uffd made from it.
+    let served = unsafe { userfaultfd::Uffd::from_raw_fd(libc::dup(uffd.as_raw_fd())) };
+    let (connection, _handler_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let watch =
+        external::HandlerWatch::start(connection, uffd, guest_ram_ranges(&mappings(&ram)), None)
+            .unwrap();
+    for _ in 0..2 {
+        let started = Instant::now();
+        let error = watch.fault_in(Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(error, UffdError::NoProgress { .. }), "{error}");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(started.elapsed() < WAIT, "{:?}", started.elapsed());
+    }
+    let handler = LazyRestore::start(
+        open_chain(&[&path], &ram),
+        &mappings(&ram).host_addrs(),
+        served,
+        LazyOptions {
+            background: false,
+            ..LazyOptions::default()
+        },
+    )
+    .unwrap();
+    watch.fault_in(WAIT).unwrap();
+    assert!(handler.stats().faults > 0);
+    assert_ram_eq(&ram, &expected);
+    assert!(watch.failure().is_none());
+}
