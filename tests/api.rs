@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{gpuvm_bin, Scratch, SpawnedProcess};
+use gpuvm_tests::{gpuvm_bin, memloop_iterations, Scratch, SpawnedProcess};
 use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
@@ -103,16 +103,6 @@ impl Vmm {
     }
 }
 
-/// Iteration numbers of the `memloop: iter N ok` lines. Tolerates a line whose start was
-/// printed before a snapshot (the restored run goes on mid-line).
-fn iterations(stdout: &str) -> Vec<u64> {
-    stdout
-        .lines()
-        .filter_map(|line| line.split_once(" ok checksum="))
-        .filter_map(|(head, _)| head.split_whitespace().last()?.parse().ok())
-        .collect()
-}
-
 fn fault_message(value: &Value) -> &str {
     value["fault_message"]
         .as_str()
@@ -156,11 +146,11 @@ fn lifecycle_over_the_socket_from_rust() {
 
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Paused"})));
     assert_eq!(vmm.state(), "Paused");
-    let paused_at = iterations(&vmm.stdout()).len();
+    let paused_at = memloop_iterations(&vmm.stdout()).len();
     std::thread::sleep(Duration::from_millis(400));
     // A paused guest makes no progress (an iteration takes ~30 ms here).
     assert!(
-        iterations(&vmm.stdout()).len() <= paused_at + 1,
+        memloop_iterations(&vmm.stdout()).len() <= paused_at + 1,
         "{}",
         vmm.describe()
     );
@@ -191,9 +181,9 @@ fn lifecycle_over_the_socket_from_rust() {
 
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
     assert_eq!(vmm.state(), "Running");
-    let resumed_at = iterations(&vmm.stdout()).len();
+    let resumed_at = memloop_iterations(&vmm.stdout()).len();
     vmm.wait_until("progress after resume", |v| {
-        iterations(&v.stdout()).len() >= resumed_at + 3
+        memloop_iterations(&v.stdout()).len() >= resumed_at + 3
     });
 
     // Configuration is closed once running.
@@ -295,7 +285,9 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
     ctl_ok(&socket, &["ctrl-alt-del"]);
     let (status, before) = first.wait_exit();
     assert_eq!(status.code(), Some(0));
-    let last_before = *iterations(&before).last().expect("iterations before");
+    let last_before = *memloop_iterations(&before)
+        .last()
+        .expect("iterations before");
     assert!(
         last_before < iters,
         "finished before the snapshot: {before}"
@@ -318,7 +310,10 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
     let config: Value = serde_json::from_str(&ctl_ok(&socket, &["get-machine-config"])).unwrap();
     assert_eq!(config["vcpu_count"], 2, "the snapshot's configuration");
     std::thread::sleep(Duration::from_millis(200));
-    assert!(iterations(&second.stdout()).is_empty(), "ran before resume");
+    assert!(
+        memloop_iterations(&second.stdout()).is_empty(),
+        "ran before resume"
+    );
     // Loading twice, or starting, is refused now.
     let (ok, _, stderr) = ctl(&socket, &["start"]);
     assert!(!ok && stderr.contains("409"), "{stderr}");
@@ -326,7 +321,7 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
     second.wait_for_stdout("memloop: done");
     let (status, after) = second.wait_exit();
     assert_eq!(status.code(), Some(0), "{after}");
-    let resumed = iterations(&after);
+    let resumed = memloop_iterations(&after);
     assert!(
         !after.contains("testguest: ready"),
         "booted instead of restoring: {after}"
@@ -337,7 +332,7 @@ fn restore_via_the_api_in_a_new_process_with_ctl() {
     );
     // The snapshot can split a serial line (the guest paused mid-print); the two runs'
     // output together is the whole, unbroken loop.
-    let whole = iterations(&format!("{before}{after}"));
+    let whole = memloop_iterations(&format!("{before}{after}"));
     assert_eq!(whole, (0..iters).collect::<Vec<_>>(), "{before}{after}");
 }
 
@@ -909,7 +904,7 @@ fn jail_chroots_and_drops_privileges() {
         snap.to_str().expect("utf-8 path"),
     ]);
     restored.wait_until("two iterations after restore", LIMIT, |p| {
-        iterations(&p.stdout()).len() >= 2
+        memloop_iterations(&p.stdout()).len() >= 2
     });
 }
 
@@ -937,7 +932,7 @@ fn signal_snapshot_keeps_an_api_paused_vm_paused() {
     );
     vmm.wait_for_stdout("memloop: iter 1 ok");
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Paused"})));
-    let paused_at = iterations(&vmm.stdout()).len();
+    let paused_at = memloop_iterations(&vmm.stdout()).len();
     let pid = vmm.expect(200, "GET", "/", None)["pid"].to_string();
     let status = Command::new(gpuvm_bin())
         .args(["snapshot", "--pid", &pid])
@@ -948,13 +943,13 @@ fn signal_snapshot_keeps_an_api_paused_vm_paused() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(vmm.state(), "Paused");
     assert!(
-        iterations(&vmm.stdout()).len() <= paused_at + 1,
+        memloop_iterations(&vmm.stdout()).len() <= paused_at + 1,
         "the guest ran on after the snapshot\n{}",
         vmm.describe()
     );
     vmm.expect(204, "PATCH", "/vm", Some(json!({"state": "Resumed"})));
     vmm.wait_until("progress after resume", |v| {
-        iterations(&v.stdout()).len() >= paused_at + 3
+        memloop_iterations(&v.stdout()).len() >= paused_at + 3
     });
     vmm.expect(
         204,

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{api_start_instance, wait_for_api_socket, Scratch, SpawnedProcess};
 use gpuvm_vmm::api::server::{MAX_CONNECTIONS, MAX_WAITING, REQUEST_DEADLINE, SLOT_WAIT};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -36,13 +36,7 @@ impl Vm {
             "memloop 64M 1 0",
         ]);
         wait_for_api_socket(&mut process, &socket);
-        api_expect(
-            &socket,
-            204,
-            "PUT",
-            "/actions",
-            Some(r#"{"action_type":"InstanceStart"}"#),
-        );
+        api_start_instance(&socket);
         process.wait_for_stdout(" ok checksum=", LIMIT);
         Vm { process, socket }
     }
@@ -75,6 +69,15 @@ impl Vm {
                     .unwrap_or_else(|error| self.fail(&format!("connect: {error}")))
             })
             .collect()
+    }
+
+    /// Takes every connection slot, each with an answered request; returns the connections.
+    fn hold_every_slot(&mut self, what: &str) -> Vec<UnixStream> {
+        let mut held = self.connect(MAX_CONNECTIONS);
+        for stream in &mut held {
+            self.expect_ok(stream, what);
+        }
+        held
     }
 
     /// `GET /` on a kept-alive connection must answer 200.
@@ -149,10 +152,7 @@ fn get_once(socket: &Path) -> Option<(u16, String)> {
 fn held_and_concurrent_connections_keep_the_vm_running() {
     let scratch = Scratch::new("api_limits", "burst");
     let mut vm = Vm::start(&scratch);
-    let mut held: Vec<UnixStream> = vm.connect(MAX_CONNECTIONS);
-    for stream in &mut held {
-        vm.expect_ok(stream, "held connection");
-    }
+    let mut held = vm.hold_every_slot("held connection");
     vm.assert_running("with the connection limit held");
 
     // The held connections stay busy (a request well within every deadline), so all 100
@@ -209,10 +209,7 @@ fn held_and_concurrent_connections_keep_the_vm_running() {
 fn a_connection_beyond_slots_and_queue_gets_503_at_once() {
     let scratch = Scratch::new("api_limits", "full");
     let mut vm = Vm::start(&scratch);
-    let mut held: Vec<UnixStream> = vm.connect(MAX_CONNECTIONS);
-    for stream in &mut held {
-        vm.expect_ok(stream, "a held connection");
-    }
+    let _held = vm.hold_every_slot("a held connection");
     // Silent connections: they wait for a slot.
     let _waiting: Vec<UnixStream> = vm.connect(MAX_WAITING);
     let started = Instant::now();

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{run_gpuvm, Scratch};
+use gpuvm_tests::{run_gpuvm, run_until_snapshot, Scratch};
 use gpuvm_vmm::exit_status::{GPUVM_ERROR, TRIPLE_FAULT};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -160,23 +160,8 @@ fn a_restored_guest_that_triple_faults_is_reported() {
     let kernel_arg = kernel.to_str().unwrap();
     let dir_arg = dir.to_str().unwrap();
     // The guest polls until it gets input, which it never does here.
-    run_gpuvm(
-        &[
-            "run",
-            "--kernel",
-            kernel_arg,
-            "--memory",
-            "64M",
-            "--snapshot-dir",
-            dir_arg,
-            "--snapshot-after-ms",
-            "200",
-            "--snapshot-then",
-            "exit",
-        ],
-        LIMIT,
-    )
-    .assert_code(0);
+    let run = ["run", "--kernel", kernel_arg, "--memory", "64M"];
+    run_until_snapshot(&run, &dir, 200, LIMIT);
     for mode in ["eager", "lazy"] {
         let (code, stderr) = run_then_poke(
             &["restore", "--snapshot", dir_arg, "--restore-mode", mode],

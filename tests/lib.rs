@@ -54,9 +54,18 @@ impl RunOutput {
     }
 
     pub fn assert_stdout_has(&self, text: &str) -> &Self {
+        self.assert_output_has("stdout", &self.stdout, text)
+    }
+
+    /// Panics with the whole output unless stderr holds `text`.
+    pub fn assert_stderr_has(&self, text: &str) -> &Self {
+        self.assert_output_has("stderr", &self.stderr, text)
+    }
+
+    fn assert_output_has(&self, name: &str, output: &str, text: &str) -> &Self {
         assert!(
-            self.stdout.contains(text),
-            "stdout lacks {text:?}\n--- stdout\n{}\n--- stderr\n{}",
+            output.contains(text),
+            "{name} lacks {text:?}\n--- stdout\n{}\n--- stderr\n{}",
             self.stdout,
             self.stderr
         );
@@ -121,6 +130,39 @@ pub fn run_gpuvm_with_env(
         std::thread::sleep(Duration::from_millis(5));
     }
     process.wait(LIMIT_AFTER_KILL)
+}
+
+/// Runs `gpuvm ARGS` snapshotting into `dir` after `after_ms` milliseconds and then exiting;
+/// the run must exit 0 within `limit`.
+pub fn run_until_snapshot(
+    args: &[&str],
+    dir: &std::path::Path,
+    after_ms: u32,
+    limit: Duration,
+) -> RunOutput {
+    let after_ms = after_ms.to_string();
+    let mut args = args.to_vec();
+    args.extend([
+        "--snapshot-dir",
+        dir.to_str().expect("UTF-8 snapshot path"),
+        "--snapshot-after-ms",
+        &after_ms,
+        "--snapshot-then",
+        "exit",
+    ]);
+    let out = run_gpuvm(&args, limit);
+    out.assert_code(0);
+    out
+}
+
+/// Iteration numbers of the memloop guest's `iter N ok` lines; a line whose start was
+/// printed before a snapshot (the restored run goes on mid-line) still counts.
+pub fn memloop_iterations(stdout: &str) -> Vec<u64> {
+    stdout
+        .lines()
+        .filter_map(|line| line.split_once(" ok checksum="))
+        .filter_map(|(head, _)| head.split_whitespace().last()?.parse().ok())
+        .collect()
 }
 
 /// Whether `text` holds `needle` on a line that has ended (so a test that stops a guest
@@ -455,6 +497,27 @@ pub fn api_expect(
         response.status, response.body
     );
     response.body
+}
+
+/// Starts the configured VM behind `socket` (`PUT /actions` InstanceStart, answered 204).
+pub fn api_start_instance(socket: &std::path::Path) {
+    api_expect(
+        socket,
+        204,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type": "InstanceStart"}"#),
+    );
+}
+
+/// The `PUT /snapshot/load` body that restores `snapshot` through the page-fault handler
+/// listening on `handler_socket` and resumes the VM.
+pub fn external_load_body(snapshot: &std::path::Path, handler_socket: &std::path::Path) -> String {
+    format!(
+        r#"{{"snapshot_path": "{}", "restore_mode": "External", "uffd_socket_path": "{}", "resume_vm": true}}"#,
+        snapshot.display(),
+        handler_socket.display()
+    )
 }
 
 /// Each thread of process `pid`: its name and its seccomp mode (0 off, 2 filter), from

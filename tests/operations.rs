@@ -6,8 +6,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::{
-    api_expect, run_gpuvm, run_gpuvm_with_env, start_uffd_handler, thread_seccomp_modes,
-    wait_for_api_socket, RunOutput, Scratch, SpawnedProcess,
+    api_expect, api_start_instance, run_gpuvm, run_gpuvm_with_env, run_until_snapshot,
+    start_uffd_handler, thread_seccomp_modes, wait_for_api_socket, RunOutput, Scratch,
+    SpawnedProcess,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -128,23 +129,14 @@ fn lazy_restore_then_snapshot_again_under_the_filters() {
     let scratch = Scratch::new("ops", "resnap");
     let first = scratch.path("first");
     let second = scratch.path("second");
-    run_gpuvm(
-        &[
-            "run",
-            "--memory",
-            "256M",
-            "--cmdline",
-            "memloop 128M 9 100000",
-            "--snapshot-dir",
-            arg(&first),
-            "--snapshot-after-ms",
-            "200",
-            "--snapshot-then",
-            "exit",
-        ],
-        LIMIT,
-    )
-    .assert_code(0);
+    let run = [
+        "run",
+        "--memory",
+        "256M",
+        "--cmdline",
+        "memloop 128M 9 100000",
+    ];
+    run_until_snapshot(&run, &first, 200, LIMIT);
     let mut restored = SpawnedProcess::gpuvm(&[
         "restore",
         "--snapshot",
@@ -190,13 +182,7 @@ fn every_thread_is_filtered_and_the_api_lifecycle_works() {
         "/boot-source",
         Some(r#"{"boot_args": "memloop 16M 4 0"}"#),
     );
-    api_expect(
-        &socket,
-        204,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type": "InstanceStart"}"#),
-    );
+    api_start_instance(&socket);
     vmm.wait_for_stdout("memloop: iter 1 ok", LIMIT);
     let threads = thread_seccomp_modes(vmm.pid());
     let names: Vec<&str> = threads.iter().map(|(name, _)| name.as_str()).collect();
@@ -251,13 +237,7 @@ fn no_seccomp_leaves_threads_unfiltered_and_the_old_flag_is_accepted() {
         "memloop 8M 1 0",
     ]);
     wait_for_api_socket(&mut vmm, &socket);
-    api_expect(
-        &socket,
-        204,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type": "InstanceStart"}"#),
-    );
+    api_start_instance(&socket);
     vmm.wait_for_stdout("memloop: iter 1 ok", LIMIT);
     let threads = thread_seccomp_modes(vmm.pid());
     assert!(
@@ -528,13 +508,7 @@ fn jail_and_seccomp_together() {
     args.extend(jail);
     let mut vmm = SpawnedProcess::gpuvm(&args);
     wait_for_api_socket(&mut vmm, &socket);
-    api_expect(
-        &socket,
-        204,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type": "InstanceStart"}"#),
-    );
+    api_start_instance(&socket);
     vmm.wait_for_stdout("memloop: iter 1 ok", LIMIT);
     let threads = thread_seccomp_modes(vmm.pid());
     assert!(threads.iter().all(|(_, mode)| *mode == 2), "{threads:?}");
@@ -591,23 +565,14 @@ fn restored_vms_have_no_unfiltered_thread() {
     let scratch = Scratch::new("ops", "restored-threads");
     let dir = scratch.path("snap");
     // Enough written memory that the lazy fault thread outlives the first samples.
-    run_gpuvm(
-        &[
-            "run",
-            "--memory",
-            "1G",
-            "--cmdline",
-            "memloop 512M 9 100000",
-            "--snapshot-dir",
-            arg(&dir),
-            "--snapshot-after-ms",
-            "1000",
-            "--snapshot-then",
-            "exit",
-        ],
-        LIMIT,
-    )
-    .assert_code(0);
+    let run = [
+        "run",
+        "--memory",
+        "1G",
+        "--cmdline",
+        "memloop 512M 9 100000",
+    ];
+    run_until_snapshot(&run, &dir, 1000, LIMIT);
 
     let socket = scratch.path("uffd.sock");
     for (mode, thread) in [("lazy", "uffd-faults"), ("external", "uffd-handler-wa")] {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{RunOutput, Scratch, SpawnedProcess};
+use gpuvm_tests::{memloop_iterations, RunOutput, Scratch, SpawnedProcess};
 use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
@@ -43,16 +43,6 @@ fn memory_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Iteration numbers of the `memloop: iter N ok` lines (a restored run may go on
-/// mid-line).
-fn iterations(stdout: &str) -> Vec<u64> {
-    stdout
-        .lines()
-        .filter_map(|line| line.split_once(" ok checksum="))
-        .filter_map(|(head, _)| head.split_whitespace().last()?.parse().ok())
-        .collect()
-}
-
 fn describe(out: &RunOutput) -> String {
     format!(
         "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
@@ -79,6 +69,15 @@ fn run_snapshotting(dir: &Path, iters: u32, extra: &[&str]) -> SpawnedProcess {
     SpawnedProcess::gpuvm(&args)
 }
 
+/// A memloop guest of `iters` iterations that snapshots into `dir` after 200 ms and
+/// exits; it must exit 0.
+fn snapshot_then_exit(dir: &Path, iters: u32) -> RunOutput {
+    let after = ["--snapshot-after-ms", "200", "--snapshot-then", "exit"];
+    let out = run_snapshotting(dir, iters, &after).wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    out
+}
+
 /// The guest ran to its end, every page checked.
 fn assert_guest_completed(out: &RunOutput) {
     assert_eq!(out.code(), Some(0), "{}", describe(out));
@@ -98,7 +97,11 @@ fn assert_restores(dir: &Path, mode: &str) {
         "the guest booted again instead of resuming: {}",
         describe(&out)
     );
-    assert!(iterations(&out.stdout).len() >= 2, "{}", describe(&out));
+    assert!(
+        memloop_iterations(&out.stdout).len() >= 2,
+        "{}",
+        describe(&out)
+    );
 }
 
 /// Sends SIGUSR1 (what `gpuvm snapshot --pid` sends) and waits until gpuvm logged the
@@ -113,9 +116,9 @@ fn signal_snapshot(run: &mut SpawnedProcess, outcome: &str, count: usize) {
 
 /// Waits until the guest has finished `more` iterations past what it printed so far.
 fn wait_progress(run: &mut SpawnedProcess, more: usize) {
-    let now = iterations(&run.stdout()).len();
+    let now = memloop_iterations(&run.stdout()).len();
     run.wait_until(&format!("{more} more iterations"), LIMIT, |p| {
-        iterations(&p.stdout()).len() >= now + more
+        memloop_iterations(&p.stdout()).len() >= now + more
     });
 }
 
@@ -175,13 +178,7 @@ fn stale_temp_files_do_not_stop_a_snapshot() {
     let mut cut = b"GPUVMMEM".to_vec();
     cut.resize(4096, 0);
     std::fs::write(dir.join(".memory-5.tmp.99999.0"), &cut).unwrap();
-    let out = run_snapshotting(
-        &dir,
-        100_000,
-        &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-    )
-    .wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    snapshot_then_exit(&dir, 100_000);
     let files = listing(&dir);
     assert_eq!(files.len(), 2, "{files:?}");
     assert_eq!(files[1], "state", "{files:?}");
@@ -219,11 +216,7 @@ fn a_failed_snapshot_keeps_the_vm_running_and_the_previous_snapshot() {
         assert_eq!(std::fs::read(dir.join("state")).unwrap(), first_state);
         let out = run.wait(LIMIT);
         assert_guest_completed(&out);
-        assert!(
-            out.stderr.contains("No space left on device"),
-            "{}",
-            describe(&out)
-        );
+        out.assert_stderr_has("No space left on device");
         assert_restores(dir, "eager");
     }
 }
@@ -242,7 +235,7 @@ fn a_failed_timer_snapshot_leaves_no_memory_file() {
     )
     .wait(LIMIT);
     assert_guest_completed(&out);
-    assert!(out.stderr.contains(FAILED), "{}", describe(&out));
+    out.assert_stderr_has(FAILED);
     assert_eq!(listing(mount.path()), Vec::<String>::new());
 }
 
@@ -304,6 +297,13 @@ impl ApiVm {
             json!({"snapshot_path": dir, "snapshot_type": kind}),
         )
     }
+
+    /// A snapshot into `dir` that must answer `status`; returns the answer.
+    fn expect_snapshot(&self, dir: &Path, kind: &str, status: u16) -> String {
+        let (got, answer) = self.snapshot(dir, kind);
+        assert_eq!(got, status, "{kind} snapshot: {answer}");
+        answer
+    }
 }
 
 /// Fills the filesystem of `dir` with one file; returns its path.
@@ -327,22 +327,18 @@ fn a_failed_diff_snapshot_loses_no_dirty_page() {
     let dir = mount.path();
     let mut vm = ApiVm::start(scratch.path("api.sock"), 80);
     vm.process.wait_for_stdout("memloop: iter 2 ok", LIMIT);
-    let (status, answer) = vm.snapshot(dir, "Full");
-    assert_eq!(status, 200, "{answer}");
+    vm.expect_snapshot(dir, "Full", 200);
 
     let filler = fill_disk(dir);
-    let (status, answer) = vm.snapshot(dir, "Diff");
-    assert_eq!(status, 400, "{answer}");
+    let answer = vm.expect_snapshot(dir, "Diff", 400);
     assert!(answer.contains("No space left"), "{answer}");
     // The failed snapshot paused the vCPUs; they run again.
     wait_progress(&mut vm.process, 2);
 
     vm.expect(204, "PATCH", "/vm", json!({"state": "Paused"}));
-    let (status, answer) = vm.snapshot(dir, "Diff");
-    assert_eq!(status, 400, "{answer}");
+    vm.expect_snapshot(dir, "Diff", 400);
     std::fs::remove_file(filler).unwrap();
-    let (status, answer) = vm.snapshot(dir, "Diff");
-    assert_eq!(status, 200, "{answer}");
+    let answer = vm.expect_snapshot(dir, "Diff", 200);
     let report: Value = serde_json::from_str(&answer).unwrap();
     assert_eq!(report["diff"], true, "{report}");
     // The guest rewrote all of its 32 MiB (8192 pages) after the full snapshot.
@@ -372,13 +368,7 @@ fn files_gpuvm_did_not_write_are_kept() {
     }
     // Twice: the second snapshot replaces the first and cleans up after it.
     for _ in 0..2 {
-        let out = run_snapshotting(
-            &dir,
-            100_000,
-            &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-        )
-        .wait(LIMIT);
-        assert_eq!(out.code(), Some(0), "{}", describe(&out));
+        snapshot_then_exit(&dir, 100_000);
         for (name, bytes) in users {
             assert_eq!(
                 std::fs::read(dir.join(name)).ok().as_deref(),
@@ -393,18 +383,9 @@ fn files_gpuvm_did_not_write_are_kept() {
     let other = scratch.path("other");
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("state"), b"my state of mind").unwrap();
-    let out = run_snapshotting(
-        &other,
-        40,
-        &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-    )
-    .wait(LIMIT);
+    let out = snapshot_then_exit(&other, 40);
     assert_guest_completed(&out);
-    assert!(
-        out.stderr.contains("its state is not a file gpuvm wrote"),
-        "{}",
-        describe(&out)
-    );
+    out.assert_stderr_has("its state is not a file gpuvm wrote");
     assert_eq!(
         std::fs::read(other.join("state")).unwrap(),
         b"my state of mind"
@@ -419,29 +400,14 @@ fn files_gpuvm_did_not_write_are_kept() {
 fn a_snapshot_directory_in_use_is_refused() {
     let scratch = Scratch::new("snapdir", "locked");
     let dir = scratch.path("snap");
-    let out = run_snapshotting(
-        &dir,
-        40,
-        &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-    )
-    .wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    snapshot_then_exit(&dir, 40);
     let before = listing(&dir);
     let state = std::fs::read(dir.join("state")).unwrap();
 
     let holder = DirLockHolder::exclusive(&dir);
-    let out = run_snapshotting(
-        &dir,
-        40,
-        &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-    )
-    .wait(LIMIT);
+    let out = snapshot_then_exit(&dir, 40);
     assert_guest_completed(&out);
-    assert!(
-        out.stderr.contains("is in use by another gpuvm process"),
-        "{}",
-        describe(&out)
-    );
+    out.assert_stderr_has("is in use by another gpuvm process");
     assert_eq!(listing(&dir), before);
     assert_eq!(std::fs::read(dir.join("state")).unwrap(), state);
     let restore = SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(&dir)]).wait(LIMIT);
@@ -466,7 +432,7 @@ fn two_vms_snapshotting_into_one_directory() {
     let deadline = Instant::now() + LIMIT;
     while vms
         .iter()
-        .any(|vm| iterations(&vm.process.stdout()).len() < 2)
+        .any(|vm| memloop_iterations(&vm.process.stdout()).len() < 2)
     {
         assert!(Instant::now() < deadline, "the guests did not start");
         std::thread::sleep(Duration::from_millis(10));
@@ -489,16 +455,16 @@ fn two_vms_snapshotting_into_one_directory() {
     assert!(taken >= 1, "{answers:?}");
     for mut vm in vms {
         assert!(vm.process.try_status().is_none(), "a VM died");
-        let progressed = iterations(&vm.process.stdout()).len();
+        let progressed = memloop_iterations(&vm.process.stdout()).len();
         vm.process.wait_until("progress", LIMIT, |p| {
-            iterations(&p.stdout()).len() > progressed
+            memloop_iterations(&p.stdout()).len() > progressed
         });
     }
     assert_eq!(memory_files(&dir).len(), 1, "{:?}", listing(&dir));
     // The guests run on for ever: a restore that verifies one whole iteration will do.
     let mut restored = SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(&dir)]);
     restored.wait_until("two iterations after restore", LIMIT, |p| {
-        iterations(&p.stdout()).len() >= 2
+        memloop_iterations(&p.stdout()).len() >= 2
     });
     restored.signal(libc::SIGKILL);
     let out = restored.wait(LIMIT);
@@ -512,17 +478,8 @@ fn two_vms_snapshotting_into_one_directory() {
 fn a_missing_parent_directory_is_not_created() {
     let scratch = Scratch::new("snapdir", "parent");
     let parent = scratch.path("missing");
-    let out = run_snapshotting(
-        &parent.join("snap"),
-        40,
-        &["--snapshot-after-ms", "200", "--snapshot-then", "exit"],
-    )
-    .wait(LIMIT);
+    let out = snapshot_then_exit(&parent.join("snap"), 40);
     assert_guest_completed(&out);
-    assert!(
-        out.stderr.contains("its parent directory does not exist"),
-        "{}",
-        describe(&out)
-    );
+    out.assert_stderr_has("its parent directory does not exist");
     assert!(!parent.exists(), "the parent directory was created");
 }

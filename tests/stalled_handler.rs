@@ -13,7 +13,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
-use gpuvm_tests::{run_gpuvm, start_uffd_handler, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{
+    external_load_body, run_gpuvm_until, run_until_snapshot, start_uffd_handler,
+    wait_for_api_socket, Scratch, SpawnedProcess,
+};
 use gpuvm_vmm::api::client;
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -44,23 +47,8 @@ struct Stalled {
 impl Stalled {
     fn start(scratch: &Scratch) -> Stalled {
         let snap = scratch.path("snap");
-        let out = run_gpuvm(
-            &[
-                "run",
-                "--memory",
-                "128M",
-                "--cmdline",
-                WORKLOAD,
-                "--snapshot-dir",
-                arg(&snap),
-                "--snapshot-after-ms",
-                "500",
-                "--snapshot-then",
-                "exit",
-            ],
-            LIMIT,
-        );
-        out.assert_code(0).assert_stdout_has(" ok checksum=");
+        run_until_snapshot(&["run", "--cmdline", WORKLOAD], &snap, 500, LIMIT)
+            .assert_stdout_has(" ok checksum=");
         let handler_socket = scratch.path("handler.sock");
         let handler = start_uffd_handler(Path::new(HANDLER), &handler_socket, &snap, FAULTS_ONLY);
         let socket = scratch.path("api.sock");
@@ -72,11 +60,7 @@ impl Stalled {
             handler,
             snap,
         };
-        let load = format!(
-            r#"{{"snapshot_path": "{}", "restore_mode": "External", "uffd_socket_path": "{}", "resume_vm": true}}"#,
-            arg(&stalled.snap),
-            arg(&handler_socket)
-        );
+        let load = external_load_body(&stalled.snap, &handler_socket);
         stalled.expect(204, "PUT", "/snapshot/load", Some(&load), AT_ONCE * 10);
         // The guest runs on what the handler serves it; then it is paused (its vCPUs wait
         // on nothing) and the handler stops answering.
@@ -261,15 +245,14 @@ fn a_snapshot_after_the_handler_goes_on_completes() {
     );
     stalled.ctrl_alt_del_ends_gpuvm();
 
-    let mut restored = SpawnedProcess::gpuvm(&[
+    let restore = [
         "restore",
         "--snapshot",
         arg(&target),
         "--restore-mode",
         "eager",
-    ]);
-    restored.wait_for_stdout(" ok checksum=", LIMIT);
-    restored.signal(libc::SIGKILL);
-    let out = restored.wait(END_LIMIT);
+    ];
+    let out = run_gpuvm_until(&restore, LIMIT, Some(" ok checksum="));
+    out.assert_stdout_has(" ok checksum=");
     assert!(!out.stdout.contains("FAIL"), "{}", out.stdout);
 }

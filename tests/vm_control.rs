@@ -9,7 +9,10 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{run_gpuvm, start_uffd_handler, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{
+    external_load_body, run_until_snapshot, start_uffd_handler, wait_for_api_socket, RunOutput,
+    Scratch, SpawnedProcess,
+};
 use gpuvm_vmm::api::client;
 use serde_json::Value;
 
@@ -155,13 +158,17 @@ impl Vmm {
         }
     }
 
-    fn ctrl_alt_del(&self) {
+    /// SendCtrlAltDel, after which gpuvm must end with status 0 within END_LIMIT.
+    fn ctrl_alt_del_ends_gpuvm(self) -> RunOutput {
         self.expect(
             204,
             "PUT",
             "/actions",
             Some(r#"{"action_type": "SendCtrlAltDel"}"#),
         );
+        let out = self.process.wait(END_LIMIT);
+        assert_eq!(out.code(), Some(0), "{}", out.stderr);
+        out
     }
 }
 
@@ -203,26 +210,9 @@ fn start_two_vcpu_memloop(socket: &Path) -> Vmm {
 /// A snapshot of the two-vCPU `memloop` guest, taken while it runs.
 fn two_vcpu_memloop_snapshot(scratch: &Scratch) -> PathBuf {
     let dir = scratch.path("snap");
-    let dir_arg = dir.to_str().expect("utf-8 path");
-    let out = run_gpuvm(
-        &[
-            "run",
-            "--vcpus",
-            "2",
-            "--memory",
-            "128M",
-            "--cmdline",
-            WORKLOAD,
-            "--snapshot-dir",
-            dir_arg,
-            "--snapshot-after-ms",
-            "500",
-            "--snapshot-then",
-            "exit",
-        ],
-        LIMIT,
-    );
-    out.assert_code(0).assert_stdout_has("memloop: cpus=2");
+    let args = ["run", "--vcpus", "2", "--cmdline", WORKLOAD];
+    let out = run_until_snapshot(&args, &dir, 500, LIMIT);
+    out.assert_stdout_has("memloop: cpus=2");
     assert!(dir.join("state").exists(), "no snapshot: {}", out.stderr);
     dir
 }
@@ -236,9 +226,7 @@ fn redundant_resume_and_pause_answer_at_once_with_two_vcpus() {
     let vmm = start_two_vcpu_memloop(&scratch.path("api.sock"));
     assert_eq!(vmm.state(), "Running");
     vmm.exercise_pause_and_resume();
-    vmm.ctrl_alt_del();
-    let out = vmm.process.wait(END_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    vmm.ctrl_alt_del_ends_gpuvm();
 }
 
 /// The same on a VM that `PUT /snapshot/load` with `resume_vm: true` started.
@@ -258,9 +246,7 @@ fn redundant_resume_after_a_snapshot_load_that_resumed() {
     );
     assert_eq!(vmm.state(), "Running");
     vmm.exercise_pause_and_resume();
-    vmm.ctrl_alt_del();
-    let out = vmm.process.wait(END_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    vmm.ctrl_alt_del_ends_gpuvm();
 }
 
 /// 20 PATCH /vm at once, half Paused and half Resumed, in a few rounds: every request
@@ -309,9 +295,7 @@ fn concurrent_pause_and_resume_leave_a_consistent_state() {
         vmm.assert_consistent();
     }
     vmm.exercise_pause_and_resume();
-    vmm.ctrl_alt_del();
-    let out = vmm.process.wait(END_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    vmm.ctrl_alt_del_ends_gpuvm();
 }
 
 /// A VM restored through an external page-fault handler that never serves a fault: its
@@ -325,11 +309,7 @@ fn stalled_restore(scratch: &Scratch) -> (Vmm, SpawnedProcess) {
         204,
         "PUT",
         "/snapshot/load",
-        Some(&format!(
-            r#"{{"snapshot_path": "{}", "restore_mode": "External", "uffd_socket_path": "{}", "resume_vm": true}}"#,
-            snap.display(),
-            handler_socket.display()
-        )),
+        Some(&external_load_body(&snap, &handler_socket)),
     );
     handler.wait_for_stdout("uffd-handler: stalling", LIMIT);
     (vmm, handler)
@@ -371,9 +351,7 @@ fn a_stalled_page_fault_handler_leaves_the_api_answering_and_ctrl_alt_del_ends_g
     let scratch = Scratch::new("vm_control", "stall-cad");
     let (vmm, _handler) = stalled_restore(&scratch);
     assert_pause_fails_promptly(&vmm);
-    vmm.ctrl_alt_del();
-    let out = vmm.process.wait(END_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    let out = vmm.ctrl_alt_del_ends_gpuvm();
     assert!(
         out.stderr.contains("page-fault handler"),
         "gpuvm did not say why a vCPU was left behind:\n{}",
