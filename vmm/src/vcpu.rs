@@ -1044,15 +1044,21 @@ mod tests {
         }
     }
 
-    /// Asserts that `f` succeeds within `limit`.
-    fn at_once(what: &str, limit: Duration, f: impl FnOnce() -> Result<(), VcpuError>) {
+    /// Runs `f`, asserting that it returns within `limit`.
+    fn returns_within<T>(what: &str, limit: Duration, f: impl FnOnce() -> T) -> T {
         let started = Instant::now();
-        f().unwrap_or_else(|e| panic!("{what}: {e}"));
+        let result = f();
         assert!(
             started.elapsed() < limit,
             "{what} took {:?}",
             started.elapsed()
         );
+        result
+    }
+
+    /// Asserts that `f` succeeds within `limit`.
+    fn at_once(what: &str, limit: Duration, f: impl FnOnce() -> Result<(), VcpuError>) {
+        returns_within(what, limit, f).unwrap_or_else(|e| panic!("{what}: {e}"));
     }
 
     #[test]
@@ -1104,53 +1110,27 @@ mod tests {
                 assert!(Instant::now() < deadline, "the vCPU never faulted");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            let started = Instant::now();
-            let error = guest
-                .handle
-                .pause()
-                .expect_err("paused while waiting for memory");
-            assert!(
-                started.elapsed() < STOP_RUNNING_LIMIT + Duration::from_secs(1),
-                "{:?}",
-                started.elapsed()
-            );
+            let quick = Duration::from_millis(500);
+            let pause_fails = |what, limit| {
+                let error = returns_within(what, limit, || guest.handle.pause())
+                    .expect_err("paused while waiting for memory");
+                assert!(
+                    error.to_string().contains("a page nobody serves"),
+                    "{error}"
+                );
+                error
+            };
+            let error = pause_fails("the pause", STOP_RUNNING_LIMIT + Duration::from_secs(1));
             assert!(
                 matches!(error, VcpuError::NotStopping { id: 0, .. }),
                 "{error}"
             );
-            assert!(
-                error.to_string().contains("a page nobody serves"),
-                "{error}"
-            );
             // Known to be stuck now: another pause fails at once, without another kick.
-            let started = Instant::now();
-            let error = guest
-                .handle
-                .pause()
-                .expect_err("paused while waiting for memory");
-            assert!(
-                error.to_string().contains("a page nobody serves"),
-                "{error}"
-            );
-            assert!(
-                started.elapsed() < Duration::from_millis(500),
-                "{:?}",
-                started.elapsed()
-            );
+            pause_fails("a second pause", quick);
             // The pause was withdrawn; a resume has nothing to wait for.
-            at_once("resume", Duration::from_millis(500), || {
-                guest.handle.resume()
-            });
-            let started = Instant::now();
-            assert!(
-                !guest.handle.stop_and_join(),
-                "a stuck vCPU thread was joined"
-            );
-            assert!(
-                started.elapsed() < Duration::from_millis(500),
-                "{:?}",
-                started.elapsed()
-            );
+            at_once("resume", quick, || guest.handle.resume());
+            let joined = returns_within("the stop", quick, || guest.handle.stop_and_join());
+            assert!(!joined, "a stuck vCPU thread was joined");
             // Closing the userfaultfd drops the registration: the fault is served with a
             // zero page (the guest then triple-faults), and the thread left behind ends.
             drop(uffd);
