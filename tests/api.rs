@@ -592,12 +592,23 @@ fn bad_requests_get_a_4xx_with_a_fault_message() {
         fault_message(&fault).contains("record_working_set needs restore_mode Lazy"),
         "{fault}"
     );
-    // A start that cannot build the VM is a 400 and leaves the API usable.
-    vmm.expect(
-        204,
+    // More vCPUs than the host allows are refused at PUT, not only at start.
+    let (status, fault) = vmm.call(
         "PUT",
         "/machine-config",
         Some(json!({"vcpu_count": 255, "mem_size_mib": 64})),
+    );
+    assert_eq!(status, 400, "{fault}");
+    assert!(fault_message(&fault).contains("vCPU count 255"), "{fault}");
+    // A start that cannot build the VM is a 400 and leaves the API usable: a regular
+    // file passes PUT /boot-source, but it is no kernel image.
+    let not_a_kernel = scratch.path("not-a-kernel");
+    std::fs::write(&not_a_kernel, vec![0x5a; 8192]).unwrap();
+    vmm.expect(
+        204,
+        "PUT",
+        "/boot-source",
+        Some(json!({"kernel_image_path": not_a_kernel})),
     );
     let (status, fault) = vmm.call(
         "PUT",
@@ -605,7 +616,7 @@ fn bad_requests_get_a_4xx_with_a_fault_message() {
         Some(json!({"action_type": "InstanceStart"})),
     );
     assert_eq!(status, 400, "{fault}");
-    assert!(fault_message(&fault).contains("vCPU"), "{fault}");
+    assert!(fault_message(&fault).contains("kernel"), "{fault}");
 
     // A client that stalls mid-request gets 408 after the read timeout, and does not
     // block other clients meanwhile.

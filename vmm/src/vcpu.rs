@@ -669,6 +669,13 @@ impl VcpuHandle {
         (still_in_run && kick.at.elapsed() >= STOP_RUNNING_LIMIT).then_some(kick.at)
     }
 
+    /// Whether the vCPU has returned from KVM_RUN since its last kick.
+    fn left_run_since_kick(&self, shared: &Shared) -> bool {
+        shared
+            .kicked
+            .is_some_and(|kick| self.control.runs.load(Ordering::SeqCst) != kick.runs)
+    }
+
     /// Says what this vCPU waits for if it does not stop running when asked to (e.g.
     /// guest memory from an external page-fault handler), for the error that says so.
     pub fn set_stall_cause(&mut self, cause: &'static str) {
@@ -752,6 +759,11 @@ impl VcpuHandle {
             STOP_RUNNING_LIMIT
         };
         let mut shared = self.wait_until(limit, |s| s.activity == Activity::Paused);
+        if shared.activity == Activity::Running && self.left_run_since_kick(&shared) {
+            // It is out of KVM_RUN, only slow to be scheduled on a loaded host: not stuck.
+            drop(shared);
+            shared = self.wait_until(ANSWER_LIMIT, |s| s.activity == Activity::Paused);
+        }
         match shared.activity {
             Activity::Paused => Ok(()),
             Activity::Ended => Err(VcpuError::Ended(self.id)),
