@@ -253,7 +253,7 @@ pub fn start_emu_gpu(
 
 /// The RAM ranges (start, length) the test guest sees for `memory` bytes of guest RAM.
 pub fn guest_ram_ranges(memory: u64) -> Vec<(u64, u64)> {
-    use gpuvm_vmm::x86_64::layout::{e820_map, ram_regions, E820_RAM};
+    use gpuvm_arch::x86_64::layout::{e820_map, ram_regions, E820_RAM};
     e820_map(&ram_regions(memory))
         .into_iter()
         .filter(|e| e.kind == E820_RAM)

@@ -1353,7 +1353,7 @@ fn flip_byte(path: &Path, at: u64) {
 /// Writes a valid, empty (all-zero) full memory file for a guest of `ram_size` bytes
 /// with gpuvm's layout: to build states that are consistent but unusable on this host.
 fn write_empty_memory_file(path: &Path, ram_size: u64) {
-    let regions = gpuvm_vmm::x86_64::layout::ram_regions(ram_size);
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(ram_size);
     let mut metadata = Vec::new();
     for r in &regions {
         metadata.extend_from_slice(&r.guest_addr.to_le_bytes());

@@ -7,6 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use gpuvm_arch::x86_64::acpi::{self, AcpiConfig};
+use gpuvm_arch::x86_64::cpuid::Topology;
+use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
+use gpuvm_arch::x86_64::{boot, mptable};
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
@@ -30,10 +34,6 @@ use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::vcpu::{Vcpu, VcpuThread};
 use crate::working_set;
-use crate::x86_64::acpi::{self, AcpiConfig};
-use crate::x86_64::cpuid::Topology;
-use crate::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
-use crate::x86_64::{boot, mptable};
 use crate::{lock, Error};
 
 /// Serial port COM1 and its legacy interrupt line.

@@ -1,9 +1,8 @@
 //! What a VM is made of: the machine (vCPUs, memory, CPU features) and what it boots.
 
+use gpuvm_arch::x86_64::boot::BootSource;
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
-
-use crate::x86_64::boot::BootSource;
-use crate::x86_64::cpuid::CpuidMask;
 
 /// Default guest memory when none is given.
 pub const DEFAULT_MEMORY_SIZE: u64 = 128 << 20;

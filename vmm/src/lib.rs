@@ -6,7 +6,8 @@
 //! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
 //! - [`vcpu`] is one vCPU thread and its exit handling.
 //! - [`seccomp`] holds the seccomp filters of the vmm, vCPU and API threads.
-//! - [`x86_64`] holds the architecture: layout, boot protocols, CPUID, MSRs, MP table.
+//! - The architecture (layout, boot protocols, ACPI, CPUID, MSRs, MP table) is in the
+//!   `gpuvm-arch` crate ([`gpuvm_arch::x86_64`]).
 
 pub mod api;
 pub mod builder;
@@ -20,7 +21,6 @@ pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
 pub mod working_set;
-pub mod x86_64;
 
 /// Locks `mutex`, carrying on if a thread panicked while holding it: device and VMM state
 /// stays usable, and the panic has already been reported by its own thread.
@@ -74,11 +74,11 @@ pub enum Error {
     #[error(transparent)]
     Prefault(#[from] gpuvm_memory::PrefaultError),
     #[error(transparent)]
-    Boot(#[from] x86_64::boot::BootError),
+    Boot(#[from] gpuvm_arch::x86_64::boot::BootError),
     #[error(transparent)]
-    MpTable(#[from] x86_64::mptable::MpTableError),
+    MpTable(#[from] gpuvm_arch::x86_64::mptable::MpTableError),
     #[error(transparent)]
-    Acpi(#[from] x86_64::acpi::AcpiError),
+    Acpi(#[from] gpuvm_arch::x86_64::acpi::AcpiError),
     #[error(transparent)]
     Vcpu(#[from] vcpu::VcpuError),
     #[error("cannot place a device: {0}")]

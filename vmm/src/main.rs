@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use gpuvm_vmm::api::server::ApiServer;
 use gpuvm_vmm::api::vmm::{ApiController, BeforeRun, Started};
@@ -12,8 +14,6 @@ use gpuvm_vmm::config::{MachineConfig, VmConfig};
 use gpuvm_vmm::machine::{AfterSnapshot, SnapshotPolicy};
 use gpuvm_vmm::metrics::{CountingWriter, METRICS};
 use gpuvm_vmm::snapshot::RestoreMode;
-use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
-use gpuvm_vmm::x86_64::cpuid::CpuidMask;
 use gpuvm_vmm::Machine;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -475,10 +475,10 @@ fn serial_out() -> Box<dyn std::io::Write + Send> {
 mod api_config {
     use std::path::Path;
 
+    use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
     use gpuvm_vmm::api::action::ConfigFile;
     use gpuvm_vmm::config::VmConfig;
     use gpuvm_vmm::pci::PciOptions;
-    use gpuvm_vmm::x86_64::boot::{BootSource, KernelSource};
 
     use super::CliError;
 

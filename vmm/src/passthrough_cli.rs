@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
+use gpuvm_arch::x86_64::cpuid::{CpuidMask, CpuidReg};
 use gpuvm_vfio::host::{self, CheckStatus, HostPaths};
 use gpuvm_vmm::pci::PciOptions;
-use gpuvm_vmm::x86_64::cpuid::{CpuidMask, CpuidReg};
 
 #[derive(Args, Debug)]
 pub struct PassthroughArgs {
@@ -111,7 +111,7 @@ pub fn check_host(args: &CheckHostArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuvm_vmm::x86_64::cpuid::{normalize, Topology};
+    use gpuvm_arch::x86_64::cpuid::{normalize, Topology};
     use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 
     #[test]

@@ -2,7 +2,7 @@
 //! (vfio-user sockets; kernel VFIO GPUs), MSI routing through KVM GSI routes and irqfds,
 //! and the DMA mapping of all guest RAM before the guest runs.
 //!
-//! PCI address space (see layout.rs):
+//! PCI address space (see gpuvm_arch::x86_64::layout):
 //! ```text
 //! 0xc000_0000..0xe000_0000   32-bit BARs
 //! 0xe000_0000..0xe010_0000   ECAM, bus 0
@@ -17,6 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use gpuvm_arch::x86_64::layout::{
+    FOUR_GIB, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN,
+    PCI_MMIO64_DEFAULT_SIZE,
+};
 use gpuvm_devices::pci::{
     intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, MsiMessage,
     MsiRouting, PciError, PciRoot, PciRootConfig,
@@ -36,16 +40,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::lock;
 use crate::machine::MachineDevices;
-use crate::x86_64::layout::{FOUR_GIB, MMIO_HOLE_START, PCI_ECAM_START};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
-pub const MMIO32_START: u64 = MMIO_HOLE_START;
-pub const MMIO32_END: u64 = PCI_ECAM_START;
-pub const ECAM_BASE: u64 = PCI_ECAM_START;
-/// Room for two 128 GiB BAR1s and their companions.
-pub const DEFAULT_MMIO64_SIZE: u64 = 512 << 30;
-/// The window starts on a 1 GiB boundary; each BAR in it is aligned to its own size.
-const MMIO64_ALIGN: u64 = 1 << 30;
 /// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
 const DMA_CHUNK: u64 = 1 << 30;
 /// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
@@ -58,7 +54,7 @@ pub struct PciOptions {
     pub gpus: Vec<String>,
     /// vfio-user sockets of device processes.
     pub vfio_user: Vec<PathBuf>,
-    /// Size of the 64-bit BAR window; 0 means [`DEFAULT_MMIO64_SIZE`].
+    /// Size of the 64-bit BAR window; 0 means [`PCI_MMIO64_DEFAULT_SIZE`].
     pub mmio64_size: u64,
 }
 
@@ -110,7 +106,7 @@ pub fn mmio64_start(ram: &GuestRam) -> u64 {
         .max()
         .unwrap_or(0)
         .max(FOUR_GIB);
-    top.next_multiple_of(MMIO64_ALIGN)
+    top.next_multiple_of(PCI_MMIO64_ALIGN)
 }
 
 /// A second handle on the VM for devices (KVM objects are per fd, the VM is the same).
@@ -378,12 +374,12 @@ impl MutEventSubscriber for IntxResample {
 /// Where the root bus puts configuration space and BARs for a VM with `ram`.
 pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
     PciRootConfig {
-        ecam_base: ECAM_BASE,
-        mmio32_start: MMIO32_START,
-        mmio32_end: MMIO32_END,
+        ecam_base: PCI_ECAM_START,
+        mmio32_start: PCI_MMIO32_START,
+        mmio32_end: PCI_MMIO32_END,
         mmio64_start: mmio64_start(ram),
         mmio64_size: match options.mmio64_size {
-            0 => DEFAULT_MMIO64_SIZE,
+            0 => PCI_MMIO64_DEFAULT_SIZE,
             size => size,
         },
     }
@@ -415,13 +411,13 @@ pub fn attach(
     let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
     mmio_bus
         .insert(
-            ECAM_BASE,
+            PCI_ECAM_START,
             PciRootConfig::ECAM_SIZE,
             Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
         )
         .map_err(PciSetupError::Place)?;
     for (base, end) in [
-        (MMIO32_START, MMIO32_END),
+        (PCI_MMIO32_START, PCI_MMIO32_END),
         (
             config.mmio64_start,
             config.mmio64_start + config.mmio64_size,

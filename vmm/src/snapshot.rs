@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_devices::SerialState;
 use gpuvm_memory::snapshot::{
     flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target, RamLayout,
@@ -34,7 +35,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::MachineConfig;
 use crate::persist::{PersistError, VcpuState, VmState};
-use crate::x86_64::cpuid::CpuidMask;
 
 pub const STATE_FILE: &str = "state";
 const MEMORY_FILE_PREFIX: &str = "memory-";

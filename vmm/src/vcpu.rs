@@ -16,6 +16,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gpuvm_arch::x86_64::cpuid::{self, CpuidMask, Topology};
+use gpuvm_arch::x86_64::emulate;
+use gpuvm_arch::x86_64::msr;
+use gpuvm_arch::x86_64::regs::{self, EntryPoint};
 use gpuvm_devices::Bus;
 use kvm_bindings::{kvm_run, CpuId, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -25,10 +29,6 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::persist::{self, PersistError, VcpuState};
 use crate::seccomp::SeccompError;
-use crate::x86_64::cpuid::{self, CpuidMask, Topology};
-use crate::x86_64::emulate;
-use crate::x86_64::msr;
-use crate::x86_64::regs::{self, EntryPoint};
 
 /// KVM_INTERNAL_ERROR_EMULATION: the instruction emulator gave up.
 const INTERNAL_ERROR_EMULATION: u32 = 1;

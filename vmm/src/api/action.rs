@@ -3,11 +3,11 @@
 
 use std::path::PathBuf;
 
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
 
 use crate::config::MachineConfig;
-use crate::x86_64::cpuid::CpuidMask;
 
 /// Largest guest memory the API accepts, in MiB (keeps `mem_size_mib << 20` in range;
 /// the host's own limits are checked when the VM is built).

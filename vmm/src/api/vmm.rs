@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::sync::mpsc::Receiver;
 
+use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::action::{
@@ -17,7 +18,6 @@ use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
 use crate::pci::PciOptions;
 use crate::snapshot::RestoreMode;
-use crate::x86_64::boot::{BootSource, KernelSource};
 
 /// Passthrough devices one VM may have (bus 0 has 31 free slots; GPUs come with
 /// companions such as audio functions).
@@ -224,7 +224,7 @@ impl ApiController {
         let kernel = match body.kernel_image_path {
             Some(path) => {
                 absolute_path(&path, "kernel_image_path")?;
-                crate::x86_64::boot::open_boot_file(&path).map_err(|error| {
+                gpuvm_arch::x86_64::boot::open_boot_file(&path).map_err(|error| {
                     ActionError::bad_request(format!(
                         "cannot open kernel image {}: {error}",
                         path.display()
@@ -236,7 +236,7 @@ impl ApiController {
         };
         if let Some(initrd) = &body.initrd_path {
             absolute_path(initrd, "initrd_path")?;
-            crate::x86_64::boot::open_boot_file(initrd).map_err(|error| {
+            gpuvm_arch::x86_64::boot::open_boot_file(initrd).map_err(|error| {
                 ActionError::bad_request(format!(
                     "cannot open initrd {}: {error}",
                     initrd.display()

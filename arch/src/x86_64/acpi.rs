@@ -385,16 +385,17 @@ pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, Acp
 mod tests {
     use super::*;
     use crate::x86_64::layout::{
-        e820_map, ram_regions, E820_RESERVED, PCI_ECAM_SIZE, PCI_ECAM_START,
+        e820_map, ram_regions, E820_RESERVED, FOUR_GIB, PCI_ECAM_SIZE, PCI_ECAM_START,
+        PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_DEFAULT_SIZE,
     };
 
     fn pci() -> PciRootConfig {
         PciRootConfig {
-            ecam_base: crate::pci::ECAM_BASE,
-            mmio32_start: crate::pci::MMIO32_START,
-            mmio32_end: crate::pci::MMIO32_END,
-            mmio64_start: 0x1_0000_0000,
-            mmio64_size: crate::pci::DEFAULT_MMIO64_SIZE,
+            ecam_base: PCI_ECAM_START,
+            mmio32_start: PCI_MMIO32_START,
+            mmio32_end: PCI_MMIO32_END,
+            mmio64_start: FOUR_GIB,
+            mmio64_size: PCI_MMIO64_DEFAULT_SIZE,
         }
     }
 

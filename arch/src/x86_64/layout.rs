@@ -14,7 +14,8 @@
 //! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
 //!              0xe000_0000..0xe010_0000 (reserved in the e820 map), IOAPIC 0xfec0_0000,
 //!              LAPIC 0xfee0_0000
-//! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window
+//! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window (PCI BARs; 1 GiB aligned,
+//!              512 GiB by default)
 //! ```
 
 use gpuvm_memory::RamRegion;
@@ -41,6 +42,15 @@ pub const MMIO_HOLE_START: u64 = 0xc000_0000;
 /// PCI memory-mapped configuration space (ECAM) for bus 0; the 32-bit BAR window ends here.
 pub const PCI_ECAM_START: u64 = 0xe000_0000;
 pub const PCI_ECAM_SIZE: u64 = gpuvm_devices::pci::PciRootConfig::ECAM_SIZE;
+/// The 32-bit PCI BAR window: the MMIO hole below the ECAM window.
+pub const PCI_MMIO32_START: u64 = MMIO_HOLE_START;
+pub const PCI_MMIO32_END: u64 = PCI_ECAM_START;
+/// The 64-bit PCI BAR window starts above RAM on this boundary; each BAR in it is aligned
+/// to its own size.
+pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
+/// Default size of the 64-bit PCI BAR window: room for two 128 GiB BAR1s and their
+/// companions.
+pub const PCI_MMIO64_DEFAULT_SIZE: u64 = 512 << 30;
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
 pub const APIC_ADDR: u64 = 0xfee0_0000;
