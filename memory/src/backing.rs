@@ -123,7 +123,7 @@ impl fmt::Display for ByteSize {
         else {
             return write!(f, "{bytes} bytes");
         };
-        if bytes % unit == 0 {
+        if bytes.is_multiple_of(unit) {
             write!(f, "{} {name}", bytes / unit)
         } else {
             write!(f, "{:.1} {name}", bytes as f64 / unit as f64)
@@ -245,7 +245,7 @@ impl GuestRam {
         if size == 0 {
             return Err(RamError::ZeroSize);
         }
-        if size % page_size != 0 {
+        if !size.is_multiple_of(page_size) {
             return Err(RamError::SizeNotPageMultiple { size, backing });
         }
         validate_regions(regions, size, page_size)?;

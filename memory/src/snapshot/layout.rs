@@ -172,7 +172,7 @@ impl<'a> RamMappings<'a> {
         }
         if let Some(i) = host_addrs
             .iter()
-            .position(|&a| a.is_null() || (a as u64) % MIN_PAGE_SIZE != 0)
+            .position(|&a| a.is_null() || !(a as u64).is_multiple_of(MIN_PAGE_SIZE))
         {
             return Err(SnapshotError::InvalidLayout(format!(
                 "host address {:p} of region {i} is null or not page aligned",

@@ -573,7 +573,7 @@ fn check_header(path: &Path, h: &Header, file_len: u64) -> Result<()> {
         return invalid("index or data size overflows".into());
     };
     let metadata_end = HEADER_LEN as u64 + metadata_len;
-    if h.data_offset % DATA_ALIGN != 0 || h.data_offset < metadata_end {
+    if !h.data_offset.is_multiple_of(DATA_ALIGN) || h.data_offset < metadata_end {
         return invalid(format!(
             "data offset {:#x} is unaligned or inside the index (ending at {metadata_end:#x})",
             h.data_offset

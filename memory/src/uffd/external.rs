@@ -96,7 +96,7 @@ impl TryFrom<WireMapping> for UffdRegionMapping {
             offset: w.offset,
             page_size,
         };
-        let aligned = |v: u64| v % page_size == 0;
+        let aligned = |v: u64| v.is_multiple_of(page_size);
         if !VALID_PAGE_SIZES.contains(&page_size)
             || m.size == 0
             || !aligned(m.size)
