@@ -1,0 +1,261 @@
+//! The command line's definition (clap): the subcommands and their flags, and the parsers
+//! of sizes and memory backings.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
+use gpuvm_memory::Backing;
+use gpuvm_vmm::machine::{AfterSnapshot, SnapshotPolicy};
+
+use crate::ctl::CtlArgs;
+use crate::passthrough;
+
+/// A KVM micro-VMM for GPU virtual machines.
+#[derive(Parser, Debug)]
+#[command(name = "gpuvm", version, about)]
+pub struct Cli {
+    /// Log output: text, or json (one object per line with ts, level, target, message).
+    #[arg(long, global = true, default_value = "text", value_name = "text|json")]
+    pub log_format: gpuvm_vmm::logging::LogFormat,
+    /// Log level for every module: off, error, warn, info, debug, trace (default: the
+    /// GPUVM_LOG environment variable, else warn).
+    #[arg(long, global = true, value_name = "LEVEL")]
+    pub log_level: Option<log::LevelFilter>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Boot a VM and run it until the guest ends. Without --kernel, boots the embedded
+    /// test guest.
+    Run(RunArgs),
+    /// Restore a VM from a snapshot directory and run it until the guest ends.
+    Restore(RestoreArgs),
+    /// Ask a running gpuvm (started with --snapshot-dir) to snapshot itself now.
+    Snapshot {
+        /// Process id of the running gpuvm.
+        #[arg(long)]
+        pid: i32,
+    },
+    /// Talk to a running gpuvm's API socket.
+    Ctl(CtlArgs),
+    /// Check that this host can pass GPUs through (KVM, IOMMU, vfio-pci binding, IOMMU
+    /// groups, memlock, huge pages); each failing check says how to fix it.
+    CheckHost(passthrough::CheckHostArgs),
+    /// Write the embedded test guest (a PVH ELF) to a file, e.g. to boot it elsewhere.
+    GuestImage {
+        /// Where to write the image.
+        #[arg(long, short)]
+        output: PathBuf,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Kernel to boot: an ELF vmlinux (PVH or 64-bit entry) or a bzImage.
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Initial ramdisk.
+    #[arg(long)]
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line (for the test guest: the workload, default "hello").
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u8,
+    /// Guest memory size, e.g. 512M or 4G.
+    #[arg(long, value_parser = parse_size, default_value = "128M")]
+    pub memory: u64,
+    /// What backs guest memory: memfd, hugetlb-2m or hugetlb-1g.
+    #[arg(long, default_value = "memfd", value_parser = parse_backing)]
+    pub memory_backing: Backing,
+    /// Do not ask for transparent huge pages on memfd backing.
+    #[arg(long)]
+    pub no_thp: bool,
+    /// Populate all guest memory before boot, with several threads.
+    #[arg(long)]
+    pub prefault: bool,
+    /// CPUID features to hide from the guest: names (popcnt, xsave, smap, ...) or
+    /// LEAF[.SUBLEAF]:REG:BIT, comma-separated or repeated.
+    #[arg(long, value_delimiter = ',')]
+    pub cpuid_mask: Vec<CpuidMask>,
+    /// Log dirty pages so that later snapshots into the same directory are diffs.
+    #[arg(long)]
+    pub track_dirty_pages: bool,
+    /// Serve the control API on this Unix socket. Without --config-file, gpuvm waits for
+    /// PUT /actions InstanceStart (or PUT /snapshot/load); the flags above are the
+    /// initial configuration.
+    #[arg(long)]
+    pub api_sock: Option<PathBuf>,
+    #[command(flatten)]
+    pub jail: JailArgs,
+    #[command(flatten)]
+    pub seccomp: SeccompArgs,
+    /// Start at once with this JSON configuration ({"machine-config": {...},
+    /// "boot-source": {...}}, the bodies of the API's routes).
+    #[arg(long)]
+    pub config_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub passthrough: passthrough::PassthroughArgs,
+    #[command(flatten)]
+    pub snapshot: SnapshotArgs,
+    #[command(flatten)]
+    pub report: ReportArgs,
+}
+
+/// Confinement applied once /dev/kvm, guest memory and the devices are open, before the
+/// guest runs (see the `jail` module).
+#[derive(Args, Debug, Default)]
+pub struct JailArgs {
+    /// Change the root directory to DIR (snapshot paths are then inside DIR).
+    #[arg(long, value_name = "DIR")]
+    pub chroot: Option<PathBuf>,
+    /// Run as this user id (with --gid; supplementary groups are dropped).
+    #[arg(long, requires = "gid")]
+    pub uid: Option<u32>,
+    /// Run as this group id (with --uid).
+    #[arg(long, requires = "uid")]
+    pub gid: Option<u32>,
+}
+
+/// Seccomp filters (on by default; see the `seccomp` module).
+#[derive(Args, Debug, Default)]
+pub struct SeccompArgs {
+    /// Run without seccomp filters (by default every vmm, vCPU and API thread runs under
+    /// its own filter, and a system call outside it ends gpuvm with status 148).
+    #[arg(long)]
+    pub no_seccomp: bool,
+    /// Accepted for compatibility: filters are on by default now.
+    #[arg(long, hide = true, conflicts_with = "no_seccomp")]
+    pub seccomp: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SnapshotArgs {
+    /// Directory for snapshots; enables `gpuvm snapshot --pid` (SIGUSR1).
+    #[arg(long)]
+    pub snapshot_dir: Option<PathBuf>,
+    /// Take a snapshot this many milliseconds after the vCPUs start.
+    #[arg(long, requires = "snapshot_dir")]
+    pub snapshot_after_ms: Option<u64>,
+    /// After a snapshot: keep running, or end gpuvm.
+    #[arg(long, value_enum, default_value = "resume", requires = "snapshot_dir")]
+    pub snapshot_then: Then,
+}
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// At exit, print peak RSS, guest-resident memory and gpuvm's overhead to stderr.
+    #[arg(long)]
+    pub report_memory: bool,
+    /// At exit, print snapshot and restore figures to stderr.
+    #[arg(long)]
+    pub report_timing: bool,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+pub enum Then {
+    Resume,
+    Exit,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Mode {
+    /// Read all memory, then run.
+    Eager,
+    /// Run at once, load memory on fault and in the background (userfaultfd).
+    Lazy,
+    /// Hand the userfaultfd to an external page-fault handler (--uffd-socket).
+    External,
+}
+
+#[derive(Args, Debug)]
+pub struct RestoreArgs {
+    /// The snapshot directory.
+    #[arg(long)]
+    pub snapshot: PathBuf,
+    #[arg(long, value_enum, default_value = "lazy")]
+    pub restore_mode: Mode,
+    /// Unix socket of the external page-fault handler (Firecracker's UFFD handshake).
+    #[arg(long, required_if_eq("restore_mode", "external"))]
+    pub uffd_socket: Option<PathBuf>,
+    /// Lazy restores: write down which guest memory this restore's guest faulted on
+    /// (`working-set` in the snapshot directory), so that later lazy restores of the same
+    /// snapshot load it first.
+    #[arg(long)]
+    pub record_working_set: bool,
+    #[command(flatten)]
+    pub jail: JailArgs,
+    #[command(flatten)]
+    pub seccomp: SeccompArgs,
+    #[command(flatten)]
+    pub snapshot_args: SnapshotArgs,
+    #[command(flatten)]
+    pub report: ReportArgs,
+}
+
+/// Parses sizes like 4096, 512K, 128M, 4G (powers of 1024).
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let not_a_size = || format!("'{text}' is not a size (examples: 4096, 512M, 4G)");
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, unit) = text.split_at(split);
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(not_a_size()),
+    };
+    let value: u64 = digits.parse().map_err(|_| not_a_size())?;
+    value
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size '{text}' is too large"))
+}
+
+fn parse_backing(text: &str) -> Result<Backing, String> {
+    text.parse()
+        .map_err(|e: gpuvm_memory::RamError| e.to_string())
+}
+
+pub fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {
+    let dir = args.snapshot_dir.clone()?;
+    Some(SnapshotPolicy {
+        dir,
+        after: args.snapshot_after_ms.map(Duration::from_millis),
+        on_signal: true,
+        then: match args.snapshot_then {
+            Then::Resume => AfterSnapshot::Resume,
+            Then::Exit => AfterSnapshot::Exit,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("4g"), Ok(4 << 30));
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("abc").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

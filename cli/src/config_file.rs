@@ -1,0 +1,65 @@
+//! `--config-file`: a JSON configuration (the bodies of the API's routes) over the
+//! command line's flags.
+
+use std::path::Path;
+
+use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
+use gpuvm_vmm::api::action::ConfigFile;
+use gpuvm_vmm::config::VmConfig;
+use gpuvm_vmm::pci::PciOptions;
+
+use crate::CliError;
+
+fn invalid(path: &Path, reason: impl std::fmt::Display) -> CliError {
+    CliError::Other(format!("config file {}: {reason}", path.display()))
+}
+
+/// The configuration from `path` over `config` (the command-line flags).
+/// Its `gpus` are added to `pci` (after the command line's).
+pub fn apply_config_file(
+    path: &Path,
+    mut config: VmConfig,
+    pci: &mut PciOptions,
+) -> Result<VmConfig, CliError> {
+    // A configuration is a few KiB of JSON: a FIFO, a device or a huge file is refused
+    // before it is read (the read is bounded too).
+    const MAX_CONFIG_FILE: u64 = 1 << 20;
+    let bytes = gpuvm_memory::snapshot::read_regular_file(path, MAX_CONFIG_FILE)
+        .map_err(|e| invalid(path, e))?;
+    let text = String::from_utf8(bytes).map_err(|e| invalid(path, e))?;
+    let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(path, e))?;
+    let mut ids = std::collections::HashSet::new();
+    for gpu in &file.gpus {
+        gpu.validate(None).map_err(|e| invalid(path, e.message))?;
+        if !ids.insert(gpu.gpu_id.as_str()) {
+            return Err(invalid(
+                path,
+                format!("gpu_id {:?} appears twice", gpu.gpu_id),
+            ));
+        }
+        pci.gpus.extend(gpu.host_bdf.clone());
+        pci.vfio_user.extend(gpu.vfio_user_socket.clone());
+    }
+    if let Some(machine) = file.machine_config {
+        config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
+    }
+    if let Some(boot) = file.boot_source {
+        let kernel = match boot.kernel_image_path {
+            Some(kernel) => KernelSource::File(kernel),
+            None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+        };
+        let embedded = matches!(kernel, KernelSource::Embedded(_));
+        config.boot = BootSource {
+            kernel,
+            initrd: boot.initrd_path,
+            cmdline: boot.boot_args.unwrap_or_else(|| {
+                if embedded {
+                    "hello".into()
+                } else {
+                    String::new()
+                }
+            }),
+        };
+    }
+    Ok(config)
+}

@@ -1,0 +1,141 @@
+//! `gpuvm run`: builds a VM from the flags (and `--config-file`) and runs it, or with
+//! `--api-sock` serves the control API and starts the VM when asked.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
+use gpuvm_vmm::api::server::ApiServer;
+use gpuvm_vmm::api::vmm::{ApiController, BeforeRun, Started};
+use gpuvm_vmm::config::{MachineConfig, VmConfig};
+use gpuvm_vmm::metrics::{CountingWriter, METRICS};
+use gpuvm_vmm::pci::PciOptions;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::args::{snapshot_policy, RunArgs};
+use crate::report::finish;
+use crate::{config_file, jail, passthrough, CliError};
+
+/// Boots the VM the flags describe and runs it until the guest ends.
+pub fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    args.seccomp.enable()?;
+    let (config, pci) = configuration(&args)?;
+    if !pci.is_empty() && args.snapshot.snapshot_dir.is_some() {
+        return Err(CliError::Other(
+            "--snapshot-dir cannot be used with passthrough devices: their state lives in the device and cannot be saved".into(),
+        ));
+    }
+    let Some(api_sock) = &args.api_sock else {
+        let mut machine = gpuvm_vmm::builder::build_with_pci(&config, &pci, serial_out())?;
+        if let Some(policy) = snapshot_policy(&args.snapshot) {
+            machine.set_snapshot_policy(policy);
+        }
+        jail::enter(&args.jail)?;
+        return finish(machine, &args.report, process_start, None);
+    };
+    serve_api(&args, api_sock, config, pci, process_start)
+}
+
+/// The VM's configuration (the flags, then `--config-file` over them) and its
+/// passthrough devices.
+fn configuration(args: &RunArgs) -> Result<(VmConfig, PciOptions), CliError> {
+    let kernel = match &args.kernel {
+        Some(path) => KernelSource::File(path.clone()),
+        None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+    };
+    let is_test_guest = matches!(kernel, KernelSource::Embedded(_));
+    let config = VmConfig {
+        machine: MachineConfig {
+            vcpus: args.vcpus,
+            memory_size: args.memory,
+            backing: args.memory_backing,
+            thp: !args.no_thp,
+            prefault: args.prefault,
+            cpuid_masks: passthrough::with_hidden_hypervisor(
+                args.cpuid_mask.clone(),
+                args.passthrough.hide_hypervisor,
+            ),
+            track_dirty_pages: args.track_dirty_pages,
+        },
+        boot: BootSource {
+            kernel,
+            initrd: args.initrd.clone(),
+            cmdline: args.cmdline.clone().unwrap_or_else(|| {
+                if is_test_guest {
+                    "hello".into()
+                } else {
+                    String::new()
+                }
+            }),
+        },
+    };
+    let mut pci = args.passthrough.pci_options();
+    let config = match &args.config_file {
+        Some(path) => config_file::apply_config_file(path, config, &mut pci)?,
+        None => config,
+    };
+    Ok((config, pci))
+}
+
+/// `--api-sock`: serves the control API and runs the VM it starts (at once with
+/// `--config-file`, else on PUT /actions InstanceStart or PUT /snapshot/load).
+fn serve_api(
+    args: &RunArgs,
+    api_sock: &Path,
+    config: VmConfig,
+    pci: PciOptions,
+    process_start: Instant,
+) -> Result<ExitCode, CliError> {
+    let (requests_tx, requests_rx) = std::sync::mpsc::channel();
+    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
+    let mut server = ApiServer::start(
+        api_sock,
+        requests_tx,
+        wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
+    )
+    .map_err(|e| CliError::Other(e.to_string()))?;
+    let mut controller =
+        ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
+    controller.set_pci_options(pci);
+    let (mut machine, paused) = if args.config_file.is_some() {
+        (
+            gpuvm_vmm::builder::build_with_pci(&config, &controller.pci_options(), serial_out())?,
+            false,
+        )
+    } else {
+        match controller.wait_for_start() {
+            Some(Started { machine, paused }) => (machine, paused),
+            None => {
+                return Err(CliError::Other(
+                    "the API server stopped before the VM started".into(),
+                ))
+            }
+        }
+    };
+    if args.jail.chroot.is_some() {
+        // The socket's path means nothing inside the new root.
+        server.keep_socket_file();
+    }
+    jail::enter(&args.jail)?;
+    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
+        server.wait_idle(Duration::from_secs(2));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(policy) = snapshot_policy(&args.snapshot) {
+        machine.set_snapshot_policy(policy);
+    }
+    machine.set_run_control(controller.into_run_control());
+    let result = finish(machine, &args.report, process_start, None);
+    // Let the answer to a request that ended the run reach its client.
+    server.wait_idle(Duration::from_secs(2));
+    result
+}
+
+/// The serial console: stdout, counted for the metrics.
+fn serial_out() -> Box<dyn std::io::Write + Send> {
+    Box::new(CountingWriter::new(
+        std::io::stdout(),
+        &METRICS.serial_bytes_out,
+    ))
+}
