@@ -1,5 +1,5 @@
 //! gpuvm's virtual machine monitor: builds a KVM VM from a [`config::VmConfig`] and runs
-//! it. The `gpuvm` binary (main.rs) is a thin CLI over this crate.
+//! it. The `gpuvm` binary (the `gpuvm-cli` crate, cli/) is a thin CLI over this crate.
 //!
 //! - [`builder`] turns a configuration into a [`machine::Machine`] (KVM VM, RAM, devices,
 //!   kernel, vCPUs).
