@@ -6,6 +6,7 @@
 //! - [`exit_port`]: where the guest reports its exit status.
 //! - [`pci`]: the PCI root bus, BAR emulation and MSI-X.
 //! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
+//! - [`persist`]: the trait through which every component with state is saved and restored.
 //!
 //! Every device accepts any access a guest can make (odd widths, offsets past its
 //! registers, empty accesses) without panicking.
@@ -14,11 +15,13 @@ pub mod bus;
 pub mod exit_port;
 pub mod i8042;
 pub mod pci;
+pub mod persist;
 pub mod serial;
 pub mod sink;
 
 pub use bus::{Bus, BusDevice, BusError};
 pub use exit_port::{ExitPort, ExitStatus};
 pub use i8042::I8042;
+pub use persist::Persist;
 pub use serial::{SerialDevice, SerialError, SerialState};
 pub use sink::Sink;

@@ -3,12 +3,13 @@
 use std::io::{self, Write};
 
 use log::{debug, warn};
-pub use vm_superio::serial::SerialState;
-use vm_superio::serial::{Error as UartError, NoEvents};
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{Error as UartError, NoEvents, SerialState as UartState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::BusDevice;
+use crate::persist::Persist;
 
 /// Raises the UART interrupt by signalling an eventfd (registered by the VMM as an irqfd).
 struct EventFdTrigger(EventFd);
@@ -32,13 +33,63 @@ impl Trigger for NoTrigger {
     }
 }
 
-/// Errors from [`SerialDevice::enqueue_input`] and [`SerialDevice::restore_state`].
+/// Errors from [`SerialDevice::enqueue_input`] and restoring a [`SerialState`].
 #[derive(Debug, thiserror::Error)]
 pub enum SerialError {
     #[error("cannot raise the serial interrupt: {0}")]
     Interrupt(io::Error),
     #[error("saved serial state has {0} bytes queued, more than the FIFO holds")]
     InvalidState(usize),
+}
+
+/// The serial port's saved state: the UART's registers and receive FIFO (vm-superio's
+/// `SerialState`, field for field, which has no serde support of its own).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialState {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
+impl From<UartState> for SerialState {
+    fn from(uart: UartState) -> Self {
+        SerialState {
+            baud_divisor_low: uart.baud_divisor_low,
+            baud_divisor_high: uart.baud_divisor_high,
+            interrupt_enable: uart.interrupt_enable,
+            interrupt_identification: uart.interrupt_identification,
+            line_control: uart.line_control,
+            line_status: uart.line_status,
+            modem_control: uart.modem_control,
+            modem_status: uart.modem_status,
+            scratch: uart.scratch,
+            in_buffer: uart.in_buffer,
+        }
+    }
+}
+
+impl From<&SerialState> for UartState {
+    fn from(state: &SerialState) -> Self {
+        UartState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        }
+    }
 }
 
 /// A 16550A serial port: guest output goes to `out` (flushed byte by byte), host input
@@ -75,9 +126,30 @@ impl SerialDevice {
         }
     }
 
-    /// Loads saved registers and receive FIFO (snapshot restore), keeping this device's
-    /// interrupt and output.
-    pub fn restore_state(&mut self, state: &SerialState) -> Result<(), SerialError> {
+    /// Free space in the receive FIFO, in bytes.
+    pub fn fifo_capacity(&self) -> usize {
+        self.uart.fifo_capacity()
+    }
+
+    /// Register number for byte `index` of an access at `offset`, if it is one of ours.
+    /// A wide access covers consecutive registers, as it would on an ISA bus.
+    fn register(offset: u64, index: usize) -> Option<u8> {
+        let register = offset.checked_add(index as u64)?;
+        (register < Self::LEN).then_some(register as u8)
+    }
+}
+
+impl Persist for SerialDevice {
+    type State = SerialState;
+    type Error = SerialError;
+
+    /// The UART's registers and receive FIFO.
+    fn save(&self) -> Result<SerialState, SerialError> {
+        Ok(self.uart.state().into())
+    }
+
+    /// Loads saved registers and receive FIFO, keeping this device's interrupt and output.
+    fn restore(&mut self, state: &SerialState) -> Result<(), SerialError> {
         let fifo_size = Serial::new(NoTrigger, io::sink()).fifo_capacity();
         if state.in_buffer.len() > fifo_size {
             return Err(SerialError::InvalidState(state.in_buffer.len()));
@@ -94,26 +166,14 @@ impl SerialDevice {
         );
         let out = std::mem::replace(&mut self.uart, placeholder).into_writer();
         // The FIFO size was checked above, the only reason from_state refuses a state.
-        self.uart = Serial::from_state(state, EventFdTrigger(interrupt), NoEvents, out)
-            .map_err(|_| SerialError::InvalidState(state.in_buffer.len()))?;
+        self.uart = Serial::from_state(
+            &UartState::from(state),
+            EventFdTrigger(interrupt),
+            NoEvents,
+            out,
+        )
+        .map_err(|_| SerialError::InvalidState(state.in_buffer.len()))?;
         Ok(())
-    }
-
-    /// The UART's registers and receive FIFO, for snapshots.
-    pub fn state(&self) -> SerialState {
-        self.uart.state()
-    }
-
-    /// Free space in the receive FIFO, in bytes.
-    pub fn fifo_capacity(&self) -> usize {
-        self.uart.fifo_capacity()
-    }
-
-    /// Register number for byte `index` of an access at `offset`, if it is one of ours.
-    /// A wide access covers consecutive registers, as it would on an ISA bus.
-    fn register(offset: u64, index: usize) -> Option<u8> {
-        let register = offset.checked_add(index as u64)?;
-        (register < Self::LEN).then_some(register as u8)
     }
 }
 
@@ -156,18 +216,18 @@ mod tests {
         let mut serial = SerialDevice::new(evt(), Box::new(io::sink()));
         serial.write(7, &[0x5a]); // scratch register
         serial.enqueue_input(b"abc").unwrap();
-        let state = serial.state();
+        let state = serial.save().unwrap();
         let mut restored = SerialDevice::new(evt(), Box::new(io::sink()));
-        restored.restore_state(&state).unwrap();
-        assert_eq!(restored.state(), state);
+        restored.restore(&state).unwrap();
+        assert_eq!(restored.save().unwrap(), state);
         let mut scratch = [0u8];
         restored.read(7, &mut scratch);
         assert_eq!(scratch[0], 0x5a);
         let mut overfull = state.clone();
         overfull.in_buffer = vec![0; 1 << 20];
-        assert!(restored.restore_state(&overfull).is_err());
+        assert!(restored.restore(&overfull).is_err());
         assert_eq!(
-            restored.state(),
+            restored.save().unwrap(),
             state,
             "a refused state leaves the device as it was"
         );

@@ -12,7 +12,7 @@ use gpuvm_arch::x86_64::cpuid::Topology;
 use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use gpuvm_arch::x86_64::{boot, mptable};
 use gpuvm_devices::pci::PciRootConfig;
-use gpuvm_devices::{Bus, BusDevice};
+use gpuvm_devices::{Bus, BusDevice, Persist};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
 use std::path::Path;
 
@@ -30,11 +30,11 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{LazyMemory, Machine, MachineDevices};
 use crate::pci::PciOptions;
-use crate::persist;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::vcpu::{Vcpu, VcpuThread};
+use crate::vm_state::InKernelDevices;
 use crate::working_set;
-use crate::{lock, Error};
+use crate::Error;
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;
@@ -213,9 +213,9 @@ pub fn build_with_pci(
     let topology = Topology {
         vcpu_count: machine_config.vcpus,
     };
-    let mut vcpus = Vec::with_capacity(usize::from(machine_config.vcpus));
-    for id in 0..machine_config.vcpus {
-        let vcpu = create_vcpu(&vm, id, &devices)?;
+    let vcpus = create_vcpus(&kvm, &vm, 0..machine_config.vcpus, &devices)?;
+    for vcpu in &vcpus {
+        let id = vcpu.id;
         let ignored = vcpu.configure(&supported_cpuid, topology, &machine_config.cpuid_masks)?;
         if id == 0 {
             for mask in ignored {
@@ -225,7 +225,6 @@ pub fn build_with_pci(
             }
             vcpu.setup_boot_registers(ram.memory(), loaded.entry)?;
         }
-        vcpus.push(vcpu);
     }
     let vcpu_threads = start_vcpu_threads(&vcpus)?;
     log::info!(
@@ -249,16 +248,34 @@ fn start_vcpu_threads(vcpus: &[Vcpu]) -> Result<Vec<VcpuThread>, Error> {
         .collect()
 }
 
-fn create_vcpu(vm: &VmFd, id: u8, devices: &MachineDevices) -> Result<Vcpu, Error> {
-    let fd = vm
-        .create_vcpu(u64::from(id))
-        .map_err(|source| Error::Vcpu(crate::vcpu::VcpuError::Create { id, source }))?;
-    Ok(Vcpu::new(
-        id,
-        fd,
-        devices.io_bus.clone(),
-        devices.mmio_bus.clone(),
-    ))
+/// Creates the vCPUs `ids`, wired to the buses, with no state yet (boot registers or
+/// saved state come next).
+fn create_vcpus(
+    kvm: &Kvm,
+    vm: &VmFd,
+    ids: impl Iterator<Item = u8>,
+    devices: &MachineDevices,
+) -> Result<Vec<Vcpu>, Error> {
+    let msr_indices =
+        Arc::new(
+            crate::vcpu::saved_msr_indices(kvm).map_err(|source| Error::KvmSetup {
+                what: "list MSRs",
+                source,
+            })?,
+        );
+    ids.map(|id| {
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| Error::Vcpu(crate::vcpu::VcpuError::Create { id, source }))?;
+        Ok(Vcpu::new(
+            id,
+            fd,
+            devices.io_bus.clone(),
+            devices.mmio_bus.clone(),
+            msr_indices.clone(),
+        ))
+    })
+    .collect()
 }
 
 /// Builds a machine from the snapshot in `dir`. Everything in the snapshot is read and
@@ -313,12 +330,8 @@ pub fn restore(
     let base = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock);
     // vCPUs are created (not yet given their state) while validation may still run.
     let created = base.and_then(|base| {
-        let vcpus = state
-            .state
-            .vcpus
-            .iter()
-            .map(|saved| create_vcpu(&base.vm, saved.id, &base.devices))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ids = state.state.vcpus.iter().map(|saved| saved.id);
+        let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
         let threads = start_vcpu_threads(&vcpus)?;
         Ok((base, vcpus, threads))
     });
@@ -352,10 +365,10 @@ pub fn restore(
             kvm,
             vm,
             ram,
-            devices,
+            mut devices,
             pci: _,
         },
-        vcpus,
+        mut vcpus,
         vcpu_threads,
     ) = created?;
     let loaded = state.with_chain(chain);
@@ -420,16 +433,18 @@ pub fn restore(
     let memory = memory_started.elapsed();
     clock.mark("memory");
 
-    lock(&devices.serial)
-        .restore_state(&loaded.state.serial)
+    devices
+        .restore(&loaded.state.devices)
         .map_err(|e| SnapshotError::Invalid {
             dir: dir.to_path_buf(),
             reason: e.to_string(),
         })?;
-    persist::restore_vm(&vm, &loaded.state.vm).map_err(SnapshotError::from)?;
+    InKernelDevices(&vm)
+        .restore(&loaded.state.vm)
+        .map_err(SnapshotError::from)?;
     clock.mark("vm_state");
-    for (vcpu, saved) in vcpus.iter().zip(&loaded.state.vcpus) {
-        vcpu.restore_state(saved).map_err(SnapshotError::from)?;
+    for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
+        vcpu.restore(saved).map_err(SnapshotError::from)?;
     }
     clock.mark("vcpu_state");
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);

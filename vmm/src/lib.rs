@@ -6,12 +6,17 @@
 //! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
 //! - [`vcpu`] is one vCPU thread and its exit handling.
 //! - [`seccomp`] holds the seccomp filters of the vmm, vCPU and API threads.
+//! - Snapshots: each component with state implements [`gpuvm_devices::Persist`] with its
+//!   own `State` beside it ([`vcpu::VcpuState`], [`vm_state::VmState`], the devices');
+//!   [`devices::DeviceStates`] is the one list of emulated devices a snapshot holds, and
+//!   [`snapshot::MachineState`] the tree of all of them.
 //! - The architecture (layout, boot protocols, ACPI, CPUID, MSRs, MP table) is in the
 //!   `gpuvm-arch` crate ([`gpuvm_arch::x86_64`]).
 
 pub mod api;
 pub mod builder;
 pub mod config;
+pub mod devices;
 pub mod logging;
 pub mod machine;
 pub mod metrics;
@@ -20,6 +25,7 @@ pub mod persist;
 pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
+pub mod vm_state;
 pub mod working_set;
 
 /// Locks `mutex`, carrying on if a thread panicked while holding it: device and VMM state

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
-use gpuvm_devices::{Bus, ExitStatus, SerialDevice};
+use gpuvm_devices::{Bus, ExitStatus, Persist, SerialDevice};
 use gpuvm_memory::snapshot::{RamMappings, SnapshotId};
 use gpuvm_memory::uffd::external::HandlerWatch;
 use gpuvm_memory::uffd::{LazyRestore, LazyStats, UffdError};
@@ -23,12 +23,12 @@ use vmm_sys_util::terminal::Terminal;
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::config::MachineConfig;
-use crate::persist;
 use crate::seccomp::{self, ThreadKind};
 use crate::snapshot::{
     self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
 };
 use crate::vcpu::{self, StopReporter, Vcpu, VcpuHandle, VcpuStop, VcpuThread};
+use crate::vm_state::InKernelDevices;
 use crate::working_set;
 use crate::{lock, Error};
 
@@ -175,7 +175,9 @@ pub struct Machine {
     devices: MachineDevices,
     vm: VmFd,
     ram: GuestRam,
-    kvm: Kvm,
+    /// /dev/kvm, open for as long as the VM, as before; nothing asks it anything once
+    /// the VM is built (the vCPUs hold the MSR list snapshots save).
+    _kvm: Kvm,
     config: MachineConfig,
     memory_chain: Option<MemoryChain>,
     snapshot_policy: Option<SnapshotPolicy>,
@@ -207,7 +209,7 @@ impl Machine {
             devices,
             vm,
             ram,
-            kvm,
+            _kvm: kvm,
             config,
             memory_chain: None,
             snapshot_policy: None,
@@ -636,14 +638,14 @@ impl Machine {
             }
         }
         self.save_working_set();
-        let msr_indices =
-            Arc::new(persist::saved_msr_indices(&self.kvm).map_err(SnapshotError::from)?);
         let mut vcpus = Vec::with_capacity(handles.len());
         for handle in handles {
-            vcpus.push(handle.save_state(msr_indices.clone())?);
+            vcpus.push(handle.save_state()?);
         }
-        let vm = persist::save_vm(&self.vm).map_err(SnapshotError::from)?;
-        let serial = lock(&self.devices.serial).state();
+        let vm = InKernelDevices(&self.vm)
+            .save()
+            .map_err(SnapshotError::from)?;
+        let devices = self.devices.save().map_err(SnapshotError::SaveDevices)?;
 
         let memory_started = Instant::now();
         let dirty = if self.config.track_dirty_pages {
@@ -665,7 +667,7 @@ impl Machine {
                     config: SavedMachineConfig::from_config(&self.config),
                     vm,
                     vcpus,
-                    serial,
+                    devices,
                     memory_files: files,
                     memory_file_id: Some(stats.info.id.to_string()),
                 };

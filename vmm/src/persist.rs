@@ -1,5 +1,6 @@
-//! Saved machine state: what a snapshot's state file holds, how it is captured from and
-//! restored into KVM, and the file's framing.
+//! The snapshot state file's framing, and the errors of saving and restoring state. What
+//! the file holds is the snapshot's [`crate::snapshot::MachineState`], a tree of the
+//! components' own states (each [`gpuvm_devices::Persist`] implementation's `State`).
 //!
 //! State file layout (all integers little-endian):
 //! ```text
@@ -13,12 +14,6 @@
 
 use std::path::Path;
 
-use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
-    kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
-    CpuId, Msrs, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
-};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
 
 pub const STATE_MAGIC: &[u8; 8] = b"GPUVMSTA";
@@ -79,207 +74,6 @@ pub enum PersistError {
     },
     #[error("cannot encode the machine state: {0}")]
     Encode(serde_json::Error),
-}
-
-/// Everything KVM holds for one vCPU.
-#[derive(Serialize, Deserialize)]
-pub struct VcpuState {
-    pub id: u8,
-    pub cpuid: Vec<kvm_cpuid_entry2>,
-    pub msrs: Vec<kvm_msr_entry>,
-    pub regs: kvm_regs,
-    pub sregs: kvm_sregs,
-    pub xsave: kvm_xsave,
-    pub xcrs: kvm_xcrs,
-    pub debug_regs: kvm_debugregs,
-    pub lapic: kvm_lapic_state,
-    pub mp_state: kvm_mp_state,
-    pub events: kvm_vcpu_events,
-    pub tsc_khz: Option<u32>,
-}
-
-impl std::fmt::Debug for VcpuState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VcpuState")
-            .field("id", &self.id)
-            .field("rip", &self.regs.rip)
-            .field("msrs", &self.msrs.len())
-            .finish_non_exhaustive()
-    }
-}
-
-/// The VM-wide in-kernel devices and clock.
-#[derive(Serialize, Deserialize)]
-pub struct VmState {
-    pub pic_master: kvm_irqchip,
-    pub pic_slave: kvm_irqchip,
-    pub ioapic: kvm_irqchip,
-    pub pit: kvm_pit_state2,
-    pub clock: kvm_clock_data,
-}
-
-/// The MSRs worth saving: every index KVM lists, minus those it cannot read back.
-pub fn saved_msr_indices(kvm: &Kvm) -> Result<Vec<u32>, PersistError> {
-    kvm.get_msr_index_list()
-        .map(|list| list.as_slice().to_vec())
-        .map_err(|source| PersistError::Vm {
-            what: "list MSRs",
-            source,
-        })
-}
-
-fn read_msrs(fd: &VcpuFd, id: u8, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, PersistError> {
-    // KVM_GET_MSRS stops at the first MSR it cannot read; skip that one and go on.
-    let mut saved = Vec::with_capacity(indices.len());
-    let mut rest = indices;
-    while !rest.is_empty() {
-        let chunk = &rest[..rest.len().min(kvm_bindings::KVM_MAX_MSR_ENTRIES)];
-        let entries: Vec<kvm_msr_entry> = chunk
-            .iter()
-            .map(|&index| kvm_msr_entry {
-                index,
-                ..Default::default()
-            })
-            .collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|_| PersistError::Vcpu {
-            id,
-            what: "size the MSR list",
-            source: kvm_ioctls::Error::new(libc::E2BIG),
-        })?;
-        let read = fd
-            .get_msrs(&mut msrs)
-            .map_err(|source| PersistError::Vcpu {
-                id,
-                what: "read MSRs",
-                source,
-            })?;
-        saved.extend_from_slice(&msrs.as_slice()[..read]);
-        let consumed = if read < chunk.len() { read + 1 } else { read };
-        rest = &rest[consumed..];
-    }
-    Ok(saved)
-}
-
-/// Captures a paused vCPU.
-pub fn save_vcpu(fd: &VcpuFd, id: u8, msr_indices: &[u32]) -> Result<VcpuState, PersistError> {
-    let err = |what| move |source| PersistError::Vcpu { id, what, source };
-    // MP state first: reading it makes KVM settle pending APIC events into the state.
-    let mp_state = fd.get_mp_state().map_err(err("read MP state"))?;
-    Ok(VcpuState {
-        id,
-        cpuid: fd
-            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-            .map_err(err("read CPUID"))?
-            .as_slice()
-            .to_vec(),
-        regs: fd.get_regs().map_err(err("read registers"))?,
-        sregs: fd.get_sregs().map_err(err("read segment registers"))?,
-        xsave: fd.get_xsave().map_err(err("read XSAVE state"))?,
-        xcrs: fd.get_xcrs().map_err(err("read XCRs"))?,
-        debug_regs: fd.get_debug_regs().map_err(err("read debug registers"))?,
-        lapic: fd.get_lapic().map_err(err("read LAPIC"))?,
-        msrs: read_msrs(fd, id, msr_indices)?,
-        events: fd.get_vcpu_events().map_err(err("read vCPU events"))?,
-        mp_state,
-        tsc_khz: fd.get_tsc_khz().ok(),
-    })
-}
-
-/// Loads saved state into a freshly created vCPU, in the order KVM needs: CPUID before
-/// MSRs, segment registers (APIC base) before the LAPIC, events last.
-pub fn restore_vcpu(fd: &VcpuFd, state: &VcpuState) -> Result<(), PersistError> {
-    let id = state.id;
-    let err = |what| move |source| PersistError::Vcpu { id, what, source };
-    let cpuid = CpuId::from_entries(&state.cpuid).map_err(|_| PersistError::Vcpu {
-        id,
-        what: "size CPUID",
-        source: kvm_ioctls::Error::new(libc::E2BIG),
-    })?;
-    fd.set_cpuid2(&cpuid).map_err(err("set CPUID"))?;
-    if let Some(khz) = state.tsc_khz {
-        if let Err(error) = fd.set_tsc_khz(khz) {
-            log::warn!(
-                "vCPU {id}: cannot set TSC frequency {khz} kHz ({error}); guest time may drift"
-            );
-        }
-    }
-    fd.set_sregs(&state.sregs)
-        .map_err(err("set segment registers"))?;
-    fd.set_regs(&state.regs).map_err(err("set registers"))?;
-    // SAFETY: gpuvm never asks for dynamically enabled XSTATE features (AMX), so the
-    // guest's XSAVE area fits the 4096-byte legacy kvm_xsave that KVM_SET_XSAVE reads.
-    unsafe { fd.set_xsave(&state.xsave) }.map_err(err("set XSAVE state"))?;
-    fd.set_xcrs(&state.xcrs).map_err(err("set XCRs"))?;
-    fd.set_debug_regs(&state.debug_regs)
-        .map_err(err("set debug registers"))?;
-    fd.set_lapic(&state.lapic).map_err(err("set LAPIC"))?;
-    for chunk in state.msrs.chunks(kvm_bindings::KVM_MAX_MSR_ENTRIES) {
-        let msrs = Msrs::from_entries(chunk).map_err(|_| PersistError::Vcpu {
-            id,
-            what: "size the MSR list",
-            source: kvm_ioctls::Error::new(libc::E2BIG),
-        })?;
-        let written = fd.set_msrs(&msrs).map_err(err("set MSRs"))?;
-        if written < chunk.len() {
-            return Err(PersistError::MsrRestore {
-                id,
-                index: chunk[written].index,
-            });
-        }
-    }
-    fd.set_mp_state(state.mp_state)
-        .map_err(err("set MP state"))?;
-    fd.set_vcpu_events(&state.events)
-        .map_err(err("set vCPU events"))?;
-    Ok(())
-}
-
-fn read_irqchip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip, PersistError> {
-    let mut chip = kvm_irqchip {
-        chip_id,
-        ..Default::default()
-    };
-    vm.get_irqchip(&mut chip)
-        .map_err(|source| PersistError::Vm {
-            what: "read the interrupt controller",
-            source,
-        })?;
-    Ok(chip)
-}
-
-/// Captures the in-kernel PIC, IOAPIC, PIT and clock (vCPUs paused).
-pub fn save_vm(vm: &VmFd) -> Result<VmState, PersistError> {
-    Ok(VmState {
-        pic_master: read_irqchip(vm, KVM_IRQCHIP_PIC_MASTER)?,
-        pic_slave: read_irqchip(vm, KVM_IRQCHIP_PIC_SLAVE)?,
-        ioapic: read_irqchip(vm, KVM_IRQCHIP_IOAPIC)?,
-        pit: vm.get_pit2().map_err(|source| PersistError::Vm {
-            what: "read the PIT",
-            source,
-        })?,
-        clock: vm.get_clock().map_err(|source| PersistError::Vm {
-            what: "read the clock",
-            source,
-        })?,
-    })
-}
-
-pub fn restore_vm(vm: &VmFd, state: &VmState) -> Result<(), PersistError> {
-    let err = |what| move |source| PersistError::Vm { what, source };
-    vm.set_irqchip(&state.pic_master)
-        .map_err(err("restore the PIC"))?;
-    vm.set_irqchip(&state.pic_slave)
-        .map_err(err("restore the PIC"))?;
-    vm.set_irqchip(&state.ioapic)
-        .map_err(err("restore the IOAPIC"))?;
-    vm.set_pit2(&state.pit).map_err(err("restore the PIT"))?;
-    // Only the clock value: the flags describe the source host's clock.
-    let clock = kvm_clock_data {
-        clock: state.clock.clock,
-        ..Default::default()
-    };
-    vm.set_clock(&clock).map_err(err("restore the clock"))?;
-    Ok(())
 }
 
 /// Frames `state` and writes it atomically (temporary file, fsync, rename, fsync dir), with
@@ -373,6 +167,7 @@ fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvm_bindings::kvm_regs;
 
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct Sample {

@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
-use gpuvm_devices::SerialState;
 use gpuvm_memory::snapshot::{
     flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target, RamLayout,
     RamMappings, SnapshotChain, SnapshotInfo, WriteOptions, WriteStats, FRAMED_FILE_MAGIC,
@@ -34,7 +33,10 @@ use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
 
 use crate::config::MachineConfig;
-use crate::persist::{PersistError, VcpuState, VmState};
+use crate::devices::DeviceStates;
+use crate::persist::PersistError;
+use crate::vcpu::VcpuState;
+use crate::vm_state::VmState;
 
 pub const STATE_FILE: &str = "state";
 const MEMORY_FILE_PREFIX: &str = "memory-";
@@ -99,6 +101,8 @@ pub enum SnapshotError {
         what: &'static str,
         source: kvm_ioctls::Error,
     },
+    #[error("cannot save the device state: {0}")]
+    SaveDevices(crate::devices::DeviceStateError),
 }
 
 /// The machine configuration as stored in a snapshot.
@@ -150,31 +154,15 @@ impl SavedMachineConfig {
     }
 }
 
-/// Serde mirror of vm-superio's `SerialState` (its fields are public; the crate has no
-/// serde support of its own).
-#[derive(Serialize, Deserialize)]
-#[serde(remote = "SerialState")]
-struct SerialStateDef {
-    baud_divisor_low: u8,
-    baud_divisor_high: u8,
-    interrupt_enable: u8,
-    interrupt_identification: u8,
-    line_control: u8,
-    line_status: u8,
-    modem_control: u8,
-    modem_status: u8,
-    scratch: u8,
-    in_buffer: Vec<u8>,
-}
-
 /// Everything in a snapshot's state file.
 #[derive(Serialize, Deserialize)]
 pub struct MachineState {
     pub config: SavedMachineConfig,
     pub vm: VmState,
     pub vcpus: Vec<VcpuState>,
-    #[serde(with = "SerialStateDef")]
-    pub serial: SerialState,
+    /// Every emulated device's state (see [`DeviceStates`]), e.g. `serial`.
+    #[serde(flatten)]
+    pub devices: DeviceStates,
     /// Memory files in this directory, base first, then diffs in order.
     pub memory_files: Vec<String>,
     /// The id (from its header) of the newest of `memory_files`, binding them to this

@@ -20,15 +20,18 @@ use gpuvm_arch::x86_64::cpuid::{self, CpuidMask, Topology};
 use gpuvm_arch::x86_64::emulate;
 use gpuvm_arch::x86_64::msr;
 use gpuvm_arch::x86_64::regs::{self, EntryPoint};
-use gpuvm_devices::Bus;
+use gpuvm_devices::{Bus, Persist};
 use kvm_bindings::{kvm_run, CpuId, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
-use crate::persist::{self, PersistError, VcpuState};
+use crate::persist::PersistError;
 use crate::seccomp::SeccompError;
+
+mod state;
+pub use state::{saved_msr_indices, VcpuState};
 
 /// KVM_INTERNAL_ERROR_EMULATION: the instruction emulator gave up.
 const INTERNAL_ERROR_EMULATION: u32 = 1;
@@ -127,8 +130,8 @@ struct Shared {
     activity: Activity,
     /// How installing the thread's seccomp filter went, once it has.
     ready: Option<Result<(), SeccompError>>,
-    /// A state capture asked of the paused thread (the MSR indices to save)...
-    save_request: Option<Arc<Vec<u32>>>,
+    /// A state capture asked of the paused thread...
+    save_request: bool,
     /// ...and its result.
     saved: Option<Result<VcpuState, PersistError>>,
     /// The last kick out of KVM_RUN.
@@ -162,7 +165,7 @@ impl Control {
                 wish: Wish::Pause,
                 activity: Activity::Starting,
                 ready: None,
-                save_request: None,
+                save_request: false,
                 saved: None,
                 kicked: None,
             }),
@@ -250,15 +253,24 @@ pub struct Vcpu {
     fd: VcpuFd,
     io_bus: Arc<Bus>,
     mmio_bus: Arc<Bus>,
+    /// The MSRs a snapshot saves ([`saved_msr_indices`], read once per machine).
+    msr_indices: Arc<Vec<u32>>,
 }
 
 impl Vcpu {
-    pub fn new(id: u8, fd: VcpuFd, io_bus: Arc<Bus>, mmio_bus: Arc<Bus>) -> Self {
+    pub fn new(
+        id: u8,
+        fd: VcpuFd,
+        io_bus: Arc<Bus>,
+        mmio_bus: Arc<Bus>,
+        msr_indices: Arc<Vec<u32>>,
+    ) -> Self {
         Vcpu {
             id,
             fd,
             io_bus,
             mmio_bus,
+            msr_indices,
         }
     }
 
@@ -341,11 +353,6 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Loads state saved by a snapshot into this (not yet started) vCPU.
-    pub fn restore_state(&self, state: &VcpuState) -> Result<(), PersistError> {
-        persist::restore_vcpu(&self.fd, state)
-    }
-
     /// The thread's life once it has its vCPU: wait to be resumed, run, report why it
     /// stopped.
     fn thread_main(mut self, control: &Control, reporter: Arc<StopReporter>) {
@@ -396,15 +403,14 @@ impl Vcpu {
                 Wish::Stop => return false,
                 Wish::Pause => {
                     control.set_activity(&mut shared, Activity::Paused);
-                    match shared.save_request.take() {
-                        Some(msr_indices) => {
-                            drop(shared);
-                            let state = persist::save_vcpu(&self.fd, self.id, &msr_indices);
-                            shared = control.lock();
-                            shared.saved = Some(state);
-                            control.changed.notify_all();
-                        }
-                        None => shared = control.wait(shared),
+                    if std::mem::take(&mut shared.save_request) {
+                        drop(shared);
+                        let state = self.save();
+                        shared = control.lock();
+                        shared.saved = Some(state);
+                        control.changed.notify_all();
+                    } else {
+                        shared = control.wait(shared);
                     }
                 }
             }
@@ -801,21 +807,21 @@ impl VcpuHandle {
     }
 
     /// Captures the state of a paused vCPU.
-    pub fn save_state(&self, msr_indices: Arc<Vec<u32>>) -> Result<VcpuState, VcpuError> {
+    pub fn save_state(&self) -> Result<VcpuState, VcpuError> {
         {
             let mut shared = self.control.lock();
             if shared.wish != Wish::Pause || shared.activity != Activity::Paused {
                 return Err(VcpuError::NotPaused(self.id));
             }
             shared.saved = None;
-            shared.save_request = Some(msr_indices);
+            shared.save_request = true;
             self.control.changed.notify_all();
         }
         let mut shared = self.wait_until(ANSWER_LIMIT, |s| s.saved.is_some());
         match shared.saved.take() {
             Some(state) => state.map_err(|source| VcpuError::SaveState(self.id, source)),
             None => {
-                shared.save_request = None;
+                shared.save_request = false;
                 Err(match shared.activity {
                     Activity::Ended => VcpuError::Ended(self.id),
                     _ => VcpuError::NoResponse(self.id),
@@ -959,7 +965,10 @@ mod tests {
             let kvm = kvm_ioctls::Kvm::new().expect("open /dev/kvm");
             let vm = kvm.create_vm().expect("create VM");
             let bus = || Arc::new(Bus::new());
-            let vcpu = |id: u8| Vcpu::new(id, vm.create_vcpu(u64::from(id)).unwrap(), bus(), bus());
+            let vcpu = |id: u8| {
+                let fd = vm.create_vcpu(u64::from(id)).unwrap();
+                Vcpu::new(id, fd, bus(), bus(), Arc::new(Vec::new()))
+            };
             let reporter = Arc::new(StopReporter {
                 reasons: channel().0,
                 event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
@@ -1029,7 +1038,10 @@ mod tests {
             });
             let handle = VcpuThread::spawn(0)
                 .unwrap()
-                .launch(Vcpu::new(0, fd, bus(), bus()), reporter)
+                .launch(
+                    Vcpu::new(0, fd, bus(), bus(), Arc::new(Vec::new())),
+                    reporter,
+                )
                 .unwrap();
             handle.wait_ready().unwrap();
             SpinningGuest {
@@ -1082,15 +1094,10 @@ mod tests {
             at_once("resume", ANSWER_LIMIT, || handle.resume());
             // Redundant: nothing to do, and nothing left over for later requests.
             at_once("a second resume", quick, || handle.resume());
-            assert!(matches!(
-                handle.save_state(Arc::new(Vec::new())),
-                Err(VcpuError::NotPaused(0))
-            ));
+            assert!(matches!(handle.save_state(), Err(VcpuError::NotPaused(0))));
             at_once("pause", quick, || handle.pause());
             at_once("a second pause", quick, || handle.pause());
-            handle
-                .save_state(Arc::new(Vec::new()))
-                .expect("state of a paused vCPU");
+            handle.save_state().expect("state of a paused vCPU");
             at_once("resume", quick, || handle.resume());
             at_once("pause", quick, || handle.pause());
             at_once("resume", quick, || handle.resume());
