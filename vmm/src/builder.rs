@@ -281,6 +281,10 @@ fn create_vcpus(
 /// Builds a machine from the snapshot in `dir`. Everything in the snapshot is read and
 /// validated before a KVM VM exists, so a bad snapshot leaves nothing behind. With
 /// [`RestoreMode::Lazy`] the machine is ready as soon as the loader is running.
+///
+/// A pipeline of stages, each a function below, timed under the names
+/// [`RestoreTimings::stages`] lists; the KVM VM, RAM and devices (`guest_ram` to
+/// `devices`) and the vCPUs are built by the same stages as a boot.
 pub fn restore(
     dir: &Path,
     mode: &RestoreMode,
@@ -294,98 +298,165 @@ pub fn restore(
     let _reading = snapshot::SnapshotDirLock::shared(dir)?;
     let state = snapshot::load_state(dir, layout::ram_regions)?;
     clock.mark("state");
-
-    // The memory files are validated on a second thread while KVM objects are created.
-    // Nothing that depends on them happens before the validation is joined: guest RAM is
-    // neither registered nor filled, no vCPU or VM state is set and no vCPU runs, so a
-    // bad file still tears the half-built VM down (everything here is dropped) before
-    // anything ran.
-    let inputs = state.chain_inputs();
-    let wants_working_set = matches!(mode, RestoreMode::Lazy);
-    let thread_dir = dir.to_path_buf();
-    // Whoever claims the validation does it: the thread, or this one if the thread has
-    // not been scheduled by the time the KVM setup is done (on a loaded host a new
-    // thread can wait tens of milliseconds for a CPU).
-    let claimed = Arc::new(AtomicBool::new(false));
-    let thread_claim = claimed.clone();
-    let validation = std::thread::Builder::new()
-        .name("snapshot-validate".into())
-        .spawn(move || {
-            if thread_claim.swap(true, Ordering::AcqRel) {
-                return None;
-            }
-            let started = Instant::now();
-            let checked = validate_with_working_set(&inputs, &thread_dir, wants_working_set);
-            Some((checked, started.elapsed()))
-        })
-        .map_err(|e| {
-            Error::Snapshot(SnapshotError::Uffd(UffdError::Io {
-                op: "spawn the snapshot validation thread",
-                source: e,
-            }))
-        })?;
+    let validation = Validation::start(&state, dir, mode)?;
     // Guest memory, ACPI tables included, comes from the snapshot.
     let mut config = state.config.clone();
     config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-    let base = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock);
-    // vCPUs are created (not yet given their state) while validation may still run.
-    let created = base.and_then(|base| {
-        let ids = state.state.vcpus.iter().map(|saved| saved.id);
-        let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
-        let threads = start_vcpu_threads(&vcpus)?;
-        Ok((base, vcpus, threads))
-    });
+                             // vCPUs are created (not yet given their state) while validation may still run.
+    let created = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock)
+        .and_then(|base| {
+            let ids = state.state.vcpus.iter().map(|saved| saved.id);
+            let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
+            let threads = start_vcpu_threads(&vcpus)?;
+            Ok((base, vcpus, threads))
+        });
     clock.mark("create_vcpus");
     // The snapshot's own errors come first, as when validation ran before everything else.
-    let ((chain, working_set), parallel_validation) = if claimed.swap(true, Ordering::AcqRel) {
-        // The thread is validating (or has): wait for it.
-        let (checked, took) =
-            validation
-                .join()
-                .ok()
-                .flatten()
-                .ok_or_else(|| SnapshotError::Invalid {
-                    dir: dir.to_path_buf(),
-                    reason: "the memory-file validation thread failed".into(),
-                })?;
-        (checked, Some(took))
-    } else {
-        // Not started yet: validate here. The thread, once it runs, finds the work
-        // claimed and ends without touching anything.
-        drop(validation);
-        (
-            validate_with_working_set(&state.chain_inputs(), dir, wants_working_set),
-            None,
-        )
-    };
-    let chain = chain?;
+    let (chain, working_set, parallel_validation) = validation.finish(&state, dir)?;
     clock.mark("memory_file_wait");
-    let (
-        MachineBase {
-            kvm,
-            vm,
-            ram,
-            mut devices,
-            pci: _,
-        },
-        mut vcpus,
-        vcpu_threads,
-    ) = created?;
+    let (mut base, mut vcpus, vcpu_threads) = created?;
     let loaded = state.with_chain(chain);
     let validated = started.elapsed();
     if hold_after_validation() {
         clock.mark("test_hold");
     }
-
     // Guest memory before any VM or vCPU state: setting some MSRs (kvmclock, steal time)
     // makes KVM touch guest pages, which must be registered with userfaultfd (or filled)
     // by then.
     let memory_started = Instant::now();
-    let mappings = RamMappings::from_guest_ram(&ram).map_err(SnapshotError::from)?;
-    let lazy = match mode {
+    let lazy = restore_memory(&base.ram, &loaded.chain, mode, working_set)?;
+    let memory = memory_started.elapsed();
+    clock.mark("memory");
+    restore_vm_state(&mut base, &loaded)?;
+    clock.mark("vm_state");
+    for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
+        vcpu.restore(saved).map_err(SnapshotError::from)?;
+    }
+    clock.mark("vcpu_state");
+    let MachineBase {
+        kvm,
+        vm,
+        ram,
+        devices,
+        pci: _,
+    } = base;
+    let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
+    machine.vcpu_threads = vcpu_threads;
+    machine.lazy = lazy;
+    if let Some(last) = loaded.chain.layers().last() {
+        machine.set_memory_chain(MemoryChain {
+            dir: dir.to_path_buf(),
+            files: loaded.state.memory_files.clone(),
+            last: last.info(),
+        });
+    }
+    let stages = clock.into_stages();
+    let timings = RestoreTimings {
+        validate: validated,
+        memory,
+        total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
+        stages,
+        parallel: parallel_validation
+            .map(|took| vec![("memory_file", took)])
+            .unwrap_or_default(),
+    };
+    log_restore(dir, mode, &timings);
+    Ok((machine, timings))
+}
+
+/// What [`validate_with_working_set`] gives.
+type Validated = (Result<SnapshotChain, SnapshotError>, Vec<u64>);
+
+/// The memory files' validation, on a second thread while KVM objects are created.
+/// Nothing that depends on them happens before it is finished: guest RAM is neither
+/// registered nor filled, no vCPU or VM state is set and no vCPU runs, so a bad file
+/// still tears the half-built VM down (everything is dropped) before anything ran.
+struct Validation {
+    /// Whoever claims the validation does it: the thread, or the restore itself if the
+    /// thread has not been scheduled by the time the KVM setup is done (on a loaded host
+    /// a new thread can wait tens of milliseconds for a CPU).
+    claimed: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Option<(Validated, std::time::Duration)>>,
+    wants_working_set: bool,
+}
+
+impl Validation {
+    fn start(
+        state: &snapshot::LoadedState,
+        dir: &Path,
+        mode: &RestoreMode,
+    ) -> Result<Validation, Error> {
+        let inputs = state.chain_inputs();
+        let wants_working_set = matches!(mode, RestoreMode::Lazy);
+        let thread_dir = dir.to_path_buf();
+        let claimed = Arc::new(AtomicBool::new(false));
+        let thread_claim = claimed.clone();
+        let thread = std::thread::Builder::new()
+            .name("snapshot-validate".into())
+            .spawn(move || {
+                if thread_claim.swap(true, Ordering::AcqRel) {
+                    return None;
+                }
+                let started = Instant::now();
+                let checked = validate_with_working_set(&inputs, &thread_dir, wants_working_set);
+                Some((checked, started.elapsed()))
+            })
+            .map_err(|e| {
+                Error::Snapshot(SnapshotError::Uffd(UffdError::Io {
+                    op: "spawn the snapshot validation thread",
+                    source: e,
+                }))
+            })?;
+        Ok(Validation {
+            claimed,
+            thread,
+            wants_working_set,
+        })
+    }
+
+    /// The validated chain, the working set, and how long the thread took if it did the
+    /// work.
+    fn finish(
+        self,
+        state: &snapshot::LoadedState,
+        dir: &Path,
+    ) -> Result<(SnapshotChain, Vec<u64>, Option<std::time::Duration>), SnapshotError> {
+        let ((chain, working_set), took) = if self.claimed.swap(true, Ordering::AcqRel) {
+            // The thread is validating (or has): wait for it.
+            let (checked, took) =
+                self.thread
+                    .join()
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| SnapshotError::Invalid {
+                        dir: dir.to_path_buf(),
+                        reason: "the memory-file validation thread failed".into(),
+                    })?;
+            (checked, Some(took))
+        } else {
+            // Not started yet: validate here. The thread, once it runs, finds the work
+            // claimed and ends without touching anything.
+            drop(self.thread);
+            let checked =
+                validate_with_working_set(&state.chain_inputs(), dir, self.wants_working_set);
+            (checked, None)
+        };
+        Ok((chain?, working_set, took))
+    }
+}
+
+/// The `memory` stage: fills guest RAM from `chain` (eager), or registers it for loading
+/// on fault (lazy: the in-process loader; external: the handler's handshake).
+fn restore_memory(
+    ram: &GuestRam,
+    chain: &Arc<SnapshotChain>,
+    mode: &RestoreMode,
+    working_set: Vec<u64>,
+) -> Result<Option<LazyMemory>, SnapshotError> {
+    let mappings = RamMappings::from_guest_ram(ram)?;
+    Ok(match mode {
         RestoreMode::Eager => {
-            let stats = restore_eager(&loaded.chain, &mappings, &EagerOptions::default())
-                .map_err(SnapshotError::from)?;
+            let stats = restore_eager(chain, &mappings, &EagerOptions::default())?;
             log::info!(
                 "eager restore: {} MiB in {:?}",
                 stats.bytes >> 20,
@@ -410,14 +481,15 @@ pub fn restore(
                 on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
                 ..LazyOptions::default()
             };
-            let lazy = start_lazy_restore(loaded.chain.clone(), &mappings, options)
-                .map_err(SnapshotError::from)?;
-            Some(LazyMemory::InProcess(lazy))
+            Some(LazyMemory::InProcess(start_lazy_restore(
+                chain.clone(),
+                &mappings,
+                options,
+            )?))
         }
         RestoreMode::External(socket) => {
-            let uffd = register_guest_ram(&mappings).map_err(SnapshotError::from)?;
-            let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)
-                .map_err(SnapshotError::from)?;
+            let uffd = register_guest_ram(&mappings)?;
+            let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)?;
             // Keep our reference to the userfaultfd: if the handler dies, guest RAM is
             // fenced instead of silently reading as zero.
             let watch = HandlerWatch::start(
@@ -425,48 +497,30 @@ pub fn restore(
                 uffd,
                 guest_ram_ranges(&mappings),
                 crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
-            )
-            .map_err(SnapshotError::from)?;
+            )?;
             Some(LazyMemory::External(watch))
         }
-    };
-    let memory = memory_started.elapsed();
-    clock.mark("memory");
+    })
+}
 
-    devices
+/// The `vm_state` stage: the emulated devices' state, then the in-kernel irqchip, PIT
+/// and clock.
+fn restore_vm_state(
+    base: &mut MachineBase,
+    loaded: &snapshot::LoadedSnapshot,
+) -> Result<(), SnapshotError> {
+    base.devices
         .restore(&loaded.state.devices)
         .map_err(|e| SnapshotError::Invalid {
-            dir: dir.to_path_buf(),
+            dir: loaded.dir.clone(),
             reason: e.to_string(),
         })?;
-    InKernelDevices(&vm)
-        .restore(&loaded.state.vm)
-        .map_err(SnapshotError::from)?;
-    clock.mark("vm_state");
-    for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
-        vcpu.restore(saved).map_err(SnapshotError::from)?;
-    }
-    clock.mark("vcpu_state");
-    let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
-    machine.vcpu_threads = vcpu_threads;
-    machine.lazy = lazy;
-    if let Some(last) = loaded.chain.layers().last() {
-        machine.set_memory_chain(MemoryChain {
-            dir: dir.to_path_buf(),
-            files: loaded.state.memory_files.clone(),
-            last: last.info(),
-        });
-    }
-    let stages = clock.into_stages();
-    let timings = RestoreTimings {
-        validate: validated,
-        memory,
-        total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
-        stages,
-        parallel: parallel_validation
-            .map(|took| vec![("memory_file", took)])
-            .unwrap_or_default(),
-    };
+    InKernelDevices(&base.vm).restore(&loaded.state.vm)?;
+    Ok(())
+}
+
+/// Logs a restore's stages, in microseconds.
+fn log_restore(dir: &Path, mode: &RestoreMode, timings: &RestoreTimings) {
     log::info!(
         "restored {} ({mode:?}) in {:?}; stages (us):{}{}",
         dir.display(),
@@ -482,7 +536,6 @@ pub fn restore(
             .map(|(name, d)| format!(" parallel_{name}={}", d.as_micros()))
             .collect::<String>()
     );
-    Ok((machine, timings))
 }
 
 /// Validates the memory chain and, for a lazy restore, reads the working set recorded for
