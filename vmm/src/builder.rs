@@ -1,9 +1,10 @@
 //! Builds a ready-to-run [`Machine`] from a [`VmConfig`]: KVM VM, guest RAM, devices,
 //! kernel, firmware tables and vCPUs, validated in that order so nothing is left
 //! half-built on error (everything is owned and dropped on the way out).
+//! [`restore`] (builder/restore.rs) builds one from a snapshot with the same VM, RAM,
+//! device and vCPU stages.
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -12,15 +13,8 @@ use gpuvm_arch::x86_64::cpuid::Topology;
 use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use gpuvm_arch::x86_64::{boot, mptable};
 use gpuvm_devices::pci::PciRootConfig;
-use gpuvm_devices::{Bus, BusDevice, Persist};
+use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
-use std::path::Path;
-
-use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings, SnapshotChain};
-use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
-use gpuvm_memory::uffd::{
-    guest_ram_ranges, register_guest_ram, start_lazy_restore, LazyOptions, UffdError,
-};
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
@@ -28,13 +22,14 @@ use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{MachineConfig, VmConfig};
-use crate::machine::{LazyMemory, Machine, MachineDevices};
+use crate::machine::{Machine, MachineDevices};
 use crate::pci::PciOptions;
-use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
+use crate::snapshot::StageClock;
 use crate::vcpu::{Vcpu, VcpuThread};
-use crate::vm_state::InKernelDevices;
-use crate::working_set;
 use crate::Error;
+
+mod restore;
+pub use restore::restore;
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;
@@ -276,309 +271,6 @@ fn create_vcpus(
         ))
     })
     .collect()
-}
-
-/// Builds a machine from the snapshot in `dir`. Everything in the snapshot is read and
-/// validated before a KVM VM exists, so a bad snapshot leaves nothing behind. With
-/// [`RestoreMode::Lazy`] the machine is ready as soon as the loader is running.
-///
-/// A pipeline of stages, each a function below, timed under the names
-/// [`RestoreTimings::stages`] lists; the KVM VM, RAM and devices (`guest_ram` to
-/// `devices`) and the vCPUs are built by the same stages as a boot.
-pub fn restore(
-    dir: &Path,
-    mode: &RestoreMode,
-    serial_out: Box<dyn Write + Send>,
-) -> Result<(Machine, RestoreTimings), Error> {
-    let started = Instant::now();
-    let mut clock = StageClock::starting_at(started);
-    let kvm = open_kvm()?;
-    clock.mark("open_kvm");
-    // Not while another process writes a snapshot there; held until the restore is set up.
-    let _reading = snapshot::SnapshotDirLock::shared(dir)?;
-    let state = snapshot::load_state(dir, layout::ram_regions)?;
-    clock.mark("state");
-    let validation = Validation::start(&state, dir, mode)?;
-    // Guest memory, ACPI tables included, comes from the snapshot.
-    let mut config = state.config.clone();
-    config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-                             // vCPUs are created (not yet given their state) while validation may still run.
-    let created = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock)
-        .and_then(|base| {
-            let ids = state.state.vcpus.iter().map(|saved| saved.id);
-            let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
-            let threads = start_vcpu_threads(&vcpus)?;
-            Ok((base, vcpus, threads))
-        });
-    clock.mark("create_vcpus");
-    // The snapshot's own errors come first, as when validation ran before everything else.
-    let (chain, working_set, parallel_validation) = validation.finish(&state, dir)?;
-    clock.mark("memory_file_wait");
-    let (mut base, mut vcpus, vcpu_threads) = created?;
-    let loaded = state.with_chain(chain);
-    let validated = started.elapsed();
-    if hold_after_validation() {
-        clock.mark("test_hold");
-    }
-    // Guest memory before any VM or vCPU state: setting some MSRs (kvmclock, steal time)
-    // makes KVM touch guest pages, which must be registered with userfaultfd (or filled)
-    // by then.
-    let memory_started = Instant::now();
-    let lazy = restore_memory(&base.ram, &loaded.chain, mode, working_set)?;
-    let memory = memory_started.elapsed();
-    clock.mark("memory");
-    restore_vm_state(&mut base, &loaded)?;
-    clock.mark("vm_state");
-    for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
-        vcpu.restore(saved).map_err(SnapshotError::from)?;
-    }
-    clock.mark("vcpu_state");
-    let MachineBase {
-        kvm,
-        vm,
-        ram,
-        devices,
-        pci: _,
-    } = base;
-    let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
-    machine.vcpu_threads = vcpu_threads;
-    machine.lazy = lazy;
-    if let Some(last) = loaded.chain.layers().last() {
-        machine.set_memory_chain(MemoryChain {
-            dir: dir.to_path_buf(),
-            files: loaded.state.memory_files.clone(),
-            last: last.info(),
-        });
-    }
-    let stages = clock.into_stages();
-    let timings = RestoreTimings {
-        validate: validated,
-        memory,
-        total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
-        stages,
-        parallel: parallel_validation
-            .map(|took| vec![("memory_file", took)])
-            .unwrap_or_default(),
-    };
-    log_restore(dir, mode, &timings);
-    Ok((machine, timings))
-}
-
-/// What [`validate_with_working_set`] gives.
-type Validated = (Result<SnapshotChain, SnapshotError>, Vec<u64>);
-
-/// The memory files' validation, on a second thread while KVM objects are created.
-/// Nothing that depends on them happens before it is finished: guest RAM is neither
-/// registered nor filled, no vCPU or VM state is set and no vCPU runs, so a bad file
-/// still tears the half-built VM down (everything is dropped) before anything ran.
-struct Validation {
-    /// Whoever claims the validation does it: the thread, or the restore itself if the
-    /// thread has not been scheduled by the time the KVM setup is done (on a loaded host
-    /// a new thread can wait tens of milliseconds for a CPU).
-    claimed: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Option<(Validated, std::time::Duration)>>,
-    wants_working_set: bool,
-}
-
-impl Validation {
-    fn start(
-        state: &snapshot::LoadedState,
-        dir: &Path,
-        mode: &RestoreMode,
-    ) -> Result<Validation, Error> {
-        let inputs = state.chain_inputs();
-        let wants_working_set = matches!(mode, RestoreMode::Lazy);
-        let thread_dir = dir.to_path_buf();
-        let claimed = Arc::new(AtomicBool::new(false));
-        let thread_claim = claimed.clone();
-        let thread = std::thread::Builder::new()
-            .name("snapshot-validate".into())
-            .spawn(move || {
-                if thread_claim.swap(true, Ordering::AcqRel) {
-                    return None;
-                }
-                let started = Instant::now();
-                let checked = validate_with_working_set(&inputs, &thread_dir, wants_working_set);
-                Some((checked, started.elapsed()))
-            })
-            .map_err(|e| {
-                Error::Snapshot(SnapshotError::Uffd(UffdError::Io {
-                    op: "spawn the snapshot validation thread",
-                    source: e,
-                }))
-            })?;
-        Ok(Validation {
-            claimed,
-            thread,
-            wants_working_set,
-        })
-    }
-
-    /// The validated chain, the working set, and how long the thread took if it did the
-    /// work.
-    fn finish(
-        self,
-        state: &snapshot::LoadedState,
-        dir: &Path,
-    ) -> Result<(SnapshotChain, Vec<u64>, Option<std::time::Duration>), SnapshotError> {
-        let ((chain, working_set), took) = if self.claimed.swap(true, Ordering::AcqRel) {
-            // The thread is validating (or has): wait for it.
-            let (checked, took) =
-                self.thread
-                    .join()
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| SnapshotError::Invalid {
-                        dir: dir.to_path_buf(),
-                        reason: "the memory-file validation thread failed".into(),
-                    })?;
-            (checked, Some(took))
-        } else {
-            // Not started yet: validate here. The thread, once it runs, finds the work
-            // claimed and ends without touching anything.
-            drop(self.thread);
-            let checked =
-                validate_with_working_set(&state.chain_inputs(), dir, self.wants_working_set);
-            (checked, None)
-        };
-        Ok((chain?, working_set, took))
-    }
-}
-
-/// The `memory` stage: fills guest RAM from `chain` (eager), or registers it for loading
-/// on fault (lazy: the in-process loader; external: the handler's handshake).
-fn restore_memory(
-    ram: &GuestRam,
-    chain: &Arc<SnapshotChain>,
-    mode: &RestoreMode,
-    working_set: Vec<u64>,
-) -> Result<Option<LazyMemory>, SnapshotError> {
-    let mappings = RamMappings::from_guest_ram(ram)?;
-    Ok(match mode {
-        RestoreMode::Eager => {
-            let stats = restore_eager(chain, &mappings, &EagerOptions::default())?;
-            log::info!(
-                "eager restore: {} MiB in {:?}",
-                stats.bytes >> 20,
-                stats.elapsed
-            );
-            None
-        }
-        RestoreMode::Lazy => {
-            if !working_set.is_empty() {
-                log::info!(
-                    "lazy restore: {} working-set blocks of {} KiB load first",
-                    working_set.len(),
-                    working_set::BLOCK >> 10
-                );
-            }
-            let options = LazyOptions {
-                // Only the working set loads before the vCPUs run; the sweep waits for
-                // them (Machine::run releases it).
-                hold_background: true,
-                working_set,
-                // The fault and loader threads run the VMM thread's filter.
-                on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
-                ..LazyOptions::default()
-            };
-            Some(LazyMemory::InProcess(start_lazy_restore(
-                chain.clone(),
-                &mappings,
-                options,
-            )?))
-        }
-        RestoreMode::External(socket) => {
-            let uffd = register_guest_ram(&mappings)?;
-            let connection = send_handshake(socket, &mappings_for(&mappings), &uffd)?;
-            // Keep our reference to the userfaultfd: if the handler dies, guest RAM is
-            // fenced instead of silently reading as zero.
-            let watch = HandlerWatch::start(
-                connection,
-                uffd,
-                guest_ram_ranges(&mappings),
-                crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
-            )?;
-            Some(LazyMemory::External(watch))
-        }
-    })
-}
-
-/// The `vm_state` stage: the emulated devices' state, then the in-kernel irqchip, PIT
-/// and clock.
-fn restore_vm_state(
-    base: &mut MachineBase,
-    loaded: &snapshot::LoadedSnapshot,
-) -> Result<(), SnapshotError> {
-    base.devices
-        .restore(&loaded.state.devices)
-        .map_err(|e| SnapshotError::Invalid {
-            dir: loaded.dir.clone(),
-            reason: e.to_string(),
-        })?;
-    InKernelDevices(&base.vm).restore(&loaded.state.vm)?;
-    Ok(())
-}
-
-/// Logs a restore's stages, in microseconds.
-fn log_restore(dir: &Path, mode: &RestoreMode, timings: &RestoreTimings) {
-    log::info!(
-        "restored {} ({mode:?}) in {:?}; stages (us):{}{}",
-        dir.display(),
-        timings.total_to_ready,
-        timings
-            .stages
-            .iter()
-            .map(|(name, d)| format!(" {name}={}", d.as_micros()))
-            .collect::<String>(),
-        timings
-            .parallel
-            .iter()
-            .map(|(name, d)| format!(" parallel_{name}={}", d.as_micros()))
-            .collect::<String>()
-    );
-}
-
-/// Validates the memory chain and, for a lazy restore, reads the working set recorded for
-/// it (advice: never an error), both off the restore's critical path when on the thread.
-fn validate_with_working_set(
-    inputs: &snapshot::ChainInputs,
-    dir: &Path,
-    wants_working_set: bool,
-) -> (Result<SnapshotChain, SnapshotError>, Vec<u64>) {
-    let chain = inputs.validate();
-    let working_set = match (&chain, wants_working_set) {
-        (Ok(chain), true) => chain
-            .layers()
-            .last()
-            .map(|newest| working_set::read(dir, &newest.info().id))
-            .unwrap_or_default(),
-        _ => Vec::new(),
-    };
-    (chain, working_set)
-}
-
-/// Test hook: `GPUVM_TEST_HOLD_AFTER_VALIDATION=<ms>` pauses a restore for that long right
-/// after the snapshot was validated, so that end-to-end tests can change the files
-/// behind gpuvm's back (truncate or corrupt a memory file) and check that the failure is
-/// still caught cleanly. Logged at warn level so a test sees when to act.
-/// Returns whether it held.
-fn hold_after_validation() -> bool {
-    const HOOK: &str = "GPUVM_TEST_HOLD_AFTER_VALIDATION";
-    let Some(value) = std::env::var_os(HOOK) else {
-        return false;
-    };
-    match value.to_str().and_then(|v| v.parse::<u64>().ok()) {
-        Some(ms) => {
-            log::warn!("{HOOK}: snapshot validated, holding {ms} ms");
-            std::thread::sleep(std::time::Duration::from_millis(ms));
-            log::warn!("{HOOK}: going on");
-            true
-        }
-        None => {
-            log::warn!("{HOOK} is not a number of milliseconds; ignored");
-            false
-        }
-    }
 }
 
 /// Hands every RAM region to KVM as a memory slot.
