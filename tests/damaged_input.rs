@@ -41,13 +41,6 @@ fn gpuvm_bounded(args: &[&str]) -> SpawnedProcess {
     SpawnedProcess::spawn(Path::new("/bin/sh"), &sh_args)
 }
 
-fn describe(out: &RunOutput) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status, out.stdout, out.stderr
-    )
-}
-
 /// Runs `gpuvm ARGS` (bounded) and requires a clean refusal: a non-zero exit status (not
 /// a signal: no crash, no abort on a failed allocation) within [`REFUSAL_LIMIT`], no
 /// panic, nothing from a guest on stdout, and every one of `needles` in the error.
@@ -58,19 +51,19 @@ fn assert_refused(args: &[&str], needles: &[&str]) -> RunOutput {
     assert!(
         out.code().is_some_and(|c| c != 0),
         "gpuvm {args:?} did not fail cleanly: {}",
-        describe(&out)
+        out.describe()
     );
-    assert!(!out.stderr.contains("panicked"), "{}", describe(&out));
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
     assert!(
         out.stdout.is_empty(),
         "a guest ran: gpuvm {args:?}: {}",
-        describe(&out)
+        out.describe()
     );
     for needle in needles {
         assert!(
             out.stderr.contains(needle),
             "the error lacks {needle:?}: gpuvm {args:?}: {}",
-            describe(&out)
+            out.describe()
         );
     }
     out
@@ -182,11 +175,11 @@ fn snapshot_memloop(dir: &Path, seed: u64) {
     run.wait_for_stdout("memloop: iter 1 ok", RUN_LIMIT);
     run.signal(libc::SIGUSR1);
     let out = run.wait(RUN_LIMIT);
-    assert_eq!(out.code(), Some(0), "snapshot run: {}", describe(&out));
+    assert_eq!(out.code(), Some(0), "snapshot run: {}", out.describe());
     assert!(
         !out.stdout.contains("memloop: done"),
         "the guest ended before its snapshot: {}",
-        describe(&out)
+        out.describe()
     );
     memory_file(dir);
 }
@@ -424,16 +417,16 @@ fn a_state_written_before_memory_file_ids_still_restores() {
     );
     write_state(&dir, &state);
     let out = gpuvm_bounded(&restore_args(&dir, "lazy")).wait(RUN_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     assert!(
         out.stdout.contains("memloop: done") && !out.stdout.contains("FAIL"),
         "{}",
-        describe(&out)
+        out.describe()
     );
     assert!(
         out.stderr.contains("no memory-file id"),
         "no warning about the unbound memory files: {}",
-        describe(&out)
+        out.describe()
     );
 }
 
@@ -495,7 +488,7 @@ fn a_diff_of_another_restore_of_the_same_base_is_refused() {
         "exit",
     ])
     .wait(RUN_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     let twin = chain_files(&base_only);
     assert_eq!(twin.len(), 2, "{twin:?}");
     let ours = chain_files(&chain);
@@ -528,10 +521,10 @@ fn a_memory_file_with_bytes_appended_is_refused() {
     }
     // The snapshot as written restores.
     let out = gpuvm_bounded(&restore_args(&snapshots().a, "eager")).wait(RUN_LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     assert!(
         out.stdout.contains("memloop: done") && !out.stdout.contains("FAIL"),
         "{}",
-        describe(&out)
+        out.describe()
     );
 }

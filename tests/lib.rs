@@ -36,6 +36,14 @@ pub struct RunOutput {
 }
 
 impl RunOutput {
+    /// The status and both output streams, for assertion messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+            self.status, self.stdout, self.stderr
+        )
+    }
+
     pub fn code(&self) -> Option<i32> {
         self.status.code()
     }
@@ -588,6 +596,25 @@ pub fn start_uffd_handler(
     let mut handler = SpawnedProcess::spawn(program, &args);
     handler.wait_for_stdout("uffd-handler: listening", Duration::from_secs(30));
     handler
+}
+
+/// A restored memloop guest resumed (no second boot), ran at least two more iterations
+/// (the one the snapshot cut and a whole one, which checks every page) and finished.
+pub fn assert_memloop_resumed_and_done(out: &RunOutput) {
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert!(out.stdout.contains("memloop: done"), "{}", out.describe());
+    assert!(
+        !out.stdout.contains("memloop: cpus="),
+        "the guest booted again instead of resuming: {}",
+        out.describe()
+    );
+    assert!(
+        memloop_iterations(&out.stdout).len() >= 2,
+        "fewer than 2 iterations after restore: {}",
+        out.describe()
+    );
 }
 
 #[cfg(test)]

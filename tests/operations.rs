@@ -21,25 +21,22 @@ fn arg(path: &Path) -> &str {
     path.to_str().expect("utf-8 path")
 }
 
-fn describe(out: &RunOutput) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status, out.stdout, out.stderr
-    )
-}
-
 /// No seccomp report in a run that should have passed.
 fn assert_no_violation(out: &RunOutput) {
     assert!(
         !out.stderr.contains("gpuvm: seccomp:"),
         "a system call was blocked:\n{}",
-        describe(out)
+        out.describe()
     );
 }
 
 fn assert_trapped(out: &RunOutput, line: &str) {
-    assert_eq!(out.code(), Some(VIOLATION_EXIT), "{}", describe(out));
-    assert!(out.stderr.contains(line), "no {line:?}:\n{}", describe(out));
+    assert_eq!(out.code(), Some(VIOLATION_EXIT), "{}", out.describe());
+    assert!(
+        out.stderr.contains(line),
+        "no {line:?}:\n{}",
+        out.describe()
+    );
 }
 
 #[test]
@@ -91,7 +88,7 @@ fn snapshot_and_every_restore_mode_under_the_filters() {
     );
     assert_no_violation(&out);
     out.assert_code(0);
-    assert!(dir.join("state").exists(), "{}", describe(&out));
+    assert!(dir.join("state").exists(), "{}", out.describe());
 
     for mode in ["lazy", "eager"] {
         let out = run_gpuvm(
@@ -119,7 +116,7 @@ fn snapshot_and_every_restore_mode_under_the_filters() {
     assert_no_violation(&out);
     out.assert_code(0).assert_stdout_has("memloop: done");
     let handler = handler.wait(Duration::from_secs(30));
-    assert_eq!(handler.code(), Some(0), "{}", describe(&handler));
+    assert_eq!(handler.code(), Some(0), "{}", handler.describe());
 }
 
 /// A restored VM snapshotted again while its memory still loads lazily (the lazy
@@ -263,7 +260,7 @@ fn no_seccomp_leaves_threads_unfiltered_and_the_old_flag_is_accepted() {
     out.assert_code(0);
     run_gpuvm(&["run", "--seccomp"], LIMIT).assert_code(0);
     let out = run_gpuvm(&["run", "--seccomp", "--no-seccomp"], LIMIT);
-    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", describe(&out));
+    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", out.describe());
 }
 
 /// `GPUVM_TEST_SECCOMP_VIOLATION=KIND`: a thread of that kind makes a forbidden call;
@@ -430,7 +427,7 @@ fn json_logs_are_one_object_per_line() {
     let mut records = Vec::new();
     for line in out.stderr.lines() {
         let value: serde_json::Value = serde_json::from_str(line)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {line}\n{}", describe(&out)));
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {line}\n{}", out.describe()));
         for field in ["ts", "level", "target", "message"] {
             assert!(value[field].is_string(), "no {field}: {line}");
         }
@@ -477,7 +474,7 @@ fn json_logs_are_one_object_per_line() {
     out.assert_code(0);
     assert_eq!(out.stderr, "");
     let out = run_gpuvm(&["--log-format", "yaml", "run"], LIMIT);
-    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", describe(&out));
+    assert_eq!(out.code(), Some(GPUVM_ERROR_EXIT), "{}", out.describe());
 }
 
 /// The jail and the filters together: the threads that exist before the uid drop (API,

@@ -189,13 +189,6 @@ fn only_report(out: &RunOutput, prefix: &str) -> Vec<(String, String)> {
     all.remove(0)
 }
 
-fn describe(out: &RunOutput) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status, out.stdout, out.stderr
-    )
-}
-
 /// A restored guest really resumed (no reboot) and finished every iteration with every
 /// page verified: at least two iterations ran after restore (the one cut by the snapshot
 /// and a whole one, which checks every page), consecutively, up to the last.
@@ -204,20 +197,20 @@ fn assert_restored_memloop_completes(out: &RunOutput, iters: u64) {
         out.code(),
         Some(0),
         "restored guest failed: {}",
-        describe(out)
+        out.describe()
     );
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(out));
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert!(
         !out.stdout.contains("testguest: ready") && !out.stdout.contains("memloop: cpus="),
         "the guest booted again instead of resuming: {}",
-        describe(out)
+        out.describe()
     );
-    assert!(out.stdout.contains("memloop: done"), "{}", describe(out));
+    assert!(out.stdout.contains("memloop: done"), "{}", out.describe());
     let after = iterations(&out.stdout);
     assert!(
         after.len() >= 2,
         "fewer than 2 iterations after restore: {}",
-        describe(out)
+        out.describe()
     );
     let first = after[0];
     assert_eq!(
@@ -225,7 +218,7 @@ fn assert_restored_memloop_completes(out: &RunOutput, iters: u64) {
         (first..iters).collect::<Vec<_>>(),
         "iterations after restore are not consecutive up to {}: {}",
         iters - 1,
-        describe(out)
+        out.describe()
     );
 }
 
@@ -294,11 +287,11 @@ fn snapshot_memloop_then_exit(dir: &Path, guest: &Memloop) -> String {
     run.wait_for_stdout("memloop: iter 1 ok", LIMIT);
     signal_snapshot(run.pid());
     let out = run.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "snapshot run: {}", describe(&out));
+    assert_eq!(out.code(), Some(0), "snapshot run: {}", out.describe());
     assert!(
         !out.stdout.contains("memloop: done"),
         "the guest finished before the snapshot; give it more iterations: {}",
-        describe(&out)
+        out.describe()
     );
     let report = only_report(&out, "gpuvm: snapshot ");
     assert!(has(&report, "diff", "false"), "{report:?}");
@@ -450,10 +443,10 @@ fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput
 }
 
 fn assert_handler_served(handler: &RunOutput) {
-    assert_eq!(handler.code(), Some(0), "handler: {}", describe(handler));
+    assert_eq!(handler.code(), Some(0), "handler: {}", handler.describe());
     assert!(handler.stdout.contains("uffd-handler: gpuvm connected"));
     let stats = reports(&handler.stdout, "uffd-handler: faults=");
-    assert_eq!(stats.len(), 1, "{}", describe(handler));
+    assert_eq!(stats.len(), 1, "{}", handler.describe());
     assert!(
         field(&stats[0], "faults") > 0,
         "the handler served no faults: {stats:?}"
@@ -535,11 +528,11 @@ fn external_handler_death_fails_the_restore_cleanly() {
         .wait_timeout(Duration::from_secs(60))
         .expect("gpuvm hung after the page-fault handler died");
     let handler = handler.wait(Duration::from_secs(30));
-    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    assert_eq!(handler.code(), Some(3), "handler: {}", handler.describe());
     assert!(handler.stdout.contains("uffd-handler: dying after"));
     out.assert_clean_error("page-fault handler exited");
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
-    assert!(!out.stdout.contains("memloop: done"), "{}", describe(&out));
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stdout.contains("memloop: done"), "{}", out.describe());
 }
 
 /// The same during a snapshot of the restored VM, which faults in every page the handler
@@ -576,10 +569,10 @@ fn external_handler_death_during_a_snapshot_fails_cleanly() {
         .wait_timeout(Duration::from_secs(60))
         .expect("gpuvm hung after the page-fault handler died during a snapshot");
     let handler = handler.wait(Duration::from_secs(30));
-    assert_eq!(handler.code(), Some(3), "handler: {}", describe(&handler));
+    assert_eq!(handler.code(), Some(3), "handler: {}", handler.describe());
     out.assert_clean_error("page-fault handler exited");
     out.assert_clean_error("while the snapshot was loading guest memory");
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert!(
         !second.join("state").exists(),
         "a snapshot was committed without the handler's pages"
@@ -678,12 +671,12 @@ fn restore_after_kill_9() {
         killed.status.signal(),
         Some(libc::SIGKILL),
         "{}",
-        describe(&killed)
+        killed.describe()
     );
     assert!(
         !killed.stdout.contains("memloop: done"),
         "{}",
-        describe(&killed)
+        killed.describe()
     );
 
     let out = restore(&dir, "lazy", &[]);
@@ -780,7 +773,7 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             killed.status.signal(),
             Some(libc::SIGKILL),
             "{label}: {}",
-            describe(&killed)
+            killed.describe()
         );
 
         let state_now = std::fs::read(dir.join("state")).expect("a state file survives");
@@ -863,7 +856,7 @@ fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
             "exit",
         ],
     );
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
     let garbage: Vec<String> = std::fs::read_dir(&dir)
         .expect("list")
@@ -926,7 +919,7 @@ fn diff_snapshot_of_an_idle_guest_is_small() {
     let mut restored = restore_lazy_then_snapshot(&dir, &dir, "500", &["--report-timing"]);
     wait_for_chain(&mut restored, &dir, 3);
     let out = restored.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     let report = only_report(&out, "gpuvm: snapshot ");
     assert!(has(&report, "diff", "true"), "{report:?}");
     let chain = memory_files(&dir);
@@ -948,7 +941,7 @@ fn diff_snapshot_of_an_idle_guest_is_small() {
             "exit",
         ],
     );
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     // A snapshot into another directory starts a new chain with a full file.
     assert_eq!(memory_files(&other).len(), 1);
     assert!(!memory_header(&other.join(&memory_files(&other)[0])).is_diff());
@@ -1011,7 +1004,7 @@ fn diff_chain_restores_memory_contents() {
     assert!(
         !killed.stdout.contains("memloop: done"),
         "{}",
-        describe(&killed)
+        killed.describe()
     );
     assert!(
         diff.data_pages > 0 && diff.data_pages < base.data_pages,
@@ -1036,13 +1029,13 @@ fn diff_chain_restores_memory_contents() {
     });
     signal_snapshot(restored.pid());
     let middle = restored.wait(LIMIT);
-    assert_eq!(middle.code(), Some(0), "{}", describe(&middle));
+    assert_eq!(middle.code(), Some(0), "{}", middle.describe());
     assert!(
         !middle.stdout.contains("memloop: done"),
         "{}",
-        describe(&middle)
+        middle.describe()
     );
-    assert!(!middle.stdout.contains("FAIL"), "{}", describe(&middle));
+    assert!(!middle.stdout.contains("FAIL"), "{}", middle.describe());
     assert_eq!(memory_files(&dir).len(), chain_len + 1);
 
     // ...then restore the whole chain: the guest verifies every page once more.
@@ -1066,7 +1059,7 @@ fn full_snapshot_of_a_lazily_restored_vm() {
     let middle = restored
         .wait_timeout(LIMIT)
         .expect("restore + snapshot ended");
-    assert_eq!(middle.code(), Some(0), "{}", describe(&middle));
+    assert_eq!(middle.code(), Some(0), "{}", middle.describe());
     let joined = format!("{before}{}", middle.stdout);
     let out = restore(&second, "lazy", &[]);
     assert_continues(&joined, &out, GUEST_2_VCPUS.iters);
@@ -1141,7 +1134,7 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
             blocks.len()
         )),
         "{}",
-        describe(&second)
+        second.describe()
     );
     let lazy = only_report(&second, "gpuvm: lazy ");
     assert!(field(&lazy, "bytes_working_set") > 0, "{lazy:?}");
@@ -1159,7 +1152,7 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
     assert!(
         out.stderr.contains("ignoring the working set"),
         "{}",
-        describe(&out)
+        out.describe()
     );
     assert_eq!(
         field(&only_report(&out, "gpuvm: lazy "), "bytes_working_set"),
@@ -1170,7 +1163,7 @@ fn a_recorded_working_set_loads_first_on_the_next_restore() {
     let snapshotted = restore_lazy_then_snapshot(&dir, &dir, "20", &[])
         .wait_timeout(LIMIT)
         .expect("restore + snapshot ended");
-    assert_eq!(snapshotted.code(), Some(0), "{}", describe(&snapshotted));
+    assert_eq!(snapshotted.code(), Some(0), "{}", snapshotted.describe());
     assert!(!dir.join("working-set").exists(), "stale working set kept");
 }
 
@@ -1195,7 +1188,7 @@ fn zero_pages_are_not_stored() {
     run.wait_for_stdout("zerofill: done", LIMIT);
     signal_snapshot(run.pid());
     let out = run.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     let report = only_report(&out, "gpuvm: snapshot ");
     let files = memory_files(&dir);
     let header = memory_header(&dir.join(&files[0]));
@@ -1264,7 +1257,7 @@ fn full_snapshot_does_not_allocate_untouched_guest_memory() {
     run.wait_for_stdout("zerofill: done", LIMIT);
     signal_snapshot(run.pid());
     let out = run.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     let memory = only_report(&out, "gpuvm: memory ");
     assert!(
         field(&memory, "guest_resident_kib") < 64 * 1024,
@@ -1304,11 +1297,11 @@ fn guest_detects_a_wrong_page_after_restore() {
 
     for mode in ["eager", "lazy"] {
         let out = restore(&good, mode, &[]);
-        assert_eq!(out.code(), Some(1), "{mode}: {}", describe(&out));
+        assert_eq!(out.code(), Some(1), "{mode}: {}", out.describe());
         assert!(
             out.stdout.contains("memloop: FAIL"),
             "{mode}: {}",
-            describe(&out)
+            out.describe()
         );
     }
 }
@@ -1659,15 +1652,15 @@ fn corrupt_snapshots_fail_cleanly() {
             Some(out) => {
                 let stderr = out.stderr.to_lowercase();
                 if out.status.code().is_none() {
-                    Some(format!("killed by a signal: {}", describe(&out)))
+                    Some(format!("killed by a signal: {}", out.describe()))
                 } else if out.code() == Some(0) {
-                    Some(format!("succeeded: {}", describe(&out)))
+                    Some(format!("succeeded: {}", out.describe()))
                 } else if stderr.contains("panicked") {
-                    Some(format!("panicked: {}", describe(&out)))
+                    Some(format!("panicked: {}", out.describe()))
                 } else if !stderr.contains(&case.error.to_lowercase()) {
-                    Some(format!("error lacks {:?}: {}", case.error, describe(&out)))
+                    Some(format!("error lacks {:?}: {}", case.error, out.describe()))
                 } else if !out.stdout.is_empty() {
-                    Some(format!("the guest ran: {}", describe(&out)))
+                    Some(format!("the guest ran: {}", out.describe()))
                 } else {
                     eprintln!(
                         "ok: {} -> {} ({:?})",
@@ -1691,7 +1684,7 @@ fn corrupt_snapshots_fail_cleanly() {
 }
 
 fn assert_restored_memloop_completes_or_runs(out: &RunOutput) {
-    assert_eq!(out.code(), Some(0), "{}", describe(out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     assert!(out.stdout.contains("memloop: done") && !out.stdout.contains("FAIL"));
 }
 
@@ -1701,7 +1694,7 @@ fn missing_snapshot_directory_fails_cleanly() {
     for mode in ["eager", "lazy"] {
         let out = restore(&scratch.path("nothing-here"), mode, &[]);
         out.assert_clean_error("no such snapshot directory");
-        assert!(out.stdout.is_empty(), "{}", describe(&out));
+        assert!(out.stdout.is_empty(), "{}", out.describe());
     }
 }
 
@@ -1809,20 +1802,20 @@ fn memory_file_changed_after_validation_fails_cleanly() {
         assert!(
             out.stderr.contains("going on"),
             "{name}: changed too late: {}",
-            describe(&out)
+            out.describe()
         );
         out.assert_clean_error(needle);
-        assert!(!out.stdout.contains("FAIL"), "{name}: {}", describe(&out));
+        assert!(!out.stdout.contains("FAIL"), "{name}: {}", out.describe());
         assert!(
             !out.stdout.contains("memloop: done"),
             "{name}: {}",
-            describe(&out)
+            out.describe()
         );
         if mode == "eager" {
             assert!(
                 !out.stdout.contains("memloop: iter"),
                 "{name}: the guest ran: {}",
-                describe(&out)
+                out.describe()
             );
         }
     }

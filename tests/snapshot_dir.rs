@@ -10,7 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{memloop_iterations, RunOutput, Scratch, SpawnedProcess};
+use gpuvm_tests::{
+    assert_memloop_resumed_and_done, memloop_iterations, RunOutput, Scratch, SpawnedProcess,
+};
 use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
@@ -43,13 +45,6 @@ fn memory_files(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-fn describe(out: &RunOutput) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status, out.stdout, out.stderr
-    )
-}
-
 /// `gpuvm run` of a memloop guest snapshotting into `dir`, logging at info level (so
 /// that snapshots, taken or failed, show on stderr).
 fn run_snapshotting(dir: &Path, iters: u32, extra: &[&str]) -> SpawnedProcess {
@@ -74,16 +69,16 @@ fn run_snapshotting(dir: &Path, iters: u32, extra: &[&str]) -> SpawnedProcess {
 fn snapshot_then_exit(dir: &Path, iters: u32) -> RunOutput {
     let after = ["--snapshot-after-ms", "200", "--snapshot-then", "exit"];
     let out = run_snapshotting(dir, iters, &after).wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     out
 }
 
 /// The guest ran to its end, every page checked.
 fn assert_guest_completed(out: &RunOutput) {
-    assert_eq!(out.code(), Some(0), "{}", describe(out));
-    assert!(out.stdout.contains("memloop: done"), "{}", describe(out));
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(out));
-    assert!(!out.stderr.contains("panicked"), "{}", describe(out));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    assert!(out.stdout.contains("memloop: done"), "{}", out.describe());
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
 }
 
 /// Restores `dir` and requires the guest to go on from the snapshot and finish with
@@ -91,17 +86,7 @@ fn assert_guest_completed(out: &RunOutput) {
 fn assert_restores(dir: &Path, mode: &str) {
     let out = SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(dir), "--restore-mode", mode])
         .wait(LIMIT);
-    assert_guest_completed(&out);
-    assert!(
-        !out.stdout.contains("memloop: cpus="),
-        "the guest booted again instead of resuming: {}",
-        describe(&out)
-    );
-    assert!(
-        memloop_iterations(&out.stdout).len() >= 2,
-        "{}",
-        describe(&out)
-    );
+    assert_memloop_resumed_and_done(&out);
 }
 
 /// Sends SIGUSR1 (what `gpuvm snapshot --pid` sends) and waits until gpuvm logged the
@@ -412,7 +397,7 @@ fn a_snapshot_directory_in_use_is_refused() {
     assert_eq!(std::fs::read(dir.join("state")).unwrap(), state);
     let restore = SpawnedProcess::gpuvm(&["restore", "--snapshot", arg(&dir)]).wait(LIMIT);
     restore.assert_clean_error("is being written by another gpuvm process");
-    assert!(restore.stdout.is_empty(), "{}", describe(&restore));
+    assert!(restore.stdout.is_empty(), "{}", restore.describe());
 
     drop(holder);
     assert_restores(&dir, "eager");
@@ -468,8 +453,8 @@ fn two_vms_snapshotting_into_one_directory() {
     });
     restored.signal(libc::SIGKILL);
     let out = restored.wait(LIMIT);
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
-    assert!(!out.stdout.contains("memloop: cpus="), "{}", describe(&out));
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stdout.contains("memloop: cpus="), "{}", out.describe());
 }
 
 /// A snapshot directory whose parent does not exist is an error (gpuvm creates only the

@@ -9,16 +9,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuvm_tests::{memloop_iterations, RunOutput, Scratch, SpawnedProcess};
+use gpuvm_tests::{assert_memloop_resumed_and_done, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(120);
-
-fn describe(out: &RunOutput) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status, out.stdout, out.stderr
-    )
-}
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -58,19 +51,7 @@ fn assert_fixture_restores(name: &str, version: u32) {
     let out =
         SpawnedProcess::gpuvm(&["restore", "--snapshot", snapshot, "--restore-mode", "eager"])
             .wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", describe(&out));
-    assert!(out.stdout.contains("memloop: done"), "{}", describe(&out));
-    assert!(!out.stdout.contains("FAIL"), "{}", describe(&out));
-    assert!(
-        !out.stdout.contains("memloop: cpus="),
-        "the guest booted again instead of resuming: {}",
-        describe(&out)
-    );
-    assert!(
-        memloop_iterations(&out.stdout).len() >= 2,
-        "{}",
-        describe(&out)
-    );
+    assert_memloop_resumed_and_done(&out);
 }
 
 #[test]
