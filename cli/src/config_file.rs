@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
 use gpuvm_vmm::api::action::ConfigFile;
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::pci::PciOptions;
@@ -44,22 +43,7 @@ pub fn apply_config_file(
         config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
     }
     if let Some(boot) = file.boot_source {
-        let kernel = match boot.kernel_image_path {
-            Some(kernel) => KernelSource::File(kernel),
-            None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
-        };
-        let embedded = matches!(kernel, KernelSource::Embedded(_));
-        config.boot = BootSource {
-            kernel,
-            initrd: boot.initrd_path,
-            cmdline: boot.boot_args.unwrap_or_else(|| {
-                if embedded {
-                    "hello".into()
-                } else {
-                    String::new()
-                }
-            }),
-        };
+        config.boot = boot.into_boot_source();
     }
     Ok(config)
 }

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
@@ -185,6 +186,27 @@ pub struct BootSourceBody {
     pub kernel_image_path: Option<PathBuf>,
     pub initrd_path: Option<PathBuf>,
     pub boot_args: Option<String>,
+}
+
+impl BootSourceBody {
+    /// What to boot: the kernel named, else the embedded test guest, whose workload
+    /// defaults to `hello` (a kernel's command line defaults to empty).
+    pub fn into_boot_source(self) -> BootSource {
+        let (kernel, default_cmdline) = match self.kernel_image_path {
+            Some(path) => (KernelSource::File(path), ""),
+            None => (
+                KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
+                "hello",
+            ),
+        };
+        BootSource {
+            kernel,
+            initrd: self.initrd_path,
+            cmdline: self
+                .boot_args
+                .unwrap_or_else(|| default_cmdline.to_string()),
+        }
+    }
 }
 
 /// Longest GPU id the API accepts.

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::sync::mpsc::Receiver;
 
-use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
+use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::action::{
@@ -61,11 +61,7 @@ pub struct ApiController {
 
 /// The configuration the test guest gets when nobody says otherwise.
 pub fn default_boot_source() -> BootSource {
-    BootSource {
-        kernel: KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
-        initrd: None,
-        cmdline: "hello".into(),
-    }
+    BootSourceBody::default().into_boot_source()
 }
 
 fn instance_info(state: InstanceState) -> VmmData {
@@ -221,40 +217,18 @@ impl ApiController {
     }
 
     fn set_boot_source(&mut self, body: BootSourceBody) -> ActionResult {
-        let kernel = match body.kernel_image_path {
-            Some(path) => {
-                absolute_path(&path, "kernel_image_path")?;
-                gpuvm_arch::x86_64::boot::open_boot_file(&path).map_err(|error| {
-                    ActionError::bad_request(format!(
-                        "cannot open kernel image {}: {error}",
-                        path.display()
-                    ))
-                })?;
-                KernelSource::File(path)
-            }
-            None => KernelSource::Embedded(gpuvm_guest_images::TEST_GUEST_ELF),
-        };
-        if let Some(initrd) = &body.initrd_path {
-            absolute_path(initrd, "initrd_path")?;
-            gpuvm_arch::x86_64::boot::open_boot_file(initrd).map_err(|error| {
-                ActionError::bad_request(format!(
-                    "cannot open initrd {}: {error}",
-                    initrd.display()
-                ))
+        let files = [
+            ("kernel_image_path", "kernel image", &body.kernel_image_path),
+            ("initrd_path", "initrd", &body.initrd_path),
+        ];
+        for (field, what, path) in files {
+            let Some(path) = path else { continue };
+            absolute_path(path, field)?;
+            gpuvm_arch::x86_64::boot::open_boot_file(path).map_err(|error| {
+                ActionError::bad_request(format!("cannot open {what} {}: {error}", path.display()))
             })?;
         }
-        let embedded = matches!(kernel, KernelSource::Embedded(_));
-        self.boot = BootSource {
-            kernel,
-            initrd: body.initrd_path,
-            cmdline: body.boot_args.unwrap_or_else(|| {
-                if embedded {
-                    "hello".into()
-                } else {
-                    String::new()
-                }
-            }),
-        };
+        self.boot = body.into_boot_source();
         Ok(VmmData::Empty)
     }
 
