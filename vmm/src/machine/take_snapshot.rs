@@ -1,0 +1,225 @@
+//! Snapshots of the running machine: pausing its vCPUs, completing lazily restored
+//! memory, saving every component and the dirty pages, and resuming. How the files are
+//! laid out and committed in the snapshot directory is [`crate::snapshot`]'s business.
+
+use std::time::{Duration, Instant};
+
+use gpuvm_devices::Persist;
+use gpuvm_memory::snapshot::RamMappings;
+
+use super::{AfterSnapshot, GuestEnd, LazyMemory, Machine};
+use crate::snapshot::{
+    self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
+};
+use crate::vcpu::{self, VcpuHandle};
+use crate::vm_state::InKernelDevices;
+use crate::Error;
+
+/// How long a snapshot waits for lazily restored guest memory that is not loading (see
+/// [`Machine::complete_lazy_memory`]).
+const SNAPSHOT_MEMORY_STALL: Duration = Duration::from_secs(10);
+
+impl Machine {
+    /// Makes every page of guest RAM present in the memfd before a snapshot scans it:
+    /// pages a lazy restore has not loaded yet are holes, which the writer would record
+    /// as zero. Bounded: whoever serves the pages (the external handler, or the loader's
+    /// reads) may stop answering, and this thread must not wait on it forever; after
+    /// [`SNAPSHOT_MEMORY_STALL`] without progress the snapshot fails, and the VM stays as
+    /// it is.
+    fn complete_lazy_memory(&self) -> Result<(), Error> {
+        let waited = match &self.lazy {
+            Some(LazyMemory::InProcess(lazy)) => {
+                lazy.wait_progressing(SNAPSHOT_MEMORY_STALL).map(drop)
+            }
+            // The handler loads pages only on fault: they are faulted in, with system
+            // calls, so that a handler dying meanwhile (guest RAM is then fenced) is an
+            // error, not a SIGSEGV or a hang.
+            Some(LazyMemory::External(watch)) => watch.fault_in(SNAPSHOT_MEMORY_STALL),
+            None => Ok(()),
+        };
+        waited.map_err(|e| Error::Snapshot(SnapshotError::Uffd(e)))
+    }
+
+    /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
+    /// A snapshot that fails does not end the run (a signal or timer asked for it; the
+    /// guest did nothing wrong): it is logged and the VM runs on, unless guest memory can
+    /// no longer be served (a failed lazy restore), which ends the run in any case.
+    pub(super) fn snapshot_requested(
+        &mut self,
+        handles: &[VcpuHandle],
+    ) -> Option<Result<GuestEnd, Error>> {
+        let policy = self.snapshot_policy.clone()?;
+        let keep_running = policy.then == AfterSnapshot::Resume;
+        // A VM the API paused stays paused after a timer or SIGUSR1 snapshot.
+        let resume = keep_running && !self.paused;
+        match self.take_snapshot(handles, &policy.dir, false, resume) {
+            Ok(report) => {
+                log::info!("snapshot written to {}: {report:?}", policy.dir.display());
+                (!keep_running).then_some(Ok(GuestEnd::Snapshotted))
+            }
+            Err(error) if self.lazy_progress().is_err() => Some(Err(error)),
+            Err(error) => {
+                log::error!(
+                    "snapshot into {} failed; the VM keeps running and the previous snapshot \
+                     there is kept: {error}",
+                    policy.dir.display()
+                );
+                None
+            }
+        }
+    }
+
+    /// Whether this machine's state can be saved: not with passthrough devices, whose
+    /// state (GPU memory, engines) lives in the hardware.
+    pub fn check_snapshottable(&self) -> Result<(), Error> {
+        if self.devices.passthrough.is_empty() {
+            Ok(())
+        } else {
+            Err(SnapshotError::Passthrough {
+                devices: self.devices.passthrough.clone(),
+            }
+            .into())
+        }
+    }
+
+    /// Pauses every vCPU, saves every component and guest memory into `dir` (a full memory
+    /// file when `full`, else a diff when dirty pages are tracked and the chain is in
+    /// `dir`), and resumes if `resume`.
+    ///
+    /// A snapshot that fails changes nothing: the previous snapshot in `dir` stays intact
+    /// with nothing added (see [`snapshot`]), no dirty page is forgotten, and vCPUs that
+    /// were running run again. A directory another process is using, or whose `state`
+    /// gpuvm did not write, is refused before any vCPU is paused.
+    pub fn take_snapshot(
+        &mut self,
+        handles: &[VcpuHandle],
+        dir: &std::path::Path,
+        full: bool,
+        resume: bool,
+    ) -> Result<SnapshotReport, Error> {
+        self.check_snapshottable()?;
+        let dir_lock = snapshot::prepare_dir(dir)?;
+        let was_running = !self.paused;
+        let paused_at = Instant::now();
+        let written = self.write_snapshot(handles, dir, &dir_lock, full);
+        drop(dir_lock);
+        if resume || (written.is_err() && was_running) {
+            if let Err(error) = vcpu::resume_all(handles) {
+                log::error!("cannot resume the vCPUs after a snapshot: {error}");
+            }
+        }
+        let (memory_file, stats, memory_time) = written?;
+        let report = SnapshotReport {
+            dir: dir.to_path_buf(),
+            memory_file,
+            diff: stats.info.is_diff(),
+            memory_bytes_written: stats.file_len,
+            data_pages: stats.data_pages,
+            zero_pages: stats.zero_pages,
+            pause_to_resume: paused_at.elapsed(),
+            memory_time,
+        };
+        self.snapshots.push(report.clone());
+        Ok(report)
+    }
+
+    /// The part of [`Machine::take_snapshot`] that pauses the vCPUs and writes, under
+    /// `dir_lock`: the new memory file's name, its figures and the time memory took.
+    fn write_snapshot(
+        &mut self,
+        handles: &[VcpuHandle],
+        dir: &std::path::Path,
+        dir_lock: &snapshot::SnapshotDirLock,
+        full: bool,
+    ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
+        vcpu::pause_all(handles)?;
+        self.complete_lazy_memory()?;
+        // The working set of the snapshot this machine was restored from, before a snapshot
+        // into another directory; one into the same directory replaces that snapshot (and
+        // this lock would refuse the write).
+        if let Some((target, _)) = &self.working_set_target {
+            if dir_lock.is_for(target) {
+                log::info!("no working set recorded: this snapshot replaces the one it was for");
+                self.working_set_target = None;
+            }
+        }
+        self.save_working_set();
+        let mut vcpus = Vec::with_capacity(handles.len());
+        for handle in handles {
+            vcpus.push(handle.save_state()?);
+        }
+        let vm = InKernelDevices(&self.vm)
+            .save()
+            .map_err(SnapshotError::from)?;
+        let devices = self.devices.save().map_err(SnapshotError::SaveDevices)?;
+
+        let memory_started = Instant::now();
+        let dirty = if self.config.track_dirty_pages {
+            Some(self.take_dirty_bitmaps()?)
+        } else {
+            None
+        };
+        let chain = if full {
+            None
+        } else {
+            self.memory_chain.as_ref()
+        };
+        let written = RamMappings::from_guest_ram(&self.ram)
+            .map_err(SnapshotError::from)
+            .and_then(|mappings| snapshot::write_memory(dir, &mappings, chain, dirty.as_deref()))
+            .and_then(|(memory_file, stats, files)| {
+                let memory_time = memory_started.elapsed();
+                let state = MachineState {
+                    config: SavedMachineConfig::from_config(&self.config),
+                    vm,
+                    vcpus,
+                    devices,
+                    memory_files: files,
+                    memory_file_id: Some(stats.info.id.to_string()),
+                };
+                snapshot::commit(dir, &state, &memory_file)?;
+                Ok((memory_file, stats, memory_time, state.memory_files))
+            });
+        let (memory_file, stats, memory_time, files) = match written {
+            Ok(written) => written,
+            Err(error) => {
+                // Not saved after all: the next snapshot must still see these pages dirty.
+                self.unsaved_dirty = dirty;
+                return Err(error.into());
+            }
+        };
+        self.memory_chain = Some(MemoryChain {
+            dir: dir.to_path_buf(),
+            files,
+            last: stats.info.clone(),
+        });
+        Ok((memory_file, stats, memory_time))
+    }
+
+    /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset),
+    /// with the pages of snapshots that failed since the last one that did not.
+    fn take_dirty_bitmaps(&mut self) -> Result<Vec<Vec<u64>>, Error> {
+        let mut bitmaps = self.unsaved_dirty.take().unwrap_or_default();
+        for (slot, region) in self.ram.regions().iter().enumerate() {
+            let fresh = match self.vm.get_dirty_log(slot as u32, region.size as usize) {
+                Ok(fresh) => fresh,
+                Err(source) => {
+                    // What was read so far is cleared in KVM: keep it for the next try.
+                    self.unsaved_dirty = Some(bitmaps);
+                    return Err(Error::Snapshot(SnapshotError::Kvm {
+                        what: "read the dirty page log",
+                        source,
+                    }));
+                }
+            };
+            match bitmaps.get_mut(slot) {
+                Some(unsaved) => unsaved
+                    .iter_mut()
+                    .zip(&fresh)
+                    .for_each(|(word, dirty)| *word |= dirty),
+                None => bitmaps.push(fresh),
+            }
+        }
+        Ok(bitmaps)
+    }
+}
