@@ -1,0 +1,372 @@
+//! Seccomp filters, one per thread kind, built with rust-vmm's `seccompiler`.
+//!
+//! | kind | threads | what it allows |
+//! |---|---|---|
+//! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), and the lazy-restore fault and loader threads | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO teardown and INTx unmask |
+//! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
+//! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
+//!
+//! Every filter also allows what any Rust thread needs to live and end (memory
+//! allocation without `PROT_EXEC`, futexes, signals returns, thread exit, abort). A system
+//! call outside the list raises SIGSYS; the handler here writes one line
+//! (`gpuvm: seccomp: blocked system call N on a KIND thread`) and ends the process with
+//! [`VIOLATION_EXIT_CODE`]. With `GPUVM_SECCOMP_LOG_ONLY=1` the kernel logs violations
+//! (SECCOMP_RET_LOG, in the audit log / dmesg) and lets them through, for diagnosis.
+//!
+//! Nothing is filtered until the binary calls [`enable`]: the library's own tests and other
+//! users of the crate run unfiltered.
+//!
+//! Test hooks (environment, for the integration tests only):
+//! - `GPUVM_TEST_SECCOMP_VIOLATION=KIND`: a thread of that kind makes a forbidden system
+//!   call (`getppid`) right after installing its filter.
+//! - `GPUVM_TEST_SECCOMP_REMOVE=KIND:NR[,KIND:NR...]`: leaves system call NR out of that
+//!   kind's filter, to show the filter is applied where it should be.
+
+use std::sync::{Arc, OnceLock};
+
+use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+
+mod handler;
+pub mod ioctls;
+mod rules;
+use handler::install_sigsys_handler;
+pub use rules::rules;
+
+/// The exit status of a process that made a forbidden system call.
+pub const VIOLATION_EXIT_CODE: i32 = 148;
+
+/// The system call the violation test hook makes: in no filter.
+pub const VIOLATION_SYSCALL: i64 = libc::SYS_getppid;
+
+/// Which filter a thread runs under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ThreadKind {
+    Vmm,
+    Vcpu,
+    Api,
+}
+
+impl ThreadKind {
+    pub const ALL: [ThreadKind; 3] = [ThreadKind::Vmm, ThreadKind::Vcpu, ThreadKind::Api];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Vmm => "vmm",
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Api => "api",
+        }
+    }
+
+    fn parse(text: &str) -> Option<ThreadKind> {
+        ThreadKind::ALL.into_iter().find(|k| k.name() == text)
+    }
+
+    /// Carried in SECCOMP_RET_DATA of the trap, so the SIGSYS handler knows the kind
+    /// even on threads that inherited their filter.
+    fn code(self) -> u32 {
+        self as u32 + 1
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("cannot build the {kind} seccomp filter: {source}")]
+    Build {
+        kind: &'static str,
+        source: seccompiler::BackendError,
+    },
+    #[error("cannot install the {kind} thread's seccomp filter: {source} (on a host without seccomp, run with --no-seccomp)")]
+    Install {
+        kind: &'static str,
+        source: seccompiler::Error,
+    },
+    #[error("cannot install the SIGSYS handler: {0}")]
+    Handler(std::io::Error),
+    #[error("{var}={value:?} is invalid: {reason}")]
+    BadTestHook {
+        var: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("seccomp filters were already enabled")]
+    AlreadyEnabled,
+    #[error("seccomp filters must be enabled before gpuvm starts a thread ({0} threads run)")]
+    NotSingleThreaded(usize),
+    #[error("cannot limit glibc malloc to one arena (mallopt M_ARENA_MAX)")]
+    Allocator,
+}
+
+/// What a thread's filter does with a system call outside its list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnViolation {
+    /// SIGSYS: the handler reports the call and ends the process.
+    Trap,
+    /// SECCOMP_RET_LOG: the kernel logs it and lets it through.
+    Log,
+}
+
+/// How the filters are built: from `GPUVM_SECCOMP_LOG_ONLY` and the test hooks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub on_violation: OnViolation,
+    /// System calls left out of a filter (test hook).
+    pub removed: Vec<(ThreadKind, i64)>,
+    /// A kind whose threads make a forbidden call once filtered (test hook).
+    pub violation: Option<ThreadKind>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            on_violation: OnViolation::Trap,
+            removed: Vec::new(),
+            violation: None,
+        }
+    }
+}
+
+impl Settings {
+    /// Reads `GPUVM_SECCOMP_LOG_ONLY`, `GPUVM_TEST_SECCOMP_VIOLATION` and
+    /// `GPUVM_TEST_SECCOMP_REMOVE`.
+    pub fn from_env() -> Result<Settings, SeccompError> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Settings::parse(
+            var("GPUVM_SECCOMP_LOG_ONLY").as_deref(),
+            var("GPUVM_TEST_SECCOMP_VIOLATION").as_deref(),
+            var("GPUVM_TEST_SECCOMP_REMOVE").as_deref(),
+        )
+    }
+
+    fn parse(
+        log_only: Option<&str>,
+        violation: Option<&str>,
+        remove: Option<&str>,
+    ) -> Result<Settings, SeccompError> {
+        let bad = |var: &'static str, value: &str, reason: &str| SeccompError::BadTestHook {
+            var,
+            value: value.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let mut settings = Settings::default();
+        if let Some(value) = log_only {
+            settings.on_violation = match value {
+                "1" | "true" | "yes" => OnViolation::Log,
+                "0" | "false" | "no" => OnViolation::Trap,
+                _ => return Err(bad("GPUVM_SECCOMP_LOG_ONLY", value, "expected 1 or 0")),
+            };
+        }
+        if let Some(value) = violation {
+            settings.violation = Some(ThreadKind::parse(value).ok_or_else(|| {
+                bad(
+                    "GPUVM_TEST_SECCOMP_VIOLATION",
+                    value,
+                    "expected vmm, vcpu or api",
+                )
+            })?);
+        }
+        if let Some(value) = remove {
+            for item in value.split(',') {
+                let parsed = item.split_once(':').and_then(|(kind, nr)| {
+                    Some((ThreadKind::parse(kind)?, nr.trim().parse::<i64>().ok()?))
+                });
+                let Some((kind, nr)) = parsed else {
+                    return Err(bad(
+                        "GPUVM_TEST_SECCOMP_REMOVE",
+                        value,
+                        "expected KIND:SYSCALL_NUMBER with KIND vmm, vcpu or api",
+                    ));
+                };
+                settings.removed.push((kind, nr));
+            }
+        }
+        Ok(settings)
+    }
+}
+
+/// The compiled filters, once [`enable`] ran.
+struct Filters {
+    programs: [BpfProgram; 3],
+    violation: Option<ThreadKind>,
+}
+
+static FILTERS: OnceLock<Filters> = OnceLock::new();
+
+/// Compiles the three filters and installs the SIGSYS handler. Threads then install
+/// their filter with [`apply`]; before this call [`apply`] does nothing. Must be called
+/// while the process has one thread (see [`prepare_libraries`]).
+pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        let threads = tasks.count();
+        if threads > 1 {
+            return Err(SeccompError::NotSingleThreaded(threads));
+        }
+    }
+    prepare_libraries()?;
+    // In ThreadKind::index order.
+    let programs = [
+        compile(ThreadKind::Vmm, settings)?,
+        compile(ThreadKind::Vcpu, settings)?,
+        compile(ThreadKind::Api, settings)?,
+    ];
+    if settings.on_violation == OnViolation::Trap {
+        install_sigsys_handler()?;
+    }
+    FILTERS
+        .set(Filters {
+            programs,
+            violation: settings.violation,
+        })
+        .map_err(|_| SeccompError::AlreadyEnabled)
+}
+
+/// Keeps library code from making, lazily and on whatever thread gets there first, a
+/// system call that thread's filter refuses (a SIGSYS would end the VM). Runs before any
+/// other thread exists. What was checked, for every kind (api, vmm, vcpu):
+///
+/// - glibc malloc. A thread's first allocation binds it to an arena; once 8 exist, the
+///   next one sizes the limit with `__get_nprocs`, which opens
+///   /sys/devices/system/cpu/online (how 8 held API connections killed gpuvm: connection
+///   threads inherit the api filter before their first allocation). Arenas other than
+///   the main one also open /proc/sys/vm/overcommit_memory the first time one of their
+///   heaps shrinks (`check_may_shrink_heap`), after any large free. `M_ARENA_MAX` = 1
+///   removes both paths: every thread uses the main arena (brk/mmap only; per-thread
+///   tcaches keep most small allocations off its lock), and the limit is never computed.
+///   It must be set before a second thread allocates, hence the single-thread check.
+/// - Thread creation (api and vmm threads start threads): glibc maps the stack and its
+///   guard (`mmap`/`mprotect`, no exec), `clone3`, `set_robust_list`, `rseq`; std names
+///   the thread with `prctl(PR_SET_NAME)` and, for its stack-overflow handler, reads the
+///   new thread's bounds with `pthread_getattr_np` (`sched_getaffinity`; only the main
+///   thread's bounds come from /proc/self/maps, read before `main`) and maps an
+///   alternate signal stack (`sigaltstack`). All in the common list.
+/// - Randomness: std's hash keys and glibc's tcache key use `getrandom` (allowed), so
+///   their /dev/urandom fallbacks never run.
+/// - Locale and messages: gpuvm never calls `setlocale`, so `strerror` (io::Error
+///   display) stays in the C locale and opens no message catalog.
+/// - Time: clocks come from the vDSO or `clock_gettime`; logs are stamped in UTC
+///   (`humantime`), so no time zone file is read.
+/// - Names and DNS: filtered threads use Unix sockets and numeric ids only; NSS is never
+///   reached.
+/// - CPU counts: `available_parallelism` (cgroup files) runs only while building the VM,
+///   on the main thread before its filter.
+/// - `RUST_BACKTRACE` set: a panic's backtrace opens the executable; the panic message is
+///   printed before that, and the process is ending anyway (`panic = "abort"`).
+pub fn prepare_libraries() -> Result<(), SeccompError> {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets a malloc parameter; M_ARENA_MAX takes a positive count.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) } != 1 {
+        return Err(SeccompError::Allocator);
+    }
+    Ok(())
+}
+
+/// Whether [`enable`] ran.
+pub fn enabled() -> bool {
+    FILTERS.get().is_some()
+}
+
+/// Installs `kind`'s filter on the calling thread (and the threads it creates later).
+/// Does nothing unless [`enable`] ran.
+pub fn apply(kind: ThreadKind) -> Result<(), SeccompError> {
+    let Some(filters) = FILTERS.get() else {
+        return Ok(());
+    };
+    seccompiler::apply_filter(&filters.programs[kind.index()]).map_err(|source| {
+        SeccompError::Install {
+            kind: kind.name(),
+            source,
+        }
+    })?;
+    log::debug!("seccomp: {} filter installed", kind.name());
+    if filters.violation == Some(kind) {
+        log::warn!(
+            "seccomp test hook: a {} thread makes a forbidden system call",
+            kind.name()
+        );
+        // SAFETY: getppid takes no arguments and touches no memory.
+        unsafe { libc::syscall(VIOLATION_SYSCALL) };
+    }
+    Ok(())
+}
+
+/// A hook for threads other crates spawn (the memory crate's lazy-restore threads):
+/// installs `kind`'s filter on the thread that calls it. None while filters are off.
+pub fn thread_hook(kind: ThreadKind) -> Option<Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>> {
+    if !enabled() {
+        return None;
+    }
+    Some(Arc::new(move || {
+        apply(kind).map_err(|e| std::io::Error::other(e.to_string()))
+    }))
+}
+
+/// `kind`'s filter as BPF, with `settings` applied.
+pub fn compile(kind: ThreadKind, settings: &Settings) -> Result<BpfProgram, SeccompError> {
+    let build = |source| SeccompError::Build {
+        kind: kind.name(),
+        source,
+    };
+    let mut rules = rules(kind).map_err(build)?;
+    for (removed_kind, nr) in &settings.removed {
+        if *removed_kind == kind {
+            rules.remove(nr);
+        }
+    }
+    let (mismatch, marker) = match settings.on_violation {
+        OnViolation::Trap => (SeccompAction::Trap, Some(libc::SECCOMP_RET_TRAP)),
+        OnViolation::Log => (SeccompAction::Log, None),
+    };
+    let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64)
+        .map_err(build)?;
+    let mut program: BpfProgram = filter.try_into().map_err(build)?;
+    if let Some(trap) = marker {
+        // Tag every trap with the kind (SECCOMP_RET_DATA reaches the handler as si_errno).
+        const BPF_RET_K: u16 = 0x06;
+        for insn in program.iter_mut() {
+            if insn.code == BPF_RET_K && insn.k == trap {
+                insn.k = trap | kind.code();
+            }
+        }
+    }
+    Ok(program)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_filter_compiles() {
+        for kind in ThreadKind::ALL {
+            let program = compile(kind, &Settings::default()).unwrap();
+            assert!(!program.is_empty());
+            // Every trap carries the kind.
+            assert!(program
+                .iter()
+                .filter(|i| i.code == 0x06
+                    && i.k & libc::SECCOMP_RET_ACTION_FULL == libc::SECCOMP_RET_TRAP)
+                .all(|i| i.k & libc::SECCOMP_RET_DATA == kind.code()));
+        }
+    }
+
+    #[test]
+    fn settings_parse_the_hooks() {
+        let s = Settings::parse(Some("1"), Some("vcpu"), Some("vcpu:16,api:288")).unwrap();
+        assert_eq!(s.on_violation, OnViolation::Log);
+        assert_eq!(s.violation, Some(ThreadKind::Vcpu));
+        assert_eq!(
+            s.removed,
+            vec![(ThreadKind::Vcpu, 16), (ThreadKind::Api, 288)]
+        );
+        assert!(Settings::parse(None, Some("gpu"), None).is_err());
+        assert!(Settings::parse(None, None, Some("vcpu")).is_err());
+        assert!(Settings::parse(None, None, Some("vcpu:x")).is_err());
+        assert!(Settings::parse(Some("maybe"), None, None).is_err());
+        let removed = compile(ThreadKind::Vcpu, &s).unwrap();
+        let full = compile(ThreadKind::Vcpu, &Settings::default()).unwrap();
+        assert!(removed.len() < full.len());
+    }
+}

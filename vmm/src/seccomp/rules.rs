@@ -1,0 +1,426 @@
+//! The per-kind lists: which system calls, and which ioctl requests, each thread kind
+//! may make.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
+
+use super::{ioctls, ThreadKind};
+
+type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+type BuildResult<T> = Result<T, seccompiler::BackendError>;
+
+fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BuildResult<SeccompCondition> {
+    SeccompCondition::new(index, SeccompCmpArgLen::Qword, op, value)
+}
+
+fn arg32(index: u8, op: SeccompCmpOp, value: u64) -> BuildResult<SeccompCondition> {
+    SeccompCondition::new(index, SeccompCmpArgLen::Dword, op, value)
+}
+
+/// One rule per allowed value of a 32-bit argument.
+fn one_of(index: u8, values: &[u32]) -> BuildResult<Vec<SeccompRule>> {
+    values
+        .iter()
+        .map(|v| SeccompRule::new(vec![arg32(index, SeccompCmpOp::Eq, u64::from(*v))?]))
+        .collect()
+}
+
+fn allow_all(rules: &mut Rules, syscalls: &[i64]) {
+    for nr in syscalls {
+        rules.insert(*nr, Vec::new());
+    }
+}
+
+/// What every thread needs: memory (never executable), futexes, signal returns, time,
+/// logging to stderr, thread start and exit, and abort after a panic.
+fn common(rules: &mut Rules) -> BuildResult<()> {
+    allow_all(
+        rules,
+        &[
+            libc::SYS_brk,
+            libc::SYS_munmap,
+            libc::SYS_mremap,
+            libc::SYS_madvise,
+            libc::SYS_futex,
+            libc::SYS_rt_sigprocmask,
+            libc::SYS_rt_sigreturn,
+            libc::SYS_sigaltstack,
+            libc::SYS_set_robust_list,
+            libc::SYS_rseq,
+            libc::SYS_sched_getaffinity,
+            libc::SYS_sched_yield,
+            libc::SYS_clock_gettime,
+            libc::SYS_clock_nanosleep,
+            libc::SYS_restart_syscall,
+            libc::SYS_getrandom,
+            libc::SYS_gettid,
+            libc::SYS_getpid,
+            libc::SYS_tgkill,
+            libc::SYS_write,
+            libc::SYS_close,
+            libc::SYS_exit,
+            libc::SYS_exit_group,
+        ],
+    );
+    // No executable mappings, ever.
+    let no_exec = || -> BuildResult<Vec<SeccompRule>> {
+        Ok(vec![SeccompRule::new(vec![arg(
+            2,
+            SeccompCmpOp::MaskedEq(libc::PROT_EXEC as u64),
+            0,
+        )?])?])
+    };
+    rules.insert(libc::SYS_mmap, no_exec()?);
+    rules.insert(libc::SYS_mprotect, no_exec()?);
+    // Naming a new thread.
+    rules.insert(libc::SYS_prctl, one_of(0, &[libc::PR_SET_NAME as u32])?);
+    Ok(())
+}
+
+/// Dropping to another uid/gid (`--uid/--gid`): glibc makes every thread of the process
+/// call these, so threads that exist before the drop need them.
+fn setid(rules: &mut Rules) {
+    allow_all(
+        rules,
+        &[
+            libc::SYS_setgroups,
+            libc::SYS_setresgid,
+            libc::SYS_setresuid,
+            libc::SYS_setgid,
+            libc::SYS_setuid,
+        ],
+    );
+}
+
+fn fcntl(rules: &mut Rules) -> BuildResult<()> {
+    rules.insert(
+        libc::SYS_fcntl,
+        one_of(
+            1,
+            &[
+                libc::F_GETFD as u32,
+                libc::F_SETFD as u32,
+                libc::F_GETFL as u32,
+                libc::F_SETFL as u32,
+                libc::F_DUPFD_CLOEXEC as u32,
+            ],
+        )?,
+    );
+    Ok(())
+}
+
+/// Spawning threads: std uses clone3 (its flags live in memory a filter cannot read),
+/// glibc falls back to clone, which is allowed for threads only (CLONE_THREAD|CLONE_VM):
+/// no fork.
+fn threads(rules: &mut Rules) -> BuildResult<()> {
+    allow_all(rules, &[libc::SYS_clone3]);
+    let thread = (libc::CLONE_THREAD | libc::CLONE_VM) as u64;
+    rules.insert(
+        libc::SYS_clone,
+        vec![SeccompRule::new(vec![arg(
+            0,
+            SeccompCmpOp::MaskedEq(thread),
+            thread,
+        )?])?],
+    );
+    Ok(())
+}
+
+fn ioctl(rules: &mut Rules, requests: &[u32]) -> BuildResult<()> {
+    rules.insert(libc::SYS_ioctl, one_of(1, requests)?);
+    Ok(())
+}
+
+/// The list for `kind`.
+pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
+    use ioctls::*;
+    let mut rules = Rules::new();
+    common(&mut rules)?;
+    fcntl(&mut rules)?;
+    match kind {
+        ThreadKind::Vmm => {
+            threads(&mut rules)?;
+            setid(&mut rules);
+            allow_all(
+                &mut rules,
+                &[
+                    // Event loop, timers, eventfds.
+                    libc::SYS_epoll_wait,
+                    // The event loop dropping stdin at EOF.
+                    libc::SYS_epoll_ctl,
+                    libc::SYS_timerfd_settime,
+                    libc::SYS_poll,
+                    libc::SYS_read,
+                    libc::SYS_writev,
+                    // Snapshot files and lazy restore reads.
+                    libc::SYS_openat,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_pwritev,
+                    libc::SYS_lseek,
+                    libc::SYS_fstat,
+                    libc::SYS_newfstatat,
+                    libc::SYS_statx,
+                    libc::SYS_mkdir,
+                    libc::SYS_rename,
+                    libc::SYS_unlink,
+                    libc::SYS_getdents64,
+                    libc::SYS_fsync,
+                    libc::SYS_sync_file_range,
+                    libc::SYS_ftruncate,
+                    // Snapshot-directory and temp-file locks.
+                    libc::SYS_flock,
+                    libc::SYS_fadvise64,
+                    libc::SYS_mincore,
+                    // Kernel VFIO teardown finds the device's group through sysfs.
+                    libc::SYS_readlink,
+                    libc::SYS_readlinkat,
+                    // vfio-user sockets (INTx unmask, teardown) and the external handler.
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_sendto,
+                    libc::SYS_recvfrom,
+                    libc::SYS_shutdown,
+                ],
+            );
+            ioctl(
+                &mut rules,
+                &[
+                    // Snapshots: VM state, dirty log, MSR list; PCI teardown and INTx.
+                    KVM_CHECK_EXTENSION,
+                    KVM_GET_MSR_INDEX_LIST,
+                    KVM_GET_DIRTY_LOG,
+                    KVM_GET_IRQCHIP,
+                    KVM_GET_PIT2,
+                    KVM_GET_CLOCK,
+                    KVM_SET_USER_MEMORY_REGION,
+                    KVM_SET_GSI_ROUTING,
+                    KVM_IRQFD,
+                    // Kernel VFIO teardown: the group or cdev leaves the KVM VFIO device.
+                    KVM_SET_DEVICE_ATTR,
+                    KVM_HAS_DEVICE_ATTR,
+                    // Lazy restore.
+                    UFFDIO_COPY,
+                    UFFDIO_ZEROPAGE,
+                    UFFDIO_WAKE,
+                    UFFDIO_UNREGISTER,
+                    // Kernel VFIO: INTx unmask, reset and unmapping at teardown.
+                    VFIO_DEVICE_SET_IRQS,
+                    VFIO_DEVICE_RESET,
+                    VFIO_DEVICE_GET_REGION_INFO,
+                    VFIO_DEVICE_GET_IRQ_INFO,
+                    VFIO_GROUP_UNSET_CONTAINER,
+                    VFIO_IOMMU_UNMAP_DMA,
+                    VFIO_DEVICE_DETACH_IOMMUFD_PT,
+                    IOMMU_DESTROY,
+                    IOMMU_IOAS_UNMAP,
+                    // stdin.
+                    TCGETS,
+                    TCSETS,
+                    TCSETSW,
+                    TIOCGWINSZ,
+                    FIONBIO,
+                    FIOCLEX,
+                ],
+            )?;
+        }
+        ThreadKind::Vcpu => {
+            // vCPU threads start while the VM is built, before the jail drops privileges
+            // (their filters go in early, off the restore's critical path), so they take
+            // part in glibc's set*id broadcast like every other thread.
+            setid(&mut rules);
+            allow_all(
+                &mut rules,
+                &[
+                    // Device emulation: eventfds, the serial console, VFIO regions
+                    // (pread/pwrite on the device fd), vfio-user messages.
+                    libc::SYS_read,
+                    libc::SYS_writev,
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_sendto,
+                    libc::SYS_recvfrom,
+                ],
+            );
+            ioctl(
+                &mut rules,
+                &[
+                    KVM_RUN,
+                    // Exit handling (instructions completed for KVM's emulator).
+                    KVM_GET_REGS,
+                    KVM_SET_REGS,
+                    KVM_GET_VCPU_EVENTS,
+                    KVM_SET_VCPU_EVENTS,
+                    // Saving state for a snapshot (on the vCPU's own thread).
+                    KVM_GET_SREGS,
+                    KVM_GET_MSRS,
+                    KVM_GET_LAPIC,
+                    KVM_GET_CPUID2,
+                    KVM_GET_MP_STATE,
+                    KVM_GET_DEBUGREGS,
+                    KVM_GET_TSC_KHZ,
+                    KVM_GET_XSAVE,
+                    KVM_GET_XCRS,
+                    // PCI: BAR moves become memory slots, MSI/MSI-X messages GSI routes
+                    // (the irqfds are registered at setup).
+                    KVM_SET_USER_MEMORY_REGION,
+                    KVM_SET_GSI_ROUTING,
+                    // Kernel VFIO: interrupts on and off.
+                    VFIO_DEVICE_SET_IRQS,
+                    VFIO_DEVICE_GET_IRQ_INFO,
+                ],
+            )?;
+        }
+        ThreadKind::Api => {
+            threads(&mut rules)?;
+            setid(&mut rules);
+            allow_all(
+                &mut rules,
+                &[
+                    libc::SYS_accept4,
+                    libc::SYS_read,
+                    libc::SYS_recvfrom,
+                    libc::SYS_sendto,
+                    libc::SYS_writev,
+                    libc::SYS_setsockopt,
+                    libc::SYS_shutdown,
+                ],
+            );
+        }
+    }
+    Ok(rules)
+}
+
+#[cfg(test)]
+mod tests {
+    use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+
+    use super::*;
+    use crate::seccomp::{compile, Settings, VIOLATION_SYSCALL};
+
+    fn allowed(kind: ThreadKind) -> Vec<i64> {
+        rules(kind).unwrap().keys().copied().collect()
+    }
+
+    #[test]
+    fn filters_stay_small() {
+        for kind in ThreadKind::ALL {
+            let rules = rules(kind).unwrap();
+            let ioctls = rules.get(&libc::SYS_ioctl).map_or(0, Vec::len);
+            let program = compile(kind, &Settings::default()).unwrap();
+            eprintln!(
+                "{}: {} system calls, {} ioctl requests, {} BPF instructions",
+                kind.name(),
+                rules.len(),
+                ioctls,
+                program.len()
+            );
+            assert!(program.len() < 1024, "{kind:?}: {}", program.len());
+        }
+    }
+
+    #[test]
+    fn the_violation_call_is_in_no_filter() {
+        for kind in ThreadKind::ALL {
+            assert!(!allowed(kind).contains(&VIOLATION_SYSCALL), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn api_threads_have_no_ioctls_or_files() {
+        let api = allowed(ThreadKind::Api);
+        for nr in [
+            libc::SYS_ioctl,
+            libc::SYS_openat,
+            libc::SYS_execve,
+            libc::SYS_socket,
+        ] {
+            assert!(!api.contains(&nr), "{nr}");
+        }
+        let vcpu = allowed(ThreadKind::Vcpu);
+        for nr in [
+            libc::SYS_openat,
+            libc::SYS_execve,
+            libc::SYS_clone3,
+            libc::SYS_socket,
+        ] {
+            assert!(!vcpu.contains(&nr), "{nr}");
+        }
+        assert!(!allowed(ThreadKind::Vmm).contains(&libc::SYS_execve));
+    }
+
+    #[test]
+    fn the_vmm_filter_allows_threads_but_not_fork() {
+        let outcome = std::thread::spawn(|| {
+            let filter = SeccompFilter::new(
+                rules(ThreadKind::Vmm).unwrap(),
+                SeccompAction::Errno(libc::EPERM as u32),
+                SeccompAction::Allow,
+                TargetArch::x86_64,
+            )
+            .unwrap();
+            let program: BpfProgram = filter.try_into().unwrap();
+            seccompiler::apply_filter(&program).unwrap();
+            let thread = std::thread::spawn(|| 7).join().unwrap();
+            // SAFETY: the child, if one is ever created, leaves at once without touching
+            // anything the parent owns.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: _exit in the child ends it without running the parent's cleanup.
+                unsafe { libc::_exit(0) };
+            }
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            // SAFETY: a raw clone without CLONE_THREAD, refused before it does anything.
+            let raw = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as u64, 0, 0, 0, 0) };
+            if raw == 0 {
+                // SAFETY: as above, in a child that must not exist.
+                unsafe { libc::_exit(0) };
+            }
+            (thread, pid, errno, raw)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(outcome.0, 7, "threads can be spawned");
+        assert_eq!(
+            (outcome.1, outcome.2),
+            (-1, Some(libc::EPERM)),
+            "fork refused"
+        );
+        assert_eq!(outcome.3, -1, "clone without CLONE_THREAD refused");
+    }
+
+    #[test]
+    fn a_filtered_thread_is_refused_what_is_not_listed() {
+        // Refuse with EPERM instead of trapping, in a thread of its own.
+        let outcome = std::thread::spawn(|| {
+            let mut rules = rules(ThreadKind::Api).unwrap();
+            rules.remove(&libc::SYS_getpid);
+            let filter = SeccompFilter::new(
+                rules,
+                SeccompAction::Errno(libc::EPERM as u32),
+                SeccompAction::Allow,
+                TargetArch::x86_64,
+            )
+            .unwrap();
+            let program: BpfProgram = filter.try_into().unwrap();
+            seccompiler::apply_filter(&program).unwrap();
+            // SAFETY: raw syscalls without arguments or memory effects.
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) };
+            // SAFETY: as above.
+            let pid = unsafe { libc::syscall(libc::SYS_getpid) };
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            let open = std::fs::File::open("/proc/self/status").map(|_| ());
+            (tid, pid, errno, open.map_err(|e| e.raw_os_error()))
+        })
+        .join()
+        .unwrap();
+        assert!(outcome.0 > 0, "gettid is allowed");
+        assert_eq!((outcome.1, outcome.2), (-1, Some(libc::EPERM)));
+        assert_eq!(outcome.3, Err(Some(libc::EPERM)), "openat is refused");
+        // The test's own thread is untouched.
+        assert!(std::fs::File::open("/proc/self/status").is_ok());
+    }
+}
