@@ -16,7 +16,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-pub const STATE_MAGIC: &[u8; 8] = b"GPUVMSTA";
+/// The memory crate's magic for gpuvm's framed files, by which a snapshot directory's
+/// cleanup knows a `state` or `working-set` as gpuvm's own.
+pub const STATE_MAGIC: &[u8; 8] = gpuvm_memory::snapshot::FRAMED_FILE_MAGIC;
 pub const STATE_FORMAT_VERSION: u32 = 1;
 const HEADER_LEN: usize = 24;
 /// A state file is small (tens of KiB per vCPU); anything near this is not one of ours.

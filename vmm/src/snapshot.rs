@@ -748,10 +748,4 @@ mod tests {
         assert!(prepare_dir(&dir).is_err());
         std::fs::remove_dir_all(dir).ok();
     }
-
-    /// The memory crate tells gpuvm's framed files by this magic.
-    #[test]
-    fn framed_file_magic_is_the_state_magic() {
-        assert_eq!(FRAMED_FILE_MAGIC, crate::persist::STATE_MAGIC);
-    }
 }

@@ -17,8 +17,8 @@ use log::{debug, warn};
 
 /// First bytes of a gpuvm memory file.
 pub const MEMORY_FILE_MAGIC: &[u8; 8] = &super::format::MAGIC;
-/// First bytes of gpuvm's framed files (a snapshot's `state`, a `working-set`); the
-/// VMM's `persist::STATE_MAGIC`.
+/// First bytes of gpuvm's framed files (a snapshot's `state`, a `working-set`); the VMM's
+/// `persist::STATE_MAGIC` is this constant.
 pub const FRAMED_FILE_MAGIC: &[u8; 8] = b"GPUVMSTA";
 
 /// Distinguishes temp files of concurrent writes from one process.

@@ -47,8 +47,9 @@ pub fn restore(
     let validation = Validation::start(&state, dir, mode)?;
     // Guest memory, ACPI tables included, comes from the snapshot.
     let mut config = state.config.clone();
-    config.prefault = false; // userfaultfd needs untouched memory; eager fills it anyway
-                             // vCPUs are created (not yet given their state) while validation may still run.
+    // userfaultfd needs untouched memory; eager fills it anyway.
+    config.prefault = false;
+    // vCPUs are created (not yet given their state) while validation may still run.
     let created = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock)
         .and_then(|base| {
             let ids = state.state.vcpus.iter().map(|saved| saved.id);
