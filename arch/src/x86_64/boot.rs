@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
+use linux_loader::elf::{Elf64_Ehdr, Elf64_Phdr, PT_LOAD};
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params, setup_header};
 use linux_loader::loader::elf::start_info::{
     hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
@@ -19,7 +20,9 @@ use linux_loader::loader::elf::start_info::{
 use linux_loader::loader::{
     self, BzImage, Cmdline, Elf, KernelLoader, KernelLoaderResult, PvhBootCapability,
 };
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, ReadVolatile};
+use vm_memory::{
+    Address, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, ReadVolatile,
+};
 
 use super::layout::{
     e820_map, E820Entry, BDA_EBDA_POINTER, CMDLINE_MAX_SIZE, CMDLINE_START, EBDA_START,
@@ -31,6 +34,8 @@ use gpuvm_memory::RamRegion;
 const XEN_HVM_START_MAGIC: u32 = 0x336e_c578;
 const BOOT_FLAG_MAGIC: u16 = 0xaa55;
 const SETUP_HEADER_MAGIC: u32 = 0x5372_6448; // "HdrS"
+/// Where a bzImage's `setup_header` starts (the boot protocol's 0x1f1).
+const SETUP_HEADER_OFFSET: u64 = 0x1f1;
 const LOADER_TYPE_UNDEFINED: u8 = 0xff;
 const KERNEL_ALIGNMENT_DEFAULT: u32 = 0x100_0000;
 const INITRD_ADDR_MAX_DEFAULT: u64 = 0x37ff_ffff;
@@ -307,38 +312,26 @@ fn check_fits(
 /// as linux-loader places them: ELF PT_LOAD segments at `p_paddr` for `p_memsz` bytes; a
 /// bzImage's protected-mode kernel (the image past its setup sectors) at `code32_start`.
 fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<(u64, u64)>> {
-    let mut read_at = |offset: u64, buf: &mut [u8]| -> std::io::Result<()> {
-        image.seek(SeekFrom::Start(offset))?;
-        image.read_exact(buf)
-    };
-    let u64_at = |buf: &[u8], at: usize| u64::from_le_bytes(buf[at..at + 8].try_into().unwrap());
     let mut extents = Vec::new();
     match format {
         ImageFormat::Elf => {
-            const PT_LOAD: u32 = 1;
-            const PHDR_SIZE: u64 = 56;
-            let mut ehdr = [0u8; 64];
-            read_at(0, &mut ehdr)?;
-            let phoff = u64_at(&ehdr, 0x20);
-            let phnum = u16::from_le_bytes([ehdr[0x38], ehdr[0x39]]);
-            for index in 0..u64::from(phnum) {
-                let mut phdr = [0u8; PHDR_SIZE as usize];
-                read_at(phoff.saturating_add(index * PHDR_SIZE), &mut phdr)?;
-                let (paddr, memsz) = (u64_at(&phdr, 0x18), u64_at(&phdr, 0x28));
-                if u32::from_le_bytes(phdr[..4].try_into().unwrap()) == PT_LOAD && memsz > 0 {
-                    extents.push((paddr, memsz));
+            let ehdr: Elf64_Ehdr = read_header(image, 0)?;
+            let phdr_size = std::mem::size_of::<Elf64_Phdr>() as u64;
+            for index in 0..u64::from(ehdr.e_phnum) {
+                let at = ehdr.e_phoff.saturating_add(index * phdr_size);
+                let phdr: Elf64_Phdr = read_header(image, at)?;
+                if phdr.p_type == PT_LOAD && phdr.p_memsz > 0 {
+                    extents.push((phdr.p_paddr, phdr.p_memsz));
                 }
             }
         }
         ImageFormat::BzImage => {
-            let mut header = [0u8; 0x218];
-            read_at(0, &mut header)?;
-            let setup_sects = match header[0x1f1] {
+            let header: setup_header = read_header(image, SETUP_HEADER_OFFSET)?;
+            let setup_sects = match header.setup_sects {
                 0 => 4,
                 n => u64::from(n),
             };
-            let code32_start =
-                u64::from(u32::from_le_bytes(header[0x214..0x218].try_into().unwrap()));
+            let code32_start = u64::from(header.code32_start);
             let size = image.seek(SeekFrom::End(0))?;
             extents.push((code32_start, size.saturating_sub((setup_sects + 1) * 512)));
         }
@@ -348,10 +341,16 @@ fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<
 }
 
 fn elf_entry(image: &mut Image) -> std::io::Result<u64> {
-    let mut entry = [0u8; 8];
-    image.seek(SeekFrom::Start(0x18))?;
-    image.read_exact(&mut entry)?;
-    Ok(u64::from_le_bytes(entry))
+    let ehdr: Elf64_Ehdr = read_header(image, 0)?;
+    Ok(ehdr.e_entry)
+}
+
+/// Reads a header (linux-loader's ELF or boot-protocol type) at `offset` in the image.
+fn read_header<T: ByteValued + Default>(image: &mut Image, offset: u64) -> std::io::Result<T> {
+    let mut header = T::default();
+    image.seek(SeekFrom::Start(offset))?;
+    image.read_exact(header.as_mut_slice())?;
+    Ok(header)
 }
 
 /// Copies the initrd as high as possible below `limit`, page aligned, above the kernel.
