@@ -1,0 +1,83 @@
+//! The contract between the virtio-pci transport and a device.
+
+use std::sync::Arc;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::GuestMemory;
+
+/// Why a device could not start serving its queues.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("{device}: the driver set up {given} queues, the device needs {needed}")]
+    QueueCount {
+        device: &'static str,
+        given: usize,
+        needed: usize,
+    },
+    #[error("{device}: cannot start its I/O thread: {source}")]
+    Thread {
+        device: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{device}: {message}")]
+    Device {
+        device: &'static str,
+        message: String,
+    },
+}
+
+/// How a device raises interrupts: the transport maps a queue or the configuration
+/// change to its MSI-X vector (an irqfd), and sets the ISR bits.
+pub trait VirtioInterrupt: Send + Sync {
+    /// The device put buffers in queue `queue_index`'s used ring.
+    fn signal_queue(&self, queue_index: u16) -> std::io::Result<()>;
+    /// The device's configuration space changed.
+    fn signal_config(&self) -> std::io::Result<()>;
+}
+
+/// One queue the driver enabled.
+pub struct ActiveQueue {
+    /// The queue as the driver configured it (sizes and ring addresses already checked
+    /// against guest memory by the transport).
+    pub queue: virtio_queue::Queue,
+    /// Signalled when the driver notifies the queue (a KVM ioeventfd on the notify
+    /// address, or the transport's own write on the MMIO exit path).
+    pub kick: EventFd,
+}
+
+/// What the transport hands a device when the driver sets DRIVER_OK.
+pub struct Activation {
+    pub memory: GuestMemory,
+    /// The features the driver accepted (a subset of [`VirtioDevice::device_features`]
+    /// plus the transport's own bits such as VIRTIO_F_VERSION_1).
+    pub acked_features: u64,
+    /// In queue order; only queues the driver enabled carry `Some`.
+    pub queues: Vec<Option<ActiveQueue>>,
+    pub interrupt: Arc<dyn VirtioInterrupt>,
+}
+
+/// A virtio device behind a transport.
+///
+/// Methods are called with the transport's lock held, from a vCPU thread (register
+/// accesses) or the VMM thread (snapshots): they must not block on guest I/O. The I/O
+/// itself runs on the device's own thread (see [`crate::worker`]).
+pub trait VirtioDevice: Send {
+    /// A short name for logs and errors ("virtio-blk rootfs").
+    fn name(&self) -> &str;
+    /// The virtio device ID (virtio_bindings::virtio_ids::VIRTIO_ID_*).
+    fn device_type(&self) -> u32;
+    /// The largest size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> Vec<u16>;
+    /// The device-specific feature bits it offers (the transport adds VERSION_1).
+    fn device_features(&self) -> u64;
+    /// Reads the device-specific configuration space; bytes past its end read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the device-specific configuration space; read-only fields ignore writes.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+    /// The driver set DRIVER_OK: start serving the queues.
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError>;
+    /// The driver reset the device (or the VM is going away): stop serving and drop
+    /// the queues. The device can be activated again afterwards.
+    fn reset(&mut self);
+}
