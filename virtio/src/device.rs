@@ -80,4 +80,24 @@ pub trait VirtioDevice: Send {
     /// The driver reset the device (or the VM is going away): stop serving and drop
     /// the queues. The device can be activated again afterwards.
     fn reset(&mut self);
+    /// Stops serving after the request in flight (the VM is pausing for a snapshot) and
+    /// reports where each active queue stands; nothing touches guest memory until
+    /// [`VirtioDevice::resume`]. A device that is not active returns an empty list.
+    fn pause(&mut self) -> Vec<Option<QueuePosition>>;
+    /// Serves the queues again from where [`VirtioDevice::pause`] left them.
+    fn resume(&mut self) -> Result<(), ActivateError>;
+    /// The device's own snapshot state (what the guest can change in its configuration
+    /// space, backend bookkeeping); queue addresses, positions and acked features are the
+    /// transport's. Called while paused.
+    fn save_state(&self) -> serde_json::Value;
+    /// Loads [`VirtioDevice::save_state`]'s output into this freshly built device, before
+    /// the transport re-activates it; a state that does not fit is refused with a reason.
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+}
+
+/// Where a queue's ring indices stand when its device pauses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueuePosition {
+    pub next_avail: u16,
+    pub next_used: u16,
 }
