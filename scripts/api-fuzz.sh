@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fuzzes gpuvm's control API with schemathesis (PyPI) against live sockets, from the OpenAPI
-# document docs/api/openapi.json. Fails on any 5xx, any answer the document does not describe,
+# document api/openapi.json. Fails on any 5xx, any answer the document does not describe,
 # or a gpuvm that died.
 #
 #   scripts/api-fuzz.sh [GPUVM_BIN]
@@ -101,7 +101,7 @@ fuzz() {
     shift
     echo "api-fuzz: $name"
     # schemathesis keeps its example database in the working directory: keep it in $work.
-    (cd "$work" && timeout --kill-after=10s 600 "$st" run "$REPO_ROOT/docs/api/openapi.json" \
+    (cd "$work" && timeout --kill-after=10s 600 "$st" run "$REPO_ROOT/api/openapi.json" \
         --url "http://127.0.0.1:$port" \
         --checks not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance \
         --max-examples "$EXAMPLES" --seed 7 --request-timeout 30 \

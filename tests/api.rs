@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use gpuvm_api::client;
 use gpuvm_tests::{gpuvm_bin, memloop_iterations, Scratch, SpawnedProcess};
-use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -679,11 +679,11 @@ fn random_bytes_never_get_5xx_or_kill_the_server() {
     assert_eq!(vmm.state(), "NotStarted");
 }
 
-/// Every operation in docs/api/openapi.json is served (no 404/405) and answers with a
+/// Every operation in api/openapi.json is served (no 404/405) and answers with a
 /// status the document lists; every route the server counts is in the document.
 #[test]
 fn every_openapi_route_is_served() {
-    let doc_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/api/openapi.json");
+    let doc_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../api/openapi.json");
     let doc: Value =
         serde_json::from_str(&std::fs::read_to_string(&doc_path).expect("openapi.json"))
             .expect("openapi.json is JSON");

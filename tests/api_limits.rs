@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuvm_api::server::{MAX_CONNECTIONS, MAX_WAITING, REQUEST_DEADLINE, SLOT_WAIT};
 use gpuvm_tests::{api_start_instance, wait_for_api_socket, Scratch, SpawnedProcess};
-use gpuvm_vmm::api::server::{MAX_CONNECTIONS, MAX_WAITING, REQUEST_DEADLINE, SLOT_WAIT};
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// Scheduling slack on a loaded host.

@@ -323,7 +323,7 @@ fn bounded_request(socket: &Path, method: &str, path: &str, body: Option<&str>) 
     let (tx, rx) = mpsc::channel();
     let what = format!("{method} {path}");
     std::thread::spawn(move || {
-        let _ = tx.send(gpuvm_vmm::api::client::request(
+        let _ = tx.send(gpuvm_api::client::request(
             &socket,
             &method,
             &path,

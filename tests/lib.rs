@@ -497,7 +497,7 @@ pub fn api_expect(
     path: &str,
     body: Option<&str>,
 ) -> String {
-    let response = gpuvm_vmm::api::client::request(socket, method, path, body)
+    let response = gpuvm_api::client::request(socket, method, path, body)
         .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
     assert_eq!(
         response.status, status,

@@ -367,7 +367,7 @@ fn removing_a_call_from_a_filter_breaks_exactly_that_thread() {
     );
     vmm.wait_until("the API socket", LIMIT, |_| socket.exists());
     // The connection is queued by the kernel; the accept traps.
-    let _ = gpuvm_vmm::api::client::request(&socket, "GET", "/", None);
+    let _ = gpuvm_api::client::request(&socket, "GET", "/", None);
     let out = vmm.wait(LIMIT);
     assert_trapped(
         &out,

@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpuvm_api::client;
 use gpuvm_tests::{
     assert_memloop_resumed_and_done, memloop_iterations, RunOutput, Scratch, SpawnedProcess,
 };
-use gpuvm_vmm::api::client;
 use serde_json::{json, Value};
 
 const LIMIT: Duration = Duration::from_secs(240);

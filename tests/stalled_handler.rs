@@ -13,11 +13,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
 
+use gpuvm_api::client;
 use gpuvm_tests::{
     external_load_body, run_gpuvm_until, run_until_snapshot, start_uffd_handler,
     wait_for_api_socket, Scratch, SpawnedProcess,
 };
-use gpuvm_vmm::api::client;
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// How long a snapshot waiting on a stalled handler may take to fail (gpuvm gives up

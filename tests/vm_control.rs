@@ -9,11 +9,11 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use gpuvm_api::client;
 use gpuvm_tests::{
     external_load_body, run_until_snapshot, start_uffd_handler, wait_for_api_socket, RunOutput,
     Scratch, SpawnedProcess,
 };
-use gpuvm_vmm::api::client;
 use serde_json::Value;
 
 const LIMIT: Duration = Duration::from_secs(60);

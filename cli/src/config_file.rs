@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use gpuvm_vmm::api::action::ConfigFile;
+use gpuvm_vmm::action::ConfigFile;
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::pci::PciOptions;
 

@@ -216,7 +216,7 @@ fn absolute(path: &std::path::Path) -> PathBuf {
 }
 
 fn ctl_send(socket: &std::path::Path, method: &str, path: &str, body: Option<&str>) -> ExitCode {
-    match gpuvm_vmm::api::client::request(socket, method, path, body) {
+    match gpuvm_api::client::request(socket, method, path, body) {
         Ok(response) if response.is_success() => {
             if !response.body.is_empty() {
                 println!("{}", response.body);

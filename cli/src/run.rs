@@ -5,10 +5,10 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use gpuvm_api::server::ApiServer;
 use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
-use gpuvm_vmm::api::server::ApiServer;
-use gpuvm_vmm::api::vmm::{ApiController, BeforeRun, Started};
 use gpuvm_vmm::config::{MachineConfig, VmConfig};
+use gpuvm_vmm::controller::{ApiController, BeforeRun, Started};
 use gpuvm_vmm::metrics::{CountingWriter, METRICS};
 use gpuvm_vmm::pci::PciOptions;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};

@@ -1,6 +1,9 @@
 //! gpuvm's virtual machine monitor: builds a KVM VM from a [`config::VmConfig`] and runs
 //! it. The `gpuvm` binary (the `gpuvm-cli` crate, cli/) is a thin CLI over this crate.
 //!
+//! - [`action`]: [`action::VmmAction`], the one action type every front end (the
+//!   `gpuvm-api` crate's routes, the CLI's config file) translates onto, and
+//!   [`controller`], the VMM thread's side that carries actions out.
 //! - [`builder`] turns a configuration into a [`machine::Machine`] (KVM VM, RAM, devices,
 //!   kernel, vCPUs).
 //! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
@@ -13,9 +16,10 @@
 //! - The architecture (layout, boot protocols, ACPI, CPUID, MSRs, MP table) is in the
 //!   `gpuvm-arch` crate ([`gpuvm_arch::x86_64`]).
 
-pub mod api;
+pub mod action;
 pub mod builder;
 pub mod config;
+pub mod controller;
 pub mod devices;
 pub mod logging;
 pub mod machine;

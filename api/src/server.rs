@@ -15,13 +15,12 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 
-use super::action::{
-    ActionBody, ActionResult, ActionType, BootSourceBody, GpuBody, MachineConfigBody,
-    SnapshotCreateBody, SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction, VmmData,
-};
-use super::http::{Method, ReadOutcome, Request, RequestReader, Response};
-use super::ApiError;
-use crate::metrics::METRICS;
+use gpuvm_vmm::action::{ActionError, ActionRequest, ActionResult, VmmAction, VmmData};
+use gpuvm_vmm::metrics::METRICS;
+
+use crate::http::{ReadOutcome, Request, RequestReader, Response};
+use crate::routes::route;
+use crate::ApiError;
 
 /// Connections served at once.
 pub const MAX_CONNECTIONS: usize = 16;
@@ -40,16 +39,10 @@ pub const SLOT_WAIT: Duration = Duration::from_secs(10);
 /// How long writing one answer may take.
 const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// One action on its way to the VMM thread, with where to send the answer.
-pub struct ApiRequest {
-    pub action: VmmAction,
-    pub reply: Sender<ActionResult>,
-}
-
 /// The VMM thread's end: where actions arrive and the eventfd that says so.
 #[derive(Clone)]
 struct VmmLink {
-    requests: Sender<ApiRequest>,
+    requests: Sender<ActionRequest>,
     wake: Arc<EventFd>,
 }
 
@@ -62,11 +55,11 @@ pub struct ApiServer {
 impl ApiServer {
     /// Binds `path` and serves it on a new thread. A stale socket file at `path` is
     /// replaced; any other file there is an error. The API threads run under the `api`
-    /// seccomp filter once [`crate::seccomp::enable`] ran (installed before the first
+    /// seccomp filter once [`gpuvm_vmm::seccomp::enable`] ran (installed before the first
     /// accept; connection threads inherit it).
     pub fn start(
         path: &Path,
-        requests: Sender<ApiRequest>,
+        requests: Sender<ActionRequest>,
         wake: EventFd,
     ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
@@ -90,7 +83,7 @@ impl ApiServer {
         std::thread::Builder::new()
             .name("api".into())
             .spawn(move || {
-                let applied = crate::seccomp::apply(crate::seccomp::ThreadKind::Api);
+                let applied = gpuvm_vmm::seccomp::apply(gpuvm_vmm::seccomp::ThreadKind::Api);
                 let failed = applied.is_err();
                 let _ = ready_tx.send(applied);
                 if failed {
@@ -375,12 +368,12 @@ fn handle(request: &Request, link: &VmmLink) -> Response {
 
 fn dispatch(action: VmmAction, link: &VmmLink) -> ActionResult {
     let (reply_tx, reply_rx) = channel();
-    let gone = || super::action::ActionError {
+    let gone = || ActionError {
         status: 503,
         message: "the VMM has stopped".into(),
     };
     link.requests
-        .send(ApiRequest {
+        .send(ActionRequest {
             action,
             reply: reply_tx,
         })
@@ -391,176 +384,10 @@ fn dispatch(action: VmmAction, link: &VmmLink) -> ActionResult {
     reply_rx.recv().map_err(|_| gone())?
 }
 
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
-    if body.is_empty() {
-        return Err(Response::fault(400, "this request needs a JSON body"));
-    }
-    serde_json::from_slice(body)
-        .map_err(|error| Response::fault(400, format!("invalid JSON body: {error}")))
-}
-
-fn method_not_allowed(allow: &'static str) -> Response {
-    let mut response = Response::fault(405, format!("method not allowed here (allowed: {allow})"));
-    response.allow = Some(allow);
-    response
-}
-
-/// Maps a request to an action, or to the error response it deserves.
-pub fn route(request: &Request) -> Result<VmmAction, Response> {
-    use Method::{Get, Patch, Put};
-    let path = request.path.trim_end_matches('/');
-    let path = if path.is_empty() { "/" } else { path };
-    let method = request.method;
-    match path {
-        "/" => match method {
-            Get => Ok(VmmAction::GetInstanceInfo),
-            _ => Err(method_not_allowed("GET")),
-        },
-        "/machine-config" => match method {
-            Get => Ok(VmmAction::GetMachineConfig),
-            Put => Ok(VmmAction::PutMachineConfig(parse::<MachineConfigBody>(
-                &request.body,
-            )?)),
-            Patch => Err(method_not_allowed("GET, PUT")),
-        },
-        "/boot-source" => match method {
-            Put => Ok(VmmAction::PutBootSource(parse::<BootSourceBody>(
-                &request.body,
-            )?)),
-            _ => Err(method_not_allowed("PUT")),
-        },
-        "/actions" => match method {
-            Put => Ok(match parse::<ActionBody>(&request.body)?.action_type {
-                ActionType::InstanceStart => VmmAction::StartInstance,
-                ActionType::SendCtrlAltDel => VmmAction::SendCtrlAltDel,
-            }),
-            _ => Err(method_not_allowed("PUT")),
-        },
-        "/vm" => match method {
-            Patch => Ok(match parse::<VmStateBody>(&request.body)?.state {
-                VmStateRequest::Paused => VmmAction::Pause,
-                VmStateRequest::Resumed => VmmAction::Resume,
-            }),
-            _ => Err(method_not_allowed("PATCH")),
-        },
-        "/snapshot/create" => match method {
-            Put => Ok(VmmAction::CreateSnapshot(parse::<SnapshotCreateBody>(
-                &request.body,
-            )?)),
-            _ => Err(method_not_allowed("PUT")),
-        },
-        "/snapshot/load" => match method {
-            Put => Ok(VmmAction::LoadSnapshot(parse::<SnapshotLoadBody>(
-                &request.body,
-            )?)),
-            _ => Err(method_not_allowed("PUT")),
-        },
-        "/metrics" => match method {
-            Get => Ok(VmmAction::GetMetrics),
-            _ => Err(method_not_allowed("GET")),
-        },
-        _ if path.starts_with("/gpus/") => match method {
-            Put => {
-                let body = parse::<GpuBody>(&request.body)?;
-                let id = &path["/gpus/".len()..];
-                body.validate(Some(id))
-                    .map_err(|e| Response::fault(e.status, e.message))?;
-                Ok(VmmAction::PutGpu(body))
-            }
-            _ => Err(method_not_allowed("PUT")),
-        },
-        _ if path.starts_with("/drives") => {
-            Err(Response::fault(400, "gpuvm has no block device yet"))
-        }
-        _ => Err(Response::fault(
-            404,
-            format!("no such route: {}", request.path),
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn request(method: Method, path: &str, body: &str) -> Request {
-        Request {
-            method,
-            path: path.into(),
-            body: body.as_bytes().to_vec(),
-            close: false,
-        }
-    }
-
-    fn status(result: Result<VmmAction, Response>) -> u16 {
-        match result {
-            Ok(_) => 0,
-            Err(response) => response.status,
-        }
-    }
-
-    #[test]
-    fn routes_map_to_actions() {
-        assert!(matches!(
-            route(&request(Method::Get, "/", "")),
-            Ok(VmmAction::GetInstanceInfo)
-        ));
-        assert!(matches!(
-            route(&request(Method::Patch, "/vm/", r#"{"state":"Paused"}"#)),
-            Ok(VmmAction::Pause)
-        ));
-        assert!(matches!(
-            route(&request(
-                Method::Put,
-                "/actions",
-                r#"{"action_type":"SendCtrlAltDel"}"#
-            )),
-            Ok(VmmAction::SendCtrlAltDel)
-        ));
-        assert!(matches!(
-            route(&request(Method::Put, "/snapshot/load", r#"{"snapshot_path":"/s","resume_vm":true}"#)),
-            Ok(VmmAction::LoadSnapshot(body)) if body.resume_vm
-        ));
-        assert!(matches!(
-            route(&request(Method::Put, "/gpus/emu0", r#"{"gpu_id":"emu0","vfio_user_socket":"/run/emu.sock"}"#)),
-            Ok(VmmAction::PutGpu(body)) if body.gpu_id == "emu0"
-        ));
-    }
-
-    #[test]
-    fn bad_requests_get_4xx() {
-        assert_eq!(status(route(&request(Method::Get, "/nope", ""))), 404);
-        assert_eq!(status(route(&request(Method::Put, "/", "{}"))), 405);
-        assert_eq!(status(route(&request(Method::Put, "/vm", "{}"))), 405);
-        assert_eq!(status(route(&request(Method::Patch, "/vm", "{"))), 400);
-        assert_eq!(status(route(&request(Method::Patch, "/vm", ""))), 400);
-        assert_eq!(
-            status(route(&request(
-                Method::Patch,
-                "/vm",
-                r#"{"state":"Paused","x":1}"#
-            ))),
-            400
-        );
-        assert_eq!(
-            status(route(&request(Method::Put, "/gpus/gpu0", "{}"))),
-            400
-        );
-        let mismatched = r#"{"gpu_id":"gpu1","host_bdf":"0000:41:00.0"}"#;
-        assert_eq!(
-            status(route(&request(Method::Put, "/gpus/gpu0", mismatched))),
-            400
-        );
-        assert_eq!(status(route(&request(Method::Get, "/gpus/gpu0", ""))), 405);
-        assert_eq!(
-            status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
-            400
-        );
-        let response = route(&request(Method::Get, "/vm", "")).err().unwrap();
-        assert_eq!(response.allow, Some("PATCH"));
-        let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
-        assert!(body["fault_message"].as_str().unwrap().contains("PATCH"));
-    }
     /// Reads what the server side wrote to `peer` until it closed.
     fn answer(mut peer: UnixStream) -> String {
         peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -629,10 +456,7 @@ mod tests {
         });
         let outcome = reader.next_request();
         let took = started.elapsed();
-        assert_eq!(
-            outcome,
-            ReadOutcome::Bad(super::super::http::HttpError::Timeout)
-        );
+        assert_eq!(outcome, ReadOutcome::Bad(crate::http::HttpError::Timeout));
         assert!(took < Duration::from_secs(2), "{took:?}");
         drop(reader);
         trickle.join().unwrap();

@@ -7,12 +7,11 @@ use std::sync::mpsc::Receiver;
 use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::action::{
-    absolute_path, ActionError, ActionResult, BootSourceBody, GpuBody, InstanceState,
-    MachineConfigBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType,
-    VmmAction, VmmData,
+use crate::action::{
+    absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, GpuBody,
+    InstanceState, MachineConfigBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
+    SnapshotType, VmmAction, VmmData,
 };
-use super::server::ApiRequest;
 use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
@@ -47,7 +46,7 @@ pub enum BeforeRun {
 }
 
 pub struct ApiController {
-    requests: Receiver<ApiRequest>,
+    requests: Receiver<ActionRequest>,
     event: EventFd,
     machine_config: MachineConfig,
     boot: BootSource,
@@ -96,7 +95,7 @@ fn started_already() -> ActionError {
 
 impl ApiController {
     pub fn new(
-        requests: Receiver<ApiRequest>,
+        requests: Receiver<ActionRequest>,
         event: EventFd,
         config: VmConfig,
         serial_out: SerialOutFactory,
@@ -345,7 +344,7 @@ fn machine_config_json(machine: &Machine) -> VmmData {
 }
 
 struct RunningApi {
-    requests: Receiver<ApiRequest>,
+    requests: Receiver<ActionRequest>,
     event: EventFd,
 }
 

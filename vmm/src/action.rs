@@ -1,5 +1,6 @@
-//! The one action type between the HTTP layer and the VMM thread, and the JSON bodies
-//! the routes take. Bodies reject unknown fields.
+//! The one action type between the front ends (the API server's routes, later other
+//! VMMs' APIs) and the VMM thread's [`crate::controller`], and the JSON bodies the actions
+//! carry. Bodies reject unknown fields.
 
 use std::path::PathBuf;
 
@@ -31,6 +32,13 @@ pub enum VmmAction {
     CreateSnapshot(SnapshotCreateBody),
     LoadSnapshot(SnapshotLoadBody),
     GetMetrics,
+}
+
+/// One action on its way to the VMM thread, with where to send the answer. Every front
+/// end (the API server's routes, the CLI's config file) sends these.
+pub struct ActionRequest {
+    pub action: VmmAction,
+    pub reply: std::sync::mpsc::Sender<ActionResult>,
 }
 
 /// A successful answer.

@@ -1,0 +1,182 @@
+//! gpuvm's own routes: each request becomes one [`VmmAction`], or the error response it
+//! deserves. Other front ends (Firecracker's and Cloud Hypervisor's APIs) translate onto
+//! the same actions in files of their own beside this one.
+
+use gpuvm_vmm::action::{
+    ActionBody, ActionType, BootSourceBody, GpuBody, MachineConfigBody, SnapshotCreateBody,
+    SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
+};
+
+use crate::http::{Method, Request, Response};
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
+    if body.is_empty() {
+        return Err(Response::fault(400, "this request needs a JSON body"));
+    }
+    serde_json::from_slice(body)
+        .map_err(|error| Response::fault(400, format!("invalid JSON body: {error}")))
+}
+
+fn method_not_allowed(allow: &'static str) -> Response {
+    let mut response = Response::fault(405, format!("method not allowed here (allowed: {allow})"));
+    response.allow = Some(allow);
+    response
+}
+
+/// Maps a request to an action, or to the error response it deserves.
+pub fn route(request: &Request) -> Result<VmmAction, Response> {
+    use Method::{Get, Patch, Put};
+    let path = request.path.trim_end_matches('/');
+    let path = if path.is_empty() { "/" } else { path };
+    let method = request.method;
+    match path {
+        "/" => match method {
+            Get => Ok(VmmAction::GetInstanceInfo),
+            _ => Err(method_not_allowed("GET")),
+        },
+        "/machine-config" => match method {
+            Get => Ok(VmmAction::GetMachineConfig),
+            Put => Ok(VmmAction::PutMachineConfig(parse::<MachineConfigBody>(
+                &request.body,
+            )?)),
+            Patch => Err(method_not_allowed("GET, PUT")),
+        },
+        "/boot-source" => match method {
+            Put => Ok(VmmAction::PutBootSource(parse::<BootSourceBody>(
+                &request.body,
+            )?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/actions" => match method {
+            Put => Ok(match parse::<ActionBody>(&request.body)?.action_type {
+                ActionType::InstanceStart => VmmAction::StartInstance,
+                ActionType::SendCtrlAltDel => VmmAction::SendCtrlAltDel,
+            }),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/vm" => match method {
+            Patch => Ok(match parse::<VmStateBody>(&request.body)?.state {
+                VmStateRequest::Paused => VmmAction::Pause,
+                VmStateRequest::Resumed => VmmAction::Resume,
+            }),
+            _ => Err(method_not_allowed("PATCH")),
+        },
+        "/snapshot/create" => match method {
+            Put => Ok(VmmAction::CreateSnapshot(parse::<SnapshotCreateBody>(
+                &request.body,
+            )?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/snapshot/load" => match method {
+            Put => Ok(VmmAction::LoadSnapshot(parse::<SnapshotLoadBody>(
+                &request.body,
+            )?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/metrics" => match method {
+            Get => Ok(VmmAction::GetMetrics),
+            _ => Err(method_not_allowed("GET")),
+        },
+        _ if path.starts_with("/gpus/") => match method {
+            Put => {
+                let body = parse::<GpuBody>(&request.body)?;
+                let id = &path["/gpus/".len()..];
+                body.validate(Some(id))
+                    .map_err(|e| Response::fault(e.status, e.message))?;
+                Ok(VmmAction::PutGpu(body))
+            }
+            _ => Err(method_not_allowed("PUT")),
+        },
+        _ if path.starts_with("/drives") => {
+            Err(Response::fault(400, "gpuvm has no block device yet"))
+        }
+        _ => Err(Response::fault(
+            404,
+            format!("no such route: {}", request.path),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(method: Method, path: &str, body: &str) -> Request {
+        Request {
+            method,
+            path: path.into(),
+            body: body.as_bytes().to_vec(),
+            close: false,
+        }
+    }
+
+    fn status(result: Result<VmmAction, Response>) -> u16 {
+        match result {
+            Ok(_) => 0,
+            Err(response) => response.status,
+        }
+    }
+
+    #[test]
+    fn routes_map_to_actions() {
+        assert!(matches!(
+            route(&request(Method::Get, "/", "")),
+            Ok(VmmAction::GetInstanceInfo)
+        ));
+        assert!(matches!(
+            route(&request(Method::Patch, "/vm/", r#"{"state":"Paused"}"#)),
+            Ok(VmmAction::Pause)
+        ));
+        assert!(matches!(
+            route(&request(
+                Method::Put,
+                "/actions",
+                r#"{"action_type":"SendCtrlAltDel"}"#
+            )),
+            Ok(VmmAction::SendCtrlAltDel)
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/snapshot/load", r#"{"snapshot_path":"/s","resume_vm":true}"#)),
+            Ok(VmmAction::LoadSnapshot(body)) if body.resume_vm
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/gpus/emu0", r#"{"gpu_id":"emu0","vfio_user_socket":"/run/emu.sock"}"#)),
+            Ok(VmmAction::PutGpu(body)) if body.gpu_id == "emu0"
+        ));
+    }
+
+    #[test]
+    fn bad_requests_get_4xx() {
+        assert_eq!(status(route(&request(Method::Get, "/nope", ""))), 404);
+        assert_eq!(status(route(&request(Method::Put, "/", "{}"))), 405);
+        assert_eq!(status(route(&request(Method::Put, "/vm", "{}"))), 405);
+        assert_eq!(status(route(&request(Method::Patch, "/vm", "{"))), 400);
+        assert_eq!(status(route(&request(Method::Patch, "/vm", ""))), 400);
+        assert_eq!(
+            status(route(&request(
+                Method::Patch,
+                "/vm",
+                r#"{"state":"Paused","x":1}"#
+            ))),
+            400
+        );
+        assert_eq!(
+            status(route(&request(Method::Put, "/gpus/gpu0", "{}"))),
+            400
+        );
+        let mismatched = r#"{"gpu_id":"gpu1","host_bdf":"0000:41:00.0"}"#;
+        assert_eq!(
+            status(route(&request(Method::Put, "/gpus/gpu0", mismatched))),
+            400
+        );
+        assert_eq!(status(route(&request(Method::Get, "/gpus/gpu0", ""))), 405);
+        assert_eq!(
+            status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
+            400
+        );
+        let response = route(&request(Method::Get, "/vm", "")).err().unwrap();
+        assert_eq!(response.allow, Some("PATCH"));
+        let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
+        assert!(body["fault_message"].as_str().unwrap().contains("PATCH"));
+    }
+}

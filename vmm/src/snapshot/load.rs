@@ -1,0 +1,159 @@
+//! Reading a snapshot: the state file, its configuration, and the memory chain it names,
+//! all checked before anything touches KVM.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use gpuvm_memory::snapshot::{RamLayout, SnapshotChain};
+
+use super::{MachineState, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
+use crate::config::MachineConfig;
+
+/// A snapshot read and validated before anything touches KVM.
+pub struct LoadedSnapshot {
+    pub dir: PathBuf,
+    pub state: MachineState,
+    pub config: MachineConfig,
+    pub chain: Arc<SnapshotChain>,
+}
+
+/// Reads `dir/state`, checks its configuration, and opens and validates the memory
+/// chain against the guest layout that configuration implies.
+pub fn load(
+    dir: &Path,
+    regions: impl Fn(u64) -> Vec<gpuvm_memory::RamRegion>,
+) -> Result<LoadedSnapshot, SnapshotError> {
+    load_state(dir, regions)?.open_chain()
+}
+
+/// A snapshot's state file, read and checked, with the memory chain still to open.
+pub struct LoadedState {
+    pub dir: PathBuf,
+    pub state: MachineState,
+    pub config: MachineConfig,
+    chain: ChainInputs,
+}
+
+/// What opening a snapshot's memory chain takes: its files, base first, and the guest
+/// RAM layout they must match. Cheap to clone, to validate on another thread.
+#[derive(Debug, Clone)]
+pub struct ChainInputs {
+    paths: Vec<PathBuf>,
+    layout: RamLayout,
+    /// The newest file's id as the state records it (see [`MachineState::memory_file_id`]).
+    head_id: Option<String>,
+}
+
+impl ChainInputs {
+    /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout),
+    /// and checks that it is the one the state was written with.
+    pub fn validate(&self) -> Result<SnapshotChain, SnapshotError> {
+        let chain = SnapshotChain::open(&self.paths, &self.layout)?;
+        if let Some(expected) = &self.head_id {
+            let found = chain.head().id.to_string();
+            if found != *expected {
+                return Err(SnapshotError::ForeignMemoryFile {
+                    path: chain.layers()[chain.layers().len() - 1]
+                        .path()
+                        .to_path_buf(),
+                    expected: expected.clone(),
+                    found,
+                });
+            }
+        }
+        Ok(chain)
+    }
+}
+
+impl LoadedState {
+    /// Opens and validates the memory chain the state names (headers, index CRCs,
+    /// lengths, chain ids, layout).
+    pub fn open_chain(self) -> Result<LoadedSnapshot, SnapshotError> {
+        let chain = self.validate_chain()?;
+        Ok(self.with_chain(chain))
+    }
+
+    /// The chain validation alone (for running it on another thread).
+    pub fn validate_chain(&self) -> Result<SnapshotChain, SnapshotError> {
+        self.chain.validate()
+    }
+
+    /// What [`LoadedState::validate_chain`] works on, to validate on another thread
+    /// without sharing the state.
+    pub fn chain_inputs(&self) -> ChainInputs {
+        self.chain.clone()
+    }
+
+    /// Joins the state with its validated chain.
+    pub fn with_chain(self, chain: SnapshotChain) -> LoadedSnapshot {
+        LoadedSnapshot {
+            dir: self.dir,
+            state: self.state,
+            config: self.config,
+            chain: Arc::new(chain),
+        }
+    }
+}
+
+/// Reads and checks `dir/state` and its configuration (the first half of [`load`]).
+pub fn load_state(
+    dir: &Path,
+    regions: impl Fn(u64) -> Vec<gpuvm_memory::RamRegion>,
+) -> Result<LoadedState, SnapshotError> {
+    let invalid = |reason: String| SnapshotError::Invalid {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    if !dir.is_dir() {
+        return Err(invalid("no such snapshot directory".into()));
+    }
+    let state: MachineState = crate::persist::read_state_file(&dir.join(STATE_FILE))?;
+    let config = state.config.to_config(dir)?;
+    if state.vcpus.len() != usize::from(config.vcpus) || config.vcpus == 0 {
+        return Err(invalid(format!(
+            "state has {} vCPU states for {} configured vCPUs",
+            state.vcpus.len(),
+            config.vcpus
+        )));
+    }
+    if state
+        .vcpus
+        .iter()
+        .enumerate()
+        .any(|(i, v)| usize::from(v.id) != i)
+    {
+        return Err(invalid("vCPU states are not in id order".into()));
+    }
+    if state.memory_files.is_empty() {
+        return Err(invalid("the state names no memory file".into()));
+    }
+    if state
+        .memory_files
+        .iter()
+        .any(|f| !f.starts_with(MEMORY_FILE_PREFIX) || f.contains('/') || f.contains(".."))
+    {
+        return Err(invalid(
+            "the state names a memory file outside the snapshot directory".into(),
+        ));
+    }
+    if state.memory_file_id.is_none() {
+        log::warn!(
+            "{}: the state file records no memory-file id (written by an older gpuvm), so its \
+             memory files cannot be checked to be this snapshot's",
+            dir.join(STATE_FILE).display()
+        );
+    }
+    let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
+    let paths: Vec<PathBuf> = state.memory_files.iter().map(|f| dir.join(f)).collect();
+    let head_id = state.memory_file_id.clone();
+    Ok(LoadedState {
+        dir: dir.to_path_buf(),
+        state,
+        config,
+        chain: ChainInputs {
+            paths,
+            layout,
+            head_id,
+        },
+    })
+}

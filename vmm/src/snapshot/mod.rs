@@ -1,0 +1,298 @@
+//! Snapshots of a running machine and restore into a new process.
+//!
+//! A snapshot directory holds:
+//! - `state`: the [`MachineState`] (vCPUs, in-kernel devices, serial, configuration, and
+//!   the names of the memory files), framed by [`crate::persist`];
+//! - `memory-<N>`: memory files in gpuvm's sparse format (docs/memory-file-format.md), a
+//!   full one first, then diffs when dirty-page tracking is on.
+//!
+//! Commit protocol: new memory files get fresh names, then the state file is replaced
+//! atomically, and only then are memory files the new state does not name deleted. A
+//! snapshot killed at any point leaves the previous `state` and every file it names; one
+//! that fails removes what it wrote and leaves the rest as it was.
+//!
+//! A snapshot holds an exclusive lock on its directory ([`SnapshotDirLock`]) from before
+//! the first file is touched until its commit is done; a restore holds a shared one while
+//! it reads. gpuvm removes or replaces only files it wrote there (its names and its
+//! magic); a directory whose `state` is anything else is refused.
+
+//!
+//! - this file: the state file's tree ([`MachineState`]), the errors, and the restore's
+//!   modes and stage timings;
+//! - [`dir`]: the snapshot directory: its lock, memory file names, writing memory,
+//!   committing a state and cleaning up what it no longer names;
+//! - [`load`]: reading and checking a snapshot before anything touches KVM.
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpuvm_arch::x86_64::cpuid::CpuidMask;
+use gpuvm_memory::snapshot::SnapshotInfo;
+use gpuvm_memory::Backing;
+use serde::{Deserialize, Serialize};
+
+use crate::config::MachineConfig;
+use crate::devices::DeviceStates;
+use crate::persist::PersistError;
+use crate::vcpu::VcpuState;
+use crate::vm_state::VmState;
+
+mod dir;
+mod load;
+
+pub use dir::SnapshotDirLock;
+pub(crate) use dir::{check_replaceable, commit, prepare_dir, write_memory};
+pub use load::{load, load_state, ChainInputs, LoadedSnapshot, LoadedState};
+
+pub const STATE_FILE: &str = "state";
+const MEMORY_FILE_PREFIX: &str = "memory-";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("cannot create snapshot directory {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot create snapshot directory {path}: its parent directory does not exist \
+         (gpuvm creates only the last component)"
+    )]
+    NoParentDir { path: PathBuf },
+    #[error(
+        "snapshot directory {path} is in use by another gpuvm process (it is writing a \
+         snapshot there, or reading one); nothing was written"
+    )]
+    DirInUse { path: PathBuf },
+    #[error(
+        "snapshot directory {path} is being written by another gpuvm process; restore it \
+         once that snapshot is done"
+    )]
+    DirBeingWritten { path: PathBuf },
+    #[error("cannot lock snapshot directory {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to write into {dir}: its {name} is not a file gpuvm wrote (gpuvm \
+         replaces or removes only its own files)"
+    )]
+    NotGpuvmFile { dir: PathBuf, name: &'static str },
+    #[error(transparent)]
+    State(#[from] PersistError),
+    #[error(transparent)]
+    Memory(#[from] gpuvm_memory::snapshot::SnapshotError),
+    #[error(transparent)]
+    Uffd(#[from] gpuvm_memory::uffd::UffdError),
+    #[error("snapshot {dir}: {reason}")]
+    Invalid { dir: PathBuf, reason: String },
+    #[error(
+        "memory file {path} belongs to another snapshot: it is memory snapshot {found}, the \
+         state file was written with {expected}"
+    )]
+    ForeignMemoryFile {
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
+    #[error(
+        "cannot snapshot a VM with passthrough devices ({}): their state lives in the device \
+         and cannot be saved or restored",
+        devices.join(", ")
+    )]
+    Passthrough { devices: Vec<String> },
+    #[error("KVM failed to {what}: {source}")]
+    Kvm {
+        what: &'static str,
+        source: kvm_ioctls::Error,
+    },
+    #[error("cannot save the device state: {0}")]
+    SaveDevices(crate::devices::DeviceStateError),
+}
+
+/// The machine configuration as stored in a snapshot.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SavedMachineConfig {
+    pub vcpus: u8,
+    pub memory_size: u64,
+    pub backing: String,
+    pub thp: bool,
+    pub cpuid_masks: Vec<String>,
+    pub track_dirty_pages: bool,
+}
+
+impl SavedMachineConfig {
+    pub fn from_config(config: &MachineConfig) -> Self {
+        SavedMachineConfig {
+            vcpus: config.vcpus,
+            memory_size: config.memory_size,
+            backing: config.backing.to_string(),
+            thp: config.thp,
+            cpuid_masks: config.cpuid_masks.iter().map(|m| m.to_string()).collect(),
+            track_dirty_pages: config.track_dirty_pages,
+        }
+    }
+
+    pub fn to_config(&self, dir: &Path) -> Result<MachineConfig, SnapshotError> {
+        let invalid = |reason: String| SnapshotError::Invalid {
+            dir: dir.to_path_buf(),
+            reason,
+        };
+        let backing: Backing = self
+            .backing
+            .parse()
+            .map_err(|e: gpuvm_memory::RamError| invalid(e.to_string()))?;
+        let cpuid_masks = self
+            .cpuid_masks
+            .iter()
+            .map(|m| m.parse::<CpuidMask>().map_err(|e| invalid(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MachineConfig {
+            vcpus: self.vcpus,
+            memory_size: self.memory_size,
+            backing,
+            thp: self.thp,
+            prefault: false,
+            cpuid_masks,
+            track_dirty_pages: self.track_dirty_pages,
+        })
+    }
+}
+
+/// Everything in a snapshot's state file.
+#[derive(Serialize, Deserialize)]
+pub struct MachineState {
+    pub config: SavedMachineConfig,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+    /// Every emulated device's state (see [`DeviceStates`]), e.g. `serial`.
+    #[serde(flatten)]
+    pub devices: DeviceStates,
+    /// Memory files in this directory, base first, then diffs in order.
+    pub memory_files: Vec<String>,
+    /// The id (from its header) of the newest of `memory_files`, binding them to this
+    /// state: a restore refuses the chain unless its newest file has this id, and each
+    /// diff names its base by id, so every file is bound. `None` in states written
+    /// before ids were recorded: they load with a warning, their files unchecked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_file_id: Option<String>,
+}
+
+/// Where the memory chain of the running machine stands, for diff snapshots.
+#[derive(Clone, Debug)]
+pub struct MemoryChain {
+    pub dir: PathBuf,
+    pub files: Vec<String>,
+    pub last: SnapshotInfo,
+}
+
+/// What a snapshot took.
+#[derive(Clone, Debug)]
+pub struct SnapshotReport {
+    pub dir: PathBuf,
+    pub memory_file: String,
+    pub diff: bool,
+    pub memory_bytes_written: u64,
+    pub data_pages: u64,
+    pub zero_pages: u64,
+    pub pause_to_resume: Duration,
+    pub memory_time: Duration,
+}
+
+/// How restored guest memory is filled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RestoreMode {
+    /// Read everything, then run.
+    Eager,
+    /// Run at once; pages load on fault and in the background (userfaultfd).
+    Lazy,
+    /// Hand the userfaultfd to an external page-fault handler at this socket
+    /// (Firecracker's handshake).
+    External(PathBuf),
+}
+
+/// Timings of a restore, for reports and benchmarks.
+#[derive(Clone, Debug, Default)]
+pub struct RestoreTimings {
+    pub validate: Duration,
+    pub memory: Duration,
+    pub total_to_ready: Duration,
+    /// The restore's stages in the order they ran, back to back from its start; their
+    /// sum is `total_to_ready`:
+    /// - `open_kvm`: open /dev/kvm;
+    /// - `state`: read the state file, check its magic, version, CRC and configuration;
+    /// - `guest_ram`: create the guest RAM memfd and map it;
+    /// - `create_vm`: KVM_CREATE_VM, TSS and identity-map addresses;
+    /// - `memslots`: register guest RAM with KVM (KVM_SET_USER_MEMORY_REGION);
+    /// - `irqchip_pit`: create the in-kernel irqchip and PIT;
+    /// - `devices`: serial port, i8042, exit port, PCI root and their irqfds;
+    /// - `create_vcpus`: KVM_CREATE_VCPU for each saved vCPU (no state yet);
+    /// - `memory_file_wait`: wait for the memory-file validation (headers, index CRCs,
+    ///   lengths, chain), or do it here if its thread had not started; the thread's own
+    ///   time is in `parallel` as `memory_file`;
+    /// - `test_hold`: only with the `GPUVM_TEST_HOLD_AFTER_VALIDATION` hook, its pause;
+    /// - `memory`: eager: read all memory; lazy: userfaultfd registration and loader
+    ///   start; external: registration, handshake and watcher;
+    /// - `vm_state`: serial, irqchip, PIT and clock state;
+    /// - `vcpu_state`: every vCPU's saved registers, MSRs, LAPIC, events, CPUID.
+    pub stages: Vec<(&'static str, Duration)>,
+    /// Work that ran on another thread in parallel with the stages (not part of their
+    /// sum), e.g. memory-file validation.
+    pub parallel: Vec<(&'static str, Duration)>,
+}
+
+/// Records back-to-back stage durations.
+#[derive(Debug)]
+pub struct StageClock {
+    last: std::time::Instant,
+    stages: Vec<(&'static str, Duration)>,
+}
+
+impl StageClock {
+    /// Starts timing at `start`.
+    pub fn starting_at(start: std::time::Instant) -> StageClock {
+        StageClock {
+            last: start,
+            stages: Vec::new(),
+        }
+    }
+
+    /// Ends the current stage, named `name`, now; the next starts now.
+    pub fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.stages.push((name, now - self.last));
+        self.last = now;
+    }
+
+    /// The recorded stages, consuming the clock.
+    pub fn into_stages(self) -> Vec<(&'static str, Duration)> {
+        self.stages
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn saved_config_round_trips() {
+        let config = MachineConfig {
+            vcpus: 2,
+            memory_size: 256 << 20,
+            backing: Backing::Hugetlb2M,
+            thp: false,
+            prefault: true,
+            cpuid_masks: vec!["popcnt".parse().unwrap()],
+            track_dirty_pages: true,
+        };
+        let saved = SavedMachineConfig::from_config(&config);
+        let back = saved.to_config(Path::new("/x")).unwrap();
+        assert_eq!(back.vcpus, 2);
+        assert_eq!(back.backing, Backing::Hugetlb2M);
+        assert_eq!(back.cpuid_masks, config.cpuid_masks);
+        assert!(back.track_dirty_pages);
+        let mut bad = saved.clone();
+        bad.backing = "tape".into();
+        assert!(bad.to_config(Path::new("/x")).is_err());
+    }
+}
