@@ -24,3 +24,11 @@ pub use device::{ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDe
 
 /// Guest memory as the devices see it (every region of the VM's RAM, mapped in gpuvm).
 pub type GuestMemory = vm_memory::GuestMemoryMmap;
+
+/// Locks `mutex`, carrying on if a thread panicked while holding it (the panic was
+/// reported by its own thread; the data stays usable).
+pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}

@@ -4,9 +4,19 @@
 //! The device hands its serving state (a [`WorkerHandler`]) to [`Worker::spawn`] and gets
 //! it back from [`Worker::stop`], so a reset or a snapshot sees the queues exactly where
 //! the thread left them.
+//!
+//! Devices activate when the guest's driver says so, on a vCPU thread, whose seccomp
+//! filter does not let it create threads or do a device's I/O. So the VMM creates the I/O
+//! threads up front ([`prespawn`], one per device, each installing the device filter
+//! first) and a worker runs on an idle one of them; a thread goes back to the idle pool
+//! before its worker's handler is handed back, so a device that stops and starts again
+//! always finds one. Without a pool (unit tests, library users without seccomp) each
+//! worker gets a fresh thread.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -55,34 +65,137 @@ pub trait WorkerHandler: Send + 'static {
     fn handle_event(&mut self, token: u64, events: EventSet, control: &EventControl);
 }
 
-/// A running I/O thread and the way to stop it.
+/// Work for a pooled thread: runs a worker, calling `mark_idle` before it hands its
+/// handler back.
+type Job = Box<dyn FnOnce(&dyn Fn()) + Send>;
+
+/// Job senders of the pooled threads that are idle.
+static IDLE: Mutex<Vec<Sender<Job>>> = Mutex::new(Vec::new());
+/// Set once [`prespawn`] ran: from then on workers only run on pooled threads.
+static POOLED: AtomicBool = AtomicBool::new(false);
+
+/// What a pooled thread does first, before it takes work (the VMM installs the device
+/// seccomp filter here); an error ends the thread.
+pub type ThreadSetup = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
+
+/// Errors of [`prespawn`] and [`Worker::spawn`].
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("cannot set up a device I/O thread: {0}")]
+    Setup(std::io::Error),
+    #[error("cannot create a device I/O thread: {0}")]
+    Spawn(std::io::Error),
+    #[error("no idle device I/O thread (one is created per device when the VM is built)")]
+    NoIdleThread,
+    #[error("cannot set up the worker's event loop: {0}")]
+    Epoll(std::io::Error),
+}
+
+impl From<WorkerError> for std::io::Error {
+    fn from(error: WorkerError) -> Self {
+        match error {
+            WorkerError::Setup(e) | WorkerError::Spawn(e) | WorkerError::Epoll(e) => e,
+            other => std::io::Error::other(other.to_string()),
+        }
+    }
+}
+
+/// Creates `count` idle I/O threads, each running `setup` first. Returns once every one
+/// has run it.
+pub fn prespawn(count: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
+    POOLED.store(true, Ordering::SeqCst);
+    let (ready_tx, ready_rx) = channel();
+    for index in 0..count {
+        let (job_tx, job_rx) = channel::<Job>();
+        let setup = setup.clone();
+        let ready = ready_tx.clone();
+        std::thread::Builder::new()
+            .name(format!("virtio-idle{index}"))
+            .spawn(move || {
+                let result = setup();
+                let ok = result.is_ok();
+                let _ = ready.send(result.map(|()| job_tx.clone()));
+                if ok {
+                    serve_jobs(&job_rx, &job_tx);
+                }
+            })
+            .map_err(WorkerError::Spawn)?;
+    }
+    for _ in 0..count {
+        let sender = ready_rx
+            .recv()
+            .map_err(|_| WorkerError::Setup(std::io::Error::other("I/O thread ended")))?
+            .map_err(WorkerError::Setup)?;
+        crate::lock(&IDLE).push(sender);
+    }
+    Ok(())
+}
+
+fn serve_jobs(jobs: &Receiver<Job>, me: &Sender<Job>) {
+    while let Ok(job) = jobs.recv() {
+        let mark_idle = || crate::lock(&IDLE).push(me.clone());
+        job(&mark_idle);
+    }
+}
+
+/// Names the calling thread (what /proc/PID/task/*/comm shows; at most 15 bytes).
+fn set_thread_name(name: &str) {
+    let mut bytes: Vec<u8> = name.bytes().filter(|b| *b != 0).take(15).collect();
+    bytes.push(0);
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes from a
+    // pointer that stays valid for the call.
+    unsafe { libc::prctl(libc::PR_SET_NAME, bytes.as_ptr()) };
+}
+
+/// A running worker and the way to stop it.
 pub struct Worker<H: WorkerHandler> {
     stop: EventFd,
-    thread: Option<JoinHandle<H>>,
+    handed_back: Option<Receiver<H>>,
     name: String,
 }
 
 impl<H: WorkerHandler> Worker<H> {
-    /// Starts `handler` on a thread named `name` (at most 15 bytes show in
+    /// Starts serving `handler` on an I/O thread named `name` (at most 15 bytes show in
     /// /proc/PID/task/*/comm).
-    pub fn spawn(name: &str, mut handler: H) -> std::io::Result<Self> {
-        let stop = EventFd::new(EFD_NONBLOCK)?;
-        let epoll = Epoll::new()?;
-        epoll.ctl(
-            ControlOperation::Add,
-            stop.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, STOP_TOKEN),
-        )?;
-        handler.register(&EventControl { epoll: &epoll })?;
-        let thread = std::thread::Builder::new()
-            .name(name.to_string())
-            .spawn(move || {
-                run(&epoll, &mut handler);
-                handler
-            })?;
+    pub fn spawn(name: &str, mut handler: H) -> Result<Self, WorkerError> {
+        let stop = EventFd::new(EFD_NONBLOCK).map_err(WorkerError::Epoll)?;
+        let epoll = Epoll::new().map_err(WorkerError::Epoll)?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                stop.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, STOP_TOKEN),
+            )
+            .map_err(WorkerError::Epoll)?;
+        handler
+            .register(&EventControl { epoll: &epoll })
+            .map_err(WorkerError::Epoll)?;
+        let (back_tx, back_rx) = channel();
+        let thread_name = name.to_string();
+        let job: Job = Box::new(move |mark_idle: &dyn Fn()| {
+            set_thread_name(&thread_name);
+            run(&epoll, &mut handler);
+            drop(epoll);
+            mark_idle();
+            let _ = back_tx.send(handler);
+        });
+        if POOLED.load(Ordering::SeqCst) {
+            let idle = crate::lock(&IDLE).pop().ok_or(WorkerError::NoIdleThread)?;
+            if let Err(returned) = idle.send(job) {
+                // The thread is gone (it panicked earlier): run nothing rather than
+                // spawn a thread under the caller's filter.
+                drop(returned);
+                return Err(WorkerError::NoIdleThread);
+            }
+        } else {
+            std::thread::Builder::new()
+                .name(name.to_string())
+                .spawn(move || job(&|| {}))
+                .map_err(WorkerError::Spawn)?;
+        }
         Ok(Worker {
             stop,
-            thread: Some(thread),
+            handed_back: Some(back_rx),
             name: name.to_string(),
         })
     }
@@ -94,11 +207,11 @@ impl<H: WorkerHandler> Worker<H> {
     }
 
     fn stop_thread(&mut self) -> Option<H> {
-        let thread = self.thread.take()?;
+        let handed_back = self.handed_back.take()?;
         if let Err(error) = self.stop.write(1) {
             log::error!("{}: cannot signal the worker to stop: {error}", self.name);
         }
-        thread.join().ok()
+        handed_back.recv().ok()
     }
 }
 
