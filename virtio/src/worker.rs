@@ -157,25 +157,26 @@ pub struct Worker<H: WorkerHandler> {
 impl<H: WorkerHandler> Worker<H> {
     /// Starts serving `handler` on an I/O thread named `name` (at most 15 bytes show in
     /// /proc/PID/task/*/comm).
-    pub fn spawn(name: &str, mut handler: H) -> Result<Self, WorkerError> {
+    pub fn spawn(name: &str, handler: H) -> Result<Self, WorkerError> {
+        // Everything but the stop eventfd is created on the I/O thread, under its own
+        // filter: the caller is usually a vCPU thread.
         let stop = EventFd::new(EFD_NONBLOCK).map_err(WorkerError::Epoll)?;
-        let epoll = Epoll::new().map_err(WorkerError::Epoll)?;
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                stop.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, STOP_TOKEN),
-            )
-            .map_err(WorkerError::Epoll)?;
-        handler
-            .register(&EventControl { epoll: &epoll })
-            .map_err(WorkerError::Epoll)?;
+        let stop_fd = stop.as_raw_fd();
+        let (started_tx, started_rx) = channel();
         let (back_tx, back_rx) = channel();
         let thread_name = name.to_string();
         let job: Job = Box::new(move |mark_idle: &dyn Fn()| {
             set_thread_name(&thread_name);
-            run(&epoll, &mut handler);
-            drop(epoll);
+            let mut handler = handler;
+            match event_loop(stop_fd, &mut handler) {
+                Ok(epoll) => {
+                    let _ = started_tx.send(Ok(()));
+                    run(&epoll, &mut handler);
+                }
+                Err(error) => {
+                    let _ = started_tx.send(Err(error));
+                }
+            }
             mark_idle();
             let _ = back_tx.send(handler);
         });
@@ -193,11 +194,17 @@ impl<H: WorkerHandler> Worker<H> {
                 .spawn(move || job(&|| {}))
                 .map_err(WorkerError::Spawn)?;
         }
-        Ok(Worker {
-            stop,
-            handed_back: Some(back_rx),
-            name: name.to_string(),
-        })
+        match started_rx.recv() {
+            Ok(Ok(())) => Ok(Worker {
+                stop,
+                handed_back: Some(back_rx),
+                name: name.to_string(),
+            }),
+            Ok(Err(error)) => Err(WorkerError::Epoll(error)),
+            Err(_) => Err(WorkerError::Spawn(std::io::Error::other(
+                "the I/O thread ended before it started",
+            ))),
+        }
     }
 
     /// Stops the thread after the event it is handling and gives the handler back; `None`
@@ -219,6 +226,18 @@ impl<H: WorkerHandler> Drop for Worker<H> {
     fn drop(&mut self) {
         self.stop_thread();
     }
+}
+
+/// The worker's epoll: the stop eventfd and what the handler registers.
+fn event_loop<H: WorkerHandler>(stop_fd: RawFd, handler: &mut H) -> std::io::Result<Epoll> {
+    let epoll = Epoll::new()?;
+    epoll.ctl(
+        ControlOperation::Add,
+        stop_fd,
+        EpollEvent::new(EventSet::IN, STOP_TOKEN),
+    )?;
+    handler.register(&EventControl { epoll: &epoll })?;
+    Ok(epoll)
 }
 
 fn run<H: WorkerHandler>(epoll: &Epoll, handler: &mut H) {
