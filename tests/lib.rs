@@ -1,5 +1,8 @@
 //! Helpers shared by gpuvm's integration tests: find the `gpuvm` binary, run it with a
 //! time limit while capturing its output, reserve huge pages for a test and give them back.
+//! The snapshot tests' own helpers are in [`snapshot_support`].
+
+pub mod snapshot_support;
 
 use std::io::Read;
 use std::path::PathBuf;
