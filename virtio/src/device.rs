@@ -93,6 +93,11 @@ pub trait VirtioDevice: Send {
     /// Loads [`VirtioDevice::save_state`]'s output into this freshly built device, before
     /// the transport re-activates it; a state that does not fit is refused with a reason.
     fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+    /// The device itself, for the VMM's operations on one kind of device (a drive's new
+    /// image); `None` for devices that have none.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// Where a queue's ring indices stand when its device pauses.
