@@ -1,0 +1,530 @@
+//! [`Block`]: the virtio-blk [`VirtioDevice`].
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_blk::{
+    virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH,
+    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_WRITE_ZEROES,
+};
+use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::QueueT;
+
+use super::backend::IoUringBackend;
+use super::config::{BlockConfig, IoEngine};
+use super::disk::Disk;
+use super::handler::{quiesce_channel, BlockHandler, IoResources, QuiesceRequest};
+use super::{
+    BlockError, DRAIN_TIMEOUT, MAX_DISCARD_SECTORS, MAX_DISCARD_SEGMENTS, QUEUE_SIZE, SECTOR_SIZE,
+    SEG_MAX,
+};
+use crate::device::{ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice};
+use crate::rate_limiter::{RateLimiter, RateLimiterConfig};
+use crate::worker::Worker;
+use crate::VirtioInterrupt;
+
+const DEVICE: &str = "virtio-blk";
+/// Hole-punching granularity advertised to the guest, in sectors (4 KiB: the usual
+/// file-system block; smaller discards still work, they just free less).
+const DISCARD_SECTOR_ALIGNMENT: u32 = 8;
+
+static IO_URING_FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// What a snapshot keeps of a drive, and checks against on restore.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockState {
+    pub drive_id: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub serial: Option<String>,
+    pub capacity_sectors: u64,
+}
+
+enum State {
+    /// Not activated: the disk waits here.
+    Idle(IoResources),
+    Running(Worker<BlockHandler>),
+    Paused(BlockHandler),
+    /// The worker thread panicked or could not start: the disk is gone with it.
+    Failed,
+}
+
+/// A virtio-blk device over a raw image.
+pub struct Block {
+    config: BlockConfig,
+    name: String,
+    capacity_sectors: u64,
+    engine: IoEngine,
+    state: State,
+    /// The transport's interrupt while active (for configuration changes).
+    interrupt: Option<Arc<dyn VirtioInterrupt>>,
+    quiesce: QuiesceRequest,
+}
+
+/// How long the device waits for its worker to quiesce: the drain, and a synchronous
+/// request that may be under way.
+const QUIESCE_TIMEOUT: Duration = Duration::from_secs(DRAIN_TIMEOUT.as_secs() + 5);
+
+impl Block {
+    /// Opens and locks the image, and sets up the I/O engine (io_uring falls back to
+    /// synchronous I/O where it cannot be set up, with a log line).
+    pub fn new(config: BlockConfig) -> Result<Block, BlockError> {
+        config.validate()?;
+        let disk = Disk::open(&config.path, config.read_only, config.direct)?;
+        let rate_limiter =
+            RateLimiter::new(config.rate_limiter).map_err(|source| BlockError::RateLimiter {
+                drive_id: config.drive_id.clone(),
+                source,
+            })?;
+        let ring = match config.io_engine {
+            IoEngine::Sync => None,
+            IoEngine::Async => match IoUringBackend::new(QUEUE_SIZE) {
+                Ok(ring) => Some(ring),
+                Err(error) => {
+                    let message = format!(
+                        "virtio-blk {}: io_uring unavailable ({error}), using synchronous I/O",
+                        config.drive_id
+                    );
+                    if IO_URING_FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
+                        log::debug!("{message}");
+                    } else {
+                        log::warn!("{message}");
+                    }
+                    None
+                }
+            },
+        };
+        let engine = if ring.is_some() {
+            IoEngine::Async
+        } else {
+            IoEngine::Sync
+        };
+        let name = format!("{DEVICE} {}", config.drive_id);
+        let capacity_sectors = disk.capacity_sectors();
+        let (quiesce, quiesce_reply) = quiesce_channel().map_err(|source| BlockError::Thread {
+            drive_id: config.drive_id.clone(),
+            source,
+        })?;
+        let io = IoResources::new(
+            name.clone(),
+            disk,
+            ring,
+            rate_limiter,
+            config.device_id(),
+            quiesce_reply,
+        );
+        Ok(Block {
+            config,
+            name,
+            capacity_sectors,
+            engine,
+            state: State::Idle(io),
+            interrupt: None,
+            quiesce,
+        })
+    }
+
+    /// The drive's configuration as it stands (after hot-swaps and rate-limiter updates).
+    pub fn config(&self) -> &BlockConfig {
+        &self.config
+    }
+
+    /// The engine actually in use ([`IoEngine::Sync`] after a fallback).
+    pub fn io_engine(&self) -> IoEngine {
+        self.engine
+    }
+
+    pub fn capacity_sectors(&self) -> u64 {
+        self.capacity_sectors
+    }
+
+    /// Swaps the backing file (Firecracker's `PATCH /drives/{id}` with a new `path_on_host`):
+    /// opens `path` with the same checks and lock as [`Block::new`], swaps it in between
+    /// requests (the worker stops, requests in flight complete, the worker restarts), and
+    /// tells the driver the capacity may have changed. The old file stays in use if the new
+    /// one is refused. `path` may be the file already in use (to pick up a new size).
+    pub fn update_backing(&mut self, path: PathBuf) -> Result<(), BlockError> {
+        let (read_only, direct) = (self.config.read_only, self.config.direct);
+        let new_path = path.clone();
+        let capacity = self.with_resources(move |io| {
+            let same_file = io.disk.is_same_file(&new_path);
+            // The file already in use is locked by our own descriptor: lock the new one
+            // once the old one is closed.
+            let disk = Disk::open_with_lock(&new_path, read_only, direct, !same_file)?;
+            let old = std::mem::replace(&mut io.disk, disk);
+            if same_file {
+                drop(old);
+                if let Err(error) = io.disk.lock() {
+                    log::error!("{}: after swapping in the same file: {error}", io.name);
+                }
+            }
+            Ok(io.disk.capacity_sectors())
+        })??;
+        log::info!(
+            "{}: backing file now {} ({capacity} sectors)",
+            self.name,
+            path.display()
+        );
+        self.capacity_sectors = capacity;
+        self.config.path = path;
+        if let Some(interrupt) = &self.interrupt {
+            if let Err(error) = interrupt.signal_config() {
+                log::warn!(
+                    "{}: cannot signal the configuration change: {error}",
+                    self.name
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the rate limiter's buckets (`PATCH /drives/{id}` with a `rate_limiter`).
+    pub fn update_rate_limiter(&mut self, config: RateLimiterConfig) -> Result<(), BlockError> {
+        let drive_id = self.config.drive_id.clone();
+        self.with_resources(move |io| io.rate_limiter.update(config))?
+            .map_err(|source| BlockError::RateLimiter { drive_id, source })?;
+        self.config.rate_limiter = config;
+        Ok(())
+    }
+
+    /// O_DIRECT requests that went through the bounce buffer instead of the ring.
+    #[cfg(test)]
+    pub(crate) fn bounced_requests(&mut self) -> u64 {
+        self.with_resources(|io| io.bounced).unwrap_or(0)
+    }
+
+    /// Runs `change` on the disk and backends: directly when idle or paused, between two
+    /// requests when running (the worker stops, the ring drains, the worker restarts).
+    fn with_resources<T>(
+        &mut self,
+        change: impl FnOnce(&mut IoResources) -> T,
+    ) -> Result<T, BlockError> {
+        match &mut self.state {
+            State::Idle(io) => return Ok(change(io)),
+            State::Paused(handler) => return Ok(change(&mut handler.io)),
+            State::Failed => {
+                return Err(BlockError::Failed {
+                    drive_id: self.config.drive_id.clone(),
+                })
+            }
+            State::Running(_) => {}
+        }
+        let Some(mut handler) = self.stop_worker() else {
+            return Err(BlockError::Failed {
+                drive_id: self.config.drive_id.clone(),
+            });
+        };
+        let result = change(&mut handler.io);
+        handler.prepare_to_run();
+        match Worker::spawn(&self.thread_name(), handler) {
+            Ok(worker) => {
+                self.state = State::Running(worker);
+                Ok(result)
+            }
+            Err(source) => Err(BlockError::Thread {
+                drive_id: self.config.drive_id.clone(),
+                source: source.into(),
+            }),
+        }
+    }
+
+    /// "virtio-blk" and up to four letters or digits of the drive ID (15 bytes at most).
+    fn thread_name(&self) -> String {
+        let suffix: String = self
+            .config
+            .drive_id
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .take(4)
+            .collect();
+        if suffix.is_empty() {
+            DEVICE.to_string()
+        } else {
+            format!("{DEVICE}-{suffix}")
+        }
+    }
+
+    fn config_space(&self) -> virtio_blk_config {
+        let writable = !self.config.read_only;
+        virtio_blk_config {
+            capacity: self.capacity_sectors.to_le(),
+            seg_max: SEG_MAX.to_le(),
+            blk_size: (SECTOR_SIZE as u32).to_le(),
+            max_discard_sectors: if writable {
+                MAX_DISCARD_SECTORS.to_le()
+            } else {
+                0
+            },
+            max_discard_seg: if writable {
+                MAX_DISCARD_SEGMENTS.to_le()
+            } else {
+                0
+            },
+            discard_sector_alignment: if writable {
+                DISCARD_SECTOR_ALIGNMENT.to_le()
+            } else {
+                0
+            },
+            max_write_zeroes_sectors: if writable {
+                MAX_DISCARD_SECTORS.to_le()
+            } else {
+                0
+            },
+            max_write_zeroes_seg: if writable {
+                MAX_DISCARD_SEGMENTS.to_le()
+            } else {
+                0
+            },
+            write_zeroes_may_unmap: u8::from(writable),
+            ..Default::default()
+        }
+    }
+
+    /// Stops the worker (if running) and gets its handler back, quiesced: no request in
+    /// flight (unless the drain gave up, see [`DRAIN_TIMEOUT`]) and none taken until it
+    /// runs again.
+    fn stop_worker(&mut self) -> Option<BlockHandler> {
+        match std::mem::replace(&mut self.state, State::Failed) {
+            State::Running(worker) => {
+                self.quiesce.quiesce(&self.name, QUIESCE_TIMEOUT);
+                match worker.stop() {
+                    Some(handler) => Some(handler),
+                    None => {
+                        log::error!(
+                            "{}: its I/O thread had panicked; the device is gone",
+                            self.name
+                        );
+                        None
+                    }
+                }
+            }
+            State::Paused(handler) => Some(handler),
+            other => {
+                self.state = other;
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Block {
+    /// Quiesces the worker first, so requests in flight finish on its thread (the thread
+    /// that drops the device may not be allowed io_uring system calls).
+    fn drop(&mut self) {
+        self.reset();
+    }
+}
+
+impl VirtioDevice for Block {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn queue_max_sizes(&self) -> Vec<u16> {
+        vec![QUEUE_SIZE]
+    }
+
+    fn device_features(&self) -> u64 {
+        let mut features = (1u64 << VIRTIO_BLK_F_SEG_MAX)
+            | (1u64 << VIRTIO_BLK_F_BLK_SIZE)
+            | (1u64 << VIRTIO_BLK_F_FLUSH)
+            | (1u64 << VIRTIO_RING_F_EVENT_IDX);
+        if self.config.read_only {
+            features |= 1u64 << VIRTIO_BLK_F_RO;
+        } else {
+            features |= (1u64 << VIRTIO_BLK_F_DISCARD) | (1u64 << VIRTIO_BLK_F_WRITE_ZEROES);
+        }
+        features
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let config = self.config_space();
+        // SAFETY: virtio_blk_config is repr(C, packed) with integer fields only: no padding,
+        // every byte initialised; the slice lives no longer than `config`.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&config as *const virtio_blk_config).cast::<u8>(),
+                std::mem::size_of::<virtio_blk_config>(),
+            )
+        };
+        data.fill(0);
+        let Ok(offset) = usize::try_from(offset) else {
+            return;
+        };
+        if let Some(source) = bytes.get(offset..) {
+            let len = source.len().min(data.len());
+            data[..len].copy_from_slice(&source[..len]);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // Nothing is writable: WCE (writeback toggling) is not offered.
+        log::debug!(
+            "{}: ignored a {}-byte configuration write at {offset}",
+            self.name,
+            data.len()
+        );
+    }
+
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
+        let Activation {
+            memory,
+            acked_features,
+            mut queues,
+            interrupt,
+        } = activation;
+        let given = queues.iter().filter(|q| q.is_some()).count();
+        let Some(Some(ActiveQueue { mut queue, kick })) =
+            (queues.len() == 1).then(|| queues.pop()).flatten()
+        else {
+            return Err(ActivateError::QueueCount {
+                device: DEVICE,
+                given,
+                needed: 1,
+            });
+        };
+        let io = match std::mem::replace(&mut self.state, State::Failed) {
+            State::Idle(io) => io,
+            State::Failed => {
+                return Err(ActivateError::Device {
+                    device: DEVICE,
+                    message: format!("{}: failed earlier, cannot serve", self.name),
+                })
+            }
+            other => {
+                self.state = other;
+                return Err(ActivateError::Device {
+                    device: DEVICE,
+                    message: format!("{}: already active", self.name),
+                });
+            }
+        };
+        queue.set_event_idx(acked_features & (1u64 << VIRTIO_RING_F_EVENT_IDX) != 0);
+        let mut handler = BlockHandler::new(io, memory, queue, kick, Arc::clone(&interrupt));
+        // Serves what a restored driver already made available.
+        handler.prepare_to_run();
+        let worker = Worker::spawn(&self.thread_name(), handler).map_err(|source| {
+            ActivateError::Thread {
+                device: DEVICE,
+                source: source.into(),
+            }
+        })?;
+        self.state = State::Running(worker);
+        self.interrupt = Some(interrupt);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        if let Some(handler) = self.stop_worker() {
+            self.state = State::Idle(handler.into_resources());
+        }
+        self.interrupt = None;
+    }
+
+    fn pause(&mut self) -> Vec<Option<QueuePosition>> {
+        match self.stop_worker() {
+            Some(handler) => {
+                let position = handler.position();
+                self.state = State::Paused(handler);
+                vec![Some(position)]
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        match std::mem::replace(&mut self.state, State::Failed) {
+            State::Paused(mut handler) => {
+                handler.prepare_to_run();
+                let worker = Worker::spawn(&self.thread_name(), handler).map_err(|source| {
+                    ActivateError::Thread {
+                        device: DEVICE,
+                        source: source.into(),
+                    }
+                })?;
+                self.state = State::Running(worker);
+                Ok(())
+            }
+            other => {
+                self.state = other;
+                Ok(())
+            }
+        }
+    }
+
+    fn save_state(&self) -> serde_json::Value {
+        let state = BlockState {
+            drive_id: self.config.drive_id.clone(),
+            path: self.config.path.clone(),
+            read_only: self.config.read_only,
+            serial: self.config.serial.clone(),
+            capacity_sectors: self.capacity_sectors,
+        };
+        serde_json::to_value(state).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// The device keeps the file it was built with (the VMM may point a restored drive at a
+    /// copy of the image); it must have the snapshot's size and mode. The guest-visible ID
+    /// is the snapshot's.
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
+        let state: BlockState = serde_json::from_value(state.clone())
+            .map_err(|error| format!("{}: not a virtio-blk state: {error}", self.name))?;
+        if state.read_only != self.config.read_only {
+            return Err(format!(
+                "{}: the snapshot's drive was {}, this one is {}",
+                self.name,
+                if state.read_only {
+                    "read-only"
+                } else {
+                    "read-write"
+                },
+                if self.config.read_only {
+                    "read-only"
+                } else {
+                    "read-write"
+                },
+            ));
+        }
+        if state.capacity_sectors != self.capacity_sectors {
+            return Err(format!(
+                "{}: {} has {} sectors, the snapshot's drive ({}) had {}: the image changed since the snapshot",
+                self.name,
+                self.config.path.display(),
+                self.capacity_sectors,
+                state.path.display(),
+                state.capacity_sectors
+            ));
+        }
+        if state.path != self.config.path {
+            log::info!(
+                "{}: restoring with {} (the snapshot's drive was {})",
+                self.name,
+                self.config.path.display(),
+                state.path.display()
+            );
+        }
+        if state.serial != self.config.serial {
+            let mut config = self.config.clone();
+            config.serial = state.serial.clone();
+            config.validate().map_err(|error| error.to_string())?;
+            let id = config.device_id();
+            self.with_resources(|io| io.device_id = id)
+                .map_err(|error| error.to_string())?;
+            self.config.serial = state.serial;
+        }
+        Ok(())
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}
