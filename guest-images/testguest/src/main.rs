@@ -17,6 +17,7 @@ mod pattern;
 mod pci;
 mod region;
 mod smp;
+mod virtio;
 mod workloads;
 
 use bootinfo::BootInfo;

@@ -32,6 +32,9 @@ pub fn run(info: &BootInfo) -> ! {
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),
         "acpi" => crate::acpi::run(info, words),
+        name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net") => {
+            crate::virtio::run(info, name, &mut words)
+        }
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP_FAILED)

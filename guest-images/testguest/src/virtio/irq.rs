@@ -1,0 +1,156 @@
+//! Waiting for an MSI-X interrupt. Interrupts are only delivered in ring 0 on the CI
+//! hypervisor (and ring 3 runs with IF=0 anyway), so, as in the `pci` workload, the workload
+//! installs IDT gates and executes `hlt`: that faults in ring 3 and the #GP handler (boot.rs)
+//! waits in ring 0 with `sti; hlt`. A one-shot local APIC timer bounds the wait.
+//!
+//! While the local APIC is software-disabled (its state at reset) KVM drops fixed interrupts,
+//! so completions before [`enable_lapic`] leave nothing pending that a later wait could
+//! mistake for a new interrupt.
+
+use core::ptr::addr_of;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+const LAPIC_BASE: u64 = 0xfee0_0000;
+const LAPIC_ID: u64 = 0x20;
+const LAPIC_SVR: u64 = 0xf0;
+const LAPIC_LVT_TIMER: u64 = 0x320;
+const LAPIC_LVT_LINT0: u64 = 0x350;
+const LAPIC_TIMER_INITIAL: u64 = 0x380;
+const LAPIC_TIMER_DIVIDE: u64 = 0x3e0;
+const SVR_ENABLE: u32 = 1 << 8;
+const SPURIOUS_VECTOR: u32 = 0xff;
+const LVT_MASKED: u32 = 1 << 16;
+/// Divide configuration 0b0011: divide by 16.
+const DIVIDE_BY_16: u32 = 0x3;
+/// KVM's APIC bus runs at 1 GHz, so the timer counts 1e9 / 16 per second there (other hosts
+/// differ; the timer only bounds a wait).
+const TIMER_TICKS_PER_MS: u64 = 1_000_000 / 16;
+
+/// Vectors distinct from the `pci` workload's (0x40, 0x41).
+pub const MSI_VECTOR: u8 = 0x52;
+const TIMEOUT_VECTOR: u8 = 0x53;
+
+/// Interrupts taken on [`MSI_VECTOR`] and on the timeout vector (ring-0 handlers below).
+#[no_mangle]
+static TG_VIRTIO_MSI_COUNT: AtomicU64 = AtomicU64::new(0);
+#[no_mangle]
+static TG_VIRTIO_TIMER_COUNT: AtomicU64 = AtomicU64::new(0);
+
+core::arch::global_asm!(
+    r#"
+    .section .text, "ax", @progbits
+    .p2align 4
+    .globl tg_virtio_msi_entry
+tg_virtio_msi_entry:
+    pushq %rax
+    incq TG_VIRTIO_MSI_COUNT(%rip)
+    /* EOI: a 32-bit address, loaded zero-extended (a disp32 would sign-extend). */
+    movl $0xfee000b0, %eax
+    movl $0, (%rax)
+    popq %rax
+    iretq
+
+    .p2align 4
+    .globl tg_virtio_timer_entry
+tg_virtio_timer_entry:
+    pushq %rax
+    incq TG_VIRTIO_TIMER_COUNT(%rip)
+    movl $0xfee000b0, %eax
+    movl $0, (%rax)
+    popq %rax
+    iretq
+"#,
+    options(att_syntax)
+);
+
+extern "C" {
+    static tg_virtio_msi_entry: u8;
+    static tg_virtio_timer_entry: u8;
+    static mut tg_idt: [u64; 512];
+}
+
+fn lapic_read(register: u64) -> u32 {
+    // SAFETY: the local APIC page is identity mapped and user accessible; the access traps.
+    unsafe { ((LAPIC_BASE + register) as *const u32).read_volatile() }
+}
+
+fn lapic_write(register: u64, value: u32) {
+    // SAFETY: as in `lapic_read`.
+    unsafe { ((LAPIC_BASE + register) as *mut u32).write_volatile(value) }
+}
+
+pub fn lapic_id() -> u32 {
+    lapic_read(LAPIC_ID) >> 24
+}
+
+/// The MSI address that targets this CPU (physical destination, fixed delivery).
+pub fn msi_address() -> u32 {
+    0xfee0_0000 | lapic_id() << 12
+}
+
+/// Software-disables the local APIC: fixed interrupts sent to it are dropped.
+pub fn disable_lapic() {
+    lapic_write(LAPIC_SVR, lapic_read(LAPIC_SVR) & !SVR_ENABLE);
+}
+
+/// Software-enables the local APIC and installs the gates for [`MSI_VECTOR`] and the timer.
+/// LINT0 is masked: the legacy PIC's interrupts (ExtINT) would arrive on whatever vectors it
+/// was programmed with (after SeaBIOS: 8, an exception gate).
+pub fn enable_lapic() {
+    install_gate(MSI_VECTOR, addr_of!(tg_virtio_msi_entry) as u64);
+    install_gate(TIMEOUT_VECTOR, addr_of!(tg_virtio_timer_entry) as u64);
+    lapic_write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
+    lapic_write(LAPIC_LVT_LINT0, lapic_read(LAPIC_LVT_LINT0) | LVT_MASKED);
+    lapic_write(
+        LAPIC_SVR,
+        lapic_read(LAPIC_SVR) | SVR_ENABLE | SPURIOUS_VECTOR,
+    );
+}
+
+/// Points IDT gate `vector` at `handler` (interrupt gate, kernel code, DPL 0).
+fn install_gate(vector: u8, handler: u64) {
+    let low = (handler & 0xffff) | 0x08 << 16 | 0x8e00 << 32 | (handler >> 16 & 0xffff) << 48;
+    let high = handler >> 32;
+    let index = usize::from(vector) * 2;
+    // SAFETY: the IDT is identity mapped and writable; gate `vector` is not used by anything
+    // else, and nothing can raise it before the device or the timer is programmed.
+    unsafe {
+        let idt = core::ptr::addr_of_mut!(tg_idt) as *mut u64;
+        idt.add(index + 1).write_volatile(high);
+        idt.add(index).write_volatile(low);
+    }
+}
+
+pub fn msi_count() -> u64 {
+    TG_VIRTIO_MSI_COUNT.load(Ordering::Acquire)
+}
+
+/// Waits in ring 0 until `done()` holds or about `timeout_ms` passed (local APIC timer);
+/// returns whether `done()` held. [`enable_lapic`] must have run.
+pub fn wait(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
+    let ticks = (timeout_ms * TIMER_TICKS_PER_MS).min(u64::from(u32::MAX)) as u32;
+    let timer_fired = TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire);
+    lapic_write(LAPIC_TIMER_DIVIDE, DIVIDE_BY_16);
+    lapic_write(LAPIC_LVT_TIMER, u32::from(TIMEOUT_VECTOR));
+    lapic_write(LAPIC_TIMER_INITIAL, ticks);
+    // Every hlt ends with an interrupt (the device's or the timer's), so this bound is only a
+    // guard against a storm of unrelated ones.
+    let mut result = false;
+    for _ in 0..10_000 {
+        if done() {
+            result = true;
+            break;
+        }
+        if TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire) != timer_fired {
+            result = done();
+            break;
+        }
+        // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0 and
+        // returns after the hlt.
+        // Not `nomem`: the handlers change the counters while it waits.
+        unsafe { core::arch::asm!("hlt", options(nostack)) };
+    }
+    lapic_write(LAPIC_TIMER_INITIAL, 0);
+    lapic_write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
+    result
+}
