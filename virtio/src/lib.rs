@@ -20,7 +20,9 @@ pub mod transport;
 pub mod vsock;
 pub mod worker;
 
-pub use device::{ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice, VirtioInterrupt};
+pub use device::{
+    ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice, VirtioInterrupt,
+};
 
 /// Guest memory as the devices see it (every region of the VM's RAM, mapped in gpuvm).
 pub type GuestMemory = vm_memory::GuestMemoryMmap;

@@ -39,7 +39,10 @@ impl EventControl<'_> {
 
     /// Waits for the given events on `fd`.
     pub fn add_with(&self, fd: RawFd, token: u64, events: EventSet) -> std::io::Result<()> {
-        assert_ne!(token, STOP_TOKEN, "token {STOP_TOKEN:#x} is the worker's own");
+        assert_ne!(
+            token, STOP_TOKEN,
+            "token {STOP_TOKEN:#x} is the worker's own"
+        );
         self.epoll
             .ctl(ControlOperation::Add, fd, EpollEvent::new(events, token))
     }

@@ -61,5 +61,9 @@ fn workers_run_on_pooled_threads_that_ran_their_setup_and_come_back_idle() {
         assert_eq!(heard.recv().unwrap(), "virtio-test", "round {round}");
         assert!(worker.stop().is_some());
     }
-    assert_eq!(setups.load(Ordering::SeqCst), 1, "no thread beyond the pool");
+    assert_eq!(
+        setups.load(Ordering::SeqCst),
+        1,
+        "no thread beyond the pool"
+    );
 }

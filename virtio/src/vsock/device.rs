@@ -1,0 +1,272 @@
+//! [`Vsock`]: the virtio-vsock device as the transport sees it (configuration space,
+//! activation, pause/resume, snapshot state).
+
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::Arc;
+
+use serde::Deserialize;
+use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::QueueT;
+use vmm_sys_util::timerfd::TimerFd;
+
+use super::handler::VsockWorker;
+use super::muxer::Muxer;
+use super::unix::HostListener;
+use super::{validate_guest_cid, VsockConfig, VsockError};
+use crate::worker::Worker;
+use crate::{ActivateError, Activation, QueuePosition, VirtioDevice};
+
+/// The name of the device's I/O thread.
+pub const THREAD_NAME: &str = "virtio-vsock";
+/// rx, tx, event.
+const QUEUE_COUNT: usize = 3;
+const QUEUE_MAX_SIZE: u16 = 256;
+const DEVICE: &str = "virtio-vsock";
+
+/// What the device keeps across a snapshot. Live host connections cannot be kept: the
+/// restored guest gets a TRANSPORT_RESET and starts without any.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VsockState {
+    guest_cid: u64,
+}
+
+enum Run {
+    Inactive,
+    Running(Worker<VsockWorker>),
+    Paused(Box<VsockWorker>),
+    /// The worker thread panicked or could not restart: the queues are lost until reset.
+    Failed,
+}
+
+/// A virtio-vsock device whose host side is Firecracker's hybrid vsock: a Unix socket at
+/// `uds_path` for host-initiated connections (`CONNECT <port>\n`), and
+/// `<uds_path>_<port>` sockets for the guest's.
+pub struct Vsock {
+    name: String,
+    guest_cid: u64,
+    listener: Arc<HostListener>,
+    /// The muxer's timeout timer; each activation's muxer gets a duplicate of it.
+    timer: TimerFd,
+    run: Run,
+    /// Set by a restore: the next activation sends the guest a TRANSPORT_RESET.
+    transport_reset_on_activate: bool,
+}
+
+impl Vsock {
+    /// Checks `config` and listens on its `uds_path` (host clients may connect before the
+    /// guest's driver is up; they are served once it is).
+    pub fn new(config: &VsockConfig) -> Result<Self, VsockError> {
+        config.validate()?;
+        let listener = HostListener::bind(&config.uds_path)?;
+        let timer = TimerFd::new().map_err(|error| VsockError::Timer(error.into()))?;
+        let name = match &config.vsock_id {
+            Some(id) => format!("virtio-vsock {id}"),
+            None => "virtio-vsock".to_string(),
+        };
+        Ok(Vsock {
+            name,
+            guest_cid: config.guest_cid,
+            listener: Arc::new(listener),
+            timer,
+            run: Run::Inactive,
+            transport_reset_on_activate: false,
+        })
+    }
+
+    pub fn guest_cid(&self) -> u64 {
+        self.guest_cid
+    }
+
+    pub fn uds_path(&self) -> &std::path::Path {
+        self.listener.path()
+    }
+
+    fn stop(&mut self) -> Option<Box<VsockWorker>> {
+        match std::mem::replace(&mut self.run, Run::Inactive) {
+            Run::Running(worker) => match worker.stop() {
+                Some(handler) => Some(Box::new(handler)),
+                None => {
+                    log::error!("{}: the worker thread panicked", self.name);
+                    self.run = Run::Failed;
+                    None
+                }
+            },
+            Run::Paused(handler) => Some(handler),
+            Run::Inactive | Run::Failed => None,
+        }
+    }
+
+    fn spawn(&mut self, handler: VsockWorker) -> Result<(), ActivateError> {
+        match Worker::spawn(THREAD_NAME, handler) {
+            Ok(worker) => {
+                self.run = Run::Running(worker);
+                Ok(())
+            }
+            Err(source) => {
+                self.run = Run::Failed;
+                Err(ActivateError::Thread {
+                    device: DEVICE,
+                    source: source.into(),
+                })
+            }
+        }
+    }
+
+    #[cfg(test)]
+    pub(super) fn with_paused_worker<T>(&self, look: impl FnOnce(&VsockWorker) -> T) -> Option<T> {
+        match &self.run {
+            Run::Paused(handler) => Some(look(handler)),
+            _ => None,
+        }
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> Vec<u16> {
+        vec![QUEUE_MAX_SIZE; QUEUE_COUNT]
+    }
+
+    fn device_features(&self) -> u64 {
+        1 << VIRTIO_RING_F_EVENT_IDX
+    }
+
+    /// The configuration space is `le64 guest_cid`.
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let config = self.guest_cid.to_le_bytes();
+        for (index, byte) in data.iter_mut().enumerate() {
+            *byte = offset
+                .checked_add(index as u64)
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| config.get(at).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "{}: ignoring a {}-byte write at {offset} to the read-only configuration",
+            self.name,
+            data.len()
+        );
+    }
+
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
+        if !matches!(self.run, Run::Inactive) {
+            self.reset();
+        }
+        let given = activation.queues.iter().flatten().count();
+        let mut queues = activation.queues.into_iter();
+        let mut take = || queues.next().flatten();
+        let (Some(rx), Some(tx), Some(event)) = (take(), take(), take()) else {
+            return Err(ActivateError::QueueCount {
+                device: DEVICE,
+                given,
+                needed: QUEUE_COUNT,
+            });
+        };
+        let mut queues = [rx, tx, event];
+        let event_idx = activation.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        for active in &mut queues {
+            active.queue.set_event_idx(event_idx);
+        }
+        let timer = duplicate_timer(&self.timer).map_err(|error| ActivateError::Device {
+            device: DEVICE,
+            message: format!("cannot use its timer: {error}"),
+        })?;
+        let muxer = Muxer::new(self.guest_cid, self.listener.clone(), timer);
+        let handler = VsockWorker::new(
+            activation.memory,
+            activation.interrupt,
+            queues,
+            muxer,
+            self.transport_reset_on_activate,
+        );
+        self.transport_reset_on_activate = false;
+        self.spawn(handler)
+    }
+
+    fn reset(&mut self) {
+        // Dropping the worker's state closes every connection's host socket; the listener
+        // stays for the next activation.
+        drop(self.stop());
+        self.run = Run::Inactive;
+    }
+
+    fn pause(&mut self) -> Vec<Option<QueuePosition>> {
+        match self.stop() {
+            Some(handler) => {
+                let positions = handler.queue_positions();
+                self.run = Run::Paused(handler);
+                positions
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        match std::mem::replace(&mut self.run, Run::Inactive) {
+            Run::Paused(handler) => self.spawn(*handler),
+            Run::Failed => {
+                self.run = Run::Failed;
+                Err(ActivateError::Device {
+                    device: DEVICE,
+                    message: "its worker thread died; the driver must reset it".to_string(),
+                })
+            }
+            other => {
+                self.run = other;
+                Ok(())
+            }
+        }
+    }
+
+    fn save_state(&self) -> serde_json::Value {
+        serde_json::to_value(VsockState {
+            guest_cid: self.guest_cid,
+        })
+        .unwrap_or_default()
+    }
+
+    /// The restored guest gets a TRANSPORT_RESET once activated; it then re-reads
+    /// guest_cid, so the CID configured now (which a clone of the snapshot may change)
+    /// is the one in force.
+    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
+        let state = VsockState::deserialize(state)
+            .map_err(|error| format!("{}: bad state: {error}", self.name))?;
+        validate_guest_cid(state.guest_cid).map_err(|error| format!("{}: {error}", self.name))?;
+        if state.guest_cid != self.guest_cid {
+            log::info!(
+                "{}: the snapshot's guest_cid {} becomes {} (the guest re-reads it on the transport reset)",
+                self.name,
+                state.guest_cid,
+                self.guest_cid
+            );
+        }
+        self.transport_reset_on_activate = true;
+        Ok(())
+    }
+}
+
+/// A second descriptor for the device's timer (fcntl F_DUPFD_CLOEXEC, which the vCPU
+/// threads that activate devices may call; timerfd_create they may not), disarmed.
+fn duplicate_timer(timer: &TimerFd) -> std::io::Result<TimerFd> {
+    // SAFETY: fcntl on a descriptor the device owns, with integer arguments only.
+    let fd = unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created by the fcntl above and nothing else owns it.
+    let mut duplicate = unsafe { TimerFd::from_raw_fd(fd) };
+    duplicate.clear()?;
+    Ok(duplicate)
+}
