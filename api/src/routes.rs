@@ -2,9 +2,13 @@
 //! deserves. Other front ends (Firecracker's and Cloud Hypervisor's APIs) translate onto
 //! the same actions in files of their own beside this one.
 
+use gpuvm_virtio::block::BlockConfig;
+use gpuvm_virtio::net::NetConfig;
+use gpuvm_virtio::rng::RngConfig;
+use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::action::{
-    ActionBody, ActionType, BootSourceBody, GpuBody, MachineConfigBody, SnapshotCreateBody,
-    SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
+    ActionBody, ActionType, BootSourceBody, DrivePatchBody, GpuBody, MachineConfigBody,
+    SnapshotCreateBody, SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
 };
 
 use crate::http::{Method, Request, Response};
@@ -15,6 +19,18 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
     }
     serde_json::from_slice(body)
         .map_err(|error| Response::fault(400, format!("invalid JSON body: {error}")))
+}
+
+/// The id in the path and the one in the body must agree (as Firecracker requires).
+fn same_id(field: &str, in_body: &str, in_path: &str) -> Result<(), Response> {
+    if in_body == in_path {
+        Ok(())
+    } else {
+        Err(Response::fault(
+            400,
+            format!("{field} {in_body:?} in the body does not match {in_path:?} in the path"),
+        ))
+    }
 }
 
 fn method_not_allowed(allow: &'static str) -> Response {
@@ -87,9 +103,39 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             }
             _ => Err(method_not_allowed("PUT")),
         },
-        _ if path.starts_with("/drives") => {
-            Err(Response::fault(400, "gpuvm has no block device yet"))
+        _ if path.starts_with("/drives/") => {
+            let id = &path["/drives/".len()..];
+            match method {
+                Put => {
+                    let body = parse::<BlockConfig>(&request.body)?;
+                    same_id("drive_id", &body.drive_id, id)?;
+                    Ok(VmmAction::PutDrive(body))
+                }
+                Patch => {
+                    let body = parse::<DrivePatchBody>(&request.body)?;
+                    same_id("drive_id", &body.drive_id, id)?;
+                    Ok(VmmAction::PatchDrive(body))
+                }
+                Get => Err(method_not_allowed("PUT, PATCH")),
+            }
         }
+        _ if path.starts_with("/network-interfaces/") => match method {
+            Put => {
+                let body = parse::<NetConfig>(&request.body)?;
+                let id = &path["/network-interfaces/".len()..];
+                same_id("iface_id", &body.iface_id, id)?;
+                Ok(VmmAction::PutNetworkInterface(body))
+            }
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/vsock" => match method {
+            Put => Ok(VmmAction::PutVsock(parse::<VsockConfig>(&request.body)?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/entropy" => match method {
+            Put => Ok(VmmAction::PutEntropy(parse::<RngConfig>(&request.body)?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
         _ => Err(Response::fault(
             404,
             format!("no such route: {}", request.path),
@@ -143,6 +189,22 @@ mod tests {
             route(&request(Method::Put, "/gpus/emu0", r#"{"gpu_id":"emu0","vfio_user_socket":"/run/emu.sock"}"#)),
             Ok(VmmAction::PutGpu(body)) if body.gpu_id == "emu0"
         ));
+        assert!(matches!(
+            route(&request(Method::Put, "/drives/rootfs", r#"{"drive_id":"rootfs","path":"/img","read_only":true}"#)),
+            Ok(VmmAction::PutDrive(body)) if body.read_only
+        ));
+        assert!(matches!(
+            route(&request(Method::Patch, "/drives/rootfs", r#"{"drive_id":"rootfs","path":"/img2"}"#)),
+            Ok(VmmAction::PatchDrive(body)) if body.path.is_some()
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/vsock", r#"{"guest_cid":3,"uds_path":"/v.sock"}"#)),
+            Ok(VmmAction::PutVsock(body)) if body.guest_cid == 3
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/entropy", "{}")),
+            Ok(VmmAction::PutEntropy(_))
+        ));
     }
 
     #[test]
@@ -174,6 +236,16 @@ mod tests {
             status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
             400
         );
+        let other_id = r#"{"drive_id":"data","path":"/img"}"#;
+        assert_eq!(
+            status(route(&request(Method::Put, "/drives/rootfs", other_id))),
+            400
+        );
+        assert_eq!(
+            status(route(&request(Method::Get, "/drives/rootfs", ""))),
+            405
+        );
+        assert_eq!(status(route(&request(Method::Patch, "/vsock", "{}"))), 405);
         let response = route(&request(Method::Get, "/vm", "")).err().unwrap();
         assert_eq!(response.allow, Some("PATCH"));
         let body: serde_json::Value = serde_json::from_slice(&response.body).unwrap();

@@ -102,6 +102,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub passthrough: passthrough::PassthroughArgs,
     #[command(flatten)]
+    pub devices: crate::devices::DeviceArgs,
+    #[command(flatten)]
     pub snapshot: SnapshotArgs,
     #[command(flatten)]
     pub report: ReportArgs,

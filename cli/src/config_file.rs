@@ -14,7 +14,8 @@ fn invalid(path: &Path, reason: impl std::fmt::Display) -> CliError {
 }
 
 /// The configuration from `path` over `config` (the command-line flags).
-/// Its `gpus` are added to `pci` (after the command line's).
+/// Its `gpus` and virtio devices are added to `pci` (after the command line's; its vsock
+/// and entropy device replace the command line's).
 pub fn apply_config_file(
     path: &Path,
     mut config: VmConfig,
@@ -39,6 +40,15 @@ pub fn apply_config_file(
         pci.gpus.extend(gpu.host_bdf.clone());
         pci.vfio_user.extend(gpu.vfio_user_socket.clone());
     }
+    pci.virtio.drives.extend(file.drives);
+    pci.virtio.nets.extend(file.network_interfaces);
+    if file.vsock.is_some() {
+        pci.virtio.vsock = file.vsock;
+    }
+    if file.entropy.is_some() {
+        pci.virtio.rng = file.entropy;
+    }
+    pci.virtio.validate().map_err(|e| invalid(path, e))?;
     if let Some(machine) = file.machine_config {
         config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
     }

@@ -9,6 +9,7 @@ use clap::Parser;
 mod args;
 mod config_file;
 mod ctl;
+mod devices;
 mod jail;
 mod passthrough;
 mod report;

@@ -36,6 +36,7 @@ impl PassthroughArgs {
             mmio64_size: self
                 .pci_mmio64_gib
                 .map_or(0, |gib| gib.saturating_mul(1 << 30)),
+            ..PciOptions::default()
         }
     }
 }

@@ -71,6 +71,7 @@ fn configuration(args: &RunArgs) -> Result<(VmConfig, PciOptions), CliError> {
         },
     };
     let mut pci = args.passthrough.pci_options();
+    pci.virtio = args.devices.virtio_options()?;
     let config = match &args.config_file {
         Some(path) => config_file::apply_config_file(path, config, &mut pci)?,
         None => config,

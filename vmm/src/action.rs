@@ -9,6 +9,11 @@ use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
 
+use gpuvm_virtio::block::BlockConfig;
+use gpuvm_virtio::net::NetConfig;
+use gpuvm_virtio::rng::RngConfig;
+use gpuvm_virtio::vsock::VsockConfig;
+
 use crate::config::MachineConfig;
 
 /// Largest guest memory the API accepts, in MiB (keeps `mem_size_mib << 20` in range;
@@ -24,6 +29,16 @@ pub enum VmmAction {
     PutBootSource(BootSourceBody),
     /// PUT /gpus/{id}: a passthrough device for the VM being configured.
     PutGpu(GpuBody),
+    /// PUT /drives/{id}: a virtio block device for the VM being configured.
+    PutDrive(BlockConfig),
+    /// PATCH /drives/{id}: a new backing file or rate limit for a running VM's drive.
+    PatchDrive(DrivePatchBody),
+    /// PUT /network-interfaces/{id}: a virtio network interface before start.
+    PutNetworkInterface(NetConfig),
+    /// PUT /vsock: the vsock device before start.
+    PutVsock(VsockConfig),
+    /// PUT /entropy: the entropy device before start.
+    PutEntropy(RngConfig),
     StartInstance,
     /// The test guest has no keyboard: this ends the run as a guest reset would.
     SendCtrlAltDel,
@@ -374,6 +389,30 @@ pub struct ConfigFile {
     /// Passthrough devices, as PUT /gpus/{id} bodies.
     #[serde(default)]
     pub gpus: Vec<GpuBody>,
+    /// Block devices, as PUT /drives/{id} bodies.
+    #[serde(default)]
+    pub drives: Vec<BlockConfig>,
+    /// Network interfaces, as PUT /network-interfaces/{id} bodies.
+    #[serde(default, rename = "network-interfaces")]
+    pub network_interfaces: Vec<NetConfig>,
+    /// The vsock device, as the PUT /vsock body.
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+    /// The entropy device, as the PUT /entropy body.
+    #[serde(default)]
+    pub entropy: Option<RngConfig>,
+}
+
+/// PATCH /drives/{id} (Firecracker's shape): swap the image under a running drive, or
+/// change its rate limit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrivePatchBody {
+    pub drive_id: String,
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    #[serde(default)]
+    pub rate_limiter: Option<gpuvm_virtio::rate_limiter::RateLimiterConfig>,
 }
 
 /// Requires an absolute path, so a request never depends on gpuvm's working directory.

@@ -361,5 +361,6 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
         exit_status,
         passthrough: Vec::new(),
         event_sources: Vec::new(),
+        virtio: Vec::new(),
     })
 }

@@ -8,15 +8,16 @@ use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::action::{
-    absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, GpuBody,
-    InstanceState, MachineConfigBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
-    SnapshotType, VmmAction, VmmData,
+    absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, DrivePatchBody,
+    GpuBody, InstanceState, MachineConfigBody, RestoreModeBody, SnapshotCreateBody,
+    SnapshotLoadBody, SnapshotType, VmmAction, VmmData,
 };
 use crate::config::{MachineConfig, VmConfig};
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
 use crate::pci::PciOptions;
 use crate::snapshot::RestoreMode;
+use crate::virtio::VirtioOptions;
 
 /// Passthrough devices one VM may have (bus 0 has 31 free slots; GPUs come with
 /// companions such as audio functions).
@@ -147,6 +148,18 @@ impl ApiController {
         Ok(VmmData::Empty)
     }
 
+    /// Changes the virtio devices InstanceStart attaches; refused (and nothing changed)
+    /// when the result is over a limit or reuses an id.
+    fn put_virtio(&mut self, change: impl FnOnce(&mut VirtioOptions)) -> ActionResult {
+        let mut virtio = self.pci.virtio.clone();
+        change(&mut virtio);
+        virtio
+            .validate()
+            .map_err(|e| ActionError::bad_request(e.to_string()))?;
+        self.pci.virtio = virtio;
+        Ok(VmmData::Empty)
+    }
+
     /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build_with_pci`]).
     pub fn set_builder(&mut self, build: BuildFn) {
         self.build = build;
@@ -180,6 +193,17 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
+            VmmAction::PutDrive(body) => {
+                self.put_virtio(|v| replace_or_push(&mut v.drives, body, |d| d.drive_id.clone()))
+            }
+            VmmAction::PutNetworkInterface(body) => {
+                self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()))
+            }
+            VmmAction::PutVsock(body) => self.put_virtio(|v| v.vsock = Some(body)),
+            VmmAction::PutEntropy(body) => self.put_virtio(|v| v.rng = Some(body)),
+            VmmAction::PatchDrive(_) => Err(ActionError::wrong_state(
+                "PATCH /drives changes a running VM's drive; before start, PUT it again",
+            )),
             VmmAction::StartInstance => {
                 let config = VmConfig {
                     machine: self.machine_config.clone(),
@@ -264,6 +288,14 @@ impl ApiController {
                 None,
             );
         }
+        if !self.pci.virtio.is_empty() {
+            return (
+                Err(ActionError::bad_request(
+                    "a snapshot brings its own virtio devices: load it into a VM with none configured",
+                )),
+                None,
+            );
+        }
         match crate::builder::restore(&body.snapshot_path, &mode, (self.serial_out)()) {
             Ok((mut machine, timings)) => {
                 if body.record_working_set {
@@ -315,9 +347,14 @@ impl ApiController {
                     )),
                     None,
                 ),
+                VmmAction::PatchDrive(body) => (patch_drive(machine, body), None),
                 VmmAction::PutMachineConfig(_)
                 | VmmAction::PutBootSource(_)
                 | VmmAction::PutGpu(_)
+                | VmmAction::PutDrive(_)
+                | VmmAction::PutNetworkInterface(_)
+                | VmmAction::PutVsock(_)
+                | VmmAction::PutEntropy(_)
                 | VmmAction::StartInstance
                 | VmmAction::LoadSnapshot(_) => (Err(started_already()), None),
             };
@@ -334,6 +371,15 @@ impl ApiController {
             requests: self.requests,
             event: self.event,
         })
+    }
+}
+
+/// Replaces the entry with `item`'s id, or appends it.
+fn replace_or_push<T>(items: &mut Vec<T>, item: T, id: impl Fn(&T) -> String) {
+    let wanted = id(&item);
+    match items.iter_mut().find(|existing| id(existing) == wanted) {
+        Some(existing) => *existing = item,
+        None => items.push(item),
     }
 }
 
@@ -363,9 +409,14 @@ impl RunningApi {
             VmmAction::GetInstanceInfo => Ok(instance_info(state)),
             VmmAction::GetMetrics => Ok(metrics(state, Some(running.machine()))),
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
+            VmmAction::PatchDrive(body) => patch_drive(running.machine(), body),
             VmmAction::PutMachineConfig(_)
             | VmmAction::PutBootSource(_)
             | VmmAction::PutGpu(_)
+            | VmmAction::PutDrive(_)
+            | VmmAction::PutNetworkInterface(_)
+            | VmmAction::PutVsock(_)
+            | VmmAction::PutEntropy(_)
             | VmmAction::StartInstance
             | VmmAction::LoadSnapshot(_) => Err(started_already()),
             VmmAction::SendCtrlAltDel => {
@@ -384,6 +435,27 @@ impl RunningApi {
         };
         (result, None)
     }
+}
+
+/// PATCH /drives/{id}: a new image and/or rate limit for a running drive.
+fn patch_drive(machine: &Machine, body: DrivePatchBody) -> ActionResult {
+    if let Some(path) = &body.path {
+        absolute_path(path, "path")?;
+    }
+    crate::virtio::update_drive(
+        &machine.devices().virtio,
+        &body.drive_id,
+        body.path,
+        body.rate_limiter,
+    )
+    .map_err(|e| match e {
+        crate::virtio::DriveUpdateError::NoSuchDrive(_) => ActionError {
+            status: 404,
+            message: e.to_string(),
+        },
+        other => ActionError::bad_request(other.to_string()),
+    })?;
+    Ok(VmmData::Empty)
 }
 
 fn snapshot(running: &mut RunningMachine<'_>, body: SnapshotCreateBody) -> ActionResult {

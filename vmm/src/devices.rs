@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lock;
 use crate::machine::MachineDevices;
+use crate::virtio::VirtioDeviceState;
 
 /// The saved state of every emulated device, one field each. Flattened into the state
 /// file's top level (a device's state is a key there, e.g. `serial`), so a field added
@@ -17,6 +18,10 @@ use crate::machine::MachineDevices;
 #[derive(Debug, Serialize, Deserialize)]
 pub struct DeviceStates {
     pub serial: SerialState,
+    /// The virtio devices, in bus order, each with its configuration (a restore rebuilds
+    /// them from it). Absent in state files written before virtio devices existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub virtio: Vec<VirtioDeviceState>,
 }
 
 /// A device refused its saved state (or could not give its own).
@@ -24,6 +29,10 @@ pub struct DeviceStates {
 pub enum DeviceStateError {
     #[error(transparent)]
     Serial(#[from] SerialError),
+    #[error(transparent)]
+    Virtio(#[from] gpuvm_virtio::transport::SnapshotError),
+    #[error("the snapshot has {saved} virtio devices, the restored VM was built with {built}")]
+    VirtioCount { saved: usize, built: usize },
 }
 
 impl Persist for MachineDevices {
@@ -33,11 +42,19 @@ impl Persist for MachineDevices {
     fn save(&self) -> Result<DeviceStates, DeviceStateError> {
         Ok(DeviceStates {
             serial: lock(&self.serial).save()?,
+            virtio: crate::virtio::save_all(&self.virtio)?,
         })
     }
 
     fn restore(&mut self, state: &DeviceStates) -> Result<(), DeviceStateError> {
         lock(&self.serial).restore(&state.serial)?;
+        if state.virtio.len() != self.virtio.len() {
+            return Err(DeviceStateError::VirtioCount {
+                saved: state.virtio.len(),
+                built: self.virtio.len(),
+            });
+        }
+        crate::virtio::restore_all(&self.virtio, &state.virtio)?;
         Ok(())
     }
 }

@@ -29,6 +29,7 @@ pub mod persist;
 pub mod seccomp;
 pub mod snapshot;
 pub mod vcpu;
+pub mod virtio;
 pub mod vm_state;
 pub mod working_set;
 

@@ -40,6 +40,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::lock;
 use crate::machine::MachineDevices;
+use crate::virtio::{VirtioOptions, VirtioSetupError};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
 /// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
@@ -47,8 +48,8 @@ const DMA_CHUNK: u64 = 1 << 30;
 /// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
 const FIRST_MSI_GSI: u32 = 24;
 
-/// Passthrough devices for one VM.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The PCI devices of one VM: passthrough devices and virtio devices.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PciOptions {
     /// Host PCI addresses of GPUs bound to vfio-pci (kernel VFIO).
     pub gpus: Vec<String>,
@@ -56,9 +57,12 @@ pub struct PciOptions {
     pub vfio_user: Vec<PathBuf>,
     /// Size of the 64-bit BAR window; 0 means [`PCI_MMIO64_DEFAULT_SIZE`].
     pub mmio64_size: u64,
+    /// Block, net, vsock and entropy devices.
+    pub virtio: VirtioOptions,
 }
 
 impl PciOptions {
+    /// No passthrough device (virtio devices aside).
     pub fn is_empty(&self) -> bool {
         self.gpus.is_empty() && self.vfio_user.is_empty()
     }
@@ -80,6 +84,8 @@ pub enum PciSetupError {
     Intx(std::io::Error),
     #[error("cannot create the KVM VFIO device (KVM_DEV_TYPE_VFIO): {0}")]
     KvmVfio(std::io::Error),
+    #[error(transparent)]
+    Virtio(#[from] VirtioSetupError),
 }
 
 /// The VM's KVM VFIO pseudo-device. vfio-ioctls registers each VFIO group (or cdev device)
@@ -397,8 +403,18 @@ pub fn attach(
 ) -> Result<Arc<PciRoot>, PciSetupError> {
     let config = root_config(ram, options);
     let root = PciRoot::new(config)?;
-    if !options.is_empty() {
-        attach_devices(kvm, vm, ram, options, &root, devices)?;
+    if !options.is_empty() || !options.virtio.is_empty() {
+        let router = Arc::new(MsiRouter::new(kvm, vm)?);
+        if !options.is_empty() {
+            attach_devices(kvm, vm, ram, options, &root, &router, devices)?;
+        }
+        devices.virtio = crate::virtio::attach(
+            duplicate_vm(kvm, vm)?,
+            ram.memory(),
+            &root,
+            &router,
+            &options.virtio,
+        )?;
     }
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
     io_bus
@@ -441,9 +457,9 @@ fn attach_devices(
     ram: &GuestRam,
     options: &PciOptions,
     root: &Arc<PciRoot>,
+    router: &Arc<MsiRouter>,
     devices: &mut MachineDevices,
 ) -> Result<(), PciSetupError> {
-    let router = Arc::new(MsiRouter::new(kvm, vm)?);
     let dma_regions: Vec<DmaRegion> = ram
         .host_regions()
         .map(|(region, host)| DmaRegion {
@@ -475,7 +491,7 @@ fn attach_devices(
     let plug = Plug {
         vm,
         root,
-        router: &router,
+        router,
         slots: &slots,
     };
     for backend in backends {

@@ -49,14 +49,18 @@ pub fn restore(
     let mut config = state.config.clone();
     // userfaultfd needs untouched memory; eager fills it anyway.
     config.prefault = false;
+    // The virtio devices the snapshot holds, rebuilt from their saved configuration.
+    let pci = PciOptions {
+        virtio: crate::virtio::options_of(&state.state.devices.virtio),
+        ..PciOptions::default()
+    };
     // vCPUs are created (not yet given their state) while validation may still run.
-    let created = create_base(kvm, &config, &PciOptions::default(), serial_out, &mut clock)
-        .and_then(|base| {
-            let ids = state.state.vcpus.iter().map(|saved| saved.id);
-            let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
-            let threads = start_vcpu_threads(&vcpus)?;
-            Ok((base, vcpus, threads))
-        });
+    let created = create_base(kvm, &config, &pci, serial_out, &mut clock).and_then(|base| {
+        let ids = state.state.vcpus.iter().map(|saved| saved.id);
+        let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
+        let threads = start_vcpu_threads(&vcpus)?;
+        Ok((base, vcpus, threads))
+    });
     clock.mark("create_vcpus");
     // The snapshot's own errors come first, as when validation ran before everything else.
     let (chain, working_set, parallel_validation) = validation.finish(&state, dir)?;

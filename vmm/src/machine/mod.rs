@@ -46,6 +46,8 @@ pub struct MachineDevices {
     pub passthrough: Vec<String>,
     /// Device event sources the run loop watches (e.g. INTx resample eventfds).
     pub event_sources: Vec<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
+    /// The virtio devices, in bus order (their state is in snapshots).
+    pub virtio: Vec<crate::virtio::VirtioHandle>,
 }
 
 /// How the guest ended.
@@ -217,6 +219,11 @@ impl Machine {
     /// Lets `control` serve requests while the machine runs.
     pub fn set_run_control(&mut self, control: Box<dyn RunControl>) {
         self.run_control = Some(control);
+    }
+
+    /// The machine's devices (for the API's device operations).
+    pub fn devices(&self) -> &MachineDevices {
+        &self.devices
     }
 
     pub fn config(&self) -> &MachineConfig {

@@ -133,6 +133,22 @@ impl Machine {
         full: bool,
     ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
         vcpu::pause_all(handles)?;
+        // Devices stop after the request in flight: nothing writes guest memory or
+        // changes a queue until the snapshot is written.
+        crate::virtio::pause_all(&self.devices.virtio);
+        let written = self.write_paused_snapshot(handles, dir, dir_lock, full);
+        crate::virtio::resume_all(&self.devices.virtio);
+        written
+    }
+
+    /// The part of [`Machine::write_snapshot`] that runs with vCPUs and devices paused.
+    fn write_paused_snapshot(
+        &mut self,
+        handles: &[VcpuHandle],
+        dir: &std::path::Path,
+        dir_lock: &snapshot::SnapshotDirLock,
+        full: bool,
+    ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
         self.complete_lazy_memory()?;
         // The working set of the snapshot this machine was restored from, before a snapshot
         // into another directory; one into the same directory replaces that snapshot (and
@@ -159,7 +175,9 @@ impl Machine {
         } else {
             None
         };
-        let chain = if full {
+        // KVM's dirty log sees only what vCPUs write: virtio devices write guest memory
+        // from gpuvm's threads, so a VM with them always gets a full memory file.
+        let chain = if full || !self.devices.virtio.is_empty() {
             None
         } else {
             self.memory_chain.as_ref()

@@ -42,6 +42,7 @@ pub const KVM_IRQFD: u32 = iow(KVMIO, 0x76, size_of::<kvm_irqfd>());
 pub const KVM_GET_CLOCK: u32 = ior(KVMIO, 0x7c, size_of::<kvm_clock_data>());
 pub const KVM_GET_PIT2: u32 = ior(KVMIO, 0x9f, size_of::<kvm_pit_state2>());
 pub const KVM_SET_DEVICE_ATTR: u32 = iow(KVMIO, 0xe1, size_of::<kvm_device_attr>());
+pub const KVM_IOEVENTFD: u32 = iow(KVMIO, 0x79, size_of::<kvm_bindings::kvm_ioeventfd>());
 pub const KVM_HAS_DEVICE_ATTR: u32 = iow(KVMIO, 0xe3, size_of::<kvm_device_attr>());
 // vCPU.
 pub const KVM_RUN: u32 = io(KVMIO, 0x80);
@@ -89,6 +90,8 @@ pub const TCSETSW: u32 = 0x5403;
 pub const TIOCGWINSZ: u32 = 0x5413;
 pub const FIONBIO: u32 = 0x5421;
 pub const FIOCLEX: u32 = 0x5451;
+/// virtio-net: attaches or detaches one queue of a multi-queue tap.
+pub const TUNSETQUEUE: u32 = iow(b'T' as u32, 217, size_of::<i32>());
 
 #[cfg(test)]
 mod tests {
@@ -105,5 +108,7 @@ mod tests {
         assert_eq!(ioctls::UFFDIO_WAKE, 0x8010_aa02);
         assert_eq!(ioctls::VFIO_DEVICE_SET_IRQS, 0x3b6e);
         assert_eq!(ioctls::IOMMU_IOAS_UNMAP, 0x3b86);
+        assert_eq!(ioctls::KVM_IOEVENTFD, 0x4040_ae79);
+        assert_eq!(ioctls::TUNSETQUEUE, 0x4004_54d9);
     }
 }

@@ -5,6 +5,7 @@
 //! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), and the lazy-restore fault and loader threads | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO teardown and INTx unmask |
 //! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
 //! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
+//! | `device` | the virtio devices' I/O threads, created with the VM (one per device) | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
 //!
 //! Every filter also allows what any Rust thread needs to live and end (memory
 //! allocation without `PROT_EXEC`, futexes, signals returns, thread exit, abort). A system
@@ -44,16 +45,23 @@ pub enum ThreadKind {
     Vmm,
     Vcpu,
     Api,
+    Device,
 }
 
 impl ThreadKind {
-    pub const ALL: [ThreadKind; 3] = [ThreadKind::Vmm, ThreadKind::Vcpu, ThreadKind::Api];
+    pub const ALL: [ThreadKind; 4] = [
+        ThreadKind::Vmm,
+        ThreadKind::Vcpu,
+        ThreadKind::Api,
+        ThreadKind::Device,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             ThreadKind::Vmm => "vmm",
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Api => "api",
+            ThreadKind::Device => "device",
         }
     }
 
@@ -164,7 +172,7 @@ impl Settings {
                 bad(
                     "GPUVM_TEST_SECCOMP_VIOLATION",
                     value,
-                    "expected vmm, vcpu or api",
+                    "expected vmm, vcpu, api or device",
                 )
             })?);
         }
@@ -177,7 +185,7 @@ impl Settings {
                     return Err(bad(
                         "GPUVM_TEST_SECCOMP_REMOVE",
                         value,
-                        "expected KIND:SYSCALL_NUMBER with KIND vmm, vcpu or api",
+                        "expected KIND:SYSCALL_NUMBER with KIND vmm, vcpu, api or device",
                     ));
                 };
                 settings.removed.push((kind, nr));
@@ -189,7 +197,7 @@ impl Settings {
 
 /// The compiled filters, once [`enable`] ran.
 struct Filters {
-    programs: [BpfProgram; 3],
+    programs: [BpfProgram; 4],
     violation: Option<ThreadKind>,
 }
 
@@ -211,6 +219,7 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
         compile(ThreadKind::Vmm, settings)?,
         compile(ThreadKind::Vcpu, settings)?,
         compile(ThreadKind::Api, settings)?,
+        compile(ThreadKind::Device, settings)?,
     ];
     if settings.on_violation == OnViolation::Trap {
         install_sigsys_handler()?;

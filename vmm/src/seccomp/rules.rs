@@ -197,6 +197,8 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     KVM_SET_USER_MEMORY_REGION,
                     KVM_SET_GSI_ROUTING,
                     KVM_IRQFD,
+                    // virtio: notify ioeventfds placed on restore, removed at teardown.
+                    KVM_IOEVENTFD,
                     // Kernel VFIO teardown: the group or cdev leaves the KVM VFIO device.
                     KVM_SET_DEVICE_ATTR,
                     KVM_HAS_DEVICE_ATTR,
@@ -271,8 +273,60 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // Kernel VFIO: interrupts on and off.
                     VFIO_DEVICE_SET_IRQS,
                     VFIO_DEVICE_GET_IRQ_INFO,
+                    // virtio: queue notify addresses follow the BAR as the guest places it.
+                    KVM_IOEVENTFD,
                 ],
             )?;
+            // virtio: a device activated by its driver gets a stop eventfd for its I/O
+            // thread (which already exists: see ThreadKind::Device), and disarms or arms
+            // its timers (vsock's connection deadlines, rate limits) as it starts or stops.
+            allow_all(&mut rules, &[libc::SYS_eventfd2, libc::SYS_timerfd_settime]);
+        }
+        ThreadKind::Device => {
+            // Created with the VM, before the jail drops privileges.
+            setid(&mut rules);
+            allow_all(
+                &mut rules,
+                &[
+                    // The worker's event loop and rate-limit timers.
+                    libc::SYS_epoll_create1,
+                    libc::SYS_epoll_ctl,
+                    libc::SYS_epoll_wait,
+                    libc::SYS_epoll_pwait,
+                    libc::SYS_timerfd_settime,
+                    libc::SYS_timerfd_gettime,
+                    libc::SYS_read,
+                    libc::SYS_readv,
+                    libc::SYS_writev,
+                    // Disk images: reads, writes, flush, discard and write-zeroes.
+                    libc::SYS_pread64,
+                    libc::SYS_pwrite64,
+                    libc::SYS_preadv,
+                    libc::SYS_pwritev,
+                    libc::SYS_preadv2,
+                    libc::SYS_pwritev2,
+                    libc::SYS_fsync,
+                    libc::SYS_fdatasync,
+                    libc::SYS_fallocate,
+                    libc::SYS_fstat,
+                    libc::SYS_newfstatat,
+                    libc::SYS_lseek,
+                    libc::SYS_io_uring_enter,
+                    // vsock: host sockets, and the guest's connections to <uds>_<port>.
+                    libc::SYS_accept4,
+                    libc::SYS_connect,
+                    libc::SYS_sendmsg,
+                    libc::SYS_recvmsg,
+                    libc::SYS_sendto,
+                    libc::SYS_recvfrom,
+                    libc::SYS_shutdown,
+                    libc::SYS_getsockopt,
+                ],
+            );
+            // vsock's guest-initiated connections: Unix stream sockets only.
+            rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
+            // virtio-net: tap queues follow the queue pairs the driver uses.
+            ioctl(&mut rules, &[FIONBIO, FIOCLEX, TUNSETQUEUE])?;
         }
         ThreadKind::Api => {
             threads(&mut rules)?;

@@ -1,0 +1,386 @@
+//! Wires virtio devices into a VM: builds each configured device, puts it behind a
+//! virtio-pci transport on the PCI root bus (MSI-X vectors as GSI routes + irqfds, queue
+//! notifications as KVM ioeventfds), and creates the devices' I/O threads up front under
+//! the `device` seccomp filter.
+
+use std::sync::{Arc, Mutex};
+
+use gpuvm_devices::pci::{PciBdf, PciRoot};
+use gpuvm_devices::Persist;
+use gpuvm_virtio::block::{Block, BlockConfig};
+use gpuvm_virtio::net::{Net, NetConfig, Tap};
+use gpuvm_virtio::rng::{Rng, RngConfig};
+use gpuvm_virtio::transport::{IoEventRegistrar, VirtioPciDevice, VirtioPciState};
+use gpuvm_virtio::vsock::{Vsock, VsockConfig};
+use gpuvm_virtio::{GuestMemory, VirtioDevice};
+use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::lock;
+use crate::pci::MsiRouter;
+
+/// Drives one VM may have (bus 0 has 31 slots, shared with GPUs and other devices).
+pub const MAX_DRIVES: usize = 16;
+/// Network interfaces one VM may have.
+pub const MAX_NETS: usize = 8;
+
+/// The virtio devices of one VM, as configured (CLI, API, config file) and as a snapshot
+/// records them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VirtioOptions {
+    #[serde(default)]
+    pub drives: Vec<BlockConfig>,
+    #[serde(default)]
+    pub nets: Vec<NetConfig>,
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+    #[serde(default)]
+    pub rng: Option<RngConfig>,
+}
+
+impl VirtioOptions {
+    pub fn is_empty(&self) -> bool {
+        self.drives.is_empty() && self.nets.is_empty() && self.vsock.is_none() && self.rng.is_none()
+    }
+
+    /// How many devices (and so I/O threads) these options make.
+    pub fn device_count(&self) -> usize {
+        self.drives.len()
+            + self.nets.len()
+            + usize::from(self.vsock.is_some())
+            + usize::from(self.rng.is_some())
+    }
+
+    /// Checks what can be checked before anything is opened: counts and unique ids.
+    pub fn validate(&self) -> Result<(), VirtioSetupError> {
+        if self.drives.len() > MAX_DRIVES {
+            return Err(VirtioSetupError::TooMany {
+                what: "drives",
+                max: MAX_DRIVES,
+            });
+        }
+        if self.nets.len() > MAX_NETS {
+            return Err(VirtioSetupError::TooMany {
+                what: "network interfaces",
+                max: MAX_NETS,
+            });
+        }
+        let mut ids: Vec<&str> = self.drives.iter().map(|d| d.drive_id.as_str()).collect();
+        ids.extend(self.nets.iter().map(|n| n.iface_id.as_str()));
+        ids.sort_unstable();
+        if let Some(pair) = ids.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(VirtioSetupError::DuplicateId(pair[0].to_string()));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VirtioSetupError {
+    #[error("at most {max} {what} per VM")]
+    TooMany { what: &'static str, max: usize },
+    #[error("device id {0:?} is used twice")]
+    DuplicateId(String),
+    #[error("drive {id}: {source}")]
+    Block {
+        id: String,
+        source: gpuvm_virtio::block::BlockError,
+    },
+    #[error("network interface {id}: {message}")]
+    Net { id: String, message: String },
+    #[error("vsock: {0}")]
+    Vsock(String),
+    #[error("entropy device: {0}")]
+    Rng(gpuvm_virtio::rng::RngError),
+    #[error("{device}: {source}")]
+    Transport {
+        device: String,
+        source: gpuvm_virtio::transport::TransportError,
+    },
+    #[error("cannot put {device} on the PCI bus: {source}")]
+    Plug {
+        device: String,
+        source: gpuvm_devices::pci::PciError,
+    },
+    #[error("cannot create the virtio devices' I/O threads: {0}")]
+    Threads(gpuvm_virtio::worker::WorkerError),
+}
+
+/// What kind of virtio device a handle is, with its configuration.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VirtioDeviceConfig {
+    Block(BlockConfig),
+    Net(NetConfig),
+    Vsock(VsockConfig),
+    Rng(RngConfig),
+}
+
+impl VirtioDeviceConfig {
+    /// The device's id: the drive or interface id, or its kind for the singletons.
+    pub fn id(&self) -> &str {
+        match self {
+            VirtioDeviceConfig::Block(config) => &config.drive_id,
+            VirtioDeviceConfig::Net(config) => &config.iface_id,
+            VirtioDeviceConfig::Vsock(_) => "vsock",
+            VirtioDeviceConfig::Rng(_) => "rng",
+        }
+    }
+}
+
+/// A virtio device on the VM's PCI bus.
+pub struct VirtioHandle {
+    pub config: VirtioDeviceConfig,
+    pub bdf: PciBdf,
+    pub transport: Arc<Mutex<VirtioPciDevice>>,
+}
+
+/// One virtio device in a snapshot: how it was configured and its transport's state
+/// (which holds the device's own).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VirtioDeviceState {
+    pub config: VirtioDeviceConfig,
+    pub transport: VirtioPciState,
+}
+
+/// Registers queue notify addresses as KVM ioeventfds (any write length, no data match).
+pub struct KvmIoEvents {
+    vm: VmFd,
+}
+
+impl KvmIoEvents {
+    pub fn new(vm: VmFd) -> Self {
+        KvmIoEvents { vm }
+    }
+}
+
+impl IoEventRegistrar for KvmIoEvents {
+    fn register(&self, address: u64, fd: &EventFd) -> std::io::Result<()> {
+        self.vm
+            .register_ioevent(fd, &IoEventAddress::Mmio(address), NoDatamatch)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+    }
+
+    fn unregister(&self, address: u64, fd: &EventFd) -> std::io::Result<()> {
+        self.vm
+            .unregister_ioevent(fd, &IoEventAddress::Mmio(address), NoDatamatch)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+    }
+}
+
+/// Opens the device `config` describes.
+fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
+    Ok(match config {
+        VirtioDeviceConfig::Block(config) => Box::new(Block::new(config.clone()).map_err(
+            |source| VirtioSetupError::Block {
+                id: config.drive_id.clone(),
+                source,
+            },
+        )?),
+        VirtioDeviceConfig::Net(config) => {
+            let net_error = |message: String| VirtioSetupError::Net {
+                id: config.iface_id.clone(),
+                message,
+            };
+            let name = config
+                .host_dev_name
+                .as_deref()
+                .ok_or_else(|| net_error("no tap device named (host_dev_name)".into()))?;
+            let taps = Tap::open_queues(name, config.num_queue_pairs)
+                .map_err(|e| net_error(e.to_string()))?;
+            Box::new(Net::new(config.clone(), taps).map_err(|e| net_error(e.to_string()))?)
+        }
+        VirtioDeviceConfig::Vsock(config) => {
+            Box::new(Vsock::new(config).map_err(|e| VirtioSetupError::Vsock(e.to_string()))?)
+        }
+        VirtioDeviceConfig::Rng(config) => {
+            Box::new(Rng::new(config.clone()).map_err(VirtioSetupError::Rng)?)
+        }
+    })
+}
+
+/// The devices of `options`, in bus order: drives, network interfaces, vsock, entropy.
+fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
+    let mut configs: Vec<VirtioDeviceConfig> = options
+        .drives
+        .iter()
+        .cloned()
+        .map(VirtioDeviceConfig::Block)
+        .collect();
+    configs.extend(options.nets.iter().cloned().map(VirtioDeviceConfig::Net));
+    configs.extend(options.vsock.clone().map(VirtioDeviceConfig::Vsock));
+    configs.extend(options.rng.clone().map(VirtioDeviceConfig::Rng));
+    configs
+}
+
+/// Builds the devices of `options` and plugs them into `root`.
+pub fn attach(
+    vm: VmFd,
+    memory: &GuestMemory,
+    root: &Arc<PciRoot>,
+    router: &Arc<MsiRouter>,
+    options: &VirtioOptions,
+) -> Result<Vec<VirtioHandle>, VirtioSetupError> {
+    options.validate()?;
+    // One I/O thread per device, created here, on the VMM thread before the vCPUs run,
+    // each under the device filter (a no-op until seccomp is enabled).
+    gpuvm_virtio::worker::prespawn(
+        options.device_count(),
+        Arc::new(|| {
+            crate::seccomp::apply(crate::seccomp::ThreadKind::Device)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        }),
+    )
+    .map_err(VirtioSetupError::Threads)?;
+    let ioevents: Arc<dyn IoEventRegistrar> = Arc::new(KvmIoEvents::new(vm));
+    let mut handles = Vec::new();
+    for config in device_configs(options) {
+        let device = open_device(&config)?;
+        let name = device.name().to_string();
+        let mut allocate = |count| router.allocate(count);
+        let transport = VirtioPciDevice::new(
+            device,
+            memory.clone(),
+            &mut allocate,
+            router.clone(),
+            ioevents.clone(),
+        )
+        .map_err(|source| VirtioSetupError::Transport {
+            device: name.clone(),
+            source,
+        })?;
+        let transport = Arc::new(Mutex::new(transport));
+        let bdf = root
+            .add_device(transport.clone())
+            .map_err(|source| VirtioSetupError::Plug {
+                device: name.clone(),
+                source,
+            })?;
+        log::info!("{name} at {bdf}");
+        handles.push(VirtioHandle {
+            config,
+            bdf,
+            transport,
+        });
+    }
+    Ok(handles)
+}
+
+/// Stops every device's I/O after the request in flight (for a snapshot).
+pub fn pause_all(handles: &[VirtioHandle]) {
+    for handle in handles {
+        lock(&handle.transport).pause();
+    }
+}
+
+/// Serves the queues again after [`pause_all`].
+pub fn resume_all(handles: &[VirtioHandle]) {
+    for handle in handles {
+        let mut transport = lock(&handle.transport);
+        if let Err(error) = transport.resume() {
+            log::error!(
+                "{}: cannot resume after a snapshot: {error}",
+                transport.name()
+            );
+        }
+    }
+}
+
+/// Saves every device (they are paused).
+pub fn save_all(
+    handles: &[VirtioHandle],
+) -> Result<Vec<VirtioDeviceState>, gpuvm_virtio::transport::SnapshotError> {
+    handles
+        .iter()
+        .map(|handle| {
+            let mut transport = lock(&handle.transport);
+            Ok(VirtioDeviceState {
+                config: current_config(handle, &mut transport),
+                transport: transport.save()?,
+            })
+        })
+        .collect()
+}
+
+/// The configuration to rebuild `handle`'s device from: a drive's current one (PATCH
+/// /drives may have swapped its image since the VM was built).
+fn current_config(handle: &VirtioHandle, transport: &mut VirtioPciDevice) -> VirtioDeviceConfig {
+    let block = transport
+        .device_mut()
+        .as_any_mut()
+        .and_then(|any| any.downcast_mut::<Block>());
+    match block {
+        Some(block) => VirtioDeviceConfig::Block(block.config().clone()),
+        None => handle.config.clone(),
+    }
+}
+
+/// Loads each saved state into the device built from the same configuration.
+pub fn restore_all(
+    handles: &[VirtioHandle],
+    states: &[VirtioDeviceState],
+) -> Result<(), gpuvm_virtio::transport::SnapshotError> {
+    for (handle, state) in handles.iter().zip(states) {
+        lock(&handle.transport).restore(&state.transport)?;
+    }
+    Ok(())
+}
+
+/// The options that rebuild the devices a snapshot saved, in the same bus order.
+pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
+    let mut options = VirtioOptions::default();
+    for state in states {
+        match &state.config {
+            VirtioDeviceConfig::Block(config) => options.drives.push(config.clone()),
+            VirtioDeviceConfig::Net(config) => options.nets.push(config.clone()),
+            VirtioDeviceConfig::Vsock(config) => options.vsock = Some(config.clone()),
+            VirtioDeviceConfig::Rng(config) => options.rng = Some(config.clone()),
+        }
+    }
+    options
+}
+
+/// Why PATCH /drives/{id} failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveUpdateError {
+    #[error("no drive {0:?} in this VM")]
+    NoSuchDrive(String),
+    #[error("drive {id}: {source}")]
+    Block {
+        id: String,
+        source: gpuvm_virtio::block::BlockError,
+    },
+}
+
+/// Swaps the image under the running drive `id` and/or changes its rate limit. The new
+/// image is opened and checked before anything changes; the guest is told the new size.
+pub fn update_drive(
+    handles: &[VirtioHandle],
+    id: &str,
+    path: Option<std::path::PathBuf>,
+    rate_limiter: Option<gpuvm_virtio::rate_limiter::RateLimiterConfig>,
+) -> Result<(), DriveUpdateError> {
+    let handle = handles
+        .iter()
+        .find(|h| matches!(&h.config, VirtioDeviceConfig::Block(c) if c.drive_id == id))
+        .ok_or_else(|| DriveUpdateError::NoSuchDrive(id.to_string()))?;
+    let mut transport = lock(&handle.transport);
+    let block = transport
+        .device_mut()
+        .as_any_mut()
+        .and_then(|any| any.downcast_mut::<Block>())
+        .ok_or_else(|| DriveUpdateError::NoSuchDrive(id.to_string()))?;
+    let block_error = |source| DriveUpdateError::Block {
+        id: id.to_string(),
+        source,
+    };
+    if let Some(path) = path {
+        block.update_backing(path).map_err(block_error)?;
+    }
+    if let Some(config) = rate_limiter {
+        block.update_rate_limiter(config).map_err(block_error)?;
+    }
+    Ok(())
+}
