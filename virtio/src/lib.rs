@@ -6,7 +6,8 @@
 //!   PCI root bus with MSI-X and ioeventfd queue notification.
 //! - [`worker`]: the I/O thread each activated device runs on, off the vCPU threads.
 //! - [`rate_limiter`]: token buckets for bandwidth and operations (block, net, rng).
-//! - Devices: [`block`], [`net`], [`vsock`], [`rng`].
+//! - Devices: [`block`], [`net`], [`vsock`], [`rng`]; [`vhost_user`] devices whose data
+//!   path is an external backend (virtiofsd, qemu-storage-daemon).
 //!
 //! Every device accepts whatever a guest writes into its rings and registers: a bad
 //! descriptor chain is answered with an error status or dropped, never a panic.
@@ -17,6 +18,7 @@ pub mod net;
 pub mod rate_limiter;
 pub mod rng;
 pub mod transport;
+pub mod vhost_user;
 pub mod vsock;
 pub mod worker;
 
