@@ -1004,7 +1004,7 @@ fn ctl_raw_and_errors() {
     assert!(stderr.contains("gpu_id"), "{stderr}");
     assert!(stderr.contains("(400)"), "{stderr}");
     let (ok, _, stderr) = ctl(&socket, &["raw", "PUT", "/drives/root", "{}"]);
-    assert!(!ok && stderr.contains("no block device"), "{stderr}");
+    assert!(!ok && stderr.contains("drive_id"), "{stderr}");
     let (ok, _, stderr) = ctl(&socket, &["pause"]);
     assert!(!ok && stderr.contains("(409)"), "{stderr}");
 }

@@ -193,14 +193,19 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
-            VmmAction::PutDrive(body) => {
+            VmmAction::PutDrive(body) => absolute_path(&body.path, "path").and_then(|()| {
                 self.put_virtio(|v| replace_or_push(&mut v.drives, body, |d| d.drive_id.clone()))
-            }
+            }),
             VmmAction::PutNetworkInterface(body) => {
                 self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()))
             }
-            VmmAction::PutVsock(body) => self.put_virtio(|v| v.vsock = Some(body)),
-            VmmAction::PutEntropy(body) => self.put_virtio(|v| v.rng = Some(body)),
+            VmmAction::PutVsock(body) => absolute_path(&body.uds_path, "uds_path")
+                .and_then(|()| self.put_virtio(|v| v.vsock = Some(body))),
+            VmmAction::PutEntropy(body) => body
+                .source
+                .as_deref()
+                .map_or(Ok(()), |source| absolute_path(source, "source"))
+                .and_then(|()| self.put_virtio(|v| v.rng = Some(body))),
             VmmAction::PatchDrive(_) => Err(ActionError::wrong_state(
                 "PATCH /drives changes a running VM's drive; before start, PUT it again",
             )),

@@ -67,6 +67,31 @@ impl VirtioOptions {
                 max: MAX_NETS,
             });
         }
+        for drive in &self.drives {
+            check_id("drive_id", &drive.drive_id)?;
+            drive.validate().map_err(|source| VirtioSetupError::Block {
+                id: drive.drive_id.clone(),
+                source,
+            })?;
+            drive
+                .rate_limiter
+                .validate()
+                .map_err(|e| VirtioSetupError::Invalid(format!("drive {}: {e}", drive.drive_id)))?;
+        }
+        for net in &self.nets {
+            net.validate()
+                .map_err(|e| VirtioSetupError::Invalid(e.to_string()))?;
+        }
+        if let Some(vsock) = &self.vsock {
+            vsock
+                .validate()
+                .map_err(|e| VirtioSetupError::Vsock(e.to_string()))?;
+        }
+        if let Some(rng) = &self.rng {
+            rng.rate_limiter
+                .validate()
+                .map_err(|e| VirtioSetupError::Invalid(format!("entropy device: {e}")))?;
+        }
         let mut ids: Vec<&str> = self.drives.iter().map(|d| d.drive_id.as_str()).collect();
         ids.extend(self.nets.iter().map(|n| n.iface_id.as_str()));
         ids.sort_unstable();
@@ -77,8 +102,25 @@ impl VirtioOptions {
     }
 }
 
+/// Device ids name threads, log lines and API paths: 1 to 64 of [A-Za-z0-9_.-].
+fn check_id(field: &str, id: &str) -> Result<(), VirtioSetupError> {
+    let valid = (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+    if valid {
+        Ok(())
+    } else {
+        Err(VirtioSetupError::Invalid(format!(
+            "{field} must be 1 to 64 characters of [A-Za-z0-9_.-], got {id:?}"
+        )))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum VirtioSetupError {
+    #[error("{0}")]
+    Invalid(String),
     #[error("at most {max} {what} per VM")]
     TooMany { what: &'static str, max: usize },
     #[error("device id {0:?} is used twice")]
