@@ -32,6 +32,14 @@ readonly PACKAGES=(
     curl
     ca-certificates
     libclang-dev
+    linux-source-6.1
+    flex
+    bison
+    bc
+    libelf-dev
+    libssl-dev
+    e2fsprogs
+    iputils-ping
 )
 
 is_installed() {

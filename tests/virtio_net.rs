@@ -1,0 +1,395 @@
+//! virtio-net end to end: the test guest's `virtio-net IP` workload (its own ring-3 driver,
+//! ARP, ICMP echo and a UDP echo on port 7) against gpuvm's network device, through a real
+//! tap in a network namespace each test makes for itself (`ip netns add
+//! gpuvm-vnet-<pid>-<n>`, removed again even when the test fails), with gpuvm started inside
+//! it by `ip netns exec` and seccomp on (the default). The host side is the namespace's own
+//! network stack: `ping`, a UDP socket, the neighbour table. Tests that need root (a
+//! namespace, a tap) print why and skip without it.
+
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::Path;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use gpuvm_tests::{run_gpuvm, RunOutput, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// The guest's UDP echo port.
+const ECHO_PORT: u16 = 7;
+/// Tells the namespaces (and their 10.0.<n>.0/24 subnets) of one test process apart.
+static NEXT_NETNS: AtomicU32 = AtomicU32::new(1);
+
+/// A network namespace with one tap, `tap0`, at 10.0.<n>.1/24 and up; the namespace (and so
+/// the tap) is deleted when dropped, also while a failing test unwinds.
+struct Netns {
+    name: String,
+    n: u32,
+}
+
+impl Netns {
+    /// `None` (with the reason printed) where the test cannot run: not root, no iproute2.
+    fn create(test: &str) -> Option<Netns> {
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped {test}: needs root (creates a network namespace and a tap)");
+            return None;
+        }
+        let n = NEXT_NETNS.fetch_add(1, Ordering::SeqCst);
+        assert!(n < 255, "too many namespaces for 10.0.<n>.0/24");
+        let name = format!("gpuvm-vnet-{}-{n}", std::process::id());
+        match Command::new("ip").args(["netns", "add", &name]).output() {
+            Err(error) => {
+                eprintln!("skipped {test}: cannot run `ip` (is iproute2 installed?): {error}");
+                return None;
+            }
+            Ok(output) if !output.status.success() => {
+                eprintln!(
+                    "skipped {test}: `ip netns add {name}` failed: {}",
+                    String::from_utf8_lossy(&output.stderr).trim()
+                );
+                return None;
+            }
+            Ok(_) => {}
+        }
+        let netns = Netns { name, n };
+        netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap"]);
+        netns.ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", netns.host_ip()),
+            "dev",
+            "tap0",
+        ]);
+        netns.ip(&["link", "set", "tap0", "up"]);
+        Some(netns)
+    }
+
+    fn host_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 0, self.n as u8, 1)
+    }
+
+    fn guest_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 0, self.n as u8, 2)
+    }
+
+    /// Runs `program ARGS` inside the namespace to completion.
+    fn exec(&self, program: &str, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name, program])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("ip netns exec {} {program}: {e}", self.name))
+    }
+
+    /// Runs `ip ARGS` inside the namespace; it must succeed.
+    fn ip(&self, args: &[&str]) -> String {
+        let output = self.exec("ip", args);
+        assert!(
+            output.status.success(),
+            "ip {args:?} in {}: {}",
+            self.name,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Starts `gpuvm run --cmdline "virtio-net 10.0.<n>.2" --net NET` inside the namespace.
+    /// `ip netns exec` execs gpuvm (no fork), so the process's pid is gpuvm's.
+    fn spawn_guest(&self, net: &str) -> SpawnedProcess {
+        let gpuvm = gpuvm_tests::gpuvm_bin();
+        let cmdline = format!("virtio-net {}", self.guest_ip());
+        SpawnedProcess::spawn(
+            Path::new("ip"),
+            &[
+                "netns",
+                "exec",
+                &self.name,
+                gpuvm.to_str().expect("UTF-8 gpuvm path"),
+                "run",
+                "--cmdline",
+                &cmdline,
+                "--net",
+                net,
+            ],
+        )
+    }
+
+    /// Runs `work` on a thread that entered the namespace (setns affects only the calling
+    /// thread); the sockets it makes live in the namespace.
+    fn run<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let namespace = OwnedFd::from(std::fs::File::open(&path).unwrap());
+            // SAFETY: setns with a namespace fd we own; it changes this thread's network
+            // namespace only, and the thread ends after `work`.
+            let result = unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(result, 0, "setns: {}", std::io::Error::last_os_error());
+            work()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// Sends `payload` from 10.0.<n>.1 to the guest's UDP port 7 and returns what comes back
+    /// (tries again while nothing does: the first datagram may wait on ARP).
+    fn udp_echo(&self, payload: &[u8]) -> Vec<u8> {
+        let (host, guest) = (self.host_ip(), self.guest_ip());
+        let payload = payload.to_vec();
+        self.run(move || {
+            let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
+            socket
+                .set_read_timeout(Some(Duration::from_secs(3)))
+                .unwrap();
+            let target = SocketAddr::from((guest, ECHO_PORT));
+            let mut buffer = [0u8; 2048];
+            for _ in 0..5 {
+                socket.send_to(&payload, target).expect("send to the guest");
+                match socket.recv_from(&mut buffer) {
+                    Ok((len, from)) => {
+                        assert_eq!(from, target, "the echo comes from the guest's port 7");
+                        return buffer[..len].to_vec();
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(e) => panic!("recv from the guest: {e}"),
+                }
+            }
+            panic!("no UDP echo from {target} after 5 tries");
+        })
+    }
+
+    /// Makes the host resolve the guest's IP (a datagram to the guest's discard port, which it
+    /// ignores, goes out after an ARP request) and returns the MAC the guest answered with.
+    /// Only while the guest runs: the kernel flushes the entry when the tap loses its carrier
+    /// (gpuvm closing it at exit).
+    fn resolve_guest(&self) -> String {
+        let (host, guest) = (self.host_ip(), self.guest_ip());
+        for _ in 0..50 {
+            self.run(move || {
+                let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
+                socket
+                    .send_to(b"resolve", (guest, 9))
+                    .expect("send to the guest");
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            if let Some(mac) = self.guest_neighbour() {
+                return mac;
+            }
+        }
+        panic!(
+            "the host did not resolve {guest}: {}",
+            self.ip(&["neigh", "show"])
+        );
+    }
+
+    /// The MAC the namespace's neighbour table holds for the guest, if any.
+    fn guest_neighbour(&self) -> Option<String> {
+        let guest = self.guest_ip().to_string();
+        let table = self.ip(&["neigh", "show", &guest, "dev", "tap0"]);
+        let mut words = table.split_whitespace();
+        words.find(|w| *w == "lladdr")?;
+        words.next().map(str::to_string)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Deleting the namespace takes its tap with it.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// The MAC the guest printed (`virtio-net: mac=...`).
+fn guest_mac(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("virtio-net: mac="))
+        .unwrap_or_else(|| panic!("no mac= line:\n{stdout}"))
+        .trim()
+        .to_string()
+}
+
+/// The rx and tx frame counts of the guest's `virtio-net: ok rx=R tx=T` line.
+fn ok_counts(out: &RunOutput) -> (u64, u64) {
+    let line = out
+        .stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("virtio-net: ok "))
+        .unwrap_or_else(|| panic!("no ok line\n{}", out.describe()));
+    let count = |key: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+    };
+    (count("rx="), count("tx="))
+}
+
+fn assert_ping_installed() {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join("ping").is_file()));
+    assert!(
+        found,
+        "ping is needed for this test (scripts/install-deps.sh installs iputils-ping)"
+    );
+}
+
+#[test]
+fn ping_and_udp_echo_through_a_tap() {
+    let Some(netns) = Netns::create("ping_and_udp_echo_through_a_tap") else {
+        return;
+    };
+    assert_ping_installed();
+    let mut vm = netns.spawn_guest("id=eth0,tap=tap0");
+    vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
+    let mac = guest_mac(&vm.stdout());
+    // The announcement (gratuitous ARP and a broadcast datagram) reached the host's tap.
+    let rx_packets: u64 = String::from_utf8(
+        netns
+            .exec("cat", &["/sys/class/net/tap0/statistics/rx_packets"])
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .parse()
+    .expect("tap0 rx_packets");
+    assert!(rx_packets >= 2, "tap0 received {rx_packets} frames");
+
+    let guest = netns.guest_ip().to_string();
+    let ping = netns.exec("ping", &["-c", "1", "-W", "5", &guest]);
+    assert!(
+        ping.status.success(),
+        "ping {guest} failed: {}{}\n--- gpuvm stdout\n{}\n--- gpuvm stderr\n{}",
+        String::from_utf8_lossy(&ping.stdout),
+        String::from_utf8_lossy(&ping.stderr),
+        vm.stdout(),
+        vm.stderr()
+    );
+    assert!(
+        String::from_utf8_lossy(&ping.stdout).contains("1 received"),
+        "{}",
+        String::from_utf8_lossy(&ping.stdout)
+    );
+    // The host resolved the guest through its ARP answer: the MAC the device offered.
+    assert_eq!(netns.guest_neighbour().as_deref(), Some(mac.as_str()));
+
+    // The largest datagram a 1500-byte MTU carries unfragmented: full-size frames both ways.
+    let payload: Vec<u8> = (0..1472u32).map(|i| (i * 13 + i / 256) as u8).collect();
+    let echo = netns.udp_echo(&payload);
+    assert!(
+        echo == payload,
+        "the echoed payload differs ({} bytes back)",
+        echo.len()
+    );
+
+    let out = vm.wait(LIMIT);
+    out.assert_code(0).assert_stdout_has("virtio-net: ok");
+    out.assert_stdout_has(&format!("virtio-net: arp reply to {}", netns.host_ip()));
+    out.assert_stdout_has(&format!(
+        "virtio-net: icmp echo reply to {}",
+        netns.host_ip()
+    ));
+    out.assert_stdout_has(&format!("virtio-net: echoed {} udp bytes", payload.len()));
+    // Sent: the gratuitous ARP, the broadcast, an ARP reply, the ICMP reply, the echo.
+    // Received: at least the ARP request, the ICMP request and the datagram.
+    let (rx, tx) = ok_counts(&out);
+    assert!(rx >= 3 && tx >= 5, "rx={rx} tx={tx}\n{}", out.describe());
+}
+
+#[test]
+fn a_configured_mac_is_what_the_guest_and_the_host_see() {
+    let Some(netns) = Netns::create("a_configured_mac_is_what_the_guest_and_the_host_see") else {
+        return;
+    };
+    let mac = "06:00:0a:00:00:02";
+    let mut vm = netns.spawn_guest(&format!("id=eth0,tap=tap0,mac={mac}"));
+    vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
+    assert_eq!(guest_mac(&vm.stdout()), mac);
+    // The guest answers ARP with it too.
+    assert_eq!(netns.resolve_guest(), mac);
+    let echo = netns.udp_echo(b"mac");
+    assert_eq!(echo, b"mac");
+    let out = vm.wait(LIMIT);
+    out.assert_code(0).assert_stdout_has("virtio-net: ok");
+}
+
+#[test]
+fn bad_network_interfaces_are_refused_before_the_guest_runs() {
+    let long = "gpuvmtap0123456789"; // 18 bytes; Linux names have 15 at most
+    for (net, needles) in [
+        (
+            format!("id=eth0,tap={long}"),
+            vec!["eth0", &long[..15], "interface name"],
+        ),
+        (
+            "id=eth0,tap=tap/0".to_string(),
+            vec!["eth0", "tap/0", "interface name"],
+        ),
+        // No tap by name, and no descriptors can come on the command line.
+        ("id=eth0".to_string(), vec!["eth0", "tap"]),
+        (
+            "id=eth0,tap=tap0,mac=01:00:0a:00:00:02".to_string(),
+            vec!["01:00:0a:00:00:02", "multicast"],
+        ),
+    ] {
+        let out = run_gpuvm(
+            &["run", "--cmdline", "virtio-net 10.0.0.2", "--net", &net],
+            LIMIT,
+        );
+        out.assert_code(125);
+        for needle in needles {
+            out.assert_clean_error(needle);
+        }
+        assert!(
+            !out.stdout.contains("testguest: ready") && !out.stdout.contains("virtio-net:"),
+            "--net {net}: the guest ran:\n{}",
+            out.describe()
+        );
+    }
+}
+
+/// The guest is served by the device's own thread, under the device filter.
+#[test]
+fn the_net_device_thread_runs_under_its_filter() {
+    let Some(netns) = Netns::create("the_net_device_thread_runs_under_its_filter") else {
+        return;
+    };
+    let mut vm = netns.spawn_guest("id=eth0,tap=tap0");
+    vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
+    // `ip netns exec` exec'd gpuvm: the pid we spawned is gpuvm's own.
+    let exe = std::fs::read_link(format!("/proc/{}/exe", vm.pid())).expect("/proc/PID/exe");
+    let gpuvm = gpuvm_tests::gpuvm_bin();
+    assert_eq!(
+        exe.canonicalize().unwrap(),
+        gpuvm.canonicalize().unwrap(),
+        "pid {} is not gpuvm",
+        vm.pid()
+    );
+    let threads = gpuvm_tests::thread_seccomp_modes(vm.pid());
+    let net_threads: Vec<_> = threads
+        .iter()
+        .filter(|(name, _)| name.starts_with("virtio-net"))
+        .collect();
+    assert_eq!(
+        net_threads,
+        [&("virtio-net".to_string(), 2)],
+        "one filtered thread serves the device: {threads:?}"
+    );
+    assert!(
+        !threads
+            .iter()
+            .any(|(name, _)| name.starts_with("virtio-idle")),
+        "the only device's thread is busy: {threads:?}"
+    );
+    // The filtered thread still moves frames both ways.
+    assert_eq!(netns.udp_echo(b"filtered"), b"filtered");
+    let out = vm.wait(LIMIT);
+    out.assert_code(0).assert_stdout_has("virtio-net: ok");
+}
