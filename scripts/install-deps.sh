@@ -15,6 +15,10 @@
 #   curl             tests/api.rs drives the API socket with curl --unix-socket
 #   ca-certificates  apt-get download over https mirrors
 #   libclang-dev     bindgen, for the userfaultfd-sys crate (gpuvm-memory's lazy restore)
+#   libseccomp-dev libcap-ng-dev
+#                    build virtiofsd (cargo install --locked virtiofsd, below), the virtio-fs
+#                    backend of the vhost-user tests; qemu-storage-daemon (vhost-user-blk)
+#                    comes with qemu-system-x86
 set -euo pipefail
 
 readonly PACKAGES=(
@@ -32,6 +36,8 @@ readonly PACKAGES=(
     curl
     ca-certificates
     libclang-dev
+    libseccomp-dev
+    libcap-ng-dev
     linux-source-6.1
     flex
     bison
@@ -47,6 +53,20 @@ is_installed() {
     [[ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" == "install ok installed" ]]
 }
 
+# virtiofsd (vhost-user virtio-fs backend) is not packaged in Debian 12: built from crates.io
+# with the packages above, unless one already runs.
+install_virtiofsd() {
+    if virtiofsd --version >/dev/null 2>&1; then
+        return 0
+    fi
+    if ! command -v cargo >/dev/null; then
+        echo "install-deps: error: cargo not found; it builds virtiofsd" >&2
+        return 1
+    fi
+    echo "install-deps: building virtiofsd (cargo install --locked virtiofsd)"
+    cargo install --locked virtiofsd
+}
+
 missing=()
 for package in "${PACKAGES[@]}"; do
     is_installed "$package" || missing+=("$package")
@@ -54,6 +74,7 @@ done
 
 if ((${#missing[@]} == 0)); then
     echo "install-deps: all packages present"
+    install_virtiofsd
     exit 0
 fi
 
@@ -85,4 +106,5 @@ for package in "${missing[@]}"; do
         exit 1
     fi
 done
+install_virtiofsd
 echo "install-deps: done"

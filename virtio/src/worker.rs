@@ -76,6 +76,8 @@ type Job = Box<dyn FnOnce(&dyn Fn()) + Send>;
 static IDLE: Mutex<Vec<Sender<Job>>> = Mutex::new(Vec::new());
 /// Set once [`prespawn`] ran: from then on workers only run on pooled threads.
 static POOLED: AtomicBool = AtomicBool::new(false);
+/// The setup [`prespawn`] was given, for the crate's other long-lived threads.
+static SETUP: Mutex<Option<ThreadSetup>> = Mutex::new(None);
 
 /// What a pooled thread does first, before it takes work (the VMM installs the device
 /// seccomp filter here); an error ends the thread.
@@ -107,6 +109,7 @@ impl From<WorkerError> for std::io::Error {
 /// has run it.
 pub fn prespawn(count: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
     POOLED.store(true, Ordering::SeqCst);
+    *crate::lock(&SETUP) = Some(setup.clone());
     let (ready_tx, ready_rx) = channel();
     for index in 0..count {
         let (job_tx, job_rx) = channel::<Job>();
@@ -132,6 +135,17 @@ pub fn prespawn(count: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
         crate::lock(&IDLE).push(sender);
     }
     Ok(())
+}
+
+/// Runs, on the calling thread, the setup the pooled threads ran (the device seccomp
+/// filter in gpuvm): for other threads the crate starts, such as vhost-user's watchdog.
+/// Nothing to do before [`prespawn`] ran.
+pub(crate) fn run_thread_setup() -> std::io::Result<()> {
+    let setup = crate::lock(&SETUP).clone();
+    match setup {
+        Some(setup) => setup(),
+        None => Ok(()),
+    }
 }
 
 fn serve_jobs(jobs: &Receiver<Job>, me: &Sender<Job>) {

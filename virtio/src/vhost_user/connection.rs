@@ -1,0 +1,354 @@
+//! One connection to a vhost-user backend: connecting with a bounded wait, feature
+//! negotiation, and every request bounded by [`Timeouts::reply`].
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserProtocolFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::VhostBackend;
+
+use super::watchdog::{self, Deadline};
+use super::VhostUserError;
+
+/// VHOST_USER_F_PROTOCOL_FEATURES: a virtio feature bit that only means "the backend
+/// speaks GET/SET_PROTOCOL_FEATURES"; never offered to the guest.
+pub(super) const PROTOCOL_FEATURES_BIT: u64 = 1 << 30;
+
+/// How long gpuvm waits for a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timeouts {
+    /// For the socket to accept a connection (a backend still starting refuses it or has
+    /// not created the socket yet: retried until then).
+    pub connect: Duration,
+    /// For each reply (and each send); a backend that misses it is treated as dead.
+    pub reply: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(5),
+            reply: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A negotiated connection.
+pub(super) struct Connection {
+    socket_path: PathBuf,
+    frontend: Frontend,
+    /// The connection's socket, for the watchdog's shutdown and the relay's hang-up watch.
+    socket: Arc<OwnedFd>,
+    timeouts: Timeouts,
+    broken: Arc<AtomicBool>,
+    /// GET_FEATURES' answer.
+    backend_features: u64,
+    /// What both sides speak.
+    protocol_features: VhostUserProtocolFeatures,
+    /// GET_QUEUE_NUM's answer, when MQ was negotiated.
+    backend_queues: Option<u64>,
+    /// Who we are in log lines ("vhost-user-blk rootfs").
+    owner: String,
+}
+
+impl Connection {
+    /// Connects to `socket_path` and negotiates: GET_FEATURES, GET/SET_PROTOCOL_FEATURES
+    /// (the subset of `wanted` the backend offers; REPLY_ACK makes every request wait for
+    /// the backend's acknowledgement), GET_QUEUE_NUM (with MQ), SET_OWNER.
+    pub(super) fn connect(
+        owner: &str,
+        socket_path: &Path,
+        queues: usize,
+        wanted: VhostUserProtocolFeatures,
+        timeouts: Timeouts,
+    ) -> Result<Connection, VhostUserError> {
+        watchdog::start().map_err(VhostUserError::Watchdog)?;
+        let stream = connect_bounded(socket_path, timeouts.connect)?;
+        let socket = stream
+            .try_clone()
+            .map(|s| Arc::new(OwnedFd::from(s)))
+            .map_err(|source| VhostUserError::Connect {
+                socket: socket_path.to_path_buf(),
+                source,
+            })?;
+        let mut connection = Connection {
+            socket_path: socket_path.to_path_buf(),
+            frontend: Frontend::from_stream(stream, queues as u64),
+            socket,
+            timeouts,
+            broken: Arc::new(AtomicBool::new(false)),
+            backend_features: 0,
+            protocol_features: VhostUserProtocolFeatures::empty(),
+            backend_queues: None,
+            owner: owner.to_string(),
+        };
+        connection.negotiate(wanted)?;
+        Ok(connection)
+    }
+
+    fn negotiate(&mut self, wanted: VhostUserProtocolFeatures) -> Result<(), VhostUserError> {
+        self.backend_features = self.request("GET_FEATURES", |f| f.get_features())?;
+        if self.backend_features & PROTOCOL_FEATURES_BIT != 0 {
+            let offered = self.request("GET_PROTOCOL_FEATURES", |f| f.get_protocol_features())?;
+            let agreed = offered & wanted;
+            self.request("SET_PROTOCOL_FEATURES", |f| f.set_protocol_features(agreed))?;
+            self.protocol_features = agreed;
+            if agreed.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                self.frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
+            if agreed.contains(VhostUserProtocolFeatures::MQ) {
+                self.backend_queues = Some(self.request("GET_QUEUE_NUM", |f| f.get_queue_num())?);
+            }
+        }
+        self.request("SET_OWNER", |f| f.set_owner())?;
+        log::debug!(
+            "{}: backend at {} offers features {:#x}, protocol features {:?}, queues {:?}",
+            self.owner,
+            self.socket_path.display(),
+            self.backend_features,
+            self.protocol_features,
+            self.backend_queues
+        );
+        Ok(())
+    }
+
+    /// Sends one request (and waits for its reply) through `send`, within the reply
+    /// timeout. A late reply or a broken stream marks the connection broken for good.
+    pub(super) fn request<T>(
+        &mut self,
+        request: &'static str,
+        send: impl FnOnce(&mut Frontend) -> vhost::Result<T>,
+    ) -> Result<T, VhostUserError> {
+        if self.is_broken() {
+            return Err(VhostUserError::Broken {
+                socket: self.socket_path.clone(),
+            });
+        }
+        let deadline = Deadline::arm(&self.socket, self.timeouts.reply);
+        let result = send(&mut self.frontend);
+        let late = deadline.disarm();
+        match result {
+            Ok(value) if !late => Ok(value),
+            Ok(_) => {
+                self.mark_broken(&format!("{request} was answered too late"));
+                Err(self.timeout(request))
+            }
+            Err(_) if late => {
+                self.mark_broken(&format!("no answer to {request}"));
+                Err(self.timeout(request))
+            }
+            Err(source) => {
+                if breaks_connection(&source) {
+                    self.mark_broken(&format!("{request} failed: {source}"));
+                    // The stream may hold half a message: nothing after it can be trusted.
+                    // SAFETY: shutdown(2) on the socket the Arc keeps open.
+                    unsafe { libc::shutdown(self.socket.as_raw_fd(), libc::SHUT_RDWR) };
+                }
+                Err(VhostUserError::Protocol {
+                    socket: self.socket_path.clone(),
+                    request,
+                    source,
+                })
+            }
+        }
+    }
+
+    fn timeout(&self, request: &'static str) -> VhostUserError {
+        VhostUserError::Timeout {
+            socket: self.socket_path.clone(),
+            request,
+            waited: self.timeouts.reply,
+            hint: if request == "GET_FEATURES" {
+                " (a backend that already serves a frontend, such as another device or VM on \
+                 the same socket, does not answer a second one)"
+            } else {
+                ""
+            },
+        }
+    }
+
+    /// Marks the connection broken, logging the first reason only.
+    pub(super) fn mark_broken(&self, reason: &str) {
+        mark_broken(&self.broken, &self.owner, &self.socket_path, reason);
+    }
+
+    pub(super) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    /// The flag [`Connection::is_broken`] reads, for the relay to set on a hang-up.
+    pub(super) fn broken_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.broken)
+    }
+
+    pub(super) fn socket(&self) -> Arc<OwnedFd> {
+        Arc::clone(&self.socket)
+    }
+
+    pub(super) fn socket_path(&self) -> &Path {
+        &self.socket_path
+    }
+
+    pub(super) fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    pub(super) fn backend_features(&self) -> u64 {
+        self.backend_features
+    }
+
+    pub(super) fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.protocol_features
+    }
+
+    pub(super) fn backend_queues(&self) -> Option<u64> {
+        self.backend_queues
+    }
+
+    /// SET_VRING_ENABLE is only spoken (and needed: rings start enabled without it) once
+    /// protocol features are negotiated.
+    pub(super) fn has_vring_enable(&self) -> bool {
+        self.backend_features & PROTOCOL_FEATURES_BIT != 0
+    }
+}
+
+/// Sets `broken`, logging `reason` the first time only.
+pub(super) fn mark_broken(broken: &AtomicBool, owner: &str, socket: &Path, reason: &str) {
+    if !broken.swap(true, Ordering::SeqCst) {
+        log::error!(
+            "{owner}: vhost-user backend at {} lost ({reason}); the device is broken, its \
+             queues are no longer served",
+            socket.display()
+        );
+    }
+}
+
+/// Whether `error` leaves the stream in an unknown state (as opposed to a refusal checked
+/// before anything was sent, or a well-formed negative acknowledgement).
+fn breaks_connection(error: &vhost::Error) -> bool {
+    use vhost::vhost_user::Error as Protocol;
+    match error {
+        vhost::Error::VhostUserProtocol(inner) => !matches!(
+            inner,
+            Protocol::InvalidParam
+                | Protocol::InactiveFeature(_)
+                | Protocol::InactiveOperation(_)
+                | Protocol::BackendInternalError
+                | Protocol::FeatureMismatch
+        ),
+        _ => false,
+    }
+}
+
+/// Connects to a Unix socket, retrying while nobody listens yet (ENOENT, ECONNREFUSED) or
+/// the listener's backlog is full (EAGAIN), until `timeout` has passed. The socket is
+/// non-blocking while connecting so a full backlog cannot block the caller.
+fn connect_bounded(path: &Path, timeout: Duration) -> Result<UnixStream, VhostUserError> {
+    let begin = Instant::now();
+    loop {
+        match connect_nonblocking(path) {
+            Ok(stream) => {
+                stream
+                    .set_nonblocking(false)
+                    .map_err(|source| VhostUserError::Connect {
+                        socket: path.to_path_buf(),
+                        source,
+                    })?;
+                return Ok(stream);
+            }
+            Err(error) if retryable(&error) => {
+                if let Some(source) = not_a_socket(path) {
+                    return Err(VhostUserError::Connect {
+                        socket: path.to_path_buf(),
+                        source,
+                    });
+                }
+                let waited = begin.elapsed();
+                if waited >= timeout {
+                    return Err(VhostUserError::ConnectTimeout {
+                        socket: path.to_path_buf(),
+                        waited,
+                        last: error,
+                    });
+                }
+                std::thread::sleep((timeout - waited).min(Duration::from_millis(20)));
+            }
+            Err(source) => {
+                return Err(VhostUserError::Connect {
+                    socket: path.to_path_buf(),
+                    source,
+                })
+            }
+        }
+    }
+}
+
+/// A path that exists but is no socket will never accept: say so at once.
+fn not_a_socket(path: &Path) -> Option<std::io::Error> {
+    use std::os::unix::fs::FileTypeExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    (!metadata.file_type().is_socket()).then(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the path exists but is not a Unix socket",
+        )
+    })
+}
+
+fn retryable(error: &std::io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(libc::ENOENT | libc::ECONNREFUSED | libc::EAGAIN)
+    )
+}
+
+fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.is_empty() || bytes.len() >= address.sun_path.len() || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "not a usable socket path (1 to {} bytes, no NUL)",
+                address.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (slot, byte) in address.sun_path.iter_mut().zip(bytes) {
+        *slot = *byte as libc::c_char;
+    }
+    // SAFETY: socket(2) with constant arguments; the result is checked.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `address` is a valid sockaddr_un that outlives the call, and the length
+    // given is its size.
+    let result = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            (&address as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
+            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+        )
+    };
+    if result < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(UnixStream::from(socket))
+}

@@ -1,0 +1,327 @@
+//! What both vhost-user devices share: the connection, and activate / reset / pause /
+//! resume on top of the relay worker.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::connection::{Connection, Timeouts};
+use super::relay::{RelayHandler, RingQueue, Rings, StopRequest};
+use super::VhostUserError;
+use crate::device::{ActivateError, Activation, ActiveQueue, QueuePosition};
+use crate::worker::Worker;
+
+enum State {
+    Idle,
+    Running {
+        worker: Worker<RelayHandler>,
+        stop_signal: EventFd,
+        stopped: Receiver<()>,
+    },
+    Paused(Rings),
+    /// The I/O thread panicked; the rings went with it.
+    Failed,
+}
+
+/// A device whose queues a vhost-user backend serves.
+pub(super) struct VhostUserCore {
+    /// "vhost-user-blk": what [`ActivateError`] names.
+    kind: &'static str,
+    name: String,
+    thread_name: String,
+    connection: Arc<Mutex<Connection>>,
+    broken: Arc<AtomicBool>,
+    socket_path: PathBuf,
+    reply_timeout: Duration,
+    queue_count: usize,
+    state: State,
+}
+
+impl VhostUserCore {
+    /// Connects and negotiates (see [`Connection::connect`]); refuses a backend with fewer
+    /// queues than `queue_count`.
+    pub fn connect(
+        kind: &'static str,
+        name: String,
+        thread_name: String,
+        socket: &Path,
+        queue_count: usize,
+        wanted: VhostUserProtocolFeatures,
+        timeouts: Timeouts,
+    ) -> Result<VhostUserCore, VhostUserError> {
+        let connection = Connection::connect(&name, socket, queue_count, wanted, timeouts)?;
+        if let Some(backend_queues) = connection.backend_queues() {
+            if backend_queues < queue_count as u64 {
+                return Err(VhostUserError::Unsupported {
+                    socket: socket.to_path_buf(),
+                    missing: format!("serves {backend_queues} queues, {name} needs {queue_count}"),
+                });
+            }
+        }
+        Ok(VhostUserCore {
+            kind,
+            name,
+            thread_name,
+            broken: connection.broken_flag(),
+            connection: Arc::new(Mutex::new(connection)),
+            socket_path: socket.to_path_buf(),
+            reply_timeout: timeouts.reply,
+            queue_count,
+            state: State::Idle,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    pub fn backend_features(&self) -> u64 {
+        crate::lock(&self.connection).backend_features()
+    }
+
+    pub fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        crate::lock(&self.connection).protocol_features()
+    }
+
+    /// Runs `request` on the connection (construction time only: once active, requests
+    /// run on the I/O thread).
+    pub fn request<T>(
+        &self,
+        name: &'static str,
+        request: impl FnOnce(&mut vhost::vhost_user::Frontend) -> vhost::Result<T>,
+    ) -> Result<T, VhostUserError> {
+        crate::lock(&self.connection).request(name, request)
+    }
+
+    pub fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
+        match self.state {
+            State::Idle => {}
+            State::Failed => return Err(self.error("its I/O thread failed earlier".into())),
+            _ => return Err(self.error("already active".into())),
+        }
+        if self.is_broken() {
+            return Err(self.error(
+                VhostUserError::Broken {
+                    socket: self.socket_path.clone(),
+                }
+                .to_string(),
+            ));
+        }
+        let Activation {
+            memory,
+            acked_features,
+            queues,
+            interrupt,
+        } = activation;
+        if queues.len() != self.queue_count {
+            return Err(ActivateError::QueueCount {
+                device: self.kind,
+                given: queues.len(),
+                needed: self.queue_count,
+            });
+        }
+        let mut rings = Vec::new();
+        for (index, queue) in queues.into_iter().enumerate() {
+            if let Some(ActiveQueue { queue, kick }) = queue {
+                let call = EventFd::new(EFD_NONBLOCK)
+                    .map_err(|error| self.error(VhostUserError::EventFd(error).to_string()))?;
+                rings.push(RingQueue {
+                    index,
+                    queue,
+                    kick,
+                    call,
+                });
+            }
+        }
+        if rings.is_empty() {
+            return Err(ActivateError::QueueCount {
+                device: self.kind,
+                given: 0,
+                needed: self.queue_count,
+            });
+        }
+        self.start(Rings {
+            memory,
+            acked_features,
+            queues: rings,
+            total_queues: self.queue_count,
+            interrupt,
+        })
+    }
+
+    /// Starts the I/O thread, which starts the backend's rings before it serves.
+    fn start(&mut self, rings: Rings) -> Result<(), ActivateError> {
+        let signal = EventFd::new(EFD_NONBLOCK)
+            .map_err(|error| self.error(VhostUserError::EventFd(error).to_string()))?;
+        let their_signal = signal
+            .try_clone()
+            .map_err(|error| self.error(VhostUserError::EventFd(error).to_string()))?;
+        let (done, stopped) = channel();
+        let (outcome_sender, outcome) = channel();
+        let handler = RelayHandler::new(
+            Arc::clone(&self.connection),
+            rings,
+            StopRequest {
+                signal: their_signal,
+                done,
+            },
+            outcome_sender,
+        );
+        match Worker::spawn(&self.thread_name, handler) {
+            Ok(worker) => {
+                self.state = State::Running {
+                    worker,
+                    stop_signal: signal,
+                    stopped,
+                };
+                Ok(())
+            }
+            Err(error) => {
+                // The rings went with the handler; a reset and a new DRIVER_OK start over.
+                self.state = State::Idle;
+                let message = match outcome.try_recv() {
+                    Ok(Err(setup)) => setup.to_string(),
+                    _ => error.to_string(),
+                };
+                Err(self.error(message))
+            }
+        }
+    }
+
+    /// Stops the rings on the I/O thread, then the thread; the rings come back with their
+    /// positions.
+    fn stop(&mut self) -> Option<Rings> {
+        match std::mem::replace(&mut self.state, State::Failed) {
+            State::Running {
+                worker,
+                stop_signal,
+                stopped,
+            } => {
+                // Every request on the way is bounded by the reply timeout, and a first
+                // timeout fails the rest fast; the margin covers the thread's wake-up.
+                let bound = self.reply_timeout * 2 + Duration::from_secs(1);
+                let asked = stop_signal.write(1).is_ok();
+                if !asked || stopped.recv_timeout(bound).is_err() {
+                    log::error!(
+                        "{}: the I/O thread did not stop the backend's rings within {bound:?}",
+                        self.name
+                    );
+                }
+                match worker.stop() {
+                    Some(handler) => Some(handler.into_rings()),
+                    None => {
+                        log::error!("{}: its I/O thread had panicked", self.name);
+                        None
+                    }
+                }
+            }
+            State::Paused(rings) => Some(rings),
+            other => {
+                self.state = other;
+                None
+            }
+        }
+    }
+
+    pub fn reset(&mut self) {
+        if let Some(rings) = self.stop() {
+            drop(rings);
+            self.state = State::Idle;
+        }
+    }
+
+    pub fn pause(&mut self) -> Vec<Option<QueuePosition>> {
+        match self.stop() {
+            Some(rings) => {
+                let positions = rings.positions();
+                self.state = State::Paused(rings);
+                positions
+            }
+            None => Vec::new(),
+        }
+    }
+
+    pub fn resume(&mut self) -> Result<(), ActivateError> {
+        match std::mem::replace(&mut self.state, State::Idle) {
+            State::Paused(rings) => {
+                if self.is_broken() {
+                    // Keep the rings: a later reset still finds the device paused.
+                    self.state = State::Paused(rings);
+                    return Err(self.error(
+                        VhostUserError::Broken {
+                            socket: self.socket_path.clone(),
+                        }
+                        .to_string(),
+                    ));
+                }
+                self.start(rings)
+            }
+            other => {
+                self.state = other;
+                Ok(())
+            }
+        }
+    }
+
+    fn error(&self, message: String) -> ActivateError {
+        ActivateError::Device {
+            device: self.kind,
+            message: format!("{}: {message}", self.name),
+        }
+    }
+}
+
+impl Drop for VhostUserCore {
+    /// Stops the backend's rings before guest memory can go away.
+    fn drop(&mut self) {
+        self.reset();
+    }
+}
+
+/// "prefix" and up to `15 - prefix - 1` letters or digits of `id` (thread names show 15
+/// bytes).
+pub(super) fn thread_name(prefix: &str, id: &str) -> String {
+    let room = 15usize.saturating_sub(prefix.len() + 1);
+    let suffix: String = id
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(room)
+        .collect();
+    if suffix.is_empty() {
+        prefix.to_string()
+    } else {
+        format!("{prefix}-{suffix}")
+    }
+}
+
+/// Copies `space[offset..]` into `data`, zero past its end.
+pub(super) fn read_config_bytes(space: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Ok(offset) = usize::try_from(offset) else {
+        return;
+    };
+    if let Some(source) = space.get(offset..) {
+        let len = source.len().min(data.len());
+        data[..len].copy_from_slice(&source[..len]);
+    }
+}
+
+/// A queue size a virtio-pci transport accepts: a power of two, 1 to 32768.
+pub(super) fn check_queue_size(device: &str, size: u16) -> Result<(), VhostUserError> {
+    if size == 0 || !size.is_power_of_two() || size > 32768 {
+        return Err(VhostUserError::Config {
+            device: device.to_string(),
+            reason: format!("queue_size {size} is not a power of two from 1 to 32768"),
+        });
+    }
+    Ok(())
+}
