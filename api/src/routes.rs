@@ -2,12 +2,12 @@
 //! deserves. Other front ends (Firecracker's and Cloud Hypervisor's APIs) translate onto
 //! the same actions in files of their own beside this one.
 
-use gpuvm_virtio::block::BlockConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
+use gpuvm_virtio::vhost_user::FsConfig;
 use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::action::{
-    ActionBody, ActionType, BootSourceBody, DrivePatchBody, GpuBody, MachineConfigBody,
+    ActionBody, ActionType, BootSourceBody, DriveBody, DrivePatchBody, GpuBody, MachineConfigBody,
     SnapshotCreateBody, SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
 };
 
@@ -107,8 +107,8 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             let id = &path["/drives/".len()..];
             match method {
                 Put => {
-                    let body = parse::<BlockConfig>(&request.body)?;
-                    same_id("drive_id", &body.drive_id, id)?;
+                    let body = parse::<DriveBody>(&request.body)?;
+                    same_id("drive_id", body.drive_id(), id)?;
                     Ok(VmmAction::PutDrive(body))
                 }
                 Patch => {
@@ -125,6 +125,14 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
                 let id = &path["/network-interfaces/".len()..];
                 same_id("iface_id", &body.iface_id, id)?;
                 Ok(VmmAction::PutNetworkInterface(body))
+            }
+            _ => Err(method_not_allowed("PUT")),
+        },
+        _ if path.starts_with("/fs/") => match method {
+            Put => {
+                let body = parse::<FsConfig>(&request.body)?;
+                same_id("tag", &body.tag, &path["/fs/".len()..])?;
+                Ok(VmmAction::PutFs(body))
             }
             _ => Err(method_not_allowed("PUT")),
         },
@@ -191,7 +199,15 @@ mod tests {
         ));
         assert!(matches!(
             route(&request(Method::Put, "/drives/rootfs", r#"{"drive_id":"rootfs","path":"/img","read_only":true}"#)),
-            Ok(VmmAction::PutDrive(body)) if body.read_only
+            Ok(VmmAction::PutDrive(DriveBody::Local(body))) if body.read_only
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/drives/data", r#"{"drive_id":"data","socket":"/run/qsd.sock"}"#)),
+            Ok(VmmAction::PutDrive(DriveBody::VhostUser(body))) if body.drive_id == "data"
+        ));
+        assert!(matches!(
+            route(&request(Method::Put, "/fs/kataShared", r#"{"tag":"kataShared","socket":"/run/vfs.sock"}"#)),
+            Ok(VmmAction::PutFs(body)) if body.tag == "kataShared"
         ));
         assert!(matches!(
             route(&request(Method::Patch, "/drives/rootfs", r#"{"drive_id":"rootfs","path":"/img2"}"#)),

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use gpuvm_vmm::action::ConfigFile;
+use gpuvm_vmm::action::{ConfigFile, DriveBody};
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::pci::PciOptions;
 
@@ -40,7 +40,13 @@ pub fn apply_config_file(
         pci.gpus.extend(gpu.host_bdf.clone());
         pci.vfio_user.extend(gpu.vfio_user_socket.clone());
     }
-    pci.virtio.drives.extend(file.drives);
+    for drive in file.drives {
+        match drive {
+            DriveBody::Local(config) => pci.virtio.drives.push(config),
+            DriveBody::VhostUser(config) => pci.virtio.vhost_user_drives.push(config),
+        }
+    }
+    pci.virtio.fs.extend(file.fs);
     pci.virtio.nets.extend(file.network_interfaces);
     if file.vsock.is_some() {
         pci.virtio.vsock = file.vsock;

@@ -6,6 +6,7 @@ use clap::Args;
 use gpuvm_virtio::block::BlockConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
+use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlockConfig};
 use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::virtio::VirtioOptions;
 use serde_json::{Map, Value};
@@ -14,8 +15,9 @@ use crate::CliError;
 
 #[derive(Args, Debug, Default)]
 pub struct DeviceArgs {
-    /// A virtio block device: `id=ID,path=IMAGE[,ro][,direct][,serial=S][,engine=sync|async]
-    /// [,bw=BYTES_PER_S][,iops=OPS_PER_S][,root]`. Repeatable.
+    /// A virtio block device: `id=ID,path=IMAGE[,ro][,direct][,serial=S][,engine=Sync|Async]
+    /// [,bw=BYTES_PER_S][,iops=OPS_PER_S][,root]`, or one served by a vhost-user backend:
+    /// `id=ID,vhost_user=SOCKET[,num_queues=N][,queue_size=N]`. Repeatable.
     #[arg(long = "drive", value_name = "KEY=VALUE,...")]
     pub drives: Vec<String>,
     /// A virtio network interface on a tap: `id=ID,tap=NAME[,mac=MAC][,queues=PAIRS]
@@ -29,6 +31,10 @@ pub struct DeviceArgs {
     /// `bw=BYTES_PER_S`.
     #[arg(long = "rng", value_name = "KEY=VALUE,...", num_args = 0..=1, default_missing_value = "")]
     pub rng: Option<String>,
+    /// A virtio-fs share served by virtiofsd: `tag=TAG,socket=SOCKET[,num_queues=N]
+    /// [,queue_size=N]`. Repeatable.
+    #[arg(long = "fs", value_name = "KEY=VALUE,...")]
+    pub fs: Vec<String>,
 }
 
 /// Short names on the command line for the bodies' field names.
@@ -41,7 +47,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("queues", "num_queue_pairs"),
     ("cid", "guest_cid"),
     ("uds", "uds_path"),
-    ("socket", "uds_path"),
+    ("vhost_user", "socket"),
     ("src", "source"),
 ];
 
@@ -56,6 +62,8 @@ const STRING_FIELDS: &[&str] = &[
     "serial",
     "uds_path",
     "source",
+    "socket",
+    "tag",
 ];
 
 /// A token bucket refilled once a second: `size` tokens per second.
@@ -134,9 +142,15 @@ impl DeviceArgs {
                 ("iops", "rate_limiter", "ops"),
             ];
             let body = to_body("drive", text, "drive_id", &limiters)?;
-            options
-                .drives
-                .push(parse::<BlockConfig>("drive", text, body)?);
+            if body.get("socket").is_some() {
+                options
+                    .vhost_user_drives
+                    .push(parse::<VhostUserBlockConfig>("drive", text, body)?);
+            } else {
+                options
+                    .drives
+                    .push(parse::<BlockConfig>("drive", text, body)?);
+            }
         }
         for text in &self.nets {
             let limiters = [
@@ -147,6 +161,10 @@ impl DeviceArgs {
             ];
             let body = to_body("net", text, "iface_id", &limiters)?;
             options.nets.push(parse::<NetConfig>("net", text, body)?);
+        }
+        for text in &self.fs {
+            let body = to_body("fs", text, "tag", &[])?;
+            options.fs.push(parse::<FsConfig>("fs", text, body)?);
         }
         if let Some(text) = &self.vsock {
             let body = to_body("vsock", text, "vsock_id", &[])?;
@@ -174,6 +192,7 @@ mod tests {
             nets: nets.iter().map(|s| s.to_string()).collect(),
             vsock: vsock.map(str::to_string),
             rng: rng.map(str::to_string),
+            fs: Vec::new(),
         }
     }
 
@@ -198,6 +217,26 @@ mod tests {
         assert_eq!(options.nets[0].host_dev_name.as_deref(), Some("tap0"));
         assert_eq!(options.vsock.as_ref().unwrap().guest_cid, 3);
         assert_eq!(options.rng, Some(RngConfig::default()));
+    }
+
+    #[test]
+    fn vhost_user_drives_and_shares() {
+        let mut flags = args(
+            &["id=data,vhost_user=/run/qsd.sock,num_queues=2"],
+            &[],
+            None,
+            None,
+        );
+        flags.fs = vec!["tag=kataShared,socket=/run/vfs.sock".into()];
+        let options = flags.virtio_options().unwrap();
+        assert!(options.drives.is_empty());
+        let drive = &options.vhost_user_drives[0];
+        assert_eq!((drive.drive_id.as_str(), drive.num_queues), ("data", 2));
+        assert_eq!(drive.socket.to_str(), Some("/run/qsd.sock"));
+        assert_eq!(options.fs[0].tag, "kataShared");
+        let mut long_tag = args(&[], &[], None, None);
+        long_tag.fs = vec![format!("tag={},socket=/s", "t".repeat(37))];
+        assert!(long_tag.virtio_options().is_err());
     }
 
     #[test]

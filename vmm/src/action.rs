@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use gpuvm_virtio::block::BlockConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
+use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlockConfig};
 use gpuvm_virtio::vsock::VsockConfig;
 
 use crate::config::MachineConfig;
@@ -30,7 +31,9 @@ pub enum VmmAction {
     /// PUT /gpus/{id}: a passthrough device for the VM being configured.
     PutGpu(GpuBody),
     /// PUT /drives/{id}: a virtio block device for the VM being configured.
-    PutDrive(BlockConfig),
+    PutDrive(DriveBody),
+    /// PUT /fs/{tag}: a virtio-fs share served by virtiofsd, before start.
+    PutFs(FsConfig),
     /// PATCH /drives/{id}: a new backing file or rate limit for a running VM's drive.
     PatchDrive(DrivePatchBody),
     /// PUT /network-interfaces/{id}: a virtio network interface before start.
@@ -391,7 +394,10 @@ pub struct ConfigFile {
     pub gpus: Vec<GpuBody>,
     /// Block devices, as PUT /drives/{id} bodies.
     #[serde(default)]
-    pub drives: Vec<BlockConfig>,
+    pub drives: Vec<DriveBody>,
+    /// virtio-fs shares, as PUT /fs/{tag} bodies.
+    #[serde(default)]
+    pub fs: Vec<FsConfig>,
     /// Network interfaces, as PUT /network-interfaces/{id} bodies.
     #[serde(default, rename = "network-interfaces")]
     pub network_interfaces: Vec<NetConfig>,
@@ -401,6 +407,42 @@ pub struct ConfigFile {
     /// The entropy device, as the PUT /entropy body.
     #[serde(default)]
     pub entropy: Option<RngConfig>,
+}
+
+/// A PUT /drives/{id} body: an image gpuvm opens (`path`) or a vhost-user backend that
+/// serves the disk (`socket`, e.g. qemu-storage-daemon).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum DriveBody {
+    Local(BlockConfig),
+    VhostUser(VhostUserBlockConfig),
+}
+
+impl DriveBody {
+    pub fn drive_id(&self) -> &str {
+        match self {
+            DriveBody::Local(config) => &config.drive_id,
+            DriveBody::VhostUser(config) => &config.drive_id,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DriveBody {
+    /// Chosen by the `socket` field, so each kind's own errors (unknown or missing
+    /// fields) reach the client instead of a generic "no variant matched".
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let value = serde_json::Value::deserialize(deserializer)?;
+        if value.get("socket").is_some() {
+            VhostUserBlockConfig::deserialize(value)
+                .map(DriveBody::VhostUser)
+                .map_err(D::Error::custom)
+        } else {
+            BlockConfig::deserialize(value)
+                .map(DriveBody::Local)
+                .map_err(D::Error::custom)
+        }
+    }
 }
 
 /// PATCH /drives/{id} (Firecracker's shape): swap the image under a running drive, or

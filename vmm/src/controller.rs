@@ -8,8 +8,8 @@ use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::action::{
-    absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, DrivePatchBody,
-    GpuBody, InstanceState, MachineConfigBody, RestoreModeBody, SnapshotCreateBody,
+    absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, DriveBody,
+    DrivePatchBody, GpuBody, InstanceState, MachineConfigBody, RestoreModeBody, SnapshotCreateBody,
     SnapshotLoadBody, SnapshotType, VmmAction, VmmData,
 };
 use crate::config::{MachineConfig, VmConfig};
@@ -160,6 +160,39 @@ impl ApiController {
         Ok(VmmData::Empty)
     }
 
+    /// Adds or replaces (same id, either kind) a drive before start.
+    fn put_drive(&mut self, body: DriveBody) -> ActionResult {
+        let id = body.drive_id().to_string();
+        match &body {
+            DriveBody::Local(config) => absolute_path(&config.path, "path")?,
+            DriveBody::VhostUser(config) => absolute_path(&config.socket, "socket")?,
+        }
+        self.put_virtio(|v| {
+            let local = v.drives.iter().position(|d| d.drive_id == id);
+            let remote = v.vhost_user_drives.iter().position(|d| d.drive_id == id);
+            match body {
+                DriveBody::Local(config) => {
+                    if let Some(index) = remote {
+                        v.vhost_user_drives.remove(index);
+                    }
+                    match local {
+                        Some(index) => v.drives[index] = config,
+                        None => v.drives.push(config),
+                    }
+                }
+                DriveBody::VhostUser(config) => {
+                    if let Some(index) = local {
+                        v.drives.remove(index);
+                    }
+                    match remote {
+                        Some(index) => v.vhost_user_drives[index] = config,
+                        None => v.vhost_user_drives.push(config),
+                    }
+                }
+            }
+        })
+    }
+
     /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build_with_pci`]).
     pub fn set_builder(&mut self, build: BuildFn) {
         self.build = build;
@@ -193,8 +226,9 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
-            VmmAction::PutDrive(body) => absolute_path(&body.path, "path").and_then(|()| {
-                self.put_virtio(|v| replace_or_push(&mut v.drives, body, |d| d.drive_id.clone()))
+            VmmAction::PutDrive(body) => self.put_drive(body),
+            VmmAction::PutFs(body) => absolute_path(&body.socket, "socket").and_then(|()| {
+                self.put_virtio(|v| replace_or_push(&mut v.fs, body, |f| f.tag.clone()))
             }),
             VmmAction::PutNetworkInterface(body) => {
                 self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()))
@@ -357,6 +391,8 @@ impl ApiController {
                 | VmmAction::PutBootSource(_)
                 | VmmAction::PutGpu(_)
                 | VmmAction::PutDrive(_)
+            | VmmAction::PutFs(_)
+                | VmmAction::PutFs(_)
                 | VmmAction::PutNetworkInterface(_)
                 | VmmAction::PutVsock(_)
                 | VmmAction::PutEntropy(_)
@@ -419,6 +455,7 @@ impl RunningApi {
             | VmmAction::PutBootSource(_)
             | VmmAction::PutGpu(_)
             | VmmAction::PutDrive(_)
+            | VmmAction::PutFs(_)
             | VmmAction::PutNetworkInterface(_)
             | VmmAction::PutVsock(_)
             | VmmAction::PutEntropy(_)

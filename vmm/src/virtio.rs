@@ -11,6 +11,7 @@ use gpuvm_virtio::block::{Block, BlockConfig};
 use gpuvm_virtio::net::{Net, NetConfig, Tap};
 use gpuvm_virtio::rng::{Rng, RngConfig};
 use gpuvm_virtio::transport::{IoEventRegistrar, VirtioPciDevice, VirtioPciState};
+use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlock, VhostUserBlockConfig, VhostUserFs};
 use gpuvm_virtio::vsock::{Vsock, VsockConfig};
 use gpuvm_virtio::{GuestMemory, VirtioDevice};
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
@@ -24,6 +25,8 @@ use crate::pci::MsiRouter;
 pub const MAX_DRIVES: usize = 16;
 /// Network interfaces one VM may have.
 pub const MAX_NETS: usize = 8;
+/// virtio-fs shares one VM may have.
+pub const MAX_FS: usize = 8;
 
 /// The virtio devices of one VM, as configured (CLI, API, config file) and as a snapshot
 /// records them.
@@ -38,16 +41,24 @@ pub struct VirtioOptions {
     pub vsock: Option<VsockConfig>,
     #[serde(default)]
     pub rng: Option<RngConfig>,
+    /// Drives served by a vhost-user backend (qemu-storage-daemon).
+    #[serde(default)]
+    pub vhost_user_drives: Vec<VhostUserBlockConfig>,
+    /// virtio-fs shares served by virtiofsd.
+    #[serde(default)]
+    pub fs: Vec<FsConfig>,
 }
 
 impl VirtioOptions {
     pub fn is_empty(&self) -> bool {
-        self.drives.is_empty() && self.nets.is_empty() && self.vsock.is_none() && self.rng.is_none()
+        self.device_count() == 0
     }
 
     /// How many devices (and so I/O threads) these options make.
     pub fn device_count(&self) -> usize {
         self.drives.len()
+            + self.vhost_user_drives.len()
+            + self.fs.len()
             + self.nets.len()
             + usize::from(self.vsock.is_some())
             + usize::from(self.rng.is_some())
@@ -55,7 +66,7 @@ impl VirtioOptions {
 
     /// Checks what can be checked before anything is opened: counts and unique ids.
     pub fn validate(&self) -> Result<(), VirtioSetupError> {
-        if self.drives.len() > MAX_DRIVES {
+        if self.drives.len() + self.vhost_user_drives.len() > MAX_DRIVES {
             return Err(VirtioSetupError::TooMany {
                 what: "drives",
                 max: MAX_DRIVES,
@@ -92,7 +103,29 @@ impl VirtioOptions {
                 .validate()
                 .map_err(|e| VirtioSetupError::Invalid(format!("entropy device: {e}")))?;
         }
+        for drive in &self.vhost_user_drives {
+            check_id("drive_id", &drive.drive_id)?;
+            drive
+                .validate()
+                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?;
+        }
+        if self.fs.len() > MAX_FS {
+            return Err(VirtioSetupError::TooMany {
+                what: "virtio-fs shares",
+                max: MAX_FS,
+            });
+        }
+        for fs in &self.fs {
+            fs.validate()
+                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?;
+        }
+        let mut tags: Vec<&str> = self.fs.iter().map(|f| f.tag.as_str()).collect();
+        tags.sort_unstable();
+        if let Some(pair) = tags.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err(VirtioSetupError::DuplicateId(pair[0].to_string()));
+        }
         let mut ids: Vec<&str> = self.drives.iter().map(|d| d.drive_id.as_str()).collect();
+        ids.extend(self.vhost_user_drives.iter().map(|d| d.drive_id.as_str()));
         ids.extend(self.nets.iter().map(|n| n.iface_id.as_str()));
         ids.sort_unstable();
         if let Some(pair) = ids.windows(2).find(|pair| pair[0] == pair[1]) {
@@ -136,6 +169,8 @@ pub enum VirtioSetupError {
     Vsock(String),
     #[error("entropy device: {0}")]
     Rng(gpuvm_virtio::rng::RngError),
+    #[error("{0}")]
+    VhostUser(String),
     #[error("{device}: {source}")]
     Transport {
         device: String,
@@ -158,6 +193,8 @@ pub enum VirtioDeviceConfig {
     Net(NetConfig),
     Vsock(VsockConfig),
     Rng(RngConfig),
+    VhostUserBlock(VhostUserBlockConfig),
+    Fs(FsConfig),
 }
 
 impl VirtioDeviceConfig {
@@ -168,7 +205,24 @@ impl VirtioDeviceConfig {
             VirtioDeviceConfig::Net(config) => &config.iface_id,
             VirtioDeviceConfig::Vsock(_) => "vsock",
             VirtioDeviceConfig::Rng(_) => "rng",
+            VirtioDeviceConfig::VhostUserBlock(config) => &config.drive_id,
+            VirtioDeviceConfig::Fs(config) => &config.tag,
         }
+    }
+
+    /// Why a snapshot of a VM with this device is refused, if it is: a vhost-user
+    /// device's state lives in its backend, which gpuvm cannot save yet.
+    pub fn snapshot_refusal(&self) -> Option<String> {
+        let (what, socket) = match self {
+            VirtioDeviceConfig::VhostUserBlock(config) => ("vhost-user drive", &config.socket),
+            VirtioDeviceConfig::Fs(config) => ("virtio-fs share", &config.socket),
+            _ => return None,
+        };
+        Some(format!(
+            "{what} {} (backend {}) keeps its state in the backend, which gpuvm cannot save yet",
+            self.id(),
+            socket.display()
+        ))
     }
 }
 
@@ -240,10 +294,19 @@ fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, Vir
         VirtioDeviceConfig::Rng(config) => {
             Box::new(Rng::new(config.clone()).map_err(VirtioSetupError::Rng)?)
         }
+        VirtioDeviceConfig::VhostUserBlock(config) => Box::new(
+            VhostUserBlock::new(config.clone())
+                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?,
+        ),
+        VirtioDeviceConfig::Fs(config) => Box::new(
+            VhostUserFs::new(config.clone())
+                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?,
+        ),
     })
 }
 
-/// The devices of `options`, in bus order: drives, network interfaces, vsock, entropy.
+/// The devices of `options`, in bus order: drives (local, then vhost-user), file-system
+/// shares, network interfaces, vsock, entropy.
 fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
     let mut configs: Vec<VirtioDeviceConfig> = options
         .drives
@@ -251,6 +314,14 @@ fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
         .cloned()
         .map(VirtioDeviceConfig::Block)
         .collect();
+    configs.extend(
+        options
+            .vhost_user_drives
+            .iter()
+            .cloned()
+            .map(VirtioDeviceConfig::VhostUserBlock),
+    );
+    configs.extend(options.fs.iter().cloned().map(VirtioDeviceConfig::Fs));
     configs.extend(options.nets.iter().cloned().map(VirtioDeviceConfig::Net));
     configs.extend(options.vsock.clone().map(VirtioDeviceConfig::Vsock));
     configs.extend(options.rng.clone().map(VirtioDeviceConfig::Rng));
@@ -379,6 +450,10 @@ pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
             VirtioDeviceConfig::Net(config) => options.nets.push(config.clone()),
             VirtioDeviceConfig::Vsock(config) => options.vsock = Some(config.clone()),
             VirtioDeviceConfig::Rng(config) => options.rng = Some(config.clone()),
+            VirtioDeviceConfig::VhostUserBlock(config) => {
+                options.vhost_user_drives.push(config.clone())
+            }
+            VirtioDeviceConfig::Fs(config) => options.fs.push(config.clone()),
         }
     }
     options

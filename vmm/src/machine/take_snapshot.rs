@@ -70,8 +70,17 @@ impl Machine {
     }
 
     /// Whether this machine's state can be saved: not with passthrough devices, whose
-    /// state (GPU memory, engines) lives in the hardware.
+    /// state (GPU memory, engines) lives in the hardware, nor with vhost-user devices,
+    /// whose state lives in their backends.
     pub fn check_snapshottable(&self) -> Result<(), Error> {
+        if let Some(reason) = self
+            .devices
+            .virtio
+            .iter()
+            .find_map(|handle| handle.config.snapshot_refusal())
+        {
+            return Err(SnapshotError::Unsnapshottable(reason).into());
+        }
         if self.devices.passthrough.is_empty() {
             Ok(())
         } else {

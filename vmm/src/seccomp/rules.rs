@@ -150,6 +150,10 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // The event loop dropping stdin at EOF.
                     libc::SYS_epoll_ctl,
                     libc::SYS_timerfd_settime,
+                    // virtio: a device's I/O thread gets a new stop eventfd when the
+                    // device resumes after a snapshot or restarts after a drive swap
+                    // (PATCH /drives), both on this thread.
+                    libc::SYS_eventfd2,
                     libc::SYS_poll,
                     libc::SYS_read,
                     libc::SYS_writev,

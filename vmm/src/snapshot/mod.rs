@@ -101,6 +101,8 @@ pub enum SnapshotError {
         devices.join(", ")
     )]
     Passthrough { devices: Vec<String> },
+    #[error("this VM cannot be snapshotted: {0}")]
+    Unsnapshottable(String),
     #[error("KVM failed to {what}: {source}")]
     Kvm {
         what: &'static str,
