@@ -201,6 +201,18 @@ mod tests {
             route(&request(Method::Put, "/drives/rootfs", r#"{"drive_id":"rootfs","path":"/img","read_only":true}"#)),
             Ok(VmmAction::PutDrive(DriveBody::Local(body))) if body.read_only
         ));
+        // Firecracker's field names are accepted too.
+        let firecracker = r#"{"drive_id":"rootfs","path_on_host":"/img","is_root_device":true,"is_read_only":true,
+            "rate_limiter":{"bandwidth":{"size":1048576,"refill_time":1000}}}"#;
+        assert!(matches!(
+            route(&request(Method::Put, "/drives/rootfs", firecracker)),
+            Ok(VmmAction::PutDrive(DriveBody::Local(body)))
+                if body.read_only && body.root && body.rate_limiter.bandwidth.is_some_and(|b| b.refill_time_ms == 1000)
+        ));
+        assert!(matches!(
+            route(&request(Method::Patch, "/drives/rootfs", r#"{"drive_id":"rootfs","path_on_host":"/img2"}"#)),
+            Ok(VmmAction::PatchDrive(body)) if body.path.is_some()
+        ));
         assert!(matches!(
             route(&request(Method::Put, "/drives/data", r#"{"drive_id":"data","socket":"/run/qsd.sock"}"#)),
             Ok(VmmAction::PutDrive(DriveBody::VhostUser(body))) if body.drive_id == "data"

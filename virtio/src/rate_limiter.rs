@@ -32,6 +32,8 @@ pub struct TokenBucketConfig {
     pub size: u64,
     #[serde(default)]
     pub one_time_burst: u64,
+    /// Firecracker calls it `refill_time` (also milliseconds).
+    #[serde(alias = "refill_time")]
     pub refill_time_ms: u64,
 }
 

@@ -451,7 +451,7 @@ impl<'de> Deserialize<'de> for DriveBody {
 #[serde(deny_unknown_fields)]
 pub struct DrivePatchBody {
     pub drive_id: String,
-    #[serde(default)]
+    #[serde(default, alias = "path_on_host")]
     pub path: Option<PathBuf>,
     #[serde(default)]
     pub rate_limiter: Option<gpuvm_virtio::rate_limiter::RateLimiterConfig>,

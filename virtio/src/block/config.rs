@@ -25,11 +25,12 @@ pub enum IoEngine {
 pub struct BlockConfig {
     /// The drive's name in the API and in logs.
     pub drive_id: String,
-    /// A regular file (a raw image) or a host block device.
+    /// A regular file (a raw image) or a host block device (Firecracker: `path_on_host`).
+    #[serde(alias = "path_on_host")]
     pub path: PathBuf,
     /// The guest sees a read-only disk (VIRTIO_BLK_F_RO) and the image is opened read-only
     /// with a shared lock, so several VMs may share it.
-    #[serde(default)]
+    #[serde(default, alias = "is_read_only")]
     pub read_only: bool,
     /// Opens the image with O_DIRECT (no host page cache).
     #[serde(default)]
@@ -44,7 +45,7 @@ pub struct BlockConfig {
     pub rate_limiter: RateLimiterConfig,
     /// The guest's root filesystem: only informs the VMM's kernel command line
     /// (`root=/dev/vdX`); the device does not look at it.
-    #[serde(default)]
+    #[serde(default, alias = "is_root_device")]
     pub root: bool,
 }
 
