@@ -391,7 +391,6 @@ impl ApiController {
                 | VmmAction::PutBootSource(_)
                 | VmmAction::PutGpu(_)
                 | VmmAction::PutDrive(_)
-            | VmmAction::PutFs(_)
                 | VmmAction::PutFs(_)
                 | VmmAction::PutNetworkInterface(_)
                 | VmmAction::PutVsock(_)

@@ -11,15 +11,15 @@ use crate::pattern::pattern;
 use crate::println;
 
 const NAME: &str = "virtio-blk";
-const F_RO: u64 = 1 << 5;
-const F_FLUSH: u64 = 1 << 9;
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
+pub const F_RO: u64 = 1 << 5;
+pub const F_FLUSH: u64 = 1 << 9;
+pub const T_IN: u32 = 0;
+pub const T_OUT: u32 = 1;
+pub const T_FLUSH: u32 = 4;
 const T_GET_ID: u32 = 8;
 const S_OK: u8 = 0;
 const S_IOERR: u8 = 1;
-const SECTOR: u64 = 512;
+pub const SECTOR: u64 = 512;
 const ID_BYTES: usize = 20;
 const MAGIC: &[u8; 8] = b"GPUVMBLK";
 /// The write test: sectors 8..16 (4 KiB at disk offset 4096); the word at disk offset `o`
@@ -28,14 +28,27 @@ const TEST_SECTOR: u64 = 8;
 const TEST_SECTORS: u64 = 8;
 pub const PATTERN_SEED: u64 = 0xb10c;
 
-struct Request<'a> {
+/// One request at a time on the request queue, with its header and status byte.
+pub struct Request<'a> {
     dev: &'a VirtioPci,
     queue: SplitQueue,
     header: u64,
     status: u64,
 }
 
-impl Request<'_> {
+impl<'a> Request<'a> {
+    /// Allocates the header and the status byte for requests on `queue`.
+    pub fn new(dev: &'a VirtioPci, queue: SplitQueue, dma: &mut Dma) -> Request<'a> {
+        let header = dma.alloc(16, 16);
+        let status = dma.alloc(1, 16);
+        Request {
+            dev,
+            queue,
+            header,
+            status,
+        }
+    }
+
     /// One request: header, optional data, status byte. Returns the status.
     fn submit(&mut self, kind: u32, sector: u64, data: Option<Buffer>) -> u8 {
         let mut header = [0u8; 16];
@@ -62,7 +75,8 @@ impl Request<'_> {
         status[0]
     }
 
-    fn expect_ok(&mut self, what: &str, kind: u32, sector: u64, data: Option<Buffer>) {
+    /// Submits a request that must succeed (EXIT_FAIL with `what` otherwise).
+    pub fn expect_ok(&mut self, what: &str, kind: u32, sector: u64, data: Option<Buffer>) {
         let status = self.submit(kind, sector, data);
         if status != S_OK {
             self.dev.fail(format_args!("{what}: status {status}"));
@@ -88,15 +102,8 @@ pub fn run(dma: &mut Dma) -> ! {
         }
     );
 
-    let header = dma.alloc(16, 16);
-    let status = dma.alloc(1, 16);
+    let mut request = Request::new(&dev, queue, dma);
     let data = dma.alloc(TEST_SECTORS * SECTOR, 4096);
-    let mut request = Request {
-        dev: &dev,
-        queue,
-        header,
-        status,
-    };
 
     request.expect_ok(
         "read sector 0",

@@ -10,13 +10,15 @@
 //!   and feature negotiation, queue setup.
 //! - [`queue`]: split virtqueues (descriptor table, available and used rings).
 //! - [`irq`]: the local APIC, IDT gates and the ring-0 wait for an MSI with a timer timeout.
-//! - The workloads: [`rng`], [`blk`], [`vsock`], [`net`].
+//! - The workloads: [`rng`], [`blk`], [`vsock`], [`net`], and [`devices`] (block, entropy
+//!   and socket together, for snapshot and hot-swap tests).
 //!
 //! Every result is one line `<workload>: ...`; failures are `<workload>: FAIL ...` with exit
 //! status 1 ([`EXIT_FAIL`]), or 2 ([`EXIT_SETUP`]) when the device or the RAM the driver needs
 //! is missing or an argument is bad.
 
 mod blk;
+mod devices;
 mod irq;
 mod net;
 mod pci;
@@ -53,6 +55,7 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-blk" => ("virtio-blk", |dma, _| blk::run(dma)),
         "virtio-vsock" => ("virtio-vsock", vsock::run),
         "virtio-net" => ("virtio-net", net::run),
+        "virtio-devices" => ("virtio-devices", devices::run),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP)

@@ -11,13 +11,13 @@ use crate::console::exit;
 use crate::println;
 
 const NAME: &str = "virtio-rng";
-const BLOCK: usize = 64;
+pub const BLOCK: usize = 64;
 /// Table entry used for request queue 0.
 const QUEUE_VECTOR: u16 = 0;
 
 /// Fills `BLOCK` bytes at `addr`, one request at a time (a device may return fewer bytes
 /// than asked for, but never zero or more).
-fn read_block(dev: &VirtioPci, queue: &mut SplitQueue, addr: u64) -> [u8; BLOCK] {
+pub fn read_block(dev: &VirtioPci, queue: &mut SplitQueue, addr: u64) -> [u8; BLOCK] {
     let mut filled = 0usize;
     let mut requests = 0;
     while filled < BLOCK {

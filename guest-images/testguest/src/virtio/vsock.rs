@@ -30,6 +30,8 @@ const OP_RW: u16 = 5;
 const OP_CREDIT_UPDATE: u16 = 6;
 const OP_CREDIT_REQUEST: u16 = 7;
 const SHUTDOWN_RCV: u32 = 1;
+/// VIRTIO_VSOCK_EVENT_TRANSPORT_RESET: the device lost every connection (after a restore).
+const EVENT_TRANSPORT_RESET: u32 = 0;
 
 /// struct virtio_vsock_hdr (little endian, packed).
 #[derive(Clone, Copy, Default)]
@@ -101,9 +103,11 @@ struct Connection {
     closing: bool,
 }
 
-struct Server<'a> {
+pub struct Server<'a> {
+    /// The workload whose lines these are (`virtio-vsock`, `virtio-devices`).
+    name: &'static str,
     dev: &'a VirtioPci,
-    cid: u64,
+    pub cid: u64,
     rx: SplitQueue,
     tx: SplitQueue,
     events: SplitQueue,
@@ -112,7 +116,7 @@ struct Server<'a> {
     ring: u64,
     connection: Option<Connection>,
     served: u32,
-    echoed: u64,
+    pub echoed: u64,
 }
 
 impl Server<'_> {
@@ -224,8 +228,8 @@ impl Server<'_> {
         }
         if let Some(conn) = self.connection.take() {
             println!(
-                "{NAME}: connection {} {why}, echoed {} bytes",
-                conn.number, conn.echoed
+                "{}: connection {} {why}, echoed {} bytes",
+                self.name, conn.number, conn.echoed
             );
             self.served += 1;
         }
@@ -234,8 +238,8 @@ impl Server<'_> {
     fn handle(&mut self, packet: Header, payload: u64) {
         if packet.kind != TYPE_STREAM || packet.dst_cid != self.cid {
             println!(
-                "{NAME}: ignoring op {} type {} for cid {} from {}:{}",
-                packet.op, packet.kind, packet.dst_cid, packet.src_cid, packet.src_port
+                "{}: ignoring op {} type {} for cid {} from {}:{}",
+                self.name, packet.op, packet.kind, packet.dst_cid, packet.src_cid, packet.src_port
             );
             self.refuse(&packet);
             return;
@@ -296,8 +300,8 @@ impl Server<'_> {
     fn served_request(&mut self, packet: &Header) {
         let number = self.served + 1;
         println!(
-            "{NAME}: connection {number} from cid {} port {}",
-            packet.src_cid, packet.src_port
+            "{}: connection {number} from cid {} port {}",
+            self.name, packet.src_cid, packet.src_port
         );
         self.connection = Some(Connection {
             number,
@@ -333,116 +337,173 @@ fn copy_ram(dst: u64, src: u64, len: u32) {
     core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
 }
 
-fn connection_count(words: &mut Words) -> u32 {
+/// COUNT: how many connections to serve (default 1); a bad one ends the run (EXIT_SETUP)
+/// with `usage`.
+pub fn connection_count(words: &mut Words, usage: &str) -> u32 {
     let Some(word) = words.next_word() else {
         return 1;
     };
     match parse_number(word) {
         Some(count) if (1..=u64::from(u32::MAX)).contains(&count) => count as u32,
         _ => {
-            println!("testguest: bad COUNT '{word}'; usage: {USAGE}");
+            println!("testguest: bad COUNT '{word}'; usage: {usage}");
             exit(super::EXIT_SETUP)
         }
     }
 }
 
+impl<'a> Server<'a> {
+    /// Sets up the queues (rx, tx, event) of `dev` (initialized, not yet live), sets
+    /// DRIVER_OK, reads the guest CID and posts the rx and event buffers; `name` prefixes
+    /// the server's lines.
+    pub fn start(name: &'static str, dev: &'a VirtioPci, dma: &mut Dma) -> Server<'a> {
+        let rx = dev.setup_queue(dma, 0, None);
+        let tx = dev.setup_queue(dma, 1, None);
+        let events = dev.setup_queue(dma, 2, None);
+        for queue in [&rx, &tx, &events] {
+            queue.suppress_interrupts(true);
+        }
+        dev.driver_ok();
+        let cid = dev.read_config(|dev| dev.config64(0));
+        let mut server = Server {
+            name,
+            dev,
+            cid,
+            rx,
+            tx,
+            events,
+            tx_buffer: dma.alloc((HEADER + PAYLOAD) as u64, 64),
+            ring: dma.alloc(u64::from(BUF_ALLOC), 4096),
+            connection: None,
+            served: 0,
+            echoed: 0,
+        };
+        let rx_count = RX_BUFFERS.min(server.rx.size as usize);
+        for _ in 0..rx_count {
+            let buffer = dma.alloc((HEADER + PAYLOAD) as u64, 64);
+            server.post_rx(buffer);
+        }
+        server.rx.notify();
+        for _ in 0..EVENT_BUFFERS.min(server.events.size as usize) {
+            let buffer = dma.alloc(u64::from(EVENT_SIZE), 8);
+            if let Err(err) = server
+                .events
+                .add(&[Buffer::writable(buffer, EVENT_SIZE)], buffer)
+            {
+                dev.fail(format_args!("event queue: {err}"));
+            }
+        }
+        server.events.notify();
+        server
+    }
+
+    /// Takes one event off the event queue (if any) and gives its buffer back. With
+    /// `transport_reset`, a TRANSPORT_RESET drops the connection being served (it does
+    /// not count as served), re-reads the guest CID and prints `<name>: transport reset`;
+    /// any other event (all of them without `transport_reset`) is printed as its id.
+    /// Returns whether there was one.
+    fn poll_event(&mut self, transport_reset: bool) -> bool {
+        let dev = self.dev;
+        let used = match self.events.pop_used() {
+            Ok(Some(used)) => used,
+            Ok(None) => return false,
+            Err(err) => dev.fail(format_args!("event queue: {err}")),
+        };
+        let mut id = [0u8; 4];
+        read_ram(used.token, &mut id);
+        let id = u32::from_le_bytes(id);
+        if transport_reset && id == EVENT_TRANSPORT_RESET {
+            let dropped = self.connection.take();
+            self.cid = dev.read_config(|dev| dev.config64(0));
+            println!("{}: transport reset cid={}", self.name, self.cid);
+            if let Some(conn) = dropped {
+                println!(
+                    "{}: connection {} dropped by the reset, echoed {} bytes",
+                    self.name, conn.number, conn.echoed
+                );
+            }
+        } else {
+            println!("{}: event id {id}", self.name);
+        }
+        let _ = self
+            .events
+            .add(&[Buffer::writable(used.token, EVENT_SIZE)], used.token);
+        self.events.notify();
+        true
+    }
+
+    /// Serves connections on [`PORT`] one after another until `wanted` have ended, and
+    /// calls `after_connection(k)` once connection `k` has ended (the peer sees the RST
+    /// first). `transport_reset`: see [`Server::poll_event`].
+    pub fn serve(
+        &mut self,
+        wanted: u32,
+        transport_reset: bool,
+        mut after_connection: impl FnMut(u32),
+    ) {
+        let dev = self.dev;
+        let mut reported = 0;
+        let mut idle = Deadline::after_ms(PEER_TIMEOUT_MS);
+        while self.served < wanted {
+            if self.poll_event(transport_reset) && transport_reset {
+                idle = Deadline::after_ms(PEER_TIMEOUT_MS);
+            }
+            let used = match self.rx.pop_used() {
+                Ok(Some(used)) => used,
+                Ok(None) => {
+                    if idle.expired() {
+                        dev.fail(format_args!(
+                            "no packet within {PEER_TIMEOUT_MS} ms ({} of {wanted} connections served)",
+                            self.served
+                        ));
+                    }
+                    crate::arch::pause();
+                    continue;
+                }
+                Err(err) => dev.fail(format_args!("rx queue: {err}")),
+            };
+            idle = Deadline::after_ms(PEER_TIMEOUT_MS);
+            let buffer = used.token;
+            let mut bytes = [0u8; HEADER];
+            read_ram(buffer, &mut bytes);
+            let packet = Header::parse(&bytes);
+            if (used.len as usize) < HEADER
+                || packet.len as usize > PAYLOAD
+                || (used.len as usize) < HEADER + packet.len as usize
+            {
+                dev.fail(format_args!(
+                    "rx packet op {} of {} bytes claims {} payload bytes",
+                    packet.op, used.len, packet.len
+                ));
+            }
+            self.handle(packet, buffer + HEADER as u64);
+            self.post_rx(buffer);
+            self.rx.notify();
+            self.flush();
+            let finished = self
+                .connection
+                .as_ref()
+                .is_some_and(|conn| conn.closing && conn.pending == 0);
+            if finished {
+                self.close(true, "shut down by peer");
+            }
+            while reported < self.served {
+                reported += 1;
+                after_connection(reported);
+                idle = Deadline::after_ms(PEER_TIMEOUT_MS);
+            }
+        }
+    }
+}
+
 pub fn run(dma: &mut Dma, words: &mut Words) -> ! {
-    let wanted = connection_count(words);
+    let wanted = connection_count(words, USAGE);
     let mut dev = VirtioPci::find(NAME, TYPE_VSOCK);
     dev.initialize(0);
-    let rx = dev.setup_queue(dma, 0, None);
-    let tx = dev.setup_queue(dma, 1, None);
-    let events = dev.setup_queue(dma, 2, None);
-    for queue in [&rx, &tx, &events] {
-        queue.suppress_interrupts(true);
-    }
-    dev.driver_ok();
-    let cid = dev.read_config(|dev| dev.config64(0));
-    let mut server = Server {
-        dev: &dev,
-        cid,
-        rx,
-        tx,
-        events,
-        tx_buffer: dma.alloc((HEADER + PAYLOAD) as u64, 64),
-        ring: dma.alloc(u64::from(BUF_ALLOC), 4096),
-        connection: None,
-        served: 0,
-        echoed: 0,
-    };
-    let rx_count = RX_BUFFERS.min(server.rx.size as usize);
-    for _ in 0..rx_count {
-        let buffer = dma.alloc((HEADER + PAYLOAD) as u64, 64);
-        server.post_rx(buffer);
-    }
-    server.rx.notify();
-    for _ in 0..EVENT_BUFFERS.min(server.events.size as usize) {
-        let buffer = dma.alloc(u64::from(EVENT_SIZE), 8);
-        if let Err(err) = server
-            .events
-            .add(&[Buffer::writable(buffer, EVENT_SIZE)], buffer)
-        {
-            dev.fail(format_args!("event queue: {err}"));
-        }
-    }
-    server.events.notify();
+    let mut server = Server::start(NAME, &dev, dma);
+    let cid = server.cid;
     println!("{NAME}: listening cid={cid} port={PORT} connections={wanted}");
-
-    let mut idle = Deadline::after_ms(PEER_TIMEOUT_MS);
-    while server.served < wanted {
-        match server.events.pop_used() {
-            Ok(Some(used)) => {
-                let mut id = [0u8; 4];
-                read_ram(used.token, &mut id);
-                println!("{NAME}: event id {}", u32::from_le_bytes(id));
-                let _ = server
-                    .events
-                    .add(&[Buffer::writable(used.token, EVENT_SIZE)], used.token);
-                server.events.notify();
-            }
-            Ok(None) => {}
-            Err(err) => dev.fail(format_args!("event queue: {err}")),
-        }
-        let used = match server.rx.pop_used() {
-            Ok(Some(used)) => used,
-            Ok(None) => {
-                if idle.expired() {
-                    dev.fail(format_args!(
-                        "no packet within {PEER_TIMEOUT_MS} ms ({} of {wanted} connections served)",
-                        server.served
-                    ));
-                }
-                crate::arch::pause();
-                continue;
-            }
-            Err(err) => dev.fail(format_args!("rx queue: {err}")),
-        };
-        idle = Deadline::after_ms(PEER_TIMEOUT_MS);
-        let buffer = used.token;
-        let mut bytes = [0u8; HEADER];
-        read_ram(buffer, &mut bytes);
-        let packet = Header::parse(&bytes);
-        if (used.len as usize) < HEADER
-            || packet.len as usize > PAYLOAD
-            || (used.len as usize) < HEADER + packet.len as usize
-        {
-            dev.fail(format_args!(
-                "rx packet op {} of {} bytes claims {} payload bytes",
-                packet.op, used.len, packet.len
-            ));
-        }
-        server.handle(packet, buffer + HEADER as u64);
-        server.post_rx(buffer);
-        server.rx.notify();
-        server.flush();
-        let finished = server
-            .connection
-            .as_ref()
-            .is_some_and(|conn| conn.closing && conn.pending == 0);
-        if finished {
-            server.close(true, "shut down by peer");
-        }
-    }
+    server.serve(wanted, false, |_| {});
     println!("{NAME}: ok cid={cid} echoed={}", server.echoed);
     exit(0)
 }
