@@ -98,22 +98,28 @@ impl Netns {
     /// Starts `gpuvm run --cmdline "virtio-net 10.0.<n>.2" --net NET` inside the namespace.
     /// `ip netns exec` execs gpuvm (no fork), so the process's pid is gpuvm's.
     fn spawn_guest(&self, net: &str) -> SpawnedProcess {
-        let gpuvm = gpuvm_tests::gpuvm_bin();
+        self.spawn_guest_with(net, &[])
+    }
+
+    /// [`Netns::spawn_guest`] with more `gpuvm run` arguments.
+    fn spawn_guest_with(&self, net: &str, extra: &[&str]) -> SpawnedProcess {
         let cmdline = format!("virtio-net {}", self.guest_ip());
-        SpawnedProcess::spawn(
-            Path::new("ip"),
-            &[
-                "netns",
-                "exec",
-                &self.name,
-                gpuvm.to_str().expect("UTF-8 gpuvm path"),
-                "run",
-                "--cmdline",
-                &cmdline,
-                "--net",
-                net,
-            ],
-        )
+        let mut args = vec!["run", "--cmdline", &cmdline, "--net", net];
+        args.extend_from_slice(extra);
+        self.spawn_gpuvm(&args)
+    }
+
+    /// Starts `gpuvm ARGS` inside the namespace.
+    fn spawn_gpuvm(&self, args: &[&str]) -> SpawnedProcess {
+        let gpuvm = gpuvm_tests::gpuvm_bin();
+        let mut full = vec![
+            "netns",
+            "exec",
+            &self.name,
+            gpuvm.to_str().expect("UTF-8 gpuvm path"),
+        ];
+        full.extend_from_slice(args);
+        SpawnedProcess::spawn(Path::new("ip"), &full)
     }
 
     /// Runs `work` on a thread that entered the namespace (setns affects only the calling
@@ -392,4 +398,46 @@ fn the_net_device_thread_runs_under_its_filter() {
     assert_eq!(netns.udp_echo(b"filtered"), b"filtered");
     let out = vm.wait(LIMIT);
     out.assert_code(0).assert_stdout_has("virtio-net: ok");
+}
+
+/// A VM with a network interface snapshotted while its guest waits for a datagram, then
+/// restored (eagerly and lazily) on the same tap: the restored guest answers as if nothing
+/// happened.
+#[test]
+fn a_restored_vm_keeps_its_network_interface() {
+    for mode in ["eager", "lazy"] {
+        let Some(netns) = Netns::create(&format!("restore_{mode}")) else {
+            return;
+        };
+        let scratch = gpuvm_tests::Scratch::new("virtio-net", mode);
+        let dir = scratch.path("snap");
+        let dir_arg = dir.to_str().unwrap();
+        let mut vm = netns.spawn_guest_with(
+            "id=eth0,tap=tap0",
+            &["--snapshot-dir", dir_arg, "--snapshot-then", "exit"],
+        );
+        vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
+        gpuvm_tests::snapshot_support::signal_snapshot(vm.pid());
+        let first = vm.wait(LIMIT);
+        first.assert_code(0);
+        assert!(
+            !first.stdout.contains("virtio-net: ok"),
+            "{mode}: the guest finished before the snapshot:\n{}",
+            first.describe()
+        );
+
+        let restored =
+            netns.spawn_gpuvm(&["restore", "--snapshot", dir_arg, "--restore-mode", mode]);
+        let payload = format!("after a {mode} restore").into_bytes();
+        let echo = netns.udp_echo(&payload);
+        assert!(echo == payload, "{mode}: the echo differs");
+        let out = restored.wait(LIMIT);
+        out.assert_code(0).assert_stdout_has("virtio-net: ok");
+        out.assert_stdout_has(&format!("virtio-net: echoed {} udp bytes", payload.len()));
+        assert!(
+            !out.stdout.contains("virtio-net: mac="),
+            "{mode}: the restored guest started over:\n{}",
+            out.describe()
+        );
+    }
 }
