@@ -22,7 +22,8 @@ use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{MachineConfig, VmConfig};
-use crate::machine::{Machine, MachineDevices};
+use crate::devices::MachineDevices;
+use crate::machine::Machine;
 use crate::pci::PciOptions;
 use crate::snapshot::StageClock;
 use crate::vcpu::{Vcpu, VcpuThread};

@@ -1,16 +1,43 @@
-//! The machine's emulated devices as one snapshot component: the one list of the devices
-//! whose state a snapshot holds.
+//! The machine's devices ([`MachineDevices`]: the buses and the devices the VMM thread
+//! reaches) and, as one snapshot component, the one list of the devices whose state a
+//! snapshot holds.
+//!
+//! Components without state of their own are not in the list: the i8042 (it only
+//! forwards the guest's reset command), the exit port and the legacy sinks, and the PCI
+//! root bus (each function's configuration state is its own: a virtio transport saves its
+//! BAR, command register and MSI-X table; passthrough devices keep theirs in hardware,
+//! which is why a VM with one cannot be snapshotted).
 //!
 //! Adding a device to snapshots: implement [`Persist`] in the device's own file (its
 //! `State` type beside it), then add one field to [`DeviceStates`] and one line to each
 //! of `save` and `restore` below. Nothing else changes.
 
-use gpuvm_devices::{Persist, SerialError, SerialState};
+use std::sync::{Arc, Mutex};
+
+use event_manager::MutEventSubscriber;
+use gpuvm_devices::{Bus, ExitStatus, Persist, SerialDevice, SerialError, SerialState};
 use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::lock;
-use crate::machine::MachineDevices;
 use crate::virtio::VirtioDeviceState;
+
+/// Devices the VMM thread itself needs to reach.
+pub struct MachineDevices {
+    pub io_bus: Arc<Bus>,
+    pub mmio_bus: Arc<Bus>,
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub reset_evt: EventFd,
+    pub exit_evt: EventFd,
+    pub exit_status: ExitStatus,
+    /// Names of passthrough devices: their state lives in the hardware, so a VM with any
+    /// cannot be snapshotted.
+    pub passthrough: Vec<String>,
+    /// Device event sources the run loop watches (e.g. INTx resample eventfds).
+    pub event_sources: Vec<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
+    /// The virtio devices, in bus order (their state is in snapshots).
+    pub virtio: Vec<crate::virtio::VirtioHandle>,
+}
 
 /// The saved state of every emulated device, one field each. Flattened into the state
 /// file's top level (a device's state is a key there, e.g. `serial`), so a field added

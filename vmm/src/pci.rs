@@ -9,7 +9,6 @@
 //! above RAM, 1 GiB aligned   64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
 //! ```
 
-use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -22,8 +21,8 @@ use gpuvm_arch::x86_64::layout::{
     PCI_MMIO64_DEFAULT_SIZE,
 };
 use gpuvm_devices::pci::{
-    intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, MsiMessage,
-    MsiRouting, PciError, PciRoot, PciRootConfig,
+    intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciError, PciRoot,
+    PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio, VfioDeviceFd};
@@ -31,22 +30,19 @@ use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
 use kvm_bindings::{
-    kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_irq_routing_entry,
-    kvm_userspace_memory_region, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
-    KVM_IRQCHIP_PIC_SLAVE, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+    kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::devices::MachineDevices;
+use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
-use crate::machine::MachineDevices;
 use crate::virtio::{VirtioOptions, VirtioSetupError};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
 /// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
 const DMA_CHUNK: u64 = 1 << 30;
-/// GSIs below this belong to the IOAPIC (and the PICs for 0..16).
-const FIRST_MSI_GSI: u32 = 24;
 
 /// The PCI devices of one VM: passthrough devices and virtio devices.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -115,18 +111,6 @@ pub fn mmio64_start(ram: &GuestRam) -> u64 {
     top.next_multiple_of(PCI_MMIO64_ALIGN)
 }
 
-/// A second handle on the VM for devices (KVM objects are per fd, the VM is the same).
-fn duplicate_vm(kvm: &Kvm, vm: &VmFd) -> Result<VmFd, PciSetupError> {
-    // SAFETY: dup of a valid fd we own; the new fd is handed to VmFd, which owns it.
-    let fd = unsafe { libc::dup(vm.as_raw_fd()) };
-    if fd < 0 {
-        return Err(PciSetupError::VmFd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` is a fresh duplicate of a KVM VM fd and nothing else owns it.
-    unsafe { kvm.create_vmfd_from_rawfd(fd) }
-        .map_err(|e| PciSetupError::VmFd(std::io::Error::from_raw_os_error(e.errno())))
-}
-
 /// KVM memory slots for mmapped BAR parts, numbered from [`FIRST_BAR_SLOT`] (RAM uses the
 /// slots below).
 pub struct KvmBarSlots {
@@ -141,7 +125,7 @@ const FIRST_BAR_SLOT: u32 = 16;
 impl KvmBarSlots {
     pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
         Ok(KvmBarSlots {
-            vm: duplicate_vm(kvm, vm)?,
+            vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             free: Mutex::new(Vec::new()),
             next: AtomicU32::new(FIRST_BAR_SLOT),
         })
@@ -178,94 +162,6 @@ impl GuestMemoryMapper for KvmBarSlots {
     fn unmap(&self, slot: u32) -> std::io::Result<()> {
         self.set(slot, 0, 0, 0)?;
         lock(&self.free).push(slot);
-        Ok(())
-    }
-}
-
-/// Routes MSI messages to GSIs: KVM_SET_GSI_ROUTING replaces the whole table, so every
-/// update sends KVM's default IOAPIC/PIC routes plus all MSI routes.
-pub struct MsiRouter {
-    vm: VmFd,
-    routes: Mutex<BTreeMap<u32, MsiMessage>>,
-    next_gsi: AtomicU32,
-}
-
-impl MsiRouter {
-    /// Uses a duplicate of `vm`'s file descriptor so the router can live in devices.
-    pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
-        Ok(MsiRouter {
-            vm: duplicate_vm(kvm, vm)?,
-            routes: Mutex::new(BTreeMap::new()),
-            next_gsi: AtomicU32::new(FIRST_MSI_GSI),
-        })
-    }
-
-    /// `count` fresh GSIs, each with an eventfd registered as its irqfd.
-    pub fn allocate(&self, count: u32) -> std::io::Result<Vec<(u32, EventFd)>> {
-        (0..count)
-            .map(|_| {
-                let gsi = self.next_gsi.fetch_add(1, Ordering::Relaxed);
-                let eventfd = EventFd::new(EFD_NONBLOCK)?;
-                self.vm
-                    .register_irqfd(&eventfd, gsi)
-                    .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-                Ok((gsi, eventfd))
-            })
-            .collect()
-    }
-
-    fn table(routes: &BTreeMap<u32, MsiMessage>) -> Vec<kvm_irq_routing_entry> {
-        let mut entries = Vec::new();
-        let irqchip = |gsi: u32, chip: u32, pin: u32| {
-            let mut entry = kvm_irq_routing_entry {
-                gsi,
-                type_: KVM_IRQ_ROUTING_IRQCHIP,
-                ..Default::default()
-            };
-            entry.u.irqchip.irqchip = chip;
-            entry.u.irqchip.pin = pin;
-            entry
-        };
-        // KVM's default table: GSI 0..16 to the PICs and the IOAPIC, 16..24 to the IOAPIC.
-        for gsi in 0..FIRST_MSI_GSI {
-            if gsi < 16 {
-                let chip = if gsi < 8 {
-                    KVM_IRQCHIP_PIC_MASTER
-                } else {
-                    KVM_IRQCHIP_PIC_SLAVE
-                };
-                entries.push(irqchip(gsi, chip, gsi % 8));
-            }
-            entries.push(irqchip(gsi, KVM_IRQCHIP_IOAPIC, gsi));
-        }
-        for (&gsi, message) in routes {
-            let mut entry = kvm_irq_routing_entry {
-                gsi,
-                type_: KVM_IRQ_ROUTING_MSI,
-                ..Default::default()
-            };
-            entry.u.msi.address_lo = message.address as u32;
-            entry.u.msi.address_hi = (message.address >> 32) as u32;
-            entry.u.msi.data = message.data;
-            entries.push(entry);
-        }
-        entries
-    }
-}
-
-impl MsiRouting for MsiRouter {
-    fn set_route(&self, gsi: u32, message: Option<MsiMessage>) -> std::io::Result<()> {
-        let mut routes = lock(&self.routes);
-        match message {
-            Some(message) => routes.insert(gsi, message),
-            None => routes.remove(&gsi),
-        };
-        let table = KvmIrqRouting::from_entries(&Self::table(&routes))
-            .map_err(|e| std::io::Error::other(format!("routing table: {e:?}")))?;
-        self.vm
-            .set_gsi_routing(&table)
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-        log::debug!("MSI route GSI {gsi} -> {message:?}");
         Ok(())
     }
 }
@@ -404,12 +300,12 @@ pub fn attach(
     let config = root_config(ram, options);
     let root = PciRoot::new(config)?;
     if !options.is_empty() || !options.virtio.is_empty() {
-        let router = Arc::new(MsiRouter::new(kvm, vm)?);
+        let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
         if !options.is_empty() {
             attach_devices(kvm, vm, ram, options, &root, &router, devices)?;
         }
         devices.virtio = crate::virtio::attach(
-            duplicate_vm(kvm, vm)?,
+            duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram.memory(),
             &root,
             &router,
@@ -507,30 +403,6 @@ fn attach_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn routing_table_keeps_default_routes() {
-        let mut routes = BTreeMap::new();
-        routes.insert(
-            24,
-            MsiMessage {
-                address: 0x1_fee0_0000,
-                data: 0x41,
-            },
-        );
-        let table = MsiRouter::table(&routes);
-        // 16 PIC + 24 IOAPIC + 1 MSI.
-        assert_eq!(table.len(), 41);
-        let msi = table.last().unwrap();
-        assert_eq!(msi.type_, KVM_IRQ_ROUTING_MSI);
-        // SAFETY: reading the union member this entry was written with.
-        let (lo, hi, data) =
-            unsafe { (msi.u.msi.address_lo, msi.u.msi.address_hi, msi.u.msi.data) };
-        assert_eq!((lo, hi, data), (0xfee0_0000, 1, 0x41));
-        assert!(table
-            .iter()
-            .any(|e| e.gsi == 4 && e.type_ == KVM_IRQ_ROUTING_IRQCHIP));
-    }
 
     /// The pseudo-device exists on this host's KVM, accepts the VFIO file attribute and
     /// refuses a file that is not a VFIO group or device (so the registration vfio-ioctls

@@ -14,12 +14,11 @@ use gpuvm_virtio::transport::{IoEventRegistrar, VirtioPciDevice, VirtioPciState}
 use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlock, VhostUserBlockConfig, VhostUserFs};
 use gpuvm_virtio::vsock::{Vsock, VsockConfig};
 use gpuvm_virtio::{GuestMemory, VirtioDevice};
-use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
-use vmm_sys_util::eventfd::EventFd;
 
+use crate::interrupts::{KvmIoEvents, MsiRouter};
 use crate::lock;
-use crate::pci::MsiRouter;
 
 /// Drives one VM may have (bus 0 has 31 slots, shared with GPUs and other devices).
 pub const MAX_DRIVES: usize = 16;
@@ -241,31 +240,6 @@ pub struct VirtioDeviceState {
     pub transport: VirtioPciState,
 }
 
-/// Registers queue notify addresses as KVM ioeventfds (any write length, no data match).
-pub struct KvmIoEvents {
-    vm: VmFd,
-}
-
-impl KvmIoEvents {
-    pub fn new(vm: VmFd) -> Self {
-        KvmIoEvents { vm }
-    }
-}
-
-impl IoEventRegistrar for KvmIoEvents {
-    fn register(&self, address: u64, fd: &EventFd) -> std::io::Result<()> {
-        self.vm
-            .register_ioevent(fd, &IoEventAddress::Mmio(address), NoDatamatch)
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
-    }
-
-    fn unregister(&self, address: u64, fd: &EventFd) -> std::io::Result<()> {
-        self.vm
-            .unregister_ioevent(fd, &IoEventAddress::Mmio(address), NoDatamatch)
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
-    }
-}
-
 /// Opens the device `config` describes.
 fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
     Ok(match config {
@@ -294,14 +268,17 @@ fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, Vir
         VirtioDeviceConfig::Rng(config) => {
             Box::new(Rng::new(config.clone()).map_err(VirtioSetupError::Rng)?)
         }
-        VirtioDeviceConfig::VhostUserBlock(config) => Box::new(
-            VhostUserBlock::new(config.clone())
-                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?,
-        ),
-        VirtioDeviceConfig::Fs(config) => Box::new(
-            VhostUserFs::new(config.clone())
-                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?,
-        ),
+        // The connection errors name the socket, not the device: say which one it is.
+        VirtioDeviceConfig::VhostUserBlock(config) => {
+            Box::new(VhostUserBlock::new(config.clone()).map_err(|e| {
+                VirtioSetupError::VhostUser(format!("vhost-user-blk {}: {e}", config.drive_id))
+            })?)
+        }
+        VirtioDeviceConfig::Fs(config) => {
+            Box::new(VhostUserFs::new(config.clone()).map_err(|e| {
+                VirtioSetupError::VhostUser(format!("vhost-user-fs {}: {e}", config.tag))
+            })?)
+        }
     })
 }
 

@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
-use gpuvm_devices::{Bus, ExitStatus, SerialDevice};
 use gpuvm_memory::snapshot::SnapshotId;
 use gpuvm_memory::uffd::external::HandlerWatch;
 use gpuvm_memory::uffd::LazyRestore;
@@ -28,27 +27,11 @@ use self::events::{install_snapshot_signal, ControlEvents, StdinInput, SNAPSHOT_
 use self::lazy::LAZY_CHECK_INTERVAL;
 pub use self::report::MemoryReport;
 use crate::config::MachineConfig;
+use crate::devices::MachineDevices;
 use crate::seccomp::{self, ThreadKind};
 use crate::snapshot::{MemoryChain, SnapshotError, SnapshotReport};
 use crate::vcpu::{self, StopReporter, Vcpu, VcpuHandle, VcpuThread};
 use crate::{lock, Error};
-
-/// Devices the VMM thread itself needs to reach.
-pub struct MachineDevices {
-    pub io_bus: Arc<Bus>,
-    pub mmio_bus: Arc<Bus>,
-    pub serial: Arc<Mutex<SerialDevice>>,
-    pub reset_evt: EventFd,
-    pub exit_evt: EventFd,
-    pub exit_status: ExitStatus,
-    /// Names of passthrough devices: their state lives in the hardware, so a VM with any
-    /// cannot be snapshotted.
-    pub passthrough: Vec<String>,
-    /// Device event sources the run loop watches (e.g. INTx resample eventfds).
-    pub event_sources: Vec<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
-    /// The virtio devices, in bus order (their state is in snapshots).
-    pub virtio: Vec<crate::virtio::VirtioHandle>,
-}
 
 /// How the guest ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
