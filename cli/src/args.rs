@@ -9,7 +9,6 @@ use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use gpuvm_vmm::machine::{AfterSnapshot, SnapshotPolicy};
 
-use crate::ctl::CtlArgs;
 use crate::passthrough;
 
 /// A KVM micro-VMM for GPU virtual machines.
@@ -238,6 +237,105 @@ pub fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {
             Then::Exit => AfterSnapshot::Exit,
         },
     })
+}
+
+/// `gpuvm ctl`: a client of a running gpuvm's API socket.
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The API socket of the gpuvm to talk to.
+    #[arg(long)]
+    pub api_sock: PathBuf,
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// GET /: instance information and state.
+    Info,
+    /// GET /machine-config.
+    GetMachineConfig,
+    /// PUT /machine-config.
+    SetMachineConfig {
+        #[arg(long)]
+        vcpus: u8,
+        #[arg(long, value_parser = parse_size)]
+        memory: u64,
+        #[arg(long, default_value = "memfd", value_parser = ["memfd", "hugetlb-2m", "hugetlb-1g"])]
+        memory_backing: String,
+        #[arg(long)]
+        no_thp: bool,
+        #[arg(long)]
+        prefault: bool,
+        #[arg(long, value_delimiter = ',')]
+        cpuid_mask: Vec<String>,
+        #[arg(long)]
+        track_dirty_pages: bool,
+    },
+    /// PUT /boot-source (no --kernel: the embedded test guest).
+    SetBootSource {
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        #[arg(long)]
+        cmdline: Option<String>,
+    },
+    /// PUT /actions InstanceStart.
+    Start,
+    /// PUT /actions SendCtrlAltDel (ends the run as a guest reset).
+    CtrlAltDel,
+    /// PATCH /vm Paused.
+    Pause,
+    /// PATCH /vm Resumed.
+    Resume,
+    /// PUT /snapshot/create.
+    SnapshotCreate {
+        /// Snapshot directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Write only pages dirtied since the last snapshot into DIR.
+        #[arg(long)]
+        diff: bool,
+    },
+    /// PUT /snapshot/load (only before start).
+    SnapshotLoad {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, value_enum, default_value = "lazy")]
+        restore_mode: Mode,
+        #[arg(long, required_if_eq("restore_mode", "external"))]
+        uffd_socket: Option<PathBuf>,
+        /// Run at once instead of waiting for `resume`.
+        #[arg(long)]
+        resume: bool,
+        /// Record the guest's working set for later lazy restores (lazy mode only).
+        #[arg(long)]
+        record_working_set: bool,
+    },
+    /// PUT /gpus/{id}: a passthrough device (before start).
+    AddGpu {
+        #[arg(long)]
+        id: String,
+        /// A host GPU bound to vfio-pci, e.g. 0000:41:00.0.
+        #[arg(
+            long,
+            required_unless_present = "vfio_user_socket",
+            conflicts_with = "vfio_user_socket"
+        )]
+        host_bdf: Option<String>,
+        /// A vfio-user device's socket.
+        #[arg(long)]
+        vfio_user_socket: Option<PathBuf>,
+    },
+    /// GET /metrics.
+    Metrics,
+    /// Any request: METHOD PATH [JSON BODY].
+    Raw {
+        method: String,
+        path: String,
+        body: Option<String>,
+    },
 }
 
 #[cfg(test)]
