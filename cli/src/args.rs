@@ -30,7 +30,7 @@ pub struct Cli {
 pub enum Command {
     /// Boot a VM and run it until the guest ends. Without --kernel, boots the embedded
     /// test guest.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Restore a VM from a snapshot directory and run it until the guest ends.
     Restore(RestoreArgs),
     /// Ask a running gpuvm (started with --snapshot-dir) to snapshot itself now.

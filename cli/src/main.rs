@@ -52,7 +52,7 @@ fn main() -> ExitCode {
         return gpuvm_error();
     }
     let result = match cli.command {
-        Command::Run(args) => run::run(args, process_start),
+        Command::Run(args) => run::run(*args, process_start),
         Command::Restore(args) => restore::restore(args, process_start),
         Command::Snapshot { pid } => snapshot_signal::signal_snapshot(pid),
         Command::Ctl(args) => return ctl::ctl(args),
