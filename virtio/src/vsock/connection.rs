@@ -176,6 +176,12 @@ impl Connection {
         self.peer_buf_alloc.saturating_sub(in_flight)
     }
 
+    /// Whether the guest heard of this connection (a host-initiated REQUEST still waiting
+    /// for an rx buffer means it did not).
+    pub fn guest_knows(&self) -> bool {
+        !self.request_pending
+    }
+
     /// How much of the guest's data waits for the host socket.
     pub fn buffered_for_host(&self) -> usize {
         self.to_host.len() - self.ok_line_left

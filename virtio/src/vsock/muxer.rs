@@ -41,6 +41,9 @@ pub const MAX_CONNECTIONS: usize = 1024;
 /// RSTs for unknown connections waiting for rx buffers; beyond, the tx queue waits (a
 /// guest that sends garbage and never reads cannot make gpuvm queue without bound).
 const MAX_PENDING_RST: usize = 1024;
+/// RSTs for connections that ended (host clients come and go whatever the guest does)
+/// beyond which more are dropped: a guest that reads nothing loses only its own RSTs.
+const MAX_QUEUED_RST: usize = 4 * MAX_PENDING_RST;
 /// Where host-initiated connections' local ports start (guest services use low ports).
 pub const FIRST_HOST_PORT: u32 = 1 << 30;
 /// Accepts per listener event, so one busy listener does not starve the queues.
@@ -129,6 +132,7 @@ impl Muxer {
     }
 
     /// How many connections exist (host clients still writing their line excluded).
+    #[cfg(test)]
     pub fn connection_count(&self) -> usize {
         self.connections.len()
     }
@@ -428,15 +432,17 @@ impl Muxer {
 
     /// Drops a connection (closing its host socket) and, for [`Close::Rst`], tells the guest.
     fn end(&mut self, key: ConnKey, close: Close, control: &EventControl) {
-        self.remove(key, control);
-        if close == Close::Rst {
+        let guest_knows = self.remove(key, control);
+        if close == Close::Rst && guest_knows {
             self.queue_rst(key);
         }
     }
 
-    fn remove(&mut self, key: ConnKey, control: &EventControl) {
+    /// Drops a connection; returns whether the guest knows of it (a REQUEST that never
+    /// reached an rx buffer needs no RST).
+    fn remove(&mut self, key: ConnKey, control: &EventControl) -> bool {
         let Some(connection) = self.connections.remove(&key) else {
-            return;
+            return false;
         };
         self.by_token.remove(&connection.token);
         if connection.registered.is_some() {
@@ -445,9 +451,22 @@ impl Muxer {
         if connection.host_initiated {
             self.host_ports.remove(&key.local_port);
         }
+        if connection.queued_for_rx {
+            // Connections come and go while a guest that does not read keeps the queue
+            // from draining: stale entries must not pile up.
+            self.rx_items
+                .retain(|item| !matches!(item, RxItem::Connection(queued) if *queued == key));
+        }
+        connection.guest_knows()
     }
 
     fn queue_rst(&mut self, key: ConnKey) {
+        if self.pending_rst >= MAX_QUEUED_RST {
+            if self.warnings.allow() {
+                log::warn!("virtio-vsock: the guest reads no rx buffers, dropping an RST");
+            }
+            return;
+        }
         self.pending_rst += 1;
         self.rx_items.push_back(RxItem::Rst(key));
     }
@@ -481,7 +500,7 @@ impl Muxer {
                 }
                 RxFill::Nothing => self.settle(key, Ok(()), control),
                 RxFill::Close(close) => {
-                    self.remove(key, control);
+                    let _ = self.remove(key, control);
                     if close == Close::Rst {
                         return Some(self.write_rst(packet, key));
                     }

@@ -127,7 +127,6 @@ mod tests {
         assert_eq!(packet.len(), 17);
         assert_eq!(packet.buf_alloc(), 4096);
         assert_eq!(packet.fwd_cnt(), 9);
-        drop(packet);
         // The little-endian layout the guest reads: src_cid first, fwd_cnt last.
         assert_eq!(&header[..8], &2u64.to_le_bytes());
         assert_eq!(&header[40..44], &9u32.to_le_bytes());

@@ -101,7 +101,6 @@ impl Hdr {
             .set_flags(self.flags)
             .set_buf_alloc(self.buf_alloc)
             .set_fwd_cnt(self.fwd_cnt);
-        drop(packet);
         bytes
     }
 
@@ -126,10 +125,15 @@ impl Hdr {
 }
 
 /// A packet the device put in an rx buffer.
-#[derive(Debug)]
 struct RxPacket {
     hdr: Hdr,
     data: Vec<u8>,
+}
+
+impl std::fmt::Debug for RxPacket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} with {} bytes", self.hdr, self.data.len())
+    }
 }
 
 /// One descriptor of a test chain.
@@ -141,28 +145,36 @@ struct Desc {
 }
 
 /// The test's driver: the queues' rings and buffers in guest memory, and their kicks.
-struct TestGuest {
-    memory: GuestMemoryMmap,
+fn guest_memory() -> GuestMemoryMmap {
+    GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEMORY_SIZE)]).expect("guest memory")
+}
+
+struct TestGuest<'m> {
+    memory: &'m GuestMemoryMmap,
+    /// The rings as the driver sees them (made once: making one zeroes its rings).
+    rings: Vec<MockSplitQueue<'m, GuestMemoryMmap>>,
     interrupt: Arc<RecordingInterrupt>,
     kicks: Vec<EventFd>,
     next_chain: [u16; 3],
     used_seen: [u16; 3],
+    /// Packets taken from the used ring and not yet looked at.
+    received: std::collections::VecDeque<RxPacket>,
 }
 
-impl TestGuest {
-    /// Activates `device` with three fresh queues.
-    fn activate(device: &mut Vsock) -> TestGuest {
-        let memory =
-            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEMORY_SIZE)]).expect("guest memory");
+impl<'m> TestGuest<'m> {
+    /// Activates `device` with three fresh queues in `memory`.
+    fn activate(device: &mut Vsock, memory: &'m GuestMemoryMmap) -> Self {
         let interrupt = Arc::new(RecordingInterrupt::default());
+        let mut rings = Vec::new();
         let mut queues = Vec::new();
         let mut kicks = Vec::new();
         for base in RING_BASES {
-            let mock = MockSplitQueue::create(&memory, GuestAddress(base), QUEUE_SIZE);
+            let mock = MockSplitQueue::create(memory, GuestAddress(base), QUEUE_SIZE);
             let queue: Queue = mock.create_queue().unwrap();
             let kick = EventFd::new(EFD_NONBLOCK).unwrap();
             kicks.push(kick.try_clone().unwrap());
             queues.push(Some(ActiveQueue { queue, kick }));
+            rings.push(mock);
         }
         device
             .activate(Activation {
@@ -174,15 +186,17 @@ impl TestGuest {
             .expect("activate");
         TestGuest {
             memory,
+            rings,
             interrupt,
             kicks,
             next_chain: [0; 3],
             used_seen: [0; 3],
+            received: std::collections::VecDeque::new(),
         }
     }
 
-    fn mock(&self, queue: usize) -> MockSplitQueue<'_, GuestMemoryMmap> {
-        MockSplitQueue::create(&self.memory, GuestAddress(RING_BASES[queue]), QUEUE_SIZE)
+    fn mock(&self, queue: usize) -> &MockSplitQueue<'m, GuestMemoryMmap> {
+        &self.rings[queue]
     }
 
     fn slot(queue: usize, chain: u16) -> u64 {
@@ -286,8 +300,7 @@ impl TestGuest {
 
     /// Used-ring entries (head, len) of `queue` that appeared since the last call.
     fn take_used(&mut self, queue: usize) -> Vec<(u32, u32)> {
-        let mock =
-            MockSplitQueue::create(&self.memory, GuestAddress(RING_BASES[queue]), QUEUE_SIZE);
+        let mock = &self.rings[queue];
         let used_idx = mock.used().idx().load();
         let mut entries = Vec::new();
         let mut seen = self.used_seen[queue];
@@ -332,23 +345,29 @@ impl TestGuest {
         RxPacket { hdr, data }
     }
 
+    /// Moves what the device put in the used ring to `received`.
+    fn collect_rx(&mut self) {
+        for entry in self.take_used(RX) {
+            let packet = self.read_rx(entry);
+            self.received.push_back(packet);
+        }
+    }
+
     /// The next `count` packets for the guest (panics after [`WAIT`]).
     fn recv(&mut self, count: usize) -> Vec<RxPacket> {
         let deadline = Instant::now() + WAIT;
-        let mut packets = Vec::new();
-        while packets.len() < count {
-            for entry in self.take_used(RX) {
-                packets.push(self.read_rx(entry));
+        loop {
+            self.collect_rx();
+            if self.received.len() >= count {
+                return self.received.drain(..count).collect();
             }
-            if packets.len() < count {
-                assert!(
-                    Instant::now() < deadline,
-                    "waited for {count} rx packets, got {packets:?}"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            assert!(
+                Instant::now() < deadline,
+                "waited for {count} rx packets, got {:?}",
+                self.received
+            );
+            std::thread::sleep(Duration::from_millis(1));
         }
-        packets
     }
 
     fn recv_one(&mut self) -> RxPacket {
@@ -358,11 +377,8 @@ impl TestGuest {
     /// Whatever packets arrive within `wait`.
     fn recv_for(&mut self, wait: Duration) -> Vec<RxPacket> {
         std::thread::sleep(wait);
-        let entries = self.take_used(RX);
-        entries
-            .into_iter()
-            .map(|entry| self.read_rx(entry))
-            .collect()
+        self.collect_rx();
+        self.received.drain(..).collect()
     }
 
     /// RW data from the device until `total` bytes arrived, checking each header.
@@ -449,7 +465,11 @@ fn closed_by_device(client: &mut UnixStream) -> bool {
 
 /// A host client connects to guest port `guest_port` and the guest accepts; returns the
 /// client (its `OK` line read) and the connection's ports.
-fn host_connect(guest: &mut TestGuest, uds_path: &Path, guest_port: u32) -> (UnixStream, ConnKey) {
+fn host_connect(
+    guest: &mut TestGuest<'_>,
+    uds_path: &Path,
+    guest_port: u32,
+) -> (UnixStream, ConnKey) {
     let mut client = connect_client(uds_path, format!("CONNECT {guest_port}\n").as_bytes());
     let request = guest.recv_one();
     assert_eq!(request.hdr.op, VSOCK_OP_REQUEST, "{request:?}");
@@ -475,7 +495,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[test]
 fn host_initiated_connect_then_data_both_ways_with_credit() {
     let (mut device, uds_path) = new_device("host-connect");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(16, 4096);
 
     let mut client = connect_client(&uds_path, b"CONNECT 1024\n");
@@ -537,7 +558,8 @@ fn host_initiated_connect_then_data_both_ways_with_credit() {
 fn guest_initiated_connect_data_and_host_close() {
     let (mut device, uds_path) = new_device("guest-connect");
     let port_listener = PortListener::bind(&uds_path, 5000);
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(16, 4096);
 
     guest.send(Hdr::from_guest(40000, 5000, VSOCK_OP_REQUEST), &[]);
@@ -588,7 +610,8 @@ fn guest_initiated_connect_data_and_host_close() {
 fn host_close_without_guest_answer_ends_with_rst() {
     let (mut device, uds_path) = new_device("host-close-timeout");
     let port_listener = PortListener::bind(&uds_path, 5002);
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(8, 4096);
     guest.send(Hdr::from_guest(40002, 5002, VSOCK_OP_REQUEST), &[]);
     assert_eq!(guest.recv_one().hdr.op, VSOCK_OP_RESPONSE);
@@ -603,7 +626,8 @@ fn host_close_without_guest_answer_ends_with_rst() {
 #[test]
 fn guest_connect_without_host_listener_is_refused() {
     let (mut device, _uds_path) = new_device("guest-refused");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(4, 4096);
     guest.send(Hdr::from_guest(40001, 5001, VSOCK_OP_REQUEST), &[]);
     let rst = guest.recv_one();
@@ -618,7 +642,8 @@ fn guest_connect_without_host_listener_is_refused() {
 #[test]
 fn guest_refusal_and_silence_close_the_host_client() {
     let (mut device, uds_path) = new_device("guest-refuses");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(8, 4096);
 
     let mut refused = connect_client(&uds_path, b"CONNECT 1025\n");
@@ -645,9 +670,25 @@ fn guest_refusal_and_silence_close_the_host_client() {
 }
 
 #[test]
+fn request_the_guest_never_saw_times_out_without_rst() {
+    let (mut device, uds_path) = new_device("never-seen");
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
+    // No rx buffers: the REQUEST cannot reach the guest.
+    let started = Instant::now();
+    let mut client = connect_client(&uds_path, b"CONNECT 1027\n");
+    assert!(closed_by_device(&mut client));
+    assert!(started.elapsed() >= CONNECT_TIMEOUT - Duration::from_millis(100));
+    // Neither the stale REQUEST nor an RST for it comes later.
+    guest.give_rx_buffers(4, 4096);
+    assert!(guest.recv_for(Duration::from_millis(100)).is_empty());
+}
+
+#[test]
 fn malformed_connect_lines_close_the_client_and_slow_ones_block_nobody() {
     let (mut device, uds_path) = new_device("bad-lines");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(8, 4096);
 
     let long = [b'7'; 40];
@@ -685,14 +726,15 @@ fn malformed_connect_lines_close_the_client_and_slow_ones_block_nobody() {
 #[test]
 fn guest_that_stops_reading_does_not_make_the_host_side_buffer() {
     let (mut device, uds_path) = new_device("no-reader");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(4, 4096);
     let (mut client, key) = host_connect(&mut guest, &uds_path, 3000);
 
-    // The guest only has 4096 bytes of buffer: it may see 4096 bytes and no more,
-    // however many rx buffers it offers.
+    // The guest only has 1000 bytes of buffer: it may see 1000 bytes and no more,
+    // however many (and however large) rx buffers it offers.
     let mut credit = Hdr::from_guest(3000, key.local_port, VSOCK_OP_CREDIT_UPDATE);
-    credit.buf_alloc = 4096;
+    credit.buf_alloc = 1000;
     guest.send(credit, &[]);
     guest.wait_tx_used(2);
     client.set_nonblocking(true).unwrap();
@@ -719,17 +761,17 @@ fn guest_that_stops_reading_does_not_make_the_host_side_buffer() {
         "the host socket was drained beyond the guest's credit"
     );
     guest.give_rx_buffers(32, 4096);
-    let first = guest.recv_data(key, 4096);
-    assert_eq!(first, chunk[..4096]);
+    let first = guest.recv_data(key, 1000);
+    assert_eq!(first, chunk[..1000]);
     assert!(
         guest.recv_for(Duration::from_millis(100)).is_empty(),
         "nothing beyond the credit"
     );
 
-    // The guest reads: with fwd_cnt 4096 the next 4096 bytes come.
-    credit.fwd_cnt = 4096;
+    // The guest reads: with fwd_cnt 1000 the next 1000 bytes come.
+    credit.fwd_cnt = 1000;
     guest.send(credit, &[]);
-    assert_eq!(guest.recv_data(key, 4096), chunk[4096..8192]);
+    assert_eq!(guest.recv_data(key, 1000), chunk[1000..2000]);
     assert!(guest.recv_for(Duration::from_millis(100)).is_empty());
 
     // The other way: the client does not read. The guest may send BUF_ALLOC bytes, which
@@ -737,8 +779,8 @@ fn guest_that_stops_reading_does_not_make_the_host_side_buffer() {
     let block = pattern(MAX_PKT_DATA as usize, 6);
     // The guest's headers keep its own credit at zero, so no data comes its way.
     let mut rw = Hdr::from_guest(3000, key.local_port, VSOCK_OP_RW);
-    rw.buf_alloc = 4096;
-    rw.fwd_cnt = 8192;
+    rw.buf_alloc = 1000;
+    rw.fwd_cnt = 1000;
     let mut sent = 0u32;
     let mut last_fwd_cnt = 0u32;
     loop {
@@ -778,7 +820,8 @@ fn guest_that_stops_reading_does_not_make_the_host_side_buffer() {
 #[test]
 fn fifty_connections_at_once() {
     let (mut device, uds_path) = new_device("fifty");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(50, 4096);
     let mut clients: Vec<UnixStream> = (0..50)
         .map(|index| connect_client(&uds_path, format!("CONNECT {}\n", 2000 + index).as_bytes()))
@@ -836,7 +879,8 @@ fn fifty_connections_at_once() {
 fn guest_shutdown_half_closes_the_host_socket() {
     let (mut device, uds_path) = new_device("half-close");
     let port_listener = PortListener::bind(&uds_path, 5003);
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(8, 4096);
     guest.send(Hdr::from_guest(40003, 5003, VSOCK_OP_REQUEST), &[]);
     assert_eq!(guest.recv_one().hdr.op, VSOCK_OP_RESPONSE);
@@ -875,7 +919,8 @@ fn guest_shutdown_half_closes_the_host_socket() {
 fn hostile_packets_and_buffers_are_dropped_or_reset() {
     let (mut device, uds_path) = new_device("hostile");
     let port_listener = PortListener::bind(&uds_path, 5004);
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
 
     // Rx buffers the device cannot use are returned empty (read-only, too short, outside
     // memory) and the next good one carries the packet.
@@ -1003,7 +1048,8 @@ impl GuestTest {
 #[test]
 fn pause_keeps_connections_and_reports_positions() {
     let (mut device, uds_path) = new_device("pause");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(8, 4096);
     let (mut client, key) = host_connect(&mut guest, &uds_path, 6000);
 
@@ -1035,7 +1081,8 @@ fn pause_keeps_connections_and_reports_positions() {
 #[test]
 fn restore_sends_transport_reset_and_rebinds_the_listener() {
     let (mut device, uds_path) = new_device("restore");
-    let mut guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
     guest.give_rx_buffers(4, 4096);
     let (_client, _key) = host_connect(&mut guest, &uds_path, 7000);
     device.pause();
@@ -1057,7 +1104,8 @@ fn restore_sends_transport_reset_and_rebinds_the_listener() {
         .restore_state(&serde_json::json!({ "guest_cid": 3, "extra": 1 }))
         .is_err());
     restored.restore_state(&state).unwrap();
-    let mut guest = TestGuest::activate(&mut restored);
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut restored, &memory);
     let chain = guest.next_chain[EVENT];
     let slot = TestGuest::slot(EVENT, chain);
     guest
@@ -1140,7 +1188,8 @@ fn configuration_space_features_and_validation() {
     ));
 
     // The I/O thread has its name.
-    let _guest = TestGuest::activate(&mut device);
+    let memory = guest_memory();
+    let _guest = TestGuest::activate(&mut device, &memory);
     let names: Vec<String> = std::fs::read_dir("/proc/self/task")
         .unwrap()
         .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
