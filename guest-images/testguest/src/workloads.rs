@@ -35,6 +35,7 @@ pub fn run(info: &BootInfo) -> ! {
         name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net" | "virtio-devices") => {
             crate::virtio::run(info, name, &mut words)
         }
+        "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP_FAILED)

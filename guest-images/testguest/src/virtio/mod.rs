@@ -19,6 +19,7 @@
 
 mod blk;
 mod devices;
+mod fs;
 mod irq;
 mod net;
 mod pci;
@@ -56,6 +57,7 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-vsock" => ("virtio-vsock", vsock::run),
         "virtio-net" => ("virtio-net", net::run),
         "virtio-devices" => ("virtio-devices", devices::run),
+        "virtio-fs" => ("virtio-fs", |dma, _| fs::run(dma)),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP)

@@ -1,0 +1,641 @@
+//! vhost-user devices end to end: the test guest's ring-3 virtio drivers against real
+//! backends that the tests start themselves on files they create: qemu-storage-daemon
+//! exporting vhost-user-blk (`--drive id=ID,vhost_user=SOCKET`) and virtiofsd serving a
+//! directory (`--fs tag=TAG,socket=SOCKET`, the `virtio-fs` workload speaking FUSE). Also
+//! what gpuvm does with bad sockets and tags, a second VM on a busy backend, a backend
+//! killed under a running VM, and snapshots refused for vhost-user devices.
+//!
+//! A test whose backend binary is missing says so on stderr and passes without running
+//! (scripts/install-deps.sh installs both).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::{
+    api_expect, api_start_instance, run_gpuvm, wait_for_api_socket, RunOutput, Scratch,
+    SpawnedProcess,
+};
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// How long gpuvm may take to refuse a device whose backend is not there (its connect
+/// timeout is 5 s, its reply timeout 5 s).
+const REFUSAL_LIMIT: Duration = Duration::from_secs(15);
+/// How long a backend gets to create its socket.
+const BACKEND_START: Duration = Duration::from_secs(10);
+/// Where the `virtio-blk` workload writes its pattern, and with which seed.
+const TEST_OFFSET: u64 = 8 * 512;
+const TEST_LEN: u64 = 8 * 512;
+const PATTERN_SEED: u64 = 0xb10c;
+/// The `virtio-devices` workload's pattern seed; connection 1 writes sector 16.
+const DEVICES_PATTERN_SEED: u64 = 0xd5e7;
+const DEVICES_FIRST_SECTOR: u64 = 16;
+/// What the `virtio-fs` workload writes into `from-guest.txt`
+/// (guest-images/testguest/src/virtio/fs.rs).
+const FS_WRITTEN: &str = "written by the gpuvm test guest over virtio-fs\n";
+
+fn arg(path: &Path) -> &str {
+    path.to_str().expect("UTF-8 path")
+}
+
+/// `name` in $PATH (and, for cargo-installed backends, in ~/.cargo/bin).
+fn find_binary(name: &str) -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).collect())
+        .unwrap_or_default();
+    if let Some(cargo_home) = std::env::var_os("CARGO_HOME") {
+        dirs.push(PathBuf::from(cargo_home).join("bin"));
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        dirs.push(PathBuf::from(home).join(".cargo/bin"));
+    }
+    dirs.into_iter()
+        .map(|dir| dir.join(name))
+        .find(|candidate| {
+            std::fs::metadata(candidate)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// The backend binary, or `None` after saying on stderr that `test` is skipped.
+fn backend_binary(name: &str, test: &str) -> Option<PathBuf> {
+    let found = find_binary(name);
+    if found.is_none() {
+        eprintln!(
+            "SKIPPED vhost_user::{test}: {name} is not installed (not in PATH nor ~/.cargo/bin; \
+             scripts/install-deps.sh installs it)"
+        );
+    }
+    found
+}
+
+/// A backend process started by a test: killed (SIGKILL) and reaped on drop
+/// ([`SpawnedProcess`]'s drop).
+struct Backend {
+    name: &'static str,
+    process: SpawnedProcess,
+}
+
+impl Backend {
+    /// Starts `program ARGS` and waits until `socket` exists (panics with the backend's
+    /// output if it exits first or takes longer than [`BACKEND_START`]).
+    fn start(name: &'static str, program: &Path, args: &[&str], socket: &Path) -> Backend {
+        let mut process = SpawnedProcess::spawn(program, args);
+        process.wait_until(
+            &format!("{name} to create {}", socket.display()),
+            BACKEND_START,
+            |_| socket.exists(),
+        );
+        Backend { name, process }
+    }
+
+    /// Kills the backend with SIGKILL and reaps it.
+    fn kill9(self) {
+        let Backend { name, mut process } = self;
+        process.signal(libc::SIGKILL);
+        let out = process.wait(Duration::from_secs(10));
+        assert_eq!(
+            out.status.code(),
+            None,
+            "{name} was expected to die of SIGKILL: {}",
+            out.describe()
+        );
+    }
+
+    /// What the backend wrote to stderr so far (for assertion messages).
+    fn stderr(&self) -> String {
+        format!("--- {} stderr\n{}", self.name, self.process.stderr())
+    }
+}
+
+/// qemu-storage-daemon exporting `image` as vhost-user-blk on `socket`.
+fn start_qsd(program: &Path, image: &Path, socket: &Path, writable: bool) -> Backend {
+    let file = format!("driver=file,node-name=file0,filename={}", arg(image));
+    let export = format!(
+        "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={}",
+        arg(socket),
+        if writable { "on" } else { "off" }
+    );
+    Backend::start(
+        "qemu-storage-daemon",
+        program,
+        &[
+            "--blockdev",
+            &file,
+            "--blockdev",
+            "driver=raw,node-name=disk0,file=file0",
+            "--export",
+            &export,
+        ],
+        socket,
+    )
+}
+
+/// virtiofsd sharing `dir` on `socket` (it writes `<socket>.pid` beside it).
+fn start_virtiofsd(program: &Path, dir: &Path, socket: &Path) -> Backend {
+    let socket_arg = format!("--socket-path={}", arg(socket));
+    let dir_arg = format!("--shared-dir={}", arg(dir));
+    Backend::start(
+        "virtiofsd",
+        program,
+        &[&socket_arg, &dir_arg, "--sandbox", "none"],
+        socket,
+    )
+}
+
+/// A raw image that starts with the magic the blk workloads check, zero elsewhere.
+fn disk_image(scratch: &Scratch, size: u64) -> PathBuf {
+    let path = scratch.path("disk.img");
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(b"GPUVMBLK").unwrap();
+    file.set_len(size).unwrap();
+    path
+}
+
+fn pattern_is_on_disk(image: &Path, offset: u64, len: u64, seed: u64) -> bool {
+    let bytes = std::fs::read(image).unwrap();
+    (0..len).step_by(8).all(|word| {
+        let at = (offset + word) as usize;
+        let expected = gpuvm_guest_images::pattern(seed, offset + word);
+        bytes[at..at + 8] == expected.to_le_bytes()
+    })
+}
+
+/// The whole stdout line that starts with `prefix` (panics with the output without one).
+fn line_starting<'a>(out: &'a RunOutput, prefix: &str) -> &'a str {
+    out.stdout
+        .lines()
+        .find(|line| line.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starting {prefix:?}\n{}", out.describe()))
+}
+
+/// Asserts that `lines` appear whole in stdout in this order.
+fn assert_lines_in_order(out: &RunOutput, lines: &[&str]) {
+    let mut rest = out.stdout.lines();
+    for line in lines {
+        assert!(
+            rest.any(|got| got == *line),
+            "line {line:?} missing or out of order\n{}",
+            out.describe()
+        );
+    }
+}
+
+/// Refused before the guest ran: status 125 within [`REFUSAL_LIMIT`], no panic, stderr
+/// names every one of `needles`, the guest printed nothing.
+fn assert_refused(out: &RunOutput, needles: &[&str], context: &str) {
+    assert_eq!(out.code(), Some(125), "{context}: {}", out.describe());
+    assert!(
+        out.elapsed < REFUSAL_LIMIT,
+        "{context}: took {:?}, expected under {REFUSAL_LIMIT:?}\n{}",
+        out.elapsed,
+        out.describe()
+    );
+    for needle in needles {
+        out.assert_clean_error(needle);
+    }
+    assert!(
+        !out.stdout.contains("testguest: ready"),
+        "{context}: the guest ran\n{}",
+        out.describe()
+    );
+}
+
+/// Connects to the guest's port 1024 through the hybrid vsock socket, has `payload`
+/// echoed, shuts the connection down and waits for the guest's RST (EOF here).
+fn vsock_echo(uds: &Path, payload: &[u8]) {
+    let mut stream = UnixStream::connect(uds)
+        .unwrap_or_else(|e| panic!("connect to the vsock socket {}: {e}", uds.display()));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    stream.write_all(b"CONNECT 1024\n").unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("answer to CONNECT");
+    assert!(line.starts_with("OK "), "answer to CONNECT: {line:?}");
+    stream.write_all(payload).unwrap();
+    let mut echo = vec![0u8; payload.len()];
+    reader.read_exact(&mut echo).expect("read the echo");
+    assert_eq!(echo, payload, "the echo differs");
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut rest = Vec::new();
+    let _ = reader.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "{} bytes after the echo", rest.len());
+}
+
+/// `GET /`'s instance state.
+fn instance_state(api: &Path) -> String {
+    let body = api_expect(api, 200, "GET", "/", None);
+    let info: serde_json::Value =
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("GET / body {body:?}: {e}"));
+    info["state"].as_str().unwrap_or_default().to_string()
+}
+
+/// `PUT /snapshot/create` into `dir`, which must be refused with 400; the fault message.
+fn snapshot_refused(api: &Path, dir: &Path) -> String {
+    let body = format!(r#"{{"snapshot_path": "{}"}}"#, arg(dir));
+    let fault = api_expect(api, 400, "PUT", "/snapshot/create", Some(&body));
+    assert!(
+        !dir.join("state").exists(),
+        "a refused snapshot wrote {}",
+        dir.join("state").display()
+    );
+    fault
+}
+
+#[test]
+fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
+    let Some(qsd) = backend_binary(
+        "qemu-storage-daemon",
+        "a_drive_on_qemu_storage_daemon_is_read_written_and_flushed",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "blk-rw");
+    let image = disk_image(&scratch, 1 << 20);
+    let socket = scratch.path("qsd.sock");
+    let backend = start_qsd(&qsd, &image, &socket, true);
+    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    let out = run_gpuvm(
+        &["run", "--cmdline", "virtio-blk", "--drive", &drive],
+        LIMIT,
+    );
+    out.assert_code(0);
+    out.assert_stdout_has("virtio-blk: capacity 2048 sectors, read-write, flush offered");
+    out.assert_stdout_has("virtio-blk: wrote, flushed and read back 4096 bytes at sector 8");
+    let ok = line_starting(&out, "virtio-blk: ok ");
+    assert!(
+        ok.starts_with("virtio-blk: ok capacity=2048 serial=") && ok.ends_with(" rw=yes"),
+        "{ok:?}\n{}",
+        out.describe()
+    );
+    assert!(
+        pattern_is_on_disk(&image, TEST_OFFSET, TEST_LEN, PATTERN_SEED),
+        "the guest's write (sectors 8..16) is not in {}\n{}",
+        image.display(),
+        backend.stderr()
+    );
+}
+
+#[test]
+fn a_read_only_export_refuses_writes_and_keeps_its_image() {
+    let Some(qsd) = backend_binary(
+        "qemu-storage-daemon",
+        "a_read_only_export_refuses_writes_and_keeps_its_image",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "blk-ro");
+    let image = disk_image(&scratch, 1 << 20);
+    let before = std::fs::read(&image).unwrap();
+    let socket = scratch.path("qsd.sock");
+    let backend = start_qsd(&qsd, &image, &socket, false);
+    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    let out = run_gpuvm(
+        &["run", "--cmdline", "virtio-blk", "--drive", &drive],
+        LIMIT,
+    );
+    out.assert_code(0);
+    out.assert_stdout_has("virtio-blk: capacity 2048 sectors, read-only");
+    out.assert_stdout_has("virtio-blk: write refused");
+    let ok = line_starting(&out, "virtio-blk: ok ");
+    assert!(ok.ends_with(" rw=no"), "{ok:?}\n{}", out.describe());
+    assert!(
+        std::fs::read(&image).unwrap() == before,
+        "the read-only export's image changed\n{}",
+        backend.stderr()
+    );
+}
+
+#[test]
+fn a_virtiofsd_share_is_read_and_written_over_fuse() {
+    let Some(virtiofsd) = backend_binary(
+        "virtiofsd",
+        "a_virtiofsd_share_is_read_and_written_over_fuse",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "fs");
+    let shared = scratch.path("shared");
+    std::fs::create_dir(&shared).unwrap();
+    // Longer than the 64 bytes the guest prints, with a newline it prints as '.'.
+    let hello = "hello from the host: this file is shared with the guest by virtiofsd\nline 2\n";
+    std::fs::write(shared.join("hello.txt"), hello).unwrap();
+    let socket = scratch.path("fs.sock");
+    let backend = start_virtiofsd(&virtiofsd, &shared, &socket);
+    // 36 bytes: the whole tag field, with no NUL after it.
+    let tag = "host-share-0123456789abcdefghijklmno";
+    assert_eq!(tag.len(), 36);
+    let fs = format!("tag={tag},socket={}", arg(&socket));
+    let out = run_gpuvm(&["run", "--cmdline", "virtio-fs", "--fs", &fs], LIMIT);
+    out.assert_code(0);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+
+    let init = line_starting(&out, "virtio-fs: init ok major=7 minor=");
+    let minor: u32 = init["virtio-fs: init ok major=7 minor=".len()..]
+        .parse()
+        .unwrap_or_else(|e| panic!("{init:?}: {e}"));
+    assert!(
+        minor >= 27,
+        "virtiofsd answered minor {minor}; FUSE 7.27 is its oldest"
+    );
+    let first_64: String = hello[..64].replace('\n', ".");
+    let hello_line = format!("virtio-fs: hello.txt {} bytes: {first_64}", hello.len());
+    let wrote_line = format!("virtio-fs: wrote from-guest.txt {} bytes", FS_WRITTEN.len());
+    assert_lines_in_order(
+        &out,
+        &[
+            &format!("virtio-fs: tag={tag} queues=1"),
+            init,
+            &hello_line,
+            &wrote_line,
+            "virtio-fs: ok",
+        ],
+    );
+
+    let created = shared.join("from-guest.txt");
+    let written = std::fs::read_to_string(&created).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}\n{}\n{}",
+            created.display(),
+            out.describe(),
+            backend.stderr()
+        )
+    });
+    assert_eq!(written, FS_WRITTEN, "from-guest.txt on the host");
+    let mode = std::fs::metadata(&created).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o644, "from-guest.txt's mode is {mode:o}");
+    assert_eq!(
+        std::fs::read_to_string(shared.join("hello.txt")).unwrap(),
+        hello,
+        "hello.txt changed"
+    );
+}
+
+#[test]
+fn a_socket_nobody_serves_is_refused_before_the_guest_runs() {
+    let scratch = Scratch::new("vhost_user", "no-backend");
+    // A socket file whose listener is gone (connect: ECONNREFUSED) and a missing path.
+    let stale = scratch.path("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let missing = scratch.path("missing/nobody.sock");
+    let mut cases = Vec::new();
+    for (socket, why) in [(&stale, "stale socket"), (&missing, "missing path")] {
+        cases.push((
+            vec![
+                "--drive".to_string(),
+                format!("id=data,vhost_user={}", arg(socket)),
+            ],
+            "vhost-user-blk data",
+            socket,
+            why,
+        ));
+        cases.push((
+            vec![
+                "--fs".to_string(),
+                format!("tag=share,socket={}", arg(socket)),
+            ],
+            "vhost-user-fs share",
+            socket,
+            why,
+        ));
+    }
+    // Each waits out gpuvm's 5 s connect timeout: run them side by side.
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = cases
+            .iter()
+            .map(|(device_args, device, socket, why)| {
+                scope.spawn(move || {
+                    let mut args = vec!["run", "--cmdline", "virtio-blk"];
+                    args.extend(device_args.iter().map(String::as_str));
+                    let out = run_gpuvm(&args, LIMIT);
+                    let context = format!("{device} on a {why}");
+                    assert_refused(&out, &[device, arg(socket)], &context);
+                    out.assert_clean_error("no vhost-user backend accepted a connection");
+                })
+            })
+            .collect();
+        for run in runs {
+            if let Err(panic) = run.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+    });
+}
+
+#[test]
+fn a_tag_longer_than_the_config_field_is_refused() {
+    let scratch = Scratch::new("vhost_user", "long-tag");
+    let socket = scratch.path("fs.sock");
+    let tag = "t".repeat(37);
+    let fs = format!("tag={tag},socket={}", arg(&socket));
+    let out = run_gpuvm(&["run", "--cmdline", "virtio-fs", "--fs", &fs], LIMIT);
+    assert_refused(
+        &out,
+        &[
+            &format!("vhost-user-fs {tag}"),
+            "the tag is 37 bytes, at most 36",
+        ],
+        "a 37-byte tag",
+    );
+    // Refused from the configuration alone, not after a connect attempt.
+    assert!(
+        out.elapsed < Duration::from_secs(4),
+        "took {:?}\n{}",
+        out.elapsed,
+        out.describe()
+    );
+}
+
+/// qemu-storage-daemon serves one frontend at a time: a second VM on its socket gets no
+/// answer, and gpuvm refuses the drive once its reply timeout passes. The first VM's drive
+/// keeps working.
+#[test]
+fn a_second_vm_on_a_busy_qemu_storage_daemon_is_refused() {
+    let Some(qsd) = backend_binary(
+        "qemu-storage-daemon",
+        "a_second_vm_on_a_busy_qemu_storage_daemon_is_refused",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "blk-busy");
+    let image = disk_image(&scratch, 1 << 20);
+    let socket = scratch.path("qsd.sock");
+    let backend = start_qsd(&qsd, &image, &socket, true);
+    let uds = scratch.path("v.sock");
+    let vsock = format!("cid=3,uds={}", arg(&uds));
+    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    // The first VM has the drive active (it read sector 0) and waits for a connection.
+    let mut first = SpawnedProcess::gpuvm(&[
+        "run",
+        "--cmdline",
+        "virtio-devices",
+        "--drive",
+        &drive,
+        "--rng",
+        "--vsock",
+        &vsock,
+    ]);
+    first.wait_for_stdout("virtio-devices: listening", LIMIT);
+
+    let second_drive = format!("id=second,vhost_user={}", arg(&socket));
+    let second = run_gpuvm(
+        &["run", "--cmdline", "virtio-blk", "--drive", &second_drive],
+        LIMIT,
+    );
+    assert_refused(
+        &second,
+        &[
+            "vhost-user-blk second",
+            arg(&socket),
+            "did not answer",
+            "already serves a frontend",
+        ],
+        "a second VM on one qemu-storage-daemon socket",
+    );
+
+    // The first VM's drive still works: after the connection it writes sector 16.
+    vsock_echo(&uds, b"still served");
+    let out = first.wait(LIMIT);
+    out.assert_code(0);
+    out.assert_stdout_has("virtio-devices: wrote sector 16");
+    out.assert_stdout_has("virtio-devices: ok connections=1");
+    assert!(
+        pattern_is_on_disk(
+            &image,
+            DEVICES_FIRST_SECTOR * 512,
+            512,
+            DEVICES_PATTERN_SEED
+        ),
+        "the first VM's write after the refusal is not in the image\n{}",
+        backend.stderr()
+    );
+}
+
+/// qemu-storage-daemon is killed under a running VM whose drive is active: the API keeps
+/// answering, a snapshot is refused naming the drive, and SendCtrlAltDel still ends gpuvm.
+#[test]
+fn a_killed_qemu_storage_daemon_leaves_the_vmm_in_control() {
+    let Some(qsd) = backend_binary(
+        "qemu-storage-daemon",
+        "a_killed_qemu_storage_daemon_leaves_the_vmm_in_control",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "blk-death");
+    let image = disk_image(&scratch, 1 << 20);
+    let socket = scratch.path("qsd.sock");
+    let backend = start_qsd(&qsd, &image, &socket, true);
+    let api = scratch.path("api.sock");
+    let uds = scratch.path("v.sock");
+    let vsock = format!("cid=3,uds={}", arg(&uds));
+    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    let mut vm = SpawnedProcess::gpuvm(&[
+        "run",
+        "--api-sock",
+        arg(&api),
+        "--cmdline",
+        "virtio-devices",
+        "--drive",
+        &drive,
+        "--rng",
+        "--vsock",
+        &vsock,
+    ]);
+    wait_for_api_socket(&mut vm, &api);
+    api_start_instance(&api);
+    vm.wait_for_stdout("virtio-devices: listening", LIMIT);
+
+    backend.kill9();
+    // The device notices the hang-up by itself (its relay watches the socket).
+    vm.wait_for_stderr("the device is broken", Duration::from_secs(10));
+
+    assert_eq!(instance_state(&api), "Running");
+    let snapshot = scratch.path("snapshot");
+    let fault = snapshot_refused(&api, &snapshot);
+    assert!(
+        fault.contains("vhost-user drive data") && fault.contains(arg(&socket)),
+        "the refusal does not name the drive and its socket: {fault}"
+    );
+    assert_eq!(
+        instance_state(&api),
+        "Running",
+        "after the refused snapshot"
+    );
+
+    let asked = Instant::now();
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type": "SendCtrlAltDel"}"#),
+    );
+    let out = vm.wait(Duration::from_secs(15));
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "gpuvm took {:?} to end after SendCtrlAltDel\n{}",
+        asked.elapsed(),
+        out.describe()
+    );
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+}
+
+/// A snapshot of a VM with a virtio-fs share is refused (virtiofsd holds its open files),
+/// naming the share and its socket, and the VM runs on.
+#[test]
+fn a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on() {
+    let Some(virtiofsd) = backend_binary(
+        "virtiofsd",
+        "a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on",
+    ) else {
+        return;
+    };
+    let scratch = Scratch::new("vhost_user", "fs-snapshot");
+    let shared = scratch.path("shared");
+    std::fs::create_dir(&shared).unwrap();
+    let socket = scratch.path("fs.sock");
+    let backend = start_virtiofsd(&virtiofsd, &shared, &socket);
+    let api = scratch.path("api.sock");
+    let uds = scratch.path("v.sock");
+    let vsock = format!("cid=3,uds={}", arg(&uds));
+    let fs = format!("tag=share,socket={}", arg(&socket));
+    let mut vm = SpawnedProcess::gpuvm(&[
+        "run",
+        "--api-sock",
+        arg(&api),
+        "--cmdline",
+        "virtio-vsock",
+        "--fs",
+        &fs,
+        "--vsock",
+        &vsock,
+    ]);
+    wait_for_api_socket(&mut vm, &api);
+    api_start_instance(&api);
+    vm.wait_for_stdout("virtio-vsock: listening", LIMIT);
+
+    let snapshot = scratch.path("snapshot");
+    let fault = snapshot_refused(&api, &snapshot);
+    assert!(
+        fault.contains("virtio-fs share share") && fault.contains(arg(&socket)),
+        "the refusal does not name the share and its socket: {fault}\n{}",
+        backend.stderr()
+    );
+    assert_eq!(
+        instance_state(&api),
+        "Running",
+        "after the refused snapshot"
+    );
+    // The guest runs on: it answers a connection and finishes.
+    vsock_echo(&uds, b"after the refusal");
+    let out = vm.wait(LIMIT);
+    out.assert_code(0);
+    out.assert_stdout_has("virtio-vsock: ok cid=3 echoed=17");
+}
