@@ -46,6 +46,7 @@ readonly PACKAGES=(
     libssl-dev
     e2fsprogs
     iputils-ping
+    fio
 )
 
 is_installed() {

@@ -4,7 +4,8 @@
 #   scripts/test.sh
 #
 # 1. installs the Debian packages the tests need (scripts/install-deps.sh; root on Debian 12),
-# 2. builds the Linux guest images (guest-images/linux/build.sh) into $GPUVM_LINUX_DIR,
+# 2. builds the Linux guest images (guest-images/linux/build.sh) and the virtio kernel with its ext4 root
+#    image (guest-images/linux/build-virtio-kernel.sh) into $GPUVM_LINUX_DIR,
 # 3. cargo build --release --workspace, then cargo test --release --workspace,
 # 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh).
 # Tests find the VMM binary through GPUVM_BIN and the Linux images through GPUVM_LINUX_DIR.
@@ -28,6 +29,9 @@ scripts/install-deps.sh
 step "building Linux guest images"
 export GPUVM_LINUX_DIR="${GPUVM_LINUX_DIR:-$REPO_ROOT/guest-images/linux/out}"
 guest-images/linux/build.sh "$GPUVM_LINUX_DIR"
+
+step "building the virtio Linux kernel and ext4 root image"
+guest-images/linux/build-virtio-kernel.sh "$GPUVM_LINUX_DIR"
 
 if ! command -v cargo >/dev/null; then
     echo "test.sh: error: cargo not found; install Rust (https://rustup.rs) and retry" >&2
