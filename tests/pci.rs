@@ -302,3 +302,152 @@ fn snapshot_flags_with_a_gpu_are_refused() {
     )
     .assert_clean_error("--snapshot-dir cannot be used with passthrough devices");
 }
+
+/// One VM from a config file with the emulated GPU and the `pci hold` workload, its API
+/// on a socket, `env` set; returns the process, the API socket and the device server.
+fn start_gpu_vm(name: &str, env: &[(&str, &str)]) -> (SpawnedProcess, PathBuf, SpawnedProcess) {
+    let device = socket_path(&format!("{name}-dev"));
+    let emu = start_emu(&device, &[]);
+    let api = socket_path(&format!("{name}-api"));
+    let config = std::env::temp_dir().join(format!("gpuvm-pci-{name}-{}.json", std::process::id()));
+    let body = serde_json::json!({
+        "boot-source": {"boot_args": "pci hold"},
+        "gpus": [{"gpu_id": "emu0", "vfio_user_socket": device}],
+    });
+    std::fs::write(&config, body.to_string()).unwrap();
+    let mut env = env.to_vec();
+    env.push(("GPUVM_LOG", "info"));
+    let vmm = SpawnedProcess::gpuvm_with_env(
+        &[
+            "run",
+            "--config-file",
+            config.to_str().unwrap(),
+            "--api-sock",
+            api.to_str().unwrap(),
+        ],
+        &env,
+    );
+    (vmm, api, emu)
+}
+
+/// Polls until stdout has `needle`; returns when it appeared, measured from `started`.
+fn time_to(vmm: &mut SpawnedProcess, started: std::time::Instant, needle: &str) -> Duration {
+    vmm.wait_until(needle, LIMIT, |p| p.stdout().contains(needle));
+    started.elapsed()
+}
+
+fn dma_metrics(api: &Path) -> serde_json::Value {
+    let out = ctl(api, &["metrics"]);
+    out.assert_code(0);
+    let json: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap_or_else(|e| {
+        panic!("metrics are not JSON ({e}): {}", out.stdout);
+    });
+    json["dma_mapping"].clone()
+}
+
+/// Boot while pinning: with every DMA mapping held back 2 s (test hook), the guest is
+/// `ready` about as fast as without the delay; its Bus Master write waits for the map, so
+/// the `pci` workload's DMA (whose data the guest checks) happens only after it; the API
+/// and the log show the mapping's progress and completion.
+#[test]
+fn the_guest_boots_while_guest_ram_is_dma_mapped() {
+    const DELAY: Duration = Duration::from_secs(2);
+    let run = |name: &str, env: &[(&str, &str)]| {
+        let started = std::time::Instant::now();
+        let (mut vmm, api, emu) = start_gpu_vm(name, env);
+        let ready = time_to(&mut vmm, started, "testguest: ready");
+        let early = if env.is_empty() {
+            None
+        } else {
+            let metrics = dma_metrics(&api);
+            Some((started.elapsed(), metrics))
+        };
+        let bus_master = time_to(&mut vmm, started, "pci: bus master on");
+        time_to(&mut vmm, started, "pci: holding");
+        let late = dma_metrics(&api);
+        ctl(&api, &["ctrl-alt-del"]).assert_code(0);
+        let out = vmm.wait(LIMIT);
+        out.assert_code(0)
+            .assert_stdout_has("pci: dma verified 65536 bytes")
+            .assert_stdout_has("pci: ok");
+        let emu_out = emu.wait(Duration::from_secs(10));
+        assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+        (ready, bus_master, early, late, out)
+    };
+    let (ready_plain, bus_master_plain, _, plain, _) = run("boot-plain", &[]);
+    let (ready, bus_master, early, late, out) =
+        run("boot-delay", &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "2000")]);
+    eprintln!(
+        "ready without delay {ready_plain:?}, with a 2 s mapper delay {ready:?}; Bus Master on after {bus_master_plain:?} / {bus_master:?}"
+    );
+    assert!(plain["done"] == true, "{plain}");
+    // Ready well before the mapping could have finished, and about as fast as without it.
+    assert!(
+        ready < DELAY,
+        "ready after {ready:?} with a {DELAY:?} mapper delay"
+    );
+    assert!(
+        ready <= ready_plain * 2 + Duration::from_millis(500),
+        "ready after {ready:?} with the delay, {ready_plain:?} without"
+    );
+    // The guest's Bus Master write (before any DMA) went through only after the map.
+    assert!(bus_master >= DELAY, "Bus Master on after {bus_master:?}");
+    // The API: not done while the delay runs (if we asked in time), done after it.
+    let (asked_at, early) = early.expect("asked early");
+    assert_eq!(early["total_bytes"], late["total_bytes"], "{early}");
+    if asked_at < DELAY - Duration::from_millis(200) {
+        assert!(early["done"] == false, "{early} at {asked_at:?}");
+        assert_eq!(early["mapped_bytes"], 0, "{early}");
+    }
+    assert!(late["done"] == true, "{late}");
+    assert!(late["error"].is_null(), "{late}");
+    assert_eq!(late["mapped_bytes"], late["total_bytes"], "{late}");
+    assert!(late["total_bytes"].as_u64().unwrap() >= 128 << 20, "{late}");
+    let each = &late["mappings"][0];
+    assert!(each["elapsed_ms"].as_u64().unwrap() >= 2000, "{late}");
+    assert_eq!(each["parallel"], 1, "vfio-user maps one chunk at a time");
+    assert_eq!(each["bus_master_refused"], 0);
+    // The log: start, the held Bus Master write, done with a rate.
+    out.assert_stderr_has("GPUVM_TEST_DMA_MAP_DELAY_MS: each DMA mapping starts 2000 ms late")
+        .assert_stderr_has("DMA map vfio-user:")
+        .assert_stderr_has("holding its vCPU until the map is complete")
+        .assert_stderr_has("Bus Master goes through after");
+    assert!(
+        out.stderr.lines().any(|l| l.contains("DMA map vfio-user:")
+            && l.contains(": done, ")
+            && l.contains("MiB/s")),
+        "{}",
+        out.stderr
+    );
+}
+
+/// A mapping that fails does not hang the guest: its Bus Master write is refused (reads
+/// back clear), the `pci` workload fails cleanly with exit status 1, and the log says why.
+#[test]
+fn a_failed_dma_map_refuses_bus_master() {
+    let socket = socket_path("map-fail");
+    let emu = start_emu(&socket, &[]);
+    let out = gpuvm_tests::run_gpuvm_with_env(
+        &[
+            "run",
+            "--cmdline",
+            "pci",
+            "--vfio-user",
+            socket.to_str().unwrap(),
+        ],
+        &[
+            ("GPUVM_TEST_DMA_MAP_FAIL", "1"),
+            ("GPUVM_TEST_DMA_MAP_DELAY_MS", "300"),
+            ("GPUVM_LOG", "info"),
+        ],
+        LIMIT,
+        None,
+    );
+    out.assert_code(1)
+        .assert_stdout_has("pci: FAIL bus master refused (command 0x0002)")
+        .assert_stderr_has("injected failure (GPUVM_TEST_DMA_MAP_FAIL)")
+        .assert_stderr_has("Bus Master refused: guest RAM is not DMA-mapped");
+    assert!(!out.stdout.contains("pci: dma verified"), "{}", out.stdout);
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+}

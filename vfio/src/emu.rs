@@ -43,7 +43,8 @@ pub mod regs {
     pub const DOORBELL: u64 = 0x1010;
     /// Completed DMA count.
     pub const DMA_DONE: u64 = 0x1014;
-    /// 0: last DMA succeeded, 1: its range is not DMA-mapped, 2: bad length.
+    /// 0: last DMA succeeded, 1: its range is not DMA-mapped, 2: bad length, 3: Bus
+    /// Master is off in the command register (nothing written).
     pub const DMA_STATUS: u64 = 0x1018;
     /// Read: wrapping sum of the 512 u64 words of BAR1's first page (the guest checks that
     /// writes through its direct BAR1 mapping reached the device).
@@ -67,6 +68,8 @@ const MSIX_CAP_OFFSET: usize = 0x60;
 const CONFIG_SIZE: usize = 4096;
 /// Status register (byte 6) bit: INTx asserted.
 const STATUS_INTERRUPT: u8 = 1 << 3;
+/// Command register low byte (byte 4) bit: Bus Master.
+const COMMAND_BUS_MASTER: u8 = 1 << 2;
 /// Command register high byte (byte 5) bit: INTx disabled.
 const COMMAND_INTX_DISABLE: u8 = 1 << 2;
 
@@ -282,7 +285,13 @@ impl EmuGpu {
             | u64::from(self.bar0_read(regs::DMA_ADDR_HI)) << 32;
         let len = u64::from(self.bar0_read(regs::DMA_LEN));
         let seed = u64::from(self.bar0_read(regs::DMA_SEED));
-        let status = self.dma_pattern(address, len, seed);
+        // Without Bus Master a device may not touch memory: no DMA (the completion is
+        // still signalled, so a guest that forgot it sees status 3 instead of hanging).
+        let status = if self.config[4] & COMMAND_BUS_MASTER == 0 {
+            3
+        } else {
+            self.dma_pattern(address, len, seed)
+        };
         log::info!("emu-gpu: DMA {len:#x} bytes to {address:#x} seed {seed}: status {status}");
         self.bar0.insert(regs::DMA_STATUS, status);
         let done = self.bar0_read(regs::DMA_DONE).wrapping_add(1);

@@ -1,15 +1,15 @@
 //! The kernel VFIO backend (vfio-ioctls): devices opened through the iommufd cdev API where
 //! the host has /dev/iommu and the device a vfio-dev node, else through the container/group
-//! API; all guest RAM DMA-mapped once at boot, in parallel, hugepage-aligned chunks.
+//! API; all guest RAM DMA-mapped once per IOMMU context, in hugepage-aligned chunks, in
+//! the background while the guest boots (crate::dma).
 //!
-//! DMA mapping goes through [`DmaMapper`], which the real backend implements with
-//! VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP and tests implement with a fake.
+//! DMA mapping goes through [`KernelVfio::dma_mapper`], a [`DmaMapper`] over
+//! vfio-ioctls' `VfioOps` (VFIO_IOMMU_MAP_DMA for a type1 container, IOMMU_IOAS_MAP for
+//! an iommufd IOAS); the tests drive it over a fake `VfioOps`.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use vfio_bindings::bindings::vfio::{VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
 /// The handle on a VM's KVM VFIO pseudo-device that [`KernelVfio::open`] takes.
@@ -17,113 +17,9 @@ pub use vfio_ioctls::VfioDeviceFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioIommufd, VfioOps};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::dma::DmaMapper;
 use crate::host::normalize_bdf;
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError, REGION_MMAP};
-
-/// Maps host memory into the IOMMU address space shared by the VM's devices.
-pub trait DmaMapper: Send + Sync {
-    /// Maps `[host_addr, host_addr + size)` at I/O virtual address `iova`.
-    ///
-    /// # Safety
-    /// The host range must stay mapped (and never be referenced as Rust data the device
-    /// could race with) for as long as the IOMMU mapping exists.
-    unsafe fn map(&self, iova: u64, size: u64, host_addr: u64) -> std::io::Result<()>;
-}
-
-/// How a DMA mapping of guest RAM went.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DmaStats {
-    pub bytes: u64,
-    pub chunks: usize,
-    pub threads: usize,
-    pub elapsed: Duration,
-}
-
-/// Splits `regions` into chunks of at most `chunk` bytes whose boundaries are multiples of
-/// `align` (the RAM page size, so a huge page is never split across two mappings).
-pub fn plan_chunks(regions: &[DmaRegion], chunk: u64, align: u64) -> Vec<(u64, u64, u64)> {
-    let align = align.max(4096);
-    let chunk = chunk.max(align) / align * align;
-    let mut chunks = Vec::new();
-    for region in regions {
-        let mut offset = 0;
-        while offset < region.size {
-            let len = chunk.min(region.size - offset);
-            chunks.push((region.guest_addr + offset, len, region.host_addr + offset));
-            offset += len;
-        }
-    }
-    chunks
-}
-
-/// Maps every RAM region with `threads` threads; logs progress every ~10% and the total.
-/// The first failure stops the remaining work and is returned.
-pub fn map_guest_ram(
-    mapper: &dyn DmaMapper,
-    regions: &[DmaRegion],
-    chunk: u64,
-    align: u64,
-    threads: usize,
-) -> Result<DmaStats> {
-    let started = Instant::now();
-    let chunks = plan_chunks(regions, chunk, align);
-    let total: u64 = chunks.iter().map(|c| c.1).sum();
-    let threads = threads.clamp(1, chunks.len().max(1));
-    let next = AtomicUsize::new(0);
-    let mapped = AtomicU64::new(0);
-    let reported_decile = AtomicU64::new(0);
-    let failure: Mutex<Option<std::io::Error>> = Mutex::new(None);
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                if failure.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-                    return;
-                }
-                let Some(&(iova, size, host)) = chunks.get(next.fetch_add(1, Ordering::Relaxed))
-                else {
-                    return;
-                };
-                // SAFETY: the chunks lie inside guest RAM mappings that the VM keeps for its
-                // whole life, longer than the devices and their IOMMU mappings.
-                if let Err(error) = unsafe { mapper.map(iova, size, host) } {
-                    *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
-                    return;
-                }
-                let done = mapped.fetch_add(size, Ordering::Relaxed) + size;
-                let decile = done * 10 / total.max(1);
-                if reported_decile.fetch_max(decile, Ordering::Relaxed) < decile {
-                    log::info!(
-                        "DMA map: {} of {} MiB ({}%) in {:?}",
-                        done >> 20,
-                        total >> 20,
-                        decile * 10,
-                        started.elapsed()
-                    );
-                }
-            });
-        }
-    });
-    if let Some(error) = failure.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        return Err(VfioError::Io(std::io::Error::new(
-            error.kind(),
-            format!("DMA-mapping guest RAM: {error}"),
-        )));
-    }
-    let stats = DmaStats {
-        bytes: total,
-        chunks: chunks.len(),
-        threads,
-        elapsed: started.elapsed(),
-    };
-    log::info!(
-        "DMA-mapped {} MiB of guest RAM in {} chunks with {} threads in {:?}",
-        stats.bytes >> 20,
-        stats.chunks,
-        stats.threads,
-        stats.elapsed
-    );
-    Ok(stats)
-}
 
 /// Which kernel interface the devices were opened through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,14 +34,45 @@ pub struct KernelVfio {
     api: KernelApi,
 }
 
-struct OpsMapper(Arc<dyn VfioOps>);
+/// Most IOAS_MAP calls gpuvm keeps in flight at once on iommufd.
+const IOMMUFD_MAX_PARALLEL: usize = 8;
+
+/// Maps through the context's `VfioOps`: one mapping covers every device of the context.
+struct OpsMapper {
+    ops: Arc<dyn VfioOps>,
+    api: KernelApi,
+}
 
 impl DmaMapper for OpsMapper {
-    unsafe fn map(&self, iova: u64, size: u64, host_addr: u64) -> std::io::Result<()> {
+    fn name(&self) -> String {
+        match self.api {
+            KernelApi::Container => "kernel VFIO (type1 container)".into(),
+            KernelApi::Iommufd => "kernel VFIO (iommufd IOAS)".into(),
+        }
+    }
+
+    /// type1: `vfio_dma_do_map` holds the container's `iommu->lock` while it pins and
+    /// maps (`vfio_pin_map_dma`), so a second thread would only wait on that mutex.
+    /// iommufd: `iopt_map_pages` takes `iova_rwsem` for write only to reserve the IOVA
+    /// range and to link the area, and pins and maps (`iopt_fill_domains_pages`) under
+    /// `domains_rwsem` held for read, so maps of disjoint ranges run side by side.
+    fn max_parallel(&self) -> usize {
+        match self.api {
+            KernelApi::Container => 1,
+            KernelApi::Iommufd => std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(IOMMUFD_MAX_PARALLEL),
+        }
+    }
+
+    unsafe fn map(&self, chunk: &crate::DmaRegion) -> std::io::Result<()> {
         // SAFETY: forwarded from the caller's contract.
         unsafe {
-            self.0
-                .vfio_dma_map(iova, size as usize, host_addr as *mut u8)
+            self.ops.vfio_dma_map(
+                chunk.guest_addr,
+                chunk.size as usize,
+                chunk.host_addr as *mut u8,
+            )
         }
         .map_err(|e| std::io::Error::other(e.to_string()))
     }
@@ -207,9 +134,19 @@ impl KernelVfio {
         })
     }
 
-    /// The mapper for [`map_guest_ram`]; mappings cover every device of this context.
-    pub fn mapper(&self) -> impl DmaMapper {
-        OpsMapper(self.ops.clone())
+    /// The mapper for guest RAM ([`crate::dma::BackgroundMapping`]); its mappings cover
+    /// every device of this context.
+    pub fn dma_mapper(&self) -> Arc<dyn DmaMapper> {
+        Arc::new(OpsMapper {
+            ops: self.ops.clone(),
+            api: self.api,
+        })
+    }
+
+    /// A context over any `VfioOps` (the tests' fake ioctl layer).
+    #[cfg(test)]
+    pub(crate) fn with_ops(ops: Arc<dyn VfioOps>, api: KernelApi) -> Self {
+        KernelVfio { ops, api }
     }
 }
 
@@ -328,7 +265,8 @@ impl PassthroughDevice for KernelVfioDevice {
             .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
     }
 
-    /// Guest RAM is mapped once per IOMMU context with [`map_guest_ram`], not per device.
+    /// Guest RAM is mapped once per IOMMU context with [`KernelVfio::dma_mapper`], not per
+    /// device.
     fn dma_map(&mut self, _region: &DmaRegion) -> Result<()> {
         Ok(())
     }
@@ -350,21 +288,45 @@ impl Drop for KernelVfioDevice {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    use std::time::Duration;
 
-    /// Records every map call; fails the call at `fail_at` if set.
+    use super::*;
+    use crate::dma::{plan_chunks, BackgroundMapping, DmaProgress, MapOptions};
+    use crate::DmaRegion;
+
+    /// The fake ioctl layer: records VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP calls as vfio-ioctls
+    /// would issue them, how many ran at once, and fails the one at `fail_iova`.
     #[derive(Default)]
-    struct FakeIommu {
-        calls: Mutex<Vec<(u64, u64, u64)>>,
+    struct FakeOps {
+        calls: Mutex<Vec<(u64, usize, u64)>>,
         fail_iova: Option<u64>,
+        delay: Duration,
+        active: AtomicUsize,
+        max_active: AtomicUsize,
     }
 
-    impl DmaMapper for FakeIommu {
-        unsafe fn map(&self, iova: u64, size: u64, host_addr: u64) -> std::io::Result<()> {
+    impl VfioOps for FakeOps {
+        unsafe fn vfio_dma_map(
+            &self,
+            iova: u64,
+            size: usize,
+            user_addr: *mut u8,
+        ) -> vfio_ioctls::Result<()> {
+            let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
+            self.max_active.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            self.active.fetch_sub(1, Ordering::SeqCst);
             if Some(iova) == self.fail_iova {
-                return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+                return Err(vfio_ioctls::VfioError::IommuDmaMap(
+                    vmm_sys_util::errno::Error::new(libc::ENOMEM),
+                ));
             }
-            self.calls.lock().unwrap().push((iova, size, host_addr));
+            self.calls
+                .lock()
+                .unwrap()
+                .push((iova, size, user_addr as u64));
             Ok(())
         }
     }
@@ -388,53 +350,95 @@ mod tests {
         ]
     }
 
+    /// Maps `ram()` in the background through a context over `ops`, as vmm/src/pci.rs does.
+    fn map_in_background(ops: Arc<FakeOps>, api: KernelApi) -> crate::dma::DmaStatus {
+        let vfio = KernelVfio::with_ops(ops, api);
+        let chunks = plan_chunks(&ram(), 1 << 30, 2 << 20);
+        let total = chunks.iter().map(|c| c.size).sum();
+        let progress = DmaProgress::new("kernel", total);
+        let mapping = BackgroundMapping::start(
+            progress.clone(),
+            vfio.dma_mapper(),
+            chunks,
+            MapOptions::default(),
+        )
+        .unwrap();
+        // The caller goes on at once; the gate opens when the map is done.
+        let _ = progress.wait(Duration::from_secs(60));
+        mapping.join()
+    }
+
     #[test]
-    fn all_ram_is_mapped_once_in_aligned_chunks() {
-        let fake = FakeIommu::default();
-        let stats = map_guest_ram(&fake, &ram(), 1 << 30, 2 << 20, 4).unwrap();
-        let mut calls = fake.calls.into_inner().unwrap();
-        calls.sort();
-        assert_eq!(stats.bytes, (8 << 30) + (6 << 20));
-        assert_eq!(stats.chunks, calls.len());
-        assert_eq!(stats.threads, 4);
-        // Contiguous per region, no overlap, host addresses follow the IOVAs.
+    fn all_ram_is_mapped_once_in_aligned_chunks_in_the_background() {
+        let fake = Arc::new(FakeOps::default());
+        let status = map_in_background(fake.clone(), KernelApi::Container);
+        assert!(status.done, "{status:?}");
+        assert_eq!(status.mapped_bytes, (8 << 30) + (6 << 20));
+        let calls = fake.calls.lock().unwrap().clone();
+        assert_eq!(calls.len(), 9);
+        // Contiguous per region, in order, host addresses follow the IOVAs.
         let mut expected_next = [0u64, 4 << 30];
         for (iova, size, host) in &calls {
             assert_eq!(iova % (2 << 20), 0, "chunk start aligned to the huge page");
             assert!(*size <= 1 << 30);
             let region = usize::from(*iova >= 4 << 30);
             assert_eq!(*iova, expected_next[region]);
-            expected_next[region] += size;
+            expected_next[region] += *size as u64;
             let base = ram()[region];
             assert_eq!(*host, base.host_addr + (iova - base.guest_addr));
         }
         assert_eq!(expected_next, [3 << 30, (9 << 30) + (6 << 20)]);
     }
 
+    /// type1 serializes under the container lock: one map at a time. iommufd pins under
+    /// read locks: several at once.
     #[test]
-    fn chunk_size_rounds_to_the_page_size() {
-        let chunks = plan_chunks(&ram()[..1], (1 << 30) + 12345, 1 << 30);
-        assert!(chunks.iter().all(|c| c.1 == 1 << 30));
-        assert_eq!(chunks.len(), 3);
+    fn type1_maps_one_chunk_at_a_time_and_iommufd_in_parallel() {
+        let slow = || {
+            Arc::new(FakeOps {
+                delay: Duration::from_millis(20),
+                ..Default::default()
+            })
+        };
+        let type1 = slow();
+        let status = map_in_background(type1.clone(), KernelApi::Container);
+        assert_eq!(status.parallel, 1);
+        assert_eq!(type1.max_active.load(Ordering::SeqCst), 1);
+
+        let vfio = KernelVfio::with_ops(slow(), KernelApi::Iommufd);
+        let parallel = vfio.dma_mapper().max_parallel();
+        assert_eq!(
+            parallel,
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(IOMMUFD_MAX_PARALLEL)
+        );
+        let iommufd = slow();
+        let status = map_in_background(iommufd.clone(), KernelApi::Iommufd);
+        assert!(status.done);
+        assert_eq!(status.parallel, parallel);
+        if parallel > 1 {
+            assert!(iommufd.max_active.load(Ordering::SeqCst) > 1);
+        }
+        assert_eq!(iommufd.calls.lock().unwrap().len(), 9);
     }
 
     #[test]
     fn a_failed_map_is_reported() {
-        let fake = FakeIommu {
+        let fake = Arc::new(FakeOps {
             fail_iova: Some(4 << 30),
             ..Default::default()
-        };
-        let error = map_guest_ram(&fake, &ram(), 1 << 30, 2 << 20, 2).unwrap_err();
-        assert!(
-            error.to_string().contains("DMA-mapping guest RAM"),
-            "{error}"
-        );
+        });
+        let status = map_in_background(fake.clone(), KernelApi::Container);
+        let error = status.error.expect("failed");
+        assert!(error.contains("DMA-mapping guest RAM"), "{error}");
+        assert!(!status.done);
         assert!(fake
             .calls
             .lock()
             .unwrap()
             .iter()
-            .all(|(iova, _, _)| *iova != 4 << 30));
+            .all(|(iova, _, _)| *iova < 4 << 30));
     }
 
     #[test]

@@ -7,12 +7,15 @@
 //! - [`pci::VfioPciDevice`]: a [`gpuvm_devices::pci::PciDevice`] over any backend: BARs,
 //!   ROM BAR and MSI-X are emulated, the rest of configuration space is passed through.
 //! - [`emu`]: an emulated NVIDIA-like GPU served over vfio-user, for tests.
+//! - [`dma`]: DMA mapping of guest RAM in the background, and the progress that gates
+//!   each device's Bus Master bit.
 //! - [`host`]: host checks (memlock limit, IOMMU groups) shared by `gpuvm check-host`.
 
 use std::os::fd::RawFd;
 
 use vmm_sys_util::eventfd::EventFd;
 
+pub mod dma;
 pub mod emu;
 pub mod host;
 pub mod kernel;
@@ -141,8 +144,8 @@ pub trait PassthroughDevice: Send {
     fn unmask_intx(&mut self) -> Result<()> {
         Ok(())
     }
-    /// Makes guest RAM visible to the device for DMA. Called once for every RAM range at
-    /// boot, before any vCPU runs.
+    /// Makes guest RAM visible to the device for DMA (a synchronous map; the VMM maps in
+    /// the background through the backend's [`dma::DmaMapper`] instead).
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()>;
     fn reset(&mut self) -> Result<()>;
 }

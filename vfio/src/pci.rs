@@ -2,6 +2,7 @@
 //! configuration register goes to the device.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use gpuvm_devices::pci::{
     config, BarKind, BarSet, BarSpec, GuestMemoryMapper, MsiRouting, MsixCapability, MsixTable,
@@ -9,6 +10,7 @@ use gpuvm_devices::pci::{
 };
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::dma::DmaProgress;
 use crate::msi::{MsiChange, MsiState, CAP_ID_MSI};
 use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
 
@@ -23,6 +25,8 @@ struct Msix {
 }
 
 const PAGE: u64 = 4096;
+/// Command register bit 2: the device may master the bus (DMA, and MSI writes).
+const COMMAND_BUS_MASTER: u8 = 1 << 2;
 /// x86-64's architectural limit on physical addresses (52 bits).
 const MAX_GUEST_PHYS: u64 = 1 << 52;
 
@@ -83,6 +87,9 @@ pub struct VfioPciDevice {
     name: String,
     mapper: Option<std::sync::Arc<dyn GuestMemoryMapper>>,
     mappings: Vec<BarMapping>,
+    /// Guest RAM being DMA-mapped for this device in the background, and how long a guest
+    /// write setting Bus Master may wait for it.
+    dma_gate: Option<(Arc<DmaProgress>, Duration)>,
 }
 
 impl VfioPciDevice {
@@ -149,7 +156,53 @@ impl VfioPciDevice {
             name,
             mapper: None,
             mappings: Vec::new(),
+            dma_gate: None,
         })
+    }
+
+    /// Holds back Bus Master until `progress` says all guest RAM is mapped: the guest's
+    /// config write that sets it stalls (its vCPU waits, at most `limit`) until the map is
+    /// complete, so the device can never DMA into RAM that is not mapped yet. If the map
+    /// failed or is still not done after `limit`, the bit is refused: written as 0 to the
+    /// device (a read of the command register shows it clear), an error is logged and
+    /// counted in `progress`.
+    pub fn gate_bus_master(&mut self, progress: Arc<DmaProgress>, limit: Duration) {
+        self.dma_gate = Some((progress, limit));
+    }
+
+    /// Whether a guest write may set Bus Master now; waits for the mapping if need be.
+    fn bus_master_allowed(&mut self) -> bool {
+        let Some((progress, limit)) = &self.dma_gate else {
+            return true;
+        };
+        if progress.is_done() {
+            return true;
+        }
+        let started = Instant::now();
+        log::info!(
+            "{}: the guest sets Bus Master while guest RAM is still being DMA-mapped ({} of {} MiB): holding its vCPU until the map is complete",
+            self.name,
+            progress.mapped_bytes() >> 20,
+            progress.total_bytes() >> 20
+        );
+        match progress.wait(*limit) {
+            Ok(()) => {
+                log::info!(
+                    "{}: guest RAM is mapped; Bus Master goes through after {:?}",
+                    self.name,
+                    started.elapsed()
+                );
+                true
+            }
+            Err(error) => {
+                progress.note_bus_master_refused();
+                log::error!(
+                    "{}: Bus Master refused: guest RAM is not DMA-mapped for the device ({error})",
+                    self.name
+                );
+                false
+            }
+        }
     }
 
     /// Mmaps the BAR parts the backend allows (never the pages holding the MSI-X table or
@@ -272,7 +325,8 @@ impl VfioPciDevice {
         }
     }
 
-    /// Maps guest RAM for the device's DMA (all of it, once, before the guest runs).
+    /// Maps guest RAM for the device's DMA synchronously (the VMM maps in the background
+    /// instead, see [`VfioPciDevice::gate_bus_master`]).
     pub fn dma_map(&mut self, regions: &[DmaRegion]) -> Result<()> {
         for region in regions {
             self.backend.dma_map(region)?;
@@ -534,6 +588,18 @@ impl PciDevice for VfioPciDevice {
                 intx.line = data[usize::from(line - offset)];
             }
         }
+        let mut gated = [0u8; 4];
+        let data = if offset == config::COMMAND
+            && data[0] & COMMAND_BUS_MASTER != 0
+            && data.len() <= gated.len()
+            && !self.bus_master_allowed()
+        {
+            gated[..data.len()].copy_from_slice(data);
+            gated[0] &= !COMMAND_BUS_MASTER;
+            &gated[..data.len()]
+        } else {
+            data
+        };
         if offset == config::COMMAND {
             self.bars
                 .set_memory_enabled(u16::from(data[0]) & config::COMMAND_MEMORY != 0);

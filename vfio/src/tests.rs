@@ -102,6 +102,12 @@ fn emulated_gpu_over_vfio_user() {
     device.bar_write(0, regs::DMA_ADDR_HI, &0u32.to_le_bytes());
     device.bar_write(0, regs::DMA_LEN, &4096u32.to_le_bytes());
     device.bar_write(0, regs::DMA_SEED, &7u32.to_le_bytes());
+    // Bus Master off: the device does not DMA (status 3) but signals completion.
+    device.bar_write(0, regs::DOORBELL, &1u32.to_le_bytes());
+    device.bar_read(0, regs::DMA_STATUS, &mut data);
+    assert_eq!(u32::from_le_bytes(data), 3, "DMA status without Bus Master");
+    assert_eq!(eventfds_seen[1].read().expect("vector 1 fired"), 1);
+    device.config_write(0x04, &[0x06, 0]);
     device.bar_write(0, regs::DOORBELL, &1u32.to_le_bytes());
     device.bar_read(0, regs::DMA_STATUS, &mut data);
     assert_eq!(u32::from_le_bytes(data), 0, "DMA status");
@@ -383,4 +389,170 @@ fn intx_is_level_triggered_and_yields_to_msix() {
     ring(&mut device);
     assert!(fired(&trigger), "INTx is back once MSI-X is off");
     assert_eq!(intx_count(&mut device), 3);
+}
+
+/// A backend that keeps the command register and records every write to it.
+struct CommandBackend {
+    inner: MmapBackend,
+    writes: Arc<Mutex<Vec<u8>>>,
+}
+
+impl crate::PassthroughDevice for CommandBackend {
+    fn name(&self) -> String {
+        "gated".into()
+    }
+    fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
+        self.inner.region_info(index)
+    }
+    fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> crate::Result<()> {
+        self.inner.region_read(index, offset, data)
+    }
+    fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> crate::Result<()> {
+        if index == crate::region::CONFIG && offset == 4 {
+            self.writes.lock().unwrap().push(data[0]);
+        }
+        self.inner.region_write(index, offset, data)
+    }
+    fn mmap_region(&mut self, _: u32, _: u64, _: u64) -> crate::Result<Option<*mut u8>> {
+        Ok(None)
+    }
+    fn msix_vectors(&mut self) -> crate::Result<u32> {
+        Ok(2)
+    }
+    fn enable_msix(&mut self, _eventfds: &[&EventFd]) -> crate::Result<()> {
+        Ok(())
+    }
+    fn disable_msix(&mut self) -> crate::Result<()> {
+        Ok(())
+    }
+    fn dma_map(&mut self, _region: &DmaRegion) -> crate::Result<()> {
+        Ok(())
+    }
+    fn reset(&mut self) -> crate::Result<()> {
+        Ok(())
+    }
+}
+
+/// A device gated by a background mapping of `delay` that fails when `fail` is set.
+fn gated_device(
+    delay: std::time::Duration,
+    fail: bool,
+    limit: std::time::Duration,
+) -> (
+    VfioPciDevice,
+    Arc<Mutex<Vec<u8>>>,
+    crate::dma::BackgroundMapping,
+) {
+    use crate::dma::{BackgroundMapping, DmaMapper, DmaProgress, MapOptions};
+    struct Mapper(bool);
+    impl DmaMapper for Mapper {
+        fn name(&self) -> String {
+            "fake".into()
+        }
+        fn max_parallel(&self) -> usize {
+            1
+        }
+        unsafe fn map(&self, _chunk: &DmaRegion) -> std::io::Result<()> {
+            if self.0 {
+                return Err(std::io::Error::other("injected"));
+            }
+            Ok(())
+        }
+    }
+    let writes = Arc::new(Mutex::new(Vec::new()));
+    let backend = CommandBackend {
+        inner: MmapBackend::new(),
+        writes: writes.clone(),
+    };
+    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+        (0..count)
+            .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))
+            .collect()
+    };
+    let mut device = VfioPciDevice::new(
+        Box::new(backend),
+        &mut allocate,
+        Arc::new(RecordedRoutes::default()),
+    )
+    .expect("device");
+    let chunks = vec![DmaRegion {
+        guest_addr: 0,
+        size: 1 << 20,
+        host_addr: 0,
+        fd: -1,
+        fd_offset: 0,
+    }];
+    let progress = DmaProgress::new("fake", 1 << 20);
+    device.gate_bus_master(progress.clone(), limit);
+    let mapping = BackgroundMapping::start(
+        progress,
+        Arc::new(Mapper(fail)),
+        chunks,
+        MapOptions {
+            delay,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    (device, writes, mapping)
+}
+
+/// Memory decoding goes through at once; the write that sets Bus Master waits for the
+/// map, then reaches the device whole, and reads show what the guest wrote.
+#[test]
+fn bus_master_waits_for_the_dma_map() {
+    use std::time::{Duration, Instant};
+    let (mut device, writes, mapping) =
+        gated_device(Duration::from_millis(400), false, Duration::from_secs(30));
+    let started = Instant::now();
+    device.config_write(0x04, &[0x02, 0]);
+    assert!(started.elapsed() < Duration::from_millis(300), "not gated");
+    assert_eq!(read32(&mut device, 0x04) & 0xffff, 0x02);
+    device.config_write(0x04, &[0x06, 0]);
+    assert!(
+        started.elapsed() >= Duration::from_millis(400),
+        "the write waited for the map: {:?}",
+        started.elapsed()
+    );
+    assert!(mapping.progress().is_done());
+    assert_eq!(*writes.lock().unwrap(), [0x02, 0x06]);
+    assert_eq!(read32(&mut device, 0x04) & 0xffff, 0x06);
+    // Once mapped, no more waiting; clearing and setting again goes straight through.
+    let again = Instant::now();
+    device.config_write(0x04, &[0x02, 0]);
+    device.config_write(0x04, &0x0006_0000_0006u64.to_le_bytes()[..4]);
+    assert!(again.elapsed() < Duration::from_millis(300));
+    assert_eq!(mapping.join().bus_master_refused, 0);
+}
+
+/// A failed map refuses Bus Master at once (no hang): the rest of the write goes through,
+/// the bit reads back clear, the refusal is counted.
+#[test]
+fn a_failed_map_refuses_bus_master() {
+    use std::time::{Duration, Instant};
+    let (mut device, writes, mapping) =
+        gated_device(Duration::from_millis(100), true, Duration::from_secs(30));
+    let started = Instant::now();
+    device.config_write(0x04, &[0x06, 0]);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(*writes.lock().unwrap(), [0x02]);
+    assert_eq!(
+        read32(&mut device, 0x04) & 0xffff,
+        0x02,
+        "Bus Master reads clear"
+    );
+    let status = mapping.join();
+    assert!(status.error.is_some() && !status.done);
+    assert_eq!(status.bus_master_refused, 1);
+}
+
+/// A map that outlasts the limit refuses Bus Master when the limit runs out.
+#[test]
+fn a_map_slower_than_the_limit_refuses_bus_master() {
+    use std::time::Duration;
+    let (mut device, writes, mapping) =
+        gated_device(Duration::from_secs(60), false, Duration::from_millis(100));
+    device.config_write(0x04, &[0x04, 0]);
+    assert_eq!(*writes.lock().unwrap(), [0x00]);
+    assert_eq!(mapping.progress().status().bus_master_refused, 1);
 }

@@ -3,6 +3,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
@@ -12,12 +13,41 @@ use vfio_bindings::bindings::vfio::{
 use vfio_user::Client;
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::dma::DmaMapper;
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
 
-/// A device behind a vfio-user socket.
+/// A device behind a vfio-user socket. The client is shared with the device's
+/// [`UserDmaMapper`], which maps guest RAM from its own thread while vCPUs use the device.
 pub struct VfioUserDevice {
-    client: Client,
+    client: Arc<Mutex<Client>>,
     path: PathBuf,
+}
+
+fn lock(client: &Mutex<Client>) -> MutexGuard<'_, Client> {
+    client.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends guest RAM to the device process (DMA_MAP with the RAM memfd), one request at a
+/// time: they share the device's socket.
+pub struct UserDmaMapper {
+    client: Arc<Mutex<Client>>,
+    name: String,
+}
+
+impl DmaMapper for UserDmaMapper {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn max_parallel(&self) -> usize {
+        1
+    }
+
+    unsafe fn map(&self, chunk: &DmaRegion) -> std::io::Result<()> {
+        lock(&self.client)
+            .dma_map(chunk.fd_offset, chunk.guest_addr, chunk.size, chunk.fd)
+            .map_err(|e| std::io::Error::other(format!("vfio-user DMA map: {e}")))
+    }
 }
 
 impl VfioUserDevice {
@@ -29,14 +59,27 @@ impl VfioUserDevice {
         })?;
         log::info!("vfio-user: connected to {}", path.display());
         Ok(VfioUserDevice {
-            client,
+            client: Arc::new(Mutex::new(client)),
             path: path.to_path_buf(),
         })
     }
 
+    /// The mapper for guest RAM ([`crate::dma::BackgroundMapping`]), over this device's
+    /// connection.
+    pub fn dma_mapper(&self) -> Arc<dyn DmaMapper> {
+        Arc::new(UserDmaMapper {
+            client: self.client.clone(),
+            name: self.name(),
+        })
+    }
+
+    fn client(&self) -> MutexGuard<'_, Client> {
+        lock(&self.client)
+    }
+
     fn check_range(&self, index: u32, offset: u64, len: usize) -> Result<()> {
         let size = self
-            .client
+            .client()
             .region(index)
             .ok_or(VfioError::NoRegion(index))?
             .size;
@@ -62,7 +105,8 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn region_info(&self, index: u32) -> Option<RegionInfo> {
-        let region = self.client.region(index)?;
+        let client = self.client();
+        let region = client.region(index)?;
         Some(RegionInfo {
             index,
             size: region.size,
@@ -77,14 +121,14 @@ impl PassthroughDevice for VfioUserDevice {
 
     fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> Result<()> {
         self.check_range(index, offset, data.len())?;
-        self.client
+        self.client()
             .region_read(index, offset, data)
             .map_err(user("region read"))
     }
 
     fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<()> {
         self.check_range(index, offset, data.len())?;
-        self.client
+        self.client()
             .region_write(index, offset, data)
             .map_err(user("region write"))
     }
@@ -92,10 +136,8 @@ impl PassthroughDevice for VfioUserDevice {
     /// Regions the server shares a file for (flag MMAP plus an fd) are mmapped; the rest
     /// go over the socket.
     fn mmap_region(&mut self, index: u32, offset: u64, size: u64) -> Result<Option<*mut u8>> {
-        let region = self
-            .client
-            .region(index)
-            .ok_or(VfioError::NoRegion(index))?;
+        let client = self.client();
+        let region = client.region(index).ok_or(VfioError::NoRegion(index))?;
         let Some(file) = region
             .file_offset
             .as_ref()
@@ -135,7 +177,7 @@ impl PassthroughDevice for VfioUserDevice {
 
     fn msix_vectors(&mut self) -> Result<u32> {
         let info = self
-            .client
+            .client()
             .get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX)
             .map_err(user("get MSI-X info"))?;
         Ok(info.count)
@@ -143,7 +185,7 @@ impl PassthroughDevice for VfioUserDevice {
 
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_MSIX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -155,7 +197,7 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn disable_msix(&mut self) -> Result<()> {
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_MSIX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -168,7 +210,7 @@ impl PassthroughDevice for VfioUserDevice {
 
     fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_MSI_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -180,7 +222,7 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn disable_msi(&mut self) -> Result<()> {
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_MSI_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -192,13 +234,13 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn intx_supported(&mut self) -> bool {
-        self.client
+        self.client()
             .get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
             .is_ok_and(|info| info.count > 0)
     }
 
     fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -210,7 +252,7 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn disable_intx(&mut self) -> Result<()> {
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
@@ -222,7 +264,7 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn unmask_intx(&mut self) -> Result<()> {
-        self.client
+        self.client()
             .set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK,
@@ -240,22 +282,22 @@ impl PassthroughDevice for VfioUserDevice {
             region.size,
             region.fd_offset
         );
-        self.client
+        self.client()
             .dma_map(region.fd_offset, region.guest_addr, region.size, region.fd)
             .map_err(user("DMA map"))
     }
 
     fn reset(&mut self) -> Result<()> {
-        if !self.client.resettable() {
+        if !self.client().resettable() {
             return Ok(());
         }
-        self.client.reset().map_err(user("reset"))
+        self.client().reset().map_err(user("reset"))
     }
 }
 
 impl Drop for VfioUserDevice {
     fn drop(&mut self) {
-        if let Err(error) = self.client.shutdown() {
+        if let Err(error) = self.client().shutdown() {
             log::debug!("vfio-user: shutdown of {}: {error}", self.path.display());
         }
     }

@@ -87,7 +87,40 @@ fn metrics(state: InstanceState, machine: Option<&Machine>) -> VmmData {
             "bytes_loaded_background": stats.bytes_loaded_background,
         });
     }
+    if let Some(machine) = machine {
+        let mappings = crate::pci::dma_mapping_status(machine.devices());
+        if !mappings.is_empty() {
+            json["dma_mapping"] = dma_mapping_json(&mappings);
+        }
+    }
     VmmData::Json(json)
+}
+
+/// The `dma_mapping` object of GET /metrics: totals over the VM's background mappings of
+/// guest RAM (one per kernel VFIO context or vfio-user device), then each one.
+fn dma_mapping_json(mappings: &[gpuvm_vfio::dma::DmaStatus]) -> serde_json::Value {
+    let each: Vec<serde_json::Value> = mappings
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "name": m.name,
+                "mapped_bytes": m.mapped_bytes,
+                "total_bytes": m.total_bytes,
+                "done": m.done,
+                "error": m.error,
+                "elapsed_ms": m.elapsed.as_millis() as u64,
+                "parallel": m.parallel,
+                "bus_master_refused": m.bus_master_refused,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "mapped_bytes": mappings.iter().map(|m| m.mapped_bytes).sum::<u64>(),
+        "total_bytes": mappings.iter().map(|m| m.total_bytes).sum::<u64>(),
+        "done": mappings.iter().all(|m| m.done),
+        "error": mappings.iter().find_map(|m| m.error.clone()),
+        "mappings": each,
+    })
 }
 
 fn started_already() -> ActionError {

@@ -24,6 +24,9 @@ use crate::virtio::VirtioDeviceState;
 
 /// Devices the VMM thread itself needs to reach.
 pub struct MachineDevices {
+    /// Guest RAM being DMA-mapped for passthrough devices in the background (first, so
+    /// the mapper threads stop before the devices and RAM go).
+    pub dma_mappings: Vec<gpuvm_vfio::dma::BackgroundMapping>,
     pub io_bus: Arc<Bus>,
     pub mmio_bus: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,

@@ -1,6 +1,8 @@
 //! Wires PCI into a VM: the root bus on the port-I/O and MMIO buses, passthrough devices
 //! (vfio-user sockets; kernel VFIO GPUs), MSI routing through KVM GSI routes and irqfds,
-//! and the DMA mapping of all guest RAM before the guest runs.
+//! and the DMA mapping of all guest RAM, in the background while the guest boots: a
+//! passthrough device's Bus Master bit is held back until the mapping is complete (see
+//! gpuvm_vfio::dma and `VfioPciDevice::gate_bus_master`).
 //!
 //! PCI address space (see gpuvm_arch::x86_64::layout):
 //! ```text
@@ -13,7 +15,7 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_arch::x86_64::layout::{
@@ -25,7 +27,10 @@ use gpuvm_devices::pci::{
     PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
-use gpuvm_vfio::kernel::{map_guest_ram, KernelVfio, VfioDeviceFd};
+use gpuvm_vfio::dma::{
+    plan_chunks, BackgroundMapping, DmaMapper, DmaProgress, DmaStatus, MapOptions,
+};
+use gpuvm_vfio::kernel::{KernelVfio, VfioDeviceFd};
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
@@ -41,8 +46,17 @@ use crate::lock;
 use crate::virtio::{VirtioOptions, VirtioSetupError};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
-/// Guest RAM is DMA-mapped in chunks of this size, spread over threads.
+/// Guest RAM is DMA-mapped in chunks of this size (1 GiB: a 1 GiB page is never split,
+/// and each chunk is one VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP call).
 const DMA_CHUNK: u64 = 1 << 30;
+/// Test hook: `GPUVM_TEST_DMA_MAP_DELAY_MS=<ms>` holds each mapping that long before its
+/// first chunk (the guest boots meanwhile; Bus Master waits).
+pub const DMA_DELAY_HOOK: &str = "GPUVM_TEST_DMA_MAP_DELAY_MS";
+/// Test hook: `GPUVM_TEST_DMA_MAP_FAIL=1` makes every chunk's map fail (after the delay).
+pub const DMA_FAIL_HOOK: &str = "GPUVM_TEST_DMA_MAP_FAIL";
+/// The least time a guest write setting Bus Master waits for the mapping before it is
+/// refused; more for large RAM (see [`bus_master_wait_limit`]).
+const BUS_MASTER_MIN_WAIT: Duration = Duration::from_secs(600);
 
 /// The PCI devices of one VM: passthrough devices and virtio devices.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -175,12 +189,12 @@ struct Plug<'a> {
 }
 
 impl Plug<'_> {
-    /// Sets up one device: MSI/MSI-X vectors, BAR mappings, DMA (for backends that map
-    /// per device: `dma`), a slot on the bus, and INTx on the slot's GSI.
+    /// Sets up one device: MSI/MSI-X vectors, BAR mappings, its Bus Master gated by the
+    /// DMA mapping `dma`, a slot on the bus, and INTx on the slot's GSI.
     fn device(
         &self,
         backend: Box<dyn PassthroughDevice>,
-        dma: Option<&[DmaRegion]>,
+        dma: &Arc<DmaProgress>,
         devices: &mut MachineDevices,
     ) -> Result<(), PciSetupError> {
         let mut allocate = |count| self.router.allocate(count);
@@ -191,17 +205,7 @@ impl Plug<'_> {
             device.name(),
             mapped >> 20
         );
-        if let Some(regions) = dma {
-            let started = Instant::now();
-            device.dma_map(regions)?;
-            let bytes: u64 = regions.iter().map(|r| r.size).sum();
-            log::info!(
-                "{}: DMA-mapped {} MiB of guest RAM in {:?}",
-                device.name(),
-                bytes >> 20,
-                started.elapsed()
-            );
-        }
+        device.gate_bus_master(dma.clone(), bus_master_wait_limit(dma.total_bytes()));
         let pin = device.interrupt_pin();
         let name = device.name().to_string();
         let device = Arc::new(Mutex::new(device));
@@ -289,7 +293,8 @@ pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
 
 /// Puts the PCI root bus (always: its host bridge, CF8/CFC and the ECAM window are what
 /// the ACPI tables describe) and the requested passthrough devices on the VM's buses; all
-/// guest RAM is DMA-mapped for every device before this returns.
+/// guest RAM is DMA-mapped for every device in the background (`devices.dma_mappings`),
+/// and each device's Bus Master waits for it.
 pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
@@ -346,7 +351,130 @@ pub fn attach(
     Ok(root)
 }
 
-/// Plugs the passthrough devices of `options` into `root`.
+/// How long a guest write setting Bus Master may wait for the mapping of `total` bytes:
+/// 10 minutes, or 1 s per 128 MiB (about 16 minutes per TiB) for larger RAM.
+pub fn bus_master_wait_limit(total: u64) -> Duration {
+    BUS_MASTER_MIN_WAIT.max(Duration::from_secs(total / (128 << 20)))
+}
+
+/// The test hooks, read once per VM: the delay before each mapping, and whether maps fail.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct DmaTestHooks {
+    delay: Duration,
+    fail: bool,
+}
+
+impl DmaTestHooks {
+    fn from_env() -> Self {
+        let delay = match std::env::var(DMA_DELAY_HOOK) {
+            Err(_) => Duration::ZERO,
+            Ok(text) => match text.parse::<u64>() {
+                Ok(ms) => {
+                    log::warn!("{DMA_DELAY_HOOK}: each DMA mapping starts {ms} ms late");
+                    Duration::from_millis(ms)
+                }
+                Err(_) => {
+                    log::warn!(
+                        "{DMA_DELAY_HOOK}={text:?} is not a number of milliseconds; ignored"
+                    );
+                    Duration::ZERO
+                }
+            },
+        };
+        let fail = std::env::var_os(DMA_FAIL_HOOK).is_some_and(|v| v != "0");
+        if fail {
+            log::warn!("{DMA_FAIL_HOOK}: every DMA map fails");
+        }
+        DmaTestHooks { delay, fail }
+    }
+}
+
+/// A mapper whose maps all fail ([`DMA_FAIL_HOOK`]).
+struct FailingMapper(Arc<dyn DmaMapper>);
+
+impl DmaMapper for FailingMapper {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn max_parallel(&self) -> usize {
+        self.0.max_parallel()
+    }
+    unsafe fn map(&self, _chunk: &DmaRegion) -> std::io::Result<()> {
+        Err(std::io::Error::other(format!(
+            "injected failure ({DMA_FAIL_HOOK})"
+        )))
+    }
+}
+
+/// Guest RAM as chunks to map, and what keeps its mappings alive.
+struct RamChunks {
+    chunks: Vec<DmaRegion>,
+    total: u64,
+    /// A handle on guest RAM's mappings (and the memfd they map) that the mapper thread
+    /// holds until it ends.
+    memory: vm_memory::GuestMemoryMmap,
+}
+
+impl RamChunks {
+    fn new(ram: &GuestRam) -> Self {
+        let regions: Vec<DmaRegion> = ram
+            .host_regions()
+            .map(|(region, host)| DmaRegion {
+                guest_addr: region.guest_addr,
+                size: region.size,
+                host_addr: host as u64,
+                fd: ram.memfd().as_raw_fd(),
+                fd_offset: region.file_offset,
+            })
+            .collect();
+        let chunks = plan_chunks(&regions, DMA_CHUNK, ram.page_size());
+        RamChunks {
+            total: chunks.iter().map(|c| c.size).sum(),
+            chunks,
+            memory: ram.memory().clone(),
+        }
+    }
+
+    /// Starts mapping all chunks with `mapper` on a thread (under the VMM's seccomp
+    /// filter); `progress` was made by [`RamChunks::progress`].
+    fn start(
+        &self,
+        progress: Arc<DmaProgress>,
+        mapper: Arc<dyn DmaMapper>,
+        hooks: DmaTestHooks,
+    ) -> Result<BackgroundMapping, PciSetupError> {
+        let mapper: Arc<dyn DmaMapper> = if hooks.fail {
+            Arc::new(FailingMapper(mapper))
+        } else {
+            mapper
+        };
+        let options = MapOptions {
+            delay: hooks.delay,
+            on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+            keepalive: Some(Box::new(self.memory.clone())),
+            ..Default::default()
+        };
+        BackgroundMapping::start(progress, mapper, self.chunks.clone(), options)
+            .map_err(|e| PciSetupError::Device(VfioError::Io(e)))
+    }
+
+    fn progress(&self, name: String) -> Arc<DmaProgress> {
+        DmaProgress::new(name, self.total)
+    }
+}
+
+/// Where each background DMA mapping of `devices` stands (for the API).
+pub fn dma_mapping_status(devices: &MachineDevices) -> Vec<DmaStatus> {
+    devices
+        .dma_mappings
+        .iter()
+        .map(|m| m.progress().status())
+        .collect()
+}
+
+/// Plugs the passthrough devices of `options` into `root`. Guest RAM is mapped in the
+/// background: once per kernel VFIO context (its mappings serve all its devices), once
+/// per vfio-user device; each mapping starts as soon as its devices are open.
 fn attach_devices(
     kvm: &Kvm,
     vm: &VmFd,
@@ -356,33 +484,8 @@ fn attach_devices(
     router: &Arc<MsiRouter>,
     devices: &mut MachineDevices,
 ) -> Result<(), PciSetupError> {
-    let dma_regions: Vec<DmaRegion> = ram
-        .host_regions()
-        .map(|(region, host)| DmaRegion {
-            guest_addr: region.guest_addr,
-            size: region.size,
-            host_addr: host as u64,
-            fd: ram.memfd().as_raw_fd(),
-            fd_offset: region.file_offset,
-        })
-        .collect();
-    let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
-    if let Some(first) = options.gpus.first() {
-        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
-        for bdf in &options.gpus {
-            backends.push(Box::new(vfio.open_device(bdf)?));
-        }
-        // Kernel VFIO pins all of guest RAM: check the limit before the long mapping.
-        gpuvm_vfio::host::check_memlock(ram.size())?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        map_guest_ram(
-            &vfio.mapper(),
-            &dma_regions,
-            DMA_CHUNK,
-            ram.page_size(),
-            threads,
-        )?;
-    }
+    let ram_chunks = RamChunks::new(ram);
+    let hooks = DmaTestHooks::from_env();
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     let plug = Plug {
         vm,
@@ -390,12 +493,32 @@ fn attach_devices(
         router,
         slots: &slots,
     };
-    for backend in backends {
-        plug.device(backend, None, devices)?;
+    if let Some(first) = options.gpus.first() {
+        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
+        let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
+        for bdf in &options.gpus {
+            backends.push(Box::new(vfio.open_device(bdf)?));
+        }
+        // Kernel VFIO pins all of guest RAM: check the limit before the long mapping.
+        gpuvm_vfio::host::check_memlock(ram.size())?;
+        let mapper = vfio.dma_mapper();
+        let progress = ram_chunks.progress(mapper.name());
+        devices
+            .dma_mappings
+            .push(ram_chunks.start(progress.clone(), mapper, hooks)?);
+        for backend in backends {
+            plug.device(backend, &progress, devices)?;
+        }
     }
     for socket in &options.vfio_user {
         let backend = VfioUserDevice::connect(socket)?;
-        plug.device(Box::new(backend), Some(&dma_regions), devices)?;
+        let mapper = backend.dma_mapper();
+        let progress = ram_chunks.progress(mapper.name());
+        // Plugging resets the device: map after that.
+        plug.device(Box::new(backend), &progress, devices)?;
+        devices
+            .dma_mappings
+            .push(ram_chunks.start(progress, mapper, hooks)?);
     }
     Ok(())
 }

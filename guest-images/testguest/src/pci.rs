@@ -375,8 +375,14 @@ pub fn run(mode: Option<&str>) -> ! {
         }
     }
 
-    // Memory decoding and bus mastering on.
+    // Memory decoding and bus mastering on. The VMM holds this write back until guest RAM
+    // is DMA-mapped for the device, and refuses Bus Master if that failed: read it back.
     config_write(device, 0x04, config_read(device, 0x04) & 0xffff | 0x6);
+    let command = config_read(device, 0x04) & 0xffff;
+    if command & 0x6 != 0x6 {
+        fail(format_args!("bus master refused (command {command:#06x})"));
+    }
+    println!("pci: bus master on");
 
     let boot0 = mmio_read(bar0 + REG_BOOT_0);
     println!("pci: BAR0 boot0={boot0:#010x}");

@@ -67,9 +67,11 @@ pub const VFIO_DEVICE_GET_REGION_INFO: u32 = io(VFIO, 100 + 8);
 pub const VFIO_DEVICE_GET_IRQ_INFO: u32 = io(VFIO, 100 + 9);
 pub const VFIO_DEVICE_SET_IRQS: u32 = io(VFIO, 100 + 10);
 pub const VFIO_DEVICE_RESET: u32 = io(VFIO, 100 + 11);
+pub const VFIO_IOMMU_MAP_DMA: u32 = io(VFIO, 100 + 13);
 pub const VFIO_IOMMU_UNMAP_DMA: u32 = io(VFIO, 100 + 14);
 pub const VFIO_DEVICE_DETACH_IOMMUFD_PT: u32 = io(VFIO, 100 + 20);
 pub const IOMMU_DESTROY: u32 = io(VFIO, 0x80);
+pub const IOMMU_IOAS_MAP: u32 = io(VFIO, 0x85);
 pub const IOMMU_IOAS_UNMAP: u32 = io(VFIO, 0x86);
 
 // userfaultfd.
@@ -107,6 +109,9 @@ mod tests {
         assert_eq!(ioctls::UFFDIO_COPY, 0xc028_aa03);
         assert_eq!(ioctls::UFFDIO_WAKE, 0x8010_aa02);
         assert_eq!(ioctls::VFIO_DEVICE_SET_IRQS, 0x3b6e);
+        assert_eq!(ioctls::VFIO_IOMMU_MAP_DMA, 0x3b71);
+        // iommufd-ioctls' own test: IOMMU_IOAS_MAP() == 15237.
+        assert_eq!(ioctls::IOMMU_IOAS_MAP, 15237);
         assert_eq!(ioctls::IOMMU_IOAS_UNMAP, 0x3b86);
         assert_eq!(ioctls::KVM_IOEVENTFD, 0x4040_ae79);
         assert_eq!(ioctls::TUNSETQUEUE, 0x4004_54d9);

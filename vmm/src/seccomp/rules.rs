@@ -211,6 +211,10 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     UFFDIO_ZEROPAGE,
                     UFFDIO_WAKE,
                     UFFDIO_UNREGISTER,
+                    // Kernel VFIO: guest RAM DMA-mapped in the background (the `dma-map`
+                    // thread runs under this filter).
+                    VFIO_IOMMU_MAP_DMA,
+                    IOMMU_IOAS_MAP,
                     // Kernel VFIO: INTx unmask, reset and unmapping at teardown.
                     VFIO_DEVICE_SET_IRQS,
                     VFIO_DEVICE_RESET,
