@@ -290,6 +290,29 @@ fn a_violation_on_each_thread_kind_traps() {
             &format!("gpuvm: seccomp: blocked system call 110 on a {kind} thread"),
         );
     }
+    // A virtio device's I/O thread runs the device filter (installed when the VM is
+    // built, before the guest could activate the device).
+    let out = run_gpuvm_with_env(
+        &["run", "--rng"],
+        &[("GPUVM_TEST_SECCOMP_VIOLATION", "device")],
+        LIMIT,
+        None,
+    );
+    assert_trapped(
+        &out,
+        "gpuvm: seccomp: blocked system call 110 on a device thread",
+    );
+    // Without it, epoll_wait: the first device the guest activates traps on its thread.
+    let out = run_gpuvm_with_env(
+        &["run", "--rng", "--cmdline", "virtio-rng"],
+        &[("GPUVM_TEST_SECCOMP_REMOVE", "device:232")],
+        LIMIT,
+        None,
+    );
+    assert_trapped(
+        &out,
+        "gpuvm: seccomp: blocked system call 232 on a device thread",
+    );
     // A lazy-restore thread runs the vmm filter.
     let dir = scratch.path("snap");
     run_gpuvm(

@@ -52,10 +52,12 @@ fn format_violation(buf: &mut [u8; 160], syscall: u64, kind: u32, ioctl: Option<
     let mut len = 0;
     push(buf, &mut len, b"gpuvm: seccomp: blocked system call ");
     push_number(buf, &mut len, syscall, false);
+    // ThreadKind::code of each kind (no allocation, so no lookup through the kind).
     let kind_name: &[u8] = match kind {
         1 => b"vmm",
         2 => b"vcpu",
         3 => b"api",
+        4 => b"device",
         _ => b"unknown",
     };
     push(buf, &mut len, b" on a ");
@@ -131,5 +133,18 @@ mod tests {
             std::str::from_utf8(&buf[..len]).unwrap(),
             "gpuvm: seccomp: blocked system call 110 on a vmm thread\n"
         );
+    }
+
+    #[test]
+    fn every_thread_kind_is_named() {
+        for kind in super::super::ThreadKind::ALL {
+            let mut buf = [0u8; 160];
+            let len = format_violation(&mut buf, 110, kind.code(), None);
+            let line = std::str::from_utf8(&buf[..len]).unwrap();
+            assert!(
+                line.ends_with(&format!(" on a {} thread\n", kind.name())),
+                "{line}"
+            );
+        }
     }
 }
