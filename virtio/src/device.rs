@@ -27,6 +27,16 @@ pub enum ActivateError {
     },
 }
 
+impl ActivateError {
+    /// `device`'s I/O thread could not start (see [`crate::worker::Worker::spawn`]).
+    pub fn thread(device: &'static str, error: crate::worker::WorkerError) -> Self {
+        ActivateError::Thread {
+            device,
+            source: error.into(),
+        }
+    }
+}
+
 /// How a device raises interrupts: the transport maps a queue or the configuration
 /// change to its MSI-X vector (an irqfd), and sets the ISR bits.
 pub trait VirtioInterrupt: Send + Sync {
@@ -100,9 +110,46 @@ pub trait VirtioDevice: Send {
     }
 }
 
+/// Copies the configuration space `space` from `offset` into `data`, the way
+/// [`VirtioDevice::read_config`] reads: bytes past its end (or an offset past it) read as zero.
+pub fn read_config_bytes(space: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Some(source) = usize::try_from(offset)
+        .ok()
+        .and_then(|offset| space.get(offset..))
+    else {
+        return;
+    };
+    let len = source.len().min(data.len());
+    data[..len].copy_from_slice(&source[..len]);
+}
+
 /// Where a queue's ring indices stand when its device pauses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QueuePosition {
     pub next_avail: u16,
     pub next_used: u16,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_config_bytes_zero_fills_past_the_end() {
+        let space = [1, 2, 3, 4];
+        let mut data = [0xff; 3];
+        read_config_bytes(&space, 1, &mut data);
+        assert_eq!(data, [2, 3, 4]);
+        read_config_bytes(&space, 2, &mut data);
+        assert_eq!(data, [3, 4, 0]);
+        for offset in [4, 5, u64::MAX] {
+            let mut data = [0xff; 2];
+            read_config_bytes(&space, offset, &mut data);
+            assert_eq!(data, [0, 0], "offset {offset}");
+        }
+        let mut data = [0xff; 2];
+        read_config_bytes(&[], 0, &mut data);
+        assert_eq!(data, [0, 0]);
+    }
 }

@@ -22,8 +22,12 @@ pub mod vhost_user;
 pub mod vsock;
 pub mod worker;
 
+#[cfg(test)]
+pub(crate) mod test_util;
+
 pub use device::{
-    ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice, VirtioInterrupt,
+    read_config_bytes, ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice,
+    VirtioInterrupt,
 };
 
 /// Guest memory as the devices see it (every region of the VM's RAM, mapped in gpuvm).
@@ -35,4 +39,43 @@ pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGu
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Counts a recurring message a guest can cause (a bad descriptor, a bad register write) and
+/// lets the first few through, then only the 2^k-th, so a guest cannot flood the log.
+#[derive(Debug)]
+pub(crate) struct LogSampler {
+    count: u64,
+    /// How many are logged before only powers of two are.
+    first: u64,
+}
+
+impl LogSampler {
+    pub(crate) const fn new(first: u64) -> Self {
+        LogSampler { count: 0, first }
+    }
+
+    /// Counts one more; whether to log this one.
+    pub(crate) fn sample(&mut self) -> bool {
+        self.count = self.count.saturating_add(1);
+        self.count <= self.first || self.count.is_power_of_two()
+    }
+
+    /// How many were counted so far.
+    pub(crate) fn count(&self) -> u64 {
+        self.count
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LogSampler;
+
+    #[test]
+    fn log_sampler_lets_the_first_then_powers_of_two_through() {
+        let mut sampler = LogSampler::new(3);
+        let logged: Vec<u64> = (1..=40).filter(|_| sampler.sample()).collect::<Vec<_>>();
+        assert_eq!(logged, [1, 2, 3, 4, 8, 16, 32]);
+        assert_eq!(sampler.count(), 40);
+    }
 }

@@ -3,7 +3,8 @@
 //!
 //! The device hands its serving state (a [`WorkerHandler`]) to [`Worker::spawn`] and gets
 //! it back from [`Worker::stop`], so a reset or a snapshot sees the queues exactly where
-//! the thread left them.
+//! the thread left them. [`DeviceWorker`] holds that state for a device across activate,
+//! pause, resume and reset.
 //!
 //! Devices activate when the guest's driver says so, on a vCPU thread, whose seccomp
 //! filter does not let it create threads or do a device's I/O. So the VMM creates the I/O
@@ -245,6 +246,186 @@ impl<H: WorkerHandler> Drop for Worker<H> {
     }
 }
 
+/// A device's serving state across activations, with the transitions every device makes:
+/// activate (take the idle resources, start a worker), pause (stop it, keep its handler),
+/// resume (start a new worker for the handler) and reset (turn the handler back into the
+/// idle resources).
+///
+/// `I` is what the device keeps while the driver has not activated it (its backend: a disk,
+/// taps, an entropy source); `H` the handler serving the queues, which holds `I` while active.
+pub struct DeviceWorker<I, H: WorkerHandler> {
+    /// For logs ("virtio-blk rootfs").
+    device: String,
+    /// The I/O thread's name (at most 15 bytes show in /proc/PID/task/*/comm).
+    thread_name: String,
+    state: DeviceState<I, H>,
+}
+
+enum DeviceState<I, H: WorkerHandler> {
+    Idle(I),
+    Running(Worker<H>),
+    Paused(H),
+    /// The worker thread panicked or could not start and took the resources with it.
+    Failed,
+}
+
+/// What a change made through [`DeviceWorker::change`] is given.
+pub enum Held<'a, I, H> {
+    /// The device is not active: its idle resources.
+    Idle(&'a mut I),
+    /// The device is active: the handler, stopped between two events.
+    Handler(&'a mut H),
+}
+
+/// Why [`DeviceWorker::take_idle`] has nothing to give.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NotIdle {
+    /// Activated (running or paused) and not reset since.
+    Active,
+    /// The worker thread panicked or could not start and took the resources with it.
+    Failed,
+}
+
+/// Why [`DeviceWorker::change`] could not make its change.
+#[derive(Debug, thiserror::Error)]
+pub enum ChangeError {
+    #[error("the device's I/O thread panicked or could not start, and took its resources")]
+    Failed,
+    #[error("the device's I/O thread did not start again: {0}")]
+    Restart(#[source] WorkerError),
+}
+
+impl<I, H: WorkerHandler> DeviceWorker<I, H> {
+    /// An idle device holding `idle` until the driver activates it.
+    pub fn new(device: impl Into<String>, thread_name: impl Into<String>, idle: I) -> Self {
+        DeviceWorker {
+            device: device.into(),
+            thread_name: thread_name.into(),
+            state: DeviceState::Idle(idle),
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        matches!(self.state, DeviceState::Running(_))
+    }
+
+    /// The handler while paused.
+    pub fn paused(&self) -> Option<&H> {
+        match &self.state {
+            DeviceState::Paused(handler) => Some(handler),
+            _ => None,
+        }
+    }
+
+    /// The idle resources, for an activation; the device counts as failed until
+    /// [`DeviceWorker::start`] (or [`DeviceWorker::set_idle`]) gives it a new state.
+    pub fn take_idle(&mut self) -> Result<I, NotIdle> {
+        match std::mem::replace(&mut self.state, DeviceState::Failed) {
+            DeviceState::Idle(idle) => Ok(idle),
+            DeviceState::Failed => Err(NotIdle::Failed),
+            active => {
+                self.state = active;
+                Err(NotIdle::Active)
+            }
+        }
+    }
+
+    /// Makes the device idle with `idle` (what a refused activation took, or what a stopped
+    /// handler gave back).
+    pub fn set_idle(&mut self, idle: I) {
+        self.state = DeviceState::Idle(idle);
+    }
+
+    /// Serves `handler` on a new worker; the device has failed if its thread cannot start
+    /// (the handler is dropped with it).
+    pub fn start(&mut self, handler: H) -> Result<(), WorkerError> {
+        match Worker::spawn(&self.thread_name, handler) {
+            Ok(worker) => {
+                self.state = DeviceState::Running(worker);
+                Ok(())
+            }
+            Err(error) => {
+                self.state = DeviceState::Failed;
+                Err(error)
+            }
+        }
+    }
+
+    /// Takes the handler back from the worker (after the event it is handling) or from a
+    /// pause; the caller gives the device its next state. `None` when idle or failed, or
+    /// when the worker thread panicked (logged; the device has failed).
+    pub fn stop(&mut self) -> Option<H> {
+        match std::mem::replace(&mut self.state, DeviceState::Failed) {
+            DeviceState::Running(worker) => {
+                let handler = worker.stop();
+                if handler.is_none() {
+                    log::error!(
+                        "{}: its I/O thread panicked; what it held is gone",
+                        self.device
+                    );
+                }
+                handler
+            }
+            DeviceState::Paused(handler) => Some(handler),
+            other => {
+                self.state = other;
+                None
+            }
+        }
+    }
+
+    /// Stops serving and keeps what the next activation needs: `into_idle` turns the
+    /// handler back into the idle resources. Nothing to do when idle or failed.
+    pub fn reset(&mut self, into_idle: impl FnOnce(H) -> I) {
+        if let Some(handler) = self.stop() {
+            self.state = DeviceState::Idle(into_idle(handler));
+        }
+    }
+
+    /// Stops the worker and keeps its handler as it left the queues, until
+    /// [`DeviceWorker::resume`]. The handler when paused (already, or now); `None` when
+    /// idle or failed, or when the worker thread panicked (logged; the device has failed).
+    pub fn pause(&mut self) -> Option<&mut H> {
+        if let Some(handler) = self.stop() {
+            self.state = DeviceState::Paused(handler);
+        }
+        match &mut self.state {
+            DeviceState::Paused(handler) => Some(handler),
+            _ => None,
+        }
+    }
+
+    /// Serves the paused handler again on a new worker; nothing to do when not paused.
+    pub fn resume(&mut self) -> Result<(), WorkerError> {
+        match std::mem::replace(&mut self.state, DeviceState::Failed) {
+            DeviceState::Paused(handler) => self.start(handler),
+            other => {
+                self.state = other;
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs `change` on what the device holds now: its idle resources, the paused handler,
+    /// or the running handler between two events (the worker stops after the event it is
+    /// handling, and a new one serves the changed handler).
+    pub fn change<T>(
+        &mut self,
+        change: impl FnOnce(Held<'_, I, H>) -> T,
+    ) -> Result<T, ChangeError> {
+        match &mut self.state {
+            DeviceState::Idle(idle) => return Ok(change(Held::Idle(idle))),
+            DeviceState::Paused(handler) => return Ok(change(Held::Handler(handler))),
+            DeviceState::Failed => return Err(ChangeError::Failed),
+            DeviceState::Running(_) => {}
+        }
+        let mut handler = self.stop().ok_or(ChangeError::Failed)?;
+        let result = change(Held::Handler(&mut handler));
+        self.start(handler).map_err(ChangeError::Restart)?;
+        Ok(result)
+    }
+}
+
 /// The worker's epoll: the stop eventfd and what the handler registers.
 fn event_loop<H: WorkerHandler>(stop_fd: RawFd, handler: &mut H) -> std::io::Result<Epoll> {
     let epoll = Epoll::new()?;
@@ -303,23 +484,76 @@ mod tests {
 
     #[test]
     fn handles_kicks_then_gives_the_handler_back() {
-        let kick = EventFd::new(EFD_NONBLOCK).unwrap();
-        let trigger = kick.try_clone().unwrap();
-        let (told, heard) = mpsc::channel();
-        let worker = Worker::spawn(
-            "test-worker",
-            Counter {
-                kick,
-                seen: 0,
-                told,
-            },
-        )
-        .unwrap();
+        let (handler, trigger, heard) = counter();
+        let worker = Worker::spawn("test-worker", handler).unwrap();
         trigger.write(3).unwrap();
         assert_eq!(heard.recv().unwrap(), 3);
         trigger.write(2).unwrap();
         assert_eq!(heard.recv().unwrap(), 5);
         let handler = worker.stop().expect("the worker did not panic");
         assert_eq!(handler.seen, 5);
+    }
+
+    /// A handler counting what its kick eventfd (the second) is written, and where it
+    /// reports each new count.
+    fn counter() -> (Counter, EventFd, mpsc::Receiver<u64>) {
+        let kick = EventFd::new(EFD_NONBLOCK).unwrap();
+        let trigger = kick.try_clone().unwrap();
+        let (told, heard) = mpsc::channel();
+        let handler = Counter {
+            kick,
+            seen: 0,
+            told,
+        };
+        (handler, trigger, heard)
+    }
+
+    #[test]
+    fn a_device_worker_starts_pauses_resumes_and_resets() {
+        let (handler, trigger, heard) = counter();
+        let mut device = DeviceWorker::new("test-device", "test-device", 0u64);
+        assert!(device.pause().is_none(), "idle: nothing to pause");
+        assert_eq!(device.take_idle(), Ok(0));
+        assert_eq!(device.take_idle(), Err(NotIdle::Failed), "until started");
+        device.start(handler).unwrap();
+        assert!(device.is_running());
+        assert_eq!(device.take_idle(), Err(NotIdle::Active));
+        trigger.write(3).unwrap();
+        assert_eq!(heard.recv().unwrap(), 3);
+
+        // Paused: the handler stays as the worker left it, and kicks wait.
+        assert_eq!(device.pause().map(|handler| handler.seen), Some(3));
+        assert_eq!(device.paused().map(|handler| handler.seen), Some(3));
+        assert_eq!(device.pause().map(|handler| handler.seen), Some(3), "twice");
+        trigger.write(2).unwrap();
+        assert!(heard.try_recv().is_err());
+        device.resume().unwrap();
+        assert_eq!(heard.recv().unwrap(), 5);
+
+        // A change while running stops the worker between events and starts a new one.
+        let seen = device.change(|held| match held {
+            Held::Idle(_) => unreachable!("running"),
+            Held::Handler(handler) => {
+                handler.seen = 100;
+                handler.seen
+            }
+        });
+        assert_eq!(seen.unwrap(), 100);
+        assert!(device.is_running());
+        trigger.write(1).unwrap();
+        assert_eq!(heard.recv().unwrap(), 101);
+
+        device.reset(|handler| handler.seen);
+        assert!(!device.is_running());
+        assert!(device.resume().is_ok(), "nothing to resume");
+        let idle = device.change(|held| match held {
+            Held::Idle(seen) => *seen,
+            Held::Handler(_) => unreachable!("idle"),
+        });
+        assert_eq!(idle.unwrap(), 101);
+        assert_eq!(device.take_idle(), Ok(101));
+        assert!(matches!(device.change(|_| ()), Err(ChangeError::Failed)));
+        device.set_idle(7);
+        assert_eq!(device.take_idle(), Ok(7));
     }
 }

@@ -24,7 +24,7 @@ use super::{
 };
 use crate::device::{ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice};
 use crate::rate_limiter::{RateLimiter, RateLimiterConfig};
-use crate::worker::Worker;
+use crate::worker::{ChangeError, DeviceWorker, Held, NotIdle};
 use crate::VirtioInterrupt;
 
 const DEVICE: &str = "virtio-blk";
@@ -45,22 +45,15 @@ pub struct BlockState {
     pub capacity_sectors: u64,
 }
 
-enum State {
-    /// Not activated: the disk waits here.
-    Idle(IoResources),
-    Running(Worker<BlockHandler>),
-    Paused(BlockHandler),
-    /// The worker thread panicked or could not start: the disk is gone with it.
-    Failed,
-}
-
 /// A virtio-blk device over a raw image.
 pub struct Block {
     config: BlockConfig,
     name: String,
     capacity_sectors: u64,
     engine: IoEngine,
-    state: State,
+    /// The disk waits as its idle resources; if the worker thread panicked or could not
+    /// start, the disk is gone with it.
+    worker: DeviceWorker<IoResources, BlockHandler>,
     /// The transport's interrupt while active (for configuration changes).
     interrupt: Option<Arc<dyn VirtioInterrupt>>,
     quiesce: QuiesceRequest,
@@ -118,12 +111,13 @@ impl Block {
             config.device_id(),
             quiesce_reply,
         );
+        let worker = DeviceWorker::new(name.clone(), thread_name(&config.drive_id), io);
         Ok(Block {
             config,
             name,
             capacity_sectors,
             engine,
-            state: State::Idle(io),
+            worker,
             interrupt: None,
             quiesce,
         })
@@ -204,111 +198,62 @@ impl Block {
         &mut self,
         change: impl FnOnce(&mut IoResources) -> T,
     ) -> Result<T, BlockError> {
-        match &mut self.state {
-            State::Idle(io) => return Ok(change(io)),
-            State::Paused(handler) => return Ok(change(&mut handler.io)),
-            State::Failed => {
-                return Err(BlockError::Failed {
-                    drive_id: self.config.drive_id.clone(),
-                })
-            }
-            State::Running(_) => {}
-        }
-        let Some(mut handler) = self.stop_worker() else {
-            return Err(BlockError::Failed {
-                drive_id: self.config.drive_id.clone(),
-            });
-        };
-        let result = change(&mut handler.io);
-        handler.prepare_to_run();
-        match Worker::spawn(&self.thread_name(), handler) {
-            Ok(worker) => {
-                self.state = State::Running(worker);
-                Ok(result)
-            }
-            Err(source) => Err(BlockError::Thread {
-                drive_id: self.config.drive_id.clone(),
-                source: source.into(),
-            }),
-        }
-    }
-
-    /// "virtio-blk" and up to four letters or digits of the drive ID (15 bytes at most).
-    fn thread_name(&self) -> String {
-        let suffix: String = self
-            .config
-            .drive_id
-            .chars()
-            .filter(char::is_ascii_alphanumeric)
-            .take(4)
-            .collect();
-        if suffix.is_empty() {
-            DEVICE.to_string()
-        } else {
-            format!("{DEVICE}-{suffix}")
-        }
+        self.quiesce_worker();
+        self.worker
+            .change(|held| match held {
+                Held::Idle(io) => change(io),
+                Held::Handler(handler) => change(&mut handler.io),
+            })
+            .map_err(|error| {
+                let drive_id = self.config.drive_id.clone();
+                match error {
+                    ChangeError::Failed => BlockError::Failed { drive_id },
+                    ChangeError::Restart(source) => BlockError::Thread {
+                        drive_id,
+                        source: source.into(),
+                    },
+                }
+            })
     }
 
     fn config_space(&self) -> virtio_blk_config {
         let writable = !self.config.read_only;
+        // Discard and write zeroes are only offered to a writable drive.
+        let if_writable = |value: u32| if writable { value.to_le() } else { 0 };
         virtio_blk_config {
             capacity: self.capacity_sectors.to_le(),
             seg_max: SEG_MAX.to_le(),
             blk_size: (SECTOR_SIZE as u32).to_le(),
-            max_discard_sectors: if writable {
-                MAX_DISCARD_SECTORS.to_le()
-            } else {
-                0
-            },
-            max_discard_seg: if writable {
-                MAX_DISCARD_SEGMENTS.to_le()
-            } else {
-                0
-            },
-            discard_sector_alignment: if writable {
-                DISCARD_SECTOR_ALIGNMENT.to_le()
-            } else {
-                0
-            },
-            max_write_zeroes_sectors: if writable {
-                MAX_DISCARD_SECTORS.to_le()
-            } else {
-                0
-            },
-            max_write_zeroes_seg: if writable {
-                MAX_DISCARD_SEGMENTS.to_le()
-            } else {
-                0
-            },
+            max_discard_sectors: if_writable(MAX_DISCARD_SECTORS),
+            max_discard_seg: if_writable(MAX_DISCARD_SEGMENTS),
+            discard_sector_alignment: if_writable(DISCARD_SECTOR_ALIGNMENT),
+            max_write_zeroes_sectors: if_writable(MAX_DISCARD_SECTORS),
+            max_write_zeroes_seg: if_writable(MAX_DISCARD_SEGMENTS),
             write_zeroes_may_unmap: u8::from(writable),
             ..Default::default()
         }
     }
 
-    /// Stops the worker (if running) and gets its handler back, quiesced: no request in
-    /// flight (unless the drain gave up, see [`DRAIN_TIMEOUT`]) and none taken until it
-    /// runs again.
-    fn stop_worker(&mut self) -> Option<BlockHandler> {
-        match std::mem::replace(&mut self.state, State::Failed) {
-            State::Running(worker) => {
-                self.quiesce.quiesce(&self.name, QUIESCE_TIMEOUT);
-                match worker.stop() {
-                    Some(handler) => Some(handler),
-                    None => {
-                        log::error!(
-                            "{}: its I/O thread had panicked; the device is gone",
-                            self.name
-                        );
-                        None
-                    }
-                }
-            }
-            State::Paused(handler) => Some(handler),
-            other => {
-                self.state = other;
-                None
-            }
+    /// Asks a running worker to finish (or give up on, see [`DRAIN_TIMEOUT`]) the requests
+    /// in flight and take no new ones, before it is stopped.
+    fn quiesce_worker(&self) {
+        if self.worker.is_running() {
+            self.quiesce.quiesce(&self.name, QUIESCE_TIMEOUT);
         }
+    }
+}
+
+/// "virtio-blk" and up to four letters or digits of the drive ID (15 bytes at most).
+fn thread_name(drive_id: &str) -> String {
+    let suffix: String = drive_id
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(4)
+        .collect();
+    if suffix.is_empty() {
+        DEVICE.to_string()
+    } else {
+        format!("{DEVICE}-{suffix}")
     }
 }
 
@@ -356,14 +301,7 @@ impl VirtioDevice for Block {
                 std::mem::size_of::<virtio_blk_config>(),
             )
         };
-        data.fill(0);
-        let Ok(offset) = usize::try_from(offset) else {
-            return;
-        };
-        if let Some(source) = bytes.get(offset..) {
-            let len = source.len().min(data.len());
-            data[..len].copy_from_slice(&source[..len]);
-        }
+        crate::read_config_bytes(bytes, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
@@ -392,73 +330,49 @@ impl VirtioDevice for Block {
                 needed: 1,
             });
         };
-        let io = match std::mem::replace(&mut self.state, State::Failed) {
-            State::Idle(io) => io,
-            State::Failed => {
+        let io = match self.worker.take_idle() {
+            Ok(io) => io,
+            Err(NotIdle::Failed) => {
                 return Err(ActivateError::Device {
                     device: DEVICE,
                     message: format!("{}: failed earlier, cannot serve", self.name),
                 })
             }
-            other => {
-                self.state = other;
+            Err(NotIdle::Active) => {
                 return Err(ActivateError::Device {
                     device: DEVICE,
                     message: format!("{}: already active", self.name),
-                });
+                })
             }
         };
         queue.set_event_idx(acked_features & (1u64 << VIRTIO_RING_F_EVENT_IDX) != 0);
-        let mut handler = BlockHandler::new(io, memory, queue, kick, Arc::clone(&interrupt));
-        // Serves what a restored driver already made available.
-        handler.prepare_to_run();
-        let worker = Worker::spawn(&self.thread_name(), handler).map_err(|source| {
-            ActivateError::Thread {
-                device: DEVICE,
-                source: source.into(),
-            }
-        })?;
-        self.state = State::Running(worker);
+        // The worker serves what a restored driver already made available as it starts.
+        let handler = BlockHandler::new(io, memory, queue, kick, Arc::clone(&interrupt));
+        self.worker
+            .start(handler)
+            .map_err(|error| ActivateError::thread(DEVICE, error))?;
         self.interrupt = Some(interrupt);
         Ok(())
     }
 
     fn reset(&mut self) {
-        if let Some(handler) = self.stop_worker() {
-            self.state = State::Idle(handler.into_resources());
-        }
+        self.quiesce_worker();
+        self.worker.reset(BlockHandler::into_resources);
         self.interrupt = None;
     }
 
     fn pause(&mut self) -> Vec<Option<QueuePosition>> {
-        match self.stop_worker() {
-            Some(handler) => {
-                let position = handler.position();
-                self.state = State::Paused(handler);
-                vec![Some(position)]
-            }
+        self.quiesce_worker();
+        match self.worker.pause() {
+            Some(handler) => vec![Some(handler.position())],
             None => Vec::new(),
         }
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
-        match std::mem::replace(&mut self.state, State::Failed) {
-            State::Paused(mut handler) => {
-                handler.prepare_to_run();
-                let worker = Worker::spawn(&self.thread_name(), handler).map_err(|source| {
-                    ActivateError::Thread {
-                        device: DEVICE,
-                        source: source.into(),
-                    }
-                })?;
-                self.state = State::Running(worker);
-                Ok(())
-            }
-            other => {
-                self.state = other;
-                Ok(())
-            }
-        }
+        self.worker
+            .resume()
+            .map_err(|error| ActivateError::thread(DEVICE, error))
     }
 
     fn save_state(&self) -> serde_json::Value {

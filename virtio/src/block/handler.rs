@@ -18,7 +18,7 @@ use super::request::{self, Geometry, Operation, Parsed, Segment, Status};
 use super::{DRAIN_TIMEOUT, ID_BYTES, QUEUE_SIZE};
 use crate::rate_limiter::RateLimiter;
 use crate::worker::{EventControl, WorkerHandler};
-use crate::{GuestMemory, QueuePosition, VirtioInterrupt};
+use crate::{GuestMemory, LogSampler, QueuePosition, VirtioInterrupt};
 
 const KICK: u64 = 1;
 const COMPLETIONS: u64 = 2;
@@ -91,7 +91,7 @@ pub(crate) struct IoResources {
     quiesce: QuiesceReply,
     /// O_DIRECT requests with unaligned guest buffers the ring could not take (tests).
     pub bounced: u64,
-    bad_requests: u64,
+    bad_requests: LogSampler,
     discard_unsupported_logged: bool,
 }
 
@@ -113,7 +113,7 @@ impl IoResources {
             rate_limiter,
             device_id,
             bounced: 0,
-            bad_requests: 0,
+            bad_requests: LogSampler::new(10),
             discard_unsupported_logged: false,
         }
     }
@@ -166,12 +166,11 @@ impl IoResources {
     /// Logs a bad request: the first ten, then every power of two (a guest can send
     /// millions).
     fn log_bad_request(&mut self, what: &str, reason: &str) {
-        self.bad_requests += 1;
-        let count = self.bad_requests;
-        if count <= 10 || count.is_power_of_two() {
+        if self.bad_requests.sample() {
             log::warn!(
-                "{}: {what}: {reason} ({count} bad requests so far)",
-                self.name
+                "{}: {what}: {reason} ({} bad requests so far)",
+                self.name,
+                self.bad_requests.count()
             );
         }
     }
@@ -215,7 +214,7 @@ impl BlockHandler {
     /// Readies the handler for a (new) worker: takes requests again, forgets a quiesce
     /// request that came too late, and looks at the queue once it runs (requests the driver
     /// made available while the device was paused, or before a restore).
-    pub fn prepare_to_run(&mut self) {
+    fn prepare_to_run(&mut self) {
         self.quiesced = false;
         let _ = self.io.quiesce.request.read();
         self.kick_self();
@@ -504,6 +503,7 @@ fn write_zeroes(io: &mut IoResources, segments: &[Segment]) -> std::io::Result<(
 
 impl WorkerHandler for BlockHandler {
     fn register(&mut self, control: &EventControl) -> std::io::Result<()> {
+        self.prepare_to_run();
         control.add(self.kick.as_raw_fd(), KICK)?;
         if let Some(ring) = &self.io.ring {
             control.add(ring.completion_fd(), COMPLETIONS)?;

@@ -22,8 +22,9 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::*;
-use crate::rate_limiter::{RateLimiterConfig, TokenBucketConfig};
-use crate::{Activation, ActiveQueue, GuestMemory, QueuePosition, VirtioDevice, VirtioInterrupt};
+use crate::rate_limiter::RateLimiterConfig;
+use crate::test_util::{ops_limit, RecordingInterrupt};
+use crate::{Activation, ActiveQueue, GuestMemory, QueuePosition, VirtioDevice};
 
 const MEMORY_SIZE: u64 = 0x100_0000;
 /// Headers (one 256-byte slot per request in flight), then status bytes, then data.
@@ -65,25 +66,6 @@ impl Drop for Scratch {
     }
 }
 
-#[derive(Default)]
-struct TestInterrupt {
-    queue: AtomicUsize,
-    config: AtomicUsize,
-}
-
-impl VirtioInterrupt for TestInterrupt {
-    fn signal_queue(&self, queue_index: u16) -> std::io::Result<()> {
-        assert_eq!(queue_index, 0);
-        self.queue.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-
-    fn signal_config(&self) -> std::io::Result<()> {
-        self.config.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-}
-
 fn drive(path: &Path, engine: IoEngine) -> BlockConfig {
     BlockConfig {
         drive_id: "test".into(),
@@ -111,7 +93,7 @@ struct Harness {
     memory: GuestMemory,
     block: Block,
     kick: EventFd,
-    interrupt: Arc<TestInterrupt>,
+    interrupt: Arc<RecordingInterrupt>,
     next_descriptor: u16,
     made_available: u16,
     /// The rings' addresses (a `MockSplitQueue` zeroes its rings when made, so it is made
@@ -123,12 +105,12 @@ struct Harness {
 
 impl Harness {
     fn new(block: Block) -> Harness {
-        let memory = GuestMemory::from_ranges(&[(GuestAddress(0), MEMORY_SIZE as usize)]).unwrap();
+        let memory = crate::test_util::memory(MEMORY_SIZE as usize);
         let mut harness = Harness {
             memory,
             block,
             kick: EventFd::new(EFD_NONBLOCK).unwrap(),
-            interrupt: Arc::new(TestInterrupt::default()),
+            interrupt: Arc::new(RecordingInterrupt::default()),
             next_descriptor: 0,
             made_available: 0,
             desc_table: 0,
@@ -385,7 +367,8 @@ fn writes_then_reads_back_through_both_engines() {
         let file = std::fs::read(&path).unwrap();
         assert_eq!(&file[3 * 512..3 * 512 + 1536], &data[..]);
         assert_eq!(&file[100 * 512..100 * 512 + big.len()], &big[..]);
-        assert!(h.interrupt.queue.load(Ordering::SeqCst) > 0);
+        assert!(h.interrupt.count() > 0);
+        assert!(h.interrupt.queues().iter().all(|&queue| queue == 0));
     }
 }
 
@@ -774,7 +757,7 @@ fn hot_swap_changes_capacity_and_content() {
         let mut capacity = [0u8; 8];
         h.block.read_config(0, &mut capacity);
         assert_eq!(u64::from_le_bytes(capacity), 4096);
-        assert_eq!(h.interrupt.config.load(Ordering::SeqCst), 1);
+        assert_eq!(h.interrupt.config_changes(), 1);
         assert_eq!(h.block.config().path, second);
         assert_eq!(h.read(3000, 512), (VIRTIO_BLK_S_OK, vec![0x22; 512]));
         assert_eq!(h.write(0, &[0x33; 512]), VIRTIO_BLK_S_OK);
@@ -812,26 +795,10 @@ fn the_rate_limiter_limits_operations() {
     let path = scratch.file("disk", &vec![0u8; 1 << 20]);
     let mut config = drive(&path, IoEngine::Async);
     // One request per 300 ms (the bucket starts full: the first goes at once).
-    config.rate_limiter = RateLimiterConfig {
-        bandwidth: None,
-        ops: Some(TokenBucketConfig {
-            size: 1,
-            one_time_burst: 0,
-            refill_time_ms: 300,
-        }),
-    };
+    config.rate_limiter = ops_limit(1, 300);
     let mut h = Harness::new(new_block(config));
     let started = Instant::now();
-    for slot in 0..4u64 {
-        let header = h.header(slot, VIRTIO_BLK_T_IN, slot);
-        let status = h.status_byte(slot);
-        h.add_chain(&[
-            (header, 16, false),
-            (IN_DATA + slot * 512, 512, true),
-            (status, 1, true),
-        ]);
-    }
-    h.kick();
+    queue_four_reads(&mut h);
     std::thread::sleep(Duration::from_millis(50));
     let served = h.used_idx();
     // The bucket starts with one token; the next comes 300 ms later.
@@ -853,6 +820,14 @@ fn the_rate_limiter_limits_operations() {
         .update_rate_limiter(RateLimiterConfig::default())
         .unwrap();
     let started = Instant::now();
+    queue_four_reads(&mut h);
+    assert!(h.wait_used(8));
+    // Limited, these four would take at least 900 ms.
+    assert!(started.elapsed() < Duration::from_millis(700));
+}
+
+/// Makes four one-sector reads available, in slots 0 to 3, and kicks.
+fn queue_four_reads(h: &mut Harness) {
     for slot in 0..4u64 {
         let header = h.header(slot, VIRTIO_BLK_T_IN, slot);
         let status = h.status_byte(slot);
@@ -863,9 +838,6 @@ fn the_rate_limiter_limits_operations() {
         ]);
     }
     h.kick();
-    assert!(h.wait_used(8));
-    // Limited, these four would take at least 900 ms.
-    assert!(started.elapsed() < Duration::from_millis(700));
 }
 
 /// A scratch directory whose file system takes O_DIRECT (tmpfs does not).

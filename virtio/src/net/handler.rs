@@ -134,15 +134,7 @@ impl NetHandler {
     pub fn release_held_frames(&mut self) {
         for pair in &mut self.pairs {
             if pair.release_held(&self.memory, &self.counters, &mut self.log) {
-                if let Some(rx) = pair.rx.as_mut() {
-                    notify(
-                        rx,
-                        pair.rx_index,
-                        &self.memory,
-                        self.interrupt.as_ref(),
-                        &mut self.log,
-                    );
-                }
+                notify_rx(pair, &self.memory, self.interrupt.as_ref(), &mut self.log);
             }
         }
     }
@@ -156,15 +148,7 @@ impl NetHandler {
             &mut self.log,
         );
         if pass.used {
-            if let Some(rx) = pair.rx.as_mut() {
-                notify(
-                    rx,
-                    pair.rx_index,
-                    &self.memory,
-                    self.interrupt.as_ref(),
-                    &mut self.log,
-                );
-            }
+            notify_rx(pair, &self.memory, self.interrupt.as_ref(), &mut self.log);
         }
         // More frames left at the budget: the tap stays readable, so epoll comes back.
     }
@@ -364,6 +348,18 @@ impl NetHandler {
 fn drain(queue: &ActiveQueue) {
     // A non-blocking eventfd: EAGAIN when it was already read, which is fine.
     let _ = queue.kick.read();
+}
+
+/// Interrupts the driver for `pair`'s RX queue, if it has one and wants to hear.
+fn notify_rx(
+    pair: &mut QueuePair,
+    memory: &GuestMemory,
+    interrupt: &dyn VirtioInterrupt,
+    log: &mut LogThrottle,
+) {
+    if let Some(rx) = pair.rx.as_mut() {
+        notify(rx, pair.rx_index, memory, interrupt, log);
+    }
 }
 
 impl WorkerHandler for NetHandler {

@@ -31,6 +31,8 @@ pub mod tap;
 
 #[cfg(test)]
 mod tap_tests;
+#[cfg(test)]
+mod test_util;
 
 pub use config::{MacAddr, MacAddrError, NetConfig, NetConfigError};
 pub use datapath::{NetCounters, NetStats, MAX_FRAME_LEN};

@@ -6,17 +6,17 @@ use std::net::UdpSocket;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use super::datapath::tests::{active_queue, add_chain, descriptor, used};
+use super::test_util::{active_queue, add_chain, descriptor, used};
 use super::{recv_with_fds, MacAddr, Net, NetConfig, Tap, TapError, VNET_HDR_LEN};
 use crate::device::{Activation, VirtioDevice};
-use crate::{GuestMemory, VirtioInterrupt};
+use crate::test_util::{wait_for, RecordingInterrupt};
+use crate::GuestMemory;
 
 const GUEST_MAC: [u8; 6] = [0x06, 0, 0, 0, 0, 0x02];
 const HOST_IP: [u8; 4] = [10, 77, 0, 1];
@@ -107,30 +107,6 @@ impl Drop for Netns {
     }
 }
 
-#[derive(Default)]
-struct Signals(Mutex<Vec<u16>>);
-
-impl VirtioInterrupt for Signals {
-    fn signal_queue(&self, queue_index: u16) -> std::io::Result<()> {
-        self.0.lock().unwrap().push(queue_index);
-        Ok(())
-    }
-    fn signal_config(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn wait_for<T>(what: &str, mut found: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(value) = found() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 fn arp_request(sender_mac: [u8; 6], sender_ip: [u8; 4], target_ip: [u8; 4]) -> Vec<u8> {
     let mut frame = Vec::new();
     frame.extend([0xff; 6]);
@@ -191,7 +167,7 @@ fn activate<'m>(net: &mut Net, memory: &'m GuestMemory) -> Guest<'m> {
         memory: memory.clone(),
         acked_features: 0,
         queues: vec![Some(active_queue(&rx)), Some(tx_queue)],
-        interrupt: Arc::new(Signals::default()),
+        interrupt: Arc::new(RecordingInterrupt::default()),
     })
     .unwrap();
     Guest {

@@ -31,6 +31,7 @@
 //! ```
 
 mod common_config;
+mod config_space;
 mod interrupt;
 pub mod layout;
 mod pci;

@@ -9,8 +9,9 @@ use gpuvm_devices::Persist;
 use serde::{Deserialize, Serialize};
 
 use super::common_config::CommonConfig;
+use super::config_space::PciCfgWindow;
 use super::layout::BAR_INDEX;
-use super::pci::{build_queue, ActivationFailure, PciCfgWindow, VirtioPciDevice};
+use super::pci::{build_queue, ActivationFailure, VirtioPciDevice};
 use super::{SnapshotError, NO_VECTOR};
 use crate::QueuePosition;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;

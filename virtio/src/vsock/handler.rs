@@ -4,9 +4,11 @@
 //! Epoll tokens: the queue kicks are their queue indices (0 rx, 1 tx, 2 event), the host
 //! listener 3, the timeout timer 4, host clients and connections 16 and up.
 
+use std::num::Wrapping;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use virtio_queue::{QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::{VsockPacket, PKT_HEADER_SIZE};
 use vmm_sys_util::epoll::EventSet;
 
@@ -113,15 +115,10 @@ impl VsockWorker {
                 self.tx_stalled = true;
                 break;
             }
-            let Some(mut chain) = self.tx.queue.pop_descriptor_chain(&self.memory) else {
-                match self.tx.queue.enable_notification(&self.memory) {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(error) => {
-                        log::error!("virtio-vsock: tx queue unreadable: {error}");
-                        break;
-                    }
-                }
+            let Some(mut chain) =
+                pop_chain(&mut self.tx.queue, &self.memory, TX_QUEUE, &mut self.warnings)
+            else {
+                break;
             };
             let head = chain.head_index();
             match VsockPacket::from_tx_virtq_chain(&self.memory, &mut chain, MAX_PKT_DATA) {
@@ -145,15 +142,10 @@ impl VsockWorker {
     fn process_rx(&mut self, control: &EventControl) {
         let mut used = false;
         while self.muxer.has_rx_work() {
-            let Some(mut chain) = self.rx.queue.pop_descriptor_chain(&self.memory) else {
-                match self.rx.queue.enable_notification(&self.memory) {
-                    Ok(true) => continue,
-                    Ok(false) => break,
-                    Err(error) => {
-                        log::error!("virtio-vsock: rx queue unreadable: {error}");
-                        break;
-                    }
-                }
+            let Some(mut chain) =
+                pop_chain(&mut self.rx.queue, &self.memory, RX_QUEUE, &mut self.warnings)
+            else {
+                break;
             };
             let head = chain.head_index();
             let written =
@@ -189,11 +181,13 @@ impl VsockWorker {
     fn send_transport_reset(&mut self) {
         let mut used = false;
         while self.transport_reset_pending {
-            let Some(chain) = self.event.queue.pop_descriptor_chain(&self.memory) else {
-                match self.event.queue.enable_notification(&self.memory) {
-                    Ok(true) => continue,
-                    _ => break,
-                }
+            let Some(chain) = pop_chain(
+                &mut self.event.queue,
+                &self.memory,
+                EVENT_QUEUE,
+                &mut self.warnings,
+            ) else {
+                break;
             };
             let head = chain.head_index();
             let written = chain
@@ -218,6 +212,67 @@ impl VsockWorker {
         }
         if used {
             self.notify(EVENT_QUEUE);
+        }
+    }
+}
+
+/// The next chain the driver made available on `queue`; `None` once there is none, or when
+/// its available ring is unusable: an index more than a queue's length ahead of the device's,
+/// or a ring from which nothing can be taken although its index says more is there (at
+/// guest address 0, which virtio-queue treats as "not set up"). Such a ring is left alone
+/// until the driver's next kick instead of being spun on, which would keep the worker from
+/// ever returning to its loop (and a reset, which waits for it, from ever ending).
+fn pop_chain<'m>(
+    queue: &mut Queue,
+    memory: &'m GuestMemory,
+    index: u16,
+    warnings: &mut LogLimiter,
+) -> Option<DescriptorChain<&'m GuestMemory>> {
+    // Checked here, rate-limited: virtio-queue logs an error on every pop of such a ring.
+    let ahead = queue
+        .avail_idx(memory, Ordering::Acquire)
+        .map(|avail| (avail - Wrapping(queue.next_avail())).0);
+    match ahead {
+        Ok(ahead) if ahead <= queue.size() => {}
+        Ok(ahead) => {
+            if warnings.allow() {
+                log::warn!(
+                    "virtio-vsock: queue {index}: the available index is {ahead} ahead of the device, more than the queue's {}; ignoring the queue until the next kick",
+                    queue.size()
+                );
+            }
+            return None;
+        }
+        Err(error) => {
+            if warnings.allow() {
+                log::warn!("virtio-vsock: queue {index}: unreadable: {error}");
+            }
+            return None;
+        }
+    }
+    let mut retried = false;
+    loop {
+        if let Some(chain) = queue.pop_descriptor_chain(memory) {
+            return Some(chain);
+        }
+        match queue.enable_notification(memory) {
+            // Buffers arrived while the device was looking: take them.
+            Ok(true) if !retried => retried = true,
+            Ok(true) => {
+                if warnings.allow() {
+                    log::warn!(
+                        "virtio-vsock: queue {index}: its index says buffers are available but none can be taken; ignoring the queue until the next kick"
+                    );
+                }
+                return None;
+            }
+            Ok(false) => return None,
+            Err(error) => {
+                if warnings.allow() {
+                    log::warn!("virtio-vsock: queue {index}: unreadable: {error}");
+                }
+                return None;
+            }
         }
     }
 }

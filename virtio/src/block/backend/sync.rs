@@ -60,19 +60,13 @@ impl SyncBackend {
         offset: u64,
         buffers: &[VolatileSlice],
     ) -> std::io::Result<()> {
-        let total: u64 = buffers.iter().map(|b| b.len() as u64).sum();
-        let mut cursor = GuestCursor::new(buffers);
-        let mut done = 0u64;
-        while done < total {
-            let chunk = (total - done).min(BOUNCE_SIZE as u64) as usize;
-            let bounce = &mut self.buffer.as_mut_slice()[..chunk];
+        self.in_chunks(buffers, |bounce, cursor, done| {
             // read_exact_at retries short reads and EINTR; a file shorter than the disk
             // (truncated behind our back) is an UnexpectedEof.
             file.read_exact_at(bounce, offset + done)?;
             cursor.write_from(bounce);
-            done += chunk as u64;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Writes `buffers` to the file at `offset`.
@@ -82,14 +76,25 @@ impl SyncBackend {
         offset: u64,
         buffers: &[VolatileSlice],
     ) -> std::io::Result<()> {
+        self.in_chunks(buffers, |bounce, cursor, done| {
+            cursor.read_into(bounce);
+            file.write_all_at(bounce, offset + done)
+        })
+    }
+
+    /// Moves `buffers`' total length through the bounce buffer a chunk at a time: `step`
+    /// gets each chunk of it, the cursor over `buffers`, and how many bytes came before.
+    fn in_chunks(
+        &mut self,
+        buffers: &[VolatileSlice],
+        mut step: impl FnMut(&mut [u8], &mut GuestCursor, u64) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         let total: u64 = buffers.iter().map(|b| b.len() as u64).sum();
         let mut cursor = GuestCursor::new(buffers);
         let mut done = 0u64;
         while done < total {
             let chunk = (total - done).min(BOUNCE_SIZE as u64) as usize;
-            let bounce = &mut self.buffer.as_mut_slice()[..chunk];
-            cursor.read_into(bounce);
-            file.write_all_at(bounce, offset + done)?;
+            step(&mut self.buffer.as_mut_slice()[..chunk], &mut cursor, done)?;
             done += chunk as u64;
         }
         Ok(())

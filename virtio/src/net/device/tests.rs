@@ -1,0 +1,451 @@
+//! The device on its worker thread over stand-in taps: configuration space, activation,
+//! pause/resume/reset, the control queue, snapshots and rate-limit changes.
+
+use std::os::unix::net::UnixDatagram;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use virtio_bindings::virtio_net::{
+    VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET, VIRTIO_NET_ERR, VIRTIO_NET_OK,
+};
+use virtio_queue::mock::MockSplitQueue;
+use vm_memory::{Bytes, GuestAddress};
+
+use super::*;
+use crate::device::ActiveQueue;
+use crate::net::test_util::{
+    active_queue, add_chain, descriptor, frame, memory, stand_in_taps, used, DATA,
+};
+use crate::net::VNET_HDR_LEN;
+use crate::test_util::{ops_limit, wait_until, RecordingInterrupt};
+use crate::GuestMemory;
+
+fn mac_of(net: &Net) -> [u8; 6] {
+    let mut mac = [0u8; 6];
+    net.read_config(0, &mut mac);
+    mac
+}
+
+#[test]
+fn config_space_layout() {
+    let mut config = NetConfig::new("eth0", None);
+    config.guest_mac = Some("06:11:22:33:44:55".parse().unwrap());
+    config.num_queue_pairs = 3;
+    let (taps, _peers) = stand_in_taps(3);
+    let net = Net::new(config, taps).unwrap();
+    let mut space = [0xffu8; 12];
+    net.read_config(0, &mut space);
+    assert_eq!(
+        space,
+        [0x06, 0x11, 0x22, 0x33, 0x44, 0x55, 1, 0, 3, 0, 0, 0],
+        "mac, status LINK_UP (le16), max_virtqueue_pairs (le16), mtu"
+    );
+    let mut status = [0u8; 2];
+    net.read_config(6, &mut status);
+    assert_eq!(u16::from_le_bytes(status), VIRTIO_NET_S_LINK_UP as u16);
+    let mut past = [0xffu8; 4];
+    net.read_config(CONFIG_LEN as u64 - 2, &mut past);
+    assert_eq!(past, [0; 4], "bytes past the end read as zero");
+    net.read_config(u64::MAX, &mut past);
+    assert_eq!(past, [0; 4]);
+    assert_eq!(net.device_type(), 1);
+    assert_eq!(
+        net.queue_max_sizes(),
+        vec![256, 256, 256, 256, 256, 256, CONTROL_QUEUE_SIZE]
+    );
+    let features = net.device_features();
+    for feature in [
+        VIRTIO_NET_F_MAC,
+        VIRTIO_NET_F_STATUS,
+        VIRTIO_NET_F_MQ,
+        VIRTIO_NET_F_CTRL_VQ,
+    ] {
+        assert_ne!(features & (1 << feature), 0, "feature {feature}");
+    }
+}
+
+#[test]
+fn single_pair_offers_no_control_queue_and_ignores_config_writes() {
+    let (taps, _peers) = stand_in_taps(1);
+    let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+    assert_eq!(net.queue_max_sizes(), vec![256, 256]);
+    assert_eq!(
+        net.device_features(),
+        (1 << VIRTIO_NET_F_MAC) | (1 << VIRTIO_NET_F_STATUS)
+    );
+    let before = mac_of(&net);
+    assert_eq!(before, MacAddr::derived_from("eth0").bytes());
+    net.write_config(0, &[0x02, 0, 0, 0, 0, 1]);
+    assert_eq!(mac_of(&net), before);
+}
+
+#[test]
+fn new_refuses_the_wrong_number_of_taps() {
+    let mut config = NetConfig::new("eth0", None);
+    config.num_queue_pairs = 2;
+    let (taps, _peers) = stand_in_taps(1);
+    assert!(matches!(
+        Net::new(config, taps),
+        Err(NetError::TapCount {
+            expected: 2,
+            given: 1,
+            ..
+        })
+    ));
+    assert!(matches!(
+        Net::open(NetConfig::new("eth0", None)),
+        Err(NetError::NoTapName { .. })
+    ));
+}
+
+fn activation(
+    memory: &GuestMemory,
+    queues: Vec<Option<ActiveQueue>>,
+    features: u64,
+    signals: &Arc<RecordingInterrupt>,
+) -> Activation {
+    Activation {
+        memory: memory.clone(),
+        acked_features: features,
+        queues,
+        interrupt: signals.clone(),
+    }
+}
+
+#[test]
+fn serves_frames_on_its_thread_pauses_resumes_and_resets() {
+    let memory = memory();
+    let rxq = MockSplitQueue::create(&memory, GuestAddress(0), 16);
+    let txq = MockSplitQueue::create(&memory, GuestAddress(0x8000), 16);
+    let (taps, peers) = stand_in_taps(1);
+    let peer = &peers[0];
+    let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+    let signals = Arc::new(RecordingInterrupt::default());
+
+    // A frame the tap has before the guest posts any buffer waits in the tap.
+    let mut datagram = vec![0u8; VNET_HDR_LEN];
+    datagram.extend(frame(90, 4));
+    peer.send(&datagram).unwrap();
+
+    let rx = active_queue(&rxq);
+    let rx_kick = rx.kick.try_clone().unwrap();
+    let tx = active_queue(&txq);
+    let tx_kick = tx.kick.try_clone().unwrap();
+    net.activate(activation(&memory, vec![Some(rx), Some(tx)], 0, &signals))
+        .unwrap();
+    assert!(
+        net.activate(activation(&memory, vec![], 0, &signals))
+            .is_err(),
+        "twice"
+    );
+
+    add_chain(&rxq, 0, &[descriptor(DATA, 2000, true)]);
+    rx_kick.write(1).unwrap();
+    wait_until("the RX frame", || used(&rxq).len() == 1);
+    assert_eq!(used(&rxq)[0], (0, (VNET_HDR_LEN + 90) as u32));
+    assert!(signals.queues().contains(&0));
+
+    memory
+        .write_slice(&[0u8; VNET_HDR_LEN], GuestAddress(DATA + 0x1000))
+        .unwrap();
+    memory
+        .write_slice(
+            &frame(70, 8),
+            GuestAddress(DATA + 0x1000 + VNET_HDR_LEN as u64),
+        )
+        .unwrap();
+    add_chain(
+        &txq,
+        0,
+        &[descriptor(DATA + 0x1000, (VNET_HDR_LEN + 70) as u32, false)],
+    );
+    tx_kick.write(1).unwrap();
+    wait_until("the TX frame", || used(&txq).len() == 1);
+    let mut buf = vec![0u8; 200];
+    let n = peer.recv(&mut buf).unwrap();
+    assert_eq!(&buf[VNET_HDR_LEN..n], &frame(70, 8)[..]);
+
+    let positions = net.pause();
+    assert_eq!(
+        positions,
+        vec![
+            Some(QueuePosition {
+                next_avail: 1,
+                next_used: 1
+            }),
+            Some(QueuePosition {
+                next_avail: 1,
+                next_used: 1
+            })
+        ]
+    );
+    // Nothing is served while paused; everything is after resume, with no new kick.
+    add_chain(&rxq, 1, &[descriptor(DATA + 0x2000, 2000, true)]);
+    peer.send(&datagram).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(used(&rxq).len(), 1);
+    let state = net.save_state();
+    assert_eq!(state["active_queue_pairs"], 1);
+    net.resume().unwrap();
+    wait_until("the RX frame after resume", || used(&rxq).len() == 2);
+
+    let stats = net.stats();
+    assert_eq!(
+        (
+            stats.rx_packets,
+            stats.rx_bytes,
+            stats.tx_packets,
+            stats.tx_bytes
+        ),
+        (2, 180, 1, 70)
+    );
+
+    // A reset gives the taps back: the device activates again.
+    net.reset();
+    assert!(net.pause().is_empty(), "not active");
+    let rxq2 = MockSplitQueue::create(&memory, GuestAddress(0x10000), 16);
+    let txq2 = MockSplitQueue::create(&memory, GuestAddress(0x18000), 16);
+    let rx2 = active_queue(&rxq2);
+    let rx2_kick = rx2.kick.try_clone().unwrap();
+    net.activate(activation(
+        &memory,
+        vec![Some(rx2), Some(active_queue(&txq2))],
+        0,
+        &signals,
+    ))
+    .unwrap();
+    add_chain(&rxq2, 0, &[descriptor(DATA + 0x3000, 2000, true)]);
+    peer.send(&datagram).unwrap();
+    rx2_kick.write(1).unwrap();
+    wait_until("the RX frame after reset", || used(&rxq2).len() == 1);
+    net.reset();
+}
+
+#[test]
+fn activation_without_the_first_pair_is_refused_and_keeps_the_taps() {
+    let memory = memory();
+    let rxq = MockSplitQueue::create(&memory, GuestAddress(0), 16);
+    let (taps, _peers) = stand_in_taps(1);
+    let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+    let signals = Arc::new(RecordingInterrupt::default());
+    let error = net
+        .activate(activation(
+            &memory,
+            vec![Some(active_queue(&rxq)), None],
+            0,
+            &signals,
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ActivateError::QueueCount {
+                given: 1,
+                needed: 2,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    net.activate(activation(
+        &memory,
+        vec![Some(active_queue(&rxq)), Some(active_queue(&rxq))],
+        0,
+        &signals,
+    ))
+    .unwrap();
+    net.reset();
+}
+
+fn control_chain(
+    memory: &GuestMemory,
+    mock: &MockSplitQueue<GuestMemory>,
+    slot: u16,
+    addr: u64,
+    command: &[u8],
+) {
+    memory.write_slice(command, GuestAddress(addr)).unwrap();
+    memory
+        .write_slice(&[0xaa], GuestAddress(addr + 0x100))
+        .unwrap();
+    add_chain(
+        mock,
+        slot,
+        &[
+            descriptor(addr, command.len() as u32, false),
+            descriptor(addr + 0x100, 1, true),
+        ],
+    );
+}
+
+fn ack(memory: &GuestMemory, addr: u64) -> u8 {
+    memory.read_obj(GuestAddress(addr + 0x100)).unwrap()
+}
+
+/// `count` queues of 16, 16 KiB apart from address 0.
+fn mock_queues(memory: &GuestMemory, count: u64) -> Vec<MockSplitQueue<'_, GuestMemory>> {
+    (0..count)
+        .map(|i| MockSplitQueue::create(memory, GuestAddress(i * 0x4000), 16))
+        .collect()
+}
+
+/// A device with two queue pairs, and the other ends of its taps.
+fn two_pair_net() -> (Net, Vec<UnixDatagram>) {
+    let (taps, peers) = stand_in_taps(2);
+    let mut config = NetConfig::new("eth0", None);
+    config.num_queue_pairs = 2;
+    (Net::new(config, taps).unwrap(), peers)
+}
+
+#[test]
+fn control_queue_sets_queue_pairs_and_refuses_the_rest() {
+    let memory = memory();
+    let mocks = mock_queues(&memory, 5);
+    let (mut net, _peers) = two_pair_net();
+    net.restore_state(&serde_json::json!({
+        "mac": "06:00:00:00:00:09", "num_queue_pairs": 2, "active_queue_pairs": 1
+    }))
+    .unwrap();
+    assert_eq!(mac_of(&net), [6, 0, 0, 0, 0, 9]);
+
+    let mq = 1u64 << VIRTIO_NET_F_MQ;
+    let ctrl_vq = 1u64 << VIRTIO_NET_F_CTRL_VQ;
+    let signals = Arc::new(RecordingInterrupt::default());
+    let queues = mocks.iter().map(|m| Some(active_queue(m))).collect();
+    net.activate(activation(&memory, queues, mq | ctrl_vq, &signals))
+        .unwrap();
+    let ctrl = &mocks[4];
+    let (mq_class, set) = (
+        VIRTIO_NET_CTRL_MQ as u8,
+        VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET as u8,
+    );
+    let base = DATA;
+    control_chain(&memory, ctrl, 0, base, &[mq_class, set, 2, 0]);
+    control_chain(&memory, ctrl, 2, base + 0x1000, &[mq_class, set, 3, 0]);
+    control_chain(&memory, ctrl, 4, base + 0x2000, &[mq_class, set, 0, 0]);
+    control_chain(&memory, ctrl, 6, base + 0x3000, &[0 /* RX mode */, 0, 1]);
+    control_chain(&memory, ctrl, 8, base + 0x4000, &[mq_class]);
+    // No writable byte for the ack at all.
+    memory
+        .write_slice(&[mq_class, set, 1, 0], GuestAddress(base + 0x5000))
+        .unwrap();
+    add_chain(ctrl, 10, &[descriptor(base + 0x5000, 4, false)]);
+    // The worker makes a first pass over every queue when it starts; kick anyway.
+    net.pause();
+    net.resume().unwrap();
+    wait_until("the control commands", || used(ctrl).len() == 6);
+    assert_eq!(ack(&memory, base), VIRTIO_NET_OK as u8);
+    for addr in [base + 0x1000, base + 0x2000, base + 0x3000, base + 0x4000] {
+        assert_eq!(
+            ack(&memory, addr),
+            VIRTIO_NET_ERR as u8,
+            "command at {addr:#x}"
+        );
+    }
+    assert_eq!(used(ctrl)[0], (0, 1));
+    assert_eq!(used(ctrl)[5], (10, 0));
+    net.pause();
+    assert_eq!(net.save_state()["active_queue_pairs"], 2);
+    assert_eq!(net.pause().len(), 5);
+    net.reset();
+    assert_eq!(
+        net.save_state()["active_queue_pairs"],
+        1,
+        "a reset goes back to one pair"
+    );
+}
+
+#[test]
+fn control_queue_is_queue_two_without_mq() {
+    let memory = memory();
+    let mocks = mock_queues(&memory, 3);
+    let (mut net, _peers) = two_pair_net();
+    let signals = Arc::new(RecordingInterrupt::default());
+    let queues = mocks.iter().map(|m| Some(active_queue(m))).collect();
+    net.activate(activation(
+        &memory,
+        queues,
+        1 << VIRTIO_NET_F_CTRL_VQ,
+        &signals,
+    ))
+    .unwrap();
+    let set = [
+        VIRTIO_NET_CTRL_MQ as u8,
+        VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET as u8,
+        2,
+        0,
+    ];
+    control_chain(&memory, &mocks[2], 0, DATA, &set);
+    net.pause();
+    net.resume().unwrap();
+    wait_until("the control command", || used(&mocks[2]).len() == 1);
+    assert_eq!(
+        ack(&memory, DATA),
+        VIRTIO_NET_ERR as u8,
+        "pair 1 has no queues without MQ"
+    );
+    net.reset();
+}
+
+#[test]
+fn restore_refuses_state_that_does_not_fit() {
+    let (taps, _peers) = stand_in_taps(1);
+    let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+    let saved = net.save_state();
+    assert_eq!(saved["mac"], MacAddr::derived_from("eth0").to_string());
+    net.restore_state(&saved).unwrap();
+    for bad in [
+        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 2, "active_queue_pairs": 1}),
+        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 0}),
+        serde_json::json!({"mac": "01:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1}),
+        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1, "x": 1}),
+        serde_json::json!("nonsense"),
+    ] {
+        assert!(net.restore_state(&bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn rate_limiters_update_while_running() {
+    let memory = memory();
+    let rxq = MockSplitQueue::create(&memory, GuestAddress(0), 16);
+    let txq = MockSplitQueue::create(&memory, GuestAddress(0x8000), 16);
+    let (taps, peers) = stand_in_taps(1);
+    let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+    let signals = Arc::new(RecordingInterrupt::default());
+    let rx = active_queue(&rxq);
+    let rx_kick = rx.kick.try_clone().unwrap();
+    net.activate(activation(
+        &memory,
+        vec![Some(rx), Some(active_queue(&txq))],
+        0,
+        &signals,
+    ))
+    .unwrap();
+    let limited = ops_limit(1, 100);
+    net.update_rate_limiters(limited, RateLimiterConfig::default())
+        .unwrap();
+    assert_eq!(net.config().rx_rate_limiter, limited);
+    for slot in 0..3 {
+        add_chain(
+            &rxq,
+            slot,
+            &[descriptor(DATA + u64::from(slot) * 0x1000, 2000, true)],
+        );
+    }
+    let mut datagram = vec![0u8; VNET_HDR_LEN];
+    datagram.extend(frame(64, 1));
+    let start = Instant::now();
+    for _ in 0..3 {
+        peers[0].send(&datagram).unwrap();
+    }
+    rx_kick.write(1).unwrap();
+    wait_until("three rate-limited frames", || used(&rxq).len() == 3);
+    // One op per 100 ms: the second and third frames wait about 100 ms each.
+    assert!(
+        start.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        start.elapsed()
+    );
+    net.reset();
+}
