@@ -4,6 +4,7 @@
 //!   hands it when the driver sets DRIVER_OK ([`Activation`]).
 //! - [`transport`]: virtio-pci (modern only), a [`gpuvm_devices::pci::PciDevice`] on the
 //!   PCI root bus with MSI-X and ioeventfd queue notification.
+//! - [`queue`]: taking chains from a driver's ring without trusting its available index.
 //! - [`worker`]: the I/O thread each activated device runs on, off the vCPU threads.
 //! - [`rate_limiter`]: token buckets for bandwidth and operations (block, net, rng).
 //! - Devices: [`block`], [`net`], [`vsock`], [`rng`]; [`vhost_user`] devices whose data
@@ -15,6 +16,7 @@
 pub mod block;
 pub mod device;
 pub mod net;
+pub mod queue;
 pub mod rate_limiter;
 pub mod rng;
 pub mod transport;

@@ -32,6 +32,7 @@ pub fn run(info: &BootInfo) -> ! {
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),
         "acpi" => crate::acpi::run(info, words),
+        "virtio-hostile" => crate::virtio::hostile::run(info),
         name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net" | "virtio-devices") => {
             crate::virtio::run(info, name, &mut words)
         }

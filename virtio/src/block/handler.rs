@@ -1,6 +1,7 @@
 //! The worker thread's side of the device: pops the queue, charges the rate limiter, runs
 //! each request on a backend and completes it (status byte, used ring, interrupt).
 
+use crate::queue::{pop_available, Available};
 use std::os::fd::AsRawFd;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -282,62 +283,49 @@ impl BlockHandler {
     fn process_queue(&mut self) {
         let memory = Arc::clone(&self.memory);
         let memory = &*memory;
-        let mut served = 0;
-        // Set when the ring said more had arrived: popping nothing then means its
-        // available index is broken, not that there is more work.
-        let mut expecting_more = false;
-        loop {
-            if let Err(error) = self.queue.disable_notification(memory) {
-                log::warn!("{}: cannot disable notifications: {error}", self.io.name);
-            }
-            let before = served;
-            if self.serve_available(memory, &mut served) {
-                break;
-            }
-            if expecting_more && served == before {
-                self.io
-                    .log_bad_request("queue", "the available index is invalid");
-                break;
-            }
-            match self.queue.enable_notification(memory) {
-                Ok(true) => expecting_more = true,
-                Ok(false) => break,
-                Err(error) => {
-                    log::warn!("{}: cannot enable notifications: {error}", self.io.name);
-                    break;
-                }
-            }
+        if let Err(error) = self.queue.disable_notification(memory) {
+            log::warn!("{}: cannot disable notifications: {error}", self.io.name);
         }
+        // Until the ring is empty (notifications are on again then, with no race), broken
+        // (until the next kick), or this event's share of work is done.
+        self.serve_available(memory);
         if let Some(ring) = &mut self.io.ring {
             ring.submit();
         }
         self.signal_if_needed(memory);
     }
 
-    /// Pops and runs chains; true when it stopped before the queue was empty.
-    fn serve_available(&mut self, memory: &GuestMemory, served: &mut usize) -> bool {
+    /// Pops and runs chains until the queue is empty or the device must stop for now.
+    fn serve_available(&mut self, memory: &GuestMemory) {
+        let mut served = 0;
         loop {
             if self.quiesced || self.io.rate_limiter.is_blocked() {
-                return true;
+                return;
             }
             if self.io.ring.as_ref().is_some_and(|ring| !ring.has_room()) {
                 // A completion frees a slot and serves the queue again.
-                return true;
+                return;
             }
-            if *served >= CHAINS_PER_EVENT {
+            if served >= CHAINS_PER_EVENT {
                 self.kick_self();
-                return true;
+                return;
             }
-            let Some(chain) = self.queue.pop_descriptor_chain(memory) else {
-                return false;
+            let chain = match pop_available(&mut self.queue, memory) {
+                Available::Chain(chain) => chain,
+                Available::Empty => return,
+                Available::Broken(why) => {
+                    // Waits for the driver's next kick rather than spin on the ring.
+                    self.io.log_bad_request("queue", why);
+                    return;
+                }
             };
             let parsed = request::parse(chain, memory, self.io.geometry());
             if !self.io.rate_limiter.consume(parsed.data_bytes(), 1) {
                 // Served again when the limiter's timer fires.
                 self.queue.go_to_previous_position();
-                return true;
+                return;
             }
-            *served += 1;
+            served += 1;
             self.run(memory, parsed);
         }
     }

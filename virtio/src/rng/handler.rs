@@ -1,9 +1,7 @@
 //! The entropy device's serving state on its worker thread: pops the queue, charges the
 //! rate limiter and fills the driver's buffers.
 
-use std::num::Wrapping;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -191,10 +189,7 @@ impl RngHandler {
     /// Whether the driver's available index is at most a queue's length ahead of the
     /// device's (virtio-queue refuses it otherwise, logging on every try).
     fn avail_index_is_valid(&mut self) -> bool {
-        let valid = match self.queue.avail_idx(&self.memory, Ordering::Acquire) {
-            Ok(avail) => (avail - Wrapping(self.queue.next_avail())).0 <= self.queue.size(),
-            Err(_) => false,
-        };
+        let valid = crate::queue::available_index_is_valid(&self.queue, &self.memory);
         if !valid && self.chain_log.sample() {
             log::warn!(
                 "{DEVICE_NAME}: the available ring's index is invalid or unreadable; ignoring the queue until the next kick"

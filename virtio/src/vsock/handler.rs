@@ -4,8 +4,7 @@
 //! Epoll tokens: the queue kicks are their queue indices (0 rx, 1 tx, 2 event), the host
 //! listener 3, the timeout timer 4, host clients and connections 16 and up.
 
-use std::num::Wrapping;
-use std::sync::atomic::Ordering;
+use crate::queue::{pop_available, Available};
 use std::sync::Arc;
 
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
@@ -115,9 +114,12 @@ impl VsockWorker {
                 self.tx_stalled = true;
                 break;
             }
-            let Some(mut chain) =
-                pop_chain(&mut self.tx.queue, &self.memory, TX_QUEUE, &mut self.warnings)
-            else {
+            let Some(mut chain) = pop_chain(
+                &mut self.tx.queue,
+                &self.memory,
+                TX_QUEUE,
+                &mut self.warnings,
+            ) else {
                 break;
             };
             let head = chain.head_index();
@@ -142,9 +144,12 @@ impl VsockWorker {
     fn process_rx(&mut self, control: &EventControl) {
         let mut used = false;
         while self.muxer.has_rx_work() {
-            let Some(mut chain) =
-                pop_chain(&mut self.rx.queue, &self.memory, RX_QUEUE, &mut self.warnings)
-            else {
+            let Some(mut chain) = pop_chain(
+                &mut self.rx.queue,
+                &self.memory,
+                RX_QUEUE,
+                &mut self.warnings,
+            ) else {
                 break;
             };
             let head = chain.head_index();
@@ -228,51 +233,14 @@ fn pop_chain<'m>(
     index: u16,
     warnings: &mut LogLimiter,
 ) -> Option<DescriptorChain<&'m GuestMemory>> {
-    // Checked here, rate-limited: virtio-queue logs an error on every pop of such a ring.
-    let ahead = queue
-        .avail_idx(memory, Ordering::Acquire)
-        .map(|avail| (avail - Wrapping(queue.next_avail())).0);
-    match ahead {
-        Ok(ahead) if ahead <= queue.size() => {}
-        Ok(ahead) => {
+    match pop_available(queue, memory) {
+        Available::Chain(chain) => Some(chain),
+        Available::Empty => None,
+        Available::Broken(why) => {
             if warnings.allow() {
-                log::warn!(
-                    "virtio-vsock: queue {index}: the available index is {ahead} ahead of the device, more than the queue's {}; ignoring the queue until the next kick",
-                    queue.size()
-                );
+                log::warn!("virtio-vsock: queue {index}: {why}; ignoring it until the next kick");
             }
-            return None;
-        }
-        Err(error) => {
-            if warnings.allow() {
-                log::warn!("virtio-vsock: queue {index}: unreadable: {error}");
-            }
-            return None;
-        }
-    }
-    let mut retried = false;
-    loop {
-        if let Some(chain) = queue.pop_descriptor_chain(memory) {
-            return Some(chain);
-        }
-        match queue.enable_notification(memory) {
-            // Buffers arrived while the device was looking: take them.
-            Ok(true) if !retried => retried = true,
-            Ok(true) => {
-                if warnings.allow() {
-                    log::warn!(
-                        "virtio-vsock: queue {index}: its index says buffers are available but none can be taken; ignoring the queue until the next kick"
-                    );
-                }
-                return None;
-            }
-            Ok(false) => return None,
-            Err(error) => {
-                if warnings.allow() {
-                    log::warn!("virtio-vsock: queue {index}: unreadable: {error}");
-                }
-                return None;
-            }
+            None
         }
     }
 }

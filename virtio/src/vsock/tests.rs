@@ -1237,3 +1237,36 @@ fn configuration_space_features_and_validation() {
     )
     .is_err());
 }
+
+/// A driver that publishes an available index far ahead of its ring (more chains than the
+/// queue holds) gets nothing served from that ring, and the worker does not spin on it: a
+/// reset, which waits for the worker to come back to its loop, still ends, and the device
+/// serves the next activation. (The worker used to retry such a ring forever.)
+#[test]
+fn an_available_index_far_ahead_is_ignored_not_spun_on() {
+    let (mut device, _uds_path) = new_device("avail-ahead");
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
+    guest.give_rx_buffers(2, 4096);
+    let avail = guest.mock(TX).avail().idx();
+    avail.store(avail.load().wrapping_add(50_000));
+    guest.kick(TX);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(guest.take_used(TX).is_empty(), "nothing is served from it");
+
+    let (done, reset_done) = std::sync::mpsc::channel();
+    let resetter = std::thread::spawn(move || {
+        device.reset();
+        let _ = done.send(());
+        device
+    });
+    reset_done
+        .recv_timeout(WAIT)
+        .expect("the reset waits for a worker spinning on the broken ring");
+    let mut device = resetter.join().unwrap();
+
+    let mut guest = TestGuest::activate(&mut device, &memory);
+    guest.give_rx_buffers(1, 4096);
+    guest.send(Hdr::from_guest(7, 5004, VSOCK_OP_RW), b"x");
+    assert_eq!(guest.recv_one().hdr.op, VSOCK_OP_RST);
+}

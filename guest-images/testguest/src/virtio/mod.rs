@@ -20,6 +20,7 @@
 mod blk;
 mod devices;
 mod fs;
+pub mod hostile;
 mod irq;
 mod net;
 mod pci;

@@ -13,6 +13,7 @@
 //!
 //! `guest_slices` turns a chain into host memory and does the readv/writev over it.
 
+use crate::queue::{pop_available, Available};
 use std::fmt;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -395,14 +396,18 @@ impl QueuePair {
             if limiter.is_blocked() {
                 return pass;
             }
-            let Some(chain) = rx.queue.pop_descriptor_chain(memory) else {
-                match rx.queue.enable_notification(memory) {
-                    Ok(true) => continue,
-                    Ok(false) => {}
-                    Err(error) => log.warn(format_args!("RX queue: {error}")),
+            let chain = match pop_available(&mut rx.queue, memory) {
+                Available::Chain(chain) => chain,
+                Available::Empty => {
+                    self.rx_has_buffers = false;
+                    return pass;
                 }
-                self.rx_has_buffers = false;
-                return pass;
+                Available::Broken(why) => {
+                    // Waits for the driver's next kick rather than spin on the ring.
+                    log.warn(format_args!("RX queue: {why}"));
+                    self.rx_has_buffers = false;
+                    return pass;
+                }
             };
             spent += 1;
             let head = chain.head_index();
@@ -471,13 +476,14 @@ impl QueuePair {
             if self.tx_waiting_for_tap || limiter.is_blocked() {
                 return pass;
             }
-            let Some(chain) = tx.queue.pop_descriptor_chain(memory) else {
-                match tx.queue.enable_notification(memory) {
-                    Ok(true) => continue,
-                    Ok(false) => {}
-                    Err(error) => log.warn(format_args!("TX queue: {error}")),
+            let chain = match pop_available(&mut tx.queue, memory) {
+                Available::Chain(chain) => chain,
+                Available::Empty => return pass,
+                Available::Broken(why) => {
+                    // Waits for the driver's next kick rather than spin on the ring.
+                    log.warn(format_args!("TX queue: {why}"));
+                    return pass;
                 }
-                return pass;
             };
             spent += 1;
             let head = chain.head_index();
