@@ -33,6 +33,9 @@ pub fn run(info: &BootInfo) -> ! {
         "pci" => crate::pci::run(words.next_word()),
         "acpi" => crate::acpi::run(info, words),
         "virtio-hostile" => crate::virtio::hostile::run(info),
+        name @ ("virtio-blk-bench" | "virtio-vsock-bench") => {
+            crate::virtio::bench::run(info, name, &mut words)
+        }
         name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net" | "virtio-devices") => {
             crate::virtio::run(info, name, &mut words)
         }

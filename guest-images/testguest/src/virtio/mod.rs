@@ -17,6 +17,7 @@
 //! status 1 ([`EXIT_FAIL`]), or 2 ([`EXIT_SETUP`]) when the device or the RAM the driver needs
 //! is missing or an argument is bad.
 
+pub mod bench;
 mod blk;
 mod devices;
 mod fs;
