@@ -228,11 +228,13 @@ fn gpu_over_the_api_and_snapshot_refused() {
     ctl(&api, &["start"]).assert_code(0);
     vmm.wait_for_stdout("pci: holding", LIMIT);
     assert!(vmm.stdout().contains("pci: intx interrupt received"));
+    // After start, PUT /gpus hot-plugs: this host has no VFIO, so a clean refusal.
     ctl(
         &api,
         &["add-gpu", "--id", "late", "--host-bdf", "0000:41:00.0"],
     )
-    .assert_clean_error("already been started");
+    .assert_clean_error("cannot hot-plug late");
+    ctl(&api, &["remove-gpu", "--id", "emu0"]).assert_clean_error("attached at start");
 
     let snapshot = std::env::temp_dir().join(format!("gpuvm-pci-snap-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&snapshot);

@@ -21,6 +21,7 @@ pub enum Method {
     Get,
     Put,
     Patch,
+    Delete,
 }
 
 impl Method {
@@ -29,6 +30,7 @@ impl Method {
             Method::Get => "GET",
             Method::Put => "PUT",
             Method::Patch => "PATCH",
+            Method::Delete => "DELETE",
         }
     }
 }
@@ -49,7 +51,7 @@ pub struct Request {
 pub enum HttpError {
     #[error("malformed request: {0}")]
     Malformed(&'static str),
-    #[error("method not supported by this server (use GET, PUT or PATCH)")]
+    #[error("method not supported by this server (use GET, PUT, PATCH or DELETE)")]
     UnknownMethod,
     #[error("only HTTP/1.0 and HTTP/1.1 are supported")]
     Version,
@@ -220,6 +222,7 @@ fn parse_head(head: &[u8]) -> Result<Head, HttpError> {
         "GET" => Method::Get,
         "PUT" => Method::Put,
         "PATCH" => Method::Patch,
+        "DELETE" => Method::Delete,
         other if !other.is_empty() && other.bytes().all(|b| b.is_ascii_uppercase()) => {
             return Err(HttpError::UnknownMethod)
         }

@@ -6,10 +6,13 @@
 //! - [`routes`]: gpuvm's own routes, each a translation onto one action.
 //! - [`server`]: the API thread (accept, bounded connection slots, parse, route, hand
 //!   the action to the VMM thread, answer).
+//! - [`cloud_hypervisor`]: Cloud Hypervisor's API under `/api/v1/` (for Kata's clh
+//!   driver), on the same actions.
 //! - [`client`]: a small client, for `gpuvm ctl` and the tests.
 //! - The OpenAPI document of the routes is api/openapi.json.
 
 pub mod client;
+pub mod cloud_hypervisor;
 pub mod http;
 pub mod routes;
 pub mod server;

@@ -41,7 +41,7 @@ fn method_not_allowed(allow: &'static str) -> Response {
 
 /// Maps a request to an action, or to the error response it deserves.
 pub fn route(request: &Request) -> Result<VmmAction, Response> {
-    use Method::{Get, Patch, Put};
+    use Method::{Delete, Get, Patch, Put};
     let path = request.path.trim_end_matches('/');
     let path = if path.is_empty() { "/" } else { path };
     let method = request.method;
@@ -55,7 +55,7 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             Put => Ok(VmmAction::PutMachineConfig(parse::<MachineConfigBody>(
                 &request.body,
             )?)),
-            Patch => Err(method_not_allowed("GET, PUT")),
+            Patch | Delete => Err(method_not_allowed("GET, PUT")),
         },
         "/boot-source" => match method {
             Put => Ok(VmmAction::PutBootSource(parse::<BootSourceBody>(
@@ -101,7 +101,8 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
                     .map_err(|e| Response::fault(e.status, e.message))?;
                 Ok(VmmAction::PutGpu(body))
             }
-            _ => Err(method_not_allowed("PUT")),
+            Delete => Ok(VmmAction::DeleteGpu(path["/gpus/".len()..].to_string())),
+            _ => Err(method_not_allowed("PUT, DELETE")),
         },
         _ if path.starts_with("/drives/") => {
             let id = &path["/drives/".len()..];
@@ -116,7 +117,7 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
                     same_id("drive_id", &body.drive_id, id)?;
                     Ok(VmmAction::PatchDrive(body))
                 }
-                Get => Err(method_not_allowed("PUT, PATCH")),
+                Get | Delete => Err(method_not_allowed("PUT, PATCH")),
             }
         }
         _ if path.starts_with("/network-interfaces/") => match method {
@@ -260,6 +261,11 @@ mod tests {
             400
         );
         assert_eq!(status(route(&request(Method::Get, "/gpus/gpu0", ""))), 405);
+        assert!(matches!(
+            route(&request(Method::Delete, "/gpus/gpu0", "")),
+            Ok(VmmAction::DeleteGpu(id)) if id == "gpu0"
+        ));
+        assert_eq!(status(route(&request(Method::Delete, "/actions", ""))), 405);
         assert_eq!(
             status(route(&request(Method::Put, "/drives/rootfs", "{}"))),
             400

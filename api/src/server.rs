@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -18,6 +18,7 @@ use vmm_sys_util::eventfd::EventFd;
 use gpuvm_vmm::action::{ActionError, ActionRequest, ActionResult, VmmAction, VmmData};
 use gpuvm_vmm::metrics::METRICS;
 
+use crate::cloud_hypervisor::{self, Session};
 use crate::http::{ReadOutcome, Request, RequestReader, Response};
 use crate::routes::route;
 use crate::ApiError;
@@ -44,6 +45,8 @@ const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 struct VmmLink {
     requests: Sender<ActionRequest>,
     wake: Arc<EventFd>,
+    /// Cloud Hypervisor's front end's state (whether vm.create happened).
+    session: Arc<Session>,
 }
 
 /// The running API server. Dropping it removes the socket file.
@@ -77,6 +80,7 @@ impl ApiServer {
         let link = VmmLink {
             requests,
             wake: Arc::new(wake),
+            session: Arc::new(Session::default()),
         };
         let server_busy = busy.clone();
         let (ready_tx, ready_rx) = channel();
@@ -275,6 +279,9 @@ fn accept_loop(listener: UnixListener, link: VmmLink, busy: Arc<AtomicUsize>) {
 struct Deadlined {
     stream: UnixStream,
     deadline: Instant,
+    /// Descriptors that came with the bytes read (SCM_RIGHTS), for the request being
+    /// read: Kata passes tap descriptors with Cloud Hypervisor's vm.add-net.
+    fds: Vec<OwnedFd>,
 }
 
 impl Deadlined {
@@ -291,7 +298,12 @@ impl Deadlined {
 impl Read for Deadlined {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         self.stream.set_read_timeout(self.left()?)?;
-        self.stream.read(buf)
+        // recvmsg, not read: descriptors may come with the bytes.
+        let room =
+            gpuvm_virtio::net::fd_passing::MAX_FDS_PER_MESSAGE.saturating_sub(self.fds.len());
+        let (read, fds) = gpuvm_virtio::net::recv_with_fds(&self.stream, buf, room)?;
+        self.fds.extend(fds);
+        Ok(read)
     }
 }
 
@@ -313,10 +325,12 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
     let mut writer = Deadlined {
         stream: writer,
         deadline: Instant::now(),
+        fds: Vec::new(),
     };
     let mut reader = RequestReader::new(Deadlined {
         stream,
         deadline: Instant::now(),
+        fds: Vec::new(),
     });
     loop {
         reader.get_mut().deadline = Instant::now() + REQUEST_DEADLINE;
@@ -332,7 +346,8 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
             }
             ReadOutcome::Request(request) => {
                 busy.fetch_add(1, Ordering::SeqCst);
-                let response = handle(&request, link);
+                let fds = std::mem::take(&mut reader.get_mut().fds);
+                let response = handle(&request, fds, link);
                 (response, request.close, Some(request.path))
             }
         };
@@ -348,8 +363,16 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
     }
 }
 
-/// Answers one request.
-fn handle(request: &Request, link: &VmmLink) -> Response {
+/// Answers one request: paths under `/api/v1/` are Cloud Hypervisor's API, the others
+/// gpuvm's own routes. `fds` came with the request (only Cloud Hypervisor's vm.add-net
+/// takes any; the others close them).
+fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
+    if request.path.starts_with(cloud_hypervisor::PREFIX) {
+        return cloud_hypervisor::handle(request, fds, &link.session, &|action| {
+            dispatch(action, link)
+        });
+    }
+    drop(fds);
     let action = match route(request) {
         Ok(action) => action,
         Err(response) => return response,
@@ -445,6 +468,7 @@ mod tests {
         let mut reader = RequestReader::new(Deadlined {
             stream: ours,
             deadline: started + Duration::from_millis(300),
+            fds: Vec::new(),
         });
         let trickle = std::thread::spawn(move || {
             for byte in b"GET / HTTP/1.1\r\nX: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter() {
@@ -466,6 +490,7 @@ mod tests {
         let mut reader = RequestReader::new(Deadlined {
             stream: ours,
             deadline: Instant::now() + Duration::from_millis(50),
+            fds: Vec::new(),
         });
         assert_eq!(reader.next_request(), ReadOutcome::Closed);
     }

@@ -313,7 +313,14 @@ pub enum CtlCommand {
         #[arg(long)]
         record_working_set: bool,
     },
-    /// PUT /gpus/{id}: a passthrough device (before start).
+    /// DELETE /gpus/{id}: hot-unplug a device (the guest ejects it first), or drop a
+    /// configured one before start.
+    RemoveGpu {
+        #[arg(long)]
+        id: String,
+    },
+    /// PUT /gpus/{id}: a passthrough device (before start: attached at start; after
+    /// start: hot-plugged, answered with its PCI address).
     AddGpu {
         #[arg(long)]
         id: String,

@@ -92,6 +92,9 @@ pub fn ctl(args: CtlArgs) -> ExitCode {
             let body = body.as_deref().map(str::to_owned);
             return ctl_send(&args.api_sock, method, path, body.as_deref());
         }
+        CtlCommand::RemoveGpu { id } => {
+            return ctl_send(&args.api_sock, "DELETE", &format!("/gpus/{id}"), None);
+        }
         CtlCommand::AddGpu {
             id,
             host_bdf,

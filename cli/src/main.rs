@@ -7,6 +7,7 @@ use std::time::Instant;
 use clap::Parser;
 
 mod args;
+mod cloud_hypervisor;
 mod config_file;
 mod ctl;
 mod devices;
@@ -34,6 +35,10 @@ enum CliError {
 
 fn main() -> ExitCode {
     let process_start = Instant::now();
+    let argv: Vec<String> = std::env::args().collect();
+    if cloud_hypervisor::wanted(&argv) {
+        return cloud_hypervisor::main(&argv, process_start);
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => {

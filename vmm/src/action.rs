@@ -28,8 +28,12 @@ pub enum VmmAction {
     GetMachineConfig,
     PutMachineConfig(MachineConfigBody),
     PutBootSource(BootSourceBody),
-    /// PUT /gpus/{id}: a passthrough device for the VM being configured.
+    /// PUT /gpus/{id}: a passthrough device for the VM being configured, or hot-plugged
+    /// into the running VM.
     PutGpu(GpuBody),
+    /// DELETE /gpus/{id}: drop a configured device, or hot-unplug it from the running VM
+    /// (the guest is asked to eject it first).
+    DeleteGpu(String),
     /// PUT /drives/{id}: a virtio block device for the VM being configured.
     PutDrive(DriveBody),
     /// PUT /fs/{tag}: a virtio-fs share served by virtiofsd, before start.
@@ -50,6 +54,14 @@ pub enum VmmAction {
     CreateSnapshot(SnapshotCreateBody),
     LoadSnapshot(SnapshotLoadBody),
     GetMetrics,
+    /// Several pre-boot actions carried out as one unit (Cloud Hypervisor's vm.create):
+    /// all of them apply, or none (the configuration is as it was). Only configuration
+    /// actions (Put*); refused once the VM started.
+    Batch(Vec<VmmAction>),
+    /// End the VMM (Cloud Hypervisor's vmm.shutdown and vm.shutdown): before start the
+    /// process ends without running a VM; while running, the run ends as
+    /// SendCtrlAltDel's does.
+    ShutdownVmm,
 }
 
 /// One action on its way to the VMM thread, with where to send the answer. Every front

@@ -355,6 +355,7 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
     log::debug!("port I/O bus: {io_bus:?}");
     Ok(MachineDevices {
         dma_mappings: Vec::new(),
+        pci_hotplug: None,
         io_bus: Arc::new(io_bus),
         mmio_bus: Arc::new(Bus::new()),
         serial,

@@ -2,7 +2,8 @@
 //! restores the machine on request, and serves actions while it runs.
 
 use std::io::Write;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::{Duration, Instant};
 
 use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
@@ -13,6 +14,7 @@ use crate::action::{
     SnapshotLoadBody, SnapshotType, VmmAction, VmmData,
 };
 use crate::config::{MachineConfig, VmConfig};
+use crate::hotplug::EjectState;
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
 use crate::pci::PciOptions;
@@ -57,6 +59,8 @@ pub struct ApiController {
     pci: PciOptions,
     serial_out: SerialOutFactory,
     build: BuildFn,
+    /// ShutdownVmm came before start: [`ApiController::wait_for_start`] returned None.
+    shutdown_requested: bool,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -143,6 +147,7 @@ impl ApiController {
             pci: PciOptions::default(),
             serial_out,
             build: Box::new(crate::builder::build_with_pci),
+            shutdown_requested: false,
         }
     }
 
@@ -239,7 +244,7 @@ impl ApiController {
             let _ = self.event.read();
             let (result, started) = self.pre_boot(request.action);
             let _ = request.reply.send(result);
-            if started.is_some() {
+            if started.is_some() || self.shutdown_requested {
                 return started;
             }
         }
@@ -259,6 +264,16 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
+            VmmAction::DeleteGpu(id) => match self.gpus.iter().position(|g| g.gpu_id == id) {
+                Some(index) => {
+                    self.gpus.remove(index);
+                    Ok(VmmData::Empty)
+                }
+                None => Err(ActionError {
+                    status: 404,
+                    message: format!("no device with id {id:?} is configured"),
+                }),
+            },
             VmmAction::PutDrive(body) => self.put_drive(body),
             VmmAction::PutFs(body) => absolute_path(&body.socket, "socket").and_then(|()| {
                 self.put_virtio(|v| replace_or_push(&mut v.fs, body, |f| f.tag.clone()))
@@ -299,6 +314,11 @@ impl ApiController {
                 };
             }
             VmmAction::LoadSnapshot(body) => return self.load(body),
+            VmmAction::Batch(actions) => self.batch(actions),
+            VmmAction::ShutdownVmm => {
+                self.shutdown_requested = true;
+                Ok(VmmData::Empty)
+            }
             VmmAction::SendCtrlAltDel | VmmAction::Pause | VmmAction::Resume => {
                 Err(ActionError::wrong_state(
                     "the VM is not running (PUT /actions InstanceStart first)",
@@ -420,6 +440,14 @@ impl ApiController {
                     None,
                 ),
                 VmmAction::PatchDrive(body) => (patch_drive(machine, body), None),
+                VmmAction::ShutdownVmm => (Ok(VmmData::Empty), Some(BeforeRun::End)),
+                VmmAction::Batch(_) => (Err(started_already()), None),
+                VmmAction::DeleteGpu(_) => (
+                    Err(ActionError::wrong_state(
+                        "resume the VM first: a device is hot-unplugged with the guest's help",
+                    )),
+                    None,
+                ),
                 VmmAction::PutMachineConfig(_)
                 | VmmAction::PutBootSource(_)
                 | VmmAction::PutGpu(_)
@@ -440,10 +468,57 @@ impl ApiController {
 
     /// The part that serves a running machine.
     pub fn into_run_control(self) -> Box<dyn RunControl> {
+        // Devices from the command line have no id, so DELETE cannot name them.
+        let cold = self.gpus.iter().map(|g| g.gpu_id.clone()).collect();
         Box::new(RunningApi {
             requests: self.requests,
             event: self.event,
+            cold_plugged: cold,
+            unplugs: Vec::new(),
         })
+    }
+}
+
+impl ApiController {
+    /// Whether ShutdownVmm ended [`ApiController::wait_for_start`] (the process should
+    /// end without running a VM).
+    pub fn shutdown_requested(&self) -> bool {
+        self.shutdown_requested
+    }
+
+    /// [`VmmAction::Batch`]: every configuration action, or none of them.
+    fn batch(&mut self, actions: Vec<VmmAction>) -> ActionResult {
+        let saved = (
+            self.machine_config.clone(),
+            self.boot.clone(),
+            self.gpus.clone(),
+            self.pci.clone(),
+        );
+        for action in actions {
+            let configures = matches!(
+                action,
+                VmmAction::PutMachineConfig(_)
+                    | VmmAction::PutBootSource(_)
+                    | VmmAction::PutGpu(_)
+                    | VmmAction::PutDrive(_)
+                    | VmmAction::PutFs(_)
+                    | VmmAction::PutNetworkInterface(_)
+                    | VmmAction::PutVsock(_)
+                    | VmmAction::PutEntropy(_)
+            );
+            let result = if configures {
+                self.pre_boot(action).0
+            } else {
+                Err(ActionError::bad_request(format!(
+                    "a batch holds configuration actions only, not {action:?}"
+                )))
+            };
+            if let Err(error) = result {
+                (self.machine_config, self.boot, self.gpus, self.pci) = saved;
+                return Err(error);
+            }
+        }
+        Ok(VmmData::Empty)
     }
 }
 
@@ -465,6 +540,152 @@ fn machine_config_json(machine: &Machine) -> VmmData {
 struct RunningApi {
     requests: Receiver<ActionRequest>,
     event: EventFd,
+    /// Ids of the devices PUT /gpus configured before start (not hot-pluggable).
+    cold_plugged: Vec<String>,
+    /// DELETE /gpus/{id} requests waiting for the guest to eject.
+    unplugs: Vec<PendingUnplug>,
+}
+
+/// A DELETE /gpus/{id} whose answer waits for the guest's eject, or the timeout.
+struct PendingUnplug {
+    id: String,
+    bdf: String,
+    deadline: Instant,
+    reply: Sender<ActionResult>,
+}
+
+fn hotplug_error(error: crate::hotplug::HotplugError) -> ActionError {
+    ActionError {
+        status: error.status(),
+        message: error.to_string(),
+    }
+}
+
+impl RunningApi {
+    /// PUT /gpus/{id} while running: hot-plug.
+    fn hot_plug(&mut self, running: &mut RunningMachine<'_>, body: GpuBody) -> ActionResult {
+        body.validate(None)?;
+        if self.cold_plugged.contains(&body.gpu_id) {
+            return Err(ActionError::wrong_state(format!(
+                "{:?} was attached at start; it cannot be replaced while the VM runs",
+                body.gpu_id
+            )));
+        }
+        let devices = running.devices_mut();
+        if devices.passthrough.len() >= MAX_GPUS {
+            return Err(ActionError::bad_request(format!(
+                "at most {MAX_GPUS} passthrough devices per VM"
+            )));
+        }
+        let hotplug = devices
+            .pci_hotplug
+            .as_mut()
+            .ok_or_else(|| ActionError::wrong_state("this VM has no PCI hot-plug"))?;
+        let (bdf, label) = hotplug.plug(&body).map_err(hotplug_error)?;
+        devices.passthrough.push(label);
+        Ok(VmmData::Json(serde_json::json!({
+            "id": body.gpu_id,
+            "bdf": format!("0000:{bdf}"),
+        })))
+    }
+
+    /// DELETE /gpus/{id} while running: asks the guest to eject; the answer comes from
+    /// [`RunningApi::finish_unplugs`] once it did, or the timeout passed.
+    fn hot_unplug(
+        &mut self,
+        running: &mut RunningMachine<'_>,
+        id: String,
+        reply: Sender<ActionResult>,
+    ) {
+        let result = (|| {
+            if self.cold_plugged.contains(&id) {
+                return Err(ActionError::wrong_state(format!(
+                    "{id:?} was attached at start; only hot-plugged devices can be removed"
+                )));
+            }
+            let hotplug = running
+                .devices_mut()
+                .pci_hotplug
+                .as_mut()
+                .ok_or_else(|| ActionError::wrong_state("this VM has no PCI hot-plug"))?;
+            let wake = self
+                .event
+                .try_clone()
+                .map_err(|e| ActionError::bad_request(format!("cannot wait for the eject: {e}")))?;
+            hotplug.set_wake(wake);
+            hotplug.request_eject(&id).map_err(hotplug_error)
+        })();
+        let bdf = match result {
+            Ok(bdf) => bdf,
+            Err(error) => {
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
+        let timeout = crate::hotplug::eject_timeout();
+        // Wakes this thread when the time is up (the guest's eject wakes it sooner).
+        if let Ok(wake) = self.event.try_clone() {
+            let spawned = std::thread::Builder::new()
+                .name("eject-timer".into())
+                .spawn(move || {
+                    std::thread::sleep(timeout + Duration::from_millis(5));
+                    let _ = wake.write(1);
+                });
+            if let Err(error) = spawned {
+                log::warn!(
+                    "no eject timer thread ({error}); the timeout is checked on the next request"
+                );
+            }
+        }
+        self.unplugs.push(PendingUnplug {
+            id,
+            bdf: format!("0000:{bdf}"),
+            deadline: Instant::now() + timeout,
+            reply,
+        });
+        // The guest may have been quick.
+        self.finish_unplugs(running);
+    }
+
+    /// Answers the DELETEs whose device the guest ejected (after taking it down), and
+    /// those whose time ran out (the device stays, the eject request is withdrawn).
+    fn finish_unplugs(&mut self, running: &mut RunningMachine<'_>) {
+        if self.unplugs.is_empty() {
+            return;
+        }
+        let devices = running.devices_mut();
+        let now = Instant::now();
+        let mut still = Vec::new();
+        for unplug in std::mem::take(&mut self.unplugs) {
+            let Some(hotplug) = devices.pci_hotplug.as_mut() else {
+                continue;
+            };
+            match hotplug.poll_eject(&unplug.id) {
+                Ok(EjectState::Removed(label)) => {
+                    devices.passthrough.retain(|l| *l != label);
+                    let _ = unplug.reply.send(Ok(VmmData::Empty));
+                }
+                Ok(EjectState::Waiting) if now >= unplug.deadline => {
+                    hotplug.cancel_eject(&unplug.id);
+                    let timeout = crate::hotplug::eject_timeout();
+                    let _ = unplug.reply.send(Err(ActionError {
+                        status: 504,
+                        message: format!(
+                            "the guest did not eject {} ({}) within {} ms; the device stays attached (a Linux guest needs the acpiphp driver: CONFIG_HOTPLUG_PCI_ACPI=y)",
+                            unplug.id,
+                            unplug.bdf,
+                            timeout.as_millis()
+                        ),
+                    }));
+                }
+                Ok(EjectState::Waiting) => still.push(unplug),
+                Err(error) => {
+                    let _ = unplug.reply.send(Err(hotplug_error(error)));
+                }
+            }
+        }
+        self.unplugs = still;
+    }
 }
 
 impl RunningApi {
@@ -483,9 +704,12 @@ impl RunningApi {
             VmmAction::GetMetrics => Ok(metrics(state, Some(running.machine()))),
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
             VmmAction::PatchDrive(body) => patch_drive(running.machine(), body),
+            VmmAction::PutGpu(body) => self.hot_plug(running, body),
+            VmmAction::DeleteGpu(_) => Err(ActionError::bad_request(
+                "DELETE /gpus is answered once the guest ejected the device",
+            )),
             VmmAction::PutMachineConfig(_)
             | VmmAction::PutBootSource(_)
-            | VmmAction::PutGpu(_)
             | VmmAction::PutDrive(_)
             | VmmAction::PutFs(_)
             | VmmAction::PutNetworkInterface(_)
@@ -493,6 +717,11 @@ impl RunningApi {
             | VmmAction::PutEntropy(_)
             | VmmAction::StartInstance
             | VmmAction::LoadSnapshot(_) => Err(started_already()),
+            VmmAction::Batch(_) => Err(started_already()),
+            VmmAction::ShutdownVmm => {
+                log::info!("ShutdownVmm: ending the run");
+                return (Ok(VmmData::Empty), Some(GuestEnd::Reset));
+            }
             VmmAction::SendCtrlAltDel => {
                 log::info!("SendCtrlAltDel: ending the run as a guest reset");
                 return (Ok(VmmData::Empty), Some(GuestEnd::Reset));
@@ -563,7 +792,12 @@ impl RunControl for RunningApi {
     }
 
     fn serve(&mut self, running: &mut RunningMachine<'_>) -> Option<GuestEnd> {
+        self.finish_unplugs(running);
         while let Ok(request) = self.requests.try_recv() {
+            if let VmmAction::DeleteGpu(id) = request.action {
+                self.hot_unplug(running, id, request.reply);
+                continue;
+            }
             let (result, end) = self.act(request.action, running);
             let _ = request.reply.send(result);
             if end.is_some() {

@@ -27,6 +27,9 @@ pub struct MachineDevices {
     /// Guest RAM being DMA-mapped for passthrough devices in the background (first, so
     /// the mapper threads stop before the devices and RAM go).
     pub dma_mappings: Vec<gpuvm_vfio::dma::BackgroundMapping>,
+    /// PCI hot-plug of passthrough devices (PUT/DELETE /gpus/{id} while running): its
+    /// devices and their mappings; None until PCI is attached.
+    pub pci_hotplug: Option<crate::hotplug::PciHotplug>,
     pub io_bus: Arc<Bus>,
     pub mmio_bus: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,

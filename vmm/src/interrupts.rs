@@ -65,6 +65,19 @@ impl MsiRouter {
             .collect()
     }
 
+    /// Drops the routes of a removed device's GSIs (its irqfds go with its eventfds).
+    /// The GSI numbers are not reused: an eventfd a device process still holds would keep
+    /// its irqfd registered on them.
+    pub fn release(&self, gsis: &[u32]) {
+        for &gsi in gsis {
+            if lock(&self.routes).contains_key(&gsi) {
+                if let Err(error) = self.set_route(gsi, None) {
+                    log::warn!("cannot drop the MSI route of GSI {gsi}: {error}");
+                }
+            }
+        }
+    }
+
     fn table(routes: &BTreeMap<u32, MsiMessage>) -> Vec<kvm_irq_routing_entry> {
         let mut entries = Vec::new();
         let irqchip = |gsi: u32, chip: u32, pin: u32| {

@@ -22,6 +22,7 @@ use gpuvm_arch::x86_64::layout::{
     FOUR_GIB, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN,
     PCI_MMIO64_DEFAULT_SIZE,
 };
+use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{
     intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciError, PciRoot,
     PciRootConfig,
@@ -181,11 +182,11 @@ impl GuestMemoryMapper for KvmBarSlots {
 }
 
 /// What plugging a passthrough device into the root needs.
-struct Plug<'a> {
-    vm: &'a VmFd,
-    root: &'a Arc<PciRoot>,
-    router: &'a Arc<MsiRouter>,
-    slots: &'a Arc<dyn GuestMemoryMapper>,
+pub(crate) struct Plug<'a> {
+    pub vm: &'a VmFd,
+    pub root: &'a Arc<PciRoot>,
+    pub router: &'a Arc<MsiRouter>,
+    pub slots: &'a Arc<dyn GuestMemoryMapper>,
 }
 
 impl Plug<'_> {
@@ -197,7 +198,31 @@ impl Plug<'_> {
         dma: &Arc<DmaProgress>,
         devices: &mut MachineDevices,
     ) -> Result<(), PciSetupError> {
-        let mut allocate = |count| self.router.allocate(count);
+        let plugged = self.open(backend, dma)?;
+        let (bdf, pin, device) = (plugged.bdf, plugged.pin, plugged.device);
+        devices.passthrough.push(plugged.label);
+        if pin > 0 {
+            let gsi = intx_gsi(bdf.device, pin - 1);
+            if let Some(resample) = self.intx(&device, gsi)? {
+                devices.event_sources.push(resample);
+            }
+        }
+        Ok(())
+    }
+
+    /// The part of [`Plug::device`] hot-plug shares: the device with its vectors and BARs,
+    /// Bus Master gated by `dma`, on the next free slot of bus 0 (INTx not wired).
+    pub(crate) fn open(
+        &self,
+        backend: Box<dyn PassthroughDevice>,
+        dma: &Arc<DmaProgress>,
+    ) -> Result<Plugged, PciSetupError> {
+        let mut gsis = Vec::new();
+        let mut allocate = |count| {
+            let vectors = self.router.allocate(count)?;
+            gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
+            Ok(vectors)
+        };
         let mut device = VfioPciDevice::new(backend, &mut allocate, self.router.clone())?;
         let mapped = device.map_bars(self.slots.clone())?;
         log::info!(
@@ -211,14 +236,13 @@ impl Plug<'_> {
         let device = Arc::new(Mutex::new(device));
         let bdf = self.root.add_device(device.clone())?;
         log::info!("PCI {bdf}: {name}");
-        devices.passthrough.push(format!("{bdf} {name}"));
-        if pin > 0 {
-            let gsi = intx_gsi(bdf.device, pin - 1);
-            if let Some(resample) = self.intx(&device, gsi)? {
-                devices.event_sources.push(resample);
-            }
-        }
-        Ok(())
+        Ok(Plugged {
+            bdf,
+            pin,
+            label: format!("{bdf} {name}"),
+            device,
+            gsis,
+        })
     }
 
     /// A level-triggered irqfd on `gsi` for the device's INTx; KVM signals the resample
@@ -253,6 +277,17 @@ impl Plug<'_> {
             }
         }
     }
+}
+
+/// A device on the bus, from [`Plug::open`].
+pub(crate) struct Plugged {
+    pub bdf: gpuvm_devices::pci::PciBdf,
+    pub pin: u8,
+    /// "BDF name", as the snapshot refusal lists it.
+    pub label: String,
+    pub device: Arc<Mutex<VfioPciDevice>>,
+    /// The MSI/MSI-X GSIs it was given.
+    pub gsis: Vec<u32>,
 }
 
 /// Watches a device's INTx resample eventfd in the VMM's event loop.
@@ -304,11 +339,12 @@ pub fn attach(
 ) -> Result<Arc<PciRoot>, PciSetupError> {
     let config = root_config(ram, options);
     let root = PciRoot::new(config)?;
-    if !options.is_empty() || !options.virtio.is_empty() {
-        let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
-        if !options.is_empty() {
-            attach_devices(kvm, vm, ram, options, &root, &router, devices)?;
-        }
+    let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
+    let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
+    if !options.is_empty() {
+        attach_devices(vm, ram, options, &root, &router, &slots, devices)?;
+    }
+    if !options.virtio.is_empty() {
         devices.virtio = crate::virtio::attach(
             duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram.memory(),
@@ -317,7 +353,24 @@ pub fn attach(
             &options.virtio,
         )?;
     }
+    let hotplug = crate::hotplug::PciHotplug::new(
+        kvm,
+        vm,
+        ram,
+        root.clone(),
+        router,
+        slots,
+        DmaTestHooks::from_env(),
+    )?;
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
+    io_bus
+        .insert(
+            u64::from(HOTPLUG_PORT),
+            u64::from(HOTPLUG_PORT_LEN),
+            hotplug.controller(),
+        )
+        .map_err(PciSetupError::Place)?;
+    devices.pci_hotplug = Some(hotplug);
     io_bus
         .insert(
             CONFIG_ADDRESS_PORT,
@@ -359,13 +412,13 @@ pub fn bus_master_wait_limit(total: u64) -> Duration {
 
 /// The test hooks, read once per VM: the delay before each mapping, and whether maps fail.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct DmaTestHooks {
+pub(crate) struct DmaTestHooks {
     delay: Duration,
     fail: bool,
 }
 
 impl DmaTestHooks {
-    fn from_env() -> Self {
+    pub(crate) fn from_env() -> Self {
         let delay = match std::env::var(DMA_DELAY_HOOK) {
             Err(_) => Duration::ZERO,
             Ok(text) => match text.parse::<u64>() {
@@ -407,7 +460,7 @@ impl DmaMapper for FailingMapper {
 }
 
 /// Guest RAM as chunks to map, and what keeps its mappings alive.
-struct RamChunks {
+pub(crate) struct RamChunks {
     chunks: Vec<DmaRegion>,
     total: u64,
     /// A handle on guest RAM's mappings (and the memfd they map) that the mapper thread
@@ -416,7 +469,7 @@ struct RamChunks {
 }
 
 impl RamChunks {
-    fn new(ram: &GuestRam) -> Self {
+    pub(crate) fn new(ram: &GuestRam) -> Self {
         let regions: Vec<DmaRegion> = ram
             .host_regions()
             .map(|(region, host)| DmaRegion {
@@ -443,6 +496,23 @@ impl RamChunks {
         mapper: Arc<dyn DmaMapper>,
         hooks: DmaTestHooks,
     ) -> Result<BackgroundMapping, PciSetupError> {
+        self.start_with(
+            progress,
+            mapper,
+            hooks,
+            crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+        )
+    }
+
+    /// As [`RamChunks::start`], with `on_thread_start` (None when started from a thread
+    /// already under the VMM filter, which the mapper thread inherits: hot-plug).
+    pub(crate) fn start_with(
+        &self,
+        progress: Arc<DmaProgress>,
+        mapper: Arc<dyn DmaMapper>,
+        hooks: DmaTestHooks,
+        on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
+    ) -> Result<BackgroundMapping, PciSetupError> {
         let mapper: Arc<dyn DmaMapper> = if hooks.fail {
             Arc::new(FailingMapper(mapper))
         } else {
@@ -450,7 +520,7 @@ impl RamChunks {
         };
         let options = MapOptions {
             delay: hooks.delay,
-            on_thread_start: crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+            on_thread_start,
             keepalive: Some(Box::new(self.memory.clone())),
             ..Default::default()
         };
@@ -458,16 +528,22 @@ impl RamChunks {
             .map_err(|e| PciSetupError::Device(VfioError::Io(e)))
     }
 
-    fn progress(&self, name: String) -> Arc<DmaProgress> {
+    pub(crate) fn total(&self) -> u64 {
+        self.total
+    }
+
+    pub(crate) fn progress(&self, name: String) -> Arc<DmaProgress> {
         DmaProgress::new(name, self.total)
     }
 }
 
 /// Where each background DMA mapping of `devices` stands (for the API).
 pub fn dma_mapping_status(devices: &MachineDevices) -> Vec<DmaStatus> {
+    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
     devices
         .dma_mappings
         .iter()
+        .chain(hot)
         .map(|m| m.progress().status())
         .collect()
 }
@@ -476,22 +552,21 @@ pub fn dma_mapping_status(devices: &MachineDevices) -> Vec<DmaStatus> {
 /// background: once per kernel VFIO context (its mappings serve all its devices), once
 /// per vfio-user device; each mapping starts as soon as its devices are open.
 fn attach_devices(
-    kvm: &Kvm,
     vm: &VmFd,
     ram: &GuestRam,
     options: &PciOptions,
     root: &Arc<PciRoot>,
     router: &Arc<MsiRouter>,
+    slots: &Arc<dyn GuestMemoryMapper>,
     devices: &mut MachineDevices,
 ) -> Result<(), PciSetupError> {
     let ram_chunks = RamChunks::new(ram);
     let hooks = DmaTestHooks::from_env();
-    let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     let plug = Plug {
         vm,
         root,
         router,
-        slots: &slots,
+        slots,
     };
     if let Some(first) = options.gpus.first() {
         let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;

@@ -9,7 +9,8 @@
 //!           └─ MCFG: the ECAM window (segment 0, the buses it covers)
 //! DSDT: \_SB.PCI0 (PNP0A08/PNP0A03, _SEG/_BBN 0, _CRS bus range + CF8..CFF + both BAR
 //!       windows, _PRT for 32 slots x 4 pins), \_SB.MBRD (PNP0C02, reserves the ECAM window),
-//!       \_SB.COM1 (PNP0501, 0x3F8, IRQ 4)
+//!       \_SB.COM1 (PNP0501, 0x3F8, IRQ 4); PCI hot-plug: \_SB.PCI0.SDxx slots with _EJ0
+//!       and PCNT (see [`PciHotplugAml`]), \_SB.GED0 (ACPI0013) raising it on HOTPLUG_GSI
 //! ```
 //!
 //! The tables are encoded by rust-vmm's `acpi_tables`. They describe what the VMM really
@@ -28,6 +29,7 @@ use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{Aml, AmlSink};
+use gpuvm_devices::pci::hotplug::{HOTPLUG_GSI, HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use zerocopy::{Immutable, IntoBytes};
@@ -232,8 +234,10 @@ fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
                         ]),
                     ),
                     &aml::Name::new("_PRT".into(), &prt),
+                    &PciHotplugAml,
                 ],
             ),
+            &GedAml,
             // Motherboard resources: the ECAM window belongs to the platform, not to RAM
             // or any device (Linux checks MCFG against this or the e820 map).
             &aml::Device::new(
@@ -243,9 +247,10 @@ fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
                     &aml::Name::new("_UID".into(), &aml::ZERO),
                     &aml::Name::new(
                         "_CRS".into(),
-                        &aml::ResourceTemplate::new(vec![&aml::Memory32Fixed::new(
-                            true, ecam_base, ecam_size,
-                        )]),
+                        &aml::ResourceTemplate::new(vec![
+                            &aml::Memory32Fixed::new(true, ecam_base, ecam_size),
+                            &aml::IO::new(HOTPLUG_PORT, HOTPLUG_PORT, 1, HOTPLUG_PORT_LEN as u8),
+                        ]),
                     ),
                 ],
             ),
@@ -268,6 +273,145 @@ fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
     .to_aml_bytes(&mut body);
     table.append_slice(&body);
     Ok(table.as_slice().to_vec())
+}
+
+/// The ACPI PCI hot-plug interface of bus 0, inside `\_SB.PCI0` (the registers are
+/// gpuvm_devices::pci::hotplug's, modelled on QEMU's PCIHP):
+///
+/// ```text
+/// OperationRegion (PCST, SystemIO, HOTPLUG_PORT, HOTPLUG_PORT_LEN)
+/// Field (PCST, DWordAcc, NoLock, WriteAsZeros) { PCIU, 32, PCID, 32, B0EJ, 32, EVTS, 32,
+///                                              EVEN, 32 }
+/// Method (PCEJ, 1, Serialized) { B0EJ = 1 << Arg0 }
+/// Device (SDxx) { _ADR = xx << 16, _SUN = xx, Method (_EJ0, 1) { PCEJ (xx) } }  slots 1..31
+/// Method (PCNT, 0, Serialized) {           called by \_SB.GED0._EVT
+///     Local0 = PCIU; Local1 = PCID          (each read clears the register)
+///     If (Local0 & 1 << xx) { Notify (SDxx, 1) }   device check: a new device
+///     If (Local1 & 1 << xx) { Notify (SDxx, 3) }   eject request
+/// }
+/// ```
+///
+/// Linux's acpiphp finds the slots by their `_EJ0` and handles both notifications.
+struct PciHotplugAml;
+
+fn slot_name(slot: u8) -> String {
+    format!("SD{slot:02X}")
+}
+
+impl Aml for PciHotplugAml {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        let port = u64::from(HOTPLUG_PORT);
+        let len = u64::from(HOTPLUG_PORT_LEN);
+        aml::OpRegion::new("PCST".into(), aml::OpRegionSpace::SystemIO, &port, &len)
+            .to_aml_bytes(sink);
+        aml::Field::new(
+            "PCST".into(),
+            aml::FieldAccessType::DWord,
+            aml::FieldLockRule::NoLock,
+            aml::FieldUpdateRule::WriteAsZeroes,
+            vec![
+                aml::FieldEntry::Named(*b"PCIU", 32),
+                aml::FieldEntry::Named(*b"PCID", 32),
+                aml::FieldEntry::Named(*b"B0EJ", 32),
+                aml::FieldEntry::Named(*b"EVTS", 32),
+                aml::FieldEntry::Named(*b"EVEN", 32),
+            ],
+        )
+        .to_aml_bytes(sink);
+        let b0ej: aml::Path = "B0EJ".into();
+        aml::Method::new(
+            "PCEJ".into(),
+            1,
+            true,
+            vec![&aml::Store::new(
+                &b0ej,
+                &aml::ShiftLeft::new(&aml::ZERO, &aml::ONE, &aml::Arg(0)),
+            )],
+        )
+        .to_aml_bytes(sink);
+        for slot in 1..PCI_SLOTS {
+            let address = u32::from(slot) << 16;
+            let sun = u32::from(slot);
+            let pcej: aml::Path = "PCEJ".into();
+            let call = aml::MethodCall::new(pcej, vec![&sun]);
+            aml::Device::new(
+                slot_name(slot).as_str().into(),
+                vec![
+                    &aml::Name::new("_ADR".into(), &address),
+                    &aml::Name::new("_SUN".into(), &sun),
+                    &aml::Method::new("_EJ0".into(), 1, false, vec![&call]),
+                ],
+            )
+            .to_aml_bytes(sink);
+        }
+        let (up, down) = (aml::Local(0), aml::Local(1));
+        let (pciu, pcid): (aml::Path, aml::Path) = ("PCIU".into(), "PCID".into());
+        let store_up = aml::Store::new(&up, &pciu);
+        let store_down = aml::Store::new(&down, &pcid);
+        let bits: Vec<u32> = (0..PCI_SLOTS).map(|slot| 1u32 << slot).collect();
+        let names: Vec<aml::Path> = (0..PCI_SLOTS)
+            .map(|slot| slot_name(slot).as_str().into())
+            .collect();
+        let (check, eject) = (1u8, 3u8);
+        let mut tests = Vec::new();
+        let mut notifies = Vec::new();
+        for slot in 1..usize::from(PCI_SLOTS) {
+            tests.push((
+                aml::And::new(&aml::ZERO, &up, &bits[slot]),
+                aml::And::new(&aml::ZERO, &down, &bits[slot]),
+            ));
+            notifies.push((
+                aml::Notify::new(&names[slot], &check),
+                aml::Notify::new(&names[slot], &eject),
+            ));
+        }
+        let mut ifs = Vec::new();
+        for ((up_bit, down_bit), (notify_check, notify_eject)) in tests.iter().zip(&notifies) {
+            ifs.push(aml::If::new(up_bit, vec![notify_check]));
+            ifs.push(aml::If::new(down_bit, vec![notify_eject]));
+        }
+        let mut body: Vec<&dyn Aml> = vec![&store_up, &store_down];
+        body.extend(ifs.iter().map(|i| i as &dyn Aml));
+        aml::Method::new("PCNT".into(), 0, true, body).to_aml_bytes(sink);
+    }
+}
+
+/// The Generic Event Device (ACPI0013) that signals PCI hot-plug: the FADT is
+/// hardware-reduced, so there are no GPE blocks or SCI (ACPICA skips both on such
+/// machines); a GED's interrupt is how hardware-reduced platforms raise events. Its
+/// interrupt is [`HOTPLUG_GSI`], edge-triggered, active high; `_EVT` acknowledges the
+/// event (EVTS is write-1-to-clear) and runs `\_SB.PCI0.PCNT`; `_INI` enables the
+/// interrupt (EVEN), so a guest without ACPI never gets it.
+struct GedAml;
+
+impl Aml for GedAml {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        let evts: aml::Path = "\\_SB_.PCI0.EVTS".into();
+        let pcnt = aml::MethodCall::new("\\_SB_.PCI0.PCNT".into(), vec![]);
+        let ack = aml::Store::new(&evts, &aml::ONE);
+        let even: aml::Path = "\\_SB_.PCI0.EVEN".into();
+        let enable = aml::Store::new(&even, &aml::ONE);
+        aml::Device::new(
+            "GED0".into(),
+            vec![
+                &aml::Name::new("_HID".into(), &"ACPI0013"),
+                &aml::Name::new("_UID".into(), &aml::ZERO),
+                &aml::Name::new(
+                    "_CRS".into(),
+                    &aml::ResourceTemplate::new(vec![&aml::Interrupt::new(
+                        true,
+                        true,
+                        false,
+                        false,
+                        HOTPLUG_GSI,
+                    )]),
+                ),
+                &aml::Method::new("_INI".into(), 0, false, vec![&enable]),
+                &aml::Method::new("_EVT".into(), 1, true, vec![&ack, &pcnt]),
+            ],
+        )
+        .to_aml_bytes(sink);
+    }
 }
 
 fn fadt(dsdt_addr: u64) -> Vec<u8> {
@@ -543,6 +687,46 @@ mod tests {
             PCI_ECAM_SIZE,
             "the bus range covers exactly the ECAM window"
         );
+    }
+
+    #[test]
+    fn dsdt_describes_pci_hot_plug() {
+        let tables = tables(1);
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let aml = &dsdt[36..];
+        for name in [
+            &b"PCST"[..],
+            b"PCIU",
+            b"PCID",
+            b"B0EJ",
+            b"EVTS",
+            b"EVEN",
+            b"_INI",
+            b"PCEJ",
+            b"PCNT",
+            b"SD01",
+            b"SD1F",
+            b"_EJ0",
+            b"_SUN",
+            b"GED0",
+            b"ACPI0013\0",
+            b"_EVT",
+        ] {
+            assert!(contains(aml, name), "{}", String::from_utf8_lossy(name));
+        }
+        assert!(
+            !contains(aml, b"SD00"),
+            "the host bridge's slot is not hot-pluggable"
+        );
+        // OperationRegion (PCST, SystemIO, 0xAE00, 0x10): ExtOp 0x80, name, space 1, WordConst.
+        let mut region = vec![0x5b, 0x80];
+        region.extend_from_slice(b"PCST\x01\x0b");
+        region.extend_from_slice(&HOTPLUG_PORT.to_le_bytes());
+        assert!(contains(aml, &region), "the register block's port");
+        // The GED's interrupt: Extended IRQ descriptor, consumer + edge, GSI 5.
+        let mut irq = vec![0x89, 6, 0, 0x03, 1];
+        irq.extend_from_slice(&HOTPLUG_GSI.to_le_bytes());
+        assert!(contains(aml, &irq), "the GED's interrupt");
     }
 
     #[test]

@@ -10,10 +10,12 @@
 //! - [`MsixTable`] emulates an MSI-X table and PBA and pushes routes through [`MsiRouting`].
 
 mod bars;
+pub mod hotplug;
 mod msix;
 mod root;
 
 pub use bars::{BarKind, BarSet, BarSpec, PciBar};
+pub use hotplug::HotplugController;
 #[cfg(any(test, feature = "test-util"))]
 pub use msix::RecordedRoutes;
 pub use msix::{MsiMessage, MsiRouting, MsixCapability, MsixTable, MSIX_ENTRY_SIZE};

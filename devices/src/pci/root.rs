@@ -82,10 +82,15 @@ struct Allocator {
     next: u64,
     end: u64,
     name: &'static str,
+    /// Ranges given back by removed devices, reused for BARs of the same size.
+    free: Vec<(u64, u64)>,
 }
 
 impl Allocator {
     fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
+        if let Some(at) = self.free.iter().position(|&(_, s)| s == size) {
+            return Ok(self.free.swap_remove(at).0);
+        }
         let no_space = || PciError::NoSpace {
             window: self.name,
             size,
@@ -106,12 +111,17 @@ impl Allocator {
     }
 }
 
+/// A BAR range given to a slot: (in the 64-bit window, base, size).
+type PlacedBar = (bool, u64, u64);
+
 /// Bus 0 and its functions (function 0 of each device only).
 pub struct PciRoot {
     config: PciRootConfig,
     devices: Mutex<BTreeMap<u8, SharedDevice>>,
     mmio32: Mutex<Allocator>,
     mmio64: Mutex<Allocator>,
+    /// The BAR ranges each slot was given: (64-bit window, base, size).
+    placed: Mutex<BTreeMap<u8, Vec<PlacedBar>>>,
 }
 
 impl PciRoot {
@@ -125,12 +135,15 @@ impl PciRoot {
                 next: config.mmio32_start,
                 end: config.mmio32_end,
                 name: "32-bit",
+                free: Vec::new(),
             }),
             mmio64: Mutex::new(Allocator {
                 next: config.mmio64_start,
                 end: config.mmio64_start + config.mmio64_size,
                 name: "64-bit",
+                free: Vec::new(),
             }),
+            placed: Mutex::new(BTreeMap::new()),
         };
         root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
         Ok(Arc::new(root))
@@ -148,20 +161,20 @@ impl PciRoot {
         let slot = (0..32u8)
             .find(|slot| !devices.contains_key(slot))
             .ok_or(PciError::BusFull)?;
+        let mut placed = Vec::new();
         {
             let mut guard = lock(&device);
             // Largest first keeps the windows dense.
             let mut specs = guard.bar_specs();
             specs.sort_by_key(|spec| std::cmp::Reverse(spec.size));
             for spec in specs {
-                let allocator = match spec.kind {
-                    BarKind::Memory64 { .. } => &self.mmio64,
-                    BarKind::Memory32 { .. } | BarKind::Rom => &self.mmio32,
-                };
+                let wide = matches!(spec.kind, BarKind::Memory64 { .. });
+                let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
                 let address = allocator
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .allocate(spec.size)?;
+                placed.push((wide, address, spec.size));
                 log::info!(
                     "PCI 00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
                     spec.index,
@@ -173,11 +186,54 @@ impl PciRoot {
             guard.enable_memory_decoding();
         }
         devices.insert(slot, device);
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, placed);
         Ok(PciBdf {
             bus: 0,
             device: slot,
             function: 0,
         })
+    }
+
+    /// Takes the device in `bdf`'s slot off the bus (hot-unplug): from now on its
+    /// configuration space reads all ones and its BARs decode nothing; the BAR ranges it
+    /// was given go back to the windows for the next device with BARs of the same sizes.
+    /// The host bridge stays. Returns the device, if there was one.
+    pub fn remove_device(&self, bdf: PciBdf) -> Option<SharedDevice> {
+        if bdf.bus != 0 || bdf.function != 0 || bdf.device == 0 {
+            return None;
+        }
+        let device = self
+            .devices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&bdf.device)?;
+        let placed = self
+            .placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&bdf.device)
+            .unwrap_or_default();
+        for (wide, base, size) in placed {
+            let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
+            allocator
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .free
+                .push((base, size));
+        }
+        log::info!("PCI {bdf}: removed");
+        Some(device)
+    }
+
+    /// Whether a device is in `slot` of bus 0.
+    pub fn has_device(&self, slot: u8) -> bool {
+        self.devices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&slot)
     }
 
     fn device(&self, bdf: PciBdf) -> Option<SharedDevice> {
@@ -510,6 +566,43 @@ mod tests {
         let mut data = [0; 4];
         port.read(4, &mut data);
         u32::from_le_bytes(data)
+    }
+
+    #[test]
+    fn a_removed_slot_reads_all_ones_and_its_bars_are_reused() {
+        let root = PciRoot::new(root_config()).unwrap();
+        let bdf = root.add_device(scratch()).unwrap();
+        let mut ecam = EcamWindow::new(root.clone());
+        let mut bar0 = [0; 4];
+        ecam.read(1 << 15 | 0x10, &mut bar0);
+        assert!(root.remove_device(bdf).is_some());
+        assert!(root.remove_device(bdf).is_none(), "removed once");
+        assert!(
+            root.remove_device(PciBdf {
+                bus: 0,
+                device: 0,
+                function: 0
+            })
+            .is_none(),
+            "the host bridge stays"
+        );
+        let mut data = [0; 4];
+        for offset in [0x00, 0x04, 0x10, 0x18] {
+            ecam.read(1 << 15 | offset, &mut data);
+            assert_eq!(
+                data, [0xff; 4],
+                "config offset {offset:#x} of a removed slot"
+            );
+        }
+        let address = u64::from(u32::from_le_bytes(bar0) & !0xf);
+        assert!(
+            !root.mmio_read(address, &mut data),
+            "its BAR decodes nothing"
+        );
+        let again = root.add_device(scratch()).unwrap();
+        assert_eq!(again, bdf, "the free slot is reused");
+        ecam.read(1 << 15 | 0x10, &mut data);
+        assert_eq!(data, bar0, "and so is the BAR range");
     }
 
     #[test]

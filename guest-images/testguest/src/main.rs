@@ -12,6 +12,7 @@ mod boot;
 mod bootinfo;
 mod console;
 mod exception;
+mod hotplug;
 mod memfns;
 mod pattern;
 mod pci;

@@ -349,7 +349,40 @@ pub fn run(mode: Option<&str>) -> ! {
             "no device {NVIDIA:#06x}:{H100_LIKE:#06x} on bus 0"
         ));
     };
+    check_device(device, true);
+    println!("pci: ok");
+    if mode == Some("hold") {
+        println!("pci: holding until the VMM ends the run");
+        crate::console::halt_forever();
+    }
+    exit(0)
+}
 
+/// The vendor and device id register of `device` on bus 0 (all ones: no device).
+pub fn vendor_device(device: u8) -> u32 {
+    config_read(device, 0)
+}
+
+/// Whether `device` on bus 0 is the emulated GPU.
+pub fn is_gpu(device: u8) -> bool {
+    let ids = config_read(device, 0);
+    ids & 0xffff == NVIDIA && ids >> 16 == H100_LIKE
+}
+
+/// Quiets `device` before it is ejected: MSI-X, memory decoding and Bus Master off.
+pub fn release_device(device: u8) {
+    if let Some(msix) = find_capability(device, 0x11) {
+        let control = config_read(device, msix);
+        config_write(device, msix, control & !(1 << 31));
+    }
+    config_write(device, 0x04, config_read(device, 0x04) & 0xffff & !0x6);
+}
+
+/// The `pci` checks on the GPU in `device`: BARs, Bus Master (gated by the DMA map), BAR0
+/// MMIO, BAR1 direct, MSI-X with a DMA, and, with `intx`, the INTx round.
+pub fn check_device(device: u8, intx_too: bool) {
+    TG_MSI_COUNT.store(0, Ordering::Release);
+    TG_INTX_COUNT.store(0, Ordering::Release);
     let (bar0, bar0_size, bar0_flags) = size_bar(device, 0);
     let (bar1, bar1_size, bar1_flags) = size_bar(device, 1);
     let (bar3, bar3_size, bar3_flags) = size_bar(device, 3);
@@ -444,11 +477,7 @@ pub fn run(mode: Option<&str>) -> ! {
     }
     check_dma(DMA_SEED);
     println!("pci: dma verified {DMA_LEN} bytes at {DMA_ADDR:#x}");
-    intx(device, bar0, msix, apic_id);
-    println!("pci: ok");
-    if mode == Some("hold") {
-        println!("pci: holding until the VMM ends the run");
-        crate::console::halt_forever();
+    if intx_too {
+        intx(device, bar0, msix, apic_id);
     }
-    exit(0)
 }

@@ -106,6 +106,11 @@ impl RunningMachine<'_> {
         self.machine
     }
 
+    /// The machine's devices, to change them (PCI hot-plug).
+    pub fn devices_mut(&mut self) -> &mut crate::devices::MachineDevices {
+        &mut self.machine.devices
+    }
+
     /// Whether a control request paused the vCPUs.
     pub fn is_paused(&self) -> bool {
         self.machine.paused

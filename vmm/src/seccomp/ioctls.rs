@@ -62,6 +62,18 @@ pub const KVM_GET_XCRS: u32 = ior(KVMIO, 0xa6, size_of::<kvm_xcrs>());
 
 // VFIO (`_IO(';', 100 + n)`) and iommufd (`_IO(';', 0x80 + n)`).
 const VFIO: u32 = b';' as u32;
+pub const VFIO_GET_API_VERSION: u32 = io(VFIO, 100);
+pub const VFIO_CHECK_EXTENSION: u32 = io(VFIO, 100 + 1);
+pub const VFIO_SET_IOMMU: u32 = io(VFIO, 100 + 2);
+pub const VFIO_GROUP_GET_STATUS: u32 = io(VFIO, 100 + 3);
+pub const VFIO_GROUP_SET_CONTAINER: u32 = io(VFIO, 100 + 4);
+pub const VFIO_GROUP_GET_DEVICE_FD: u32 = io(VFIO, 100 + 6);
+pub const VFIO_DEVICE_GET_INFO: u32 = io(VFIO, 100 + 7);
+pub const VFIO_IOMMU_GET_INFO: u32 = io(VFIO, 100 + 12);
+pub const VFIO_DEVICE_BIND_IOMMUFD: u32 = io(VFIO, 100 + 18);
+pub const VFIO_DEVICE_ATTACH_IOMMUFD_PT: u32 = io(VFIO, 100 + 19);
+pub const IOMMU_IOAS_ALLOC: u32 = io(VFIO, 0x81);
+pub const KVM_CREATE_DEVICE: u32 = iowr(KVMIO, 0xe0, size_of::<kvm_bindings::kvm_create_device>());
 pub const VFIO_GROUP_UNSET_CONTAINER: u32 = io(VFIO, 100 + 5);
 pub const VFIO_DEVICE_GET_REGION_INFO: u32 = io(VFIO, 100 + 8);
 pub const VFIO_DEVICE_GET_IRQ_INFO: u32 = io(VFIO, 100 + 9);

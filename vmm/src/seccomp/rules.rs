@@ -186,11 +186,29 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     libc::SYS_sendto,
                     libc::SYS_recvfrom,
                     libc::SYS_shutdown,
+                    // PCI hot-plug (PUT /gpus after start): connecting to a vfio-user
+                    // device (Unix sockets only, below).
+                    libc::SYS_connect,
                 ],
             );
+            rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
             ioctl(
                 &mut rules,
                 &[
+                    // PCI hot-plug of a kernel VFIO device: opening its container (or
+                    // iommufd) and group, and the device.
+                    VFIO_GET_API_VERSION,
+                    VFIO_CHECK_EXTENSION,
+                    VFIO_SET_IOMMU,
+                    VFIO_GROUP_GET_STATUS,
+                    VFIO_GROUP_SET_CONTAINER,
+                    VFIO_GROUP_GET_DEVICE_FD,
+                    VFIO_DEVICE_GET_INFO,
+                    VFIO_IOMMU_GET_INFO,
+                    VFIO_DEVICE_BIND_IOMMUFD,
+                    VFIO_DEVICE_ATTACH_IOMMUFD_PT,
+                    IOMMU_IOAS_ALLOC,
+                    KVM_CREATE_DEVICE,
                     // Snapshots: VM state, dirty log, MSR list; PCI teardown and INTx.
                     KVM_CHECK_EXTENSION,
                     KVM_GET_MSR_INDEX_LIST,
@@ -345,6 +363,9 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     libc::SYS_accept4,
                     libc::SYS_read,
                     libc::SYS_recvfrom,
+                    // Requests are read with recvmsg: Cloud Hypervisor's vm.add-net brings
+                    // tap descriptors (SCM_RIGHTS) with its bytes.
+                    libc::SYS_recvmsg,
                     libc::SYS_sendto,
                     libc::SYS_writev,
                     libc::SYS_setsockopt,

@@ -1,0 +1,254 @@
+//! The front end against Kata's bodies (as clh.go and its generated client build them:
+//! every constructor default present) and a fake VMM thread.
+
+use std::cell::RefCell;
+
+use gpuvm_vmm::action::{ActionError, ActionResult, BackingKind, DriveBody, VmmAction, VmmData};
+use serde_json::json;
+
+use super::{config::VmConfig, handle, translate, Session};
+use crate::http::{Method, Request, Response};
+
+/// What Kata's clh driver sends to vm.create for a VM with an image rootfs, virtio-fs,
+/// vsock and a cold-plugged GPU (the Go client serializes every default it set).
+fn kata_vm_config() -> serde_json::Value {
+    json!({
+        "payload": {"kernel": "/opt/kata/vmlinux", "cmdline": "console=hvc0 quiet"},
+        "cpus": {"boot_vcpus": 2, "max_vcpus": 8, "kvm_hyperv": false, "nested": true,
+                  "topology": {"threads_per_core": 1, "cores_per_die": 8, "dies_per_package": 1}},
+        "memory": {"size": 2147483648u64, "mergeable": false, "hotplug_method": "Acpi",
+                   "shared": true, "hugepages": false, "prefault": false, "thp": true,
+                   "hotplug_size": 8589934592u64},
+        "disks": [{"path": "/opt/kata/kata.img", "readonly": true, "direct": false, "iommu": false,
+                   "num_queues": 1, "queue_size": 128, "vhost_user": false, "backing_files": false,
+                   "sparse": true, "image_type": "Raw"}],
+        "fs": [{"tag": "kataShared", "socket": "/run/vc/vm/x/vhost-fs.sock", "num_queues": 1,
+                "queue_size": 1024, "pci_segment": 1}],
+        "rng": {"src": "/dev/urandom", "iommu": false},
+        "serial": {"mode": "Off", "iommu": false},
+        "console": {"mode": "Off", "iommu": false},
+        "vsock": {"cid": 3, "socket": "/run/vc/vm/x/clh.sock", "iommu": false},
+        "devices": [{"path": "/sys/bus/pci/devices/0000:41:00.0", "iommu": false, "id": "gpu0"}],
+        "platform": {"num_pci_segments": 2, "tdx": false, "sev_snp": false},
+        "iommu": false, "watchdog": false, "pvpanic": false, "landlock_enable": false
+    })
+}
+
+#[test]
+fn kata_vm_config_translates_to_the_pre_boot_actions() {
+    let config: VmConfig = serde_json::from_value(kata_vm_config()).unwrap();
+    let actions = translate::vm_config(&config).unwrap();
+    let names: Vec<String> = actions
+        .iter()
+        .map(|a| format!("{a:?}").split('(').next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "PutMachineConfig",
+            "PutBootSource",
+            "PutDrive",
+            "PutFs",
+            "PutVsock",
+            "PutEntropy",
+            "PutGpu"
+        ]
+    );
+    assert!(matches!(&actions[0], VmmAction::PutMachineConfig(m)
+        if m.vcpu_count == 2 && m.mem_size_mib == 2048 && m.backing == BackingKind::Memfd && m.thp));
+    assert!(matches!(&actions[1], VmmAction::PutBootSource(b)
+        if b.boot_args.as_deref() == Some("console=hvc0 quiet")));
+    assert!(
+        matches!(&actions[2], VmmAction::PutDrive(DriveBody::Local(d)) if d.read_only && d.drive_id == "_disk0")
+    );
+    assert!(
+        matches!(&actions[3], VmmAction::PutFs(f) if f.tag == "kataShared" && f.queue_size == 1024)
+    );
+    assert!(matches!(&actions[4], VmmAction::PutVsock(v) if v.guest_cid == 3));
+    assert!(
+        matches!(&actions[6], VmmAction::PutGpu(g) if g.host_bdf.as_deref() == Some("0000:41:00.0"))
+    );
+}
+
+#[test]
+fn fields_away_from_their_default_are_refused_by_name() {
+    for (field, value, named) in [
+        ("/iommu", json!(true), "iommu"),
+        ("/watchdog", json!(true), "watchdog"),
+        ("/platform/tdx", json!(true), "platform"),
+        ("/memory/mergeable", json!(true), "memory.mergeable"),
+        ("/cpus/kvm_hyperv", json!(true), "cpus.kvm_hyperv"),
+        (
+            "/balloon",
+            json!({"size": 0, "free_page_reporting": true}),
+            "balloon",
+        ),
+        ("/serial/mode", json!("Pty"), "serial.mode"),
+        ("/disks/0/image_type", json!("Qcow2"), "disks[0].image_type"),
+    ] {
+        let mut body = kata_vm_config();
+        let (parent, key) = field.rsplit_once('/').unwrap();
+        let parent = if parent.is_empty() {
+            &mut body
+        } else {
+            body.pointer_mut(parent).unwrap()
+        };
+        parent[key] = value;
+        let config: VmConfig = serde_json::from_value(body).unwrap();
+        let error = translate::vm_config(&config).unwrap_err();
+        assert!(error.contains(named), "{field}: {error}");
+    }
+}
+
+/// A fake VMM thread: remembers the actions, answers as the controller would.
+struct Fake {
+    state: RefCell<&'static str>,
+    seen: RefCell<Vec<String>>,
+}
+
+impl Fake {
+    fn new() -> Self {
+        Fake {
+            state: RefCell::new("NotStarted"),
+            seen: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn act(&self, action: VmmAction) -> ActionResult {
+        self.seen
+            .borrow_mut()
+            .push(format!("{action:?}").split('(').next().unwrap().to_string());
+        let state = *self.state.borrow();
+        match action {
+            VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": state}))),
+            VmmAction::StartInstance => {
+                *self.state.borrow_mut() = "Running";
+                Ok(VmmData::Empty)
+            }
+            VmmAction::Pause if state == "NotStarted" => {
+                Err(ActionError::wrong_state("not running"))
+            }
+            VmmAction::PutGpu(gpu) if state == "Running" => Ok(VmmData::Json(
+                json!({"id": gpu.gpu_id, "bdf": "0000:00:05.0"}),
+            )),
+            _ => Ok(VmmData::Empty),
+        }
+    }
+}
+
+fn call(session: &Session, fake: &Fake, method: Method, path: &str, body: &str) -> Response {
+    let request = Request {
+        method,
+        path: path.into(),
+        body: body.as_bytes().to_vec(),
+        close: false,
+    };
+    handle(&request, Vec::new(), session, &|action| fake.act(action))
+}
+
+#[test]
+fn kata_sequence_status_codes_and_states() {
+    let (session, fake) = (Session::default(), Fake::new());
+    let ping = call(&session, &fake, Method::Get, "/api/v1/vmm.ping", "");
+    assert_eq!(ping.status, 200);
+    let ping: serde_json::Value = serde_json::from_slice(&ping.body).unwrap();
+    assert!(ping["version"].is_string());
+    assert_eq!(
+        call(&session, &fake, Method::Get, "/api/v1/vm.info", "").status,
+        404
+    );
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.boot", "").status,
+        404
+    );
+    let body = kata_vm_config().to_string();
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
+        204
+    );
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
+        409
+    );
+    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
+    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    assert_eq!(info["state"], "Created");
+    assert_eq!(info["config"]["payload"]["kernel"], "/opt/kata/vmlinux");
+    assert_eq!(info["memory_actual_size"], 2147483648u64);
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.pause", "").status,
+        405
+    );
+    let disk = r#"{"path":"/img2","readonly":false,"id":"data"}"#;
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.add-disk", disk).status,
+        204
+    );
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.boot", "").status,
+        204
+    );
+    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
+    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    assert_eq!(info["state"], "Running");
+    assert_eq!(info["config"]["disks"][1]["id"], "data");
+    let gpu = r#"{"path":"/sys/bus/pci/devices/0000:42:00.0","iommu":false}"#;
+    let added = call(&session, &fake, Method::Put, "/api/v1/vm.add-device", gpu);
+    assert_eq!(added.status, 200);
+    let added: serde_json::Value = serde_json::from_slice(&added.body).unwrap();
+    assert_eq!(added["bdf"], "0000:00:05.0");
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.add-disk", disk).status,
+        400
+    );
+    let resize = call(
+        &session,
+        &fake,
+        Method::Put,
+        "/api/v1/vm.resize",
+        r#"{"desired_vcpus":4}"#,
+    );
+    assert_eq!(resize.status, 400);
+    assert!(String::from_utf8_lossy(&resize.body).contains("static_sandbox_resource_mgmt"));
+    assert_eq!(
+        call(&session, &fake, Method::Get, "/api/v1/vm.pause", "").status,
+        405
+    );
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.nope", "").status,
+        404
+    );
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vmm.shutdown", "").status,
+        204
+    );
+    assert!(fake.seen.borrow().contains(&"Batch".to_string()));
+}
+
+#[test]
+fn bad_bodies_are_400() {
+    let (session, fake) = (Session::default(), Fake::new());
+    for body in [
+        "",
+        "{",
+        r#"{"cpus":{"boot_vcpus":1,"max_vcpus":1}}"#,
+        r#"{"payload":{"kernel":"/k"},"frobnicate":1}"#,
+    ] {
+        assert_eq!(
+            call(&session, &fake, Method::Put, "/api/v1/vm.create", body).status,
+            400,
+            "{body}"
+        );
+    }
+    // Unknown fields at a default value are accepted (Cloud Hypervisor may add fields).
+    let body = r#"{"payload":{"kernel":"/k"},"frobnicate":false}"#;
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.create", body).status,
+        204
+    );
+    let bad = r#"{"destination_url":"http://x/"}"#;
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.snapshot", bad).status,
+        400
+    );
+}

@@ -1,0 +1,288 @@
+//! ACPI PCI hot-plug for bus 0, modelled on QEMU's (hw/acpi/pcihp.c): a small port-I/O
+//! register block that the DSDT's AML (arch/src/x86_64/acpi.rs) reads and writes, and an
+//! interrupt that tells the guest to look.
+//!
+//! ```text
+//! port HOTPLUG_PORT + 0x00  PCIU  (read)   slots with a new device; reading clears it
+//!                   + 0x04  PCID  (read)   slots the VMM asks the guest to eject; reading clears it
+//!                   + 0x08  B0EJ  (write)  the guest ejects the slots whose bits it writes
+//!                   + 0x0c  EVTS  (r/w1c)  bit 0: a hot-plug event is pending
+//!                   + 0x10  EVEN  (r/w)    bit 0: raise HOTPLUG_GSI for events (the GED's
+//!                                          _INI sets it; off until then, like a GPE enable)
+//! ```
+//!
+//! The VMM plugs a device into the [`PciRoot`] and calls [`HotplugController::device_added`];
+//! the guest's AML (or the test guest, polling PCIU from ring 3) sees the bit and scans the
+//! slot. To unplug, the VMM calls [`HotplugController::request_eject`]; the guest releases
+//! the device and writes its slot bit to B0EJ, which takes the device off the bus at once
+//! (its configuration space reads all ones from then on) and wakes the VMM, which tears the
+//! device down ([`HotplugController::take_ejected`]). Only slots the VMM made hot-pluggable
+//! can be ejected: B0EJ bits for other slots (the host bridge, cold-plugged and virtio
+//! devices) are ignored.
+
+use std::sync::Arc;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use super::root::{PciBdf, PciRoot};
+use crate::BusDevice;
+
+/// First port of the register block (QEMU's PIIX4 uses the same base for its PCIHP block).
+pub const HOTPLUG_PORT: u16 = 0xae00;
+/// Bytes of the register block.
+pub const HOTPLUG_PORT_LEN: u16 = 0x14;
+/// Register offsets.
+pub const PCIU: u64 = 0x00;
+pub const PCID: u64 = 0x04;
+pub const B0EJ: u64 = 0x08;
+pub const EVTS: u64 = 0x0c;
+pub const EVEN: u64 = 0x10;
+/// The edge-triggered GSI (an ISA IRQ, so IOAPIC pin 5 with the ISA defaults) the VMM raises
+/// for each hot-plug event; the DSDT's Generic Event Device names it.
+pub const HOTPLUG_GSI: u32 = 5;
+
+/// The register block. Shared between the port-I/O bus (vCPU threads) and the VMM thread.
+pub struct HotplugController {
+    root: Arc<PciRoot>,
+    up: u32,
+    down: u32,
+    /// Slots the guest ejected that the VMM has not taken down yet.
+    ejected: u32,
+    /// Slots the guest may eject (devices the VMM hot-plugged).
+    ejectable: u32,
+    events: u32,
+    /// Whether the guest enabled the interrupt (bit 0).
+    enabled: u32,
+    /// An irqfd on [`HOTPLUG_GSI`], if wired.
+    interrupt: Option<EventFd>,
+    /// Written when the guest ejects a slot, so the VMM thread looks.
+    wake: Option<EventFd>,
+}
+
+fn bit(slot: u8) -> u32 {
+    1u32 << (slot & 31)
+}
+
+impl HotplugController {
+    pub fn new(root: Arc<PciRoot>, interrupt: Option<EventFd>) -> Self {
+        HotplugController {
+            root,
+            up: 0,
+            down: 0,
+            ejected: 0,
+            ejectable: 0,
+            events: 0,
+            enabled: 0,
+            interrupt,
+            wake: None,
+        }
+    }
+
+    /// Where to signal ejects (the VMM thread's wake-up eventfd).
+    pub fn set_wake(&mut self, wake: EventFd) {
+        self.wake = Some(wake);
+    }
+
+    fn signal(&mut self) {
+        self.events |= 1;
+        if self.enabled & 1 == 0 {
+            return;
+        }
+        if let Some(interrupt) = &self.interrupt {
+            if let Err(error) = interrupt.write(1) {
+                log::warn!("PCI hot-plug: cannot raise GSI {HOTPLUG_GSI}: {error}");
+            }
+        }
+    }
+
+    /// A device is now in `slot`: tell the guest.
+    pub fn device_added(&mut self, slot: u8) {
+        self.up |= bit(slot);
+        self.down &= !bit(slot);
+        self.ejected &= !bit(slot);
+        self.ejectable |= bit(slot);
+        self.signal();
+    }
+
+    /// Asks the guest to release and eject the device in `slot`.
+    pub fn request_eject(&mut self, slot: u8) {
+        self.up &= !bit(slot);
+        self.down |= bit(slot);
+        self.signal();
+    }
+
+    /// Withdraws an eject request the guest did not act on (the device stays).
+    pub fn cancel_eject(&mut self, slot: u8) {
+        self.down &= !bit(slot);
+    }
+
+    /// Whether the guest ejected `slot`; clears it, and the slot is no longer ejectable.
+    pub fn take_ejected(&mut self, slot: u8) -> bool {
+        let ejected = self.ejected & bit(slot) != 0;
+        if ejected {
+            self.ejected &= !bit(slot);
+        }
+        ejected
+    }
+
+    /// The VMM took the device in `slot` away itself (it was never ejected by the guest).
+    pub fn forget(&mut self, slot: u8) {
+        self.up &= !bit(slot);
+        self.down &= !bit(slot);
+        self.ejected &= !bit(slot);
+        self.ejectable &= !bit(slot);
+    }
+
+    fn eject(&mut self, slots: u32) {
+        let slots = slots & self.ejectable;
+        for slot in 0..32u8 {
+            if slots & bit(slot) == 0 {
+                continue;
+            }
+            let bdf = PciBdf {
+                bus: 0,
+                device: slot,
+                function: 0,
+            };
+            // Off the bus now: from this access on the slot reads all ones. The VMM thread
+            // holds its own reference and tears the device down.
+            self.root.remove_device(bdf);
+            self.ejectable &= !bit(slot);
+            self.down &= !bit(slot);
+            self.up &= !bit(slot);
+            self.ejected |= bit(slot);
+            log::info!("PCI hot-plug: the guest ejected 00:{slot:02x}.0");
+        }
+        if slots != 0 {
+            if let Some(wake) = &self.wake {
+                let _ = wake.write(1);
+            }
+        }
+    }
+}
+
+fn read_u32(data: &[u8]) -> u32 {
+    let mut bytes = [0u8; 4];
+    let n = data.len().min(4);
+    bytes[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(bytes)
+}
+
+impl BusDevice for HotplugController {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        let value = match offset {
+            PCIU => std::mem::take(&mut self.up),
+            PCID => std::mem::take(&mut self.down),
+            EVTS => self.events,
+            EVEN => self.enabled,
+            _ => 0,
+        };
+        let bytes = value.to_le_bytes();
+        let n = data.len().min(4);
+        data[..n].copy_from_slice(&bytes[..n]);
+        data[n..].fill(0);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let value = read_u32(data);
+        match offset {
+            B0EJ => self.eject(value),
+            EVTS => self.events &= !value,
+            EVEN => {
+                self.enabled = value & 1;
+                // An event that came while it was off is raised now.
+                if self.enabled != 0 && self.events != 0 {
+                    self.signal();
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pci::{HostBridge, PciRootConfig};
+    use std::sync::Mutex;
+
+    fn root() -> Arc<PciRoot> {
+        PciRoot::new(PciRootConfig {
+            ecam_base: 0xe000_0000,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 36,
+            mmio64_size: 1 << 36,
+        })
+        .unwrap()
+    }
+
+    fn read(c: &mut HotplugController, offset: u64) -> u32 {
+        let mut data = [0u8; 4];
+        c.read(offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    #[test]
+    fn plug_eject_and_read_clear() {
+        let root = root();
+        let slot = root
+            .add_device(Arc::new(Mutex::new(HostBridge::new())))
+            .unwrap()
+            .device;
+        let wake = EventFd::new(0).unwrap();
+        let irq = EventFd::new(libc_nonblock()).unwrap();
+        let mut c = HotplugController::new(root.clone(), Some(irq.try_clone().unwrap()));
+        c.set_wake(wake.try_clone().unwrap());
+        c.device_added(slot);
+        assert!(
+            irq.read().is_err(),
+            "no interrupt until the guest enables it"
+        );
+        c.write(EVEN, &1u32.to_le_bytes());
+        assert_eq!(
+            irq.read().unwrap(),
+            1,
+            "the pending event is raised on enable"
+        );
+        assert_eq!(read(&mut c, EVTS), 1);
+        c.write(EVTS, &1u32.to_le_bytes());
+        assert_eq!(read(&mut c, EVTS), 0);
+        assert_eq!(read(&mut c, PCIU), 1 << slot);
+        assert_eq!(read(&mut c, PCIU), 0, "reading PCIU clears it");
+        // Slot 0 (the host bridge) is not ejectable.
+        c.write(B0EJ, &1u32.to_le_bytes());
+        let mut ids = [0u8; 4];
+        root.config_read(
+            PciBdf {
+                bus: 0,
+                device: 0,
+                function: 0,
+            },
+            0,
+            &mut ids,
+        );
+        assert_ne!(ids, [0xff; 4]);
+        c.request_eject(slot);
+        assert_eq!(read(&mut c, PCID), 1 << slot);
+        assert!(!c.take_ejected(slot));
+        c.write(B0EJ, &(1u32 << slot).to_le_bytes());
+        assert_eq!(wake.read().unwrap(), 1);
+        root.config_read(
+            PciBdf {
+                bus: 0,
+                device: slot,
+                function: 0,
+            },
+            0,
+            &mut ids,
+        );
+        assert_eq!(ids, [0xff; 4], "an ejected slot reads all ones");
+        assert!(c.take_ejected(slot));
+        assert!(!c.take_ejected(slot));
+    }
+
+    fn libc_nonblock() -> i32 {
+        vmm_sys_util::eventfd::EFD_NONBLOCK
+    }
+}

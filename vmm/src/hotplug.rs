@@ -1,0 +1,307 @@
+//! PCI hot-plug of passthrough devices into a running VM (PUT and DELETE /gpus/{id} after
+//! start), through ACPI PCI hot-plug on bus 0: the register block of
+//! gpuvm_devices::pci::hotplug, described in the DSDT (arch/src/x86_64/acpi.rs) and raised
+//! on its Generic Event Device's GSI.
+//!
+//! ```text
+//! PUT /gpus/{id}     connect (vfio-user) or open (kernel VFIO) the device, plug it as
+//!                    cold-plug does (pci::Plug::open: reset, MSI/MSI-X vectors, BARs as KVM
+//!                    slots, Bus Master gated by the DMA mapping), start DMA-mapping guest
+//!                    RAM in the background, set its PCIU bit and raise the GSI; answers
+//!                    {"id", "bdf": "0000:00:XX.0"} at once
+//! DELETE /gpus/{id}  set its PCID bit and raise the GSI; the guest releases the device and
+//!                    writes B0EJ (the slot leaves the bus then); the VMM thread then stops
+//!                    the mapping, drops the device (BAR slots unmapped, MSI-X off, device
+//!                    reset, vfio-user connection or VFIO container closed: their DMA
+//!                    mappings go with them) and its MSI routes
+//! ```
+//!
+//! INTx is not wired for hot-plugged devices (guests use MSI/MSI-X for GPUs).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
+use gpuvm_devices::pci::{GuestMemoryMapper, HotplugController, PciBdf, PciRoot};
+use gpuvm_memory::GuestRam;
+use gpuvm_vfio::dma::BackgroundMapping;
+use gpuvm_vfio::kernel::KernelVfio;
+use gpuvm_vfio::user::VfioUserDevice;
+use gpuvm_vfio::PassthroughDevice;
+use kvm_ioctls::{Kvm, VmFd};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::action::GpuBody;
+use crate::interrupts::{duplicate_vm, MsiRouter};
+use crate::lock;
+use crate::pci::{create_kvm_vfio_device, DmaTestHooks, PciSetupError, Plug, RamChunks};
+
+/// How long DELETE /gpus/{id} waits for the guest to eject, unless
+/// [`EJECT_TIMEOUT_VAR`] says otherwise.
+pub const EJECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// `GPUVM_HOTPLUG_EJECT_TIMEOUT_MS=<ms>`: the eject timeout.
+pub const EJECT_TIMEOUT_VAR: &str = "GPUVM_HOTPLUG_EJECT_TIMEOUT_MS";
+
+/// The eject timeout in effect.
+pub fn eject_timeout() -> Duration {
+    std::env::var(EJECT_TIMEOUT_VAR)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map_or(EJECT_TIMEOUT, Duration::from_millis)
+}
+
+/// Why a hot-plug operation was refused; each maps to an HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum HotplugError {
+    #[error("no hot-plugged device has id {0:?}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("cannot hot-plug {id}: {source}")]
+    Device {
+        id: String,
+        #[source]
+        source: PciSetupError,
+    },
+}
+
+impl HotplugError {
+    pub fn status(&self) -> u16 {
+        match self {
+            HotplugError::NotFound(_) => 404,
+            HotplugError::Conflict(_) => 409,
+            HotplugError::Device { .. } => 400,
+        }
+    }
+}
+
+/// A device plugged at runtime.
+struct HotDevice {
+    bdf: PciBdf,
+    label: String,
+    /// Stopped (between chunks) before the device goes.
+    mapping: Option<BackgroundMapping>,
+    device: Arc<Mutex<gpuvm_vfio::pci::VfioPciDevice>>,
+    /// A kernel VFIO device's own context (container or iommufd), dropped after it.
+    _vfio: Option<KernelVfio>,
+    gsis: Vec<u32>,
+    ejecting: bool,
+}
+
+/// Where an eject request stands.
+#[derive(Debug, PartialEq, Eq)]
+pub enum EjectState {
+    /// The guest has not ejected it yet.
+    Waiting,
+    /// The guest ejected it and the VMM took it down; its "BDF name".
+    Removed(String),
+}
+
+/// The VM's hot-plug state, owned by the VMM thread (in `MachineDevices`).
+pub struct PciHotplug {
+    controller: Arc<Mutex<HotplugController>>,
+    root: Arc<PciRoot>,
+    router: Arc<MsiRouter>,
+    slots: Arc<dyn GuestMemoryMapper>,
+    vm: VmFd,
+    ram: RamChunks,
+    hooks: DmaTestHooks,
+    devices: BTreeMap<String, HotDevice>,
+    /// The hot-plug GSI's irqfd, kept registered.
+    _interrupt: EventFd,
+}
+
+impl PciHotplug {
+    pub(crate) fn new(
+        kvm: &Kvm,
+        vm: &VmFd,
+        ram: &GuestRam,
+        root: Arc<PciRoot>,
+        router: Arc<MsiRouter>,
+        slots: Arc<dyn GuestMemoryMapper>,
+        hooks: DmaTestHooks,
+    ) -> Result<Self, PciSetupError> {
+        let interrupt = EventFd::new(EFD_NONBLOCK).map_err(PciSetupError::Intx)?;
+        vm.register_irqfd(&interrupt, HOTPLUG_GSI)
+            .map_err(|e| PciSetupError::Intx(std::io::Error::from_raw_os_error(e.errno())))?;
+        let controller = HotplugController::new(
+            root.clone(),
+            Some(interrupt.try_clone().map_err(PciSetupError::Intx)?),
+        );
+        Ok(PciHotplug {
+            controller: Arc::new(Mutex::new(controller)),
+            root,
+            router,
+            slots,
+            vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
+            ram: RamChunks::new(ram),
+            hooks,
+            devices: BTreeMap::new(),
+            _interrupt: interrupt,
+        })
+    }
+
+    /// The register block, for the port-I/O bus.
+    pub fn controller(&self) -> Arc<Mutex<HotplugController>> {
+        self.controller.clone()
+    }
+
+    /// Where the guest's ejects are signalled (the VMM thread's wake-up eventfd).
+    pub fn set_wake(&self, wake: EventFd) {
+        lock(&self.controller).set_wake(wake);
+    }
+
+    /// The background DMA mappings of the hot-plugged devices.
+    pub fn dma_mappings(&self) -> impl Iterator<Item = &BackgroundMapping> {
+        self.devices.values().filter_map(|d| d.mapping.as_ref())
+    }
+
+    /// Whether `id` is a hot-plugged device.
+    pub fn contains(&self, id: &str) -> bool {
+        self.devices.contains_key(id)
+    }
+
+    /// Plugs the device of `body` into a free slot and tells the guest; returns its
+    /// bus address and its "BDF name" label.
+    pub fn plug(&mut self, body: &GpuBody) -> Result<(PciBdf, String), HotplugError> {
+        let id = body.gpu_id.clone();
+        if self.devices.contains_key(&id) {
+            return Err(HotplugError::Conflict(format!(
+                "a device with id {id:?} is already attached"
+            )));
+        }
+        let device_error = |source: PciSetupError| HotplugError::Device {
+            id: id.clone(),
+            source,
+        };
+        let plug = Plug {
+            vm: &self.vm,
+            root: &self.root,
+            router: &self.router,
+            slots: &self.slots,
+        };
+        let (plugged, mapping, vfio) = if let Some(socket) = &body.vfio_user_socket {
+            let backend = VfioUserDevice::connect(socket).map_err(|e| device_error(e.into()))?;
+            let mapper = backend.dma_mapper();
+            let progress = self.ram.progress(mapper.name());
+            // Plugging resets the device: map after that.
+            let plugged = plug
+                .open(Box::new(backend), &progress)
+                .map_err(device_error)?;
+            let mapping = self
+                .ram
+                .start_with(progress, mapper, self.hooks, None)
+                .map_err(|e| {
+                    self.root.remove_device(plugged.bdf);
+                    device_error(e)
+                })?;
+            (plugged, mapping, None)
+        } else if let Some(bdf) = &body.host_bdf {
+            let open = || -> Result<_, PciSetupError> {
+                let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
+                let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
+                let backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
+                gpuvm_vfio::host::check_memlock(self.ram_size())?;
+                Ok((vfio, backend))
+            };
+            let (vfio, backend) = open().map_err(device_error)?;
+            let mapper = vfio.dma_mapper();
+            let progress = self.ram.progress(mapper.name());
+            let mapping = self
+                .ram
+                .start_with(progress.clone(), mapper, self.hooks, None)
+                .map_err(device_error)?;
+            let plugged = plug.open(backend, &progress).map_err(device_error)?;
+            (plugged, mapping, Some(vfio))
+        } else {
+            return Err(HotplugError::Device {
+                id,
+                source: PciSetupError::Device(gpuvm_vfio::VfioError::NotPci(
+                    "the body names no device".into(),
+                )),
+            });
+        };
+        let bdf = plugged.bdf;
+        lock(&self.controller).device_added(bdf.device);
+        log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
+        let label = plugged.label.clone();
+        self.devices.insert(
+            id,
+            HotDevice {
+                bdf,
+                label: plugged.label,
+                mapping: Some(mapping),
+                device: plugged.device,
+                _vfio: vfio,
+                gsis: plugged.gsis,
+                ejecting: false,
+            },
+        );
+        Ok((bdf, label))
+    }
+
+    fn ram_size(&self) -> u64 {
+        self.ram.total()
+    }
+
+    /// Asks the guest to eject `id`'s device.
+    pub fn request_eject(&mut self, id: &str) -> Result<PciBdf, HotplugError> {
+        let device = self
+            .devices
+            .get_mut(id)
+            .ok_or_else(|| HotplugError::NotFound(id.to_string()))?;
+        if device.ejecting {
+            return Err(HotplugError::Conflict(format!(
+                "{id} is already being removed"
+            )));
+        }
+        device.ejecting = true;
+        lock(&self.controller).request_eject(device.bdf.device);
+        log::info!(
+            "hot-unplug: asked the guest to eject {id} (0000:{})",
+            device.bdf
+        );
+        Ok(device.bdf)
+    }
+
+    /// Takes `id`'s device down if the guest ejected it.
+    pub fn poll_eject(&mut self, id: &str) -> Result<EjectState, HotplugError> {
+        let device = self
+            .devices
+            .get(id)
+            .ok_or_else(|| HotplugError::NotFound(id.to_string()))?;
+        if !lock(&self.controller).take_ejected(device.bdf.device) {
+            return Ok(EjectState::Waiting);
+        }
+        let label = self.remove(id).unwrap_or_default();
+        Ok(EjectState::Removed(label))
+    }
+
+    /// The guest did not eject `id` in time: withdraw the request, keep the device.
+    pub fn cancel_eject(&mut self, id: &str) {
+        if let Some(device) = self.devices.get_mut(id) {
+            device.ejecting = false;
+            lock(&self.controller).cancel_eject(device.bdf.device);
+        }
+    }
+
+    /// Takes `id`'s device off the bus (if the guest has not) and tears it down: the DMA
+    /// mapping stops, BAR slots are unmapped, MSI-X goes off, the device is reset and its
+    /// connection or VFIO context closed; its MSI routes are dropped. Returns its label.
+    fn remove(&mut self, id: &str) -> Option<String> {
+        let mut device = self.devices.remove(id)?;
+        lock(&self.controller).forget(device.bdf.device);
+        self.root.remove_device(device.bdf);
+        drop(device.mapping.take());
+        let gsis = std::mem::take(&mut device.gsis);
+        let label = device.label.clone();
+        if Arc::strong_count(&device.device) > 1 {
+            log::warn!("hot-unplug: {label} is still referenced; it is reset when released");
+        }
+        drop(device);
+        self.router.release(&gsis);
+        log::info!("hot-unplug: {id} ({label}) removed and reset");
+        Some(label)
+    }
+}
