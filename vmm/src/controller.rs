@@ -92,7 +92,7 @@ fn metrics(state: InstanceState, machine: Option<&Machine>) -> VmmData {
         });
     }
     if let Some(machine) = machine {
-        let mappings = crate::pci::dma_mapping_status(machine.devices());
+        let mappings = crate::dma::dma_mapping_status(machine.devices());
         if !mappings.is_empty() {
             json["dma_mapping"] = dma_mapping_json(&mappings);
         }

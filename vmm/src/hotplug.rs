@@ -35,7 +35,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::action::GpuBody;
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
-use crate::pci::{create_kvm_vfio_device, DmaTestHooks, PciSetupError, Plug, RamChunks};
+use crate::dma::{DmaTestHooks, RamChunks};
+use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
 
 /// How long DELETE /gpus/{id} waits for the guest to eject, unless
 /// [`EJECT_TIMEOUT_VAR`] says otherwise.

@@ -21,6 +21,7 @@ pub mod builder;
 pub mod config;
 pub mod controller;
 pub mod devices;
+pub mod dma;
 pub mod hotplug;
 pub mod interrupts;
 pub mod logging;

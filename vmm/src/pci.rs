@@ -11,11 +11,9 @@
 //! above RAM, 1 GiB aligned   64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
 //! ```
 
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_arch::x86_64::layout::{
@@ -28,13 +26,11 @@ use gpuvm_devices::pci::{
     PciRootConfig,
 };
 use gpuvm_memory::GuestRam;
-use gpuvm_vfio::dma::{
-    plan_chunks, BackgroundMapping, DmaMapper, DmaProgress, DmaStatus, MapOptions,
-};
+use gpuvm_vfio::dma::DmaProgress;
 use gpuvm_vfio::kernel::{KernelVfio, VfioDeviceFd};
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
-use gpuvm_vfio::{DmaRegion, PassthroughDevice, VfioError};
+use gpuvm_vfio::{PassthroughDevice, VfioError};
 use kvm_bindings::{
     kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
 };
@@ -42,22 +38,12 @@ use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::devices::MachineDevices;
+use crate::dma::{bus_master_wait_limit, DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
 use crate::virtio::{VirtioOptions, VirtioSetupError};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
-/// Guest RAM is DMA-mapped in chunks of this size (1 GiB: a 1 GiB page is never split,
-/// and each chunk is one VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP call).
-const DMA_CHUNK: u64 = 1 << 30;
-/// Test hook: `GPUVM_TEST_DMA_MAP_DELAY_MS=<ms>` holds each mapping that long before its
-/// first chunk (the guest boots meanwhile; Bus Master waits).
-pub const DMA_DELAY_HOOK: &str = "GPUVM_TEST_DMA_MAP_DELAY_MS";
-/// Test hook: `GPUVM_TEST_DMA_MAP_FAIL=1` makes every chunk's map fail (after the delay).
-pub const DMA_FAIL_HOOK: &str = "GPUVM_TEST_DMA_MAP_FAIL";
-/// The least time a guest write setting Bus Master waits for the mapping before it is
-/// refused; more for large RAM (see [`bus_master_wait_limit`]).
-const BUS_MASTER_MIN_WAIT: Duration = Duration::from_secs(600);
 
 /// The PCI devices of one VM: passthrough devices and virtio devices.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -404,150 +390,6 @@ pub fn attach(
     Ok(root)
 }
 
-/// How long a guest write setting Bus Master may wait for the mapping of `total` bytes:
-/// 10 minutes, or 1 s per 128 MiB (about 16 minutes per TiB) for larger RAM.
-pub fn bus_master_wait_limit(total: u64) -> Duration {
-    BUS_MASTER_MIN_WAIT.max(Duration::from_secs(total / (128 << 20)))
-}
-
-/// The test hooks, read once per VM: the delay before each mapping, and whether maps fail.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct DmaTestHooks {
-    delay: Duration,
-    fail: bool,
-}
-
-impl DmaTestHooks {
-    pub(crate) fn from_env() -> Self {
-        let delay = match std::env::var(DMA_DELAY_HOOK) {
-            Err(_) => Duration::ZERO,
-            Ok(text) => match text.parse::<u64>() {
-                Ok(ms) => {
-                    log::warn!("{DMA_DELAY_HOOK}: each DMA mapping starts {ms} ms late");
-                    Duration::from_millis(ms)
-                }
-                Err(_) => {
-                    log::warn!(
-                        "{DMA_DELAY_HOOK}={text:?} is not a number of milliseconds; ignored"
-                    );
-                    Duration::ZERO
-                }
-            },
-        };
-        let fail = std::env::var_os(DMA_FAIL_HOOK).is_some_and(|v| v != "0");
-        if fail {
-            log::warn!("{DMA_FAIL_HOOK}: every DMA map fails");
-        }
-        DmaTestHooks { delay, fail }
-    }
-}
-
-/// A mapper whose maps all fail ([`DMA_FAIL_HOOK`]).
-struct FailingMapper(Arc<dyn DmaMapper>);
-
-impl DmaMapper for FailingMapper {
-    fn name(&self) -> String {
-        self.0.name()
-    }
-    fn max_parallel(&self) -> usize {
-        self.0.max_parallel()
-    }
-    unsafe fn map(&self, _chunk: &DmaRegion) -> std::io::Result<()> {
-        Err(std::io::Error::other(format!(
-            "injected failure ({DMA_FAIL_HOOK})"
-        )))
-    }
-}
-
-/// Guest RAM as chunks to map, and what keeps its mappings alive.
-pub(crate) struct RamChunks {
-    chunks: Vec<DmaRegion>,
-    total: u64,
-    /// A handle on guest RAM's mappings (and the memfd they map) that the mapper thread
-    /// holds until it ends.
-    memory: vm_memory::GuestMemoryMmap,
-}
-
-impl RamChunks {
-    pub(crate) fn new(ram: &GuestRam) -> Self {
-        let regions: Vec<DmaRegion> = ram
-            .host_regions()
-            .map(|(region, host)| DmaRegion {
-                guest_addr: region.guest_addr,
-                size: region.size,
-                host_addr: host as u64,
-                fd: ram.memfd().as_raw_fd(),
-                fd_offset: region.file_offset,
-            })
-            .collect();
-        let chunks = plan_chunks(&regions, DMA_CHUNK, ram.page_size());
-        RamChunks {
-            total: chunks.iter().map(|c| c.size).sum(),
-            chunks,
-            memory: ram.memory().clone(),
-        }
-    }
-
-    /// Starts mapping all chunks with `mapper` on a thread (under the VMM's seccomp
-    /// filter); `progress` was made by [`RamChunks::progress`].
-    fn start(
-        &self,
-        progress: Arc<DmaProgress>,
-        mapper: Arc<dyn DmaMapper>,
-        hooks: DmaTestHooks,
-    ) -> Result<BackgroundMapping, PciSetupError> {
-        self.start_with(
-            progress,
-            mapper,
-            hooks,
-            crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
-        )
-    }
-
-    /// As [`RamChunks::start`], with `on_thread_start` (None when started from a thread
-    /// already under the VMM filter, which the mapper thread inherits: hot-plug).
-    pub(crate) fn start_with(
-        &self,
-        progress: Arc<DmaProgress>,
-        mapper: Arc<dyn DmaMapper>,
-        hooks: DmaTestHooks,
-        on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
-    ) -> Result<BackgroundMapping, PciSetupError> {
-        let mapper: Arc<dyn DmaMapper> = if hooks.fail {
-            Arc::new(FailingMapper(mapper))
-        } else {
-            mapper
-        };
-        let options = MapOptions {
-            delay: hooks.delay,
-            on_thread_start,
-            keepalive: Some(Box::new(self.memory.clone())),
-            ..Default::default()
-        };
-        BackgroundMapping::start(progress, mapper, self.chunks.clone(), options)
-            .map_err(|e| PciSetupError::Device(VfioError::Io(e)))
-    }
-
-    pub(crate) fn total(&self) -> u64 {
-        self.total
-    }
-
-    pub(crate) fn progress(&self, name: String) -> Arc<DmaProgress> {
-        DmaProgress::new(name, self.total)
-    }
-}
-
-/// Where each background DMA mapping of `devices` stands (for the API).
-pub fn dma_mapping_status(devices: &MachineDevices) -> Vec<DmaStatus> {
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
-    devices
-        .dma_mappings
-        .iter()
-        .chain(hot)
-        .map(|m| m.progress().status())
-        .collect()
-}
-
 /// Plugs the passthrough devices of `options` into `root`. Guest RAM is mapped in the
 /// background: once per kernel VFIO context (its mappings serve all its devices), once
 /// per vfio-user device; each mapping starts as soon as its devices are open.
@@ -601,6 +443,7 @@ fn attach_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     /// The pseudo-device exists on this host's KVM, accepts the VFIO file attribute and
     /// refuses a file that is not a VFIO group or device (so the registration vfio-ioctls
