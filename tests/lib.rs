@@ -3,6 +3,7 @@
 //! The snapshot tests' own helpers are in [`snapshot_support`].
 
 pub mod snapshot_support;
+pub mod virtio_support;
 
 use std::io::Read;
 use std::path::PathBuf;

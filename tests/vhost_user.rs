@@ -8,12 +8,12 @@
 //! A test whose backend binary is missing says so on stderr and passes without running
 //! (scripts/install-deps.sh installs both).
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use gpuvm_tests::snapshot_support::arg;
+use gpuvm_tests::virtio_support::{self, blk_image, vsock_echo};
 use gpuvm_tests::{
     api_expect, api_start_instance, run_gpuvm, wait_for_api_socket, RunOutput, Scratch,
     SpawnedProcess,
@@ -35,10 +35,6 @@ const DEVICES_FIRST_SECTOR: u64 = 16;
 /// What the `virtio-fs` workload writes into `from-guest.txt`
 /// (guest-images/testguest/src/virtio/fs.rs).
 const FS_WRITTEN: &str = "written by the gpuvm test guest over virtio-fs\n";
-
-fn arg(path: &Path) -> &str {
-    path.to_str().expect("UTF-8 path")
-}
 
 /// `name` in $PATH (and, for cargo-installed backends, in ~/.cargo/bin).
 fn find_binary(name: &str) -> Option<PathBuf> {
@@ -145,24 +141,6 @@ fn start_virtiofsd(program: &Path, dir: &Path, socket: &Path) -> Backend {
     )
 }
 
-/// A raw image that starts with the magic the blk workloads check, zero elsewhere.
-fn disk_image(scratch: &Scratch, size: u64) -> PathBuf {
-    let path = scratch.path("disk.img");
-    let mut file = std::fs::File::create(&path).unwrap();
-    file.write_all(b"GPUVMBLK").unwrap();
-    file.set_len(size).unwrap();
-    path
-}
-
-fn pattern_is_on_disk(image: &Path, offset: u64, len: u64, seed: u64) -> bool {
-    let bytes = std::fs::read(image).unwrap();
-    (0..len).step_by(8).all(|word| {
-        let at = (offset + word) as usize;
-        let expected = gpuvm_guest_images::pattern(seed, offset + word);
-        bytes[at..at + 8] == expected.to_le_bytes()
-    })
-}
-
 /// The whole stdout line that starts with `prefix` (panics with the output without one).
 fn line_starting<'a>(out: &'a RunOutput, prefix: &str) -> &'a str {
     out.stdout
@@ -203,29 +181,6 @@ fn assert_refused(out: &RunOutput, needles: &[&str], context: &str) {
     );
 }
 
-/// Connects to the guest's port 1024 through the hybrid vsock socket, has `payload`
-/// echoed, shuts the connection down and waits for the guest's RST (EOF here).
-fn vsock_echo(uds: &Path, payload: &[u8]) {
-    let mut stream = UnixStream::connect(uds)
-        .unwrap_or_else(|e| panic!("connect to the vsock socket {}: {e}", uds.display()));
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    stream.write_all(b"CONNECT 1024\n").unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("answer to CONNECT");
-    assert!(line.starts_with("OK "), "answer to CONNECT: {line:?}");
-    stream.write_all(payload).unwrap();
-    let mut echo = vec![0u8; payload.len()];
-    reader.read_exact(&mut echo).expect("read the echo");
-    assert_eq!(echo, payload, "the echo differs");
-    stream.shutdown(std::net::Shutdown::Write).unwrap();
-    let mut rest = Vec::new();
-    let _ = reader.read_to_end(&mut rest);
-    assert!(rest.is_empty(), "{} bytes after the echo", rest.len());
-}
-
 /// `GET /`'s instance state.
 fn instance_state(api: &Path) -> String {
     let body = api_expect(api, 200, "GET", "/", None);
@@ -234,8 +189,10 @@ fn instance_state(api: &Path) -> String {
     info["state"].as_str().unwrap_or_default().to_string()
 }
 
-/// `PUT /snapshot/create` into `dir`, which must be refused with 400; the fault message.
+/// `PUT /snapshot/create` into `dir`, which must be refused with 400, the VM running on;
+/// the fault message.
 fn snapshot_refused(api: &Path, dir: &Path) -> String {
+    assert_eq!(instance_state(api), "Running", "before the snapshot");
     let body = format!(r#"{{"snapshot_path": "{}"}}"#, arg(dir));
     let fault = api_expect(api, 400, "PUT", "/snapshot/create", Some(&body));
     assert!(
@@ -243,24 +200,71 @@ fn snapshot_refused(api: &Path, dir: &Path) -> String {
         "a refused snapshot wrote {}",
         dir.join("state").display()
     );
+    assert_eq!(instance_state(api), "Running", "after the refused snapshot");
     fault
+}
+
+/// A drive `data` served by qemu-storage-daemon from a 1 MiB image in a new scratch
+/// directory `name`.
+struct QsdDrive {
+    scratch: Scratch,
+    image: PathBuf,
+    socket: PathBuf,
+    backend: Backend,
+    /// `--drive`'s value.
+    drive: String,
+}
+
+/// [`QsdDrive`], or `None` (the test skipped) without qemu-storage-daemon.
+fn qsd_drive(test: &str, name: &str, writable: bool) -> Option<QsdDrive> {
+    let qsd = backend_binary("qemu-storage-daemon", test)?;
+    let scratch = Scratch::new("vhost_user", name);
+    let image = blk_image(&scratch, 1 << 20);
+    let socket = scratch.path("qsd.sock");
+    let backend = start_qsd(&qsd, &image, &socket, writable);
+    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    Some(QsdDrive {
+        scratch,
+        image,
+        socket,
+        backend,
+        drive,
+    })
+}
+
+/// `gpuvm run --api-sock` with the `cmdline` workload, `devices` and a vsock device (cid
+/// 3), started through the API; returns the VM, the API socket and the vsock socket once
+/// the guest listens.
+fn start_api_vm(
+    scratch: &Scratch,
+    cmdline: &str,
+    devices: &[&str],
+) -> (SpawnedProcess, PathBuf, PathBuf) {
+    let api = scratch.path("api.sock");
+    let uds = scratch.path("v.sock");
+    let vsock = format!("cid=3,uds={}", arg(&uds));
+    let mut args = vec!["run", "--api-sock", arg(&api), "--cmdline", cmdline];
+    args.extend_from_slice(devices);
+    args.extend(["--vsock", &vsock]);
+    let mut vm = SpawnedProcess::gpuvm(&args);
+    wait_for_api_socket(&mut vm, &api);
+    api_start_instance(&api);
+    let workload = cmdline.split(' ').next().unwrap_or(cmdline);
+    vm.wait_for_stdout(&format!("{workload}: listening"), LIMIT);
+    (vm, api, uds)
 }
 
 #[test]
 fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
-    let Some(qsd) = backend_binary(
-        "qemu-storage-daemon",
+    let Some(qsd) = qsd_drive(
         "a_drive_on_qemu_storage_daemon_is_read_written_and_flushed",
+        "blk-rw",
+        true,
     ) else {
         return;
     };
-    let scratch = Scratch::new("vhost_user", "blk-rw");
-    let image = disk_image(&scratch, 1 << 20);
-    let socket = scratch.path("qsd.sock");
-    let backend = start_qsd(&qsd, &image, &socket, true);
-    let drive = format!("id=data,vhost_user={}", arg(&socket));
     let out = run_gpuvm(
-        &["run", "--cmdline", "virtio-blk", "--drive", &drive],
+        &["run", "--cmdline", "virtio-blk", "--drive", &qsd.drive],
         LIMIT,
     );
     out.assert_code(0);
@@ -273,29 +277,25 @@ fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
         out.describe()
     );
     assert!(
-        pattern_is_on_disk(&image, TEST_OFFSET, TEST_LEN, PATTERN_SEED),
+        virtio_support::pattern_is_on_disk(&qsd.image, TEST_OFFSET, TEST_LEN, PATTERN_SEED),
         "the guest's write (sectors 8..16) is not in {}\n{}",
-        image.display(),
-        backend.stderr()
+        qsd.image.display(),
+        qsd.backend.stderr()
     );
 }
 
 #[test]
 fn a_read_only_export_refuses_writes_and_keeps_its_image() {
-    let Some(qsd) = backend_binary(
-        "qemu-storage-daemon",
+    let Some(qsd) = qsd_drive(
         "a_read_only_export_refuses_writes_and_keeps_its_image",
+        "blk-ro",
+        false,
     ) else {
         return;
     };
-    let scratch = Scratch::new("vhost_user", "blk-ro");
-    let image = disk_image(&scratch, 1 << 20);
-    let before = std::fs::read(&image).unwrap();
-    let socket = scratch.path("qsd.sock");
-    let backend = start_qsd(&qsd, &image, &socket, false);
-    let drive = format!("id=data,vhost_user={}", arg(&socket));
+    let before = std::fs::read(&qsd.image).unwrap();
     let out = run_gpuvm(
-        &["run", "--cmdline", "virtio-blk", "--drive", &drive],
+        &["run", "--cmdline", "virtio-blk", "--drive", &qsd.drive],
         LIMIT,
     );
     out.assert_code(0);
@@ -304,9 +304,9 @@ fn a_read_only_export_refuses_writes_and_keeps_its_image() {
     let ok = line_starting(&out, "virtio-blk: ok ");
     assert!(ok.ends_with(" rw=no"), "{ok:?}\n{}", out.describe());
     assert!(
-        std::fs::read(&image).unwrap() == before,
+        std::fs::read(&qsd.image).unwrap() == before,
         "the read-only export's image changed\n{}",
-        backend.stderr()
+        qsd.backend.stderr()
     );
 }
 
@@ -456,33 +456,29 @@ fn a_tag_longer_than_the_config_field_is_refused() {
 /// keeps working.
 #[test]
 fn a_second_vm_on_a_busy_qemu_storage_daemon_is_refused() {
-    let Some(qsd) = backend_binary(
-        "qemu-storage-daemon",
+    let Some(qsd) = qsd_drive(
         "a_second_vm_on_a_busy_qemu_storage_daemon_is_refused",
+        "blk-busy",
+        true,
     ) else {
         return;
     };
-    let scratch = Scratch::new("vhost_user", "blk-busy");
-    let image = disk_image(&scratch, 1 << 20);
-    let socket = scratch.path("qsd.sock");
-    let backend = start_qsd(&qsd, &image, &socket, true);
-    let uds = scratch.path("v.sock");
+    let uds = qsd.scratch.path("v.sock");
     let vsock = format!("cid=3,uds={}", arg(&uds));
-    let drive = format!("id=data,vhost_user={}", arg(&socket));
     // The first VM has the drive active (it read sector 0) and waits for a connection.
     let mut first = SpawnedProcess::gpuvm(&[
         "run",
         "--cmdline",
         "virtio-devices",
         "--drive",
-        &drive,
+        &qsd.drive,
         "--rng",
         "--vsock",
         &vsock,
     ]);
     first.wait_for_stdout("virtio-devices: listening", LIMIT);
 
-    let second_drive = format!("id=second,vhost_user={}", arg(&socket));
+    let second_drive = format!("id=second,vhost_user={}", arg(&qsd.socket));
     let second = run_gpuvm(
         &["run", "--cmdline", "virtio-blk", "--drive", &second_drive],
         LIMIT,
@@ -491,7 +487,7 @@ fn a_second_vm_on_a_busy_qemu_storage_daemon_is_refused() {
         &second,
         &[
             "vhost-user-blk second",
-            arg(&socket),
+            arg(&qsd.socket),
             "did not answer",
             "already serves a frontend",
         ],
@@ -505,14 +501,14 @@ fn a_second_vm_on_a_busy_qemu_storage_daemon_is_refused() {
     out.assert_stdout_has("virtio-devices: wrote sector 16");
     out.assert_stdout_has("virtio-devices: ok connections=1");
     assert!(
-        pattern_is_on_disk(
-            &image,
+        virtio_support::pattern_is_on_disk(
+            &qsd.image,
             DEVICES_FIRST_SECTOR * 512,
             512,
             DEVICES_PATTERN_SEED
         ),
         "the first VM's write after the refusal is not in the image\n{}",
-        backend.stderr()
+        qsd.backend.stderr()
     );
 }
 
@@ -520,51 +516,28 @@ fn a_second_vm_on_a_busy_qemu_storage_daemon_is_refused() {
 /// answering, a snapshot is refused naming the drive, and SendCtrlAltDel still ends gpuvm.
 #[test]
 fn a_killed_qemu_storage_daemon_leaves_the_vmm_in_control() {
-    let Some(qsd) = backend_binary(
-        "qemu-storage-daemon",
+    let Some(qsd) = qsd_drive(
         "a_killed_qemu_storage_daemon_leaves_the_vmm_in_control",
+        "blk-death",
+        true,
     ) else {
         return;
     };
-    let scratch = Scratch::new("vhost_user", "blk-death");
-    let image = disk_image(&scratch, 1 << 20);
-    let socket = scratch.path("qsd.sock");
-    let backend = start_qsd(&qsd, &image, &socket, true);
-    let api = scratch.path("api.sock");
-    let uds = scratch.path("v.sock");
-    let vsock = format!("cid=3,uds={}", arg(&uds));
-    let drive = format!("id=data,vhost_user={}", arg(&socket));
-    let mut vm = SpawnedProcess::gpuvm(&[
-        "run",
-        "--api-sock",
-        arg(&api),
-        "--cmdline",
+    let (mut vm, api, _uds) = start_api_vm(
+        &qsd.scratch,
         "virtio-devices",
-        "--drive",
-        &drive,
-        "--rng",
-        "--vsock",
-        &vsock,
-    ]);
-    wait_for_api_socket(&mut vm, &api);
-    api_start_instance(&api);
-    vm.wait_for_stdout("virtio-devices: listening", LIMIT);
+        &["--drive", &qsd.drive, "--rng"],
+    );
 
-    backend.kill9();
+    qsd.backend.kill9();
     // The device notices the hang-up by itself (its relay watches the socket).
     vm.wait_for_stderr("the device is broken", Duration::from_secs(10));
 
-    assert_eq!(instance_state(&api), "Running");
-    let snapshot = scratch.path("snapshot");
+    let snapshot = qsd.scratch.path("snapshot");
     let fault = snapshot_refused(&api, &snapshot);
     assert!(
-        fault.contains("vhost-user drive data") && fault.contains(arg(&socket)),
+        fault.contains("vhost-user drive data") && fault.contains(arg(&qsd.socket)),
         "the refusal does not name the drive and its socket: {fault}"
-    );
-    assert_eq!(
-        instance_state(&api),
-        "Running",
-        "after the refused snapshot"
     );
 
     let asked = Instant::now();
@@ -602,24 +575,8 @@ fn a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on() {
     std::fs::create_dir(&shared).unwrap();
     let socket = scratch.path("fs.sock");
     let backend = start_virtiofsd(&virtiofsd, &shared, &socket);
-    let api = scratch.path("api.sock");
-    let uds = scratch.path("v.sock");
-    let vsock = format!("cid=3,uds={}", arg(&uds));
     let fs = format!("tag=share,socket={}", arg(&socket));
-    let mut vm = SpawnedProcess::gpuvm(&[
-        "run",
-        "--api-sock",
-        arg(&api),
-        "--cmdline",
-        "virtio-vsock",
-        "--fs",
-        &fs,
-        "--vsock",
-        &vsock,
-    ]);
-    wait_for_api_socket(&mut vm, &api);
-    api_start_instance(&api);
-    vm.wait_for_stdout("virtio-vsock: listening", LIMIT);
+    let (vm, api, uds) = start_api_vm(&scratch, "virtio-vsock", &["--fs", &fs]);
 
     let snapshot = scratch.path("snapshot");
     let fault = snapshot_refused(&api, &snapshot);
@@ -627,11 +584,6 @@ fn a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on() {
         fault.contains("virtio-fs share share") && fault.contains(arg(&socket)),
         "the refusal does not name the share and its socket: {fault}\n{}",
         backend.stderr()
-    );
-    assert_eq!(
-        instance_state(&api),
-        "Running",
-        "after the refused snapshot"
     );
     // The guest runs on: it answers a connection and finishes.
     vsock_echo(&uds, b"after the refusal");

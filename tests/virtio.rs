@@ -2,11 +2,13 @@
 //! workloads) against gpuvm's devices, with seccomp on (the default), and what the host
 //! sees of it: the disk image's bytes, the vsock socket, the tap.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use gpuvm_tests::snapshot_support::arg;
+use gpuvm_tests::virtio_support::{self, blk_image, vsock_echo};
 use gpuvm_tests::{run_gpuvm, RunOutput, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -15,26 +17,8 @@ const TEST_OFFSET: u64 = 8 * 512;
 const TEST_LEN: u64 = 8 * 512;
 const PATTERN_SEED: u64 = 0xb10c;
 
-/// A raw image that starts with the magic the workload checks.
-fn disk_image(scratch: &Scratch, size: u64) -> std::path::PathBuf {
-    let path = scratch.path("disk.img");
-    let mut file = std::fs::File::create(&path).unwrap();
-    file.write_all(b"GPUVMBLK").unwrap();
-    file.set_len(size).unwrap();
-    path
-}
-
-fn arg(path: &Path) -> &str {
-    path.to_str().expect("UTF-8 path")
-}
-
 fn pattern_is_on_disk(image: &Path) -> bool {
-    let bytes = std::fs::read(image).unwrap();
-    (0..TEST_LEN).step_by(8).all(|word| {
-        let at = (TEST_OFFSET + word) as usize;
-        let expected = gpuvm_guest_images::pattern(PATTERN_SEED, TEST_OFFSET + word);
-        bytes[at..at + 8] == expected.to_le_bytes()
-    })
+    virtio_support::pattern_is_on_disk(image, TEST_OFFSET, TEST_LEN, PATTERN_SEED)
 }
 
 fn assert_ok(out: &RunOutput, line: &str) {
@@ -67,7 +51,7 @@ fn entropy_from_a_file_source() {
 #[test]
 fn a_drive_is_read_written_and_flushed() {
     let scratch = Scratch::new("virtio", "blk-rw");
-    let image = disk_image(&scratch, 1 << 20);
+    let image = blk_image(&scratch, 1 << 20);
     let drive = format!("id=root,path={},serial=gpuvm-disk-1", arg(&image));
     let out = run_gpuvm(
         &["run", "--cmdline", "virtio-blk", "--drive", &drive],
@@ -88,7 +72,7 @@ fn a_drive_is_read_written_and_flushed() {
 fn a_read_only_drive_refuses_writes_and_keeps_its_image() {
     for engine in ["sync", "async"] {
         let scratch = Scratch::new("virtio", &format!("blk-ro-{engine}"));
-        let image = disk_image(&scratch, 1 << 20);
+        let image = blk_image(&scratch, 1 << 20);
         let before = std::fs::read(&image).unwrap();
         let drive = format!("id=root,path={},ro,engine={engine}", arg(&image));
         let drive = drive.replace("engine=sync", "engine=Sync");
@@ -136,7 +120,7 @@ fn bad_drives_are_refused_before_the_guest_runs() {
 #[test]
 fn an_image_in_use_read_write_is_refused_to_a_second_vm() {
     let scratch = Scratch::new("virtio", "blk-lock");
-    let image = disk_image(&scratch, 1 << 20);
+    let image = blk_image(&scratch, 1 << 20);
     let drive = format!("id=root,path={}", arg(&image));
     // The first VM waits for vsock connections with the drive open.
     let uds = scratch.path("v.sock");
@@ -158,35 +142,6 @@ fn an_image_in_use_read_write_is_refused_to_a_second_vm() {
     second.assert_code(125);
     second.assert_stderr_has("lock");
     first.signal(libc::SIGKILL);
-}
-
-/// Connects to the guest's port 1024 through the hybrid vsock socket, sends `payload`,
-/// reads the echo and shuts the connection down.
-fn vsock_echo(uds: &Path, payload: &[u8]) {
-    let mut stream = UnixStream::connect(uds).expect("connect to the vsock socket");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    stream.write_all(b"CONNECT 1024\n").unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "answer to CONNECT: {line:?}");
-    assert!(line[3..].trim().parse::<u32>().is_ok(), "{line:?}");
-    let writer = {
-        let mut stream = stream.try_clone().unwrap();
-        let payload = payload.to_vec();
-        std::thread::spawn(move || stream.write_all(&payload).unwrap())
-    };
-    let mut echo = vec![0u8; payload.len()];
-    reader.read_exact(&mut echo).unwrap();
-    writer.join().unwrap();
-    assert!(echo == payload, "the echo differs");
-    stream.shutdown(std::net::Shutdown::Write).unwrap();
-    // The guest resets the connection once it saw our shutdown: EOF here.
-    let mut rest = Vec::new();
-    let _ = reader.read_to_end(&mut rest);
-    assert!(rest.is_empty(), "{} bytes after the echo", rest.len());
 }
 
 #[test]
@@ -220,7 +175,7 @@ fn device_threads_run_under_their_own_filter() {
     let scratch = Scratch::new("virtio", "threads");
     let uds = scratch.path("v.sock");
     let vsock = format!("cid=3,uds={}", arg(&uds));
-    let image = disk_image(&scratch, 1 << 20);
+    let image = blk_image(&scratch, 1 << 20);
     let drive = format!("id=root,path={}", arg(&image));
     let mut vm = SpawnedProcess::gpuvm(&[
         "run",

@@ -9,44 +9,29 @@
 //! of sector 0 as it reads them then, reads entropy, and writes a pattern to sector
 //! 16 + k - 1, which the tests look for in the image files.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::{Read, Write};
 use std::path::Path;
-use std::time::Duration;
 
 use gpuvm_tests::snapshot_support::{arg, copy_dir, signal_snapshot, LIMIT};
+use gpuvm_tests::virtio_support::{
+    assert_in_order, blk_image, disk_image, has_pattern, vsock_connect, vsock_echo, BLK_MAGIC,
+    SECTOR,
+};
 use gpuvm_tests::{
     api_expect, api_start_instance, wait_for_api_socket, RunOutput, Scratch, SpawnedProcess,
 };
 
 /// The workload's pattern seed (guest-images/testguest/src/virtio/devices.rs).
 const PATTERN_SEED: u64 = 0xd5e7;
-const SECTOR: u64 = 512;
 /// Connection `k` writes sector `FIRST_WRITE_SECTOR + k - 1`.
 const FIRST_WRITE_SECTOR: u64 = 16;
 const MIB: u64 = 1 << 20;
-
-/// A raw image of `size` bytes whose sector 0 starts with `magic` (8 bytes), zero elsewhere.
-fn disk_image(path: &Path, magic: &[u8; 8], size: u64) {
-    let mut file = std::fs::File::create(path).expect("create the disk image");
-    file.write_all(magic).unwrap();
-    file.set_len(size).unwrap();
-}
 
 /// The guest's line for what it read from the drive: capacity in sectors, sector 0's
 /// first 8 bytes in hex.
 fn blk_fields(capacity_bytes: u64, magic: &[u8; 8]) -> String {
     let hex: String = magic.iter().map(|b| format!("{b:02x}")).collect();
     format!("blk capacity={} sector0={hex}", capacity_bytes / SECTOR)
-}
-
-/// Whether sector `sector` of `image` holds the workload's pattern.
-fn has_pattern(image: &[u8], sector: u64) -> bool {
-    (0..SECTOR).step_by(8).all(|word| {
-        let offset = sector * SECTOR + word;
-        let expected = gpuvm_guest_images::pattern(PATTERN_SEED, offset);
-        image[offset as usize..offset as usize + 8] == expected.to_le_bytes()
-    })
 }
 
 fn is_zero(image: &[u8], sector: u64) -> bool {
@@ -63,7 +48,7 @@ fn assert_sectors(image_path: &Path, written: &[u64], context: &str) {
     for sector in FIRST_WRITE_SECTOR..FIRST_WRITE_SECTOR + 4 {
         if written.contains(&sector) {
             assert!(
-                has_pattern(&image, sector),
+                has_pattern(&image, sector * SECTOR, SECTOR, PATTERN_SEED),
                 "{context}: sector {sector} of {} lacks the guest's pattern",
                 image_path.display()
             );
@@ -77,29 +62,6 @@ fn assert_sectors(image_path: &Path, written: &[u64], context: &str) {
     }
 }
 
-/// Connects to the guest's port 1024 through the hybrid vsock socket, has `payload`
-/// echoed, shuts the connection down and waits for the guest's RST (EOF here).
-fn vsock_echo(uds: &Path, payload: &[u8]) {
-    let mut stream = UnixStream::connect(uds)
-        .unwrap_or_else(|e| panic!("connect to the vsock socket {}: {e}", uds.display()));
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    stream.write_all(b"CONNECT 1024\n").unwrap();
-    let mut reader = BufReader::new(stream.try_clone().unwrap());
-    let mut line = String::new();
-    reader.read_line(&mut line).expect("answer to CONNECT");
-    assert!(line.starts_with("OK "), "answer to CONNECT: {line:?}");
-    stream.write_all(payload).unwrap();
-    let mut echo = vec![0u8; payload.len()];
-    reader.read_exact(&mut echo).expect("read the echo");
-    assert_eq!(echo, payload, "the echo differs");
-    stream.shutdown(std::net::Shutdown::Write).unwrap();
-    let mut rest = Vec::new();
-    let _ = reader.read_to_end(&mut rest);
-    assert!(rest.is_empty(), "{} bytes after the echo", rest.len());
-}
-
 /// The lines of `stdout` after the first one that contains `marker` (panics without one).
 fn after<'a>(stdout: &'a str, marker: &str) -> &'a str {
     let at = stdout
@@ -108,15 +70,24 @@ fn after<'a>(stdout: &'a str, marker: &str) -> &'a str {
     &stdout[at..]
 }
 
-/// Asserts that `lines` appear in `stdout` in this order.
-fn assert_in_order(stdout: &str, lines: &[&str], context: &str) {
-    let mut rest = stdout;
-    for line in lines {
-        match rest.find(line) {
-            Some(at) => rest = &rest[at + line.len()..],
-            None => panic!("{context}: {line:?} missing or out of order in:\n{stdout}"),
-        }
-    }
+/// `gpuvm restore --snapshot SNAP --restore-mode MODE...` (`mode` and any further flags):
+/// once the guest printed `marker`, has `payload` echoed over vsock, then waits for the
+/// end, which must be status 0.
+fn restore_and_echo(
+    snap: &Path,
+    mode: &[&str],
+    marker: &str,
+    uds: &Path,
+    payload: &[u8],
+) -> RunOutput {
+    let mut args = vec!["restore", "--snapshot", arg(snap), "--restore-mode"];
+    args.extend_from_slice(mode);
+    let mut vm = SpawnedProcess::gpuvm(&args);
+    vm.wait_for_stdout(marker, LIMIT);
+    vsock_echo(uds, payload);
+    let out = vm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "restore {mode:?}: {}", out.describe());
+    out
 }
 
 /// The drive, entropy device and vsock flags of `gpuvm run`.
@@ -179,12 +150,12 @@ fn snapshot_after_connection_1(image: &Path, uds: &Path, snap: &Path) -> RunOutp
     assert_in_order(
         &out.stdout,
         &[
-            &format!("virtio-devices: {}", blk_fields(MIB, b"GPUVMBLK")),
+            &format!("virtio-devices: {}", blk_fields(MIB, BLK_MAGIC)),
             "virtio-devices: rng ok",
             "virtio-devices: connection 1 from cid 2",
             &format!(
                 "virtio-devices: after connection 1: {}",
-                blk_fields(MIB, b"GPUVMBLK")
+                blk_fields(MIB, BLK_MAGIC)
             ),
             "virtio-devices: rng ok",
             "virtio-devices: wrote sector 16",
@@ -207,8 +178,7 @@ fn snapshot_after_connection_1(image: &Path, uds: &Path, snap: &Path) -> RunOutp
 #[test]
 fn drive_entropy_and_vsock_survive_eager_and_lazy_restores() {
     let scratch = Scratch::new("virtio_snapshot", "restore");
-    let image = scratch.path("disk.img");
-    disk_image(&image, b"GPUVMBLK", MIB);
+    let image = blk_image(&scratch, MIB);
     let uds = scratch.path("v.sock");
     let snap = scratch.path("snap");
     snapshot_after_connection_1(&image, &uds, &snap);
@@ -220,20 +190,15 @@ fn drive_entropy_and_vsock_survive_eager_and_lazy_restores() {
         std::fs::write(&image, &image_at_snapshot).unwrap();
         let dir = scratch.path(&format!("snap-{mode}"));
         copy_dir(&snap, &dir);
-        let mut vm = SpawnedProcess::gpuvm(&[
-            "restore",
-            "--snapshot",
-            arg(&dir),
-            "--restore-mode",
-            mode,
-            "--report-timing",
-        ]);
         // The device lost connection 1's socket: the guest hears of it before anything else.
-        vm.wait_for_stdout("virtio-devices: transport reset", LIMIT);
-        vsock_echo(&uds, format!("after the {mode} restore").as_bytes());
-        let out = vm.wait(LIMIT);
+        let out = restore_and_echo(
+            &dir,
+            &[mode, "--report-timing"],
+            "virtio-devices: transport reset",
+            &uds,
+            format!("after the {mode} restore").as_bytes(),
+        );
         let context = format!("{mode} restore");
-        assert_eq!(out.code(), Some(0), "{context}: {}", out.describe());
         let mode_line = format!(
             "gpuvm: restore mode={}{}",
             mode[..1].to_uppercase(),
@@ -260,7 +225,7 @@ fn drive_entropy_and_vsock_survive_eager_and_lazy_restores() {
                 "virtio-devices: connection 2 shut down by peer",
                 &format!(
                     "virtio-devices: after connection 2: {}",
-                    blk_fields(MIB, b"GPUVMBLK")
+                    blk_fields(MIB, BLK_MAGIC)
                 ),
                 "virtio-devices: rng ok",
                 "virtio-devices: wrote sector 17",
@@ -284,8 +249,7 @@ fn drive_entropy_and_vsock_survive_eager_and_lazy_restores() {
 #[test]
 fn a_restore_whose_image_changed_size_is_refused() {
     let scratch = Scratch::new("virtio_snapshot", "resized");
-    let image = scratch.path("disk.img");
-    disk_image(&image, b"GPUVMBLK", MIB);
+    let image = blk_image(&scratch, MIB);
     let uds = scratch.path("v.sock");
     let snap = scratch.path("snap");
     snapshot_after_connection_1(&image, &uds, &snap);
@@ -368,7 +332,7 @@ fn api_configured_devices_and_a_drive_swapped_while_running() {
     let scratch = Scratch::new("virtio_snapshot", "api");
     let first = scratch.path("first.img");
     let second = scratch.path("second.img");
-    disk_image(&first, b"GPUVMBLK", MIB);
+    disk_image(&first, BLK_MAGIC, MIB);
     disk_image(&second, b"SWAPPED2", 2 * MIB);
     let uds = scratch.path("v.sock");
     let socket = scratch.path("api.sock");
@@ -470,10 +434,10 @@ fn api_configured_devices_and_a_drive_swapped_while_running() {
     assert_in_order(
         &stdout,
         &[
-            &format!("virtio-devices: {}", blk_fields(MIB, b"GPUVMBLK")),
+            &format!("virtio-devices: {}", blk_fields(MIB, BLK_MAGIC)),
             &format!(
                 "virtio-devices: after connection 1: {}",
-                blk_fields(MIB, b"GPUVMBLK")
+                blk_fields(MIB, BLK_MAGIC)
             ),
             "virtio-devices: rng ok",
             "virtio-devices: wrote sector 16",
@@ -526,7 +490,7 @@ fn a_snapshot_after_a_swap_restores_the_swapped_in_image() {
     let scratch = Scratch::new("virtio_snapshot", "swap-snap");
     let first = scratch.path("first.img");
     let second = scratch.path("second.img");
-    disk_image(&first, b"GPUVMBLK", MIB);
+    disk_image(&first, BLK_MAGIC, MIB);
     disk_image(&second, b"SWAPPED2", 2 * MIB);
     let uds = scratch.path("v.sock");
     let socket = scratch.path("api.sock");
@@ -582,17 +546,13 @@ fn a_snapshot_after_a_swap_restores_the_swapped_in_image() {
     assert_sectors(&first, &[], "the first image before the restore");
     assert_sectors(&second, &[16], "the second image before the restore");
 
-    let mut restored = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&snap),
-        "--restore-mode",
-        "eager",
-    ]);
-    restored.wait_for_stdout("virtio-devices: transport reset", LIMIT);
-    vsock_echo(&uds, b"connection 2");
-    let out = restored.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    let out = restore_and_echo(
+        &snap,
+        &["eager"],
+        "virtio-devices: transport reset",
+        &uds,
+        b"connection 2",
+    );
     assert_in_order(
         &out.stdout,
         &[
@@ -615,8 +575,7 @@ fn a_snapshot_after_a_swap_restores_the_swapped_in_image() {
 #[test]
 fn a_connection_open_at_the_snapshot_is_dropped_by_the_transport_reset() {
     let scratch = Scratch::new("virtio_snapshot", "open-conn");
-    let image = scratch.path("disk.img");
-    disk_image(&image, b"GPUVMBLK", MIB);
+    let image = blk_image(&scratch, MIB);
     let uds = scratch.path("v.sock");
     let snap = scratch.path("snap");
     let devices = Devices::new(&image, &uds);
@@ -626,14 +585,7 @@ fn a_connection_open_at_the_snapshot_is_dropped_by_the_transport_reset() {
     vm.wait_for_stdout("virtio-devices: listening", LIMIT);
 
     // A connection that echoes once and stays open.
-    let mut open = UnixStream::connect(&uds).expect("connect to the vsock socket");
-    open.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    open.write_all(b"CONNECT 1024\n").unwrap();
-    let mut reader = BufReader::new(open.try_clone().unwrap());
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "answer to CONNECT: {line:?}");
+    let (mut open, mut reader) = vsock_connect(&uds);
     open.write_all(b"half").unwrap();
     let mut echo = [0u8; 4];
     reader.read_exact(&mut echo).unwrap();
@@ -653,17 +605,13 @@ fn a_connection_open_at_the_snapshot_is_dropped_by_the_transport_reset() {
     let _ = reader.read_to_end(&mut rest);
     assert!(rest.is_empty(), "{} bytes after the VMM exited", rest.len());
 
-    let mut restored = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&snap),
-        "--restore-mode",
-        "eager",
-    ]);
-    restored.wait_for_stdout("virtio-devices: connection 1 dropped by the reset", LIMIT);
-    vsock_echo(&uds, b"a new connection 1");
-    let out = restored.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    let out = restore_and_echo(
+        &snap,
+        &["eager"],
+        "virtio-devices: connection 1 dropped by the reset",
+        &uds,
+        b"a new connection 1",
+    );
     assert_in_order(
         &out.stdout,
         &[
@@ -673,7 +621,7 @@ fn a_connection_open_at_the_snapshot_is_dropped_by_the_transport_reset() {
             "virtio-devices: connection 1 shut down by peer, echoed 18 bytes",
             &format!(
                 "virtio-devices: after connection 1: {}",
-                blk_fields(MIB, b"GPUVMBLK")
+                blk_fields(MIB, BLK_MAGIC)
             ),
             "virtio-devices: rng ok",
             "virtio-devices: wrote sector 16",

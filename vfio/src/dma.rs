@@ -438,8 +438,29 @@ pub fn map_chunks(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// How many calls of a fake ran at once, at the most.
+    #[derive(Default)]
+    pub(crate) struct Overlap {
+        active: AtomicUsize,
+        most: AtomicUsize,
+    }
+
+    impl Overlap {
+        /// One call, taking `delay`.
+        pub fn call(&self, delay: Duration) {
+            let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(delay);
+            self.active.fetch_sub(1, Ordering::SeqCst);
+        }
+
+        pub fn most(&self) -> usize {
+            self.most.load(Ordering::SeqCst)
+        }
+    }
 
     /// Records each call and how many ran at once; can be slowed, and can fail at one IOVA.
     #[derive(Default)]
@@ -448,8 +469,7 @@ mod tests {
         pub delay: Duration,
         pub fail_iova: Option<u64>,
         pub calls: Mutex<Vec<u64>>,
-        active: AtomicUsize,
-        pub max_active: AtomicUsize,
+        pub overlap: Overlap,
     }
 
     impl DmaMapper for FakeMapper {
@@ -460,10 +480,7 @@ mod tests {
             self.parallel
         }
         unsafe fn map(&self, chunk: &DmaRegion) -> std::io::Result<()> {
-            let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
-            self.max_active.fetch_max(now, Ordering::SeqCst);
-            std::thread::sleep(self.delay);
-            self.active.fetch_sub(1, Ordering::SeqCst);
+            self.overlap.call(self.delay);
             if Some(chunk.guest_addr) == self.fail_iova {
                 return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
             }
@@ -472,7 +489,8 @@ mod tests {
         }
     }
 
-    fn ram() -> Vec<DmaRegion> {
+    /// Guest RAM in two regions, below and above a 1 GiB hole at 3 GiB.
+    pub(crate) fn ram() -> Vec<DmaRegion> {
         vec![
             DmaRegion {
                 guest_addr: 0,
@@ -531,7 +549,7 @@ mod tests {
         assert_eq!(status.mapped_bytes, (8 << 30) + (6 << 20));
         assert_eq!(status.mapped_bytes, status.total_bytes);
         assert_eq!(status.parallel, 1);
-        assert_eq!(fake.max_active.load(Ordering::SeqCst), 1);
+        assert_eq!(fake.overlap.most(), 1);
         let calls = fake.calls.lock().unwrap().clone();
         let expected: Vec<u64> = plan_chunks(&ram(), 1 << 30, 2 << 20)
             .iter()
@@ -550,7 +568,7 @@ mod tests {
         let status = start(fake.clone(), MapOptions::default()).join();
         assert!(status.done, "{status:?}");
         assert_eq!(status.parallel, 4);
-        let most = fake.max_active.load(Ordering::SeqCst);
+        let most = fake.overlap.most();
         assert!((2..=4).contains(&most), "{most} chunks at once");
         let mut calls = fake.calls.lock().unwrap().clone();
         calls.sort();

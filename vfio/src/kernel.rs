@@ -288,13 +288,12 @@ impl Drop for KernelVfioDevice {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
     use std::time::Duration;
 
     use super::*;
+    use crate::dma::tests::{ram, Overlap};
     use crate::dma::{plan_chunks, BackgroundMapping, DmaProgress, MapOptions};
-    use crate::DmaRegion;
 
     /// The fake ioctl layer: records VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP calls as vfio-ioctls
     /// would issue them, how many ran at once, and fails the one at `fail_iova`.
@@ -303,8 +302,7 @@ mod tests {
         calls: Mutex<Vec<(u64, usize, u64)>>,
         fail_iova: Option<u64>,
         delay: Duration,
-        active: AtomicUsize,
-        max_active: AtomicUsize,
+        overlap: Overlap,
     }
 
     impl VfioOps for FakeOps {
@@ -314,10 +312,7 @@ mod tests {
             size: usize,
             user_addr: *mut u8,
         ) -> vfio_ioctls::Result<()> {
-            let now = self.active.fetch_add(1, Ordering::SeqCst) + 1;
-            self.max_active.fetch_max(now, Ordering::SeqCst);
-            std::thread::sleep(self.delay);
-            self.active.fetch_sub(1, Ordering::SeqCst);
+            self.overlap.call(self.delay);
             if Some(iova) == self.fail_iova {
                 return Err(vfio_ioctls::VfioError::IommuDmaMap(
                     vmm_sys_util::errno::Error::new(libc::ENOMEM),
@@ -329,25 +324,6 @@ mod tests {
                 .push((iova, size, user_addr as u64));
             Ok(())
         }
-    }
-
-    fn ram() -> Vec<DmaRegion> {
-        vec![
-            DmaRegion {
-                guest_addr: 0,
-                size: 3 << 30,
-                host_addr: 0x7f00_0000_0000,
-                fd: -1,
-                fd_offset: 0,
-            },
-            DmaRegion {
-                guest_addr: 4 << 30,
-                size: (5 << 30) + (6 << 20),
-                host_addr: 0x7f10_0000_0000,
-                fd: -1,
-                fd_offset: 3 << 30,
-            },
-        ]
     }
 
     /// Maps `ram()` in the background through a context over `ops`, as vmm/src/pci.rs does.
@@ -403,7 +379,7 @@ mod tests {
         let type1 = slow();
         let status = map_in_background(type1.clone(), KernelApi::Container);
         assert_eq!(status.parallel, 1);
-        assert_eq!(type1.max_active.load(Ordering::SeqCst), 1);
+        assert_eq!(type1.overlap.most(), 1);
 
         let vfio = KernelVfio::with_ops(slow(), KernelApi::Iommufd);
         let parallel = vfio.dma_mapper().max_parallel();
@@ -418,7 +394,7 @@ mod tests {
         assert!(status.done);
         assert_eq!(status.parallel, parallel);
         if parallel > 1 {
-            assert!(iommufd.max_active.load(Ordering::SeqCst) > 1);
+            assert!(iommufd.overlap.most() > 1);
         }
         assert_eq!(iommufd.calls.lock().unwrap().len(), 9);
     }

@@ -159,14 +159,18 @@ fn emulated_gpu_over_vfio_user() {
     unsafe { libc::close(memfd.as_raw_fd()) };
 }
 
-/// A backend with one mmap-able 64 KiB BAR0 holding the MSI-X table (0x2000) and PBA (0x3000).
-struct MmapBackend {
+/// A backend with one 64 KiB BAR0 holding the MSI-X table (0x2000) and PBA (0x3000),
+/// mmap-able or not; it keeps the command register and records every write to it.
+struct FakeBackend {
+    name: &'static str,
+    mmap: bool,
     config: Vec<u8>,
     memory: Vec<u8>,
+    command_writes: Arc<Mutex<Vec<u8>>>,
 }
 
-impl MmapBackend {
-    fn new() -> Self {
+impl FakeBackend {
+    fn new(name: &'static str, mmap: bool) -> Self {
         let mut config = vec![0u8; 256];
         config[0..4].copy_from_slice(&0x2330_10deu32.to_le_bytes());
         config[6] = 0x10;
@@ -175,16 +179,34 @@ impl MmapBackend {
         config[0x62] = 1; // 2 vectors
         config[0x64..0x68].copy_from_slice(&0x2000u32.to_le_bytes());
         config[0x68..0x6c].copy_from_slice(&0x3000u32.to_le_bytes());
-        MmapBackend {
+        FakeBackend {
+            name,
+            mmap,
             config,
             memory: vec![0; 64 << 10],
+            command_writes: Arc::default(),
         }
+    }
+
+    /// A [`VfioPciDevice`] over this backend, its MSI-X vectors on GSIs from 24.
+    fn device(self) -> VfioPciDevice {
+        let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+            (0..count)
+                .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))
+                .collect()
+        };
+        VfioPciDevice::new(
+            Box::new(self),
+            &mut allocate,
+            Arc::new(RecordedRoutes::default()),
+        )
+        .expect("device")
     }
 }
 
-impl crate::PassthroughDevice for MmapBackend {
+impl crate::PassthroughDevice for FakeBackend {
     fn name(&self) -> String {
-        "fake".into()
+        self.name.into()
     }
     fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
         match index {
@@ -214,6 +236,7 @@ impl crate::PassthroughDevice for MmapBackend {
     }
     fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> crate::Result<()> {
         if index == crate::region::CONFIG && offset == 4 {
+            self.command_writes.lock().unwrap().push(data[0]);
             self.config[4] = data[0];
         }
         Ok(())
@@ -224,6 +247,9 @@ impl crate::PassthroughDevice for MmapBackend {
         offset: u64,
         _size: u64,
     ) -> crate::Result<Option<*mut u8>> {
+        if !self.mmap {
+            return Ok(None);
+        }
         // SAFETY: offset is inside the 64 KiB buffer (the caller maps BAR0 parts only).
         Ok(Some(unsafe {
             self.memory.as_mut_ptr().add(offset as usize)
@@ -286,14 +312,7 @@ fn guest_ranges(slots: &Slots) -> Vec<(u64, u64)> {
 
 #[test]
 fn mmapped_bar_parts_follow_the_bar_and_skip_msix_pages() {
-    let routes = Arc::new(RecordedRoutes::default());
-    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
-        (0..count)
-            .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))
-            .collect()
-    };
-    let mut device =
-        VfioPciDevice::new(Box::new(MmapBackend::new()), &mut allocate, routes).expect("device");
+    let mut device = FakeBackend::new("fake", true).device();
     let slots = Arc::new(Slots::default());
     let mapped = device.map_bars(slots.clone()).expect("map bars");
     assert_eq!(
@@ -391,48 +410,6 @@ fn intx_is_level_triggered_and_yields_to_msix() {
     assert_eq!(intx_count(&mut device), 3);
 }
 
-/// A backend that keeps the command register and records every write to it.
-struct CommandBackend {
-    inner: MmapBackend,
-    writes: Arc<Mutex<Vec<u8>>>,
-}
-
-impl crate::PassthroughDevice for CommandBackend {
-    fn name(&self) -> String {
-        "gated".into()
-    }
-    fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
-        self.inner.region_info(index)
-    }
-    fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> crate::Result<()> {
-        self.inner.region_read(index, offset, data)
-    }
-    fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> crate::Result<()> {
-        if index == crate::region::CONFIG && offset == 4 {
-            self.writes.lock().unwrap().push(data[0]);
-        }
-        self.inner.region_write(index, offset, data)
-    }
-    fn mmap_region(&mut self, _: u32, _: u64, _: u64) -> crate::Result<Option<*mut u8>> {
-        Ok(None)
-    }
-    fn msix_vectors(&mut self) -> crate::Result<u32> {
-        Ok(2)
-    }
-    fn enable_msix(&mut self, _eventfds: &[&EventFd]) -> crate::Result<()> {
-        Ok(())
-    }
-    fn disable_msix(&mut self) -> crate::Result<()> {
-        Ok(())
-    }
-    fn dma_map(&mut self, _region: &DmaRegion) -> crate::Result<()> {
-        Ok(())
-    }
-    fn reset(&mut self) -> crate::Result<()> {
-        Ok(())
-    }
-}
-
 /// A device gated by a background mapping of `delay` that fails when `fail` is set.
 fn gated_device(
     delay: std::time::Duration,
@@ -459,22 +436,9 @@ fn gated_device(
             Ok(())
         }
     }
-    let writes = Arc::new(Mutex::new(Vec::new()));
-    let backend = CommandBackend {
-        inner: MmapBackend::new(),
-        writes: writes.clone(),
-    };
-    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
-        (0..count)
-            .map(|i| Ok((24 + i, EventFd::new(EFD_NONBLOCK)?)))
-            .collect()
-    };
-    let mut device = VfioPciDevice::new(
-        Box::new(backend),
-        &mut allocate,
-        Arc::new(RecordedRoutes::default()),
-    )
-    .expect("device");
+    let backend = FakeBackend::new("gated", false);
+    let writes = backend.command_writes.clone();
+    let mut device = backend.device();
     let chunks = vec![DmaRegion {
         guest_addr: 0,
         size: 1 << 20,

@@ -207,13 +207,14 @@ fn find_capability(device: u8, id: u8) -> Option<u8> {
     None
 }
 
-/// Points IDT gate `vector` at `handler` (interrupt gate, kernel code, DPL 0).
-fn install_gate(vector: u8, handler: u64) {
+/// Points IDT gate `vector` at `handler` (interrupt gate, kernel code, DPL 0). Also used by
+/// the virtio workloads (virtio/irq.rs), on vectors of their own.
+pub(crate) fn install_gate(vector: u8, handler: u64) {
     let low = (handler & 0xffff) | 0x08 << 16 | 0x8e00 << 32 | (handler >> 16 & 0xffff) << 48;
     let high = handler >> 32;
     let index = usize::from(vector) * 2;
-    // SAFETY: the IDT is identity mapped and writable; gate `vector` is unused until now and
-    // nothing can raise it before MSI-X is enabled.
+    // SAFETY: the IDT is identity mapped and writable; the callers own gate `vector`, and
+    // nothing can raise it before they program its device (or timer).
     unsafe {
         let idt = core::ptr::addr_of_mut!(tg_idt) as *mut u64;
         idt.add(index + 1).write_volatile(high);

@@ -1,7 +1,7 @@
 //! [`VhostUserBlock`]: virtio-blk served by a vhost-user-blk backend
 //! (qemu-storage-daemon's `--export type=vhost-user-blk`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
@@ -14,9 +14,8 @@ use virtio_bindings::virtio_blk::{
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
-use super::lifecycle::{check_queue_size, read_config_bytes, thread_name, VhostUserCore};
+use super::lifecycle::{check_queues, thread_name, VhostUserCore, VhostUserDevice, VhostUserKind};
 use super::{Timeouts, VhostUserError};
-use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice};
 
 const KIND: &str = "vhost-user-blk";
 
@@ -78,24 +77,38 @@ impl VhostUserBlockConfig {
 
     pub fn validate(&self) -> Result<(), VhostUserError> {
         let device = format!("{KIND} {}", self.drive_id);
-        if self.num_queues == 0 || self.num_queues > 64 {
-            return Err(VhostUserError::Config {
-                device,
-                reason: format!("num_queues {} is not from 1 to 64", self.num_queues),
-            });
-        }
-        check_queue_size(&device, self.queue_size)
+        check_queues(&device, self.num_queues, self.queue_size)
+    }
+}
+
+impl VhostUserKind for VhostUserBlockConfig {
+    const DEVICE_TYPE: u32 = VIRTIO_ID_BLOCK;
+
+    fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    fn queue_count(&self) -> usize {
+        usize::from(self.num_queues)
+    }
+
+    fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "vhost_user_blk": {
+                "drive_id": self.drive_id,
+                "socket": self.socket,
+            }
+        })
     }
 }
 
 /// virtio-blk whose requests a vhost-user-blk backend serves straight from guest memory.
-pub struct VhostUserBlock {
-    config: VhostUserBlockConfig,
-    core: VhostUserCore,
-    /// GET_CONFIG's answer, with `num_queues` set to ours.
-    config_space: Vec<u8>,
-    features: u64,
-}
+/// Its configuration space is GET_CONFIG's answer, with `num_queues` set to ours.
+pub type VhostUserBlock = VhostUserDevice<VhostUserBlockConfig>;
 
 impl VhostUserBlock {
     /// Connects to the backend with the default [`Timeouts`], negotiates, and reads the
@@ -115,7 +128,7 @@ impl VhostUserBlock {
             name.clone(),
             thread_name("vu-blk", &config.drive_id),
             &config.socket,
-            usize::from(config.num_queues),
+            config.queue_count(),
             VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::REPLY_ACK,
@@ -176,10 +189,6 @@ impl VhostUserBlock {
         Ok(device)
     }
 
-    pub fn config(&self) -> &VhostUserBlockConfig {
-        &self.config
-    }
-
     /// The capacity the backend reported, in 512-byte sectors.
     pub fn capacity_sectors(&self) -> u64 {
         let mut bytes = [0u8; 8];
@@ -190,92 +199,5 @@ impl VhostUserBlock {
     /// The backend exports the disk read-only.
     pub fn read_only(&self) -> bool {
         self.features & (1 << VIRTIO_BLK_F_RO) != 0
-    }
-
-    /// The backend died, closed its socket or missed a reply: the queues are no longer
-    /// served (the guest sees a hung disk). There is no reconnection.
-    pub fn is_broken(&self) -> bool {
-        self.core.is_broken()
-    }
-
-    /// Why a snapshot of a VM with this device must be refused (always, for now: the
-    /// disk's state lives in the backend and DEVICE_STATE is not implemented). The VMM
-    /// calls it on every device before pausing for a snapshot.
-    pub fn snapshot_refusal(&self) -> Option<String> {
-        Some(snapshot_refusal(self.core.name(), &self.config.socket))
-    }
-}
-
-pub(super) fn snapshot_refusal(name: &str, socket: &std::path::Path) -> String {
-    format!(
-        "{name}: a vhost-user device cannot be snapshotted: its state lives in the backend at \
-         {} and gpuvm does not implement the vhost-user DEVICE_STATE transfer",
-        socket.display()
-    )
-}
-
-impl VirtioDevice for VhostUserBlock {
-    fn name(&self) -> &str {
-        self.core.name()
-    }
-
-    fn device_type(&self) -> u32 {
-        VIRTIO_ID_BLOCK
-    }
-
-    fn queue_max_sizes(&self) -> Vec<u16> {
-        vec![self.config.queue_size; usize::from(self.config.num_queues)]
-    }
-
-    fn device_features(&self) -> u64 {
-        self.features
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config_space, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "{}: ignored a {}-byte configuration write at {offset}",
-            self.core.name(),
-            data.len()
-        );
-    }
-
-    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
-        self.core.activate(activation)
-    }
-
-    fn reset(&mut self) {
-        self.core.reset();
-    }
-
-    fn pause(&mut self) -> Vec<Option<QueuePosition>> {
-        self.core.pause()
-    }
-
-    fn resume(&mut self) -> Result<(), ActivateError> {
-        self.core.resume()
-    }
-
-    /// What the device was (a snapshot is refused before it gets here, see
-    /// [`VhostUserBlock::snapshot_refusal`]).
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({
-            "vhost_user_blk": {
-                "drive_id": self.config.drive_id,
-                "socket": self.config.socket,
-            }
-        })
-    }
-
-    /// Always refused: the backend's state was never saved.
-    fn restore_state(&mut self, _state: &serde_json::Value) -> Result<(), String> {
-        Err(snapshot_refusal(self.core.name(), &self.config.socket))
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
     }
 }

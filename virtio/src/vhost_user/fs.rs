@@ -1,15 +1,13 @@
 //! [`VhostUserFs`]: virtio-fs served by virtiofsd.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
-use super::block::snapshot_refusal;
-use super::lifecycle::{check_queue_size, read_config_bytes, thread_name, VhostUserCore};
+use super::lifecycle::{check_queues, thread_name, VhostUserCore, VhostUserDevice, VhostUserKind};
 use super::{Timeouts, VhostUserError};
-use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice};
 
 const KIND: &str = "vhost-user-fs";
 /// VIRTIO_ID_FS.
@@ -74,26 +72,40 @@ impl FsConfig {
         if self.tag.contains('\0') {
             return refuse("the tag contains a NUL byte".to_string());
         }
-        if self.num_queues == 0 || self.num_queues > 64 {
-            return refuse(format!(
-                "num_queues {} is not from 1 to 64",
-                self.num_queues
-            ));
-        }
-        check_queue_size(&device, self.queue_size)
+        check_queues(&device, self.num_queues, self.queue_size)
+    }
+}
+
+impl VhostUserKind for FsConfig {
+    const DEVICE_TYPE: u32 = DEVICE_TYPE;
+
+    fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The high-priority queue and the request queues.
+    fn queue_count(&self) -> usize {
+        1 + usize::from(self.num_queues)
+    }
+
+    fn queue_size(&self) -> u16 {
+        self.queue_size
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "vhost_user_fs": {
+                "tag": self.tag,
+                "socket": self.socket,
+            }
+        })
     }
 }
 
 /// virtio-fs: FUSE requests on its queues, answered by virtiofsd from the shared
-/// directory, straight to and from guest memory. No DAX window.
-pub struct VhostUserFs {
-    config: FsConfig,
-    core: VhostUserCore,
-    features: u64,
-    /// tag[36] and num_request_queues (le32): the device's own, virtiofsd has no
-    /// configuration space.
-    config_space: [u8; FS_TAG_BYTES + 4],
-}
+/// directory, straight to and from guest memory. No DAX window. Its configuration space,
+/// tag[36] and num_request_queues (le32), is the device's own: virtiofsd has none.
+pub type VhostUserFs = VhostUserDevice<FsConfig>;
 
 impl VhostUserFs {
     /// Connects to virtiofsd with the default [`Timeouts`] and negotiates.
@@ -112,12 +124,12 @@ impl VhostUserFs {
             name.clone(),
             thread_name("vu-fs", &config.tag),
             &config.socket,
-            1 + usize::from(config.num_queues),
+            config.queue_count(),
             VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK,
             timeouts,
         )?;
         let features = core.backend_features() & FORWARDED_FEATURES;
-        let mut config_space = [0u8; FS_TAG_BYTES + 4];
+        let mut config_space = vec![0u8; FS_TAG_BYTES + 4];
         config_space[..config.tag.len()].copy_from_slice(config.tag.as_bytes());
         config_space[FS_TAG_BYTES..].copy_from_slice(&u32::from(config.num_queues).to_le_bytes());
         log::info!(
@@ -132,87 +144,5 @@ impl VhostUserFs {
             features,
             config_space,
         })
-    }
-
-    pub fn config(&self) -> &FsConfig {
-        &self.config
-    }
-
-    /// virtiofsd died, closed its socket or missed a reply: requests are no longer
-    /// answered. There is no reconnection.
-    pub fn is_broken(&self) -> bool {
-        self.core.is_broken()
-    }
-
-    /// Why a snapshot of a VM with this device must be refused (always, for now:
-    /// virtiofsd's open files and inodes live in it and DEVICE_STATE is not implemented).
-    pub fn snapshot_refusal(&self) -> Option<String> {
-        Some(snapshot_refusal(self.core.name(), &self.config.socket))
-    }
-}
-
-impl VirtioDevice for VhostUserFs {
-    fn name(&self) -> &str {
-        self.core.name()
-    }
-
-    fn device_type(&self) -> u32 {
-        DEVICE_TYPE
-    }
-
-    fn queue_max_sizes(&self) -> Vec<u16> {
-        vec![self.config.queue_size; 1 + usize::from(self.config.num_queues)]
-    }
-
-    fn device_features(&self) -> u64 {
-        self.features
-    }
-
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config_space, offset, data);
-    }
-
-    fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "{}: ignored a {}-byte configuration write at {offset}",
-            self.core.name(),
-            data.len()
-        );
-    }
-
-    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
-        self.core.activate(activation)
-    }
-
-    fn reset(&mut self) {
-        self.core.reset();
-    }
-
-    fn pause(&mut self) -> Vec<Option<QueuePosition>> {
-        self.core.pause()
-    }
-
-    fn resume(&mut self) -> Result<(), ActivateError> {
-        self.core.resume()
-    }
-
-    /// What the device was (a snapshot is refused before it gets here, see
-    /// [`VhostUserFs::snapshot_refusal`]).
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({
-            "vhost_user_fs": {
-                "tag": self.config.tag,
-                "socket": self.config.socket,
-            }
-        })
-    }
-
-    /// Always refused: virtiofsd's state was never saved.
-    fn restore_state(&mut self, _state: &serde_json::Value) -> Result<(), String> {
-        Err(snapshot_refusal(self.core.name(), &self.config.socket))
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
     }
 }

@@ -13,7 +13,9 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::connection::{Connection, Timeouts};
 use super::relay::{RelayHandler, RingQueue, Rings, StopRequest};
 use super::VhostUserError;
-use crate::device::{ActivateError, Activation, ActiveQueue, QueuePosition};
+use crate::device::{
+    read_config_bytes, ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice,
+};
 use crate::worker::Worker;
 
 enum State {
@@ -303,20 +305,15 @@ pub(super) fn thread_name(prefix: &str, id: &str) -> String {
     }
 }
 
-/// Copies `space[offset..]` into `data`, zero past its end.
-pub(super) fn read_config_bytes(space: &[u8], offset: u64, data: &mut [u8]) {
-    data.fill(0);
-    let Ok(offset) = usize::try_from(offset) else {
-        return;
-    };
-    if let Some(source) = space.get(offset..) {
-        let len = source.len().min(data.len());
-        data[..len].copy_from_slice(&source[..len]);
+/// A queue count from 1 to 64, and a queue size a virtio-pci transport accepts: a power
+/// of two, 1 to 32768.
+pub(super) fn check_queues(device: &str, num_queues: u16, size: u16) -> Result<(), VhostUserError> {
+    if num_queues == 0 || num_queues > 64 {
+        return Err(VhostUserError::Config {
+            device: device.to_string(),
+            reason: format!("num_queues {num_queues} is not from 1 to 64"),
+        });
     }
-}
-
-/// A queue size a virtio-pci transport accepts: a power of two, 1 to 32768.
-pub(super) fn check_queue_size(device: &str, size: u16) -> Result<(), VhostUserError> {
     if size == 0 || !size.is_power_of_two() || size > 32768 {
         return Err(VhostUserError::Config {
             device: device.to_string(),
@@ -324,4 +321,124 @@ pub(super) fn check_queue_size(device: &str, size: u16) -> Result<(), VhostUserE
         });
     }
     Ok(())
+}
+
+/// What tells one kind of vhost-user device from another, implemented by its
+/// configuration ([`VhostUserBlockConfig`](super::VhostUserBlockConfig),
+/// [`FsConfig`](super::FsConfig)); [`VhostUserDevice`] does the rest.
+pub trait VhostUserKind: Send + 'static {
+    /// The virtio device ID (virtio_bindings::virtio_ids::VIRTIO_ID_*).
+    const DEVICE_TYPE: u32;
+    /// The backend's listening Unix socket.
+    fn socket(&self) -> &Path;
+    /// The device's queues, every one served by the backend.
+    fn queue_count(&self) -> usize;
+    /// The largest size of each queue.
+    fn queue_size(&self) -> u16;
+    /// What [`VirtioDevice::save_state`] tells of the device (a snapshot is refused before
+    /// it gets there, see [`VhostUserDevice::snapshot_refusal`]).
+    fn describe(&self) -> serde_json::Value;
+}
+
+/// A virtio device whose queues a vhost-user backend serves: [`VhostUserBlock`] or
+/// [`VhostUserFs`](super::VhostUserFs), by its configuration `C`.
+///
+/// [`VhostUserBlock`]: super::VhostUserBlock
+pub struct VhostUserDevice<C: VhostUserKind> {
+    pub(super) config: C,
+    pub(super) core: VhostUserCore,
+    /// The backend's features gpuvm passes on to the guest.
+    pub(super) features: u64,
+    /// What the guest reads from the configuration space.
+    pub(super) config_space: Vec<u8>,
+}
+
+impl<C: VhostUserKind> VhostUserDevice<C> {
+    pub fn config(&self) -> &C {
+        &self.config
+    }
+
+    /// The backend died, closed its socket or missed a reply: the queues are no longer
+    /// served (the guest sees a hung device). There is no reconnection.
+    pub fn is_broken(&self) -> bool {
+        self.core.is_broken()
+    }
+
+    /// Why a snapshot of a VM with this device must be refused (always, for now: the
+    /// device's state (a disk's, virtiofsd's open files and inodes) lives in the backend
+    /// and DEVICE_STATE is not implemented). The VMM calls it on every device before
+    /// pausing for a snapshot.
+    pub fn snapshot_refusal(&self) -> Option<String> {
+        Some(self.refusal())
+    }
+
+    fn refusal(&self) -> String {
+        format!(
+            "{}: a vhost-user device cannot be snapshotted: its state lives in the backend at \
+             {} and gpuvm does not implement the vhost-user DEVICE_STATE transfer",
+            self.core.name(),
+            self.config.socket().display()
+        )
+    }
+}
+
+impl<C: VhostUserKind> VirtioDevice for VhostUserDevice<C> {
+    fn name(&self) -> &str {
+        self.core.name()
+    }
+
+    fn device_type(&self) -> u32 {
+        C::DEVICE_TYPE
+    }
+
+    fn queue_max_sizes(&self) -> Vec<u16> {
+        vec![self.config.queue_size(); self.config.queue_count()]
+    }
+
+    fn device_features(&self) -> u64 {
+        self.features
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config_space, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        log::debug!(
+            "{}: ignored a {}-byte configuration write at {offset}",
+            self.core.name(),
+            data.len()
+        );
+    }
+
+    fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {
+        self.core.activate(activation)
+    }
+
+    fn reset(&mut self) {
+        self.core.reset();
+    }
+
+    fn pause(&mut self) -> Vec<Option<QueuePosition>> {
+        self.core.pause()
+    }
+
+    fn resume(&mut self) -> Result<(), ActivateError> {
+        self.core.resume()
+    }
+
+    /// What the device was (a snapshot is refused before it gets here, see
+    /// [`VhostUserDevice::snapshot_refusal`]).
+    fn save_state(&self) -> serde_json::Value {
+        self.config.describe()
+    }
+
+    /// Always refused: the backend's state was never saved.
+    fn restore_state(&mut self, _state: &serde_json::Value) -> Result<(), String> {
+        Err(self.refusal())
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
 }

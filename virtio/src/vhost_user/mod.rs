@@ -52,6 +52,7 @@ use std::time::Duration;
 pub use block::{VhostUserBlock, VhostUserBlockConfig};
 pub use connection::Timeouts;
 pub use fs::{FsConfig, VhostUserFs, FS_TAG_BYTES};
+pub use lifecycle::{VhostUserDevice, VhostUserKind};
 
 /// Why a vhost-user device could not be built or talk to its backend.
 #[derive(Debug, thiserror::Error)]

@@ -16,7 +16,11 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, FileOffset, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::{ActiveQueue, GuestMemory, VirtioInterrupt};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+
+use super::Timeouts;
+use crate::{ActivateError, Activation, ActiveQueue, GuestMemory, VirtioDevice, VirtioInterrupt};
 
 pub const VRING_DESC_F_NEXT: u16 = 1;
 pub const VRING_DESC_F_WRITE: u16 = 2;
@@ -255,5 +259,70 @@ impl TestRing {
         let len = u32::from_le(memory.read_obj::<u32>(element.unchecked_add(4)).unwrap());
         self.used_seen = self.used_seen.wrapping_add(1);
         (head, len)
+    }
+}
+
+/// Bounds for talking to a real backend (qemu-storage-daemon, virtiofsd).
+pub fn timeouts() -> Timeouts {
+    Timeouts {
+        connect: Duration::from_secs(5),
+        reply: Duration::from_secs(3),
+    }
+}
+
+/// The device's features as a driver acks them for a test: VERSION_1, and no EVENT_IDX,
+/// so that every completion interrupts (which the tests wait for).
+pub fn interrupting_features(device: &dyn VirtioDevice) -> u64 {
+    (device.device_features() & !(1 << VIRTIO_RING_F_EVENT_IDX)) | (1 << VIRTIO_F_VERSION_1)
+}
+
+/// An activated device's rings, the driver's ends of their kicks, and its interrupts.
+pub struct Activated {
+    pub rings: Vec<TestRing>,
+    pub kicks: Vec<EventFd>,
+    pub interrupts: Receiver<u16>,
+}
+
+/// Activates `device` with one ring per `(base, size)` in `memory`, every queue enabled.
+pub fn activate_rings(
+    device: &mut dyn VirtioDevice,
+    memory: &GuestMemory,
+    acked_features: u64,
+    rings: &[(u64, u16)],
+) -> Result<Activated, ActivateError> {
+    let rings: Vec<TestRing> = rings
+        .iter()
+        .map(|&(base, size)| TestRing::new(memory, GuestAddress(base), size))
+        .collect();
+    let (queues, kicks): (Vec<_>, Vec<_>) = rings
+        .iter()
+        .map(|ring| {
+            let (queue, kick) = ring.active_queue();
+            (Some(queue), kick)
+        })
+        .unzip();
+    let (interrupt, interrupts) = TestInterrupt::new();
+    device.activate(Activation {
+        memory: memory.clone(),
+        acked_features,
+        queues,
+        interrupt,
+    })?;
+    Ok(Activated {
+        rings,
+        kicks,
+        interrupts,
+    })
+}
+
+/// Waits (at most 5 s) until the device notices that its backend is gone.
+pub fn wait_until_broken(is_broken: impl Fn() -> bool) {
+    let begin = Instant::now();
+    while !is_broken() {
+        assert!(
+            begin.elapsed() < Duration::from_secs(5),
+            "the device did not notice"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -8,13 +8,11 @@ use std::time::{Duration, Instant};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_RO, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
-use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
-use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::test_util::*;
 use super::{Timeouts, VhostUserBlock, VhostUserBlockConfig, VhostUserError};
-use crate::{Activation, GuestMemory, VirtioDevice};
+use crate::{GuestMemory, VirtioDevice};
 
 const QSD: &str = "qemu-storage-daemon";
 const IMAGE_SIZE: u64 = 1 << 20;
@@ -63,13 +61,6 @@ fn export(writable: bool) -> Exported {
     }
 }
 
-fn timeouts() -> Timeouts {
-    Timeouts {
-        connect: Duration::from_secs(5),
-        reply: Duration::from_secs(3),
-    }
-}
-
 /// An activated device over a ring in shareable guest memory.
 struct Driver {
     memory: GuestMemory,
@@ -82,22 +73,16 @@ fn activate(
     device: &mut VhostUserBlock,
     memory: GuestMemory,
 ) -> Result<Driver, crate::ActivateError> {
-    let ring = TestRing::new(&memory, GuestAddress(0), 128);
-    let (queue, kick) = ring.active_queue();
-    let (interrupt, interrupts) = TestInterrupt::new();
-    // Without EVENT_IDX every completion interrupts, which the test waits for.
-    let features =
-        (device.device_features() & !(1 << VIRTIO_RING_F_EVENT_IDX)) | (1 << VIRTIO_F_VERSION_1);
-    device.activate(Activation {
-        memory: memory.clone(),
-        acked_features: features,
-        queues: vec![Some(queue)],
-        interrupt,
-    })?;
+    let features = interrupting_features(device);
+    let Activated {
+        mut rings,
+        mut kicks,
+        interrupts,
+    } = activate_rings(device, &memory, features, &[(0, 128)])?;
     Ok(Driver {
         memory,
-        ring,
-        kick,
+        ring: rings.remove(0),
+        kick: kicks.remove(0),
         interrupts,
     })
 }
@@ -281,14 +266,7 @@ fn killed_backend_breaks_the_device_and_nothing_hangs() {
     assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
 
     exported.backend.kill();
-    let begin = Instant::now();
-    while !device.is_broken() {
-        assert!(
-            begin.elapsed() < Duration::from_secs(5),
-            "the device did not notice"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until_broken(|| device.is_broken());
     // The guest's next request is simply not answered.
     driver.ring.submit(
         &driver.memory,

@@ -4,17 +4,18 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
-use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::test_util::*;
-use super::{FsConfig, Timeouts, VhostUserError, VhostUserFs};
-use crate::{Activation, VirtioDevice};
+use super::{FsConfig, VhostUserError, VhostUserFs};
+use crate::VirtioDevice;
 
 const VIRTIOFSD: &str = "virtiofsd";
 const FUSE_INIT: u32 = 26;
 const REQUEST: u64 = 0x10_0000;
 const REPLY: u64 = 0x11_0000;
+/// The high-priority ring and one request ring: (base, size).
+const HIPRIO_AND_REQUESTS: &[(u64, u16)] = &[(0, 1024), (0x8000, 1024)];
 
 struct Served {
     backend: Backend,
@@ -42,13 +43,6 @@ fn serve() -> Served {
         socket,
         _shared: shared,
         _pid_file: pid_file,
-    }
-}
-
-fn timeouts() -> Timeouts {
-    Timeouts {
-        connect: Duration::from_secs(5),
-        reply: Duration::from_secs(3),
     }
 }
 
@@ -87,21 +81,14 @@ fn fuse_init_through_virtiofsd() {
     assert_eq!(u32::from_le_bytes(space[36..40].try_into().unwrap()), 1);
 
     let memory = shared_memory(4 << 20);
-    let hiprio = TestRing::new(&memory, GuestAddress(0), 1024);
-    let mut requests = TestRing::new(&memory, GuestAddress(0x8000), 1024);
-    let (hiprio_queue, _hiprio_kick) = hiprio.active_queue();
-    let (request_queue, request_kick) = requests.active_queue();
-    let (interrupt, interrupts) = TestInterrupt::new();
-    let features =
-        (device.device_features() & !(1 << VIRTIO_RING_F_EVENT_IDX)) | (1 << VIRTIO_F_VERSION_1);
-    device
-        .activate(Activation {
-            memory: memory.clone(),
-            acked_features: features,
-            queues: vec![Some(hiprio_queue), Some(request_queue)],
-            interrupt,
-        })
-        .unwrap();
+    let features = interrupting_features(&device);
+    let Activated {
+        mut rings,
+        kicks,
+        interrupts,
+    } = activate_rings(&mut device, &memory, features, HIPRIO_AND_REQUESTS).unwrap();
+    let requests = &mut rings[1];
+    let request_kick = &kicks[1];
 
     let unique = 0x1234_5678_9abc;
     memory
@@ -155,29 +142,15 @@ fn killed_virtiofsd_breaks_the_device() {
     let config = FsConfig::new("victim", &served.socket.0);
     let mut device = VhostUserFs::with_timeouts(config, timeouts()).unwrap();
     let memory = shared_memory(4 << 20);
-    let hiprio = TestRing::new(&memory, GuestAddress(0), 1024);
-    let requests = TestRing::new(&memory, GuestAddress(0x8000), 1024);
-    let (interrupt, _interrupts) = TestInterrupt::new();
-    device
-        .activate(Activation {
-            memory: memory.clone(),
-            acked_features: 1 << VIRTIO_F_VERSION_1,
-            queues: vec![
-                Some(hiprio.active_queue().0),
-                Some(requests.active_queue().0),
-            ],
-            interrupt,
-        })
-        .unwrap();
+    let _activated = activate_rings(
+        &mut device,
+        &memory,
+        1 << VIRTIO_F_VERSION_1,
+        HIPRIO_AND_REQUESTS,
+    )
+    .unwrap();
     served.backend.kill();
-    let begin = Instant::now();
-    while !device.is_broken() {
-        assert!(
-            begin.elapsed() < Duration::from_secs(5),
-            "the device did not notice"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until_broken(|| device.is_broken());
     let begin = Instant::now();
     device.reset();
     assert!(begin.elapsed() < Duration::from_secs(2));

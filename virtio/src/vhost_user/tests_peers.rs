@@ -262,9 +262,8 @@ fn read_request(stream: &mut UnixStream) -> Option<(u32, u32)> {
 
 #[test]
 fn a_backend_silent_during_activation_fails_it_within_the_timeout() {
-    use super::test_util::{shared_memory, TestInterrupt, TestRing};
-    use crate::{Activation, VirtioDevice};
-    use vm_memory::GuestAddress;
+    use super::test_util::{activate_rings, shared_memory};
+    use crate::VirtioDevice;
 
     const SET_PROTOCOL_FEATURES: u32 = 16;
     const SET_OWNER: u32 = 3;
@@ -286,21 +285,10 @@ fn a_backend_silent_during_activation_fails_it_within_the_timeout() {
     let mut device =
         VhostUserFs::with_timeouts(FsConfig::new("stall", &peer.socket.0), QUICK).unwrap();
     let memory = shared_memory(1 << 20);
-    let hiprio = TestRing::new(&memory, GuestAddress(0), 16);
-    let requests = TestRing::new(&memory, GuestAddress(0x1000), 16);
-    let (interrupt, _interrupts) = TestInterrupt::new();
     let begin = Instant::now();
-    let error = device
-        .activate(Activation {
-            memory: memory.clone(),
-            acked_features: 1 << 32,
-            queues: vec![
-                Some(hiprio.active_queue().0),
-                Some(requests.active_queue().0),
-            ],
-            interrupt,
-        })
-        .expect_err("the backend never acknowledges");
+    let error = activate_rings(&mut device, &memory, 1 << 32, &[(0, 16), (0x1000, 16)])
+        .err()
+        .expect("the backend never acknowledges");
     let waited = begin.elapsed();
     assert!(
         error.to_string().contains("did not answer SET_FEATURES"),

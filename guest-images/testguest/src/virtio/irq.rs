@@ -10,6 +10,8 @@
 use core::ptr::addr_of;
 use core::sync::atomic::{AtomicU64, Ordering};
 
+use crate::pci::install_gate;
+
 const LAPIC_BASE: u64 = 0xfee0_0000;
 const LAPIC_ID: u64 = 0x20;
 const LAPIC_SVR: u64 = 0xf0;
@@ -66,7 +68,6 @@ tg_virtio_timer_entry:
 extern "C" {
     static tg_virtio_msi_entry: u8;
     static tg_virtio_timer_entry: u8;
-    static mut tg_idt: [u64; 512];
 }
 
 fn lapic_read(register: u64) -> u32 {
@@ -105,20 +106,6 @@ pub fn enable_lapic() {
         LAPIC_SVR,
         lapic_read(LAPIC_SVR) | SVR_ENABLE | SPURIOUS_VECTOR,
     );
-}
-
-/// Points IDT gate `vector` at `handler` (interrupt gate, kernel code, DPL 0).
-fn install_gate(vector: u8, handler: u64) {
-    let low = (handler & 0xffff) | 0x08 << 16 | 0x8e00 << 32 | (handler >> 16 & 0xffff) << 48;
-    let high = handler >> 32;
-    let index = usize::from(vector) * 2;
-    // SAFETY: the IDT is identity mapped and writable; gate `vector` is not used by anything
-    // else, and nothing can raise it before the device or the timer is programmed.
-    unsafe {
-        let idt = core::ptr::addr_of_mut!(tg_idt) as *mut u64;
-        idt.add(index + 1).write_volatile(high);
-        idt.add(index).write_volatile(low);
-    }
 }
 
 pub fn msi_count() -> u64 {
