@@ -12,7 +12,7 @@ use vm_memory::{Bytes, GuestAddress, VolatileSlice};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::backend::{io_uring::Operation as RingOperation, Completion, GuestCursor};
+use super::backend::{io_uring::Operation as RingOperation, needs_bounce, Completion, GuestCursor};
 use super::backend::{IoUringBackend, SyncBackend};
 use super::disk::Disk;
 use super::request::{self, Geometry, Operation, Parsed, Segment, Status};
@@ -90,7 +90,8 @@ pub(crate) struct IoResources {
     pub rate_limiter: RateLimiter,
     pub device_id: [u8; ID_BYTES],
     quiesce: QuiesceReply,
-    /// O_DIRECT requests with unaligned guest buffers the ring could not take (tests).
+    /// O_DIRECT requests whose unaligned guest buffers went through the bounce buffer
+    /// (tests).
     pub bounced: u64,
     bad_requests: LogSampler,
     discard_unsupported_logged: bool,
@@ -127,8 +128,9 @@ impl IoResources {
     }
 
     /// Runs a read, write or flush: queued on the ring (`None`: its completion comes
-    /// later), or done now. O_DIRECT requests whose guest buffers are not aligned go
-    /// through the sync backend's aligned bounce buffer.
+    /// later), or done now, straight between the file and guest memory. O_DIRECT requests
+    /// whose guest buffers are not aligned go through the sync backend's aligned bounce
+    /// buffer, whatever the engine.
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &mut self,
@@ -155,12 +157,18 @@ impl IoResources {
                     .err()
                     .map(Err);
             }
+        }
+        let file = self.disk.file();
+        let bounce = operation != RingOperation::Flush && needs_bounce(buffers, direct);
+        if bounce {
             self.bounced += 1;
         }
         Some(match operation {
-            RingOperation::Read => self.sync.read(self.disk.file(), offset, buffers),
-            RingOperation::Write => self.sync.write(self.disk.file(), offset, buffers),
-            RingOperation::Flush => SyncBackend::flush(self.disk.file()),
+            RingOperation::Read if bounce => self.sync.read_bounced(file, offset, buffers),
+            RingOperation::Read => SyncBackend::read(file, offset, buffers),
+            RingOperation::Write if bounce => self.sync.write_bounced(file, offset, buffers),
+            RingOperation::Write => SyncBackend::write(file, offset, buffers),
+            RingOperation::Flush => SyncBackend::flush(file),
         })
     }
 

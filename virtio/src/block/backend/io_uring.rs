@@ -16,12 +16,10 @@ use io_uring::{opcode, types, IoUring, Probe};
 use vm_memory::{GuestAddress, VolatileSlice};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::{direct_io_aligned, Completion};
+use super::{guest_iovecs, needs_bounce, total_len, Completion, MAX_IOVECS};
 use crate::block::request::Status;
 use crate::GuestMemory;
 
-/// The most iovecs one READV / WRITEV takes (IOV_MAX).
-const MAX_IOVECS: usize = 1024;
 /// How long dropping the backend waits for requests still in flight.
 const DROP_WAIT: Duration = Duration::from_secs(1);
 
@@ -115,7 +113,7 @@ impl IoUringBackend {
     /// Whether a read or write of `buffers` can go to the ring as it is: few enough
     /// buffers, and aligned where the file is O_DIRECT.
     pub fn takes(buffers: &[VolatileSlice], direct: bool) -> bool {
-        buffers.len() <= MAX_IOVECS && (!direct || direct_io_aligned(buffers))
+        buffers.len() <= MAX_IOVECS && !needs_bounce(buffers, direct)
     }
 
     /// Queues one request; [`IoUringBackend::submit`] hands it to the kernel. Call only
@@ -145,14 +143,8 @@ impl IoUringBackend {
                 0,
             ),
             Operation::Read | Operation::Write => {
-                let iovecs: Box<[libc::iovec]> = buffers
-                    .iter()
-                    .map(|buffer| libc::iovec {
-                        iov_base: buffer.ptr_guard_mut().as_ptr().cast(),
-                        iov_len: buffer.len(),
-                    })
-                    .collect();
-                let expected: u64 = buffers.iter().map(|b| b.len() as u64).sum();
+                let iovecs = guest_iovecs(buffers).into_boxed_slice();
+                let expected = total_len(buffers);
                 let count = iovecs.len() as u32;
                 let entry = if operation == Operation::Read {
                     opcode::Readv::new(fd, iovecs.as_ptr(), count)

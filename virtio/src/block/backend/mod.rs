@@ -1,6 +1,7 @@
 //! Reads, writes and flushes: synchronously on the worker thread ([`SyncBackend`]) or through
-//! io_uring ([`IoUringBackend`]). Discard and write zeroes always run synchronously (see
-//! `disk`).
+//! io_uring ([`IoUringBackend`]), both straight between the file and guest memory through
+//! iovecs ([`guest_iovecs`]); O_DIRECT with unaligned guest buffers goes through the sync
+//! backend's bounce buffer. Discard and write zeroes always run synchronously (see `disk`).
 
 pub(crate) mod io_uring;
 pub(crate) mod sync;
@@ -18,6 +19,10 @@ use super::SECTOR_SIZE;
 /// sector-sized direct I/O; use buffered I/O there.
 pub(crate) const DIRECT_ALIGNMENT: usize = SECTOR_SIZE as usize;
 
+/// The most iovecs one vectored system call or io_uring READV / WRITEV takes (the kernel's
+/// IOV_MAX).
+pub(crate) const MAX_IOVECS: usize = 1024;
+
 /// A request the worker still has to answer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Completion {
@@ -34,6 +39,30 @@ pub(crate) fn direct_io_aligned(buffers: &[VolatileSlice]) -> bool {
         (buffer.ptr_guard().as_ptr() as usize).is_multiple_of(DIRECT_ALIGNMENT)
             && buffer.len().is_multiple_of(DIRECT_ALIGNMENT)
     })
+}
+
+/// Whether an O_DIRECT file (`direct`) needs `buffers` copied through an aligned bounce
+/// buffer: the kernel refuses unaligned addresses and lengths there.
+pub(crate) fn needs_bounce(buffers: &[VolatileSlice], direct: bool) -> bool {
+    direct && !direct_io_aligned(buffers)
+}
+
+/// The bytes `buffers` hold in all.
+pub(crate) fn total_len(buffers: &[VolatileSlice]) -> u64 {
+    buffers.iter().map(|buffer| buffer.len() as u64).sum()
+}
+
+/// One iovec per guest buffer, pointing straight into guest memory, for preadv / pwritev
+/// or io_uring's READV / WRITEV. The pointers stay valid while the guest memory they come
+/// from stays mapped, which the caller ensures for as long as the kernel uses them.
+pub(crate) fn guest_iovecs(buffers: &[VolatileSlice]) -> Vec<libc::iovec> {
+    buffers
+        .iter()
+        .map(|buffer| libc::iovec {
+            iov_base: buffer.ptr_guard_mut().as_ptr().cast(),
+            iov_len: buffer.len(),
+        })
+        .collect()
 }
 
 /// Walks guest buffers in order, copying to or from host memory.
