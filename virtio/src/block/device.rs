@@ -186,7 +186,7 @@ impl Block {
         Ok(())
     }
 
-    /// O_DIRECT requests that went through the bounce buffer went through the bounce buffer.
+    /// Requests that went through the bounce buffer (O_DIRECT with unaligned guest buffers).
     #[cfg(test)]
     pub(crate) fn bounced_requests(&mut self) -> u64 {
         self.with_resources(|io| io.bounced).unwrap_or(0)
