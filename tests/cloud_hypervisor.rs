@@ -1,11 +1,17 @@
 //! gpuvm as `cloud-hypervisor` (a symlink to the binary), driven the way Kata
 //! Containers' clh driver drives Cloud Hypervisor: ping, vm.create with a Kata-shaped
 //! VmConfig, vm.info until Created, vm.boot, vm.info until Running, pause/resume, the
-//! agent's hybrid vsock (`CONNECT 1024`), vmm.shutdown; and the errors.
+//! agent's hybrid vsock (`CONNECT 1024`), vmm.shutdown; vm.add-net with the tap passed
+//! as a descriptor (SCM_RIGHTS), as Kata passes the taps it made in the pod's network
+//! namespace (as root: the test makes a namespace and a tap); and the errors.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
@@ -142,4 +148,268 @@ fn gpuvm_routes_still_answer_beside_api_v1() {
     assert!(info.contains("gpuvm"), "{info}");
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     vmm.wait(LIMIT).assert_code(0);
+}
+
+/// Tells this process's namespaces (and their 10.0.<n>.0/24 subnets) apart.
+static NEXT_NETNS: AtomicU32 = AtomicU32::new(1);
+
+/// A network namespace holding `tap0` at 10.0.<n>.1/24, up; deleted (with the tap) when
+/// dropped. gpuvm itself runs outside it: the passed descriptor is the tap.
+struct Netns {
+    name: String,
+    n: u32,
+}
+
+impl Netns {
+    /// None (the reason printed) where the test cannot run: not root, no iproute2.
+    fn create(test: &str) -> Option<Netns> {
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped {test}: needs root (creates a network namespace and a tap)");
+            return None;
+        }
+        let n = NEXT_NETNS.fetch_add(1, Ordering::SeqCst);
+        let name = format!("gpuvm-clh-{}-{n}", std::process::id());
+        match Command::new("ip").args(["netns", "add", &name]).output() {
+            Ok(output) if output.status.success() => {}
+            other => {
+                eprintln!("skipped {test}: `ip netns add {name}` failed: {other:?}");
+                return None;
+            }
+        }
+        let netns = Netns { name, n };
+        netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap"]);
+        let host = format!("{}/24", netns.host_ip());
+        netns.ip(&["addr", "add", &host, "dev", "tap0"]);
+        netns.ip(&["link", "set", "tap0", "up"]);
+        Some(netns)
+    }
+
+    fn host_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 0, self.n as u8, 1)
+    }
+
+    fn guest_ip(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 0, self.n as u8, 2)
+    }
+
+    fn ip(&self, args: &[&str]) {
+        let output = Command::new("ip")
+            .args(["netns", "exec", &self.name, "ip"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "ip {args:?} in {}: {}",
+            self.name,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// Runs `work` on a thread that entered the namespace (setns changes only the calling
+    /// thread's): the taps and sockets it opens are the namespace's.
+    fn run<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let namespace = OwnedFd::from(std::fs::File::open(&path).unwrap());
+            // SAFETY: setns with a namespace fd we own; it changes this thread's network
+            // namespace only, and the thread ends after `work`.
+            let result = unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(result, 0, "setns: {}", std::io::Error::last_os_error());
+            work()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// Opens a queue of `tap0` as Kata does before passing it: /dev/net/tun, TUNSETIFF
+    /// with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR.
+    fn open_tap(&self) -> OwnedFd {
+        self.run(|| {
+            let tun = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/net/tun")
+                .expect("/dev/net/tun");
+            // SAFETY: ifreq is plain C data; all zero bytes is a valid value.
+            let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+            for (slot, byte) in request.ifr_name.iter_mut().zip(b"tap0") {
+                *slot = *byte as libc::c_char;
+            }
+            request.ifr_ifru.ifru_flags =
+                (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+            // SAFETY: TUNSETIFF reads and writes one ifreq, which `request` is.
+            let result = unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut request) };
+            assert_eq!(result, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
+            OwnedFd::from(tun)
+        })
+    }
+
+    /// A datagram from 10.0.<n>.1 to the guest's UDP echo port (7), and what comes back.
+    fn udp_echo(&self, payload: &[u8]) -> Vec<u8> {
+        let (host, guest) = (self.host_ip(), self.guest_ip());
+        let payload = payload.to_vec();
+        self.run(move || {
+            let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
+            socket
+                .set_read_timeout(Some(Duration::from_secs(3)))
+                .unwrap();
+            let target = SocketAddr::from((guest, 7));
+            let mut buffer = [0u8; 2048];
+            // The first datagram may wait on ARP: try again while nothing comes back.
+            for _ in 0..5 {
+                socket.send_to(&payload, target).expect("send to the guest");
+                if let Ok((len, from)) = socket.recv_from(&mut buffer) {
+                    assert_eq!(from, target);
+                    return buffer[..len].to_vec();
+                }
+            }
+            panic!("no UDP echo from {target} after 5 tries");
+        })
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// `PUT path` with `body`, the request's bytes sent in one sendmsg carrying `fds`
+/// (SCM_RIGHTS), as Kata's clh driver sends vm.add-net; the status and the body answered.
+fn put_with_fds(api: &Path, path: &str, body: &str, fds: &[RawFd]) -> (u16, String) {
+    let mut stream = UnixStream::connect(api).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let request = format!(
+        "PUT {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let bytes = request.as_bytes();
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: msghdr is plain C data; all zero bytes is a valid value.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    if !fds.is_empty() {
+        message.msg_control = control.as_mut_ptr().cast();
+        message.msg_controllen = space as _;
+        // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and
+        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
+        unsafe {
+            let header = libc::CMSG_FIRSTHDR(&message);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(data_len as u32) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(header).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
+    }
+    // SAFETY: `message` points at `iov` (the request's bytes) and `control`, all of which
+    // outlive the call; the descriptors are open (the kernel duplicates them).
+    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, 0) };
+    assert!(sent > 0, "sendmsg: {}", std::io::Error::last_os_error());
+    stream.write_all(&bytes[sent as usize..]).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"));
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
+}
+
+/// Kata's NIC: vm.add-net {mac, id} with the tap queue passed as a descriptor; then the
+/// guest's `virtio-net` workload answers a UDP echo through that tap. Before that, what
+/// is refused: no tap and no descriptor, a descriptor that is not a tap, two descriptors
+/// for one queue pair, a named tap and a descriptor; and a snapshot of such a VM.
+#[test]
+fn add_net_with_a_passed_tap_descriptor() {
+    let Some(netns) = Netns::create("add_net_with_a_passed_tap_descriptor") else {
+        return;
+    };
+    let scratch = Scratch::new("cloud_hypervisor", "add_net_fds");
+    let kernel = scratch.path("guest.elf");
+    let written = Command::new(gpuvm_bin())
+        .args(["guest-image", "--output", kernel.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(written.success());
+    let (mut vmm, api) = start(&scratch);
+    let config = format!(
+        r#"{{"payload":{{"kernel":"{}","cmdline":"virtio-net {}"}},
+            "cpus":{{"boot_vcpus":1,"max_vcpus":1}},"memory":{{"size":134217728}}}}"#,
+        kernel.display(),
+        netns.guest_ip()
+    );
+    api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+
+    let add_net = "/api/v1/vm.add-net";
+    let mac = format!("06:00:0a:00:{:02x}:02", netns.n);
+    let body = format!(r#"{{"mac":"{mac}","id":"net0"}}"#);
+    let refused = api_expect(&api, 400, "PUT", add_net, Some(&body));
+    assert!(refused.contains("tap"), "{refused}");
+
+    let (pipe, _writer) = std::io::pipe().unwrap();
+    let (status, refused) = put_with_fds(&api, add_net, &body, &[pipe.as_raw_fd()]);
+    assert_eq!(status, 400, "{refused}");
+    assert!(
+        refused.contains("net0") && refused.contains("TUNGETIFF"),
+        "{refused}"
+    );
+
+    let tap = netns.open_tap();
+    let (status, refused) = put_with_fds(&api, add_net, &body, &[tap.as_raw_fd(), tap.as_raw_fd()]);
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.contains("1 queue pair"), "{refused}");
+
+    let named = format!(r#"{{"mac":"{mac}","id":"net0","tap":"tap0"}}"#);
+    let (status, refused) = put_with_fds(&api, add_net, &named, &[tap.as_raw_fd()]);
+    assert_eq!(status, 400, "{refused}");
+
+    let (status, answer) = put_with_fds(&api, add_net, &body, &[tap.as_raw_fd()]);
+    assert_eq!(status, 204, "{answer}");
+    // gpuvm holds its own copy: ours can go.
+    drop(tap);
+    let info = api_expect(&api, 200, "GET", "/api/v1/vm.info", None);
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["config"]["net"][0]["id"], "net0", "{info}");
+
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    vmm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
+    assert!(
+        vmm.stdout().contains(&format!("virtio-net: mac={mac}")),
+        "{}",
+        vmm.stdout()
+    );
+    // A restored VM could not reopen a passed tap: the snapshot is refused, naming it.
+    let destination = format!(
+        r#"{{"destination_url":"file://{}"}}"#,
+        scratch.path("snap").display()
+    );
+    let refused = api_expect(&api, 400, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    assert!(refused.contains("net0"), "{refused}");
+
+    let payload = b"through a passed tap".to_vec();
+    assert_eq!(netns.udp_echo(&payload), payload);
+    let out = vmm.wait(LIMIT);
+    out.assert_code(0).assert_stdout_has("virtio-net: ok");
+    out.assert_stdout_has(&format!("virtio-net: echoed {} udp bytes", payload.len()));
 }

@@ -8,11 +8,14 @@
 //!   the action to the VMM thread, answer).
 //! - [`cloud_hypervisor`]: Cloud Hypervisor's API under `/api/v1/` (for Kata's clh
 //!   driver), on the same actions.
+//! - [`firecracker`]: Firecracker's API on every path when gpuvm runs as `firecracker`
+//!   (chosen at startup), on the same actions.
 //! - [`client`]: a small client, for `gpuvm ctl` and the tests.
 //! - The OpenAPI document of the routes is api/openapi.json.
 
 pub mod client;
 pub mod cloud_hypervisor;
+pub mod firecracker;
 pub mod http;
 pub mod routes;
 pub mod server;

@@ -47,6 +47,8 @@ struct VmmLink {
     wake: Arc<EventFd>,
     /// Cloud Hypervisor's front end's state (whether vm.create happened).
     session: Arc<Session>,
+    /// Set when gpuvm runs as Firecracker: its front end answers every path.
+    firecracker: Option<Arc<crate::firecracker::Session>>,
 }
 
 /// The running API server. Dropping it removes the socket file.
@@ -65,6 +67,26 @@ impl ApiServer {
         requests: Sender<ActionRequest>,
         wake: EventFd,
     ) -> Result<ApiServer, ApiError> {
+        Self::start_with(path, requests, wake, None)
+    }
+
+    /// As [`ApiServer::start`], serving Firecracker's API ([`crate::firecracker`]) on
+    /// every path instead of gpuvm's own (which it falls back on where they agree).
+    pub fn start_firecracker(
+        path: &Path,
+        requests: Sender<ActionRequest>,
+        wake: EventFd,
+        session: crate::firecracker::Session,
+    ) -> Result<ApiServer, ApiError> {
+        Self::start_with(path, requests, wake, Some(Arc::new(session)))
+    }
+
+    fn start_with(
+        path: &Path,
+        requests: Sender<ActionRequest>,
+        wake: EventFd,
+        firecracker: Option<Arc<crate::firecracker::Session>>,
+    ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.file_type().is_socket() {
                 let _ = std::fs::remove_file(path);
@@ -81,6 +103,7 @@ impl ApiServer {
             requests,
             wake: Arc::new(wake),
             session: Arc::new(Session::default()),
+            firecracker,
         };
         let server_busy = busy.clone();
         let (ready_tx, ready_rx) = channel();
@@ -367,6 +390,10 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
 /// gpuvm's own routes. `fds` came with the request (only Cloud Hypervisor's vm.add-net
 /// takes any; the others close them).
 fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
+    if let Some(session) = &link.firecracker {
+        drop(fds);
+        return crate::firecracker::handle(request, session, &|action| dispatch(action, link));
+    }
     if request.path.starts_with(cloud_hypervisor::PREFIX) {
         return cloud_hypervisor::handle(request, fds, &link.session, &|action| {
             dispatch(action, link)

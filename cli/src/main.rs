@@ -11,6 +11,7 @@ mod cloud_hypervisor;
 mod config_file;
 mod ctl;
 mod devices;
+mod firecracker;
 mod jail;
 mod passthrough;
 mod report;
@@ -38,6 +39,9 @@ fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
     if cloud_hypervisor::wanted(&argv) {
         return cloud_hypervisor::main(&argv, process_start);
+    }
+    if firecracker::wanted(&argv) {
+        return firecracker::main(&argv, process_start);
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -2,6 +2,7 @@
 //! VMMs' APIs) and the VMM thread's [`crate::controller`], and the JSON bodies the actions
 //! carry. Bodies reject unknown fields.
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
 use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
@@ -42,6 +43,13 @@ pub enum VmmAction {
     PatchDrive(DrivePatchBody),
     /// PUT /network-interfaces/{id}: a virtio network interface before start.
     PutNetworkInterface(NetConfig),
+    /// A virtio network interface before start whose tap queues came as descriptors
+    /// (Cloud Hypervisor's vm.add-net passes them with SCM_RIGHTS): one per queue pair,
+    /// checked (TUNGETIFF) by the controller at once; `config.host_dev_name` is ignored.
+    PutNetworkInterfaceFds {
+        config: NetConfig,
+        fds: Vec<OwnedFd>,
+    },
     /// PUT /vsock: the vsock device before start.
     PutVsock(VsockConfig),
     /// PUT /entropy: the entropy device before start.
@@ -62,6 +70,12 @@ pub enum VmmAction {
     /// process ends without running a VM; while running, the run ends as
     /// SendCtrlAltDel's does.
     ShutdownVmm,
+    /// Log lines also to a file or FIFO (Firecracker's PUT /logger), any time.
+    PutLogger(crate::outputs::LoggerConfig),
+    /// The metrics output (Firecracker's PUT /metrics), any time.
+    PutMetrics(crate::outputs::MetricsConfig),
+    /// Write the counters to the metrics output (Firecracker's FlushMetrics).
+    FlushMetrics,
 }
 
 /// One action on its way to the VMM thread, with where to send the answer. Every front
@@ -365,6 +379,10 @@ pub struct SnapshotCreateBody {
     pub snapshot_path: PathBuf,
     #[serde(default)]
     pub snapshot_type: SnapshotType,
+    /// Firecracker's layout: with it, `snapshot_path` is the state FILE and this the
+    /// memory file (see [`crate::snapshot::files`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_file_path: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -391,6 +409,10 @@ pub struct SnapshotLoadBody {
     /// snapshot (as `gpuvm restore --record-working-set`).
     #[serde(default)]
     pub record_working_set: bool,
+    /// Firecracker's layout: with it, `snapshot_path` is the state FILE and this the
+    /// memory file (see [`crate::snapshot::files`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_file_path: Option<PathBuf>,
 }
 
 /// `--config-file`: the pre-boot configuration in one JSON document.

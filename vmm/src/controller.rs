@@ -231,6 +231,35 @@ impl ApiController {
         })
     }
 
+    /// A network interface whose tap queues came as descriptors, one per queue pair. Each
+    /// is checked (TUNGETIFF: an attached tap with IFF_TAP, IFF_NO_PI, IFF_VNET_HDR) and
+    /// set up now, on this thread (the API thread's filter allows no tap ioctls; this
+    /// thread takes its filter only when the VM runs), and kept until InstanceStart.
+    fn put_net_fds(
+        &mut self,
+        mut config: gpuvm_virtio::net::NetConfig,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> ActionResult {
+        let id = config.iface_id.clone();
+        let pairs = config.num_queue_pairs;
+        if fds.len() != usize::from(pairs) {
+            return Err(ActionError::bad_request(format!(
+                "network interface {id}: {pairs} queue pair(s) take {pairs} tap descriptor(s), {} were passed",
+                fds.len()
+            )));
+        }
+        let taps = fds
+            .into_iter()
+            .map(gpuvm_virtio::net::Tap::from_fd)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ActionError::bad_request(format!("network interface {id}: {e}")))?;
+        // The descriptors are the taps: nothing is opened by name.
+        config.host_dev_name = None;
+        self.put_virtio(|v| replace_or_push(&mut v.nets, config, |n| n.iface_id.clone()))?;
+        self.pci.passed_taps.insert(&id, taps);
+        Ok(VmmData::Empty)
+    }
+
     /// Replaces how InstanceStart builds the machine (default: [`crate::builder::build_with_pci`]).
     pub fn set_builder(&mut self, build: BuildFn) {
         self.build = build;
@@ -279,8 +308,16 @@ impl ApiController {
                 self.put_virtio(|v| replace_or_push(&mut v.fs, body, |f| f.tag.clone()))
             }),
             VmmAction::PutNetworkInterface(body) => {
-                self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()))
+                let id = body.iface_id.clone();
+                let result =
+                    self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()));
+                if result.is_ok() {
+                    // Replaced by one that names its tap: descriptors passed before close.
+                    self.pci.passed_taps.take(&id);
+                }
+                result
             }
+            VmmAction::PutNetworkInterfaceFds { config, fds } => self.put_net_fds(config, fds),
             VmmAction::PutVsock(body) => absolute_path(&body.uds_path, "uds_path")
                 .and_then(|()| self.put_virtio(|v| v.vsock = Some(body))),
             VmmAction::PutEntropy(body) => body
@@ -319,6 +356,9 @@ impl ApiController {
                 self.shutdown_requested = true;
                 Ok(VmmData::Empty)
             }
+            VmmAction::PutLogger(config) => crate::outputs::put_logger(config),
+            VmmAction::PutMetrics(config) => crate::outputs::put_metrics(config),
+            VmmAction::FlushMetrics => crate::outputs::flush_metrics(),
             VmmAction::SendCtrlAltDel | VmmAction::Pause | VmmAction::Resume => {
                 Err(ActionError::wrong_state(
                     "the VM is not running (PUT /actions InstanceStart first)",
@@ -347,7 +387,20 @@ impl ApiController {
         Ok(VmmData::Empty)
     }
 
-    fn load(&mut self, body: SnapshotLoadBody) -> (ActionResult, Option<Started>) {
+    fn load(&mut self, mut body: SnapshotLoadBody) -> (ActionResult, Option<Started>) {
+        if let Some(mem_file) = body.mem_file_path.take() {
+            // Firecracker's layout: a state file and a memory file, staged as a directory.
+            let staged = absolute_path(&body.snapshot_path, "snapshot_path")
+                .and_then(|()| absolute_path(&mem_file, "mem_file_path"))
+                .and_then(|()| {
+                    crate::snapshot::files::stage(&body.snapshot_path, &mem_file)
+                        .map_err(ActionError::bad_request)
+                });
+            match staged {
+                Ok(dir) => body.snapshot_path = dir,
+                Err(error) => return (Err(error), None),
+            }
+        }
         let mode = match (body.restore_mode, &body.uffd_socket_path) {
             (RestoreModeBody::Eager, _) => RestoreMode::Eager,
             (RestoreModeBody::Lazy, _) => RestoreMode::Lazy,
@@ -441,6 +494,9 @@ impl ApiController {
                 ),
                 VmmAction::PatchDrive(body) => (patch_drive(machine, body), None),
                 VmmAction::ShutdownVmm => (Ok(VmmData::Empty), Some(BeforeRun::End)),
+                VmmAction::PutLogger(config) => (crate::outputs::put_logger(config), None),
+                VmmAction::PutMetrics(config) => (crate::outputs::put_metrics(config), None),
+                VmmAction::FlushMetrics => (crate::outputs::flush_metrics(), None),
                 VmmAction::Batch(_) => (Err(started_already()), None),
                 VmmAction::DeleteGpu(_) => (
                     Err(ActionError::wrong_state(
@@ -454,6 +510,7 @@ impl ApiController {
                 | VmmAction::PutDrive(_)
                 | VmmAction::PutFs(_)
                 | VmmAction::PutNetworkInterface(_)
+                | VmmAction::PutNetworkInterfaceFds { .. }
                 | VmmAction::PutVsock(_)
                 | VmmAction::PutEntropy(_)
                 | VmmAction::StartInstance
@@ -713,6 +770,7 @@ impl RunningApi {
             | VmmAction::PutDrive(_)
             | VmmAction::PutFs(_)
             | VmmAction::PutNetworkInterface(_)
+            | VmmAction::PutNetworkInterfaceFds { .. }
             | VmmAction::PutVsock(_)
             | VmmAction::PutEntropy(_)
             | VmmAction::StartInstance
@@ -735,6 +793,9 @@ impl RunningApi {
                 .map(|()| VmmData::Empty)
                 .map_err(|e| ActionError::bad_request(format!("cannot resume: {e}"))),
             VmmAction::CreateSnapshot(body) => snapshot(running, body),
+            VmmAction::PutLogger(config) => crate::outputs::put_logger(config),
+            VmmAction::PutMetrics(config) => crate::outputs::put_metrics(config),
+            VmmAction::FlushMetrics => crate::outputs::flush_metrics(),
         };
         (result, None)
     }
@@ -761,8 +822,19 @@ fn patch_drive(machine: &Machine, body: DrivePatchBody) -> ActionResult {
     Ok(VmmData::Empty)
 }
 
-fn snapshot(running: &mut RunningMachine<'_>, body: SnapshotCreateBody) -> ActionResult {
+fn snapshot(running: &mut RunningMachine<'_>, mut body: SnapshotCreateBody) -> ActionResult {
     absolute_path(&body.snapshot_path, "snapshot_path")?;
+    // Firecracker's layout: gpuvm's directory beside the state file, then the two files.
+    let files = match body.mem_file_path.take() {
+        Some(mem_file) => {
+            absolute_path(&mem_file, "mem_file_path")?;
+            let dir = crate::snapshot::files::directory_for(&body.snapshot_path)
+                .map_err(ActionError::bad_request)?;
+            let state_file = std::mem::replace(&mut body.snapshot_path, dir);
+            Some((state_file, mem_file))
+        }
+        None => None,
+    };
     if body.snapshot_type == SnapshotType::Diff && !running.machine().config().track_dirty_pages {
         return Err(ActionError::bad_request(
             "Diff snapshots need track_dirty_pages in the machine configuration",
@@ -776,6 +848,14 @@ fn snapshot(running: &mut RunningMachine<'_>, body: SnapshotCreateBody) -> Actio
         .map_err(|e| ActionError::bad_request(format!("snapshot failed: {e}")))?;
     Metrics::add(&METRICS.snapshots_created, 1);
     Metrics::add(&METRICS.snapshot_bytes_written, report.memory_bytes_written);
+    if let Some((state_file, mem_file)) = &files {
+        crate::snapshot::files::export(&report, state_file, mem_file).map_err(|e| {
+            ActionError::bad_request(format!(
+                "snapshot written to {}, but {e}",
+                report.dir.display()
+            ))
+        })?;
+    }
     Ok(VmmData::Json(serde_json::json!({
         "snapshot_path": report.dir,
         "memory_file": report.memory_file,
@@ -805,5 +885,57 @@ impl RunControl for RunningApi {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn controller() -> ApiController {
+        let (_, requests) = std::sync::mpsc::channel();
+        let config = VmConfig {
+            machine: MachineConfig::default(),
+            boot: default_boot_source(),
+        };
+        let event = EventFd::new(0).unwrap();
+        ApiController::new(
+            requests,
+            event,
+            config,
+            Box::new(|| Box::new(std::io::sink())),
+        )
+    }
+
+    /// Tap descriptors (Cloud Hypervisor's vm.add-net): one per queue pair, each a tap;
+    /// anything else is refused at once and nothing is configured.
+    #[test]
+    fn passed_tap_descriptors_are_counted_and_checked() {
+        let mut controller = controller();
+        let net = gpuvm_virtio::net::NetConfig::new("net0", None);
+        let (reader, writer) = std::io::pipe().unwrap();
+        let fds = vec![reader.into(), writer.into()];
+        let action = VmmAction::PutNetworkInterfaceFds {
+            config: net.clone(),
+            fds,
+        };
+        let error = controller.pre_boot(action).0.unwrap_err();
+        assert_eq!(error.status, 400);
+        assert!(error.message.contains("1 queue pair"), "{}", error.message);
+
+        let (reader, _writer) = std::io::pipe().unwrap();
+        let action = VmmAction::PutNetworkInterfaceFds {
+            config: net,
+            fds: vec![reader.into()],
+        };
+        let error = controller.pre_boot(action).0.unwrap_err();
+        assert_eq!(error.status, 400);
+        assert!(
+            error.message.contains("net0") && error.message.contains("TUNGETIFF"),
+            "{}",
+            error.message
+        );
+        assert!(controller.pci.virtio.nets.is_empty());
+        assert!(controller.pci.passed_taps.ids().is_empty());
     }
 }

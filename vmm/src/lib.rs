@@ -27,6 +27,7 @@ pub mod interrupts;
 pub mod logging;
 pub mod machine;
 pub mod metrics;
+pub mod outputs;
 pub mod pci;
 pub mod persist;
 pub mod seccomp;

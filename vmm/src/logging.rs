@@ -40,6 +40,16 @@ pub const LOG_ENV: &str = "GPUVM_LOG";
 
 /// Installs the process's logger. `level` overrides `GPUVM_LOG` for every module.
 pub fn init(format: LogFormat, level: Option<log::LevelFilter>) -> Result<(), log::SetLoggerError> {
+    init_with(format, level, false)
+}
+
+/// As [`init`]; with `tee`, each record also goes to [`crate::outputs::LOG`] (Firecracker's
+/// PUT /logger and `--log-path`).
+pub fn init_with(
+    format: LogFormat,
+    level: Option<log::LevelFilter>,
+    tee: bool,
+) -> Result<(), log::SetLoggerError> {
     let mut builder =
         env_logger::Builder::from_env(env_logger::Env::default().filter_or(LOG_ENV, "warn"));
     if let Some(level) = level {
@@ -61,6 +71,9 @@ pub fn init(format: LogFormat, level: Option<log::LevelFilter>) -> Result<(), lo
                 writeln!(buf, "{line}")
             });
         }
+    }
+    if tee {
+        builder.target(env_logger::Target::Pipe(Box::new(crate::outputs::TeeToLog)));
     }
     builder.try_init()
 }

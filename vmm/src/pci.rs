@@ -41,7 +41,7 @@ use crate::devices::MachineDevices;
 use crate::dma::{bus_master_wait_limit, DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
-use crate::virtio::{VirtioOptions, VirtioSetupError};
+use crate::virtio::{PassedTaps, VirtioOptions, VirtioSetupError};
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
 
@@ -56,6 +56,9 @@ pub struct PciOptions {
     pub mmio64_size: u64,
     /// Block, net, vsock and entropy devices.
     pub virtio: VirtioOptions,
+    /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
+    /// no tap (taken when their devices are built).
+    pub passed_taps: PassedTaps,
 }
 
 impl PciOptions {
@@ -337,6 +340,7 @@ pub fn attach(
             &root,
             &router,
             &options.virtio,
+            &options.passed_taps,
         )?;
     }
     let hotplug = crate::hotplug::PciHotplug::new(

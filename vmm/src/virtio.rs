@@ -3,6 +3,7 @@
 //! notifications as KVM ioeventfds), and creates the devices' I/O threads up front under
 //! the `device` seccomp filter.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gpuvm_devices::pci::{PciBdf, PciRoot};
@@ -134,6 +135,37 @@ impl VirtioOptions {
     }
 }
 
+/// Tap queues that came as file descriptors (Cloud Hypervisor's vm.add-net passes them
+/// with SCM_RIGHTS), by interface id, for the network interfaces whose configuration names
+/// no tap (`host_dev_name` None). Clones share the set; building an interface's device
+/// takes its queues out (once: a failed start leaves the interface without taps).
+#[derive(Clone, Debug, Default)]
+pub struct PassedTaps(Arc<Mutex<BTreeMap<String, Vec<Tap>>>>);
+
+impl PassedTaps {
+    /// Keeps `taps` for the interface `iface_id`, replacing (closing) any it had.
+    pub fn insert(&self, iface_id: &str, taps: Vec<Tap>) {
+        lock(&self.0).insert(iface_id.to_string(), taps);
+    }
+
+    /// Takes the interface's taps out (None if none were passed, or they were taken).
+    pub fn take(&self, iface_id: &str) -> Option<Vec<Tap>> {
+        lock(&self.0).remove(iface_id)
+    }
+
+    /// The interfaces that have taps waiting.
+    pub fn ids(&self) -> Vec<String> {
+        lock(&self.0).keys().cloned().collect()
+    }
+}
+
+impl PartialEq for PassedTaps {
+    /// The same set, or sets for the same interfaces (descriptors are not compared).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.ids() == other.ids()
+    }
+}
+
 /// Device ids name threads, log lines and API paths: 1 to 64 of [A-Za-z0-9_.-].
 fn check_id(field: &str, id: &str) -> Result<(), VirtioSetupError> {
     let valid = (1..=64).contains(&id.len())
@@ -212,6 +244,14 @@ impl VirtioDeviceConfig {
     /// Why a snapshot of a VM with this device is refused, if it is: a vhost-user
     /// device's state lives in its backend, which gpuvm cannot save yet.
     pub fn snapshot_refusal(&self) -> Option<String> {
+        if let VirtioDeviceConfig::Net(config) = self {
+            if config.host_dev_name.is_none() {
+                return Some(format!(
+                    "network interface {} came as tap file descriptors (SCM_RIGHTS) and names no tap, so a restore could not reopen it; name the tap (`tap` / host_dev_name) to snapshot this VM",
+                    config.iface_id
+                ));
+            }
+        }
         let (what, socket) = match self {
             VirtioDeviceConfig::VhostUserBlock(config) => ("vhost-user drive", &config.socket),
             VirtioDeviceConfig::Fs(config) => ("virtio-fs share", &config.socket),
@@ -240,8 +280,12 @@ pub struct VirtioDeviceState {
     pub transport: VirtioPciState,
 }
 
-/// Opens the device `config` describes.
-fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
+/// Opens the device `config` describes; a network interface that names no tap takes its
+/// queues from `passed`.
+fn open_device(
+    config: &VirtioDeviceConfig,
+    passed: &PassedTaps,
+) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
     Ok(match config {
         VirtioDeviceConfig::Block(config) => Box::new(Block::new(config.clone()).map_err(
             |source| VirtioSetupError::Block {
@@ -254,12 +298,16 @@ fn open_device(config: &VirtioDeviceConfig) -> Result<Box<dyn VirtioDevice>, Vir
                 id: config.iface_id.clone(),
                 message,
             };
-            let name = config
-                .host_dev_name
-                .as_deref()
-                .ok_or_else(|| net_error("no tap device named (host_dev_name)".into()))?;
-            let taps = Tap::open_queues(name, config.num_queue_pairs)
-                .map_err(|e| net_error(e.to_string()))?;
+            let taps = match config.host_dev_name.as_deref() {
+                Some(name) => Tap::open_queues(name, config.num_queue_pairs)
+                    .map_err(|e| net_error(e.to_string()))?,
+                None => passed.take(&config.iface_id).ok_or_else(|| {
+                    net_error(
+                        "no tap device named (host_dev_name), and no tap descriptors passed (or an earlier start took them: add the interface again)"
+                            .into(),
+                    )
+                })?,
+            };
             Box::new(Net::new(config.clone(), taps).map_err(|e| net_error(e.to_string()))?)
         }
         VirtioDeviceConfig::Vsock(config) => {
@@ -305,13 +353,15 @@ fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
     configs
 }
 
-/// Builds the devices of `options` and plugs them into `root`.
+/// Builds the devices of `options` and plugs them into `root`; network interfaces that
+/// name no tap take their queues from `passed`.
 pub fn attach(
     vm: VmFd,
     memory: &GuestMemory,
     root: &Arc<PciRoot>,
     router: &Arc<MsiRouter>,
     options: &VirtioOptions,
+    passed: &PassedTaps,
 ) -> Result<Vec<VirtioHandle>, VirtioSetupError> {
     options.validate()?;
     // One I/O thread per device, created here, on the VMM thread before the vCPUs run,
@@ -327,7 +377,7 @@ pub fn attach(
     let ioevents: Arc<dyn IoEventRegistrar> = Arc::new(KvmIoEvents::new(vm));
     let mut handles = Vec::new();
     for config in device_configs(options) {
-        let device = open_device(&config)?;
+        let device = open_device(&config, passed)?;
         let name = device.name().to_string();
         let mut allocate = |count| router.allocate(count);
         let transport = VirtioPciDevice::new(
@@ -477,4 +527,33 @@ pub fn update_drive(
         block.update_rate_limiter(config).map_err(block_error)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_net_without_a_tap_name_cannot_be_snapshotted() {
+        let passed = VirtioDeviceConfig::Net(NetConfig::new("net0", None));
+        let refusal = passed.snapshot_refusal().expect("refused");
+        assert!(
+            refusal.contains("net0") && refusal.contains("SCM_RIGHTS"),
+            "{refusal}"
+        );
+        let named = VirtioDeviceConfig::Net(NetConfig::new("net0", Some("tap0")));
+        assert_eq!(named.snapshot_refusal(), None);
+    }
+
+    #[test]
+    fn passed_taps_are_taken_once_and_shared_by_clones() {
+        let taps = PassedTaps::default();
+        let clone = taps.clone();
+        taps.insert("net0", Vec::new());
+        assert_eq!(clone.ids(), ["net0"]);
+        assert_eq!(taps, clone);
+        assert!(clone.take("net0").is_some());
+        assert!(taps.take("net0").is_none());
+        assert_eq!(taps, PassedTaps::default());
+    }
 }

@@ -183,6 +183,7 @@ pub fn handle(
                     VmmAction::CreateSnapshot(SnapshotCreateBody {
                         snapshot_path: path,
                         snapshot_type: SnapshotType::Full,
+                        mem_file_path: None,
                     }),
                 ),
                 Err(response) => response,
@@ -200,7 +201,11 @@ pub fn handle(
         "vm.add-user-device" => {
             put_only(&|| add(request, session, dispatch, Kind::UserDevice, fds_none(&fds)))
         }
-        "vm.add-net" => put_only(&|| add(request, session, dispatch, Kind::Net, fds.len())),
+        "vm.add-net" => {
+            // The tap descriptors go with the action (taken once: the route runs once).
+            let fds = std::cell::Cell::new(fds);
+            put_only(&|| add(request, session, dispatch, Kind::Net, fds.take()))
+        }
         "vm.remove-device" => put_only(&|| {
             let body: RemoveDevice = match parse(&request.body) {
                 Ok(body) => body,
@@ -266,15 +271,16 @@ pub fn handle(
     }
 }
 
-/// Descriptors only vm.add-net takes: any others are dropped (closed) here.
-fn fds_none(fds: &[OwnedFd]) -> usize {
+/// Descriptors only vm.add-net takes: any others are closed (when `handle` drops them);
+/// the route gets none.
+fn fds_none(fds: &[OwnedFd]) -> Vec<OwnedFd> {
     if !fds.is_empty() {
         log::warn!(
             "Cloud Hypervisor API: {} descriptors passed with a request that takes none: closed",
             fds.len()
         );
     }
-    0
+    Vec::new()
 }
 
 fn info(session: &Session, dispatch: Dispatch) -> Response {
@@ -376,6 +382,7 @@ fn restore(request: &Request, session: &Session, dispatch: Dispatch) -> Response
             RestoreModeBody::Lazy
         },
         uffd_socket_path: None,
+        mem_file_path: None,
         resume_vm: false,
         record_working_set: false,
     });
@@ -416,7 +423,7 @@ fn add(
     session: &Session,
     dispatch: Dispatch,
     kind: Kind,
-    tap_fds: usize,
+    tap_fds: Vec<OwnedFd>,
 ) -> Response {
     let value: Value = match parse(&request.body) {
         Ok(value) => value,
@@ -525,13 +532,12 @@ fn add(
                 Ok(d) => d,
                 Err(e) => return bad(e),
             };
-            match translate::net(config.net.len(), &net, tap_fds > 0) {
-                Ok((_, body)) if tap_fds > 0 => fault(
-                    400,
-                    format!(
-                        "net {}: tap descriptors passed with SCM_RIGHTS are not wired to the VMM yet in this gpuvm build; name the tap in `tap`",
-                        body.iface_id
-                    ),
+            let passed = !tap_fds.is_empty();
+            match translate::net(config.net.len(), &net, passed) {
+                // The VMM thread checks that each is a tap, one per queue pair.
+                Ok((_, config_body)) if passed => added(
+                    dispatch(VmmAction::PutNetworkInterfaceFds { config: config_body, fds: tap_fds }),
+                    || config.net.push(net),
                 ),
                 Ok((_, body)) => added(dispatch(VmmAction::PutNetworkInterface(body)), || config.net.push(net)),
                 Err(message) => fault(400, message),

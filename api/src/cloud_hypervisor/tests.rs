@@ -252,3 +252,50 @@ fn bad_bodies_are_400() {
         400
     );
 }
+
+/// vm.add-net with the taps passed as descriptors: they go to the VMM thread with the
+/// interface (which checks them); a `tap` named as well is refused; other routes close
+/// the descriptors they are given.
+#[test]
+fn add_net_hands_passed_descriptors_to_the_vmm() {
+    let (session, fake) = (Session::default(), Fake::new());
+    let body = kata_vm_config().to_string();
+    assert_eq!(
+        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
+        204
+    );
+    let put = |path: &str, body: &str, count: usize| {
+        let request = Request {
+            method: Method::Put,
+            path: path.into(),
+            body: body.as_bytes().to_vec(),
+            close: false,
+        };
+        let fds = (0..count)
+            .map(|_| std::os::fd::OwnedFd::from(std::io::pipe().unwrap().0))
+            .collect();
+        let passed = std::cell::Cell::new(None);
+        let response = handle(&request, fds, &session, &|action| {
+            if let VmmAction::PutNetworkInterfaceFds { config, fds } = &action {
+                passed.set(Some((config.host_dev_name.clone(), fds.len())));
+            }
+            fake.act(action)
+        });
+        (response.status, passed.take())
+    };
+    let net = r#"{"mac":"06:00:0a:00:00:02","id":"net0","num_queues":2,"queue_size":256}"#;
+    assert_eq!(put("/api/v1/vm.add-net", net, 1), (204, Some((None, 1))));
+    let named = r#"{"id":"net1","tap":"tap1"}"#;
+    assert_eq!(put("/api/v1/vm.add-net", named, 1), (400, None));
+    assert_eq!(
+        put("/api/v1/vm.add-net", r#"{"id":"net2"}"#, 0),
+        (400, None)
+    );
+    // A disk takes no descriptors: they are closed, the disk is added.
+    let disk = r#"{"path":"/img2","id":"data"}"#;
+    assert_eq!(put("/api/v1/vm.add-disk", disk, 1), (204, None));
+    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
+    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    assert_eq!(info["config"]["net"][0]["id"], "net0");
+    assert_eq!(info["config"]["net"].as_array().unwrap().len(), 1);
+}

@@ -102,7 +102,7 @@ pub fn disk(index: usize, disk: &DiskConfig) -> Result<(String, VmmAction), Refu
 }
 
 /// A network interface; `tap_fds` says whether its taps came with the request (then
-/// `tap` may be left out).
+/// `tap` must be left out: the descriptors are the taps, one per queue pair).
 pub fn net(
     index: usize,
     net: &NetConfig,
@@ -113,6 +113,11 @@ pub fn net(
     if net.tap.is_none() && !tap_fds {
         return Err(format!(
             "net[{index}]: no tap named: give `tap`, or pass the tap descriptors (SCM_RIGHTS) with vm.add-net"
+        ));
+    }
+    if let (Some(tap), true) = (&net.tap, tap_fds) {
+        return Err(format!(
+            "net[{index}]: tap {tap:?} named and tap descriptors passed: give one or the other"
         ));
     }
     // Cloud Hypervisor counts queues (2 per RX/TX pair); gpuvm counts pairs.

@@ -169,6 +169,9 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     libc::SYS_mkdir,
                     libc::SYS_rename,
                     libc::SYS_unlink,
+                    // Firecracker's snapshot layout: the state and memory files
+                    // hard-linked out of (and into) the snapshot directory.
+                    libc::SYS_linkat,
                     libc::SYS_getdents64,
                     libc::SYS_fsync,
                     libc::SYS_sync_file_range,

@@ -37,6 +37,7 @@ use crate::vcpu::VcpuState;
 use crate::vm_state::VmState;
 
 mod dir;
+pub mod files;
 mod load;
 
 pub use dir::SnapshotDirLock;

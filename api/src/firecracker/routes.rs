@@ -1,0 +1,288 @@
+//! Firecracker's routes: its paths, status codes (204 for a successful PUT or PATCH, 200
+//! with a body for a GET, 400 with `fault_message` for every refusal) and GET / shape.
+
+use serde_json::{json, Value};
+
+use gpuvm_vmm::action::{ActionResult, VmmAction, VmmData};
+
+use super::translate::{self, Refusal};
+use super::{Session, FIRECRACKER_API_VERSION};
+use crate::http::{Method, Request, Response};
+
+/// Carries one action to the VMM thread and brings its answer back.
+pub type Dispatch<'a> = &'a dyn Fn(VmmAction) -> ActionResult;
+
+/// Firecracker answers every refusal 400 (the VMM's 5xx stay as they are).
+fn fault(status: u16, message: impl Into<String>) -> Response {
+    let status = if (400..500).contains(&status) {
+        400
+    } else {
+        status
+    };
+    Response::fault(status, message)
+}
+
+fn body(request: &Request) -> Result<Value, Response> {
+    if request.body.is_empty() {
+        return Err(fault(400, "this request needs a JSON body"));
+    }
+    serde_json::from_slice(&request.body).map_err(|e| fault(400, format!("invalid JSON body: {e}")))
+}
+
+fn refused(message: Refusal) -> Response {
+    fault(400, message)
+}
+
+/// Runs `action`; success is 204 (whatever gpuvm's own answer carried).
+fn no_content(action: VmmAction, dispatch: Dispatch) -> Response {
+    match dispatch(action) {
+        Ok(_) => Response::no_content(),
+        Err(error) => fault(error.status, error.message),
+    }
+}
+
+fn json_of(action: VmmAction, dispatch: Dispatch) -> Result<Value, Response> {
+    match dispatch(action) {
+        Ok(VmmData::Json(value)) => Ok(value),
+        Ok(VmmData::Empty) => Ok(Value::Null),
+        Err(error) => Err(fault(error.status, error.message)),
+    }
+}
+
+/// Remembers a successful configuration body for GET /vm/config.
+fn remember(session: &Session, key: &str, id: Option<&str>, value: Value) {
+    let mut config = session.config();
+    match id {
+        None => {
+            config.insert(key.into(), value);
+        }
+        Some(id) => {
+            let list = config.entry(key).or_insert_with(|| json!([]));
+            if let Some(items) = list.as_array_mut() {
+                let id_field = if key == "drives" {
+                    "drive_id"
+                } else {
+                    "iface_id"
+                };
+                items.retain(|item| item[id_field] != id);
+                items.push(value);
+            }
+        }
+    }
+}
+
+fn method_not_allowed(allow: &str) -> Response {
+    fault(
+        400,
+        format!("invalid request method (allowed here: {allow})"),
+    )
+}
+
+/// Answers one request in Firecracker's terms.
+pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Response {
+    use Method::{Get, Patch, Put};
+    let path = request.path.trim_end_matches('/');
+    let path = if path.is_empty() { "/" } else { path };
+    let method = request.method;
+    let cwd = &session.cwd;
+    let result: Result<Response, Response> = (|| match (method, path) {
+        (Get, "/") => {
+            let info = json_of(VmmAction::GetInstanceInfo, dispatch)?;
+            let state = match info["state"].as_str() {
+                Some("Running") => "Running",
+                Some("Paused") => "Paused",
+                _ => "Not started",
+            };
+            Ok(Response::json(
+                200,
+                &json!({
+                    "id": session.id,
+                    "state": state,
+                    "vmm_version": info["vmm_version"],
+                    "app_name": info["app_name"],
+                }),
+            ))
+        }
+        (_, "/") => Err(method_not_allowed("GET")),
+        (Get, "/version") => Ok(Response::json(
+            200,
+            &json!({ "firecracker_version": FIRECRACKER_API_VERSION }),
+        )),
+        (_, "/version") => Err(method_not_allowed("GET")),
+        (Get, "/vm/config") => {
+            let machine = json_of(VmmAction::GetMachineConfig, dispatch)?;
+            let mut config = session.config().clone();
+            config.insert(
+                "machine-config".into(),
+                translate::machine_config_json(&machine),
+            );
+            for list in ["drives", "network-interfaces"] {
+                config.entry(list).or_insert_with(|| json!([]));
+            }
+            Ok(Response::json(200, &Value::Object(config)))
+        }
+        (_, "/vm/config") => Err(method_not_allowed("GET")),
+        (Get, "/machine-config") => {
+            let machine = json_of(VmmAction::GetMachineConfig, dispatch)?;
+            Ok(Response::json(
+                200,
+                &translate::machine_config_json(&machine),
+            ))
+        }
+        (Put | Patch, "/machine-config") => {
+            let fc = body(request)?;
+            let current = if method == Patch {
+                let value = json_of(VmmAction::GetMachineConfig, dispatch)?;
+                Some(serde_json::from_value(value).map_err(|e| fault(500, e.to_string()))?)
+            } else {
+                None
+            };
+            let config = translate::machine_config(&fc, current.as_ref()).map_err(refused)?;
+            Ok(no_content(VmmAction::PutMachineConfig(config), dispatch))
+        }
+        (_, "/machine-config") => Err(method_not_allowed("GET, PUT, PATCH")),
+        (Put, "/boot-source") => {
+            let fc = body(request)?;
+            let boot = translate::boot_source(&fc, cwd).map_err(refused)?;
+            let response = no_content(VmmAction::PutBootSource(boot), dispatch);
+            if response.status == 204 {
+                remember(session, "boot-source", None, fc);
+            }
+            Ok(response)
+        }
+        (Put, "/logger") => {
+            let fc = body(request)?;
+            let config = translate::logger(&fc, cwd).map_err(refused)?;
+            let response = no_content(VmmAction::PutLogger(config), dispatch);
+            if response.status == 204 {
+                remember(session, "logger", None, fc);
+            }
+            Ok(response)
+        }
+        (Put, "/metrics") => {
+            let fc = body(request)?;
+            let config = translate::metrics(&fc, cwd).map_err(refused)?;
+            let response = no_content(VmmAction::PutMetrics(config), dispatch);
+            if response.status == 204 {
+                remember(session, "metrics", None, fc);
+            }
+            Ok(response)
+        }
+        (Get, "/metrics") => {
+            // gpuvm's extension: the counters as JSON (Firecracker has no GET here).
+            Ok(Response::json(
+                200,
+                &json_of(VmmAction::GetMetrics, dispatch)?,
+            ))
+        }
+        (Put, "/actions") => {
+            let fc = body(request)?;
+            let action = match fc["action_type"].as_str() {
+                Some("InstanceStart") => VmmAction::StartInstance,
+                Some("SendCtrlAltDel") => VmmAction::SendCtrlAltDel,
+                Some("FlushMetrics") => VmmAction::FlushMetrics,
+                _ => {
+                    return Err(fault(
+                        400,
+                        "action_type: FlushMetrics, InstanceStart or SendCtrlAltDel",
+                    ))
+                }
+            };
+            if fc.as_object().is_some_and(|o| o.len() > 1) {
+                return Err(fault(400, "actions: only action_type is taken"));
+            }
+            Ok(no_content(action, dispatch))
+        }
+        (Put, "/snapshot/create") => {
+            let snapshot = translate::snapshot_create(&body(request)?, cwd).map_err(refused)?;
+            Ok(no_content(VmmAction::CreateSnapshot(snapshot), dispatch))
+        }
+        (Put, "/snapshot/load") => {
+            let load = translate::snapshot_load(&body(request)?, cwd).map_err(refused)?;
+            Ok(no_content(VmmAction::LoadSnapshot(load), dispatch))
+        }
+        (Put, "/vsock") => {
+            let fc = body(request)?;
+            let config = translate::vsock(&fc, cwd).map_err(refused)?;
+            let response = no_content(VmmAction::PutVsock(config), dispatch);
+            if response.status == 204 {
+                remember(session, "vsock", None, fc);
+            }
+            Ok(response)
+        }
+        (Put, _) if path.starts_with("/drives/") => {
+            let fc = body(request)?;
+            let drive = translate::drive(&fc, cwd).map_err(refused)?;
+            let id = &path["/drives/".len()..];
+            if drive.drive_id() != id {
+                return Err(fault(
+                    400,
+                    format!(
+                        "drive_id {:?} in the body does not match {id:?} in the path",
+                        drive.drive_id()
+                    ),
+                ));
+            }
+            let response = no_content(VmmAction::PutDrive(drive), dispatch);
+            if response.status == 204 {
+                remember(session, "drives", Some(id), fc);
+            }
+            Ok(response)
+        }
+        (Put, _) if path.starts_with("/network-interfaces/") => {
+            let fc = body(request)?;
+            let response = gpuvm_route(request, dispatch);
+            if response.status == 204 {
+                remember(
+                    session,
+                    "network-interfaces",
+                    Some(&path["/network-interfaces/".len()..]),
+                    fc,
+                );
+            }
+            Ok(response)
+        }
+        (Put, "/entropy") => {
+            let fc = body(request)?;
+            let response = gpuvm_route(request, dispatch);
+            if response.status == 204 {
+                remember(session, "entropy", None, fc);
+            }
+            Ok(response)
+        }
+        _ => {
+            if let Some(why) = translate::unsupported(path) {
+                return Err(fault(
+                    400,
+                    format!("{} {}: {why}", method.as_str(), request.path),
+                ));
+            }
+            // The same path and meaning in gpuvm's own routes: PATCH /vm, PATCH
+            // /drives/{id}, PATCH /network-interfaces/{id}, gpuvm's /gpus/{id}, /fs/{tag}.
+            Ok(gpuvm_route(request, dispatch))
+        }
+    })();
+    result.unwrap_or_else(|response| response)
+}
+
+/// One of gpuvm's own routes, answered with Firecracker's codes.
+fn gpuvm_route(request: &Request, dispatch: Dispatch) -> Response {
+    match crate::routes::route(request) {
+        Ok(action) => match dispatch(action) {
+            Ok(VmmData::Empty) => Response::no_content(),
+            Ok(VmmData::Json(value)) if request.method == Method::Get => {
+                Response::json(200, &value)
+            }
+            Ok(VmmData::Json(_)) => Response::no_content(),
+            Err(error) => fault(error.status, error.message),
+        },
+        Err(response) => fault(response.status, fault_message(&response)),
+    }
+}
+
+fn fault_message(response: &Response) -> String {
+    serde_json::from_slice::<Value>(&response.body)
+        .ok()
+        .and_then(|v| v["fault_message"].as_str().map(str::to_string))
+        .unwrap_or_else(|| "bad request".into())
+}

@@ -1,0 +1,432 @@
+//! Firecracker's request bodies, with its field names, and their translation onto
+//! gpuvm's actions. A field gpuvm cannot honour is refused naming it, never ignored.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use gpuvm_vmm::action::{
+    BackingKind, BootSourceBody, DriveBody, MachineConfigBody, RestoreModeBody, SnapshotCreateBody,
+    SnapshotLoadBody, SnapshotType, VmmAction,
+};
+use gpuvm_vmm::outputs::{LoggerConfig, MetricsConfig};
+
+/// A refusal's fault message.
+pub type Refusal = String;
+
+/// Relative paths are resolved against gpuvm's working directory, as Firecracker does.
+pub fn resolve(cwd: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        cwd.join(path)
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &str, body: &Value) -> Result<T, Refusal> {
+    T::deserialize(body).map_err(|e| format!("invalid {what} body: {e}"))
+}
+
+/// PUT and PATCH /machine-config (all optional in a PATCH; gpuvm's own fields such as
+/// `backing`, `thp`, `prefault` and `cpuid_masks` are accepted as extensions).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineConfig {
+    pub vcpu_count: Option<u8>,
+    pub mem_size_mib: Option<u64>,
+    pub smt: Option<bool>,
+    pub cpu_template: Option<String>,
+    pub track_dirty_pages: Option<bool>,
+    pub huge_pages: Option<String>,
+    pub backing: Option<BackingKind>,
+    pub thp: Option<bool>,
+    pub prefault: Option<bool>,
+    pub cpuid_masks: Option<Vec<String>>,
+}
+
+/// A PUT (`current` None: vcpu_count and mem_size_mib required) or a PATCH over
+/// `current`.
+pub fn machine_config(
+    body: &Value,
+    current: Option<&MachineConfigBody>,
+) -> Result<MachineConfigBody, Refusal> {
+    let fc: MachineConfig = parse("machine-config", body)?;
+    if fc.smt == Some(true) {
+        return Err(
+            "machine-config smt: true is not supported by gpuvm (each vCPU is a core of its own; smt: false is accepted)"
+                .into(),
+        );
+    }
+    if let Some(template) = &fc.cpu_template {
+        if template != "None" {
+            return Err(format!(
+                "machine-config cpu_template {template:?} is not supported by gpuvm (only \"None\"; hide CPUID features with gpuvm's cpuid_masks)"
+            ));
+        }
+    }
+    let huge = match fc.huge_pages.as_deref() {
+        None => None,
+        Some("None") => Some(BackingKind::Memfd),
+        Some("2M") => Some(BackingKind::Hugetlb2M),
+        Some(other) => {
+            return Err(format!(
+                "machine-config huge_pages {other:?}: gpuvm takes \"None\" or \"2M\""
+            ))
+        }
+    };
+    let mut out = match current {
+        Some(current) => current.clone(),
+        None => {
+            let (Some(vcpu_count), Some(mem_size_mib)) = (fc.vcpu_count, fc.mem_size_mib) else {
+                return Err(
+                    "machine-config needs vcpu_count and mem_size_mib (PATCH changes single fields)"
+                        .into(),
+                );
+            };
+            serde_json::from_value(serde_json::json!({
+                "vcpu_count": vcpu_count, "mem_size_mib": mem_size_mib,
+            }))
+            .map_err(|e| e.to_string())?
+        }
+    };
+    if let Some(v) = fc.vcpu_count {
+        out.vcpu_count = v;
+    }
+    if let Some(v) = fc.mem_size_mib {
+        out.mem_size_mib = v;
+    }
+    if let Some(v) = fc.track_dirty_pages {
+        out.track_dirty_pages = v;
+    }
+    if let Some(v) = huge.or(fc.backing) {
+        out.backing = v;
+    }
+    if let Some(v) = fc.thp {
+        out.thp = v;
+    }
+    if let Some(v) = fc.prefault {
+        out.prefault = v;
+    }
+    if let Some(v) = fc.cpuid_masks {
+        out.cpuid_masks = v;
+    }
+    Ok(out)
+}
+
+/// gpuvm's machine configuration in Firecracker's shape (GET /machine-config).
+pub fn machine_config_json(gpuvm: &Value) -> Value {
+    let huge_pages = match gpuvm["backing"].as_str() {
+        Some("hugetlb-2m") => "2M",
+        _ => "None",
+    };
+    serde_json::json!({
+        "vcpu_count": gpuvm["vcpu_count"],
+        "mem_size_mib": gpuvm["mem_size_mib"],
+        "smt": false,
+        "track_dirty_pages": gpuvm["track_dirty_pages"],
+        "huge_pages": huge_pages,
+        "backing": gpuvm["backing"],
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BootSource {
+    kernel_image_path: PathBuf,
+    initrd_path: Option<PathBuf>,
+    boot_args: Option<String>,
+}
+
+/// PUT /boot-source.
+pub fn boot_source(body: &Value, cwd: &Path) -> Result<BootSourceBody, Refusal> {
+    let fc: BootSource = parse("boot-source", body)?;
+    Ok(BootSourceBody {
+        kernel_image_path: Some(resolve(cwd, &fc.kernel_image_path)),
+        initrd_path: fc.initrd_path.map(|p| resolve(cwd, &p)),
+        boot_args: fc.boot_args,
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Logger {
+    log_path: Option<PathBuf>,
+    level: Option<String>,
+    show_level: Option<bool>,
+    show_log_origin: Option<bool>,
+    module: Option<String>,
+}
+
+/// Firecracker's level names (case-insensitive, as it accepts them).
+pub fn level(name: &str) -> Result<log::LevelFilter, Refusal> {
+    Ok(match name.to_ascii_lowercase().as_str() {
+        "off" => log::LevelFilter::Off,
+        "error" => log::LevelFilter::Error,
+        "warning" | "warn" => log::LevelFilter::Warn,
+        "info" => log::LevelFilter::Info,
+        "debug" => log::LevelFilter::Debug,
+        "trace" => log::LevelFilter::Trace,
+        _ => {
+            return Err(format!(
+                "logger level {name:?}: Off, Error, Warning, Info, Debug or Trace"
+            ))
+        }
+    })
+}
+
+/// PUT /logger. `show_level` and `show_log_origin` are accepted: gpuvm's log lines
+/// always carry the level and the module.
+pub fn logger(body: &Value, cwd: &Path) -> Result<LoggerConfig, Refusal> {
+    let fc: Logger = parse("logger", body)?;
+    let _ = (fc.show_level, fc.show_log_origin);
+    if let Some(module) = fc.module {
+        return Err(format!(
+            "logger module {module:?} is not supported by gpuvm (filter modules with GPUVM_LOG)"
+        ));
+    }
+    let Some(path) = fc.log_path else {
+        return Err("logger log_path: gpuvm needs a file or FIFO to write to".into());
+    };
+    Ok(LoggerConfig {
+        path: resolve(cwd, &path),
+        level: fc.level.as_deref().map(level).transpose()?,
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Metrics {
+    metrics_path: PathBuf,
+}
+
+/// PUT /metrics.
+pub fn metrics(body: &Value, cwd: &Path) -> Result<MetricsConfig, Refusal> {
+    let fc: Metrics = parse("metrics", body)?;
+    Ok(MetricsConfig {
+        path: resolve(cwd, &fc.metrics_path),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotCreate {
+    snapshot_path: PathBuf,
+    mem_file_path: PathBuf,
+    #[serde(default)]
+    snapshot_type: SnapshotType,
+}
+
+/// PUT /snapshot/create: a state file and a memory file.
+pub fn snapshot_create(body: &Value, cwd: &Path) -> Result<SnapshotCreateBody, Refusal> {
+    let fc: SnapshotCreate = parse("snapshot/create", body)?;
+    Ok(SnapshotCreateBody {
+        snapshot_path: resolve(cwd, &fc.snapshot_path),
+        snapshot_type: fc.snapshot_type,
+        mem_file_path: Some(resolve(cwd, &fc.mem_file_path)),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MemBackend {
+    backend_type: String,
+    backend_path: PathBuf,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotLoad {
+    snapshot_path: PathBuf,
+    mem_file_path: Option<PathBuf>,
+    mem_backend: Option<MemBackend>,
+    #[serde(default)]
+    enable_diff_snapshots: bool,
+    #[serde(default)]
+    track_dirty_pages: bool,
+    #[serde(default)]
+    resume_vm: bool,
+    network_overrides: Option<Value>,
+    vsock_override: Option<Value>,
+    #[serde(default)]
+    clock_realtime: bool,
+}
+
+/// PUT /snapshot/load. `File` (and the older `mem_file_path`) restores lazily: the guest
+/// runs at once and pages load on fault and in the background. `Uffd` hands the faults to
+/// the external handler at `backend_path`; gpuvm then reads the memory layout from its
+/// own snapshot directory, the hidden `.<state file>.gpuvm` beside the state file that
+/// PUT /snapshot/create wrote.
+pub fn snapshot_load(body: &Value, cwd: &Path) -> Result<SnapshotLoadBody, Refusal> {
+    let fc: SnapshotLoad = parse("snapshot/load", body)?;
+    if fc.enable_diff_snapshots || fc.track_dirty_pages {
+        return Err("snapshot/load track_dirty_pages (enable_diff_snapshots) is not supported by gpuvm: the snapshot's own machine-config track_dirty_pages applies".into());
+    }
+    if fc
+        .network_overrides
+        .as_ref()
+        .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err("snapshot/load network_overrides is not supported by gpuvm".into());
+    }
+    if fc.vsock_override.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err("snapshot/load vsock_override is not supported by gpuvm".into());
+    }
+    if fc.clock_realtime {
+        return Err("snapshot/load clock_realtime is not supported by gpuvm".into());
+    }
+    let state = resolve(cwd, &fc.snapshot_path);
+    let mut load = SnapshotLoadBody {
+        snapshot_path: state.clone(),
+        restore_mode: RestoreModeBody::Lazy,
+        uffd_socket_path: None,
+        resume_vm: fc.resume_vm,
+        record_working_set: false,
+        mem_file_path: None,
+    };
+    match (fc.mem_file_path, fc.mem_backend) {
+        (Some(_), Some(_)) => {
+            return Err("snapshot/load: give mem_backend or mem_file_path, not both".into())
+        }
+        (None, None) => return Err("snapshot/load needs mem_backend (or mem_file_path)".into()),
+        (Some(path), None) => load.mem_file_path = Some(resolve(cwd, &path)),
+        (None, Some(backend)) => match backend.backend_type.as_str() {
+            "File" => load.mem_file_path = Some(resolve(cwd, &backend.backend_path)),
+            "Uffd" => {
+                load.restore_mode = RestoreModeBody::External;
+                load.uffd_socket_path = Some(resolve(cwd, &backend.backend_path));
+                load.snapshot_path = gpuvm_vmm::snapshot::files::directory_for(&state)?;
+            }
+            other => {
+                return Err(format!(
+                    "snapshot/load mem_backend backend_type {other:?}: File or Uffd"
+                ))
+            }
+        },
+    }
+    Ok(load)
+}
+
+/// A drive body in Firecracker's shape onto gpuvm's: relative paths resolved,
+/// `cache_type` "Unsafe" (Firecracker's default, gpuvm's behaviour) accepted, anything
+/// gpuvm does not model refused naming it.
+pub fn drive(body: &Value, cwd: &Path) -> Result<DriveBody, Refusal> {
+    let mut body = body.clone();
+    let Some(object) = body.as_object_mut() else {
+        return Err("a drive body is a JSON object".into());
+    };
+    match object.remove("cache_type") {
+        None => {}
+        Some(Value::String(s)) if s == "Unsafe" => {}
+        Some(other) => {
+            return Err(format!(
+                "drive cache_type {other} is not supported by gpuvm (only \"Unsafe\": gpuvm does not flush to the host on guest flushes)"
+            ))
+        }
+    }
+    match object.remove("partuuid") {
+        None | Some(Value::Null) => {}
+        Some(_) => {
+            return Err("drive partuuid is not supported by gpuvm (give root= in boot_args)".into())
+        }
+    }
+    for key in ["path_on_host", "path", "socket"] {
+        if let Some(Value::String(path)) = object.get(key) {
+            let resolved = resolve(cwd, Path::new(path));
+            object.insert(key.into(), resolved.to_string_lossy().into_owned().into());
+        }
+    }
+    parse("drive", &body)
+}
+
+/// Firecracker routes gpuvm does not serve, and why (answered 400).
+pub fn unsupported(path: &str) -> Option<&'static str> {
+    let first = path.trim_start_matches('/').split('/').next().unwrap_or("");
+    Some(match first {
+        "mmds" => "MMDS (the metadata service) is not supported by gpuvm",
+        "balloon" => "the balloon device is not supported by gpuvm",
+        "serial" => "serial output redirection is not supported by gpuvm (the serial console is gpuvm's stdout)",
+        "cpu-config" => "custom CPU templates are not supported by gpuvm (use machine-config cpuid_masks)",
+        "pmem" => "virtio-pmem is not supported by gpuvm",
+        "hotplug" => "memory hot-plug is not supported by gpuvm",
+        _ => return None,
+    })
+}
+
+/// `--config-file` in Firecracker's shape: the actions its sections stand for, in the
+/// order Firecracker applies them (logger and metrics first), without the start.
+pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> {
+    let Some(object) = json.as_object() else {
+        return Err("the configuration is a JSON object".into());
+    };
+    let mut actions = Vec::new();
+    for key in object.keys() {
+        let known = [
+            "logger",
+            "metrics",
+            "machine-config",
+            "boot-source",
+            "drives",
+            "network-interfaces",
+            "vsock",
+            "entropy",
+            "gpus",
+        ];
+        if !known.contains(&key.as_str()) {
+            let value = &object[key];
+            if value.is_null() || value.as_array().is_some_and(|a| a.is_empty()) {
+                continue;
+            }
+            return Err(match unsupported(key) {
+                Some(why) => format!("config section {key:?}: {why}"),
+                None => format!("config section {key:?} is not supported by gpuvm"),
+            });
+        }
+    }
+    let section = |name: &str| object.get(name).filter(|v| !v.is_null());
+    if let Some(body) = section("logger") {
+        actions.push(VmmAction::PutLogger(logger(body, cwd)?));
+    }
+    if let Some(body) = section("metrics") {
+        actions.push(VmmAction::PutMetrics(metrics(body, cwd)?));
+    }
+    if let Some(body) = section("machine-config") {
+        actions.push(VmmAction::PutMachineConfig(machine_config(body, None)?));
+    }
+    if let Some(body) = section("boot-source") {
+        actions.push(VmmAction::PutBootSource(boot_source(body, cwd)?));
+    }
+    let list = |name: &str| -> Result<Vec<Value>, Refusal> {
+        match section(name) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => Ok(items.clone()),
+            Some(_) => Err(format!("config section {name:?} is a list")),
+        }
+    };
+    for body in list("drives")? {
+        actions.push(VmmAction::PutDrive(drive(&body, cwd)?));
+    }
+    for body in list("network-interfaces")? {
+        actions.push(VmmAction::PutNetworkInterface(parse(
+            "network-interfaces",
+            &body,
+        )?));
+    }
+    for body in list("gpus")? {
+        actions.push(VmmAction::PutGpu(parse("gpus", &body)?));
+    }
+    if let Some(body) = section("vsock") {
+        actions.push(VmmAction::PutVsock(vsock(body, cwd)?));
+    }
+    if let Some(body) = section("entropy") {
+        actions.push(VmmAction::PutEntropy(parse("entropy", body)?));
+    }
+    Ok(actions)
+}
+
+/// PUT /vsock: `uds_path` resolved like every path.
+pub fn vsock(body: &Value, cwd: &Path) -> Result<gpuvm_virtio::vsock::VsockConfig, Refusal> {
+    let mut config: gpuvm_virtio::vsock::VsockConfig = parse("vsock", body)?;
+    config.uds_path = resolve(cwd, &config.uds_path);
+    Ok(config)
+}

@@ -1,0 +1,338 @@
+//! gpuvm as `firecracker`: when the binary is invoked under that name (a symlink) or as
+//! `gpuvm --fc-compat ...` / `gpuvm firecracker ...`, it takes Firecracker's command line
+//! and serves Firecracker's API ([`gpuvm_api::firecracker`]) on `--api-sock`.
+//!
+//! Accepted: `--api-sock <path>` (default /run/firecracker.socket), `--id <id>`,
+//! `--config-file <file>` (Firecracker's JSON: boots at once), `--no-api` (needs
+//! `--config-file`), `--log-path`, `--level`, `--show-level`, `--show-log-origin`,
+//! `--metrics-path`, `--boot-timer` (accepted; gpuvm logs its own boot timing at debug
+//! level), `--seccomp-level 0|1|2` and `--no-seccomp`, the jailer's
+//! `--start-time-us`/`--start-time-cpu-us`/`--parent-cpu-time-us` (accepted, ignored),
+//! `--version`. Anything else is refused naming it.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gpuvm_api::server::ApiServer;
+use gpuvm_vmm::action::{ActionRequest, VmmAction};
+use gpuvm_vmm::controller::{default_boot_source, ApiController, BeforeRun, Started};
+use gpuvm_vmm::metrics::{CountingWriter, METRICS};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::args::{ReportArgs, SeccompArgs};
+use crate::report::finish;
+use crate::CliError;
+
+/// Whether this process should act as Firecracker: argv[0]'s file name is `firecracker`,
+/// or the first argument is `--fc-compat` or `firecracker`.
+pub fn wanted(args: &[String]) -> bool {
+    let name = args.first().and_then(|a| {
+        std::path::Path::new(a)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+    });
+    name.as_deref() == Some("firecracker")
+        || matches!(
+            args.get(1).map(String::as_str),
+            Some("--fc-compat" | "firecracker")
+        )
+}
+
+#[derive(Debug, PartialEq)]
+struct FcArgs {
+    api_sock: Option<PathBuf>,
+    id: String,
+    config_file: Option<PathBuf>,
+    log_path: Option<PathBuf>,
+    level: Option<log::LevelFilter>,
+    metrics_path: Option<PathBuf>,
+    seccomp: bool,
+}
+
+const DEFAULT_API_SOCK: &str = "/run/firecracker.socket";
+
+fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
+    let mut parsed = FcArgs {
+        api_sock: Some(PathBuf::from(DEFAULT_API_SOCK)),
+        id: "anonymous-instance".into(),
+        config_file: None,
+        log_path: None,
+        level: None,
+        metrics_path: None,
+        seccomp: true,
+    };
+    let mut no_api = false;
+    let skip = if matches!(
+        args.get(1).map(String::as_str),
+        Some("--fc-compat" | "firecracker")
+    ) {
+        2
+    } else {
+        1
+    };
+    let mut rest = args.iter().skip(skip);
+    while let Some(arg) = rest.next() {
+        let (name, inline) = match arg.split_once('=') {
+            Some((name, value)) if name.starts_with("--") => (name, Some(value.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| rest.next().cloned())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match name {
+            "--version" | "-V" => return Ok(None),
+            "--api-sock" => parsed.api_sock = Some(value()?.into()),
+            "--id" => parsed.id = value()?,
+            "--config-file" => parsed.config_file = Some(value()?.into()),
+            "--no-api" => no_api = true,
+            "--log-path" => parsed.log_path = Some(value()?.into()),
+            "--level" => parsed.level = Some(gpuvm_api::firecracker::translate::level(&value()?)?),
+            "--metrics-path" => parsed.metrics_path = Some(value()?.into()),
+            "--show-level" | "--show-log-origin" | "--boot-timer" => {}
+            "--no-seccomp" => parsed.seccomp = false,
+            "--seccomp-level" => {
+                parsed.seccomp = match value()?.as_str() {
+                    "0" => false,
+                    "1" | "2" => true,
+                    other => return Err(format!("--seccomp-level {other:?}: 0, 1 or 2")),
+                }
+            }
+            "--start-time-us" | "--start-time-cpu-us" | "--parent-cpu-time-us" => {
+                value()?;
+            }
+            other => {
+                return Err(format!(
+                    "{other}: not supported by gpuvm's Firecracker mode (it takes --api-sock, --id, --config-file, --no-api, --log-path, --level, --show-level, --show-log-origin, --metrics-path, --boot-timer, --seccomp-level, --no-seccomp)"
+                ))
+            }
+        }
+    }
+    if no_api {
+        if parsed.config_file.is_none() {
+            return Err(
+                "--no-api needs --config-file: there is no other way to configure the VM".into(),
+            );
+        }
+        parsed.api_sock = None;
+    }
+    Ok(Some(parsed))
+}
+
+/// The `firecracker` entry point.
+pub fn main(args: &[String], process_start: Instant) -> ExitCode {
+    let parsed = match parse(args) {
+        Ok(Some(parsed)) => parsed,
+        Ok(None) => {
+            println!(
+                "Firecracker v{} (gpuvm {})",
+                gpuvm_api::firecracker::FIRECRACKER_API_VERSION,
+                env!("CARGO_PKG_VERSION")
+            );
+            return ExitCode::SUCCESS;
+        }
+        Err(message) => {
+            eprintln!("gpuvm: error: {message}");
+            return crate::gpuvm_error();
+        }
+    };
+    if let Err(error) =
+        gpuvm_vmm::logging::init_with(gpuvm_vmm::logging::LogFormat::Text, parsed.level, true)
+    {
+        eprintln!("gpuvm: error: cannot set up logging: {error}");
+        return crate::gpuvm_error();
+    }
+    match serve(&parsed, process_start) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("gpuvm: error: {error}");
+            crate::gpuvm_error()
+        }
+    }
+}
+
+/// Sends `actions` to the VMM thread one by one, then InstanceStart; the first refusal is
+/// kept in `failed` and ends the VMM instead.
+fn configure(
+    actions: Vec<VmmAction>,
+    requests: Sender<ActionRequest>,
+    wake: EventFd,
+    failed: Arc<Mutex<Option<String>>>,
+) {
+    for action in actions.into_iter().chain([VmmAction::StartInstance]) {
+        let (reply, answer) = channel();
+        if requests.send(ActionRequest { action, reply }).is_err() {
+            return;
+        }
+        let _ = wake.write(1);
+        match answer.recv() {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.message);
+                let (reply, _answer) = channel();
+                let _ = requests.send(ActionRequest {
+                    action: VmmAction::ShutdownVmm,
+                    reply,
+                });
+                let _ = wake.write(1);
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    let session = gpuvm_api::firecracker::Session::new(args.id.clone());
+    let open = |path: &PathBuf| {
+        gpuvm_vmm::outputs::open_nonblocking(path)
+            .map_err(|e| CliError::Other(format!("cannot open {}: {e}", path.display())))
+    };
+    if let Some(path) = &args.log_path {
+        gpuvm_vmm::outputs::LOG.set(open(path)?);
+    }
+    if let Some(path) = &args.metrics_path {
+        gpuvm_vmm::outputs::METRICS_OUT.set(open(path)?);
+    }
+    let actions = match &args.config_file {
+        Some(path) => {
+            let bytes = gpuvm_memory::snapshot::read_regular_file(path, 1 << 20)
+                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+            let json: serde_json::Value = serde_json::from_slice(&bytes)
+                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+            Some(
+                gpuvm_api::firecracker::translate::config_file(&json, &session.cwd)
+                    .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?,
+            )
+        }
+        None => None,
+    };
+    let seccomp = SeccompArgs {
+        no_seccomp: !args.seccomp,
+        seccomp: false,
+    };
+    seccomp.enable()?;
+    let (requests_tx, requests_rx) = channel();
+    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
+    let clone_wake = || wake.try_clone().map_err(gpuvm_vmm::Error::EventFd);
+    let server = match &args.api_sock {
+        Some(path) => Some(
+            ApiServer::start_firecracker(path, requests_tx.clone(), clone_wake()?, session)
+                .map_err(|e| CliError::Other(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let failed = Arc::new(Mutex::new(None));
+    if let Some(actions) = actions {
+        let (tx, wake, failed) = (requests_tx.clone(), clone_wake()?, failed.clone());
+        std::thread::Builder::new()
+            .name("fc-config".into())
+            .spawn(move || configure(actions, tx, wake, failed))
+            .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
+    }
+    drop(requests_tx);
+    let wait_idle = |server: &Option<ApiServer>| {
+        if let Some(server) = server {
+            server.wait_idle(Duration::from_secs(2));
+        }
+    };
+    let config = gpuvm_vmm::config::VmConfig {
+        machine: gpuvm_vmm::config::MachineConfig::default(),
+        boot: default_boot_source(),
+    };
+    let mut controller = ApiController::new(requests_rx, wake, config, Box::new(serial_out));
+    let Some(Started {
+        mut machine,
+        paused,
+    }) = controller.wait_for_start()
+    else {
+        wait_idle(&server);
+        if let Some(message) = failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            return Err(CliError::Other(format!("config file: {message}")));
+        }
+        if controller.shutdown_requested() {
+            return Ok(ExitCode::SUCCESS);
+        }
+        return Err(CliError::Other(
+            "the API server stopped before the VM started".into(),
+        ));
+    };
+    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
+        wait_idle(&server);
+        return Ok(ExitCode::SUCCESS);
+    }
+    machine.set_run_control(controller.into_run_control());
+    let report = ReportArgs {
+        report_memory: false,
+        report_timing: false,
+    };
+    let result = finish(machine, &report, process_start, None);
+    wait_idle(&server);
+    result
+}
+
+fn serial_out() -> Box<dyn std::io::Write + Send> {
+    Box::new(CountingWriter::new(
+        std::io::stdout(),
+        &METRICS.serial_bytes_out,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn firecracker_command_lines_parse() {
+        let kata = args(&[
+            "/usr/bin/firecracker",
+            "--api-sock",
+            "/run/fc.sock",
+            "--id",
+            "vm1",
+            "--log-path",
+            "/run/log.fifo",
+            "--level",
+            "Info",
+            "--show-level",
+            "--show-log-origin",
+            "--metrics-path",
+            "/run/metrics.fifo",
+            "--seccomp-level",
+            "0",
+            "--boot-timer",
+        ]);
+        assert!(wanted(&kata));
+        let parsed = parse(&kata).unwrap().unwrap();
+        assert_eq!(parsed.api_sock, Some("/run/fc.sock".into()));
+        assert_eq!(parsed.id, "vm1");
+        assert_eq!(parsed.level, Some(log::LevelFilter::Info));
+        assert!(!parsed.seccomp);
+        let no_api = args(&["gpuvm", "--fc-compat", "--no-api", "--config-file=/c.json"]);
+        assert!(wanted(&no_api));
+        let parsed = parse(&no_api).unwrap().unwrap();
+        assert_eq!(
+            (parsed.api_sock, parsed.config_file),
+            (None, Some("/c.json".into()))
+        );
+        assert!(parse(&args(&["firecracker", "--no-api"])).is_err());
+        let unknown = parse(&args(&["firecracker", "--mmds-size-limit", "1"])).unwrap_err();
+        assert!(unknown.contains("--mmds-size-limit"), "{unknown}");
+        assert!(parse(&args(&["firecracker", "--level", "Loud"])).is_err());
+        assert_eq!(parse(&args(&["firecracker", "--version"])).unwrap(), None);
+        assert!(!wanted(&args(&["gpuvm", "run"])));
+        assert_eq!(
+            parse(&args(&["firecracker"])).unwrap().unwrap().api_sock,
+            Some(DEFAULT_API_SOCK.into())
+        );
+    }
+}
