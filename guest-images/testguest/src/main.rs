@@ -13,6 +13,7 @@ mod bootinfo;
 mod console;
 mod exception;
 mod hotplug;
+mod lapic;
 mod memfns;
 mod pattern;
 mod pci;

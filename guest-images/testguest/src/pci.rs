@@ -16,6 +16,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::arch::{inl, outl};
 use crate::console::exit;
+use crate::lapic;
 use crate::pattern::pattern;
 use crate::println;
 
@@ -23,9 +24,6 @@ const CONFIG_ADDRESS: u16 = 0xcf8;
 const CONFIG_DATA: u16 = 0xcfc;
 const NVIDIA: u32 = 0x10de;
 const H100_LIKE: u32 = 0x2330;
-const LAPIC_BASE: u64 = 0xfee0_0000;
-const LAPIC_ID: u64 = 0x20;
-const LAPIC_SVR: u64 = 0xf0;
 const MSI_VECTOR: u8 = 0x40;
 const INTX_VECTOR: u8 = 0x41;
 const IOAPIC_BASE: u64 = 0xfec0_0000;
@@ -75,9 +73,7 @@ core::arch::global_asm!(
 tg_msi_entry:
     pushq %rax
     incq TG_MSI_COUNT(%rip)
-    /* EOI: a 32-bit address, loaded zero-extended (a disp32 would sign-extend). */
-    movl $0xfee000b0, %eax
-    movl $0, (%rax)
+    call tg_lapic_eoi
     popq %rax
     iretq
 
@@ -89,8 +85,7 @@ tg_intx_entry:
     /* Acknowledge the device (deassert its line), then end the interrupt. */
     movq TG_INTX_ACK(%rip), %rax
     movl $1, (%rax)
-    movl $0xfee000b0, %eax
-    movl $0, (%rax)
+    call tg_lapic_eoi
     popq %rax
     iretq
 "#,
@@ -118,7 +113,7 @@ fn config_write(device: u8, register: u8, value: u32) {
 }
 
 fn mmio_read(addr: u64) -> u32 {
-    // SAFETY: `addr` is in a BAR or the local APIC page, identity mapped and user accessible;
+    // SAFETY: `addr` is in a BAR or the IOAPIC page, identity mapped and user accessible;
     // the access traps to the VMM.
     unsafe { (addr as *const u32).read_volatile() }
 }
@@ -448,11 +443,8 @@ pub fn check_device(device: u8, intx_too: bool) {
     println!("pci: msi-x cap at {msix:#x}, {vectors} vectors, table at {table:#x}");
 
     // Local APIC on; the gate for our vector; vector 0 of the device to this CPU.
-    let apic_id = mmio_read(LAPIC_BASE + LAPIC_ID) >> 24;
-    mmio_write(
-        LAPIC_BASE + LAPIC_SVR,
-        mmio_read(LAPIC_BASE + LAPIC_SVR) | 0x1ff,
-    );
+    let apic_id = lapic::id();
+    lapic::write(lapic::SVR, lapic::read(lapic::SVR) | 0x1ff);
     install_gate(MSI_VECTOR, addr_of!(tg_msi_entry) as u64);
     mmio_write(table, 0xfee0_0000 | apic_id << 12);
     mmio_write(table + 4, 0);

@@ -21,7 +21,7 @@ const S_OK: u8 = 0;
 const S_IOERR: u8 = 1;
 pub const SECTOR: u64 = 512;
 const ID_BYTES: usize = 20;
-const MAGIC: &[u8; 8] = b"GPUVMBLK";
+pub(crate) const MAGIC: &[u8; 8] = b"GPUVMBLK";
 /// The write test: sectors 8..16 (4 KiB at disk offset 4096); the word at disk offset `o`
 /// is `pattern(PATTERN_SEED, o)` (gpuvm_guest_images::pattern on the host).
 const TEST_SECTOR: u64 = 8;

@@ -10,11 +10,9 @@
 use core::ptr::addr_of;
 use core::sync::atomic::{AtomicU64, Ordering};
 
+use crate::lapic;
 use crate::pci::install_gate;
 
-const LAPIC_BASE: u64 = 0xfee0_0000;
-const LAPIC_ID: u64 = 0x20;
-const LAPIC_SVR: u64 = 0xf0;
 const LAPIC_LVT_TIMER: u64 = 0x320;
 const LAPIC_LVT_LINT0: u64 = 0x350;
 const LAPIC_TIMER_INITIAL: u64 = 0x380;
@@ -46,9 +44,7 @@ core::arch::global_asm!(
 tg_virtio_msi_entry:
     pushq %rax
     incq TG_VIRTIO_MSI_COUNT(%rip)
-    /* EOI: a 32-bit address, loaded zero-extended (a disp32 would sign-extend). */
-    movl $0xfee000b0, %eax
-    movl $0, (%rax)
+    call tg_lapic_eoi
     popq %rax
     iretq
 
@@ -57,8 +53,7 @@ tg_virtio_msi_entry:
 tg_virtio_timer_entry:
     pushq %rax
     incq TG_VIRTIO_TIMER_COUNT(%rip)
-    movl $0xfee000b0, %eax
-    movl $0, (%rax)
+    call tg_lapic_eoi
     popq %rax
     iretq
 "#,
@@ -70,28 +65,14 @@ extern "C" {
     static tg_virtio_timer_entry: u8;
 }
 
-fn lapic_read(register: u64) -> u32 {
-    // SAFETY: the local APIC page is identity mapped and user accessible; the access traps.
-    unsafe { ((LAPIC_BASE + register) as *const u32).read_volatile() }
-}
-
-fn lapic_write(register: u64, value: u32) {
-    // SAFETY: as in `lapic_read`.
-    unsafe { ((LAPIC_BASE + register) as *mut u32).write_volatile(value) }
-}
-
-pub fn lapic_id() -> u32 {
-    lapic_read(LAPIC_ID) >> 24
-}
-
 /// The MSI address that targets this CPU (physical destination, fixed delivery).
 pub fn msi_address() -> u32 {
-    0xfee0_0000 | lapic_id() << 12
+    lapic::BASE as u32 | lapic::id() << 12
 }
 
 /// Software-disables the local APIC: fixed interrupts sent to it are dropped.
 pub fn disable_lapic() {
-    lapic_write(LAPIC_SVR, lapic_read(LAPIC_SVR) & !SVR_ENABLE);
+    lapic::write(lapic::SVR, lapic::read(lapic::SVR) & !SVR_ENABLE);
 }
 
 /// Software-enables the local APIC and installs the gates for [`MSI_VECTOR`] and the timer.
@@ -100,11 +81,11 @@ pub fn disable_lapic() {
 pub fn enable_lapic() {
     install_gate(MSI_VECTOR, addr_of!(tg_virtio_msi_entry) as u64);
     install_gate(TIMEOUT_VECTOR, addr_of!(tg_virtio_timer_entry) as u64);
-    lapic_write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
-    lapic_write(LAPIC_LVT_LINT0, lapic_read(LAPIC_LVT_LINT0) | LVT_MASKED);
-    lapic_write(
-        LAPIC_SVR,
-        lapic_read(LAPIC_SVR) | SVR_ENABLE | SPURIOUS_VECTOR,
+    lapic::write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
+    lapic::write(LAPIC_LVT_LINT0, lapic::read(LAPIC_LVT_LINT0) | LVT_MASKED);
+    lapic::write(
+        lapic::SVR,
+        lapic::read(lapic::SVR) | SVR_ENABLE | SPURIOUS_VECTOR,
     );
 }
 
@@ -117,9 +98,9 @@ pub fn msi_count() -> u64 {
 pub fn wait(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
     let ticks = (timeout_ms * TIMER_TICKS_PER_MS).min(u64::from(u32::MAX)) as u32;
     let timer_fired = TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire);
-    lapic_write(LAPIC_TIMER_DIVIDE, DIVIDE_BY_16);
-    lapic_write(LAPIC_LVT_TIMER, u32::from(TIMEOUT_VECTOR));
-    lapic_write(LAPIC_TIMER_INITIAL, ticks);
+    lapic::write(LAPIC_TIMER_DIVIDE, DIVIDE_BY_16);
+    lapic::write(LAPIC_LVT_TIMER, u32::from(TIMEOUT_VECTOR));
+    lapic::write(LAPIC_TIMER_INITIAL, ticks);
     // Every hlt ends with an interrupt (the device's or the timer's), so this bound is only a
     // guard against a storm of unrelated ones.
     let mut result = false;
@@ -137,7 +118,7 @@ pub fn wait(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
         // Not `nomem`: the handlers change the counters while it waits.
         unsafe { core::arch::asm!("hlt", options(nostack)) };
     }
-    lapic_write(LAPIC_TIMER_INITIAL, 0);
-    lapic_write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
+    lapic::write(LAPIC_TIMER_INITIAL, 0);
+    lapic::write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMEOUT_VECTOR));
     result
 }

@@ -15,12 +15,12 @@ const NAME: &str = "virtio-net";
 const USAGE: &str = "virtio-net IP";
 const F_MAC: u64 = 1 << 5;
 /// struct virtio_net_hdr_v1 (num_buffers included with VERSION_1), all zero on transmit.
-const NET_HEADER: usize = 12;
+pub(crate) const NET_HEADER: usize = 12;
 /// Each rx buffer: the header and a whole untagged frame without FCS (1514), rounded up.
 const RX_BUFFER: usize = 2048;
 const RX_BUFFERS: usize = 16;
 const MAX_FRAME: usize = RX_BUFFER - NET_HEADER;
-const MIN_FRAME: usize = 60;
+pub(crate) const MIN_FRAME: usize = 60;
 const ETHERTYPE_ARP: u16 = 0x0806;
 const ETHERTYPE_IPV4: u16 = 0x0800;
 const PROTOCOL_ICMP: u8 = 1;

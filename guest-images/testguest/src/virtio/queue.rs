@@ -9,8 +9,8 @@ use super::{Deadline, Dma};
 /// The largest queue the driver sets up (smaller if the device offers less).
 pub const MAX_QUEUE_SIZE: u16 = 64;
 const DESC_SIZE: u64 = 16;
-const DESC_F_NEXT: u16 = 1;
-const DESC_F_WRITE: u16 = 2;
+pub(crate) const DESC_F_NEXT: u16 = 1;
+pub(crate) const DESC_F_WRITE: u16 = 2;
 const AVAIL_F_NO_INTERRUPT: u16 = 1;
 const PAGE: u64 = 4096;
 

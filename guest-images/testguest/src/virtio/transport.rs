@@ -24,29 +24,30 @@ const CFG_NOTIFY: u8 = 2;
 const CFG_ISR: u8 = 3;
 const CFG_DEVICE: u8 = 4;
 
-const STATUS_ACKNOWLEDGE: u8 = 1;
-const STATUS_DRIVER: u8 = 2;
-const STATUS_DRIVER_OK: u8 = 4;
-const STATUS_FEATURES_OK: u8 = 8;
+pub(crate) const STATUS_ACKNOWLEDGE: u8 = 1;
+pub(crate) const STATUS_DRIVER: u8 = 2;
+pub(crate) const STATUS_DRIVER_OK: u8 = 4;
+pub(crate) const STATUS_FEATURES_OK: u8 = 8;
+pub(crate) const STATUS_NEEDS_RESET: u8 = 0x40;
 const STATUS_FAILED: u8 = 0x80;
 
 /// Common configuration (struct virtio_pci_common_cfg) offsets.
-const COMMON_DEVICE_FEATURE_SELECT: u64 = 0x00;
-const COMMON_DEVICE_FEATURE: u64 = 0x04;
-const COMMON_DRIVER_FEATURE_SELECT: u64 = 0x08;
-const COMMON_DRIVER_FEATURE: u64 = 0x0c;
-const COMMON_CONFIG_MSIX_VECTOR: u64 = 0x10;
-const COMMON_NUM_QUEUES: u64 = 0x12;
-const COMMON_DEVICE_STATUS: u64 = 0x14;
+pub(crate) const COMMON_DEVICE_FEATURE_SELECT: u64 = 0x00;
+pub(crate) const COMMON_DEVICE_FEATURE: u64 = 0x04;
+pub(crate) const COMMON_DRIVER_FEATURE_SELECT: u64 = 0x08;
+pub(crate) const COMMON_DRIVER_FEATURE: u64 = 0x0c;
+pub(crate) const COMMON_CONFIG_MSIX_VECTOR: u64 = 0x10;
+pub(crate) const COMMON_NUM_QUEUES: u64 = 0x12;
+pub(crate) const COMMON_DEVICE_STATUS: u64 = 0x14;
 const COMMON_CONFIG_GENERATION: u64 = 0x15;
-const COMMON_QUEUE_SELECT: u64 = 0x16;
-const COMMON_QUEUE_SIZE: u64 = 0x18;
-const COMMON_QUEUE_MSIX_VECTOR: u64 = 0x1a;
-const COMMON_QUEUE_ENABLE: u64 = 0x1c;
-const COMMON_QUEUE_NOTIFY_OFF: u64 = 0x1e;
-const COMMON_QUEUE_DESC: u64 = 0x20;
-const COMMON_QUEUE_DRIVER: u64 = 0x28;
-const COMMON_QUEUE_DEVICE: u64 = 0x30;
+pub(crate) const COMMON_QUEUE_SELECT: u64 = 0x16;
+pub(crate) const COMMON_QUEUE_SIZE: u64 = 0x18;
+pub(crate) const COMMON_QUEUE_MSIX_VECTOR: u64 = 0x1a;
+pub(crate) const COMMON_QUEUE_ENABLE: u64 = 0x1c;
+pub(crate) const COMMON_QUEUE_NOTIFY_OFF: u64 = 0x1e;
+pub(crate) const COMMON_QUEUE_DESC: u64 = 0x20;
+pub(crate) const COMMON_QUEUE_DRIVER: u64 = 0x28;
+pub(crate) const COMMON_QUEUE_DEVICE: u64 = 0x30;
 /// The fields up to queue_device (virtio 1.0's structure).
 const COMMON_MIN_LEN: u32 = 0x38;
 
@@ -54,9 +55,96 @@ pub const NO_VECTOR: u16 = 0xffff;
 
 /// One virtio structure: its address (identity mapped) and length.
 #[derive(Clone, Copy)]
-struct Region {
-    addr: u64,
-    len: u32,
+pub(crate) struct Region {
+    pub addr: u64,
+    pub len: u32,
+}
+
+/// The virtio structures a device's vendor capabilities place (spec 4.1.4): the first one of
+/// each type, and the notify offset multiplier.
+pub(crate) struct Structures {
+    pub common: Option<Region>,
+    pub notify: Option<Region>,
+    pub isr: Option<Region>,
+    pub device: Option<Region>,
+    pub notify_multiplier: u32,
+}
+
+/// Walks the vendor capabilities of `device` (memory decoding on). A malformed capability (too
+/// short, a BAR without an address, a structure above the mapped range) fails with EXIT_FAIL;
+/// reserved BAR values and unknown types are skipped.
+pub(crate) fn structures(workload: &str, device: u8) -> Structures {
+    let mut found: [Option<Region>; 5] = [None; 5];
+    let mut notify_multiplier = 0;
+    for (pointer, id) in pci::capabilities(device) {
+        if id != pci::CAP_VENDOR {
+            continue;
+        }
+        let header = pci::config_read(device, pointer);
+        let cap_len = (header >> 16) as u8;
+        let cfg_type = (header >> 24) as u8;
+        if !(CFG_COMMON..=CFG_DEVICE).contains(&cfg_type) || found[cfg_type as usize].is_some() {
+            continue;
+        }
+        if cap_len < 16 || (cfg_type == CFG_NOTIFY && cap_len < 20) {
+            fail(
+                workload,
+                format_args!(
+                    "virtio capability type {cfg_type} at {pointer:#x} is {cap_len} bytes long"
+                ),
+            );
+        }
+        let bar = pci::config_read(device, pointer + 4) as u8;
+        if bar > 5 {
+            // Reserved BAR values: the driver must ignore the structure (spec 4.1.4).
+            continue;
+        }
+        let offset = pci::config_read(device, pointer + 8);
+        let len = pci::config_read(device, pointer + 12);
+        let base = pci::bar_address(device, bar).unwrap_or_else(|err| {
+            fail(
+                workload,
+                format_args!("virtio capability type {cfg_type}: BAR {bar} {err}"),
+            )
+        });
+        let addr = base + u64::from(offset);
+        if addr + u64::from(len) > crate::boot::MAPPED_LIMIT {
+            fail(
+                workload,
+                format_args!(
+                    "virtio capability type {cfg_type} at {addr:#x} is above the mapped range"
+                ),
+            );
+        }
+        if cfg_type == CFG_NOTIFY {
+            notify_multiplier = pci::config_read(device, pointer + 16);
+        }
+        found[cfg_type as usize] = Some(Region { addr, len });
+    }
+    Structures {
+        common: found[CFG_COMMON as usize],
+        notify: found[CFG_NOTIFY as usize],
+        isr: found[CFG_ISR as usize],
+        device: found[CFG_DEVICE as usize],
+        notify_multiplier,
+    }
+}
+
+/// The feature bits the device offers (device_feature, both halves).
+pub(crate) fn device_features(common: u64) -> u64 {
+    write32(common + COMMON_DEVICE_FEATURE_SELECT, 0);
+    let low = read32(common + COMMON_DEVICE_FEATURE);
+    write32(common + COMMON_DEVICE_FEATURE_SELECT, 1);
+    let high = read32(common + COMMON_DEVICE_FEATURE);
+    u64::from(high) << 32 | u64::from(low)
+}
+
+/// Writes both halves of driver_feature.
+pub(crate) fn write_driver_features(common: u64, features: u64) {
+    write32(common + COMMON_DRIVER_FEATURE_SELECT, 0);
+    write32(common + COMMON_DRIVER_FEATURE, features as u32);
+    write32(common + COMMON_DRIVER_FEATURE_SELECT, 1);
+    write32(common + COMMON_DRIVER_FEATURE, (features >> 32) as u32);
 }
 
 pub struct VirtioPci {
@@ -131,66 +219,20 @@ impl VirtioPci {
             );
         }
 
-        let mut found: [Option<(Region, u8)>; 5] = [None; 5];
-        let mut notify_multiplier = 0;
-        for (pointer, id) in pci::capabilities(device) {
-            if id != pci::CAP_VENDOR {
-                continue;
-            }
-            let header = pci::config_read(device, pointer);
-            let cap_len = (header >> 16) as u8;
-            let cfg_type = (header >> 24) as u8;
-            if !(CFG_COMMON..=CFG_DEVICE).contains(&cfg_type) || found[cfg_type as usize].is_some()
-            {
-                continue;
-            }
-            if cap_len < 16 || (cfg_type == CFG_NOTIFY && cap_len < 20) {
-                fail(
-                    workload,
-                    format_args!(
-                        "virtio capability type {cfg_type} at {pointer:#x} is {cap_len} bytes long"
-                    ),
-                );
-            }
-            let bar = pci::config_read(device, pointer + 4) as u8;
-            if bar > 5 {
-                // Reserved BAR values: the driver must ignore the structure (spec 4.1.4).
-                continue;
-            }
-            let offset = pci::config_read(device, pointer + 8);
-            let len = pci::config_read(device, pointer + 12);
-            let base = pci::bar_address(device, bar).unwrap_or_else(|err| {
-                fail(
-                    workload,
-                    format_args!("virtio capability type {cfg_type}: BAR {bar} {err}"),
-                )
-            });
-            let addr = base + u64::from(offset);
-            if addr + u64::from(len) > crate::boot::MAPPED_LIMIT {
-                fail(
-                    workload,
-                    format_args!(
-                        "virtio capability type {cfg_type} at {addr:#x} is above the mapped range"
-                    ),
-                );
-            }
-            if cfg_type == CFG_NOTIFY {
-                notify_multiplier = pci::config_read(device, pointer + 16);
-            }
-            found[cfg_type as usize] = Some((Region { addr, len }, bar));
-        }
-        let required = |cfg_type: u8, name: &str| -> Region {
-            match found[cfg_type as usize] {
-                Some((region, _)) => region,
+        let structures = structures(workload, device);
+        let notify_multiplier = structures.notify_multiplier;
+        let required = |region: Option<Region>, cfg_type: u8, name: &str| -> Region {
+            match region {
+                Some(region) => region,
                 None => fail(
                     workload,
                     format_args!("no virtio {name} capability (cfg_type {cfg_type})"),
                 ),
             }
         };
-        let common = required(CFG_COMMON, "common configuration");
-        let notify = required(CFG_NOTIFY, "notification");
-        let isr = required(CFG_ISR, "ISR");
+        let common = required(structures.common, CFG_COMMON, "common configuration");
+        let notify = required(structures.notify, CFG_NOTIFY, "notification");
+        let isr = required(structures.isr, CFG_ISR, "ISR");
         if common.len < COMMON_MIN_LEN {
             fail(
                 workload,
@@ -200,7 +242,7 @@ impl VirtioPci {
                 ),
             );
         }
-        let device_config = found[CFG_DEVICE as usize].map(|(region, _)| region);
+        let device_config = structures.device;
         println!(
             "{workload}: 00:{device:02x}.0 {VIRTIO_VENDOR:04x}:{device_id:04x} common {:#x} notify {:#x} (multiplier {notify_multiplier}) isr {:#x} device {:#x}",
             common.addr,
@@ -250,21 +292,14 @@ impl VirtioPci {
         self.set_status(STATUS_ACKNOWLEDGE);
         self.set_status(STATUS_ACKNOWLEDGE | STATUS_DRIVER);
 
-        write32(self.common + COMMON_DEVICE_FEATURE_SELECT, 0);
-        let low = read32(self.common + COMMON_DEVICE_FEATURE);
-        write32(self.common + COMMON_DEVICE_FEATURE_SELECT, 1);
-        let high = read32(self.common + COMMON_DEVICE_FEATURE);
-        let offered = u64::from(high) << 32 | u64::from(low);
+        let offered = device_features(self.common);
         if offered & F_VERSION_1 == 0 {
             self.fail(format_args!(
                 "device does not offer VIRTIO_F_VERSION_1 (features {offered:#x})"
             ));
         }
         let accepted = offered & (F_VERSION_1 | optional);
-        write32(self.common + COMMON_DRIVER_FEATURE_SELECT, 0);
-        write32(self.common + COMMON_DRIVER_FEATURE, accepted as u32);
-        write32(self.common + COMMON_DRIVER_FEATURE_SELECT, 1);
-        write32(self.common + COMMON_DRIVER_FEATURE, (accepted >> 32) as u32);
+        write_driver_features(self.common, accepted);
         self.set_status(STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK);
         let status = self.status();
         if status & STATUS_FEATURES_OK == 0 {
@@ -338,7 +373,7 @@ impl VirtioPci {
     pub fn driver_ok(&self) {
         self.set_status(STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK);
         let status = self.status();
-        if status & STATUS_DRIVER_OK == 0 || status & 0x40 != 0 {
+        if status & STATUS_DRIVER_OK == 0 || status & STATUS_NEEDS_RESET != 0 {
             fail(
                 self.workload,
                 format_args!("device status {status:#x} after DRIVER_OK"),

@@ -13,7 +13,7 @@ use crate::println;
 const NAME: &str = "virtio-vsock";
 const USAGE: &str = "virtio-vsock [COUNT]";
 const PORT: u32 = 1024;
-const HEADER: usize = 44;
+pub(crate) const HEADER: usize = 44;
 /// Payload bytes per rx buffer and per packet sent.
 const PAYLOAD: usize = 4096;
 const RX_BUFFERS: usize = 16;
@@ -21,12 +21,12 @@ const EVENT_BUFFERS: usize = 4;
 const EVENT_SIZE: u32 = 4;
 /// What the driver tells the peer it may have in flight, and the echo buffer's size.
 const BUF_ALLOC: u32 = 64 << 10;
-const TYPE_STREAM: u16 = 1;
-const OP_REQUEST: u16 = 1;
+pub(crate) const TYPE_STREAM: u16 = 1;
+pub(crate) const OP_REQUEST: u16 = 1;
 const OP_RESPONSE: u16 = 2;
-const OP_RST: u16 = 3;
+pub(crate) const OP_RST: u16 = 3;
 const OP_SHUTDOWN: u16 = 4;
-const OP_RW: u16 = 5;
+pub(crate) const OP_RW: u16 = 5;
 const OP_CREDIT_UPDATE: u16 = 6;
 const OP_CREDIT_REQUEST: u16 = 7;
 const SHUTDOWN_RCV: u32 = 1;
