@@ -278,7 +278,34 @@ pub fn load(
         setup_header: result.setup_header,
     };
     write_boot_structures(mem, regions, source, &loaded, rsdp_addr.unwrap_or(0))?;
+    if let KernelSource::Embedded(bytes) = &source.kernel {
+        release_embedded_image(bytes);
+    }
     Ok(loaded)
+}
+
+/// The embedded image is read once, when it is loaded: its pages of the binary are handed
+/// back, so they do not count in gpuvm's resident memory for the VM's whole life (the test
+/// guest is a few hundred KiB). They stay in the page cache, and a later read faults them
+/// in again.
+fn release_embedded_image(bytes: &'static [u8]) {
+    const PAGE: usize = 4096;
+    let start = (bytes.as_ptr() as usize).next_multiple_of(PAGE);
+    let end = (bytes.as_ptr() as usize + bytes.len()) & !(PAGE - 1);
+    if end > start {
+        // SAFETY: [start, end) holds whole pages of a read-only static that nothing ever
+        // writes (the pages at its ends, which may hold other data, are left alone); for
+        // such pages of a private file mapping MADV_DONTNEED only drops this process's
+        // mapping, and the next access reads the same bytes from the binary again.
+        let result =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        if result != 0 {
+            log::debug!(
+                "cannot release the embedded image's pages: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
 }
 
 /// Checks that every part of the image, its zero-filled parts (ELF `p_memsz`) included,
