@@ -714,8 +714,8 @@ fn every_openapi_route_is_served() {
             let (status, answer) = vmm.call(&method.to_uppercase(), path, body.clone());
             // A 404 the document lists is the route's own answer (no such device id),
             // not a missing route.
-            let unrouted = status == 405
-                || (status == 404 && operation["responses"].get("404").is_none());
+            let unrouted =
+                status == 405 || (status == 404 && operation["responses"].get("404").is_none());
             assert!(
                 !unrouted,
                 "{method} {path} is documented but not served: {status} {answer}"

@@ -33,9 +33,9 @@ use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::action::GpuBody;
+use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
-use crate::dma::{DmaTestHooks, RamChunks};
 use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
 
 /// How long DELETE /gpus/{id} waits for the guest to eject, unless

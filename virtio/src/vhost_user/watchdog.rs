@@ -51,7 +51,9 @@ pub(super) fn start() -> std::io::Result<()> {
         .spawn(move || {
             // Under the device threads' filter: it only shuts sockets down.
             if let Err(error) = crate::worker::run_thread_setup() {
-                log::error!("vhost-user watchdog: cannot set up its thread, replies are unbounded: {error}");
+                log::error!(
+                    "vhost-user watchdog: cannot set up its thread, replies are unbounded: {error}"
+                );
                 return;
             }
             let mut armed: Vec<Armed> = Vec::new();
