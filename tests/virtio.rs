@@ -205,3 +205,28 @@ fn device_threads_run_under_their_own_filter() {
     let out = vm.wait(LIMIT);
     assert_ok(&out, "virtio-vsock: ok");
 }
+
+/// Two VMs cannot share a hybrid vsock socket: the second is refused before its guest runs
+/// (Firecracker's CID-per-socket model: the socket path is the VM's address on the host),
+/// and the first keeps serving.
+#[test]
+fn a_vsock_socket_in_use_is_refused_to_a_second_vm() {
+    let scratch = Scratch::new("virtio", "vsock-clash");
+    let uds = scratch.path("v.sock");
+    let vsock = format!("cid=3,uds={}", arg(&uds));
+    let mut first = SpawnedProcess::gpuvm(&["run", "--cmdline", "virtio-vsock", "--vsock", &vsock]);
+    first.wait_for_stdout("virtio-vsock: listening", LIMIT);
+    let second = run_gpuvm(
+        &["run", "--cmdline", "virtio-vsock", "--vsock", &vsock],
+        LIMIT,
+    );
+    second.assert_code(125);
+    second.assert_clean_error("vsock");
+    assert!(
+        !second.stdout.contains("virtio-vsock: listening"),
+        "{}",
+        second.describe()
+    );
+    vsock_echo(&uds, b"still the first VM's");
+    first.wait(LIMIT).assert_code(0);
+}

@@ -441,3 +441,40 @@ fn a_restored_vm_keeps_its_network_interface() {
         );
     }
 }
+
+/// A tap another process holds (a single-queue tap can be attached once) is refused with
+/// a clear error before the guest runs, and the holder keeps it.
+#[test]
+fn a_tap_held_by_another_process_is_refused() {
+    let Some(netns) = Netns::create("a_tap_held_by_another_process_is_refused") else {
+        return;
+    };
+    // Attach tap0 in the namespace, as another VMM would.
+    let held: OwnedFd = netns.run(|| {
+        let tun = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")
+            .expect("/dev/net/tun");
+        let mut request = [0u8; 40];
+        request[..4].copy_from_slice(b"tap0");
+        let flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as u16;
+        request[16..18].copy_from_slice(&flags.to_ne_bytes());
+        // SAFETY: TUNSETIFF reads a struct ifreq (40 bytes) from the buffer, which lives
+        // across the call.
+        let result = unsafe { libc::ioctl(tun.as_raw_fd(), 0x4004_54ca, request.as_mut_ptr()) };
+        assert_eq!(result, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
+        OwnedFd::from(tun)
+    });
+    let out = netns.spawn_guest("id=eth0,tap=tap0").wait(LIMIT);
+    out.assert_code(125);
+    out.assert_clean_error("eth0");
+    out.assert_clean_error("tap0");
+    out.assert_clean_error("busy");
+    assert!(
+        !out.stdout.contains("testguest: ready"),
+        "the guest ran:\n{}",
+        out.describe()
+    );
+    drop(held);
+}
