@@ -34,7 +34,7 @@ pub fn run(info: &BootInfo) -> ! {
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
         "acpi" => crate::acpi::run(info, words),
         "virtio-hostile" => crate::virtio::hostile::run(info),
-        name @ ("virtio-blk-bench" | "virtio-vsock-bench") => {
+        name @ ("virtio-blk-bench" | "virtio-vsock-bench" | "virtio-fs-bench") => {
             crate::virtio::bench::run(info, name, &mut words)
         }
         name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net" | "virtio-devices") => {

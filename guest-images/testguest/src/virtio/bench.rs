@@ -26,7 +26,16 @@
 //!   Lines: `virtio-vsock-bench: listening cid=<cid> port=<port> tsc_hz=<hz> source=<s>`,
 //!   `virtio-vsock-bench: sink bytes=<n> cycles=<c>` per sink, `virtio-vsock-bench: ok ...`.
 //!
-//! Buffers for both live at [`BUF_START`].. (64 MiB up; run with --memory 256M or more), rings
+//! - `virtio-fs-bench SIZE_MIB [DEPTH]`: on the first virtio-fs device (virtiofsd), FUSE_INIT
+//!   (asking for FUSE_MAX_PAGES), LOOKUP of `big.bin` in the root, OPEN read-only, then READs
+//!   of the whole of its first SIZE_MIB MiB in requests of the largest size the INIT reply
+//!   allows (max_pages * 4 KiB with FUSE_MAX_PAGES, else max_write), at most 1 MiB, with
+//!   DEPTH (default 4, at most 16) in flight on request queue 1, polled; RELEASE. Lines:
+//!   `virtio-fs-bench: tsc_hz=<hz> source=<s>`, `virtio-fs-bench: init major=7 minor=<m>
+//!   max_write=<n> max_pages=<p> chunk=<bytes>`, `virtio-fs-bench: seq-read bytes=<n>
+//!   requests=<r> depth=<d> chunk=<bytes> cycles=<c> notifies=<k>`, `virtio-fs-bench: ok`.
+//!
+//! Buffers for all of them live at [`BUF_START`].. (64 MiB up; run with --memory 256M or more), rings
 //! and request headers in the driver's DMA area.
 
 use core::sync::atomic::{fence, Ordering};
@@ -52,6 +61,10 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-vsock-bench" => {
             let mut dma = Dma::new(info, VSOCK);
             vsock_bench(info, &mut dma, words)
+        }
+        "virtio-fs-bench" => {
+            let mut dma = Dma::new(info, FS);
+            fs_bench(info, &mut dma, words)
         }
         other => {
             println!("testguest: unknown workload '{other}'");
@@ -917,5 +930,298 @@ fn vsock_bench(info: &BootInfo, dma: &mut Dma, words: &mut Words) -> ! {
         "{VSOCK}: ok connections={} received={} sent={} rx_notifies={} tx_notifies={}",
         vsock.connections, vsock.received, vsock.sent, vsock.rx_notifies, vsock.tx_notifies
     );
+    exit(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// virtio-fs-bench
+
+const FS: &str = "virtio-fs-bench";
+const FS_USAGE: &str = "virtio-fs-bench SIZE_MIB [DEPTH]";
+/// VIRTIO_ID_FS.
+const TYPE_FS: u16 = 26;
+const FS_DEFAULT_DEPTH: u64 = 4;
+/// Three descriptors per request (in header + read_in, out header, data).
+const FS_MAX_DEPTH: usize = 16;
+const FUSE_LOOKUP: u32 = 1;
+const FUSE_OPEN: u32 = 14;
+const FUSE_READ: u32 = 15;
+const FUSE_RELEASE: u32 = 18;
+const FUSE_INIT: u32 = 26;
+/// FUSE_MAX_PAGES: the server may say how many pages one request carries.
+const FUSE_MAX_PAGES: u32 = 1 << 22;
+const FUSE_IN_HEADER: u64 = 40;
+const FUSE_OUT_HEADER: u64 = 16;
+/// fuse_read_in: fh, offset, size, read_flags, lock_owner, flags, padding.
+const FUSE_READ_IN: u64 = 40;
+const FS_BIG: &[u8] = b"big.bin\0";
+const FS_MIN_CHUNK: u64 = 4096;
+
+struct FsBench<'a> {
+    dev: &'a VirtioPci,
+    queue: SplitQueue,
+    /// Per slot: in header + operation body (256 bytes), out header (16 bytes).
+    requests: u64,
+    out_headers: u64,
+    /// Reply body for the set-up requests.
+    reply: u64,
+    unique: u64,
+    notifies: u64,
+}
+
+impl FsBench<'_> {
+    /// Writes slot `slot`'s fuse_in_header for `opcode` on `nodeid` with `body` after it;
+    /// returns the unique.
+    fn prepare(&mut self, slot: u64, opcode: u32, nodeid: u64, body: &[u8]) -> u64 {
+        self.unique += 2;
+        let request = self.requests + 256 * slot;
+        let mut header = [0u8; FUSE_IN_HEADER as usize];
+        header[0..4]
+            .copy_from_slice(&((FUSE_IN_HEADER as usize + body.len()) as u32).to_le_bytes());
+        header[4..8].copy_from_slice(&opcode.to_le_bytes());
+        header[8..16].copy_from_slice(&self.unique.to_le_bytes());
+        header[16..24].copy_from_slice(&nodeid.to_le_bytes());
+        header[32..36].copy_from_slice(&1u32.to_le_bytes());
+        super::write_ram(request, &header);
+        super::write_ram(request + FUSE_IN_HEADER, body);
+        write_u32(self.out_headers + 16 * slot, 0);
+        self.unique
+    }
+
+    /// Checks slot `slot`'s reply to `unique`: the body length.
+    fn check(&self, what: &str, slot: u64, unique: u64, used_len: u32, max_body: u64) -> u64 {
+        let mut out = [0u8; FUSE_OUT_HEADER as usize];
+        super::read_ram(self.out_headers + 16 * slot, &mut out);
+        let len = u32::from_le_bytes(out[0..4].try_into().unwrap());
+        let error = i32::from_le_bytes(out[4..8].try_into().unwrap());
+        let echoed = u64::from_le_bytes(out[8..16].try_into().unwrap());
+        if echoed != unique || error != 0 {
+            self.dev.fail(format_args!(
+                "{what}: reply unique {echoed} error {error}, expected unique {unique} error 0"
+            ));
+        }
+        if u64::from(len) < FUSE_OUT_HEADER
+            || u64::from(len) > FUSE_OUT_HEADER + max_body
+            || used_len != len
+        {
+            self.dev.fail(format_args!(
+                "{what}: reply length {len} (used length {used_len})"
+            ));
+        }
+        u64::from(len) - FUSE_OUT_HEADER
+    }
+
+    /// One request at a time (set-up): the reply body's length (body at `self.reply`).
+    fn call(&mut self, what: &str, opcode: u32, nodeid: u64, body: &[u8], reply_len: u32) -> u64 {
+        let unique = self.prepare(0, opcode, nodeid, body);
+        let mut chain = [Buffer::readable(0, 0); 3];
+        chain[0] = Buffer::readable(self.requests, (FUSE_IN_HEADER as usize + body.len()) as u32);
+        chain[1] = Buffer::writable(self.out_headers, FUSE_OUT_HEADER as u32);
+        let count = if reply_len > 0 {
+            chain[2] = Buffer::writable(self.reply, reply_len);
+            3
+        } else {
+            2
+        };
+        if let Err(err) = self.queue.add(&chain[..count], 0) {
+            self.dev.fail(format_args!("{what}: request queue: {err}"));
+        }
+        self.queue.notify();
+        let used = match self.queue.wait_used() {
+            Ok(used) => used,
+            Err(err) => self.dev.fail(format_args!("{what}: {err}")),
+        };
+        self.check(what, 0, unique, used.len, u64::from(reply_len))
+    }
+
+    fn reply_u32(&self, at: u64) -> u32 {
+        let mut bytes = [0u8; 4];
+        super::read_ram(self.reply + at, &mut bytes);
+        u32::from_le_bytes(bytes)
+    }
+
+    fn reply_u64(&self, at: u64) -> u64 {
+        let mut bytes = [0u8; 8];
+        super::read_ram(self.reply + at, &mut bytes);
+        u64::from_le_bytes(bytes)
+    }
+}
+
+fn fs_bench(info: &BootInfo, dma: &mut Dma, words: &mut Words) -> ! {
+    let Some(size_mib) = words.next_word().and_then(parse_number) else {
+        println!("testguest: missing or bad SIZE_MIB; usage: {FS_USAGE}");
+        exit(super::EXIT_SETUP)
+    };
+    let depth = optional_number(words, FS_USAGE, FS_DEFAULT_DEPTH);
+    if size_mib == 0 || depth == 0 || depth as usize > FS_MAX_DEPTH {
+        println!("testguest: SIZE_MIB must be > 0 and DEPTH 1..={FS_MAX_DEPTH}; usage: {FS_USAGE}");
+        exit(super::EXIT_SETUP)
+    }
+    let depth = depth as usize;
+    check_buffer_ram(info, FS, depth as u64 * MIB);
+    let (tsc_hz, source) = tsc_frequency();
+    println!("{FS}: tsc_hz={tsc_hz} source={source}");
+
+    let mut dev = VirtioPci::find(FS, TYPE_FS);
+    dev.initialize(0);
+    let hiprio = dev.setup_queue(dma, 0, None);
+    hiprio.suppress_interrupts(true);
+    let queue = dev.setup_queue(dma, 1, None);
+    queue.suppress_interrupts(true);
+    dev.driver_ok();
+    if depth * 3 > queue.size as usize {
+        dev.fail(format_args!(
+            "depth {depth} needs {} descriptors, the queue has {}",
+            depth * 3,
+            queue.size
+        ));
+    }
+    let mut fs = FsBench {
+        dev: &dev,
+        queue,
+        requests: dma.alloc(256 * FS_MAX_DEPTH as u64, 64),
+        out_headers: dma.alloc(16 * FS_MAX_DEPTH as u64, 64),
+        reply: dma.alloc(4096, 4096),
+        unique: 0,
+        notifies: 0,
+    };
+
+    // FUSE_INIT (7.31): major, minor, max_readahead, flags.
+    let mut init_in = [0u8; 16];
+    init_in[0..4].copy_from_slice(&7u32.to_le_bytes());
+    init_in[4..8].copy_from_slice(&31u32.to_le_bytes());
+    init_in[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
+    init_in[12..16].copy_from_slice(&FUSE_MAX_PAGES.to_le_bytes());
+    let got = fs.call("FUSE_INIT", FUSE_INIT, 0, &init_in, 256);
+    if got < 24 {
+        dev.fail(format_args!("FUSE_INIT: reply body of {got} bytes"));
+    }
+    let (major, minor) = (fs.reply_u32(0), fs.reply_u32(4));
+    let flags = fs.reply_u32(12);
+    let max_write = fs.reply_u32(20);
+    let max_pages = if got >= 30 {
+        fs.reply_u32(28) & 0xffff
+    } else {
+        0
+    };
+    let limit = if flags & FUSE_MAX_PAGES != 0 && max_pages != 0 {
+        u64::from(max_pages) * 4096
+    } else {
+        u64::from(max_write)
+    };
+    let chunk = limit.min(MIB) & !(FS_MIN_CHUNK - 1);
+    if major != 7 || chunk < FS_MIN_CHUNK {
+        dev.fail(format_args!(
+            "FUSE_INIT: {major}.{minor}, max_write {max_write}, max_pages {max_pages}"
+        ));
+    }
+    println!("{FS}: init major={major} minor={minor} max_write={max_write} max_pages={max_pages} chunk={chunk}");
+
+    let got = fs.call("FUSE_LOOKUP", FUSE_LOOKUP, 1, FS_BIG, 128);
+    if got < 128 {
+        dev.fail(format_args!("FUSE_LOOKUP: reply body of {got} bytes"));
+    }
+    let node = fs.reply_u64(0);
+    let file_size = fs.reply_u64(48);
+    let bytes = size_mib * MIB;
+    if file_size < bytes {
+        dev.fail(format_args!(
+            "big.bin has {file_size} bytes, SIZE_MIB {size_mib} needs {bytes}"
+        ));
+    }
+    let mut open_in = [0u8; 8];
+    open_in[0..4].copy_from_slice(&0u32.to_le_bytes());
+    let got = fs.call("FUSE_OPEN", FUSE_OPEN, node, &open_in, 16);
+    if got < 16 {
+        dev.fail(format_args!("FUSE_OPEN: reply body of {got} bytes"));
+    }
+    let fh = fs.reply_u64(0);
+
+    // The timed part: `depth` READs in flight, each into its own MiB at BUF_START.
+    let count = bytes.div_ceil(chunk);
+    let mut uniques = [0u64; FS_MAX_DEPTH];
+    let mut free = [0u8; FS_MAX_DEPTH];
+    let mut free_len = depth;
+    for (slot, entry) in free.iter_mut().enumerate().take(depth) {
+        *entry = slot as u8;
+    }
+    let (mut submitted, mut completed, mut received) = (0u64, 0u64, 0u64);
+    let mut deadline = Deadline::after_ms(REQUEST_TIMEOUT_MS);
+    let start = rdtsc();
+    while completed < count {
+        let mut added = false;
+        while free_len > 0 && submitted < count {
+            free_len -= 1;
+            let slot = u64::from(free[free_len]);
+            let offset = submitted * chunk;
+            let size = chunk.min(bytes - offset);
+            let mut read_in = [0u8; FUSE_READ_IN as usize];
+            read_in[0..8].copy_from_slice(&fh.to_le_bytes());
+            read_in[8..16].copy_from_slice(&offset.to_le_bytes());
+            read_in[16..20].copy_from_slice(&(size as u32).to_le_bytes());
+            uniques[slot as usize] = fs.prepare(slot, FUSE_READ, node, &read_in);
+            let chain = [
+                Buffer::readable(
+                    fs.requests + 256 * slot,
+                    (FUSE_IN_HEADER + FUSE_READ_IN) as u32,
+                ),
+                Buffer::writable(fs.out_headers + 16 * slot, FUSE_OUT_HEADER as u32),
+                Buffer::writable(BUF_START + slot * MIB, size as u32),
+            ];
+            if let Err(err) = fs.queue.add(&chain, slot) {
+                dev.fail(format_args!("FUSE_READ: request queue: {err}"));
+            }
+            submitted += 1;
+            added = true;
+        }
+        if added {
+            fs.queue.notify();
+            fs.notifies += 1;
+        }
+        let mut progressed = false;
+        loop {
+            match fs.queue.pop_used() {
+                Ok(Some(used)) => {
+                    let slot = used.token;
+                    let got = fs.check("FUSE_READ", slot, uniques[slot as usize], used.len, chunk);
+                    if got == 0 {
+                        dev.fail(format_args!(
+                            "FUSE_READ: end of file after {received} bytes"
+                        ));
+                    }
+                    received += got;
+                    free[free_len] = slot as u8;
+                    free_len += 1;
+                    completed += 1;
+                    progressed = true;
+                }
+                Ok(None) => break,
+                Err(err) => dev.fail(format_args!("FUSE_READ: {err}")),
+            }
+        }
+        if progressed {
+            deadline = Deadline::after_ms(REQUEST_TIMEOUT_MS);
+        } else if deadline.expired() {
+            dev.fail(format_args!(
+                "FUSE_READ: no reply within {REQUEST_TIMEOUT_MS} ms ({completed} of {count} done)"
+            ));
+        } else {
+            pause();
+        }
+    }
+    let cycles = rdtsc().wrapping_sub(start);
+    if received != bytes {
+        dev.fail(format_args!(
+            "FUSE_READ: {received} bytes, expected {bytes}"
+        ));
+    }
+    println!(
+        "{FS}: seq-read bytes={bytes} requests={count} depth={depth} chunk={chunk} cycles={cycles} notifies={}",
+        fs.notifies
+    );
+    let mut release_in = [0u8; 24];
+    release_in[0..8].copy_from_slice(&fh.to_le_bytes());
+    fs.call("FUSE_RELEASE", FUSE_RELEASE, node, &release_in, 0);
+    println!("{FS}: ok");
     exit(0)
 }
