@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use crate::run::serial_out;
 use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::controller::{default_boot_source, ApiController, BeforeRun, Started};
-use gpuvm_vmm::metrics::{CountingWriter, METRICS};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReportArgs, SeccompArgs};
@@ -182,13 +182,6 @@ fn serve(args: &ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let result = finish(machine, &report, process_start, None);
     server.wait_idle(Duration::from_secs(2));
     result
-}
-
-fn serial_out() -> Box<dyn std::io::Write + Send> {
-    Box::new(CountingWriter::new(
-        std::io::stdout(),
-        &METRICS.serial_bytes_out,
-    ))
 }
 
 #[cfg(test)]

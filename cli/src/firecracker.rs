@@ -16,10 +16,10 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::run::serial_out;
 use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::action::{ActionRequest, VmmAction};
 use gpuvm_vmm::controller::{default_boot_source, ApiController, BeforeRun, Started};
-use gpuvm_vmm::metrics::{CountingWriter, METRICS};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReportArgs, SeccompArgs};
@@ -274,13 +274,6 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let result = finish(machine, &report, process_start, None);
     wait_idle(&server);
     result
-}
-
-fn serial_out() -> Box<dyn std::io::Write + Send> {
-    Box::new(CountingWriter::new(
-        std::io::stdout(),
-        &METRICS.serial_bytes_out,
-    ))
 }
 
 #[cfg(test)]

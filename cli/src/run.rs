@@ -134,7 +134,7 @@ fn serve_api(
 }
 
 /// The serial console: stdout, counted for the metrics.
-fn serial_out() -> Box<dyn std::io::Write + Send> {
+pub(crate) fn serial_out() -> Box<dyn std::io::Write + Send> {
     Box::new(CountingWriter::new(
         std::io::stdout(),
         &METRICS.serial_bytes_out,
