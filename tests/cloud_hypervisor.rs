@@ -6,14 +6,13 @@
 //! namespace (as root: the test makes a namespace and a tap); and the errors.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use gpuvm_tests::netns::Netns;
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -148,134 +147,6 @@ fn gpuvm_routes_still_answer_beside_api_v1() {
     assert!(info.contains("gpuvm"), "{info}");
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     vmm.wait(LIMIT).assert_code(0);
-}
-
-/// Tells this process's namespaces (and their 10.0.<n>.0/24 subnets) apart.
-static NEXT_NETNS: AtomicU32 = AtomicU32::new(1);
-
-/// A network namespace holding `tap0` at 10.0.<n>.1/24, up; deleted (with the tap) when
-/// dropped. gpuvm itself runs outside it: the passed descriptor is the tap.
-struct Netns {
-    name: String,
-    n: u32,
-}
-
-impl Netns {
-    /// None (the reason printed) where the test cannot run: not root, no iproute2.
-    fn create(test: &str) -> Option<Netns> {
-        // SAFETY: geteuid has no preconditions and touches no memory.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped {test}: needs root (creates a network namespace and a tap)");
-            return None;
-        }
-        let n = NEXT_NETNS.fetch_add(1, Ordering::SeqCst);
-        let name = format!("gpuvm-clh-{}-{n}", std::process::id());
-        match Command::new("ip").args(["netns", "add", &name]).output() {
-            Ok(output) if output.status.success() => {}
-            other => {
-                eprintln!("skipped {test}: `ip netns add {name}` failed: {other:?}");
-                return None;
-            }
-        }
-        let netns = Netns { name, n };
-        netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap"]);
-        let host = format!("{}/24", netns.host_ip());
-        netns.ip(&["addr", "add", &host, "dev", "tap0"]);
-        netns.ip(&["link", "set", "tap0", "up"]);
-        Some(netns)
-    }
-
-    fn host_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 1)
-    }
-
-    fn guest_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 2)
-    }
-
-    fn ip(&self, args: &[&str]) {
-        let output = Command::new("ip")
-            .args(["netns", "exec", &self.name, "ip"])
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "ip {args:?} in {}: {}",
-            self.name,
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-
-    /// Runs `work` on a thread that entered the namespace (setns changes only the calling
-    /// thread's): the taps and sockets it opens are the namespace's.
-    fn run<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            let namespace = OwnedFd::from(std::fs::File::open(&path).unwrap());
-            // SAFETY: setns with a namespace fd we own; it changes this thread's network
-            // namespace only, and the thread ends after `work`.
-            let result = unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(result, 0, "setns: {}", std::io::Error::last_os_error());
-            work()
-        })
-        .join()
-        .unwrap()
-    }
-
-    /// Opens a queue of `tap0` as Kata does before passing it: /dev/net/tun, TUNSETIFF
-    /// with IFF_TAP | IFF_NO_PI | IFF_VNET_HDR.
-    fn open_tap(&self) -> OwnedFd {
-        self.run(|| {
-            let tun = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/net/tun")
-                .expect("/dev/net/tun");
-            // SAFETY: ifreq is plain C data; all zero bytes is a valid value.
-            let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
-            for (slot, byte) in request.ifr_name.iter_mut().zip(b"tap0") {
-                *slot = *byte as libc::c_char;
-            }
-            request.ifr_ifru.ifru_flags =
-                (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
-            // SAFETY: TUNSETIFF reads and writes one ifreq, which `request` is.
-            let result = unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut request) };
-            assert_eq!(result, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
-            OwnedFd::from(tun)
-        })
-    }
-
-    /// A datagram from 10.0.<n>.1 to the guest's UDP echo port (7), and what comes back.
-    fn udp_echo(&self, payload: &[u8]) -> Vec<u8> {
-        let (host, guest) = (self.host_ip(), self.guest_ip());
-        let payload = payload.to_vec();
-        self.run(move || {
-            let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
-            socket
-                .set_read_timeout(Some(Duration::from_secs(3)))
-                .unwrap();
-            let target = SocketAddr::from((guest, 7));
-            let mut buffer = [0u8; 2048];
-            // The first datagram may wait on ARP: try again while nothing comes back.
-            for _ in 0..5 {
-                socket.send_to(&payload, target).expect("send to the guest");
-                if let Ok((len, from)) = socket.recv_from(&mut buffer) {
-                    assert_eq!(from, target);
-                    return buffer[..len].to_vec();
-                }
-            }
-            panic!("no UDP echo from {target} after 5 tries");
-        })
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
 }
 
 /// `PUT path` with `body`, the request's bytes sent in one sendmsg carrying `fds`

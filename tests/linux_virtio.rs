@@ -17,13 +17,11 @@
 //! two test threads on those two cores (and other builds running or not), each took 45 to
 //! 205 s and the four 144 to 249 s.
 
-use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use gpuvm_tests::netns::Netns;
 use gpuvm_tests::{run_gpuvm_until, RunOutput, Scratch, SpawnedProcess};
 
 /// Kernel arguments that get the kernel past what the nested emulator lacks; each test adds
@@ -213,115 +211,6 @@ fn vmlinux_virtio_mounts_ext4_root_from_virtio_blk() {
     assert_ext4_root_on_virtio_blk(&out);
 }
 
-/// Tells the namespaces (and their 10.0.<n>.0/24 subnets) of one test process apart.
-static NEXT_NETNS: AtomicU32 = AtomicU32::new(1);
-
-/// A network namespace `gpuvm-lvnet-<pid>-<n>` with one tap, `tap0`, at 10.0.<n>.1/24 and up;
-/// the namespace (and so the tap) is deleted when dropped, also while a failing test unwinds.
-/// (tests/virtio_net.rs has the same for the test guest.)
-struct Netns {
-    name: String,
-    n: u32,
-}
-
-impl Netns {
-    /// `None` (with the reason printed) where the test cannot run: not root, no iproute2.
-    fn create(test: &str) -> Option<Netns> {
-        // SAFETY: geteuid has no preconditions and touches no memory.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!(
-                "SKIPPED linux_virtio::{test}: needs root (creates a network namespace and a tap)"
-            );
-            return None;
-        }
-        let n = NEXT_NETNS.fetch_add(1, Ordering::SeqCst);
-        assert!(n < 255, "too many namespaces for 10.0.<n>.0/24");
-        let name = format!("gpuvm-lvnet-{}-{n}", std::process::id());
-        match Command::new("ip").args(["netns", "add", &name]).output() {
-            Err(error) => {
-                eprintln!(
-                    "SKIPPED linux_virtio::{test}: cannot run `ip` (is iproute2 installed?): {error}"
-                );
-                return None;
-            }
-            Ok(output) if !output.status.success() => {
-                eprintln!(
-                    "SKIPPED linux_virtio::{test}: `ip netns add {name}` failed: {}",
-                    String::from_utf8_lossy(&output.stderr).trim()
-                );
-                return None;
-            }
-            Ok(_) => {}
-        }
-        let netns = Netns { name, n };
-        netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap"]);
-        netns.ip(&[
-            "addr",
-            "add",
-            &format!("{}/24", netns.host_ip()),
-            "dev",
-            "tap0",
-        ]);
-        netns.ip(&["link", "set", "tap0", "up"]);
-        Some(netns)
-    }
-
-    fn host_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 1)
-    }
-
-    fn guest_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 2)
-    }
-
-    /// Runs `program ARGS` inside the namespace to completion.
-    fn exec(&self, program: &str, args: &[&str]) -> Output {
-        Command::new("ip")
-            .args(["netns", "exec", &self.name, program])
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("ip netns exec {} {program}: {e}", self.name))
-    }
-
-    /// Runs `ip ARGS` inside the namespace; it must succeed.
-    fn ip(&self, args: &[&str]) -> String {
-        let output = self.exec("ip", args);
-        assert!(
-            output.status.success(),
-            "ip {args:?} in {}: {}",
-            self.name,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    }
-
-    /// Starts `gpuvm ARGS` inside the namespace (`ip netns exec` execs it: the pid is gpuvm's).
-    fn spawn_gpuvm(&self, args: &[String]) -> SpawnedProcess {
-        let gpuvm = gpuvm_tests::gpuvm_bin();
-        let mut full = vec!["netns", "exec", &self.name, arg(&gpuvm)];
-        full.extend(args.iter().map(String::as_str));
-        SpawnedProcess::spawn(Path::new("ip"), &full)
-    }
-
-    /// The MAC the namespace's neighbour table holds for the guest, if any.
-    fn guest_neighbour(&self) -> Option<String> {
-        let guest = self.guest_ip().to_string();
-        let table = self.ip(&["neigh", "show", &guest, "dev", "tap0"]);
-        let mut words = table.split_whitespace();
-        words.find(|w| *w == "lladdr")?;
-        words.next().map(str::to_string)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        // Deleting the namespace takes its tap with it.
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
-}
-
 /// Asserts that stdout has a line holding each of `needles`, in this order (panics naming the
 /// first one missing or out of order).
 fn assert_in_order(out: &RunOutput, needles: &[&str]) {
@@ -377,7 +266,8 @@ fn vmlinux_virtio_brings_eth0_up_with_its_mac_and_answers_ping() {
     let drive = ext4_drive();
     let net = format!("id=eth0,tap=tap0,mac={mac}");
     let started = Instant::now();
-    let mut vm = netns.spawn_gpuvm(&linux_args(&cmdline, &["--drive", &drive, "--net", &net]));
+    let args = linux_args(&cmdline, &["--drive", &drive, "--net", &net]);
+    let mut vm = netns.spawn_gpuvm(&args.iter().map(String::as_str).collect::<Vec<_>>());
     let waiting = format!("Waiting {ROOT_DELAY_S} sec before mounting root device...");
     vm.wait_for_stdout(&waiting, BOOT_LIMIT);
     eprintln!("{waiting:?} after {:?}", started.elapsed());

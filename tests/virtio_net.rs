@@ -6,210 +6,49 @@
 //! network stack: `ping`, a UDP socket, the neighbour table. Tests that need root (a
 //! namespace, a tap) print why and skip without it.
 
-use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::Path;
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::net::UdpSocket;
 use std::time::Duration;
 
+use gpuvm_tests::netns::Netns;
 use gpuvm_tests::{run_gpuvm, RunOutput, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
-/// The guest's UDP echo port.
-const ECHO_PORT: u16 = 7;
-/// Tells the namespaces (and their 10.0.<n>.0/24 subnets) of one test process apart.
-static NEXT_NETNS: AtomicU32 = AtomicU32::new(1);
-
-/// A network namespace with one tap, `tap0`, at 10.0.<n>.1/24 and up; the namespace (and so
-/// the tap) is deleted when dropped, also while a failing test unwinds.
-struct Netns {
-    name: String,
-    n: u32,
+/// Starts `gpuvm run --cmdline "virtio-net 10.0.<n>.2" --net NET` inside the namespace.
+/// `ip netns exec` execs gpuvm (no fork), so the process's pid is gpuvm's.
+fn spawn_guest(netns: &Netns, net: &str) -> SpawnedProcess {
+    spawn_guest_with(netns, net, &[])
 }
 
-impl Netns {
-    /// `None` (with the reason printed) where the test cannot run: not root, no iproute2.
-    fn create(test: &str) -> Option<Netns> {
-        // SAFETY: geteuid has no preconditions and touches no memory.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped {test}: needs root (creates a network namespace and a tap)");
-            return None;
-        }
-        let n = NEXT_NETNS.fetch_add(1, Ordering::SeqCst);
-        assert!(n < 255, "too many namespaces for 10.0.<n>.0/24");
-        let name = format!("gpuvm-vnet-{}-{n}", std::process::id());
-        match Command::new("ip").args(["netns", "add", &name]).output() {
-            Err(error) => {
-                eprintln!("skipped {test}: cannot run `ip` (is iproute2 installed?): {error}");
-                return None;
-            }
-            Ok(output) if !output.status.success() => {
-                eprintln!(
-                    "skipped {test}: `ip netns add {name}` failed: {}",
-                    String::from_utf8_lossy(&output.stderr).trim()
-                );
-                return None;
-            }
-            Ok(_) => {}
-        }
-        let netns = Netns { name, n };
-        netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap"]);
-        netns.ip(&[
-            "addr",
-            "add",
-            &format!("{}/24", netns.host_ip()),
-            "dev",
-            "tap0",
-        ]);
-        netns.ip(&["link", "set", "tap0", "up"]);
-        Some(netns)
-    }
+/// [`spawn_guest`] with more `gpuvm run` arguments.
+fn spawn_guest_with(netns: &Netns, net: &str, extra: &[&str]) -> SpawnedProcess {
+    let cmdline = format!("virtio-net {}", netns.guest_ip());
+    let mut args = vec!["run", "--cmdline", &cmdline, "--net", net];
+    args.extend_from_slice(extra);
+    netns.spawn_gpuvm(&args)
+}
 
-    fn host_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 1)
-    }
-
-    fn guest_ip(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 0, self.n as u8, 2)
-    }
-
-    /// Runs `program ARGS` inside the namespace to completion.
-    fn exec(&self, program: &str, args: &[&str]) -> Output {
-        Command::new("ip")
-            .args(["netns", "exec", &self.name, program])
-            .args(args)
-            .output()
-            .unwrap_or_else(|e| panic!("ip netns exec {} {program}: {e}", self.name))
-    }
-
-    /// Runs `ip ARGS` inside the namespace; it must succeed.
-    fn ip(&self, args: &[&str]) -> String {
-        let output = self.exec("ip", args);
-        assert!(
-            output.status.success(),
-            "ip {args:?} in {}: {}",
-            self.name,
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
-    }
-
-    /// Starts `gpuvm run --cmdline "virtio-net 10.0.<n>.2" --net NET` inside the namespace.
-    /// `ip netns exec` execs gpuvm (no fork), so the process's pid is gpuvm's.
-    fn spawn_guest(&self, net: &str) -> SpawnedProcess {
-        self.spawn_guest_with(net, &[])
-    }
-
-    /// [`Netns::spawn_guest`] with more `gpuvm run` arguments.
-    fn spawn_guest_with(&self, net: &str, extra: &[&str]) -> SpawnedProcess {
-        let cmdline = format!("virtio-net {}", self.guest_ip());
-        let mut args = vec!["run", "--cmdline", &cmdline, "--net", net];
-        args.extend_from_slice(extra);
-        self.spawn_gpuvm(&args)
-    }
-
-    /// Starts `gpuvm ARGS` inside the namespace.
-    fn spawn_gpuvm(&self, args: &[&str]) -> SpawnedProcess {
-        let gpuvm = gpuvm_tests::gpuvm_bin();
-        let mut full = vec![
-            "netns",
-            "exec",
-            &self.name,
-            gpuvm.to_str().expect("UTF-8 gpuvm path"),
-        ];
-        full.extend_from_slice(args);
-        SpawnedProcess::spawn(Path::new("ip"), &full)
-    }
-
-    /// Runs `work` on a thread that entered the namespace (setns affects only the calling
-    /// thread); the sockets it makes live in the namespace.
-    fn run<T: Send + 'static>(&self, work: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.name);
-        std::thread::spawn(move || {
-            let namespace = OwnedFd::from(std::fs::File::open(&path).unwrap());
-            // SAFETY: setns with a namespace fd we own; it changes this thread's network
-            // namespace only, and the thread ends after `work`.
-            let result = unsafe { libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(result, 0, "setns: {}", std::io::Error::last_os_error());
-            work()
-        })
-        .join()
-        .unwrap()
-    }
-
-    /// Sends `payload` from 10.0.<n>.1 to the guest's UDP port 7 and returns what comes back
-    /// (tries again while nothing does: the first datagram may wait on ARP).
-    fn udp_echo(&self, payload: &[u8]) -> Vec<u8> {
-        let (host, guest) = (self.host_ip(), self.guest_ip());
-        let payload = payload.to_vec();
-        self.run(move || {
+/// Makes the host resolve the guest's IP (a datagram to the guest's discard port, which it
+/// ignores, goes out after an ARP request) and returns the MAC the guest answered with.
+/// Only while the guest runs: the kernel flushes the entry when the tap loses its carrier
+/// (gpuvm closing it at exit).
+fn resolve_guest(netns: &Netns) -> String {
+    let (host, guest) = (netns.host_ip(), netns.guest_ip());
+    for _ in 0..50 {
+        netns.run(move || {
             let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
             socket
-                .set_read_timeout(Some(Duration::from_secs(3)))
-                .unwrap();
-            let target = SocketAddr::from((guest, ECHO_PORT));
-            let mut buffer = [0u8; 2048];
-            for _ in 0..5 {
-                socket.send_to(&payload, target).expect("send to the guest");
-                match socket.recv_from(&mut buffer) {
-                    Ok((len, from)) => {
-                        assert_eq!(from, target, "the echo comes from the guest's port 7");
-                        return buffer[..len].to_vec();
-                    }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) => {}
-                    Err(e) => panic!("recv from the guest: {e}"),
-                }
-            }
-            panic!("no UDP echo from {target} after 5 tries");
-        })
-    }
-
-    /// Makes the host resolve the guest's IP (a datagram to the guest's discard port, which it
-    /// ignores, goes out after an ARP request) and returns the MAC the guest answered with.
-    /// Only while the guest runs: the kernel flushes the entry when the tap loses its carrier
-    /// (gpuvm closing it at exit).
-    fn resolve_guest(&self) -> String {
-        let (host, guest) = (self.host_ip(), self.guest_ip());
-        for _ in 0..50 {
-            self.run(move || {
-                let socket = UdpSocket::bind((host, 0)).expect("bind in the namespace");
-                socket
-                    .send_to(b"resolve", (guest, 9))
-                    .expect("send to the guest");
-            });
-            std::thread::sleep(Duration::from_millis(100));
-            if let Some(mac) = self.guest_neighbour() {
-                return mac;
-            }
+                .send_to(b"resolve", (guest, 9))
+                .expect("send to the guest");
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        if let Some(mac) = netns.guest_neighbour() {
+            return mac;
         }
-        panic!(
-            "the host did not resolve {guest}: {}",
-            self.ip(&["neigh", "show"])
-        );
     }
-
-    /// The MAC the namespace's neighbour table holds for the guest, if any.
-    fn guest_neighbour(&self) -> Option<String> {
-        let guest = self.guest_ip().to_string();
-        let table = self.ip(&["neigh", "show", &guest, "dev", "tap0"]);
-        let mut words = table.split_whitespace();
-        words.find(|w| *w == "lladdr")?;
-        words.next().map(str::to_string)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        // Deleting the namespace takes its tap with it.
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.name])
-            .status();
-    }
+    panic!(
+        "the host did not resolve {guest}: {}",
+        netns.ip(&["neigh", "show"])
+    );
 }
 
 /// The MAC the guest printed (`virtio-net: mac=...`).
@@ -253,7 +92,7 @@ fn ping_and_udp_echo_through_a_tap() {
         return;
     };
     assert_ping_installed();
-    let mut vm = netns.spawn_guest("id=eth0,tap=tap0");
+    let mut vm = spawn_guest(&netns, "id=eth0,tap=tap0");
     vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
     let mac = guest_mac(&vm.stdout());
     // The announcement (gratuitous ARP and a broadcast datagram) reached the host's tap.
@@ -315,11 +154,11 @@ fn a_configured_mac_is_what_the_guest_and_the_host_see() {
         return;
     };
     let mac = "06:00:0a:00:00:02";
-    let mut vm = netns.spawn_guest(&format!("id=eth0,tap=tap0,mac={mac}"));
+    let mut vm = spawn_guest(&netns, &format!("id=eth0,tap=tap0,mac={mac}"));
     vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
     assert_eq!(guest_mac(&vm.stdout()), mac);
     // The guest answers ARP with it too.
-    assert_eq!(netns.resolve_guest(), mac);
+    assert_eq!(resolve_guest(&netns), mac);
     let echo = netns.udp_echo(b"mac");
     assert_eq!(echo, b"mac");
     let out = vm.wait(LIMIT);
@@ -367,7 +206,7 @@ fn the_net_device_thread_runs_under_its_filter() {
     let Some(netns) = Netns::create("the_net_device_thread_runs_under_its_filter") else {
         return;
     };
-    let mut vm = netns.spawn_guest("id=eth0,tap=tap0");
+    let mut vm = spawn_guest(&netns, "id=eth0,tap=tap0");
     vm.wait_for_stdout("virtio-net: sent gratuitous arp", LIMIT);
     // `ip netns exec` exec'd gpuvm: the pid we spawned is gpuvm's own.
     let exe = std::fs::read_link(format!("/proc/{}/exe", vm.pid())).expect("/proc/PID/exe");
@@ -412,7 +251,8 @@ fn a_restored_vm_keeps_its_network_interface() {
         let scratch = gpuvm_tests::Scratch::new("virtio-net", mode);
         let dir = scratch.path("snap");
         let dir_arg = dir.to_str().unwrap();
-        let mut vm = netns.spawn_guest_with(
+        let mut vm = spawn_guest_with(
+            &netns,
             "id=eth0,tap=tap0",
             &["--snapshot-dir", dir_arg, "--snapshot-then", "exit"],
         );
@@ -450,23 +290,8 @@ fn a_tap_held_by_another_process_is_refused() {
         return;
     };
     // Attach tap0 in the namespace, as another VMM would.
-    let held: OwnedFd = netns.run(|| {
-        let tun = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/net/tun")
-            .expect("/dev/net/tun");
-        let mut request = [0u8; 40];
-        request[..4].copy_from_slice(b"tap0");
-        let flags = (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as u16;
-        request[16..18].copy_from_slice(&flags.to_ne_bytes());
-        // SAFETY: TUNSETIFF reads a struct ifreq (40 bytes) from the buffer, which lives
-        // across the call.
-        let result = unsafe { libc::ioctl(tun.as_raw_fd(), 0x4004_54ca, request.as_mut_ptr()) };
-        assert_eq!(result, 0, "TUNSETIFF: {}", std::io::Error::last_os_error());
-        OwnedFd::from(tun)
-    });
-    let out = netns.spawn_guest("id=eth0,tap=tap0").wait(LIMIT);
+    let held = netns.open_tap();
+    let out = spawn_guest(&netns, "id=eth0,tap=tap0").wait(LIMIT);
     out.assert_code(125);
     out.assert_clean_error("eth0");
     out.assert_clean_error("tap0");
