@@ -124,7 +124,9 @@ fn two_gpus_hot_plugged_and_unplugged_in_turn() {
 
     // DELETE through the CLI client: answered once the guest ejected it.
     ctl(&api, &["remove-gpu", "--id", "gpu0"]).assert_code(0);
-    assert!(vmm.stdout().contains("hotplug: device 1 ejected"));
+    // The guest prints after its eject write, which is what completed the DELETE: the
+    // line may come a moment after the answer.
+    vmm.wait_for_stdout("hotplug: device 1 ejected", LIMIT);
     // The device was reset and its connection closed: the server ends.
     let emu_out = emu_a.wait(Duration::from_secs(10));
     assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
