@@ -13,13 +13,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use crate::run::serial_out;
 use gpuvm_api::server::ApiServer;
-use gpuvm_vmm::controller::{default_boot_source, ApiController, BeforeRun, Started};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::args::{ReportArgs, SeccompArgs};
-use crate::report::finish;
+use crate::args::SeccompArgs;
+use crate::run::run_from_api;
 use crate::CliError;
 
 /// Whether this process should act as Cloud Hypervisor: argv[0]'s file name is
@@ -152,36 +150,13 @@ fn serve(args: &ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
         wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
     )
     .map_err(|e| CliError::Other(e.to_string()))?;
-    let config = gpuvm_vmm::config::VmConfig {
-        machine: gpuvm_vmm::config::MachineConfig::default(),
-        boot: default_boot_source(),
-    };
-    let mut controller = ApiController::new(requests_rx, wake, config, Box::new(serial_out));
-    let Some(Started {
-        mut machine,
-        paused,
-    }) = controller.wait_for_start()
-    else {
-        server.wait_idle(Duration::from_secs(2));
-        if controller.shutdown_requested() {
-            return Ok(ExitCode::SUCCESS);
-        }
-        return Err(CliError::Other(
-            "the API server stopped before the VM started".into(),
-        ));
-    };
-    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
-        server.wait_idle(Duration::from_secs(2));
-        return Ok(ExitCode::SUCCESS);
-    }
-    machine.set_run_control(controller.into_run_control());
-    let report = ReportArgs {
-        report_memory: false,
-        report_timing: false,
-    };
-    let result = finish(machine, &report, process_start, None);
-    server.wait_idle(Duration::from_secs(2));
-    result
+    run_from_api(
+        requests_rx,
+        wake,
+        process_start,
+        &|| server.wait_idle(Duration::from_secs(2)),
+        &|| None,
+    )
 }
 
 #[cfg(test)]

@@ -16,14 +16,12 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::run::serial_out;
 use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::action::{ActionRequest, VmmAction};
-use gpuvm_vmm::controller::{default_boot_source, ApiController, BeforeRun, Started};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::args::{ReportArgs, SeccompArgs};
-use crate::report::finish;
+use crate::args::SeccompArgs;
+use crate::run::run_from_api;
 use crate::CliError;
 
 /// Whether this process should act as Firecracker: argv[0]'s file name is `firecracker`,
@@ -241,39 +239,16 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
             server.wait_idle(Duration::from_secs(2));
         }
     };
-    let config = gpuvm_vmm::config::VmConfig {
-        machine: gpuvm_vmm::config::MachineConfig::default(),
-        boot: default_boot_source(),
-    };
-    let mut controller = ApiController::new(requests_rx, wake, config, Box::new(serial_out));
-    let Some(Started {
-        mut machine,
-        paused,
-    }) = controller.wait_for_start()
-    else {
-        wait_idle(&server);
-        if let Some(message) = failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            return Err(CliError::Other(format!("config file: {message}")));
-        }
-        if controller.shutdown_requested() {
-            return Ok(ExitCode::SUCCESS);
-        }
-        return Err(CliError::Other(
-            "the API server stopped before the VM started".into(),
-        ));
-    };
-    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
-        wait_idle(&server);
-        return Ok(ExitCode::SUCCESS);
-    }
-    machine.set_run_control(controller.into_run_control());
-    let report = ReportArgs {
-        report_memory: false,
-        report_timing: false,
-    };
-    let result = finish(machine, &report, process_start, None);
-    wait_idle(&server);
-    result
+    run_from_api(
+        requests_rx,
+        wake,
+        process_start,
+        &|| wait_idle(&server),
+        &|| {
+            let failed = failed.lock().unwrap_or_else(|e| e.into_inner()).take();
+            failed.map(|message| format!("config file: {message}"))
+        },
+    )
 }
 
 #[cfg(test)]

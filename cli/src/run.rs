@@ -133,6 +133,53 @@ fn serve_api(
     result
 }
 
+/// For the other VMMs' front ends (Cloud Hypervisor's, Firecracker's): serves the API's
+/// actions until one starts a VM (with the test guest as the default boot source), then
+/// runs it to its end. `idle` waits until no answer is in flight (so the answer to the
+/// request that ended the run reaches its client); `start_failure` says why the API
+/// stopped before a VM started, where the front end knows (a refused config file).
+pub(crate) fn run_from_api(
+    requests: std::sync::mpsc::Receiver<gpuvm_vmm::action::ActionRequest>,
+    wake: EventFd,
+    process_start: Instant,
+    idle: &dyn Fn(),
+    start_failure: &dyn Fn() -> Option<String>,
+) -> Result<ExitCode, CliError> {
+    let config = VmConfig {
+        machine: MachineConfig::default(),
+        boot: gpuvm_vmm::controller::default_boot_source(),
+    };
+    let mut controller = ApiController::new(requests, wake, config, Box::new(serial_out));
+    let Some(Started {
+        mut machine,
+        paused,
+    }) = controller.wait_for_start()
+    else {
+        idle();
+        if let Some(message) = start_failure() {
+            return Err(CliError::Other(message));
+        }
+        if controller.shutdown_requested() {
+            return Ok(ExitCode::SUCCESS);
+        }
+        return Err(CliError::Other(
+            "the API server stopped before the VM started".into(),
+        ));
+    };
+    if paused && controller.wait_for_resume(&machine) == BeforeRun::End {
+        idle();
+        return Ok(ExitCode::SUCCESS);
+    }
+    machine.set_run_control(controller.into_run_control());
+    let report = crate::args::ReportArgs {
+        report_memory: false,
+        report_timing: false,
+    };
+    let result = finish(machine, &report, process_start, None);
+    idle();
+    result
+}
+
 /// The serial console: stdout, counted for the metrics.
 pub(crate) fn serial_out() -> Box<dyn std::io::Write + Send> {
     Box::new(CountingWriter::new(
