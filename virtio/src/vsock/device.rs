@@ -15,7 +15,7 @@ use super::muxer::Muxer;
 use super::unix::HostListener;
 use super::{validate_guest_cid, VsockConfig, VsockError};
 use crate::worker::Worker;
-use crate::{ActivateError, Activation, QueuePosition, VirtioDevice};
+use crate::{read_config_bytes, ActivateError, Activation, QueuePosition, VirtioDevice};
 
 /// The name of the device's I/O thread.
 pub const THREAD_NAME: &str = "virtio-vsock";
@@ -106,10 +106,7 @@ impl Vsock {
             }
             Err(source) => {
                 self.run = Run::Failed;
-                Err(ActivateError::Thread {
-                    device: DEVICE,
-                    source: source.into(),
-                })
+                Err(ActivateError::thread(DEVICE, source))
             }
         }
     }
@@ -142,14 +139,7 @@ impl VirtioDevice for Vsock {
 
     /// The configuration space is `le64 guest_cid`.
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let config = self.guest_cid.to_le_bytes();
-        for (index, byte) in data.iter_mut().enumerate() {
-            *byte = offset
-                .checked_add(index as u64)
-                .and_then(|at| usize::try_from(at).ok())
-                .and_then(|at| config.get(at).copied())
-                .unwrap_or(0);
-        }
+        read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
