@@ -345,6 +345,37 @@ pub enum CtlCommand {
     },
 }
 
+/// Walks another VMM's command line (Cloud Hypervisor's, Firecracker's): bare flags,
+/// `--name value` and `--name=value`.
+pub(crate) struct ForeignFlags<'a> {
+    args: Box<dyn Iterator<Item = &'a String> + 'a>,
+}
+
+impl<'a> ForeignFlags<'a> {
+    pub(crate) fn new(args: impl Iterator<Item = &'a String> + 'a) -> Self {
+        ForeignFlags {
+            args: Box::new(args),
+        }
+    }
+
+    /// The next flag's name, and its value when written after an `=`.
+    pub(crate) fn next_flag(&mut self) -> Option<(&'a str, Option<&'a str>)> {
+        let arg = self.args.next()?;
+        Some(match arg.split_once('=') {
+            Some((name, value)) if name.starts_with("--") => (name, Some(value)),
+            _ => (arg.as_str(), None),
+        })
+    }
+
+    /// The value of flag `name`: the one after its `=`, else the next argument.
+    pub(crate) fn value(&mut self, name: &str, inline: Option<&str>) -> Result<String, String> {
+        inline
+            .map(str::to_string)
+            .or_else(|| self.args.next().cloned())
+            .ok_or_else(|| format!("{name} needs a value"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use gpuvm_api::server::ApiServer;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::args::ForeignFlags;
 use crate::args::SeccompArgs;
 use crate::run::run_from_api;
 use crate::CliError;
@@ -46,18 +47,9 @@ fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
     let mut api_socket = None;
     let mut verbosity = 0u8;
     let mut seccomp = true;
-    let mut rest = args.iter().skip(1).filter(|a| *a != "--ch-compat");
-    while let Some(arg) = rest.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((name, value)) if name.starts_with("--") => (name, Some(value.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| rest.next().cloned())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
+    let mut flags = ForeignFlags::new(args.iter().skip(1).filter(|a| *a != "--ch-compat"));
+    while let Some((name, inline)) = flags.next_flag() {
+        let mut value = || flags.value(name, inline);
         match name {
             "-V" | "--version" => return Ok(None),
             "-v" | "-vv" | "-vvv" | "-vvvv" => verbosity += (name.len() - 1) as u8,

@@ -20,6 +20,7 @@ use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::action::{ActionRequest, VmmAction};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use crate::args::ForeignFlags;
 use crate::args::SeccompArgs;
 use crate::run::run_from_api;
 use crate::CliError;
@@ -71,18 +72,9 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
     } else {
         1
     };
-    let mut rest = args.iter().skip(skip);
-    while let Some(arg) = rest.next() {
-        let (name, inline) = match arg.split_once('=') {
-            Some((name, value)) if name.starts_with("--") => (name, Some(value.to_string())),
-            _ => (arg.as_str(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| rest.next().cloned())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
+    let mut flags = ForeignFlags::new(args.iter().skip(skip));
+    while let Some((name, inline)) = flags.next_flag() {
+        let mut value = || flags.value(name, inline);
         match name {
             "--version" | "-V" => return Ok(None),
             "--api-sock" => parsed.api_sock = Some(value()?.into()),
