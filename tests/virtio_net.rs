@@ -303,3 +303,217 @@ fn a_tap_held_by_another_process_is_refused() {
     );
     drop(held);
 }
+
+/// Replaces the namespace's `tap0` with a multi-queue one (`ip tuntap ... multi_queue`) at
+/// the same address.
+fn make_multi_queue_tap(netns: &Netns) {
+    netns.ip(&["link", "del", "tap0"]);
+    netns.ip(&["tuntap", "add", "dev", "tap0", "mode", "tap", "multi_queue"]);
+    netns.ip(&[
+        "addr",
+        "add",
+        &format!("{}/24", netns.host_ip()),
+        "dev",
+        "tap0",
+    ]);
+    netns.ip(&["link", "set", "tap0", "up"]);
+}
+
+/// `numqueues N numdisabled D` of `ip -d link show tap0`.
+fn tap_queues(netns: &Netns) -> (u32, u32) {
+    let details = netns.ip(&["-d", "link", "show", "tap0"]);
+    let number = |key: &str| -> u32 {
+        let mut words = details.split_whitespace();
+        words.find(|w| *w == key);
+        words
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in `ip -d link show tap0`:\n{details}"))
+    };
+    (number("numqueues"), number("numdisabled"))
+}
+
+/// A UDP echo server on the host side of the namespace; it answers only once `serve` is
+/// set, and returns the source ports it echoed to when `stop` is set.
+struct EchoServer {
+    port: u16,
+    serve: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<u16>>,
+}
+
+impl EchoServer {
+    fn start(netns: &Netns) -> EchoServer {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let host = netns.host_ip();
+        // Made on a thread inside the namespace; the socket stays there.
+        let socket = netns.run(move || UdpSocket::bind((host, 0)).expect("bind in the namespace"));
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .unwrap();
+        let port = socket.local_addr().unwrap().port();
+        let (serve, stop) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (serving, stopping) = (Arc::clone(&serve), Arc::clone(&stop));
+        let thread = std::thread::spawn(move || {
+            let mut ports = Vec::new();
+            let mut buffer = [0u8; 2048];
+            while !stopping.load(Ordering::SeqCst) {
+                if !serving.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                }
+                match socket.recv_from(&mut buffer) {
+                    Ok((len, from)) => {
+                        socket.send_to(&buffer[..len], from).expect("echo");
+                        ports.push(from.port());
+                    }
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(e) => panic!("echo server: {e}"),
+                }
+            }
+            ports
+        });
+        EchoServer {
+            port,
+            serve,
+            stop,
+            thread,
+        }
+    }
+
+    fn serve(&self) {
+        self.serve.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn stop(self) -> Vec<u16> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.join().expect("echo server")
+    }
+}
+
+/// `(tx, rx)` of each `virtio-net-mq: pair P tx=T rx=R` line, in pair order.
+fn pair_counts(out: &RunOutput) -> Vec<(u64, u64)> {
+    out.stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("virtio-net-mq: pair "))
+        .enumerate()
+        .map(|(index, rest)| {
+            let mut words = rest.split_whitespace();
+            assert_eq!(words.next(), Some(index.to_string().as_str()), "{rest}");
+            let mut count = |key: &str| -> u64 {
+                words
+                    .next()
+                    .and_then(|w| w.strip_prefix(key))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or_else(|| panic!("no {key} in {rest:?}"))
+            };
+            (count("tx="), count("rx="))
+        })
+        .collect()
+}
+
+/// Two queue pairs on a multi-queue tap: the guest negotiates VIRTIO_NET_F_MQ, is refused 0
+/// and 3 pairs over the control queue, sets 2, and its UDP echo requests go out of both TX
+/// queues (16 source ports) and come back, byte for byte; the tap has both queues attached.
+#[test]
+fn two_queue_pairs_carry_traffic_on_a_multi_queue_tap() {
+    const PAIRS: usize = 2;
+    const ROUNDS: usize = 8;
+    let Some(netns) = Netns::create("two_queue_pairs_carry_traffic_on_a_multi_queue_tap") else {
+        return;
+    };
+    make_multi_queue_tap(&netns);
+    let echo = EchoServer::start(&netns);
+    let cmdline = format!(
+        "virtio-net-mq {} {} {} {PAIRS} {ROUNDS}",
+        netns.guest_ip(),
+        netns.host_ip(),
+        echo.port
+    );
+    let mut vm = netns.spawn_gpuvm(&[
+        "run",
+        "--cmdline",
+        &cmdline,
+        "--net",
+        &format!("id=eth0,tap=tap0,queues={PAIRS}"),
+    ]);
+    // The echo server holds its replies until the queues are checked, so the guest is still
+    // running (waiting for its first echo) here.
+    vm.wait_for_stdout("virtio-net-mq: pairs-set 2 ok", LIMIT);
+    assert_eq!(
+        tap_queues(&netns),
+        (PAIRS as u32, 0),
+        "gpuvm attached both tap queues"
+    );
+    echo.serve();
+    let out = vm.wait(LIMIT);
+    let ports = echo.stop();
+    out.assert_code(0)
+        .assert_stdout_has("virtio-net-mq: max_virtqueue_pairs=2")
+        .assert_stdout_has("virtio-net-mq: pairs-set 0 of 2 refused")
+        .assert_stdout_has("virtio-net-mq: pairs-set 3 of 2 refused")
+        .assert_stdout_has(&format!(
+            "virtio-net-mq: ok pairs={PAIRS} replies={}",
+            PAIRS * ROUNDS
+        ));
+    let counts = pair_counts(&out);
+    assert_eq!(counts.len(), PAIRS, "{}", out.describe());
+    // Each request left from its pair's TX queue; ARP answers may add to a pair's count.
+    for (pair, (tx, _)) in counts.iter().enumerate() {
+        assert!(
+            *tx >= ROUNDS as u64,
+            "pair {pair} sent {tx} frames: {counts:?}"
+        );
+    }
+    let received: u64 = counts.iter().map(|(_, rx)| rx).sum();
+    assert!(
+        received >= (PAIRS * ROUNDS) as u64,
+        "the guest received {received} frames for {} replies: {counts:?}",
+        PAIRS * ROUNDS
+    );
+    // The host saw a request from every source port the guest used.
+    let mut distinct = ports.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let expected: Vec<u16> = (40000..40000 + (PAIRS * ROUNDS) as u16).collect();
+    assert_eq!(distinct, expected, "source ports the host echoed to");
+    eprintln!("per-pair (tx, rx): {counts:?}");
+}
+
+/// `queues=2` on a tap made without multi_queue cannot attach a second queue: a clear error
+/// naming the interface and the tap before the guest runs.
+#[test]
+fn queue_pairs_on_a_single_queue_tap_are_refused() {
+    let Some(netns) = Netns::create("queue_pairs_on_a_single_queue_tap_are_refused") else {
+        return;
+    };
+    let out = netns
+        .spawn_gpuvm(&[
+            "run",
+            "--cmdline",
+            &format!(
+                "virtio-net-mq {} {} 9 2 1",
+                netns.guest_ip(),
+                netns.host_ip()
+            ),
+            "--net",
+            "id=eth0,tap=tap0,queues=2",
+        ])
+        .wait(LIMIT);
+    out.assert_code(125);
+    out.assert_clean_error("tap0");
+    out.assert_clean_error("multi_queue");
+    assert!(
+        !out.stdout.contains("testguest: ready"),
+        "the guest ran:\n{}",
+        out.describe()
+    );
+}

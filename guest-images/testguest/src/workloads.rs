@@ -41,6 +41,7 @@ pub fn run(info: &BootInfo) -> ! {
             crate::virtio::run(info, name, &mut words)
         }
         "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),
+        name @ ("virtio-net-mq" | "virtio-net-bench") => crate::virtio::run(info, name, &mut words),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP_FAILED)

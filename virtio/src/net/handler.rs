@@ -76,9 +76,9 @@ impl NetHandler {
         self.pairs.iter().take_while(|pair| pair.enabled).count() as u16
     }
 
-    /// Uses the first `count` pairs: their taps queues attached and read, the others
-    /// detached so the host steers no flow to them. Refused (false) if a pair in range lacks
-    /// a queue.
+    /// Uses the first `count` pairs (read; [`NetHandler::sync_tap_queues`] attaches their tap
+    /// queues and detaches the others, so the host steers no flow to them). Refused (false)
+    /// if a pair in range lacks a queue.
     pub fn set_active_pairs(&mut self, count: u16) -> bool {
         let count = usize::from(count);
         if count == 0
@@ -89,22 +89,30 @@ impl NetHandler {
         {
             return false;
         }
-        let multi_queue = self.pairs.len() > 1;
         for (index, pair) in self.pairs.iter_mut().enumerate() {
             let enable = index < count;
-            if multi_queue {
-                if let Err(error) = pair.tap.set_queue_enabled(enable) {
-                    // The pair works without it; the host may steer some flows to a queue
-                    // nobody reads.
-                    self.log.warn(format_args!("{error}"));
-                }
-            }
             if enable && !pair.enabled {
                 pair.rx_has_buffers = true;
             }
             pair.enabled = enable;
         }
         true
+    }
+
+    /// Attaches the tap queues of the enabled pairs and detaches the others (TUNSETQUEUE).
+    /// Only on the I/O thread: activation runs on a vCPU thread, whose filter has no
+    /// TUNSETQUEUE, so `register` applies what activation chose.
+    fn sync_tap_queues(&mut self) {
+        if self.pairs.len() < 2 {
+            return;
+        }
+        for pair in &self.pairs {
+            if let Err(error) = pair.tap.set_queue_enabled(pair.enabled) {
+                // The pair works without it; the host may steer some flows to a queue
+                // nobody reads.
+                self.log.warn(format_args!("{error}"));
+            }
+        }
     }
 
     /// Where each queue stands, in queue order.
@@ -267,6 +275,7 @@ impl NetHandler {
             return VIRTIO_NET_ERR as u8;
         };
         if self.set_active_pairs(pairs) {
+            self.sync_tap_queues();
             log::info!("{}: the driver uses {pairs} queue pairs", self.log_name());
             VIRTIO_NET_OK as u8
         } else {
@@ -391,6 +400,7 @@ impl WorkerHandler for NetHandler {
                 control.add(fd, token)?;
             }
         }
+        self.sync_tap_queues();
         self.sync_all(control);
         Ok(())
     }

@@ -58,6 +58,8 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-blk" => ("virtio-blk", |dma, _| blk::run(dma)),
         "virtio-vsock" => ("virtio-vsock", vsock::run),
         "virtio-net" => ("virtio-net", net::run),
+        "virtio-net-mq" => ("virtio-net-mq", net::run_mq),
+        "virtio-net-bench" => ("virtio-net-bench", net::run_bench),
         "virtio-devices" => ("virtio-devices", devices::run),
         "virtio-fs" => ("virtio-fs", |dma, _| fs::run(dma)),
         other => {
