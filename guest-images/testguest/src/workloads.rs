@@ -42,6 +42,7 @@ pub fn run(info: &BootInfo) -> ! {
         }
         "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),
         name @ ("virtio-net-mq" | "virtio-net-bench") => crate::virtio::run(info, name, &mut words),
+        "virtio-vsock-connect" => crate::virtio::run(info, "virtio-vsock-connect", &mut words),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP_FAILED)

@@ -57,6 +57,7 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-rng" => ("virtio-rng", |dma, _| rng::run(dma)),
         "virtio-blk" => ("virtio-blk", |dma, _| blk::run(dma)),
         "virtio-vsock" => ("virtio-vsock", vsock::run),
+        "virtio-vsock-connect" => ("virtio-vsock-connect", vsock::connect),
         "virtio-net" => ("virtio-net", net::run),
         "virtio-net-mq" => ("virtio-net-mq", net::run_mq),
         "virtio-net-bench" => ("virtio-net-bench", net::run_bench),
