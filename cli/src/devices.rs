@@ -6,7 +6,7 @@ use clap::Args;
 use gpuvm_virtio::block::BlockConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
-use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlockConfig};
+use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlockConfig, VhostUserConfig};
 use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::virtio::VirtioOptions;
 use serde_json::{Map, Value};
@@ -35,6 +35,11 @@ pub struct DeviceArgs {
     /// [,queue_size=N]`. Repeatable.
     #[arg(long = "fs", value_name = "KEY=VALUE,...")]
     pub fs: Vec<String>,
+    /// A virtio device of any type a vhost-user backend implements, its features and
+    /// configuration space the backend's: `type=VIRTIO_ID,socket=SOCKET[,id=ID]
+    /// [,num_queues=N][,queue_size=N][,config_size=BYTES]`. Repeatable.
+    #[arg(long = "vhost-user", value_name = "KEY=VALUE,...")]
+    pub vhost_user: Vec<String>,
 }
 
 /// Short names on the command line for the bodies' field names.
@@ -64,6 +69,7 @@ const STRING_FIELDS: &[&str] = &[
     "source",
     "socket",
     "tag",
+    "id",
 ];
 
 /// A token bucket refilled once a second: `size` tokens per second.
@@ -166,6 +172,17 @@ impl DeviceArgs {
             let body = to_body("fs", text, "tag", &[])?;
             options.fs.push(parse::<FsConfig>("fs", text, body)?);
         }
+        for (index, text) in self.vhost_user.iter().enumerate() {
+            let mut body = to_body("vhost-user", text, "id", &[])?;
+            if let Value::Object(fields) = &mut body {
+                fields
+                    .entry("id")
+                    .or_insert_with(|| Value::String(format!("vhost-user{index}")));
+            }
+            options
+                .vhost_user
+                .push(parse::<VhostUserConfig>("vhost-user", text, body)?);
+        }
         if let Some(text) = &self.vsock {
             let body = to_body("vsock", text, "vsock_id", &[])?;
             options.vsock = Some(parse::<VsockConfig>("vsock", text, body)?);
@@ -193,6 +210,7 @@ mod tests {
             vsock: vsock.map(str::to_string),
             rng: rng.map(str::to_string),
             fs: Vec::new(),
+            vhost_user: Vec::new(),
         }
     }
 
@@ -237,6 +255,32 @@ mod tests {
         let mut long_tag = args(&[], &[], None, None);
         long_tag.fs = vec![format!("tag={},socket=/s", "t".repeat(37))];
         assert!(long_tag.virtio_options().is_err());
+    }
+
+    #[test]
+    fn generic_vhost_user_devices() {
+        let mut flags = args(&[], &[], None, None);
+        flags.vhost_user = vec![
+            "type=2,socket=/run/qsd.sock,num_queues=1,queue_size=128".into(),
+            "type=19,socket=/run/vsock.sock,id=vs0".into(),
+        ];
+        let options = flags.virtio_options().unwrap();
+        let block = &options.vhost_user[0];
+        assert_eq!((block.id.as_str(), block.device_type), ("vhost-user0", 2));
+        assert_eq!((block.num_queues, block.queue_size), (Some(1), 128));
+        assert_eq!(block.socket.to_str(), Some("/run/qsd.sock"));
+        assert_eq!(options.vhost_user[1].id, "vs0");
+        let error = |text: &str| {
+            let mut flags = args(&[], &[], None, None);
+            flags.vhost_user = vec![text.to_string()];
+            flags.virtio_options().unwrap_err().to_string()
+        };
+        assert!(error("type=0,socket=/s").contains("type 0 is reserved"));
+        assert!(error("type=99,socket=/s").contains("type 99 is not a virtio device ID"));
+        assert!(error("type=5,socket=/s").contains("balloon"));
+        assert!(error("type=2").contains("socket"));
+        assert!(error("socket=/s").contains("type"));
+        assert!(error("type=blk,socket=/s").contains("type"));
     }
 
     #[test]

@@ -12,7 +12,9 @@ use gpuvm_virtio::block::{Block, BlockConfig};
 use gpuvm_virtio::net::{Net, NetConfig, Tap};
 use gpuvm_virtio::rng::{Rng, RngConfig};
 use gpuvm_virtio::transport::{IoEventRegistrar, VirtioPciDevice, VirtioPciState};
-use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlock, VhostUserBlockConfig, VhostUserFs};
+use gpuvm_virtio::vhost_user::{
+    FsConfig, VhostUserBlock, VhostUserBlockConfig, VhostUserConfig, VhostUserFs, VhostUserGeneric,
+};
 use gpuvm_virtio::vsock::{Vsock, VsockConfig};
 use gpuvm_virtio::{GuestMemory, VirtioDevice};
 use kvm_ioctls::VmFd;
@@ -27,6 +29,8 @@ pub const MAX_DRIVES: usize = 16;
 pub const MAX_NETS: usize = 8;
 /// virtio-fs shares one VM may have.
 pub const MAX_FS: usize = 8;
+/// Generic vhost-user devices (`--vhost-user`) one VM may have.
+pub const MAX_VHOST_USER: usize = 8;
 
 /// The virtio devices of one VM, as configured (CLI, API, config file) and as a snapshot
 /// records them.
@@ -47,6 +51,9 @@ pub struct VirtioOptions {
     /// virtio-fs shares served by virtiofsd.
     #[serde(default)]
     pub fs: Vec<FsConfig>,
+    /// Devices of any other type a vhost-user backend implements (`--vhost-user`).
+    #[serde(default)]
+    pub vhost_user: Vec<VhostUserConfig>,
 }
 
 impl VirtioOptions {
@@ -59,6 +66,7 @@ impl VirtioOptions {
         self.drives.len()
             + self.vhost_user_drives.len()
             + self.fs.len()
+            + self.vhost_user.len()
             + self.nets.len()
             + usize::from(self.vsock.is_some())
             + usize::from(self.rng.is_some())
@@ -119,6 +127,18 @@ impl VirtioOptions {
             fs.validate()
                 .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?;
         }
+        if self.vhost_user.len() > MAX_VHOST_USER {
+            return Err(VirtioSetupError::TooMany {
+                what: "generic vhost-user devices",
+                max: MAX_VHOST_USER,
+            });
+        }
+        for device in &self.vhost_user {
+            check_id("vhost-user id", &device.id)?;
+            device
+                .validate()
+                .map_err(|e| VirtioSetupError::VhostUser(e.to_string()))?;
+        }
         let mut tags: Vec<&str> = self.fs.iter().map(|f| f.tag.as_str()).collect();
         tags.sort_unstable();
         if let Some(pair) = tags.windows(2).find(|pair| pair[0] == pair[1]) {
@@ -127,6 +147,7 @@ impl VirtioOptions {
         let mut ids: Vec<&str> = self.drives.iter().map(|d| d.drive_id.as_str()).collect();
         ids.extend(self.vhost_user_drives.iter().map(|d| d.drive_id.as_str()));
         ids.extend(self.nets.iter().map(|n| n.iface_id.as_str()));
+        ids.extend(self.vhost_user.iter().map(|d| d.id.as_str()));
         ids.sort_unstable();
         if let Some(pair) = ids.windows(2).find(|pair| pair[0] == pair[1]) {
             return Err(VirtioSetupError::DuplicateId(pair[0].to_string()));
@@ -226,6 +247,7 @@ pub enum VirtioDeviceConfig {
     Rng(RngConfig),
     VhostUserBlock(VhostUserBlockConfig),
     Fs(FsConfig),
+    VhostUser(VhostUserConfig),
 }
 
 impl VirtioDeviceConfig {
@@ -238,6 +260,7 @@ impl VirtioDeviceConfig {
             VirtioDeviceConfig::Rng(_) => "rng",
             VirtioDeviceConfig::VhostUserBlock(config) => &config.drive_id,
             VirtioDeviceConfig::Fs(config) => &config.tag,
+            VirtioDeviceConfig::VhostUser(config) => &config.id,
         }
     }
 
@@ -255,6 +278,7 @@ impl VirtioDeviceConfig {
         let (what, socket) = match self {
             VirtioDeviceConfig::VhostUserBlock(config) => ("vhost-user drive", &config.socket),
             VirtioDeviceConfig::Fs(config) => ("virtio-fs share", &config.socket),
+            VirtioDeviceConfig::VhostUser(config) => ("vhost-user device", &config.socket),
             _ => return None,
         };
         Some(format!(
@@ -327,11 +351,16 @@ fn open_device(
                 VirtioSetupError::VhostUser(format!("vhost-user-fs {}: {e}", config.tag))
             })?)
         }
+        VirtioDeviceConfig::VhostUser(config) => {
+            Box::new(VhostUserGeneric::new(config.clone()).map_err(|e| {
+                VirtioSetupError::VhostUser(format!("{}: {e}", config.describe_device()))
+            })?)
+        }
     })
 }
 
 /// The devices of `options`, in bus order: drives (local, then vhost-user), file-system
-/// shares, network interfaces, vsock, entropy.
+/// shares, generic vhost-user devices, network interfaces, vsock, entropy.
 fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
     let mut configs: Vec<VirtioDeviceConfig> = options
         .drives
@@ -347,6 +376,13 @@ fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
             .map(VirtioDeviceConfig::VhostUserBlock),
     );
     configs.extend(options.fs.iter().cloned().map(VirtioDeviceConfig::Fs));
+    configs.extend(
+        options
+            .vhost_user
+            .iter()
+            .cloned()
+            .map(VirtioDeviceConfig::VhostUser),
+    );
     configs.extend(options.nets.iter().cloned().map(VirtioDeviceConfig::Net));
     configs.extend(options.vsock.clone().map(VirtioDeviceConfig::Vsock));
     configs.extend(options.rng.clone().map(VirtioDeviceConfig::Rng));
@@ -481,6 +517,7 @@ pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
                 options.vhost_user_drives.push(config.clone())
             }
             VirtioDeviceConfig::Fs(config) => options.fs.push(config.clone()),
+            VirtioDeviceConfig::VhostUser(config) => options.vhost_user.push(config.clone()),
         }
     }
     options

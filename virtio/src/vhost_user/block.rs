@@ -82,7 +82,9 @@ impl VhostUserBlockConfig {
 }
 
 impl VhostUserKind for VhostUserBlockConfig {
-    const DEVICE_TYPE: u32 = VIRTIO_ID_BLOCK;
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
 
     fn socket(&self) -> &Path {
         &self.socket

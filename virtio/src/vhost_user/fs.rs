@@ -77,7 +77,9 @@ impl FsConfig {
 }
 
 impl VhostUserKind for FsConfig {
-    const DEVICE_TYPE: u32 = DEVICE_TYPE;
+    fn device_type(&self) -> u32 {
+        DEVICE_TYPE
+    }
 
     fn socket(&self) -> &Path {
         &self.socket

@@ -7,7 +7,8 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures};
+use vhost::vhost_user::VhostUserFrontend;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::connection::{Connection, Timeouts};
@@ -325,23 +326,30 @@ pub(super) fn check_queues(device: &str, num_queues: u16, size: u16) -> Result<(
 
 /// What tells one kind of vhost-user device from another, implemented by its
 /// configuration ([`VhostUserBlockConfig`](super::VhostUserBlockConfig),
-/// [`FsConfig`](super::FsConfig)); [`VhostUserDevice`] does the rest.
+/// [`FsConfig`](super::FsConfig), [`VhostUserConfig`](super::VhostUserConfig));
+/// [`VhostUserDevice`] does the rest.
 pub trait VhostUserKind: Send + 'static {
     /// The virtio device ID (virtio_bindings::virtio_ids::VIRTIO_ID_*).
-    const DEVICE_TYPE: u32;
+    fn device_type(&self) -> u32;
     /// The backend's listening Unix socket.
     fn socket(&self) -> &Path;
     /// The device's queues, every one served by the backend.
     fn queue_count(&self) -> usize;
     /// The largest size of each queue.
     fn queue_size(&self) -> u16;
+    /// Whether the guest's configuration-space writes go to the backend (SET_CONFIG, when
+    /// the backend speaks CONFIG): only where the configuration space is the backend's.
+    fn passes_config_writes(&self) -> bool {
+        false
+    }
     /// What [`VirtioDevice::save_state`] tells of the device (a snapshot is refused before
     /// it gets there, see [`VhostUserDevice::snapshot_refusal`]).
     fn describe(&self) -> serde_json::Value;
 }
 
-/// A virtio device whose queues a vhost-user backend serves: [`VhostUserBlock`] or
-/// [`VhostUserFs`](super::VhostUserFs), by its configuration `C`.
+/// A virtio device whose queues a vhost-user backend serves: [`VhostUserBlock`],
+/// [`VhostUserFs`](super::VhostUserFs) or [`VhostUserGeneric`](super::VhostUserGeneric), by
+/// its configuration `C`.
 ///
 /// [`VhostUserBlock`]: super::VhostUserBlock
 pub struct VhostUserDevice<C: VhostUserKind> {
@@ -388,7 +396,7 @@ impl<C: VhostUserKind> VirtioDevice for VhostUserDevice<C> {
     }
 
     fn device_type(&self) -> u32 {
-        C::DEVICE_TYPE
+        self.config.device_type()
     }
 
     fn queue_max_sizes(&self) -> Vec<u16> {
@@ -404,11 +412,37 @@ impl<C: VhostUserKind> VirtioDevice for VhostUserDevice<C> {
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
-        log::debug!(
-            "{}: ignored a {}-byte configuration write at {offset}",
-            self.core.name(),
-            data.len()
-        );
+        let range = usize::try_from(offset)
+            .ok()
+            .and_then(|start| Some(start..start.checked_add(data.len())?))
+            .filter(|range| range.end <= self.config_space.len());
+        let passed = self.config.passes_config_writes()
+            && self
+                .core
+                .protocol_features()
+                .contains(VhostUserProtocolFeatures::CONFIG);
+        let Some(range) = range.filter(|_| passed) else {
+            log::debug!(
+                "{}: ignored a {}-byte configuration write at {offset}",
+                self.core.name(),
+                data.len()
+            );
+            return;
+        };
+        // The offset fits a u32: it is inside the configuration space. Flags 0 is "a
+        // front-end write of a writable field" in the vhost-user specification (the vhost
+        // crate's WRITABLE, 1, is what QEMU's backends take for live migration).
+        let written = self.core.request("SET_CONFIG", |f| {
+            f.set_config(range.start as u32, VhostUserConfigFlags::empty(), data)
+        });
+        match written {
+            Ok(()) => self.config_space[range].copy_from_slice(data),
+            Err(error) => log::warn!(
+                "{}: the backend refused a {}-byte configuration write at {offset}: {error}",
+                self.core.name(),
+                data.len()
+            ),
+        }
     }
 
     fn activate(&mut self, activation: Activation) -> Result<(), ActivateError> {

@@ -6,6 +6,10 @@
 //!   [`VirtioDevice`](crate::VirtioDevice)s like the built-in ones; the VMM builds one from
 //!   its config ([`VhostUserBlockConfig`], [`FsConfig`]) and puts it behind a
 //!   [`VirtioPciDevice`](crate::transport::VirtioPciDevice).
+//! - [`VhostUserGeneric`] is any other virtio device type a backend implements
+//!   ([`VhostUserConfig`], `--vhost-user type=ID,socket=S`): the backend's device-specific
+//!   features and GET_CONFIG answer go to the guest unchanged; types gpuvm must own
+//!   (balloons, IOMMU, virtio-mem) or cannot pass (GPU, pmem: shared memory) are refused.
 //! - Construction connects to the backend and negotiates (GET/SET_PROTOCOL_FEATURES,
 //!   GET_QUEUE_NUM, SET_OWNER, GET_CONFIG for blk). When the driver sets DRIVER_OK the
 //!   device's I/O thread sends SET_FEATURES, SET_MEM_TABLE (each guest RAM region's memfd and
@@ -33,6 +37,7 @@
 mod block;
 mod connection;
 mod fs;
+mod generic;
 mod lifecycle;
 mod relay;
 mod watchdog;
@@ -52,6 +57,7 @@ use std::time::Duration;
 pub use block::{VhostUserBlock, VhostUserBlockConfig};
 pub use connection::Timeouts;
 pub use fs::{FsConfig, VhostUserFs, FS_TAG_BYTES};
+pub use generic::{VhostUserConfig, VhostUserGeneric};
 pub use lifecycle::{VhostUserDevice, VhostUserKind};
 
 /// Why a vhost-user device could not be built or talk to its backend.

@@ -6,12 +6,15 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use virtio_bindings::virtio_blk::{
-    VIRTIO_BLK_F_RO, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_RO, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use vm_memory::{Bytes, GuestAddress};
 
 use super::test_util::*;
-use super::{Timeouts, VhostUserBlock, VhostUserBlockConfig, VhostUserError};
+use super::{
+    Timeouts, VhostUserBlock, VhostUserBlockConfig, VhostUserConfig, VhostUserError,
+    VhostUserGeneric,
+};
 use crate::{GuestMemory, VirtioDevice};
 
 const QSD: &str = "qemu-storage-daemon";
@@ -19,6 +22,8 @@ const IMAGE_SIZE: u64 = 1 << 20;
 const HEADER: u64 = 0x10000;
 const DATA: u64 = 0x20000;
 const STATUS: u64 = 0x30000;
+/// `writeback` in the virtio-blk configuration space.
+const WRITEBACK_OFFSET: u64 = 32;
 
 fn pattern(sector: u64) -> Vec<u8> {
     (0..512u64)
@@ -70,7 +75,7 @@ struct Driver {
 }
 
 fn activate(
-    device: &mut VhostUserBlock,
+    device: &mut dyn VirtioDevice,
     memory: GuestMemory,
 ) -> Result<Driver, crate::ActivateError> {
     let features = interrupting_features(device);
@@ -324,4 +329,75 @@ fn a_second_device_on_a_busy_socket_fails_within_the_timeout() {
     assert!(waited < Duration::from_secs(3), "{waited:?}");
     eprintln!("second device on one socket: {error}");
     assert!(!first.is_broken());
+}
+
+/// The generic device of type 2 on the same export: the backend's block features and its
+/// GET_CONFIG answer reach the guest unchanged, and its queue serves requests.
+#[test]
+fn a_generic_device_of_type_2_serves_the_export() {
+    if !have_backend(QSD, "a_generic_device_of_type_2_serves_the_export") {
+        return;
+    }
+    let exported = export(false);
+    let mut config = VhostUserConfig::new("gdisk", 2, &exported.socket.0);
+    config.queue_size = 128;
+    let mut device = VhostUserGeneric::with_timeouts(config, timeouts()).unwrap();
+    assert_eq!(device.device_type(), 2);
+    assert_eq!(device.name(), "vhost-user block gdisk");
+    let mut capacity = [0u8; 8];
+    device.read_config(0, &mut capacity);
+    assert_eq!(u64::from_le_bytes(capacity), IMAGE_SIZE / 512);
+    let features = device.device_features();
+    assert_ne!(
+        features & (1 << VIRTIO_BLK_F_RO),
+        0,
+        "the export is read-only"
+    );
+    assert_eq!(
+        features & (1 << 30),
+        0,
+        "PROTOCOL_FEATURES is not a guest bit"
+    );
+    assert_eq!(features >> 32, 0, "transport bits are the transport's");
+    assert_eq!(device.queue_max_sizes(), vec![128]);
+
+    let mut driver = activate(&mut device, shared_memory(4 << 20)).unwrap();
+    let (status, len) = driver.request(VIRTIO_BLK_T_IN, 3, None);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    assert_eq!(len, 513);
+    assert_eq!(driver.data(), pattern(3));
+    device.reset();
+    assert!(!device.is_broken());
+}
+
+/// The guest's write of a writable field (virtio-blk's `writeback`, behind CONFIG_WCE)
+/// reaches qemu-storage-daemon through the generic device, which keeps serving.
+#[test]
+fn a_generic_device_passes_config_writes_to_the_backend() {
+    if !have_backend(QSD, "a_generic_device_passes_config_writes_to_the_backend") {
+        return;
+    }
+    let exported = export(true);
+    let mut config = VhostUserConfig::new("gdisk", 2, &exported.socket.0);
+    config.queue_size = 128;
+    let mut device = VhostUserGeneric::with_timeouts(config, timeouts()).unwrap();
+    assert_ne!(
+        device.device_features() & (1 << VIRTIO_BLK_F_CONFIG_WCE),
+        0,
+        "qemu-storage-daemon offers CONFIG_WCE"
+    );
+    for writeback in [0u8, 1, 0] {
+        device.write_config(WRITEBACK_OFFSET, &[writeback]);
+        let mut read = [0xffu8];
+        device.read_config(WRITEBACK_OFFSET, &mut read);
+        assert_eq!(read[0], writeback, "writeback after writing {writeback}");
+        assert!(!device.is_broken(), "the backend took the write");
+    }
+    // Past the end of the configuration space: not sent, nothing changes.
+    device.write_config(4096, &[1]);
+    assert!(!device.is_broken());
+    let mut driver = activate(&mut device, shared_memory(4 << 20)).unwrap();
+    let (status, _) = driver.request(VIRTIO_BLK_T_IN, 7, None);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    assert_eq!(driver.data(), pattern(7));
 }
