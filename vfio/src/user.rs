@@ -1,9 +1,18 @@
 //! The vfio-user backend: gpuvm is the client, the device runs in another process and
 //! DMAs into guest RAM through the memfd it receives with each mapping.
+//!
+//! The device process may die while the device is in use (a crash, `kill -9`, a surprise
+//! removal). Its end of the socket then closes: [`HangupWatch`] sees the hang-up at once,
+//! and any request that fails with a broken-connection error says the same. From then on
+//! the device is gone ([`BackendHealth`]): reads of its regions return all ones (what a
+//! surprise-removed PCI function answers), writes are dropped and every other request
+//! fails at once, so no vCPU ever waits on the dead socket.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
@@ -11,7 +20,7 @@ use vfio_bindings::bindings::vfio::{
     VFIO_PCI_MSI_IRQ_INDEX,
 };
 use vfio_user::Client;
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::dma::DmaMapper;
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
@@ -21,6 +30,181 @@ use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
 pub struct VfioUserDevice {
     client: Arc<Mutex<Client>>,
     path: PathBuf,
+    health: Arc<BackendHealth>,
+    /// A duplicate of the client's socket, to watch for the server's hang-up (None if
+    /// it could not be told apart from other new sockets).
+    socket: Option<OwnedFd>,
+}
+
+/// Whether the device process is still there, shared by everything that talks to it.
+#[derive(Default)]
+pub struct BackendHealth {
+    gone: AtomicBool,
+    reason: Mutex<Option<String>>,
+    /// Written once when the device goes (the VMM thread's wake-up eventfd).
+    wake: Mutex<Option<EventFd>>,
+}
+
+impl BackendHealth {
+    /// Whether the device process went away.
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
+    }
+
+    /// Why it is gone.
+    pub fn reason(&self) -> Option<String> {
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Where to say that the device went (also at once if it already has).
+    pub fn set_wake(&self, wake: EventFd) {
+        if self.is_gone() {
+            let _ = wake.write(1);
+        }
+        *self.wake.lock().unwrap_or_else(|e| e.into_inner()) = Some(wake);
+    }
+
+    /// Marks the device gone (the first reason wins) and wakes whoever watches.
+    pub fn mark_gone(&self, reason: String) {
+        {
+            let mut saved = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+            if saved.is_some() {
+                return;
+            }
+            log::error!("vfio-user: {reason}");
+            *saved = Some(reason);
+        }
+        self.gone.store(true, Ordering::Release);
+        if let Some(wake) = self.wake.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            let _ = wake.write(1);
+        }
+    }
+}
+
+/// Whether `error` means the other end of the socket is gone (not a refused request).
+fn is_hang_up(error: &vfio_user::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    match error {
+        vfio_user::Error::StreamWrite(e) | vfio_user::Error::StreamRead(e) => matches!(
+            e.kind(),
+            BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
+/// The error every request of a gone device fails with.
+fn gone_error(health: &BackendHealth) -> VfioError {
+    VfioError::Io(std::io::Error::new(
+        std::io::ErrorKind::NotConnected,
+        health
+            .reason()
+            .unwrap_or_else(|| "the vfio-user device is gone".into()),
+    ))
+}
+
+/// A thread that waits for the device process's end of the socket to close and then
+/// marks the device gone. Stopped (and joined) when dropped.
+pub struct HangupWatch {
+    stop: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl HangupWatch {
+    fn start(socket: OwnedFd, health: Arc<BackendHealth>, name: String) -> std::io::Result<Self> {
+        let stop = EventFd::new(EFD_NONBLOCK)?;
+        let stop_seen = stop.try_clone()?;
+        let thread = std::thread::Builder::new()
+            .name("vfio-user-watch".into())
+            .spawn(move || {
+                let hung_up = wait_for_hang_up(socket.as_fd(), stop_seen.as_raw_fd());
+                if hung_up {
+                    health.mark_gone(format!(
+                        "{name}: the device process hung up (it exited or was killed); the device is gone"
+                    ));
+                }
+            })?;
+        Ok(HangupWatch {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for HangupWatch {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Blocks until `socket`'s peer closes (true) or `stop` is written (false). A live server
+/// never shuts its side down, so a hang-up means it is gone; replies (POLLIN) are not
+/// watched: they belong to whoever holds the client.
+fn wait_for_hang_up(socket: BorrowedFd<'_>, stop: RawFd) -> bool {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: socket.as_raw_fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfd entries, both fds open for the duration of the call
+        // (the socket is owned by the caller, the stop eventfd by the watch).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            log::warn!(
+                "vfio-user: cannot watch for hang-ups: {}",
+                std::io::Error::last_os_error()
+            );
+            return false;
+        }
+        if fds[1].revents != 0 {
+            return false;
+        }
+        if fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            return true;
+        }
+    }
+}
+
+/// Identities (fd, inode) of the process's sockets with fds below the first long run of
+/// closed fds: fds are handed out lowest first, so a new socket is below it.
+fn open_sockets() -> Vec<(RawFd, u64)> {
+    const CLOSED_RUN: i32 = 256;
+    let mut sockets = Vec::new();
+    let mut closed = 0;
+    let mut fd = 0;
+    while closed < CLOSED_RUN && fd < 1 << 20 {
+        let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a stat into the buffer or fails; any fd number is fine.
+        if unsafe { libc::fstat(fd, stat.as_mut_ptr()) } == 0 {
+            closed = 0;
+            // SAFETY: fstat succeeded, so it filled the buffer.
+            let stat = unsafe { stat.assume_init() };
+            if stat.st_mode & libc::S_IFMT == libc::S_IFSOCK {
+                sockets.push((fd, stat.st_ino));
+            }
+        } else {
+            closed += 1;
+        }
+        fd += 1;
+    }
+    sockets
 }
 
 fn lock(client: &Mutex<Client>) -> MutexGuard<'_, Client> {
@@ -32,6 +216,7 @@ fn lock(client: &Mutex<Client>) -> MutexGuard<'_, Client> {
 pub struct UserDmaMapper {
     client: Arc<Mutex<Client>>,
     name: String,
+    health: Arc<BackendHealth>,
 }
 
 impl DmaMapper for UserDmaMapper {
@@ -44,24 +229,77 @@ impl DmaMapper for UserDmaMapper {
     }
 
     unsafe fn map(&self, chunk: &DmaRegion) -> std::io::Result<()> {
+        if self.health.is_gone() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                format!("vfio-user DMA map: {} is gone", self.name),
+            ));
+        }
         lock(&self.client)
             .dma_map(chunk.fd_offset, chunk.guest_addr, chunk.size, chunk.fd)
-            .map_err(|e| std::io::Error::other(format!("vfio-user DMA map: {e}")))
+            .map_err(|e| {
+                if is_hang_up(&e) {
+                    self.health.mark_gone(format!(
+                        "{}: DMA map failed ({e}); the device is gone",
+                        self.name
+                    ));
+                }
+                std::io::Error::other(format!("vfio-user DMA map: {e}"))
+            })
     }
 }
 
 impl VfioUserDevice {
     /// Connects and negotiates; the server must already be listening.
     pub fn connect(path: &Path) -> Result<Self> {
+        // The client does not give out its socket: it is the one new socket after the
+        // connect (if another thread opened one meanwhile, no hang-up watch).
+        let before = open_sockets();
         let client = Client::new(path).map_err(|source| VfioError::Connect {
             path: path.to_path_buf(),
             source,
         })?;
+        let new: Vec<_> = open_sockets()
+            .into_iter()
+            .filter(|socket| !before.contains(socket))
+            .collect();
+        let socket = match new.as_slice() {
+            [(fd, _)] => {
+                // SAFETY: F_DUPFD_CLOEXEC on an fd that is open (the client's socket);
+                // the result, if valid, is a new fd that nothing else owns.
+                let copy = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 0) };
+                // SAFETY: a fresh fd from fcntl, owned from here on.
+                (copy >= 0).then(|| unsafe { OwnedFd::from_raw_fd(copy) })
+            }
+            _ => None,
+        };
+        if socket.is_none() {
+            log::warn!(
+                "vfio-user: {}: cannot single out the connection's socket; the device's death is noticed on its next request",
+                path.display()
+            );
+        }
         log::info!("vfio-user: connected to {}", path.display());
         Ok(VfioUserDevice {
             client: Arc::new(Mutex::new(client)),
             path: path.to_path_buf(),
+            health: Arc::new(BackendHealth::default()),
+            socket,
         })
+    }
+
+    /// Whether the device process is still there; shared with the DMA mapper.
+    pub fn health(&self) -> Arc<BackendHealth> {
+        self.health.clone()
+    }
+
+    /// Starts watching for the device process's hang-up (None: its socket is unknown or
+    /// no thread could be started; the first failed request notices instead).
+    pub fn watch_hang_up(&self) -> Option<HangupWatch> {
+        let socket = self.socket.as_ref()?.try_clone().ok()?;
+        HangupWatch::start(socket, self.health.clone(), self.name())
+            .map_err(|e| log::warn!("vfio-user: no hang-up watch for {}: {e}", self.name()))
+            .ok()
     }
 
     /// The mapper for guest RAM ([`crate::dma::BackgroundMapping`]), over this device's
@@ -70,11 +308,32 @@ impl VfioUserDevice {
         Arc::new(UserDmaMapper {
             client: self.client.clone(),
             name: self.name(),
+            health: self.health.clone(),
         })
     }
 
     fn client(&self) -> MutexGuard<'_, Client> {
         lock(&self.client)
+    }
+
+    /// Runs one request, unless the device is gone; a broken connection marks it gone.
+    fn request<T>(
+        &self,
+        what: &'static str,
+        call: impl FnOnce(&mut Client) -> std::result::Result<T, vfio_user::Error>,
+    ) -> Result<T> {
+        if self.health.is_gone() {
+            return Err(gone_error(&self.health));
+        }
+        call(&mut self.client()).map_err(|source| {
+            if is_hang_up(&source) {
+                self.health.mark_gone(format!(
+                    "{}: {what} failed ({source}); the device is gone",
+                    self.name()
+                ));
+            }
+            VfioError::User { what, source }
+        })
     }
 
     fn check_range(&self, index: u32, offset: u64, len: usize) -> Result<()> {
@@ -93,10 +352,6 @@ impl VfioUserDevice {
         }
         Ok(())
     }
-}
-
-fn user(what: &'static str) -> impl FnOnce(vfio_user::Error) -> VfioError {
-    move |source| VfioError::User { what, source }
 }
 
 impl PassthroughDevice for VfioUserDevice {
@@ -119,18 +374,28 @@ impl PassthroughDevice for VfioUserDevice {
         })
     }
 
+    /// A gone device reads all ones, as a surprise-removed PCI function does.
     fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> Result<()> {
         self.check_range(index, offset, data.len())?;
-        self.client()
-            .region_read(index, offset, data)
-            .map_err(user("region read"))
+        if self.health.is_gone() {
+            data.fill(0xff);
+            return Ok(());
+        }
+        self.request("region read", |client| {
+            client.region_read(index, offset, data)
+        })
+        .inspect_err(|_| data.fill(0xff))
     }
 
+    /// Writes to a gone device are dropped.
     fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<()> {
         self.check_range(index, offset, data.len())?;
-        self.client()
-            .region_write(index, offset, data)
-            .map_err(user("region write"))
+        if self.health.is_gone() {
+            return Ok(());
+        }
+        self.request("region write", |client| {
+            client.region_write(index, offset, data)
+        })
     }
 
     /// Regions the server shares a file for (flag MMAP plus an fd) are mmapped; the rest
@@ -176,103 +441,103 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn msix_vectors(&mut self) -> Result<u32> {
-        let info = self
-            .client()
-            .get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX)
-            .map_err(user("get MSI-X info"))?;
+        let info = self.request("get MSI-X info", |client| {
+            client.get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX)
+        })?;
         Ok(info.count)
     }
 
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.client()
-            .set_irqs(
+        self.request("set MSI-X eventfds", |client| {
+            client.set_irqs(
                 VFIO_PCI_MSIX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 fds.len() as u32,
                 &fds,
             )
-            .map_err(user("set MSI-X eventfds"))
+        })
     }
 
     fn disable_msix(&mut self) -> Result<()> {
-        self.client()
-            .set_irqs(
+        self.request("disable MSI-X", |client| {
+            client.set_irqs(
                 VFIO_PCI_MSIX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 0,
                 &[],
             )
-            .map_err(user("disable MSI-X"))
+        })
     }
 
     fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.client()
-            .set_irqs(
+        self.request("set MSI eventfds", |client| {
+            client.set_irqs(
                 VFIO_PCI_MSI_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 fds.len() as u32,
                 &fds,
             )
-            .map_err(user("set MSI eventfds"))
+        })
     }
 
     fn disable_msi(&mut self) -> Result<()> {
-        self.client()
-            .set_irqs(
+        self.request("disable MSI", |client| {
+            client.set_irqs(
                 VFIO_PCI_MSI_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 0,
                 &[],
             )
-            .map_err(user("disable MSI"))
+        })
     }
 
     fn intx_supported(&mut self) -> bool {
-        self.client()
-            .get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
-            .is_ok_and(|info| info.count > 0)
+        self.request("get INTx info", |client| {
+            client.get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
+        })
+        .is_ok_and(|info| info.count > 0)
     }
 
     fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
-        self.client()
-            .set_irqs(
+        self.request("set the INTx eventfd", |client| {
+            client.set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 1,
                 &[trigger.as_raw_fd()],
             )
-            .map_err(user("set the INTx eventfd"))
+        })
     }
 
     fn disable_intx(&mut self) -> Result<()> {
-        self.client()
-            .set_irqs(
+        self.request("disable INTx", |client| {
+            client.set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
                 0,
                 0,
                 &[],
             )
-            .map_err(user("disable INTx"))
+        })
     }
 
     fn unmask_intx(&mut self) -> Result<()> {
-        self.client()
-            .set_irqs(
+        self.request("unmask INTx", |client| {
+            client.set_irqs(
                 VFIO_PCI_INTX_IRQ_INDEX,
                 VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_UNMASK,
                 0,
                 1,
                 &[],
             )
-            .map_err(user("unmask INTx"))
+        })
     }
 
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()> {
@@ -282,21 +547,24 @@ impl PassthroughDevice for VfioUserDevice {
             region.size,
             region.fd_offset
         );
-        self.client()
-            .dma_map(region.fd_offset, region.guest_addr, region.size, region.fd)
-            .map_err(user("DMA map"))
+        self.request("DMA map", |client| {
+            client.dma_map(region.fd_offset, region.guest_addr, region.size, region.fd)
+        })
     }
 
     fn reset(&mut self) -> Result<()> {
         if !self.client().resettable() {
             return Ok(());
         }
-        self.client().reset().map_err(user("reset"))
+        self.request("reset", Client::reset)
     }
 }
 
 impl Drop for VfioUserDevice {
     fn drop(&mut self) {
+        if self.health.is_gone() {
+            return;
+        }
         if let Err(error) = self.client().shutdown() {
             log::debug!("vfio-user: shutdown of {}: {error}", self.path.display());
         }

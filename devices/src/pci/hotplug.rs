@@ -22,10 +22,11 @@
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::root::{PciBdf, PciRoot};
-use crate::BusDevice;
+use crate::{BusDevice, Persist};
 
 /// First port of the register block (QEMU's PIIX4 uses the same base for its PCIHP block).
 pub const HOTPLUG_PORT: u16 = 0xae00;
@@ -161,6 +162,36 @@ impl HotplugController {
     }
 }
 
+/// What a snapshot keeps of the register block: whether the guest enabled the interrupt
+/// (a Linux guest's GED `_INI` does it once, at boot: a restored VM must keep it, or it
+/// never hears of a device hot-plugged after the restore) and the pending event. Slot
+/// bits are not kept: a VM with hot-plugged devices is not snapshotted with them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HotplugState {
+    pub enabled: u32,
+    pub events: u32,
+}
+
+impl Persist for HotplugController {
+    type State = HotplugState;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> Result<HotplugState, Self::Error> {
+        Ok(HotplugState {
+            enabled: self.enabled & 1,
+            events: self.events & 1,
+        })
+    }
+
+    /// Only the two bits; the interrupt controller's own state says whether an edge
+    /// is still pending in the guest.
+    fn restore(&mut self, state: &HotplugState) -> Result<(), Self::Error> {
+        self.enabled = state.enabled & 1;
+        self.events = state.events & 1;
+        Ok(())
+    }
+}
+
 fn read_u32(data: &[u8]) -> u32 {
     let mut bytes = [0u8; 4];
     let n = data.len().min(4);
@@ -280,6 +311,23 @@ mod tests {
         assert_eq!(ids, [0xff; 4], "an ejected slot reads all ones");
         assert!(c.take_ejected(slot));
         assert!(!c.take_ejected(slot));
+    }
+
+    #[test]
+    fn the_interrupt_enable_survives_save_and_restore() {
+        let irq = EventFd::new(libc_nonblock()).unwrap();
+        let mut saved = HotplugController::new(root(), None);
+        saved.write(EVEN, &1u32.to_le_bytes());
+        let state = saved.save().unwrap();
+        assert_eq!(state.enabled, 1);
+        let mut restored = HotplugController::new(root(), Some(irq.try_clone().unwrap()));
+        restored.restore(&state).unwrap();
+        assert_eq!(read(&mut restored, EVEN), 1);
+        // A device plugged after the restore raises the GSI without a new _INI.
+        restored.device_added(3);
+        assert_eq!(irq.read().unwrap(), 1);
+        let fresh = HotplugController::new(root(), None).save().unwrap();
+        assert_eq!(fresh, HotplugState::default());
     }
 
     fn libc_nonblock() -> i32 {
