@@ -7,7 +7,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{api_expect, api_start_instance, wait_for_api_socket, SpawnedProcess};
+use gpuvm_tests::{
+    api_expect, api_start_instance, thread_seccomp_modes, wait_for_api_socket, Scratch,
+    SpawnedProcess,
+};
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -21,6 +24,33 @@ fn socket_path(name: &str) -> PathBuf {
 
 fn start_emu(socket: &Path) -> SpawnedProcess {
     gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[])
+}
+
+/// Until `check` accepts GET /'s answer (it is returned), or panics after `LIMIT`.
+fn wait_for_info(
+    api: &Path,
+    what: &str,
+    check: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let info: serde_json::Value =
+            serde_json::from_str(&api_expect(api, 200, "GET", "/", None)).expect("JSON");
+        if check(&info) {
+            return info;
+        }
+        assert!(Instant::now() < deadline, "never {what}: {info}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The state GET / gives hot-plugged device `id`, if it lists it.
+fn gpu_state(info: &serde_json::Value, id: &str) -> Option<String> {
+    info["hot_plugged_gpus"]
+        .as_array()?
+        .iter()
+        .find(|gpu| gpu["id"] == id)
+        .map(|gpu| gpu["state"].as_str().unwrap_or_default().to_string())
 }
 
 /// A running VM with the API on `api` and `workload` as its command line.
@@ -177,5 +207,196 @@ fn a_guest_that_never_ejects_times_the_delete_out() {
     ctl(&api, &["ctrl-alt-del"]).assert_code(0);
     let out = vmm.wait(LIMIT);
     assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    emu.wait(Duration::from_secs(10));
+}
+
+/// The device process dies (kill -9) while the guest holds the device and waits for an
+/// eject request: gpuvm notices the hang-up, asks the guest to eject it, the guest sees
+/// it gone (all ones) and ejects it, the slot is freed, and a second emulated GPU is
+/// plugged into it and passes the guest's checks. Seccomp is on (the default).
+#[test]
+fn a_backend_killed_while_attached_is_ejected_and_its_slot_reused() {
+    let first = socket_path("dying");
+    let mut emu_a = start_emu(&first);
+    let (mut vmm, api) = start_vm("dying", "pci-hotplug 2", &[]);
+    let bdf = hot_plug(&api, "gpu0", &first);
+    vmm.wait_for_stdout("hotplug: device 1 at", LIMIT);
+    let watched = thread_seccomp_modes(vmm.pid());
+    assert!(
+        watched
+            .iter()
+            .any(|(name, mode)| name == "vfio-user-watch" && *mode == 2),
+        "a filtered hang-up watch: {watched:?}"
+    );
+
+    emu_a.signal(libc::SIGKILL);
+    assert_eq!(emu_a.wait(LIMIT).code(), None, "killed by a signal");
+    vmm.wait_for_stdout("hotplug: device 1 ejected", LIMIT);
+    // The slot is freed once the VMM thread took the device down after the eject.
+    wait_for_info(&api, "the gone device freed", |info| {
+        gpu_state(info, "gpu0").is_none()
+    });
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+    api_expect(&api, 404, "DELETE", "/gpus/gpu0", None);
+
+    let second = socket_path("after-death");
+    let emu_b = start_emu(&second);
+    let again = hot_plug(&api, "gpu1", &second);
+    assert_eq!(again, bdf, "the dead device's slot is reused");
+    vmm.wait_for_stdout("hotplug: device 2 at", LIMIT);
+    api_expect(&api, 204, "DELETE", "/gpus/gpu1", None);
+    let out = vmm.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("hotplug: device 2 ejected")
+        .assert_stdout_has("hotplug: ok");
+    assert!(
+        out.stderr.contains("hung up") && out.stderr.contains("gpu0"),
+        "the log says which device went and why: {}",
+        out.stderr
+    );
+    emu_b.wait(Duration::from_secs(10));
+}
+
+/// The device process dies while a guest that never ejects holds it: GET / and GET
+/// /metrics describe it as gone with the reason, DELETE still works (answered when the
+/// eject timeout frees the slot), and a new device can then be plugged into the slot.
+#[test]
+fn a_backend_killed_under_a_guest_that_keeps_it_is_freed_at_the_eject_timeout() {
+    let first = socket_path("kept");
+    let mut emu_a = start_emu(&first);
+    let (mut vmm, api) = start_vm(
+        "kept",
+        "pci-hotplug 1 keep",
+        &[("GPUVM_HOTPLUG_EJECT_TIMEOUT_MS", "1500")],
+    );
+    let bdf = hot_plug(&api, "gpu0", &first);
+    vmm.wait_for_stdout("hotplug: keeping the device", LIMIT);
+    let info = wait_for_info(&api, "attached", |i| gpu_state(i, "gpu0").is_some());
+    assert_eq!(
+        gpu_state(&info, "gpu0").as_deref(),
+        Some("attached"),
+        "{info}"
+    );
+
+    emu_a.signal(libc::SIGKILL);
+    emu_a.wait(LIMIT);
+    let info = wait_for_info(&api, "gone", |i| {
+        gpu_state(i, "gpu0").as_deref() == Some("gone")
+    });
+    let gpu = &info["hot_plugged_gpus"][0];
+    assert_eq!(gpu["bdf"], bdf.as_str(), "{info}");
+    let error = gpu["error"].as_str().unwrap_or_default();
+    assert!(error.contains("hung up"), "a clear reason: {info}");
+    let metrics = api_expect(&api, 200, "GET", "/metrics", None);
+    assert!(metrics.contains(r#""state":"gone""#), "{metrics}");
+
+    // Taken, while gone: the id and the slot are not free yet.
+    api_expect(
+        &api,
+        409,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &first)),
+    );
+    api_expect(&api, 204, "DELETE", "/gpus/gpu0", None);
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(!info.contains("gpu0"), "{info}");
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+
+    let second = socket_path("kept-next");
+    let emu_b = start_emu(&second);
+    assert_eq!(
+        hot_plug(&api, "gpu0", &second),
+        bdf,
+        "the slot is free again"
+    );
+    ctl(&api, &["ctrl-alt-del"]).assert_code(0);
+    let out = vmm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    emu_b.wait(Duration::from_secs(10));
+}
+
+/// The device process dies in the middle of a PUT, before it answered the connection:
+/// the PUT fails with a clear error and the VM and the API stay up.
+#[test]
+fn a_backend_killed_during_the_put_fails_only_the_put() {
+    let socket = socket_path("midput");
+    let mut emu = start_emu(&socket);
+    let (mut vmm, api) = start_vm("midput", "pci-hotplug 1", &[]);
+    // Stopped: it accepts nothing, so the PUT waits for its answer.
+    emu.signal(libc::SIGSTOP);
+    let put = {
+        let (api, body) = (api.clone(), gpu_body("gpu0", &socket));
+        std::thread::spawn(move || {
+            gpuvm_api::client::request(&api, "PUT", "/gpus/gpu0", Some(&body)).expect("answer")
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    emu.signal(libc::SIGKILL);
+    emu.wait(LIMIT);
+    let answer = put.join().expect("PUT thread");
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(
+        answer.body.contains("cannot hot-plug gpu0"),
+        "{}",
+        answer.body
+    );
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+    assert!(!info.contains("hot_plugged_gpus"), "{info}");
+
+    let again = socket_path("midput-next");
+    let emu_b = start_emu(&again);
+    hot_plug(&api, "gpu0", &again);
+    vmm.wait_for_stdout("hotplug: device 1 at", LIMIT);
+    api_expect(&api, 204, "DELETE", "/gpus/gpu0", None);
+    vmm.wait(LIMIT)
+        .assert_code(0)
+        .assert_stdout_has("hotplug: ok");
+    emu_b.wait(Duration::from_secs(10));
+}
+
+/// The warm-pool use case: a VM waiting for its GPU is snapshotted, restored lazily
+/// into a new gpuvm through the API, and a GPU hot-plugged into the restored VM passes
+/// the guest's checks (DMA included) and is ejected on DELETE.
+#[test]
+fn a_gpu_hot_plugged_into_a_restored_vm_passes_the_checks() {
+    let scratch = Scratch::new("hotplug", "restored");
+    let snapshot = scratch.path("snapshot");
+    let (mut original, api) = start_vm("pool", "pci-hotplug 1", &[]);
+    ctl(
+        &api,
+        &["snapshot-create", "--dir", snapshot.to_str().unwrap()],
+    )
+    .assert_code(0);
+    original.signal(libc::SIGKILL);
+    original.wait(LIMIT);
+
+    let api = socket_path("restored-api");
+    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let load = serde_json::json!({
+        "snapshot_path": snapshot,
+        "restore_mode": "Lazy",
+        "resume_vm": true,
+    })
+    .to_string();
+    api_expect(&api, 204, "PUT", "/snapshot/load", Some(&load));
+    let socket = socket_path("restored-gpu");
+    let emu = start_emu(&socket);
+    let bdf = hot_plug(&api, "gpu0", &socket);
+    vmm.wait_for_stdout("hotplug: device 1 at", LIMIT);
+    let out = vmm.stdout();
+    assert!(
+        out.contains(&format!("hotplug: device 1 arrived at {}", &bdf[5..])),
+        "{out}"
+    );
+    assert!(out.contains("pci: dma verified 65536 bytes"), "{out}");
+    api_expect(&api, 204, "DELETE", "/gpus/gpu0", None);
+    vmm.wait(LIMIT)
+        .assert_code(0)
+        .assert_stdout_has("hotplug: device 1 ejected")
+        .assert_stdout_has("hotplug: ok");
     emu.wait(Duration::from_secs(10));
 }

@@ -92,12 +92,13 @@ fn serve_api(
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
     let mut server = ApiServer::start(
         api_sock,
-        requests_tx,
+        requests_tx.clone(),
         wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
     )
     .map_err(|e| CliError::Other(e.to_string()))?;
     let mut controller =
         ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
+    controller.set_request_sender(requests_tx);
     controller.set_pci_options(pci);
     let (mut machine, paused) = if args.config_file.is_some() {
         (

@@ -1,5 +1,6 @@
-//! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N]`: serves the emulated
-//! NVIDIA-like GPU (gpuvm_vfio::emu) over vfio-user to one client, then exits.
+//! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]`: serves the
+//! emulated NVIDIA-like GPU (gpuvm_vfio::emu) over vfio-user to N clients (default 1), one
+//! after another, then exits.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +9,7 @@ use gpuvm_vfio::emu::{serve, EmuGpuOptions};
 
 fn usage(error: &str) -> ExitCode {
     eprintln!(
-        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N]"
+        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]"
     );
     ExitCode::from(2)
 }
@@ -17,6 +18,7 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().filter_or("GPUVM_LOG", "warn")).init();
     let mut socket = None;
     let mut options = EmuGpuOptions::default();
+    let mut clients: u32 = 1;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
@@ -38,6 +40,14 @@ fn main() -> ExitCode {
                 options.msix_vectors = n;
                 Ok(())
             }),
+            "--clients" => value("--clients").and_then(|v| {
+                clients = v
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| format!("bad --clients '{v}'"))?;
+                Ok(())
+            }),
             other => Err(format!("unknown argument '{other}'")),
         };
         if let Err(error) = result {
@@ -47,11 +57,13 @@ fn main() -> ExitCode {
     let Some(socket) = socket else {
         return usage("--socket is required");
     };
-    match serve(&socket, options) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
+    // Each client gets the device fresh from reset, as a VMM that plugs the same device
+    // again after an unplug (a GPU given back after a guest release) would.
+    for _ in 0..clients {
+        if let Err(error) = serve(&socket, options) {
             eprintln!("gpuvm-emu-gpu: {}: {error}", socket.display());
-            ExitCode::from(1)
+            return ExitCode::from(1);
         }
     }
+    ExitCode::SUCCESS
 }

@@ -79,6 +79,8 @@ fn switch_intx(backend: &mut dyn PassthroughDevice, intx: &mut Option<Intx>, on:
 
 /// A PCI function backed by a [`PassthroughDevice`].
 pub struct VfioPciDevice {
+    /// Vendor id (low half) and device id (high half).
+    ids: u32,
     backend: Box<dyn PassthroughDevice>,
     bars: BarSet,
     msix: Option<Msix>,
@@ -148,6 +150,7 @@ impl VfioPciDevice {
             }
         };
         Ok(VfioPciDevice {
+            ids,
             backend,
             bars,
             msix,
@@ -332,6 +335,11 @@ impl VfioPciDevice {
             self.backend.dma_map(region)?;
         }
         Ok(())
+    }
+
+    /// Vendor and device id, as read when the device was opened.
+    pub fn pci_ids(&self) -> (u16, u16) {
+        (self.ids as u16, (self.ids >> 16) as u16)
     }
 
     pub fn name(&self) -> &str {

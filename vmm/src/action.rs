@@ -383,6 +383,42 @@ pub struct SnapshotCreateBody {
     /// memory file (see [`crate::snapshot::files`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_file_path: Option<PathBuf>,
+    /// What happens to hot-plugged GPUs (see [`crate::gpu_release`]).
+    #[serde(default)]
+    pub passthrough: PassthroughPolicy,
+    /// With `guest_release`: plug the GPUs back and resume them after the snapshot (the
+    /// default), or leave the VM running without them (e.g. before it is stopped).
+    #[serde(default = "yes")]
+    pub reattach: bool,
+    /// Set by the VMM, never by a client: the GPUs the guest released for this snapshot.
+    #[serde(skip)]
+    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
+}
+
+impl SnapshotCreateBody {
+    /// A full snapshot into the directory `snapshot_path`.
+    pub fn full(snapshot_path: PathBuf) -> Self {
+        SnapshotCreateBody {
+            snapshot_path,
+            snapshot_type: SnapshotType::Full,
+            mem_file_path: None,
+            passthrough: PassthroughPolicy::Refuse,
+            reattach: true,
+            released_gpus: Vec::new(),
+        }
+    }
+}
+
+/// What a snapshot does with passthrough devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PassthroughPolicy {
+    /// A VM with one is refused: no device state can be saved.
+    #[default]
+    Refuse,
+    /// The guest's agent releases each hot-plugged GPU, which is ejected; the snapshot
+    /// records them, and a restored guest resumes on any GPU of the same model.
+    GuestRelease,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -365,5 +365,6 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
         passthrough: Vec::new(),
         event_sources: Vec::new(),
         virtio: Vec::new(),
+        released_gpus: Vec::new(),
     })
 }

@@ -43,6 +43,9 @@ pub struct MachineDevices {
     pub event_sources: Vec<Arc<Mutex<dyn MutEventSubscriber + Send>>>,
     /// The virtio devices, in bus order (their state is in snapshots).
     pub virtio: Vec<crate::virtio::VirtioHandle>,
+    /// GPUs the guest released for a snapshot and waits to get back (a PUT /gpus with
+    /// one of these ids resumes it in the guest; see [`crate::gpu_release`]).
+    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -55,6 +58,13 @@ pub struct DeviceStates {
     /// them from it). Absent in state files written before virtio devices existed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub virtio: Vec<VirtioDeviceState>,
+    /// The PCI hot-plug register block (whether the guest enabled its interrupt).
+    /// Absent in state files written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_hotplug: Option<gpuvm_devices::pci::hotplug::HotplugState>,
+    /// GPUs released by the guest for the snapshot (absent when there were none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
 }
 
 /// A device refused its saved state (or could not give its own).
@@ -76,6 +86,8 @@ impl Persist for MachineDevices {
         Ok(DeviceStates {
             serial: lock(&self.serial).save()?,
             virtio: crate::virtio::save_all(&self.virtio)?,
+            pci_hotplug: self.pci_hotplug.as_ref().map(|h| h.save_controller()),
+            released_gpus: self.released_gpus.clone(),
         })
     }
 
@@ -88,6 +100,10 @@ impl Persist for MachineDevices {
             });
         }
         crate::virtio::restore_all(&self.virtio, &state.virtio)?;
+        if let (Some(hotplug), Some(saved)) = (&self.pci_hotplug, &state.pci_hotplug) {
+            hotplug.restore_controller(saved);
+        }
+        self.released_gpus = state.released_gpus.clone();
         Ok(())
     }
 }

@@ -17,17 +17,24 @@
 //! ```
 //!
 //! INTx is not wired for hot-plugged devices (guests use MSI/MSI-X for GPUs).
+//!
+//! A vfio-user device whose process dies while plugged (a crash, `kill -9`) is noticed by
+//! its socket's hang-up (or its first failed request), which wakes the VMM thread:
+//! [`PciHotplug::check_backends`] marks it gone (its registers read all ones from then on,
+//! see gpuvm_vfio::user) and asks the guest to eject it; the slot is freed once the guest
+//! ejects it or the eject timeout passes ([`PciHotplug::free_gone`]). The VM keeps running.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
+use gpuvm_devices::pci::hotplug::{HotplugState, HOTPLUG_GSI};
 use gpuvm_devices::pci::{GuestMemoryMapper, HotplugController, PciBdf, PciRoot};
+use gpuvm_devices::Persist;
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::dma::BackgroundMapping;
 use gpuvm_vfio::kernel::KernelVfio;
-use gpuvm_vfio::user::VfioUserDevice;
+use gpuvm_vfio::user::{BackendHealth, HangupWatch, VfioUserDevice};
 use gpuvm_vfio::PassthroughDevice;
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -83,11 +90,22 @@ struct HotDevice {
     label: String,
     /// Stopped (between chunks) before the device goes.
     mapping: Option<BackgroundMapping>,
+    /// Whether a vfio-user device's process is still there, and the thread watching.
+    health: Option<Arc<BackendHealth>>,
+    _watch: Option<HangupWatch>,
+    /// Set once the device process went away.
+    gone: Option<GoneDevice>,
     device: Arc<Mutex<gpuvm_vfio::pci::VfioPciDevice>>,
     /// A kernel VFIO device's own context (container or iommufd), dropped after it.
     _vfio: Option<KernelVfio>,
     gsis: Vec<u32>,
     ejecting: bool,
+}
+
+/// A device whose process went away: waiting for the guest to eject it, or the deadline.
+struct GoneDevice {
+    reason: String,
+    deadline: Instant,
 }
 
 /// Where an eject request stands.
@@ -109,6 +127,8 @@ pub struct PciHotplug {
     ram: RamChunks,
     hooks: DmaTestHooks,
     devices: BTreeMap<String, HotDevice>,
+    /// The VMM thread's wake-up eventfd: guest ejects and dead device processes write it.
+    wake: Option<EventFd>,
     /// The hot-plug GSI's irqfd, kept registered.
     _interrupt: EventFd,
 }
@@ -139,6 +159,7 @@ impl PciHotplug {
             ram: RamChunks::new(ram),
             hooks,
             devices: BTreeMap::new(),
+            wake: None,
             _interrupt: interrupt,
         })
     }
@@ -148,14 +169,42 @@ impl PciHotplug {
         self.controller.clone()
     }
 
+    /// The register block's state for a snapshot.
+    pub fn save_controller(&self) -> HotplugState {
+        let Ok(state) = lock(&self.controller).save();
+        state
+    }
+
+    /// Loads the register block's saved state (a restore).
+    pub fn restore_controller(&self, state: &HotplugState) {
+        let Ok(()) = lock(&self.controller).restore(state);
+    }
+
     /// Where the guest's ejects are signalled (the VMM thread's wake-up eventfd).
-    pub fn set_wake(&self, wake: EventFd) {
-        lock(&self.controller).set_wake(wake);
+    pub fn set_wake(&mut self, wake: EventFd) {
+        if self.wake.is_some() {
+            return;
+        }
+        match wake.try_clone() {
+            Ok(copy) => lock(&self.controller).set_wake(copy),
+            Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
+        }
+        self.wake = Some(wake);
     }
 
     /// The background DMA mappings of the hot-plugged devices.
     pub fn dma_mappings(&self) -> impl Iterator<Item = &BackgroundMapping> {
         self.devices.values().filter_map(|d| d.mapping.as_ref())
+    }
+
+    /// Vendor and device id of the hot-plugged device `id`.
+    pub fn pci_ids(&self, id: &str) -> Option<(u16, u16)> {
+        Some(lock(&self.devices.get(id)?.device).pci_ids())
+    }
+
+    /// The ids and bus addresses of the hot-plugged devices.
+    pub fn attached(&self) -> impl Iterator<Item = (&str, PciBdf)> {
+        self.devices.iter().map(|(id, d)| (id.as_str(), d.bdf))
     }
 
     /// Whether `id` is a hot-plugged device.
@@ -166,6 +215,17 @@ impl PciHotplug {
     /// Plugs the device of `body` into a free slot and tells the guest; returns its
     /// bus address and its "BDF name" label.
     pub fn plug(&mut self, body: &GpuBody) -> Result<(PciBdf, String), HotplugError> {
+        self.plug_expecting(body, None)
+    }
+
+    /// As [`PciHotplug::plug`], refusing (before the guest hears of it) a device whose
+    /// vendor and device id are not `expected`: a GPU given back to a guest that released
+    /// one of that model for a snapshot.
+    pub fn plug_expecting(
+        &mut self,
+        body: &GpuBody,
+        expected: Option<(u16, u16)>,
+    ) -> Result<(PciBdf, String), HotplugError> {
         let id = body.gpu_id.clone();
         if self.devices.contains_key(&id) {
             return Err(HotplugError::Conflict(format!(
@@ -182,8 +242,16 @@ impl PciHotplug {
             router: &self.router,
             slots: &self.slots,
         };
+        let mut health = None;
+        let mut watch = None;
         let (plugged, mapping, vfio) = if let Some(socket) = &body.vfio_user_socket {
             let backend = VfioUserDevice::connect(socket).map_err(|e| device_error(e.into()))?;
+            let backend_health = backend.health();
+            if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
+                backend_health.set_wake(wake);
+            }
+            health = Some(backend_health);
+            watch = backend.watch_hang_up();
             let mapper = backend.dma_mapper();
             let progress = self.ram.progress(mapper.name());
             // Plugging resets the device: map after that.
@@ -224,6 +292,17 @@ impl PciHotplug {
             });
         };
         let bdf = plugged.bdf;
+        let ids = lock(&plugged.device).pci_ids();
+        if let Some(expected) = expected.filter(|expected| *expected != ids) {
+            self.root.remove_device(bdf);
+            drop(mapping);
+            drop(plugged.device);
+            self.router.release(&plugged.gsis);
+            return Err(HotplugError::Conflict(format!(
+                "{id} is a {:04x}:{:04x} device; the guest released a {:04x}:{:04x} and resumes only on that model",
+                ids.0, ids.1, expected.0, expected.1
+            )));
+        }
         lock(&self.controller).device_added(bdf.device);
         log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
         let label = plugged.label.clone();
@@ -233,6 +312,9 @@ impl PciHotplug {
                 bdf,
                 label: plugged.label,
                 mapping: Some(mapping),
+                health,
+                _watch: watch,
+                gone: None,
                 device: plugged.device,
                 _vfio: vfio,
                 gsis: plugged.gsis,
@@ -252,6 +334,10 @@ impl PciHotplug {
             .devices
             .get_mut(id)
             .ok_or_else(|| HotplugError::NotFound(id.to_string()))?;
+        if device.gone.is_some() {
+            // Already asked when it went; the DELETE waits for the same eject.
+            return Ok(device.bdf);
+        }
         if device.ejecting {
             return Err(HotplugError::Conflict(format!(
                 "{id} is already being removed"
@@ -279,12 +365,100 @@ impl PciHotplug {
         Ok(EjectState::Removed(label))
     }
 
-    /// The guest did not eject `id` in time: withdraw the request, keep the device.
-    pub fn cancel_eject(&mut self, id: &str) {
+    /// The guest did not eject `id` in time: withdraw the request, keep the device. A
+    /// gone device is taken down instead (nothing is left to keep); returns its label then.
+    pub fn cancel_eject(&mut self, id: &str) -> Option<String> {
+        if self.devices.get(id).is_some_and(|d| d.gone.is_some()) {
+            log::warn!(
+                "hot-unplug: the guest did not eject {id}, whose process is gone; freeing its slot"
+            );
+            return self.remove(id);
+        }
         if let Some(device) = self.devices.get_mut(id) {
             device.ejecting = false;
             lock(&self.controller).cancel_eject(device.bdf.device);
         }
+        None
+    }
+
+    /// Why `id`'s device is gone, if its process went away.
+    pub fn gone_reason(&self, id: &str) -> Option<&str> {
+        Some(self.devices.get(id)?.gone.as_ref()?.reason.as_str())
+    }
+
+    /// Marks the devices whose process went away as gone and asks the guest to eject
+    /// them; returns the deadlines of the newly gone ones (the slot is freed then at the
+    /// latest, see [`PciHotplug::free_gone`]).
+    pub fn check_backends(&mut self) -> Vec<Instant> {
+        let mut deadlines = Vec::new();
+        for (id, device) in &mut self.devices {
+            if device.gone.is_some() {
+                continue;
+            }
+            let Some(health) = device.health.as_ref().filter(|h| h.is_gone()) else {
+                continue;
+            };
+            let reason = health
+                .reason()
+                .unwrap_or_else(|| "the device process went away".into());
+            let deadline = Instant::now() + eject_timeout();
+            log::error!(
+                "hot-plug: {id} (0000:{}) is gone: {reason}; asking the guest to eject it",
+                device.bdf
+            );
+            if !device.ejecting {
+                device.ejecting = true;
+                lock(&self.controller).request_eject(device.bdf.device);
+            }
+            device.gone = Some(GoneDevice { reason, deadline });
+            deadlines.push(deadline);
+        }
+        deadlines
+    }
+
+    /// Frees the slots of gone devices that the guest ejected, or whose eject deadline
+    /// passed, unless `skip` (a pending DELETE answers for those); returns their labels.
+    pub fn free_gone(&mut self, skip: &[&str]) -> Vec<String> {
+        let now = Instant::now();
+        let due: Vec<String> = self
+            .devices
+            .iter()
+            .filter(|(id, _)| !skip.contains(&id.as_str()))
+            .filter_map(|(id, device)| {
+                let gone = device.gone.as_ref()?;
+                let ejected = lock(&self.controller).take_ejected(device.bdf.device);
+                if !ejected && now < gone.deadline {
+                    return None;
+                }
+                if !ejected {
+                    log::warn!("hot-unplug: the guest did not eject {id}, whose process is gone; freeing its slot");
+                }
+                Some(id.clone())
+            })
+            .collect();
+        due.iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// Each hot-plugged device: id, address, and whether it is attached, being ejected
+    /// or gone (with why), for GET / and GET /metrics.
+    pub fn describe(&self) -> Vec<serde_json::Value> {
+        self.devices
+            .iter()
+            .map(|(id, device)| {
+                let state = match (&device.gone, device.ejecting) {
+                    (Some(_), _) => "gone",
+                    (None, true) => "ejecting",
+                    (None, false) => "attached",
+                };
+                serde_json::json!({
+                    "id": id,
+                    "bdf": format!("0000:{}", device.bdf),
+                    "device": device.label,
+                    "state": state,
+                    "error": device.gone.as_ref().map(|g| g.reason.clone()),
+                })
+            })
+            .collect()
     }
 
     /// Takes `id`'s device off the bus (if the guest has not) and tears it down: the DMA

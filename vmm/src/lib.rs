@@ -22,6 +22,7 @@ pub mod config;
 pub mod controller;
 pub mod devices;
 pub mod dma;
+pub mod gpu_release;
 pub mod hotplug;
 pub mod interrupts;
 pub mod logging;

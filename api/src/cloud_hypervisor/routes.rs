@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use gpuvm_vmm::action::{
     ActionError, ActionResult, GpuBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
-    SnapshotType, VmmAction, VmmData,
+    VmmAction, VmmData,
 };
 
 use super::config::{
@@ -180,11 +180,7 @@ pub fn handle(
                 Ok(path) => on_booted(
                     session,
                     dispatch,
-                    VmmAction::CreateSnapshot(SnapshotCreateBody {
-                        snapshot_path: path,
-                        snapshot_type: SnapshotType::Full,
-                        mem_file_path: None,
-                    }),
+                    VmmAction::CreateSnapshot(SnapshotCreateBody::full(path)),
                 ),
                 Err(response) => response,
             }

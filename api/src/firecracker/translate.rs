@@ -221,9 +221,9 @@ struct SnapshotCreate {
 pub fn snapshot_create(body: &Value, cwd: &Path) -> Result<SnapshotCreateBody, Refusal> {
     let fc: SnapshotCreate = parse("snapshot/create", body)?;
     Ok(SnapshotCreateBody {
-        snapshot_path: resolve(cwd, &fc.snapshot_path),
         snapshot_type: fc.snapshot_type,
         mem_file_path: Some(resolve(cwd, &fc.mem_file_path)),
+        ..SnapshotCreateBody::full(resolve(cwd, &fc.snapshot_path))
     })
 }
 

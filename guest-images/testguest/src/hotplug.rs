@@ -12,9 +12,9 @@ use crate::println;
 
 /// gpuvm_devices::pci::hotplug's register block.
 const HOTPLUG_PORT: u16 = 0xae00;
-const PCIU: u16 = HOTPLUG_PORT;
-const PCID: u16 = HOTPLUG_PORT + 4;
-const B0EJ: u16 = HOTPLUG_PORT + 8;
+pub(crate) const PCIU: u16 = HOTPLUG_PORT;
+pub(crate) const PCID: u16 = HOTPLUG_PORT + 4;
+pub(crate) const B0EJ: u16 = HOTPLUG_PORT + 8;
 const EXIT_FAIL: u32 = 1;
 
 fn fail(what: core::fmt::Arguments) -> ! {

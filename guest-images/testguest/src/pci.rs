@@ -359,6 +359,11 @@ pub fn vendor_device(device: u8) -> u32 {
     config_read(device, 0)
 }
 
+/// Where BAR1 (the device memory, 64-bit) of `device` is, as the VMM assigned it.
+pub fn bar1_address(device: u8) -> u64 {
+    u64::from(config_read(device, 0x14) & !0xf) | u64::from(config_read(device, 0x18)) << 32
+}
+
 /// Whether `device` on bus 0 is the emulated GPU.
 pub fn is_gpu(device: u8) -> bool {
     let ids = config_read(device, 0);

@@ -65,6 +65,9 @@ pub struct ApiController {
     build: BuildFn,
     /// ShutdownVmm came before start: [`ApiController::wait_for_start`] returned None.
     shutdown_requested: bool,
+    /// A sender into `requests`, for actions made of other actions (a snapshot that
+    /// releases GPUs through the guest sends PUT and DELETE /gpus to this controller).
+    own_requests: Option<std::sync::mpsc::Sender<ActionRequest>>,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -152,7 +155,14 @@ impl ApiController {
             serial_out,
             build: Box::new(crate::builder::build_with_pci),
             shutdown_requested: false,
+            own_requests: None,
         }
+    }
+
+    /// A sender into the request channel this controller serves (the API server holds
+    /// another): lets actions made of other actions send those to the VMM thread.
+    pub fn set_request_sender(&mut self, requests: std::sync::mpsc::Sender<ActionRequest>) {
+        self.own_requests = Some(requests);
     }
 
     /// Devices and window sizes from the command line; PUT /gpus adds to them.
@@ -441,7 +451,12 @@ impl ApiController {
     pub fn into_run_control(self) -> Box<dyn RunControl> {
         // Devices from the command line have no id, so DELETE cannot name them.
         let cold = self.gpus.iter().map(|g| g.gpu_id.clone()).collect();
-        Box::new(RunningApi::new(self.requests, self.event, cold))
+        Box::new(RunningApi::new(
+            self.requests,
+            self.own_requests,
+            self.event,
+            cold,
+        ))
     }
 }
 

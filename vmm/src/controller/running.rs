@@ -10,15 +10,22 @@ use vmm_sys_util::eventfd::EventFd;
 use super::{instance_info, machine_config_json, metrics, started_already, MAX_GPUS};
 use crate::action::{
     absolute_path, ActionError, ActionRequest, ActionResult, DrivePatchBody, GpuBody,
-    InstanceState, SnapshotCreateBody, SnapshotType, VmmAction, VmmData,
+    InstanceState, PassthroughPolicy, SnapshotCreateBody, SnapshotType, VmmAction, VmmData,
 };
 use crate::hotplug::EjectState;
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
 
+/// How long a hot-plug into a lazily restored VM waits for guest memory to be loaded.
+const LAZY_LOAD_LIMIT: Duration = Duration::from_secs(60);
+
 pub(super) struct RunningApi {
     requests: Receiver<ActionRequest>,
+    /// A sender into `requests` (see [`super::ApiController::set_request_sender`]).
+    own_requests: Option<Sender<ActionRequest>>,
     event: EventFd,
+    /// How each hot-plugged device was plugged, by id (a guest release plugs it again).
+    hot_plugged: std::collections::BTreeMap<String, GpuBody>,
     /// Ids of the devices PUT /gpus configured before start (not hot-pluggable).
     cold_plugged: Vec<String>,
     /// DELETE /gpus/{id} requests waiting for the guest to eject.
@@ -43,12 +50,15 @@ fn hotplug_error(error: crate::hotplug::HotplugError) -> ActionError {
 impl RunningApi {
     pub(super) fn new(
         requests: Receiver<ActionRequest>,
+        own_requests: Option<Sender<ActionRequest>>,
         event: EventFd,
         cold_plugged: Vec<String>,
     ) -> Self {
         RunningApi {
             requests,
+            own_requests,
             event,
+            hot_plugged: Default::default(),
             cold_plugged,
             unplugs: Vec::new(),
         }
@@ -63,6 +73,21 @@ impl RunningApi {
                 body.gpu_id
             )));
         }
+        // A device process reads guest RAM through its own mapping of the RAM file, which
+        // a lazy restore does not serve: it would read zeros where the snapshot's data is
+        // not loaded yet. So a lazily restored VM's memory is all loaded first.
+        if running.machine().lazy_stats().is_some()
+            && running
+                .machine()
+                .wait_lazy_complete(LAZY_LOAD_LIMIT)
+                .is_none()
+        {
+            return Err(ActionError::wrong_state(format!(
+                "cannot hot-plug {:?}: the lazy restore did not load guest memory within {} s",
+                body.gpu_id,
+                LAZY_LOAD_LIMIT.as_secs()
+            )));
+        }
         let devices = running.devices_mut();
         if devices.passthrough.len() >= MAX_GPUS {
             return Err(ActionError::bad_request(format!(
@@ -73,8 +98,26 @@ impl RunningApi {
             .pci_hotplug
             .as_mut()
             .ok_or_else(|| ActionError::wrong_state("this VM has no PCI hot-plug"))?;
-        let (bdf, label) = hotplug.plug(&body).map_err(hotplug_error)?;
+        // A device process that dies wakes this thread (see `serve`).
+        if let Ok(wake) = self.event.try_clone() {
+            hotplug.set_wake(wake);
+        }
+        let released = devices
+            .released_gpus
+            .iter()
+            .position(|gpu| gpu.gpu_id == body.gpu_id);
+        let expected = released.map(|at| {
+            let gpu = &devices.released_gpus[at];
+            (gpu.vendor_id, gpu.device_id)
+        });
+        let (bdf, label) = hotplug
+            .plug_expecting(&body, expected)
+            .map_err(hotplug_error)?;
+        if let Some(at) = released {
+            devices.released_gpus.remove(at);
+        }
         devices.passthrough.push(label);
+        self.hot_plugged.insert(body.gpu_id.clone(), body.clone());
         Ok(VmmData::Json(serde_json::json!({
             "id": body.gpu_id,
             "bdf": format!("0000:{bdf}"),
@@ -115,7 +158,19 @@ impl RunningApi {
             }
         };
         let timeout = crate::hotplug::eject_timeout();
-        // Wakes this thread when the time is up (the guest's eject wakes it sooner).
+        self.wake_after(timeout);
+        self.unplugs.push(PendingUnplug {
+            id,
+            bdf: format!("0000:{bdf}"),
+            deadline: Instant::now() + timeout,
+            reply,
+        });
+        // The guest may have been quick.
+        self.finish_unplugs(running);
+    }
+
+    /// Wakes this thread when `timeout` is up (the guest's eject wakes it sooner).
+    fn wake_after(&self, timeout: Duration) {
         if let Ok(wake) = self.event.try_clone() {
             let spawned = std::thread::Builder::new()
                 .name("eject-timer".into())
@@ -129,14 +184,24 @@ impl RunningApi {
                 );
             }
         }
-        self.unplugs.push(PendingUnplug {
-            id,
-            bdf: format!("0000:{bdf}"),
-            deadline: Instant::now() + timeout,
-            reply,
-        });
-        // The guest may have been quick.
-        self.finish_unplugs(running);
+    }
+
+    /// Hot-plugged devices whose process went away: marked gone (the guest is asked to
+    /// eject them), and their slots freed once the guest ejected them or the eject
+    /// timeout passed. The DELETEs waiting on them are answered by `finish_unplugs`.
+    fn handle_gone_devices(&mut self, running: &mut RunningMachine<'_>) {
+        let devices = running.devices_mut();
+        let Some(hotplug) = devices.pci_hotplug.as_mut() else {
+            return;
+        };
+        let deadlines = hotplug.check_backends();
+        let waiting: Vec<&str> = self.unplugs.iter().map(|u| u.id.as_str()).collect();
+        let freed = hotplug.free_gone(&waiting);
+        devices.passthrough.retain(|l| !freed.contains(l));
+        let now = std::time::Instant::now();
+        for deadline in deadlines {
+            self.wake_after(deadline.saturating_duration_since(now));
+        }
     }
 
     /// Answers the DELETEs whose device the guest ejected (after taking it down), and
@@ -155,10 +220,16 @@ impl RunningApi {
             match hotplug.poll_eject(&unplug.id) {
                 Ok(EjectState::Removed(label)) => {
                     devices.passthrough.retain(|l| *l != label);
+                    self.hot_plugged.remove(&unplug.id);
                     let _ = unplug.reply.send(Ok(VmmData::Empty));
                 }
                 Ok(EjectState::Waiting) if now >= unplug.deadline => {
-                    hotplug.cancel_eject(&unplug.id);
+                    if let Some(label) = hotplug.cancel_eject(&unplug.id) {
+                        // Its process is gone: the slot is freed, the DELETE succeeds.
+                        devices.passthrough.retain(|l| *l != label);
+                        let _ = unplug.reply.send(Ok(VmmData::Empty));
+                        continue;
+                    }
                     let timeout = crate::hotplug::eject_timeout();
                     let _ = unplug.reply.send(Err(ActionError {
                         status: 504,
@@ -192,8 +263,11 @@ impl RunningApi {
             InstanceState::Running
         };
         let result = match action {
-            VmmAction::GetInstanceInfo => Ok(instance_info(state)),
-            VmmAction::GetMetrics => Ok(metrics(state, Some(running.machine()))),
+            VmmAction::GetInstanceInfo => Ok(with_hot_plugged(instance_info(state), running)),
+            VmmAction::GetMetrics => Ok(with_hot_plugged(
+                metrics(state, Some(running.machine())),
+                running,
+            )),
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
             VmmAction::PatchDrive(body) => patch_drive(running.machine(), body),
             VmmAction::PutGpu(body) => self.hot_plug(running, body),
@@ -236,6 +310,24 @@ impl RunningApi {
     }
 }
 
+/// Adds `hot_plugged_gpus` (each device's id, address and state: attached, ejecting or
+/// gone, with why) to a JSON answer, when any device was hot-plugged.
+fn with_hot_plugged(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData {
+    let described = running
+        .devices_mut()
+        .pci_hotplug
+        .as_ref()
+        .map(|h| h.describe())
+        .unwrap_or_default();
+    match data {
+        VmmData::Json(mut json) if !described.is_empty() => {
+            json["hot_plugged_gpus"] = serde_json::Value::Array(described);
+            VmmData::Json(json)
+        }
+        other => other,
+    }
+}
+
 /// PATCH /drives/{id}: a new image and/or rate limit for a running drive.
 pub(super) fn patch_drive(machine: &Machine, body: DrivePatchBody) -> ActionResult {
     if let Some(path) = &body.path {
@@ -259,6 +351,23 @@ pub(super) fn patch_drive(machine: &Machine, body: DrivePatchBody) -> ActionResu
 
 fn snapshot(running: &mut RunningMachine<'_>, mut body: SnapshotCreateBody) -> ActionResult {
     absolute_path(&body.snapshot_path, "snapshot_path")?;
+    // GPUs the guest released for this snapshot: in its state while it is written, and
+    // kept as waiting for the guest only when they are not given back at once.
+    let waiting = running.devices_mut().released_gpus.clone();
+    let released = std::mem::take(&mut body.released_gpus);
+    let given_back = body.reattach;
+    running
+        .devices_mut()
+        .released_gpus
+        .extend(released.iter().cloned());
+    let result = write_snapshot(running, body);
+    if result.is_err() || given_back {
+        running.devices_mut().released_gpus = waiting;
+    }
+    result
+}
+
+fn write_snapshot(running: &mut RunningMachine<'_>, mut body: SnapshotCreateBody) -> ActionResult {
     // Firecracker's layout: gpuvm's directory beside the state file, then the two files.
     let files = match body.mem_file_path.take() {
         Some(mem_file) => {
@@ -301,18 +410,174 @@ fn snapshot(running: &mut RunningMachine<'_>, mut body: SnapshotCreateBody) -> A
     })))
 }
 
+/// Whether the guest released a GPU under `id` for a snapshot and waits for it.
+fn is_released(running: &mut RunningMachine<'_>, id: &str) -> bool {
+    running
+        .devices_mut()
+        .released_gpus
+        .iter()
+        .any(|gpu| gpu.gpu_id == id)
+}
+
+/// The Unix socket of the VM's vsock device: the GPU agent's channel.
+fn vsock_socket(running: &RunningMachine<'_>) -> Option<std::path::PathBuf> {
+    running
+        .machine()
+        .devices()
+        .virtio
+        .iter()
+        .find_map(|handle| match &handle.config {
+            crate::virtio::VirtioDeviceConfig::Vsock(vsock) => Some(vsock.uds_path.clone()),
+            _ => None,
+        })
+}
+
+/// Runs `work` on its own thread and sends its result to `reply`.
+fn answer_from_thread(
+    name: &str,
+    reply: Sender<ActionResult>,
+    work: impl FnOnce() -> ActionResult + Send + 'static,
+) -> Result<(), ActionError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _ = reply.send(work());
+        })
+        .map(|_| ())
+        .map_err(|e| ActionError::bad_request(format!("cannot start the {name} thread: {e}")))
+}
+
+impl RunningApi {
+    /// PUT /snapshot/create with `passthrough: guest_release`: hands the hot-plugged GPUs
+    /// to [`crate::gpu_release::snapshot_releasing`] on its own thread, which sends this
+    /// thread the DELETE, snapshot and PUT actions it needs.
+    fn snapshot_releasing(
+        &mut self,
+        running: &mut RunningMachine<'_>,
+        body: SnapshotCreateBody,
+        reply: Sender<ActionResult>,
+    ) -> Result<(), ActionError> {
+        if body.mem_file_path.is_some() {
+            return Err(ActionError::bad_request(
+                "guest_release writes gpuvm's snapshot directory; mem_file_path is not supported with it",
+            ));
+        }
+        let requests = self.own_requests.clone().ok_or_else(|| {
+            ActionError::wrong_state("guest_release is served on gpuvm's own API socket only")
+        })?;
+        let cold: Vec<&String> = self.cold_plugged.iter().collect();
+        if !cold.is_empty() {
+            return Err(ActionError::wrong_state(format!(
+                "{cold:?} were attached at start and cannot be ejected; guest_release needs GPUs hot-plugged after start (PUT /gpus while running)"
+            )));
+        }
+        let Some(hotplug) = running.devices_mut().pci_hotplug.as_ref() else {
+            return Err(ActionError::wrong_state("this VM has no PCI hot-plug"));
+        };
+        let mut gpus = Vec::new();
+        for (id, bdf) in hotplug.attached() {
+            let body = self.hot_plugged.get(id).cloned().ok_or_else(|| {
+                ActionError::wrong_state(format!("{id} is being plugged or removed; try again"))
+            })?;
+            let (vendor_id, device_id) = hotplug.pci_ids(id).unwrap_or_default();
+            gpus.push(crate::gpu_release::AttachedGpu {
+                body,
+                bdf: format!("0000:{bdf}"),
+                vendor_id,
+                device_id,
+            });
+        }
+        if !self.unplugs.is_empty() {
+            return Err(ActionError::wrong_state(
+                "a GPU is being hot-unplugged; snapshot once that is done",
+            ));
+        }
+        let uds = vsock_socket(running).ok_or_else(|| {
+            ActionError::wrong_state(crate::gpu_release::AgentError::NoVsock.to_string())
+        })?;
+        absolute_path(&body.snapshot_path, "snapshot_path")?;
+        let wake = self
+            .event
+            .try_clone()
+            .map_err(|e| ActionError::bad_request(format!("cannot wake the VMM thread: {e}")))?;
+        let vmm = crate::gpu_release::VmmChannel { requests, wake };
+        answer_from_thread("gpu-release", reply, move || {
+            crate::gpu_release::snapshot_releasing(vmm, uds, gpus, body)
+        })
+    }
+
+    /// PUT /gpus/{id} for a GPU the guest released: plugs a device of the same model and
+    /// answers once the guest's agent resumed it.
+    fn give_back(
+        &mut self,
+        running: &mut RunningMachine<'_>,
+        body: GpuBody,
+        reply: Sender<ActionResult>,
+    ) {
+        let plugged = self.hot_plug(running, body.clone());
+        let uds = vsock_socket(running);
+        let result = plugged.and_then(|answer| {
+            let uds = uds.ok_or_else(|| {
+                ActionError::wrong_state(crate::gpu_release::AgentError::NoVsock.to_string())
+            })?;
+            let bdf = match &answer {
+                VmmData::Json(value) => value["bdf"].as_str().unwrap_or_default().to_string(),
+                VmmData::Empty => String::new(),
+            };
+            let id = body.gpu_id.clone();
+            answer_from_thread("gpu-resume", reply.clone(), move || {
+                crate::gpu_release::resume_in_guest(&uds, &id, &bdf)?;
+                let mut answer = answer;
+                if let VmmData::Json(value) = &mut answer {
+                    value["resumed"] = serde_json::json!(true);
+                }
+                Ok(answer)
+            })
+        });
+        if let Err(error) = result {
+            let _ = reply.send(Err(error));
+        }
+    }
+}
+
 impl RunControl for RunningApi {
     fn event(&self) -> &EventFd {
         &self.event
     }
 
     fn serve(&mut self, running: &mut RunningMachine<'_>) -> Option<GuestEnd> {
+        self.handle_gone_devices(running);
         self.finish_unplugs(running);
         while let Ok(request) = self.requests.try_recv() {
-            if let VmmAction::DeleteGpu(id) = request.action {
-                self.hot_unplug(running, id, request.reply);
-                continue;
-            }
+            let request = match request.action {
+                VmmAction::DeleteGpu(id) => {
+                    self.hot_unplug(running, id, request.reply);
+                    continue;
+                }
+                // With no hot-plugged GPU there is nothing to release: a plain snapshot.
+                VmmAction::CreateSnapshot(body)
+                    if body.passthrough == PassthroughPolicy::GuestRelease
+                        && running
+                            .devices_mut()
+                            .pci_hotplug
+                            .as_ref()
+                            .is_some_and(|hotplug| hotplug.attached().next().is_some()) =>
+                {
+                    let result = self.snapshot_releasing(running, body, request.reply.clone());
+                    if let Err(error) = result {
+                        let _ = request.reply.send(Err(error));
+                    }
+                    continue;
+                }
+                VmmAction::PutGpu(body) if is_released(running, &body.gpu_id) => {
+                    self.give_back(running, body, request.reply);
+                    continue;
+                }
+                action => ActionRequest {
+                    action,
+                    reply: request.reply,
+                },
+            };
             let (result, end) = self.act(request.action, running);
             let _ = request.reply.send(result);
             if end.is_some() {

@@ -195,6 +195,19 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
+            // The GPU agent's connection (gpu_release): read and write timeouts only.
+            rules.insert(
+                libc::SYS_setsockopt,
+                [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO]
+                    .into_iter()
+                    .map(|option| {
+                        SeccompRule::new(vec![
+                            arg32(1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?,
+                            arg32(2, SeccompCmpOp::Eq, option as u64)?,
+                        ])
+                    })
+                    .collect::<BuildResult<Vec<_>>>()?,
+            );
             ioctl(
                 &mut rules,
                 &[

@@ -97,8 +97,10 @@ pub enum SnapshotError {
         found: String,
     },
     #[error(
-        "cannot snapshot a VM with passthrough devices ({}): their state lives in the device \
-         and cannot be saved or restored",
+        "cannot snapshot a VM with passthrough devices ({}): their state lives in the device, \
+         and none offers VFIO migration; hot-plugged GPUs can be released by the guest for the \
+         snapshot instead (\"passthrough\": \"guest_release\", with a vsock device and the \
+         guest's GPU agent; docs/gpu-snapshots.md)",
         devices.join(", ")
     )]
     Passthrough { devices: Vec<String> },

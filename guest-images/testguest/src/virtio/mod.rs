@@ -21,6 +21,7 @@ pub mod bench;
 mod blk;
 mod devices;
 mod fs;
+mod gpu_agent;
 pub mod hostile;
 mod irq;
 mod net;
@@ -63,6 +64,7 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
         "virtio-net-bench" => ("virtio-net-bench", net::run_bench),
         "virtio-devices" => ("virtio-devices", devices::run),
         "virtio-fs" => ("virtio-fs", |dma, _| fs::run(dma)),
+        "gpu-agent" => ("gpu-agent", gpu_agent::run),
         other => {
             println!("testguest: unknown workload '{other}'");
             exit(EXIT_SETUP)

@@ -1,0 +1,264 @@
+//! Snapshots of a VM with a GPU through the guest (the path NVIDIA GPUs need): PUT
+//! /snapshot/create with `passthrough: guest_release` asks the test guest's `gpu-agent`
+//! (vsock port 1027) to release the hot-plugged emulated GPU, ejects it, snapshots, and
+//! gives it back; a VM restored from that snapshot resumes on ANOTHER emulated GPU given
+//! with PUT /gpus, and the state the guest kept in the first device's memory is in the
+//! second one's. Bad input: no vsock, no agent in the guest, cold-plugged devices, a
+//! plain snapshot of a VM with a GPU.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpuvm_tests::{api_expect, api_start_instance, wait_for_api_socket, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+fn socket_path(name: &str) -> PathBuf {
+    gpuvm_tests::socket_path("gpusnap", name)
+}
+
+fn gpu_body(id: &str, socket: &Path) -> String {
+    serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
+}
+
+/// A VMM with its API on `api` (not started yet).
+fn spawn_vmm(api: &Path) -> SpawnedProcess {
+    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, api);
+    vmm
+}
+
+/// A running VM with `workload`, and a vsock device on `vsock` when given.
+fn start_vm(api: &Path, workload: &str, vsock: Option<&Path>) -> SpawnedProcess {
+    let vmm = spawn_vmm(api);
+    let boot = serde_json::json!({ "boot_args": workload }).to_string();
+    api_expect(api, 204, "PUT", "/boot-source", Some(&boot));
+    if let Some(vsock) = vsock {
+        let body = serde_json::json!({ "guest_cid": 3, "uds_path": vsock }).to_string();
+        api_expect(api, 204, "PUT", "/vsock", Some(&body));
+    }
+    api_start_instance(api);
+    vmm
+}
+
+/// The complete lines of `stdout` (the last one may still be arriving).
+fn complete_lines(stdout: &str) -> impl DoubleEndedIterator<Item = &str> {
+    stdout
+        .split_inclusive('\n')
+        .filter_map(|line| line.strip_suffix('\n'))
+}
+
+/// Waits until a complete stdout line contains `marker`.
+fn wait_for_line(vmm: &mut SpawnedProcess, marker: &str) {
+    vmm.wait_until(marker, LIMIT, |p| {
+        complete_lines(&p.stdout()).any(|line| line.contains(marker))
+    });
+}
+
+/// The value after `key=` in the last complete stdout line that contains `marker`.
+fn field_after(stdout: &str, marker: &str, key: &str) -> String {
+    let line = complete_lines(stdout)
+        .filter(|line| line.contains(marker))
+        .next_back()
+        .unwrap_or_else(|| panic!("no line with {marker:?}:\n{stdout}"));
+    line.split(key)
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+        .to_string()
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+#[test]
+fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
+    let scratch = Scratch::new("gpusnap", "roundtrip");
+    let (first, second) = (socket_path("first"), socket_path("second"));
+    // Two clients: the VM that is snapshotted gets the device back after the release.
+    let _emu_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &first, &["--clients", "2"]);
+    let api = socket_path("api");
+    let vsock = scratch.path("vsock.sock");
+    let mut vmm = start_vm(&api, "gpu-agent", Some(&vsock));
+    vmm.wait_for_stdout("gpu-agent: listening", LIMIT);
+
+    let plugged = json(&api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &first)),
+    ));
+    let bdf = plugged["bdf"].as_str().expect("bdf").to_string();
+    wait_for_line(&mut vmm, "gpu-agent: holding");
+    let held = field_after(&vmm.stdout(), "gpu-agent: holding", "checksum=");
+
+    // Snapshot through the guest: released, ejected, snapshotted, given back, resumed.
+    let dir = scratch.path("snap");
+    let body = serde_json::json!({
+        "snapshot_path": dir,
+        "passthrough": "guest_release",
+    })
+    .to_string();
+    let answer = json(&api_expect(
+        &api,
+        200,
+        "PUT",
+        "/snapshot/create",
+        Some(&body),
+    ));
+    assert_eq!(
+        answer["released_gpus"],
+        serde_json::json!(["gpu0"]),
+        "{answer}"
+    );
+    assert_eq!(answer["reattached_gpus"][0]["id"], "gpu0", "{answer}");
+    wait_for_line(&mut vmm, "gpu-agent: resumed gpu0");
+    let stdout = vmm.stdout();
+    for line in [
+        format!("gpu-agent: RELEASE gpu0 {bdf}"),
+        "gpu-agent: released gpu0".to_string(),
+        "gpu-agent: ejected".to_string(),
+        "gpu-agent: resumed gpu0".to_string(),
+    ] {
+        assert!(stdout.contains(&line), "no {line:?}:\n{stdout}");
+    }
+    assert_eq!(
+        field_after(&stdout, "gpu-agent: resumed gpu0", "checksum="),
+        held,
+        "the state in device memory after the release and give-back"
+    );
+    // The VM runs on with its GPU: a plain snapshot now is refused and says what to use.
+    let plain = serde_json::json!({ "snapshot_path": scratch.path("plain") }).to_string();
+    let refused = api_expect(&api, 400, "PUT", "/snapshot/create", Some(&plain));
+    assert!(refused.contains("guest_release"), "{refused}");
+    let state = std::fs::read(dir.join("state")).expect("state file");
+    let state = String::from_utf8_lossy(&state);
+    assert!(
+        state.contains("\"released_gpus\"") && state.contains("\"gpu0\""),
+        "the snapshot records the released GPU"
+    );
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+    let _ = std::fs::remove_file(&vsock);
+
+    // Restore into a new VMM; the guest waits for its GPU; another device is given.
+    let _emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &second, &[]);
+    let api2 = socket_path("api2");
+    let mut restored = spawn_vmm(&api2);
+    let load = serde_json::json!({
+        "snapshot_path": dir,
+        "restore_mode": "Lazy",
+        "resume_vm": true,
+    })
+    .to_string();
+    api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load));
+    restored.wait_for_stdout("gpu-agent: transport reset", LIMIT);
+    // The released id: plugged, then the agent is told where its GPU is.
+    let answer = json(&api_expect(
+        &api2,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &second)),
+    ));
+    assert_eq!(answer["resumed"], true, "{answer}");
+    let new_bdf = answer["bdf"].as_str().expect("bdf").to_string();
+    wait_for_line(&mut restored, &format!("gpu-agent: ATTACH gpu0 {new_bdf}"));
+    wait_for_line(&mut restored, "gpu-agent: resumed gpu0");
+    let stdout = restored.stdout();
+    assert_eq!(
+        field_after(&stdout, "gpu-agent: resumed gpu0", "checksum="),
+        held,
+        "the state kept across the snapshot, in the new device's memory:\n{stdout}"
+    );
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    // Given back once: the id is an ordinary hot-plugged device now.
+    let again = api_expect(
+        &api2,
+        409,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &second)),
+    );
+    assert!(again.contains("already attached"), "{again}");
+    restored.signal(libc::SIGKILL);
+    let _ = restored.wait(Duration::from_secs(10));
+}
+
+#[test]
+fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
+    let scratch = Scratch::new("gpusnap", "refusals");
+    let socket = socket_path("refusals-emu");
+    let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let release = |dir: &str| {
+        serde_json::json!({
+            "snapshot_path": scratch.path(dir),
+            "passthrough": "guest_release",
+        })
+        .to_string()
+    };
+
+    // A guest without the agent (it holds the device, nothing listens on port 1027).
+    let api = socket_path("noagent-api");
+    let vsock = scratch.path("noagent.sock");
+    let mut vmm = start_vm(&api, "pci-hotplug 1 keep", Some(&vsock));
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    let refused = api_expect(&api, 409, "PUT", "/snapshot/create", Some(&release("a")));
+    assert!(refused.contains("not listening"), "{refused}");
+    assert!(
+        !scratch.path("a").join("state").exists(),
+        "no snapshot written"
+    );
+    // Still attached: a plain DELETE is still the only way out (the guest keeps it).
+    let busy = api_expect(
+        &api,
+        409,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    assert!(busy.contains("already attached"), "{busy}");
+    // Bad field values are refused by the body's schema.
+    let bad = serde_json::json!({
+        "snapshot_path": scratch.path("b"),
+        "passthrough": "migrate",
+    })
+    .to_string();
+    api_expect(&api, 400, "PUT", "/snapshot/create", Some(&bad));
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+
+    // No vsock device: nothing to speak to the guest through.
+    let api = socket_path("novsock-api");
+    let mut vmm = start_vm(&api, "pci-hotplug 1 keep", None);
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    let socket2 = socket_path("novsock-emu");
+    let _emu2 = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket2, &[]);
+    api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket2)),
+    );
+    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    let refused = api_expect(&api, 409, "PUT", "/snapshot/create", Some(&release("c")));
+    assert!(refused.contains("no vsock device"), "{refused}");
+    vmm.signal(libc::SIGKILL);
+    let out = vmm.wait(Duration::from_secs(10));
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
