@@ -62,8 +62,7 @@ fn wait_for_line(vmm: &mut SpawnedProcess, marker: &str) {
 /// The value after `key=` in the last complete stdout line that contains `marker`.
 fn field_after(stdout: &str, marker: &str, key: &str) -> String {
     let line = complete_lines(stdout)
-        .filter(|line| line.contains(marker))
-        .next_back()
+        .rfind(|line| line.contains(marker))
         .unwrap_or_else(|| panic!("no line with {marker:?}:\n{stdout}"));
     line.split(key)
         .nth(1)
