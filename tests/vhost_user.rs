@@ -666,3 +666,45 @@ fn bad_generic_vhost_user_devices_are_refused() {
         );
     }
 }
+
+/// Two vhost-user devices on one backend socket (a backend serves one front end per
+/// socket) are refused before anything connects, whichever kinds they are.
+#[test]
+fn two_devices_on_one_socket_are_refused() {
+    let scratch = Scratch::new("vhost_user", "one-socket");
+    let socket = scratch.path("shared.sock");
+    let socket = arg(&socket);
+    let cases = [
+        vec![
+            "--drive".to_string(),
+            format!("id=a,vhost_user={socket}"),
+            "--drive".to_string(),
+            format!("id=b,vhost_user={socket}"),
+        ],
+        vec![
+            "--drive".to_string(),
+            format!("id=a,vhost_user={socket}"),
+            "--fs".to_string(),
+            format!("tag=share,socket={socket}"),
+        ],
+        vec![
+            "--fs".to_string(),
+            format!("tag=share,socket={socket}"),
+            "--vhost-user".to_string(),
+            format!("type=2,id=g,socket={socket}"),
+        ],
+    ];
+    for devices in cases {
+        let mut args = vec!["run", "--cmdline", "virtio-blk"];
+        args.extend(devices.iter().map(String::as_str));
+        let out = run_gpuvm(&args, LIMIT);
+        let context = devices.join(" ");
+        assert_refused(&out, &["both name the vhost-user socket", socket], &context);
+        assert!(
+            out.elapsed < Duration::from_secs(4),
+            "{context}: took {:?} (it waited for a backend)\n{}",
+            out.elapsed,
+            out.describe()
+        );
+    }
+}

@@ -144,6 +144,28 @@ impl VirtioOptions {
         if let Some(pair) = tags.windows(2).find(|pair| pair[0] == pair[1]) {
             return Err(VirtioSetupError::DuplicateId(pair[0].to_string()));
         }
+        // A vhost-user backend serves one front end per socket: a second device on it
+        // would wait for an answer that never comes.
+        let mut sockets: Vec<(&std::path::Path, &str)> = self
+            .vhost_user_drives
+            .iter()
+            .map(|d| (d.socket.as_path(), d.drive_id.as_str()))
+            .collect();
+        sockets.extend(self.fs.iter().map(|f| (f.socket.as_path(), f.tag.as_str())));
+        sockets.extend(
+            self.vhost_user
+                .iter()
+                .map(|d| (d.socket.as_path(), d.id.as_str())),
+        );
+        sockets.sort_unstable();
+        if let Some(pair) = sockets.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return Err(VirtioSetupError::VhostUser(format!(
+                "{} and {} both name the vhost-user socket {}: a backend serves one device per socket",
+                pair[0].1,
+                pair[1].1,
+                pair[0].0.display()
+            )));
+        }
         let mut ids: Vec<&str> = self.drives.iter().map(|d| d.drive_id.as_str()).collect();
         ids.extend(self.vhost_user_drives.iter().map(|d| d.drive_id.as_str()));
         ids.extend(self.nets.iter().map(|n| n.iface_id.as_str()));
