@@ -158,6 +158,20 @@ fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
     .to_string();
     api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load));
     restored.wait_for_stdout("gpu-agent: transport reset", LIMIT);
+    // Another model is refused before the guest hears of it; the id stays waiting.
+    let other = socket_path("other-model");
+    let _emu_other = gpuvm_tests::start_emu_gpu(&emu_bin(), &other, &["--device-id", "2331"]);
+    let refused = api_expect(
+        &api2,
+        409,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &other)),
+    );
+    assert!(
+        refused.contains("10de:2331") && refused.contains("10de:2330"),
+        "{refused}"
+    );
     // The released id: plugged, then the agent is told where its GPU is.
     let answer = json(&api_expect(
         &api2,

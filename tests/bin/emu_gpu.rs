@@ -1,6 +1,7 @@
-//! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]`: serves the
-//! emulated NVIDIA-like GPU (gpuvm_vfio::emu) over vfio-user to N clients (default 1), one
-//! after another, then exits.
+//! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]
+//! [--device-id HEX]`: serves the emulated NVIDIA-like GPU (gpuvm_vfio::emu) over
+//! vfio-user to N clients (default 1), one after another, then exits. `--device-id`
+//! makes it another model (tests of model checks).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,7 +10,7 @@ use gpuvm_vfio::emu::{serve, EmuGpuOptions};
 
 fn usage(error: &str) -> ExitCode {
     eprintln!(
-        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]"
+        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N] [--device-id HEX]"
     );
     ExitCode::from(2)
 }
@@ -38,6 +39,11 @@ fn main() -> ExitCode {
                     return Err("--vectors must be 1..=2048".into());
                 }
                 options.msix_vectors = n;
+                Ok(())
+            }),
+            "--device-id" => value("--device-id").and_then(|v| {
+                options.device_id = u16::from_str_radix(v.trim_start_matches("0x"), 16)
+                    .map_err(|_| format!("bad --device-id '{v}' (hex)"))?;
                 Ok(())
             }),
             "--clients" => value("--clients").and_then(|v| {

@@ -76,6 +76,8 @@ const COMMAND_INTX_DISABLE: u8 = 1 << 2;
 /// Shape of the emulated device.
 #[derive(Clone, Copy, Debug)]
 pub struct EmuGpuOptions {
+    /// The PCI device id ([`DEVICE_ID`] unless a test needs another model).
+    pub device_id: u16,
     pub bar1_size: u64,
     pub bar3_size: u64,
     pub msix_vectors: u16,
@@ -84,6 +86,7 @@ pub struct EmuGpuOptions {
 impl Default for EmuGpuOptions {
     fn default() -> Self {
         EmuGpuOptions {
+            device_id: DEVICE_ID,
             bar1_size: 256 << 20,
             bar3_size: 32 << 20,
             msix_vectors: 4,
@@ -144,7 +147,7 @@ impl EmuGpu {
         bar1.set_len(options.bar1_size)?;
         let mut config = vec![0u8; CONFIG_SIZE];
         config[0..2].copy_from_slice(&VENDOR_ID.to_le_bytes());
-        config[2..4].copy_from_slice(&DEVICE_ID.to_le_bytes());
+        config[2..4].copy_from_slice(&options.device_id.to_le_bytes());
         config[6] = 0x10; // status: capability list
         config[8] = 0xa1; // revision
         config[0x0a] = 0x02; // 3D controller
