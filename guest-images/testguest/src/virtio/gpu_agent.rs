@@ -18,8 +18,9 @@
 use super::queue::{Buffer, SplitQueue};
 use super::transport::{VirtioPci, TYPE_VSOCK};
 use super::vsock::{
-    Header, EVENT_TRANSPORT_RESET, HEADER, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST,
-    OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN, TYPE_STREAM,
+    live_queues, post_event_buffers, Header, EVENT_SIZE, EVENT_TRANSPORT_RESET, HEADER,
+    OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN,
+    TYPE_STREAM,
 };
 use super::{read_ram, write_ram, Dma};
 use crate::arch::{inl, outl};
@@ -32,7 +33,6 @@ const NAME: &str = "gpu-agent";
 const PORT: u32 = 1027;
 const BUFFER: usize = 1024;
 const RX_BUFFERS: usize = 8;
-const EVENT_SIZE: u32 = 4;
 const BUF_ALLOC: u32 = 64 << 10;
 /// Words of application state kept in the device's memory.
 const STATE_WORDS: u64 = 512;
@@ -105,14 +105,7 @@ impl Agent {
     fn start(dma: &mut Dma) -> Agent {
         let mut dev = VirtioPci::find(NAME, TYPE_VSOCK);
         dev.initialize(0);
-        let rx = dev.setup_queue(dma, 0, None);
-        let tx = dev.setup_queue(dma, 1, None);
-        let events = dev.setup_queue(dma, 2, None);
-        for queue in [&rx, &tx, &events] {
-            queue.suppress_interrupts(true);
-        }
-        dev.driver_ok();
-        let cid = dev.read_config(|dev| dev.config64(0));
+        let (rx, tx, events, cid) = live_queues(&dev, dma);
         let mut agent = Agent {
             dev,
             cid,
@@ -132,16 +125,7 @@ impl Agent {
             agent.post(buffer);
         }
         agent.rx.notify();
-        for _ in 0..4.min(agent.events.size) {
-            let buffer = dma.alloc(u64::from(EVENT_SIZE), 8);
-            if let Err(err) = agent
-                .events
-                .add(&[Buffer::writable(buffer, EVENT_SIZE)], buffer)
-            {
-                fail(format_args!("event queue: {err}"));
-            }
-        }
-        agent.events.notify();
+        post_event_buffers(&agent.dev, &mut agent.events, dma);
         agent
     }
 

@@ -21,7 +21,7 @@ pub(crate) const HEADER: usize = 44;
 const PAYLOAD: usize = 4096;
 const RX_BUFFERS: usize = 16;
 const EVENT_BUFFERS: usize = 4;
-const EVENT_SIZE: u32 = 4;
+pub(crate) const EVENT_SIZE: u32 = 4;
 /// What the driver tells the peer it may have in flight, and the echo buffer's size.
 const BUF_ALLOC: u32 = 64 << 10;
 pub(crate) const TYPE_STREAM: u16 = 1;
@@ -360,19 +360,40 @@ pub fn connection_count(words: &mut Words, usage: &str) -> u32 {
     }
 }
 
+/// The socket device's queues (rx, tx, event) set up on `dev` (initialized, not yet
+/// live), polled rather than interrupting, then DRIVER_OK; and the guest CID.
+pub(crate) fn live_queues(
+    dev: &VirtioPci,
+    dma: &mut Dma,
+) -> (SplitQueue, SplitQueue, SplitQueue, u64) {
+    let rx = dev.setup_queue(dma, 0, None);
+    let tx = dev.setup_queue(dma, 1, None);
+    let events = dev.setup_queue(dma, 2, None);
+    for queue in [&rx, &tx, &events] {
+        queue.suppress_interrupts(true);
+    }
+    dev.driver_ok();
+    let cid = dev.read_config(|dev| dev.config64(0));
+    (rx, tx, events, cid)
+}
+
+/// Gives the device buffers for its events (a TRANSPORT_RESET after a restore).
+pub(crate) fn post_event_buffers(dev: &VirtioPci, events: &mut SplitQueue, dma: &mut Dma) {
+    for _ in 0..EVENT_BUFFERS.min(events.size as usize) {
+        let buffer = dma.alloc(u64::from(EVENT_SIZE), 8);
+        if let Err(err) = events.add(&[Buffer::writable(buffer, EVENT_SIZE)], buffer) {
+            dev.fail(format_args!("event queue: {err}"));
+        }
+    }
+    events.notify();
+}
+
 impl<'a> Server<'a> {
     /// Sets up the queues (rx, tx, event) of `dev` (initialized, not yet live), sets
     /// DRIVER_OK, reads the guest CID and posts the rx and event buffers; `name` prefixes
     /// the server's lines.
     pub fn start(name: &'static str, dev: &'a VirtioPci, dma: &mut Dma) -> Server<'a> {
-        let rx = dev.setup_queue(dma, 0, None);
-        let tx = dev.setup_queue(dma, 1, None);
-        let events = dev.setup_queue(dma, 2, None);
-        for queue in [&rx, &tx, &events] {
-            queue.suppress_interrupts(true);
-        }
-        dev.driver_ok();
-        let cid = dev.read_config(|dev| dev.config64(0));
+        let (rx, tx, events, cid) = live_queues(dev, dma);
         let mut server = Server {
             name,
             dev,
@@ -392,16 +413,7 @@ impl<'a> Server<'a> {
             server.post_rx(buffer);
         }
         server.rx.notify();
-        for _ in 0..EVENT_BUFFERS.min(server.events.size as usize) {
-            let buffer = dma.alloc(u64::from(EVENT_SIZE), 8);
-            if let Err(err) = server
-                .events
-                .add(&[Buffer::writable(buffer, EVENT_SIZE)], buffer)
-            {
-                dev.fail(format_args!("event queue: {err}"));
-            }
-        }
-        server.events.notify();
+        post_event_buffers(dev, &mut server.events, dma);
         server
     }
 
