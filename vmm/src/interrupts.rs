@@ -39,6 +39,13 @@ pub struct MsiRouter {
     vm: VmFd,
     routes: Mutex<BTreeMap<u32, MsiMessage>>,
     next_gsi: AtomicU32,
+    /// A copy of each allocated GSI's irqfd eventfd: releasing a GSI deassigns its irqfd
+    /// with it, so a device process that still holds the eventfd cannot raise the GSI's
+    /// next owner, and the number can be reused.
+    irqfds: Mutex<BTreeMap<u32, EventFd>>,
+    /// Released GSIs, reused lowest first (KVM allows 4096 routes; hot-plug churn would
+    /// run through them otherwise).
+    free: Mutex<std::collections::BTreeSet<u32>>,
 }
 
 impl MsiRouter {
@@ -48,32 +55,57 @@ impl MsiRouter {
             vm: duplicate_vm(kvm, vm)?,
             routes: Mutex::new(BTreeMap::new()),
             next_gsi: AtomicU32::new(FIRST_MSI_GSI),
+            irqfds: Mutex::new(BTreeMap::new()),
+            free: Mutex::new(std::collections::BTreeSet::new()),
         })
     }
 
-    /// `count` fresh GSIs, each with an eventfd registered as its irqfd.
+    /// `count` GSIs (released ones first), each with an eventfd registered as its irqfd.
     pub fn allocate(&self, count: u32) -> std::io::Result<Vec<(u32, EventFd)>> {
-        (0..count)
-            .map(|_| {
-                let gsi = self.next_gsi.fetch_add(1, Ordering::Relaxed);
-                let eventfd = EventFd::new(EFD_NONBLOCK)?;
+        let mut allocated = Vec::new();
+        for _ in 0..count {
+            let gsi = lock(&self.free)
+                .pop_first()
+                .unwrap_or_else(|| self.next_gsi.fetch_add(1, Ordering::Relaxed));
+            let registered = EventFd::new(EFD_NONBLOCK).and_then(|eventfd| {
                 self.vm
                     .register_irqfd(&eventfd, gsi)
                     .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-                Ok((gsi, eventfd))
-            })
-            .collect()
+                Ok((eventfd.try_clone()?, eventfd))
+            });
+            match registered {
+                Ok((kept, eventfd)) => {
+                    lock(&self.irqfds).insert(gsi, kept);
+                    allocated.push((gsi, eventfd));
+                }
+                Err(error) => {
+                    lock(&self.free).insert(gsi);
+                    let gsis: Vec<u32> = allocated.iter().map(|(gsi, _)| *gsi).collect();
+                    self.release(&gsis);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(allocated)
     }
 
-    /// Drops the routes of a removed device's GSIs (its irqfds go with its eventfds).
-    /// The GSI numbers are not reused: an eventfd a device process still holds would keep
-    /// its irqfd registered on them.
+    /// Drops the routes and irqfds of a removed device's GSIs; the numbers are then free.
     pub fn release(&self, gsis: &[u32]) {
         for &gsi in gsis {
             if lock(&self.routes).contains_key(&gsi) {
                 if let Err(error) = self.set_route(gsi, None) {
                     log::warn!("cannot drop the MSI route of GSI {gsi}: {error}");
                 }
+            }
+            let Some(eventfd) = lock(&self.irqfds).remove(&gsi) else {
+                continue;
+            };
+            match self.vm.unregister_irqfd(&eventfd, gsi) {
+                Ok(()) => {
+                    lock(&self.free).insert(gsi);
+                }
+                // Still wired to an eventfd someone holds: never hand the number out again.
+                Err(error) => log::warn!("cannot deassign the irqfd of GSI {gsi}: {error}"),
             }
         }
     }
@@ -162,6 +194,43 @@ impl IoEventRegistrar for KvmIoEvents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Released GSIs come back, lowest first, with their old irqfd gone. KVM refuses
+    /// (EBUSY) to assign an eventfd that is an irqfd already, which tells which are.
+    #[test]
+    fn released_gsis_are_reused_without_their_old_irqfds() {
+        let Ok(kvm) = Kvm::new() else {
+            eprintln!("no /dev/kvm: skipped");
+            return;
+        };
+        let vm = kvm.create_vm().expect("VM");
+        vm.create_irq_chip().expect("irqchip");
+        let router = MsiRouter::new(&kvm, &vm).expect("router");
+        let wired = |eventfd: &EventFd, gsi: u32| {
+            let free = vm.register_irqfd(eventfd, gsi).is_ok();
+            if free {
+                vm.unregister_irqfd(eventfd, gsi).unwrap();
+            }
+            !free
+        };
+        let first = router.allocate(3).expect("allocate");
+        let gsis: Vec<u32> = first.iter().map(|(gsi, _)| *gsi).collect();
+        assert_eq!(gsis, [24, 25, 26]);
+        assert!(first.iter().all(|(gsi, eventfd)| wired(eventfd, *gsi)));
+        router.release(&gsis[..2]);
+        // The device may still hold its eventfds: they are no irqfds any more.
+        for (gsi, eventfd) in &first[..2] {
+            assert!(
+                !wired(eventfd, *gsi),
+                "GSI {gsi}'s old irqfd is still assigned"
+            );
+        }
+        assert!(wired(&first[2].1, 26), "GSI 26 was not released");
+        let second = router.allocate(3).expect("allocate again");
+        let reused: Vec<u32> = second.iter().map(|(gsi, _)| *gsi).collect();
+        assert_eq!(reused, [24, 25, 27]);
+        assert!(second.iter().all(|(gsi, eventfd)| wired(eventfd, *gsi)));
+    }
 
     #[test]
     fn routing_table_keeps_default_routes() {
