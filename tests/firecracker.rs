@@ -349,3 +349,71 @@ fn config_file_without_api_boots_at_once() {
     out.assert_code(125);
     out.assert_stderr_has("--mmds-size-limit");
 }
+
+/// Metrics reach the output on their own, every period, as Firecracker's do (60 s there;
+/// shortened here through GPUVM_METRICS_PERIOD_MS), from `--metrics-path` and from
+/// `PUT /metrics` alike, with seccomp on and no FlushMetrics.
+#[test]
+fn metrics_are_written_every_period_without_flush_metrics() {
+    let scratch = Scratch::new("firecracker", "periodic-metrics");
+    let lines = |path: &Path| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("a JSON line"))
+            .collect()
+    };
+    let wait_for_lines = |path: &Path, vmm: &SpawnedProcess| {
+        let deadline = std::time::Instant::now() + LIMIT;
+        while lines(path).len() < 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "fewer than 2 metrics lines in {}: {}",
+                path.display(),
+                vmm.stderr()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(lines(path).iter().all(|line| line.is_object()));
+    };
+    let env = [("GPUVM_METRICS_PERIOD_MS", "100")];
+
+    let flagged = scratch.path("flag-metrics.json");
+    let api = scratch.path("fc-flag.sock");
+    let mut vmm = SpawnedProcess::spawn_with_env(
+        &link(&scratch),
+        &[
+            "--api-sock",
+            api.to_str().unwrap(),
+            "--metrics-path",
+            flagged.to_str().unwrap(),
+        ],
+        &env,
+    );
+    wait_for_api_socket(&mut vmm, &api);
+    wait_for_lines(&flagged, &vmm);
+    drop(vmm);
+
+    let put = scratch.path("put-metrics.json");
+    let api = scratch.path("fc-put.sock");
+    let mut vmm = SpawnedProcess::spawn_with_env(
+        &link(&scratch),
+        &["--api-sock", api.to_str().unwrap()],
+        &env,
+    );
+    wait_for_api_socket(&mut vmm, &api);
+    assert!(lines(&put).is_empty());
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/metrics",
+        Some(&format!(r#"{{"metrics_path": "{}"}}"#, put.display())),
+    );
+    wait_for_lines(&put, &vmm);
+    assert!(
+        !vmm.stderr().contains("blocked system call"),
+        "{}",
+        vmm.stderr()
+    );
+}

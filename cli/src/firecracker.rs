@@ -207,6 +207,9 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
         seccomp: false,
     };
     seccomp.enable()?;
+    if args.metrics_path.is_some() {
+        gpuvm_vmm::outputs::start_periodic_metrics();
+    }
     let (requests_tx, requests_rx) = channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
     let clone_wake = || wake.try_clone().map_err(gpuvm_vmm::Error::EventFd);

@@ -10,6 +10,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use crate::action::{ActionError, ActionResult, VmmData};
 use crate::metrics::METRICS;
@@ -101,11 +102,51 @@ pub fn put_logger(config: LoggerConfig) -> ActionResult {
     Ok(VmmData::Empty)
 }
 
-/// Carries out PUT /metrics.
+/// How often the counters go to the metrics output on their own (Firecracker's period),
+/// unless [`METRICS_PERIOD_VAR`] says otherwise.
+pub const METRICS_PERIOD: Duration = Duration::from_secs(60);
+/// `GPUVM_METRICS_PERIOD_MS=<ms>`: the period (tests shorten it).
+pub const METRICS_PERIOD_VAR: &str = "GPUVM_METRICS_PERIOD_MS";
+
+/// Carries out PUT /metrics: the output, and from then on a line every period
+/// ([`start_periodic_metrics`]; FlushMetrics adds lines in between).
 pub fn put_metrics(config: MetricsConfig) -> ActionResult {
     let file = open_nonblocking(&config.path).map_err(|e| open_error(&config.path, e))?;
     METRICS_OUT.set(file);
+    start_periodic_metrics();
     Ok(VmmData::Empty)
+}
+
+/// Starts, once per process, the `metrics-flush` thread that writes a metrics line every
+/// period while an output is set. Call it after `seccomp::enable`: the thread installs
+/// the VMM filter itself.
+pub fn start_periodic_metrics() {
+    static PERIODIC: std::sync::Once = std::sync::Once::new();
+    PERIODIC.call_once(|| {
+        let period = std::env::var(METRICS_PERIOD_VAR)
+            .ok()
+            .and_then(|ms| ms.parse().ok())
+            .filter(|ms| *ms > 0)
+            .map_or(METRICS_PERIOD, Duration::from_millis);
+        let spawned = std::thread::Builder::new()
+            .name("metrics-flush".into())
+            .spawn(move || {
+                // Started before or after the filters exist: it installs its own.
+                if let Err(error) = crate::seccomp::apply(crate::seccomp::ThreadKind::Vmm) {
+                    log::error!("metrics-flush: {error}; no periodic metrics");
+                    return;
+                }
+                loop {
+                    std::thread::sleep(period);
+                    if METRICS_OUT.is_set() {
+                        let _ = flush_metrics();
+                    }
+                }
+            });
+        if let Err(error) = spawned {
+            log::warn!("no periodic metrics ({error}); FlushMetrics still writes them");
+        }
+    });
 }
 
 /// Carries out FlushMetrics: one JSON line of the counters to the metrics output.
