@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::{run_gpuvm, Scratch, SpawnedProcess};
+use gpuvm_tests::{Scratch, SpawnedProcess};
 use gpuvm_vmm::exit_status::GPUVM_ERROR;
 
 /// The PRNG's seed: change it to explore other damage; keep it fixed in the tree.
@@ -94,22 +94,22 @@ struct Snapshot {
 impl Snapshot {
     fn take(dir: PathBuf, seed: u32) -> Snapshot {
         let cmdline = format!("memloop 16M {seed} 0");
-        let out = run_gpuvm(
-            &[
-                "run",
-                "--memory",
-                MEMORY,
-                "--cmdline",
-                &cmdline,
-                "--snapshot-dir",
-                dir.to_str().expect("UTF-8 path"),
-                "--snapshot-after-ms",
-                "150",
-                "--snapshot-then",
-                "exit",
-            ],
-            Duration::from_secs(60),
-        );
+        let mut vm = SpawnedProcess::gpuvm(&[
+            "run",
+            "--memory",
+            MEMORY,
+            "--cmdline",
+            &cmdline,
+            "--snapshot-dir",
+            dir.to_str().expect("UTF-8 path"),
+            "--snapshot-then",
+            "exit",
+        ]);
+        // Snapshot once an iteration is complete, however slow the host (a fixed delay
+        // could come before the first one).
+        vm.wait_for_stdout("memloop: iter 1 ok", Duration::from_secs(60));
+        gpuvm_tests::snapshot_support::signal_snapshot(vm.pid());
+        let out = vm.wait(Duration::from_secs(60));
         out.assert_code(0);
         let last_iteration = out
             .stdout
