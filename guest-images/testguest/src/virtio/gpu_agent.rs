@@ -18,9 +18,9 @@
 use super::queue::{Buffer, SplitQueue};
 use super::transport::{VirtioPci, TYPE_VSOCK};
 use super::vsock::{
-    live_queues, post_event_buffers, Header, EVENT_SIZE, EVENT_TRANSPORT_RESET, HEADER,
-    OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW, OP_SHUTDOWN,
-    TYPE_STREAM,
+    live_queues, post_event_buffers, received_header, Header, EVENT_SIZE, EVENT_TRANSPORT_RESET,
+    HEADER, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW,
+    OP_SHUTDOWN, TYPE_STREAM,
 };
 use super::{read_ram, write_ram, Dma};
 use crate::arch::{inl, outl};
@@ -185,16 +185,8 @@ impl Agent {
             Ok(None) => return,
             Err(err) => fail(format_args!("rx queue: {err}")),
         };
-        let mut bytes = [0u8; HEADER];
-        read_ram(used.token, &mut bytes);
-        let packet = Header::parse(&bytes);
+        let packet = received_header(&self.dev, &used, BUFFER - HEADER);
         let len = packet.len as usize;
-        if (used.len as usize) < HEADER
-            || len > BUFFER - HEADER
-            || (used.len as usize) < HEADER + len
-        {
-            fail(format_args!("rx packet of {} bytes claims {len}", used.len));
-        }
         let mut payload = [0u8; BUFFER - HEADER];
         read_ram(used.token + HEADER as u64, &mut payload[..len]);
         self.post(used.token);

@@ -6,7 +6,7 @@
 //! `virtio-vsock-connect PORT COUNT BYTES [ACCEPT]`: the guest-initiated direction (see
 //! [`connect`]); the host listens on `<uds>_PORT`.
 
-use super::queue::{Buffer, SplitQueue};
+use super::queue::{Buffer, SplitQueue, Used};
 use super::transport::{VirtioPci, TYPE_VSOCK};
 use super::{read_ram, write_ram, Deadline, Dma, PEER_TIMEOUT_MS};
 use crate::args::{parse_number, Words};
@@ -377,6 +377,24 @@ pub(crate) fn live_queues(
     (rx, tx, events, cid)
 }
 
+/// The header of the packet the device put in `used`'s buffer, checked against what the
+/// buffer holds (at most `max_payload` bytes after the header); a lie ends the run.
+pub(crate) fn received_header(dev: &VirtioPci, used: &Used, max_payload: usize) -> Header {
+    let mut bytes = [0u8; HEADER];
+    read_ram(used.token, &mut bytes);
+    let packet = Header::parse(&bytes);
+    if (used.len as usize) < HEADER
+        || packet.len as usize > max_payload
+        || (used.len as usize) < HEADER + packet.len as usize
+    {
+        dev.fail(format_args!(
+            "rx packet op {} of {} bytes claims {} payload bytes",
+            packet.op, used.len, packet.len
+        ));
+    }
+    packet
+}
+
 /// Gives the device buffers for its events (a TRANSPORT_RESET after a restore).
 pub(crate) fn post_event_buffers(dev: &VirtioPci, events: &mut SplitQueue, dma: &mut Dma) {
     for _ in 0..EVENT_BUFFERS.min(events.size as usize) {
@@ -484,18 +502,7 @@ impl<'a> Server<'a> {
             };
             idle = Deadline::after_ms(PEER_TIMEOUT_MS);
             let buffer = used.token;
-            let mut bytes = [0u8; HEADER];
-            read_ram(buffer, &mut bytes);
-            let packet = Header::parse(&bytes);
-            if (used.len as usize) < HEADER
-                || packet.len as usize > PAYLOAD
-                || (used.len as usize) < HEADER + packet.len as usize
-            {
-                dev.fail(format_args!(
-                    "rx packet op {} of {} bytes claims {} payload bytes",
-                    packet.op, used.len, packet.len
-                ));
-            }
+            let packet = received_header(dev, &used, PAYLOAD);
             self.handle(packet, buffer + HEADER as u64);
             self.post_rx(buffer);
             self.rx.notify();
@@ -897,18 +904,7 @@ pub fn connect(dma: &mut Dma, words: &mut Words) -> ! {
         if let Some(used) = used {
             idle = Deadline::after_ms(PEER_TIMEOUT_MS);
             let buffer = used.token;
-            let mut raw = [0u8; HEADER];
-            read_ram(buffer, &mut raw);
-            let packet = Header::parse(&raw);
-            if (used.len as usize) < HEADER
-                || packet.len as usize > PAYLOAD
-                || (used.len as usize) < HEADER + packet.len as usize
-            {
-                dev.fail(format_args!(
-                    "rx packet op {} of {} bytes claims {} payload bytes",
-                    packet.op, used.len, packet.len
-                ));
-            }
+            let packet = received_header(&dev, &used, PAYLOAD);
             if packet.kind == TYPE_STREAM && packet.dst_cid == cid && packet.dst_port == PORT {
                 // A host-initiated connection: the echo server's.
                 client.io.handle(packet, buffer + HEADER as u64);
