@@ -13,6 +13,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::netns::Netns;
+use gpuvm_tests::snapshot_support::copy_dir;
+use gpuvm_tests::virtio_support::{
+    assert_in_order, blk_image, pattern_is_on_disk, vsock_echo, SECTOR,
+};
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -283,4 +287,388 @@ fn add_net_with_a_passed_tap_descriptor() {
     let out = vmm.wait(LIMIT);
     out.assert_code(0).assert_stdout_has("virtio-net: ok");
     out.assert_stdout_has(&format!("virtio-net: echoed {} udp bytes", payload.len()));
+}
+
+/// Writes the embedded test guest to `guest.elf` in `scratch`: what `--kernel` boots.
+fn guest_image(scratch: &Scratch) -> std::path::PathBuf {
+    let kernel = scratch.path("guest.elf");
+    let written = Command::new(gpuvm_bin())
+        .args(["guest-image", "--output", kernel.to_str().unwrap()])
+        .status()
+        .unwrap();
+    assert!(written.success());
+    kernel
+}
+
+/// `cloud-hypervisor ARGS` through a symlink named so in `scratch`.
+fn spawn_ch(scratch: &Scratch, args: &[&str]) -> SpawnedProcess {
+    let link = scratch.path("cloud-hypervisor");
+    if !link.exists() {
+        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+    }
+    SpawnedProcess::spawn(&link, args)
+}
+
+fn vm_info(api: &Path) -> serde_json::Value {
+    serde_json::from_str(&api_expect(api, 200, "GET", "/api/v1/vm.info", None)).unwrap()
+}
+
+/// Cloud Hypervisor's command line boots the VM at once: `--kernel` (the test guest
+/// written to a file) with `--cpus boot=2 --memory size=256M --rng --serial tty
+/// --console off`, a `--disk` and a `--vsock`. The guest's `virtio-devices` workload
+/// shows each device working (it reads the disk's magic and entropy, echoes over vsock,
+/// writes sector 16), and vm.info reports Running with the options as VmConfig fields.
+/// Then vm.snapshot through the API, and `cloud-hypervisor --restore source_url=...` in
+/// a new process: Paused (as in Cloud Hypervisor) until vm.resume, then the guest goes on
+/// from where it was (a second vsock connection, sector 17); and again with
+/// `resume=on` and no API socket, which runs on by itself.
+#[test]
+fn command_line_boots_then_restore_at_start_runs_on() {
+    const PATTERN_SEED: u64 = 0xd5e7;
+    let scratch = Scratch::new("cloud_hypervisor", "cli_boot");
+    let kernel = guest_image(&scratch);
+    let image = blk_image(&scratch, 1 << 20);
+    let uds = scratch.path("v.sock");
+    let api = scratch.path("api.sock");
+    let snap = scratch.path("snap");
+    let disk = format!("path={},id=root", image.display());
+    let vsock_option = format!("cid=3,socket={}", uds.display());
+    let mut vm = spawn_ch(
+        &scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "virtio-devices 2",
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=256M",
+            "--rng",
+            "src=/dev/urandom",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--disk",
+            &disk,
+            "--vsock",
+            &vsock_option,
+            "-v",
+        ],
+    );
+    // The guest's serial output reaches stdout: the VM booted with no API request.
+    vm.wait_for_stdout("virtio-devices: listening", LIMIT);
+    let info = vm_info(&api);
+    assert_eq!(info["state"], "Running", "{info}");
+    let config = &info["config"];
+    assert_eq!(
+        config["payload"]["kernel"],
+        kernel.to_str().unwrap(),
+        "{info}"
+    );
+    assert_eq!(config["payload"]["cmdline"], "virtio-devices 2", "{info}");
+    assert_eq!(config["cpus"]["boot_vcpus"], 2, "{info}");
+    assert_eq!(config["memory"]["size"], 256u64 << 20, "{info}");
+    assert_eq!(info["memory_actual_size"], 256u64 << 20, "{info}");
+    assert_eq!(config["rng"]["src"], "/dev/urandom", "{info}");
+    assert_eq!(config["serial"]["mode"], "Tty", "{info}");
+    assert_eq!(config["console"]["mode"], "Off", "{info}");
+    assert_eq!(
+        config["disks"][0]["path"],
+        image.to_str().unwrap(),
+        "{info}"
+    );
+    assert_eq!(config["disks"][0]["id"], "root", "{info}");
+    assert_eq!(config["vsock"]["cid"], 3, "{info}");
+    // The command line's vm.create happened: a client's is the second one.
+    api_expect(
+        &api,
+        409,
+        "PUT",
+        "/api/v1/vm.create",
+        Some(r#"{"payload":{}}"#),
+    );
+
+    vsock_echo(&uds, b"through the command line's vsock");
+    vm.wait_for_stdout("virtio-devices: wrote sector 16\n", LIMIT);
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(out.code().is_some(), "{}", out.describe());
+    assert_in_order(
+        &out.stdout,
+        &[
+            "virtio-devices: blk capacity=2048 sector0=475055564d424c4b",
+            "virtio-devices: rng ok",
+            "virtio-devices: connection 1 from cid 2",
+            "virtio-devices: wrote sector 16",
+        ],
+        "the command line's VM",
+    );
+    assert!(pattern_is_on_disk(
+        &image,
+        16 * SECTOR,
+        SECTOR,
+        PATTERN_SEED
+    ));
+    let image_at_snapshot = std::fs::read(&image).unwrap();
+
+    // --restore with an API socket: paused until vm.resume.
+    let copy = scratch.path("snap-copy");
+    copy_dir(&snap, &copy);
+    let api2 = scratch.path("api2.sock");
+    let source = format!("source_url=file://{}", snap.display());
+    let mut restored = spawn_ch(
+        &scratch,
+        &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
+    );
+    wait_for_api_socket(&mut restored, &api2);
+    restored.wait_until("the restored VM", LIMIT, |_| {
+        gpuvm_api::client::request(&api2, "GET", "/api/v1/vm.info", None)
+            .is_ok_and(|r| r.status == 200)
+    });
+    assert_eq!(vm_info(&api2)["state"], "Paused");
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    assert_eq!(vm_info(&api2)["state"], "Running");
+    restored.wait_for_stdout("virtio-devices: transport reset", LIMIT);
+    vsock_echo(&uds, b"after --restore");
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert!(
+        !out.stdout.contains("virtio-devices: listening"),
+        "the guest started over: {}",
+        out.describe()
+    );
+    assert_in_order(
+        &out.stdout,
+        &[
+            "virtio-devices: connection 2 from cid 2",
+            "virtio-devices: wrote sector 17",
+            "virtio-devices: ok connections=2",
+        ],
+        "after --restore",
+    );
+    assert!(pattern_is_on_disk(
+        &image,
+        17 * SECTOR,
+        SECTOR,
+        PATTERN_SEED
+    ));
+
+    // --restore ...,resume=on with no API socket runs on by itself.
+    std::fs::write(&image, &image_at_snapshot).unwrap();
+    let source = format!("source_url=file://{},resume=on,prefault=on", copy.display());
+    let mut resumed = spawn_ch(&scratch, &["--restore", &source]);
+    resumed.wait_for_stdout("virtio-devices: transport reset", LIMIT);
+    vsock_echo(&uds, b"after --restore resume=on");
+    let out = resumed.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("virtio-devices: ok connections=2");
+    assert!(pattern_is_on_disk(
+        &image,
+        17 * SECTOR,
+        SECTOR,
+        PATTERN_SEED
+    ));
+}
+
+/// With a payload and no API socket the guest runs to its end, as `cloud-hypervisor
+/// --kernel K` does; its exit status is gpuvm's.
+#[test]
+fn command_line_without_api_socket_runs_the_guest_to_its_end() {
+    let scratch = Scratch::new("cloud_hypervisor", "cli_no_socket");
+    let kernel = guest_image(&scratch);
+    let out = Command::new(gpuvm_bin())
+        .args([
+            "ch",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "hello",
+        ])
+        .args(["--cpus", "boot=1", "--memory", "size=128M,shared=on"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("testguest: hello from ring 3"), "{stdout}");
+}
+
+/// Options gpuvm cannot honour exit 125 before any guest runs, naming the option and the
+/// key: syntax errors found by the command line's parser, and refusals of the API's
+/// translation (the same messages vm.create answers), blamed on their option.
+#[test]
+fn bad_command_lines_exit_125_naming_the_option() {
+    let scratch = Scratch::new("cloud_hypervisor", "cli_bad");
+    let kernel = guest_image(&scratch);
+    let kernel = kernel.to_str().unwrap();
+    let image = blk_image(&scratch, 1 << 20);
+    let queues = format!("path={},num_queues=4", image.display());
+    let api = scratch.path("api.sock");
+    let missing = scratch.path("no-such-snapshot");
+    let restore = format!("source_url=file://{}", missing.display());
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--kernel", kernel, "--disk", &queues],
+            "--disk: disks[0].num_queues = 4",
+        ),
+        (
+            vec!["--kernel", kernel, "--serial", "pty"],
+            "--serial: serial.mode = \"Pty\"",
+        ),
+        (
+            vec!["--kernel", kernel, "--cpus", "boot=0"],
+            "--cpus: cpus.boot_vcpus = 0",
+        ),
+        (
+            vec!["--kernel", kernel, "--memory", "size=1G,mergeable=on"],
+            "--memory: memory.mergeable",
+        ),
+        (
+            vec!["--kernel", kernel, "--cpus", "boot=2,frobnicate=1"],
+            "--cpus frobnicate: unknown key",
+        ),
+        (
+            vec!["--kernel", kernel, "--memory", "size=12X"],
+            "--memory size=12X",
+        ),
+        (
+            vec!["--kernel", kernel, "--disk", "path=/x,bw_size=1"],
+            "--disk bw_size: not supported",
+        ),
+        (
+            vec!["--kernel", kernel, "--pmem", "file=/x"],
+            "--pmem: not supported",
+        ),
+        (
+            vec![
+                "--kernel",
+                kernel,
+                "--user-device",
+                "socket=/nowhere,pci_device_id=3",
+            ],
+            "--user-device: pci_device_id = 3",
+        ),
+        (
+            vec!["--api-socket", api.to_str().unwrap(), "--cpus", "boot=2"],
+            "--cpus needs --kernel",
+        ),
+        (vec!["--restore", &restore], "--restore"),
+        (
+            vec!["--restore", "source_url=http://x/snap"],
+            "--restore: source_url",
+        ),
+    ];
+    for (args, needle) in cases {
+        let started = Instant::now();
+        let out = Command::new(gpuvm_bin())
+            .arg("ch")
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(125), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(needle),
+            "{args:?}: stderr lacks {needle:?}:\n{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("testguest"),
+            "{args:?}: a guest ran"
+        );
+        eprintln!("{args:?}: refused in {:?}", started.elapsed());
+    }
+}
+
+/// `--net fd=3,mac=...`: a tap the process inherited as descriptor 3 (as a parent that
+/// made it in the pod's network namespace hands it over) becomes the guest's interface,
+/// through the same route as vm.add-net with a passed descriptor; the guest's
+/// `virtio-net` workload has the given MAC and answers a UDP echo through that tap. As
+/// root only (a network namespace and a tap).
+#[test]
+fn command_line_net_fd_takes_an_inherited_tap() {
+    use std::os::unix::process::CommandExt;
+
+    let Some(netns) = Netns::create("command_line_net_fd_takes_an_inherited_tap") else {
+        return;
+    };
+    let scratch = Scratch::new("cloud_hypervisor", "cli_net_fd");
+    let kernel = guest_image(&scratch);
+    let tap = netns.open_tap();
+    let tap_fd = tap.as_raw_fd();
+    let mac = format!("06:00:0a:00:{:02x}:02", netns.n);
+    let stdout_path = scratch.path("stdout");
+    let mut command = Command::new(gpuvm_bin());
+    command
+        .args([
+            "ch",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--memory",
+            "size=128M",
+        ])
+        .args(["--cmdline", &format!("virtio-net {}", netns.guest_ip())])
+        .args(["--net", &format!("fd=3,mac={mac},id=net0")])
+        .stdout(std::fs::File::create(&stdout_path).unwrap())
+        .stderr(std::fs::File::create(scratch.path("stderr")).unwrap());
+    // SAFETY: between fork and exec the closure only calls dup2 / fcntl, which are
+    // async-signal-safe; it makes the tap the child's descriptor 3 without close-on-exec.
+    unsafe {
+        command.pre_exec(move || {
+            let done = if tap_fd == 3 {
+                libc::fcntl(3, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(tap_fd, 3)
+            };
+            if done < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    // gpuvm holds the tap now: ours can go.
+    drop(tap);
+    let stdout = || std::fs::read_to_string(&stdout_path).unwrap_or_default();
+    let deadline = Instant::now() + LIMIT;
+    while !stdout().contains("virtio-net: sent gratuitous arp") {
+        let ended = child.try_wait().unwrap();
+        if ended.is_some() || Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "no gratuitous arp ({ended:?}):\n{}\n--- stderr\n{}",
+                stdout(),
+                std::fs::read_to_string(scratch.path("stderr")).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let payload = b"through an inherited tap".to_vec();
+    assert_eq!(netns.udp_echo(&payload), payload);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the guest did not end:\n{}", stdout());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = stdout();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(out.contains(&format!("virtio-net: mac={mac}")), "{out}");
+    assert!(out.contains("virtio-net: ok"), "{out}");
 }

@@ -222,3 +222,65 @@ fn rows_are_parsed_from_both_table_shapes() {
         Some("gpuvm has no vCPU or memory hot-plug")
     );
 }
+
+/// The flags in the first cells of the Cloud Hypervisor doc's command-line table
+/// (`| \`--cmdline <text>\`, \`--initramfs <path>\` | ...`).
+fn command_line_flags(doc: &str) -> Vec<String> {
+    let mut flags: Vec<String> = doc
+        .lines()
+        .filter(|line| line.starts_with("| `-"))
+        .filter_map(|line| line.split(" | ").next())
+        .flat_map(backticked)
+        .filter_map(|cell| cell.split([' ', '=']).next())
+        .filter(|flag| flag.starts_with('-'))
+        .map(str::to_string)
+        .collect();
+    flags.dedup();
+    flags
+}
+
+/// The command-line table and the `cloud-hypervisor` front end agree both ways: every
+/// flag the doc lists is taken (not refused as unknown to the mode), and every flag the
+/// front end says it takes (its refusal of an unknown option lists them) is in the doc.
+#[test]
+fn the_cloud_hypervisor_command_line_table_matches_the_front_end() {
+    let doc = doc("cloud-hypervisor-compat.md");
+    let flags = command_line_flags(&doc);
+    assert!(
+        flags.len() >= 15,
+        "only {} flags parsed: {flags:?}",
+        flags.len()
+    );
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(gpuvm_bin())
+            .arg("ch")
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    const UNKNOWN: &str = "not supported by gpuvm's Cloud Hypervisor mode";
+    let wrong: Vec<&String> = flags
+        .iter()
+        // Each flag alone: a missing value or a missing --api-socket, never "unknown".
+        .filter(|flag| run(&[flag.as_str()]).contains(UNKNOWN))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "the doc lists flags the front end refuses: {wrong:?}"
+    );
+    let refusal = run(&["--frobnicate"]);
+    let taken = refusal
+        .split_once("(it takes ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(list, _)| list)
+        .unwrap_or_else(|| panic!("no list of flags in {refusal:?}"));
+    let missing: Vec<&str> = taken
+        .split(", ")
+        .filter(|flag| !flags.iter().any(|f| f == flag))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "flags missing from the doc's table: {missing:?}"
+    );
+}

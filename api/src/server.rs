@@ -67,7 +67,19 @@ impl ApiServer {
         requests: Sender<ActionRequest>,
         wake: EventFd,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, requests, wake, None)
+        Self::start_with(path, requests, wake, None, Arc::default())
+    }
+
+    /// As [`ApiServer::start`], with the Cloud Hypervisor front end's state given: the
+    /// `cloud-hypervisor` command line creates the VM through the same routes, so vm.info
+    /// on the socket echoes what the command line configured.
+    pub fn start_cloud_hypervisor(
+        path: &Path,
+        requests: Sender<ActionRequest>,
+        wake: EventFd,
+        session: Arc<Session>,
+    ) -> Result<ApiServer, ApiError> {
+        Self::start_with(path, requests, wake, None, session)
     }
 
     /// As [`ApiServer::start`], serving Firecracker's API ([`crate::firecracker`]) on
@@ -78,7 +90,13 @@ impl ApiServer {
         wake: EventFd,
         session: crate::firecracker::Session,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, requests, wake, Some(Arc::new(session)))
+        Self::start_with(
+            path,
+            requests,
+            wake,
+            Some(Arc::new(session)),
+            Arc::default(),
+        )
     }
 
     fn start_with(
@@ -86,6 +104,7 @@ impl ApiServer {
         requests: Sender<ActionRequest>,
         wake: EventFd,
         firecracker: Option<Arc<crate::firecracker::Session>>,
+        session: Arc<Session>,
     ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.file_type().is_socket() {
@@ -102,7 +121,7 @@ impl ApiServer {
         let link = VmmLink {
             requests,
             wake: Arc::new(wake),
-            session: Arc::new(Session::default()),
+            session,
             firecracker,
         };
         let server_busy = busy.clone();

@@ -1,28 +1,45 @@
-//! gpuvm as `cloud-hypervisor`: when the binary is invoked under that name (a symlink)
-//! or as `gpuvm --ch-compat ...`, it takes the command line Kata Containers' clh driver
-//! gives Cloud Hypervisor and serves Cloud Hypervisor's API (`/api/v1/...`) on the
-//! `--api-socket`. The VM is then configured and booted through that API (vm.create,
-//! vm.boot).
+//! gpuvm as `cloud-hypervisor`: when the binary is invoked under that name (a symlink),
+//! as `gpuvm ch ...` or as `gpuvm --ch-compat ...`, it takes Cloud Hypervisor's command
+//! line and serves Cloud Hypervisor's API (`/api/v1/...`) on the `--api-socket`.
 //!
-//! Accepted: `--api-socket <path>` (or `path=<path>`, `fd=` is refused), `-v` repeated
-//! (more logging), `--seccomp true|false`, `--event-monitor ...` (accepted, ignored with a
-//! log line: gpuvm writes no event stream), `--log-file <path>` (ignored, logs go to
-//! stderr), `-V`/`--version`. Anything else is refused naming the option.
+//! The VM options (`--kernel`, `--cmdline`, `--initramfs`, `--cpus`, `--memory`, `--disk`,
+//! `--net`, `--fs`, `--vsock`, `--rng`, `--device`, `--user-device`, `--serial`,
+//! `--console`; their values parsed by [`options`]) become the VmConfig body of
+//! `PUT /api/v1/vm.create`, which is answered by the same route a client reaches through
+//! the socket (so refusals, defaults and field meanings are the API's), then vm.boot:
+//! with a payload the VM boots at once, with or without an API socket, as Cloud
+//! Hypervisor's does. `--user-device` and `--net fd=` go through vm.add-user-device and
+//! vm.add-net (the descriptors passed as Kata passes them). `--restore` is vm.restore
+//! (then vm.resume with `resume=on`). Any failure is `gpuvm: error: <option>: ...`,
+//! status 125.
+//!
+//! Also accepted: `--api-socket <path>` (or `path=<path>`; `fd=` is refused), `-v`
+//! repeated (more logging), `--seccomp true|false|log`, `--event-monitor ...` (accepted,
+//! ignored with a log line: gpuvm writes no event stream), `--log-file <path>` (ignored,
+//! logs go to stderr), `-V`/`--version`. Any other option is refused naming it.
 
+mod options;
+
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpuvm_api::cloud_hypervisor::Session;
+use gpuvm_api::http::{Method, Request};
 use gpuvm_api::server::ApiServer;
+use gpuvm_vmm::action::{ActionError, ActionRequest, ActionResult, VmmAction};
+use serde_json::{json, Map, Value};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::args::ForeignFlags;
 use crate::args::SeccompArgs;
 use crate::run::run_from_api;
 use crate::CliError;
 
 /// Whether this process should act as Cloud Hypervisor: argv[0]'s file name is
-/// `cloud-hypervisor`, or the first argument is `--ch-compat`.
+/// `cloud-hypervisor`, or the first argument is `ch` or `--ch-compat`.
 pub fn wanted(args: &[String]) -> bool {
     let name = args
         .first()
@@ -33,67 +50,274 @@ pub fn wanted(args: &[String]) -> bool {
         })
         .unwrap_or_default();
     name.as_deref() == Some("cloud-hypervisor")
-        || args.get(1).map(String::as_str) == Some("--ch-compat")
+        || matches!(args.get(1).map(String::as_str), Some("--ch-compat" | "ch"))
+}
+
+/// What the command line asks for at start.
+#[derive(Debug, PartialEq)]
+enum Start {
+    /// vm.create with `config`, the user devices and descriptor-backed interfaces
+    /// added, then vm.boot.
+    Boot {
+        config: Value,
+        user_devices: Vec<Value>,
+        fd_nets: Vec<options::Net>,
+    },
+    /// vm.restore with `body`, then vm.resume when `resume`.
+    Restore { body: Value, resume: bool },
 }
 
 #[derive(Debug, PartialEq)]
 struct ChArgs {
-    api_socket: PathBuf,
+    api_socket: Option<PathBuf>,
     verbosity: u8,
     seccomp: bool,
+    start: Option<Start>,
 }
+
+/// Walks the arguments: `--flag value`, `--flag=value`, and for the options Cloud
+/// Hypervisor lets repeat, several values after one flag (`--disk path=a path=b`).
+struct Flags<'a> {
+    args: std::iter::Peekable<std::slice::Iter<'a, String>>,
+}
+
+impl<'a> Flags<'a> {
+    fn next_flag(&mut self) -> Option<(&'a str, Option<&'a str>)> {
+        let arg = self.args.next()?;
+        Some(match arg.split_once('=') {
+            Some((name, value)) if name.starts_with("--") => (name, Some(value)),
+            _ => (arg.as_str(), None),
+        })
+    }
+
+    fn value(&mut self, name: &str, inline: Option<&str>) -> Result<String, String> {
+        inline
+            .map(str::to_string)
+            .or_else(|| self.args.next().cloned())
+            .ok_or_else(|| format!("{name} needs a value"))
+    }
+
+    /// One value or more: every following argument up to the next flag.
+    fn values(&mut self, name: &str, inline: Option<&str>) -> Result<Vec<String>, String> {
+        let mut values = vec![self.value(name, inline)?];
+        while let Some(next) = self.args.next_if(|a| !a.starts_with('-')) {
+            values.push(next.clone());
+        }
+        Ok(values)
+    }
+}
+
+/// The VM options given, by their VmConfig section.
+#[derive(Default)]
+struct VmOptions {
+    payload: Map<String, Value>,
+    /// `cpus`, `memory`, `vsock`, `rng`, `serial`, `console`: given once each.
+    single: Map<String, Value>,
+    disks: Vec<Value>,
+    nets: Vec<options::Net>,
+    fs: Vec<Value>,
+    devices: Vec<Value>,
+    user_devices: Vec<Value>,
+    /// The VM options named (they need `--kernel`, as in Cloud Hypervisor).
+    named: Vec<&'static str>,
+}
+
+impl VmOptions {
+    fn set_once(&mut self, option: &str, section: &str, value: Value) -> Result<(), String> {
+        if self.single.insert(section.into(), value).is_some() {
+            return Err(format!("{option} given twice: it takes one value"));
+        }
+        Ok(())
+    }
+
+    /// The vm.create body: Cloud Hypervisor's defaults (one vCPU, 512 MiB, an entropy
+    /// device on /dev/urandom) where the options left them out.
+    fn config(&mut self) -> Value {
+        let mut config = Map::new();
+        config.insert("payload".into(), Value::Object(self.payload.clone()));
+        config.insert("cpus".into(), json!({"boot_vcpus": 1, "max_vcpus": 1}));
+        config.insert("memory".into(), json!({"size": 512u64 << 20}));
+        config.insert("rng".into(), json!({"src": "/dev/urandom"}));
+        config.extend(self.single.clone());
+        let tap_nets: Vec<Value> = self
+            .nets
+            .iter()
+            .filter(|n| n.fds.is_empty())
+            .map(|n| n.config.clone())
+            .collect();
+        for (section, list) in [
+            ("disks", &self.disks),
+            ("net", &tap_nets),
+            ("fs", &self.fs),
+            ("devices", &self.devices),
+        ] {
+            if !list.is_empty() {
+                config.insert(section.into(), Value::Array(list.clone()));
+            }
+        }
+        Value::Object(config)
+    }
+}
+
+const ACCEPTED: &str = "--api-socket, --kernel, --cmdline, --initramfs, --cpus, --memory, --disk, --net, --fs, --vsock, --rng, --device, --user-device, --serial, --console, --restore, -v, --seccomp, --event-monitor, --log-file, --version";
 
 fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
     let mut api_socket = None;
     let mut verbosity = 0u8;
     let mut seccomp = true;
-    let mut flags = ForeignFlags::new(args.iter().skip(1).filter(|a| *a != "--ch-compat"));
+    let mut restore = None;
+    let mut vm = VmOptions::default();
+    let skip = if matches!(args.get(1).map(String::as_str), Some("--ch-compat" | "ch")) {
+        2
+    } else {
+        1
+    };
+    let mut flags = Flags {
+        args: args.get(skip..).unwrap_or_default().iter().peekable(),
+    };
+    let error = |e: options::OptionError| e.to_string();
     while let Some((name, inline)) = flags.next_flag() {
-        let mut value = || flags.value(name, inline);
         match name {
             "-V" | "--version" => return Ok(None),
-            "-v" | "-vv" | "-vvv" | "-vvvv" => verbosity += (name.len() - 1) as u8,
+            "-v" | "-vv" | "-vvv" | "-vvvv" => {
+                verbosity = verbosity.saturating_add((name.len() - 1) as u8)
+            }
             "--api-socket" => {
-                let value = value()?;
+                let value = flags.value(name, inline)?;
                 let path = match value.split_once('=') {
                     Some(("path", path)) => path.to_string(),
                     Some(("fd", _)) => {
-                        return Err("--api-socket fd=...: gpuvm binds the socket itself; give a path".into())
+                        return Err(
+                            "--api-socket fd=...: gpuvm binds the socket itself; give a path"
+                                .into(),
+                        )
                     }
                     _ => value,
                 };
                 api_socket = Some(PathBuf::from(path));
             }
             "--seccomp" => {
-                seccomp = match value()?.as_str() {
+                seccomp = match flags.value(name, inline)?.as_str() {
                     "true" => true,
                     "false" => false,
+                    // gpuvm's filters kill on a violation; there is no log-only mode here.
                     "log" => true,
                     other => return Err(format!("--seccomp {other:?}: true, false or log")),
                 }
             }
             "--event-monitor" => {
-                let value = value()?;
+                let value = flags.value(name, inline)?;
                 log::info!(target: crate::LOG_TARGET, "--event-monitor {value} ignored: gpuvm writes no event stream");
             }
             "--log-file" => {
-                let value = value()?;
+                let value = flags.value(name, inline)?;
                 log::info!(target: crate::LOG_TARGET, "--log-file {value} ignored: gpuvm logs to stderr");
+            }
+            "--restore" => {
+                if restore.is_some() {
+                    return Err("--restore given twice".into());
+                }
+                restore = Some(options::restore(&flags.value(name, inline)?).map_err(error)?);
+            }
+            "--kernel" | "--cmdline" | "--initramfs" => {
+                let field = &name[2..];
+                let value = flags.value(name, inline)?;
+                if vm.payload.insert(field.into(), json!(value)).is_some() {
+                    return Err(format!("{name} given twice: it takes one value"));
+                }
+            }
+            "--cpus" | "--memory" | "--vsock" | "--rng" | "--serial" | "--console" => {
+                let text = flags.value(name, inline)?;
+                let value = match name {
+                    "--cpus" => options::cpus(&text),
+                    "--memory" => options::memory(&text),
+                    "--vsock" => options::vsock(&text),
+                    "--rng" => options::rng(&text),
+                    _ => options::console(name, &text),
+                }
+                .map_err(error)?;
+                vm.set_once(name, &name[2..], value)?;
+                vm.named.push(option_name(name));
+            }
+            "--disk" | "--net" | "--fs" | "--device" | "--user-device" => {
+                for text in flags.values(name, inline)? {
+                    match name {
+                        "--disk" => vm.disks.push(options::disk(&text).map_err(error)?),
+                        "--net" => vm.nets.push(options::net(&text).map_err(error)?),
+                        "--fs" => vm.fs.push(options::fs(&text).map_err(error)?),
+                        "--device" => vm.devices.push(options::device(&text).map_err(error)?),
+                        _ => vm
+                            .user_devices
+                            .push(options::user_device(&text).map_err(error)?),
+                    }
+                }
+                vm.named.push(option_name(name));
             }
             other => {
                 return Err(format!(
-                    "{other}: not supported by gpuvm's Cloud Hypervisor mode (it takes --api-socket, -v, --seccomp, --event-monitor, --log-file; configure the VM with PUT /api/v1/vm.create)"
+                    "{other}: not supported by gpuvm's Cloud Hypervisor mode (it takes {ACCEPTED})"
                 ))
             }
         }
     }
-    let api_socket =
-        api_socket.ok_or("--api-socket is required: the VM is configured through the API")?;
+    let mut passed = Vec::new();
+    for fd in vm.nets.iter().flat_map(|n| &n.fds) {
+        if passed.contains(fd) {
+            return Err(format!("--net fd={fd}: named by two interfaces"));
+        }
+        passed.push(*fd);
+    }
+    let start = match (vm.payload.contains_key("kernel"), restore) {
+        (true, Some(_)) => {
+            return Err(
+                "--restore and --kernel: give one (a restored VM brings its own payload)".into(),
+            )
+        }
+        (true, None) => Some(Start::Boot {
+            config: vm.config(),
+            user_devices: std::mem::take(&mut vm.user_devices),
+            fd_nets: std::mem::take(&mut vm.nets)
+                .into_iter()
+                .filter(|n| !n.fds.is_empty())
+                .collect(),
+        }),
+        (false, restore) => {
+            let payload = vm.payload.keys().map(|k| format!("--{k}"));
+            if let Some(option) = vm.named.iter().map(|o| o.to_string()).chain(payload).next() {
+                return Err(format!(
+                    "{option} needs --kernel: the VM is configured on the command line only with a payload (or through PUT /api/v1/vm.create)"
+                ));
+            }
+            restore.map(|(body, resume)| Start::Restore { body, resume })
+        }
+    };
+    if api_socket.is_none() && start.is_none() {
+        return Err("--api-socket is required without --kernel or --restore: the VM is configured through the API".into());
+    }
     Ok(Some(ChArgs {
         api_socket,
         verbosity,
         seccomp,
+        start,
     }))
+}
+
+/// The options' names as `&'static str` (the option table is fixed).
+fn option_name(name: &str) -> &'static str {
+    const NAMES: &[&str] = &[
+        "--cpus",
+        "--memory",
+        "--vsock",
+        "--rng",
+        "--serial",
+        "--console",
+        "--disk",
+        "--net",
+        "--fs",
+        "--device",
+        "--user-device",
+    ];
+    NAMES.iter().find(|n| **n == name).copied().unwrap_or("--")
 }
 
 /// The `cloud-hypervisor` entry point.
@@ -119,7 +343,7 @@ pub fn main(args: &[String], process_start: Instant) -> ExitCode {
         eprintln!("gpuvm: error: cannot set up logging: {error}");
         return crate::gpuvm_error();
     }
-    match serve(&parsed, process_start) {
+    match serve(parsed, process_start) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("gpuvm: error: {error}");
@@ -128,26 +352,220 @@ pub fn main(args: &[String], process_start: Instant) -> ExitCode {
     }
 }
 
-fn serve(args: &ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+/// One request the command line makes of the API's routes at start.
+struct StartRequest {
+    /// What a refusal is blamed on, when the answer does not name a section.
+    blame: &'static str,
+    path: &'static str,
+    body: Value,
+    fds: Vec<OwnedFd>,
+}
+
+/// Takes ownership of a tap descriptor named by `--net fd=`.
+fn take_tap_fd(fd: i32) -> Result<OwnedFd, CliError> {
+    // SAFETY: F_GETFD only reads the descriptor's flags; any number may be asked about.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(CliError::Other(format!(
+            "--net fd={fd}: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: the descriptor is open (checked above) and was handed to this process for
+    // the interface, as --net fd= says; parse() refused any number named twice and the
+    // standard streams, so this is its only owner.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn start_requests(start: Start) -> Result<Vec<StartRequest>, CliError> {
+    let request = |blame, path, body| StartRequest {
+        blame,
+        path,
+        body,
+        fds: Vec::new(),
+    };
+    Ok(match start {
+        Start::Boot {
+            config,
+            user_devices,
+            fd_nets,
+        } => {
+            let mut requests = vec![request("vm.create", "/api/v1/vm.create", config)];
+            for net in fd_nets {
+                let fds = net
+                    .fds
+                    .iter()
+                    .map(|fd| take_tap_fd(*fd))
+                    .collect::<Result<_, _>>()?;
+                requests.push(StartRequest {
+                    fds,
+                    ..request("--net", "/api/v1/vm.add-net", net.config)
+                });
+            }
+            for device in user_devices {
+                requests.push(request(
+                    "--user-device",
+                    "/api/v1/vm.add-user-device",
+                    device,
+                ));
+            }
+            requests.push(request("booting", "/api/v1/vm.boot", Value::Null));
+            requests
+        }
+        Start::Restore { body, resume } => {
+            let mut requests = vec![request("--restore", "/api/v1/vm.restore", body)];
+            if resume {
+                requests.push(request(
+                    "--restore resume=on",
+                    "/api/v1/vm.resume",
+                    Value::Null,
+                ));
+            }
+            requests
+        }
+    })
+}
+
+/// The option a refusal of vm.create is about: the API names the VmConfig field.
+fn blame(request_blame: &'static str, message: &str) -> &'static str {
+    if request_blame != "vm.create" {
+        return request_blame;
+    }
+    const SECTIONS: &[(&str, &str)] = &[
+        ("payload", "--kernel"),
+        ("cpus", "--cpus"),
+        ("memory", "--memory"),
+        ("disks", "--disk"),
+        ("net", "--net"),
+        ("fs", "--fs"),
+        ("vsock", "--vsock"),
+        ("rng", "--rng"),
+        ("devices", "--device"),
+        ("serial", "--serial"),
+        ("console", "--console"),
+    ];
+    let section = message
+        .split(['.', '[', ' ', ':'])
+        .next()
+        .unwrap_or_default();
+    // The boot source is opened when it is configured: those messages name the file.
+    const FILES: &[(&str, &str)] = &[("kernel image", "--kernel"), ("initrd", "--initramfs")];
+    SECTIONS
+        .iter()
+        .find(|(name, _)| *name == section)
+        .or_else(|| FILES.iter().find(|(what, _)| message.contains(what)))
+        .map_or(request_blame, |(_, option)| option)
+}
+
+/// The VMM thread's end, as the API server's connections hold it.
+#[derive(Clone)]
+struct VmmLink {
+    requests: Sender<ActionRequest>,
+    wake: Arc<EventFd>,
+}
+
+impl VmmLink {
+    fn dispatch(&self, action: VmmAction) -> ActionResult {
+        let (reply, answer) = channel();
+        let gone = || ActionError {
+            status: 503,
+            message: "the VMM has stopped".into(),
+        };
+        self.requests
+            .send(ActionRequest { action, reply })
+            .map_err(|_| gone())?;
+        self.wake.write(1).map_err(|_| gone())?;
+        answer.recv().map_err(|_| gone())?
+    }
+}
+
+/// Sends the start requests through the API's routes one by one; the first refusal is
+/// kept in `failed` and ends the VMM instead.
+fn configure(
+    requests: Vec<StartRequest>,
+    session: Arc<Session>,
+    link: VmmLink,
+    failed: Arc<Mutex<Option<String>>>,
+) {
+    for start in requests {
+        let request = Request {
+            method: Method::Put,
+            path: start.path.into(),
+            body: match &start.body {
+                Value::Null => Vec::new(),
+                body => body.to_string().into_bytes(),
+            },
+            close: false,
+        };
+        log::info!(target: crate::LOG_TARGET, "command line: PUT {} {}", start.path, start.body);
+        let response = gpuvm_api::cloud_hypervisor::handle(&request, start.fds, &session, &|a| {
+            link.dispatch(a)
+        });
+        if response.status < 300 {
+            continue;
+        }
+        let answer: Value = serde_json::from_slice(&response.body).unwrap_or_default();
+        let message = answer["fault_message"].as_str().map_or_else(
+            || String::from_utf8_lossy(&response.body).into_owned(),
+            str::to_string,
+        );
+        let message = format!("{}: {message}", blame(start.blame, &message));
+        log::error!(target: crate::LOG_TARGET, "command line: {message}");
+        *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+        let _ = link.dispatch(VmmAction::ShutdownVmm);
+        return;
+    }
+}
+
+fn serve(args: ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    let requests = match args.start {
+        Some(start) => start_requests(start)?,
+        None => Vec::new(),
+    };
     let seccomp = SeccompArgs {
         no_seccomp: !args.seccomp,
         seccomp: false,
     };
     seccomp.enable()?;
-    let (requests_tx, requests_rx) = std::sync::mpsc::channel();
+    let (requests_tx, requests_rx) = channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let server = ApiServer::start(
-        &args.api_socket,
-        requests_tx,
-        wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
-    )
-    .map_err(|e| CliError::Other(e.to_string()))?;
+    let clone_wake = || wake.try_clone().map_err(gpuvm_vmm::Error::EventFd);
+    let session = Arc::new(Session::default());
+    let server = match &args.api_socket {
+        Some(path) => Some(
+            ApiServer::start_cloud_hypervisor(
+                path,
+                requests_tx.clone(),
+                clone_wake()?,
+                session.clone(),
+            )
+            .map_err(|e| CliError::Other(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let failed = Arc::new(Mutex::new(None));
+    if !requests.is_empty() {
+        let link = VmmLink {
+            requests: requests_tx.clone(),
+            wake: Arc::new(clone_wake()?),
+        };
+        let failed = failed.clone();
+        std::thread::Builder::new()
+            .name("ch-config".into())
+            .spawn(move || configure(requests, session, link, failed))
+            .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
+    }
+    drop(requests_tx);
+    let wait_idle = |server: &Option<ApiServer>| {
+        if let Some(server) = server {
+            server.wait_idle(Duration::from_secs(2));
+        }
+    };
     run_from_api(
         requests_rx,
         wake,
         process_start,
-        &|| server.wait_idle(Duration::from_secs(2)),
-        &|| None,
+        &|| wait_idle(&server),
+        &|| failed.lock().unwrap_or_else(|e| e.into_inner()).take(),
     )
 }
 
@@ -157,6 +575,14 @@ mod tests {
 
     fn args(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn parsed(list: &[&str]) -> ChArgs {
+        parse(&args(list)).unwrap().unwrap()
+    }
+
+    fn refused(list: &[&str]) -> String {
+        parse(&args(list)).unwrap_err()
     }
 
     #[test]
@@ -173,9 +599,10 @@ mod tests {
         assert_eq!(
             parse(&kata).unwrap(),
             Some(ChArgs {
-                api_socket: "/run/vc/clh-api.sock".into(),
+                api_socket: Some("/run/vc/clh-api.sock".into()),
                 verbosity: 1,
-                seccomp: false
+                seccomp: false,
+                start: None,
             })
         );
         let compat = args(&[
@@ -190,19 +617,261 @@ mod tests {
         assert!(wanted(&compat));
         assert_eq!(
             parse(&compat).unwrap().unwrap().api_socket,
-            PathBuf::from("/s")
+            Some("/s".into())
+        );
+        assert!(wanted(&args(&["gpuvm", "ch", "--api-socket", "/s"])));
+        assert_eq!(
+            parsed(&["gpuvm", "ch", "--api-socket=/s"]).api_socket,
+            Some("/s".into())
         );
         assert!(!wanted(&args(&["gpuvm", "run"])));
-        assert!(parse(&args(&[
+        assert!(parse(&args(&["cloud-hypervisor"])).is_err());
+        assert!(parse(&args(&["cloud-hypervisor", "--api-socket", "fd=3"])).is_err());
+        assert_eq!(parse(&args(&["cloud-hypervisor", "-V"])), Ok(None));
+    }
+
+    #[test]
+    fn a_payload_makes_the_vm_config() {
+        let boot = parsed(&[
             "cloud-hypervisor",
             "--kernel",
             "/k",
+            "--cmdline",
+            "console=ttyS0 -- x",
+            "--initramfs=/i",
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=256M,shared=on",
+            "--rng",
+            "src=/dev/urandom",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--vsock",
+            "cid=3,socket=/v",
+        ]);
+        assert_eq!(boot.api_socket, None);
+        let Some(Start::Boot {
+            config,
+            user_devices,
+            fd_nets,
+        }) = boot.start
+        else {
+            panic!("no boot: {boot:?}");
+        };
+        assert_eq!(
+            config,
+            json!({
+                "payload": {"kernel": "/k", "cmdline": "console=ttyS0 -- x", "initramfs": "/i"},
+                "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+                "memory": {"size": 256u64 << 20, "shared": true},
+                "rng": {"src": "/dev/urandom"},
+                "serial": {"mode": "Tty"},
+                "console": {"mode": "Off"},
+                "vsock": {"cid": 3, "socket": "/v"},
+            })
+        );
+        assert!(user_devices.is_empty() && fd_nets.is_empty());
+        // The defaults of Cloud Hypervisor's command line.
+        let Some(Start::Boot { config, .. }) =
+            parsed(&["cloud-hypervisor", "--kernel", "/k"]).start
+        else {
+            panic!("no boot");
+        };
+        assert_eq!(
+            config,
+            json!({"payload": {"kernel": "/k"}, "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+                   "memory": {"size": 512u64 << 20}, "rng": {"src": "/dev/urandom"}})
+        );
+    }
+
+    #[test]
+    fn repeatable_options_take_several_values() {
+        let boot = parsed(&[
+            "cloud-hypervisor",
             "--api-socket",
-            "/s"
-        ]))
-        .unwrap_err()
-        .contains("--kernel"));
-        assert!(parse(&args(&["cloud-hypervisor"])).is_err());
-        assert!(parse(&args(&["cloud-hypervisor", "--api-socket", "fd=3"])).is_err());
+            "/s",
+            "--kernel",
+            "/k",
+            "--disk",
+            "path=/a.img",
+            "path=/b.img,readonly=on",
+            "--disk=path=/c.img",
+            "--net",
+            "tap=tap0",
+            "fd=[3,4],id=net1",
+            "--fs",
+            "tag=t,socket=/fs",
+            "--device",
+            "path=/sys/bus/pci/devices/0000:01:00.0",
+            "--user-device",
+            "socket=/u1",
+            "socket=/u2",
+            "-v",
+        ]);
+        assert_eq!(boot.verbosity, 1);
+        let Some(Start::Boot {
+            config,
+            user_devices,
+            fd_nets,
+        }) = boot.start
+        else {
+            panic!("no boot");
+        };
+        let paths: Vec<&str> = config["disks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["path"].as_str().unwrap())
+            .collect();
+        assert_eq!(paths, ["/a.img", "/b.img", "/c.img"]);
+        assert_eq!(config["disks"][1]["readonly"], true);
+        // The interface whose taps are passed goes through vm.add-net, not vm.create.
+        assert_eq!(config["net"], json!([{"tap": "tap0"}]));
+        assert_eq!(
+            fd_nets,
+            vec![options::Net {
+                config: json!({"id": "net1"}),
+                fds: vec![3, 4]
+            }]
+        );
+        assert_eq!(config["fs"], json!([{"tag": "t", "socket": "/fs"}]));
+        assert_eq!(
+            config["devices"][0]["path"],
+            "/sys/bus/pci/devices/0000:01:00.0"
+        );
+        assert_eq!(
+            user_devices,
+            vec![json!({"socket": "/u1"}), json!({"socket": "/u2"})]
+        );
+    }
+
+    #[test]
+    fn restore_at_start() {
+        let restore = parsed(&[
+            "cloud-hypervisor",
+            "--api-socket",
+            "/s",
+            "--restore",
+            "source_url=file:///snap,prefault=on",
+        ]);
+        assert_eq!(
+            restore.start,
+            Some(Start::Restore {
+                body: json!({"source_url": "file:///snap", "prefault": true}),
+                resume: false
+            })
+        );
+        // Without a socket: nothing could resume it but resume=on.
+        let resumed = parsed(&[
+            "cloud-hypervisor",
+            "--restore",
+            "source_url=file:///s,resume=on",
+        ]);
+        assert!(matches!(
+            resumed.start,
+            Some(Start::Restore { resume: true, .. })
+        ));
+        assert!(refused(&[
+            "cloud-hypervisor",
+            "--restore",
+            "source_url=file:///s",
+            "--kernel",
+            "/k"
+        ])
+        .contains("--restore and --kernel"));
+        assert!(refused(&["cloud-hypervisor", "--restore", "prefault=on"]).contains("source_url"));
+    }
+
+    #[test]
+    fn bad_command_lines_name_the_option_and_key() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--kernel", "/k", "--cpus", "boot=2,frobnicate=1"],
+                "--cpus frobnicate: unknown key",
+            ),
+            (
+                &["--kernel", "/k", "--memory", "size=12X"],
+                "--memory size=12X",
+            ),
+            (
+                &["--kernel", "/k", "--memory", "shared=maybe"],
+                "--memory shared=maybe",
+            ),
+            (
+                &["--kernel", "/k", "--disk", "path=/x,bw_size=10"],
+                "--disk bw_size: not supported",
+            ),
+            (
+                &["--kernel", "/k", "--disk", "readonly=on"],
+                "--disk: path= is required",
+            ),
+            (&["--kernel", "/k", "--serial", "loud"], "--serial loud"),
+            (
+                &["--kernel", "/k", "--cpus", "boot=1", "--cpus", "boot=2"],
+                "--cpus given twice",
+            ),
+            (
+                &["--kernel", "/k", "--kernel", "/k2"],
+                "--kernel given twice",
+            ),
+            (
+                &["--kernel", "/k", "--net", "fd=3", "--net", "fd=3"],
+                "--net fd=3: named by two",
+            ),
+            (&["--kernel", "/k", "--net", "fd=2"], "--net fd="),
+            (
+                &["--kernel", "/k", "--balloon", "size=1G"],
+                "--balloon: not supported",
+            ),
+            (
+                &["--api-socket", "/s", "--cpus", "boot=2"],
+                "--cpus needs --kernel",
+            ),
+            (
+                &["--api-socket", "/s", "--cmdline", "x"],
+                "--cmdline needs --kernel",
+            ),
+            (&["--kernel"], "--kernel needs a value"),
+            (&["--kernel", "/k", "--disk"], "--disk needs a value"),
+            (&["--seccomp", "maybe", "--api-socket", "/s"], "--seccomp"),
+        ];
+        for (list, needle) in cases {
+            let mut argv = vec!["cloud-hypervisor"];
+            argv.extend_from_slice(list);
+            let message = refused(&argv);
+            assert!(
+                message.contains(needle),
+                "{list:?}: {message:?} lacks {needle:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_of_vm_create_are_blamed_on_their_option() {
+        assert_eq!(
+            blame("vm.create", "disks[1].num_queues = 4 is not supported"),
+            "--disk"
+        );
+        assert_eq!(
+            blame(
+                "vm.create",
+                "cpus.boot_vcpus = 0: gpuvm runs 1 to 255 vCPUs"
+            ),
+            "--cpus"
+        );
+        assert_eq!(
+            blame("vm.create", "serial.mode = \"Pty\" is not supported"),
+            "--serial"
+        );
+        assert_eq!(blame("vm.create", "payload.kernel is required"), "--kernel");
+        assert_eq!(
+            blame("vm.create", "cannot open kernel image /k: No such file"),
+            "--kernel"
+        );
+        assert_eq!(blame("vm.create", "something else"), "vm.create");
+        assert_eq!(blame("--user-device", "pci_device_id = 3"), "--user-device");
     }
 }
