@@ -4,7 +4,13 @@
 //! gives it back; a VM restored from that snapshot resumes on ANOTHER emulated GPU given
 //! with PUT /gpus, and the state the guest kept in the first device's memory is in the
 //! second one's. Bad input: no vsock, no agent in the guest, cold-plugged devices, a
-//! plain snapshot of a VM with a GPU.
+//! plain snapshot of a VM with a GPU that cannot migrate.
+//!
+//! And through VFIO migration (the emulated GPU's migration region): a plain snapshot
+//! saves the device's own state (registers, device memory, a DMA job it holds) beside
+//! RAM; a restore onto a fresh device process brings all of it back, and the held job
+//! runs there. Bad input: a missing device, another model, a damaged device file, a
+//! snapshot while the device is being unplugged.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -80,7 +86,12 @@ fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
     let scratch = Scratch::new("gpusnap", "roundtrip");
     let (first, second) = (socket_path("first"), socket_path("second"));
     // Two clients: the VM that is snapshotted gets the device back after the release.
-    let _emu_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &first, &["--clients", "2"]);
+    // Without migration: the guest release is then the only way to snapshot it.
+    let _emu_a = gpuvm_tests::start_emu_gpu(
+        &emu_bin(),
+        &first,
+        &["--clients", "2", "--no-migration"],
+    );
     let api = socket_path("api");
     let vsock = scratch.path("vsock.sock");
     let mut vmm = start_vm(&api, "gpu-agent", Some(&vsock));
@@ -135,7 +146,10 @@ fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
     // The VM runs on with its GPU: a plain snapshot now is refused and says what to use.
     let plain = serde_json::json!({ "snapshot_path": scratch.path("plain") }).to_string();
     let refused = api_expect(&api, 400, "PUT", "/snapshot/create", Some(&plain));
-    assert!(refused.contains("guest_release"), "{refused}");
+    assert!(
+        refused.contains("guest_release") && refused.contains("offers no VFIO migration"),
+        "{refused}"
+    );
     let state = std::fs::read(dir.join("state")).expect("state file");
     let state = String::from_utf8_lossy(&state);
     assert!(
@@ -248,7 +262,7 @@ fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
     // Bad field values are refused by the body's schema.
     let bad = serde_json::json!({
         "snapshot_path": scratch.path("b"),
-        "passthrough": "migrate",
+        "passthrough": "teleport",
     })
     .to_string();
     api_expect(&api, 400, "PUT", "/snapshot/create", Some(&bad));
@@ -271,6 +285,184 @@ fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
     vmm.wait_for_stdout("passed the pci checks", LIMIT);
     let refused = api_expect(&api, 409, "PUT", "/snapshot/create", Some(&release("c")));
     assert!(refused.contains("no vsock device"), "{refused}");
+    vmm.signal(libc::SIGKILL);
+    let out = vmm.wait(Duration::from_secs(10));
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
+
+/// A VMM restoring `dir` (lazily) with its stdin piped to the guest's serial port, or
+/// the load's error body when `expect` is not 204.
+fn load_into_new_vmm(dir: &Path, name: &str, expect: u16) -> (SpawnedProcess, PathBuf, String) {
+    let api = socket_path(name);
+    let mut vmm = SpawnedProcess::gpuvm_with_input(&["run", "--api-sock", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let load = serde_json::json!({
+        "snapshot_path": dir,
+        "restore_mode": "Lazy",
+        "resume_vm": true,
+    })
+    .to_string();
+    let answer = api_expect(&api, expect, "PUT", "/snapshot/load", Some(&load));
+    (vmm, api, answer)
+}
+
+/// The numbers N of the complete `gpu-migrate: iter N ok` lines.
+fn iterations(stdout: &str) -> Vec<u64> {
+    complete_lines(stdout)
+        .filter_map(|line| line.strip_prefix("gpu-migrate: iter "))
+        .filter_map(|rest| rest.strip_suffix(" ok")?.parse().ok())
+        .collect()
+}
+
+fn device_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("snapshot dir")
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("device-"))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
+    let scratch = Scratch::new("gpusnap", "migrate");
+    let socket = socket_path("migrate-emu");
+    let emu_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let api = socket_path("migrate-api");
+    let mut vmm = start_vm(&api, "gpu-migrate", None);
+    vmm.wait_for_stdout("gpu-migrate: waiting for a device", LIMIT);
+    api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    wait_for_line(&mut vmm, "gpu-migrate: iter 1 ok");
+
+    // A plain snapshot: the device saves its own state beside RAM.
+    let dir = scratch.path("snap");
+    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
+    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    let state = std::fs::read(dir.join("state")).expect("state file");
+    let state = String::from_utf8_lossy(&state);
+    assert!(
+        state.contains("\"migrated_gpus\"") && state.contains("\"gpu0\""),
+        "the state records the device"
+    );
+    let files = device_files(&dir);
+    assert_eq!(files.len(), 1, "one device state file: {files:?}");
+    let size = std::fs::metadata(&files[0]).expect("device file").len();
+    // 8 pages of device memory, the registers, configuration space, the held job.
+    assert!(size > 8 * 4096, "device state of {size} bytes");
+    // The source VM runs on with its device, state intact.
+    let seen = *iterations(&vmm.stdout()).last().expect("an iteration");
+    vmm.wait_until("an iteration after the snapshot", LIMIT, |p| {
+        iterations(&p.stdout()).last().is_some_and(|&n| n > seen + 1)
+    });
+    assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
+    // A second snapshot into the same directory replaces the device file.
+    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    let replaced = device_files(&dir);
+    assert_eq!(replaced.len(), 1, "{replaced:?}");
+    assert_ne!(replaced, files, "a new device file");
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+    let emu_out = emu_a.wait(Duration::from_secs(10));
+    assert!(!emu_out.stderr.contains("panicked"), "{}", emu_out.stderr);
+
+    // No device behind the socket: the restore fails, naming the device.
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-missing", 400);
+    assert!(
+        refused.contains("gpu0") && refused.contains("cannot open its device again"),
+        "{refused}"
+    );
+    drop(vmm);
+
+    // Another model behind the socket: refused, naming both.
+    let emu_other =
+        gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--device-id", "2331"]);
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-model", 400);
+    assert!(
+        refused.contains("10de:2331") && refused.contains("10de:2330"),
+        "{refused}"
+    );
+    drop(vmm);
+    drop(emu_other);
+
+    // A damaged device file: refused before the device sees it.
+    let device_file = device_files(&dir).remove(0);
+    let original = std::fs::read(&device_file).expect("device file");
+    let mut damaged = original.clone();
+    let middle = damaged.len() / 2;
+    damaged[middle] ^= 0x40;
+    std::fs::write(&device_file, &damaged).expect("damage");
+    let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--clients", "2"]);
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-damaged", 400);
+    assert!(refused.contains("damaged"), "{refused}");
+    drop(vmm);
+    std::fs::write(&device_file, &original).expect("repair");
+
+    // A fresh device process: the guest goes on with its state, and the held job runs.
+    let (mut restored, api2, _) = load_into_new_vmm(&dir, "migrate-api-restored", 204);
+    wait_for_line(&mut restored, "gpu-migrate: iter");
+    let info = api_expect(&api2, 200, "GET", "/", None);
+    assert!(info.contains("gpu0"), "{info}");
+    restored.write_stdin(b"g");
+    let out = restored.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("gpu-migrate: releasing the queued job")
+        .assert_stdout_has("gpu-migrate: queued job ran, msi-x received, dma verified")
+        .assert_stdout_has("gpu-migrate: ok");
+    let emu_out = emu_b.wait(Duration::from_secs(10));
+    assert!(!emu_out.stderr.contains("panicked"), "{}", emu_out.stderr);
+}
+
+#[test]
+fn a_device_being_unplugged_is_not_snapshotted() {
+    let scratch = Scratch::new("gpusnap", "unplugging");
+    let socket = socket_path("unplugging-emu");
+    let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let api = socket_path("unplugging-api");
+    // The guest keeps the device: the eject stays in flight until the timeout.
+    let mut vmm = SpawnedProcess::gpuvm_with_env(
+        &["run", "--api-sock", api.to_str().unwrap()],
+        &[("GPUVM_HOTPLUG_EJECT_TIMEOUT_MS", "4000")],
+    );
+    wait_for_api_socket(&mut vmm, &api);
+    let boot = serde_json::json!({ "boot_args": "pci-hotplug 1 keep" }).to_string();
+    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
+    api_start_instance(&api);
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    let api_for_delete = api.clone();
+    let delete = std::thread::spawn(move || {
+        gpuvm_tests::api_expect(&api_for_delete, 504, "DELETE", "/gpus/gpu0", None)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let dir = scratch.path("snap");
+    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
+    let refused = api_expect(&api, 400, "PUT", "/snapshot/create", Some(&body));
+    assert!(refused.contains("being hot-unplugged"), "{refused}");
+    assert!(!dir.join("state").exists(), "nothing written");
+    let timed_out = delete.join().expect("DELETE thread");
+    assert!(timed_out.contains("did not eject"), "{timed_out}");
+    // The eject was withdrawn: the device is saved now.
+    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    assert_eq!(device_files(&dir).len(), 1);
     vmm.signal(libc::SIGKILL);
     let out = vmm.wait(Duration::from_secs(10));
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);

@@ -325,10 +325,33 @@ impl SpawnedProcess {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> SpawnedProcess {
+        Self::spawn_with_stdin(program, args, env, Stdio::null())
+    }
+
+    /// Starts `gpuvm ARGS` with a pipe on its stdin (see [`SpawnedProcess::write_stdin`]):
+    /// what is written there reaches the guest's serial port.
+    pub fn gpuvm_with_input(args: &[&str]) -> SpawnedProcess {
+        Self::spawn_with_stdin(&gpuvm_bin(), args, &[], Stdio::piped())
+    }
+
+    /// Writes `bytes` to the process's stdin (started by [`SpawnedProcess::gpuvm_with_input`]).
+    pub fn write_stdin(&mut self, bytes: &[u8]) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().expect("started without a stdin pipe");
+        stdin.write_all(bytes).expect("write to stdin");
+        stdin.flush().expect("flush stdin");
+    }
+
+    fn spawn_with_stdin(
+        program: &std::path::Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        stdin: Stdio,
+    ) -> SpawnedProcess {
         let mut child = Command::new(program)
             .args(args)
             .envs(env.iter().copied())
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

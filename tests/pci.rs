@@ -242,7 +242,7 @@ fn gpu_over_the_api_and_snapshot_refused() {
         &api,
         &["snapshot-create", "--dir", snapshot.to_str().unwrap()],
     )
-    .assert_clean_error("cannot snapshot a VM with passthrough devices (00:01.0");
+    .assert_clean_error("cannot snapshot a VM with cold-plugged passthrough devices (00:01.0");
     assert!(
         !snapshot.exists(),
         "a refused snapshot leaves nothing behind"

@@ -1,7 +1,8 @@
 //! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]
-//! [--device-id HEX]`: serves the emulated NVIDIA-like GPU (gpuvm_vfio::emu) over
+//! [--device-id HEX] [--no-migration]`: serves the emulated NVIDIA-like GPU (gpuvm_vfio::emu) over
 //! vfio-user to N clients (default 1), one after another, then exits. `--device-id`
-//! makes it another model (tests of model checks).
+//! makes it another model (tests of model checks); `--no-migration` leaves out the
+//! migration region (a device that cannot be snapshotted).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,7 +11,7 @@ use gpuvm_vfio::emu::{serve, EmuGpuOptions};
 
 fn usage(error: &str) -> ExitCode {
     eprintln!(
-        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N] [--device-id HEX]"
+        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N] [--device-id HEX] [--no-migration]"
     );
     ExitCode::from(2)
 }
@@ -46,6 +47,10 @@ fn main() -> ExitCode {
                     .map_err(|_| format!("bad --device-id '{v}' (hex)"))?;
                 Ok(())
             }),
+            "--no-migration" => {
+                options.migration = false;
+                Ok(())
+            }
             "--clients" => value("--clients").and_then(|v| {
                 clients = v
                     .parse()

@@ -10,6 +10,23 @@
 //! MSI nor MSI-X enabled it asserts its INTA line instead (level-triggered, as vfio-pci
 //! presents it: the line masks itself when it fires and fires again on unmask while the
 //! guest has not acknowledged it through `INTX_ACK`).
+//!
+//! `HOLD` (0x1038) holds doorbells back: while it is non-zero a doorbell queues its job
+//! (address, length, seed, vector; at most [`MAX_QUEUED_JOBS`], a further one sets
+//! `DMA_STATUS` 4 and is dropped) instead of running it; writing 0 runs the queued jobs
+//! in order (DMA, then interrupt). A stopped device (migration states STOP, STOP_COPY,
+//! RESUMING) queues doorbells the same way and neither DMAs nor interrupts; the jobs run
+//! when it is RUNNING again with `HOLD` 0.
+//!
+//! Migration: region 9 is a vfio-user migration region laid out as linux/vfio.h's
+//! (deprecated, v1) `struct vfio_device_migration_info` followed by a data window (see
+//! `user.rs` for the client). The saved state ([`STATE_MAGIC`], version
+//! [`STATE_VERSION`]) carries the model (vendor, device id, BAR sizes, vectors), the
+//! configuration space, every BAR0 register, the INTx line, the queued jobs and the
+//! non-zero 4 KiB pages of BAR1 and BAR3 with their offsets, and ends with an FNV-1a
+//! checksum. A blob of another model, truncated, corrupt or with pages outside a BAR is
+//! refused (the device reports the error state and [`mig_error`] code in the region's
+//! `reserved` field) and the device is left as it was.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -56,6 +73,10 @@ pub mod regs {
     pub const INTX_ACK: u64 = 0x1030;
     /// Read: how many times INTx was signalled (each assertion and each re-assertion).
     pub const INTX_COUNT: u64 = 0x1034;
+    /// Non-zero: doorbells queue their jobs; writing 0 runs the queue in order.
+    pub const HOLD: u64 = 0x1038;
+    /// Read: how many jobs are queued.
+    pub const QUEUED_JOBS: u64 = 0x103c;
     pub const MSIX_TABLE: u64 = 0x80_0000;
     pub const MSIX_PBA: u64 = 0x80_1000;
 }
@@ -81,6 +102,9 @@ pub struct EmuGpuOptions {
     pub bar1_size: u64,
     pub bar3_size: u64,
     pub msix_vectors: u16,
+    /// Serve the migration region (region 9); false makes a device that cannot be
+    /// snapshotted.
+    pub migration: bool,
 }
 
 impl Default for EmuGpuOptions {
@@ -90,6 +114,7 @@ impl Default for EmuGpuOptions {
             bar1_size: 256 << 20,
             bar3_size: 32 << 20,
             msix_vectors: 4,
+            migration: true,
         }
     }
 }
@@ -129,7 +154,22 @@ pub struct EmuGpu {
     /// BAR1 memory, shared with the client (it mmaps BAR1 into the guest).
     bar1: File,
     bar1_socket_accesses: u32,
+    /// Doorbells held back by HOLD or by a stopped device, oldest first.
+    queue: Vec<DmaJob>,
+    migration: MigrationRegion,
 }
+
+/// One doorbell's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DmaJob {
+    address: u64,
+    len: u64,
+    seed: u64,
+    vector: u32,
+}
+
+/// Most doorbells the device queues.
+pub const MAX_QUEUED_JOBS: usize = 16;
 
 // SAFETY: the raw pointers are private MAP_SHARED mappings owned by this struct (unmapped
 // in dma_unmap/drop), used only through &mut self.
@@ -145,6 +185,27 @@ impl EmuGpu {
         // SAFETY: `fd` is a fresh file descriptor nobody else owns.
         let bar1 = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         bar1.set_len(options.bar1_size)?;
+        Ok(EmuGpu {
+            options,
+            config: EmuGpu::fresh_config(&options),
+            bar0: HashMap::new(),
+            memory: HashMap::new(),
+            dma: Vec::new(),
+            msix: Vec::new(),
+            msi: None,
+            intx: None,
+            intx_pending: false,
+            intx_masked: false,
+            intx_count: 0,
+            bar1,
+            bar1_socket_accesses: 0,
+            queue: Vec::new(),
+            migration: MigrationRegion::fresh(),
+        })
+    }
+
+    /// Configuration space out of reset.
+    fn fresh_config(options: &EmuGpuOptions) -> Vec<u8> {
         let mut config = vec![0u8; CONFIG_SIZE];
         config[0..2].copy_from_slice(&VENDOR_ID.to_le_bytes());
         config[2..4].copy_from_slice(&options.device_id.to_le_bytes());
@@ -168,21 +229,7 @@ impl EmuGpu {
         config[cap + 2..cap + 4].copy_from_slice(&(options.msix_vectors - 1).to_le_bytes());
         config[cap + 4..cap + 8].copy_from_slice(&(regs::MSIX_TABLE as u32).to_le_bytes());
         config[cap + 8..cap + 12].copy_from_slice(&(regs::MSIX_PBA as u32).to_le_bytes());
-        Ok(EmuGpu {
-            options,
-            config,
-            bar0: HashMap::new(),
-            memory: HashMap::new(),
-            dma: Vec::new(),
-            msix: Vec::new(),
-            msi: None,
-            intx: None,
-            intx_pending: false,
-            intx_masked: false,
-            intx_count: 0,
-            bar1,
-            bar1_socket_accesses: 0,
-        })
+        config
     }
 
     fn region_size(&self, index: u32) -> u64 {
@@ -191,13 +238,19 @@ impl EmuGpu {
             1 => self.options.bar1_size,
             3 => self.options.bar3_size,
             7 => CONFIG_SIZE as u64,
+            MIGRATION_REGION if self.options.migration => MIGRATION_REGION_SIZE,
             _ => 0,
         }
     }
 
     /// Region descriptions for the vfio-user server (BAR0..5, ROM, config, VGA).
     pub fn regions(&self) -> Vec<ServerRegion> {
-        (0..crate::region::COUNT)
+        let count = if self.options.migration {
+            MIGRATION_REGION + 1
+        } else {
+            crate::region::COUNT
+        };
+        (0..count)
             .map(|index| {
                 let size = self.region_size(index);
                 let mmap = if index == 1 {
@@ -264,6 +317,7 @@ impl EmuGpu {
             regs::BAR1_CHECKSUM => self.bar1_checksum() as u32,
             regs::BAR1_SOCKET_ACCESSES => self.bar1_socket_accesses,
             regs::INTX_COUNT => self.intx_count,
+            regs::QUEUED_JOBS => self.queue.len() as u32,
             o if o == regs::BAR1_CHECKSUM + 4 => (self.bar1_checksum() >> 32) as u32,
             _ => self.bar0.get(&offset).copied().unwrap_or(0),
         }
@@ -276,18 +330,68 @@ impl EmuGpu {
                 log::debug!("emu-gpu: INTx ack");
                 self.set_intx_pending(false)
             }
-            regs::BOOT_0 | regs::DMA_DONE | regs::DMA_STATUS | regs::INTX_COUNT => {}
+            regs::HOLD => {
+                if value == 0 {
+                    self.bar0.remove(&regs::HOLD);
+                } else {
+                    self.bar0.insert(regs::HOLD, value);
+                }
+                self.run_queue();
+            }
+            regs::BOOT_0
+            | regs::DMA_DONE
+            | regs::DMA_STATUS
+            | regs::INTX_COUNT
+            | regs::QUEUED_JOBS => {}
             _ => {
                 self.bar0.insert(offset, value);
             }
         }
     }
 
+    /// Whether the device may DMA and interrupt (migration state RUNNING).
+    fn running(&self) -> bool {
+        self.migration.device_state & MIG_V1_RUNNING != 0
+    }
+
     fn ring_doorbell(&mut self, vector: u32) {
-        let address = u64::from(self.bar0_read(regs::DMA_ADDR_LO))
-            | u64::from(self.bar0_read(regs::DMA_ADDR_HI)) << 32;
-        let len = u64::from(self.bar0_read(regs::DMA_LEN));
-        let seed = u64::from(self.bar0_read(regs::DMA_SEED));
+        let job = DmaJob {
+            address: u64::from(self.bar0_read(regs::DMA_ADDR_LO))
+                | u64::from(self.bar0_read(regs::DMA_ADDR_HI)) << 32,
+            len: u64::from(self.bar0_read(regs::DMA_LEN)),
+            seed: u64::from(self.bar0_read(regs::DMA_SEED)),
+            vector,
+        };
+        if self.bar0_read(regs::HOLD) != 0 || !self.running() {
+            if self.queue.len() >= MAX_QUEUED_JOBS {
+                log::warn!("emu-gpu: doorbell queue full; job dropped");
+                self.bar0.insert(regs::DMA_STATUS, 4);
+            } else {
+                log::debug!("emu-gpu: doorbell queued: {job:?}");
+                self.queue.push(job);
+            }
+            return;
+        }
+        self.run_job(job);
+    }
+
+    /// Runs the queued jobs in order, if the device is running and not held.
+    fn run_queue(&mut self) {
+        if self.bar0_read(regs::HOLD) != 0 || !self.running() {
+            return;
+        }
+        for job in std::mem::take(&mut self.queue) {
+            self.run_job(job);
+        }
+    }
+
+    fn run_job(&mut self, job: DmaJob) {
+        let DmaJob {
+            address,
+            len,
+            seed,
+            vector,
+        } = job;
         // Without Bus Master a device may not touch memory: no DMA (the completion is
         // still signalled, so a guest that forgot it sees status 3 instead of hanging).
         let status = if self.config[4] & COMMAND_BUS_MASTER == 0 {
@@ -334,7 +438,7 @@ impl EmuGpu {
     /// does the same, so a level interrupt cannot storm before the guest handles it).
     fn fire_intx(&mut self) {
         let disabled = self.config[5] & COMMAND_INTX_DISABLE != 0;
-        if !self.intx_pending || self.intx_masked || disabled {
+        if !self.intx_pending || self.intx_masked || disabled || !self.running() {
             return;
         }
         if let Some(eventfd) = self.intx.as_mut() {
@@ -427,6 +531,7 @@ impl ServerBackend for EmuGpu {
             }
             3 => self.memory_access(region, offset, Some(data), &[]),
             7 => data.copy_from_slice(&self.config[offset as usize..offset as usize + data.len()]),
+            MIGRATION_REGION => self.migration_read(offset, data),
             _ => data.fill(0),
         }
         Ok(())
@@ -462,6 +567,7 @@ impl ServerBackend for EmuGpu {
                     }
                 }
             }
+            MIGRATION_REGION => self.migration_write(offset, data),
             _ => {}
         }
         Ok(())
@@ -515,6 +621,8 @@ impl ServerBackend for EmuGpu {
 
     fn reset(&mut self) -> std::io::Result<()> {
         self.bar0.clear();
+        self.queue.clear();
+        self.migration = MigrationRegion::fresh();
         self.msix.clear();
         self.msi = None;
         self.intx = None;
@@ -595,4 +703,536 @@ pub fn serve(socket: &Path, options: EmuGpuOptions) -> Result<(), vfio_user::Err
     let server = Server::new(socket, true, device.irqs(), device.regions())?;
     log::info!("emu-gpu: listening on {}", socket.display());
     server.run(&mut device)
+}
+
+// ----- Migration: the vfio-user migration region and the saved state -----
+
+/// The migration region's index (libvfio-user's: the first past VFIO_PCI_NUM_REGIONS).
+pub const MIGRATION_REGION: u32 = 9;
+/// linux/vfio.h v1 `device_state` bits.
+pub const MIG_V1_RUNNING: u32 = 1;
+pub const MIG_V1_SAVING: u32 = 2;
+pub const MIG_V1_RESUMING: u32 = 4;
+/// v1's error state (SAVING | RESUMING).
+pub const MIG_V1_ERROR: u32 = MIG_V1_SAVING | MIG_V1_RESUMING;
+/// `struct vfio_device_migration_info` field offsets.
+pub mod mig_region {
+    pub const DEVICE_STATE: u64 = 0;
+    /// gpuvm: the device's [`super::mig_error`] code of the last failure.
+    pub const RESERVED: u64 = 4;
+    pub const PENDING_BYTES: u64 = 8;
+    pub const DATA_OFFSET: u64 = 16;
+    pub const DATA_SIZE: u64 = 24;
+    /// Where the data window starts.
+    pub const WINDOW: u64 = 0x1000;
+    pub const WINDOW_SIZE: u64 = 256 << 10;
+}
+const MIGRATION_REGION_SIZE: u64 = mig_region::WINDOW + mig_region::WINDOW_SIZE;
+
+/// Why the device refused a state or an arc (the region's `reserved` field).
+pub mod mig_error {
+    pub const NONE: u32 = 0;
+    pub const BAD_ARC: u32 = 1;
+    pub const BAD_MAGIC: u32 = 2;
+    pub const OTHER_MODEL: u32 = 3;
+    pub const TRUNCATED: u32 = 4;
+    pub const CORRUPT: u32 = 5;
+    pub const OUT_OF_RANGE: u32 = 6;
+    pub const TOO_LARGE: u32 = 7;
+
+    /// What a code means.
+    pub fn describe(code: u32) -> &'static str {
+        match code {
+            BAD_ARC => "the device does not allow that state change",
+            BAD_MAGIC => "the saved state is not an emulated-GPU state (bad magic or version)",
+            OTHER_MODEL => "the saved state is of another device model",
+            TRUNCATED => "the saved state is truncated",
+            CORRUPT => "the saved state is corrupt (checksum or field values)",
+            OUT_OF_RANGE => "the saved state has memory pages or registers outside the device",
+            TOO_LARGE => "more state was written than this device can have",
+            _ => "unknown error",
+        }
+    }
+}
+
+/// "GPUVMEMU".
+pub const STATE_MAGIC: [u8; 8] = *b"GPUVMEMU";
+pub const STATE_VERSION: u32 = 1;
+const PAGE: u64 = 4096;
+
+#[derive(Default)]
+struct MigrationRegion {
+    /// v1 bits; the default (0) is replaced by RUNNING in `Default`.
+    device_state: u32,
+    error: u32,
+    /// STOP_COPY: the saved state and how far the client has read it.
+    saved: Vec<u8>,
+    cursor: usize,
+    /// The chunk staged in the window by the last data_offset read.
+    staged: usize,
+    /// RESUMING: the window and the state received so far.
+    window: Vec<u8>,
+    incoming: Vec<u8>,
+}
+
+impl MigrationRegion {
+    fn fresh() -> Self {
+        MigrationRegion {
+            device_state: MIG_V1_RUNNING,
+            ..Default::default()
+        }
+    }
+}
+
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A bounds-checked reader over a saved state.
+struct StateReader<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> StateReader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], u32> {
+        if self.data.len() < n {
+            return Err(mig_error::TRUNCATED);
+        }
+        let (head, rest) = self.data.split_at(n);
+        self.data = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, u32> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().unwrap_or_default(),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, u32> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().unwrap_or_default(),
+        ))
+    }
+}
+
+/// A checked saved state, applied only once all of it is valid.
+struct ParsedState<'a> {
+    command: [u8; 2],
+    intx_pending: bool,
+    intx_count: u32,
+    bar0: Vec<(u64, u32)>,
+    queue: Vec<DmaJob>,
+    /// (region, offset, 4 KiB of content).
+    pages: Vec<(u32, u64, &'a [u8])>,
+}
+
+/// Config bytes a saved state may differ in: the command register and the status
+/// register's interrupt bit.
+fn config_byte_is_state(at: usize) -> bool {
+    matches!(at, 4..=6)
+}
+
+impl EmuGpu {
+    fn model_header(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&STATE_MAGIC);
+        out.extend_from_slice(&STATE_VERSION.to_le_bytes());
+        out.extend_from_slice(&VENDOR_ID.to_le_bytes());
+        out.extend_from_slice(&self.options.device_id.to_le_bytes());
+        out.extend_from_slice(&self.options.msix_vectors.to_le_bytes());
+        out.extend_from_slice(&BAR0_SIZE.to_le_bytes());
+        out.extend_from_slice(&self.options.bar1_size.to_le_bytes());
+        out.extend_from_slice(&self.options.bar3_size.to_le_bytes());
+    }
+
+    /// The non-zero pages of BAR1 (its memfd; holes skipped with SEEK_DATA).
+    fn bar1_pages(&self, out: &mut Vec<(u32, u64, Vec<u8>)>) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let size = self.options.bar1_size;
+        let fd = self.bar1.as_raw_fd();
+        let mut at = 0u64;
+        let mut page = vec![0u8; PAGE as usize];
+        while at < size {
+            // SAFETY: lseek on our own memfd; only the file offset changes.
+            let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                break; // ENXIO: no data past `at`.
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let end = if hole < 0 {
+                size
+            } else {
+                (hole as u64).min(size)
+            };
+            let mut offset = data as u64 & !(PAGE - 1);
+            while offset < end {
+                self.bar1.read_exact_at(&mut page, offset)?;
+                if page.iter().any(|b| *b != 0) {
+                    out.push((1, offset, page.clone()));
+                }
+                offset += PAGE;
+            }
+            at = end.max(at + PAGE);
+        }
+        Ok(())
+    }
+
+    /// The device's whole state as a blob.
+    fn save_state(&self) -> std::io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.model_header(&mut out);
+        out.extend_from_slice(&(CONFIG_SIZE as u32).to_le_bytes());
+        out.extend_from_slice(&self.config);
+        let mut registers: Vec<_> = self.bar0.iter().map(|(o, v)| (*o, *v)).collect();
+        registers.sort_unstable();
+        out.extend_from_slice(&(registers.len() as u32).to_le_bytes());
+        for (offset, value) in registers {
+            out.extend_from_slice(&(offset as u32).to_le_bytes());
+            out.extend_from_slice(&value.to_le_bytes());
+        }
+        out.push(u8::from(self.intx_pending));
+        out.extend_from_slice(&self.intx_count.to_le_bytes());
+        out.extend_from_slice(&(self.queue.len() as u32).to_le_bytes());
+        for job in &self.queue {
+            out.extend_from_slice(&job.address.to_le_bytes());
+            out.extend_from_slice(&job.len.to_le_bytes());
+            out.extend_from_slice(&job.seed.to_le_bytes());
+            out.extend_from_slice(&job.vector.to_le_bytes());
+        }
+        let mut pages = Vec::new();
+        self.bar1_pages(&mut pages)?;
+        let mut bar3: Vec<_> = self
+            .memory
+            .iter()
+            .filter(|(_, page)| page.iter().any(|b| *b != 0))
+            .map(|((region, index), page)| (*region, index * PAGE, page.to_vec()))
+            .collect();
+        bar3.sort_unstable_by_key(|(region, offset, _)| (*region, *offset));
+        pages.extend(bar3);
+        out.extend_from_slice(&(pages.len() as u32).to_le_bytes());
+        for (region, offset, content) in &pages {
+            out.extend_from_slice(&region.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(content);
+        }
+        let checksum = fnv1a(&out);
+        out.extend_from_slice(&checksum.to_le_bytes());
+        log::info!(
+            "emu-gpu: saved state: {} bytes ({} registers, {} queued jobs, {} memory pages)",
+            out.len(),
+            self.bar0.len(),
+            self.queue.len(),
+            pages.len()
+        );
+        Ok(out)
+    }
+
+    /// The largest state this model can have (bounds what a client may send).
+    fn max_state_size(&self) -> u64 {
+        let pages = (self.options.bar1_size + self.options.bar3_size) / PAGE;
+        512 + CONFIG_SIZE as u64
+            + (BAR0_SIZE / 4) * 8
+            + MAX_QUEUED_JOBS as u64 * 28
+            + pages * (12 + PAGE)
+    }
+
+    fn parse_state<'a>(&self, blob: &'a [u8]) -> Result<ParsedState<'a>, u32> {
+        let mut header = Vec::new();
+        self.model_header(&mut header);
+        if blob.len() < 12 || blob[..8] != STATE_MAGIC || blob[8..12] != header[8..12] {
+            return Err(mig_error::BAD_MAGIC);
+        }
+        if blob.len() < header.len() + 8 {
+            return Err(mig_error::TRUNCATED);
+        }
+        if blob[..header.len()] != header[..] {
+            return Err(mig_error::OTHER_MODEL);
+        }
+        let (body, checksum) = blob.split_at(blob.len() - 8);
+        if fnv1a(body).to_le_bytes() != checksum {
+            // A cut-off blob fails the checksum too; tell it apart by trying to parse.
+            return Err(self
+                .parse_body(&body[header.len()..])
+                .err()
+                .filter(|e| *e == mig_error::TRUNCATED)
+                .unwrap_or(mig_error::CORRUPT));
+        }
+        self.parse_body(&body[header.len()..])
+    }
+
+    fn parse_body<'a>(&self, body: &'a [u8]) -> Result<ParsedState<'a>, u32> {
+        let mut reader = StateReader { data: body };
+        if reader.u32()? != CONFIG_SIZE as u32 {
+            return Err(mig_error::CORRUPT);
+        }
+        let config = reader.take(CONFIG_SIZE)?;
+        // Everything but the live bits must be this device's own configuration space.
+        let fresh = EmuGpu::fresh_config(&self.options);
+        let differs = (0..CONFIG_SIZE).any(|at| {
+            if at == 6 {
+                (config[at] ^ fresh[at]) & !STATUS_INTERRUPT != 0
+            } else {
+                !config_byte_is_state(at) && config[at] != fresh[at]
+            }
+        });
+        if differs {
+            return Err(mig_error::OTHER_MODEL);
+        }
+        let count = reader.u32()? as u64;
+        if count > BAR0_SIZE / 4 {
+            return Err(mig_error::CORRUPT);
+        }
+        let mut bar0 = Vec::new();
+        for _ in 0..count {
+            let offset = u64::from(reader.u32()?);
+            let value = reader.u32()?;
+            if offset % 4 != 0 || offset >= BAR0_SIZE {
+                return Err(mig_error::OUT_OF_RANGE);
+            }
+            bar0.push((offset, value));
+        }
+        let intx_pending = match reader.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err(mig_error::CORRUPT),
+        };
+        let intx_count = reader.u32()?;
+        let jobs = reader.u32()? as usize;
+        if jobs > MAX_QUEUED_JOBS {
+            return Err(mig_error::CORRUPT);
+        }
+        let mut queue = Vec::with_capacity(jobs);
+        for _ in 0..jobs {
+            queue.push(DmaJob {
+                address: reader.u64()?,
+                len: reader.u64()?,
+                seed: reader.u64()?,
+                vector: reader.u32()?,
+            });
+        }
+        let count = reader.u32()? as u64;
+        let most = (self.options.bar1_size + self.options.bar3_size) / PAGE;
+        if count > most {
+            return Err(mig_error::CORRUPT);
+        }
+        let mut pages = Vec::new();
+        for _ in 0..count {
+            let region = reader.u32()?;
+            let offset = reader.u64()?;
+            let content = reader.take(PAGE as usize)?;
+            let size = match region {
+                1 | 3 => self.region_size(region),
+                _ => return Err(mig_error::OUT_OF_RANGE),
+            };
+            if offset % PAGE != 0 || offset.checked_add(PAGE).is_none_or(|end| end > size) {
+                return Err(mig_error::OUT_OF_RANGE);
+            }
+            pages.push((region, offset, content));
+        }
+        if !reader.data.is_empty() {
+            return Err(mig_error::CORRUPT);
+        }
+        Ok(ParsedState {
+            command: [config[4], config[5]],
+            intx_pending,
+            intx_count,
+            bar0,
+            queue,
+            pages,
+        })
+    }
+
+    fn apply_state(&mut self, state: ParsedState<'_>) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.config[4] = state.command[0];
+        self.config[5] = state.command[1];
+        self.bar0 = state.bar0.into_iter().collect();
+        self.queue = state.queue;
+        self.intx_count = state.intx_count;
+        self.intx_masked = false;
+        // The line's level (and the status bit) without firing: the device is stopped.
+        self.intx_pending = state.intx_pending;
+        if state.intx_pending {
+            self.config[6] |= STATUS_INTERRUPT;
+        } else {
+            self.config[6] &= !STATUS_INTERRUPT;
+        }
+        // SAFETY: punches a hole over our own memfd's whole length (zeroes it, keeps
+        // its size, so the client's mapping stays valid).
+        let punched = unsafe {
+            libc::fallocate(
+                self.bar1.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                self.options.bar1_size as libc::off_t,
+            )
+        };
+        if punched < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        self.memory.clear();
+        for (region, offset, content) in state.pages {
+            if region == 1 {
+                self.bar1.write_all_at(content, offset)?;
+            } else {
+                self.memory_access(region, offset, None, content);
+            }
+        }
+        Ok(())
+    }
+
+    /// A v1 state change asked for by the client; failures set the error state.
+    fn migration_set_state(&mut self, to: u32) {
+        let from = self.migration.device_state;
+        if to == from {
+            return;
+        }
+        // The single arcs of v2, in v1 bits (STOP = 0, STOP_COPY = SAVING).
+        let allowed = matches!(
+            (from, to),
+            (MIG_V1_RUNNING, 0)
+                | (0, MIG_V1_RUNNING)
+                | (0, MIG_V1_SAVING)
+                | (MIG_V1_SAVING, 0)
+                | (0, MIG_V1_RESUMING)
+                | (MIG_V1_RESUMING, 0)
+        );
+        if !allowed {
+            log::warn!("emu-gpu: migration arc {from:#x} -> {to:#x} refused");
+            self.migration.error = mig_error::BAD_ARC;
+            self.migration.device_state = MIG_V1_ERROR;
+            return;
+        }
+        self.migration.error = mig_error::NONE;
+        match (from, to) {
+            (0, MIG_V1_SAVING) => match self.save_state() {
+                Ok(saved) => {
+                    self.migration.saved = saved;
+                    self.migration.cursor = 0;
+                    self.migration.staged = 0;
+                }
+                Err(error) => {
+                    log::error!("emu-gpu: cannot save the state: {error}");
+                    self.migration.error = mig_error::CORRUPT;
+                    self.migration.device_state = MIG_V1_ERROR;
+                    return;
+                }
+            },
+            (MIG_V1_SAVING, 0) => {
+                self.migration.saved = Vec::new();
+                self.migration.cursor = 0;
+                self.migration.staged = 0;
+            }
+            (0, MIG_V1_RESUMING) => {
+                self.migration.window = vec![0; mig_region::WINDOW_SIZE as usize];
+                self.migration.incoming = Vec::new();
+            }
+            (MIG_V1_RESUMING, 0) => {
+                self.migration.window = Vec::new();
+                let incoming = std::mem::take(&mut self.migration.incoming);
+                let result = self.parse_state(&incoming).and_then(|state| {
+                    self.apply_state(state).map_err(|error| {
+                        log::error!("emu-gpu: cannot apply the state: {error}");
+                        mig_error::CORRUPT
+                    })
+                });
+                if let Err(code) = result {
+                    log::warn!(
+                        "emu-gpu: saved state refused: {}",
+                        mig_error::describe(code)
+                    );
+                    self.migration.error = code;
+                    self.migration.device_state = MIG_V1_ERROR;
+                    return;
+                }
+                log::info!("emu-gpu: loaded a {}-byte state", incoming.len());
+            }
+            _ => {}
+        }
+        self.migration.device_state = to;
+        if to == MIG_V1_RUNNING {
+            self.run_queue();
+            self.fire_intx();
+        }
+    }
+
+    fn migration_read(&mut self, offset: u64, data: &mut [u8]) {
+        use mig_region::*;
+        let saving = self.migration.device_state == MIG_V1_SAVING;
+        let remaining = self
+            .migration
+            .saved
+            .len()
+            .saturating_sub(self.migration.cursor);
+        let field: Option<u64> = match offset {
+            DEVICE_STATE => Some(u64::from(self.migration.device_state)),
+            RESERVED => Some(u64::from(self.migration.error)),
+            PENDING_BYTES if saving => {
+                // Reading pending_bytes retires the chunk the client has read.
+                self.migration.cursor += self.migration.staged;
+                self.migration.staged = 0;
+                Some((self.migration.saved.len() - self.migration.cursor) as u64)
+            }
+            PENDING_BYTES => Some(0),
+            DATA_OFFSET => {
+                if saving {
+                    self.migration.staged = remaining.min(WINDOW_SIZE as usize);
+                }
+                Some(WINDOW)
+            }
+            DATA_SIZE if saving => Some(self.migration.staged as u64),
+            DATA_SIZE => Some(0),
+            _ => None,
+        };
+        if let Some(value) = field {
+            let bytes = value.to_le_bytes();
+            for (i, byte) in data.iter_mut().enumerate() {
+                *byte = bytes.get(i).copied().unwrap_or(0);
+            }
+            return;
+        }
+        data.fill(0);
+        if saving && offset >= WINDOW {
+            let start = self.migration.cursor + (offset - WINDOW) as usize;
+            let end = self.migration.cursor + self.migration.staged;
+            if let Some(chunk) = self.migration.saved.get(start..end) {
+                let n = chunk.len().min(data.len());
+                data[..n].copy_from_slice(&chunk[..n]);
+            }
+        }
+    }
+
+    fn migration_write(&mut self, offset: u64, data: &[u8]) {
+        use mig_region::*;
+        let mut value = [0u8; 8];
+        let n = data.len().min(8);
+        value[..n].copy_from_slice(&data[..n]);
+        let value = u64::from_le_bytes(value);
+        match offset {
+            DEVICE_STATE => self.migration_set_state(value as u32),
+            DATA_SIZE if self.migration.device_state == MIG_V1_RESUMING => {
+                let total = self.migration.incoming.len() as u64 + value;
+                if value > WINDOW_SIZE || total > self.max_state_size() {
+                    log::warn!("emu-gpu: migration data beyond the device's largest state");
+                    self.migration.error = mig_error::TOO_LARGE;
+                    self.migration.device_state = MIG_V1_ERROR;
+                    self.migration.incoming = Vec::new();
+                    return;
+                }
+                let chunk = &self.migration.window[..value as usize];
+                self.migration.incoming.extend_from_slice(chunk);
+            }
+            o if o >= WINDOW && self.migration.device_state == MIG_V1_RESUMING => {
+                let start = (o - WINDOW) as usize;
+                if let Some(slot) = self.migration.window.get_mut(start..start + data.len()) {
+                    slot.copy_from_slice(data);
+                }
+            }
+            _ => {}
+        }
+    }
 }

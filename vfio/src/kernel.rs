@@ -19,6 +19,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::dma::DmaMapper;
 use crate::host::normalize_bdf;
+use crate::migration::{KernelMigration, MigrationInfo, MigrationState};
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError, REGION_MMAP};
 
 /// Which kernel interface the devices were opened through.
@@ -127,10 +128,12 @@ impl KernelVfio {
         let path = sysfs_path(bdf)?;
         let device = VfioDevice::new(&path, self.ops.clone(), self.api == KernelApi::Iommufd)
             .map_err(|e| std::io::Error::other(format!("open VFIO device {bdf}: {e}")))?;
+        let migration = KernelMigration::probe(&device, bdf.to_string());
         Ok(KernelVfioDevice {
             device,
             name: bdf.to_string(),
             mappings: Vec::new(),
+            migration,
         })
     }
 
@@ -156,6 +159,8 @@ pub struct KernelVfioDevice {
     name: String,
     /// (address, length) of BAR mmaps, unmapped on drop.
     mappings: Vec<(usize, usize)>,
+    /// VFIO migration v2 (vfio-ioctls' VFIO_DEVICE_FEATURE calls on the device).
+    migration: KernelMigration,
 }
 
 // SAFETY: the raw addresses in `mappings` are plain numbers owned by this struct.
@@ -273,7 +278,24 @@ impl PassthroughDevice for KernelVfioDevice {
 
     fn reset(&mut self) -> Result<()> {
         self.device.reset();
+        self.migration.reset();
         Ok(())
+    }
+
+    fn migration(&mut self) -> Option<MigrationInfo> {
+        self.migration.info()
+    }
+
+    fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
+        self.migration.set_state(&self.device, state)
+    }
+
+    fn read_migration_data(&mut self, buf: &mut [u8]) -> Result<usize> {
+        self.migration.read(&self.device, buf)
+    }
+
+    fn write_migration_data(&mut self, data: &[u8]) -> Result<()> {
+        self.migration.write(&self.device, data)
     }
 }
 

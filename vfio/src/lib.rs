@@ -19,10 +19,13 @@ pub mod dma;
 pub mod emu;
 pub mod host;
 pub mod kernel;
+pub mod migration;
 pub mod msi;
 pub mod pci;
 pub mod user;
 
+#[cfg(test)]
+mod migration_tests;
 #[cfg(test)]
 mod tests;
 
@@ -96,6 +99,18 @@ pub enum VfioError {
         needed: u64,
         needed_kib: u64,
     },
+    /// The device (named first in the message) cannot be migrated or snapshotted.
+    #[error("the device does not support VFIO migration: {0}")]
+    MigrationUnsupported(String),
+    #[error("{device}: migration state {from:?} -> {to:?} failed: {reason}")]
+    MigrationArc {
+        device: String,
+        from: migration::MigrationState,
+        to: migration::MigrationState,
+        reason: String,
+    },
+    #[error("{device}: migration data: {reason}")]
+    MigrationData { device: String, reason: String },
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -148,4 +163,30 @@ pub trait PassthroughDevice: Send {
     /// the background through the backend's [`dma::DmaMapper`] instead).
     fn dma_map(&mut self, region: &DmaRegion) -> Result<()>;
     fn reset(&mut self) -> Result<()>;
+    /// What the device can do for migration (None: it cannot be migrated or snapshotted).
+    fn migration(&mut self) -> Option<migration::MigrationInfo> {
+        None
+    }
+    /// Moves the device to `state` (one arc the device allows; see
+    /// [`migration::save_device_state`] for the walks).
+    fn set_migration_state(&mut self, _state: migration::MigrationState) -> Result<()> {
+        Err(VfioError::MigrationUnsupported(format!(
+            "{}: this backend has no migration support",
+            self.name()
+        )))
+    }
+    /// Reads the next piece of the device's state, in STOP_COPY; Ok(0) is the end.
+    fn read_migration_data(&mut self, _buf: &mut [u8]) -> Result<usize> {
+        Err(VfioError::MigrationUnsupported(format!(
+            "{}: this backend has no migration support",
+            self.name()
+        )))
+    }
+    /// Gives the device the next piece of a saved state, in RESUMING.
+    fn write_migration_data(&mut self, _data: &[u8]) -> Result<()> {
+        Err(VfioError::MigrationUnsupported(format!(
+            "{}: this backend has no migration support",
+            self.name()
+        )))
+    }
 }

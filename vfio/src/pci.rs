@@ -11,6 +11,7 @@ use gpuvm_devices::pci::{
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::dma::DmaProgress;
+use crate::migration::{MigrationInfo, MigrationState};
 use crate::msi::{MsiChange, MsiState, CAP_ID_MSI};
 use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
 
@@ -461,6 +462,130 @@ impl VfioPciDevice {
 enum MsixPart {
     Table(u64),
     Pba(u64),
+}
+
+/// What gpuvm emulates of a passthrough function's PCI state (BAR addresses, memory
+/// decoding, the MSI-X table and control, the MSI capability, the INTx line register):
+/// the part a snapshot carries beside the device's own migration data, which holds the
+/// rest of its configuration space.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VfioPciState {
+    /// (BAR index, guest-physical address) of each BAR, the ROM BAR included.
+    pub bars: Vec<(u8, u64)>,
+    pub memory_enabled: bool,
+    /// The MSI-X Message Control register, when the device has MSI-X.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub msix_control: Option<u16>,
+    /// The whole MSI-X table as the guest wrote it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub msix_table: Vec<u8>,
+    /// The MSI capability's bytes as the guest sees them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub msi_capability: Vec<u8>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intx_line: Option<u8>,
+}
+
+impl VfioPciDevice {
+    /// Whether (and how) the device can save its internal state.
+    pub fn migration(&mut self) -> Option<MigrationInfo> {
+        self.backend.migration()
+    }
+
+    /// Saves the device's internal state into `out` (the device is left stopped; see
+    /// [`crate::migration::save_device_state`]).
+    pub fn save_device_state(&mut self, out: &mut dyn std::io::Write, limit: u64) -> Result<u64> {
+        crate::migration::save_device_state(self.backend.as_mut(), out, limit)
+    }
+
+    /// Loads a saved internal state into this freshly opened device (left stopped).
+    pub fn load_device_state(&mut self, input: &mut dyn std::io::Read, len: u64) -> Result<()> {
+        crate::migration::load_device_state(self.backend.as_mut(), input, len)
+    }
+
+    /// Moves the device to `state` (RUNNING after a save or a load).
+    pub fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
+        self.backend.set_migration_state(state)
+    }
+
+    /// The emulated part of the function's PCI state.
+    pub fn save_pci_state(&self) -> VfioPciState {
+        let mut state = VfioPciState {
+            bars: self
+                .bars
+                .placed()
+                .iter()
+                .map(|bar| (bar.index, bar.address))
+                .collect(),
+            memory_enabled: self.bars.memory_enabled(),
+            intx_line: self.intx.as_ref().map(|intx| intx.line),
+            ..VfioPciState::default()
+        };
+        if let Some(msix) = &self.msix {
+            state.msix_control = Some(msix.table.control());
+            let mut table = vec![0u8; msix.capability.table_len() as usize];
+            for (i, entry) in table.chunks_mut(4).enumerate() {
+                msix.table.read_table(4 * i as u64, entry);
+            }
+            state.msix_table = table;
+        }
+        if let Some(msi) = &self.msi {
+            let mut bytes = vec![0u8; usize::from(msi.byte_len())];
+            msi.read(msi.offset, &mut bytes);
+            state.msi_capability = bytes;
+        }
+        state
+    }
+
+    /// Loads the emulated PCI state of a snapshot into this device, which the PCI root
+    /// has placed at the saved BAR addresses: the same paths as the guest's own writes
+    /// (MSI-X and MSI routes, the backend's interrupts, BAR mappings into the guest).
+    /// A state that does not fit this device (another MSI-X table size, a missing
+    /// capability) is refused.
+    pub fn restore_pci_state(&mut self, state: &VfioPciState) -> Result<()> {
+        let name = self.name.clone();
+        let mismatch =
+            |what: &str| VfioError::NotPci(format!("{name}: the saved {what} does not fit this device"));
+        for &(index, address) in &state.bars {
+            if !self.bars.specs().iter().any(|spec| spec.index == index) {
+                return Err(mismatch("BAR list"));
+            }
+            self.bars.set_address(index, address);
+        }
+        self.bars.set_memory_enabled(state.memory_enabled);
+        self.sync_guest_mappings();
+        match (&mut self.msix, state.msix_control) {
+            (None, None) => {}
+            (Some(msix), Some(control)) => {
+                if state.msix_table.len() as u64 != msix.capability.table_len() {
+                    return Err(mismatch("MSI-X table"));
+                }
+                for (i, entry) in state.msix_table.chunks(4).enumerate() {
+                    msix.table.write_table(4 * i as u64, entry);
+                }
+                let offset = msix.capability.control_offset();
+                self.set_msix_control(offset, &control.to_le_bytes());
+            }
+            _ => return Err(mismatch("MSI-X capability")),
+        }
+        if !state.msi_capability.is_empty() {
+            let Some(offset) = self.msi.as_ref().map(|msi| msi.offset) else {
+                return Err(mismatch("MSI capability"));
+            };
+            let bytes = &state.msi_capability;
+            if bytes.len() < 4 || bytes.len() > 24 {
+                return Err(mismatch("MSI capability"));
+            }
+            // Address, data and masks first; the control word (which enables) last.
+            self.config_write(offset + 4, &bytes[4..]);
+            self.config_write(offset, &bytes[..4]);
+        }
+        if let (Some(intx), Some(line)) = (self.intx.as_mut(), state.intx_line) {
+            intx.line = line;
+        }
+        self.update_intx();
+        Ok(())
+    }
 }
 
 fn read_config32(backend: &mut dyn PassthroughDevice, offset: u16) -> Result<u32> {

@@ -17,14 +17,12 @@ fn start_server(name: &str) -> std::path::PathBuf {
     let socket =
         std::env::temp_dir().join(format!("gpuvm-vfio-{name}-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&socket);
-    let path = socket.clone();
-    std::thread::spawn(move || emu::serve(&path, EmuGpuOptions::default()));
-    for _ in 0..200 {
-        if socket.exists() {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    // Listening before the client connects (a server thread that binds could still be
+    // between bind and listen when the socket file appears: ECONNREFUSED).
+    let mut device = emu::EmuGpu::new(EmuGpuOptions::default()).expect("device");
+    let server =
+        vfio_user::Server::new(&socket, true, device.irqs(), device.regions()).expect("listen");
+    std::thread::spawn(move || server.run(&mut device));
     socket
 }
 

@@ -7,6 +7,16 @@
 //! the device is gone ([`BackendHealth`]): reads of its regions return all ones (what a
 //! surprise-removed PCI function answers), writes are dropped and every other request
 //! fails at once, so no vCPU ever waits on the dead socket.
+//!
+//! Migration goes through a migration *region* (index 9, libvfio-user's), laid out as
+//! linux/vfio.h's deprecated v1 `struct vfio_device_migration_info` plus a data window:
+//! the region-based vfio-user migration libvfio-user used before the protocol gained
+//! VFIO_USER_DEVICE_FEATURE and VFIO_USER_MIG_DATA_READ/WRITE. The `vfio_user` 0.1.7
+//! crate has none of those messages and owns the socket, so this is the transport that
+//! works today; when the crate gains the v2 messages, this backend moves to them. The v2
+//! states map onto the v1 bits as the kernel documents (STOP = 0, RUNNING = RUNNING,
+//! STOP_COPY = SAVING, RESUMING = RESUMING); a refused change reads back as the v1 error
+//! state (SAVING | RESUMING) with the device's reason code in `reserved`.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -23,6 +33,8 @@ use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::dma::DmaMapper;
+use crate::emu::{self as mig, mig_region, MIGRATION_REGION};
+use crate::migration::{MigrationInfo, MigrationState};
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
 
 /// A device behind a vfio-user socket. The client is shared with the device's
@@ -34,6 +46,39 @@ pub struct VfioUserDevice {
     /// A duplicate of the client's socket, to watch for the server's hang-up (None if
     /// it could not be told apart from other new sockets).
     socket: Option<OwnedFd>,
+    migration: UserMigration,
+}
+
+/// The client's side of the migration region.
+struct UserMigration {
+    /// Probed on first use: None until then.
+    info: Option<Option<MigrationInfo>>,
+    state: MigrationState,
+    /// STOP_COPY: the part of the window not read yet (offset in the region, bytes).
+    chunk_offset: u64,
+    chunk_left: u64,
+}
+
+impl Default for UserMigration {
+    fn default() -> Self {
+        UserMigration {
+            info: None,
+            state: MigrationState::Running,
+            chunk_offset: 0,
+            chunk_left: 0,
+        }
+    }
+}
+
+/// The v1 `device_state` bits of a v2 state (None: not representable).
+fn v1_bits(state: MigrationState) -> Option<u32> {
+    match state {
+        MigrationState::Stop => Some(0),
+        MigrationState::Running => Some(mig::MIG_V1_RUNNING),
+        MigrationState::StopCopy => Some(mig::MIG_V1_SAVING),
+        MigrationState::Resuming => Some(mig::MIG_V1_RESUMING),
+        MigrationState::Error => None,
+    }
 }
 
 /// Whether the device process is still there, shared by everything that talks to it.
@@ -285,6 +330,7 @@ impl VfioUserDevice {
             path: path.to_path_buf(),
             health: Arc::new(BackendHealth::default()),
             socket,
+            migration: UserMigration::default(),
         })
     }
 
@@ -333,6 +379,65 @@ impl VfioUserDevice {
                 ));
             }
             VfioError::User { what, source }
+        })
+    }
+
+    fn mig_read_u64(&mut self, field: u64) -> Result<u64> {
+        let mut bytes = [0u8; 8];
+        self.region_read(MIGRATION_REGION, field, &mut bytes)?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    fn mig_read_u32(&mut self, field: u64) -> Result<u32> {
+        let mut bytes = [0u8; 4];
+        self.region_read(MIGRATION_REGION, field, &mut bytes)?;
+        Ok(u32::from_le_bytes(bytes))
+    }
+
+    fn mig_data_error(&self, reason: String) -> VfioError {
+        VfioError::MigrationData {
+            device: self.name(),
+            reason,
+        }
+    }
+
+    /// What the device says about its last failure (its reason code).
+    fn mig_device_reason(&mut self) -> String {
+        match self.mig_read_u32(mig_region::RESERVED) {
+            Ok(0) | Err(_) => "no reason given".into(),
+            Ok(code) => format!("{} (device code {code})", mig::mig_error::describe(code)),
+        }
+    }
+
+    fn probe_migration(&mut self) -> Option<MigrationInfo> {
+        let info = self.region_info(MIGRATION_REGION)?;
+        let needed = crate::REGION_READ | crate::REGION_WRITE;
+        if info.flags & needed != needed || info.size <= mig_region::WINDOW {
+            log::info!(
+                "{}: region {MIGRATION_REGION} ({:#x} bytes, flags {:#x}) is no migration region",
+                self.name(),
+                info.size,
+                info.flags
+            );
+            return None;
+        }
+        let state = self.mig_read_u32(mig_region::DEVICE_STATE).ok()?;
+        self.migration.state = match state {
+            0 => MigrationState::Stop,
+            mig::MIG_V1_RUNNING => MigrationState::Running,
+            _ => {
+                log::warn!(
+                    "{}: migration region reads device_state {state:#x}, neither RUNNING nor STOP",
+                    self.name()
+                );
+                return None;
+            }
+        };
+        Some(MigrationInfo {
+            stop_copy: true,
+            p2p: false,
+            pre_copy: false,
+            transport: "vfio-user migration region",
         })
     }
 
@@ -553,10 +658,169 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn reset(&mut self) -> Result<()> {
-        if !self.client().resettable() {
+        // vfio_user 0.1.7 inverts the flag: `resettable()` is true when the device does
+        // NOT advertise VFIO_DEVICE_FLAGS_RESET.
+        if self.client().resettable() {
             return Ok(());
         }
-        self.request("reset", Client::reset)
+        self.request("reset", Client::reset)?;
+        // A reset device is RUNNING with no migration stream.
+        self.migration.state = MigrationState::Running;
+        self.migration.chunk_left = 0;
+        Ok(())
+    }
+
+    fn migration(&mut self) -> Option<MigrationInfo> {
+        if self.migration.info.is_none() {
+            let info = self.probe_migration();
+            self.migration.info = Some(info);
+        }
+        self.migration.info.clone().flatten()
+    }
+
+    fn set_migration_state(&mut self, to: MigrationState) -> Result<()> {
+        if self.migration().is_none() {
+            return Err(VfioError::MigrationUnsupported(format!(
+                "{}: the vfio-user device has no migration region (region {MIGRATION_REGION})",
+                self.name()
+            )));
+        }
+        let from = self.migration.state;
+        if from == to {
+            return Ok(());
+        }
+        let arc_error = |device: String, reason: String| VfioError::MigrationArc {
+            device,
+            from,
+            to,
+            reason,
+        };
+        use MigrationState::*;
+        let allowed = matches!(
+            (from, to),
+            (Running, Stop)
+                | (Stop, Running)
+                | (Stop, StopCopy)
+                | (StopCopy, Stop)
+                | (Stop, Resuming)
+                | (Resuming, Stop)
+        );
+        let Some(bits) = v1_bits(to).filter(|_| allowed) else {
+            return Err(arc_error(
+                self.name(),
+                "not a single arc of the v2 state machine".into(),
+            ));
+        };
+        self.migration.chunk_left = 0;
+        self.region_write(
+            MIGRATION_REGION,
+            mig_region::DEVICE_STATE,
+            &bits.to_le_bytes(),
+        )
+        .map_err(|e| arc_error(self.name(), e.to_string()))?;
+        let now = self
+            .mig_read_u32(mig_region::DEVICE_STATE)
+            .map_err(|e| arc_error(self.name(), e.to_string()))?;
+        if now != bits {
+            self.migration.state = if now == mig::MIG_V1_ERROR {
+                Error
+            } else {
+                from
+            };
+            let reason = format!(
+                "device_state reads {now:#x}, not {bits:#x}: {}",
+                self.mig_device_reason()
+            );
+            return Err(arc_error(self.name(), reason));
+        }
+        self.migration.state = to;
+        Ok(())
+    }
+
+    /// Reads the window chunk by chunk: pending_bytes (which retires the last chunk),
+    /// data_offset (which stages the next), data_size, then the data. Everything the
+    /// device says is bounded by the region; a device whose pending_bytes never reaches 0
+    /// is stopped by the caller's limit.
+    fn read_migration_data(&mut self, buf: &mut [u8]) -> Result<usize> {
+        if self.migration.state != MigrationState::StopCopy {
+            return Err(self.mig_data_error(format!(
+                "reading state in {:?}, not StopCopy",
+                self.migration.state
+            )));
+        }
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if self.migration.chunk_left == 0 {
+            let pending = self.mig_read_u64(mig_region::PENDING_BYTES)?;
+            if pending == 0 {
+                return Ok(0);
+            }
+            let data_offset = self.mig_read_u64(mig_region::DATA_OFFSET)?;
+            let size = self
+                .region_info(MIGRATION_REGION)
+                .map_or(0, |region| region.size);
+            if data_offset < mig_region::DATA_SIZE + 8 || data_offset >= size {
+                return Err(self.mig_data_error(format!(
+                    "data_offset {data_offset:#x} is outside the region's window (size {size:#x})"
+                )));
+            }
+            let data_size = self.mig_read_u64(mig_region::DATA_SIZE)?;
+            let window = size - data_offset;
+            if data_size == 0 || data_size > window || data_size > pending {
+                return Err(self.mig_data_error(format!(
+                    "data_size {data_size:#x} with {pending:#x} bytes pending and a {window:#x}-byte window"
+                )));
+            }
+            self.migration.chunk_offset = data_offset;
+            self.migration.chunk_left = data_size;
+        }
+        let n = (buf.len() as u64).min(self.migration.chunk_left) as usize;
+        let offset = self.migration.chunk_offset;
+        self.region_read(MIGRATION_REGION, offset, &mut buf[..n])?;
+        self.migration.chunk_offset += n as u64;
+        self.migration.chunk_left -= n as u64;
+        Ok(n)
+    }
+
+    /// Writes the data into the window and then its size, window by window.
+    fn write_migration_data(&mut self, mut data: &[u8]) -> Result<()> {
+        if self.migration.state != MigrationState::Resuming {
+            return Err(self.mig_data_error(format!(
+                "writing state in {:?}, not Resuming",
+                self.migration.state
+            )));
+        }
+        let data_offset = self.mig_read_u64(mig_region::DATA_OFFSET)?;
+        let size = self
+            .region_info(MIGRATION_REGION)
+            .map_or(0, |region| region.size);
+        if data_offset < mig_region::DATA_SIZE + 8 || data_offset >= size {
+            return Err(self.mig_data_error(format!(
+                "data_offset {data_offset:#x} is outside the region's window (size {size:#x})"
+            )));
+        }
+        let window = (size - data_offset) as usize;
+        while !data.is_empty() {
+            let n = data.len().min(window);
+            self.region_write(MIGRATION_REGION, data_offset, &data[..n])?;
+            self.region_write(
+                MIGRATION_REGION,
+                mig_region::DATA_SIZE,
+                &(n as u64).to_le_bytes(),
+            )?;
+            data = &data[n..];
+        }
+        let state = self.mig_read_u32(mig_region::DEVICE_STATE)?;
+        if state != mig::MIG_V1_RESUMING {
+            self.migration.state = MigrationState::Error;
+            let reason = format!(
+                "the device left RESUMING (device_state {state:#x}): {}",
+                self.mig_device_reason()
+            );
+            return Err(self.mig_data_error(reason));
+        }
+        Ok(())
     }
 }
 

@@ -402,7 +402,7 @@ impl SnapshotCreateBody {
             snapshot_path,
             snapshot_type: SnapshotType::Full,
             mem_file_path: None,
-            passthrough: PassthroughPolicy::Refuse,
+            passthrough: PassthroughPolicy::Migrate,
             reattach: true,
             released_gpus: Vec::new(),
         }
@@ -413,9 +413,12 @@ impl SnapshotCreateBody {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum PassthroughPolicy {
-    /// A VM with one is refused: no device state can be saved.
+    /// Each hot-plugged device saves its own state into the snapshot (VFIO migration);
+    /// a VM with a device that cannot is refused, naming it and what it lacks. (Called
+    /// `refuse` before devices could be saved; that name is still accepted.)
     #[default]
-    Refuse,
+    #[serde(alias = "refuse")]
+    Migrate,
     /// The guest's agent releases each hot-plugged GPU, which is ejected; the snapshot
     /// records them, and a restored guest resumes on any GPU of the same model.
     GuestRelease,

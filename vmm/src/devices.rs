@@ -5,8 +5,8 @@
 //! Components without state of their own are not in the list: the i8042 (it only
 //! forwards the guest's reset command), the exit port and the legacy sinks, and the PCI
 //! root bus (each function's configuration state is its own: a virtio transport saves its
-//! BAR, command register and MSI-X table; passthrough devices keep theirs in hardware,
-//! which is why a VM with one cannot be snapshotted).
+//! BAR, command register and MSI-X table; a hot-plugged passthrough device's state comes
+//! from the device itself, through VFIO migration: see crate::hotplug::migration).
 //!
 //! Adding a device to snapshots: implement [`Persist`] in the device's own file (its
 //! `State` type beside it), then add one field to [`DeviceStates`] and one line to each
@@ -65,6 +65,12 @@ pub struct DeviceStates {
     /// GPUs released by the guest for the snapshot (absent when there were none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
+    /// Hot-plugged passthrough devices whose own state the snapshot holds (VFIO
+    /// migration; each one's data is a file beside the memory files). Filled by the
+    /// snapshot itself, which writes those files ([`crate::hotplug::PciHotplug::save_migrated`]);
+    /// a restore plugs them back after this state is loaded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrated_gpus: Vec<crate::hotplug::MigratedGpu>,
 }
 
 /// A device refused its saved state (or could not give its own).
@@ -88,6 +94,7 @@ impl Persist for MachineDevices {
             virtio: crate::virtio::save_all(&self.virtio)?,
             pci_hotplug: self.pci_hotplug.as_ref().map(|h| h.save_controller()),
             released_gpus: self.released_gpus.clone(),
+            migrated_gpus: Vec::new(),
         })
     }
 

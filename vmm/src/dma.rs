@@ -137,6 +137,20 @@ impl RamChunks {
         hooks: DmaTestHooks,
         on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
     ) -> Result<BackgroundMapping, PciSetupError> {
+        let ready: Arc<dyn gpuvm_vfio::dma::ChunkReady> = Arc::new(gpuvm_vfio::dma::AllReady);
+        self.start_when_ready(progress, mapper, hooks, on_thread_start, ready)
+    }
+
+    /// As [`RamChunks::start_with`], mapping each chunk once `ready` says RAM there is
+    /// filled (a restore's RAM still being loaded).
+    pub(crate) fn start_when_ready(
+        &self,
+        progress: Arc<DmaProgress>,
+        mapper: Arc<dyn DmaMapper>,
+        hooks: DmaTestHooks,
+        on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
+        ready: Arc<dyn gpuvm_vfio::dma::ChunkReady>,
+    ) -> Result<BackgroundMapping, PciSetupError> {
         let mapper: Arc<dyn DmaMapper> = if hooks.fail {
             Arc::new(FailingMapper(mapper))
         } else {
@@ -146,7 +160,7 @@ impl RamChunks {
             delay: hooks.delay,
             on_thread_start,
             keepalive: Some(Box::new(self.memory.clone())),
-            ..Default::default()
+            ready,
         };
         BackgroundMapping::start(progress, mapper, self.chunks.clone(), options)
             .map_err(|e| PciSetupError::Device(VfioError::Io(e)))

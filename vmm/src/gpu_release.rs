@@ -303,7 +303,7 @@ pub fn snapshot_releasing(
         ejected.push(gpu);
     }
     let released_ms = started.elapsed().as_millis() as u64;
-    body.passthrough = PassthroughPolicy::Refuse;
+    body.passthrough = PassthroughPolicy::Migrate;
     body.released_gpus = gpus
         .iter()
         .map(|gpu| ReleasedGpu {

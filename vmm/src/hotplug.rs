@@ -45,6 +45,9 @@ use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
 use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
 
+pub(crate) mod migration;
+pub use migration::{MigratedGpu, DEVICE_FILE_PREFIX};
+
 /// How long DELETE /gpus/{id} waits for the guest to eject, unless
 /// [`EJECT_TIMEOUT_VAR`] says otherwise.
 pub const EJECT_TIMEOUT: Duration = Duration::from_secs(20);
@@ -100,6 +103,21 @@ struct HotDevice {
     _vfio: Option<KernelVfio>,
     gsis: Vec<u32>,
     ejecting: bool,
+    /// What it was plugged from (a snapshot records it, to find the device again).
+    source: GpuBody,
+    /// Stopped by a snapshot that saved its state (VFIO migration), until it runs again.
+    stopped: bool,
+    /// A restored device not running yet: guest RAM is still being DMA-mapped for it.
+    held_for_dma: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A device opened for plugging, with what goes with it.
+struct OpenedBackend {
+    backend: Box<dyn PassthroughDevice>,
+    mapper: Arc<dyn gpuvm_vfio::dma::DmaMapper>,
+    health: Option<Arc<BackendHealth>>,
+    watch: Option<HangupWatch>,
+    vfio: Option<KernelVfio>,
 }
 
 /// A device whose process went away: waiting for the guest to eject it, or the deadline.
@@ -189,6 +207,12 @@ impl PciHotplug {
             Ok(copy) => lock(&self.controller).set_wake(copy),
             Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
         }
+        // Devices plugged before there was a run loop (a restore's) report to it too.
+        for health in self.devices.values().filter_map(|d| d.health.as_ref()) {
+            if let Ok(copy) = wake.try_clone() {
+                health.set_wake(copy);
+            }
+        }
         self.wake = Some(wake);
     }
 
@@ -205,6 +229,11 @@ impl PciHotplug {
     /// The ids and bus addresses of the hot-plugged devices.
     pub fn attached(&self) -> impl Iterator<Item = (&str, PciBdf)> {
         self.devices.iter().map(|(id, d)| (id.as_str(), d.bdf))
+    }
+
+    /// The "BDF name" labels of the hot-plugged devices.
+    pub fn labels(&self) -> impl Iterator<Item = String> + '_ {
+        self.devices.values().map(|d| d.label.clone())
     }
 
     /// Whether `id` is a hot-plugged device.
@@ -236,61 +265,39 @@ impl PciHotplug {
             id: id.clone(),
             source,
         };
+        let opened = self.open_backend(body).map_err(device_error)?;
         let plug = Plug {
             vm: &self.vm,
             root: &self.root,
             router: &self.router,
             slots: &self.slots,
         };
-        let mut health = None;
-        let mut watch = None;
-        let (plugged, mapping, vfio) = if let Some(socket) = &body.vfio_user_socket {
-            let backend = VfioUserDevice::connect(socket).map_err(|e| device_error(e.into()))?;
-            let backend_health = backend.health();
-            if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
-                backend_health.set_wake(wake);
-            }
-            health = Some(backend_health);
-            watch = backend.watch_hang_up();
-            let mapper = backend.dma_mapper();
-            let progress = self.ram.progress(mapper.name());
-            // Plugging resets the device: map after that.
+        let progress = self.ram.progress(opened.mapper.name());
+        // vfio-user: plugging resets the device, so map after that. Kernel VFIO: the
+        // container maps for every device in it, and pinning takes longest: start first.
+        let (plugged, mapping) = if opened.vfio.is_none() {
             let plugged = plug
-                .open(Box::new(backend), &progress)
+                .open(opened.backend, &progress)
                 .map_err(device_error)?;
             let mapping = self
                 .ram
-                .start_with(progress, mapper, self.hooks, None)
+                .start_with(progress, opened.mapper, self.hooks, None)
                 .map_err(|e| {
                     self.root.remove_device(plugged.bdf);
                     device_error(e)
                 })?;
-            (plugged, mapping, None)
-        } else if let Some(bdf) = &body.host_bdf {
-            let open = || -> Result<_, PciSetupError> {
-                let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
-                let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
-                let backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
-                gpuvm_vfio::host::check_memlock(self.ram_size())?;
-                Ok((vfio, backend))
-            };
-            let (vfio, backend) = open().map_err(device_error)?;
-            let mapper = vfio.dma_mapper();
-            let progress = self.ram.progress(mapper.name());
+            (plugged, mapping)
+        } else {
             let mapping = self
                 .ram
-                .start_with(progress.clone(), mapper, self.hooks, None)
+                .start_with(progress.clone(), opened.mapper, self.hooks, None)
                 .map_err(device_error)?;
-            let plugged = plug.open(backend, &progress).map_err(device_error)?;
-            (plugged, mapping, Some(vfio))
-        } else {
-            return Err(HotplugError::Device {
-                id,
-                source: PciSetupError::Device(gpuvm_vfio::VfioError::NotPci(
-                    "the body names no device".into(),
-                )),
-            });
+            let plugged = plug
+                .open(opened.backend, &progress)
+                .map_err(device_error)?;
+            (plugged, mapping)
         };
+        let (health, watch, vfio) = (opened.health, opened.watch, opened.vfio);
         let bdf = plugged.bdf;
         let ids = lock(&plugged.device).pci_ids();
         if let Some(expected) = expected.filter(|expected| *expected != ids) {
@@ -319,9 +326,47 @@ impl PciHotplug {
                 _vfio: vfio,
                 gsis: plugged.gsis,
                 ejecting: false,
+                source: body.clone(),
+                stopped: false,
+                held_for_dma: Arc::default(),
             },
         );
         Ok((bdf, label))
+    }
+
+    /// Connects (vfio-user) or opens (kernel VFIO) the device `body` names, with the DMA
+    /// mapper for it; nothing is on the bus yet.
+    fn open_backend(&self, body: &GpuBody) -> Result<OpenedBackend, PciSetupError> {
+        if let Some(socket) = &body.vfio_user_socket {
+            let backend = VfioUserDevice::connect(socket)?;
+            let health = backend.health();
+            if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
+                health.set_wake(wake);
+            }
+            Ok(OpenedBackend {
+                watch: backend.watch_hang_up(),
+                mapper: backend.dma_mapper(),
+                health: Some(health),
+                backend: Box::new(backend),
+                vfio: None,
+            })
+        } else if let Some(bdf) = &body.host_bdf {
+            let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
+            let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
+            let backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
+            gpuvm_vfio::host::check_memlock(self.ram_size())?;
+            Ok(OpenedBackend {
+                mapper: vfio.dma_mapper(),
+                backend,
+                health: None,
+                watch: None,
+                vfio: Some(vfio),
+            })
+        } else {
+            Err(PciSetupError::Device(gpuvm_vfio::VfioError::NotPci(
+                "the body names no device".into(),
+            )))
+        }
     }
 
     fn ram_size(&self) -> u64 {

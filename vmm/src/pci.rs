@@ -206,6 +206,17 @@ impl Plug<'_> {
         backend: Box<dyn PassthroughDevice>,
         dma: &Arc<DmaProgress>,
     ) -> Result<Plugged, PciSetupError> {
+        self.open_placed(backend, dma, None)
+    }
+
+    /// As [`Plug::open`]; with `place`, the device goes into that slot with its BARs at
+    /// the given addresses (a restored device, where the guest left it).
+    pub(crate) fn open_placed(
+        &self,
+        backend: Box<dyn PassthroughDevice>,
+        dma: &Arc<DmaProgress>,
+        place: Option<(u8, &[(u8, u64)])>,
+    ) -> Result<Plugged, PciSetupError> {
         let mut gsis = Vec::new();
         let mut allocate = |count| {
             let vectors = self.router.allocate(count)?;
@@ -223,7 +234,17 @@ impl Plug<'_> {
         let pin = device.interrupt_pin();
         let name = device.name().to_string();
         let device = Arc::new(Mutex::new(device));
-        let bdf = self.root.add_device(device.clone())?;
+        let added = match place {
+            None => self.root.add_device(device.clone()),
+            Some((slot, bars)) => self.root.add_device_at(slot, device.clone(), bars),
+        };
+        let bdf = match added {
+            Ok(bdf) => bdf,
+            Err(error) => {
+                self.router.release(&gsis);
+                return Err(error.into());
+            }
+        };
         log::info!("PCI {bdf}: {name}");
         Ok(Plugged {
             bdf,

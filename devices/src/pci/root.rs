@@ -35,6 +35,17 @@ pub enum PciError {
     },
     #[error("invalid PCI MMIO layout: {0}")]
     Layout(&'static str),
+    #[error("PCI slot {0:#04x} is taken or out of range")]
+    SlotTaken(u8),
+    #[error(
+        "a {size:#x}-byte BAR cannot go back to {base:#x}: the {window} window does not have \
+         that range free"
+    )]
+    RangeTaken {
+        window: &'static str,
+        base: u64,
+        size: u64,
+    },
 }
 
 /// Where the root puts things in guest-physical space.
@@ -108,6 +119,29 @@ impl Allocator {
         }
         self.next = end;
         Ok(base)
+    }
+
+    /// Takes exactly `[base, base + size)` (a restored device's BAR): a range given back
+    /// earlier, or one past everything allocated so far.
+    fn reserve(&mut self, base: u64, size: u64) -> Result<(), PciError> {
+        if let Some(at) = self.free.iter().position(|&r| r == (base, size)) {
+            self.free.swap_remove(at);
+            return Ok(());
+        }
+        let end = base.checked_add(size).filter(|&end| {
+            base >= self.next && end <= self.end && base.is_multiple_of(size.max(1))
+        });
+        match end {
+            Some(end) => {
+                self.next = end;
+                Ok(())
+            }
+            None => Err(PciError::RangeTaken {
+                window: self.name,
+                base,
+                size,
+            }),
+        }
     }
 }
 
@@ -197,6 +231,68 @@ impl PciRoot {
         })
     }
 
+    /// Plugs a restored `device` back into `slot` with its BARs at the addresses it had
+    /// (`bars`: BAR index and address; a BAR not listed is placed as by
+    /// [`PciRoot::add_device`]). Its memory decoding is left as its own restored state
+    /// says: a snapshot's guest had already set it.
+    pub fn add_device_at(
+        &self,
+        slot: u8,
+        device: SharedDevice,
+        bars: &[(u8, u64)],
+    ) -> Result<PciBdf, PciError> {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        if slot == 0 || slot >= 32 || devices.contains_key(&slot) {
+            return Err(PciError::SlotTaken(slot));
+        }
+        let mut placed = Vec::new();
+        {
+            let mut guard = lock(&device);
+            for spec in guard.bar_specs() {
+                let wide = matches!(spec.kind, BarKind::Memory64 { .. });
+                let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
+                let mut allocator = allocator.lock().unwrap_or_else(|e| e.into_inner());
+                let address = match bars.iter().find(|(index, _)| *index == spec.index) {
+                    Some(&(_, address)) => allocator.reserve(address, spec.size).map(|()| address),
+                    None => allocator.allocate(spec.size),
+                };
+                let address = match address {
+                    Ok(address) => address,
+                    Err(error) => {
+                        // Give back what this device took so far.
+                        drop(allocator);
+                        self.give_back(placed);
+                        return Err(error);
+                    }
+                };
+                placed.push((wide, address, spec.size));
+                guard.set_bar_address(spec.index, address);
+            }
+        }
+        devices.insert(slot, device);
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, placed);
+        Ok(PciBdf {
+            bus: 0,
+            device: slot,
+            function: 0,
+        })
+    }
+
+    /// Returns BAR ranges to their windows' free lists.
+    fn give_back(&self, placed: Vec<PlacedBar>) {
+        for (wide, base, size) in placed {
+            let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
+            allocator
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .free
+                .push((base, size));
+        }
+    }
+
     /// Takes the device in `bdf`'s slot off the bus (hot-unplug): from now on its
     /// configuration space reads all ones and its BARs decode nothing; the BAR ranges it
     /// was given go back to the windows for the next device with BARs of the same sizes.
@@ -216,14 +312,7 @@ impl PciRoot {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&bdf.device)
             .unwrap_or_default();
-        for (wide, base, size) in placed {
-            let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
-            allocator
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .free
-                .push((base, size));
-        }
+        self.give_back(placed);
         log::info!("PCI {bdf}: removed");
         Some(device)
     }

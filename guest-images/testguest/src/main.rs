@@ -12,6 +12,7 @@ mod boot;
 mod bootinfo;
 mod console;
 mod exception;
+mod gpu_migrate;
 mod hotplug;
 mod lapic;
 mod memfns;

@@ -57,7 +57,7 @@ const EXIT_FAIL: u32 = 1;
 
 /// Interrupts taken on the MSI vector (incremented by the ring-0 handler below).
 #[no_mangle]
-static TG_MSI_COUNT: AtomicU64 = AtomicU64::new(0);
+pub(crate) static TG_MSI_COUNT: AtomicU64 = AtomicU64::new(0);
 /// Interrupts taken on the INTx vector.
 #[no_mangle]
 static TG_INTX_COUNT: AtomicU64 = AtomicU64::new(0);
@@ -102,7 +102,7 @@ fn config_address(device: u8, register: u8) -> u32 {
     1 << 31 | u32::from(device) << 11 | u32::from(register & 0xfc)
 }
 
-fn config_read(device: u8, register: u8) -> u32 {
+pub(crate) fn config_read(device: u8, register: u8) -> u32 {
     outl(CONFIG_ADDRESS, config_address(device, register));
     inl(CONFIG_DATA)
 }
@@ -112,13 +112,13 @@ fn config_write(device: u8, register: u8, value: u32) {
     outl(CONFIG_DATA, value);
 }
 
-fn mmio_read(addr: u64) -> u32 {
+pub(crate) fn mmio_read(addr: u64) -> u32 {
     // SAFETY: `addr` is in a BAR or the IOAPIC page, identity mapped and user accessible;
     // the access traps to the VMM.
     unsafe { (addr as *const u32).read_volatile() }
 }
 
-fn mmio_write(addr: u64, value: u32) {
+pub(crate) fn mmio_write(addr: u64, value: u32) {
     // SAFETY: as in `mmio_read`.
     unsafe { (addr as *mut u32).write_volatile(value) }
 }
@@ -259,7 +259,7 @@ fn start_dma(bar0: u64, seed: u64) {
 }
 
 /// Waits (in ring 0, through the #GP handler's `sti; hlt`) until `count` moves.
-fn wait_for_interrupt(count: &AtomicU64) -> u64 {
+pub(crate) fn wait_for_interrupt(count: &AtomicU64) -> u64 {
     for _ in 0..1000 {
         if count.load(Ordering::Acquire) > 0 {
             break;

@@ -32,6 +32,7 @@ pub fn run(info: &BootInfo) -> ! {
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
+        "gpu-migrate" => crate::gpu_migrate::run(),
         "acpi" => crate::acpi::run(info, words),
         "virtio-hostile" => crate::virtio::hostile::run(info),
         name @ ("virtio-blk-bench" | "virtio-vsock-bench" | "virtio-fs-bench") => {

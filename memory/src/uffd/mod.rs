@@ -29,7 +29,7 @@ use userfaultfd::{IoctlFlags, Uffd, UffdBuilder};
 
 use crate::snapshot::{RamMappings, SnapshotError};
 
-pub use loader::{LazyOptions, LazyRestore, LazyStats, ThreadStartHook};
+pub use loader::{LazyCompletion, LazyOptions, LazyRestore, LazyStats, ThreadStartHook};
 
 /// Errors from userfaultfd setup, lazy loading and the external-handler handshake.
 #[derive(Debug, thiserror::Error)]

@@ -80,6 +80,10 @@ pub fn restore(
     clock.mark("memory");
     restore_vm_state(&mut base, &loaded)?;
     clock.mark("vm_state");
+    if !loaded.state.devices.migrated_gpus.is_empty() {
+        restore_passthrough(&mut base, &loaded, lazy.as_ref())?;
+        clock.mark("passthrough");
+    }
     for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
         vcpu.restore(saved).map_err(SnapshotError::from)?;
     }
@@ -267,6 +271,55 @@ fn restore_vm_state(
             reason: e.to_string(),
         })?;
     InKernelDevices(&base.vm).restore(&loaded.state.vm)?;
+    Ok(())
+}
+
+/// Says a chunk of restored RAM is ready for a device's DMA once the lazy restore has
+/// loaded all of it (whole-restore granularity: simple, and a device rarely waits long,
+/// since the loader streams everything in the background).
+struct LazyLoaded(gpuvm_memory::uffd::LazyCompletion);
+
+impl gpuvm_vfio::dma::ChunkReady for LazyLoaded {
+    fn wait_ready(&self, _chunk: &gpuvm_vfio::DmaRegion) -> bool {
+        match self.0.wait() {
+            Ok(()) => true,
+            Err(error) => {
+                log::error!("no DMA mapping for restored devices: {error}");
+                false
+            }
+        }
+    }
+}
+
+/// The `passthrough` stage: hot-plugged devices whose state the snapshot holds are
+/// plugged back with it (crate::hotplug::migration), DMA-mapped once RAM is filled.
+fn restore_passthrough(
+    base: &mut MachineBase,
+    loaded: &snapshot::LoadedSnapshot,
+    lazy: Option<&LazyMemory>,
+) -> Result<(), SnapshotError> {
+    let ready: Arc<dyn gpuvm_vfio::dma::ChunkReady> = match lazy {
+        None => Arc::new(gpuvm_vfio::dma::AllReady),
+        Some(LazyMemory::InProcess(restore)) => Arc::new(LazyLoaded(restore.completion())),
+        Some(LazyMemory::External(_)) => {
+            return Err(SnapshotError::Invalid {
+                dir: loaded.dir.clone(),
+                reason: "the snapshot holds passthrough devices' state: restore it eagerly or \
+                         lazily (an external page-fault handler does not say when guest RAM is \
+                         filled, which a device must wait for before its DMA)"
+                    .into(),
+            })
+        }
+    };
+    let Some(hotplug) = base.devices.pci_hotplug.as_mut() else {
+        return Err(SnapshotError::Invalid {
+            dir: loaded.dir.clone(),
+            reason: "the snapshot holds passthrough devices, but this VM has no PCI bus".into(),
+        });
+    };
+    hotplug.restore_migrated(&loaded.state.devices.migrated_gpus, &loaded.dir, ready)?;
+    // The restored devices are passthrough devices like any hot-plugged one.
+    base.devices.passthrough.extend(hotplug.labels());
     Ok(())
 }
 

@@ -69,10 +69,10 @@ impl Machine {
         }
     }
 
-    /// Whether this machine's state can be saved: not with passthrough devices, whose
-    /// state (GPU memory, engines) lives in the hardware, nor with vhost-user devices,
-    /// whose state lives in their backends.
-    pub fn check_snapshottable(&self) -> Result<(), Error> {
+    /// Whether this machine's state can be saved: passthrough devices only if each was
+    /// hot-plugged and can save its own state (VFIO migration); not with vhost-user
+    /// devices, whose state lives in their backends.
+    pub fn check_snapshottable(&mut self) -> Result<(), Error> {
         if let Some(reason) = self
             .devices
             .virtio
@@ -81,13 +81,32 @@ impl Machine {
         {
             return Err(SnapshotError::Unsnapshottable(reason).into());
         }
-        if self.devices.passthrough.is_empty() {
+        let hot: Vec<String> = self
+            .devices
+            .pci_hotplug
+            .iter()
+            .flat_map(|hotplug| hotplug.labels())
+            .collect();
+        let cold: Vec<String> = self
+            .devices
+            .passthrough
+            .iter()
+            .filter(|label| !hot.contains(label))
+            .cloned()
+            .collect();
+        if !cold.is_empty() {
+            return Err(SnapshotError::Passthrough { devices: cold }.into());
+        }
+        let refusals = self
+            .devices
+            .pci_hotplug
+            .as_mut()
+            .map(|hotplug| hotplug.migration_refusals())
+            .unwrap_or_default();
+        if refusals.is_empty() {
             Ok(())
         } else {
-            Err(SnapshotError::Passthrough {
-                devices: self.devices.passthrough.clone(),
-            }
-            .into())
+            Err(SnapshotError::PassthroughNotMigratable { refusals }.into())
         }
     }
 
@@ -147,6 +166,9 @@ impl Machine {
         crate::virtio::pause_all(&self.devices.virtio);
         let written = self.write_paused_snapshot(handles, dir, dir_lock, full);
         crate::virtio::resume_all(&self.devices.virtio);
+        if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
+            hotplug.resume_migrated();
+        }
         written
     }
 
@@ -176,7 +198,12 @@ impl Machine {
         let vm = InKernelDevices(&self.vm)
             .save()
             .map_err(SnapshotError::from)?;
-        let devices = self.devices.save().map_err(SnapshotError::SaveDevices)?;
+        let mut devices = self.devices.save().map_err(SnapshotError::SaveDevices)?;
+        // Passthrough devices stop (no more DMA into RAM) before RAM is written.
+        if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
+            devices.migrated_gpus = hotplug.save_migrated(dir)?;
+        }
+        let device_files = devices.migrated_gpus.clone();
 
         let memory_started = Instant::now();
         let dirty = if self.config.track_dirty_pages {
@@ -212,6 +239,7 @@ impl Machine {
             Err(error) => {
                 // Not saved after all: the next snapshot must still see these pages dirty.
                 self.unsaved_dirty = dirty;
+                crate::hotplug::migration::remove_device_files(dir, &device_files);
                 return Err(error.into());
             }
         };

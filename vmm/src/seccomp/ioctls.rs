@@ -79,6 +79,8 @@ pub const VFIO_DEVICE_GET_REGION_INFO: u32 = io(VFIO, 100 + 8);
 pub const VFIO_DEVICE_GET_IRQ_INFO: u32 = io(VFIO, 100 + 9);
 pub const VFIO_DEVICE_SET_IRQS: u32 = io(VFIO, 100 + 10);
 pub const VFIO_DEVICE_RESET: u32 = io(VFIO, 100 + 11);
+/// VFIO migration v2 (saving a device's state into a snapshot, loading it on restore).
+pub const VFIO_DEVICE_FEATURE: u32 = io(VFIO, 100 + 17);
 pub const VFIO_IOMMU_MAP_DMA: u32 = io(VFIO, 100 + 13);
 pub const VFIO_IOMMU_UNMAP_DMA: u32 = io(VFIO, 100 + 14);
 pub const VFIO_DEVICE_DETACH_IOMMUFD_PT: u32 = io(VFIO, 100 + 20);

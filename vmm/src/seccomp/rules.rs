@@ -252,6 +252,8 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // Kernel VFIO: INTx unmask, reset and unmapping at teardown.
                     VFIO_DEVICE_SET_IRQS,
                     VFIO_DEVICE_RESET,
+                    // Kernel VFIO migration v2: a device's state into a snapshot and back.
+                    VFIO_DEVICE_FEATURE,
                     VFIO_DEVICE_GET_REGION_INFO,
                     VFIO_DEVICE_GET_IRQ_INFO,
                     VFIO_GROUP_UNSET_CONTAINER,

@@ -12,6 +12,7 @@ use gpuvm_memory::snapshot::{
 };
 
 use super::{MachineState, MemoryChain, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
+use crate::hotplug::migration::is_device_file_name;
 
 /// Creates the snapshot directory `dir` if it is not there: only its last component (a
 /// mistyped parent is an error, not a new tree).
@@ -113,11 +114,16 @@ pub(crate) fn check_replaceable(dir: &Path, name: &'static str) -> Result<(), Sn
 
 /// A memory-file name not used in `dir` yet (the time in ns, bumped on collision).
 pub(crate) fn fresh_memory_file(dir: &Path) -> String {
+    fresh_file_name(dir, MEMORY_FILE_PREFIX)
+}
+
+/// `prefix` and a stamp (the time in ns, bumped on collision) not used in `dir` yet.
+pub(crate) fn fresh_file_name(dir: &Path, prefix: &str) -> String {
     let mut stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     loop {
-        let name = format!("{MEMORY_FILE_PREFIX}{stamp}");
+        let name = format!("{prefix}{stamp}");
         // Not even a dangling link: the new file must not replace anything.
         if std::fs::symlink_metadata(dir.join(&name)).is_err() {
             return name;
@@ -180,12 +186,21 @@ pub(crate) fn commit(
         );
         return Err(error.into());
     }
-    remove_unreferenced(dir, &state.memory_files);
+    let mut keep = state.memory_files.clone();
+    keep.extend(
+        state
+            .devices
+            .migrated_gpus
+            .iter()
+            .map(|gpu| gpu.state_file.clone()),
+    );
+    remove_unreferenced(dir, &keep);
     crate::working_set::remove(dir);
     Ok(())
 }
 
-/// Removes, in `dir`, memory files that `keep` does not name (after a state commit) and
+/// Removes, in `dir`, memory and device-state files that `keep` does not name (after a
+/// state commit) and
 /// temporary files left by snapshots killed while writing: only files gpuvm wrote (its
 /// names and its magic), never anything else.
 pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
@@ -196,13 +211,18 @@ pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
         let file_name = entry.file_name();
         let name = file_name.as_bytes();
         let path = entry.path();
+        let kept = keep.iter().any(|k| k.as_bytes() == name);
         if is_memory_file_name(name) {
-            if !keep.iter().any(|k| k.as_bytes() == name) && is_gpuvm_file(&path, MEMORY_FILE_MAGIC)
-            {
+            if !kept && is_gpuvm_file(&path, MEMORY_FILE_MAGIC) {
                 remove_logged(&path, "old memory file");
+            }
+        } else if is_device_file_name(name) {
+            if !kept && is_gpuvm_file(&path, FRAMED_FILE_MAGIC) {
+                remove_logged(&path, "old device state file");
             }
         } else if let Some(target) = temp_file_target(name) {
             let ours = is_memory_file_name(target)
+                || is_device_file_name(target)
                 || target == STATE_FILE.as_bytes()
                 || target == crate::working_set::FILE.as_bytes();
             if ours {

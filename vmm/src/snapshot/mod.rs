@@ -41,7 +41,7 @@ pub mod files;
 mod load;
 
 pub use dir::SnapshotDirLock;
-pub(crate) use dir::{check_replaceable, commit, prepare_dir, write_memory};
+pub(crate) use dir::{check_replaceable, commit, fresh_file_name, prepare_dir, write_memory};
 pub use load::{load, load_state, ChainInputs, LoadedSnapshot, LoadedState};
 
 pub const STATE_FILE: &str = "state";
@@ -97,13 +97,22 @@ pub enum SnapshotError {
         found: String,
     },
     #[error(
-        "cannot snapshot a VM with passthrough devices ({}): their state lives in the device, \
-         and none offers VFIO migration; hot-plugged GPUs can be released by the guest for the \
-         snapshot instead (\"passthrough\": \"guest_release\", with a vsock device and the \
+        "cannot snapshot a VM with cold-plugged passthrough devices ({}): gpuvm saves the \
+         state of hot-plugged ones only (PUT /gpus/{{id}} after start, with VFIO migration); \
+         hot-plugged GPUs can also be released by the guest for the snapshot (\"passthrough\": \"guest_release\", with a vsock device and the \
          guest's GPU agent; docs/gpu-snapshots.md)",
         devices.join(", ")
     )]
     Passthrough { devices: Vec<String> },
+    #[error(
+        "cannot snapshot this VM: {}. A hot-plugged GPU without VFIO migration can be released \
+         by the guest for the snapshot instead (\"passthrough\": \"guest_release\", with a vsock \
+         device and the guest's GPU agent; docs/gpu-snapshots.md)",
+        refusals.join("; ")
+    )]
+    PassthroughNotMigratable { refusals: Vec<String> },
+    #[error("passthrough device {id}: {reason}")]
+    PassthroughState { id: String, reason: String },
     #[error("this VM cannot be snapshotted: {0}")]
     Unsnapshottable(String),
     #[error("KVM failed to {what}: {source}")]

@@ -42,7 +42,7 @@ use crate::snapshot::bits::AtomicBitmap;
 use crate::snapshot::{PlanRun, SnapshotChain};
 
 pub use self::options::{LazyOptions, ThreadStartHook};
-pub use self::restore::{LazyRestore, LazyStats};
+pub use self::restore::{LazyCompletion, LazyRestore, LazyStats};
 
 /// Chunk states.
 const CHUNK_EMPTY: u8 = 0;

@@ -64,6 +64,37 @@ impl LazyStats {
     }
 }
 
+/// Waits for a lazy restore's completion; see [`LazyRestore::completion`]. It does not
+/// keep the loader running: once the restore is dropped, a wait ends with an error.
+#[derive(Clone)]
+pub struct LazyCompletion {
+    shared: Arc<Shared>,
+}
+
+impl LazyCompletion {
+    /// Blocks until every data page is loaded; an error if the loader failed or stopped.
+    pub fn wait(&self) -> Result<(), UffdError> {
+        self.shared.release_background();
+        let mut status = lock(&self.shared.status);
+        loop {
+            if let Some(e) = &status.error {
+                return Err(UffdError::RestoreFailed(e.clone()));
+            }
+            if status.completed_after.is_some() {
+                return Ok(());
+            }
+            if status.stopped {
+                return Err(UffdError::RestoreFailed("stopped before completion".into()));
+            }
+            status = self
+                .shared
+                .status_changed
+                .wait(status)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 /// Handle to a running lazy restore. Dropping it stops the loader threads and closes
 /// the userfaultfd, after which still-missing pages read as zero: drop it early only when
 /// the guest is being torn down.
@@ -215,6 +246,15 @@ impl LazyRestore {
     /// Whether every data page is loaded.
     pub fn is_complete(&self) -> bool {
         lock(&self.shared.status).completed_after.is_some()
+    }
+
+    /// A handle that waits for this restore's completion from another thread (the DMA
+    /// mapping of a restored passthrough device waits for it: a device writing RAM the
+    /// loader has not filled yet would have its writes overwritten, or lost).
+    pub fn completion(&self) -> LazyCompletion {
+        LazyCompletion {
+            shared: self.shared.clone(),
+        }
     }
 
     /// Lets held background loaders start (see [`LazyOptions::hold_background`]).
