@@ -417,3 +417,391 @@ fn metrics_are_written_every_period_without_flush_metrics() {
         vmm.stderr()
     );
 }
+
+// ---- Raw memory files (Firecracker's layout) ----
+
+const FC_UFFD_HANDLER: &str = env!("CARGO_BIN_EXE_gpuvm-test-fc-uffd-handler");
+/// Guest RAM of the raw-image tests, and the memloop guest that checks its own memory
+/// (`memloop SIZE SEED ITERS`: every iteration verifies every page it wrote).
+const RAW_MEM_MIB: u64 = 128;
+const RAW_MEMLOOP: &str = "memloop 32M 13 40";
+
+/// `PUT /snapshot/create` of `snapshot_type` into `state` and `mem`.
+fn create_snapshot(api: &Path, snapshot_type: &str, state: &Path, mem: &Path) {
+    api_expect(
+        api,
+        204,
+        "PUT",
+        "/snapshot/create",
+        Some(&format!(
+            r#"{{"snapshot_type": "{snapshot_type}", "snapshot_path": "{}", "mem_file_path": "{}"}}"#,
+            state.display(),
+            mem.display()
+        )),
+    );
+}
+
+/// Boots the memloop guest through Firecracker's API (dirty pages tracked if
+/// `track_dirty_pages`), and pauses it after its first checked iteration.
+fn boot_memloop_and_pause(
+    scratch: &Scratch,
+    api: &Path,
+    track_dirty_pages: bool,
+) -> SpawnedProcess {
+    let mut vmm = start(scratch, api, "fc-raw-create");
+    let kernel = kernel(scratch);
+    api_expect(
+        api,
+        204,
+        "PUT",
+        "/machine-config",
+        Some(&format!(
+            r#"{{"vcpu_count": 1, "mem_size_mib": {RAW_MEM_MIB}, "smt": false, "track_dirty_pages": {track_dirty_pages}}}"#
+        )),
+    );
+    api_expect(
+        api,
+        204,
+        "PUT",
+        "/boot-source",
+        Some(&format!(
+            r#"{{"kernel_image_path": "{}", "boot_args": "{RAW_MEMLOOP}"}}"#,
+            kernel.display()
+        )),
+    );
+    api_expect(
+        api,
+        204,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type": "InstanceStart"}"#),
+    );
+    vmm.wait_for_stdout("memloop: iter 1 ok", LIMIT);
+    api_expect(api, 204, "PATCH", "/vm", Some(r#"{"state": "Paused"}"#));
+    vmm
+}
+
+/// Boots the memloop guest through Firecracker's API, pauses it after its first checked
+/// iteration and writes a Full snapshot into `state` and `mem`; the VMM is killed after.
+/// Returns what the guest printed before the snapshot.
+fn memloop_full_snapshot(scratch: &Scratch, state: &Path, mem: &Path) -> String {
+    let api = scratch.path("raw-create.sock");
+    let mut vmm = boot_memloop_and_pause(scratch, &api, false);
+    create_snapshot(&api, "Full", state, mem);
+    let before = vmm.stdout();
+    assert!(
+        !before.contains("memloop: done"),
+        "the guest finished before the snapshot: {before}"
+    );
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(LIMIT);
+    before
+}
+
+/// Checks that `mem` is the raw image of the gpuvm-format memory file gpuvm also wrote
+/// (in the hidden directory beside `state`): guest RAM's size, sparse, and every page
+/// that file stores at its flat offset (the region's memfd offset plus the page's offset
+/// in the region), byte for byte.
+fn assert_raw_image_of_gpuvm_snapshot(state: &Path, mem: &Path) {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let meta = std::fs::metadata(mem).unwrap();
+    assert_eq!(
+        meta.len(),
+        RAW_MEM_MIB << 20,
+        "the raw image is guest RAM's size"
+    );
+    assert!(
+        meta.blocks() * 512 < meta.len() / 2,
+        "the raw image is not sparse: {} of {} bytes allocated",
+        meta.blocks() * 512,
+        meta.len()
+    );
+    let hidden = gpuvm_vmm::snapshot::files::directory_for(state).unwrap();
+    let indexed: Vec<PathBuf> = std::fs::read_dir(&hidden)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("memory-"))
+        })
+        .collect();
+    assert_eq!(indexed.len(), 1, "{indexed:?}");
+    let chain = gpuvm_memory::snapshot::SnapshotChain::open_with_file_layout(&indexed).unwrap();
+    let layout = chain.layout();
+    let page = layout.page_size();
+    // Flat offset of linear page `linear`.
+    let flat = |linear: u64| {
+        let mut first = 0;
+        for region in layout.regions() {
+            let pages = region.size / page;
+            if linear < first + pages {
+                return region.file_offset + (linear - first) * page;
+            }
+            first += pages;
+        }
+        panic!("page {linear} outside guest RAM");
+    };
+    let (indexed_file, raw) = (
+        std::fs::File::open(&indexed[0]).unwrap(),
+        std::fs::File::open(mem).unwrap(),
+    );
+    let (mut want, mut got) = (vec![0u8; page as usize], vec![0u8; page as usize]);
+    let mut checked = 0;
+    for run in chain.plan() {
+        for k in 0..run.count {
+            indexed_file
+                .read_exact_at(&mut want, run.file_offset + k * page)
+                .unwrap();
+            raw.read_exact_at(&mut got, flat(run.start + k)).unwrap();
+            assert!(
+                want == got,
+                "guest page {} differs in the raw image",
+                run.start + k
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "only {checked} pages compared");
+    let data_pages = chain.data_pages();
+    assert!(
+        meta.blocks() * 512 >= data_pages * page,
+        "fewer bytes allocated than the {data_pages} data pages"
+    );
+}
+
+/// The restored guest resumed where it was snapshotted (no second boot) and its own
+/// checks pass to the end: memloop verifies every page it wrote, each iteration.
+fn assert_memloop_went_on(before: &str, after: &str) {
+    assert!(!after.contains("FAIL"), "{after}");
+    assert!(!after.contains("memloop: cpus="), "booted again: {after}");
+    assert!(after.contains("memloop: done"), "{after}");
+    let last_before = gpuvm_tests::memloop_iterations(before)
+        .last()
+        .copied()
+        .unwrap();
+    let after_iters = gpuvm_tests::memloop_iterations(after);
+    assert!(
+        after_iters.len() >= 2 && after_iters[0] <= last_before + 1,
+        "before: {before}\nafter: {after}"
+    );
+}
+
+#[test]
+fn full_snapshot_memory_file_is_a_sparse_raw_image_loaded_with_file() {
+    let scratch = Scratch::new("firecracker", "raw-file");
+    let (state, mem) = (scratch.path("vm.state"), scratch.path("vm.mem"));
+    let before = memloop_full_snapshot(&scratch, &state, &mem);
+    assert_raw_image_of_gpuvm_snapshot(&state, &mem);
+
+    // A memory file of another size is refused, naming the sizes.
+    let short = scratch.path("short.mem");
+    std::fs::copy(&mem, &short).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&short)
+        .unwrap()
+        .set_len(RAW_MEM_MIB << 19)
+        .unwrap();
+    let api = scratch.path("raw-bad.sock");
+    let vmm = start(&scratch, &api, "fc-raw-bad");
+    let answer = api_expect(
+        &api,
+        400,
+        "PUT",
+        "/snapshot/load",
+        Some(&format!(
+            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "File", "backend_path": "{}"}}, "resume_vm": true}}"#,
+            state.display(),
+            short.display()
+        )),
+    );
+    assert!(answer.contains("guest RAM size mismatch"), "{answer}");
+    drop(vmm);
+
+    // A fresh process loads it (File: lazily) and the guest's own checks pass on.
+    let api = scratch.path("raw-load.sock");
+    let restored = start(&scratch, &api, "fc-raw-load");
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/snapshot/load",
+        Some(&format!(
+            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "File", "backend_path": "{}"}}, "resume_vm": true}}"#,
+            state.display(),
+            mem.display()
+        )),
+    );
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert_memloop_went_on(&before, &out.stdout);
+
+    // The two files as gpuvm wrote them before raw images (its own state, no raw mark, and
+    // its indexed memory file) still load the same way.
+    let hidden = gpuvm_vmm::snapshot::files::directory_for(&state).unwrap();
+    let (old_state, old_mem) = (scratch.path("old.state"), scratch.path("old.mem"));
+    std::fs::copy(hidden.join("state"), &old_state).unwrap();
+    let indexed = std::fs::read_dir(&hidden)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("memory-")
+        })
+        .unwrap();
+    std::fs::copy(indexed, &old_mem).unwrap();
+    let api = scratch.path("old-load.sock");
+    let restored = start(&scratch, &api, "fc-old-load");
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/snapshot/load",
+        Some(&format!(
+            r#"{{"snapshot_path": "{}", "mem_file_path": "{}", "resume_vm": true}}"#,
+            old_state.display(),
+            old_mem.display()
+        )),
+    );
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert_memloop_went_on(&before, &out.stdout);
+}
+
+#[test]
+fn raw_memory_file_is_served_by_a_firecracker_protocol_uffd_handler() {
+    let scratch = Scratch::new("firecracker", "raw-uffd");
+    let (state, mem) = (scratch.path("vm.state"), scratch.path("vm.mem"));
+    let before = memloop_full_snapshot(&scratch, &state, &mem);
+
+    let handler_socket = scratch.path("fc-uffd.sock");
+    let mut handler = SpawnedProcess::spawn(
+        Path::new(FC_UFFD_HANDLER),
+        &[handler_socket.to_str().unwrap(), mem.to_str().unwrap()],
+    );
+    handler.wait_for_stdout("fc-uffd-handler: listening", LIMIT);
+    let api = scratch.path("raw-uffd.sock");
+    let restored = start(&scratch, &api, "fc-raw-uffd");
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/snapshot/load",
+        Some(&format!(
+            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "Uffd", "backend_path": "{}"}}, "resume_vm": true}}"#,
+            state.display(),
+            handler_socket.display()
+        )),
+    );
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert_memloop_went_on(&before, &out.stdout);
+    let served = handler.wait(LIMIT);
+    served.assert_code(0);
+    let faults: u64 = served
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("fc-uffd-handler: served "))
+        .and_then(|l| l.strip_suffix(" faults"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{}", served.stdout));
+    assert!(faults > 0, "the handler served no fault: {}", served.stdout);
+}
+
+/// The byte ranges of `file` that hold data (`SEEK_DATA`/`SEEK_HOLE`).
+fn data_ranges(file: &std::fs::File) -> Vec<(u64, u64)> {
+    use std::os::unix::io::AsRawFd;
+    let len = file.metadata().unwrap().len();
+    let mut ranges = Vec::new();
+    let mut at = 0u64;
+    while at < len {
+        // SAFETY: lseek on a descriptor this test owns.
+        let data = unsafe { libc::lseek(file.as_raw_fd(), at as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) };
+        assert!(hole > data, "SEEK_HOLE from data at {data}: {hole}");
+        ranges.push((data as u64, hole as u64));
+        at = hole as u64;
+    }
+    ranges
+}
+
+/// A Diff through Firecracker's API writes Firecracker's Diff memory file: RAM-sized,
+/// only the dirty pages present; merged onto the Full image by its data ranges (what a
+/// client such as snapshot-editor does), the merge loads with the Diff's state and the
+/// guest's own checks pass on.
+#[test]
+fn diff_memory_file_merged_onto_the_full_image_loads() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let scratch = Scratch::new("firecracker", "raw-diff");
+    let state = scratch.path("vm.state");
+    let (base, diff) = (scratch.path("base.mem"), scratch.path("diff.mem"));
+    let api = scratch.path("raw-diff.sock");
+    let mut vmm = boot_memloop_and_pause(&scratch, &api, true);
+    create_snapshot(&api, "Full", &state, &base);
+    api_expect(&api, 204, "PATCH", "/vm", Some(r#"{"state": "Resumed"}"#));
+    let iters = gpuvm_tests::memloop_iterations(&vmm.stdout()).len();
+    vmm.wait_for_stdout(&format!("memloop: iter {} ok", iters + 1), LIMIT);
+    api_expect(&api, 204, "PATCH", "/vm", Some(r#"{"state": "Paused"}"#));
+    create_snapshot(&api, "Diff", &state, &diff);
+    let before = vmm.stdout();
+    assert!(!before.contains("memloop: done"), "{before}");
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(LIMIT);
+
+    let (base_meta, diff_meta) = (
+        std::fs::metadata(&base).unwrap(),
+        std::fs::metadata(&diff).unwrap(),
+    );
+    assert_eq!(
+        diff_meta.len(),
+        RAW_MEM_MIB << 20,
+        "a Diff image is RAM-sized too"
+    );
+    assert!(
+        diff_meta.blocks() > 0 && diff_meta.blocks() < base_meta.blocks(),
+        "the Diff holds fewer pages than the Full image: {} vs {} blocks",
+        diff_meta.blocks(),
+        base_meta.blocks()
+    );
+    // The Diff's state alone with the Full image would be the wrong guest; the merge is
+    // what loads.
+    let merged = scratch.path("merged.mem");
+    std::fs::copy(&base, &merged).unwrap();
+    let (from, to) = (
+        std::fs::File::open(&diff).unwrap(),
+        std::fs::File::options().write(true).open(&merged).unwrap(),
+    );
+    let ranges = data_ranges(&from);
+    assert!(!ranges.is_empty());
+    for (start, end) in ranges {
+        let mut bytes = vec![0u8; (end - start) as usize];
+        from.read_exact_at(&mut bytes, start).unwrap();
+        to.write_all_at(&bytes, start).unwrap();
+    }
+    drop(to);
+
+    let api = scratch.path("raw-diff-load.sock");
+    let restored = start(&scratch, &api, "fc-raw-diff-load");
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/snapshot/load",
+        Some(&format!(
+            r#"{{"snapshot_path": "{}", "mem_file_path": "{}", "resume_vm": true}}"#,
+            state.display(),
+            merged.display()
+        )),
+    );
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert_memloop_went_on(&before, &out.stdout);
+}

@@ -217,7 +217,9 @@ struct SnapshotCreate {
     snapshot_type: SnapshotType,
 }
 
-/// PUT /snapshot/create: a state file and a memory file.
+/// PUT /snapshot/create: a state file and a memory file, the memory a raw guest-RAM image
+/// in Firecracker's layout (see `gpuvm_vmm::snapshot::files`); a Diff's holds only the
+/// dirty pages.
 pub fn snapshot_create(body: &Value, cwd: &Path) -> Result<SnapshotCreateBody, Refusal> {
     let fc: SnapshotCreate = parse("snapshot/create", body)?;
     Ok(SnapshotCreateBody {
@@ -253,10 +255,12 @@ struct SnapshotLoad {
 }
 
 /// PUT /snapshot/load. `File` (and the older `mem_file_path`) restores lazily: the guest
-/// runs at once and pages load on fault and in the background. `Uffd` hands the faults to
-/// the external handler at `backend_path`; gpuvm then reads the memory layout from its
-/// own snapshot directory, the hidden `.<state file>.gpuvm` beside the state file that
-/// PUT /snapshot/create wrote.
+/// runs at once and pages load on fault and in the background, from the raw image (or a
+/// gpuvm-format memory file, when the state file is one written before raw images).
+/// `Uffd` hands the faults to the external handler at `backend_path`, which serves them
+/// from the raw image; gpuvm then reads the memory layout from its own snapshot
+/// directory, the hidden `.<state file>.gpuvm` beside the state file that PUT
+/// /snapshot/create wrote.
 pub fn snapshot_load(body: &Value, cwd: &Path) -> Result<SnapshotLoadBody, Refusal> {
     let fc: SnapshotLoad = parse("snapshot/load", body)?;
     if fc.enable_diff_snapshots || fc.track_dirty_pages {

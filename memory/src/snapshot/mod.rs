@@ -2,6 +2,8 @@
 //! writers, a validating reader that understands diff chains, and eager restore.
 //!
 //! Lazy restore (userfaultfd) lives in [`crate::uffd`] and uses the reader from here.
+//! Firecracker-shaped raw guest-RAM images (flat, sparse) are written and read as a
+//! chain's source by [`raw`].
 //!
 //! Typical use by the VMM:
 //! - save: pause vCPUs and devices, then [`write_full`] or [`write_diff`] (with the KVM dirty
@@ -17,6 +19,7 @@ pub(crate) mod bits;
 mod eager;
 pub mod format;
 mod layout;
+mod raw;
 mod reader;
 mod scan;
 mod writer;
@@ -38,6 +41,7 @@ pub use atomic::{
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};
 pub use layout::{RamLayout, RamMappings};
+pub use raw::{write_raw, RawContent, RawWriteStats};
 pub use reader::{open_regular_file, read_regular_file, MemoryFile, PlanRun, SnapshotChain};
 pub use writer::{write_diff, write_full, SnapshotInfo, WriteOptions, WriteStats};
 

@@ -287,6 +287,30 @@ impl MemoryFile {
         })
     }
 
+    /// A raw guest-RAM image (see [`super::raw`]) as a memory file: a synthesized header
+    /// and one data extent per run of pages the file holds, at their flat offsets; no
+    /// page CRCs.
+    pub(super) fn from_raw_image(
+        path: PathBuf,
+        file: File,
+        header: Header,
+        layout: RamLayout,
+        extents: Vec<Extent>,
+        extent_linear: Vec<u64>,
+    ) -> MemoryFile {
+        MemoryFile {
+            path,
+            file,
+            header,
+            layout,
+            extent_crc_index: vec![0; extents.len()],
+            extents,
+            extent_linear,
+            metadata: Metadata::new(0),
+            page_crcs: PageCrcs::Absent,
+        }
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

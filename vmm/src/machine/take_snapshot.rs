@@ -230,6 +230,7 @@ impl Machine {
                     devices,
                     memory_files: files,
                     memory_file_id: Some(stats.info.id.to_string()),
+                    raw_memory: None,
                 };
                 snapshot::commit(dir, &state, &memory_file)?;
                 Ok((memory_file, stats, memory_time, state.memory_files))

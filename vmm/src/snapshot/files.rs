@@ -4,11 +4,22 @@
 //! chain Diff snapshots extend), then hard-links (or, across file systems, copies) its
 //! `state` and newest memory file to the two paths. A load stages the two files back into
 //! a directory (`.<name>.gpuvm-load.<pid>`, hard links where possible) under the name the
-//! state gives its memory file. The memory file stays in gpuvm's indexed format.
+//! state gives its memory file.
+//!
+//! The memory file is a raw guest-RAM image (Firecracker's layout, see
+//! `gpuvm_memory::snapshot::write_raw`), converted from the directory's newest memory file
+//! once the snapshot is committed (the guest already runs again), and the state file
+//! records that (`raw_memory`, with its size), so a load reads it as raw and refuses one of
+//! another size. A state without that mark (written by gpuvm before raw images) still
+//! loads with its gpuvm-format memory file. A Diff's image holds only the dirty pages at
+//! their flat offsets, holes elsewhere: the client merges it onto the base image, as with
+//! Firecracker.
 
 use std::path::{Path, PathBuf};
 
-use super::{MachineState, SnapshotReport, STATE_FILE};
+use gpuvm_memory::snapshot::{write_raw, RawContent, SnapshotChain};
+
+use super::{MachineState, RawMemory, SnapshotReport, STATE_FILE};
 
 fn sibling(file: &Path, suffix: &str) -> Result<PathBuf, String> {
     let name = file
@@ -59,24 +70,78 @@ fn copy(src: &Path, dst: &Path) -> std::io::Result<()> {
     to.set_len(len)
 }
 
-/// After a snapshot into `report.dir`: its state to `state_file`, its newest memory file
-/// to `mem_file`.
+/// After a snapshot into `report.dir`: its newest memory as a raw image at `mem_file`
+/// (all of guest RAM for a Full snapshot, only the dirty pages for a Diff), and its state,
+/// marked as having that raw memory, at `state_file`. Both are replaced atomically.
 pub fn export(report: &SnapshotReport, state_file: &Path, mem_file: &Path) -> Result<(), String> {
-    link_or_copy(&report.dir.join(STATE_FILE), state_file)?;
-    link_or_copy(&report.dir.join(&report.memory_file), mem_file)
+    let mut state: MachineState = crate::persist::read_state_file(&report.dir.join(STATE_FILE))
+        .map_err(|e| format!("cannot read the snapshot's state: {e}"))?;
+    let paths: Vec<PathBuf> = state
+        .memory_files
+        .iter()
+        .map(|name| report.dir.join(name))
+        .collect();
+    let chain = SnapshotChain::open_with_file_layout(&paths)
+        .map_err(|e| format!("cannot read the snapshot's memory: {e}"))?;
+    let content = if report.diff {
+        RawContent::NewestOnly
+    } else {
+        RawContent::Full
+    };
+    if let Ok(meta) = std::fs::symlink_metadata(mem_file) {
+        if meta.is_dir() {
+            return Err(format!("{} is a directory, not a file", mem_file.display()));
+        }
+    }
+    let written = write_raw(mem_file, &chain, content)
+        .map_err(|e| format!("cannot write {}: {e}", mem_file.display()))?;
+    log::info!(
+        "raw memory image {}: {} bytes, {} pages with data",
+        mem_file.display(),
+        written.file_len,
+        written.pages_written
+    );
+    state.raw_memory = Some(RawMemory {
+        size: chain.layout().ram_size(),
+        diff: report.diff,
+    });
+    if let Ok(meta) = std::fs::symlink_metadata(state_file) {
+        if meta.is_dir() {
+            return Err(format!(
+                "{} is a directory, not a file",
+                state_file.display()
+            ));
+        }
+    }
+    crate::persist::write_state_file(state_file, &state)
+        .map_err(|e| format!("cannot write {}: {e}", state_file.display()))
 }
 
 /// Before a load: a directory holding `state_file` as its state and `mem_file` as the
-/// one memory file that state names.
+/// memory file that state names (the newest one, for a raw image: after a Diff, the
+/// client has merged the Diff's image onto its base's, as with Firecracker).
 pub fn stage(state_file: &Path, mem_file: &Path) -> Result<PathBuf, String> {
     let state: MachineState = crate::persist::read_state_file(state_file)
         .map_err(|e| format!("cannot read {}: {e}", state_file.display()))?;
-    let [memory_name] = state.memory_files.as_slice() else {
-        return Err(format!(
-            "{} names {} memory files (a Diff snapshot's chain): gpuvm loads Firecracker's two-file layout only from Full snapshots",
-            state_file.display(),
-            state.memory_files.len()
-        ));
+    let memory_name = match (&state.raw_memory, state.memory_files.as_slice()) {
+        (_, [only]) => only,
+        (Some(raw), [.., newest]) => {
+            if raw.diff {
+                log::info!(
+                    "{} is a Diff snapshot's state: {} must be its memory merged onto the base's",
+                    state_file.display(),
+                    mem_file.display()
+                );
+            }
+            newest
+        }
+        (_, files) => {
+            return Err(format!(
+                "{} names {} memory files (a Diff snapshot's chain in gpuvm's format): gpuvm loads Firecracker's two-file layout only from Full snapshots or raw images",
+                state_file.display(),
+                files.len()
+            ))
+        }
     };
     if memory_name.contains('/') || memory_name.contains("..") {
         return Err(format!("{} names a bad memory file", state_file.display()));

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpuvm_memory::snapshot::{RamLayout, SnapshotChain};
+use gpuvm_memory::snapshot::{RamLayout, SnapshotChain, SnapshotId};
 
 use super::{MachineState, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
 use crate::config::MachineConfig;
@@ -42,12 +42,24 @@ pub struct ChainInputs {
     layout: RamLayout,
     /// The newest file's id as the state records it (see [`MachineState::memory_file_id`]).
     head_id: Option<String>,
+    /// The one path is a raw guest-RAM image (see [`MachineState::raw_memory`]).
+    raw: bool,
 }
 
 impl ChainInputs {
     /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout),
     /// and checks that it is the one the state was written with.
     pub fn validate(&self) -> Result<SnapshotChain, SnapshotError> {
+        if self.raw {
+            // A raw image has no id of its own to check (its size is checked); it takes
+            // the one its state records.
+            let id = self
+                .head_id
+                .as_deref()
+                .and_then(parse_snapshot_id)
+                .unwrap_or(SnapshotId::NONE);
+            return Ok(SnapshotChain::open_raw(&self.paths[0], &self.layout, id)?);
+        }
         let chain = SnapshotChain::open(&self.paths, &self.layout)?;
         if let Some(expected) = &self.head_id {
             let found = chain.head().id.to_string();
@@ -63,6 +75,18 @@ impl ChainInputs {
         }
         Ok(chain)
     }
+}
+
+/// A snapshot id as its `Display` writes it (32 hex digits).
+fn parse_snapshot_id(text: &str) -> Option<SnapshotId> {
+    if text.len() != 32 || !text.is_ascii() {
+        return None;
+    }
+    let mut bytes = [0u8; 16];
+    for (i, byte) in bytes.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(SnapshotId(bytes))
 }
 
 impl LoadedState {
@@ -144,8 +168,25 @@ pub fn load_state(
         );
     }
     let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
-    let paths: Vec<PathBuf> = state.memory_files.iter().map(|f| dir.join(f)).collect();
-    let head_id = state.memory_file_id.clone();
+    let (paths, head_id, raw) = match &state.raw_memory {
+        // Firecracker's layout: the newest memory file is the whole of guest RAM.
+        Some(raw) => {
+            if raw.size != layout.ram_size() {
+                return Err(invalid(format!(
+                    "the state records a raw memory image of {} bytes for {} bytes of guest RAM",
+                    raw.size,
+                    layout.ram_size()
+                )));
+            }
+            let newest = &state.memory_files[state.memory_files.len() - 1];
+            (vec![dir.join(newest)], state.memory_file_id.clone(), true)
+        }
+        None => (
+            state.memory_files.iter().map(|f| dir.join(f)).collect(),
+            state.memory_file_id.clone(),
+            false,
+        ),
+    };
     Ok(LoadedState {
         dir: dir.to_path_buf(),
         state,
@@ -154,6 +195,7 @@ pub fn load_state(
             paths,
             layout,
             head_id,
+            raw,
         },
     })
 }

@@ -190,6 +190,23 @@ pub struct MachineState {
     /// before ids were recorded: they load with a warning, their files unchecked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_file_id: Option<String>,
+    /// Set in the state file Firecracker's API writes beside a raw guest-RAM image
+    /// ([`files`]): its memory file is that image, not gpuvm's format.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw_memory: Option<RawMemory>,
+}
+
+/// A state's memory file is a raw guest-RAM image (Firecracker's layout: flat, sparse;
+/// see `gpuvm_memory::snapshot::write_raw`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawMemory {
+    /// The image's size in bytes: the guest's RAM size. A load refuses any other.
+    pub size: u64,
+    /// A Diff: only the pages dirtied since the previous snapshot, to be merged onto that
+    /// snapshot's image before it is loaded.
+    #[serde(default)]
+    pub diff: bool,
 }
 
 /// Where the memory chain of the running machine stands, for diff snapshots.
