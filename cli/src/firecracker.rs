@@ -116,6 +116,8 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
 
 /// The `firecracker` entry point.
 pub fn main(args: &[String], process_start: Instant) -> ExitCode {
+    // Kata's Firecracker driver finds vCPU threads by Firecracker's names.
+    gpuvm_vmm::vcpu::name_threads_as_firecracker();
     let parsed = match parse(args) {
         Ok(Some(parsed)) => parsed,
         Ok(None) => {

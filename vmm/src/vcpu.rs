@@ -33,7 +33,7 @@ mod thread;
 mod thread_tests;
 pub use control::{pause_all, resume_all, stop_all, VcpuHandle};
 pub use state::{saved_msr_indices, VcpuState};
-pub use thread::VcpuThread;
+pub use thread::{name_threads_as_firecracker, VcpuThread};
 
 const LAPIC_LVT_LINT0: usize = 0x350;
 const LAPIC_LVT_LINT1: usize = 0x360;

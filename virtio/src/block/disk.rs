@@ -102,9 +102,14 @@ impl Disk {
                 source,
             })?;
         if size < SECTOR_SIZE {
-            return Err(BlockError::TooSmall { path, size });
-        }
-        if !size.is_multiple_of(SECTOR_SIZE) {
+            // As Firecracker: a disk of no sectors (every request to it fails). Kata's
+            // Firecracker driver starts VMs with empty placeholder files as drives and
+            // swaps real images in later (PATCH /drives).
+            log::warn!(
+                "{}: {size} bytes is less than one sector: a disk of 0 sectors until it is replaced",
+                path.display()
+            );
+        } else if !size.is_multiple_of(SECTOR_SIZE) {
             log::warn!(
                 "{}: {size} bytes is not a multiple of {SECTOR_SIZE}: the last {} bytes are not part of the disk",
                 path.display(),

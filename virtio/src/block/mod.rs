@@ -95,8 +95,6 @@ pub enum BlockError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{}: is {size} bytes, smaller than one {SECTOR_SIZE}-byte sector", path.display())]
-    TooSmall { path: PathBuf, size: u64 },
     #[error(
         "{}: is in use by another process (another VM?): cannot take {wanted} lock on it",
         path.display()

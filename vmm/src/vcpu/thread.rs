@@ -35,6 +35,25 @@ pub struct VcpuThread {
     pub(super) handle: VcpuHandle,
 }
 
+/// Whether vCPU threads take Firecracker's names (see [`name_threads_as_firecracker`]).
+static FIRECRACKER_NAMES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Names vCPU threads `fc_vcpu <N>`, as Firecracker does, instead of `vcpu<N>` (Cloud
+/// Hypervisor's names). Orchestrators find vCPU threads by name to put them in cgroups:
+/// Kata's Firecracker driver looks for `fc_vcpu <N>`, its Cloud Hypervisor driver for
+/// `vcpu<N>`. The Firecracker front end calls this before any vCPU exists.
+pub fn name_threads_as_firecracker() {
+    FIRECRACKER_NAMES.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn thread_name(id: u8) -> String {
+    if FIRECRACKER_NAMES.load(std::sync::atomic::Ordering::Relaxed) {
+        format!("fc_vcpu {id}")
+    } else {
+        format!("vcpu{id}")
+    }
+}
+
 impl VcpuThread {
     /// Spawns the thread for vCPU `id`: it installs the vCPU filter, says it is ready,
     /// and waits for its vCPU.
@@ -44,7 +63,7 @@ impl VcpuThread {
         let thread_control = control.clone();
         let (launch_tx, launch_rx) = channel::<Launch>();
         let thread = std::thread::Builder::new()
-            .name(format!("vcpu{id}"))
+            .name(thread_name(id))
             .spawn(move || {
                 let _ended = EndedOnDrop(thread_control.clone());
                 // Filtered before anything else runs on this thread, guest code included.
