@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpuvm_tests::{api_expect, api_start_instance, wait_for_api_socket, Scratch, SpawnedProcess};
+use serde_json::json;
 
 const LIMIT: Duration = Duration::from_secs(120);
 
@@ -291,8 +292,14 @@ fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
 }
 
 /// A VMM restoring `dir` (lazily) with its stdin piped to the guest's serial port, or
-/// the load's error body when `expect` is not 204.
-fn load_into_new_vmm(dir: &Path, name: &str, expect: u16) -> (SpawnedProcess, PathBuf, String) {
+/// the load's error body when `expect` is not 204; `gpus`: the load's `gpus` (where the
+/// saved devices are now).
+fn load_into_new_vmm(
+    dir: &Path,
+    name: &str,
+    expect: u16,
+    gpus: serde_json::Value,
+) -> (SpawnedProcess, PathBuf, String) {
     let api = socket_path(name);
     let mut vmm = SpawnedProcess::gpuvm_with_input(&["run", "--api-sock", api.to_str().unwrap()]);
     wait_for_api_socket(&mut vmm, &api);
@@ -300,6 +307,7 @@ fn load_into_new_vmm(dir: &Path, name: &str, expect: u16) -> (SpawnedProcess, Pa
         "snapshot_path": dir,
         "restore_mode": "Lazy",
         "resume_vm": true,
+        "gpus": gpus,
     })
     .to_string();
     let answer = api_expect(&api, expect, "PUT", "/snapshot/load", Some(&load));
@@ -378,7 +386,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     assert!(!emu_out.stderr.contains("panicked"), "{}", emu_out.stderr);
 
     // No device behind the socket: the restore fails, naming the device.
-    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-missing", 400);
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-missing", 400, json!([]));
     assert!(
         refused.contains("gpu0") && refused.contains("cannot open its device again"),
         "{refused}"
@@ -388,7 +396,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     // Another model behind the socket: refused, naming both.
     let emu_other =
         gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--device-id", "2331"]);
-    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-model", 400);
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-model", 400, json!([]));
     assert!(
         refused.contains("10de:2331") && refused.contains("10de:2330"),
         "{refused}"
@@ -403,21 +411,30 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     let middle = damaged.len() / 2;
     damaged[middle] ^= 0x40;
     std::fs::write(&device_file, &damaged).expect("damage");
-    let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--clients", "2"]);
-    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-damaged", 400);
+    // The device is elsewhere now: the load says where (`gpus`).
+    let moved = socket_path("migrate-emu-moved");
+    let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &moved, &["--clients", "2"]);
+    let there = json!([{ "gpu_id": "gpu0", "vfio_user_socket": moved }]);
+    let (vmm, _, refused) =
+        load_into_new_vmm(&dir, "migrate-api-damaged", 400, there.clone());
     assert!(refused.contains("damaged"), "{refused}");
     drop(vmm);
     std::fs::write(&device_file, &original).expect("repair");
+    // A `gpus` entry for a GPU the snapshot does not hold.
+    let stranger = json!([{ "gpu_id": "gpu9", "vfio_user_socket": moved }]);
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-stranger", 400, stranger);
+    assert!(refused.contains("gpu9"), "{refused}");
+    drop(vmm);
 
     // A fresh device process: the guest goes on with its state, and the held job runs.
-    let (mut restored, api2, _) = load_into_new_vmm(&dir, "migrate-api-restored", 204);
+    let (mut restored, api2, _) = load_into_new_vmm(&dir, "migrate-api-restored", 204, there);
     wait_for_line(&mut restored, "gpu-migrate: iter");
     let info = api_expect(&api2, 200, "GET", "/", None);
     assert!(info.contains("gpu0"), "{info}");
     restored.write_stdin(b"g");
     let out = restored.wait(LIMIT);
     out.assert_code(0)
-        .assert_stdout_has("gpu-migrate: releasing the queued job")
+        .assert_stdout_has("gpu-migrate: device state intact, releasing the queued job")
         .assert_stdout_has("gpu-migrate: queued job ran, msi-x received, dma verified")
         .assert_stdout_has("gpu-migrate: ok");
     let emu_out = emu_b.wait(Duration::from_secs(10));

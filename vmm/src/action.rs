@@ -452,6 +452,10 @@ pub struct SnapshotLoadBody {
     /// memory file (see [`crate::snapshot::files`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_file_path: Option<PathBuf>,
+    /// GPUs whose state the snapshot holds (VFIO migration): where each device is now,
+    /// by `gpu_id`. A GPU not named here is opened where the snapshot says it was.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuBody>,
 }
 
 /// `--config-file`: the pre-boot configuration in one JSON document.

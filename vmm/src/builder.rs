@@ -30,7 +30,7 @@ use crate::vcpu::{Vcpu, VcpuThread};
 use crate::Error;
 
 mod restore;
-pub use restore::restore;
+pub use restore::{restore, restore_with_gpus};
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;

@@ -381,6 +381,7 @@ fn restore(request: &Request, session: &Session, dispatch: Dispatch) -> Response
         mem_file_path: None,
         resume_vm: false,
         record_working_set: false,
+        gpus: Vec::new(),
     });
     let result = dispatch(action);
     if result.is_ok() {

@@ -287,6 +287,7 @@ pub fn snapshot_load(body: &Value, cwd: &Path) -> Result<SnapshotLoadBody, Refus
         resume_vm: fc.resume_vm,
         record_working_set: false,
         mem_file_path: None,
+        gpus: Vec::new(),
     };
     match (fc.mem_file_path, fc.mem_backend) {
         (Some(_), Some(_)) => {

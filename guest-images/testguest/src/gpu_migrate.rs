@@ -168,15 +168,21 @@ pub fn run() -> ! {
             fail(format_args!("the held job wrote RAM"));
         }
         println!("gpu-migrate: iter {iteration} ok");
-        if serial_byte().is_some() {
+        // About a second between checks, but the byte is noticed within milliseconds.
+        let released = (0..20).any(|_| {
+            for _ in 0..1_000_000 {
+                core::hint::spin_loop();
+            }
+            serial_byte().is_some()
+        });
+        if released {
             break;
-        }
-        for _ in 0..20_000_000 {
-            core::hint::spin_loop();
         }
         iteration += 1;
     }
-    println!("gpu-migrate: releasing the queued job");
+    // The device may have changed under the loop (a restore onto another device process).
+    check_state(bar0, bar1, iteration);
+    println!("gpu-migrate: device state intact, releasing the queued job");
     mmio_write(bar0 + REG_HOLD, 0);
     if wait_for_interrupt(&TG_MSI_COUNT) == 0 {
         fail(format_args!("no MSI-X interrupt from the queued job"));

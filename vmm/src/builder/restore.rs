@@ -36,6 +36,17 @@ pub fn restore(
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
 ) -> Result<(Machine, RestoreTimings), Error> {
+    restore_with_gpus(dir, mode, serial_out, &[])
+}
+
+/// As [`restore`], opening the GPUs whose state the snapshot holds where `gpus` says
+/// (by `gpu_id`) instead of where the snapshot says they were.
+pub fn restore_with_gpus(
+    dir: &Path,
+    mode: &RestoreMode,
+    serial_out: Box<dyn Write + Send>,
+    gpus: &[crate::action::GpuBody],
+) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
     let mut clock = StageClock::starting_at(started);
     let kvm = open_kvm()?;
@@ -80,8 +91,8 @@ pub fn restore(
     clock.mark("memory");
     restore_vm_state(&mut base, &loaded)?;
     clock.mark("vm_state");
-    if !loaded.state.devices.migrated_gpus.is_empty() {
-        restore_passthrough(&mut base, &loaded, lazy.as_ref())?;
+    if !loaded.state.devices.migrated_gpus.is_empty() || !gpus.is_empty() {
+        restore_passthrough(&mut base, &loaded, lazy.as_ref(), gpus)?;
         clock.mark("passthrough");
     }
     for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
@@ -297,7 +308,22 @@ fn restore_passthrough(
     base: &mut MachineBase,
     loaded: &snapshot::LoadedSnapshot,
     lazy: Option<&LazyMemory>,
+    moved: &[crate::action::GpuBody],
 ) -> Result<(), SnapshotError> {
+    let mut saved = loaded.state.devices.migrated_gpus.clone();
+    for body in moved {
+        let Some(gpu) = saved.iter_mut().find(|gpu| gpu.gpu_id == body.gpu_id) else {
+            return Err(SnapshotError::Invalid {
+                dir: loaded.dir.clone(),
+                reason: format!(
+                    "gpus names {}, which is not a GPU whose state the snapshot holds",
+                    body.gpu_id
+                ),
+            });
+        };
+        gpu.host_bdf = body.host_bdf.clone();
+        gpu.vfio_user_socket = body.vfio_user_socket.clone();
+    }
     let ready: Arc<dyn gpuvm_vfio::dma::ChunkReady> = match lazy {
         None => Arc::new(gpuvm_vfio::dma::AllReady),
         Some(LazyMemory::InProcess(restore)) => Arc::new(LazyLoaded(restore.completion())),
@@ -317,7 +343,7 @@ fn restore_passthrough(
             reason: "the snapshot holds passthrough devices, but this VM has no PCI bus".into(),
         });
     };
-    hotplug.restore_migrated(&loaded.state.devices.migrated_gpus, &loaded.dir, ready)?;
+    hotplug.restore_migrated(&saved, &loaded.dir, ready)?;
     // The restored devices are passthrough devices like any hot-plugged one.
     base.devices.passthrough.extend(hotplug.labels());
     Ok(())

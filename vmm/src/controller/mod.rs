@@ -352,7 +352,7 @@ impl ApiController {
         if !self.pci_options().is_empty() {
             return (
                 Err(ActionError::bad_request(
-                    "a snapshot cannot be loaded into a VM with passthrough devices (snapshots never contain them)",
+                    "a snapshot cannot be loaded into a VM with passthrough devices configured: it brings back the GPUs whose state it holds (give their new place in the load's `gpus`)",
                 )),
                 None,
             );
@@ -365,7 +365,18 @@ impl ApiController {
                 None,
             );
         }
-        match crate::builder::restore(&body.snapshot_path, &mode, (self.serial_out)()) {
+        for gpu in &body.gpus {
+            if let Err(error) = gpu.validate(None) {
+                return (Err(error), None);
+            }
+        }
+        let restored = crate::builder::restore_with_gpus(
+            &body.snapshot_path,
+            &mode,
+            (self.serial_out)(),
+            &body.gpus,
+        );
+        match restored {
             Ok((mut machine, timings)) => {
                 if body.record_working_set {
                     machine.record_working_set();
