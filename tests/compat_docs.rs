@@ -284,3 +284,59 @@ fn the_cloud_hypervisor_command_line_table_matches_the_front_end() {
         "flags missing from the doc's table: {missing:?}"
     );
 }
+
+/// The "Jailer" section's flag table and the `jailer` front end agree both ways: every
+/// flag the doc lists is taken (not refused as unknown), and every flag of the usage the
+/// jailer prints with an unknown one is in the doc.
+#[test]
+fn the_jailer_flag_table_matches_the_front_end() {
+    let doc = doc("firecracker-compat.md");
+    let section = doc
+        .split_once("\n## Jailer\n")
+        .and_then(|(_, rest)| rest.split("\n## ").next())
+        .expect("a Jailer section");
+    let flags = command_line_flags(section);
+    assert!(
+        flags.len() >= 12,
+        "only {} flags parsed: {flags:?}",
+        flags.len()
+    );
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(gpuvm_bin())
+            .arg("jailer")
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    const UNKNOWN: &str = "unknown argument";
+    let wrong: Vec<&String> = flags
+        .iter()
+        // Each flag alone: a missing value or a missing --id, never "unknown".
+        .filter(|flag| run(&[flag.as_str()]).contains(UNKNOWN))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "the doc lists flags the jailer refuses: {wrong:?}"
+    );
+    let refusal = run(&["--frobnicate"]);
+    let usage = refusal
+        .split_once("usage:")
+        .map(|(_, usage)| usage)
+        .unwrap_or_else(|| panic!("no usage in {refusal:?}"));
+    let taken: Vec<&str> = usage
+        .split_whitespace()
+        .map(|token| token.trim_start_matches('['))
+        .filter_map(|token| token.split([']', '=']).next())
+        .filter(|token| token.starts_with("--"))
+        .collect();
+    assert!(taken.len() >= 12, "{usage}");
+    let missing: Vec<&&str> = taken
+        .iter()
+        .filter(|flag| !flags.iter().any(|f| f == *flag))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "flags missing from the doc's Jailer table: {missing:?}"
+    );
+}

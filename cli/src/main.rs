@@ -13,6 +13,7 @@ mod ctl;
 mod devices;
 mod firecracker;
 mod jail;
+mod jailer;
 mod passthrough;
 mod report;
 mod restore;
@@ -42,6 +43,9 @@ fn main() -> ExitCode {
     }
     if firecracker::wanted(&argv) {
         return firecracker::main(&argv, process_start);
+    }
+    if jailer::wanted(&argv) {
+        return jailer::main(&argv);
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
