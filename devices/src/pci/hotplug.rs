@@ -127,6 +127,12 @@ impl HotplugController {
     }
 
     /// The VMM took the device in `slot` away itself (it was never ejected by the guest).
+    /// A restored device was plugged back into `slot`: the guest already knows it (its
+    /// arrival was before the snapshot), so no event; it can be ejected again.
+    pub fn device_restored(&mut self, slot: u8) {
+        self.ejectable |= bit(slot);
+    }
+
     pub fn forget(&mut self, slot: u8) {
         self.up &= !bit(slot);
         self.down &= !bit(slot);

@@ -366,6 +366,7 @@ impl PciHotplug {
                 return Err(reason);
             }
         };
+        lock(&self.controller).device_restored(plugged.bdf.device);
         let held_for_dma = Arc::new(AtomicBool::new(true));
         run_once_mapped(
             gpu.gpu_id.clone(),
