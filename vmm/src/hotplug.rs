@@ -266,12 +266,7 @@ impl PciHotplug {
             source,
         };
         let opened = self.open_backend(body).map_err(device_error)?;
-        let plug = Plug {
-            vm: &self.vm,
-            root: &self.root,
-            router: &self.router,
-            slots: &self.slots,
-        };
+        let plug = self.plugger();
         let progress = self.ram.progress(opened.mapper.name());
         // vfio-user: plugging resets the device, so map after that. Kernel VFIO: the
         // container maps for every device in it, and pinning takes longest: start first.
@@ -332,6 +327,16 @@ impl PciHotplug {
             },
         );
         Ok((bdf, label))
+    }
+
+    /// What plugs a device into this VM's bus 0 (the cold-plug path).
+    fn plugger(&self) -> Plug<'_> {
+        Plug {
+            vm: &self.vm,
+            root: &self.root,
+            router: &self.router,
+            slots: &self.slots,
+        }
     }
 
     /// Connects (vfio-user) or opens (kernel VFIO) the device `body` names, with the DMA

@@ -15,17 +15,13 @@ use core::sync::atomic::Ordering;
 
 use crate::console::exit;
 use crate::pattern::pattern;
-use crate::pci::{config_read, mmio_read, mmio_write, wait_for_interrupt, TG_MSI_COUNT};
+use crate::pci::{
+    config_read, mmio_read, mmio_write, wait_for_interrupt, REG_DMA_ADDR_HI, REG_DMA_ADDR_LO,
+    REG_DMA_DONE, REG_DMA_LEN, REG_DMA_SEED, REG_DMA_STATUS, REG_DOORBELL, REG_SCRATCH,
+    TG_MSI_COUNT,
+};
 use crate::println;
 
-const REG_SCRATCH: u64 = 0x100;
-const REG_DMA_ADDR_LO: u64 = 0x1000;
-const REG_DMA_ADDR_HI: u64 = 0x1004;
-const REG_DMA_LEN: u64 = 0x1008;
-const REG_DMA_SEED: u64 = 0x100c;
-const REG_DOORBELL: u64 = 0x1010;
-const REG_DMA_DONE: u64 = 0x1014;
-const REG_DMA_STATUS: u64 = 0x1018;
 /// While non-zero, doorbells queue their jobs; writing 0 runs them (gpuvm-vfio emu::regs).
 const REG_HOLD: u64 = 0x1038;
 /// The scratch registers after the 16 the `pci` checks use.

@@ -32,7 +32,6 @@ use serde::{Deserialize, Serialize};
 use super::{HotDevice, PciHotplug};
 use crate::action::GpuBody;
 use crate::lock;
-use crate::pci::Plug;
 use crate::snapshot::SnapshotError;
 
 /// Names of device-state files: this prefix and a decimal stamp.
@@ -316,12 +315,7 @@ impl PciHotplug {
         let opened = self
             .open_backend(&source)
             .map_err(|e| format!("cannot open its device again: {e}"))?;
-        let plug = Plug {
-            vm: &self.vm,
-            root: &self.root,
-            router: &self.router,
-            slots: &self.slots,
-        };
+        let plug = self.plugger();
         let progress = self.ram.progress(opened.mapper.name());
         let plugged = plug
             .open_placed(
