@@ -7,7 +7,8 @@
 # 2. builds the Linux guest images (guest-images/linux/build.sh) and the virtio kernel with its ext4 root
 #    image (guest-images/linux/build-virtio-kernel.sh) into $GPUVM_LINUX_DIR,
 # 3. cargo build --release --workspace, then cargo test --release --workspace,
-# 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh).
+# 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh), and its Cloud Hypervisor front end
+#    (scripts/api-fuzz-ch.sh).
 # Tests find the VMM binary through GPUVM_BIN and the Linux images through GPUVM_LINUX_DIR.
 # GPUVM_TEST_TIMEOUT (default 30m, a timeout(1) duration) bounds the cargo test step so a hung guest
 # fails the run instead of stalling it.
@@ -67,5 +68,8 @@ fi
 
 step "API fuzzing with schemathesis against live sockets (scripts/api-fuzz.sh)"
 scripts/api-fuzz.sh "$GPUVM_BIN"
+
+step "API fuzzing of the Cloud Hypervisor front end (scripts/api-fuzz-ch.sh)"
+scripts/api-fuzz-ch.sh "$GPUVM_BIN"
 
 step "all tests passed"

@@ -194,6 +194,81 @@ fn the_cloud_hypervisor_doc_matches_the_front_end() {
     );
 }
 
+/// api/cloud-hypervisor-openapi.json (what scripts/api-fuzz-ch.sh fuzzes) describes the
+/// front end's routes, no more and no fewer: the same method, path and supported-or-refused
+/// as the doc's route table (which the test above holds to the front end), and a live gpuvm
+/// knows each described operation (a refused one is 400) and answers 405 to the methods
+/// the description leaves out.
+#[test]
+fn the_cloud_hypervisor_openapi_description_matches_the_front_end() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../api/cloud-hypervisor-openapi.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let spec: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let paths = spec["paths"]
+        .as_object()
+        .expect("no paths in the description");
+    let mut described = Vec::new();
+    for (route, operations) in paths {
+        for (method, operation) in operations.as_object().unwrap() {
+            let codes = operation["responses"].as_object().unwrap();
+            described.push(Row {
+                method: method.to_uppercase(),
+                path: route.clone(),
+                supported: codes.keys().any(|code| code.starts_with('2')),
+                quoted: None,
+            });
+        }
+    }
+    let key = |r: &Row| (r.method.clone(), r.path.clone(), r.supported);
+    let mut from_spec: Vec<_> = described.iter().map(key).collect();
+    let mut from_doc: Vec<_> = rows(&doc("cloud-hypervisor-compat.md"), "/api/v1/")
+        .iter()
+        .map(key)
+        .collect();
+    from_spec.sort();
+    from_doc.sort();
+    let only_spec: Vec<_> = from_spec.iter().filter(|r| !from_doc.contains(r)).collect();
+    let only_doc: Vec<_> = from_doc.iter().filter(|r| !from_spec.contains(r)).collect();
+    assert!(
+        only_spec.is_empty() && only_doc.is_empty(),
+        "api/cloud-hypervisor-openapi.json and docs/cloud-hypervisor-compat.md disagree \
+         (method, path, supported):\nonly in the description: {only_spec:?}\nonly in the doc: {only_doc:?}"
+    );
+    assert!(described.len() >= 25, "only {} operations", described.len());
+
+    let scratch = Scratch::new("compat-docs", "ch-openapi");
+    let api = scratch.path("ch.sock");
+    let vmm = start(
+        &scratch,
+        "cloud-hypervisor",
+        &["--api-socket", api.to_str().unwrap()],
+        &api,
+    );
+    let mut wrong = check(&api, &described);
+    for route in paths.keys() {
+        for method in METHODS {
+            if paths[route].get(method.to_lowercase()).is_some() {
+                continue;
+            }
+            let body = (method != "GET").then_some("{}");
+            let response = gpuvm_api::client::request(&api, method, route, body)
+                .unwrap_or_else(|e| panic!("{method} {route}: {e}"));
+            if response.status != 405 {
+                wrong.push(format!(
+                    "{method} {route}: not in the description, gpuvm answers {} {}",
+                    response.status, response.body
+                ));
+            }
+        }
+    }
+    drop(vmm);
+    assert!(
+        wrong.is_empty(),
+        "api/cloud-hypervisor-openapi.json is out of step with the front end:\n{}",
+        wrong.join("\n")
+    );
+}
+
 #[test]
 fn rows_are_parsed_from_both_table_shapes() {
     let table = "| `GET`/`PUT /balloon` | not supported: 400 `<METHOD> /balloon: the balloon device is not supported by gpuvm` |\n\
