@@ -88,11 +88,8 @@ fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
     let (first, second) = (socket_path("first"), socket_path("second"));
     // Two clients: the VM that is snapshotted gets the device back after the release.
     // Without migration: the guest release is then the only way to snapshot it.
-    let _emu_a = gpuvm_tests::start_emu_gpu(
-        &emu_bin(),
-        &first,
-        &["--clients", "2", "--no-migration"],
-    );
+    let _emu_a =
+        gpuvm_tests::start_emu_gpu(&emu_bin(), &first, &["--clients", "2", "--no-migration"]);
     let api = socket_path("api");
     let vsock = scratch.path("vsock.sock");
     let mut vmm = start_vm(&api, "gpu-agent", Some(&vsock));
@@ -372,7 +369,9 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     // The source VM runs on with its device, state intact.
     let seen = *iterations(&vmm.stdout()).last().expect("an iteration");
     vmm.wait_until("an iteration after the snapshot", LIMIT, |p| {
-        iterations(&p.stdout()).last().is_some_and(|&n| n > seen + 1)
+        iterations(&p.stdout())
+            .last()
+            .is_some_and(|&n| n > seen + 1)
     });
     assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
     // A second snapshot into the same directory replaces the device file.
@@ -394,8 +393,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     drop(vmm);
 
     // Another model behind the socket: refused, naming both.
-    let emu_other =
-        gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--device-id", "2331"]);
+    let emu_other = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--device-id", "2331"]);
     let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-model", 400, json!([]));
     assert!(
         refused.contains("10de:2331") && refused.contains("10de:2330"),
@@ -415,8 +413,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     let moved = socket_path("migrate-emu-moved");
     let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &moved, &["--clients", "2"]);
     let there = json!([{ "gpu_id": "gpu0", "vfio_user_socket": moved }]);
-    let (vmm, _, refused) =
-        load_into_new_vmm(&dir, "migrate-api-damaged", 400, there.clone());
+    let (vmm, _, refused) = load_into_new_vmm(&dir, "migrate-api-damaged", 400, there.clone());
     assert!(refused.contains("damaged"), "{refused}");
     drop(vmm);
     std::fs::write(&device_file, &original).expect("repair");

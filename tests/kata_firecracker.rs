@@ -455,7 +455,11 @@ fn kata_fc_go_sequence() {
     // each name parses (Kata places them in the sandbox's vCPU cgroup).
     let vcpu_threads = kata_vcpu_threads(vmm.pid());
     let ids: Vec<u32> = vcpu_threads.iter().map(|&(id, _)| id).collect();
-    assert_eq!(ids, vec![0], "Kata's view of the vCPU threads: {vcpu_threads:?}");
+    assert_eq!(
+        ids,
+        vec![0],
+        "Kata's view of the vCPU threads: {vcpu_threads:?}"
+    );
 
     // The metrics lines Kata unmarshals.
     let deadline = Instant::now() + LIMIT;

@@ -337,7 +337,11 @@ impl SpawnedProcess {
     /// Writes `bytes` to the process's stdin (started by [`SpawnedProcess::gpuvm_with_input`]).
     pub fn write_stdin(&mut self, bytes: &[u8]) {
         use std::io::Write;
-        let stdin = self.child.stdin.as_mut().expect("started without a stdin pipe");
+        let stdin = self
+            .child
+            .stdin
+            .as_mut()
+            .expect("started without a stdin pipe");
         stdin.write_all(bytes).expect("write to stdin");
         stdin.flush().expect("flush stdin");
     }

@@ -544,8 +544,9 @@ impl VfioPciDevice {
     /// capability) is refused.
     pub fn restore_pci_state(&mut self, state: &VfioPciState) -> Result<()> {
         let name = self.name.clone();
-        let mismatch =
-            |what: &str| VfioError::NotPci(format!("{name}: the saved {what} does not fit this device"));
+        let mismatch = |what: &str| {
+            VfioError::NotPci(format!("{name}: the saved {what} does not fit this device"))
+        };
         for &(index, address) in &state.bars {
             if !self.bars.specs().iter().any(|spec| spec.index == index) {
                 return Err(mismatch("BAR list"));

@@ -271,9 +271,7 @@ impl PciHotplug {
         // vfio-user: plugging resets the device, so map after that. Kernel VFIO: the
         // container maps for every device in it, and pinning takes longest: start first.
         let (plugged, mapping) = if opened.vfio.is_none() {
-            let plugged = plug
-                .open(opened.backend, &progress)
-                .map_err(device_error)?;
+            let plugged = plug.open(opened.backend, &progress).map_err(device_error)?;
             let mapping = self
                 .ram
                 .start_with(progress, opened.mapper, self.hooks, None)
@@ -287,9 +285,7 @@ impl PciHotplug {
                 .ram
                 .start_with(progress.clone(), opened.mapper, self.hooks, None)
                 .map_err(device_error)?;
-            let plugged = plug
-                .open(opened.backend, &progress)
-                .map_err(device_error)?;
+            let plugged = plug.open(opened.backend, &progress).map_err(device_error)?;
             (plugged, mapping)
         };
         let (health, watch, vfio) = (opened.health, opened.watch, opened.vfio);

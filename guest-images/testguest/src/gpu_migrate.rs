@@ -188,7 +188,9 @@ pub fn run() -> ! {
         mmio_read(bar0 + REG_DMA_STATUS),
     );
     if done != 2 || status != 0 {
-        fail(format_args!("after the queued job: done {done}, status {status}"));
+        fail(format_args!(
+            "after the queued job: done {done}, status {status}"
+        ));
     }
     check_job();
     println!("gpu-migrate: queued job ran, msi-x received, dma verified");

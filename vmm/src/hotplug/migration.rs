@@ -171,7 +171,9 @@ fn load_device_file(path: &Path, len: u64, device: &mut VfioPciDevice) -> Result
     let mut buffer = vec![0u8; 1 << 20];
     let mut left = len;
     while left > 0 {
-        let want = buffer.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let want = buffer
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
         file.read_exact(&mut buffer[..want])
             .map_err(|e| format!("device state file {shown}: {e}"))?;
         hasher.update(&buffer[..want]);
@@ -333,12 +335,13 @@ impl PciHotplug {
                     ids.0, ids.1, gpu.vendor_id, gpu.device_id
                 ))
             } else {
-                load_device_file(&dir.join(&gpu.state_file), gpu.state_bytes, &mut device)
-                    .and_then(|()| {
+                load_device_file(&dir.join(&gpu.state_file), gpu.state_bytes, &mut device).and_then(
+                    |()| {
                         device
                             .restore_pci_state(&gpu.pci)
                             .map_err(|e| format!("its PCI state does not fit: {e}"))
-                    })
+                    },
+                )
             }
         };
         let mapping = loaded.and_then(|()| {
