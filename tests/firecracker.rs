@@ -195,13 +195,7 @@ fn getting_started_then_snapshot_and_load() {
         Some(r#"{"network_interfaces": []}"#),
         "MMDS",
     );
-    refused(
-        &api,
-        "PUT",
-        "/balloon",
-        Some(r#"{"amount_mib": 0, "deflate_on_oom": false}"#),
-        "balloon",
-    );
+    refused(&api, "GET", "/balloon/hinting/status", None, "hinting");
     refused(
         &api,
         "PUT",

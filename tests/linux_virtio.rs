@@ -501,3 +501,69 @@ fn vmlinux_virtio_mounts_ext4_root_from_vhost_user_blk() {
     );
     assert_ext4_root_on_virtio_blk(&out);
 }
+
+/// Linux finds a virtio disk on PCI segment 1: gpuvm as Cloud Hypervisor with
+/// `platform.num_pci_segments: 2` and the ext4 image as a disk with `pci_segment: 1` (the
+/// entropy device stays on segment 0). The kernel reads the MCFG's two ECAM windows and
+/// the DSDT's two host bridges (`PNP0A08:01` with `_SEG` 1), enumerates bus 0001:00
+/// through segment 1's ECAM, and mounts the disk as its root.
+#[test]
+fn vmlinux_virtio_finds_a_disk_on_pci_segment_1() {
+    use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket};
+
+    let scratch = Scratch::new("linux_virtio", "pci_segment");
+    let kernel = image("vmlinux-virtio");
+    let rootfs = std::fs::canonicalize(image("rootfs-virtio.ext4")).expect("rootfs path");
+    let link = scratch.path("cloud-hypervisor");
+    std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+    let api = scratch.path("api.sock");
+    let mut vmm = SpawnedProcess::spawn(&link, &["--api-socket", arg(&api)]);
+    wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": {"kernel": kernel, "cmdline": cmdline(EXT4_ROOT)},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 256u64 << 20},
+        "disks": [{"path": rootfs, "readonly": true, "pci_segment": 1}],
+        "rng": {"src": "/dev/urandom"},
+        "serial": {"mode": "Tty"}, "console": {"mode": "Off"},
+        "platform": {"num_pci_segments": 2},
+    });
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/api/v1/vm.create",
+        Some(&config.to_string()),
+    );
+    let started = Instant::now();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    let marker = "VFS: Mounted root (ext4 filesystem) readonly on device";
+    vmm.wait_for_stdout(marker, BOOT_LIMIT);
+    eprintln!("{marker:?} after {:?}", started.elapsed());
+    vmm.signal(libc::SIGKILL);
+    let out = vmm.wait(Duration::from_secs(10));
+    assert_lines(
+        &out,
+        &[
+            "PCI: MMCONFIG for domain 0000 [bus 00-00] at [mem 0xe0000000-0xe00fffff]",
+            "PCI: MMCONFIG for domain 0001 [bus 00-00] at [mem 0xe0100000-0xe01fffff]",
+            "PCI host bridge to bus 0000:00",
+            "PCI host bridge to bus 0001:00",
+            // Segment 1: its host bridge and the disk; segment 0: the entropy device.
+            "pci 0001:00:00.0: [1b36:0008] type 00 class",
+            "pci 0001:00:01.0: [1af4:1042] type 00 class",
+            "pci 0000:00:01.0: [1af4:1044] type 00 class",
+            "[vda] 16384 512-byte logical blocks (8.39 MB/8.00 MiB)",
+            "EXT4-fs (vda): mounted filesystem with ordered data mode.",
+        ],
+    );
+    assert_none_of(
+        &out,
+        &[
+            "pci 0000:00:02.0",
+            "pci 0001:00:02.0",
+            "I/O error",
+            "EXT4-fs error",
+        ],
+    );
+}

@@ -2,13 +2,15 @@
 //! deserves. Other front ends (Firecracker's and Cloud Hypervisor's APIs) translate onto
 //! the same actions in files of their own beside this one.
 
+use gpuvm_virtio::balloon::BalloonConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
 use gpuvm_virtio::vhost_user::FsConfig;
 use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::action::{
-    ActionBody, ActionType, BootSourceBody, DriveBody, DrivePatchBody, GpuBody, MachineConfigBody,
-    SnapshotCreateBody, SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
+    ActionBody, ActionType, BalloonStatsUpdateBody, BalloonUpdateBody, BootSourceBody, DriveBody,
+    DrivePatchBody, GpuBody, MachineConfigBody, SnapshotCreateBody, SnapshotLoadBody, VmStateBody,
+    VmStateRequest, VmmAction,
 };
 
 use crate::http::{Method, Request, Response};
@@ -144,6 +146,23 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
         "/entropy" => match method {
             Put => Ok(VmmAction::PutEntropy(parse::<RngConfig>(&request.body)?)),
             _ => Err(method_not_allowed("PUT")),
+        },
+        "/balloon" => match method {
+            Put => Ok(VmmAction::PutBalloon(parse::<BalloonConfig>(
+                &request.body,
+            )?)),
+            Patch => Ok(VmmAction::PatchBalloon(parse::<BalloonUpdateBody>(
+                &request.body,
+            )?)),
+            Get => Ok(VmmAction::GetBalloon),
+            Delete => Err(method_not_allowed("GET, PUT, PATCH")),
+        },
+        "/balloon/statistics" => match method {
+            Get => Ok(VmmAction::GetBalloonStats),
+            Patch => Ok(VmmAction::PatchBalloonStats(
+                parse::<BalloonStatsUpdateBody>(&request.body)?,
+            )),
+            Put | Delete => Err(method_not_allowed("GET, PATCH")),
         },
         _ => Err(Response::fault(
             404,

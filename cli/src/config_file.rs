@@ -55,6 +55,9 @@ pub fn apply_config_file(
         pci.virtio.rng = file.entropy;
     }
     pci.virtio.validate().map_err(|e| invalid(path, e))?;
+    if let Some(segments) = &file.pci_segments {
+        segments.apply(pci).map_err(|e| invalid(path, e.message))?;
+    }
     if let Some(machine) = file.machine_config {
         config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
     }

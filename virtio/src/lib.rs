@@ -7,12 +7,13 @@
 //! - [`queue`]: taking chains from a driver's ring without trusting its available index.
 //! - [`worker`]: the I/O thread each activated device runs on, off the vCPU threads.
 //! - [`rate_limiter`]: token buckets for bandwidth and operations (block, net, rng).
-//! - Devices: [`block`], [`net`], [`vsock`], [`rng`]; [`vhost_user`] devices whose data
+//! - Devices: [`block`], [`net`], [`vsock`], [`rng`], [`balloon`]; [`vhost_user`] devices whose data
 //!   path is an external backend (virtiofsd, qemu-storage-daemon).
 //!
 //! Every device accepts whatever a guest writes into its rings and registers: a bad
 //! descriptor chain is answered with an error status or dropped, never a panic.
 
+pub mod balloon;
 pub mod block;
 pub mod device;
 pub mod net;

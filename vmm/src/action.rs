@@ -7,9 +7,11 @@ use std::path::PathBuf;
 
 use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
+pub use gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS;
 use gpuvm_memory::Backing;
 use serde::{Deserialize, Serialize};
 
+use gpuvm_virtio::balloon::BalloonConfig;
 use gpuvm_virtio::block::BlockConfig;
 use gpuvm_virtio::net::NetConfig;
 use gpuvm_virtio::rng::RngConfig;
@@ -54,6 +56,18 @@ pub enum VmmAction {
     PutVsock(VsockConfig),
     /// PUT /entropy: the entropy device before start.
     PutEntropy(RngConfig),
+    /// The VM's PCI segment groups and which virtio device goes on which, before start.
+    PutPciSegments(PciSegmentsBody),
+    /// PUT /balloon: the memory balloon before start (refused with passthrough devices).
+    PutBalloon(BalloonConfig),
+    /// PATCH /balloon: a new target (before start, or for the running guest's driver).
+    PatchBalloon(BalloonUpdateBody),
+    /// GET /balloon: the balloon's configuration, with the target in force.
+    GetBalloon,
+    /// GET /balloon/statistics: target, actual and the guest's last statistics.
+    GetBalloonStats,
+    /// PATCH /balloon/statistics: a new statistics polling interval.
+    PatchBalloonStats(BalloonStatsUpdateBody),
     StartInstance,
     /// The test guest has no keyboard: this ends the run as a guest reset would.
     SendCtrlAltDel,
@@ -484,6 +498,9 @@ pub struct ConfigFile {
     /// The entropy device, as the PUT /entropy body.
     #[serde(default)]
     pub entropy: Option<RngConfig>,
+    /// PCI segment groups and the virtio devices not on segment 0.
+    #[serde(default, rename = "pci-segments")]
+    pub pci_segments: Option<PciSegmentsBody>,
 }
 
 /// A PUT /drives/{id} body: an image gpuvm opens (`path`) or a vhost-user backend that
@@ -532,6 +549,64 @@ pub struct DrivePatchBody {
     pub path: Option<PathBuf>,
     #[serde(default)]
     pub rate_limiter: Option<gpuvm_virtio::rate_limiter::RateLimiterConfig>,
+}
+
+/// PATCH /balloon (Firecracker's BalloonUpdate).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonUpdateBody {
+    pub amount_mib: u32,
+}
+
+/// PATCH /balloon/statistics (Firecracker's BalloonStatsUpdate).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonStatsUpdateBody {
+    pub stats_polling_interval_s: u16,
+}
+
+/// The PCI segment groups of the VM being configured (Cloud Hypervisor's
+/// `platform.num_pci_segments` and each device's `pci_segment`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PciSegmentsBody {
+    /// 1 to [`MAX_PCI_SEGMENTS`]; absent keeps the number already set (1 at first).
+    #[serde(default)]
+    pub num_pci_segments: Option<u16>,
+    /// Virtio devices' segments by device id (a drive or interface id, a share's tag,
+    /// `vsock`, `rng`); added to those already set. Devices not named are on segment 0.
+    #[serde(default)]
+    pub devices: std::collections::BTreeMap<String, u16>,
+}
+
+impl PciSegmentsBody {
+    /// Applies the body to the configured PCI devices, or refuses it (nothing changed)
+    /// when a count is out of range or a device names a segment the VM will not have.
+    pub fn apply(&self, pci: &mut crate::pci::PciOptions) -> Result<(), ActionError> {
+        let count = self.num_pci_segments.unwrap_or(pci.num_pci_segments.max(1));
+        if count == 0 || count > MAX_PCI_SEGMENTS {
+            return Err(ActionError::bad_request(format!(
+                "num_pci_segments = {count}: a VM has 1 to {MAX_PCI_SEGMENTS} PCI segments"
+            )));
+        }
+        let mut segments = pci.virtio.pci_segments.clone();
+        for (id, &segment) in &self.devices {
+            if segment == 0 {
+                segments.remove(id);
+            } else {
+                segments.insert(id.clone(), segment);
+            }
+        }
+        if let Some((id, segment)) = segments.iter().find(|(_, &s)| s >= count) {
+            return Err(ActionError::bad_request(format!(
+                "pci_segment = {segment} of device {id:?}: the VM has {count} PCI segment(s) \
+                 (num_pci_segments), numbered from 0"
+            )));
+        }
+        pci.num_pci_segments = count;
+        pci.virtio.pci_segments = segments;
+        Ok(())
+    }
 }
 
 /// Requires an absolute path, so a request never depends on gpuvm's working directory.

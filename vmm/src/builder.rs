@@ -74,8 +74,9 @@ struct MachineBase {
     vm: VmFd,
     ram: GuestRam,
     devices: MachineDevices,
-    /// Where the PCI root bus put ECAM and the BAR windows (the ACPI tables describe it).
-    pci: PciRootConfig,
+    /// Where each PCI segment's root bus put ECAM and the BAR windows, segment 0's first
+    /// (the ACPI tables describe them).
+    pci: Vec<PciRootConfig>,
 }
 
 fn create_base(
@@ -152,7 +153,10 @@ fn create_base(
     clock.mark("irqchip_pit");
     let mut devices = create_devices(&vm, serial_out)?;
     // The root and its devices live on in the buses' entries.
-    let pci = crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?.config();
+    let pci = crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
+        .iter()
+        .map(|root| root.config())
+        .collect();
     clock.mark("devices");
     Ok(MachineBase {
         kvm,
@@ -194,7 +198,7 @@ pub fn build_with_pci(
         ram.memory(),
         &AcpiConfig {
             vcpus: machine_config.vcpus,
-            pci,
+            pci_segments: pci,
         },
     )?;
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;

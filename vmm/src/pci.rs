@@ -10,6 +10,12 @@
 //! 0xe000_0000..0xe010_0000   ECAM, bus 0
 //! above RAM, 1 GiB aligned   64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
 //! ```
+//!
+//! With more PCI segment groups (`PciOptions::num_pci_segments`), segment N > 0 is a root
+//! of its own: ECAM at 0xe000_0000 + N MiB, 16 MiB of 32-bit BARs from 0xe100_0000, 64 GiB
+//! of 64-bit BARs after segment 0's window. Its configuration space is reachable through
+//! its ECAM window only (0xCF8/0xCFC reach segment 0). Virtio devices go on the segment
+//! `VirtioOptions::pci_segments` names; passthrough devices and hot-plug stay on segment 0.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -17,8 +23,9 @@ use std::sync::{Arc, Mutex};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_arch::x86_64::layout::{
-    FOUR_GIB, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN,
-    PCI_MMIO64_DEFAULT_SIZE,
+    pci_segment_ecam, pci_segment_mmio32, pci_segment_mmio64_start, FOUR_GIB, MAX_PCI_SEGMENTS,
+    PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
+    PCI_SEGMENT_MMIO64_SIZE,
 };
 use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{
@@ -54,6 +61,9 @@ pub struct PciOptions {
     pub vfio_user: Vec<PathBuf>,
     /// Size of the 64-bit BAR window; 0 means [`PCI_MMIO64_DEFAULT_SIZE`].
     pub mmio64_size: u64,
+    /// PCI segment groups (1 to [`MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
+    /// virtio devices' segments need (a restore rebuilds them from the devices).
+    pub num_pci_segments: u16,
     /// Block, net, vsock and entropy devices.
     pub virtio: VirtioOptions,
     /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
@@ -86,6 +96,17 @@ pub enum PciSetupError {
     KvmVfio(std::io::Error),
     #[error(transparent)]
     Virtio(#[from] VirtioSetupError),
+    #[error("num_pci_segments = {0}: a VM has 1 to {MAX_PCI_SEGMENTS} PCI segments")]
+    SegmentCount(u16),
+    #[error(
+        "device {device} is on PCI segment {segment}, but the VM has {count} segment(s) \
+         (num_pci_segments)"
+    )]
+    NoSuchSegment {
+        device: String,
+        segment: u16,
+        count: u16,
+    },
 }
 
 /// The VM's KVM VFIO pseudo-device. vfio-ioctls registers each VFIO group (or cdev device)
@@ -336,19 +357,77 @@ pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
     }
 }
 
-/// Puts the PCI root bus (always: its host bridge, CF8/CFC and the ECAM window are what
-/// the ACPI tables describe) and the requested passthrough devices on the VM's buses; all
-/// guest RAM is DMA-mapped for every device in the background (`devices.dma_mappings`),
-/// and each device's Bus Master waits for it.
+/// How many PCI segments `options` make: `num_pci_segments` (0 means 1), checked, and
+/// every virtio device's segment must be one of them; with `num_pci_segments` 0 (a
+/// restore), as many as the devices' segments need.
+pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
+    let needed = options
+        .virtio
+        .pci_segments
+        .values()
+        .max()
+        .map_or(1, |highest| highest.saturating_add(1));
+    let count = match options.num_pci_segments {
+        0 => needed,
+        count => count,
+    };
+    if count == 0 || count > MAX_PCI_SEGMENTS {
+        return Err(PciSetupError::SegmentCount(count));
+    }
+    if let Some((device, &segment)) = options
+        .virtio
+        .pci_segments
+        .iter()
+        .find(|(_, &segment)| segment >= count)
+    {
+        return Err(PciSetupError::NoSuchSegment {
+            device: device.clone(),
+            segment,
+            count,
+        });
+    }
+    Ok(count)
+}
+
+/// Where each segment's root puts configuration space and BARs: segment 0's from
+/// [`root_config`], the others' from the layout's per-segment windows.
+pub fn segment_configs(ram: &GuestRam, options: &PciOptions, count: u16) -> Vec<PciRootConfig> {
+    let first = root_config(ram, options);
+    let first_end = first.mmio64_start + first.mmio64_size;
+    let mut configs = vec![first];
+    for segment in 1..count {
+        let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
+        configs.push(PciRootConfig {
+            ecam_base: pci_segment_ecam(segment),
+            mmio32_start,
+            mmio32_end,
+            mmio64_start: pci_segment_mmio64_start(first_end, segment),
+            mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
+        });
+    }
+    configs
+}
+
+/// Puts the PCI root buses (always segment 0's: its host bridge, CF8/CFC and the ECAM
+/// window are what the ACPI tables describe; one more root per further segment) and the
+/// requested passthrough devices on the VM's buses; all guest RAM is DMA-mapped for every
+/// device in the background (`devices.dma_mappings`), and each device's Bus Master waits
+/// for it. Returns the roots, segment 0's first.
 pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
     ram: &GuestRam,
     options: &PciOptions,
     devices: &mut MachineDevices,
-) -> Result<Arc<PciRoot>, PciSetupError> {
-    let config = root_config(ram, options);
-    let root = PciRoot::new(config)?;
+) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
+    let count = segment_count(options)?;
+    let configs = segment_configs(ram, options, count);
+    let roots = configs
+        .iter()
+        .enumerate()
+        .map(|(segment, config)| PciRoot::new_segment(segment as u16, *config))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (config, root) = (configs[0], roots[0].clone());
     let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     if !options.is_empty() {
@@ -358,7 +437,7 @@ pub fn attach(
         devices.virtio = crate::virtio::attach(
             duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram.memory(),
-            &root,
+            &roots,
             &router,
             &options.virtio,
             &options.passed_taps,
@@ -390,29 +469,37 @@ pub fn attach(
         )
         .map_err(PciSetupError::Place)?;
     let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
-    mmio_bus
-        .insert(
-            PCI_ECAM_START,
-            PciRootConfig::ECAM_SIZE,
-            Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
-        )
-        .map_err(PciSetupError::Place)?;
-    for (base, end) in [
-        (PCI_MMIO32_START, PCI_MMIO32_END),
-        (
-            config.mmio64_start,
-            config.mmio64_start + config.mmio64_size,
-        ),
-    ] {
+    debug_assert_eq!(config.ecam_base, PCI_ECAM_START);
+    debug_assert_eq!(
+        (config.mmio32_start, config.mmio32_end),
+        (PCI_MMIO32_START, PCI_MMIO32_END)
+    );
+    for root in &roots {
+        let config = root.config();
         mmio_bus
             .insert(
-                base,
-                end - base,
-                Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
+                config.ecam_base,
+                PciRootConfig::ECAM_SIZE,
+                Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
             )
             .map_err(PciSetupError::Place)?;
+        for (base, end) in [
+            (config.mmio32_start, config.mmio32_end),
+            (
+                config.mmio64_start,
+                config.mmio64_start + config.mmio64_size,
+            ),
+        ] {
+            mmio_bus
+                .insert(
+                    base,
+                    end - base,
+                    Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
+                )
+                .map_err(PciSetupError::Place)?;
+        }
     }
-    Ok(root)
+    Ok(roots)
 }
 
 /// Plugs the passthrough devices of `options` into `root`. Guest RAM is mapped in the
@@ -468,7 +555,63 @@ fn attach_devices(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::action::PciSegmentsBody;
     use std::os::fd::AsRawFd;
+
+    fn segments(num: Option<u16>, devices: &[(&str, u16)]) -> PciSegmentsBody {
+        PciSegmentsBody {
+            num_pci_segments: num,
+            devices: devices.iter().map(|(id, s)| (id.to_string(), *s)).collect(),
+        }
+    }
+
+    #[test]
+    fn segment_counts_and_device_segments_are_checked() {
+        let mut options = PciOptions::default();
+        assert_eq!(
+            segment_count(&options).unwrap(),
+            1,
+            "one segment by default"
+        );
+        segments(Some(3), &[("d1", 2), ("net0", 1)])
+            .apply(&mut options)
+            .unwrap();
+        assert_eq!(segment_count(&options).unwrap(), 3);
+        // Adding to what is set; segment 0 takes a device off its segment.
+        segments(None, &[("d1", 0), ("rng", 2)])
+            .apply(&mut options)
+            .unwrap();
+        assert_eq!(options.num_pci_segments, 3);
+        assert_eq!(
+            options.virtio.pci_segments,
+            [("net0".to_string(), 1), ("rng".to_string(), 2)].into()
+        );
+        // Refusals change nothing.
+        let before = options.clone();
+        for bad in [
+            segments(Some(0), &[]),
+            segments(Some(MAX_PCI_SEGMENTS + 1), &[]),
+            segments(Some(2), &[]),
+            segments(None, &[("d2", 3)]),
+        ] {
+            assert!(bad.apply(&mut options).is_err(), "{bad:?}");
+            assert_eq!(options, before);
+        }
+        // A restore names no count: as many as the devices need, at most the maximum.
+        let mut restored = PciOptions::default();
+        restored.virtio.pci_segments = [("d1".to_string(), 4)].into();
+        assert_eq!(segment_count(&restored).unwrap(), 5);
+        restored.virtio.pci_segments = [("d1".to_string(), MAX_PCI_SEGMENTS)].into();
+        assert!(matches!(
+            segment_count(&restored),
+            Err(PciSetupError::SegmentCount(_))
+        ));
+        restored.num_pci_segments = 2;
+        assert!(matches!(
+            segment_count(&restored),
+            Err(PciSetupError::NoSuchSegment { segment, count: 2, .. }) if segment == MAX_PCI_SEGMENTS
+        ));
+    }
 
     /// The pseudo-device exists on this host's KVM, accepts the VFIO file attribute and
     /// refuses a file that is not a VFIO group or device (so the registration vfio-ioctls

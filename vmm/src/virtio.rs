@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use gpuvm_devices::pci::{PciBdf, PciRoot};
 use gpuvm_devices::Persist;
+use gpuvm_virtio::balloon::{Balloon, BalloonConfig};
 use gpuvm_virtio::block::{Block, BlockConfig};
 use gpuvm_virtio::net::{Net, NetConfig, Tap};
 use gpuvm_virtio::rng::{Rng, RngConfig};
@@ -54,6 +55,13 @@ pub struct VirtioOptions {
     /// Devices of any other type a vhost-user backend implements (`--vhost-user`).
     #[serde(default)]
     pub vhost_user: Vec<VhostUserConfig>,
+    /// The memory balloon (PUT /balloon).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balloon: Option<BalloonConfig>,
+    /// The PCI segment of each device not on segment 0, by device id (a drive or
+    /// interface id, a share's tag, `vsock`, `rng`: [`VirtioDeviceConfig::id`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pci_segments: BTreeMap<String, u16>,
 }
 
 impl VirtioOptions {
@@ -70,6 +78,7 @@ impl VirtioOptions {
             + self.nets.len()
             + usize::from(self.vsock.is_some())
             + usize::from(self.rng.is_some())
+            + usize::from(self.balloon.is_some())
     }
 
     /// Checks what can be checked before anything is opened: counts and unique ids.
@@ -267,6 +276,7 @@ pub enum VirtioDeviceConfig {
     Net(NetConfig),
     Vsock(VsockConfig),
     Rng(RngConfig),
+    Balloon(BalloonConfig),
     VhostUserBlock(VhostUserBlockConfig),
     Fs(FsConfig),
     VhostUser(VhostUserConfig),
@@ -280,6 +290,7 @@ impl VirtioDeviceConfig {
             VirtioDeviceConfig::Net(config) => &config.iface_id,
             VirtioDeviceConfig::Vsock(_) => "vsock",
             VirtioDeviceConfig::Rng(_) => "rng",
+            VirtioDeviceConfig::Balloon(_) => "balloon",
             VirtioDeviceConfig::VhostUserBlock(config) => &config.drive_id,
             VirtioDeviceConfig::Fs(config) => &config.tag,
             VirtioDeviceConfig::VhostUser(config) => &config.id,
@@ -318,11 +329,13 @@ pub struct VirtioHandle {
     pub transport: Arc<Mutex<VirtioPciDevice>>,
 }
 
-/// One virtio device in a snapshot: how it was configured and its transport's state
-/// (which holds the device's own).
+/// One virtio device in a snapshot: how it was configured, the PCI segment it was on
+/// (absent in older states: 0) and its transport's state (which holds the device's own).
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VirtioDeviceState {
     pub config: VirtioDeviceConfig,
+    #[serde(default)]
+    pub pci_segment: u16,
     pub transport: VirtioPciState,
 }
 
@@ -362,6 +375,9 @@ fn open_device(
         VirtioDeviceConfig::Rng(config) => {
             Box::new(Rng::new(config.clone()).map_err(VirtioSetupError::Rng)?)
         }
+        VirtioDeviceConfig::Balloon(config) => Box::new(
+            Balloon::new(config.clone()).map_err(|e| VirtioSetupError::Invalid(e.to_string()))?,
+        ),
         // The connection errors name the socket, not the device: say which one it is.
         VirtioDeviceConfig::VhostUserBlock(config) => {
             Box::new(VhostUserBlock::new(config.clone()).map_err(|e| {
@@ -382,7 +398,7 @@ fn open_device(
 }
 
 /// The devices of `options`, in bus order: drives (local, then vhost-user), file-system
-/// shares, generic vhost-user devices, network interfaces, vsock, entropy.
+/// shares, generic vhost-user devices, network interfaces, vsock, entropy, balloon.
 fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
     let mut configs: Vec<VirtioDeviceConfig> = options
         .drives
@@ -408,20 +424,32 @@ fn device_configs(options: &VirtioOptions) -> Vec<VirtioDeviceConfig> {
     configs.extend(options.nets.iter().cloned().map(VirtioDeviceConfig::Net));
     configs.extend(options.vsock.clone().map(VirtioDeviceConfig::Vsock));
     configs.extend(options.rng.clone().map(VirtioDeviceConfig::Rng));
+    configs.extend(options.balloon.clone().map(VirtioDeviceConfig::Balloon));
     configs
 }
 
-/// Builds the devices of `options` and plugs them into `root`; network interfaces that
-/// name no tap take their queues from `passed`.
+/// Builds the devices of `options` and plugs each into the root of its PCI segment
+/// (`roots[n]` is segment n's); network interfaces that name no tap take their queues
+/// from `passed`.
 pub fn attach(
     vm: VmFd,
     memory: &GuestMemory,
-    root: &Arc<PciRoot>,
+    roots: &[Arc<PciRoot>],
     router: &Arc<MsiRouter>,
     options: &VirtioOptions,
     passed: &PassedTaps,
 ) -> Result<Vec<VirtioHandle>, VirtioSetupError> {
     options.validate()?;
+    let configs = device_configs(options);
+    if let Some(id) = options
+        .pci_segments
+        .keys()
+        .find(|id| !configs.iter().any(|c| c.id() == id.as_str()))
+    {
+        return Err(VirtioSetupError::Invalid(format!(
+            "a PCI segment is given for device {id:?}, which is not configured"
+        )));
+    }
     // One I/O thread per device, created here, on the VMM thread before the vCPUs run,
     // each under the device filter (a no-op until seccomp is enabled).
     gpuvm_virtio::worker::prespawn(
@@ -434,7 +462,14 @@ pub fn attach(
     .map_err(VirtioSetupError::Threads)?;
     let ioevents: Arc<dyn IoEventRegistrar> = Arc::new(KvmIoEvents::new(vm));
     let mut handles = Vec::new();
-    for config in device_configs(options) {
+    for config in configs {
+        let segment = options.pci_segments.get(config.id()).copied().unwrap_or(0);
+        let root = roots.get(usize::from(segment)).ok_or_else(|| {
+            VirtioSetupError::Invalid(format!(
+                "device {} is on PCI segment {segment}, which this VM does not have",
+                config.id()
+            ))
+        })?;
         let device = open_device(&config, passed)?;
         let name = device.name().to_string();
         let mut allocate = |count| router.allocate(count);
@@ -456,7 +491,7 @@ pub fn attach(
                 device: name.clone(),
                 source,
             })?;
-        log::info!("{name} at {bdf}");
+        log::info!("{name} at {}", bdf.full());
         handles.push(VirtioHandle {
             config,
             bdf,
@@ -496,6 +531,7 @@ pub fn save_all(
             let mut transport = lock(&handle.transport);
             Ok(VirtioDeviceState {
                 config: current_config(handle, &mut transport),
+                pci_segment: handle.bdf.segment,
                 transport: transport.save()?,
             })
         })
@@ -509,10 +545,34 @@ fn current_config(handle: &VirtioHandle, transport: &mut VirtioPciDevice) -> Vir
         .device_mut()
         .as_any_mut()
         .and_then(|any| any.downcast_mut::<Block>());
-    match block {
-        Some(block) => VirtioDeviceConfig::Block(block.config().clone()),
+    if let Some(block) = block {
+        return VirtioDeviceConfig::Block(block.config().clone());
+    }
+    // The balloon's target and polling interval may have changed since the VM was built.
+    let balloon = transport
+        .device_mut()
+        .as_any_mut()
+        .and_then(|any| any.downcast_mut::<Balloon>());
+    match balloon {
+        Some(balloon) => VirtioDeviceConfig::Balloon(balloon.config().clone()),
         None => handle.config.clone(),
     }
+}
+
+/// Runs `work` on the VM's balloon, if it has one.
+pub fn with_balloon<T>(
+    handles: &[VirtioHandle],
+    work: impl FnOnce(&mut Balloon) -> T,
+) -> Option<T> {
+    let handle = handles
+        .iter()
+        .find(|h| matches!(h.config, VirtioDeviceConfig::Balloon(_)))?;
+    let mut transport = lock(&handle.transport);
+    let balloon = transport
+        .device_mut()
+        .as_any_mut()
+        .and_then(|any| any.downcast_mut::<Balloon>())?;
+    Some(work(balloon))
 }
 
 /// Loads each saved state into the device built from the same configuration.
@@ -530,11 +590,17 @@ pub fn restore_all(
 pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
     let mut options = VirtioOptions::default();
     for state in states {
+        if state.pci_segment != 0 {
+            options
+                .pci_segments
+                .insert(state.config.id().to_string(), state.pci_segment);
+        }
         match &state.config {
             VirtioDeviceConfig::Block(config) => options.drives.push(config.clone()),
             VirtioDeviceConfig::Net(config) => options.nets.push(config.clone()),
             VirtioDeviceConfig::Vsock(config) => options.vsock = Some(config.clone()),
             VirtioDeviceConfig::Rng(config) => options.rng = Some(config.clone()),
+            VirtioDeviceConfig::Balloon(config) => options.balloon = Some(config.clone()),
             VirtioDeviceConfig::VhostUserBlock(config) => {
                 options.vhost_user_drives.push(config.clone())
             }

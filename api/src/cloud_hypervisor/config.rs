@@ -30,13 +30,13 @@ const NON_ZERO_DEFAULTS: &[(&str, &str)] = &[
     ("core_scheduling", "\"Vm\""),
 ];
 
+/// Fields the translation reads itself (translate.rs checks their values).
+const TRANSLATED: &[&str] = &["num_pci_segments", "pci_segment"];
+
 /// Fields accepted at any value because they change nothing gpuvm's guest can rely on:
-/// gpuvm has one PCI segment (devices Kata puts on segment 1 go on segment 0, which the
-/// guest's drivers find the same way), ignores the CPU topology hint, and has no memory
-/// hot-plug (`hotplug_size` is the most it could ever add; Kata always sends it).
+/// gpuvm ignores the CPU topology hint, and has no memory hot-plug (`hotplug_size` is the
+/// most it could ever add; Kata always sends it).
 const IGNORED: &[&str] = &[
-    "num_pci_segments",
-    "pci_segment",
     "topology",
     "hotplug_size",
     "max_phys_bits",
@@ -64,6 +64,9 @@ fn is_default(name: &str, value: &Value) -> bool {
 /// naming it as `prefix.field`.
 pub fn check_other(prefix: &str, other: &Other) -> Result<(), String> {
     for (name, value) in other {
+        if TRANSLATED.contains(&name.as_str()) {
+            continue;
+        }
         if IGNORED.contains(&name.as_str()) {
             if !is_default(name, value) {
                 log::info!("Cloud Hypervisor API: ignoring {prefix}{name} = {value}");
@@ -194,6 +197,18 @@ pub struct RngConfig {
     pub other: Other,
 }
 
+/// `balloon`: `size` in bytes (whole MiB); free page reporting is refused.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BalloonConfig {
+    pub size: u64,
+    #[serde(default)]
+    pub deflate_on_oom: bool,
+    #[serde(default)]
+    pub free_page_reporting: bool,
+    #[serde(flatten)]
+    pub other: Other,
+}
+
 /// A host PCI device to pass through: `path` is its sysfs directory.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DeviceConfig {
@@ -228,6 +243,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     #[serde(default)]
     pub rng: Option<RngConfig>,
+    #[serde(default)]
+    pub balloon: Option<BalloonConfig>,
     #[serde(default)]
     pub devices: Vec<DeviceConfig>,
     #[serde(default)]

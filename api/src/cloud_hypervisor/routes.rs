@@ -436,6 +436,20 @@ fn add(
     let Some(config) = guard.as_mut() else {
         return not_created();
     };
+    // vm.create checked it; a device's pci_segment must be one of these.
+    let segments = translate::num_pci_segments(config).unwrap_or(1);
+    let passthrough_segment = |value: &Value| {
+        let other: super::config::Other = value
+            .get("pci_segment")
+            .map(|s| [("pci_segment".to_string(), s.clone())].into())
+            .unwrap_or_default();
+        translate::passthrough_segment("device", &other, segments)
+    };
+    if matches!(kind, Kind::Device | Kind::UserDevice) {
+        if let Err(message) = passthrough_segment(&value) {
+            return fault(400, message);
+        }
+    }
     match kind {
         Kind::Device | Kind::UserDevice => {
             let gpu = if kind == Kind::Device {
@@ -483,9 +497,11 @@ fn add(
                 },
                 Ok(_) if booted => fault(500, "gpuvm's hot-plug did not say where the device is"),
                 Ok(_) => Response::no_content(),
+                // Any conflict (no hot-plug in this VM, an id already attached, a device
+                // being removed): the controller's message says which.
                 Err(error) if booted && error.status == 409 => fault(
                     400,
-                    format!("GPU hot-plug after boot is not available in this gpuvm build: {}", error.message),
+                    format!("GPU hot-plug refused: {}", error.message),
                 ),
                 Err(error) => from_error(error),
             }
@@ -499,8 +515,14 @@ fn add(
                 Ok(d) => d,
                 Err(e) => return bad(e),
             };
+            let segment = match translate::pci_segment("disk", &disk.other, segments) {
+                Ok(segment) => segment,
+                Err(message) => return fault(400, message),
+            };
             match translate::disk(config.disks.len(), &disk) {
-                Ok((_, action)) => added(dispatch(action), || config.disks.push(disk)),
+                Ok((id, action)) => added(dispatch(with_segment(action, &id, segment)), || {
+                    config.disks.push(disk)
+                }),
                 Err(message) => fault(400, message),
             }
         }
@@ -509,8 +531,14 @@ fn add(
                 Ok(d) => d,
                 Err(e) => return bad(e),
             };
+            let segment = match translate::pci_segment("fs", &fs.other, segments) {
+                Ok(segment) => segment,
+                Err(message) => return fault(400, message),
+            };
             match translate::fs(config.fs.len(), &fs) {
-                Ok((_, action)) => added(dispatch(action), || config.fs.push(fs)),
+                Ok((_, action)) => added(dispatch(with_segment(action, &fs.tag, segment)), || {
+                    config.fs.push(fs)
+                }),
                 Err(message) => fault(400, message),
             }
         }
@@ -519,8 +547,14 @@ fn add(
                 Ok(d) => d,
                 Err(e) => return bad(e),
             };
+            let segment = match translate::pci_segment("vsock", &vsock.other, segments) {
+                Ok(segment) => segment,
+                Err(message) => return fault(400, message),
+            };
             match translate::vsock(&vsock) {
-                Ok((_, action)) => added(dispatch(action), || config.vsock = Some(vsock)),
+                Ok((_, action)) => added(dispatch(with_segment(action, "vsock", segment)), || {
+                    config.vsock = Some(vsock)
+                }),
                 Err(message) => fault(400, message),
             }
         }
@@ -530,16 +564,39 @@ fn add(
                 Err(e) => return bad(e),
             };
             let passed = !tap_fds.is_empty();
+            let segment = match translate::pci_segment("net", &net.other, segments) {
+                Ok(segment) => segment,
+                Err(message) => return fault(400, message),
+            };
             match translate::net(config.net.len(), &net, passed) {
                 // The VMM thread checks that each is a tap, one per queue pair.
-                Ok((_, config_body)) if passed => added(
-                    dispatch(VmmAction::PutNetworkInterfaceFds { config: config_body, fds: tap_fds }),
+                Ok((id, config_body)) if passed => {
+                    let result = dispatch(VmmAction::PutNetworkInterfaceFds {
+                        config: config_body,
+                        fds: tap_fds,
+                    });
+                    // The segment was checked above: placing the interface cannot fail.
+                    let result = match (result, translate::segment_action(&id, segment)) {
+                        (Ok(_), Some(action)) => dispatch(action),
+                        (result, _) => result,
+                    };
+                    added(result, || config.net.push(net))
+                }
+                Ok((id, body)) => added(
+                    dispatch(with_segment(VmmAction::PutNetworkInterface(body), &id, segment)),
                     || config.net.push(net),
                 ),
-                Ok((_, body)) => added(dispatch(VmmAction::PutNetworkInterface(body)), || config.net.push(net)),
                 Err(message) => fault(400, message),
             }
         }
+    }
+}
+
+/// `action`, and the device `id` put on PCI segment `segment` with it (one unit).
+fn with_segment(action: VmmAction, id: &str, segment: u16) -> VmmAction {
+    match translate::segment_action(id, segment) {
+        Some(place) => VmmAction::Batch(vec![action, place]),
+        None => action,
     }
 }
 

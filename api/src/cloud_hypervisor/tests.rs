@@ -51,9 +51,14 @@ fn kata_vm_config_translates_to_the_pre_boot_actions() {
             "PutFs",
             "PutVsock",
             "PutEntropy",
-            "PutGpu"
+            "PutGpu",
+            "PutPciSegments"
         ]
     );
+    // Kata's virtio-fs on segment 1 of 2; everything else on segment 0.
+    assert!(matches!(&actions[7], VmmAction::PutPciSegments(s)
+        if s.num_pci_segments == Some(2)
+            && s.devices == [("kataShared".to_string(), 1)].into()));
     assert!(matches!(&actions[0], VmmAction::PutMachineConfig(m)
         if m.vcpu_count == 2 && m.mem_size_mib == 2048 && m.backing == BackingKind::Memfd && m.thp));
     assert!(matches!(&actions[1], VmmAction::PutBootSource(b)
@@ -85,6 +90,25 @@ fn fields_away_from_their_default_are_refused_by_name() {
         ),
         ("/serial/mode", json!("Pty"), "serial.mode"),
         ("/disks/0/image_type", json!("Qcow2"), "disks[0].image_type"),
+        ("/disks/0/pci_segment", json!(5), "disks[0].pci_segment = 5"),
+        ("/disks/0/pci_segment", json!(-1), "disks[0].pci_segment"),
+        ("/fs/0/pci_segment", json!(2), "fs[0].pci_segment = 2"),
+        ("/rng/pci_segment", json!("1"), "rng.pci_segment"),
+        (
+            "/devices/0/pci_segment",
+            json!(1),
+            "devices[0].pci_segment = 1",
+        ),
+        (
+            "/platform/num_pci_segments",
+            json!(0),
+            "platform.num_pci_segments = 0",
+        ),
+        (
+            "/platform/num_pci_segments",
+            json!(17),
+            "platform.num_pci_segments = 17",
+        ),
     ] {
         let mut body = kata_vm_config();
         let (parent, key) = field.rsplit_once('/').unwrap();
@@ -298,4 +322,35 @@ fn add_net_hands_passed_descriptors_to_the_vmm() {
     let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
     assert_eq!(info["config"]["net"][0]["id"], "net0");
     assert_eq!(info["config"]["net"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn a_balloon_becomes_its_target_in_mib() {
+    let with = |balloon: serde_json::Value, devices: bool| {
+        let mut body = kata_vm_config();
+        body["balloon"] = balloon;
+        if !devices {
+            body["devices"] = json!([]);
+        }
+        let config: VmConfig = serde_json::from_value(body).unwrap();
+        translate::vm_config(&config)
+    };
+    let actions = with(json!({"size": 64u64 << 20, "deflate_on_oom": true}), false).unwrap();
+    let balloon = actions.iter().find_map(|a| match a {
+        VmmAction::PutBalloon(config) => Some(config.clone()),
+        _ => None,
+    });
+    let balloon = balloon.expect("a PutBalloon action");
+    assert_eq!((balloon.amount_mib, balloon.deflate_on_oom), (64, true));
+    assert_eq!(balloon.stats_polling_interval_s, 0);
+    // Not whole MiB, free page reporting: refused by name.
+    let error = with(json!({"size": 1000}), false).unwrap_err();
+    assert!(error.contains("balloon.size"), "{error}");
+    let error = with(json!({"size": 0, "free_page_reporting": true}), false).unwrap_err();
+    assert!(error.contains("free_page_reporting"), "{error}");
+    // An empty balloon beside a GPU is left out (the GPU's DMA pins guest RAM).
+    let actions = with(json!({"size": 0, "deflate_on_oom": false}), true).unwrap();
+    assert!(!actions
+        .iter()
+        .any(|a| matches!(a, VmmAction::PutBalloon(_))));
 }

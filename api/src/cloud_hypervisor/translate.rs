@@ -5,12 +5,13 @@
 use serde_json::json;
 
 use gpuvm_vmm::action::{
-    BackingKind, BootSourceBody, DriveBody, GpuBody, MachineConfigBody, VmmAction,
+    BackingKind, BootSourceBody, DriveBody, GpuBody, MachineConfigBody, PciSegmentsBody, VmmAction,
+    MAX_PCI_SEGMENTS,
 };
 
 use super::config::{
-    check_other, ConsoleConfig, CpusConfig, DeviceConfig, DiskConfig, FsConfig, MemoryConfig,
-    NetConfig, RngConfig, VmConfig, VsockConfig,
+    check_other, BalloonConfig, ConsoleConfig, CpusConfig, DeviceConfig, DiskConfig, FsConfig,
+    MemoryConfig, NetConfig, Other, RngConfig, VmConfig, VsockConfig,
 };
 
 /// A refused body: the 400 message.
@@ -165,6 +166,28 @@ pub fn rng(rng: &RngConfig) -> Result<VmmAction, Refusal> {
     )?))
 }
 
+/// `balloon`: its size in whole MiB becomes the target; no statistics (Cloud Hypervisor
+/// has none to ask for).
+pub fn balloon(balloon: &BalloonConfig) -> Result<VmmAction, Refusal> {
+    check_other("balloon.", &balloon.other)?;
+    if balloon.free_page_reporting {
+        return Err("balloon.free_page_reporting = true is not supported by gpuvm".into());
+    }
+    if !balloon.size.is_multiple_of(1 << 20) || balloon.size >> 20 > u64::from(u32::MAX) {
+        return Err(format!(
+            "balloon.size = {} is not a whole number of MiB gpuvm accepts",
+            balloon.size
+        ));
+    }
+    Ok(VmmAction::PutBalloon(
+        gpuvm_virtio::balloon::BalloonConfig {
+            amount_mib: (balloon.size >> 20) as u32,
+            deflate_on_oom: balloon.deflate_on_oom,
+            stats_polling_interval_s: 0,
+        },
+    ))
+}
+
 /// A host PCI device by its sysfs path, `/sys/bus/pci/devices/<BDF>`.
 pub fn device(index: usize, device: &DeviceConfig) -> Result<GpuBody, Refusal> {
     check_other(&format!("devices[{index}]."), &device.other)?;
@@ -204,6 +227,65 @@ fn console(field: &str, console: Option<&ConsoleConfig>) -> Result<(), Refusal> 
     }
 }
 
+/// `platform.num_pci_segments` (absent: 1), checked.
+pub fn num_pci_segments(config: &VmConfig) -> Result<u16, Refusal> {
+    let value = config
+        .other
+        .get("platform")
+        .and_then(|platform| platform.get("num_pci_segments"));
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(1),
+        Some(value) => value
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|n| (1..=MAX_PCI_SEGMENTS).contains(n))
+            .ok_or_else(|| {
+                format!(
+                    "platform.num_pci_segments = {value}: gpuvm gives a VM 1 to {MAX_PCI_SEGMENTS} PCI segments"
+                )
+            }),
+    }
+}
+
+/// A device's `pci_segment` (absent: 0), which must be one of the VM's `count` segments;
+/// `field` names the device in the refusal (`disks[0]`).
+pub fn pci_segment(field: &str, other: &Other, count: u16) -> Result<u16, Refusal> {
+    let Some(value) = other.get("pci_segment").filter(|v| !v.is_null()) else {
+        return Ok(0);
+    };
+    value
+        .as_u64()
+        .and_then(|n| u16::try_from(n).ok())
+        .filter(|&n| n < count)
+        .ok_or_else(|| {
+            format!(
+                "{field}.pci_segment = {value}: the VM has {count} PCI segment(s) \
+                 (platform.num_pci_segments), numbered from 0"
+            )
+        })
+}
+
+/// Passthrough devices sit on segment 0 (hot-plug is there too): another is refused.
+pub fn passthrough_segment(field: &str, other: &Other, count: u16) -> Result<(), Refusal> {
+    match pci_segment(field, other, count)? {
+        0 => Ok(()),
+        segment => Err(format!(
+            "{field}.pci_segment = {segment}: gpuvm puts passthrough devices on PCI segment 0"
+        )),
+    }
+}
+
+/// The action that puts the device `id` (gpuvm's device id: drive or interface id, a
+/// share's tag, `vsock`, `rng`) on `segment` (none for segment 0).
+pub fn segment_action(id: &str, segment: u16) -> Option<VmmAction> {
+    (segment != 0).then(|| {
+        VmmAction::PutPciSegments(PciSegmentsBody {
+            num_pci_segments: None,
+            devices: [(id.to_string(), segment)].into(),
+        })
+    })
+}
+
 /// The pre-boot actions a VmConfig stands for, in order.
 pub fn vm_config(config: &VmConfig) -> Result<Vec<VmmAction>, Refusal> {
     check_other("", &config.other)?;
@@ -219,23 +301,56 @@ pub fn vm_config(config: &VmConfig) -> Result<Vec<VmmAction>, Refusal> {
         initrd_path: config.payload.initramfs.clone(),
         boot_args: config.payload.cmdline.clone(),
     }));
+    let count = num_pci_segments(config)?;
+    let mut segments = std::collections::BTreeMap::new();
+    let mut on_segment = |field: String, other: &Other, id: String| {
+        let segment = pci_segment(&field, other, count)?;
+        if segment != 0 {
+            segments.insert(id, segment);
+        }
+        Ok::<(), Refusal>(())
+    };
     for (i, d) in config.disks.iter().enumerate() {
-        actions.push(disk(i, d)?.1);
+        let (id, action) = disk(i, d)?;
+        on_segment(format!("disks[{i}]"), &d.other, id)?;
+        actions.push(action);
     }
     for (i, n) in config.net.iter().enumerate() {
-        actions.push(VmmAction::PutNetworkInterface(net(i, n, false)?.1));
+        let (id, body) = net(i, n, false)?;
+        on_segment(format!("net[{i}]"), &n.other, id)?;
+        actions.push(VmmAction::PutNetworkInterface(body));
     }
     for (i, f) in config.fs.iter().enumerate() {
+        on_segment(format!("fs[{i}]"), &f.other, f.tag.clone())?;
         actions.push(fs(i, f)?.1);
     }
     if let Some(v) = &config.vsock {
+        on_segment("vsock".into(), &v.other, "vsock".into())?;
         actions.push(vsock(v)?.1);
     }
     if let Some(r) = &config.rng {
+        on_segment("rng".into(), &r.other, "rng".into())?;
         actions.push(rng(r)?);
     }
+    if let Some(b) = &config.balloon {
+        // An empty balloon beside passthrough devices could never give memory back
+        // (their DMA pins guest RAM): left out, as before gpuvm had a balloon.
+        if b.size == 0 && !b.free_page_reporting && !config.devices.is_empty() {
+            check_other("balloon.", &b.other)?;
+            log::info!(
+                "Cloud Hypervisor API: an empty balloon beside passthrough devices is left out"
+            );
+        } else {
+            actions.push(balloon(b)?);
+        }
+    }
     for (i, d) in config.devices.iter().enumerate() {
+        passthrough_segment(&format!("devices[{i}]"), &d.other, count)?;
         actions.push(VmmAction::PutGpu(device(i, d)?));
     }
+    actions.push(VmmAction::PutPciSegments(PciSegmentsBody {
+        num_pci_segments: Some(count),
+        devices: segments,
+    }));
     Ok(actions)
 }

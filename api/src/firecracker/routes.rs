@@ -250,6 +250,15 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             }
             Ok(response)
         }
+        (Put, "/balloon") => {
+            let fc = body(request)?;
+            let config = translate::balloon(&fc).map_err(refused)?;
+            let response = no_content(VmmAction::PutBalloon(config), dispatch);
+            if response.status == 204 {
+                remember(session, "balloon", None, fc);
+            }
+            Ok(response)
+        }
         _ => {
             if let Some(why) = translate::unsupported(path) {
                 return Err(fault(

@@ -349,7 +349,9 @@ pub fn unsupported(path: &str) -> Option<&'static str> {
     let first = path.trim_start_matches('/').split('/').next().unwrap_or("");
     Some(match first {
         "mmds" => "MMDS (the metadata service) is not supported by gpuvm",
-        "balloon" => "the balloon device is not supported by gpuvm",
+        "balloon" if path.contains("/hinting") => {
+            "balloon free page hinting is not supported by gpuvm"
+        }
         "serial" => "serial output redirection is not supported by gpuvm (the serial console is gpuvm's stdout)",
         "cpu-config" => "custom CPU templates are not supported by gpuvm (use machine-config cpuid_masks)",
         "pmem" => "virtio-pmem is not supported by gpuvm",
@@ -375,6 +377,7 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
             "network-interfaces",
             "vsock",
             "entropy",
+            "balloon",
             "gpus",
         ];
         if !known.contains(&key.as_str()) {
@@ -426,7 +429,24 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
     if let Some(body) = section("entropy") {
         actions.push(VmmAction::PutEntropy(parse("entropy", body)?));
     }
+    if let Some(body) = section("balloon") {
+        actions.push(VmmAction::PutBalloon(balloon(body)?));
+    }
     Ok(actions)
+}
+
+/// PUT /balloon: free page hinting and reporting are refused when asked for.
+pub fn balloon(body: &Value) -> Result<gpuvm_virtio::balloon::BalloonConfig, Refusal> {
+    let mut body = body.clone();
+    if let Some(object) = body.as_object_mut() {
+        for key in ["free_page_hinting", "free_page_reporting"] {
+            match object.remove(key) {
+                None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+                Some(_) => return Err(format!("balloon {key} is not supported by gpuvm")),
+            }
+        }
+    }
+    parse("balloon", &body)
 }
 
 /// PUT /vsock: `uds_path` resolved like every path.

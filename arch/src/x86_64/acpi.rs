@@ -6,9 +6,11 @@
 //!  └─ XSDT ─┬─ FACP (FADT): HW-reduced ACPI, IA-PC boot flags (legacy devices, 8042, no VGA),
 //!           │        reset register = port 0x64 value 0xFE; X_DSDT ─▶ DSDT
 //!           ├─ APIC (MADT): a local APIC per vCPU, the IOAPIC, LINT1 = NMI
-//!           └─ MCFG: the ECAM window (segment 0, the buses it covers)
+//!           └─ MCFG: one ECAM window per PCI segment group (the buses it covers)
 //! DSDT: \_SB.PCI0 (PNP0A08/PNP0A03, _SEG/_BBN 0, _CRS bus range + CF8..CFF + both BAR
-//!       windows, _PRT for 32 slots x 4 pins), \_SB.MBRD (PNP0C02, reserves the ECAM window),
+//!       windows, _PRT for 32 slots x 4 pins), with more segments \_SB.PC01.. (_SEG and
+//!       _UID N, _BBN 0, _CRS bus range + the segment's own BAR windows, _PRT),
+//!       \_SB.MBRD (PNP0C02, reserves every ECAM window),
 //!       \_SB.COM1 (PNP0501, 0x3F8, IRQ 4); PCI hot-plug: \_SB.PCI0.SDxx slots with _EJ0
 //!       and PCNT (see [`PciHotplugAml`]), \_SB.GED0 (ACPI0013) raising it on HOTPLUG_GSI
 //! ```
@@ -34,7 +36,7 @@ use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use zerocopy::{Immutable, IntoBytes};
 
-use super::layout::{ACPI_END, ACPI_START, APIC_ADDR, IOAPIC_ADDR};
+use super::layout::{ACPI_END, ACPI_START, APIC_ADDR, IOAPIC_ADDR, MAX_PCI_SEGMENTS};
 use super::mptable::{ioapic_id, MAX_MPTABLE_CPUS};
 
 pub const OEM_ID: [u8; 6] = *b"GPUVM ";
@@ -81,10 +83,11 @@ pub enum AcpiError {
 }
 
 /// What the tables describe.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct AcpiConfig {
     pub vcpus: u8,
-    pub pci: PciRootConfig,
+    /// The PCI roots: `pci_segments[n]` is segment group n's (segment 0 first, always).
+    pub pci_segments: Vec<PciRootConfig>,
 }
 
 /// The tables and where each goes in guest memory.
@@ -161,23 +164,142 @@ fn ecam_end_bus(pci: &PciRootConfig) -> Result<u8, AcpiError> {
     Ok((buses - 1) as u8)
 }
 
-fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
-    let end_bus = ecam_end_bus(pci)?;
-    let to_u32 = |value: u64, what| u32::try_from(value).map_err(|_| AcpiError::Layout(what));
-    let mmio32_start = to_u32(pci.mmio32_start, "the 32-bit window must lie below 4 GiB")?;
-    let mmio32_last = to_u32(
-        pci.mmio32_end.saturating_sub(1),
-        "the 32-bit window must lie below 4 GiB",
-    )?;
-    let ecam_base = to_u32(pci.ecam_base, "the ECAM window must lie below 4 GiB")?;
-    let ecam_size = to_u32(PciRootConfig::ECAM_SIZE, "the ECAM window is too large")?;
-    if pci.mmio32_end <= pci.mmio32_start || pci.mmio64_size == 0 {
-        return Err(AcpiError::Layout("a PCI BAR window is empty"));
+/// One segment's host bridge window values, checked.
+struct SegmentWindows {
+    end_bus: u8,
+    mmio32_start: u32,
+    mmio32_last: u32,
+    mmio64_start: u64,
+    mmio64_last: u64,
+    ecam_base: u32,
+}
+
+impl SegmentWindows {
+    fn of(pci: &PciRootConfig) -> Result<Self, AcpiError> {
+        let end_bus = ecam_end_bus(pci)?;
+        let to_u32 = |value: u64, what| u32::try_from(value).map_err(|_| AcpiError::Layout(what));
+        let mmio32_start = to_u32(pci.mmio32_start, "the 32-bit window must lie below 4 GiB")?;
+        let mmio32_last = to_u32(
+            pci.mmio32_end.saturating_sub(1),
+            "the 32-bit window must lie below 4 GiB",
+        )?;
+        let ecam_base = to_u32(pci.ecam_base, "the ECAM window must lie below 4 GiB")?;
+        to_u32(PciRootConfig::ECAM_SIZE, "the ECAM window is too large")?;
+        if pci.mmio32_end <= pci.mmio32_start || pci.mmio64_size == 0 {
+            return Err(AcpiError::Layout("a PCI BAR window is empty"));
+        }
+        let mmio64_last = pci
+            .mmio64_start
+            .checked_add(pci.mmio64_size - 1)
+            .ok_or(AcpiError::Layout("the 64-bit window wraps around"))?;
+        Ok(SegmentWindows {
+            end_bus,
+            mmio32_start,
+            mmio32_last,
+            mmio64_start: pci.mmio64_start,
+            mmio64_last,
+            ecam_base,
+        })
     }
-    let mmio64_last = pci
-        .mmio64_start
-        .checked_add(pci.mmio64_size - 1)
-        .ok_or(AcpiError::Layout("the 64-bit window wraps around"))?;
+}
+
+/// Every segment's ECAM and BAR windows are disjoint from every other's (ACPI: a host
+/// bridge's resources are its own), and there are at most [`MAX_PCI_SEGMENTS`].
+fn check_segments(segments: &[PciRootConfig]) -> Result<(), AcpiError> {
+    if segments.is_empty() || segments.len() > usize::from(MAX_PCI_SEGMENTS) {
+        return Err(AcpiError::Layout("1 to MAX_PCI_SEGMENTS PCI segments"));
+    }
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for pci in segments {
+        ranges.push((pci.ecam_base, pci.ecam_base + PciRootConfig::ECAM_SIZE));
+        ranges.push((pci.mmio32_start, pci.mmio32_end));
+        ranges.push((
+            pci.mmio64_start,
+            pci.mmio64_start.saturating_add(pci.mmio64_size),
+        ));
+    }
+    ranges.sort_unstable();
+    if ranges.windows(2).any(|pair| pair[0].1 > pair[1].0) {
+        return Err(AcpiError::Layout("PCI segment windows overlap"));
+    }
+    Ok(())
+}
+
+/// The name of segment `segment`'s host bridge: PCI0 for segment 0 (as before segments),
+/// PC01..PC0F for the others.
+fn host_bridge_name(segment: u16) -> String {
+    if segment == 0 {
+        "PCI0".to_string()
+    } else {
+        format!("PC{segment:02X}")
+    }
+}
+
+/// `\_SB.PCI0` / `\_SB.PC0N`: a PCIe host bridge (PNP0A08, PNP0A03) of segment group N
+/// (`_SEG` N, `_UID` N, `_BBN` 0) with its bus range and BAR windows in `_CRS`; segment 0
+/// also decodes 0xCF8..0xCFF and carries the hot-plug slots.
+struct HostBridgeAml<'a> {
+    segment: u16,
+    windows: &'a SegmentWindows,
+    prt: &'a aml::Package<'a>,
+}
+
+impl Aml for HostBridgeAml<'_> {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        let w = self.windows;
+        let segment = u32::from(self.segment);
+        let bus = aml::AddressSpace::new_bus_number(0u16, u16::from(w.end_bus));
+        let config_ports = aml::IO::new(PCI_CONFIG_PORT, PCI_CONFIG_PORT, 1, PCI_CONFIG_PORT_LEN);
+        let mmio32 = aml::AddressSpace::new_memory(
+            AddressSpaceCacheable::NotCacheable,
+            true,
+            w.mmio32_start,
+            w.mmio32_last,
+            None,
+        );
+        let mmio64 = aml::AddressSpace::new_memory(
+            AddressSpaceCacheable::Cacheable,
+            true,
+            w.mmio64_start,
+            w.mmio64_last,
+            None,
+        );
+        let mut resources: Vec<&dyn Aml> = vec![&bus];
+        if self.segment == 0 {
+            resources.push(&config_ports);
+        }
+        resources.extend([&mmio32 as &dyn Aml, &mmio64]);
+        let crs = aml::ResourceTemplate::new(resources);
+        let hid = aml::EISAName::new("PNP0A08");
+        let cid = aml::EISAName::new("PNP0A03");
+        let mut children: Vec<&dyn Aml> = Vec::new();
+        let names = [
+            aml::Name::new("_HID".into(), &hid),
+            aml::Name::new("_CID".into(), &cid),
+            aml::Name::new("_ADR".into(), &aml::ZERO),
+            aml::Name::new("_SEG".into(), &segment),
+            aml::Name::new("_UID".into(), &segment),
+            aml::Name::new("_BBN".into(), &aml::ZERO),
+            aml::Name::new("_CRS".into(), &crs),
+            aml::Name::new("_PRT".into(), self.prt),
+        ];
+        children.extend(names.iter().map(|n| n as &dyn Aml));
+        if self.segment == 0 {
+            children.push(&PciHotplugAml);
+        }
+        aml::Device::new(host_bridge_name(self.segment).as_str().into(), children)
+            .to_aml_bytes(sink);
+    }
+}
+
+/// `segments[n]` is segment n's root.
+fn dsdt(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
+    check_segments(segments)?;
+    let windows = segments
+        .iter()
+        .map(SegmentWindows::of)
+        .collect::<Result<Vec<_>, _>>()?;
+    let ecam_size = PciRootConfig::ECAM_SIZE as u32;
 
     // _PRT: slot D pin P (0 = INTA) -> GSI 16 + (D + P) % 8, as the INTx wiring does.
     let routes: Vec<(u32, u8, u32)> = (0..PCI_SLOTS)
@@ -190,6 +312,26 @@ fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
         .map(|(address, pin, gsi)| aml::Package::new(vec![address, pin, &aml::ZERO, gsi]))
         .collect();
     let prt = aml::Package::new(entries.iter().map(|e| e as &dyn Aml).collect());
+    let bridges: Vec<HostBridgeAml> = windows
+        .iter()
+        .enumerate()
+        .map(|(segment, windows)| HostBridgeAml {
+            segment: segment as u16,
+            windows,
+            prt: &prt,
+        })
+        .collect();
+    // Motherboard resources: the ECAM windows belong to the platform, not to RAM or any
+    // device (Linux checks MCFG against this or the e820 map).
+    let ecam_reservations: Vec<aml::Memory32Fixed> = windows
+        .iter()
+        .map(|w| aml::Memory32Fixed::new(true, w.ecam_base, ecam_size))
+        .collect();
+    let hotplug_ports = aml::IO::new(HOTPLUG_PORT, HOTPLUG_PORT, 1, HOTPLUG_PORT_LEN as u8);
+    let mut mbrd_resources: Vec<&dyn Aml> =
+        ecam_reservations.iter().map(|r| r as &dyn Aml).collect();
+    mbrd_resources.push(&hotplug_ports);
+    let mbrd_crs = aml::ResourceTemplate::new(mbrd_resources);
 
     let mut table = Sdt::new(
         *b"DSDT",
@@ -200,75 +342,36 @@ fn dsdt(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
         OEM_REVISION,
     );
     let mut body = Vec::new();
+    let bridges = bridges.iter().map(|b| b as &dyn Aml);
     aml::Scope::new(
         "\\_SB_".into(),
-        vec![
-            &aml::Device::new(
-                "PCI0".into(),
-                vec![
-                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0A08")),
-                    &aml::Name::new("_CID".into(), &aml::EISAName::new("PNP0A03")),
-                    &aml::Name::new("_ADR".into(), &aml::ZERO),
-                    &aml::Name::new("_SEG".into(), &aml::ZERO),
-                    &aml::Name::new("_UID".into(), &aml::ZERO),
-                    &aml::Name::new("_BBN".into(), &aml::ZERO),
-                    &aml::Name::new(
-                        "_CRS".into(),
-                        &aml::ResourceTemplate::new(vec![
-                            &aml::AddressSpace::new_bus_number(0u16, u16::from(end_bus)),
-                            &aml::IO::new(PCI_CONFIG_PORT, PCI_CONFIG_PORT, 1, PCI_CONFIG_PORT_LEN),
-                            &aml::AddressSpace::new_memory(
-                                AddressSpaceCacheable::NotCacheable,
-                                true,
-                                mmio32_start,
-                                mmio32_last,
-                                None,
-                            ),
-                            &aml::AddressSpace::new_memory(
-                                AddressSpaceCacheable::Cacheable,
-                                true,
-                                pci.mmio64_start,
-                                mmio64_last,
-                                None,
-                            ),
-                        ]),
-                    ),
-                    &aml::Name::new("_PRT".into(), &prt),
-                    &PciHotplugAml,
-                ],
-            ),
-            &GedAml,
-            // Motherboard resources: the ECAM window belongs to the platform, not to RAM
-            // or any device (Linux checks MCFG against this or the e820 map).
-            &aml::Device::new(
-                "MBRD".into(),
-                vec![
-                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02")),
-                    &aml::Name::new("_UID".into(), &aml::ZERO),
-                    &aml::Name::new(
-                        "_CRS".into(),
-                        &aml::ResourceTemplate::new(vec![
-                            &aml::Memory32Fixed::new(true, ecam_base, ecam_size),
-                            &aml::IO::new(HOTPLUG_PORT, HOTPLUG_PORT, 1, HOTPLUG_PORT_LEN as u8),
-                        ]),
-                    ),
-                ],
-            ),
-            &aml::Device::new(
-                "COM1".into(),
-                vec![
-                    &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0501")),
-                    &aml::Name::new("_UID".into(), &aml::ZERO),
-                    &aml::Name::new(
-                        "_CRS".into(),
-                        &aml::ResourceTemplate::new(vec![
-                            &aml::IO::new(COM1_PORT, COM1_PORT, 1, 8),
-                            &aml::Interrupt::new(true, true, false, false, COM1_IRQ),
-                        ]),
-                    ),
-                ],
-            ),
-        ],
+        bridges
+            .chain([
+                &GedAml as &dyn Aml,
+                &aml::Device::new(
+                    "MBRD".into(),
+                    vec![
+                        &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C02")),
+                        &aml::Name::new("_UID".into(), &aml::ZERO),
+                        &aml::Name::new("_CRS".into(), &mbrd_crs),
+                    ],
+                ),
+                &aml::Device::new(
+                    "COM1".into(),
+                    vec![
+                        &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0501")),
+                        &aml::Name::new("_UID".into(), &aml::ZERO),
+                        &aml::Name::new(
+                            "_CRS".into(),
+                            &aml::ResourceTemplate::new(vec![
+                                &aml::IO::new(COM1_PORT, COM1_PORT, 1, 8),
+                                &aml::Interrupt::new(true, true, false, false, COM1_IRQ),
+                            ]),
+                        ),
+                    ],
+                ),
+            ])
+            .collect(),
     )
     .to_aml_bytes(&mut body);
     table.append_slice(&body);
@@ -453,9 +556,12 @@ fn madt(vcpus: u8) -> Vec<u8> {
     bytes
 }
 
-fn mcfg(pci: &PciRootConfig) -> Result<Vec<u8>, AcpiError> {
+/// One ECAM allocation per segment: segment n's window, its buses from 0.
+fn mcfg(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
     let mut mcfg = MCFG::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
-    mcfg.add_ecam(pci.ecam_base, 0, 0, ecam_end_bus(pci)?);
+    for (segment, pci) in segments.iter().enumerate() {
+        mcfg.add_ecam(pci.ecam_base, segment as u16, 0, ecam_end_bus(pci)?);
+    }
     Ok(bytes_of(&mcfg))
 }
 
@@ -470,13 +576,13 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
         next = (addr + len as u64).next_multiple_of(TABLE_ALIGN);
         addr
     };
-    let dsdt = dsdt(&config.pci)?;
+    let dsdt = dsdt(&config.pci_segments)?;
     let dsdt_addr = place(dsdt.len());
     let fadt = fadt(dsdt_addr);
     let fadt_addr = place(fadt.len());
     let madt = madt(config.vcpus);
     let madt_addr = place(madt.len());
-    let mcfg = mcfg(&config.pci)?;
+    let mcfg = mcfg(&config.pci_segments)?;
     let mcfg_addr = place(mcfg.len());
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     for addr in [fadt_addr, madt_addr, mcfg_addr] {
@@ -529,8 +635,9 @@ pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, Acp
 mod tests {
     use super::*;
     use crate::x86_64::layout::{
-        e820_map, ram_regions, E820_RESERVED, FOUR_GIB, PCI_ECAM_SIZE, PCI_ECAM_START,
-        PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_DEFAULT_SIZE,
+        e820_map, pci_segment_ecam, pci_segment_mmio32, pci_segment_mmio64_start, ram_regions,
+        E820_RESERVED, FOUR_GIB, PCI_ECAM_SIZE, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START,
+        PCI_MMIO64_DEFAULT_SIZE, PCI_SEGMENT_MMIO64_SIZE,
     };
 
     fn pci() -> PciRootConfig {
@@ -543,8 +650,30 @@ mod tests {
         }
     }
 
+    /// `count` segments laid out as the VMM lays them out.
+    fn segments(count: u16) -> Vec<PciRootConfig> {
+        let first = pci();
+        let end0 = first.mmio64_start + first.mmio64_size;
+        let mut segments = vec![first];
+        for segment in 1..count {
+            let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
+            segments.push(PciRootConfig {
+                ecam_base: pci_segment_ecam(segment),
+                mmio32_start,
+                mmio32_end,
+                mmio64_start: pci_segment_mmio64_start(end0, segment),
+                mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
+            });
+        }
+        segments
+    }
+
     fn tables(vcpus: u8) -> AcpiTables {
-        build(&AcpiConfig { vcpus, pci: pci() }).unwrap()
+        build(&AcpiConfig {
+            vcpus,
+            pci_segments: vec![pci()],
+        })
+        .unwrap()
     }
 
     fn sum(bytes: &[u8]) -> u8 {
@@ -687,6 +816,139 @@ mod tests {
             PCI_ECAM_SIZE,
             "the bus range covers exactly the ECAM window"
         );
+    }
+
+    #[test]
+    fn mcfg_has_one_allocation_per_segment_with_distinct_windows() {
+        for count in [1u16, 2, 5, MAX_PCI_SEGMENTS] {
+            let config = AcpiConfig {
+                vcpus: 1,
+                pci_segments: segments(count),
+            };
+            let tables = build(&config).unwrap();
+            let (_, mcfg) = tables.find(b"MCFG").unwrap();
+            assert_eq!(mcfg.len(), 44 + 16 * usize::from(count));
+            let mut bases = Vec::new();
+            for segment in 0..count {
+                let entry = 44 + 16 * usize::from(segment);
+                let base = u64_at(mcfg, entry);
+                assert_eq!(base, config.pci_segments[usize::from(segment)].ecam_base);
+                assert_eq!(
+                    u16::from_le_bytes([mcfg[entry + 8], mcfg[entry + 9]]),
+                    segment,
+                    "segment number"
+                );
+                assert_eq!((mcfg[entry + 10], mcfg[entry + 11]), (0, 0), "buses 0..0");
+                bases.push(base);
+            }
+            bases.sort_unstable();
+            for pair in bases.windows(2) {
+                assert!(pair[0] + PCI_ECAM_SIZE <= pair[1], "ECAM windows overlap");
+            }
+        }
+    }
+
+    /// `Name (NAME, value)` with `value` encoded as the crate encodes small integers.
+    fn name_integer(name: &[u8; 4], value: u16) -> Vec<u8> {
+        let mut bytes = vec![0x08];
+        bytes.extend_from_slice(name);
+        match value {
+            0 => bytes.push(0x00),
+            1 => bytes.push(0x01),
+            2..=0xff => bytes.extend_from_slice(&[0x0a, value as u8]),
+            _ => {
+                bytes.push(0x0b);
+                bytes.extend_from_slice(&value.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn dsdt_has_a_host_bridge_per_segment_with_its_seg_and_windows() {
+        let config = AcpiConfig {
+            vcpus: 1,
+            pci_segments: segments(3),
+        };
+        let tables = build(&config).unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let aml = &dsdt[36..];
+        let start_of = |name: &[u8]| {
+            aml.windows(4)
+                .position(|w| w == name)
+                .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(name)))
+        };
+        let (pci0, pc01, pc02) = (start_of(b"PCI0"), start_of(b"PC01"), start_of(b"PC02"));
+        assert!(pci0 < pc01 && pc01 < pc02);
+        assert!(!contains(aml, b"PC03"), "only 3 segments");
+        let ged = start_of(b"GED0");
+        let bodies = [
+            (0u16, &aml[pci0..pc01]),
+            (1, &aml[pc01..pc02]),
+            (2, &aml[pc02..ged]),
+        ];
+        for (segment, body) in bodies {
+            let pci = &config.pci_segments[usize::from(segment)];
+            assert!(
+                contains(body, &name_integer(b"_SEG", segment)),
+                "_SEG {segment}"
+            );
+            assert!(
+                contains(body, &name_integer(b"_UID", segment)),
+                "_UID {segment}"
+            );
+            assert!(
+                contains(body, &name_integer(b"_BBN", 0)),
+                "_BBN of {segment}"
+            );
+            for id in [0x080a_d041u32, 0x030a_d041] {
+                assert!(contains(body, &id.to_le_bytes()), "PNP0A08/PNP0A03");
+            }
+            let mut dword = Vec::new();
+            for v in [0, pci.mmio32_start as u32, pci.mmio32_end as u32 - 1, 0] {
+                dword.extend_from_slice(&v.to_le_bytes());
+            }
+            assert!(contains(body, &dword), "32-bit window of segment {segment}");
+            let mut qword = Vec::new();
+            let last = pci.mmio64_start + pci.mmio64_size - 1;
+            for v in [0, pci.mmio64_start, last, 0, pci.mmio64_size] {
+                qword.extend_from_slice(&v.to_le_bytes());
+            }
+            assert!(contains(body, &qword), "64-bit window of segment {segment}");
+            let cf8 = contains(body, &[0x47, 1, 0xf8, 0x0c, 0xf8, 0x0c, 1, 8]);
+            assert_eq!(cf8, segment == 0, "0xCF8 decodes segment 0 only");
+            assert_eq!(
+                contains(body, b"SD01"),
+                segment == 0,
+                "hot-plug on segment 0"
+            );
+            // Each segment's ECAM window is reserved as a motherboard resource.
+            let mut fixed = vec![0x86, 9, 0, 1];
+            fixed.extend_from_slice(&(pci.ecam_base as u32).to_le_bytes());
+            fixed.extend_from_slice(&(PCI_ECAM_SIZE as u32).to_le_bytes());
+            assert!(contains(aml, &fixed), "ECAM reservation of {segment}");
+        }
+    }
+
+    #[test]
+    fn overlapping_or_too_many_segments_are_refused() {
+        let mut overlapping = segments(2);
+        overlapping[1].mmio32_start = overlapping[0].mmio32_end - 0x1000;
+        let mut same_ecam = segments(2);
+        same_ecam[1].ecam_base = same_ecam[0].ecam_base;
+        let mut same_64 = segments(3);
+        same_64[2].mmio64_start = same_64[1].mmio64_start + 4096;
+        let mut too_many = segments(MAX_PCI_SEGMENTS);
+        too_many.push(too_many[1]);
+        for bad in [overlapping, same_ecam, same_64, too_many, Vec::new()] {
+            assert!(matches!(
+                build(&AcpiConfig {
+                    vcpus: 1,
+                    pci_segments: bad
+                }),
+                Err(AcpiError::Layout(_))
+            ));
+        }
     }
 
     #[test]
@@ -845,33 +1107,42 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 0,
-                pci: pci()
+                pci_segments: vec![pci()]
             }),
             Err(AcpiError::CpuCount(0))
         ));
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 255,
-                pci: pci()
+                pci_segments: vec![pci()]
             }),
             Err(AcpiError::CpuCount(255))
         ));
         let mut bad = pci();
         bad.mmio32_end = 1 << 33;
         assert!(matches!(
-            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            build(&AcpiConfig {
+                vcpus: 1,
+                pci_segments: vec![bad]
+            }),
             Err(AcpiError::Layout(_))
         ));
         let mut bad = pci();
         bad.ecam_base += 0x8_0000;
         assert!(matches!(
-            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            build(&AcpiConfig {
+                vcpus: 1,
+                pci_segments: vec![bad]
+            }),
             Err(AcpiError::Layout(_))
         ));
         let mut bad = pci();
         bad.mmio64_start = u64::MAX - 10;
         assert!(matches!(
-            build(&AcpiConfig { vcpus: 1, pci: bad }),
+            build(&AcpiConfig {
+                vcpus: 1,
+                pci_segments: vec![bad]
+            }),
             Err(AcpiError::Layout(_))
         ));
     }
@@ -881,7 +1152,7 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
         let config = AcpiConfig {
             vcpus: 2,
-            pci: pci(),
+            pci_segments: vec![pci()],
         };
         let rsdp = setup_acpi(&mem, &config).unwrap();
         let mut signature = [0u8; 8];

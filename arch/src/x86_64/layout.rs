@@ -12,10 +12,12 @@
 //! 0x000f_0000  MP configuration table              (reserved in the e820 map)
 //! 0x0010_0000  kernel / test guest, then RAM
 //! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
-//!              0xe000_0000..0xe010_0000 (reserved in the e820 map), IOAPIC 0xfec0_0000,
-//!              LAPIC 0xfee0_0000
+//!              0xe000_0000..0xe010_0000 (reserved in the e820 map); with more PCI
+//!              segments, segment N's ECAM at 0xe000_0000 + N MiB (up to 0xe100_0000) and
+//!              its 32-bit BARs in 16 MiB at 0xe100_0000 + (N - 1) * 16 MiB (up to
+//!              0xf000_0000); IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
 //! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window (PCI BARs; 1 GiB aligned,
-//!              512 GiB by default)
+//!              512 GiB by default), then 64 GiB of 64-bit BARs for each segment N > 0
 //! ```
 
 use gpuvm_memory::RamRegion;
@@ -52,11 +54,37 @@ pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
 /// companions.
 pub const PCI_MMIO64_DEFAULT_SIZE: u64 = 512 << 30;
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
+/// Most PCI segment groups a VM may have (segment 0 included); their ECAM windows fill
+/// `[PCI_ECAM_START, PCI_ECAM_START + MAX_PCI_SEGMENTS MiB)`.
+pub const MAX_PCI_SEGMENTS: u16 = 16;
+/// Where the 32-bit BAR windows of segments 1.. start, each [`PCI_SEGMENT_MMIO32_SIZE`]
+/// long (segment 0 keeps `[PCI_MMIO32_START, PCI_MMIO32_END)`).
+pub const PCI_SEGMENTS_MMIO32_START: u64 = PCI_ECAM_START + MAX_PCI_SEGMENTS as u64 * PCI_ECAM_SIZE;
+pub const PCI_SEGMENT_MMIO32_SIZE: u64 = 16 << 20;
+/// The 64-bit BAR window of each segment 1.., after segment 0's.
+pub const PCI_SEGMENT_MMIO64_SIZE: u64 = 64 << 30;
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;
 pub const APIC_ADDR: u64 = 0xfee0_0000;
 /// KVM needs three pages for the TSS on Intel hosts; put them just below the IOAPIC.
 pub const KVM_TSS_ADDR: u64 = 0xfffb_d000;
 pub const KVM_IDENTITY_MAP_ADDR: u64 = 0xfffb_c000;
+
+/// Segment `segment`'s ECAM window (bus 0).
+pub const fn pci_segment_ecam(segment: u16) -> u64 {
+    PCI_ECAM_START + segment as u64 * PCI_ECAM_SIZE
+}
+
+/// Segment `segment`'s (1..) 32-bit BAR window, `[start, end)`.
+pub const fn pci_segment_mmio32(segment: u16) -> (u64, u64) {
+    let start = PCI_SEGMENTS_MMIO32_START + (segment as u64 - 1) * PCI_SEGMENT_MMIO32_SIZE;
+    (start, start + PCI_SEGMENT_MMIO32_SIZE)
+}
+
+/// Segment `segment`'s (1..) 64-bit BAR window start, given where segment 0's ends.
+pub fn pci_segment_mmio64_start(segment0_end: u64, segment: u16) -> u64 {
+    segment0_end.next_multiple_of(PCI_MMIO64_ALIGN)
+        + (u64::from(segment) - 1) * PCI_SEGMENT_MMIO64_SIZE
+}
 
 /// e820 entry types.
 pub const E820_RAM: u32 = 1;
@@ -126,6 +154,32 @@ pub fn e820_map(regions: &[RamRegion]) -> Vec<E820Entry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_segment_window_fits_below_the_ioapic_without_overlap() {
+        let mut ranges = vec![
+            (PCI_MMIO32_START, PCI_MMIO32_END),
+            (pci_segment_ecam(0), pci_segment_ecam(0) + PCI_ECAM_SIZE),
+        ];
+        for segment in 1..MAX_PCI_SEGMENTS {
+            let ecam = pci_segment_ecam(segment);
+            ranges.push((ecam, ecam + PCI_ECAM_SIZE));
+            ranges.push(pci_segment_mmio32(segment));
+        }
+        ranges.sort();
+        for pair in ranges.windows(2) {
+            assert!(pair[0].1 <= pair[1].0, "{pair:x?}");
+        }
+        assert!(ranges.last().unwrap().1 <= IOAPIC_ADDR);
+        assert_eq!(pci_segment_ecam(1), PCI_ECAM_START + (1 << 20));
+        let end0 = FOUR_GIB + PCI_MMIO64_DEFAULT_SIZE + 5;
+        let one = pci_segment_mmio64_start(end0, 1);
+        assert!(one >= end0 && one.is_multiple_of(PCI_MMIO64_ALIGN));
+        assert_eq!(
+            pci_segment_mmio64_start(end0, 2),
+            one + PCI_SEGMENT_MMIO64_SIZE
+        );
+    }
 
     #[test]
     fn small_guest_has_one_region() {

@@ -126,13 +126,13 @@ impl HotplugController {
         ejected
     }
 
-    /// The VMM took the device in `slot` away itself (it was never ejected by the guest).
     /// A restored device was plugged back into `slot`: the guest already knows it (its
     /// arrival was before the snapshot), so no event; it can be ejected again.
     pub fn device_restored(&mut self, slot: u8) {
         self.ejectable |= bit(slot);
     }
 
+    /// The VMM took the device in `slot` away itself (it was never ejected by the guest).
     pub fn forget(&mut self, slot: u8) {
         self.up &= !bit(slot);
         self.down &= !bit(slot);
@@ -147,6 +147,7 @@ impl HotplugController {
                 continue;
             }
             let bdf = PciBdf {
+                segment: self.root.segment(),
                 bus: 0,
                 device: slot,
                 function: 0,
@@ -292,6 +293,7 @@ mod tests {
         let mut ids = [0u8; 4];
         root.config_read(
             PciBdf {
+                segment: 0,
                 bus: 0,
                 device: 0,
                 function: 0,
@@ -307,6 +309,7 @@ mod tests {
         assert_eq!(wake.read().unwrap(), 1);
         root.config_read(
             PciBdf {
+                segment: 0,
                 bus: 0,
                 device: slot,
                 function: 0,

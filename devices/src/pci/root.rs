@@ -8,9 +8,12 @@ use super::bars::BarKind;
 use super::{config, PciDevice};
 use crate::BusDevice;
 
-/// Bus/device/function of a PCI function.
+/// Segment/bus/device/function of a PCI function. `Display` gives `bb:dd.f` (the
+/// segment is implied by the root); [`PciBdf::full`] gives `ssss:bb:dd.f`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct PciBdf {
+    /// The PCI segment group (the root) the function sits on.
+    pub segment: u16,
     pub bus: u8,
     pub device: u8,
     pub function: u8,
@@ -22,10 +25,17 @@ impl std::fmt::Display for PciBdf {
     }
 }
 
+impl PciBdf {
+    /// The address with its segment, as Linux and Cloud Hypervisor write it: `0001:00:02.0`.
+    pub fn full(&self) -> String {
+        format!("{:04x}:{self}", self.segment)
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PciError {
-    #[error("PCI bus 0 is full (32 devices)")]
-    BusFull,
+    #[error("PCI bus 0 of segment {0} is full (32 devices)")]
+    BusFull(u16),
     #[error("no room for a {size:#x}-byte BAR in the {window} MMIO window {start:#x}..{end:#x}")]
     NoSpace {
         window: &'static str,
@@ -148,8 +158,10 @@ impl Allocator {
 /// A BAR range given to a slot: (in the 64-bit window, base, size).
 type PlacedBar = (bool, u64, u64);
 
-/// Bus 0 and its functions (function 0 of each device only).
+/// Bus 0 of one PCI segment group and its functions (function 0 of each device only).
+/// Each segment has its own root: its own ECAM window and BAR windows.
 pub struct PciRoot {
+    segment: u16,
     config: PciRootConfig,
     devices: Mutex<BTreeMap<u8, SharedDevice>>,
     mmio32: Mutex<Allocator>,
@@ -159,10 +171,16 @@ pub struct PciRoot {
 }
 
 impl PciRoot {
-    /// A root bus with a host bridge at 00:00.0.
+    /// The root bus of segment 0 with a host bridge at 00:00.0.
     pub fn new(config: PciRootConfig) -> Result<Arc<Self>, PciError> {
+        Self::new_segment(0, config)
+    }
+
+    /// The root bus of PCI segment `segment`, with a host bridge at 00:00.0.
+    pub fn new_segment(segment: u16, config: PciRootConfig) -> Result<Arc<Self>, PciError> {
         config.validate()?;
         let root = PciRoot {
+            segment,
             config,
             devices: Mutex::new(BTreeMap::new()),
             mmio32: Mutex::new(Allocator {
@@ -187,6 +205,11 @@ impl PciRoot {
         self.config
     }
 
+    /// The PCI segment group this root is bus 0 of.
+    pub fn segment(&self) -> u16 {
+        self.segment
+    }
+
     /// Plugs `device` into the next free slot, places its BARs (32-bit BARs in the
     /// 32-bit window; 64-bit BARs, prefetchable ones included, in the 64-bit window,
     /// aligned to their size) and turns on memory decoding, as firmware would.
@@ -194,7 +217,7 @@ impl PciRoot {
         let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
         let slot = (0..32u8)
             .find(|slot| !devices.contains_key(slot))
-            .ok_or(PciError::BusFull)?;
+            .ok_or(PciError::BusFull(self.segment))?;
         let mut placed = Vec::new();
         {
             let mut guard = lock(&device);
@@ -210,7 +233,8 @@ impl PciRoot {
                     .allocate(spec.size)?;
                 placed.push((wide, address, spec.size));
                 log::info!(
-                    "PCI 00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
+                    "PCI {:04x}:00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
+                    self.segment,
                     spec.index,
                     spec.kind,
                     spec.size
@@ -225,6 +249,7 @@ impl PciRoot {
             .unwrap_or_else(|e| e.into_inner())
             .insert(slot, placed);
         Ok(PciBdf {
+            segment: self.segment,
             bus: 0,
             device: slot,
             function: 0,
@@ -275,6 +300,7 @@ impl PciRoot {
             .unwrap_or_else(|e| e.into_inner())
             .insert(slot, placed);
         Ok(PciBdf {
+            segment: self.segment,
             bus: 0,
             device: slot,
             function: 0,
@@ -298,7 +324,7 @@ impl PciRoot {
     /// was given go back to the windows for the next device with BARs of the same sizes.
     /// The host bridge stays. Returns the device, if there was one.
     pub fn remove_device(&self, bdf: PciBdf) -> Option<SharedDevice> {
-        if bdf.bus != 0 || bdf.function != 0 || bdf.device == 0 {
+        if bdf.segment != self.segment || bdf.bus != 0 || bdf.function != 0 || bdf.device == 0 {
             return None;
         }
         let device = self
@@ -313,7 +339,7 @@ impl PciRoot {
             .remove(&bdf.device)
             .unwrap_or_default();
         self.give_back(placed);
-        log::info!("PCI {bdf}: removed");
+        log::info!("PCI {}: removed", bdf.full());
         Some(device)
     }
 
@@ -326,7 +352,7 @@ impl PciRoot {
     }
 
     fn device(&self, bdf: PciBdf) -> Option<SharedDevice> {
-        if bdf.bus != 0 || bdf.function != 0 {
+        if bdf.segment != self.segment || bdf.bus != 0 || bdf.function != 0 {
             return None;
         }
         let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
@@ -406,7 +432,8 @@ fn valid_config_access(offset: u16, len: usize) -> bool {
 }
 
 /// Configuration mechanism #1: 0xCF8 (address, 32-bit) and 0xCFC..0xCFF (data).
-/// Insert it on the port-I/O bus at 0xCF8 with length 8.
+/// Insert it on the port-I/O bus at 0xCF8 with length 8, for segment 0's root: the ports
+/// reach segment 0 only (other segments are reachable through their ECAM windows).
 pub struct ConfigAddressPort {
     root: Arc<PciRoot>,
     address: u32,
@@ -423,6 +450,7 @@ impl ConfigAddressPort {
             return None;
         }
         let bdf = PciBdf {
+            segment: self.root.segment,
             bus: (self.address >> 16) as u8,
             device: ((self.address >> 11) & 0x1f) as u8,
             function: ((self.address >> 8) & 7) as u8,
@@ -460,7 +488,8 @@ impl BusDevice for ConfigAddressPort {
     }
 }
 
-/// The ECAM window (bus 0, 1 MiB): offset = device << 15 | function << 12 | register.
+/// The ECAM window of one segment's root (bus 0, 1 MiB): offset = device << 15 |
+/// function << 12 | register.
 pub struct EcamWindow {
     root: Arc<PciRoot>,
 }
@@ -470,8 +499,9 @@ impl EcamWindow {
         EcamWindow { root }
     }
 
-    fn target(offset: u64) -> (PciBdf, u16) {
+    fn target(&self, offset: u64) -> (PciBdf, u16) {
         let bdf = PciBdf {
+            segment: self.root.segment,
             bus: (offset >> 20) as u8,
             device: ((offset >> 15) & 0x1f) as u8,
             function: ((offset >> 12) & 7) as u8,
@@ -482,12 +512,12 @@ impl EcamWindow {
 
 impl BusDevice for EcamWindow {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        let (bdf, register) = Self::target(offset);
+        let (bdf, register) = self.target(offset);
         self.root.config_read(bdf, register, data);
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let (bdf, register) = Self::target(offset);
+        let (bdf, register) = self.target(offset);
         self.root.config_write(bdf, register, data);
     }
 }
@@ -668,6 +698,7 @@ mod tests {
         assert!(root.remove_device(bdf).is_none(), "removed once");
         assert!(
             root.remove_device(PciBdf {
+                segment: 0,
                 bus: 0,
                 device: 0,
                 function: 0
@@ -692,6 +723,56 @@ mod tests {
         assert_eq!(again, bdf, "the free slot is reused");
         ecam.read(1 << 15 | 0x10, &mut data);
         assert_eq!(data, bar0, "and so is the BAR range");
+    }
+
+    #[test]
+    fn each_segment_has_its_own_ecam_and_windows() {
+        let root0 = PciRoot::new(root_config()).unwrap();
+        let root1 = PciRoot::new_segment(
+            1,
+            PciRootConfig {
+                ecam_base: 0xe010_0000,
+                mmio32_start: 0xe100_0000,
+                mmio32_end: 0xe200_0000,
+                mmio64_start: 0x200_0000_0000,
+                mmio64_size: 0x100_0000_0000,
+            },
+        )
+        .unwrap();
+        let bdf = root1.add_device(scratch()).unwrap();
+        assert_eq!(bdf.segment, 1);
+        assert_eq!(bdf.full(), "0001:00:01.0");
+        let (mut ecam0, mut ecam1) = (
+            EcamWindow::new(root0.clone()),
+            EcamWindow::new(root1.clone()),
+        );
+        let mut data = [0; 4];
+        ecam1.read(1 << 15, &mut data);
+        assert_eq!(
+            u32::from_le_bytes(data),
+            0x2330_10de,
+            "segment 1 ECAM sees it"
+        );
+        ecam1.read(1 << 15 | 0x10, &mut data);
+        assert_eq!(
+            u32::from_le_bytes(data),
+            0xe100_0000,
+            "BAR0 in segment 1's window"
+        );
+        ecam1.read(0, &mut data);
+        assert_eq!(u32::from_le_bytes(data), 0x0008_1b36, "its own host bridge");
+        ecam0.read(1 << 15, &mut data);
+        assert_eq!(data, [0xff; 4], "segment 0 ECAM does not");
+        let mut port = ConfigAddressPort::new(root0.clone());
+        cf8(&mut port, 1, 0);
+        assert_eq!(cfc_read32(&mut port), 0xffff_ffff, "nor does 0xCF8");
+        let wrong = PciBdf { segment: 0, ..bdf };
+        assert!(
+            root1.remove_device(wrong).is_none(),
+            "the segment must match"
+        );
+        assert!(root0.remove_device(wrong).is_none());
+        assert!(root1.remove_device(bdf).is_some());
     }
 
     #[test]

@@ -7,9 +7,11 @@
 //! - FADT → DSDT (X_DSDT, else DSDT): signature and checksum.
 //! - MADT: enabled local APICs == the CPUs the MP table lists (an independent description
 //!   the VMM writes from the same vCPU count).
-//! - MCFG: for each ECAM allocation, the vendor/device id of every bus-0 slot read through
-//!   ECAM MMIO must equal what configuration mechanism #1 (0xCF8/0xCFC) returns, and the
-//!   host bridge at 00:00.0 must answer.
+//! - MCFG: for each ECAM allocation of segment 0, the vendor/device id of every bus-0
+//!   slot read through ECAM MMIO must equal what configuration mechanism #1 (0xCF8/0xCFC)
+//!   returns, and the host bridge at 00:00.0 must answer; every other segment's bus 0 is
+//!   walked through its ECAM window alone (each function printed as `SSSS:BB:DD.F`, with
+//!   what 0xCF8 reads at the same slot of segment 0) and must have its host bridge.
 //!
 //! Each result is a line `acpi: ...`; any mismatch prints `acpi: FAIL ...` and exits 1.
 //! `acpi corrupt SIG` first changes one byte of table SIG (or `RSDP`) in guest memory, as a
@@ -325,7 +327,8 @@ fn check_mcfg(mcfg: u64) {
         let (start, end) = (read_u8(entry + 10), read_u8(entry + 11));
         println!("acpi: MCFG ECAM {base:#x} segment {segment} buses {start}-{end}");
         if segment != 0 {
-            continue; // 0xCF8/0xCFC reaches segment 0 only.
+            walk_other_segment(base, segment, start);
+            continue;
         }
         if end < start {
             fail(format_args!("MCFG bus range {start}-{end}"));
@@ -352,6 +355,29 @@ fn check_mcfg(mcfg: u64) {
     }
     if !host_bridge_seen {
         fail(format_args!("no host bridge at 00:00.0 through ECAM"));
+    }
+}
+
+/// A segment other than 0: its configuration space is reachable through its ECAM window
+/// only (0xCF8/0xCFC reach segment 0), so each function found is printed with what 0xCF8
+/// reads at the same bus and slot, to show the two are different places.
+fn walk_other_segment(base: u64, segment: u16, bus: u8) {
+    let mut bridge_seen = false;
+    for device in 0..32u8 {
+        let id = ecam_read(base, bus, device, 0);
+        if id == 0xffff_ffff {
+            continue;
+        }
+        let via_cf8 = config_read(bus, device, 0);
+        println!(
+            "acpi: {segment:04x}:{bus:02x}:{device:02x}.0 id {id:#010x} through ECAM only (0xcf8 {bus:02x}:{device:02x}.0 reads {via_cf8:#010x})"
+        );
+        bridge_seen |= device == 0;
+    }
+    if !bridge_seen {
+        fail(format_args!(
+            "no host bridge at {segment:04x}:{bus:02x}:00.0 through ECAM {base:#x}"
+        ));
     }
 }
 

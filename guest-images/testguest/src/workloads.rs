@@ -42,6 +42,7 @@ pub fn run(info: &BootInfo) -> ! {
             crate::virtio::run(info, name, &mut words)
         }
         "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),
+        "virtio-balloon" => crate::virtio::run(info, "virtio-balloon", &mut words),
         "gpu-agent" => crate::virtio::run(info, "gpu-agent", &mut words),
         name @ ("virtio-net-mq" | "virtio-net-bench") => crate::virtio::run(info, name, &mut words),
         "virtio-vsock-connect" => crate::virtio::run(info, "virtio-vsock-connect", &mut words),

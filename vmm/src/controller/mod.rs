@@ -17,6 +17,7 @@ use crate::metrics::{Metrics, METRICS};
 use crate::pci::PciOptions;
 use crate::snapshot::RestoreMode;
 
+mod balloon;
 mod configure;
 mod running;
 #[cfg(test)]
@@ -249,15 +250,24 @@ impl ApiController {
                 .as_deref()
                 .map_or(Ok(()), |source| absolute_path(source, "source"))
                 .and_then(|()| self.put_virtio(|v| v.rng = Some(body))),
+            VmmAction::PutPciSegments(body) => body.apply(&mut self.pci).map(|()| VmmData::Empty),
             VmmAction::PatchDrive(_) => Err(ActionError::wrong_state(
                 "PATCH /drives changes a running VM's drive; before start, PUT it again",
             )),
+            action @ (VmmAction::PutBalloon(_)
+            | VmmAction::PatchBalloon(_)
+            | VmmAction::GetBalloon
+            | VmmAction::GetBalloonStats
+            | VmmAction::PatchBalloonStats(_)) => self.balloon_pre_boot(action),
             VmmAction::StartInstance => {
                 let config = VmConfig {
                     machine: self.machine_config.clone(),
                     boot: self.boot.clone(),
                 };
                 let pci = self.pci_options();
+                if pci.virtio.balloon.is_some() && !pci.is_empty() {
+                    return (Err(balloon::passthrough_refusal()), None);
+                }
                 return match (self.build)(&config, &pci, (self.serial_out)()) {
                     Ok(machine) => (
                         Ok(VmmData::Empty),
@@ -428,6 +438,13 @@ impl ApiController {
                     None,
                 ),
                 VmmAction::PatchDrive(body) => (patch_drive(machine, body), None),
+                action @ (VmmAction::PutBalloon(_)
+                | VmmAction::PatchBalloon(_)
+                | VmmAction::GetBalloon
+                | VmmAction::GetBalloonStats
+                | VmmAction::PatchBalloonStats(_)) => {
+                    (balloon::balloon_running(machine, action), None)
+                }
                 VmmAction::ShutdownVmm => (Ok(VmmData::Empty), Some(BeforeRun::End)),
                 VmmAction::PutLogger(config) => (crate::outputs::put_logger(config), None),
                 VmmAction::PutMetrics(config) => (crate::outputs::put_metrics(config), None),
@@ -448,6 +465,7 @@ impl ApiController {
                 | VmmAction::PutNetworkInterfaceFds { .. }
                 | VmmAction::PutVsock(_)
                 | VmmAction::PutEntropy(_)
+                | VmmAction::PutPciSegments(_)
                 | VmmAction::StartInstance
                 | VmmAction::LoadSnapshot(_) => (Err(started_already()), None),
             };
@@ -497,6 +515,8 @@ impl ApiController {
                     | VmmAction::PutNetworkInterface(_)
                     | VmmAction::PutVsock(_)
                     | VmmAction::PutEntropy(_)
+                    | VmmAction::PutBalloon(_)
+                    | VmmAction::PutPciSegments(_)
             );
             let result = if configures {
                 self.pre_boot(action).0

@@ -67,6 +67,7 @@ impl RunningApi {
     /// PUT /gpus/{id} while running: hot-plug.
     fn hot_plug(&mut self, running: &mut RunningMachine<'_>, body: GpuBody) -> ActionResult {
         body.validate(None)?;
+        super::balloon::refuse_passthrough_with_balloon(running.machine())?;
         if self.cold_plugged.contains(&body.gpu_id) {
             return Err(ActionError::wrong_state(format!(
                 "{:?} was attached at start; it cannot be replaced while the VM runs",
@@ -270,6 +271,13 @@ impl RunningApi {
             )),
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
             VmmAction::PatchDrive(body) => patch_drive(running.machine(), body),
+            action @ (VmmAction::PutBalloon(_)
+            | VmmAction::PatchBalloon(_)
+            | VmmAction::GetBalloon
+            | VmmAction::GetBalloonStats
+            | VmmAction::PatchBalloonStats(_)) => {
+                super::balloon::balloon_running(running.machine(), action)
+            }
             VmmAction::PutGpu(body) => self.hot_plug(running, body),
             VmmAction::DeleteGpu(_) => Err(ActionError::bad_request(
                 "DELETE /gpus is answered once the guest ejected the device",
@@ -282,6 +290,7 @@ impl RunningApi {
             | VmmAction::PutNetworkInterfaceFds { .. }
             | VmmAction::PutVsock(_)
             | VmmAction::PutEntropy(_)
+            | VmmAction::PutPciSegments(_)
             | VmmAction::StartInstance
             | VmmAction::LoadSnapshot(_) => Err(started_already()),
             VmmAction::Batch(_) => Err(started_already()),

@@ -17,6 +17,7 @@
 //! status 1 ([`EXIT_FAIL`]), or 2 ([`EXIT_SETUP`]) when the device or the RAM the driver needs
 //! is missing or an argument is bad.
 
+mod balloon;
 pub mod bench;
 mod blk;
 mod devices;
@@ -54,6 +55,27 @@ pub const REQUEST_TIMEOUT_MS: u64 = 5_000;
 pub const PEER_TIMEOUT_MS: u64 = 60_000;
 
 pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
+    if workload == "virtio-balloon" {
+        let (mut hostile, mut touch_mib) = (false, 0);
+        while let Some(word) = words.next_word() {
+            match (word, crate::args::parse_number(word)) {
+                ("hostile", _) => hostile = true,
+                (_, Some(mib)) => touch_mib = mib,
+                _ => fail_setup(
+                    "virtio-balloon",
+                    format_args!(
+                        "unknown argument '{word}' (usage: virtio-balloon [hostile] [TOUCH_MIB])"
+                    ),
+                ),
+            }
+        }
+        balloon::run(
+            info,
+            &mut Dma::new(info, "virtio-balloon"),
+            hostile,
+            touch_mib,
+        );
+    }
     let (name, workload): (&'static str, fn(&mut Dma, &mut Words) -> !) = match workload {
         "virtio-rng" => ("virtio-rng", |dma, _| rng::run(dma)),
         "virtio-blk" => ("virtio-blk", |dma, _| blk::run(dma)),

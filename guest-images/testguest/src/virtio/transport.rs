@@ -411,6 +411,15 @@ impl VirtioPci {
         read8(self.device_config(offset, 1))
     }
 
+    pub fn config32(&self, offset: u32) -> u32 {
+        read32(self.device_config(offset, 4))
+    }
+
+    /// Writes a 32-bit device configuration field the driver owns (the balloon's `actual`).
+    pub fn write_config32(&self, offset: u32, value: u32) {
+        write32(self.device_config(offset, 4), value);
+    }
+
     /// A 64-bit field as two 32-bit reads (call inside [`VirtioPci::read_config`]).
     pub fn config64(&self, offset: u32) -> u64 {
         let addr = self.device_config(offset, 8);
