@@ -12,6 +12,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, vm_state as state};
 use gpuvm_tests::netns::Netns;
 use gpuvm_tests::snapshot_support::copy_dir;
 use gpuvm_tests::virtio_support::{
@@ -20,12 +21,6 @@ use gpuvm_tests::virtio_support::{
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-fn state(api: &Path) -> String {
-    let info = api_expect(api, 200, "GET", "/api/v1/vm.info", None);
-    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
-    info["state"].as_str().unwrap().to_string()
-}
 
 /// Starts `cloud-hypervisor --api-socket <api> -v --seccomp true` (a symlink to gpuvm).
 fn start(scratch: &Scratch) -> (SpawnedProcess, std::path::PathBuf) {
@@ -65,12 +60,7 @@ fn kata_config(kernel: &Path, vsock: &Path, extra: &str) -> String {
 #[test]
 fn kata_sequence_boots_and_talks_to_the_guest_over_hybrid_vsock() {
     let scratch = Scratch::new("cloud_hypervisor", "kata");
-    let kernel = scratch.path("guest.elf");
-    let written = std::process::Command::new(gpuvm_bin())
-        .args(["guest-image", "--output", kernel.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(written.success());
+    let kernel = guest_image(&scratch);
     let vsock = scratch.path("clh.sock");
     let (mut vmm, api) = start(&scratch);
 
@@ -221,12 +211,7 @@ fn add_net_with_a_passed_tap_descriptor() {
         return;
     };
     let scratch = Scratch::new("cloud_hypervisor", "add_net_fds");
-    let kernel = scratch.path("guest.elf");
-    let written = Command::new(gpuvm_bin())
-        .args(["guest-image", "--output", kernel.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(written.success());
+    let kernel = guest_image(&scratch);
     let (mut vmm, api) = start(&scratch);
     let config = format!(
         r#"{{"payload":{{"kernel":"{}","cmdline":"virtio-net {}"}},
@@ -287,30 +272,6 @@ fn add_net_with_a_passed_tap_descriptor() {
     let out = vmm.wait(LIMIT);
     out.assert_code(0).assert_stdout_has("virtio-net: ok");
     out.assert_stdout_has(&format!("virtio-net: echoed {} udp bytes", payload.len()));
-}
-
-/// Writes the embedded test guest to `guest.elf` in `scratch`: what `--kernel` boots.
-fn guest_image(scratch: &Scratch) -> std::path::PathBuf {
-    let kernel = scratch.path("guest.elf");
-    let written = Command::new(gpuvm_bin())
-        .args(["guest-image", "--output", kernel.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(written.success());
-    kernel
-}
-
-/// `cloud-hypervisor ARGS` through a symlink named so in `scratch`.
-fn spawn_ch(scratch: &Scratch, args: &[&str]) -> SpawnedProcess {
-    let link = scratch.path("cloud-hypervisor");
-    if !link.exists() {
-        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    }
-    SpawnedProcess::spawn(&link, args)
-}
-
-fn vm_info(api: &Path) -> serde_json::Value {
-    serde_json::from_str(&api_expect(api, 200, "GET", "/api/v1/vm.info", None)).unwrap()
 }
 
 /// Cloud Hypervisor's command line boots the VM at once: `--kernel` (the test guest

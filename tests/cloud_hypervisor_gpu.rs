@@ -9,30 +9,15 @@
 //! eject. Bad input: an unknown id to remove, a socket nobody serves, the same id twice.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_state as state};
+use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn emu_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
-}
-
-/// `cloud-hypervisor ARGS` through a symlink named so in `scratch`.
-fn spawn_ch(scratch: &Scratch, args: &[&str]) -> SpawnedProcess {
-    let link = scratch.path("cloud-hypervisor");
-    if !link.exists() {
-        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    }
-    SpawnedProcess::spawn(&link, args)
-}
-
-fn state(api: &Path) -> String {
-    let info = api_expect(api, 200, "GET", "/api/v1/vm.info", None);
-    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
-    info["state"].as_str().unwrap().to_string()
 }
 
 fn add_user_device(api: &Path, socket: &Path, id: &str) -> String {
@@ -56,12 +41,7 @@ fn remove_device(api: &Path, id: &str) {
 #[test]
 fn gpu_hot_plug_snapshot_and_restore_through_the_cloud_hypervisor_api() {
     let scratch = Scratch::new("cloud_hypervisor_gpu", "hotplug");
-    let kernel = scratch.path("guest.elf");
-    let written = Command::new(gpuvm_bin())
-        .args(["guest-image", "--output", kernel.to_str().unwrap()])
-        .status()
-        .unwrap();
-    assert!(written.success());
+    let kernel = guest_image(&scratch);
     let api = scratch.path("api.sock");
     let mut vmm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
     wait_for_api_socket(&mut vmm, &api);

@@ -2,6 +2,7 @@
 //! time limit while capturing its output, reserve huge pages for a test and give them back.
 //! The snapshot tests' own helpers are in [`snapshot_support`].
 
+pub mod cloud_hypervisor_support;
 pub mod netns;
 pub mod snapshot_support;
 pub mod virtio_support;

@@ -218,42 +218,7 @@ impl PciRoot {
         let slot = (0..32u8)
             .find(|slot| !devices.contains_key(slot))
             .ok_or(PciError::BusFull(self.segment))?;
-        let mut placed = Vec::new();
-        {
-            let mut guard = lock(&device);
-            // Largest first keeps the windows dense.
-            let mut specs = guard.bar_specs();
-            specs.sort_by_key(|spec| std::cmp::Reverse(spec.size));
-            for spec in specs {
-                let wide = matches!(spec.kind, BarKind::Memory64 { .. });
-                let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
-                let address = allocator
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .allocate(spec.size)?;
-                placed.push((wide, address, spec.size));
-                log::info!(
-                    "PCI {:04x}:00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
-                    self.segment,
-                    spec.index,
-                    spec.kind,
-                    spec.size
-                );
-                guard.set_bar_address(spec.index, address);
-            }
-            guard.enable_memory_decoding();
-        }
-        devices.insert(slot, device);
-        self.placed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(slot, placed);
-        Ok(PciBdf {
-            segment: self.segment,
-            bus: 0,
-            device: slot,
-            function: 0,
-        })
+        self.insert(&mut devices, slot, device, None)
     }
 
     /// Plugs a restored `device` back into `slot` with its BARs at the addresses it had
@@ -270,28 +235,56 @@ impl PciRoot {
         if slot == 0 || slot >= 32 || devices.contains_key(&slot) {
             return Err(PciError::SlotTaken(slot));
         }
+        self.insert(&mut devices, slot, device, Some(bars))
+    }
+
+    /// Places `device`'s BARs (largest first, which keeps the windows dense; at the
+    /// `restored` addresses where given) and puts it into `slot`. A BAR that does not fit
+    /// gives back the ranges taken so far.
+    fn insert(
+        &self,
+        devices: &mut BTreeMap<u8, SharedDevice>,
+        slot: u8,
+        device: SharedDevice,
+        restored: Option<&[(u8, u64)]>,
+    ) -> Result<PciBdf, PciError> {
         let mut placed = Vec::new();
         {
             let mut guard = lock(&device);
-            for spec in guard.bar_specs() {
+            let mut specs = guard.bar_specs();
+            specs.sort_by_key(|spec| std::cmp::Reverse(spec.size));
+            for spec in specs {
                 let wide = matches!(spec.kind, BarKind::Memory64 { .. });
                 let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
-                let mut allocator = allocator.lock().unwrap_or_else(|e| e.into_inner());
-                let address = match bars.iter().find(|(index, _)| *index == spec.index) {
-                    Some(&(_, address)) => allocator.reserve(address, spec.size).map(|()| address),
-                    None => allocator.allocate(spec.size),
+                let saved = restored
+                    .and_then(|bars| bars.iter().find(|(index, _)| *index == spec.index))
+                    .map(|&(_, address)| address);
+                let address = {
+                    let mut allocator = allocator.lock().unwrap_or_else(|e| e.into_inner());
+                    match saved {
+                        Some(address) => allocator.reserve(address, spec.size).map(|()| address),
+                        None => allocator.allocate(spec.size),
+                    }
                 };
                 let address = match address {
                     Ok(address) => address,
                     Err(error) => {
-                        // Give back what this device took so far.
-                        drop(allocator);
                         self.give_back(placed);
                         return Err(error);
                     }
                 };
                 placed.push((wide, address, spec.size));
+                log::info!(
+                    "PCI {:04x}:00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
+                    self.segment,
+                    spec.index,
+                    spec.kind,
+                    spec.size
+                );
                 guard.set_bar_address(spec.index, address);
+            }
+            if restored.is_none() {
+                guard.enable_memory_decoding();
             }
         }
         devices.insert(slot, device);
@@ -723,6 +716,63 @@ mod tests {
         assert_eq!(again, bdf, "the free slot is reused");
         ecam.read(1 << 15 | 0x10, &mut data);
         assert_eq!(data, bar0, "and so is the BAR range");
+    }
+
+    #[test]
+    fn a_restored_device_goes_back_to_its_slot_and_bar_addresses() {
+        let root = PciRoot::new(root_config()).unwrap();
+        let first = root.add_device(scratch()).unwrap();
+        let original = scratch();
+        let second = root.add_device(original.clone()).unwrap();
+        let saved: Vec<(u8, u64)> = original
+            .lock()
+            .unwrap()
+            .bars
+            .placed()
+            .iter()
+            .map(|bar| (bar.index, bar.address))
+            .collect();
+        // The snapshot's VM: the first device was unplugged before the second came.
+        assert!(root.remove_device(first).is_some());
+        assert!(root.remove_device(second).is_some());
+        let restored = PciRoot::new(root_config()).unwrap();
+        let device = scratch();
+        let bdf = restored
+            .add_device_at(second.device, device.clone(), &saved)
+            .unwrap();
+        assert_eq!(bdf, second);
+        let placed: Vec<(u8, u64)> = device
+            .lock()
+            .unwrap()
+            .bars
+            .placed()
+            .iter()
+            .map(|bar| (bar.index, bar.address))
+            .collect();
+        let mut expected = saved.clone();
+        expected.sort();
+        let mut placed = placed;
+        placed.sort();
+        assert_eq!(placed, expected, "the BARs where the guest had them");
+        assert!(
+            !device.lock().unwrap().bars.memory_enabled(),
+            "decoding is the restored state's business"
+        );
+        // The ranges are taken: a new device gets others, and the slot is taken.
+        let next = restored.add_device(scratch()).unwrap();
+        assert_ne!(next.device, second.device);
+        assert!(matches!(
+            restored.add_device_at(second.device, scratch(), &saved),
+            Err(PciError::SlotTaken(_))
+        ));
+        // A range another device holds cannot be given twice.
+        let other = restored.placed.lock().unwrap()[&next.device].clone();
+        let clash: Vec<(u8, u64)> = vec![(0, other.iter().find(|p| !p.0).unwrap().1)];
+        assert!(matches!(
+            restored.add_device_at(20, scratch(), &clash),
+            Err(PciError::RangeTaken { .. })
+        ));
+        assert!(!restored.has_device(20), "nothing plugged after a refusal");
     }
 
     #[test]
