@@ -12,7 +12,9 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, vm_state as state};
+use gpuvm_tests::cloud_hypervisor_support::{
+    guest_image, spawn_ch, vm_info, vm_state as state, wait_for_vm,
+};
 use gpuvm_tests::netns::Netns;
 use gpuvm_tests::snapshot_support::copy_dir;
 use gpuvm_tests::virtio_support::{
@@ -388,10 +390,7 @@ fn command_line_boots_then_restore_at_start_runs_on() {
         &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
     );
     wait_for_api_socket(&mut restored, &api2);
-    restored.wait_until("the restored VM", LIMIT, |_| {
-        gpuvm_api::client::request(&api2, "GET", "/api/v1/vm.info", None)
-            .is_ok_and(|r| r.status == 200)
-    });
+    wait_for_vm(&mut restored, &api2, LIMIT);
     assert_eq!(vm_info(&api2)["state"], "Paused");
     api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
     assert_eq!(vm_info(&api2)["state"], "Running");

@@ -11,7 +11,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_state as state};
+use gpuvm_tests::cloud_hypervisor_support::{
+    guest_image, spawn_ch, vm_state as state, wait_for_vm,
+};
 use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -116,9 +118,8 @@ fn gpu_hot_plug_snapshot_and_restore_through_the_cloud_hypervisor_api() {
         &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
     );
     wait_for_api_socket(&mut restored, &api2);
-    restored.wait_until("the restored VM is Paused", LIMIT, |_| {
-        state(&api2) == "Paused"
-    });
+    wait_for_vm(&mut restored, &api2, LIMIT);
+    assert_eq!(state(&api2), "Paused");
     api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
     assert_eq!(state(&api2), "Running");
     remove_device(&api2, "gpu1");

@@ -36,3 +36,13 @@ pub fn vm_info(api: &Path) -> serde_json::Value {
 pub fn vm_state(api: &Path) -> String {
     vm_info(api)["state"].as_str().unwrap().to_string()
 }
+
+/// Waits until vm.info answers: a VM created by the command line (`--kernel`,
+/// `--restore`) exists only once the start-up requests are through, a moment after the
+/// API socket is up.
+pub fn wait_for_vm(process: &mut SpawnedProcess, api: &Path, limit: std::time::Duration) {
+    process.wait_until("the VM", limit, |_| {
+        gpuvm_api::client::request(api, "GET", "/api/v1/vm.info", None)
+            .is_ok_and(|r| r.status == 200)
+    });
+}
