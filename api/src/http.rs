@@ -334,11 +334,26 @@ impl Response {
     }
 
     pub fn write_to(&self, out: &mut impl Write, close: bool) -> std::io::Result<()> {
-        let mut head = format!(
-            "HTTP/1.1 {} {}\r\nServer: gpuvm\r\n",
-            self.status,
-            reason(self.status)
-        );
+        self.write_with_reason(out, close, reason(self.status))
+    }
+
+    /// As [`Response::write_to`], with an empty reason phrase (`HTTP/1.1 200 \r\n`, which
+    /// RFC 9112 allows): what Cloud Hypervisor's server sends and its client expects.
+    pub fn write_without_reason_to(
+        &self,
+        out: &mut impl Write,
+        close: bool,
+    ) -> std::io::Result<()> {
+        self.write_with_reason(out, close, "")
+    }
+
+    fn write_with_reason(
+        &self,
+        out: &mut impl Write,
+        close: bool,
+        reason: &str,
+    ) -> std::io::Result<()> {
+        let mut head = format!("HTTP/1.1 {} {reason}\r\nServer: gpuvm\r\n", self.status);
         if !self.body.is_empty() {
             head.push_str("Content-Type: application/json\r\n");
         }

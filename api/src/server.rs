@@ -395,7 +395,16 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
         };
         METRICS.count_api_request(path.as_deref().unwrap_or("other"), response.status);
         writer.deadline = Instant::now() + WRITE_DEADLINE;
-        let written = response.write_to(&mut writer, close);
+        // Cloud Hypervisor's server sends no reason phrase, and its client (ch-remote,
+        // api_client) parses everything after "HTTP/1.1 " to the CR as the status code.
+        let plain = path
+            .as_deref()
+            .is_some_and(|path| path.starts_with(cloud_hypervisor::PREFIX));
+        let written = if plain {
+            response.write_without_reason_to(&mut writer, close)
+        } else {
+            response.write_to(&mut writer, close)
+        };
         if path.is_some() {
             busy.fetch_sub(1, Ordering::SeqCst);
         }

@@ -503,8 +503,9 @@ fn configure(
         if response.status < 300 {
             continue;
         }
+        // Cloud Hypervisor's error body: an array of messages, the error first.
         let answer: Value = serde_json::from_slice(&response.body).unwrap_or_default();
-        let message = answer["fault_message"].as_str().map_or_else(
+        let message = answer[0].as_str().map_or_else(
             || String::from_utf8_lossy(&response.body).into_owned(),
             str::to_string,
         );

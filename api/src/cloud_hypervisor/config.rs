@@ -275,6 +275,14 @@ pub struct RestoreConfig {
     pub source_url: String,
     #[serde(default)]
     pub prefault: bool,
+    /// `Copy` (Cloud Hypervisor's default, which ch-remote always sends): every page is
+    /// loaded before the VM runs; `OnDemand`: pages on fault (gpuvm's lazy restore, also
+    /// what gpuvm does when the field is absent).
+    #[serde(default)]
+    pub memory_restore_mode: Option<String>,
+    /// Run the VM once restored (otherwise it waits for vm.resume).
+    #[serde(default)]
+    pub resume: bool,
     #[serde(flatten)]
     pub other: Other,
 }

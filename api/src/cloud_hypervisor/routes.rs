@@ -21,10 +21,11 @@ use crate::http::{Method, Request, Response};
 /// Carries one action to the VMM thread and brings its answer back.
 pub type Dispatch<'a> = &'a dyn Fn(VmmAction) -> ActionResult;
 
-/// Cloud Hypervisor's error bodies are plain text; gpuvm answers its fault JSON, which
-/// Kata's client only logs.
+/// An error answer in Cloud Hypervisor's shape.
 fn fault(status: u16, message: impl Into<String>) -> Response {
-    Response::fault(status, message)
+    // Cloud Hypervisor's error body: a JSON array of messages, the error first and its
+    // causes after (ch-remote reads it so); gpuvm's message carries its causes already.
+    Response::json(status, &serde_json::json!([message.into()]))
 }
 
 fn from_error(error: ActionError) -> Response {
@@ -368,18 +369,30 @@ fn restore(request: &Request, session: &Session, dispatch: Dispatch) -> Response
         Ok(Some(_)) => return fault(404, "the VM is already created: restore into a new gpuvm"),
         Err(response) => return response,
     }
-    // Cloud Hypervisor restores paused (vm.resume runs it); gpuvm's lazy restore is the
-    // default, prefault: true loads every page first.
+    // Cloud Hypervisor restores paused unless `resume` (vm.resume runs it). Memory:
+    // `Copy` or `prefault: true` loads every page first; `OnDemand`, or no mode at all,
+    // is gpuvm's lazy restore.
+    let eager = match body.memory_restore_mode.as_deref() {
+        None => body.prefault,
+        Some(mode) if mode.eq_ignore_ascii_case("copy") => true,
+        Some(mode) if mode.eq_ignore_ascii_case("ondemand") => body.prefault,
+        Some(other) => {
+            return fault(
+                400,
+                format!("memory_restore_mode = {other:?}: Copy or OnDemand"),
+            )
+        }
+    };
     let action = VmmAction::LoadSnapshot(SnapshotLoadBody {
         snapshot_path: path,
-        restore_mode: if body.prefault {
+        restore_mode: if eager {
             RestoreModeBody::Eager
         } else {
             RestoreModeBody::Lazy
         },
         uffd_socket_path: None,
         mem_file_path: None,
-        resume_vm: false,
+        resume_vm: body.resume,
         record_working_set: false,
         gpus: Vec::new(),
     });

@@ -230,4 +230,14 @@ fn responses_are_framed() {
     let mut out = Vec::new();
     Response::no_content().write_to(&mut out, false).unwrap();
     assert_eq!(out, b"HTTP/1.1 204 No Content\r\nServer: gpuvm\r\n\r\n");
+    // Cloud Hypervisor's shape: no reason phrase, the status code alone before the CR
+    // once trimmed (as its api_client reads it).
+    let mut out = Vec::new();
+    Response::fault(404, "x")
+        .write_without_reason_to(&mut out, false)
+        .unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let line = &text[..text.find('\r').unwrap()];
+    assert_eq!(line, "HTTP/1.1 404 ");
+    assert_eq!(line["HTTP/1.1 ".len()..].trim().parse::<u16>(), Ok(404));
 }
