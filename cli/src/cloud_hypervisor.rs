@@ -221,7 +221,10 @@ fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
             }
             "--kernel" | "--cmdline" | "--initramfs" => {
                 let field = &name[2..];
-                let value = flags.value(name, inline)?;
+                let mut value = flags.value(name, inline)?;
+                if name != "--cmdline" {
+                    value = options::absolute(&value);
+                }
                 if vm.payload.insert(field.into(), json!(value)).is_some() {
                     return Err(format!("{name} given twice: it takes one value"));
                 }

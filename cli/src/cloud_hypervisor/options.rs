@@ -49,8 +49,11 @@ type Result<T> = std::result::Result<T, OptionError>;
 /// How a key's value becomes its JSON field.
 #[derive(Clone, Copy)]
 enum Kind {
-    /// A string (paths included), under this field name.
+    /// A string, under this field name.
     Text(&'static str),
+    /// A file path, under this field name: relative ones resolve against the working
+    /// directory, as Cloud Hypervisor opens them (gpuvm's API wants absolute paths).
+    Path(&'static str),
     /// on/off → a boolean.
     Flag(&'static str),
     /// A size with K/M/G → a number of bytes.
@@ -66,6 +69,18 @@ enum Kind {
     Refuse(&'static str),
     /// Read by the option's own code.
     Own,
+}
+
+/// `path` made absolute against the working directory (unchanged if it already is, or
+/// if the working directory cannot be read).
+pub fn absolute(path: &str) -> String {
+    if path.starts_with('/') || path.is_empty() {
+        return path.to_string();
+    }
+    match std::env::current_dir() {
+        Ok(dir) => dir.join(path).to_string_lossy().into_owned(),
+        Err(_) => path.to_string(),
+    }
 }
 
 /// The keys of every PCI device option (Cloud Hypervisor's common PCI device fields).
@@ -174,6 +189,7 @@ fn convert(option: &str, key: &str, kind: Kind, value: &str) -> Result<Option<(S
     let field = |name: &str, v: Value| Ok(Some((name.to_string(), v)));
     match kind {
         Kind::Text(name) => field(name, json!(value)),
+        Kind::Path(name) => field(name, json!(absolute(value))),
         Kind::Flag(name) => match toggle(value) {
             Some(on) => field(name, json!(on)),
             None => Err(bad(option, key, value, "on or off")),
@@ -371,13 +387,13 @@ pub fn memory(text: &str) -> Result<Value> {
 /// `--disk path=...` → one of `disks`.
 pub fn disk(text: &str) -> Result<Value> {
     const KEYS: &[(&str, Kind)] = &[
-        ("path", Kind::Text("path")),
+        ("path", Kind::Path("path")),
         ("readonly", Kind::Flag("readonly")),
         ("direct", Kind::Flag("direct")),
         ("queue_size", Kind::Number("queue_size")),
         ("num_queues", Kind::Number("num_queues")),
         ("vhost_user", Kind::Flag("vhost_user")),
-        ("socket", Kind::Text("vhost_socket")),
+        ("socket", Kind::Path("vhost_socket")),
         ("_disable_io_uring", Kind::Flag("disable_io_uring")),
         ("_disable_aio", Kind::Flag("disable_aio")),
         ("serial", Kind::Text("serial")),
@@ -440,7 +456,7 @@ pub fn net(text: &str) -> Result<Net> {
         ("queue_size", Kind::Number("queue_size")),
         ("num_queues", Kind::Number("num_queues")),
         ("vhost_user", Kind::Flag("vhost_user")),
-        ("socket", Kind::Text("vhost_socket")),
+        ("socket", Kind::Path("vhost_socket")),
         (
             "vhost_mode",
             Kind::Choice("vhost_mode", &[("client", "Client"), ("server", "Server")]),
@@ -480,7 +496,7 @@ pub fn net(text: &str) -> Result<Net> {
 pub fn fs(text: &str) -> Result<Value> {
     const KEYS: &[(&str, Kind)] = &[
         ("tag", Kind::Text("tag")),
-        ("socket", Kind::Text("socket")),
+        ("socket", Kind::Path("socket")),
         ("num_queues", Kind::Number("num_queues")),
         ("queue_size", Kind::Number("queue_size")),
     ];
@@ -494,7 +510,7 @@ pub fn fs(text: &str) -> Result<Value> {
 pub fn vsock(text: &str) -> Result<Value> {
     const KEYS: &[(&str, Kind)] = &[
         ("cid", Kind::Number("cid")),
-        ("socket", Kind::Text("socket")),
+        ("socket", Kind::Path("socket")),
     ];
     let (vsock, _) = object("--vsock", text, &[KEYS, PCI_COMMON])?;
     require("--vsock", &vsock, "cid", "cid")?;
@@ -513,7 +529,7 @@ pub fn rng(text: &str) -> Result<Value> {
 /// `--device path=/sys/bus/pci/devices/<BDF>` → one of `devices`.
 pub fn device(text: &str) -> Result<Value> {
     const KEYS: &[(&str, Kind)] = &[
-        ("path", Kind::Text("path")),
+        ("path", Kind::Path("path")),
         (
             "fd",
             Kind::Refuse("gpuvm opens the device through its sysfs path: give path="),
@@ -532,7 +548,7 @@ pub fn device(text: &str) -> Result<Value> {
 /// `--user-device socket=/path` → the body of vm.add-user-device.
 pub fn user_device(text: &str) -> Result<Value> {
     const KEYS: &[(&str, Kind)] = &[
-        ("socket", Kind::Text("socket")),
+        ("socket", Kind::Path("socket")),
         ("id", Kind::Text("id")),
         ("pci_segment", Kind::Number("pci_segment")),
         ("pci_device_id", Kind::Number("pci_device_id")),
@@ -630,6 +646,15 @@ pub fn restore(text: &str) -> Result<(Value, bool)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relative_paths_resolve_against_the_working_directory() {
+        let here = std::env::current_dir().unwrap();
+        assert_eq!(absolute("/abs/x"), "/abs/x");
+        assert_eq!(absolute("x.img"), here.join("x.img").to_string_lossy());
+        let disk = disk("path=images/root.img").unwrap();
+        assert_eq!(disk["path"], json!(here.join("images/root.img")));
+    }
 
     #[test]
     fn values_split_like_cloud_hypervisor() {
