@@ -37,68 +37,12 @@ readonly GPUVM_BIN
 readonly EXAMPLES="${API_FUZZ_EXAMPLES:-40}"
 readonly SPEC="$REPO_ROOT/api/cloud-hypervisor-openapi.json"
 
-# schemathesis from PyPI, in the virtual environment scripts/api-fuzz.sh uses, unless one is
-# on PATH already.
-st=st
-if ! command -v st >/dev/null; then
-    venv="$REPO_ROOT/target/api-fuzz-venv"
-    if [[ ! -x "$venv/bin/st" ]]; then
-        python3 -m venv "$venv"
-        "$venv/bin/pip" install --quiet --disable-pip-version-check 'schemathesis>=4,<5'
-    fi
-    st="$venv/bin/st"
-fi
-
-work="$(mktemp -d /tmp/gpuvm-api-fuzz-ch.XXXXXX)"
-pids=()
-cleanup() {
-    local pid
-    for pid in "${pids[@]}"; do
-        kill "$pid" 2>/dev/null || true
-        wait "$pid" 2>/dev/null || true
-    done
-    rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/api-fuzz-lib.sh
+source "$REPO_ROOT/scripts/api-fuzz-lib.sh"
+api_fuzz_setup gpuvm-api-fuzz-ch
 
 ln -s "$GPUVM_BIN" "$work/cloud-hypervisor"
 "$GPUVM_BIN" guest-image --output "$work/guest.elf"
-
-# Relay: one thread pair per TCP connection, to a fresh Unix connection.
-cat >"$work/relay.py" <<'PY'
-import socket, sys, threading
-listen_port_file, unix_path = sys.argv[1], sys.argv[2]
-server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-server.bind(("127.0.0.1", 0))
-server.listen(64)
-with open(listen_port_file, "w") as f:
-    f.write(str(server.getsockname()[1]))
-def pump(src, dst):
-    try:
-        while True:
-            data = src.recv(65536)
-            if not data:
-                break
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-while True:
-    client, _ = server.accept()
-    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        upstream.connect(unix_path)
-    except OSError:
-        client.close()
-        continue
-    threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
-    threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
-PY
 
 # One request through the relay: prints the status code and the body.
 api_body() {
@@ -127,11 +71,7 @@ start() {
     "$work/cloud-hypervisor" --api-socket "$socket" >"$work/$name.out" 2>"$work/$name.err" &
     gpuvm_pid=$!
     pids+=("$gpuvm_pid")
-    for _ in $(seq 100); do [[ -S "$socket" ]] && break; sleep 0.05; done
-    python3 "$work/relay.py" "$work/$name.port" "$socket" &
-    pids+=($!)
-    for _ in $(seq 100); do [[ -s "$work/$name.port" ]] && break; sleep 0.05; done
-    port="$(cat "$work/$name.port")"
+    api_fuzz_relay "$name"
 }
 
 # Fails unless gpuvm NAME is alive, has not panicked and answers vmm.ping with 200.
