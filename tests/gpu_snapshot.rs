@@ -34,14 +34,29 @@ fn gpu_body(id: &str, socket: &Path) -> String {
 
 /// A VMM with its API on `api` (not started yet).
 fn spawn_vmm(api: &Path) -> SpawnedProcess {
-    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
+    spawn_vmm_with_env(api, &[])
+}
+
+fn spawn_vmm_with_env(api: &Path, env: &[(&str, &str)]) -> SpawnedProcess {
+    let mut vmm =
+        SpawnedProcess::gpuvm_with_env(&["run", "--api-sock", api.to_str().unwrap()], env);
     wait_for_api_socket(&mut vmm, api);
     vmm
 }
 
 /// A running VM with `workload`, and a vsock device on `vsock` when given.
 fn start_vm(api: &Path, workload: &str, vsock: Option<&Path>) -> SpawnedProcess {
-    let vmm = spawn_vmm(api);
+    start_vm_with_env(api, workload, vsock, &[])
+}
+
+/// As [`start_vm`], with extra environment variables for gpuvm.
+fn start_vm_with_env(
+    api: &Path,
+    workload: &str,
+    vsock: Option<&Path>,
+    env: &[(&str, &str)],
+) -> SpawnedProcess {
+    let vmm = spawn_vmm_with_env(api, env);
     let boot = serde_json::json!({ "boot_args": workload }).to_string();
     api_expect(api, 204, "PUT", "/boot-source", Some(&boot));
     if let Some(vsock) = vsock {
@@ -76,6 +91,19 @@ fn field_after(stdout: &str, marker: &str, key: &str) -> String {
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("no {key} in {line:?}"))
         .to_string()
+}
+
+/// PUT /gpus/gpu0 with the device on `socket`, then waits until the guest's
+/// `pci-hotplug` workload has run its pci checks on it.
+fn plug_checked(vmm: &mut SpawnedProcess, api: &Path, socket: &Path) {
+    api_expect(
+        api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", socket)),
+    );
+    vmm.wait_for_stdout("passed the pci checks", LIMIT);
 }
 
 fn json(body: &str) -> serde_json::Value {
@@ -234,14 +262,7 @@ fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
     let vsock = scratch.path("noagent.sock");
     let mut vmm = start_vm(&api, "pci-hotplug 1 keep", Some(&vsock));
     vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
-    api_expect(
-        &api,
-        200,
-        "PUT",
-        "/gpus/gpu0",
-        Some(&gpu_body("gpu0", &socket)),
-    );
-    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    plug_checked(&mut vmm, &api, &socket);
     let refused = api_expect(&api, 409, "PUT", "/snapshot/create", Some(&release("a")));
     assert!(refused.contains("not listening"), "{refused}");
     assert!(
@@ -273,14 +294,7 @@ fn a_release_that_cannot_happen_leaves_the_vm_and_its_gpu_alone() {
     vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
     let socket2 = socket_path("novsock-emu");
     let _emu2 = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket2, &[]);
-    api_expect(
-        &api,
-        200,
-        "PUT",
-        "/gpus/gpu0",
-        Some(&gpu_body("gpu0", &socket2)),
-    );
-    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    plug_checked(&mut vmm, &api, &socket2);
     let refused = api_expect(&api, 409, "PUT", "/snapshot/create", Some(&release("c")));
     assert!(refused.contains("no vsock device"), "{refused}");
     vmm.signal(libc::SIGKILL);
@@ -445,23 +459,14 @@ fn a_device_being_unplugged_is_not_snapshotted() {
     let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
     let api = socket_path("unplugging-api");
     // The guest keeps the device: the eject stays in flight until the timeout.
-    let mut vmm = SpawnedProcess::gpuvm_with_env(
-        &["run", "--api-sock", api.to_str().unwrap()],
+    let mut vmm = start_vm_with_env(
+        &api,
+        "pci-hotplug 1 keep",
+        None,
         &[("GPUVM_HOTPLUG_EJECT_TIMEOUT_MS", "4000")],
     );
-    wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": "pci-hotplug 1 keep" }).to_string();
-    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    api_start_instance(&api);
     vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
-    api_expect(
-        &api,
-        200,
-        "PUT",
-        "/gpus/gpu0",
-        Some(&gpu_body("gpu0", &socket)),
-    );
-    vmm.wait_for_stdout("passed the pci checks", LIMIT);
+    plug_checked(&mut vmm, &api, &socket);
     let api_for_delete = api.clone();
     let delete = std::thread::spawn(move || {
         gpuvm_tests::api_expect(&api_for_delete, 504, "DELETE", "/gpus/gpu0", None)
