@@ -402,3 +402,129 @@ fn a_gpu_hot_plugged_into_a_restored_vm_passes_the_checks() {
         .assert_stdout_has("hotplug: ok");
     emu.wait(Duration::from_secs(10));
 }
+
+/// A vfio-user "device" that accepts connections and never answers: each connection is
+/// read until gpuvm ends it, and how many bytes it sent comes back on the channel.
+fn start_silent_device(socket: &Path) -> std::sync::mpsc::Receiver<usize> {
+    use std::io::Read;
+    let _ = std::fs::remove_file(socket);
+    let listener = std::os::unix::net::UnixListener::bind(socket).expect("bind");
+    let (ended, connections) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().map_while(Result::ok) {
+            let ended = ended.clone();
+            std::thread::spawn(move || {
+                let mut received = Vec::new();
+                let _ = stream.read_to_end(&mut received);
+                let _ = ended.send(received.len());
+            });
+        }
+    });
+    connections
+}
+
+/// A request on its own thread, so that a stuck VMM thread fails the test instead of
+/// hanging it.
+fn request_in_time(api: &Path, method: &str, path: &str, body: String) -> (u16, String) {
+    let (api, method, path) = (api.to_path_buf(), method.to_string(), path.to_string());
+    let (done, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(gpuvm_api::client::request(
+            &api,
+            &method,
+            &path,
+            Some(&body),
+        ));
+    });
+    let response = answer
+        .recv_timeout(LIMIT)
+        .expect("an answer: the VMM thread is not stuck on the silent device")
+        .expect("request");
+    (response.status, response.body)
+}
+
+/// A vfio-user socket whose listener accepts but never answers the version negotiation
+/// (seccomp on, the default): PUT /gpus/{id} fails after GPUVM_VFIO_USER_TIMEOUT_MS with
+/// an error naming the socket, the connection is shut down (no thread stays blocked on
+/// it), the API keeps answering and the VM keeps running; Cloud Hypervisor's
+/// vm.add-user-device on the same socket fails the same way.
+#[test]
+fn a_vfio_user_socket_that_never_answers_fails_only_the_put() {
+    let silent = socket_path("silent-gpu");
+    let connections = start_silent_device(&silent);
+    let (mut vmm, api) = start_vm(
+        "silent",
+        "pci-hotplug 1",
+        &[("GPUVM_VFIO_USER_TIMEOUT_MS", "500")],
+    );
+
+    let started = Instant::now();
+    let (status, body) = request_in_time(&api, "PUT", "/gpus/gpu0", gpu_body("gpu0", &silent));
+    eprintln!("PUT /gpus answered {status} after {:?}", started.elapsed());
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("cannot hot-plug gpu0"), "{body}");
+    assert!(body.contains(silent.to_str().unwrap()), "{body}");
+    assert!(
+        body.contains("did not answer the version negotiation within 500 ms"),
+        "{body}"
+    );
+    let sent = connections
+        .recv_timeout(LIMIT)
+        .expect("gpuvm shut the silent connection down");
+    assert!(sent > 0, "gpuvm sent its version first");
+    let threads = thread_seccomp_modes(vmm.pid());
+    assert!(
+        !threads
+            .iter()
+            .any(|(name, _)| name.starts_with("vfio-user-conn")),
+        "no connecting thread left behind: {threads:?}"
+    );
+
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+    assert!(!info.contains("hot_plugged_gpus"), "{info}");
+
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    ctl(&api, &["ctrl-alt-del"]).assert_code(0);
+    let out = vmm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+
+    // Cloud Hypervisor's vm.add-user-device, with the default timeout (5 s).
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_state};
+    let scratch = Scratch::new("hotplug", "silent-ch");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("api.sock");
+    let mut vmm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": { "kernel": kernel, "cmdline": "pci-hotplug 1" },
+        "memory": { "size": 268435456u64, "shared": true },
+        "serial": { "mode": "Tty" },
+        "console": { "mode": "Off" },
+    })
+    .to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    let started = Instant::now();
+    let body = serde_json::json!({ "socket": silent, "id": "gpu0" }).to_string();
+    let (status, answer) = request_in_time(&api, "PUT", "/api/v1/vm.add-user-device", body);
+    eprintln!(
+        "PUT /api/v1/vm.add-user-device answered {status} after {:?}: {answer}",
+        started.elapsed()
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains(silent.to_str().unwrap()), "{answer}");
+    assert!(
+        answer.contains("did not answer the version negotiation within 5 s"),
+        "{answer}"
+    );
+    connections
+        .recv_timeout(LIMIT)
+        .expect("gpuvm shut the second silent connection down");
+    assert_eq!(vm_state(&api), "Running");
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vmm.wait(LIMIT);
+    assert!(out.code().is_some(), "{}", out.describe());
+    let _ = std::fs::remove_file(&silent);
+}

@@ -17,12 +17,22 @@
 //! states map onto the v1 bits as the kernel documents (STOP = 0, RUNNING = RUNNING,
 //! STOP_COPY = SAVING, RESUMING = RESUMING); a refused change reads back as the v1 error
 //! state (SAVING | RESUMING) with the device's reason code in `reserved`.
+//!
+//! A device process that stops answering (it never replies to the version negotiation,
+//! or a later request) must not hold the VMM thread: the connect runs on a thread of its
+//! own under a deadline ([`answer_timeout`]), and once connected every read and write on
+//! the socket has the same deadline (SO_RCVTIMEO/SO_SNDTIMEO). The client's `read_exact`
+//! and `write_all` retry only on EINTR, so a timed-out request fails with EAGAIN; a
+//! request that timed out leaves the connection desynchronized (a late answer would be
+//! taken for the next request's), so the device is then gone.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_ACTION_UNMASK, VFIO_IRQ_SET_DATA_EVENTFD,
@@ -37,12 +47,37 @@ use crate::emu::{self as mig, mig_region, MIGRATION_REGION};
 use crate::migration::{MigrationInfo, MigrationState};
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
 
+/// How long a vfio-user device may take to answer the connect's negotiation or any
+/// request, unless [`ANSWER_TIMEOUT_VAR`] says otherwise.
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+/// `GPUVM_VFIO_USER_TIMEOUT_MS=<ms>`: the answer timeout.
+pub const ANSWER_TIMEOUT_VAR: &str = "GPUVM_VFIO_USER_TIMEOUT_MS";
+
+/// The answer timeout in effect (at least 1 ms: a zero socket timeout means none).
+pub fn answer_timeout() -> Duration {
+    std::env::var(ANSWER_TIMEOUT_VAR)
+        .ok()
+        .and_then(|ms| ms.trim().parse::<u64>().ok())
+        .map_or(ANSWER_TIMEOUT, |ms| Duration::from_millis(ms.max(1)))
+}
+
+/// A timeout as people write it: "5 s", "500 ms".
+fn describe(timeout: Duration) -> String {
+    if timeout.subsec_millis() == 0 && timeout.as_secs() > 0 {
+        format!("{} s", timeout.as_secs())
+    } else {
+        format!("{} ms", timeout.as_millis())
+    }
+}
+
 /// A device behind a vfio-user socket. The client is shared with the device's
 /// [`UserDmaMapper`], which maps guest RAM from its own thread while vCPUs use the device.
 pub struct VfioUserDevice {
     client: Arc<Mutex<Client>>,
     path: PathBuf,
     health: Arc<BackendHealth>,
+    /// How long each request may wait for the device (the socket's timeouts).
+    timeout: Duration,
     /// A duplicate of the client's socket, to watch for the server's hang-up (None if
     /// it could not be told apart from other new sockets).
     socket: Option<OwnedFd>,
@@ -138,6 +173,41 @@ fn is_hang_up(error: &vfio_user::Error) -> bool {
             BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof
         ),
         _ => false,
+    }
+}
+
+/// Whether `error` is a socket timeout: the device did not answer in time.
+fn is_timeout(error: &vfio_user::Error) -> bool {
+    use std::io::ErrorKind::{TimedOut, WouldBlock};
+    match error {
+        vfio_user::Error::StreamWrite(e) | vfio_user::Error::StreamRead(e) => {
+            matches!(e.kind(), WouldBlock | TimedOut)
+        }
+        vfio_user::Error::SendWithFd(e) | vfio_user::Error::ReceiveWithFd(e) => {
+            matches!(e.errno(), libc::EAGAIN | libc::ETIMEDOUT)
+        }
+        _ => false,
+    }
+}
+
+/// Marks the device gone if `error` means it is: its process hung up, or it stopped
+/// answering (after a timeout the connection is out of step, so it cannot be used again).
+fn note_failure(
+    health: &BackendHealth,
+    name: &str,
+    what: &str,
+    timeout: Duration,
+    error: &vfio_user::Error,
+) {
+    if is_hang_up(error) {
+        health.mark_gone(format!(
+            "{name}: {what} failed ({error}); the device is gone"
+        ));
+    } else if is_timeout(error) {
+        health.mark_gone(format!(
+            "{name}: the device stopped answering: {what} got no answer within {}; the device is gone",
+            describe(timeout)
+        ));
     }
 }
 
@@ -252,6 +322,112 @@ fn open_sockets() -> Vec<(RawFd, u64)> {
     sockets
 }
 
+/// The socket among `candidates` (fd, inode) that is connected to `path`: the only one,
+/// or else the only one whose peer is `path` (other threads may open sockets meanwhile).
+/// Returned as a duplicate, checked to be the same socket (the fd may have been closed
+/// and reused since it was listed).
+fn claim_socket(candidates: &[(RawFd, u64)], path: &Path) -> Option<UnixStream> {
+    let claimed: Vec<_> = candidates
+        .iter()
+        .filter_map(|&(fd, inode)| Some((duplicate_socket(fd, inode)?, inode)))
+        .collect();
+    if claimed.len() <= 1 {
+        return claimed.into_iter().next().map(|(socket, _)| socket);
+    }
+    let mut to_path: Vec<_> = claimed
+        .into_iter()
+        .filter(|(socket, _)| {
+            socket
+                .peer_addr()
+                .is_ok_and(|peer| peer.as_pathname() == Some(path))
+        })
+        .collect();
+    (to_path.len() == 1).then(|| to_path.remove(0).0)
+}
+
+/// A duplicate of `fd` if it is still the socket with `inode`.
+fn duplicate_socket(fd: RawFd, inode: u64) -> Option<UnixStream> {
+    // SAFETY: F_DUPFD_CLOEXEC on any fd number either fails or returns a new fd that
+    // nothing else owns.
+    let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if copy < 0 {
+        return None;
+    }
+    // SAFETY: a fresh fd from fcntl, owned from here on.
+    let copy = unsafe { OwnedFd::from_raw_fd(copy) };
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a stat into the buffer or fails; the fd is open.
+    if unsafe { libc::fstat(copy.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: fstat succeeded, so it filled the buffer.
+    let stat = unsafe { stat.assume_init() };
+    (stat.st_mode & libc::S_IFMT == libc::S_IFSOCK && stat.st_ino == inode)
+        .then(|| UnixStream::from(copy))
+}
+
+/// Runs `Client::new` on a thread of its own and waits at most `timeout` for it. On
+/// timeout the connection's socket is shut down, so the stuck thread's read fails and
+/// the thread ends.
+fn connect_client(path: &Path, timeout: Duration) -> Result<(Client, Option<UnixStream>)> {
+    let before = open_sockets();
+    let new_sockets = || -> Vec<(RawFd, u64)> {
+        open_sockets()
+            .into_iter()
+            .filter(|socket| !before.contains(socket))
+            .collect()
+    };
+    let (sender, receiver) = mpsc::sync_channel(1);
+    let target = path.to_path_buf();
+    let connecting = std::thread::Builder::new()
+        .name("vfio-user-connect".into())
+        .spawn(move || {
+            let _ = sender.send(Client::new(&target));
+        })?;
+    let client = match receiver.recv_timeout(timeout) {
+        Ok(result) => {
+            let _ = connecting.join();
+            result.map_err(|source| VfioError::Connect {
+                path: path.to_path_buf(),
+                source,
+            })?
+        }
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            match claim_socket(&new_sockets(), path) {
+                Some(socket) => {
+                    if let Err(e) = socket.shutdown(std::net::Shutdown::Both) {
+                        log::warn!("vfio-user: {}: shutdown: {e}", path.display());
+                    }
+                    // The read fails at once now; a connect still waiting for the
+                    // listener's backlog is left behind rather than waited for.
+                    if receiver.recv_timeout(timeout).is_ok() {
+                        let _ = connecting.join();
+                    }
+                }
+                None => log::warn!(
+                    "vfio-user: {}: cannot single out the connection's socket; its thread stays blocked until the device closes it",
+                    path.display()
+                ),
+            }
+            return Err(VfioError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "vfio-user device at {} did not answer the version negotiation within {}",
+                    path.display(),
+                    describe(timeout)
+                ),
+            )));
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => {
+            return Err(VfioError::Io(std::io::Error::other(format!(
+                "vfio-user: {}: the connecting thread ended without an answer",
+                path.display()
+            ))))
+        }
+    };
+    Ok((client, claim_socket(&new_sockets(), path)))
+}
+
 fn lock(client: &Mutex<Client>) -> MutexGuard<'_, Client> {
     client.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -262,6 +438,7 @@ pub struct UserDmaMapper {
     client: Arc<Mutex<Client>>,
     name: String,
     health: Arc<BackendHealth>,
+    timeout: Duration,
 }
 
 impl DmaMapper for UserDmaMapper {
@@ -283,44 +460,39 @@ impl DmaMapper for UserDmaMapper {
         lock(&self.client)
             .dma_map(chunk.fd_offset, chunk.guest_addr, chunk.size, chunk.fd)
             .map_err(|e| {
-                if is_hang_up(&e) {
-                    self.health.mark_gone(format!(
-                        "{}: DMA map failed ({e}); the device is gone",
-                        self.name
-                    ));
-                }
+                note_failure(&self.health, &self.name, "DMA map", self.timeout, &e);
                 std::io::Error::other(format!("vfio-user DMA map: {e}"))
             })
     }
 }
 
 impl VfioUserDevice {
-    /// Connects and negotiates; the server must already be listening.
+    /// Connects and negotiates; the server must already be listening. A device that
+    /// does not answer within [`answer_timeout`] is refused.
     pub fn connect(path: &Path) -> Result<Self> {
-        // The client does not give out its socket: it is the one new socket after the
-        // connect (if another thread opened one meanwhile, no hang-up watch).
-        let before = open_sockets();
-        let client = Client::new(path).map_err(|source| VfioError::Connect {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let new: Vec<_> = open_sockets()
-            .into_iter()
-            .filter(|socket| !before.contains(socket))
-            .collect();
-        let socket = match new.as_slice() {
-            [(fd, _)] => {
-                // SAFETY: F_DUPFD_CLOEXEC on an fd that is open (the client's socket);
-                // the result, if valid, is a new fd that nothing else owns.
-                let copy = unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 0) };
-                // SAFETY: a fresh fd from fcntl, owned from here on.
-                (copy >= 0).then(|| unsafe { OwnedFd::from_raw_fd(copy) })
+        Self::connect_within(path, answer_timeout())
+    }
+
+    /// [`Self::connect`] with `timeout` for the negotiation and every later request.
+    pub fn connect_within(path: &Path, timeout: Duration) -> Result<Self> {
+        // The client does not give out its socket: it is the new socket after the
+        // connect (if it cannot be told apart, no hang-up watch and no timeouts).
+        let (client, socket) = connect_client(path, timeout)?;
+        let socket = socket.filter(|socket| {
+            let timeouts = socket
+                .set_read_timeout(Some(timeout))
+                .and_then(|()| socket.set_write_timeout(Some(timeout)));
+            if let Err(e) = &timeouts {
+                log::warn!(
+                    "vfio-user: {}: cannot set the socket's timeouts: {e}",
+                    path.display()
+                );
             }
-            _ => None,
-        };
+            timeouts.is_ok()
+        });
         if socket.is_none() {
             log::warn!(
-                "vfio-user: {}: cannot single out the connection's socket; the device's death is noticed on its next request",
+                "vfio-user: {}: cannot single out the connection's socket; the device's death is noticed on its next request, and a request it never answers is not bounded",
                 path.display()
             );
         }
@@ -329,7 +501,8 @@ impl VfioUserDevice {
             client: Arc::new(Mutex::new(client)),
             path: path.to_path_buf(),
             health: Arc::new(BackendHealth::default()),
-            socket,
+            timeout,
+            socket: socket.map(OwnedFd::from),
             migration: UserMigration::default(),
         })
     }
@@ -355,6 +528,7 @@ impl VfioUserDevice {
             client: self.client.clone(),
             name: self.name(),
             health: self.health.clone(),
+            timeout: self.timeout,
         })
     }
 
@@ -372,12 +546,7 @@ impl VfioUserDevice {
             return Err(gone_error(&self.health));
         }
         call(&mut self.client()).map_err(|source| {
-            if is_hang_up(&source) {
-                self.health.mark_gone(format!(
-                    "{}: {what} failed ({source}); the device is gone",
-                    self.name()
-                ));
-            }
+            note_failure(&self.health, &self.name(), what, self.timeout, &source);
             VfioError::User { what, source }
         })
     }
@@ -832,5 +1001,167 @@ impl Drop for VfioUserDevice {
         if let Err(error) = self.client().shutdown() {
             log::debug!("vfio-user: shutdown of {}: {error}", self.path.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    fn socket_path(name: &str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!(
+            "gpuvm-vfio-user-{name}-{}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        path
+    }
+
+    #[test]
+    fn a_device_that_never_answers_the_negotiation_is_refused() {
+        let path = socket_path("silent");
+        let listener = UnixListener::bind(&path).expect("bind");
+        let (seen, bytes_until_eof) = mpsc::channel();
+        // Accepts, reads what the client sends and never answers; reports how much it
+        // got once the client's side is shut down.
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let mut received = Vec::new();
+            let _ = seen.send(stream.read_to_end(&mut received).map(|_| received.len()));
+        });
+
+        let error = VfioUserDevice::connect_within(&path, Duration::from_millis(300))
+            .err()
+            .expect("a silent device is refused");
+        let message = error.to_string();
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert!(
+            message.contains("did not answer the version negotiation within 300 ms"),
+            "{message}"
+        );
+        // The connection was shut down: the device sees the end of the stream after the
+        // version message, so the connecting thread is not left blocked.
+        let received = bytes_until_eof
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the silent device saw the connection end")
+            .expect("read");
+        assert!(received > 0, "the client sent its version first");
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// Answers everything except region reads, which it holds until the test ends.
+    struct SilentOnRead {
+        hold: mpsc::Receiver<()>,
+    }
+
+    impl vfio_user::ServerBackend for SilentOnRead {
+        fn region_read(&mut self, _: u32, _: u64, _: &mut [u8]) -> std::io::Result<()> {
+            let _ = self.hold.recv();
+            Err(std::io::Error::other("released"))
+        }
+        fn region_write(&mut self, _: u32, _: u64, _: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn dma_map(
+            &mut self,
+            _: vfio_user::DmaMapFlags,
+            _: u64,
+            _: u64,
+            _: u64,
+            _: Option<std::fs::File>,
+        ) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn dma_unmap(
+            &mut self,
+            _: vfio_user::DmaUnmapFlags,
+            _: u64,
+            _: u64,
+        ) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn reset(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+        fn set_irqs(
+            &mut self,
+            _: u32,
+            _: u32,
+            _: u32,
+            _: u32,
+            _: Vec<std::fs::File>,
+        ) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_request_never_answered_fails_and_the_device_is_gone() {
+        use vfio_bindings::bindings::vfio::vfio_region_info;
+        let path = socket_path("mute-read");
+        let regions = (0..9u32)
+            .map(|index| vfio_user::ServerRegion {
+                region_info: vfio_region_info {
+                    argsz: std::mem::size_of::<vfio_region_info>() as u32,
+                    flags: crate::REGION_READ | crate::REGION_WRITE,
+                    index,
+                    cap_offset: 0,
+                    size: if index == 0 { 4096 } else { 0 },
+                    offset: 0,
+                },
+                sparse_areas: Vec::new(),
+                mmap_fd: None,
+            })
+            .collect();
+        let server = vfio_user::Server::new(&path, true, Vec::new(), regions).expect("listen");
+        let (release, hold) = mpsc::channel();
+        std::thread::spawn(move || server.run(&mut SilentOnRead { hold }));
+
+        let mut device =
+            VfioUserDevice::connect_within(&path, Duration::from_millis(300)).expect("connect");
+        assert!(device.region_write(0, 0, &[1, 2, 3, 4]).is_ok());
+        let health = device.health();
+        assert!(!health.is_gone());
+
+        let mut data = [0u8; 4];
+        let error = device.region_read(0, 0, &mut data).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                VfioError::User {
+                    what: "region read",
+                    ..
+                }
+            ),
+            "{error}"
+        );
+        assert_eq!(data, [0xff; 4], "a failed read reads all ones");
+        assert!(
+            health.is_gone(),
+            "a request never answered marks the device gone"
+        );
+        let reason = health.reason().unwrap();
+        assert!(reason.contains("stopped answering"), "{reason}");
+        assert!(reason.contains("region read"), "{reason}");
+        assert!(reason.contains(&path.display().to_string()), "{reason}");
+
+        // From now on nothing goes to the device: reads are all ones, other requests fail.
+        let mut data = [0u8; 4];
+        assert!(device.region_read(0, 0, &mut data).is_ok());
+        assert_eq!(data, [0xff; 4]);
+        let error = device.msix_vectors().unwrap_err();
+        assert!(error.to_string().contains("stopped answering"), "{error}");
+        drop(release);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn timeouts_read_as_people_write_them() {
+        assert_eq!(describe(Duration::from_secs(5)), "5 s");
+        assert_eq!(describe(Duration::from_millis(500)), "500 ms");
+        assert_eq!(describe(Duration::from_millis(1500)), "1500 ms");
     }
 }

@@ -192,6 +192,10 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // PCI hot-plug (PUT /gpus after start): connecting to a vfio-user
                     // device (Unix sockets only, below).
                     libc::SYS_connect,
+                    // ...on a thread under a deadline; the connection's socket is told
+                    // apart from others opened meanwhile by its peer's path, to shut it
+                    // down (SYS_shutdown above) if the device never answers.
+                    libc::SYS_getpeername,
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
