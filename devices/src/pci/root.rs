@@ -109,7 +109,9 @@ struct Allocator {
 
 impl Allocator {
     fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
-        if let Some(at) = self.free.iter().position(|&(_, s)| s == size) {
+        let fits =
+            |&(base, free_size): &(u64, u64)| free_size == size && base.is_multiple_of(size.max(1));
+        if let Some(at) = self.free.iter().position(fits) {
             return Ok(self.free.swap_remove(at).0);
         }
         let no_space = || PciError::NoSpace {
@@ -131,27 +133,37 @@ impl Allocator {
         Ok(base)
     }
 
-    /// Takes exactly `[base, base + size)` (a restored device's BAR): a range given back
-    /// earlier, or one past everything allocated so far.
+    /// Takes exactly `[base, base + size)` (a restored device's BAR): inside a free range
+    /// (given back, or skipped by an earlier reservation: restored devices come back in
+    /// any order), or past everything allocated so far.
     fn reserve(&mut self, base: u64, size: u64) -> Result<(), PciError> {
-        if let Some(at) = self.free.iter().position(|&r| r == (base, size)) {
-            self.free.swap_remove(at);
+        let taken = || PciError::RangeTaken {
+            window: self.name,
+            base,
+            size,
+        };
+        let end = base
+            .checked_add(size)
+            .filter(|&end| end <= self.end && base.is_multiple_of(size.max(1)))
+            .ok_or_else(taken)?;
+        let inside = |&(free, free_size): &(u64, u64)| free <= base && end <= free + free_size;
+        if let Some(at) = self.free.iter().position(inside) {
+            let (free, free_size) = self.free.swap_remove(at);
+            self.free.extend(
+                [(free, base - free), (end, free + free_size - end)]
+                    .into_iter()
+                    .filter(|&(_, s)| s > 0),
+            );
             return Ok(());
         }
-        let end = base.checked_add(size).filter(|&end| {
-            base >= self.next && end <= self.end && base.is_multiple_of(size.max(1))
-        });
-        match end {
-            Some(end) => {
-                self.next = end;
-                Ok(())
-            }
-            None => Err(PciError::RangeTaken {
-                window: self.name,
-                base,
-                size,
-            }),
+        if base < self.next {
+            return Err(taken());
         }
+        if base > self.next {
+            self.free.push((self.next, base - self.next));
+        }
+        self.next = end;
+        Ok(())
     }
 }
 
@@ -880,6 +892,50 @@ mod tests {
         ecam.write(1 << 15 | 0x4, &[0]);
         window.read(0x10_0010, &mut data);
         assert_eq!(data, [0xff; 4]);
+    }
+
+    #[test]
+    fn restored_devices_come_back_in_any_order() {
+        let bars_of = |device: &Arc<Mutex<Scratch>>| -> Vec<(u8, u64)> {
+            let device = device.lock().unwrap();
+            device
+                .bars
+                .placed()
+                .iter()
+                .map(|bar| (bar.index, bar.address))
+                .collect()
+        };
+        let root = PciRoot::new(root_config()).unwrap();
+        let (low, high) = (scratch(), scratch());
+        let low_bdf = root.add_device(low.clone()).unwrap();
+        let high_bdf = root.add_device(high.clone()).unwrap();
+        let (low_bars, high_bars) = (bars_of(&low), bars_of(&high));
+        // A restore that rebuilds the later device first (a hot-plugged disk saved
+        // before a device that was there at boot).
+        let restored = PciRoot::new(root_config()).unwrap();
+        let (high_again, low_again) = (scratch(), scratch());
+        restored
+            .add_device_at(high_bdf.device, high_again.clone(), &high_bars)
+            .unwrap();
+        restored
+            .add_device_at(low_bdf.device, low_again.clone(), &low_bars)
+            .unwrap();
+        let sorted = |mut bars: Vec<(u8, u64)>| {
+            bars.sort();
+            bars
+        };
+        assert_eq!(sorted(bars_of(&low_again)), sorted(low_bars.clone()));
+        assert_eq!(sorted(bars_of(&high_again)), sorted(high_bars));
+        // The skipped range is taken now: neither given twice nor to a new device.
+        assert!(matches!(
+            restored.add_device_at(20, scratch(), &low_bars),
+            Err(PciError::RangeTaken { .. })
+        ));
+        let fresh = scratch();
+        restored.add_device(fresh.clone()).unwrap();
+        for (_, address) in bars_of(&fresh) {
+            assert!(!low_bars.iter().any(|&(_, a)| a == address), "{address:#x}");
+        }
     }
 
     #[test]
