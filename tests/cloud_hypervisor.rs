@@ -206,7 +206,9 @@ fn put_with_fds(api: &Path, path: &str, body: &str, fds: &[RawFd]) -> (u16, Stri
 /// Kata's NIC: vm.add-net {mac, id} with the tap queue passed as a descriptor; then the
 /// guest's `virtio-net` workload answers a UDP echo through that tap. Before that, what
 /// is refused: no tap and no descriptor, a descriptor that is not a tap, two descriptors
-/// for one queue pair, a named tap and a descriptor; and a snapshot of such a VM.
+/// for one queue pair, a named tap and a descriptor. The VM is snapshotted, and restored
+/// in a new process with a new tap descriptor (vm.restore's `net_fds`): without one, or
+/// with fewer than `net_fds` says, the restore is refused.
 #[test]
 fn add_net_with_a_passed_tap_descriptor() {
     let Some(netns) = Netns::create("add_net_with_a_passed_tap_descriptor") else {
@@ -261,13 +263,39 @@ fn add_net_with_a_passed_tap_descriptor() {
         "{}",
         vmm.stdout()
     );
-    // A restored VM could not reopen a passed tap: the snapshot is refused, naming it.
-    let destination = format!(
-        r#"{{"destination_url":"file://{}"}}"#,
-        scratch.path("snap").display()
+    // The VM is snapshotted with its passed tap; a restore gets a new one through
+    // vm.restore's `net_fds`, as Cloud Hypervisor's does.
+    let snap = scratch.path("snap");
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vmm.wait(LIMIT);
+    assert!(out.code().is_some(), "{}", out.describe());
+
+    let api = scratch.path("restore-api.sock");
+    let mut vmm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let restore = "/api/v1/vm.restore";
+    let source = format!(r#"{{"source_url":"file://{}"}}"#, snap.display());
+    let refused = api_expect(&api, 400, "PUT", restore, Some(&source));
+    assert!(
+        refused.contains("net0") && refused.contains("net_fds"),
+        "{refused}"
     );
-    let refused = api_expect(&api, 400, "PUT", "/api/v1/vm.snapshot", Some(&destination));
-    assert!(refused.contains("net0"), "{refused}");
+    let with_taps = format!(
+        r#"{{"source_url":"file://{}","net_fds":[{{"id":"net0","num_fds":1}}]}}"#,
+        snap.display()
+    );
+    let (status, refused) = put_with_fds(&api, restore, &with_taps, &[]);
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.contains("net_fds"), "{refused}");
+    let tap = netns.open_tap();
+    let (status, answer) = put_with_fds(&api, restore, &with_taps, &[tap.as_raw_fd()]);
+    assert_eq!(status, 204, "{answer}");
+    drop(tap);
+    assert_eq!(vm_info(&api)["state"], "Paused");
+    api_expect(&api, 204, "PUT", "/api/v1/vm.resume", None);
 
     let payload = b"through a passed tap".to_vec();
     assert_eq!(netns.udp_echo(&payload), payload);

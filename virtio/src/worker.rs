@@ -106,22 +106,29 @@ impl From<WorkerError> for std::io::Error {
     }
 }
 
-/// Creates `count` idle I/O threads, each running `setup` first. Returns once every one
-/// has run it.
-pub fn prespawn(count: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
+/// Creates `count` idle I/O threads, each running `setup` first, and returns once every
+/// one has run it; and `spare` more, which join the idle threads once their setup ran
+/// without being waited for (threads for devices added later).
+pub fn prespawn(count: usize, spare: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
     POOLED.store(true, Ordering::SeqCst);
     *crate::lock(&SETUP) = Some(setup.clone());
     let (ready_tx, ready_rx) = channel();
-    for index in 0..count {
+    for index in 0..count + spare {
         let (job_tx, job_rx) = channel::<Job>();
         let setup = setup.clone();
-        let ready = ready_tx.clone();
+        let ready = (index < count).then(|| ready_tx.clone());
         std::thread::Builder::new()
             .name(format!("virtio-idle{index}"))
             .spawn(move || {
                 let result = setup();
                 let ok = result.is_ok();
-                let _ = ready.send(result.map(|()| job_tx.clone()));
+                match ready {
+                    Some(ready) => {
+                        let _ = ready.send(result.map(|()| job_tx.clone()));
+                    }
+                    None if ok => crate::lock(&IDLE).push(job_tx.clone()),
+                    None => log::warn!("a spare device I/O thread failed its setup"),
+                }
                 if ok {
                     serve_jobs(&job_rx, &job_tx);
                 }

@@ -39,6 +39,7 @@ fn workers_run_on_pooled_threads_that_ran_their_setup_and_come_back_idle() {
     let counted = setups.clone();
     prespawn(
         1,
+        0,
         Arc::new(move || {
             counted.fetch_add(1, Ordering::SeqCst);
             Ok(())

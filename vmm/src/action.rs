@@ -37,6 +37,13 @@ pub enum VmmAction {
     /// DELETE /gpus/{id}: drop a configured device, or hot-unplug it from the running VM
     /// (the guest is asked to eject it first).
     DeleteGpu(String),
+    /// Ask the guest to eject a hot-plugged device (a GPU or a virtio device) and answer
+    /// at once (Cloud Hypervisor's vm.remove-device after boot): the device goes when the
+    /// guest ejects it. Before start it drops a configured passthrough device.
+    RemoveDevice(String),
+    /// A virtio device hot-plugged into the running VM (Cloud Hypervisor's vm.add-disk,
+    /// add-net, add-fs, add-vsock after vm.boot); answers `{id, bdf}`.
+    HotplugVirtio(VirtioHotplug),
     /// PUT /drives/{id}: a virtio block device for the VM being configured.
     PutDrive(DriveBody),
     /// PUT /fs/{tag}: a virtio-fs share served by virtiofsd, before start.
@@ -50,6 +57,12 @@ pub enum VmmAction {
     /// checked (TUNGETIFF) by the controller at once; `config.host_dev_name` is ignored.
     PutNetworkInterfaceFds {
         config: NetConfig,
+        fds: Vec<OwnedFd>,
+    },
+    /// Tap queues for a network interface of the snapshot about to be loaded that came
+    /// as descriptors (Cloud Hypervisor's vm.restore `net_fds`): one per queue pair.
+    PassTaps {
+        iface_id: String,
         fds: Vec<OwnedFd>,
     },
     /// PUT /vsock: the vsock device before start.
@@ -90,6 +103,37 @@ pub enum VmmAction {
     PutMetrics(crate::outputs::MetricsConfig),
     /// Write the counters to the metrics output (Firecracker's FlushMetrics).
     FlushMetrics,
+}
+
+/// A virtio device to hot-plug: the body of the pre-boot action that configures its kind.
+#[derive(Debug)]
+pub enum VirtioHotplug {
+    Drive(DriveBody),
+    Fs(FsConfig),
+    Net(NetConfig),
+    /// An interface whose tap queues came as descriptors (one per queue pair).
+    NetFds {
+        config: NetConfig,
+        fds: Vec<OwnedFd>,
+    },
+    Vsock(VsockConfig),
+}
+
+impl VirtioHotplug {
+    /// The hot-plug of the device a pre-boot `action` configures; None when its kind
+    /// cannot be hot-plugged.
+    pub fn from_action(action: VmmAction) -> Option<Self> {
+        Some(match action {
+            VmmAction::PutDrive(body) => VirtioHotplug::Drive(body),
+            VmmAction::PutFs(body) => VirtioHotplug::Fs(body),
+            VmmAction::PutNetworkInterface(body) => VirtioHotplug::Net(body),
+            VmmAction::PutNetworkInterfaceFds { config, fds } => {
+                VirtioHotplug::NetFds { config, fds }
+            }
+            VmmAction::PutVsock(body) => VirtioHotplug::Vsock(body),
+            _ => return None,
+        })
+    }
 }
 
 /// One action on its way to the VMM thread, with where to send the answer. Every front

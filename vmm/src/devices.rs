@@ -109,6 +109,7 @@ impl Persist for MachineDevices {
         crate::virtio::restore_all(&self.virtio, &state.virtio)?;
         if let (Some(hotplug), Some(saved)) = (&self.pci_hotplug, &state.pci_hotplug) {
             hotplug.restore_controller(saved);
+            hotplug.virtio_restored(&self.virtio);
         }
         self.released_gpus = state.released_gpus.clone();
         Ok(())

@@ -44,8 +44,10 @@ use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
 use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
+use crate::virtio::VirtioHandle;
 
 pub(crate) mod migration;
+mod virtio;
 pub use migration::{MigratedGpu, DEVICE_FILE_PREFIX};
 
 /// How long DELETE /gpus/{id} waits for the guest to eject, unless
@@ -147,6 +149,8 @@ pub struct PciHotplug {
     devices: BTreeMap<String, HotDevice>,
     /// The VMM thread's wake-up eventfd: guest ejects and dead device processes write it.
     wake: Option<EventFd>,
+    /// What virtio devices plugged at runtime are built with.
+    virtio: virtio::VirtioPlugContext,
     /// The hot-plug GSI's irqfd, kept registered.
     _interrupt: EventFd,
 }
@@ -178,6 +182,13 @@ impl PciHotplug {
             hooks,
             devices: BTreeMap::new(),
             wake: None,
+            virtio: virtio::VirtioPlugContext {
+                memory: ram.memory().clone(),
+                ioevents: Arc::new(crate::interrupts::KvmIoEvents::new(
+                    duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
+                )),
+                ejecting: Default::default(),
+            },
             _interrupt: interrupt,
         })
     }
@@ -374,8 +385,18 @@ impl PciHotplug {
         self.ram.total()
     }
 
-    /// Asks the guest to eject `id`'s device.
-    pub fn request_eject(&mut self, id: &str) -> Result<PciBdf, HotplugError> {
+    /// Asks the guest to eject `id`'s device (a passthrough device, or one of the
+    /// hot-plugged virtio devices among `virtio`).
+    pub fn request_eject(
+        &mut self,
+        virtio: &[VirtioHandle],
+        id: &str,
+    ) -> Result<PciBdf, HotplugError> {
+        if !self.devices.contains_key(id) {
+            if let Some(result) = self.request_virtio_eject(virtio, id) {
+                return result;
+            }
+        }
         let device = self
             .devices
             .get_mut(id)
@@ -398,8 +419,18 @@ impl PciHotplug {
         Ok(device.bdf)
     }
 
-    /// Takes `id`'s device down if the guest ejected it.
-    pub fn poll_eject(&mut self, id: &str) -> Result<EjectState, HotplugError> {
+    /// Takes `id`'s device down if the guest ejected it (a virtio device's handle leaves
+    /// `virtio`).
+    pub fn poll_eject(
+        &mut self,
+        virtio: &mut Vec<VirtioHandle>,
+        id: &str,
+    ) -> Result<EjectState, HotplugError> {
+        if !self.devices.contains_key(id) {
+            if let Some(state) = self.poll_virtio_eject(virtio, id) {
+                return Ok(state);
+            }
+        }
         let device = self
             .devices
             .get(id)
@@ -413,7 +444,10 @@ impl PciHotplug {
 
     /// The guest did not eject `id` in time: withdraw the request, keep the device. A
     /// gone device is taken down instead (nothing is left to keep); returns its label then.
-    pub fn cancel_eject(&mut self, id: &str) -> Option<String> {
+    pub fn cancel_eject(&mut self, virtio: &[VirtioHandle], id: &str) -> Option<String> {
+        if !self.devices.contains_key(id) && self.cancel_virtio_eject(virtio, id) {
+            return None;
+        }
         if self.devices.get(id).is_some_and(|d| d.gone.is_some()) {
             log::warn!(
                 "hot-unplug: the guest did not eject {id}, whose process is gone; freeing its slot"

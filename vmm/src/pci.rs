@@ -433,6 +433,8 @@ pub fn attach(
     if !options.is_empty() {
         attach_devices(vm, ram, options, &root, &router, &slots, devices)?;
     }
+    // Also when there are none yet: a virtio device hot-plugged later needs a thread.
+    crate::virtio::start_io_threads(&options.virtio)?;
     if !options.virtio.is_empty() {
         devices.virtio = crate::virtio::attach(
             duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,

@@ -62,7 +62,25 @@ pub struct VirtioOptions {
     /// interface id, a share's tag, `vsock`, `rng`: [`VirtioDeviceConfig::id`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub pci_segments: BTreeMap<String, u16>,
+    /// Where a restore puts each device back, by device id: its slot on its segment's
+    /// bus and its BAR's address, as the snapshot recorded them (hot-plugged devices are
+    /// not in bus order). Never part of a configuration.
+    #[serde(skip)]
+    pub restored_places: BTreeMap<String, RestoredPlace>,
 }
+
+/// A restored device's place on its bus.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RestoredPlace {
+    pub slot: u8,
+    pub bar_address: u64,
+    /// It was hot-plugged (so the guest may be asked to eject it).
+    pub hot_plugged: bool,
+}
+
+/// Idle I/O threads kept for virtio devices hot-plugged after start (a removed device
+/// gives its thread back): threads cannot be made later under the device filter.
+pub const HOTPLUG_THREADS: usize = 4;
 
 impl VirtioOptions {
     pub fn is_empty(&self) -> bool {
@@ -298,16 +316,9 @@ impl VirtioDeviceConfig {
     }
 
     /// Why a snapshot of a VM with this device is refused, if it is: a vhost-user
-    /// device's state lives in its backend, which gpuvm cannot save yet.
+    /// device's state lives in its backend, which gpuvm cannot save yet. (A network
+    /// interface whose taps came as descriptors is saved; its restore takes new ones.)
     pub fn snapshot_refusal(&self) -> Option<String> {
-        if let VirtioDeviceConfig::Net(config) = self {
-            if config.host_dev_name.is_none() {
-                return Some(format!(
-                    "network interface {} came as tap file descriptors (SCM_RIGHTS) and names no tap, so a restore could not reopen it; name the tap (`tap` / host_dev_name) to snapshot this VM",
-                    config.iface_id
-                ));
-            }
-        }
         let (what, socket) = match self {
             VirtioDeviceConfig::VhostUserBlock(config) => ("vhost-user drive", &config.socket),
             VirtioDeviceConfig::Fs(config) => ("virtio-fs share", &config.socket),
@@ -327,6 +338,10 @@ pub struct VirtioHandle {
     pub config: VirtioDeviceConfig,
     pub bdf: PciBdf,
     pub transport: Arc<Mutex<VirtioPciDevice>>,
+    /// Plugged while the VM ran (or restored so): the guest may be asked to eject it.
+    pub hot_plugged: bool,
+    /// Its MSI-X vectors' GSIs (released when it is unplugged).
+    pub gsis: Vec<u32>,
 }
 
 /// One virtio device in a snapshot: how it was configured, the PCI segment it was on
@@ -336,12 +351,18 @@ pub struct VirtioDeviceState {
     pub config: VirtioDeviceConfig,
     #[serde(default)]
     pub pci_segment: u16,
+    /// Its slot on the bus (absent in older states: the devices are rebuilt in bus
+    /// order, which puts each where it was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<u8>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hot_plugged: bool,
     pub transport: VirtioPciState,
 }
 
 /// Opens the device `config` describes; a network interface that names no tap takes its
 /// queues from `passed`.
-fn open_device(
+pub(crate) fn open_device(
     config: &VirtioDeviceConfig,
     passed: &PassedTaps,
 ) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
@@ -362,7 +383,7 @@ fn open_device(
                     .map_err(|e| net_error(e.to_string()))?,
                 None => passed.take(&config.iface_id).ok_or_else(|| {
                     net_error(
-                        "no tap device named (host_dev_name), and no tap descriptors passed (or an earlier start took them: add the interface again)"
+                        "no tap device named (host_dev_name), and no tap descriptors passed (or an earlier start took them: add the interface again; a snapshot's interface that came as descriptors takes new ones with Cloud Hypervisor's vm.restore `net_fds`)"
                             .into(),
                     )
                 })?,
@@ -450,16 +471,6 @@ pub fn attach(
             "a PCI segment is given for device {id:?}, which is not configured"
         )));
     }
-    // One I/O thread per device, created here, on the VMM thread before the vCPUs run,
-    // each under the device filter (a no-op until seccomp is enabled).
-    gpuvm_virtio::worker::prespawn(
-        options.device_count(),
-        Arc::new(|| {
-            crate::seccomp::apply(crate::seccomp::ThreadKind::Device)
-                .map_err(|e| std::io::Error::other(e.to_string()))
-        }),
-    )
-    .map_err(VirtioSetupError::Threads)?;
     let ioevents: Arc<dyn IoEventRegistrar> = Arc::new(KvmIoEvents::new(vm));
     let mut handles = Vec::new();
     for config in configs {
@@ -470,35 +481,104 @@ pub fn attach(
                 config.id()
             ))
         })?;
+        let place = options.restored_places.get(config.id()).copied();
         let device = open_device(&config, passed)?;
+        let plug = BusPlug {
+            memory,
+            root,
+            router,
+            ioevents: &ioevents,
+        };
+        handles.push(plug.plug(config, device, place)?);
+    }
+    Ok(handles)
+}
+
+/// Starts the virtio devices' I/O threads: one per device of `options`, waited for, and
+/// [`HOTPLUG_THREADS`] more for hot-plug, which get ready on their own. Each runs under
+/// the device filter (a no-op until seccomp is enabled); they are made here, on the VMM
+/// thread before the vCPUs run, because the VMM's own filter allows no new threads
+/// with the device's system calls.
+pub fn start_io_threads(options: &VirtioOptions) -> Result<(), VirtioSetupError> {
+    gpuvm_virtio::worker::prespawn(
+        options.device_count(),
+        HOTPLUG_THREADS,
+        Arc::new(|| {
+            crate::seccomp::apply(crate::seccomp::ThreadKind::Device)
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        }),
+    )
+    .map_err(VirtioSetupError::Threads)
+}
+
+/// What puts a virtio device on a PCI bus: the guest memory it serves, the bus, the MSI
+/// routes and the queue notifications.
+pub(crate) struct BusPlug<'a> {
+    pub memory: &'a GuestMemory,
+    pub root: &'a Arc<PciRoot>,
+    pub router: &'a Arc<MsiRouter>,
+    pub ioevents: &'a Arc<dyn IoEventRegistrar>,
+}
+
+impl BusPlug<'_> {
+    /// Puts `device` (built from `config`) behind a virtio-pci transport into a free slot,
+    /// or into the one `place` says (a restore).
+    pub(crate) fn plug(
+        &self,
+        config: VirtioDeviceConfig,
+        device: Box<dyn VirtioDevice>,
+        place: Option<RestoredPlace>,
+    ) -> Result<VirtioHandle, VirtioSetupError> {
         let name = device.name().to_string();
-        let mut allocate = |count| router.allocate(count);
+        let mut gsis = Vec::new();
+        let mut allocate = |count| {
+            let vectors = self.router.allocate(count)?;
+            gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
+            Ok(vectors)
+        };
         let transport = VirtioPciDevice::new(
             device,
-            memory.clone(),
+            self.memory.clone(),
             &mut allocate,
-            router.clone(),
-            ioevents.clone(),
+            self.router.clone(),
+            self.ioevents.clone(),
         )
-        .map_err(|source| VirtioSetupError::Transport {
-            device: name.clone(),
-            source,
-        })?;
-        let transport = Arc::new(Mutex::new(transport));
-        let bdf = root
-            .add_device(transport.clone())
-            .map_err(|source| VirtioSetupError::Plug {
+        .map_err(|source| {
+            self.router.release(&gsis);
+            VirtioSetupError::Transport {
                 device: name.clone(),
                 source,
-            })?;
+            }
+        })?;
+        let transport = Arc::new(Mutex::new(transport));
+        let placed = match place {
+            Some(place) => self.root.add_device_at(
+                place.slot,
+                transport.clone(),
+                &[(
+                    gpuvm_virtio::transport::layout::BAR_INDEX,
+                    place.bar_address,
+                )],
+            ),
+            None => self.root.add_device(transport.clone()),
+        };
+        let bdf = placed.map_err(|source| {
+            drop(transport.clone());
+            self.router.release(&gsis);
+            VirtioSetupError::Plug {
+                device: name.clone(),
+                source,
+            }
+        })?;
         log::info!("{name} at {}", bdf.full());
-        handles.push(VirtioHandle {
+        Ok(VirtioHandle {
             config,
             bdf,
             transport,
-        });
+            hot_plugged: place.is_some_and(|p| p.hot_plugged),
+            gsis,
+        })
     }
-    Ok(handles)
 }
 
 /// Stops every device's I/O after the request in flight (for a snapshot).
@@ -532,6 +612,8 @@ pub fn save_all(
             Ok(VirtioDeviceState {
                 config: current_config(handle, &mut transport),
                 pci_segment: handle.bdf.segment,
+                slot: Some(handle.bdf.device),
+                hot_plugged: handle.hot_plugged,
                 transport: transport.save()?,
             })
         })
@@ -575,12 +657,20 @@ pub fn with_balloon<T>(
     Some(work(balloon))
 }
 
-/// Loads each saved state into the device built from the same configuration.
+/// Loads each saved state into the device built from the same configuration (matched by
+/// id: hot-plugged devices were saved in the order they came, and rebuilt in bus order).
 pub fn restore_all(
     handles: &[VirtioHandle],
     states: &[VirtioDeviceState],
 ) -> Result<(), gpuvm_virtio::transport::SnapshotError> {
-    for (handle, state) in handles.iter().zip(states) {
+    for state in states {
+        let handle = handles
+            .iter()
+            .find(|h| h.config.id() == state.config.id())
+            .ok_or_else(|| gpuvm_virtio::transport::SnapshotError::Mismatch {
+                device: state.config.id().to_string(),
+                reason: "no device was rebuilt for its saved state".into(),
+            })?;
         lock(&handle.transport).restore(&state.transport)?;
     }
     Ok(())
@@ -594,6 +684,16 @@ pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
             options
                 .pci_segments
                 .insert(state.config.id().to_string(), state.pci_segment);
+        }
+        if let Some(slot) = state.slot {
+            options.restored_places.insert(
+                state.config.id().to_string(),
+                RestoredPlace {
+                    slot,
+                    bar_address: state.transport.pci.bar_address,
+                    hot_plugged: state.hot_plugged,
+                },
+            );
         }
         match &state.config {
             VirtioDeviceConfig::Block(config) => options.drives.push(config.clone()),
@@ -659,12 +759,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_net_without_a_tap_name_cannot_be_snapshotted() {
+    fn a_net_without_a_tap_name_is_snapshotted_and_needs_taps_to_come_back() {
         let passed = VirtioDeviceConfig::Net(NetConfig::new("net0", None));
-        let refusal = passed.snapshot_refusal().expect("refused");
+        assert_eq!(passed.snapshot_refusal(), None);
+        let Err(error) = open_device(&passed, &PassedTaps::default()) else {
+            panic!("a restore without taps for net0 opened it");
+        };
+        let message = error.to_string();
         assert!(
-            refusal.contains("net0") && refusal.contains("SCM_RIGHTS"),
-            "{refusal}"
+            message.contains("net0") && message.contains("net_fds"),
+            "{message}"
         );
         let named = VirtioDeviceConfig::Net(NetConfig::new("net0", Some("tap0")));
         assert_eq!(named.snapshot_refusal(), None);

@@ -35,9 +35,13 @@ const TRANSLATED: &[&str] = &["num_pci_segments", "pci_segment"];
 
 /// Fields accepted at any value because they change nothing gpuvm's guest can rely on:
 /// gpuvm ignores the CPU topology hint, and has no memory hot-plug (`hotplug_size` is the
-/// most it could ever add; Kata always sends it).
+/// most it could ever add; Kata always sends it). A disk's `queue_size` is the largest
+/// virtqueue the device offers; gpuvm's drives offer 256 entries and the driver sizes its
+/// queue within that (Kata asks 1024 for hot-plugged disks); network interfaces and shares
+/// read theirs.
 const IGNORED: &[&str] = &[
     "topology",
+    "queue_size",
     "hotplug_size",
     "max_phys_bits",
     "serial_number",
@@ -283,6 +287,19 @@ pub struct RestoreConfig {
     /// Run the VM once restored (otherwise it waits for vm.resume).
     #[serde(default)]
     pub resume: bool,
+    /// New taps for the network interfaces that came as descriptors: the descriptors
+    /// come with the request (SCM_RIGHTS), `num_fds` of them per interface, in order.
+    #[serde(default)]
+    pub net_fds: Vec<RestoredNetConfig>,
+    #[serde(flatten)]
+    pub other: Other,
+}
+
+/// One interface of vm.restore's `net_fds`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct RestoredNetConfig {
+    pub id: String,
+    pub num_fds: usize,
     #[serde(flatten)]
     pub other: Other,
 }

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use gpuvm_vmm::action::{
     ActionError, ActionResult, GpuBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
-    VmmAction, VmmData,
+    VirtioHotplug, VmmAction, VmmData,
 };
 
 use super::config::{
@@ -186,7 +186,11 @@ pub fn handle(
                 Err(response) => response,
             }
         }),
-        "vm.restore" => put_only(&|| restore(request, session, dispatch)),
+        "vm.restore" => {
+            // The taps of `net_fds` come with the request (taken once: the route runs once).
+            let fds = std::cell::Cell::new(fds);
+            put_only(&|| restore(request, session, dispatch, fds.take()))
+        }
         "vm.add-disk" => put_only(&|| add(request, session, dispatch, Kind::Disk, fds_none(&fds))),
         "vm.add-fs" => put_only(&|| add(request, session, dispatch, Kind::Fs, fds_none(&fds))),
         "vm.add-vsock" => {
@@ -208,26 +212,25 @@ pub fn handle(
                 Ok(body) => body,
                 Err(response) => return response,
             };
-            // Passthrough devices only: before boot they leave the configuration; after
-            // boot the guest is asked to eject them (gpuvm's GPU hot-unplug).
+            // Before boot a passthrough device leaves the configuration; after boot the
+            // guest is asked to eject the hot-plugged device, and the answer comes at once
+            // (the device goes when the guest ejects it).
             match state(session, dispatch) {
                 Err(response) => return response,
                 Ok(None) => return not_created(),
                 Ok(Some(_)) => {}
             }
-            let result = dispatch(VmmAction::DeleteGpu(body.id.clone()));
+            let result = dispatch(VmmAction::RemoveDevice(body.id.clone()));
             if result.is_ok() {
                 if let Some(config) = session.config().as_mut() {
-                    config
-                        .devices
-                        .retain(|d| d.id.as_deref() != Some(body.id.as_str()));
+                    forget_device(config, &body.id);
                 }
             }
             match result {
                 Err(error) if error.status == 404 => fault(
                     404,
                     format!(
-                        "no device {:?}: gpuvm removes passthrough devices (GPUs) only",
+                        "no device {:?}: gpuvm removes hot-plugged devices and passthrough devices configured before boot",
                         body.id
                     ),
                 ),
@@ -352,13 +355,40 @@ fn create(request: &Request, session: &Session, dispatch: Dispatch) -> Response 
     }
 }
 
-fn restore(request: &Request, session: &Session, dispatch: Dispatch) -> Response {
+fn restore(
+    request: &Request,
+    session: &Session,
+    dispatch: Dispatch,
+    tap_fds: Vec<OwnedFd>,
+) -> Response {
     let body: RestoreConfig = match parse(&request.body) {
         Ok(body) => body,
         Err(response) => return response,
     };
     if let Err(message) = check_other("", &body.other) {
         return fault(400, message);
+    }
+    for (index, net) in body.net_fds.iter().enumerate() {
+        // `fds` (descriptor numbers of Cloud Hypervisor's own process) mean nothing here.
+        let other: super::config::Other = net
+            .other
+            .iter()
+            .filter(|(name, _)| name.as_str() != "fds")
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        if let Err(message) = check_other(&format!("net_fds[{index}]."), &other) {
+            return fault(400, message);
+        }
+    }
+    let wanted: usize = body.net_fds.iter().map(|n| n.num_fds).sum();
+    if wanted != tap_fds.len() {
+        return fault(
+            400,
+            format!(
+                "net_fds asks for {wanted} tap descriptor(s); {} came with the request (SCM_RIGHTS)",
+                tap_fds.len()
+            ),
+        );
     }
     let path = match file_url("source_url", &body.source_url) {
         Ok(path) => path,
@@ -383,6 +413,17 @@ fn restore(request: &Request, session: &Session, dispatch: Dispatch) -> Response
             )
         }
     };
+    // The taps go to the VMM thread first; the load's interfaces take them.
+    let mut fds = tap_fds.into_iter();
+    for net in &body.net_fds {
+        let pass = VmmAction::PassTaps {
+            iface_id: net.id.clone(),
+            fds: fds.by_ref().take(net.num_fds).collect(),
+        };
+        if let Err(error) = dispatch(pass) {
+            return from_error(error);
+        }
+    }
     let action = VmmAction::LoadSnapshot(SnapshotLoadBody {
         snapshot_path: path,
         restore_mode: if eager {
@@ -426,8 +467,32 @@ enum Kind {
     UserDevice,
 }
 
-/// vm.add-*: before boot, the device joins the VM's configuration (204); after boot only
-/// GPUs can be hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo).
+impl Kind {
+    /// How Cloud Hypervisor names a device added without an id (a share is named by
+    /// its tag, the vsock device is the one).
+    fn id_prefix(self) -> Option<&'static str> {
+        match self {
+            Kind::Disk => Some("_disk"),
+            Kind::Net => Some("_net"),
+            Kind::Device => Some("_vfio"),
+            Kind::UserDevice => Some("_user_device"),
+            Kind::Fs | Kind::Vsock => None,
+        }
+    }
+
+    fn noun(self) -> &'static str {
+        match self {
+            Kind::Disk => "disk",
+            Kind::Net => "network interface",
+            Kind::Fs => "virtio-fs",
+            Kind::Vsock => "vsock",
+            Kind::Device | Kind::UserDevice => "GPU",
+        }
+    }
+}
+
+/// vm.add-*: before boot, the device joins the VM's configuration (204); after boot it is
+/// hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo).
 fn add(
     request: &Request,
     session: &Session,
@@ -435,7 +500,7 @@ fn add(
     kind: Kind,
     tap_fds: Vec<OwnedFd>,
 ) -> Response {
-    let value: Value = match parse(&request.body) {
+    let mut value: Value = match parse(&request.body) {
         Ok(value) => value,
         Err(response) => return response,
     };
@@ -449,6 +514,13 @@ fn add(
     let Some(config) = guard.as_mut() else {
         return not_created();
     };
+    // A device added without an id gets one no device of this VM has (Cloud Hypervisor's
+    // `_disk0`, `_net1`, ...), also after others were removed.
+    if let (Value::Object(fields), Some(prefix)) = (&mut value, kind.id_prefix()) {
+        if fields.get("id").is_none_or(Value::is_null) {
+            fields.insert("id".into(), json!(fresh_id(config, prefix)));
+        }
+    }
     // vm.create checked it; a device's pci_segment must be one of these.
     let segments = translate::num_pci_segments(config).unwrap_or(1);
     let passthrough_segment = |value: &Value| {
@@ -463,10 +535,13 @@ fn add(
             return fault(400, message);
         }
     }
-    match kind {
+    // What the device is in gpuvm's terms, its id and PCI segment, and how vm.info's
+    // configuration records it.
+    type Record<'c> = Box<dyn FnOnce(&mut VmConfig) + 'c>;
+    let (id, action, segment, record): (String, VmmAction, u16, Record) = match kind {
         Kind::Device | Kind::UserDevice => {
             let gpu = if kind == Kind::Device {
-                let device: DeviceConfig = match serde_json::from_value(value) {
+                let device: DeviceConfig = match serde_json::from_value(value.clone()) {
                     Ok(d) => d,
                     Err(e) => return bad(e),
                 };
@@ -479,11 +554,11 @@ fn add(
                 #[derive(serde::Deserialize)]
                 struct UserDevice {
                     socket: PathBuf,
-                    id: Option<String>,
+                    id: String,
                     #[serde(flatten)]
                     other: super::config::Other,
                 }
-                let user: UserDevice = match serde_json::from_value(value) {
+                let user: UserDevice = match serde_json::from_value(value.clone()) {
                     Ok(d) => d,
                     Err(e) => return bad(e),
                 };
@@ -491,7 +566,7 @@ fn add(
                     return fault(400, message);
                 }
                 let gpu = GpuBody {
-                    gpu_id: user.id.unwrap_or_else(|| format!("_user_device{}", config.devices.len())),
+                    gpu_id: user.id,
                     host_bdf: None,
                     vfio_user_socket: Some(user.socket),
                 };
@@ -499,30 +574,12 @@ fn add(
             };
             let (gpu, device) = gpu;
             let id = gpu.gpu_id.clone();
-            match dispatch(VmmAction::PutGpu(gpu)) {
-                Ok(VmmData::Empty) if !booted => {
-                    config.devices.extend(device);
-                    Response::no_content()
-                }
-                Ok(VmmData::Json(answer)) if booted => match answer["bdf"].as_str() {
-                    Some(bdf) => Response::json(200, &json!({"id": id, "bdf": bdf})),
-                    None => fault(500, "the hot-plugged device has no PCI address in gpuvm's answer"),
-                },
-                Ok(_) if booted => fault(500, "gpuvm's hot-plug did not say where the device is"),
-                Ok(_) => Response::no_content(),
-                // Any conflict (no hot-plug in this VM, an id already attached, a device
-                // being removed): the controller's message says which.
-                Err(error) if booted && error.status == 409 => fault(
-                    400,
-                    format!("GPU hot-plug refused: {}", error.message),
-                ),
-                Err(error) => from_error(error),
-            }
+            let record: Record = match device {
+                Some(device) => Box::new(move |c: &mut VmConfig| c.devices.push(device)),
+                None => Box::new(move |c: &mut VmConfig| push_user_device(c, value)),
+            };
+            (id, VmmAction::PutGpu(gpu), 0, record)
         }
-        _ if booted => unsupported(
-            "hot-plug of disks, network interfaces, virtio-fs and vsock after vm.boot",
-            "only GPUs (vm.add-device, vm.add-user-device) are hot-plugged; add the others before vm.boot",
-        ),
         Kind::Disk => {
             let disk: DiskConfig = match serde_json::from_value(value) {
                 Ok(d) => d,
@@ -533,10 +590,13 @@ fn add(
                 Err(message) => return fault(400, message),
             };
             match translate::disk(config.disks.len(), &disk) {
-                Ok((id, action)) => added(dispatch(with_segment(action, &id, segment)), || {
-                    config.disks.push(disk)
-                }),
-                Err(message) => fault(400, message),
+                Ok((id, action)) => (
+                    id,
+                    action,
+                    segment,
+                    Box::new(|c: &mut VmConfig| c.disks.push(disk)) as Record,
+                ),
+                Err(message) => return fault(400, message),
             }
         }
         Kind::Fs => {
@@ -549,10 +609,14 @@ fn add(
                 Err(message) => return fault(400, message),
             };
             match translate::fs(config.fs.len(), &fs) {
-                Ok((_, action)) => added(dispatch(with_segment(action, &fs.tag, segment)), || {
-                    config.fs.push(fs)
-                }),
-                Err(message) => fault(400, message),
+                // gpuvm names a share by its tag.
+                Ok((_, action)) => (
+                    fs.tag.clone(),
+                    action,
+                    segment,
+                    Box::new(|c: &mut VmConfig| c.fs.push(fs)) as Record,
+                ),
+                Err(message) => return fault(400, message),
             }
         }
         Kind::Vsock => {
@@ -565,10 +629,13 @@ fn add(
                 Err(message) => return fault(400, message),
             };
             match translate::vsock(&vsock) {
-                Ok((_, action)) => added(dispatch(with_segment(action, "vsock", segment)), || {
-                    config.vsock = Some(vsock)
-                }),
-                Err(message) => fault(400, message),
+                Ok((_, action)) => (
+                    "vsock".into(),
+                    action,
+                    segment,
+                    Box::new(|c: &mut VmConfig| c.vsock = Some(vsock)) as Record,
+                ),
+                Err(message) => return fault(400, message),
             }
         }
         Kind::Net => {
@@ -583,25 +650,164 @@ fn add(
             };
             match translate::net(config.net.len(), &net, passed) {
                 // The VMM thread checks that each is a tap, one per queue pair.
-                Ok((id, config_body)) if passed => {
-                    let result = dispatch(VmmAction::PutNetworkInterfaceFds {
-                        config: config_body,
-                        fds: tap_fds,
-                    });
-                    // The segment was checked above: placing the interface cannot fail.
-                    let result = match (result, translate::segment_action(&id, segment)) {
-                        (Ok(_), Some(action)) => dispatch(action),
-                        (result, _) => result,
+                Ok((id, body)) => {
+                    let action = if passed {
+                        VmmAction::PutNetworkInterfaceFds {
+                            config: body,
+                            fds: tap_fds,
+                        }
+                    } else {
+                        VmmAction::PutNetworkInterface(body)
                     };
-                    added(result, || config.net.push(net))
+                    (
+                        id,
+                        action,
+                        segment,
+                        Box::new(|c: &mut VmConfig| c.net.push(net)) as Record,
+                    )
                 }
-                Ok((id, body)) => added(
-                    dispatch(with_segment(VmmAction::PutNetworkInterface(body), &id, segment)),
-                    || config.net.push(net),
-                ),
-                Err(message) => fault(400, message),
+                Err(message) => return fault(400, message),
             }
         }
+    };
+    if booted {
+        return hot_plug(dispatch, kind, &id, action, segment, || record(config));
+    }
+    let result = match action {
+        // The taps are handed over first; placing the interface cannot fail (the
+        // segment was checked above).
+        action @ VmmAction::PutNetworkInterfaceFds { .. } => {
+            match (dispatch(action), translate::segment_action(&id, segment)) {
+                (Ok(_), Some(place)) => dispatch(place),
+                (result, _) => result,
+            }
+        }
+        action => dispatch(with_segment(action, &id, segment)),
+    };
+    match result {
+        Ok(_) => {
+            record(config);
+            Response::no_content()
+        }
+        Err(error) => from_error(error),
+    }
+}
+
+/// A device added after vm.boot: hot-plugged on PCI segment 0 (where the hot-plug
+/// controller is); answers `{id, bdf}` as Cloud Hypervisor does.
+fn hot_plug(
+    dispatch: Dispatch,
+    kind: Kind,
+    id: &str,
+    action: VmmAction,
+    segment: u16,
+    record: impl FnOnce(),
+) -> Response {
+    if segment != 0 {
+        return fault(
+            400,
+            format!(
+                "{id}: gpuvm hot-plugs devices on PCI segment 0 only (pci_segment = {segment})"
+            ),
+        );
+    }
+    let action = match action {
+        gpu @ VmmAction::PutGpu(_) => gpu,
+        other => match VirtioHotplug::from_action(other) {
+            Some(device) => VmmAction::HotplugVirtio(device),
+            None => return fault(500, format!("{id}: no hot-plug for this kind of device")),
+        },
+    };
+    match dispatch(action) {
+        Ok(VmmData::Json(answer)) => match answer["bdf"].as_str() {
+            Some(bdf) => {
+                record();
+                Response::json(200, &json!({"id": id, "bdf": bdf}))
+            }
+            None => fault(
+                500,
+                "the hot-plugged device has no PCI address in gpuvm's answer",
+            ),
+        },
+        Ok(_) => fault(500, "gpuvm's hot-plug did not say where the device is"),
+        // Any conflict (no hot-plug in this VM, an id already attached, a device being
+        // removed): the controller's message says which.
+        Err(error) if error.status == 409 => fault(
+            400,
+            format!("{} hot-plug refused: {}", kind.noun(), error.message),
+        ),
+        Err(error) => from_error(error),
+    }
+}
+
+/// Every device id the VM's configuration holds, those the translation made up for
+/// devices given without one included (`_disk0` for the first disk, ...).
+fn config_ids(config: &VmConfig) -> Vec<String> {
+    let named = |id: &Option<String>, prefix: &str, index: usize| {
+        id.clone().unwrap_or_else(|| format!("{prefix}{index}"))
+    };
+    let mut ids: Vec<String> = (config.disks.iter().enumerate())
+        .map(|(i, d)| named(&d.id, "_disk", i))
+        .collect();
+    ids.extend((config.net.iter().enumerate()).map(|(i, n)| named(&n.id, "_net", i)));
+    ids.extend(
+        config
+            .fs
+            .iter()
+            .flat_map(|f| [Some(f.tag.clone()), f.id.clone()])
+            .flatten(),
+    );
+    ids.extend((config.devices.iter().enumerate()).map(|(i, d)| named(&d.id, "_vfio", i)));
+    ids.extend(config.vsock.iter().filter_map(|v| v.id.clone()));
+    if let Some(Value::Array(users)) = config.other.get(USER_DEVICES) {
+        ids.extend(
+            users
+                .iter()
+                .filter_map(|u| u["id"].as_str().map(String::from)),
+        );
+    }
+    ids
+}
+
+/// `prefix` followed by the first number that makes an id no device of `config` has.
+fn fresh_id(config: &VmConfig, prefix: &str) -> String {
+    let taken = config_ids(config);
+    (0..)
+        .map(|n| format!("{prefix}{n}"))
+        .find(|id| !taken.contains(id))
+        .unwrap_or_default()
+}
+
+/// vm.info's `user_devices`: the vfio-user devices added, as their requests gave them.
+const USER_DEVICES: &str = "user_devices";
+
+fn push_user_device(config: &mut VmConfig, device: Value) {
+    match config
+        .other
+        .entry(USER_DEVICES.into())
+        .or_insert_with(|| json!([]))
+    {
+        Value::Array(users) => users.push(device),
+        other => *other = json!([device]),
+    }
+}
+
+/// Drops the device `id` from the configuration vm.info shows.
+fn forget_device(config: &mut VmConfig, id: &str) {
+    let named = |own: &Option<String>| own.as_deref() == Some(id);
+    config.devices.retain(|d| !named(&d.id));
+    config.disks.retain(|d| !named(&d.id));
+    config.net.retain(|n| !named(&n.id));
+    config.fs.retain(|f| !named(&f.id) && f.tag != id);
+    if config
+        .vsock
+        .as_ref()
+        .is_some_and(|v| named(&v.id) || id == "vsock")
+    {
+        config.vsock = None;
+    }
+    if let Some(Value::Array(users)) = config.other.get_mut(USER_DEVICES) {
+        users.retain(|u| u["id"].as_str() != Some(id));
     }
 }
 
@@ -610,15 +816,5 @@ fn with_segment(action: VmmAction, id: &str, segment: u16) -> VmmAction {
     match translate::segment_action(id, segment) {
         Some(place) => VmmAction::Batch(vec![action, place]),
         None => action,
-    }
-}
-
-fn added(result: ActionResult, record: impl FnOnce()) -> Response {
-    match result {
-        Ok(_) => {
-            record();
-            Response::no_content()
-        }
-        Err(error) => from_error(error),
     }
 }

@@ -3,7 +3,9 @@
 
 use std::cell::RefCell;
 
-use gpuvm_vmm::action::{ActionError, ActionResult, BackingKind, DriveBody, VmmAction, VmmData};
+use gpuvm_vmm::action::{
+    ActionError, ActionResult, BackingKind, DriveBody, VirtioHotplug, VmmAction, VmmData,
+};
 use serde_json::json;
 
 use super::{config::VmConfig, handle, translate, Session};
@@ -155,6 +157,9 @@ impl Fake {
             VmmAction::PutGpu(gpu) if state == "Running" => Ok(VmmData::Json(
                 json!({"id": gpu.gpu_id, "bdf": "0000:00:05.0"}),
             )),
+            VmmAction::HotplugVirtio(VirtioHotplug::Drive(drive)) if state == "Running" => Ok(
+                VmmData::Json(json!({"id": drive.drive_id(), "bdf": "0000:00:06.0"})),
+            ),
             _ => Ok(VmmData::Empty),
         }
     }
@@ -221,8 +226,31 @@ fn kata_sequence_status_codes_and_states() {
     assert_eq!(added.status, 200);
     let added: serde_json::Value = serde_json::from_slice(&added.body).unwrap();
     assert_eq!(added["bdf"], "0000:00:05.0");
+    // A disk after boot is hot-plugged; one without an id gets one no disk has: the
+    // rootfs from vm.create, which had none, is `_disk0`.
+    let hot = call(
+        &session,
+        &fake,
+        Method::Put,
+        "/api/v1/vm.add-disk",
+        r#"{"path":"/img3","queue_size":1024}"#,
+    );
+    assert_eq!(hot.status, 200);
+    let hot: serde_json::Value = serde_json::from_slice(&hot.body).unwrap();
+    assert_eq!(hot, json!({"id": "_disk1", "bdf": "0000:00:06.0"}));
+    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
+    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    assert_eq!(info["config"]["disks"][2]["id"], "_disk1");
+    let on_segment_1 = r#"{"path":"/img4","pci_segment":1}"#;
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.add-disk", disk).status,
+        call(
+            &session,
+            &fake,
+            Method::Put,
+            "/api/v1/vm.add-disk",
+            on_segment_1
+        )
+        .status,
         400
     );
     let resize = call(

@@ -40,6 +40,39 @@ fn wait_for(port: u16) -> u32 {
     }
 }
 
+/// The next hot-plugged slot. `pending` holds arrivals already read and not yet taken (a
+/// PCIU read clears the register, and it may show several slots at once).
+pub(crate) fn next_arrival(pending: &mut u32) -> u8 {
+    if *pending == 0 {
+        *pending = wait_for(PCIU);
+    }
+    let slot = pending.trailing_zeros() as u8;
+    *pending &= !(1 << slot);
+    slot
+}
+
+/// Waits for the VMM's eject request for `slot`; requests for other slots are printed as
+/// `<name>: eject request for other slots ... ignored`.
+pub(crate) fn wait_for_eject_request(name: &str, slot: u8) {
+    loop {
+        let down = wait_for(PCID);
+        if down & 1 << slot != 0 {
+            return;
+        }
+        println!("{name}: eject request for other slots {down:#x} ignored");
+    }
+}
+
+/// Ejects `slot` (B0EJ, as _EJ0 does); the vendor and device id it still reads if it did not
+/// go away (a gone device reads all ones).
+pub(crate) fn eject(slot: u8) -> Result<(), u32> {
+    outl(B0EJ, 1 << slot);
+    match crate::pci::vendor_device(slot) {
+        0xffff_ffff => Ok(()),
+        ids => Err(ids),
+    }
+}
+
 pub fn run(count: Option<&str>, mode: Option<&str>) -> ! {
     let count: u32 = match count.map(str::parse) {
         None => 1,
@@ -50,11 +83,7 @@ pub fn run(count: Option<&str>, mode: Option<&str>) -> ! {
     println!("hotplug: waiting for {count} device(s)");
     let mut arrived = 0u32;
     for round in 1..=count {
-        if arrived == 0 {
-            arrived = wait_for(PCIU);
-        }
-        let slot = arrived.trailing_zeros() as u8;
-        arrived &= !(1 << slot);
+        let slot = next_arrival(&mut arrived);
         println!("hotplug: device {round} arrived at 00:{slot:02x}.0");
         if !crate::pci::is_gpu(slot) {
             fail(format_args!("00:{slot:02x}.0 is not the emulated GPU"));
@@ -65,18 +94,10 @@ pub fn run(count: Option<&str>, mode: Option<&str>) -> ! {
             println!("hotplug: keeping the device; eject requests are ignored");
             crate::console::halt_forever();
         }
-        loop {
-            let down = wait_for(PCID);
-            if down & 1 << slot != 0 {
-                break;
-            }
-            println!("hotplug: eject request for other slots {down:#x} ignored");
-        }
+        wait_for_eject_request("hotplug", slot);
         println!("hotplug: eject requested for 00:{slot:02x}.0");
         crate::pci::release_device(slot);
-        outl(B0EJ, 1 << slot);
-        let ids = crate::pci::vendor_device(slot);
-        if ids != 0xffff_ffff {
+        if let Err(ids) = eject(slot) {
             fail(format_args!(
                 "00:{slot:02x}.0 still reads {ids:#010x} after the eject"
             ));

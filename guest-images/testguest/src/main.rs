@@ -14,6 +14,7 @@ mod console;
 mod exception;
 mod gpu_migrate;
 mod hotplug;
+mod kata;
 mod lapic;
 mod memfns;
 mod pattern;

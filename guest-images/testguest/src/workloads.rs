@@ -33,12 +33,14 @@ pub fn run(info: &BootInfo) -> ! {
         "pci" => crate::pci::run(words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
         "gpu-migrate" => crate::gpu_migrate::run(),
+        "kata-agent" => crate::kata::run(info),
         "acpi" => crate::acpi::run(info, words),
         "virtio-hostile" => crate::virtio::hostile::run(info),
         name @ ("virtio-blk-bench" | "virtio-vsock-bench" | "virtio-fs-bench") => {
             crate::virtio::bench::run(info, name, &mut words)
         }
-        name @ ("virtio-rng" | "virtio-blk" | "virtio-vsock" | "virtio-net" | "virtio-devices") => {
+        name @ ("virtio-rng" | "virtio-blk" | "virtio-blk-hotplug" | "virtio-vsock" | "virtio-net"
+        | "virtio-devices") => {
             crate::virtio::run(info, name, &mut words)
         }
         "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),

@@ -20,6 +20,7 @@ use super::{create_base, create_vcpus, open_kvm, start_vcpu_threads, MachineBase
 use crate::machine::{LazyMemory, Machine};
 use crate::pci::PciOptions;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
+use crate::virtio::PassedTaps;
 use crate::vm_state::InKernelDevices;
 use crate::working_set;
 use crate::Error;
@@ -36,16 +37,18 @@ pub fn restore(
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
 ) -> Result<(Machine, RestoreTimings), Error> {
-    restore_with_gpus(dir, mode, serial_out, &[])
+    restore_with_gpus(dir, mode, serial_out, &[], &PassedTaps::default())
 }
 
 /// As [`restore`], opening the GPUs whose state the snapshot holds where `gpus` says
-/// (by `gpu_id`) instead of where the snapshot says they were.
+/// (by `gpu_id`) instead of where the snapshot says they were; network interfaces that
+/// came as tap descriptors take new ones from `taps` (Cloud Hypervisor's `net_fds`).
 pub fn restore_with_gpus(
     dir: &Path,
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
     gpus: &[crate::action::GpuBody],
+    taps: &PassedTaps,
 ) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
     let mut clock = StageClock::starting_at(started);
@@ -63,6 +66,7 @@ pub fn restore_with_gpus(
     // The virtio devices the snapshot holds, rebuilt from their saved configuration.
     let pci = PciOptions {
         virtio: crate::virtio::options_of(&state.state.devices.virtio),
+        passed_taps: taps.clone(),
         ..PciOptions::default()
     };
     // vCPUs are created (not yet given their state) while validation may still run.

@@ -78,24 +78,33 @@ impl ApiController {
         fds: Vec<std::os::fd::OwnedFd>,
     ) -> ActionResult {
         let id = config.iface_id.clone();
-        let pairs = config.num_queue_pairs;
-        if fds.len() != usize::from(pairs) {
-            return Err(ActionError::bad_request(format!(
-                "network interface {id}: {pairs} queue pair(s) take {pairs} tap descriptor(s), {} were passed",
-                fds.len()
-            )));
-        }
-        let taps = fds
-            .into_iter()
-            .map(gpuvm_virtio::net::Tap::from_fd)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ActionError::bad_request(format!("network interface {id}: {e}")))?;
+        let taps = taps_from_fds(&config, fds)?;
         // The descriptors are the taps: nothing is opened by name.
         config.host_dev_name = None;
         self.put_virtio(|v| replace_or_push(&mut v.nets, config, |n| n.iface_id.clone()))?;
         self.pci.passed_taps.insert(&id, taps);
         Ok(VmmData::Empty)
     }
+}
+
+/// The tap queues passed for the interface `config` (one descriptor per queue pair, each
+/// checked to be a tap).
+pub(super) fn taps_from_fds(
+    config: &gpuvm_virtio::net::NetConfig,
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Result<Vec<gpuvm_virtio::net::Tap>, ActionError> {
+    let id = &config.iface_id;
+    let pairs = config.num_queue_pairs;
+    if fds.len() != usize::from(pairs) {
+        return Err(ActionError::bad_request(format!(
+            "network interface {id}: {pairs} queue pair(s) take {pairs} tap descriptor(s), {} were passed",
+            fds.len()
+        )));
+    }
+    fds.into_iter()
+        .map(gpuvm_virtio::net::Tap::from_fd)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ActionError::bad_request(format!("network interface {id}: {e}")))
 }
 
 /// Replaces the entry with `item`'s id, or appends it.

@@ -218,16 +218,18 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
-            VmmAction::DeleteGpu(id) => match self.gpus.iter().position(|g| g.gpu_id == id) {
-                Some(index) => {
-                    self.gpus.remove(index);
-                    Ok(VmmData::Empty)
+            VmmAction::DeleteGpu(id) | VmmAction::RemoveDevice(id) => {
+                match self.gpus.iter().position(|g| g.gpu_id == id) {
+                    Some(index) => {
+                        self.gpus.remove(index);
+                        Ok(VmmData::Empty)
+                    }
+                    None => Err(ActionError {
+                        status: 404,
+                        message: format!("no device with id {id:?} is configured"),
+                    }),
                 }
-                None => Err(ActionError {
-                    status: 404,
-                    message: format!("no device with id {id:?} is configured"),
-                }),
-            },
+            }
             VmmAction::PutDrive(body) => self.put_drive(body),
             VmmAction::PutFs(body) => absolute_path(&body.socket, "socket").and_then(|()| {
                 self.put_virtio(|v| replace_or_push(&mut v.fs, body, |f| f.tag.clone()))
@@ -243,6 +245,19 @@ impl ApiController {
                 result
             }
             VmmAction::PutNetworkInterfaceFds { config, fds } => self.put_net_fds(config, fds),
+            VmmAction::PassTaps { iface_id, fds } => {
+                let taps = fds
+                    .into_iter()
+                    .map(gpuvm_virtio::net::Tap::from_fd)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| {
+                        ActionError::bad_request(format!("network interface {iface_id}: {e}"))
+                    });
+                taps.map(|taps| {
+                    self.pci.passed_taps.insert(&iface_id, taps);
+                    VmmData::Empty
+                })
+            }
             VmmAction::PutVsock(body) => absolute_path(&body.uds_path, "uds_path")
                 .and_then(|()| self.put_virtio(|v| v.vsock = Some(body))),
             VmmAction::PutEntropy(body) => body
@@ -251,6 +266,9 @@ impl ApiController {
                 .map_or(Ok(()), |source| absolute_path(source, "source"))
                 .and_then(|()| self.put_virtio(|v| v.rng = Some(body))),
             VmmAction::PutPciSegments(body) => body.apply(&mut self.pci).map(|()| VmmData::Empty),
+            VmmAction::HotplugVirtio(_) => Err(ActionError::wrong_state(
+                "the VM is not running: a device added before boot is configured, not hot-plugged",
+            )),
             VmmAction::PatchDrive(_) => Err(ActionError::wrong_state(
                 "PATCH /drives changes a running VM's drive; before start, PUT it again",
             )),
@@ -385,6 +403,7 @@ impl ApiController {
             &mode,
             (self.serial_out)(),
             &body.gpus,
+            &self.pci.passed_taps,
         );
         match restored {
             Ok((mut machine, timings)) => {
@@ -450,9 +469,11 @@ impl ApiController {
                 VmmAction::PutMetrics(config) => (crate::outputs::put_metrics(config), None),
                 VmmAction::FlushMetrics => (crate::outputs::flush_metrics(), None),
                 VmmAction::Batch(_) => (Err(started_already()), None),
-                VmmAction::DeleteGpu(_) => (
+                VmmAction::DeleteGpu(_)
+                | VmmAction::RemoveDevice(_)
+                | VmmAction::HotplugVirtio(_) => (
                     Err(ActionError::wrong_state(
-                        "resume the VM first: a device is hot-unplugged with the guest's help",
+                        "resume the VM first: devices are hot-plugged and removed with the guest's help",
                     )),
                     None,
                 ),
@@ -463,6 +484,7 @@ impl ApiController {
                 | VmmAction::PutFs(_)
                 | VmmAction::PutNetworkInterface(_)
                 | VmmAction::PutNetworkInterfaceFds { .. }
+                | VmmAction::PassTaps { .. }
                 | VmmAction::PutVsock(_)
                 | VmmAction::PutEntropy(_)
                 | VmmAction::PutPciSegments(_)

@@ -9,8 +9,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{instance_info, machine_config_json, metrics, started_already, MAX_GPUS};
 use crate::action::{
-    absolute_path, ActionError, ActionRequest, ActionResult, DrivePatchBody, GpuBody,
-    InstanceState, PassthroughPolicy, SnapshotCreateBody, SnapshotType, VmmAction, VmmData,
+    absolute_path, ActionError, ActionRequest, ActionResult, DriveBody, DrivePatchBody, GpuBody,
+    InstanceState, PassthroughPolicy, SnapshotCreateBody, SnapshotType, VirtioHotplug, VmmAction,
+    VmmData,
 };
 use crate::hotplug::EjectState;
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
@@ -127,11 +128,14 @@ impl RunningApi {
 
     /// DELETE /gpus/{id} while running: asks the guest to eject; the answer comes from
     /// [`RunningApi::finish_unplugs`] once it did, or the timeout passed.
+    /// With `at_once` (Cloud Hypervisor's vm.remove-device), the answer comes as soon as
+    /// the guest was asked, and the device goes when it ejects it.
     fn hot_unplug(
         &mut self,
         running: &mut RunningMachine<'_>,
         id: String,
         reply: Sender<ActionResult>,
+        at_once: bool,
     ) {
         let result = (|| {
             if self.cold_plugged.contains(&id) {
@@ -139,8 +143,8 @@ impl RunningApi {
                     "{id:?} was attached at start; only hot-plugged devices can be removed"
                 )));
             }
-            let hotplug = running
-                .devices_mut()
+            let devices = running.devices_mut();
+            let hotplug = devices
                 .pci_hotplug
                 .as_mut()
                 .ok_or_else(|| ActionError::wrong_state("this VM has no PCI hot-plug"))?;
@@ -149,7 +153,9 @@ impl RunningApi {
                 .try_clone()
                 .map_err(|e| ActionError::bad_request(format!("cannot wait for the eject: {e}")))?;
             hotplug.set_wake(wake);
-            hotplug.request_eject(&id).map_err(hotplug_error)
+            hotplug
+                .request_eject(&devices.virtio, &id)
+                .map_err(hotplug_error)
         })();
         let bdf = match result {
             Ok(bdf) => bdf,
@@ -157,6 +163,13 @@ impl RunningApi {
                 let _ = reply.send(Err(error));
                 return;
             }
+        };
+        let reply = if at_once {
+            let _ = reply.send(Ok(VmmData::Empty));
+            // Nobody waits for the eject's outcome: it is logged.
+            std::sync::mpsc::channel().0
+        } else {
+            reply
         };
         let timeout = crate::hotplug::eject_timeout();
         self.wake_after(timeout);
@@ -218,14 +231,14 @@ impl RunningApi {
             let Some(hotplug) = devices.pci_hotplug.as_mut() else {
                 continue;
             };
-            match hotplug.poll_eject(&unplug.id) {
+            match hotplug.poll_eject(&mut devices.virtio, &unplug.id) {
                 Ok(EjectState::Removed(label)) => {
                     devices.passthrough.retain(|l| *l != label);
                     self.hot_plugged.remove(&unplug.id);
                     let _ = unplug.reply.send(Ok(VmmData::Empty));
                 }
                 Ok(EjectState::Waiting) if now >= unplug.deadline => {
-                    if let Some(label) = hotplug.cancel_eject(&unplug.id) {
+                    if let Some(label) = hotplug.cancel_eject(&devices.virtio, &unplug.id) {
                         // Its process is gone: the slot is freed, the DELETE succeeds.
                         devices.passthrough.retain(|l| *l != label);
                         let _ = unplug.reply.send(Ok(VmmData::Empty));
@@ -279,15 +292,17 @@ impl RunningApi {
                 super::balloon::balloon_running(running.machine(), action)
             }
             VmmAction::PutGpu(body) => self.hot_plug(running, body),
-            VmmAction::DeleteGpu(_) => Err(ActionError::bad_request(
-                "DELETE /gpus is answered once the guest ejected the device",
+            VmmAction::DeleteGpu(_) | VmmAction::RemoveDevice(_) => Err(ActionError::bad_request(
+                "a removal is answered from the run loop",
             )),
+            VmmAction::HotplugVirtio(device) => hot_plug_virtio(running, device),
             VmmAction::PutMachineConfig(_)
             | VmmAction::PutBootSource(_)
             | VmmAction::PutDrive(_)
             | VmmAction::PutFs(_)
             | VmmAction::PutNetworkInterface(_)
             | VmmAction::PutNetworkInterfaceFds { .. }
+            | VmmAction::PassTaps { .. }
             | VmmAction::PutVsock(_)
             | VmmAction::PutEntropy(_)
             | VmmAction::PutPciSegments(_)
@@ -317,6 +332,50 @@ impl RunningApi {
         };
         (result, None)
     }
+}
+
+/// A virtio device hot-plugged into the running VM: `{id, bdf}`.
+fn hot_plug_virtio(running: &mut RunningMachine<'_>, device: VirtioHotplug) -> ActionResult {
+    use crate::virtio::{PassedTaps, VirtioDeviceConfig};
+    let passed = PassedTaps::default();
+    let config = match device {
+        VirtioHotplug::Drive(DriveBody::Local(config)) => {
+            absolute_path(&config.path, "path")?;
+            VirtioDeviceConfig::Block(config)
+        }
+        VirtioHotplug::Drive(DriveBody::VhostUser(config)) => {
+            absolute_path(&config.socket, "socket")?;
+            VirtioDeviceConfig::VhostUserBlock(config)
+        }
+        VirtioHotplug::Fs(config) => {
+            absolute_path(&config.socket, "socket")?;
+            VirtioDeviceConfig::Fs(config)
+        }
+        VirtioHotplug::Net(config) => VirtioDeviceConfig::Net(config),
+        VirtioHotplug::NetFds { mut config, fds } => {
+            let taps = super::configure::taps_from_fds(&config, fds)?;
+            config.host_dev_name = None;
+            passed.insert(&config.iface_id, taps);
+            VirtioDeviceConfig::Net(config)
+        }
+        VirtioHotplug::Vsock(config) => {
+            absolute_path(&config.uds_path, "uds_path")?;
+            VirtioDeviceConfig::Vsock(config)
+        }
+    };
+    let id = config.id().to_string();
+    let devices = running.devices_mut();
+    let hotplug = devices
+        .pci_hotplug
+        .as_mut()
+        .ok_or_else(|| ActionError::wrong_state("this VM has no PCI hot-plug"))?;
+    let bdf = hotplug
+        .plug_virtio(&mut devices.virtio, config, &passed)
+        .map_err(hotplug_error)?;
+    Ok(VmmData::Json(serde_json::json!({
+        "id": id,
+        "bdf": format!("0000:{bdf}"),
+    })))
 }
 
 /// Adds `hot_plugged_gpus` (each device's id, address and state: attached, ejecting or
@@ -560,7 +619,11 @@ impl RunControl for RunningApi {
         while let Ok(request) = self.requests.try_recv() {
             let request = match request.action {
                 VmmAction::DeleteGpu(id) => {
-                    self.hot_unplug(running, id, request.reply);
+                    self.hot_unplug(running, id, request.reply, false);
+                    continue;
+                }
+                VmmAction::RemoveDevice(id) => {
+                    self.hot_unplug(running, id, request.reply, true);
                     continue;
                 }
                 // With no hot-plugged GPU there is nothing to release: a plain snapshot.

@@ -196,6 +196,12 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // apart from others opened meanwhile by its peer's path, to shut it
                     // down (SYS_shutdown above) if the device never answers.
                     libc::SYS_getpeername,
+                    // Virtio devices hot-plugged after start (Cloud Hypervisor's
+                    // vm.add-disk, add-net, add-vsock) are opened here: rate-limit timers,
+                    // a drive's io_uring (its I/O thread submits; this one never enters it).
+                    libc::SYS_timerfd_create,
+                    libc::SYS_io_uring_setup,
+                    libc::SYS_io_uring_register,
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);

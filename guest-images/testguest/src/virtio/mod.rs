@@ -24,13 +24,14 @@ mod devices;
 mod fs;
 mod gpu_agent;
 pub mod hostile;
+pub(crate) mod hotplug;
 mod irq;
 mod net;
 mod pci;
 mod queue;
 mod rng;
-mod transport;
-mod vsock;
+pub(crate) mod transport;
+pub(crate) mod vsock;
 
 use core::fmt;
 use core::sync::atomic::{fence, AtomicU64, Ordering};
@@ -79,6 +80,7 @@ pub fn run(info: &BootInfo, workload: &str, words: &mut Words) -> ! {
     let (name, workload): (&'static str, fn(&mut Dma, &mut Words) -> !) = match workload {
         "virtio-rng" => ("virtio-rng", |dma, _| rng::run(dma)),
         "virtio-blk" => ("virtio-blk", |dma, _| blk::run(dma)),
+        "virtio-blk-hotplug" => ("virtio-blk-hotplug", hotplug::run),
         "virtio-vsock" => ("virtio-vsock", vsock::run),
         "virtio-vsock-connect" => ("virtio-vsock-connect", vsock::connect),
         "virtio-net" => ("virtio-net", net::run),
@@ -115,7 +117,7 @@ pub struct Dma {
 
 impl Dma {
     /// Checks that e820 RAM covers the whole area (fails with [`EXIT_SETUP`] otherwise).
-    fn new(info: &BootInfo, workload: &'static str) -> Dma {
+    pub(crate) fn new(info: &BootInfo, workload: &'static str) -> Dma {
         let covered = info.memmap().iter().any(|entry| {
             entry.kind == E820_RAM
                 && entry.addr <= DMA_START

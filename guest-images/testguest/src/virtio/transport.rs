@@ -208,6 +208,22 @@ impl VirtioPci {
                 format_args!("no virtio device {VIRTIO_VENDOR:04x}:{device_id:04x} on bus 0"),
             );
         };
+        VirtioPci::at(workload, device, device_type)
+    }
+
+    /// As [`VirtioPci::find`], for the device in slot `device` (a hot-plugged one), which
+    /// must be of `device_type`.
+    pub fn at(workload: &'static str, device: u8, device_type: u16) -> VirtioPci {
+        let device_id = MODERN_DEVICE_BASE + device_type;
+        let ids = pci::config_read(device, 0);
+        if ids != u32::from(VIRTIO_VENDOR) | u32::from(device_id) << 16 {
+            fail(
+                workload,
+                format_args!(
+                    "00:{device:02x}.0 is {ids:#010x}, not virtio device {VIRTIO_VENDOR:04x}:{device_id:04x}"
+                ),
+            );
+        }
         pci::enable_memory_and_bus_master(device);
         let command = pci::command(device);
         if command & 0x6 != 0x6 {
@@ -259,6 +275,16 @@ impl VirtioPci {
             device_config,
             features: 0,
         }
+    }
+
+    /// Its slot on bus 0.
+    pub fn slot(&self) -> u8 {
+        self.device
+    }
+
+    /// Writes 0 to the device status: the device stops using its queues (spec 2.4).
+    pub fn reset(&self) {
+        self.set_status(0);
     }
 
     pub fn status(&self) -> u8 {

@@ -15,7 +15,7 @@ use crate::println;
 
 const NAME: &str = "virtio-vsock";
 const USAGE: &str = "virtio-vsock [COUNT]";
-const PORT: u32 = 1024;
+pub(crate) const PORT: u32 = 1024;
 pub(crate) const HEADER: usize = 44;
 /// Payload bytes per rx buffer and per packet sent.
 const PAYLOAD: usize = 4096;

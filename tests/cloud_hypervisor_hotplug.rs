@@ -1,0 +1,193 @@
+//! Disks hot-plugged into a running VM through Cloud Hypervisor's API, as Kata adds a
+//! container's block rootfs after vm.boot: vm.add-disk answers `{id, bdf}`, the guest
+//! (`virtio-blk-hotplug`) finds the disk in that slot and reads and writes it,
+//! vm.remove-device answers at once and the guest ejects the disk; a hot-plugged disk
+//! survives a snapshot and restore in its slot and can still be removed; refusals name
+//! what is wrong.
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::virtio_support::{assert_in_order, disk_image, pattern_is_on_disk, SECTOR};
+use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// The guest's virtio-blk check writes sectors 8..16 with this seed's pattern.
+const BLK_PATTERN_SEED: u64 = 0xb10c;
+const BLK_MAGIC: &[u8; 8] = b"GPUVMBLK";
+
+fn add_disk(api: &Path, body: &str) -> serde_json::Value {
+    let answer = api_expect(api, 200, "PUT", "/api/v1/vm.add-disk", Some(body));
+    serde_json::from_str(&answer).unwrap()
+}
+
+fn remove(api: &Path, id: &str) {
+    let body = format!(r#"{{"id":"{id}"}}"#);
+    api_expect(api, 204, "PUT", "/api/v1/vm.remove-device", Some(&body));
+}
+
+/// The disk ids vm.info's configuration lists.
+fn disk_ids(api: &Path) -> Vec<String> {
+    let info = vm_info(api);
+    info["config"]["disks"]
+        .as_array()
+        .map(|disks| {
+            disks
+                .iter()
+                .filter_map(|d| d["id"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Waits for the guest's line saying the disk in `bdf` ("0000:00:XX.0") passed round
+/// `round`'s checks, and for its pattern on `image`.
+fn guest_checked(vm: &mut SpawnedProcess, round: u32, bdf: &str, image: &Path) {
+    let slot = bdf.trim_start_matches("0000:");
+    vm.wait_for_stdout(
+        &format!("virtio-blk-hotplug: disk {round} at {slot} passed the checks"),
+        LIMIT,
+    );
+    assert!(
+        pattern_is_on_disk(image, 8 * SECTOR, 8 * SECTOR, BLK_PATTERN_SEED),
+        "the guest's writes are not on {}",
+        image.display()
+    );
+}
+
+#[test]
+fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
+    let scratch = Scratch::new("cloud_hypervisor_hotplug", "disks");
+    let kernel = guest_image(&scratch);
+    let images: Vec<_> = (1..=3)
+        .map(|n| {
+            let path = scratch.path(&format!("disk{n}.img"));
+            disk_image(&path, BLK_MAGIC, 1 << 20);
+            path
+        })
+        .collect();
+    let api = scratch.path("api.sock");
+    let snap = scratch.path("snap");
+    let mut vm = spawn_ch(
+        &scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "virtio-blk-hotplug 3",
+            "--memory",
+            "size=128M",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--seccomp",
+            "true",
+        ],
+    );
+    vm.wait_for_stdout("virtio-blk-hotplug: waiting for 3 disk(s)", LIMIT);
+    assert_eq!(vm_info(&api)["state"], "Running");
+
+    // Refusals, each naming what is wrong; the VM is unchanged by them.
+    let missing = api_expect(
+        &api,
+        400,
+        "PUT",
+        "/api/v1/vm.add-disk",
+        Some(r#"{"path":"/nonexistent/disk.img"}"#),
+    );
+    assert!(missing.contains("/nonexistent/disk.img"), "{missing}");
+    let segment = format!(r#"{{"path":"{}","pci_segment":1}}"#, images[0].display());
+    let refused = api_expect(&api, 400, "PUT", "/api/v1/vm.add-disk", Some(&segment));
+    assert!(refused.contains("pci_segment"), "{refused}");
+    let unknown = api_expect(
+        &api,
+        404,
+        "PUT",
+        "/api/v1/vm.remove-device",
+        Some(r#"{"id":"nothing"}"#),
+    );
+    assert!(unknown.contains("nothing"), "{unknown}");
+    assert!(disk_ids(&api).is_empty());
+
+    // 1: a disk without an id gets Cloud Hypervisor's `_disk0`; removed at once.
+    let first = add_disk(&api, &format!(r#"{{"path":"{}"}}"#, images[0].display()));
+    assert_eq!(first["id"], "_disk0", "{first}");
+    let bdf = first["bdf"].as_str().unwrap().to_string();
+    assert!(
+        bdf.starts_with("0000:00:") && bdf.ends_with(".0"),
+        "{first}"
+    );
+    guest_checked(&mut vm, 1, &bdf, &images[0]);
+    assert_eq!(disk_ids(&api), ["_disk0"]);
+    let same_id = format!(r#"{{"path":"{}","id":"_disk0"}}"#, images[1].display());
+    let twice = api_expect(&api, 400, "PUT", "/api/v1/vm.add-disk", Some(&same_id));
+    assert!(twice.contains("_disk0"), "{twice}");
+    remove(&api, "_disk0");
+    vm.wait_for_stdout(
+        &format!(
+            "virtio-blk-hotplug: {} ejected, reads all ones",
+            bdf.trim_start_matches("0000:")
+        ),
+        LIMIT,
+    );
+    assert!(disk_ids(&api).is_empty());
+
+    // 2: a named disk, then a snapshot with it attached.
+    let second = add_disk(
+        &api,
+        &format!(r#"{{"path":"{}","id":"data"}}"#, images[1].display()),
+    );
+    assert_eq!(second["id"], "data", "{second}");
+    let second_bdf = second["bdf"].as_str().unwrap().to_string();
+    guest_checked(&mut vm, 2, &second_bdf, &images[1]);
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(out.code().is_some(), "{}", out.describe());
+
+    // The restored VM has the disk in the same slot; it is removed as a hot-plugged one,
+    // and a third disk is hot-plugged after the restore.
+    let api2 = scratch.path("api2.sock");
+    let source = format!("source_url=file://{}", snap.display());
+    let mut restored = spawn_ch(
+        &scratch,
+        &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
+    );
+    wait_for_api_socket(&mut restored, &api2);
+    wait_for_vm(&mut restored, &api2, LIMIT);
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    remove(&api2, "data");
+    restored.wait_for_stdout(
+        &format!(
+            "virtio-blk-hotplug: {} ejected, reads all ones",
+            second_bdf.trim_start_matches("0000:")
+        ),
+        LIMIT,
+    );
+    let third = add_disk(&api2, &format!(r#"{{"path":"{}"}}"#, images[2].display()));
+    let third_bdf = third["bdf"].as_str().unwrap().to_string();
+    guest_checked(&mut restored, 3, &third_bdf, &images[2]);
+    remove(&api2, third["id"].as_str().unwrap());
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert!(
+        !out.stdout.contains("waiting for 3 disk(s)"),
+        "the guest started over: {}",
+        out.describe()
+    );
+    assert_in_order(
+        &out.stdout,
+        &[
+            "virtio-blk-hotplug: disk 3 at",
+            "passed the checks",
+            "virtio-blk-hotplug: ok",
+        ],
+        "after the restore",
+    );
+}
