@@ -1,0 +1,494 @@
+//! Kata Containers' clh driver (src/runtime/virtcontainers/clh.go) replayed against gpuvm
+//! as `cloud-hypervisor`, with the bytes Kata's generated Go client
+//! (virtcontainers/pkg/cloud-hypervisor/client, openapi-generator 5.3.0) puts on the API
+//! socket: the same request lines and headers, and the same JSON bodies. The models marshal
+//! through a `map[string]interface{}`, so Go's encoding/json writes their keys sorted at
+//! every level; each model's constructor (`NewVmConfig`, `NewDiskConfig`, ...) sets the
+//! defaults that are always sent; `setBody` encodes with `json.Encoder`, which ends the
+//! body with a newline. vm.add-net is the exception: Kata writes it itself
+//! (`httputil.DumpRequest` of a `json.Marshal`ed NetConfig) in one sendmsg carrying the tap
+//! descriptors (SCM_RIGHTS).
+//!
+//! The pod: 1 vCPU (max 4), 128 MiB, the test guest as kernel (its `kata-agent` workload as
+//! the command line), a read-only rootfs disk, hybrid vsock, rng, serial Tty and console Off
+//! (Kata's debug mode), two PCI segments, no shared filesystem (`shared_fs = "none"`: Kata
+//! itself refuses virtio-fs for the VMs it snapshots, its templates, and gpuvm refuses
+//! snapshots of VMs with vhost-user devices), and a tap made in a test-made network
+//! namespace. The sequence, as Kata drives it: vmm.ping until it answers, vm.create,
+//! vm.info (Created), vm.add-net with the tap, vm.boot, vm.info (Running), the vCPU threads
+//! named `vcpu<N>`, the agent's `CONNECT 1024`, a GPU hot-plugged and removed (the emulated
+//! GPU through vm.add-user-device: Kata's vm.add-device takes a sysfs path for kernel VFIO),
+//! a disk hot-plugged and removed, vm.pause, vm.info (Paused), vm.snapshot, vm.resume,
+//! vmm.shutdown; then a new process restored from the snapshot (vm.restore with `net_fds`
+//! for the passed tap, Cloud Hypervisor's way), vm.resume, the agent's second connection,
+//! vmm.shutdown.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+use gpuvm_tests::netns::Netns;
+use gpuvm_tests::virtio_support::{
+    assert_in_order, disk_image, pattern_is_on_disk, vsock_echo, BLK_MAGIC, SECTOR,
+};
+use gpuvm_tests::{Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// Kata's `clhTimeout`: how long it polls vmm.ping after starting the VMM.
+const PING_LIMIT: Duration = Duration::from_secs(10);
+const MEMORY: u64 = 128 << 20;
+/// `default_maxmemory = 512` in configuration-clh.toml: Kata's memory.hotplug_size.
+const HOTPLUG_SIZE: u64 = 512 << 20;
+/// Kata's `defaultGuestVSockCID`.
+const GUEST_CID: u32 = 3;
+/// The configuration's `default_maxvcpus`: Kata's cpus.max_vcpus and cores_per_die.
+const MAX_VCPUS: u32 = 4;
+/// Where the `virtio-blk` checks write their pattern on the hot-plugged disk (sectors
+/// 8..16), and with which seed (guest-images/testguest/src/virtio/blk.rs).
+const BLK_TEST_SECTOR: u64 = 8;
+const BLK_TEST_SECTORS: u64 = 8;
+const BLK_PATTERN_SEED: u64 = 0xb10c;
+
+/// One answer: the status and the body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    body: String,
+}
+
+impl Answer {
+    /// Asserts the status Cloud Hypervisor answers. (Kata's generated client takes any
+    /// status below 300 and turns the others into a GenericOpenAPIError with the body.)
+    fn expect(self, status: u16, what: &str) -> Self {
+        assert_eq!(self.status, status, "{what}: {self:?}");
+        self
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+}
+
+/// The request Kata's generated client sends through Go's http.Transport: request line,
+/// Host, User-Agent (the generator's), Content-Length (PUT always has one, 0 without a
+/// body), the model's header parameters in Go's sorted order, and the transport's
+/// Accept-Encoding.
+fn go_client_request(method: &str, route: &str, body: Option<&str>, accept_json: bool) -> String {
+    let mut request = format!(
+        "{method} /api/v1/{route} HTTP/1.1\r\nHost: localhost\r\n\
+         User-Agent: OpenAPI-Generator/1.0.0/go\r\n"
+    );
+    if method == "PUT" {
+        request += &format!("Content-Length: {}\r\n", body.map_or(0, str::len));
+    }
+    if accept_json {
+        request += "Accept: application/json\r\n";
+    }
+    if body.is_some() {
+        request += "Content-Type: application/json\r\n";
+    }
+    request += "Accept-Encoding: gzip\r\n\r\n";
+    request + body.unwrap_or("")
+}
+
+/// A model's JSON as `json.NewEncoder(...).Encode` writes it: `compact` (keys already in
+/// sorted order, as the test writes them) and a newline.
+fn encoded(compact: String) -> String {
+    let value: serde_json::Value = serde_json::from_str(&compact).expect("the test's JSON");
+    assert_eq!(
+        serde_json::to_string(&value).unwrap(),
+        compact,
+        "keys must be sorted and compact, as Go writes a map"
+    );
+    compact + "\n"
+}
+
+/// Sends `request` in one sendmsg, with `fds` as SCM_RIGHTS when there are any, and reads
+/// one response (its Content-Length long).
+fn exchange(api: &Path, request: &str, fds: &[RawFd]) -> Answer {
+    let mut stream =
+        UnixStream::connect(api).unwrap_or_else(|e| panic!("connect to {}: {e}", api.display()));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let bytes = request.as_bytes();
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: msghdr is plain C data; all zero bytes is a valid value.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    if !fds.is_empty() {
+        message.msg_control = control.as_mut_ptr().cast();
+        message.msg_controllen = space as _;
+        // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and
+        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
+        unsafe {
+            let header = libc::CMSG_FIRSTHDR(&message);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(data_len as u32) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(header).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
+    }
+    // SAFETY: `message` points at `iov` (the request's bytes) and `control`, which outlive
+    // the call; the descriptors are open (the kernel duplicates them).
+    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, 0) };
+    assert!(sent > 0, "sendmsg: {}", std::io::Error::last_os_error());
+    stream.write_all(&bytes[sent as usize..]).unwrap();
+    read_response(&mut stream)
+}
+
+fn read_response(stream: &mut UnixStream) -> Answer {
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(at) = received.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        let count = stream.read(&mut chunk).expect("read the response");
+        assert!(count > 0, "connection closed mid-response: {received:?}");
+        received.extend_from_slice(&chunk[..count]);
+    };
+    let head = String::from_utf8_lossy(&received[..head_end]).to_string();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {head:?}"));
+    let length: usize = head
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().ok())?
+        })
+        .unwrap_or(0);
+    while received.len() < head_end + length {
+        let count = stream.read(&mut chunk).expect("read the body");
+        assert!(count > 0, "connection closed mid-body: {head}");
+        received.extend_from_slice(&chunk[..count]);
+    }
+    Answer {
+        status,
+        body: String::from_utf8_lossy(&received[head_end..head_end + length]).to_string(),
+    }
+}
+
+/// Kata's clhClient, one method per call its driver makes.
+struct KataClient {
+    api: PathBuf,
+}
+
+impl KataClient {
+    fn get(&self, route: &str) -> Answer {
+        exchange(&self.api, &go_client_request("GET", route, None, true), &[])
+    }
+
+    /// A PUT without a body (vm.boot, vm.pause, vm.resume, vmm.shutdown).
+    fn put(&self, route: &str) -> Answer {
+        exchange(
+            &self.api,
+            &go_client_request("PUT", route, None, false),
+            &[],
+        )
+    }
+
+    /// A PUT of a model; `accept_json` where the operation answers one (PciDeviceInfo).
+    fn put_model(&self, route: &str, compact: String, accept_json: bool) -> Answer {
+        let body = encoded(compact);
+        exchange(
+            &self.api,
+            &go_client_request("PUT", route, Some(&body), accept_json),
+            &[],
+        )
+    }
+
+    /// `isClhRunning`: vmm.ping every 10 ms until it answers.
+    fn wait_for_ping(&self, vmm: &mut SpawnedProcess) -> serde_json::Value {
+        let started = Instant::now();
+        loop {
+            assert!(
+                vmm.try_status().is_none(),
+                "the VMM exited: {}",
+                vmm.stderr()
+            );
+            if UnixStream::connect(&self.api).is_ok() {
+                return self.get("vmm.ping").expect(200, "vmm.ping").json();
+            }
+            assert!(started.elapsed() < PING_LIMIT, "no API socket");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn state(&self) -> String {
+        let info = self.get("vm.info").expect(200, "vm.info").json();
+        info["state"].as_str().expect("state").to_string()
+    }
+
+    /// `vmAddNetPutRequest`: the DumpRequest bytes (no User-Agent, sorted headers, the
+    /// json.Marshal body without newline) and the taps in one message.
+    fn add_net(&self, compact: &str, taps: &[RawFd]) -> Answer {
+        let request = format!(
+            "PUT /api/v1/vm.add-net HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
+             Content-Length: {}\r\nContent-Type: application/json\r\n\r\n{compact}",
+            compact.len()
+        );
+        exchange(&self.api, &request, taps)
+    }
+
+    /// vm.restore with Cloud Hypervisor's `net_fds`: the taps ride on the request.
+    fn restore(&self, compact: String, taps: &[RawFd]) -> Answer {
+        let body = encoded(compact);
+        let request = go_client_request("PUT", "vm.restore", Some(&body), false);
+        exchange(&self.api, &request, taps)
+    }
+}
+
+/// Kata's `clhPciInfoToPath` check on a PciDeviceInfo: `0000:00:<slot>.0`; the slot.
+fn kata_pci_slot(info: &serde_json::Value) -> String {
+    let bdf = info["bdf"].as_str().expect("bdf");
+    let tokens: Vec<&str> = bdf.split(':').collect();
+    assert!(
+        tokens.len() == 3 && tokens[0] == "0000" && tokens[1] == "00",
+        "Kata refuses {bdf}"
+    );
+    let (slot, function) = tokens[2].split_once('.').expect("slot.function");
+    assert!(function == "0" && slot.len() == 2, "Kata refuses {bdf}");
+    slot.to_string()
+}
+
+/// The VMM's threads named like Kata's `GetThreadIDs` wants them (`^vcpu\d+$`): their
+/// numbers, sorted.
+fn vcpu_threads(pid: i32) -> Vec<u32> {
+    let mut numbers: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter_map(|comm| comm.trim().strip_prefix("vcpu")?.parse().ok())
+        .collect();
+    numbers.sort_unstable();
+    numbers
+}
+
+/// Kata's `launchClh`: `cloud-hypervisor --api-socket S -v --seccomp true` (debug, log
+/// level 1), then vmm.ping until it answers.
+fn launch(scratch: &Scratch, api: &Path) -> (SpawnedProcess, KataClient) {
+    let args = [
+        "--api-socket",
+        api.to_str().unwrap(),
+        "-v",
+        "--seccomp",
+        "true",
+    ];
+    let mut vmm = spawn_ch(scratch, &args);
+    let client = KataClient {
+        api: api.to_path_buf(),
+    };
+    let ping = client.wait_for_ping(&mut vmm);
+    assert!(ping["version"].is_string(), "{ping}");
+    (vmm, client)
+}
+
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+#[test]
+fn kata_clh_driver_replay_from_create_to_restore() {
+    let Some(netns) = Netns::create("kata_clh_driver_replay_from_create_to_restore") else {
+        return;
+    };
+    let scratch = Scratch::new("kata_cloud_hypervisor", "replay");
+    let kernel = guest_image(&scratch);
+    let rootfs = scratch.path("rootfs.img");
+    disk_image(&rootfs, b"KATAROOT", 1 << 20);
+    let volume = scratch.path("volume.img");
+    disk_image(&volume, BLK_MAGIC, 1 << 20);
+    let vsock = scratch.path("clh.sock");
+    let snapshot = scratch.path("template");
+    std::fs::create_dir(&snapshot).unwrap();
+    let (mut vmm, kata) = launch(&scratch, &scratch.path("clh-api.sock"));
+
+    // CreateVM: NewVmConfig (iommu, watchdog, pvpanic, landlock_enable false), NewCpusConfig
+    // (kvm_hyperv false, nested true) with Kata's topology, NewMemoryConfig (shared false
+    // without a shared filesystem and hugepages), NewDiskConfig for the rootfs (readonly,
+    // Raw), NewRngConfig, NewConsoleConfig, NewVsockConfig, NewPlatformConfig.
+    let create = format!(
+        r#"{{"console":{{"iommu":false,"mode":"Off"}},"cpus":{{"boot_vcpus":1,"kvm_hyperv":false,"max_vcpus":{MAX_VCPUS},"nested":true,"topology":{{"cores_per_die":{MAX_VCPUS},"dies_per_package":1,"packages":1,"threads_per_core":1}}}},"disks":[{{"backing_files":false,"direct":false,"image_type":"Raw","iommu":false,"num_queues":1,"path":"{rootfs}","queue_size":128,"readonly":true,"sparse":true,"vhost_user":false}}],"iommu":false,"landlock_enable":false,"memory":{{"hotplug_method":"Acpi","hotplug_size":{HOTPLUG_SIZE},"hugepages":false,"mergeable":false,"prefault":false,"shared":false,"size":{MEMORY},"thp":true}},"payload":{{"cmdline":"kata-agent","kernel":"{kernel}"}},"platform":{{"num_pci_segments":2,"sev_snp":false,"tdx":false}},"pvpanic":false,"rng":{{"iommu":false,"src":"/dev/urandom"}},"serial":{{"iommu":false,"mode":"Tty"}},"vsock":{{"cid":{GUEST_CID},"iommu":false,"socket":"{vsock}"}},"watchdog":false}}"#,
+        rootfs = rootfs.display(),
+        kernel = kernel.display(),
+        vsock = vsock.display(),
+    );
+    kata.put_model("vm.create", create, false)
+        .expect(204, "vm.create");
+    assert_eq!(kata.state(), "Created", "Kata checks clhStateCreated");
+
+    // vm.add-net: NewNetConfig's defaults and the MAC, no id, one tap (one queue pair).
+    let mac = format!("02:00:ca:fe:{:02x}:02", netns.n);
+    let add_net = format!(
+        r#"{{"iommu":false,"ip":"192.168.249.1","mac":"{mac}","mask":"255.255.255.0","num_queues":2,"offload_csum":true,"offload_tso":true,"offload_ufo":true,"queue_size":256,"vhost_mode":"Client","vhost_user":false}}"#
+    );
+    let tap = netns.open_tap();
+    let added = kata.add_net(&add_net, &[tap.as_raw_fd()]);
+    // Kata takes 200 or 204; before boot there is no PciDeviceInfo (an empty body is EOF).
+    assert!(
+        added.status == 204 && added.body.is_empty(),
+        "vm.add-net: {added:?}"
+    );
+    drop(tap);
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    let net_id = info["config"]["net"][0]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("vm.info names the NIC: {info}"))
+        .to_string();
+    assert_eq!(info["config"]["net"][0]["mac"], mac.as_str(), "{info}");
+
+    kata.put("vm.boot").expect(204, "vm.boot");
+    assert_eq!(kata.state(), "Running", "Kata checks clhStateRunning");
+    assert_eq!(vcpu_threads(vmm.pid()), [0], "GetThreadIDs: one vcpu0");
+
+    // The agent: hybrid vsock CONNECT 1024, echoed.
+    vmm.wait_for_stdout("kata-agent: agent listening", LIMIT);
+    vsock_echo(&vsock, b"kata agent: CreateSandbox");
+    vmm.wait_for_stdout("kata-agent: agent connection 1 done", LIMIT);
+
+    // HotplugAddDevice(VfioDev) → the emulated GPU; HotplugRemoveDevice with the id answered.
+    let gpu_socket = scratch.path("gpu.sock");
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &gpu_socket, &[]);
+    let user_device = format!(r#"{{"socket":"{}"}}"#, gpu_socket.display());
+    let gpu = kata
+        .put_model("vm.add-user-device", user_device, true)
+        .expect(200, "vm.add-user-device")
+        .json();
+    let gpu_slot = kata_pci_slot(&gpu);
+    let gpu_id = gpu["id"].as_str().expect("PciDeviceInfo.id").to_string();
+    vmm.wait_for_stdout("kata-agent: GPU at", LIMIT);
+    assert!(
+        vmm.stdout().contains(&format!(
+            "kata-agent: GPU at 00:{gpu_slot}.0 passed the pci checks"
+        )),
+        "{}",
+        vmm.stdout()
+    );
+    kata.put_model("vm.remove-device", format!(r#"{{"id":"{gpu_id}"}}"#), false)
+        .expect(204, "vm.remove-device (GPU)");
+    vmm.wait_for_stdout("kata-agent: GPU ejected", LIMIT);
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+
+    // HotplugAddDevice(BlockDev): NewDiskConfig, Raw, not vhost-user, one queue per vCPU
+    // of 1024, no id; HotplugRemoveDevice with the id answered.
+    let add_disk = format!(
+        r#"{{"backing_files":false,"direct":false,"image_type":"Raw","iommu":false,"num_queues":1,"path":"{}","queue_size":1024,"readonly":false,"sparse":true,"vhost_user":false}}"#,
+        volume.display()
+    );
+    let disk = kata
+        .put_model("vm.add-disk", add_disk, true)
+        .expect(200, "vm.add-disk after boot")
+        .json();
+    let disk_slot = kata_pci_slot(&disk);
+    let disk_id = disk["id"].as_str().expect("PciDeviceInfo.id").to_string();
+    vmm.wait_for_stdout("kata-agent: disk at", LIMIT);
+    assert!(
+        vmm.stdout().contains(&format!(
+            "kata-agent: disk at 00:{disk_slot}.0 passed the virtio-blk checks"
+        )),
+        "{}",
+        vmm.stdout()
+    );
+    assert!(pattern_is_on_disk(
+        &volume,
+        BLK_TEST_SECTOR * SECTOR,
+        BLK_TEST_SECTORS * SECTOR,
+        BLK_PATTERN_SEED
+    ));
+    kata.put_model(
+        "vm.remove-device",
+        format!(r#"{{"id":"{disk_id}"}}"#),
+        false,
+    )
+    .expect(204, "vm.remove-device (disk)");
+    vmm.wait_for_stdout("kata-agent: agent waiting for connection 2", LIMIT);
+
+    // PauseVM, SaveVM (NewVmSnapshotConfig with a file:// URL), ResumeVM, StopVM.
+    kata.put("vm.pause").expect(204, "vm.pause");
+    assert_eq!(kata.state(), "Paused");
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snapshot.display());
+    kata.put_model("vm.snapshot", destination, false)
+        .expect(204, "vm.snapshot");
+    kata.put("vm.resume").expect(204, "vm.resume");
+    assert_eq!(kata.state(), "Running");
+    kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
+    let out = vmm.wait(LIMIT);
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert_in_order(
+        &out.stdout,
+        &[
+            "kata-agent: agent listening cid=3 port=1024",
+            "kata-agent: connection 1 from cid 2",
+            "kata-agent: agent connection 1 done",
+            &format!("kata-agent: GPU arrived at 00:{gpu_slot}.0"),
+            "kata-agent: GPU eject requested",
+            "kata-agent: GPU ejected, ",
+            &format!("virtio-blk-hotplug: disk arrived at 00:{disk_slot}.0"),
+            "virtio-blk: ok ",
+            "kata-agent: disk ejected, ",
+            "kata-agent: agent waiting for connection 2",
+        ],
+        "the booted pod",
+    );
+
+    // restoreVM: a new VMM, vm.restore (with the tap again as net_fds), Paused, ResumeVM.
+    let (mut restored, kata) = launch(&scratch, &scratch.path("clh-api-2.sock"));
+    let restore = format!(
+        r#"{{"net_fds":[{{"id":"{net_id}","num_fds":1}}],"source_url":"file://{}"}}"#,
+        snapshot.display()
+    );
+    let tap = netns.open_tap();
+    kata.restore(restore, &[tap.as_raw_fd()])
+        .expect(204, "vm.restore with net_fds");
+    drop(tap);
+    assert_eq!(kata.state(), "Paused", "Kata expects Paused after restore");
+    kata.put("vm.resume").expect(204, "vm.resume");
+    assert_eq!(kata.state(), "Running");
+    assert_eq!(
+        vcpu_threads(restored.pid()),
+        [0],
+        "GetThreadIDs after restore"
+    );
+    vsock_echo(&vsock, b"kata agent: after the template");
+    restored.wait_for_stdout("kata-agent: ok", LIMIT);
+    kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
+    let out = restored.wait(LIMIT);
+    assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert!(
+        !out.stdout.contains("kata-agent: agent listening"),
+        "the guest started over: {}",
+        out.stdout
+    );
+    assert_in_order(
+        &out.stdout,
+        &[
+            "kata-agent: transport reset",
+            "kata-agent: connection 2 from cid 2",
+            "kata-agent: agent connection 2 done",
+            "kata-agent: ok",
+        ],
+        "the restored pod",
+    );
+}
