@@ -5,15 +5,15 @@
 //! as a descriptor (SCM_RIGHTS), as Kata passes the taps it made in the pod's network
 //! namespace (as root: the test makes a namespace and a tap); and the errors.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::cloud_hypervisor_support::{
-    guest_image, spawn_ch, vm_info, vm_state as state, wait_for_vm,
+    guest_image, put_with_fds, spawn_ch, vm_info, vm_state as state, wait_for_vm,
 };
 use gpuvm_tests::netns::Netns;
 use gpuvm_tests::snapshot_support::copy_dir;
@@ -143,64 +143,6 @@ fn gpuvm_routes_still_answer_beside_api_v1() {
     assert!(info.contains("gpuvm"), "{info}");
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     vmm.wait(LIMIT).assert_code(0);
-}
-
-/// `PUT path` with `body`, the request's bytes sent in one sendmsg carrying `fds`
-/// (SCM_RIGHTS), as Kata's clh driver sends vm.add-net; the status and the body answered.
-fn put_with_fds(api: &Path, path: &str, body: &str, fds: &[RawFd]) -> (u16, String) {
-    let mut stream = UnixStream::connect(api).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    let request = format!(
-        "PUT {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let bytes = request.as_bytes();
-    let data_len = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    // SAFETY: msghdr is plain C data; all zero bytes is a valid value.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
-    if !fds.is_empty() {
-        message.msg_control = control.as_mut_ptr().cast();
-        message.msg_controllen = space as _;
-        // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and
-        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&message);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len = libc::CMSG_LEN(data_len as u32) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(header).cast::<RawFd>(),
-                fds.len(),
-            );
-        }
-    }
-    // SAFETY: `message` points at `iov` (the request's bytes) and `control`, all of which
-    // outlive the call; the descriptors are open (the kernel duplicates them).
-    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, 0) };
-    assert!(sent > 0, "sendmsg: {}", std::io::Error::last_os_error());
-    stream.write_all(&bytes[sent as usize..]).unwrap();
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).unwrap();
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"));
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, body.to_string())
 }
 
 /// Kata's NIC: vm.add-net {mac, id} with the tap queue passed as a descriptor; then the

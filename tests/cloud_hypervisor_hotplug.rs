@@ -8,9 +8,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::cloud_hypervisor_support::{
+    guest_image, put_with_fds, spawn_ch, vm_info, wait_for_vm,
+};
 use gpuvm_tests::virtio_support::{assert_in_order, disk_image, pattern_is_on_disk, SECTOR};
 use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch, SpawnedProcess};
+use std::os::fd::AsRawFd;
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// The guest's virtio-blk check writes sectors 8..16 with this seed's pattern.
@@ -189,5 +192,104 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
             "virtio-blk-hotplug: ok",
         ],
         "after the restore",
+    );
+}
+
+/// Network interfaces (a tap by name, a tap passed as a descriptor) and a vsock device
+/// hot-plugged into a running VM with seccomp on: each answers `{id, bdf}` in its own slot,
+/// vm.info lists it, bad ones are refused by name, and gpuvm keeps serving (a thread
+/// missing a system call would end the process). The guest runs `memloop` and drives none
+/// of them (the guest side of hot-plug is the disk test's); vm.remove-device is answered
+/// at once even though this guest never ejects.
+#[test]
+fn nics_and_vsock_hot_plug_with_seccomp_on() {
+    let Some(netns) = gpuvm_tests::netns::Netns::create("nics_and_vsock_hot_plug_with_seccomp_on")
+    else {
+        return;
+    };
+    let scratch = Scratch::new("cloud_hypervisor_hotplug", "nics");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("api.sock");
+    let vsock = scratch.path("v.sock");
+    let mut vm = netns.spawn_gpuvm(&[
+        "ch",
+        "--api-socket",
+        api.to_str().unwrap(),
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--cmdline",
+        "memloop 4M 7 100000000",
+        "--memory",
+        "size=128M",
+        "--seccomp",
+        "true",
+    ]);
+    vm.wait_for_stdout("memloop: iter", LIMIT);
+    let added = |route: &str, body: &str, fds: &[std::os::fd::RawFd]| {
+        let (status, answer) = put_with_fds(&api, route, body, fds);
+        assert_eq!(status, 200, "{route} {body}: {answer}");
+        serde_json::from_str::<serde_json::Value>(&answer).unwrap()
+    };
+
+    // (A tap name that does not exist is made by TUNSETIFF, as root: a name Linux cannot
+    // have is refused.)
+    let bad = api_expect(
+        &api,
+        400,
+        "PUT",
+        "/api/v1/vm.add-net",
+        Some(r#"{"tap":"a-tap-name-longer-than-ifnamsiz"}"#),
+    );
+    assert!(bad.contains("not a Linux interface name"), "{bad}");
+    // By name: TUNSETIFF makes the tap in gpuvm's namespace.
+    let by_name = added(
+        "/api/v1/vm.add-net",
+        r#"{"tap":"hotnet1","id":"byname"}"#,
+        &[],
+    );
+    assert_eq!(by_name["id"], "byname", "{by_name}");
+    assert!(netns.ip(&["link", "show"]).contains("hotnet1"));
+    // Passed: the namespace's tap0, opened by the test as Kata opens its taps.
+    let tap = netns.open_tap();
+    let passed = added(
+        "/api/v1/vm.add-net",
+        r#"{"mac":"06:00:0a:00:00:09"}"#,
+        &[tap.as_raw_fd()],
+    );
+    assert_eq!(passed["id"], "_net0", "{passed}");
+    let socket = format!(r#"{{"cid":3,"socket":"{}"}}"#, vsock.display());
+    let hot_vsock = added("/api/v1/vm.add-vsock", &socket, &[]);
+    let second = api_expect(&api, 400, "PUT", "/api/v1/vm.add-vsock", Some(&socket));
+    assert!(second.contains("vsock"), "{second}");
+    assert!(
+        vsock.exists(),
+        "the hot-plugged vsock listens on {}",
+        vsock.display()
+    );
+
+    let bdfs: Vec<&str> = [&by_name, &passed, &hot_vsock]
+        .iter()
+        .map(|answer| answer["bdf"].as_str().unwrap())
+        .collect();
+    let mut unique = bdfs.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), 3, "one slot each: {bdfs:?}");
+    let info = vm_info(&api);
+    assert_eq!(info["state"], "Running", "{info}");
+    assert_eq!(
+        info["config"]["net"].as_array().map(Vec::len),
+        Some(2),
+        "{info}"
+    );
+    assert!(info["config"]["vsock"]["socket"].is_string(), "{info}");
+
+    remove(&api, "byname");
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(
+        !out.stderr.contains("seccomp") && !out.stderr.contains("panicked"),
+        "{}",
+        out.describe()
     );
 }

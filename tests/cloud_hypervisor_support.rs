@@ -1,8 +1,12 @@
 //! Shared by the tests that run gpuvm as `cloud-hypervisor`: the symlink, the test guest
 //! as a kernel file, and vm.info's state.
 
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use crate::{api_expect, gpuvm_bin, Scratch, SpawnedProcess};
 
@@ -45,4 +49,70 @@ pub fn wait_for_vm(process: &mut SpawnedProcess, api: &Path, limit: std::time::D
         gpuvm_api::client::request(api, "GET", "/api/v1/vm.info", None)
             .is_ok_and(|r| r.status == 200)
     });
+}
+
+/// Connects to `api` and sends `request` in one sendmsg carrying `fds` (SCM_RIGHTS) when
+/// there are any, as Kata's clh driver sends vm.add-net; returns the stream for the answer
+/// (reads time out after 30 s).
+pub fn send_with_fds(api: &Path, request: &[u8], fds: &[RawFd]) -> UnixStream {
+    let mut stream =
+        UnixStream::connect(api).unwrap_or_else(|e| panic!("connect to {}: {e}", api.display()));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec {
+        iov_base: request.as_ptr() as *mut libc::c_void,
+        iov_len: request.len(),
+    };
+    // SAFETY: msghdr is plain C data; all zero bytes is a valid value.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    if !fds.is_empty() {
+        message.msg_control = control.as_mut_ptr().cast();
+        message.msg_controllen = space as _;
+        // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and
+        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
+        unsafe {
+            let header = libc::CMSG_FIRSTHDR(&message);
+            (*header).cmsg_level = libc::SOL_SOCKET;
+            (*header).cmsg_type = libc::SCM_RIGHTS;
+            (*header).cmsg_len = libc::CMSG_LEN(data_len as u32) as _;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(header).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
+    }
+    // SAFETY: `message` points at `iov` (the request's bytes) and `control`, which outlive
+    // the call; the descriptors are open (the kernel duplicates them).
+    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, 0) };
+    assert!(sent > 0, "sendmsg: {}", std::io::Error::last_os_error());
+    stream.write_all(&request[sent as usize..]).unwrap();
+    stream
+}
+
+/// `PUT path` with `body` and `fds` passed with it (see [`send_with_fds`]); the status and
+/// the body answered.
+pub fn put_with_fds(api: &Path, path: &str, body: &str, fds: &[RawFd]) -> (u16, String) {
+    let request = format!(
+        "PUT {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = send_with_fds(api, request.as_bytes(), fds);
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"));
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, body.to_string())
 }

@@ -23,13 +23,13 @@
 //! for the passed tap, Cloud Hypervisor's way), vm.resume, the agent's second connection,
 //! vmm.shutdown.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, send_with_fds, spawn_ch};
 use gpuvm_tests::netns::Netns;
 use gpuvm_tests::virtio_support::{
     assert_in_order, disk_image, pattern_is_on_disk, vsock_echo, BLK_MAGIC, SECTOR,
@@ -110,46 +110,7 @@ fn encoded(compact: String) -> String {
 /// Sends `request` in one sendmsg, with `fds` as SCM_RIGHTS when there are any, and reads
 /// one response (its Content-Length long).
 fn exchange(api: &Path, request: &str, fds: &[RawFd]) -> Answer {
-    let mut stream =
-        UnixStream::connect(api).unwrap_or_else(|e| panic!("connect to {}: {e}", api.display()));
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let bytes = request.as_bytes();
-    let data_len = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut libc::c_void,
-        iov_len: bytes.len(),
-    };
-    // SAFETY: msghdr is plain C data; all zero bytes is a valid value.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &mut iov;
-    message.msg_iovlen = 1;
-    if !fds.is_empty() {
-        message.msg_control = control.as_mut_ptr().cast();
-        message.msg_controllen = space as _;
-        // SAFETY: the control buffer is `space` bytes, 8-aligned, room for one header and
-        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&message);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len = libc::CMSG_LEN(data_len as u32) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
-                libc::CMSG_DATA(header).cast::<RawFd>(),
-                fds.len(),
-            );
-        }
-    }
-    // SAFETY: `message` points at `iov` (the request's bytes) and `control`, which outlive
-    // the call; the descriptors are open (the kernel duplicates them).
-    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &message, 0) };
-    assert!(sent > 0, "sendmsg: {}", std::io::Error::last_os_error());
-    stream.write_all(&bytes[sent as usize..]).unwrap();
+    let mut stream = send_with_fds(api, request.as_bytes(), fds);
     read_response(&mut stream)
 }
 
@@ -377,13 +338,10 @@ fn kata_clh_driver_replay_from_create_to_restore() {
         .json();
     let gpu_slot = kata_pci_slot(&gpu);
     let gpu_id = gpu["id"].as_str().expect("PciDeviceInfo.id").to_string();
-    vmm.wait_for_stdout("kata-agent: GPU at", LIMIT);
-    assert!(
-        vmm.stdout().contains(&format!(
-            "kata-agent: GPU at 00:{gpu_slot}.0 passed the pci checks"
-        )),
-        "{}",
-        vmm.stdout()
+    // The whole line: the guest may be half-way through writing it.
+    vmm.wait_for_stdout(
+        &format!("kata-agent: GPU at 00:{gpu_slot}.0 passed the pci checks\n"),
+        LIMIT,
     );
     kata.put_model("vm.remove-device", format!(r#"{{"id":"{gpu_id}"}}"#), false)
         .expect(204, "vm.remove-device (GPU)");
@@ -403,13 +361,9 @@ fn kata_clh_driver_replay_from_create_to_restore() {
         .json();
     let disk_slot = kata_pci_slot(&disk);
     let disk_id = disk["id"].as_str().expect("PciDeviceInfo.id").to_string();
-    vmm.wait_for_stdout("kata-agent: disk at", LIMIT);
-    assert!(
-        vmm.stdout().contains(&format!(
-            "kata-agent: disk at 00:{disk_slot}.0 passed the virtio-blk checks"
-        )),
-        "{}",
-        vmm.stdout()
+    vmm.wait_for_stdout(
+        &format!("kata-agent: disk at 00:{disk_slot}.0 passed the virtio-blk checks\n"),
+        LIMIT,
     );
     assert!(pattern_is_on_disk(
         &volume,

@@ -108,6 +108,12 @@ pub const FIONBIO: u32 = 0x5421;
 pub const FIOCLEX: u32 = 0x5451;
 /// virtio-net: attaches or detaches one queue of a multi-queue tap.
 pub const TUNSETQUEUE: u32 = iow(b'T' as u32, 217, size_of::<i32>());
+/// virtio-net hot-plugged after start: its tap queues opened by name (TUNSETIFF) or checked
+/// (TUNGETIFF), and set up (offloads, vnet header size).
+pub const TUNSETIFF: u32 = iow(b'T' as u32, 202, size_of::<i32>());
+pub const TUNGETIFF: u32 = ior(b'T' as u32, 210, size_of::<u32>());
+pub const TUNSETOFFLOAD: u32 = iow(b'T' as u32, 208, size_of::<u32>());
+pub const TUNSETVNETHDRSZ: u32 = iow(b'T' as u32, 216, size_of::<i32>());
 
 #[cfg(test)]
 mod tests {
@@ -129,5 +135,9 @@ mod tests {
         assert_eq!(ioctls::IOMMU_IOAS_UNMAP, 0x3b86);
         assert_eq!(ioctls::KVM_IOEVENTFD, 0x4040_ae79);
         assert_eq!(ioctls::TUNSETQUEUE, 0x4004_54d9);
+        assert_eq!(ioctls::TUNSETIFF, libc::TUNSETIFF as u32);
+        assert_eq!(ioctls::TUNGETIFF, libc::TUNGETIFF as u32);
+        assert_eq!(ioctls::TUNSETOFFLOAD, libc::TUNSETOFFLOAD as u32);
+        assert_eq!(ioctls::TUNSETVNETHDRSZ, libc::TUNSETVNETHDRSZ as u32);
     }
 }

@@ -202,6 +202,9 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     libc::SYS_timerfd_create,
                     libc::SYS_io_uring_setup,
                     libc::SYS_io_uring_register,
+                    // ... a vsock device's listening socket.
+                    libc::SYS_bind,
+                    libc::SYS_listen,
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
@@ -271,6 +274,11 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     VFIO_DEVICE_DETACH_IOMMUFD_PT,
                     IOMMU_DESTROY,
                     IOMMU_IOAS_UNMAP,
+                    // virtio-net hot-plugged after start: its tap queues.
+                    TUNSETIFF,
+                    TUNGETIFF,
+                    TUNSETOFFLOAD,
+                    TUNSETVNETHDRSZ,
                     // stdin.
                     TCGETS,
                     TCSETS,
