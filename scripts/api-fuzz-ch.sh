@@ -21,7 +21,8 @@
 #      the same exclusions as 1 (vm.boot would boot what the fuzzed vm.add-* added);
 #   3. the embedded test guest, created (vm.create) and booted (vm.boot), running memloop:
 #      every operation except the three that end the process or the VM (vmm.shutdown,
-#      vm.shutdown, vm.delete) and vm.snapshot; here vm.boot (409) and vm.restore (404 after
+#      vm.shutdown, vm.delete) and vm.snapshot, the vm.add-* paths pinned to the work directory
+#      (they hot-plug for real); here vm.boot (409) and vm.restore (404 after
 #      vm.create) can only be refused. Then vm.snapshot alone, positive cases only, from a copy of
 #      the description whose destination_url can only name a scratch directory under the work
 #      directory (a random absolute URL would write guest memory anywhere on the host).
@@ -148,10 +149,41 @@ counts = ", ".join(f"{len(config.get(k) or [])} {k}" for k in ("disks", "net", "
 vsock = "a vsock" if config.get("vsock") else "no vsock"
 print(f"api-fuzz-ch: created: the fuzzed VmConfig holds {counts}, {vsock}")'
 
+# After boot the vm.add-* routes hot-plug for real: a device's paths are pinned to the work
+# directory (a random path would attach any host file as a disk, bind a socket anywhere, or
+# connect to any host socket) and a tap's name to one made and gone with this run.
+truncate -s 1M "$work/hotplug-disk.img"
+python3 - "$SPEC" "$work/running-spec.json" "$work" <<'PY'
+import json, sys
+spec_path, out_path, work = sys.argv[1:4]
+with open(spec_path) as f:
+    spec = json.load(f)
+schemas = spec["components"]["schemas"]
+# Pinned in the requests only (copies of the schemas): vm.info's answer holds the same
+# configurations, with nulls where a request left a field out.
+pinned = {
+    "vm.add-disk": ("DiskConfig", {"path": f"{work}/hotplug-disk.img",
+                                   "vhost_socket": f"{work}/none-blk.sock"}),
+    "vm.add-fs": ("FsConfig", {"socket": f"{work}/none-fs.sock"}),
+    "vm.add-vsock": ("VsockConfig", {"socket": f"{work}/hotplug-vsock.sock"}),
+    "vm.add-net": ("NetConfig", {"tap": "gpuvmfuzz0"}),
+    "vm.add-user-device": ("VmAddUserDevice", {"socket": f"{work}/none-user.sock"}),
+}
+for route, (name, fields) in pinned.items():
+    copy = json.loads(json.dumps(schemas[name]))
+    for field, value in fields.items():
+        copy["properties"][field] = {"const": value}
+    schemas[name + "Pinned"] = copy
+    body = spec["paths"][f"/api/v1/{route}"]["put"]["requestBody"]["content"]["application/json"]
+    body["schema"] = {"$ref": f"#/components/schemas/{name}Pinned"}
+with open(out_path, "w") as f:
+    json.dump(spec, f)
+PY
+
 start running
 put running /api/v1/vm.create
 put running /api/v1/vm.boot
-fuzz running "$SPEC" --exclude-path /api/v1/vm.snapshot
+fuzz running "$work/running-spec.json" --exclude-path /api/v1/vm.snapshot
 
 # vm.snapshot with destination_url pinned to a scratch directory.
 python3 - "$SPEC" "$work/snapshot-spec.json" "file://$work/snapshot" <<'PY'

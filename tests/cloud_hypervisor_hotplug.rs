@@ -126,6 +126,13 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     );
     guest_checked(&mut vm, 1, &bdf, &images[0]);
     assert_eq!(disk_ids(&api), ["_disk0"]);
+    // vm.info's device_tree has the disk at the address the hot-plug answered.
+    let info = vm_info(&api);
+    assert_eq!(
+        info["device_tree"]["_disk0"]["pci_bdf"],
+        bdf.as_str(),
+        "{info}"
+    );
     let same_id = format!(r#"{{"path":"{}","id":"_disk0"}}"#, images[1].display());
     let twice = api_expect(&api, 400, "PUT", "/api/v1/vm.add-disk", Some(&same_id));
     assert!(twice.contains("_disk0"), "{twice}");
@@ -266,6 +273,13 @@ fn nics_and_vsock_hot_plug_with_seccomp_on() {
         "the hot-plugged vsock listens on {}",
         vsock.display()
     );
+    // vhost-user devices are added before boot only.
+    let share = format!(
+        r#"{{"tag":"late","socket":"{}"}}"#,
+        scratch.path("fs.sock").display()
+    );
+    let refused = api_expect(&api, 400, "PUT", "/api/v1/vm.add-fs", Some(&share));
+    assert!(refused.contains("vhost-user"), "{refused}");
 
     let bdfs: Vec<&str> = [&by_name, &passed, &hot_vsock]
         .iter()
@@ -284,6 +298,11 @@ fn nics_and_vsock_hot_plug_with_seccomp_on() {
     );
     assert!(info["config"]["vsock"]["socket"].is_string(), "{info}");
 
+    let tree = &info["device_tree"];
+    for answer in [&by_name, &passed, &hot_vsock] {
+        let id = answer["id"].as_str().unwrap();
+        assert_eq!(tree[id]["pci_bdf"], answer["bdf"], "{id} in {info}");
+    }
     remove(&api, "byname");
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     let out = vm.wait(LIMIT);

@@ -42,7 +42,7 @@ pub enum VmmAction {
     /// guest ejects it. Before start it drops a configured passthrough device.
     RemoveDevice(String),
     /// A virtio device hot-plugged into the running VM (Cloud Hypervisor's vm.add-disk,
-    /// add-net, add-fs, add-vsock after vm.boot); answers `{id, bdf}`.
+    /// add-net, add-vsock after vm.boot; vhost-user devices are refused); answers `{id, bdf}`.
     HotplugVirtio(VirtioHotplug),
     /// PUT /drives/{id}: a virtio block device for the VM being configured.
     PutDrive(DriveBody),

@@ -294,14 +294,36 @@ fn info(session: &Session, dispatch: Dispatch) -> Response {
         .as_ref()
         .and_then(|c| c.memory.as_ref())
         .map_or(512 << 20, |m| m.size);
-    Response::json(
-        200,
-        &json!({
-            "config": config,
-            "state": state.name(),
-            "memory_actual_size": memory,
-        }),
-    )
+    let mut answer = json!({
+        "config": config,
+        "state": state.name(),
+        "memory_actual_size": memory,
+    });
+    if state != VmState::Created {
+        answer["device_tree"] = device_tree(dispatch);
+    }
+    Response::json(200, &answer)
+}
+
+/// vm.info's `device_tree` once the VM runs: a node per PCI device gpuvm lists (virtio
+/// devices and hot-plugged passthrough devices), by id, with its address. gpuvm gives no
+/// resources and no parent/child links.
+fn device_tree(dispatch: Dispatch) -> Value {
+    let listed = match dispatch(VmmAction::GetInstanceInfo) {
+        Ok(VmmData::Json(info)) => info["pci_devices"].as_array().cloned().unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    let nodes = listed.into_iter().filter_map(|device| {
+        let id = device["id"].as_str()?.to_string();
+        let node = json!({
+            "id": id,
+            "resources": [],
+            "children": [],
+            "pci_bdf": device["bdf"],
+        });
+        Some((id, node))
+    });
+    Value::Object(nodes.collect())
 }
 
 /// vm.counters: gpuvm's counters, as Cloud Hypervisor's map of names to integer maps.

@@ -277,7 +277,10 @@ impl RunningApi {
             InstanceState::Running
         };
         let result = match action {
-            VmmAction::GetInstanceInfo => Ok(with_hot_plugged(instance_info(state), running)),
+            VmmAction::GetInstanceInfo => Ok(with_pci_devices(
+                with_hot_plugged(instance_info(state), running),
+                running,
+            )),
             VmmAction::GetMetrics => Ok(with_hot_plugged(
                 metrics(state, Some(running.machine())),
                 running,
@@ -394,6 +397,39 @@ fn with_hot_plugged(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData 
         }
         other => other,
     }
+}
+
+/// Adds `pci_devices`: each virtio device and hot-plugged passthrough device with its id,
+/// PCI address and kind (Cloud Hypervisor's vm.info builds its device_tree from it).
+fn with_pci_devices(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData {
+    let VmmData::Json(mut json) = data else {
+        return data;
+    };
+    let devices = running.devices_mut();
+    let mut listed: Vec<serde_json::Value> = devices
+        .virtio
+        .iter()
+        .map(|handle| {
+            serde_json::json!({
+                "id": handle.config.id(),
+                "bdf": handle.bdf.full(),
+                "kind": crate::lock(&handle.transport).name(),
+                "hot_plugged": handle.hot_plugged,
+            })
+        })
+        .collect();
+    if let Some(hotplug) = devices.pci_hotplug.as_ref() {
+        listed.extend(hotplug.attached().map(|(id, bdf)| {
+            serde_json::json!({
+                "id": id,
+                "bdf": bdf.full(),
+                "kind": "passthrough",
+                "hot_plugged": true,
+            })
+        }));
+    }
+    json["pci_devices"] = serde_json::Value::Array(listed);
+    VmmData::Json(json)
 }
 
 /// PATCH /drives/{id}: a new image and/or rate limit for a running drive.

@@ -1,5 +1,5 @@
 //! Hot-plug of virtio devices into a running VM (Cloud Hypervisor's vm.add-disk,
-//! vm.add-net, vm.add-fs and vm.add-vsock after vm.boot; Kata adds a container's block
+//! vm.add-net and vm.add-vsock after vm.boot; Kata adds a container's block
 //! rootfs so), through the same ACPI PCI hot-plug as passthrough devices:
 //!
 //! ```text
@@ -71,6 +71,19 @@ impl PciHotplug {
         ) {
             return Err(refuse(
                 "entropy and balloon devices are configured before boot".into(),
+            ));
+        }
+        // A vhost-user front end starts a thread of its own under the device filter, which
+        // the VMM thread's filter cannot hand on.
+        if matches!(
+            config,
+            VirtioDeviceConfig::VhostUserBlock(_)
+                | VirtioDeviceConfig::Fs(_)
+                | VirtioDeviceConfig::VhostUser(_)
+        ) {
+            return Err(refuse(
+                "vhost-user devices (virtio-fs shares, vhost-user disks) are added before boot"
+                    .into(),
             ));
         }
         if self.contains(&id) || handles.iter().any(|h| h.config.id() == id) {
