@@ -289,8 +289,9 @@ pub struct RestoreConfig {
     pub resume: bool,
     /// New taps for the network interfaces that came as descriptors: the descriptors
     /// come with the request (SCM_RIGHTS), `num_fds` of them per interface, in order.
+    /// (ch-remote sends `null` for none.)
     #[serde(default)]
-    pub net_fds: Vec<RestoredNetConfig>,
+    pub net_fds: Option<Vec<RestoredNetConfig>>,
     #[serde(flatten)]
     pub other: Other,
 }

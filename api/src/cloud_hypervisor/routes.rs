@@ -390,7 +390,8 @@ fn restore(
     if let Err(message) = check_other("", &body.other) {
         return fault(400, message);
     }
-    for (index, net) in body.net_fds.iter().enumerate() {
+    let net_fds = body.net_fds.clone().unwrap_or_default();
+    for (index, net) in net_fds.iter().enumerate() {
         // `fds` (descriptor numbers of Cloud Hypervisor's own process) mean nothing here.
         let other: super::config::Other = net
             .other
@@ -402,7 +403,7 @@ fn restore(
             return fault(400, message);
         }
     }
-    let wanted: usize = body.net_fds.iter().map(|n| n.num_fds).sum();
+    let wanted: usize = net_fds.iter().map(|n| n.num_fds).sum();
     if wanted != tap_fds.len() {
         return fault(
             400,
@@ -437,7 +438,7 @@ fn restore(
     };
     // The taps go to the VMM thread first; the load's interfaces take them.
     let mut fds = tap_fds.into_iter();
-    for net in &body.net_fds {
+    for net in &net_fds {
         let pass = VmmAction::PassTaps {
             iface_id: net.id.clone(),
             fds: fds.by_ref().take(net.num_fds).collect(),

@@ -382,3 +382,35 @@ fn a_balloon_becomes_its_target_in_mib() {
         .iter()
         .any(|a| matches!(a, VmmAction::PutBalloon(_))));
 }
+
+/// vm.restore as ch-remote sends it (`net_fds: null`) loads; `net_fds` asking for taps that
+/// did not come with the request is refused before anything is loaded.
+#[test]
+fn restore_takes_null_net_fds_and_counts_the_passed_taps() {
+    let (session, fake) = (Session::default(), Fake::new());
+    let asks_for_a_tap = r#"{"source_url":"file:///snap","net_fds":[{"id":"net0","num_fds":1}]}"#;
+    let refused = call(
+        &session,
+        &fake,
+        Method::Put,
+        "/api/v1/vm.restore",
+        asks_for_a_tap,
+    );
+    assert_eq!(refused.status, 400);
+    assert!(String::from_utf8_lossy(&refused.body).contains("net_fds"));
+    let ch_remote = r#"{"source_url":"file:///snap","prefault":false,"net_fds":null,
+                        "memory_restore_mode":"Copy","resume":false}"#;
+    let loaded = call(
+        &session,
+        &fake,
+        Method::Put,
+        "/api/v1/vm.restore",
+        ch_remote,
+    );
+    assert_eq!(
+        loaded.status,
+        204,
+        "{:?}",
+        String::from_utf8_lossy(&loaded.body)
+    );
+}
