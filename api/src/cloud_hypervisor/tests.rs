@@ -414,3 +414,34 @@ fn restore_takes_null_net_fds_and_counts_the_passed_taps() {
         String::from_utf8_lossy(&loaded.body)
     );
 }
+
+/// Devices added without an id get ids no device of the VM has: two vfio-user devices
+/// before boot are `_user_device0` and `_user_device1` (the second used to repeat the
+/// first), and vm.info lists them.
+#[test]
+fn devices_added_without_an_id_get_distinct_ids() {
+    let (session, fake) = (Session::default(), Fake::new());
+    let body = kata_vm_config().to_string();
+    let create = call(&session, &fake, Method::Put, "/api/v1/vm.create", &body);
+    assert_eq!(create.status, 204);
+    for socket in ["/run/gpu-a.sock", "/run/gpu-b.sock"] {
+        let device = format!(r#"{{"socket":"{socket}"}}"#);
+        let added = call(
+            &session,
+            &fake,
+            Method::Put,
+            "/api/v1/vm.add-user-device",
+            &device,
+        );
+        assert_eq!(added.status, 204);
+    }
+    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
+    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    let ids: Vec<&str> = info["config"]["user_devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["_user_device0", "_user_device1"], "{info}");
+}
