@@ -2,8 +2,8 @@
 //! container's block rootfs after vm.boot: vm.add-disk answers `{id, bdf}`, the guest
 //! (`virtio-blk-hotplug`) finds the disk in that slot and reads and writes it,
 //! vm.remove-device answers at once and the guest ejects the disk; a hot-plugged disk
-//! survives a snapshot and restore in its slot and can still be removed; refusals name
-//! what is wrong.
+//! survives a snapshot and restore in its slot and can still be removed, and a disk added
+//! after the restore gets an id of its own; refusals name what is wrong.
 
 use std::path::Path;
 use std::time::Duration;
@@ -146,12 +146,9 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     );
     assert!(disk_ids(&api).is_empty());
 
-    // 2: a named disk, then a snapshot with it attached.
-    let second = add_disk(
-        &api,
-        &format!(r#"{{"path":"{}","id":"data"}}"#, images[1].display()),
-    );
-    assert_eq!(second["id"], "data", "{second}");
+    // 2: a disk without an id again (`_disk0` is free again), then a snapshot with it.
+    let second = add_disk(&api, &format!(r#"{{"path":"{}"}}"#, images[1].display()));
+    assert_eq!(second["id"], "_disk0", "{second}");
     let second_bdf = second["bdf"].as_str().unwrap().to_string();
     guest_checked(&mut vm, 2, &second_bdf, &images[1]);
     api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
@@ -161,8 +158,10 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     let out = vm.wait(LIMIT);
     assert!(out.code().is_some(), "{}", out.describe());
 
-    // The restored VM has the disk in the same slot; it is removed as a hot-plugged one,
-    // and a third disk is hot-plugged after the restore.
+    // The restored VM has the disk in the same slot. A third disk hot-plugged after the
+    // restore, without an id, does not take the restored disk's (the restored VM's
+    // configuration does not list it: its devices do). The restored disk is removed as a
+    // hot-plugged one, then the guest finds the third.
     let api2 = scratch.path("api2.sock");
     let source = format!("source_url=file://{}", snap.display());
     let mut restored = spawn_ch(
@@ -172,7 +171,9 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     wait_for_api_socket(&mut restored, &api2);
     wait_for_vm(&mut restored, &api2, LIMIT);
     api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
-    remove(&api2, "data");
+    let third = add_disk(&api2, &format!(r#"{{"path":"{}"}}"#, images[2].display()));
+    assert_eq!(third["id"], "_disk1", "{third}");
+    remove(&api2, "_disk0");
     restored.wait_for_stdout(
         &format!(
             "virtio-blk-hotplug: {} ejected, reads all ones",
@@ -180,7 +181,6 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
         ),
         LIMIT,
     );
-    let third = add_disk(&api2, &format!(r#"{{"path":"{}"}}"#, images[2].display()));
     let third_bdf = third["bdf"].as_str().unwrap().to_string();
     guest_checked(&mut restored, 3, &third_bdf, &images[2]);
     remove(&api2, third["id"].as_str().unwrap());

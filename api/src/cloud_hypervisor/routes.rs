@@ -538,10 +538,16 @@ fn add(
         return not_created();
     };
     // A device added without an id gets one no device of this VM has (Cloud Hypervisor's
-    // `_disk0`, `_net1`, ...), also after others were removed.
+    // `_disk0`, `_net1`, ...), also after others were removed; a booted VM's devices count
+    // too (a restored VM's configuration does not list them).
     if let (Value::Object(fields), Some(prefix)) = (&mut value, kind.id_prefix()) {
         if fields.get("id").is_none_or(Value::is_null) {
-            fields.insert("id".into(), json!(fresh_id(config, prefix)));
+            let mut taken = config_ids(config);
+            if booted {
+                let tree = device_tree(dispatch);
+                taken.extend(tree.as_object().into_iter().flat_map(|t| t.keys().cloned()));
+            }
+            fields.insert("id".into(), json!(fresh_id(&taken, prefix)));
         }
     }
     // vm.create checked it; a device's pci_segment must be one of these.
@@ -792,9 +798,8 @@ fn config_ids(config: &VmConfig) -> Vec<String> {
     ids
 }
 
-/// `prefix` followed by the first number that makes an id no device of `config` has.
-fn fresh_id(config: &VmConfig, prefix: &str) -> String {
-    let taken = config_ids(config);
+/// `prefix` followed by the first number that makes an id not `taken`.
+fn fresh_id(taken: &[String], prefix: &str) -> String {
     (0..)
         .map(|n| format!("{prefix}{n}"))
         .find(|id| !taken.contains(id))
