@@ -520,37 +520,22 @@ fn bad_command_lines_exit_125_naming_the_option() {
     }
 }
 
-/// `--net fd=3,mac=...`: a tap the process inherited as descriptor 3 (as a parent that
-/// made it in the pod's network namespace hands it over) becomes the guest's interface,
-/// through the same route as vm.add-net with a passed descriptor; the guest's
-/// `virtio-net` workload has the given MAC and answers a UDP echo through that tap. As
-/// root only (a network namespace and a tap).
-#[test]
-fn command_line_net_fd_takes_an_inherited_tap() {
+/// `cloud-hypervisor ARGS` (as `gpuvm ch`) with `tap` as its descriptor 3, output to
+/// `scratch/<name>.out` and `.err`.
+fn spawn_with_tap_at_3(
+    scratch: &Scratch,
+    name: &str,
+    args: &[&str],
+    tap: &std::os::fd::OwnedFd,
+) -> std::process::Child {
     use std::os::unix::process::CommandExt;
-
-    let Some(netns) = Netns::create("command_line_net_fd_takes_an_inherited_tap") else {
-        return;
-    };
-    let scratch = Scratch::new("cloud_hypervisor", "cli_net_fd");
-    let kernel = guest_image(&scratch);
-    let tap = netns.open_tap();
     let tap_fd = tap.as_raw_fd();
-    let mac = format!("06:00:0a:00:{:02x}:02", netns.n);
-    let stdout_path = scratch.path("stdout");
     let mut command = Command::new(gpuvm_bin());
     command
-        .args([
-            "ch",
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--memory",
-            "size=128M",
-        ])
-        .args(["--cmdline", &format!("virtio-net {}", netns.guest_ip())])
-        .args(["--net", &format!("fd=3,mac={mac},id=net0")])
-        .stdout(std::fs::File::create(&stdout_path).unwrap())
-        .stderr(std::fs::File::create(scratch.path("stderr")).unwrap());
+        .arg("ch")
+        .args(args)
+        .stdout(std::fs::File::create(scratch.path(&format!("{name}.out"))).unwrap())
+        .stderr(std::fs::File::create(scratch.path(&format!("{name}.err"))).unwrap());
     // SAFETY: between fork and exec the closure only calls dup2 / fcntl, which are
     // async-signal-safe; it makes the tap the child's descriptor 3 without close-on-exec.
     unsafe {
@@ -566,39 +551,98 @@ fn command_line_net_fd_takes_an_inherited_tap() {
             Ok(())
         });
     }
-    let mut child = command.spawn().unwrap();
-    // gpuvm holds the tap now: ours can go.
-    drop(tap);
-    let stdout = || std::fs::read_to_string(&stdout_path).unwrap_or_default();
+    command.spawn().unwrap()
+}
+
+/// Waits until `scratch/<name>.out` holds `line` (or the process ended, or LIMIT).
+fn wait_for_output(scratch: &Scratch, child: &mut std::process::Child, name: &str, line: &str) {
+    let output = |ext: &str| {
+        std::fs::read_to_string(scratch.path(&format!("{name}.{ext}"))).unwrap_or_default()
+    };
     let deadline = Instant::now() + LIMIT;
-    while !stdout().contains("virtio-net: sent gratuitous arp") {
+    while !output("out").contains(line) {
         let ended = child.try_wait().unwrap();
         if ended.is_some() || Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "no gratuitous arp ({ended:?}):\n{}\n--- stderr\n{}",
-                stdout(),
-                std::fs::read_to_string(scratch.path("stderr")).unwrap_or_default()
+                "no {line:?} ({ended:?}):\n{}\n--- stderr\n{}",
+                output("out"),
+                output("err")
             );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let payload = b"through an inherited tap".to_vec();
-    assert_eq!(netns.udp_echo(&payload), payload);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("the guest did not end:\n{}", stdout());
-        }
-        std::thread::sleep(Duration::from_millis(20));
+}
+
+/// `--net fd=3,mac=...`: a tap the process inherited as descriptor 3 (as a parent that
+/// made it in the pod's network namespace hands it over) becomes the guest's interface,
+/// through the same route as vm.add-net with a passed descriptor; the guest's
+/// `virtio-net` workload has the given MAC. The VM is snapshotted through the API, and
+/// `--restore ...,net_fds=[net0@[3]],resume=on` in a new process gives the restored
+/// interface a tap inherited the same way: the guest answers a UDP echo through it. As
+/// root only (a network namespace and a tap).
+#[test]
+fn command_line_net_fd_takes_an_inherited_tap() {
+    let Some(netns) = Netns::create("command_line_net_fd_takes_an_inherited_tap") else {
+        return;
     };
-    let out = stdout();
-    assert_eq!(status.code(), Some(0), "{out}");
+    let scratch = Scratch::new("cloud_hypervisor", "cli_net_fd");
+    let kernel = guest_image(&scratch);
+    let mac = format!("06:00:0a:00:{:02x}:02", netns.n);
+    let api = scratch.path("api.sock");
+    let snap = scratch.path("snap");
+    let tap = netns.open_tap();
+    let cmdline = format!("virtio-net {}", netns.guest_ip());
+    let net = format!("fd=3,mac={mac},id=net0");
+    let mut booted = spawn_with_tap_at_3(
+        &scratch,
+        "booted",
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--memory",
+            "size=128M",
+            "--cmdline",
+            &cmdline,
+            "--net",
+            &net,
+        ],
+        &tap,
+    );
+    // gpuvm holds the tap now: ours can go.
+    drop(tap);
+    wait_for_output(
+        &scratch,
+        &mut booted,
+        "booted",
+        "virtio-net: sent gratuitous arp",
+    );
+    let out = std::fs::read_to_string(scratch.path("booted.out")).unwrap();
     assert!(out.contains(&format!("virtio-net: mac={mac}")), "{out}");
-    assert!(out.contains("virtio-net: ok"), "{out}");
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    booted.wait().unwrap();
+
+    let tap = netns.open_tap();
+    let source = format!(
+        "source_url=file://{},net_fds=[net0@[3]],resume=on",
+        snap.display()
+    );
+    let mut restored = spawn_with_tap_at_3(&scratch, "restored", &["--restore", &source], &tap);
+    drop(tap);
+    let payload = b"through an inherited tap, restored".to_vec();
+    assert_eq!(netns.udp_echo(&payload), payload);
+    wait_for_output(&scratch, &mut restored, "restored", "virtio-net: ok");
+    let status = restored.wait().unwrap();
+    let out = std::fs::read_to_string(scratch.path("restored.out")).unwrap();
+    assert_eq!(status.code(), Some(0), "{out}");
+    assert!(
+        !out.contains("virtio-net: sent gratuitous arp"),
+        "the guest started over: {out}"
+    );
 }

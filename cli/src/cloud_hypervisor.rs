@@ -63,8 +63,13 @@ enum Start {
         user_devices: Vec<Value>,
         fd_nets: Vec<options::Net>,
     },
-    /// vm.restore with `body`, then vm.resume when `resume`.
-    Restore { body: Value, resume: bool },
+    /// vm.restore with `body` and the tap descriptors its `net_fds` names, then vm.resume
+    /// when `resume`.
+    Restore {
+        body: Value,
+        resume: bool,
+        tap_fds: Vec<i32>,
+    },
 }
 
 #[derive(Debug, PartialEq)]
@@ -291,7 +296,11 @@ fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
                     "{option} needs --kernel: the VM is configured on the command line only with a payload (or through PUT /api/v1/vm.create)"
                 ));
             }
-            restore.map(|(body, resume)| Start::Restore { body, resume })
+            restore.map(|(body, resume, tap_fds)| Start::Restore {
+                body,
+                resume,
+                tap_fds,
+            })
         }
     };
     if api_socket.is_none() && start.is_none() {
@@ -364,17 +373,18 @@ struct StartRequest {
     fds: Vec<OwnedFd>,
 }
 
-/// Takes ownership of a tap descriptor named by `--net fd=`.
-fn take_tap_fd(fd: i32) -> Result<OwnedFd, CliError> {
+/// Takes ownership of a tap descriptor named by `--net fd=` or `--restore net_fds=`
+/// (`named_by`).
+fn take_tap_fd(fd: i32, named_by: &str) -> Result<OwnedFd, CliError> {
     // SAFETY: F_GETFD only reads the descriptor's flags; any number may be asked about.
     if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
         return Err(CliError::Other(format!(
-            "--net fd={fd}: {}",
+            "{named_by} {fd}: {}",
             std::io::Error::last_os_error()
         )));
     }
     // SAFETY: the descriptor is open (checked above) and was handed to this process for
-    // the interface, as --net fd= says; parse() refused any number named twice and the
+    // the interface, as the option says; parse() refused any number named twice and the
     // standard streams, so this is its only owner.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -397,7 +407,7 @@ fn start_requests(start: Start) -> Result<Vec<StartRequest>, CliError> {
                 let fds = net
                     .fds
                     .iter()
-                    .map(|fd| take_tap_fd(*fd))
+                    .map(|fd| take_tap_fd(*fd, "--net fd="))
                     .collect::<Result<_, _>>()?;
                 requests.push(StartRequest {
                     fds,
@@ -414,8 +424,19 @@ fn start_requests(start: Start) -> Result<Vec<StartRequest>, CliError> {
             requests.push(request("booting", "/api/v1/vm.boot", Value::Null));
             requests
         }
-        Start::Restore { body, resume } => {
-            let mut requests = vec![request("--restore", "/api/v1/vm.restore", body)];
+        Start::Restore {
+            body,
+            resume,
+            tap_fds,
+        } => {
+            let fds = tap_fds
+                .iter()
+                .map(|fd| take_tap_fd(*fd, "--restore net_fds="))
+                .collect::<Result<_, _>>()?;
+            let mut requests = vec![StartRequest {
+                fds,
+                ..request("--restore", "/api/v1/vm.restore", body)
+            }];
             if resume {
                 requests.push(request(
                     "--restore resume=on",
@@ -765,9 +786,36 @@ mod tests {
             restore.start,
             Some(Start::Restore {
                 body: json!({"source_url": "file:///snap", "prefault": true}),
-                resume: false
+                resume: false,
+                tap_fds: Vec::new(),
             })
         );
+        // Cloud Hypervisor's net_fds: new taps for the interfaces that came as descriptors.
+        let with_taps = parsed(&[
+            "cloud-hypervisor",
+            "--restore",
+            "source_url=file:///s,net_fds=[net0@[23,24],net1@[25]]",
+        ]);
+        assert_eq!(
+            with_taps.start,
+            Some(Start::Restore {
+                body: json!({"source_url": "file:///s", "net_fds": [
+                    {"id": "net0", "num_fds": 2}, {"id": "net1", "num_fds": 1}]}),
+                resume: false,
+                tap_fds: vec![23, 24, 25],
+            })
+        );
+        for bad in [
+            "net_fds=[net0@[2]]",
+            "net_fds=[net0@[23],net1@[23]]",
+            "net_fds=net0@[23]",
+            "net_fds=[@[23]]",
+            "net_fds=[net0]",
+        ] {
+            let line = format!("source_url=file:///s,{bad}");
+            let refused = refused(&["cloud-hypervisor", "--restore", &line]);
+            assert!(refused.contains("net_fds"), "{bad}: {refused}");
+        }
         // Without a socket: nothing could resume it but resume=on.
         let resumed = parsed(&[
             "cloud-hypervisor",

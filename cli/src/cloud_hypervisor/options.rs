@@ -466,30 +466,78 @@ pub fn net(text: &str) -> Result<Net> {
     let (config, own) = object(OPTION, text, &[KEYS, RATE_LIMITER_KEYS, PCI_COMMON])?;
     let mut fds = Vec::new();
     if let Some(Value::String(list)) = own.get("fd") {
-        for fd in list
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .split(',')
-            .map(str::trim)
-        {
-            match fd.parse::<i32>() {
-                // 0, 1 and 2 are gpuvm's stdin, stdout (the serial console) and stderr.
-                Ok(n) if n > 2 && !fds.contains(&n) => fds.push(n),
-                _ => {
-                    return Err(bad(
-                        OPTION,
-                        "fd",
-                        list,
-                        "open tap descriptors above 2, each once: fd=3 or fd=[3,4]",
-                    ))
-                }
-            }
-        }
+        let bad_list = || {
+            bad(
+                OPTION,
+                "fd",
+                list,
+                "open tap descriptors above 2, each once: fd=3 or fd=[3,4]",
+            )
+        };
+        tap_fds(list, &mut fds).ok_or_else(bad_list)?;
     }
     Ok(Net {
         config: Value::Object(config),
         fds,
     })
+}
+
+/// Appends the descriptors of `list` (`3` or `[3,4]`) to `fds`; None if one is not a number
+/// above 2 (0, 1 and 2 are gpuvm's stdin, stdout, the serial console, and stderr) or is
+/// named twice, also across lists.
+fn tap_fds(list: &str, fds: &mut Vec<i32>) -> Option<()> {
+    let inner = list.trim().trim_start_matches('[').trim_end_matches(']');
+    for fd in inner.split(',').map(str::trim) {
+        match fd.parse::<i32>() {
+            Ok(n) if n > 2 && !fds.contains(&n) => fds.push(n),
+            _ => return None,
+        }
+    }
+    Some(())
+}
+
+/// `--restore ...,net_fds=[net0@[23,24],net1@25]`: vm.restore's `net_fds` entries (id and
+/// count) and the descriptors, in order.
+fn restore_net_fds(list: &str) -> Result<(Vec<Value>, Vec<i32>)> {
+    let bad_list = || {
+        bad(
+            "--restore",
+            "net_fds",
+            list,
+            "[<interface id>@[<fd>,...],...] with open tap descriptors above 2, each once",
+        )
+    };
+    let inner = list
+        .trim()
+        .strip_prefix('[')
+        .and_then(|l| l.strip_suffix(']'))
+        .ok_or_else(bad_list)?;
+    // Split at the commas outside the per-interface brackets.
+    let (mut items, mut depth, mut start) = (Vec::new(), 0u32, 0);
+    for (at, c) in inner.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.checked_sub(1).ok_or_else(bad_list)?,
+            ',' if depth == 0 => {
+                items.push(&inner[start..at]);
+                start = at + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&inner[start..]);
+    let (mut entries, mut fds) = (Vec::new(), Vec::new());
+    for item in items {
+        let (id, list) = item.split_once('@').ok_or_else(bad_list)?;
+        let before = fds.len();
+        tap_fds(list, &mut fds).ok_or_else(bad_list)?;
+        let id = id.trim();
+        if id.is_empty() {
+            return Err(bad_list());
+        }
+        entries.push(json!({"id": id, "num_fds": fds.len() - before}));
+    }
+    Ok((entries, fds))
 }
 
 /// `--fs tag=...,socket=...` → one of `fs`.
@@ -618,29 +666,35 @@ pub fn console(option: &str, text: &str) -> Result<Value> {
     Ok(Value::Object(config))
 }
 
-/// `--restore source_url=file:///dir,...`: the body of vm.restore, and whether the VM
-/// runs on at once (`resume=on`; else it waits paused for vm.resume, as in Cloud
-/// Hypervisor).
-pub fn restore(text: &str) -> Result<(Value, bool)> {
+/// `--restore source_url=file:///dir,...`: the body of vm.restore, whether the VM runs
+/// on at once (`resume=on`; else it waits paused for vm.resume, as in Cloud Hypervisor),
+/// and the tap descriptors `net_fds` names, in order (they go with the request).
+pub fn restore(text: &str) -> Result<(Value, bool, Vec<i32>)> {
     const KEYS: &[(&str, Kind)] = &[
         ("source_url", Kind::Text("source_url")),
         ("prefault", Kind::Flag("prefault")),
         ("memory_restore_mode", Kind::Raw("memory_restore_mode")),
-        ("net_fds", Kind::Raw("net_fds")),
+        ("net_fds", Kind::Own),
         ("vfio_fds", Kind::Raw("vfio_fds")),
         ("iommufd_fd", Kind::Raw("iommufd_fd")),
         ("zone_updates", Kind::Raw("zone_updates")),
         ("resume", Kind::Own),
     ];
-    let (body, own) = object("--restore", text, &[KEYS])?;
+    let (mut body, own) = object("--restore", text, &[KEYS])?;
     require("--restore", &body, "source_url", "source_url")?;
+    let mut fds = Vec::new();
+    if let Some(Value::String(list)) = own.get("net_fds") {
+        let (entries, taps) = restore_net_fds(list)?;
+        body.insert("net_fds".into(), Value::Array(entries));
+        fds = taps;
+    }
     let resume = match own.get("resume") {
         Some(Value::String(value)) => {
             toggle(value).ok_or_else(|| bad("--restore", "resume", value, "on or off"))?
         }
         _ => false,
     };
-    Ok((Value::Object(body), resume))
+    Ok((Value::Object(body), resume, fds))
 }
 
 #[cfg(test)]
@@ -833,13 +887,14 @@ mod tests {
         assert!(console("--serial", "loud").is_err());
         assert_eq!(
             restore("source_url=file:///snap").unwrap(),
-            (json!({"source_url": "file:///snap"}), false)
+            (json!({"source_url": "file:///snap"}), false, Vec::new())
         );
         assert_eq!(
             restore("source_url=file:///snap,prefault=on,resume=true").unwrap(),
             (
                 json!({"source_url": "file:///snap", "prefault": true}),
-                true
+                true,
+                Vec::new()
             )
         );
         assert_eq!(
