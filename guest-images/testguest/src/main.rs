@@ -11,6 +11,7 @@ mod args;
 mod boot;
 mod bootinfo;
 mod console;
+mod edu;
 mod exception;
 mod gpu_migrate;
 mod hotplug;
