@@ -1,0 +1,109 @@
+# Shell helpers of the real-kernel tier, sourced by the outer machine's /init, its scenarios and the /init
+# of gpuvm's Linux guests (busybox sh: no bash-isms).
+
+uptime_s() {
+    cut -d' ' -f1 /proc/uptime
+}
+
+# figure TEXT: one of the tier's figures (the runner and bench/real-kernel collect `figure:` lines).
+figure() {
+    echo "figure: $*"
+}
+
+fail() {
+    echo "FAIL: $*"
+    exit 1
+}
+
+# Seconds (two decimals) between two /proc/uptime readings.
+seconds_between() {
+    awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'
+}
+
+# pci_find VENDOR DEVICE [N]: the address of the Nth (default 1st) PCI function with these ids.
+pci_find() {
+    n=0
+    for dev in /sys/bus/pci/devices/*; do
+        [ "$(cat "$dev/vendor")" = "0x$1" ] && [ "$(cat "$dev/device")" = "0x$2" ] || continue
+        n=$((n + 1))
+        if [ "$n" = "${3:-1}" ]; then
+            basename "$dev"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# vfio_bind BDF: hands the function to vfio-pci and prints its IOMMU group's /dev/vfio node.
+vfio_bind() {
+    dev="/sys/bus/pci/devices/$1"
+    [ -e "$dev/iommu_group" ] || fail "$1 has no IOMMU group (is the emulated IOMMU on?)"
+    echo vfio-pci >"$dev/driver_override"
+    [ -e "$dev/driver" ] && echo "$1" >"$dev/driver/unbind"
+    echo "$1" >/sys/bus/pci/drivers_probe
+    [ "$(basename "$(readlink "$dev/driver")")" = vfio-pci ] || fail "$1 did not bind to vfio-pci"
+    group="$(basename "$(readlink "$dev/iommu_group")")"
+    [ -c "/dev/vfio/$group" ] || fail "no /dev/vfio/$group for $1"
+    echo "/dev/vfio/$group"
+}
+
+# run_gpuvm NAME SECONDS ARGS...: runs gpuvm with ARGS, its output in /tmp/NAME.log (also printed,
+# indented); returns gpuvm's exit status (124: it ran past SECONDS).
+run_gpuvm() {
+    name="$1"
+    limit="$2"
+    shift 2
+    echo "+ gpuvm $*"
+    status=0
+    timeout "$limit" gpuvm "$@" >"/tmp/$name.log" 2>&1 || status=$?
+    sed 's/^/  | /' "/tmp/$name.log"
+    echo "gpuvm ($name) exited with status $status"
+    return "$status"
+}
+
+# start_gpuvm NAME ARGS...: starts gpuvm in the background, its output in /tmp/NAME.log; wait_gpuvm NAME
+# SECONDS then waits for it (killing it past SECONDS), prints the log and returns its status.
+start_gpuvm() {
+    name="$1"
+    shift
+    echo "+ gpuvm $* &"
+    gpuvm "$@" >"/tmp/$name.log" 2>&1 &
+    echo $! >"/tmp/$name.pid"
+}
+
+wait_gpuvm() {
+    name="$1"
+    pid="$(cat "/tmp/$name.pid")"
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
+    while kill -0 "$pid" 2>/dev/null && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
+        sleep 0.2
+    done
+    kill -9 "$pid" 2>/dev/null && echo "gpuvm ($name) ran past $2 s; killed"
+    status=0
+    wait "$pid" || status=$?
+    sed 's/^/  | /' "/tmp/$name.log"
+    echo "gpuvm ($name) exited with status $status"
+    return "$status"
+}
+
+# wait_for PATH SECONDS: waits until PATH exists.
+wait_for() {
+    n=0
+    while [ ! -e "$1" ]; do
+        n=$((n + 1))
+        [ "$n" -gt $(($2 * 10)) ] && fail "no $1 after $2 s"
+        sleep 0.1
+    done
+}
+
+# expect_line LOG TEXT: fails unless LOG holds TEXT.
+expect_line() {
+    grep -qF -- "$2" "$1" || fail "no '$2' in $1"
+}
+
+# The DMA map figure of a gpuvm log (its `--log-level info` line for the device).
+dma_map_figure() {
+    sed -n 's/.*DMA map \(.*\): done, \(.*\)/\1: \2/p' "$1" | while read -r line; do
+        figure "DMA map $line"
+    done
+}

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The real-kernel test tier's runner: boots Debian's kernel under QEMU in pure emulation (TCG) with nested
+# KVM (`-cpu qemu64,+svm,+npt`), an emulated IOMMU and a scenario's PCI devices, runs one named scenario
+# inside it with gpuvm, and hands back its result and console log.
+#
+#   tests/real-kernel/run.sh [--log FILE] [--timeout SECONDS] SCENARIO
+#   tests/real-kernel/run.sh --list
+#
+# SCENARIO is tests/real-kernel/scenarios/SCENARIO.sh. Its header lines say what it needs:
+#   # qemu: ARGS      QEMU arguments for its devices (e.g. -device edu,addr=0x4)
+#   # memory: SIZE    the outer machine's RAM (default 3G)
+#   # scratch: NAME SIZE   a sparse file made for it on the host (a disk image for an emulated device),
+#                     named @WORK@/NAME in its QEMU arguments
+# The scenario runs as a shell script in the outer machine's busybox user space, with the helpers of
+# tests/real-kernel/lib.sh; its exit status is the runner's. Lines it prints starting `figure:` are the
+# tier's figures (bench/real-kernel collects them).
+#
+# Environment:
+#   GPUVM_BIN               the gpuvm binary to put in the machine (static; default: target/.../release/gpuvm)
+#   GPUVM_REAL_KERNEL_DIR   guest-images/real-kernel/build.sh's output (built here when missing)
+#   QEMU                    the QEMU binary (default qemu-system-x86_64)
+# Exit status: the scenario's; 77 when QEMU or the kernel cannot be had (the tier is skipped);
+# 124 when the machine ran past --timeout; 125 when the machine ended without reporting a result.
+set -euo pipefail
+
+TIER_DIR="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
+REPO_ROOT="$(cd "$TIER_DIR/../.." && pwd)"
+readonly TIER_DIR REPO_ROOT
+readonly SKIP=77
+
+die() {
+    echo "real-kernel: error: $*" >&2
+    exit "${2:-1}"
+}
+
+log_file=""
+timeout_s=600
+while (($#)); do
+    case "$1" in
+    --log) log_file="$2"; shift 2 ;;
+    --timeout) timeout_s="$2"; shift 2 ;;
+    --list)
+        for scenario in "$TIER_DIR"/scenarios/*.sh; do
+            name="$(basename "$scenario" .sh)"
+            printf '%-22s %s\n' "$name" "$(sed -n 's/^# about: //p' "$scenario")"
+        done
+        exit 0
+        ;;
+    -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d;s/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option $1" 2 ;;
+    *) break ;;
+    esac
+done
+(($# == 1)) || die "usage: run.sh [--log FILE] [--timeout SECONDS] SCENARIO (--list names them)" 2
+scenario="$1"
+[[ "$scenario" =~ ^[a-z0-9-]+$ ]] || die "scenario names are lowercase words joined by '-': $scenario" 2
+scenario_file="$TIER_DIR/scenarios/$scenario.sh"
+[[ -f "$scenario_file" ]] || die "no scenario $scenario (tests/real-kernel/run.sh --list)" 2
+[[ "$timeout_s" =~ ^[0-9]+$ ]] || die "--timeout takes whole seconds" 2
+
+qemu="${QEMU:-qemu-system-x86_64}"
+command -v "$qemu" >/dev/null || die "$qemu not found: the real-kernel tier needs Debian's qemu-system-x86" "$SKIP"
+for command in busybox cpio; do
+    command -v "$command" >/dev/null || die "$command not found (scripts/install-deps.sh)" "$SKIP"
+done
+
+gpuvm_bin="${GPUVM_BIN:-$REPO_ROOT/target/x86_64-unknown-linux-gnu/release/gpuvm}"
+[[ -x "$gpuvm_bin" ]] || die "no gpuvm binary at $gpuvm_bin (cargo build --release, or set GPUVM_BIN)"
+if file "$gpuvm_bin" 2>/dev/null | grep -q 'dynamically linked'; then
+    die "$gpuvm_bin is dynamically linked; the machine has no C library (build with the workspace's .cargo/config.toml)"
+fi
+
+kernel_dir="${GPUVM_REAL_KERNEL_DIR:-$REPO_ROOT/guest-images/real-kernel/out}"
+if [[ ! -s "$kernel_dir/vmlinuz" ]]; then
+    build_status=0
+    "$REPO_ROOT/guest-images/real-kernel/build.sh" "$kernel_dir" >&2 || build_status=$?
+    ((build_status == 0)) || die "the outer kernel cannot be had (guest-images/real-kernel/build.sh: $build_status)" \
+        "$([[ $build_status == "$SKIP" ]] && echo "$SKIP" || echo 1)"
+fi
+release="$(cat "$kernel_dir/kernel-version")"
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/gpuvm-real-kernel.XXXXXX")"
+qemu_pid=""
+cleanup() {
+    [[ -n "$qemu_pid" ]] && kill -9 "$qemu_pid" 2>/dev/null
+    rm -rf "$work"
+}
+trap cleanup EXIT
+[[ -n "$log_file" ]] || log_file="$work/console.log"
+: >"$log_file"
+
+# Packs directory $1 into an uncompressed newc cpio $2 (uncompressed: nothing to inflate under emulation).
+pack() {
+    (cd "$1" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet) >"$2"
+}
+
+# A busybox root with the kernel's modules, shared by the outer machine and gpuvm's Linux guests.
+make_root() {
+    local root="$1" applet
+    mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,run,mnt,lib}
+    cp "$(command -v busybox)" "$root/bin/busybox"
+    for applet in $(busybox --list); do
+        [[ "$applet" == busybox ]] || ln -sf busybox "$root/bin/$applet"
+    done
+    cp -a "$kernel_dir/modules/lib/modules" "$root/lib/"
+    cp "$TIER_DIR/lib.sh" "$root/lib/real-kernel.sh"
+}
+
+# The initramfs of gpuvm's Linux guests.
+inner="$work/inner"
+make_root "$inner"
+cp "$TIER_DIR/inner-init" "$inner/init"
+chmod +x "$inner/init"
+
+outer="$work/outer"
+make_root "$outer"
+cp "$TIER_DIR/outer-init" "$outer/init"
+chmod +x "$outer/init"
+mkdir -p "$outer/scenarios" "$outer/images"
+cp "$TIER_DIR"/scenarios/*.sh "$outer/scenarios/"
+cp "$gpuvm_bin" "$outer/bin/gpuvm"
+cp "$kernel_dir/vmlinuz" "$outer/images/vmlinuz"
+pack "$inner" "$outer/images/initramfs.cpio"
+pack "$outer" "$work/outer.cpio"
+
+while read -r name size; do
+    [[ "$name" =~ ^[a-z0-9.-]+$ ]] || die "bad scratch file name in $scenario: $name"
+    truncate -s "$size" "$work/$name"
+done < <(sed -n 's/^# scratch: //p' "$scenario_file")
+qemu_devices="$(sed -n 's/^# qemu: //p' "$scenario_file" | tr '\n' ' ' | sed "s|@WORK@|$work|g")"
+memory="$(sed -n 's/^# memory: //p' "$scenario_file" | head -n1)"
+cmdline="console=ttyS0 quiet loglevel=3 panic=-1 intel_iommu=on real_kernel.scenario=$scenario"
+
+echo "real-kernel: scenario $scenario on $release under $("$qemu" --version | head -n1)" >&2
+echo "real-kernel: console log $log_file" >&2
+started=$SECONDS
+# shellcheck disable=SC2086 # the scenario's QEMU arguments are words
+"$qemu" -M q35,kernel-irqchip=split -accel tcg,thread=multi -smp 2 -m "${memory:-3G}" \
+    -cpu qemu64,+svm,+npt -device intel-iommu,intremap=on \
+    -nodefaults -no-reboot -display none -monitor none -serial "file:$log_file" \
+    -kernel "$kernel_dir/vmlinuz" -initrd "$work/outer.cpio" -append "$cmdline" \
+    $qemu_devices </dev/null >"$work/qemu.out" 2>&1 &
+qemu_pid=$!
+
+# Follows the console while the machine runs, so a person watching sees the scenario as it goes.
+tail -n +1 -f "$log_file" --pid="$qemu_pid" 2>/dev/null | sed -u 's/\r$//' >&2 &
+tail_pid=$!
+deadline=$((SECONDS + timeout_s))
+while kill -0 "$qemu_pid" 2>/dev/null; do
+    if ((SECONDS >= deadline)); then
+        kill -9 "$qemu_pid" 2>/dev/null || true
+        wait "$qemu_pid" 2>/dev/null || true
+        qemu_pid=""
+        wait "$tail_pid" 2>/dev/null || true
+        echo "real-kernel: $scenario ran past ${timeout_s}s; stopped" >&2
+        exit 124
+    fi
+    sleep 0.2
+done
+qemu_status=0
+wait "$qemu_pid" || qemu_status=$?
+qemu_pid=""
+wait "$tail_pid" 2>/dev/null || true
+elapsed=$((SECONDS - started))
+
+result="$(sed -n "s/^real-kernel: result $scenario \([0-9]*\)\r\{0,1\}$/\1/p" "$log_file" | tail -n1)"
+if [[ -z "$result" ]]; then
+    echo "real-kernel: $scenario ended without a result (QEMU status $qemu_status):" >&2
+    cat "$work/qemu.out" >&2
+    exit 125
+fi
+echo "figure: $scenario total ${elapsed} s (QEMU start to power-off)" >&2
+echo "real-kernel: $scenario status $result in ${elapsed} s" >&2
+exit "$result"

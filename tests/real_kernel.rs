@@ -1,0 +1,118 @@
+//! The real-kernel tier: scenarios that run gpuvm inside a QEMU TCG machine with nested KVM and an emulated
+//! IOMMU (tests/real-kernel/run.sh), where the kernel's own VFIO works and gpuvm's Linux guests reach user
+//! space, which this host's KVM cannot give (see ARCHITECTURE.md, "Test tiers").
+//!
+//! Each test runs one scenario and checks its status and the lines it must print. The machines run one at
+//! a time (each takes both host cores). A test skips, saying why on stderr, only where QEMU or the Debian
+//! kernel cannot be had (run.sh's status 77).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// One emulated machine at a time: TCG with two vCPU threads fills this host's two cores.
+static MACHINE: Mutex<()> = Mutex::new(());
+
+const SKIPPED: i32 = 77;
+
+struct Outcome {
+    status: Option<i32>,
+    console: String,
+    stderr: String,
+}
+
+impl Outcome {
+    fn describe(&self) -> String {
+        format!(
+            "status {:?}\n--- runner\n{}\n--- console\n{}",
+            self.status, self.stderr, self.console
+        )
+    }
+
+    fn assert_has(&self, text: &str) {
+        assert!(
+            self.console.contains(text),
+            "the console has no {text:?}\n{}",
+            self.describe()
+        );
+    }
+}
+
+/// Runs `scenario`; `None` when the tier is skipped on this host.
+fn run_scenario(scenario: &str) -> Option<Outcome> {
+    let _machine = MACHINE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let log = std::env::temp_dir().join(format!(
+        "gpuvm-real-kernel-{scenario}-{}.log",
+        std::process::id()
+    ));
+    let started = Instant::now();
+    let output = Command::new(root.join("real-kernel/run.sh"))
+        .args(["--timeout", "900", "--log"])
+        .arg(&log)
+        .arg(scenario)
+        .env("GPUVM_BIN", gpuvm_tests::gpuvm_bin())
+        .output()
+        .expect("cannot start tests/real-kernel/run.sh");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    if output.status.code() == Some(SKIPPED) {
+        eprintln!("real-kernel scenario {scenario} skipped: {}", stderr.trim());
+        return None;
+    }
+    let console = std::fs::read_to_string(&log).unwrap_or_default();
+    let _ = std::fs::remove_file(&log);
+    eprintln!(
+        "real-kernel scenario {scenario}: {:?} in {:.1} s",
+        output.status.code(),
+        started.elapsed().as_secs_f64()
+    );
+    Some(Outcome {
+        status: output.status.code(),
+        console,
+        stderr,
+    })
+}
+
+/// Runs `scenario` and checks that it passed and printed every line of `expected`.
+fn scenario_passes(scenario: &str, expected: &[&str]) {
+    let Some(outcome) = run_scenario(scenario) else {
+        return;
+    };
+    assert_eq!(outcome.status, Some(0), "{}", outcome.describe());
+    outcome.assert_has(&format!("real-kernel: result {scenario} 0"));
+    for text in expected {
+        outcome.assert_has(text);
+    }
+}
+
+#[test]
+fn kernel_vfio_drives_edu_dma_msi_and_intx() {
+    scenario_passes(
+        "vfio-edu",
+        &["edu: dma ok", "edu: msi ok", "edu: intx ok", "edu: PASS", "figure: DMA map"],
+    );
+}
+
+#[test]
+fn linux_guest_uses_virtio_from_user_space_and_powers_off() {
+    scenario_passes(
+        "linux-virtio",
+        &[
+            "inner: user space reached",
+            "inner: blk ok",
+            "inner: net ok",
+            "inner: rng ok",
+            "inner: vsock ok",
+            "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn linux_guest_reboot_ends_gpuvm() {
+    scenario_passes(
+        "linux-reboot",
+        &["inner: user space reached", "guest requested a reset"],
+    );
+}
