@@ -208,6 +208,16 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
+            // PCI hot-plug of a kernel VFIO device checks RLIMIT_MEMLOCK before pinning
+            // guest RAM for it: getrlimit is prlimit64 on this process with no new limit.
+            rules.insert(
+                libc::SYS_prlimit64,
+                vec![SeccompRule::new(vec![
+                    arg(0, SeccompCmpOp::Eq, 0)?,
+                    arg32(1, SeccompCmpOp::Eq, u64::from(libc::RLIMIT_MEMLOCK))?,
+                    arg(2, SeccompCmpOp::Eq, 0)?,
+                ])?],
+            );
             // The GPU agent's connection (gpu_release): read and write timeouts only.
             rules.insert(
                 libc::SYS_setsockopt,
@@ -469,6 +479,35 @@ mod tests {
             assert!(!vcpu.contains(&nr), "{nr}");
         }
         assert!(!allowed(ThreadKind::Vmm).contains(&libc::SYS_execve));
+    }
+
+    #[test]
+    fn the_vmm_filter_reads_the_memlock_limit_but_cannot_change_limits() {
+        let outcome = std::thread::spawn(|| {
+            let filter = SeccompFilter::new(
+                rules(ThreadKind::Vmm).unwrap(),
+                SeccompAction::Errno(libc::EPERM as u32),
+                SeccompAction::Allow,
+                TargetArch::x86_64,
+            )
+            .unwrap();
+            let program: BpfProgram = filter.try_into().unwrap();
+            seccompiler::apply_filter(&program).unwrap();
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit and setrlimit read and write one rlimit we own.
+            let memlock = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) };
+            // SAFETY: as above.
+            let nofile = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+            // SAFETY: as above; the filter refuses it before it changes anything.
+            let set = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) };
+            (memlock, nofile, set)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(outcome, (0, -1, -1), "(memlock read, nofile read, set)");
     }
 
     #[test]
