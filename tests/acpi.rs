@@ -249,3 +249,70 @@ fn config_file_pci_segments_place_a_drive_and_bad_ones_are_refused() {
         assert!(!out.stdout.contains("acpi:"), "{name}: the guest ran");
     }
 }
+
+/// `poweroff` the way Linux's hardware-reduced ACPI does it: the guest finds the FADT's
+/// sleep control register and `\_S5_`, clears WAK_STS and writes `5 << 2 | SLP_EN`; gpuvm
+/// ends the run there, with status 0, under its seccomp filters (on by default). The
+/// guest never reaches its exit port: it prints FAIL and exits 1 if the VM goes on.
+#[test]
+fn acpi_power_off_ends_the_run_with_status_0() {
+    let out = run_gpuvm(
+        &["--log-level", "info", "run", "--cmdline", "acpi poweroff"],
+        LIMIT,
+    );
+    out.assert_code(0)
+        .assert_stdout_has("acpi: FACP -> DSDT at")
+        .assert_stdout_has("acpi: sleep control port 0x600 S5 type 5")
+        .assert_stdout_has("acpi: sleep status port 0x600")
+        .assert_stdout_has("acpi: entering S5: 0x34 to port 0x600")
+        .assert_stderr_has("guest requested power-off through the ACPI sleep control register")
+        .assert_stderr_has("guest powered off through the ACPI sleep control register")
+        .assert_stderr_has("guest ended: PowerOff");
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(
+        !out.stderr.contains("guest reported exit status"),
+        "the guest ended through the exit port: {}",
+        out.describe()
+    );
+    // WAK_STS, written first, is not a sleep request; the S5 request is.
+    assert!(!out.stderr.contains("sleep type"), "{}", out.describe());
+}
+
+/// Firecracker has no ACPI power-off (its guests stop it with `reboot`), and gpuvm's
+/// Firecracker mode keeps it that way: the FADT has no sleep registers and the DSDT no
+/// `\_S5_`, so the guest finds nothing to write to and says so (status 3).
+#[test]
+fn firecracker_mode_offers_no_acpi_power_off() {
+    use gpuvm_tests::{gpuvm_bin, Scratch, SpawnedProcess};
+
+    let scratch = Scratch::new("acpi", "firecracker_poweroff");
+    let kernel = scratch.path("vmlinux");
+    run_gpuvm(
+        &["guest-image", "--output", kernel.to_str().unwrap()],
+        LIMIT,
+    )
+    .assert_code(0);
+    let config = scratch.path("vm.json");
+    std::fs::write(
+        &config,
+        format!(
+            r#"{{"boot-source": {{"kernel_image_path": "{}", "boot_args": "acpi poweroff"}},
+            "machine-config": {{"vcpu_count": 1, "mem_size_mib": 64, "smt": false}}}}"#,
+            kernel.display()
+        ),
+    )
+    .unwrap();
+    let link = scratch.path("firecracker");
+    std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+    let out = SpawnedProcess::spawn(
+        &link,
+        &["--no-api", "--config-file", config.to_str().unwrap()],
+    )
+    .wait(LIMIT);
+    out.assert_code(3)
+        .assert_stdout_has("acpi: FACP -> DSDT at")
+        .assert_stdout_has(
+            "acpi: no ACPI power-off: sleep control register none, sleep status register none, \\_S5_ none",
+        );
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+}

@@ -118,6 +118,8 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
 pub fn main(args: &[String], process_start: Instant) -> ExitCode {
     // Kata's Firecracker driver finds vCPU threads by Firecracker's names.
     gpuvm_vmm::vcpu::name_threads_as_firecracker();
+    // Firecracker's guests have no ACPI power-off (`poweroff` halts, `reboot` ends it).
+    gpuvm_vmm::builder::without_acpi_power_off();
     let parsed = match parse(args) {
         Ok(Some(parsed)) => parsed,
         Ok(None) => {

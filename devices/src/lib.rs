@@ -3,6 +3,7 @@
 //! - [`bus`]: the address bus that routes port I/O and MMIO exits to devices.
 //! - [`serial`]: a 16550A UART for the console.
 //! - [`i8042`]: the keyboard controller, only for its CPU-reset command.
+//! - [`acpi_sleep`]: the hardware-reduced ACPI sleep control register, for power-off.
 //! - [`exit_port`]: where the guest reports its exit status.
 //! - [`pci`]: the PCI root bus, BAR emulation and MSI-X.
 //! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
@@ -11,6 +12,7 @@
 //! Every device accepts any access a guest can make (odd widths, offsets past its
 //! registers, empty accesses) without panicking.
 
+pub mod acpi_sleep;
 pub mod bus;
 pub mod exit_port;
 pub mod i8042;
@@ -19,6 +21,7 @@ pub mod persist;
 pub mod serial;
 pub mod sink;
 
+pub use acpi_sleep::AcpiSleepControl;
 pub use bus::{Bus, BusDevice, BusError};
 pub use exit_port::{ExitPort, ExitStatus};
 pub use i8042::I8042;

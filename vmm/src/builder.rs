@@ -5,13 +5,15 @@
 //! device and vCPU stages.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use gpuvm_arch::x86_64::acpi::{self, AcpiConfig};
 use gpuvm_arch::x86_64::cpuid::Topology;
 use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
-use gpuvm_arch::x86_64::{boot, mptable};
+use gpuvm_arch::x86_64::{boot, mptable, reset_vector};
+use gpuvm_devices::acpi_sleep::SLEEP_CONTROL_PORT;
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
@@ -41,6 +43,19 @@ const I8042_LEN: u64 = 5;
 pub const EXIT_PORT: u64 = 0xf4;
 const POST_CODE_PORT: u64 = 0x80;
 const CMOS_BASE: u64 = 0x70;
+
+/// Whether the ACPI tables of the VMs this process builds offer power-off (see
+/// [`without_acpi_power_off`]).
+static ACPI_POWER_OFF: AtomicBool = AtomicBool::new(true);
+
+/// Builds VMs whose ACPI tables offer no power-off (no sleep control register, no
+/// `\_S5_`), as Firecracker's: there a guest's `poweroff` halts it and `reboot` stops the
+/// VMM. The Firecracker front end calls this before any VM is built. The sleep control
+/// device itself stays on the port bus either way: a VM restored from a snapshot keeps
+/// the tables it booted with, and a guest is only told of the port by them.
+pub fn without_acpi_power_off() {
+    ACPI_POWER_OFF.store(false, Ordering::Relaxed);
+}
 
 /// Opens /dev/kvm with an error that tells the user what to do.
 pub fn open_kvm() -> Result<Kvm, Error> {
@@ -199,10 +214,12 @@ pub fn build_with_pci(
         &AcpiConfig {
             vcpus: machine_config.vcpus,
             pci_segments: pci,
+            power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
     )?;
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
+    reset_vector::setup_reset_vector(ram.memory())?;
 
     let supported_cpuid = kvm
         .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
@@ -338,6 +355,16 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
         Arc::new(Mutex::new(i8042)),
     )?;
 
+    let poweroff_evt = eventfd()?;
+    let sleep_control =
+        gpuvm_devices::AcpiSleepControl::new(poweroff_evt.try_clone().map_err(Error::EventFd)?);
+    insert(
+        &mut io_bus,
+        u64::from(SLEEP_CONTROL_PORT),
+        gpuvm_devices::AcpiSleepControl::LEN,
+        Arc::new(Mutex::new(sleep_control)),
+    )?;
+
     let exit_evt = eventfd()?;
     let exit_port = gpuvm_devices::ExitPort::new(exit_evt.try_clone().map_err(Error::EventFd)?);
     let exit_status = exit_port.status();
@@ -364,6 +391,7 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
         mmio_bus: Arc::new(Bus::new()),
         serial,
         reset_evt,
+        poweroff_evt,
         exit_evt,
         exit_status,
         passthrough: Vec::new(),

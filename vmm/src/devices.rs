@@ -3,10 +3,11 @@
 //! snapshot holds.
 //!
 //! Components without state of their own are not in the list: the i8042 (it only
-//! forwards the guest's reset command), the exit port and the legacy sinks, and the PCI
-//! root bus (each function's configuration state is its own: a virtio transport saves its
-//! BAR, command register and MSI-X table; a hot-plugged passthrough device's state comes
-//! from the device itself, through VFIO migration: see crate::hotplug::migration).
+//! forwards the guest's reset command), the ACPI sleep control register (it only forwards
+//! a power-off), the exit port and the legacy sinks, and the PCI root bus (each
+//! function's configuration state is its own: a virtio transport saves its BAR, command
+//! register and MSI-X table; a hot-plugged passthrough device's state comes from the
+//! device itself, through VFIO migration: see crate::hotplug::migration).
 //!
 //! Adding a device to snapshots: implement [`Persist`] in the device's own file (its
 //! `State` type beside it), then add one field to [`DeviceStates`] and one line to each
@@ -34,6 +35,8 @@ pub struct MachineDevices {
     pub mmio_bus: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,
     pub reset_evt: EventFd,
+    /// Signalled when the guest powers off through the ACPI sleep control register.
+    pub poweroff_evt: EventFd,
     pub exit_evt: EventFd,
     pub exit_status: ExitStatus,
     /// Names of passthrough devices: their state lives in the hardware, so a VM with any

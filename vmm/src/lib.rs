@@ -94,6 +94,8 @@ pub enum Error {
     #[error(transparent)]
     MpTable(#[from] gpuvm_arch::x86_64::mptable::MpTableError),
     #[error(transparent)]
+    ResetVector(#[from] gpuvm_arch::x86_64::reset_vector::ResetVectorError),
+    #[error(transparent)]
     Acpi(#[from] gpuvm_arch::x86_64::acpi::AcpiError),
     #[error(transparent)]
     Vcpu(#[from] vcpu::VcpuError),

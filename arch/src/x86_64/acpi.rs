@@ -4,21 +4,29 @@
 //! ```text
 //! RSDP (v2, at ACPI_START, where guests scan for it; PVH and bzImage get its address)
 //!  └─ XSDT ─┬─ FACP (FADT): HW-reduced ACPI, IA-PC boot flags (legacy devices, 8042, no VGA),
-//!           │        reset register = port 0x64 value 0xFE; X_DSDT ─▶ DSDT
+//!           │        reset register = port 0x64 value 0xFE, sleep control and status
+//!           │        registers = port SLEEP_CONTROL_PORT (power-off); X_DSDT ─▶ DSDT
 //!           ├─ APIC (MADT): a local APIC per vCPU, the IOAPIC, LINT1 = NMI
 //!           └─ MCFG: one ECAM window per PCI segment group (the buses it covers)
 //! DSDT: \_SB.PCI0 (PNP0A08/PNP0A03, _SEG/_BBN 0, _CRS bus range + CF8..CFF + both BAR
 //!       windows, _PRT for 32 slots x 4 pins), with more segments \_SB.PC01.. (_SEG and
 //!       _UID N, _BBN 0, _CRS bus range + the segment's own BAR windows, _PRT),
-//!       \_SB.MBRD (PNP0C02, reserves every ECAM window),
-//!       \_SB.COM1 (PNP0501, 0x3F8, IRQ 4); PCI hot-plug: \_SB.PCI0.SDxx slots with _EJ0
-//!       and PCNT (see [`PciHotplugAml`]), \_SB.GED0 (ACPI0013) raising it on HOTPLUG_GSI
+//!       \_SB.MBRD (PNP0C02, reserves every ECAM window, the hot-plug ports and the
+//!       sleep control port), \_SB.COM1 (PNP0501, 0x3F8, IRQ 4); PCI hot-plug:
+//!       \_SB.PCI0.SDxx slots with _EJ0 and PCNT (see [`PciHotplugAml`]), \_SB.GED0
+//!       (ACPI0013) raising it on HOTPLUG_GSI; \_S5_ (soft-off is sleep type 5)
 //! ```
 //!
 //! The tables are encoded by rust-vmm's `acpi_tables`. They describe what the VMM really
 //! builds: the IOAPIC id, ISA IRQ wiring and LINT pins follow the MP table (mptable.rs,
 //! kept alongside), the PCI windows and ECAM come from the root bus's [`PciRootConfig`],
 //! and the _PRT uses [`intx_gsi`], the rule the INTx wiring uses.
+//!
+//! Power-off: a hardware-reduced FADT has no PM1 control block, so without the sleep
+//! registers and `\_S5_` Linux finds no ACPI power-off and `poweroff` only halts. With
+//! them (as Cloud Hypervisor has), Linux writes `5 << 2 | SLP_EN` to the control register
+//! and gpuvm_devices::acpi_sleep ends the VM. [`AcpiConfig::power_off`] false leaves both
+//! out (Firecracker offers no ACPI power-off: its guests stop it with `reboot`).
 
 use acpi_tables::aml::{self, AddressSpaceCacheable};
 use acpi_tables::fadt::{FADTBuilder, Flags};
@@ -31,6 +39,7 @@ use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{Aml, AmlSink};
+use gpuvm_devices::acpi_sleep::{AcpiSleepControl, S5_SLEEP_TYPE, SLEEP_CONTROL_PORT};
 use gpuvm_devices::pci::hotplug::{HOTPLUG_GSI, HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -88,6 +97,8 @@ pub struct AcpiConfig {
     pub vcpus: u8,
     /// The PCI roots: `pci_segments[n]` is segment group n's (segment 0 first, always).
     pub pci_segments: Vec<PciRootConfig>,
+    /// Offer ACPI power-off: the FADT's sleep control and status registers and `\_S5_`.
+    pub power_off: bool,
 }
 
 /// The tables and where each goes in guest memory.
@@ -292,8 +303,9 @@ impl Aml for HostBridgeAml<'_> {
     }
 }
 
-/// `segments[n]` is segment n's root.
-fn dsdt(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
+/// `segments[n]` is segment n's root; `power_off` adds `\_S5_` and reserves the sleep
+/// control port.
+fn dsdt(segments: &[PciRootConfig], power_off: bool) -> Result<Vec<u8>, AcpiError> {
     check_segments(segments)?;
     let windows = segments
         .iter()
@@ -331,6 +343,15 @@ fn dsdt(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
     let mut mbrd_resources: Vec<&dyn Aml> =
         ecam_reservations.iter().map(|r| r as &dyn Aml).collect();
     mbrd_resources.push(&hotplug_ports);
+    let sleep_port = aml::IO::new(
+        SLEEP_CONTROL_PORT,
+        SLEEP_CONTROL_PORT,
+        1,
+        AcpiSleepControl::LEN as u8,
+    );
+    if power_off {
+        mbrd_resources.push(&sleep_port);
+    }
     let mbrd_crs = aml::ResourceTemplate::new(mbrd_resources);
 
     let mut table = Sdt::new(
@@ -374,6 +395,12 @@ fn dsdt(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
             .collect(),
     )
     .to_aml_bytes(&mut body);
+    if power_off {
+        // At the DefinitionBlock's top level, which is the root scope: `\_S5_`, where
+        // ACPICA looks for each sleep state's SLP_TYP values.
+        aml::Name::new("_S5_".into(), &aml::Package::new(vec![&S5_SLEEP_TYPE]))
+            .to_aml_bytes(&mut body);
+    }
     table.append_slice(&body);
     Ok(table.as_slice().to_vec())
 }
@@ -517,7 +544,9 @@ impl Aml for GedAml {
     }
 }
 
-fn fadt(dsdt_addr: u64) -> Vec<u8> {
+/// `power_off`: the sleep control and status registers (8-bit, system I/O), both at
+/// [`SLEEP_CONTROL_PORT`]; ACPICA needs both to offer S5 on a hardware-reduced machine.
+fn fadt(dsdt_addr: u64, power_off: bool) -> Vec<u8> {
     let mut fadt = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
         .flag(Flags::HwReducedAcpi)
         .flag(Flags::ResetRegSup)
@@ -531,6 +560,17 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
         RESET_PORT,
     );
     fadt.reset_value = RESET_VALUE;
+    if power_off {
+        let sleep_register = GAS::new(
+            AddressSpace::SystemIo,
+            8,
+            0,
+            AccessSize::ByteAccess,
+            u64::from(SLEEP_CONTROL_PORT),
+        );
+        fadt.sleep_control_reg = sleep_register;
+        fadt.sleep_status_reg = sleep_register;
+    }
     bytes_of(&fadt.finalize())
 }
 
@@ -576,9 +616,9 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
         next = (addr + len as u64).next_multiple_of(TABLE_ALIGN);
         addr
     };
-    let dsdt = dsdt(&config.pci_segments)?;
+    let dsdt = dsdt(&config.pci_segments, config.power_off)?;
     let dsdt_addr = place(dsdt.len());
-    let fadt = fadt(dsdt_addr);
+    let fadt = fadt(dsdt_addr, config.power_off);
     let fadt_addr = place(fadt.len());
     let madt = madt(config.vcpus);
     let madt_addr = place(madt.len());
@@ -672,6 +712,7 @@ mod tests {
         build(&AcpiConfig {
             vcpus,
             pci_segments: vec![pci()],
+            power_off: true,
         })
         .unwrap()
     }
@@ -760,6 +801,127 @@ mod tests {
         assert_eq!(fadt[128], 0xfe);
     }
 
+    /// Offsets of the FADT's sleep registers (ACPI 5.0+), each a 12-byte GAS.
+    const SLEEP_CONTROL_REG_OFFSET: usize = 244;
+    const SLEEP_STATUS_REG_OFFSET: usize = 256;
+    const GAS_LEN: usize = 12;
+    /// `Name (_S5_, Package (1) { 5 })`: NameOp, name, PackageOp, PkgLength 4, one
+    /// element, ByteConst 5.
+    const S5_NAME: [u8; 10] = [0x08, b'_', b'S', b'5', b'_', 0x12, 4, 1, 0x0a, 5];
+    /// `IO (Decode16, 0x600, 0x600, 1, 1)` as a small resource descriptor.
+    const SLEEP_PORT_IO: [u8; 8] = [0x47, 1, 0x00, 0x06, 0x00, 0x06, 1, 1];
+
+    fn tables_with_power_off(power_off: bool) -> AcpiTables {
+        build(&AcpiConfig {
+            vcpus: 1,
+            pci_segments: segments(2),
+            power_off,
+        })
+        .unwrap()
+    }
+
+    /// The `_CRS` of `\_SB.MBRD`: from its name to the next device's.
+    fn mbrd_body(aml: &[u8]) -> &[u8] {
+        let position = |name: &[u8]| aml.windows(4).position(|w| w == name).unwrap();
+        &aml[position(b"MBRD")..position(b"COM1")]
+    }
+
+    /// Where the DSDT's top-level `Scope (\_SB_)` ends: ScopeOp, then its PkgLength.
+    fn end_of_sb_scope(aml: &[u8]) -> usize {
+        assert_eq!(aml[0], 0x10, "the DSDT starts with Scope (\\_SB_)");
+        let lead = aml[1];
+        let follow = usize::from(lead >> 6);
+        let mut length = if follow == 0 {
+            usize::from(lead & 0x3f)
+        } else {
+            usize::from(lead & 0x0f)
+        };
+        for i in 0..follow {
+            length |= usize::from(aml[2 + i]) << (4 + 8 * i);
+        }
+        // PkgLength counts itself but not the ScopeOp.
+        1 + length
+    }
+
+    #[test]
+    fn fadt_has_sleep_registers_at_the_sleep_control_port() {
+        let tables = tables_with_power_off(true);
+        let (_, fadt) = tables.find(b"FACP").unwrap();
+        assert!(
+            fadt[8] >= 5,
+            "FADT revision {} has no sleep registers",
+            fadt[8]
+        );
+        assert!(fadt.len() >= SLEEP_STATUS_REG_OFFSET + GAS_LEN);
+        for offset in [SLEEP_CONTROL_REG_OFFSET, SLEEP_STATUS_REG_OFFSET] {
+            let gas = &fadt[offset..offset + GAS_LEN];
+            // System I/O, 8 bits at bit 0, byte access, the port.
+            assert_eq!(&gas[..4], &[1, 8, 0, 1], "GAS at {offset}");
+            assert_eq!(u64_at(gas, 4), u64::from(SLEEP_CONTROL_PORT), "at {offset}");
+        }
+        assert_eq!(SLEEP_CONTROL_PORT, 0x600);
+        // The reset register is unchanged.
+        assert_eq!(u64_at(fadt, 120), RESET_PORT);
+    }
+
+    #[test]
+    fn dsdt_names_s5_at_the_root_and_mbrd_reserves_the_sleep_port() {
+        let tables = tables_with_power_off(true);
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let aml = &dsdt[36..];
+        let s5 = aml
+            .windows(S5_NAME.len())
+            .position(|w| w == S5_NAME)
+            .expect("Name (_S5_, Package () { 5 })");
+        assert_eq!(
+            aml.windows(4).filter(|w| w == b"_S5_").count(),
+            1,
+            "one \\_S5_"
+        );
+        assert!(
+            s5 >= end_of_sb_scope(aml),
+            "\\_S5_ lies outside \\_SB_, in the root scope"
+        );
+        assert_eq!(S5_NAME[9], S5_SLEEP_TYPE);
+        assert!(
+            contains(mbrd_body(aml), &SLEEP_PORT_IO),
+            "the MBRD's _CRS reserves port 0x600"
+        );
+        // Only there: no host bridge decodes it.
+        assert_eq!(
+            aml.windows(SLEEP_PORT_IO.len())
+                .filter(|w| *w == SLEEP_PORT_IO)
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn without_power_off_there_are_no_sleep_registers_and_no_s5() {
+        let with = tables_with_power_off(true);
+        let without = tables_with_power_off(false);
+        let (_, fadt) = without.find(b"FACP").unwrap();
+        let registers = SLEEP_CONTROL_REG_OFFSET..SLEEP_STATUS_REG_OFFSET + GAS_LEN;
+        assert!(fadt[registers.clone()].iter().all(|&b| b == 0));
+        // Everything else in the FADT is the same (the DSDT address aside).
+        let (_, fadt_with) = with.find(b"FACP").unwrap();
+        assert_eq!(fadt.len(), fadt_with.len());
+        for offset in (0..fadt.len()).filter(|o| !registers.contains(o)) {
+            if ![CHECKSUM_OFFSET, 140, 141, 142, 143].contains(&offset) {
+                assert_eq!(fadt[offset], fadt_with[offset], "FADT byte {offset}");
+            }
+        }
+        let (_, dsdt) = without.find(b"DSDT").unwrap();
+        let aml = &dsdt[36..];
+        assert!(!contains(aml, b"_S5_"));
+        assert!(!contains(aml, &SLEEP_PORT_IO));
+        // The rest of the MBRD (the ECAM windows, the hot-plug ports) stays.
+        assert!(contains(
+            mbrd_body(aml),
+            &[0x47, 1, 0x00, 0xae, 0x00, 0xae, 1, 0x14]
+        ));
+    }
+
     fn madt_entries(madt: &[u8]) -> Vec<(u8, Vec<u8>)> {
         let mut entries = Vec::new();
         let mut offset = 44;
@@ -824,6 +986,7 @@ mod tests {
             let config = AcpiConfig {
                 vcpus: 1,
                 pci_segments: segments(count),
+                power_off: true,
             };
             let tables = build(&config).unwrap();
             let (_, mcfg) = tables.find(b"MCFG").unwrap();
@@ -869,6 +1032,7 @@ mod tests {
         let config = AcpiConfig {
             vcpus: 1,
             pci_segments: segments(3),
+            power_off: true,
         };
         let tables = build(&config).unwrap();
         let (_, dsdt) = tables.find(b"DSDT").unwrap();
@@ -944,7 +1108,8 @@ mod tests {
             assert!(matches!(
                 build(&AcpiConfig {
                     vcpus: 1,
-                    pci_segments: bad
+                    pci_segments: bad,
+                    power_off: true,
                 }),
                 Err(AcpiError::Layout(_))
             ));
@@ -1107,14 +1272,16 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 0,
-                pci_segments: vec![pci()]
+                pci_segments: vec![pci()],
+                power_off: true,
             }),
             Err(AcpiError::CpuCount(0))
         ));
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 255,
-                pci_segments: vec![pci()]
+                pci_segments: vec![pci()],
+                power_off: true,
             }),
             Err(AcpiError::CpuCount(255))
         ));
@@ -1123,7 +1290,8 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
-                pci_segments: vec![bad]
+                pci_segments: vec![bad],
+                power_off: true,
             }),
             Err(AcpiError::Layout(_))
         ));
@@ -1132,7 +1300,8 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
-                pci_segments: vec![bad]
+                pci_segments: vec![bad],
+                power_off: true,
             }),
             Err(AcpiError::Layout(_))
         ));
@@ -1141,7 +1310,8 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
-                pci_segments: vec![bad]
+                pci_segments: vec![bad],
+                power_off: true,
             }),
             Err(AcpiError::Layout(_))
         ));
@@ -1153,6 +1323,7 @@ mod tests {
         let config = AcpiConfig {
             vcpus: 2,
             pci_segments: vec![pci()],
+            power_off: true,
         };
         let rsdp = setup_acpi(&mem, &config).unwrap();
         let mut signature = [0u8; 8];

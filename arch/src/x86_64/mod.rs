@@ -9,3 +9,4 @@ pub mod layout;
 pub mod mptable;
 pub mod msr;
 pub mod regs;
+pub mod reset_vector;

@@ -16,8 +16,16 @@
 //! Each result is a line `acpi: ...`; any mismatch prints `acpi: FAIL ...` and exits 1.
 //! `acpi corrupt SIG` first changes one byte of table SIG (or `RSDP`) in guest memory, as a
 //! VMM writing a bad table would, so tests can check that the mismatch is caught.
+//!
+//! `acpi poweroff` checks the RSDP, XSDT, FADT and DSDT, then powers off the way Linux's
+//! hardware-reduced ACPI does (acpi_hw_extended_sleep): it takes the FADT's
+//! SLEEP_CONTROL_REG and SLEEP_STATUS_REG and `\_S5_`'s SLP_TYP from the DSDT's AML,
+//! prints `acpi: sleep control port 0x... S5 type N`, writes WAK_STS to the status
+//! register, then `SLP_TYP << 2 | SLP_EN` to the control register. The VMM should stop the
+//! VM there; if it is still running after a while, `acpi: FAIL power-off ignored` and exit
+//! 1. Tables that offer no power-off print `acpi: no ACPI power-off ...` and exit 3.
 
-use crate::arch::{inl, outl};
+use crate::arch::{delay_us, inl, outl, tsc_hz};
 use crate::bootinfo::BootInfo;
 use crate::console::exit;
 use crate::println;
@@ -25,6 +33,8 @@ use crate::smp::{self, bytes_equal, checksum_ok, read_u32, read_u64, read_u8, sc
 
 const EXIT_FAIL: u32 = 1;
 const EXIT_USAGE: u32 = 2;
+/// `acpi poweroff` on tables without the sleep registers or `\_S5_`.
+const EXIT_NO_POWER_OFF: u32 = 3;
 const SCAN_START: u64 = 0xE0000;
 const SCAN_END: u64 = 0x100000;
 const HEADER_LEN: u64 = 36;
@@ -34,6 +44,34 @@ const CONFIG_ADDRESS: u16 = 0xcf8;
 const CONFIG_DATA: u16 = 0xcfc;
 /// Buses checked per ECAM allocation (each config read traps to the VMM).
 const MAX_BUSES_CHECKED: u64 = 4;
+
+/// FADT (revision 5+) SLEEP_CONTROL_REG and SLEEP_STATUS_REG, each a Generic Address
+/// Structure: space id, bit width, bit offset, access size, u64 address.
+const FADT_SLEEP_CONTROL_REG: u64 = 244;
+const FADT_SLEEP_STATUS_REG: u64 = 256;
+const GAS_LEN: u64 = 12;
+const GAS_SYSTEM_IO: u8 = 1;
+/// GAS access sizes: undefined (legacy) and byte.
+const GAS_ACCESS_UNDEFINED: u8 = 0;
+const GAS_ACCESS_BYTE: u8 = 1;
+/// Sleep control register bits (ACPI 6, 4.8.3.7), as ACPICA builds them.
+const SLP_TYP_SHIFT: u8 = 2;
+const SLP_TYP_MASK: u8 = 0x1c;
+const SLP_EN: u8 = 0x20;
+/// Sleep status register: wake status, write 1 to clear.
+const WAK_STS: u8 = 0x80;
+/// AML opcodes and prefixes the `\_S5_` package uses.
+const AML_NAME_OP: u8 = 0x08;
+const AML_ROOT_PREFIX: u8 = b'\\';
+const AML_PACKAGE_OP: u8 = 0x12;
+const AML_ZERO_OP: u8 = 0x00;
+const AML_ONE_OP: u8 = 0x01;
+const AML_BYTE_PREFIX: u8 = 0x0a;
+const AML_WORD_PREFIX: u8 = 0x0b;
+const AML_DWORD_PREFIX: u8 = 0x0c;
+const AML_QWORD_PREFIX: u8 = 0x0e;
+/// How long the VMM has to stop the VM after the S5 write (it takes microseconds).
+const POWER_OFF_WAIT_US: u64 = 5_000_000;
 
 fn fail(what: core::fmt::Arguments) -> ! {
     println!("acpi: FAIL {what}");
@@ -381,19 +419,130 @@ fn walk_other_segment(base: u64, segment: u16, bus: u8) {
     }
 }
 
+/// 8-bit port write: the sleep registers are byte wide. Where IOPL is dropped, the #GP
+/// handler in boot.rs performs the `out dx, al` in ring 0.
+fn outb(port: u16, value: u8) {
+    // SAFETY: port I/O to an emulated device touches no memory.
+    unsafe {
+        core::arch::asm!("out dx, al", in("dx") port, in("al") value, options(nomem, nostack, preserves_flags))
+    }
+}
+
+/// The port of the FADT's sleep register at `offset`: None if the FADT is too short for it
+/// or its address is 0 (not implemented); FAIL if it is anything but an 8-bit register
+/// in system I/O space.
+fn sleep_register(fadt: u64, offset: u64, name: &str) -> Option<u16> {
+    if u64::from(read_u32(fadt + 4)) < offset + GAS_LEN {
+        return None;
+    }
+    let gas = fadt + offset;
+    let (space, width, bit_offset, access) = (
+        read_u8(gas),
+        read_u8(gas + 1),
+        read_u8(gas + 2),
+        read_u8(gas + 3),
+    );
+    let address = read_u64(gas + 4);
+    if address == 0 {
+        return None;
+    }
+    let port = u16::try_from(address).ok();
+    if space != GAS_SYSTEM_IO
+        || width != 8
+        || bit_offset != 0
+        || !matches!(access, GAS_ACCESS_UNDEFINED | GAS_ACCESS_BYTE)
+        || port.is_none()
+    {
+        fail(format_args!(
+            "FADT {name}: space {space} width {width} offset {bit_offset} access {access} address {address:#x}, not an 8-bit I/O port"
+        ));
+    }
+    port
+}
+
+/// `\_S5_`'s SLP_TYPa from the DSDT's AML: `NameOp [\] _S5_ PackageOp PkgLength
+/// NumElements` then the first element. None if the DSDT names no `_S5_`.
+fn s5_sleep_type(dsdt: u64) -> Option<u8> {
+    let end = dsdt + u64::from(read_u32(dsdt + 4)).min(MAX_TABLE_LEN);
+    let body = dsdt + HEADER_LEN;
+    let name = (body + 1..end.saturating_sub(4)).find(|&at| {
+        bytes_equal(at, b"_S5_")
+            && (read_u8(at - 1) == AML_NAME_OP
+                || (at >= body + 2
+                    && read_u8(at - 1) == AML_ROOT_PREFIX
+                    && read_u8(at - 2) == AML_NAME_OP))
+    })?;
+    let package = name + 4;
+    if package + 3 > end || read_u8(package) != AML_PACKAGE_OP {
+        fail(format_args!("DSDT \\_S5_ at {name:#x} is not a Package"));
+    }
+    // PkgLength: bits 7..6 of its first byte count the bytes that follow it.
+    let elements = package + 2 + u64::from(read_u8(package + 1) >> 6);
+    let first = elements + 1;
+    if first + 2 > end || read_u8(elements) == 0 {
+        fail(format_args!("DSDT \\_S5_ at {name:#x} is an empty Package"));
+    }
+    match read_u8(first) {
+        AML_ZERO_OP => Some(0),
+        AML_ONE_OP => Some(1),
+        // An integer constant: SLP_TYPa is its low byte (ACPICA takes the same).
+        AML_BYTE_PREFIX | AML_WORD_PREFIX | AML_DWORD_PREFIX | AML_QWORD_PREFIX => {
+            Some(read_u8(first + 1))
+        }
+        // A bare small integer, as some hand-written tables have.
+        bare @ 2..=7 => Some(bare),
+        other => fail(format_args!(
+            "DSDT \\_S5_ at {name:#x}: the first element starts with {other:#04x}, not an integer"
+        )),
+    }
+}
+
+/// `acpi poweroff`: S5 through the hardware-reduced sleep registers, as Linux enters it.
+fn power_off(fadt: u64) -> ! {
+    let control = sleep_register(fadt, FADT_SLEEP_CONTROL_REG, "SLEEP_CONTROL_REG");
+    let status = sleep_register(fadt, FADT_SLEEP_STATUS_REG, "SLEEP_STATUS_REG");
+    let s5 = s5_sleep_type(dsdt_of(fadt));
+    let (Some(control), Some(status), Some(s5)) = (control, status, s5) else {
+        let yes_no = |present: bool| if present { "yes" } else { "none" };
+        println!(
+            "acpi: no ACPI power-off: sleep control register {}, sleep status register {}, \\_S5_ {}",
+            yes_no(control.is_some()),
+            yes_no(status.is_some()),
+            yes_no(s5.is_some())
+        );
+        exit(EXIT_NO_POWER_OFF)
+    };
+    println!("acpi: sleep control port {control:#x} S5 type {s5}");
+    println!("acpi: sleep status port {status:#x}");
+    let request = ((s5 << SLP_TYP_SHIFT) & SLP_TYP_MASK) | SLP_EN;
+    println!("acpi: entering S5: {request:#04x} to port {control:#x}");
+    outb(status, WAK_STS);
+    outb(control, request);
+    delay_us(tsc_hz(), POWER_OFF_WAIT_US);
+    fail(format_args!(
+        "power-off ignored: the VM still runs {} s after the S5 request",
+        POWER_OFF_WAIT_US / 1_000_000
+    ))
+}
+
 pub fn run(info: &BootInfo, mut args: crate::args::Words) -> ! {
     let rsdp = find_rsdp(info);
+    let mut poweroff = false;
     match args.next_word() {
         None => {}
         Some("corrupt") => corrupt(rsdp, args.next_word().unwrap_or("MCFG")),
+        Some("poweroff") => poweroff = true,
         Some(other) => {
-            println!("acpi: unknown argument '{other}'; usage: acpi [corrupt SIG]");
+            println!("acpi: unknown argument '{other}'; usage: acpi [corrupt SIG | poweroff]");
             exit(EXIT_USAGE)
         }
     }
     let xsdt = check_rsdp(rsdp);
     let found = check_xsdt(xsdt);
     check_dsdt(found.fadt);
+    if poweroff {
+        power_off(found.fadt);
+    }
     check_madt(found.madt, info);
     check_mcfg(found.mcfg);
     println!("acpi: ok");

@@ -25,6 +25,7 @@ pub(super) struct ControlEvents {
     pub(super) api_requested: bool,
     pub(super) exit_evt: EventFd,
     pub(super) reset_evt: EventFd,
+    pub(super) poweroff_evt: EventFd,
     pub(super) vcpu_evt: EventFd,
     pub(super) snapshot_evt: EventFd,
     pub(super) snapshot_timer: Option<TimerFd>,
@@ -80,6 +81,10 @@ impl MutEventSubscriber for ControlEvents {
             let _ = self.reset_evt.read();
             log::info!("guest requested a reset through the i8042");
             self.finish(Ok(GuestEnd::Reset));
+        } else if fd == self.poweroff_evt.as_raw_fd() {
+            let _ = self.poweroff_evt.read();
+            log::info!("guest powered off through the ACPI sleep control register");
+            self.finish(Ok(GuestEnd::PowerOff));
         } else if self.api_evt.as_ref().is_some_and(|e| e.as_raw_fd() == fd) {
             if let Some(evt) = &self.api_evt {
                 let _ = evt.read();
@@ -130,6 +135,7 @@ impl MutEventSubscriber for ControlEvents {
         for fd in [
             &self.exit_evt,
             &self.reset_evt,
+            &self.poweroff_evt,
             &self.vcpu_evt,
             &self.snapshot_evt,
         ] {

@@ -287,6 +287,11 @@ impl Machine {
             api_requested: false,
             exit_evt: self.devices.exit_evt.try_clone().map_err(Error::EventFd)?,
             reset_evt: self.devices.reset_evt.try_clone().map_err(Error::EventFd)?,
+            poweroff_evt: self
+                .devices
+                .poweroff_evt
+                .try_clone()
+                .map_err(Error::EventFd)?,
             vcpu_evt: reporter.event.try_clone().map_err(Error::EventFd)?,
             snapshot_evt,
             snapshot_timer,
