@@ -20,6 +20,8 @@ pub enum ClientError {
     Io(#[from] std::io::Error),
     #[error("the API answered something that is not HTTP")]
     BadResponse,
+    #[error("the API closed the connection without answering (has gpuvm exited?)")]
+    NoAnswer,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +71,9 @@ pub fn request(
     stream.write_all(message.as_bytes())?;
     let mut answer = Vec::new();
     stream.read_to_end(&mut answer)?;
+    if answer.is_empty() {
+        return Err(ClientError::NoAnswer);
+    }
     parse_response(&answer).ok_or(ClientError::BadResponse)
 }
 
@@ -115,5 +120,24 @@ mod tests {
         );
         assert!(parse_response(b"garbage").is_none());
         assert!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab").is_none());
+    }
+
+    #[test]
+    fn a_server_that_hangs_up_is_no_answer_not_bad_http() {
+        let dir = std::env::temp_dir().join(format!("gpuvm-client-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("api.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            // Read the request, then close without a word, as a process killed mid-request does.
+            let mut request = [0u8; 256];
+            let _ = stream.read(&mut request);
+        });
+        let error = request(&socket, "GET", "/", None).unwrap_err();
+        server.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(error, ClientError::NoAnswer), "{error}");
+        assert!(error.to_string().contains("without answering"));
     }
 }
