@@ -41,7 +41,9 @@ impl Outcome {
 
 /// Runs `scenario`; `None` when the tier is skipped on this host.
 fn run_scenario(scenario: &str) -> Option<Outcome> {
-    let _machine = MACHINE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _machine = MACHINE
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let log = std::env::temp_dir().join(format!(
         "gpuvm-real-kernel-{scenario}-{}.log",
@@ -90,7 +92,13 @@ fn scenario_passes(scenario: &str, expected: &[&str]) {
 fn kernel_vfio_drives_edu_dma_msi_and_intx() {
     scenario_passes(
         "vfio-edu",
-        &["edu: dma ok", "edu: msi ok", "edu: intx ok", "edu: PASS", "figure: DMA map"],
+        &[
+            "edu: dma ok",
+            "edu: msi ok",
+            "edu: intx ok",
+            "edu: PASS",
+            "figure: DMA map",
+        ],
     );
 }
 
@@ -114,5 +122,45 @@ fn linux_guest_reboot_ends_gpuvm() {
     scenario_passes(
         "linux-reboot",
         &["inner: user space reached", "guest requested a reset"],
+    );
+}
+
+#[test]
+fn kernel_vfio_hot_plug_reaches_linux_through_acpi_and_refuses_snapshots() {
+    scenario_passes(
+        "vfio-hotplug",
+        &[
+            "inner: hot-plugged 1234:11e8",
+            "it offers no VFIO migration",
+            "ejected",
+            "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn nvme_msix_and_a_1_gib_prefetchable_bar_serve_linux_drivers() {
+    scenario_passes(
+        "vfio-linux-drivers",
+        &[
+            "inner: nvme ok",
+            "MSI-X vectors",
+            "inner: bigbar ok",
+            "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn cloud_hypervisor_front_end_hot_plugs_a_vfio_device_and_a_disk_into_linux() {
+    scenario_passes(
+        "vfio-ch-hotplug",
+        &[
+            "inner: hot-plugged 1234:11e8",
+            "ejected",
+            "inner: hot-plugged disk ok",
+            "inner: hot-plugged disk removed",
+            "inner: checks passed",
+        ],
     );
 }

@@ -86,6 +86,26 @@ wait_gpuvm() {
     return "$status"
 }
 
+# abort_gpuvm NAME MESSAGE: ends a gpuvm started by start_gpuvm, shows its log and status, and fails.
+abort_gpuvm() {
+    pid="$(cat "/tmp/$1.pid")"
+    kill -9 "$pid" 2>/dev/null
+    status=0
+    wait "$pid" || status=$?
+    sed 's/^/  | /' "/tmp/$1.log"
+    fail "$2 (gpuvm $1 status $status)"
+}
+
+# wait_log NAME TEXT SECONDS: waits until the log of gpuvm NAME holds TEXT (aborting it if it never does).
+wait_log() {
+    n=0
+    until grep -qF -- "$2" "/tmp/$1.log"; do
+        n=$((n + 1))
+        [ "$n" -gt $(($3 * 10)) ] && abort_gpuvm "$1" "no '$2' after $3 s"
+        sleep 0.1
+    done
+}
+
 # wait_for PATH SECONDS: waits until PATH exists.
 wait_for() {
     n=0
