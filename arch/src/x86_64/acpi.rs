@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! RSDP (v2, at ACPI_START, where guests scan for it; PVH and bzImage get its address)
-//!  └─ XSDT ─┬─ FACP (FADT): HW-reduced ACPI, IA-PC boot flags (legacy devices, 8042, no VGA),
+//!  └─ XSDT ─┬─ FACP (FADT): HW-reduced ACPI, IA-PC boot flags (legacy devices, no VGA, no 8042),
 //!           │        reset register = port 0x64 value 0xFE, sleep control and status
 //!           │        registers = port SLEEP_CONTROL_PORT (power-off); X_DSDT ─▶ DSDT
 //!           ├─ APIC (MADT): a local APIC per vCPU, the IOAPIC, LINT1 = NMI
@@ -70,8 +70,11 @@ const PCI_PINS: u8 = 4;
 /// One bus of ECAM is 32 devices x 8 functions x 4 KiB.
 const ECAM_BYTES_PER_BUS: u64 = 1 << 20;
 
-/// FADT IA-PC boot architecture flags.
+/// FADT IA-PC boot architecture flags. IAPC_8042 stays clear: gpuvm's i8042 only takes the
+/// reset command, and a guest told of a keyboard controller probes it (Linux's i8042 driver
+/// waits out its 500 ms read timeout on every boot; 2 s in the real-kernel tier's emulation).
 const IAPC_LEGACY_DEVICES: u16 = 1 << 0;
+#[cfg(test)]
 const IAPC_8042: u16 = 1 << 1;
 const IAPC_VGA_NOT_PRESENT: u16 = 1 << 2;
 /// MADT flags: PCAT_COMPAT, the machine also has the dual 8259 PICs (KVM's in-kernel irqchip).
@@ -551,7 +554,7 @@ fn fadt(dsdt_addr: u64, power_off: bool) -> Vec<u8> {
         .flag(Flags::HwReducedAcpi)
         .flag(Flags::ResetRegSup)
         .dsdt_64(dsdt_addr);
-    fadt.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_8042 | IAPC_VGA_NOT_PRESENT).into();
+    fadt.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_VGA_NOT_PRESENT).into();
     fadt.reset_reg = GAS::new(
         AddressSpace::SystemIo,
         8,
@@ -785,7 +788,7 @@ mod tests {
     }
 
     #[test]
-    fn fadt_is_hw_reduced_with_8042_reset_and_points_at_the_dsdt() {
+    fn fadt_is_hw_reduced_with_8042_reset_no_8042_keyboard_and_points_at_the_dsdt() {
         let tables = tables(1);
         let (_, fadt) = tables.find(b"FACP").unwrap();
         let (dsdt_addr, _) = tables.find(b"DSDT").unwrap();
@@ -794,7 +797,8 @@ mod tests {
         assert_ne!(u32_at(fadt, 112) & Flags::HwReducedAcpi as u32, 0);
         assert_ne!(u32_at(fadt, 112) & Flags::ResetRegSup as u32, 0);
         let iapc = u16::from_le_bytes([fadt[109], fadt[110]]);
-        assert_eq!(iapc & IAPC_8042, IAPC_8042);
+        assert_eq!(iapc & IAPC_8042, 0, "no keyboard controller for guests to probe");
+        assert_eq!(iapc & IAPC_VGA_NOT_PRESENT, IAPC_VGA_NOT_PRESENT);
         // Reset register: GAS in system I/O space at 0x64, value 0xFE.
         assert_eq!(fadt[116], 1, "system I/O");
         assert_eq!(u64_at(fadt, 120), 0x64);
