@@ -172,3 +172,34 @@ fn a_restored_guest_that_triple_faults_is_reported() {
         assert!(stderr.contains("triple-faulted"), "{mode}: {stderr}");
     }
 }
+
+/// Logging with stderr on a terminal: env_logger would ask isatty(2) (TCGETS) on every record,
+/// from vCPU and device threads whose seccomp filters refuse it. Run under `script`, which
+/// gives gpuvm a pseudo-terminal, at debug level, with 2 vCPUs and a virtio device's thread.
+#[test]
+fn logs_on_a_terminal_are_not_a_seccomp_kill() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` (util-linux) to give gpuvm a terminal");
+        return;
+    }
+    let gpuvm = gpuvm_tests::gpuvm_bin();
+    let command = format!(
+        "{} --log-level debug run --vcpus 2 --rng --cmdline hello",
+        gpuvm.display()
+    );
+    let started = Instant::now();
+    let out = Command::new("script")
+        .args(["-qefc", &command, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run script");
+    assert!(started.elapsed() < LIMIT);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("blocked system call"), "{text}");
+    assert!(text.contains("testguest: hello from ring 3"), "{text}");
+    assert!(
+        text.contains("DEBUG"),
+        "debug records reached the terminal: {text}"
+    );
+    assert_eq!(out.status.code(), Some(0), "{text}");
+}

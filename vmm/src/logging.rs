@@ -2,7 +2,8 @@
 //! one JSON object per line for log collectors.
 //!
 //! The level comes from `--log-level` if given, else from `GPUVM_LOG` (which also takes
-//! per-module directives such as `gpuvm_memory=debug`), else `warn`. Logs go to stderr.
+//! per-module directives such as `gpuvm_memory=debug`), else `warn`. Logs go to stderr,
+//! coloured when it is a terminal at start.
 //!
 //! JSON lines carry `ts` (RFC 3339, UTC, microseconds), `level`, `target` (the module),
 //! `thread` (its name, when it has one) and `message`:
@@ -74,8 +75,31 @@ pub fn init_with(
     }
     if tee {
         builder.target(env_logger::Target::Pipe(Box::new(crate::outputs::TeeToLog)));
+    } else {
+        // Whether to colour is decided once, here, before any seccomp filter: env_logger's own
+        // stderr target asks isatty(2) (an ioctl, TCGETS) on every record when stderr is a
+        // terminal, which the vCPU and device threads' filters refuse. Through a pipe target it
+        // only styles a buffer.
+        builder.target(env_logger::Target::Pipe(Box::new(std::io::stderr())));
+        builder.write_style(stderr_style());
+        if let Ok(style) = std::env::var(STYLE_ENV) {
+            builder.parse_write_style(&style);
+        }
     }
     builder.try_init()
+}
+
+/// env_logger's variable for the colour choice (`always`, `never`; `auto` means never here).
+const STYLE_ENV: &str = "RUST_LOG_STYLE";
+
+/// Colours on a terminal unless NO_COLOR is set (<https://no-color.org>).
+fn stderr_style() -> env_logger::WriteStyle {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none() {
+        env_logger::WriteStyle::Always
+    } else {
+        env_logger::WriteStyle::Never
+    }
 }
 
 /// One record as a JSON object.
