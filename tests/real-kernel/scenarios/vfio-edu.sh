@@ -7,6 +7,13 @@ echo "edu at $bdf, $group"
 run_gpuvm edu 120 run --log-level info --memory 256M --gpu "$bdf" --cmdline edu || fail "gpuvm status $?"
 expect_line /tmp/edu.log "edu: PASS"
 dma_map_figure /tmp/edu.log
+# Boot while pinning: the guest runs while its RAM is DMA-mapped (its bus-master write waits for the
+# mapping, not its boot), so it is up seconds before the mapping is done.
+ready="$(grep -n "testguest: ready" /tmp/edu.log | head -n1 | cut -d: -f1)"
+mapped="$(grep -n "DMA map .*: done" /tmp/edu.log | head -n1 | cut -d: -f1)"
+[ -n "$ready" ] && [ -n "$mapped" ] && [ "$ready" -lt "$mapped" ] ||
+    fail "the guest was not up before its RAM was DMA-mapped (ready at line $ready, mapped at line $mapped)"
+echo "the guest booted while its RAM was being DMA-mapped"
 
 # The same device under the API: a snapshot of a VM with a cold-plugged device is refused, clearly, and
 # the VM runs on; Ctrl-Alt-Del then ends it.
