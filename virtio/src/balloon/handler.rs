@@ -169,7 +169,7 @@ impl BalloonHandler {
             }
         }
         if returned {
-            self.signal(index);
+            signal_used(&self.memory, self.interrupt.as_ref(), index, &mut active);
         }
         self.queues[usize::from(index)] = Some(active);
     }
@@ -249,10 +249,15 @@ impl BalloonHandler {
                 returned |= active.queue.add_used(&self.memory, previous, 0).is_ok();
             }
         }
-        self.queues[index] = Some(active);
         if returned {
-            self.signal(STATS_QUEUE);
+            signal_used(
+                &self.memory,
+                self.interrupt.as_ref(),
+                STATS_QUEUE,
+                &mut active,
+            );
         }
+        self.queues[index] = Some(active);
     }
 
     /// The polling interval passed: give the statistics buffer back, asking for new ones.
@@ -265,24 +270,27 @@ impl BalloonHandler {
             return;
         };
         match active.queue.add_used(&self.memory, head, 0) {
-            Ok(()) => self.signal(STATS_QUEUE),
+            Ok(()) => signal_used(&self.memory, self.interrupt.as_ref(), STATS_QUEUE, active),
             Err(error) => self.refuse(format_args!("cannot return stats buffer {head}: {error}")),
         }
     }
+}
 
-    fn signal(&mut self, index: u16) {
-        let Some(active) = self.queues[usize::from(index)].as_mut() else {
-            return;
-        };
-        // Interrupting once too often is harmless; missing one could stall the driver.
-        if active
-            .queue
-            .needs_notification(&self.memory)
-            .unwrap_or(true)
-        {
-            if let Err(error) = self.interrupt.signal_queue(index) {
-                log::error!("{DEVICE_NAME}: cannot interrupt the driver: {error}");
-            }
+/// Tells the driver that queue `index` (`active`) has new used buffers, unless it asked
+/// not to be. The caller passes the queue it holds: the handlers take a queue out of
+/// `BalloonHandler::queues` while serving it, so looking it up there would find nothing
+/// and lose the interrupt (which a driver that sleeps until its buffer comes back, such as
+/// Linux's, waits for forever).
+fn signal_used(
+    memory: &GuestMemory,
+    interrupt: &dyn VirtioInterrupt,
+    index: u16,
+    active: &mut ActiveQueue,
+) {
+    // Interrupting once too often is harmless; missing one could stall the driver.
+    if active.queue.needs_notification(memory).unwrap_or(true) {
+        if let Err(error) = interrupt.signal_queue(index) {
+            log::error!("{DEVICE_NAME}: cannot interrupt the driver: {error}");
         }
     }
 }

@@ -238,6 +238,12 @@ fn harness_with(fail_activate: bool) -> Harness {
         fail_activate,
         active: false,
     };
+    harness_around(Box::new(device), record)
+}
+
+/// A transport around `device`, plugged at [`BAR`] and decoding; `record` is what a
+/// [`FakeDevice`] writes to (left empty by another device).
+fn harness_around(device: Box<dyn VirtioDevice>, record: Arc<Mutex<Record>>) -> Harness {
     let routes = Arc::new(RecordedRoutes::default());
     let ioevents = Arc::new(RecordedIoEvents::default());
     let mut irqfds = Vec::new();
@@ -251,7 +257,7 @@ fn harness_with(fail_activate: bool) -> Harness {
             .collect()
     };
     let mut transport = VirtioPciDevice::new(
-        Box::new(device),
+        device,
         memory(),
         &mut allocate,
         routes.clone(),
@@ -1063,4 +1069,113 @@ fn constructor_refuses_bad_devices() {
         0xff_0000,
         "rng: other class"
     );
+}
+
+/// virtio-balloon behind the transport, driven the way Linux's virtio_balloon and
+/// virtio_pci_modern drive it: STATS_VQ and VERSION_1, one MSI-X vector per queue, a buffer
+/// of PFNs on the inflate queue, a 16-bit write of the queue index at the notify address the
+/// capabilities give (through the ioeventfd as KVM would signal it, then through the MMIO
+/// exit path), and then sleep until the queue's vector fires. Linux never polls the used
+/// ring: a buffer returned without that interrupt leaves its balloon stuck forever.
+#[test]
+fn balloon_returns_pages_with_the_queues_own_vector() {
+    use crate::balloon::{Balloon, BalloonConfig, VIRTIO_BALLOON_F_STATS_VQ};
+    use crate::test_util::wait_until;
+    use vm_memory::Bytes;
+
+    /// Where the driver keeps its array of PFNs (clear of the rings).
+    const PFNS_AT: u64 = 0x8_0000;
+    let balloon = Balloon::new(BalloonConfig {
+        amount_mib: 0,
+        deflate_on_oom: false,
+        stats_polling_interval_s: 60,
+    })
+    .unwrap();
+    let mut h = harness_around(Box::new(balloon), Arc::default());
+    let memory = h.transport.memory.clone();
+    assert_eq!(h.read(NUM_QUEUES, 2), 3, "inflate, deflate, stats");
+    assert!(h.negotiate(VERSION_1 | 1 << VIRTIO_BALLOON_F_STATS_VQ));
+    // Config changes on vector 0, queue q on vector q + 1.
+    h.enable_msix();
+    h.write(MSIX_CONFIG, 0, 2);
+    for queue in 0..3 {
+        h.setup_queue(queue, 256);
+    }
+    h.set_status(ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+    assert!(h.transport.is_active());
+
+    // vp_modern_map_vq_notify: the notify capability's offset + queue_notify_off times
+    // notify_off_multiplier.
+    let notify_offset = h.config_read(CAP_NOTIFY_AT + 8, 4);
+    let multiplier = h.config_read(CAP_NOTIFY_AT + 16, 4);
+    let notify_address = |h: &mut Harness, queue: u16| {
+        h.write(QUEUE_SELECT, queue.into(), 2);
+        notify_offset + h.read(QUEUE_NOTIFY_OFF, 2) * multiplier
+    };
+    let pfns: Vec<u32> = (0xc0..0xd0).collect();
+    for (i, pfn) in pfns.iter().enumerate() {
+        memory
+            .write_obj(*pfn, GuestAddress(PFNS_AT + 4 * i as u64))
+            .unwrap();
+    }
+    // virtqueue_add_outbuf of the PFN array: descriptor `slot`, device-readable, alone.
+    let offer = |queue: u16, slot: u16| {
+        let (desc, avail, _) = rings(queue);
+        let at = desc + 16 * u64::from(slot);
+        memory.write_obj(PFNS_AT, GuestAddress(at)).unwrap();
+        memory
+            .write_obj(4 * pfns.len() as u32, GuestAddress(at + 8))
+            .unwrap();
+        memory.write_obj(0u32, GuestAddress(at + 12)).unwrap();
+        memory
+            .write_obj(slot, GuestAddress(avail + 4 + 2 * u64::from(slot)))
+            .unwrap();
+        memory.write_obj(slot + 1, GuestAddress(avail + 2)).unwrap();
+    };
+    // The used ring's index, and the id of its entry `slot`.
+    let used = |queue: u16, slot: u16| -> (u16, u32) {
+        let (_, _, used) = rings(queue);
+        (
+            memory.read_obj(GuestAddress(used + 2)).unwrap(),
+            memory
+                .read_obj(GuestAddress(used + 4 + 8 * u64::from(slot)))
+                .unwrap(),
+        )
+    };
+    let fired = |h: &Harness, vector: usize, what: &str| {
+        wait_until(what, || h.irqfds[vector].read().is_ok());
+    };
+
+    // Inflate, kicked through the ioeventfd (KVM signals the registered kick).
+    offer(0, 0);
+    let inflate = notify_address(&mut h, 0);
+    h.ioevents.signal(BAR + inflate);
+    fired(&h, 1, "the inflate queue's vector after an ioeventfd kick");
+    assert_eq!(used(0, 0), (1, 0));
+    // Inflate again, kicked through the MMIO exit path (vp_notify writes the queue index).
+    offer(0, 1);
+    h.write(inflate, 0, 2);
+    fired(&h, 1, "the inflate queue's vector after a notify write");
+    assert_eq!(used(0, 1), (2, 1));
+    // Deflate: its own vector.
+    offer(1, 0);
+    let deflate = notify_address(&mut h, 1);
+    h.write(deflate, 1, 2);
+    fired(&h, 2, "the deflate queue's vector");
+    assert_eq!(used(1, 0), (1, 0));
+    assert_eq!(h.read(ISR_OFFSET, 1) & 1, 1, "ISR says a queue interrupted");
+    // Nothing for the configuration or the stats queue (it holds no buffer).
+    assert!(h.readable().is_empty());
+
+    let report = h
+        .transport
+        .device_mut()
+        .as_any_mut()
+        .and_then(|any| any.downcast_mut::<Balloon>())
+        .unwrap()
+        .report();
+    assert_eq!(report.counters.inflated_pages, 2 * pfns.len() as u64);
+    assert_eq!(report.counters.deflated_pages, pfns.len() as u64);
+    assert_eq!(report.counters.refused_buffers, 0);
+    assert_eq!(report.counters.refused_pfns, 0);
 }
