@@ -481,9 +481,10 @@ mod tests {
         assert!(!allowed(ThreadKind::Vmm).contains(&libc::SYS_execve));
     }
 
-    #[test]
-    fn the_vmm_filter_reads_the_memlock_limit_but_cannot_change_limits() {
-        let outcome = std::thread::spawn(|| {
+    /// Runs `body` on a new thread under the VMM thread's rules, with what they refuse
+    /// failing with EPERM instead of killing the test.
+    fn under_the_vmm_filter<T: Send + 'static>(body: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(move || {
             let filter = SeccompFilter::new(
                 rules(ThreadKind::Vmm).unwrap(),
                 SeccompAction::Errno(libc::EPERM as u32),
@@ -493,6 +494,15 @@ mod tests {
             .unwrap();
             let program: BpfProgram = filter.try_into().unwrap();
             seccompiler::apply_filter(&program).unwrap();
+            body()
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn the_vmm_filter_reads_the_memlock_limit_but_cannot_change_limits() {
+        let outcome = under_the_vmm_filter(|| {
             let mut limit = libc::rlimit {
                 rlim_cur: 0,
                 rlim_max: 0,
@@ -504,24 +514,13 @@ mod tests {
             // SAFETY: as above; the filter refuses it before it changes anything.
             let set = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) };
             (memlock, nofile, set)
-        })
-        .join()
-        .unwrap();
+        });
         assert_eq!(outcome, (0, -1, -1), "(memlock read, nofile read, set)");
     }
 
     #[test]
     fn the_vmm_filter_allows_threads_but_not_fork() {
-        let outcome = std::thread::spawn(|| {
-            let filter = SeccompFilter::new(
-                rules(ThreadKind::Vmm).unwrap(),
-                SeccompAction::Errno(libc::EPERM as u32),
-                SeccompAction::Allow,
-                TargetArch::x86_64,
-            )
-            .unwrap();
-            let program: BpfProgram = filter.try_into().unwrap();
-            seccompiler::apply_filter(&program).unwrap();
+        let outcome = under_the_vmm_filter(|| {
             let thread = std::thread::spawn(|| 7).join().unwrap();
             // SAFETY: the child, if one is ever created, leaves at once without touching
             // anything the parent owns.
@@ -538,9 +537,7 @@ mod tests {
                 unsafe { libc::_exit(0) };
             }
             (thread, pid, errno, raw)
-        })
-        .join()
-        .unwrap();
+        });
         assert_eq!(outcome.0, 7, "threads can be spawned");
         assert_eq!(
             (outcome.1, outcome.2),
