@@ -39,6 +39,7 @@ readonly PACKAGES=(
     libseccomp-dev
     libcap-ng-dev
     linux-source-6.1
+    linux-source-6.12
     flex
     bison
     bc

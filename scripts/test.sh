@@ -6,7 +6,8 @@
 # 1. installs the Debian packages the tests need (scripts/install-deps.sh; root on Debian 12),
 # 2. builds the Linux guest images (guest-images/linux/build.sh) and the virtio kernel with its ext4 root
 #    image (guest-images/linux/build-virtio-kernel.sh) into $GPUVM_LINUX_DIR, and the real-kernel tier's
-#    outer kernel (guest-images/real-kernel/build.sh) into $GPUVM_REAL_KERNEL_DIR,
+#    outer kernel (guest-images/real-kernel/build.sh) into $GPUVM_REAL_KERNEL_DIR and its Linux 6.12
+#    kernel with iommufd (guest-images/real-kernel/build-iommufd-kernel.sh) into $GPUVM_IOMMUFD_KERNEL_DIR,
 # 3. cargo build --release --workspace, then cargo test --release --workspace (which includes the
 #    real-kernel tier, tests/real_kernel.rs: gpuvm inside QEMU TCG with nested KVM and an emulated IOMMU),
 # 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh), and its Cloud Hypervisor front end
@@ -40,6 +41,11 @@ step "getting the real-kernel tier's kernel (guest-images/real-kernel/build.sh)"
 export GPUVM_REAL_KERNEL_DIR="${GPUVM_REAL_KERNEL_DIR:-$REPO_ROOT/guest-images/real-kernel/out}"
 # Status 77: no kernel package can be had; tests/real_kernel.rs then skips and says why.
 guest-images/real-kernel/build.sh "$GPUVM_REAL_KERNEL_DIR" || (($? == 77))
+
+step "building the real-kernel tier's iommufd kernel (guest-images/real-kernel/build-iommufd-kernel.sh)"
+export GPUVM_IOMMUFD_KERNEL_DIR="${GPUVM_IOMMUFD_KERNEL_DIR:-$GPUVM_REAL_KERNEL_DIR/iommufd}"
+# Status 77: no linux-source-6.12 or build tools; the `# kernel: iommufd` scenarios then skip.
+guest-images/real-kernel/build-iommufd-kernel.sh "$GPUVM_IOMMUFD_KERNEL_DIR" || (($? == 77))
 
 if ! command -v cargo >/dev/null; then
     echo "test.sh: error: cargo not found; install Rust (https://rustup.rs) and retry" >&2

@@ -98,6 +98,9 @@ fn kernel_vfio_drives_edu_dma_msi_and_intx() {
             "edu: intx ok",
             "edu: PASS",
             "figure: DMA map",
+            "cold-plugged passthrough",
+            "snapshot refused as it should be",
+            "the guest booted while its RAM was being DMA-mapped",
         ],
     );
 }
@@ -147,6 +150,7 @@ fn nvme_msix_and_a_1_gib_prefetchable_bar_serve_linux_drivers() {
             "MSI-X vectors",
             "inner: bigbar ok",
             "inner: checks passed",
+            "the NVMe controller served a second VM after its reset",
         ],
     );
 }
@@ -161,6 +165,33 @@ fn cloud_hypervisor_front_end_hot_plugs_a_vfio_device_and_a_disk_into_linux() {
             "inner: hot-plugged disk ok",
             "inner: hot-plugged disk removed",
             "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn kernel_vfio_through_iommufd_drives_edu_dma_msi_and_intx() {
+    scenario_passes(
+        "vfio-iommufd",
+        &[
+            "kernel VFIO: iommufd cdev API",
+            "edu: dma ok",
+            "edu: msi ok",
+            "edu: intx ok",
+            "edu: PASS",
+            "figure: DMA map",
+        ],
+    );
+}
+
+#[test]
+fn linux_guest_mounts_virtio_fs_and_inflates_its_balloon() {
+    scenario_passes(
+        "linux-fs-balloon",
+        &[
+            "inner: fs ok",
+            "inner: balloon ok",
+            "balloon inflated to 64 MiB",
         ],
     );
 }

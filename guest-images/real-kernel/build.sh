@@ -34,7 +34,7 @@ readonly MODULES=(
 
 log() { echo "real-kernel/build.sh: $*"; }
 die() {
-    echo "real-kernel/build.sh: error: $*" >&2
+    echo "real-kernel/build.sh: error: $1" >&2
     exit "${2:-1}"
 }
 

@@ -11,6 +11,8 @@
 #   # memory: SIZE    the outer machine's RAM (default 3G)
 #   # scratch: NAME SIZE   a sparse file made for it on the host (a disk image for an emulated device),
 #                     named @WORK@/NAME in its QEMU arguments
+#   # kernel: iommufd the outer machine boots guest-images/real-kernel/build-iommufd-kernel.sh's Linux 6.12
+#                     (iommufd, the VFIO cdev; drivers built in, no modules) instead of Debian's kernel
 # The scenario runs as a shell script in the outer machine's busybox user space, with the helpers of
 # tests/real-kernel/lib.sh; its exit status is the runner's. Lines it prints starting `figure:` are the
 # tier's figures (bench/real-kernel collects them).
@@ -18,6 +20,8 @@
 # Environment:
 #   GPUVM_BIN               the gpuvm binary to put in the machine (static; default: target/.../release/gpuvm)
 #   GPUVM_REAL_KERNEL_DIR   guest-images/real-kernel/build.sh's output (built here when missing)
+#   GPUVM_IOMMUFD_KERNEL_DIR  build-iommufd-kernel.sh's output (default: GPUVM_REAL_KERNEL_DIR/iommufd;
+#                           built here when missing), for `# kernel: iommufd`
 #   QEMU                    the QEMU binary (default qemu-system-x86_64)
 # Exit status: the scenario's; 77 when QEMU or the kernel cannot be had (the tier is skipped);
 # 124 when the machine ran past --timeout; 125 when the machine ended without reporting a result.
@@ -29,7 +33,7 @@ readonly TIER_DIR REPO_ROOT
 readonly SKIP=77
 
 die() {
-    echo "real-kernel: error: $*" >&2
+    echo "real-kernel: error: $1" >&2
     exit "${2:-1}"
 }
 
@@ -71,10 +75,19 @@ if file "$gpuvm_bin" 2>/dev/null | grep -q 'dynamically linked'; then
 fi
 
 kernel_dir="${GPUVM_REAL_KERNEL_DIR:-$REPO_ROOT/guest-images/real-kernel/out}"
+kernel_builder=build.sh
+case "$(sed -n 's/^# kernel: //p' "$scenario_file" | head -n1)" in
+"") ;;
+iommufd)
+    kernel_dir="${GPUVM_IOMMUFD_KERNEL_DIR:-$kernel_dir/iommufd}"
+    kernel_builder=build-iommufd-kernel.sh
+    ;;
+*) die "$scenario names an unknown kernel (# kernel: iommufd is the one there is)" 2 ;;
+esac
 if [[ ! -s "$kernel_dir/vmlinuz" ]]; then
     build_status=0
-    "$REPO_ROOT/guest-images/real-kernel/build.sh" "$kernel_dir" >&2 || build_status=$?
-    ((build_status == 0)) || die "the outer kernel cannot be had (guest-images/real-kernel/build.sh: $build_status)" \
+    "$REPO_ROOT/guest-images/real-kernel/$kernel_builder" "$kernel_dir" >&2 || build_status=$?
+    ((build_status == 0)) || die "the outer kernel cannot be had (guest-images/real-kernel/$kernel_builder: $build_status)" \
         "$([[ $build_status == "$SKIP" ]] && echo "$SKIP" || echo 1)"
 fi
 release="$(cat "$kernel_dir/kernel-version")"
@@ -94,7 +107,8 @@ pack() {
     (cd "$1" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet) >"$2"
 }
 
-# A busybox root with the kernel's modules, shared by the outer machine and gpuvm's Linux guests.
+# A busybox root with the kernel's modules (if it has any), shared by the outer machine and gpuvm's Linux
+# guests.
 make_root() {
     local root="$1" applet
     mkdir -p "$root"/{bin,sbin,dev,proc,sys,tmp,run,mnt,lib}
@@ -102,7 +116,7 @@ make_root() {
     for applet in $(busybox --list); do
         [[ "$applet" == busybox ]] || ln -sf busybox "$root/bin/$applet"
     done
-    cp -a "$kernel_dir/modules/lib/modules" "$root/lib/"
+    [[ ! -d "$kernel_dir/modules/lib/modules" ]] || cp -a "$kernel_dir/modules/lib/modules" "$root/lib/"
     cp "$TIER_DIR/lib.sh" "$root/lib/real-kernel.sh"
 }
 
@@ -119,6 +133,17 @@ chmod +x "$outer/init"
 mkdir -p "$outer/scenarios" "$outer/images"
 cp "$TIER_DIR"/scenarios/*.sh "$outer/scenarios/"
 cp "$gpuvm_bin" "$outer/bin/gpuvm"
+# Backends gpuvm talks to over vhost-user, with the shared libraries they load (the outer machine has no
+# C library of its own); a scenario that needs one it lacks fails saying so.
+for backend in virtiofsd; do
+    backend_path="$(command -v "$backend" || true)"
+    [[ -n "$backend_path" ]] || continue
+    cp "$backend_path" "$outer/bin/$backend"
+    for library in $(ldd "$backend_path" | grep -o '/[^ ]*'); do
+        mkdir -p "$outer$(dirname "$library")"
+        cp -L "$library" "$outer$library"
+    done
+done
 cp "$kernel_dir/vmlinuz" "$outer/images/vmlinuz"
 pack "$inner" "$outer/images/initramfs.cpio"
 pack "$outer" "$work/outer.cpio"
