@@ -29,18 +29,18 @@
 use core::ptr::addr_of;
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use crate::arch::{inl, outl, rdtsc, tsc_hz};
+use crate::arch::{rdtsc, tsc_hz};
 use crate::bootinfo::{BootInfo, E820_RAM};
 use crate::console::exit;
 use crate::lapic;
-use crate::pci::{install_gate, mmio_read, mmio_write};
+use crate::pci::{
+    config_read, config_write, find_capability, install_gate, mmio_read, mmio_write, size_bar,
+};
 use crate::println;
 
 const EXIT_FAIL: u32 = 1;
 const EXIT_USAGE: u32 = 2;
 
-const CONFIG_ADDRESS: u16 = 0xcf8;
-const CONFIG_DATA: u16 = 0xcfc;
 const VENDOR_QEMU: u32 = 0x1234;
 const DEVICE_EDU: u32 = 0x11e8;
 const CAP_ID_MSI: u8 = 0x05;
@@ -48,7 +48,6 @@ const COMMAND_MEMORY: u32 = 1 << 1;
 const COMMAND_BUS_MASTER: u32 = 1 << 2;
 const COMMAND_INTX_DISABLE: u32 = 1 << 10;
 const STATUS_INTERRUPT: u32 = 1 << 3;
-const STATUS_CAPABILITIES: u32 = 1 << 4;
 const MSI_CONTROL_ENABLE: u32 = 1 << 0;
 const MSI_CONTROL_MME: u32 = 0x7 << 4;
 const MSI_CONTROL_64BIT: u32 = 1 << 7;
@@ -197,52 +196,10 @@ fn fail(what: core::fmt::Arguments) -> ! {
     exit(EXIT_FAIL)
 }
 
-fn config_address(slot: u8, register: u8) -> u32 {
-    1 << 31 | u32::from(slot) << 11 | u32::from(register & 0xfc)
-}
-
-fn config_read(slot: u8, register: u8) -> u32 {
-    outl(CONFIG_ADDRESS, config_address(slot, register));
-    inl(CONFIG_DATA)
-}
-
-fn config_write(slot: u8, register: u8, value: u32) {
-    outl(CONFIG_ADDRESS, config_address(slot, register));
-    outl(CONFIG_DATA, value);
-}
-
 /// Writes the command register (the status half of the dword is written as zeros: its
 /// error bits are write-1-to-clear).
 fn write_command(slot: u8, command: u32) {
     config_write(slot, 0x04, command & 0xffff);
-}
-
-fn find_capability(slot: u8, id: u8) -> Option<u8> {
-    if config_read(slot, 0x04) >> 16 & STATUS_CAPABILITIES == 0 {
-        return None;
-    }
-    let mut pointer = (config_read(slot, 0x34) & 0xfc) as u8;
-    for _ in 0..48 {
-        if pointer < 0x40 {
-            return None;
-        }
-        let header = config_read(slot, pointer);
-        if header as u8 == id {
-            return Some(pointer);
-        }
-        pointer = ((header >> 8) & 0xfc) as u8;
-    }
-    None
-}
-
-/// Sizes 32-bit memory BAR0 (all-ones write, read back, restore); (address, size, flags).
-fn size_bar0(slot: u8) -> (u64, u64, u32) {
-    let original = config_read(slot, 0x10);
-    config_write(slot, 0x10, 0xffff_ffff);
-    let sized = config_read(slot, 0x10);
-    config_write(slot, 0x10, original);
-    let size = u64::from((!(sized & !0xf)).wrapping_add(1));
-    (u64::from(original & !0xf), size, original & 0xf)
 }
 
 /// Polls until `done` holds; false after POLL_SECONDS (TSC) or POLL_ITERATIONS polls.
@@ -663,7 +620,7 @@ pub fn run(info: &BootInfo, mode: Option<&str>) -> ! {
         }
     };
     let slot = find_edu();
-    let (bar0, size, flags) = size_bar0(slot);
+    let (bar0, size, flags) = size_bar(slot, 0);
     println!("edu: found at 00:{slot:02x}.0 BAR0 {bar0:#x} size {size:#x}");
     if flags != 0 || size != BAR0_SIZE || bar0 == 0 {
         fail(format_args!(

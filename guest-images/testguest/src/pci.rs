@@ -107,7 +107,7 @@ pub(crate) fn config_read(device: u8, register: u8) -> u32 {
     inl(CONFIG_DATA)
 }
 
-fn config_write(device: u8, register: u8, value: u32) {
+pub(crate) fn config_write(device: u8, register: u8, value: u32) {
     outl(CONFIG_ADDRESS, config_address(device, register));
     outl(CONFIG_DATA, value);
 }
@@ -129,7 +129,7 @@ fn fail(what: core::fmt::Arguments) -> ! {
 }
 
 /// Sizes BAR `index` (all-ones write, read back, restore); returns (address, size, low flags).
-fn size_bar(device: u8, index: u8) -> (u64, u64, u32) {
+pub(crate) fn size_bar(device: u8, index: u8) -> (u64, u64, u32) {
     let register = 0x10 + 4 * index;
     let original = config_read(device, register);
     config_write(device, register, 0xffff_ffff);
@@ -184,7 +184,7 @@ fn bar1_direct(bar0: u64, bar1: u64) {
     );
 }
 
-fn find_capability(device: u8, id: u8) -> Option<u8> {
+pub(crate) fn find_capability(device: u8, id: u8) -> Option<u8> {
     if config_read(device, 0x04) >> 16 & 0x10 == 0 {
         return None;
     }
