@@ -797,7 +797,11 @@ mod tests {
         assert_ne!(u32_at(fadt, 112) & Flags::HwReducedAcpi as u32, 0);
         assert_ne!(u32_at(fadt, 112) & Flags::ResetRegSup as u32, 0);
         let iapc = u16::from_le_bytes([fadt[109], fadt[110]]);
-        assert_eq!(iapc & IAPC_8042, 0, "no keyboard controller for guests to probe");
+        assert_eq!(
+            iapc & IAPC_8042,
+            0,
+            "no keyboard controller for guests to probe"
+        );
         assert_eq!(iapc & IAPC_VGA_NOT_PRESENT, IAPC_VGA_NOT_PRESENT);
         // Reset register: GAS in system I/O space at 0x64, value 0xFE.
         assert_eq!(fadt[116], 1, "system I/O");
