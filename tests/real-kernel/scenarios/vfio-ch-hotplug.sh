@@ -12,8 +12,10 @@ wait_for /tmp/ch.sock 30
 ch() {
     gpuvm ctl --api-sock /tmp/ch.sock raw "$@"
 }
+# The guest's kernel log stays on (no `quiet`): a boot that stalled once in CI (an empty console for
+# 120 s) should say where, if it happens again.
 ch PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
-    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=hotplug,diskplug inner.hotplug=1234:11e8 inner.end=poweroff"},
+    "cmdline": "console=ttyS0 panic=-1 inner.checks=hotplug,diskplug inner.hotplug=1234:11e8 inner.end=poweroff"},
     "cpus": {"boot_vcpus": 1, "max_vcpus": 1}, "memory": {"size": 536870912},
     "serial": {"mode": "Tty"}, "console": {"mode": "Off"}}' || abort_gpuvm ch "vm.create failed"
 ch PUT /api/v1/vm.boot || abort_gpuvm ch "vm.boot failed"
