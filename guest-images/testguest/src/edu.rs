@@ -88,10 +88,9 @@ const DMA_LEN: u64 = 2048;
 const DMA_SEED: u64 = 0xed0d_3a5e;
 const DMA_MASK_LIMIT: u64 = 1 << 28;
 
-/// Vectors of our own (pci: 0x40/0x41, virtio: 0x52/0x53).
+/// Vectors of our own (pci: 0x40/0x41, virtio: 0x52/0x53, whose timeout timer edu shares).
 const MSI_VECTOR: u8 = 0x48;
 const INTX_VECTOR: u8 = 0x49;
-const TIMER_VECTOR: u8 = 0x4a;
 
 const IOAPIC_BASE: u64 = 0xfec0_0000;
 const IOAPIC_WINDOW: u64 = 0x10;
@@ -101,19 +100,6 @@ const IOAPIC_MASKED: u32 = 1 << 16;
 /// gpuvm routes INTx of bus-0 device d, pin p (0 = INTA) to GSI 16 + (d + p) % 8.
 const FIRST_INTX_GSI: u32 = 16;
 
-const LAPIC_LVT_TIMER: u64 = 0x320;
-const LAPIC_LVT_LINT0: u64 = 0x350;
-const LAPIC_TIMER_INITIAL: u64 = 0x380;
-const LAPIC_TIMER_CURRENT: u64 = 0x390;
-const LAPIC_TIMER_DIVIDE: u64 = 0x3e0;
-const LVT_MASKED: u32 = 1 << 16;
-const SVR_ENABLE: u32 = 1 << 8;
-const SPURIOUS_VECTOR: u32 = 0xff;
-const DIVIDE_BY_16: u32 = 0x3;
-/// KVM's APIC bus runs at 1 GHz: the timer counts 1e9 / 16 per second (elsewhere it only
-/// bounds waits differently).
-const TIMER_TICKS_PER_MS: u64 = 1_000_000 / 16;
-
 /// Bounds of a register poll: whichever comes first.
 const POLL_SECONDS: u64 = 20;
 const POLL_ITERATIONS: u64 = 20_000_000;
@@ -121,13 +107,11 @@ const POLL_ITERATIONS: u64 = 20_000_000;
 const INTERRUPT_TIMEOUT_MS: u64 = 10_000;
 const SETTLE_MS: u64 = 200;
 
-/// Interrupts taken on the MSI, INTx and timer vectors (ring-0 handlers below).
+/// Interrupts taken on the MSI and INTx vectors (ring-0 handlers below).
 #[no_mangle]
 static TG_EDU_MSI_COUNT: AtomicU64 = AtomicU64::new(0);
 #[no_mangle]
 static TG_EDU_INTX_COUNT: AtomicU64 = AtomicU64::new(0);
-#[no_mangle]
-static TG_EDU_TIMER_COUNT: AtomicU64 = AtomicU64::new(0);
 /// Addresses of the device's interrupt status and acknowledge registers, for the INTx handler.
 #[no_mangle]
 static TG_EDU_IRQ_STATUS_REG: AtomicU64 = AtomicU64::new(0);
@@ -172,15 +156,6 @@ tg_edu_intx_entry:
     popq %rcx
     popq %rax
     iretq
-
-    .p2align 4
-    .globl tg_edu_timer_entry
-tg_edu_timer_entry:
-    pushq %rax
-    incq TG_EDU_TIMER_COUNT(%rip)
-    call tg_lapic_eoi
-    popq %rax
-    iretq
 "#,
     options(att_syntax)
 );
@@ -188,7 +163,6 @@ tg_edu_timer_entry:
 extern "C" {
     static tg_edu_msi_entry: u8;
     static tg_edu_intx_entry: u8;
-    static tg_edu_timer_entry: u8;
 }
 
 fn fail(what: core::fmt::Arguments) -> ! {
@@ -220,58 +194,16 @@ fn poll(mut done: impl FnMut() -> bool) -> bool {
     done()
 }
 
-/// Local APIC on (LINT0 masked: the legacy PIC's interrupts would arrive on its vectors),
-/// and our gates installed.
+/// Local APIC on, with the virtio workloads' timeout timer (virtio/irq.rs), and our gates.
 fn enable_lapic() {
+    crate::virtio::irq::enable_lapic();
     install_gate(MSI_VECTOR, addr_of!(tg_edu_msi_entry) as u64);
     install_gate(INTX_VECTOR, addr_of!(tg_edu_intx_entry) as u64);
-    install_gate(TIMER_VECTOR, addr_of!(tg_edu_timer_entry) as u64);
-    lapic::write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMER_VECTOR));
-    lapic::write(LAPIC_LVT_LINT0, lapic::read(LAPIC_LVT_LINT0) | LVT_MASKED);
-    lapic::write(
-        lapic::SVR,
-        lapic::read(lapic::SVR) | SVR_ENABLE | SPURIOUS_VECTOR,
-    );
-}
-
-/// Waits in ring 0 until `done()` holds or about `timeout_ms` passed (one-shot local APIC
-/// timer); returns whether `done()` held.
-fn wait_interrupt(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
-    let ticks = (timeout_ms * TIMER_TICKS_PER_MS).min(u64::from(u32::MAX)) as u32;
-    lapic::write(LAPIC_TIMER_DIVIDE, DIVIDE_BY_16);
-    lapic::write(LAPIC_LVT_TIMER, u32::from(TIMER_VECTOR));
-    lapic::write(LAPIC_TIMER_INITIAL, ticks);
-    let mut timer_seen = TG_EDU_TIMER_COUNT.load(Ordering::Acquire);
-    let mut result = false;
-    // Every hlt ends with an interrupt (the device's or the timer's): the bound only guards
-    // against a storm of other ones.
-    for _ in 0..100_000 {
-        if done() {
-            result = true;
-            break;
-        }
-        let timer = TG_EDU_TIMER_COUNT.load(Ordering::Acquire);
-        if timer != timer_seen {
-            // Ours has expired only when the count reads zero (one-shot); otherwise this was
-            // a late tick of an earlier wait.
-            if lapic::read(LAPIC_TIMER_CURRENT) == 0 {
-                result = done();
-                break;
-            }
-            timer_seen = timer;
-        }
-        // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0 and
-        // returns after the hlt. Not `nomem`: the handlers change the counters meanwhile.
-        unsafe { core::arch::asm!("hlt", options(nostack)) };
-    }
-    lapic::write(LAPIC_TIMER_INITIAL, 0);
-    lapic::write(LAPIC_LVT_TIMER, LVT_MASKED | u32::from(TIMER_VECTOR));
-    result
 }
 
 /// Lets `ms` pass in ring 0 (interrupts delivered meanwhile).
 fn settle(ms: u64) {
-    wait_interrupt(ms, || false);
+    crate::virtio::irq::wait(ms, || false);
 }
 
 struct Edu {
@@ -469,7 +401,7 @@ fn msi(edu: &Edu, apic_id: u32) -> u8 {
     TG_EDU_MSI_COUNT.store(0, Ordering::Release);
 
     let wait = |expected: u64, what: &str| {
-        let arrived = wait_interrupt(INTERRUPT_TIMEOUT_MS, || {
+        let arrived = crate::virtio::irq::wait(INTERRUPT_TIMEOUT_MS, || {
             TG_EDU_MSI_COUNT.load(Ordering::Acquire) >= expected
         });
         if !arrived {
@@ -573,7 +505,7 @@ fn intx(edu: &Edu, msi_cap: u8, apic_id: u32) {
     for round in 1..=2u64 {
         edu.write(REG_IRQ_RAISE, IRQ_INTX_TEST);
         let target = stale + round;
-        let arrived = wait_interrupt(INTERRUPT_TIMEOUT_MS, || {
+        let arrived = crate::virtio::irq::wait(INTERRUPT_TIMEOUT_MS, || {
             TG_EDU_INTX_COUNT.load(Ordering::Acquire) >= target
         });
         if !arrived {

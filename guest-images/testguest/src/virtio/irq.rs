@@ -16,6 +16,7 @@ use crate::pci::install_gate;
 const LAPIC_LVT_TIMER: u64 = 0x320;
 const LAPIC_LVT_LINT0: u64 = 0x350;
 const LAPIC_TIMER_INITIAL: u64 = 0x380;
+const LAPIC_TIMER_CURRENT: u64 = 0x390;
 const LAPIC_TIMER_DIVIDE: u64 = 0x3e0;
 const SVR_ENABLE: u32 = 1 << 8;
 const SPURIOUS_VECTOR: u32 = 0xff;
@@ -97,7 +98,7 @@ pub fn msi_count() -> u64 {
 /// returns whether `done()` held. [`enable_lapic`] must have run.
 pub fn wait(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
     let ticks = (timeout_ms * TIMER_TICKS_PER_MS).min(u64::from(u32::MAX)) as u32;
-    let timer_fired = TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire);
+    let mut timer_seen = TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire);
     lapic::write(LAPIC_TIMER_DIVIDE, DIVIDE_BY_16);
     lapic::write(LAPIC_LVT_TIMER, u32::from(TIMEOUT_VECTOR));
     lapic::write(LAPIC_TIMER_INITIAL, ticks);
@@ -109,9 +110,15 @@ pub fn wait(timeout_ms: u64, mut done: impl FnMut() -> bool) -> bool {
             result = true;
             break;
         }
-        if TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire) != timer_fired {
-            result = done();
-            break;
+        let timer = TG_VIRTIO_TIMER_COUNT.load(Ordering::Acquire);
+        if timer != timer_seen {
+            // Ours has expired only when the one-shot count reads zero; otherwise this was a
+            // late tick of an earlier wait.
+            if lapic::read(LAPIC_TIMER_CURRENT) == 0 {
+                result = done();
+                break;
+            }
+            timer_seen = timer;
         }
         // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0 and
         // returns after the hlt.

@@ -25,7 +25,7 @@ mod fs;
 mod gpu_agent;
 pub mod hostile;
 pub(crate) mod hotplug;
-mod irq;
+pub(crate) mod irq;
 mod net;
 mod pci;
 mod queue;
