@@ -115,7 +115,25 @@ fn linux_guest_uses_virtio_from_user_space_and_powers_off() {
             "inner: net ok",
             "inner: rng ok",
             "inner: vsock ok",
+            "inner: vsockdata ok",
+            "vsock-tool: echoed 1048576 bytes",
             "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn linux_guest_agent_releases_a_kernel_vfio_device_for_a_snapshot_and_resumes_it_after_restore() {
+    scenario_passes(
+        "vfio-gpu-release",
+        &[
+            "agent: RELEASE edu0",
+            "gpu-hook: released edu0",
+            "ejected",
+            "\"released_gpus\":[\"edu0\"]",
+            "gpu-hook: resumed edu0",
+            "\"resumed\":true",
+            "guest-release snapshot and restore with kernel VFIO: ok",
         ],
     );
 }

@@ -118,12 +118,21 @@ make_root() {
     done
     [[ ! -d "$kernel_dir/modules/lib/modules" ]] || cp -a "$kernel_dir/modules/lib/modules" "$root/lib/"
     cp "$TIER_DIR/lib.sh" "$root/lib/real-kernel.sh"
+    cp "$work/vsock-tool" "$root/bin/vsock-tool"
 }
+
+# vsock from user space (busybox has none), for both sides of gpuvm's hybrid vsock; static: neither machine
+# has a C library.
+cc="${CC:-cc}"
+command -v "$cc" >/dev/null || die "no C compiler ($cc): the tier builds tests/real-kernel/vsock-tool.c" "$SKIP"
+"$cc" -static -O2 -Wall -o "$work/vsock-tool" "$TIER_DIR/vsock-tool.c" ||
+    die "cannot build tests/real-kernel/vsock-tool.c statically (Debian's libc6-dev has the static C library)"
 
 # The initramfs of gpuvm's Linux guests.
 inner="$work/inner"
 make_root "$inner"
 cp "$TIER_DIR/inner-init" "$inner/init"
+cp "$TIER_DIR/gpu-hook" "$inner/lib/gpu-hook"
 chmod +x "$inner/init"
 
 outer="$work/outer"

@@ -133,7 +133,11 @@ impl Persist for Vcpu {
         // SAFETY: gpuvm never asks for dynamically enabled XSTATE features (AMX), so the
         // guest's XSAVE area fits the 4096-byte legacy kvm_xsave that KVM_SET_XSAVE reads.
         unsafe { fd.set_xsave(&state.xsave) }.map_err(err("set XSAVE state"))?;
-        fd.set_xcrs(&state.xcrs).map_err(err("set XCRs"))?;
+        // A host without XSAVE reports no XCRs and refuses KVM_SET_XCRS (EINVAL) whatever it
+        // is given, so a state with none has nothing to load.
+        if state.xcrs.nr_xcrs > 0 {
+            fd.set_xcrs(&state.xcrs).map_err(err("set XCRs"))?;
+        }
         fd.set_debug_regs(&state.debug_regs)
             .map_err(err("set debug registers"))?;
         fd.set_lapic(&state.lapic).map_err(err("set LAPIC"))?;
