@@ -5,7 +5,7 @@ use std::path::Path;
 
 use gpuvm_vmm::action::{ConfigFile, DriveBody};
 use gpuvm_vmm::config::VmConfig;
-use gpuvm_vmm::pci::PciOptions;
+use gpuvm_vmm::config::PciOptions;
 
 use crate::CliError;
 

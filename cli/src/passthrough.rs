@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::Args;
 use gpuvm_arch::x86_64::cpuid::{CpuidMask, CpuidReg};
 use gpuvm_vfio::host::{self, CheckStatus, HostPaths};
-use gpuvm_vmm::pci::PciOptions;
+use gpuvm_vmm::config::PciOptions;
 
 #[derive(Args, Debug)]
 pub struct PassthroughArgs {
@@ -78,7 +78,7 @@ pub struct CheckHostArgs {
 /// Prints one line per check and exits 0 only when nothing failed.
 pub fn check_host(args: &CheckHostArgs) -> ExitCode {
     let mut failed = false;
-    match gpuvm_vmm::builder::open_kvm() {
+    match gpuvm_vmm::host::open_kvm() {
         Ok(kvm) => println!("ok    kvm: /dev/kvm opens (API {})", kvm.get_api_version()),
         Err(error) => {
             failed = true;

@@ -39,7 +39,8 @@ pub enum VmmAction {
     DeleteGpu(String),
     /// Ask the guest to eject a hot-plugged device (a GPU or a virtio device) and answer
     /// at once (Cloud Hypervisor's vm.remove-device after boot): the device goes when the
-    /// guest ejects it. Before start it drops a configured passthrough device.
+    /// guest ejects it. Before start it drops any configured device of that id: a
+    /// passthrough device, a drive, a network interface, a share (by tag), vsock, rng.
     RemoveDevice(String),
     /// A virtio device hot-plugged into the running VM (Cloud Hypervisor's vm.add-disk,
     /// add-net, add-vsock after vm.boot; vhost-user devices are refused); answers `{id, bdf}`.
@@ -98,9 +99,9 @@ pub enum VmmAction {
     /// SendCtrlAltDel's does.
     ShutdownVmm,
     /// Log lines also to a file or FIFO (Firecracker's PUT /logger), any time.
-    PutLogger(crate::outputs::LoggerConfig),
+    PutLogger(LoggerConfig),
     /// The metrics output (Firecracker's PUT /metrics), any time.
-    PutMetrics(crate::outputs::MetricsConfig),
+    PutMetrics(MetricsConfig),
     /// Write the counters to the metrics output (Firecracker's FlushMetrics).
     FlushMetrics,
 }
@@ -257,7 +258,7 @@ impl MachineConfigBody {
         if self.vcpu_count == 0 {
             return Err(ActionError::bad_request("vcpu_count must be at least 1"));
         }
-        if let Some(max) = crate::builder::host_max_vcpus() {
+        if let Some(max) = crate::host::host_max_vcpus() {
             if self.vcpu_count > max {
                 let error = crate::Error::VcpuCount {
                     requested: self.vcpu_count,
@@ -450,7 +451,7 @@ pub struct SnapshotCreateBody {
     pub reattach: bool,
     /// Set by the VMM, never by a client: the GPUs the guest released for this snapshot.
     #[serde(skip)]
-    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
+    pub released_gpus: Vec<ReleasedGpu>,
 }
 
 impl SnapshotCreateBody {
@@ -626,7 +627,7 @@ pub struct PciSegmentsBody {
 impl PciSegmentsBody {
     /// Applies the body to the configured PCI devices, or refuses it (nothing changed)
     /// when a count is out of range or a device names a segment the VM will not have.
-    pub fn apply(&self, pci: &mut crate::pci::PciOptions) -> Result<(), ActionError> {
+    pub fn apply(&self, pci: &mut crate::config::PciOptions) -> Result<(), ActionError> {
         let count = self.num_pci_segments.unwrap_or(pci.num_pci_segments.max(1));
         if count == 0 || count > MAX_PCI_SEGMENTS {
             return Err(ActionError::bad_request(format!(
@@ -663,6 +664,31 @@ pub fn absolute_path(path: &std::path::Path, what: &str) -> Result<(), ActionErr
             path
         )))
     }
+}
+
+/// A log output (Firecracker's PUT /logger).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoggerConfig {
+    pub path: PathBuf,
+    /// The most verbose level written; None keeps the current one.
+    pub level: Option<log::LevelFilter>,
+}
+
+/// A metrics output (Firecracker's PUT /metrics).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MetricsConfig {
+    pub path: PathBuf,
+}
+
+/// A GPU the guest released for a snapshot: the snapshot's guest waits for one of the
+/// same model under this id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleasedGpu {
+    pub gpu_id: String,
+    pub vendor_id: u16,
+    pub device_id: u16,
+    /// Where the guest had it ("0000:00:05.0").
+    pub bdf: String,
 }
 
 #[cfg(test)]

@@ -23,14 +23,15 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::config::{MachineConfig, VmConfig};
+use crate::config::{MachineConfig, PciOptions, VmConfig};
 use crate::devices::MachineDevices;
+use crate::host::{max_vcpus, open_kvm};
 use crate::machine::Machine;
-use crate::pci::PciOptions;
 use crate::snapshot::StageClock;
 use crate::vcpu::{Vcpu, VcpuThread};
 use crate::Error;
 
+mod attach;
 mod restore;
 pub use restore::{restore, restore_with_gpus};
 
@@ -55,32 +56,6 @@ static ACPI_POWER_OFF: AtomicBool = AtomicBool::new(true);
 /// the tables it booted with, and a guest is only told of the port by them.
 pub fn without_acpi_power_off() {
     ACPI_POWER_OFF.store(false, Ordering::Relaxed);
-}
-
-/// Opens /dev/kvm with an error that tells the user what to do.
-pub fn open_kvm() -> Result<Kvm, Error> {
-    Kvm::new().map_err(|source| {
-        let hint = match source.errno() {
-            libc::ENOENT => "no /dev/kvm: is KVM enabled (kvm_intel/kvm_amd loaded, virtualization on in firmware)?",
-            libc::EACCES | libc::EPERM => "permission denied on /dev/kvm: add this user to the 'kvm' group or run as root",
-            _ => "cannot open /dev/kvm",
-        };
-        Error::Kvm { hint, source }
-    })
-}
-
-/// The most vCPUs a VM may have here: KVM's limit, capped by what the MP table addresses.
-pub fn max_vcpus(kvm: &Kvm) -> u8 {
-    kvm.get_max_vcpus()
-        .min(usize::from(mptable::MAX_MPTABLE_CPUS)) as u8
-}
-
-/// [`max_vcpus`] of this host, read once, for checking a configuration before anything is
-/// built (PUT /machine-config). None when /dev/kvm cannot be opened: the build then says
-/// why.
-pub fn host_max_vcpus() -> Option<u8> {
-    static MAX: std::sync::OnceLock<Option<u8>> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| open_kvm().ok().map(|kvm| max_vcpus(&kvm)))
 }
 
 /// A KVM VM with guest RAM and devices, before a kernel or saved state goes in.
@@ -168,7 +143,7 @@ fn create_base(
     clock.mark("irqchip_pit");
     let mut devices = create_devices(&vm, serial_out)?;
     // The root and its devices live on in the buses' entries.
-    let pci = crate::pci::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
+    let pci = attach::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
         .iter()
         .map(|root| root.config())
         .collect();

@@ -1,8 +1,12 @@
 //! What a VM is made of: the machine (vCPUs, memory, CPU features) and what it boots.
 
+use std::path::PathBuf;
+
 use gpuvm_arch::x86_64::boot::BootSource;
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
+
+use crate::virtio::{PassedTaps, VirtioOptions};
 
 /// Default guest memory when none is given.
 pub const DEFAULT_MEMORY_SIZE: u64 = 128 << 20;
@@ -40,4 +44,30 @@ impl Default for MachineConfig {
 pub struct VmConfig {
     pub machine: MachineConfig,
     pub boot: BootSource,
+}
+
+/// The PCI devices of one VM: passthrough devices and virtio devices.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PciOptions {
+    /// Host PCI addresses of GPUs bound to vfio-pci (kernel VFIO).
+    pub gpus: Vec<String>,
+    /// vfio-user sockets of device processes.
+    pub vfio_user: Vec<PathBuf>,
+    /// Size of the 64-bit BAR window; 0 means [`gpuvm_arch::x86_64::layout::PCI_MMIO64_DEFAULT_SIZE`].
+    pub mmio64_size: u64,
+    /// PCI segment groups (1 to [`gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
+    /// virtio devices' segments need (a restore rebuilds them from the devices).
+    pub num_pci_segments: u16,
+    /// Block, net, vsock and entropy devices.
+    pub virtio: VirtioOptions,
+    /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
+    /// no tap (taken when their devices are built).
+    pub passed_taps: PassedTaps,
+}
+
+impl PciOptions {
+    /// No passthrough device (virtio devices aside).
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty() && self.vfio_user.is_empty()
+    }
 }

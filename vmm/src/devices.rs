@@ -48,7 +48,7 @@ pub struct MachineDevices {
     pub virtio: Vec<crate::virtio::VirtioHandle>,
     /// GPUs the guest released for a snapshot and waits to get back (a PUT /gpus with
     /// one of these ids resumes it in the guest; see [`crate::gpu_release`]).
-    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
+    pub released_gpus: Vec<crate::action::ReleasedGpu>,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -67,7 +67,7 @@ pub struct DeviceStates {
     pub pci_hotplug: Option<gpuvm_devices::pci::hotplug::HotplugState>,
     /// GPUs released by the guest for the snapshot (absent when there were none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub released_gpus: Vec<crate::gpu_release::ReleasedGpu>,
+    pub released_gpus: Vec<crate::action::ReleasedGpu>,
     /// Hot-plugged passthrough devices whose own state the snapshot holds (VFIO
     /// migration; each one's data is a file beside the memory files). Filled by the
     /// snapshot itself, which writes those files ([`crate::hotplug::PciHotplug::save_migrated`]);
@@ -85,6 +85,19 @@ pub enum DeviceStateError {
     Virtio(#[from] gpuvm_virtio::transport::SnapshotError),
     #[error("the snapshot has {saved} virtio devices, the restored VM was built with {built}")]
     VirtioCount { saved: usize, built: usize },
+}
+
+impl MachineDevices {
+    /// Where each background DMA mapping of the passthrough devices stands, cold- and
+    /// hot-plugged (for the API).
+    pub fn dma_mapping_status(&self) -> Vec<gpuvm_vfio::dma::DmaStatus> {
+        let hot = self.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
+        self.dma_mappings
+            .iter()
+            .chain(hot)
+            .map(|m| m.progress().status())
+            .collect()
+    }
 }
 
 impl Persist for MachineDevices {

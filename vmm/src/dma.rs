@@ -1,20 +1,16 @@
 //! Guest RAM's DMA mapping for passthrough devices, in the background while the guest
 //! boots: the chunks to map, the test hooks that slow or break the mapper, how long a
 //! guest's Bus Master write may wait for it, and where each mapping stands (for the API).
-//! The mapper itself is gpuvm_vfio::dma; the devices are plugged by [`crate::pci`].
+//! The mapper itself is gpuvm_vfio::dma; the devices are plugged by [`crate::pci`], and
+//! [`crate::devices::MachineDevices::dma_mapping_status`] reports on them.
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpuvm_memory::GuestRam;
-use gpuvm_vfio::dma::{
-    plan_chunks, BackgroundMapping, DmaMapper, DmaProgress, DmaStatus, MapOptions,
-};
+use gpuvm_vfio::dma::{plan_chunks, BackgroundMapping, DmaMapper, DmaProgress, MapOptions};
 use gpuvm_vfio::{DmaRegion, VfioError};
-
-use crate::devices::MachineDevices;
-use crate::pci::PciSetupError;
 
 /// Guest RAM is DMA-mapped in chunks of this size (1 GiB: a 1 GiB page is never split,
 /// and each chunk is one VFIO_IOMMU_MAP_DMA / IOMMU_IOAS_MAP call).
@@ -24,6 +20,9 @@ const DMA_CHUNK: u64 = 1 << 30;
 pub const DMA_DELAY_HOOK: &str = "GPUVM_TEST_DMA_MAP_DELAY_MS";
 /// Test hook: `GPUVM_TEST_DMA_MAP_FAIL=1` makes every chunk's map fail (after the delay).
 pub const DMA_FAIL_HOOK: &str = "GPUVM_TEST_DMA_MAP_FAIL";
+/// Test hook: `GPUVM_TEST_DMA_CHUNK_MIB=<MiB>` (a power of two) maps RAM in smaller chunks,
+/// so that a small guest exercises the parallel mapper that large ones use.
+pub const DMA_CHUNK_HOOK: &str = "GPUVM_TEST_DMA_CHUNK_MIB";
 /// The least time a guest write setting Bus Master waits for the mapping before it is
 /// refused; more for large RAM (see [`bus_master_wait_limit`]).
 const BUS_MASTER_MIN_WAIT: Duration = Duration::from_secs(600);
@@ -92,6 +91,28 @@ pub(crate) struct RamChunks {
     memory: vm_memory::GuestMemoryMmap,
 }
 
+/// [`DMA_CHUNK`], or what [`DMA_CHUNK_HOOK`] asks for when it is a power of two of at
+/// least one page and at most [`DMA_CHUNK`].
+fn chunk_size_from_env(page_size: u64) -> u64 {
+    let Ok(text) = std::env::var(DMA_CHUNK_HOOK) else {
+        return DMA_CHUNK;
+    };
+    match text
+        .parse::<u64>()
+        .ok()
+        .and_then(|mib| mib.checked_mul(1 << 20))
+    {
+        Some(bytes) if bytes.is_power_of_two() && bytes >= page_size && bytes <= DMA_CHUNK => {
+            log::warn!("{DMA_CHUNK_HOOK}: guest RAM is DMA-mapped in {text} MiB chunks");
+            bytes
+        }
+        _ => {
+            log::warn!("{DMA_CHUNK_HOOK}={text:?} is not a power-of-two MiB count of at least a page and at most 1024; ignored");
+            DMA_CHUNK
+        }
+    }
+}
+
 impl RamChunks {
     pub(crate) fn new(ram: &GuestRam) -> Self {
         let regions: Vec<DmaRegion> = ram
@@ -104,7 +125,8 @@ impl RamChunks {
                 fd_offset: region.file_offset,
             })
             .collect();
-        let chunks = plan_chunks(&regions, DMA_CHUNK, ram.page_size());
+        let chunk = chunk_size_from_env(ram.page_size());
+        let chunks = plan_chunks(&regions, chunk, ram.page_size());
         RamChunks {
             total: chunks.iter().map(|c| c.size).sum(),
             chunks,
@@ -119,7 +141,7 @@ impl RamChunks {
         progress: Arc<DmaProgress>,
         mapper: Arc<dyn DmaMapper>,
         hooks: DmaTestHooks,
-    ) -> Result<BackgroundMapping, PciSetupError> {
+    ) -> Result<BackgroundMapping, VfioError> {
         self.start_with(
             progress,
             mapper,
@@ -136,7 +158,7 @@ impl RamChunks {
         mapper: Arc<dyn DmaMapper>,
         hooks: DmaTestHooks,
         on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
-    ) -> Result<BackgroundMapping, PciSetupError> {
+    ) -> Result<BackgroundMapping, VfioError> {
         let ready: Arc<dyn gpuvm_vfio::dma::ChunkReady> = Arc::new(gpuvm_vfio::dma::AllReady);
         self.start_when_ready(progress, mapper, hooks, on_thread_start, ready)
     }
@@ -150,7 +172,7 @@ impl RamChunks {
         hooks: DmaTestHooks,
         on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
         ready: Arc<dyn gpuvm_vfio::dma::ChunkReady>,
-    ) -> Result<BackgroundMapping, PciSetupError> {
+    ) -> Result<BackgroundMapping, VfioError> {
         let mapper: Arc<dyn DmaMapper> = if hooks.fail {
             Arc::new(FailingMapper(mapper))
         } else {
@@ -163,7 +185,7 @@ impl RamChunks {
             ready,
         };
         BackgroundMapping::start(progress, mapper, self.chunks.clone(), options)
-            .map_err(|e| PciSetupError::Device(VfioError::Io(e)))
+            .map_err(VfioError::Io)
     }
 
     pub(crate) fn total(&self) -> u64 {
@@ -173,15 +195,4 @@ impl RamChunks {
     pub(crate) fn progress(&self, name: String) -> Arc<DmaProgress> {
         DmaProgress::new(name, self.total)
     }
-}
-
-/// Where each background DMA mapping of `devices` stands (for the API).
-pub fn dma_mapping_status(devices: &MachineDevices) -> Vec<DmaStatus> {
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
-    devices
-        .dma_mappings
-        .iter()
-        .chain(hot)
-        .map(|m| m.progress().status())
-        .collect()
 }

@@ -23,12 +23,11 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::action::{
-    ActionError, ActionRequest, ActionResult, GpuBody, PassthroughPolicy, SnapshotCreateBody,
-    VmmAction, VmmData,
+    ActionError, ActionRequest, ActionResult, GpuBody, PassthroughPolicy, ReleasedGpu,
+    SnapshotCreateBody, VmmAction, VmmData,
 };
 
 /// The guest's vsock port for the agent.
@@ -50,17 +49,6 @@ pub fn agent_timeout() -> Duration {
         .ok()
         .and_then(|ms| ms.parse().ok())
         .map_or(AGENT_TIMEOUT, Duration::from_millis)
-}
-
-/// A GPU the guest released for a snapshot: the snapshot's guest waits for one of the
-/// same model under this id.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReleasedGpu {
-    pub gpu_id: String,
-    pub vendor_id: u16,
-    pub device_id: u16,
-    /// Where the guest had it ("0000:00:05.0").
-    pub bdf: String,
 }
 
 /// A hot-plugged GPU as the release needs it.

@@ -288,14 +288,14 @@ impl PciHotplug {
                 .start_with(progress, opened.mapper, self.hooks, None)
                 .map_err(|e| {
                     self.root.remove_device(plugged.bdf);
-                    device_error(e)
+                    device_error(e.into())
                 })?;
             (plugged, mapping)
         } else {
             let mapping = self
                 .ram
                 .start_with(progress.clone(), opened.mapper, self.hooks, None)
-                .map_err(device_error)?;
+                .map_err(|e| device_error(e.into()))?;
             let plugged = plug.open(opened.backend, &progress).map_err(device_error)?;
             (plugged, mapping)
         };

@@ -23,6 +23,7 @@ pub mod controller;
 pub mod devices;
 pub mod dma;
 pub mod gpu_release;
+pub mod host;
 pub mod hotplug;
 pub mod interrupts;
 pub mod logging;

@@ -7,12 +7,12 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::action::{ActionError, ActionResult, VmmData};
+use crate::action::{ActionError, ActionResult, LoggerConfig, MetricsConfig, VmmData};
 use crate::metrics::METRICS;
 
 /// One output file and what it lost.
@@ -72,20 +72,6 @@ pub fn open_nonblocking(path: &Path) -> std::io::Result<File> {
         options.append(true).create(true);
     }
     options.open(path)
-}
-
-/// A log output (Firecracker's PUT /logger).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LoggerConfig {
-    pub path: PathBuf,
-    /// The most verbose level written; None keeps the current one.
-    pub level: Option<log::LevelFilter>,
-}
-
-/// A metrics output (Firecracker's PUT /metrics).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MetricsConfig {
-    pub path: PathBuf,
 }
 
 fn open_error(path: &Path, error: std::io::Error) -> ActionError {
@@ -183,6 +169,7 @@ impl Write for TeeToLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[test]
     fn an_unread_fifo_drops_lines_instead_of_blocking() {

@@ -17,7 +17,6 @@
 //! its ECAM window only (0xCF8/0xCFC reach segment 0). Virtio devices go on the segment
 //! `VirtioOptions::pci_segments` names; passthrough devices and hot-plug stay on segment 0.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -27,16 +26,11 @@ use gpuvm_arch::x86_64::layout::{
     PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
     PCI_SEGMENT_MMIO64_SIZE,
 };
-use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
-use gpuvm_devices::pci::{
-    intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciError, PciRoot,
-    PciRootConfig,
-};
+use gpuvm_devices::pci::{GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::dma::DmaProgress;
-use gpuvm_vfio::kernel::{KernelVfio, VfioDeviceFd};
+use gpuvm_vfio::kernel::VfioDeviceFd;
 use gpuvm_vfio::pci::VfioPciDevice;
-use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::{PassthroughDevice, VfioError};
 use kvm_bindings::{
     kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
@@ -44,39 +38,13 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::devices::MachineDevices;
-use crate::dma::{bus_master_wait_limit, DmaTestHooks, RamChunks};
+use crate::config::PciOptions;
+use crate::dma::bus_master_wait_limit;
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
-use crate::virtio::{PassedTaps, VirtioOptions, VirtioSetupError};
+use crate::virtio::VirtioSetupError;
 
 pub const CONFIG_ADDRESS_PORT: u64 = 0xcf8;
-
-/// The PCI devices of one VM: passthrough devices and virtio devices.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct PciOptions {
-    /// Host PCI addresses of GPUs bound to vfio-pci (kernel VFIO).
-    pub gpus: Vec<String>,
-    /// vfio-user sockets of device processes.
-    pub vfio_user: Vec<PathBuf>,
-    /// Size of the 64-bit BAR window; 0 means [`PCI_MMIO64_DEFAULT_SIZE`].
-    pub mmio64_size: u64,
-    /// PCI segment groups (1 to [`MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
-    /// virtio devices' segments need (a restore rebuilds them from the devices).
-    pub num_pci_segments: u16,
-    /// Block, net, vsock and entropy devices.
-    pub virtio: VirtioOptions,
-    /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
-    /// no tap (taken when their devices are built).
-    pub passed_taps: PassedTaps,
-}
-
-impl PciOptions {
-    /// No passthrough device (virtio devices aside).
-    pub fn is_empty(&self) -> bool {
-        self.gpus.is_empty() && self.vfio_user.is_empty()
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PciSetupError {
@@ -200,27 +168,7 @@ pub(crate) struct Plug<'a> {
 }
 
 impl Plug<'_> {
-    /// Sets up one device: MSI/MSI-X vectors, BAR mappings, its Bus Master gated by the
-    /// DMA mapping `dma`, a slot on the bus, and INTx on the slot's GSI.
-    fn device(
-        &self,
-        backend: Box<dyn PassthroughDevice>,
-        dma: &Arc<DmaProgress>,
-        devices: &mut MachineDevices,
-    ) -> Result<(), PciSetupError> {
-        let plugged = self.open(backend, dma)?;
-        let (bdf, pin, device) = (plugged.bdf, plugged.pin, plugged.device);
-        devices.passthrough.push(plugged.label);
-        if pin > 0 {
-            let gsi = intx_gsi(bdf.device, pin - 1);
-            if let Some(resample) = self.intx(&device, gsi)? {
-                devices.event_sources.push(resample);
-            }
-        }
-        Ok(())
-    }
-
-    /// The part of [`Plug::device`] hot-plug shares: the device with its vectors and BARs,
+    /// The part of a cold plug (builder/attach.rs) that hot-plug shares: the device with its vectors and BARs,
     /// Bus Master gated by `dma`, on the next free slot of bus 0 (INTx not wired).
     pub(crate) fn open(
         &self,
@@ -278,7 +226,7 @@ impl Plug<'_> {
 
     /// A level-triggered irqfd on `gsi` for the device's INTx; KVM signals the resample
     /// eventfd at the guest's EOI, and the returned subscriber unmasks the device then.
-    fn intx(
+    pub(crate) fn intx(
         &self,
         device: &Arc<Mutex<VfioPciDevice>>,
         gsi: u32,
@@ -406,152 +354,6 @@ pub fn segment_configs(ram: &GuestRam, options: &PciOptions, count: u16) -> Vec<
         });
     }
     configs
-}
-
-/// Puts the PCI root buses (always segment 0's: its host bridge, CF8/CFC and the ECAM
-/// window are what the ACPI tables describe; one more root per further segment) and the
-/// requested passthrough devices on the VM's buses; all guest RAM is DMA-mapped for every
-/// device in the background (`devices.dma_mappings`), and each device's Bus Master waits
-/// for it. Returns the roots, segment 0's first.
-pub fn attach(
-    kvm: &Kvm,
-    vm: &VmFd,
-    ram: &GuestRam,
-    options: &PciOptions,
-    devices: &mut MachineDevices,
-) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
-    let count = segment_count(options)?;
-    let configs = segment_configs(ram, options, count);
-    let roots = configs
-        .iter()
-        .enumerate()
-        .map(|(segment, config)| PciRoot::new_segment(segment as u16, *config))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (config, root) = (configs[0], roots[0].clone());
-    let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
-    let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
-    if !options.is_empty() {
-        attach_devices(vm, ram, options, &root, &router, &slots, devices)?;
-    }
-    // Also when there are none yet: a virtio device hot-plugged later needs a thread.
-    crate::virtio::start_io_threads(&options.virtio)?;
-    if !options.virtio.is_empty() {
-        devices.virtio = crate::virtio::attach(
-            duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
-            ram.memory(),
-            &roots,
-            &router,
-            &options.virtio,
-            &options.passed_taps,
-        )?;
-    }
-    let hotplug = crate::hotplug::PciHotplug::new(
-        kvm,
-        vm,
-        ram,
-        root.clone(),
-        router,
-        slots,
-        DmaTestHooks::from_env(),
-    )?;
-    let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
-    io_bus
-        .insert(
-            u64::from(HOTPLUG_PORT),
-            u64::from(HOTPLUG_PORT_LEN),
-            hotplug.controller(),
-        )
-        .map_err(PciSetupError::Place)?;
-    devices.pci_hotplug = Some(hotplug);
-    io_bus
-        .insert(
-            CONFIG_ADDRESS_PORT,
-            8,
-            Arc::new(Mutex::new(ConfigAddressPort::new(root.clone()))),
-        )
-        .map_err(PciSetupError::Place)?;
-    let mmio_bus = Arc::get_mut(&mut devices.mmio_bus).ok_or(PciSetupError::BusShared)?;
-    debug_assert_eq!(config.ecam_base, PCI_ECAM_START);
-    debug_assert_eq!(
-        (config.mmio32_start, config.mmio32_end),
-        (PCI_MMIO32_START, PCI_MMIO32_END)
-    );
-    for root in &roots {
-        let config = root.config();
-        mmio_bus
-            .insert(
-                config.ecam_base,
-                PciRootConfig::ECAM_SIZE,
-                Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
-            )
-            .map_err(PciSetupError::Place)?;
-        for (base, end) in [
-            (config.mmio32_start, config.mmio32_end),
-            (
-                config.mmio64_start,
-                config.mmio64_start + config.mmio64_size,
-            ),
-        ] {
-            mmio_bus
-                .insert(
-                    base,
-                    end - base,
-                    Arc::new(Mutex::new(MmioWindows::new(root.clone(), base))),
-                )
-                .map_err(PciSetupError::Place)?;
-        }
-    }
-    Ok(roots)
-}
-
-/// Plugs the passthrough devices of `options` into `root`. Guest RAM is mapped in the
-/// background: once per kernel VFIO context (its mappings serve all its devices), once
-/// per vfio-user device; each mapping starts as soon as its devices are open.
-fn attach_devices(
-    vm: &VmFd,
-    ram: &GuestRam,
-    options: &PciOptions,
-    root: &Arc<PciRoot>,
-    router: &Arc<MsiRouter>,
-    slots: &Arc<dyn GuestMemoryMapper>,
-    devices: &mut MachineDevices,
-) -> Result<(), PciSetupError> {
-    let ram_chunks = RamChunks::new(ram);
-    let hooks = DmaTestHooks::from_env();
-    let plug = Plug {
-        vm,
-        root,
-        router,
-        slots,
-    };
-    if let Some(first) = options.gpus.first() {
-        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
-        let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
-        for bdf in &options.gpus {
-            backends.push(Box::new(vfio.open_device(bdf)?));
-        }
-        // Kernel VFIO pins all of guest RAM: check the limit before the long mapping.
-        gpuvm_vfio::host::check_memlock(ram.size())?;
-        let mapper = vfio.dma_mapper();
-        let progress = ram_chunks.progress(mapper.name());
-        devices
-            .dma_mappings
-            .push(ram_chunks.start(progress.clone(), mapper, hooks)?);
-        for backend in backends {
-            plug.device(backend, &progress, devices)?;
-        }
-    }
-    for socket in &options.vfio_user {
-        let backend = VfioUserDevice::connect(socket)?;
-        let mapper = backend.dma_mapper();
-        let progress = ram_chunks.progress(mapper.name());
-        // Plugging resets the device: map after that.
-        plug.device(Box::new(backend), &progress, devices)?;
-        devices
-            .dma_mappings
-            .push(ram_chunks.start(progress, mapper, hooks)?);
-    }
-    Ok(())
 }
 
 #[cfg(test)]

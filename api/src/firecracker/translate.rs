@@ -7,10 +7,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use gpuvm_vmm::action::{
-    BackingKind, BootSourceBody, DriveBody, MachineConfigBody, RestoreModeBody, SnapshotCreateBody,
-    SnapshotLoadBody, SnapshotType, VmmAction,
+    BackingKind, BootSourceBody, DriveBody, LoggerConfig, MachineConfigBody, MetricsConfig,
+    RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType, VmmAction,
 };
-use gpuvm_vmm::outputs::{LoggerConfig, MetricsConfig};
 
 /// A refusal's fault message.
 pub type Refusal = String;

@@ -16,9 +16,10 @@ use gpuvm_memory::uffd::{
 };
 use gpuvm_memory::GuestRam;
 
-use super::{create_base, create_vcpus, open_kvm, start_vcpu_threads, MachineBase};
+use super::{create_base, create_vcpus, start_vcpu_threads, MachineBase};
+use crate::config::PciOptions;
+use crate::host::open_kvm;
 use crate::machine::{LazyMemory, Machine};
-use crate::pci::PciOptions;
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::virtio::PassedTaps;
 use crate::vm_state::InKernelDevices;

@@ -11,10 +11,9 @@ use crate::action::{
     absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, GpuBody,
     InstanceState, MachineConfigBody, RestoreModeBody, SnapshotLoadBody, VmmAction, VmmData,
 };
-use crate::config::{MachineConfig, VmConfig};
+use crate::config::{MachineConfig, PciOptions, VmConfig};
 use crate::machine::{Machine, RunControl};
 use crate::metrics::{Metrics, METRICS};
-use crate::pci::PciOptions;
 use crate::snapshot::RestoreMode;
 
 mod balloon;
@@ -100,7 +99,7 @@ fn metrics(state: InstanceState, machine: Option<&Machine>) -> VmmData {
         });
     }
     if let Some(machine) = machine {
-        let mappings = crate::dma::dma_mapping_status(machine.devices());
+        let mappings = machine.devices().dma_mapping_status();
         if !mappings.is_empty() {
             json["dma_mapping"] = dma_mapping_json(&mappings);
         }
