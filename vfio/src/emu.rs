@@ -44,6 +44,8 @@ use vfio_user::{
     DmaMapFlags, DmaUnmapFlags, IrqInfo, Server, ServerBackend, ServerRegion, SparseArea,
 };
 
+use crate::migration::MigrationState;
+
 /// BAR0 register offsets.
 pub mod regs {
     /// Read-only chip identification.
@@ -583,26 +585,12 @@ impl ServerBackend for EmuGpu {
     ) -> std::io::Result<()> {
         let fd = fd.ok_or_else(|| invalid("DMA map without a file descriptor"))?;
         let len = usize::try_from(size).map_err(|_| invalid("DMA map too large"))?;
-        // SAFETY: a fresh shared mapping of the client's RAM file; the kernel checks the
-        // fd, offset and length.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                offset as libc::off_t,
-            )
-        };
-        if host == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
+        let host = crate::mmap_shared(fd.as_raw_fd(), offset, len)?;
         log::info!("emu-gpu: DMA map {address:#x}+{size:#x} (file offset {offset:#x})");
         self.dma.push(DmaMapping {
             guest_addr: address,
             size,
-            host: host.cast(),
+            host,
         });
         Ok(())
     }
@@ -715,6 +703,33 @@ pub const MIG_V1_SAVING: u32 = 2;
 pub const MIG_V1_RESUMING: u32 = 4;
 /// v1's error state (SAVING | RESUMING).
 pub const MIG_V1_ERROR: u32 = MIG_V1_SAVING | MIG_V1_RESUMING;
+
+/// The v1 `device_state` bits of a v2 state (None: not representable), as the kernel
+/// documents the mapping: STOP = 0, RUNNING = RUNNING, STOP_COPY = SAVING, RESUMING =
+/// RESUMING.
+pub fn v1_bits(state: MigrationState) -> Option<u32> {
+    match state {
+        MigrationState::Stop => Some(0),
+        MigrationState::Running => Some(MIG_V1_RUNNING),
+        MigrationState::StopCopy => Some(MIG_V1_SAVING),
+        MigrationState::Resuming => Some(MIG_V1_RESUMING),
+        MigrationState::Error => None,
+    }
+}
+
+/// The v2 state of v1 `device_state` bits ([`v1_bits`] backwards; the v1 error state is
+/// ERROR, other bits are None).
+pub fn v1_state(bits: u32) -> Option<MigrationState> {
+    match bits {
+        0 => Some(MigrationState::Stop),
+        MIG_V1_RUNNING => Some(MigrationState::Running),
+        MIG_V1_SAVING => Some(MigrationState::StopCopy),
+        MIG_V1_RESUMING => Some(MigrationState::Resuming),
+        MIG_V1_ERROR => Some(MigrationState::Error),
+        _ => None,
+    }
+}
+
 /// `struct vfio_device_migration_info` field offsets.
 pub mod mig_region {
     pub const DEVICE_STATE: u64 = 0;
@@ -1091,16 +1106,10 @@ impl EmuGpu {
         if to == from {
             return;
         }
-        // The single arcs of v2, in v1 bits (STOP = 0, STOP_COPY = SAVING).
-        let allowed = matches!(
-            (from, to),
-            (MIG_V1_RUNNING, 0)
-                | (0, MIG_V1_RUNNING)
-                | (0, MIG_V1_SAVING)
-                | (MIG_V1_SAVING, 0)
-                | (0, MIG_V1_RESUMING)
-                | (MIG_V1_RESUMING, 0)
-        );
+        // The single arcs of v2, in v1 bits.
+        let allowed = v1_state(from)
+            .zip(v1_state(to))
+            .is_some_and(|(from, to)| from.is_single_arc(to));
         if !allowed {
             log::warn!("emu-gpu: migration arc {from:#x} -> {to:#x} refused");
             self.migration.error = mig_error::BAD_ARC;

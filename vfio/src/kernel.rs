@@ -163,6 +163,12 @@ pub struct KernelVfioDevice {
     migration: KernelMigration,
 }
 
+/// A refused interrupt request (vfio-ioctls' enable/disable/unmask of an IRQ index), as
+/// every interrupt call of this backend reports it.
+fn interrupt_error(error: vfio_ioctls::VfioError) -> VfioError {
+    VfioError::Interrupts(std::io::Error::other(error.to_string()))
+}
+
 // SAFETY: the raw addresses in `mappings` are plain numbers owned by this struct.
 unsafe impl Send for KernelVfioDevice {}
 
@@ -196,23 +202,10 @@ impl PassthroughDevice for KernelVfioDevice {
             return Ok(None);
         }
         let file_offset = self.device.get_region_offset(index) + offset;
-        // SAFETY: a fresh shared mapping of the device fd at the region's offset; the
-        // kernel validates offset and length against the BAR.
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                self.device.as_raw_fd(),
-                file_offset as libc::off_t,
-            )
-        };
-        if address == libc::MAP_FAILED {
-            return Err(VfioError::Io(std::io::Error::last_os_error()));
-        }
+        // The kernel validates offset and length against the BAR.
+        let address = crate::mmap_shared(self.device.as_raw_fd(), file_offset, size as usize)?;
         self.mappings.push((address as usize, size as usize));
-        Ok(Some(address.cast()))
+        Ok(Some(address))
     }
 
     fn msix_vectors(&mut self) -> Result<u32> {
@@ -225,25 +218,21 @@ impl PassthroughDevice for KernelVfioDevice {
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         self.device
             .enable_msix(eventfds.to_vec())
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+            .map_err(interrupt_error)
     }
 
     fn disable_msix(&mut self) -> Result<()> {
-        self.device
-            .disable_msix()
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+        self.device.disable_msix().map_err(interrupt_error)
     }
 
     fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
         self.device
             .enable_msi(eventfds.to_vec())
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+            .map_err(interrupt_error)
     }
 
     fn disable_msi(&mut self) -> Result<()> {
-        self.device
-            .disable_msi()
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+        self.device.disable_msi().map_err(interrupt_error)
     }
 
     fn intx_supported(&mut self) -> bool {
@@ -255,19 +244,19 @@ impl PassthroughDevice for KernelVfioDevice {
     fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
         self.device
             .enable_irq(VFIO_PCI_INTX_IRQ_INDEX, vec![trigger])
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+            .map_err(interrupt_error)
     }
 
     fn disable_intx(&mut self) -> Result<()> {
         self.device
             .disable_irq(VFIO_PCI_INTX_IRQ_INDEX)
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+            .map_err(interrupt_error)
     }
 
     fn unmask_intx(&mut self) -> Result<()> {
         self.device
             .unmask_irq(VFIO_PCI_INTX_IRQ_INDEX)
-            .map_err(|e| VfioError::Interrupts(std::io::Error::other(e.to_string())))
+            .map_err(interrupt_error)
     }
 
     /// Guest RAM is mapped once per IOMMU context with [`KernelVfio::dma_mapper`], not per

@@ -117,6 +117,29 @@ pub enum VfioError {
 
 pub type Result<T> = std::result::Result<T, VfioError>;
 
+/// Maps `len` bytes of `fd` from `offset` into this process, shared and read-write, at an
+/// address the kernel picks. BAR mmaps (kernel VFIO's device fd, a vfio-user region's
+/// file) and the emulated device's view of guest RAM are all such mappings; the caller
+/// owns the mapping (it unmaps it, or keeps it for the process's life).
+pub(crate) fn mmap_shared(fd: RawFd, offset: u64, len: usize) -> std::io::Result<*mut u8> {
+    // SAFETY: a fresh mapping at an address the kernel picks, so no existing memory
+    // changes; the kernel checks the fd, offset and length.
+    let address = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            offset as libc::off_t,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(address.cast())
+}
+
 /// A passthrough device as the VMM drives it, whatever carries the requests.
 pub trait PassthroughDevice: Send {
     /// A short name for logs (BDF or socket path).

@@ -46,6 +46,23 @@ impl MigrationState {
             _ => return None,
         })
     }
+
+    /// Whether `self -> to` is one of the single arcs every v2 device supports and
+    /// gpuvm walks (RUNNING <-> STOP, STOP <-> STOP_COPY, STOP <-> RESUMING). The one
+    /// table of the state machine: the kernel and vfio-user backends refuse any other
+    /// change before asking the device, and the emulated device refuses it too.
+    pub fn is_single_arc(self, to: MigrationState) -> bool {
+        use MigrationState::*;
+        matches!(
+            (self, to),
+            (Running, Stop)
+                | (Stop, Running)
+                | (Stop, StopCopy)
+                | (StopCopy, Stop)
+                | (Stop, Resuming)
+                | (Resuming, Stop)
+        )
+    }
 }
 
 /// What a device can do (from VFIO_DEVICE_FEATURE_MIGRATION's flags, or the vfio-user device's region).
@@ -278,28 +295,18 @@ impl KernelMigration {
         if from == to {
             return Ok(());
         }
-        use MigrationState::*;
-        let allowed = matches!(
-            (from, to),
-            (Running, Stop)
-                | (Stop, Running)
-                | (Stop, StopCopy)
-                | (StopCopy, Stop)
-                | (Stop, Resuming)
-                | (Resuming, Stop)
-        );
         let arc_error = |reason: String| VfioError::MigrationArc {
             device: self.name.clone(),
             from,
             to,
             reason,
         };
-        if !allowed {
+        if !from.is_single_arc(to) {
             return Err(arc_error("not a single arc of the v2 state machine".into()));
         }
         if let Err(error) = ops.set_migration_state(to.uapi_value()) {
             // The kernel leaves the device in the old state or in ERROR; it says which.
-            self.state = Error;
+            self.state = MigrationState::Error;
             return Err(arc_error(format!("VFIO_DEVICE_FEATURE: {error}")));
         }
         self.state = to;

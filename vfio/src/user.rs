@@ -105,17 +105,6 @@ impl Default for UserMigration {
     }
 }
 
-/// The v1 `device_state` bits of a v2 state (None: not representable).
-fn v1_bits(state: MigrationState) -> Option<u32> {
-    match state {
-        MigrationState::Stop => Some(0),
-        MigrationState::Running => Some(mig::MIG_V1_RUNNING),
-        MigrationState::StopCopy => Some(mig::MIG_V1_SAVING),
-        MigrationState::Resuming => Some(mig::MIG_V1_RESUMING),
-        MigrationState::Error => None,
-    }
-}
-
 /// Whether the device process is still there, shared by everything that talks to it.
 #[derive(Default)]
 pub struct BackendHealth {
@@ -551,6 +540,34 @@ impl VfioUserDevice {
         })
     }
 
+    /// VFIO_USER_DEVICE_SET_IRQS on interrupt `index`'s triggers from vector 0:
+    /// `Some(eventfds)` makes vector i signal eventfds[i] (DATA_EVENTFD, one vector per
+    /// eventfd), `None` turns them all off (DATA_NONE, count 0). The MSI-X, MSI and INTx
+    /// enables and disables differ only in these arguments.
+    fn set_irq_triggers(
+        &self,
+        what: &'static str,
+        index: u32,
+        eventfds: Option<&[&EventFd]>,
+    ) -> Result<()> {
+        let (data, fds) = match eventfds {
+            Some(eventfds) => (
+                VFIO_IRQ_SET_DATA_EVENTFD,
+                eventfds.iter().map(|fd| fd.as_raw_fd()).collect(),
+            ),
+            None => (VFIO_IRQ_SET_DATA_NONE, Vec::new()),
+        };
+        self.request(what, |client| {
+            client.set_irqs(
+                index,
+                data | VFIO_IRQ_SET_ACTION_TRIGGER,
+                0,
+                fds.len() as u32,
+                &fds,
+            )
+        })
+    }
+
     fn mig_read_u64(&mut self, field: u64) -> Result<u64> {
         let mut bytes = [0u8; 8];
         self.region_read(MIGRATION_REGION, field, &mut bytes)?;
@@ -561,6 +578,22 @@ impl VfioUserDevice {
         let mut bytes = [0u8; 4];
         self.region_read(MIGRATION_REGION, field, &mut bytes)?;
         Ok(u32::from_le_bytes(bytes))
+    }
+
+    /// Reads data_offset, where the device puts (STOP_COPY) or wants (RESUMING) the next
+    /// chunk, and checks it lies past the header and inside the region; with the region's
+    /// size. Saving and loading both trust it only after this.
+    fn mig_data_offset(&mut self) -> Result<(u64, u64)> {
+        let data_offset = self.mig_read_u64(mig_region::DATA_OFFSET)?;
+        let size = self
+            .region_info(MIGRATION_REGION)
+            .map_or(0, |region| region.size);
+        if data_offset < mig_region::DATA_SIZE + 8 || data_offset >= size {
+            return Err(self.mig_data_error(format!(
+                "data_offset {data_offset:#x} is outside the region's window (size {size:#x})"
+            )));
+        }
+        Ok((data_offset, size))
     }
 
     fn mig_data_error(&self, reason: String) -> VfioError {
@@ -692,26 +725,17 @@ impl PassthroughDevice for VfioUserDevice {
                 size: region.size,
             });
         }
-        // SAFETY: a fresh shared mapping of the region's file; the kernel checks the fd and
-        // range. It is never unmapped: it lives as long as the VM's memory slots may use it.
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.file().as_raw_fd(),
-                (file.start() + offset) as libc::off_t,
-            )
-        };
-        if address == libc::MAP_FAILED {
-            return Err(VfioError::Io(std::io::Error::last_os_error()));
-        }
+        // Never unmapped: it lives as long as the VM's memory slots may use it.
+        let address = crate::mmap_shared(
+            file.file().as_raw_fd(),
+            file.start() + offset,
+            size as usize,
+        )?;
         log::info!(
             "{}: region {index} +{offset:#x} ({size:#x} bytes) mmapped",
             self.name()
         );
-        Ok(Some(address.cast()))
+        Ok(Some(address))
     }
 
     fn msix_vectors(&mut self) -> Result<u32> {
@@ -722,53 +746,23 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
-        let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.request("set MSI-X eventfds", |client| {
-            client.set_irqs(
-                VFIO_PCI_MSIX_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                fds.len() as u32,
-                &fds,
-            )
-        })
+        self.set_irq_triggers(
+            "set MSI-X eventfds",
+            VFIO_PCI_MSIX_IRQ_INDEX,
+            Some(eventfds),
+        )
     }
 
     fn disable_msix(&mut self) -> Result<()> {
-        self.request("disable MSI-X", |client| {
-            client.set_irqs(
-                VFIO_PCI_MSIX_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                0,
-                &[],
-            )
-        })
+        self.set_irq_triggers("disable MSI-X", VFIO_PCI_MSIX_IRQ_INDEX, None)
     }
 
     fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
-        let fds: Vec<_> = eventfds.iter().map(|fd| fd.as_raw_fd()).collect();
-        self.request("set MSI eventfds", |client| {
-            client.set_irqs(
-                VFIO_PCI_MSI_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                fds.len() as u32,
-                &fds,
-            )
-        })
+        self.set_irq_triggers("set MSI eventfds", VFIO_PCI_MSI_IRQ_INDEX, Some(eventfds))
     }
 
     fn disable_msi(&mut self) -> Result<()> {
-        self.request("disable MSI", |client| {
-            client.set_irqs(
-                VFIO_PCI_MSI_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                0,
-                &[],
-            )
-        })
+        self.set_irq_triggers("disable MSI", VFIO_PCI_MSI_IRQ_INDEX, None)
     }
 
     fn intx_supported(&mut self) -> bool {
@@ -779,27 +773,15 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
-        self.request("set the INTx eventfd", |client| {
-            client.set_irqs(
-                VFIO_PCI_INTX_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                1,
-                &[trigger.as_raw_fd()],
-            )
-        })
+        self.set_irq_triggers(
+            "set the INTx eventfd",
+            VFIO_PCI_INTX_IRQ_INDEX,
+            Some(&[trigger]),
+        )
     }
 
     fn disable_intx(&mut self) -> Result<()> {
-        self.request("disable INTx", |client| {
-            client.set_irqs(
-                VFIO_PCI_INTX_IRQ_INDEX,
-                VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER,
-                0,
-                0,
-                &[],
-            )
-        })
+        self.set_irq_triggers("disable INTx", VFIO_PCI_INTX_IRQ_INDEX, None)
     }
 
     fn unmask_intx(&mut self) -> Result<()> {
@@ -864,17 +846,7 @@ impl PassthroughDevice for VfioUserDevice {
             to,
             reason,
         };
-        use MigrationState::*;
-        let allowed = matches!(
-            (from, to),
-            (Running, Stop)
-                | (Stop, Running)
-                | (Stop, StopCopy)
-                | (StopCopy, Stop)
-                | (Stop, Resuming)
-                | (Resuming, Stop)
-        );
-        let Some(bits) = v1_bits(to).filter(|_| allowed) else {
+        let Some(bits) = mig::v1_bits(to).filter(|_| from.is_single_arc(to)) else {
             return Err(arc_error(
                 self.name(),
                 "not a single arc of the v2 state machine".into(),
@@ -892,7 +864,7 @@ impl PassthroughDevice for VfioUserDevice {
             .map_err(|e| arc_error(self.name(), e.to_string()))?;
         if now != bits {
             self.migration.state = if now == mig::MIG_V1_ERROR {
-                Error
+                MigrationState::Error
             } else {
                 from
             };
@@ -925,15 +897,7 @@ impl PassthroughDevice for VfioUserDevice {
             if pending == 0 {
                 return Ok(0);
             }
-            let data_offset = self.mig_read_u64(mig_region::DATA_OFFSET)?;
-            let size = self
-                .region_info(MIGRATION_REGION)
-                .map_or(0, |region| region.size);
-            if data_offset < mig_region::DATA_SIZE + 8 || data_offset >= size {
-                return Err(self.mig_data_error(format!(
-                    "data_offset {data_offset:#x} is outside the region's window (size {size:#x})"
-                )));
-            }
+            let (data_offset, size) = self.mig_data_offset()?;
             let data_size = self.mig_read_u64(mig_region::DATA_SIZE)?;
             let window = size - data_offset;
             if data_size == 0 || data_size > window || data_size > pending {
@@ -960,15 +924,7 @@ impl PassthroughDevice for VfioUserDevice {
                 self.migration.state
             )));
         }
-        let data_offset = self.mig_read_u64(mig_region::DATA_OFFSET)?;
-        let size = self
-            .region_info(MIGRATION_REGION)
-            .map_or(0, |region| region.size);
-        if data_offset < mig_region::DATA_SIZE + 8 || data_offset >= size {
-            return Err(self.mig_data_error(format!(
-                "data_offset {data_offset:#x} is outside the region's window (size {size:#x})"
-            )));
-        }
+        let (data_offset, size) = self.mig_data_offset()?;
         let window = (size - data_offset) as usize;
         while !data.is_empty() {
             let n = data.len().min(window);

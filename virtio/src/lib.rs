@@ -20,6 +20,7 @@ pub mod net;
 pub mod queue;
 pub mod rate_limiter;
 pub mod rng;
+pub(crate) mod socket;
 pub mod transport;
 pub mod vhost_user;
 pub mod vsock;

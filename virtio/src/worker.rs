@@ -14,13 +14,14 @@
 //! always finds one. Without a pool (unit tests, library users without seccomp) each
 //! worker gets a fresh thread.
 
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::timerfd::TimerFd;
 
 /// The token of the stop eventfd; handlers' tokens must differ from it.
 const STOP_TOKEN: u64 = u64::MAX;
@@ -154,6 +155,23 @@ pub(crate) fn run_thread_setup() -> std::io::Result<()> {
         Some(setup) => setup(),
         None => Ok(()),
     }
+}
+
+/// A second descriptor for a device's timer, disarmed, for the handler a device hands its
+/// worker at activation. Activation runs on a vCPU thread, whose seccomp filter allows
+/// fcntl F_DUPFD_CLOEXEC but not timerfd_create, so the device creates its timer up front
+/// and every activation duplicates it (vsock's connection deadlines, the balloon's
+/// statistics interval).
+pub(crate) fn duplicate_timer(timer: &TimerFd) -> std::io::Result<TimerFd> {
+    // SAFETY: fcntl on a descriptor the device owns, with integer arguments only.
+    let fd = unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created by the fcntl above and nothing else owns it.
+    let mut duplicate = unsafe { TimerFd::from_raw_fd(fd) };
+    duplicate.clear()?;
+    Ok(duplicate)
 }
 
 fn serve_jobs(jobs: &Receiver<Job>, me: &Sender<Job>) {

@@ -1,6 +1,5 @@
 //! [`Balloon`]: the virtio memory balloon [`VirtioDevice`].
 
-use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::timerfd::TimerFd;
@@ -13,7 +12,7 @@ use super::{
     VIRTIO_BALLOON_F_DEFLATE_ON_OOM, VIRTIO_BALLOON_F_STATS_VQ,
 };
 use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice, VirtioInterrupt};
-use crate::worker::{ChangeError, DeviceWorker, Held};
+use crate::worker::{duplicate_timer, ChangeError, DeviceWorker, Held};
 
 /// Bytes of the configuration space served: num_pages and actual (the free-page-hint and
 /// poison fields belong to features not offered).
@@ -330,18 +329,4 @@ impl VirtioDevice for Balloon {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
-}
-
-/// A second descriptor for the device's timer (fcntl F_DUPFD_CLOEXEC, which the vCPU
-/// threads that activate devices may call; timerfd_create they may not), disarmed.
-fn duplicate_timer(timer: &TimerFd) -> std::io::Result<TimerFd> {
-    // SAFETY: fcntl on a descriptor the device owns, with integer arguments only.
-    let fd = unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created by the fcntl above and nothing else owns it.
-    let mut duplicate = unsafe { TimerFd::from_raw_fd(fd) };
-    duplicate.clear()?;
-    Ok(duplicate)
 }

@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use virtio_queue::QueueT;
+use virtio_queue::{DescriptorChain, QueueT};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::timerfd::TimerFd;
 
@@ -133,8 +133,20 @@ impl BalloonHandler {
         }
     }
 
-    /// Serves inflate or deflate chains until the queue is empty.
-    fn process_pages(&mut self, index: u16, kind: Kind) {
+    /// Serves queue `index`'s chains the driver made available, at most
+    /// [`MAX_CHAINS_PER_WAKE`] a wake-up (the worker then kicks itself to come back for the
+    /// rest after its other events), and interrupts the driver if any buffer went back.
+    /// `read` makes each chain into what the queue carries; `serve` gets that and the
+    /// chain's head and says whether it put a buffer in the used ring. A ring that cannot
+    /// be served is refused as `{ring}: {why}`. The inflate, deflate and stats queues
+    /// differ only in these.
+    fn serve_queue<T>(
+        &mut self,
+        index: u16,
+        ring: &dyn std::fmt::Display,
+        read: fn(DescriptorChain<&GuestMemory>, &GuestMemory) -> Result<T, String>,
+        mut serve: impl FnMut(&mut Self, &mut ActiveQueue, u16, Result<T, String>) -> bool,
+    ) {
         let Some(mut active) = self.queues[usize::from(index)].take() else {
             return;
         };
@@ -149,29 +161,44 @@ impl BalloonHandler {
                 Available::Chain(chain) => chain,
                 Available::Empty => break,
                 Available::Broken(why) => {
-                    self.refuse(format_args!("queue {index}: {why}"));
+                    self.refuse(format_args!("{ring}: {why}"));
                     break;
                 }
             };
             let head = chain.head_index();
-            match read_pfns(chain, &self.memory) {
-                Ok(pfns) => self.apply(kind, pfns),
-                Err(why) => self.refuse(format_args!("queue {index}: buffer {head}: {why}")),
-            }
-            if head >= active.queue.size() {
-                continue;
-            }
-            match active.queue.add_used(&self.memory, head, 0) {
-                Ok(()) => returned = true,
-                Err(error) => {
-                    self.refuse(format_args!("queue {index}: cannot return {head}: {error}"))
-                }
-            }
+            let content = read(chain, &self.memory);
+            returned |= serve(self, &mut active, head, content);
         }
         if returned {
             signal_used(&self.memory, self.interrupt.as_ref(), index, &mut active);
         }
         self.queues[usize::from(index)] = Some(active);
+    }
+
+    /// Serves inflate or deflate chains until the queue is empty.
+    fn process_pages(&mut self, index: u16, kind: Kind) {
+        self.serve_queue(
+            index,
+            &format_args!("queue {index}"),
+            read_pfns,
+            |handler, active, head, pfns| {
+                match pfns {
+                    Ok(pfns) => handler.apply(kind, pfns),
+                    Err(why) => handler.refuse(format_args!("queue {index}: buffer {head}: {why}")),
+                }
+                if head >= active.queue.size() {
+                    return false;
+                }
+                match active.queue.add_used(&handler.memory, head, 0) {
+                    Ok(()) => true,
+                    Err(error) => {
+                        handler
+                            .refuse(format_args!("queue {index}: cannot return {head}: {error}"));
+                        false
+                    }
+                }
+            },
+        );
     }
 
     /// Frees (inflate) or counts (deflate) the valid pages; PFNs outside guest RAM are
@@ -217,47 +244,27 @@ impl BalloonHandler {
     /// The guest sent (or resent) its statistics buffer: keep what it says, and keep the
     /// buffer until the timer asks for new statistics.
     fn process_stats(&mut self) {
-        let index = usize::from(STATS_QUEUE);
-        let Some(mut active) = self.queues[index].take() else {
-            return;
-        };
-        let _ = active.kick.read();
-        let mut returned = false;
-        for served in 0.. {
-            if served >= MAX_CHAINS_PER_WAKE {
-                let _ = active.kick.write(1);
-                break;
-            }
-            let chain = match pop_available(&mut active.queue, &self.memory) {
-                Available::Chain(chain) => chain,
-                Available::Empty => break,
-                Available::Broken(why) => {
-                    self.refuse(format_args!("stats queue: {why}"));
-                    break;
+        self.serve_queue(
+            STATS_QUEUE,
+            &"stats queue",
+            read_stats,
+            |handler, active, head, stats| {
+                match stats {
+                    Ok(stats) => crate::lock(&handler.shared).stats = Some(stats),
+                    Err(why) => handler.refuse(format_args!("stats buffer {head}: {why}")),
                 }
-            };
-            let head = chain.head_index();
-            match read_stats(chain, &self.memory) {
-                Ok(stats) => crate::lock(&self.shared).stats = Some(stats),
-                Err(why) => self.refuse(format_args!("stats buffer {head}: {why}")),
-            }
-            if head >= active.queue.size() {
-                continue;
-            }
-            // A driver keeps one buffer here; a second one is returned at once.
-            if let Some(previous) = self.held_stats_head.replace(head) {
-                returned |= active.queue.add_used(&self.memory, previous, 0).is_ok();
-            }
-        }
-        if returned {
-            signal_used(
-                &self.memory,
-                self.interrupt.as_ref(),
-                STATS_QUEUE,
-                &mut active,
-            );
-        }
-        self.queues[index] = Some(active);
+                if head >= active.queue.size() {
+                    return false;
+                }
+                // A driver keeps one buffer here; a second one is returned at once.
+                handler
+                    .held_stats_head
+                    .replace(head)
+                    .is_some_and(|previous| {
+                        active.queue.add_used(&handler.memory, previous, 0).is_ok()
+                    })
+            },
+        );
     }
 
     /// The polling interval passed: give the statistics buffer back, asking for new ones.
@@ -297,7 +304,7 @@ fn signal_used(
 
 /// Reads a buffer of little-endian u32 PFNs: at most [`MAX_PFNS_PER_REQUEST`], whole PFNs.
 fn read_pfns(
-    chain: virtio_queue::DescriptorChain<&GuestMemory>,
+    chain: DescriptorChain<&GuestMemory>,
     memory: &GuestMemory,
 ) -> Result<Vec<u32>, String> {
     let mut reader = chain.reader(memory).map_err(|e| e.to_string())?;
@@ -320,7 +327,7 @@ fn read_pfns(
 
 /// Reads a statistics buffer (see [`parse_stats`]).
 fn read_stats(
-    chain: virtio_queue::DescriptorChain<&GuestMemory>,
+    chain: DescriptorChain<&GuestMemory>,
     memory: &GuestMemory,
 ) -> Result<GuestStats, String> {
     let mut reader = chain.reader(memory).map_err(|e| e.to_string())?;

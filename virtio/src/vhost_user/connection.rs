@@ -1,8 +1,7 @@
 //! One connection to a vhost-user backend: connecting with a bounded wait, feature
 //! negotiation, and every request bounded by [`Timeouts::reply`].
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,6 +14,7 @@ use vhost::VhostBackend;
 
 use super::watchdog::{self, Deadline};
 use super::VhostUserError;
+use crate::socket::connect_nonblocking;
 
 /// VHOST_USER_F_PROTOCOL_FEATURES: a virtio feature bit that only means "the backend
 /// speaks GET/SET_PROTOCOL_FEATURES"; never offered to the guest.
@@ -306,49 +306,4 @@ fn retryable(error: &std::io::Error) -> bool {
         error.raw_os_error(),
         Some(libc::ENOENT | libc::ECONNREFUSED | libc::EAGAIN)
     )
-}
-
-fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
-    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
-    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.is_empty() || bytes.len() >= address.sun_path.len() || bytes.contains(&0) {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!(
-                "not a usable socket path (1 to {} bytes, no NUL)",
-                address.sun_path.len() - 1
-            ),
-        ));
-    }
-    for (slot, byte) in address.sun_path.iter_mut().zip(bytes) {
-        *slot = *byte as libc::c_char;
-    }
-    // SAFETY: socket(2) with constant arguments; the result is checked.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: `address` is a valid sockaddr_un that outlives the call, and the length
-    // given is its size.
-    let result = unsafe {
-        libc::connect(
-            socket.as_raw_fd(),
-            (&address as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
-            std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-        )
-    };
-    if result < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(UnixStream::from(socket))
 }

@@ -64,6 +64,10 @@ const fn refused(id: u32, name: &'static str, why: &'static str) -> DeviceType {
     }
 }
 
+/// Why neither balloon type can be a vhost-user device.
+const BALLOON_REFUSAL: &str =
+    "a balloon hands guest memory back to the host, which only the VMM that owns guest RAM can do";
+
 /// The virtio device types of the virtio specification (virtio_ids.h).
 const DEVICE_TYPES: &[DeviceType] = &[
     // mac, status, max_virtqueue_pairs, mtu.
@@ -73,12 +77,7 @@ const DEVICE_TYPES: &[DeviceType] = &[
     // cols, rows, max_nr_ports, emerg_wr.
     allowed(VIRTIO_ID_CONSOLE, "console", 2, 12),
     allowed(VIRTIO_ID_RNG, "entropy", 1, 0),
-    refused(
-        VIRTIO_ID_BALLOON,
-        "balloon",
-        "a balloon hands guest memory back to the host, which only the VMM that owns guest \
-         RAM can do",
-    ),
+    refused(VIRTIO_ID_BALLOON, "balloon", BALLOON_REFUSAL),
     allowed(VIRTIO_ID_IOMEM, "iomem", 1, 0),
     allowed(VIRTIO_ID_RPMSG, "rpmsg", 2, 0),
     // num_queues, seg_max, max_sectors, cmd_per_lun, event_info_size, sense_size,
@@ -88,12 +87,7 @@ const DEVICE_TYPES: &[DeviceType] = &[
     allowed(VIRTIO_ID_MAC80211_WLAN, "mac80211-wlan", 2, 0),
     allowed(VIRTIO_ID_RPROC_SERIAL, "rproc-serial", 2, 0),
     allowed(VIRTIO_ID_CAIF, "caif", 2, 0),
-    refused(
-        VIRTIO_ID_MEMORY_BALLOON,
-        "memory-balloon",
-        "a balloon hands guest memory back to the host, which only the VMM that owns guest \
-         RAM can do",
-    ),
+    refused(VIRTIO_ID_MEMORY_BALLOON, "memory-balloon", BALLOON_REFUSAL),
     refused(
         VIRTIO_ID_GPU,
         "gpu",

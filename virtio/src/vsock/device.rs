@@ -1,7 +1,6 @@
 //! [`Vsock`]: the virtio-vsock device as the transport sees it (configuration space,
 //! activation, pause/resume, snapshot state).
 
-use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 
 use serde::Deserialize;
@@ -14,7 +13,7 @@ use super::handler::VsockWorker;
 use super::muxer::Muxer;
 use super::unix::HostListener;
 use super::{validate_guest_cid, VsockConfig, VsockError};
-use crate::worker::Worker;
+use crate::worker::{duplicate_timer, Worker};
 use crate::{read_config_bytes, ActivateError, Activation, QueuePosition, VirtioDevice};
 
 /// The name of the device's I/O thread.
@@ -245,18 +244,4 @@ impl VirtioDevice for Vsock {
         self.transport_reset_on_activate = true;
         Ok(())
     }
-}
-
-/// A second descriptor for the device's timer (fcntl F_DUPFD_CLOEXEC, which the vCPU
-/// threads that activate devices may call; timerfd_create they may not), disarmed.
-fn duplicate_timer(timer: &TimerFd) -> std::io::Result<TimerFd> {
-    // SAFETY: fcntl on a descriptor the device owns, with integer arguments only.
-    let fd = unsafe { libc::fcntl(timer.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created by the fcntl above and nothing else owns it.
-    let mut duplicate = unsafe { TimerFd::from_raw_fd(fd) };
-    duplicate.clear()?;
-    Ok(duplicate)
 }

@@ -78,7 +78,7 @@ pub struct VsockConfig {
 impl VsockConfig {
     pub fn validate(&self) -> Result<(), VsockError> {
         validate_guest_cid(self.guest_cid)?;
-        let max = unix::max_socket_path_len() - PORT_SUFFIX_MAX;
+        let max = crate::socket::max_path_len() - PORT_SUFFIX_MAX;
         let length = self.uds_path.as_os_str().len();
         if length == 0 || length > max {
             return Err(VsockError::PathLength {

@@ -21,10 +21,9 @@ use super::packet::{
     VSOCK_OP_REQUEST, VSOCK_OP_RESPONSE, VSOCK_OP_RST, VSOCK_OP_RW, VSOCK_OP_SHUTDOWN,
     VSOCK_TYPE_STREAM,
 };
-use super::unix::{
-    connect_nonblocking, guest_port_path, HostListener, LineProgress, PendingClient,
-};
+use super::unix::{guest_port_path, HostListener, LineProgress, PendingClient};
 use super::CONNECT_LINE_TIMEOUT;
+use crate::socket::connect_nonblocking;
 use crate::worker::EventControl;
 
 /// The host listener's epoll token.

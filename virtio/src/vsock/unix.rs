@@ -4,8 +4,6 @@
 
 use std::ffi::OsString;
 use std::io::{ErrorKind, Read};
-use std::os::fd::{FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -153,61 +151,10 @@ pub fn guest_port_path(uds_path: &Path, port: u32) -> PathBuf {
     PathBuf::from(path)
 }
 
-/// The longest path a Unix socket address holds (sun_path without its NUL).
-pub fn max_socket_path_len() -> usize {
-    // SAFETY: sockaddr_un is plain old data; all zeroes is a valid value.
-    let address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    address.sun_path.len() - 1
-}
-
-/// Connects to `path` without blocking: a listener whose backlog is full refuses
-/// (EAGAIN) instead of stalling the device's thread.
-pub fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain old data; all zeroes is a valid value.
-    let mut address: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= address.sun_path.len() || bytes.contains(&0) {
-        return Err(std::io::Error::new(
-            ErrorKind::InvalidInput,
-            "path does not fit a Unix socket address",
-        ));
-    }
-    address.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (slot, byte) in address.sun_path.iter_mut().zip(bytes) {
-        *slot = *byte as libc::c_char;
-    }
-    // SAFETY: socket() takes no pointers; the result is checked.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created and nothing else owns it.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    let length = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
-    // SAFETY: `address` is a valid sockaddr_un that lives across the call, and `length`
-    // (family, path and its NUL) is within it.
-    let result = unsafe {
-        libc::connect(
-            fd,
-            (&address as *const libc::sockaddr_un).cast::<libc::sockaddr>(),
-            length as libc::socklen_t,
-        )
-    };
-    if result < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(UnixStream::from(socket))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::socket::{connect_nonblocking, max_path_len};
     use crate::vsock::temp_socket_path;
     use std::io::Write;
 
@@ -298,7 +245,7 @@ mod tests {
         assert_eq!(&byte, b"x");
         drop(listener);
         std::fs::remove_file(&port_path).unwrap();
-        let too_long = PathBuf::from("/".repeat(max_socket_path_len() + 1));
+        let too_long = PathBuf::from("/".repeat(max_path_len() + 1));
         assert_eq!(
             connect_nonblocking(&too_long).unwrap_err().kind(),
             ErrorKind::InvalidInput
