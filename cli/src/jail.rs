@@ -46,35 +46,9 @@ pub fn enter(args: &JailArgs) -> Result<(), CliError> {
         log::info!("chrooted to {}", dir.display());
     }
     if let (Some(uid), Some(gid)) = (args.uid, args.gid) {
-        drop_privileges(uid, gid)?;
+        // The jailer's own step, shared with it.
+        gpuvm_jailer::drop_privileges(uid, gid).map_err(|e| CliError::Other(e.to_string()))?;
+        log::info!("running as uid {uid} gid {gid}");
     }
-    Ok(())
-}
-
-/// Gives up root for good: no supplementary groups, then `gid`, then `uid` (real, effective
-/// and saved), and checks that root cannot be regained. Also the `jailer`'s last step
-/// before it execs.
-pub fn drop_privileges(uid: libc::uid_t, gid: libc::gid_t) -> Result<(), CliError> {
-    // Order matters: groups and gid need the privileges that setuid gives up.
-    // glibc applies each of these to every thread of the process.
-    // SAFETY: setgroups(2) with a zero count reads no memory.
-    if unsafe { libc::setgroups(0, std::ptr::null()) } != 0 {
-        return Err(os_error("cannot drop supplementary groups"));
-    }
-    // SAFETY: setresgid/setresuid take plain integers.
-    if unsafe { libc::setresgid(gid, gid, gid) } != 0 {
-        return Err(os_error(&format!("cannot switch to gid {gid}")));
-    }
-    // SAFETY: as above.
-    if unsafe { libc::setresuid(uid, uid, uid) } != 0 {
-        return Err(os_error(&format!("cannot switch to uid {uid}")));
-    }
-    // SAFETY: as above; this must fail once root is given up.
-    if uid != 0 && unsafe { libc::setuid(0) } == 0 {
-        return Err(CliError::Other(
-            "dropped to an unprivileged uid but could still become root again".into(),
-        ));
-    }
-    log::info!("running as uid {uid} gid {gid}");
     Ok(())
 }
