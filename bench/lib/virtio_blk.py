@@ -255,7 +255,7 @@ def bench_blk(args, work: Path, report: dict) -> list[tuple[str, bool]]:
         if qemu_reason is None and qsd_reason is None:
             configs.append(BlkConfig(f"QEMU q35 vhost-user (qsd) {mode}", "qemu-vhost-user", direct))
     if huge_reason is None:
-        # O_DIRECT into 2 MiB pages: what the hardware sees changes with the page size (see README).
+        # O_DIRECT into 2 MiB pages: what the hardware sees changes with the page size (see docs/performance.md).
         configs.append(BlkConfig("host fio io_uring direct huge pages", "fio", True, huge=True))
         configs.append(BlkConfig("gpuvm Async direct hugetlb-2m", "gpuvm", True, "Async", huge=True))
     if qemu_reason:
