@@ -262,3 +262,222 @@ fn machine_config_with_too_many_vcpus_is_refused_when_put() {
     );
     ctl(&["set-machine-config", "--vcpus", "2", "--memory", "64M"]).assert_code(0);
 }
+
+/// What one run with arguments of any bytes produced.
+struct BytesRun {
+    status: std::process::ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `program ARGS` (any bytes) to its end, its output into files of `scratch` (no
+/// pipe to fill); killed, and the test failed, after `LIMIT`.
+fn run_with_bytes(
+    scratch: &gpuvm_tests::Scratch,
+    program: &std::path::Path,
+    args: &[std::ffi::OsString],
+) -> BytesRun {
+    let (out, err) = (scratch.path("stdout"), scratch.path("stderr"));
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{program:?} {args:?} did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    BytesRun {
+        status,
+        stdout: String::from_utf8_lossy(&std::fs::read(&out).unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&std::fs::read(&err).unwrap()).into_owned(),
+    }
+}
+
+/// Arguments that are not UTF-8 (paths on Linux are bytes; a kernel command line may be)
+/// in every mode: never a panic (it was status 134, a Rust backtrace line), but success
+/// where the bytes are a path gpuvm only opens, else one clear line naming the argument
+/// and gpuvm's error status (the jailer's: 1).
+#[test]
+fn arguments_that_are_not_utf8_never_panic() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let scratch = gpuvm_tests::Scratch::new("cli-errors", "not-utf8");
+    let gpuvm = gpuvm_tests::gpuvm_bin();
+    let link = |name: &str| {
+        let link = scratch.path(name);
+        std::os::unix::fs::symlink(&gpuvm, &link).unwrap();
+        link
+    };
+    let (cloud_hypervisor, firecracker, jailer) = (
+        link("cloud-hypervisor"),
+        link("firecracker"),
+        link("jailer"),
+    );
+    let bytes = |b: &[u8]| OsString::from_vec(b.to_vec());
+    // A path with bytes that are not UTF-8, in the scratch directory.
+    let bad_path = |name: &[u8]| {
+        let mut path = scratch.path("x").into_os_string().into_vec();
+        path.pop();
+        path.extend_from_slice(name);
+        std::path::PathBuf::from(OsString::from_vec(path))
+    };
+    let kernel = bad_path(b"guest-\xff\xfe.elf");
+    std::fs::write(&kernel, gpuvm_guest_images::TEST_GUEST_ELF).unwrap();
+    let image = bad_path(b"image-\xff.elf");
+    let os = |s: &str| OsString::from(s);
+    let missing_socket = scratch.path("no-such.sock");
+
+    /// What the run must end in: success, or an error whose stderr holds the text.
+    enum Expect {
+        Success,
+        Error(&'static str, i32),
+    }
+    let cases: Vec<(&std::path::Path, Vec<OsString>, Expect)> = vec![
+        (
+            &gpuvm,
+            vec![os("run"), os("--cmdline"), bytes(b"hello \xff\xfe")],
+            Expect::Error(
+                "the value of --cmdline is not valid UTF-8 (\"hello \\xff\\xfe\")",
+                GPUVM_ERROR,
+            ),
+        ),
+        (
+            &gpuvm,
+            vec![os("run"), os("--kernel"), kernel.clone().into()],
+            Expect::Success,
+        ),
+        (
+            &gpuvm,
+            vec![os("run"), os("--kernel"), bytes(b"/nonexistent/\xff")],
+            Expect::Error("cannot open kernel image /nonexistent/", GPUVM_ERROR),
+        ),
+        (
+            &gpuvm,
+            vec![os("--log-level"), bytes(b"\xff"), os("run")],
+            Expect::Error("the value of --log-level is not valid UTF-8", GPUVM_ERROR),
+        ),
+        (
+            &gpuvm,
+            vec![os("guest-image"), os("--output"), image.clone().into()],
+            Expect::Success,
+        ),
+        (
+            &gpuvm,
+            vec![
+                os("ctl"),
+                os("--api-sock"),
+                missing_socket.clone().into(),
+                os("set-boot-source"),
+                os("--kernel"),
+                bytes(b"/k\xff"),
+            ],
+            Expect::Error("--kernel", GPUVM_ERROR),
+        ),
+        (
+            &cloud_hypervisor,
+            vec![os("--kernel"), bytes(b"/k\xff")],
+            Expect::Error("the value of --kernel is not valid UTF-8", GPUVM_ERROR),
+        ),
+        // Under gpuvm's own name, the Cloud Hypervisor flags pick that front end.
+        (
+            &gpuvm,
+            vec![
+                os("--api-socket"),
+                os("/s"),
+                os("--kernel"),
+                bytes(b"/k\xff"),
+            ],
+            Expect::Error("the value of --kernel is not valid UTF-8", GPUVM_ERROR),
+        ),
+        (
+            &firecracker,
+            vec![os("--config-file"), bytes(b"/c\xff.json")],
+            Expect::Error("the value of --config-file is not valid UTF-8", GPUVM_ERROR),
+        ),
+        (
+            &jailer,
+            vec![os("--id"), os("a"), os("--exec-file"), bytes(b"/f\xff")],
+            Expect::Error("the value of --exec-file is not valid UTF-8", 1),
+        ),
+    ];
+    for (program, args, expect) in cases {
+        let out = run_with_bytes(&scratch, program, &args);
+        let what = format!(
+            "{} {:?}: status {:?}\n--- stdout\n{}\n--- stderr\n{}",
+            program.display(),
+            args,
+            out.status,
+            out.stdout,
+            out.stderr
+        );
+        let code = out.status.code();
+        assert!(code.is_some(), "killed by a signal: {what}");
+        assert!(!matches!(code, Some(134 | 101)), "{what}");
+        assert!(!out.stderr.contains("panicked"), "{what}");
+        match expect {
+            Expect::Success => assert_eq!(code, Some(0), "{what}"),
+            Expect::Error(needle, status) => {
+                assert_eq!(code, Some(status), "{what}");
+                assert!(out.stderr.contains(needle), "lacks {needle:?}: {what}");
+                assert!(out.stderr.contains("error: "), "{what}");
+                assert_eq!(out.stderr.trim_end().lines().count(), 1, "{what}");
+            }
+        }
+    }
+    assert_eq!(
+        std::fs::read(&image).unwrap(),
+        gpuvm_guest_images::TEST_GUEST_ELF,
+        "guest-image --output {:?}",
+        image.as_os_str().as_bytes()
+    );
+}
+
+/// Under gpuvm's own name the command line picks the front end; flags of two front ends
+/// are refused with what selects which, and gpuvm's own flags stay gpuvm's.
+#[test]
+fn mixed_front_end_flags_are_refused_naming_them() {
+    let out = run_gpuvm(&["--api-socket", "/s", "--api-sock", "/t"], LIMIT);
+    out.assert_clean_error("--api-socket selects Cloud Hypervisor's (cloud-hypervisor)")
+        .assert_stderr_has("--api-sock selects Firecracker's (firecracker)")
+        .assert_stderr_has("--exec-file")
+        .assert_code(GPUVM_ERROR);
+    run_gpuvm(&["--id", "vm1"], LIMIT)
+        .assert_clean_error("--id is taken by firecracker and jailer")
+        .assert_code(GPUVM_ERROR);
+    run_gpuvm(&["--version"], LIMIT)
+        .assert_code(0)
+        .assert_stdout_has("gpuvm ");
+    // Cloud Hypervisor's own refusal, reached through its flags.
+    run_gpuvm(&["--api-socket", "/s", "--balloon", "size=1G"], LIMIT)
+        .assert_clean_error("--balloon: not supported by gpuvm's Cloud Hypervisor mode")
+        .assert_code(GPUVM_ERROR);
+    // Firecracker's, through its flags.
+    run_gpuvm(&["--no-api"], LIMIT)
+        .assert_clean_error("--no-api needs --config-file")
+        .assert_code(GPUVM_ERROR);
+    // The jailer's, through its flags (its status: 1).
+    run_gpuvm(
+        &[
+            "--exec-file",
+            "/nonexistent/vmm",
+            "--uid",
+            "1",
+            "--gid",
+            "1",
+        ],
+        LIMIT,
+    )
+    .assert_clean_error("--id is required")
+    .assert_code(1);
+}

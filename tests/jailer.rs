@@ -445,3 +445,49 @@ fn bad_command_lines_are_refused_and_leave_nothing_behind() {
         assert!(std::fs::read_dir(base_dir).unwrap().next().is_none());
     }
 }
+
+/// Kata's jailed Firecracker with both paths resolved (`filepath.EvalSymlinks`): the jailer
+/// is gpuvm's own path with the jailer's flags, and its exec file is gpuvm itself, which
+/// the jail starts as `/gpuvm --id ... --start-time-us ...`: Firecracker's flags under
+/// gpuvm's name, which pick the Firecracker front end.
+#[test]
+fn gpuvm_by_its_own_name_jails_itself_as_firecracker() {
+    let scratch = Scratch::new("jailer", "own-name");
+    let gpuvm = std::fs::canonicalize(gpuvm_bin()).unwrap();
+    assert_eq!(gpuvm.file_name().unwrap(), "gpuvm");
+    let base = base(&scratch);
+    let args = [
+        "--id",
+        "own1",
+        "--exec-file",
+        gpuvm.to_str().unwrap(),
+        "--uid",
+        &UID.to_string(),
+        "--gid",
+        &GID.to_string(),
+        "--chroot-base-dir",
+        base.to_str().unwrap(),
+        "--daemonize",
+        "--",
+        "--api-sock",
+        "/run/api.sock",
+    ];
+    let jailer = SpawnedProcess::spawn(&gpuvm, &args).wait(LIMIT);
+    assert_eq!(jailer.code(), Some(0), "{}", jailer.describe());
+    let root = base.join("gpuvm/own1/root");
+    let pid_file = root.join("gpuvm.pid");
+    wait_for("the pid file", || {
+        std::fs::read_to_string(&pid_file).is_ok_and(|p| p.parse::<i32>().is_ok())
+    });
+    let vmm = Detached(std::fs::read_to_string(&pid_file).unwrap().parse().unwrap());
+    let api = root.join("run/api.sock");
+    wait_for_socket(&api);
+    let info: serde_json::Value =
+        serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap();
+    assert_eq!(info["id"], "own1");
+    assert_eq!(info["state"], "Not started");
+    assert_eq!(
+        status_field(vmm.0, "Uid:"),
+        format!("{UID} {UID} {UID} {UID}")
+    );
+}

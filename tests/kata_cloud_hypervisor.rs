@@ -22,6 +22,12 @@
 //! vmm.shutdown; then a new process restored from the snapshot (vm.restore with `net_fds`
 //! for the passed tap, Cloud Hypervisor's way), vm.resume, the agent's second connection,
 //! vmm.shutdown.
+//!
+//! gpuvm is started as Kata's configuration may name it: through a `cloud-hypervisor`
+//! symlink; through that symlink resolved, as Kata resolves the configured path
+//! (`filepath.EvalSymlinks`) before it runs it, so the program is gpuvm's own path and the
+//! Cloud Hypervisor flags pick the front end; and (launch and shutdown only) through a
+//! hard link named `cloud-hypervisor`.
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, RawFd};
@@ -29,12 +35,12 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, send_with_fds, spawn_ch};
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, send_with_fds};
 use gpuvm_tests::netns::Netns;
 use gpuvm_tests::virtio_support::{
     assert_in_order, disk_image, pattern_is_on_disk, vsock_echo, BLK_MAGIC, SECTOR,
 };
-use gpuvm_tests::{Scratch, SpawnedProcess};
+use gpuvm_tests::{gpuvm_bin, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// Kata's `clhTimeout`: how long it polls vmm.ping after starting the VMM.
@@ -246,9 +252,53 @@ fn vcpu_threads(pid: i32) -> Vec<u32> {
     numbers
 }
 
+/// How the test starts gpuvm as Kata's `hypervisor.clh` path names it.
+#[derive(Clone, Copy, Debug)]
+enum Program {
+    /// A `cloud-hypervisor -> gpuvm` symlink, started through the link (argv[0] names
+    /// `cloud-hypervisor`).
+    Symlink,
+    /// The same symlink resolved, as Kata resolves the configured path
+    /// (`filepath.EvalSymlinks`) before starting it: gpuvm's own path, named `gpuvm`,
+    /// with Cloud Hypervisor's command line.
+    Resolved,
+    /// A hard link named `cloud-hypervisor` (a copy where the scratch directory is on
+    /// another filesystem than the binary: the same name either way).
+    HardLink,
+}
+
+impl Program {
+    /// The path Kata's driver executes.
+    fn path(self, scratch: &Scratch) -> PathBuf {
+        let link = scratch.path("cloud-hypervisor");
+        match self {
+            Program::Symlink | Program::Resolved => {
+                if std::fs::symlink_metadata(&link).is_err() {
+                    std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+                }
+                if matches!(self, Program::Symlink) {
+                    return link;
+                }
+                let resolved = std::fs::canonicalize(&link).unwrap();
+                assert_eq!(resolved.file_name().unwrap(), "gpuvm", "{resolved:?}");
+                resolved
+            }
+            Program::HardLink => {
+                if std::fs::symlink_metadata(&link).is_err()
+                    && std::fs::hard_link(gpuvm_bin(), &link).is_err()
+                {
+                    std::fs::copy(gpuvm_bin(), &link).unwrap();
+                }
+                assert!(!std::fs::symlink_metadata(&link).unwrap().is_symlink());
+                link
+            }
+        }
+    }
+}
+
 /// Kata's `launchClh`: `cloud-hypervisor --api-socket S -v --seccomp true` (debug, log
 /// level 1), then vmm.ping until it answers.
-fn launch(scratch: &Scratch, api: &Path) -> (SpawnedProcess, KataClient) {
+fn launch(program: &Path, api: &Path) -> (SpawnedProcess, KataClient) {
     let args = [
         "--api-socket",
         api.to_str().unwrap(),
@@ -256,7 +306,7 @@ fn launch(scratch: &Scratch, api: &Path) -> (SpawnedProcess, KataClient) {
         "--seccomp",
         "true",
     ];
-    let mut vmm = spawn_ch(scratch, &args);
+    let mut vmm = SpawnedProcess::spawn(program, &args);
     let client = KataClient {
         api: api.to_path_buf(),
     };
@@ -271,10 +321,42 @@ fn emu_bin() -> PathBuf {
 
 #[test]
 fn kata_clh_driver_replay_from_create_to_restore() {
-    let Some(netns) = Netns::create("kata_clh_driver_replay_from_create_to_restore") else {
+    replay(
+        "kata_clh_driver_replay_from_create_to_restore",
+        Program::Symlink,
+    );
+}
+
+/// What Kata really starts: the configured `cloud-hypervisor` symlink resolved, so gpuvm
+/// runs as `.../gpuvm --api-socket ...` and takes the front end from the flags.
+#[test]
+fn kata_clh_driver_replay_through_the_resolved_symlink() {
+    replay(
+        "kata_clh_driver_replay_through_the_resolved_symlink",
+        Program::Resolved,
+    );
+}
+
+/// gpuvm installed as a hard link (or a copy) named `cloud-hypervisor`: launched as Kata
+/// launches it, it answers vmm.ping and vmm.shutdown as Cloud Hypervisor.
+#[test]
+fn kata_clh_launch_through_a_hard_link() {
+    let scratch = Scratch::new("kata_cloud_hypervisor", "hard-link");
+    let program = Program::HardLink.path(&scratch);
+    let (vmm, kata) = launch(&program, &scratch.path("clh-api.sock"));
+    assert_eq!(kata.get("vm.info").status, 404, "no VM before vm.create");
+    kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
+    let out = vmm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
+}
+
+/// The whole replay, gpuvm started as `program` says.
+fn replay(test: &str, program: Program) {
+    let Some(netns) = Netns::create(test) else {
         return;
     };
-    let scratch = Scratch::new("kata_cloud_hypervisor", "replay");
+    let scratch = Scratch::new("kata_cloud_hypervisor", &format!("replay-{program:?}"));
+    let program = program.path(&scratch);
     let kernel = guest_image(&scratch);
     let rootfs = scratch.path("rootfs.img");
     disk_image(&rootfs, b"KATAROOT", 1 << 20);
@@ -283,7 +365,7 @@ fn kata_clh_driver_replay_from_create_to_restore() {
     let vsock = scratch.path("clh.sock");
     let snapshot = scratch.path("template");
     std::fs::create_dir(&snapshot).unwrap();
-    let (mut vmm, kata) = launch(&scratch, &scratch.path("clh-api.sock"));
+    let (mut vmm, kata) = launch(&program, &scratch.path("clh-api.sock"));
 
     // CreateVM: NewVmConfig (iommu, watchdog, pvpanic, landlock_enable false), NewCpusConfig
     // (kvm_hyperv false, nested true) with Kata's topology, NewMemoryConfig (shared false
@@ -408,7 +490,7 @@ fn kata_clh_driver_replay_from_create_to_restore() {
     );
 
     // restoreVM: a new VMM, vm.restore (with the tap again as net_fds), Paused, ResumeVM.
-    let (mut restored, kata) = launch(&scratch, &scratch.path("clh-api-2.sock"));
+    let (mut restored, kata) = launch(&program, &scratch.path("clh-api-2.sock"));
     let restore = format!(
         r#"{{"net_fds":[{{"id":"{net_id}","num_fds":1}}],"source_url":"file://{}"}}"#,
         snapshot.display()

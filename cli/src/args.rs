@@ -1,15 +1,18 @@
 //! The command line's definition (clap): the subcommands and their flags, and the parsers
 //! of sizes and memory backings.
 
+use std::any::TypeId;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 use gpuvm_vmm::machine::{AfterSnapshot, SnapshotPolicy};
 
-use crate::passthrough;
+use crate::{front_end, passthrough};
 
 /// A KVM micro-VMM for GPU virtual machines.
 #[derive(Parser, Debug)]
@@ -345,6 +348,60 @@ pub enum CtlCommand {
     },
 }
 
+/// What clap's "invalid UTF-8" leaves out: which argument is not UTF-8. The values of
+/// path flags may be any bytes, so an argument that is not UTF-8 elsewhere is the culprit
+/// (all of them are named where none is outside a path flag).
+pub fn not_utf8(argv: &[OsString]) -> String {
+    let path_flags = path_flags();
+    let culprits: Vec<usize> = (1..argv.len())
+        .filter(|&i| argv[i].to_str().is_none())
+        .collect();
+    let text: Vec<usize> = culprits
+        .iter()
+        .copied()
+        .filter(|&i| {
+            front_end::flag_of_value(argv, i).is_none_or(|flag| !path_flags.contains(&flag))
+        })
+        .collect();
+    let named = if text.is_empty() { culprits } else { text };
+    let parts: Vec<String> = named
+        .iter()
+        .map(|&i| {
+            format!(
+                "{} is not valid UTF-8 (\"{}\")",
+                front_end::describe_argument(argv, i),
+                argv[i].as_bytes().escape_ascii()
+            )
+        })
+        .collect();
+    if parts.is_empty() {
+        return "an argument is not valid UTF-8".into();
+    }
+    format!(
+        "{}: gpuvm takes it as text (only file paths may be any bytes)",
+        parts.join("; ")
+    )
+}
+
+/// The flags, in every subcommand, whose values are paths (any bytes): `--kernel`, `-o`.
+fn path_flags() -> Vec<String> {
+    fn collect(command: &clap::Command, flags: &mut Vec<String>) {
+        for arg in command.get_arguments() {
+            let parser = arg.get_value_parser().type_id();
+            if parser == TypeId::of::<PathBuf>() || parser == TypeId::of::<OsString>() {
+                flags.extend(arg.get_long().map(|l| format!("--{l}")));
+                flags.extend(arg.get_short().map(|s| format!("-{s}")));
+            }
+        }
+        for subcommand in command.get_subcommands() {
+            collect(subcommand, flags);
+        }
+    }
+    let mut flags = Vec::new();
+    collect(&Cli::command(), &mut flags);
+    flags
+}
+
 /// Walks another VMM's command line (Cloud Hypervisor's, Firecracker's): bare flags,
 /// `--name value` and `--name=value`.
 pub(crate) struct ForeignFlags<'a> {
@@ -393,7 +450,50 @@ mod tests {
 
     #[test]
     fn cli_definition_is_consistent() {
-        use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn arguments_that_are_not_utf8_are_named() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = |bytes: &[u8]| OsString::from_vec(bytes.to_vec());
+        let argv = |list: Vec<OsString>| {
+            let mut argv = vec![OsString::from("gpuvm")];
+            argv.extend(list);
+            argv
+        };
+        let paths = path_flags();
+        for flag in [
+            "--kernel",
+            "--initrd",
+            "--api-sock",
+            "--config-file",
+            "-o",
+            "--output",
+        ] {
+            assert!(paths.contains(&flag.to_string()), "{flag}: {paths:?}");
+        }
+        assert!(!paths.contains(&"--cmdline".to_string()));
+        // The path's bytes are fine; the command line's are not.
+        let line = argv(vec![
+            "run".into(),
+            "--kernel".into(),
+            bad(b"/k\xff"),
+            "--cmdline".into(),
+            bad(b"hello \xff\xfe"),
+        ]);
+        assert_eq!(
+            not_utf8(&line),
+            "the value of --cmdline is not valid UTF-8 (\"hello \\xff\\xfe\"): gpuvm takes it as text (only file paths may be any bytes)"
+        );
+        let mut inline = OsString::from("--log-level=");
+        inline.push(bad(b"\xff"));
+        let message = not_utf8(&argv(vec![inline, "run".into()]));
+        assert!(
+            message.starts_with("the value of --log-level "),
+            "{message}"
+        );
+        let message = not_utf8(&argv(vec!["ctl".into(), "raw".into(), bad(b"G\xffT")]));
+        assert!(message.starts_with("argument 3 is not"), "{message}");
     }
 }

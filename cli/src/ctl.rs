@@ -1,6 +1,7 @@
 //! `gpuvm ctl`: one request to a running gpuvm's API socket, from flags or raw.
 
-use std::path::PathBuf;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::process::ExitCode;
 
 use crate::args::{CtlArgs, CtlCommand, Mode};
@@ -8,6 +9,17 @@ use crate::gpuvm_error;
 
 /// `gpuvm ctl`: one request; prints the answer's body, exits 0 on success.
 pub fn ctl(args: CtlArgs) -> ExitCode {
+    match request(&args) {
+        Ok((method, path, body)) => ctl_send(&args.api_sock, &method, &path, body.as_deref()),
+        Err(message) => {
+            eprintln!("gpuvm: error: {message}");
+            gpuvm_error()
+        }
+    }
+}
+
+/// The request the subcommand makes: method, path and body.
+fn request(args: &CtlArgs) -> Result<(String, String, Option<String>), String> {
     use serde_json::json;
     let (method, path, body): (&str, &str, Option<serde_json::Value>) = match &args.command {
         CtlCommand::Info => ("GET", "/", None),
@@ -41,8 +53,8 @@ pub fn ctl(args: CtlArgs) -> ExitCode {
             "PUT",
             "/boot-source",
             Some(json!({
-                "kernel_image_path": kernel.as_ref().map(|p| absolute(p)),
-                "initrd_path": initrd.as_ref().map(|p| absolute(p)),
+                "kernel_image_path": kernel.as_deref().map(|p| absolute(p, "--kernel")).transpose()?,
+                "initrd_path": initrd.as_deref().map(|p| absolute(p, "--initrd")).transpose()?,
                 "boot_args": cmdline,
             })),
         ),
@@ -62,7 +74,7 @@ pub fn ctl(args: CtlArgs) -> ExitCode {
             "PUT",
             "/snapshot/create",
             Some(json!({
-                "snapshot_path": absolute(dir),
+                "snapshot_path": absolute(dir, "--dir")?,
                 "snapshot_type": if *diff { "Diff" } else { "Full" },
             })),
         ),
@@ -76,24 +88,23 @@ pub fn ctl(args: CtlArgs) -> ExitCode {
             "PUT",
             "/snapshot/load",
             Some(json!({
-                "snapshot_path": absolute(dir),
+                "snapshot_path": absolute(dir, "--dir")?,
                 "restore_mode": match restore_mode {
                     Mode::Eager => "Eager",
                     Mode::Lazy => "Lazy",
                     Mode::External => "External",
                 },
-                "uffd_socket_path": uffd_socket.as_ref().map(|p| absolute(p)),
+                "uffd_socket_path": uffd_socket.as_deref().map(|p| absolute(p, "--uffd-socket")).transpose()?,
                 "resume_vm": resume,
                 "record_working_set": record_working_set,
             })),
         ),
         CtlCommand::Metrics => ("GET", "/metrics", None),
         CtlCommand::Raw { method, path, body } => {
-            let body = body.as_deref().map(str::to_owned);
-            return ctl_send(&args.api_sock, method, path, body.as_deref());
+            return Ok((method.clone(), path.clone(), body.clone()));
         }
         CtlCommand::RemoveGpu { id } => {
-            return ctl_send(&args.api_sock, "DELETE", &format!("/gpus/{id}"), None);
+            return Ok(("DELETE".into(), format!("/gpus/{id}"), None));
         }
         CtlCommand::AddGpu {
             id,
@@ -103,19 +114,25 @@ pub fn ctl(args: CtlArgs) -> ExitCode {
             let body = json!({
                 "gpu_id": id,
                 "host_bdf": host_bdf,
-                "vfio_user_socket": vfio_user_socket.as_ref().map(|p| absolute(p)),
+                "vfio_user_socket": vfio_user_socket.as_deref().map(|p| absolute(p, "--vfio-user-socket")).transpose()?,
             })
             .to_string();
-            return ctl_send(&args.api_sock, "PUT", &format!("/gpus/{id}"), Some(&body));
+            return Ok(("PUT".into(), format!("/gpus/{id}"), Some(body)));
         }
     };
-    let body = body.map(|b| b.to_string());
-    ctl_send(&args.api_sock, method, path, body.as_deref())
+    Ok((method.into(), path.into(), body.map(|b| b.to_string())))
 }
 
-/// Paths go to the server as absolute paths: it does not share our working directory.
-fn absolute(path: &std::path::Path) -> PathBuf {
-    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+/// Paths go to the server as absolute paths: it does not share our working directory. The
+/// API's JSON carries them as text: a path that is not UTF-8 is refused, naming `flag`.
+fn absolute(path: &Path, flag: &str) -> Result<String, String> {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    absolute.into_os_string().into_string().map_err(|path| {
+        format!(
+            "{flag} \"{}\": the path is not valid UTF-8, and the API's JSON carries paths as text",
+            path.as_bytes().escape_ascii()
+        )
+    })
 }
 
 fn ctl_send(socket: &std::path::Path, method: &str, path: &str, body: Option<&str>) -> ExitCode {

@@ -1,6 +1,9 @@
-//! gpuvm as `firecracker`: when the binary is invoked under that name (a symlink) or as
-//! `gpuvm --fc-compat ...` / `gpuvm firecracker ...`, it takes Firecracker's command line
-//! and serves Firecracker's API ([`gpuvm_api::firecracker`]) on `--api-sock`.
+//! gpuvm as `firecracker`: when the binary is invoked under that name (a symlink or a hard
+//! link), as `gpuvm --fc-compat ...` / `gpuvm firecracker ...`, or as `gpuvm` with flags
+//! only Firecracker takes (`gpuvm --api-sock ... --config-file ...`: what Kata starts after
+//! resolving a `firecracker` symlink, and what the jailer execs when its exec file is
+//! gpuvm; see [`crate::front_end`]), it takes Firecracker's command line and serves
+//! Firecracker's API ([`gpuvm_api::firecracker`]) on `--api-sock`.
 //!
 //! Accepted: `--api-sock <path>` (default /run/firecracker.socket), `--id <id>`,
 //! `--config-file <file>` (Firecracker's JSON: boots at once), `--no-api` (needs
@@ -24,21 +27,6 @@ use crate::args::ForeignFlags;
 use crate::args::SeccompArgs;
 use crate::run::run_from_api;
 use crate::CliError;
-
-/// Whether this process should act as Firecracker: argv[0]'s file name is `firecracker`,
-/// or the first argument is `--fc-compat` or `firecracker`.
-pub fn wanted(args: &[String]) -> bool {
-    let name = args.first().and_then(|a| {
-        std::path::Path::new(a)
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-    });
-    name.as_deref() == Some("firecracker")
-        || matches!(
-            args.get(1).map(String::as_str),
-            Some("--fc-compat" | "firecracker")
-        )
-}
 
 #[derive(Debug, PartialEq)]
 struct FcArgs {
@@ -278,14 +266,12 @@ mod tests {
             "0",
             "--boot-timer",
         ]);
-        assert!(wanted(&kata));
         let parsed = parse(&kata).unwrap().unwrap();
         assert_eq!(parsed.api_sock, Some("/run/fc.sock".into()));
         assert_eq!(parsed.id, "vm1");
         assert_eq!(parsed.level, Some(log::LevelFilter::Info));
         assert!(!parsed.seccomp);
         let no_api = args(&["gpuvm", "--fc-compat", "--no-api", "--config-file=/c.json"]);
-        assert!(wanted(&no_api));
         let parsed = parse(&no_api).unwrap().unwrap();
         assert_eq!(
             (parsed.api_sock, parsed.config_file),
@@ -296,7 +282,9 @@ mod tests {
         assert!(unknown.contains("--mmds-size-limit"), "{unknown}");
         assert!(parse(&args(&["firecracker", "--level", "Loud"])).is_err());
         assert_eq!(parse(&args(&["firecracker", "--version"])).unwrap(), None);
-        assert!(!wanted(&args(&["gpuvm", "run"])));
+        // gpuvm's own name with Firecracker's flags: nothing to skip but the program.
+        let plain = parse(&args(&["/usr/bin/gpuvm", "--api-sock", "/s", "--id", "a"]));
+        assert_eq!(plain.unwrap().unwrap().api_sock, Some("/s".into()));
         assert_eq!(
             parse(&args(&["firecracker"])).unwrap().unwrap().api_sock,
             Some(DEFAULT_API_SOCK.into())

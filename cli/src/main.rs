@@ -1,6 +1,8 @@
-//! `gpuvm`: the command line. Parses the arguments ([`args`]), sets up logging and hands
-//! each subcommand to its module.
+//! `gpuvm`: the command line. Picks the front end ([`front_end`]: gpuvm's own, Cloud
+//! Hypervisor's, Firecracker's or the jailer's), parses the arguments ([`args`]), sets up
+//! logging and hands each subcommand to its module.
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -12,6 +14,7 @@ mod config_file;
 mod ctl;
 mod devices;
 mod firecracker;
+mod front_end;
 mod jail;
 mod jailer;
 mod passthrough;
@@ -21,6 +24,7 @@ mod run;
 mod snapshot_signal;
 
 use args::{Cli, Command};
+use front_end::FrontEnd;
 
 /// The log target of the CLI's lines about the run as a whole (the jail's own lines are
 /// under `gpuvm::jail`): log filters and the README's JSON example name it.
@@ -37,18 +41,62 @@ enum CliError {
 
 fn main() -> ExitCode {
     let process_start = Instant::now();
-    let argv: Vec<String> = std::env::args().collect();
-    if cloud_hypervisor::wanted(&argv) {
-        return cloud_hypervisor::main(&argv, process_start);
+    // Arguments are bytes on Linux (paths, a kernel command line): never `env::args()`,
+    // which panics on one that is not UTF-8.
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let selected = match front_end::select(&argv) {
+        Ok(selected) => selected,
+        Err(error) => {
+            eprintln!("gpuvm: error: {error}");
+            return gpuvm_error();
+        }
+    };
+    // The jailer's own test of its names (`jailer`, `gpuvm jailer`) agrees with select();
+    // it stays the authority should the jailer take more.
+    let jailer_wanted = || jailer::wanted(&lossy(&argv));
+    match selected {
+        FrontEnd::Gpuvm if !jailer_wanted() => gpuvm_main(argv, process_start),
+        FrontEnd::Gpuvm | FrontEnd::Jailer => match front_end::utf8_args(&argv, FrontEnd::Jailer) {
+            Ok(argv) => jailer::main(&argv),
+            Err(message) => {
+                // As the jailer reports its errors: status 1.
+                eprintln!("gpuvm: jailer: error: {message}");
+                ExitCode::from(1)
+            }
+        },
+        FrontEnd::CloudHypervisor => match front_end::utf8_args(&argv, selected) {
+            Ok(argv) => cloud_hypervisor::main(&argv, process_start),
+            Err(message) => {
+                eprintln!("gpuvm: error: {message}");
+                gpuvm_error()
+            }
+        },
+        FrontEnd::Firecracker => match front_end::utf8_args(&argv, selected) {
+            Ok(argv) => firecracker::main(&argv, process_start),
+            Err(message) => {
+                eprintln!("gpuvm: error: {message}");
+                gpuvm_error()
+            }
+        },
     }
-    if firecracker::wanted(&argv) {
-        return firecracker::main(&argv, process_start);
-    }
-    if jailer::wanted(&argv) {
-        return jailer::main(&argv);
-    }
-    let cli = match Cli::try_parse() {
+}
+
+/// `argv` as text, bytes that are not UTF-8 replaced (for tests of names only).
+fn lossy(argv: &[OsString]) -> Vec<String> {
+    argv.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
+/// gpuvm's own command line: its subcommands.
+fn gpuvm_main(argv: Vec<OsString>, process_start: Instant) -> ExitCode {
+    let cli = match Cli::try_parse_from(&argv) {
         Ok(cli) => cli,
+        Err(error) if error.kind() == clap::error::ErrorKind::InvalidUtf8 => {
+            // clap says only that some argument is not UTF-8: name it.
+            eprintln!("gpuvm: error: {}", args::not_utf8(&argv));
+            return gpuvm_error();
+        }
         Err(error) => {
             // Help and version go to stdout and are no error; clap's own status for bad
             // arguments (2) could be a guest's.
