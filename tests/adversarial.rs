@@ -5,10 +5,16 @@
 //! a `gpuvm: error:` line, no panic, no signal) or a guest that runs on exactly as the
 //! undamaged snapshot's does (memloop's next iterations, with the same checksums, and no
 //! FAIL). Never a hang, a crash, or a guest that sees wrong memory.
+//!
+//! Some damage must be refused even though the guest could run on (issue 31): a memory
+//! file that is a symbolic link out of the directory (to a good copy), a state naming a
+//! device-state file outside it, a vCPU's KVM structure cut short. For those a run counts
+//! as bad.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use gpuvm_tests::snapshot_support::{read_state, write_state};
 use gpuvm_tests::{Scratch, SpawnedProcess};
 use gpuvm_vmm::exit_status::GPUVM_ERROR;
 
@@ -64,9 +70,23 @@ enum Kind {
     Missing(File),
     /// Bits flipped in both files.
     FlipBoth,
+    /// The memory file a symbolic link to a good copy outside the directory.
+    LinkOut,
+    /// The state names a device-state file outside the directory (a forged
+    /// `migrated_gpus` entry).
+    ForgedPath,
+    /// One of a vCPU's KVM structures in the state, a random number of bytes short.
+    ShortKvm,
 }
 
-const KINDS: [Kind; 15] = [
+impl Kind {
+    /// Damage that must end in a clean error, never in a guest that runs on.
+    fn must_refuse(self) -> bool {
+        matches!(self, Kind::LinkOut | Kind::ForgedPath | Kind::ShortKvm)
+    }
+}
+
+const KINDS: [Kind; 18] = [
     Kind::Flip(File::State),
     Kind::Flip(File::Memory),
     Kind::Truncate(File::State),
@@ -82,6 +102,9 @@ const KINDS: [Kind; 15] = [
     Kind::Missing(File::State),
     Kind::Missing(File::Memory),
     Kind::FlipBoth,
+    Kind::LinkOut,
+    Kind::ForgedPath,
+    Kind::ShortKvm,
 ];
 
 /// A snapshot of memloop and what its guest printed up to it.
@@ -272,7 +295,64 @@ fn damage(kind: Kind, dir: &Path, other: &Snapshot, rng: &mut XorShift) -> Strin
             std::fs::remove_file(path(file)).expect("remove");
             "the file removed".into()
         }
+        Kind::LinkOut => {
+            let memory = path(File::Memory);
+            let outside = outside_copy(dir);
+            std::fs::rename(&memory, &outside).expect("move out");
+            std::os::unix::fs::symlink(&outside, &memory).expect("symlink");
+            "the memory file a link to a good copy outside the directory".into()
+        }
+        Kind::ForgedPath => {
+            let named = [
+                "/etc/passwd",
+                "../state",
+                "../../../../etc/hostname",
+                "device-1",
+            ][rng.below(4) as usize];
+            if named == "device-1" {
+                std::os::unix::fs::symlink("/etc/passwd", dir.join(named)).expect("symlink");
+            }
+            let mut state = read_state(dir);
+            state["migrated_gpus"] = serde_json::json!([{
+                "gpu_id": "gpu0",
+                "host_bdf": "0000:00:00.0",
+                "slot": 5,
+                "vendor_id": 0x10de,
+                "device_id": 0x1234,
+                "pci": {"bars": [], "memory_enabled": false},
+                "state_file": named,
+                "state_bytes": 100
+            }]);
+            write_state(dir, &state);
+            format!("the state names device state file {named:?}")
+        }
+        Kind::ShortKvm => {
+            let fields = [
+                "regs",
+                "sregs",
+                "xsave",
+                "xcrs",
+                "debug_regs",
+                "lapic",
+                "mp_state",
+                "events",
+            ];
+            let field = fields[rng.below(fields.len() as u64) as usize];
+            let mut state = read_state(dir);
+            let bytes = state["vcpus"][0][field]
+                .as_array_mut()
+                .expect("a KVM structure is a list of bytes");
+            let cut = 1 + rng.below(bytes.len() as u64) as usize;
+            bytes.truncate(bytes.len() - cut);
+            write_state(dir, &state);
+            format!("vcpus[0].{field} {cut} bytes short")
+        }
     }
+}
+
+/// Where [`Kind::LinkOut`] puts the memory file: beside the directory, not in it.
+fn outside_copy(dir: &Path) -> PathBuf {
+    dir.with_extension("outside-memory")
 }
 
 /// How one restore ended.
@@ -401,6 +481,9 @@ fn damaged_snapshots_fail_cleanly_or_run_correctly() {
                     eprintln!("case {case} {kind:?} ({what}), {mode}: {line}");
                     clean += 1;
                 }
+                Outcome::Verified if kind.must_refuse() => bad.push(format!(
+                    "case {case} {kind:?} ({what}), {mode}: ran on, but this must be refused"
+                )),
                 Outcome::Verified => {
                     eprintln!("case {case} {kind:?} ({what}), {mode}: ran on correctly");
                     verified += 1;
@@ -412,6 +495,7 @@ fn damaged_snapshots_fail_cleanly_or_run_correctly() {
         }
         // FIFOs and copies add up; keep the scratch directory small.
         let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_file(outside_copy(&dir));
     }
     eprintln!(
         "adversarial: {} restores: {clean} clean errors, {verified} verified runs, {} bad",

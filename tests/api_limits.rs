@@ -291,3 +291,31 @@ fn slow_clients_cannot_hold_the_api() {
         "a slow connection was held for {longest:?}"
     );
 }
+
+/// Issue 31: with 300 idle connections held (every slot, the whole queue, and more), a
+/// new client that writes its request only after the server has answered it still gets
+/// the documented 503, with Retry-After, instead of EPIPE on its write or ECONNRESET on
+/// its read.
+#[test]
+fn a_client_beyond_300_idle_connections_reads_503_not_a_reset() {
+    let scratch = Scratch::new("api_limits", "idle-300");
+    let mut vm = Vm::start(&scratch);
+    let _idle: Vec<UnixStream> = vm.connect(300);
+    // The server answers and refuses at accept; give it time to reach the new one.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut stream =
+        connect(&vm.socket).unwrap_or_else(|error| vm.fail(&format!("connect: {error}")));
+    std::thread::sleep(Duration::from_millis(300));
+    if let Err(error) = get(&mut stream, true) {
+        vm.fail(&format!("writing the request failed: {error}"));
+    }
+    let mut text = String::new();
+    if let Err(error) = stream.read_to_string(&mut text) {
+        vm.fail(&format!(
+            "reading the answer failed: {error} (after {text:?})"
+        ));
+    }
+    assert!(text.starts_with("HTTP/1.1 503 "), "{text}");
+    assert!(text.contains("\r\nRetry-After: "), "{text}");
+    vm.assert_running("with 300 idle connections");
+}

@@ -252,6 +252,43 @@ fn a_fifo_memory_file_is_refused() {
     }
 }
 
+/// Issue 31, item 8: an ELF kernel whose identification says 32-bit (or another
+/// machine) is refused, naming what is wrong, instead of being read as a 64-bit one.
+#[test]
+fn an_elf_kernel_that_is_not_64_bit_x86_64_is_refused() {
+    let scratch = Scratch::new("damaged_input", "elf-class");
+    let kernel = scratch.path("guest.elf");
+    let out = gpuvm_bounded(&["guest-image", "--output", arg(&kernel)])
+        .wait_timeout(REFUSAL_LIMIT)
+        .expect("guest-image");
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
+    let good = std::fs::read(&kernel).unwrap();
+    for (at, value, needle) in [(4, 1u8, "says 32-bit"), (18, 3, "e_machine")] {
+        let mut bad = good.clone();
+        bad[at] = value;
+        let path = scratch.path(&format!("bad-{at}.elf"));
+        std::fs::write(&path, bad).unwrap();
+        assert_refused(
+            &["run", "--memory", "64M", "--kernel", arg(&path)],
+            &[arg(&path), needle],
+        );
+    }
+}
+
+/// Issue 31, item 7: a drive image of 1 to 511 bytes is not a disk image, refused on the
+/// command line as through every API (an empty file is a placeholder disk of 0 sectors).
+#[test]
+fn a_drive_image_smaller_than_a_sector_is_refused() {
+    let scratch = Scratch::new("damaged_input", "tiny-drive");
+    let tiny = scratch.path("tiny.img");
+    std::fs::write(&tiny, [1u8; 100]).unwrap();
+    let drive = format!("drive_id=root,path={}", arg(&tiny));
+    assert_refused(
+        &["run", "--memory", "64M", "--drive", &drive],
+        &[arg(&tiny), "less than one sector", "not a disk image"],
+    );
+}
+
 #[test]
 fn a_fifo_kernel_or_initrd_is_refused() {
     let scratch = Scratch::new("damaged_input", "fifo-kernel");

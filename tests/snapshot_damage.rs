@@ -89,6 +89,21 @@ fn write_empty_memory_file(path: &Path, ram_size: u64) {
     std::fs::write(path, bytes).expect("write memory file");
 }
 
+/// A `migrated_gpus` list of one GPU whose device state is `state_file` (a forged state:
+/// the GPU need not exist, the file is refused first).
+fn migrated_gpu(state_file: &str) -> serde_json::Value {
+    serde_json::json!([{
+        "gpu_id": "gpu0",
+        "host_bdf": "0000:00:00.0",
+        "slot": 5,
+        "vendor_id": 0x10de,
+        "device_id": 0x1234,
+        "pci": {"bars": [], "memory_enabled": false},
+        "state_file": state_file,
+        "state_bytes": 100
+    }])
+}
+
 /// One corruption: what to do to a copy of the good snapshot, which restore mode to
 /// use, and a piece of the error gpuvm must print.
 struct Corruption {
@@ -265,6 +280,58 @@ fn corruptions() -> Vec<Corruption> {
             "lazy",
             "outside the snapshot directory",
             edit_state(|s| s["memory_files"] = serde_json::json!(["../../etc/passwd"])),
+        ),
+        // Issue 31: every file a state names resolves inside its directory, with no
+        // link out, before anything is opened or built.
+        case(
+            "devices: a GPU's device state file outside the directory",
+            "lazy",
+            "device state file outside the snapshot directory",
+            edit_state(|s| s["migrated_gpus"] = migrated_gpu("/etc/passwd")),
+        ),
+        case(
+            "devices: a GPU's device state file up and out",
+            "eager",
+            "device state file outside the snapshot directory",
+            edit_state(|s| s["migrated_gpus"] = migrated_gpu("../../../../etc/passwd")),
+        ),
+        case(
+            "devices: a GPU's device state file linked out of the directory",
+            "lazy",
+            "symbolic link",
+            Box::new(|dir: &Path| {
+                std::os::unix::fs::symlink("/etc/passwd", dir.join("device-1")).unwrap();
+                let mut state = read_state(dir);
+                state["migrated_gpus"] = migrated_gpu("device-1");
+                write_state(dir, &state);
+            }),
+        ),
+        case(
+            "memory: the memory file linked to a good copy outside the directory",
+            "eager",
+            "symbolic link",
+            on_memory_file(|p| {
+                let outside = p.parent().unwrap().with_extension("memory-outside");
+                std::fs::rename(p, &outside).unwrap();
+                std::os::unix::fs::symlink(&outside, p).unwrap();
+            }),
+        ),
+        // Issue 31: KVM's structures are read at exactly their size.
+        case(
+            "vcpu: sregs one byte short",
+            "lazy",
+            "a kvm_sregs of",
+            edit_state(|s| {
+                s["vcpus"][0]["sregs"].as_array_mut().unwrap().pop();
+            }),
+        ),
+        case(
+            "vcpu: regs one byte long",
+            "eager",
+            "is corrupt",
+            edit_state(|s| {
+                s["vcpus"][0]["regs"].as_array_mut().unwrap().push(0.into());
+            }),
         ),
         case(
             "config: 0 vCPUs",

@@ -306,6 +306,8 @@ pub struct Response {
     pub body: Vec<u8>,
     /// Methods for the Allow header of a 405.
     pub allow: Option<&'static str>,
+    /// Seconds for a Retry-After header (a 503 while the server is full).
+    pub retry_after: Option<u32>,
 }
 
 impl Response {
@@ -314,6 +316,7 @@ impl Response {
             status: 204,
             body: Vec::new(),
             allow: None,
+            retry_after: None,
         }
     }
 
@@ -322,6 +325,7 @@ impl Response {
             status,
             body: serde_json::to_vec(value).unwrap_or_default(),
             allow: None,
+            retry_after: None,
         }
     }
 
@@ -362,6 +366,9 @@ impl Response {
         }
         if let Some(allow) = self.allow {
             head.push_str(&format!("Allow: {allow}\r\n"));
+        }
+        if let Some(seconds) = self.retry_after {
+            head.push_str(&format!("Retry-After: {seconds}\r\n"));
         }
         if close {
             head.push_str("Connection: close\r\n");

@@ -245,10 +245,107 @@ impl SlotState {
     }
 }
 
-/// Answers 503 and closes (a fresh connection's send buffer is empty: this never waits).
+/// The Retry-After of a 503 for a full server: by then slots held by idle or slow
+/// clients have freed ([`REQUEST_DEADLINE`]).
+const RETRY_AFTER_S: u32 = 1;
+/// How long a refused connection stays open after its 503, its request read and
+/// dropped: a client that writes its request after the server answered must not get
+/// EPIPE (or ECONNRESET, for a request left unread at close) instead of the answer.
+const LINGER: Duration = Duration::from_secs(2);
+/// Refused connections kept lingering at once; beyond, one is closed right after its 503.
+const MAX_LINGERING: usize = 256;
+
+/// Answers 503 (with Retry-After) and hands the connection to the lingering thread, which
+/// reads and drops what the client sends until it closes or [`LINGER`] ends (a fresh
+/// connection's send buffer is empty: the answer never waits).
 fn refuse(mut stream: UnixStream, why: &str) {
     let _ = stream.set_write_timeout(Some(WRITE_DEADLINE));
-    let _ = Response::fault(503, why).write_to(&mut stream, true);
+    let mut answer = Response::fault(503, why);
+    answer.retry_after = Some(RETRY_AFTER_S);
+    let _ = answer.write_to(&mut stream, true);
+    // The answer is all it gets: EOF after it.
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    linger(stream);
+}
+
+/// The lingering thread's queue, started with the first refusal.
+static LINGERING: std::sync::OnceLock<Option<std::sync::mpsc::SyncSender<UnixStream>>> =
+    std::sync::OnceLock::new();
+
+/// Keeps `stream` open a moment (see [`LINGER`]); closes it at once when the lingering
+/// thread is full or cannot run.
+fn linger(stream: UnixStream) {
+    let queue = LINGERING.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(MAX_LINGERING);
+        let spawned = std::thread::Builder::new()
+            .name("api-linger".into())
+            .spawn(move || linger_loop(rx));
+        match spawned {
+            Ok(_) => Some(tx),
+            Err(error) => {
+                log::warn!("cannot start the API lingering thread: {error}");
+                None
+            }
+        }
+    });
+    if let Some(queue) = queue {
+        // Full: dropped, closed at once.
+        let _ = queue.try_send(stream);
+    }
+}
+
+/// Holds refused connections until their client closes or [`LINGER`] ends, reading and
+/// dropping what they send (non-blocking reads, every 10 ms: the API filter has no poll).
+fn linger_loop(queue: std::sync::mpsc::Receiver<UnixStream>) {
+    let mut held: Vec<(UnixStream, Instant)> = Vec::new();
+    let mut scratch = [0u8; 4096];
+    loop {
+        if held.is_empty() {
+            match queue.recv() {
+                Ok(stream) => held.push((stream, Instant::now() + LINGER)),
+                Err(_) => return,
+            }
+        }
+        while let Ok(stream) = queue.try_recv() {
+            if held.len() < MAX_LINGERING {
+                held.push((stream, Instant::now() + LINGER));
+            }
+        }
+        let now = Instant::now();
+        held.retain(|(stream, until)| now < *until && !drained(stream, &mut scratch));
+        if !held.is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Reads and drops what `stream` has (a bounded amount per call); whether its client
+/// closed (or it failed).
+fn drained(stream: &UnixStream, scratch: &mut [u8]) -> bool {
+    for _ in 0..16 {
+        // SAFETY: recv writes at most `scratch.len()` bytes into `scratch`, which is
+        // ours for the call; MSG_DONTWAIT makes it return at once.
+        let read = unsafe {
+            libc::recv(
+                stream.as_raw_fd(),
+                scratch.as_mut_ptr().cast(),
+                scratch.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        match read {
+            0 => return true,
+            n if n > 0 => continue,
+            _ => {
+                let error = std::io::Error::last_os_error();
+                return !matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                );
+            }
+        }
+    }
+    false
 }
 
 /// Bounds the accept wait (SO_RCVTIMEO applies to accept), so connections waiting for a
@@ -514,6 +611,23 @@ mod tests {
         assert_eq!(slots.next_expiry(later), None);
         assert!(slots.hand_over(later).is_none());
         assert_eq!(slots.lock().serving, MAX_CONNECTIONS - 1);
+    }
+
+    /// Issue 31: a refused connection's client may write its request after the 503 went
+    /// out; the write succeeds (no EPIPE), and it reads the 503, with Retry-After, then
+    /// EOF.
+    #[test]
+    fn a_refused_client_writes_its_request_and_reads_the_503() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        refuse(ours, "too many API connections");
+        std::thread::sleep(Duration::from_millis(100));
+        theirs
+            .write_all(b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+            .expect("the request is written, not EPIPE");
+        let text = answer(theirs);
+        assert!(text.starts_with("HTTP/1.1 503 "), "{text}");
+        assert!(text.contains("Retry-After: 1\r\n"), "{text}");
+        assert!(text.ends_with("too many API connections\"}"), "{text}");
     }
 
     #[test]

@@ -126,6 +126,24 @@ pub fn read_state_file<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, P
     decode_state(&bytes, &name)
 }
 
+/// As [`read_state_file`], for the file `name` of the snapshot directory `dir`, opened the
+/// one way a snapshot's files are (`gpuvm_memory::snapshot::open_in_dir`: inside `dir`,
+/// no symbolic link followed).
+pub fn read_state_file_in_dir<T: for<'de> Deserialize<'de>>(
+    dir: &Path,
+    name: &str,
+) -> Result<T, PersistError> {
+    let shown = dir.join(name).display().to_string();
+    let bytes =
+        gpuvm_memory::snapshot::read_in_dir(dir, name, MAX_STATE_FILE).map_err(|source| {
+            PersistError::Read {
+                path: shown.clone(),
+                source,
+            }
+        })?;
+    decode_state(&bytes, &shown)
+}
+
 fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Result<T, PersistError> {
     if bytes.len() < HEADER_LEN || &bytes[..8] != STATE_MAGIC {
         return Err(PersistError::BadMagic { path: name.into() });
@@ -166,6 +184,48 @@ fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Resul
     })
 }
 
+/// Exact-size decoding of KVM's structures in a state file. kvm-bindings writes each as
+/// its bytes (a JSON array of numbers) and, reading, zero-fills a list that is short and
+/// drops what a long one has beyond the structure: a forged or damaged list would load
+/// as registers nobody saved. These take the list, require exactly the structure's size,
+/// and only then hand the bytes to kvm-bindings. For `#[serde(deserialize_with)]`.
+pub(crate) mod exact_bytes {
+    use serde::de::{Deserialize, Deserializer, Error};
+
+    fn short_name<T>() -> &'static str {
+        let name = std::any::type_name::<T>();
+        name.rsplit("::").next().unwrap_or(name)
+    }
+
+    fn from_bytes<'de, T: Deserialize<'de>, E: Error>(bytes: &[u8]) -> Result<T, E> {
+        let size = std::mem::size_of::<T>();
+        if bytes.len() != size {
+            return Err(E::custom(format!(
+                "a {} of {} bytes, where it has {size}: the state is damaged or forged",
+                short_name::<T>(),
+                bytes.len()
+            )));
+        }
+        T::deserialize(serde::de::value::BytesDeserializer::<E>::new(bytes))
+    }
+
+    /// One structure.
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        deserializer: D,
+    ) -> Result<T, D::Error> {
+        let bytes = Vec::<u8>::deserialize(deserializer)?;
+        from_bytes(&bytes)
+    }
+
+    /// A list of structures.
+    pub fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        deserializer: D,
+    ) -> Result<Vec<T>, D::Error> {
+        let lists = Vec::<Vec<u8>>::deserialize(deserializer)?;
+        lists.iter().map(|bytes| from_bytes(bytes)).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,7 +234,31 @@ mod tests {
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct Sample {
         name: String,
+        #[serde(deserialize_with = "exact_bytes::deserialize")]
         regs: kvm_regs,
+    }
+
+    /// Issue 31: a KVM structure one byte short, or one byte long, is refused naming it,
+    /// not zero-filled or cut.
+    #[test]
+    fn kvm_structures_of_the_wrong_size_are_refused() {
+        let mut value = serde_json::to_value(sample()).unwrap();
+        let bytes = value["regs"].as_array().unwrap().clone();
+        assert_eq!(bytes.len(), std::mem::size_of::<kvm_regs>());
+        let back: Sample = serde_json::from_value(value.clone()).unwrap();
+        assert_eq!(back, sample());
+        value["regs"] = serde_json::Value::Array(bytes[..bytes.len() - 1].to_vec());
+        let error = serde_json::from_value::<Sample>(value.clone()).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("a kvm_regs of 143 bytes, where it has 144"),
+            "{error}"
+        );
+        let mut long = bytes.clone();
+        long.push(0.into());
+        value["regs"] = serde_json::Value::Array(long);
+        assert!(serde_json::from_value::<Sample>(value).is_err());
     }
 
     fn sample() -> Sample {

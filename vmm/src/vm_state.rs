@@ -8,18 +8,24 @@ use kvm_bindings::{
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 
-use crate::persist::PersistError;
+use crate::persist::{exact_bytes, PersistError};
 
 /// The VM's in-kernel devices and clock, as one snapshot component.
 pub struct InKernelDevices<'a>(pub &'a VmFd);
 
 /// The VM-wide in-kernel devices and clock.
 #[derive(Serialize, Deserialize)]
+/// KVM's structures are read back at exactly their size ([`exact_bytes`]).
 pub struct VmState {
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub pic_master: kvm_irqchip,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub pic_slave: kvm_irqchip,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub ioapic: kvm_irqchip,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub pit: kvm_pit_state2,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub clock: kvm_clock_data,
 }
 

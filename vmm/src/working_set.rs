@@ -81,7 +81,7 @@ pub fn read(dir: &Path, memory_file: &SnapshotId) -> Vec<u64> {
     if !path.exists() {
         return Vec::new();
     }
-    let file: WorkingSetFile = match persist::read_state_file(&path) {
+    let file: WorkingSetFile = match persist::read_state_file_in_dir(dir, FILE) {
         Ok(file) => file,
         Err(error) => {
             log::warn!("ignoring the working set: {error}");

@@ -3,6 +3,7 @@
 //! gpuvm. A thin front end like [`crate::routes`]: each request becomes gpuvm actions.
 //!
 //! - [`config`]: the VmConfig and device bodies, with Cloud Hypervisor's field names.
+//! - [`validate`]: Cloud Hypervisor's own rules for a VmConfig, in one pass.
 //! - [`translate`]: bodies → actions.
 //! - [`routes`]: the routes, their status codes and state names.
 //!
@@ -13,6 +14,7 @@
 pub mod config;
 pub mod routes;
 pub mod translate;
+pub mod validate;
 
 #[cfg(test)]
 mod tests;

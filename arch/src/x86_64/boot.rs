@@ -82,6 +82,8 @@ pub enum BootError {
         "{0} is not a kernel gpuvm can boot: expected an ELF (vmlinux or PVH image) or a bzImage"
     )]
     NotAKernel(String),
+    #[error("{image} is an ELF file gpuvm cannot boot: {reason} (gpuvm boots 64-bit little-endian x86-64 ELF kernels)")]
+    UnsupportedElf { image: String, reason: String },
     #[error("failed to load kernel {image}: {source}")]
     Load {
         image: String,
@@ -187,6 +189,7 @@ fn detect_format(image: &mut Image, name: &str) -> Result<ImageFormat, BootError
             source,
         })?;
     if filled >= 4 && head[..4] == *b"\x7fELF" {
+        check_elf_ident(&head[..filled], name)?;
         return Ok(ImageFormat::Elf);
     }
     if filled >= 0x206
@@ -196,6 +199,47 @@ fn detect_format(image: &mut Image, name: &str) -> Result<ImageFormat, BootError
         return Ok(ImageFormat::BzImage);
     }
     Err(BootError::NotAKernel(name.to_string()))
+}
+
+/// Checks an ELF image's identification and machine before its headers are read as
+/// 64-bit ones (linux-loader reads any ELF as ELF64): class 64-bit (`EI_CLASS` 2),
+/// little-endian (`EI_DATA` 1), version 1, machine x86-64 (`e_machine` 62).
+fn check_elf_ident(head: &[u8], name: &str) -> Result<(), BootError> {
+    const EI_CLASS: usize = 4;
+    const EI_DATA: usize = 5;
+    const EI_VERSION: usize = 6;
+    const E_MACHINE: usize = 18;
+    const EM_X86_64: u16 = 62;
+    let refuse = |reason: String| {
+        Err(BootError::UnsupportedElf {
+            image: name.to_string(),
+            reason,
+        })
+    };
+    if head.len() < E_MACHINE + 2 {
+        return refuse(format!("its header is cut short ({} bytes)", head.len()));
+    }
+    match head[EI_CLASS] {
+        2 => {}
+        1 => return refuse("its class byte (EI_CLASS) says 32-bit".into()),
+        class => return refuse(format!("its class byte (EI_CLASS) is {class}, not 64-bit")),
+    }
+    if head[EI_DATA] != 1 {
+        return refuse(format!(
+            "its data byte (EI_DATA) is {}, not little-endian",
+            head[EI_DATA]
+        ));
+    }
+    if head[EI_VERSION] != 1 {
+        return refuse(format!("its ELF version is {}, not 1", head[EI_VERSION]));
+    }
+    let machine = u16::from_le_bytes([head[E_MACHINE], head[E_MACHINE + 1]]);
+    if machine != EM_X86_64 {
+        return refuse(format!(
+            "its machine (e_machine) is {machine}, not x86-64 ({EM_X86_64})"
+        ));
+    }
+    Ok(())
 }
 
 /// What loading produced, needed to build the boot structures and registers.
@@ -663,6 +707,30 @@ mod tests {
             None
         )
         .is_err());
+    }
+
+    /// Issue 31: an ELF whose identification is not 64-bit little-endian x86-64 is
+    /// refused, naming what is wrong, instead of being read as ELF64 and booted.
+    #[test]
+    fn an_elf_that_is_not_64_bit_x86_64_is_refused() {
+        let (mem, regions) = memory(64 << 20);
+        let elf = gpuvm_guest_images::TEST_GUEST_ELF;
+        for (at, value, needle) in [
+            (4, 1, "says 32-bit"),
+            (4, 7, "is 7, not 64-bit"),
+            (5, 2, "not little-endian"),
+            (6, 0, "ELF version is 0"),
+            (18, 3, "e_machine) is 3"),
+        ] {
+            let mut bad = elf.to_vec();
+            bad[at] = value;
+            let bad: &'static [u8] = Box::leak(bad.into_boxed_slice());
+            let err = load(&mem, &regions, &source(KernelSource::Embedded(bad)), None).unwrap_err();
+            assert!(
+                matches!(err, BootError::UnsupportedElf { .. }) && err.to_string().contains(needle),
+                "{needle}: {err}"
+            );
+        }
     }
 
     #[test]

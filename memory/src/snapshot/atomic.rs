@@ -150,7 +150,12 @@ pub fn remove_abandoned_temp_file(path: &Path) -> bool {
         return false;
     }
     let empty = file.metadata().is_ok_and(|m| m.len() == 0);
-    if !empty && !starts_with_any(&file, &[MEMORY_FILE_MAGIC, FRAMED_FILE_MAGIC]) {
+    let magics = [
+        MEMORY_FILE_MAGIC,
+        FRAMED_FILE_MAGIC,
+        super::raw::RAW_CRCS_MAGIC,
+    ];
+    if !empty && !starts_with_any(&file, &magics) {
         return false;
     }
     remove_logged(path, "stale temp file")

@@ -41,8 +41,11 @@ pub use atomic::{
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};
 pub use layout::{RamLayout, RamMappings};
-pub use raw::{write_raw, RawContent, RawWriteStats};
-pub use reader::{open_regular_file, read_regular_file, MemoryFile, PlanRun, SnapshotChain};
+pub use raw::{write_raw, RawContent, RawPageCrcs, RawWriteStats, RAW_CRCS_MAGIC};
+pub use reader::{
+    is_plain_file_name, open_in_dir, open_regular_file, read_in_dir, read_regular_file, MemoryFile,
+    PlanRun, SnapshotChain,
+};
 pub use writer::{write_diff, write_full, SnapshotInfo, WriteOptions, WriteStats};
 
 use crate::RamRegion;

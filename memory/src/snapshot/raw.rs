@@ -13,6 +13,13 @@
 //! it as their source unchanged. The holes the file system reports (`SEEK_DATA` /
 //! `SEEK_HOLE`) are the zero pages; a file system that reports none makes every page data,
 //! which is slower but the same guest.
+//!
+//! The image itself has nowhere to hold a checksum, so gpuvm keeps one beside it: a
+//! [`RawPageCrcs`] table, one CRC32 per page of guest RAM in flat order (zero pages
+//! included), written with the image and given to [`SnapshotChain::open_raw`] on load.
+//! Then every page that loads (eagerly or on fault) is checked against its entry before
+//! the guest can see it, exactly as the page CRCs of gpuvm's own format are, and a page
+//! the table says holds data is loaded (and checked) even where the file now has a hole.
 
 use std::fs::File;
 use std::io;
@@ -20,9 +27,13 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use super::format::{Extent, ExtentKind, Header, SnapshotId, FORMAT_VERSION, HEADER_LEN, MAGIC};
+use super::bits::Bitmap;
+use super::format::{
+    get_u32, Extent, ExtentKind, Header, SnapshotId, FLAG_PAGE_CRCS, FORMAT_VERSION, HEADER_LEN,
+    MAGIC,
+};
 use super::layout::RamLayout;
-use super::reader::{open_regular_file, MemoryFile, SnapshotChain};
+use super::reader::{open_in_dir, open_regular_file, MemoryFile, SnapshotChain};
 use super::{write_atomically, Result, SnapshotError};
 
 /// Bytes per read and write while converting.
@@ -43,12 +54,197 @@ pub enum RawContent {
 }
 
 /// What [`write_raw`] wrote.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RawWriteStats {
     /// The file's size: the guest's RAM size.
     pub file_len: u64,
     /// Pages written with data (the rest are holes).
     pub pages_written: u64,
+    /// The CRC of every page of guest RAM as the chain restores it (for a
+    /// [`RawContent::NewestOnly`] image: once merged onto its base's image), to be kept
+    /// beside the image ([`RawPageCrcs::write`]).
+    pub page_crcs: RawPageCrcs,
+}
+
+/// The magic of a raw image's page CRC table file.
+pub const RAW_CRCS_MAGIC: &[u8; 8] = b"GPUVMRCT";
+const RAW_CRCS_VERSION: u32 = 1;
+/// magic, version, CRC of the entries, page size, page count.
+const RAW_CRCS_HEADER_LEN: usize = 32;
+
+/// One CRC32 (IEEE) per page of a raw guest-RAM image, in flat order (entry `i` is the
+/// page at file offset `i * page_size`), zero pages included. Kept in a file of its own
+/// beside the image (gpuvm's own directory), laid out as (little-endian):
+///
+/// ```text
+/// offset 0   8 bytes  magic "GPUVMRCT"
+/// offset 8   u32      version (1)
+/// offset 12  u32      CRC32 of the entries (also what [`RawPageCrcs::digest`] gives)
+/// offset 16  u64      page size
+/// offset 24  u64      page count (the image's size / page size)
+/// offset 32  u32 x page count: the entries
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawPageCrcs {
+    page_size: u64,
+    crcs: Vec<u32>,
+}
+
+/// CRC32 of a page of `page_size` zero bytes (without a page-sized buffer: 1 GiB pages).
+fn zero_page_crc(page_size: u64) -> u32 {
+    const CHUNK: u64 = 64 << 10;
+    let zeros = [0u8; CHUNK as usize];
+    let mut hasher = crc32fast::Hasher::new();
+    let mut left = page_size;
+    while left > 0 {
+        let n = left.min(CHUNK);
+        hasher.update(&zeros[..n as usize]);
+        left -= n;
+    }
+    hasher.finalize()
+}
+
+impl RawPageCrcs {
+    /// A table for `layout` with every page zero.
+    fn zeros(layout: &RamLayout) -> RawPageCrcs {
+        let zero = zero_page_crc(layout.page_size());
+        RawPageCrcs {
+            page_size: layout.page_size(),
+            crcs: vec![zero; (layout.ram_size() / layout.page_size()) as usize],
+        }
+    }
+
+    /// The table of guest RAM as `chain` restores it, from the page CRCs its files store
+    /// (pages of files without them are read).
+    pub fn of_chain(chain: &SnapshotChain) -> Result<RawPageCrcs> {
+        let layout = chain.layout();
+        let offsets = checked_flat_offsets(layout, chain.layers()[0].path())?;
+        let page_size = layout.page_size();
+        let mut table = RawPageCrcs::zeros(layout);
+        let mut page = vec![0u8; page_size as usize];
+        for run in chain.plan() {
+            let file = &chain.layers()[run.layer];
+            for k in 0..run.count {
+                let (flat, _) = flat_offset(layout, &offsets, run.start + k);
+                let crc = match file.stored_page_crc(run.crc_index + k)? {
+                    Some(crc) => crc,
+                    None => {
+                        file.read_data(run.file_offset + k * page_size, &mut page)?;
+                        crc32fast::hash(&page)
+                    }
+                };
+                table.crcs[(flat / page_size) as usize] = crc;
+            }
+        }
+        Ok(table)
+    }
+
+    /// Bytes per page.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// Pages covered: the image's size / the page size.
+    pub fn pages(&self) -> u64 {
+        self.crcs.len() as u64
+    }
+
+    /// CRC32 of the entries (little-endian), by which a state binds its table.
+    pub fn digest(&self) -> u32 {
+        let mut hasher = crc32fast::Hasher::new();
+        // Hashing never fails.
+        let _ = self.for_each_entry_chunk(|bytes| {
+            hasher.update(bytes);
+            Ok(())
+        });
+        hasher.finalize()
+    }
+
+    /// The entries as little-endian bytes, a chunk at a time (no copy of the whole table).
+    fn for_each_entry_chunk(
+        &self,
+        mut each: impl FnMut(&[u8]) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let mut bytes = Vec::with_capacity(64 << 10);
+        for chunk in self.crcs.chunks(16 << 10) {
+            bytes.clear();
+            bytes.extend(chunk.iter().flat_map(|c| c.to_le_bytes()));
+            each(&bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Writes the table to `path` (atomically).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let mut header = Vec::with_capacity(RAW_CRCS_HEADER_LEN);
+        header.extend_from_slice(RAW_CRCS_MAGIC);
+        header.extend_from_slice(&RAW_CRCS_VERSION.to_le_bytes());
+        header.extend_from_slice(&self.digest().to_le_bytes());
+        header.extend_from_slice(&self.page_size.to_le_bytes());
+        header.extend_from_slice(&self.pages().to_le_bytes());
+        write_atomically(path, |file: &mut File| -> io::Result<()> {
+            use std::io::Write;
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+            out.write_all(&header)?;
+            self.for_each_entry_chunk(|bytes| out.write_all(bytes))?;
+            out.flush()
+        })
+        .map_err(|e| SnapshotError::io("write page CRC table", path, e))
+    }
+
+    /// Reads the table `name` in the snapshot directory `dir` (opened as every file a
+    /// snapshot names is, [`open_in_dir`]) for an image of a guest laid out like `guest`:
+    /// its magic, version, own CRC, page size and page count must all be right.
+    pub fn read_in_dir(dir: &Path, name: &str, guest: &RamLayout) -> Result<RawPageCrcs> {
+        let path = dir.join(name);
+        let pages = guest.ram_size() / guest.page_size();
+        let expected_len = RAW_CRCS_HEADER_LEN as u64 + pages * 4;
+        let bytes = super::reader::read_in_dir(dir, name, expected_len)
+            .map_err(|e| SnapshotError::io("open page CRC table", &path, e))?;
+        let invalid = |reason: String| SnapshotError::InvalidHeader {
+            path: path.clone(),
+            reason: format!("page CRC table of a raw memory image: {reason}"),
+        };
+        if bytes.len() < RAW_CRCS_HEADER_LEN || &bytes[..8] != RAW_CRCS_MAGIC {
+            return Err(invalid("not one (bad magic or too short)".into()));
+        }
+        let version = get_u32(&bytes, 8);
+        if version != RAW_CRCS_VERSION {
+            return Err(invalid(format!("unsupported version {version}")));
+        }
+        let u64_at = |at: usize| {
+            let mut word = [0u8; 8];
+            word.copy_from_slice(&bytes[at..at + 8]);
+            u64::from_le_bytes(word)
+        };
+        let (page_size, count) = (u64_at(16), u64_at(24));
+        if page_size != guest.page_size() || count != pages {
+            return Err(invalid(format!(
+                "it covers {count} pages of {page_size} bytes, the guest has {pages} of {}",
+                guest.page_size()
+            )));
+        }
+        if bytes.len() as u64 != expected_len {
+            return Err(invalid(format!(
+                "{} bytes, {expected_len} expected",
+                bytes.len()
+            )));
+        }
+        let entries = &bytes[RAW_CRCS_HEADER_LEN..];
+        let (stored, computed) = (get_u32(&bytes, 12), crc32fast::hash(entries));
+        if stored != computed {
+            return Err(invalid(format!(
+                "CRC mismatch (stored {stored:#010x}, computed {computed:#010x}): it is damaged"
+            )));
+        }
+        Ok(RawPageCrcs {
+            page_size,
+            crcs: entries
+                .chunks_exact(4)
+                .map(|entry| get_u32(entry, 0))
+                .collect(),
+        })
+    }
 }
 
 /// Where region `region` of `layout` starts in a raw image, checked to lie within the
@@ -127,6 +323,12 @@ pub fn write_raw(path: &Path, chain: &SnapshotChain, content: RawContent) -> Res
         }
     }
     let ram_size = layout.ram_size();
+    // A Full image's table comes from the bytes written; a Diff's is of the merged image,
+    // all of the chain, from its stored CRCs.
+    let mut table = match content {
+        RawContent::Full => RawPageCrcs::zeros(layout),
+        RawContent::NewestOnly => RawPageCrcs::of_chain(chain)?,
+    };
     let written = write_atomically(
         path,
         |out: &mut File| -> std::result::Result<u64, Failure> {
@@ -145,6 +347,12 @@ pub fn write_raw(path: &Path, chain: &SnapshotChain, content: RawContent) -> Res
                             .map_err(Failure::Snapshot)?,
                         None => bytes.fill(0),
                     }
+                    if content == RawContent::Full {
+                        let first = (flat / page_size) as usize;
+                        for (i, page) in bytes.chunks_exact(page_size as usize).enumerate() {
+                            table.crcs[first + i] = crc32fast::hash(page);
+                        }
+                    }
                     pages_written +=
                         write_pages(out, flat, bytes, page_size as usize, layer.is_none())?;
                     done += n;
@@ -158,6 +366,7 @@ pub fn write_raw(path: &Path, chain: &SnapshotChain, content: RawContent) -> Res
         Ok(pages_written) => Ok(RawWriteStats {
             file_len: ram_size,
             pages_written,
+            page_crcs: table,
         }),
         Err(Failure::Io(e)) => Err(SnapshotError::io("write raw memory image", path, e)),
         Err(Failure::Snapshot(e)) => Err(e),
@@ -251,15 +460,45 @@ impl MemoryFile {
     /// Opens `path` as a raw image of a guest laid out like `guest`: a regular file
     /// (a FIFO, a device or a directory is refused before a byte is read) of exactly the
     /// guest's RAM size, and not one of gpuvm's own memory files. `id` is the id its
-    /// snapshot's state records (a raw image has nowhere to hold one).
+    /// snapshot's state records (a raw image has nowhere to hold one). With `crcs`, the
+    /// table kept beside the image, every page loaded is checked against it, and pages
+    /// it says hold data are loaded even where the file has a hole; without, the pages
+    /// are taken as they are.
     pub fn open_raw(
         path: impl AsRef<Path>,
         guest: &RamLayout,
         id: SnapshotId,
+        crcs: Option<RawPageCrcs>,
     ) -> Result<MemoryFile> {
         let path: PathBuf = path.as_ref().to_path_buf();
         let (file, file_len) = open_regular_file(&path, u64::MAX)
             .map_err(|e| SnapshotError::io("open raw memory image", &path, e))?;
+        Self::raw_from_opened(path, file, file_len, guest, id, crcs)
+    }
+
+    /// As [`MemoryFile::open_raw`], for the image `name` of the snapshot directory `dir`
+    /// (opened as every file a snapshot names is, [`open_in_dir`]).
+    pub fn open_raw_in_dir(
+        dir: &Path,
+        name: &str,
+        guest: &RamLayout,
+        id: SnapshotId,
+        crcs: Option<RawPageCrcs>,
+    ) -> Result<MemoryFile> {
+        let path = dir.join(name);
+        let (file, file_len) = open_in_dir(dir, name, u64::MAX)
+            .map_err(|e| SnapshotError::io("open raw memory image", &path, e))?;
+        Self::raw_from_opened(path, file, file_len, guest, id, crcs)
+    }
+
+    fn raw_from_opened(
+        path: PathBuf,
+        file: File,
+        file_len: u64,
+        guest: &RamLayout,
+        id: SnapshotId,
+        crcs: Option<RawPageCrcs>,
+    ) -> Result<MemoryFile> {
         let mut magic = [0u8; 8];
         if file_len >= magic.len() as u64 {
             file.read_exact_at(&mut magic, 0)
@@ -282,32 +521,62 @@ impl MemoryFile {
         }
         let offsets = checked_flat_offsets(guest, &path)?;
         let page_size = guest.page_size();
+        if let Some(table) = &crcs {
+            if table.page_size != page_size || table.pages() != guest.ram_size() / page_size {
+                return Err(SnapshotError::InvalidHeader {
+                    path,
+                    reason: format!(
+                        "its page CRC table covers {} pages of {} bytes, the guest has {} of {page_size}",
+                        table.pages(),
+                        table.page_size,
+                        guest.ram_size() / page_size
+                    ),
+                });
+            }
+        }
+        let zero_crc = zero_page_crc(page_size);
         let mut extents = Vec::new();
         let mut extent_linear = Vec::new();
         for (region_index, region) in guest.regions().iter().enumerate() {
             let start = offsets[region_index];
+            let region_pages = region.size / page_size;
+            // The pages to load: what the file holds, and what the table says held data
+            // (read as zeros where the file has a hole, and caught by the check).
+            let mut load = Bitmap::new(region_pages);
             let ranges = data_ranges(&file, start, start + region.size, page_size)
                 .map_err(|e| SnapshotError::io("find the data in raw memory image", &path, e))?;
             for (from, to) in ranges {
-                let mut at = from;
-                while at < to {
-                    let pages = ((to - at) / page_size).min(MAX_EXTENT_PAGES);
-                    let within = (at - start) / page_size;
-                    extents.push(Extent {
-                        first_page: region.guest_addr / page_size + within,
-                        page_count: pages as u32,
-                        kind: ExtentKind::Data,
-                        data_offset: at,
-                    });
-                    extent_linear.push(guest.region_first_linear(region_index) + within);
-                    at += pages * page_size;
+                load.set_range((from - start) / page_size, (to - start) / page_size);
+            }
+            if let Some(table) = &crcs {
+                let first_flat = (start / page_size) as usize;
+                for (i, &crc) in table.crcs[first_flat..first_flat + region_pages as usize]
+                    .iter()
+                    .enumerate()
+                {
+                    if crc != zero_crc {
+                        load.set_range(i as u64, i as u64 + 1);
+                    }
                 }
+            }
+            let mut at = load.next(true, 0, region_pages);
+            while at < region_pages {
+                let end = load.next(false, at, region_pages);
+                let pages = (end - at).min(MAX_EXTENT_PAGES);
+                extents.push(Extent {
+                    first_page: region.guest_addr / page_size + at,
+                    page_count: pages as u32,
+                    kind: ExtentKind::Data,
+                    data_offset: start + at * page_size,
+                });
+                extent_linear.push(guest.region_first_linear(region_index) + at);
+                at = load.next(true, at + pages, region_pages);
             }
         }
         let header = Header {
             version: FORMAT_VERSION,
             header_len: HEADER_LEN as u32,
-            flags: 0,
+            flags: if crcs.is_some() { FLAG_PAGE_CRCS } else { 0 },
             region_count: guest.regions().len() as u32,
             page_size,
             ram_size: guest.ram_size(),
@@ -326,6 +595,7 @@ impl MemoryFile {
             guest.clone(),
             extents,
             extent_linear,
+            crcs.map(|table| table.crcs),
         ))
     }
 }
@@ -337,8 +607,21 @@ impl SnapshotChain {
         path: impl AsRef<Path>,
         guest: &RamLayout,
         id: SnapshotId,
+        crcs: Option<RawPageCrcs>,
     ) -> Result<SnapshotChain> {
-        let file = MemoryFile::open_raw(path, guest, id)?;
+        let file = MemoryFile::open_raw(path, guest, id, crcs)?;
+        SnapshotChain::from_files(vec![file], guest)
+    }
+
+    /// As [`SnapshotChain::open_raw`], for the image `name` of the snapshot directory `dir`.
+    pub fn open_raw_in_dir(
+        dir: &Path,
+        name: &str,
+        guest: &RamLayout,
+        id: SnapshotId,
+        crcs: Option<RawPageCrcs>,
+    ) -> Result<SnapshotChain> {
+        let file = MemoryFile::open_raw_in_dir(dir, name, guest, id, crcs)?;
         SnapshotChain::from_files(vec![file], guest)
     }
 }
@@ -432,7 +715,7 @@ mod tests {
 
         // Read back as a chain: its data pages are exactly the non-zero ones, and an eager
         // restore gives the same guest.
-        let chain = SnapshotChain::open_raw(&raw, &layout_of(&f), SnapshotId::NONE).unwrap();
+        let chain = SnapshotChain::open_raw(&raw, &layout_of(&f), SnapshotId::NONE, None).unwrap();
         assert!(chain.data_pages() >= non_zero && chain.data_pages() <= non_zero + 16);
         let fresh = guest_ram(&f.regions, Backing::Memfd);
         let mappings = RamMappings::from_guest_ram(&fresh).unwrap();
@@ -507,7 +790,7 @@ mod tests {
             .unwrap()
             .set_len(MIB)
             .unwrap();
-        match SnapshotChain::open_raw(&short, &layout, SnapshotId::NONE).unwrap_err() {
+        match SnapshotChain::open_raw(&short, &layout, SnapshotId::NONE, None).unwrap_err() {
             SnapshotError::RamSizeMismatch { file, guest, .. } => {
                 assert_eq!((file, guest), (MIB, 3 * MIB))
             }
@@ -519,14 +802,14 @@ mod tests {
             .unwrap()
             .set_len(4 * MIB)
             .unwrap();
-        let error = SnapshotChain::open_raw(&short, &layout, SnapshotId::NONE).unwrap_err();
+        let error = SnapshotChain::open_raw(&short, &layout, SnapshotId::NONE, None).unwrap_err();
         assert!(
             error.to_string().contains("guest RAM size mismatch"),
             "{error}"
         );
 
         // gpuvm's own format where a raw image is expected.
-        let error = SnapshotChain::open_raw(&f.full, &layout, SnapshotId::NONE).unwrap_err();
+        let error = SnapshotChain::open_raw(&f.full, &layout, SnapshotId::NONE, None).unwrap_err();
         assert!(
             error.to_string().contains("gpuvm-format memory file"),
             "{error}"
@@ -537,16 +820,17 @@ mod tests {
         let name = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: `name` is a valid NUL-terminated path for the duration of the call.
         assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
-        let error = SnapshotChain::open_raw(&fifo, &layout, SnapshotId::NONE).unwrap_err();
+        let error = SnapshotChain::open_raw(&fifo, &layout, SnapshotId::NONE, None).unwrap_err();
         assert!(error.to_string().contains("FIFO"), "{error}");
-        let error = SnapshotChain::open_raw("/dev/zero", &layout, SnapshotId::NONE).unwrap_err();
+        let error =
+            SnapshotChain::open_raw("/dev/zero", &layout, SnapshotId::NONE, None).unwrap_err();
         assert!(error.to_string().contains("not a regular file"), "{error}");
 
         // A file that shrinks after it was opened: the read fails, it does not hang or
         // return short pages.
         let shrinking = f.dir.path().join("shrinking");
         std::fs::copy(&raw, &shrinking).unwrap();
-        let chain = SnapshotChain::open_raw(&shrinking, &layout, SnapshotId::NONE).unwrap();
+        let chain = SnapshotChain::open_raw(&shrinking, &layout, SnapshotId::NONE, None).unwrap();
         File::options()
             .write(true)
             .open(&shrinking)
@@ -556,6 +840,127 @@ mod tests {
         let fresh = guest_ram(&f.regions, Backing::Memfd);
         let mappings = RamMappings::from_guest_ram(&fresh).unwrap();
         assert!(restore_eager(&chain, &mappings, &EagerOptions::default()).is_err());
+    }
+
+    /// The page CRC table kept beside a raw image: an undamaged image restores the same
+    /// guest with every page checked; a byte changed in a data page or in a hole, or a
+    /// data page turned into zeros, fails the restore (eager and lazy) instead of reaching
+    /// the guest; a damaged or foreign table is refused when it is read.
+    #[test]
+    fn a_raw_image_with_its_page_crc_table_loads_only_unchanged_pages() {
+        let f = fixture("raw-crcs");
+        let layout = layout_of(&f);
+        let chain = SnapshotChain::open_with_file_layout(&[&f.full]).unwrap();
+        let raw = f.dir.path().join("raw");
+        let written = write_raw(&raw, &chain, RawContent::Full).unwrap();
+        let table_name = "raw.crcs";
+        written
+            .page_crcs
+            .write(&f.dir.path().join(table_name))
+            .unwrap();
+        let table = RawPageCrcs::read_in_dir(f.dir.path(), table_name, &layout).unwrap();
+        assert_eq!(table, written.page_crcs);
+        assert_eq!(table.pages(), 3 * MIB / PAGE as u64);
+        // The Diff path's table (from the chain's stored CRCs) is the same.
+        assert_eq!(RawPageCrcs::of_chain(&chain).unwrap(), table);
+
+        let restore = |image: &Path, lazy: bool| -> Result<()> {
+            let chain =
+                SnapshotChain::open_raw(image, &layout, SnapshotId::NONE, Some(table.clone()))?;
+            let fresh = guest_ram(&f.regions, Backing::Memfd);
+            let mappings = RamMappings::from_guest_ram(&fresh).unwrap();
+            if lazy {
+                let restore = crate::uffd::start_lazy_restore(
+                    std::sync::Arc::new(chain),
+                    &mappings,
+                    crate::uffd::LazyOptions::default(),
+                )
+                .unwrap();
+                let waited = restore
+                    .wait_timeout(Some(std::time::Duration::from_secs(60)))
+                    .map(|_| ());
+                let _ = restore.shutdown();
+                waited.map_err(|e| SnapshotError::InvalidLayout(e.to_string()))?;
+            } else {
+                restore_eager(&chain, &mappings, &EagerOptions::default())?;
+            }
+            assert_ram_eq(&fresh, &f.expected);
+            Ok(())
+        };
+        restore(&raw, false).unwrap();
+        restore(&raw, true).unwrap();
+
+        let data_page = f
+            .expected
+            .chunks_exact(PAGE)
+            .position(|p| p.iter().any(|&b| b != 0))
+            .unwrap() as u64;
+        let hole_page = f
+            .expected
+            .chunks_exact(PAGE)
+            .position(|p| p.iter().all(|&b| b == 0))
+            .unwrap() as u64;
+        let damaged = |tag: &str, page: u64, bytes: &[u8]| -> PathBuf {
+            let path = f.dir.path().join(tag);
+            std::fs::copy(&raw, &path).unwrap();
+            let file = File::options().write(true).open(&path).unwrap();
+            file.write_all_at(bytes, page * PAGE as u64 + 1234 % PAGE as u64)
+                .unwrap();
+            path
+        };
+        let mut flipped = f.expected[data_page as usize * PAGE + 1234] ^ 0x01;
+        if flipped == 0 {
+            flipped = 0x80;
+        }
+        let cases = [
+            damaged("flip-data", data_page, &[flipped]),
+            damaged("flip-hole", hole_page, &[0x5a]),
+            damaged("zeroed-data", data_page, &vec![0u8; PAGE - 1234]),
+        ];
+        for image in &cases {
+            for lazy in [false, true] {
+                let error = restore(image, lazy).unwrap_err();
+                assert!(
+                    error.to_string().contains("data CRC mismatch"),
+                    "{} (lazy {lazy}): {error}",
+                    image.display()
+                );
+            }
+        }
+        // A data page punched out to a hole is loaded anyway (the table says it has data),
+        // and fails its check.
+        let punched = f.dir.path().join("punched");
+        std::fs::copy(&raw, &punched).unwrap();
+        let file = File::options().write(true).open(&punched).unwrap();
+        // SAFETY: fallocate on a descriptor we own; no memory is passed.
+        let ret = unsafe {
+            libc::fallocate(
+                std::os::unix::io::AsRawFd::as_raw_fd(&file),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                (data_page * PAGE as u64) as libc::off_t,
+                PAGE as libc::off_t,
+            )
+        };
+        if ret == 0 {
+            let error = restore(&punched, false).unwrap_err();
+            assert!(error.to_string().contains("data CRC mismatch"), "{error}");
+        }
+
+        // The table itself: damaged, cut, or of another guest.
+        let table_path = f.dir.path().join(table_name);
+        let mut bytes = std::fs::read(&table_path).unwrap();
+        bytes[40] ^= 1;
+        std::fs::write(f.dir.path().join("damaged.crcs"), &bytes).unwrap();
+        let error = RawPageCrcs::read_in_dir(f.dir.path(), "damaged.crcs", &layout).unwrap_err();
+        assert!(error.to_string().contains("CRC mismatch"), "{error}");
+        bytes.truncate(100);
+        std::fs::write(f.dir.path().join("cut.crcs"), &bytes).unwrap();
+        assert!(RawPageCrcs::read_in_dir(f.dir.path(), "cut.crcs", &layout).is_err());
+        let bigger = RamLayout::new(PAGE as u64, two_regions(4 * MIB, 3 * MIB, 2 * MIB)).unwrap();
+        let error = RawPageCrcs::read_in_dir(f.dir.path(), table_name, &bigger).unwrap_err();
+        assert!(error.to_string().contains("covers 768 pages"), "{error}");
+        // Read only inside its directory.
+        assert!(RawPageCrcs::read_in_dir(f.dir.path(), "../raw.crcs", &layout).is_err());
     }
 
     #[test]
@@ -576,7 +981,7 @@ mod tests {
         let dir = TempDir::new("raw-tile");
         let path = dir.path().join("raw");
         File::create(&path).unwrap().set_len(2 * MIB).unwrap();
-        let error = SnapshotChain::open_raw(&path, &layout, SnapshotId::NONE).unwrap_err();
+        let error = SnapshotChain::open_raw(&path, &layout, SnapshotId::NONE, None).unwrap_err();
         assert!(error.to_string().contains("do not tile"), "{error}");
     }
 }

@@ -57,6 +57,9 @@ enum PageCrcs {
     /// Read from the file a block at a time when first needed
     /// (`FLAG_PAGE_CRCS_CHECKED_ON_LOAD`).
     OnLoad(LazyCrcTable),
+    /// Held in memory, read from elsewhere: a raw image's table, indexed by flat page
+    /// (see [`super::raw::RawPageCrcs`]).
+    Table(Vec<u32>),
 }
 
 /// Page CRCs per block read on demand: 16 KiB, covering 64 MiB of 4 KiB pages.
@@ -138,6 +141,59 @@ pub fn open_regular_file(path: &Path, max_len: u64) -> std::io::Result<(File, u6
         .read(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
         .open(path)?;
+    checked_regular_file(file, max_len)
+}
+
+/// Whether `name` names a file directly inside a directory: one path component, not `.`
+/// or `..`, no `/` and no NUL.
+pub fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+}
+
+/// The one way to open a file a snapshot's state names: `name` in the snapshot
+/// directory `dir`, and nowhere else. `name` must be a plain file name
+/// ([`is_plain_file_name`]: no path, no `..`), the file must not be a symbolic link
+/// (`O_NOFOLLOW`: a link could lead anywhere, so none is followed), and it must be a
+/// regular file of at most `max_len` bytes (as [`open_regular_file`] checks). Returns it
+/// open, with its length, so that what was checked is what is read.
+pub fn open_in_dir(dir: &Path, name: &str, max_len: u64) -> std::io::Result<(File, u64)> {
+    if !is_plain_file_name(name) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{name:?} is not a file name inside the snapshot directory {}",
+                dir.display()
+            ),
+        ));
+    }
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(dir.join(name));
+    let file = match opened {
+        Ok(file) => file,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "it is a symbolic link, not a regular file: a snapshot's files must be \
+                 regular files inside its directory, and no link is followed",
+            ))
+        }
+        Err(e) => return Err(e),
+    };
+    checked_regular_file(file, max_len)
+}
+
+/// Reads the whole of `name` in `dir` as [`open_in_dir`] opens it, never more than
+/// `max_len` bytes.
+pub fn read_in_dir(dir: &Path, name: &str, max_len: u64) -> std::io::Result<Vec<u8>> {
+    let (file, len) = open_in_dir(dir, name, max_len)?;
+    read_bounded(file, len, max_len)
+}
+
+/// `file`, just opened, if it is a regular file of at most `max_len` bytes (with
+/// `O_NONBLOCK` cleared); its length.
+fn checked_regular_file(file: File, max_len: u64) -> std::io::Result<(File, u64)> {
     let metadata = file.metadata()?;
     let file_type = metadata.file_type();
     if !file_type.is_file() {
@@ -183,8 +239,13 @@ pub fn open_regular_file(path: &Path, max_len: u64) -> std::io::Result<(File, u6
 /// [`open_regular_file`]); never reads more than `max_len` bytes, even from a file that
 /// grows meanwhile.
 pub fn read_regular_file(path: &Path, max_len: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
     let (file, len) = open_regular_file(path, max_len)?;
+    read_bounded(file, len, max_len)
+}
+
+/// The rest of `file` (`len` bytes as it was checked), never more than `max_len` bytes.
+fn read_bounded(file: File, len: u64, max_len: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
     let mut bytes = Vec::with_capacity(len as usize);
     file.take(max_len.saturating_add(1))
         .read_to_end(&mut bytes)?;
@@ -205,7 +266,20 @@ impl MemoryFile {
         let path = path.as_ref().to_path_buf();
         let (file, file_len) = open_regular_file(&path, u64::MAX)
             .map_err(|e| SnapshotError::io("open memory file", &path, e))?;
+        Self::from_opened(path, file, file_len)
+    }
 
+    /// As [`MemoryFile::open`], for the file `name` of the snapshot directory `dir`, opened
+    /// the one way a snapshot's files are ([`open_in_dir`]: inside `dir`, no link).
+    pub fn open_in_dir(dir: &Path, name: &str) -> Result<MemoryFile> {
+        let path = dir.join(name);
+        let (file, file_len) = open_in_dir(dir, name, u64::MAX)
+            .map_err(|e| SnapshotError::io("open memory file", &path, e))?;
+        Self::from_opened(path, file, file_len)
+    }
+
+    /// Validates `file`, opened from `path`, `file_len` bytes long.
+    fn from_opened(path: PathBuf, file: File, file_len: u64) -> Result<MemoryFile> {
         let header_bytes = read_header_bytes(&file, &path, file_len)?;
         let header = Header::decode(&header_bytes);
         check_header(&path, &header, file_len)?;
@@ -288,8 +362,9 @@ impl MemoryFile {
     }
 
     /// A raw guest-RAM image (see [`super::raw`]) as a memory file: a synthesized header
-    /// and one data extent per run of pages the file holds, at their flat offsets; no
-    /// page CRCs.
+    /// and one data extent per run of pages to load, at their flat offsets. With `crcs`
+    /// (one per flat page, the header's `FLAG_PAGE_CRCS` set), each extent's CRCs start at
+    /// its flat page number; without, pages are not checked.
     pub(super) fn from_raw_image(
         path: PathBuf,
         file: File,
@@ -297,17 +372,19 @@ impl MemoryFile {
         layout: RamLayout,
         extents: Vec<Extent>,
         extent_linear: Vec<u64>,
+        crcs: Option<Vec<u32>>,
     ) -> MemoryFile {
+        let page_size = header.page_size;
         MemoryFile {
             path,
             file,
             header,
             layout,
-            extent_crc_index: vec![0; extents.len()],
+            extent_crc_index: extents.iter().map(|e| e.data_offset / page_size).collect(),
             extents,
             extent_linear,
             metadata: Metadata::new(0),
-            page_crcs: PageCrcs::Absent,
+            page_crcs: crcs.map_or(PageCrcs::Absent, PageCrcs::Table),
         }
     }
 
@@ -416,7 +493,7 @@ impl MemoryFile {
     }
 
     /// CRC number `crc_index` as stored; `None` without CRCs.
-    fn stored_page_crc(&self, crc_index: u64) -> Result<Option<u32>> {
+    pub(super) fn stored_page_crc(&self, crc_index: u64) -> Result<Option<u32>> {
         match &self.page_crcs {
             PageCrcs::Absent => Ok(None),
             PageCrcs::InMetadata { start, count } => Ok(self.metadata.words()
@@ -424,6 +501,7 @@ impl MemoryFile {
                 .get(crc_index as usize)
                 .map(|&word| u32::from_le(word))),
             PageCrcs::OnLoad(table) => table.get(&self.file, &self.path, crc_index),
+            PageCrcs::Table(crcs) => Ok(crcs.get(crc_index as usize).copied()),
         }
     }
 
@@ -761,6 +839,16 @@ impl SnapshotChain {
         let layers = paths
             .iter()
             .map(MemoryFile::open)
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_files(layers, guest)
+    }
+
+    /// As [`SnapshotChain::open`], for the files `names` of the snapshot directory `dir`
+    /// (each opened with [`MemoryFile::open_in_dir`]).
+    pub fn open_in_dir(dir: &Path, names: &[String], guest: &RamLayout) -> Result<SnapshotChain> {
+        let layers = names
+            .iter()
+            .map(|name| MemoryFile::open_in_dir(dir, name))
             .collect::<Result<Vec<_>>>()?;
         Self::from_files(layers, guest)
     }

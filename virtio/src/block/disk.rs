@@ -3,7 +3,11 @@
 //!
 //! Size rule: an image whose size is not a multiple of 512 bytes is used rounded down to
 //! whole sectors (as Firecracker does), with a warning; the tail is never read or written.
-//! An image smaller than one sector is refused.
+//! An empty file is a disk of 0 sectors (every request to it fails) until another image
+//! is swapped in: Kata's Firecracker driver starts VMs with empty placeholder files as
+//! drives. A file of 1 to 511 bytes is refused: it holds bytes no sector could reach, so
+//! it is not a disk image (wherever a drive is given: command line, any API, before boot,
+//! hot-plugged or swapped in).
 
 use std::fs::{File, OpenOptions};
 use std::io::{Seek, SeekFrom};
@@ -101,14 +105,16 @@ impl Disk {
                 path: path.clone(),
                 source,
             })?;
-        if size < SECTOR_SIZE {
-            // As Firecracker: a disk of no sectors (every request to it fails). Kata's
+        if size == 0 {
+            // A disk of no sectors (every request to it fails), as Firecracker. Kata's
             // Firecracker driver starts VMs with empty placeholder files as drives and
             // swaps real images in later (PATCH /drives).
             log::warn!(
-                "{}: {size} bytes is less than one sector: a disk of 0 sectors until it is replaced",
+                "{}: an empty file: a disk of 0 sectors until it is replaced",
                 path.display()
             );
+        } else if size < SECTOR_SIZE {
+            return Err(BlockError::LessThanASector { path, size });
         } else if !size.is_multiple_of(SECTOR_SIZE) {
             log::warn!(
                 "{}: {size} bytes is not a multiple of {SECTOR_SIZE}: the last {} bytes are not part of the disk",

@@ -56,6 +56,18 @@ pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 /// The longest drive ID (VIRTIO_BLK_ID_BYTES) a GET_ID request returns.
 pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
 
+/// Checks the image `config` names as the device opens it at start (it exists, is a
+/// regular file or a block device, opens with the drive's mode, read-only or not, and
+/// direct I/O, and no other process holds its lock), then closes it: a drive configured
+/// before boot is refused when it is added, not when the VM starts. Returns its capacity
+/// in sectors (an empty file is a placeholder disk of 0 sectors, with a warning; a file
+/// of 1 to 511 bytes is refused).
+pub fn check_image(config: &BlockConfig) -> Result<u64, BlockError> {
+    config.validate()?;
+    let disk = disk::Disk::open_with_lock(&config.path, config.read_only, config.direct, true)?;
+    Ok(disk.capacity_sectors())
+}
+
 /// Why a block device could not be built or changed.
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
@@ -90,6 +102,11 @@ pub enum BlockError {
     },
     #[error("{}: is {kind}, not a disk image (a regular file or a block device)", path.display())]
     NotADisk { path: PathBuf, kind: &'static str },
+    #[error(
+        "{}: {size} bytes is less than one sector ({SECTOR_SIZE} bytes): not a disk image (an empty file is taken as a placeholder disk of 0 sectors)",
+        path.display()
+    )]
+    LessThanASector { path: PathBuf, size: u64 },
     #[error("{}: cannot read its size or type: {source}", path.display())]
     Stat {
         path: PathBuf,

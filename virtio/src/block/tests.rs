@@ -768,11 +768,23 @@ fn refuses_what_is_not_a_disk() {
     assert!(matches!(error, BlockError::Missing { .. }), "{error}");
     assert!(error.to_string().contains("no such file"));
 
-    // Less than a sector (Kata's empty placeholder drives): a disk of no sectors.
-    for (name, len) in [("empty", 0), ("tiny", 100)] {
-        let tiny = scratch.file(name, &vec![1u8; len]);
-        let block = Block::new(drive(&tiny, IoEngine::Sync)).expect("a placeholder drive");
-        assert_eq!(block.capacity_sectors(), 0, "{name}");
+    // An empty file (Kata's placeholder drives): a disk of no sectors.
+    let empty = scratch.file("empty", &[]);
+    let block = Block::new(drive(&empty, IoEngine::Sync)).expect("a placeholder drive");
+    assert_eq!(block.capacity_sectors(), 0);
+    // 1 to 511 bytes: not a disk image (issue 31: one rule everywhere).
+    for len in [1, 100, 511] {
+        let tiny = scratch.file("tiny", &vec![1u8; len]);
+        let error = Block::new(drive(&tiny, IoEngine::Sync)).err();
+        assert!(
+            matches!(error, Some(BlockError::LessThanASector { size, .. }) if size == len as u64),
+            "{len}: {error:?}"
+        );
+        let error = check_image(&drive(&tiny, IoEngine::Sync)).unwrap_err();
+        assert!(
+            error.to_string().contains("less than one sector"),
+            "{error}"
+        );
     }
 
     // Not a whole number of sectors: rounded down.

@@ -35,11 +35,18 @@ impl ApiController {
         Ok(VmmData::Empty)
     }
 
-    /// Adds or replaces (same id, either kind) a drive before start.
+    /// Adds or replaces (same id, either kind) a drive before start. A local image is
+    /// checked now as the device will open it (it exists, is a regular file or a block
+    /// device, opens in the drive's mode, is not locked by another process): a bad image
+    /// is refused here, so that it never stays in the configuration to fail the start.
     pub(super) fn put_drive(&mut self, body: DriveBody) -> ActionResult {
         let id = body.drive_id().to_string();
         match &body {
-            DriveBody::Local(config) => absolute_path(&config.path, "path")?,
+            DriveBody::Local(config) => {
+                absolute_path(&config.path, "path")?;
+                gpuvm_virtio::block::check_image(config)
+                    .map_err(|e| ActionError::bad_request(format!("drive {id}: {e}")))?;
+            }
             DriveBody::VhostUser(config) => absolute_path(&config.socket, "socket")?,
         }
         self.put_virtio(|v| {
@@ -66,6 +73,52 @@ impl ApiController {
                 }
             }
         })
+    }
+
+    /// Removes the device `id` configured before start, whatever its kind: a passthrough
+    /// device, a drive (local or vhost-user), a network interface (and the taps passed
+    /// for it), a virtio-fs share (by tag), a vhost-user device, the vsock device
+    /// (`vsock` or its `vsock_id`) or the entropy device (`rng`). 404 when none has it.
+    pub(super) fn remove_configured(&mut self, id: &str) -> ActionResult {
+        if let Some(index) = self.gpus.iter().position(|g| g.gpu_id == id) {
+            self.gpus.remove(index);
+            return Ok(VmmData::Empty);
+        }
+        let v = &mut self.pci.virtio;
+        let before = (
+            v.drives.len() + v.vhost_user_drives.len() + v.nets.len(),
+            v.fs.len() + v.vhost_user.len(),
+        );
+        v.drives.retain(|d| d.drive_id != id);
+        v.vhost_user_drives.retain(|d| d.drive_id != id);
+        v.nets.retain(|n| n.iface_id != id);
+        v.fs.retain(|f| f.tag != id);
+        v.vhost_user.retain(|u| u.id != id);
+        let mut removed = before
+            != (
+                v.drives.len() + v.vhost_user_drives.len() + v.nets.len(),
+                v.fs.len() + v.vhost_user.len(),
+            );
+        if v.vsock
+            .as_ref()
+            .is_some_and(|vsock| id == "vsock" || vsock.vsock_id.as_deref() == Some(id))
+        {
+            v.vsock = None;
+            removed = true;
+        }
+        if id == "rng" && v.rng.take().is_some() {
+            removed = true;
+        }
+        if !removed {
+            return Err(ActionError {
+                status: 404,
+                message: format!("no device with id {id:?} is configured"),
+            });
+        }
+        v.pci_segments.remove(id);
+        // Taps passed for an interface of that id are closed.
+        self.pci.passed_taps.take(id);
+        Ok(VmmData::Empty)
     }
 
     /// A network interface whose tap queues came as descriptors, one per queue pair. Each

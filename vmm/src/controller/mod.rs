@@ -217,18 +217,17 @@ impl ApiController {
             }),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
-            VmmAction::DeleteGpu(id) | VmmAction::RemoveDevice(id) => {
-                match self.gpus.iter().position(|g| g.gpu_id == id) {
-                    Some(index) => {
-                        self.gpus.remove(index);
-                        Ok(VmmData::Empty)
-                    }
-                    None => Err(ActionError {
-                        status: 404,
-                        message: format!("no device with id {id:?} is configured"),
-                    }),
+            VmmAction::RemoveDevice(id) => self.remove_configured(&id),
+            VmmAction::DeleteGpu(id) => match self.gpus.iter().position(|g| g.gpu_id == id) {
+                Some(index) => {
+                    self.gpus.remove(index);
+                    Ok(VmmData::Empty)
                 }
-            }
+                None => Err(ActionError {
+                    status: 404,
+                    message: format!("no device with id {id:?} is configured"),
+                }),
+            },
             VmmAction::PutDrive(body) => self.put_drive(body),
             VmmAction::PutFs(body) => absolute_path(&body.socket, "socket").and_then(|()| {
                 self.put_virtio(|v| replace_or_push(&mut v.fs, body, |f| f.tag.clone()))

@@ -144,12 +144,36 @@ fn write_device_file(dir: &Path, device: &mut VfioPciDevice) -> Result<(String, 
         .map_err(|e| format!("cannot save its state: {e}"))
 }
 
-/// Checks the device-state file at `path` (size, framing, CRC) and loads it into
-/// `device`, which is left stopped.
-fn load_device_file(path: &Path, len: u64, device: &mut VfioPciDevice) -> Result<(), String> {
+/// Checks, before anything touches KVM, that the device-state file `gpu` names is a
+/// regular file inside the snapshot directory `dir` (no link) of the size the state
+/// records; its content is checked when it is loaded.
+pub(crate) fn check_device_file(dir: &Path, gpu: &MigratedGpu) -> Result<(), String> {
+    let path = dir.join(&gpu.state_file);
+    let expected = gpu.state_bytes.saturating_add(HEADER_LEN as u64);
+    let (_, size) = gpuvm_memory::snapshot::open_in_dir(dir, &gpu.state_file, expected)
+        .map_err(|e| format!("device state file {}: {e}", path.display()))?;
+    if size != expected {
+        return Err(format!(
+            "device state file {} is {size} bytes; the snapshot's state says {expected}",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the device-state file `name` of the snapshot directory `dir` (opened the one
+/// way a snapshot's files are: inside `dir`, no link; then size, framing, CRC) and loads
+/// it into `device`, which is left stopped.
+fn load_device_file(
+    dir: &Path,
+    name: &str,
+    len: u64,
+    device: &mut VfioPciDevice,
+) -> Result<(), String> {
+    let path = dir.join(name);
     let shown = path.display();
     let (mut file, size) =
-        gpuvm_memory::snapshot::open_regular_file(path, MAX_DEVICE_STATE + HEADER_LEN as u64)
+        gpuvm_memory::snapshot::open_in_dir(dir, name, MAX_DEVICE_STATE + HEADER_LEN as u64)
             .map_err(|e| format!("device state file {shown}: {e}"))?;
     if size != HEADER_LEN as u64 + len {
         return Err(format!(
@@ -335,7 +359,7 @@ impl PciHotplug {
                     ids.0, ids.1, gpu.vendor_id, gpu.device_id
                 ))
             } else {
-                load_device_file(&dir.join(&gpu.state_file), gpu.state_bytes, &mut device).and_then(
+                load_device_file(dir, &gpu.state_file, gpu.state_bytes, &mut device).and_then(
                     |()| {
                         device
                             .restore_pci_state(&gpu.pci)

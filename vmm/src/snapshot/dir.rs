@@ -8,7 +8,7 @@ use std::path::Path;
 
 use gpuvm_memory::snapshot::{
     flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target, RamMappings,
-    WriteOptions, WriteStats, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC,
+    WriteOptions, WriteStats, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC, RAW_CRCS_MAGIC,
 };
 
 use super::{MachineState, MemoryChain, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
@@ -138,6 +138,12 @@ fn is_memory_file_name(name: &[u8]) -> bool {
         .is_some_and(|stamp| !stamp.is_empty() && stamp.iter().all(u8::is_ascii_digit))
 }
 
+/// The memory file whose raw image's page CRC table `name` is (`<memory file>.raw-crcs`).
+fn raw_crcs_memory_file(name: &[u8]) -> Option<&[u8]> {
+    name.strip_suffix(super::files::RAW_CRCS_SUFFIX.as_bytes())
+        .filter(|memory| is_memory_file_name(memory))
+}
+
 /// Writes the memory file for a snapshot: a diff against `chain` when `dirty` bitmaps
 /// are given and the chain is in `dir`, a full file otherwise.
 pub(crate) fn write_memory(
@@ -216,12 +222,19 @@ pub(crate) fn remove_unreferenced(dir: &Path, keep: &[String]) {
             if !kept && is_gpuvm_file(&path, MEMORY_FILE_MAGIC) {
                 remove_logged(&path, "old memory file");
             }
+        } else if let Some(memory) = raw_crcs_memory_file(name) {
+            // A raw image's page CRC table goes with its memory file.
+            let memory_kept = keep.iter().any(|k| k.as_bytes() == memory);
+            if !memory_kept && is_gpuvm_file(&path, RAW_CRCS_MAGIC) {
+                remove_logged(&path, "old page CRC table");
+            }
         } else if is_device_file_name(name) {
             if !kept && is_gpuvm_file(&path, FRAMED_FILE_MAGIC) {
                 remove_logged(&path, "old device state file");
             }
         } else if let Some(target) = temp_file_target(name) {
             let ours = is_memory_file_name(target)
+                || raw_crcs_memory_file(target).is_some()
                 || is_device_file_name(target)
                 || target == STATE_FILE.as_bytes()
                 || target == crate::working_set::FILE.as_bytes();
@@ -269,6 +282,9 @@ mod tests {
         write(".memory-3.tmp.1.0", MEMORY_FILE_MAGIC);
         write(".state.tmp.1.0", b"");
         write(".working-set.tmp.1.0", FRAMED_FILE_MAGIC);
+        write("memory-1.raw-crcs", RAW_CRCS_MAGIC);
+        write("memory-2.raw-crcs", RAW_CRCS_MAGIC);
+        write(".memory-1.raw-crcs.tmp.1.0", RAW_CRCS_MAGIC);
         let users = [
             ("memory-notes.txt", &b"notes"[..]),
             ("memory-4", b"user data"),
@@ -276,6 +292,8 @@ mod tests {
             (".memory-notes.tmp.1.0", b"GPUVMMEM"),
             (".state.tmp.1.1", b"user data"),
             ("notes.txt", b"GPUVMMEM"),
+            ("memory-5.raw-crcs", b"user data"),
+            ("notes.raw-crcs", b"GPUVMRCT"),
         ];
         for (name, bytes) in users {
             write(name, bytes);
@@ -288,6 +306,7 @@ mod tests {
         left.sort();
         let mut expected: Vec<String> = users.iter().map(|(n, _)| n.to_string()).collect();
         expected.push("memory-2".into());
+        expected.push("memory-2.raw-crcs".into());
         expected.sort();
         assert_eq!(left, expected);
         std::fs::remove_dir_all(dir).ok();

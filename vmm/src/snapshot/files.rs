@@ -14,12 +14,25 @@
 //! loads with its gpuvm-format memory file. A Diff's image holds only the dirty pages at
 //! their flat offsets, holes elsewhere: the client merges it onto the base image, as with
 //! Firecracker.
+//!
+//! The raw image has no room for checks, so gpuvm keeps its page CRC table
+//! (`gpuvm_memory::snapshot::RawPageCrcs`: one CRC32 per page of guest RAM, for a Diff of
+//! the merged image) in its directory, `<newest memory file>.raw-crcs`, and the state file
+//! names it with its digest (`raw_memory.page_crcs`). A load stages the table with the two
+//! files and checks every page against it as it loads (eager and lazy alike): a page gpuvm
+//! wrote never loads changed without an error. A state naming a table that is not there
+//! is refused (the table is part of the snapshot: copy the hidden directory with the two
+//! files); a state naming none (written before gpuvm kept tables) loads unchecked, with a
+//! warning.
 
 use std::path::{Path, PathBuf};
 
-use gpuvm_memory::snapshot::{write_raw, RawContent, SnapshotChain};
+use gpuvm_memory::snapshot::{is_plain_file_name, write_raw, RawContent, SnapshotChain};
 
-use super::{MachineState, RawMemory, SnapshotReport, STATE_FILE};
+use super::{MachineState, RawMemory, RawPageCrcsRecord, SnapshotReport, STATE_FILE};
+
+/// What the name of a raw image's page CRC table adds to its memory file's name.
+pub(crate) const RAW_CRCS_SUFFIX: &str = ".raw-crcs";
 
 fn sibling(file: &Path, suffix: &str) -> Result<PathBuf, String> {
     let name = file
@@ -101,9 +114,22 @@ pub fn export(report: &SnapshotReport, state_file: &Path, mem_file: &Path) -> Re
         written.file_len,
         written.pages_written
     );
+    let newest = state
+        .memory_files
+        .last()
+        .ok_or("the snapshot's state names no memory file")?;
+    let table_name = format!("{newest}{RAW_CRCS_SUFFIX}");
+    written
+        .page_crcs
+        .write(&report.dir.join(&table_name))
+        .map_err(|e| format!("cannot keep the memory image's page CRCs: {e}"))?;
     state.raw_memory = Some(RawMemory {
         size: chain.layout().ram_size(),
         diff: report.diff,
+        page_crcs: Some(RawPageCrcsRecord {
+            file: table_name,
+            crc: written.page_crcs.digest(),
+        }),
     });
     if let Ok(meta) = std::fs::symlink_metadata(state_file) {
         if meta.is_dir() {
@@ -143,9 +169,43 @@ pub fn stage(state_file: &Path, mem_file: &Path) -> Result<PathBuf, String> {
             ))
         }
     };
-    if memory_name.contains('/') || memory_name.contains("..") {
+    if !is_plain_file_name(memory_name) {
         return Err(format!("{} names a bad memory file", state_file.display()));
     }
+    // The page CRC table gpuvm kept for the image, in its own directory beside the state.
+    let table = match state.raw_memory.as_ref().and_then(|r| r.page_crcs.as_ref()) {
+        Some(record) if !is_plain_file_name(&record.file) => {
+            return Err(format!(
+                "{} names a page CRC table outside its directory: {:?}",
+                state_file.display(),
+                record.file
+            ))
+        }
+        Some(record) => {
+            let path = directory_for(state_file)?.join(&record.file);
+            match std::fs::symlink_metadata(&path) {
+                Ok(meta) if meta.is_file() => Some((path, &record.file)),
+                Ok(_) => {
+                    return Err(format!(
+                        "the page CRC table {} of {} is not a regular file",
+                        path.display(),
+                        mem_file.display()
+                    ))
+                }
+                Err(e) => {
+                    return Err(format!(
+                        "the page CRC table {} that {} names is missing ({e}): without it the \
+                         memory image {} cannot be checked. gpuvm writes it into the hidden \
+                         directory beside the state file: keep that directory with the two files",
+                        path.display(),
+                        state_file.display(),
+                        mem_file.display()
+                    ))
+                }
+            }
+        }
+        None => None,
+    };
     let dir = sibling(state_file, &format!(".gpuvm-load.{}", std::process::id()))?;
     match std::fs::create_dir(&dir) {
         Ok(()) => {}
@@ -155,6 +215,9 @@ pub fn stage(state_file: &Path, mem_file: &Path) -> Result<PathBuf, String> {
     }
     link_or_copy(state_file, &dir.join(STATE_FILE))?;
     link_or_copy(mem_file, &dir.join(memory_name))?;
+    if let Some((path, name)) = table {
+        link_or_copy(&path, &dir.join(name))?;
+    }
     Ok(dir)
 }
 

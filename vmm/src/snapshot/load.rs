@@ -4,9 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gpuvm_memory::snapshot::{RamLayout, SnapshotChain, SnapshotId};
+use gpuvm_memory::snapshot::{
+    is_plain_file_name, RamLayout, RawPageCrcs, SnapshotChain, SnapshotId,
+};
 
-use super::{MachineState, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
+use super::{MachineState, RawPageCrcsRecord, SnapshotError, MEMORY_FILE_PREFIX, STATE_FILE};
 use crate::config::MachineConfig;
 
 /// A snapshot read and validated before anything touches KVM.
@@ -38,19 +40,23 @@ pub struct LoadedState {
 /// RAM layout they must match. Cheap to clone, to validate on another thread.
 #[derive(Debug, Clone)]
 pub struct ChainInputs {
-    paths: Vec<PathBuf>,
+    /// The snapshot directory, and the files in it, base first (each opened with
+    /// `gpuvm_memory::snapshot::open_in_dir`: inside the directory, no link).
+    dir: PathBuf,
+    names: Vec<String>,
     layout: RamLayout,
     /// The newest file's id as the state records it (see [`MachineState::memory_file_id`]).
     head_id: Option<String>,
-    /// The one path is a raw guest-RAM image (see [`MachineState::raw_memory`]).
-    raw: bool,
+    /// The one file is a raw guest-RAM image (see [`MachineState::raw_memory`]), with the
+    /// page CRC table the state names for it, if any.
+    raw: Option<Option<RawPageCrcsRecord>>,
 }
 
 impl ChainInputs {
     /// Opens and validates the chain (headers, index CRCs, lengths, chain ids, layout),
     /// and checks that it is the one the state was written with.
     pub fn validate(&self) -> Result<SnapshotChain, SnapshotError> {
-        if self.raw {
+        if let Some(crcs) = &self.raw {
             // A raw image has no id of its own to check (its size is checked); it takes
             // the one its state records.
             let id = self
@@ -58,9 +64,19 @@ impl ChainInputs {
                 .as_deref()
                 .and_then(parse_snapshot_id)
                 .unwrap_or(SnapshotId::NONE);
-            return Ok(SnapshotChain::open_raw(&self.paths[0], &self.layout, id)?);
+            let table = match crcs {
+                Some(record) => Some(self.page_crcs(record)?),
+                None => None,
+            };
+            return Ok(SnapshotChain::open_raw_in_dir(
+                &self.dir,
+                &self.names[0],
+                &self.layout,
+                id,
+                table,
+            )?);
         }
-        let chain = SnapshotChain::open(&self.paths, &self.layout)?;
+        let chain = SnapshotChain::open_in_dir(&self.dir, &self.names, &self.layout)?;
         if let Some(expected) = &self.head_id {
             let found = chain.head().id.to_string();
             if found != *expected {
@@ -74,6 +90,23 @@ impl ChainInputs {
             }
         }
         Ok(chain)
+    }
+}
+
+impl ChainInputs {
+    /// The raw image's page CRC table `record` names, read and checked to be the one the
+    /// state was written with.
+    fn page_crcs(&self, record: &RawPageCrcsRecord) -> Result<RawPageCrcs, SnapshotError> {
+        let table = RawPageCrcs::read_in_dir(&self.dir, &record.file, &self.layout)?;
+        let found = table.digest();
+        if found != record.crc {
+            return Err(SnapshotError::ForeignPageCrcs {
+                path: self.dir.join(&record.file),
+                expected: record.crc,
+                found,
+            });
+        }
+        Ok(table)
     }
 }
 
@@ -151,14 +184,33 @@ pub fn load_state(
     if state.memory_files.is_empty() {
         return Err(invalid("the state names no memory file".into()));
     }
+    // Every file the state names is a plain name in this directory (opened later with
+    // `open_in_dir`, which also refuses links): refused here, before anything is opened.
     if state
         .memory_files
         .iter()
-        .any(|f| !f.starts_with(MEMORY_FILE_PREFIX) || f.contains('/') || f.contains(".."))
+        .any(|f| !f.starts_with(MEMORY_FILE_PREFIX) || !is_plain_file_name(f))
     {
         return Err(invalid(
             "the state names a memory file outside the snapshot directory".into(),
         ));
+    }
+    for gpu in &state.devices.migrated_gpus {
+        if !is_plain_file_name(&gpu.state_file) {
+            return Err(invalid(format!(
+                "the state names a device state file outside the snapshot directory for {}: {:?}",
+                gpu.gpu_id, gpu.state_file
+            )));
+        }
+        crate::hotplug::migration::check_device_file(dir, gpu).map_err(invalid)?;
+    }
+    if let Some(record) = state.raw_memory.as_ref().and_then(|r| r.page_crcs.as_ref()) {
+        if !is_plain_file_name(&record.file) {
+            return Err(invalid(format!(
+                "the state names a page CRC table outside the snapshot directory: {:?}",
+                record.file
+            )));
+        }
     }
     if state.memory_file_id.is_none() {
         log::warn!(
@@ -168,7 +220,7 @@ pub fn load_state(
         );
     }
     let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
-    let (paths, head_id, raw) = match &state.raw_memory {
+    let (names, head_id, raw) = match &state.raw_memory {
         // Firecracker's layout: the newest memory file is the whole of guest RAM.
         Some(raw) => {
             if raw.size != layout.ram_size() {
@@ -179,12 +231,24 @@ pub fn load_state(
                 )));
             }
             let newest = &state.memory_files[state.memory_files.len() - 1];
-            (vec![dir.join(newest)], state.memory_file_id.clone(), true)
+            if raw.page_crcs.is_none() {
+                log::warn!(
+                    "{}: the state names no page CRC table for its raw memory image {newest} \
+                     (an image gpuvm did not write, or a state written before gpuvm kept \
+                     one): its pages load unchecked",
+                    dir.join(STATE_FILE).display()
+                );
+            }
+            (
+                vec![newest.clone()],
+                state.memory_file_id.clone(),
+                Some(raw.page_crcs.clone()),
+            )
         }
         None => (
-            state.memory_files.iter().map(|f| dir.join(f)).collect(),
+            state.memory_files.clone(),
             state.memory_file_id.clone(),
-            false,
+            None,
         ),
     };
     Ok(LoadedState {
@@ -192,7 +256,8 @@ pub fn load_state(
         state,
         config,
         chain: ChainInputs {
-            paths,
+            dir: dir.to_path_buf(),
+            names,
             layout,
             head_id,
             raw,

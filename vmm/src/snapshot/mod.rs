@@ -97,6 +97,15 @@ pub enum SnapshotError {
         found: String,
     },
     #[error(
+        "page CRC table {path} belongs to another snapshot: its entries' CRC is {found:#010x}, \
+         the state file names {expected:#010x}"
+    )]
+    ForeignPageCrcs {
+        path: PathBuf,
+        expected: u32,
+        found: u32,
+    },
+    #[error(
         "cannot snapshot a VM with cold-plugged passthrough devices ({}): gpuvm saves the \
          state of hot-plugged ones only (PUT /gpus/{{id}} after start, with VFIO migration); \
          hot-plugged GPUs can also be released by the guest for the snapshot (\"passthrough\": \"guest_release\", with a vsock device and the \
@@ -207,6 +216,23 @@ pub struct RawMemory {
     /// snapshot's image before it is loaded.
     #[serde(default)]
     pub diff: bool,
+    /// The page CRC table gpuvm wrote with the image (one CRC32 per page of guest RAM; for
+    /// a Diff, of the image once merged onto its base's). A load checks every page against
+    /// it; `None` in states written before gpuvm kept one (loaded unchecked, with a
+    /// warning).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_crcs: Option<RawPageCrcsRecord>,
+}
+
+/// Where a raw image's page CRC table is, and which table it is.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct RawPageCrcsRecord {
+    /// Its name in the snapshot directory (gpuvm's hidden directory beside the state file,
+    /// `.<state>.gpuvm`).
+    pub file: String,
+    /// Its entries' CRC32 (`RawPageCrcs::digest`): a table of another snapshot is refused.
+    pub crc: u32,
 }
 
 /// Where the memory chain of the running machine stands, for diff snapshots.

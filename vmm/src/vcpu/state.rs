@@ -10,21 +10,32 @@ use kvm_ioctls::{Kvm, VcpuFd};
 use serde::{Deserialize, Serialize};
 
 use super::Vcpu;
-use crate::persist::PersistError;
+use crate::persist::{exact_bytes, PersistError};
 
 /// Everything KVM holds for one vCPU.
 #[derive(Serialize, Deserialize)]
+/// KVM's structures are read back at exactly their size ([`exact_bytes`]).
 pub struct VcpuState {
     pub id: u8,
+    #[serde(deserialize_with = "exact_bytes::vec")]
     pub cpuid: Vec<kvm_cpuid_entry2>,
+    #[serde(deserialize_with = "exact_bytes::vec")]
     pub msrs: Vec<kvm_msr_entry>,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub regs: kvm_regs,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub sregs: kvm_sregs,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub xsave: kvm_xsave,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub xcrs: kvm_xcrs,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub debug_regs: kvm_debugregs,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub lapic: kvm_lapic_state,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub mp_state: kvm_mp_state,
+    #[serde(deserialize_with = "exact_bytes::deserialize")]
     pub events: kvm_vcpu_events,
     pub tsc_khz: Option<u32>,
 }
