@@ -4,8 +4,7 @@
 use std::path::Path;
 
 use gpuvm_vmm::action::{ConfigFile, DriveBody};
-use gpuvm_vmm::config::VmConfig;
-use gpuvm_vmm::config::PciOptions;
+use gpuvm_vmm::config::{PciOptions, VmConfig};
 
 use crate::CliError;
 
@@ -60,6 +59,9 @@ pub fn apply_config_file(
     }
     if let Some(machine) = file.machine_config {
         config.machine = machine.to_config().map_err(|e| invalid(path, e.message))?;
+        pci.max_vcpus = machine
+            .checked_max_vcpus()
+            .map_err(|e| invalid(path, e.message))?;
     }
     if let Some(boot) = file.boot_source {
         config.boot = boot.into_boot_source();

@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 
 use gpuvm_api::server::ApiServer;
 use gpuvm_arch::x86_64::boot::{BootSource, KernelSource};
-use gpuvm_vmm::config::{MachineConfig, VmConfig};
+use gpuvm_vmm::config::{MachineConfig, PciOptions, VmConfig};
 use gpuvm_vmm::controller::{ApiController, BeforeRun, Started};
 use gpuvm_vmm::metrics::{CountingWriter, METRICS};
-use gpuvm_vmm::config::PciOptions;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{snapshot_policy, RunArgs};

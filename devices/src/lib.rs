@@ -4,6 +4,7 @@
 //! - [`serial`]: a 16550A UART for the console.
 //! - [`i8042`]: the keyboard controller, only for its CPU-reset command.
 //! - [`acpi_sleep`]: the hardware-reduced ACPI sleep control register, for power-off.
+//! - [`cpu_hotplug`]: the ACPI CPU hot-plug register block (vCPUs added and removed).
 //! - [`exit_port`]: where the guest reports its exit status.
 //! - [`pci`]: the PCI root bus, BAR emulation and MSI-X.
 //! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
@@ -14,6 +15,7 @@
 
 pub mod acpi_sleep;
 pub mod bus;
+pub mod cpu_hotplug;
 pub mod exit_port;
 pub mod i8042;
 pub mod pci;
@@ -23,6 +25,7 @@ pub mod sink;
 
 pub use acpi_sleep::AcpiSleepControl;
 pub use bus::{Bus, BusDevice, BusError};
+pub use cpu_hotplug::{CpuHotplug, CpuHotplugState};
 pub use exit_port::{ExitPort, ExitStatus};
 pub use i8042::I8042;
 pub use persist::Persist;

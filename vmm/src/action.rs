@@ -24,6 +24,10 @@ use crate::config::MachineConfig;
 /// the host's own limits are checked when the VM is built).
 pub const MAX_MEM_SIZE_MIB: u64 = 1 << 24;
 
+/// Most vCPUs a VM may have (booted or hot-plugged): every one has a local APIC entry in
+/// the MADT and the MP table, whose 8-bit ids leave room for the IOAPIC's.
+pub const MAX_VCPUS: u8 = gpuvm_arch::x86_64::mptable::MAX_MPTABLE_CPUS;
+
 /// What the API thread asks the VMM thread to do.
 #[derive(Debug)]
 pub enum VmmAction {
@@ -89,6 +93,12 @@ pub enum VmmAction {
     Resume,
     CreateSnapshot(SnapshotCreateBody),
     LoadSnapshot(SnapshotLoadBody),
+    /// A load that changes the restored VM (Firecracker's `track_dirty_pages`,
+    /// `network_overrides` and `vsock_override`).
+    LoadSnapshotWith {
+        load: SnapshotLoadBody,
+        overrides: LoadOverrides,
+    },
     GetMetrics,
     /// Several pre-boot actions carried out as one unit (Cloud Hypervisor's vm.create):
     /// all of them apply, or none (the configuration is as it was). Only configuration
@@ -104,6 +114,14 @@ pub enum VmmAction {
     PutMetrics(MetricsConfig),
     /// Write the counters to the metrics output (Firecracker's FlushMetrics).
     FlushMetrics,
+    /// Change the VM's vCPU count or memory size (Cloud Hypervisor's vm.resize). vCPUs
+    /// come and go by ACPI hot-plug, between 1 and the machine's `max_vcpus`; before
+    /// start the count to boot with changes. Memory cannot change yet: only the current
+    /// size (or none) is accepted. A resize to what the VM has is a no-op.
+    Resize {
+        desired_vcpus: Option<u8>,
+        desired_ram: Option<u64>,
+    },
 }
 
 /// A virtio device to hot-plug: the body of the pre-boot action that configures its kind.
@@ -238,6 +256,10 @@ pub struct MachineConfigBody {
     /// CPUID features to hide: names (popcnt, xsave, ...) or LEAF[.SUB]:REG:BIT.
     #[serde(default)]
     pub cpuid_masks: Vec<String>,
+    /// vCPUs the VM may grow to by hot-plug (Cloud Hypervisor's `cpus.max_vcpus`); at
+    /// least `vcpu_count`. Absent: `vcpu_count` (no hot-plug).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_vcpus: Option<u8>,
 }
 
 impl MachineConfigBody {
@@ -250,6 +272,41 @@ impl MachineConfigBody {
             thp: config.thp,
             prefault: config.prefault,
             cpuid_masks: config.cpuid_masks.iter().map(|m| m.to_string()).collect(),
+            max_vcpus: None,
+        }
+    }
+
+    /// The body for `config` with `max_vcpus` (shown only when above the vCPU count).
+    pub fn with_max_vcpus(mut self, max_vcpus: u8) -> Self {
+        self.max_vcpus = (max_vcpus > self.vcpu_count).then_some(max_vcpus);
+        self
+    }
+
+    /// The vCPUs the VM may grow to: `max_vcpus`, checked against `vcpu_count` and
+    /// [`MAX_VCPUS`], and lowered to the host's KVM limit (vCPUs beyond it could never be
+    /// added; Cloud Hypervisor's clients ask for as many as the host has CPUs). Asks KVM:
+    /// for the VMM thread, not the API thread.
+    pub fn checked_max_vcpus(&self) -> Result<u8, ActionError> {
+        let Some(max_vcpus) = self.max_vcpus else {
+            return Ok(self.vcpu_count);
+        };
+        if max_vcpus < self.vcpu_count {
+            return Err(ActionError::bad_request(format!(
+                "max_vcpus ({max_vcpus}) must be at least vcpu_count ({})",
+                self.vcpu_count
+            )));
+        }
+        if max_vcpus > MAX_VCPUS {
+            return Err(ActionError::bad_request(format!(
+                "max_vcpus ({max_vcpus}) must be at most {MAX_VCPUS}"
+            )));
+        }
+        match crate::host::host_max_vcpus() {
+            Some(host) if max_vcpus > host && host >= self.vcpu_count => {
+                log::info!("max_vcpus {max_vcpus} lowered to {host}, this host's KVM limit");
+                Ok(host)
+            }
+            _ => Ok(max_vcpus),
         }
     }
 
@@ -515,6 +572,30 @@ pub struct SnapshotLoadBody {
     /// by `gpu_id`. A GPU not named here is opened where the snapshot says it was.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gpus: Vec<GpuBody>,
+}
+
+/// What a snapshot load changes in the VM it restores (Firecracker's PUT /snapshot/load
+/// `track_dirty_pages`, `network_overrides`, `vsock_override`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadOverrides {
+    /// Track dirty pages in the restored VM, so Diff snapshots can follow.
+    #[serde(default)]
+    pub track_dirty_pages: bool,
+    /// New taps for the snapshot's network interfaces, by `iface_id`.
+    #[serde(default)]
+    pub network_overrides: Vec<NetworkOverride>,
+    /// A new host socket path for the snapshot's vsock device.
+    #[serde(default)]
+    pub vsock_uds_path: Option<PathBuf>,
+}
+
+/// One network interface of a snapshot given a new tap on load.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkOverride {
+    pub iface_id: String,
+    pub host_dev_name: String,
 }
 
 /// `--config-file`: the pre-boot configuration in one JSON document.

@@ -14,6 +14,8 @@ use gpuvm_arch::x86_64::cpuid::Topology;
 use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use gpuvm_arch::x86_64::{boot, mptable, reset_vector};
 use gpuvm_devices::acpi_sleep::SLEEP_CONTROL_PORT;
+use gpuvm_devices::cpu_hotplug::{CpuHotplug, CPU_HOTPLUG_PORT, CPU_HOTPLUG_PORT_LEN};
+use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{GuestRam, GuestRamConfig};
@@ -28,12 +30,12 @@ use crate::devices::MachineDevices;
 use crate::host::{max_vcpus, open_kvm};
 use crate::machine::Machine;
 use crate::snapshot::StageClock;
-use crate::vcpu::{Vcpu, VcpuThread};
+use crate::vcpu::{Vcpu, VcpuTemplate, VcpuThread};
 use crate::Error;
 
 mod attach;
 mod restore;
-pub use restore::{restore, restore_with_gpus};
+pub use restore::{restore, restore_with_gpus, restore_with_overrides};
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;
@@ -77,9 +79,11 @@ fn create_base(
     clock: &mut StageClock,
 ) -> Result<MachineBase, Error> {
     let max = max_vcpus(&kvm);
-    if machine_config.vcpus == 0 || machine_config.vcpus > max {
+    // Every possible vCPU (hot-pluggable ones too) must be one KVM can create.
+    let possible = pci_options.max_vcpus(machine_config);
+    if machine_config.vcpus == 0 || possible > max {
         return Err(Error::VcpuCount {
-            requested: machine_config.vcpus,
+            requested: possible,
             max,
         });
     }
@@ -141,7 +145,7 @@ fn create_base(
         source,
     })?;
     clock.mark("irqchip_pit");
-    let mut devices = create_devices(&vm, serial_out)?;
+    let mut devices = create_devices(&vm, serial_out, machine_config.vcpus, possible)?;
     // The root and its devices live on in the buses' entries.
     let pci = attach::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
         .iter()
@@ -170,6 +174,7 @@ pub fn build_with_pci(
 ) -> Result<Machine, Error> {
     let started = Instant::now();
     let machine_config = &config.machine;
+    let max_vcpus = pci.max_vcpus(machine_config);
     let MachineBase {
         kvm,
         vm,
@@ -188,6 +193,7 @@ pub fn build_with_pci(
         ram.memory(),
         &AcpiConfig {
             vcpus: machine_config.vcpus,
+            max_vcpus,
             pci_segments: pci,
             power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
@@ -202,8 +208,9 @@ pub fn build_with_pci(
             what: "read supported CPUID",
             source,
         })?;
+    // The topology covers every possible vCPU, so a hot-plugged one fits in it.
     let topology = Topology {
-        vcpu_count: machine_config.vcpus,
+        vcpu_count: max_vcpus,
     };
     let vcpus = create_vcpus(&kvm, &vm, 0..machine_config.vcpus, &devices)?;
     for vcpu in &vcpus {
@@ -218,7 +225,18 @@ pub fn build_with_pci(
             vcpu.setup_boot_registers(ram.memory(), loaded.entry)?;
         }
     }
-    let vcpu_threads = start_vcpu_threads(&vcpus)?;
+    let mut vcpu_threads = start_vcpu_threads(&vcpus)?;
+    // Threads for the vCPUs hot-plug may add, each under its filter, waiting.
+    vcpu_threads.extend(spare_vcpu_threads(machine_config.vcpus..max_vcpus)?);
+    let vcpu_template = match vcpus.first() {
+        Some(first) if max_vcpus > machine_config.vcpus => Some(VcpuTemplate {
+            supported_cpuid,
+            topology,
+            masks: machine_config.cpuid_masks.clone(),
+            msr_indices: first.msr_indices(),
+        }),
+        _ => None,
+    };
     log::info!(
         "VM built in {:?}: {} vCPU(s), {} MiB {} RAM",
         started.elapsed(),
@@ -228,6 +246,8 @@ pub fn build_with_pci(
     );
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, machine_config.clone());
     machine.vcpu_threads = vcpu_threads;
+    machine.max_vcpus = max_vcpus;
+    machine.vcpu_template = vcpu_template;
     Ok(machine)
 }
 
@@ -237,6 +257,14 @@ fn start_vcpu_threads(vcpus: &[Vcpu]) -> Result<Vec<VcpuThread>, Error> {
     vcpus
         .iter()
         .map(|vcpu| VcpuThread::spawn(vcpu.id).map_err(Error::from))
+        .collect()
+}
+
+/// Starts a thread for each vCPU of `ids` that hot-plug may add later: under the vCPU
+/// filter at once, each waits for its vCPU ([`VcpuThread`]), which the VMM thread creates
+/// when the guest is to get it (threads cannot be started under the filters later).
+fn spare_vcpu_threads(ids: impl Iterator<Item = u8>) -> Result<Vec<VcpuThread>, Error> {
+    ids.map(|id| VcpuThread::spawn_spare(id).map_err(Error::from))
         .collect()
 }
 
@@ -307,8 +335,38 @@ fn insert(
     bus.insert(base, len, device).map_err(Error::Bus)
 }
 
-fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<MachineDevices, Error> {
+/// The machine's devices; with more possible vCPUs (`max_vcpus`) than `vcpus`, the CPU
+/// hot-plug register block too.
+fn create_devices(
+    vm: &VmFd,
+    serial_out: Box<dyn Write + Send>,
+    vcpus: u8,
+    max_vcpus: u8,
+) -> Result<MachineDevices, Error> {
     let mut io_bus = Bus::new();
+    let cpu_hotplug = if max_vcpus > vcpus {
+        // Its own irqfd on the GED's GSI (the PCI hot-plug block has another).
+        let interrupt = eventfd()?;
+        vm.register_irqfd(&interrupt, HOTPLUG_GSI)
+            .map_err(|source| Error::KvmSetup {
+                what: "wire the CPU hot-plug interrupt",
+                source,
+            })?;
+        let block = Arc::new(Mutex::new(CpuHotplug::new(
+            vcpus,
+            max_vcpus,
+            Some(interrupt),
+        )));
+        insert(
+            &mut io_bus,
+            u64::from(CPU_HOTPLUG_PORT),
+            u64::from(CPU_HOTPLUG_PORT_LEN),
+            block.clone(),
+        )?;
+        Some(block)
+    } else {
+        None
+    };
 
     let serial_irq = eventfd()?;
     vm.register_irqfd(&serial_irq, COM1_IRQ)
@@ -362,6 +420,7 @@ fn create_devices(vm: &VmFd, serial_out: Box<dyn Write + Send>) -> Result<Machin
     Ok(MachineDevices {
         dma_mappings: Vec::new(),
         pci_hotplug: None,
+        cpu_hotplug,
         io_bus: Arc::new(io_bus),
         mmio_bus: Arc::new(Bus::new()),
         serial,

@@ -63,9 +63,19 @@ pub struct PciOptions {
     /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
     /// no tap (taken when their devices are built).
     pub passed_taps: PassedTaps,
+    /// vCPUs the VM may grow to by ACPI hot-plug (Cloud Hypervisor's `cpus.max_vcpus`):
+    /// CPUs are hot-pluggable devices like the PCI slots. 0, or no more than
+    /// [`MachineConfig::vcpus`], means no vCPU hot-plug. (Here rather than in
+    /// [`MachineConfig`], whose struct literals other crates build field by field.)
+    pub max_vcpus: u8,
 }
 
 impl PciOptions {
+    /// The vCPUs a VM of `machine` with these options may have.
+    pub fn max_vcpus(&self, machine: &MachineConfig) -> u8 {
+        self.max_vcpus.max(machine.vcpus)
+    }
+
     /// No passthrough device (virtio devices aside).
     pub fn is_empty(&self) -> bool {
         self.gpus.is_empty() && self.vfio_user.is_empty()

@@ -31,6 +31,9 @@ pub struct MachineDevices {
     /// PCI hot-plug of passthrough devices (PUT/DELETE /gpus/{id} while running): its
     /// devices and their mappings; None until PCI is attached.
     pub pci_hotplug: Option<crate::hotplug::PciHotplug>,
+    /// The ACPI CPU hot-plug register block (vm.resize), when the VM may have more vCPUs
+    /// than it booted with; also on the port-I/O bus.
+    pub cpu_hotplug: Option<Arc<Mutex<gpuvm_devices::CpuHotplug>>>,
     pub io_bus: Arc<Bus>,
     pub mmio_bus: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,
@@ -65,6 +68,10 @@ pub struct DeviceStates {
     /// Absent in state files written before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_hotplug: Option<gpuvm_devices::pci::hotplug::HotplugState>,
+    /// The CPU hot-plug register block: the possible and present CPUs. Absent for VMs
+    /// without vCPU hot-plug (and in state files written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_hotplug: Option<gpuvm_devices::CpuHotplugState>,
     /// GPUs released by the guest for the snapshot (absent when there were none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub released_gpus: Vec<crate::action::ReleasedGpu>,
@@ -85,6 +92,8 @@ pub enum DeviceStateError {
     Virtio(#[from] gpuvm_virtio::transport::SnapshotError),
     #[error("the snapshot has {saved} virtio devices, the restored VM was built with {built}")]
     VirtioCount { saved: usize, built: usize },
+    #[error(transparent)]
+    CpuHotplug(#[from] gpuvm_devices::cpu_hotplug::CpuHotplugStateError),
 }
 
 impl MachineDevices {
@@ -109,6 +118,11 @@ impl Persist for MachineDevices {
             serial: lock(&self.serial).save()?,
             virtio: crate::virtio::save_all(&self.virtio)?,
             pci_hotplug: self.pci_hotplug.as_ref().map(|h| h.save_controller()),
+            cpu_hotplug: self
+                .cpu_hotplug
+                .as_ref()
+                .map(|block| lock(block).save())
+                .transpose()?,
             released_gpus: self.released_gpus.clone(),
             migrated_gpus: Vec::new(),
         })
@@ -126,6 +140,9 @@ impl Persist for MachineDevices {
         if let (Some(hotplug), Some(saved)) = (&self.pci_hotplug, &state.pci_hotplug) {
             hotplug.restore_controller(saved);
             hotplug.virtio_restored(&self.virtio);
+        }
+        if let (Some(block), Some(saved)) = (&self.cpu_hotplug, &state.cpu_hotplug) {
+            lock(block).restore(saved)?;
         }
         self.released_gpus = state.released_gpus.clone();
         Ok(())

@@ -119,7 +119,45 @@ pub struct Vcpu {
     msr_indices: Arc<Vec<u32>>,
 }
 
+/// How a vCPU hot-plugged into the running VM is made: as the builder made the boot
+/// vCPUs (CPUID from KVM's supported list with its APIC id and the VM's topology, minus
+/// the masks; boot MSRs, FPU and LAPIC), wired to the same buses.
+pub struct VcpuTemplate {
+    pub supported_cpuid: CpuId,
+    pub topology: Topology,
+    pub masks: Vec<CpuidMask>,
+    pub msr_indices: Arc<Vec<u32>>,
+}
+
+impl VcpuTemplate {
+    /// Creates vCPU `id` in `vm` (KVM_CREATE_VCPU) and sets it up; it waits for INIT/SIPI
+    /// from the guest, as the boot APs do. Called on the VMM thread, whose filter allows
+    /// these ioctls.
+    pub fn create(
+        &self,
+        vm: &kvm_ioctls::VmFd,
+        id: u8,
+        io_bus: Arc<Bus>,
+        mmio_bus: Arc<Bus>,
+    ) -> Result<Vcpu, VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(id))
+            .map_err(|source| VcpuError::Create { id, source })?;
+        let vcpu = Vcpu::new(id, fd, io_bus, mmio_bus, self.msr_indices.clone());
+        let ignored = vcpu.configure(&self.supported_cpuid, self.topology, &self.masks)?;
+        if !ignored.is_empty() {
+            log::debug!("vCPU {id}: {} CPUID mask(s) without effect", ignored.len());
+        }
+        Ok(vcpu)
+    }
+}
+
 impl Vcpu {
+    /// The MSRs its snapshots save (shared by the machine's vCPUs).
+    pub fn msr_indices(&self) -> Arc<Vec<u32>> {
+        self.msr_indices.clone()
+    }
+
     pub fn new(
         id: u8,
         fd: VcpuFd,

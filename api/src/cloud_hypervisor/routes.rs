@@ -18,6 +18,12 @@ use super::config::{
 use super::{translate, Session, PREFIX};
 use crate::http::{Method, Request, Response};
 
+#[path = "resize.rs"]
+mod resize;
+#[cfg(test)]
+#[path = "resize_tests.rs"]
+mod resize_tests;
+
 /// Carries one action to the VMM thread and brings its answer back.
 pub type Dispatch<'a> = &'a dyn Fn(VmmAction) -> ActionResult;
 
@@ -212,15 +218,20 @@ pub fn handle(
                 Ok(body) => body,
                 Err(response) => return response,
             };
-            // Before boot a passthrough device leaves the configuration; after boot the
-            // guest is asked to eject the hot-plugged device, and the answer comes at once
-            // (the device goes when the guest ejects it).
-            match state(session, dispatch) {
+            // Before boot any device added leaves the configuration; after boot the guest
+            // is asked to eject the hot-plugged device, and the answer comes at once (the
+            // device goes when the guest ejects it).
+            let booted = match state(session, dispatch) {
                 Err(response) => return response,
                 Ok(None) => return not_created(),
-                Ok(Some(_)) => {}
-            }
-            let result = dispatch(VmmAction::RemoveDevice(body.id.clone()));
+                Ok(Some(state)) => state != VmState::Created,
+            };
+            // gpuvm names a share by its tag and the vsock device `vsock`.
+            let target = match session.config().as_ref() {
+                Some(config) if !booted => gpuvm_id(config, &body.id),
+                _ => body.id.clone(),
+            };
+            let result = dispatch(VmmAction::RemoveDevice(target));
             if result.is_ok() {
                 if let Some(config) = session.config().as_mut() {
                     forget_device(config, &body.id);
@@ -230,19 +241,15 @@ pub fn handle(
                 Err(error) if error.status == 404 => fault(
                     404,
                     format!(
-                        "no device {:?}: gpuvm removes hot-plugged devices and passthrough devices configured before boot",
+                        "no device {:?}: gpuvm removes hot-plugged devices, and any device added before boot",
                         body.id
                     ),
                 ),
                 other => empty(other),
             }
         }),
-        "vm.resize" | "vm.resize-zone" => put_only(&|| {
-            unsupported(
-            name,
-            "gpuvm has no vCPU or memory hot-plug; set static_sandbox_resource_mgmt = true in Kata's configuration-clh.toml",
-        )
-        }),
+        "vm.resize" => put_only(&|| resize::resize(request, session, dispatch)),
+        "vm.resize-zone" => put_only(&resize::resize_zone),
         "vm.resize-disk" => {
             put_only(&|| unsupported(name, "disks cannot be resized while attached"))
         }
@@ -364,6 +371,9 @@ fn create(request: &Request, session: &Session, dispatch: Dispatch) -> Response 
         Ok(Some(_)) => return fault(409, "the VM is already created"),
         Err(response) => return response,
     }
+    if let Err(message) = super::validate::vm_config(&config) {
+        return fault(400, message);
+    }
     let actions = match translate::vm_config(&config) {
         Ok(actions) => actions,
         Err(message) => return fault(400, message),
@@ -463,16 +473,17 @@ fn restore(
     let result = dispatch(action);
     if result.is_ok() {
         let machine = dispatch(VmmAction::GetMachineConfig).ok();
-        let (vcpus, mib) = match machine {
+        let (vcpus, mib, max_vcpus) = match machine {
             Some(VmmData::Json(m)) => (
                 m["vcpu_count"].as_u64().unwrap_or(1),
                 m["mem_size_mib"].as_u64().unwrap_or(0),
+                m["max_vcpus"].as_u64(),
             ),
-            _ => (1, 0),
+            _ => (1, 0, None),
         };
         let restored = json!({
             "payload": {},
-            "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus},
+            "cpus": {"boot_vcpus": vcpus, "max_vcpus": max_vcpus.unwrap_or(vcpus)},
             "memory": {"size": mib << 20},
         });
         *session.config() = serde_json::from_value(restored).ok();
@@ -549,6 +560,10 @@ fn add(
             }
             fields.insert("id".into(), json!(fresh_id(&taken, prefix)));
         }
+    }
+    // Cloud Hypervisor's rules, for the configuration with the device in it.
+    if let Err(message) = validate_added(config, kind, &value) {
+        return fault(400, message);
     }
     // vm.create checked it; a device's pci_segment must be one of these.
     let segments = translate::num_pci_segments(config).unwrap_or(1);
@@ -722,6 +737,25 @@ fn add(
     }
 }
 
+/// Checks the configuration `config` would be with the device `value` of `kind` added
+/// ([`super::validate::vm_config`]): what it refuses is about the new device (vm.create
+/// checked the rest). A body that does not parse is left to the caller's refusal.
+fn validate_added(config: &VmConfig, kind: Kind, value: &Value) -> Result<(), String> {
+    let mut candidate = config.clone();
+    let parsed = match kind {
+        Kind::Disk => serde_json::from_value(value.clone()).map(|d| candidate.disks.push(d)),
+        Kind::Net => serde_json::from_value(value.clone()).map(|n| candidate.net.push(n)),
+        Kind::Fs => serde_json::from_value(value.clone()).map(|f| candidate.fs.push(f)),
+        Kind::Vsock => serde_json::from_value(value.clone()).map(|v| candidate.vsock = Some(v)),
+        Kind::Device => serde_json::from_value(value.clone()).map(|d| candidate.devices.push(d)),
+        Kind::UserDevice => Ok(()),
+    };
+    if parsed.is_err() {
+        return Ok(());
+    }
+    super::validate::vm_config(&candidate)
+}
+
 /// A device added after vm.boot: hot-plugged on PCI segment 0 (where the hot-plug
 /// controller is); answers `{id, bdf}` as Cloud Hypervisor does.
 fn hot_plug(
@@ -818,6 +852,22 @@ fn push_user_device(config: &mut VmConfig, device: Value) {
         Value::Array(users) => users.push(device),
         other => *other = json!([device]),
     }
+}
+
+/// The id gpuvm knows the configured device `id` by: a share's tag for a share's id,
+/// `vsock` for the vsock device's id; any other id is the same.
+fn gpuvm_id(config: &VmConfig, id: &str) -> String {
+    if let Some(fs) = config.fs.iter().find(|f| f.id.as_deref() == Some(id)) {
+        return fs.tag.clone();
+    }
+    if config
+        .vsock
+        .as_ref()
+        .is_some_and(|v| v.id.as_deref() == Some(id))
+    {
+        return "vsock".into();
+    }
+    id.to_string()
 }
 
 /// Drops the device `id` from the configuration vm.info shows.

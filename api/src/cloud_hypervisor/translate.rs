@@ -38,11 +38,15 @@ pub fn machine(
         .ok()
         .filter(|n| *n > 0)
         .ok_or_else(|| format!("cpus.boot_vcpus = {boot}: gpuvm runs 1 to 255 vCPUs"))?;
-    if max > boot {
-        log::info!(
-            "Cloud Hypervisor API: cpus.max_vcpus {max} ignored (gpuvm has no vCPU hot-plug)"
-        );
-    }
+    // vm.resize hot-plugs vCPUs up to max_vcpus (validate.rs checked it is at least
+    // boot_vcpus). A maximum above what the MADT can hold is lowered to that, and the VMM
+    // lowers one above the host's KVM limit: those vCPUs could never be added anyway, and
+    // Kata asks for as many as the host has CPUs. (This runs on the API thread, whose
+    // filter keeps it from asking KVM.)
+    let max_vcpus = u8::try_from(max)
+        .unwrap_or(u8::MAX)
+        .min(gpuvm_vmm::action::MAX_VCPUS)
+        .max(vcpu_count);
     let (size, mut backing, thp, prefault) = match memory {
         Some(m) => {
             check_other("memory.", &m.other)?;
@@ -76,6 +80,7 @@ pub fn machine(
         thp,
         prefault,
         cpuid_masks: Vec::new(),
+        max_vcpus: (max_vcpus > vcpu_count).then_some(max_vcpus),
     }))
 }
 

@@ -198,9 +198,67 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(no_content(VmmAction::CreateSnapshot(snapshot), dispatch))
         }
         (Put, "/snapshot/load") => {
-            let load = translate::snapshot_load(&body(request)?, cwd).map_err(refused)?;
-            Ok(no_content(VmmAction::LoadSnapshot(load), dispatch))
+            let (load, overrides) =
+                translate::snapshot_load(&body(request)?, cwd).map_err(refused)?;
+            let action = if overrides == Default::default() {
+                VmmAction::LoadSnapshot(load)
+            } else {
+                VmmAction::LoadSnapshotWith { load, overrides }
+            };
+            Ok(no_content(action, dispatch))
         }
+        (Put | Patch, "/mmds") => {
+            let value = body(request)?;
+            let mut store = gpuvm_mmds::shared().store();
+            let changed = if method == Put {
+                store.put(value)
+            } else {
+                store.patch(&value)
+            };
+            changed.map_err(|e| fault(400, e.to_string()))?;
+            Ok(Response::no_content())
+        }
+        (Get, "/mmds") => Ok(Response::json(200, gpuvm_mmds::shared().store().data())),
+        (_, "/mmds") => Err(method_not_allowed("GET, PUT, PATCH")),
+        (Put, "/mmds/config") => {
+            let fc = body(request)?;
+            let info = json_of(VmmAction::GetInstanceInfo, dispatch)?;
+            if matches!(info["state"].as_str(), Some("Running" | "Paused")) {
+                return Err(fault(
+                    400,
+                    "The requested operation is not supported after starting the microVM.",
+                ));
+            }
+            let config: gpuvm_mmds::MmdsConfig = serde_json::from_value(fc.clone())
+                .map_err(|e| fault(400, format!("invalid mmds/config body: {e}")))?;
+            config.validate().map_err(|e| fault(400, e.to_string()))?;
+            let known: Vec<String> = session
+                .config()
+                .get("network-interfaces")
+                .and_then(Value::as_array)
+                .map(|items| {
+                    items
+                        .iter()
+                        .filter_map(|i| i["iface_id"].as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let unknown: Vec<&String> = config
+                .network_interfaces
+                .iter()
+                .filter(|id| !known.contains(id))
+                .collect();
+            if !unknown.is_empty() {
+                return Err(fault(
+                    400,
+                    format!("MMDS config network_interfaces: no network interface {unknown:?} is configured"),
+                ));
+            }
+            gpuvm_mmds::shared().set_config(Some(config));
+            remember(session, "mmds-config", None, fc);
+            Ok(Response::no_content())
+        }
+        (_, "/mmds/config") => Err(method_not_allowed("PUT")),
         (Put, "/vsock") => {
             let fc = body(request)?;
             let config = translate::vsock(&fc, cwd).map_err(refused)?;

@@ -56,33 +56,40 @@ fn paths_resolve_and_snapshots_take_two_files() {
     .unwrap();
     assert_eq!(create.snapshot_path, Path::new("/srv/fc/s.state"));
     assert_eq!(create.mem_file_path.as_deref(), Some(Path::new("/m")));
-    let load = translate::snapshot_load(
+    let (load, overrides) = translate::snapshot_load(
         &json!({"snapshot_path": "/s", "mem_backend": {"backend_type": "File", "backend_path": "/m"}, "resume_vm": true}),
         cwd,
     )
     .unwrap();
+    assert_eq!(overrides, Default::default());
     assert_eq!(load.restore_mode, RestoreModeBody::Lazy);
     assert!(load.resume_vm && load.mem_file_path.is_some());
     let older =
         translate::snapshot_load(&json!({"snapshot_path": "/s", "mem_file_path": "/m"}), cwd)
-            .unwrap();
+            .unwrap()
+            .0;
     assert_eq!(older.mem_file_path.as_deref(), Some(Path::new("/m")));
     let uffd = translate::snapshot_load(
         &json!({"snapshot_path": "/d/s", "mem_backend": {"backend_type": "Uffd", "backend_path": "/uffd.sock"}}),
         cwd,
     )
-    .unwrap();
+    .unwrap()
+    .0;
     assert_eq!(uffd.restore_mode, RestoreModeBody::External);
     assert_eq!(uffd.snapshot_path, Path::new("/d/.s.gpuvm"));
     for (bad, needle) in [
         (json!({"snapshot_path": "/s"}), "mem_backend"),
         (
-            json!({"snapshot_path": "/s", "mem_file_path": "/m", "track_dirty_pages": true}),
-            "track_dirty_pages",
+            json!({"snapshot_path": "/s", "mem_file_path": "/m", "network_overrides": [{"iface_id": "a", "host_dev_name": "b"}, {"iface_id": "a", "host_dev_name": "c"}]}),
+            "twice",
         ),
         (
-            json!({"snapshot_path": "/s", "mem_file_path": "/m", "network_overrides": [{"iface_id": "a", "host_dev_name": "b"}]}),
-            "network_overrides",
+            json!({"snapshot_path": "/s", "mem_file_path": "/m", "network_overrides": [{"iface_id": "a"}]}),
+            "host_dev_name",
+        ),
+        (
+            json!({"snapshot_path": "/s", "mem_file_path": "/m", "vsock_override": {"path": "/v"}}),
+            "path",
         ),
         (
             json!({"snapshot_path": "/s", "mem_backend": {"backend_type": "Tape", "backend_path": "/m"}}),
@@ -92,6 +99,51 @@ fn paths_resolve_and_snapshots_take_two_files() {
         let error = translate::snapshot_load(&bad, cwd).unwrap_err();
         assert!(error.contains(needle), "{bad}: {error}");
     }
+}
+
+#[test]
+fn snapshot_load_overrides_translate() {
+    let cwd = Path::new("/srv/fc");
+    for key in ["track_dirty_pages", "enable_diff_snapshots"] {
+        let (_, overrides) = translate::snapshot_load(
+            &json!({"snapshot_path": "/s", "mem_file_path": "/m", key: true}),
+            cwd,
+        )
+        .unwrap();
+        assert!(overrides.track_dirty_pages, "{key}");
+    }
+    let (_, overrides) = translate::snapshot_load(
+        &json!({"snapshot_path": "/s", "mem_file_path": "/m",
+            "network_overrides": [{"iface_id": "eth0", "host_dev_name": "tap7"}],
+            "vsock_override": {"uds_path": "v.sock"}}),
+        cwd,
+    )
+    .unwrap();
+    assert_eq!(overrides.network_overrides.len(), 1);
+    assert_eq!(overrides.network_overrides[0].host_dev_name, "tap7");
+    assert_eq!(
+        overrides.vsock_uds_path.as_deref(),
+        Some(Path::new("/srv/fc/v.sock"))
+    );
+    assert!(!overrides.track_dirty_pages);
+    // The route carries them in one action.
+    let request = request(
+        Method::Put,
+        "/snapshot/load",
+        r#"{"snapshot_path": "/s", "mem_file_path": "/m", "track_dirty_pages": true}"#,
+    );
+    let seen = std::cell::RefCell::new(None);
+    let dispatch = |action: VmmAction| {
+        *seen.borrow_mut() = Some(format!("{action:?}"));
+        Ok(VmmData::Empty)
+    };
+    let response = handle(&request, &Session::new("t"), &dispatch);
+    assert_eq!(response.status, 204);
+    let seen = seen.borrow().clone().unwrap();
+    assert!(
+        seen.starts_with("LoadSnapshotWith") && seen.contains("track_dirty_pages: true"),
+        "{seen}"
+    );
 }
 
 #[test]
@@ -163,4 +215,69 @@ fn routes_answer_with_firecracker_codes_and_shapes() {
         .status,
         400
     );
+}
+
+#[test]
+fn mmds_routes_store_and_configure() {
+    let session = Session::new("t");
+    let state = std::cell::Cell::new("NotStarted");
+    let dispatch = |action: VmmAction| match action {
+        VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": state.get()}))),
+        _ => Ok(VmmData::Empty),
+    };
+    let go =
+        |method, path: &str, body: &str| handle(&request(method, path, body), &session, &dispatch);
+    assert_eq!(
+        go(Method::Put, "/mmds", r#"{"latest": {"id": "i-1"}}"#).status,
+        204
+    );
+    assert_eq!(
+        go(Method::Patch, "/mmds", r#"{"latest": {"x": "y"}}"#).status,
+        204
+    );
+    let got = go(Method::Get, "/mmds", "");
+    assert_eq!(got.status, 200);
+    let value: serde_json::Value = serde_json::from_slice(&got.body).unwrap();
+    assert_eq!(value, json!({"latest": {"id": "i-1", "x": "y"}}));
+    assert_eq!(go(Method::Put, "/mmds", "[1]").status, 400);
+    let big = format!(
+        r#"{{"a": "{}"}}"#,
+        "x".repeat(gpuvm_mmds::DEFAULT_SIZE_LIMIT)
+    );
+    let refused = go(Method::Put, "/mmds", &big);
+    assert_eq!(refused.status, 400);
+    assert!(String::from_utf8_lossy(&refused.body).contains("limit"));
+
+    // The interface must be configured first.
+    let config = r#"{"version": "V2", "network_interfaces": ["eth0"]}"#;
+    let refused = go(Method::Put, "/mmds/config", config);
+    assert_eq!(refused.status, 400);
+    assert!(String::from_utf8_lossy(&refused.body).contains("eth0"));
+    assert_eq!(
+        go(Method::Put, "/mmds/config", r#"{"network_interfaces": []}"#).status,
+        400
+    );
+    session.config().insert(
+        "network-interfaces".into(),
+        json!([{"iface_id": "eth0", "host_dev_name": "tap0"}]),
+    );
+    assert_eq!(
+        go(
+            Method::Put,
+            "/mmds/config",
+            r#"{"network_interfaces": ["eth0"], "ipv4_address": "10.0.0.1"}"#
+        )
+        .status,
+        400
+    );
+    assert_eq!(go(Method::Put, "/mmds/config", config).status, 204);
+    let mmds = gpuvm_mmds::shared().config().unwrap();
+    assert_eq!(mmds.version, gpuvm_mmds::MmdsVersion::V2);
+    assert_eq!(mmds.ipv4_address, gpuvm_mmds::DEFAULT_IPV4);
+    assert!(gpuvm_mmds::shared().stack_for("eth0").is_some());
+    // Pre-boot only.
+    state.set("Running");
+    assert_eq!(go(Method::Put, "/mmds/config", config).status, 400);
+    assert_eq!(go(Method::Patch, "/mmds", r#"{"b": "c"}"#).status, 204);
+    assert_eq!(go(Method::Delete, "/mmds", "").status, 400);
 }

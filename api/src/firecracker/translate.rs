@@ -7,8 +7,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use gpuvm_vmm::action::{
-    BackingKind, BootSourceBody, DriveBody, LoggerConfig, MachineConfigBody, MetricsConfig,
-    RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody, SnapshotType, VmmAction,
+    BackingKind, BootSourceBody, DriveBody, LoadOverrides, LoggerConfig, MachineConfigBody,
+    MetricsConfig, NetworkOverride, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
+    SnapshotType, VmmAction,
 };
 
 /// A refusal's fault message.
@@ -247,10 +248,18 @@ struct SnapshotLoad {
     track_dirty_pages: bool,
     #[serde(default)]
     resume_vm: bool,
-    network_overrides: Option<Value>,
-    vsock_override: Option<Value>,
+    #[serde(default)]
+    network_overrides: Option<Vec<NetworkOverride>>,
+    #[serde(default)]
+    vsock_override: Option<VsockOverride>,
     #[serde(default)]
     clock_realtime: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VsockOverride {
+    uds_path: PathBuf,
 }
 
 /// PUT /snapshot/load. `File` (and the older `mem_file_path`) restores lazily: the guest
@@ -260,21 +269,33 @@ struct SnapshotLoad {
 /// from the raw image; gpuvm then reads the memory layout from its own snapshot
 /// directory, the hidden `.<state file>.gpuvm` beside the state file that PUT
 /// /snapshot/create wrote.
-pub fn snapshot_load(body: &Value, cwd: &Path) -> Result<SnapshotLoadBody, Refusal> {
+///
+/// `track_dirty_pages` (or the older `enable_diff_snapshots`) turns dirty-page tracking on
+/// in the restored VM (a Diff snapshot may follow); `network_overrides` give interfaces of
+/// the snapshot new taps and `vsock_override` the vsock device a new socket path (an
+/// `iface_id` the snapshot does not have is refused when the snapshot is read).
+pub fn snapshot_load(
+    body: &Value,
+    cwd: &Path,
+) -> Result<(SnapshotLoadBody, LoadOverrides), Refusal> {
     let fc: SnapshotLoad = parse("snapshot/load", body)?;
-    if fc.enable_diff_snapshots || fc.track_dirty_pages {
-        return Err("snapshot/load track_dirty_pages (enable_diff_snapshots) is not supported by gpuvm: the snapshot's own machine-config track_dirty_pages applies".into());
+    let network_overrides = fc.network_overrides.unwrap_or_default();
+    for (i, over) in network_overrides.iter().enumerate() {
+        if network_overrides[..i]
+            .iter()
+            .any(|o| o.iface_id == over.iface_id)
+        {
+            return Err(format!(
+                "snapshot/load network_overrides names {:?} twice",
+                over.iface_id
+            ));
+        }
     }
-    if fc
-        .network_overrides
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
-    {
-        return Err("snapshot/load network_overrides is not supported by gpuvm".into());
-    }
-    if fc.vsock_override.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err("snapshot/load vsock_override is not supported by gpuvm".into());
-    }
+    let overrides = LoadOverrides {
+        track_dirty_pages: fc.enable_diff_snapshots || fc.track_dirty_pages,
+        network_overrides,
+        vsock_uds_path: fc.vsock_override.map(|v| resolve(cwd, &v.uds_path)),
+    };
     if fc.clock_realtime {
         return Err("snapshot/load clock_realtime is not supported by gpuvm".into());
     }
@@ -308,7 +329,7 @@ pub fn snapshot_load(body: &Value, cwd: &Path) -> Result<SnapshotLoadBody, Refus
             }
         },
     }
-    Ok(load)
+    Ok((load, overrides))
 }
 
 /// A drive body in Firecracker's shape onto gpuvm's: relative paths resolved,
@@ -347,7 +368,7 @@ pub fn drive(body: &Value, cwd: &Path) -> Result<DriveBody, Refusal> {
 pub fn unsupported(path: &str) -> Option<&'static str> {
     let first = path.trim_start_matches('/').split('/').next().unwrap_or("");
     Some(match first {
-        "mmds" => "MMDS (the metadata service) is not supported by gpuvm",
+        "mmds-config" => "MMDS in the configuration file is not supported by gpuvm (use PUT /mmds/config and PUT /mmds)",
         "balloon" if path.contains("/hinting") => {
             "balloon free page hinting is not supported by gpuvm"
         }

@@ -40,6 +40,7 @@ use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
 use acpi_tables::{Aml, AmlSink};
 use gpuvm_devices::acpi_sleep::{AcpiSleepControl, S5_SLEEP_TYPE, SLEEP_CONTROL_PORT};
+use gpuvm_devices::cpu_hotplug::{CPU_HOTPLUG_PORT, CPU_HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::hotplug::{HOTPLUG_GSI, HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -47,6 +48,8 @@ use zerocopy::{Immutable, IntoBytes};
 
 use super::layout::{ACPI_END, ACPI_START, APIC_ADDR, IOAPIC_ADDR, MAX_PCI_SEGMENTS};
 use super::mptable::{ioapic_id, MAX_MPTABLE_CPUS};
+
+pub mod cpus;
 
 pub const OEM_ID: [u8; 6] = *b"GPUVM ";
 const OEM_TABLE_ID: [u8; 8] = *b"GPUVMTBL";
@@ -80,6 +83,10 @@ const IAPC_VGA_NOT_PRESENT: u16 = 1 << 2;
 /// MADT flags: PCAT_COMPAT, the machine also has the dual 8259 PICs (KVM's in-kernel irqchip).
 const MADT_PCAT_COMPAT: u32 = 1;
 const MADT_FLAGS_OFFSET: usize = 40;
+/// The table header's revision byte; the MADT revision whose local APIC flags have the
+/// online-capable bit (ACPI 6.3).
+const MADT_REVISION_OFFSET: usize = 8;
+const MADT_ONLINE_CAPABLE_REVISION: u8 = 5;
 const CHECKSUM_OFFSET: usize = 9;
 
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +105,9 @@ pub enum AcpiError {
 #[derive(Clone, Debug)]
 pub struct AcpiConfig {
     pub vcpus: u8,
+    /// vCPUs the guest may have by hot-plug; with more than `vcpus`, the DSDT has the CPU
+    /// hot-plug devices ([`cpus`]) and the MADT lists the others as online capable.
+    pub max_vcpus: u8,
     /// The PCI roots: `pci_segments[n]` is segment group n's (segment 0 first, always).
     pub pci_segments: Vec<PciRootConfig>,
     /// Offer ACPI power-off: the FADT's sleep control and status registers and `\_S5_`.
@@ -308,7 +318,11 @@ impl Aml for HostBridgeAml<'_> {
 
 /// `segments[n]` is segment n's root; `power_off` adds `\_S5_` and reserves the sleep
 /// control port.
-fn dsdt(segments: &[PciRootConfig], power_off: bool) -> Result<Vec<u8>, AcpiError> {
+fn dsdt(
+    segments: &[PciRootConfig],
+    power_off: bool,
+    cpu_hotplug: Option<cpus::CpuHotplugAml>,
+) -> Result<Vec<u8>, AcpiError> {
     check_segments(segments)?;
     let windows = segments
         .iter()
@@ -346,6 +360,15 @@ fn dsdt(segments: &[PciRootConfig], power_off: bool) -> Result<Vec<u8>, AcpiErro
     let mut mbrd_resources: Vec<&dyn Aml> =
         ecam_reservations.iter().map(|r| r as &dyn Aml).collect();
     mbrd_resources.push(&hotplug_ports);
+    let cpu_ports = aml::IO::new(
+        CPU_HOTPLUG_PORT,
+        CPU_HOTPLUG_PORT,
+        1,
+        CPU_HOTPLUG_PORT_LEN as u8,
+    );
+    if cpu_hotplug.is_some() {
+        mbrd_resources.push(&cpu_ports);
+    }
     let sleep_port = aml::IO::new(
         SLEEP_CONTROL_PORT,
         SLEEP_CONTROL_PORT,
@@ -371,7 +394,9 @@ fn dsdt(segments: &[PciRootConfig], power_off: bool) -> Result<Vec<u8>, AcpiErro
         "\\_SB_".into(),
         bridges
             .chain([
-                &GedAml as &dyn Aml,
+                &GedAml {
+                    cpus: cpu_hotplug.is_some(),
+                } as &dyn Aml,
                 &aml::Device::new(
                     "MBRD".into(),
                     vec![
@@ -395,6 +420,7 @@ fn dsdt(segments: &[PciRootConfig], power_off: bool) -> Result<Vec<u8>, AcpiErro
                     ],
                 ),
             ])
+            .chain(cpu_hotplug.as_ref().map(|c| c as &dyn Aml))
             .collect(),
     )
     .to_aml_bytes(&mut body);
@@ -515,7 +541,11 @@ impl Aml for PciHotplugAml {
 /// interrupt is [`HOTPLUG_GSI`], edge-triggered, active high; `_EVT` acknowledges the
 /// event (EVTS is write-1-to-clear) and runs `\_SB.PCI0.PCNT`; `_INI` enables the
 /// interrupt (EVEN), so a guest without ACPI never gets it.
-struct GedAml;
+/// With CPU hot-plug (`cpus`), `_EVT` also runs `\_SB.CPUS.CSCN` and `_INI` enables the
+/// CPU block's interrupt (CEVN): both blocks raise the same GSI.
+struct GedAml {
+    cpus: bool,
+}
 
 impl Aml for GedAml {
     fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
@@ -524,6 +554,15 @@ impl Aml for GedAml {
         let ack = aml::Store::new(&evts, &aml::ONE);
         let even: aml::Path = "\\_SB_.PCI0.EVEN".into();
         let enable = aml::Store::new(&even, &aml::ONE);
+        let cscn = aml::MethodCall::new(cpus::CSCN_PATH.into(), vec![]);
+        let cevn: aml::Path = cpus::CEVN_PATH.into();
+        let enable_cpus = aml::Store::new(&cevn, &aml::ONE);
+        let mut init: Vec<&dyn Aml> = vec![&enable];
+        let mut event: Vec<&dyn Aml> = vec![&ack, &pcnt];
+        if self.cpus {
+            init.push(&enable_cpus);
+            event.push(&cscn);
+        }
         aml::Device::new(
             "GED0".into(),
             vec![
@@ -539,8 +578,8 @@ impl Aml for GedAml {
                         HOTPLUG_GSI,
                     )]),
                 ),
-                &aml::Method::new("_INI".into(), 0, false, vec![&enable]),
-                &aml::Method::new("_EVT".into(), 1, true, vec![&ack, &pcnt]),
+                &aml::Method::new("_INI".into(), 0, false, init),
+                &aml::Method::new("_EVT".into(), 1, true, event),
             ],
         )
         .to_aml_bytes(sink);
@@ -579,15 +618,23 @@ fn fadt(dsdt_addr: u64, power_off: bool) -> Vec<u8> {
 
 /// ISA IRQs need no interrupt source overrides: like the MP table, IRQ n is IOAPIC pin n
 /// with the bus's default polarity and trigger, which is what ACPI assumes without one.
-fn madt(vcpus: u8) -> Vec<u8> {
+///
+/// CPUs `vcpus..max_vcpus` (hot-pluggable) are listed not enabled and online capable,
+/// which ACPI 6.3 defines for MADT revision 5 (Linux counts them as possible CPUs).
+fn madt(vcpus: u8, max_vcpus: u8) -> Vec<u8> {
     let mut madt = MADT::new(
         OEM_ID,
         OEM_TABLE_ID,
         OEM_REVISION,
         LocalInterruptController::Address(APIC_ADDR as u32),
     );
-    for cpu in 0..vcpus {
-        madt.add_structure(ProcessorLocalApic::new(cpu, cpu, EnabledStatus::Enabled));
+    for cpu in 0..vcpus.max(max_vcpus) {
+        let status = if cpu < vcpus {
+            EnabledStatus::Enabled
+        } else {
+            EnabledStatus::DisabledOnlineCapable
+        };
+        madt.add_structure(ProcessorLocalApic::new(cpu, cpu, status));
     }
     madt.add_structure(IoApic::new(ioapic_id(vcpus), IOAPIC_ADDR as u32, 0));
     madt.add_structure(LocalApicNmi::all_processors(1));
@@ -595,6 +642,9 @@ fn madt(vcpus: u8) -> Vec<u8> {
     // The crate has no setter for the MADT flags.
     bytes[MADT_FLAGS_OFFSET..MADT_FLAGS_OFFSET + 4]
         .copy_from_slice(&MADT_PCAT_COMPAT.to_le_bytes());
+    if max_vcpus > vcpus {
+        bytes[MADT_REVISION_OFFSET] = MADT_ONLINE_CAPABLE_REVISION;
+    }
     set_checksum(&mut bytes);
     bytes
 }
@@ -610,8 +660,8 @@ fn mcfg(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
 
 /// Builds every table and places it in `[ACPI_START, ACPI_END)`.
 pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
-    if config.vcpus == 0 || config.vcpus > MAX_MPTABLE_CPUS {
-        return Err(AcpiError::CpuCount(config.vcpus));
+    if config.vcpus == 0 || config.vcpus.max(config.max_vcpus) > MAX_MPTABLE_CPUS {
+        return Err(AcpiError::CpuCount(config.vcpus.max(config.max_vcpus)));
     }
     let mut next = RSDP_ADDR + (Rsdp::len() as u64).next_multiple_of(TABLE_ALIGN);
     let mut place = |len: usize| {
@@ -619,11 +669,14 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
         next = (addr + len as u64).next_multiple_of(TABLE_ALIGN);
         addr
     };
-    let dsdt = dsdt(&config.pci_segments, config.power_off)?;
+    let cpu_hotplug = (config.max_vcpus > config.vcpus).then_some(cpus::CpuHotplugAml {
+        max_vcpus: config.max_vcpus,
+    });
+    let dsdt = dsdt(&config.pci_segments, config.power_off, cpu_hotplug)?;
     let dsdt_addr = place(dsdt.len());
     let fadt = fadt(dsdt_addr, config.power_off);
     let fadt_addr = place(fadt.len());
-    let madt = madt(config.vcpus);
+    let madt = madt(config.vcpus, config.max_vcpus);
     let madt_addr = place(madt.len());
     let mcfg = mcfg(&config.pci_segments)?;
     let mcfg_addr = place(mcfg.len());
@@ -714,6 +767,7 @@ mod tests {
     fn tables(vcpus: u8) -> AcpiTables {
         build(&AcpiConfig {
             vcpus,
+            max_vcpus: 0,
             pci_segments: vec![pci()],
             power_off: true,
         })
@@ -822,6 +876,7 @@ mod tests {
     fn tables_with_power_off(power_off: bool) -> AcpiTables {
         build(&AcpiConfig {
             vcpus: 1,
+            max_vcpus: 0,
             pci_segments: segments(2),
             power_off,
         })
@@ -993,6 +1048,7 @@ mod tests {
         for count in [1u16, 2, 5, MAX_PCI_SEGMENTS] {
             let config = AcpiConfig {
                 vcpus: 1,
+                max_vcpus: 0,
                 pci_segments: segments(count),
                 power_off: true,
             };
@@ -1039,6 +1095,7 @@ mod tests {
     fn dsdt_has_a_host_bridge_per_segment_with_its_seg_and_windows() {
         let config = AcpiConfig {
             vcpus: 1,
+            max_vcpus: 0,
             pci_segments: segments(3),
             power_off: true,
         };
@@ -1116,12 +1173,80 @@ mod tests {
             assert!(matches!(
                 build(&AcpiConfig {
                     vcpus: 1,
+                    max_vcpus: 0,
                     pci_segments: bad,
                     power_off: true,
                 }),
                 Err(AcpiError::Layout(_))
             ));
         }
+    }
+
+    /// Hot-pluggable CPUs: online capable in a revision-5 MADT, a processor device each
+    /// under `\_SB.CPUS`, scanned from the GED; none of it without hot-plug.
+    #[test]
+    fn cpu_hot_plug_lists_every_possible_cpu() {
+        for (vcpus, max_vcpus) in [(1u8, 4u8), (2, MAX_MPTABLE_CPUS)] {
+            let tables = build(&AcpiConfig {
+                vcpus,
+                max_vcpus,
+                pci_segments: vec![pci()],
+                power_off: true,
+            })
+            .unwrap();
+            let (_, madt) = tables.find(b"APIC").unwrap();
+            assert_eq!(sum(madt), 0);
+            assert_eq!(madt[MADT_REVISION_OFFSET], 5);
+            let lapics: Vec<_> = madt_entries(madt)
+                .into_iter()
+                .filter(|(k, _)| *k == 0)
+                .collect();
+            assert_eq!(lapics.len(), usize::from(max_vcpus));
+            for (cpu, (_, entry)) in lapics.iter().enumerate() {
+                assert_eq!((entry[2], entry[3]), (cpu as u8, cpu as u8));
+                let flags = if cpu < usize::from(vcpus) { 1 } else { 2 };
+                assert_eq!(u32_at(entry, 4), flags, "CPU {cpu}");
+            }
+            let (_, dsdt) = tables.find(b"DSDT").unwrap();
+            assert_eq!(sum(dsdt), 0);
+            let aml = &dsdt[36..];
+            let last = format!("C{:03X}", max_vcpus - 1);
+            for name in [
+                &b"CPUS"[..],
+                b"ACPI0010\0",
+                b"ACPI0007\0",
+                b"CPLK",
+                b"PRST",
+                b"CSEL",
+                b"CPEN",
+                b"CINS",
+                b"CRMV",
+                b"CEJF",
+                b"CEVN",
+                b"CSTA",
+                b"CEJX",
+                b"CTFY",
+                b"CSCN",
+                b"C000",
+                last.as_bytes(),
+                b"_MAT",
+            ] {
+                assert!(contains(aml, name), "{}", String::from_utf8_lossy(name));
+            }
+            // _MAT of the last CPU: its local APIC entry, enabled.
+            let mut mat = vec![0x11, 0x0b, 0x0a, 8];
+            mat.extend_from_slice(&cpus::local_apic_entry(max_vcpus - 1));
+            assert!(contains(aml, &mat), "_MAT buffer");
+            let mut region = vec![0x5b, 0x80];
+            region.extend_from_slice(b"PRST\x01\x0b");
+            region.extend_from_slice(&CPU_HOTPLUG_PORT.to_le_bytes());
+            assert!(contains(aml, &region), "the register block's port");
+        }
+        let plain = tables(2);
+        let (_, dsdt) = plain.find(b"DSDT").unwrap();
+        assert!(!contains(dsdt, b"CPUS") && !contains(dsdt, b"CSCN"));
+        let (_, madt) = plain.find(b"APIC").unwrap();
+        assert_ne!(madt[MADT_REVISION_OFFSET], 5);
     }
 
     #[test]
@@ -1280,6 +1405,7 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 0,
+                max_vcpus: 0,
                 pci_segments: vec![pci()],
                 power_off: true,
             }),
@@ -1288,6 +1414,7 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 255,
+                max_vcpus: 0,
                 pci_segments: vec![pci()],
                 power_off: true,
             }),
@@ -1298,6 +1425,7 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
+                max_vcpus: 0,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1308,6 +1436,7 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
+                max_vcpus: 0,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1318,6 +1447,7 @@ mod tests {
         assert!(matches!(
             build(&AcpiConfig {
                 vcpus: 1,
+                max_vcpus: 0,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1330,6 +1460,7 @@ mod tests {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
         let config = AcpiConfig {
             vcpus: 2,
+            max_vcpus: 0,
             pci_segments: vec![pci()],
             power_off: true,
         };

@@ -11,6 +11,7 @@ mod args;
 mod boot;
 mod bootinfo;
 mod console;
+mod cpu_hotplug;
 mod edu;
 mod exception;
 mod gpu_migrate;

@@ -179,6 +179,17 @@ fn find_acpi_table(rsdp: u64, signature: &[u8; 4]) -> Option<u64> {
 }
 
 fn from_madt(rsdp_hint: u64) -> Option<CpuTable> {
+    from_madt_where(rsdp_hint, |flags| flags & 1 != 0)
+}
+
+/// The MADT's processors that are not enabled but online capable (flags bit 1, ACPI 6.3):
+/// the CPUs the VMM may hot-plug.
+pub fn hotpluggable(rsdp_hint: u64) -> Option<CpuTable> {
+    from_madt_where(rsdp_hint, |flags| flags & 3 == 2)
+}
+
+/// The MADT's processors whose flags `wanted` accepts.
+fn from_madt_where(rsdp_hint: u64, wanted: fn(u32) -> bool) -> Option<CpuTable> {
     let rsdp = if rsdp_hint != 0 && bytes_equal(rsdp_hint, b"RSD PTR ") {
         rsdp_hint
     } else {
@@ -200,11 +211,11 @@ fn from_madt(rsdp_hint: u64) -> Option<CpuTable> {
         }
         match kind {
             // Processor local APIC: flags bit 0 = enabled.
-            0 if read_u32(entry + 4) & 1 != 0 => table.add(read_u8(entry + 3) as u32),
+            0 if wanted(read_u32(entry + 4)) => table.add(read_u8(entry + 3) as u32),
             // Local APIC address override.
             5 => table.lapic_base = read_u64(entry + 4),
             // Processor local x2APIC: only IDs the xAPIC can address.
-            9 if read_u32(entry + 8) & 1 != 0 && read_u32(entry + 4) < 0xff => {
+            9 if wanted(read_u32(entry + 8)) && read_u32(entry + 4) < 0xff => {
                 table.add(read_u32(entry + 4))
             }
             _ => {}
@@ -265,31 +276,45 @@ pub struct BringUp {
     pub expected: usize,
 }
 
-/// Starts every AP of `table`, one after the other, each running `tg_ap_main` in ring 3 where
-/// it prints "smp: cpu <index> apic <id> online" and waits for a job. Stops at the first AP that
-/// does not arrive in time.
-pub fn bring_up(table: &CpuTable, tsc_hz: u64) -> BringUp {
-    let lapic = Lapic {
-        base: table.lapic_base,
-    };
-    // Software-enable the local APIC (spurious vector 0xff); IF stays clear in ring 3.
-    lapic.write(LAPIC_SVR, lapic.read(LAPIC_SVR) | 0x1ff);
-    let bsp_apic_id = lapic.read(LAPIC_ID) >> 24;
-    let expected = table.apic_ids().len() + usize::from(!table.apic_ids().contains(&bsp_apic_id));
-    crate::println!("smp: cpu 0 apic {bsp_apic_id} online");
+/// Starts APs with INIT/SIPI/SIPI, one at a time: the trampoline is in place and the BSP's
+/// local APIC enabled once it exists.
+pub struct Starter {
+    lapic: Lapic,
+    tsc_hz: u64,
+    /// TSC ticks the BSP waits for one AP.
+    timeout: u64,
+}
 
-    let tramp = boot::trampoline();
-    // SAFETY: the trampoline page below 1 MiB is RAM the guest does not otherwise use (boot
-    // info was copied out before); identity mapped and user writable.
-    unsafe {
-        core::ptr::copy_nonoverlapping(tramp.as_ptr(), TRAMPOLINE_PADDR as *mut u8, tramp.len())
-    };
+impl Starter {
+    pub fn new(lapic_base: u64, tsc_hz: u64) -> Starter {
+        let lapic = Lapic { base: lapic_base };
+        // Software-enable the local APIC (spurious vector 0xff); IF stays clear in ring 3.
+        lapic.write(LAPIC_SVR, lapic.read(LAPIC_SVR) | 0x1ff);
+        let tramp = boot::trampoline();
+        // SAFETY: the trampoline page below 1 MiB is RAM the guest does not otherwise use (boot
+        // info was copied out before); identity mapped and user writable.
+        unsafe {
+            core::ptr::copy_nonoverlapping(tramp.as_ptr(), TRAMPOLINE_PADDR as *mut u8, tramp.len())
+        };
+        Starter {
+            lapic,
+            tsc_hz,
+            timeout: tsc_hz / 1000 * AP_TIMEOUT_MS,
+        }
+    }
 
-    let timeout = tsc_hz / 1000 * AP_TIMEOUT_MS;
-    for &apic_id in table.apic_ids().iter().filter(|&&id| id != bsp_apic_id) {
+    pub fn bsp_apic_id(&self) -> u32 {
+        self.lapic.read(LAPIC_ID) >> 24
+    }
+
+    /// Starts the CPU with local APIC id `apic_id` into `tg_ap_main` (ring 3, where it prints
+    /// "smp: cpu <index> apic <id> online" and runs the job); its index, or None if it did not
+    /// arrive in time or no slot is left.
+    pub fn start(&self, apic_id: u32) -> Option<usize> {
+        let (lapic, tsc_hz) = (&self.lapic, self.tsc_hz);
         let index = ONLINE.load(Ordering::Acquire);
         if index >= MAX_CPUS {
-            break;
+            return None;
         }
         boot::prepare_ap_boot(index, tg_ap_main);
         BOOTING_INDEX.store(index, Ordering::Relaxed);
@@ -306,7 +331,7 @@ pub fn bring_up(table: &CpuTable, tsc_hz: u64) -> BringUp {
         }
         let start = rdtsc();
         while BOOTING_STATE.load(Ordering::Acquire) == STATE_WAITING
-            && rdtsc().wrapping_sub(start) < timeout
+            && rdtsc().wrapping_sub(start) < self.timeout
         {
             pause();
         }
@@ -319,11 +344,27 @@ pub fn bring_up(table: &CpuTable, tsc_hz: u64) -> BringUp {
             )
             .is_ok()
         {
-            break;
+            return None;
         }
         // Claimed: the AP is in ring 3 and only has its line to print.
         while BOOTING_STATE.load(Ordering::Acquire) != STATE_READY {
             pause();
+        }
+        Some(index)
+    }
+}
+
+/// Starts every AP of `table`, one after the other, each running `tg_ap_main` in ring 3 where
+/// it prints "smp: cpu <index> apic <id> online" and waits for a job. Stops at the first AP that
+/// does not arrive in time.
+pub fn bring_up(table: &CpuTable, tsc_hz: u64) -> BringUp {
+    let starter = Starter::new(table.lapic_base, tsc_hz);
+    let bsp_apic_id = starter.bsp_apic_id();
+    let expected = table.apic_ids().len() + usize::from(!table.apic_ids().contains(&bsp_apic_id));
+    crate::println!("smp: cpu 0 apic {bsp_apic_id} online");
+    for &apic_id in table.apic_ids().iter().filter(|&&id| id != bsp_apic_id) {
+        if starter.start(apic_id).is_none() {
+            break;
         }
     }
     BringUp {

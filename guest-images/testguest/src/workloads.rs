@@ -28,6 +28,7 @@ pub fn run(info: &BootInfo) -> ! {
         "memloop" => memloop(info, &mut words),
         "zerofill" => zerofill(info, &mut words),
         "smp" => smp_workload(info),
+        "cpu-hotplug" => crate::cpu_hotplug::run(info),
         "info" => print_info(info, cmdline),
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),

@@ -169,6 +169,11 @@ impl NetHandler {
             &self.counters,
             &mut self.log,
         );
+        if pair.mmds_pending() {
+            // MMDS answered: its frames go into the RX queue now.
+            self.process_rx(index);
+        }
+        let pair = &mut self.pairs[index];
         let Some(tx) = pair.tx.as_mut() else {
             return;
         };

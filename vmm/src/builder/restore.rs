@@ -16,7 +16,7 @@ use gpuvm_memory::uffd::{
 };
 use gpuvm_memory::GuestRam;
 
-use super::{create_base, create_vcpus, start_vcpu_threads, MachineBase};
+use super::{create_base, create_vcpus, spare_vcpu_threads, start_vcpu_threads, MachineBase};
 use crate::config::PciOptions;
 use crate::host::open_kvm;
 use crate::machine::{LazyMemory, Machine};
@@ -51,6 +51,20 @@ pub fn restore_with_gpus(
     gpus: &[crate::action::GpuBody],
     taps: &PassedTaps,
 ) -> Result<(Machine, RestoreTimings), Error> {
+    let none = crate::action::LoadOverrides::default();
+    restore_with_overrides(dir, mode, serial_out, gpus, taps, &none)
+}
+
+/// As [`restore_with_gpus`], changing what `overrides` says in the restored VM: dirty-page
+/// tracking on, network interfaces on new taps, the vsock device on a new socket path.
+pub fn restore_with_overrides(
+    dir: &Path,
+    mode: &RestoreMode,
+    serial_out: Box<dyn Write + Send>,
+    gpus: &[crate::action::GpuBody],
+    taps: &PassedTaps,
+    overrides: &crate::action::LoadOverrides,
+) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
     let mut clock = StageClock::starting_at(started);
     let kvm = open_kvm()?;
@@ -64,24 +78,41 @@ pub fn restore_with_gpus(
     let mut config = state.config.clone();
     // userfaultfd needs untouched memory; eager fills it anyway.
     config.prefault = false;
+    config.track_dirty_pages |= overrides.track_dirty_pages;
     // The virtio devices the snapshot holds, rebuilt from their saved configuration.
+    let mut virtio = crate::virtio::options_of(&state.state.devices.virtio);
+    crate::virtio::apply_load_overrides(&mut virtio, overrides)
+        .map_err(crate::pci::PciSetupError::from)?;
+    // vCPU hot-plug: as many possible vCPUs as at boot (the CPU hot-plug block's state
+    // says which are present; the snapshot has the state of those).
+    let max_vcpus = state
+        .state
+        .devices
+        .cpu_hotplug
+        .as_ref()
+        .map_or(0, |cpus| cpus.max_vcpus);
     let pci = PciOptions {
-        virtio: crate::virtio::options_of(&state.state.devices.virtio),
+        virtio,
         passed_taps: taps.clone(),
+        max_vcpus,
         ..PciOptions::default()
     };
+    let max_vcpus = pci.max_vcpus(&config);
     // vCPUs are created (not yet given their state) while validation may still run.
     let created = create_base(kvm, &config, &pci, serial_out, &mut clock).and_then(|base| {
-        let ids = state.state.vcpus.iter().map(|saved| saved.id);
-        let vcpus = create_vcpus(&base.kvm, &base.vm, ids, &base.devices)?;
-        let threads = start_vcpu_threads(&vcpus)?;
-        Ok((base, vcpus, threads))
+        let ids: Vec<u8> = state.state.vcpus.iter().map(|saved| saved.id).collect();
+        let vcpus = create_vcpus(&base.kvm, &base.vm, ids.iter().copied(), &base.devices)?;
+        let mut threads = start_vcpu_threads(&vcpus)?;
+        let absent = (0..max_vcpus).filter(|id| !ids.contains(id));
+        threads.extend(spare_vcpu_threads(absent)?);
+        let template = hotplug_template(&base, &config, &vcpus, max_vcpus)?;
+        Ok((base, vcpus, (threads, template)))
     });
     clock.mark("create_vcpus");
     // The snapshot's own errors come first, as when validation ran before everything else.
     let (chain, working_set, parallel_validation) = validation.finish(&state, dir)?;
     clock.mark("memory_file_wait");
-    let (mut base, mut vcpus, vcpu_threads) = created?;
+    let (mut base, mut vcpus, (vcpu_threads, vcpu_template)) = created?;
     let loaded = state.with_chain(chain);
     let validated = started.elapsed();
     if hold_after_validation() {
@@ -113,6 +144,8 @@ pub fn restore_with_gpus(
     } = base;
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
     machine.vcpu_threads = vcpu_threads;
+    machine.max_vcpus = max_vcpus;
+    machine.vcpu_template = vcpu_template;
     machine.lazy = lazy;
     if let Some(last) = loaded.chain.layers().last() {
         machine.set_memory_chain(MemoryChain {
@@ -276,6 +309,38 @@ fn restore_memory(
 
 /// The `vm_state` stage: the emulated devices' state, then the in-kernel irqchip, PIT
 /// and clock.
+/// How vCPUs hot-plugged into the restored VM are made, if it may have more than it has:
+/// as at boot (its saved vCPUs bring their own CPUID), with the topology of every
+/// possible vCPU.
+fn hotplug_template(
+    base: &MachineBase,
+    config: &crate::config::MachineConfig,
+    vcpus: &[crate::vcpu::Vcpu],
+    max_vcpus: u8,
+) -> Result<Option<crate::vcpu::VcpuTemplate>, Error> {
+    let Some(first) = vcpus.first() else {
+        return Ok(None);
+    };
+    if usize::from(max_vcpus) <= vcpus.len() {
+        return Ok(None);
+    }
+    let supported_cpuid = base
+        .kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(|source| Error::KvmSetup {
+            what: "read supported CPUID",
+            source,
+        })?;
+    Ok(Some(crate::vcpu::VcpuTemplate {
+        supported_cpuid,
+        topology: gpuvm_arch::x86_64::cpuid::Topology {
+            vcpu_count: max_vcpus,
+        },
+        masks: config.cpuid_masks.clone(),
+        msr_indices: first.msr_indices(),
+    }))
+}
+
 fn restore_vm_state(
     base: &mut MachineBase,
     loaded: &snapshot::LoadedSnapshot,

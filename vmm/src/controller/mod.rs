@@ -9,7 +9,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::action::{
     absolute_path, ActionError, ActionRequest, ActionResult, BootSourceBody, GpuBody,
-    InstanceState, MachineConfigBody, RestoreModeBody, SnapshotLoadBody, VmmAction, VmmData,
+    InstanceState, LoadOverrides, MachineConfigBody, RestoreModeBody, SnapshotLoadBody, VmmAction,
+    VmmData,
 };
 use crate::config::{MachineConfig, PciOptions, VmConfig};
 use crate::machine::{Machine, RunControl};
@@ -18,6 +19,7 @@ use crate::snapshot::RestoreMode;
 
 mod balloon;
 mod configure;
+mod resize;
 mod running;
 #[cfg(test)]
 mod tests;
@@ -210,11 +212,19 @@ impl ApiController {
             VmmAction::GetMetrics => Ok(metrics(state, None)),
             VmmAction::GetMachineConfig => Ok(VmmData::Json(serde_json::json!(
                 MachineConfigBody::from_config(&self.machine_config)
+                    .with_max_vcpus(self.pci.max_vcpus)
             ))),
-            VmmAction::PutMachineConfig(body) => body.to_config().map(|config| {
-                self.machine_config = config;
-                VmmData::Empty
+            VmmAction::PutMachineConfig(body) => body.checked_max_vcpus().and_then(|max| {
+                body.to_config().map(|config| {
+                    self.machine_config = config;
+                    self.pci.max_vcpus = max;
+                    VmmData::Empty
+                })
             }),
+            VmmAction::Resize {
+                desired_vcpus,
+                desired_ram,
+            } => self.resize_pre_boot(desired_vcpus, desired_ram),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
             VmmAction::RemoveDevice(id) => self.remove_configured(&id),
@@ -300,7 +310,8 @@ impl ApiController {
                     ),
                 };
             }
-            VmmAction::LoadSnapshot(body) => return self.load(body),
+            VmmAction::LoadSnapshot(body) => return self.load(body, &LoadOverrides::default()),
+            VmmAction::LoadSnapshotWith { load, overrides } => return self.load(load, &overrides),
             VmmAction::Batch(actions) => self.batch(actions),
             VmmAction::ShutdownVmm => {
                 self.shutdown_requested = true;
@@ -337,7 +348,11 @@ impl ApiController {
         Ok(VmmData::Empty)
     }
 
-    fn load(&mut self, mut body: SnapshotLoadBody) -> (ActionResult, Option<Started>) {
+    fn load(
+        &mut self,
+        mut body: SnapshotLoadBody,
+        overrides: &LoadOverrides,
+    ) -> (ActionResult, Option<Started>) {
         if let Some(mem_file) = body.mem_file_path.take() {
             // Firecracker's layout: a state file and a memory file, staged as a directory.
             let staged = absolute_path(&body.snapshot_path, "snapshot_path")
@@ -396,12 +411,13 @@ impl ApiController {
                 return (Err(error), None);
             }
         }
-        let restored = crate::builder::restore_with_gpus(
+        let restored = crate::builder::restore_with_overrides(
             &body.snapshot_path,
             &mode,
             (self.serial_out)(),
             &body.gpus,
             &self.pci.passed_taps,
+            overrides,
         );
         match restored {
             Ok((mut machine, timings)) => {
@@ -455,6 +471,13 @@ impl ApiController {
                     None,
                 ),
                 VmmAction::PatchDrive(body) => (patch_drive(machine, body), None),
+                VmmAction::Resize {
+                    desired_vcpus,
+                    desired_ram,
+                } => (
+                    resize::resize_before_resume(machine, desired_vcpus, desired_ram),
+                    None,
+                ),
                 action @ (VmmAction::PutBalloon(_)
                 | VmmAction::PatchBalloon(_)
                 | VmmAction::GetBalloon
@@ -487,7 +510,8 @@ impl ApiController {
                 | VmmAction::PutEntropy(_)
                 | VmmAction::PutPciSegments(_)
                 | VmmAction::StartInstance
-                | VmmAction::LoadSnapshot(_) => (Err(started_already()), None),
+                | VmmAction::LoadSnapshot(_)
+                | VmmAction::LoadSnapshotWith { .. } => (Err(started_already()), None),
             };
             let _ = request.reply.send(result);
             if let Some(next) = next {
@@ -555,7 +579,10 @@ impl ApiController {
 }
 
 fn machine_config_json(machine: &Machine) -> VmmData {
-    VmmData::Json(serde_json::json!(MachineConfigBody::from_config(
-        machine.config()
-    )))
+    let mut body = MachineConfigBody::from_config(machine.config());
+    // The vCPUs it has now (hot-plug changes them), and how many it may have.
+    body.vcpu_count = machine.vcpu_count();
+    // A VM with vCPU hot-plug always says how far it may grow.
+    body.max_vcpus = machine.has_vcpu_hotplug().then(|| machine.max_vcpus());
+    VmmData::Json(serde_json::json!(body))
 }

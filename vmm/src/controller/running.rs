@@ -299,6 +299,10 @@ impl RunningApi {
                 "a removal is answered from the run loop",
             )),
             VmmAction::HotplugVirtio(device) => hot_plug_virtio(running, device),
+            VmmAction::Resize {
+                desired_vcpus,
+                desired_ram,
+            } => super::resize::resize_running(running, desired_vcpus, desired_ram),
             VmmAction::PutMachineConfig(_)
             | VmmAction::PutBootSource(_)
             | VmmAction::PutDrive(_)
@@ -310,7 +314,8 @@ impl RunningApi {
             | VmmAction::PutEntropy(_)
             | VmmAction::PutPciSegments(_)
             | VmmAction::StartInstance
-            | VmmAction::LoadSnapshot(_) => Err(started_already()),
+            | VmmAction::LoadSnapshot(_)
+            | VmmAction::LoadSnapshotWith { .. } => Err(started_already()),
             VmmAction::Batch(_) => Err(started_already()),
             VmmAction::ShutdownVmm => {
                 log::info!("ShutdownVmm: ending the run");

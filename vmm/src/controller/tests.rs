@@ -46,3 +46,71 @@ fn passed_tap_descriptors_are_counted_and_checked() {
     assert!(controller.pci.virtio.nets.is_empty());
     assert!(controller.pci.passed_taps.ids().is_empty());
 }
+
+/// vm.resize before start: the count to boot with, between 1 and `max_vcpus`; memory
+/// only at its size. Refusals leave the configuration as it was.
+#[test]
+fn resize_before_start_changes_the_boot_count_within_max_vcpus() {
+    let mut controller = controller();
+    let body: MachineConfigBody = serde_json::from_value(serde_json::json!({
+        "vcpu_count": 2, "mem_size_mib": 256, "max_vcpus": 4,
+    }))
+    .unwrap();
+    assert!(controller
+        .pre_boot(VmmAction::PutMachineConfig(body))
+        .0
+        .is_ok());
+    let shown = controller.pre_boot(VmmAction::GetMachineConfig).0.unwrap();
+    assert_eq!(
+        shown,
+        VmmData::Json(serde_json::json!({
+            "vcpu_count": 2, "mem_size_mib": 256, "track_dirty_pages": false,
+            "backing": "memfd", "thp": true, "prefault": false, "cpuid_masks": [],
+            "max_vcpus": 4,
+        }))
+    );
+    let resize = |vcpus: Option<u8>, ram: Option<u64>| VmmAction::Resize {
+        desired_vcpus: vcpus,
+        desired_ram: ram,
+    };
+    // Kata's call at sandbox start: the count the VM has.
+    assert_eq!(
+        controller.pre_boot(resize(Some(2), None)).0,
+        Ok(VmmData::Empty)
+    );
+    assert_eq!(
+        controller.pre_boot(resize(None, Some(256 << 20))).0,
+        Ok(VmmData::Empty)
+    );
+    for (action, says) in [
+        (resize(Some(0), None), "at least 1 vCPU"),
+        (resize(Some(5), None), "max_vcpus = 4"),
+        (
+            resize(Some(3), Some(512 << 20)),
+            "static_sandbox_resource_mgmt",
+        ),
+    ] {
+        let error = controller.pre_boot(action).0.unwrap_err();
+        assert_eq!(error.status, 400);
+        assert!(error.message.contains(says), "{}", error.message);
+        assert_eq!(controller.machine_config.vcpus, 2);
+    }
+    assert_eq!(
+        controller.pre_boot(resize(Some(4), None)).0,
+        Ok(VmmData::Empty)
+    );
+    assert_eq!(controller.machine_config.vcpus, 4);
+    assert_eq!(controller.pci_options().max_vcpus, 4);
+
+    // A maximum below the count is refused.
+    let body: MachineConfigBody = serde_json::from_value(serde_json::json!({
+        "vcpu_count": 2, "mem_size_mib": 256, "max_vcpus": 1,
+    }))
+    .unwrap();
+    let error = controller
+        .pre_boot(VmmAction::PutMachineConfig(body))
+        .0
+        .unwrap_err();
+    assert!(error.message.contains("max_vcpus"), "{}", error.message);
+    assert_eq!(controller.machine_config.vcpus, 4);
+}

@@ -3,6 +3,7 @@
 //! port. Snapshots of the running machine, lazy-memory progress, the loop's event
 //! subscribers and the memory report live in the submodules.
 
+mod cpu_hotplug;
 mod events;
 mod lazy;
 mod report;
@@ -23,6 +24,7 @@ use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
+pub use self::cpu_hotplug::CpuResizeError;
 use self::events::{install_snapshot_signal, ControlEvents, StdinInput, SNAPSHOT_SIGNAL_FD};
 use self::lazy::LAZY_CHECK_INTERVAL;
 pub use self::report::MemoryReport;
@@ -98,7 +100,13 @@ pub trait RunControl: Send {
 /// A machine whose vCPUs are running (or paused by a control request).
 pub struct RunningMachine<'a> {
     machine: &'a mut Machine,
-    handles: &'a [VcpuHandle],
+    /// The guest's vCPUs (hot-plugged ones join them).
+    handles: &'a mut Vec<VcpuHandle>,
+    /// vCPUs the guest ejected: their threads paused, their KVM vCPUs kept (KVM cannot
+    /// destroy one) for a later hot-plug of the same CPU.
+    parked: &'a mut Vec<VcpuHandle>,
+    /// Where the vCPUs report that they stopped (a hot-plugged one too).
+    reporter: &'a Arc<StopReporter>,
 }
 
 impl RunningMachine<'_> {
@@ -156,6 +164,11 @@ pub struct Machine {
     /// the VM is built (the vCPUs hold the MSR list snapshots save).
     _kvm: Kvm,
     config: MachineConfig,
+    /// vCPUs the guest may have by hot-plug (at least `config.vcpus`, which counts the
+    /// vCPUs it has).
+    pub(crate) max_vcpus: u8,
+    /// How hot-plugged vCPUs are made (None without vCPU hot-plug).
+    pub(crate) vcpu_template: Option<vcpu::VcpuTemplate>,
     memory_chain: Option<MemoryChain>,
     snapshot_policy: Option<SnapshotPolicy>,
     snapshots: Vec<SnapshotReport>,
@@ -187,6 +200,8 @@ impl Machine {
             vm,
             ram,
             _kvm: kvm,
+            max_vcpus: config.vcpus,
+            vcpu_template: None,
             config,
             memory_chain: None,
             snapshot_policy: None,
@@ -335,12 +350,21 @@ impl Machine {
             vcpu::resume_all(&handles)?;
             Ok(())
         })();
-        drop(threads);
+        // The threads left wait for vCPUs that hot-plug may add.
+        self.vcpu_threads = threads;
         if let Err(error) = started {
             SNAPSHOT_SIGNAL_FD.store(-1, Ordering::SeqCst);
             return Err(error);
         }
         self.vcpus_started = Some(Instant::now());
+        let mut parked: Vec<VcpuHandle> = Vec::new();
+        // The guest's CPU ejects wake this thread as API requests do (see
+        // `RunningMachine::park_ejected_vcpus`).
+        if let (Some(block), Some(control)) = (&self.devices.cpu_hotplug, &self.run_control) {
+            if let Ok(wake) = control.event().try_clone() {
+                lock(block).set_wake(wake);
+            }
+        }
         // The background loader of a lazy restore was held back until now, so it did not
         // compete for CPUs with the restore's last steps.
         self.release_lazy_loading();
@@ -370,10 +394,14 @@ impl Machine {
             let api_requested = std::mem::take(&mut lock(&control).api_requested);
             if api_requested {
                 if let Some(mut run_control) = self.run_control.take() {
-                    let end = run_control.serve(&mut RunningMachine {
+                    let mut running = RunningMachine {
                         machine: self,
-                        handles: &handles,
-                    });
+                        handles: &mut handles,
+                        parked: &mut parked,
+                        reporter: &reporter,
+                    };
+                    running.park_ejected_vcpus();
+                    let end = run_control.serve(&mut running);
                     self.run_control = Some(run_control);
                     if let Some(end) = end {
                         break Ok(end);
@@ -388,6 +416,7 @@ impl Machine {
         // Bounded: a vCPU waiting for guest memory nobody serves is left behind, so that
         // the run (and the process) can end.
         vcpu::stop_all(&mut handles);
+        vcpu::stop_all(&mut parked);
         // When guest memory could not be served, that is why the run ended, whatever
         // ended it first (a vCPU faulting out of fenced memory, a guest that noticed).
         if let Err(error) = self.lazy_progress() {

@@ -4,9 +4,10 @@
 use std::mem::size_of;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_device_attr, kvm_dirty_log, kvm_irq_routing,
-    kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_device_attr, kvm_dirty_log, kvm_fpu,
+    kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs,
+    kvm_pit_state2, kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs,
+    kvm_xsave,
 };
 
 /// `_IOC(dir, type, nr, size)` as the kernel encodes ioctl request numbers.
@@ -44,6 +45,8 @@ pub const KVM_GET_PIT2: u32 = ior(KVMIO, 0x9f, size_of::<kvm_pit_state2>());
 pub const KVM_SET_DEVICE_ATTR: u32 = iow(KVMIO, 0xe1, size_of::<kvm_device_attr>());
 pub const KVM_IOEVENTFD: u32 = iow(KVMIO, 0x79, size_of::<kvm_bindings::kvm_ioeventfd>());
 pub const KVM_HAS_DEVICE_ATTR: u32 = iow(KVMIO, 0xe3, size_of::<kvm_device_attr>());
+/// vCPU hot-plug: the VMM thread creates and sets up a vCPU (see [`KVM_SET_CPUID2`]).
+pub const KVM_CREATE_VCPU: u32 = io(KVMIO, 0x41);
 // vCPU.
 pub const KVM_RUN: u32 = io(KVMIO, 0x80);
 pub const KVM_GET_REGS: u32 = ior(KVMIO, 0x81, size_of::<kvm_regs>());
@@ -59,6 +62,12 @@ pub const KVM_GET_DEBUGREGS: u32 = ior(KVMIO, 0xa1, size_of::<kvm_debugregs>());
 pub const KVM_GET_TSC_KHZ: u32 = io(KVMIO, 0xa3);
 pub const KVM_GET_XSAVE: u32 = ior(KVMIO, 0xa4, size_of::<kvm_xsave>());
 pub const KVM_GET_XCRS: u32 = ior(KVMIO, 0xa6, size_of::<kvm_xcrs>());
+/// Setting up a hot-plugged vCPU as the builder sets up the boot ones: CPUID, MSRs, FPU,
+/// local APIC.
+pub const KVM_SET_MSRS: u32 = iow(KVMIO, 0x89, size_of::<kvm_msrs>());
+pub const KVM_SET_FPU: u32 = iow(KVMIO, 0x8d, size_of::<kvm_fpu>());
+pub const KVM_SET_LAPIC: u32 = iow(KVMIO, 0x8f, size_of::<kvm_lapic_state>());
+pub const KVM_SET_CPUID2: u32 = iow(KVMIO, 0x90, size_of::<kvm_cpuid2>());
 
 // VFIO (`_IO(';', 100 + n)`) and iommufd (`_IO(';', 0x80 + n)`).
 const VFIO: u32 = b';' as u32;
@@ -139,5 +148,11 @@ mod tests {
         assert_eq!(ioctls::TUNGETIFF, libc::TUNGETIFF as u32);
         assert_eq!(ioctls::TUNSETOFFLOAD, libc::TUNSETOFFLOAD as u32);
         assert_eq!(ioctls::TUNSETVNETHDRSZ, libc::TUNSETVNETHDRSZ as u32);
+        // The kernel's values (include/uapi/linux/kvm.h on x86_64).
+        assert_eq!(ioctls::KVM_CREATE_VCPU, 0xae41);
+        assert_eq!(ioctls::KVM_SET_CPUID2, 0x4008_ae90);
+        assert_eq!(ioctls::KVM_SET_MSRS, 0x4008_ae89);
+        assert_eq!(ioctls::KVM_SET_FPU, 0x41a0_ae8d);
+        assert_eq!(ioctls::KVM_SET_LAPIC, 0x4400_ae8f);
     }
 }

@@ -263,6 +263,16 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     // Kernel VFIO teardown: the group or cdev leaves the KVM VFIO device.
                     KVM_SET_DEVICE_ATTR,
                     KVM_HAS_DEVICE_ATTR,
+                    // vCPU hot-plug (vm.resize): a vCPU created and set up here, then
+                    // handed to a vCPU thread started with the VM (threads cannot be
+                    // made under the vCPU filter later).
+                    KVM_CREATE_VCPU,
+                    KVM_SET_CPUID2,
+                    KVM_GET_CPUID2,
+                    KVM_SET_MSRS,
+                    KVM_SET_FPU,
+                    KVM_GET_LAPIC,
+                    KVM_SET_LAPIC,
                     // Lazy restore.
                     UFFDIO_COPY,
                     UFFDIO_ZEROPAGE,

@@ -46,6 +46,29 @@ pub fn name_threads_as_firecracker() {
     FIRECRACKER_NAMES.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// The name of a thread started for a vCPU that hot-plug may add: not `vcpu<N>` (nor
+/// Firecracker's `fc_vcpu <N>`) until it has its vCPU, so that orchestrators counting vCPU
+/// threads by name (Kata's GetThreadIDs) see only the vCPUs the guest has.
+fn spare_thread_name(id: u8) -> String {
+    format!("spare-vcpu{id}")
+}
+
+/// Renames the calling thread (PR_SET_NAME, which every filter allows).
+fn set_own_name(name: &str) {
+    let Ok(name) = std::ffi::CString::new(name) else {
+        return;
+    };
+    // SAFETY: PR_SET_NAME reads a NUL-terminated string of at most 16 bytes (the kernel
+    // truncates longer ones) from a pointer that stays valid for the call.
+    let renamed = unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) };
+    if renamed != 0 {
+        log::debug!(
+            "cannot rename the vCPU thread: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
 fn thread_name(id: u8) -> String {
     if FIRECRACKER_NAMES.load(std::sync::atomic::Ordering::Relaxed) {
         format!("fc_vcpu {id}")
@@ -58,12 +81,27 @@ impl VcpuThread {
     /// Spawns the thread for vCPU `id`: it installs the vCPU filter, says it is ready,
     /// and waits for its vCPU.
     pub fn spawn(id: u8) -> Result<VcpuThread, VcpuError> {
+        Self::spawn_named(id, false)
+    }
+
+    /// As [`VcpuThread::spawn`], for a vCPU that hot-plug may add later: the thread is
+    /// named `spare-vcpu<N>` until it is handed its vCPU, then takes the vCPU's name.
+    pub fn spawn_spare(id: u8) -> Result<VcpuThread, VcpuError> {
+        Self::spawn_named(id, true)
+    }
+
+    fn spawn_named(id: u8, spare: bool) -> Result<VcpuThread, VcpuError> {
         install_kick_handler()?;
+        let name = if spare {
+            spare_thread_name(id)
+        } else {
+            thread_name(id)
+        };
         let control = Arc::new(Control::new());
         let thread_control = control.clone();
         let (launch_tx, launch_rx) = channel::<Launch>();
         let thread = std::thread::Builder::new()
-            .name(thread_name(id))
+            .name(name)
             .spawn(move || {
                 let _ended = EndedOnDrop(thread_control.clone());
                 // Filtered before anything else runs on this thread, guest code included.
@@ -79,6 +117,9 @@ impl VcpuThread {
                 }
                 // The sender is dropped unlaunched when the machine is torn down first.
                 if let Ok((vcpu, reporter)) = launch_rx.recv() {
+                    if spare {
+                        set_own_name(&thread_name(id));
+                    }
                     vcpu.thread_main(&thread_control, reporter);
                 }
             })

@@ -329,6 +329,9 @@ pub(crate) struct QueuePair {
     pub tx_waiting_for_tap: bool,
     /// The tap reported an error condition (its interface is gone): no more reads.
     pub tap_broken: bool,
+    /// MMDS on this interface (pair 0 only): takes the guest's frames for it instead of
+    /// the tap, and its answers go into the RX queue before the tap's frames.
+    pub mmds: Option<gpuvm_mmds::MmdsStack>,
 }
 
 impl QueuePair {
@@ -350,9 +353,90 @@ impl QueuePair {
             rx_tap_failed: false,
             tx_waiting_for_tap: false,
             tap_broken: false,
+            mmds: None,
         }
     }
 
+    /// Whether MMDS has answers waiting for RX buffers.
+    pub fn mmds_pending(&self) -> bool {
+        self.mmds.as_ref().is_some_and(|m| m.has_replies())
+    }
+
+    /// Puts MMDS's answers into RX chains while both last; true if any went in.
+    fn deliver_mmds(
+        &mut self,
+        memory: &GuestMemory,
+        counters: &NetCounters,
+        log: &mut LogThrottle,
+    ) -> bool {
+        let (Some(mmds), Some(rx)) = (self.mmds.as_mut(), self.rx.as_mut()) else {
+            return false;
+        };
+        let mut used = false;
+        while mmds.has_replies() {
+            let chain = match pop_available(&mut rx.queue, memory) {
+                Available::Chain(chain) => chain,
+                Available::Empty | Available::Broken(_) => {
+                    self.rx_has_buffers = false;
+                    break;
+                }
+            };
+            let head = chain.head_index();
+            let Some(frame) = mmds.next_reply() else {
+                rx.queue.go_to_previous_position();
+                break;
+            };
+            match chain_slices(memory, chain, true, MAX_FRAME_LEN, true) {
+                Ok((slices, capacity)) if capacity >= VNET_HDR_LEN + frame.len() => {
+                    let (header_slices, payload_slices) = split_slices(slices, VNET_HDR_LEN);
+                    let mut guest_header = [0u8; VNET_HDR_LEN];
+                    guest_header[NUM_BUFFERS_OFFSET..NUM_BUFFERS_OFFSET + 2]
+                        .copy_from_slice(&1u16.to_le_bytes());
+                    write_into(&header_slices, &guest_header);
+                    write_into(&payload_slices, &frame);
+                    mark_dirty(&payload_slices, frame.len());
+                    complete(rx, memory, head, (VNET_HDR_LEN + frame.len()) as u32, log);
+                    bump(&counters.rx_packets, 1);
+                    bump(&counters.rx_bytes, frame.len() as u64);
+                }
+                Ok(_) => {
+                    // Too small a chain for this answer: it is dropped, the chain serves on.
+                    rx.queue.go_to_previous_position();
+                    bump(&counters.rx_dropped, 1);
+                    log.warn(format_args!(
+                        "MMDS answer of {} bytes dropped: the RX chain is too small",
+                        frame.len()
+                    ));
+                    continue;
+                }
+                Err(error) => {
+                    mmds.unget_reply(frame);
+                    complete(rx, memory, head, 0, log);
+                    bump(&counters.invalid_chains, 1);
+                    log.warn(format_args!("RX chain {head} returned unused: {error}"));
+                }
+            }
+            used = true;
+        }
+        used
+    }
+}
+
+/// Whether MMDS takes the TX `frame` (copied out of guest memory first).
+fn mmds_takes(mmds: &mut Option<gpuvm_mmds::MmdsStack>, frame: &TxFrame<'_>) -> bool {
+    let Some(mmds) = mmds.as_mut() else {
+        return false;
+    };
+    let mut bytes = vec![0u8; frame.frame_len];
+    let mut filled = 0;
+    for slice in &frame.payload {
+        filled += slice.copy_to(&mut bytes[filled..]);
+    }
+    bytes.truncate(filled);
+    mmds.intercept(&bytes)
+}
+
+impl QueuePair {
     /// Whether the tap should be watched for frames to read.
     pub fn wants_rx(&self, limiter: &RateLimiter) -> bool {
         self.rx.is_some()
@@ -388,6 +472,12 @@ impl QueuePair {
             self.held = None;
             pass.used = true;
         }
+        if self.deliver_mmds(memory, counters, log) {
+            pass.used = true;
+        }
+        let Some(rx) = self.rx.as_mut() else {
+            return pass;
+        };
         if !self.enabled || self.tap_broken || self.rx_tap_failed {
             return pass;
         }
@@ -499,6 +589,13 @@ impl QueuePair {
                 }
             };
             let frame_len = frame.frame_len as u64;
+            if mmds_takes(&mut self.mmds, &frame) {
+                complete(tx, memory, head, 0, log);
+                bump(&counters.tx_packets, 1);
+                bump(&counters.tx_bytes, frame_len);
+                pass.used = true;
+                continue;
+            }
             if !limiter.consume(frame_len, 1) {
                 tx.queue.go_to_previous_position();
                 return pass;

@@ -296,7 +296,11 @@ impl VirtioDevice for Net {
                 } else {
                     (None, None)
                 };
-                QueuePair::new(tap, index, rx, tx)
+                let mut pair = QueuePair::new(tap, index, rx, tx);
+                if index == 0 {
+                    pair.mmds = gpuvm_mmds::shared().stack_for(&self.config.iface_id);
+                }
+                pair
             })
             .collect();
         let mut handler = NetHandler::new(

@@ -1,0 +1,106 @@
+//! vm.resize and vm.resize-zone: Cloud Hypervisor's body onto [`VmmAction::Resize`].
+//! Kata's clh driver calls vm.resize at sandbox start (static_sandbox_resource_mgmt =
+//! false, its default) with the vCPU count the sandbox should have, often the boot
+//! count; vCPUs are hot-plugged up to `cpus.max_vcpus`. Memory cannot change yet.
+
+use serde::Deserialize;
+
+use gpuvm_vmm::action::{VmmAction, VmmData};
+
+use super::super::config::{CpusConfig, Other};
+use super::super::Session;
+use super::{fault, from_error, not_created, parse, state, Dispatch};
+use crate::http::{Request, Response};
+
+/// What Kata users can set to keep Kata from resizing the VM.
+const KATA_STATIC: &str =
+    "set static_sandbox_resource_mgmt = true in Kata's configuration-clh.toml";
+
+/// Cloud Hypervisor's VmResize.
+#[derive(Deserialize)]
+struct VmResize {
+    #[serde(default)]
+    desired_vcpus: Option<u64>,
+    #[serde(default)]
+    desired_ram: Option<u64>,
+    #[serde(default)]
+    desired_balloon: Option<u64>,
+    #[serde(flatten)]
+    other: Other,
+}
+
+/// PUT vm.resize.
+pub(super) fn resize(request: &Request, session: &Session, dispatch: Dispatch) -> Response {
+    let body: VmResize = match parse(&request.body) {
+        Ok(body) => body,
+        Err(response) => return response,
+    };
+    if let Some(name) = body.other.keys().next() {
+        return fault(400, format!("vm.resize: unknown field {name:?}"));
+    }
+    if body.desired_balloon.is_some() {
+        return fault(
+            400,
+            "vm.resize desired_balloon is not supported by gpuvm: change the balloon's target with the balloon's own API",
+        );
+    }
+    if body.desired_vcpus.is_none() && body.desired_ram.is_none() {
+        return fault(400, "vm.resize needs desired_vcpus or desired_ram");
+    }
+    let desired_vcpus = match body.desired_vcpus.map(u8::try_from) {
+        None => None,
+        Some(Ok(vcpus)) => Some(vcpus),
+        Some(Err(_)) => {
+            return fault(
+                400,
+                format!(
+                    "desired_vcpus = {}: gpuvm runs 1 to 255 vCPUs",
+                    body.desired_vcpus.unwrap_or_default()
+                ),
+            )
+        }
+    };
+    match state(session, dispatch) {
+        Err(response) => return response,
+        Ok(None) => return not_created(),
+        Ok(Some(_)) => {}
+    }
+    let action = VmmAction::Resize {
+        desired_vcpus,
+        desired_ram: body.desired_ram,
+    };
+    match dispatch(action) {
+        Ok(VmmData::Empty | VmmData::Json(_)) => {
+            if let (Some(vcpus), Some(config)) = (desired_vcpus, session.config().as_mut()) {
+                record_vcpus(&mut config.cpus, vcpus);
+            }
+            Response::no_content()
+        }
+        Err(error) => from_error(error),
+    }
+}
+
+/// vm.info's configuration shows the vCPU count a resize asked for as `boot_vcpus`, as
+/// Cloud Hypervisor's does.
+fn record_vcpus(cpus: &mut Option<CpusConfig>, vcpus: u8) {
+    match cpus {
+        Some(cpus) => cpus.boot_vcpus = u32::from(vcpus),
+        None => {
+            *cpus = serde_json::from_value(serde_json::json!({
+                "boot_vcpus": vcpus, "max_vcpus": vcpus,
+            }))
+            .ok()
+        }
+    }
+}
+
+/// PUT vm.resize-zone: gpuvm's guest RAM is one zone that cannot change size (refused
+/// whatever the body holds).
+pub(super) fn resize_zone() -> Response {
+    fault(
+        400,
+        format!(
+            "vm.resize-zone is not supported by gpuvm: guest RAM has no memory zones and no memory hot-plug yet ({KATA_STATIC})"
+        ),
+    )
+}
