@@ -214,3 +214,29 @@ fn linux_guest_mounts_virtio_fs_and_inflates_its_balloon() {
         ],
     );
 }
+
+#[test]
+fn firecracker_mmds_v2_answers_a_linux_guest_over_virtio_net() {
+    scenario_passes(
+        "firecracker-mmds",
+        &[
+            "inner: mmds ok (token",
+            "instance-id i-gpuvm-42",
+            "401 without a token",
+            "MMDS V2 answered a Linux guest: ok",
+        ],
+    );
+}
+
+#[test]
+fn linux_onlines_a_vcpu_hot_added_by_vm_resize_and_ejects_it() {
+    scenario_passes(
+        "linux-cpu-hotplug",
+        &[
+            "inner: waiting for a hot-plugged CPU (1 online)",
+            "inner: cpu1 online (2 processors, a task ran on cpu1)",
+            "inner: cpu1 removed",
+            "vCPU hot-plug through vm.resize with a Linux guest: ok",
+        ],
+    );
+}
