@@ -536,6 +536,36 @@ fn a_diff_of_another_restore_of_the_same_base_is_refused() {
     assert_foreign_refused_in_every_mode(&scratch, &chain, &diff);
 }
 
+/// `--snapshot-then exit` after a timer snapshot that fails (its directory's `state` is a
+/// directory, which the snapshot's commit cannot replace) ends with gpuvm's error status and
+/// the reason, not with 0 as if the snapshot had been written.
+#[test]
+fn a_failed_snapshot_then_exit_is_an_error() {
+    let scratch = Scratch::new("damaged_input", "snapshot-then-exit");
+    let dir = scratch.path("snap");
+    std::fs::create_dir_all(dir.join("state")).unwrap();
+    let out = gpuvm_bounded(&[
+        "run",
+        "--memory",
+        "64M",
+        "--cmdline",
+        "memloop 8M 3 1000000",
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-after-ms",
+        "200",
+        "--snapshot-then",
+        "exit",
+    ])
+    .wait(RUN_LIMIT);
+    assert_eq!(out.code(), Some(125), "{}", out.describe());
+    assert!(out.stderr.contains("gpuvm: error:"), "{}", out.describe());
+    assert!(
+        dir.join("state").is_dir(),
+        "the directory was left as it was"
+    );
+}
+
 // ---- Memory files longer than their data ----
 
 #[test]

@@ -41,9 +41,11 @@ impl Machine {
     }
 
     /// Takes the snapshot the policy asked for; returns the run's outcome if it ends here.
-    /// A snapshot that fails does not end the run (a signal or timer asked for it; the
-    /// guest did nothing wrong): it is logged and the VM runs on, unless guest memory can
-    /// no longer be served (a failed lazy restore), which ends the run in any case.
+    /// A snapshot that fails does not end a run that was to resume after it (a signal or
+    /// timer asked for it; the guest did nothing wrong): it is logged and the VM runs on,
+    /// unless guest memory can no longer be served (a failed lazy restore). A run that was
+    /// to end with the snapshot (`--snapshot-then exit`) ends with the error instead of a
+    /// success status: its caller would otherwise take a missing snapshot for a written one.
     pub(super) fn snapshot_requested(
         &mut self,
         handles: &[VcpuHandle],
@@ -57,7 +59,7 @@ impl Machine {
                 log::info!("snapshot written to {}: {report:?}", policy.dir.display());
                 (!keep_running).then_some(Ok(GuestEnd::Snapshotted))
             }
-            Err(error) if self.lazy_progress().is_err() => Some(Err(error)),
+            Err(error) if !keep_running || self.lazy_progress().is_err() => Some(Err(error)),
             Err(error) => {
                 log::error!(
                     "snapshot into {} failed; the VM keeps running and the previous snapshot \
