@@ -9,32 +9,15 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpuvm_tests::virtio_support::{blk_image, vsock_echo};
-use gpuvm_tests::{api_expect, gpuvm_bin, run_gpuvm, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{
+    api_expect, firecracker_link, run_gpuvm, start_firecracker, wait_for_api_socket, Scratch,
+    SpawnedProcess,
+};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn link(scratch: &Scratch) -> PathBuf {
-    let link = scratch.path("firecracker");
-    if !link.exists() {
-        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    }
-    link
-}
-
 fn start(scratch: &Scratch, api: &Path, id: &str) -> SpawnedProcess {
-    let mut vmm = SpawnedProcess::spawn(
-        &link(scratch),
-        &[
-            "--api-sock",
-            api.to_str().unwrap(),
-            "--id",
-            id,
-            "--level",
-            "Info",
-        ],
-    );
-    wait_for_api_socket(&mut vmm, api);
-    vmm
+    start_firecracker(scratch, api, id, &["--level", "Info"])
 }
 
 fn info(api: &Path) -> serde_json::Value {
@@ -305,7 +288,7 @@ fn config_file_without_api_boots_at_once() {
         ),
     )
     .unwrap();
-    let link = link(&scratch);
+    let link = firecracker_link(&scratch);
     let vmm = SpawnedProcess::spawn(
         &link,
         &[
@@ -374,7 +357,7 @@ fn metrics_are_written_every_period_without_flush_metrics() {
     let flagged = scratch.path("flag-metrics.json");
     let api = scratch.path("fc-flag.sock");
     let mut vmm = SpawnedProcess::spawn_with_env(
-        &link(&scratch),
+        &firecracker_link(&scratch),
         &[
             "--api-sock",
             api.to_str().unwrap(),
@@ -390,7 +373,7 @@ fn metrics_are_written_every_period_without_flush_metrics() {
     let put = scratch.path("put-metrics.json");
     let api = scratch.path("fc-put.sock");
     let mut vmm = SpawnedProcess::spawn_with_env(
-        &link(&scratch),
+        &firecracker_link(&scratch),
         &["--api-sock", api.to_str().unwrap()],
         &env,
     );

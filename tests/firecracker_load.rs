@@ -8,27 +8,14 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuvm_tests::virtio_support::vsock_echo;
-use gpuvm_tests::{api_expect, gpuvm_bin, run_gpuvm, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{api_expect, run_gpuvm, start_firecracker, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
 const MEM_MIB: u64 = 128;
 const MEMLOOP: &str = "memloop 32M 13 40";
 
-fn link(scratch: &Scratch) -> PathBuf {
-    let link = scratch.path("firecracker");
-    if !link.exists() {
-        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    }
-    link
-}
-
 fn start(scratch: &Scratch, api: &Path, id: &str) -> SpawnedProcess {
-    let mut vmm = SpawnedProcess::spawn(
-        &link(scratch),
-        &["--api-sock", api.to_str().unwrap(), "--id", id],
-    );
-    wait_for_api_socket(&mut vmm, api);
-    vmm
+    start_firecracker(scratch, api, id, &[])
 }
 
 fn kernel(scratch: &Scratch) -> PathBuf {

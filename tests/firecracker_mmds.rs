@@ -3,20 +3,12 @@
 //! (V1/V2, interfaces that must be configured, pre-boot only). The guest side (ARP, TCP,
 //! HTTP, V2 tokens over hand-built frames) is tested in the gpuvm-mmds crate.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use gpuvm_tests::{api_expect, gpuvm_bin, run_gpuvm, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{api_expect, run_gpuvm, start_firecracker, Scratch};
 
 const LIMIT: Duration = Duration::from_secs(60);
-
-fn link(scratch: &Scratch) -> PathBuf {
-    let link = scratch.path("firecracker");
-    if !link.exists() {
-        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    }
-    link
-}
 
 fn refused(api: &Path, method: &str, path: &str, body: &str, needle: &str) {
     let answer = api_expect(api, 400, method, path, Some(body));
@@ -27,11 +19,7 @@ fn refused(api: &Path, method: &str, path: &str, body: &str, needle: &str) {
 fn mmds_routes_and_config() {
     let scratch = Scratch::new("firecracker-mmds", "routes");
     let api = scratch.path("fc.sock");
-    let mut vmm = SpawnedProcess::spawn(
-        &link(&scratch),
-        &["--api-sock", api.to_str().unwrap(), "--id", "fc-mmds"],
-    );
-    wait_for_api_socket(&mut vmm, &api);
+    let mut vmm = start_firecracker(&scratch, &api, "fc-mmds", &[]);
     api_expect(
         &api,
         204,

@@ -8,7 +8,7 @@ pub mod snapshot_support;
 pub mod virtio_support;
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -242,6 +242,31 @@ pub fn socket_path(prefix: &str, name: &str) -> PathBuf {
         std::env::temp_dir().join(format!("gpuvm-{prefix}-{name}-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     path
+}
+
+/// gpuvm as `firecracker`: a symlink of that name in `scratch`, as Firecracker's clients start
+/// the binary (the name selects the front end).
+pub fn firecracker_link(scratch: &Scratch) -> PathBuf {
+    let link = scratch.path("firecracker");
+    if !link.exists() {
+        std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+    }
+    link
+}
+
+/// Starts `firecracker --api-sock API --id ID EXTRA...` (gpuvm through [`firecracker_link`])
+/// and waits for its API socket.
+pub fn start_firecracker(
+    scratch: &Scratch,
+    api: &Path,
+    id: &str,
+    extra: &[&str],
+) -> SpawnedProcess {
+    let mut args = vec!["--api-sock", api.to_str().unwrap(), "--id", id];
+    args.extend_from_slice(extra);
+    let mut vmm = SpawnedProcess::spawn(&firecracker_link(scratch), &args);
+    wait_for_api_socket(&mut vmm, api);
+    vmm
 }
 
 /// Starts the emulated GPU (`emu_bin`: the test's `env!("CARGO_BIN_EXE_gpuvm-emu-gpu")`)
