@@ -73,6 +73,17 @@ fn snapshot_then_exit(dir: &Path, iters: u32) -> RunOutput {
     out
 }
 
+/// As [`snapshot_then_exit`], for a snapshot that must fail: the run ends there with
+/// gpuvm's error status and the reason (a caller of `--snapshot-then exit` must not take a
+/// missing snapshot for a written one).
+fn failed_snapshot_then_exit(dir: &Path, iters: u32) -> RunOutput {
+    let after = ["--snapshot-after-ms", "200", "--snapshot-then", "exit"];
+    let out = run_snapshotting(dir, iters, &after).wait(LIMIT);
+    assert_eq!(out.code(), Some(125), "{}", out.describe());
+    out.assert_stderr_has("gpuvm: error:");
+    out
+}
+
 /// The guest ran to its end, every page checked.
 fn assert_guest_completed(out: &RunOutput) {
     assert_eq!(out.code(), Some(0), "{}", out.describe());
@@ -368,8 +379,7 @@ fn files_gpuvm_did_not_write_are_kept() {
     let other = scratch.path("other");
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("state"), b"my state of mind").unwrap();
-    let out = snapshot_then_exit(&other, 40);
-    assert_guest_completed(&out);
+    let out = failed_snapshot_then_exit(&other, 40);
     out.assert_stderr_has("its state is not a file gpuvm wrote");
     assert_eq!(
         std::fs::read(other.join("state")).unwrap(),
@@ -379,7 +389,8 @@ fn files_gpuvm_did_not_write_are_kept() {
 }
 
 /// While another process holds the snapshot directory (as a gpuvm writing a snapshot
-/// there does), a snapshot into it is refused with a clear error and the VM runs on, and
+/// there does), a snapshot into it is refused with a clear error (which ends a
+/// `--snapshot-then exit` run with it), and
 /// a restore from it is refused too; once it is free both work.
 #[test]
 fn a_snapshot_directory_in_use_is_refused() {
@@ -390,8 +401,7 @@ fn a_snapshot_directory_in_use_is_refused() {
     let state = std::fs::read(dir.join("state")).unwrap();
 
     let holder = DirLockHolder::exclusive(&dir);
-    let out = snapshot_then_exit(&dir, 40);
-    assert_guest_completed(&out);
+    let out = failed_snapshot_then_exit(&dir, 40);
     out.assert_stderr_has("is in use by another gpuvm process");
     assert_eq!(listing(&dir), before);
     assert_eq!(std::fs::read(dir.join("state")).unwrap(), state);
@@ -458,13 +468,12 @@ fn two_vms_snapshotting_into_one_directory() {
 }
 
 /// A snapshot directory whose parent does not exist is an error (gpuvm creates only the
-/// last component), and the VM runs on.
+/// last component).
 #[test]
 fn a_missing_parent_directory_is_not_created() {
     let scratch = Scratch::new("snapdir", "parent");
     let parent = scratch.path("missing");
-    let out = snapshot_then_exit(&parent.join("snap"), 40);
-    assert_guest_completed(&out);
+    let out = failed_snapshot_then_exit(&parent.join("snap"), 40);
     out.assert_stderr_has("its parent directory does not exist");
     assert!(!parent.exists(), "the parent directory was created");
 }
