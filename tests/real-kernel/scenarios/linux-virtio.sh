@@ -4,8 +4,10 @@ dd if=/dev/zero of=/tmp/disk.img bs=1M count=16 2>/dev/null
 # The guest's connection to the host's port 5000 arrives on <uds>_5000 (hybrid vsock).
 vsock-tool uds-echo-server /tmp/vsock.sock_5000 >/tmp/uds-echo.log 2>&1 &
 started="$(uptime_s)"
+# The guest's kernel log stays on (no `quiet`): twice a Linux guest of this tier printed nothing
+# and hung early (here in CI, and vfio-ch-hotplug); the log should say where, if it happens again.
 start_gpuvm linux run --kernel /images/vmlinuz --initrd /images/initramfs.cpio --memory 512M --vcpus 2 \
-    --cmdline "console=ttyS0 quiet panic=-1 inner.checks=blk,net,rng,vsock,vsockdata inner.ip=10.0.2.2 inner.peer=10.0.2.1 inner.end=poweroff" \
+    --cmdline "console=ttyS0 panic=-1 inner.checks=blk,net,rng,vsock,vsockdata inner.ip=10.0.2.2 inner.peer=10.0.2.1 inner.end=poweroff" \
     --drive id=disk0,path=/tmp/disk.img --net id=net0,tap=tap0 --rng --vsock cid=3,uds=/tmp/vsock.sock
 # gpuvm makes the tap (busybox has no `ip tuntap`); the host side gets its address while the guest boots.
 wait_for /sys/class/net/tap0 30
