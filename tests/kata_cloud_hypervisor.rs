@@ -40,7 +40,7 @@ use gpuvm_tests::netns::Netns;
 use gpuvm_tests::virtio_support::{
     assert_in_order, disk_image, pattern_is_on_disk, vsock_echo, BLK_MAGIC, SECTOR,
 };
-use gpuvm_tests::{gpuvm_bin, Scratch, SpawnedProcess};
+use gpuvm_tests::{PeerLaunch, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// Kata's `clhTimeout`: how long it polls vmm.ping after starting the VMM.
@@ -252,50 +252,6 @@ fn vcpu_threads(pid: i32) -> Vec<u32> {
     numbers
 }
 
-/// How the test starts gpuvm as Kata's `hypervisor.clh` path names it.
-#[derive(Clone, Copy, Debug)]
-enum Program {
-    /// A `cloud-hypervisor -> gpuvm` symlink, started through the link (argv[0] names
-    /// `cloud-hypervisor`).
-    Symlink,
-    /// The same symlink resolved, as Kata resolves the configured path
-    /// (`filepath.EvalSymlinks`) before starting it: gpuvm's own path, named `gpuvm`,
-    /// with Cloud Hypervisor's command line.
-    Resolved,
-    /// A hard link named `cloud-hypervisor` (a copy where the scratch directory is on
-    /// another filesystem than the binary: the same name either way).
-    HardLink,
-}
-
-impl Program {
-    /// The path Kata's driver executes.
-    fn path(self, scratch: &Scratch) -> PathBuf {
-        let link = scratch.path("cloud-hypervisor");
-        match self {
-            Program::Symlink | Program::Resolved => {
-                if std::fs::symlink_metadata(&link).is_err() {
-                    std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-                }
-                if matches!(self, Program::Symlink) {
-                    return link;
-                }
-                let resolved = std::fs::canonicalize(&link).unwrap();
-                assert_eq!(resolved.file_name().unwrap(), "gpuvm", "{resolved:?}");
-                resolved
-            }
-            Program::HardLink => {
-                if std::fs::symlink_metadata(&link).is_err()
-                    && std::fs::hard_link(gpuvm_bin(), &link).is_err()
-                {
-                    std::fs::copy(gpuvm_bin(), &link).unwrap();
-                }
-                assert!(!std::fs::symlink_metadata(&link).unwrap().is_symlink());
-                link
-            }
-        }
-    }
-}
-
 /// Kata's `launchClh`: `cloud-hypervisor --api-socket S -v --seccomp true` (debug, log
 /// level 1), then vmm.ping until it answers.
 fn launch(program: &Path, api: &Path) -> (SpawnedProcess, KataClient) {
@@ -323,7 +279,7 @@ fn emu_bin() -> PathBuf {
 fn kata_clh_driver_replay_from_create_to_restore() {
     replay(
         "kata_clh_driver_replay_from_create_to_restore",
-        Program::Symlink,
+        PeerLaunch::Symlink,
     );
 }
 
@@ -333,7 +289,7 @@ fn kata_clh_driver_replay_from_create_to_restore() {
 fn kata_clh_driver_replay_through_the_resolved_symlink() {
     replay(
         "kata_clh_driver_replay_through_the_resolved_symlink",
-        Program::Resolved,
+        PeerLaunch::Resolved,
     );
 }
 
@@ -342,7 +298,7 @@ fn kata_clh_driver_replay_through_the_resolved_symlink() {
 #[test]
 fn kata_clh_launch_through_a_hard_link() {
     let scratch = Scratch::new("kata_cloud_hypervisor", "hard-link");
-    let program = Program::HardLink.path(&scratch);
+    let program = PeerLaunch::HardLink.path(&scratch, "cloud-hypervisor");
     let (vmm, kata) = launch(&program, &scratch.path("clh-api.sock"));
     assert_eq!(kata.get("vm.info").status, 404, "no VM before vm.create");
     kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
@@ -351,12 +307,12 @@ fn kata_clh_launch_through_a_hard_link() {
 }
 
 /// The whole replay, gpuvm started as `program` says.
-fn replay(test: &str, program: Program) {
+fn replay(test: &str, program: PeerLaunch) {
     let Some(netns) = Netns::create(test) else {
         return;
     };
     let scratch = Scratch::new("kata_cloud_hypervisor", &format!("replay-{program:?}"));
-    let program = program.path(&scratch);
+    let program = program.path(&scratch, "cloud-hypervisor");
     let kernel = guest_image(&scratch);
     let rootfs = scratch.path("rootfs.img");
     disk_image(&rootfs, b"KATAROOT", 1 << 20);

@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::virtio_support::{blk_image, disk_image, vsock_echo, BLK_MAGIC};
-use gpuvm_tests::{gpuvm_bin, run_gpuvm, Scratch, SpawnedProcess};
+use gpuvm_tests::{run_gpuvm, PeerLaunch, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// fc.go's fcTimeout: seconds to wait for the VMM to be Running.
@@ -312,65 +312,27 @@ fn kata_vcpu_threads(pid: i32) -> Vec<(u32, i32)> {
     vcpus
 }
 
-/// How the test starts gpuvm as Kata's `hypervisor.firecracker` path names it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Program {
-    /// A `firecracker -> gpuvm` symlink, started through the link.
-    Symlink,
-    /// The same symlink resolved, as Kata's configuration loader resolves the path
-    /// (`filepath.EvalSymlinks`) before fc.go runs it: gpuvm's own path, named `gpuvm`,
-    /// with Firecracker's command line.
-    Resolved,
-    /// A hard link named `firecracker` (a copy where the scratch directory is on another
-    /// filesystem than the binary: the same name either way).
-    HardLink,
-}
-
-impl Program {
-    /// The path fc.go executes.
-    fn path(self, scratch: &Scratch) -> PathBuf {
-        let link = scratch.path("firecracker");
-        match self {
-            Program::Symlink | Program::Resolved => {
-                std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-                if self == Program::Symlink {
-                    return link;
-                }
-                let resolved = std::fs::canonicalize(&link).unwrap();
-                assert_eq!(resolved.file_name().unwrap(), "gpuvm", "{resolved:?}");
-                resolved
-            }
-            Program::HardLink => {
-                if std::fs::hard_link(gpuvm_bin(), &link).is_err() {
-                    std::fs::copy(gpuvm_bin(), &link).unwrap();
-                }
-                link
-            }
-        }
-    }
-}
-
 #[test]
 fn kata_fc_go_sequence() {
-    fc_go_sequence(Program::Symlink);
+    fc_go_sequence(PeerLaunch::Symlink);
 }
 
 /// What Kata really starts: the configured `firecracker` symlink resolved, so gpuvm runs
 /// as `.../gpuvm --api-sock ... --config-file ...` and takes the front end from the flags.
 #[test]
 fn kata_fc_go_sequence_through_the_resolved_symlink() {
-    fc_go_sequence(Program::Resolved);
+    fc_go_sequence(PeerLaunch::Resolved);
 }
 
 #[test]
 fn kata_fc_go_sequence_through_a_hard_link() {
-    fc_go_sequence(Program::HardLink);
+    fc_go_sequence(PeerLaunch::HardLink);
 }
 
-fn fc_go_sequence(program: Program) {
+fn fc_go_sequence(program: PeerLaunch) {
     let scratch = Scratch::new("kata", &format!("fc-go-{program:?}"));
-    let link = program.path(&scratch);
-    if program != Program::Resolved {
+    let link = program.path(&scratch, "firecracker");
+    if program != PeerLaunch::Resolved {
         kata_version_check(&link);
     } else {
         // fc.go runs `<resolved path> --version` too, and gpuvm's own name answers with

@@ -244,6 +244,50 @@ pub fn socket_path(prefix: &str, name: &str) -> PathBuf {
     path
 }
 
+/// How a test starts gpuvm under a peer's name (`cloud-hypervisor`, `firecracker`), as an
+/// orchestrator configured with that path does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerLaunch {
+    /// A `<name> -> gpuvm` symlink, started through the link (argv[0] names the peer).
+    Symlink,
+    /// The same symlink resolved, as Kata resolves the configured path
+    /// (`filepath.EvalSymlinks`) before starting it: gpuvm's own path, named `gpuvm`, with
+    /// the peer's command line.
+    Resolved,
+    /// A hard link named `<name>` (a copy where the scratch directory is on another
+    /// filesystem than the binary: the same name either way).
+    HardLink,
+}
+
+impl PeerLaunch {
+    /// The path the orchestrator executes for the peer `name`, made in `scratch`.
+    pub fn path(self, scratch: &Scratch, name: &str) -> PathBuf {
+        let link = scratch.path(name);
+        match self {
+            PeerLaunch::Symlink | PeerLaunch::Resolved => {
+                if std::fs::symlink_metadata(&link).is_err() {
+                    std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
+                }
+                if self == PeerLaunch::Symlink {
+                    return link;
+                }
+                let resolved = std::fs::canonicalize(&link).unwrap();
+                assert_eq!(resolved.file_name().unwrap(), "gpuvm", "{resolved:?}");
+                resolved
+            }
+            PeerLaunch::HardLink => {
+                if std::fs::symlink_metadata(&link).is_err()
+                    && std::fs::hard_link(gpuvm_bin(), &link).is_err()
+                {
+                    std::fs::copy(gpuvm_bin(), &link).unwrap();
+                }
+                assert!(!std::fs::symlink_metadata(&link).unwrap().is_symlink());
+                link
+            }
+        }
+    }
+}
+
 /// gpuvm as `firecracker`: a symlink of that name in `scratch`, as Firecracker's clients start
 /// the binary (the name selects the front end).
 pub fn firecracker_link(scratch: &Scratch) -> PathBuf {
