@@ -68,6 +68,10 @@ pub struct PciOptions {
     /// [`MachineConfig::vcpus`], means no vCPU hot-plug. (Here rather than in
     /// [`MachineConfig`], whose struct literals other crates build field by field.)
     pub max_vcpus: u8,
+    /// Guest-physical room kept for hot-pluggable RAM (Cloud Hypervisor's
+    /// `memory.hotplug_size`), right after boot RAM and before the 64-bit BAR window;
+    /// 0 means no memory hot-plug. (Here for the same reason as `max_vcpus`.)
+    pub ram_hotplug_size: u64,
 }
 
 impl PciOptions {

@@ -22,9 +22,9 @@ use std::sync::{Arc, Mutex};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_arch::x86_64::layout::{
-    pci_segment_ecam, pci_segment_mmio32, pci_segment_mmio64_start, FOUR_GIB, MAX_PCI_SEGMENTS,
-    PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
-    PCI_SEGMENT_MMIO64_SIZE,
+    pci_segment_ecam, pci_segment_mmio32, pci_segment_mmio64_start, ram_hotplug_area, FOUR_GIB,
+    MAX_PCI_SEGMENTS, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN,
+    PCI_MMIO64_DEFAULT_SIZE, PCI_SEGMENT_MMIO64_SIZE,
 };
 use gpuvm_devices::pci::{GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
 use gpuvm_memory::GuestRam;
@@ -92,8 +92,9 @@ pub fn create_kvm_vfio_device(vm: &VmFd) -> Result<VfioDeviceFd, PciSetupError> 
     Ok(VfioDeviceFd::new_from_kvm(device))
 }
 
-/// The 64-bit window: after the top of RAM, aligned so large BARs pack well.
-pub fn mmio64_start(ram: &GuestRam) -> u64 {
+/// The 64-bit window: after the top of RAM and the room kept for hot-plugged RAM, aligned
+/// so large BARs pack well.
+pub fn mmio64_start(ram: &GuestRam, ram_hotplug_size: u64) -> u64 {
     let top = ram
         .regions()
         .iter()
@@ -101,7 +102,8 @@ pub fn mmio64_start(ram: &GuestRam) -> u64 {
         .max()
         .unwrap_or(0)
         .max(FOUR_GIB);
-    top.next_multiple_of(PCI_MMIO64_ALIGN)
+    let (hotplug_start, hotplug_size) = ram_hotplug_area(top, ram_hotplug_size);
+    (hotplug_start + hotplug_size).next_multiple_of(PCI_MMIO64_ALIGN)
 }
 
 /// KVM memory slots for mmapped BAR parts, numbered from [`FIRST_BAR_SLOT`] (RAM uses the
@@ -297,7 +299,7 @@ pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
         ecam_base: PCI_ECAM_START,
         mmio32_start: PCI_MMIO32_START,
         mmio32_end: PCI_MMIO32_END,
-        mmio64_start: mmio64_start(ram),
+        mmio64_start: mmio64_start(ram, options.ram_hotplug_size),
         mmio64_size: match options.mmio64_size {
             0 => PCI_MMIO64_DEFAULT_SIZE,
             size => size,

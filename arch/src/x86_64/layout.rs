@@ -69,6 +69,16 @@ pub const APIC_ADDR: u64 = 0xfee0_0000;
 pub const KVM_TSS_ADDR: u64 = 0xfffb_d000;
 pub const KVM_IDENTITY_MAP_ADDR: u64 = 0xfffb_c000;
 
+/// Where hot-pluggable RAM goes, `(start, size)`: right after boot RAM whose highest
+/// address is `boot_ram_top` (never below 4 GiB), on a [`PCI_MMIO64_ALIGN`] boundary so
+/// that the 64-bit BAR window after it keeps its alignment. `size` is rounded up to it.
+pub fn ram_hotplug_area(boot_ram_top: u64, hotplug_size: u64) -> (u64, u64) {
+    let start = boot_ram_top
+        .max(FOUR_GIB)
+        .next_multiple_of(PCI_MMIO64_ALIGN);
+    (start, hotplug_size.next_multiple_of(PCI_MMIO64_ALIGN))
+}
+
 /// Segment `segment`'s ECAM window (bus 0).
 pub const fn pci_segment_ecam(segment: u16) -> u64 {
     PCI_ECAM_START + segment as u64 * PCI_ECAM_SIZE
