@@ -33,7 +33,9 @@ use super::format::{
     MAGIC,
 };
 use super::layout::RamLayout;
-use super::reader::{open_in_dir, open_regular_file, MemoryFile, SnapshotChain};
+#[cfg(test)]
+use super::reader::open_regular_file;
+use super::reader::{open_in_dir, MemoryFile, SnapshotChain};
 use super::{write_atomically, Result, SnapshotError};
 
 /// Bytes per read and write while converting.
@@ -457,14 +459,10 @@ fn data_ranges(file: &File, start: u64, end: u64, page_size: u64) -> io::Result<
 }
 
 impl MemoryFile {
-    /// Opens `path` as a raw image of a guest laid out like `guest`: a regular file
-    /// (a FIFO, a device or a directory is refused before a byte is read) of exactly the
-    /// guest's RAM size, and not one of gpuvm's own memory files. `id` is the id its
-    /// snapshot's state records (a raw image has nowhere to hold one). With `crcs`, the
-    /// table kept beside the image, every page loaded is checked against it, and pages
-    /// it says hold data are loaded even where the file has a hole; without, the pages
-    /// are taken as they are.
-    pub fn open_raw(
+    /// As [`MemoryFile::open_raw_in_dir`], for any path: the unit tests' way in (gpuvm
+    /// itself opens raw images only inside a snapshot directory).
+    #[cfg(test)]
+    pub(crate) fn open_raw(
         path: impl AsRef<Path>,
         guest: &RamLayout,
         id: SnapshotId,
@@ -476,8 +474,14 @@ impl MemoryFile {
         Self::raw_from_opened(path, file, file_len, guest, id, crcs)
     }
 
-    /// As [`MemoryFile::open_raw`], for the image `name` of the snapshot directory `dir`
-    /// (opened as every file a snapshot names is, [`open_in_dir`]).
+    /// Opens the image `name` of the snapshot directory `dir` (as every file a snapshot
+    /// names is opened, [`open_in_dir`]) as a raw image of a guest laid out like `guest`: a
+    /// regular file (a FIFO, a device or a directory is refused before a byte is read) of
+    /// exactly the guest's RAM size, and not one of gpuvm's own memory files. `id` is the
+    /// id its snapshot's state records (a raw image has nowhere to hold one). With `crcs`,
+    /// the table kept beside the image, every page loaded is checked against it, and pages
+    /// it says hold data are loaded even where the file has a hole; without, the pages
+    /// are taken as they are.
     pub fn open_raw_in_dir(
         dir: &Path,
         name: &str,
@@ -601,9 +605,9 @@ impl MemoryFile {
 }
 
 impl SnapshotChain {
-    /// A raw image (see [`MemoryFile::open_raw`]) as a one-file chain for `guest`: what
-    /// eager restore and the lazy loader read from.
-    pub fn open_raw(
+    /// As [`SnapshotChain::open_raw_in_dir`], for any path (unit tests only).
+    #[cfg(test)]
+    pub(crate) fn open_raw(
         path: impl AsRef<Path>,
         guest: &RamLayout,
         id: SnapshotId,
@@ -613,7 +617,9 @@ impl SnapshotChain {
         SnapshotChain::from_files(vec![file], guest)
     }
 
-    /// As [`SnapshotChain::open_raw`], for the image `name` of the snapshot directory `dir`.
+    /// A raw image, the file `name` of the snapshot directory `dir` (see
+    /// [`MemoryFile::open_raw_in_dir`]), as a one-file chain for `guest`: what eager restore
+    /// and the lazy loader read from.
     pub fn open_raw_in_dir(
         dir: &Path,
         name: &str,
