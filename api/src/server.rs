@@ -1,6 +1,7 @@
 //! The API thread: accepts connections on the Unix socket, parses requests, turns each
-//! into a [`VmmAction`], hands it to the VMM thread (channel + eventfd) and writes the
-//! answer back.
+//! into a [`VmmAction`](gpuvm_vmm::action::VmmAction), hands it to the VMM thread
+//! ([`ActionSender`]) and writes the answer back. While a front end's command line is
+//! still starting the VM, requests wait for it ([`StartGate`]).
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -9,13 +10,12 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use vmm_sys_util::eventfd::EventFd;
-
-use gpuvm_vmm::action::{ActionError, ActionRequest, ActionResult, VmmAction, VmmData};
+use gpuvm_vmm::action::VmmData;
+use gpuvm_vmm::action_channel::ActionSender;
 use gpuvm_vmm::metrics::METRICS;
 
 use crate::cloud_hypervisor::{self, Session};
@@ -40,11 +40,13 @@ pub const SLOT_WAIT: Duration = Duration::from_secs(10);
 /// How long writing one answer may take.
 const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The VMM thread's end: where actions arrive and the eventfd that says so.
+/// What a connection needs to answer requests: the way into the VMM thread and the front
+/// end's state.
 #[derive(Clone)]
 struct VmmLink {
-    requests: Sender<ActionRequest>,
-    wake: Arc<EventFd>,
+    vmm: ActionSender,
+    /// Held while the front end's command line starts the VM.
+    started: StartGate,
     /// Cloud Hypervisor's front end's state (whether vm.create happened).
     session: Arc<Session>,
     /// Set when gpuvm runs as Firecracker: its front end answers every path.
@@ -62,47 +64,39 @@ impl ApiServer {
     /// replaced; any other file there is an error. The API threads run under the `api`
     /// seccomp filter once [`gpuvm_vmm::seccomp::enable`] ran (installed before the first
     /// accept; connection threads inherit it).
-    pub fn start(
-        path: &Path,
-        requests: Sender<ActionRequest>,
-        wake: EventFd,
-    ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, requests, wake, None, Arc::default())
+    pub fn start(path: &Path, vmm: ActionSender) -> Result<ApiServer, ApiError> {
+        Self::start_with(path, vmm, StartGate::default(), None, Arc::default())
     }
 
     /// As [`ApiServer::start`], with the Cloud Hypervisor front end's state given: the
     /// `cloud-hypervisor` command line creates the VM through the same routes, so vm.info
-    /// on the socket echoes what the command line configured.
+    /// on the socket echoes what the command line configured. Requests wait while
+    /// `started` is held (the command line's boot or restore).
     pub fn start_cloud_hypervisor(
         path: &Path,
-        requests: Sender<ActionRequest>,
-        wake: EventFd,
+        vmm: ActionSender,
         session: Arc<Session>,
+        started: StartGate,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, requests, wake, None, session)
+        Self::start_with(path, vmm, started, None, session)
     }
 
     /// As [`ApiServer::start`], serving Firecracker's API ([`crate::firecracker`]) on
     /// every path instead of gpuvm's own (which it falls back on where they agree).
+    /// Requests wait while `started` is held (the `--config-file` boot).
     pub fn start_firecracker(
         path: &Path,
-        requests: Sender<ActionRequest>,
-        wake: EventFd,
+        vmm: ActionSender,
         session: crate::firecracker::Session,
+        started: StartGate,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(
-            path,
-            requests,
-            wake,
-            Some(Arc::new(session)),
-            Arc::default(),
-        )
+        Self::start_with(path, vmm, started, Some(Arc::new(session)), Arc::default())
     }
 
     fn start_with(
         path: &Path,
-        requests: Sender<ActionRequest>,
-        wake: EventFd,
+        vmm: ActionSender,
+        started: StartGate,
         firecracker: Option<Arc<crate::firecracker::Session>>,
         session: Arc<Session>,
     ) -> Result<ApiServer, ApiError> {
@@ -119,8 +113,8 @@ impl ApiServer {
         })?;
         let busy = Arc::new(AtomicUsize::new(0));
         let link = VmmLink {
-            requests,
-            wake: Arc::new(wake),
+            vmm,
+            started,
             session,
             firecracker,
         };
@@ -172,6 +166,75 @@ impl Drop for ApiServer {
         }
         let _ = std::fs::remove_file(&self.path);
     }
+}
+
+/// How long a request that arrives while the command line is still starting the VM waits
+/// for that start before it is answered 503 (with Retry-After).
+pub const START_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether a front end's command line is still starting the VM: Cloud Hypervisor's
+/// `--restore` or `--kernel`, Firecracker's `--config-file`. Those VMMs answer a request
+/// that arrives meanwhile once the start is done (it waits in their VMM thread's queue),
+/// so a client may send `vm.resume` as soon as the socket accepts; gpuvm's front ends
+/// send the start's requests from a thread of their own, and the API server holds the
+/// clients' requests until it is done, at most [`START_WAIT`]. Open unless made by
+/// [`StartGate::held`].
+#[derive(Clone, Default)]
+pub struct StartGate(Option<Arc<StartState>>);
+
+/// Whether the start is over, and the condition that says when it ends.
+#[derive(Default)]
+struct StartState {
+    over: Mutex<bool>,
+    ended: Condvar,
+}
+
+/// The start under way: whatever carries it out holds this, and the gate opens when it is
+/// dropped, however the start ended (done, refused, or its thread never ran).
+pub struct StartUnderWay(Arc<StartState>);
+
+impl StartGate {
+    /// A gate held until the returned [`StartUnderWay`] is dropped.
+    pub fn held() -> (StartGate, StartUnderWay) {
+        let state = Arc::new(StartState::default());
+        (StartGate(Some(state.clone())), StartUnderWay(state))
+    }
+
+    /// Waits until the start is over, at most `limit`; whether it is.
+    fn wait(&self, limit: Duration) -> bool {
+        let Some(state) = &self.0 else {
+            return true;
+        };
+        let over = state.over.lock().unwrap_or_else(|e| e.into_inner());
+        let (over, _) = state
+            .ended
+            .wait_timeout_while(over, limit, |over| !*over)
+            .unwrap_or_else(|e| e.into_inner());
+        *over
+    }
+}
+
+impl Drop for StartUnderWay {
+    fn drop(&mut self) {
+        *self.0.over.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.0.ended.notify_all();
+    }
+}
+
+/// The answer to a request that waited [`START_WAIT`] for the command line's start in
+/// vain: 503, to be tried again (in Cloud Hypervisor's error shape on its paths).
+fn still_starting(path: &str) -> Response {
+    let message = format!(
+        "the VM is still being started (restored or booted) from the command line after {} s; try again",
+        START_WAIT.as_secs()
+    );
+    let mut answer = if path.starts_with(cloud_hypervisor::PREFIX) {
+        cloud_hypervisor::routes::fault(503, message)
+    } else {
+        Response::fault(503, message)
+    };
+    answer.retry_after = Some(RETRY_AFTER_S);
+    answer
 }
 
 /// Who holds the connection slots, and the connections waiting for one (oldest first).
@@ -515,13 +578,16 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
 /// gpuvm's own routes. `fds` came with the request (only Cloud Hypervisor's vm.add-net
 /// takes any; the others close them).
 fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
+    if !link.started.wait(START_WAIT) {
+        return still_starting(&request.path);
+    }
     if let Some(session) = &link.firecracker {
         drop(fds);
-        return crate::firecracker::handle(request, session, &|action| dispatch(action, link));
+        return crate::firecracker::handle(request, session, &|action| link.vmm.dispatch(action));
     }
     if request.path.starts_with(cloud_hypervisor::PREFIX) {
         return cloud_hypervisor::handle(request, fds, &link.session, &|action| {
-            dispatch(action, link)
+            link.vmm.dispatch(action)
         });
     }
     drop(fds);
@@ -534,29 +600,11 @@ fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
         request.method.as_str(),
         request.path
     );
-    match dispatch(action, link) {
+    match link.vmm.dispatch(action) {
         Ok(VmmData::Empty) => Response::no_content(),
         Ok(VmmData::Json(value)) => Response::json(200, &value),
         Err(error) => Response::fault(error.status, error.message),
     }
-}
-
-fn dispatch(action: VmmAction, link: &VmmLink) -> ActionResult {
-    let (reply_tx, reply_rx) = channel();
-    let gone = || ActionError {
-        status: 503,
-        message: "the VMM has stopped".into(),
-    };
-    link.requests
-        .send(ActionRequest {
-            action,
-            reply: reply_tx,
-        })
-        .map_err(|_| gone())?;
-    if link.wake.write(1).is_err() {
-        return Err(gone());
-    }
-    reply_rx.recv().map_err(|_| gone())?
 }
 
 #[cfg(test)]
@@ -628,6 +676,85 @@ mod tests {
         assert!(text.starts_with("HTTP/1.1 503 "), "{text}");
         assert!(text.contains("Retry-After: 1\r\n"), "{text}");
         assert!(text.ends_with("too many API connections\"}"), "{text}");
+    }
+
+    /// Issue 26: a request that arrives while the command line starts the VM reaches the
+    /// VMM thread only once that start is over.
+    #[test]
+    fn requests_wait_while_the_start_is_under_way() {
+        let (vmm, end) = gpuvm_vmm::action_channel::action_channel().unwrap();
+        let (started, under_way) = StartGate::held();
+        let link = VmmLink {
+            vmm,
+            started,
+            session: Arc::default(),
+            firecracker: None,
+        };
+        let request = Request {
+            method: crate::http::Method::Get,
+            path: "/api/v1/vm.info".into(),
+            body: Vec::new(),
+            close: true,
+        };
+        let client = std::thread::spawn(move || handle(&request, Vec::new(), &link));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(end.requests.try_recv().is_err(), "the request went ahead");
+        drop(under_way);
+        // The VMM thread: the VM was restored, paused. The channel closes when the
+        // client's thread is done with its sender.
+        while let Ok(request) = end.requests.recv_timeout(Duration::from_secs(5)) {
+            let info = serde_json::json!({"state": "Paused"});
+            let _ = request.reply.send(Ok(VmmData::Json(info)));
+        }
+        let answer = client.join().unwrap();
+        assert_eq!(
+            answer.status,
+            200,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+
+    #[test]
+    fn a_start_gate_opens_when_the_start_ends() {
+        assert!(
+            StartGate::default().wait(Duration::ZERO),
+            "open unless held"
+        );
+        let (gate, under_way) = StartGate::held();
+        assert!(!gate.wait(Duration::from_millis(20)));
+        let opener = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            drop(under_way);
+        });
+        let started = Instant::now();
+        assert!(gate.clone().wait(Duration::from_secs(10)));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        opener.join().unwrap();
+        assert!(gate.wait(Duration::ZERO), "stays open");
+    }
+
+    /// A request that waited [`START_WAIT`] in vain: 503 with Retry-After, in each front
+    /// end's error shape.
+    #[test]
+    fn a_start_that_takes_too_long_is_answered_503() {
+        let ch = still_starting("/api/v1/vm.resume");
+        assert_eq!((ch.status, ch.retry_after), (503, Some(RETRY_AFTER_S)));
+        let body: serde_json::Value = serde_json::from_slice(&ch.body).unwrap();
+        assert!(
+            body[0].as_str().unwrap().contains("still being started"),
+            "{body}"
+        );
+        let own = still_starting("/");
+        assert_eq!((own.status, own.retry_after), (503, Some(RETRY_AFTER_S)));
+        let body: serde_json::Value = serde_json::from_slice(&own.body).unwrap();
+        assert!(
+            body["fault_message"]
+                .as_str()
+                .unwrap()
+                .contains("try again"),
+            "{body}"
+        );
     }
 
     #[test]

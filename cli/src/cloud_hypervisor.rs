@@ -13,7 +13,9 @@
 //! Hypervisor's does. `--user-device` and `--net fd=` go through vm.add-user-device and
 //! vm.add-net (the descriptors passed as Kata passes them). `--restore` is vm.restore
 //! (then vm.resume with `resume=on`). Any failure is `gpuvm: error: <option>: ...`,
-//! status 125.
+//! status 125. Requests on the API socket that arrive while these start requests are
+//! under way wait for them (at most [`gpuvm_api::server::START_WAIT`], then 503 with
+//! Retry-After), as Cloud Hypervisor's do: an early `vm.resume` finds the VM restored.
 //!
 //! Also accepted: `--api-socket <path>` (or `path=<path>`; `fd=` is refused), `-v`
 //! repeated (more logging), `--seccomp true|false|log`, `--event-monitor ...` (accepted,
@@ -25,16 +27,15 @@ mod options;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpuvm_api::cloud_hypervisor::Session;
 use gpuvm_api::http::{Method, Request};
-use gpuvm_api::server::ApiServer;
-use gpuvm_vmm::action::{ActionError, ActionRequest, ActionResult, VmmAction};
+use gpuvm_api::server::{ApiServer, StartGate, StartUnderWay};
+use gpuvm_vmm::action::VmmAction;
+use gpuvm_vmm::action_channel::{action_channel, ActionSender};
 use serde_json::{json, Map, Value};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::SeccompArgs;
 use crate::run::run_from_api;
@@ -467,35 +468,15 @@ fn blame(request_blame: &'static str, message: &str) -> &'static str {
         .map_or(request_blame, |(_, option)| option)
 }
 
-/// The VMM thread's end, as the API server's connections hold it.
-#[derive(Clone)]
-struct VmmLink {
-    requests: Sender<ActionRequest>,
-    wake: Arc<EventFd>,
-}
-
-impl VmmLink {
-    fn dispatch(&self, action: VmmAction) -> ActionResult {
-        let (reply, answer) = channel();
-        let gone = || ActionError {
-            status: 503,
-            message: "the VMM has stopped".into(),
-        };
-        self.requests
-            .send(ActionRequest { action, reply })
-            .map_err(|_| gone())?;
-        self.wake.write(1).map_err(|_| gone())?;
-        answer.recv().map_err(|_| gone())?
-    }
-}
-
 /// Sends the start requests through the API's routes one by one; the first refusal is
-/// kept in `failed` and ends the VMM instead.
+/// kept in `failed` and ends the VMM instead. The API socket's clients wait until this
+/// returns (`_under_way` is dropped then).
 fn configure(
     requests: Vec<StartRequest>,
     session: Arc<Session>,
-    link: VmmLink,
+    vmm: ActionSender,
     failed: Arc<Mutex<Option<String>>>,
+    _under_way: StartUnderWay,
 ) {
     for start in requests {
         let request = Request {
@@ -509,7 +490,7 @@ fn configure(
         };
         log::info!(target: crate::LOG_TARGET, "command line: PUT {} {}", start.path, start.body);
         let response = gpuvm_api::cloud_hypervisor::handle(&request, start.fds, &session, &|a| {
-            link.dispatch(a)
+            vmm.dispatch(a)
         });
         if response.status < 300 {
             continue;
@@ -523,7 +504,7 @@ fn configure(
         let message = format!("{}: {message}", blame(start.blame, &message));
         log::error!(target: crate::LOG_TARGET, "command line: {message}");
         *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
-        let _ = link.dispatch(VmmAction::ShutdownVmm);
+        let _ = vmm.dispatch(VmmAction::ShutdownVmm);
         return;
     }
 }
@@ -538,43 +519,37 @@ fn serve(args: ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
         seccomp: false,
     };
     seccomp.enable()?;
-    let (requests_tx, requests_rx) = channel();
-    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let clone_wake = || wake.try_clone().map_err(gpuvm_vmm::Error::EventFd);
+    let (vmm, vmm_end) = action_channel().map_err(gpuvm_vmm::Error::EventFd)?;
     let session = Arc::new(Session::default());
+    // The API's clients wait while the command line boots or restores the VM, as Cloud
+    // Hypervisor's do.
+    let (started, under_way) = StartGate::held();
     let server = match &args.api_socket {
         Some(path) => Some(
-            ApiServer::start_cloud_hypervisor(
-                path,
-                requests_tx.clone(),
-                clone_wake()?,
-                session.clone(),
-            )
-            .map_err(|e| CliError::Other(e.to_string()))?,
+            ApiServer::start_cloud_hypervisor(path, vmm.clone(), session.clone(), started)
+                .map_err(|e| CliError::Other(e.to_string()))?,
         ),
         None => None,
     };
     let failed = Arc::new(Mutex::new(None));
-    if !requests.is_empty() {
-        let link = VmmLink {
-            requests: requests_tx.clone(),
-            wake: Arc::new(clone_wake()?),
-        };
+    if requests.is_empty() {
+        // Nothing to start: requests are answered at once.
+        drop((vmm, under_way));
+    } else {
         let failed = failed.clone();
         std::thread::Builder::new()
             .name("ch-config".into())
-            .spawn(move || configure(requests, session, link, failed))
+            .spawn(move || configure(requests, session, vmm, failed, under_way))
             .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
     }
-    drop(requests_tx);
     let wait_idle = |server: &Option<ApiServer>| {
         if let Some(server) = server {
             server.wait_idle(Duration::from_secs(2));
         }
     };
     run_from_api(
-        requests_rx,
-        wake,
+        vmm_end.requests,
+        vmm_end.wake,
         process_start,
         &|| wait_idle(&server),
         &|| failed.lock().unwrap_or_else(|e| e.into_inner()).take(),

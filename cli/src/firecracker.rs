@@ -15,13 +15,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuvm_api::server::ApiServer;
-use gpuvm_vmm::action::{ActionRequest, VmmAction};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use gpuvm_api::server::{ApiServer, StartGate, StartUnderWay};
+use gpuvm_vmm::action::VmmAction;
+use gpuvm_vmm::action_channel::{action_channel, ActionSender};
 
 use crate::args::ForeignFlags;
 use crate::args::SeccompArgs;
@@ -139,31 +138,24 @@ pub fn main(args: &[String], process_start: Instant) -> ExitCode {
 }
 
 /// Sends `actions` to the VMM thread one by one, then InstanceStart; the first refusal is
-/// kept in `failed` and ends the VMM instead.
+/// kept in `failed` and ends the VMM instead. The API socket's clients wait until this
+/// returns (`_under_way` is dropped then), as Firecracker's wait for its `--config-file`
+/// boot.
 fn configure(
     actions: Vec<VmmAction>,
-    requests: Sender<ActionRequest>,
-    wake: EventFd,
+    vmm: ActionSender,
     failed: Arc<Mutex<Option<String>>>,
+    _under_way: StartUnderWay,
 ) {
     for action in actions.into_iter().chain([VmmAction::StartInstance]) {
-        let (reply, answer) = channel();
-        if requests.send(ActionRequest { action, reply }).is_err() {
-            return;
-        }
-        let _ = wake.write(1);
-        match answer.recv() {
+        match vmm.call(action) {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => {
                 *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.message);
-                let (reply, _answer) = channel();
-                let _ = requests.send(ActionRequest {
-                    action: VmmAction::ShutdownVmm,
-                    reply,
-                });
-                let _ = wake.write(1);
+                let _ = vmm.call(VmmAction::ShutdownVmm);
                 return;
             }
+            // The VMM thread has gone: nothing left to configure.
             Err(_) => return,
         }
     }
@@ -202,33 +194,36 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     if args.metrics_path.is_some() {
         gpuvm_vmm::outputs::start_periodic_metrics();
     }
-    let (requests_tx, requests_rx) = channel();
-    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let clone_wake = || wake.try_clone().map_err(gpuvm_vmm::Error::EventFd);
+    let (vmm, vmm_end) = action_channel().map_err(gpuvm_vmm::Error::EventFd)?;
+    // The API's clients wait while the config file boots the VM, as Firecracker's do.
+    let (started, under_way) = StartGate::held();
     let server = match &args.api_sock {
         Some(path) => Some(
-            ApiServer::start_firecracker(path, requests_tx.clone(), clone_wake()?, session)
+            ApiServer::start_firecracker(path, vmm.clone(), session, started)
                 .map_err(|e| CliError::Other(e.to_string()))?,
         ),
         None => None,
     };
     let failed = Arc::new(Mutex::new(None));
-    if let Some(actions) = actions {
-        let (tx, wake, failed) = (requests_tx.clone(), clone_wake()?, failed.clone());
-        std::thread::Builder::new()
-            .name("fc-config".into())
-            .spawn(move || configure(actions, tx, wake, failed))
-            .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
+    match actions {
+        Some(actions) => {
+            let failed = failed.clone();
+            std::thread::Builder::new()
+                .name("fc-config".into())
+                .spawn(move || configure(actions, vmm, failed, under_way))
+                .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
+        }
+        // Nothing to start: requests are answered at once.
+        None => drop((vmm, under_way)),
     }
-    drop(requests_tx);
     let wait_idle = |server: &Option<ApiServer>| {
         if let Some(server) = server {
             server.wait_idle(Duration::from_secs(2));
         }
     };
     run_from_api(
-        requests_rx,
-        wake,
+        vmm_end.requests,
+        vmm_end.wake,
         process_start,
         &|| wait_idle(&server),
         &|| {

@@ -89,12 +89,11 @@ fn serve_api(
 ) -> Result<ExitCode, CliError> {
     let (requests_tx, requests_rx) = std::sync::mpsc::channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
-    let mut server = ApiServer::start(
-        api_sock,
+    let vmm = gpuvm_vmm::action_channel::ActionSender::new(
         requests_tx.clone(),
         wake.try_clone().map_err(gpuvm_vmm::Error::EventFd)?,
-    )
-    .map_err(|e| CliError::Other(e.to_string()))?;
+    );
+    let mut server = ApiServer::start(api_sock, vmm).map_err(|e| CliError::Other(e.to_string()))?;
     let mut controller =
         ApiController::new(requests_rx, wake, config.clone(), Box::new(serial_out));
     controller.set_request_sender(requests_tx);

@@ -20,15 +20,13 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, Sender};
 use std::time::{Duration, Instant};
 
-use vmm_sys_util::eventfd::EventFd;
-
 use crate::action::{
-    ActionError, ActionRequest, ActionResult, GpuBody, PassthroughPolicy, ReleasedGpu,
-    SnapshotCreateBody, VmmAction, VmmData,
+    ActionError, ActionResult, GpuBody, PassthroughPolicy, ReleasedGpu, SnapshotCreateBody,
+    VmmAction, VmmData,
 };
+use crate::action_channel::ActionSender;
 
 /// The guest's vsock port for the agent.
 pub const AGENT_PORT: u32 = 1027;
@@ -174,24 +172,11 @@ impl AgentChannel {
     }
 }
 
-/// The way into the VMM thread's run loop, as the API server has it: the request
-/// channel and the eventfd that wakes the loop to read it.
-pub struct VmmChannel {
-    pub requests: Sender<ActionRequest>,
-    pub wake: EventFd,
-}
-
-impl VmmChannel {
-    /// Sends one action to the VMM thread and waits for its answer.
-    fn call(&self, action: VmmAction) -> ActionResult {
-        let (reply, answer) = channel();
-        let ended = || ActionError::wrong_state("the VM ended");
-        self.requests
-            .send(ActionRequest { action, reply })
-            .map_err(|_| ended())?;
-        self.wake.write(1).map_err(|_| ended())?;
-        answer.recv().map_err(|_| ended())?
-    }
+/// Sends one action to the VMM thread and waits for its answer; a VMM thread that has
+/// gone is a 409 (the VM ended while the release was under way).
+fn call(vmm: &ActionSender, action: VmmAction) -> ActionResult {
+    vmm.call(action)
+        .unwrap_or_else(|_| Err(ActionError::wrong_state("the VM ended")))
 }
 
 fn agent_error(during: &str, error: AgentError) -> ActionError {
@@ -216,9 +201,9 @@ fn plugged_bdf(answer: &VmmData) -> Option<String> {
 
 /// Hot-plugs `body` and tells the guest's agent where it is (the second half of a release,
 /// on a restored VM or on the one that was snapshotted).
-pub fn attach(vmm: &VmmChannel, uds: &Path, body: GpuBody) -> Result<String, ActionError> {
+pub fn attach(vmm: &ActionSender, uds: &Path, body: GpuBody) -> Result<String, ActionError> {
     let id = body.gpu_id.clone();
-    let answer = vmm.call(VmmAction::PutGpu(body))?;
+    let answer = call(vmm, VmmAction::PutGpu(body))?;
     let bdf = plugged_bdf(&answer)
         .ok_or_else(|| ActionError::bad_request("the hot-plug named no bus address"))?;
     resume_in_guest(uds, &id, &bdf)?;
@@ -236,11 +221,11 @@ pub fn resume_in_guest(uds: &Path, id: &str, bdf: &str) -> Result<(), ActionErro
 }
 
 /// PUT /snapshot/create with `passthrough: guest_release`, run on its own thread: every
-/// action goes through `requests` like a client's, so the VMM thread serves the API
+/// action goes through `vmm` like a client's, so the VMM thread serves the API
 /// meanwhile. Releases `gpus` (all or none: a refusal hands those already released back),
 /// snapshots, and gives the same devices back when `reattach`.
 pub fn snapshot_releasing(
-    vmm: VmmChannel,
+    vmm: ActionSender,
     uds: PathBuf,
     gpus: Vec<AttachedGpu>,
     mut body: SnapshotCreateBody,
@@ -265,7 +250,7 @@ pub fn snapshot_releasing(
     drop(agent);
     let mut ejected: Vec<&AttachedGpu> = Vec::new();
     for gpu in &gpus {
-        if let Err(error) = vmm.call(VmmAction::DeleteGpu(gpu.body.gpu_id.clone())) {
+        if let Err(error) = call(&vmm, VmmAction::DeleteGpu(gpu.body.gpu_id.clone())) {
             let reattached = reattach(&vmm, &uds, &ejected);
             if let Ok(mut agent) = AgentChannel::connect(&uds, timeout) {
                 let still: Vec<AttachedGpu> = gpus
@@ -302,7 +287,7 @@ pub fn snapshot_releasing(
         })
         .collect();
     let reattach_after = body.reattach;
-    let snapshot = vmm.call(VmmAction::CreateSnapshot(body));
+    let snapshot = call(&vmm, VmmAction::CreateSnapshot(body));
     let reattached = if reattach_after || snapshot.is_err() {
         reattach(&vmm, &uds, &ejected)
     } else {
@@ -358,7 +343,7 @@ fn give_back_to_guest(agent: &mut AgentChannel, gpus: &[AttachedGpu]) {
 
 /// Plugs `gpus` again and resumes them in the guest; their new bus addresses.
 fn reattach(
-    vmm: &VmmChannel,
+    vmm: &ActionSender,
     uds: &Path,
     gpus: &[&AttachedGpu],
 ) -> Result<Vec<serde_json::Value>, ActionError> {

@@ -3,7 +3,8 @@
 //!
 //! - [`action`]: [`action::VmmAction`], the one action type every front end (the
 //!   `gpuvm-api` crate's routes, the CLI's config file) translates onto, and
-//!   [`controller`], the VMM thread's side that carries actions out.
+//!   [`controller`], the VMM thread's side that carries actions out;
+//!   [`action_channel::ActionSender`] is how a front end sends one and waits for its answer.
 //! - [`builder`] turns a configuration into a [`machine::Machine`] (KVM VM, RAM, devices,
 //!   kernel, vCPUs).
 //! - [`machine`] runs it: vCPU threads and the VMM thread's event loop.
@@ -17,6 +18,7 @@
 //!   `gpuvm-arch` crate ([`gpuvm_arch::x86_64`]).
 
 pub mod action;
+pub mod action_channel;
 pub mod builder;
 pub mod config;
 pub mod controller;

@@ -28,7 +28,7 @@ mod resize_tests;
 pub type Dispatch<'a> = &'a dyn Fn(VmmAction) -> ActionResult;
 
 /// An error answer in Cloud Hypervisor's shape.
-fn fault(status: u16, message: impl Into<String>) -> Response {
+pub(crate) fn fault(status: u16, message: impl Into<String>) -> Response {
     // Cloud Hypervisor's error body: a JSON array of messages, the error first and its
     // causes after (ch-remote reads it so); gpuvm's message carries its causes already.
     Response::json(status, &serde_json::json!([message.into()]))

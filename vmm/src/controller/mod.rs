@@ -522,6 +522,9 @@ impl ApiController {
 
     /// The part that serves a running machine.
     pub fn into_run_control(self) -> Box<dyn RunControl> {
+        // Requests queued behind the one that started or resumed the machine had their
+        // wake-up read with it: the run loop is woken once to serve them.
+        let _ = self.event.write(1);
         // Devices from the command line have no id, so DELETE cannot name them.
         let cold = self.gpus.iter().map(|g| g.gpu_id.clone()).collect();
         Box::new(RunningApi::new(

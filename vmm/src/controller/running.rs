@@ -609,7 +609,7 @@ impl RunningApi {
             .event
             .try_clone()
             .map_err(|e| ActionError::bad_request(format!("cannot wake the VMM thread: {e}")))?;
-        let vmm = crate::gpu_release::VmmChannel { requests, wake };
+        let vmm = crate::action_channel::ActionSender::new(requests, wake);
         answer_from_thread("gpu-release", reply, move || {
             crate::gpu_release::snapshot_releasing(vmm, uds, gpus, body)
         })
