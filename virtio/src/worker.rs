@@ -7,12 +7,16 @@
 //! pause, resume and reset.
 //!
 //! Devices activate when the guest's driver says so, on a vCPU thread, whose seccomp
-//! filter does not let it create threads or do a device's I/O. So the VMM creates the I/O
-//! threads up front ([`prespawn`], one per device, each installing the device filter
-//! first) and a worker runs on an idle one of them; a thread goes back to the idle pool
-//! before its worker's handler is handed back, so a device that stops and starts again
-//! always finds one. Without a pool (unit tests, library users without seccomp) each
-//! worker gets a fresh thread.
+//! filter does not let it create threads or do a device's I/O. So the VMM sets the I/O
+//! threads up with [`start`] while it builds the VM: one thread per device it is built
+//! with, made at once (each installs the device filter first), serves that device's first
+//! worker; a factory thread, which installs a filter of its own that also lets it make
+//! threads, makes every other one when it is needed (a hot-plugged device, a device
+//! started again after a reset, a pause or a change), and the new thread stacks the device
+//! filter on the one it inherits before it serves. A thread ends when its worker stops:
+//! nothing is kept for devices that are gone, and no thread is made for a device that may
+//! never come. Without [`start`] (unit tests, library users) or without a factory (no
+//! filters in force) a worker gets a fresh thread from the caller.
 
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,30 +74,53 @@ pub trait WorkerHandler: Send + 'static {
     fn handle_event(&mut self, token: u64, events: EventSet, control: &EventControl);
 }
 
-/// Work for a pooled thread: runs a worker, calling `mark_idle` before it hands its
-/// handler back.
-type Job = Box<dyn FnOnce(&dyn Fn()) + Send>;
+/// Work for an I/O thread: runs a worker, told how the thread's setup went.
+type Job = Box<dyn FnOnce(std::io::Result<()>) + Send>;
 
-/// Job senders of the pooled threads that are idle.
+/// The threads [`start`] made for the devices the VM was built with, waiting for their
+/// first worker.
 static IDLE: Mutex<Vec<Sender<Job>>> = Mutex::new(Vec::new());
-/// Set once [`prespawn`] ran: from then on workers only run on pooled threads.
-static POOLED: AtomicBool = AtomicBool::new(false);
-/// The setup [`prespawn`] was given, for the crate's other long-lived threads.
+/// Set once [`start`] ran: from then on workers run on its threads or the factory's.
+static STARTED: AtomicBool = AtomicBool::new(false);
+/// The setup [`start`] was given: for every I/O thread, and the crate's other long-lived
+/// threads.
 static SETUP: Mutex<Option<ThreadSetup>> = Mutex::new(None);
+/// Asks the factory for a thread; None without one.
+static FACTORY: Mutex<Option<Sender<Job>>> = Mutex::new(None);
 
-/// What a pooled thread does first, before it takes work (the VMM installs the device
-/// seccomp filter here); an error ends the thread.
+/// The factory thread's name, and the name a thread it makes has until its worker names it.
+pub const FACTORY_THREAD_NAME: &str = "virtio-factory";
+const MADE_THREAD_NAME: &str = "virtio-io";
+/// The factory only receives requests and spawns threads.
+const FACTORY_STACK_SIZE: usize = 128 << 10;
+
+/// What a thread does first, before it takes work (the VMM installs a seccomp filter
+/// here); an error ends the thread.
 pub type ThreadSetup = Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>;
 
-/// Errors of [`prespawn`] and [`Worker::spawn`].
+/// How [`start`] sets the I/O threads up.
+pub struct IoThreads {
+    /// Threads made now and waited for, one per device the VM is built with: each serves
+    /// one worker (the first a device starts) and ends with it.
+    pub count: usize,
+    /// What every I/O thread runs first (the device filter).
+    pub setup: ThreadSetup,
+    /// What the factory thread runs first (a filter that also allows making threads, and
+    /// that each thread it makes then narrows with `setup`). None: no factory, every other
+    /// thread is spawned by the caller of [`Worker::spawn`], which is only right while no
+    /// filter is in force.
+    pub factory: Option<ThreadSetup>,
+}
+
+/// Errors of [`start`] and [`Worker::spawn`].
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("cannot set up a device I/O thread: {0}")]
     Setup(std::io::Error),
     #[error("cannot create a device I/O thread: {0}")]
     Spawn(std::io::Error),
-    #[error("no idle device I/O thread (one is created per device when the VM is built)")]
-    NoIdleThread,
+    #[error("the device I/O thread factory is gone (it could not set itself up: see the log)")]
+    NoFactory,
     #[error("cannot set up the worker's event loop: {0}")]
     Epoll(std::io::Error),
 }
@@ -107,31 +134,38 @@ impl From<WorkerError> for std::io::Error {
     }
 }
 
-/// Creates `count` idle I/O threads, each running `setup` first, and returns once every
-/// one has run it; and `spare` more, which join the idle threads once their setup ran
-/// without being waited for (threads for devices added later).
-pub fn prespawn(count: usize, spare: usize, setup: ThreadSetup) -> Result<(), WorkerError> {
-    POOLED.store(true, Ordering::SeqCst);
+/// Sets the I/O threads up as `threads` says: starts the factory (if asked for and not
+/// running yet), and makes `count` threads, returning once each of those has run its
+/// setup. The factory is not waited for (measured: waiting for a new thread to be
+/// scheduled costs milliseconds of boot on a loaded host): it runs its setup first thing
+/// and serves no request before, and until then nothing in it runs at all.
+pub fn start(threads: IoThreads) -> Result<(), WorkerError> {
+    let IoThreads {
+        count,
+        setup,
+        factory,
+    } = threads;
+    STARTED.store(true, Ordering::SeqCst);
     *crate::lock(&SETUP) = Some(setup.clone());
+    if let Some(factory_setup) = factory {
+        start_factory(factory_setup, setup.clone())?;
+    }
     let (ready_tx, ready_rx) = channel();
-    for index in 0..count + spare {
+    for index in 0..count {
         let (job_tx, job_rx) = channel::<Job>();
         let setup = setup.clone();
-        let ready = (index < count).then(|| ready_tx.clone());
+        let ready = ready_tx.clone();
         std::thread::Builder::new()
             .name(format!("virtio-idle{index}"))
             .spawn(move || {
                 let result = setup();
                 let ok = result.is_ok();
-                match ready {
-                    Some(ready) => {
-                        let _ = ready.send(result.map(|()| job_tx.clone()));
-                    }
-                    None if ok => crate::lock(&IDLE).push(job_tx.clone()),
-                    None => log::warn!("a spare device I/O thread failed its setup"),
-                }
+                let _ = ready.send(result.map(|()| job_tx));
+                // Its one worker; none if the VM goes first (the sender is dropped).
                 if ok {
-                    serve_jobs(&job_rx, &job_tx);
+                    if let Ok(job) = job_rx.recv() {
+                        job(Ok(()));
+                    }
                 }
             })
             .map_err(WorkerError::Spawn)?;
@@ -146,9 +180,86 @@ pub fn prespawn(count: usize, spare: usize, setup: ThreadSetup) -> Result<(), Wo
     Ok(())
 }
 
-/// Runs, on the calling thread, the setup the pooled threads ran (the device seccomp
-/// filter in gpuvm): for other threads the crate starts, such as vhost-user's watchdog.
-/// Nothing to do before [`prespawn`] ran.
+/// Starts the factory thread: it runs `factory_setup`, then makes a thread for each job it
+/// is sent, which runs `setup` before the job. Nothing to do if it runs already.
+fn start_factory(factory_setup: ThreadSetup, setup: ThreadSetup) -> Result<(), WorkerError> {
+    let mut factory = crate::lock(&FACTORY);
+    if factory.is_some() {
+        return Ok(());
+    }
+    let (requests_tx, requests) = channel::<Job>();
+    std::thread::Builder::new()
+        .name(FACTORY_THREAD_NAME.to_string())
+        .stack_size(FACTORY_STACK_SIZE)
+        .spawn(move || {
+            if let Err(error) = factory_setup() {
+                // It ends, an unfiltered factory being no option: requests find it gone
+                // (a job already sent is dropped, and its worker fails to start).
+                log::error!(
+                    "the device I/O thread factory cannot set itself up; devices started from now on fail: {error}"
+                );
+                return;
+            }
+            while let Ok(job) = requests.recv() {
+                make_thread(job, setup.clone());
+            }
+        })
+        .map_err(WorkerError::Spawn)?;
+    *factory = Some(requests_tx);
+    Ok(())
+}
+
+/// Makes a thread (under the caller's filter) that runs `setup`, then `job`; `job` learns
+/// of a failure to make it.
+fn make_thread(job: Job, setup: ThreadSetup) {
+    let job = Arc::new(Mutex::new(Some(job)));
+    let on_thread = job.clone();
+    let spawned = std::thread::Builder::new()
+        .name(MADE_THREAD_NAME.to_string())
+        .spawn(move || {
+            let result = setup();
+            let job = crate::lock(&on_thread).take();
+            if let Some(job) = job {
+                job(result);
+            }
+        });
+    if let Err(error) = spawned {
+        let job = crate::lock(&job).take();
+        if let Some(job) = job {
+            job(Err(error));
+        }
+    }
+}
+
+/// Runs `job` on a thread: one [`start`] made for it, else one the factory makes, else (no
+/// factory: no filters in force) one made here, under the caller's filter, named `name`.
+fn dispatch(name: &str, mut job: Job) -> Result<(), WorkerError> {
+    if STARTED.load(Ordering::SeqCst) {
+        loop {
+            let idle = crate::lock(&IDLE).pop();
+            let Some(idle) = idle else { break };
+            match idle.send(job) {
+                Ok(()) => return Ok(()),
+                // That thread is gone (its setup failed, or it panicked): the next.
+                Err(returned) => job = returned.0,
+            }
+        }
+        let factory = crate::lock(&FACTORY).clone();
+        if let Some(factory) = factory {
+            return factory.send(job).map_err(|_| WorkerError::NoFactory);
+        }
+    }
+    let setup = crate::lock(&SETUP).clone();
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(move || job(setup.map_or(Ok(()), |setup| setup())))
+        .map_err(WorkerError::Spawn)?;
+    Ok(())
+}
+
+/// Runs, on the calling thread, the setup the I/O threads run (the device seccomp filter
+/// in gpuvm): for other threads the crate starts, such as vhost-user's watchdog. Nothing
+/// to do before [`start`] ran.
 pub(crate) fn run_thread_setup() -> std::io::Result<()> {
     let setup = crate::lock(&SETUP).clone();
     match setup {
@@ -172,13 +283,6 @@ pub(crate) fn duplicate_timer(timer: &TimerFd) -> std::io::Result<TimerFd> {
     let mut duplicate = unsafe { TimerFd::from_raw_fd(fd) };
     duplicate.clear()?;
     Ok(duplicate)
-}
-
-fn serve_jobs(jobs: &Receiver<Job>, me: &Sender<Job>) {
-    while let Ok(job) = jobs.recv() {
-        let mark_idle = || crate::lock(&IDLE).push(me.clone());
-        job(&mark_idle);
-    }
 }
 
 /// Names the calling thread (what /proc/PID/task/*/comm shows; at most 15 bytes).
@@ -208,7 +312,11 @@ impl<H: WorkerHandler> Worker<H> {
         let (started_tx, started_rx) = channel();
         let (back_tx, back_rx) = channel();
         let thread_name = name.to_string();
-        let job: Job = Box::new(move |mark_idle: &dyn Fn()| {
+        let job: Job = Box::new(move |setup: std::io::Result<()>| {
+            if let Err(error) = setup {
+                let _ = started_tx.send(Err(WorkerError::Setup(error)));
+                return;
+            }
             set_thread_name(&thread_name);
             let mut handler = handler;
             match event_loop(stop_fd, &mut handler) {
@@ -217,33 +325,20 @@ impl<H: WorkerHandler> Worker<H> {
                     run(&epoll, &mut handler);
                 }
                 Err(error) => {
-                    let _ = started_tx.send(Err(error));
+                    let _ = started_tx.send(Err(WorkerError::Epoll(error)));
                 }
             }
-            mark_idle();
+            // The thread ends once the handler is back.
             let _ = back_tx.send(handler);
         });
-        if POOLED.load(Ordering::SeqCst) {
-            let idle = crate::lock(&IDLE).pop().ok_or(WorkerError::NoIdleThread)?;
-            if let Err(returned) = idle.send(job) {
-                // The thread is gone (it panicked earlier): run nothing rather than
-                // spawn a thread under the caller's filter.
-                drop(returned);
-                return Err(WorkerError::NoIdleThread);
-            }
-        } else {
-            std::thread::Builder::new()
-                .name(name.to_string())
-                .spawn(move || job(&|| {}))
-                .map_err(WorkerError::Spawn)?;
-        }
+        dispatch(name, job)?;
         match started_rx.recv() {
             Ok(Ok(())) => Ok(Worker {
                 stop,
                 handed_back: Some(back_rx),
                 name: name.to_string(),
             }),
-            Ok(Err(error)) => Err(WorkerError::Epoll(error)),
+            Ok(Err(error)) => Err(error),
             Err(_) => Err(WorkerError::Spawn(std::io::Error::other(
                 "the I/O thread ended before it started",
             ))),

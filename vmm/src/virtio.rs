@@ -1,7 +1,7 @@
 //! Wires virtio devices into a VM: builds each configured device, puts it behind a
 //! virtio-pci transport on the PCI root bus (MSI-X vectors as GSI routes + irqfds, queue
-//! notifications as KVM ioeventfds), and creates the devices' I/O threads up front under
-//! the `device` seccomp filter.
+//! notifications as KVM ioeventfds), and sets up the devices' I/O threads under the
+//! `device` seccomp filter (one per device made up front, any other made on demand).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -77,10 +77,6 @@ pub struct RestoredPlace {
     /// It was hot-plugged (so the guest may be asked to eject it).
     pub hot_plugged: bool,
 }
-
-/// Idle I/O threads kept for virtio devices hot-plugged after start (a removed device
-/// gives its thread back): threads cannot be made later under the device filter.
-pub const HOTPLUG_THREADS: usize = 4;
 
 impl VirtioOptions {
     pub fn is_empty(&self) -> bool {
@@ -494,20 +490,27 @@ pub fn attach(
     Ok(handles)
 }
 
-/// Starts the virtio devices' I/O threads: one per device of `options`, waited for, and
-/// [`HOTPLUG_THREADS`] more for hot-plug, which get ready on their own. Each runs under
-/// the device filter (a no-op until seccomp is enabled); they are made here, on the VMM
-/// thread before the vCPUs run, because the VMM's own filter allows no new threads
-/// with the device's system calls.
+/// Sets up the virtio devices' I/O threads (virtio/src/worker.rs). With filters on: one
+/// thread per device of `options`, made now and waited for, under the device filter, for
+/// its device's first activation; and the device-thread factory, which makes every other
+/// one when a device needs it (hot-plug, a device started again), with no fixed number:
+/// its filter is the device filter plus making threads, and each thread it makes stacks
+/// the device filter on it. Both are made here, on the VMM thread before its own filter,
+/// which allows no new thread with the device's system calls. With filters off: nothing
+/// now, each worker gets a fresh thread.
 pub fn start_io_threads(options: &VirtioOptions) -> Result<(), VirtioSetupError> {
-    gpuvm_virtio::worker::prespawn(
-        options.device_count(),
-        HOTPLUG_THREADS,
-        Arc::new(|| {
-            crate::seccomp::apply(crate::seccomp::ThreadKind::Device)
-                .map_err(|e| std::io::Error::other(e.to_string()))
+    use crate::seccomp::{apply, apply_factory, enabled, ThreadKind};
+    use gpuvm_virtio::worker::{IoThreads, ThreadSetup};
+    let filtered = enabled();
+    let factory: ThreadSetup =
+        Arc::new(|| apply_factory().map_err(|e| std::io::Error::other(e.to_string())));
+    gpuvm_virtio::worker::start(IoThreads {
+        count: if filtered { options.device_count() } else { 0 },
+        setup: Arc::new(|| {
+            apply(ThreadKind::Device).map_err(|e| std::io::Error::other(e.to_string()))
         }),
-    )
+        factory: filtered.then_some(factory),
+    })
     .map_err(VirtioSetupError::Threads)
 }
 

@@ -99,12 +99,8 @@ impl PciHotplug {
         options_with(handles, &config)
             .validate()
             .map_err(|e| refuse(e.to_string()))?;
-        if handles.iter().filter(|h| h.hot_plugged).count() >= crate::virtio::HOTPLUG_THREADS {
-            return Err(refuse(format!(
-                "at most {} virtio devices are hot-plugged at a time",
-                crate::virtio::HOTPLUG_THREADS
-            )));
-        }
+        // No thread is taken here: the device's is made when the guest activates it
+        // (crate::virtio::start_io_threads), so free slots are the only limit.
         let device =
             crate::virtio::open_device(&config, passed).map_err(|e| refuse(e.to_string()))?;
         let plug = BusPlug {

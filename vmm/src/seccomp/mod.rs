@@ -5,7 +5,14 @@
 //! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), the lazy-restore fault and loader threads, and the `dma-map` thread (guest RAM DMA-mapped in the background) | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO DMA mapping, teardown and INTx unmask |
 //! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
 //! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
-//! | `device` | the virtio devices' I/O threads, created with the VM (one per device) | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
+//! | `device` | the virtio devices' I/O threads: one per device the VM is built with, made with it; any other (hot-plug, a device started again) made on demand by the factory below | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
+//!
+//! The device-thread factory (`virtio-factory`, virtio/src/worker.rs) is made with the VM,
+//! before the main thread's filter, and installs [`apply_factory`]'s filter: the device
+//! list plus `clone` for threads only and what a new thread needs to install its own
+//! filter ([`rules::factory_rules`]). Filters are inherited and stack (the strictest
+//! answer of all wins), so each thread it makes, once it has stacked the device filter
+//! on the inherited one, can do exactly what the device filter allows.
 //!
 //! Every filter also allows what any Rust thread needs to live and end (memory
 //! allocation without `PROT_EXEC`, futexes, signals returns, thread exit, abort). A system
@@ -25,7 +32,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+use seccompiler::{sock_filter, BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 
 mod handler;
 pub mod ioctls;
@@ -198,6 +205,8 @@ impl Settings {
 /// The compiled filters, once [`enable`] ran.
 struct Filters {
     programs: [BpfProgram; 4],
+    /// The device-thread factory's ([`compile_factory`]).
+    factory: BpfProgram,
     violation: Option<ThreadKind>,
 }
 
@@ -221,12 +230,14 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
         compile(ThreadKind::Api, settings)?,
         compile(ThreadKind::Device, settings)?,
     ];
+    let factory = compile_factory(settings)?;
     if settings.on_violation == OnViolation::Trap {
         install_sigsys_handler()?;
     }
     FILTERS
         .set(Filters {
             programs,
+            factory,
             violation: settings.violation,
         })
         .map_err(|_| SeccompError::AlreadyEnabled)
@@ -301,6 +312,21 @@ pub fn apply(kind: ThreadKind) -> Result<(), SeccompError> {
     Ok(())
 }
 
+/// Installs the device-thread factory's filter ([`compile_factory`]) on the calling thread,
+/// which then makes the device threads: each stacks the device filter ([`apply`]) on the
+/// one it inherits. Does nothing unless [`enable`] ran.
+pub fn apply_factory() -> Result<(), SeccompError> {
+    let Some(filters) = FILTERS.get() else {
+        return Ok(());
+    };
+    seccompiler::apply_filter(&filters.factory).map_err(|source| SeccompError::Install {
+        kind: "device-thread factory",
+        source,
+    })?;
+    log::debug!("seccomp: device-thread factory filter installed");
+    Ok(())
+}
+
 /// A hook for threads other crates spawn (the memory crate's lazy-restore threads):
 /// installs `kind`'s filter on the thread that calls it. None while filters are off.
 pub fn thread_hook(kind: ThreadKind) -> Option<Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>> {
@@ -314,16 +340,77 @@ pub fn thread_hook(kind: ThreadKind) -> Option<Arc<dyn Fn() -> std::io::Result<(
 
 /// `kind`'s filter as BPF, with `settings` applied.
 pub fn compile(kind: ThreadKind, settings: &Settings) -> Result<BpfProgram, SeccompError> {
-    let build = |source| SeccompError::Build {
+    let rules = kind_rules(kind, settings)?;
+    compile_rules(kind, rules, settings)
+}
+
+/// `kind`'s list with the system calls `settings` leaves out of it removed.
+fn kind_rules(kind: ThreadKind, settings: &Settings) -> Result<rules::Rules, SeccompError> {
+    let mut rules = rules(kind).map_err(|source| SeccompError::Build {
         kind: kind.name(),
         source,
-    };
-    let mut rules = rules(kind).map_err(build)?;
+    })?;
     for (removed_kind, nr) in &settings.removed {
         if *removed_kind == kind {
             rules.remove(nr);
         }
     }
+    Ok(rules)
+}
+
+/// The device-thread factory's filter: the device list (with `settings`' removals) plus
+/// what making a filtered thread takes ([`rules::factory_rules`]); its traps report a
+/// device thread. Ahead of the list, `clone3` is answered ENOSYS: its flags live in memory
+/// a filter cannot read, and glibc then makes the thread with `clone`, whose flags the list
+/// checks (threads only, no fork).
+pub fn compile_factory(settings: &Settings) -> Result<BpfProgram, SeccompError> {
+    let build = |source| SeccompError::Build {
+        kind: "device-thread factory",
+        source,
+    };
+    let rules = rules::factory_rules(kind_rules(ThreadKind::Device, settings)?).map_err(build)?;
+    let program = compile_rules(ThreadKind::Device, rules, settings)?;
+    Ok(clone3_enosys(program))
+}
+
+/// `program` behind a check that answers x86_64's `clone3` with ENOSYS (and lets every
+/// other call through to `program`, which also checks the architecture).
+fn clone3_enosys(program: BpfProgram) -> BpfProgram {
+    const BPF_LD_W_ABS: u16 = 0x20;
+    const BPF_JEQ_K: u16 = 0x15;
+    const BPF_RET_K: u16 = 0x06;
+    // seccomp_data: nr at 0, arch at 4.
+    const NR: u32 = 0;
+    const ARCH: u32 = 4;
+    const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
+    let insn = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    let mut prefix = vec![
+        insn(BPF_LD_W_ABS, 0, 0, ARCH),
+        // Another architecture: on to `program` (3 ahead), which refuses it.
+        insn(BPF_JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        insn(BPF_LD_W_ABS, 0, 0, NR),
+        insn(BPF_JEQ_K, 0, 1, libc::SYS_clone3 as u32),
+        insn(
+            BPF_RET_K,
+            0,
+            0,
+            libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+        ),
+    ];
+    prefix.extend(program);
+    prefix
+}
+
+/// `rules` as BPF, whose traps report `kind`.
+fn compile_rules(
+    kind: ThreadKind,
+    rules: rules::Rules,
+    settings: &Settings,
+) -> Result<BpfProgram, SeccompError> {
+    let build = |source| SeccompError::Build {
+        kind: kind.name(),
+        source,
+    };
     let (mismatch, marker) = match settings.on_violation {
         OnViolation::Trap => (SeccompAction::Trap, Some(libc::SECCOMP_RET_TRAP)),
         OnViolation::Log => (SeccompAction::Log, None),
@@ -359,6 +446,142 @@ mod tests {
                     && i.k & libc::SECCOMP_RET_ACTION_FULL == libc::SECCOMP_RET_TRAP)
                 .all(|i| i.k & libc::SECCOMP_RET_DATA == kind.code()));
         }
+    }
+
+    /// `rules` with what they refuse failing with EPERM instead of trapping.
+    fn refusing(rules: rules::Rules) -> BpfProgram {
+        SeccompFilter::new(
+            rules,
+            SeccompAction::Errno(libc::EPERM as u32),
+            SeccompAction::Allow,
+            TargetArch::x86_64,
+        )
+        .unwrap()
+        .try_into()
+        .unwrap()
+    }
+
+    fn errno() -> Option<i32> {
+        std::io::Error::last_os_error().raw_os_error()
+    }
+
+    /// What a thread made by a factory-filtered thread could do once it stacked the device
+    /// filter, and its id.
+    #[derive(Debug)]
+    struct Made {
+        tid: i64,
+        spawn: Result<(), Option<i32>>,
+        no_new_privs: (i32, Option<i32>),
+        epoll: bool,
+        open: Result<(), Option<i32>>,
+    }
+
+    #[test]
+    fn the_factory_makes_threads_that_end_with_the_device_filters_rights() {
+        let factory = clone3_enosys(refusing(
+            rules::factory_rules(rules(ThreadKind::Device).unwrap()).unwrap(),
+        ));
+        let device = refusing(rules(ThreadKind::Device).unwrap());
+        let (report, reports) = std::sync::mpsc::channel::<Made>();
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let factory_thread = std::thread::spawn(move || {
+            seccompiler::apply_filter(&factory).unwrap();
+            // SAFETY: clone3 with no arguments: answered by the filter before the kernel.
+            let clone3 = unsafe { libc::syscall(libc::SYS_clone3, 0, 0) };
+            let clone3 = (clone3, errno());
+            // SAFETY: a raw clone without CLONE_THREAD, refused before it does anything.
+            let fork = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as u64, 0, 0, 0, 0) };
+            if fork == 0 {
+                // SAFETY: _exit in a child that must not exist.
+                unsafe { libc::_exit(0) };
+            }
+            let fork = (fork, errno());
+            let open = std::fs::File::open("/proc/self/status").map(|_| ());
+            // A thread (glibc falls back from clone3 to clone), which narrows its filter.
+            let made = std::thread::Builder::new().spawn(move || {
+                seccompiler::apply_filter(&device).unwrap();
+                let spawn = std::thread::Builder::new()
+                    .spawn(|| ())
+                    .map(|_| ())
+                    .map_err(|e| e.raw_os_error());
+                // SAFETY: sets no_new_privs, which is set already; refused here.
+                let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+                let no_new_privs = (no_new_privs, errno());
+                // SAFETY: epoll_create1 with a flag; the descriptor is closed at once.
+                let epoll = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+                if epoll >= 0 {
+                    // SAFETY: closes the descriptor just made.
+                    unsafe { libc::close(epoll) };
+                }
+                let open = std::fs::File::open("/proc/self/status")
+                    .map(|_| ())
+                    .map_err(|e| e.raw_os_error());
+                report
+                    .send(Made {
+                        // SAFETY: gettid takes no arguments.
+                        tid: unsafe { libc::syscall(libc::SYS_gettid) },
+                        spawn,
+                        no_new_privs,
+                        epoll: epoll >= 0,
+                        open,
+                    })
+                    .unwrap();
+                wait.recv().unwrap();
+            });
+            (
+                clone3,
+                fork,
+                open.map_err(|e| e.raw_os_error()),
+                made.is_ok(),
+            )
+        });
+        let made = reports.recv().unwrap();
+        let status =
+            std::fs::read_to_string(format!("/proc/self/task/{}/status", made.tid)).unwrap();
+        done.send(()).unwrap();
+        let (clone3, fork, open, spawned) = factory_thread.join().unwrap();
+        assert_eq!(clone3, (-1, Some(libc::ENOSYS)), "clone3 answered ENOSYS");
+        assert_eq!(fork, (-1, Some(libc::EPERM)), "no fork from the factory");
+        assert_eq!(open, Err(Some(libc::EPERM)), "no files for the factory");
+        assert!(spawned, "the factory makes threads");
+        assert_eq!(made.spawn, Err(Some(libc::EPERM)), "{made:?}");
+        assert_eq!(made.no_new_privs, (-1, Some(libc::EPERM)), "{made:?}");
+        assert!(made.epoll, "{made:?}");
+        assert_eq!(made.open, Err(Some(libc::EPERM)), "{made:?}");
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .map(|v| v.trim().to_string())
+        };
+        assert_eq!(field("Seccomp:").as_deref(), Some("2"), "{status}");
+        assert_eq!(
+            field("Seccomp_filters:").as_deref(),
+            Some("2"),
+            "the factory's and the device filter, stacked: {status}"
+        );
+    }
+
+    #[test]
+    fn the_factory_filter_holds_the_device_filter_and_little_more() {
+        let device = rules(ThreadKind::Device).unwrap();
+        let factory = rules::factory_rules(device.clone()).unwrap();
+        assert!(device.keys().all(|nr| factory.contains_key(nr)));
+        let mut added: Vec<i64> = factory
+            .keys()
+            .filter(|nr| !device.contains_key(nr))
+            .copied()
+            .collect();
+        added.sort_unstable();
+        assert_eq!(added, [libc::SYS_clone, libc::SYS_seccomp]);
+        assert!(!factory.contains_key(&libc::SYS_clone3));
+        let program = compile_factory(&Settings::default()).unwrap();
+        assert!(
+            program.len()
+                > compile(ThreadKind::Device, &Settings::default())
+                    .unwrap()
+                    .len()
+        );
     }
 
     #[test]

@@ -7,7 +7,7 @@ use seccompiler::{SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule}
 
 use super::{ioctls, ThreadKind};
 
-type Rules = BTreeMap<i64, Vec<SeccompRule>>;
+pub type Rules = BTreeMap<i64, Vec<SeccompRule>>;
 type BuildResult<T> = Result<T, seccompiler::BackendError>;
 
 fn arg(index: u8, op: SeccompCmpOp, value: u64) -> BuildResult<SeccompCondition> {
@@ -115,6 +115,11 @@ fn fcntl(rules: &mut Rules) -> BuildResult<()> {
 /// no fork.
 fn threads(rules: &mut Rules) -> BuildResult<()> {
     allow_all(rules, &[libc::SYS_clone3]);
+    clone_threads_only(rules)
+}
+
+/// `clone` for threads only (CLONE_THREAD|CLONE_VM set).
+fn clone_threads_only(rules: &mut Rules) -> BuildResult<()> {
     let thread = (libc::CLONE_THREAD | libc::CLONE_VM) as u64;
     rules.insert(
         libc::SYS_clone,
@@ -125,6 +130,35 @@ fn threads(rules: &mut Rules) -> BuildResult<()> {
         )?])?],
     );
     Ok(())
+}
+
+/// The device-thread factory's list: `device` (its threads inherit this filter and stack
+/// the device filter on it, and filters intersect, so it must hold all of the device's)
+/// plus what making such a thread takes beyond it, found by running the factory filtered:
+/// `clone` for threads only (clone3, whose flags a filter cannot read, is answered ENOSYS
+/// ahead of this list so that glibc falls back to clone: [`super::compile_factory`]), and
+/// for the new thread's own filter `prctl(PR_SET_NO_NEW_PRIVS)` (seccompiler sets it,
+/// already set) and `seccomp(SECCOMP_SET_MODE_FILTER)` without flags (no TSYNC). Stack,
+/// guard, `set_robust_list`, `rseq`, `sigaltstack`, `sched_getaffinity`, `PR_SET_NAME`
+/// and the exit path are in the common list already.
+pub fn factory_rules(device: Rules) -> BuildResult<Rules> {
+    let mut rules = device;
+    clone_threads_only(&mut rules)?;
+    let mut prctl = rules.remove(&libc::SYS_prctl).unwrap_or_default();
+    prctl.extend(one_of(0, &[libc::PR_SET_NO_NEW_PRIVS as u32])?);
+    rules.insert(libc::SYS_prctl, prctl);
+    rules.insert(
+        libc::SYS_seccomp,
+        vec![SeccompRule::new(vec![
+            arg32(
+                0,
+                SeccompCmpOp::Eq,
+                u64::from(libc::SECCOMP_SET_MODE_FILTER),
+            )?,
+            arg32(1, SeccompCmpOp::Eq, 0)?,
+        ])?],
+    );
+    Ok(rules)
 }
 
 fn ioctl(rules: &mut Rules, requests: &[u32]) -> BuildResult<()> {
