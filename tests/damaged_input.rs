@@ -105,7 +105,8 @@ fn read_state(dir: &Path) -> serde_json::Value {
 fn write_state(dir: &Path, state: &serde_json::Value) {
     let payload = serde_json::to_vec(state).expect("encode state");
     let mut bytes = STATE_MAGIC.to_vec();
-    bytes.extend_from_slice(&1u32.to_le_bytes());
+    // The state format version gpuvm writes (vmm/src/persist.rs STATE_FORMAT_VERSION).
+    bytes.extend_from_slice(&2u32.to_le_bytes());
     bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&payload);

@@ -15,6 +15,8 @@ use crate::{RunOutput, Scratch, SpawnedProcess};
 pub const LIMIT: Duration = Duration::from_secs(240);
 pub const STATE_MAGIC: &[u8; 8] = b"GPUVMSTA";
 pub const STATE_HEADER_LEN: usize = 24;
+/// The state format version gpuvm writes (vmm/src/persist.rs `STATE_FORMAT_VERSION`).
+pub const STATE_FORMAT_VERSION: u32 = 2;
 pub const MEMORY_MAGIC: &[u8; 8] = b"GPUVMMEM";
 pub const MEMORY_HEADER_LEN: u64 = 128;
 pub const FLAG_DIFF: u32 = 1;
@@ -34,7 +36,11 @@ pub fn read_state(dir: &Path) -> serde_json::Value {
     let bytes = std::fs::read(dir.join("state")).expect("read state");
     assert!(bytes.len() > STATE_HEADER_LEN, "state file too short");
     assert_eq!(&bytes[..8], STATE_MAGIC, "state magic");
-    assert_eq!(u32_at(&bytes, 8), 1, "state format version");
+    assert_eq!(
+        u32_at(&bytes, 8),
+        STATE_FORMAT_VERSION,
+        "state format version"
+    );
     let payload = &bytes[STATE_HEADER_LEN..];
     assert_eq!(
         u64_at(&bytes, 16),
@@ -48,7 +54,7 @@ pub fn read_state(dir: &Path) -> serde_json::Value {
 /// Frames `payload` as a valid state file (correct CRC and length).
 pub fn frame_state(payload: &[u8]) -> Vec<u8> {
     let mut bytes = STATE_MAGIC.to_vec();
-    bytes.extend_from_slice(&1u32.to_le_bytes());
+    bytes.extend_from_slice(&STATE_FORMAT_VERSION.to_le_bytes());
     bytes.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     bytes.extend_from_slice(payload);

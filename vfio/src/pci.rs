@@ -14,6 +14,7 @@ use crate::dma::DmaProgress;
 use crate::migration::{MigrationInfo, MigrationState};
 use crate::msi::{MsiChange, MsiState, CAP_ID_MSI};
 use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
+use gpuvm_devices::Persist;
 
 /// GSIs and their eventfds for `count` MSI-X vectors; the VMM registers each eventfd as an
 /// irqfd on its GSI.
@@ -507,9 +508,46 @@ impl VfioPciDevice {
     pub fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
         self.backend.set_migration_state(state)
     }
+}
 
-    /// The emulated part of the function's PCI state.
-    pub fn save_pci_state(&self) -> VfioPciState {
+/// Why a saved [`VfioPciState`] does not fit the passthrough function it is loaded into.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum VfioPciStateError {
+    #[error("{device}: the saved BAR {index} is not one of this device's")]
+    UnknownBar { device: String, index: u8 },
+    #[error("{device}: the saved MSI-X table is {saved} bytes, this device's is {now}")]
+    MsixTableSize {
+        device: String,
+        saved: usize,
+        now: u64,
+    },
+    #[error("{device}: the saved state {} an MSI-X capability, this device {}", has(*saved), has(*now))]
+    MsixCapability {
+        device: String,
+        saved: bool,
+        now: bool,
+    },
+    #[error("{device}: the saved state has an MSI capability, this device has none")]
+    NoMsiCapability { device: String },
+    #[error("{device}: the saved MSI capability is {len} bytes, not 4 to 24")]
+    MsiCapabilityLength { device: String, len: usize },
+}
+
+fn has(yes: bool) -> &'static str {
+    if yes {
+        "has"
+    } else {
+        "has no"
+    }
+}
+
+impl Persist for VfioPciDevice {
+    type State = VfioPciState;
+    type Error = VfioPciStateError;
+
+    /// The emulated part of the function's PCI state (the device's own state is its
+    /// migration data, [`VfioPciDevice::save_device_state`]).
+    fn save(&self) -> std::result::Result<VfioPciState, VfioPciStateError> {
         let mut state = VfioPciState {
             bars: self
                 .bars
@@ -534,49 +572,33 @@ impl VfioPciDevice {
             msi.read(msi.offset, &mut bytes);
             state.msi_capability = bytes;
         }
-        state
+        Ok(state)
     }
 
     /// Loads the emulated PCI state of a snapshot into this device, which the PCI root
     /// has placed at the saved BAR addresses: the same paths as the guest's own writes
     /// (MSI-X and MSI routes, the backend's interrupts, BAR mappings into the guest).
     /// A state that does not fit this device (another MSI-X table size, a missing
-    /// capability) is refused.
-    pub fn restore_pci_state(&mut self, state: &VfioPciState) -> Result<()> {
-        let name = self.name.clone();
-        let mismatch = |what: &str| {
-            VfioError::NotPci(format!("{name}: the saved {what} does not fit this device"))
-        };
+    /// capability) is refused before anything changes.
+    fn restore(&mut self, state: &VfioPciState) -> std::result::Result<(), VfioPciStateError> {
+        self.check_state(state)?;
         for &(index, address) in &state.bars {
-            if !self.bars.specs().iter().any(|spec| spec.index == index) {
-                return Err(mismatch("BAR list"));
-            }
             self.bars.set_address(index, address);
         }
         self.bars.set_memory_enabled(state.memory_enabled);
         self.sync_guest_mappings();
-        match (&mut self.msix, state.msix_control) {
-            (None, None) => {}
-            (Some(msix), Some(control)) => {
-                if state.msix_table.len() as u64 != msix.capability.table_len() {
-                    return Err(mismatch("MSI-X table"));
-                }
-                for (i, entry) in state.msix_table.chunks(4).enumerate() {
-                    msix.table.write_table(4 * i as u64, entry);
-                }
-                let offset = msix.capability.control_offset();
-                self.set_msix_control(offset, &control.to_le_bytes());
+        if let (Some(msix), Some(control)) = (&mut self.msix, state.msix_control) {
+            for (i, entry) in state.msix_table.chunks(4).enumerate() {
+                msix.table.write_table(4 * i as u64, entry);
             }
-            _ => return Err(mismatch("MSI-X capability")),
+            let offset = msix.capability.control_offset();
+            self.set_msix_control(offset, &control.to_le_bytes());
         }
-        if !state.msi_capability.is_empty() {
-            let Some(offset) = self.msi.as_ref().map(|msi| msi.offset) else {
-                return Err(mismatch("MSI capability"));
-            };
+        if let (false, Some(offset)) = (
+            state.msi_capability.is_empty(),
+            self.msi.as_ref().map(|msi| msi.offset),
+        ) {
             let bytes = &state.msi_capability;
-            if bytes.len() < 4 || bytes.len() > 24 {
-                return Err(mismatch("MSI capability"));
-            }
             // Address, data and masks first; the control word (which enables) last.
             self.config_write(offset + 4, &bytes[4..]);
             self.config_write(offset, &bytes[..4]);
@@ -589,14 +611,64 @@ impl VfioPciDevice {
     }
 }
 
+impl VfioPciDevice {
+    fn check_state(&self, state: &VfioPciState) -> std::result::Result<(), VfioPciStateError> {
+        let device = || self.name.clone();
+        if let Some(&(index, _)) = state
+            .bars
+            .iter()
+            .find(|(index, _)| !self.bars.specs().iter().any(|spec| spec.index == *index))
+        {
+            return Err(VfioPciStateError::UnknownBar {
+                device: device(),
+                index,
+            });
+        }
+        match (&self.msix, state.msix_control) {
+            (None, None) => {}
+            (Some(msix), Some(_)) => {
+                if state.msix_table.len() as u64 != msix.capability.table_len() {
+                    return Err(VfioPciStateError::MsixTableSize {
+                        device: device(),
+                        saved: state.msix_table.len(),
+                        now: msix.capability.table_len(),
+                    });
+                }
+            }
+            (now, saved) => {
+                return Err(VfioPciStateError::MsixCapability {
+                    device: device(),
+                    saved: saved.is_some(),
+                    now: now.is_some(),
+                })
+            }
+        }
+        if !state.msi_capability.is_empty() {
+            if self.msi.is_none() {
+                return Err(VfioPciStateError::NoMsiCapability { device: device() });
+            }
+            let len = state.msi_capability.len();
+            if !(4..=24).contains(&len) {
+                return Err(VfioPciStateError::MsiCapabilityLength {
+                    device: device(),
+                    len,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 fn read_config32(backend: &mut dyn PassthroughDevice, offset: u16) -> Result<u32> {
     let mut data = [0u8; 4];
     backend.region_read(region::CONFIG, u64::from(offset), &mut data)?;
     Ok(u32::from_le_bytes(data))
 }
 
-/// BARs from the region sizes and the type bits the device reports in its BAR registers.
-fn bar_specs(backend: &mut dyn PassthroughDevice) -> Result<Vec<BarSpec>> {
+/// BARs from the region sizes and the type bits the device reports in its BAR registers
+/// (what [`VfioPciDevice::new`] gives the device; the VMM also reads them before it plugs
+/// the device, to size the 64-bit BAR window).
+pub fn bar_specs(backend: &mut dyn PassthroughDevice) -> Result<Vec<BarSpec>> {
     let mut specs = Vec::new();
     let mut index = 0u8;
     while index < 6 {

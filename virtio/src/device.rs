@@ -97,16 +97,79 @@ pub trait VirtioDevice: Send {
     /// Serves the queues again from where [`VirtioDevice::pause`] left them.
     fn resume(&mut self) -> Result<(), ActivateError>;
     /// The device's own snapshot state (what the guest can change in its configuration
-    /// space, backend bookkeeping); queue addresses, positions and acked features are the
-    /// transport's. Called while paused.
-    fn save_state(&self) -> serde_json::Value;
+    /// space, backend bookkeeping, rate-limiter buckets): its [`gpuvm_devices::Persist`]
+    /// state, as the variant of [`DeviceState`] for its kind. Queue addresses, positions
+    /// and acked features are the transport's. Called while paused.
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError>;
     /// Loads [`VirtioDevice::save_state`]'s output into this freshly built device, before
-    /// the transport re-activates it; a state that does not fit is refused with a reason.
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String>;
+    /// the transport re-activates it; a state of another kind, or one that does not fit
+    /// this device, is refused and the device is left as it was.
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError>;
     /// The device itself, for the VMM's operations on one kind of device (a drive's new
     /// image); `None` for devices that have none.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
+    }
+}
+
+/// A virtio device's own state in a snapshot, one variant per kind of device; each
+/// holds that device's [`gpuvm_devices::Persist::State`], defined beside the device.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceState {
+    Block(crate::block::BlockState),
+    Net(crate::net::NetState),
+    Vsock(crate::vsock::VsockState),
+    Rng(crate::rng::RngState),
+    Balloon(crate::balloon::BalloonState),
+    VhostUser(crate::vhost_user::VhostUserState),
+}
+
+impl DeviceState {
+    /// The variant's name, as the state file spells it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DeviceState::Block(_) => "block",
+            DeviceState::Net(_) => "net",
+            DeviceState::Vsock(_) => "vsock",
+            DeviceState::Rng(_) => "rng",
+            DeviceState::Balloon(_) => "balloon",
+            DeviceState::VhostUser(_) => "vhost_user",
+        }
+    }
+}
+
+/// Why a device's state could not be saved or was refused on restore.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceStateError {
+    #[error("{device}: the snapshot holds a {found} state, this is a {expected} device")]
+    WrongKind {
+        device: String,
+        expected: &'static str,
+        found: &'static str,
+    },
+    #[error(transparent)]
+    Block(#[from] crate::block::BlockStateError),
+    #[error(transparent)]
+    Net(#[from] crate::net::NetStateError),
+    #[error(transparent)]
+    Vsock(#[from] crate::vsock::VsockStateError),
+    #[error(transparent)]
+    Rng(#[from] crate::rng::RngStateError),
+    #[error(transparent)]
+    Balloon(#[from] crate::balloon::BalloonStateError),
+    #[error(transparent)]
+    VhostUser(#[from] crate::vhost_user::VhostUserStateError),
+}
+
+impl DeviceStateError {
+    /// `device` (a `expected` device) was handed `found`'s state.
+    pub fn wrong_kind(device: &str, expected: &'static str, found: &DeviceState) -> Self {
+        DeviceStateError::WrongKind {
+            device: device.to_string(),
+            expected,
+            found: found.kind(),
+        }
     }
 }
 

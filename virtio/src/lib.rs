@@ -30,8 +30,8 @@ pub mod worker;
 pub(crate) mod test_util;
 
 pub use device::{
-    read_config_bytes, ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice,
-    VirtioInterrupt,
+    read_config_bytes, ActivateError, Activation, ActiveQueue, DeviceState, DeviceStateError,
+    QueuePosition, VirtioDevice, VirtioInterrupt,
 };
 
 /// Guest memory as the devices see it (every region of the VM's RAM, mapped in gpuvm).

@@ -5,7 +5,8 @@
 //! State file layout (all integers little-endian):
 //! ```text
 //! offset 0   8 bytes  magic "GPUVMSTA"
-//! offset 8   u32      format version (STATE_FORMAT_VERSION)
+//! offset 8   u32      format version (STATE_FORMAT_VERSION; older ones from
+//!                     OLDEST_STATE_FORMAT_VERSION on are migrated as they are read)
 //! offset 12  u32      CRC32 (IEEE) of the payload
 //! offset 16  u64      payload length in bytes
 //! offset 24  payload  JSON-encoded MachineState
@@ -19,7 +20,11 @@ use serde::{Deserialize, Serialize};
 /// The memory crate's magic for gpuvm's framed files, by which a snapshot directory's
 /// cleanup knows a `state` or `working-set` as gpuvm's own.
 pub const STATE_MAGIC: &[u8; 8] = gpuvm_memory::snapshot::FRAMED_FILE_MAGIC;
-pub const STATE_FORMAT_VERSION: u32 = 1;
+/// The version this gpuvm writes. Version 2 typed each virtio device's own state (see
+/// [`crate::snapshot::migrate`]).
+pub const STATE_FORMAT_VERSION: u32 = 2;
+/// The oldest version this gpuvm reads, rewriting it into the current one as it loads.
+pub const OLDEST_STATE_FORMAT_VERSION: u32 = 1;
 const HEADER_LEN: usize = 24;
 /// A state file is small (tens of KiB per vCPU); anything near this is not one of ours.
 const MAX_PAYLOAD: u64 = 64 << 20;
@@ -54,9 +59,15 @@ pub enum PersistError {
     #[error("{path} is not a gpuvm state file (bad magic)")]
     BadMagic { path: String },
     #[error(
-        "{path} has state format version {found}; this gpuvm reads version {STATE_FORMAT_VERSION}"
+        "{path} has state format version {found}; this gpuvm reads versions {OLDEST_STATE_FORMAT_VERSION} to {STATE_FORMAT_VERSION}"
     )]
     UnknownVersion { path: String, found: u32 },
+    #[error("{path} has state format version {version}, which cannot be brought to version {STATE_FORMAT_VERSION}: {source}")]
+    Migrate {
+        path: String,
+        version: u32,
+        source: crate::snapshot::migrate::MigrationError,
+    },
     #[error("{path} is truncated or has trailing data: header says {expected} payload bytes, file has {actual}")]
     BadLength {
         path: String,
@@ -151,7 +162,7 @@ fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Resul
     let word =
         |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
     let version = word(8);
-    if version != STATE_FORMAT_VERSION {
+    if !(OLDEST_STATE_FORMAT_VERSION..=STATE_FORMAT_VERSION).contains(&version) {
         return Err(PersistError::UnknownVersion {
             path: name.into(),
             found: version,
@@ -178,10 +189,25 @@ fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Resul
             computed,
         });
     }
-    serde_json::from_slice(payload).map_err(|source| PersistError::Decode {
+    let decode_error = |source| PersistError::Decode {
         path: name.into(),
         source,
-    })
+    };
+    if version == STATE_FORMAT_VERSION {
+        return serde_json::from_slice(payload).map_err(decode_error);
+    }
+    // An older format: rewritten step by step, then read as the current one.
+    let mut value: serde_json::Value = serde_json::from_slice(payload).map_err(decode_error)?;
+    for from in version..STATE_FORMAT_VERSION {
+        value = crate::snapshot::migrate::step(from, value).map_err(|source| {
+            PersistError::Migrate {
+                path: name.into(),
+                version,
+                source,
+            }
+        })?;
+    }
+    serde_json::from_value(value).map_err(decode_error)
 }
 
 /// Exact-size decoding of KVM's structures in a state file. kvm-bindings writes each as
@@ -319,6 +345,49 @@ mod tests {
                 "byte {at}"
             );
         }
+    }
+
+    /// Issue 25: version-1 files are read through the migration; versions outside 1..=2
+    /// are refused, and a version-1 payload the migration cannot rewrite names why.
+    #[test]
+    fn older_versions_are_migrated_and_unknown_ones_refused() {
+        let path = temp("versions");
+        write_state_file(&path, &sample()).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        assert_eq!(good[8..12], STATE_FORMAT_VERSION.to_le_bytes());
+        let with_version = |bytes: &[u8], version: u32| {
+            let mut bytes = bytes.to_vec();
+            bytes[8..12].copy_from_slice(&version.to_le_bytes());
+            bytes
+        };
+        // A payload without virtio devices reads the same in either version.
+        let back: Sample = decode_state(&with_version(&good, 1), "state").unwrap();
+        assert_eq!(back, sample());
+        for version in [0, STATE_FORMAT_VERSION + 1] {
+            assert!(matches!(
+                decode_state::<Sample>(&with_version(&good, version), "state").unwrap_err(),
+                PersistError::UnknownVersion { found, .. } if found == version
+            ));
+        }
+        let framed = |payload: &serde_json::Value, version: u32| {
+            let payload = serde_json::to_vec(payload).unwrap();
+            let mut bytes = STATE_MAGIC.to_vec();
+            bytes.extend_from_slice(&version.to_le_bytes());
+            bytes.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+            bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(&payload);
+            bytes
+        };
+        let damaged = serde_json::json!({"virtio": [{"config": {"gpu": {}}, "transport": {}}]});
+        let error = decode_state::<serde_json::Value>(&framed(&damaged, 1), "state").unwrap_err();
+        assert!(
+            matches!(error, PersistError::Migrate { version: 1, .. })
+                && error.to_string().contains("no known kind (gpu)"),
+            "{error}"
+        );
+        // The same payload as version 2 is not migrated: it is read as it is.
+        let read: serde_json::Value = decode_state(&framed(&damaged, 2), "state").unwrap();
+        assert_eq!(read, damaged);
     }
 
     #[test]

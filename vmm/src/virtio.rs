@@ -670,9 +670,8 @@ pub fn restore_all(
         let handle = handles
             .iter()
             .find(|h| h.config.id() == state.config.id())
-            .ok_or_else(|| gpuvm_virtio::transport::SnapshotError::Mismatch {
+            .ok_or_else(|| gpuvm_virtio::transport::SnapshotError::NotRebuilt {
                 device: state.config.id().to_string(),
-                reason: "no device was rebuilt for its saved state".into(),
             })?;
         lock(&handle.transport).restore(&state.transport)?;
     }

@@ -11,27 +11,48 @@ use super::{
     BalloonConfig, BalloonError, GuestStats, DEVICE_NAME, QUEUE_MAX_SIZE, THREAD_NAME,
     VIRTIO_BALLOON_F_DEFLATE_ON_OOM, VIRTIO_BALLOON_F_STATS_VQ,
 };
-use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice, VirtioInterrupt};
+use crate::device::{
+    ActivateError, Activation, DeviceState, DeviceStateError, QueuePosition, VirtioDevice,
+    VirtioInterrupt,
+};
 use crate::worker::{duplicate_timer, ChangeError, DeviceWorker, Held};
+use gpuvm_devices::Persist;
 
 /// Bytes of the configuration space served: num_pages and actual (the free-page-hint and
 /// poison fields belong to features not offered).
 const CONFIG_SIZE: usize = 8;
 
 /// The device's own snapshot state; the acked features are the transport's.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct BalloonState {
-    target_pages: u32,
-    actual_pages: u32,
-    stats_polling_interval_s: u16,
+pub struct BalloonState {
+    pub target_pages: u32,
+    pub actual_pages: u32,
+    pub stats_polling_interval_s: u16,
     #[serde(default)]
-    stats: Option<GuestStats>,
+    pub stats: Option<GuestStats>,
     /// The statistics buffer the device held for its next request (the guest waits for it).
     #[serde(default)]
-    held_stats_head: Option<u16>,
+    pub held_stats_head: Option<u16>,
     #[serde(default)]
-    counters: BalloonCounters,
+    pub counters: BalloonCounters,
+}
+
+/// Why a balloon's state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum BalloonStateError {
+    #[error("{DEVICE_NAME}: the saved state has statistics {} but the device was built with them {}", on_off(*saved), on_off(*built))]
+    Statistics { saved: bool, built: bool },
+    #[error("{DEVICE_NAME}: the saved statistics buffer {head} is past the queue's end")]
+    StatsHead { head: u16 },
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
 }
 
 /// What the device did with the guest's requests since it was built.
@@ -282,9 +303,29 @@ impl VirtioDevice for Balloon {
             .map_err(|error| ActivateError::thread(DEVICE_NAME, error))
     }
 
-    fn save_state(&self) -> serde_json::Value {
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::Balloon(Persist::save(self)?))
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::Balloon(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(DEVICE_NAME, "balloon", other)),
+        }
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl Persist for Balloon {
+    type State = BalloonState;
+    type Error = BalloonStateError;
+
+    fn save(&self) -> Result<BalloonState, BalloonStateError> {
         let shared = crate::lock(&self.shared);
-        serde_json::to_value(BalloonState {
+        Ok(BalloonState {
             target_pages: self.target_pages,
             actual_pages: self.actual_pages,
             stats_polling_interval_s: self.config.stats_polling_interval_s,
@@ -292,27 +333,17 @@ impl VirtioDevice for Balloon {
             held_stats_head: self.worker.paused().and_then(|h| h.held_stats_head()),
             counters: shared.counters,
         })
-        .unwrap_or(serde_json::Value::Null)
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state: BalloonState = serde_json::from_value(state.clone())
-            .map_err(|error| format!("{DEVICE_NAME}: the saved state does not fit: {error}"))?;
+    fn restore(&mut self, state: &BalloonState) -> Result<(), BalloonStateError> {
         if (state.stats_polling_interval_s > 0) != self.stats_offered() {
-            return Err(format!(
-                "{DEVICE_NAME}: the saved state has statistics {} but the device was built with them {}",
-                if state.stats_polling_interval_s > 0 { "on" } else { "off" },
-                if self.stats_offered() { "on" } else { "off" },
-            ));
+            return Err(BalloonStateError::Statistics {
+                saved: state.stats_polling_interval_s > 0,
+                built: self.stats_offered(),
+            });
         }
-        if state
-            .held_stats_head
-            .is_some_and(|head| head >= QUEUE_MAX_SIZE)
-        {
-            return Err(format!(
-                "{DEVICE_NAME}: the saved statistics buffer {:?} is past the queue's end",
-                state.held_stats_head
-            ));
+        if let Some(head) = state.held_stats_head.filter(|&head| head >= QUEUE_MAX_SIZE) {
+            return Err(BalloonStateError::StatsHead { head });
         }
         self.target_pages = state.target_pages;
         self.config.amount_mib = state.target_pages / super::PAGES_PER_MIB;
@@ -321,12 +352,8 @@ impl VirtioDevice for Balloon {
         self.restored_stats_head = state.held_stats_head;
         let mut shared = crate::lock(&self.shared);
         shared.interval_s = state.stats_polling_interval_s;
-        shared.stats = state.stats;
+        shared.stats = state.stats.clone();
         shared.counters = state.counters;
         Ok(())
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
     }
 }

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use vm_memory::{GuestAddress, GuestMemoryBackend as _, GuestMemoryRegion, MemoryRegionAddress};
 
-pub use device::Balloon;
+pub use device::{Balloon, BalloonState, BalloonStateError};
 
 use crate::GuestMemory;
 

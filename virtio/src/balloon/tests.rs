@@ -114,14 +114,22 @@ fn state_round_trips_and_refuses_a_different_stats_setting() {
     assert_eq!(balloon.queue_max_sizes().len(), 3);
     balloon.write_config(4, &1024u32.to_le_bytes());
     balloon.set_target_mib(8);
-    let state = balloon.save_state();
+    let state = balloon.save_state().unwrap();
     let mut restored = Balloon::new(config).unwrap();
     restored.restore_state(&state).unwrap();
     assert_eq!(restored.report(), balloon.report());
     assert_eq!(restored.config().amount_mib, 8);
     let mut without_stats = Balloon::new(BalloonConfig::default()).unwrap();
-    assert!(without_stats.restore_state(&state).is_err());
-    assert!(restored
-        .restore_state(&serde_json::json!({"target_pages": 1}))
-        .is_err());
+    let error = without_stats.restore_state(&state).unwrap_err().to_string();
+    assert!(error.contains("statistics on"), "{error}");
+    let error = restored
+        .restore_state(&crate::DeviceState::Vsock(crate::vsock::VsockState {
+            guest_cid: 3,
+        }))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("a vsock state, this is a balloon device"),
+        "{error}"
+    );
 }

@@ -22,10 +22,16 @@ use super::{
     BlockError, DRAIN_TIMEOUT, MAX_DISCARD_SECTORS, MAX_DISCARD_SEGMENTS, QUEUE_SIZE, SECTOR_SIZE,
     SEG_MAX,
 };
-use crate::device::{ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice};
-use crate::rate_limiter::{RateLimiter, RateLimiterConfig};
+use crate::device::{
+    ActivateError, Activation, ActiveQueue, DeviceState, DeviceStateError, QueuePosition,
+    VirtioDevice,
+};
+use crate::rate_limiter::{
+    RateLimiter, RateLimiterConfig, RateLimiterState, RateLimiterStateError,
+};
 use crate::worker::{ChangeError, DeviceWorker, Held, NotIdle};
 use crate::VirtioInterrupt;
+use gpuvm_devices::Persist;
 
 const DEVICE: &str = "virtio-blk";
 /// Hole-punching granularity advertised to the guest, in sectors (4 KiB: the usual
@@ -43,6 +49,50 @@ pub struct BlockState {
     pub read_only: bool,
     pub serial: Option<String>,
     pub capacity_sectors: u64,
+    /// The rate limiter's buckets at the pause (absent in version-1 state files: they
+    /// start full).
+    #[serde(default)]
+    pub buckets: RateLimiterState,
+}
+
+/// Why a drive's state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockStateError {
+    #[error("{device}: the snapshot's drive was {}, this one is {}", mode(*saved), mode(*now))]
+    Mode {
+        device: String,
+        saved: bool,
+        now: bool,
+    },
+    #[error(
+        "{device}: {} has {now} sectors, the snapshot's drive ({}) had {saved}: the image changed since the snapshot",
+        path.display(),
+        saved_path.display()
+    )]
+    Capacity {
+        device: String,
+        path: PathBuf,
+        now: u64,
+        saved_path: PathBuf,
+        saved: u64,
+    },
+    #[error("{device}: the saved serial: {source}")]
+    Serial { device: String, source: BlockError },
+    #[error("{device}: cannot load its state: {source}")]
+    Unavailable { device: String, source: BlockError },
+    #[error("{device}: {source}")]
+    Buckets {
+        device: String,
+        source: RateLimiterStateError,
+    },
+}
+
+fn mode(read_only: bool) -> &'static str {
+    if read_only {
+        "read-only"
+    } else {
+        "read-write"
+    }
 }
 
 /// A virtio-blk device over a raw image.
@@ -57,6 +107,8 @@ pub struct Block {
     /// The transport's interrupt while active (for configuration changes).
     interrupt: Option<Arc<dyn VirtioInterrupt>>,
     quiesce: QuiesceRequest,
+    /// The rate limiter's buckets as the last pause found them (what a snapshot saves).
+    buckets_at_pause: RateLimiterState,
 }
 
 /// How long the device waits for its worker to quiesce: the drain, and a synchronous
@@ -120,6 +172,7 @@ impl Block {
             worker,
             interrupt: None,
             quiesce,
+            buckets_at_pause: RateLimiterState::default(),
         })
     }
 
@@ -363,10 +416,22 @@ impl VirtioDevice for Block {
 
     fn pause(&mut self) -> Vec<Option<QueuePosition>> {
         self.quiesce_worker();
-        match self.worker.pause() {
+        let positions = match self.worker.pause() {
             Some(handler) => vec![Some(handler.position())],
             None => Vec::new(),
-        }
+        };
+        // Paused or idle: read directly, no thread is stopped. A failed device's limiter
+        // is gone with its thread: its buckets restore full.
+        self.buckets_at_pause = self
+            .worker
+            .change(|held| match held {
+                Held::Idle(io) => io.rate_limiter.save(),
+                Held::Handler(handler) => handler.io.rate_limiter.save(),
+            })
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        positions
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
@@ -375,49 +440,74 @@ impl VirtioDevice for Block {
             .map_err(|error| ActivateError::thread(DEVICE, error))
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        let state = BlockState {
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::Block(Persist::save(self)?))
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::Block(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(&self.name, "block", other)),
+        }
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl Persist for Block {
+    type State = BlockState;
+    type Error = BlockStateError;
+
+    fn save(&self) -> Result<BlockState, BlockStateError> {
+        Ok(BlockState {
             drive_id: self.config.drive_id.clone(),
             path: self.config.path.clone(),
             read_only: self.config.read_only,
             serial: self.config.serial.clone(),
             capacity_sectors: self.capacity_sectors,
-        };
-        serde_json::to_value(state).unwrap_or(serde_json::Value::Null)
+            buckets: self.buckets_at_pause,
+        })
     }
 
     /// The device keeps the file it was built with (the VMM may point a restored drive at a
     /// copy of the image); it must have the snapshot's size and mode. The guest-visible ID
-    /// is the snapshot's.
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state: BlockState = serde_json::from_value(state.clone())
-            .map_err(|error| format!("{}: not a virtio-blk state: {error}", self.name))?;
+    /// is the snapshot's, and the rate limiter's buckets go on where they stood.
+    fn restore(&mut self, state: &BlockState) -> Result<(), BlockStateError> {
+        let name = self.name.clone();
+        let device = || name.clone();
         if state.read_only != self.config.read_only {
-            return Err(format!(
-                "{}: the snapshot's drive was {}, this one is {}",
-                self.name,
-                if state.read_only {
-                    "read-only"
-                } else {
-                    "read-write"
-                },
-                if self.config.read_only {
-                    "read-only"
-                } else {
-                    "read-write"
-                },
-            ));
+            return Err(BlockStateError::Mode {
+                device: device(),
+                saved: state.read_only,
+                now: self.config.read_only,
+            });
         }
         if state.capacity_sectors != self.capacity_sectors {
-            return Err(format!(
-                "{}: {} has {} sectors, the snapshot's drive ({}) had {}: the image changed since the snapshot",
-                self.name,
-                self.config.path.display(),
-                self.capacity_sectors,
-                state.path.display(),
-                state.capacity_sectors
-            ));
+            return Err(BlockStateError::Capacity {
+                device: device(),
+                path: self.config.path.clone(),
+                now: self.capacity_sectors,
+                saved_path: state.path.clone(),
+                saved: state.capacity_sectors,
+            });
         }
+        state
+            .buckets
+            .check()
+            .map_err(|source| BlockStateError::Buckets {
+                device: device(),
+                source,
+            })?;
+        let mut config = self.config.clone();
+        config.serial = state.serial.clone();
+        config
+            .validate()
+            .map_err(|source| BlockStateError::Serial {
+                device: device(),
+                source,
+            })?;
         if state.path != self.config.path {
             log::info!(
                 "{}: restoring with {} (the snapshot's drive was {})",
@@ -426,19 +516,21 @@ impl VirtioDevice for Block {
                 state.path.display()
             );
         }
-        if state.serial != self.config.serial {
-            let mut config = self.config.clone();
-            config.serial = state.serial.clone();
-            config.validate().map_err(|error| error.to_string())?;
-            let id = config.device_id();
-            self.with_resources(|io| io.device_id = id)
-                .map_err(|error| error.to_string())?;
-            self.config.serial = state.serial;
-        }
+        let id = config.device_id();
+        let buckets = state.buckets;
+        self.with_resources(|io| {
+            io.device_id = id;
+            io.rate_limiter.restore(&buckets)
+        })
+        .map_err(|source| BlockStateError::Unavailable {
+            device: device(),
+            source,
+        })?
+        .map_err(|source| BlockStateError::Buckets {
+            device: device(),
+            source,
+        })?;
+        self.config.serial = state.serial.clone();
         Ok(())
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
     }
 }

@@ -30,7 +30,7 @@ mod tests;
 use std::path::PathBuf;
 
 pub use config::{BlockConfig, IoEngine};
-pub use device::{Block, BlockState};
+pub use device::{Block, BlockState, BlockStateError};
 
 use crate::rate_limiter::RateLimiterError;
 

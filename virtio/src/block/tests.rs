@@ -1098,7 +1098,7 @@ fn pause_resume_reset_and_snapshot_state() {
         h.kick();
         std::thread::sleep(Duration::from_millis(100));
         assert_eq!(h.used_idx(), 1);
-        let state = h.block.save_state();
+        let state = h.block.save_state().unwrap();
         h.block.resume().unwrap();
         assert!(h.wait_used(2));
         assert_eq!(h.status(0), VIRTIO_BLK_S_OK);
@@ -1120,17 +1120,26 @@ fn pause_resume_reset_and_snapshot_state() {
         // ...but not over a file whose size changed, nor in another mode.
         std::fs::write(&path, vec![0u8; 2 << 20]).unwrap();
         let mut grown = new_block(drive(&path, engine));
-        let reason = grown.restore_state(&state).unwrap_err();
+        let reason = grown.restore_state(&state).unwrap_err().to_string();
         assert!(reason.contains("changed since the snapshot"), "{reason}");
         drop(grown);
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
         let mut config = drive(&path, engine);
         config.read_only = true;
-        let reason = new_block(config).restore_state(&state).unwrap_err();
+        let reason = new_block(config)
+            .restore_state(&state)
+            .unwrap_err()
+            .to_string();
         assert!(reason.contains("read-write"), "{reason}");
-        assert!(new_block(drive(&path, engine))
-            .restore_state(&serde_json::json!({"bogus": 1}))
-            .is_err());
+        let other_kind = crate::DeviceState::Rng(crate::rng::RngState::default());
+        let reason = new_block(drive(&path, engine))
+            .restore_state(&other_kind)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            reason.contains("a rng state, this is a block device"),
+            "{reason}"
+        );
     }
 }
 
@@ -1187,4 +1196,40 @@ fn the_worker_thread_is_named() {
         .collect();
     assert!(names.iter().any(|n| n == "virtio-blk-root"), "{names:?}");
     drop(h);
+}
+
+/// Issue 25: a drive's state carries its rate limiter's buckets as the pause found them;
+/// a restore loads them, and refuses a bucket no drive can have held, changing nothing.
+#[test]
+fn state_carries_the_rate_limiter_buckets() {
+    let scratch = Scratch::new("buckets");
+    let path = scratch.file("disk", &vec![0u8; 1 << 20]);
+    let mut config = drive(&path, IoEngine::Sync);
+    config.rate_limiter = ops_limit(10, 1000);
+    let mut block = new_block(config.clone());
+    assert!(block.pause().is_empty(), "never activated");
+    let state = block.save_state().unwrap();
+    let crate::DeviceState::Block(fields) = &state else {
+        panic!("not a block state: {state:?}")
+    };
+    let ops = fields.buckets.ops.expect("the ops bucket is saved");
+    assert_eq!((ops.config.size, ops.budget, ops.debt), (10, 10, 0));
+    assert_eq!(fields.buckets.bandwidth, None);
+    // One device at a time holds the image's lock.
+    drop(block);
+
+    let mut restored = new_block(config.clone());
+    restored.restore_state(&state).unwrap();
+    drop(restored);
+
+    let mut forged = fields.clone();
+    forged.buckets.ops.as_mut().unwrap().budget = 11;
+    forged.serial = Some("changed".into());
+    let mut refusing = new_block(config);
+    let error = refusing
+        .restore_state(&crate::DeviceState::Block(forged))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("more than its size 10"), "{error}");
+    assert_eq!(refusing.config().serial, None, "nothing changed");
 }

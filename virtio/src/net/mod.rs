@@ -36,7 +36,7 @@ mod test_util;
 
 pub use config::{MacAddr, MacAddrError, NetConfig, NetConfigError};
 pub use datapath::{NetCounters, NetStats, MAX_FRAME_LEN};
-pub use device::Net;
+pub use device::{Net, NetState, NetStateError};
 pub use fd_passing::recv_with_fds;
 pub use tap::{Tap, TapError};
 

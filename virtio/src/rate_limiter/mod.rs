@@ -20,6 +20,9 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::timerfd::TimerFd;
 
+mod persist;
+pub use persist::{RateLimiterState, RateLimiterStateError, TokenBucketState};
+
 const NANOS_PER_MILLI: u128 = 1_000_000;
 /// The longest refill time accepted (about 49 days); keeps the token arithmetic in u128.
 pub const MAX_REFILL_TIME_MS: u64 = u32::MAX as u64;

@@ -329,3 +329,137 @@ fn time_going_backwards_earns_nothing() {
     limiter.on_timer();
     assert!(limiter.consume_at(1, 0, start + ms(1)));
 }
+
+/// Issue 25: a restored limiter goes on where the saved one stopped, through JSON: the
+/// budget spent, the burst used, the time earned before the pause; the time between save
+/// and restore earns nothing.
+#[test]
+fn a_restored_limiter_continues_without_a_fresh_burst() {
+    let start = Instant::now();
+    let config = RateLimiterConfig {
+        bandwidth: Some(bucket(1000, 500, 100)),
+        ops: Some(bucket(10, 0, 100)),
+    };
+    let mut saved = limiter(config, start);
+    // The burst and 900 of the budget go; 3 operations.
+    assert!(saved.consume_at(1400, 3, start));
+    // 40 ms earn 400 bytes and 4 operations (capped at the size).
+    let state = saved.save_at(start + ms(40));
+    let state: RateLimiterState =
+        serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+    let bandwidth_state = state.bandwidth.unwrap();
+    assert_eq!(
+        (
+            bandwidth_state.budget,
+            bandwidth_state.debt,
+            bandwidth_state.burst_left
+        ),
+        (100, 0, 0)
+    );
+    assert_eq!(bandwidth_state.since_refill_ns, 40_000_000);
+
+    // Restored much later: the bucket stands as it did 40 ms after the last refill.
+    let later = start + Duration::from_secs(3600);
+    let mut restored = limiter(config, later);
+    restored.restore_at(&state, later).unwrap();
+    assert!(restored.consume_at(500, 1, later), "100 + 400 earned");
+    assert!(
+        !restored.consume_at(1, 1, later),
+        "no fresh burst, no tokens earned between save and restore"
+    );
+
+    // A fresh limiter would have had the burst: the restore is what took it away.
+    let mut fresh = limiter(config, later);
+    assert!(fresh.consume_at(1500, 1, later));
+}
+
+#[test]
+fn a_saved_bucket_loads_only_into_one_configured_alike() {
+    let start = Instant::now();
+    let mut saved = limiter(bandwidth(bucket(1000, 0, 100)), start);
+    assert!(saved.consume_at(1000, 1, start));
+    let state = saved.save_at(start);
+    // Through a flattened structure, as in the state file (serde buffers it).
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Outer {
+        #[serde(flatten)]
+        inner: Inner,
+    }
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Inner {
+        limiter: RateLimiterState,
+    }
+    let json = serde_json::to_string(&Outer {
+        inner: Inner { limiter: state },
+    })
+    .unwrap();
+    let back: Outer = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.inner.limiter, state);
+    // Another size: the bucket starts full.
+    let mut other = limiter(bandwidth(bucket(2000, 0, 100)), start);
+    other.restore_at(&state, start).unwrap();
+    assert!(other.consume_at(2000, 1, start));
+    // No bandwidth bucket at all: nothing to load, nothing limited.
+    let mut unlimited = limiter(RateLimiterConfig::default(), start);
+    unlimited.restore_at(&state, start).unwrap();
+    assert!(unlimited.consume_at(u64::MAX, 1, start));
+}
+
+#[test]
+fn impossible_bucket_states_are_refused_and_change_nothing() {
+    let start = Instant::now();
+    let config = RateLimiterConfig {
+        bandwidth: Some(bucket(1000, 500, 100)),
+        ops: Some(bucket(10, 0, 100)),
+    };
+    let good = limiter(config, start).save_at(start);
+    let with = |change: &dyn Fn(&mut TokenBucketState)| {
+        let mut state = good;
+        change(state.ops.as_mut().unwrap());
+        state
+    };
+    let cases: [(RateLimiterState, &str); 5] = [
+        (
+            with(&|b| {
+                b.budget = 1;
+                b.debt = 1
+            }),
+            "both",
+        ),
+        (with(&|b| b.budget = 11), "more than its size"),
+        (with(&|b| b.debt = u64::MAX), "debt"),
+        (with(&|b| b.burst_left = 1), "one-time burst"),
+        (with(&|b| b.partial = 100_000_000), "partial"),
+    ];
+    for (state, needle) in cases {
+        let mut target = limiter(config, start);
+        let error = target.restore_at(&state, start).unwrap_err().to_string();
+        assert!(error.contains(needle), "{error}");
+        // The bandwidth bucket, checked first and valid, was not loaded either: still
+        // the full burst and budget.
+        assert!(target.consume_at(1500, 10, start), "{needle}");
+    }
+}
+
+#[test]
+fn a_debt_is_saved_and_still_owed_after_the_restore() {
+    let start = Instant::now();
+    let config = bandwidth(bucket(1000, 0, 100));
+    let mut saved = limiter(config, start);
+    // A request of 3000 bytes goes with a full bucket and leaves a debt of 2000.
+    assert!(saved.consume_at(3000, 1, start));
+    let state = saved.save_at(start);
+    let bucket_state = state.bandwidth.unwrap();
+    assert_eq!((bucket_state.budget, bucket_state.debt), (0, 2000));
+    let later = start + Duration::from_secs(60);
+    let mut restored = limiter(config, later);
+    restored.restore_at(&state, later).unwrap();
+    assert!(!restored.consume_at(1, 1, later), "still in debt");
+    // The debt and a full bucket take 300 ms to earn.
+    let mut check = limiter(config, later);
+    check.restore_at(&state, later).unwrap();
+    assert!(!check.consume_at(1000, 1, later + ms(299)));
+    let mut check = limiter(config, later);
+    check.restore_at(&state, later).unwrap();
+    assert!(check.consume_at(1000, 1, later + ms(300)));
+}

@@ -9,15 +9,31 @@ use virtio_queue::QueueT;
 use super::handler::RngHandler;
 use super::source::Backend;
 use super::{RngConfig, RngError, DEVICE_NAME, QUEUE_MAX_SIZE, THREAD_NAME};
-use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice};
-use crate::rate_limiter::RateLimiterConfig;
+use crate::device::{
+    ActivateError, Activation, DeviceState, DeviceStateError, QueuePosition, VirtioDevice,
+};
+use crate::rate_limiter::{RateLimiterConfig, RateLimiterState, RateLimiterStateError};
 use crate::worker::{ChangeError, DeviceWorker, Held};
+use gpuvm_devices::Persist;
 
-/// The device's own snapshot state: the limits in force (a PATCH may have changed them).
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
+/// The device's own snapshot state: the limits in force (a PATCH may have changed them)
+/// and where their buckets stood.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RngState {
-    rate_limiter: RateLimiterConfig,
+pub struct RngState {
+    pub rate_limiter: RateLimiterConfig,
+    /// The buckets at the pause (absent in version-1 state files: they start full).
+    #[serde(default)]
+    pub buckets: RateLimiterState,
+}
+
+/// Why the entropy device's state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum RngStateError {
+    #[error("{DEVICE_NAME}: the saved rate limits: {0}")]
+    Limits(#[source] RngError),
+    #[error("{DEVICE_NAME}: {0}")]
+    Buckets(#[source] RateLimiterStateError),
 }
 
 /// The virtio entropy device.
@@ -26,6 +42,8 @@ pub struct Rng {
     /// The source and limiter wait as its idle resources; if a worker thread panicked with
     /// them, the next activation opens the source again.
     worker: DeviceWorker<Backend, RngHandler>,
+    /// The limiter's buckets as the last pause found them (what a snapshot saves).
+    buckets_at_pause: RateLimiterState,
 }
 
 impl Rng {
@@ -36,6 +54,7 @@ impl Rng {
         Ok(Rng {
             config,
             worker: DeviceWorker::new(DEVICE_NAME, THREAD_NAME, backend),
+            buckets_at_pause: RateLimiterState::default(),
         })
     }
 
@@ -132,12 +151,24 @@ impl VirtioDevice for Rng {
 
     fn pause(&mut self) -> Vec<Option<QueuePosition>> {
         let was_running = self.worker.is_running();
-        match self.worker.pause() {
+        let positions = match self.worker.pause() {
             Some(handler) => vec![Some(handler.position())],
             // Its I/O thread panicked: the queue's position is lost.
             None if was_running => vec![None],
             None => Vec::new(),
-        }
+        };
+        // Paused or idle: read directly, no thread is stopped. A failed device's limiter
+        // is gone with its thread: its buckets restore full.
+        self.buckets_at_pause = self
+            .worker
+            .change(|held| match held {
+                Held::Idle(backend) => backend.limiter.save(),
+                Held::Handler(handler) => handler.backend.limiter.save(),
+            })
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        positions
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
@@ -146,20 +177,52 @@ impl VirtioDevice for Rng {
             .map_err(|error| ActivateError::thread(DEVICE_NAME, error))
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::to_value(RngState {
-            rate_limiter: self.config.rate_limiter,
-        })
-        .unwrap_or(serde_json::Value::Null)
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::Rng(Persist::save(self)?))
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state: RngState = serde_json::from_value(state.clone())
-            .map_err(|error| format!("{DEVICE_NAME}: the saved state does not fit: {error}"))?;
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::Rng(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(DEVICE_NAME, "rng", other)),
+        }
+    }
+}
+
+impl Persist for Rng {
+    type State = RngState;
+    type Error = RngStateError;
+
+    /// The limits in force and their buckets as the last pause found them.
+    fn save(&self) -> Result<RngState, RngStateError> {
+        Ok(RngState {
+            rate_limiter: self.config.rate_limiter,
+            buckets: self.buckets_at_pause,
+        })
+    }
+
+    /// Takes the saved limits (if a PATCH had changed them) and their buckets; all is
+    /// checked before anything changes.
+    fn restore(&mut self, state: &RngState) -> Result<(), RngStateError> {
+        state
+            .rate_limiter
+            .validate()
+            .map_err(|error| RngStateError::Limits(error.into()))?;
+        state.buckets.check().map_err(RngStateError::Buckets)?;
         if state.rate_limiter != self.config.rate_limiter {
             self.update_rate_limiter(state.rate_limiter)
-                .map_err(|error| format!("{DEVICE_NAME}: the saved rate limits: {error}"))?;
+                .map_err(RngStateError::Limits)?;
         }
-        Ok(())
+        let buckets = state.buckets;
+        let loaded = self.worker.change(|held| match held {
+            Held::Idle(backend) => backend.limiter.restore(&buckets),
+            Held::Handler(handler) => handler.backend.limiter.restore(&buckets),
+        });
+        match loaded {
+            Ok(result) => result.map_err(RngStateError::Buckets),
+            // Gone with a thread that panicked: the next activation starts full.
+            Err(ChangeError::Failed) => Ok(()),
+            Err(ChangeError::Restart(error)) => Err(RngStateError::Limits(RngError::Thread(error))),
+        }
     }
 }

@@ -25,7 +25,7 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use device::Rng;
+pub use device::{Rng, RngState, RngStateError};
 
 use crate::rate_limiter::{RateLimiterConfig, RateLimiterError};
 use crate::worker::WorkerError;

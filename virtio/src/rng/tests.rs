@@ -452,8 +452,11 @@ fn the_device_serves_on_its_worker_and_pauses_resumes_resets() {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(used(&memory).0, 2);
     assert_eq!(
-        rng.save_state(),
-        serde_json::json!({"rate_limiter": {"bandwidth": null, "ops": null}})
+        serde_json::to_value(rng.save_state().unwrap()).unwrap(),
+        serde_json::json!({"rng": {
+            "rate_limiter": {"bandwidth": null, "ops": null},
+            "buckets": {"bandwidth": null, "ops": null},
+        }})
     );
     // Resumed: the request queued meanwhile is served.
     rng.resume().unwrap();
@@ -570,18 +573,40 @@ fn limits_change_on_a_running_device_and_survive_a_snapshot() {
     let limits = ops_limited(7, 700).rate_limiter;
     rng.update_rate_limiter(limits).unwrap();
     rng.pause();
-    let state = rng.save_state();
+    let state = rng.save_state().unwrap();
+    let crate::DeviceState::Rng(fields) = &state else {
+        panic!("not an rng state: {state:?}")
+    };
+    let ops_bucket = fields.buckets.ops.expect("the ops bucket is saved");
+    assert_eq!(ops_bucket.config, limits.ops.unwrap());
     rng.reset();
     let mut restored = Rng::new(RngConfig::default()).unwrap();
     restored.restore_state(&state).unwrap();
     assert_eq!(restored.config().rate_limiter, limits);
-    assert!(restored
-        .restore_state(&serde_json::json!({"rate_limiter": {}, "extra": 1}))
-        .is_err());
-    assert!(restored.restore_state(&serde_json::json!(null)).is_err());
-    assert!(restored
-        .restore_state(
-            &serde_json::json!({"rate_limiter": {"ops": {"size": 0, "refill_time_ms": 1}}})
-        )
-        .is_err());
+    // What the state file cannot hold is refused as it is read.
+    for bad in [
+        serde_json::json!({"rng": {"rate_limiter": {}, "extra": 1}}),
+        serde_json::json!({"rng": null}),
+        serde_json::json!(null),
+    ] {
+        assert!(
+            serde_json::from_value::<crate::DeviceState>(bad.clone()).is_err(),
+            "{bad}"
+        );
+    }
+    let zero_size: crate::DeviceState = serde_json::from_value(
+        serde_json::json!({"rng": {"rate_limiter": {"ops": {"size": 0, "refill_time_ms": 1}}}}),
+    )
+    .unwrap();
+    let error = restored.restore_state(&zero_size).unwrap_err().to_string();
+    assert!(error.contains("size must be greater than 0"), "{error}");
+    // A bucket holding more than its size cannot have been saved.
+    let mut forged = fields.clone();
+    forged.buckets.ops.as_mut().unwrap().budget = 8;
+    let error = restored
+        .restore_state(&crate::DeviceState::Rng(forged))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("more than its size 7"), "{error}");
+    assert_eq!(restored.config().rate_limiter, limits);
 }

@@ -96,6 +96,31 @@ pub enum TransportError {
     KickEventFd { device: String, source: io::Error },
 }
 
+/// How a saved transport state does not fit the transport it is loaded into.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StateMismatch {
+    #[error("{saved} queues saved, the device has {now}")]
+    QueueCount { saved: usize, now: usize },
+    #[error("{saved} MSI-X vectors saved, the function has {now}")]
+    VectorCount { saved: usize, now: usize },
+    #[error("acked features {0:#x} are not offered by this device")]
+    UnofferedFeatures(u64),
+    #[error("config vector {0}")]
+    ConfigVector(u16),
+    #[error("queue {index} size {size} (maximum {max})")]
+    QueueSize { index: usize, size: u16, max: u16 },
+    #[error("queue {index} vector {vector}")]
+    QueueVector { index: usize, vector: u16 },
+    #[error("queue {index} notify offset {offset}")]
+    NotifyOffset { index: usize, offset: u16 },
+    /// The transport's own check of the acked features (its words).
+    #[error("FEATURES_OK with {0}")]
+    Features(String),
+    /// The saved ring addresses, checked as a driver's would be (the check's words).
+    #[error("queue {index}: {reason}")]
+    Queue { index: usize, reason: String },
+}
+
 /// Why a snapshot could not be taken or loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -103,10 +128,19 @@ pub enum SnapshotError {
     NotPaused { device: String },
     #[error("{device}: restore needs a freshly built transport (the driver already started it)")]
     NotFresh { device: String },
-    #[error("{device}: the snapshot does not fit this device: {reason}")]
-    Mismatch { device: String, reason: String },
-    #[error("{device}: the device refused its state: {reason}")]
-    DeviceState { device: String, reason: String },
+    #[error("{device}: the snapshot does not fit this device: {mismatch}")]
+    Mismatch {
+        device: String,
+        mismatch: StateMismatch,
+    },
+    #[error("{device}: no device was rebuilt for its saved state")]
+    NotRebuilt { device: String },
+    #[error("{device}: the device's state: {source}")]
+    DeviceState {
+        device: String,
+        /// Boxed: the devices' errors are large, and this error travels up every restore.
+        source: Box<crate::DeviceStateError>,
+    },
     #[error("{device}: cannot re-activate: {source}")]
     Activate {
         device: String,

@@ -1,8 +1,9 @@
 //! Snapshots of a virtio-pci function: [`VirtioPciState`] and [`Persist`] for
 //! [`VirtioPciDevice`].
 //!
-//! The state is a plain serde struct: a field added later takes `#[serde(default)]` so
-//! older snapshots still load.
+//! The state is a plain serde struct holding the device's own typed state
+//! ([`DeviceState`]); a field added later takes `#[serde(default)]` so older snapshots
+//! still load, or the state format version goes up with a migration (vmm/src/persist.rs).
 
 use gpuvm_devices::pci::{PciDevice, MSIX_ENTRY_SIZE};
 use gpuvm_devices::Persist;
@@ -12,8 +13,8 @@ use super::common_config::CommonConfig;
 use super::config_space::PciCfgWindow;
 use super::layout::BAR_INDEX;
 use super::pci::{build_queue, ActivationFailure, VirtioPciDevice};
-use super::{SnapshotError, NO_VECTOR};
-use crate::QueuePosition;
+use super::{SnapshotError, StateMismatch, NO_VECTOR};
+use crate::{DeviceState, QueuePosition};
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// The PCI function's own registers.
@@ -54,7 +55,7 @@ pub struct QueueConfigState {
 }
 
 /// Everything a virtio-pci function needs to come back as the driver left it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VirtioPciState {
     pub pci: PciConfigState,
     pub msix_control: u16,
@@ -69,8 +70,8 @@ pub struct VirtioPciState {
     pub isr: u8,
     pub queue_select: u16,
     pub queues: Vec<QueueConfigState>,
-    /// [`crate::VirtioDevice::save_state`]'s output.
-    pub device: serde_json::Value,
+    /// The device's own state ([`crate::VirtioDevice::save_state`]).
+    pub device: DeviceState,
 }
 
 /// What a restore overwrites on the PCI side, to put back if it fails late.
@@ -133,43 +134,46 @@ impl VirtioPciDevice {
     }
 
     /// Refuses a state this transport cannot take, before anything changes.
-    fn check_state(&self, state: &VirtioPciState) -> Result<(), String> {
+    fn check_state(&self, state: &VirtioPciState) -> Result<(), StateMismatch> {
         if state.queues.len() != self.common.queues.len() {
-            return Err(format!(
-                "{} queues saved, the device has {}",
-                state.queues.len(),
-                self.common.queues.len()
-            ));
+            return Err(StateMismatch::QueueCount {
+                saved: state.queues.len(),
+                now: self.common.queues.len(),
+            });
         }
         if state.msix_entries.len() != self.interrupt.vector_count() {
-            return Err(format!(
-                "{} MSI-X vectors saved, the function has {}",
-                state.msix_entries.len(),
-                self.interrupt.vector_count()
-            ));
+            return Err(StateMismatch::VectorCount {
+                saved: state.msix_entries.len(),
+                now: self.interrupt.vector_count(),
+            });
         }
         let unknown = state.acked_features & !self.common.offered_features;
         if unknown != 0 {
-            return Err(format!(
-                "acked features {unknown:#x} are not offered by this device"
-            ));
+            return Err(StateMismatch::UnofferedFeatures(unknown));
         }
         let vector_ok = |v: u16| v == NO_VECTOR || usize::from(v) < self.interrupt.vector_count();
         if !vector_ok(state.config_msix_vector) {
-            return Err(format!("config vector {}", state.config_msix_vector));
+            return Err(StateMismatch::ConfigVector(state.config_msix_vector));
         }
         for (index, (saved, config)) in state.queues.iter().zip(&self.common.queues).enumerate() {
             if !config.size_is_valid(saved.size) {
-                return Err(format!(
-                    "queue {index} size {} (maximum {})",
-                    saved.size, config.max_size
-                ));
+                return Err(StateMismatch::QueueSize {
+                    index,
+                    size: saved.size,
+                    max: config.max_size,
+                });
             }
             if !vector_ok(saved.msix_vector) {
-                return Err(format!("queue {index} vector {}", saved.msix_vector));
+                return Err(StateMismatch::QueueVector {
+                    index,
+                    vector: saved.msix_vector,
+                });
             }
             if usize::from(saved.notify_off) != index {
-                return Err(format!("queue {index} notify offset {}", saved.notify_off));
+                return Err(StateMismatch::NotifyOffset {
+                    index,
+                    offset: saved.notify_off,
+                });
             }
         }
         let mut probe = self.common.clone();
@@ -179,7 +183,7 @@ impl VirtioPciDevice {
             != 0
         {
             if let Some(reason) = probe.features_refusal() {
-                return Err(format!("FEATURES_OK with {reason}"));
+                return Err(StateMismatch::Features(reason));
             }
         }
         Ok(())
@@ -270,7 +274,13 @@ impl Persist for VirtioPciDevice {
                     },
                 })
                 .collect(),
-            device: self.device.save_state(),
+            device: self
+                .device
+                .save_state()
+                .map_err(|source| SnapshotError::DeviceState {
+                    device: self.name.clone(),
+                    source: Box::new(source),
+                })?,
         })
     }
 
@@ -289,9 +299,9 @@ impl Persist for VirtioPciDevice {
             return Err(SnapshotError::NotFresh { device });
         }
         self.check_state(state)
-            .map_err(|reason| SnapshotError::Mismatch {
+            .map_err(|mismatch| SnapshotError::Mismatch {
                 device: device.clone(),
-                reason,
+                mismatch,
             })?;
         let common = self.common_from_state(state);
         let run = common.driver_ok() && !common.needs_reset();
@@ -305,7 +315,7 @@ impl Persist for VirtioPciDevice {
                     build_queue(config, event_idx, positions[index], &self.memory).map_err(
                         |reason| SnapshotError::Mismatch {
                             device: device.clone(),
-                            reason: format!("queue {index}: {reason}"),
+                            mismatch: StateMismatch::Queue { index, reason },
                         },
                     )?;
                 }
@@ -313,9 +323,9 @@ impl Persist for VirtioPciDevice {
         }
         self.device
             .restore_state(&state.device)
-            .map_err(|reason| SnapshotError::DeviceState {
+            .map_err(|source| SnapshotError::DeviceState {
                 device: device.clone(),
-                reason,
+                source: Box::new(source),
             })?;
 
         let rollback = PciRollback {
@@ -351,9 +361,9 @@ impl Persist for VirtioPciDevice {
                 self.roll_back(rollback);
                 return Err(match failure {
                     ActivationFailure::Device(source) => SnapshotError::Activate { device, source },
-                    queue @ ActivationFailure::Queue { .. } => SnapshotError::Mismatch {
+                    ActivationFailure::Queue { index, reason } => SnapshotError::Mismatch {
                         device,
-                        reason: queue.to_string(),
+                        mismatch: StateMismatch::Queue { index, reason },
                     },
                 });
             }

@@ -58,7 +58,7 @@ struct Record {
     pauses: usize,
     resumes: usize,
     config: [u8; 8],
-    restored: Option<serde_json::Value>,
+    restored: Option<crate::DeviceState>,
     /// How far the fake device "served" each queue before pausing.
     served: u16,
 }
@@ -161,14 +161,18 @@ impl VirtioDevice for FakeDevice {
         self.record.lock().unwrap().resumes += 1;
         Ok(())
     }
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::json!({ "config": self.record.lock().unwrap().config })
+    /// The fake keeps its 8 configuration bytes in a vsock state's one field.
+    fn save_state(&self) -> Result<crate::DeviceState, crate::DeviceStateError> {
+        Ok(crate::DeviceState::Vsock(crate::vsock::VsockState {
+            guest_cid: u64::from_le_bytes(self.record.lock().unwrap().config),
+        }))
     }
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let config: [u8; 8] = serde_json::from_value(state["config"].clone())
-            .map_err(|e| format!("bad fake state: {e}"))?;
+    fn restore_state(&mut self, state: &crate::DeviceState) -> Result<(), crate::DeviceStateError> {
+        let crate::DeviceState::Vsock(fields) = state else {
+            return Err(crate::DeviceStateError::wrong_kind("fake", "vsock", state));
+        };
         let mut record = self.record.lock().unwrap();
-        record.config = config;
+        record.config = fields.guest_cid.to_le_bytes();
         record.restored = Some(state.clone());
         Ok(())
     }
@@ -952,7 +956,7 @@ fn restore_refuses_states_that_do_not_fit() {
         ("rings outside RAM", Box::new(|s| s.queues[0].desc = RAM)),
         (
             "device state",
-            Box::new(|s| s.device = serde_json::json!({ "config": "x" })),
+            Box::new(|s| s.device = crate::DeviceState::Rng(crate::rng::RngState::default())),
         ),
     ];
     for (what, damage) in cases {
@@ -1018,10 +1022,10 @@ fn constructor_refuses_bad_devices() {
         fn resume(&mut self) -> Result<(), ActivateError> {
             Ok(())
         }
-        fn save_state(&self) -> serde_json::Value {
-            serde_json::Value::Null
+        fn save_state(&self) -> Result<crate::DeviceState, crate::DeviceStateError> {
+            Ok(crate::DeviceState::Rng(crate::rng::RngState::default()))
         }
-        fn restore_state(&mut self, _: &serde_json::Value) -> Result<(), String> {
+        fn restore_state(&mut self, _: &crate::DeviceState) -> Result<(), crate::DeviceStateError> {
             Ok(())
         }
     }

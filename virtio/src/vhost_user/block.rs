@@ -97,15 +97,6 @@ impl VhostUserKind for VhostUserBlockConfig {
     fn queue_size(&self) -> u16 {
         self.queue_size
     }
-
-    fn describe(&self) -> serde_json::Value {
-        serde_json::json!({
-            "vhost_user_blk": {
-                "drive_id": self.drive_id,
-                "socket": self.socket,
-            }
-        })
-    }
 }
 
 /// virtio-blk whose requests a vhost-user-blk backend serves straight from guest memory.

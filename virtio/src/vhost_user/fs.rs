@@ -93,15 +93,6 @@ impl VhostUserKind for FsConfig {
     fn queue_size(&self) -> u16 {
         self.queue_size
     }
-
-    fn describe(&self) -> serde_json::Value {
-        serde_json::json!({
-            "vhost_user_fs": {
-                "tag": self.tag,
-                "socket": self.socket,
-            }
-        })
-    }
 }
 
 /// virtio-fs: FUSE requests on its queues, answered by virtiofsd from the shared

@@ -261,16 +261,6 @@ impl VhostUserKind for VhostUserConfig {
     fn passes_config_writes(&self) -> bool {
         true
     }
-
-    fn describe(&self) -> serde_json::Value {
-        serde_json::json!({
-            "vhost_user": {
-                "id": self.id,
-                "type": self.device_type,
-                "socket": self.socket,
-            }
-        })
-    }
 }
 
 /// A virtio device of any type a vhost-user backend implements. The guest sees the

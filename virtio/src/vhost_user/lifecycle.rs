@@ -15,9 +15,11 @@ use super::connection::{Connection, Timeouts};
 use super::relay::{RelayHandler, RingQueue, Rings, StopRequest};
 use super::VhostUserError;
 use crate::device::{
-    read_config_bytes, ActivateError, Activation, ActiveQueue, QueuePosition, VirtioDevice,
+    read_config_bytes, ActivateError, Activation, ActiveQueue, DeviceState, DeviceStateError,
+    QueuePosition, VirtioDevice,
 };
 use crate::worker::Worker;
+use gpuvm_devices::Persist;
 
 enum State {
     Idle,
@@ -342,9 +344,34 @@ pub trait VhostUserKind: Send + 'static {
     fn passes_config_writes(&self) -> bool {
         false
     }
-    /// What [`VirtioDevice::save_state`] tells of the device (a snapshot is refused before
-    /// it gets there, see [`VhostUserDevice::snapshot_refusal`]).
-    fn describe(&self) -> serde_json::Value;
+}
+
+/// What a vhost-user device's state can tell: which device it was. Its real state lives in
+/// the backend, which gpuvm cannot ask for it, so a restore refuses it (and a snapshot is
+/// refused before it gets there, see [`VhostUserDevice::snapshot_refusal`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VhostUserState {
+    /// The device's name ("vhost-user-blk data").
+    pub device: String,
+    /// The virtio device ID.
+    pub device_type: u32,
+    /// The backend's socket.
+    pub socket: std::path::PathBuf,
+}
+
+/// Why a vhost-user device's state cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserStateError {
+    #[error(
+        "{device}: a vhost-user device cannot be snapshotted: its state lives in the backend at \
+         {} and gpuvm does not implement the vhost-user DEVICE_STATE transfer",
+        socket.display()
+    )]
+    InBackend {
+        device: String,
+        socket: std::path::PathBuf,
+    },
 }
 
 /// A virtio device whose queues a vhost-user backend serves: [`VhostUserBlock`],
@@ -381,12 +408,14 @@ impl<C: VhostUserKind> VhostUserDevice<C> {
     }
 
     fn refusal(&self) -> String {
-        format!(
-            "{}: a vhost-user device cannot be snapshotted: its state lives in the backend at \
-             {} and gpuvm does not implement the vhost-user DEVICE_STATE transfer",
-            self.core.name(),
-            self.config.socket().display()
-        )
+        self.state_refusal().to_string()
+    }
+
+    fn state_refusal(&self) -> VhostUserStateError {
+        VhostUserStateError::InBackend {
+            device: self.core.name().to_string(),
+            socket: self.config.socket().to_path_buf(),
+        }
     }
 }
 
@@ -461,18 +490,42 @@ impl<C: VhostUserKind> VirtioDevice for VhostUserDevice<C> {
         self.core.resume()
     }
 
-    /// What the device was (a snapshot is refused before it gets here, see
-    /// [`VhostUserDevice::snapshot_refusal`]).
-    fn save_state(&self) -> serde_json::Value {
-        self.config.describe()
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::VhostUser(Persist::save(self)?))
     }
 
-    /// Always refused: the backend's state was never saved.
-    fn restore_state(&mut self, _state: &serde_json::Value) -> Result<(), String> {
-        Err(self.refusal())
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::VhostUser(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(
+                self.core.name(),
+                "vhost_user",
+                other,
+            )),
+        }
     }
 
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+}
+
+impl<C: VhostUserKind> Persist for VhostUserDevice<C> {
+    type State = VhostUserState;
+    type Error = VhostUserStateError;
+
+    /// Which device it was (a snapshot is refused before it gets here, see
+    /// [`VhostUserDevice::snapshot_refusal`]).
+    fn save(&self) -> Result<VhostUserState, VhostUserStateError> {
+        Ok(VhostUserState {
+            device: self.core.name().to_string(),
+            device_type: self.config.device_type(),
+            socket: self.config.socket().to_path_buf(),
+        })
+    }
+
+    /// Always refused: the backend's state was never saved.
+    fn restore(&mut self, _state: &VhostUserState) -> Result<(), VhostUserStateError> {
+        Err(self.state_refusal())
     }
 }

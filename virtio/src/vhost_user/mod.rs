@@ -58,7 +58,7 @@ pub use block::{VhostUserBlock, VhostUserBlockConfig};
 pub use connection::Timeouts;
 pub use fs::{FsConfig, VhostUserFs, FS_TAG_BYTES};
 pub use generic::{VhostUserConfig, VhostUserGeneric};
-pub use lifecycle::{VhostUserDevice, VhostUserKind};
+pub use lifecycle::{VhostUserDevice, VhostUserKind, VhostUserState, VhostUserStateError};
 
 /// Why a vhost-user device could not be built or talk to its backend.
 #[derive(Debug, thiserror::Error)]

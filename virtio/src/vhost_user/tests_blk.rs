@@ -205,7 +205,9 @@ fn reads_and_writes_through_qemu_storage_daemon() {
 
     let refusal = device.snapshot_refusal().expect("snapshots are refused");
     assert!(refusal.contains("vhost-user-blk data"), "{refusal}");
-    assert!(device.restore_state(&device.save_state()).is_err());
+    let state = device.save_state().unwrap();
+    let error = device.restore_state(&state).unwrap_err().to_string();
+    assert!(error.contains("DEVICE_STATE transfer"), "{error}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use serde::Deserialize;
+use gpuvm_devices::Persist;
 use virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK;
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::QueueT;
@@ -14,7 +14,10 @@ use super::muxer::Muxer;
 use super::unix::HostListener;
 use super::{validate_guest_cid, VsockConfig, VsockError};
 use crate::worker::{duplicate_timer, Worker};
-use crate::{read_config_bytes, ActivateError, Activation, QueuePosition, VirtioDevice};
+use crate::{
+    read_config_bytes, ActivateError, Activation, DeviceState, DeviceStateError, QueuePosition,
+    VirtioDevice,
+};
 
 /// The name of the device's I/O thread.
 pub const THREAD_NAME: &str = "virtio-vsock";
@@ -25,10 +28,17 @@ const DEVICE: &str = "virtio-vsock";
 
 /// What the device keeps across a snapshot. Live host connections cannot be kept: the
 /// restored guest gets a TRANSPORT_RESET and starts without any.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct VsockState {
-    guest_cid: u64,
+pub struct VsockState {
+    pub guest_cid: u64,
+}
+
+/// Why a vsock device's state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum VsockStateError {
+    #[error("{device}: the saved {source}")]
+    GuestCid { device: String, source: VsockError },
 }
 
 enum Run {
@@ -219,20 +229,36 @@ impl VirtioDevice for Vsock {
         }
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        serde_json::to_value(VsockState {
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::Vsock(Persist::save(self)?))
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::Vsock(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(&self.name, "vsock", other)),
+        }
+    }
+}
+
+impl Persist for Vsock {
+    type State = VsockState;
+    type Error = VsockStateError;
+
+    fn save(&self) -> Result<VsockState, VsockStateError> {
+        Ok(VsockState {
             guest_cid: self.guest_cid,
         })
-        .unwrap_or_default()
     }
 
     /// The restored guest gets a TRANSPORT_RESET once activated; it then re-reads
     /// guest_cid, so the CID configured now (which a clone of the snapshot may change)
     /// is the one in force.
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state = VsockState::deserialize(state)
-            .map_err(|error| format!("{}: bad state: {error}", self.name))?;
-        validate_guest_cid(state.guest_cid).map_err(|error| format!("{}: {error}", self.name))?;
+    fn restore(&mut self, state: &VsockState) -> Result<(), VsockStateError> {
+        validate_guest_cid(state.guest_cid).map_err(|source| VsockStateError::GuestCid {
+            device: self.name.clone(),
+            source,
+        })?;
         if state.guest_cid != self.guest_cid {
             log::info!(
                 "{}: the snapshot's guest_cid {} becomes {} (the guest re-reads it on the transport reset)",

@@ -46,7 +46,7 @@ mod unix;
 mod tests;
 
 pub use connection::BUF_ALLOC;
-pub use device::{Vsock, THREAD_NAME};
+pub use device::{Vsock, VsockState, VsockStateError, THREAD_NAME};
 pub use muxer::{FIRST_HOST_PORT, MAX_CONNECTIONS};
 pub use unix::MAX_CONNECT_LINE;
 

@@ -1086,8 +1086,11 @@ fn restore_sends_transport_reset_and_rebinds_the_listener() {
     guest.give_rx_buffers(4, 4096);
     let (_client, _key) = host_connect(&mut guest, &uds_path, 7000);
     device.pause();
-    let state = device.save_state();
-    assert_eq!(state, serde_json::json!({ "guest_cid": GUEST_CID }));
+    let state = device.save_state().unwrap();
+    assert_eq!(
+        serde_json::to_value(&state).unwrap(),
+        serde_json::json!({ "vsock": { "guest_cid": GUEST_CID } })
+    );
     drop(device);
     assert!(!uds_path.exists(), "the socket file goes with the device");
 
@@ -1097,12 +1100,17 @@ fn restore_sends_transport_reset_and_rebinds_the_listener() {
         uds_path: uds_path.clone(),
     };
     let mut restored = Vsock::new(&config).unwrap();
-    assert!(restored
-        .restore_state(&serde_json::json!({ "guest_cid": 1 }))
-        .is_err());
-    assert!(restored
-        .restore_state(&serde_json::json!({ "guest_cid": 3, "extra": 1 }))
-        .is_err());
+    let error = restored
+        .restore_state(&crate::DeviceState::Vsock(super::VsockState {
+            guest_cid: 1,
+        }))
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("guest_cid 1"), "{error}");
+    assert!(serde_json::from_value::<crate::DeviceState>(
+        serde_json::json!({ "vsock": { "guest_cid": 3, "extra": 1 } })
+    )
+    .is_err());
     restored.restore_state(&state).unwrap();
     let memory = guest_memory();
     let mut guest = TestGuest::activate(&mut restored, &memory);

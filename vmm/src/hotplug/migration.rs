@@ -270,6 +270,16 @@ impl PciHotplug {
         for (id, hot) in &mut self.devices {
             let mut device = lock(&hot.device);
             hot.stopped = true;
+            let pci = match gpuvm_devices::Persist::save(&*device) {
+                Ok(pci) => pci,
+                Err(error) => {
+                    remove_device_files(dir, &saved);
+                    return Err(SnapshotError::PassthroughState {
+                        id: id.clone(),
+                        reason: error.to_string(),
+                    });
+                }
+            };
             let (state_file, state_bytes) = match write_device_file(dir, &mut device) {
                 Ok(written) => written,
                 Err(reason) => {
@@ -289,7 +299,7 @@ impl PciHotplug {
                 slot: hot.bdf.device,
                 vendor_id,
                 device_id,
-                pci: device.save_pci_state(),
+                pci,
                 state_file,
                 state_bytes,
             });
@@ -361,8 +371,7 @@ impl PciHotplug {
             } else {
                 load_device_file(dir, &gpu.state_file, gpu.state_bytes, &mut device).and_then(
                     |()| {
-                        device
-                            .restore_pci_state(&gpu.pci)
+                        gpuvm_devices::Persist::restore(&mut *device, &gpu.pci)
                             .map_err(|e| format!("its PCI state does not fit: {e}"))
                     },
                 )

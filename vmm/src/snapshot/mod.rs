@@ -39,6 +39,7 @@ use crate::vm_state::VmState;
 mod dir;
 pub mod files;
 mod load;
+pub mod migrate;
 
 pub use dir::SnapshotDirLock;
 pub(crate) use dir::{check_replaceable, commit, fresh_file_name, prepare_dir, write_memory};

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use serde::Deserialize as _;
+use gpuvm_devices::Persist;
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::{
     virtio_net_config, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ,
@@ -14,8 +14,12 @@ use super::datapath::{NetCounters, NetStats, QueuePair};
 use super::handler::{ControlQueue, NetHandler};
 use super::tap::Tap;
 use super::NetError;
-use crate::device::{ActivateError, Activation, QueuePosition, VirtioDevice};
-use crate::rate_limiter::{RateLimiter, RateLimiterConfig};
+use crate::device::{
+    ActivateError, Activation, DeviceState, DeviceStateError, QueuePosition, VirtioDevice,
+};
+use crate::rate_limiter::{
+    RateLimiter, RateLimiterConfig, RateLimiterState, RateLimiterStateError,
+};
 use crate::worker::{ChangeError, DeviceWorker, Held, NotIdle};
 
 const DEVICE: &str = "virtio-net";
@@ -49,13 +53,50 @@ impl From<NetHandler> for IdleResources {
 }
 
 /// What a snapshot keeps of the device (the taps are the VMM's to give again on restore).
-#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct NetState {
-    mac: MacAddr,
-    num_queue_pairs: u16,
+pub struct NetState {
+    pub mac: MacAddr,
+    pub num_queue_pairs: u16,
     /// Set by the driver with VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET.
-    active_queue_pairs: u16,
+    pub active_queue_pairs: u16,
+    /// The receive limiter's buckets at the pause (absent in version-1 state files:
+    /// they start full).
+    #[serde(default)]
+    pub rx_buckets: RateLimiterState,
+    /// The transmit limiter's.
+    #[serde(default)]
+    pub tx_buckets: RateLimiterState,
+}
+
+/// Why a network device's state was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum NetStateError {
+    #[error("{device}: the snapshot has {saved} queue pairs, this device {now}")]
+    QueuePairs {
+        device: String,
+        saved: u16,
+        now: u16,
+    },
+    #[error("{device}: the snapshot's {active} active queue pairs are not within 1..={pairs}")]
+    ActivePairs {
+        device: String,
+        active: u16,
+        pairs: u16,
+    },
+    #[error("{device}: {direction}: {source}")]
+    Buckets {
+        device: String,
+        direction: &'static str,
+        source: RateLimiterStateError,
+    },
+    #[error("{0}: its I/O thread died and took its taps and limiters")]
+    Broken(String),
+    #[error("{device}: cannot restart its I/O thread: {source}")]
+    Thread {
+        device: String,
+        source: crate::worker::WorkerError,
+    },
 }
 
 /// A virtio-net device (type 1) over tap queues.
@@ -77,6 +118,8 @@ pub struct Net {
     /// The taps and limiters wait as its idle resources; if the I/O thread panicked or
     /// could not start, the taps are gone with it.
     worker: DeviceWorker<IdleResources, NetHandler>,
+    /// The limiters' buckets (receive, transmit) as the last pause found them.
+    buckets_at_pause: (RateLimiterState, RateLimiterState),
 }
 
 impl Net {
@@ -106,6 +149,7 @@ impl Net {
             config,
             counters: Arc::new(NetCounters::default()),
             active_pairs: 1,
+            buckets_at_pause: Default::default(),
         })
     }
 
@@ -334,12 +378,27 @@ impl VirtioDevice for Net {
     }
 
     fn pause(&mut self) -> Vec<Option<QueuePosition>> {
-        let Some(handler) = self.worker.pause() else {
-            return Vec::new();
+        let positions = match self.worker.pause() {
+            Some(handler) => {
+                handler.release_held_frames();
+                self.active_pairs = handler.active_pairs();
+                handler.positions()
+            }
+            None => Vec::new(),
         };
-        handler.release_held_frames();
-        self.active_pairs = handler.active_pairs();
-        handler.positions()
+        // Paused or idle: read directly, no thread is stopped. A failed device's limiters
+        // are gone with its thread: their buckets restore full.
+        let save = |rx: &RateLimiter, tx: &RateLimiter| {
+            (rx.save().unwrap_or_default(), tx.save().unwrap_or_default())
+        };
+        self.buckets_at_pause = self
+            .worker
+            .change(|held| match held {
+                Held::Idle(idle) => save(&idle.rx_limiter, &idle.tx_limiter),
+                Held::Handler(handler) => save(&handler.rx_limiter, &handler.tx_limiter),
+            })
+            .unwrap_or_default();
+        positions
     }
 
     fn resume(&mut self) -> Result<(), ActivateError> {
@@ -348,40 +407,85 @@ impl VirtioDevice for Net {
             .map_err(|error| ActivateError::thread(DEVICE, error))
     }
 
-    fn save_state(&self) -> serde_json::Value {
-        let active_queue_pairs = self
-            .worker
-            .paused()
-            .map_or(self.active_pairs, NetHandler::active_pairs);
-        let state = NetState {
-            mac: self.mac,
-            num_queue_pairs: self.queue_pairs(),
-            active_queue_pairs,
-        };
-        serde_json::to_value(state).unwrap_or_default()
+    fn save_state(&self) -> Result<DeviceState, DeviceStateError> {
+        Ok(DeviceState::Net(Persist::save(self)?))
     }
 
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
 
-    fn restore_state(&mut self, state: &serde_json::Value) -> Result<(), String> {
-        let state = NetState::deserialize(state)
-            .map_err(|error| format!("{}: bad state: {error}", self.name))?;
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
+        match state {
+            DeviceState::Net(state) => Ok(Persist::restore(self, state)?),
+            other => Err(DeviceStateError::wrong_kind(&self.name, "net", other)),
+        }
+    }
+}
+
+impl Persist for Net {
+    type State = NetState;
+    type Error = NetStateError;
+
+    fn save(&self) -> Result<NetState, NetStateError> {
+        let active_queue_pairs = self
+            .worker
+            .paused()
+            .map_or(self.active_pairs, NetHandler::active_pairs);
+        Ok(NetState {
+            mac: self.mac,
+            num_queue_pairs: self.queue_pairs(),
+            active_queue_pairs,
+            rx_buckets: self.buckets_at_pause.0,
+            tx_buckets: self.buckets_at_pause.1,
+        })
+    }
+
+    fn restore(&mut self, state: &NetState) -> Result<(), NetStateError> {
         if state.num_queue_pairs != self.queue_pairs() {
-            return Err(format!(
-                "{}: the snapshot has {} queue pairs, this device {}",
-                self.name,
-                state.num_queue_pairs,
-                self.queue_pairs()
-            ));
+            return Err(NetStateError::QueuePairs {
+                device: self.name.clone(),
+                saved: state.num_queue_pairs,
+                now: self.queue_pairs(),
+            });
         }
         if !(1..=state.num_queue_pairs).contains(&state.active_queue_pairs) {
-            return Err(format!(
-                "{}: the snapshot's {} active queue pairs are not within 1..={}",
-                self.name, state.active_queue_pairs, state.num_queue_pairs
-            ));
+            return Err(NetStateError::ActivePairs {
+                device: self.name.clone(),
+                active: state.active_queue_pairs,
+                pairs: state.num_queue_pairs,
+            });
         }
+        for (direction, buckets) in [("rx", &state.rx_buckets), ("tx", &state.tx_buckets)] {
+            buckets.check().map_err(|source| NetStateError::Buckets {
+                device: self.name.clone(),
+                direction,
+                source,
+            })?;
+        }
+        let (rx, tx) = (state.rx_buckets, state.tx_buckets);
+        let load = |rx_limiter: &mut RateLimiter, tx_limiter: &mut RateLimiter| {
+            rx_limiter.restore(&rx).map_err(|source| ("rx", source))?;
+            tx_limiter.restore(&tx).map_err(|source| ("tx", source))
+        };
+        let loaded = self
+            .worker
+            .change(|held| match held {
+                Held::Idle(idle) => load(&mut idle.rx_limiter, &mut idle.tx_limiter),
+                Held::Handler(handler) => load(&mut handler.rx_limiter, &mut handler.tx_limiter),
+            })
+            .map_err(|error| match error {
+                ChangeError::Failed => NetStateError::Broken(self.name.clone()),
+                ChangeError::Restart(source) => NetStateError::Thread {
+                    device: self.name.clone(),
+                    source,
+                },
+            })?;
+        loaded.map_err(|(direction, source)| NetStateError::Buckets {
+            device: self.name.clone(),
+            direction,
+            source,
+        })?;
         // The guest knows the device by the MAC it read before the snapshot.
         self.mac = state.mac;
         self.active_pairs = state.active_queue_pairs;

@@ -1,6 +1,7 @@
 //! The device on its worker thread over stand-in taps: configuration space, activation,
 //! pause/resume/reset, the control queue, snapshots and rate-limit changes.
 
+use serde_json::json;
 use std::os::unix::net::UnixDatagram;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -184,8 +185,7 @@ fn serves_frames_on_its_thread_pauses_resumes_and_resets() {
     peer.send(&datagram).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(used(&rxq).len(), 1);
-    let state = net.save_state();
-    assert_eq!(state["active_queue_pairs"], 1);
+    assert_eq!(saved(&net).active_queue_pairs, 1);
     net.resume().unwrap();
     wait_until("the RX frame after resume", || used(&rxq).len() == 2);
 
@@ -302,9 +302,9 @@ fn control_queue_sets_queue_pairs_and_refuses_the_rest() {
     let memory = memory();
     let mocks = mock_queues(&memory, 5);
     let (mut net, _peers) = two_pair_net();
-    net.restore_state(&serde_json::json!({
+    net.restore_state(&net_state(json!({
         "mac": "06:00:00:00:00:09", "num_queue_pairs": 2, "active_queue_pairs": 1
-    }))
+    })))
     .unwrap();
     assert_eq!(mac_of(&net), [6, 0, 0, 0, 0, 9]);
 
@@ -345,11 +345,11 @@ fn control_queue_sets_queue_pairs_and_refuses_the_rest() {
     assert_eq!(used(ctrl)[0], (0, 1));
     assert_eq!(used(ctrl)[5], (10, 0));
     net.pause();
-    assert_eq!(net.save_state()["active_queue_pairs"], 2);
+    assert_eq!(saved(&net).active_queue_pairs, 2);
     assert_eq!(net.pause().len(), 5);
     net.reset();
     assert_eq!(
-        net.save_state()["active_queue_pairs"],
+        saved(&net).active_queue_pairs,
         1,
         "a reset goes back to one pair"
     );
@@ -391,17 +391,46 @@ fn control_queue_is_queue_two_without_mq() {
 fn restore_refuses_state_that_does_not_fit() {
     let (taps, _peers) = stand_in_taps(1);
     let mut net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
-    let saved = net.save_state();
-    assert_eq!(saved["mac"], MacAddr::derived_from("eth0").to_string());
-    net.restore_state(&saved).unwrap();
-    for bad in [
-        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 2, "active_queue_pairs": 1}),
-        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 0}),
-        serde_json::json!({"mac": "01:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1}),
-        serde_json::json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1, "x": 1}),
-        serde_json::json!("nonsense"),
+    let state = net.save_state().unwrap();
+    let crate::DeviceState::Net(fields) = &state else {
+        panic!("not a net state: {state:?}")
+    };
+    assert_eq!(fields.mac, MacAddr::derived_from("eth0"));
+    net.restore_state(&state).unwrap();
+    for (bad, needle) in [
+        (
+            json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 2, "active_queue_pairs": 1}),
+            "2 queue pairs",
+        ),
+        (
+            json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 0}),
+            "0 active queue pairs",
+        ),
     ] {
-        assert!(net.restore_state(&bad).is_err(), "{bad}");
+        let error = net.restore_state(&net_state(bad)).unwrap_err().to_string();
+        assert!(error.contains(needle), "{error}");
+    }
+    let error = net
+        .restore_state(&crate::DeviceState::Vsock(crate::vsock::VsockState {
+            guest_cid: 3,
+        }))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("a vsock state, this is a net device"),
+        "{error}"
+    );
+    // What the state file cannot hold is refused as it is read.
+    for bad in [
+        json!({"mac": "01:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1}),
+        json!({"mac": "06:00:00:00:00:01", "num_queue_pairs": 1, "active_queue_pairs": 1, "x": 1}),
+        json!("nonsense"),
+    ] {
+        let tagged = json!({ "net": bad });
+        assert!(
+            serde_json::from_value::<crate::DeviceState>(tagged.clone()).is_err(),
+            "{tagged}"
+        );
     }
 }
 
@@ -448,4 +477,14 @@ fn rate_limiters_update_while_running() {
         start.elapsed()
     );
     net.reset();
+}
+
+/// The device's own state, typed.
+fn saved(net: &Net) -> super::NetState {
+    gpuvm_devices::Persist::save(net).unwrap()
+}
+
+/// A net state from its JSON fields (the buckets default).
+fn net_state(fields: serde_json::Value) -> crate::DeviceState {
+    serde_json::from_value(json!({ "net": fields })).unwrap()
 }
