@@ -315,11 +315,11 @@ fn config_file_without_api_boots_at_once() {
     )
     .wait(LIMIT);
     out.assert_code(125);
-    out.assert_stderr_has("mmds-config");
+    out.assert_stderr_has("mmds-config.network_interfaces");
 
     let out = SpawnedProcess::spawn(
         &link,
-        &["--api-sock", "/tmp/x.sock", "--mmds-size-limit", "10"],
+        &["--api-sock", "/tmp/x.sock", "--mmds-size-limit", "ten"],
     )
     .wait(LIMIT);
     out.assert_code(125);

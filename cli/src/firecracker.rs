@@ -9,7 +9,8 @@
 //! `--config-file <file>` (Firecracker's JSON: boots at once), `--no-api` (needs
 //! `--config-file`), `--log-path`, `--level`, `--show-level`, `--show-log-origin`,
 //! `--metrics-path`, `--boot-timer` (accepted; gpuvm logs its own boot timing at debug
-//! level), `--seccomp-level 0|1|2` and `--no-seccomp`, the jailer's
+//! level), `--mmds-size-limit <bytes>` (the MMDS data store's limit; by default Firecracker's
+//! HTTP payload limit, 51200 bytes), `--seccomp-level 0|1|2` and `--no-seccomp`, the jailer's
 //! `--start-time-us`/`--start-time-cpu-us`/`--parent-cpu-time-us` (accepted, ignored),
 //! `--version`. Anything else is refused naming it.
 
@@ -35,6 +36,7 @@ struct FcArgs {
     log_path: Option<PathBuf>,
     level: Option<log::LevelFilter>,
     metrics_path: Option<PathBuf>,
+    mmds_size_limit: usize,
     seccomp: bool,
 }
 
@@ -48,6 +50,7 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
         log_path: None,
         level: None,
         metrics_path: None,
+        mmds_size_limit: gpuvm_api::firecracker::DEFAULT_MMDS_SIZE_LIMIT,
         seccomp: true,
     };
     let mut no_api = false;
@@ -71,6 +74,12 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
             "--log-path" => parsed.log_path = Some(value()?.into()),
             "--level" => parsed.level = Some(gpuvm_api::firecracker::translate::level(&value()?)?),
             "--metrics-path" => parsed.metrics_path = Some(value()?.into()),
+            "--mmds-size-limit" => {
+                let given = value()?;
+                parsed.mmds_size_limit = given.parse().map_err(|_| {
+                    format!("--mmds-size-limit {given:?}: a number of bytes")
+                })?;
+            }
             "--show-level" | "--show-log-origin" | "--boot-timer" => {}
             "--no-seccomp" => parsed.seccomp = false,
             "--seccomp-level" => {
@@ -85,7 +94,7 @@ fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
             }
             other => {
                 return Err(format!(
-                    "{other}: not supported by gpuvm's Firecracker mode (it takes --api-sock, --id, --config-file, --no-api, --log-path, --level, --show-level, --show-log-origin, --metrics-path, --boot-timer, --seccomp-level, --no-seccomp)"
+                    "{other}: not supported by gpuvm's Firecracker mode (it takes --api-sock, --id, --config-file, --no-api, --log-path, --level, --show-level, --show-log-origin, --metrics-path, --mmds-size-limit, --boot-timer, --seccomp-level, --no-seccomp)"
                 ))
             }
         }
@@ -163,6 +172,7 @@ fn configure(
 
 fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let session = gpuvm_api::firecracker::Session::new(args.id.clone());
+    gpuvm_api::firecracker::set_mmds_size_limit(args.mmds_size_limit);
     let open = |path: &PathBuf| {
         gpuvm_vmm::outputs::open_nonblocking(path)
             .map_err(|e| CliError::Other(format!("cannot open {}: {e}", path.display())))
@@ -179,10 +189,15 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
                 .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
             let json: serde_json::Value = serde_json::from_slice(&bytes)
                 .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
-            Some(
-                gpuvm_api::firecracker::translate::config_file(&json, &session.cwd)
-                    .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?,
-            )
+            let file = gpuvm_api::firecracker::translate::config_file(&json, &session.cwd)
+                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+            // Its mmds-config takes effect as PUT /mmds/config's does: before the start,
+            // so the interfaces it names answer MMDS from their creation.
+            if let Some(mmds) = file.mmds_config {
+                gpuvm_api::firecracker::set_mmds_config(mmds);
+            }
+            session.remember_config_file(&json);
+            Some(file.actions)
         }
         None => None,
     };
@@ -273,8 +288,19 @@ mod tests {
             (None, Some("/c.json".into()))
         );
         assert!(parse(&args(&["firecracker", "--no-api"])).is_err());
-        let unknown = parse(&args(&["firecracker", "--mmds-size-limit", "1"])).unwrap_err();
-        assert!(unknown.contains("--mmds-size-limit"), "{unknown}");
+        let limit = parse(&args(&["firecracker", "--mmds-size-limit", "1024"]));
+        assert_eq!(limit.unwrap().unwrap().mmds_size_limit, 1024);
+        let bad = parse(&args(&["firecracker", "--mmds-size-limit", "-1"])).unwrap_err();
+        assert!(bad.contains("--mmds-size-limit"), "{bad}");
+        assert_eq!(
+            parse(&args(&["firecracker"]))
+                .unwrap()
+                .unwrap()
+                .mmds_size_limit,
+            gpuvm_api::firecracker::DEFAULT_MMDS_SIZE_LIMIT
+        );
+        let unknown = parse(&args(&["firecracker", "--http-api-max-payload-size", "1"]));
+        assert!(unknown.unwrap_err().contains("--http-api-max-payload-size"));
         assert!(parse(&args(&["firecracker", "--level", "Loud"])).is_err());
         assert_eq!(parse(&args(&["firecracker", "--version"])).unwrap(), None);
         // gpuvm's own name with Firecracker's flags: nothing to skip but the program.

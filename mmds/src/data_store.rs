@@ -74,6 +74,11 @@ impl DataStore {
         self.limit
     }
 
+    /// Sets the limit for later changes (`--mmds-size-limit`, given before any data).
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
     pub fn data(&self) -> &Value {
         &self.data
     }
@@ -197,5 +202,22 @@ mod tests {
             Err(DataStoreError::TooLarge { .. })
         ));
         assert_eq!(store.data(), &json!({"a": "b"}));
+    }
+
+    #[test]
+    fn a_changed_limit_applies_to_the_next_change() {
+        let mut store = DataStore::default();
+        store.set_limit(16);
+        assert_eq!(store.limit(), 16);
+        assert_eq!(
+            store.put(json!({"key": "0123456789"})),
+            Err(DataStoreError::TooLarge {
+                size: 20,
+                limit: 16
+            })
+        );
+        store.put(json!({"k": "v"})).unwrap();
+        store.set_limit(64);
+        store.patch(&json!({"key": "0123456789"})).unwrap();
     }
 }

@@ -34,6 +34,9 @@ pub enum VmmAction {
     GetInstanceInfo,
     GetMachineConfig,
     PutMachineConfig(MachineConfigBody),
+    /// PATCH /machine-config (Firecracker's): the given fields over the configuration the
+    /// VMM thread holds, read and replaced in one step.
+    PatchMachineConfig(MachineConfigPatch),
     PutBootSource(BootSourceBody),
     /// PUT /gpus/{id}: a passthrough device for the VM being configured, or hot-plugged
     /// into the running VM.
@@ -260,6 +263,45 @@ pub struct MachineConfigBody {
     /// least `vcpu_count`. Absent: `vcpu_count` (no hot-plug).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_vcpus: Option<u8>,
+}
+
+/// The fields a PATCH /machine-config changes; the others keep their values.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MachineConfigPatch {
+    pub vcpu_count: Option<u8>,
+    pub mem_size_mib: Option<u64>,
+    pub track_dirty_pages: Option<bool>,
+    pub backing: Option<BackingKind>,
+    pub thp: Option<bool>,
+    pub prefault: Option<bool>,
+    pub cpuid_masks: Option<Vec<String>>,
+}
+
+impl MachineConfigPatch {
+    /// `body` with the given fields changed.
+    pub fn apply(&self, body: &mut MachineConfigBody) {
+        if let Some(v) = self.vcpu_count {
+            body.vcpu_count = v;
+        }
+        if let Some(v) = self.mem_size_mib {
+            body.mem_size_mib = v;
+        }
+        if let Some(v) = self.track_dirty_pages {
+            body.track_dirty_pages = v;
+        }
+        if let Some(v) = self.backing {
+            body.backing = v;
+        }
+        if let Some(v) = self.thp {
+            body.thp = v;
+        }
+        if let Some(v) = self.prefault {
+            body.prefault = v;
+        }
+        if let Some(v) = &self.cpuid_masks {
+            body.cpuid_masks = v.clone();
+        }
+    }
 }
 
 impl MachineConfigBody {

@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 use gpuvm_vmm::action::{ActionResult, VmmAction, VmmData};
 
 use super::translate::{self, Refusal};
+use super::validate::{self, Body};
 use super::{Session, FIRECRACKER_API_VERSION};
 use crate::http::{Method, Request, Response};
 
@@ -31,6 +32,13 @@ fn body(request: &Request) -> Result<Value, Response> {
 
 fn refused(message: Refusal) -> Response {
     fault(400, message)
+}
+
+/// The body, checked by Firecracker's rules for `kind` (every bad field named).
+fn checked_body(request: &Request, kind: Body) -> Result<Value, Response> {
+    let value = body(request)?;
+    validate::api_body(kind, &value).map_err(refused)?;
+    Ok(value)
 }
 
 /// Runs `action`; success is 204 (whatever gpuvm's own answer carried).
@@ -130,19 +138,24 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             ))
         }
         (Put | Patch, "/machine-config") => {
-            let fc = body(request)?;
-            let current = if method == Patch {
-                let value = json_of(VmmAction::GetMachineConfig, dispatch)?;
-                Some(serde_json::from_value(value).map_err(|e| fault(500, e.to_string()))?)
+            let kind = if method == Patch {
+                Body::MachineConfigPatch
             } else {
-                None
+                Body::MachineConfig
             };
-            let config = translate::machine_config(&fc, current.as_ref()).map_err(refused)?;
-            Ok(no_content(VmmAction::PutMachineConfig(config), dispatch))
+            let fc = checked_body(request, kind)?;
+            let action = if method == Patch {
+                VmmAction::PatchMachineConfig(
+                    translate::machine_config_patch(&fc).map_err(refused)?,
+                )
+            } else {
+                VmmAction::PutMachineConfig(translate::machine_config(&fc).map_err(refused)?)
+            };
+            Ok(no_content(action, dispatch))
         }
         (_, "/machine-config") => Err(method_not_allowed("GET, PUT, PATCH")),
         (Put, "/boot-source") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::BootSource)?;
             let boot = translate::boot_source(&fc, cwd).map_err(refused)?;
             let response = no_content(VmmAction::PutBootSource(boot), dispatch);
             if response.status == 204 {
@@ -151,7 +164,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, "/logger") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Logger)?;
             let config = translate::logger(&fc, cwd).map_err(refused)?;
             let response = no_content(VmmAction::PutLogger(config), dispatch);
             if response.status == 204 {
@@ -160,7 +173,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, "/metrics") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Metrics)?;
             let config = translate::metrics(&fc, cwd).map_err(refused)?;
             let response = no_content(VmmAction::PutMetrics(config), dispatch);
             if response.status == 204 {
@@ -194,12 +207,15 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(no_content(action, dispatch))
         }
         (Put, "/snapshot/create") => {
-            let snapshot = translate::snapshot_create(&body(request)?, cwd).map_err(refused)?;
+            let snapshot =
+                translate::snapshot_create(&checked_body(request, Body::SnapshotCreate)?, cwd)
+                    .map_err(refused)?;
             Ok(no_content(VmmAction::CreateSnapshot(snapshot), dispatch))
         }
         (Put, "/snapshot/load") => {
             let (load, overrides) =
-                translate::snapshot_load(&body(request)?, cwd).map_err(refused)?;
+                translate::snapshot_load(&checked_body(request, Body::SnapshotLoad)?, cwd)
+                    .map_err(refused)?;
             let action = if overrides == Default::default() {
                 VmmAction::LoadSnapshot(load)
             } else {
@@ -215,13 +231,21 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             } else {
                 store.patch(&value)
             };
-            changed.map_err(|e| fault(400, e.to_string()))?;
-            Ok(Response::no_content())
+            match changed {
+                Ok(()) => Ok(Response::no_content()),
+                // Firecracker answers a store over its limit 413, its one refusal that
+                // is not 400.
+                Err(error @ gpuvm_mmds::DataStoreError::TooLarge { .. }) => Err(Response::fault(
+                    413,
+                    format!("MMDS data store limit exceeded: {error} (--mmds-size-limit)"),
+                )),
+                Err(error) => Err(fault(400, error.to_string())),
+            }
         }
         (Get, "/mmds") => Ok(Response::json(200, gpuvm_mmds::shared().store().data())),
         (_, "/mmds") => Err(method_not_allowed("GET, PUT, PATCH")),
         (Put, "/mmds/config") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::MmdsConfig)?;
             let info = json_of(VmmAction::GetInstanceInfo, dispatch)?;
             if matches!(info["state"].as_str(), Some("Running" | "Paused")) {
                 return Err(fault(
@@ -229,9 +253,6 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
                     "The requested operation is not supported after starting the microVM.",
                 ));
             }
-            let config: gpuvm_mmds::MmdsConfig = serde_json::from_value(fc.clone())
-                .map_err(|e| fault(400, format!("invalid mmds/config body: {e}")))?;
-            config.validate().map_err(|e| fault(400, e.to_string()))?;
             let known: Vec<String> = session
                 .config()
                 .get("network-interfaces")
@@ -243,24 +264,14 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
                         .collect()
                 })
                 .unwrap_or_default();
-            let unknown: Vec<&String> = config
-                .network_interfaces
-                .iter()
-                .filter(|id| !known.contains(id))
-                .collect();
-            if !unknown.is_empty() {
-                return Err(fault(
-                    400,
-                    format!("MMDS config network_interfaces: no network interface {unknown:?} is configured"),
-                ));
-            }
+            let config = translate::mmds_config(&fc, &known).map_err(refused)?;
             gpuvm_mmds::shared().set_config(Some(config));
             remember(session, "mmds-config", None, fc);
             Ok(Response::no_content())
         }
         (_, "/mmds/config") => Err(method_not_allowed("PUT")),
         (Put, "/vsock") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Vsock)?;
             let config = translate::vsock(&fc, cwd).map_err(refused)?;
             let response = no_content(VmmAction::PutVsock(config), dispatch);
             if response.status == 204 {
@@ -269,7 +280,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, _) if path.starts_with("/drives/") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Drive)?;
             let drive = translate::drive(&fc, cwd).map_err(refused)?;
             let id = &path["/drives/".len()..];
             if drive.drive_id() != id {
@@ -288,7 +299,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, _) if path.starts_with("/network-interfaces/") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::NetworkInterface)?;
             let response = gpuvm_route(request, dispatch);
             if response.status == 204 {
                 remember(
@@ -301,7 +312,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, "/entropy") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Entropy)?;
             let response = gpuvm_route(request, dispatch);
             if response.status == 204 {
                 remember(session, "entropy", None, fc);
@@ -309,7 +320,7 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
             Ok(response)
         }
         (Put, "/balloon") => {
-            let fc = body(request)?;
+            let fc = checked_body(request, Body::Balloon)?;
             let config = translate::balloon(&fc).map_err(refused)?;
             let response = no_content(VmmAction::PutBalloon(config), dispatch);
             if response.status == 204 {

@@ -14,12 +14,33 @@ use crate::http::{Method, Request};
 fn machine_config_translates_firecracker_fields() {
     let body = json!({"vcpu_count": 2, "mem_size_mib": 256, "smt": false, "huge_pages": "2M",
         "cpu_template": "None", "track_dirty_pages": true});
-    let config = translate::machine_config(&body, None).unwrap();
+    let config = translate::machine_config(&body).unwrap();
     assert_eq!((config.vcpu_count, config.mem_size_mib), (2, 256));
     assert_eq!(config.backing, BackingKind::Hugetlb2M);
     assert!(config.track_dirty_pages);
-    let patched = translate::machine_config(&json!({"vcpu_count": 4}), Some(&config)).unwrap();
+    let patch = translate::machine_config_patch(&json!({"vcpu_count": 4})).unwrap();
+    let mut patched = config.clone();
+    patch.apply(&mut patched);
     assert_eq!((patched.vcpu_count, patched.mem_size_mib), (4, 256));
+    assert_eq!(patched.backing, BackingKind::Hugetlb2M);
+    // PATCH is one action, carried to the VMM thread as it is (no GET before it).
+    let seen = std::cell::RefCell::new(Vec::new());
+    let dispatch = |action: VmmAction| {
+        seen.borrow_mut().push(format!("{action:?}"));
+        Ok(VmmData::Empty)
+    };
+    let response = handle(
+        &request(Method::Patch, "/machine-config", r#"{"mem_size_mib": 512}"#),
+        &Session::new("t"),
+        &dispatch,
+    );
+    assert_eq!(response.status, 204);
+    let seen = seen.borrow();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert!(
+        seen[0].starts_with("PatchMachineConfig") && seen[0].contains("mem_size_mib: Some(512)"),
+        "{seen:?}"
+    );
     for (bad, needle) in [
         (
             json!({"vcpu_count": 1, "mem_size_mib": 64, "smt": true}),
@@ -36,7 +57,7 @@ fn machine_config_translates_firecracker_fields() {
         (json!({"mem_size_mib": 64}), "vcpu_count"),
         (json!({"vcpu_count": 1, "mem_size_mib": 64, "x": 1}), "x"),
     ] {
-        let error = translate::machine_config(&bad, None).unwrap_err();
+        let error = translate::machine_config(&bad).unwrap_err();
         assert!(error.contains(needle), "{bad}: {error}");
     }
 }
@@ -154,7 +175,8 @@ fn config_file_sections_become_actions() {
             "logger": {"log_path": "/l"}, "metrics": {"metrics_path": "/m"}, "balloon": null}),
         Path::new("/w"),
     )
-    .unwrap();
+    .unwrap()
+    .actions;
     assert!(matches!(actions[0], VmmAction::PutLogger(_)));
     assert!(matches!(actions[1], VmmAction::PutMetrics(_)));
     assert_eq!(actions.len(), 5);
@@ -244,9 +266,29 @@ fn mmds_routes_store_and_configure() {
         r#"{{"a": "{}"}}"#,
         "x".repeat(gpuvm_mmds::DEFAULT_SIZE_LIMIT)
     );
+    // Over the limit: 413 with a fault_message, as Firecracker answers, and the store as
+    // it was.
     let refused = go(Method::Put, "/mmds", &big);
-    assert_eq!(refused.status, 400);
-    assert!(String::from_utf8_lossy(&refused.body).contains("limit"));
+    assert_eq!(refused.status, 413);
+    let message: serde_json::Value = serde_json::from_slice(&refused.body).unwrap();
+    let message = message["fault_message"].as_str().unwrap();
+    assert!(
+        message.contains("limit exceeded") && message.contains("51200"),
+        "{message}"
+    );
+    // --mmds-size-limit: a smaller limit refuses a PATCH that grows the store past it.
+    super::set_mmds_size_limit(40);
+    let refused = go(
+        Method::Patch,
+        "/mmds",
+        r#"{"latest": {"more": "0123456789"}}"#,
+    );
+    super::set_mmds_size_limit(super::DEFAULT_MMDS_SIZE_LIMIT);
+    assert_eq!(refused.status, 413);
+    assert!(String::from_utf8_lossy(&refused.body).contains("limit of 40 bytes"));
+    let value: serde_json::Value =
+        serde_json::from_slice(&go(Method::Get, "/mmds", "").body).unwrap();
+    assert_eq!(value, json!({"latest": {"id": "i-1", "x": "y"}}));
 
     // The interface must be configured first.
     let config = r#"{"version": "V2", "network_interfaces": ["eth0"]}"#;
@@ -280,4 +322,43 @@ fn mmds_routes_store_and_configure() {
     assert_eq!(go(Method::Put, "/mmds/config", config).status, 400);
     assert_eq!(go(Method::Patch, "/mmds", r#"{"b": "c"}"#).status, 204);
     assert_eq!(go(Method::Delete, "/mmds", "").status, 400);
+}
+
+#[test]
+fn hostile_bodies_are_400s_naming_the_field() {
+    let session = Session::new("t");
+    let dispatch = |action: VmmAction| match action {
+        VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": "NotStarted"}))),
+        VmmAction::GetMachineConfig => Ok(VmmData::Json(
+            json!({"vcpu_count": 1, "mem_size_mib": 128, "track_dirty_pages": false,
+                   "backing": "memfd", "thp": false, "prefault": false, "cpuid_masks": []}),
+        )),
+        _ => Ok(VmmData::Empty),
+    };
+    let huge = "y".repeat(60_000);
+    for (method, path, body, needle) in [
+        (Method::Put, "/machine-config", r#"{"vcpu_count": 300, "mem_size_mib": 128}"#.to_string(), "machine-config.vcpu_count = 300"),
+        (Method::Patch, "/machine-config", r#"{"vcpu_count": "2"}"#.into(), "machine-config.vcpu_count = \"2\""),
+        (Method::Patch, "/machine-config", r#"{"mem_size_mib": -1}"#.into(), "machine-config.mem_size_mib = -1"),
+        (Method::Put, "/boot-source", format!(r#"{{"kernel_image_path": "{huge}"}}"#), "boot-source.kernel_image_path: 60000 bytes"),
+        (Method::Put, "/drives/d", r#"{"drive_id": "d", "path_on_host": null}"#.into(), "drive.path_on_host: null"),
+        (Method::Put, "/drives/d", r#"{"drive_id": "d", "path_on_host": "/x", "rate_limiter": {"bandwidth": {"size": 1e9999}}}"#.into(), "invalid JSON"),
+        (Method::Put, "/drives/d", r#"{"drive_id": "d", "path_on_host": "/x", "rate_limiter": {"bandwidth": {"size": 1.5, "refill_time": 1}}}"#.into(), "drive.rate_limiter.bandwidth.size = 1.5"),
+        (Method::Put, "/network-interfaces/eth0", r#"{"iface_id": "eth0", "host_dev_name": "a-tap-name-too-long"}"#.into(), "network-interface.host_dev_name: 19 bytes"),
+        (Method::Put, "/vsock", r#"{"guest_cid": 4294967295, "uds_path": "/v"}"#.into(), "vsock.guest_cid = 4294967295"),
+        (Method::Put, "/balloon", r#"{"amount_mib": 1, "deflate_on_oom": 1}"#.into(), "balloon.deflate_on_oom = 1"),
+        (Method::Put, "/entropy", r#"{"rate_limiter": [1]}"#.into(), "entropy.rate_limiter = a list"),
+        (Method::Put, "/logger", r#"{"log_path": {"a": null}}"#.into(), "logger.log_path = an object"),
+        (Method::Put, "/metrics", "{}".into(), "metrics.metrics_path: required"),
+        (Method::Put, "/mmds/config", r#"{"network_interfaces": [null]}"#.into(), "mmds-config.network_interfaces[0] = null"),
+        (Method::Put, "/snapshot/create", r#"{"snapshot_path": "/s", "mem_file_path": "/m", "snapshot_type": "Half"}"#.into(), "snapshot-create.snapshot_type = \"Half\""),
+        (Method::Put, "/snapshot/load", r#"{"snapshot_path": "/s", "mem_backend": {"backend_type": "File", "backend_path": "/m", "x": 1}}"#.into(), "snapshot-load.mem_backend.x: unknown field"),
+    ] {
+        let response = handle(&request(method, path, &body), &session, &dispatch);
+        let answer: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
+        let message = answer["fault_message"].as_str().unwrap_or_default();
+        assert_eq!(response.status, 400, "{path}: {message}");
+        assert!(message.contains(needle), "{path}: {needle:?} in {message}");
+        assert!(message.len() < 1024, "{path}: a short answer");
+    }
 }

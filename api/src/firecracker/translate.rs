@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use gpuvm_vmm::action::{
     BackingKind, BootSourceBody, DriveBody, LoadOverrides, LoggerConfig, MachineConfigBody,
-    MetricsConfig, NetworkOverride, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
-    SnapshotType, VmmAction,
+    MachineConfigPatch, MetricsConfig, NetworkOverride, RestoreModeBody, SnapshotCreateBody,
+    SnapshotLoadBody, SnapshotType, VmmAction,
 };
 
 /// A refusal's fault message.
@@ -45,12 +45,9 @@ pub struct MachineConfig {
     pub cpuid_masks: Option<Vec<String>>,
 }
 
-/// A PUT (`current` None: vcpu_count and mem_size_mib required) or a PATCH over
-/// `current`.
-pub fn machine_config(
-    body: &Value,
-    current: Option<&MachineConfigBody>,
-) -> Result<MachineConfigBody, Refusal> {
+/// PATCH /machine-config: the fields given, checked, for the VMM thread to apply to the
+/// configuration it holds (one action: nothing comes between reading and writing it).
+pub fn machine_config_patch(body: &Value) -> Result<MachineConfigPatch, Refusal> {
     let fc: MachineConfig = parse("machine-config", body)?;
     if fc.smt == Some(true) {
         return Err(
@@ -75,42 +72,31 @@ pub fn machine_config(
             ))
         }
     };
-    let mut out = match current {
-        Some(current) => current.clone(),
-        None => {
-            let (Some(vcpu_count), Some(mem_size_mib)) = (fc.vcpu_count, fc.mem_size_mib) else {
-                return Err(
-                    "machine-config needs vcpu_count and mem_size_mib (PATCH changes single fields)"
-                        .into(),
-                );
-            };
-            serde_json::from_value(serde_json::json!({
-                "vcpu_count": vcpu_count, "mem_size_mib": mem_size_mib,
-            }))
-            .map_err(|e| e.to_string())?
-        }
+    Ok(MachineConfigPatch {
+        vcpu_count: fc.vcpu_count,
+        mem_size_mib: fc.mem_size_mib,
+        track_dirty_pages: fc.track_dirty_pages,
+        backing: huge.or(fc.backing),
+        thp: fc.thp,
+        prefault: fc.prefault,
+        cpuid_masks: fc.cpuid_masks,
+    })
+}
+
+/// PUT /machine-config (and a config file's section): vcpu_count and mem_size_mib
+/// required, the rest gpuvm's defaults unless given.
+pub fn machine_config(body: &Value) -> Result<MachineConfigBody, Refusal> {
+    let patch = machine_config_patch(body)?;
+    let (Some(vcpu_count), Some(mem_size_mib)) = (patch.vcpu_count, patch.mem_size_mib) else {
+        return Err(
+            "machine-config needs vcpu_count and mem_size_mib (PATCH changes single fields)".into(),
+        );
     };
-    if let Some(v) = fc.vcpu_count {
-        out.vcpu_count = v;
-    }
-    if let Some(v) = fc.mem_size_mib {
-        out.mem_size_mib = v;
-    }
-    if let Some(v) = fc.track_dirty_pages {
-        out.track_dirty_pages = v;
-    }
-    if let Some(v) = huge.or(fc.backing) {
-        out.backing = v;
-    }
-    if let Some(v) = fc.thp {
-        out.thp = v;
-    }
-    if let Some(v) = fc.prefault {
-        out.prefault = v;
-    }
-    if let Some(v) = fc.cpuid_masks {
-        out.cpuid_masks = v;
-    }
+    let mut out: MachineConfigBody = serde_json::from_value(serde_json::json!({
+        "vcpu_count": vcpu_count, "mem_size_mib": mem_size_mib,
+    }))
+    .map_err(|e| e.to_string())?;
+    patch.apply(&mut out);
     Ok(out)
 }
 
@@ -368,7 +354,6 @@ pub fn drive(body: &Value, cwd: &Path) -> Result<DriveBody, Refusal> {
 pub fn unsupported(path: &str) -> Option<&'static str> {
     let first = path.trim_start_matches('/').split('/').next().unwrap_or("");
     Some(match first {
-        "mmds-config" => "MMDS in the configuration file is not supported by gpuvm (use PUT /mmds/config and PUT /mmds)",
         "balloon" if path.contains("/hinting") => {
             "balloon free page hinting is not supported by gpuvm"
         }
@@ -380,9 +365,19 @@ pub fn unsupported(path: &str) -> Option<&'static str> {
     })
 }
 
+/// What a `--config-file` stands for: the actions of its sections, and the MMDS
+/// configuration of its `mmds-config` section (front-end state, as `PUT /mmds/config`'s).
+#[derive(Debug)]
+pub struct ConfigFile {
+    pub actions: Vec<VmmAction>,
+    pub mmds_config: Option<gpuvm_mmds::MmdsConfig>,
+}
+
 /// `--config-file` in Firecracker's shape: the actions its sections stand for, in the
-/// order Firecracker applies them (logger and metrics first), without the start.
-pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> {
+/// order Firecracker applies them (logger and metrics first), without the start. Every
+/// section is checked first ([`super::validate::config_file`]), so a refusal names each bad
+/// value by its path (`drives[1].path_on_host`).
+pub fn config_file(json: &Value, cwd: &Path) -> Result<ConfigFile, Refusal> {
     let Some(object) = json.as_object() else {
         return Err("the configuration is a JSON object".into());
     };
@@ -399,6 +394,7 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
             "entropy",
             "balloon",
             "gpus",
+            "mmds-config",
         ];
         if !known.contains(&key.as_str()) {
             let value = &object[key];
@@ -411,6 +407,7 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
             });
         }
     }
+    super::validate::config_file(json)?;
     let section = |name: &str| object.get(name).filter(|v| !v.is_null());
     if let Some(body) = section("logger") {
         actions.push(VmmAction::PutLogger(logger(body, cwd)?));
@@ -419,7 +416,7 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
         actions.push(VmmAction::PutMetrics(metrics(body, cwd)?));
     }
     if let Some(body) = section("machine-config") {
-        actions.push(VmmAction::PutMachineConfig(machine_config(body, None)?));
+        actions.push(VmmAction::PutMachineConfig(machine_config(body)?));
     }
     if let Some(body) = section("boot-source") {
         actions.push(VmmAction::PutBootSource(boot_source(body, cwd)?));
@@ -431,14 +428,16 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
             Some(_) => Err(format!("config section {name:?} is a list")),
         }
     };
-    for body in list("drives")? {
-        actions.push(VmmAction::PutDrive(drive(&body, cwd)?));
+    for (i, body) in list("drives")?.iter().enumerate() {
+        let drive = drive(body, cwd).map_err(|e| format!("drives[{i}]: {e}"))?;
+        actions.push(VmmAction::PutDrive(drive));
     }
-    for body in list("network-interfaces")? {
-        actions.push(VmmAction::PutNetworkInterface(parse(
-            "network-interfaces",
-            &body,
-        )?));
+    let mut iface_ids = Vec::new();
+    for (i, body) in list("network-interfaces")?.iter().enumerate() {
+        let config: gpuvm_virtio::net::NetConfig = parse("network-interfaces", body)
+            .map_err(|e| format!("network-interfaces[{i}]: {e}"))?;
+        iface_ids.push(config.iface_id.clone());
+        actions.push(VmmAction::PutNetworkInterface(config));
     }
     for body in list("gpus")? {
         actions.push(VmmAction::PutGpu(parse("gpus", &body)?));
@@ -452,7 +451,39 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> 
     if let Some(body) = section("balloon") {
         actions.push(VmmAction::PutBalloon(balloon(body)?));
     }
-    Ok(actions)
+    let mmds_config = section("mmds-config")
+        .map(|body| mmds_config(body, &iface_ids))
+        .transpose()?;
+    Ok(ConfigFile {
+        actions,
+        mmds_config,
+    })
+}
+
+/// PUT /mmds/config (and a config file's `mmds-config`): Firecracker's checks, and each
+/// interface named must be one of `configured` (the interfaces configured so far).
+pub fn mmds_config(body: &Value, configured: &[String]) -> Result<gpuvm_mmds::MmdsConfig, Refusal> {
+    let config: gpuvm_mmds::MmdsConfig = parse("mmds-config", body)?;
+    config.validate().map_err(|error| {
+        let field = match error {
+            gpuvm_mmds::ConfigError::NoInterfaces => "network_interfaces",
+            gpuvm_mmds::ConfigError::NotLinkLocal(_) | gpuvm_mmds::ConfigError::Broadcast(_) => {
+                "ipv4_address"
+            }
+        };
+        format!("mmds-config.{field}: {error}")
+    })?;
+    let unknown: Vec<&String> = config
+        .network_interfaces
+        .iter()
+        .filter(|id| !configured.contains(id))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(format!(
+            "mmds-config.network_interfaces: no network interface {unknown:?} is configured (MMDS answers on configured interfaces only)"
+        ));
+    }
+    Ok(config)
 }
 
 /// PUT /balloon: free page hinting and reporting are refused when asked for.

@@ -214,6 +214,13 @@ impl ApiController {
                 MachineConfigBody::from_config(&self.machine_config)
                     .with_max_vcpus(self.pci.max_vcpus)
             ))),
+            VmmAction::PatchMachineConfig(patch) => {
+                // Read and replaced here, on the VMM thread: no request comes between.
+                let mut body = MachineConfigBody::from_config(&self.machine_config)
+                    .with_max_vcpus(self.pci.max_vcpus);
+                patch.apply(&mut body);
+                return self.pre_boot(VmmAction::PutMachineConfig(body));
+            }
             VmmAction::PutMachineConfig(body) => body.checked_max_vcpus().and_then(|max| {
                 body.to_config().map(|config| {
                     self.machine_config = config;
@@ -499,6 +506,7 @@ impl ApiController {
                     None,
                 ),
                 VmmAction::PutMachineConfig(_)
+                | VmmAction::PatchMachineConfig(_)
                 | VmmAction::PutBootSource(_)
                 | VmmAction::PutGpu(_)
                 | VmmAction::PutDrive(_)
@@ -555,6 +563,7 @@ impl ApiController {
             let configures = matches!(
                 action,
                 VmmAction::PutMachineConfig(_)
+                    | VmmAction::PatchMachineConfig(_)
                     | VmmAction::PutBootSource(_)
                     | VmmAction::PutGpu(_)
                     | VmmAction::PutDrive(_)

@@ -304,6 +304,7 @@ impl RunningApi {
                 desired_ram,
             } => super::resize::resize_running(running, desired_vcpus, desired_ram),
             VmmAction::PutMachineConfig(_)
+            | VmmAction::PatchMachineConfig(_)
             | VmmAction::PutBootSource(_)
             | VmmAction::PutDrive(_)
             | VmmAction::PutFs(_)
