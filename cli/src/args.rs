@@ -75,7 +75,8 @@ pub struct RunArgs {
     /// What backs guest memory: memfd, hugetlb-2m or hugetlb-1g.
     #[arg(long, default_value = "memfd", value_parser = parse_backing)]
     pub memory_backing: Backing,
-    /// Do not ask for transparent huge pages on memfd backing.
+    /// Do not use huge pages on memfd backing: guest RAM is then a plain memfd with
+    /// 4 KiB pages instead of a file on gpuvm's private huge-page tmpfs (the default).
     #[arg(long)]
     pub no_thp: bool,
     /// Populate all guest memory before boot, with several threads.

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
+use gpuvm_arch::x86_64::address_space::{plan, HostAddressWidth, PlanRequest};
 use gpuvm_arch::x86_64::cpuid::{CpuidMask, CpuidReg};
+use gpuvm_arch::x86_64::layout::ram_regions;
 use gpuvm_vfio::host::{self, CheckStatus, HostPaths};
 use gpuvm_vmm::config::PciOptions;
 
@@ -18,8 +20,9 @@ pub struct PassthroughArgs {
     /// Attach the vfio-user device served on this Unix socket. Repeatable.
     #[arg(long = "vfio-user", value_name = "SOCKET")]
     pub vfio_user: Vec<PathBuf>,
-    /// Size of the 64-bit PCI MMIO window above RAM in GiB (default 512: two 128 GiB BAR1s
-    /// and more).
+    /// Size of the 64-bit PCI MMIO window above RAM in GiB (default: planned from the
+    /// devices' BARs, with room to hot-plug one more, at least 512 where the host's
+    /// physical address width allows).
     #[arg(long, value_name = "GIB")]
     pub pci_mmio64_gib: Option<u64>,
     /// Hide the hypervisor from the guest: clear the CPUID hypervisor bit and the
@@ -78,14 +81,29 @@ pub struct CheckHostArgs {
 /// Prints one line per check and exits 0 only when nothing failed.
 pub fn check_host(args: &CheckHostArgs) -> ExitCode {
     let mut failed = false;
+    let memory = args.memory_mib.saturating_mul(1 << 20);
     match gpuvm_vmm::host::open_kvm() {
-        Ok(kvm) => println!("ok    kvm: /dev/kvm opens (API {})", kvm.get_api_version()),
+        Ok(kvm) => {
+            println!("ok    kvm: /dev/kvm opens (API {})", kvm.get_api_version());
+            match gpuvm_vmm::pci::host_address_width(&kvm) {
+                Ok(host) => {
+                    println!("ok    address width: {host}");
+                    let largest = args
+                        .gpus
+                        .iter()
+                        .filter_map(|gpu| host::bar64_sizes(&HostPaths::default(), gpu))
+                        .max_by_key(|bars| bars.iter().sum::<u64>());
+                    let (fits, detail) = eight_gpus_fit(host, largest, memory);
+                    println!("{}  8 GPUs: {detail}", if fits { "ok  " } else { "warn" });
+                }
+                Err(error) => println!("warn  address width: {error}"),
+            }
+        }
         Err(error) => {
             failed = true;
             println!("FAIL  kvm: {error}");
         }
     }
-    let memory = args.memory_mib.saturating_mul(1 << 20);
     for check in host::check_host(&HostPaths::default(), &args.gpus, memory) {
         let label = match check.status {
             CheckStatus::Ok => "ok  ",
@@ -109,9 +127,61 @@ pub fn check_host(args: &CheckHostArgs) -> ExitCode {
     }
 }
 
+/// Whether a VM with `memory` bytes of RAM and 8 GPUs whose 64-bit BARs are `bars` (the
+/// largest GPU given; else an H200's, 256 GiB and 32 MiB) fits this host's guest address
+/// width, with the plan or the refusal as gpuvm would give them.
+fn eight_gpus_fit(host: HostAddressWidth, bars: Option<Vec<u64>>, memory: u64) -> (bool, String) {
+    let (what, bars) = match bars {
+        Some(bars) => ("of the largest GPU given", bars),
+        None => ("of an H200 (256 GiB BAR1)", vec![256 << 30, 32 << 20]),
+    };
+    let devices = vec![bars; 8];
+    let ram_top = ram_regions(memory.max(1 << 20))
+        .iter()
+        .map(|r| r.end())
+        .max()
+        .unwrap_or(0);
+    let request = PlanRequest {
+        host,
+        ram_top,
+        ram_hotplug_size: 0,
+        devices: &devices,
+        mmio64_size: 0,
+        fixed_window: None,
+        segments: 1,
+    };
+    match plan(&request) {
+        Ok(plan) => (
+            true,
+            format!(
+                "8 x the BARs {what} fit with {} MiB of RAM: {plan}",
+                memory >> 20
+            ),
+        ),
+        Err(error) => (false, format!("8 x the BARs {what} do not fit: {error}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuvm_arch::x86_64::address_space::CpuVendor;
+
+    #[test]
+    fn eight_gpus_fit_where_the_width_allows() {
+        let h200 = || Some(vec![256u64 << 30, 32 << 20]);
+        let (fits, detail) =
+            eight_gpus_fit(HostAddressWidth::new(CpuVendor::Intel, 46), None, 512 << 30);
+        assert!(fits, "{detail}");
+        assert!(detail.contains("of an H200"), "{detail}");
+        let (fits, detail) =
+            eight_gpus_fit(HostAddressWidth::new(CpuVendor::Amd, 41), h200(), 1 << 30);
+        assert!(!fits, "{detail}");
+        assert!(
+            detail.contains("41-bit physical address space (2 TiB)"),
+            "{detail}"
+        );
+    }
     use gpuvm_arch::x86_64::cpuid::{normalize, Topology};
     use kvm_bindings::{kvm_cpuid_entry2, CpuId};
 

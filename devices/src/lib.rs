@@ -5,6 +5,7 @@
 //! - [`i8042`]: the keyboard controller, only for its CPU-reset command.
 //! - [`acpi_sleep`]: the hardware-reduced ACPI sleep control register, for power-off.
 //! - [`cpu_hotplug`]: the ACPI CPU hot-plug register block (vCPUs added and removed).
+//! - [`memory_hotplug`]: the ACPI memory hot-plug register block (RAM added by vm.resize).
 //! - [`exit_port`]: where the guest reports its exit status.
 //! - [`pci`]: the PCI root bus, BAR emulation and MSI-X.
 //! - [`sink`]: harmless stand-ins for legacy ports Linux probes (POST code, CMOS/RTC).
@@ -18,6 +19,7 @@ pub mod bus;
 pub mod cpu_hotplug;
 pub mod exit_port;
 pub mod i8042;
+pub mod memory_hotplug;
 pub mod pci;
 pub mod persist;
 pub mod serial;
@@ -28,6 +30,7 @@ pub use bus::{Bus, BusDevice, BusError};
 pub use cpu_hotplug::{CpuHotplug, CpuHotplugState};
 pub use exit_port::{ExitPort, ExitStatus};
 pub use i8042::I8042;
+pub use memory_hotplug::{MemoryHotplug, MemoryHotplugState};
 pub use persist::Persist;
 pub use serial::{SerialDevice, SerialError, SerialState};
 pub use sink::Sink;

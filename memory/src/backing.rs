@@ -221,6 +221,8 @@ pub struct GuestRam {
     /// `GuestRam` stays `Send + Sync`; the mappings live as long as `memory`).
     host_addrs: Vec<usize>,
     backing: Backing,
+    /// Whether `memfd` is a file on a private huge-page tmpfs instead of a memfd.
+    huge_tmpfs: bool,
     size: u64,
 }
 
@@ -228,6 +230,7 @@ impl fmt::Debug for GuestRam {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GuestRam")
             .field("backing", &self.backing)
+            .field("huge_tmpfs", &self.huge_tmpfs)
             .field("size", &self.size)
             .field("regions", &self.regions)
             .finish_non_exhaustive()
@@ -238,6 +241,31 @@ impl GuestRam {
     /// Creates the memfd and maps every region of `regions` (the guest-physical layout,
     /// sorted by address, with file offsets packed contiguously from 0).
     pub fn create(config: &GuestRamConfig, regions: &[RamRegion]) -> Result<GuestRam, RamError> {
+        Self::create_with(config, regions, None)
+    }
+
+    /// An empty memfd of `backing`'s kind, for [`GuestRam::create_in`] later: a process
+    /// whose seccomp filter forbids memfd_create (gpuvm's VMM thread, once the VM runs)
+    /// makes the memfds of hot-pluggable RAM ahead of time.
+    pub fn spare_memfd(backing: Backing) -> Result<File, RamError> {
+        create_memfd(backing)
+    }
+
+    /// As [`GuestRam::create`], in `memfd` (empty, from [`GuestRam::spare_memfd`] with the
+    /// same backing) instead of a new one: memory hot-plug's further RAM.
+    pub fn create_in(
+        memfd: File,
+        config: &GuestRamConfig,
+        regions: &[RamRegion],
+    ) -> Result<GuestRam, RamError> {
+        Self::create_with(config, regions, Some(memfd))
+    }
+
+    fn create_with(
+        config: &GuestRamConfig,
+        regions: &[RamRegion],
+        memfd: Option<File>,
+    ) -> Result<GuestRam, RamError> {
         let backing = config.backing;
         let page_size = backing.page_size();
         let size = config.size;
@@ -257,11 +285,25 @@ impl GuestRam {
         }
         if backing.is_hugetlb() {
             check_hugetlb_pool(backing, size)?;
-        } else if config.thp {
-            log_shmem_thp_policy();
         }
 
-        let memfd = Arc::new(create_memfd(backing)?);
+        let mut huge_tmpfs = false;
+        let memfd = Arc::new(match memfd {
+            Some(memfd) => memfd,
+            None if backing == Backing::Memfd && config.thp => {
+                match crate::huge_tmpfs::create_file(size) {
+                    Ok(file) => {
+                        huge_tmpfs = true;
+                        file
+                    }
+                    Err(why) => {
+                        note_memfd_fallback(&why);
+                        create_memfd(backing)?
+                    }
+                }
+            }
+            None => create_memfd(backing)?,
+        });
         memfd
             .set_len(size)
             .map_err(|source| RamError::MemfdResize { size, source })?;
@@ -280,12 +322,23 @@ impl GuestRam {
                 "MADV_DONTDUMP",
             );
             if config.thp && !backing.is_hugetlb() {
-                advise(
-                    host_addr,
-                    mapping.size(),
-                    libc::MADV_HUGEPAGE,
-                    "MADV_HUGEPAGE",
-                );
+                // On the huge tmpfs this is what makes pages huge; its first MiBs stay
+                // small (huge_tmpfs::SMALL_PAGE_PREFIX says why).
+                let small = if huge_tmpfs {
+                    crate::huge_tmpfs::SMALL_PAGE_PREFIX
+                        .saturating_sub(region.file_offset)
+                        .min(region.size) as usize
+                } else {
+                    0
+                };
+                if small < mapping.size() {
+                    advise(
+                        host_addr.wrapping_add(small),
+                        mapping.size() - small,
+                        libc::MADV_HUGEPAGE,
+                        "MADV_HUGEPAGE",
+                    );
+                }
             }
             debug!(
                 "guest RAM region {index}: guest {:#x}..{:#x} ({}), memfd offset {:#x}, host {host_addr:p}",
@@ -306,13 +359,22 @@ impl GuestRam {
         }
         let memory = GuestMemoryMmap::from_regions(mapped)?;
         info!(
-            "guest RAM: {} {backing} ({} pages{}), {} region(s)",
+            "guest RAM: {} {} ({}), {} region(s), all in it",
             ByteSize(size),
-            ByteSize(page_size),
-            if config.thp && !backing.is_hugetlb() {
-                ", THP requested"
+            if huge_tmpfs {
+                "shmem on a private huge-page tmpfs".to_string()
             } else {
-                ""
+                backing.to_string()
+            },
+            if huge_tmpfs {
+                format!(
+                    "2 MiB pages, 4 KiB in the first {}",
+                    ByteSize(crate::huge_tmpfs::SMALL_PAGE_PREFIX)
+                )
+            } else if config.thp && !backing.is_hugetlb() {
+                format!("{} pages, THP requested", ByteSize(page_size))
+            } else {
+                format!("{} pages", ByteSize(page_size))
             },
             regions.len()
         );
@@ -323,8 +385,16 @@ impl GuestRam {
             regions: regions.to_vec(),
             host_addrs,
             backing,
+            huge_tmpfs,
             size,
         })
+    }
+
+    /// Whether guest RAM is a file on gpuvm's private `huge=advise` tmpfs (see
+    /// [`crate::huge_tmpfs`]) rather than a memfd: shmem either way, but with transparent
+    /// huge pages whatever the host's shmem THP policy.
+    pub fn huge_tmpfs(&self) -> bool {
+        self.huge_tmpfs
     }
 
     /// Guest memory for device emulation and loaders (file-backed, `MAP_SHARED`).
@@ -537,15 +607,28 @@ fn check_hugetlb_pool(backing: Backing, size: u64) -> Result<(), RamError> {
     Ok(())
 }
 
-fn log_shmem_thp_policy() {
-    const PATH: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
-    match std::fs::read_to_string(PATH) {
-        Ok(policy) if policy.contains("[never]") || policy.contains("[deny]") => info!(
-            "THP requested but {PATH} is {}: guest RAM uses 4 KiB pages",
+/// The one line saying guest RAM fell back to a memfd and what that costs: a warning
+/// where the host's shmem THP policy then gives 4 KiB pages, a note where it does not.
+fn note_memfd_fallback(why: &crate::huge_tmpfs::HugeTmpfsError) {
+    const PATH: &str = crate::huge_tmpfs::SHMEM_ENABLED;
+    let policy = std::fs::read_to_string(PATH).unwrap_or_default();
+    let small_pages = policy.contains("[never]") || policy.contains("[deny]");
+    if small_pages {
+        warn!(
+            "guest RAM: no private huge-page tmpfs ({why}); a plain memfd with 4 KiB pages \
+             instead ({PATH} is {})",
             policy.trim()
-        ),
-        Ok(policy) => debug!("{PATH}: {}", policy.trim()),
-        Err(e) => debug!("cannot read {PATH}: {e}"),
+        );
+    } else {
+        info!(
+            "guest RAM: no private huge-page tmpfs ({why}); a plain memfd with the host's \
+             shmem THP policy ({})",
+            if policy.is_empty() {
+                "unknown"
+            } else {
+                policy.trim()
+            }
+        );
     }
 }
 
@@ -889,5 +972,35 @@ pub(crate) mod tests {
             .read_slice(&mut buf, GuestAddress(regions[1].guest_addr + 3 * MIB))
             .unwrap();
         assert_eq!(&buf, b"huge");
+    }
+
+    /// Memory hot-plug's further RAM: a spare memfd made ahead of time holds a region far
+    /// from 0, reachable at its guest address and in the memfd from offset 0.
+    #[test]
+    fn a_spare_memfd_holds_a_further_region() {
+        let memfd = GuestRam::spare_memfd(Backing::Memfd).unwrap();
+        let region = RamRegion {
+            guest_addr: 5 * GIB,
+            size: 128 * MIB,
+            file_offset: 0,
+        };
+        let ram = GuestRam::create_in(memfd, &GuestRamConfig::new(region.size), &[region]).unwrap();
+        assert_eq!(ram.size(), 128 * MIB);
+        assert_eq!(ram.regions(), [region]);
+        ram.memory()
+            .write_slice(b"more", GuestAddress(region.end() - 4))
+            .unwrap();
+        let mut buf = [0u8; 4];
+        ram.memfd()
+            .read_exact_at(&mut buf, region.size - 4)
+            .unwrap();
+        assert_eq!(&buf, b"more");
+        assert!(ram.memory().read_slice(&mut buf, GuestAddress(0)).is_err());
+        // The same checks as a new memfd's: a size the region list does not add up to.
+        let memfd = GuestRam::spare_memfd(Backing::Memfd).unwrap();
+        assert!(matches!(
+            GuestRam::create_in(memfd, &GuestRamConfig::new(2 * region.size), &[region]),
+            Err(RamError::RegionSizeMismatch { .. })
+        ));
     }
 }

@@ -7,6 +7,7 @@
 //!
 //! Modules:
 //! - [`backing`]: creating the memfd, mapping regions, THP/hugetlb policy, host checks.
+//! - [`huge_tmpfs`]: shared RAM with huge pages from a private tmpfs (the default).
 //! - [`prefault`]: populating guest RAM with several threads before boot.
 //! - [`snapshot`]: the memory file format (non-zero pages only), writing, diff chains,
 //!   eager restore.
@@ -15,6 +16,7 @@
 
 mod anon;
 pub mod backing;
+pub mod huge_tmpfs;
 pub mod prefault;
 pub mod snapshot;
 pub mod uffd;

@@ -242,7 +242,12 @@ mod tests {
 
     fn check_prefault(method: Method) {
         let regions = two_regions(6 * MIB, 2 * MIB, 10 * MIB);
-        let ram = GuestRam::create(&GuestRamConfig::new(16 * MIB), &regions).unwrap();
+        // 4 KiB pages (no huge tmpfs), so one write makes exactly one page resident.
+        let config = GuestRamConfig {
+            thp: false,
+            ..GuestRamConfig::new(16 * MIB)
+        };
+        let ram = GuestRam::create(&config, &regions).unwrap();
         let marker = GuestAddress(regions[1].guest_addr + 5 * 4096);
         ram.memory().write_slice(b"keep", marker).unwrap();
         assert_eq!(ram.resident_bytes().unwrap(), 4096);

@@ -268,6 +268,8 @@ impl Default for MapOptions {
 /// and waits for the thread.
 pub struct BackgroundMapping {
     progress: Arc<DmaProgress>,
+    /// The mapper, for RAM added later (memory hot-plug maps it synchronously).
+    mapper: Arc<dyn DmaMapper>,
     cancel: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -282,6 +284,7 @@ impl BackgroundMapping {
         options: MapOptions,
     ) -> std::io::Result<Self> {
         let cancel = Arc::new(AtomicBool::new(false));
+        let kept_mapper = mapper.clone();
         let thread = std::thread::Builder::new().name("dma-map".into()).spawn({
             let progress = progress.clone();
             let cancel = cancel.clone();
@@ -308,6 +311,7 @@ impl BackgroundMapping {
         })?;
         Ok(BackgroundMapping {
             progress,
+            mapper: kept_mapper,
             cancel,
             thread: Some(thread),
         })
@@ -315,6 +319,11 @@ impl BackgroundMapping {
 
     pub fn progress(&self) -> &Arc<DmaProgress> {
         &self.progress
+    }
+
+    /// The mapper this mapping uses: RAM hot-plugged later is mapped through it too.
+    pub fn mapper(&self) -> &Arc<dyn DmaMapper> {
+        &self.mapper
     }
 
     /// Waits for the thread to end (tests, and callers that want the old synchronous map).

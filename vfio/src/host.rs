@@ -209,6 +209,47 @@ fn show_limit(limit: u64) -> String {
     }
 }
 
+/// Linux's resource flags (include/linux/ioport.h) in sysfs `resource` lines.
+const IORESOURCE_MEM: u64 = 0x200;
+const IORESOURCE_MEM_64: u64 = 0x0010_0000;
+
+/// The memory BARs of host device `bdf` from sysfs (`resource`: one `start end flags` line
+/// per BAR, then the ROM): (BAR index, size, 64-bit). None if the file cannot be read.
+pub fn memory_bars(paths: &HostPaths, bdf: &str) -> Option<Vec<(u8, u64, bool)>> {
+    let bdf = normalize_bdf(bdf)?;
+    let text =
+        std::fs::read_to_string(paths.sys.join("bus/pci/devices").join(bdf).join("resource"))
+            .ok()?;
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
+    Some(
+        text.lines()
+            .take(6)
+            .enumerate()
+            .filter_map(|(index, line)| {
+                let mut fields = line.split_whitespace().map(hex);
+                let (start, end, flags) = (fields.next()??, fields.next()??, fields.next()??);
+                (flags & IORESOURCE_MEM != 0 && end > start).then(|| {
+                    let size = (end - start + 1).next_power_of_two();
+                    (index as u8, size, flags & IORESOURCE_MEM_64 != 0)
+                })
+            })
+            .collect(),
+    )
+}
+
+/// The sizes of host device `bdf`'s 64-bit BARs (what it needs in a guest's 64-bit window).
+pub fn bar64_sizes(paths: &HostPaths, bdf: &str) -> Option<Vec<u64>> {
+    memory_bars(paths, bdf).map(|bars| bars.into_iter().filter(|b| b.2).map(|b| b.1).collect())
+}
+
+fn show_size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b.is_multiple_of(1 << 30) => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 && b.is_multiple_of(1 << 20) => format!("{} MiB", b >> 20),
+        b => format!("{} KiB", b.div_ceil(1024)),
+    }
+}
+
 fn check_gpu(paths: &HostPaths, gpu: &str) -> Vec<Check> {
     use CheckStatus::*;
     let name = format!("gpu {gpu}");
@@ -230,6 +271,24 @@ fn check_gpu(paths: &HostPaths, gpu: &str) -> Vec<Check> {
         )];
     }
     let mut checks = Vec::new();
+    if let Some(bars) = memory_bars(paths, &bdf).filter(|bars| !bars.is_empty()) {
+        let list: Vec<String> = bars
+            .iter()
+            .map(|&(index, size, wide)| {
+                format!(
+                    "BAR{index} {} {}",
+                    show_size(size),
+                    if wide { "64-bit" } else { "32-bit" }
+                )
+            })
+            .collect();
+        checks.push(Check::new(
+            &format!("{name} bars"),
+            Ok,
+            list.join(", "),
+            None,
+        ));
+    }
     let driver = driver_of(paths, &bdf);
     checks.push(if driver.as_deref() == Some("vfio-pci") {
         Check::new(&name, Ok, "bound to vfio-pci".into(), None)
@@ -349,6 +408,19 @@ mod tests {
             symlink("../../../kernel/iommu_groups/7", d.join("iommu_group")).unwrap();
             std::fs::write(group.join(bdf), "").unwrap();
         }
+        // An H200's BARs as sysfs lists them: BAR0 16 MiB 32-bit, BAR1 256 GiB and BAR3
+        // 32 MiB 64-bit prefetchable (their upper halves empty), no I/O, the ROM last.
+        std::fs::write(
+            devices.join("0000:41:00.0/resource"),
+            "0x00000000f8000000 0x00000000f8ffffff 0x0000000000040200\n\
+             0x0000380000000000 0x0000383fffffffff 0x000000000014220c\n\
+             0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+             0x0000384000000000 0x0000384001ffffff 0x000000000014220c\n\
+             0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+             0x0000000000000000 0x0000000000000000 0x0000000000000000\n\
+             0x00000000f9000000 0x00000000f907ffff 0x0000000000046200\n",
+        )
+        .unwrap();
         let paths = HostPaths { sys, dev };
         let checks = check_host(&paths, &["41:00.0".into()], 1 << 20);
         let find = |name: &str| {
@@ -360,6 +432,15 @@ mod tests {
         assert_eq!(find("iommu").status, CheckStatus::Ok);
         assert_eq!(find("vfio").status, CheckStatus::Ok);
         assert_eq!(find("gpu 41:00.0").status, CheckStatus::Ok);
+        assert_eq!(
+            find("gpu 41:00.0 bars").detail,
+            "BAR0 16 MiB 32-bit, BAR1 256 GiB 64-bit, BAR3 32 MiB 64-bit"
+        );
+        assert_eq!(
+            bar64_sizes(&paths, "41:00.0"),
+            Some(vec![256 << 30, 32 << 20])
+        );
+        assert_eq!(bar64_sizes(&paths, "41:00.1"), None, "no resource file");
         let group_check = find("gpu 41:00.0 iommu group");
         assert_eq!(group_check.status, CheckStatus::Fail);
         assert!(

@@ -23,6 +23,9 @@ use crate::config::MachineConfig;
 /// Largest guest memory the API accepts, in MiB (keeps `mem_size_mib << 20` in range;
 /// the host's own limits are checked when the VM is built).
 pub const MAX_MEM_SIZE_MIB: u64 = 1 << 24;
+/// Hot-plugged RAM comes in whole memory blocks of this size (see
+/// gpuvm_devices::memory_hotplug).
+pub use gpuvm_devices::memory_hotplug::MEMORY_BLOCK_SIZE;
 
 /// Most vCPUs a VM may have (booted or hot-plugged): every one has a local APIC entry in
 /// the MADT and the MP table, whose 8-bit ids leave room for the IOAPIC's.
@@ -263,6 +266,10 @@ pub struct MachineConfigBody {
     /// least `vcpu_count`. Absent: `vcpu_count` (no hot-plug).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_vcpus: Option<u8>,
+    /// Bytes of RAM the VM may grow by with ACPI memory hot-plug (Cloud Hypervisor's
+    /// `memory.hotplug_size`), in whole memory blocks. Absent or 0: no memory hot-plug.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_hotplug_size: Option<u64>,
 }
 
 /// The fields a PATCH /machine-config changes; the others keep their values.
@@ -315,7 +322,26 @@ impl MachineConfigBody {
             prefault: config.prefault,
             cpuid_masks: config.cpuid_masks.iter().map(|m| m.to_string()).collect(),
             max_vcpus: None,
+            ram_hotplug_size: None,
         }
+    }
+
+    /// The room for hot-plugged RAM, checked: whole memory blocks, within what guests can
+    /// address next to the 64-bit BAR window. 0: none.
+    pub fn checked_ram_hotplug_size(&self) -> Result<u64, ActionError> {
+        let size = self.ram_hotplug_size.unwrap_or(0);
+        if !size.is_multiple_of(MEMORY_BLOCK_SIZE) {
+            return Err(ActionError::bad_request(format!(
+                "hotplug_size = {size} is not a multiple of the {} MiB memory block size",
+                MEMORY_BLOCK_SIZE >> 20
+            )));
+        }
+        if size > MAX_MEM_SIZE_MIB << 20 {
+            return Err(ActionError::bad_request(format!(
+                "hotplug_size = {size} is above {MAX_MEM_SIZE_MIB} MiB"
+            )));
+        }
+        Ok(size)
     }
 
     /// The body for `config` with `max_vcpus` (shown only when above the vCPU count).

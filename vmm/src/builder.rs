@@ -15,6 +15,7 @@ use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use gpuvm_arch::x86_64::{boot, mptable, reset_vector};
 use gpuvm_devices::acpi_sleep::SLEEP_CONTROL_PORT;
 use gpuvm_devices::cpu_hotplug::{CpuHotplug, CPU_HOTPLUG_PORT, CPU_HOTPLUG_PORT_LEN};
+use gpuvm_devices::memory_hotplug::{MemoryHotplug, MEMORY_HOTPLUG_PORT, MEMORY_HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
@@ -28,7 +29,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{MachineConfig, PciOptions, VmConfig};
 use crate::devices::MachineDevices;
 use crate::host::{max_vcpus, open_kvm};
-use crate::machine::Machine;
+use crate::machine::{Machine, RamHotplug};
 use crate::snapshot::StageClock;
 use crate::vcpu::{Vcpu, VcpuTemplate, VcpuThread};
 use crate::Error;
@@ -146,6 +147,9 @@ fn create_base(
     })?;
     clock.mark("irqchip_pit");
     let mut devices = create_devices(&vm, serial_out, machine_config.vcpus, possible)?;
+    if pci_options.ram_hotplug_size > 0 {
+        devices.memory_hotplug = Some(create_memory_hotplug(&vm, &mut devices.io_bus)?);
+    }
     // The root and its devices live on in the buses' entries.
     let pci = attach::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
         .iter()
@@ -175,6 +179,7 @@ pub fn build_with_pci(
     let started = Instant::now();
     let machine_config = &config.machine;
     let max_vcpus = pci.max_vcpus(machine_config);
+    let ram_hotplug_size = pci.ram_hotplug_size;
     let MachineBase {
         kvm,
         vm,
@@ -194,6 +199,7 @@ pub fn build_with_pci(
         &AcpiConfig {
             vcpus: machine_config.vcpus,
             max_vcpus,
+            memory_hotplug: devices.memory_hotplug.is_some(),
             pci_segments: pci,
             power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
@@ -202,12 +208,10 @@ pub fn build_with_pci(
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
     reset_vector::setup_reset_vector(ram.memory())?;
 
-    let supported_cpuid = kvm
-        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-        .map_err(|source| Error::KvmSetup {
-            what: "read supported CPUID",
-            source,
-        })?;
+    let supported_cpuid = crate::host::supported_cpuid(&kvm).map_err(|source| Error::KvmSetup {
+        what: "read supported CPUID",
+        source,
+    })?;
     // The topology covers every possible vCPU, so a hot-plugged one fits in it.
     let topology = Topology {
         vcpu_count: max_vcpus,
@@ -248,6 +252,18 @@ pub fn build_with_pci(
     machine.vcpu_threads = vcpu_threads;
     machine.max_vcpus = max_vcpus;
     machine.vcpu_template = vcpu_template;
+    if let Some(block) = machine.devices().memory_hotplug.clone() {
+        let top = machine
+            .ram()
+            .regions()
+            .iter()
+            .map(|r| r.end())
+            .max()
+            .unwrap_or(0);
+        let area = layout::ram_hotplug_area(top, ram_hotplug_size);
+        let backing = machine.ram().backing();
+        machine.ram_hotplug = Some(RamHotplug::new(area, ram_hotplug_size, block, backing)?);
+    }
     Ok(machine)
 }
 
@@ -320,6 +336,30 @@ fn register_memory(vm: &VmFd, ram: &GuestRam, track_dirty_pages: bool) -> Result
         })?;
     }
     Ok(())
+}
+
+/// The ACPI memory hot-plug register block on the port-I/O bus, with its own irqfd on the
+/// GED's GSI (the PCI and CPU hot-plug blocks have theirs).
+fn create_memory_hotplug(
+    vm: &VmFd,
+    io_bus: &mut Arc<Bus>,
+) -> Result<Arc<Mutex<MemoryHotplug>>, Error> {
+    // Nothing shares the bus before the vCPUs exist.
+    let io_bus = Arc::get_mut(io_bus).ok_or(Error::Pci(crate::pci::PciSetupError::BusShared))?;
+    let interrupt = eventfd()?;
+    vm.register_irqfd(&interrupt, HOTPLUG_GSI)
+        .map_err(|source| Error::KvmSetup {
+            what: "wire the memory hot-plug interrupt",
+            source,
+        })?;
+    let block = Arc::new(Mutex::new(MemoryHotplug::new(Some(interrupt))));
+    insert(
+        io_bus,
+        u64::from(MEMORY_HOTPLUG_PORT),
+        u64::from(MEMORY_HOTPLUG_PORT_LEN),
+        block.clone(),
+    )?;
+    Ok(block)
 }
 
 fn eventfd() -> Result<EventFd, Error> {
@@ -421,6 +461,7 @@ fn create_devices(
         dma_mappings: Vec::new(),
         pci_hotplug: None,
         cpu_hotplug,
+        memory_hotplug: None,
         io_bus: Arc::new(io_bus),
         mmio_bus: Arc::new(Bus::new()),
         serial,

@@ -16,7 +16,8 @@ pub struct MachineConfig {
     pub vcpus: u8,
     pub memory_size: u64,
     pub backing: Backing,
-    /// Request transparent huge pages for memfd backing.
+    /// Huge pages for memfd backing: guest RAM on a private huge-page tmpfs where gpuvm
+    /// may mount one (else a memfd with `MADV_HUGEPAGE`); false gives a plain memfd.
     pub thp: bool,
     /// Populate all guest memory before boot, in parallel.
     pub prefault: bool,
@@ -53,8 +54,12 @@ pub struct PciOptions {
     pub gpus: Vec<String>,
     /// vfio-user sockets of device processes.
     pub vfio_user: Vec<PathBuf>,
-    /// Size of the 64-bit BAR window; 0 means [`gpuvm_arch::x86_64::layout::PCI_MMIO64_DEFAULT_SIZE`].
+    /// Size of the 64-bit BAR window; 0 plans it from the passthrough devices' BARs and
+    /// the host's address width (gpuvm_arch::x86_64::address_space).
     pub mmio64_size: u64,
+    /// Segment 0's 64-bit BAR window exactly, (start, size): a restored VM's, where the
+    /// guest's ACPI tables have it. None plans it.
+    pub mmio64_window: Option<(u64, u64)>,
     /// PCI segment groups (1 to [`gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
     /// virtio devices' segments need (a restore rebuilds them from the devices).
     pub num_pci_segments: u16,

@@ -34,6 +34,9 @@ pub struct MachineDevices {
     /// The ACPI CPU hot-plug register block (vm.resize), when the VM may have more vCPUs
     /// than it booted with; also on the port-I/O bus.
     pub cpu_hotplug: Option<Arc<Mutex<gpuvm_devices::CpuHotplug>>>,
+    /// The ACPI memory hot-plug register block (vm.resize desired_ram), when the VM has
+    /// room for hot-plugged RAM; also on the port-I/O bus.
+    pub memory_hotplug: Option<Arc<Mutex<gpuvm_devices::MemoryHotplug>>>,
     pub io_bus: Arc<Bus>,
     pub mmio_bus: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,
@@ -81,6 +84,11 @@ pub struct DeviceStates {
     /// a restore plugs them back after this state is loaded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub migrated_gpus: Vec<crate::hotplug::MigratedGpu>,
+    /// Segment 0's 64-bit PCI BAR window (start, size), as the guest's ACPI tables have it
+    /// (planned from the devices at boot): a restore puts it back there. Absent in state
+    /// files written before it was planned, when it was the default one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_mmio64_window: Option<(u64, u64)>,
 }
 
 /// A device refused its saved state (or could not give its own).
@@ -125,6 +133,7 @@ impl Persist for MachineDevices {
                 .transpose()?,
             released_gpus: self.released_gpus.clone(),
             migrated_gpus: Vec::new(),
+            pci_mmio64_window: self.pci_hotplug.as_ref().map(|h| h.mmio64_window()),
         })
     }
 

@@ -89,6 +89,8 @@ pub(crate) struct RamChunks {
     /// A handle on guest RAM's mappings (and the memfd they map) that the mapper thread
     /// holds until it ends.
     memory: vm_memory::GuestMemoryMmap,
+    /// The same for RAM hot-plugged since ([`RamChunks::add`]).
+    added: Vec<vm_memory::GuestMemoryMmap>,
 }
 
 /// [`DMA_CHUNK`], or what [`DMA_CHUNK_HOOK`] asks for when it is a power of two of at
@@ -131,7 +133,30 @@ impl RamChunks {
             total: chunks.iter().map(|c| c.size).sum(),
             chunks,
             memory: ram.memory().clone(),
+            added: Vec::new(),
         }
+    }
+
+    /// Guest RAM as DMA regions (one per region of `ram`).
+    pub(crate) fn regions_of(ram: &GuestRam) -> Vec<DmaRegion> {
+        ram.host_regions()
+            .map(|(region, host)| DmaRegion {
+                guest_addr: region.guest_addr,
+                size: region.size,
+                host_addr: host as u64,
+                fd: ram.memfd().as_raw_fd(),
+                fd_offset: region.file_offset,
+            })
+            .collect()
+    }
+
+    /// Adds hot-plugged RAM: devices plugged from now on map it with the rest.
+    pub(crate) fn add(&mut self, ram: &GuestRam) {
+        let chunk = chunk_size_from_env(ram.page_size());
+        let chunks = plan_chunks(&Self::regions_of(ram), chunk, ram.page_size());
+        self.total += chunks.iter().map(|c| c.size).sum::<u64>();
+        self.chunks.extend(chunks);
+        self.added.push(ram.memory().clone());
     }
 
     /// Starts mapping all chunks with `mapper` on a thread (under the VMM's seccomp
@@ -181,7 +206,7 @@ impl RamChunks {
         let options = MapOptions {
             delay: hooks.delay,
             on_thread_start,
-            keepalive: Some(Box::new(self.memory.clone())),
+            keepalive: Some(Box::new((self.memory.clone(), self.added.clone()))),
             ready,
         };
         BackgroundMapping::start(progress, mapper, self.chunks.clone(), options)

@@ -25,6 +25,19 @@ pub fn max_vcpus(kvm: &Kvm) -> u8 {
         .min(usize::from(mptable::MAX_MPTABLE_CPUS)) as u8
 }
 
+/// KVM_GET_SUPPORTED_CPUID, read once per process and copied from then on: on nested
+/// hosts it costs ~0.8 ms (every CPUID KVM runs to build it exits to the hypervisor
+/// below), and what KVM supports does not change while gpuvm runs. The address-space
+/// planner (host address width) and the vCPUs share it.
+pub fn supported_cpuid(kvm: &Kvm) -> Result<kvm_bindings::CpuId, kvm_ioctls::Error> {
+    static CPUID: std::sync::OnceLock<kvm_bindings::CpuId> = std::sync::OnceLock::new();
+    if let Some(cpuid) = CPUID.get() {
+        return Ok(cpuid.clone());
+    }
+    let cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
+    Ok(CPUID.get_or_init(|| cpuid).clone())
+}
+
 /// [`max_vcpus`] of this host, read once, for checking a configuration before anything is
 /// built (PUT /machine-config). None when /dev/kvm cannot be opened: the build then says
 /// why.

@@ -145,6 +145,8 @@ pub struct PciHotplug {
     slots: Arc<dyn GuestMemoryMapper>,
     vm: VmFd,
     ram: RamChunks,
+    /// RAM was hot-plugged (vm.resize): a virtio device built now could not reach it.
+    ram_added: bool,
     hooks: DmaTestHooks,
     devices: BTreeMap<String, HotDevice>,
     /// The VMM thread's wake-up eventfd: guest ejects and dead device processes write it.
@@ -179,6 +181,7 @@ impl PciHotplug {
             slots,
             vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram: RamChunks::new(ram),
+            ram_added: false,
             hooks,
             devices: BTreeMap::new(),
             wake: None,
@@ -193,9 +196,21 @@ impl PciHotplug {
         })
     }
 
+    /// RAM hot-plugged into the VM (vm.resize): devices plugged from now on map it too.
+    pub(crate) fn add_ram(&mut self, ram: &GuestRam) {
+        self.ram.add(ram);
+        self.ram_added = true;
+    }
+
     /// The register block, for the port-I/O bus.
     pub fn controller(&self) -> Arc<Mutex<HotplugController>> {
         self.controller.clone()
+    }
+
+    /// Segment 0's 64-bit BAR window (start, size), where devices are hot-plugged.
+    pub fn mmio64_window(&self) -> (u64, u64) {
+        let config = self.root.config();
+        (config.mmio64_start, config.mmio64_size)
     }
 
     /// The register block's state for a snapshot.

@@ -8,8 +8,14 @@
 //! ```text
 //! 0xc000_0000..0xe000_0000   32-bit BARs
 //! 0xe000_0000..0xe010_0000   ECAM, bus 0
-//! above RAM, 1 GiB aligned   64-bit BARs (PciOptions::mmio64_size, 512 GiB by default)
+//! above RAM, 1 GiB aligned   64-bit BARs: sized from the passthrough devices' BARs plus
+//!                            room to hot-plug one more, at least 512 GiB where the host's
+//!                            address width allows (PciOptions::mmio64_size overrides)
 //! ```
+//!
+//! [`plan_address_space`] sizes and places that window (gpuvm_arch::x86_64::address_space)
+//! from the host's physical address width and the devices, opened but not yet plugged;
+//! a VM that does not fit is refused there, with the numbers.
 //!
 //! With more PCI segment groups (`PciOptions::num_pci_segments`), segment N > 0 is a root
 //! of its own: ECAM at 0xe000_0000 + N MiB, 16 MiB of 32-bit BARs from 0xe100_0000, 64 GiB
@@ -21,12 +27,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-use gpuvm_arch::x86_64::layout::{
-    pci_segment_ecam, pci_segment_mmio32, pci_segment_mmio64_start, ram_hotplug_area, FOUR_GIB,
-    MAX_PCI_SEGMENTS, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN,
-    PCI_MMIO64_DEFAULT_SIZE, PCI_SEGMENT_MMIO64_SIZE,
+use gpuvm_arch::x86_64::address_space::{
+    self, AddressSpacePlan, HostAddressWidth, PlanError, PlanRequest,
 };
-use gpuvm_devices::pci::{GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
+use gpuvm_arch::x86_64::layout::{
+    pci_segment_ecam, pci_segment_mmio32, ram_hotplug_area, FOUR_GIB, MAX_PCI_SEGMENTS,
+    PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN, PCI_SEGMENT_MMIO64_SIZE,
+};
+use gpuvm_devices::pci::{BarKind, GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::dma::DmaProgress;
 use gpuvm_vfio::kernel::VfioDeviceFd;
@@ -64,6 +72,10 @@ pub enum PciSetupError {
     KvmVfio(std::io::Error),
     #[error(transparent)]
     Virtio(#[from] VirtioSetupError),
+    #[error(transparent)]
+    AddressSpace(#[from] PlanError),
+    #[error("cannot read the host's CPUID from KVM (KVM_GET_SUPPORTED_CPUID): {0}")]
+    HostCpuid(std::io::Error),
     #[error("num_pci_segments = {0}: a VM has 1 to {MAX_PCI_SEGMENTS} PCI segments")]
     SegmentCount(u16),
     #[error(
@@ -293,18 +305,53 @@ impl MutEventSubscriber for IntxResample {
     }
 }
 
-/// Where the root bus puts configuration space and BARs for a VM with `ram`.
-pub fn root_config(ram: &GuestRam, options: &PciOptions) -> PciRootConfig {
-    PciRootConfig {
-        ecam_base: PCI_ECAM_START,
-        mmio32_start: PCI_MMIO32_START,
-        mmio32_end: PCI_MMIO32_END,
-        mmio64_start: mmio64_start(ram, options.ram_hotplug_size),
-        mmio64_size: match options.mmio64_size {
-            0 => PCI_MMIO64_DEFAULT_SIZE,
-            size => size,
-        },
-    }
+/// The guest-physical address width this host's KVM gives a VM (CPUID 0x80000008 as
+/// KVM_GET_SUPPORTED_CPUID reports it) and the host's CPU vendor.
+pub fn host_address_width(kvm: &Kvm) -> Result<HostAddressWidth, PciSetupError> {
+    let cpuid = crate::host::supported_cpuid(kvm)
+        .map_err(|e| PciSetupError::HostCpuid(std::io::Error::from_raw_os_error(e.errno())))?;
+    Ok(HostAddressWidth::from_cpuid(cpuid.as_slice()))
+}
+
+/// The sizes of `backend`'s 64-bit BARs: what it needs in the 64-bit window.
+pub fn bar64_sizes(backend: &mut dyn PassthroughDevice) -> Result<Vec<u64>, PciSetupError> {
+    Ok(gpuvm_vfio::pci::bar_specs(backend)?
+        .into_iter()
+        .filter(|spec| matches!(spec.kind, BarKind::Memory64 { .. }))
+        .map(|spec| spec.size)
+        .collect())
+}
+
+/// The address space above RAM for a VM with `ram`, `options`, `segments` PCI segments and
+/// passthrough devices whose 64-bit BARs are `devices` (in plug order); see
+/// gpuvm_arch::x86_64::address_space. Refused, with the numbers, where it does not fit.
+pub fn plan_address_space(
+    host: HostAddressWidth,
+    ram: &GuestRam,
+    options: &PciOptions,
+    devices: &[Vec<u64>],
+    segments: u16,
+) -> Result<AddressSpacePlan, PciSetupError> {
+    let ram_top = ram
+        .regions()
+        .iter()
+        .map(|r| r.guest_addr + r.size)
+        .max()
+        .unwrap_or(0);
+    let plan = address_space::plan(&PlanRequest {
+        host,
+        ram_top,
+        ram_hotplug_size: options.ram_hotplug_size,
+        devices,
+        mmio64_size: options.mmio64_size,
+        fixed_window: options.mmio64_window,
+        segments,
+    })?;
+    debug_assert!(
+        options.mmio64_window.is_some()
+            || plan.mmio64_start >= mmio64_start(ram, options.ram_hotplug_size)
+    );
+    Ok(plan)
 }
 
 /// How many PCI segments `options` make: `num_pci_segments` (0 means 1), checked, and
@@ -339,19 +386,23 @@ pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
     Ok(count)
 }
 
-/// Where each segment's root puts configuration space and BARs: segment 0's from
-/// [`root_config`], the others' from the layout's per-segment windows.
-pub fn segment_configs(ram: &GuestRam, options: &PciOptions, count: u16) -> Vec<PciRootConfig> {
-    let first = root_config(ram, options);
-    let first_end = first.mmio64_start + first.mmio64_size;
-    let mut configs = vec![first];
+/// Where each segment's root puts configuration space and BARs: segment 0's 64-bit
+/// window and the others' where `plan` put them, the rest from the layout.
+pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig> {
+    let mut configs = vec![PciRootConfig {
+        ecam_base: PCI_ECAM_START,
+        mmio32_start: PCI_MMIO32_START,
+        mmio32_end: PCI_MMIO32_END,
+        mmio64_start: plan.mmio64_start,
+        mmio64_size: plan.mmio64_size,
+    }];
     for segment in 1..count {
         let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
         configs.push(PciRootConfig {
             ecam_base: pci_segment_ecam(segment),
             mmio32_start,
             mmio32_end,
-            mmio64_start: pci_segment_mmio64_start(first_end, segment),
+            mmio64_start: plan.segment_mmio64_starts[usize::from(segment) - 1],
             mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
         });
     }

@@ -34,15 +34,13 @@ const NON_ZERO_DEFAULTS: &[(&str, &str)] = &[
 const TRANSLATED: &[&str] = &["num_pci_segments", "pci_segment"];
 
 /// Fields accepted at any value because they change nothing gpuvm's guest can rely on:
-/// gpuvm ignores the CPU topology hint, and has no memory hot-plug (`hotplug_size` is the
-/// most it could ever add; Kata always sends it). A disk's `queue_size` is the largest
+/// gpuvm ignores the CPU topology hint. A disk's `queue_size` is the largest
 /// virtqueue the device offers; gpuvm's drives offer 256 entries and the driver sizes its
 /// queue within that (Kata asks 1024 for hot-plugged disks); network interfaces and shares
 /// read theirs.
 const IGNORED: &[&str] = &[
     "topology",
     "queue_size",
-    "hotplug_size",
     "max_phys_bits",
     "serial_number",
     "uuid",
@@ -126,6 +124,12 @@ pub struct MemoryConfig {
     pub thp: bool,
     #[serde(default)]
     pub prefault: bool,
+    /// Room for ACPI memory hot-plug (vm.resize desired_ram), bytes; Kata always sends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hotplug_size: Option<u64>,
+    /// "Acpi" (Cloud Hypervisor's default) or "VirtioMem" (not supported by gpuvm).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hotplug_method: Option<String>,
     #[serde(flatten)]
     pub other: Other,
 }

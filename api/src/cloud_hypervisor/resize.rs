@@ -1,7 +1,9 @@
 //! vm.resize and vm.resize-zone: Cloud Hypervisor's body onto [`VmmAction::Resize`].
 //! Kata's clh driver calls vm.resize at sandbox start (static_sandbox_resource_mgmt =
 //! false, its default) with the vCPU count the sandbox should have, often the boot
-//! count; vCPUs are hot-plugged up to `cpus.max_vcpus`. Memory cannot change yet.
+//! count; vCPUs are hot-plugged up to `cpus.max_vcpus`, and RAM (`desired_ram`, Kata's
+//! ResizeMemory: the new total, in whole memory blocks) up to `memory.size` plus
+//! `memory.hotplug_size`.
 
 use serde::Deserialize;
 
@@ -74,6 +76,13 @@ pub(super) fn resize(request: &Request, session: &Session, dispatch: Dispatch) -
             if let (Some(vcpus), Some(config)) = (desired_vcpus, session.config().as_mut()) {
                 record_vcpus(&mut config.cpus, vcpus);
             }
+            // vm.info shows the RAM the VM has now as memory.size, as Cloud Hypervisor's
+            // does after an ACPI memory hot-plug.
+            if let (Some(ram), Some(config)) = (body.desired_ram, session.config().as_mut()) {
+                if let Some(memory) = config.memory.as_mut() {
+                    memory.size = ram;
+                }
+            }
             Response::no_content()
         }
         Err(error) => from_error(error),
@@ -94,13 +103,13 @@ fn record_vcpus(cpus: &mut Option<CpusConfig>, vcpus: u8) {
     }
 }
 
-/// PUT vm.resize-zone: gpuvm's guest RAM is one zone that cannot change size (refused
-/// whatever the body holds).
+/// PUT vm.resize-zone: gpuvm's guest RAM has no memory zones (refused whatever the body
+/// holds; vm.resize grows the one RAM).
 pub(super) fn resize_zone() -> Response {
     fault(
         400,
         format!(
-            "vm.resize-zone is not supported by gpuvm: guest RAM has no memory zones and no memory hot-plug yet ({KATA_STATIC})"
+            "vm.resize-zone is not supported by gpuvm: guest RAM has no memory zones (grow RAM with vm.resize desired_ram, or {KATA_STATIC})"
         ),
     )
 }

@@ -209,3 +209,40 @@ fn resize_zone_is_refused_naming_the_kata_setting() {
     assert!(message(&answer).contains("static_sandbox_resource_mgmt"));
     assert!(fake.resizes.borrow().is_empty());
 }
+
+/// `memory.hotplug_size` (ACPI, Cloud Hypervisor's default method) is the room for
+/// vm.resize's RAM, rounded up to whole memory blocks; virtio-mem is refused by name.
+#[test]
+fn hotplug_size_reaches_the_machine_configuration() {
+    let machine = |memory: serde_json::Value| {
+        let config: VmConfig = serde_json::from_value(json!({
+            "payload": {"kernel": "/k"}, "memory": memory,
+        }))
+        .unwrap();
+        translate::machine(None, config.memory.as_ref())
+    };
+    let hotplug_of = |memory| match machine(memory) {
+        Ok(VmmAction::PutMachineConfig(body)) => body.ram_hotplug_size,
+        other => panic!("{other:?}"),
+    };
+    let gib = 1u64 << 30;
+    assert_eq!(
+        hotplug_of(json!({"size": gib, "hotplug_size": 8 * gib, "hotplug_method": "Acpi"})),
+        Some(8 * gib)
+    );
+    // Kata's default_maxmemory is the host's RAM in MiB: rounded up to 128 MiB blocks.
+    assert_eq!(
+        hotplug_of(json!({"size": gib, "hotplug_size": 24001u64 << 20})),
+        Some(24064 << 20)
+    );
+    assert_eq!(hotplug_of(json!({"size": gib})), None);
+    assert_eq!(hotplug_of(json!({"size": gib, "hotplug_size": 0})), None);
+    let refused = machine(json!({"size": gib, "hotplug_size": gib, "hotplug_method": "VirtioMem"}))
+        .unwrap_err();
+    assert!(
+        refused.contains("hotplug_method") && refused.contains("ACPI"),
+        "{refused}"
+    );
+    assert!(machine(json!({"size": gib, "hotplug_method": "Dimm"})).is_err());
+    assert!(machine(json!({"size": gib, "hotplug_size": u64::MAX})).is_err());
+}

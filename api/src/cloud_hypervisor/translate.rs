@@ -72,6 +72,10 @@ pub fn machine(
             "memory.size = {size}: gpuvm needs a whole number of MiB"
         ));
     }
+    let ram_hotplug_size = match memory {
+        Some(m) => ram_hotplug_size(m)?,
+        None => None,
+    };
     Ok(VmmAction::PutMachineConfig(MachineConfigBody {
         vcpu_count,
         mem_size_mib: size >> 20,
@@ -81,7 +85,43 @@ pub fn machine(
         prefault,
         cpuid_masks: Vec::new(),
         max_vcpus: (max_vcpus > vcpu_count).then_some(max_vcpus),
+        ram_hotplug_size,
     }))
+}
+
+/// `memory.hotplug_size` by ACPI memory hot-plug (`hotplug_method` "Acpi", the default),
+/// rounded up to whole memory blocks: Kata sends its `default_maxmemory` (the host's RAM,
+/// in MiB), which need not be one.
+fn ram_hotplug_size(memory: &MemoryConfig) -> Result<Option<u64>, Refusal> {
+    match memory.hotplug_method.as_deref() {
+        None | Some("Acpi" | "acpi") => {}
+        Some("VirtioMem" | "virtio-mem") => {
+            return Err(
+                "memory.hotplug_method = \"VirtioMem\" is not supported by gpuvm: \
+                 it hot-plugs memory by ACPI only (hotplug_method \"Acpi\", the default)"
+                    .into(),
+            )
+        }
+        Some(other) => {
+            return Err(format!(
+                "memory.hotplug_method = {other:?}: expected \"Acpi\" or \"VirtioMem\""
+            ))
+        }
+    }
+    let Some(size) = memory.hotplug_size.filter(|&size| size > 0) else {
+        return Ok(None);
+    };
+    let rounded = size
+        .checked_next_multiple_of(gpuvm_vmm::action::MEMORY_BLOCK_SIZE)
+        .filter(|&rounded| rounded <= gpuvm_vmm::action::MAX_MEM_SIZE_MIB << 20)
+        .ok_or_else(|| format!("memory.hotplug_size = {size} is too large"))?;
+    if rounded != size {
+        log::info!(
+            "memory.hotplug_size = {size} rounded up to {rounded} (whole {} MiB memory blocks)",
+            gpuvm_vmm::action::MEMORY_BLOCK_SIZE >> 20
+        );
+    }
+    Ok(Some(rounded))
 }
 
 pub fn disk(index: usize, disk: &DiskConfig) -> Result<(String, VmmAction), Refusal> {

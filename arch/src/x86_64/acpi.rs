@@ -41,6 +41,7 @@ use acpi_tables::xsdt::XSDT;
 use acpi_tables::{Aml, AmlSink};
 use gpuvm_devices::acpi_sleep::{AcpiSleepControl, S5_SLEEP_TYPE, SLEEP_CONTROL_PORT};
 use gpuvm_devices::cpu_hotplug::{CPU_HOTPLUG_PORT, CPU_HOTPLUG_PORT_LEN};
+use gpuvm_devices::memory_hotplug::{MEMORY_HOTPLUG_PORT, MEMORY_HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::hotplug::{HOTPLUG_GSI, HOTPLUG_PORT, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{intx_gsi, PciRootConfig};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
@@ -50,6 +51,7 @@ use super::layout::{ACPI_END, ACPI_START, APIC_ADDR, IOAPIC_ADDR, MAX_PCI_SEGMEN
 use super::mptable::{ioapic_id, MAX_MPTABLE_CPUS};
 
 pub mod cpus;
+pub mod memory;
 
 pub const OEM_ID: [u8; 6] = *b"GPUVM ";
 const OEM_TABLE_ID: [u8; 8] = *b"GPUVMTBL";
@@ -108,6 +110,9 @@ pub struct AcpiConfig {
     /// vCPUs the guest may have by hot-plug; with more than `vcpus`, the DSDT has the CPU
     /// hot-plug devices ([`cpus`]) and the MADT lists the others as online capable.
     pub max_vcpus: u8,
+    /// ACPI memory hot-plug: the DSDT has the memory devices ([`memory`]) over
+    /// gpuvm_devices::memory_hotplug's register block.
+    pub memory_hotplug: bool,
     /// The PCI roots: `pci_segments[n]` is segment group n's (segment 0 first, always).
     pub pci_segments: Vec<PciRootConfig>,
     /// Offer ACPI power-off: the FADT's sleep control and status registers and `\_S5_`.
@@ -322,6 +327,7 @@ fn dsdt(
     segments: &[PciRootConfig],
     power_off: bool,
     cpu_hotplug: Option<cpus::CpuHotplugAml>,
+    memory_hotplug: Option<memory::MemoryHotplugAml>,
 ) -> Result<Vec<u8>, AcpiError> {
     check_segments(segments)?;
     let windows = segments
@@ -369,6 +375,15 @@ fn dsdt(
     if cpu_hotplug.is_some() {
         mbrd_resources.push(&cpu_ports);
     }
+    let memory_ports = aml::IO::new(
+        MEMORY_HOTPLUG_PORT,
+        MEMORY_HOTPLUG_PORT,
+        1,
+        MEMORY_HOTPLUG_PORT_LEN as u8,
+    );
+    if memory_hotplug.is_some() {
+        mbrd_resources.push(&memory_ports);
+    }
     let sleep_port = aml::IO::new(
         SLEEP_CONTROL_PORT,
         SLEEP_CONTROL_PORT,
@@ -396,6 +411,7 @@ fn dsdt(
             .chain([
                 &GedAml {
                     cpus: cpu_hotplug.is_some(),
+                    memory: memory_hotplug.is_some(),
                 } as &dyn Aml,
                 &aml::Device::new(
                     "MBRD".into(),
@@ -421,6 +437,7 @@ fn dsdt(
                 ),
             ])
             .chain(cpu_hotplug.as_ref().map(|c| c as &dyn Aml))
+            .chain(memory_hotplug.as_ref().map(|m| m as &dyn Aml))
             .collect(),
     )
     .to_aml_bytes(&mut body);
@@ -542,9 +559,11 @@ impl Aml for PciHotplugAml {
 /// event (EVTS is write-1-to-clear) and runs `\_SB.PCI0.PCNT`; `_INI` enables the
 /// interrupt (EVEN), so a guest without ACPI never gets it.
 /// With CPU hot-plug (`cpus`), `_EVT` also runs `\_SB.CPUS.CSCN` and `_INI` enables the
-/// CPU block's interrupt (CEVN): both blocks raise the same GSI.
+/// CPU block's interrupt (CEVN): both blocks raise the same GSI. With memory hot-plug
+/// (`memory`), likewise `\_SB.MHPC.MSCN` and MEVN.
 struct GedAml {
     cpus: bool,
+    memory: bool,
 }
 
 impl Aml for GedAml {
@@ -562,6 +581,13 @@ impl Aml for GedAml {
         if self.cpus {
             init.push(&enable_cpus);
             event.push(&cscn);
+        }
+        let mscn = aml::MethodCall::new(memory::MSCN_PATH.into(), vec![]);
+        let mevn: aml::Path = memory::MEVN_PATH.into();
+        let enable_memory = aml::Store::new(&mevn, &aml::ONE);
+        if self.memory {
+            init.push(&enable_memory);
+            event.push(&mscn);
         }
         aml::Device::new(
             "GED0".into(),
@@ -672,7 +698,13 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
     let cpu_hotplug = (config.max_vcpus > config.vcpus).then_some(cpus::CpuHotplugAml {
         max_vcpus: config.max_vcpus,
     });
-    let dsdt = dsdt(&config.pci_segments, config.power_off, cpu_hotplug)?;
+    let memory_hotplug = config.memory_hotplug.then_some(memory::MemoryHotplugAml);
+    let dsdt = dsdt(
+        &config.pci_segments,
+        config.power_off,
+        cpu_hotplug,
+        memory_hotplug,
+    )?;
     let dsdt_addr = place(dsdt.len());
     let fadt = fadt(dsdt_addr, config.power_off);
     let fadt_addr = place(fadt.len());
@@ -768,6 +800,7 @@ mod tests {
         build(&AcpiConfig {
             vcpus,
             max_vcpus: 0,
+            memory_hotplug: false,
             pci_segments: vec![pci()],
             power_off: true,
         })
@@ -877,6 +910,7 @@ mod tests {
         build(&AcpiConfig {
             vcpus: 1,
             max_vcpus: 0,
+            memory_hotplug: false,
             pci_segments: segments(2),
             power_off,
         })
@@ -1027,6 +1061,69 @@ mod tests {
         }
     }
 
+    /// The windows the address-space planner gives eight H200-like GPUs and two more
+    /// segments (on an AMD host: past the HyperTransport hole) are what each host bridge's
+    /// `_CRS` declares; the MCFG still names every ECAM window, and the e820 map has
+    /// nothing (neither RAM nor reserved) in any 64-bit window.
+    #[test]
+    fn crs_mcfg_and_e820_tell_the_planned_windows() {
+        use crate::x86_64::address_space::{
+            plan, CpuVendor, HostAddressWidth, PlanRequest, AMD_HT_HOLE_END,
+        };
+        let regions = ram_regions(8 << 30);
+        let devices = vec![vec![256u64 << 30, 32 << 20]; 8];
+        let plan = plan(&PlanRequest {
+            host: HostAddressWidth::new(CpuVendor::Amd, 48),
+            ram_top: regions.iter().map(|r| r.end()).max().unwrap(),
+            ram_hotplug_size: 0,
+            devices: &devices,
+            mmio64_size: 0,
+            fixed_window: None,
+            segments: 3,
+        })
+        .unwrap();
+        assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END);
+        let mut pci_segments = vec![PciRootConfig {
+            mmio64_start: plan.mmio64_start,
+            mmio64_size: plan.mmio64_size,
+            ..pci()
+        }];
+        for (segment, &start) in (1u16..).zip(&plan.segment_mmio64_starts) {
+            let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
+            pci_segments.push(PciRootConfig {
+                ecam_base: pci_segment_ecam(segment),
+                mmio32_start,
+                mmio32_end,
+                mmio64_start: start,
+                mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
+            });
+        }
+        let tables = build(&AcpiConfig {
+            vcpus: 1,
+            max_vcpus: 0,
+            memory_hotplug: false,
+            pci_segments: pci_segments.clone(),
+            power_off: true,
+        })
+        .unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let (_, mcfg) = tables.find(b"MCFG").unwrap();
+        let map = e820_map(&regions);
+        for (segment, pci) in pci_segments.iter().enumerate() {
+            let (start, end) = (pci.mmio64_start, pci.mmio64_start + pci.mmio64_size);
+            let mut qword = Vec::new();
+            for v in [0, start, end - 1, 0, pci.mmio64_size] {
+                qword.extend_from_slice(&v.to_le_bytes());
+            }
+            assert!(contains(dsdt, &qword), "_CRS of segment {segment}");
+            assert_eq!(u64_at(mcfg, 44 + 16 * segment), pci.ecam_base);
+            assert!(
+                !map.iter().any(|e| e.addr < end && start < e.addr + e.size),
+                "e820 entry in segment {segment}'s window: {map:x?}"
+            );
+        }
+    }
+
     #[test]
     fn mcfg_describes_the_layout_ecam() {
         let tables = tables(1);
@@ -1049,6 +1146,7 @@ mod tests {
             let config = AcpiConfig {
                 vcpus: 1,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: segments(count),
                 power_off: true,
             };
@@ -1096,6 +1194,7 @@ mod tests {
         let config = AcpiConfig {
             vcpus: 1,
             max_vcpus: 0,
+            memory_hotplug: false,
             pci_segments: segments(3),
             power_off: true,
         };
@@ -1174,6 +1273,7 @@ mod tests {
                 build(&AcpiConfig {
                     vcpus: 1,
                     max_vcpus: 0,
+                    memory_hotplug: false,
                     pci_segments: bad,
                     power_off: true,
                 }),
@@ -1190,6 +1290,7 @@ mod tests {
             let tables = build(&AcpiConfig {
                 vcpus,
                 max_vcpus,
+                memory_hotplug: false,
                 pci_segments: vec![pci()],
                 power_off: true,
             })
@@ -1406,6 +1507,7 @@ mod tests {
             build(&AcpiConfig {
                 vcpus: 0,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: vec![pci()],
                 power_off: true,
             }),
@@ -1415,6 +1517,7 @@ mod tests {
             build(&AcpiConfig {
                 vcpus: 255,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: vec![pci()],
                 power_off: true,
             }),
@@ -1426,6 +1529,7 @@ mod tests {
             build(&AcpiConfig {
                 vcpus: 1,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1437,6 +1541,7 @@ mod tests {
             build(&AcpiConfig {
                 vcpus: 1,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1448,6 +1553,7 @@ mod tests {
             build(&AcpiConfig {
                 vcpus: 1,
                 max_vcpus: 0,
+                memory_hotplug: false,
                 pci_segments: vec![bad],
                 power_off: true,
             }),
@@ -1461,6 +1567,7 @@ mod tests {
         let config = AcpiConfig {
             vcpus: 2,
             max_vcpus: 0,
+            memory_hotplug: false,
             pci_segments: vec![pci()],
             power_off: true,
         };
@@ -1473,5 +1580,42 @@ mod tests {
             mem.read_slice(&mut read, GuestAddress(addr)).unwrap();
             assert_eq!(read, bytes);
         }
+    }
+
+    /// Memory hot-plug: `\_SB.MHPC` and its devices, scanned and enabled from the GED, the
+    /// register block reserved; with the most CPUs and PCI segments it still fits.
+    #[test]
+    fn memory_hot_plug_adds_its_devices_and_fits_with_everything_else() {
+        let tables = build(&AcpiConfig {
+            vcpus: 1,
+            max_vcpus: MAX_MPTABLE_CPUS,
+            memory_hotplug: true,
+            pci_segments: segments(MAX_PCI_SEGMENTS),
+            power_off: true,
+        })
+        .unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        for name in [b"MHPC", b"MSCN", b"MEVN", b"MP00", b"CSCN"] {
+            assert!(contains(dsdt, name), "{}", String::from_utf8_lossy(name));
+        }
+        let mut ports = Vec::new();
+        aml::IO::new(
+            MEMORY_HOTPLUG_PORT,
+            MEMORY_HOTPLUG_PORT,
+            1,
+            MEMORY_HOTPLUG_PORT_LEN as u8,
+        )
+        .to_aml_bytes(&mut ports);
+        assert!(contains(mbrd_body(dsdt), &ports), "MBRD reserves the block");
+        let without = build(&AcpiConfig {
+            vcpus: 1,
+            max_vcpus: 0,
+            memory_hotplug: false,
+            pci_segments: vec![pci()],
+            power_off: true,
+        })
+        .unwrap();
+        let (_, dsdt) = without.find(b"DSDT").unwrap();
+        assert!(!contains(dsdt, b"MHPC") && !contains(dsdt, b"MSCN"));
     }
 }

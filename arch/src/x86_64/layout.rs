@@ -17,7 +17,9 @@
 //!              its 32-bit BARs in 16 MiB at 0xe100_0000 + (N - 1) * 16 MiB (up to
 //!              0xf000_0000); IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
 //! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window (PCI BARs; 1 GiB aligned,
-//!              512 GiB by default), then 64 GiB of 64-bit BARs for each segment N > 0
+//!              sized from the passthrough devices' BARs: see address_space), then 64 GiB
+//!              of 64-bit BARs for each segment N > 0; all below the guest's physical
+//!              address width, and on AMD hosts clear of 0xfd_0000_0000..0x100_0000_0000
 //! ```
 
 use gpuvm_memory::RamRegion;
@@ -50,8 +52,10 @@ pub const PCI_MMIO32_END: u64 = PCI_ECAM_START;
 /// The 64-bit PCI BAR window starts above RAM on this boundary; each BAR in it is aligned
 /// to its own size.
 pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
-/// Default size of the 64-bit PCI BAR window: room for two 128 GiB BAR1s and their
-/// companions.
+/// Least size of the 64-bit PCI BAR window where the host's address width allows (the
+/// whole window of a VM without passthrough devices): room for two 128 GiB BAR1s and
+/// their companions. With devices the window is planned from their BARs
+/// ([`super::address_space`]).
 pub const PCI_MMIO64_DEFAULT_SIZE: u64 = 512 << 30;
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
 /// Most PCI segment groups a VM may have (segment 0 included); their ECAM windows fill

@@ -1,6 +1,7 @@
 //! x86_64 specifics: memory layout, boot protocols, CPU state, and firmware tables.
 
 pub mod acpi;
+pub mod address_space;
 pub mod boot;
 pub mod cpuid;
 pub mod emulate;

@@ -20,8 +20,8 @@ pub use hotplug::HotplugController;
 pub use msix::RecordedRoutes;
 pub use msix::{MsiMessage, MsiRouting, MsixCapability, MsixTable, MSIX_ENTRY_SIZE};
 pub use root::{
-    ConfigAddressPort, EcamWindow, HostBridge, MmioWindows, PciBdf, PciError, PciRoot,
-    PciRootConfig,
+    BarAllocator, ConfigAddressPort, EcamWindow, HostBridge, MmioWindows, PciBdf, PciError,
+    PciRoot, PciRootConfig,
 };
 
 /// Offsets and bits of the type-0 configuration header.

@@ -99,20 +99,55 @@ fn lock(device: &SharedDevice) -> MutexGuard<'_, dyn PciDevice + 'static> {
     device.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-struct Allocator {
+/// Places BARs in one window `[start, end)`: each aligned to its own size, in the
+/// smallest free range that holds it (ranges skipped for alignment, or given back by
+/// removed devices), else after everything placed so far. Best fit keeps the big ranges
+/// whole: a 32 MiB BAR goes into the gap below a 256 GiB-aligned BAR1, not after it, so
+/// N devices with one BAR1 each pack into N BAR1s of space plus one gap.
+///
+/// Pure bookkeeping: the VMM's address-space planner runs the same allocator over the
+/// devices it is about to plug to size the window
+/// (gpuvm_arch::x86_64::address_space).
+#[derive(Clone, Debug)]
+pub struct BarAllocator {
     next: u64,
     end: u64,
     name: &'static str,
-    /// Ranges given back by removed devices, reused for BARs of the same size.
+    /// Free ranges below `next` (base, size), sorted and coalesced.
     free: Vec<(u64, u64)>,
 }
 
-impl Allocator {
-    fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
-        let fits =
-            |&(base, free_size): &(u64, u64)| free_size == size && base.is_multiple_of(size.max(1));
-        if let Some(at) = self.free.iter().position(fits) {
-            return Ok(self.free.swap_remove(at).0);
+impl BarAllocator {
+    /// An allocator for `[start, end)`, named (`"32-bit"`, `"64-bit"`) in its errors.
+    pub fn new(name: &'static str, start: u64, end: u64) -> Self {
+        BarAllocator {
+            next: start,
+            end,
+            name,
+            free: Vec::new(),
+        }
+    }
+
+    /// The end of the highest range placed so far (the window's start when none is).
+    pub fn high_water(&self) -> u64 {
+        self.next
+    }
+
+    /// Places a `size`-byte BAR (a power of two), aligned to its size.
+    pub fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
+        let align = size.max(1);
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter_map(|(at, &(base, len))| {
+                let placed = base.checked_next_multiple_of(align)?;
+                (placed.checked_add(size)? <= base + len).then_some((len, base, at, placed))
+            })
+            .min();
+        if let Some((_, _, at, placed)) = best {
+            self.take_from_free(at, placed, size);
+            return Ok(placed);
         }
         let no_space = || PciError::NoSpace {
             window: self.name,
@@ -123,20 +158,23 @@ impl Allocator {
         // Size-aligned: the BAR register can only hold aligned addresses anyway.
         let base = self
             .next
-            .checked_next_multiple_of(size)
+            .checked_next_multiple_of(align)
             .ok_or_else(no_space)?;
         let end = base.checked_add(size).ok_or_else(no_space)?;
         if end > self.end {
             return Err(no_space());
+        }
+        if base > self.next {
+            self.insert_free(self.next, base - self.next);
         }
         self.next = end;
         Ok(base)
     }
 
     /// Takes exactly `[base, base + size)` (a restored device's BAR): inside a free range
-    /// (given back, or skipped by an earlier reservation: restored devices come back in
-    /// any order), or past everything allocated so far.
-    fn reserve(&mut self, base: u64, size: u64) -> Result<(), PciError> {
+    /// (given back, or skipped by an earlier placement: restored devices come back in any
+    /// order), or past everything placed so far.
+    pub fn reserve(&mut self, base: u64, size: u64) -> Result<(), PciError> {
         let taken = || PciError::RangeTaken {
             window: self.name,
             base,
@@ -148,22 +186,57 @@ impl Allocator {
             .ok_or_else(taken)?;
         let inside = |&(free, free_size): &(u64, u64)| free <= base && end <= free + free_size;
         if let Some(at) = self.free.iter().position(inside) {
-            let (free, free_size) = self.free.swap_remove(at);
-            self.free.extend(
-                [(free, base - free), (end, free + free_size - end)]
-                    .into_iter()
-                    .filter(|&(_, s)| s > 0),
-            );
+            self.take_from_free(at, base, size);
             return Ok(());
         }
         if base < self.next {
             return Err(taken());
         }
         if base > self.next {
-            self.free.push((self.next, base - self.next));
+            self.insert_free(self.next, base - self.next);
         }
         self.next = end;
         Ok(())
+    }
+
+    /// Gives `[base, base + size)` back (a removed device's BAR).
+    pub fn release(&mut self, base: u64, size: u64) {
+        if size == 0 {
+            return;
+        }
+        self.insert_free(base, size);
+        // A free range that reaches `next` is no longer below anything placed.
+        if let Some(&(last, last_size)) = self.free.last() {
+            if last + last_size == self.next {
+                self.free.pop();
+                self.next = last;
+            }
+        }
+    }
+
+    /// Removes `[placed, placed + size)` from free range `at`, keeping what is left of it.
+    fn take_from_free(&mut self, at: usize, placed: u64, size: u64) {
+        let (base, len) = self.free.remove(at);
+        let end = placed + size;
+        let pieces = [(base, placed - base), (end, base + len - end)];
+        for (piece, piece_size) in pieces.into_iter().rev() {
+            if piece_size > 0 {
+                self.free.insert(at, (piece, piece_size));
+            }
+        }
+    }
+
+    /// Adds a free range, merged with its neighbours.
+    fn insert_free(&mut self, base: u64, size: u64) {
+        let at = self.free.partition_point(|&(b, _)| b < base);
+        self.free.insert(at, (base, size));
+        if at + 1 < self.free.len() && base + size == self.free[at + 1].0 {
+            self.free[at].1 += self.free.remove(at + 1).1;
+        }
+        if at > 0 && self.free[at - 1].0 + self.free[at - 1].1 == base {
+            let merged = self.free.remove(at).1;
+            self.free[at - 1].1 += merged;
+        }
     }
 }
 
@@ -176,8 +249,8 @@ pub struct PciRoot {
     segment: u16,
     config: PciRootConfig,
     devices: Mutex<BTreeMap<u8, SharedDevice>>,
-    mmio32: Mutex<Allocator>,
-    mmio64: Mutex<Allocator>,
+    mmio32: Mutex<BarAllocator>,
+    mmio64: Mutex<BarAllocator>,
     /// The BAR ranges each slot was given: (64-bit window, base, size).
     placed: Mutex<BTreeMap<u8, Vec<PlacedBar>>>,
 }
@@ -195,18 +268,16 @@ impl PciRoot {
             segment,
             config,
             devices: Mutex::new(BTreeMap::new()),
-            mmio32: Mutex::new(Allocator {
-                next: config.mmio32_start,
-                end: config.mmio32_end,
-                name: "32-bit",
-                free: Vec::new(),
-            }),
-            mmio64: Mutex::new(Allocator {
-                next: config.mmio64_start,
-                end: config.mmio64_start + config.mmio64_size,
-                name: "64-bit",
-                free: Vec::new(),
-            }),
+            mmio32: Mutex::new(BarAllocator::new(
+                "32-bit",
+                config.mmio32_start,
+                config.mmio32_end,
+            )),
+            mmio64: Mutex::new(BarAllocator::new(
+                "64-bit",
+                config.mmio64_start,
+                config.mmio64_start + config.mmio64_size,
+            )),
             placed: Mutex::new(BTreeMap::new()),
         };
         root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
@@ -319,8 +390,7 @@ impl PciRoot {
             allocator
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .free
-                .push((base, size));
+                .release(base, size);
         }
     }
 
@@ -954,6 +1024,48 @@ mod tests {
         let mut bad = root_config();
         bad.ecam_base = 0xc000_0000;
         assert!(PciRoot::new(bad).is_err());
+    }
+
+    #[test]
+    fn gpus_pack_into_their_bar1s_and_the_gaps_below() {
+        const GIB: u64 = 1 << 30;
+        // Eight H200-like GPUs (256 GiB BAR1, 32 MiB BAR3) from 4 GiB: each BAR1 at the
+        // next 256 GiB boundary, every BAR3 in the gap below the first.
+        let mut window = BarAllocator::new("64-bit", 4 * GIB, 4096 * GIB);
+        for gpu in 1..=8u64 {
+            assert_eq!(window.allocate(256 * GIB).unwrap(), gpu * 256 * GIB);
+            let bar3 = window.allocate(32 << 20).unwrap();
+            assert_eq!(bar3, 4 * GIB + (gpu - 1) * (32 << 20));
+        }
+        assert_eq!(window.high_water(), 9 * 256 * GIB);
+        // Given back, a range merges with its neighbours and the end comes down again.
+        window.release(8 * 256 * GIB, 256 * GIB);
+        assert_eq!(window.high_water(), 8 * 256 * GIB);
+        window.release(2 * 256 * GIB, 256 * GIB);
+        window.release(3 * 256 * GIB, 256 * GIB);
+        assert_eq!(
+            window.free,
+            vec![
+                (4 * GIB + 8 * (32 << 20), 252 * GIB - 8 * (32 << 20)),
+                (512 * GIB, 512 * GIB)
+            ]
+        );
+        // Best fit: a small BAR goes into the small gap, a 512 GiB one into the merged range.
+        assert!(window.allocate(1 << 20).unwrap() < 256 * GIB);
+        assert_eq!(window.allocate(512 * GIB).unwrap(), 512 * GIB);
+        // A restored BAR inside a free range splits it.
+        window.reserve(8 * GIB, 4 * GIB).unwrap();
+        assert!(matches!(
+            window.reserve(8 * GIB, 4 * GIB),
+            Err(PciError::RangeTaken { .. })
+        ));
+        assert!(matches!(
+            window.allocate(4096 * GIB),
+            Err(PciError::NoSpace {
+                window: "64-bit",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -8,6 +8,7 @@
 mod acpi;
 mod arch;
 mod args;
+mod bigbars;
 mod boot;
 mod bootinfo;
 mod console;
@@ -19,6 +20,7 @@ mod hotplug;
 mod kata;
 mod lapic;
 mod memfns;
+mod memory_hotplug;
 mod pattern;
 mod pci;
 mod region;

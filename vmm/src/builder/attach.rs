@@ -22,8 +22,8 @@ use crate::devices::MachineDevices;
 use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::pci::{
-    create_kvm_vfio_device, segment_configs, segment_count, KvmBarSlots, PciSetupError, Plug,
-    CONFIG_ADDRESS_PORT,
+    bar64_sizes, create_kvm_vfio_device, host_address_width, plan_address_space, segment_configs,
+    segment_count, KvmBarSlots, PciSetupError, Plug, CONFIG_ADDRESS_PORT,
 };
 
 /// Puts the PCI root buses (always segment 0's: its host bridge, CF8/CFC and the ECAM
@@ -31,6 +31,10 @@ use crate::pci::{
 /// requested passthrough devices on the VM's buses; all guest RAM is DMA-mapped for every
 /// device in the background (`devices.dma_mappings`), and each device's Bus Master waits
 /// for it. Returns the roots, segment 0's first.
+///
+/// The passthrough devices are opened first: the 64-bit BAR window is sized from their
+/// BARs and the host's address width before any root exists (crate::pci::plan_address_space),
+/// and a VM that does not fit is refused there.
 pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
@@ -39,7 +43,11 @@ pub fn attach(
     devices: &mut MachineDevices,
 ) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
     let count = segment_count(options)?;
-    let configs = segment_configs(ram, options, count);
+    let opened = open_devices(vm, options)?;
+    let host = host_address_width(kvm)?;
+    let plan = plan_address_space(host, ram, options, &opened.bar64_sizes, count)?;
+    log::info!("guest address space: {plan}");
+    let configs = segment_configs(&plan, count);
     let roots = configs
         .iter()
         .enumerate()
@@ -49,9 +57,10 @@ pub fn attach(
     let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
     if !options.is_empty() {
-        attach_devices(vm, ram, options, &root, &router, &slots, devices)?;
+        attach_devices(vm, ram, opened, &root, &router, &slots, devices)?;
     }
-    // Also when there are none yet: a virtio device hot-plugged later needs a thread.
+    // Also when there are none yet: the thread factory it starts (with filters on) makes
+    // the threads of virtio devices hot-plugged later.
     crate::virtio::start_io_threads(&options.virtio)?;
     if !options.virtio.is_empty() {
         devices.virtio = crate::virtio::attach(
@@ -122,13 +131,47 @@ pub fn attach(
     Ok(roots)
 }
 
-/// Plugs the passthrough devices of `options` into `root`. Guest RAM is mapped in the
+/// The passthrough devices of a VM, open but not plugged yet.
+struct OpenedDevices {
+    /// The kernel VFIO context and its devices (`--gpu`), if any.
+    kernel: Option<(KernelVfio, Vec<Box<dyn PassthroughDevice>>)>,
+    vfio_user: Vec<VfioUserDevice>,
+    /// Each device's 64-bit BAR sizes, in plug order (kernel VFIO devices first).
+    bar64_sizes: Vec<Vec<u64>>,
+}
+
+/// Opens the passthrough devices of `options` and reads what their BARs need.
+fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSetupError> {
+    let mut opened = OpenedDevices {
+        kernel: None,
+        vfio_user: Vec::new(),
+        bar64_sizes: Vec::new(),
+    };
+    if let Some(first) = options.gpus.first() {
+        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
+        let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
+        for bdf in &options.gpus {
+            let mut backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
+            opened.bar64_sizes.push(bar64_sizes(backend.as_mut())?);
+            backends.push(backend);
+        }
+        opened.kernel = Some((vfio, backends));
+    }
+    for socket in &options.vfio_user {
+        let mut backend = VfioUserDevice::connect(socket)?;
+        opened.bar64_sizes.push(bar64_sizes(&mut backend)?);
+        opened.vfio_user.push(backend);
+    }
+    Ok(opened)
+}
+
+/// Plugs the `opened` passthrough devices into `root`. Guest RAM is mapped in the
 /// background: once per kernel VFIO context (its mappings serve all its devices), once
 /// per vfio-user device; each mapping starts as soon as its devices are open.
 fn attach_devices(
     vm: &VmFd,
     ram: &GuestRam,
-    options: &PciOptions,
+    opened: OpenedDevices,
     root: &Arc<PciRoot>,
     router: &Arc<MsiRouter>,
     slots: &Arc<dyn GuestMemoryMapper>,
@@ -142,12 +185,7 @@ fn attach_devices(
         router,
         slots,
     };
-    if let Some(first) = options.gpus.first() {
-        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
-        let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
-        for bdf in &options.gpus {
-            backends.push(Box::new(vfio.open_device(bdf)?));
-        }
+    if let Some((vfio, backends)) = opened.kernel {
         // Kernel VFIO pins all of guest RAM: check the limit before the long mapping.
         gpuvm_vfio::host::check_memlock(ram.size())?;
         let mapper = vfio.dma_mapper();
@@ -159,8 +197,7 @@ fn attach_devices(
             plug_device(&plug, backend, &progress, devices)?;
         }
     }
-    for socket in &options.vfio_user {
-        let backend = VfioUserDevice::connect(socket)?;
+    for backend in opened.vfio_user {
         let mapper = backend.dma_mapper();
         let progress = ram_chunks.progress(mapper.name());
         // Plugging resets the device: map after that.

@@ -95,6 +95,8 @@ pub fn restore_with_overrides(
         virtio,
         passed_taps: taps.clone(),
         max_vcpus,
+        // Where the snapshot's guest has its 64-bit BAR window (older states: the default).
+        mmio64_window: state.state.devices.pci_mmio64_window,
         ..PciOptions::default()
     };
     let max_vcpus = pci.max_vcpus(&config);
@@ -324,10 +326,8 @@ fn hotplug_template(
     if usize::from(max_vcpus) <= vcpus.len() {
         return Ok(None);
     }
-    let supported_cpuid = base
-        .kvm
-        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-        .map_err(|source| Error::KvmSetup {
+    let supported_cpuid =
+        crate::host::supported_cpuid(&base.kvm).map_err(|source| Error::KvmSetup {
             what: "read supported CPUID",
             source,
         })?;

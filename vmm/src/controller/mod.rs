@@ -210,21 +210,21 @@ impl ApiController {
         let result = match action {
             VmmAction::GetInstanceInfo => Ok(instance_info(state)),
             VmmAction::GetMetrics => Ok(metrics(state, None)),
-            VmmAction::GetMachineConfig => Ok(VmmData::Json(serde_json::json!(
-                MachineConfigBody::from_config(&self.machine_config)
-                    .with_max_vcpus(self.pci.max_vcpus)
-            ))),
+            VmmAction::GetMachineConfig => {
+                Ok(VmmData::Json(serde_json::json!(self.machine_config_body())))
+            }
             VmmAction::PatchMachineConfig(patch) => {
                 // Read and replaced here, on the VMM thread: no request comes between.
-                let mut body = MachineConfigBody::from_config(&self.machine_config)
-                    .with_max_vcpus(self.pci.max_vcpus);
+                let mut body = self.machine_config_body();
                 patch.apply(&mut body);
                 return self.pre_boot(VmmAction::PutMachineConfig(body));
             }
             VmmAction::PutMachineConfig(body) => body.checked_max_vcpus().and_then(|max| {
+                let hotplug_size = body.checked_ram_hotplug_size()?;
                 body.to_config().map(|config| {
                     self.machine_config = config;
                     self.pci.max_vcpus = max;
+                    self.pci.ram_hotplug_size = hotplug_size;
                     VmmData::Empty
                 })
             }),
@@ -528,6 +528,15 @@ impl ApiController {
         }
     }
 
+    /// The machine configuration as PUT /machine-config takes it (what GET shows).
+    fn machine_config_body(&self) -> MachineConfigBody {
+        let mut body =
+            MachineConfigBody::from_config(&self.machine_config).with_max_vcpus(self.pci.max_vcpus);
+        body.ram_hotplug_size =
+            (self.pci.ram_hotplug_size > 0).then_some(self.pci.ram_hotplug_size);
+        body
+    }
+
     /// The part that serves a running machine.
     pub fn into_run_control(self) -> Box<dyn RunControl> {
         // Requests queued behind the one that started or resumed the machine had their
@@ -596,5 +605,8 @@ fn machine_config_json(machine: &Machine) -> VmmData {
     body.vcpu_count = machine.vcpu_count();
     // A VM with vCPU hot-plug always says how far it may grow.
     body.max_vcpus = machine.has_vcpu_hotplug().then(|| machine.max_vcpus());
+    // Likewise the RAM it has now, hot-plugged RAM included, and the room for more.
+    body.mem_size_mib = machine.ram_size() >> 20;
+    body.ram_hotplug_size = machine.ram_hotplug_size();
     VmmData::Json(serde_json::json!(body))
 }

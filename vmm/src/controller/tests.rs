@@ -85,10 +85,8 @@ fn resize_before_start_changes_the_boot_count_within_max_vcpus() {
     for (action, says) in [
         (resize(Some(0), None), "at least 1 vCPU"),
         (resize(Some(5), None), "max_vcpus = 4"),
-        (
-            resize(Some(3), Some(512 << 20)),
-            "static_sandbox_resource_mgmt",
-        ),
+        (resize(Some(3), Some(0)), "desired_ram = 0"),
+        (resize(Some(3), Some((512 << 20) + 1)), "not a multiple"),
     ] {
         let error = controller.pre_boot(action).0.unwrap_err();
         assert_eq!(error.status, 400);
@@ -101,6 +99,12 @@ fn resize_before_start_changes_the_boot_count_within_max_vcpus() {
     );
     assert_eq!(controller.machine_config.vcpus, 4);
     assert_eq!(controller.pci_options().max_vcpus, 4);
+    // Before boot, desired_ram is the RAM to boot with.
+    assert_eq!(
+        controller.pre_boot(resize(None, Some(512 << 20))).0,
+        Ok(VmmData::Empty)
+    );
+    assert_eq!(controller.machine_config.memory_size, 512 << 20);
 
     // A maximum below the count is refused.
     let body: MachineConfigBody = serde_json::from_value(serde_json::json!({

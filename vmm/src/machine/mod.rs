@@ -6,6 +6,7 @@
 mod cpu_hotplug;
 mod events;
 mod lazy;
+mod memory_hotplug;
 mod report;
 mod take_snapshot;
 
@@ -27,6 +28,8 @@ use vmm_sys_util::timerfd::TimerFd;
 pub use self::cpu_hotplug::CpuResizeError;
 use self::events::{install_snapshot_signal, ControlEvents, StdinInput, SNAPSHOT_SIGNAL_FD};
 use self::lazy::LAZY_CHECK_INTERVAL;
+pub(crate) use self::memory_hotplug::RamHotplug;
+pub use self::memory_hotplug::{check_growth, MemoryResizeError};
 pub use self::report::MemoryReport;
 use crate::config::MachineConfig;
 use crate::devices::MachineDevices;
@@ -160,6 +163,9 @@ pub struct Machine {
     devices: MachineDevices,
     vm: VmFd,
     ram: GuestRam,
+    /// Memory hot-plug (vm.resize desired_ram): the register block and the RAM added,
+    /// after `vm` so that KVM lets go of it first. None without memory hot-plug.
+    pub(crate) ram_hotplug: Option<RamHotplug>,
     /// /dev/kvm, open for as long as the VM, as before; nothing asks it anything once
     /// the VM is built (the vCPUs hold the MSR list snapshots save).
     _kvm: Kvm,
@@ -199,6 +205,7 @@ impl Machine {
             devices,
             vm,
             ram,
+            ram_hotplug: None,
             _kvm: kvm,
             max_vcpus: config.vcpus,
             vcpu_template: None,

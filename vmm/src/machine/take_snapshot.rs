@@ -83,6 +83,13 @@ impl Machine {
         {
             return Err(SnapshotError::Unsnapshottable(reason).into());
         }
+        if self.has_hotplugged_ram() {
+            return Err(SnapshotError::Unsnapshottable(
+                "it has hot-plugged RAM (vm.resize desired_ram), which snapshots do not hold yet"
+                    .into(),
+            )
+            .into());
+        }
         let hot: Vec<String> = self
             .devices
             .pci_hotplug

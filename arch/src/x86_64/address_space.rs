@@ -1,0 +1,813 @@
+//! The guest-physical address space above 4 GiB, planned from the host and the devices.
+//!
+//! ```text
+//! 4 GiB            boot RAM above the 32-bit hole
+//! ram_top          room for hot-plugged RAM (layout::ram_hotplug_area), 1 GiB aligned
+//! mmio64_start     segment 0's 64-bit PCI BAR window: every passthrough device's 64-bit
+//!                  BARs, each aligned to its size, placed as the root will place them
+//!                  (gpuvm_devices::pci::BarAllocator), plus room to hot-plug one more device
+//!                  of the largest BAR set present; at least PCI_MMIO64_DEFAULT_SIZE where
+//!                  the address width allows (a VM without passthrough devices gets that)
+//! ...              64 GiB windows of segments 1.. (layout::pci_segment_mmio64_start)
+//! < 2^phys_bits    the guest's physical address width: what KVM reports in CPUID
+//!                  0x80000008, at most 48 bits (4-level paging)
+//! ```
+//!
+//! On AMD hosts the HyperTransport range 0xFD_0000_0000..0x100_0000_0000 (1012 GiB to
+//! 1 TiB) holds neither RAM nor BARs: a window that would cross it starts at 1 TiB instead,
+//! and RAM that would reach it is refused (RAM above 1 TiB is not laid out yet).
+//!
+//! [`plan`] is pure: the VMM gives it the host's CPUID (KVM_GET_SUPPORTED_CPUID) and the
+//! 64-bit BAR sizes of the devices it has opened, before it builds the PCI roots, and a
+//! plan that does not fit is refused with the numbers before the guest starts.
+
+use std::fmt;
+
+use gpuvm_devices::pci::BarAllocator;
+use kvm_bindings::kvm_cpuid_entry2;
+
+use super::layout::{
+    pci_segment_mmio64_start, ram_hotplug_area, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
+    PCI_SEGMENT_MMIO64_SIZE,
+};
+
+/// The widest guest-physical address space gpuvm plans for: what 4-level paging (a
+/// 48-bit virtual address space, and Linux's 4-level limits) can use.
+pub const MAX_GUEST_PHYS_BITS: u8 = 48;
+/// MAXPHYADDR when CPUID has no leaf 0x80000008 (Intel SDM, CPUID.80000008H absent).
+pub const DEFAULT_PHYS_BITS: u8 = 36;
+/// AMD's HyperTransport reserved range: no RAM and no BARs there.
+pub const AMD_HT_HOLE_START: u64 = 0xfd_0000_0000;
+pub const AMD_HT_HOLE_END: u64 = 0x100_0000_0000;
+
+/// The host CPU's vendor, from CPUID leaf 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuVendor {
+    Intel,
+    /// AuthenticAMD, and Hygon's Zen-based HygonGenuine (the same HyperTransport hole).
+    Amd,
+    Other,
+}
+
+impl CpuVendor {
+    /// From CPUID leaf 0's EBX, EDX, ECX (the 12-byte vendor string in that order).
+    pub fn from_leaf0(ebx: u32, ecx: u32, edx: u32) -> Self {
+        let mut name = [0u8; 12];
+        name[0..4].copy_from_slice(&ebx.to_le_bytes());
+        name[4..8].copy_from_slice(&edx.to_le_bytes());
+        name[8..12].copy_from_slice(&ecx.to_le_bytes());
+        match &name {
+            b"GenuineIntel" => CpuVendor::Intel,
+            b"AuthenticAMD" | b"HygonGenuine" => CpuVendor::Amd,
+            _ => CpuVendor::Other,
+        }
+    }
+}
+
+/// The guest-physical address width the host gives a VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostAddressWidth {
+    pub vendor: CpuVendor,
+    /// What KVM reports: CPUID 0x80000008 EAX[23:16] (GuestPhysBits, the widest address
+    /// KVM's own page tables map) when set, else EAX[7:0] (MAXPHYADDR).
+    pub reported_bits: u8,
+    /// What gpuvm plans within: `reported_bits`, at most [`MAX_GUEST_PHYS_BITS`].
+    pub phys_bits: u8,
+}
+
+impl HostAddressWidth {
+    pub fn new(vendor: CpuVendor, reported_bits: u8) -> Self {
+        HostAddressWidth {
+            vendor,
+            reported_bits,
+            phys_bits: reported_bits.clamp(32, MAX_GUEST_PHYS_BITS),
+        }
+    }
+
+    /// From CPUID as KVM reports it (KVM_GET_SUPPORTED_CPUID): leaf 0's vendor and leaf
+    /// 0x80000008's widths.
+    pub fn from_cpuid(entries: &[kvm_cpuid_entry2]) -> Self {
+        let leaf = |function: u32| entries.iter().find(|e| e.function == function);
+        let vendor = leaf(0).map_or(CpuVendor::Other, |e| {
+            CpuVendor::from_leaf0(e.ebx, e.ecx, e.edx)
+        });
+        let bits = leaf(0x8000_0008)
+            .map(|e| {
+                let guest = (e.eax >> 16) as u8;
+                if guest != 0 {
+                    guest
+                } else {
+                    e.eax as u8
+                }
+            })
+            .filter(|&bits| bits != 0)
+            .unwrap_or(DEFAULT_PHYS_BITS);
+        Self::new(vendor, bits)
+    }
+
+    /// The first guest-physical address past the guest's address space.
+    pub fn limit(&self) -> u64 {
+        1u64 << self.phys_bits
+    }
+
+    /// Whether the AMD HyperTransport hole must be kept free.
+    pub fn has_ht_hole(&self) -> bool {
+        self.vendor == CpuVendor::Amd
+    }
+
+    fn describe_limit(&self) -> String {
+        let mut text = format!(
+            "the guest's {}-bit physical address space ({}",
+            self.phys_bits,
+            human(self.limit())
+        );
+        if self.reported_bits != self.phys_bits {
+            text += &format!(
+                "; KVM reports {} bits, gpuvm plans within {MAX_GUEST_PHYS_BITS}",
+                self.reported_bits
+            );
+        }
+        text + ")"
+    }
+}
+
+impl fmt::Display for HostAddressWidth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}-bit guest physical addresses ({})",
+            self.phys_bits,
+            human(self.limit())
+        )?;
+        if self.reported_bits != self.phys_bits {
+            write!(
+                f,
+                ", KVM reports {} bits, capped at {MAX_GUEST_PHYS_BITS} (4-level paging)",
+                self.reported_bits
+            )?;
+        }
+        match self.vendor {
+            CpuVendor::Amd => write!(f, ", AMD host: 1012 GiB..1 TiB kept free"),
+            CpuVendor::Intel => write!(f, ", Intel host"),
+            CpuVendor::Other => Ok(()),
+        }
+    }
+}
+
+/// `bytes` for people: "64 TiB", "1020 GiB", "256.03 GiB", "512 MiB", "4096 bytes".
+pub fn human(bytes: u64) -> String {
+    const UNITS: [(u32, &str); 5] = [
+        (50, "PiB"),
+        (40, "TiB"),
+        (30, "GiB"),
+        (20, "MiB"),
+        (10, "KiB"),
+    ];
+    // The largest unit that says it exactly; above 1 GiB, GiB with two decimals rather
+    // than MiB.
+    match UNITS
+        .iter()
+        .find(|(shift, _)| bytes >= 1 << shift && bytes.is_multiple_of(1 << shift))
+    {
+        Some((shift, _)) if *shift < 30 && bytes >= 1 << 30 => {
+            format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+        }
+        Some((shift, unit)) => format!("{} {unit}", bytes >> shift),
+        None if bytes >= 1 << 30 => format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64),
+        None => format!("{bytes} bytes"),
+    }
+}
+
+/// What the plan is made from.
+#[derive(Clone, Debug)]
+pub struct PlanRequest<'a> {
+    pub host: HostAddressWidth,
+    /// The end of boot RAM (the highest RAM region's end).
+    pub ram_top: u64,
+    /// Room kept for hot-plugged RAM after boot RAM (PciOptions::ram_hotplug_size).
+    pub ram_hotplug_size: u64,
+    /// Each passthrough device's 64-bit BAR sizes (powers of two), in the order the
+    /// devices are plugged.
+    pub devices: &'a [Vec<u64>],
+    /// A window size given by hand (PciOptions::mmio64_size); 0 plans it.
+    pub mmio64_size: u64,
+    /// The window exactly (start, size): a restored VM's, where its guest has it.
+    pub fixed_window: Option<(u64, u64)>,
+    /// PCI segments (1..): segment 0 has the planned window, each further one 64 GiB.
+    pub segments: u16,
+}
+
+/// Where things go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AddressSpacePlan {
+    pub host: HostAddressWidth,
+    /// The end of boot RAM and of the room for hot-plugged RAM after it.
+    pub ram_end: u64,
+    /// Segment 0's 64-bit BAR window.
+    pub mmio64_start: u64,
+    pub mmio64_size: u64,
+    /// The devices' 64-bit BARs, summed, and the part of the window kept for hot-plug (the
+    /// largest device's 64-bit BARs; 0 without devices).
+    pub device_bars: u64,
+    pub hotplug_reserve: u64,
+    /// Where each further segment's 64 GiB window starts (segment 1 first).
+    pub segment_mmio64_starts: Vec<u64>,
+    /// The end of the last window: the highest guest-physical address used, plus one.
+    pub end: u64,
+}
+
+impl AddressSpacePlan {
+    pub fn mmio64_end(&self) -> u64 {
+        self.mmio64_start + self.mmio64_size
+    }
+}
+
+impl fmt::Display for AddressSpacePlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "64-bit PCI window {:#x}..{:#x} ({}",
+            self.mmio64_start,
+            self.mmio64_end(),
+            human(self.mmio64_size)
+        )?;
+        if self.device_bars > 0 {
+            write!(
+                f,
+                ": {} of device BARs, {} kept for hot-plug",
+                human(self.device_bars),
+                human(self.hotplug_reserve)
+            )?;
+        }
+        write!(f, "), within {}", self.host)
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlanError {
+    #[error(
+        "the VM needs a 64-bit PCI MMIO window of {} at {start:#x}..{:#x}{what}, \
+         ending above {}{hint}",
+        human(*size),
+        start + size,
+        host.describe_limit()
+    )]
+    WindowTooHigh {
+        host: HostAddressWidth,
+        start: u64,
+        size: u64,
+        /// What the window holds, or what follows it.
+        what: String,
+        hint: String,
+    },
+    #[error(
+        "guest RAM and the room kept for hot-plugged RAM end at {end:#x} ({}), above {}",
+        human(*end),
+        host.describe_limit()
+    )]
+    RamTooHigh { host: HostAddressWidth, end: u64 },
+    #[error(
+        "guest RAM and the room kept for hot-plugged RAM end at {end:#x} ({}), inside the \
+         AMD HyperTransport range {AMD_HT_HOLE_START:#x}..{AMD_HT_HOLE_END:#x} (1012 GiB to \
+         1 TiB), which must hold no RAM; guest RAM above it is not laid out yet on AMD hosts: \
+         use at most 1008 GiB of RAM and hot-plug room",
+        human(*end)
+    )]
+    RamInHtHole { end: u64 },
+    #[error(
+        "the snapshot's 64-bit PCI MMIO window {start:#x}..{end:#x} crosses the AMD \
+         HyperTransport range {AMD_HT_HOLE_START:#x}..{AMD_HT_HOLE_END:#x} of this host"
+    )]
+    WindowInHtHole { start: u64, end: u64 },
+    #[error(
+        "the 64-bit PCI MMIO window of {} (mmio64_size, --pci-mmio64-gib) is smaller than \
+         the {} the passthrough devices' 64-bit BARs need there, each aligned to its size",
+        human(*given),
+        human(*needed)
+    )]
+    WindowTooSmall { given: u64, needed: u64 },
+}
+
+/// How much of a window starting at `start` the devices' BARs take, placed device by
+/// device as the root places them, and then once more the largest device's (the hot-plug
+/// reserve). Returns (up to the last device, up to the reserve), from `start`.
+fn bars_span(start: u64, devices: &[Vec<u64>]) -> (u64, u64) {
+    fn place(allocator: &mut BarAllocator, bars: &[u64]) {
+        let mut sizes = bars.to_vec();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        for size in sizes {
+            // The window is unbounded here: only an address past u64 fails, and then the
+            // width check refuses the plan anyway.
+            let _ = allocator.allocate(size);
+        }
+    }
+    let mut allocator = BarAllocator::new("64-bit", start, u64::MAX);
+    for bars in devices {
+        place(&mut allocator, bars);
+    }
+    let devices_end = allocator.high_water();
+    if let Some(largest) = devices.iter().max_by_key(|bars| bars.iter().sum::<u64>()) {
+        place(&mut allocator, largest);
+    }
+    let round = |end: u64| (end - start).next_multiple_of(PCI_MMIO64_ALIGN);
+    (round(devices_end), round(allocator.high_water()))
+}
+
+fn overlaps_ht_hole(start: u64, end: u64) -> bool {
+    start < AMD_HT_HOLE_END && end > AMD_HT_HOLE_START
+}
+
+/// Where the windows of segments 1.. go after segment 0's ends at `end0`: right after
+/// it, or past the AMD hole if they would cross it. Returns their starts and their end.
+fn segment_windows(host: &HostAddressWidth, end0: u64, segments: u16) -> (Vec<u64>, u64) {
+    if segments <= 1 {
+        return (Vec::new(), end0);
+    }
+    let lay = |base: u64| {
+        let starts: Vec<u64> = (1..segments)
+            .map(|segment| pci_segment_mmio64_start(base, segment))
+            .collect();
+        let end = starts
+            .last()
+            .map_or(base, |last| last + PCI_SEGMENT_MMIO64_SIZE);
+        (starts, end)
+    };
+    let (starts, end) = lay(end0);
+    if host.has_ht_hole() && overlaps_ht_hole(starts[0], end) {
+        return lay(end0.max(AMD_HT_HOLE_END));
+    }
+    (starts, end)
+}
+
+/// Plans the address space above RAM; see the module documentation.
+pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
+    let host = request.host;
+    let limit = host.limit();
+    let (hotplug_start, hotplug_size) = ram_hotplug_area(request.ram_top, request.ram_hotplug_size);
+    let ram_end = hotplug_start + hotplug_size;
+    if host.has_ht_hole() && request.ram_top.max(ram_end) > AMD_HT_HOLE_START {
+        return Err(PlanError::RamInHtHole {
+            end: request.ram_top.max(ram_end),
+        });
+    }
+    if ram_end > limit {
+        return Err(PlanError::RamTooHigh { host, end: ram_end });
+    }
+    let base = ram_end.next_multiple_of(PCI_MMIO64_ALIGN);
+    let device_bars: u64 = request.devices.iter().flatten().sum();
+    let largest = request
+        .devices
+        .iter()
+        .map(|bars| bars.iter().sum::<u64>())
+        .max()
+        .unwrap_or(0);
+    let planned = request.fixed_window.is_none() && request.mmio64_size == 0;
+    let layout = |start: u64, size: u64| {
+        let (segment_mmio64_starts, end) =
+            segment_windows(&host, start.saturating_add(size), request.segments);
+        AddressSpacePlan {
+            host,
+            ram_end,
+            mmio64_start: start,
+            mmio64_size: size,
+            device_bars,
+            hotplug_reserve: if planned { largest } else { 0 },
+            segment_mmio64_starts,
+            end,
+        }
+    };
+    let fits = |plan: &AddressSpacePlan| {
+        plan.end <= limit
+            && !(host.has_ht_hole() && overlaps_ht_hole(plan.mmio64_start, plan.mmio64_end()))
+    };
+    // Where the window may start: right above RAM, or (AMD) past the HyperTransport hole.
+    let mut starts = vec![request.fixed_window.map_or(base, |(start, _)| start)];
+    if host.has_ht_hole() && request.fixed_window.is_none() && base < AMD_HT_HOLE_END {
+        starts.push(AMD_HT_HOLE_END);
+    }
+    let mut refused = None;
+    for start in starts {
+        // The size the window must have from `start`.
+        let size = match (request.fixed_window, request.mmio64_size) {
+            (Some((_, size)), _) => size,
+            (None, 0) => bars_span(start, request.devices).1.max(PCI_MMIO64_ALIGN),
+            (None, given) => {
+                let needed = bars_span(start, request.devices).0;
+                if given < needed {
+                    return Err(PlanError::WindowTooSmall { given, needed });
+                }
+                given
+            }
+        };
+        let plan = layout(start, size);
+        if !fits(&plan) {
+            // The last one tried is the one the refusal describes: on AMD hosts, the
+            // window past the hole.
+            refused = Some(plan);
+            continue;
+        }
+        if !planned || size >= PCI_MMIO64_DEFAULT_SIZE {
+            return Ok(plan);
+        }
+        // Planned and smaller than the default: grow it toward the default as far as the
+        // width (and the AMD hole) allow. Whether a size fits only gets worse as it grows.
+        let (mut low, mut high) = (
+            size / PCI_MMIO64_ALIGN,
+            PCI_MMIO64_DEFAULT_SIZE / PCI_MMIO64_ALIGN,
+        );
+        while low < high {
+            let middle = (low + high).div_ceil(2);
+            if fits(&layout(start, middle * PCI_MMIO64_ALIGN)) {
+                low = middle;
+            } else {
+                high = middle - 1;
+            }
+        }
+        return Ok(layout(start, low * PCI_MMIO64_ALIGN));
+    }
+    let refused = refused.expect("at least one start is tried");
+    if request.fixed_window.is_some()
+        && host.has_ht_hole()
+        && overlaps_ht_hole(refused.mmio64_start, refused.mmio64_end())
+    {
+        return Err(PlanError::WindowInHtHole {
+            start: refused.mmio64_start,
+            end: refused.mmio64_end(),
+        });
+    }
+    let mut what = String::new();
+    if !request.devices.is_empty() {
+        what = format!(
+            " ({} passthrough device(s) with {} of 64-bit BARs",
+            request.devices.len(),
+            human(device_bars)
+        );
+        if refused.hotplug_reserve > 0 {
+            what += &format!(", room for one more of {}", human(refused.hotplug_reserve));
+        }
+        what += ")";
+    }
+    if refused.end > refused.mmio64_end() {
+        what += &format!(
+            " and {} more PCI segment window(s) of {} to {:#x}",
+            request.segments - 1,
+            human(PCI_SEGMENT_MMIO64_SIZE),
+            refused.end
+        );
+    }
+    let hint = if request.fixed_window.is_some() {
+        ": this host cannot hold the snapshot's address space".to_string()
+    } else if request.devices.is_empty() {
+        String::new()
+    } else {
+        ": pass through fewer or smaller devices, or use a host with a wider physical \
+         address space"
+            .to_string()
+    };
+    Err(PlanError::WindowTooHigh {
+        host,
+        start: refused.mmio64_start,
+        size: refused.mmio64_size,
+        what,
+        hint,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::x86_64::layout::FOUR_GIB;
+
+    const GIB: u64 = 1 << 30;
+    const TIB: u64 = 1 << 40;
+    /// An H100/H200-like GPU's 64-bit BARs: BAR1 and the 32 MiB BAR3.
+    fn gpu(bar1: u64) -> Vec<u64> {
+        vec![bar1, 32 << 20]
+    }
+
+    fn intel(bits: u8) -> HostAddressWidth {
+        HostAddressWidth::new(CpuVendor::Intel, bits)
+    }
+
+    fn amd(bits: u8) -> HostAddressWidth {
+        HostAddressWidth::new(CpuVendor::Amd, bits)
+    }
+
+    fn request(host: HostAddressWidth, devices: &[Vec<u64>]) -> PlanRequest<'_> {
+        PlanRequest {
+            host,
+            ram_top: 2 * GIB,
+            ram_hotplug_size: 0,
+            devices,
+            mmio64_size: 0,
+            fixed_window: None,
+            segments: 1,
+        }
+    }
+
+    /// Places the devices (and the reserve device) in the plan's window as the root does;
+    /// every BAR must land inside it, aligned to its size, clear of the AMD hole.
+    fn check_fits(plan: &AddressSpacePlan, devices: &[Vec<u64>]) -> Vec<u64> {
+        let mut window = BarAllocator::new("64-bit", plan.mmio64_start, plan.mmio64_end());
+        let mut placed = Vec::new();
+        let largest = devices.iter().max_by_key(|d| d.iter().sum::<u64>());
+        for bars in devices.iter().chain(largest) {
+            let mut sizes = bars.clone();
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            for size in sizes {
+                let at = window.allocate(size).expect("the planned window holds it");
+                assert_eq!(at % size, 0, "{at:#x} aligned to {size:#x}");
+                assert!(at >= plan.ram_end && at + size <= plan.end);
+                if plan.host.has_ht_hole() {
+                    assert!(!overlaps_ht_hole(at, at + size), "{at:#x}+{size:#x}");
+                }
+                placed.push(at);
+            }
+        }
+        assert!(plan.end <= plan.host.limit());
+        assert_eq!(plan.mmio64_start % PCI_MMIO64_ALIGN, 0);
+        assert_eq!(plan.mmio64_size % PCI_MMIO64_ALIGN, 0);
+        placed
+    }
+
+    fn cpuid(vendor: &[u8; 12], leaf_80000008: Option<u32>) -> Vec<kvm_cpuid_entry2> {
+        let word = |i: usize| u32::from_le_bytes(vendor[i..i + 4].try_into().unwrap());
+        let mut entries = vec![kvm_cpuid_entry2 {
+            function: 0,
+            eax: 0x1c,
+            ebx: word(0),
+            edx: word(4),
+            ecx: word(8),
+            ..Default::default()
+        }];
+        if let Some(eax) = leaf_80000008 {
+            entries.push(kvm_cpuid_entry2 {
+                function: 0x8000_0008,
+                eax,
+                ..Default::default()
+            });
+        }
+        entries
+    }
+
+    #[test]
+    fn width_and_vendor_come_from_kvm_cpuid() {
+        // This CI host: 48 physical bits, 57 virtual, no GuestPhysBits.
+        let host = HostAddressWidth::from_cpuid(&cpuid(b"GenuineIntel", Some(0x3930)));
+        assert_eq!(host, intel(48));
+        assert_eq!(host.limit(), 256 * TIB);
+        // A 46-bit Intel host; an AMD host whose KVM reports GuestPhysBits 48 below a
+        // 52-bit MAXPHYADDR.
+        assert_eq!(
+            HostAddressWidth::from_cpuid(&cpuid(b"GenuineIntel", Some(0x302e))),
+            intel(46)
+        );
+        let epyc = HostAddressWidth::from_cpuid(&cpuid(b"AuthenticAMD", Some(0x0030_3034)));
+        assert_eq!((epyc.vendor, epyc.reported_bits), (CpuVendor::Amd, 48));
+        // A 52-bit host is planned within 48 bits.
+        let wide = HostAddressWidth::from_cpuid(&cpuid(b"GenuineIntel", Some(0x3934)));
+        assert_eq!((wide.reported_bits, wide.phys_bits), (52, 48));
+        assert!(
+            wide.to_string()
+                .contains("KVM reports 52 bits, capped at 48"),
+            "{wide}"
+        );
+        // No leaf 0x80000008: the architectural default.
+        assert_eq!(
+            HostAddressWidth::from_cpuid(&cpuid(b"HygonGenuine", None)),
+            amd(DEFAULT_PHYS_BITS)
+        );
+        assert_eq!(
+            HostAddressWidth::from_cpuid(&cpuid(b"VIA VIA VIA ", Some(40))).vendor,
+            CpuVendor::Other
+        );
+    }
+
+    #[test]
+    fn without_devices_the_window_is_the_default() {
+        for host in [intel(46), intel(48), amd(48)] {
+            let plan = plan(&request(host, &[])).unwrap();
+            assert_eq!(plan.mmio64_start, FOUR_GIB);
+            assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
+            assert_eq!(plan.hotplug_reserve, 0);
+        }
+        // A narrow host gets what fits: 39 bits (512 GiB) leaves 508 GiB above 4 GiB.
+        let narrow = plan(&request(intel(39), &[])).unwrap();
+        assert_eq!(narrow.mmio64_end(), 512 * GIB);
+        assert_eq!(narrow.mmio64_size, 508 * GIB);
+    }
+
+    #[test]
+    fn eight_h200s_on_46_48_and_52_bit_hosts() {
+        let devices = vec![gpu(256 * GIB); 8];
+        for host in [intel(46), intel(48), intel(52)] {
+            let plan = plan(&request(host, &devices)).unwrap();
+            assert_eq!(plan.mmio64_start, FOUR_GIB);
+            // BAR1s at 256 GiB .. 2.25 TiB, the BAR3s in the gap below the first, and one
+            // more GPU's room: 2.5 TiB.
+            assert_eq!(plan.mmio64_end(), 2560 * GIB, "{plan}");
+            assert_eq!(plan.device_bars, 8 * (256 * GIB + (32 << 20)));
+            assert_eq!(plan.hotplug_reserve, 256 * GIB + (32 << 20));
+            let placed = check_fits(&plan, &devices);
+            let bar1s: Vec<u64> = placed.iter().step_by(2).copied().collect();
+            assert_eq!(bar1s, (1..=9).map(|i| i * 256 * GIB).collect::<Vec<_>>());
+            assert!(placed
+                .iter()
+                .skip(1)
+                .step_by(2)
+                .all(|&bar3| bar3 < 256 * GIB));
+        }
+    }
+
+    #[test]
+    fn eight_h100s_and_mixed_sizes() {
+        let devices = vec![gpu(64 * GIB); 8];
+        let plan = plan(&request(intel(46), &devices)).unwrap();
+        // 64 GiB .. 576 GiB, one more: 640 GiB.
+        assert_eq!(plan.mmio64_end(), 640 * GIB, "{plan}");
+        check_fits(&plan, &devices);
+        let mixed: Vec<Vec<u64>> = (0..8)
+            .map(|i| gpu(if i % 2 == 0 { 64 * GIB } else { 256 * GIB }))
+            .collect();
+        let plan = super::plan(&request(intel(46), &mixed)).unwrap();
+        check_fits(&plan, &mixed);
+        // 4 x 256 + 4 x 64 GiB, one more 256 GiB, and the alignment waste stays below one
+        // BAR1.
+        assert!(plan.mmio64_size < (5 * 256 + 4 * 64 + 256) * GIB, "{plan}");
+    }
+
+    #[test]
+    fn two_h200s_fit_where_the_fixed_window_did_not() {
+        let devices = vec![gpu(256 * GIB); 2];
+        let plan = plan(&request(intel(48), &devices)).unwrap();
+        assert_eq!(
+            (plan.mmio64_start, plan.mmio64_end()),
+            (FOUR_GIB, 1024 * GIB)
+        );
+        check_fits(&plan, &devices);
+        // Small devices still get at least the old default.
+        let small = vec![gpu(256 << 20); 2];
+        let plan = super::plan(&request(intel(48), &small)).unwrap();
+        assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
+    }
+
+    #[test]
+    fn amd_hosts_keep_the_hypertransport_hole_free() {
+        // Two H100s and one more fit below the hole.
+        let two = vec![gpu(64 * GIB); 2];
+        let plan = plan(&request(amd(48), &two)).unwrap();
+        assert_eq!(plan.mmio64_start, FOUR_GIB);
+        assert!(plan.mmio64_end() <= AMD_HT_HOLE_START, "{plan}");
+        check_fits(&plan, &two);
+        // Two H200s and the room for a third would reach 1 TiB: past the hole.
+        let two = vec![gpu(256 * GIB); 2];
+        let plan = super::plan(&request(amd(48), &two)).unwrap();
+        assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END, "{plan}");
+        check_fits(&plan, &two);
+        // Eight would cross it: the window starts at 1 TiB.
+        let eight = vec![gpu(256 * GIB); 8];
+        let plan = super::plan(&request(amd(48), &eight)).unwrap();
+        assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END, "{plan}");
+        assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_END + 2560 * GIB);
+        check_fits(&plan, &eight);
+        // Without devices on a large guest, the window stays below the hole as far as it
+        // goes; the segments after it skip the hole.
+        let mut with_segments = request(amd(48), &[]);
+        with_segments.ram_top = 600 * GIB;
+        with_segments.segments = 3;
+        let plan = super::plan(&with_segments).unwrap();
+        assert_eq!(plan.mmio64_start, 600 * GIB, "{plan}");
+        assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_START, "{plan}");
+        assert_eq!(plan.segment_mmio64_starts[0], AMD_HT_HOLE_END, "{plan}");
+        assert!(plan
+            .segment_mmio64_starts
+            .iter()
+            .all(|&s| !overlaps_ht_hole(s, s + PCI_SEGMENT_MMIO64_SIZE)));
+        // The same on Intel gets the whole default window, segments right after it.
+        with_segments.host = intel(48);
+        let plan = super::plan(&with_segments).unwrap();
+        assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
+        assert_eq!(plan.segment_mmio64_starts[0], plan.mmio64_end());
+        // A 40-bit AMD host (1 TiB): nothing above the hole; the default window shrinks
+        // below it.
+        let plan = super::plan(&request(amd(40), &[])).unwrap();
+        assert!(plan.mmio64_end() <= AMD_HT_HOLE_START && plan.mmio64_size >= 256 * GIB);
+    }
+
+    #[test]
+    fn amd_ram_that_reaches_the_hole_is_refused() {
+        let mut big = request(amd(48), &[]);
+        big.ram_top = 1016 * GIB;
+        let error = plan(&big).unwrap_err();
+        assert_eq!(error, PlanError::RamInHtHole { end: 1016 * GIB });
+        assert!(error.to_string().contains("HyperTransport"), "{error}");
+        // Hot-plug room counts too.
+        big.ram_top = 1000 * GIB;
+        big.ram_hotplug_size = 16 * GIB;
+        assert!(matches!(plan(&big), Err(PlanError::RamInHtHole { .. })));
+        big.host = intel(48);
+        assert!(plan(&big).is_ok());
+    }
+
+    #[test]
+    fn too_narrow_a_host_is_refused_with_the_numbers() {
+        let eight = vec![gpu(256 * GIB); 8];
+        let error = plan(&request(intel(41), &eight)).unwrap_err();
+        let text = error.to_string();
+        for needle in [
+            "2556 GiB",
+            "0x100000000..0x28000000000",
+            "8 passthrough device(s) with 2048.25 GiB of 64-bit BARs, room for one more of 256.03 GiB",
+            "41-bit physical address space (2 TiB)",
+        ] {
+            assert!(text.contains(needle), "{needle} in: {text}");
+        }
+        // 46 bits but an explicit window past it.
+        let mut explicit = request(intel(36), &[]);
+        explicit.mmio64_size = 64 * GIB;
+        let text = plan(&explicit).unwrap_err().to_string();
+        assert!(
+            text.contains("36-bit physical address space (64 GiB)"),
+            "{text}"
+        );
+        // A 52-bit host capped at 48 says so.
+        let mut huge = request(intel(52), &[]);
+        huge.mmio64_size = 300 * TIB;
+        let text = plan(&huge).unwrap_err().to_string();
+        assert!(text.contains("KVM reports 52 bits"), "{text}");
+        // On AMD the refusal describes the window past the hole, where it would go: 42
+        // bits hold it, 41 do not.
+        assert!(plan(&request(amd(42), &eight)).is_ok());
+        match plan(&request(amd(41), &eight)) {
+            Err(PlanError::WindowTooHigh { start, .. }) => assert_eq!(start, AMD_HT_HOLE_END),
+            other => panic!("{other:?}"),
+        }
+        // RAM alone past the width.
+        let mut ram = request(intel(36), &[]);
+        ram.ram_top = 80 * GIB;
+        assert!(matches!(plan(&ram), Err(PlanError::RamTooHigh { .. })));
+    }
+
+    #[test]
+    fn an_explicit_size_is_kept_and_checked_against_the_devices() {
+        let devices = vec![gpu(64 * GIB); 2];
+        let mut explicit = request(intel(48), &devices);
+        explicit.mmio64_size = 1024 * GIB;
+        let plan = plan(&explicit).unwrap();
+        assert_eq!(plan.mmio64_size, 1024 * GIB);
+        explicit.mmio64_size = 64 * GIB;
+        assert_eq!(
+            super::plan(&explicit).unwrap_err(),
+            PlanError::WindowTooSmall {
+                given: 64 * GIB,
+                needed: 188 * GIB
+            }
+        );
+    }
+
+    #[test]
+    fn a_fixed_window_is_kept_where_it_fits() {
+        let mut restored = request(intel(48), &[]);
+        restored.fixed_window = Some((1024 * GIB, 2048 * GIB));
+        let plan = plan(&restored).unwrap();
+        assert_eq!(
+            (plan.mmio64_start, plan.mmio64_size),
+            (1024 * GIB, 2048 * GIB)
+        );
+        restored.host = intel(41);
+        let text = super::plan(&restored).unwrap_err().to_string();
+        assert!(text.contains("snapshot"), "{text}");
+    }
+
+    #[test]
+    fn segments_follow_segment_zero_within_the_width() {
+        let devices = vec![gpu(256 * GIB); 2];
+        let mut three = request(intel(48), &devices);
+        three.segments = 3;
+        let plan = plan(&three).unwrap();
+        assert_eq!(
+            plan.segment_mmio64_starts,
+            vec![
+                pci_segment_mmio64_start(plan.mmio64_end(), 1),
+                pci_segment_mmio64_start(plan.mmio64_end(), 2)
+            ]
+        );
+        assert_eq!(
+            plan.end,
+            plan.segment_mmio64_starts[1] + PCI_SEGMENT_MMIO64_SIZE
+        );
+        // The segments push a 40-bit host over: said so.
+        three.host = intel(40);
+        let text = super::plan(&three).unwrap_err().to_string();
+        assert!(text.contains("2 more PCI segment window(s)"), "{text}");
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(64 * TIB), "64 TiB");
+        assert_eq!(human(1020 * GIB), "1020 GiB");
+        assert_eq!(human(512 << 20), "512 MiB");
+        assert_eq!(human(256 * GIB + (32 << 20)), "256.03 GiB");
+        assert_eq!(human(3), "3 bytes");
+    }
+}

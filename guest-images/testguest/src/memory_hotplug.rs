@@ -1,0 +1,144 @@
+//! The `memory-hotplug [COUNT]` workload: uses RAM the VMM hot-plugs (vm.resize
+//! desired_ram), and exits 0 once COUNT slots were added (forever without COUNT).
+//!
+//! It reads gpuvm's ACPI memory hot-plug registers the way the DSDT's AML does (MSCN selects
+//! each slot and reads its flags, `_CRS` reads the base and length, `_OST` reports), from
+//! ring 3 and by polling: no ACPI interpreter, no GED interrupt. For each slot whose insert
+//! event it sees, it checks the range (present, whole 128 MiB blocks, not RAM the boot
+//! memory map already has, below the identity-mapped limit), runs a memtest over all of it
+//! (a pattern written, then read back) and prints
+//! `memory-hotplug: slot N base=0x... size=... memtest ok checksum=0x...`.
+
+use crate::arch::{inl, outl};
+use crate::boot::MAPPED_LIMIT;
+use crate::bootinfo::BootInfo;
+use crate::console::exit;
+use crate::pattern::{fill, verify, Mismatch};
+use crate::println;
+
+/// gpuvm_devices::memory_hotplug's register block.
+const PORT: u16 = 0xaf10;
+const MSEL: u16 = PORT;
+const MBAS_LO: u16 = PORT;
+const MBAS_HI: u16 = PORT + 0x04;
+const MOEV: u16 = PORT + 0x04;
+const MLEN_LO: u16 = PORT + 0x08;
+const MOSC: u16 = PORT + 0x08;
+const MLEN_HI: u16 = PORT + 0x0c;
+const FLAGS: u16 = PORT + 0x14;
+const MSLT: u16 = PORT + 0x1c;
+const MEN: u32 = 1 << 0;
+const MINS: u32 = 1 << 1;
+/// _OST: insertion processing (ACPI "device check" event), status success.
+const OST_INSERT: u32 = 1;
+const OST_SUCCESS: u32 = 0;
+const BLOCK: u64 = 128 << 20;
+const EXIT_FAIL: u32 = 1;
+const EXIT_USAGE: u32 = 2;
+/// A seed per slot, so that two slots mapped onto the same memory would show.
+const SEED: u64 = 0x6d65_6d68_6f74;
+
+fn fail(what: core::fmt::Arguments) -> ! {
+    println!("memory-hotplug: FAIL {what}");
+    exit(EXIT_FAIL)
+}
+
+fn between_polls() {
+    for _ in 0..200_000 {
+        core::hint::spin_loop();
+    }
+}
+
+fn flags_of(slot: u32) -> u32 {
+    outl(MSEL, slot);
+    inl(FLAGS) & 0xff
+}
+
+fn read64(low: u16, high: u16) -> u64 {
+    u64::from(inl(low)) | u64::from(inl(high)) << 32
+}
+
+/// Checks slot `slot`'s range and memtests it; returns its size.
+fn take(info: &BootInfo, slot: u32) -> u64 {
+    outl(MSEL, slot);
+    let flags = inl(FLAGS) & 0xff;
+    if flags & MEN == 0 {
+        fail(format_args!("slot {slot} inserted but not present"));
+    }
+    let base = read64(MBAS_LO, MBAS_HI);
+    let size = read64(MLEN_LO, MLEN_HI);
+    if size == 0 || !base.is_multiple_of(BLOCK) || !size.is_multiple_of(BLOCK) {
+        fail(format_args!(
+            "slot {slot}: {base:#x}+{size:#x} is not whole 128 MiB blocks"
+        ));
+    }
+    let end = base.saturating_add(size);
+    if end > MAPPED_LIMIT {
+        fail(format_args!(
+            "slot {slot}: {base:#x}+{size:#x} is above what this guest maps"
+        ));
+    }
+    if let Some(ram) = info
+        .memmap()
+        .iter()
+        .find(|e| e.addr < end && base < e.addr.saturating_add(e.size))
+    {
+        fail(format_args!(
+            "slot {slot}: {base:#x}+{size:#x} overlaps the boot memory map entry {:#x}+{:#x}",
+            ram.addr, ram.size
+        ));
+    }
+    let seed = SEED.wrapping_add(u64::from(slot));
+    fill(base, size, seed);
+    let checksum = match verify(base, size, seed) {
+        Ok(sum) => sum,
+        Err(Mismatch {
+            addr,
+            expected,
+            got,
+        }) => fail(format_args!(
+            "slot {slot}: at {addr:#x} expected {expected:#018x} got {got:#018x}"
+        )),
+    };
+    // As Linux's acpi_memhotplug reports a device it added.
+    outl(MSEL, slot);
+    outl(MOEV, OST_INSERT);
+    outl(MOSC, OST_SUCCESS);
+    println!(
+        "memory-hotplug: slot {slot} base={base:#x} size={size} memtest ok checksum={checksum:#018x}"
+    );
+    size
+}
+
+pub fn run(info: &BootInfo, count: Option<&str>) -> ! {
+    let wanted = match count.map(crate::args::parse_number) {
+        None => None,
+        Some(Some(n)) => Some(n),
+        Some(None) => {
+            println!("testguest: usage: memory-hotplug [COUNT]");
+            exit(EXIT_USAGE)
+        }
+    };
+    let slots = inl(MSLT);
+    if slots == 0 || slots == u32::MAX {
+        fail(format_args!("no memory hot-plug block (MSLT = {slots:#x})"));
+    }
+    println!("memory-hotplug: waiting, {slots} slot(s)");
+    let (mut added, mut bytes) = (0u64, 0u64);
+    loop {
+        for slot in 0..slots {
+            if flags_of(slot) & MINS == 0 {
+                continue;
+            }
+            // Taken: clear the event first, as MSCN does.
+            outl(FLAGS, MINS);
+            bytes += take(info, slot);
+            added += 1;
+            println!("memory-hotplug: {added} slot(s), {bytes} bytes added");
+            if wanted == Some(added) {
+                exit(0);
+            }
+        }
+        between_polls();
+    }
+}

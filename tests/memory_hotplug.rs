@@ -1,0 +1,264 @@
+//! Memory hot-plug through Cloud Hypervisor's vm.resize `desired_ram`, as Kata's clh driver
+//! uses it (ResizeMemory: it reads vm.info's `memory.size`, rounds the growth up to the
+//! guest's memory block and sends the new total): gpuvm as `cloud-hypervisor` boots the
+//! test guest with `memory.hotplug_size`, and the guest's `memory-hotplug` workload finds
+//! each new range through the ACPI memory hot-plug registers and memtests all of it from
+//! ring 3.
+
+use std::path::Path;
+use std::time::Duration;
+
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const MIB: u64 = 1 << 20;
+/// The guest's memory block (Linux's on x86_64; what Kata's agent reports).
+const BLOCK_MIB: u64 = 128;
+
+/// `cloud-hypervisor --kernel <test guest> --cmdline memory-hotplug
+/// --memory size=256M,hotplug_size=1G`.
+fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
+    let kernel = guest_image(scratch);
+    let mut vm = spawn_ch(
+        scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "memory-hotplug",
+            "--cpus",
+            "boot=1",
+            "--memory",
+            "size=256M,hotplug_size=1G",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--seccomp",
+            "true",
+            "-v",
+        ],
+    );
+    wait_for_vm(&mut vm, api, LIMIT);
+    vm
+}
+
+fn resize(api: &Path, status: u16, body: &str) -> String {
+    api_expect(api, status, "PUT", "/api/v1/vm.resize", Some(body))
+}
+
+/// The VMM's own view (gpuvm's GET /machine-config on the same socket): RAM in MiB and the
+/// hot-plug room in bytes.
+fn ram(api: &Path) -> (u64, u64) {
+    let config: serde_json::Value =
+        serde_json::from_str(&api_expect(api, 200, "GET", "/machine-config", None)).unwrap();
+    (
+        config["mem_size_mib"].as_u64().unwrap(),
+        config["ram_hotplug_size"].as_u64().unwrap_or(0),
+    )
+}
+
+/// What Kata's ResizeMemory sends for a sandbox that should have `request_mib`: vm.info's
+/// memory.size plus the growth rounded up to the block.
+fn kata_resize_memory(api: &Path, request_mib: u64) -> u64 {
+    let current = vm_info(api)["config"]["memory"]["size"].as_u64().unwrap();
+    let wanted = request_mib * MIB;
+    assert!(wanted > current, "{wanted} <= {current}");
+    let block = BLOCK_MIB * MIB;
+    let desired = current + (wanted - current).next_multiple_of(block);
+    resize(api, 204, &format!(r#"{{"desired_ram":{desired}}}"#));
+    desired
+}
+
+#[test]
+fn resize_adds_ram_the_guest_memtests() {
+    let scratch = Scratch::new("memory_hotplug", "resize");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
+    assert_eq!(ram(&api), (256, 1 << 30));
+
+    // Refused, and nothing changes.
+    for (body, says) in [
+        (r#"{"desired_ram":0}"#, "desired_ram = 0"),
+        (
+            &format!(r#"{{"desired_ram":{}}}"#, 356 * MIB) as &str,
+            "not a multiple of 128 MiB",
+        ),
+        (
+            &format!(r#"{{"desired_ram":{}}}"#, (256 + 1024 + 128) * MIB),
+            "hot-plug size 1 GiB",
+        ),
+        (
+            &format!(r#"{{"desired_ram":{}}}"#, 128 * MIB),
+            "cannot take hot-plugged RAM back",
+        ),
+    ] {
+        let answer = resize(&api, 400, body);
+        assert!(answer.contains(says), "{body}: {answer}");
+    }
+    assert_eq!(ram(&api), (256, 1 << 30));
+    assert_eq!(vm_info(&api)["config"]["memory"]["size"], 256 * MIB);
+    // The size it has: no change (Kata's early check does not even send it).
+    resize(&api, 204, &format!(r#"{{"desired_ram":{}}}"#, 256 * MIB));
+
+    // A container with a 200 MiB limit: 256 MiB more.
+    let desired = kata_resize_memory(&api, 256 + 200);
+    assert_eq!(desired, 512 * MIB);
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    assert_eq!(ram(&api), (512, 1 << 30));
+    assert_eq!(vm_info(&api)["config"]["memory"]["size"], 512 * MIB);
+    // Another with 100 MiB: one more block, in the next slot, right after the first.
+    kata_resize_memory(&api, 512 + 100);
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 1 base=0x110000000 size=134217728 memtest ok",
+        LIMIT,
+    );
+    vm.wait_for_stdout("memory-hotplug: 2 slot(s), 402653184 bytes added", LIMIT);
+    assert_eq!(ram(&api), (640, 1 << 30));
+    // What is left of the hot-plug size: 1 GiB - 384 MiB.
+    let beyond = (256 + 1024 + 128) * MIB;
+    let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{beyond}}}"#));
+    assert!(answer.contains("hot-plug size"), "{answer}");
+    assert_eq!(ram(&api), (640, 1 << 30));
+
+    // Snapshots do not hold hot-plugged RAM yet: refused, the VM runs on.
+    let snap = scratch.path("snap");
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    let refused =
+        gpuvm_api::client::request(&api, "PUT", "/api/v1/vm.snapshot", Some(&destination)).unwrap();
+    assert!(
+        refused.status >= 400,
+        "{}: {}",
+        refused.status,
+        refused.body
+    );
+    assert!(refused.body.contains("hot-plugged RAM"), "{}", refused.body);
+    assert_eq!(ram(&api), (640, 1 << 30));
+
+    // Every thread still under its filter (the new memslot and memfd were made on the
+    // VMM thread, under its filter).
+    let unfiltered: Vec<_> = thread_seccomp_modes(vm.pid())
+        .into_iter()
+        .filter(|(_, mode)| *mode != 2)
+        .collect();
+    assert!(
+        unfiltered.is_empty(),
+        "threads without a filter: {unfiltered:?}"
+    );
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+}
+
+/// Without `hotplug_size` a VM keeps its RAM: any other size is refused naming what to set.
+#[test]
+fn without_hotplug_size_ram_cannot_grow() {
+    let scratch = Scratch::new("memory_hotplug", "none");
+    let api = scratch.path("api.sock");
+    let kernel = guest_image(&scratch);
+    let mut vm = spawn_ch(
+        &scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "memloop 1M 1 1000000000",
+            "--memory",
+            "size=256M",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+        ],
+    );
+    wait_for_vm(&mut vm, &api, LIMIT);
+    let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
+    assert!(answer.contains("hotplug_size"), "{answer}");
+    assert!(answer.contains("static_sandbox_resource_mgmt"), "{answer}");
+    resize(&api, 204, &format!(r#"{{"desired_ram":{}}}"#, 256 * MIB));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    vm.wait(LIMIT);
+}
+
+/// With a passthrough device (the emulated GPU over vfio-user, as Kata hot-plugs one), the
+/// new RAM is DMA-mapped for it before the guest is told: by the time vm.resize answers,
+/// the mapping is done (gpuvm logs it), and the guest then memtests the range.
+#[test]
+fn hot_plugged_ram_is_dma_mapped_for_a_gpu_before_the_guest_uses_it() {
+    let scratch = Scratch::new("memory_hotplug", "gpu");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
+    let socket = scratch.path("gpu.sock");
+    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
+    api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+
+    resize(&api, 204, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
+    // Logged before the answer: the map happened on the VMM thread, before the insert.
+    let stderr = vm.stderr();
+    let mapped = stderr
+        .find("hot-plugged RAM at 0x100000000: DMA-mapped for")
+        .unwrap_or_else(|| panic!("no DMA map of the new RAM:\n{stderr}"));
+    let told = stderr
+        .find("of RAM hot-plugged at 0x100000000")
+        .unwrap_or_else(|| panic!("no hot-plug:\n{stderr}"));
+    assert!(mapped < told, "mapped after the guest was told:\n{stderr}");
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    assert_eq!(ram(&api), (512, 1 << 30));
+
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+    emu.signal(libc::SIGTERM);
+}
+
+/// A VM with a virtio device keeps its RAM: hot-plugged RAM is not reachable by virtio
+/// devices yet, so growing it is refused naming the devices, and the VM is unchanged.
+#[test]
+fn ram_does_not_grow_under_virtio_devices() {
+    let scratch = Scratch::new("memory_hotplug", "virtio");
+    let api = scratch.path("api.sock");
+    let kernel = guest_image(&scratch);
+    let mut vm = spawn_ch(
+        &scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "memloop 1M 1 1000000000",
+            "--memory",
+            "size=256M,hotplug_size=1G",
+            "--rng",
+            "src=/dev/urandom",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+        ],
+    );
+    wait_for_vm(&mut vm, &api, LIMIT);
+    let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
+    assert!(answer.contains("virtio devices"), "{answer}");
+    assert!(answer.contains("not reachable"), "{answer}");
+    assert_eq!(ram(&api).0, 256, "the refused resize changed the RAM");
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    vm.wait(LIMIT);
+}
