@@ -235,6 +235,9 @@ fn ram_does_not_grow_under_virtio_devices() {
     let scratch = Scratch::new("memory_hotplug", "virtio");
     let api = scratch.path("api.sock");
     let kernel = guest_image(&scratch);
+    let disk = scratch.path("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let disk_arg = format!("path={},id=data", disk.display());
     let mut vm = spawn_ch(
         &scratch,
         &[
@@ -246,8 +249,8 @@ fn ram_does_not_grow_under_virtio_devices() {
             "memloop 1M 1 1000000000",
             "--memory",
             "size=256M,hotplug_size=1G",
-            "--rng",
-            "src=/dev/urandom",
+            "--disk",
+            &disk_arg,
             "--serial",
             "tty",
             "--console",
@@ -256,7 +259,7 @@ fn ram_does_not_grow_under_virtio_devices() {
     );
     wait_for_vm(&mut vm, &api, LIMIT);
     let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
-    assert!(answer.contains("virtio devices"), "{answer}");
+    assert!(answer.contains("virtio devices (data)"), "{answer}");
     assert!(answer.contains("not reachable"), "{answer}");
     assert_eq!(ram(&api).0, 256, "the refused resize changed the RAM");
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);

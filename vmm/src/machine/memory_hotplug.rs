@@ -266,11 +266,20 @@ impl RunningMachine<'_> {
             return Ok(());
         }
         // Until virtio devices can take a new RAM map, RAM they cannot reach is refused
-        // rather than handed to a guest that would put their buffers in it.
-        let virtio = &self.machine.devices.virtio;
-        if !virtio.is_empty() {
+        // rather than handed to a guest that would put their buffers in it. The entropy
+        // device is the exception: a buffer it cannot reach gets no bytes, which costs the
+        // guest nothing but a retry (every Cloud Hypervisor VM has one).
+        let blind: Vec<String> = self
+            .machine
+            .devices
+            .virtio
+            .iter()
+            .filter(|h| !matches!(h.config, crate::virtio::VirtioDeviceConfig::Rng(_)))
+            .map(|h| h.config.id().to_string())
+            .collect();
+        if !blind.is_empty() {
             return Err(MemoryResizeError::VirtioDevices {
-                devices: virtio.iter().map(|h| h.config.id().to_string()).collect(),
+                devices: blind,
                 current: self.machine.ram_size(),
             });
         }
