@@ -34,31 +34,16 @@ struct Task {
 
 /// The VM's threads, API connection threads left out (one comes and goes per request).
 fn tasks(pid: i32) -> Vec<Task> {
-    let mut tasks = Vec::new();
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return tasks;
-    };
-    for task in dir.flatten() {
-        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
-            continue;
-        };
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix(name))
-                .map(|v| v.trim().to_string())
-                .unwrap_or_default()
-        };
-        let name = field("Name:");
-        if name.starts_with("api-conn") {
-            continue;
-        }
-        tasks.push(Task {
-            name,
-            seccomp: field("Seccomp:"),
-            filters: field("Seccomp_filters:"),
-        });
-    }
+    let mut tasks: Vec<Task> =
+        gpuvm_tests::thread_status_fields(pid, &["Name:", "Seccomp:", "Seccomp_filters:"])
+            .into_iter()
+            .filter(|fields| !fields[0].starts_with("api-conn"))
+            .map(|fields| Task {
+                name: fields[0].clone(),
+                seccomp: fields[1].clone(),
+                filters: fields[2].clone(),
+            })
+            .collect();
     tasks.sort();
     tasks
 }

@@ -630,29 +630,37 @@ pub fn external_load_body(snapshot: &std::path::Path, handler_socket: &std::path
     )
 }
 
+/// Fields of each thread of process `pid` from /proc/PID/task/TID/status: for each thread,
+/// the values of `names` (e.g. "Name:"), in that order ("" where a field is missing).
+pub fn thread_status_fields(pid: i32, names: &[&str]) -> Vec<Vec<String>> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("status")).ok())
+        .map(|status| {
+            names
+                .iter()
+                .map(|name| {
+                    status
+                        .lines()
+                        .find_map(|line| line.strip_prefix(name))
+                        .map(|v| v.trim().to_string())
+                        .unwrap_or_default()
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Each thread of process `pid`: its name and its seccomp mode (0 off, 2 filter), from
 /// /proc/PID/task/TID/status.
 pub fn thread_seccomp_modes(pid: i32) -> Vec<(String, u32)> {
-    let mut threads = Vec::new();
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return threads;
-    };
-    for task in tasks.flatten() {
-        let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
-            continue;
-        };
-        let field = |name: &str| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix(name))
-                .map(|v| v.trim().to_string())
-                .unwrap_or_default()
-        };
-        threads.push((
-            field("Name:"),
-            field("Seccomp:").parse().unwrap_or(u32::MAX),
-        ));
-    }
+    let mut threads: Vec<(String, u32)> = thread_status_fields(pid, &["Name:", "Seccomp:"])
+        .into_iter()
+        .map(|fields| (fields[0].clone(), fields[1].parse().unwrap_or(u32::MAX)))
+        .collect();
     threads.sort();
     threads
 }

@@ -158,30 +158,36 @@ fn resize_adds_ram_the_guest_memtests() {
     assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
 }
 
+/// `cloud-hypervisor` running an endless memloop with `--memory <memory>` and `extra`
+/// flags, once its VM runs.
+fn start_memloop(scratch: &Scratch, api: &Path, memory: &str, extra: &[&str]) -> SpawnedProcess {
+    let kernel = guest_image(scratch);
+    let mut args = vec![
+        "--api-socket",
+        api.to_str().unwrap(),
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--cmdline",
+        "memloop 1M 1 1000000000",
+        "--memory",
+        memory,
+        "--serial",
+        "tty",
+        "--console",
+        "off",
+    ];
+    args.extend_from_slice(extra);
+    let mut vm = spawn_ch(scratch, &args);
+    wait_for_vm(&mut vm, api, LIMIT);
+    vm
+}
+
 /// Without `hotplug_size` a VM keeps its RAM: any other size is refused naming what to set.
 #[test]
 fn without_hotplug_size_ram_cannot_grow() {
     let scratch = Scratch::new("memory_hotplug", "none");
     let api = scratch.path("api.sock");
-    let kernel = guest_image(&scratch);
-    let mut vm = spawn_ch(
-        &scratch,
-        &[
-            "--api-socket",
-            api.to_str().unwrap(),
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--cmdline",
-            "memloop 1M 1 1000000000",
-            "--memory",
-            "size=256M",
-            "--serial",
-            "tty",
-            "--console",
-            "off",
-        ],
-    );
-    wait_for_vm(&mut vm, &api, LIMIT);
+    let vm = start_memloop(&scratch, &api, "size=256M", &[]);
     let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
     assert!(answer.contains("hotplug_size"), "{answer}");
     assert!(answer.contains("static_sandbox_resource_mgmt"), "{answer}");
@@ -234,30 +240,15 @@ fn hot_plugged_ram_is_dma_mapped_for_a_gpu_before_the_guest_uses_it() {
 fn ram_does_not_grow_under_virtio_devices() {
     let scratch = Scratch::new("memory_hotplug", "virtio");
     let api = scratch.path("api.sock");
-    let kernel = guest_image(&scratch);
     let disk = scratch.path("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let disk_arg = format!("path={},id=data", disk.display());
-    let mut vm = spawn_ch(
+    let vm = start_memloop(
         &scratch,
-        &[
-            "--api-socket",
-            api.to_str().unwrap(),
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--cmdline",
-            "memloop 1M 1 1000000000",
-            "--memory",
-            "size=256M,hotplug_size=1G",
-            "--disk",
-            &disk_arg,
-            "--serial",
-            "tty",
-            "--console",
-            "off",
-        ],
+        &api,
+        "size=256M,hotplug_size=1G",
+        &["--disk", &disk_arg],
     );
-    wait_for_vm(&mut vm, &api, LIMIT);
     let answer = resize(&api, 400, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
     assert!(answer.contains("virtio devices (data)"), "{answer}");
     assert!(answer.contains("not reachable"), "{answer}");
