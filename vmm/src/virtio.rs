@@ -713,56 +713,6 @@ pub fn options_of(states: &[VirtioDeviceState]) -> VirtioOptions {
     options
 }
 
-/// Changes the devices a snapshot saved as a load's `overrides` say: interfaces named in
-/// `network_overrides` open their new tap (by name), the vsock device listens on the new
-/// path. An interface the snapshot does not have is refused, naming every such id.
-pub fn apply_load_overrides(
-    options: &mut VirtioOptions,
-    overrides: &crate::action::LoadOverrides,
-) -> Result<(), VirtioSetupError> {
-    let unknown: Vec<&str> = overrides
-        .network_overrides
-        .iter()
-        .filter(|o| !options.nets.iter().any(|n| n.iface_id == o.iface_id))
-        .map(|o| o.iface_id.as_str())
-        .collect();
-    if !unknown.is_empty() {
-        return Err(VirtioSetupError::Invalid(format!(
-            "network_overrides: the snapshot has no network interface {}",
-            unknown
-                .iter()
-                .map(|id| format!("{id:?}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
-    }
-    for over in &overrides.network_overrides {
-        for net in options
-            .nets
-            .iter_mut()
-            .filter(|n| n.iface_id == over.iface_id)
-        {
-            net.host_dev_name = Some(over.host_dev_name.clone());
-            net.validate().map_err(|e| VirtioSetupError::Net {
-                id: over.iface_id.clone(),
-                message: e.to_string(),
-            })?;
-        }
-    }
-    if let Some(path) = &overrides.vsock_uds_path {
-        let Some(vsock) = options.vsock.as_mut() else {
-            return Err(VirtioSetupError::Vsock(
-                "vsock_override: the snapshot has no vsock device".into(),
-            ));
-        };
-        vsock.uds_path = path.clone();
-        vsock
-            .validate()
-            .map_err(|e| VirtioSetupError::Vsock(e.to_string()))?;
-    }
-    Ok(())
-}
-
 /// Why PATCH /drives/{id} failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DriveUpdateError {

@@ -17,11 +17,12 @@ use gpuvm_memory::uffd::{
 use gpuvm_memory::GuestRam;
 
 use super::{create_base, create_vcpus, spare_vcpu_threads, start_vcpu_threads, MachineBase};
+use crate::action::LoadOverrides;
 use crate::config::PciOptions;
 use crate::host::open_kvm;
 use crate::machine::{LazyMemory, Machine};
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
-use crate::virtio::PassedTaps;
+use crate::virtio::{PassedTaps, VirtioOptions, VirtioSetupError};
 use crate::vm_state::InKernelDevices;
 use crate::working_set;
 use crate::Error;
@@ -51,7 +52,7 @@ pub fn restore_with_gpus(
     gpus: &[crate::action::GpuBody],
     taps: &PassedTaps,
 ) -> Result<(Machine, RestoreTimings), Error> {
-    let none = crate::action::LoadOverrides::default();
+    let none = LoadOverrides::default();
     restore_with_overrides(dir, mode, serial_out, gpus, taps, &none)
 }
 
@@ -63,7 +64,7 @@ pub fn restore_with_overrides(
     serial_out: Box<dyn Write + Send>,
     gpus: &[crate::action::GpuBody],
     taps: &PassedTaps,
-    overrides: &crate::action::LoadOverrides,
+    overrides: &LoadOverrides,
 ) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
     let mut clock = StageClock::starting_at(started);
@@ -81,8 +82,7 @@ pub fn restore_with_overrides(
     config.track_dirty_pages |= overrides.track_dirty_pages;
     // The virtio devices the snapshot holds, rebuilt from their saved configuration.
     let mut virtio = crate::virtio::options_of(&state.state.devices.virtio);
-    crate::virtio::apply_load_overrides(&mut virtio, overrides)
-        .map_err(crate::pci::PciSetupError::from)?;
+    apply_load_overrides(&mut virtio, overrides).map_err(crate::pci::PciSetupError::from)?;
     // vCPU hot-plug: as many possible vCPUs as at boot (the CPU hot-plug block's state
     // says which are present; the snapshot has the state of those).
     let max_vcpus = state
@@ -479,4 +479,54 @@ fn hold_after_validation() -> bool {
             false
         }
     }
+}
+
+/// Changes the devices a snapshot saved as a load's `overrides` say: interfaces named in
+/// `network_overrides` open their new tap (by name), the vsock device listens on the new
+/// path. An interface the snapshot does not have is refused, naming every such id.
+fn apply_load_overrides(
+    options: &mut VirtioOptions,
+    overrides: &LoadOverrides,
+) -> Result<(), VirtioSetupError> {
+    let unknown: Vec<&str> = overrides
+        .network_overrides
+        .iter()
+        .filter(|o| !options.nets.iter().any(|n| n.iface_id == o.iface_id))
+        .map(|o| o.iface_id.as_str())
+        .collect();
+    if !unknown.is_empty() {
+        return Err(VirtioSetupError::Invalid(format!(
+            "network_overrides: the snapshot has no network interface {}",
+            unknown
+                .iter()
+                .map(|id| format!("{id:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    for over in &overrides.network_overrides {
+        for net in options
+            .nets
+            .iter_mut()
+            .filter(|n| n.iface_id == over.iface_id)
+        {
+            net.host_dev_name = Some(over.host_dev_name.clone());
+            net.validate().map_err(|e| VirtioSetupError::Net {
+                id: over.iface_id.clone(),
+                message: e.to_string(),
+            })?;
+        }
+    }
+    if let Some(path) = &overrides.vsock_uds_path {
+        let Some(vsock) = options.vsock.as_mut() else {
+            return Err(VirtioSetupError::Vsock(
+                "vsock_override: the snapshot has no vsock device".into(),
+            ));
+        };
+        vsock.uds_path = path.clone();
+        vsock
+            .validate()
+            .map_err(|e| VirtioSetupError::Vsock(e.to_string()))?;
+    }
+    Ok(())
 }
