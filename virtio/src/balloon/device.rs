@@ -29,13 +29,45 @@ pub struct BalloonState {
     pub target_pages: u32,
     pub actual_pages: u32,
     pub stats_polling_interval_s: u16,
-    #[serde(default)]
+    #[serde(default, with = "stats_by_tag_text")]
     pub stats: Option<GuestStats>,
     /// The statistics buffer the device held for its next request (the guest waits for it).
     #[serde(default)]
     pub held_stats_head: Option<u16>,
     #[serde(default)]
     pub counters: BalloonCounters,
+}
+
+/// The statistics as a JSON object keyed by tag: written as serde writes any map (tags as
+/// text), read through text keys, because the state file's device list is read through a
+/// flattened struct whose buffering cannot turn a text key back into a number.
+mod stats_by_tag_text {
+    use std::collections::BTreeMap;
+
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::GuestStats;
+
+    pub fn serialize<S: Serializer>(stats: &Option<GuestStats>, out: S) -> Result<S::Ok, S::Error> {
+        stats.serialize(out)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        input: D,
+    ) -> Result<Option<GuestStats>, D::Error> {
+        let Some(text) = Option::<BTreeMap<String, u64>>::deserialize(input)? else {
+            return Ok(None);
+        };
+        text.into_iter()
+            .map(|(tag, value)| {
+                tag.parse::<u16>().map(|tag| (tag, value)).map_err(|_| {
+                    D::Error::custom(format!("balloon statistic tag {tag:?} is not a number"))
+                })
+            })
+            .collect::<Result<GuestStats, _>>()
+            .map(Some)
+    }
 }
 
 /// Why a balloon's state was refused.

@@ -133,3 +133,40 @@ fn state_round_trips_and_refuses_a_different_stats_setting() {
         "{error}"
     );
 }
+
+/// The statistics survive the state file's flattened device list (serde buffers it, and a
+/// buffered map key is text): the state reads back from JSON with a number-tagged map.
+#[test]
+fn state_with_statistics_reads_back_through_a_flattened_struct() {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Outer {
+        #[serde(flatten)]
+        inner: Inner,
+    }
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Inner {
+        balloon: super::BalloonState,
+    }
+    let state = super::BalloonState {
+        target_pages: 2048,
+        actual_pages: 1024,
+        stats_polling_interval_s: 1,
+        stats: Some([(4u16, 1u64 << 30), (5, 123)].into_iter().collect()),
+        held_stats_head: Some(3),
+        counters: Default::default(),
+    };
+    let json = serde_json::to_string(&Outer {
+        inner: Inner {
+            balloon: state.clone(),
+        },
+    })
+    .unwrap();
+    let back: Outer = serde_json::from_str(&json).unwrap();
+    assert_eq!(back.inner.balloon, state);
+    let forged = json.replace("\"4\"", "\"four\"");
+    let error = serde_json::from_str::<Outer>(&forged)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(error.contains("\"four\" is not a number"), "{error}");
+}
