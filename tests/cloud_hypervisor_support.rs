@@ -116,3 +116,21 @@ pub fn put_with_fds(api: &Path, path: &str, body: &str, fds: &[RawFd]) -> (u16, 
     let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     (status, body.to_string())
 }
+
+/// The command line every test-guest VM of a Cloud Hypervisor test starts from: the API
+/// socket `api`, the test guest `kernel` running `cmdline`, the serial port on stdout and
+/// no console. Callers add their `--cpus`, `--memory`, devices and `--seccomp`.
+pub fn test_guest_args<'a>(api: &'a Path, kernel: &'a Path, cmdline: &'a str) -> Vec<&'a str> {
+    vec![
+        "--api-socket",
+        api.to_str().unwrap(),
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--cmdline",
+        cmdline,
+        "--serial",
+        "tty",
+        "--console",
+        "off",
+    ]
+}

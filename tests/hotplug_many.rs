@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, vm_info};
+use gpuvm_tests::cloud_hypervisor_support::{guest_image, test_guest_args, vm_info};
 use gpuvm_tests::virtio_support::{disk_image, pattern_is_on_disk, SECTOR};
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
 
@@ -106,22 +106,8 @@ fn spawn_vm(scratch: &Scratch, api: &Path, cmdline: &str) -> SpawnedProcess {
     let kernel = guest_image(scratch);
     let link = scratch.path("cloud-hypervisor");
     std::os::unix::fs::symlink(gpuvm_bin(), &link).unwrap();
-    let args = [
-        "--api-socket",
-        api.to_str().unwrap(),
-        "--kernel",
-        kernel.to_str().unwrap(),
-        "--cmdline",
-        cmdline,
-        "--memory",
-        "size=128M",
-        "--serial",
-        "tty",
-        "--console",
-        "off",
-        "--seccomp",
-        "true",
-    ];
+    let mut args = test_guest_args(api, &kernel, cmdline);
+    args.extend(["--memory", "size=128M", "--seccomp", "true"]);
     let mut vm = SpawnedProcess::spawn_with_env(&link, &args, &[(EJECT_TIMEOUT_VAR, "5000")]);
     wait_for_api_socket(&mut vm, api);
     vm

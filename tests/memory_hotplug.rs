@@ -8,7 +8,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::cloud_hypervisor_support::{
+    guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
+};
 use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -20,28 +22,17 @@ const BLOCK_MIB: u64 = 128;
 /// --memory size=256M,hotplug_size=1G`.
 fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
     let kernel = guest_image(scratch);
-    let mut vm = spawn_ch(
-        scratch,
-        &[
-            "--api-socket",
-            api.to_str().unwrap(),
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--cmdline",
-            "memory-hotplug",
-            "--cpus",
-            "boot=1",
-            "--memory",
-            "size=256M,hotplug_size=1G",
-            "--serial",
-            "tty",
-            "--console",
-            "off",
-            "--seccomp",
-            "true",
-            "-v",
-        ],
-    );
+    let mut args = test_guest_args(api, &kernel, "memory-hotplug");
+    args.extend([
+        "--cpus",
+        "boot=1",
+        "--memory",
+        "size=256M,hotplug_size=1G",
+        "--seccomp",
+        "true",
+        "-v",
+    ]);
+    let mut vm = spawn_ch(scratch, &args);
     wait_for_vm(&mut vm, api, LIMIT);
     vm
 }
@@ -162,20 +153,8 @@ fn resize_adds_ram_the_guest_memtests() {
 /// flags, once its VM runs.
 fn start_memloop(scratch: &Scratch, api: &Path, memory: &str, extra: &[&str]) -> SpawnedProcess {
     let kernel = guest_image(scratch);
-    let mut args = vec![
-        "--api-socket",
-        api.to_str().unwrap(),
-        "--kernel",
-        kernel.to_str().unwrap(),
-        "--cmdline",
-        "memloop 1M 1 1000000000",
-        "--memory",
-        memory,
-        "--serial",
-        "tty",
-        "--console",
-        "off",
-    ];
+    let mut args = test_guest_args(api, &kernel, "memloop 1M 1 1000000000");
+    args.extend(["--memory", memory]);
     args.extend_from_slice(extra);
     let mut vm = spawn_ch(scratch, &args);
     wait_for_vm(&mut vm, api, LIMIT);

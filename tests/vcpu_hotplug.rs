@@ -7,7 +7,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::cloud_hypervisor_support::{
+    guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
+};
 use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -15,28 +17,17 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// `cloud-hypervisor --kernel <test guest> --cmdline cpu-hotplug --cpus boot=1,max=4`.
 fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
     let kernel = guest_image(scratch);
-    let mut vm = spawn_ch(
-        scratch,
-        &[
-            "--api-socket",
-            api.to_str().unwrap(),
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--cmdline",
-            "cpu-hotplug",
-            "--cpus",
-            "boot=1,max=4",
-            "--memory",
-            "size=128M",
-            "--serial",
-            "tty",
-            "--console",
-            "off",
-            "--seccomp",
-            "true",
-            "-v",
-        ],
-    );
+    let mut args = test_guest_args(api, &kernel, "cpu-hotplug");
+    args.extend([
+        "--cpus",
+        "boot=1,max=4",
+        "--memory",
+        "size=128M",
+        "--seccomp",
+        "true",
+        "-v",
+    ]);
+    let mut vm = spawn_ch(scratch, &args);
     wait_for_vm(&mut vm, api, LIMIT);
     vm
 }
