@@ -9,17 +9,21 @@ use gpuvm_arch::x86_64::address_space::{plan, HostAddressWidth, PlanRequest};
 use gpuvm_arch::x86_64::cpuid::{CpuidMask, CpuidReg};
 use gpuvm_arch::x86_64::layout::ram_regions;
 use gpuvm_vfio::host::{self, CheckStatus, HostPaths};
-use gpuvm_vmm::config::PciOptions;
+use gpuvm_vmm::config::{PassthroughTuning, PciOptions};
 
 #[derive(Args, Debug)]
 pub struct PassthroughArgs {
     /// Pass through the host PCI device at this address (bound to vfio-pci), e.g.
-    /// 0000:41:00.0. Repeatable; with --api-sock, PUT /gpus/{id} can add more.
-    #[arg(long = "gpu", value_name = "BDF")]
+    /// 0000:41:00.0, with optional `,clique=N` (GPUDirect clique, default from the host's
+    /// PCIe topology) and `,p2p=off` (peers do not DMA into its BARs). Repeatable; with
+    /// --api-sock, PUT /gpus/{id} can add more.
+    #[arg(long = "gpu", value_name = "BDF[,OPTIONS]")]
     pub gpus: Vec<String>,
-    /// Attach the vfio-user device served on this Unix socket. Repeatable.
-    #[arg(long = "vfio-user", value_name = "SOCKET")]
-    pub vfio_user: Vec<PathBuf>,
+    /// Attach the vfio-user device served on this Unix socket, with the options of
+    /// --gpu and `,topology_bdf=BDF` (the host GPU whose place in the host's PCIe
+    /// topology it takes). Repeatable.
+    #[arg(long = "vfio-user", value_name = "SOCKET[,OPTIONS]")]
+    pub vfio_user: Vec<String>,
     /// Size of the 64-bit PCI MMIO window above RAM in GiB (default: planned from the
     /// devices' BARs, with room to hot-plug one more, at least 512 where the host's
     /// physical address width allows).
@@ -32,16 +36,79 @@ pub struct PassthroughArgs {
 }
 
 impl PassthroughArgs {
-    pub fn pci_options(&self) -> PciOptions {
-        PciOptions {
-            gpus: self.gpus.clone(),
-            vfio_user: self.vfio_user.clone(),
+    pub fn pci_options(&self) -> Result<PciOptions, String> {
+        let mut options = PciOptions {
             mmio64_size: self
                 .pci_mmio64_gib
                 .map_or(0, |gib| gib.saturating_mul(1 << 30)),
             ..PciOptions::default()
+        };
+        for value in &self.gpus {
+            let (bdf, tuning) = device_value("--gpu", value, false)?;
+            options.gpus.push(bdf.clone());
+            options.tuning.insert(bdf, tuning);
+        }
+        for value in &self.vfio_user {
+            let (socket, tuning) = device_value("--vfio-user", value, true)?;
+            options.vfio_user.push(PathBuf::from(&socket));
+            options.tuning.insert(socket, tuning);
+        }
+        Ok(options)
+    }
+}
+
+/// `DEVICE[,key=value...]` of --gpu or --vfio-user: the device, and its choices. A
+/// vfio-user socket path may hold commas only where what follows is not `key=value`.
+fn device_value(
+    flag: &str,
+    value: &str,
+    vfio_user: bool,
+) -> Result<(String, PassthroughTuning), String> {
+    let mut parts: Vec<&str> = value.split(',').collect();
+    let known = |part: &str| {
+        part.split_once('=')
+            .is_some_and(|(key, _)| ["clique", "p2p", "topology_bdf"].contains(&key))
+    };
+    let first_option = (1..parts.len())
+        .find(|&i| parts[i..].iter().all(|p| known(p)))
+        .unwrap_or(parts.len());
+    let options = parts.split_off(first_option);
+    let device = parts.join(",");
+    if device.is_empty() {
+        return Err(format!("{flag} {value:?}: name the device first"));
+    }
+    let mut tuning = PassthroughTuning::default();
+    for option in options {
+        let (key, setting) = option.split_once('=').unwrap_or((option, ""));
+        match key {
+            "clique" => {
+                let clique = setting
+                    .parse::<u8>()
+                    .ok()
+                    .filter(|c| *c <= gpuvm_vmm::action::MAX_GPUDIRECT_CLIQUE);
+                tuning.clique = Some(clique.ok_or_else(|| {
+                    format!(
+                        "{flag} {value:?}: clique={setting:?} is not a clique id (0 to {})",
+                        gpuvm_vmm::action::MAX_GPUDIRECT_CLIQUE
+                    )
+                })?);
+            }
+            "p2p" => {
+                tuning.p2p = match setting {
+                    "on" => true,
+                    "off" => false,
+                    _ => return Err(format!("{flag} {value:?}: p2p={setting:?}: on or off")),
+                }
+            }
+            "topology_bdf" if vfio_user => {
+                gpuvm_vmm::action::parse_bdf(setting)
+                    .map_err(|e| format!("{flag} {value:?}: {}", e.message))?;
+                tuning.topology_bdf = Some(setting.to_string());
+            }
+            _ => return Err(format!("{flag} {value:?}: unknown option {option:?}")),
         }
     }
+    Ok((device, tuning))
 }
 
 /// `masks` plus, when `hide` is set, every bit that tells the guest it runs under KVM.
@@ -166,6 +233,37 @@ fn eight_gpus_fit(host: HostAddressWidth, bars: Option<Vec<u64>>, memory: u64) -
 mod tests {
     use super::*;
     use gpuvm_arch::x86_64::address_space::CpuVendor;
+
+    #[test]
+    fn device_options_parse_and_refuse_what_they_do_not_know() {
+        let (bdf, tuning) = device_value("--gpu", "0000:41:00.0,clique=3,p2p=off", false).unwrap();
+        assert_eq!(bdf, "0000:41:00.0");
+        assert_eq!(tuning.clique, Some(3));
+        assert!(!tuning.p2p);
+        let (socket, tuning) = device_value(
+            "--vfio-user",
+            "/run/a,b.sock,topology_bdf=0000:42:00.0",
+            true,
+        )
+        .unwrap();
+        assert_eq!(socket, "/run/a,b.sock");
+        assert_eq!(tuning.topology_bdf.as_deref(), Some("0000:42:00.0"));
+        assert!(tuning.p2p);
+        assert_eq!(
+            device_value("--gpu", "0000:41:00.0", false).unwrap().1,
+            PassthroughTuning::default()
+        );
+        for bad in [
+            "0000:41:00.0,clique=16",
+            "0000:41:00.0,p2p=maybe",
+            "0000:41:00.0,topology_bdf=0000:42:00.0",
+            ",p2p=on",
+        ] {
+            let error = device_value("--gpu", bad, false).unwrap_err();
+            assert!(error.contains("--gpu"), "{error}");
+        }
+        assert!(device_value("--vfio-user", "/s,topology_bdf=zz", true).is_err());
+    }
 
     #[test]
     fn eight_gpus_fit_where_the_width_allows() {

@@ -69,7 +69,7 @@ fn configuration(args: &RunArgs) -> Result<(VmConfig, PciOptions), CliError> {
             }),
         },
     };
-    let mut pci = args.passthrough.pci_options();
+    let mut pci = args.passthrough.pci_options().map_err(CliError::Other)?;
     pci.virtio = args.devices.virtio_options()?;
     let config = match &args.config_file {
         Some(path) => config_file::apply_config_file(path, config, &mut pci)?,

@@ -448,6 +448,9 @@ impl BootSourceBody {
 /// Longest GPU id the API accepts.
 pub const MAX_GPU_ID_LEN: usize = 64;
 
+/// Largest GPUDirect clique id: NVIDIA's capability holds it in 4 bits.
+pub const MAX_GPUDIRECT_CLIQUE: u8 = 15;
+
 /// PUT /gpus/{id}: one passthrough device, either a host GPU bound to vfio-pci or a
 /// device served over vfio-user.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -458,9 +461,46 @@ pub struct GpuBody {
     pub host_bdf: Option<String>,
     /// Unix socket of a vfio-user device process (absolute path).
     pub vfio_user_socket: Option<PathBuf>,
+    /// GPUDirect clique id (0 to 15) the guest's driver is told; default: derived from
+    /// the host's PCIe topology.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpudirect_clique: Option<u8>,
+    /// Whether peers may DMA into this device's BARs (default true).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p2p: Option<bool>,
 }
 
 impl GpuBody {
+    /// A device with every choice left to its default.
+    pub fn new(
+        gpu_id: impl Into<String>,
+        host_bdf: Option<String>,
+        vfio_user_socket: Option<PathBuf>,
+    ) -> Self {
+        GpuBody {
+            gpu_id: gpu_id.into(),
+            host_bdf,
+            vfio_user_socket,
+            gpudirect_clique: None,
+            p2p: None,
+        }
+    }
+
+    /// The key [`crate::config::PciOptions::tuning`] knows this device by.
+    pub fn backend_key(&self) -> Option<String> {
+        (self.host_bdf.clone())
+            .or_else(|| (self.vfio_user_socket.as_ref()).map(|s| s.display().to_string()))
+    }
+
+    /// This device's choices as the builder takes them.
+    pub fn tuning(&self) -> crate::config::PassthroughTuning {
+        crate::config::PassthroughTuning {
+            clique: self.gpudirect_clique,
+            p2p: self.p2p.unwrap_or(true),
+            topology_bdf: None,
+        }
+    }
+
     /// Checks the id (against the one in the URL when given) and that exactly one
     /// backend is named.
     pub fn validate(&self, path_id: Option<&str>) -> Result<(), ActionError> {
@@ -479,6 +519,13 @@ impl GpuBody {
             if path_id != id {
                 return Err(ActionError::bad_request(format!(
                     "gpu_id {id:?} does not match the id in the path ({path_id:?})"
+                )));
+            }
+        }
+        if let Some(clique) = self.gpudirect_clique {
+            if clique > MAX_GPUDIRECT_CLIQUE {
+                return Err(ActionError::bad_request(format!(
+                    "gpudirect_clique {clique}: a clique id is 0 to {MAX_GPUDIRECT_CLIQUE}"
                 )));
             }
         }

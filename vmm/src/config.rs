@@ -77,9 +77,42 @@ pub struct PciOptions {
     /// `memory.hotplug_size`), right after boot RAM and before the 64-bit BAR window;
     /// 0 means no memory hot-plug. (Here for the same reason as `max_vcpus`.)
     pub ram_hotplug_size: u64,
+    /// Per-device passthrough choices, keyed by the device's backend as configured: the
+    /// host PCI address for kernel VFIO, the socket path (as text) for vfio-user. A
+    /// device without an entry gets the defaults.
+    pub tuning: std::collections::BTreeMap<String, PassthroughTuning>,
+}
+
+/// How one passthrough device is presented beyond its own registers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PassthroughTuning {
+    /// The GPUDirect clique the guest's driver is told; None derives it from the host's
+    /// PCIe topology.
+    pub clique: Option<u8>,
+    /// Whether this device's BARs are DMA-mapped for its peers (`p2p=off` clears it).
+    pub p2p: bool,
+    /// The host PCI device whose place in the host's topology this device takes (a
+    /// vfio-user device standing for a host GPU); a kernel VFIO device is its own.
+    pub topology_bdf: Option<String>,
+}
+
+impl Default for PassthroughTuning {
+    fn default() -> Self {
+        PassthroughTuning {
+            clique: None,
+            p2p: true,
+            topology_bdf: None,
+        }
+    }
 }
 
 impl PciOptions {
+    /// The choices for the device whose backend is `key` (a host PCI address or a
+    /// vfio-user socket path).
+    pub fn tuning_of(&self, key: &str) -> PassthroughTuning {
+        self.tuning.get(key).cloned().unwrap_or_default()
+    }
+
     /// The vCPUs a VM of `machine` with these options may have.
     pub fn max_vcpus(&self, machine: &MachineConfig) -> u8 {
         self.max_vcpus.max(machine.vcpus)

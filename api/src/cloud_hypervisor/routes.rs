@@ -609,11 +609,7 @@ fn add(
                 if let Err(message) = check_other("", &user.other) {
                     return fault(400, message);
                 }
-                let gpu = GpuBody {
-                    gpu_id: user.id,
-                    host_bdf: None,
-                    vfio_user_socket: Some(user.socket),
-                };
+                let gpu = GpuBody::new(user.id, None, Some(user.socket));
                 (gpu, None)
             };
             let (gpu, device) = gpu;

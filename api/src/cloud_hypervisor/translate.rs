@@ -248,11 +248,7 @@ pub fn device(index: usize, device: &DeviceConfig) -> Result<GpuBody, Refusal> {
             )
         })?;
     let id = device.id.clone().unwrap_or_else(|| format!("_vfio{index}"));
-    let gpu = GpuBody {
-        gpu_id: id,
-        host_bdf: Some(bdf.to_string()),
-        vfio_user_socket: None,
-    };
+    let gpu = GpuBody::new(id, Some(bdf.to_string()), None);
     gpu.validate(None)
         .map_err(|e| format!("devices[{index}]: {}", e.message))?;
     Ok(gpu)

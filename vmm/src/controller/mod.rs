@@ -176,6 +176,9 @@ impl ApiController {
     pub fn pci_options(&self) -> PciOptions {
         let mut pci = self.pci.clone();
         for gpu in &self.gpus {
+            if let Some(key) = gpu.backend_key() {
+                pci.tuning.insert(key, gpu.tuning());
+            }
             if let Some(bdf) = &gpu.host_bdf {
                 pci.gpus.push(bdf.clone());
             }

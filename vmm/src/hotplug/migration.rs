@@ -67,11 +67,11 @@ pub struct MigratedGpu {
 
 impl MigratedGpu {
     fn source(&self) -> GpuBody {
-        GpuBody {
-            gpu_id: self.gpu_id.clone(),
-            host_bdf: self.host_bdf.clone(),
-            vfio_user_socket: self.vfio_user_socket.clone(),
-        }
+        GpuBody::new(
+            self.gpu_id.clone(),
+            self.host_bdf.clone(),
+            self.vfio_user_socket.clone(),
+        )
     }
 }
 
