@@ -223,6 +223,11 @@ pub struct DeviceConfig {
     pub path: PathBuf,
     #[serde(default)]
     pub id: Option<String>,
+    /// The GPUDirect clique (0 to 15) NVIDIA's driver in the guest is told; absent:
+    /// derived from the host's PCIe topology. Any JSON here, so that a value out of range
+    /// or of another type is refused by name (translate.rs) rather than as a parse error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub x_nv_gpudirect_clique: Option<serde_json::Value>,
     #[serde(flatten)]
     pub other: Other,
 }

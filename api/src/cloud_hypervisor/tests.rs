@@ -445,3 +445,36 @@ fn devices_added_without_an_id_get_distinct_ids() {
         .collect();
     assert_eq!(ids, ["_user_device0", "_user_device1"], "{info}");
 }
+
+/// `x_nv_gpudirect_clique` on a device becomes the GPU's clique; out of range, or not a
+/// number, is refused naming the field; absent leaves it to the host's topology.
+#[test]
+fn device_gpudirect_clique_is_translated_and_checked() {
+    let clique_of = |value: Option<serde_json::Value>| {
+        let mut body = kata_vm_config();
+        if let Some(value) = value {
+            body["devices"][0]["x_nv_gpudirect_clique"] = value;
+        }
+        let config: VmConfig = serde_json::from_value(body).map_err(|e| e.to_string())?;
+        let actions = translate::vm_config(&config)?;
+        actions
+            .iter()
+            .find_map(|action| match action {
+                VmmAction::PutGpu(gpu) => Some(gpu.gpudirect_clique),
+                _ => None,
+            })
+            .ok_or_else(|| "no PutGpu".to_string())
+    };
+    assert_eq!(clique_of(None), Ok(None));
+    assert_eq!(clique_of(Some(json!(0))), Ok(Some(0)));
+    assert_eq!(clique_of(Some(json!(15))), Ok(Some(15)));
+    for bad in [json!(16), json!(-1), json!(300)] {
+        let error = clique_of(Some(bad.clone())).unwrap_err();
+        assert!(
+            error.contains("devices[0].x_nv_gpudirect_clique") && error.contains("0 to 15"),
+            "{bad}: {error}"
+        );
+    }
+    let error = clique_of(Some(json!("3"))).unwrap_err();
+    assert!(error.contains("x_nv_gpudirect_clique"), "{error}");
+}

@@ -6,7 +6,7 @@ use serde_json::json;
 
 use gpuvm_vmm::action::{
     BackingKind, BootSourceBody, DriveBody, GpuBody, MachineConfigBody, PciSegmentsBody, VmmAction,
-    MAX_PCI_SEGMENTS,
+    MAX_GPUDIRECT_CLIQUE, MAX_PCI_SEGMENTS,
 };
 
 use super::config::{
@@ -248,7 +248,20 @@ pub fn device(index: usize, device: &DeviceConfig) -> Result<GpuBody, Refusal> {
             )
         })?;
     let id = device.id.clone().unwrap_or_else(|| format!("_vfio{index}"));
-    let gpu = GpuBody::new(id, Some(bdf.to_string()), None);
+    let mut gpu = GpuBody::new(id, Some(bdf.to_string()), None);
+    let clique = device.x_nv_gpudirect_clique.as_ref();
+    if let Some(clique) = clique.filter(|value| !value.is_null()) {
+        gpu.gpudirect_clique = Some(
+            (clique.as_u64())
+                .and_then(|id| u8::try_from(id).ok())
+                .filter(|id| *id <= MAX_GPUDIRECT_CLIQUE)
+                .ok_or_else(|| {
+                    format!(
+                        "devices[{index}].x_nv_gpudirect_clique = {clique} is not a clique id (0 to {MAX_GPUDIRECT_CLIQUE})"
+                    )
+                })?,
+        );
+    }
     gpu.validate(None)
         .map_err(|e| format!("devices[{index}]: {}", e.message))?;
     Ok(gpu)
