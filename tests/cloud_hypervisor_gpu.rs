@@ -81,7 +81,10 @@ fn gpu_hot_plug_snapshot_and_restore_through_the_cloud_hypervisor_api() {
     );
     let body = serde_json::json!({ "socket": first, "id": "gpu0" }).to_string();
     let twice = api_expect(&api, 400, "PUT", "/api/v1/vm.add-user-device", Some(&body));
-    assert!(twice.contains("already attached"), "{twice}");
+    assert!(
+        twice.contains("gpu0") && twice.contains("already"),
+        "{twice}"
+    );
     remove_device(&api, "gpu0");
     vmm.wait_for_stdout("hotplug: device 1 ejected", LIMIT);
     let emu_out = emu_a.wait(Duration::from_secs(10));

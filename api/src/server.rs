@@ -18,7 +18,7 @@ use gpuvm_vmm::action::VmmData;
 use gpuvm_vmm::action_channel::ActionSender;
 use gpuvm_vmm::metrics::METRICS;
 
-use crate::cloud_hypervisor::{self, Session};
+use crate::cloud_hypervisor;
 use crate::http::{ReadOutcome, Request, RequestReader, Response};
 use crate::routes::route;
 use crate::ApiError;
@@ -47,8 +47,6 @@ struct VmmLink {
     vmm: ActionSender,
     /// Held while the front end's command line starts the VM.
     started: StartGate,
-    /// Cloud Hypervisor's front end's state (whether vm.create happened).
-    session: Arc<Session>,
     /// Set when gpuvm runs as Firecracker: its front end answers every path.
     firecracker: Option<Arc<crate::firecracker::Session>>,
 }
@@ -65,20 +63,19 @@ impl ApiServer {
     /// seccomp filter once [`gpuvm_vmm::seccomp::enable`] ran (installed before the first
     /// accept; connection threads inherit it).
     pub fn start(path: &Path, vmm: ActionSender) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, vmm, StartGate::default(), None, Arc::default())
+        Self::start_with(path, vmm, StartGate::default(), None)
     }
 
-    /// As [`ApiServer::start`], with the Cloud Hypervisor front end's state given: the
-    /// `cloud-hypervisor` command line creates the VM through the same routes, so vm.info
-    /// on the socket echoes what the command line configured. Requests wait while
-    /// `started` is held (the command line's boot or restore).
+    /// As [`ApiServer::start`] for the `cloud-hypervisor` command line, which creates
+    /// the VM through the same routes (the controller keeps what it configured, so
+    /// vm.info on the socket echoes it). Requests wait while `started` is held (the
+    /// command line's boot or restore).
     pub fn start_cloud_hypervisor(
         path: &Path,
         vmm: ActionSender,
-        session: Arc<Session>,
         started: StartGate,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, vmm, started, None, session)
+        Self::start_with(path, vmm, started, None)
     }
 
     /// As [`ApiServer::start`], serving Firecracker's API ([`crate::firecracker`]) on
@@ -90,7 +87,7 @@ impl ApiServer {
         session: crate::firecracker::Session,
         started: StartGate,
     ) -> Result<ApiServer, ApiError> {
-        Self::start_with(path, vmm, started, Some(Arc::new(session)), Arc::default())
+        Self::start_with(path, vmm, started, Some(Arc::new(session)))
     }
 
     fn start_with(
@@ -98,7 +95,6 @@ impl ApiServer {
         vmm: ActionSender,
         started: StartGate,
         firecracker: Option<Arc<crate::firecracker::Session>>,
-        session: Arc<Session>,
     ) -> Result<ApiServer, ApiError> {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.file_type().is_socket() {
@@ -115,7 +111,6 @@ impl ApiServer {
         let link = VmmLink {
             vmm,
             started,
-            session,
             firecracker,
         };
         let server_busy = busy.clone();
@@ -586,9 +581,7 @@ fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
         return crate::firecracker::handle(request, session, &|action| link.vmm.dispatch(action));
     }
     if request.path.starts_with(cloud_hypervisor::PREFIX) {
-        return cloud_hypervisor::handle(request, fds, &link.session, &|action| {
-            link.vmm.dispatch(action)
-        });
+        return cloud_hypervisor::handle(request, fds, &|action| link.vmm.dispatch(action));
     }
     drop(fds);
     let action = match route(request) {
@@ -687,7 +680,6 @@ mod tests {
         let link = VmmLink {
             vmm,
             started,
-            session: Arc::default(),
             firecracker: None,
         };
         let request = Request {

@@ -30,7 +30,6 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuvm_api::cloud_hypervisor::Session;
 use gpuvm_api::http::{Method, Request};
 use gpuvm_api::server::{ApiServer, StartGate, StartUnderWay};
 use gpuvm_vmm::action::VmmAction;
@@ -473,7 +472,6 @@ fn blame(request_blame: &'static str, message: &str) -> &'static str {
 /// returns (`_under_way` is dropped then).
 fn configure(
     requests: Vec<StartRequest>,
-    session: Arc<Session>,
     vmm: ActionSender,
     failed: Arc<Mutex<Option<String>>>,
     _under_way: StartUnderWay,
@@ -489,9 +487,8 @@ fn configure(
             close: false,
         };
         log::info!(target: crate::LOG_TARGET, "command line: PUT {} {}", start.path, start.body);
-        let response = gpuvm_api::cloud_hypervisor::handle(&request, start.fds, &session, &|a| {
-            vmm.dispatch(a)
-        });
+        let response =
+            gpuvm_api::cloud_hypervisor::handle(&request, start.fds, &|a| vmm.dispatch(a));
         if response.status < 300 {
             continue;
         }
@@ -520,13 +517,12 @@ fn serve(args: ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     };
     seccomp.enable()?;
     let (vmm, vmm_end) = action_channel().map_err(gpuvm_vmm::Error::EventFd)?;
-    let session = Arc::new(Session::default());
     // The API's clients wait while the command line boots or restores the VM, as Cloud
     // Hypervisor's do.
     let (started, under_way) = StartGate::held();
     let server = match &args.api_socket {
         Some(path) => Some(
-            ApiServer::start_cloud_hypervisor(path, vmm.clone(), session.clone(), started)
+            ApiServer::start_cloud_hypervisor(path, vmm.clone(), started)
                 .map_err(|e| CliError::Other(e.to_string()))?,
         ),
         None => None,
@@ -539,7 +535,7 @@ fn serve(args: ChArgs, process_start: Instant) -> Result<ExitCode, CliError> {
         let failed = failed.clone();
         std::thread::Builder::new()
             .name("ch-config".into())
-            .spawn(move || configure(requests, session, vmm, failed, under_way))
+            .spawn(move || configure(requests, vmm, failed, under_way))
             .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
     }
     let wait_idle = |server: &Option<ApiServer>| {

@@ -128,6 +128,99 @@ pub enum VmmAction {
         desired_vcpus: Option<u8>,
         desired_ram: Option<u64>,
     },
+    /// Create the VM from a whole configuration (Cloud Hypervisor's vm.create): the
+    /// configuration actions as one unit (as [`VmmAction::Batch`]), after which the VM is
+    /// `Created`; the controller keeps `record`, the configuration as the client gave it,
+    /// for the client to read back. Refused (409) when the VM exists.
+    CreateVm {
+        actions: Vec<VmmAction>,
+        record: ClientRecord,
+    },
+    /// Boot the VM [`VmmAction::CreateVm`] made (Cloud Hypervisor's vm.boot): 404 when
+    /// none was created, 409 once booted.
+    BootCreated,
+    /// A device added to a created VM (Cloud Hypervisor's vm.add-*): configured before
+    /// boot (answers Empty), hot-plugged after (answers `{id, bdf}`), its id made up
+    /// when the client gave none; checked and carried out as one step.
+    AddDevice(AddDevice),
+    /// A restore whose snapshot's network interfaces take tap queues passed as
+    /// descriptors (Cloud Hypervisor's vm.restore `net_fds`), as one step; the restored
+    /// VM counts as created.
+    RestoreWithTaps {
+        load: SnapshotLoadBody,
+        taps: Vec<(String, Vec<OwnedFd>)>,
+    },
+}
+
+/// What a client that configures its VM as one document (Cloud Hypervisor) gave: the
+/// document without its devices, and each device as the client named it. The
+/// controller keeps it, adds and drops devices as they come and go, and returns it
+/// in GetInstanceInfo's `client_record`; the front end puts the document back together.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ClientRecord {
+    pub document: serde_json::Value,
+    pub devices: Vec<ClientDevice>,
+}
+
+/// One device of a [`ClientRecord`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClientDevice {
+    /// The id the client knows it by (given, or made up for it).
+    pub client_id: String,
+    /// The id gpuvm's actions name it by (a share's tag, `vsock`, else the same).
+    pub device_id: String,
+    /// Where in the document it goes back (the client's section name).
+    pub section: String,
+    /// The client's body for it, with its id filled in.
+    pub body: serde_json::Value,
+}
+
+/// A device for [`VmmAction::AddDevice`].
+#[derive(Debug)]
+pub struct AddDevice {
+    /// The pre-boot action that configures the device (PutDrive, PutNetworkInterface,
+    /// PutNetworkInterfaceFds, PutFs, PutVsock, PutGpu); the controller sets its id.
+    pub action: Box<VmmAction>,
+    /// The id the client gave; None makes one up: `id_prefix` and the first number no
+    /// device of the VM has.
+    pub client_id: Option<String>,
+    pub id_prefix: String,
+    /// Whether gpuvm names the device by the client's id (false for a share, named by
+    /// its tag, and vsock).
+    pub named_by_client_id: bool,
+    /// The PCI segment the client asked for; hot-plug happens on segment 0 only.
+    pub segment: u16,
+    /// Where the client's body goes in its [`ClientRecord`], and the body.
+    pub section: String,
+    pub body: serde_json::Value,
+}
+
+impl VmmAction {
+    /// The id of the device a pre-boot device action configures.
+    pub fn device_id(&self) -> Option<String> {
+        Some(match self {
+            VmmAction::PutDrive(body) => body.drive_id().to_string(),
+            VmmAction::PutNetworkInterface(config)
+            | VmmAction::PutNetworkInterfaceFds { config, .. } => config.iface_id.clone(),
+            VmmAction::PutGpu(body) => body.gpu_id.clone(),
+            VmmAction::PutFs(body) => body.tag.clone(),
+            VmmAction::PutVsock(_) => "vsock".to_string(),
+            _ => return None,
+        })
+    }
+
+    /// Names the device a pre-boot device action configures `id` (drives, network
+    /// interfaces and passthrough devices; a share keeps its tag, vsock its name).
+    pub fn set_device_id(&mut self, id: &str) {
+        match self {
+            VmmAction::PutDrive(DriveBody::Local(config)) => config.drive_id = id.to_string(),
+            VmmAction::PutDrive(DriveBody::VhostUser(config)) => config.drive_id = id.to_string(),
+            VmmAction::PutNetworkInterface(config)
+            | VmmAction::PutNetworkInterfaceFds { config, .. } => config.iface_id = id.to_string(),
+            VmmAction::PutGpu(body) => body.gpu_id = id.to_string(),
+            _ => {}
+        }
+    }
 }
 
 /// A virtio device to hot-plug: the body of the pre-boot action that configures its kind.
@@ -205,6 +298,8 @@ pub type ActionResult = Result<VmmData, ActionError>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum InstanceState {
     NotStarted,
+    /// Configured as a whole by [`VmmAction::CreateVm`], not booted yet.
+    Created,
     Running,
     Paused,
 }

@@ -7,33 +7,24 @@
 //! - [`translate`]: bodies → actions.
 //! - [`routes`]: the routes, their status codes and state names.
 //!
-//! Cloud Hypervisor distinguishes "no VM" from "created, not booted"; gpuvm's controller
-//! has one pre-boot state, so whether vm.create happened (and the VmConfig vm.info echoes)
-//! is kept here, in a [`Session`] per API server.
+//! - [`record`]: the VmConfig as the client gave it, which gpuvm's controller keeps.
+//!
+//! What a request means (Cloud Hypervisor's Created state, device ids, configuring a
+//! device or hot-plugging it, restores) is decided by gpuvm's controller
+//! (vmm/src/controller/client.rs): this front end keeps no state of its own.
 
 pub mod config;
+pub mod record;
 pub mod routes;
 pub mod translate;
 pub mod validate;
 
 #[cfg(test)]
+mod test_vmm;
+#[cfg(test)]
 mod tests;
-
-use std::sync::Mutex;
 
 pub use routes::handle;
 
 /// Where this API path prefix starts; everything under it is Cloud Hypervisor's.
 pub const PREFIX: &str = "/api/v1/";
-
-/// What vm.create left: the VmConfig as given (plus what vm.add-* added before boot).
-#[derive(Default)]
-pub struct Session {
-    config: Mutex<Option<config::VmConfig>>,
-}
-
-impl Session {
-    fn config(&self) -> std::sync::MutexGuard<'_, Option<config::VmConfig>> {
-        self.config.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}

@@ -9,8 +9,7 @@ use serde::Deserialize;
 
 use gpuvm_vmm::action::{VmmAction, VmmData};
 
-use super::super::config::{CpusConfig, Other};
-use super::super::Session;
+use super::super::config::Other;
 use super::{fault, from_error, not_created, parse, state, Dispatch};
 use crate::http::{Request, Response};
 
@@ -32,7 +31,7 @@ struct VmResize {
 }
 
 /// PUT vm.resize.
-pub(super) fn resize(request: &Request, session: &Session, dispatch: Dispatch) -> Response {
+pub(super) fn resize(request: &Request, dispatch: Dispatch) -> Response {
     let body: VmResize = match parse(&request.body) {
         Ok(body) => body,
         Err(response) => return response,
@@ -62,7 +61,7 @@ pub(super) fn resize(request: &Request, session: &Session, dispatch: Dispatch) -
             )
         }
     };
-    match state(session, dispatch) {
+    match state(dispatch) {
         Err(response) => return response,
         Ok(None) => return not_created(),
         Ok(Some(_)) => {}
@@ -72,34 +71,10 @@ pub(super) fn resize(request: &Request, session: &Session, dispatch: Dispatch) -
         desired_ram: body.desired_ram,
     };
     match dispatch(action) {
-        Ok(VmmData::Empty | VmmData::Json(_)) => {
-            if let (Some(vcpus), Some(config)) = (desired_vcpus, session.config().as_mut()) {
-                record_vcpus(&mut config.cpus, vcpus);
-            }
-            // vm.info shows the RAM the VM has now as memory.size, as Cloud Hypervisor's
-            // does after an ACPI memory hot-plug.
-            if let (Some(ram), Some(config)) = (body.desired_ram, session.config().as_mut()) {
-                if let Some(memory) = config.memory.as_mut() {
-                    memory.size = ram;
-                }
-            }
-            Response::no_content()
-        }
+        // vm.info shows the vCPUs and RAM the VM has now (the controller's machine
+        // configuration), as Cloud Hypervisor's does after a resize.
+        Ok(VmmData::Empty | VmmData::Json(_)) => Response::no_content(),
         Err(error) => from_error(error),
-    }
-}
-
-/// vm.info's configuration shows the vCPU count a resize asked for as `boot_vcpus`, as
-/// Cloud Hypervisor's does.
-fn record_vcpus(cpus: &mut Option<CpusConfig>, vcpus: u8) {
-    match cpus {
-        Some(cpus) => cpus.boot_vcpus = u32::from(vcpus),
-        None => {
-            *cpus = serde_json::from_value(serde_json::json!({
-                "boot_vcpus": vcpus, "max_vcpus": vcpus,
-            }))
-            .ok()
-        }
     }
 }
 

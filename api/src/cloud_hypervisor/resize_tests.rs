@@ -1,90 +1,27 @@
 //! vm.resize and vm.resize-zone against a fake VMM thread, and `cpus.max_vcpus` reaching
 //! the machine configuration.
 
-use std::cell::RefCell;
-
-use gpuvm_vmm::action::{ActionError, ActionResult, VmmAction, VmmData};
+use gpuvm_vmm::action::VmmAction;
 use serde_json::json;
 
 use super::super::config::VmConfig;
-use super::super::{translate, Session};
-use super::handle;
-use crate::http::{Method, Request, Response};
+use super::super::test_vmm::{call, controller, files, json_of, message, Booted, Files};
+use super::super::{record, translate};
+use crate::http::Method;
 
-/// Answers as the controller would for a VM of 2 vCPUs (max 8) and 2 GiB; remembers
-/// each resize.
-struct Fake {
-    state: RefCell<&'static str>,
-    resizes: RefCell<Vec<(Option<u8>, Option<u64>)>>,
-}
-
-impl Fake {
-    fn new() -> Self {
-        Fake {
-            state: RefCell::new("NotStarted"),
-            resizes: RefCell::new(Vec::new()),
-        }
-    }
-
-    fn act(&self, action: VmmAction) -> ActionResult {
-        match action {
-            VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": *self.state.borrow()}))),
-            VmmAction::StartInstance => {
-                *self.state.borrow_mut() = "Running";
-                Ok(VmmData::Empty)
-            }
-            VmmAction::Resize {
-                desired_vcpus,
-                desired_ram,
-            } => {
-                self.resizes.borrow_mut().push((desired_vcpus, desired_ram));
-                match (desired_vcpus, desired_ram) {
-                    (Some(0), _) => Err(ActionError::bad_request("desired_vcpus = 0")),
-                    (Some(n), _) if n > 8 => Err(ActionError::bad_request("above max_vcpus")),
-                    (_, Some(ram)) if ram != 2 << 30 => Err(ActionError::bad_request(
-                        "no memory hot-plug (static_sandbox_resource_mgmt)",
-                    )),
-                    _ => Ok(VmmData::Empty),
-                }
-            }
-            _ => Ok(VmmData::Empty),
-        }
-    }
-}
-
-fn call(session: &Session, fake: &Fake, method: Method, path: &str, body: &str) -> Response {
-    let request = Request {
-        method,
-        path: path.into(),
-        body: body.as_bytes().to_vec(),
-        close: false,
-    };
-    handle(&request, Vec::new(), session, &|action| fake.act(action))
-}
-
-fn kata_create(session: &Session, fake: &Fake) {
-    let body = json!({
-        "payload": {"kernel": "/opt/kata/vmlinux"},
+/// Kata's vm.create body for a VM of 2 vCPUs (up to 8) and 2 GiB.
+fn kata_body(files: &Files) -> serde_json::Value {
+    json!({
+        "payload": {"kernel": files.kernel},
         "cpus": {"boot_vcpus": 2, "max_vcpus": 8},
         "memory": {"size": 2u64 << 30},
-    });
-    let created = call(
-        session,
-        fake,
-        Method::Put,
-        "/api/v1/vm.create",
-        &body.to_string(),
-    );
-    assert_eq!(created.status, 204);
+    })
 }
 
-fn info(session: &Session, fake: &Fake) -> serde_json::Value {
-    let info = call(session, fake, Method::Get, "/api/v1/vm.info", "");
-    serde_json::from_slice(&info.body).unwrap()
-}
-
-fn message(response: &Response) -> String {
-    String::from_utf8_lossy(&response.body).into_owned()
+/// A booted VM made from Kata's body.
+fn booted(files: &Files) -> Booted {
+    let config: VmConfig = serde_json::from_value(kata_body(files)).unwrap();
+    Booted::new(record::of_config(&config))
 }
 
 #[test]
@@ -112,44 +49,53 @@ fn max_vcpus_reaches_the_machine_configuration() {
 }
 
 /// Kata's call at sandbox start: vm.resize to the count the VM already has is 204, and
-/// vm.info's configuration shows the count asked for.
+/// vm.info's configuration shows the count the VM has after a resize.
 #[test]
 fn kata_resize_at_sandbox_start_is_accepted() {
-    let (session, fake) = (Session::default(), Fake::new());
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
     let early = call(
-        &session,
-        &fake,
+        dispatch,
         Method::Put,
         "/api/v1/vm.resize",
         r#"{"desired_vcpus":2}"#,
     );
     assert_eq!(early.status, 404, "{}", message(&early));
-    kata_create(&session, &fake);
+    let body = kata_body(&files).to_string();
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.boot", "").status,
+        call(dispatch, Method::Put, "/api/v1/vm.create", &body).status,
         204
     );
+    let before_boot = call(
+        dispatch,
+        Method::Put,
+        "/api/v1/vm.resize",
+        r#"{"desired_vcpus":2}"#,
+    );
+    assert_eq!(before_boot.status, 204, "{}", message(&before_boot));
+
+    let vm = booted(&files);
+    let dispatch = &|action| vm.act(action);
     let resize = call(
-        &session,
-        &fake,
+        dispatch,
         Method::Put,
         "/api/v1/vm.resize",
         r#"{"desired_vcpus":2}"#,
     );
     assert_eq!(resize.status, 204, "{}", message(&resize));
     let grown = call(
-        &session,
-        &fake,
+        dispatch,
         Method::Put,
         "/api/v1/vm.resize",
         r#"{"desired_vcpus":4,"desired_ram":null,"desired_balloon":null}"#,
     );
     assert_eq!(grown.status, 204, "{}", message(&grown));
-    assert_eq!(info(&session, &fake)["config"]["cpus"]["boot_vcpus"], 4);
-    assert_eq!(info(&session, &fake)["config"]["cpus"]["max_vcpus"], 8);
-    assert_eq!(*fake.resizes.borrow(), [(Some(2), None), (Some(4), None)]);
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], 4);
+    assert_eq!(info["config"]["cpus"]["max_vcpus"], 8);
+    assert_eq!(*vm.resizes.borrow(), [(Some(2), None), (Some(4), None)]);
     assert_eq!(
-        call(&session, &fake, Method::Get, "/api/v1/vm.resize", "").status,
+        call(dispatch, Method::Get, "/api/v1/vm.resize", "").status,
         405
     );
 }
@@ -157,8 +103,9 @@ fn kata_resize_at_sandbox_start_is_accepted() {
 /// Refusals keep the VM (and vm.info's configuration) as it was.
 #[test]
 fn bad_resizes_are_refused_with_the_vm_unchanged() {
-    let (session, fake) = (Session::default(), Fake::new());
-    kata_create(&session, &fake);
+    let files = files();
+    let vm = booted(&files);
+    let dispatch = &|action| vm.act(action);
     for (body, status, says) in [
         (r#"{"desired_vcpus":0}"#, 400, "desired_vcpus = 0"),
         (r#"{"desired_vcpus":9}"#, 400, "max_vcpus"),
@@ -174,7 +121,7 @@ fn bad_resizes_are_refused_with_the_vm_unchanged() {
         (r#"{"desired_vcpus":2,"cpus":1}"#, 400, "cpus"),
         ("", 400, "JSON body"),
     ] {
-        let answer = call(&session, &fake, Method::Put, "/api/v1/vm.resize", body);
+        let answer = call(dispatch, Method::Put, "/api/v1/vm.resize", body);
         assert_eq!(answer.status, status, "{body}: {}", message(&answer));
         assert!(
             message(&answer).contains(says),
@@ -182,11 +129,11 @@ fn bad_resizes_are_refused_with_the_vm_unchanged() {
             message(&answer)
         );
     }
-    assert_eq!(info(&session, &fake)["config"]["cpus"]["boot_vcpus"], 2);
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], 2);
     // The same RAM is no change.
     let same = call(
-        &session,
-        &fake,
+        dispatch,
         Method::Put,
         "/api/v1/vm.resize",
         r#"{"desired_ram":2147483648}"#,
@@ -196,18 +143,17 @@ fn bad_resizes_are_refused_with_the_vm_unchanged() {
 
 #[test]
 fn resize_zone_is_refused_naming_the_kata_setting() {
-    let (session, fake) = (Session::default(), Fake::new());
-    kata_create(&session, &fake);
+    let files = files();
+    let vm = booted(&files);
     let answer = call(
-        &session,
-        &fake,
+        &|action| vm.act(action),
         Method::Put,
         "/api/v1/vm.resize-zone",
         r#"{"id":"mem0","desired_ram":4294967296}"#,
     );
     assert_eq!(answer.status, 400);
     assert!(message(&answer).contains("static_sandbox_resource_mgmt"));
-    assert!(fake.resizes.borrow().is_empty());
+    assert!(vm.resizes.borrow().is_empty());
 }
 
 /// `memory.hotplug_size` (ACPI, Cloud Hypervisor's default method) is the room for

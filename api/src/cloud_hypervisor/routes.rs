@@ -7,15 +7,15 @@ use std::path::PathBuf;
 use serde_json::{json, Value};
 
 use gpuvm_vmm::action::{
-    ActionError, ActionResult, GpuBody, RestoreModeBody, SnapshotCreateBody, SnapshotLoadBody,
-    VirtioHotplug, VmmAction, VmmData,
+    ActionError, ActionResult, AddDevice, ClientRecord, GpuBody, RestoreModeBody,
+    SnapshotCreateBody, SnapshotLoadBody, VmmAction, VmmData,
 };
 
 use super::config::{
     check_other, DeviceConfig, DiskConfig, FsConfig, NetConfig, RemoveDevice, RestoreConfig,
     SnapshotConfig, VmConfig, VsockConfig,
 };
-use super::{translate, Session, PREFIX};
+use super::{record, translate, PREFIX};
 use crate::http::{Method, Request, Response};
 
 #[path = "resize.rs"]
@@ -51,7 +51,8 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Response> {
     serde_json::from_slice(body).map_err(|e| fault(400, format!("invalid JSON body: {e}")))
 }
 
-/// Where the VM is, in Cloud Hypervisor's words; None before vm.create.
+/// Where the VM is, in Cloud Hypervisor's words (the controller's state); None before
+/// vm.create.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum VmState {
     Created,
@@ -69,17 +70,29 @@ impl VmState {
     }
 }
 
-fn state(session: &Session, dispatch: Dispatch) -> Result<Option<VmState>, Response> {
+/// What the controller says of the VM: its state and the client's record of it.
+struct Seen {
+    state: Option<VmState>,
+    record: ClientRecord,
+}
+
+fn look(dispatch: Dispatch) -> Result<Seen, Response> {
     let info = match dispatch(VmmAction::GetInstanceInfo).map_err(from_error)? {
         VmmData::Json(info) => info,
         VmmData::Empty => Value::Null,
     };
-    Ok(match info["state"].as_str() {
+    let state = match info["state"].as_str() {
         Some("Running") => Some(VmState::Running),
         Some("Paused") => Some(VmState::Paused),
-        _ if session.config().is_some() => Some(VmState::Created),
+        Some("Created") => Some(VmState::Created),
         _ => None,
-    })
+    };
+    let record = serde_json::from_value(info["client_record"].clone()).unwrap_or_default();
+    Ok(Seen { state, record })
+}
+
+fn state(dispatch: Dispatch) -> Result<Option<VmState>, Response> {
+    look(dispatch).map(|seen| seen.state)
 }
 
 fn not_created() -> Response {
@@ -100,8 +113,8 @@ fn empty(result: ActionResult) -> Response {
 
 /// Runs a state-changing action on a booted VM: 404 before vm.create, 405 (Cloud
 /// Hypervisor's "not booted") where the controller says the state is wrong.
-fn on_booted(session: &Session, dispatch: Dispatch, action: VmmAction) -> Response {
-    match state(session, dispatch) {
+fn on_booted(dispatch: Dispatch, action: VmmAction) -> Response {
+    match state(dispatch) {
         Err(response) => return response,
         Ok(None) => return not_created(),
         Ok(Some(VmState::Created)) => {
@@ -126,12 +139,7 @@ fn file_url(field: &str, url: &str) -> Result<PathBuf, Response> {
 }
 
 /// Answers one `/api/v1/...` request; `fds` are the descriptors that came with it.
-pub fn handle(
-    request: &Request,
-    fds: Vec<OwnedFd>,
-    session: &Session,
-    dispatch: Dispatch,
-) -> Response {
+pub fn handle(request: &Request, fds: Vec<OwnedFd>, dispatch: Dispatch) -> Response {
     let name = request.path[PREFIX.len()..].trim_end_matches('/');
     let name = name.split('?').next().unwrap_or(name);
     use Method::{Get, Put};
@@ -162,19 +170,17 @@ pub fn handle(
             )
         }),
         "vmm.shutdown" => put_only(&|| empty(dispatch(VmmAction::ShutdownVmm))),
-        "vm.info" => get_only(&|| info(session, dispatch)),
-        "vm.counters" => get_only(&|| counters(session, dispatch)),
-        "vm.create" => put_only(&|| create(request, session, dispatch)),
-        "vm.boot" => put_only(&|| match state(session, dispatch) {
-            Err(response) => response,
-            Ok(None) => not_created(),
-            Ok(Some(VmState::Created)) => empty(dispatch(VmmAction::StartInstance)),
-            Ok(Some(_)) => fault(409, "the VM is already booted"),
+        "vm.info" => get_only(&|| info(dispatch)),
+        "vm.counters" => get_only(&|| counters(dispatch)),
+        "vm.create" => put_only(&|| create(request, dispatch)),
+        "vm.boot" => put_only(&|| match dispatch(VmmAction::BootCreated) {
+            Err(error) if error.status == 404 => not_created(),
+            other => empty(other),
         }),
-        "vm.pause" => put_only(&|| on_booted(session, dispatch, VmmAction::Pause)),
-        "vm.resume" => put_only(&|| on_booted(session, dispatch, VmmAction::Resume)),
+        "vm.pause" => put_only(&|| on_booted(dispatch, VmmAction::Pause)),
+        "vm.resume" => put_only(&|| on_booted(dispatch, VmmAction::Resume)),
         // gpuvm's run ends with its VM: the process exits once the guest is stopped.
-        "vm.shutdown" => put_only(&|| on_booted(session, dispatch, VmmAction::ShutdownVmm)),
+        "vm.shutdown" => put_only(&|| on_booted(dispatch, VmmAction::ShutdownVmm)),
         "vm.snapshot" => put_only(&|| {
             let body: SnapshotConfig = match parse(&request.body) {
                 Ok(body) => body,
@@ -185,7 +191,6 @@ pub fn handle(
             }
             match file_url("destination_url", &body.destination_url) {
                 Ok(path) => on_booted(
-                    session,
                     dispatch,
                     VmmAction::CreateSnapshot(SnapshotCreateBody::full(path)),
                 ),
@@ -195,23 +200,19 @@ pub fn handle(
         "vm.restore" => {
             // The taps of `net_fds` come with the request (taken once: the route runs once).
             let fds = std::cell::Cell::new(fds);
-            put_only(&|| restore(request, session, dispatch, fds.take()))
+            put_only(&|| restore(request, dispatch, fds.take()))
         }
-        "vm.add-disk" => put_only(&|| add(request, session, dispatch, Kind::Disk, fds_none(&fds))),
-        "vm.add-fs" => put_only(&|| add(request, session, dispatch, Kind::Fs, fds_none(&fds))),
-        "vm.add-vsock" => {
-            put_only(&|| add(request, session, dispatch, Kind::Vsock, fds_none(&fds)))
-        }
-        "vm.add-device" => {
-            put_only(&|| add(request, session, dispatch, Kind::Device, fds_none(&fds)))
-        }
+        "vm.add-disk" => put_only(&|| add(request, dispatch, Kind::Disk, fds_none(&fds))),
+        "vm.add-fs" => put_only(&|| add(request, dispatch, Kind::Fs, fds_none(&fds))),
+        "vm.add-vsock" => put_only(&|| add(request, dispatch, Kind::Vsock, fds_none(&fds))),
+        "vm.add-device" => put_only(&|| add(request, dispatch, Kind::Device, fds_none(&fds))),
         "vm.add-user-device" => {
-            put_only(&|| add(request, session, dispatch, Kind::UserDevice, fds_none(&fds)))
+            put_only(&|| add(request, dispatch, Kind::UserDevice, fds_none(&fds)))
         }
         "vm.add-net" => {
             // The tap descriptors go with the action (taken once: the route runs once).
             let fds = std::cell::Cell::new(fds);
-            put_only(&|| add(request, session, dispatch, Kind::Net, fds.take()))
+            put_only(&|| add(request, dispatch, Kind::Net, fds.take()))
         }
         "vm.remove-device" => put_only(&|| {
             let body: RemoveDevice = match parse(&request.body) {
@@ -220,23 +221,9 @@ pub fn handle(
             };
             // Before boot any device added leaves the configuration; after boot the guest
             // is asked to eject the hot-plugged device, and the answer comes at once (the
-            // device goes when the guest ejects it).
-            let booted = match state(session, dispatch) {
-                Err(response) => return response,
-                Ok(None) => return not_created(),
-                Ok(Some(state)) => state != VmState::Created,
-            };
-            // gpuvm names a share by its tag and the vsock device `vsock`.
-            let target = match session.config().as_ref() {
-                Some(config) if !booted => gpuvm_id(config, &body.id),
-                _ => body.id.clone(),
-            };
-            let result = dispatch(VmmAction::RemoveDevice(target));
-            if result.is_ok() {
-                if let Some(config) = session.config().as_mut() {
-                    forget_device(config, &body.id);
-                }
-            }
+            // device goes when the guest ejects it). The controller knows the device by
+            // the client's id.
+            let result = dispatch(VmmAction::RemoveDevice(body.id.clone()));
             match result {
                 Err(error) if error.status == 404 => fault(
                     404,
@@ -248,7 +235,7 @@ pub fn handle(
                 other => empty(other),
             }
         }),
-        "vm.resize" => put_only(&|| resize::resize(request, session, dispatch)),
+        "vm.resize" => put_only(&|| resize::resize(request, dispatch)),
         "vm.resize-zone" => put_only(&resize::resize_zone),
         "vm.resize-disk" => {
             put_only(&|| unsupported(name, "disks cannot be resized while attached"))
@@ -290,17 +277,32 @@ fn fds_none(fds: &[OwnedFd]) -> Vec<OwnedFd> {
     Vec::new()
 }
 
-fn info(session: &Session, dispatch: Dispatch) -> Response {
-    let state = match state(session, dispatch) {
-        Ok(Some(state)) => state,
-        Ok(None) => return not_created(),
+fn info(dispatch: Dispatch) -> Response {
+    let seen = match look(dispatch) {
+        Ok(seen) => seen,
         Err(response) => return response,
     };
-    let config = session.config().clone();
-    let memory = config
-        .as_ref()
-        .and_then(|c| c.memory.as_ref())
-        .map_or(512 << 20, |m| m.size);
+    let Some(state) = seen.state else {
+        return not_created();
+    };
+    // The controller's machine configuration is what the VM has now (a resize changes
+    // it): Cloud Hypervisor's vm.info shows it as boot_vcpus and memory.size.
+    let machine = match dispatch(VmmAction::GetMachineConfig) {
+        Ok(VmmData::Json(machine)) => Some(machine),
+        _ => None,
+    };
+    let mut config = record::to_config(&seen.record, machine.as_ref());
+    if let Some(machine) = &machine {
+        if config["cpus"].is_object() {
+            config["cpus"]["boot_vcpus"] = machine["vcpu_count"].clone();
+        }
+        if let Some(mib) = machine["mem_size_mib"].as_u64() {
+            if config["memory"].is_object() {
+                config["memory"]["size"] = json!(mib << 20);
+            }
+        }
+    }
+    let memory = config["memory"]["size"].as_u64().unwrap_or(512 << 20);
     let mut answer = json!({
         "config": config,
         "state": state.name(),
@@ -334,8 +336,8 @@ fn device_tree(dispatch: Dispatch) -> Value {
 }
 
 /// vm.counters: gpuvm's counters, as Cloud Hypervisor's map of names to integer maps.
-fn counters(session: &Session, dispatch: Dispatch) -> Response {
-    match state(session, dispatch) {
+fn counters(dispatch: Dispatch) -> Response {
+    match state(dispatch) {
         Ok(Some(_)) => {}
         Ok(None) => return not_created(),
         Err(response) => return response,
@@ -361,12 +363,14 @@ fn counters(session: &Session, dispatch: Dispatch) -> Response {
     Response::json(200, &Value::Object(out))
 }
 
-fn create(request: &Request, session: &Session, dispatch: Dispatch) -> Response {
+fn create(request: &Request, dispatch: Dispatch) -> Response {
     let config: VmConfig = match parse(&request.body) {
         Ok(config) => config,
         Err(response) => return response,
     };
-    match state(session, dispatch) {
+    // A VM that exists is the answer before the body's rules (as Cloud Hypervisor's);
+    // the controller checks it again with the creation itself.
+    match state(dispatch) {
         Ok(None) => {}
         Ok(Some(_)) => return fault(409, "the VM is already created"),
         Err(response) => return response,
@@ -378,21 +382,15 @@ fn create(request: &Request, session: &Session, dispatch: Dispatch) -> Response 
         Ok(actions) => actions,
         Err(message) => return fault(400, message),
     };
-    match dispatch(VmmAction::Batch(actions)) {
-        Ok(_) => {
-            *session.config() = Some(config);
-            Response::no_content()
-        }
+    let record = record::of_config(&config);
+    match dispatch(VmmAction::CreateVm { actions, record }) {
+        Ok(_) => Response::no_content(),
+        Err(error) if error.status == 409 => fault(409, "the VM is already created"),
         Err(error) => from_error(error),
     }
 }
 
-fn restore(
-    request: &Request,
-    session: &Session,
-    dispatch: Dispatch,
-    tap_fds: Vec<OwnedFd>,
-) -> Response {
+fn restore(request: &Request, dispatch: Dispatch, tap_fds: Vec<OwnedFd>) -> Response {
     let body: RestoreConfig = match parse(&request.body) {
         Ok(body) => body,
         Err(response) => return response,
@@ -427,11 +425,6 @@ fn restore(
         Ok(path) => path,
         Err(response) => return response,
     };
-    match state(session, dispatch) {
-        Ok(None) => {}
-        Ok(Some(_)) => return fault(404, "the VM is already created: restore into a new gpuvm"),
-        Err(response) => return response,
-    }
     // Cloud Hypervisor restores paused unless `resume` (vm.resume runs it). Memory:
     // `Copy` or `prefault: true` loads every page first; `OnDemand`, or no mode at all,
     // is gpuvm's lazy restore.
@@ -446,18 +439,13 @@ fn restore(
             )
         }
     };
-    // The taps go to the VMM thread first; the load's interfaces take them.
+    // The taps go with the load, for the snapshot's interfaces that take them.
     let mut fds = tap_fds.into_iter();
-    for net in &net_fds {
-        let pass = VmmAction::PassTaps {
-            iface_id: net.id.clone(),
-            fds: fds.by_ref().take(net.num_fds).collect(),
-        };
-        if let Err(error) = dispatch(pass) {
-            return from_error(error);
-        }
-    }
-    let action = VmmAction::LoadSnapshot(SnapshotLoadBody {
+    let taps = net_fds
+        .iter()
+        .map(|net| (net.id.clone(), fds.by_ref().take(net.num_fds).collect()))
+        .collect();
+    let load = SnapshotLoadBody {
         snapshot_path: path,
         restore_mode: if eager {
             RestoreModeBody::Eager
@@ -469,26 +457,13 @@ fn restore(
         resume_vm: body.resume,
         record_working_set: false,
         gpus: Vec::new(),
-    });
-    let result = dispatch(action);
-    if result.is_ok() {
-        let machine = dispatch(VmmAction::GetMachineConfig).ok();
-        let (vcpus, mib, max_vcpus) = match machine {
-            Some(VmmData::Json(m)) => (
-                m["vcpu_count"].as_u64().unwrap_or(1),
-                m["mem_size_mib"].as_u64().unwrap_or(0),
-                m["max_vcpus"].as_u64(),
-            ),
-            _ => (1, 0, None),
-        };
-        let restored = json!({
-            "payload": {},
-            "cpus": {"boot_vcpus": vcpus, "max_vcpus": max_vcpus.unwrap_or(vcpus)},
-            "memory": {"size": mib << 20},
-        });
-        *session.config() = serde_json::from_value(restored).ok();
+    };
+    match dispatch(VmmAction::RestoreWithTaps { load, taps }) {
+        Err(error) if error.status == 409 => {
+            fault(404, "the VM is already created: restore into a new gpuvm")
+        }
+        other => empty(other),
     }
-    empty(result)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -526,211 +501,139 @@ impl Kind {
 }
 
 /// vm.add-*: before boot, the device joins the VM's configuration (204); after boot it is
-/// hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo).
-fn add(
-    request: &Request,
-    session: &Session,
-    dispatch: Dispatch,
-    kind: Kind,
-    tap_fds: Vec<OwnedFd>,
-) -> Response {
-    let mut value: Value = match parse(&request.body) {
+/// hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo). The controller decides which,
+/// makes up the id of a device given without one and keeps the client's record: one
+/// action.
+fn add(request: &Request, dispatch: Dispatch, kind: Kind, tap_fds: Vec<OwnedFd>) -> Response {
+    let value: Value = match parse(&request.body) {
         Ok(value) => value,
         Err(response) => return response,
     };
-    let booted = match state(session, dispatch) {
-        Ok(None) => return not_created(),
-        Ok(Some(state)) => state != VmState::Created,
+    // The configuration as it stands, for Cloud Hypervisor's own rules on the device.
+    let seen = match look(dispatch) {
+        Ok(seen) => seen,
         Err(response) => return response,
     };
-    let bad = |e: serde_json::Error| fault(400, format!("invalid body: {e}"));
-    let mut guard = session.config();
-    let Some(config) = guard.as_mut() else {
+    let Some(state) = seen.state else {
         return not_created();
     };
-    // A device added without an id gets one no device of this VM has (Cloud Hypervisor's
-    // `_disk0`, `_net1`, ...), also after others were removed; a booted VM's devices count
-    // too (a restored VM's configuration does not list them).
-    if let (Value::Object(fields), Some(prefix)) = (&mut value, kind.id_prefix()) {
-        if fields.get("id").is_none_or(Value::is_null) {
-            let mut taken = config_ids(config);
-            if booted {
-                let tree = device_tree(dispatch);
-                taken.extend(tree.as_object().into_iter().flat_map(|t| t.keys().cloned()));
-            }
-            fields.insert("id".into(), json!(fresh_id(&taken, prefix)));
-        }
-    }
-    // Cloud Hypervisor's rules, for the configuration with the device in it.
-    if let Err(message) = validate_added(config, kind, &value) {
+    let booted = state != VmState::Created;
+    let config = record::parsed(&seen.record).unwrap_or_else(empty_config);
+    if let Err(message) = validate_added(&config, kind, &value) {
         return fault(400, message);
     }
-    // vm.create checked it; a device's pci_segment must be one of these.
-    let segments = translate::num_pci_segments(config).unwrap_or(1);
-    let passthrough_segment = |value: &Value| {
-        let other: super::config::Other = value
-            .get("pci_segment")
-            .map(|s| [("pci_segment".to_string(), s.clone())].into())
-            .unwrap_or_default();
-        translate::passthrough_segment("device", &other, segments)
+    let add = match device_to_add(&config, kind, value, tap_fds) {
+        Ok(add) => add,
+        Err(message) => return fault(400, message),
     };
-    if matches!(kind, Kind::Device | Kind::UserDevice) {
-        if let Err(message) = passthrough_segment(&value) {
-            return fault(400, message);
-        }
-    }
-    // What the device is in gpuvm's terms, its id and PCI segment, and how vm.info's
-    // configuration records it.
-    type Record<'c> = Box<dyn FnOnce(&mut VmConfig) + 'c>;
-    let (id, action, segment, record): (String, VmmAction, u16, Record) = match kind {
-        Kind::Device | Kind::UserDevice => {
-            let gpu = if kind == Kind::Device {
-                let device: DeviceConfig = match serde_json::from_value(value.clone()) {
-                    Ok(d) => d,
-                    Err(e) => return bad(e),
-                };
-                let index = config.devices.len();
-                match translate::device(index, &device) {
-                    Ok(gpu) => (gpu, Some(device)),
-                    Err(message) => return fault(400, message),
-                }
-            } else {
-                #[derive(serde::Deserialize)]
-                struct UserDevice {
-                    socket: PathBuf,
-                    id: String,
-                    #[serde(flatten)]
-                    other: super::config::Other,
-                }
-                let user: UserDevice = match serde_json::from_value(value.clone()) {
-                    Ok(d) => d,
-                    Err(e) => return bad(e),
-                };
-                if let Err(message) = check_other("", &user.other) {
-                    return fault(400, message);
-                }
-                let gpu = GpuBody::new(user.id, None, Some(user.socket));
-                (gpu, None)
-            };
-            let (gpu, device) = gpu;
-            let id = gpu.gpu_id.clone();
-            let record: Record = match device {
-                Some(device) => Box::new(move |c: &mut VmConfig| c.devices.push(device)),
-                None => Box::new(move |c: &mut VmConfig| push_user_device(c, value)),
-            };
-            (id, VmmAction::PutGpu(gpu), 0, record)
-        }
-        Kind::Disk => {
-            let disk: DiskConfig = match serde_json::from_value(value) {
-                Ok(d) => d,
-                Err(e) => return bad(e),
-            };
-            let segment = match translate::pci_segment("disk", &disk.other, segments) {
-                Ok(segment) => segment,
-                Err(message) => return fault(400, message),
-            };
-            match translate::disk(config.disks.len(), &disk) {
-                Ok((id, action)) => (
-                    id,
-                    action,
-                    segment,
-                    Box::new(|c: &mut VmConfig| c.disks.push(disk)) as Record,
-                ),
-                Err(message) => return fault(400, message),
-            }
-        }
-        Kind::Fs => {
-            let fs: FsConfig = match serde_json::from_value(value) {
-                Ok(d) => d,
-                Err(e) => return bad(e),
-            };
-            let segment = match translate::pci_segment("fs", &fs.other, segments) {
-                Ok(segment) => segment,
-                Err(message) => return fault(400, message),
-            };
-            match translate::fs(config.fs.len(), &fs) {
-                // gpuvm names a share by its tag.
-                Ok((_, action)) => (
-                    fs.tag.clone(),
-                    action,
-                    segment,
-                    Box::new(|c: &mut VmConfig| c.fs.push(fs)) as Record,
-                ),
-                Err(message) => return fault(400, message),
-            }
-        }
-        Kind::Vsock => {
-            let vsock: VsockConfig = match serde_json::from_value(value) {
-                Ok(d) => d,
-                Err(e) => return bad(e),
-            };
-            let segment = match translate::pci_segment("vsock", &vsock.other, segments) {
-                Ok(segment) => segment,
-                Err(message) => return fault(400, message),
-            };
-            match translate::vsock(&vsock) {
-                Ok((_, action)) => (
-                    "vsock".into(),
-                    action,
-                    segment,
-                    Box::new(|c: &mut VmConfig| c.vsock = Some(vsock)) as Record,
-                ),
-                Err(message) => return fault(400, message),
-            }
-        }
-        Kind::Net => {
-            let net: NetConfig = match serde_json::from_value(value) {
-                Ok(d) => d,
-                Err(e) => return bad(e),
-            };
-            let passed = !tap_fds.is_empty();
-            let segment = match translate::pci_segment("net", &net.other, segments) {
-                Ok(segment) => segment,
-                Err(message) => return fault(400, message),
-            };
-            match translate::net(config.net.len(), &net, passed) {
-                // The VMM thread checks that each is a tap, one per queue pair.
-                Ok((id, body)) => {
-                    let action = if passed {
-                        VmmAction::PutNetworkInterfaceFds {
-                            config: body,
-                            fds: tap_fds,
-                        }
-                    } else {
-                        VmmAction::PutNetworkInterface(body)
-                    };
-                    (
-                        id,
-                        action,
-                        segment,
-                        Box::new(|c: &mut VmConfig| c.net.push(net)) as Record,
-                    )
-                }
-                Err(message) => return fault(400, message),
-            }
-        }
-    };
-    if booted {
-        return hot_plug(dispatch, kind, &id, action, segment, || record(config));
-    }
-    let result = match action {
-        // The taps are handed over first; placing the interface cannot fail (the
-        // segment was checked above).
-        action @ VmmAction::PutNetworkInterfaceFds { .. } => {
-            match (dispatch(action), translate::segment_action(&id, segment)) {
-                (Ok(_), Some(place)) => dispatch(place),
-                (result, _) => result,
-            }
-        }
-        action => dispatch(with_segment(action, &id, segment)),
-    };
-    match result {
-        Ok(_) => {
-            record(config);
-            Response::no_content()
-        }
+    match dispatch(VmmAction::AddDevice(add)) {
+        Ok(VmmData::Empty) => Response::no_content(),
+        Ok(VmmData::Json(answer)) => match answer["bdf"].as_str() {
+            Some(bdf) => Response::json(200, &json!({"id": answer["id"], "bdf": bdf})),
+            None => fault(
+                500,
+                "the hot-plugged device has no PCI address in gpuvm's answer",
+            ),
+        },
+        Err(error) if error.status == 404 => not_created(),
+        // Any conflict (no hot-plug in this VM, an id already attached, a device being
+        // removed): the controller's message says which.
+        Err(error) if booted && error.status == 409 => fault(
+            400,
+            format!("{} hot-plug refused: {}", kind.noun(), error.message),
+        ),
         Err(error) => from_error(error),
     }
+}
+
+/// A configuration with nothing in it (where the client's record is not one).
+fn empty_config() -> VmConfig {
+    serde_json::from_value(json!({"payload": {}})).expect("an empty VmConfig parses")
+}
+
+/// The [`AddDevice`] a vm.add-* body stands for: the device in gpuvm's terms, the id
+/// the client gave (if any), its PCI segment and the body for the client's record.
+fn device_to_add(
+    config: &VmConfig,
+    kind: Kind,
+    value: Value,
+    tap_fds: Vec<OwnedFd>,
+) -> Result<AddDevice, String> {
+    let bad = |e: serde_json::Error| format!("invalid body: {e}");
+    // vm.create checked it; a device's pci_segment must be one of these.
+    let segments = translate::num_pci_segments(config).unwrap_or(1);
+    let given_id = value["id"].as_str().map(String::from);
+    let (action, client_id, segment, section) = match kind {
+        Kind::Device => {
+            let device: DeviceConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+            translate::passthrough_segment("device", &device.other, segments)?;
+            let gpu = translate::device(config.devices.len(), &device)?;
+            (VmmAction::PutGpu(gpu), given_id, 0, "devices")
+        }
+        Kind::UserDevice => {
+            #[derive(serde::Deserialize)]
+            struct UserDevice {
+                socket: PathBuf,
+                #[serde(default)]
+                id: Option<String>,
+                #[serde(flatten)]
+                other: super::config::Other,
+            }
+            let user: UserDevice = serde_json::from_value(value.clone()).map_err(bad)?;
+            check_other("", &user.other)?;
+            translate::passthrough_segment("device", &user.other, segments)?;
+            // The controller names it (the placeholder id is replaced).
+            let gpu = GpuBody::new("_user_device", None, Some(user.socket));
+            gpu.validate(None).map_err(|e| e.message)?;
+            (VmmAction::PutGpu(gpu), user.id, 0, "user_devices")
+        }
+        Kind::Disk => {
+            let disk: DiskConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+            let segment = translate::pci_segment("disk", &disk.other, segments)?;
+            let (_, action) = translate::disk(config.disks.len(), &disk)?;
+            (action, given_id, segment, "disks")
+        }
+        Kind::Fs => {
+            let fs: FsConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+            let segment = translate::pci_segment("fs", &fs.other, segments)?;
+            let (_, action) = translate::fs(config.fs.len(), &fs)?;
+            // gpuvm names a share by its tag; so does the client when it gave no id.
+            let id = fs.id.clone().unwrap_or_else(|| fs.tag.clone());
+            (action, Some(id), segment, "fs")
+        }
+        Kind::Vsock => {
+            let vsock: VsockConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+            let segment = translate::pci_segment("vsock", &vsock.other, segments)?;
+            let (_, action) = translate::vsock(&vsock)?;
+            let id = vsock.id.clone().unwrap_or_else(|| "vsock".into());
+            (action, Some(id), segment, "vsock")
+        }
+        Kind::Net => {
+            let net: NetConfig = serde_json::from_value(value.clone()).map_err(bad)?;
+            let passed = !tap_fds.is_empty();
+            let segment = translate::pci_segment("net", &net.other, segments)?;
+            // The VMM thread checks that each descriptor is a tap, one per queue pair.
+            let (_, body) = translate::net(config.net.len(), &net, passed)?;
+            let action = if passed {
+                VmmAction::PutNetworkInterfaceFds {
+                    config: body,
+                    fds: tap_fds,
+                }
+            } else {
+                VmmAction::PutNetworkInterface(body)
+            };
+            (action, given_id, segment, "net")
+        }
+    };
+    Ok(AddDevice {
+        action: Box::new(action),
+        client_id,
+        id_prefix: kind.id_prefix().unwrap_or_default().to_string(),
+        named_by_client_id: kind.id_prefix().is_some(),
+        segment,
+        section: section.to_string(),
+        body: value,
+    })
 }
 
 /// Checks the configuration `config` would be with the device `value` of `kind` added
@@ -750,145 +653,4 @@ fn validate_added(config: &VmConfig, kind: Kind, value: &Value) -> Result<(), St
         return Ok(());
     }
     super::validate::vm_config(&candidate)
-}
-
-/// A device added after vm.boot: hot-plugged on PCI segment 0 (where the hot-plug
-/// controller is); answers `{id, bdf}` as Cloud Hypervisor does.
-fn hot_plug(
-    dispatch: Dispatch,
-    kind: Kind,
-    id: &str,
-    action: VmmAction,
-    segment: u16,
-    record: impl FnOnce(),
-) -> Response {
-    if segment != 0 {
-        return fault(
-            400,
-            format!(
-                "{id}: gpuvm hot-plugs devices on PCI segment 0 only (pci_segment = {segment})"
-            ),
-        );
-    }
-    let action = match action {
-        gpu @ VmmAction::PutGpu(_) => gpu,
-        other => match VirtioHotplug::from_action(other) {
-            Some(device) => VmmAction::HotplugVirtio(device),
-            None => return fault(500, format!("{id}: no hot-plug for this kind of device")),
-        },
-    };
-    match dispatch(action) {
-        Ok(VmmData::Json(answer)) => match answer["bdf"].as_str() {
-            Some(bdf) => {
-                record();
-                Response::json(200, &json!({"id": id, "bdf": bdf}))
-            }
-            None => fault(
-                500,
-                "the hot-plugged device has no PCI address in gpuvm's answer",
-            ),
-        },
-        Ok(_) => fault(500, "gpuvm's hot-plug did not say where the device is"),
-        // Any conflict (no hot-plug in this VM, an id already attached, a device being
-        // removed): the controller's message says which.
-        Err(error) if error.status == 409 => fault(
-            400,
-            format!("{} hot-plug refused: {}", kind.noun(), error.message),
-        ),
-        Err(error) => from_error(error),
-    }
-}
-
-/// Every device id the VM's configuration holds, those the translation made up for
-/// devices given without one included (`_disk0` for the first disk, ...).
-fn config_ids(config: &VmConfig) -> Vec<String> {
-    let named = |id: &Option<String>, prefix: &str, index: usize| {
-        id.clone().unwrap_or_else(|| format!("{prefix}{index}"))
-    };
-    let mut ids: Vec<String> = (config.disks.iter().enumerate())
-        .map(|(i, d)| named(&d.id, "_disk", i))
-        .collect();
-    ids.extend((config.net.iter().enumerate()).map(|(i, n)| named(&n.id, "_net", i)));
-    ids.extend(
-        config
-            .fs
-            .iter()
-            .flat_map(|f| [Some(f.tag.clone()), f.id.clone()])
-            .flatten(),
-    );
-    ids.extend((config.devices.iter().enumerate()).map(|(i, d)| named(&d.id, "_vfio", i)));
-    ids.extend(config.vsock.iter().filter_map(|v| v.id.clone()));
-    if let Some(Value::Array(users)) = config.other.get(USER_DEVICES) {
-        ids.extend(
-            users
-                .iter()
-                .filter_map(|u| u["id"].as_str().map(String::from)),
-        );
-    }
-    ids
-}
-
-/// `prefix` followed by the first number that makes an id not `taken`.
-fn fresh_id(taken: &[String], prefix: &str) -> String {
-    (0..)
-        .map(|n| format!("{prefix}{n}"))
-        .find(|id| !taken.contains(id))
-        .unwrap_or_default()
-}
-
-/// vm.info's `user_devices`: the vfio-user devices added, as their requests gave them.
-const USER_DEVICES: &str = "user_devices";
-
-fn push_user_device(config: &mut VmConfig, device: Value) {
-    match config
-        .other
-        .entry(USER_DEVICES.into())
-        .or_insert_with(|| json!([]))
-    {
-        Value::Array(users) => users.push(device),
-        other => *other = json!([device]),
-    }
-}
-
-/// The id gpuvm knows the configured device `id` by: a share's tag for a share's id,
-/// `vsock` for the vsock device's id; any other id is the same.
-fn gpuvm_id(config: &VmConfig, id: &str) -> String {
-    if let Some(fs) = config.fs.iter().find(|f| f.id.as_deref() == Some(id)) {
-        return fs.tag.clone();
-    }
-    if config
-        .vsock
-        .as_ref()
-        .is_some_and(|v| v.id.as_deref() == Some(id))
-    {
-        return "vsock".into();
-    }
-    id.to_string()
-}
-
-/// Drops the device `id` from the configuration vm.info shows.
-fn forget_device(config: &mut VmConfig, id: &str) {
-    let named = |own: &Option<String>| own.as_deref() == Some(id);
-    config.devices.retain(|d| !named(&d.id));
-    config.disks.retain(|d| !named(&d.id));
-    config.net.retain(|n| !named(&n.id));
-    config.fs.retain(|f| !named(&f.id) && f.tag != id);
-    if config
-        .vsock
-        .as_ref()
-        .is_some_and(|v| named(&v.id) || id == "vsock")
-    {
-        config.vsock = None;
-    }
-    if let Some(Value::Array(users)) = config.other.get_mut(USER_DEVICES) {
-        users.retain(|u| u["id"].as_str() != Some(id));
-    }
-}
-
-/// `action`, and the device `id` put on PCI segment `segment` with it (one unit).
-fn with_segment(action: VmmAction, id: &str, segment: u16) -> VmmAction {
-    match translate::segment_action(id, segment) {
-        Some(place) => VmmAction::Batch(vec![action, place]),
-        None => action,
-    }
 }

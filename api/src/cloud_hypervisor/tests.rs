@@ -1,15 +1,12 @@
 //! The front end against Kata's bodies (as clh.go and its generated client build them:
 //! every constructor default present) and a fake VMM thread.
 
-use std::cell::RefCell;
-
-use gpuvm_vmm::action::{
-    ActionError, ActionResult, BackingKind, DriveBody, VirtioHotplug, VmmAction, VmmData,
-};
+use gpuvm_vmm::action::{BackingKind, DriveBody, VmmAction};
 use serde_json::json;
 
-use super::{config::VmConfig, handle, translate, Session};
-use crate::http::{Method, Request, Response};
+use super::test_vmm::{call, controller, files, json_of, message, Booted, Files};
+use super::{config::VmConfig, handle, translate};
+use crate::http::{Method, Request};
 
 /// What Kata's clh driver sends to vm.create for a VM with an image rootfs, virtio-fs,
 /// vsock and a cold-plugged GPU (the Go client serializes every default it set).
@@ -126,160 +123,171 @@ fn fields_away_from_their_default_are_refused_by_name() {
     }
 }
 
-/// A fake VMM thread: remembers the actions, answers as the controller would.
-struct Fake {
-    state: RefCell<&'static str>,
-    seen: RefCell<Vec<String>>,
-}
-
-impl Fake {
-    fn new() -> Self {
-        Fake {
-            state: RefCell::new("NotStarted"),
-            seen: RefCell::new(Vec::new()),
-        }
-    }
-
-    fn act(&self, action: VmmAction) -> ActionResult {
-        self.seen
-            .borrow_mut()
-            .push(format!("{action:?}").split('(').next().unwrap().to_string());
-        let state = *self.state.borrow();
-        match action {
-            VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": state}))),
-            VmmAction::StartInstance => {
-                *self.state.borrow_mut() = "Running";
-                Ok(VmmData::Empty)
-            }
-            VmmAction::Pause if state == "NotStarted" => {
-                Err(ActionError::wrong_state("not running"))
-            }
-            VmmAction::PutGpu(gpu) if state == "Running" => Ok(VmmData::Json(
-                json!({"id": gpu.gpu_id, "bdf": "0000:00:05.0"}),
-            )),
-            VmmAction::HotplugVirtio(VirtioHotplug::Drive(drive)) if state == "Running" => Ok(
-                VmmData::Json(json!({"id": drive.drive_id(), "bdf": "0000:00:06.0"})),
-            ),
-            _ => Ok(VmmData::Empty),
-        }
-    }
-}
-
-fn call(session: &Session, fake: &Fake, method: Method, path: &str, body: &str) -> Response {
-    let request = Request {
-        method,
-        path: path.into(),
-        body: body.as_bytes().to_vec(),
-        close: false,
-    };
-    handle(&request, Vec::new(), session, &|action| fake.act(action))
+/// Kata's VmConfig with files that exist where the controller opens them.
+fn kata_config_with(files: &Files) -> serde_json::Value {
+    let mut config = kata_vm_config();
+    config["payload"]["kernel"] = json!(files.kernel);
+    config["disks"][0]["path"] = json!(files.image);
+    config
 }
 
 #[test]
-fn kata_sequence_status_codes_and_states() {
-    let (session, fake) = (Session::default(), Fake::new());
-    let ping = call(&session, &fake, Method::Get, "/api/v1/vmm.ping", "");
+fn kata_sequence_before_boot_against_the_controller() {
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
+    let ping = call(dispatch, Method::Get, "/api/v1/vmm.ping", "");
     assert_eq!(ping.status, 200);
-    let ping: serde_json::Value = serde_json::from_slice(&ping.body).unwrap();
-    assert!(ping["version"].is_string());
+    assert!(json_of(&ping)["version"].is_string());
     assert_eq!(
-        call(&session, &fake, Method::Get, "/api/v1/vm.info", "").status,
+        call(dispatch, Method::Get, "/api/v1/vm.info", "").status,
         404
     );
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.boot", "").status,
+        call(dispatch, Method::Put, "/api/v1/vm.boot", "").status,
         404
     );
-    let body = kata_vm_config().to_string();
+    let body = kata_config_with(&files).to_string();
+    let created = call(dispatch, Method::Put, "/api/v1/vm.create", &body);
+    assert_eq!(created.status, 204, "{}", message(&created));
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
-        204
-    );
-    assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
+        call(dispatch, Method::Put, "/api/v1/vm.create", &body).status,
         409
     );
-    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
-    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
     assert_eq!(info["state"], "Created");
-    assert_eq!(info["config"]["payload"]["kernel"], "/opt/kata/vmlinux");
+    assert_eq!(info["config"]["payload"]["kernel"], json!(files.kernel));
     assert_eq!(info["memory_actual_size"], 2147483648u64);
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], 2);
+    assert_eq!(info["config"]["fs"][0]["tag"], "kataShared");
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.pause", "").status,
+        call(dispatch, Method::Put, "/api/v1/vm.pause", "").status,
         405
     );
-    let disk = r#"{"path":"/img2","readonly":false,"id":"data"}"#;
+    let disk = json!({"path": files.image, "readonly": false, "id": "data"}).to_string();
+    let added = call(dispatch, Method::Put, "/api/v1/vm.add-disk", &disk);
+    assert_eq!(added.status, 204, "{}", message(&added));
+    // The same id again is refused (Cloud Hypervisor's rules and the controller agree).
+    let again = call(dispatch, Method::Put, "/api/v1/vm.add-disk", &disk);
+    assert_eq!(again.status, 400, "{}", message(&again));
+    assert!(message(&again).contains("data"), "{}", message(&again));
+    // Without an id: one no device has (the rootfs from vm.create is `_disk0`).
+    let unnamed = json!({"path": files.image, "readonly": true}).to_string();
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.add-disk", disk).status,
+        call(dispatch, Method::Put, "/api/v1/vm.add-disk", &unnamed).status,
         204
     );
-    assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.boot", "").status,
-        204
-    );
-    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
-    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
-    assert_eq!(info["state"], "Running");
-    assert_eq!(info["config"]["disks"][1]["id"], "data");
-    let gpu = r#"{"path":"/sys/bus/pci/devices/0000:42:00.0","iommu":false}"#;
-    let added = call(&session, &fake, Method::Put, "/api/v1/vm.add-device", gpu);
-    assert_eq!(added.status, 200);
-    let added: serde_json::Value = serde_json::from_slice(&added.body).unwrap();
-    assert_eq!(added["bdf"], "0000:00:05.0");
-    // A disk after boot is hot-plugged; one without an id gets one no disk has: the
-    // rootfs from vm.create, which had none, is `_disk0`.
-    let hot = call(
-        &session,
-        &fake,
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    let ids: Vec<&str> = info["config"]["disks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["id"].as_str().unwrap_or("(none)"))
+        .collect();
+    assert_eq!(ids, ["(none)", "data", "_disk1"], "{info}");
+    // Removed before boot: gone from the configuration, its id free again.
+    let remove = call(
+        dispatch,
         Method::Put,
-        "/api/v1/vm.add-disk",
-        r#"{"path":"/img3","queue_size":1024}"#,
+        "/api/v1/vm.remove-device",
+        r#"{"id":"data"}"#,
     );
-    assert_eq!(hot.status, 200);
-    let hot: serde_json::Value = serde_json::from_slice(&hot.body).unwrap();
-    assert_eq!(hot, json!({"id": "_disk1", "bdf": "0000:00:06.0"}));
-    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
-    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
-    assert_eq!(info["config"]["disks"][2]["id"], "_disk1");
-    let on_segment_1 = r#"{"path":"/img4","pci_segment":1}"#;
+    assert_eq!(remove.status, 204, "{}", message(&remove));
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
     assert_eq!(
-        call(
-            &session,
-            &fake,
-            Method::Put,
-            "/api/v1/vm.add-disk",
-            on_segment_1
-        )
-        .status,
-        400
+        info["config"]["disks"].as_array().unwrap().len(),
+        2,
+        "{info}"
     );
+    assert_eq!(
+        call(dispatch, Method::Put, "/api/v1/vm.add-disk", &disk).status,
+        204
+    );
+    // A share removed by its id (gpuvm names it by its tag).
+    let share = json!({"tag": "more", "socket": "/run/more.sock", "id": "fs9"}).to_string();
+    assert_eq!(
+        call(dispatch, Method::Put, "/api/v1/vm.add-fs", &share).status,
+        204
+    );
+    let remove = call(
+        dispatch,
+        Method::Put,
+        "/api/v1/vm.remove-device",
+        r#"{"id":"fs9"}"#,
+    );
+    assert_eq!(remove.status, 204, "{}", message(&remove));
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["config"]["fs"].as_array().unwrap().len(), 1, "{info}");
+    // Kata's resize at sandbox start, before boot: the count to boot with.
     let resize = call(
-        &session,
-        &fake,
+        dispatch,
         Method::Put,
         "/api/v1/vm.resize",
         r#"{"desired_vcpus":4}"#,
     );
-    // vCPU hot-plug up to cpus.max_vcpus (8 here); resize_tests.rs has the refusals.
-    assert_eq!(resize.status, 204);
-    assert_eq!(
-        call(&session, &fake, Method::Get, "/api/v1/vm.pause", "").status,
-        405
+    assert_eq!(resize.status, 204, "{}", message(&resize));
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], 4);
+    let boot = call(dispatch, Method::Put, "/api/v1/vm.boot", "");
+    assert_eq!(boot.status, 400);
+    assert!(
+        message(&boot).contains("cannot start the VM"),
+        "{}",
+        message(&boot)
     );
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.nope", "").status,
+        call(dispatch, Method::Put, "/api/v1/vm.nope", "").status,
         404
     );
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vmm.shutdown", "").status,
+        call(dispatch, Method::Put, "/api/v1/vmm.shutdown", "").status,
         204
     );
-    assert!(fake.seen.borrow().contains(&"Batch".to_string()));
+}
+
+/// After boot, a device added is hot-plugged: the answer is Cloud Hypervisor's
+/// PciDeviceInfo, the controller's refusal a 400 naming the device kind.
+#[test]
+fn devices_added_after_boot_are_answered_with_their_address() {
+    let files = files();
+    let config: VmConfig = serde_json::from_value(kata_config_with(&files)).unwrap();
+    let booted = Booted::new(super::record::of_config(&config));
+    let dispatch = &|action| booted.act(action);
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["state"], "Running");
+    assert_eq!(info["device_tree"]["_disk0"]["pci_bdf"], "0000:00:04.0");
+    let gpu = r#"{"path":"/sys/bus/pci/devices/0000:42:00.0","iommu":false}"#;
+    let added = call(dispatch, Method::Put, "/api/v1/vm.add-device", gpu);
+    assert_eq!(added.status, 200, "{}", message(&added));
+    assert_eq!(
+        json_of(&added),
+        json!({"id": "_vfio1", "bdf": "0000:00:06.0"})
+    );
+    let disk = r#"{"path":"/img3","queue_size":1024,"id":"hot"}"#;
+    let added = call(dispatch, Method::Put, "/api/v1/vm.add-disk", disk);
+    assert_eq!(json_of(&added), json!({"id": "hot", "bdf": "0000:00:06.0"}));
+    let on_segment_1 = r#"{"path":"/img4","pci_segment":1}"#;
+    let refused = call(dispatch, Method::Put, "/api/v1/vm.add-disk", on_segment_1);
+    assert_eq!(refused.status, 400, "{}", message(&refused));
+    assert!(
+        message(&refused).contains("segment 0"),
+        "{}",
+        message(&refused)
+    );
+    assert_eq!(
+        call(dispatch, Method::Get, "/api/v1/vm.pause", "").status,
+        405
+    );
+    assert_eq!(
+        call(dispatch, Method::Put, "/api/v1/vm.boot", "").status,
+        409
+    );
+    assert!(booted.seen.borrow().contains(&"AddDevice".to_string()));
 }
 
 #[test]
 fn bad_bodies_are_400() {
-    let (session, fake) = (Session::default(), Fake::new());
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
     for body in [
         "",
         "{",
@@ -287,33 +295,32 @@ fn bad_bodies_are_400() {
         r#"{"payload":{"kernel":"/k"},"frobnicate":1}"#,
     ] {
         assert_eq!(
-            call(&session, &fake, Method::Put, "/api/v1/vm.create", body).status,
+            call(dispatch, Method::Put, "/api/v1/vm.create", body).status,
             400,
             "{body}"
         );
     }
     // Unknown fields at a default value are accepted (Cloud Hypervisor may add fields).
-    let body = r#"{"payload":{"kernel":"/k"},"frobnicate":false}"#;
-    assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.create", body).status,
-        204
-    );
+    let body = json!({"payload": {"kernel": files.kernel}, "frobnicate": false}).to_string();
+    let created = call(dispatch, Method::Put, "/api/v1/vm.create", &body);
+    assert_eq!(created.status, 204, "{}", message(&created));
     let bad = r#"{"destination_url":"http://x/"}"#;
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.snapshot", bad).status,
+        call(dispatch, Method::Put, "/api/v1/vm.snapshot", bad).status,
         400
     );
 }
 
-/// vm.add-net with the taps passed as descriptors: they go to the VMM thread with the
-/// interface (which checks them); a `tap` named as well is refused; other routes close
-/// the descriptors they are given.
+/// vm.add-net with the taps passed as descriptors: they go to the controller with the
+/// interface (which checks them: a pipe is no tap); a `tap` named as well is refused;
+/// other routes close the descriptors they are given.
 #[test]
 fn add_net_hands_passed_descriptors_to_the_vmm() {
-    let (session, fake) = (Session::default(), Fake::new());
-    let body = kata_vm_config().to_string();
+    let (vmm, files) = (controller(), files());
+    let body = kata_config_with(&files).to_string();
+    let dispatch = &|action| vmm.dispatch(action);
     assert_eq!(
-        call(&session, &fake, Method::Put, "/api/v1/vm.create", &body).status,
+        call(dispatch, Method::Put, "/api/v1/vm.create", &body).status,
         204
     );
     let put = |path: &str, body: &str, count: usize| {
@@ -327,29 +334,32 @@ fn add_net_hands_passed_descriptors_to_the_vmm() {
             .map(|_| std::os::fd::OwnedFd::from(std::io::pipe().unwrap().0))
             .collect();
         let passed = std::cell::Cell::new(None);
-        let response = handle(&request, fds, &session, &|action| {
-            if let VmmAction::PutNetworkInterfaceFds { config, fds } = &action {
-                passed.set(Some((config.host_dev_name.clone(), fds.len())));
+        let response = handle(&request, fds, &|action| {
+            if let VmmAction::AddDevice(add) = &action {
+                if let VmmAction::PutNetworkInterfaceFds { config, fds } = add.action.as_ref() {
+                    passed.set(Some((config.host_dev_name.clone(), fds.len())));
+                }
             }
-            fake.act(action)
+            vmm.dispatch(action)
         });
-        (response.status, passed.take())
+        (response.status, message(&response), passed.take())
     };
     let net = r#"{"mac":"06:00:0a:00:00:02","id":"net0","num_queues":2,"queue_size":256}"#;
-    assert_eq!(put("/api/v1/vm.add-net", net, 1), (204, Some((None, 1))));
+    let (status, said, passed) = put("/api/v1/vm.add-net", net, 1);
+    assert_eq!((status, passed), (400, Some((None, 1))));
+    assert!(said.contains("TUNGETIFF"), "{said}");
     let named = r#"{"id":"net1","tap":"tap1"}"#;
-    assert_eq!(put("/api/v1/vm.add-net", named, 1), (400, None));
-    assert_eq!(
-        put("/api/v1/vm.add-net", r#"{"id":"net2"}"#, 0),
-        (400, None)
-    );
+    assert_eq!(put("/api/v1/vm.add-net", named, 1).0, 400);
+    assert_eq!(put("/api/v1/vm.add-net", r#"{"id":"net2"}"#, 0).0, 400);
     // A disk takes no descriptors: they are closed, the disk is added.
-    let disk = r#"{"path":"/img2","id":"data"}"#;
-    assert_eq!(put("/api/v1/vm.add-disk", disk, 1), (204, None));
-    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
-    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
-    assert_eq!(info["config"]["net"][0]["id"], "net0");
-    assert_eq!(info["config"]["net"].as_array().unwrap().len(), 1);
+    let disk = json!({"path": files.image, "id": "data"}).to_string();
+    assert_eq!(put("/api/v1/vm.add-disk", &disk, 1).0, 204);
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert!(
+        info["config"]["net"].as_array().unwrap().is_empty(),
+        "{info}"
+    );
+    assert_eq!(info["config"]["disks"][1]["id"], "data");
 }
 
 #[test]
@@ -383,35 +393,30 @@ fn a_balloon_becomes_its_target_in_mib() {
         .any(|a| matches!(a, VmmAction::PutBalloon(_))));
 }
 
-/// vm.restore as ch-remote sends it (`net_fds: null`) loads; `net_fds` asking for taps that
-/// did not come with the request is refused before anything is loaded.
+/// vm.restore as ch-remote sends it (`net_fds: null`) reaches the controller's load;
+/// `net_fds` asking for taps that did not come with the request is refused before
+/// anything is loaded.
 #[test]
 fn restore_takes_null_net_fds_and_counts_the_passed_taps() {
-    let (session, fake) = (Session::default(), Fake::new());
+    let vmm = controller();
+    let dispatch = &|action| vmm.dispatch(action);
     let asks_for_a_tap = r#"{"source_url":"file:///snap","net_fds":[{"id":"net0","num_fds":1}]}"#;
-    let refused = call(
-        &session,
-        &fake,
-        Method::Put,
-        "/api/v1/vm.restore",
-        asks_for_a_tap,
-    );
+    let refused = call(dispatch, Method::Put, "/api/v1/vm.restore", asks_for_a_tap);
     assert_eq!(refused.status, 400);
-    assert!(String::from_utf8_lossy(&refused.body).contains("net_fds"));
-    let ch_remote = r#"{"source_url":"file:///snap","prefault":false,"net_fds":null,
+    assert!(message(&refused).contains("net_fds"));
+    let ch_remote = r#"{"source_url":"file:///nonexistent-snap","prefault":false,"net_fds":null,
                         "memory_restore_mode":"Copy","resume":false}"#;
-    let loaded = call(
-        &session,
-        &fake,
-        Method::Put,
-        "/api/v1/vm.restore",
-        ch_remote,
+    let loaded = call(dispatch, Method::Put, "/api/v1/vm.restore", ch_remote);
+    assert_eq!(loaded.status, 400, "{}", message(&loaded));
+    assert!(
+        message(&loaded).contains("cannot load the snapshot"),
+        "{}",
+        message(&loaded)
     );
+    // Nothing was created by the failed load.
     assert_eq!(
-        loaded.status,
-        204,
-        "{:?}",
-        String::from_utf8_lossy(&loaded.body)
+        call(dispatch, Method::Get, "/api/v1/vm.info", "").status,
+        404
     );
 }
 
@@ -420,23 +425,17 @@ fn restore_takes_null_net_fds_and_counts_the_passed_taps() {
 /// first), and vm.info lists them.
 #[test]
 fn devices_added_without_an_id_get_distinct_ids() {
-    let (session, fake) = (Session::default(), Fake::new());
-    let body = kata_vm_config().to_string();
-    let create = call(&session, &fake, Method::Put, "/api/v1/vm.create", &body);
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
+    let body = kata_config_with(&files).to_string();
+    let create = call(dispatch, Method::Put, "/api/v1/vm.create", &body);
     assert_eq!(create.status, 204);
     for socket in ["/run/gpu-a.sock", "/run/gpu-b.sock"] {
         let device = format!(r#"{{"socket":"{socket}"}}"#);
-        let added = call(
-            &session,
-            &fake,
-            Method::Put,
-            "/api/v1/vm.add-user-device",
-            &device,
-        );
-        assert_eq!(added.status, 204);
+        let added = call(dispatch, Method::Put, "/api/v1/vm.add-user-device", &device);
+        assert_eq!(added.status, 204, "{}", message(&added));
     }
-    let info = call(&session, &fake, Method::Get, "/api/v1/vm.info", "");
-    let info: serde_json::Value = serde_json::from_slice(&info.body).unwrap();
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
     let ids: Vec<&str> = info["config"]["user_devices"]
         .as_array()
         .unwrap()
@@ -444,6 +443,14 @@ fn devices_added_without_an_id_get_distinct_ids() {
         .map(|d| d["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["_user_device0", "_user_device1"], "{info}");
+    // The controller knows them by those ids: one is removed by its id.
+    let remove = r#"{"id":"_user_device0"}"#;
+    assert_eq!(
+        call(dispatch, Method::Put, "/api/v1/vm.remove-device", remove).status,
+        204
+    );
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    assert_eq!(info["config"]["user_devices"].as_array().unwrap().len(), 1);
 }
 
 /// `x_nv_gpudirect_clique` on a device becomes the GPU's clique; out of range, or not a

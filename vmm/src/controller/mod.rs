@@ -18,6 +18,7 @@ use crate::metrics::{Metrics, METRICS};
 use crate::snapshot::RestoreMode;
 
 mod balloon;
+mod client;
 mod configure;
 mod resize;
 mod running;
@@ -70,6 +71,8 @@ pub struct ApiController {
     /// A sender into `requests`, for actions made of other actions (a snapshot that
     /// releases GPUs through the guest sends PUT and DELETE /gpus to this controller).
     own_requests: Option<std::sync::mpsc::Sender<ActionRequest>>,
+    /// Whether a client created the VM as one document, and its record of it.
+    client: client::ClientState,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -77,13 +80,17 @@ pub fn default_boot_source() -> BootSource {
     BootSourceBody::default().into_boot_source()
 }
 
-fn instance_info(state: InstanceState) -> VmmData {
-    VmmData::Json(serde_json::json!({
+fn instance_info(state: InstanceState, client: &client::ClientState) -> VmmData {
+    let mut info = serde_json::json!({
         "app_name": "gpuvm",
         "vmm_version": env!("CARGO_PKG_VERSION"),
         "pid": std::process::id(),
         "state": state,
-    }))
+    });
+    if let Some(record) = client.json() {
+        info["client_record"] = record;
+    }
+    VmmData::Json(info)
 }
 
 fn metrics(state: InstanceState, machine: Option<&Machine>) -> VmmData {
@@ -136,6 +143,13 @@ fn dma_mapping_json(mappings: &[gpuvm_vfio::dma::DmaStatus]) -> serde_json::Valu
     })
 }
 
+fn not_created() -> ActionError {
+    ActionError {
+        status: 404,
+        message: "the VM is not created".into(),
+    }
+}
+
 fn started_already() -> ActionError {
     ActionError::wrong_state("the VM has already been started or loaded")
 }
@@ -158,6 +172,7 @@ impl ApiController {
             build: Box::new(crate::builder::build_with_pci),
             shutdown_requested: false,
             own_requests: None,
+            client: client::ClientState::default(),
         }
     }
 
@@ -209,9 +224,30 @@ impl ApiController {
     }
 
     fn pre_boot(&mut self, action: VmmAction) -> (ActionResult, Option<Started>) {
-        let state = InstanceState::NotStarted;
+        let state = if self.client.is_created() {
+            InstanceState::Created
+        } else {
+            InstanceState::NotStarted
+        };
         let result = match action {
-            VmmAction::GetInstanceInfo => Ok(instance_info(state)),
+            VmmAction::GetInstanceInfo => Ok(instance_info(state, &self.client)),
+            VmmAction::CreateVm { actions, record } => {
+                if self.client.is_created() {
+                    Err(ActionError::wrong_state("the VM is already created"))
+                } else {
+                    self.batch(actions).map(|data| {
+                        self.client.create(record);
+                        data
+                    })
+                }
+            }
+            VmmAction::BootCreated if !self.client.is_created() => Err(not_created()),
+            VmmAction::BootCreated => return self.pre_boot(VmmAction::StartInstance),
+            VmmAction::AddDevice(add) => self.add_device(add),
+            VmmAction::RestoreWithTaps { .. } if self.client.is_created() => Err(
+                ActionError::wrong_state("the VM is already created: restore into a new gpuvm"),
+            ),
+            VmmAction::RestoreWithTaps { load, taps } => return self.restore_with_taps(load, taps),
             VmmAction::GetMetrics => Ok(metrics(state, None)),
             VmmAction::GetMachineConfig => {
                 Ok(VmmData::Json(serde_json::json!(self.machine_config_body())))
@@ -237,7 +273,13 @@ impl ApiController {
             } => self.resize_pre_boot(desired_vcpus, desired_ram),
             VmmAction::PutBootSource(body) => self.set_boot_source(body),
             VmmAction::PutGpu(body) => self.put_gpu(body),
-            VmmAction::RemoveDevice(id) => self.remove_configured(&id),
+            VmmAction::RemoveDevice(id) => {
+                let result = self.remove_configured(&self.client.device_id(&id));
+                if result.is_ok() {
+                    self.client.forget(&id);
+                }
+                result
+            }
             VmmAction::DeleteGpu(id) => match self.gpus.iter().position(|g| g.gpu_id == id) {
                 Some(index) => {
                     self.gpus.remove(index);
@@ -468,7 +510,7 @@ impl ApiController {
             };
             let _ = self.event.read();
             let (result, next) = match request.action {
-                VmmAction::GetInstanceInfo => (Ok(instance_info(state)), None),
+                VmmAction::GetInstanceInfo => (Ok(instance_info(state, &self.client)), None),
                 VmmAction::GetMetrics => (Ok(metrics(state, Some(machine))), None),
                 VmmAction::GetMachineConfig => (Ok(machine_config_json(machine)), None),
                 VmmAction::Pause => (Ok(VmmData::Empty), None),
@@ -502,6 +544,7 @@ impl ApiController {
                 VmmAction::Batch(_) => (Err(started_already()), None),
                 VmmAction::DeleteGpu(_)
                 | VmmAction::RemoveDevice(_)
+                | VmmAction::AddDevice(_)
                 | VmmAction::HotplugVirtio(_) => (
                     Err(ActionError::wrong_state(
                         "resume the VM first: devices are hot-plugged and removed with the guest's help",
@@ -521,6 +564,9 @@ impl ApiController {
                 | VmmAction::PutEntropy(_)
                 | VmmAction::PutPciSegments(_)
                 | VmmAction::StartInstance
+                | VmmAction::CreateVm { .. }
+                | VmmAction::BootCreated
+                | VmmAction::RestoreWithTaps { .. }
                 | VmmAction::LoadSnapshot(_)
                 | VmmAction::LoadSnapshotWith { .. } => (Err(started_already()), None),
             };
@@ -552,6 +598,7 @@ impl ApiController {
             self.own_requests,
             self.event,
             cold,
+            self.client,
         ))
     }
 }
@@ -561,6 +608,71 @@ impl ApiController {
     /// end without running a VM).
     pub fn shutdown_requested(&self) -> bool {
         self.shutdown_requested
+    }
+
+    /// The ids of the devices configured so far, as gpuvm's actions name them.
+    fn configured_ids(&self) -> Vec<String> {
+        let v = &self.pci.virtio;
+        let mut ids: Vec<String> = self.gpus.iter().map(|g| g.gpu_id.clone()).collect();
+        ids.extend(v.drives.iter().map(|d| d.drive_id.clone()));
+        ids.extend(v.vhost_user_drives.iter().map(|d| d.drive_id.clone()));
+        ids.extend(v.nets.iter().map(|n| n.iface_id.clone()));
+        ids.extend(v.fs.iter().map(|f| f.tag.clone()));
+        ids.extend(v.vhost_user.iter().map(|u| u.id.clone()));
+        if v.vsock.is_some() {
+            ids.push("vsock".into());
+        }
+        ids
+    }
+
+    /// [`VmmAction::AddDevice`] before boot: the device joins the configuration (on its
+    /// PCI segment), all or nothing.
+    fn add_device(&mut self, add: crate::action::AddDevice) -> ActionResult {
+        if !self.client.is_created() {
+            return Err(not_created());
+        }
+        let (segment, section, body) = (add.segment, add.section.clone(), add.body.clone());
+        let client::SettledDevice {
+            action,
+            client_id,
+            device_id,
+        } = self.client.settle(add, &self.configured_ids())?;
+        let placed = client::segment_action(&device_id, segment);
+        self.pre_boot(action).0?;
+        if let Some(place) = placed {
+            if let Err(error) = self.pre_boot(place).0 {
+                let _ = self.remove_configured(&device_id);
+                return Err(error);
+            }
+        }
+        self.client.record(&client_id, &device_id, section, body);
+        client::configured()
+    }
+
+    /// [`VmmAction::RestoreWithTaps`]: the taps for the snapshot's interfaces, then the
+    /// load; a failed load closes the taps.
+    fn restore_with_taps(
+        &mut self,
+        load: SnapshotLoadBody,
+        taps: Vec<(String, Vec<std::os::fd::OwnedFd>)>,
+    ) -> (ActionResult, Option<Started>) {
+        let ids: Vec<String> = taps.iter().map(|(id, _)| id.clone()).collect();
+        for (iface_id, fds) in taps {
+            let (result, _) = self.pre_boot(VmmAction::PassTaps { iface_id, fds });
+            if let Err(error) = result {
+                ids.iter()
+                    .for_each(|id| drop(self.pci.passed_taps.take(id)));
+                return (Err(error), None);
+            }
+        }
+        let (result, started) = self.load(load, &LoadOverrides::default());
+        if result.is_ok() {
+            self.client.ensure_created();
+        } else {
+            ids.iter()
+                .for_each(|id| drop(self.pci.passed_taps.take(id)));
+        }
+        (result, started)
     }
 
     /// [`VmmAction::Batch`]: every configuration action, or none of them.

@@ -31,6 +31,8 @@ pub(super) struct RunningApi {
     cold_plugged: Vec<String>,
     /// DELETE /gpus/{id} requests waiting for the guest to eject.
     unplugs: Vec<PendingUnplug>,
+    /// A client's record of the VM (see [`super::client`]).
+    client: super::client::ClientState,
 }
 
 /// A DELETE /gpus/{id} whose answer waits for the guest's eject, or the timeout.
@@ -54,6 +56,7 @@ impl RunningApi {
         own_requests: Option<Sender<ActionRequest>>,
         event: EventFd,
         cold_plugged: Vec<String>,
+        client: super::client::ClientState,
     ) -> Self {
         RunningApi {
             requests,
@@ -62,7 +65,58 @@ impl RunningApi {
             hot_plugged: Default::default(),
             cold_plugged,
             unplugs: Vec::new(),
+            client,
         }
+    }
+
+    /// The ids of the running VM's devices, as gpuvm's actions name them.
+    fn device_ids(&self, running: &mut RunningMachine<'_>) -> Vec<String> {
+        let devices = running.devices_mut();
+        let mut ids: Vec<String> = devices
+            .virtio
+            .iter()
+            .map(|handle| handle.config.id().to_string())
+            .collect();
+        if let Some(hotplug) = devices.pci_hotplug.as_ref() {
+            ids.extend(hotplug.attached().map(|(id, _)| id.to_string()));
+        }
+        ids.extend(self.cold_plugged.iter().cloned());
+        ids
+    }
+
+    /// [`VmmAction::AddDevice`] while running: a hot-plug on PCI segment 0, recorded for
+    /// the client when the device is in.
+    fn add_device(
+        &mut self,
+        running: &mut RunningMachine<'_>,
+        add: crate::action::AddDevice,
+    ) -> ActionResult {
+        let (segment, section, body) = (add.segment, add.section.clone(), add.body.clone());
+        let in_use = self.device_ids(running);
+        let super::client::SettledDevice {
+            action,
+            client_id,
+            device_id,
+        } = self.client.settle(add, &in_use)?;
+        super::client::check_hot_plug_segment(&client_id, segment)?;
+        let result = match action {
+            VmmAction::PutGpu(gpu) => self.hot_plug(running, gpu),
+            other => match VirtioHotplug::from_action(other) {
+                Some(device) => hot_plug_virtio(running, device),
+                None => Err(ActionError::bad_request(format!(
+                    "{client_id}: no hot-plug for this kind of device"
+                ))),
+            },
+        }?;
+        self.client.record(&client_id, &device_id, section, body);
+        // The client knows the device by its own id.
+        Ok(match result {
+            VmmData::Json(mut answer) => {
+                answer["id"] = client_id.into();
+                VmmData::Json(answer)
+            }
+            other => other,
+        })
     }
 
     /// PUT /gpus/{id} while running: hot-plug.
@@ -130,13 +184,14 @@ impl RunningApi {
     /// [`RunningApi::finish_unplugs`] once it did, or the timeout passed.
     /// With `at_once` (Cloud Hypervisor's vm.remove-device), the answer comes as soon as
     /// the guest was asked, and the device goes when it ejects it.
+    /// Whether the guest was asked to eject (the removal goes on).
     fn hot_unplug(
         &mut self,
         running: &mut RunningMachine<'_>,
         id: String,
         reply: Sender<ActionResult>,
         at_once: bool,
-    ) {
+    ) -> bool {
         let result = (|| {
             if self.cold_plugged.contains(&id) {
                 return Err(ActionError::wrong_state(format!(
@@ -161,7 +216,7 @@ impl RunningApi {
             Ok(bdf) => bdf,
             Err(error) => {
                 let _ = reply.send(Err(error));
-                return;
+                return false;
             }
         };
         let reply = if at_once {
@@ -181,6 +236,7 @@ impl RunningApi {
         });
         // The guest may have been quick.
         self.finish_unplugs(running);
+        true
     }
 
     /// Wakes this thread when `timeout` is up (the guest's eject wakes it sooner).
@@ -278,7 +334,7 @@ impl RunningApi {
         };
         let result = match action {
             VmmAction::GetInstanceInfo => Ok(with_pci_devices(
-                with_hot_plugged(instance_info(state), running),
+                with_hot_plugged(instance_info(state, &self.client), running),
                 running,
             )),
             VmmAction::GetMetrics => Ok(with_hot_plugged(
@@ -295,6 +351,12 @@ impl RunningApi {
                 super::balloon::balloon_running(running.machine(), action)
             }
             VmmAction::PutGpu(body) => self.hot_plug(running, body),
+            VmmAction::AddDevice(add) => self.add_device(running, add),
+            VmmAction::BootCreated => Err(ActionError::wrong_state("the VM is already booted")),
+            VmmAction::CreateVm { .. } => {
+                Err(ActionError::wrong_state("the VM is already created"))
+            }
+            VmmAction::RestoreWithTaps { .. } => Err(started_already()),
             VmmAction::DeleteGpu(_) | VmmAction::RemoveDevice(_) => Err(ActionError::bad_request(
                 "a removal is answered from the run loop",
             )),
@@ -665,7 +727,10 @@ impl RunControl for RunningApi {
                     continue;
                 }
                 VmmAction::RemoveDevice(id) => {
-                    self.hot_unplug(running, id, request.reply, true);
+                    let device_id = self.client.device_id(&id);
+                    if self.hot_unplug(running, device_id, request.reply, true) {
+                        self.client.forget(&id);
+                    }
                     continue;
                 }
                 // With no hot-plugged GPU there is nothing to release: a plain snapshot.

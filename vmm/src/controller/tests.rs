@@ -118,3 +118,88 @@ fn resize_before_start_changes_the_boot_count_within_max_vcpus() {
     assert!(error.message.contains("max_vcpus"), "{}", error.message);
     assert_eq!(controller.machine_config.vcpus, 4);
 }
+
+fn user_gpu(socket: &str) -> VmmAction {
+    VmmAction::PutGpu(GpuBody::new("placeholder", None, Some(socket.into())))
+}
+
+fn add(action: VmmAction, client_id: Option<&str>, segment: u16) -> VmmAction {
+    VmmAction::AddDevice(crate::action::AddDevice {
+        action: Box::new(action),
+        client_id: client_id.map(String::from),
+        id_prefix: "_user_device".into(),
+        named_by_client_id: true,
+        segment,
+        section: "user_devices".into(),
+        body: serde_json::json!({}),
+    })
+}
+
+/// Cloud Hypervisor's lifecycle is the controller's: no device before vm.create, the
+/// Created state after it, ids made up and checked here, a device whose PCI segment
+/// cannot be had leaves nothing configured, and a created VM takes no restore.
+#[test]
+fn a_created_vm_takes_devices_by_the_clients_ids() {
+    let mut controller = controller();
+    let early = controller.pre_boot(add(user_gpu("/run/a.sock"), None, 0)).0;
+    assert_eq!(early.unwrap_err().status, 404);
+    assert_eq!(
+        controller
+            .pre_boot(VmmAction::BootCreated)
+            .0
+            .unwrap_err()
+            .status,
+        404
+    );
+    let create = VmmAction::CreateVm {
+        actions: Vec::new(),
+        record: Default::default(),
+    };
+    assert_eq!(controller.pre_boot(create).0, Ok(VmmData::Empty));
+    let info = controller.pre_boot(VmmAction::GetInstanceInfo).0.unwrap();
+    let VmmData::Json(info) = info else {
+        panic!("{info:?}")
+    };
+    assert_eq!(info["state"], "Created");
+    let again = VmmAction::CreateVm {
+        actions: Vec::new(),
+        record: Default::default(),
+    };
+    assert_eq!(controller.pre_boot(again).0.unwrap_err().status, 409);
+
+    for _ in 0..2 {
+        let added = controller.pre_boot(add(user_gpu("/run/a.sock"), None, 0)).0;
+        assert_eq!(added, Ok(VmmData::Empty));
+    }
+    let ids: Vec<&str> = controller.gpus.iter().map(|g| g.gpu_id.as_str()).collect();
+    assert_eq!(ids, ["_user_device0", "_user_device1"]);
+    let taken = controller.pre_boot(add(user_gpu("/run/b.sock"), Some("_user_device1"), 0));
+    assert_eq!(taken.0.unwrap_err().status, 400);
+    // Segment 3 of a VM with one: refused, and the device is not left behind.
+    let off = controller
+        .pre_boot(add(user_gpu("/run/c.sock"), Some("c"), 3))
+        .0;
+    assert!(off.is_err());
+    assert_eq!(controller.gpus.len(), 2);
+    assert_eq!(
+        controller
+            .pre_boot(VmmAction::RemoveDevice("_user_device0".into()))
+            .0,
+        Ok(VmmData::Empty)
+    );
+    let VmmData::Json(info) = controller.pre_boot(VmmAction::GetInstanceInfo).0.unwrap() else {
+        panic!()
+    };
+    let recorded: Vec<&str> = info["client_record"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["client_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(recorded, ["_user_device1"]);
+    let restore = VmmAction::RestoreWithTaps {
+        load: serde_json::from_value(serde_json::json!({"snapshot_path": "/snap"})).unwrap(),
+        taps: Vec::new(),
+    };
+    assert_eq!(controller.pre_boot(restore).0.unwrap_err().status, 409);
+}

@@ -1,0 +1,244 @@
+//! Clients that configure a VM as one document (Cloud Hypervisor's API): whether the VM
+//! was created, the devices by the ids the client knows them by, ids made up for
+//! devices given without one, and the choice between configuring a device (before
+//! boot) and hot-plugging it (after). The front end only translates and formats; what a
+//! request means, and whether it is allowed now, is decided here in one step.
+
+use crate::action::{
+    ActionError, ActionResult, AddDevice, ClientDevice, ClientRecord, PciSegmentsBody, VmmAction,
+};
+
+/// The controller's record of a created VM: None until CreateVm (or a restore).
+#[derive(Debug, Default)]
+pub(super) struct ClientState {
+    record: Option<ClientRecord>,
+}
+
+/// A device about to be added, its ids settled.
+pub(super) struct SettledDevice {
+    pub action: VmmAction,
+    pub client_id: String,
+    pub device_id: String,
+}
+
+impl ClientState {
+    pub fn is_created(&self) -> bool {
+        self.record.is_some()
+    }
+
+    pub fn create(&mut self, record: ClientRecord) {
+        self.record = Some(record);
+    }
+
+    /// A VM that exists without a CreateVm (restored, or started through another front
+    /// end) gets an empty record when a client first adds to it.
+    pub fn ensure_created(&mut self) {
+        self.record.get_or_insert_with(ClientRecord::default);
+    }
+
+    /// The record as GetInstanceInfo shows it (`client_record`), when there is one.
+    pub fn json(&self) -> Option<serde_json::Value> {
+        self.record
+            .as_ref()
+            .and_then(|r| serde_json::to_value(r).ok())
+    }
+
+    /// The id gpuvm's actions know the client's device `id` by (a share's tag for its
+    /// id, `vsock` for the vsock device's); any other id is its own.
+    pub fn device_id(&self, id: &str) -> String {
+        self.devices()
+            .find(|d| d.client_id == id)
+            .map_or_else(|| id.to_string(), |d| d.device_id.clone())
+    }
+
+    /// Drops the device named `id` (the client's id or gpuvm's) from the record.
+    pub fn forget(&mut self, id: &str) {
+        if let Some(record) = self.record.as_mut() {
+            record
+                .devices
+                .retain(|d| d.client_id != id && d.device_id != id);
+        }
+    }
+
+    fn devices(&self) -> impl Iterator<Item = &ClientDevice> {
+        self.record.iter().flat_map(|r| r.devices.iter())
+    }
+
+    /// Settles the ids of `add` against the ids in use (`in_use`: the VM's devices as
+    /// gpuvm names them): the client's id, or `{prefix}{n}` with the first free n; a
+    /// device whose id (either kind) is taken is refused.
+    pub fn settle(&self, add: AddDevice, in_use: &[String]) -> Result<SettledDevice, ActionError> {
+        let mut taken: Vec<String> = in_use.to_vec();
+        taken.extend(
+            self.devices()
+                .flat_map(|d| [d.client_id.clone(), d.device_id.clone()]),
+        );
+        let client_id = match add.client_id {
+            Some(id) if taken.contains(&id) => {
+                return Err(ActionError::bad_request(format!(
+                    "a device with id {id:?} already exists"
+                )))
+            }
+            Some(id) => id,
+            None => fresh_id(&taken, &add.id_prefix),
+        };
+        let mut action = *add.action;
+        if add.named_by_client_id {
+            action.set_device_id(&client_id);
+        }
+        let device_id = action
+            .device_id()
+            .ok_or_else(|| ActionError::bad_request("this action does not add a device"))?;
+        if device_id != client_id && taken.contains(&device_id) {
+            return Err(ActionError::bad_request(format!(
+                "the VM has a device {device_id:?} already"
+            )));
+        }
+        Ok(SettledDevice {
+            action,
+            client_id,
+            device_id,
+        })
+    }
+
+    /// Records a device added: the client's body under its section, with its id.
+    pub fn record(
+        &mut self,
+        client_id: &str,
+        device_id: &str,
+        section: String,
+        mut body: serde_json::Value,
+    ) {
+        if let serde_json::Value::Object(fields) = &mut body {
+            if fields.get("id").is_none_or(serde_json::Value::is_null) {
+                fields.insert("id".into(), client_id.into());
+            }
+        }
+        self.ensure_created();
+        if let Some(record) = self.record.as_mut() {
+            record.devices.push(ClientDevice {
+                client_id: client_id.to_string(),
+                device_id: device_id.to_string(),
+                section,
+                body,
+            });
+        }
+    }
+}
+
+/// `prefix` followed by the first number that makes an id not `taken` (Cloud
+/// Hypervisor's `_disk0`, `_net1`, ...).
+pub(super) fn fresh_id(taken: &[String], prefix: &str) -> String {
+    (0..)
+        .map(|n| format!("{prefix}{n}"))
+        .find(|id| !taken.iter().any(|t| t == id))
+        .unwrap_or_default()
+}
+
+/// The action that puts device `id` on PCI segment `segment` (none for segment 0).
+pub(super) fn segment_action(id: &str, segment: u16) -> Option<VmmAction> {
+    (segment != 0).then(|| {
+        VmmAction::PutPciSegments(PciSegmentsBody {
+            num_pci_segments: None,
+            devices: [(id.to_string(), segment)].into(),
+        })
+    })
+}
+
+/// The refusal for a device added to a running VM off segment 0.
+pub(super) fn check_hot_plug_segment(id: &str, segment: u16) -> Result<(), ActionError> {
+    if segment == 0 {
+        return Ok(());
+    }
+    Err(ActionError::bad_request(format!(
+        "{id}: gpuvm hot-plugs devices on PCI segment 0 only (pci_segment = {segment})"
+    )))
+}
+
+/// The answer of an add before boot.
+pub(super) fn configured() -> ActionResult {
+    Ok(crate::action::VmmData::Empty)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::action::GpuBody;
+
+    fn gpu_add(id: Option<&str>) -> AddDevice {
+        AddDevice {
+            action: Box::new(VmmAction::PutGpu(GpuBody::new(
+                "placeholder",
+                Some("0000:41:00.0".into()),
+                None,
+            ))),
+            client_id: id.map(String::from),
+            id_prefix: "_vfio".into(),
+            named_by_client_id: true,
+            segment: 0,
+            section: "devices".into(),
+            body: serde_json::json!({"path": "/sys/bus/pci/devices/0000:41:00.0"}),
+        }
+    }
+
+    #[test]
+    fn made_up_ids_skip_every_id_in_use_and_recorded() {
+        let mut state = ClientState::default();
+        let first = state.settle(gpu_add(None), &["_vfio0".into()]).unwrap();
+        assert_eq!(first.client_id, "_vfio1");
+        assert_eq!(first.action.device_id().as_deref(), Some("_vfio1"));
+        let path = serde_json::json!({"path": "/x"});
+        state.record(&first.client_id, &first.device_id, "devices".into(), path);
+        let second = state.settle(gpu_add(None), &["_vfio0".into()]).unwrap();
+        assert_eq!(second.client_id, "_vfio2");
+        let record = state.json().unwrap();
+        assert_eq!(record["devices"][0]["body"]["id"], "_vfio1");
+    }
+
+    #[test]
+    fn a_given_id_in_use_is_refused_and_a_forgotten_one_is_free() {
+        let mut state = ClientState::default();
+        let device = state.settle(gpu_add(Some("gpu0")), &[]).unwrap();
+        state.record(
+            &device.client_id,
+            &device.device_id,
+            "devices".into(),
+            serde_json::json!({}),
+        );
+        let error = state.settle(gpu_add(Some("gpu0")), &[]).err().unwrap();
+        assert_eq!(error.status, 400);
+        assert!(
+            error.message.contains("already exists"),
+            "{}",
+            error.message
+        );
+        state.forget("gpu0");
+        assert!(state.settle(gpu_add(Some("gpu0")), &[]).is_ok());
+    }
+
+    #[test]
+    fn a_share_is_known_by_its_tag() {
+        let mut state = ClientState::default();
+        state.record(
+            "fs0",
+            "myfs",
+            "fs".into(),
+            serde_json::json!({"tag": "myfs"}),
+        );
+        assert_eq!(state.device_id("fs0"), "myfs");
+        assert_eq!(state.device_id("other"), "other");
+        state.forget("myfs");
+        assert_eq!(state.device_id("fs0"), "fs0");
+    }
+
+    #[test]
+    fn hot_plug_stays_on_segment_zero() {
+        assert!(check_hot_plug_segment("d", 0).is_ok());
+        let error = check_hot_plug_segment("d", 1).unwrap_err();
+        assert!(
+            error.message.contains("segment 0 only"),
+            "{}",
+            error.message
+        );
+    }
+}
