@@ -71,11 +71,18 @@ fn configuration(args: &RunArgs) -> Result<(VmConfig, PciOptions), CliError> {
     };
     let mut pci = args.passthrough.pci_options().map_err(CliError::Other)?;
     pci.virtio = args.devices.virtio_options()?;
-    let config = match &args.config_file {
-        Some(path) => config_file::apply_config_file(path, config, &mut pci)?,
-        None => config,
+    let Some(path) = &args.config_file else {
+        return Ok((config, pci));
     };
-    Ok((config, pci))
+    // The file's actions go through the controller, as the API's requests do.
+    let (_no_requests, requests) = std::sync::mpsc::channel();
+    let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
+    let mut controller = ApiController::new(requests, wake, config, Box::new(serial_out));
+    controller.set_pci_options(pci);
+    controller
+        .configure(config_file::actions(path)?)
+        .map_err(|error| config_file::refused(path, error))?;
+    Ok((controller.vm_config(), controller.pci_options()))
 }
 
 /// `--api-sock`: serves the control API and runs the VM it starts (at once with

@@ -839,6 +839,25 @@ pub struct ConfigFile {
     pub pci_segments: Option<PciSegmentsBody>,
 }
 
+impl ConfigFile {
+    /// The actions the file stands for, in the order its routes would take them (the
+    /// machine, the boot source, devices, then their PCI segments): a config file is a
+    /// list of requests, carried out by the controller as one unit.
+    pub fn into_actions(self) -> Vec<VmmAction> {
+        let mut actions = Vec::new();
+        actions.extend(self.machine_config.map(VmmAction::PutMachineConfig));
+        actions.extend(self.boot_source.map(VmmAction::PutBootSource));
+        actions.extend(self.gpus.into_iter().map(VmmAction::PutGpu));
+        actions.extend(self.drives.into_iter().map(VmmAction::PutDrive));
+        actions.extend(self.fs.into_iter().map(VmmAction::PutFs));
+        actions.extend((self.network_interfaces.into_iter()).map(VmmAction::PutNetworkInterface));
+        actions.extend(self.vsock.map(VmmAction::PutVsock));
+        actions.extend(self.entropy.map(VmmAction::PutEntropy));
+        actions.extend(self.pci_segments.map(VmmAction::PutPciSegments));
+        actions
+    }
+}
+
 /// A PUT /drives/{id} body: an image gpuvm opens (`path`) or a vhost-user backend that
 /// serves the disk (`socket`, e.g. qemu-storage-daemon).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

@@ -235,10 +235,7 @@ impl ApiController {
                 if self.client.is_created() {
                     Err(ActionError::wrong_state("the VM is already created"))
                 } else {
-                    self.batch(actions).map(|data| {
-                        self.client.create(record);
-                        data
-                    })
+                    self.batch(actions).inspect(|_| self.client.create(record))
                 }
             }
             VmmAction::BootCreated if !self.client.is_created() => Err(not_created()),
@@ -675,8 +672,31 @@ impl ApiController {
         (result, started)
     }
 
-    /// [`VmmAction::Batch`]: every configuration action, or none of them.
+    /// Configures the VM from a list of actions (a config file) before anything runs:
+    /// all of them, or none (the first refusal is the error).
+    pub fn configure(&mut self, actions: Vec<VmmAction>) -> Result<(), ActionError> {
+        self.batch(actions).map(|_| ())
+    }
+
+    /// The machine and boot source configured so far.
+    pub fn vm_config(&self) -> VmConfig {
+        VmConfig {
+            machine: self.machine_config.clone(),
+            boot: self.boot.clone(),
+        }
+    }
+
+    /// [`VmmAction::Batch`]: every configuration action, or none of them. A batch is one
+    /// configuration: a device id in it twice is refused (a PUT outside a batch replaces).
     fn batch(&mut self, actions: Vec<VmmAction>) -> ActionResult {
+        let mut ids = std::collections::BTreeSet::new();
+        for id in actions.iter().filter_map(VmmAction::device_id) {
+            if !ids.insert(id.clone()) {
+                return Err(ActionError::bad_request(format!(
+                    "device id {id:?} appears twice"
+                )));
+            }
+        }
         let saved = (
             self.machine_config.clone(),
             self.boot.clone(),
