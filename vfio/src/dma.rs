@@ -446,6 +446,51 @@ pub fn map_chunks(
     Ok(())
 }
 
+/// One mmapped part of a passthrough device's BAR, and where the guest has it now.
+///
+/// Peer-to-peer DMA maps these into the other devices' IOMMU contexts at `guest_addr`,
+/// so that one device's DMA to another's guest BAR address reaches that BAR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BarWindow {
+    pub bar: u8,
+    /// Offset of this part in the BAR (and in the region).
+    pub offset: u64,
+    pub size: u64,
+    /// Where the VMM mmapped it.
+    pub host_addr: u64,
+    /// Its guest-physical address while the BAR is placed and memory decoding is on.
+    pub guest_addr: Option<u64>,
+}
+
+/// Told where a device's mmapped BAR parts are each time the guest moves a BAR or turns
+/// memory decoding on or off (and once more, all unplaced, when the device goes).
+pub trait BarPlacementWatch: Send + Sync {
+    fn placed(&self, windows: &[BarWindow]);
+}
+
+/// Why an IOMMU context cannot map peer BAR memory.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{context} cannot DMA-map other devices' BARs: {reason}")]
+pub struct PeerMappingUnsupported {
+    pub context: String,
+    pub reason: String,
+}
+
+/// Maps other devices' BAR memory into one IOMMU context (one device's, for vfio-user;
+/// a container's, for kernel VFIO): the peer-to-peer DMA mappings.
+pub trait PeerMapper: Send + Sync {
+    /// For logs: the device or the kernel interface.
+    fn name(&self) -> String;
+    /// Makes `window` (a peer's BAR part: its host address, and its file and offset)
+    /// reachable at I/O virtual address `window.guest_addr`.
+    ///
+    /// # Safety
+    /// The host range must stay mapped until [`PeerMapper::unmap_peer`] removes it.
+    unsafe fn map_peer(&self, window: &DmaRegion) -> std::io::Result<()>;
+    /// Removes the mapping made at `guest_addr` with `size` bytes.
+    fn unmap_peer(&self, guest_addr: u64, size: u64) -> std::io::Result<()>;
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -653,6 +698,75 @@ pub(crate) mod tests {
         drop(mapping);
         assert!(started.elapsed() < Duration::from_secs(5));
         assert!(progress.wait(Duration::ZERO).is_err());
+    }
+
+    /// The emulated GPU's DMA engine writes through whatever file a mapping came with: a
+    /// peer's BAR file as well as guest RAM; a mapping past its file's end is refused, and
+    /// a job outside every mapping reports status 1.
+    #[test]
+    fn the_emulated_engine_writes_into_a_peer_bar_file() {
+        use crate::emu::{pattern, regs, EmuGpu, EmuGpuOptions};
+        use std::os::fd::FromRawFd;
+        use std::os::unix::fs::FileExt;
+        use vfio_user::{DmaMapFlags, ServerBackend};
+
+        // SAFETY: memfd_create with a static name; the result is checked.
+        let fd = unsafe { libc::memfd_create(c"peer-bar".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor nobody else owns.
+        let peer_bar = unsafe { std::fs::File::from_raw_fd(fd) };
+        peer_bar.set_len(2 << 20).unwrap();
+        let mut gpu = EmuGpu::new(EmuGpuOptions::default()).unwrap();
+        let map = |gpu: &mut EmuGpu, offset: u64, address: u64, size: u64| {
+            gpu.dma_map(
+                DmaMapFlags::READ_WRITE,
+                offset,
+                address,
+                size,
+                Some(peer_bar.try_clone().unwrap()),
+            )
+        };
+        assert!(
+            map(&mut gpu, 1 << 20, 0x2_0000_0000, 2 << 20).is_err(),
+            "past the file's end"
+        );
+        // The peer's BAR from 1 MiB into its file, at guest address 8 GiB.
+        map(&mut gpu, 1 << 20, 0x2_0000_0000, 1 << 20).unwrap();
+        assert!(
+            map(&mut gpu, 0, 0x2_0008_0000, 4096).is_err(),
+            "overlaps the mapping"
+        );
+        let write = |gpu: &mut EmuGpu, region: u32, offset: u64, value: u32| {
+            gpu.region_write(region, offset, &value.to_le_bytes())
+                .unwrap()
+        };
+        let status = |gpu: &mut EmuGpu| {
+            let mut value = [0u8; 4];
+            gpu.region_read(0, regs::DMA_STATUS, &mut value).unwrap();
+            u32::from_le_bytes(value)
+        };
+        write(&mut gpu, crate::region::CONFIG, 4, 0x6); // memory and Bus Master on
+        let target = 0x2_0000_1000u64;
+        write(&mut gpu, 0, regs::DMA_ADDR_LO, target as u32);
+        write(&mut gpu, 0, regs::DMA_ADDR_HI, (target >> 32) as u32);
+        write(&mut gpu, 0, regs::DMA_LEN, 4096);
+        write(&mut gpu, 0, regs::DMA_SEED, 7);
+        write(&mut gpu, 0, regs::DOORBELL, 0);
+        assert_eq!(status(&mut gpu), 0);
+        let mut word = [0u8; 8];
+        peer_bar
+            .read_exact_at(&mut word, (1 << 20) + 0x1000)
+            .unwrap();
+        assert_eq!(u64::from_le_bytes(word), pattern(7, target));
+        peer_bar
+            .read_exact_at(&mut word, (1 << 20) + 0x1ff8)
+            .unwrap();
+        assert_eq!(u64::from_le_bytes(word), pattern(7, target + 0xff8));
+        // Past the mapping's end: not mapped.
+        write(&mut gpu, 0, regs::DMA_ADDR_LO, 0x000f_f000);
+        write(&mut gpu, 0, regs::DMA_LEN, 0x2000);
+        write(&mut gpu, 0, regs::DOORBELL, 0);
+        assert_eq!(status(&mut gpu), 1);
     }
 
     struct Gate(Mutex<u64>, Condvar);

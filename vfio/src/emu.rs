@@ -107,6 +107,11 @@ pub struct EmuGpuOptions {
     /// Serve the migration region (region 9); false makes a device that cannot be
     /// snapshotted.
     pub migration: bool,
+    /// Refuse every reset (the server answers it with its error flag): a device whose
+    /// reset fails.
+    pub reset_fails: bool,
+    /// After a reset, configuration space reads all ones: a device that never comes back.
+    pub dead_after_reset: bool,
 }
 
 impl Default for EmuGpuOptions {
@@ -117,6 +122,8 @@ impl Default for EmuGpuOptions {
             bar3_size: 32 << 20,
             msix_vectors: 4,
             migration: true,
+            reset_fails: false,
+            dead_after_reset: false,
         }
     }
 }
@@ -159,6 +166,8 @@ pub struct EmuGpu {
     /// Doorbells held back by HOLD or by a stopped device, oldest first.
     queue: Vec<DmaJob>,
     migration: MigrationRegion,
+    /// Reset with [`EmuGpuOptions::dead_after_reset`]: config space reads all ones.
+    dead: bool,
 }
 
 /// One doorbell's work.
@@ -203,6 +212,7 @@ impl EmuGpu {
             bar1_socket_accesses: 0,
             queue: Vec::new(),
             migration: MigrationRegion::fresh(),
+            dead: false,
         })
     }
 
@@ -532,6 +542,7 @@ impl ServerBackend for EmuGpu {
                 std::os::unix::fs::FileExt::read_exact_at(&self.bar1, data, offset)?
             }
             3 => self.memory_access(region, offset, Some(data), &[]),
+            7 if self.dead => data.fill(0xff),
             7 => data.copy_from_slice(&self.config[offset as usize..offset as usize + data.len()]),
             MIGRATION_REGION => self.migration_read(offset, data),
             _ => data.fill(0),
@@ -585,6 +596,23 @@ impl ServerBackend for EmuGpu {
     ) -> std::io::Result<()> {
         let fd = fd.ok_or_else(|| invalid("DMA map without a file descriptor"))?;
         let len = usize::try_from(size).map_err(|_| invalid("DMA map too large"))?;
+        // Any file and offset: guest RAM's memfd, or a peer's BAR file (peer-to-peer DMA).
+        // A plain file must hold the whole range (a write past its end would fault), and
+        // mappings must not overlap (the lookup takes the first that covers a job).
+        let end = address
+            .checked_add(size)
+            .ok_or_else(|| invalid("DMA map wraps"))?;
+        let metadata = fd.metadata()?;
+        if metadata.is_file() && offset.checked_add(size).is_none_or(|e| e > metadata.len()) {
+            return Err(invalid("DMA map past the end of its file"));
+        }
+        if self
+            .dma
+            .iter()
+            .any(|m| address < m.guest_addr + m.size && m.guest_addr < end)
+        {
+            return Err(invalid("DMA map overlaps a mapping"));
+        }
         let host = crate::mmap_shared(fd.as_raw_fd(), offset, len)?;
         log::info!("emu-gpu: DMA map {address:#x}+{size:#x} (file offset {offset:#x})");
         self.dma.push(DmaMapping {
@@ -608,6 +636,11 @@ impl ServerBackend for EmuGpu {
     }
 
     fn reset(&mut self) -> std::io::Result<()> {
+        if self.options.reset_fails {
+            log::warn!("emu-gpu: refusing the reset (reset_fails)");
+            return Err(std::io::Error::other("reset refused (reset_fails)"));
+        }
+        self.dead = self.options.dead_after_reset;
         self.bar0.clear();
         self.queue.clear();
         self.migration = MigrationRegion::fresh();

@@ -2,6 +2,10 @@
 
 use crate::{Result, VfioError};
 
+use std::path::Path;
+
+use crate::topology::HostTopology;
+
 /// The soft RLIMIT_MEMLOCK of this process (u64::MAX when unlimited).
 pub fn memlock_limit() -> std::io::Result<u64> {
     let mut limit = libc::rlimit {
@@ -354,6 +358,82 @@ fn check_gpu(paths: &HostPaths, gpu: &str) -> Vec<Check> {
     checks
 }
 
+/// The PCI base class of display controllers (GPUs, 3D controllers).
+const CLASS_DISPLAY: u32 = 0x03;
+
+/// The display-class devices bound to vfio-pci under `sys`, in address order: the GPUs
+/// check-host describes when none is named.
+pub fn vfio_gpus(sys: &Path) -> Vec<String> {
+    let paths = HostPaths {
+        sys: sys.to_path_buf(),
+        dev: "/dev".into(),
+    };
+    let Ok(entries) = std::fs::read_dir(sys.join("bus/pci/devices")) else {
+        return Vec::new();
+    };
+    let mut gpus: Vec<String> = entries
+        .flatten()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|bdf| driver_of(&paths, bdf).as_deref() == Some("vfio-pci"))
+        .filter(|bdf| {
+            std::fs::read_to_string(sys.join("bus/pci/devices").join(bdf).join("class"))
+                .ok()
+                .and_then(|class| {
+                    u32::from_str_radix(class.trim().trim_start_matches("0x"), 16).ok()
+                })
+                .is_some_and(|class| class >> 16 == CLASS_DISPLAY)
+        })
+        .collect();
+    gpus.sort();
+    gpus
+}
+
+/// One line per GPU (`gpus`, else every vfio-pci-bound GPU under `sys`) on its place in
+/// the host's PCIe topology: the switch it sits behind, its root complex, and the
+/// GPUDirect clique gpuvm derives for it when these GPUs go into one VM in this order.
+pub fn topology_checks(sys: &Path, gpus: &[String]) -> Vec<Check> {
+    use CheckStatus::*;
+    let gpus: Vec<String> = if gpus.is_empty() {
+        vfio_gpus(sys)
+    } else {
+        gpus.iter()
+            .map(|gpu| normalize_bdf(gpu).unwrap_or_else(|| gpu.clone()))
+            .collect()
+    };
+    if gpus.is_empty() {
+        return vec![Check::new(
+            "topology",
+            Ok,
+            "no vfio-pci-bound GPU found (name GPUs with --gpu)".into(),
+            None,
+        )];
+    }
+    let present: Vec<String> = gpus
+        .iter()
+        .filter(|bdf| sys.join("bus/pci/devices").join(bdf).exists())
+        .cloned()
+        .collect();
+    let topology = HostTopology::discover(sys, &present);
+    let mut checks = Vec::new();
+    for bdf in &gpus {
+        let name = format!("gpu {bdf} topology");
+        checks.push(match &topology {
+            _ if !present.contains(bdf) => Check::new(
+                &name,
+                Warn,
+                "not in sysfs: no place in the host's topology, no GPUDirect clique".into(),
+                None,
+            ),
+            std::result::Result::Ok(topology) => {
+                Check::new(&name, Ok, topology.describe(bdf), None)
+            }
+            Err(error) => Check::new(&name, Warn, error.to_string(), None),
+        });
+        // Further per-GPU lines (e.g. the reset method) go here, after its topology.
+    }
+    checks
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,6 +532,64 @@ mod tests {
         assert!(missing
             .iter()
             .any(|c| c.status == CheckStatus::Fail && c.detail.contains("no PCI device")));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn topology_lines_for_found_or_named_gpus() {
+        use std::os::unix::fs::symlink;
+        let root = std::env::temp_dir().join(format!("gpuvm-host-topo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let devices = root.join("bus/pci/devices");
+        std::fs::create_dir_all(&devices).unwrap();
+        // Two GPUs behind one switch, bound to vfio-pci; a NIC bound to vfio-pci; a GPU
+        // bound to nvidia.
+        for (chain, driver, class) in [
+            (
+                "pci0000:40/0000:40:01.0/0000:41:00.0/0000:42:00.0/0000:43:00.0",
+                "vfio-pci",
+                "0x030200",
+            ),
+            (
+                "pci0000:40/0000:40:01.0/0000:41:00.0/0000:42:01.0/0000:44:00.0",
+                "vfio-pci",
+                "0x030000",
+            ),
+            (
+                "pci0000:40/0000:40:02.0/0000:45:00.0",
+                "vfio-pci",
+                "0x020000",
+            ),
+            ("pci0000:80/0000:80:01.0/0000:81:00.0", "nvidia", "0x030200"),
+        ] {
+            let dir = root.join("devices").join(chain);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("class"), format!("{class}\n")).unwrap();
+            symlink(format!("/nonexistent/drivers/{driver}"), dir.join("driver")).unwrap();
+            let bdf = chain.rsplit('/').next().unwrap();
+            symlink(format!("../../../devices/{chain}"), devices.join(bdf)).unwrap();
+        }
+        assert_eq!(vfio_gpus(&root), ["0000:43:00.0", "0000:44:00.0"]);
+        let checks = topology_checks(&root, &[]);
+        assert_eq!(checks.len(), 2, "{checks:?}");
+        assert_eq!(checks[0].name, "gpu 0000:43:00.0 topology");
+        assert_eq!(
+            checks[0].detail,
+            "switch 0000:41:00.0 (PIX with 0000:44:00.0), root complex pci0000:40, clique 0"
+        );
+        // Named GPUs: in the order given, a missing one warned about.
+        let checks = topology_checks(
+            &root,
+            &["81:00.0".into(), "43:00.0".into(), "99:00.0".into()],
+        );
+        assert!(
+            checks[0]
+                .detail
+                .ends_with("root complex pci0000:80, clique 0"),
+            "{checks:?}"
+        );
+        assert!(checks[1].detail.ends_with("clique 1"), "{checks:?}");
+        assert_eq!(checks[2].status, CheckStatus::Warn);
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

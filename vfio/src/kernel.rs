@@ -17,7 +17,7 @@ pub use vfio_ioctls::VfioDeviceFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioIommufd, VfioOps};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::dma::DmaMapper;
+use crate::dma::{DmaMapper, PeerMapper, PeerMappingUnsupported};
 use crate::host::normalize_bdf;
 use crate::migration::{KernelMigration, MigrationInfo, MigrationState};
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError, REGION_MMAP};
@@ -79,6 +79,25 @@ impl DmaMapper for OpsMapper {
     }
 }
 
+/// A type1 container maps peers' BARs from the host addresses where gpuvm mmapped them:
+/// VFIO_IOMMU_MAP_DMA resolves those VM_PFNMAP pages to the BARs' physical addresses.
+impl PeerMapper for OpsMapper {
+    fn name(&self) -> String {
+        DmaMapper::name(self)
+    }
+
+    unsafe fn map_peer(&self, window: &DmaRegion) -> std::io::Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { DmaMapper::map(self, window) }
+    }
+
+    fn unmap_peer(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.ops
+            .vfio_dma_unmap(guest_addr, size as usize)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+}
+
 fn sysfs_path(bdf: &str) -> Result<PathBuf> {
     let bdf = normalize_bdf(bdf)
         .ok_or_else(|| VfioError::NotPci(format!("'{bdf}' is not a PCI address")))?;
@@ -134,6 +153,8 @@ impl KernelVfio {
             name: bdf.to_string(),
             mappings: Vec::new(),
             migration,
+            sysfs: path,
+            cdev: self.api == KernelApi::Iommufd,
         })
     }
 
@@ -146,10 +167,44 @@ impl KernelVfio {
         })
     }
 
+    /// The mapper for peers' BARs: a type1 container's; an iommufd IOAS cannot map
+    /// them (IOMMU_IOAS_MAP pins user pages, and BAR mmaps are VM_PFNMAP without pages
+    /// until the kernel maps dma-bufs into an IOAS).
+    pub fn peer_mapper(&self) -> std::result::Result<Arc<dyn PeerMapper>, PeerMappingUnsupported> {
+        match self.api {
+            KernelApi::Container => Ok(Arc::new(OpsMapper {
+                ops: self.ops.clone(),
+                api: self.api,
+            })),
+            KernelApi::Iommufd => Err(PeerMappingUnsupported {
+                context: DmaMapper::name(&OpsMapper {
+                    ops: self.ops.clone(),
+                    api: self.api,
+                }),
+                reason: "IOMMU_IOAS_MAP cannot map PFNMAP (BAR) memory on this kernel".into(),
+            }),
+        }
+    }
+
     /// A context over any `VfioOps` (the tests' fake ioctl layer).
     #[cfg(test)]
     pub(crate) fn with_ops(ops: Arc<dyn VfioOps>, api: KernelApi) -> Self {
         KernelVfio { ops, api }
+    }
+}
+
+impl KernelVfioDevice {
+    /// A duplicate of the device file and the offset of region `index` in it: what a
+    /// vfio-user peer is given to map this device's BAR (None if it cannot be mmapped).
+    pub fn region_file(&self, index: u32) -> Option<(std::os::fd::OwnedFd, u64)> {
+        if self.device.get_region_flags(index) & REGION_MMAP == 0 {
+            return None;
+        }
+        // SAFETY: the device fd is open for as long as `self.device`; borrowing it only to
+        // duplicate it.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.device.as_raw_fd()) };
+        let copy = fd.try_clone_to_owned().ok()?;
+        Some((copy, self.device.get_region_offset(index)))
     }
 }
 
@@ -161,6 +216,10 @@ pub struct KernelVfioDevice {
     mappings: Vec<(usize, usize)>,
     /// VFIO migration v2 (vfio-ioctls' VFIO_DEVICE_FEATURE calls on the device).
     migration: KernelMigration,
+    /// The device's sysfs directory (its `reset_method`).
+    sysfs: PathBuf,
+    /// Opened through the iommufd cdev API (a hot reset then takes no group fds).
+    cdev: bool,
 }
 
 /// A refused interrupt request (vfio-ioctls' enable/disable/unmask of an IRQ index), as
@@ -266,7 +325,12 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn reset(&mut self) -> Result<()> {
-        self.device.reset();
+        let ioctls = ResetIoctls {
+            device: &self.device,
+            sysfs: &self.sysfs,
+            cdev: self.cdev,
+        };
+        crate::reset::reset_kernel_device(&self.name, &ioctls)?;
         self.migration.reset();
         Ok(())
     }
@@ -285,6 +349,135 @@ impl PassthroughDevice for KernelVfioDevice {
 
     fn write_migration_data(&mut self, data: &[u8]) -> Result<()> {
         self.migration.write(&self.device, data)
+    }
+}
+
+/// `_IO(VFIO_TYPE, VFIO_BASE + nr)` (linux/vfio.h).
+const fn vfio_io(nr: u32) -> libc::c_ulong {
+    ((b';' as libc::c_ulong) << 8) | (100 + nr) as libc::c_ulong
+}
+const VFIO_DEVICE_GET_INFO: libc::c_ulong = vfio_io(7);
+const VFIO_DEVICE_RESET: libc::c_ulong = vfio_io(11);
+const VFIO_DEVICE_GET_PCI_HOT_RESET_INFO: libc::c_ulong = vfio_io(12);
+const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
+
+/// The reset ioctls on one opened device; [`crate::reset`] picks the method.
+struct ResetIoctls<'a> {
+    device: &'a VfioDevice,
+    sysfs: &'a Path,
+    cdev: bool,
+}
+
+impl ResetIoctls<'_> {
+    /// An ioctl whose argument is `words`, a VFIO structure that starts with its `argsz`.
+    fn ioctl_words(&self, request: libc::c_ulong, words: &mut [u32]) -> std::io::Result<()> {
+        words[0] = std::mem::size_of_val(words) as u32;
+        // SAFETY: the kernel reads and writes at most `argsz` bytes of the argument, and
+        // `argsz` is the buffer's length; the fd is the open device.
+        let rc = unsafe { libc::ioctl(self.device.as_raw_fd(), request, words.as_mut_ptr()) };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl crate::reset::KernelResetOps for ResetIoctls<'_> {
+    fn device_flags(&self) -> std::io::Result<u32> {
+        // struct vfio_device_info: argsz, flags, num_regions, num_irqs, cap_offset, pad.
+        let mut info = [0u32; 6];
+        self.ioctl_words(VFIO_DEVICE_GET_INFO, &mut info)?;
+        Ok(info[1])
+    }
+
+    fn function_reset(&self) -> std::io::Result<()> {
+        // SAFETY: VFIO_DEVICE_RESET takes no argument; the fd is the open device.
+        let rc = unsafe { libc::ioctl(self.device.as_raw_fd(), VFIO_DEVICE_RESET) };
+        if rc < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn hot_reset_info(&self) -> std::io::Result<crate::reset::HotResetInfo> {
+        // struct vfio_pci_hot_reset_info: argsz, flags, count, then 8-byte entries; asked
+        // once for the count (ENOSPC), then with room for every entry.
+        let mut header = [0u32; 3];
+        let count = match self.ioctl_words(VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, &mut header) {
+            Ok(()) => header[2],
+            Err(error) if error.raw_os_error() == Some(libc::ENOSPC) => header[2],
+            Err(error) => return Err(error),
+        };
+        let mut words = vec![0u32; 3 + 2 * count as usize];
+        self.ioctl_words(VFIO_DEVICE_GET_PCI_HOT_RESET_INFO, &mut words)?;
+        let returned = (words[2] as usize).min(count as usize);
+        let devices = words[3..3 + 2 * returned]
+            .chunks_exact(2)
+            .map(|entry| crate::reset::Dependent {
+                group_or_devid: entry[0],
+                segment: entry[1] as u16,
+                bus: (entry[1] >> 16) as u8,
+                devfn: (entry[1] >> 24) as u8,
+            })
+            .collect();
+        Ok(crate::reset::HotResetInfo {
+            flags: words[1],
+            devices,
+        })
+    }
+
+    fn hot_reset(&self, group_fds: &[std::os::fd::RawFd]) -> std::io::Result<()> {
+        // struct vfio_pci_hot_reset: argsz, flags, count, then the group fds.
+        let mut words = vec![0u32; 3 + group_fds.len()];
+        words[2] = group_fds.len() as u32;
+        for (slot, fd) in words[3..].iter_mut().zip(group_fds) {
+            *slot = *fd as u32;
+        }
+        self.ioctl_words(VFIO_DEVICE_PCI_HOT_RESET, &mut words)
+    }
+
+    fn read_ids(&self) -> std::io::Result<u32> {
+        let offset = self.device.get_region_offset(crate::region::CONFIG);
+        let mut ids = [0u8; 4];
+        // SAFETY: a read into a 4-byte buffer we own, from the open device fd.
+        let read = unsafe {
+            libc::pread(
+                self.device.as_raw_fd(),
+                ids.as_mut_ptr().cast(),
+                ids.len(),
+                offset as libc::off_t,
+            )
+        };
+        if read != ids.len() as isize {
+            return Err(if read < 0 {
+                std::io::Error::last_os_error()
+            } else {
+                std::io::Error::other(format!("short config space read ({read} bytes)"))
+            });
+        }
+        Ok(u32::from_le_bytes(ids))
+    }
+
+    fn kernel_reset_method(&self) -> Option<String> {
+        std::fs::read_to_string(self.sysfs.join("reset_method"))
+            .ok()?
+            .split_whitespace()
+            .next()
+            .map(str::to_string)
+    }
+
+    fn group_fd(&self, group: u32) -> Option<std::os::fd::RawFd> {
+        // vfio-ioctls keeps its group files to itself; they are among this process's fds.
+        let wanted = PathBuf::from(format!("/dev/vfio/{group}"));
+        std::fs::read_dir("/proc/self/fd")
+            .ok()?
+            .flatten()
+            .find(|entry| std::fs::read_link(entry.path()).is_ok_and(|target| target == wanted))
+            .and_then(|entry| entry.file_name().to_str()?.parse().ok())
+    }
+
+    fn cdev(&self) -> bool {
+        self.cdev
     }
 }
 
@@ -335,6 +528,46 @@ mod tests {
                 .push((iova, size, user_addr as u64));
             Ok(())
         }
+
+        fn vfio_dma_unmap(&self, iova: u64, size: usize) -> vfio_ioctls::Result<()> {
+            let mut calls = self.calls.lock().unwrap();
+            let before = calls.len();
+            calls.retain(|&(at, len, _)| (at, len) != (iova, size));
+            if calls.len() == before {
+                return Err(vfio_ioctls::VfioError::InvalidDmaUnmapSize);
+            }
+            Ok(())
+        }
+    }
+
+    /// type1 maps a peer's BAR from the host address of its mmap, and unmaps it at the
+    /// same IOVA; iommufd cannot, and says why.
+    #[test]
+    fn type1_maps_peer_bars_and_iommufd_refuses() {
+        let fake = Arc::new(FakeOps::default());
+        let vfio = KernelVfio::with_ops(fake.clone(), KernelApi::Container);
+        let mapper = vfio.peer_mapper().expect("type1 maps peers");
+        let window = DmaRegion {
+            guest_addr: 0x1_2000_0000,
+            size: 256 << 20,
+            host_addr: 0x7f55_0000_0000,
+            fd: -1,
+            fd_offset: 0,
+        };
+        // SAFETY: the fake layer only records the call.
+        unsafe { mapper.map_peer(&window) }.unwrap();
+        assert_eq!(
+            *fake.calls.lock().unwrap(),
+            [(0x1_2000_0000, 256 << 20, 0x7f55_0000_0000)]
+        );
+        mapper.unmap_peer(0x1_2000_0000, 256 << 20).unwrap();
+        assert!(fake.calls.lock().unwrap().is_empty());
+        assert!(mapper.unmap_peer(0x1_2000_0000, 256 << 20).is_err());
+
+        let vfio = KernelVfio::with_ops(Arc::new(FakeOps::default()), KernelApi::Iommufd);
+        let refused = vfio.peer_mapper().err().expect("iommufd cannot");
+        assert!(refused.to_string().contains("iommufd"), "{refused}");
+        assert!(refused.to_string().contains("PFNMAP"), "{refused}");
     }
 
     /// Maps `ram()` in the background through a context over `ops`, as vmm/src/pci.rs does.

@@ -10,6 +10,7 @@
 //! - [`dma`]: DMA mapping of guest RAM in the background, and the progress that gates
 //!   each device's Bus Master bit.
 //! - [`host`]: host checks (memlock limit, IOMMU groups) shared by `gpuvm check-host`.
+//! - [`topology`]: the host's PCIe topology from sysfs (switches, root complexes, cliques).
 
 use std::os::fd::RawFd;
 
@@ -22,6 +23,8 @@ pub mod kernel;
 pub mod migration;
 pub mod msi;
 pub mod pci;
+pub mod reset;
+pub mod topology;
 pub mod user;
 
 #[cfg(test)]
@@ -111,6 +114,8 @@ pub enum VfioError {
     },
     #[error("{device}: migration data: {reason}")]
     MigrationData { device: String, reason: String },
+    #[error(transparent)]
+    Reset(#[from] reset::ResetError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

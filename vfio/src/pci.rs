@@ -10,7 +10,7 @@ use gpuvm_devices::pci::{
 };
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::dma::DmaProgress;
+use crate::dma::{BarPlacementWatch, BarWindow, DmaProgress};
 use crate::migration::{MigrationInfo, MigrationState};
 use crate::msi::{MsiChange, MsiState, CAP_ID_MSI};
 use crate::{region, DmaRegion, PassthroughDevice, Result, VfioError};
@@ -40,6 +40,8 @@ struct BarMapping {
     host: u64,
     /// (mapper handle, guest address) while mapped.
     mapped: Option<(u32, u64)>,
+    /// Where the guest has it (its BAR placed, memory decoding on), mapped or not.
+    wanted: Option<u64>,
 }
 
 /// The legacy INTx line. It is on in the backend only while neither MSI nor MSI-X is
@@ -94,11 +96,16 @@ pub struct VfioPciDevice {
     /// Guest RAM being DMA-mapped for this device in the background, and how long a guest
     /// write setting Bus Master may wait for it.
     dma_gate: Option<(Arc<DmaProgress>, Duration)>,
+    /// Told where the mmapped BAR parts are whenever that changes (peer-to-peer DMA).
+    bar_watch: Option<Arc<dyn BarPlacementWatch>>,
+    /// The GPUDirect clique capability gpuvm shows the guest, when it shows one.
+    gpudirect: Option<GpuDirectCapability>,
 }
 
 impl VfioPciDevice {
-    /// Resets the device, reads its BARs and MSI-X capability, and allocates one GSI per
-    /// MSI-X vector through `allocate`.
+    /// Resets the device (the backend picks the method and refuses a device that does not
+    /// come back: [`crate::reset`]), reads its BARs and MSI-X capability, and allocates one
+    /// GSI per MSI-X vector through `allocate`.
     pub fn new(
         mut backend: Box<dyn PassthroughDevice>,
         allocate: VectorAllocator<'_>,
@@ -162,6 +169,8 @@ impl VfioPciDevice {
             mapper: None,
             mappings: Vec::new(),
             dma_gate: None,
+            bar_watch: None,
+            gpudirect: None,
         })
     }
 
@@ -173,6 +182,31 @@ impl VfioPciDevice {
     /// counted in `progress`.
     pub fn gate_bus_master(&mut self, progress: Arc<DmaProgress>, limit: Duration) {
         self.dma_gate = Some((progress, limit));
+    }
+
+    /// Tells `watch` where the mmapped BAR parts are now, and again after every BAR move
+    /// or memory-decoding change (all unplaced when the device is dropped).
+    pub fn watch_bar_placement(&mut self, watch: Arc<dyn BarPlacementWatch>) {
+        self.bar_watch = Some(watch);
+        self.report_bar_placement(false);
+    }
+
+    fn report_bar_placement(&self, dropping: bool) {
+        let Some(watch) = &self.bar_watch else {
+            return;
+        };
+        let windows: Vec<BarWindow> = self
+            .mappings
+            .iter()
+            .map(|m| BarWindow {
+                bar: m.bar,
+                offset: m.offset,
+                size: m.size,
+                host_addr: m.host,
+                guest_addr: m.wanted.filter(|_| !dropping),
+            })
+            .collect();
+        watch.placed(&windows);
     }
 
     /// Whether a guest write may set Bus Master now; waits for the mapping if need be.
@@ -244,6 +278,7 @@ impl VfioPciDevice {
                     size,
                     host: host as u64,
                     mapped: None,
+                    wanted: None,
                 });
             }
         }
@@ -297,6 +332,7 @@ impl VfioPciDevice {
             return;
         };
         let active = self.bars.active();
+        let mut moved = false;
         for mapping in &mut self.mappings {
             // While the guest sizes a 64-bit BAR its address is all ones: past any physical
             // address width, so there is nothing to map until it writes the address back.
@@ -304,6 +340,8 @@ impl VfioPciDevice {
                 .iter()
                 .find(|bar| bar.index == mapping.bar && bar.address + bar.size <= MAX_GUEST_PHYS)
                 .map(|bar| bar.address + mapping.offset);
+            moved |= mapping.wanted != wanted;
+            mapping.wanted = wanted;
             if mapping.mapped.map(|(_, at)| at) == wanted {
                 continue;
             }
@@ -327,6 +365,9 @@ impl VfioPciDevice {
                     ),
                 }
             }
+        }
+        if moved {
+            self.report_bar_placement(false);
         }
     }
 
@@ -485,6 +526,10 @@ pub struct VfioPciState {
     pub msi_capability: Vec<u8>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub intx_line: Option<u8>,
+    /// The clique of the GPUDirect capability the guest saw (None: it saw none; snapshots
+    /// from before the capability existed load as None).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpudirect_clique: Option<u8>,
 }
 
 impl VfioPciDevice {
@@ -557,6 +602,7 @@ impl Persist for VfioPciDevice {
                 .collect(),
             memory_enabled: self.bars.memory_enabled(),
             intx_line: self.intx.as_ref().map(|intx| intx.line),
+            gpudirect_clique: self.gpudirect.map(|capability| capability.clique),
             ..VfioPciState::default()
         };
         if let Some(msix) = &self.msix {
@@ -607,6 +653,7 @@ impl Persist for VfioPciDevice {
             intx.line = line;
         }
         self.update_intx();
+        self.restore_gpudirect(state.gpudirect_clique);
         Ok(())
     }
 }
@@ -763,9 +810,19 @@ impl PciDevice for VfioPciDevice {
                 }
             }
         }
+        if let Some(capability) = &self.gpudirect {
+            capability.overlay(offset, data);
+        }
     }
 
     fn config_write(&mut self, offset: u16, data: &[u8]) {
+        // The GPUDirect capability is read-only and the device never sees it.
+        if self
+            .gpudirect
+            .is_some_and(|capability| capability.covers(offset, data.len()))
+        {
+            return;
+        }
         if BarSet::handles(offset) {
             self.bars.write(offset, data);
             return self.sync_guest_mappings();
@@ -874,6 +931,8 @@ impl PciDevice for VfioPciDevice {
 impl Drop for VfioPciDevice {
     /// Leaves the device quiet for whoever uses it next.
     fn drop(&mut self) {
+        // Peers lose their DMA mappings of this device's BARs before the BARs' mmaps go.
+        self.report_bar_placement(true);
         if let Some(mapper) = &self.mapper {
             for mapping in &mut self.mappings {
                 if let Some((handle, _)) = mapping.mapped.take() {
@@ -888,8 +947,420 @@ impl Drop for VfioPciDevice {
             let _ = self.backend.disable_msi();
         }
         switch_intx(self.backend.as_mut(), &mut self.intx, false, &self.name);
+        // Best effort: the device is going anyway; the next user's attach checks it.
         if let Err(error) = self.backend.reset() {
-            log::debug!("{}: reset on teardown: {error}", self.name);
+            log::warn!("{}: reset after detach: {error}", self.name);
         }
+    }
+}
+
+/// PCI vendor id of NVIDIA, the only vendor whose driver reads the GPUDirect capability.
+pub const VENDOR_NVIDIA: u16 = 0x10de;
+/// The vendor-specific capability id.
+const CAP_ID_VENDOR: u8 = 0x09;
+/// Where the GPUDirect capability may go: NVIDIA reserves 0xC8, and 0xD4 for GPUs whose
+/// own capabilities (MSI-X, on Turing and later) sit at 0xC8.
+const GPUDIRECT_OFFSETS: [u16; 2] = [0xc8, 0xd4];
+const GPUDIRECT_LEN: u16 = 8;
+/// The largest clique id the capability's 4-bit field holds.
+pub const MAX_GPUDIRECT_CLIQUE: u8 = 15;
+
+/// NVIDIA's GPUDirect P2P capability, as gpuvm adds it to a passthrough GPU's
+/// configuration space (the device itself never sees it). Its 8 bytes: id 0x09, next
+/// pointer, length 8, the signature "P2P", then a 16-bit word with the version (0) in bits
+/// 2:0 and the clique id in bits 6:3. GPUs with one clique id may do P2P DMA to each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GpuDirectCapability {
+    offset: u16,
+    clique: u8,
+    link: CapabilityLink,
+}
+
+/// How the guest's capability walk reaches the added capability.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CapabilityLink {
+    /// From the next pointer of the device's last capability (at this offset).
+    After(u16),
+    /// From the capabilities pointer: the device has no capability list of its own.
+    Head,
+}
+
+impl GpuDirectCapability {
+    fn bytes(&self) -> [u8; GPUDIRECT_LEN as usize] {
+        [CAP_ID_VENDOR, 0, 8, b'P', b'2', b'P', self.clique << 3, 0]
+    }
+
+    /// Whether `[offset, offset + len)` touches the capability's bytes.
+    fn covers(&self, offset: u16, len: usize) -> bool {
+        offset < self.offset + GPUDIRECT_LEN && offset + len as u16 > self.offset
+    }
+
+    /// Puts what the guest sees of the capability, and of the pointer that leads to it,
+    /// over a configuration read of `[offset, offset + data.len())`.
+    fn overlay(&self, offset: u16, data: &mut [u8]) {
+        let bytes = self.bytes();
+        for (i, byte) in data.iter_mut().enumerate() {
+            let at = offset + i as u16;
+            if (self.offset..self.offset + GPUDIRECT_LEN).contains(&at) {
+                *byte = bytes[usize::from(at - self.offset)];
+            }
+            match self.link {
+                CapabilityLink::After(last) if at == last + 1 => *byte = self.offset as u8,
+                CapabilityLink::Head if at == config::CAPABILITIES_POINTER => {
+                    *byte = self.offset as u8
+                }
+                CapabilityLink::Head if at == config::COMMAND + 2 => {
+                    *byte |= config::STATUS_CAPABILITIES as u8
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Why a passthrough device gets no GPUDirect capability.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuDirectError {
+    #[error("{device}: the GPUDirect clique capability is for NVIDIA devices (vendor {VENDOR_NVIDIA:#06x}), this one is {vendor:#06x}")]
+    NotNvidia { device: String, vendor: u16 },
+    #[error("{device}: GPUDirect clique {clique} is out of range (0 to {MAX_GPUDIRECT_CLIQUE})")]
+    CliqueOutOfRange { device: String, clique: u8 },
+    #[error("{device}: no room for the GPUDirect clique capability: the device's own capabilities use both 0xC8 and 0xD4")]
+    NoRoom { device: String },
+    #[error("{device}: cannot read its capability list: {source}")]
+    Config { device: String, source: VfioError },
+}
+
+impl VfioPciDevice {
+    /// Shows the guest NVIDIA's GPUDirect capability with `clique`, chained at the end of
+    /// the device's capability list; returns its configuration offset. Calling it again
+    /// changes the clique in place.
+    pub fn add_gpudirect_clique(&mut self, clique: u8) -> std::result::Result<u16, GpuDirectError> {
+        let device = || self.name.clone();
+        let vendor = self.ids as u16;
+        if vendor != VENDOR_NVIDIA {
+            return Err(GpuDirectError::NotNvidia {
+                device: device(),
+                vendor,
+            });
+        }
+        if clique > MAX_GPUDIRECT_CLIQUE {
+            return Err(GpuDirectError::CliqueOutOfRange {
+                device: device(),
+                clique,
+            });
+        }
+        if let Some(capability) = self.gpudirect.as_mut() {
+            capability.clique = clique;
+            return Ok(capability.offset);
+        }
+        let capabilities =
+            capability_extents(self.backend.as_mut()).map_err(|source| GpuDirectError::Config {
+                device: device(),
+                source,
+            })?;
+        let free = |at: u16| {
+            capabilities
+                .iter()
+                .all(|&(start, len)| start + len <= at || start >= at + GPUDIRECT_LEN)
+        };
+        let Some(offset) = GPUDIRECT_OFFSETS.into_iter().find(|&at| free(at)) else {
+            return Err(GpuDirectError::NoRoom { device: device() });
+        };
+        let link = match capabilities.last() {
+            Some(&(last, _)) => CapabilityLink::After(last),
+            None => CapabilityLink::Head,
+        };
+        self.gpudirect = Some(GpuDirectCapability {
+            offset,
+            clique,
+            link,
+        });
+        log::info!(
+            "{}: GPUDirect clique {clique} (capability at {offset:#x})",
+            self.name
+        );
+        Ok(offset)
+    }
+
+    /// The clique the guest reads from the GPUDirect capability, if it has one.
+    pub fn gpudirect_clique(&self) -> Option<u8> {
+        self.gpudirect.map(|capability| capability.clique)
+    }
+
+    /// Gives the guest the GPUDirect capability it saw when the snapshot was taken (a
+    /// freshly opened device may have derived another, or none).
+    fn restore_gpudirect(&mut self, saved: Option<u8>) {
+        match saved {
+            Some(clique) => {
+                if let Err(error) = self.add_gpudirect_clique(clique) {
+                    log::warn!("restoring the GPUDirect capability: {error}");
+                }
+            }
+            None => {
+                if self.gpudirect.take().is_some() {
+                    log::info!(
+                        "{}: the snapshot's guest saw no GPUDirect capability; none is shown",
+                        self.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The device's capabilities in list order, each as (offset, length). Lengths come from
+/// the capability's id where the format fixes it; an unknown one is taken to reach the
+/// next capability above it (or the end of the standard space).
+fn capability_extents(backend: &mut dyn PassthroughDevice) -> Result<Vec<(u16, u16)>> {
+    let status = read_config32(backend, config::COMMAND)? >> 16;
+    if status as u16 & config::STATUS_CAPABILITIES == 0 {
+        return Ok(Vec::new());
+    }
+    let mut headers = Vec::new();
+    let mut pointer = (read_config32(backend, config::CAPABILITIES_POINTER)? & 0xfc) as u16;
+    // At most 48 capabilities fit in 192 bytes; a longer chain is a loop.
+    while pointer >= 0x40 && headers.len() < 48 {
+        let header = read_config32(backend, pointer)?;
+        headers.push((pointer, header));
+        pointer = ((header >> 8) & 0xfc) as u16;
+    }
+    let starts: Vec<u16> = headers.iter().map(|&(at, _)| at).collect();
+    let extents = headers
+        .iter()
+        .map(|&(at, header)| {
+            let control = (header >> 16) as u16;
+            let known = match header as u8 {
+                0x01 => Some(8),
+                CAP_ID_MSI => {
+                    let address64 = if control & (1 << 7) != 0 { 4 } else { 0 };
+                    let masking = if control & (1 << 8) != 0 { 10 } else { 0 };
+                    Some(10 + address64 + masking)
+                }
+                0x10 => Some(0x3c),
+                config::CAP_ID_MSIX => Some(12),
+                CAP_ID_VENDOR => Some(u16::from((header >> 16) as u8).max(3)),
+                _ => None,
+            };
+            let len = known.unwrap_or_else(|| {
+                let next_above = starts.iter().copied().filter(|&s| s > at).min();
+                next_above.unwrap_or(0x100) - at
+            });
+            (at, len)
+        })
+        .collect();
+    Ok(extents)
+}
+
+#[cfg(test)]
+mod gpudirect_tests {
+    use super::*;
+    use gpuvm_devices::pci::RecordedRoutes;
+
+    /// A function with configuration space only, recording configuration writes.
+    struct ConfigOnly {
+        config: Vec<u8>,
+        writes: Arc<std::sync::Mutex<Vec<u16>>>,
+    }
+
+    impl PassthroughDevice for ConfigOnly {
+        fn name(&self) -> String {
+            "config-only".into()
+        }
+        fn region_info(&self, index: u32) -> Option<crate::RegionInfo> {
+            (index == region::CONFIG).then(|| crate::RegionInfo {
+                index,
+                size: 256,
+                flags: crate::REGION_READ | crate::REGION_WRITE,
+                mmap_areas: Vec::new(),
+            })
+        }
+        fn region_read(&mut self, _index: u32, offset: u64, data: &mut [u8]) -> Result<()> {
+            gpuvm_devices::pci::read_le(&self.config, offset as usize, data);
+            Ok(())
+        }
+        fn region_write(&mut self, _index: u32, offset: u64, _data: &[u8]) -> Result<()> {
+            self.writes.lock().unwrap().push(offset as u16);
+            Ok(())
+        }
+        fn mmap_region(&mut self, _: u32, _: u64, _: u64) -> Result<Option<*mut u8>> {
+            Ok(None)
+        }
+        fn msix_vectors(&mut self) -> Result<u32> {
+            Ok(1)
+        }
+        fn enable_msix(&mut self, _eventfds: &[&EventFd]) -> Result<()> {
+            Ok(())
+        }
+        fn disable_msix(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn dma_map(&mut self, _region: &DmaRegion) -> Result<()> {
+            Ok(())
+        }
+        fn reset(&mut self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Configuration space of `vendor`'s device with `capabilities` ((offset, id, bytes
+    /// after the header)) chained in the order given.
+    fn config_space(vendor: u16, capabilities: &[(u8, u8, &[u8])]) -> Vec<u8> {
+        let mut config = vec![0u8; 256];
+        config[0..2].copy_from_slice(&vendor.to_le_bytes());
+        config[2..4].copy_from_slice(&0x2330u16.to_le_bytes());
+        if let Some(&(first, _, _)) = capabilities.first() {
+            config[6] = 0x10;
+            config[0x34] = first;
+        }
+        for (i, &(at, id, rest)) in capabilities.iter().enumerate() {
+            let at = usize::from(at);
+            config[at] = id;
+            config[at + 1] = capabilities.get(i + 1).map_or(0, |next| next.0);
+            config[at + 2..at + 2 + rest.len()].copy_from_slice(rest);
+        }
+        config
+    }
+
+    fn open(config: Vec<u8>) -> (VfioPciDevice, Arc<std::sync::Mutex<Vec<u16>>>) {
+        let writes = Arc::default();
+        let backend = ConfigOnly {
+            config,
+            writes: Arc::clone(&writes),
+        };
+        let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+            (0..count).map(|i| Ok((24 + i, EventFd::new(0)?))).collect()
+        };
+        let device = VfioPciDevice::new(
+            Box::new(backend),
+            &mut allocate,
+            Arc::new(RecordedRoutes::default()),
+        )
+        .expect("device");
+        (device, writes)
+    }
+
+    /// Walks the capability list as a guest does, returning (offset, id) pairs.
+    fn guest_walk(device: &mut VfioPciDevice) -> Vec<(u16, u8)> {
+        let mut status = [0u8; 2];
+        device.config_read(config::COMMAND + 2, &mut status);
+        if u16::from_le_bytes(status) & config::STATUS_CAPABILITIES == 0 {
+            return Vec::new();
+        }
+        let mut found = Vec::new();
+        let mut pointer = [0u8];
+        device.config_read(config::CAPABILITIES_POINTER, &mut pointer);
+        let mut at = u16::from(pointer[0] & 0xfc);
+        while at >= 0x40 && found.len() < 48 {
+            let mut header = [0u8; 2];
+            device.config_read(at, &mut header);
+            found.push((at, header[0]));
+            at = u16::from(header[1] & 0xfc);
+        }
+        found
+    }
+
+    fn capability_bytes(device: &mut VfioPciDevice, at: u16) -> [u8; 8] {
+        let mut bytes = [0u8; 8];
+        device.config_read(at, &mut bytes[..4]);
+        device.config_read(at + 4, &mut bytes[4..]);
+        bytes
+    }
+
+    const MSIX: &[u8] = &[0, 0, 0, 0x20, 0, 0, 0, 0x30, 0, 0];
+
+    #[test]
+    fn the_capability_is_chained_at_c8_with_the_clique() {
+        let (mut device, writes) = open(config_space(
+            VENDOR_NVIDIA,
+            &[(0x60, 0x11, MSIX), (0x70, 0x01, &[])],
+        ));
+        assert_eq!(device.add_gpudirect_clique(5).unwrap(), 0xc8);
+        assert_eq!(
+            guest_walk(&mut device),
+            vec![(0x60, 0x11), (0x70, 0x01), (0xc8, CAP_ID_VENDOR)]
+        );
+        assert_eq!(
+            capability_bytes(&mut device, 0xc8),
+            [0x09, 0, 8, b'P', b'2', b'P', 5 << 3, 0]
+        );
+        assert_eq!(device.gpudirect_clique(), Some(5));
+        // Guest writes to it go nowhere and change nothing.
+        device.config_write(0xcc, &[0xff; 4]);
+        device.config_write(0xc8, &[0xff; 2]);
+        assert!(!writes.lock().unwrap().contains(&0xcc), "{writes:?}");
+        assert!(!writes.lock().unwrap().contains(&0xc8));
+        assert_eq!(capability_bytes(&mut device, 0xc8)[6], 5 << 3);
+        // Asking again changes the clique in place.
+        assert_eq!(device.add_gpudirect_clique(15).unwrap(), 0xc8);
+        assert_eq!(capability_bytes(&mut device, 0xc8)[6], 15 << 3);
+        assert_eq!(guest_walk(&mut device).len(), 3);
+    }
+
+    #[test]
+    fn a_capability_at_c8_moves_it_to_d4() {
+        let (mut device, _) = open(config_space(
+            VENDOR_NVIDIA,
+            &[(0x60, 0x01, &[]), (0xc8, 0x11, MSIX)],
+        ));
+        assert_eq!(device.add_gpudirect_clique(1).unwrap(), 0xd4);
+        assert_eq!(
+            guest_walk(&mut device),
+            vec![(0x60, 0x01), (0xc8, 0x11), (0xd4, CAP_ID_VENDOR)]
+        );
+        // The MSI-X capability's own bytes still read through.
+        let mut header = [0u8; 1];
+        device.config_read(0xc8, &mut header);
+        assert_eq!(header[0], 0x11);
+    }
+
+    #[test]
+    fn no_room_not_nvidia_and_out_of_range_are_refused() {
+        // A PCIe capability at 0xa0 spans 0xa0..0xdc: both places are taken.
+        let (mut device, _) = open(config_space(VENDOR_NVIDIA, &[(0xa0, 0x10, &[])]));
+        assert!(matches!(
+            device.add_gpudirect_clique(0),
+            Err(GpuDirectError::NoRoom { .. })
+        ));
+        assert_eq!(guest_walk(&mut device), vec![(0xa0, 0x10)]);
+        let (mut device, _) = open(config_space(0x8086, &[(0x60, 0x01, &[])]));
+        let error = device.add_gpudirect_clique(0).unwrap_err();
+        assert!(error.to_string().contains("0x8086"), "{error}");
+        let (mut device, _) = open(config_space(VENDOR_NVIDIA, &[]));
+        assert!(matches!(
+            device.add_gpudirect_clique(16),
+            Err(GpuDirectError::CliqueOutOfRange { clique: 16, .. })
+        ));
+        assert_eq!(device.gpudirect_clique(), None);
+    }
+
+    #[test]
+    fn a_device_without_capabilities_gets_a_list() {
+        let (mut device, _) = open(config_space(VENDOR_NVIDIA, &[]));
+        assert!(guest_walk(&mut device).is_empty());
+        assert_eq!(device.add_gpudirect_clique(3).unwrap(), 0xc8);
+        assert_eq!(guest_walk(&mut device), vec![(0xc8, CAP_ID_VENDOR)]);
+    }
+
+    #[test]
+    fn snapshots_carry_the_clique_and_old_ones_load() {
+        let (mut device, _) = open(config_space(VENDOR_NVIDIA, &[(0x60, 0x01, &[])]));
+        device.add_gpudirect_clique(9).unwrap();
+        let state = device.save().unwrap();
+        assert_eq!(state.gpudirect_clique, Some(9));
+
+        // A freshly opened device with no (or another) clique shows the saved one.
+        let (mut restored, _) = open(config_space(VENDOR_NVIDIA, &[(0x60, 0x01, &[])]));
+        restored.restore(&state).unwrap();
+        assert_eq!(capability_bytes(&mut restored, 0xc8)[6], 9 << 3);
+
+        // A snapshot from before the capability (the field defaults to None): the guest
+        // keeps seeing no capability even where one would be derived now.
+        let old = VfioPciState {
+            bars: Vec::new(),
+            ..VfioPciState::default()
+        };
+        restored.restore(&old).unwrap();
+        assert_eq!(guest_walk(&mut restored), vec![(0x60, 0x01)]);
     }
 }

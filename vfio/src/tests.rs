@@ -518,3 +518,323 @@ fn a_map_slower_than_the_limit_refuses_bus_master() {
     assert_eq!(*writes.lock().unwrap(), [0x00]);
     assert_eq!(mapping.progress().status().bus_master_refused, 1);
 }
+
+// ----- Reset before attach and after detach (crate::reset) -----
+
+/// The fake reset ioctl layer: answers VFIO_DEVICE_GET_INFO, VFIO_DEVICE_RESET,
+/// VFIO_DEVICE_GET_PCI_HOT_RESET_INFO and VFIO_DEVICE_PCI_HOT_RESET as the kernel would
+/// for the device described, and records the requests.
+#[derive(Default)]
+struct FakeResetOps {
+    flags: u32,
+    reset_errno: Option<i32>,
+    hot_reset_info: Option<crate::reset::HotResetInfo>,
+    /// Group id -> the fd this process holds for it.
+    groups: BTreeMap<u32, i32>,
+    cdev: bool,
+    kernel_method: Option<String>,
+    ids_after_reset: u32,
+    calls: Mutex<Vec<String>>,
+}
+
+impl FakeResetOps {
+    fn flr() -> Self {
+        FakeResetOps {
+            flags: crate::reset::DEVICE_FLAGS_RESET,
+            kernel_method: Some("flr".into()),
+            ids_after_reset: 0x2330_10de,
+            ..Default::default()
+        }
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl crate::reset::KernelResetOps for FakeResetOps {
+    fn device_flags(&self) -> std::io::Result<u32> {
+        Ok(self.flags)
+    }
+    fn function_reset(&self) -> std::io::Result<()> {
+        self.calls.lock().unwrap().push("VFIO_DEVICE_RESET".into());
+        match self.reset_errno {
+            Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+            None => Ok(()),
+        }
+    }
+    fn hot_reset_info(&self) -> std::io::Result<crate::reset::HotResetInfo> {
+        self.hot_reset_info
+            .clone()
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENODEV))
+    }
+    fn hot_reset(&self, group_fds: &[i32]) -> std::io::Result<()> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("VFIO_DEVICE_PCI_HOT_RESET {group_fds:?}"));
+        match self.reset_errno {
+            Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+            None => Ok(()),
+        }
+    }
+    fn read_ids(&self) -> std::io::Result<u32> {
+        Ok(self.ids_after_reset)
+    }
+    fn kernel_reset_method(&self) -> Option<String> {
+        self.kernel_method.clone()
+    }
+    fn group_fd(&self, group: u32) -> Option<i32> {
+        self.groups.get(&group).copied()
+    }
+    fn cdev(&self) -> bool {
+        self.cdev
+    }
+}
+
+fn dependent(group: u32, devfn: u8) -> crate::reset::Dependent {
+    crate::reset::Dependent {
+        group_or_devid: group,
+        segment: 0,
+        bus: 0x41,
+        devfn,
+    }
+}
+
+#[test]
+fn a_device_with_flr_is_reset_by_vfio_device_reset() {
+    use crate::reset::{reset_kernel_device, ResetMethod};
+    let ops = FakeResetOps::flr();
+    let method = reset_kernel_device("0000:41:00.0", &ops).expect("reset");
+    assert_eq!(
+        method,
+        ResetMethod::Function {
+            kernel_method: Some("flr".into())
+        }
+    );
+    assert_eq!(method.to_string(), "FLR");
+    assert_eq!(ops.calls(), ["VFIO_DEVICE_RESET"]);
+}
+
+#[test]
+fn without_flr_the_dependent_set_is_hot_reset_with_its_group_fds() {
+    use crate::reset::{reset_kernel_device, HotResetInfo, ResetMethod};
+    // Two functions of one device in group 7, a third function in group 9.
+    let ops = FakeResetOps {
+        hot_reset_info: Some(HotResetInfo {
+            flags: 0,
+            devices: vec![dependent(7, 0), dependent(7, 1), dependent(9, 2)],
+        }),
+        groups: BTreeMap::from([(7, 40), (9, 41)]),
+        ids_after_reset: 0x2330_10de,
+        ..Default::default()
+    };
+    let method = reset_kernel_device("0000:41:00.0", &ops).expect("reset");
+    assert_eq!(method, ResetMethod::HotReset { devices: Some(3) });
+    assert_eq!(ops.calls(), ["VFIO_DEVICE_PCI_HOT_RESET [40, 41]"]);
+
+    // iommufd cdev: no group fds, and only when the kernel says the set is owned.
+    let cdev = FakeResetOps {
+        cdev: true,
+        hot_reset_info: Some(HotResetInfo {
+            flags: crate::reset::HOT_RESET_FLAG_DEV_ID | crate::reset::HOT_RESET_FLAG_DEV_ID_OWNED,
+            devices: vec![dependent(1, 0), dependent(2, 1)],
+        }),
+        ids_after_reset: 0x2330_10de,
+        ..Default::default()
+    };
+    let method = reset_kernel_device("0000:41:00.0", &cdev).expect("reset");
+    assert_eq!(method, ResetMethod::HotReset { devices: Some(2) });
+    assert_eq!(cdev.calls(), ["VFIO_DEVICE_PCI_HOT_RESET []"]);
+}
+
+#[test]
+fn a_device_with_no_reset_says_so_and_is_still_checked() {
+    use crate::reset::{reset_kernel_device, HotResetInfo, ResetMethod};
+    // No function reset, no bus reset at all.
+    let none = FakeResetOps {
+        ids_after_reset: 0x2330_10de,
+        ..Default::default()
+    };
+    let method = reset_kernel_device("0000:41:00.0", &none).expect("usable");
+    assert!(
+        matches!(&method, ResetMethod::None { reason } if reason.contains("no bus or slot reset"))
+    );
+    assert!(none.calls().is_empty());
+
+    // A hot reset that would reset a group this VM does not hold is not tried.
+    let foreign = FakeResetOps {
+        hot_reset_info: Some(HotResetInfo {
+            flags: 0,
+            devices: vec![dependent(7, 0), dependent(8, 1)],
+        }),
+        groups: BTreeMap::from([(7, 40)]),
+        ids_after_reset: 0x2330_10de,
+        ..Default::default()
+    };
+    let method = reset_kernel_device("0000:41:00.0", &foreign).expect("usable");
+    assert!(
+        matches!(&method, ResetMethod::None { reason } if reason.contains("IOMMU group 8")),
+        "{method}"
+    );
+    assert!(foreign.calls().is_empty());
+
+    // With no reset possible, a device that reads all ones is still refused.
+    let dead = FakeResetOps {
+        ids_after_reset: crate::reset::ABSENT_IDS,
+        ..Default::default()
+    };
+    let error = reset_kernel_device("0000:41:00.0", &dead).unwrap_err();
+    assert!(
+        error.to_string().contains("0000:41:00.0") && error.to_string().contains("0xffffffff"),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_failing_reset_ioctl_or_a_device_that_does_not_come_back_is_refused() {
+    use crate::reset::{reset_kernel_device, HotResetInfo, ResetError};
+    let failing = FakeResetOps {
+        reset_errno: Some(libc::EIO),
+        ..FakeResetOps::flr()
+    };
+    let error = reset_kernel_device("0000:41:00.0", &failing).unwrap_err();
+    assert!(matches!(error, ResetError::Failed { .. }), "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("0000:41:00.0")
+            && message.contains("FLR")
+            && message.contains("not attached"),
+        "{message}"
+    );
+
+    let failing_hot = FakeResetOps {
+        reset_errno: Some(libc::EBUSY),
+        hot_reset_info: Some(HotResetInfo {
+            flags: 0,
+            devices: vec![dependent(7, 0)],
+        }),
+        groups: BTreeMap::from([(7, 40)]),
+        ..Default::default()
+    };
+    let message = reset_kernel_device("0000:41:00.0", &failing_hot)
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("hot reset"), "{message}");
+
+    let gone = FakeResetOps {
+        ids_after_reset: crate::reset::ABSENT_IDS,
+        ..FakeResetOps::flr()
+    };
+    let error = reset_kernel_device("0000:41:00.0", &gone).unwrap_err();
+    assert!(matches!(error, ResetError::NotBack { .. }), "{error}");
+    assert!(error.to_string().contains("after reset by FLR"), "{error}");
+}
+
+#[test]
+fn the_reset_method_check_host_shows_comes_from_sysfs() {
+    use crate::reset::{reset_method_in, ResetMethod};
+    let dir = std::env::temp_dir().join(format!("gpuvm-reset-sysfs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // No reset_method and no reset file: only the hot reset is left.
+    assert_eq!(
+        reset_method_in(&dir),
+        ResetMethod::HotReset { devices: None }
+    );
+    std::fs::write(dir.join("reset"), "").unwrap();
+    assert_eq!(
+        reset_method_in(&dir),
+        ResetMethod::Function {
+            kernel_method: None
+        }
+    );
+    std::fs::write(dir.join("reset_method"), "bus\n").unwrap();
+    assert_eq!(reset_method_in(&dir).to_string(), "secondary bus reset");
+    std::fs::write(dir.join("reset_method"), "flr bus\n").unwrap();
+    assert_eq!(reset_method_in(&dir).to_string(), "FLR");
+    std::fs::write(dir.join("reset_method"), "\n").unwrap();
+    assert_eq!(
+        reset_method_in(&dir),
+        ResetMethod::HotReset { devices: None }
+    );
+    // check-host's line for it, found under a fake sysfs root.
+    let sys = dir.join("sys");
+    let device = sys.join("bus/pci/devices/0000:41:00.0");
+    std::fs::create_dir_all(&device).unwrap();
+    std::fs::write(device.join("reset_method"), "flr bus\n").unwrap();
+    let checks = crate::reset::reset_checks(&sys, &["41:00.0".to_string()]);
+    assert_eq!(checks.len(), 1);
+    assert_eq!(checks[0].name, "0000:41:00.0 reset");
+    assert_eq!(checks[0].detail, "FLR");
+    assert_eq!(checks[0].status, crate::host::CheckStatus::Ok);
+    std::fs::write(device.join("reset_method"), "").unwrap();
+    let checks = crate::reset::reset_checks(&sys, &["0000:41:00.0".to_string()]);
+    assert_eq!(checks[0].status, crate::host::CheckStatus::Warn);
+    assert!(checks[0].detail.contains("hot reset"), "{:?}", checks[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(matches!(reset_method_in(&dir), ResetMethod::None { .. }));
+}
+
+fn start_server_with(name: &str, options: EmuGpuOptions) -> std::path::PathBuf {
+    let socket =
+        std::env::temp_dir().join(format!("gpuvm-vfio-{name}-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&socket);
+    let mut device = emu::EmuGpu::new(options).expect("device");
+    let server =
+        vfio_user::Server::new(&socket, true, device.irqs(), device.regions()).expect("listen");
+    std::thread::spawn(move || server.run(&mut device));
+    socket
+}
+
+fn open_over_vfio_user(socket: &std::path::Path) -> crate::Result<VfioPciDevice> {
+    let backend = VfioUserDevice::connect(socket)?;
+    let routes = Arc::new(RecordedRoutes::default());
+    let mut allocate = |count: u32| -> std::io::Result<Vec<(u32, EventFd)>> {
+        (0..count)
+            .map(|i| Ok((i, EventFd::new(EFD_NONBLOCK)?)))
+            .collect()
+    };
+    VfioPciDevice::new(Box::new(backend), &mut allocate, routes)
+}
+
+#[test]
+fn a_vfio_user_device_whose_reset_fails_or_that_stays_dead_is_refused() {
+    let refused = start_server_with(
+        "reset-fails",
+        EmuGpuOptions {
+            reset_fails: true,
+            ..EmuGpuOptions::default()
+        },
+    );
+    let error = open_over_vfio_user(&refused).err().expect("refused");
+    let message = error.to_string();
+    assert!(
+        matches!(error, crate::VfioError::Reset(_))
+            && message.contains("VFIO_USER_DEVICE_RESET")
+            && message.contains("refused"),
+        "{message}"
+    );
+
+    let dead = start_server_with(
+        "dead-after-reset",
+        EmuGpuOptions {
+            dead_after_reset: true,
+            ..EmuGpuOptions::default()
+        },
+    );
+    let message = open_over_vfio_user(&dead)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        message.contains("did not come back after reset by VFIO_USER_DEVICE_RESET")
+            && message.contains("0xffffffff"),
+        "{message}"
+    );
+
+    // The good device: reset, checked, usable.
+    let good = start_server_with("reset-good", EmuGpuOptions::default());
+    let mut device = open_over_vfio_user(&good).expect("attached");
+    assert_eq!(read32(&mut device, 0) & 0xffff, 0x10de);
+}

@@ -42,7 +42,7 @@ use vfio_bindings::bindings::vfio::{
 use vfio_user::Client;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::dma::DmaMapper;
+use crate::dma::{DmaMapper, PeerMapper};
 use crate::emu::{self as mig, mig_region, MIGRATION_REGION};
 use crate::migration::{MigrationInfo, MigrationState};
 use crate::{DmaRegion, PassthroughDevice, RegionInfo, Result, VfioError};
@@ -455,6 +455,39 @@ impl DmaMapper for UserDmaMapper {
     }
 }
 
+impl UserDmaMapper {
+    fn check_health(&self, what: &str) -> std::io::Result<()> {
+        if self.health.is_gone() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                format!("vfio-user {what}: {} is gone", self.name),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A peer's BAR goes to the device process as a file and an offset, like guest RAM: the
+/// process maps that file and its DMA engine writes through it.
+impl PeerMapper for UserDmaMapper {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    unsafe fn map_peer(&self, window: &DmaRegion) -> std::io::Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { DmaMapper::map(self, window) }
+    }
+
+    fn unmap_peer(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.check_health("DMA unmap")?;
+        lock(&self.client).dma_unmap(guest_addr, size).map_err(|e| {
+            note_failure(&self.health, &self.name, "DMA unmap", self.timeout, &e);
+            std::io::Error::other(format!("vfio-user DMA unmap: {e}"))
+        })
+    }
+}
+
 impl VfioUserDevice {
     /// Connects and negotiates; the server must already be listening. A device that
     /// does not answer within [`answer_timeout`] is refused.
@@ -519,6 +552,30 @@ impl VfioUserDevice {
             health: self.health.clone(),
             timeout: self.timeout,
         })
+    }
+
+    /// The mapper for peers' BARs (peer-to-peer DMA), over this device's connection.
+    pub fn peer_mapper(&self) -> Arc<dyn PeerMapper> {
+        Arc::new(UserDmaMapper {
+            client: self.client.clone(),
+            name: self.name(),
+            health: self.health.clone(),
+            timeout: self.timeout,
+        })
+    }
+
+    /// A duplicate of the file the server shares for region `index` and the region's
+    /// offset in it (None when the region cannot be mmapped): what a peer is given to
+    /// map this device's BAR.
+    pub fn region_file(&self, index: u32) -> Option<(OwnedFd, u64)> {
+        let client = self.client();
+        let region = client.region(index)?;
+        let file = region
+            .file_offset
+            .as_ref()
+            .filter(|_| region.flags & crate::REGION_MMAP != 0)?;
+        let copy = file.file().as_fd().try_clone_to_owned().ok()?;
+        Some((copy, file.start()))
     }
 
     fn client(&self) -> MutexGuard<'_, Client> {
@@ -809,12 +866,45 @@ impl PassthroughDevice for VfioUserDevice {
     }
 
     fn reset(&mut self) -> Result<()> {
+        use crate::reset::{ResetError, ResetMethod, UserResetFailure};
+        let name = self.name();
         // vfio_user 0.1.7 inverts the flag: `resettable()` is true when the device does
         // NOT advertise VFIO_DEVICE_FLAGS_RESET.
-        if self.client().resettable() {
-            return Ok(());
-        }
-        self.request("reset", Client::reset)?;
+        let method = if self.client().resettable() {
+            ResetMethod::None {
+                reason: "the device does not advertise VFIO_DEVICE_FLAGS_RESET".into(),
+            }
+        } else {
+            let answer = match &self.socket {
+                _ if self.health.is_gone() => Err(gone_error(&self.health).to_string()),
+                Some(socket) => {
+                    let _in_step = self.client();
+                    crate::reset::vfio_user_device_reset(socket.as_fd()).map_err(|failure| {
+                        if let UserResetFailure::Connection(error) = &failure {
+                            self.health
+                                .mark_gone(format!("{name}: the reset exchange failed: {error}"));
+                        }
+                        failure.to_string()
+                    })
+                }
+                None => self
+                    .request("reset", Client::reset)
+                    .map_err(|e| e.to_string()),
+            };
+            answer.map_err(|reason| ResetError::Failed {
+                device: name.clone(),
+                method: ResetMethod::VfioUser.to_string(),
+                reason,
+            })?;
+            ResetMethod::VfioUser
+        };
+        let mut ids = [0u8; 4];
+        let ids = self
+            .region_read(crate::region::CONFIG, 0, &mut ids)
+            .map(|()| u32::from_le_bytes(ids))
+            .map_err(|e| std::io::Error::other(e.to_string()));
+        crate::reset::check_came_back(&name, &method, ids)?;
+        crate::reset::log_reset(&name, &method);
         // A reset device is RUNNING with no migration stream.
         self.migration.state = MigrationState::Running;
         self.migration.chunk_left = 0;
