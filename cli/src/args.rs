@@ -105,6 +105,10 @@ pub struct RunArgs {
     #[command(flatten)]
     pub passthrough: passthrough::PassthroughArgs,
     #[command(flatten)]
+    pub fabric: crate::fabric::FabricArgs,
+    #[command(flatten)]
+    pub numa: crate::numa::NumaArgs,
+    #[command(flatten)]
     pub devices: crate::devices::DeviceArgs,
     #[command(flatten)]
     pub snapshot: SnapshotArgs,

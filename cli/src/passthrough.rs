@@ -9,7 +9,7 @@ use gpuvm_arch::x86_64::address_space::{plan, HostAddressWidth, PlanRequest};
 use gpuvm_arch::x86_64::cpuid::{CpuidMask, CpuidReg};
 use gpuvm_arch::x86_64::layout::ram_regions;
 use gpuvm_vfio::host::{self, CheckStatus, HostPaths};
-use gpuvm_vmm::config::{PassthroughTuning, PciOptions};
+use gpuvm_vmm::config::{PassthroughTuning, PciOptions, PciTopology};
 
 #[derive(Args, Debug)]
 pub struct PassthroughArgs {
@@ -33,6 +33,11 @@ pub struct PassthroughArgs {
     /// 0x40000000 signature leaf (some GPU drivers refuse to run in a VM).
     #[arg(long)]
     pub hide_hypervisor: bool,
+    /// Where passthrough devices sit in the guest's PCI hierarchy: `flat` (all on bus 0)
+    /// or `host` (a PCIe root port each, and a virtual switch for devices that share a
+    /// switch on the host; the default where a device sits behind a host switch).
+    #[arg(long, value_name = "flat|host", value_parser = ["flat", "host"])]
+    pub pci_topology: Option<String>,
 }
 
 impl PassthroughArgs {
@@ -41,6 +46,10 @@ impl PassthroughArgs {
             mmio64_size: self
                 .pci_mmio64_gib
                 .map_or(0, |gib| gib.saturating_mul(1 << 30)),
+            pci_topology: self.pci_topology.as_deref().map(|choice| match choice {
+                "flat" => PciTopology::Flat,
+                _ => PciTopology::Host,
+            }),
             ..PciOptions::default()
         };
         for value in &self.gpus {
@@ -171,7 +180,17 @@ pub fn check_host(args: &CheckHostArgs) -> ExitCode {
             println!("FAIL  kvm: {error}");
         }
     }
-    for check in host::check_host(&HostPaths::default(), &args.gpus, memory) {
+    // Each GPU's place in the host's PCIe topology (switch, root complex, clique).
+    let topology_root = gpuvm_vfio::topology::HostTopology::default_root();
+    let topology = host::topology_checks(&topology_root, &args.gpus);
+    for check in host::check_host(&HostPaths::default(), &args.gpus, memory)
+        .into_iter()
+        .chain(topology)
+        .chain(gpuvm_vfio::reset::reset_checks(
+            &HostPaths::default().sys,
+            &args.gpus,
+        ))
+    {
         let label = match check.status {
             CheckStatus::Ok => "ok  ",
             CheckStatus::Warn => "warn",

@@ -14,7 +14,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{snapshot_policy, RunArgs};
 use crate::report::finish;
-use crate::{config_file, jail, passthrough, CliError};
+use crate::{config_file, fabric, jail, passthrough, CliError};
 
 /// Boots the VM the flags describe and runs it until the guest ends.
 pub fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
@@ -25,6 +25,19 @@ pub fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> 
             "--snapshot-dir cannot be used with passthrough devices: their state lives in the device and cannot be saved".into(),
         ));
     }
+    // The partition is active before any GPU is attached, and deactivated after the VM
+    // ends or fails to start.
+    let fabric = fabric::activate(pci.fabric_partition.as_ref())?;
+    fabric::finish(fabric, run_vm(&args, config, pci, process_start))
+}
+
+/// [`run`] once the configuration is known.
+fn run_vm(
+    args: &RunArgs,
+    config: VmConfig,
+    pci: PciOptions,
+    process_start: Instant,
+) -> Result<ExitCode, CliError> {
     let Some(api_sock) = &args.api_sock else {
         let mut machine = gpuvm_vmm::builder::build_with_pci(&config, &pci, serial_out())?;
         if let Some(policy) = snapshot_policy(&args.snapshot) {
@@ -33,7 +46,7 @@ pub fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> 
         jail::enter(&args.jail)?;
         return finish(machine, &args.report, process_start, None);
     };
-    serve_api(&args, api_sock, config, pci, process_start)
+    serve_api(args, api_sock, config, pci, process_start)
 }
 
 /// The VM's configuration (the flags, then `--config-file` over them) and its
@@ -71,6 +84,8 @@ fn configuration(args: &RunArgs) -> Result<(VmConfig, PciOptions), CliError> {
     };
     let mut pci = args.passthrough.pci_options().map_err(CliError::Other)?;
     pci.virtio = args.devices.virtio_options()?;
+    pci.fabric_partition = args.fabric.partition()?;
+    pci.numa = args.numa.numa_options().map_err(CliError::Other)?;
     let Some(path) = &args.config_file else {
         return Ok((config, pci));
     };

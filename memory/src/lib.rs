@@ -17,6 +17,7 @@
 mod anon;
 pub mod backing;
 pub mod huge_tmpfs;
+pub mod numa;
 pub mod prefault;
 pub mod snapshot;
 pub mod uffd;

@@ -1,8 +1,10 @@
 //! `gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N]
-//! [--device-id HEX] [--no-migration]`: serves the emulated NVIDIA-like GPU (gpuvm_vfio::emu) over
+//! [--device-id HEX] [--no-migration] [--reset-fails] [--dead-after-reset]`: serves the emulated NVIDIA-like GPU (gpuvm_vfio::emu) over
 //! vfio-user to N clients (default 1), one after another, then exits. `--device-id`
 //! makes it another model (tests of model checks); `--no-migration` leaves out the
-//! migration region (a device that cannot be snapshotted).
+//! migration region (a device that cannot be snapshotted). `--reset-fails` answers every
+//! reset with an error; `--dead-after-reset` makes configuration space read all ones after
+//! a reset (a device that does not come back).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -11,7 +13,7 @@ use gpuvm_vfio::emu::{serve, EmuGpuOptions};
 
 fn usage(error: &str) -> ExitCode {
     eprintln!(
-        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N] [--device-id HEX] [--no-migration]"
+        "gpuvm-emu-gpu: {error}\nusage: gpuvm-emu-gpu --socket PATH [--bar1-mib N] [--vectors N] [--clients N] [--device-id HEX] [--no-migration] [--reset-fails] [--dead-after-reset]"
     );
     ExitCode::from(2)
 }
@@ -49,6 +51,14 @@ fn main() -> ExitCode {
             }),
             "--no-migration" => {
                 options.migration = false;
+                Ok(())
+            }
+            "--reset-fails" => {
+                options.reset_fails = true;
+                Ok(())
+            }
+            "--dead-after-reset" => {
+                options.dead_after_reset = true;
                 Ok(())
             }
             "--clients" => value("--clients").and_then(|v| {

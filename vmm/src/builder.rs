@@ -103,6 +103,8 @@ fn create_base(
         },
         &regions,
     )?;
+    // Before anything touches guest RAM (prefault, loaders, DMA mapping).
+    crate::numa::prepare(machine_config, pci_options, &ram)?;
     clock.mark("guest_ram");
     let vm = kvm.create_vm().map_err(|source| Error::KvmSetup {
         what: "create the VM",
@@ -180,6 +182,8 @@ pub fn build_with_pci(
     let machine_config = &config.machine;
     let max_vcpus = pci.max_vcpus(machine_config);
     let ram_hotplug_size = pci.ram_hotplug_size;
+    let numa = crate::numa::plan_for(machine_config, pci)?;
+    let device_keys = crate::numa::device_keys(pci);
     let MachineBase {
         kvm,
         vm,
@@ -194,7 +198,15 @@ pub fn build_with_pci(
         &mut StageClock::starting_at(started),
     )?;
 
-    let rsdp = acpi::setup_acpi(
+    let numa = numa.map(|plan| {
+        plan.topology(
+            ram.regions(),
+            ram_hotplug_size,
+            &device_keys,
+            &devices.passthrough,
+        )
+    });
+    let rsdp = acpi::setup_acpi_with_numa(
         ram.memory(),
         &AcpiConfig {
             vcpus: machine_config.vcpus,
@@ -203,6 +215,7 @@ pub fn build_with_pci(
             pci_segments: pci,
             power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
+        numa.as_ref(),
     )?;
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;

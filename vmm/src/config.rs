@@ -81,6 +81,26 @@ pub struct PciOptions {
     /// host PCI address for kernel VFIO, the socket path (as text) for vfio-user. A
     /// device without an entry gets the defaults.
     pub tuning: std::collections::BTreeMap<String, PassthroughTuning>,
+    /// Where passthrough devices sit in the guest's PCI hierarchy (`--pci-topology`);
+    /// None: mirror the host where a device with a known host place sits behind a host
+    /// PCIe switch, else bus 0.
+    pub pci_topology: Option<PciTopology>,
+    /// Guest NUMA nodes (`--numa`); off by default. Here, not in [`MachineConfig`], for
+    /// the same reason as `max_vcpus`; see crate::numa.
+    pub numa: crate::numa::NumaOptions,
+    /// The NVSwitch fabric partition the host's fabric manager activates before the
+    /// VM's GPUs are attached and deactivates after it ends (shared NVSwitch mode; see
+    /// crate::fabric).
+    pub fabric_partition: Option<crate::fabric::FabricPartition>,
+}
+
+/// The guest's PCI layout for passthrough devices (see crate::pci_topology).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PciTopology {
+    /// Every device on bus 0, as before topologies.
+    Flat,
+    /// A root port per device; devices that share a host PCIe switch share a virtual one.
+    Host,
 }
 
 /// How one passthrough device is presented beyond its own registers.

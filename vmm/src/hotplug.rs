@@ -43,6 +43,7 @@ use crate::action::GpuBody;
 use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
+use crate::p2p::{PeerBars, PeerDma, PeerId};
 use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
 use crate::virtio::VirtioHandle;
 
@@ -120,7 +121,13 @@ struct OpenedBackend {
     health: Option<Arc<BackendHealth>>,
     watch: Option<HangupWatch>,
     vfio: Option<KernelVfio>,
+    /// Its DMA context's mapper for peers' BARs (or why there is none) and its own BARs.
+    peer: (PeerMapperChoice, PeerBars),
 }
+
+/// A context's mapper for peers' BARs, or why it cannot have one.
+type PeerMapperChoice =
+    Result<Arc<dyn gpuvm_vfio::dma::PeerMapper>, gpuvm_vfio::dma::PeerMappingUnsupported>;
 
 /// A device whose process went away: waiting for the guest to eject it, or the deadline.
 struct GoneDevice {
@@ -155,6 +162,12 @@ pub struct PciHotplug {
     virtio: virtio::VirtioPlugContext,
     /// The hot-plug GSI's irqfd, kept registered.
     _interrupt: EventFd,
+    /// Peer-to-peer DMA: every device's BARs mapped for the others.
+    peers: Arc<PeerDma>,
+    /// The hot-plugged devices' places among the peers, by id.
+    peer_ids: BTreeMap<String, PeerId>,
+    /// GPUDirect cliques, numbered on from the cold-plugged devices'.
+    cliques: gpuvm_vfio::topology::CliqueAssigner,
 }
 
 impl PciHotplug {
@@ -193,7 +206,26 @@ impl PciHotplug {
                 ejecting: Default::default(),
             },
             _interrupt: interrupt,
+            peers: PeerDma::new(),
+            peer_ids: BTreeMap::new(),
+            cliques: Default::default(),
         })
+    }
+
+    /// Takes over the cold-plugged devices' clique numbering.
+    pub(crate) fn set_cliques(&mut self, cliques: gpuvm_vfio::topology::CliqueAssigner) {
+        self.cliques = cliques;
+    }
+
+    /// The DMA contexts that cannot map peers' BARs (iommufd), and why.
+    pub fn peer_dma_limits(&self) -> Vec<String> {
+        self.peers.limits()
+    }
+
+    /// Shares the cold-plugged devices' peer-to-peer DMA mappings with the devices
+    /// hot-plugged from now on.
+    pub(crate) fn set_peer_dma(&mut self, peers: Arc<PeerDma>) {
+        self.peers = peers;
     }
 
     /// RAM hot-plugged into the VM (vm.resize): devices plugged from now on map it too.
@@ -327,6 +359,22 @@ impl PciHotplug {
                 ids.0, ids.1, expected.0, expected.1
             )));
         }
+        // Before the guest hears of it: an explicit clique, else the host device's.
+        let host = body.host_bdf.as_deref();
+        let clique = body.gpudirect_clique;
+        (self.cliques).apply(&mut lock(&plugged.device), clique, host);
+        // Under the VMM thread's filter already: the p2p-map thread inherits it.
+        if let Err(error) = self.peers.ensure_worker(None) {
+            log::warn!("hot-plug: {id}: {error}; no peer-to-peer DMA mappings for it");
+        } else {
+            let (mapper, bars) = opened.peer;
+            let name = mapper
+                .as_ref()
+                .map_or_else(|u| u.context.clone(), |m| m.name());
+            let context = self.peers.add_context(name, mapper);
+            let peer = self.peers.plugged(context, bars, &plugged.device);
+            self.peer_ids.insert(id.clone(), peer);
+        }
         lock(&self.controller).device_added(bdf.device);
         log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
         let label = plugged.label.clone();
@@ -370,7 +418,9 @@ impl PciHotplug {
             if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
                 health.set_wake(wake);
             }
+            let bars = PeerBars::new(backend.name(), &body.tuning(), |i| backend.region_file(i));
             Ok(OpenedBackend {
+                peer: (Ok(backend.peer_mapper()), bars),
                 watch: backend.watch_hang_up(),
                 mapper: backend.dma_mapper(),
                 health: Some(health),
@@ -380,9 +430,12 @@ impl PciHotplug {
         } else if let Some(bdf) = &body.host_bdf {
             let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
             let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
-            let backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
+            let device = vfio.open_device(bdf)?;
+            let bars = PeerBars::new(bdf.clone(), &body.tuning(), |i| device.region_file(i));
+            let backend: Box<dyn PassthroughDevice> = Box::new(device);
             gpuvm_vfio::host::check_memlock(self.ram_size())?;
             Ok(OpenedBackend {
+                peer: (vfio.peer_mapper(), bars),
                 mapper: vfio.dma_mapper(),
                 backend,
                 health: None,
@@ -561,6 +614,10 @@ impl PciHotplug {
     /// connection or VFIO context closed; its MSI routes are dropped. Returns its label.
     fn remove(&mut self, id: &str) -> Option<String> {
         let mut device = self.devices.remove(id)?;
+        // Its BARs leave the peers' contexts before its BAR mmaps go.
+        if let Some(peer) = self.peer_ids.remove(id) {
+            self.peers.remove_device(peer);
+        }
         lock(&self.controller).forget(device.bdf.device);
         self.root.remove_device(device.bdf);
         drop(device.mapping.take());

@@ -24,6 +24,7 @@ pub mod config;
 pub mod controller;
 pub mod devices;
 pub mod dma;
+pub mod fabric;
 pub mod gpu_release;
 pub mod host;
 pub mod hotplug;
@@ -31,8 +32,11 @@ pub mod interrupts;
 pub mod logging;
 pub mod machine;
 pub mod metrics;
+pub mod numa;
 pub mod outputs;
+pub mod p2p;
 pub mod pci;
+pub mod pci_topology;
 pub mod persist;
 pub mod seccomp;
 pub mod snapshot;
@@ -118,4 +122,6 @@ pub enum Error {
     ProcStatus(std::io::Error),
     #[error(transparent)]
     Seccomp(#[from] seccomp::SeccompError),
+    #[error(transparent)]
+    Numa(#[from] numa::NumaError),
 }

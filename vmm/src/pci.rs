@@ -74,6 +74,8 @@ pub enum PciSetupError {
     Virtio(#[from] VirtioSetupError),
     #[error(transparent)]
     AddressSpace(#[from] PlanError),
+    #[error(transparent)]
+    Topology(#[from] crate::pci_topology::PciTopologyError),
     #[error("cannot read the host's CPUID from KVM (KVM_GET_SUPPORTED_CPUID): {0}")]
     HostCpuid(std::io::Error),
     #[error("num_pci_segments = {0}: a VM has 1 to {MAX_PCI_SEGMENTS} PCI segments")]
@@ -200,6 +202,23 @@ impl Plug<'_> {
         dma: &Arc<DmaProgress>,
         place: Option<(u8, &[(u8, u64)])>,
     ) -> Result<Plugged, PciSetupError> {
+        self.open_with(backend, dma, |root, device| match place {
+            None => root.add_device(device),
+            Some((slot, bars)) => root.add_device_at(slot, device, bars),
+        })
+    }
+
+    /// As [`Plug::open`], with `add` putting the device on the bus (behind a bridge:
+    /// crate::pci_topology).
+    pub(crate) fn open_with(
+        &self,
+        backend: Box<dyn PassthroughDevice>,
+        dma: &Arc<DmaProgress>,
+        add: impl FnOnce(
+            &Arc<PciRoot>,
+            Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>>,
+        ) -> Result<gpuvm_devices::pci::PciBdf, PciError>,
+    ) -> Result<Plugged, PciSetupError> {
         let mut gsis = Vec::new();
         let mut allocate = |count| {
             let vectors = self.router.allocate(count)?;
@@ -217,10 +236,7 @@ impl Plug<'_> {
         let pin = device.interrupt_pin();
         let name = device.name().to_string();
         let device = Arc::new(Mutex::new(device));
-        let added = match place {
-            None => self.root.add_device(device.clone()),
-            Some((slot, bars)) => self.root.add_device_at(slot, device.clone(), bars),
-        };
+        let added = add(self.root, device.clone());
         let bdf = match added {
             Ok(bdf) => bdf,
             Err(error) => {
@@ -391,6 +407,7 @@ pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
 pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig> {
     let mut configs = vec![PciRootConfig {
         ecam_base: PCI_ECAM_START,
+        buses: 1,
         mmio32_start: PCI_MMIO32_START,
         mmio32_end: PCI_MMIO32_END,
         mmio64_start: plan.mmio64_start,
@@ -400,6 +417,7 @@ pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig
         let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
         configs.push(PciRootConfig {
             ecam_base: pci_segment_ecam(segment),
+            buses: 1,
             mmio32_start,
             mmio32_end,
             mmio64_start: plan.segment_mmio64_starts[usize::from(segment) - 1],

@@ -52,6 +52,7 @@ use super::mptable::{ioapic_id, MAX_MPTABLE_CPUS};
 
 pub mod cpus;
 pub mod memory;
+pub mod numa;
 
 pub const OEM_ID: [u8; 6] = *b"GPUVM ";
 const OEM_TABLE_ID: [u8; 8] = *b"GPUVMTBL";
@@ -181,8 +182,8 @@ fn set_checksum(table: &mut [u8]) {
 
 /// The last bus the ECAM window covers (it starts at bus 0).
 fn ecam_end_bus(pci: &PciRootConfig) -> Result<u8, AcpiError> {
-    let buses = PciRootConfig::ECAM_SIZE / ECAM_BYTES_PER_BUS;
-    if buses == 0 || buses > 256 || !PciRootConfig::ECAM_SIZE.is_multiple_of(ECAM_BYTES_PER_BUS) {
+    let buses = pci.ecam_size() / ECAM_BYTES_PER_BUS;
+    if buses == 0 || buses > 256 || !pci.ecam_size().is_multiple_of(ECAM_BYTES_PER_BUS) {
         return Err(AcpiError::Layout(
             "the ECAM window must cover 1 to 256 whole buses",
         ));
@@ -213,7 +214,7 @@ impl SegmentWindows {
             "the 32-bit window must lie below 4 GiB",
         )?;
         let ecam_base = to_u32(pci.ecam_base, "the ECAM window must lie below 4 GiB")?;
-        to_u32(PciRootConfig::ECAM_SIZE, "the ECAM window is too large")?;
+        to_u32(pci.ecam_size(), "the ECAM window is too large")?;
         if pci.mmio32_end <= pci.mmio32_start || pci.mmio64_size == 0 {
             return Err(AcpiError::Layout("a PCI BAR window is empty"));
         }
@@ -240,7 +241,7 @@ fn check_segments(segments: &[PciRootConfig]) -> Result<(), AcpiError> {
     }
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for pci in segments {
-        ranges.push((pci.ecam_base, pci.ecam_base + PciRootConfig::ECAM_SIZE));
+        ranges.push((pci.ecam_base, pci.ecam_base + pci.ecam_size()));
         ranges.push((pci.mmio32_start, pci.mmio32_end));
         ranges.push((
             pci.mmio64_start,
@@ -334,7 +335,6 @@ fn dsdt(
         .iter()
         .map(SegmentWindows::of)
         .collect::<Result<Vec<_>, _>>()?;
-    let ecam_size = PciRootConfig::ECAM_SIZE as u32;
 
     // _PRT: slot D pin P (0 = INTA) -> GSI 16 + (D + P) % 8, as the INTx wiring does.
     let routes: Vec<(u32, u8, u32)> = (0..PCI_SLOTS)
@@ -360,7 +360,10 @@ fn dsdt(
     // device (Linux checks MCFG against this or the e820 map).
     let ecam_reservations: Vec<aml::Memory32Fixed> = windows
         .iter()
-        .map(|w| aml::Memory32Fixed::new(true, w.ecam_base, ecam_size))
+        .map(|w| {
+            let size = (u32::from(w.end_bus) + 1) * ECAM_BYTES_PER_BUS as u32;
+            aml::Memory32Fixed::new(true, w.ecam_base, size)
+        })
         .collect();
     let hotplug_ports = aml::IO::new(HOTPLUG_PORT, HOTPLUG_PORT, 1, HOTPLUG_PORT_LEN as u8);
     let mut mbrd_resources: Vec<&dyn Aml> =
@@ -686,6 +689,14 @@ fn mcfg(segments: &[PciRootConfig]) -> Result<Vec<u8>, AcpiError> {
 
 /// Builds every table and places it in `[ACPI_START, ACPI_END)`.
 pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
+    build_with_numa(config, None)
+}
+
+/// As [`build`], with an SRAT and a SLIT when the VM has NUMA nodes (`numa`).
+pub fn build_with_numa(
+    config: &AcpiConfig,
+    numa: Option<&numa::NumaTopology>,
+) -> Result<AcpiTables, AcpiError> {
     if config.vcpus == 0 || config.vcpus.max(config.max_vcpus) > MAX_MPTABLE_CPUS {
         return Err(AcpiError::CpuCount(config.vcpus.max(config.max_vcpus)));
     }
@@ -712,8 +723,17 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
     let madt_addr = place(madt.len());
     let mcfg = mcfg(&config.pci_segments)?;
     let mcfg_addr = place(mcfg.len());
+    let mut numa_tables = Vec::new();
+    if let Some(topology) = numa {
+        for table in [numa::srat(topology)?, numa::slit(topology)?] {
+            numa_tables.push((place(table.len()), table));
+        }
+    }
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
-    for addr in [fadt_addr, madt_addr, mcfg_addr] {
+    for addr in [fadt_addr, madt_addr, mcfg_addr]
+        .into_iter()
+        .chain(numa_tables.iter().map(|(addr, _)| *addr))
+    {
         xsdt.add_entry(addr);
     }
     let xsdt = bytes_of(&xsdt);
@@ -726,22 +746,33 @@ pub fn build(config: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
         });
     }
     let rsdp = bytes_of(&Rsdp::new(OEM_ID, xsdt_addr));
+    let mut blobs = vec![
+        (RSDP_ADDR, rsdp),
+        (dsdt_addr, dsdt),
+        (fadt_addr, fadt),
+        (madt_addr, madt),
+        (mcfg_addr, mcfg),
+    ];
+    blobs.extend(numa_tables);
+    blobs.push((xsdt_addr, xsdt));
     Ok(AcpiTables {
         rsdp_addr: RSDP_ADDR,
-        blobs: vec![
-            (RSDP_ADDR, rsdp),
-            (dsdt_addr, dsdt),
-            (fadt_addr, fadt),
-            (madt_addr, madt),
-            (mcfg_addr, mcfg),
-            (xsdt_addr, xsdt),
-        ],
+        blobs,
     })
 }
 
 /// Builds the tables and writes them into guest memory; returns the RSDP's address.
 pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, AcpiError> {
-    let tables = build(config)?;
+    setup_acpi_with_numa(mem, config, None)
+}
+
+/// As [`setup_acpi`], with the NUMA tables when `numa` is given.
+pub fn setup_acpi_with_numa(
+    mem: &GuestMemoryMmap,
+    config: &AcpiConfig,
+    numa: Option<&numa::NumaTopology>,
+) -> Result<u64, AcpiError> {
+    let tables = build_with_numa(config, numa)?;
     for (addr, bytes) in &tables.blobs {
         mem.write_slice(bytes, GuestAddress(*addr))?;
     }
@@ -771,6 +802,7 @@ mod tests {
     fn pci() -> PciRootConfig {
         PciRootConfig {
             ecam_base: PCI_ECAM_START,
+            buses: 1,
             mmio32_start: PCI_MMIO32_START,
             mmio32_end: PCI_MMIO32_END,
             mmio64_start: FOUR_GIB,
@@ -787,6 +819,7 @@ mod tests {
             let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
             segments.push(PciRootConfig {
                 ecam_base: pci_segment_ecam(segment),
+                buses: 1,
                 mmio32_start,
                 mmio32_end,
                 mmio64_start: pci_segment_mmio64_start(end0, segment),
@@ -1092,6 +1125,7 @@ mod tests {
             let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
             pci_segments.push(PciRootConfig {
                 ecam_base: pci_segment_ecam(segment),
+                buses: 1,
                 mmio32_start,
                 mmio32_end,
                 mmio64_start: start,
@@ -1138,6 +1172,40 @@ mod tests {
             PCI_ECAM_SIZE,
             "the bus range covers exactly the ECAM window"
         );
+    }
+
+    #[test]
+    fn a_root_with_bridges_covers_their_buses() {
+        // Segment 0 with buses 0..=8 behind root ports and switches (crate gpuvm-vmm's
+        // pci_topology): MCFG, _CRS and the ECAM reservation all reach bus 8.
+        let tables = build(&AcpiConfig {
+            vcpus: 1,
+            max_vcpus: 0,
+            memory_hotplug: false,
+            pci_segments: vec![PciRootConfig { buses: 9, ..pci() }],
+            power_off: true,
+        })
+        .unwrap();
+        let (_, mcfg) = tables.find(b"MCFG").unwrap();
+        assert_eq!((mcfg[54], mcfg[55]), (0, 8), "MCFG bus range");
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        // WordBusNumber: minimum 0, maximum 8, translation 0, length 9.
+        assert!(contains(dsdt, &[0, 0, 8, 0, 0, 0, 9, 0]), "_CRS bus range");
+        let mut fixed = vec![0x86, 9, 0, 1];
+        fixed.extend_from_slice(&(PCI_ECAM_START as u32).to_le_bytes());
+        fixed.extend_from_slice(&(9 * PCI_ECAM_SIZE as u32).to_le_bytes());
+        assert!(contains(dsdt, &fixed), "ECAM reservation of 9 buses");
+        // A window that would run into segment 1's ECAM is refused.
+        let mut segments = segments(2);
+        segments[0].buses = 2;
+        assert!(build(&AcpiConfig {
+            vcpus: 1,
+            max_vcpus: 0,
+            memory_hotplug: false,
+            pci_segments: segments,
+            power_off: true,
+        })
+        .is_err());
     }
 
     #[test]

@@ -247,6 +247,7 @@ mod tests {
     fn root() -> Arc<PciRoot> {
         PciRoot::new(PciRootConfig {
             ecam_base: 0xe000_0000,
+            buses: 1,
             mmio32_start: 0xc000_0000,
             mmio32_end: 0xe000_0000,
             mmio64_start: 1 << 36,

@@ -10,11 +10,13 @@
 //! - [`MsixTable`] emulates an MSI-X table and PBA and pushes routes through [`MsiRouting`].
 
 mod bars;
+pub mod bridge;
 pub mod hotplug;
 mod msix;
 mod root;
 
 pub use bars::{BarKind, BarSet, BarSpec, PciBar};
+pub use bridge::{BridgeSetup, PciBridge, PciBridgeState, PortKind, Window};
 pub use hotplug::HotplugController;
 #[cfg(any(test, feature = "test-util"))]
 pub use msix::RecordedRoutes;
@@ -74,6 +76,11 @@ pub trait PciDevice: Send {
     fn enable_memory_decoding(&mut self);
     fn bar_read(&mut self, bar: u8, offset: u64, data: &mut [u8]);
     fn bar_write(&mut self, bar: u8, offset: u64, data: &[u8]);
+    /// The function as a PCI-to-PCI bridge, if it is one: the root routes configuration
+    /// cycles for the buses behind it by its bus numbers.
+    fn as_bridge(&self) -> Option<&PciBridge> {
+        None
+    }
 }
 
 /// Maps host memory into guest-physical space (KVM memory slots in the VMM), so guest

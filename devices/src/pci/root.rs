@@ -61,8 +61,11 @@ pub enum PciError {
 /// Where the root puts things in guest-physical space.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PciRootConfig {
-    /// ECAM (memory-mapped configuration) base; bus 0 only, so 1 MiB long.
+    /// ECAM (memory-mapped configuration) base: 1 MiB per bus from bus 0.
     pub ecam_base: u64,
+    /// How many buses from bus 0 the ECAM window covers (1 without bridges; see
+    /// [`PciRoot::config`]).
+    pub buses: u16,
     /// 32-bit BARs go in `[mmio32_start, mmio32_end)`.
     pub mmio32_start: u64,
     pub mmio32_end: u64,
@@ -72,8 +75,13 @@ pub struct PciRootConfig {
 }
 
 impl PciRootConfig {
-    /// Bytes of ECAM space for bus 0.
+    /// Bytes of ECAM space for bus 0 (for each bus).
     pub const ECAM_SIZE: u64 = 1 << 20;
+
+    /// Bytes of ECAM space for all [`PciRootConfig::buses`].
+    pub fn ecam_size(&self) -> u64 {
+        u64::from(self.buses.clamp(1, 256)) * Self::ECAM_SIZE
+    }
 
     pub fn validate(&self) -> Result<(), PciError> {
         if self.mmio32_start >= self.mmio32_end || self.mmio32_end > 1 << 32 {
@@ -81,7 +89,7 @@ impl PciRootConfig {
                 "the 32-bit window must be non-empty and below 4 GiB",
             ));
         }
-        let ecam_end = self.ecam_base + Self::ECAM_SIZE;
+        let ecam_end = self.ecam_base + self.ecam_size();
         if self.ecam_base < self.mmio32_end && ecam_end > self.mmio32_start {
             return Err(PciError::Layout("ECAM overlaps the 32-bit window"));
         }
@@ -135,7 +143,12 @@ impl BarAllocator {
 
     /// Places a `size`-byte BAR (a power of two), aligned to its size.
     pub fn allocate(&mut self, size: u64) -> Result<u64, PciError> {
-        let align = size.max(1);
+        self.allocate_aligned(size, size)
+    }
+
+    /// Places `size` bytes aligned to `align` (a bridge window holding several BARs).
+    pub fn allocate_aligned(&mut self, size: u64, align: u64) -> Result<u64, PciError> {
+        let align = align.max(1);
         let best = self
             .free
             .iter()
@@ -253,6 +266,9 @@ pub struct PciRoot {
     mmio64: Mutex<BarAllocator>,
     /// The BAR ranges each slot was given: (64-bit window, base, size).
     placed: Mutex<BTreeMap<u8, Vec<PlacedBar>>>,
+    /// Functions behind bridges, keyed by their path from bus 0: the bus-0 slot of the
+    /// root port, then the device number on each secondary bus down to the function.
+    downstream: Mutex<BTreeMap<Vec<u8>, SharedDevice>>,
 }
 
 impl PciRoot {
@@ -279,13 +295,19 @@ impl PciRoot {
                 config.mmio64_start + config.mmio64_size,
             )),
             placed: Mutex::new(BTreeMap::new()),
+            downstream: Mutex::new(BTreeMap::new()),
         };
         root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
         Ok(Arc::new(root))
     }
 
+    /// Where the root puts things; `buses` covers the buses behind its bridges as they
+    /// are numbered now.
     pub fn config(&self) -> PciRootConfig {
-        self.config
+        PciRootConfig {
+            buses: self.config.buses.max(u16::from(self.highest_bus()) + 1),
+            ..self.config
+        }
     }
 
     /// The PCI segment group this root is bus 0 of.
@@ -427,11 +449,214 @@ impl PciRoot {
     }
 
     fn device(&self, bdf: PciBdf) -> Option<SharedDevice> {
-        if bdf.segment != self.segment || bdf.bus != 0 || bdf.function != 0 {
+        if bdf.segment != self.segment || bdf.function != 0 {
             return None;
         }
-        let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
-        devices.get(&bdf.device).cloned()
+        if bdf.bus == 0 {
+            let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+            return devices.get(&bdf.device).cloned();
+        }
+        let mut path = self.path_of_bus(bdf.bus)?;
+        path.push(bdf.device);
+        let downstream = self.downstream.lock().unwrap_or_else(|e| e.into_inner());
+        downstream.get(&path).cloned()
+    }
+
+    /// The functions directly on the secondary bus of the bridge at `path` (bus 0's for
+    /// an empty path), with their device numbers.
+    fn children(&self, path: &[u8]) -> Vec<(u8, SharedDevice)> {
+        if path.is_empty() {
+            let devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+            return devices.iter().map(|(n, d)| (*n, d.clone())).collect();
+        }
+        let downstream = self.downstream.lock().unwrap_or_else(|e| e.into_inner());
+        downstream
+            .range(path.to_vec()..)
+            .take_while(|(key, _)| key.starts_with(path))
+            .filter(|(key, _)| key.len() == path.len() + 1)
+            .map(|(key, device)| (key[path.len()], device.clone()))
+            .collect()
+    }
+
+    /// The path of the bridge whose secondary bus is `bus`, following the bus numbers the
+    /// bridges have now (the guest may renumber them), from bus 0 down.
+    fn path_of_bus(&self, bus: u8) -> Option<Vec<u8>> {
+        let mut path = Vec::new();
+        loop {
+            let (number, secondary) = self.children(&path).into_iter().find_map(|(n, d)| {
+                let (secondary, subordinate) = lock(&d).as_bridge()?.buses();
+                // Secondary bus 0 is an unconfigured bridge: it forwards nothing.
+                (secondary != 0 && secondary <= bus && bus <= subordinate).then_some((n, secondary))
+            })?;
+            path.push(number);
+            if secondary == bus {
+                return Some(path);
+            }
+        }
+    }
+
+    /// The address of the function at `path` (see [`PciRoot::add_behind`]) under the
+    /// bridges' current bus numbers; None if a bridge on the way is missing or closed.
+    pub fn bdf_of_path(&self, path: &[u8]) -> Option<PciBdf> {
+        let (&device, parents) = path.split_last()?;
+        let mut bus = 0;
+        for depth in 1..=parents.len() {
+            let bridge = self.device_at(&parents[..depth])?;
+            bus = lock(&bridge).as_bridge()?.buses().0;
+        }
+        Some(PciBdf {
+            segment: self.segment,
+            bus,
+            device,
+            function: 0,
+        })
+    }
+
+    /// The function at `path`, on bus 0 or behind bridges.
+    pub fn device_at(&self, path: &[u8]) -> Option<SharedDevice> {
+        match path {
+            [] => None,
+            [slot] => self
+                .devices
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(slot)
+                .cloned(),
+            _ => self
+                .downstream
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(path)
+                .cloned(),
+        }
+    }
+
+    /// Takes `[_, size)` aligned to `align` from the 64-bit (`wide`) or 32-bit window for
+    /// a bridge's window; [`PciRoot::add_port`] records it with the port.
+    pub fn allocate_window(&self, wide: bool, size: u64, align: u64) -> Result<u64, PciError> {
+        let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
+        let mut allocator = allocator.lock().unwrap_or_else(|e| e.into_inner());
+        allocator.allocate_aligned(size, align)
+    }
+
+    /// Gives back a range [`PciRoot::allocate_window`] took (a port that was not plugged).
+    pub fn release_window(&self, wide: bool, base: u64, size: u64) {
+        self.give_back(vec![(wide, base, size)]);
+    }
+
+    /// Takes exactly `[base, base + size)` for a restored bridge's window.
+    pub fn reserve_window(&self, wide: bool, base: u64, size: u64) -> Result<(), PciError> {
+        let allocator = if wide { &self.mmio64 } else { &self.mmio32 };
+        let mut allocator = allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = || PciError::RangeTaken {
+            window: if wide { "64-bit" } else { "32-bit" },
+            base,
+            size,
+        };
+        // Windows are 1 MiB granular, not size aligned: reserve them in aligned pieces.
+        let mut at = base;
+        let end = base.checked_add(size).ok_or_else(taken)?;
+        let mut done = Vec::new();
+        while at < end {
+            let piece =
+                (1u64 << at.trailing_zeros().min(63)).min(1 << (63 - (end - at).leading_zeros()));
+            if let Err(error) = allocator.reserve(at, piece) {
+                for (base, size) in done {
+                    allocator.release(base, size);
+                }
+                return Err(error);
+            }
+            done.push((at, piece));
+            at += piece;
+        }
+        Ok(())
+    }
+
+    /// Plugs a root port (or another function on bus 0 that owns address windows) into
+    /// `slot` with the ranges `windows` ((64-bit, base, size), taken with
+    /// [`PciRoot::allocate_window`] or [`PciRoot::reserve_window`]), which go back to the
+    /// windows when it is removed.
+    pub fn add_port(
+        &self,
+        slot: u8,
+        device: SharedDevice,
+        windows: Vec<(bool, u64, u64)>,
+    ) -> Result<PciBdf, PciError> {
+        let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        if slot == 0 || slot >= 32 || devices.contains_key(&slot) {
+            return Err(PciError::SlotTaken(slot));
+        }
+        devices.insert(slot, device);
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, windows);
+        Ok(PciBdf {
+            segment: self.segment,
+            bus: 0,
+            device: slot,
+            function: 0,
+        })
+    }
+
+    /// Plugs `device` behind bridges: `path` is the bus-0 slot of its root port, then its
+    /// device number on each secondary bus down to its own. Its BARs go at `bars` (index,
+    /// address), which lie inside its bridges' windows: nothing is taken from the root's
+    /// windows (the root port's windows hold them). `enable` turns on memory decoding
+    /// (firmware does; a restored device keeps its own state).
+    pub fn add_behind(
+        &self,
+        path: &[u8],
+        device: SharedDevice,
+        bars: &[(u8, u64)],
+        enable: bool,
+    ) -> Result<PciBdf, PciError> {
+        let (&number, parents) = path
+            .split_last()
+            .filter(|(n, p)| !p.is_empty() && **n < 32)
+            .ok_or(PciError::Layout("a device behind a bridge needs a bridge"))?;
+        let parent = self
+            .device_at(parents)
+            .filter(|parent| lock(parent).as_bridge().is_some())
+            .ok_or(PciError::Layout("no bridge at that path"))?;
+        drop(parent);
+        let mut downstream = self.downstream.lock().unwrap_or_else(|e| e.into_inner());
+        if downstream.contains_key(path) {
+            return Err(PciError::SlotTaken(number));
+        }
+        {
+            let mut guard = lock(&device);
+            for spec in guard.bar_specs() {
+                let Some(&(_, address)) = bars.iter().find(|(index, _)| *index == spec.index)
+                else {
+                    return Err(PciError::Layout("a BAR behind a bridge has no address"));
+                };
+                guard.set_bar_address(spec.index, address);
+            }
+            if enable {
+                guard.enable_memory_decoding();
+            }
+        }
+        downstream.insert(path.to_vec(), device);
+        drop(downstream);
+        self.bdf_of_path(path)
+            .ok_or(PciError::Layout("no bus behind that bridge"))
+    }
+
+    /// The highest bus number any bridge forwards to (0 without bridges).
+    pub fn highest_bus(&self) -> u8 {
+        let mut all: Vec<SharedDevice> = self.children(&[]).into_iter().map(|(_, d)| d).collect();
+        all.extend(
+            self.downstream
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned(),
+        );
+        all.iter()
+            .filter_map(|d| lock(d).as_bridge().map(|b| b.buses().1))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Configuration read; absent functions read all ones.
@@ -458,13 +683,20 @@ impl PciRoot {
 
     /// The device and BAR that decode `[address, address + len)`, with the offset in the BAR.
     fn find_bar(&self, address: u64, len: usize) -> Option<(SharedDevice, u8, u64)> {
-        let devices: Vec<SharedDevice> = self
+        let mut devices: Vec<SharedDevice> = self
             .devices
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
             .cloned()
             .collect();
+        devices.extend(
+            self.downstream
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .cloned(),
+        );
         for device in devices {
             let bars = lock(&device).active_bars();
             for bar in bars {
@@ -671,7 +903,7 @@ impl PciDevice for HostBridge {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{BarSet, BarSpec, PciBar};
+    use super::super::{BarSet, BarSpec, BridgeSetup, PciBar, PciBridge, PortKind, Window};
     use super::*;
 
     /// A function with one 32-bit BAR of plain memory and one 64-bit prefetchable BAR.
@@ -724,6 +956,7 @@ mod tests {
     fn root_config() -> PciRootConfig {
         PciRootConfig {
             ecam_base: 0xe000_0000,
+            buses: 1,
             mmio32_start: 0xc000_0000,
             mmio32_end: 0xe000_0000,
             mmio64_start: 0x100_0000_0000,
@@ -864,6 +1097,7 @@ mod tests {
             1,
             PciRootConfig {
                 ecam_base: 0xe010_0000,
+                buses: 1,
                 mmio32_start: 0xe100_0000,
                 mmio32_end: 0xe200_0000,
                 mmio64_start: 0x200_0000_0000,
@@ -1066,6 +1300,133 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    fn port(kind: PortKind, primary: u8, secondary: u8, subordinate: u8) -> Arc<Mutex<PciBridge>> {
+        Arc::new(Mutex::new(PciBridge::new(&BridgeSetup {
+            kind,
+            primary_bus: primary,
+            secondary_bus: secondary,
+            subordinate_bus: subordinate,
+            memory: Window::default(),
+            prefetchable: Window::default(),
+            slot: 1,
+            occupied: true,
+        })))
+    }
+
+    fn cf8_bus(port: &mut ConfigAddressPort, bus: u8, device: u8, register: u8) {
+        let address =
+            1u32 << 31 | u32::from(bus) << 16 | u32::from(device) << 11 | u32::from(register);
+        port.write(0, &address.to_le_bytes());
+    }
+
+    #[test]
+    fn config_cycles_reach_devices_behind_a_switch_and_follow_renumbering() {
+        let root = PciRoot::new(root_config()).unwrap();
+        // 00:03.0 root port -> 01:00.0 upstream -> 02:00.0 / 02:01.0 downstream -> GPUs.
+        let window = root.allocate_window(true, 512 << 30, 128 << 30).unwrap();
+        let rp = root
+            .add_port(
+                3,
+                port(PortKind::RootPort, 0, 1, 4),
+                vec![(true, window, 512 << 30)],
+            )
+            .unwrap();
+        assert_eq!(rp.to_string(), "00:03.0");
+        root.add_behind(&[3, 0], port(PortKind::SwitchUpstream, 1, 2, 4), &[], true)
+            .unwrap();
+        for (i, bus) in [(0u8, 3u8), (1, 4)] {
+            root.add_behind(
+                &[3, 0, i],
+                port(PortKind::SwitchDownstream, 2, bus, bus),
+                &[],
+                true,
+            )
+            .unwrap();
+        }
+        let bar2 = window + (128 << 30);
+        let gpu = root
+            .add_behind(
+                &[3, 0, 1, 0],
+                scratch(),
+                &[(0, 0xc000_0000), (2, bar2)],
+                true,
+            )
+            .unwrap();
+        assert_eq!(gpu.to_string(), "04:00.0");
+        let mut port = ConfigAddressPort::new(root.clone());
+        cf8_bus(&mut port, 4, 0, 0);
+        assert_eq!(cfc_read32(&mut port), 0x2330_10de, "GPU behind the switch");
+        cf8_bus(&mut port, 4, 1, 0);
+        assert_eq!(cfc_read32(&mut port), 0xffff_ffff, "only device 0 there");
+        cf8_bus(&mut port, 3, 0, 0);
+        assert_eq!(
+            cfc_read32(&mut port),
+            0xffff_ffff,
+            "the other port is empty"
+        );
+        cf8_bus(&mut port, 2, 1, 0);
+        assert_eq!(
+            cfc_read32(&mut port),
+            0x0111_1b36,
+            "downstream port 02:01.0"
+        );
+        let mut ecam = EcamWindow::new(root.clone());
+        let mut data = [0; 4];
+        ecam.read(4 << 20 | 0x18, &mut data);
+        assert_eq!(u32::from_le_bytes(data) & !0xf, (bar2 as u32) & !0xf);
+        assert_eq!(root.highest_bus(), 4);
+        // Its BAR decodes by address.
+        root.mmio_write(0xc000_0010, &[9, 8, 7, 6]);
+        root.mmio_read(0xc000_0010, &mut data);
+        assert_eq!(data, [9, 8, 7, 6]);
+        // The guest renumbers: root port 0x10..0x14, upstream 0x11, downstream 0x12..0x14.
+        cf8_bus(&mut port, 2, 1, 0x18);
+        port.write(4, &0x0014_1402u32.to_le_bytes());
+        cf8_bus(&mut port, 2, 0, 0x18);
+        port.write(4, &0x0013_1302u32.to_le_bytes());
+        cf8_bus(&mut port, 1, 0, 0x18);
+        port.write(4, &0x0014_1201u32.to_le_bytes());
+        cf8_bus(&mut port, 0, 3, 0x18);
+        port.write(4, &0x0014_1100u32.to_le_bytes());
+        cf8_bus(&mut port, 4, 0, 0);
+        assert_eq!(cfc_read32(&mut port), 0xffff_ffff, "the old number is gone");
+        cf8_bus(&mut port, 0x11, 0, 0);
+        assert_eq!(
+            cfc_read32(&mut port),
+            0x0110_1b36,
+            "upstream port now on bus 0x11"
+        );
+        cf8_bus(&mut port, 0x14, 0, 0);
+        assert_eq!(cfc_read32(&mut port), 0x2330_10de, "the GPU on bus 0x14");
+        assert_eq!(root.bdf_of_path(&[3, 0, 1, 0]).unwrap().bus, 0x14);
+        // A bridge closed by the guest (secondary 0) forwards nothing.
+        cf8_bus(&mut port, 0, 3, 0x18);
+        port.write(4, &0u32.to_le_bytes());
+        cf8_bus(&mut port, 0x14, 0, 0);
+        assert_eq!(cfc_read32(&mut port), 0xffff_ffff);
+        // Ports without a bridge above, taken slots and windows going back on removal.
+        assert!(root.add_behind(&[7, 0], scratch(), &[], true).is_err());
+        assert!(root.add_behind(&[3, 0], scratch(), &[], true).is_err());
+        assert!(root.remove_device(rp).is_some());
+        assert_eq!(
+            root.allocate_window(true, 512 << 30, 128 << 30).unwrap(),
+            window
+        );
+    }
+
+    #[test]
+    fn a_restored_window_is_reserved_in_aligned_pieces() {
+        let root = PciRoot::new(root_config()).unwrap();
+        root.reserve_window(false, 0xc030_0000, 0x50_0000).unwrap();
+        assert!(root.reserve_window(false, 0xc040_0000, 0x10_0000).is_err());
+        let bdf = root.add_device(scratch()).unwrap();
+        let mut ecam = EcamWindow::new(root.clone());
+        let mut data = [0; 4];
+        ecam.read(u64::from(bdf.device) << 15 | 0x10, &mut data);
+        let bar0 = u64::from(u32::from_le_bytes(data));
+        assert!(!(0xc030_0000..0xc080_0000).contains(&bar0), "{bar0:#x}");
     }
 
     #[test]

@@ -7,12 +7,11 @@ use std::sync::{Arc, Mutex};
 
 use gpuvm_arch::x86_64::layout::{PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START};
 use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
-use gpuvm_devices::pci::{
-    intx_gsi, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciRoot, PciRootConfig,
-};
+use gpuvm_devices::pci::{ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciRoot};
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::dma::DmaProgress;
 use gpuvm_vfio::kernel::KernelVfio;
+use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::PassthroughDevice;
 use kvm_ioctls::{Kvm, VmFd};
@@ -21,10 +20,12 @@ use crate::config::PciOptions;
 use crate::devices::MachineDevices;
 use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
+use crate::p2p::{PeerBars, PeerDma};
 use crate::pci::{
     bar64_sizes, create_kvm_vfio_device, host_address_width, plan_address_space, segment_configs,
     segment_count, KvmBarSlots, PciSetupError, Plug, CONFIG_ADDRESS_PORT,
 };
+use crate::pci_topology::{host_place, DeviceInput, LayoutRequest, Placement};
 
 /// Puts the PCI root buses (always segment 0's: its host bridge, CF8/CFC and the ECAM
 /// window are what the ACPI tables describe; one more root per further segment) and the
@@ -45,7 +46,8 @@ pub fn attach(
     let count = segment_count(options)?;
     let opened = open_devices(vm, options)?;
     let host = host_address_width(kvm)?;
-    let plan = plan_address_space(host, ram, options, &opened.bar64_sizes, count)?;
+    let needs = opened.layout.address_needs(&opened.bar64_sizes)?;
+    let plan = plan_address_space(host, ram, options, &needs, count)?;
     log::info!("guest address space: {plan}");
     let configs = segment_configs(&plan, count);
     let roots = configs
@@ -56,8 +58,20 @@ pub fn attach(
     let (config, root) = (configs[0], roots[0].clone());
     let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
+    let peers = crate::p2p::PeerDma::new();
+    let mut cliques = gpuvm_vfio::topology::CliqueAssigner::default();
     if !options.is_empty() {
-        attach_devices(vm, ram, opened, &root, &router, &slots, devices)?;
+        attach_devices(
+            vm,
+            ram,
+            opened,
+            &root,
+            &router,
+            &slots,
+            &peers,
+            &mut cliques,
+            devices,
+        )?;
     }
     // Also when there are none yet: the thread factory it starts (with filters on) makes
     // the threads of virtio devices hot-plugged later.
@@ -72,7 +86,7 @@ pub fn attach(
             &options.passed_taps,
         )?;
     }
-    let hotplug = crate::hotplug::PciHotplug::new(
+    let mut hotplug = crate::hotplug::PciHotplug::new(
         kvm,
         vm,
         ram,
@@ -81,6 +95,9 @@ pub fn attach(
         slots,
         DmaTestHooks::from_env(),
     )?;
+    hotplug.set_peer_dma(peers);
+    // Hot-plugged GPUs continue the cold-plugged ones' clique numbering.
+    hotplug.set_cliques(cliques);
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
     io_bus
         .insert(
@@ -108,7 +125,7 @@ pub fn attach(
         mmio_bus
             .insert(
                 config.ecam_base,
-                PciRootConfig::ECAM_SIZE,
+                config.ecam_size(),
                 Arc::new(Mutex::new(EcamWindow::new(root.clone()))),
             )
             .map_err(PciSetupError::Place)?;
@@ -138,6 +155,13 @@ struct OpenedDevices {
     vfio_user: Vec<VfioUserDevice>,
     /// Each device's 64-bit BAR sizes, in plug order (kernel VFIO devices first).
     bar64_sizes: Vec<Vec<u64>>,
+    /// Each device's BAR files for peer-to-peer DMA, in plug order.
+    peer_bars: Vec<PeerBars>,
+    /// Each device's explicit GPUDirect clique and the host device to derive one from,
+    /// in plug order.
+    cliques: Vec<(Option<u8>, Option<String>)>,
+    /// Each device's host place and BARs, in plug order, and the layout asked for.
+    layout: LayoutRequest,
 }
 
 /// Opens the passthrough devices of `options` and reads what their BARs need.
@@ -146,20 +170,42 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
         kernel: None,
         vfio_user: Vec::new(),
         bar64_sizes: Vec::new(),
+        peer_bars: Vec::new(),
+        cliques: Vec::new(),
+        layout: LayoutRequest::new(options),
     };
     if let Some(first) = options.gpus.first() {
         let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
         let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
         for bdf in &options.gpus {
-            let mut backend: Box<dyn PassthroughDevice> = Box::new(vfio.open_device(bdf)?);
+            let device = vfio.open_device(bdf)?;
+            let tuning = options.tuning_of(bdf);
+            (opened.cliques).push((tuning.clique, Some(bdf.clone())));
+            (opened.peer_bars).push(PeerBars::new(bdf.clone(), &tuning, |i| {
+                device.region_file(i)
+            }));
+            let mut backend: Box<dyn PassthroughDevice> = Box::new(device);
             opened.bar64_sizes.push(bar64_sizes(backend.as_mut())?);
+            (opened.layout.devices).push(DeviceInput {
+                host_bdf: host_place(options, bdf, true),
+                specs: gpuvm_vfio::pci::bar_specs(backend.as_mut())?,
+            });
             backends.push(backend);
         }
         opened.kernel = Some((vfio, backends));
     }
     for socket in &options.vfio_user {
         let mut backend = VfioUserDevice::connect(socket)?;
+        let tuning = options.tuning_of(&socket.display().to_string());
+        (opened.cliques).push((tuning.clique, tuning.topology_bdf.clone()));
+        (opened.peer_bars).push(PeerBars::new(backend.name(), &tuning, |i| {
+            backend.region_file(i)
+        }));
         opened.bar64_sizes.push(bar64_sizes(&mut backend)?);
+        (opened.layout.devices).push(DeviceInput {
+            host_bdf: host_place(options, &socket.display().to_string(), false),
+            specs: gpuvm_vfio::pci::bar_specs(&mut backend)?,
+        });
         opened.vfio_user.push(backend);
     }
     Ok(opened)
@@ -167,7 +213,10 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
 
 /// Plugs the `opened` passthrough devices into `root`. Guest RAM is mapped in the
 /// background: once per kernel VFIO context (its mappings serve all its devices), once
-/// per vfio-user device; each mapping starts as soon as its devices are open.
+/// per vfio-user device; each mapping starts as soon as its devices are open. Each
+/// device's BARs are DMA-mapped for the others (`peers`), and each gets its GPUDirect
+/// clique (explicit, else derived from its host place) from `cliques`.
+#[allow(clippy::too_many_arguments)]
 fn attach_devices(
     vm: &VmFd,
     ram: &GuestRam,
@@ -175,8 +224,20 @@ fn attach_devices(
     root: &Arc<PciRoot>,
     router: &Arc<MsiRouter>,
     slots: &Arc<dyn GuestMemoryMapper>,
+    peers: &Arc<PeerDma>,
+    cliques: &mut gpuvm_vfio::topology::CliqueAssigner,
     devices: &mut MachineDevices,
 ) -> Result<(), PciSetupError> {
+    let mut clique_choices = opened.cliques.into_iter();
+    let mut give_clique = |device: &Arc<Mutex<VfioPciDevice>>| {
+        if let Some((clique, host)) = clique_choices.next() {
+            cliques.apply(&mut crate::lock(device), clique, host.as_deref());
+        }
+    };
+    peers.ensure_worker(crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm))?;
+    let mut peer_bars = opened.peer_bars.into_iter();
+    let placement = Placement::build(root, &opened.layout)?;
+    let mut order = 0usize..;
     let ram_chunks = RamChunks::new(ram);
     let hooks = DmaTestHooks::from_env();
     let plug = Plug {
@@ -193,15 +254,26 @@ fn attach_devices(
         devices
             .dma_mappings
             .push(ram_chunks.start(progress.clone(), mapper, hooks)?);
-        for backend in backends {
-            plug_device(&plug, backend, &progress, devices)?;
+        let context = peers.add_context(progress.name().to_string(), vfio.peer_mapper());
+        for (backend, bars) in backends.into_iter().zip(peer_bars.by_ref()) {
+            let at = (&placement, order.next().unwrap_or_default());
+            let device = plug_device(&plug, backend, &progress, at, devices)?;
+            give_clique(&device);
+            peers.plugged(context, bars, &device);
         }
     }
     for backend in opened.vfio_user {
         let mapper = backend.dma_mapper();
         let progress = ram_chunks.progress(mapper.name());
+        let peer_mapper = backend.peer_mapper();
         // Plugging resets the device: map after that.
-        plug_device(&plug, Box::new(backend), &progress, devices)?;
+        let at = (&placement, order.next().unwrap_or_default());
+        let device = plug_device(&plug, Box::new(backend), &progress, at, devices)?;
+        give_clique(&device);
+        if let Some(bars) = peer_bars.next() {
+            let context = peers.add_context(peer_mapper.name(), Ok(peer_mapper));
+            peers.plugged(context, bars, &device);
+        }
         devices
             .dma_mappings
             .push(ram_chunks.start(progress, mapper, hooks)?);
@@ -210,21 +282,23 @@ fn attach_devices(
 }
 
 /// Cold-plugs one device with `plug`: MSI/MSI-X vectors, BAR mappings, its Bus Master
-/// gated by the DMA mapping `dma`, a slot on the bus, and INTx on the slot's GSI.
+/// gated by the DMA mapping `dma`, its place in the layout (`at`: the layout and the
+/// device's index in plug order), and INTx on its GSI.
 fn plug_device(
     plug: &Plug<'_>,
     backend: Box<dyn PassthroughDevice>,
     dma: &Arc<DmaProgress>,
+    (placement, index): (&Placement, usize),
     devices: &mut MachineDevices,
-) -> Result<(), PciSetupError> {
-    let plugged = plug.open(backend, dma)?;
+) -> Result<Arc<Mutex<VfioPciDevice>>, PciSetupError> {
+    let plugged = plug.open_with(backend, dma, |_, device| placement.add(index, device))?;
     let (bdf, pin, device) = (plugged.bdf, plugged.pin, plugged.device);
     devices.passthrough.push(plugged.label);
     if pin > 0 {
-        let gsi = intx_gsi(bdf.device, pin - 1);
+        let gsi = placement.intx_gsi(index, bdf, pin - 1);
         if let Some(resample) = plug.intx(&device, gsi)? {
             devices.event_sources.push(resample);
         }
     }
-    Ok(())
+    Ok(device)
 }

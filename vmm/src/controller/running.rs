@@ -450,14 +450,19 @@ fn hot_plug_virtio(running: &mut RunningMachine<'_>, device: VirtioHotplug) -> A
 }
 
 /// Adds `hot_plugged_gpus` (each device's id, address and state: attached, ejecting or
-/// gone, with why) to a JSON answer, when any device was hot-plugged.
+/// gone, with why) to a JSON answer, when any device was hot-plugged, and `p2p_limits`
+/// (the DMA contexts that cannot map peers' BARs, and why), when there are any.
 fn with_hot_plugged(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData {
-    let described = running
-        .devices_mut()
-        .pci_hotplug
-        .as_ref()
-        .map(|h| h.describe())
-        .unwrap_or_default();
+    let hotplug = running.devices_mut().pci_hotplug.as_ref();
+    let described = hotplug.map(|h| h.describe()).unwrap_or_default();
+    let p2p_limits = hotplug.map(|h| h.peer_dma_limits()).unwrap_or_default();
+    let data = match data {
+        VmmData::Json(mut json) if !p2p_limits.is_empty() => {
+            json["p2p_limits"] = serde_json::json!(p2p_limits);
+            VmmData::Json(json)
+        }
+        other => other,
+    };
     match data {
         VmmData::Json(mut json) if !described.is_empty() => {
             json["hot_plugged_gpus"] = serde_json::Value::Array(described);

@@ -104,6 +104,9 @@ impl VcpuThread {
             .name(name)
             .spawn(move || {
                 let _ended = EndedOnDrop(thread_control.clone());
+                // Pinned to its NUMA node's host CPUs (if asked) while sched_setaffinity
+                // is still allowed.
+                crate::numa::pin_current_vcpu_thread(id);
                 // Filtered before anything else runs on this thread, guest code included.
                 let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
                 let failed = filtered.is_err();

@@ -1,0 +1,441 @@
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+use crate::config::PassthroughTuning;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// A fake sysfs tree, removed when dropped.
+struct FakeSysfs {
+    root: PathBuf,
+}
+
+impl FakeSysfs {
+    /// Host nodes with `cpulist`s and a distance matrix (`distances[i]` is node i's row).
+    fn new(cpulists: &[&str], distances: &[&[u32]]) -> FakeSysfs {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let root = std::env::temp_dir().join(format!(
+            "gpuvm-numa-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        for (node, cpulist) in cpulists.iter().enumerate() {
+            let dir = root.join(format!("devices/system/node/node{node}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("cpulist"), format!("{cpulist}\n")).unwrap();
+            let row: Vec<String> = distances[node].iter().map(u32::to_string).collect();
+            std::fs::write(dir.join("distance"), format!("{}\n", row.join(" "))).unwrap();
+        }
+        FakeSysfs { root }
+    }
+
+    fn gpu(&self, bdf: &str, node: i32) {
+        let dir = self.root.join(format!("bus/pci/devices/{bdf}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("numa_node"), format!("{node}\n")).unwrap();
+    }
+
+    fn host(&self) -> HostNuma {
+        HostNuma::at(&self.root)
+    }
+}
+
+impl Drop for FakeSysfs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn two_sockets() -> FakeSysfs {
+    FakeSysfs::new(&["0-55,112-167", "56-111,168-223"], &[&[10, 21], &[21, 10]])
+}
+
+/// Eight GPUs as on an HGX board: four under each socket.
+fn eight_gpus(sysfs: &FakeSysfs) -> PciOptions {
+    let bdfs = [
+        "0000:18:00.0",
+        "0000:2a:00.0",
+        "0000:3a:00.0",
+        "0000:5d:00.0",
+        "0000:9a:00.0",
+        "0000:ab:00.0",
+        "0000:ba:00.0",
+        "0000:db:00.0",
+    ];
+    for (index, bdf) in bdfs.iter().enumerate() {
+        sysfs.gpu(bdf, if index < 4 { 0 } else { 1 });
+    }
+    PciOptions {
+        gpus: bdfs.iter().map(|b| b.to_string()).collect(),
+        ..PciOptions::default()
+    }
+}
+
+fn auto() -> NumaOptions {
+    NumaOptions {
+        mode: NumaMode::Auto,
+        pin_vcpus: false,
+    }
+}
+
+#[test]
+fn auto_on_a_two_socket_host_with_eight_gpus_gives_two_nodes() {
+    let sysfs = two_sockets();
+    let pci = eight_gpus(&sysfs);
+    let plan = plan(
+        &auto(),
+        13,
+        13,
+        64 * GIB + 6 * MIB,
+        4096,
+        &pci,
+        &sysfs.host(),
+    )
+    .unwrap()
+    .expect("two nodes");
+    assert_eq!(plan.nodes.len(), 2);
+    assert_eq!(
+        plan.nodes[0].cpus,
+        (0..7).collect::<Vec<u8>>(),
+        "remainder first"
+    );
+    assert_eq!(plan.nodes[1].cpus, (7..13).collect::<Vec<u8>>());
+    assert_eq!(plan.nodes[0].mem_size, 32 * GIB + 4 * MIB);
+    assert_eq!(plan.nodes[1].mem_size, 32 * GIB + 2 * MIB);
+    assert_eq!(plan.nodes[0].host_node, Some(0));
+    assert_eq!(plan.nodes[1].host_node, Some(1));
+    assert_eq!(plan.distances, vec![vec![10, 21], vec![21, 10]]);
+    for (index, bdf) in pci.gpus.iter().enumerate() {
+        let expected = if index < 4 { 0 } else { 1 };
+        assert_eq!(plan.device_nodes.get(bdf), Some(&expected), "{bdf}");
+    }
+}
+
+#[test]
+fn auto_counts_hot_pluggable_vcpus_and_uses_vfio_user_topology_bdfs() {
+    let sysfs = two_sockets();
+    sysfs.gpu("0000:18:00.0", 0);
+    sysfs.gpu("0000:9a:00.0", 1);
+    let mut pci = PciOptions {
+        vfio_user: vec![
+            "/run/a.sock".into(),
+            "/run/b.sock".into(),
+            "/run/c.sock".into(),
+        ],
+        ..PciOptions::default()
+    };
+    for (socket, bdf) in [
+        ("/run/a.sock", "0000:18:00.0"),
+        ("/run/b.sock", "0000:9a:00.0"),
+    ] {
+        pci.tuning.insert(
+            socket.into(),
+            PassthroughTuning {
+                topology_bdf: Some(bdf.into()),
+                ..PassthroughTuning::default()
+            },
+        );
+    }
+    let plan = plan(&auto(), 2, 4, 1024 * MIB, 4096, &pci, &sysfs.host())
+        .unwrap()
+        .unwrap();
+    assert_eq!(plan.nodes[0].cpus, vec![0, 1]);
+    assert_eq!(plan.nodes[1].cpus, vec![2, 3]);
+    assert_eq!(plan.device_nodes.get("/run/a.sock"), Some(&0));
+    assert_eq!(plan.device_nodes.get("/run/b.sock"), Some(&1));
+    assert_eq!(
+        plan.device_nodes.get("/run/c.sock"),
+        None,
+        "no topology_bdf"
+    );
+}
+
+#[test]
+fn auto_on_a_single_socket_host_or_with_gpus_on_one_node_gives_no_nodes() {
+    let single = FakeSysfs::new(&["0-63"], &[&[10]]);
+    let pci = eight_gpus(&single);
+    assert_eq!(
+        plan(&auto(), 8, 8, 8 * GIB, 4096, &pci, &single.host()).unwrap(),
+        None
+    );
+
+    let sysfs = two_sockets();
+    let mut pci = eight_gpus(&sysfs);
+    for bdf in &pci.gpus {
+        sysfs.gpu(bdf, 1);
+    }
+    assert_eq!(
+        plan(&auto(), 8, 8, 8 * GIB, 4096, &pci, &sysfs.host()).unwrap(),
+        None,
+        "all GPUs on node 1"
+    );
+    pci.gpus.clear();
+    assert_eq!(
+        plan(&auto(), 8, 8, 8 * GIB, 4096, &pci, &sysfs.host()).unwrap(),
+        None,
+        "no GPU"
+    );
+}
+
+#[test]
+fn auto_refuses_too_few_vcpus_or_too_little_ram() {
+    let sysfs = two_sockets();
+    let pci = eight_gpus(&sysfs);
+    let error = plan(&auto(), 1, 1, GIB, 4096, &pci, &sysfs.host()).unwrap_err();
+    assert!(error.to_string().contains("at least 2 vCPUs"), "{error}");
+    let error = plan(&auto(), 2, 2, 2 * MIB, 4096, &pci, &sysfs.host()).unwrap_err();
+    assert!(error.to_string().contains("cannot be split"), "{error}");
+}
+
+#[test]
+fn host_distances_that_a_guest_cannot_be_told_become_20() {
+    let sysfs = FakeSysfs::new(&["0", "1", "2"], &[&[10, 10, 32], &[10, 10], &[32, 12, 10]]);
+    let host = sysfs.host();
+    assert_eq!(
+        host_distances(&host, &[0, 1, 2]).unwrap(),
+        vec![vec![10, 20, 32], vec![20, 10, 20], vec![32, 12, 10]]
+    );
+}
+
+fn node(node: u32, cpus: &[u8], mib: u64, host_node: Option<u32>) -> NumaNodeSpec {
+    NumaNodeSpec {
+        node,
+        cpus: cpus.to_vec(),
+        mem_size: mib * MIB,
+        host_node,
+    }
+}
+
+fn explicit(nodes: Vec<NumaNodeSpec>) -> NumaOptions {
+    NumaOptions {
+        mode: NumaMode::Nodes(nodes),
+        pin_vcpus: true,
+    }
+}
+
+#[test]
+fn explicit_nodes_are_checked_against_the_vm() {
+    let sysfs = two_sockets();
+    let host = sysfs.host();
+    let pci = PciOptions::default();
+    let good = explicit(vec![
+        node(1, &[2, 3], 512, Some(1)),
+        node(0, &[0, 1], 512, Some(0)),
+    ]);
+    let planned = plan(&good, 4, 4, GIB, 4096, &pci, &host).unwrap().unwrap();
+    assert_eq!(planned.nodes[0].cpus, vec![0, 1], "sorted by node id");
+    assert_eq!(planned.distances, vec![vec![10, 20], vec![20, 10]]);
+    assert!(planned.pin_vcpus);
+
+    let cases = [
+        (
+            vec![node(0, &[0, 1], 512, None), node(0, &[2, 3], 512, None)],
+            "given twice",
+        ),
+        (
+            vec![node(0, &[0, 1], 512, None), node(2, &[2, 3], 512, None)],
+            "leaves a gap",
+        ),
+        (
+            vec![node(0, &[0, 1], 512, None), node(1, &[1, 2, 3], 512, None)],
+            "vCPU 1 is on node 0 and node 1",
+        ),
+        (
+            vec![node(0, &[0, 1], 512, None), node(1, &[2], 512, None)],
+            "vCPU 3 is on no node",
+        ),
+        (
+            vec![node(0, &[0, 1], 512, None), node(1, &[2, 3, 4], 512, None)],
+            "lists vCPU 4",
+        ),
+        (
+            vec![node(0, &[0, 1], 512, None), node(1, &[2, 3], 256, None)],
+            "adds up to 768 MiB",
+        ),
+        (
+            vec![node(0, &[0, 1], 1024, None), node(1, &[2, 3], 0, None)],
+            "positive multiple",
+        ),
+        (
+            vec![node(0, &[0, 1, 2, 3], 1024, Some(2))],
+            "host NUMA node 2 does not exist on this host (its nodes: 0, 1)",
+        ),
+        (vec![node(0, &[], 1024, None)], "no cpus"),
+    ];
+    for (nodes, expected) in cases {
+        let error = plan(&explicit(nodes), 4, 4, GIB, 4096, &pci, &host).unwrap_err();
+        assert!(error.to_string().contains(expected), "{error} / {expected}");
+    }
+    // Hot-pluggable vCPUs need a node too.
+    let error = plan(&good, 4, 6, GIB, 4096, &pci, &host).unwrap_err();
+    assert!(
+        error.to_string().contains("vCPU 4 is on no node"),
+        "{error}"
+    );
+    // Hugetlb 1 GiB pages: node sizes in whole pages.
+    let error = plan(&good, 4, 4, GIB, GIB, &pci, &host).unwrap_err();
+    assert!(error.to_string().contains("1 GiB page size"), "{error}");
+}
+
+#[test]
+fn topology_splits_node_ram_at_the_32_bit_hole_and_names_devices() {
+    let plan = NumaPlan {
+        nodes: vec![
+            NodePlan {
+                cpus: vec![0, 2],
+                mem_size: 2 * GIB,
+                host_node: Some(0),
+            },
+            NodePlan {
+                cpus: vec![1, 3],
+                mem_size: 2 * GIB,
+                host_node: Some(1),
+            },
+        ],
+        distances: vec![vec![10, 21], vec![21, 10]],
+        device_nodes: [("0000:9a:00.0".to_string(), 1)].into_iter().collect(),
+        pin_vcpus: false,
+    };
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(4 * GIB);
+    let topology = plan.topology_of(
+        &regions,
+        &[
+            ("0000:18:00.0".into(), (0, 0, 1, 0)),
+            ("0000:9a:00.0".into(), (0, 0, 2, 0)),
+        ],
+    );
+    assert_eq!(topology.cpu_domains, vec![0, 1, 0, 1]);
+    let ranges: Vec<(u32, u64, u64)> = topology
+        .memory
+        .iter()
+        .map(|m| (m.domain, m.base, m.size))
+        .collect();
+    assert_eq!(
+        ranges,
+        vec![(0, 0, 2 * GIB), (1, 2 * GIB, GIB), (1, 4 * GIB, GIB),],
+        "node 1 is split around the 32-bit hole at 3 GiB"
+    );
+    assert_eq!(topology.initiators.len(), 1);
+    assert_eq!(
+        (topology.initiators[0].domain, topology.initiators[0].device),
+        (1, 2)
+    );
+}
+
+#[test]
+fn host_facts_are_read_from_the_tree() {
+    let sysfs = two_sockets();
+    sysfs.gpu("0000:18:00.0", -1);
+    let host = sysfs.host();
+    assert_eq!(host.nodes().unwrap(), vec![0, 1]);
+    assert_eq!(host.cpus_of(1).unwrap().len(), 112);
+    assert_eq!(
+        host.pci_device_node("18:00.0").unwrap(),
+        None,
+        "-1 is unknown"
+    );
+    assert_eq!(
+        host.pci_device_node("0000:77:00.0").unwrap(),
+        None,
+        "absent"
+    );
+    assert_eq!(
+        host.distances_from(0).unwrap(),
+        [(0, 10), (1, 21)].into_iter().collect()
+    );
+    assert_eq!(parse_cpu_list("0-2,5,7-8"), Some(vec![0, 1, 2, 5, 7, 8]));
+    assert_eq!(parse_cpu_list("3-1"), None);
+    assert_eq!(parse_cpu_list("x"), None);
+    assert_eq!(parse_label_bdf("00:1f.3 gpu0"), Some((0, 0, 0x1f, 3)));
+    assert_eq!(parse_label_bdf("nonsense"), None);
+}
+
+#[test]
+fn this_hosts_node_0_exists_and_its_ram_can_be_bound() {
+    let host = HostNuma::at(Path::new("/sys"));
+    host.check_node(0).unwrap();
+    let error = host.check_node(4000).unwrap_err();
+    assert!(error.to_string().contains("does not exist"), "{error}");
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(64 * MIB);
+    let mut config = gpuvm_memory::GuestRamConfig::new(64 * MIB);
+    config.thp = false;
+    let ram = GuestRam::create(&config, &regions).unwrap();
+    let plan = NumaPlan {
+        nodes: vec![
+            NodePlan {
+                cpus: vec![0],
+                mem_size: 32 * MIB,
+                host_node: Some(0),
+            },
+            NodePlan {
+                cpus: vec![1],
+                mem_size: 32 * MIB,
+                host_node: Some(0),
+            },
+        ],
+        distances: vec![vec![10, 20], vec![20, 10]],
+        device_nodes: BTreeMap::new(),
+        pin_vcpus: false,
+    };
+    plan.place(&ram, &host).unwrap();
+}
+
+#[test]
+fn without_numa_nothing_of_the_host_is_read() {
+    // A device whose numa_node file cannot be parsed would be an error in auto mode.
+    let sysfs = two_sockets();
+    let dir = sysfs.root.join("bus/pci/devices/0000:18:00.0");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("numa_node"), "garbage\n").unwrap();
+    let pci = PciOptions {
+        gpus: vec!["0000:18:00.0".into()],
+        ..PciOptions::default()
+    };
+    let off = NumaOptions::default();
+    assert_eq!(
+        plan(&off, 2, 2, GIB, 4096, &pci, &sysfs.host()).unwrap(),
+        None
+    );
+    let error = plan(&auto(), 2, 2, GIB, 4096, &pci, &sysfs.host()).unwrap_err();
+    assert!(
+        error.to_string().contains("cannot parse \"garbage\""),
+        "{error}"
+    );
+}
+
+#[test]
+fn hot_pluggable_ram_is_a_hot_pluggable_range_of_node_0_above_boot_ram() {
+    let plan = NumaPlan {
+        nodes: vec![
+            NodePlan {
+                cpus: vec![0],
+                mem_size: 256 * MIB,
+                host_node: None,
+            },
+            NodePlan {
+                cpus: vec![1],
+                mem_size: 256 * MIB,
+                host_node: None,
+            },
+        ],
+        distances: vec![vec![10, 20], vec![20, 10]],
+        device_nodes: BTreeMap::new(),
+        pin_vcpus: false,
+    };
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(512 * MIB);
+    let labels = ["00:01.0 gpu".to_string()];
+    let keys = ["/run/a.sock".to_string()];
+    let without = plan.topology(&regions, 0, &keys, &labels);
+    assert!(without.memory.iter().all(|m| !m.hotpluggable));
+    assert!(
+        without.initiators.is_empty(),
+        "the device's node is unknown"
+    );
+    let with = plan.topology(&regions, 3 * GIB, &keys, &labels);
+    let last = with.memory.last().unwrap();
+    let (base, size) = gpuvm_arch::x86_64::layout::ram_hotplug_area(512 * MIB, 3 * GIB);
+    assert_eq!((last.domain, last.base, last.size), (0, base, size));
+    assert!(last.hotpluggable && base >= 4 * GIB);
+}

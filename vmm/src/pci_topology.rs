@@ -1,0 +1,713 @@
+//! Where cold-plugged passthrough devices sit in the guest's PCI hierarchy.
+//!
+//! `flat` puts every device on bus 0 (the layout from before topologies). `host` mirrors
+//! the host: each device whose host place is known (a kernel VFIO device is its own host
+//! address; a vfio-user device takes the place of its `topology_bdf`) gets a PCIe root
+//! port of its own on bus 0, and devices behind one host PCIe switch sit behind one
+//! virtual switch (root port → upstream port → a downstream port per device), so the
+//! guest sees what `nvidia-smi topo -m` shows on the host (PIX within a switch, PHB
+//! across root ports) and NCCL finds the shared switch. `host` is the default when any
+//! device with a known host place sits behind a host PCIe switch (there is something to
+//! mirror); a VM whose devices hang straight off host root ports stays flat unless asked,
+//! which keeps single-device VMs and the guests that look for them on bus 0 as they were.
+//!
+//! Devices with no known host place stay on bus 0 under `host` too: there is nothing of
+//! the host to mirror, a root port would only cost a bus and 1 MiB-granular windows, and
+//! guests and tests that look for them on bus 0 keep working. (Kata gives QEMU a
+//! `pcie_root_port` per device so it can hot-plug into it; gpuvm's hot-plug goes to bus 0
+//! through its ACPI slots, so a root port would buy nothing yet.)
+//!
+//! gpuvm acts as firmware: bus numbers are handed out depth first from 1, and each port's
+//! windows are sized to hold exactly the BARs behind it (1 MiB granular, aligned to the
+//! largest BAR), each root port's windows taken from the root's 32-bit and 64-bit BAR
+//! windows; devices get their BARs inside. 64-bit prefetchable BARs go in the prefetchable
+//! window above 4 GiB, all others in the memory window below (a bridge's non-prefetchable
+//! window is 32-bit).
+
+use std::sync::{Arc, Mutex};
+
+use gpuvm_devices::pci::bridge::WINDOW_GRANULE;
+use gpuvm_devices::pci::{
+    intx_gsi, BarKind, BarSpec, BridgeSetup, PciBdf, PciBridge, PciDevice, PciError, PciRoot,
+    PortKind, Window,
+};
+use gpuvm_vfio::topology::{HostTopology, TopologyError};
+
+use crate::config::{PciOptions, PciTopology};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PciTopologyError {
+    #[error("--pci-topology host: cannot read the host's PCIe topology: {0}")]
+    Host(#[from] TopologyError),
+    #[error("--pci-topology host: the ports and devices need more than 255 PCI buses")]
+    TooManyBuses,
+    #[error(
+        "--pci-topology host needs one PCI segment (with num_pci_segments = {0} each segment's \
+         ECAM window holds bus 0 only); use --pci-topology flat"
+    )]
+    Segments(u16),
+    #[error("--pci-topology host: bus 0 has no free slot for another root port")]
+    NoSlot,
+    #[error("--pci-topology host: {0}")]
+    Bus(#[from] PciError),
+}
+
+/// One passthrough device to place: its host address (None: no known host place) and
+/// its BARs.
+#[derive(Clone, Debug)]
+pub struct DeviceInput {
+    pub host_bdf: Option<String>,
+    pub specs: Vec<BarSpec>,
+}
+
+/// What the layout is decided from.
+#[derive(Clone, Debug)]
+pub struct LayoutRequest {
+    /// PciOptions::pci_topology.
+    pub choice: Option<PciTopology>,
+    /// PciOptions::num_pci_segments.
+    pub segments: u16,
+    /// The passthrough devices, in plug order.
+    pub devices: Vec<DeviceInput>,
+    /// What [`LayoutRequest::decide`] found, once asked.
+    decided: std::sync::OnceLock<Option<(HostTopology, Vec<Group>)>>,
+}
+
+impl LayoutRequest {
+    /// The request of `options`, with no devices yet.
+    pub fn new(options: &PciOptions) -> Self {
+        LayoutRequest {
+            choice: options.pci_topology,
+            segments: options.num_pci_segments,
+            devices: Vec::new(),
+            decided: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl LayoutRequest {
+    /// The host's topology and the groups of devices that get a root port each, or None
+    /// for the flat layout (the reason logged). Decided once; later calls repeat it.
+    fn decide(&self) -> Result<Option<(HostTopology, Vec<Group>)>, PciTopologyError> {
+        if let Some(decided) = self.decided.get() {
+            return Ok(decided.clone());
+        }
+        let decided = self.decide_now()?;
+        let _ = self.decided.set(decided.clone());
+        Ok(decided)
+    }
+
+    fn decide_now(&self) -> Result<Option<(HostTopology, Vec<Group>)>, PciTopologyError> {
+        let explicit = self.choice == Some(PciTopology::Host);
+        if self.choice == Some(PciTopology::Flat) {
+            return Ok(None);
+        }
+        let known: Vec<String> = (self.devices.iter())
+            .filter_map(|d| d.host_bdf.clone())
+            .collect();
+        if known.is_empty() {
+            if explicit {
+                log::info!("PCI topology: no device has a known host place: all on bus 0");
+            }
+            return Ok(None);
+        }
+        let host = match HostTopology::discover(&HostTopology::default_root(), &known) {
+            Ok(host) => host,
+            Err(error) if !explicit => {
+                log::warn!("PCI topology: {error}; passthrough devices stay on bus 0");
+                return Ok(None);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        if !explicit && !known.iter().any(|bdf| host.switch_of(bdf).is_some()) {
+            log::info!(
+                "PCI topology: no device sits behind a host PCIe switch: all on bus 0 \
+                 (--pci-topology host gives each a root port)"
+            );
+            return Ok(None);
+        }
+        if self.segments > 1 {
+            // Segment N's ECAM window follows segment 0's bus 0: there is no room for
+            // more buses in segment 0.
+            if explicit {
+                return Err(PciTopologyError::Segments(self.segments));
+            }
+            log::warn!(
+                "PCI topology: {} PCI segments leave segment 0 one bus: passthrough devices \
+                 stay on bus 0",
+                self.segments
+            );
+            return Ok(None);
+        }
+        let groups = group_by_switch(&self.devices, |bdf| host.switch_of(bdf));
+        Ok(Some((host, groups)))
+    }
+
+    /// What the 64-bit BAR window must hold, for the address-space planner
+    /// (crate::pci::plan_address_space): `flat` (each device's 64-bit BAR sizes, in plug
+    /// order) where devices stay on bus 0; for each root port, one range the size of its
+    /// prefetchable window rounded up to a power of two (the planner aligns each range to
+    /// its size, as the window must be aligned to its largest BAR).
+    pub fn address_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
+        let Some((_, groups)) = self.decide()? else {
+            return Ok(flat.to_vec());
+        };
+        let grouped: Vec<usize> = groups.iter().flat_map(|g| g.devices.clone()).collect();
+        let mut needs: Vec<Vec<u64>> = (0..flat.len())
+            .filter(|i| !grouped.contains(i))
+            .map(|i| flat[i].clone())
+            .collect();
+        for group in &groups {
+            let pieces: Vec<(u64, u64)> = (group.devices.iter())
+                .map(|&i| {
+                    let [wide, _] = device_blocks(&self.devices[i].specs);
+                    (wide.size, wide.align)
+                })
+                .collect();
+            let window = lay_out(&pieces).size;
+            if window > 0 {
+                needs.push(vec![window.next_power_of_two()]);
+            }
+        }
+        Ok(needs)
+    }
+}
+
+/// The host address whose place the device with backend `key` takes: a kernel VFIO
+/// device's own (`kernel`), a vfio-user device's `topology_bdf`.
+pub fn host_place(options: &PciOptions, key: &str, kernel: bool) -> Option<String> {
+    if kernel {
+        return Some(key.to_string());
+    }
+    options.tuning_of(key).topology_bdf
+}
+
+/// Which BARs go in a bridge's prefetchable (64-bit) window.
+fn prefetchable(spec: &BarSpec) -> bool {
+    matches!(spec.kind, BarKind::Memory64 { prefetchable: true })
+}
+
+/// A run of BARs or blocks laid out from offset 0: each at its alignment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Block {
+    /// Bytes from the start to the end of the last piece, rounded up to 1 MiB (0: empty).
+    size: u64,
+    /// What the start must be aligned to: the largest piece's alignment, at least 1 MiB.
+    align: u64,
+    /// Offset of each piece, in the order given.
+    offsets: Vec<u64>,
+}
+
+/// Lays out pieces (size, alignment) largest alignment first, which leaves no gaps between
+/// power-of-two BARs.
+fn lay_out(pieces: &[(u64, u64)]) -> Block {
+    let mut order: Vec<usize> = (0..pieces.len()).filter(|&i| pieces[i].0 > 0).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(pieces[i].1));
+    let mut offsets = vec![0; pieces.len()];
+    let mut end = 0u64;
+    for i in order {
+        let (size, align) = pieces[i];
+        let at = end.next_multiple_of(align.max(1));
+        offsets[i] = at;
+        end = at + size;
+    }
+    let align = pieces
+        .iter()
+        .filter(|p| p.0 > 0)
+        .map(|p| p.1)
+        .max()
+        .unwrap_or(0)
+        .max(WINDOW_GRANULE);
+    Block {
+        size: end.next_multiple_of(WINDOW_GRANULE),
+        align,
+        offsets,
+    }
+}
+
+/// One device's BARs in the two windows: (prefetchable block, memory block).
+fn device_blocks(specs: &[BarSpec]) -> [Block; 2] {
+    [true, false].map(|wide| {
+        let pieces: Vec<(u64, u64)> = specs
+            .iter()
+            .map(|s| {
+                if prefetchable(s) == wide {
+                    (s.size, s.size)
+                } else {
+                    (0, 0)
+                }
+            })
+            .collect();
+        lay_out(&pieces)
+    })
+}
+
+/// Where one device goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct DevicePlace {
+    /// Its path from bus 0 (see PciRoot::add_behind).
+    path: Vec<u8>,
+    /// Its BARs: index and address.
+    bars: Vec<(u8, u64)>,
+}
+
+/// The plugged layout: where each device (in plug order) goes.
+pub struct Placement {
+    root: Arc<PciRoot>,
+    places: Vec<Option<DevicePlace>>,
+}
+
+impl Placement {
+    /// The flat layout: everything on bus 0.
+    pub fn flat(root: &Arc<PciRoot>, count: usize) -> Self {
+        Placement {
+            root: root.clone(),
+            places: vec![None; count],
+        }
+    }
+
+    /// Decides the layout for `devices` (in plug order) and plugs the ports it needs into
+    /// `root`, with their windows taken from the root's.
+    pub fn build(root: &Arc<PciRoot>, request: &LayoutRequest) -> Result<Self, PciTopologyError> {
+        let devices = &request.devices;
+        let mut placement = Self::flat(root, devices.len());
+        let Some((host, groups)) = request.decide()? else {
+            return Ok(placement);
+        };
+        let mut next_bus = 1u16;
+        for group in &groups {
+            next_bus = placement.plug_group(group, devices, next_bus, &host)?;
+        }
+        Ok(placement)
+    }
+
+    /// Plugs one root port (with a switch when the group has a host switch) holding the
+    /// group's devices; returns the next free bus number.
+    fn plug_group(
+        &mut self,
+        group: &Group,
+        devices: &[DeviceInput],
+        first_bus: u16,
+        host: &HostTopology,
+    ) -> Result<u16, PciTopologyError> {
+        let slot = (1..32u8)
+            .find(|&slot| !self.root.has_device(slot))
+            .ok_or(PciTopologyError::NoSlot)?;
+        let count = group.devices.len() as u16;
+        let switched = group.switch.is_some();
+        let last_bus = if switched {
+            first_bus + 1 + count
+        } else {
+            first_bus
+        };
+        if last_bus > 255 {
+            return Err(PciTopologyError::TooManyBuses);
+        }
+        let bus = |n: u16| n as u8;
+        let blocks: Vec<[Block; 2]> = group
+            .devices
+            .iter()
+            .map(|&i| device_blocks(&devices[i].specs))
+            .collect();
+        // Each window kind: the devices' blocks side by side, then one range from the root.
+        let mut outer = [Window::default(); 2];
+        let mut inner: Vec<[Window; 2]> = vec![[Window::default(); 2]; blocks.len()];
+        let mut taken = Vec::new();
+        for (kind, wide) in [true, false].into_iter().enumerate() {
+            let pieces: Vec<(u64, u64)> = blocks
+                .iter()
+                .map(|b| (b[kind].size, b[kind].align))
+                .collect();
+            let hierarchy = lay_out(&pieces);
+            if hierarchy.size == 0 {
+                continue;
+            }
+            let base = self
+                .root
+                .allocate_window(wide, hierarchy.size, hierarchy.align)?;
+            taken.push((wide, base, hierarchy.size));
+            outer[kind] = Window {
+                base,
+                size: hierarchy.size,
+            };
+            for (i, offset) in hierarchy.offsets.iter().enumerate() {
+                if blocks[i][kind].size > 0 {
+                    inner[i][kind] = Window {
+                        base: base + offset,
+                        size: blocks[i][kind].size,
+                    };
+                }
+            }
+        }
+        let setup = |kind, primary, secondary, subordinate, windows: [Window; 2]| BridgeSetup {
+            kind,
+            primary_bus: primary,
+            secondary_bus: secondary,
+            subordinate_bus: subordinate,
+            prefetchable: windows[0],
+            memory: windows[1],
+            slot: u16::from(secondary),
+            occupied: true,
+        };
+        let root_port = port(setup(
+            PortKind::RootPort,
+            0,
+            bus(first_bus),
+            bus(last_bus),
+            outer,
+        ));
+        let give_back = taken.clone();
+        let rp = match self.root.add_port(slot, root_port, taken) {
+            Ok(bdf) => bdf,
+            Err(error) => {
+                for (wide, base, size) in give_back {
+                    self.root.release_window(wide, base, size);
+                }
+                return Err(error.into());
+            }
+        };
+        let mut parent = vec![slot];
+        match &group.switch {
+            Some(upstream) => {
+                let up = setup(
+                    PortKind::SwitchUpstream,
+                    bus(first_bus),
+                    bus(first_bus + 1),
+                    bus(last_bus),
+                    outer,
+                );
+                let up_bdf = self.root.add_behind(&[slot, 0], port(up), &[], true)?;
+                log::info!(
+                    "PCI {rp}: root port, {up_bdf}: switch upstream port (host switch {upstream})"
+                );
+                parent.push(0);
+            }
+            None => log::info!("PCI {rp}: root port"),
+        }
+        for (n, &device) in group.devices.iter().enumerate() {
+            let mut path = parent.clone();
+            if switched {
+                let secondary = bus(first_bus + 2 + n as u16);
+                let down = setup(
+                    PortKind::SwitchDownstream,
+                    bus(first_bus + 1),
+                    secondary,
+                    secondary,
+                    inner[n],
+                );
+                path.push(n as u8);
+                let bdf = self.root.add_behind(&path, port(down), &[], true)?;
+                log::info!("PCI {bdf}: switch downstream port");
+            }
+            path.push(0);
+            let [wide_block, narrow_block] = &blocks[n];
+            let specs = &devices[device].specs;
+            let bars = specs
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| {
+                    let (kind, block) = if prefetchable(spec) {
+                        (0, wide_block)
+                    } else {
+                        (1, narrow_block)
+                    };
+                    (spec.index, inner[n][kind].base + block.offsets[i])
+                })
+                .collect();
+            if let Some(bdf) = &devices[device].host_bdf {
+                log::info!(
+                    "PCI topology: device {device} at host {}",
+                    host.describe(bdf)
+                );
+            }
+            self.places[device] = Some(DevicePlace { path, bars });
+        }
+        Ok(last_bus + 1)
+    }
+
+    /// Plugs device `index` (in plug order) where the layout puts it.
+    pub fn add(&self, index: usize, device: Arc<Mutex<dyn PciDevice>>) -> Result<PciBdf, PciError> {
+        match self.places.get(index).and_then(Option::as_ref) {
+            Some(place) => self.root.add_behind(&place.path, device, &place.bars, true),
+            None => self.root.add_device(device),
+        }
+    }
+
+    /// The GSI INTx pin `pin_index` (0 = INTA) of device `index` at `bdf` reaches: the
+    /// pin swizzled through each bridge up to the root port's slot on bus 0, where the
+    /// ACPI _PRT routes it (Linux swizzles the same way for bridges without a _PRT).
+    pub fn intx_gsi(&self, index: usize, bdf: PciBdf, pin_index: u8) -> u32 {
+        match self.places.get(index).and_then(Option::as_ref) {
+            Some(place) => swizzled_gsi(&place.path, pin_index),
+            None => intx_gsi(bdf.device, pin_index),
+        }
+    }
+}
+
+/// See [`Placement::intx_gsi`].
+fn swizzled_gsi(path: &[u8], pin_index: u8) -> u32 {
+    let pin = path[1..].iter().fold(u32::from(pin_index), |pin, &device| {
+        (pin + u32::from(device)) % 4
+    });
+    intx_gsi(path[0], pin as u8)
+}
+
+/// A port as firmware leaves it: memory forwarding and bus mastering on.
+fn port(setup: BridgeSetup) -> Arc<Mutex<PciBridge>> {
+    let mut bridge = PciBridge::new(&setup);
+    bridge.enable_memory_decoding();
+    Arc::new(Mutex::new(bridge))
+}
+
+/// The devices under one root port: behind a host switch (its upstream port's address) or alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Group {
+    switch: Option<String>,
+    devices: Vec<usize>,
+}
+
+/// Devices with a known place grouped by host switch, in the order each group's first
+/// device comes; a device behind no switch is a group of its own.
+fn group_by_switch(
+    devices: &[DeviceInput],
+    switch_of: impl Fn(&str) -> Option<String>,
+) -> Vec<Group> {
+    let mut groups: Vec<Group> = Vec::new();
+    for (index, device) in devices.iter().enumerate() {
+        let Some(bdf) = &device.host_bdf else {
+            continue;
+        };
+        let switch = switch_of(bdf);
+        match groups
+            .iter_mut()
+            .find(|g| switch.is_some() && g.switch == switch)
+        {
+            Some(group) => group.devices.push(index),
+            None => groups.push(Group {
+                switch,
+                devices: vec![index],
+            }),
+        }
+    }
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuvm_devices::pci::{BarSet, PciBar, PciRootConfig};
+
+    const MIB: u64 = 1 << 20;
+
+    fn gpu_specs() -> Vec<BarSpec> {
+        vec![
+            BarSpec {
+                index: 0,
+                size: 16 * MIB,
+                kind: BarKind::Memory32 {
+                    prefetchable: false,
+                },
+            },
+            BarSpec {
+                index: 1,
+                size: 256 * MIB,
+                kind: BarKind::Memory64 { prefetchable: true },
+            },
+            BarSpec {
+                index: 3,
+                size: 32 * MIB,
+                kind: BarKind::Memory64 { prefetchable: true },
+            },
+        ]
+    }
+
+    struct Gpu(BarSet);
+
+    impl PciDevice for Gpu {
+        fn config_read(&mut self, offset: u16, data: &mut [u8]) {
+            if BarSet::handles(offset) {
+                return self.0.read(offset, data);
+            }
+            data.fill(0);
+        }
+        fn config_write(&mut self, offset: u16, data: &[u8]) {
+            if BarSet::handles(offset) {
+                self.0.write(offset, data);
+            }
+        }
+        fn active_bars(&self) -> Vec<PciBar> {
+            self.0.active()
+        }
+        fn bar_specs(&self) -> Vec<BarSpec> {
+            self.0.specs()
+        }
+        fn set_bar_address(&mut self, bar: u8, address: u64) {
+            self.0.set_address(bar, address);
+        }
+        fn enable_memory_decoding(&mut self) {
+            self.0.set_memory_enabled(true);
+        }
+        fn bar_read(&mut self, _: u8, _: u64, data: &mut [u8]) {
+            data.fill(0);
+        }
+        fn bar_write(&mut self, _: u8, _: u64, _: &[u8]) {}
+    }
+
+    #[test]
+    fn blocks_pack_bars_and_round_to_the_window_granule() {
+        let [wide, narrow] = device_blocks(&gpu_specs());
+        assert_eq!(wide.size, 288 * MIB);
+        assert_eq!(wide.align, 256 * MIB);
+        assert_eq!(wide.offsets, vec![0, 0, 256 * MIB]);
+        assert_eq!((narrow.size, narrow.align), (16 * MIB, 16 * MIB));
+        let tiny = lay_out(&[(4096, 4096)]);
+        assert_eq!((tiny.size, tiny.align), (MIB, MIB));
+        assert_eq!(lay_out(&[]).size, 0);
+    }
+
+    #[test]
+    fn devices_group_by_host_switch_and_unknown_ones_stay_out() {
+        let input = |bdf: Option<&str>| DeviceInput {
+            host_bdf: bdf.map(str::to_string),
+            specs: gpu_specs(),
+        };
+        let devices = [
+            input(Some("a")),
+            input(Some("b")),
+            input(None),
+            input(Some("c")),
+            input(Some("d")),
+            input(Some("e")),
+        ];
+        let groups = group_by_switch(&devices, |bdf| match bdf {
+            "a" | "c" => Some("sw1".into()),
+            "b" | "d" => Some("sw2".into()),
+            _ => None,
+        });
+        let shape: Vec<(Option<&str>, Vec<usize>)> = groups
+            .iter()
+            .map(|g| (g.switch.as_deref(), g.devices.clone()))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (Some("sw1"), vec![0, 3]),
+                (Some("sw2"), vec![1, 4]),
+                (None, vec![5])
+            ]
+        );
+    }
+
+    #[test]
+    fn the_planner_is_asked_for_each_root_ports_window() {
+        const GIB: u64 = 1 << 30;
+        let h200 = vec![
+            BarSpec {
+                index: 1,
+                size: 256 * GIB,
+                kind: BarKind::Memory64 { prefetchable: true },
+            },
+            BarSpec {
+                index: 3,
+                size: 32 * MIB,
+                kind: BarKind::Memory64 { prefetchable: true },
+            },
+        ];
+        let mut request = LayoutRequest::new(&PciOptions::default());
+        request.devices = (0..3)
+            .map(|_| DeviceInput {
+                host_bdf: None,
+                specs: h200.clone(),
+            })
+            .collect();
+        let flat = vec![vec![256 * GIB, 32 * MIB]; 3];
+        // Devices 0 and 2 behind one switch, device 1 on bus 0.
+        let groups = vec![Group {
+            switch: Some("sw".into()),
+            devices: vec![0, 2],
+        }];
+        request
+            .decided
+            .set(Some((HostTopology::default(), groups)))
+            .unwrap();
+        let needs = request.address_needs(&flat).unwrap();
+        // Two 256 GiB + 32 MiB blocks, the second at 512 GiB: 768 GiB + 32 MiB, as 1 TiB.
+        assert_eq!(needs, vec![vec![256 * GIB, 32 * MIB], vec![1024 * GIB]]);
+        let flat_request = LayoutRequest::new(&PciOptions {
+            pci_topology: Some(PciTopology::Flat),
+            ..PciOptions::default()
+        });
+        assert_eq!(flat_request.address_needs(&flat).unwrap(), flat);
+    }
+
+    #[test]
+    fn intx_swizzles_up_to_the_root_port() {
+        assert_eq!(swizzled_gsi(&[3, 0], 0), intx_gsi(3, 0));
+        assert_eq!(swizzled_gsi(&[3, 0, 1, 0], 0), intx_gsi(3, 1));
+        assert_eq!(swizzled_gsi(&[3, 0, 3, 0], 2), intx_gsi(3, 1));
+    }
+
+    #[test]
+    fn a_switch_group_gets_nested_windows_holding_each_device() {
+        let root = PciRoot::new(PciRootConfig {
+            ecam_base: 0xe000_0000,
+            buses: 1,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 40,
+            mmio64_size: 1 << 40,
+        })
+        .unwrap();
+        let devices: Vec<DeviceInput> = (0..2)
+            .map(|_| DeviceInput {
+                host_bdf: Some("x".into()),
+                specs: gpu_specs(),
+            })
+            .collect();
+        let mut placement = Placement::flat(&root, 2);
+        let group = Group {
+            switch: Some("0000:40:01.0".into()),
+            devices: vec![0, 1],
+        };
+        let host = HostTopology::default();
+        assert_eq!(placement.plug_group(&group, &devices, 1, &host).unwrap(), 5);
+        let mut bdfs = Vec::new();
+        for index in 0..2 {
+            let gpu = Arc::new(Mutex::new(Gpu(BarSet::new(&gpu_specs()))));
+            let bdf = placement.add(index, gpu.clone()).unwrap();
+            bdfs.push(bdf.to_string());
+            let bars = gpu.lock().unwrap().0.active();
+            let down = root
+                .device_at(&[1, 0, index as u8])
+                .expect("downstream port");
+            let down = down.lock().unwrap();
+            let down = down.as_bridge().unwrap();
+            let rp = root.device_at(&[1]).unwrap();
+            let rp = rp.lock().unwrap();
+            let rp = rp.as_bridge().unwrap();
+            for bar in bars {
+                let windows = if bar.index == 0 {
+                    [down.memory_window(), rp.memory_window()]
+                } else {
+                    [down.prefetchable_window(), rp.prefetchable_window()]
+                };
+                for window in windows {
+                    assert!(
+                        window.contains(bar.address, bar.size),
+                        "{bar:x?} {window:x?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(bdfs, ["03:00.0", "04:00.0"]);
+        assert_eq!(root.highest_bus(), 4);
+        assert_eq!(root.config().buses, 5, "the ECAM window covers buses 0..=4");
+        // The two downstream windows do not overlap.
+        let window = |i: u8| {
+            let port = root.device_at(&[1, 0, i]).unwrap();
+            let port = port.lock().unwrap();
+            port.as_bridge().unwrap().prefetchable_window()
+        };
+        assert!(window(0).end() <= window(1).base || window(1).end() <= window(0).base);
+    }
+}
