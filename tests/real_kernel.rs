@@ -160,6 +160,18 @@ fn kernel_vfio_hot_plug_reaches_linux_through_acpi_and_refuses_snapshots() {
 }
 
 #[test]
+fn linux_enumerates_the_virtual_switch_that_mirrors_the_hosts() {
+    scenario_passes(
+        "vfio-topology",
+        &[
+            "switch upstream port (host switch",
+            "inner: topology ok",
+            "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
 fn nvme_msix_and_a_1_gib_prefetchable_bar_serve_linux_drivers() {
     scenario_passes(
         "vfio-linux-drivers",

@@ -37,8 +37,12 @@ pub fn run(info: &BootInfo) -> ! {
         "edu" => crate::edu::run(info, words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
         "gpu-migrate" => crate::gpu_migrate::run(),
+        "gpu-clique" => crate::gpu_clique::run(words.next_word()),
+        "p2p" => crate::p2p::run(info, &mut words),
+        "pci-topology" => crate::pci_topology::run(&mut words),
         "kata-agent" => crate::kata::run(info),
         "acpi" => crate::acpi::run(info, words),
+        "numa" => crate::numa::run(info, &mut words),
         "virtio-hostile" => crate::virtio::hostile::run(info),
         name @ ("virtio-blk-bench" | "virtio-vsock-bench" | "virtio-fs-bench") => {
             crate::virtio::bench::run(info, name, &mut words)

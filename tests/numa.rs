@@ -1,0 +1,290 @@
+//! Guest NUMA nodes (issue 27): `--numa` gives the guest an SRAT and a SLIT, binds each
+//! node's RAM to its host node with mbind before anything touches it, and optionally pins
+//! the vCPU threads. The test guest's `numa` workload parses the tables, checks nodes,
+//! memory, distances, device nodes and the node of each running vCPU against what the
+//! command line said; the host side reads /proc/PID/numa_maps while the guest holds.
+//!
+//! This host has one NUMA node. Automatic mode runs over a fake sysfs tree of a
+//! two-socket host (`GPUVM_TEST_SYSFS_ROOT`) with two emulated GPUs, one per socket; the
+//! fake node 1 cannot be bound for real, so the test hook `GPUVM_TEST_NUMA_BIND_NODE=0`
+//! binds every guest node's RAM to the real node 0 (gpuvm warns that the hook is on).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use gpuvm_tests::{run_gpuvm, RunOutput, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(120);
+const MIB: u64 = 1 << 20;
+
+/// Guest RAM's mappings in `pid`'s numa_maps, (host address, policy), by address.
+fn ram_policies(pid: i32) -> Vec<(u64, String)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/numa_maps")).unwrap();
+    let mut found: Vec<(u64, String)> = maps
+        .lines()
+        .filter(|line| line.contains("gpuvm-guest-ram"))
+        .map(|line| {
+            let mut words = line.split_whitespace();
+            let addr = u64::from_str_radix(words.next().unwrap(), 16).unwrap();
+            (addr, words.next().unwrap().to_string())
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// Runs gpuvm with `args` (whose guest holds after `numa: ok`), hands its numa_maps'
+/// guest RAM lines and its pid to `inspect` while it holds, and returns its output.
+fn run_and_inspect(
+    args: &[&str],
+    env: &[(&str, &str)],
+    inspect: impl FnOnce(i32, Vec<(u64, String)>),
+) -> RunOutput {
+    let mut gpuvm = SpawnedProcess::gpuvm_with_env(args, env);
+    gpuvm.wait_for_stdout("numa: ok", LIMIT);
+    let pid = gpuvm.pid();
+    inspect(pid, ram_policies(pid));
+    gpuvm.wait(LIMIT)
+}
+
+#[test]
+fn two_nodes_get_srat_slit_and_each_node_s_ram_its_own_policy() {
+    // Node 0 bound to host node 0, node 1 left to the host: the policy changes exactly
+    // 512 MiB into guest RAM.
+    let args = [
+        "--log-level",
+        "info",
+        "run",
+        "--no-thp",
+        "--vcpus",
+        "2",
+        "--memory",
+        "1G",
+        "--numa",
+        "node=0,cpus=0,mem_mib=512,host_node=0",
+        "--numa",
+        "node=1,cpus=1,mem_mib=512",
+        "--cmdline",
+        "numa cpus=0,1 mem=512M,512M dist=10,20,20,10 hold=2",
+    ];
+    let out = run_and_inspect(&args, &[], |_, policies| {
+        assert_eq!(policies.len(), 2, "{policies:?}");
+        assert_eq!(policies[0].1, "bind:0", "{policies:?}");
+        assert_eq!(policies[1].1, "default", "{policies:?}");
+        assert_eq!(policies[1].0 - policies[0].0, 512 * MIB, "{policies:?}");
+    });
+    out.assert_code(0)
+        .assert_stdout_has("numa: SRAT memory node 0 0x0-0x20000000 flags 0x1")
+        .assert_stdout_has("numa: SRAT memory node 1 0x20000000-0x40000000 flags 0x1")
+        .assert_stdout_has("numa: vcpu apic 1 runs on node 1")
+        .assert_stdout_has("numa: ok")
+        .assert_stderr_has("guest NUMA node 0: vCPUs [0], 512 MiB bound to host node 0");
+}
+
+#[test]
+fn both_nodes_bound_across_the_32_bit_hole_with_pinned_vcpus() {
+    // 4 GiB: node 1's RAM is split by the 32-bit hole (3..4 GiB) into two SRAT ranges and
+    // two mappings, both bound; each vCPU thread pinned to node 0's CPUs.
+    let node0_cpus = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
+        .unwrap()
+        .trim()
+        .to_string();
+    let args = [
+        "--log-level",
+        "info",
+        "run",
+        "--vcpus",
+        "2",
+        "--memory",
+        "4G",
+        "--numa",
+        "node=0,cpus=0,mem_mib=2048,host_node=0",
+        "--numa",
+        "node=1,cpus=1,mem_mib=2048,host_node=0",
+        "--numa-pin-vcpus",
+        "--cmdline",
+        "numa cpus=0,1 mem=2G,2G dist=10,20,20,10 hold=2",
+    ];
+    let out = run_and_inspect(&args, &[], |pid, policies| {
+        assert!(!policies.is_empty());
+        assert!(policies.iter().all(|(_, p)| p == "bind:0"), "{policies:?}");
+        let vcpus: Vec<Vec<String>> =
+            gpuvm_tests::thread_status_fields(pid, &["Name:", "Cpus_allowed_list:"])
+                .into_iter()
+                .filter(|f| f[0].starts_with("vcpu"))
+                .collect();
+        assert_eq!(vcpus.len(), 2, "{vcpus:?}");
+        for fields in vcpus {
+            assert_eq!(fields[1], node0_cpus, "{fields:?}");
+        }
+    });
+    out.assert_code(0)
+        .assert_stdout_has("numa: SRAT memory node 0 0x0-0x80000000 flags 0x1")
+        .assert_stdout_has("numa: SRAT memory node 1 0x80000000-0xc0000000 flags 0x1")
+        .assert_stdout_has("numa: SRAT memory node 1 0x100000000-0x140000000 flags 0x1")
+        .assert_stdout_has("numa: vcpu apic 0 runs on node 0")
+        .assert_stdout_has("numa: ok");
+}
+
+#[test]
+fn the_guest_check_fails_when_expectations_differ() {
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--vcpus",
+            "2",
+            "--memory",
+            "256M",
+            "--numa",
+            "node=0,cpus=0,mem_mib=128",
+            "--numa",
+            "node=1,cpus=1,mem_mib=128",
+            "--cmdline",
+            "numa cpus=1,0 mem=128M,128M dist=10,20,20,10",
+        ],
+        LIMIT,
+    );
+    out.assert_code(1)
+        .assert_stdout_has("numa: FAIL apic 0 is on node 0 in the SRAT, expected 1");
+}
+
+#[test]
+fn without_numa_there_is_no_srat() {
+    let out = run_gpuvm(&["run", "--cmdline", "numa cpus=0 mem=128M dist=10"], LIMIT);
+    out.assert_code(1)
+        .assert_stdout_has("numa: FAIL the XSDT lists no SRAT");
+}
+
+#[test]
+fn bad_nodes_are_refused_before_the_vm_starts() {
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["node=0,cpus=0-1,mem_mib=512,host_node=7"],
+            "--numa: host NUMA node 7 does not exist on this host",
+        ),
+        (
+            &["node=0,cpus=0,mem_mib=256", "node=1,cpus=1,mem_mib=128"],
+            "--numa: the nodes' memory adds up to 384 MiB, but the VM has 512 MiB",
+        ),
+        (
+            &["node=0,cpus=0,mem_mib=512"],
+            "--numa: vCPU 1 is on no node",
+        ),
+    ];
+    for (nodes, message) in cases {
+        let mut args = vec!["run", "--vcpus", "2", "--memory", "512M"];
+        for node in nodes {
+            args.extend(["--numa", node]);
+        }
+        run_gpuvm(&args, LIMIT).assert_clean_error(message);
+    }
+}
+
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+/// A two-socket host: node 0 and node 1 (distance 21), a GPU under each socket's root
+/// complex, each GPU with its `numa_node`, linked from bus/pci/devices as sysfs does.
+const HOST_GPUS: [(&str, &str, &str, u32); 2] = [
+    ("pci0000:17", "0000:17:01.0", "0000:18:00.0", 0),
+    ("pci0000:97", "0000:97:01.0", "0000:9a:00.0", 1),
+];
+
+fn fake_two_socket_sysfs(root: &Path) {
+    for (node, cpus) in [(0, "0-3"), (1, "4-7")] {
+        let dir = root.join(format!("devices/system/node/node{node}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("cpulist"), format!("{cpus}\n")).unwrap();
+        let distance = if node == 0 { "10 21\n" } else { "21 10\n" };
+        std::fs::write(dir.join("distance"), distance).unwrap();
+    }
+    let links = root.join("bus/pci/devices");
+    std::fs::create_dir_all(&links).unwrap();
+    for (complex, port, gpu, node) in HOST_GPUS {
+        let port_dir = root.join(format!("devices/{complex}/{port}"));
+        let gpu_dir = port_dir.join(gpu);
+        std::fs::create_dir_all(&gpu_dir).unwrap();
+        std::fs::write(gpu_dir.join("numa_node"), format!("{node}\n")).unwrap();
+        std::fs::write(port_dir.join("numa_node"), format!("{node}\n")).unwrap();
+        std::os::unix::fs::symlink(&port_dir, links.join(port)).unwrap();
+        std::os::unix::fs::symlink(&gpu_dir, links.join(gpu)).unwrap();
+    }
+}
+
+#[test]
+fn auto_gives_each_gpu_s_socket_a_guest_node() {
+    let scratch = Scratch::new("numa", "auto");
+    let sysfs = scratch.path("sys");
+    fake_two_socket_sysfs(&sysfs);
+    let mut servers = Vec::new();
+    let mut devices = Vec::new();
+    for (index, (_, _, gpu, _)) in HOST_GPUS.iter().enumerate() {
+        let socket = scratch.path(&format!("gpu{index}.sock"));
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
+        devices.push(format!("{},topology_bdf={gpu}", socket.display()));
+    }
+    let mut args = vec![
+        "--log-level",
+        "info",
+        "run",
+        "--vcpus",
+        "3",
+        "--memory",
+        "512M",
+        "--numa",
+        "auto",
+        // 3 vCPUs and 512 MiB over two nodes: the remainder vCPU goes to node 0.
+        "--cmdline",
+        "numa cpus=0,0,1 mem=256M,256M dist=10,21,21,10 gi=0,1 hold=2",
+    ];
+    for device in &devices {
+        args.extend(["--vfio-user", device.as_str()]);
+    }
+    let env = [
+        ("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap()),
+        ("GPUVM_TEST_NUMA_BIND_NODE", "0"),
+    ];
+    let out = run_and_inspect(&args, &env, |_, policies| {
+        assert!(!policies.is_empty());
+        assert!(policies.iter().all(|(_, p)| p == "bind:0"), "{policies:?}");
+    });
+    for server in servers {
+        let done = server.wait(Duration::from_secs(30));
+        assert_eq!(done.code(), Some(0), "{}", done.stderr);
+    }
+    out.assert_code(0)
+        .assert_stdout_has("numa: ok")
+        .assert_stdout_has("numa: vcpu apic 0 runs on node 0")
+        .assert_stdout_has("numa: vcpu apic 1 runs on node 0")
+        .assert_stdout_has("numa: vcpu apic 2 runs on node 1")
+        .assert_stderr_has("guest NUMA node 1: vCPUs [2], 256 MiB bound to host node 0")
+        .assert_stderr_has("test hook GPUVM_TEST_NUMA_BIND_NODE");
+    let devices: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("numa: SRAT device "))
+        .collect();
+    assert_eq!(devices.len(), 2, "{}", out.stdout);
+}
+
+#[test]
+fn auto_on_this_single_node_host_gives_no_tables() {
+    let out = run_gpuvm(
+        &[
+            "--log-level",
+            "info",
+            "run",
+            "--vcpus",
+            "2",
+            "--numa",
+            "auto",
+            "--cmdline",
+            "numa cpus=0,0 mem=128M dist=10",
+        ],
+        LIMIT,
+    );
+    out.assert_code(1)
+        .assert_stdout_has("numa: FAIL the XSDT lists no SRAT")
+        .assert_stderr_has("--numa auto: one guest node");
+}
