@@ -2,7 +2,7 @@
 //!
 //! | kind | threads | what it allows |
 //! |---|---|---|
-//! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), the lazy-restore fault and loader threads, and the `dma-map` thread (guest RAM DMA-mapped in the background) | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO DMA mapping, teardown and INTx unmask |
+//! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), the lazy-restore fault and loader threads, the `dma-map` thread (guest RAM DMA-mapped in the background) and the `p2p-map` thread (peer BARs mapped for passthrough devices, started with the first one) | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO DMA mapping, teardown and INTx unmask |
 //! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
 //! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
 //! | `device` | the virtio devices' I/O threads: one per device the VM is built with, made with it; any other (hot-plug, a device started again) made on demand by the factory below | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
