@@ -87,7 +87,7 @@ pub struct PciOptions {
     pub pci_topology: Option<PciTopology>,
     /// Guest NUMA nodes (`--numa`); off by default. Here, not in [`MachineConfig`], for
     /// the same reason as `max_vcpus`; see crate::numa.
-    pub numa: crate::numa::NumaOptions,
+    pub numa: NumaOptions,
     /// The NVSwitch fabric partition the host's fabric manager activates before the
     /// VM's GPUs are attached and deactivates after it ends (shared NVSwitch mode; see
     /// crate::fabric).
@@ -142,4 +142,38 @@ impl PciOptions {
     pub fn is_empty(&self) -> bool {
         self.gpus.is_empty() && self.vfio_user.is_empty()
     }
+}
+
+/// One guest node as given on the command line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NumaNodeSpec {
+    /// The guest node id (its proximity domain): nodes are numbered 0..N.
+    pub node: u32,
+    /// The vCPUs (ids, hot-pluggable ones included) on this node.
+    pub cpus: Vec<u8>,
+    /// Bytes of boot RAM on this node.
+    pub mem_size: u64,
+    /// The host node its RAM is bound to (and its vCPUs pinned to, when asked); None
+    /// leaves placement to the host.
+    pub host_node: Option<u32>,
+}
+
+/// How the guest's NUMA nodes are chosen.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum NumaMode {
+    /// No NUMA nodes: no SRAT/SLIT, RAM placed by the host's policy.
+    #[default]
+    Off,
+    /// One guest node per host node that has a GPU of this VM.
+    Auto,
+    /// These nodes.
+    Nodes(Vec<NumaNodeSpec>),
+}
+
+/// `--numa` and `--numa-pin-vcpus`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NumaOptions {
+    pub mode: NumaMode,
+    /// Pin each vCPU thread to the CPUs of its node's host node.
+    pub pin_vcpus: bool,
 }

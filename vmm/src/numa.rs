@@ -32,39 +32,8 @@ pub const TEST_BIND_NODE_ENV: &str = "GPUVM_TEST_NUMA_BIND_NODE";
 /// The unit automatic mode splits RAM in: node boundaries stay on huge-page boundaries.
 const AUTO_RAM_UNIT: u64 = 2 << 20;
 
-/// One guest node as given on the command line.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NumaNodeSpec {
-    /// The guest node id (its proximity domain): nodes are numbered 0..N.
-    pub node: u32,
-    /// The vCPUs (ids, hot-pluggable ones included) on this node.
-    pub cpus: Vec<u8>,
-    /// Bytes of boot RAM on this node.
-    pub mem_size: u64,
-    /// The host node its RAM is bound to (and its vCPUs pinned to, when asked); None
-    /// leaves placement to the host.
-    pub host_node: Option<u32>,
-}
-
-/// How the guest's NUMA nodes are chosen.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub enum NumaMode {
-    /// No NUMA nodes: no SRAT/SLIT, RAM placed by the host's policy.
-    #[default]
-    Off,
-    /// One guest node per host node that has a GPU of this VM.
-    Auto,
-    /// These nodes.
-    Nodes(Vec<NumaNodeSpec>),
-}
-
-/// `--numa` and `--numa-pin-vcpus`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NumaOptions {
-    pub mode: NumaMode,
-    /// Pin each vCPU thread to the CPUs of its node's host node.
-    pub pin_vcpus: bool,
-}
+// The configuration's types live with the rest of the VM's configuration (config.rs).
+pub use crate::config::{NumaMode, NumaNodeSpec, NumaOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NumaError {
