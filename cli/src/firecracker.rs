@@ -196,8 +196,11 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
             if let Some(mmds) = file.mmds_config {
                 gpuvm_api::firecracker::set_mmds_config(mmds);
             }
-            session.remember_config_file(&json);
-            Some(file.actions)
+            // GET /vm/config echoes the file's sections: the controller keeps them.
+            let record = gpuvm_api::firecracker::config_file_record(&json);
+            let mut actions = vec![VmmAction::Remember(record)];
+            actions.extend(file.actions);
+            Some(actions)
         }
         None => None,
     };

@@ -150,6 +150,17 @@ pub enum VmmAction {
         load: SnapshotLoadBody,
         taps: Vec<(String, Vec<OwnedFd>)>,
     },
+    /// A configuration request whose body the client reads back later (Firecracker's
+    /// GET /vm/config): `action`, and once it succeeded `entry` in the client's record
+    /// (replacing an entry of the same section and id).
+    Recorded {
+        action: Box<VmmAction>,
+        entry: ClientDevice,
+    },
+    /// Bodies the client's record keeps that took effect without an action of their own
+    /// (a Firecracker config file's sections, carried out by their actions already; its
+    /// MMDS configuration, which the MMDS store took).
+    Remember(Vec<ClientDevice>),
 }
 
 /// What a client that configures its VM as one document (Cloud Hypervisor) gave: the

@@ -19,7 +19,6 @@ pub mod validate;
 mod tests;
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 pub use routes::handle;
 
@@ -42,14 +41,14 @@ pub fn set_mmds_config(config: gpuvm_mmds::MmdsConfig) {
     gpuvm_mmds::shared().set_config(Some(config));
 }
 
-/// What this front end remembers between requests: the instance id, the directory
-/// relative paths resolve against, and the bodies GET /vm/config echoes.
+/// What this front end knows of its process: the instance id and the directory relative
+/// paths resolve against. The bodies GET /vm/config echoes are kept by the controller
+/// (the client's record).
 pub struct Session {
     pub id: String,
     /// gpuvm's working directory when it started (gpuvm never changes it, so it is the
     /// one at the time of each request, as Firecracker resolves them).
     pub cwd: PathBuf,
-    pub(crate) config: Mutex<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl Session {
@@ -57,27 +56,56 @@ impl Session {
         Session {
             id: id.into(),
             cwd: std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")),
-            config: Mutex::new(serde_json::Map::new()),
         }
     }
+}
 
-    /// Remembers the sections of a `--config-file` for GET /vm/config, as if each had
-    /// come through its route (`null` sections are left out).
-    pub fn remember_config_file(&self, json: &serde_json::Value) {
-        let Some(sections) = json.as_object() else {
-            return;
-        };
-        let mut config = self.config();
-        for (key, value) in sections {
-            if !value.is_null() && key != "machine-config" {
-                config.insert(key.clone(), value.clone());
+/// The sections of Firecracker's configuration that are lists (by id).
+pub(crate) const LIST_SECTIONS: &[&str] = &["drives", "network-interfaces"];
+
+/// One body of Firecracker's configuration as the controller keeps it: `section`, and
+/// for the lists the item's id.
+pub(crate) fn record_entry(
+    section: &str,
+    id: Option<&str>,
+    body: serde_json::Value,
+) -> gpuvm_vmm::action::ClientDevice {
+    let id = id.unwrap_or(section).to_string();
+    gpuvm_vmm::action::ClientDevice {
+        client_id: id.clone(),
+        device_id: id,
+        section: section.to_string(),
+        body,
+    }
+}
+
+/// The record of a `--config-file`'s sections for GET /vm/config, as if each had come
+/// through its route (`null` sections and machine-config, which the controller reports
+/// itself, are left out): sent to the controller as [`gpuvm_vmm::action::VmmAction::Remember`].
+pub fn config_file_record(json: &serde_json::Value) -> Vec<gpuvm_vmm::action::ClientDevice> {
+    let Some(sections) = json.as_object() else {
+        return Vec::new();
+    };
+    let mut entries = Vec::new();
+    for (section, value) in sections {
+        if value.is_null() || section == "machine-config" {
+            continue;
+        }
+        match (LIST_SECTIONS.contains(&section.as_str()), value) {
+            (true, serde_json::Value::Array(items)) => {
+                let id_field = if section == "drives" {
+                    "drive_id"
+                } else {
+                    "iface_id"
+                };
+                entries.extend(
+                    items
+                        .iter()
+                        .map(|item| record_entry(section, item[id_field].as_str(), item.clone())),
+                );
             }
+            _ => entries.push(record_entry(section, None, value.clone())),
         }
     }
-
-    pub(crate) fn config(
-        &self,
-    ) -> std::sync::MutexGuard<'_, serde_json::Map<String, serde_json::Value>> {
-        self.config.lock().unwrap_or_else(|e| e.into_inner())
-    }
+    entries
 }

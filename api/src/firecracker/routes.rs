@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use gpuvm_vmm::action::{ActionResult, VmmAction, VmmData};
+use gpuvm_vmm::action::{ActionResult, ClientRecord, VmmAction, VmmData};
 
 use super::translate::{self, Refusal};
 use super::validate::{self, Body};
@@ -57,26 +57,20 @@ fn json_of(action: VmmAction, dispatch: Dispatch) -> Result<Value, Response> {
     }
 }
 
-/// Remembers a successful configuration body for GET /vm/config.
-fn remember(session: &Session, key: &str, id: Option<&str>, value: Value) {
-    let mut config = session.config();
-    match id {
-        None => {
-            config.insert(key.into(), value);
-        }
-        Some(id) => {
-            let list = config.entry(key).or_insert_with(|| json!([]));
-            if let Some(items) = list.as_array_mut() {
-                let id_field = if key == "drives" {
-                    "drive_id"
-                } else {
-                    "iface_id"
-                };
-                items.retain(|item| item[id_field] != id);
-                items.push(value);
-            }
-        }
+/// `action`, with its body kept by the controller for GET /vm/config once it succeeded
+/// (in the client's record: `section`, under `id` for the lists, replacing what the same
+/// section and id held).
+fn recorded(action: VmmAction, section: &str, id: Option<&str>, body: Value) -> VmmAction {
+    VmmAction::Recorded {
+        action: Box::new(action),
+        entry: super::record_entry(section, id, body),
     }
+}
+
+/// The client's record the controller keeps (see [`recorded`]).
+fn client_record(dispatch: Dispatch) -> Result<ClientRecord, Response> {
+    let info = json_of(VmmAction::GetInstanceInfo, dispatch)?;
+    Ok(serde_json::from_value(info["client_record"].clone()).unwrap_or_default())
 }
 
 fn method_not_allowed(allow: &str) -> Response {
@@ -119,7 +113,17 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
         (_, "/version") => Err(method_not_allowed("GET")),
         (Get, "/vm/config") => {
             let machine = json_of(VmmAction::GetMachineConfig, dispatch)?;
-            let mut config = session.config().clone();
+            let mut config = serde_json::Map::new();
+            for entry in client_record(dispatch)?.devices {
+                if super::LIST_SECTIONS.contains(&entry.section.as_str()) {
+                    let list = config.entry(entry.section).or_insert_with(|| json!([]));
+                    if let Some(items) = list.as_array_mut() {
+                        items.push(entry.body);
+                    }
+                } else {
+                    config.insert(entry.section, entry.body);
+                }
+            }
             config.insert(
                 "machine-config".into(),
                 translate::machine_config_json(&machine),
@@ -157,29 +161,26 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
         (Put, "/boot-source") => {
             let fc = checked_body(request, Body::BootSource)?;
             let boot = translate::boot_source(&fc, cwd).map_err(refused)?;
-            let response = no_content(VmmAction::PutBootSource(boot), dispatch);
-            if response.status == 204 {
-                remember(session, "boot-source", None, fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutBootSource(boot), "boot-source", None, fc),
+                dispatch,
+            ))
         }
         (Put, "/logger") => {
             let fc = checked_body(request, Body::Logger)?;
             let config = translate::logger(&fc, cwd).map_err(refused)?;
-            let response = no_content(VmmAction::PutLogger(config), dispatch);
-            if response.status == 204 {
-                remember(session, "logger", None, fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutLogger(config), "logger", None, fc),
+                dispatch,
+            ))
         }
         (Put, "/metrics") => {
             let fc = checked_body(request, Body::Metrics)?;
             let config = translate::metrics(&fc, cwd).map_err(refused)?;
-            let response = no_content(VmmAction::PutMetrics(config), dispatch);
-            if response.status == 204 {
-                remember(session, "metrics", None, fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutMetrics(config), "metrics", None, fc),
+                dispatch,
+            ))
         }
         (Get, "/metrics") => {
             // gpuvm's extension: the counters as JSON (Firecracker has no GET here).
@@ -253,31 +254,26 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
                     "The requested operation is not supported after starting the microVM.",
                 ));
             }
-            let known: Vec<String> = session
-                .config()
-                .get("network-interfaces")
-                .and_then(Value::as_array)
-                .map(|items| {
-                    items
-                        .iter()
-                        .filter_map(|i| i["iface_id"].as_str().map(str::to_string))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let known: Vec<String> = client_record(dispatch)?
+                .devices
+                .into_iter()
+                .filter(|entry| entry.section == "network-interfaces")
+                .map(|entry| entry.client_id)
+                .collect();
             let config = translate::mmds_config(&fc, &known).map_err(refused)?;
             gpuvm_mmds::shared().set_config(Some(config));
-            remember(session, "mmds-config", None, fc);
+            let entry = super::record_entry("mmds-config", None, fc);
+            json_of(VmmAction::Remember(vec![entry]), dispatch)?;
             Ok(Response::no_content())
         }
         (_, "/mmds/config") => Err(method_not_allowed("PUT")),
         (Put, "/vsock") => {
             let fc = checked_body(request, Body::Vsock)?;
             let config = translate::vsock(&fc, cwd).map_err(refused)?;
-            let response = no_content(VmmAction::PutVsock(config), dispatch);
-            if response.status == 204 {
-                remember(session, "vsock", None, fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutVsock(config), "vsock", None, fc),
+                dispatch,
+            ))
         }
         (Put, _) if path.starts_with("/drives/") => {
             let fc = checked_body(request, Body::Drive)?;
@@ -292,41 +288,32 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
                     ),
                 ));
             }
-            let response = no_content(VmmAction::PutDrive(drive), dispatch);
-            if response.status == 204 {
-                remember(session, "drives", Some(id), fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutDrive(drive), "drives", Some(id), fc),
+                dispatch,
+            ))
         }
         (Put, _) if path.starts_with("/network-interfaces/") => {
             let fc = checked_body(request, Body::NetworkInterface)?;
-            let response = gpuvm_route(request, dispatch);
-            if response.status == 204 {
-                remember(
-                    session,
-                    "network-interfaces",
-                    Some(&path["/network-interfaces/".len()..]),
-                    fc,
-                );
-            }
-            Ok(response)
+            let id = &path["/network-interfaces/".len()..];
+            let action = gpuvm_action(request)?;
+            Ok(no_content(
+                recorded(action, "network-interfaces", Some(id), fc),
+                dispatch,
+            ))
         }
         (Put, "/entropy") => {
             let fc = checked_body(request, Body::Entropy)?;
-            let response = gpuvm_route(request, dispatch);
-            if response.status == 204 {
-                remember(session, "entropy", None, fc);
-            }
-            Ok(response)
+            let action = gpuvm_action(request)?;
+            Ok(no_content(recorded(action, "entropy", None, fc), dispatch))
         }
         (Put, "/balloon") => {
             let fc = checked_body(request, Body::Balloon)?;
             let config = translate::balloon(&fc).map_err(refused)?;
-            let response = no_content(VmmAction::PutBalloon(config), dispatch);
-            if response.status == 204 {
-                remember(session, "balloon", None, fc);
-            }
-            Ok(response)
+            Ok(no_content(
+                recorded(VmmAction::PutBalloon(config), "balloon", None, fc),
+                dispatch,
+            ))
         }
         _ => {
             if let Some(why) = translate::unsupported(path) {
@@ -344,6 +331,12 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
 }
 
 /// One of gpuvm's own routes, answered with Firecracker's codes.
+/// The action gpuvm's own route makes of `request`, or its refusal in Firecracker's shape.
+fn gpuvm_action(request: &Request) -> Result<VmmAction, Response> {
+    crate::routes::route(request)
+        .map_err(|response| fault(response.status, fault_message(&response)))
+}
+
 fn gpuvm_route(request: &Request, dispatch: Dispatch) -> Response {
     match crate::routes::route(request) {
         Ok(action) => match dispatch(action) {

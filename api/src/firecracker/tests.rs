@@ -243,8 +243,17 @@ fn routes_answer_with_firecracker_codes_and_shapes() {
 fn mmds_routes_store_and_configure() {
     let session = Session::new("t");
     let state = std::cell::Cell::new("NotStarted");
+    // The controller's record of the client's bodies (what Remember and Recorded keep).
+    let record = std::cell::RefCell::new(Vec::new());
     let dispatch = |action: VmmAction| match action {
-        VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({"state": state.get()}))),
+        VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({
+            "state": state.get(),
+            "client_record": {"document": null, "devices": *record.borrow()},
+        }))),
+        VmmAction::Remember(entries) => {
+            record.borrow_mut().extend(entries);
+            Ok(VmmData::Empty)
+        }
         _ => Ok(VmmData::Empty),
     };
     let go =
@@ -299,10 +308,11 @@ fn mmds_routes_store_and_configure() {
         go(Method::Put, "/mmds/config", r#"{"network_interfaces": []}"#).status,
         400
     );
-    session.config().insert(
-        "network-interfaces".into(),
-        json!([{"iface_id": "eth0", "host_dev_name": "tap0"}]),
-    );
+    record.borrow_mut().push(super::record_entry(
+        "network-interfaces",
+        Some("eth0"),
+        json!({"iface_id": "eth0", "host_dev_name": "tap0"}),
+    ));
     assert_eq!(
         go(
             Method::Put,
@@ -313,6 +323,10 @@ fn mmds_routes_store_and_configure() {
         400
     );
     assert_eq!(go(Method::Put, "/mmds/config", config).status, 204);
+    assert!(
+        record.borrow().iter().any(|e| e.section == "mmds-config"),
+        "the controller keeps the body for GET /vm/config"
+    );
     let mmds = gpuvm_mmds::shared().config().unwrap();
     assert_eq!(mmds.version, gpuvm_mmds::MmdsVersion::V2);
     assert_eq!(mmds.ipv4_address, gpuvm_mmds::DEFAULT_IPV4);

@@ -8,10 +8,12 @@ use crate::action::{
     ActionError, ActionResult, AddDevice, ClientDevice, ClientRecord, PciSegmentsBody, VmmAction,
 };
 
-/// The controller's record of a created VM: None until CreateVm (or a restore).
+/// What the VM's clients configured as documents: whether a client created the VM as
+/// one (CreateVm, or a restore), and the record of what they gave.
 #[derive(Debug, Default)]
 pub(super) struct ClientState {
-    record: Option<ClientRecord>,
+    created: bool,
+    record: ClientRecord,
 }
 
 /// A device about to be added, its ids settled.
@@ -23,24 +25,34 @@ pub(super) struct SettledDevice {
 
 impl ClientState {
     pub fn is_created(&self) -> bool {
-        self.record.is_some()
+        self.created
     }
 
     pub fn create(&mut self, record: ClientRecord) {
-        self.record = Some(record);
+        self.created = true;
+        self.record = record;
     }
 
     /// A VM that exists without a CreateVm (restored, or started through another front
-    /// end) gets an empty record when a client first adds to it.
+    /// end) counts as created once a client adds to it.
     pub fn ensure_created(&mut self) {
-        self.record.get_or_insert_with(ClientRecord::default);
+        self.created = true;
     }
 
     /// The record as GetInstanceInfo shows it (`client_record`), when there is one.
     pub fn json(&self) -> Option<serde_json::Value> {
-        self.record
-            .as_ref()
-            .and_then(|r| serde_json::to_value(r).ok())
+        let record = &self.record;
+        let empty = record.document.is_null() && record.devices.is_empty();
+        (self.created || !empty)
+            .then(|| serde_json::to_value(record).ok())
+            .flatten()
+    }
+
+    /// Keeps `entry`, replacing the entry of the same section and id (a second PUT).
+    pub fn remember(&mut self, entry: ClientDevice) {
+        let devices = &mut self.record.devices;
+        devices.retain(|d| d.section != entry.section || d.client_id != entry.client_id);
+        devices.push(entry);
     }
 
     /// The id gpuvm's actions know the client's device `id` by (a share's tag for its
@@ -53,15 +65,11 @@ impl ClientState {
 
     /// Drops the device named `id` (the client's id or gpuvm's) from the record.
     pub fn forget(&mut self, id: &str) {
-        if let Some(record) = self.record.as_mut() {
-            record
-                .devices
-                .retain(|d| d.client_id != id && d.device_id != id);
-        }
+        (self.record.devices).retain(|d| d.client_id != id && d.device_id != id);
     }
 
     fn devices(&self) -> impl Iterator<Item = &ClientDevice> {
-        self.record.iter().flat_map(|r| r.devices.iter())
+        self.record.devices.iter()
     }
 
     /// Settles the ids of `add` against the ids in use (`in_use`: the VM's devices as
@@ -115,14 +123,29 @@ impl ClientState {
             }
         }
         self.ensure_created();
-        if let Some(record) = self.record.as_mut() {
-            record.devices.push(ClientDevice {
-                client_id: client_id.to_string(),
-                device_id: device_id.to_string(),
-                section,
-                body,
-            });
-        }
+        self.record.devices.push(ClientDevice {
+            client_id: client_id.to_string(),
+            device_id: device_id.to_string(),
+            section,
+            body,
+        });
+    }
+}
+
+impl ClientState {
+    /// Keeps every entry ([`VmmAction::Remember`]).
+    pub fn remember_all(&mut self, entries: Vec<ClientDevice>) -> crate::action::VmmData {
+        entries.into_iter().for_each(|entry| self.remember(entry));
+        crate::action::VmmData::Empty
+    }
+}
+
+/// The action inside a [`VmmAction::Recorded`] and the entry to keep once it succeeded;
+/// any other action as it is.
+pub(super) fn unwrap_recorded(action: VmmAction) -> (VmmAction, Option<ClientDevice>) {
+    match action {
+        VmmAction::Recorded { action, entry } => (*action, Some(entry)),
+        other => (other, None),
     }
 }
 
@@ -229,6 +252,25 @@ mod tests {
         assert_eq!(state.device_id("other"), "other");
         state.forget("myfs");
         assert_eq!(state.device_id("fs0"), "fs0");
+    }
+
+    #[test]
+    fn a_remembered_body_replaces_the_one_of_its_section_and_id() {
+        let mut state = ClientState::default();
+        assert!(state.json().is_none());
+        let entry = |id: &str, size: u64| ClientDevice {
+            client_id: id.into(),
+            device_id: id.into(),
+            section: "drives".into(),
+            body: serde_json::json!({"drive_id": id, "size": size}),
+        };
+        state.remember(entry("a", 1));
+        state.remember(entry("b", 2));
+        state.remember(entry("a", 3));
+        let record = state.json().unwrap();
+        assert_eq!(record["devices"].as_array().unwrap().len(), 2);
+        assert_eq!(record["devices"][1]["body"]["size"], 3);
+        assert!(!state.is_created());
     }
 
     #[test]

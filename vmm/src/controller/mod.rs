@@ -241,6 +241,14 @@ impl ApiController {
             VmmAction::BootCreated if !self.client.is_created() => Err(not_created()),
             VmmAction::BootCreated => return self.pre_boot(VmmAction::StartInstance),
             VmmAction::AddDevice(add) => self.add_device(add),
+            VmmAction::Recorded { action, entry } => {
+                let (result, started) = self.pre_boot(*action);
+                if result.is_ok() {
+                    self.client.remember(entry);
+                }
+                return (result, started);
+            }
+            VmmAction::Remember(entries) => Ok(self.client.remember_all(entries)),
             VmmAction::RestoreWithTaps { .. } if self.client.is_created() => Err(
                 ActionError::wrong_state("the VM is already created: restore into a new gpuvm"),
             ),
@@ -506,7 +514,13 @@ impl ApiController {
                 return BeforeRun::End;
             };
             let _ = self.event.read();
-            let (result, next) = match request.action {
+            let (action, recorded) = client::unwrap_recorded(request.action);
+            let (result, next) = match action {
+                VmmAction::Remember(entries) => (Ok(self.client.remember_all(entries)), None),
+                VmmAction::Recorded { .. } => (
+                    Err(ActionError::bad_request("a recorded action records one action")),
+                    None,
+                ),
                 VmmAction::GetInstanceInfo => (Ok(instance_info(state, &self.client)), None),
                 VmmAction::GetMetrics => (Ok(metrics(state, Some(machine))), None),
                 VmmAction::GetMachineConfig => (Ok(machine_config_json(machine)), None),
@@ -567,6 +581,9 @@ impl ApiController {
                 | VmmAction::LoadSnapshot(_)
                 | VmmAction::LoadSnapshotWith { .. } => (Err(started_already()), None),
             };
+            if let (Ok(_), Some(entry)) = (&result, recorded) {
+                self.client.remember(entry);
+            }
             let _ = request.reply.send(result);
             if let Some(next) = next {
                 return next;

@@ -327,12 +327,29 @@ impl RunningApi {
         action: VmmAction,
         running: &mut RunningMachine<'_>,
     ) -> (ActionResult, Option<GuestEnd>) {
+        let (action, recorded) = super::client::unwrap_recorded(action);
+        let (result, end) = self.act_on(action, running);
+        if let (Ok(_), Some(entry)) = (&result, recorded) {
+            self.client.remember(entry);
+        }
+        (result, end)
+    }
+
+    fn act_on(
+        &mut self,
+        action: VmmAction,
+        running: &mut RunningMachine<'_>,
+    ) -> (ActionResult, Option<GuestEnd>) {
         let state = if running.is_paused() {
             InstanceState::Paused
         } else {
             InstanceState::Running
         };
         let result = match action {
+            VmmAction::Remember(entries) => Ok(self.client.remember_all(entries)),
+            VmmAction::Recorded { .. } => Err(ActionError::bad_request(
+                "a recorded action records one action",
+            )),
             VmmAction::GetInstanceInfo => Ok(with_pci_devices(
                 with_hot_plugged(instance_info(state, &self.client), running),
                 running,
