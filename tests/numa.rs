@@ -288,3 +288,100 @@ fn auto_on_this_single_node_host_gives_no_tables() {
         .assert_stdout_has("numa: FAIL the XSDT lists no SRAT")
         .assert_stderr_has("--numa auto: one guest node");
 }
+
+/// Cloud Hypervisor's `numa` VmConfig field: two nodes of one vCPU each with a distance
+/// of 25, the RAM split evenly (gpuvm has no memory zones); the test guest checks the
+/// SRAT and SLIT the field gave.
+#[test]
+fn cloud_hypervisor_numa_field_gives_the_guest_its_nodes() {
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+    let scratch = Scratch::new("numa", "cloud_hypervisor");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("clh-api.sock");
+    let mut vmm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": {"kernel": kernel, "cmdline": "numa cpus=0,1 mem=256M,256M dist=10,25,25,10"},
+        "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+        "memory": {"size": 512 * MIB, "thp": false},
+        "serial": {"mode": "Tty"},
+        "console": {"mode": "Off"},
+        "numa": [
+            {"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}]},
+            {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}],
+             "memory_zones": null, "pci_segments": null}
+        ]
+    })
+    .to_string();
+    // Memory zones are refused by name: gpuvm's RAM has none.
+    let zoned = config.replace(r#""memory_zones":null"#, r#""memory_zones":["mem1"]"#);
+    let refused = gpuvm_tests::api_expect(&api, 400, "PUT", "/api/v1/vm.create", Some(&zoned));
+    assert!(refused.contains("numa[1].memory_zones"), "{refused}");
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    vmm.wait_for_stdout("numa: ok", LIMIT);
+    let out = vmm.wait(LIMIT);
+    out.assert_stdout_has("numa: SRAT memory node 0 0x0-0x10000000 flags 0x1")
+        .assert_stdout_has("numa: SRAT memory node 1 0x10000000-0x20000000 flags 0x1")
+        .assert_stdout_has("numa: vcpu apic 1 runs on node 1")
+        .assert_stdout_has("numa: ok");
+}
+
+/// A snapshot of a two-node VM carries its node plan: the restored process binds node
+/// 0's RAM to host node 0 again and leaves node 1's to the host, as the first run did.
+#[test]
+fn a_restored_vm_binds_each_node_s_ram_again() {
+    let scratch = Scratch::new("numa", "restore");
+    let dir = scratch.path("snap");
+    let args = [
+        "--log-level",
+        "info",
+        "run",
+        "--no-thp",
+        "--vcpus",
+        "2",
+        "--memory",
+        "1G",
+        "--numa",
+        "node=0,cpus=0,mem_mib=512,host_node=0",
+        "--numa",
+        "node=1,cpus=1,mem_mib=512",
+        "--cmdline",
+        "numa cpus=0,1 mem=512M,512M dist=10,20,20,10 hold=6",
+        "--snapshot-dir",
+        dir.to_str().unwrap(),
+        "--snapshot-then",
+        "exit",
+    ];
+    let expect_bound = |policies: &[(u64, String)]| {
+        assert_eq!(policies.len(), 2, "{policies:?}");
+        assert_eq!(policies[0].1, "bind:0", "{policies:?}");
+        assert_eq!(policies[1].1, "default", "{policies:?}");
+        assert_eq!(policies[1].0 - policies[0].0, 512 * MIB, "{policies:?}");
+    };
+    let mut first = SpawnedProcess::gpuvm(&args);
+    first.wait_for_stdout("numa: ok", LIMIT);
+    expect_bound(&ram_policies(first.pid()));
+    gpuvm_tests::snapshot_support::signal_snapshot(first.pid());
+    first.wait(LIMIT).assert_code(0);
+    let state = gpuvm_tests::snapshot_support::read_state(&dir);
+    assert_eq!(
+        state["numa"]["nodes"][0]["host_node"], 0,
+        "{}",
+        state["numa"]
+    );
+
+    let mut restored = SpawnedProcess::gpuvm(&[
+        "--log-level",
+        "info",
+        "restore",
+        "--snapshot",
+        dir.to_str().unwrap(),
+    ]);
+    restored.wait_for_stderr(
+        "guest NUMA node 0: vCPUs [0], 512 MiB bound to host node 0",
+        LIMIT,
+    );
+    expect_bound(&ram_policies(restored.pid()));
+    restored.wait(LIMIT).assert_code(0);
+}

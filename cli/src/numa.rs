@@ -24,6 +24,7 @@ impl NumaArgs {
         Ok(NumaOptions {
             mode: parse_numa(&self.numa)?,
             pin_vcpus: self.numa_pin_vcpus,
+            distances: None,
         })
     }
 }

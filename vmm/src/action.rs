@@ -18,7 +18,7 @@ use gpuvm_virtio::rng::RngConfig;
 use gpuvm_virtio::vhost_user::{FsConfig, VhostUserBlockConfig};
 use gpuvm_virtio::vsock::VsockConfig;
 
-use crate::config::MachineConfig;
+use crate::config::{MachineConfig, NumaMode, NumaNodeSpec, NumaOptions};
 
 /// Largest guest memory the API accepts, in MiB (keeps `mem_size_mib << 20` in range;
 /// the host's own limits are checked when the VM is built).
@@ -376,6 +376,111 @@ pub struct MachineConfigBody {
     /// `memory.hotplug_size`), in whole memory blocks. Absent or 0: no memory hot-plug.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ram_hotplug_size: Option<u64>,
+    /// Guest NUMA nodes (`--numa`). Absent: the nodes already configured stay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<NumaBody>,
+}
+
+/// The `numa` of PUT /machine-config: `auto`, explicit `nodes`, or neither (no NUMA nodes).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NumaBody {
+    /// One guest node per host node holding a GPU of this VM (`--numa auto`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub auto: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<NumaNodeBody>,
+    /// The SLIT's `distances[from][to]` between guest nodes, in place of gpuvm's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distances: Option<Vec<Vec<u8>>>,
+    /// Pin each vCPU thread to the host CPUs of its node's host node.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub pin_vcpus: bool,
+}
+
+/// One guest node of [`NumaBody`], as `--numa node=..` gives it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NumaNodeBody {
+    pub node: u32,
+    pub cpus: Vec<u8>,
+    pub mem_mib: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
+}
+
+impl NumaBody {
+    /// The options the builder plans from; the nodes themselves are checked against the
+    /// machine when it is built (crate::numa::plan).
+    pub fn to_options(&self) -> Result<NumaOptions, ActionError> {
+        let mode = match (self.auto, self.nodes.is_empty()) {
+            (true, false) => {
+                return Err(ActionError::bad_request(
+                    "numa: auto and nodes cannot be combined",
+                ))
+            }
+            (true, true) => NumaMode::Auto,
+            (false, true) => NumaMode::Off,
+            (false, false) => {
+                let mut specs = Vec::with_capacity(self.nodes.len());
+                for node in &self.nodes {
+                    let mem_size = node.mem_mib.checked_mul(1 << 20).ok_or_else(|| {
+                        ActionError::bad_request(format!(
+                            "numa: node {}: mem_mib = {} is too large",
+                            node.node, node.mem_mib
+                        ))
+                    })?;
+                    specs.push(NumaNodeSpec {
+                        node: node.node,
+                        cpus: node.cpus.clone(),
+                        mem_size,
+                        host_node: node.host_node,
+                    });
+                }
+                NumaMode::Nodes(specs)
+            }
+        };
+        if self.distances.is_some() && mode == NumaMode::Off {
+            return Err(ActionError::bad_request(
+                "numa: distances need nodes (or auto)",
+            ));
+        }
+        Ok(NumaOptions {
+            mode,
+            pin_vcpus: self.pin_vcpus,
+            distances: self.distances.clone(),
+        })
+    }
+
+    /// The body that shows `options` (None: no NUMA nodes).
+    pub fn from_options(options: &NumaOptions) -> Option<Self> {
+        let (auto, nodes) = match &options.mode {
+            NumaMode::Off => return None,
+            NumaMode::Auto => (true, Vec::new()),
+            NumaMode::Nodes(specs) => (
+                false,
+                specs
+                    .iter()
+                    .map(|spec| NumaNodeBody {
+                        node: spec.node,
+                        cpus: spec.cpus.clone(),
+                        mem_mib: spec.mem_size >> 20,
+                        host_node: spec.host_node,
+                    })
+                    .collect(),
+            ),
+        };
+        Some(NumaBody {
+            auto,
+            nodes,
+            distances: options.distances.clone(),
+            pin_vcpus: options.pin_vcpus,
+        })
+    }
 }
 
 /// The fields a PATCH /machine-config changes; the others keep their values.
@@ -429,6 +534,7 @@ impl MachineConfigBody {
             cpuid_masks: config.cpuid_masks.iter().map(|m| m.to_string()).collect(),
             max_vcpus: None,
             ram_hotplug_size: None,
+            numa: None,
         }
     }
 

@@ -176,4 +176,7 @@ pub struct NumaOptions {
     pub mode: NumaMode,
     /// Pin each vCPU thread to the CPUs of its node's host node.
     pub pin_vcpus: bool,
+    /// The SLIT's `distances[from][to]` between guest nodes, in place of gpuvm's (20
+    /// between distinct nodes; the host's in auto mode). None: gpuvm's.
+    pub distances: Option<Vec<Vec<u8>>>,
 }

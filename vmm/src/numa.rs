@@ -299,6 +299,10 @@ pub fn plan(
             (nodes, distances)
         }
     };
+    let distances = match &options.distances {
+        Some(given) => checked_distances(given, nodes.len())?,
+        None => distances,
+    };
     let device_nodes = device_host_nodes
         .into_iter()
         .filter_map(|(key, host_node)| {
@@ -312,6 +316,32 @@ pub fn plan(
         device_nodes,
         pin_vcpus: options.pin_vcpus,
     }))
+}
+
+/// The distances given in place of gpuvm's, checked as the SLIT needs them: one row and
+/// column per guest node, 10 from a node to itself, 11 to 255 between distinct nodes.
+fn checked_distances(given: &[Vec<u8>], nodes: usize) -> Result<Vec<Vec<u8>>, NumaError> {
+    if given.len() != nodes || given.iter().any(|row| row.len() != nodes) {
+        return Err(NumaError::Invalid(format!(
+            "distances: {nodes} rows of {nodes} distances expected (one per guest node)"
+        )));
+    }
+    for (from, row) in given.iter().enumerate() {
+        for (to, distance) in row.iter().enumerate() {
+            let valid = if from == to {
+                *distance == LOCAL_DISTANCE
+            } else {
+                *distance > LOCAL_DISTANCE
+            };
+            if !valid {
+                return Err(NumaError::Invalid(format!(
+                    "distances: node {from} to node {to} is {distance}: a node is \
+                     {LOCAL_DISTANCE} from itself and 11 to 255 from another"
+                )));
+            }
+        }
+    }
+    Ok(given.to_vec())
 }
 
 /// Automatic mode: guest node `i` on host node `host_order[i]`; vCPUs and RAM split
@@ -675,8 +705,13 @@ pub fn prepare(
     ram: &GuestRam,
 ) -> Result<(), NumaError> {
     set_vcpu_affinity(BTreeMap::new());
+    set_placed(None);
     match plan_for(machine, pci)? {
-        Some(plan) => plan.place(ram, &HostNuma::from_env()),
+        Some(plan) => {
+            plan.place(ram, &HostNuma::from_env())?;
+            set_placed(Some(SavedNumaPlan::of(&plan)));
+            Ok(())
+        }
         None => {
             if pci.numa.mode == NumaMode::Auto {
                 log::info!(
@@ -687,6 +722,79 @@ pub fn prepare(
             Ok(())
         }
     }
+}
+
+/// The node plan a snapshot carries, so that a restore binds each node's RAM (and pins
+/// its vCPUs) as the VM was: the plan as resolved (auto mode's host nodes included), not
+/// the options it came from, since the restored guest's SRAT is in its RAM already.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SavedNumaPlan {
+    /// Guest node `i` is `nodes[i]`; its RAM follows that of nodes `0..i`.
+    pub nodes: Vec<SavedNumaNode>,
+    pub distances: Vec<Vec<u8>>,
+    #[serde(default)]
+    pub pin_vcpus: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SavedNumaNode {
+    pub cpus: Vec<u8>,
+    pub mem_size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_node: Option<u32>,
+}
+
+impl SavedNumaPlan {
+    pub fn of(plan: &NumaPlan) -> Self {
+        SavedNumaPlan {
+            nodes: plan
+                .nodes
+                .iter()
+                .map(|node| SavedNumaNode {
+                    cpus: node.cpus.clone(),
+                    mem_size: node.mem_size,
+                    host_node: node.host_node,
+                })
+                .collect(),
+            distances: plan.distances.clone(),
+            pin_vcpus: plan.pin_vcpus,
+        }
+    }
+
+    /// The options that plan these nodes again (checked again against the restoring host:
+    /// a host node it lacks is refused).
+    pub fn options(&self) -> NumaOptions {
+        let specs = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(index, node)| NumaNodeSpec {
+                node: index as u32,
+                cpus: node.cpus.clone(),
+                mem_size: node.mem_size,
+                host_node: node.host_node,
+            })
+            .collect();
+        NumaOptions {
+            mode: NumaMode::Nodes(specs),
+            pin_vcpus: self.pin_vcpus,
+            distances: Some(self.distances.clone()),
+        }
+    }
+}
+
+/// The plan this process's VM was placed by (one VM per process), for its snapshots.
+static PLACED: Mutex<Option<SavedNumaPlan>> = Mutex::new(None);
+
+fn set_placed(plan: Option<SavedNumaPlan>) {
+    if let Ok(mut placed) = PLACED.lock() {
+        *placed = plan;
+    }
+}
+
+/// The node plan of the VM built or restored in this process; None without NUMA nodes.
+pub fn placed_plan() -> Option<SavedNumaPlan> {
+    PLACED.lock().ok().and_then(|placed| placed.clone())
 }
 
 /// Replaces the vCPU pinning of the VM being built (empty: none).

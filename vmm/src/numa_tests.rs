@@ -77,6 +77,7 @@ fn auto() -> NumaOptions {
     NumaOptions {
         mode: NumaMode::Auto,
         pin_vcpus: false,
+        distances: None,
     }
 }
 
@@ -212,6 +213,7 @@ fn explicit(nodes: Vec<NumaNodeSpec>) -> NumaOptions {
     NumaOptions {
         mode: NumaMode::Nodes(nodes),
         pin_vcpus: true,
+        distances: None,
     }
 }
 
@@ -438,4 +440,31 @@ fn hot_pluggable_ram_is_a_hot_pluggable_range_of_node_0_above_boot_ram() {
     let (base, size) = gpuvm_arch::x86_64::layout::ram_hotplug_area(512 * MIB, 3 * GIB);
     assert_eq!((last.domain, last.base, last.size), (0, base, size));
     assert!(last.hotpluggable && base >= 4 * GIB);
+}
+
+#[test]
+fn given_distances_replace_gpuvms_and_are_checked() {
+    let sysfs = two_sockets();
+    let host = sysfs.host();
+    let pci = PciOptions::default();
+    let nodes = vec![node(0, &[0, 1], 512, None), node(1, &[2, 3], 512, None)];
+    let mut options = explicit(nodes);
+    options.distances = Some(vec![vec![10, 32], vec![17, 10]]);
+    let planned = plan(&options, 4, 4, GIB, 4096, &pci, &host)
+        .unwrap()
+        .unwrap();
+    assert_eq!(planned.distances, vec![vec![10, 32], vec![17, 10]]);
+
+    for (distances, expected) in [
+        (vec![vec![10, 20]], "2 rows of 2"),
+        (vec![vec![10, 20], vec![20]], "2 rows of 2"),
+        (vec![vec![11, 20], vec![20, 10]], "node 0 to node 0 is 11"),
+        (vec![vec![10, 10], vec![20, 10]], "node 0 to node 1 is 10"),
+    ] {
+        options.distances = Some(distances);
+        let error = plan(&options, 4, 4, GIB, 4096, &pci, &host)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(expected), "{error}");
+    }
 }

@@ -264,6 +264,35 @@ pub struct VmConfig {
     pub serial: Option<ConsoleConfig>,
     #[serde(default)]
     pub console: Option<ConsoleConfig>,
+    /// Guest NUMA nodes (translate.rs: [`super::translate::numa`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<Vec<NumaConfig>>,
+    #[serde(flatten)]
+    pub other: Other,
+}
+
+/// One guest NUMA node. Numbers are JSON values so that one out of range is refused by
+/// name (translate.rs) rather than as a parse error.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NumaConfig {
+    pub guest_numa_id: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<Vec<Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub distances: Option<Vec<NumaDistance>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_zones: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_segments: Option<Vec<Value>>,
+    #[serde(flatten)]
+    pub other: Other,
+}
+
+/// A node's distance to another (`destination` is a guest_numa_id).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NumaDistance {
+    pub destination: Value,
+    pub distance: Value,
     #[serde(flatten)]
     pub other: Other,
 }

@@ -485,3 +485,151 @@ fn device_gpudirect_clique_is_translated_and_checked() {
     let error = clique_of(Some(json!("3"))).unwrap_err();
     assert!(error.contains("x_nv_gpudirect_clique"), "{error}");
 }
+
+/// `numa`: Kata's VmConfig with two guest nodes of one vCPU each.
+fn two_node_config(nodes: serde_json::Value) -> Result<gpuvm_vmm::action::NumaBody, String> {
+    let mut body = kata_vm_config();
+    body["numa"] = nodes;
+    let config: VmConfig = serde_json::from_value(body).map_err(|e| e.to_string())?;
+    let actions = translate::vm_config(&config)?;
+    match &actions[0] {
+        VmmAction::PutMachineConfig(machine) => {
+            machine.numa.clone().ok_or_else(|| "no numa".to_string())
+        }
+        other => Err(format!("{other:?}")),
+    }
+}
+
+/// Each `numa[i]` becomes a guest node with its vCPUs and distances; the RAM (2 GiB) is
+/// split evenly, as gpuvm has no memory zones; what gpuvm cannot do is refused by name.
+#[test]
+fn numa_nodes_are_translated_and_checked() {
+    let numa = two_node_config(json!([
+        {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 31}]},
+        {"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 21}],
+         "memory_zones": [], "pci_segments": null}
+    ]))
+    .unwrap();
+    let nodes: Vec<(u32, Vec<u8>, u64)> = numa
+        .nodes
+        .iter()
+        .map(|n| (n.node, n.cpus.clone(), n.mem_mib))
+        .collect();
+    assert_eq!(nodes, [(1, vec![1], 1024), (0, vec![0], 1024)]);
+    assert_eq!(numa.distances, Some(vec![vec![10, 21], vec![31, 10]]));
+    assert!(!numa.auto);
+    // Without distances, gpuvm's own.
+    let plain = two_node_config(json!([
+        {"guest_numa_id": 0, "cpus": [0]}, {"guest_numa_id": 1, "cpus": [1]}
+    ]))
+    .unwrap();
+    assert_eq!(plain.distances, None);
+    // Three nodes over 2048 MiB: the remainder on the first node listed.
+    let mut body = kata_vm_config();
+    body["cpus"]["boot_vcpus"] = json!(3);
+    body["numa"] = json!([
+        {"guest_numa_id": 0, "cpus": [0]}, {"guest_numa_id": 1, "cpus": [1]},
+        {"guest_numa_id": 2, "cpus": [2]}
+    ]);
+    let config: VmConfig = serde_json::from_value(body).unwrap();
+    let actions = translate::vm_config(&config).unwrap();
+    let VmmAction::PutMachineConfig(machine) = &actions[0] else {
+        panic!("{:?}", actions[0]);
+    };
+    let sizes: Vec<u64> = machine
+        .numa
+        .as_ref()
+        .unwrap()
+        .nodes
+        .iter()
+        .map(|n| n.mem_mib)
+        .collect();
+    assert_eq!(sizes, [684, 682, 682]);
+
+    for (nodes, named) in [
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0, 1], "memory_zones": ["mem0"]}]),
+            "numa[0].memory_zones",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0, 1], "pci_segments": [0]}]),
+            "numa[0].pci_segments",
+        ),
+        (
+            json!([{"guest_numa_id": 1, "cpus": [0, 1]}]),
+            "numa[0].guest_numa_id",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0]}, {"guest_numa_id": 0, "cpus": [1]}]),
+            "given to two nodes",
+        ),
+        (json!([{"guest_numa_id": 0}]), "numa[0].cpus"),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [300]}]),
+            "numa[0].cpus[0]",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0]},
+                   {"guest_numa_id": 1, "cpus": [1],
+                    "distances": [{"destination": 0, "distance": 5}]}]),
+            "numa[1].distances[0].distance",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0],
+                    "distances": [{"destination": 2, "distance": 20}]},
+                   {"guest_numa_id": 1, "cpus": [1]}]),
+            "numa[0].distances[0].destination",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0, 1], "sgx_epc_sections": ["epc0"]}]),
+            "numa[0].sgx_epc_sections",
+        ),
+    ] {
+        let error = two_node_config(nodes.clone()).unwrap_err();
+        assert!(error.contains(named), "{nodes}: {error}");
+    }
+}
+
+/// vm.create with `numa` hands the nodes to the controller, which keeps them for the
+/// builder (GET /machine-config shows them); a refused node refuses the whole VmConfig.
+#[test]
+fn numa_nodes_reach_the_controller() {
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
+    let mut body = kata_config_with(&files);
+    body["numa"] = json!([{"guest_numa_id": 0, "cpus": [0], "memory_zones": ["z0"]},
+                          {"guest_numa_id": 1, "cpus": [1]}]);
+    let refused = call(
+        dispatch,
+        Method::Put,
+        "/api/v1/vm.create",
+        &body.to_string(),
+    );
+    assert_eq!(refused.status, 400);
+    assert!(
+        message(&refused).contains("numa[0].memory_zones"),
+        "{}",
+        message(&refused)
+    );
+
+    body["numa"] = json!([{"guest_numa_id": 0, "cpus": [0]},
+                          {"guest_numa_id": 1, "cpus": [1],
+                           "distances": [{"destination": 0, "distance": 25}]}]);
+    let created = call(
+        dispatch,
+        Method::Put,
+        "/api/v1/vm.create",
+        &body.to_string(),
+    );
+    assert_eq!(created.status, 204, "{}", message(&created));
+    let machine = match vmm.dispatch(VmmAction::GetMachineConfig) {
+        Ok(gpuvm_vmm::action::VmmData::Json(json)) => json,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        machine["numa"],
+        json!({"nodes": [{"node": 0, "cpus": [0], "mem_mib": 1024},
+                         {"node": 1, "cpus": [1], "mem_mib": 1024}],
+               "distances": [[10, 20], [25, 10]]})
+    );
+}

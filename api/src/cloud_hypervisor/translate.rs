@@ -5,13 +5,13 @@
 use serde_json::json;
 
 use gpuvm_vmm::action::{
-    BackingKind, BootSourceBody, DriveBody, GpuBody, MachineConfigBody, PciSegmentsBody, VmmAction,
-    MAX_GPUDIRECT_CLIQUE, MAX_PCI_SEGMENTS,
+    BackingKind, BootSourceBody, DriveBody, GpuBody, MachineConfigBody, NumaBody, NumaNodeBody,
+    PciSegmentsBody, VmmAction, MAX_GPUDIRECT_CLIQUE, MAX_PCI_SEGMENTS,
 };
 
 use super::config::{
     check_other, BalloonConfig, ConsoleConfig, CpusConfig, DeviceConfig, DiskConfig, FsConfig,
-    MemoryConfig, NetConfig, Other, RngConfig, VmConfig, VsockConfig,
+    MemoryConfig, NetConfig, NumaConfig, Other, RngConfig, VmConfig, VsockConfig,
 };
 
 /// A refused body: the 400 message.
@@ -86,6 +86,7 @@ pub fn machine(
         cpuid_masks: Vec::new(),
         max_vcpus: (max_vcpus > vcpu_count).then_some(max_vcpus),
         ram_hotplug_size,
+        numa: None,
     }))
 }
 
@@ -340,13 +341,123 @@ pub fn segment_action(id: &str, segment: u16) -> Option<VmmAction> {
     })
 }
 
+/// `value` as a whole number up to `max`, or a refusal naming `field`.
+fn whole_number(field: &str, value: &serde_json::Value, max: u64) -> Result<u64, Refusal> {
+    value
+        .as_u64()
+        .filter(|n| *n <= max)
+        .ok_or_else(|| format!("{field} = {value}: expected a whole number from 0 to {max}"))
+}
+
+/// `numa`: guest node `guest_numa_id` with its `cpus` and `distances` (to nodes not
+/// listed: 20). gpuvm's guest RAM has no memory zones, so the nodes share the RAM evenly
+/// (in whole pages of its backing, the remainder on the first node listed);
+/// `memory_zones` and `pci_segments` are refused. The nodes are checked against the
+/// machine when it is built (every vCPU on one node, ids 0 to N-1 once each).
+pub fn numa(nodes: &[NumaConfig], machine: &MachineConfigBody) -> Result<NumaBody, Refusal> {
+    let count = nodes.len() as u64;
+    let mut ids = Vec::with_capacity(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        check_other(&format!("numa[{i}]."), &node.other)?;
+        let field = format!("numa[{i}].guest_numa_id");
+        let id = whole_number(&field, &node.guest_numa_id, count - 1)?;
+        if ids.contains(&id) {
+            return Err(format!("{field} = {id}: given to two nodes"));
+        }
+        ids.push(id);
+        if node.memory_zones.as_ref().is_some_and(|z| !z.is_empty()) {
+            return Err(format!(
+                "numa[{i}].memory_zones is not supported by gpuvm: its guest RAM has no memory \
+                 zones (leave memory_zones out and the RAM is split evenly across the nodes)"
+            ));
+        }
+        if node.pci_segments.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(format!(
+                "numa[{i}].pci_segments is not supported by gpuvm (a passthrough device's node \
+                 comes from its host node)"
+            ));
+        }
+    }
+    let page_mib = match machine.backing {
+        BackingKind::Hugetlb1G => 1024,
+        BackingKind::Hugetlb2M => 2,
+        BackingKind::Memfd => 1,
+    };
+    let pages = machine.mem_size_mib / page_mib;
+    if pages < count {
+        return Err(format!(
+            "numa: {count} nodes need at least {count} pages of {page_mib} MiB of RAM"
+        ));
+    }
+    let mut distances = vec![vec![20u8; nodes.len()]; nodes.len()];
+    let mut distances_given = false;
+    let mut bodies = Vec::with_capacity(nodes.len());
+    for (i, (node, id)) in nodes.iter().zip(&ids).enumerate() {
+        let cpus = node.cpus.as_deref().unwrap_or_default();
+        if cpus.is_empty() {
+            return Err(format!(
+                "numa[{i}].cpus: gpuvm's guest nodes each need at least one vCPU"
+            ));
+        }
+        let cpus = cpus
+            .iter()
+            .enumerate()
+            .map(|(c, cpu)| {
+                whole_number(&format!("numa[{i}].cpus[{c}]"), cpu, 254).map(|c| c as u8)
+            })
+            .collect::<Result<Vec<u8>, Refusal>>()?;
+        let mut node_pages = pages / count;
+        if i == 0 {
+            node_pages += pages % count;
+        }
+        let row = *id as usize;
+        distances[row][row] = 10;
+        for (d, distance) in node.distances.iter().flatten().enumerate() {
+            let field = format!("numa[{i}].distances[{d}]");
+            check_other(&format!("{field}."), &distance.other)?;
+            let to = whole_number(
+                &format!("{field}.destination"),
+                &distance.destination,
+                count - 1,
+            )?;
+            let value = whole_number(&format!("{field}.distance"), &distance.distance, 255)?;
+            if to == *id && value != 10 || to != *id && value <= 10 {
+                return Err(format!(
+                    "{field}.distance = {value}: a node is 10 from itself and 11 to 255 from another"
+                ));
+            }
+            distances[row][to as usize] = value as u8;
+            distances_given = true;
+        }
+        bodies.push(NumaNodeBody {
+            node: *id as u32,
+            cpus,
+            mem_mib: node_pages * page_mib,
+            host_node: None,
+        });
+    }
+    Ok(NumaBody {
+        auto: false,
+        nodes: bodies,
+        distances: distances_given.then_some(distances),
+        pin_vcpus: false,
+    })
+}
+
 /// The pre-boot actions a VmConfig stands for, in order.
 pub fn vm_config(config: &VmConfig) -> Result<Vec<VmmAction>, Refusal> {
     check_other("", &config.other)?;
     check_other("payload.", &config.payload.other)?;
     console("serial", config.serial.as_ref())?;
     console("console", config.console.as_ref())?;
-    let mut actions = vec![machine(config.cpus.as_ref(), config.memory.as_ref())?];
+    let mut machine_action = machine(config.cpus.as_ref(), config.memory.as_ref())?;
+    if let (VmmAction::PutMachineConfig(body), Some(nodes)) = (
+        &mut machine_action,
+        config.numa.as_deref().filter(|n| !n.is_empty()),
+    ) {
+        body.numa = Some(numa(nodes, body)?);
+    }
+    let mut actions = vec![machine_action];
     if config.payload.kernel.is_none() {
         return Err("payload.kernel is required (gpuvm has no firmware boot)".into());
     }

@@ -272,6 +272,8 @@ struct HostBridgeAml<'a> {
     segment: u16,
     windows: &'a SegmentWindows,
     prt: &'a aml::Package<'a>,
+    /// The proximity domain of the device in each bus-0 slot, where known (segment 0 only).
+    slot_domains: &'a SlotDomains,
 }
 
 impl Aml for HostBridgeAml<'_> {
@@ -314,8 +316,11 @@ impl Aml for HostBridgeAml<'_> {
             aml::Name::new("_PRT".into(), self.prt),
         ];
         children.extend(names.iter().map(|n| n as &dyn Aml));
+        let hotplug = PciHotplugAml {
+            slot_domains: self.slot_domains,
+        };
         if self.segment == 0 {
-            children.push(&PciHotplugAml);
+            children.push(&hotplug);
         }
         aml::Device::new(host_bridge_name(self.segment).as_str().into(), children)
             .to_aml_bytes(sink);
@@ -329,6 +334,7 @@ fn dsdt(
     power_off: bool,
     cpu_hotplug: Option<cpus::CpuHotplugAml>,
     memory_hotplug: Option<memory::MemoryHotplugAml>,
+    slot_domains: &SlotDomains,
 ) -> Result<Vec<u8>, AcpiError> {
     check_segments(segments)?;
     let windows = segments
@@ -354,6 +360,7 @@ fn dsdt(
             segment: segment as u16,
             windows,
             prt: &prt,
+            slot_domains,
         })
         .collect();
     // Motherboard resources: the ECAM windows belong to the platform, not to RAM or any
@@ -463,6 +470,7 @@ fn dsdt(
 ///                                              EVEN, 32 }
 /// Method (PCEJ, 1, Serialized) { B0EJ = 1 << Arg0 }
 /// Device (SDxx) { _ADR = xx << 16, _SUN = xx, Method (_EJ0, 1) { PCEJ (xx) } }  slots 1..31
+///     (and _PXM = the device's proximity domain, where a cold-plugged device's is known)
 /// Method (PCNT, 0, Serialized) {           called by \_SB.GED0._EVT
 ///     Local0 = PCIU; Local1 = PCID          (each read clears the register)
 ///     If (Local0 & 1 << xx) { Notify (SDxx, 1) }   device check: a new device
@@ -470,14 +478,35 @@ fn dsdt(
 /// }
 /// ```
 ///
-/// Linux's acpiphp finds the slots by their `_EJ0` and handles both notifications.
-struct PciHotplugAml;
+/// Linux's acpiphp finds the slots by their `_EJ0` and handles both notifications. Linux
+/// takes a PCI device's `numa_node` from `_PXM` of its ACPI companion (the SDxx whose
+/// `_ADR` matches), not from the SRAT's Generic Initiator, so a passthrough device with a
+/// known node gets both.
+struct PciHotplugAml<'a> {
+    slot_domains: &'a SlotDomains,
+}
+
+/// `slot_domains[slot]`: the proximity domain of the device in that slot of segment 0, bus 0.
+type SlotDomains = [Option<u32>; PCI_SLOTS as usize];
+
+/// The proximity domain of each bus-0 slot of segment 0 holding a device the SRAT places
+/// (function 0 is the slot's ACPI companion; every function of a device shares its node).
+fn slot_domains(numa: Option<&numa::NumaTopology>) -> SlotDomains {
+    let mut domains = [None; PCI_SLOTS as usize];
+    let initiators = numa.map(|t| t.initiators.as_slice()).unwrap_or_default();
+    for initiator in initiators {
+        if initiator.segment == 0 && initiator.bus == 0 && initiator.device < PCI_SLOTS {
+            domains[usize::from(initiator.device)].get_or_insert(initiator.domain);
+        }
+    }
+    domains
+}
 
 fn slot_name(slot: u8) -> String {
     format!("SD{slot:02X}")
 }
 
-impl Aml for PciHotplugAml {
+impl Aml for PciHotplugAml<'_> {
     fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
         let port = u64::from(HOTPLUG_PORT);
         let len = u64::from(HOTPLUG_PORT_LEN);
@@ -513,15 +542,14 @@ impl Aml for PciHotplugAml {
             let sun = u32::from(slot);
             let pcej: aml::Path = "PCEJ".into();
             let call = aml::MethodCall::new(pcej, vec![&sun]);
-            aml::Device::new(
-                slot_name(slot).as_str().into(),
-                vec![
-                    &aml::Name::new("_ADR".into(), &address),
-                    &aml::Name::new("_SUN".into(), &sun),
-                    &aml::Method::new("_EJ0".into(), 1, false, vec![&call]),
-                ],
-            )
-            .to_aml_bytes(sink);
+            let adr = aml::Name::new("_ADR".into(), &address);
+            let sun_name = aml::Name::new("_SUN".into(), &sun);
+            let ej0 = aml::Method::new("_EJ0".into(), 1, false, vec![&call]);
+            let pxm = self.slot_domains[usize::from(slot)]
+                .map(|domain| aml::Name::new("_PXM".into(), &domain));
+            let mut children: Vec<&dyn Aml> = vec![&adr, &sun_name, &ej0];
+            children.extend(pxm.as_ref().map(|p| p as &dyn Aml));
+            aml::Device::new(slot_name(slot).as_str().into(), children).to_aml_bytes(sink);
         }
         let (up, down) = (aml::Local(0), aml::Local(1));
         let (pciu, pcid): (aml::Path, aml::Path) = ("PCIU".into(), "PCID".into());
@@ -715,6 +743,7 @@ pub fn build_with_numa(
         config.power_off,
         cpu_hotplug,
         memory_hotplug,
+        &slot_domains(numa),
     )?;
     let dsdt_addr = place(dsdt.len());
     let fadt = fadt(dsdt_addr, config.power_off);

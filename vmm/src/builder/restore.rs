@@ -97,6 +97,13 @@ pub fn restore_with_overrides(
         max_vcpus,
         // Where the snapshot's guest has its 64-bit BAR window (older states: the default).
         mmio64_window: state.state.devices.pci_mmio64_window,
+        // The snapshot's NUMA nodes: each node's RAM bound to its host node again.
+        numa: state
+            .state
+            .numa
+            .as_ref()
+            .map(crate::numa::SavedNumaPlan::options)
+            .unwrap_or_default(),
         ..PciOptions::default()
     };
     let max_vcpus = pci.max_vcpus(&config);

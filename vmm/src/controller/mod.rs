@@ -265,10 +265,14 @@ impl ApiController {
             }
             VmmAction::PutMachineConfig(body) => body.checked_max_vcpus().and_then(|max| {
                 let hotplug_size = body.checked_ram_hotplug_size()?;
+                let numa = body.numa.as_ref().map(|n| n.to_options()).transpose()?;
                 body.to_config().map(|config| {
                     self.machine_config = config;
                     self.pci.max_vcpus = max;
                     self.pci.ram_hotplug_size = hotplug_size;
+                    if let Some(numa) = numa {
+                        self.pci.numa = numa;
+                    }
                     VmmData::Empty
                 })
             }),
@@ -597,6 +601,7 @@ impl ApiController {
             MachineConfigBody::from_config(&self.machine_config).with_max_vcpus(self.pci.max_vcpus);
         body.ram_hotplug_size =
             (self.pci.ram_hotplug_size > 0).then_some(self.pci.ram_hotplug_size);
+        body.numa = crate::action::NumaBody::from_options(&self.pci.numa);
         body
     }
 

@@ -240,6 +240,7 @@ impl Machine {
                     memory_files: files,
                     memory_file_id: Some(stats.info.id.to_string()),
                     raw_memory: None,
+                    numa: crate::numa::placed_plan(),
                 };
                 snapshot::commit(dir, &state, &memory_file)?;
                 Ok((memory_file, stats, memory_time, state.memory_files))

@@ -204,6 +204,10 @@ pub struct MachineState {
     /// ([`files`]): its memory file is that image, not gpuvm's format.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw_memory: Option<RawMemory>,
+    /// The guest NUMA nodes the RAM was bound by, bound again on restore. `None`: no
+    /// nodes (and states written before gpuvm saved them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<crate::numa::SavedNumaPlan>,
 }
 
 /// A state's memory file is a raw guest-RAM image (Firecracker's layout: flat, sparse;

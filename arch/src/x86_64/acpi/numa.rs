@@ -346,6 +346,64 @@ mod tests {
             .collect()
     }
 
+    /// The body of `Device (name)` in `aml`: from its name to the next slot's device.
+    fn slot_device(aml: &[u8], slot: u8) -> &[u8] {
+        let find = |name: &[u8]| aml.windows(4).position(|w| w == name);
+        let start = find(format!("SD{slot:02X}").as_bytes()).expect("the slot's device");
+        let end = find(format!("SD{:02X}", slot + 1).as_bytes()).unwrap_or(aml.len());
+        &aml[start..end]
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    #[test]
+    fn the_slot_of_a_device_with_a_known_node_has_its_pxm() {
+        use crate::x86_64::acpi::{build, build_with_numa};
+        let mut topology = two_nodes();
+        topology.initiators.push(NumaPciInitiator {
+            domain: 0,
+            segment: 0,
+            bus: 0,
+            device: 5,
+            function: 0,
+        });
+        // Behind a root port (bus 1): no bus-0 slot is its ACPI companion.
+        topology.initiators.push(NumaPciInitiator {
+            domain: 1,
+            segment: 0,
+            bus: 1,
+            device: 7,
+            function: 0,
+        });
+        let tables = build_with_numa(&config(3, 5), Some(&topology)).unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        // Name (_PXM, n): NameOp, the name, then n as a byte constant (ZeroOp / OneOp for 0, 1).
+        let pxm = |domain: u8| -> Vec<u8> {
+            let value = match domain {
+                0 => vec![0x00],
+                1 => vec![0x01],
+                n => vec![0x0a, n],
+            };
+            [&[0x08][..], b"_PXM", &value].concat()
+        };
+        assert!(contains(slot_device(dsdt, 3), &pxm(1)), "SD03: node 1");
+        assert!(contains(slot_device(dsdt, 5), &pxm(0)), "SD05: node 0");
+        for slot in (1..31).filter(|s| ![3, 5].contains(s)) {
+            assert!(
+                !contains(slot_device(dsdt, slot), b"_PXM"),
+                "slot {slot} holds no device with a known node"
+            );
+        }
+        assert_eq!(dsdt.windows(4).filter(|w| w == b"_PXM").count(), 2);
+        assert_eq!(sum(dsdt), 0, "checksum");
+
+        let plain = build(&config(3, 5)).unwrap();
+        let (_, plain_dsdt) = plain.find(b"DSDT").unwrap();
+        assert!(!contains(plain_dsdt, b"_PXM"), "no NUMA nodes: no _PXM");
+    }
+
     #[test]
     fn the_xsdt_lists_srat_and_slit_only_with_numa_nodes() {
         use crate::x86_64::acpi::{build, build_with_numa};
