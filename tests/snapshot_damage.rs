@@ -368,14 +368,15 @@ fn corruptions() -> Vec<Corruption> {
             edit_state(|s| s["config"]["memory_size"] = (256u64 << 20).into()),
         ),
         case(
-            "config: 1 TiB of guest memory (more than the host has)",
+            "config: more guest memory than this host can back (64 times its RAM)",
             "lazy",
             "larger than this host",
             Box::new(|dir: &Path| {
-                let tib = 1u64 << 40;
-                write_empty_memory_file(&dir.join("memory-1"), tib);
+                // A sparse guest may be up to 64 times the host's RAM: one GiB more.
+                let size = 64 * host_memory_bytes() + (1 << 30);
+                write_empty_memory_file(&dir.join("memory-1"), size);
                 let mut state = read_state(dir);
-                state["config"]["memory_size"] = tib.into();
+                state["config"]["memory_size"] = size.into();
                 state["memory_files"] = serde_json::json!(["memory-1"]);
                 state["memory_file_id"] = "5a".repeat(16).into();
                 write_state(dir, &state);
@@ -601,4 +602,21 @@ fn memory_file_changed_after_validation_fails_cleanly() {
             );
         }
     }
+}
+
+/// The host's RAM (MemTotal), bytes.
+fn host_memory_bytes() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+    let kib = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemTotal:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .expect("MemTotal in /proc/meminfo");
+    kib << 10
 }

@@ -143,8 +143,24 @@ pub enum RamError {
         ByteSize(.backing.page_size())
     )]
     SizeNotPageMultiple { size: u64, backing: Backing },
-    #[error("guest memory {} is larger than this host's {}", ByteSize(*.size), ByteSize(*.host))]
-    TooLargeForHost { size: u64, host: u64 },
+    #[error(
+        "guest memory {} is larger than this host's {} allows: {}",
+        ByteSize(*.size),
+        ByteSize(*.host),
+        if *.sparse {
+            "a memfd guest may be up to 64 times host RAM (untouched RAM costs nothing, but \
+             a Linux guest's page array alone takes 1/64 of its RAM)"
+        } else {
+            "huge-page backed and prefaulted guests use all of their RAM"
+        }
+    )]
+    TooLargeForHost {
+        size: u64,
+        host: u64,
+        /// Whether the limit was the sparse memfd's ([`SPARSE_RAM_PER_HOST_RAM`] times
+        /// host RAM) rather than host RAM itself.
+        sparse: bool,
+    },
     #[error("no guest RAM regions were given")]
     NoRegions,
     #[error(
@@ -277,12 +293,7 @@ impl GuestRam {
             return Err(RamError::SizeNotPageMultiple { size, backing });
         }
         validate_regions(regions, size, page_size)?;
-        let host = host_memory_total();
-        if host == 0 {
-            warn!("cannot determine host memory size; not checking guest memory against it");
-        } else if size > host {
-            return Err(RamError::TooLargeForHost { size, host });
-        }
+        check_fits_host(size, !backing.is_hugetlb())?;
         if backing.is_hugetlb() {
             check_hugetlb_pool(backing, size)?;
         }
@@ -473,6 +484,39 @@ impl GuestRam {
     }
 }
 
+/// How many times host RAM a sparse (memfd, not prefaulted) guest may have: pages the
+/// guest never touches cost nothing, but a Linux guest touches 64 bytes of `struct page`
+/// per 4 KiB page at boot, so a guest beyond 64 times host RAM could not even boot.
+pub const SPARSE_RAM_PER_HOST_RAM: u64 = 64;
+
+/// Refuses `size` bytes of guest RAM this host cannot hold: more than host RAM where all
+/// of it gets populated (huge pages, prefault), more than [`SPARSE_RAM_PER_HOST_RAM`]
+/// times host RAM where only touched pages cost (`sparse`).
+pub fn check_fits_host(size: u64, sparse: bool) -> Result<(), RamError> {
+    let host = host_memory_total();
+    if host == 0 {
+        warn!("cannot determine host memory size; not checking guest memory against it");
+        return Ok(());
+    }
+    let limit = if sparse {
+        host.saturating_mul(SPARSE_RAM_PER_HOST_RAM)
+    } else {
+        host
+    };
+    if size > limit {
+        return Err(RamError::TooLargeForHost { size, host, sparse });
+    }
+    if size > host {
+        info!(
+            "guest memory {} is larger than this host's {}: only the pages the guest touches \
+             are allocated",
+            ByteSize(size),
+            ByteSize(host)
+        );
+    }
+    Ok(())
+}
+
 /// Total host RAM in bytes (`MemTotal` in /proc/meminfo, else sysinfo(2); 0 if neither
 /// can be read).
 pub fn host_memory_total() -> u64 {
@@ -514,6 +558,10 @@ pub(crate) fn host_base_page_size() -> usize {
     }
 }
 
+/// The most one KVM memory slot maps on x86-64 (KVM_MEM_MAX_NR_PAGES, 2^31 - 1 pages of
+/// 4 KiB: 8 TiB less a page); each RAM region becomes one slot.
+pub const MAX_SLOT_BYTES: u64 = ((1 << 31) - 1) * 4096;
+
 fn validate_regions(regions: &[RamRegion], size: u64, page_size: u64) -> Result<(), RamError> {
     if regions.is_empty() {
         return Err(RamError::NoRegions);
@@ -542,6 +590,15 @@ fn validate_regions(regions: &[RamRegion], size: u64, page_size: u64) -> Result<
                 "it wraps around the address space".to_string(),
             ));
         };
+        if region.size > MAX_SLOT_BYTES {
+            return Err(invalid(
+                index,
+                format!(
+                    "it is larger than the {} one KVM memory slot holds (2^31 - 1 pages of 4 KiB)",
+                    ByteSize(MAX_SLOT_BYTES)
+                ),
+            ));
+        }
         if index > 0 && region.guest_addr < previous_end {
             return Err(invalid(
                 index,
@@ -826,11 +883,22 @@ pub(crate) mod tests {
         assert!(err.to_string().contains("2 MiB"), "{err}");
 
         let host = host_memory_total();
-        let too_big = (host / GIB + 1) * GIB;
+        let too_big = (host * SPARSE_RAM_PER_HOST_RAM / GIB + 1) * GIB;
         let err =
             GuestRam::create(&GuestRamConfig::new(too_big), &one_region(too_big)).unwrap_err();
-        assert!(matches!(err, RamError::TooLargeForHost { .. }), "{err}");
+        assert!(
+            matches!(err, RamError::TooLargeForHost { sparse: true, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("larger than this host's"), "{err}");
+        // Populated RAM must fit host RAM itself; sparse RAM may be larger.
+        let above_host = (host / GIB + 1) * GIB;
+        let err = check_fits_host(above_host, false).unwrap_err();
+        assert!(
+            matches!(err, RamError::TooLargeForHost { sparse: false, .. }),
+            "{err}"
+        );
+        check_fits_host(above_host, true).unwrap();
     }
 
     #[test]
@@ -855,6 +923,11 @@ pub(crate) mod tests {
         r[1].guest_addr += 512;
         check(&r, "multiples of the 4 KiB page size");
         check(&two_regions(8 * MIB, 0, 0), "empty");
+        // One region past KVM's per-slot maximum is refused before anything is mapped.
+        let huge = (MAX_SLOT_BYTES / MIB + 1) * MIB;
+        let err = validate_regions(&one_region(huge), huge, 4096).unwrap_err();
+        assert!(err.to_string().contains("one KVM memory slot"), "{err}");
+        validate_regions(&one_region(MAX_SLOT_BYTES), MAX_SLOT_BYTES, 4096).unwrap();
     }
 
     #[test]

@@ -22,7 +22,10 @@ pub mod prefault;
 pub mod snapshot;
 pub mod uffd;
 
-pub use backing::{host_memory_total, Backing, ByteSize, GuestRam, GuestRamConfig, RamError};
+pub use backing::{
+    check_fits_host, host_memory_total, Backing, ByteSize, GuestRam, GuestRamConfig, RamError,
+    MAX_SLOT_BYTES, SPARSE_RAM_PER_HOST_RAM,
+};
 pub use prefault::{prefault, PrefaultError, PrefaultStats};
 
 /// One contiguous range of guest-physical RAM and where it lives in the RAM memfd.

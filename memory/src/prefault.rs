@@ -37,6 +37,8 @@ pub enum PrefaultError {
     },
     #[error("a prefault thread panicked")]
     ThreadPanicked,
+    #[error("cannot prefault: {0}")]
+    TooLarge(crate::RamError),
 }
 
 /// How pages get populated.
@@ -68,6 +70,8 @@ fn prefault_with(
     if threads == 0 {
         return Err(PrefaultError::ZeroThreads);
     }
+    // Sparse guests may be larger than host RAM; populating one would exhaust the host.
+    crate::backing::check_fits_host(ram.size(), false).map_err(PrefaultError::TooLarge)?;
     let start = Instant::now();
     let spans: Vec<Span> = ram
         .host_regions()

@@ -127,6 +127,9 @@ pub type Result<T> = std::result::Result<T, VfioError>;
 /// file) and the emulated device's view of guest RAM are all such mappings; the caller
 /// owns the mapping (it unmaps it, or keeps it for the process's life).
 pub(crate) fn mmap_shared(fd: RawFd, offset: u64, len: usize) -> std::io::Result<*mut u8> {
+    if len as u64 >= pci::HUGE_BAR_ALIGN {
+        return pci::mmap_bar_part(fd, offset, len);
+    }
     // SAFETY: a fresh mapping at an address the kernel picks, so no existing memory
     // changes; the kernel checks the fd, offset and length.
     let address = unsafe {

@@ -27,6 +27,88 @@ struct Msix {
 }
 
 const PAGE: u64 = 4096;
+/// BAR parts at least this large are mmapped at a host address aligned to it, as their
+/// guest addresses are, so KVM and the host can map them with 1 GiB PFN mappings.
+pub(crate) const HUGE_BAR_ALIGN: u64 = 1 << 30;
+
+/// Where an aligned mapping of `len` bytes goes inside a reservation of
+/// `len + align` bytes at `reserved`: `(aligned start, bytes before it, bytes after it)`,
+/// the two ends to give back. `align` is a power of two.
+fn aligned_in_reservation(reserved: u64, len: u64, align: u64) -> (u64, u64, u64) {
+    let aligned = reserved.next_multiple_of(align);
+    let head = aligned - reserved;
+    let tail = (reserved + len + align) - (aligned + len);
+    (aligned, head, tail)
+}
+
+/// Mmaps `len` bytes of `fd` at `offset` shared and writable, as a BAR part is mapped; a
+/// part of [`HUGE_BAR_ALIGN`] or more lands on a host address aligned to it (an
+/// over-sized inaccessible reservation first, then the mapping fixed inside it at the
+/// aligned address, then the reservation's ends given back).
+pub(crate) fn mmap_bar_part(
+    fd: std::os::fd::RawFd,
+    offset: u64,
+    len: usize,
+) -> std::io::Result<*mut u8> {
+    let map = |address: *mut libc::c_void, flags: libc::c_int| {
+        // SAFETY: either a fresh mapping where the kernel picks (null address), or a fixed
+        // one over a part of our own inaccessible reservation that nothing else uses; the
+        // kernel checks the fd, offset and length.
+        let mapped = unsafe {
+            libc::mmap(
+                address,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | flags,
+                fd,
+                offset as libc::off_t,
+            )
+        };
+        if mapped == libc::MAP_FAILED {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(mapped.cast::<u8>())
+        }
+    };
+    if (len as u64) < HUGE_BAR_ALIGN {
+        return map(std::ptr::null_mut(), 0);
+    }
+    let reserved_len = len + HUGE_BAR_ALIGN as usize;
+    // SAFETY: a fresh private inaccessible mapping where the kernel picks: no existing
+    // memory changes and nothing can touch it.
+    let reserved = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserved_len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if reserved == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (aligned, head, tail) = aligned_in_reservation(reserved as u64, len as u64, HUGE_BAR_ALIGN);
+    let give_back = |start: u64, bytes: u64| {
+        if bytes > 0 {
+            // SAFETY: `start..start + bytes` is a part of our own reservation that holds
+            // nothing (an end outside the aligned mapping, or all of it after a failure).
+            unsafe { libc::munmap(start as *mut libc::c_void, bytes as usize) };
+        }
+    };
+    match map(aligned as *mut libc::c_void, libc::MAP_FIXED) {
+        Ok(mapped) => {
+            give_back(reserved as u64, head);
+            give_back(aligned + len as u64, tail);
+            Ok(mapped)
+        }
+        Err(error) => {
+            give_back(reserved as u64, reserved_len as u64);
+            Err(error)
+        }
+    }
+}
 /// Command register bit 2: the device may master the bus (DMA, and MSI writes).
 const COMMAND_BUS_MASTER: u8 = 1 << 2;
 /// x86-64's architectural limit on physical addresses (52 bits).
@@ -272,6 +354,12 @@ impl VfioPciDevice {
                     continue;
                 };
                 total += size;
+                log::debug!(
+                    "{}: BAR{} +{offset:#x} ({size:#x} bytes) mapped at host {:#x}",
+                    self.name,
+                    spec.index,
+                    host as u64
+                );
                 self.mappings.push(BarMapping {
                     bar: spec.index,
                     offset,
@@ -1362,5 +1450,57 @@ mod gpudirect_tests {
         };
         restored.restore(&old).unwrap();
         assert_eq!(guest_walk(&mut restored), vec![(0x60, 0x01)]);
+    }
+}
+
+#[cfg(test)]
+mod huge_bar_alignment_tests {
+    use super::*;
+
+    #[test]
+    fn the_aligned_start_and_the_given_back_ends_tile_the_reservation() {
+        const GIB: u64 = 1 << 30;
+        for reserved in [0x7f00_0000_0000, 0x7f00_0000_1000, 0x7f00_3fff_f000] {
+            for len in [GIB, 256 * GIB, GIB + PAGE] {
+                let (aligned, head, tail) = aligned_in_reservation(reserved, len, GIB);
+                assert!(aligned.is_multiple_of(GIB), "{aligned:#x}");
+                assert!(aligned >= reserved && head < GIB);
+                assert_eq!(reserved + head, aligned);
+                assert_eq!(head + len + tail, len + GIB);
+            }
+        }
+        assert_eq!(
+            aligned_in_reservation(0x7f00_0000_0000, GIB, GIB),
+            (0x7f00_0000_0000, 0, GIB)
+        );
+    }
+
+    #[test]
+    fn a_large_bar_part_is_mapped_on_a_gib_boundary_and_a_small_one_anywhere() {
+        // A sparse memfd stands in for the BAR: nothing is allocated for its pages.
+        let name = std::ffi::CString::new("huge-bar-test").unwrap();
+        // SAFETY: a fresh fd the test owns.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        let len = (2 * HUGE_BAR_ALIGN + PAGE) as usize;
+        // SAFETY: the memfd is ours.
+        assert_eq!(unsafe { libc::ftruncate(fd, len as libc::off_t) }, 0);
+        let large = mmap_bar_part(fd, 0, len).unwrap();
+        assert!((large as u64).is_multiple_of(HUGE_BAR_ALIGN), "{large:p}");
+        // SAFETY: inside the shared writable mapping just made.
+        unsafe {
+            large.write(0x5a);
+            large.add(len - 1).write(0xa5);
+            assert_eq!(large.add(len - 1).read(), 0xa5);
+        }
+        let small = mmap_bar_part(fd, 0, PAGE as usize).unwrap();
+        // SAFETY: the same page of the same memfd, mapped twice.
+        assert_eq!(unsafe { small.read() }, 0x5a);
+        // SAFETY: both mappings were made above and nothing else uses them; the fd is ours.
+        unsafe {
+            libc::munmap(large.cast(), len);
+            libc::munmap(small.cast(), PAGE as usize);
+            libc::close(fd);
+        }
     }
 }

@@ -1,0 +1,195 @@
+//! Big machines (issue 27): guest RAM far above 1 TiB of guest-physical address space, and
+//! huge BARs mapped on 1 GiB host boundaries.
+//!
+//! The guest RAM test boots the test guest with more RAM than this host has (memfd, no
+//! prefault: untouched RAM costs nothing, and gpuvm allows a sparse guest up to 64 times
+//! host RAM), checks the e820 map the guest reads, snapshots it and restores it lazily;
+//! the memory file holds only the pages the guest touched. Its size is
+//! `GPUVM_BIG_RAM_GIB` (default [`DEFAULT_RAM_GIB`]); on the CI hosts (nested KVM with
+//! shadow paging) registering the memory slot costs KVM about 0.2% of it in reverse maps
+//! and time to match, so the default stays below what the slowest host takes quickly.
+//!
+//! The BAR test starts one emulated GPU with an H200-like 256 GiB BAR1 and checks, in
+//! gpuvm's debug log and in /proc/PID/maps, that the BAR's host mapping is 1 GiB aligned.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::snapshot_support::{
+    arg, assert_restored_memloop_completes, field, has, memory_files, memory_header, only_report,
+    restore, signal_snapshot,
+};
+use gpuvm_tests::{guest_ram_ranges, run_gpuvm, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(240);
+const GIB: u64 = 1 << 30;
+/// The guest RAM the test boots unless `GPUVM_BIG_RAM_GIB` says otherwise (less on hosts
+/// with under 16 GiB: gpuvm allows a sparse guest 64 times host RAM).
+const DEFAULT_RAM_GIB: u64 = 1024;
+
+fn big_ram_gib() -> u64 {
+    std::env::var("GPUVM_BIG_RAM_GIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            let sparse_limit =
+                gpuvm_memory::host_memory_total() * gpuvm_memory::SPARSE_RAM_PER_HOST_RAM / GIB;
+            DEFAULT_RAM_GIB.min(sparse_limit)
+        })
+}
+
+/// The RAM entries (type 1) of the e820 map the test guest printed (`info` workload).
+fn guest_e820_ram(stdout: &str) -> Vec<(u64, u64)> {
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).unwrap();
+    stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("info: e820 "))
+        .filter(|rest| rest.ends_with("type 1"))
+        .map(|rest| {
+            let range = rest.split_whitespace().next().unwrap();
+            let (start, end) = range.split_once('-').unwrap();
+            (hex(start), hex(end) - hex(start))
+        })
+        .collect()
+}
+
+#[test]
+fn guest_ram_larger_than_the_host_boots_and_restores_lazily_from_a_sparse_file() {
+    let gib = big_ram_gib();
+    let memory = format!("{gib}G");
+    let bytes = gib * GIB;
+
+    // The guest's own view of RAM: every byte of it, where the layout puts it.
+    let started = Instant::now();
+    let out = run_gpuvm(
+        &[
+            "run",
+            "--memory",
+            &memory,
+            "--cmdline",
+            "info",
+            "--report-timing",
+        ],
+        LIMIT,
+    );
+    out.assert_code(0).assert_stdout_has("testguest: ready");
+    eprintln!(
+        "{memory}: start to exit {:?}; {}",
+        started.elapsed(),
+        out.stderr
+            .lines()
+            .find(|l| l.starts_with("gpuvm: timing "))
+            .unwrap_or("no timing line")
+    );
+    let ram = guest_e820_ram(&out.stdout);
+    assert_eq!(ram, guest_ram_ranges(bytes), "{}", out.stdout);
+    let top = ram.last().map(|(start, len)| start + len).unwrap();
+    assert!(
+        top > bytes,
+        "RAM must reach past its size (the 32-bit hole): {top:#x}"
+    );
+
+    // Snapshot a guest that writes a little of it, then restore it lazily.
+    let scratch = Scratch::new("big-ram", "snapshot");
+    let dir: PathBuf = scratch.path("snapshot");
+    let iters = 150;
+    let cmdline = format!("memloop 32M 1 {iters}");
+    let mut run = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        &memory,
+        "--cmdline",
+        &cmdline,
+        "--snapshot-dir",
+        arg(&dir),
+        "--snapshot-then",
+        "exit",
+        "--report-timing",
+    ]);
+    run.wait_for_stdout("memloop: iter 1 ok", LIMIT);
+    let snapshot_started = Instant::now();
+    signal_snapshot(run.pid());
+    let out = run.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "snapshot run: {}", out.describe());
+    eprintln!(
+        "{memory}: snapshot and exit {:?}",
+        snapshot_started.elapsed()
+    );
+    let report = only_report(&out, "gpuvm: snapshot ");
+    assert!(has(&report, "diff", "false"), "{report:?}");
+
+    let files = memory_files(&dir);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let path = dir.join(&files[0]);
+    let header = memory_header(&path);
+    assert_eq!(header.ram_size, bytes);
+    assert_eq!(header.data_pages, field(&report, "data_pages") as u64);
+    // Only what the guest touched is stored, and the file's blocks hold no more than that.
+    let data = header.data_pages * header.page_size;
+    assert!(
+        data < GIB,
+        "{data} bytes of data for a guest that wrote 32 MiB"
+    );
+    let allocated = std::fs::metadata(&path).unwrap().blocks() * 512;
+    assert!(
+        allocated <= header.file_len.next_multiple_of(1 << 20) && allocated < 2 * GIB,
+        "the memory file is not sparse: {allocated} bytes allocated for {} of file",
+        header.file_len
+    );
+    eprintln!(
+        "{memory}: memory file {} bytes, {allocated} allocated, {} data pages",
+        header.file_len, header.data_pages
+    );
+
+    let restored_at = Instant::now();
+    let out = restore(&dir, "lazy", &[]);
+    assert_restored_memloop_completes(&out, iters);
+    eprintln!("{memory}: lazy restore to exit {:?}", restored_at.elapsed());
+}
+
+/// `0x...` after `at host ` in gpuvm's debug line for BAR `bar`'s mapping of `size` bytes.
+fn logged_bar_host_address(stderr: &str, bar: u8, size: u64) -> u64 {
+    let wanted = format!("BAR{bar} +0x0 ({size:#x} bytes) mapped at host ");
+    let line = stderr
+        .lines()
+        .find_map(|l| l.split_once(wanted.as_str()).map(|(_, rest)| rest))
+        .unwrap_or_else(|| panic!("no '{wanted}' in:\n{stderr}"));
+    u64::from_str_radix(line.trim().trim_start_matches("0x"), 16).unwrap()
+}
+
+#[test]
+fn a_256_gib_bar_is_mapped_at_a_gib_aligned_host_address() {
+    let bar1 = 256 * GIB;
+    let socket = gpuvm_tests::socket_path("big-ram", "bar-align");
+    let emu = PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let server =
+        gpuvm_tests::start_emu_gpu(&emu, &socket, &["--bar1-mib", &(bar1 >> 20).to_string()]);
+    // A guest that keeps running (memloop) while the test reads the mappings; the VM is
+    // killed when `run` is dropped.
+    let mut run = SpawnedProcess::gpuvm(&[
+        "--log-level",
+        "debug",
+        "run",
+        "--cmdline",
+        "memloop 4M 1 1000000",
+        "--vfio-user",
+        socket.to_str().unwrap(),
+    ]);
+    run.wait_for_stdout("memloop: iter 1 ok", LIMIT);
+    let host = logged_bar_host_address(&run.stderr(), 1, bar1);
+    assert_eq!(host % GIB, 0, "BAR1 mapped at host {host:#x}");
+    // The mapping's line in /proc/PID/maps starts at the logged address and spans the
+    // whole BAR.
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", run.pid())).unwrap();
+    let mapped = maps.lines().any(|line| {
+        let range = line.split_whitespace().next().unwrap_or("");
+        range.split_once('-').is_some_and(|(start, end)| {
+            let hex = |s: &str| u64::from_str_radix(s, 16).unwrap_or(0);
+            hex(start) == host && hex(end) - hex(start) == bar1
+        })
+    });
+    assert!(mapped, "no {bar1:#x}-byte mapping at {host:#x} in:\n{maps}");
+    drop(run);
+    drop(server);
+}
