@@ -20,16 +20,9 @@ fn emu_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
 }
 
-/// The emulated GPU on `socket`, once it listens (its info log says so after `listen`;
-/// the socket file alone appears at `bind`, before connections are taken).
+/// The emulated GPU on `socket`, once it listens.
 fn start_emu(socket: &Path) -> SpawnedProcess {
-    let mut emu = SpawnedProcess::spawn_with_env(
-        &emu_bin(),
-        &["--socket", socket.to_str().unwrap()],
-        &[("GPUVM_LOG", "info")],
-    );
-    emu.wait_for_stderr("emu-gpu: listening on", LIMIT);
-    emu
+    gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[])
 }
 
 /// A fake manager command at `dir/manager`: appends "OP ID" to `dir/requests`, then
@@ -54,11 +47,42 @@ fn requests(scratch: &Scratch) -> Vec<String> {
         .collect()
 }
 
-/// `gpuvm run` with the emulated GPU on `socket` and the fabric flags, logging at info.
-fn run_vm(socket: &Path, fabric: &[&str]) -> RunOutput {
-    let mut args = vec!["run", "--vfio-user", socket.to_str().unwrap()];
-    args.extend_from_slice(fabric);
+/// The fake fabric manager a run talks to.
+#[derive(Clone, Copy)]
+enum Manager<'a> {
+    Command(&'a Path),
+    Socket(&'a Path),
+}
+
+/// `gpuvm run` with the emulated GPU on `socket`, partition 3 through `manager` (with
+/// its timeout in seconds when given), logging at info.
+fn run_vm(socket: &Path, manager: Manager, timeout_s: Option<&str>) -> RunOutput {
+    let (flag, path) = match manager {
+        Manager::Command(path) => ("--fabric-manager-command", path),
+        Manager::Socket(path) => ("--fabric-manager-socket", path),
+    };
+    let mut args = vec![
+        "run",
+        "--vfio-user",
+        socket.to_str().unwrap(),
+        "--fabric-partition",
+        "3",
+        flag,
+        path.to_str().unwrap(),
+    ];
+    if let Some(seconds) = timeout_s {
+        args.extend(["--fabric-manager-timeout-s", seconds]);
+    }
     run_gpuvm_with_env(&args, &[("GPUVM_LOG", "info")], LIMIT, None)
+}
+
+/// The start stopped before the GPU's device process was connected to.
+fn assert_nothing_attached(out: &RunOutput) {
+    assert!(
+        !out.stderr.contains("vfio-user: connected"),
+        "nothing attached:\n{}",
+        out.stderr
+    );
 }
 
 /// Where `needle` first appears in `text` (panics if it does not).
@@ -88,15 +112,7 @@ fn a_manager_command_activates_before_attach_and_deactivates_after_the_end() {
     let manager = manager_script(&scratch, "exit 0");
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-        ],
-    );
+    let out = run_vm(&socket, Manager::Command(&manager), None);
     assert_wraps_the_vm(&out);
     assert_eq!(requests(&scratch), ["activate 3", "deactivate 3"]);
     emu.wait(Duration::from_secs(10));
@@ -111,23 +127,11 @@ fn a_manager_command_that_refuses_stops_the_start_with_nothing_attached() {
     );
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-        ],
-    );
+    let out = run_vm(&socket, Manager::Command(&manager), None);
     out.assert_clean_error("refused to activate it")
         .assert_clean_error("GPUs in use by another partition");
     assert_eq!(out.code(), Some(125));
-    assert!(
-        !out.stderr.contains("vfio-user: connected"),
-        "nothing attached:\n{}",
-        out.stderr
-    );
+    assert_nothing_attached(&out);
     // Never activated, so never deactivated.
     assert_eq!(requests(&scratch), ["activate 3"]);
     kill(emu);
@@ -140,24 +144,10 @@ fn a_manager_command_that_hangs_times_out() {
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
     let started = Instant::now();
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-            "--fabric-manager-timeout-s",
-            "1",
-        ],
-    );
+    let out = run_vm(&socket, Manager::Command(&manager), Some("1"));
     assert!(started.elapsed() < Duration::from_secs(20), "bounded");
     out.assert_clean_error("did not activate it within 1s");
-    assert!(
-        !out.stderr.contains("vfio-user: connected"),
-        "{}",
-        out.stderr
-    );
+    assert_nothing_attached(&out);
     kill(emu);
 }
 
@@ -169,12 +159,8 @@ fn a_failed_start_deactivates_and_a_refused_deactivation_is_an_error() {
     let manager = manager_script(&scratch, "exit 0");
     let out = run_vm(
         &scratch.path("nobody.sock"),
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-        ],
+        Manager::Command(&manager),
+        None,
     );
     out.assert_clean_error("vfio-user socket");
     assert_eq!(requests(&scratch), ["activate 3", "deactivate 3"]);
@@ -186,15 +172,7 @@ fn a_failed_start_deactivates_and_a_refused_deactivation_is_an_error() {
     );
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-        ],
-    );
+    let out = run_vm(&socket, Manager::Command(&manager), None);
     assert!(out.stdout.contains("hello"), "the VM ran: {}", out.stdout);
     out.assert_clean_error("refused to deactivate it")
         .assert_clean_error("partition 3 is busy");
@@ -211,17 +189,7 @@ fn a_manager_command_that_hangs_on_deactivation_times_out() {
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
     let started = Instant::now();
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-command",
-            manager.to_str().unwrap(),
-            "--fabric-manager-timeout-s",
-            "1",
-        ],
-    );
+    let out = run_vm(&socket, Manager::Command(&manager), Some("1"));
     assert!(started.elapsed() < Duration::from_secs(20), "bounded");
     assert!(out.stdout.contains("hello"), "the VM ran: {}", out.stdout);
     out.assert_clean_error("did not deactivate it within 1s");
@@ -292,15 +260,7 @@ fn a_manager_socket_activates_and_deactivates_on_one_connection_or_a_new_one() {
         let seen = serve_manager(&manager, behaviour);
         let socket = scratch.path("gpu.sock");
         let emu = start_emu(&socket);
-        let out = run_vm(
-            &socket,
-            &[
-                "--fabric-partition",
-                "3",
-                "--fabric-manager-socket",
-                manager.to_str().unwrap(),
-            ],
-        );
+        let out = run_vm(&socket, Manager::Socket(&manager), None);
         assert_wraps_the_vm(&out);
         assert_eq!(
             *seen.lock().unwrap(),
@@ -318,56 +278,22 @@ fn a_manager_socket_that_refuses_or_hangs_is_a_clear_error() {
     let seen = serve_manager(&manager, Behaviour::Refuse);
     let socket = scratch.path("gpu.sock");
     let emu = start_emu(&socket);
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-socket",
-            manager.to_str().unwrap(),
-        ],
-    );
+    let out = run_vm(&socket, Manager::Socket(&manager), None);
     out.assert_clean_error("refused to activate it: partition busy");
-    assert!(
-        !out.stderr.contains("vfio-user: connected"),
-        "{}",
-        out.stderr
-    );
+    assert_nothing_attached(&out);
     assert_eq!(*seen.lock().unwrap(), ["activate 3"]);
 
     let hanging = scratch.path("fm-hangs.sock");
     serve_manager(&hanging, Behaviour::Hang);
     let started = Instant::now();
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-socket",
-            hanging.to_str().unwrap(),
-            "--fabric-manager-timeout-s",
-            "1",
-        ],
-    );
+    let out = run_vm(&socket, Manager::Socket(&hanging), Some("1"));
     assert!(started.elapsed() < Duration::from_secs(20), "bounded");
     out.assert_clean_error("did not activate it within 1s");
-    assert!(
-        !out.stderr.contains("vfio-user: connected"),
-        "{}",
-        out.stderr
-    );
+    assert_nothing_attached(&out);
     kill(emu);
 
     // No manager listening at all.
-    let out = run_vm(
-        &socket,
-        &[
-            "--fabric-partition",
-            "3",
-            "--fabric-manager-socket",
-            scratch.path("nobody.sock").to_str().unwrap(),
-        ],
-    );
+    let out = run_vm(&socket, Manager::Socket(&scratch.path("nobody.sock")), None);
     out.assert_clean_error("cannot be reached");
 }
 

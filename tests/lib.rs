@@ -314,7 +314,9 @@ pub fn start_firecracker(
 }
 
 /// Starts the emulated GPU (`emu_bin`: the test's `env!("CARGO_BIN_EXE_gpuvm-emu-gpu")`)
-/// serving vfio-user on `socket`, and waits until it listens.
+/// serving vfio-user on `socket`, logging at info, and waits until it listens: its
+/// "listening" line comes after listen(2), whereas the socket file appears at bind(2),
+/// when a connection would still be refused.
 pub fn start_emu_gpu(
     emu_bin: &std::path::Path,
     socket: &std::path::Path,
@@ -322,15 +324,8 @@ pub fn start_emu_gpu(
 ) -> SpawnedProcess {
     let mut args = vec!["--socket", socket.to_str().expect("utf-8 path")];
     args.extend_from_slice(extra);
-    let mut emu = SpawnedProcess::spawn(emu_bin, &args);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        if let Some(status) = emu.try_status() {
-            panic!("gpuvm-emu-gpu exited early: {status:?}\n{}", emu.stderr());
-        }
-        assert!(Instant::now() < deadline, "gpuvm-emu-gpu did not listen");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let mut emu = SpawnedProcess::spawn_with_env(emu_bin, &args, &[("GPUVM_LOG", "info")]);
+    emu.wait_for_stderr("emu-gpu: listening on", Duration::from_secs(10));
     emu
 }
 

@@ -206,7 +206,7 @@ fn gpu_over_the_api_and_snapshot_refused() {
     let api = std::env::temp_dir().join(format!("gpuvm-pci-api-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&api);
     let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
-    vmm.wait_until("the API socket", LIMIT, |_| api.exists());
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
     let device_arg = device.to_str().unwrap();
     // Bad bodies first: the id in the path must match, and one backend only.
     ctl(

@@ -205,7 +205,7 @@ fn a_snapshot_of_the_topology_vm_is_refused_and_the_guest_goes_on_seeing_it() {
     }
     let env = [("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())];
     let mut vmm = SpawnedProcess::gpuvm_with_env(&args, &env);
-    vmm.wait_until("the API socket", LIMIT, |_| api.exists());
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
     let ctl = |what: &[&str]| {
         let mut all = vec!["ctl", "--api-sock", api.to_str().unwrap()];
         all.extend_from_slice(what);
