@@ -292,8 +292,9 @@ impl GuestRam {
         if !size.is_multiple_of(page_size) {
             return Err(RamError::SizeNotPageMultiple { size, backing });
         }
-        validate_regions(regions, size, page_size)?;
+        // What this host can back first: a size past it says so, whatever else is wrong.
         check_fits_host(size, !backing.is_hugetlb())?;
+        validate_regions(regions, size, page_size)?;
         if backing.is_hugetlb() {
             check_hugetlb_pool(backing, size)?;
         }
