@@ -330,17 +330,6 @@ pub fn passthrough_segment(field: &str, other: &Other, count: u16) -> Result<(),
     }
 }
 
-/// The action that puts the device `id` (gpuvm's device id: drive or interface id, a
-/// share's tag, `vsock`, `rng`) on `segment` (none for segment 0).
-pub fn segment_action(id: &str, segment: u16) -> Option<VmmAction> {
-    (segment != 0).then(|| {
-        VmmAction::PutPciSegments(PciSegmentsBody {
-            num_pci_segments: None,
-            devices: [(id.to_string(), segment)].into(),
-        })
-    })
-}
-
 /// `value` as a whole number up to `max`, or a refusal naming `field`.
 fn whole_number(field: &str, value: &serde_json::Value, max: u64) -> Result<u64, Refusal> {
     value

@@ -5,7 +5,7 @@
 //! request means, and whether it is allowed now, is decided here in one step.
 
 use crate::action::{
-    ActionError, ActionResult, AddDevice, ClientDevice, ClientRecord, PciSegmentsBody, VmmAction,
+    ActionError, AddDevice, ClientDevice, ClientRecord, PciSegmentsBody, VmmAction,
 };
 
 /// What the VM's clients configured as documents: whether a client created the VM as
@@ -176,11 +176,6 @@ pub(super) fn check_hot_plug_segment(id: &str, segment: u16) -> Result<(), Actio
     Err(ActionError::bad_request(format!(
         "{id}: gpuvm hot-plugs devices on PCI segment 0 only (pci_segment = {segment})"
     )))
-}
-
-/// The answer of an add before boot.
-pub(super) fn configured() -> ActionResult {
-    Ok(crate::action::VmmData::Empty)
 }
 
 #[cfg(test)]

@@ -665,7 +665,7 @@ impl ApiController {
             }
         }
         self.client.record(&client_id, &device_id, section, body);
-        client::configured()
+        Ok(VmmData::Empty)
     }
 
     /// [`VmmAction::RestoreWithTaps`]: the taps for the snapshot's interfaces, then the
