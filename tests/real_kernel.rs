@@ -252,3 +252,16 @@ fn linux_onlines_a_vcpu_hot_added_by_vm_resize_and_ejects_it() {
         ],
     );
 }
+
+#[test]
+fn linux_onlines_ram_hot_added_by_vm_resize_beside_a_virtio_disk() {
+    scenario_passes(
+        "linux-memory-hotplug",
+        &[
+            "inner: waiting for hot-plugged memory",
+            "memory blocks,",
+            "MiB held in tmpfs",
+            "memory hot-plug through vm.resize with a Linux guest and a virtio disk: ok",
+        ],
+    );
+}

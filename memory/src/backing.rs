@@ -240,6 +240,8 @@ pub struct GuestRam {
     /// Whether `memfd` is a file on a private huge-page tmpfs instead of a memfd.
     huge_tmpfs: bool,
     size: u64,
+    /// For a [`GuestRam::view`]: the RAM whose mapping it is, kept mapped while it lives.
+    _parent: Option<GuestMemoryMmap>,
 }
 
 impl fmt::Debug for GuestRam {
@@ -257,7 +259,7 @@ impl GuestRam {
     /// Creates the memfd and maps every region of `regions` (the guest-physical layout,
     /// sorted by address, with file offsets packed contiguously from 0).
     pub fn create(config: &GuestRamConfig, regions: &[RamRegion]) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, None)
+        Self::create_with(config, regions, None, Purpose::Ram)
     }
 
     /// An empty memfd of `backing`'s kind, for [`GuestRam::create_in`] later: a process
@@ -274,13 +276,155 @@ impl GuestRam {
         config: &GuestRamConfig,
         regions: &[RamRegion],
     ) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, Some(memfd))
+        Self::create_with(config, regions, Some(memfd), Purpose::Ram)
+    }
+
+    /// Guest RAM over `memfd`, a file that already holds a running guest's pages (a live
+    /// update hands the old process's over): mapped, nothing copied or touched. Its size
+    /// must be `config.size` already. `huge_tmpfs` says whether it is a file on gpuvm's
+    /// private huge-page tmpfs. Hugetlb-backed RAM is not adopted (its pool check would
+    /// count the pages the guest holds as missing).
+    pub fn adopt(
+        memfd: File,
+        config: &GuestRamConfig,
+        regions: &[RamRegion],
+        huge_tmpfs: bool,
+    ) -> Result<GuestRam, RamError> {
+        let found = memfd
+            .metadata()
+            .map_err(|source| RamError::MemfdResize {
+                size: config.size,
+                source,
+            })?
+            .len();
+        if found != config.size || config.backing.is_hugetlb() {
+            return Err(RamError::MemfdResize {
+                size: config.size,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "the RAM file handed over is {found} bytes of {} backing; expected a \
+                         {}-byte memfd",
+                        config.backing, config.size
+                    ),
+                ),
+            });
+        }
+        // Same size: create_in's set_len changes nothing, and no page is touched.
+        let mut ram = Self::create_in(memfd, config, regions)?;
+        ram.huge_tmpfs = huge_tmpfs;
+        Ok(ram)
+    }
+
+    /// The room for RAM hot-plugged later, `config.size` bytes at `guest_addr`: one sparse
+    /// file of the boot RAM's backing, mapped whole and reserving nothing (hugetlb pages
+    /// are reserved per range by [`GuestRam::view`] when a range is plugged). Device
+    /// emulation gets this mapping with boot RAM from the start, so RAM plugged later is
+    /// already in every device's memory map; KVM and the IOMMU get only the plugged views.
+    pub fn create_hotplug_area(
+        config: &GuestRamConfig,
+        guest_addr: u64,
+    ) -> Result<GuestRam, RamError> {
+        let region = RamRegion {
+            guest_addr,
+            size: config.size,
+            file_offset: 0,
+        };
+        Self::create_with(config, &[region], None, Purpose::HotplugArea)
+    }
+
+    /// `[guest_addr, guest_addr + size)` of this RAM as RAM of its own: one hot-plugged
+    /// range of a [`GuestRam::create_hotplug_area`] area, for KVM's slot and the IOMMU.
+    /// It is the area's own mapping (same host addresses, one VMA for KVM, devices and a
+    /// lazy restore's userfaultfd alike), kept alive by the view. With hugetlb the pool is
+    /// checked for the range first, so a short pool is an error here rather than a SIGBUS
+    /// in the guest later (the area reserves nothing).
+    pub fn view(&self, guest_addr: u64, size: u64) -> Result<GuestRam, RamError> {
+        let page_size = self.page_size();
+        let outside = |reason: String| RamError::InvalidRegion {
+            index: 0,
+            region: RamRegion {
+                guest_addr,
+                size,
+                file_offset: 0,
+            },
+            reason,
+        };
+        if size == 0 || guest_addr % page_size != 0 || size % page_size != 0 {
+            return Err(outside(format!(
+                "its address and size must be non-zero multiples of the {} page size",
+                ByteSize(page_size)
+            )));
+        }
+        let within = self.host_regions().find(|(region, _)| {
+            guest_addr >= region.guest_addr
+                && guest_addr
+                    .checked_add(size)
+                    .is_some_and(|end| end <= region.end())
+        });
+        let Some((outer, outer_host)) = within else {
+            return Err(outside(
+                "it is not inside one region of this RAM".to_string(),
+            ));
+        };
+        let offset = guest_addr - outer.guest_addr;
+        let region = RamRegion {
+            guest_addr,
+            size,
+            file_offset: outer.file_offset + offset,
+        };
+        if self.backing.is_hugetlb() {
+            check_hugetlb_pool(self.backing, size)?;
+        }
+        let host_addr = outer_host.wrapping_add(offset as usize);
+        let len = usize::try_from(size).map_err(|_| outside("it is too large".to_string()))?;
+        // SAFETY: [host_addr, host_addr + len) lies inside this RAM's mapping of `outer`
+        // (checked above), which the view keeps alive (`parent`) and does not unmap.
+        let mapping = unsafe {
+            MmapRegionBuilder::new(len)
+                .with_raw_mmap_pointer(host_addr)
+                .with_file_offset(FileOffset::from_arc(
+                    Arc::clone(&self.memfd),
+                    region.file_offset,
+                ))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_SHARED)
+                .with_hugetlbfs(self.backing.is_hugetlb())
+                .build()
+        }
+        .map_err(|source| RamError::Map { index: 0, source })?;
+        let guest_region = GuestRegionMmap::new(mapping, GuestAddress(guest_addr))
+            .ok_or_else(|| outside("it wraps around the address space".to_string()))?;
+        Ok(GuestRam {
+            memfd: Arc::clone(&self.memfd),
+            memory: GuestMemoryMmap::from_regions(vec![guest_region])?,
+            regions: vec![region],
+            host_addrs: vec![host_addr as usize],
+            backing: self.backing,
+            huge_tmpfs: self.huge_tmpfs,
+            size,
+            _parent: Some(self.memory.clone()),
+        })
+    }
+
+    /// This RAM's memory with `other`'s regions added (boot RAM and the hot-plug area:
+    /// what device emulation reads and writes). The regions are shared, not mapped again.
+    pub fn memory_with(&self, other: &GuestRam) -> Result<GuestMemoryMmap, RamError> {
+        let mut memory = self.memory.clone();
+        for region in &other.regions {
+            let (_, shared) = other
+                .memory
+                .remove_region(GuestAddress(region.guest_addr), region.size)?;
+            memory = memory.insert_region(shared)?;
+        }
+        Ok(memory)
     }
 
     fn create_with(
         config: &GuestRamConfig,
         regions: &[RamRegion],
         memfd: Option<File>,
+        purpose: Purpose,
     ) -> Result<GuestRam, RamError> {
         let backing = config.backing;
         let page_size = backing.page_size();
@@ -293,9 +437,12 @@ impl GuestRam {
             return Err(RamError::SizeNotPageMultiple { size, backing });
         }
         // What this host can back first: a size past it says so, whatever else is wrong.
-        check_fits_host(size, !backing.is_hugetlb())?;
+        check_fits_host(
+            size,
+            !backing.is_hugetlb() || purpose == Purpose::HotplugArea,
+        )?;
         validate_regions(regions, size, page_size)?;
-        if backing.is_hugetlb() {
+        if backing.is_hugetlb() && purpose == Purpose::Ram {
             check_hugetlb_pool(backing, size)?;
         }
 
@@ -323,8 +470,11 @@ impl GuestRam {
         let mut mapped = Vec::with_capacity(regions.len());
         let mut host_addrs = Vec::with_capacity(regions.len());
         for (index, region) in regions.iter().enumerate() {
-            let mapping = map_region(&memfd, region, backing)
-                .map_err(|source| RamError::Map { index, source })?;
+            let mapping = match purpose {
+                Purpose::Ram => map_region(&memfd, region, backing),
+                Purpose::HotplugArea => map_region_unreserved(&memfd, region, backing),
+            }
+            .map_err(|source| RamError::Map { index, source })?;
             let host_addr = mapping.as_ptr();
             // The madvise hints are best effort: guest RAM works without them.
             advise(
@@ -370,26 +520,35 @@ impl GuestRam {
             mapped.push(guest_region);
         }
         let memory = GuestMemoryMmap::from_regions(mapped)?;
-        info!(
-            "guest RAM: {} {} ({}), {} region(s), all in it",
-            ByteSize(size),
-            if huge_tmpfs {
-                "shmem on a private huge-page tmpfs".to_string()
-            } else {
-                backing.to_string()
-            },
-            if huge_tmpfs {
-                format!(
-                    "2 MiB pages, 4 KiB in the first {}",
-                    ByteSize(crate::huge_tmpfs::SMALL_PAGE_PREFIX)
-                )
-            } else if config.thp && !backing.is_hugetlb() {
-                format!("{} pages, THP requested", ByteSize(page_size))
-            } else {
-                format!("{} pages", ByteSize(page_size))
-            },
-            regions.len()
-        );
+        if purpose == Purpose::HotplugArea {
+            info!(
+                "room for hot-plugged RAM: {} of {} at {:#x}, nothing allocated until plugged",
+                ByteSize(size),
+                backing,
+                regions.first().map_or(0, |r| r.guest_addr)
+            );
+        } else {
+            info!(
+                "guest RAM: {} {} ({}), {} region(s), all in it",
+                ByteSize(size),
+                if huge_tmpfs {
+                    "shmem on a private huge-page tmpfs".to_string()
+                } else {
+                    backing.to_string()
+                },
+                if huge_tmpfs {
+                    format!(
+                        "2 MiB pages, 4 KiB in the first {}",
+                        ByteSize(crate::huge_tmpfs::SMALL_PAGE_PREFIX)
+                    )
+                } else if config.thp && !backing.is_hugetlb() {
+                    format!("{} pages, THP requested", ByteSize(page_size))
+                } else {
+                    format!("{} pages", ByteSize(page_size))
+                },
+                regions.len()
+            );
+        }
 
         Ok(GuestRam {
             memfd,
@@ -399,6 +558,7 @@ impl GuestRam {
             backing,
             huge_tmpfs,
             size,
+            _parent: None,
         })
     }
 
@@ -702,6 +862,30 @@ fn create_memfd(backing: Backing) -> Result<File, RamError> {
     }
     // SAFETY: fd is a new descriptor that nothing else owns.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// What [`GuestRam::create_with`] makes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// Guest RAM, reserved (hugetlb) and announced as such.
+    Ram,
+    /// The hot-plug area: mapped for device emulation, nothing reserved.
+    HotplugArea,
+}
+
+/// As [`map_region`], never reserving hugetlb pages (MAP_NORESERVE).
+fn map_region_unreserved(
+    memfd: &Arc<File>,
+    region: &RamRegion,
+    backing: Backing,
+) -> Result<MmapRegion, MmapRegionError> {
+    let len = usize::try_from(region.size).map_err(|_| MmapRegionError::InvalidOffsetLength)?;
+    MmapRegionBuilder::new(len)
+        .with_file_offset(FileOffset::from_arc(Arc::clone(memfd), region.file_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+        .with_hugetlbfs(backing.is_hugetlb())
+        .build()
 }
 
 fn map_region(
@@ -1076,5 +1260,67 @@ pub(crate) mod tests {
             GuestRam::create_in(memfd, &GuestRamConfig::new(2 * region.size), &[region]),
             Err(RamError::RegionSizeMismatch { .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod hotplug_area_tests {
+    use vm_memory::{Bytes, GuestMemoryBackend};
+
+    use super::*;
+
+    #[test]
+    fn a_view_is_the_area_s_own_memory_and_devices_see_both() {
+        let boot = GuestRam::create(
+            &GuestRamConfig::new(64 * MIB),
+            &[RamRegion {
+                guest_addr: 0,
+                size: 64 * MIB,
+                file_offset: 0,
+            }],
+        )
+        .unwrap();
+        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        let view = area.view(4 * GIB + 128 * MIB, 128 * MIB).unwrap();
+        assert_eq!(view.size(), 128 * MIB);
+        assert_eq!(view.regions()[0].file_offset, 128 * MIB);
+        assert_eq!(
+            view.host_address(0).unwrap() as usize,
+            area.host_address(0).unwrap() as usize + (128 * MIB) as usize
+        );
+        // What KVM writes through the view, a device reads through the area, and back.
+        let devices = boot.memory_with(&area).unwrap();
+        assert_eq!(devices.num_regions(), 2);
+        let at = GuestAddress(4 * GIB + 128 * MIB + 4096);
+        view.memory().write_obj(0x1234_5678_u64, at).unwrap();
+        assert_eq!(devices.read_obj::<u64>(at).unwrap(), 0x1234_5678);
+        devices
+            .write_obj(0xfeed_u64, GuestAddress(at.0 + 8))
+            .unwrap();
+        assert_eq!(
+            view.memory()
+                .read_obj::<u64>(GuestAddress(at.0 + 8))
+                .unwrap(),
+            0xfeed
+        );
+        // The view outlives the area's own handle and keeps the mapping.
+        drop(area);
+        assert_eq!(view.memory().read_obj::<u64>(at).unwrap(), 0x1234_5678);
+
+        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        for (start, size) in [
+            (4 * GIB - 4096, 8192),
+            (5 * GIB - 4096, 8192),
+            (4 * GIB + 1, 4096),
+            (4 * GIB, 0),
+            (u64::MAX - 4095, 4096),
+        ] {
+            assert!(
+                matches!(area.view(start, size), Err(RamError::InvalidRegion { .. })),
+                "{start:#x}+{size:#x}"
+            );
+        }
+        // Nothing of the area is allocated until used.
+        assert_eq!(area.resident_bytes().unwrap(), 0);
     }
 }

@@ -66,6 +66,8 @@ struct MachineBase {
     kvm: Kvm,
     vm: VmFd,
     ram: GuestRam,
+    /// The room for hot-plugged RAM (memory.hotplug_size), mapped for device emulation.
+    ram_hotplug_area: Option<GuestRam>,
     devices: MachineDevices,
     /// Where each PCI segment's root bus put ECAM and the BAR windows, segment 0's first
     /// (the ACPI tables describe them).
@@ -105,6 +107,15 @@ fn create_base(
     )?;
     // Before anything touches guest RAM (prefault, loaders, DMA mapping).
     crate::numa::prepare(machine_config, pci_options, &ram)?;
+    let ram_hotplug_area = (pci_options.ram_hotplug_size > 0)
+        .then(|| create_ram_hotplug_area(machine_config, &ram, pci_options.ram_hotplug_size))
+        .transpose()?;
+    // What device emulation reads and writes: boot RAM and, from the start, the whole
+    // hot-plug area, so RAM plugged later needs no new memory map in any device.
+    let device_memory = match &ram_hotplug_area {
+        Some(area) => ram.memory_with(area)?,
+        None => ram.memory().clone(),
+    };
     clock.mark("guest_ram");
     let vm = kvm.create_vm().map_err(|source| Error::KvmSetup {
         what: "create the VM",
@@ -153,7 +164,7 @@ fn create_base(
         devices.memory_hotplug = Some(create_memory_hotplug(&vm, &mut devices.io_bus)?);
     }
     // The root and its devices live on in the buses' entries.
-    let pci = attach::attach(&kvm, &vm, &ram, pci_options, &mut devices)?
+    let pci = attach::attach(&kvm, &vm, &ram, &device_memory, pci_options, &mut devices)?
         .iter()
         .map(|root| root.config())
         .collect();
@@ -162,9 +173,29 @@ fn create_base(
         kvm,
         vm,
         ram,
+        ram_hotplug_area,
         devices,
         pci,
     })
+}
+
+/// The room for `hotplug_size` bytes of hot-plugged RAM after boot RAM, of boot RAM's
+/// backing: mapped now (reserving nothing) so that device emulation has it from the start.
+fn create_ram_hotplug_area(
+    machine_config: &MachineConfig,
+    ram: &GuestRam,
+    hotplug_size: u64,
+) -> Result<GuestRam, Error> {
+    let top = ram.regions().iter().map(|r| r.end()).max().unwrap_or(0);
+    let (start, size) = layout::ram_hotplug_area(top, hotplug_size);
+    Ok(GuestRam::create_hotplug_area(
+        &GuestRamConfig {
+            size,
+            backing: machine_config.backing,
+            thp: machine_config.thp,
+        },
+        start,
+    )?)
 }
 
 /// Builds a machine that boots `config.boot`.
@@ -188,6 +219,7 @@ pub fn build_with_pci(
         kvm,
         vm,
         ram,
+        ram_hotplug_area,
         devices,
         pci,
     } = create_base(
@@ -265,17 +297,9 @@ pub fn build_with_pci(
     machine.vcpu_threads = vcpu_threads;
     machine.max_vcpus = max_vcpus;
     machine.vcpu_template = vcpu_template;
-    if let Some(block) = machine.devices().memory_hotplug.clone() {
-        let top = machine
-            .ram()
-            .regions()
-            .iter()
-            .map(|r| r.end())
-            .max()
-            .unwrap_or(0);
-        let area = layout::ram_hotplug_area(top, ram_hotplug_size);
-        let backing = machine.ram().backing();
-        machine.ram_hotplug = Some(RamHotplug::new(area, ram_hotplug_size, block, backing)?);
+    if let (Some(block), Some(area)) = (machine.devices().memory_hotplug.clone(), ram_hotplug_area)
+    {
+        machine.ram_hotplug = Some(RamHotplug::new(area, ram_hotplug_size, block));
     }
     Ok(machine)
 }

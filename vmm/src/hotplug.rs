@@ -152,8 +152,6 @@ pub struct PciHotplug {
     slots: Arc<dyn GuestMemoryMapper>,
     vm: VmFd,
     ram: RamChunks,
-    /// RAM was hot-plugged (vm.resize): a virtio device built now could not reach it.
-    ram_added: bool,
     hooks: DmaTestHooks,
     devices: BTreeMap<String, HotDevice>,
     /// The VMM thread's wake-up eventfd: guest ejects and dead device processes write it.
@@ -175,6 +173,7 @@ impl PciHotplug {
         kvm: &Kvm,
         vm: &VmFd,
         ram: &GuestRam,
+        device_memory: &vm_memory::GuestMemoryMmap,
         root: Arc<PciRoot>,
         router: Arc<MsiRouter>,
         slots: Arc<dyn GuestMemoryMapper>,
@@ -194,12 +193,11 @@ impl PciHotplug {
             slots,
             vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram: RamChunks::new(ram),
-            ram_added: false,
             hooks,
             devices: BTreeMap::new(),
             wake: None,
             virtio: virtio::VirtioPlugContext {
-                memory: ram.memory().clone(),
+                memory: device_memory.clone(),
                 ioevents: Arc::new(crate::interrupts::KvmIoEvents::new(
                     duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
                 )),
@@ -231,7 +229,6 @@ impl PciHotplug {
     /// RAM hot-plugged into the VM (vm.resize): devices plugged from now on map it too.
     pub(crate) fn add_ram(&mut self, ram: &GuestRam) {
         self.ram.add(ram);
-        self.ram_added = true;
     }
 
     /// The register block, for the port-I/O bus.

@@ -8,12 +8,21 @@
 //! memory map already has, below the identity-mapped limit), runs a memtest over all of it
 //! (a pattern written, then read back) and prints
 //! `memory-hotplug: slot N base=0x... size=... memtest ok checksum=0x...`.
+//!
+//! `memory-hotplug blk [COUNT]` also moves data through the virtio-blk disk with both
+//! buffers in each new range: [`BLK_BYTES`] of slot N's pattern written from the range's
+//! first bytes to disk sector `N * BLK_SECTORS`, read back into the range's next bytes
+//! and compared (`memory-hotplug: slot N virtio-blk wrote and read back ...`): the
+//! device reads and writes RAM the VM did not boot with. The host checks the disk.
 
 use crate::arch::{inl, outl};
 use crate::boot::MAPPED_LIMIT;
 use crate::bootinfo::BootInfo;
 use crate::console::exit;
-use crate::pattern::{fill, verify, Mismatch};
+use crate::args::Words;
+use crate::pattern::{fill, pattern, verify, zero, Mismatch};
+use crate::virtio::transport::{VirtioPci, TYPE_BLOCK};
+use crate::virtio::{DiskIo, Dma};
 use crate::println;
 
 /// gpuvm_devices::memory_hotplug's register block.
@@ -37,6 +46,12 @@ const EXIT_FAIL: u32 = 1;
 const EXIT_USAGE: u32 = 2;
 /// A seed per slot, so that two slots mapped onto the same memory would show.
 const SEED: u64 = 0x6d65_6d68_6f74;
+/// What `blk` moves through the disk per slot, and where: slot N at sector N * BLK_SECTORS.
+pub const BLK_BYTES: u64 = 64 << 10;
+const BLK_SECTORS: u64 = BLK_BYTES / 512;
+/// The pattern seed of slot N's disk data: BLK_SEED + N (word at disk offset o:
+/// pattern(BLK_SEED + N, o)).
+const BLK_SEED: u64 = 0x6d68_626c_6b00;
 
 fn fail(what: core::fmt::Arguments) -> ! {
     println!("memory-hotplug: FAIL {what}");
@@ -56,6 +71,11 @@ fn flags_of(slot: u32) -> u32 {
 
 fn read64(low: u16, high: u16) -> u64 {
     u64::from(inl(low)) | u64::from(inl(high)) << 32
+}
+
+fn read_base(slot: u32) -> u64 {
+    outl(MSEL, slot);
+    read64(MBAS_LO, MBAS_HI)
 }
 
 /// Checks slot `slot`'s range and memtests it; returns its size.
@@ -110,12 +130,61 @@ fn take(info: &BootInfo, slot: u32) -> u64 {
     size
 }
 
-pub fn run(info: &BootInfo, count: Option<&str>) -> ! {
+/// Writes slot `slot`'s disk pattern from the start of `base`, reads it back after it and
+/// compares: virtio-blk I/O with both buffers in hot-plugged RAM.
+fn disk_round_trip(disk: &mut DiskIo, slot: u32, base: u64) {
+    let sector = u64::from(slot) * BLK_SECTORS;
+    let seed = BLK_SEED + u64::from(slot);
+    let (from, into) = (base, base + BLK_BYTES);
+    let mut word = 0;
+    while word < BLK_BYTES {
+        let value = pattern(seed, sector * 512 + word);
+        // SAFETY: [base, base + 2 * BLK_BYTES) is hot-plugged RAM this workload took (a
+        // whole 128 MiB block, identity mapped below MAPPED_LIMIT: checked in take()).
+        unsafe { core::ptr::write_volatile((from + word) as *mut u64, value) };
+        word += 8;
+    }
+    zero(into, BLK_BYTES);
+    disk.write(sector, from, BLK_BYTES as u32);
+    disk.read(sector, into, BLK_BYTES as u32);
+    let mut word = 0;
+    while word < BLK_BYTES {
+        let expected = pattern(seed, sector * 512 + word);
+        // SAFETY: as above; the device finished with the buffer before publishing it.
+        let got = unsafe { core::ptr::read_volatile((into + word) as *const u64) };
+        if got != expected {
+            fail(format_args!(
+                "slot {slot}: virtio-blk read back {:#x}: expected {expected:#018x} got {got:#018x}",
+                into + word
+            ));
+        }
+        word += 8;
+    }
+    println!(
+        "memory-hotplug: slot {slot} virtio-blk wrote and read back {BLK_BYTES} bytes at {from:#x}, sector {sector}"
+    );
+}
+
+pub fn run(info: &BootInfo, mut words: Words) -> ! {
+    let mut count = words.next_word();
+    let with_disk = count == Some("blk");
+    if with_disk {
+        count = words.next_word();
+    }
+    let mut dma;
+    let mut dev;
+    let mut disk = if with_disk {
+        dma = Dma::new(info, "memory-hotplug");
+        dev = VirtioPci::find("memory-hotplug", TYPE_BLOCK);
+        Some(DiskIo::open(&mut dev, &mut dma))
+    } else {
+        None
+    };
     let wanted = match count.map(crate::args::parse_number) {
         None => None,
         Some(Some(n)) => Some(n),
         Some(None) => {
-            println!("testguest: usage: memory-hotplug [COUNT]");
+            println!("testguest: usage: memory-hotplug [blk] [COUNT]");
             exit(EXIT_USAGE)
         }
     };
@@ -132,7 +201,11 @@ pub fn run(info: &BootInfo, count: Option<&str>) -> ! {
             }
             // Taken: clear the event first, as MSCN does.
             outl(FLAGS, MINS);
+            let base = read_base(slot);
             bytes += take(info, slot);
+            if let Some(disk) = disk.as_mut() {
+                disk_round_trip(disk, slot, base);
+            }
             added += 1;
             println!("memory-hotplug: {added} slot(s), {bytes} bytes added");
             if wanted == Some(added) {

@@ -29,7 +29,7 @@ pub fn run(info: &BootInfo) -> ! {
         "zerofill" => zerofill(info, &mut words),
         "smp" => smp_workload(info),
         "cpu-hotplug" => crate::cpu_hotplug::run(info),
-        "memory-hotplug" => crate::memory_hotplug::run(info, words.next_word()),
+        "memory-hotplug" => crate::memory_hotplug::run(info, words),
         "info" => print_info(info, cmdline),
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),

@@ -15,6 +15,7 @@ use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::VfioUserDevice;
 use gpuvm_vfio::PassthroughDevice;
 use kvm_ioctls::{Kvm, VmFd};
+use vm_memory::GuestMemoryMmap;
 
 use crate::config::PciOptions;
 use crate::devices::MachineDevices;
@@ -40,6 +41,7 @@ pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
     ram: &GuestRam,
+    device_memory: &GuestMemoryMmap,
     options: &PciOptions,
     devices: &mut MachineDevices,
 ) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
@@ -79,7 +81,7 @@ pub fn attach(
     if !options.virtio.is_empty() {
         devices.virtio = crate::virtio::attach(
             duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
-            ram.memory(),
+            device_memory,
             &roots,
             &router,
             &options.virtio,
@@ -90,6 +92,7 @@ pub fn attach(
         kvm,
         vm,
         ram,
+        device_memory,
         root.clone(),
         router,
         slots,

@@ -148,6 +148,7 @@ pub fn restore_with_overrides(
         kvm,
         vm,
         ram,
+        ram_hotplug_area: _,
         devices,
         pci: _,
     } = base;

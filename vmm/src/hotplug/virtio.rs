@@ -73,13 +73,6 @@ impl PciHotplug {
                 "entropy and balloon devices are configured before boot".into(),
             ));
         }
-        if self.ram_added {
-            return Err(refuse(
-                "this VM has hot-plugged RAM, which virtio devices cannot reach yet (they get \
-                 the RAM map the VM booted with)"
-                    .into(),
-            ));
-        }
         // A vhost-user front end starts a thread of its own under the device filter, which
         // the VMM thread's filter cannot hand on.
         if matches!(

@@ -5,19 +5,24 @@
 //! (gpuvm_arch::x86_64::layout::ram_hotplug_area), and the DSDT's memory devices
 //! (arch/src/x86_64/acpi/memory.rs) let the guest find it.
 //!
-//! Order, on the VMM thread: a new memfd (the boot RAM's backing: hugetlb when it is, THP
-//! advice when it has it; made empty with the VM, as the VMM thread's seccomp filter has no
-//! memfd_create, and only sized and mapped here), a KVM memory slot, the DMA mapping for every passthrough
-//! device (synchronously: a device must never be able to DMA into RAM the guest was told
-//! about but the IOMMU does not map), and only then the guest is told (the block's insert
-//! event and the GED interrupt). Shrinking is refused: it needs the guest to offline and
-//! eject a slot first.
+//! Order, on the VMM thread: a view of the new range in the hot-plug area (one sparse file
+//! of the boot RAM's backing, mapped whole at build for device emulation: virtio devices
+//! and vhost-user back ends have had it in their memory map since they were made, so no
+//! device needs a new map; the view reserves hugetlb pages for the range), a KVM memory
+//! slot, the DMA mapping for every passthrough device (synchronously: a device must never
+//! be able to DMA into RAM the guest was told about but the IOMMU does not map), and only
+//! then the guest is told (the block's insert event and the GED interrupt). Shrinking is
+//! refused: it needs the guest to offline and eject a slot first.
+//!
+//! What the area's early mapping costs: a guest that points a virtio buffer into a part
+//! of the area it was not given gets zeroes and, for writes, makes the host allocate
+//! those pages: at most the hot-plug size the VM was allowed, its own memory, never
+//! another VM's, and never reachable by a passthrough device (no IOMMU mapping).
 
-use std::fs::File;
 use std::sync::{Arc, Mutex};
 
 use gpuvm_devices::memory_hotplug::{MemoryHotplug, MEMORY_BLOCK_SIZE, MEMORY_HOTPLUG_SLOTS};
-use gpuvm_memory::{Backing, ByteSize, GuestRam, GuestRamConfig, RamError, RamRegion};
+use gpuvm_memory::{ByteSize, GuestRam, RamError};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 
 use super::{Machine, RunningMachine};
@@ -33,17 +38,13 @@ const _: () = assert!(FIRST_HOTPLUG_RAM_SLOT + MEMORY_HOTPLUG_SLOTS as u32 <= BA
 
 /// The machine's memory hot-plug: the room for it, the register block and the RAM added.
 pub(crate) struct RamHotplug {
-    /// Guest-physical `[start, start + size)` kept for hot-plugged RAM.
-    area_start: u64,
-    area_size: u64,
+    /// The room kept for hot-plugged RAM, mapped whole (see the module's comment).
+    area: GuestRam,
     /// What the user asked for (`memory.hotplug_size`): the most RAM that may be added.
     hotplug_size: u64,
     block: Arc<Mutex<MemoryHotplug>>,
-    /// The RAM of each filled slot.
+    /// The RAM of each filled slot: a view of its range of `area`.
     added: Vec<AddedRam>,
-    /// Empty memfds of the boot RAM's backing, one per slot, made with the VM: the VMM
-    /// thread's seccomp filter has no memfd_create (a hot-plug only sizes and maps one).
-    spare_memfds: Vec<File>,
 }
 
 struct AddedRam {
@@ -51,25 +52,15 @@ struct AddedRam {
 }
 
 impl RamHotplug {
-    /// Memory hot-plug into `area` (`(start, size)`) of at most `hotplug_size` bytes, in
-    /// RAM of `backing` (the boot RAM's): makes the memfds now.
-    pub(crate) fn new(
-        area: (u64, u64),
-        hotplug_size: u64,
-        block: Arc<Mutex<MemoryHotplug>>,
-        backing: Backing,
-    ) -> Result<Self, RamError> {
-        let spare_memfds = (0..MEMORY_HOTPLUG_SLOTS)
-            .map(|_| GuestRam::spare_memfd(backing))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(RamHotplug {
-            area_start: area.0,
-            area_size: area.1,
+    /// Memory hot-plug of at most `hotplug_size` bytes into `area` (from
+    /// [`GuestRam::create_hotplug_area`]).
+    pub(crate) fn new(area: GuestRam, hotplug_size: u64, block: Arc<Mutex<MemoryHotplug>>) -> Self {
+        RamHotplug {
+            area,
             hotplug_size,
             block,
             added: Vec::new(),
-            spare_memfds,
-        })
+        }
     }
 
     /// Bytes of RAM added so far.
@@ -85,8 +76,9 @@ impl RamHotplug {
             .flat_map(|added| added.ram.regions().iter().map(|r| (r.guest_addr, r.end())))
             .collect();
         used.sort_unstable();
-        let end = self.area_start + self.area_size;
-        let mut candidate = self.area_start;
+        let area = self.area.regions().first()?;
+        let end = area.end();
+        let mut candidate = area.guest_addr;
         for (start, stop) in used {
             if candidate + size <= start {
                 break;
@@ -139,13 +131,6 @@ pub enum MemoryResizeError {
     NoSlot,
     #[error("no room left for {} in the hot-plug area", ByteSize(*.0))]
     NoRoom(u64),
-    #[error(
-        "this VM has virtio devices ({}), and hot-plugged RAM is not reachable by them yet \
-         (they keep the RAM map they were built with): a guest that put a virtio buffer in \
-         it would fail its I/O, so gpuvm keeps the VM's {} of RAM",
-        .devices.join(", "), ByteSize(*.current)
-    )]
-    VirtioDevices { devices: Vec<String>, current: u64 },
     #[error("cannot create the hot-plugged RAM: {0}")]
     Ram(#[from] RamError),
     #[error("cannot register the hot-plugged RAM with KVM: {0}")]
@@ -167,8 +152,7 @@ impl MemoryResizeError {
             | MemoryResizeError::NotBlockMultiple { .. }
             | MemoryResizeError::AboveHotplugSize { .. }
             | MemoryResizeError::NoSlot
-            | MemoryResizeError::NoRoom(_)
-            | MemoryResizeError::VirtioDevices { .. } => 400,
+            | MemoryResizeError::NoRoom(_) => 400,
             MemoryResizeError::Ram(_)
             | MemoryResizeError::Kvm(_)
             | MemoryResizeError::Dma { .. } => 500,
@@ -265,27 +249,7 @@ impl RunningMachine<'_> {
         if grow == 0 {
             return Ok(());
         }
-        // Until virtio devices can take a new RAM map, RAM they cannot reach is refused
-        // rather than handed to a guest that would put their buffers in it. The entropy
-        // device is the exception: a buffer it cannot reach gets no bytes, which costs the
-        // guest nothing but a retry (every Cloud Hypervisor VM has one).
-        let blind: Vec<String> = self
-            .machine
-            .devices
-            .virtio
-            .iter()
-            .filter(|h| !matches!(h.config, crate::virtio::VirtioDeviceConfig::Rng(_)))
-            .map(|h| h.config.id().to_string())
-            .collect();
-        if !blind.is_empty() {
-            return Err(MemoryResizeError::VirtioDevices {
-                devices: blind,
-                current: self.machine.ram_size(),
-            });
-        }
         let granule = self.machine.ram_granule();
-        let backing = self.machine.ram.backing();
-        let thp = self.machine.config.thp;
         let dirty_log = self.machine.config.track_dirty_pages;
         let Some(hotplug) = self.machine.ram_hotplug.as_mut() else {
             return Err(MemoryResizeError::NoHotplug {
@@ -298,23 +262,7 @@ impl RunningMachine<'_> {
         let base = hotplug
             .place(grow, granule)
             .ok_or(MemoryResizeError::NoRoom(grow))?;
-        let memfd = hotplug
-            .spare_memfds
-            .pop()
-            .ok_or(MemoryResizeError::NoSlot)?;
-        let ram = GuestRam::create_in(
-            memfd,
-            &GuestRamConfig {
-                size: grow,
-                backing,
-                thp,
-            },
-            &[RamRegion {
-                guest_addr: base,
-                size: grow,
-                file_offset: 0,
-            }],
-        )?;
+        let ram = hotplug.area.view(base, grow)?;
         let host = ram.host_address(0).ok_or(MemoryResizeError::NoRoom(grow))?;
         let kvm_slot = FIRST_HOTPLUG_RAM_SLOT + u32::from(slot);
         let region = kvm_userspace_memory_region {
@@ -390,6 +338,7 @@ fn dma_map(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuvm_memory::GuestRamConfig;
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
@@ -447,26 +396,16 @@ mod tests {
     #[test]
     fn ranges_are_placed_first_fit_inside_the_area() {
         let block = Arc::new(Mutex::new(MemoryHotplug::new(None)));
-        let mut hotplug = RamHotplug::new((4 * GIB, GIB), GIB, block, Backing::Memfd).unwrap();
-        assert_eq!(
-            hotplug.spare_memfds.len(),
-            usize::from(MEMORY_HOTPLUG_SLOTS)
-        );
+        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        let mut hotplug = RamHotplug::new(area, GIB, block);
         assert_eq!(hotplug.place(256 * MIB, MEMORY_BLOCK_SIZE), Some(4 * GIB));
         assert_eq!(hotplug.place(GIB, MEMORY_BLOCK_SIZE), Some(4 * GIB));
         assert_eq!(
             hotplug.place(GIB + MEMORY_BLOCK_SIZE, MEMORY_BLOCK_SIZE),
             None
         );
-        let ram = GuestRam::create(
-            &GuestRamConfig::new(256 * MIB),
-            &[RamRegion {
-                guest_addr: 4 * GIB,
-                size: 256 * MIB,
-                file_offset: 0,
-            }],
-        )
-        .unwrap();
+        let ram = hotplug.area.view(4 * GIB, 256 * MIB).unwrap();
+        assert_eq!(ram.regions()[0].file_offset, 0);
         hotplug.added.push(AddedRam { ram });
         assert_eq!(hotplug.added_bytes(), 256 * MIB);
         assert_eq!(

@@ -84,6 +84,40 @@ impl<'a> Request<'a> {
     }
 }
 
+/// A read-write disk other workloads move data through (`memory-hotplug blk`): set up
+/// once, then whole-sector writes and reads at any guest-physical buffer.
+pub(crate) struct DiskIo<'a> {
+    request: Request<'a>,
+}
+
+impl<'a> DiskIo<'a> {
+    /// Initializes `dev` (a block device, read-write) with its request queue in `dma`.
+    pub(crate) fn open(dev: &'a mut VirtioPci, dma: &mut Dma) -> DiskIo<'a> {
+        let features = dev.initialize(F_FLUSH);
+        if features & F_RO != 0 {
+            dev.fail(format_args!("the disk is read-only"));
+        }
+        let queue = dev.setup_queue(dma, 0, None);
+        queue.suppress_interrupts(true);
+        dev.driver_ok();
+        DiskIo {
+            request: Request::new(dev, queue, dma),
+        }
+    }
+
+    /// Writes `len` bytes (whole sectors) from guest-physical `addr` at `sector`.
+    pub(crate) fn write(&mut self, sector: u64, addr: u64, len: u32) {
+        let data = Buffer::readable(addr, len);
+        self.request.expect_ok("write", T_OUT, sector, Some(data));
+    }
+
+    /// Reads `len` bytes (whole sectors) at `sector` into guest-physical `addr`.
+    pub(crate) fn read(&mut self, sector: u64, addr: u64, len: u32) {
+        let data = Buffer::writable(addr, len);
+        self.request.expect_ok("read", T_IN, sector, Some(data));
+    }
+}
+
 pub fn run(dma: &mut Dma) -> ! {
     let mut dev = VirtioPci::find(NAME, TYPE_BLOCK);
     check(&mut dev, dma);

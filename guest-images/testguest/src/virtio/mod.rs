@@ -20,6 +20,7 @@
 mod balloon;
 pub mod bench;
 mod blk;
+pub(crate) use blk::DiskIo;
 mod devices;
 mod fs;
 mod gpu_agent;
