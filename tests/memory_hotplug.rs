@@ -225,11 +225,63 @@ const BLK_SEED: u64 = 0x6d68_626c_6b00;
 #[test]
 fn ram_grows_under_a_virtio_disk_that_uses_it() {
     let scratch = Scratch::new("memory_hotplug", "virtio");
-    let api = scratch.path("api.sock");
     let disk = scratch.path("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let disk_arg = format!("path={},id=data", disk.display());
-    let kernel = guest_image(&scratch);
+    disk_moves_data_through_hot_plugged_ram(&scratch, &disk_arg, &disk);
+}
+
+/// The same through a vhost-user-blk back end (qemu-storage-daemon), a process of its own
+/// that mapped the VM's memory table when the disk was set up: the hot-plug area was in that
+/// table from the start, so the back end reaches RAM plugged later without a new table.
+#[test]
+fn ram_grows_under_a_vhost_user_disk_that_uses_it() {
+    let Some(qsd) = find_in_path("qemu-storage-daemon") else {
+        eprintln!(
+            "SKIPPED memory_hotplug::ram_grows_under_a_vhost_user_disk_that_uses_it: \
+             qemu-storage-daemon is not installed (scripts/install-deps.sh installs it)"
+        );
+        return;
+    };
+    let scratch = Scratch::new("memory_hotplug", "vhost-user");
+    let disk = scratch.path("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let socket = scratch.path("qsd.sock");
+    let file = format!("driver=file,node-name=file0,filename={}", disk.display());
+    let export = format!(
+        "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable=on",
+        socket.display()
+    );
+    let mut backend = SpawnedProcess::spawn(
+        &qsd,
+        &[
+            "--blockdev",
+            &file,
+            "--blockdev",
+            "driver=raw,node-name=disk0,file=file0",
+            "--export",
+            &export,
+        ],
+    );
+    backend.wait_until("qemu-storage-daemon's socket", LIMIT, |_| socket.exists());
+    let disk_arg = format!("vhost_user=on,socket={},id=data", socket.display());
+    disk_moves_data_through_hot_plugged_ram(&scratch, &disk_arg, &disk);
+    backend.signal(libc::SIGTERM);
+    backend.wait(LIMIT);
+}
+
+fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// Boots `memory-hotplug blk 2` with `--disk disk_arg` (the disk's image at `image`), grows
+/// RAM twice as Kata does, and checks the guest's I/O through each new range and its data
+/// on the disk.
+fn disk_moves_data_through_hot_plugged_ram(scratch: &Scratch, disk_arg: &str, image: &Path) {
+    let api = scratch.path("api.sock");
+    let kernel = guest_image(scratch);
     let mut args = test_guest_args(&api, &kernel, "memory-hotplug blk 2");
     args.extend([
         "--cpus",
@@ -237,12 +289,12 @@ fn ram_grows_under_a_virtio_disk_that_uses_it() {
         "--memory",
         "size=256M,hotplug_size=1G",
         "--disk",
-        &disk_arg,
+        disk_arg,
         "--seccomp",
         "true",
         "-v",
     ]);
-    let mut vm = spawn_ch(&scratch, &args);
+    let mut vm = spawn_ch(scratch, &args);
     wait_for_vm(&mut vm, &api, LIMIT);
     vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
     kata_resize_memory(&api, 256 + 200);
@@ -268,7 +320,7 @@ fn ram_grows_under_a_virtio_disk_that_uses_it() {
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
     // What the device read from hot-plugged RAM is on the disk, slot by slot.
-    let bytes = std::fs::read(&disk).unwrap();
+    let bytes = std::fs::read(image).unwrap();
     for slot in 0..2u64 {
         let start = slot * BLK_BYTES;
         for word in (0..BLK_BYTES).step_by(8) {
