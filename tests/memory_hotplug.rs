@@ -191,7 +191,9 @@ fn hot_plugged_ram_is_dma_mapped_for_a_gpu_before_the_guest_uses_it() {
     api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
 
     resize(&api, 204, &format!(r#"{{"desired_ram":{}}}"#, 512 * MIB));
-    // Logged before the answer: the map happened on the VMM thread, before the insert.
+    // Logged before the answer: the map happened on the VMM thread, before the insert (the
+    // log reaches this test through a pipe its reader drains, so wait for the last line).
+    vm.wait_for_stderr("of RAM hot-plugged at 0x100000000", LIMIT);
     let stderr = vm.stderr();
     let mapped = stderr
         .find("hot-plugged RAM at 0x100000000: DMA-mapped for")

@@ -259,7 +259,7 @@ impl GuestRam {
     /// Creates the memfd and maps every region of `regions` (the guest-physical layout,
     /// sorted by address, with file offsets packed contiguously from 0).
     pub fn create(config: &GuestRamConfig, regions: &[RamRegion]) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, None, Purpose::Ram)
+        Self::create_with(config, regions, None, 0)
     }
 
     /// An empty memfd of `backing`'s kind, for [`GuestRam::create_in`] later: a process
@@ -276,7 +276,7 @@ impl GuestRam {
         config: &GuestRamConfig,
         regions: &[RamRegion],
     ) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, Some(memfd), Purpose::Ram)
+        Self::create_with(config, regions, Some(memfd), 0)
     }
 
     /// Guest RAM over `memfd`, a file that already holds a running guest's pages (a live
@@ -316,25 +316,116 @@ impl GuestRam {
         Ok(ram)
     }
 
-    /// The room for RAM hot-plugged later, `config.size` bytes at `guest_addr`: one sparse
-    /// file of the boot RAM's backing, mapped whole and reserving nothing (hugetlb pages
-    /// are reserved per range by [`GuestRam::view`] when a range is plugged). Device
-    /// emulation gets this mapping with boot RAM from the start, so RAM plugged later is
-    /// already in every device's memory map; KVM and the IOMMU get only the plugged views.
-    pub fn create_hotplug_area(
+    /// As [`GuestRam::create`], with `room` bytes more in its file for RAM hot-plugged later
+    /// ([`GuestRam::hotplug_area`]): the private huge-page tmpfs is sized for both.
+    pub fn create_with_hotplug_room(
         config: &GuestRamConfig,
-        guest_addr: u64,
+        regions: &[RamRegion],
+        room: u64,
     ) -> Result<GuestRam, RamError> {
+        Self::create_with(config, regions, None, room)
+    }
+
+    /// The room for RAM hot-plugged later: `size` bytes at `guest_addr`, in this RAM's own
+    /// file right after it (so every consumer that shares guest RAM by its file, a
+    /// snapshot, vfio-user, a live update, sees one file), mapped whole and reserving
+    /// nothing: hugetlb pages are checked per range by [`GuestRam::view`] when a range is
+    /// plugged. Device emulation gets this mapping with boot RAM from the start, so RAM
+    /// plugged later is already in every device's memory map; KVM and the IOMMU get only
+    /// the plugged views. Made from RAM created with room for it
+    /// ([`GuestRam::create_with_hotplug_room`]) when that RAM is on the huge-page tmpfs.
+    pub fn hotplug_area(&self, guest_addr: u64, size: u64) -> Result<GuestRam, RamError> {
+        let page_size = self.page_size();
+        let file_offset = self
+            .regions
+            .iter()
+            .map(|r| r.file_offset + r.size)
+            .max()
+            .unwrap_or(0);
         let region = RamRegion {
             guest_addr,
-            size: config.size,
-            file_offset: 0,
+            size,
+            file_offset,
         };
-        Self::create_with(config, &[region], None, Purpose::HotplugArea)
+        if size == 0 || !size.is_multiple_of(page_size) || !guest_addr.is_multiple_of(page_size) {
+            return Err(RamError::InvalidRegion {
+                index: 0,
+                region,
+                reason: format!(
+                    "its address and size must be non-zero multiples of the {} page size",
+                    ByteSize(page_size)
+                ),
+            });
+        }
+        if let Some(ram) = self
+            .regions
+            .iter()
+            .find(|r| r.guest_addr < guest_addr.saturating_add(size) && guest_addr < r.end())
+        {
+            return Err(RamError::InvalidRegion {
+                index: 0,
+                region,
+                reason: format!("it overlaps RAM at {:#x}..{:#x}", ram.guest_addr, ram.end()),
+            });
+        }
+        // Sparse whatever the backing: nothing of it is allocated until plugged and used.
+        check_fits_host(file_offset + size, true)?;
+        self.memfd
+            .set_len(file_offset + size)
+            .map_err(|source| RamError::MemfdResize {
+                size: file_offset + size,
+                source,
+            })?;
+        let mapping = map_region_unreserved(&self.memfd, &region, self.backing)
+            .map_err(|source| RamError::Map { index: 0, source })?;
+        let host_addr = mapping.as_ptr();
+        advise(
+            host_addr,
+            mapping.size(),
+            libc::MADV_DONTDUMP,
+            "MADV_DONTDUMP",
+        );
+        if !self.backing.is_hugetlb() {
+            advise(
+                host_addr,
+                mapping.size(),
+                libc::MADV_HUGEPAGE,
+                "MADV_HUGEPAGE",
+            );
+        }
+        let guest_region =
+            GuestRegionMmap::new(mapping, GuestAddress(guest_addr)).ok_or_else(|| {
+                RamError::InvalidRegion {
+                    index: 0,
+                    region,
+                    reason: "it wraps around the address space".to_string(),
+                }
+            })?;
+        info!(
+            "room for hot-plugged RAM: {} at {guest_addr:#x}, in guest RAM's file at {:#x}, \
+             nothing allocated until plugged",
+            ByteSize(size),
+            file_offset
+        );
+        Ok(GuestRam {
+            memfd: Arc::clone(&self.memfd),
+            memory: GuestMemoryMmap::from_regions(vec![guest_region])?,
+            regions: vec![region],
+            host_addrs: vec![host_addr as usize],
+            backing: self.backing,
+            huge_tmpfs: self.huge_tmpfs,
+            size,
+            _parent: None,
+        })
+    }
+
+    /// Whether `other` is RAM in this RAM's file (its hot-plug area or a view of it).
+    pub fn shares_file_with(&self, other: &GuestRam) -> bool {
+        Arc::ptr_eq(&self.memfd, &other.memfd)
     }
 
     /// `[guest_addr, guest_addr + size)` of this RAM as RAM of its own: one hot-plugged
-    /// range of a [`GuestRam::create_hotplug_area`] area, for KVM's slot and the IOMMU.
+    /// range of a [`GuestRam::hotplug_area`], for KVM's slot and the IOMMU.
     /// It is the area's own mapping (same host addresses, one VMA for KVM, devices and a
     /// lazy restore's userfaultfd alike), kept alive by the view. With hugetlb the pool is
     /// checked for the range first, so a short pool is an error here rather than a SIGBUS
@@ -424,7 +515,7 @@ impl GuestRam {
         config: &GuestRamConfig,
         regions: &[RamRegion],
         memfd: Option<File>,
-        purpose: Purpose,
+        room: u64,
     ) -> Result<GuestRam, RamError> {
         let backing = config.backing;
         let page_size = backing.page_size();
@@ -437,12 +528,9 @@ impl GuestRam {
             return Err(RamError::SizeNotPageMultiple { size, backing });
         }
         // What this host can back first: a size past it says so, whatever else is wrong.
-        check_fits_host(
-            size,
-            !backing.is_hugetlb() || purpose == Purpose::HotplugArea,
-        )?;
+        check_fits_host(size, !backing.is_hugetlb())?;
         validate_regions(regions, size, page_size)?;
-        if backing.is_hugetlb() && purpose == Purpose::Ram {
+        if backing.is_hugetlb() {
             check_hugetlb_pool(backing, size)?;
         }
 
@@ -450,7 +538,7 @@ impl GuestRam {
         let memfd = Arc::new(match memfd {
             Some(memfd) => memfd,
             None if backing == Backing::Memfd && config.thp => {
-                match crate::huge_tmpfs::create_file(size) {
+                match crate::huge_tmpfs::create_file(size + room) {
                     Ok(file) => {
                         huge_tmpfs = true;
                         file
@@ -470,11 +558,8 @@ impl GuestRam {
         let mut mapped = Vec::with_capacity(regions.len());
         let mut host_addrs = Vec::with_capacity(regions.len());
         for (index, region) in regions.iter().enumerate() {
-            let mapping = match purpose {
-                Purpose::Ram => map_region(&memfd, region, backing),
-                Purpose::HotplugArea => map_region_unreserved(&memfd, region, backing),
-            }
-            .map_err(|source| RamError::Map { index, source })?;
+            let mapping = map_region(&memfd, region, backing)
+                .map_err(|source| RamError::Map { index, source })?;
             let host_addr = mapping.as_ptr();
             // The madvise hints are best effort: guest RAM works without them.
             advise(
@@ -520,35 +605,26 @@ impl GuestRam {
             mapped.push(guest_region);
         }
         let memory = GuestMemoryMmap::from_regions(mapped)?;
-        if purpose == Purpose::HotplugArea {
-            info!(
-                "room for hot-plugged RAM: {} of {} at {:#x}, nothing allocated until plugged",
-                ByteSize(size),
-                backing,
-                regions.first().map_or(0, |r| r.guest_addr)
-            );
-        } else {
-            info!(
-                "guest RAM: {} {} ({}), {} region(s), all in it",
-                ByteSize(size),
-                if huge_tmpfs {
-                    "shmem on a private huge-page tmpfs".to_string()
-                } else {
-                    backing.to_string()
-                },
-                if huge_tmpfs {
-                    format!(
-                        "2 MiB pages, 4 KiB in the first {}",
-                        ByteSize(crate::huge_tmpfs::SMALL_PAGE_PREFIX)
-                    )
-                } else if config.thp && !backing.is_hugetlb() {
-                    format!("{} pages, THP requested", ByteSize(page_size))
-                } else {
-                    format!("{} pages", ByteSize(page_size))
-                },
-                regions.len()
-            );
-        }
+        info!(
+            "guest RAM: {} {} ({}), {} region(s), all in it",
+            ByteSize(size),
+            if huge_tmpfs {
+                "shmem on a private huge-page tmpfs".to_string()
+            } else {
+                backing.to_string()
+            },
+            if huge_tmpfs {
+                format!(
+                    "2 MiB pages, 4 KiB in the first {}",
+                    ByteSize(crate::huge_tmpfs::SMALL_PAGE_PREFIX)
+                )
+            } else if config.thp && !backing.is_hugetlb() {
+                format!("{} pages, THP requested", ByteSize(page_size))
+            } else {
+                format!("{} pages", ByteSize(page_size))
+            },
+            regions.len()
+        );
 
         Ok(GuestRam {
             memfd,
@@ -862,15 +938,6 @@ fn create_memfd(backing: Backing) -> Result<File, RamError> {
     }
     // SAFETY: fd is a new descriptor that nothing else owns.
     Ok(unsafe { File::from_raw_fd(fd) })
-}
-
-/// What [`GuestRam::create_with`] makes.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Purpose {
-    /// Guest RAM, reserved (hugetlb) and announced as such.
-    Ram,
-    /// The hot-plug area: mapped for device emulation, nothing reserved.
-    HotplugArea,
 }
 
 /// As [`map_region`], never reserving hugetlb pages (MAP_NORESERVE).
@@ -1271,19 +1338,28 @@ mod hotplug_area_tests {
 
     #[test]
     fn a_view_is_the_area_s_own_memory_and_devices_see_both() {
-        let boot = GuestRam::create(
-            &GuestRamConfig::new(64 * MIB),
-            &[RamRegion {
-                guest_addr: 0,
-                size: 64 * MIB,
-                file_offset: 0,
-            }],
-        )
-        .unwrap();
-        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        let boot_ram = || {
+            GuestRam::create_with_hotplug_room(
+                &GuestRamConfig::new(64 * MIB),
+                &[RamRegion {
+                    guest_addr: 0,
+                    size: 64 * MIB,
+                    file_offset: 0,
+                }],
+                GIB,
+            )
+            .unwrap()
+        };
+        let boot = boot_ram();
+        let area = boot.hotplug_area(4 * GIB, GIB).unwrap();
+        // One file: the area right after boot RAM in it.
+        assert!(boot.shares_file_with(&area));
+        assert_eq!(area.regions()[0].file_offset, 64 * MIB);
+        assert_eq!(boot.memfd().metadata().unwrap().len(), 64 * MIB + GIB);
         let view = area.view(4 * GIB + 128 * MIB, 128 * MIB).unwrap();
+        assert!(view.shares_file_with(&boot));
         assert_eq!(view.size(), 128 * MIB);
-        assert_eq!(view.regions()[0].file_offset, 128 * MIB);
+        assert_eq!(view.regions()[0].file_offset, 64 * MIB + 128 * MIB);
         assert_eq!(
             view.host_address(0).unwrap() as usize,
             area.host_address(0).unwrap() as usize + (128 * MIB) as usize
@@ -1307,7 +1383,23 @@ mod hotplug_area_tests {
         drop(area);
         assert_eq!(view.memory().read_obj::<u64>(at).unwrap(), 0x1234_5678);
 
-        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        let boot = boot_ram();
+        // Not over boot RAM, not unaligned, not empty.
+        for (start, size) in [
+            (0, GIB),
+            (32 * MIB, 64 * MIB),
+            (4 * GIB + 1, GIB),
+            (4 * GIB, 0),
+        ] {
+            assert!(
+                matches!(
+                    boot.hotplug_area(start, size),
+                    Err(RamError::InvalidRegion { .. })
+                ),
+                "area {start:#x}+{size:#x}"
+            );
+        }
+        let area = boot.hotplug_area(4 * GIB, GIB).unwrap();
         for (start, size) in [
             (4 * GIB - 4096, 8192),
             (5 * GIB - 4096, 8192),
@@ -1317,7 +1409,7 @@ mod hotplug_area_tests {
         ] {
             assert!(
                 matches!(area.view(start, size), Err(RamError::InvalidRegion { .. })),
-                "{start:#x}+{size:#x}"
+                "view {start:#x}+{size:#x}"
             );
         }
         // Nothing of the area is allocated until used.

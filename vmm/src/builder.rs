@@ -96,19 +96,25 @@ fn create_base(
         return Err(Error::MemoryTooSmall { size });
     }
     let regions = layout::ram_regions(machine_config.memory_size);
+    // Where hot-plugged RAM may go, `(start, size)`: its room is in guest RAM's own file.
+    let hotplug_area = (pci_options.ram_hotplug_size > 0).then(|| {
+        let top = regions.iter().map(|r| r.end()).max().unwrap_or(0);
+        layout::ram_hotplug_area(top, pci_options.ram_hotplug_size)
+    });
+    let ram_config = GuestRamConfig {
+        size: machine_config.memory_size,
+        backing: machine_config.backing,
+        thp: machine_config.thp,
+    };
     // Create RAM first: it is where bad sizes are caught, before any KVM object exists.
-    let ram = GuestRam::create(
-        &GuestRamConfig {
-            size: machine_config.memory_size,
-            backing: machine_config.backing,
-            thp: machine_config.thp,
-        },
-        &regions,
-    )?;
+    let ram = match hotplug_area {
+        Some((_, room)) => GuestRam::create_with_hotplug_room(&ram_config, &regions, room)?,
+        None => GuestRam::create(&ram_config, &regions)?,
+    };
     // Before anything touches guest RAM (prefault, loaders, DMA mapping).
     crate::numa::prepare(machine_config, pci_options, &ram)?;
-    let ram_hotplug_area = (pci_options.ram_hotplug_size > 0)
-        .then(|| create_ram_hotplug_area(machine_config, &ram, pci_options.ram_hotplug_size))
+    let ram_hotplug_area = hotplug_area
+        .map(|(start, size)| ram.hotplug_area(start, size))
         .transpose()?;
     // What device emulation reads and writes: boot RAM and, from the start, the whole
     // hot-plug area, so RAM plugged later needs no new memory map in any device.
@@ -177,25 +183,6 @@ fn create_base(
         devices,
         pci,
     })
-}
-
-/// The room for `hotplug_size` bytes of hot-plugged RAM after boot RAM, of boot RAM's
-/// backing: mapped now (reserving nothing) so that device emulation has it from the start.
-fn create_ram_hotplug_area(
-    machine_config: &MachineConfig,
-    ram: &GuestRam,
-    hotplug_size: u64,
-) -> Result<GuestRam, Error> {
-    let top = ram.regions().iter().map(|r| r.end()).max().unwrap_or(0);
-    let (start, size) = layout::ram_hotplug_area(top, hotplug_size);
-    Ok(GuestRam::create_hotplug_area(
-        &GuestRamConfig {
-            size,
-            backing: machine_config.backing,
-            thp: machine_config.thp,
-        },
-        start,
-    )?)
 }
 
 /// Builds a machine that boots `config.boot`.

@@ -5,12 +5,13 @@
 //! (gpuvm_arch::x86_64::layout::ram_hotplug_area), and the DSDT's memory devices
 //! (arch/src/x86_64/acpi/memory.rs) let the guest find it.
 //!
-//! Order, on the VMM thread: a view of the new range in the hot-plug area (one sparse file
-//! of the boot RAM's backing, mapped whole at build for device emulation: virtio devices
-//! and vhost-user back ends have had it in their memory map since they were made, so no
-//! device needs a new map; the view reserves hugetlb pages for the range), a KVM memory
-//! slot, the DMA mapping for every passthrough device (synchronously: a device must never
-//! be able to DMA into RAM the guest was told about but the IOMMU does not map), and only
+//! Order, on the VMM thread: a view of the new range in the hot-plug area (sparse room in
+//! guest RAM's own file after boot RAM, mapped whole at build for device emulation:
+//! virtio devices and vhost-user back ends have had it in their memory map since they
+//! were made, so no device needs a new map; with hugetlb the view checks the pool for the
+//! range), a KVM memory slot, the DMA mapping for every passthrough device (synchronously:
+//! a device must never be able to DMA into RAM the guest was told about but the IOMMU
+//! does not map), and only
 //! then the guest is told (the block's insert event and the GED interrupt). Shrinking is
 //! refused: it needs the guest to offline and eject a slot first.
 //!
@@ -53,7 +54,7 @@ struct AddedRam {
 
 impl RamHotplug {
     /// Memory hot-plug of at most `hotplug_size` bytes into `area` (from
-    /// [`GuestRam::create_hotplug_area`]).
+    /// [`GuestRam::hotplug_area`]).
     pub(crate) fn new(area: GuestRam, hotplug_size: u64, block: Arc<Mutex<MemoryHotplug>>) -> Self {
         RamHotplug {
             area,
@@ -396,7 +397,17 @@ mod tests {
     #[test]
     fn ranges_are_placed_first_fit_inside_the_area() {
         let block = Arc::new(Mutex::new(MemoryHotplug::new(None)));
-        let area = GuestRam::create_hotplug_area(&GuestRamConfig::new(GIB), 4 * GIB).unwrap();
+        let boot = GuestRam::create_with_hotplug_room(
+            &GuestRamConfig::new(64 * MIB),
+            &[gpuvm_memory::RamRegion {
+                guest_addr: 0,
+                size: 64 * MIB,
+                file_offset: 0,
+            }],
+            GIB,
+        )
+        .unwrap();
+        let area = boot.hotplug_area(4 * GIB, GIB).unwrap();
         let mut hotplug = RamHotplug::new(area, GIB, block);
         assert_eq!(hotplug.place(256 * MIB, MEMORY_BLOCK_SIZE), Some(4 * GIB));
         assert_eq!(hotplug.place(GIB, MEMORY_BLOCK_SIZE), Some(4 * GIB));
@@ -405,7 +416,7 @@ mod tests {
             None
         );
         let ram = hotplug.area.view(4 * GIB, 256 * MIB).unwrap();
-        assert_eq!(ram.regions()[0].file_offset, 0);
+        assert_eq!(ram.regions()[0].file_offset, 64 * MIB);
         hotplug.added.push(AddedRam { ram });
         assert_eq!(hotplug.added_bytes(), 256 * MIB);
         assert_eq!(
