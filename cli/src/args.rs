@@ -154,6 +154,17 @@ pub struct SnapshotArgs {
     /// After a snapshot: keep running, or end gpuvm.
     #[arg(long, value_enum, default_value = "resume", requires = "snapshot_dir")]
     pub snapshot_then: Then,
+    /// How long a snapshot (any: signal, timer or API) pauses the vCPUs: `short` only
+    /// while state is saved, memory then being written as the guest runs (where the host
+    /// allows it), or `full` for the whole write.
+    #[arg(long, value_enum, default_value = "short")]
+    pub snapshot_pause: Pause,
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum)]
+pub enum Pause {
+    Short,
+    Full,
 }
 
 #[derive(Args, Debug)]
@@ -232,6 +243,14 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 fn parse_backing(text: &str) -> Result<Backing, String> {
     text.parse()
         .map_err(|e: gpuvm_memory::RamError| e.to_string())
+}
+
+/// Sets how long this process's snapshots pause the vCPUs (`--snapshot-pause`).
+pub fn set_snapshot_pause(args: &SnapshotArgs) {
+    gpuvm_vmm::snapshot::set_snapshot_pause(match args.snapshot_pause {
+        Pause::Short => gpuvm_vmm::snapshot::SnapshotPause::Short,
+        Pause::Full => gpuvm_vmm::snapshot::SnapshotPause::Full,
+    });
 }
 
 pub fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {

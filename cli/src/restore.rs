@@ -18,6 +18,7 @@ pub fn restore(args: RestoreArgs, process_start: Instant) -> Result<ExitCode, Cl
         // clap makes --uffd-socket required in this mode.
         Mode::External => RestoreMode::External(args.uffd_socket.clone().unwrap_or_default()),
     };
+    crate::args::set_snapshot_pause(&args.snapshot_args);
     let restore_called = Instant::now();
     let (mut machine, timings) =
         gpuvm_vmm::builder::restore(&args.snapshot, &mode, Box::new(std::io::stdout()))?;

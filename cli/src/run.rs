@@ -19,6 +19,7 @@ use crate::{config_file, fabric, jail, passthrough, CliError};
 /// Boots the VM the flags describe and runs it until the guest ends.
 pub fn run(args: RunArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     args.seccomp.enable()?;
+    crate::args::set_snapshot_pause(&args.snapshot);
     let (config, pci) = configuration(&args)?;
     if !pci.is_empty() && args.snapshot.snapshot_dir.is_some() {
         return Err(CliError::Other(

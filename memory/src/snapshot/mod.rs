@@ -15,6 +15,7 @@
 //! The format is documented in `docs/memory-file-format.md`.
 
 mod atomic;
+mod background;
 pub(crate) mod bits;
 mod eager;
 pub mod format;
@@ -37,6 +38,9 @@ use std::path::PathBuf;
 pub use atomic::{
     flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target,
     write_atomically, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC,
+};
+pub use background::{
+    background_unsupported, BackgroundStats, WriteProtectedRam, MAX_BACKGROUND_PAGE_SIZE,
 };
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};

@@ -62,7 +62,7 @@ impl ScanResult {
     }
 
     /// Appends a page, extending the last run when it continues it.
-    fn push(&mut self, region: usize, linear: u64, kind: ExtentKind) {
+    pub(super) fn push(&mut self, region: usize, linear: u64, kind: ExtentKind) {
         if let Some(last) = self.runs.last_mut() {
             if last.region == region && last.kind == kind && last.start + last.count == linear {
                 last.count += 1;
@@ -240,7 +240,7 @@ fn scan_task(
 /// Splits the region's pages `first..end` into spans that may hold data (`true`) and
 /// holes of the memfd (`false`, zero without reading: touching them would allocate them).
 /// Without a memfd, or if it cannot tell, everything may hold data.
-fn spans(
+pub(super) fn spans(
     ram: &RamMappings<'_>,
     memfd: Option<&File>,
     region: usize,
@@ -285,7 +285,7 @@ fn spans(
 /// A new open file description of `memfd` (via /proc), so seeking in it does not move
 /// the file position shared with every other holder of the memfd. `None` if that fails
 /// (the scan then reads every page).
-fn private_description(memfd: BorrowedFd<'_>) -> Option<File> {
+pub(super) fn private_description(memfd: BorrowedFd<'_>) -> Option<File> {
     match File::open(format!("/proc/self/fd/{}", memfd.as_raw_fd())) {
         Ok(f) => Some(f),
         Err(e) => {

@@ -133,7 +133,7 @@ pub fn write_diff(
     write_snapshot(path, ram, Selection::Dirty(dirty), info, opts)
 }
 
-fn new_id(path: &Path) -> Result<SnapshotId> {
+pub(super) fn new_id(path: &Path) -> Result<SnapshotId> {
     SnapshotId::random().map_err(|e| SnapshotError::io("generate snapshot id for", path, e))
 }
 
@@ -187,7 +187,7 @@ fn write_snapshot(
 
 /// Encodes header, region table, extent index and page CRCs, padded to the data start.
 /// Returns the bytes, the number of extents and the data offset.
-fn build_metadata(
+pub(super) fn build_metadata(
     ram: &RamMappings<'_>,
     scanned: &ScanResult,
     info: &SnapshotInfo,
@@ -312,7 +312,7 @@ fn write_data(
 
 /// Asks the kernel to start writing back what was just written, so the final fsync has
 /// less left to do and dirty page cache stays bounded. Best effort.
-fn start_writeback(file: &File, offset: u64, len: usize) {
+pub(super) fn start_writeback(file: &File, offset: u64, len: usize) {
     // SAFETY: plain syscall on an fd we own; no memory is passed.
     unsafe {
         libc::sync_file_range(
@@ -366,7 +366,7 @@ fn pwritev_all(file: &File, iovecs: &mut [libc::iovec], mut offset: u64) -> std:
     Ok(())
 }
 
-fn write_all_at(file: &File, buf: &[u8], offset: u64) -> std::io::Result<()> {
+pub(super) fn write_all_at(file: &File, buf: &[u8], offset: u64) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     file.write_all_at(buf, offset)
 }

@@ -2,18 +2,29 @@
 //! memory, saving every component and the dirty pages, and resuming. How the files are
 //! laid out and committed in the snapshot directory is [`crate::snapshot`]'s business.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use gpuvm_devices::Persist;
-use gpuvm_memory::snapshot::RamMappings;
+use gpuvm_memory::snapshot::{
+    background_unsupported, RamMappings, WriteProtectedRam, WriteStats, MAX_BACKGROUND_PAGE_SIZE,
+};
 
 use super::{AfterSnapshot, GuestEnd, LazyMemory, Machine};
 use crate::snapshot::{
-    self, MachineState, MemoryChain, SavedMachineConfig, SnapshotError, SnapshotReport,
+    self, snapshot_pause, MachineState, MemoryChain, SavedMachineConfig, SnapshotError,
+    SnapshotPause, SnapshotReport,
 };
 use crate::vcpu::{self, VcpuHandle};
 use crate::vm_state::InKernelDevices;
 use crate::Error;
+
+/// Every component's state, saved with vCPUs and devices paused.
+struct SavedComponents {
+    vcpus: Vec<crate::vcpu::VcpuState>,
+    vm: crate::vm_state::VmState,
+    devices: crate::devices::DeviceStates,
+}
 
 /// How long a snapshot waits for lazily restored guest memory that is not loading (see
 /// [`Machine::complete_lazy_memory`]).
@@ -123,6 +134,12 @@ impl Machine {
     /// file when `full`, else a diff when dirty pages are tracked and the chain is in
     /// `dir`), and resumes if `resume`.
     ///
+    /// A full memory file of a VM that resumes is written in the background where the
+    /// host allows it ([`SnapshotPause::Short`]): the vCPUs are paused only while state is
+    /// saved and guest RAM is write-protected, and the guest runs while RAM is written as
+    /// it was at the pause (see `gpuvm_memory::snapshot::WriteProtectedRam`). This call
+    /// returns when the snapshot is committed either way.
+    ///
     /// A snapshot that fails changes nothing: the previous snapshot in `dir` stays intact
     /// with nothing added (see [`snapshot`]), no dirty page is forgotten, and vCPUs that
     /// were running run again. A directory another process is using, or whose `state`
@@ -137,14 +154,22 @@ impl Machine {
         self.check_snapshottable()?;
         let dir_lock = snapshot::prepare_dir(dir)?;
         let was_running = !self.paused;
+        let protected = if resume && was_running {
+            self.protect_for_background(dir, full)
+        } else {
+            None
+        };
         let paused_at = Instant::now();
-        let written = self.write_snapshot(handles, dir, &dir_lock, full);
+        let mut resumed_at = None;
+        let written =
+            self.write_snapshot(handles, dir, &dir_lock, full, protected, &mut resumed_at);
         drop(dir_lock);
-        if resume || (written.is_err() && was_running) {
+        if resumed_at.is_none() && (resume || (written.is_err() && was_running)) {
             if let Err(error) = vcpu::resume_all(handles) {
                 log::error!("cannot resume the vCPUs after a snapshot: {error}");
             }
         }
+        let pause_to_resume = resumed_at.unwrap_or_else(Instant::now) - paused_at;
         let (memory_file, stats, memory_time) = written?;
         let report = SnapshotReport {
             dir: dir.to_path_buf(),
@@ -153,42 +178,157 @@ impl Machine {
             memory_bytes_written: stats.file_len,
             data_pages: stats.data_pages,
             zero_pages: stats.zero_pages,
-            pause_to_resume: paused_at.elapsed(),
+            pause_to_resume,
             memory_time,
         };
         self.snapshots.push(report.clone());
         Ok(report)
     }
 
+    /// Guest RAM write-protected for a background snapshot into `dir`, armed while the
+    /// guest runs; `None` (the memory is then written paused) when the snapshot is to
+    /// pause fully, the host cannot, or it would not help or not be consistent.
+    fn protect_for_background(
+        &mut self,
+        dir: &std::path::Path,
+        full: bool,
+    ) -> Option<WriteProtectedRam> {
+        if snapshot_pause() == SnapshotPause::Full {
+            return None;
+        }
+        if let Some(reason) = background_unsupported() {
+            static LOGGED: AtomicBool = AtomicBool::new(false);
+            if !LOGGED.swap(true, Ordering::Relaxed) {
+                log::warn!(
+                    "snapshots keep the vCPUs paused while memory is written: this host \
+                     cannot write-protect guest RAM ({reason})"
+                );
+            }
+            return None;
+        }
+        // Passthrough devices write guest RAM by DMA, which write protection does not see.
+        if !self.devices.passthrough.is_empty() {
+            log::info!("snapshot memory written paused: the VM has passthrough devices");
+            return None;
+        }
+        // A diff holds the pages dirtied since the last snapshot: small, written paused.
+        let diff = !full
+            && self.devices.virtio.is_empty()
+            && self.config.track_dirty_pages
+            && self
+                .memory_chain
+                .as_ref()
+                .is_some_and(|chain| chain.dir == dir);
+        if diff || self.ram.page_size() > MAX_BACKGROUND_PAGE_SIZE {
+            return None;
+        }
+        if self.lazy.is_some() && self.complete_lazy_memory().is_err() {
+            // The paused path reports why.
+            return None;
+        }
+        let armed = RamMappings::from_guest_ram(&self.ram).and_then(|mappings| {
+            WriteProtectedRam::arm(
+                &mappings,
+                crate::seccomp::thread_hook(crate::seccomp::ThreadKind::SnapshotFault),
+            )
+        });
+        match armed {
+            Ok(protected) => Some(protected),
+            Err(error) => {
+                log::warn!("snapshot memory written with the vCPUs paused: {error}");
+                None
+            }
+        }
+    }
+
     /// The part of [`Machine::take_snapshot`] that pauses the vCPUs and writes, under
-    /// `dir_lock`: the new memory file's name, its figures and the time memory took.
+    /// `dir_lock`: the new memory file's name, its figures and the time memory took. With
+    /// `protected`, the vCPUs are resumed (and `resumed_at` set) before memory is written.
     fn write_snapshot(
         &mut self,
         handles: &[VcpuHandle],
         dir: &std::path::Path,
         dir_lock: &snapshot::SnapshotDirLock,
         full: bool,
+        protected: Option<WriteProtectedRam>,
+        resumed_at: &mut Option<Instant>,
     ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
         vcpu::pause_all(handles)?;
         // Devices stop after the request in flight: nothing writes guest memory or
-        // changes a queue until the snapshot is written.
+        // changes a queue until the snapshot is written (or, in the background, until
+        // guest RAM is write-protected).
         crate::virtio::pause_all(&self.devices.virtio);
-        let written = self.write_paused_snapshot(handles, dir, dir_lock, full);
+        let saved = self.save_components(handles, dir, dir_lock);
+        let Some(protected) = protected else {
+            let written = saved.and_then(|saved| {
+                let dirty = self.dirty_bitmaps()?;
+                // KVM's dirty log sees only what vCPUs write: virtio devices write guest
+                // memory from gpuvm's threads, so a VM with them always gets a full file.
+                let chain = if full || !self.devices.virtio.is_empty() {
+                    None
+                } else {
+                    self.memory_chain.clone()
+                };
+                self.write_memory_and_commit(dir, saved, dirty, |mappings, dirty| {
+                    snapshot::write_memory(dir, mappings, chain.as_ref(), dirty)
+                })
+            });
+            self.resume_devices();
+            return written;
+        };
+        // The snapshot instant: the dirty log restarts and RAM is frozen here.
+        let frozen = saved.and_then(|saved| {
+            let dirty = self.dirty_bitmaps()?;
+            match protected.freeze() {
+                Ok(_) => Ok((saved, dirty)),
+                Err(error) => {
+                    self.unsaved_dirty = dirty;
+                    Err(SnapshotError::from(error).into())
+                }
+            }
+        });
+        self.resume_devices();
+        let (saved, dirty) = match frozen {
+            Ok(frozen) => frozen,
+            Err(error) => {
+                // Protection is lifted before the caller resumes the vCPUs.
+                drop(protected);
+                return Err(error);
+            }
+        };
+        if let Err(error) = vcpu::resume_all(handles) {
+            log::error!("cannot resume the vCPUs after a snapshot: {error}");
+        }
+        *resumed_at = Some(Instant::now());
+        self.write_memory_and_commit(dir, saved, dirty, move |mappings, _| {
+            snapshot::write_memory_background(dir, mappings, protected)
+        })
+    }
+
+    /// Lets the devices paused for a snapshot run again.
+    fn resume_devices(&mut self) {
         crate::virtio::resume_all(&self.devices.virtio);
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             hotplug.resume_migrated();
         }
-        written
     }
 
-    /// The part of [`Machine::write_snapshot`] that runs with vCPUs and devices paused.
-    fn write_paused_snapshot(
+    /// KVM's dirty bitmaps if dirty pages are tracked (see [`Machine::take_dirty_bitmaps`]).
+    fn dirty_bitmaps(&mut self) -> Result<Option<Vec<Vec<u64>>>, Error> {
+        if self.config.track_dirty_pages {
+            self.take_dirty_bitmaps().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Saves every component's state, with vCPUs and devices paused.
+    fn save_components(
         &mut self,
         handles: &[VcpuHandle],
         dir: &std::path::Path,
         dir_lock: &snapshot::SnapshotDirLock,
-        full: bool,
-    ) -> Result<(String, gpuvm_memory::snapshot::WriteStats, Duration), Error> {
+    ) -> Result<SavedComponents, Error> {
         self.complete_lazy_memory()?;
         // The working set of the snapshot this machine was restored from, before a snapshot
         // into another directory; one into the same directory replaces that snapshot (and
@@ -212,31 +352,33 @@ impl Machine {
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             devices.migrated_gpus = hotplug.save_migrated(dir)?;
         }
-        let device_files = devices.migrated_gpus.clone();
+        Ok(SavedComponents { vcpus, vm, devices })
+    }
 
+    /// Writes guest memory with `write_memory` (given the dirty bitmaps taken at the
+    /// snapshot instant) and commits the state beside it.
+    fn write_memory_and_commit(
+        &mut self,
+        dir: &std::path::Path,
+        saved: SavedComponents,
+        dirty: Option<Vec<Vec<u64>>>,
+        write_memory: impl FnOnce(
+            &RamMappings<'_>,
+            Option<&[Vec<u64>]>,
+        ) -> Result<(String, WriteStats, Vec<String>), SnapshotError>,
+    ) -> Result<(String, WriteStats, Duration), Error> {
+        let device_files = saved.devices.migrated_gpus.clone();
         let memory_started = Instant::now();
-        let dirty = if self.config.track_dirty_pages {
-            Some(self.take_dirty_bitmaps()?)
-        } else {
-            None
-        };
-        // KVM's dirty log sees only what vCPUs write: virtio devices write guest memory
-        // from gpuvm's threads, so a VM with them always gets a full memory file.
-        let chain = if full || !self.devices.virtio.is_empty() {
-            None
-        } else {
-            self.memory_chain.as_ref()
-        };
         let written = RamMappings::from_guest_ram(&self.ram)
             .map_err(SnapshotError::from)
-            .and_then(|mappings| snapshot::write_memory(dir, &mappings, chain, dirty.as_deref()))
+            .and_then(|mappings| write_memory(&mappings, dirty.as_deref()))
             .and_then(|(memory_file, stats, files)| {
                 let memory_time = memory_started.elapsed();
                 let state = MachineState {
                     config: SavedMachineConfig::from_config(&self.config),
-                    vm,
-                    vcpus,
-                    devices,
+                    vm: saved.vm,
+                    vcpus: saved.vcpus,
+                    devices: saved.devices,
                     memory_files: files,
                     memory_file_id: Some(stats.info.id.to_string()),
                     raw_memory: None,

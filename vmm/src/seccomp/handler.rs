@@ -58,6 +58,7 @@ fn format_violation(buf: &mut [u8; 160], syscall: u64, kind: u32, ioctl: Option<
         2 => b"vcpu",
         3 => b"api",
         4 => b"device",
+        5 => b"snapshot-fault",
         _ => b"unknown",
     };
     push(buf, &mut len, b" on a ");

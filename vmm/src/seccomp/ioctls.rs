@@ -101,6 +101,12 @@ pub const IOMMU_IOAS_UNMAP: u32 = io(VFIO, 0x86);
 const UFFDIO: u32 = 0xAA;
 /// struct uffdio_range: start, len.
 const UFFDIO_RANGE: usize = 16;
+/// struct uffdio_api: api, features, ioctls.
+pub const UFFDIO_API: u32 = iowr(UFFDIO, 0x3F, 24);
+/// struct uffdio_register: range, mode, ioctls.
+pub const UFFDIO_REGISTER: u32 = iowr(UFFDIO, 0x00, 32);
+/// struct uffdio_writeprotect: range, mode.
+pub const UFFDIO_WRITEPROTECT: u32 = iowr(UFFDIO, 0x06, 24);
 pub const UFFDIO_UNREGISTER: u32 = ior(UFFDIO, 0x01, UFFDIO_RANGE);
 pub const UFFDIO_WAKE: u32 = ior(UFFDIO, 0x02, UFFDIO_RANGE);
 /// struct uffdio_copy: dst, src, len, mode, copy.
@@ -137,6 +143,9 @@ mod tests {
         assert_eq!(ioctls::KVM_GET_DIRTY_LOG, 0x4010_ae42);
         assert_eq!(ioctls::UFFDIO_COPY, 0xc028_aa03);
         assert_eq!(ioctls::UFFDIO_WAKE, 0x8010_aa02);
+        assert_eq!(ioctls::UFFDIO_API, 0xc018_aa3f);
+        assert_eq!(ioctls::UFFDIO_REGISTER, 0xc020_aa00);
+        assert_eq!(ioctls::UFFDIO_WRITEPROTECT, 0xc018_aa06);
         assert_eq!(ioctls::VFIO_DEVICE_SET_IRQS, 0x3b6e);
         assert_eq!(ioctls::VFIO_IOMMU_MAP_DMA, 0x3b71);
         // iommufd-ioctls' own test: IOMMU_IOAS_MAP() == 15237.

@@ -5,6 +5,7 @@
 //! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), the lazy-restore fault and loader threads, the `dma-map` thread (guest RAM DMA-mapped in the background) and the `p2p-map` thread (peer BARs mapped for passthrough devices, started with the first one) | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO DMA mapping, teardown and INTx unmask |
 //! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
 //! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
+//! | `snapshot-fault` | the `snapshot-wp` thread of a background snapshot (started by the main thread, which allows it to stack this filter on its own) | reading userfaultfd write faults, `UFFDIO_WRITEPROTECT` |
 //! | `device` | the virtio devices' I/O threads: one per device the VM is built with, made with it; any other (hot-plug, a device started again) made on demand by the factory below | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
 //!
 //! The device-thread factory (`virtio-factory`, virtio/src/worker.rs) is made with the VM,
@@ -53,14 +54,16 @@ pub enum ThreadKind {
     Vcpu,
     Api,
     Device,
+    SnapshotFault,
 }
 
 impl ThreadKind {
-    pub const ALL: [ThreadKind; 4] = [
+    pub const ALL: [ThreadKind; 5] = [
         ThreadKind::Vmm,
         ThreadKind::Vcpu,
         ThreadKind::Api,
         ThreadKind::Device,
+        ThreadKind::SnapshotFault,
     ];
 
     pub fn name(self) -> &'static str {
@@ -69,6 +72,7 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::Api => "api",
             ThreadKind::Device => "device",
+            ThreadKind::SnapshotFault => "snapshot-fault",
         }
     }
 
@@ -179,7 +183,7 @@ impl Settings {
                 bad(
                     "GPUVM_TEST_SECCOMP_VIOLATION",
                     value,
-                    "expected vmm, vcpu, api or device",
+                    "expected vmm, vcpu, api, device or snapshot-fault",
                 )
             })?);
         }
@@ -192,7 +196,7 @@ impl Settings {
                     return Err(bad(
                         "GPUVM_TEST_SECCOMP_REMOVE",
                         value,
-                        "expected KIND:SYSCALL_NUMBER with KIND vmm, vcpu, api or device",
+                        "expected KIND:SYSCALL_NUMBER with KIND vmm, vcpu, api, device or snapshot-fault",
                     ));
                 };
                 settings.removed.push((kind, nr));
@@ -204,7 +208,7 @@ impl Settings {
 
 /// The compiled filters, once [`enable`] ran.
 struct Filters {
-    programs: [BpfProgram; 4],
+    programs: [BpfProgram; 5],
     /// The device-thread factory's ([`compile_factory`]).
     factory: BpfProgram,
     violation: Option<ThreadKind>,
@@ -229,6 +233,7 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
         compile(ThreadKind::Vcpu, settings)?,
         compile(ThreadKind::Api, settings)?,
         compile(ThreadKind::Device, settings)?,
+        compile(ThreadKind::SnapshotFault, settings)?,
     ];
     let factory = compile_factory(settings)?;
     if settings.on_violation == OnViolation::Trap {

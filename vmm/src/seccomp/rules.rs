@@ -161,6 +161,26 @@ pub fn factory_rules(device: Rules) -> BuildResult<Rules> {
     Ok(rules)
 }
 
+/// Installing a further filter on a thread: `prctl(PR_SET_NO_NEW_PRIVS)` (seccompiler sets
+/// it, already set) and `seccomp(SECCOMP_SET_MODE_FILTER)` without flags (no TSYNC).
+fn stack_filters(rules: &mut Rules) -> BuildResult<()> {
+    let mut prctl = rules.remove(&libc::SYS_prctl).unwrap_or_default();
+    prctl.extend(one_of(0, &[libc::PR_SET_NO_NEW_PRIVS as u32])?);
+    rules.insert(libc::SYS_prctl, prctl);
+    rules.insert(
+        libc::SYS_seccomp,
+        vec![SeccompRule::new(vec![
+            arg32(
+                0,
+                SeccompCmpOp::Eq,
+                u64::from(libc::SECCOMP_SET_MODE_FILTER),
+            )?,
+            arg32(1, SeccompCmpOp::Eq, 0)?,
+        ])?],
+    );
+    Ok(())
+}
+
 fn ioctl(rules: &mut Rules, requests: &[u32]) -> BuildResult<()> {
     rules.insert(libc::SYS_ioctl, one_of(1, requests)?);
     Ok(())
@@ -242,6 +262,11 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 ],
             );
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
+            // Background snapshots: a userfaultfd write-protects guest RAM, and the thread
+            // serving its faults stacks its own, tighter filter on this one (which can only
+            // take rights away).
+            allow_all(&mut rules, &[libc::SYS_userfaultfd]);
+            stack_filters(&mut rules)?;
             // PCI hot-plug of a kernel VFIO device checks RLIMIT_MEMLOCK before pinning
             // guest RAM for it: getrlimit is prlimit64 on this process with no new limit.
             rules.insert(
@@ -307,6 +332,10 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     KVM_SET_FPU,
                     KVM_GET_LAPIC,
                     KVM_SET_LAPIC,
+                    // Background snapshots: guest RAM write-protected (UFFDIO_UNREGISTER below).
+                    UFFDIO_API,
+                    UFFDIO_REGISTER,
+                    UFFDIO_WRITEPROTECT,
                     // Lazy restore.
                     UFFDIO_COPY,
                     UFFDIO_ZEROPAGE,
@@ -443,6 +472,16 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
             rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
             // virtio-net: tap queues follow the queue pairs the driver uses.
             ioctl(&mut rules, &[FIONBIO, FIOCLEX, TUNSETQUEUE])?;
+        }
+        ThreadKind::SnapshotFault => {
+            // Write faults read from the userfaultfd (poll, read) and answered, the
+            // faulting block copied aside through the RAM memfd (pread64) first; the
+            // eventfd that stops it is written by the main thread.
+            allow_all(
+                &mut rules,
+                &[libc::SYS_poll, libc::SYS_read, libc::SYS_pread64],
+            );
+            ioctl(&mut rules, &[UFFDIO_WRITEPROTECT])?;
         }
         ThreadKind::Api => {
             threads(&mut rules)?;

@@ -176,6 +176,26 @@ pub(crate) fn write_memory(
     }
 }
 
+/// As [`write_memory`] for a full memory file written while the guest runs, from RAM
+/// write-protected at the snapshot instant (see `WriteProtectedRam`).
+pub(crate) fn write_memory_background(
+    dir: &Path,
+    mappings: &RamMappings<'_>,
+    protected: gpuvm_memory::snapshot::WriteProtectedRam,
+) -> Result<(String, WriteStats, Vec<String>), SnapshotError> {
+    let name = fresh_memory_file(dir);
+    let (stats, background) =
+        protected.write_full(&dir.join(&name), mappings, &WriteOptions::default())?;
+    log::debug!(
+        "memory file {name} written in the background: scan {:?}, write {:?}, guest pages \
+         copied aside {} KiB at most",
+        stats.scan_time,
+        stats.write_time,
+        background.copies_peak_bytes >> 10
+    );
+    Ok((name.clone(), stats, vec![name]))
+}
+
 /// Writes the state file that commits a snapshot whose new memory file `new_memory_file`
 /// is written, then removes what it no longer needs (see [`remove_unreferenced`]) and the
 /// working set of the snapshot it replaced. If the state cannot be written, the new

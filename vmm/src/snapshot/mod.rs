@@ -42,7 +42,9 @@ mod load;
 pub mod migrate;
 
 pub use dir::SnapshotDirLock;
-pub(crate) use dir::{check_replaceable, commit, fresh_file_name, prepare_dir, write_memory};
+pub(crate) use dir::{
+    check_replaceable, commit, fresh_file_name, prepare_dir, write_memory, write_memory_background,
+};
 pub use load::{load, load_state, ChainInputs, LoadedSnapshot, LoadedState};
 
 pub const STATE_FILE: &str = "state";
@@ -329,6 +331,45 @@ impl StageClock {
     /// The recorded stages, consuming the clock.
     pub fn into_stages(self) -> Vec<(&'static str, Duration)> {
         self.stages
+    }
+}
+
+/// How long the vCPUs stay paused for a snapshot that resumes the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotPause {
+    /// Only while device and vCPU state is saved and guest RAM is write-protected; the
+    /// memory file is then written while the guest runs. The default, where the host
+    /// supports it (userfaultfd write protection of shared memory, Linux 5.19+).
+    Short,
+    /// For the whole write, memory included.
+    Full,
+}
+
+/// The process's [`SnapshotPause`]: 0 until set, then 1 + the variant's index.
+static SNAPSHOT_PAUSE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Sets how long snapshots pause the vCPUs, for every later snapshot of this process
+/// (`--snapshot-pause`). Unset, `GPUVM_SNAPSHOT_PAUSE=full` in the environment asks for
+/// [`SnapshotPause::Full`] (for the Firecracker and Cloud Hypervisor command lines).
+pub fn set_snapshot_pause(pause: SnapshotPause) {
+    SNAPSHOT_PAUSE.store(
+        match pause {
+            SnapshotPause::Short => 1,
+            SnapshotPause::Full => 2,
+        },
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+/// The [`SnapshotPause`] snapshots use now.
+pub(crate) fn snapshot_pause() -> SnapshotPause {
+    match SNAPSHOT_PAUSE.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => SnapshotPause::Short,
+        2 => SnapshotPause::Full,
+        _ if std::env::var_os("GPUVM_SNAPSHOT_PAUSE").is_some_and(|v| v == "full") => {
+            SnapshotPause::Full
+        }
+        _ => SnapshotPause::Short,
     }
 }
 
