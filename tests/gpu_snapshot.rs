@@ -10,7 +10,8 @@
 //! saves the device's own state (registers, device memory, a DMA job it holds) beside
 //! RAM; a restore onto a fresh device process brings all of it back, and the held job
 //! runs there. Bad input: a missing device, another model, a damaged device file, a
-//! snapshot while the device is being unplugged.
+//! snapshot while the device is being unplugged. The PCI root's slot and BAR allocations
+//! (holes left by unplugged devices included) come back exactly as saved.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -485,4 +486,120 @@ fn a_device_being_unplugged_is_not_snapshotted() {
     vmm.signal(libc::SIGKILL);
     let out = vmm.wait(Duration::from_secs(10));
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
+
+/// The `pci: BARn ADDR size=...` lines of the `pci` checks in `stdout`, in order, each as
+/// (BAR name, address).
+fn bar_lines(stdout: &str) -> Vec<(String, String)> {
+    complete_lines(stdout)
+        .filter_map(|line| line.strip_prefix("pci: BAR"))
+        .filter_map(|rest| {
+            let mut words = rest.split_whitespace();
+            let (bar, address) = (words.next()?, words.next()?);
+            words
+                .next()?
+                .starts_with("size=")
+                .then(|| (format!("BAR{bar}"), address.to_string()))
+        })
+        .collect()
+}
+
+/// The slot of the `hotplug: device N arrived at 00:SS.0` line for `round`.
+fn arrival_slot(stdout: &str, round: u32) -> String {
+    field_after(
+        stdout,
+        &format!("hotplug: device {round} arrived at"),
+        "arrived at ",
+    )
+}
+
+/// The PCI root's allocations are saved with the snapshot and restored exactly: gpu0 and
+/// gpu1 are hot-plugged, gpu0 unplugged (a slot and BAR ranges free below gpu1's, which a
+/// fresh build would not leave), the VM snapshotted with gpu1 (VFIO migration) and
+/// restored: gpu1 is back in its slot with every BAR where the guest had it (the guest
+/// releases and ejects it through that slot), and gpu2, hot-plugged into the restored VM,
+/// lands in gpu0's old slot at gpu0's old BAR addresses, as in the saved VM.
+#[test]
+fn a_restored_vm_keeps_its_pci_slots_bars_and_holes() {
+    let scratch = Scratch::new("gpusnap", "allocations");
+    let sockets = ["alloc-emu0", "alloc-emu1", "alloc-emu2"].map(socket_path);
+    let _emu0 = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &[]);
+    // gpu1 serves the snapshotted VM and then the restored one.
+    let _emu1 = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[1], &["--clients", "2"]);
+    let api = socket_path("alloc-api");
+    let mut vmm = start_vm(&api, "pci-hotplug 3", None);
+    vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
+    plug_checked(&mut vmm, &api, &sockets[0]);
+    // gpu1 arrives while the guest still holds gpu0; it sees gpu1 once gpu0 is ejected.
+    let body = gpu_body("gpu1", &sockets[1]);
+    api_expect(&api, 200, "PUT", "/gpus/gpu1", Some(&body));
+    api_expect(&api, 204, "DELETE", "/gpus/gpu0", None);
+    wait_for_line(&mut vmm, "hotplug: device 2 at");
+    let stdout = vmm.stdout();
+    let bars = bar_lines(&stdout);
+    assert_eq!(
+        bars.len(),
+        6,
+        "BAR0, BAR1, BAR3 of gpu0 then gpu1:\n{stdout}"
+    );
+    let (gpu0_bars, gpu1_bars) = bars.split_at(3);
+    let (gpu0_slot, gpu1_slot) = (arrival_slot(&stdout, 1), arrival_slot(&stdout, 2));
+    assert_ne!(gpu0_slot, gpu1_slot);
+
+    let dir = scratch.path("snap");
+    let create = json!({ "snapshot_path": dir }).to_string();
+    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&create));
+    let state = std::fs::read(dir.join("state")).expect("state file");
+    assert!(
+        String::from_utf8_lossy(&state).contains("\"pci_root\""),
+        "the state holds the PCI root's allocations"
+    );
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+
+    let api2 = socket_path("alloc-api2");
+    let mut restored = SpawnedProcess::gpuvm_with_env(
+        &[
+            "--log-level",
+            "info",
+            "run",
+            "--api-sock",
+            api2.to_str().unwrap(),
+        ],
+        &[],
+    );
+    wait_for_api_socket(&mut restored, &api2);
+    let load = json!({ "snapshot_path": dir, "restore_mode": "Lazy", "resume_vm": true });
+    api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load.to_string()));
+    // gpu1 is back in its slot, each BAR where the guest had it.
+    for (bar, address) in gpu1_bars {
+        let placed = format!("PCI 0000:{gpu1_slot}: {bar} ");
+        let at = format!("back at {address} ");
+        restored.wait_until(&format!("{placed}... {at}on stderr"), LIMIT, |p| {
+            p.stderr()
+                .lines()
+                .any(|l| l.contains(&placed) && l.contains(&at))
+        });
+    }
+    // The guest releases and ejects gpu1 through its slot, then takes gpu2.
+    api_expect(&api2, 204, "DELETE", "/gpus/gpu1", None);
+    wait_for_line(&mut restored, "hotplug: device 2 ejected");
+    let _emu2 = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[2], &[]);
+    let body = gpu_body("gpu2", &sockets[2]);
+    api_expect(&api2, 200, "PUT", "/gpus/gpu2", Some(&body));
+    wait_for_line(&mut restored, "hotplug: device 3 at");
+    let stdout = restored.stdout();
+    assert_eq!(
+        arrival_slot(&stdout, 3),
+        gpu0_slot,
+        "gpu2 in the slot gpu0 left:\n{stdout}"
+    );
+    assert_eq!(
+        bar_lines(&stdout),
+        gpu0_bars,
+        "gpu2's BARs in the ranges gpu0 left:\n{stdout}"
+    );
+    api_expect(&api2, 204, "DELETE", "/gpus/gpu2", None);
+    let out = restored.wait(LIMIT);
+    out.assert_code(0).assert_stdout_has("hotplug: ok");
 }

@@ -16,11 +16,14 @@
 //! snapshots of VMs with vhost-user devices), and a tap made in a test-made network
 //! namespace. The sequence, as Kata drives it: vmm.ping until it answers, vm.create,
 //! vm.info (Created), vm.add-net with the tap, vm.boot, vm.info (Running), the vCPU threads
-//! named `vcpu<N>`, the agent's `CONNECT 1024`, a GPU hot-plugged and removed (the emulated
+//! named `vcpu<N>`, the agent's `CONNECT 1024`, vm.resize as Kata's default configuration
+//! sends it (the boot vCPU count, then RAM for a container's memory limit: hot-plugged
+//! under the VM's virtio devices), a GPU hot-plugged and removed (the emulated
 //! GPU through vm.add-user-device: Kata's vm.add-device takes a sysfs path for kernel VFIO),
 //! a disk hot-plugged and removed, vm.pause, vm.info (Paused), vm.snapshot, vm.resume,
 //! vmm.shutdown; then a new process restored from the snapshot (vm.restore with `net_fds`
-//! for the passed tap, Cloud Hypervisor's way), vm.resume, the agent's second connection,
+//! for the passed tap, Cloud Hypervisor's way) with the hot-plugged RAM, vm.resume, the
+//! agent's second connection,
 //! vmm.shutdown.
 //!
 //! gpuvm is started as Kata's configuration may name it: through a `cloud-hypervisor`
@@ -48,6 +51,8 @@ const PING_LIMIT: Duration = Duration::from_secs(10);
 const MEMORY: u64 = 128 << 20;
 /// `default_maxmemory = 512` in configuration-clh.toml: Kata's memory.hotplug_size.
 const HOTPLUG_SIZE: u64 = 512 << 20;
+/// RAM after Kata's ResizeMemory for a container with a 200 MiB limit.
+const GROWN: u64 = MEMORY + (256 << 20);
 /// Kata's `defaultGuestVSockCID`.
 const GUEST_CID: u32 = 3;
 /// The configuration's `default_maxvcpus`: Kata's cpus.max_vcpus and cores_per_die.
@@ -366,6 +371,17 @@ fn replay(test: &str, program: PeerLaunch) {
     vsock_echo(&vsock, b"kata agent: CreateSandbox");
     vmm.wait_for_stdout("kata-agent: agent connection 1 done", LIMIT);
 
+    // Kata's default configuration (static_sandbox_resource_mgmt = false): ResizeVCPUs
+    // with the boot count when the sandbox starts, and ResizeMemory for a container with a
+    // memory limit (vm.info's size plus the growth in whole 128 MiB blocks), in this VM
+    // with its virtio disk, NIC, entropy and vsock devices.
+    kata.put_model("vm.resize", r#"{"desired_vcpus":1}"#.into(), false)
+        .expect(204, "vm.resize to the boot vCPU count");
+    kata.put_model("vm.resize", format!(r#"{{"desired_ram":{GROWN}}}"#), false)
+        .expect(204, "vm.resize desired_ram");
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    assert_eq!(info["config"]["memory"]["size"], GROWN, "{info}");
+
     // HotplugAddDevice(VfioDev) → the emulated GPU; HotplugRemoveDevice with the id answered.
     let gpu_socket = scratch.path("gpu.sock");
     let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &gpu_socket, &[]);
@@ -456,6 +472,11 @@ fn replay(test: &str, program: PeerLaunch) {
         .expect(204, "vm.restore with net_fds");
     drop(tap);
     assert_eq!(kata.state(), "Paused", "Kata expects Paused after restore");
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    assert_eq!(
+        info["config"]["memory"]["size"], GROWN,
+        "the hot-plugged RAM is restored: {info}"
+    );
     kata.put("vm.resume").expect(204, "vm.resume");
     assert_eq!(kata.state(), "Running");
     assert_eq!(

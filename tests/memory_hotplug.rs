@@ -119,22 +119,67 @@ fn resize_adds_ram_the_guest_memtests() {
     assert!(answer.contains("hot-plug size"), "{answer}");
     assert_eq!(ram(&api), (640, 1 << 30));
 
-    // Snapshots do not hold hot-plugged RAM yet: refused, the VM runs on.
+    // A snapshot holds the hot-plugged RAM: restored in a new process, the guest finds its
+    // two slots' patterns intact when a third slot comes (checked before it takes it).
     let snap = scratch.path("snap");
     let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
-    let refused =
-        gpuvm_api::client::request(&api, "PUT", "/api/v1/vm.snapshot", Some(&destination)).unwrap();
-    assert!(
-        refused.status >= 400,
-        "{}: {}",
-        refused.status,
-        refused.body
-    );
-    assert!(refused.body.contains("hot-plugged RAM"), "{}", refused.body);
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
     assert_eq!(ram(&api), (640, 1 << 30));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    for lazy in [false, true] {
+        let api2 = scratch.path(if lazy { "lazy.sock" } else { "eager.sock" });
+        let source = format!(
+            "source_url=file://{}{}",
+            snap.display(),
+            if lazy {
+                ",memory_restore_mode=ondemand"
+            } else {
+                ""
+            }
+        );
+        let mut restored = spawn_ch(
+            &scratch,
+            &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
+        );
+        wait_for_vm(&mut restored, &api2, LIMIT);
+        assert_eq!(ram(&api2), (640, 1 << 30), "lazy={lazy}");
+        assert_eq!(vm_info(&api2)["config"]["memory"]["size"], 640 * MIB);
+        api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+        // One more block, in the next free slot and place.
+        kata_resize_memory(&api2, 640 + 100);
+        restored.wait_for_stdout(
+            "memory-hotplug: 2 earlier slot(s) still hold their patterns",
+            LIMIT,
+        );
+        restored.wait_for_stdout(
+            "memory-hotplug: slot 2 base=0x118000000 size=134217728 memtest ok",
+            LIMIT,
+        );
+        assert_eq!(ram(&api2), (768, 1 << 30));
+        api_expect(&api2, 204, "PUT", "/api/v1/vmm.shutdown", None);
+        let out = restored.wait(LIMIT);
+        assert!(
+            !out.stdout.contains("FAIL"),
+            "lazy={lazy}: {}",
+            out.describe()
+        );
+        assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+    }
+}
 
-    // Every thread still under its filter (the new memslot and memfd were made on the
-    // VMM thread, under its filter).
+#[test]
+fn threads_stay_filtered_through_a_resize() {
+    let scratch = Scratch::new("memory_hotplug", "filters");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
+    kata_resize_memory(&api, 256 + 200);
+    vm.wait_for_stdout("memory-hotplug: slot 0 base=0x100000000", LIMIT);
+    // Every thread still under its filter (the new memory slot was made on the VMM
+    // thread, under its filter).
     let unfiltered: Vec<_> = thread_seccomp_modes(vm.pid())
         .into_iter()
         .filter(|(_, mode)| *mode != 2)

@@ -441,7 +441,7 @@ impl GuestRam {
             },
             reason,
         };
-        if size == 0 || guest_addr % page_size != 0 || size % page_size != 0 {
+        if size == 0 || !guest_addr.is_multiple_of(page_size) || !size.is_multiple_of(page_size) {
             return Err(outside(format!(
                 "its address and size must be non-zero multiples of the {} page size",
                 ByteSize(page_size)

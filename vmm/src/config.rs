@@ -60,6 +60,10 @@ pub struct PciOptions {
     /// Segment 0's 64-bit BAR window exactly, (start, size): a restored VM's, where the
     /// guest's ACPI tables have it. None plans it.
     pub mmio64_window: Option<(u64, u64)>,
+    /// Segment 0's allocations as a snapshot saved them: a restore puts every function
+    /// back exactly there. None places devices afresh (or, restoring an older snapshot,
+    /// from each device's own saved place).
+    pub pci_root: Option<gpuvm_devices::pci::PciRootState>,
     /// PCI segment groups (1 to [`gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
     /// virtio devices' segments need (a restore rebuilds them from the devices).
     pub num_pci_segments: u16,

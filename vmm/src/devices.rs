@@ -4,10 +4,11 @@
 //!
 //! Components without state of their own are not in the list: the i8042 (it only
 //! forwards the guest's reset command), the ACPI sleep control register (it only forwards
-//! a power-off), the exit port and the legacy sinks, and the PCI root bus (each
-//! function's configuration state is its own: a virtio transport saves its BAR, command
-//! register and MSI-X table; a hot-plugged passthrough device's state comes from the
-//! device itself, through VFIO migration: see crate::hotplug::migration).
+//! a power-off), the exit port and the legacy sinks. The PCI root saves only its
+//! allocations (slots, BAR ranges, windows); each function's configuration state is its
+//! own: a virtio transport saves its BAR, command register and MSI-X table; a hot-plugged
+//! passthrough device's state comes from the device itself, through VFIO migration: see
+//! crate::hotplug::migration.
 //!
 //! Adding a device to snapshots: implement [`Persist`] in the device's own file (its
 //! `State` type beside it), then add one field to [`DeviceStates`] and one line to each
@@ -89,6 +90,26 @@ pub struct DeviceStates {
     /// files written before it was planned, when it was the default one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_mmio64_window: Option<(u64, u64)>,
+    /// Segment 0's slot and BAR allocations and its windows' bookkeeping: a restore puts
+    /// every function back exactly there. Absent in state files written before it was
+    /// saved: the allocations are rebuilt from each device's own place then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_root: Option<gpuvm_devices::pci::PciRootState>,
+    /// Memory hot-plug: the room the VM was made with and the register block, whose slots
+    /// say which RAM was plugged where (that RAM is in the memory file, after boot RAM).
+    /// Filled by the snapshot (the room is the machine's, not a device's). Absent for VMs
+    /// without memory hot-plug and in state files written before it was saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_hotplug: Option<SavedRamHotplug>,
+}
+
+/// Memory hot-plug in a snapshot ([`DeviceStates::ram_hotplug`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedRamHotplug {
+    /// `memory.hotplug_size`: the most RAM the VM may be given.
+    pub hotplug_size: u64,
+    pub block: gpuvm_devices::memory_hotplug::MemoryHotplugState,
 }
 
 /// A device refused its saved state (or could not give its own).
@@ -102,6 +123,14 @@ pub enum DeviceStateError {
     VirtioCount { saved: usize, built: usize },
     #[error(transparent)]
     CpuHotplug(#[from] gpuvm_devices::cpu_hotplug::CpuHotplugStateError),
+    #[error(transparent)]
+    PciRoot(#[from] gpuvm_devices::pci::PciError),
+    #[error(transparent)]
+    MemoryHotplug(#[from] gpuvm_devices::memory_hotplug::MemoryHotplugStateError),
+    #[error(
+        "the snapshot has memory hot-plug and the restored VM has none, or the other way round"
+    )]
+    MemoryHotplugMismatch,
 }
 
 impl MachineDevices {
@@ -134,6 +163,12 @@ impl Persist for MachineDevices {
             released_gpus: self.released_gpus.clone(),
             migrated_gpus: Vec::new(),
             pci_mmio64_window: self.pci_hotplug.as_ref().map(|h| h.mmio64_window()),
+            pci_root: self
+                .pci_hotplug
+                .as_ref()
+                .map(|h| h.save_root())
+                .transpose()?,
+            ram_hotplug: None,
         })
     }
 
@@ -152,6 +187,11 @@ impl Persist for MachineDevices {
         }
         if let (Some(block), Some(saved)) = (&self.cpu_hotplug, &state.cpu_hotplug) {
             lock(block).restore(saved)?;
+        }
+        match (&self.memory_hotplug, &state.ram_hotplug) {
+            (Some(block), Some(saved)) => lock(block).restore(&saved.block)?,
+            (None, None) => {}
+            _ => return Err(DeviceStateError::MemoryHotplugMismatch),
         }
         self.released_gpus = state.released_gpus.clone();
         Ok(())

@@ -177,7 +177,6 @@ impl PciHotplug {
         root: Arc<PciRoot>,
         router: Arc<MsiRouter>,
         slots: Arc<dyn GuestMemoryMapper>,
-        hooks: DmaTestHooks,
     ) -> Result<Self, PciSetupError> {
         let interrupt = EventFd::new(EFD_NONBLOCK).map_err(PciSetupError::Intx)?;
         vm.register_irqfd(&interrupt, HOTPLUG_GSI)
@@ -193,7 +192,7 @@ impl PciHotplug {
             slots,
             vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
             ram: RamChunks::new(ram),
-            hooks,
+            hooks: DmaTestHooks::from_env(),
             devices: BTreeMap::new(),
             wake: None,
             virtio: virtio::VirtioPlugContext {
@@ -240,6 +239,18 @@ impl PciHotplug {
     pub fn mmio64_window(&self) -> (u64, u64) {
         let config = self.root.config();
         (config.mmio64_start, config.mmio64_size)
+    }
+
+    /// Segment 0's allocations for a snapshot.
+    pub fn save_root(
+        &self,
+    ) -> Result<gpuvm_devices::pci::PciRootState, gpuvm_devices::pci::PciError> {
+        self.root.save()
+    }
+
+    /// Ends a restore of segment 0's allocations: every saved function must be back.
+    pub fn finish_root_restore(&self) -> Result<(), gpuvm_devices::pci::PciError> {
+        self.root.finish_restore()
     }
 
     /// The register block's state for a snapshot.
@@ -361,17 +372,7 @@ impl PciHotplug {
         let clique = body.gpudirect_clique;
         (self.cliques).apply(&mut lock(&plugged.device), clique, host);
         // Under the VMM thread's filter already: the p2p-map thread inherits it.
-        if let Err(error) = self.peers.ensure_worker(None) {
-            log::warn!("hot-plug: {id}: {error}; no peer-to-peer DMA mappings for it");
-        } else {
-            let (mapper, bars) = opened.peer;
-            let name = mapper
-                .as_ref()
-                .map_or_else(|u| u.context.clone(), |m| m.name());
-            let context = self.peers.add_context(name, mapper);
-            let peer = self.peers.plugged(context, bars, &plugged.device);
-            self.peer_ids.insert(id.clone(), peer);
-        }
+        self.join_peers(&id, opened.peer, &plugged.device, None);
         lock(&self.controller).device_added(bdf.device);
         log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
         let label = plugged.label.clone();
@@ -394,6 +395,29 @@ impl PciHotplug {
             },
         );
         Ok((bdf, label))
+    }
+
+    /// Makes the plugged device `id` a peer of the others: their BARs are DMA-mapped in
+    /// its context, and its BARs in theirs wherever the guest has them now and later.
+    /// `on_thread_start` confines the p2p-map thread if it starts now (None: the caller's
+    /// thread is confined already). A failure is logged: the device works without peers.
+    fn join_peers(
+        &mut self,
+        id: &str,
+        (mapper, bars): (PeerMapperChoice, PeerBars),
+        device: &Mutex<gpuvm_vfio::pci::VfioPciDevice>,
+        on_thread_start: Option<gpuvm_vfio::dma::ThreadStartHook>,
+    ) {
+        if let Err(error) = self.peers.ensure_worker(on_thread_start) {
+            log::warn!("hot-plug: {id}: {error}; no peer-to-peer DMA mappings for it");
+            return;
+        }
+        let name = mapper
+            .as_ref()
+            .map_or_else(|u| u.context.clone(), |m| m.name());
+        let context = self.peers.add_context(name, mapper);
+        let peer = self.peers.plugged(context, bars, device);
+        self.peer_ids.insert(id.to_string(), peer);
     }
 
     /// What plugs a device into this VM's bus 0 (the cold-plug path).

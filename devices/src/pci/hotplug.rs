@@ -171,12 +171,21 @@ impl HotplugController {
 
 /// What a snapshot keeps of the register block: whether the guest enabled the interrupt
 /// (a Linux guest's GED `_INI` does it once, at boot: a restored VM must keep it, or it
-/// never hears of a device hot-plugged after the restore) and the pending event. Slot
-/// bits are not kept: a VM with hot-plugged devices is not snapshotted with them.
+/// never hears of a device hot-plugged after the restore), the pending event, and the
+/// arrivals the guest has not read yet (a device plugged just before the snapshot is
+/// restored with it: the guest must still hear of it). Eject requests are not kept: a
+/// snapshot is refused while a device is being ejected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HotplugState {
     pub enabled: u32,
     pub events: u32,
+    /// Absent in states written before it was kept.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub arrivals: u32,
+}
+
+fn is_zero(bits: &u32) -> bool {
+    *bits == 0
 }
 
 impl Persist for HotplugController {
@@ -187,14 +196,16 @@ impl Persist for HotplugController {
         Ok(HotplugState {
             enabled: self.enabled & 1,
             events: self.events & 1,
+            arrivals: self.up,
         })
     }
 
-    /// Only the two bits; the interrupt controller's own state says whether an edge
-    /// is still pending in the guest.
+    /// The interrupt controller's own state says whether an edge is still pending in the
+    /// guest. Slot 0 (the host bridge) never arrives.
     fn restore(&mut self, state: &HotplugState) -> Result<(), Self::Error> {
         self.enabled = state.enabled & 1;
         self.events = state.events & 1;
+        self.up = state.arrivals & !bit(0);
         Ok(())
     }
 }
@@ -338,6 +349,24 @@ mod tests {
         assert_eq!(irq.read().unwrap(), 1);
         let fresh = HotplugController::new(root(), None).save().unwrap();
         assert_eq!(fresh, HotplugState::default());
+    }
+
+    #[test]
+    fn an_arrival_the_guest_has_not_read_survives_save_and_restore() {
+        let mut saved = HotplugController::new(root(), None);
+        saved.device_added(3);
+        let state = saved.save().unwrap();
+        let mut restored = HotplugController::new(root(), None);
+        restored.restore(&state).unwrap();
+        restored.device_restored(3);
+        assert_eq!(
+            read(&mut restored, PCIU),
+            1 << 3,
+            "the guest still hears of it"
+        );
+        // Once read, it is not saved again.
+        assert_eq!(read(&mut saved, PCIU), 1 << 3);
+        assert_eq!(saved.save().unwrap().arrivals, 0);
     }
 
     fn libc_nonblock() -> i32 {

@@ -23,7 +23,7 @@ pub use msix::RecordedRoutes;
 pub use msix::{MsiMessage, MsiRouting, MsixCapability, MsixTable, MSIX_ENTRY_SIZE};
 pub use root::{
     BarAllocator, ConfigAddressPort, EcamWindow, HostBridge, MmioWindows, PciBdf, PciError,
-    PciRoot, PciRootConfig,
+    PciRoot, PciRootConfig, PciRootState, SavedRange, SlotState, WindowState,
 };
 
 /// Offsets and bits of the type-0 configuration header.

@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use serde::{Deserialize, Serialize};
+
 use super::bars::BarKind;
 use super::{config, PciDevice};
 use crate::BusDevice;
@@ -56,6 +58,10 @@ pub enum PciError {
         base: u64,
         size: u64,
     },
+    #[error("the snapshot's PCI state does not fit this bus: {0}")]
+    SavedState(String),
+    #[error("PCI {bdf}: {reason}")]
+    NotWhereSaved { bdf: String, reason: String },
 }
 
 /// Where the root puts things in guest-physical space.
@@ -118,6 +124,7 @@ fn lock(device: &SharedDevice) -> MutexGuard<'_, dyn PciDevice + 'static> {
 /// (gpuvm_arch::x86_64::address_space).
 #[derive(Clone, Debug)]
 pub struct BarAllocator {
+    start: u64,
     next: u64,
     end: u64,
     name: &'static str,
@@ -129,6 +136,7 @@ impl BarAllocator {
     /// An allocator for `[start, end)`, named (`"32-bit"`, `"64-bit"`) in its errors.
     pub fn new(name: &'static str, start: u64, end: u64) -> Self {
         BarAllocator {
+            start,
             next: start,
             end,
             name,
@@ -227,6 +235,74 @@ impl BarAllocator {
         }
     }
 
+    /// The allocator's bookkeeping, for a snapshot.
+    pub fn state(&self) -> WindowState {
+        WindowState {
+            start: self.start,
+            end: self.end,
+            next: self.next,
+            free: self.free.clone(),
+        }
+    }
+
+    /// An allocator for `[start, end)` with the bookkeeping `saved` (a restore), which
+    /// must be for that same window and consistent: free ranges sorted, apart, non-empty
+    /// and below the high-water mark.
+    pub fn from_state(
+        name: &'static str,
+        start: u64,
+        end: u64,
+        saved: &WindowState,
+    ) -> Result<Self, PciError> {
+        let bad = |what: String| PciError::SavedState(format!("its {name} window {what}"));
+        if (saved.start, saved.end) != (start, end) {
+            return Err(bad(format!(
+                "is {:#x}..{:#x}; this VM's is {start:#x}..{end:#x}",
+                saved.start, saved.end
+            )));
+        }
+        if saved.next < start || saved.next > end {
+            return Err(bad(format!(
+                "is used up to {:#x}, outside the window",
+                saved.next
+            )));
+        }
+        let mut floor = start;
+        for &(base, size) in &saved.free {
+            let Some(free_end) = base.checked_add(size).filter(|_| size > 0) else {
+                return Err(bad(format!("has a bad free range {base:#x}+{size:#x}")));
+            };
+            if base < floor || free_end > saved.next {
+                return Err(bad(format!(
+                    "has free range {base:#x}..{free_end:#x} out of order or past {:#x}",
+                    saved.next
+                )));
+            }
+            floor = free_end;
+        }
+        Ok(BarAllocator {
+            start,
+            next: saved.next,
+            end,
+            name,
+            free: saved.free.clone(),
+        })
+    }
+
+    /// Whether `[base, base + size)` lies in the window and is allocated (below the
+    /// high-water mark and in no free range).
+    fn holds(&self, base: u64, size: u64) -> bool {
+        let Some(end) = base.checked_add(size) else {
+            return false;
+        };
+        base >= self.start
+            && end <= self.next
+            && !self
+                .free
+                .iter()
+                .any(|&(free, free_size)| free < end && base < free + free_size)
+    }
+
     /// Removes `[placed, placed + size)` from free range `at`, keeping what is left of it.
     fn take_from_free(&mut self, at: usize, placed: u64, size: u64) {
         let (base, len) = self.free.remove(at);
@@ -256,6 +332,51 @@ impl BarAllocator {
 /// A BAR range given to a slot: (in the 64-bit window, base, size).
 type PlacedBar = (bool, u64, u64);
 
+/// A window allocator's bookkeeping ([`BarAllocator::state`]): the window, how far it is
+/// used, and the free ranges below that (removed devices' BARs, alignment gaps).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WindowState {
+    pub start: u64,
+    pub end: u64,
+    pub next: u64,
+    pub free: Vec<(u64, u64)>,
+}
+
+/// One range the root gave a slot: a BAR (`bar`: its index) or, for a bridge on bus 0, one
+/// of its windows (`bar` None).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedRange {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bar: Option<u8>,
+    /// In the 64-bit window (else the 32-bit one).
+    pub wide: bool,
+    pub base: u64,
+    pub size: u64,
+}
+
+/// A bus-0 slot with a function, and the ranges the root gave it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotState {
+    pub slot: u8,
+    pub ranges: Vec<SavedRange>,
+}
+
+/// The root's allocations ([`Persist`] state): which bus-0 slots hold a function, the
+/// ranges each was given, and both windows' allocators. A restore puts every function
+/// back into its slot with exactly its ranges, and the next hot-plugged device goes where
+/// it would have gone in the saved VM.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PciRootState {
+    pub segment: u16,
+    pub slots: Vec<SlotState>,
+    pub mmio32: WindowState,
+    pub mmio64: WindowState,
+}
+
 /// Bus 0 of one PCI segment group and its functions (function 0 of each device only).
 /// Each segment has its own root: its own ECAM window and BAR windows.
 pub struct PciRoot {
@@ -266,6 +387,12 @@ pub struct PciRoot {
     mmio64: Mutex<BarAllocator>,
     /// The BAR ranges each slot was given: (64-bit window, base, size).
     placed: Mutex<BTreeMap<u8, Vec<PlacedBar>>>,
+    /// Each placed range's BAR index (None: a bridge's window), by slot, in `placed`'s
+    /// order: what a snapshot saves.
+    placed_bars: Mutex<BTreeMap<u8, Vec<Option<u8>>>>,
+    /// Restored from a snapshot: the slots whose function has not been put back yet, and
+    /// the ranges each must get ([`PciRoot::add_device_at`] checks and takes them).
+    awaited: Mutex<Option<BTreeMap<u8, Vec<SavedRange>>>>,
     /// Functions behind bridges, keyed by their path from bus 0: the bus-0 slot of the
     /// root port, then the device number on each secondary bus down to the function.
     downstream: Mutex<BTreeMap<Vec<u8>, SharedDevice>>,
@@ -295,6 +422,8 @@ impl PciRoot {
                 config.mmio64_start + config.mmio64_size,
             )),
             placed: Mutex::new(BTreeMap::new()),
+            placed_bars: Mutex::new(BTreeMap::new()),
+            awaited: Mutex::new(None),
             downstream: Mutex::new(BTreeMap::new()),
         };
         root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
@@ -320,9 +449,15 @@ impl PciRoot {
     /// aligned to their size) and turns on memory decoding, as firmware would.
     pub fn add_device(&self, device: SharedDevice) -> Result<PciBdf, PciError> {
         let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
+        // Slots a restore still has to fill are not free.
+        let awaited = self.awaited.lock().unwrap_or_else(|e| e.into_inner());
         let slot = (0..32u8)
-            .find(|slot| !devices.contains_key(slot))
+            .find(|slot| {
+                !devices.contains_key(slot)
+                    && !awaited.as_ref().is_some_and(|a| a.contains_key(slot))
+            })
             .ok_or(PciError::BusFull(self.segment))?;
+        drop(awaited);
         self.insert(&mut devices, slot, device, None)
     }
 
@@ -340,7 +475,148 @@ impl PciRoot {
         if slot == 0 || slot >= 32 || devices.contains_key(&slot) {
             return Err(PciError::SlotTaken(slot));
         }
+        if self
+            .awaited
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return self.insert_saved(&mut devices, slot, device, bars);
+        }
         self.insert(&mut devices, slot, device, Some(bars))
+    }
+
+    /// [`PciRoot::add_device_at`] on a root restored from a snapshot's state: `device`
+    /// must be the function the state has in `slot`, with BARs of the saved sizes and
+    /// kinds; it gets exactly the saved ranges (the windows' bookkeeping has them
+    /// already). Its BARs read `bars` (where the guest had moved them), else the saved
+    /// ranges' addresses.
+    fn insert_saved(
+        &self,
+        devices: &mut BTreeMap<u8, SharedDevice>,
+        slot: u8,
+        device: SharedDevice,
+        bars: &[(u8, u64)],
+    ) -> Result<PciBdf, PciError> {
+        let bdf = PciBdf {
+            segment: self.segment,
+            bus: 0,
+            device: slot,
+            function: 0,
+        };
+        let not_there = |reason: String| PciError::NotWhereSaved {
+            bdf: bdf.full(),
+            reason,
+        };
+        let mut awaited = self.awaited.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(saved) = awaited.as_ref().and_then(|a| a.get(&slot)).cloned() else {
+            return Err(not_there(
+                "the snapshot's PCI state has no function in this slot to restore".into(),
+            ));
+        };
+        {
+            let mut guard = lock(&device);
+            let specs = guard.bar_specs();
+            let window = |wide: bool| if wide { "64-bit" } else { "32-bit" };
+            for spec in &specs {
+                let wide = matches!(spec.kind, BarKind::Memory64 { .. });
+                let Some(range) = saved.iter().find(|r| r.bar == Some(spec.index)) else {
+                    return Err(not_there(format!(
+                        "the restored function has a {:#x}-byte BAR{} the snapshot's PCI state \
+                         gave no range",
+                        spec.size, spec.index
+                    )));
+                };
+                if (range.size, range.wide) != (spec.size, wide) {
+                    return Err(not_there(format!(
+                        "the restored function's BAR{} is {:#x} bytes in the {} window; the \
+                         snapshot's PCI state gave it {:#x} bytes at {:#x} in the {} window",
+                        spec.index,
+                        spec.size,
+                        window(wide),
+                        range.size,
+                        range.base,
+                        window(range.wide)
+                    )));
+                }
+            }
+            if let Some(extra) = saved
+                .iter()
+                .find(|r| !specs.iter().any(|spec| r.bar == Some(spec.index)))
+            {
+                return Err(not_there(format!(
+                    "the snapshot's PCI state gave BAR{} {:#x} bytes at {:#x}; the restored \
+                     function has no such BAR",
+                    extra.bar.unwrap_or_default(),
+                    extra.size,
+                    extra.base
+                )));
+            }
+            for range in &saved {
+                let Some(index) = range.bar else { continue };
+                let address = bars
+                    .iter()
+                    .find(|(bar, _)| *bar == index)
+                    .map_or(range.base, |&(_, address)| address);
+                log::info!(
+                    "PCI {}: BAR{index} {:#x} bytes back at {address:#x} (range {:#x} as saved)",
+                    bdf.full(),
+                    range.size,
+                    range.base
+                );
+                guard.set_bar_address(index, address);
+            }
+        }
+        if let Some(awaited) = awaited.as_mut() {
+            awaited.remove(&slot);
+        }
+        drop(awaited);
+        devices.insert(slot, device);
+        self.record(
+            slot,
+            saved
+                .iter()
+                .map(|r| (r.bar, (r.wide, r.base, r.size)))
+                .collect(),
+        );
+        Ok(bdf)
+    }
+
+    /// Records the ranges `slot` was given, with their BAR indices.
+    fn record(&self, slot: u8, ranges: Vec<(Option<u8>, PlacedBar)>) {
+        let (bars, ranges): (Vec<_>, Vec<_>) = ranges.into_iter().unzip();
+        self.placed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, ranges);
+        self.placed_bars
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(slot, bars);
+    }
+
+    /// Ends a restore from a snapshot's state: every slot the state has must have its
+    /// function back. From now on devices are placed as on a booted VM.
+    pub fn finish_restore(&self) -> Result<(), PciError> {
+        let Some(left) = self
+            .awaited
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return Ok(());
+        };
+        if left.is_empty() {
+            return Ok(());
+        }
+        let slots: Vec<String> = left
+            .keys()
+            .map(|slot| format!("{:04x}:00:{slot:02x}.0", self.segment))
+            .collect();
+        Err(PciError::SavedState(format!(
+            "no function was restored into {} (the state has one there)",
+            slots.join(", ")
+        )))
     }
 
     /// Places `device`'s BARs (largest first, which keeps the windows dense; at the
@@ -374,11 +650,11 @@ impl PciRoot {
                 let address = match address {
                     Ok(address) => address,
                     Err(error) => {
-                        self.give_back(placed);
+                        self.give_back(placed.into_iter().map(|(_, range)| range).collect());
                         return Err(error);
                     }
                 };
-                placed.push((wide, address, spec.size));
+                placed.push((Some(spec.index), (wide, address, spec.size)));
                 log::info!(
                     "PCI {:04x}:00:{slot:02x}.0: BAR{} {:?} {:#x} bytes at {address:#x}",
                     self.segment,
@@ -393,10 +669,7 @@ impl PciRoot {
             }
         }
         devices.insert(slot, device);
-        self.placed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(slot, placed);
+        self.record(slot, placed);
         Ok(PciBdf {
             segment: self.segment,
             bus: 0,
@@ -435,6 +708,10 @@ impl PciRoot {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&bdf.device)
             .unwrap_or_default();
+        self.placed_bars
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&bdf.device);
         self.give_back(placed);
         log::info!("PCI {}: removed", bdf.full());
         Some(device)
@@ -583,14 +860,17 @@ impl PciRoot {
         windows: Vec<(bool, u64, u64)>,
     ) -> Result<PciBdf, PciError> {
         let mut devices = self.devices.lock().unwrap_or_else(|e| e.into_inner());
-        if slot == 0 || slot >= 32 || devices.contains_key(&slot) {
+        let awaited = self.awaited.lock().unwrap_or_else(|e| e.into_inner());
+        if slot == 0
+            || slot >= 32
+            || devices.contains_key(&slot)
+            || awaited.as_ref().is_some_and(|a| a.contains_key(&slot))
+        {
             return Err(PciError::SlotTaken(slot));
         }
+        drop(awaited);
         devices.insert(slot, device);
-        self.placed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(slot, windows);
+        self.record(slot, windows.into_iter().map(|w| (None, w)).collect());
         Ok(PciBdf {
             segment: self.segment,
             bus: 0,
@@ -732,6 +1012,120 @@ impl PciRoot {
 }
 
 /// Config accesses the root passes on: 1, 2 or 4 bytes, naturally aligned, in the 4 KiB space.
+impl crate::Persist for PciRoot {
+    type State = PciRootState;
+    type Error = PciError;
+
+    fn save(&self) -> Result<PciRootState, PciError> {
+        let placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+        let bars = self.placed_bars.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = placed
+            .iter()
+            .map(|(&slot, ranges)| SlotState {
+                slot,
+                ranges: ranges
+                    .iter()
+                    .enumerate()
+                    .map(|(at, &(wide, base, size))| SavedRange {
+                        bar: bars.get(&slot).and_then(|b| b.get(at).copied().flatten()),
+                        wide,
+                        base,
+                        size,
+                    })
+                    .collect(),
+            })
+            .collect();
+        Ok(PciRootState {
+            segment: self.segment,
+            slots,
+            mmio32: self
+                .mmio32
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state(),
+            mmio64: self
+                .mmio64
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state(),
+        })
+    }
+
+    /// Loads the allocations into a root that holds only its host bridge; the functions
+    /// come back with [`PciRoot::add_device_at`], then [`PciRoot::finish_restore`] checks
+    /// that all did.
+    fn restore(&mut self, state: &PciRootState) -> Result<(), PciError> {
+        let bad = |what: String| PciError::SavedState(what);
+        if state.segment != self.segment {
+            return Err(bad(format!(
+                "it is segment {}'s; this is segment {}",
+                state.segment, self.segment
+            )));
+        }
+        let devices = self.devices.get_mut().unwrap_or_else(|e| e.into_inner());
+        if devices.keys().any(|&slot| slot != 0)
+            || !self.downstream.get_mut().is_ok_and(|d| d.is_empty())
+        {
+            return Err(bad("the bus has functions already".into()));
+        }
+        let config = self.config;
+        let mmio32 = BarAllocator::from_state(
+            "32-bit",
+            config.mmio32_start,
+            config.mmio32_end,
+            &state.mmio32,
+        )?;
+        let mmio64 = BarAllocator::from_state(
+            "64-bit",
+            config.mmio64_start,
+            config.mmio64_start.saturating_add(config.mmio64_size),
+            &state.mmio64,
+        )?;
+        let mut awaited = BTreeMap::new();
+        let mut taken: Vec<(u64, u64)> = Vec::new();
+        for saved in &state.slots {
+            if saved.slot >= 32 || awaited.contains_key(&saved.slot) {
+                return Err(bad(format!(
+                    "slot {:#04x} is out of range or twice",
+                    saved.slot
+                )));
+            }
+            if saved.slot == 0 {
+                // The host bridge, there already; it has no BARs.
+                if !saved.ranges.is_empty() {
+                    return Err(bad("slot 0 (the host bridge) has ranges".into()));
+                }
+                continue;
+            }
+            for range in &saved.ranges {
+                let place = format!(
+                    "slot {:#04x}'s range {:#x}+{:#x}",
+                    saved.slot, range.base, range.size
+                );
+                if range.bar.is_none() {
+                    return Err(bad(format!(
+                        "{place} is a bridge's window; bridges on bus 0 are not restored"
+                    )));
+                }
+                let window = if range.wide { &mmio64 } else { &mmio32 };
+                if range.size == 0 || !window.holds(range.base, range.size) {
+                    return Err(bad(format!("{place} is not allocated in its window")));
+                }
+                let end = range.base + range.size;
+                if taken.iter().any(|&(b, e)| b < end && range.base < e) {
+                    return Err(bad(format!("{place} overlaps another slot's")));
+                }
+                taken.push((range.base, end));
+            }
+            awaited.insert(saved.slot, saved.ranges.clone());
+        }
+        *self.mmio32.get_mut().unwrap_or_else(|e| e.into_inner()) = mmio32;
+        *self.mmio64.get_mut().unwrap_or_else(|e| e.into_inner()) = mmio64;
+        *self.awaited.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(awaited);
+        Ok(())
+    }
+}
+
 fn valid_config_access(offset: u16, len: usize) -> bool {
     matches!(len, 1 | 2 | 4)
         && usize::from(offset) % len == 0
@@ -1031,6 +1425,154 @@ mod tests {
         assert_eq!(again, bdf, "the free slot is reused");
         ecam.read(1 << 15 | 0x10, &mut data);
         assert_eq!(data, bar0, "and so is the BAR range");
+    }
+
+    /// A device with one 32-bit and one 64-bit BAR of `size64` bytes.
+    fn scratch_sized(size64: u64) -> Arc<Mutex<Scratch>> {
+        let device = scratch();
+        device.lock().unwrap().bars = BarSet::new(&[
+            BarSpec {
+                index: 0,
+                size: 4096,
+                kind: BarKind::Memory32 {
+                    prefetchable: false,
+                },
+            },
+            BarSpec {
+                index: 2,
+                size: size64,
+                kind: BarKind::Memory64 { prefetchable: true },
+            },
+        ]);
+        device
+    }
+
+    fn bar_addresses(device: &Arc<Mutex<Scratch>>) -> Vec<(u8, u64)> {
+        let mut placed: Vec<(u8, u64)> = device
+            .lock()
+            .unwrap()
+            .bars
+            .placed()
+            .iter()
+            .map(|bar| (bar.index, bar.address))
+            .collect();
+        placed.sort();
+        placed
+    }
+
+    /// A plugged device, its address, and its 64-bit BAR's size.
+    type PlacedScratch = (PciBdf, Arc<Mutex<Scratch>>, u64);
+
+    /// The saved VM: three devices of different BAR sizes, the middle one unplugged
+    /// (holes in both windows), so that placing the survivors afresh would differ.
+    fn root_with_holes() -> (Arc<PciRoot>, Vec<PlacedScratch>) {
+        let root = PciRoot::new(root_config()).unwrap();
+        let mut devices = Vec::new();
+        for size in [4u64 << 30, 1 << 30, 1 << 30] {
+            let device = scratch_sized(size);
+            let bdf = root.add_device(device.clone()).unwrap();
+            devices.push((bdf, device, size));
+        }
+        let (middle, _, _) = devices.remove(1);
+        assert!(root.remove_device(middle).is_some());
+        (root, devices)
+    }
+
+    #[test]
+    fn saved_allocations_come_back_exactly_holes_included() {
+        let (root, devices) = root_with_holes();
+        let state = crate::Persist::save(&*root).unwrap();
+        let mut restored = PciRoot::new(root_config()).unwrap();
+        crate::Persist::restore(Arc::get_mut(&mut restored).unwrap(), &state).unwrap();
+        // Back in reverse order, each into its slot with its ranges.
+        for (bdf, original, size) in devices.iter().rev() {
+            let device = scratch_sized(*size);
+            let at = restored
+                .add_device_at(bdf.device, device.clone(), &[])
+                .unwrap();
+            assert_eq!(at, *bdf);
+            assert_eq!(bar_addresses(&device), bar_addresses(original));
+        }
+        restored.finish_restore().unwrap();
+        assert_eq!(crate::Persist::save(&*restored).unwrap(), state);
+        // The next device goes where it would have gone in the saved VM: the hole.
+        let (live, fresh) = (scratch_sized(1 << 30), scratch_sized(1 << 30));
+        assert_eq!(
+            root.add_device(live.clone()).unwrap(),
+            restored.add_device(fresh.clone()).unwrap()
+        );
+        assert_eq!(bar_addresses(&live), bar_addresses(&fresh));
+        assert_eq!(
+            bar_addresses(&fresh),
+            [(0, 0xc000_1000), (2, 0x101_0000_0000)],
+            "into the unplugged device's ranges"
+        );
+    }
+
+    #[test]
+    fn a_restored_device_that_does_not_fit_its_saved_place_is_refused() {
+        let (root, devices) = root_with_holes();
+        let state = crate::Persist::save(&*root).unwrap();
+        let mut restored = PciRoot::new(root_config()).unwrap();
+        crate::Persist::restore(Arc::get_mut(&mut restored).unwrap(), &state).unwrap();
+        let (first, _, _) = &devices[0];
+        // Another BAR size than the state's.
+        let error = restored
+            .add_device_at(first.device, scratch_sized(2 << 30), &[])
+            .unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("BAR2 is 0x80000000 bytes") && message.contains("gave it 0x100000000"),
+            "{message}"
+        );
+        // A slot the state has no function in.
+        let error = restored.add_device_at(9, scratch(), &[]).unwrap_err();
+        assert!(
+            error.to_string().contains("no function in this slot"),
+            "{error}"
+        );
+        // A free slot is not one the restore still has to fill.
+        let next = restored.add_device(scratch_sized(1 << 30)).unwrap();
+        assert_eq!(next.device, 2, "the unplugged device's slot");
+        assert!(devices.iter().all(|(bdf, _, _)| bdf.device != next.device));
+        restored.remove_device(next);
+        // A function never put back fails the restore, naming its slot.
+        restored
+            .add_device_at(first.device, scratch_sized(4 << 30), &[])
+            .unwrap();
+        let error = restored.finish_restore().unwrap_err().to_string();
+        assert!(
+            error.contains(&format!("0000:00:{:02x}.0", devices[1].0.device)),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_saved_state_that_does_not_fit_the_bus_is_refused() {
+        let (root, _) = root_with_holes();
+        let good = crate::Persist::save(&*root).unwrap();
+        let refused = |state: &PciRootState| {
+            let mut restored = PciRoot::new(root_config()).unwrap();
+            crate::Persist::restore(Arc::get_mut(&mut restored).unwrap(), state)
+                .unwrap_err()
+                .to_string()
+        };
+        let mut other_window = good.clone();
+        other_window.mmio64.start += 1 << 30;
+        assert!(refused(&other_window).contains("64-bit window is"));
+        let mut in_a_hole = good.clone();
+        let hole = in_a_hole.mmio64.free[0];
+        in_a_hole.slots[1].ranges[0] = SavedRange {
+            bar: Some(2),
+            wide: true,
+            base: hole.0,
+            size: hole.1,
+        };
+        assert!(refused(&in_a_hole).contains("not allocated in its window"));
+        let mut tangled = good.clone();
+        tangled.mmio64.free.reverse();
+        tangled.mmio64.free.push((0, 1));
+        assert!(refused(&tangled).contains("free range"));
     }
 
     #[test]

@@ -210,6 +210,34 @@ impl<'a> RamMappings<'a> {
         Ok(mappings.with_memfd(ram.memfd().as_fd()))
     }
 
+    /// Describes guest RAM made of several [`GuestRam`](crate::GuestRam)s in one file: boot
+    /// RAM first, then RAM plugged into its hot-plug area (views that share its file), in
+    /// guest-address order. Refuses RAM of another file or page size.
+    pub fn from_guest_rams(rams: &[&'a crate::GuestRam]) -> Result<RamMappings<'a>> {
+        let Some(first) = rams.first() else {
+            return Err(SnapshotError::InvalidLayout("no guest RAM".into()));
+        };
+        if let Some(other) = rams
+            .iter()
+            .find(|ram| !first.shares_file_with(ram) || ram.page_size() != first.page_size())
+        {
+            return Err(SnapshotError::InvalidLayout(format!(
+                "guest RAM at {:#x} is not in the boot RAM's file or pages",
+                other.regions().first().map_or(0, |r| r.guest_addr)
+            )));
+        }
+        let mut regions: Vec<(RamRegion, *mut u8)> =
+            rams.iter().flat_map(|ram| ram.host_regions()).collect();
+        regions.sort_by_key(|(region, _)| region.guest_addr);
+        let (regions, host_addrs): (Vec<RamRegion>, Vec<*mut u8>) = regions.into_iter().unzip();
+        let layout = RamLayout::new(first.page_size(), regions)?;
+        // SAFETY: each `GuestRam` maps each of its regions whole, readable and writable, at
+        // the address it reports, for as long as it lives; borrowing them for 'a keeps
+        // them alive.
+        let mappings = unsafe { RamMappings::new(layout, host_addrs) }?;
+        Ok(mappings.with_memfd(first.memfd().as_fd()))
+    }
+
     /// The layout.
     pub fn layout(&self) -> &RamLayout {
         &self.layout

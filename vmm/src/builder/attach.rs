@@ -52,11 +52,16 @@ pub fn attach(
     let plan = plan_address_space(host, ram, options, &needs, count)?;
     log::info!("guest address space: {plan}");
     let configs = segment_configs(&plan, count);
-    let roots = configs
+    let mut roots = configs
         .iter()
         .enumerate()
         .map(|(segment, config)| PciRoot::new_segment(segment as u16, *config))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(saved) = &options.pci_root {
+        // A restore: segment 0's allocations as saved, before any device is placed.
+        let root = Arc::get_mut(&mut roots[0]).ok_or(PciSetupError::BusShared)?;
+        gpuvm_devices::Persist::restore(root, saved)?;
+    }
     let (config, root) = (configs[0], roots[0].clone());
     let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
     let slots: Arc<dyn GuestMemoryMapper> = Arc::new(KvmBarSlots::new(kvm, vm)?);
@@ -88,16 +93,8 @@ pub fn attach(
             &options.passed_taps,
         )?;
     }
-    let mut hotplug = crate::hotplug::PciHotplug::new(
-        kvm,
-        vm,
-        ram,
-        device_memory,
-        root.clone(),
-        router,
-        slots,
-        DmaTestHooks::from_env(),
-    )?;
+    let mut hotplug =
+        crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
     hotplug.set_peer_dma(peers);
     // Hot-plugged GPUs continue the cold-plugged ones' clique numbering.
     hotplug.set_cliques(cliques);

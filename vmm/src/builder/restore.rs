@@ -20,12 +20,13 @@ use super::{create_base, create_vcpus, spare_vcpu_threads, start_vcpu_threads, M
 use crate::action::LoadOverrides;
 use crate::config::PciOptions;
 use crate::host::open_kvm;
-use crate::machine::{LazyMemory, Machine};
+use crate::machine::{LazyMemory, Machine, RamHotplug};
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
 use crate::virtio::{PassedTaps, VirtioOptions, VirtioSetupError};
 use crate::vm_state::InKernelDevices;
 use crate::working_set;
 use crate::Error;
+use gpuvm_devices::memory_hotplug::MEMORY_BLOCK_SIZE;
 
 /// Builds a machine from the snapshot in `dir`. Everything in the snapshot is read and
 /// validated before a KVM VM exists, so a bad snapshot leaves nothing behind. With
@@ -97,6 +98,10 @@ pub fn restore_with_overrides(
         max_vcpus,
         // Where the snapshot's guest has its 64-bit BAR window (older states: the default).
         mmio64_window: state.state.devices.pci_mmio64_window,
+        // Its slot and BAR allocations (older states: rebuilt from the devices' places).
+        pci_root: state.state.devices.pci_root.clone(),
+        // Memory hot-plug's room, with the RAM plugged into it before the snapshot.
+        ram_hotplug_size: saved_ram_hotplug_size(&state.state, dir)?,
         // The snapshot's NUMA nodes: each node's RAM bound to its host node again.
         numa: state
             .state
@@ -131,7 +136,10 @@ pub fn restore_with_overrides(
     // makes KVM touch guest pages, which must be registered with userfaultfd (or filled)
     // by then.
     let memory_started = Instant::now();
-    let lazy = restore_memory(&base.ram, &loaded.chain, mode, working_set)?;
+    let ram_hotplug = restore_ram_hotplug(&mut base, &loaded, config.track_dirty_pages)?;
+    let mut rams = vec![&base.ram];
+    rams.extend(ram_hotplug.iter().flat_map(|hotplug| hotplug.plugged()));
+    let lazy = restore_memory(&rams, &loaded.chain, mode, working_set)?;
     let memory = memory_started.elapsed();
     clock.mark("memory");
     restore_vm_state(&mut base, &loaded)?;
@@ -139,6 +147,15 @@ pub fn restore_with_overrides(
     if !loaded.state.devices.migrated_gpus.is_empty() || !gpus.is_empty() {
         restore_passthrough(&mut base, &loaded, lazy.as_ref(), gpus)?;
         clock.mark("passthrough");
+    }
+    // Every function the saved PCI allocations hold must be back in its slot by now.
+    if let Some(hotplug) = &base.devices.pci_hotplug {
+        hotplug
+            .finish_root_restore()
+            .map_err(|e| SnapshotError::Invalid {
+                dir: loaded.dir.clone(),
+                reason: e.to_string(),
+            })?;
     }
     for (vcpu, saved) in vcpus.iter_mut().zip(&loaded.state.vcpus) {
         vcpu.restore(saved).map_err(SnapshotError::from)?;
@@ -157,6 +174,7 @@ pub fn restore_with_overrides(
     machine.max_vcpus = max_vcpus;
     machine.vcpu_template = vcpu_template;
     machine.lazy = lazy;
+    machine.ram_hotplug = ram_hotplug;
     if let Some(last) = loaded.chain.layers().last() {
         machine.set_memory_chain(MemoryChain {
             dir: dir.to_path_buf(),
@@ -262,12 +280,12 @@ impl Validation {
 /// The `memory` stage: fills guest RAM from `chain` (eager), or registers it for loading
 /// on fault (lazy: the in-process loader; external: the handler's handshake).
 fn restore_memory(
-    ram: &GuestRam,
+    rams: &[&GuestRam],
     chain: &Arc<SnapshotChain>,
     mode: &RestoreMode,
     working_set: Vec<u64>,
 ) -> Result<Option<LazyMemory>, SnapshotError> {
-    let mappings = RamMappings::from_guest_ram(ram)?;
+    let mappings = RamMappings::from_guest_rams(rams)?;
     Ok(match mode {
         RestoreMode::Eager => {
             let stats = restore_eager(chain, &mappings, &EagerOptions::default())?;
@@ -315,6 +333,65 @@ fn restore_memory(
             Some(LazyMemory::External(watch))
         }
     })
+}
+
+/// The room for hot-plugged RAM a snapshot's VM had (0: none), checked as the API checks
+/// it: a state file is input like any other.
+fn saved_ram_hotplug_size(
+    state: &snapshot::MachineState,
+    dir: &Path,
+) -> Result<u64, SnapshotError> {
+    let Some(saved) = &state.devices.ram_hotplug else {
+        return Ok(0);
+    };
+    let size = saved.hotplug_size;
+    let limit = crate::action::MAX_MEM_SIZE_MIB << 20;
+    if size == 0 || !size.is_multiple_of(MEMORY_BLOCK_SIZE) || size > limit {
+        return Err(SnapshotError::Invalid {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "its memory hot-plug size {size} is not a non-zero multiple of {} MiB up to \
+                 {} MiB",
+                MEMORY_BLOCK_SIZE >> 20,
+                limit >> 20
+            ),
+        });
+    }
+    Ok(size)
+}
+
+/// Memory hot-plug of the restored VM: the RAM its snapshot had plugged, plugged again at
+/// the same places (KVM slots, and the passthrough devices' DMA mapping of it, before
+/// any of them is restored), ready for the memory file to fill. None without memory
+/// hot-plug.
+fn restore_ram_hotplug(
+    base: &mut MachineBase,
+    loaded: &snapshot::LoadedSnapshot,
+    dirty_log: bool,
+) -> Result<Option<RamHotplug>, SnapshotError> {
+    let Some(saved) = &loaded.state.devices.ram_hotplug else {
+        return Ok(None);
+    };
+    let invalid = |reason: String| SnapshotError::Invalid {
+        dir: loaded.dir.clone(),
+        reason,
+    };
+    let (Some(area), Some(block)) = (
+        base.ram_hotplug_area.take(),
+        base.devices.memory_hotplug.clone(),
+    ) else {
+        return Err(invalid(
+            "its memory hot-plug could not be set up again".into(),
+        ));
+    };
+    let hotplug = RamHotplug::restore(&base.vm, area, saved, block, dirty_log)
+        .map_err(|e| invalid(format!("its hot-plugged RAM: {e}")))?;
+    if let Some(pci_hotplug) = base.devices.pci_hotplug.as_mut() {
+        for ram in hotplug.plugged() {
+            pci_hotplug.add_ram(ram);
+        }
+    }
+    Ok(Some(hotplug))
 }
 
 /// The `vm_state` stage: the emulated devices' state, then the in-kernel irqchip, PIT

@@ -12,8 +12,9 @@
 //! Restoring, before any vCPU runs: each device is opened again from where it came from
 //! (the vfio-user socket, with a fresh device process behind it, or the host BDF),
 //! checked to be the same model, plugged into its old slot with its BARs where the guest
-//! had put them, given its saved state and its emulated PCI state (MSI-X routes), and
-//! left stopped. Guest RAM is DMA-mapped for it once the restore has filled that RAM
+//! had put them, given its saved state and its emulated PCI state (MSI-X routes), made a
+//! peer of the other passthrough devices again (crate::p2p: their BARs mapped for it, its
+//! BARs for them), and left stopped. Guest RAM is DMA-mapped for it once the restore has filled that RAM
 //! (with a lazy restore, once the loader is done: a device writing a page the loader
 //! fills afterwards would lose its write), and only then does the device run. The guest
 //! runs meanwhile; its requests to the device wait in the device.
@@ -397,6 +398,14 @@ impl PciHotplug {
             }
         };
         lock(&self.controller).device_restored(plugged.bdf.device);
+        // A peer again, with its BARs where the restored PCI state put them. The restore
+        // may run on a thread without the VMM's filter: the p2p-map thread applies it.
+        self.join_peers(
+            &gpu.gpu_id,
+            opened.peer,
+            &plugged.device,
+            crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
+        );
         let held_for_dma = Arc::new(AtomicBool::new(true));
         run_once_mapped(
             gpu.gpu_id.clone(),

@@ -27,6 +27,7 @@ use gpuvm_memory::{ByteSize, GuestRam, RamError};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 
 use super::{Machine, RunningMachine};
+use crate::devices::SavedRamHotplug;
 use crate::dma::RamChunks;
 use crate::lock;
 
@@ -218,7 +219,7 @@ impl Machine {
             .map(|hotplug| hotplug.hotplug_size)
     }
 
-    /// Whether RAM was hot-plugged (snapshots do not hold it yet).
+    /// Whether RAM was hot-plugged (its snapshots are full memory files).
     pub fn has_hotplugged_ram(&self) -> bool {
         self.ram_hotplug
             .as_ref()
@@ -264,23 +265,7 @@ impl RunningMachine<'_> {
             .place(grow, granule)
             .ok_or(MemoryResizeError::NoRoom(grow))?;
         let ram = hotplug.area.view(base, grow)?;
-        let host = ram.host_address(0).ok_or(MemoryResizeError::NoRoom(grow))?;
-        let kvm_slot = FIRST_HOTPLUG_RAM_SLOT + u32::from(slot);
-        let region = kvm_userspace_memory_region {
-            slot: kvm_slot,
-            guest_phys_addr: base,
-            memory_size: grow,
-            userspace_addr: host as u64,
-            flags: if dirty_log {
-                KVM_MEM_LOG_DIRTY_PAGES
-            } else {
-                0
-            },
-        };
-        // SAFETY: `ram`'s mapping is kept in the machine (RamHotplug::added, dropped after
-        // the VM fd) for as long as the slot exists.
-        unsafe { self.machine.vm.set_user_memory_region(region) }
-            .map_err(MemoryResizeError::Kvm)?;
+        let (kvm_slot, region) = register_slot(&self.machine.vm, slot, &ram, dirty_log)?;
         if let Err(error) = dma_map(&mut self.machine.devices, &ram) {
             // The guest was told nothing: take the slot back and drop the RAM.
             let removed = kvm_userspace_memory_region {
@@ -306,6 +291,106 @@ impl RunningMachine<'_> {
             ByteSize(self.machine.ram_size()),
         );
         Ok(())
+    }
+}
+
+/// Registers `ram` (a view of the hot-plug area in hot-plug slot `slot`) as its KVM memory
+/// slot; returns the slot number and region.
+fn register_slot(
+    vm: &kvm_ioctls::VmFd,
+    slot: u8,
+    ram: &GuestRam,
+    dirty_log: bool,
+) -> Result<(u32, kvm_userspace_memory_region), MemoryResizeError> {
+    let (range, host) = ram
+        .host_regions()
+        .next()
+        .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
+    let kvm_slot = FIRST_HOTPLUG_RAM_SLOT + u32::from(slot);
+    let region = kvm_userspace_memory_region {
+        slot: kvm_slot,
+        guest_phys_addr: range.guest_addr,
+        memory_size: range.size,
+        userspace_addr: host as u64,
+        flags: if dirty_log {
+            KVM_MEM_LOG_DIRTY_PAGES
+        } else {
+            0
+        },
+    };
+    // SAFETY: `ram`'s mapping is kept in the machine (RamHotplug::added, dropped after the
+    // VM fd) for as long as the slot exists.
+    unsafe { vm.set_user_memory_region(region) }.map_err(MemoryResizeError::Kvm)?;
+    Ok((kvm_slot, region))
+}
+
+impl RamHotplug {
+    /// Memory hot-plug of a VM restored from a snapshot taken with `saved`: each slot that
+    /// held RAM is plugged again (a view of `area` at the same place, its KVM slot) before
+    /// the memory file fills it; the register block itself gets its state with the other
+    /// devices. Returns the hot-plug and the plugged RAM, for the memory file's layout and
+    /// the passthrough devices' DMA mapping.
+    pub(crate) fn restore(
+        vm: &kvm_ioctls::VmFd,
+        area: GuestRam,
+        saved: &SavedRamHotplug,
+        block: Arc<Mutex<MemoryHotplug>>,
+        dirty_log: bool,
+    ) -> Result<RamHotplug, MemoryResizeError> {
+        let mut hotplug = RamHotplug::new(area, saved.hotplug_size, block);
+        for (slot, held) in saved.block.slots.iter().enumerate() {
+            if held.size == 0 {
+                continue;
+            }
+            let slot = u8::try_from(slot)
+                .ok()
+                .filter(|&slot| slot < MEMORY_HOTPLUG_SLOTS)
+                .ok_or(MemoryResizeError::NoSlot)?;
+            let ram = hotplug.area.view(held.base, held.size)?;
+            register_slot(vm, slot, &ram, dirty_log)?;
+            hotplug.added.push(AddedRam { ram });
+        }
+        if hotplug.added_bytes() > hotplug.hotplug_size {
+            return Err(MemoryResizeError::AboveHotplugSize {
+                desired: hotplug.added_bytes(),
+                boot: 0,
+                hotplug_size: hotplug.hotplug_size,
+            });
+        }
+        Ok(hotplug)
+    }
+
+    /// The RAM plugged so far, one view per slot.
+    pub(crate) fn plugged(&self) -> impl Iterator<Item = &GuestRam> {
+        self.added.iter().map(|added| &added.ram)
+    }
+}
+
+impl Machine {
+    /// Guest RAM as snapshots write and restores fill it: boot RAM and every plugged range,
+    /// one file.
+    pub(crate) fn ram_mappings(
+        &self,
+    ) -> Result<gpuvm_memory::snapshot::RamMappings<'_>, gpuvm_memory::snapshot::SnapshotError>
+    {
+        let mut rams = vec![&self.ram];
+        if let Some(hotplug) = &self.ram_hotplug {
+            rams.extend(hotplug.plugged());
+        }
+        gpuvm_memory::snapshot::RamMappings::from_guest_rams(&rams)
+    }
+
+    /// Memory hot-plug's part of a snapshot: the room and the register block's slots.
+    pub(crate) fn save_ram_hotplug(
+        &self,
+    ) -> Result<Option<SavedRamHotplug>, crate::devices::DeviceStateError> {
+        let Some(hotplug) = &self.ram_hotplug else {
+            return Ok(None);
+        };
+        Ok(Some(SavedRamHotplug {
+            hotplug_size: hotplug.hotplug_size,
+            block: gpuvm_devices::Persist::save(&*lock(&hotplug.block))?,
+        }))
     }
 }
 

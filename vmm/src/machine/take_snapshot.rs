@@ -94,13 +94,6 @@ impl Machine {
         {
             return Err(SnapshotError::Unsnapshottable(reason).into());
         }
-        if self.has_hotplugged_ram() {
-            return Err(SnapshotError::Unsnapshottable(
-                "it has hot-plugged RAM (vm.resize desired_ram), which snapshots do not hold yet"
-                    .into(),
-            )
-            .into());
-        }
         let hot: Vec<String> = self
             .devices
             .pci_hotplug
@@ -226,7 +219,7 @@ impl Machine {
             // The paused path reports why.
             return None;
         }
-        let armed = RamMappings::from_guest_ram(&self.ram).and_then(|mappings| {
+        let armed = self.ram_mappings().and_then(|mappings| {
             WriteProtectedRam::arm(
                 &mappings,
                 crate::seccomp::thread_hook(crate::seccomp::ThreadKind::SnapshotFault),
@@ -263,8 +256,11 @@ impl Machine {
             let written = saved.and_then(|saved| {
                 let dirty = self.dirty_bitmaps()?;
                 // KVM's dirty log sees only what vCPUs write: virtio devices write guest
-                // memory from gpuvm's threads, so a VM with them always gets a full file.
-                let chain = if full || !self.devices.virtio.is_empty() {
+                // memory from gpuvm's threads, so a VM with them always gets a full file;
+                // so does a VM with hot-plugged RAM (its slots are not in the dirty log
+                // walk, and its layout is not the chain's).
+                let chain = if full || !self.devices.virtio.is_empty() || self.has_hotplugged_ram()
+                {
                     None
                 } else {
                     self.memory_chain.clone()
@@ -348,6 +344,9 @@ impl Machine {
             .save()
             .map_err(SnapshotError::from)?;
         let mut devices = self.devices.save().map_err(SnapshotError::SaveDevices)?;
+        devices.ram_hotplug = self
+            .save_ram_hotplug()
+            .map_err(SnapshotError::SaveDevices)?;
         // Passthrough devices stop (no more DMA into RAM) before RAM is written.
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             devices.migrated_gpus = hotplug.save_migrated(dir)?;
@@ -369,7 +368,8 @@ impl Machine {
     ) -> Result<(String, WriteStats, Duration), Error> {
         let device_files = saved.devices.migrated_gpus.clone();
         let memory_started = Instant::now();
-        let written = RamMappings::from_guest_ram(&self.ram)
+        let written = self
+            .ram_mappings()
             .map_err(SnapshotError::from)
             .and_then(|mappings| write_memory(&mappings, dirty.as_deref()))
             .and_then(|(memory_file, stats, files)| {

@@ -219,7 +219,26 @@ pub fn load_state(
             dir.join(STATE_FILE).display()
         );
     }
-    let layout = RamLayout::new(config.backing.page_size(), regions(config.memory_size))?;
+    let mut ram_regions = regions(config.memory_size);
+    // RAM hot-plugged before the snapshot follows boot RAM in the memory file, in address
+    // order (the file is checked by each region's address and size; its memfd offset here
+    // only has to be page aligned: the restored RAM's own offsets are used to load it).
+    if let Some(hotplug) = &state.devices.ram_hotplug {
+        let mut plugged: Vec<_> = hotplug
+            .block
+            .slots
+            .iter()
+            .filter(|slot| slot.size != 0)
+            .map(|slot| gpuvm_memory::RamRegion {
+                guest_addr: slot.base,
+                size: slot.size,
+                file_offset: slot.base,
+            })
+            .collect();
+        plugged.sort_by_key(|region| region.guest_addr);
+        ram_regions.extend(plugged);
+    }
+    let layout = RamLayout::new(config.backing.page_size(), ram_regions)?;
     let (names, head_id, raw) = match &state.raw_memory {
         // Firecracker's layout: the newest memory file is the whole of guest RAM.
         Some(raw) => {
