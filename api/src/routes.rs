@@ -9,8 +9,8 @@ use gpuvm_virtio::vhost_user::FsConfig;
 use gpuvm_virtio::vsock::VsockConfig;
 use gpuvm_vmm::action::{
     ActionBody, ActionType, BalloonStatsUpdateBody, BalloonUpdateBody, BootSourceBody, DriveBody,
-    DrivePatchBody, GpuBody, MachineConfigBody, SnapshotCreateBody, SnapshotLoadBody, VmStateBody,
-    VmStateRequest, VmmAction,
+    DrivePatchBody, GpuBody, LiveUpdateBody, MachineConfigBody, SnapshotCreateBody,
+    SnapshotLoadBody, VmStateBody, VmStateRequest, VmmAction,
 };
 
 use crate::http::{Method, Request, Response};
@@ -81,6 +81,12 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
         },
         "/snapshot/create" => match method {
             Put => Ok(VmmAction::CreateSnapshot(parse::<SnapshotCreateBody>(
+                &request.body,
+            )?)),
+            _ => Err(method_not_allowed("PUT")),
+        },
+        "/vmm/update" => match method {
+            Put => Ok(VmmAction::LiveUpdate(parse::<LiveUpdateBody>(
                 &request.body,
             )?)),
             _ => Err(method_not_allowed("PUT")),

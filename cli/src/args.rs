@@ -42,6 +42,11 @@ pub enum Command {
         #[arg(long)]
         pid: i32,
     },
+    /// Hand a running VM to a new gpuvm binary without stopping it (live update).
+    Update(crate::update::UpdateArgs),
+    /// The new gpuvm's side of a live update (started by `gpuvm update`).
+    #[command(hide = true)]
+    UpdateReceive(crate::update::ReceiveArgs),
     /// Talk to a running gpuvm's API socket.
     Ctl(CtlArgs),
     /// Check that this host can pass GPUs through (KVM, IOMMU, vfio-pci binding, IOMMU

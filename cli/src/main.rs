@@ -24,6 +24,7 @@ mod report;
 mod restore;
 mod run;
 mod snapshot_signal;
+mod update;
 
 use args::{Cli, Command};
 use front_end::FrontEnd;
@@ -118,6 +119,8 @@ fn gpuvm_main(argv: Vec<OsString>, process_start: Instant) -> ExitCode {
         Command::Run(args) => run::run(*args, process_start),
         Command::Restore(args) => restore::restore(args, process_start),
         Command::Snapshot { pid } => snapshot_signal::signal_snapshot(pid),
+        Command::Update(args) => update::update(args),
+        Command::UpdateReceive(args) => update::receive(args, process_start),
         Command::Ctl(args) => return ctl::ctl(args),
         Command::CheckHost(args) => return passthrough::check_host(&args),
         Command::GuestImage { output } => return write_guest_image(&output),

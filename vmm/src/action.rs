@@ -98,6 +98,9 @@ pub enum VmmAction {
     Pause,
     Resume,
     CreateSnapshot(SnapshotCreateBody),
+    /// PUT /vmm/update: hand the running VM to the new gpuvm listening on a socket
+    /// (crate::update; `gpuvm update` starts that one and asks for this).
+    LiveUpdate(LiveUpdateBody),
     LoadSnapshot(SnapshotLoadBody),
     /// A load that changes the restored VM (Firecracker's `track_dirty_pages`,
     /// `network_overrides` and `vsock_override`).
@@ -812,6 +815,18 @@ pub enum SnapshotType {
     /// Only pages dirtied since the last snapshot into the same directory (needs
     /// track_dirty_pages).
     Diff,
+}
+
+/// PUT /vmm/update.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LiveUpdateBody {
+    /// Where the new gpuvm (`gpuvm update-receive`) listens for the hand-over (absolute).
+    pub handover_socket: PathBuf,
+    /// How long to wait for the new gpuvm at each step before taking the VM back
+    /// (default: 30 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
 }
 
 /// PUT /snapshot/create.

@@ -36,7 +36,9 @@ use crate::Error;
 
 mod attach;
 mod restore;
-pub use restore::{restore, restore_with_gpus, restore_with_overrides};
+pub use restore::{
+    prepare_handed_over, restore, restore_with_gpus, restore_with_overrides, PreparedMachine,
+};
 
 /// Serial port COM1 and its legacy interrupt line.
 const COM1_BASE: u64 = 0x3f8;
@@ -81,6 +83,19 @@ fn create_base(
     serial_out: Box<dyn Write + Send>,
     clock: &mut StageClock,
 ) -> Result<MachineBase, Error> {
+    create_base_over(kvm, None, machine_config, pci_options, serial_out, clock)
+}
+
+/// [`create_base`], over `adopted` guest RAM when given (a live update's memfd, and
+/// whether it is on the huge-page tmpfs) instead of new RAM.
+fn create_base_over(
+    kvm: Kvm,
+    adopted: Option<(std::fs::File, bool)>,
+    machine_config: &MachineConfig,
+    pci_options: &PciOptions,
+    serial_out: Box<dyn Write + Send>,
+    clock: &mut StageClock,
+) -> Result<MachineBase, Error> {
     let max = max_vcpus(&kvm);
     // Every possible vCPU (hot-pluggable ones too) must be one KVM can create.
     let possible = pci_options.max_vcpus(machine_config);
@@ -106,13 +121,21 @@ fn create_base(
         backing: machine_config.backing,
         thp: machine_config.thp,
     };
-    // Create RAM first: it is where bad sizes are caught, before any KVM object exists.
-    let ram = match hotplug_area {
-        Some((_, room)) => GuestRam::create_with_hotplug_room(&ram_config, &regions, room)?,
-        None => GuestRam::create(&ram_config, &regions)?,
+    let ram = match adopted {
+        // Its pages are where the guest left them.
+        Some((memfd, huge_tmpfs)) => GuestRam::adopt(memfd, &ram_config, &regions, huge_tmpfs)?,
+        None => {
+            // Create RAM first: it is where bad sizes are caught, before any KVM object
+            // exists.
+            let ram = match hotplug_area {
+                Some((_, room)) => GuestRam::create_with_hotplug_room(&ram_config, &regions, room)?,
+                None => GuestRam::create(&ram_config, &regions)?,
+            };
+            // Before anything touches guest RAM (prefault, loaders, DMA mapping).
+            crate::numa::prepare(machine_config, pci_options, &ram)?;
+            ram
+        }
     };
-    // Before anything touches guest RAM (prefault, loaders, DMA mapping).
-    crate::numa::prepare(machine_config, pci_options, &ram)?;
     let ram_hotplug_area = hotplug_area
         .map(|(start, size)| ram.hotplug_area(start, size))
         .transpose()?;

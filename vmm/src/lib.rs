@@ -40,6 +40,7 @@ pub mod pci_topology;
 pub mod persist;
 pub mod seccomp;
 pub mod snapshot;
+pub mod update;
 pub mod vcpu;
 pub mod virtio;
 pub mod vm_state;

@@ -196,6 +196,148 @@ pub fn restore_with_overrides(
     Ok((machine, timings))
 }
 
+/// The PCI options that rebuild the devices a live update's `state` holds, as
+/// [`restore_with_overrides`] rebuilds a snapshot's: its virtio devices from their saved
+/// configuration, vCPU hot-plug, the 64-bit BAR window, the PCI root's allocations and the
+/// NUMA nodes.
+fn handed_over_pci_options(state: &snapshot::MachineState) -> PciOptions {
+    PciOptions {
+        virtio: crate::virtio::options_of(&state.devices.virtio),
+        max_vcpus: state
+            .devices
+            .cpu_hotplug
+            .as_ref()
+            .map_or(0, |cpus| cpus.max_vcpus),
+        mmio64_window: state.devices.pci_mmio64_window,
+        pci_root: state.devices.pci_root.clone(),
+        numa: state
+            .numa
+            .as_ref()
+            .map(crate::numa::SavedNumaPlan::options)
+            .unwrap_or_default(),
+        ..PciOptions::default()
+    }
+}
+
+/// A machine built for a live update over the guest RAM the old process handed over,
+/// with its devices and vCPUs, before any state is loaded: built while the old process
+/// still runs the guest (nothing of it touches guest RAM or runs), so that the pause covers
+/// only saving and loading the state ([`PreparedMachine::load`]).
+pub struct PreparedMachine {
+    base: MachineBase,
+    vcpus: Vec<crate::vcpu::Vcpu>,
+    vcpu_threads: Vec<crate::vcpu::VcpuThread>,
+    vcpu_template: Option<crate::vcpu::VcpuTemplate>,
+    config: crate::config::MachineConfig,
+    max_vcpus: u8,
+    clock: StageClock,
+}
+
+/// Builds the VM of a live update's `state` (its configuration and devices; its vCPU
+/// states may be absent) with vCPUs `vcpu_ids`, over `memfd` (on the huge-page tmpfs if
+/// `huge_tmpfs`): a restore's stages without a snapshot directory, nothing read into RAM.
+pub fn prepare_handed_over(
+    state: &snapshot::MachineState,
+    vcpu_ids: &[u8],
+    memfd: std::fs::File,
+    huge_tmpfs: bool,
+    serial_out: Box<dyn Write + Send>,
+) -> Result<PreparedMachine, Error> {
+    let source = Path::new("(live update)");
+    let mut clock = StageClock::starting_at(Instant::now());
+    let kvm = open_kvm()?;
+    clock.mark("open_kvm");
+    let mut config = state.config.to_config(source)?;
+    config.prefault = false;
+    if vcpu_ids.len() != usize::from(config.vcpus)
+        || config.vcpus == 0
+        || vcpu_ids
+            .iter()
+            .enumerate()
+            .any(|(i, &id)| usize::from(id) != i)
+    {
+        return Err(SnapshotError::Invalid {
+            dir: source.to_path_buf(),
+            reason: format!("vCPUs {vcpu_ids:?} for {} configured vCPUs", config.vcpus),
+        }
+        .into());
+    }
+    let pci = handed_over_pci_options(state);
+    let max_vcpus = pci.max_vcpus(&config);
+    let base = super::create_base_over(
+        kvm,
+        Some((memfd, huge_tmpfs)),
+        &config,
+        &pci,
+        serial_out,
+        &mut clock,
+    )?;
+    let vcpus = create_vcpus(&base.kvm, &base.vm, vcpu_ids.iter().copied(), &base.devices)?;
+    let mut vcpu_threads = start_vcpu_threads(&vcpus)?;
+    vcpu_threads.extend(spare_vcpu_threads(
+        (0..max_vcpus).filter(|id| !vcpu_ids.contains(id)),
+    )?);
+    let vcpu_template = hotplug_template(&base, &config, &vcpus, max_vcpus)?;
+    clock.mark("create_vcpus");
+    Ok(PreparedMachine {
+        base,
+        vcpus,
+        vcpu_threads,
+        vcpu_template,
+        config,
+        max_vcpus,
+        clock,
+    })
+}
+
+impl PreparedMachine {
+    /// Loads `state` (saved with the vCPUs paused; built from the same configuration and
+    /// devices as the one this was prepared with) and gives the machine; its vCPUs run once
+    /// [`Machine::run`] is called. The timings have the stages of the preparation, then
+    /// `wait_for_state` (from the end of the preparation to this call), `vm_state` and
+    /// `vcpu_state`.
+    pub fn load(
+        mut self,
+        state: &snapshot::MachineState,
+    ) -> Result<(Machine, RestoreTimings), Error> {
+        let source = Path::new("(live update)");
+        self.clock.mark("wait_for_state");
+        let ids: Vec<u8> = state.vcpus.iter().map(|saved| saved.id).collect();
+        let built: Vec<u8> = self.vcpus.iter().map(|vcpu| vcpu.id).collect();
+        if ids != built {
+            return Err(SnapshotError::Invalid {
+                dir: source.to_path_buf(),
+                reason: format!("vCPU states for {ids:?}, vCPUs {built:?} built"),
+            }
+            .into());
+        }
+        load_vm_state(&mut self.base, state, source)?;
+        self.clock.mark("vm_state");
+        for (vcpu, saved) in self.vcpus.iter_mut().zip(&state.vcpus) {
+            vcpu.restore(saved).map_err(SnapshotError::from)?;
+        }
+        self.clock.mark("vcpu_state");
+        let MachineBase {
+            kvm,
+            vm,
+            ram,
+            devices,
+            ..
+        } = self.base;
+        let mut machine = Machine::new(kvm, vm, ram, devices, self.vcpus, self.config);
+        machine.vcpu_threads = self.vcpu_threads;
+        machine.max_vcpus = self.max_vcpus;
+        machine.vcpu_template = self.vcpu_template;
+        let stages = self.clock.into_stages();
+        let timings = RestoreTimings {
+            total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
+            stages,
+            ..RestoreTimings::default()
+        };
+        Ok((machine, timings))
+    }
+}
+
 /// What [`validate_with_working_set`] gives.
 type Validated = (Result<SnapshotChain, SnapshotError>, Vec<u64>);
 
@@ -430,13 +572,22 @@ fn restore_vm_state(
     base: &mut MachineBase,
     loaded: &snapshot::LoadedSnapshot,
 ) -> Result<(), SnapshotError> {
+    load_vm_state(base, &loaded.state, &loaded.dir)
+}
+
+/// [`restore_vm_state`] for a state from anywhere; `source` names it in errors.
+fn load_vm_state(
+    base: &mut MachineBase,
+    state: &snapshot::MachineState,
+    source: &Path,
+) -> Result<(), SnapshotError> {
     base.devices
-        .restore(&loaded.state.devices)
+        .restore(&state.devices)
         .map_err(|e| SnapshotError::Invalid {
-            dir: loaded.dir.clone(),
+            dir: source.to_path_buf(),
             reason: e.to_string(),
         })?;
-    InKernelDevices(&base.vm).restore(&loaded.state.vm)?;
+    InKernelDevices(&base.vm).restore(&state.vm)?;
     Ok(())
 }
 

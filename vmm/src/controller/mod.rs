@@ -389,6 +389,9 @@ impl ApiController {
             VmmAction::CreateSnapshot(_) => Err(ActionError::wrong_state(
                 "there is no VM to snapshot yet (PUT /actions InstanceStart first)",
             )),
+            VmmAction::LiveUpdate(_) => Err(ActionError::wrong_state(
+                "there is no running VM to hand over (PUT /actions InstanceStart first)",
+            )),
         };
         (result, None)
     }
@@ -563,6 +566,12 @@ impl ApiController {
                 | VmmAction::HotplugVirtio(_) => (
                     Err(ActionError::wrong_state(
                         "resume the VM first: devices are hot-plugged and removed with the guest's help",
+                    )),
+                    None,
+                ),
+                VmmAction::LiveUpdate(_) => (
+                    Err(ActionError::wrong_state(
+                        "live update of a VM that has not run yet is not supported: resume it first",
                     )),
                     None,
                 ),

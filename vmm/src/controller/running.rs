@@ -414,11 +414,55 @@ impl RunningApi {
                 .map(|()| VmmData::Empty)
                 .map_err(|e| ActionError::bad_request(format!("cannot resume: {e}"))),
             VmmAction::CreateSnapshot(body) => snapshot(running, body),
+            VmmAction::LiveUpdate(body) => {
+                return match live_update(running, &body) {
+                    Ok(answer) => (Ok(answer), Some(GuestEnd::HandedOver)),
+                    Err(error) => (Err(error), None),
+                }
+            }
             VmmAction::PutLogger(config) => crate::outputs::put_logger(config),
             VmmAction::PutMetrics(config) => crate::outputs::put_metrics(config),
             VmmAction::FlushMetrics => crate::outputs::flush_metrics(),
         };
         (result, None)
+    }
+}
+
+/// PUT /vmm/update: hands the VM to the new gpuvm (crate::update). On success the run
+/// ends here (the new process runs the VM); on failure the VM runs on, as before.
+fn live_update(
+    running: &mut RunningMachine<'_>,
+    body: &crate::action::LiveUpdateBody,
+) -> ActionResult {
+    absolute_path(&body.handover_socket, "handover_socket")?;
+    if body.timeout_ms == Some(0) {
+        return Err(ActionError::bad_request("timeout_ms must be at least 1"));
+    }
+    let timeout = body
+        .timeout_ms
+        .map_or(crate::update::DEFAULT_TIMEOUT, Duration::from_millis);
+    match crate::update::hand_over(running, &body.handover_socket, timeout) {
+        Ok(report) => {
+            log::info!(
+                "live update: the VM is handed to pid {:?} ({} bytes of state, {:?} from the \
+                 pause to its Ready); this process ends",
+                report.new_pid,
+                report.state_bytes,
+                report.paused_to_ready
+            );
+            Ok(VmmData::Json(serde_json::json!({
+                "new_pid": report.new_pid,
+                "state_bytes": report.state_bytes,
+                "paused_to_ready_us": report.paused_to_ready.as_micros() as u64,
+            })))
+        }
+        Err(error @ crate::update::UpdateError::Unsupported { .. }) => {
+            Err(ActionError::bad_request(error.to_string()))
+        }
+        Err(error) => Err(ActionError {
+            status: 500,
+            message: format!("live update failed; the VM runs on in this process: {error}"),
+        }),
     }
 }
 

@@ -51,6 +51,8 @@ pub enum GuestEnd {
     PowerOff,
     /// A snapshot was taken and the run was asked to end there.
     Snapshotted,
+    /// A live update handed the VM to a new gpuvm process (crate::update).
+    HandedOver,
 }
 
 impl GuestEnd {
@@ -59,7 +61,10 @@ impl GuestEnd {
         match self {
             GuestEnd::ExitStatus(status) => (*status & 0xff) as i32,
             GuestEnd::TripleFault => i32::from(crate::exit_status::TRIPLE_FAULT),
-            GuestEnd::Reset | GuestEnd::PowerOff | GuestEnd::Snapshotted => 0,
+            GuestEnd::Reset
+            | GuestEnd::PowerOff
+            | GuestEnd::Snapshotted
+            | GuestEnd::HandedOver => 0,
         }
     }
 }
@@ -120,6 +125,16 @@ impl RunningMachine<'_> {
     /// The machine's devices, to change them (PCI hot-plug).
     pub fn devices_mut(&mut self) -> &mut crate::devices::MachineDevices {
         &mut self.machine.devices
+    }
+
+    /// The guest's vCPUs (a live update saves their state).
+    pub fn vcpu_handles(&self) -> &[VcpuHandle] {
+        self.handles
+    }
+
+    /// vCPUs the guest ejected (a live update refuses them).
+    pub fn parked_vcpus(&self) -> &[VcpuHandle] {
+        self.parked
     }
 
     /// Whether a control request paused the vCPUs.

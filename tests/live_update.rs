@@ -1,0 +1,465 @@
+//! Live update (`gpuvm update --pid`, PUT /vmm/update): a running memloop guest (it
+//! checks every page it wrote the iteration before) is handed from one gpuvm process to
+//! a new one several times in a row and finishes with the checksums of a run that was
+//! never updated, its serial output one uninterrupted stream; the API socket answers at
+//! its path after each update. A new binary that cannot start, refuses the VM, crashes,
+//! hangs or is killed with SIGKILL during the hand-over leaves the VM running in the old
+//! process. A VM with a device the hand-over does not carry yet is refused as such.
+//! The guest-visible downtime is printed for 1 GiB and 16 GiB guests and must not grow
+//! with RAM.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::snapshot_support::iterations;
+use gpuvm_tests::{
+    api_expect, api_start_instance, gpuvm_bin, run_gpuvm, wait_for_api_socket, Scratch,
+    SpawnedProcess,
+};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// A memloop VM started with `--api-sock`, and the process that runs it now.
+struct UpdatableVm {
+    /// The first gpuvm; its stdout and stderr pipes stay the VM's across updates (every
+    /// new process takes them over), so its readers see everything.
+    first: SpawnedProcess,
+    api: PathBuf,
+    /// The process that runs the VM now.
+    owner: i32,
+    _scratch: Scratch,
+}
+
+impl UpdatableVm {
+    fn start(name: &str, memory: &str, cmdline: &str, extra: &[&str]) -> UpdatableVm {
+        let scratch = Scratch::new("live-update", name);
+        let api = scratch.path("api.sock");
+        let mut args = vec![
+            "run",
+            "--memory",
+            memory,
+            "--vcpus",
+            "2",
+            "--cmdline",
+            cmdline,
+            "--api-sock",
+            api.to_str().expect("UTF-8 path"),
+        ];
+        args.extend_from_slice(extra);
+        let mut first = SpawnedProcess::gpuvm(&args);
+        wait_for_api_socket(&mut first, &api);
+        api_start_instance(&api);
+        let owner = first.pid();
+        UpdatableVm {
+            first,
+            api,
+            owner,
+            _scratch: scratch,
+        }
+    }
+
+    fn stdout(&self) -> String {
+        self.first.stdout()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "--- stdout\n{}\n--- stderr\n{}",
+            self.first.stdout(),
+            self.first.stderr()
+        )
+    }
+
+    /// Waits until the guest has printed more than `count` memloop iterations.
+    fn wait_iterations_past(&self, count: usize) {
+        self.wait_stdout("more memloop iterations", |out| {
+            iterations(out).len() > count
+        });
+    }
+
+    fn wait_stdout(&self, what: &str, ready: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + LIMIT;
+        while !ready(&self.stdout()) {
+            assert!(
+                Instant::now() < deadline,
+                "waiting for {what}\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `gpuvm update --pid OWNER` with `extra` arguments and `env`.
+    fn update(&self, extra: &[&str], env: &[(&str, &str)]) -> Output {
+        Command::new(gpuvm_bin())
+            .args(["update", "--pid", &self.owner.to_string()])
+            .args(extra)
+            .envs(env.iter().copied())
+            .output()
+            .expect("run gpuvm update")
+    }
+
+    /// An update that must go through: the new process runs the VM, the old one ends,
+    /// and the API socket answers at its path.
+    fn update_ok(&mut self, extra: &[&str]) {
+        let old = self.owner;
+        let out = self.update(extra, &[]);
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "gpuvm update failed: {}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.describe()
+        );
+        let new: i32 = stdout
+            .split("runs in process ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|pid| pid.parse().ok())
+            .unwrap_or_else(|| panic!("no new pid in {stdout:?}"));
+        assert_ne!(new, old);
+        wait_gone(old, &self.describe());
+        self.owner = new;
+        assert!(
+            alive(new),
+            "the new gpuvm {new} is not running\n{}",
+            self.describe()
+        );
+        self.wait_api();
+    }
+
+    /// An update that must fail with `expected` in its error, the VM running on in the
+    /// same process, its API answering.
+    fn update_fails(&self, extra: &[&str], env: &[(&str, &str)], expected: &str) {
+        let seen = iterations(&self.stdout()).len();
+        let out = self.update(extra, env);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "the update went through\n{stderr}");
+        assert!(
+            stderr.contains(expected),
+            "gpuvm update's error lacks {expected:?}: {stderr}\n{}",
+            self.describe()
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            alive(self.owner),
+            "the old gpuvm ended\n{}",
+            self.describe()
+        );
+        self.wait_api();
+        // The guest runs on in the old process.
+        self.wait_iterations_past(seen);
+    }
+
+    /// Waits until the API socket accepts and answers GET /.
+    fn wait_api(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(answer) = gpuvm_api::client::request(&self.api, "GET", "/", None) {
+                assert_eq!(answer.status, 200, "{}", answer.body);
+                assert!(answer.body.contains("Running"), "{}", answer.body);
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the API socket does not answer\n{}",
+                self.describe()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for UpdatableVm {
+    fn drop(&mut self) {
+        // A later owner is not this test's child: end it here if the test did not.
+        if self.owner != self.first.pid() && alive(self.owner) {
+            // SAFETY: kill(2) has no memory effects; the pid is a gpuvm this test made
+            // (checked alive just before).
+            unsafe { libc::kill(self.owner, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+fn wait_gone(pid: i32, context: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the old gpuvm {pid} still runs after the update\n{context}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The exit status of `process`, which ends (it may still be tearing down threads once it
+/// shows as a zombie).
+fn first_status(process: &mut SpawnedProcess) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = process.try_status() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "the first gpuvm did not end");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The `memloop: iter N ok checksum=X` lines, in order.
+fn checksum_lines(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter(|line| line.starts_with("memloop: iter ") && line.contains(" ok checksum="))
+        .map(String::from)
+        .collect()
+}
+
+const GUEST: &str = "memloop 32M 7 400";
+
+#[test]
+fn memloop_keeps_its_checksums_across_consecutive_updates() {
+    let mut vm = UpdatableVm::start("consecutive", "512M", GUEST, &[]);
+    vm.wait_iterations_past(1);
+    for round in 0..4 {
+        let seen = iterations(&vm.stdout()).len();
+        // The same binary, named explicitly every other time.
+        let binary = gpuvm_bin();
+        let api = vm.api.clone();
+        let extra: Vec<&str> = if round % 2 == 0 {
+            vec!["--api-sock", api.to_str().unwrap()]
+        } else {
+            vec!["--binary", binary.to_str().unwrap()]
+        };
+        vm.update_ok(&extra);
+        vm.wait_iterations_past(seen);
+        if round == 0 {
+            // The first gpuvm, this test's child, ended with status 0.
+            let status = first_status(&mut vm.first);
+            assert_eq!(status.code(), Some(0), "{}", vm.describe());
+        }
+    }
+    vm.wait_stdout("memloop: done", |out| out.contains("memloop: done"));
+    wait_gone(vm.owner, &vm.describe());
+    let updated = vm.stdout();
+    assert!(!updated.contains("FAIL"), "{}", vm.describe());
+    assert_eq!(
+        updated.matches("memloop: cpus=").count(),
+        1,
+        "the guest booted again\n{}",
+        vm.describe()
+    );
+    assert_eq!(
+        iterations(&updated),
+        (0..400).collect::<Vec<_>>(),
+        "the serial output is not one uninterrupted run\n{}",
+        vm.describe()
+    );
+    let stderr = vm.first.stderr();
+    assert_eq!(
+        stderr.matches("gpuvm: live update: this process").count(),
+        4,
+        "{stderr}"
+    );
+    // The same guest never updated prints the same checksums.
+    let reference = run_gpuvm(
+        &[
+            "run",
+            "--memory",
+            "512M",
+            "--vcpus",
+            "2",
+            "--cmdline",
+            GUEST,
+        ],
+        LIMIT,
+    );
+    reference.assert_code(0);
+    assert_eq!(checksum_lines(&updated), checksum_lines(&reference.stdout));
+}
+
+#[test]
+fn a_failed_update_leaves_the_vm_running_in_the_old_process() {
+    let vm = UpdatableVm::start("failures", "512M", "memloop 32M 9 100000", &[]);
+    vm.wait_iterations_past(1);
+    // A binary that is not gpuvm: nobody listens on the hand-over socket.
+    vm.update_fails(
+        &["--binary", "/bin/false"],
+        &[],
+        "cannot connect to the hand-over socket",
+    );
+    // The new gpuvm refuses the state, crashes before it is ready, never answers.
+    vm.update_fails(
+        &[],
+        &[("GPUVM_TEST_UPDATE_FAIL", "refuse")],
+        "the new gpuvm refused the VM",
+    );
+    vm.update_fails(
+        &[],
+        &[("GPUVM_TEST_UPDATE_FAIL", "crash")],
+        "closed the hand-over socket",
+    );
+    vm.update_fails(
+        &["--timeout-ms", "1500"],
+        &[("GPUVM_TEST_UPDATE_FAIL", "hang")],
+        "did not answer within",
+    );
+    assert_eq!(vm.owner, vm.first.pid());
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+#[test]
+fn kill_9_of_the_new_process_mid_hand_over_leaves_the_old_running() {
+    let vm = UpdatableVm::start("kill-new", "512M", "memloop 32M 11 100000", &[]);
+    vm.wait_iterations_past(1);
+    let seen = iterations(&vm.stdout()).len();
+    // The new gpuvm holds the VM's state, paused, and does not answer: kill it then.
+    let update = Command::new(gpuvm_bin())
+        .args(["update", "--pid", &vm.owner.to_string()])
+        .args(["--timeout-ms", "60000"])
+        .env("GPUVM_TEST_UPDATE_FAIL", "hang")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gpuvm update");
+    vm.wait_stdout("the new gpuvm to hold the VM", |_| {
+        vm.first.stderr().contains("GPUVM_TEST_UPDATE_FAIL=hang")
+    });
+    let new = receiver_of(&vm.api).expect("the new gpuvm's process");
+    // SAFETY: kill(2) has no memory effects; `new` is the gpuvm this test's update started.
+    unsafe { libc::kill(new, libc::SIGKILL) };
+    let started = Instant::now();
+    let out = update.wait_with_output().expect("gpuvm update");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the old gpuvm waited for its timeout instead of noticing the kill"
+    );
+    assert!(stderr.contains("closed the hand-over socket"), "{stderr}");
+    assert!(alive(vm.owner));
+    vm.wait_api();
+    vm.wait_iterations_past(seen);
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+#[test]
+fn the_old_process_dying_after_the_new_one_is_ready_leaves_the_vm_to_the_new_one() {
+    let scratch = Scratch::new("live-update", "old-dies");
+    let api = scratch.path("api.sock");
+    let mut first = SpawnedProcess::gpuvm_with_env(
+        &[
+            "run",
+            "--memory",
+            "512M",
+            "--vcpus",
+            "2",
+            "--cmdline",
+            "memloop 32M 15 100000",
+            "--api-sock",
+            api.to_str().unwrap(),
+        ],
+        &[("GPUVM_TEST_UPDATE_OLD_DIES", "1")],
+    );
+    wait_for_api_socket(&mut first, &api);
+    api_start_instance(&api);
+    let mut vm = UpdatableVm {
+        owner: first.pid(),
+        first,
+        api,
+        _scratch: scratch,
+    };
+    vm.wait_iterations_past(1);
+    let seen = iterations(&vm.stdout()).len();
+    let out = vm.update(&[], &[]);
+    assert!(!out.status.success());
+    let status = first_status(&mut vm.first);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGABRT),
+        "{}",
+        vm.describe()
+    );
+    let stderr = vm.first.stderr();
+    assert!(
+        stderr.contains("died after this one was ready: running the VM"),
+        "{stderr}"
+    );
+    vm.owner = receiver_of(&vm.api).expect("the new gpuvm runs");
+    vm.wait_api();
+    vm.wait_iterations_past(seen + 1);
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// The `gpuvm update-receive` process serving `api` (started by `gpuvm update`).
+fn receiver_of(api: &Path) -> Option<i32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let api = api.to_str()?.as_bytes();
+            (args.contains(&&b"update-receive"[..]) && args.contains(&api)).then_some(pid)
+        })
+}
+
+#[test]
+fn a_vm_with_a_device_the_hand_over_does_not_carry_is_refused() {
+    let vm = UpdatableVm::start("unsupported", "512M", "memloop 32M 13 100000", &["--rng"]);
+    vm.wait_iterations_past(1);
+    vm.update_fails(
+        &[],
+        &[],
+        "live update of a VM with virtio devices (rng) is not supported yet",
+    );
+    api_expect(
+        &vm.api,
+        400,
+        "PUT",
+        "/vmm/update",
+        Some(r#"{"handover_socket": "/nonexistent.sock"}"#),
+    );
+}
+
+/// The guest-visible downtime (old process's pause to the new one's run) of one update
+/// of a guest with `memory` of memfd RAM, no prefault.
+fn downtime_us(memory: &str) -> u64 {
+    let mut vm = UpdatableVm::start("downtime", memory, "memloop 16M 3 100000", &[]);
+    vm.wait_iterations_past(1);
+    vm.update_ok(&[]);
+    let stderr = vm.first.stderr();
+    stderr
+        .split("paused_to_run_us=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|us| us.parse().ok())
+        .unwrap_or_else(|| panic!("no downtime in\n{stderr}"))
+}
+
+#[test]
+fn downtime_does_not_grow_with_guest_ram() {
+    let small = downtime_us("1G");
+    let large = downtime_us("16G");
+    println!("live update downtime (pause to run): 1 GiB {small} us, 16 GiB {large} us");
+    assert!(
+        small < 1_000_000 && large < 1_000_000,
+        "{small} / {large} us"
+    );
+    // Nothing proportional to RAM is done while paused: 16 times the RAM costs at most
+    // a few times the noise of one update.
+    assert!(
+        large <= 3 * small + 20_000,
+        "downtime grows with RAM: 1 GiB {small} us, 16 GiB {large} us"
+    );
+}

@@ -1,0 +1,83 @@
+//! Live update: the running gpuvm (old) hands its VM to a new gpuvm process without
+//! copying guest RAM. The old one sends the guest RAM memfd, its stdio and the machine's
+//! configuration over a Unix socket ([`protocol`]); the new one builds its KVM VM over that
+//! memfd while the guest still runs. Only then does the old one pause the vCPUs, save every
+//! component's state as a snapshot does (the same [`crate::snapshot::MachineState`], no
+//! memory file) and send it; the new one loads it and says it is ready; the old one commits
+//! (and exits), and the new one runs the vCPUs. Until the commit the old one takes the VM
+//! back on any failure. docs/live-update.md has the whole flow.
+//!
+//! - [`protocol`]: the frames and messages;
+//! - `send`: the old side, run from the VMM thread's run loop (PUT /vmm/update);
+//! - [`receive`]: the new side (`gpuvm update-receive`).
+
+use std::path::PathBuf;
+
+pub mod protocol;
+pub mod receive;
+mod send;
+
+pub use send::{hand_over, HandOverReport};
+
+/// How long the old process waits, by default, for the new one to say it is ready.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    /// `what` the hand-over does not carry; `detail` (empty, or ": why") says more.
+    #[error("live update of {what} is not supported yet{detail}")]
+    Unsupported { what: String, detail: String },
+    #[error("cannot connect to the hand-over socket {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot {what}: {source}")]
+    Socket {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("the other gpuvm closed the hand-over socket (it ended or crashed)")]
+    PeerClosed,
+    #[error("hand-over protocol error: {0}")]
+    Protocol(String),
+    #[error(
+        "the other gpuvm speaks hand-over protocol version {found}; this one speaks \
+         {supported}"
+    )]
+    ProtocolVersion { found: u32, supported: u32 },
+    #[error("the new gpuvm refused the VM: {0}")]
+    Refused(String),
+    #[error("the old gpuvm took the VM back")]
+    Aborted,
+    #[error("cannot save the VM's state: {0}")]
+    Save(String),
+    #[error("cannot load the VM's state: {0}")]
+    Load(String),
+    #[error("cannot build the VM over the handed-over RAM: {0}")]
+    Build(Box<crate::Error>),
+    #[error("cannot {what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl UpdateError {
+    /// [`UpdateError::Unsupported`]: `what` is not handed over yet, because `why` (if any).
+    pub fn unsupported(what: impl Into<String>, why: Option<&str>) -> UpdateError {
+        UpdateError::Unsupported {
+            what: what.into(),
+            detail: why.map(|why| format!(": {why}")).unwrap_or_default(),
+        }
+    }
+
+    /// Whether the peer did not answer in time (a socket timeout).
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            UpdateError::Socket { source, .. }
+                if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+        )
+    }
+}

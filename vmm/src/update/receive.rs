@@ -1,0 +1,337 @@
+//! The new process's side of a live update (`gpuvm update-receive`): take the offer,
+//! build the VM over the handed-over RAM while the guest still runs in the old process,
+//! load the paused state, say it is ready, and run the VM only once the old process commits
+//! (or has died after `Ready` without taking the VM back).
+
+use std::io::Write;
+use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use super::protocol::{self, MessageKind, OfferMeta, ReadyBody, OFFER_FDS};
+use super::UpdateError;
+use crate::builder::PreparedMachine;
+use crate::machine::Machine;
+use crate::snapshot::{MachineState, RestoreTimings};
+
+/// The test hook that makes the new process fail at one step, to check that the old one
+/// takes the VM back: `refuse` (answers the paused state with `Refused`), `crash` (aborts
+/// before `Ready`), `hang` (never sends `Ready`).
+pub const FAIL_HOOK: &str = "GPUVM_TEST_UPDATE_FAIL";
+
+/// How long the new process waits for the old one to be gone once the hand-over socket
+/// closed without `Commit` or `Abort`.
+const OLD_EXIT_WAIT: Duration = Duration::from_secs(2);
+
+/// An offer taken from the old process, its descriptors owned here.
+pub struct Incoming {
+    socket: UnixStream,
+    pub meta: OfferMeta,
+    ram: Option<OwnedFd>,
+    stdio: [OwnedFd; 3],
+    /// The configuration and device state the VM is built from, saved while it ran.
+    state: MachineState,
+    /// The VM built from `state`, until the paused state is loaded into it.
+    prepared: Option<PreparedMachine>,
+    /// When the old process paused the vCPUs (CLOCK_MONOTONIC ns), once it has.
+    paused_at_ns: Option<u64>,
+}
+
+/// How the hand-over ended for the new process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The old process committed: the VM is this process's.
+    Committed,
+    /// The old process died after `Ready` without a word: nobody else runs the VM.
+    OldProcessDied,
+}
+
+/// Waits (at most `timeout`) for the old process to connect to `listener`, and takes its
+/// offer and state.
+pub fn accept(listener: &UnixListener, timeout: Duration) -> Result<Incoming, UpdateError> {
+    let mut poll = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: poll reads and writes the one pollfd passed, a live local.
+    let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+    if ready <= 0 {
+        return Err(UpdateError::Socket {
+            what: "wait for the running gpuvm to connect",
+            source: if ready == 0 {
+                std::io::Error::from(std::io::ErrorKind::TimedOut)
+            } else {
+                std::io::Error::last_os_error()
+            },
+        });
+    }
+    let (socket, _) = listener.accept().map_err(|source| UpdateError::Socket {
+        what: "accept the running gpuvm's connection",
+        source,
+    })?;
+    socket
+        .set_read_timeout(Some(timeout))
+        .map_err(|source| UpdateError::Socket {
+            what: "set the hand-over socket's timeout",
+            source,
+        })?;
+    let offer = protocol::expect(&socket, MessageKind::Offer)?;
+    let meta: OfferMeta = serde_json::from_slice(&offer.payload)
+        .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
+    if offer.fds.len() != OFFER_FDS {
+        return Err(UpdateError::Protocol(format!(
+            "the offer brings {} descriptors, not {OFFER_FDS}",
+            offer.fds.len()
+        )));
+    }
+    let mut fds = offer.fds.into_iter();
+    let mut next = || fds.next().ok_or(UpdateError::PeerClosed);
+    let ram = next()?;
+    let stdio = [next()?, next()?, next()?];
+    let framed = protocol::expect(&socket, MessageKind::State)?;
+    let state = match decode_state(&framed.payload) {
+        Ok(state) => state,
+        Err(error) => {
+            // The old process hears why, and takes the VM back.
+            let _ = protocol::send(
+                &socket,
+                MessageKind::Refused,
+                error.to_string().as_bytes(),
+                &[],
+            );
+            return Err(error);
+        }
+    };
+    Ok(Incoming {
+        socket,
+        meta,
+        ram: Some(ram),
+        stdio,
+        state,
+        prepared: None,
+        paused_at_ns: None,
+    })
+}
+
+/// Reads the state as this binary reads a snapshot's state file: magic, version (older
+/// ones migrated, newer ones refused), length, CRC. The bytes go through a memfd so that
+/// the one reader of state files does the checks.
+fn decode_state(framed: &[u8]) -> Result<MachineState, UpdateError> {
+    let io = |what, source| UpdateError::Io { what, source };
+    // SAFETY: memfd_create takes a NUL-terminated name and flags; the result is checked.
+    let fd = unsafe { libc::memfd_create(c"gpuvm-update-state".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io(
+            "create a memfd for the handed-over state",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: memfd_create returned this descriptor, owned by nothing else.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(framed)
+        .map_err(|e| io("write the handed-over state", e))?;
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    crate::persist::read_state_file(std::path::Path::new(&path))
+        .map_err(|e| UpdateError::Load(e.to_string()))
+}
+
+impl Incoming {
+    /// Makes the old process's stdin, stdout (the serial console) and stderr this
+    /// process's, so the console and the log go on where they went.
+    pub fn adopt_stdio(&self) -> Result<(), UpdateError> {
+        for (target, fd) in self.stdio.iter().enumerate() {
+            // SAFETY: dup2 onto 0, 1 and 2, which this process owns; `fd` is live.
+            if unsafe { libc::dup2(fd.as_raw_fd(), target as i32) } < 0 {
+                return Err(UpdateError::Io {
+                    what: "take over the old process's stdio",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds the VM over the handed-over RAM, with its devices and vCPUs, while the old
+    /// process still runs the guest, and says so (`Built`). A failure is told to the old
+    /// process (which keeps the VM) and returned.
+    pub fn prepare(&mut self, serial_out: Box<dyn Write + Send>) -> Result<(), UpdateError> {
+        if self.meta.ram_size != self.state.config.memory_size {
+            return Err(self.refuse(UpdateError::Protocol(format!(
+                "the offer's RAM is {} bytes, the state's {}",
+                self.meta.ram_size, self.state.config.memory_size
+            ))));
+        }
+        let ram = self
+            .ram
+            .take()
+            .ok_or_else(|| UpdateError::Protocol("the RAM descriptor was used already".into()))?;
+        let prepared = crate::builder::prepare_handed_over(
+            &self.state,
+            &self.meta.vcpu_ids,
+            std::fs::File::from(ram),
+            self.meta.huge_tmpfs,
+            serial_out,
+        )
+        .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))?;
+        self.prepared = Some(prepared);
+        protocol::send(&self.socket, MessageKind::Built, b"", &[])
+    }
+
+    /// Takes the paused VM's whole state and loads it into the prepared VM; its vCPUs run
+    /// once [`Machine::run`] is called, after [`Incoming::ready`]. A failure is told to the
+    /// old process (which takes the VM back) and returned.
+    pub fn load(&mut self) -> Result<(Machine, RestoreTimings), UpdateError> {
+        let frame = protocol::expect(&self.socket, MessageKind::PausedState)?;
+        let (paused_at_ns, framed) = protocol::split_paused_state(&frame.payload)?;
+        self.paused_at_ns = Some(paused_at_ns);
+        let state = decode_state(framed).map_err(|e| self.refuse(e))?;
+        fail_hook("refuse").map_err(|reason| self.refuse(UpdateError::Refused(reason)))?;
+        if build_inputs(&state) != build_inputs(&self.state) {
+            return Err(self.refuse(UpdateError::Load(
+                "the VM's configuration or devices changed while this process built it".into(),
+            )));
+        }
+        let prepared = self
+            .prepared
+            .take()
+            .ok_or_else(|| UpdateError::Protocol("no VM was prepared".into()))?;
+        prepared
+            .load(&state)
+            .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))
+    }
+
+    /// Tells the old process why this one refuses the VM; returns `error`.
+    fn refuse(&self, error: UpdateError) -> UpdateError {
+        let _ = protocol::send(
+            &self.socket,
+            MessageKind::Refused,
+            error.to_string().as_bytes(),
+            &[],
+        );
+        error
+    }
+
+    /// Says the VM is ready here and waits (at most `timeout`) for the old process's
+    /// `Commit`. Only [`Outcome`]s let this process run the VM; any error means it must
+    /// not.
+    pub fn ready(&self, timeout: Duration) -> Result<Outcome, UpdateError> {
+        if fail_hook("crash").is_err() {
+            log::error!("{FAIL_HOOK}=crash: ending abruptly before Ready");
+            std::process::abort();
+        }
+        if fail_hook("hang").is_err() {
+            log::error!("{FAIL_HOOK}=hang: never answering");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        let body = serde_json::to_vec(&ReadyBody {
+            pid: std::process::id(),
+        })
+        .map_err(|e| UpdateError::Protocol(e.to_string()))?;
+        protocol::send(&self.socket, MessageKind::Ready, &body, &[])?;
+        self.socket
+            .set_read_timeout(Some(timeout))
+            .map_err(|source| UpdateError::Socket {
+                what: "set the hand-over socket's timeout",
+                source,
+            })?;
+        match protocol::expect(&self.socket, MessageKind::Commit) {
+            Ok(_) => Ok(Outcome::Committed),
+            // Killed between our Ready and its Commit: its VM went with it, ours is the
+            // only one left. (A process that took the VM back says Abort first; one that
+            // dies closes the socket while its threads still exit, hence the wait.)
+            Err(UpdateError::PeerClosed) | Err(UpdateError::Socket { .. })
+                if self.wait_old_exit(OLD_EXIT_WAIT) =>
+            {
+                log::warn!(
+                    "the old gpuvm (pid {}) died after this one was ready: running the VM",
+                    self.meta.old_pid
+                );
+                Ok(Outcome::OldProcessDied)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// How long the guest has been paused, from the old process's pause until now (zero
+    /// before [`Incoming::load`]).
+    pub fn paused_for(&self) -> Duration {
+        self.paused_at_ns.map_or(Duration::ZERO, |paused_at| {
+            Duration::from_nanos(protocol::monotonic_ns().saturating_sub(paused_at))
+        })
+    }
+
+    /// Waits (at most `limit`) until the old process has exited, so that the API socket
+    /// it removes on its way out can be bound again. Returns whether it has.
+    pub fn wait_old_exit(&self, limit: Duration) -> bool {
+        let started = Instant::now();
+        while process_alive(self.meta.old_pid) {
+            if started.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+/// What the VM is built from in a state: its configuration and what its devices are
+/// made from (the PCI options of `handed_over_pci_options`), not their running state.
+fn build_inputs(state: &MachineState) -> serde_json::Value {
+    let devices = &state.devices;
+    serde_json::json!({
+        "config": state.config,
+        "virtio": devices.virtio.len(),
+        "cpu_hotplug": devices.cpu_hotplug.as_ref().map(|cpus| cpus.max_vcpus),
+        "pci_mmio64_window": devices.pci_mmio64_window,
+        "pci_root": devices.pci_root,
+        "numa": state.numa,
+    })
+}
+
+/// Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not).
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold any
+        // byte: it is the first field after the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// `Err` with a reason when the test hook [`FAIL_HOOK`] names `step`.
+fn fail_hook(step: &str) -> Result<(), String> {
+    match std::env::var(FAIL_HOOK) {
+        Ok(value) if value == step => Err(format!("{FAIL_HOOK}={step}")),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_is_alive_and_a_bad_pid_is_not() {
+        assert!(process_alive(std::process::id()));
+        assert!(!process_alive(u32::MAX));
+    }
+
+    #[test]
+    fn a_state_of_an_unknown_version_is_refused() {
+        let mut framed = Vec::new();
+        framed.extend_from_slice(crate::persist::STATE_MAGIC);
+        framed.extend_from_slice(&(crate::persist::STATE_FORMAT_VERSION + 1).to_le_bytes());
+        framed.extend_from_slice(&crc32fast::hash(b"{}").to_le_bytes());
+        framed.extend_from_slice(&2u64.to_le_bytes());
+        framed.extend_from_slice(b"{}");
+        let error = decode_state(&framed).err().unwrap().to_string();
+        assert!(error.contains("state format version"), "{error}");
+    }
+}

@@ -1,0 +1,259 @@
+//! The old process's side of a live update, on the VMM thread: refuse what the hand-over
+//! does not carry yet, pause, save, send, and either commit or take the VM back.
+
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use gpuvm_devices::Persist;
+
+use super::protocol::{self, MessageKind, OfferMeta};
+use super::UpdateError;
+use crate::machine::RunningMachine;
+use crate::snapshot::{MachineState, SavedMachineConfig};
+use crate::vm_state::InKernelDevices;
+
+/// Test hook: the old process, started with this set, dies (abort) once the new one is
+/// ready and before it commits, to check that the new one then runs the VM.
+pub const OLD_DIES_HOOK: &str = "GPUVM_TEST_UPDATE_OLD_DIES";
+
+/// What a hand-over that went through took.
+#[derive(Clone, Debug)]
+pub struct HandOverReport {
+    /// The new process, as its `Ready` says.
+    pub new_pid: Option<u32>,
+    /// From the pause to the new process's `Ready` (the old side's share of the downtime).
+    pub paused_to_ready: Duration,
+    /// Bytes of machine state sent.
+    pub state_bytes: usize,
+}
+
+/// Hands the running VM to the gpuvm listening on `socket`. On success the VM belongs to
+/// the new process: the caller must end the run without resuming anything. On failure
+/// the VM runs on here as before (its vCPUs resumed), and the error says why.
+pub fn hand_over(
+    running: &mut RunningMachine<'_>,
+    socket: &Path,
+    timeout: Duration,
+) -> Result<HandOverReport, UpdateError> {
+    check_supported(running)?;
+    let stream = UnixStream::connect(socket).map_err(|source| UpdateError::Connect {
+        path: socket.to_path_buf(),
+        source,
+    })?;
+    let set_timeout = |source| UpdateError::Socket {
+        what: "set the hand-over socket's timeout",
+        source,
+    };
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(set_timeout)?;
+    stream
+        .set_write_timeout(Some(timeout))
+        .map_err(set_timeout)?;
+    // The new process builds its VM while the guest runs here; only then is it paused.
+    if let Err(error) = offer(running, &stream) {
+        let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
+        let error = explain_timeout(error, timeout);
+        log::error!("live update refused before the pause; the VM runs on: {error}");
+        return Err(error);
+    }
+    running
+        .pause()
+        .map_err(|e| UpdateError::Save(format!("cannot pause the vCPUs: {e}")))?;
+    let paused_at = Instant::now();
+    match hand_paused_and_commit(running, &stream) {
+        Ok((state_bytes, new_pid)) => Ok(HandOverReport {
+            new_pid,
+            paused_to_ready: paused_at.elapsed(),
+            state_bytes,
+        }),
+        Err(error) => {
+            // Tell the new process it must not run the VM (best effort: it may be gone),
+            // then run it here again.
+            let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
+            if let Err(resume) = running.resume() {
+                log::error!("live update failed and the vCPUs cannot be resumed: {resume}");
+            }
+            let error = explain_timeout(error, timeout);
+            log::error!("live update failed; the VM runs on in this process: {error}");
+            Err(error)
+        }
+    }
+}
+
+/// A socket timeout, said as the new process's silence.
+fn explain_timeout(error: UpdateError, timeout: Duration) -> UpdateError {
+    if error.is_timeout() {
+        UpdateError::Protocol(format!("the new gpuvm did not answer within {timeout:?}"))
+    } else {
+        error
+    }
+}
+
+/// Sends the offer (RAM and stdio descriptors) and the running machine's configuration
+/// and device state, and waits until the new process has built its VM.
+fn offer(running: &RunningMachine<'_>, stream: &UnixStream) -> Result<(), UpdateError> {
+    let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
+    let framed = frame_state(&save_state(running, false)?)?;
+    let ram = running.machine().ram();
+    let meta = OfferMeta {
+        ram_size: ram.size(),
+        huge_tmpfs: ram.huge_tmpfs(),
+        vcpu_ids,
+        old_pid: std::process::id(),
+    };
+    let meta = serde_json::to_vec(&meta)
+        .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
+    let fds = [
+        ram.memfd().as_raw_fd(),
+        std::io::stdin().as_raw_fd(),
+        std::io::stdout().as_raw_fd(),
+        std::io::stderr().as_raw_fd(),
+    ];
+    debug_assert_eq!(fds.len(), protocol::OFFER_FDS);
+    protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
+    protocol::send(stream, MessageKind::State, &framed, &[])?;
+    protocol::expect(stream, MessageKind::Built).map(drop)
+}
+
+/// With the vCPUs paused: sends the whole state, waits for `Ready`, commits. Returns the
+/// state's size and the new process's id.
+fn hand_paused_and_commit(
+    running: &RunningMachine<'_>,
+    stream: &UnixStream,
+) -> Result<(usize, Option<u32>), UpdateError> {
+    let paused_at_ns = protocol::monotonic_ns();
+    let framed = frame_state(&save_state(running, true)?)?;
+    protocol::send(
+        stream,
+        MessageKind::PausedState,
+        &protocol::paused_state(paused_at_ns, &framed),
+        &[],
+    )?;
+    let ready = protocol::expect(stream, MessageKind::Ready)?;
+    if std::env::var_os(OLD_DIES_HOOK).is_some() {
+        log::error!("{OLD_DIES_HOOK}: ending abruptly after the new gpuvm's Ready");
+        std::process::abort();
+    }
+    let new_pid = serde_json::from_slice::<protocol::ReadyBody>(&ready.payload)
+        .ok()
+        .map(|body| body.pid);
+    // The point of no return: once `Commit` is out, the new process runs the VM.
+    protocol::send(stream, MessageKind::Commit, b"", &[])?;
+    Ok((framed.len(), new_pid))
+}
+
+/// Refuses, before anything is paused, a VM whose pieces the hand-over does not carry yet.
+fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
+    let machine = running.machine();
+    let devices = machine.devices();
+    if running.is_paused() {
+        return Err(UpdateError::unsupported(
+            "a paused VM",
+            Some("resume it first (PATCH /vm {\"state\": \"Resumed\"})"),
+        ));
+    }
+    if let Some(vhost) = devices
+        .virtio
+        .iter()
+        .find(|handle| handle.config.snapshot_refusal().is_some())
+    {
+        return Err(UpdateError::unsupported(
+            format!("a VM with a vhost-user device ({})", vhost.config.id()),
+            None,
+        ));
+    }
+    if !devices.virtio.is_empty() {
+        let ids: Vec<&str> = devices.virtio.iter().map(|h| h.config.id()).collect();
+        return Err(UpdateError::unsupported(
+            format!("a VM with virtio devices ({})", ids.join(", ")),
+            Some("their disk images, taps and sockets are not handed over yet"),
+        ));
+    }
+    if !devices.passthrough.is_empty() {
+        return Err(UpdateError::unsupported(
+            format!(
+                "a VM with passthrough devices ({})",
+                devices.passthrough.join(", ")
+            ),
+            Some("their VFIO and vfio-user descriptors and DMA mappings are not handed over yet"),
+        ));
+    }
+    if machine.ram_hotplug.is_some() {
+        return Err(UpdateError::unsupported(
+            "a VM with memory hot-plug",
+            Some("only its boot RAM's memfd would be handed over"),
+        ));
+    }
+    if machine.ram().backing().is_hugetlb() {
+        return Err(UpdateError::unsupported(
+            "a VM with hugetlb-backed RAM",
+            None,
+        ));
+    }
+    if machine.lazy.is_some() {
+        return Err(UpdateError::unsupported(
+            "a VM restored lazily",
+            Some("its userfaultfd and loader are not handed over yet"),
+        ));
+    }
+    if !running.parked_vcpus().is_empty() {
+        return Err(UpdateError::unsupported(
+            "a VM with vCPUs the guest ejected",
+            None,
+        ));
+    }
+    Ok(())
+}
+
+/// The machine's state as a snapshot saves it, without memory files; with the vCPUs'
+/// state if `paused` (only a paused vCPU can be saved), else only what building the VM
+/// takes (configuration and devices).
+fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState, UpdateError> {
+    let machine = running.machine();
+    let save =
+        |what: &str, error: &dyn std::fmt::Display| UpdateError::Save(format!("{what}: {error}"));
+    let vcpus = if paused {
+        running
+            .vcpu_handles()
+            .iter()
+            .map(|handle| handle.save_state())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| save("vCPU state", &e))?
+    } else {
+        Vec::new()
+    };
+    let vm = InKernelDevices(machine.vm_fd())
+        .save()
+        .map_err(|e| save("in-kernel irqchip, PIT and clock", &e))?;
+    let devices = machine
+        .devices()
+        .save()
+        .map_err(|e| save("device state", &e))?;
+    Ok(MachineState {
+        config: SavedMachineConfig::from_config(machine.config()),
+        vm,
+        vcpus,
+        devices,
+        memory_files: Vec::new(),
+        memory_file_id: None,
+        raw_memory: None,
+        numa: crate::numa::placed_plan(),
+    })
+}
+
+/// `state` framed as a snapshot's state file (crate::persist's layout), so that the new
+/// binary reads it with its own version checks and migrations.
+fn frame_state(state: &MachineState) -> Result<Vec<u8>, UpdateError> {
+    let payload = serde_json::to_vec(state)
+        .map_err(|e| UpdateError::Save(format!("cannot encode the state: {e}")))?;
+    let mut framed = Vec::with_capacity(24 + payload.len());
+    framed.extend_from_slice(crate::persist::STATE_MAGIC);
+    framed.extend_from_slice(&crate::persist::STATE_FORMAT_VERSION.to_le_bytes());
+    framed.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    framed.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    framed.extend_from_slice(&payload);
+    Ok(framed)
+}
