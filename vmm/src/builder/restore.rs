@@ -313,6 +313,16 @@ impl PreparedMachine {
         }
         load_vm_state(&mut self.base, state, source)?;
         self.clock.mark("vm_state");
+        // As after a snapshot's restore: every function the saved PCI allocations hold is
+        // back in its slot (and the root leaves its restore mode).
+        if let Some(hotplug) = &self.base.devices.pci_hotplug {
+            hotplug
+                .finish_root_restore()
+                .map_err(|e| SnapshotError::Invalid {
+                    dir: source.to_path_buf(),
+                    reason: e.to_string(),
+                })?;
+        }
         for (vcpu, saved) in self.vcpus.iter_mut().zip(&state.vcpus) {
             vcpu.restore(saved).map_err(SnapshotError::from)?;
         }
