@@ -385,3 +385,162 @@ fn a_restored_vm_binds_each_node_s_ram_again() {
     expect_bound(&ram_policies(restored.pid()));
     restored.wait(LIMIT).assert_code(0);
 }
+
+/// A host tree that is broken or hostile where `--numa auto` reads it (a FIFO, a device
+/// node, a directory, a huge or garbage file where an attribute should be, a symlink
+/// loop where a device's link should be): gpuvm refuses with an error that names the
+/// file and what it found, at once; it never blocks on a FIFO or reads without bound.
+#[test]
+fn a_hostile_host_tree_is_a_clear_error_at_once() {
+    type Damage = fn(&Path);
+    let cases: [(&str, Damage, &str); 6] = [
+        (
+            "fifo",
+            |sys| {
+                let path = sys.join("bus/pci/devices/0000:18:00.0/numa_node");
+                std::fs::remove_file(&path).unwrap();
+                let made = std::process::Command::new("mkfifo").arg(&path).status();
+                assert!(made.unwrap().success());
+            },
+            "0000:18:00.0/numa_node is a FIFO, not a regular file",
+        ),
+        (
+            "directory",
+            |sys| {
+                let path = sys.join("bus/pci/devices/0000:9a:00.0/numa_node");
+                std::fs::remove_file(&path).unwrap();
+                std::fs::create_dir(&path).unwrap();
+            },
+            "0000:9a:00.0/numa_node is a directory, not a regular file",
+        ),
+        (
+            "garbage",
+            |sys| {
+                let path = sys.join("bus/pci/devices/0000:18:00.0/numa_node");
+                std::fs::write(path, "\u{1b}[2J1;rm -rf\n").unwrap();
+            },
+            "0000:18:00.0/numa_node: cannot parse",
+        ),
+        (
+            "dev-zero",
+            |sys| {
+                let path = sys.join("devices/system/node/node0/distance");
+                std::fs::remove_file(&path).unwrap();
+                std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+            },
+            "node0/distance is a symbolic link, not a regular file",
+        ),
+        (
+            "huge",
+            |sys| {
+                let path = sys.join("devices/system/node/node1/distance");
+                std::fs::File::create(&path)
+                    .unwrap()
+                    .set_len(4 << 30)
+                    .unwrap();
+            },
+            "node1/distance holds more than 65536 bytes",
+        ),
+        (
+            "link-loop",
+            |sys| {
+                let links = sys.join("bus/pci/devices");
+                std::fs::remove_file(links.join("0000:18:00.0")).unwrap();
+                std::os::unix::fs::symlink(links.join("loop"), links.join("0000:18:00.0")).unwrap();
+                std::os::unix::fs::symlink(links.join("0000:18:00.0"), links.join("loop")).unwrap();
+            },
+            "0000:18:00.0/numa_node: Too many levels of symbolic links",
+        ),
+    ];
+    for (name, damage, message) in cases {
+        let scratch = Scratch::new("numa", &format!("hostile-{name}"));
+        let sysfs = scratch.path("sys");
+        fake_two_socket_sysfs(&sysfs);
+        damage(&sysfs);
+        // No device process is started: the plan is made (and refused) before gpuvm
+        // connects to any device.
+        let mut args = vec!["run", "--vcpus", "2", "--memory", "512M", "--numa", "auto"];
+        let devices: Vec<String> = HOST_GPUS
+            .iter()
+            .enumerate()
+            .map(|(index, (_, _, gpu, _))| {
+                let socket = scratch.path(&format!("gpu{index}.sock"));
+                format!("{},topology_bdf={gpu}", socket.display())
+            })
+            .collect();
+        for device in &devices {
+            args.extend(["--vfio-user", device.as_str()]);
+        }
+        let started = std::time::Instant::now();
+        let out = gpuvm_tests::run_gpuvm_with_env(
+            &args,
+            &[("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())],
+            Duration::from_secs(20),
+            None,
+        );
+        out.assert_clean_error("--numa: ")
+            .assert_clean_error(message);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{name}: {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// Cloud Hypervisor's `--numa` flag, once per node, gives the guest the nodes the API's
+/// `numa` field gives (Kata's shape: `guest_numa_id=0,cpus=[0],distances=[1@25]`); a node
+/// with memory zones is refused naming the flag and the field, before the guest runs.
+#[test]
+fn cloud_hypervisor_numa_flag_gives_the_guest_its_nodes() {
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+    let scratch = Scratch::new("numa", "cloud_hypervisor_flag");
+    let kernel = guest_image(&scratch);
+    let kernel = kernel.to_str().unwrap();
+    let command_line = |nodes: &[&'static str]| {
+        let mut args = vec![
+            "--kernel",
+            kernel,
+            "--cmdline",
+            "numa cpus=0,1 mem=256M,256M dist=10,25,25,10",
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=512M,thp=off",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--numa",
+        ];
+        args.extend_from_slice(nodes);
+        args
+    };
+
+    let refused = spawn_ch(
+        &scratch,
+        &command_line(&[
+            "guest_numa_id=0,cpus=[0],distances=[1@25]",
+            "guest_numa_id=1,cpus=[1],distances=[0@25],memory_zones=[mem1]",
+        ]),
+    )
+    .wait(LIMIT);
+    refused
+        .assert_code(125)
+        .assert_stderr_has("--numa: numa[1].memory_zones");
+    assert!(!refused.stdout.contains("numa:"), "{}", refused.stdout);
+
+    let mut vmm = spawn_ch(
+        &scratch,
+        &command_line(&[
+            "guest_numa_id=0,cpus=[0],distances=[1@25]",
+            "guest_numa_id=1,cpus=1,distances=[0@25]",
+        ]),
+    );
+    vmm.wait_for_stdout("numa: ok", LIMIT);
+    vmm.wait(LIMIT)
+        .assert_stdout_has("numa: SRAT memory node 0 0x0-0x10000000 flags 0x1")
+        .assert_stdout_has("numa: SRAT memory node 1 0x10000000-0x20000000 flags 0x1")
+        .assert_stdout_has("numa: vcpu apic 1 runs on node 1")
+        .assert_stdout_has("numa: ok");
+}

@@ -110,6 +110,8 @@ struct VmOptions {
     fs: Vec<Value>,
     devices: Vec<Value>,
     user_devices: Vec<Value>,
+    /// `--numa`: one guest NUMA node each.
+    numa: Vec<Value>,
     /// The VM options named (they need `--kernel`, as in Cloud Hypervisor).
     named: Vec<&'static str>,
 }
@@ -142,6 +144,7 @@ impl VmOptions {
             ("net", &tap_nets),
             ("fs", &self.fs),
             ("devices", &self.devices),
+            ("numa", &self.numa),
         ] {
             if !list.is_empty() {
                 config.insert(section.into(), Value::Array(list.clone()));
@@ -151,7 +154,7 @@ impl VmOptions {
     }
 }
 
-const ACCEPTED: &str = "--api-socket, --kernel, --cmdline, --initramfs, --cpus, --memory, --disk, --net, --fs, --vsock, --rng, --device, --user-device, --serial, --console, --restore, -v, --seccomp, --event-monitor, --log-file, --version";
+const ACCEPTED: &str = "--api-socket, --kernel, --cmdline, --initramfs, --cpus, --memory, --disk, --net, --fs, --vsock, --rng, --device, --user-device, --numa, --serial, --console, --restore, -v, --seccomp, --event-monitor, --log-file, --version";
 
 fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
     let mut api_socket = None;
@@ -234,13 +237,14 @@ fn parse(args: &[String]) -> Result<Option<ChArgs>, String> {
                 vm.set_once(name, &name[2..], value)?;
                 vm.named.push(option_name(name));
             }
-            "--disk" | "--net" | "--fs" | "--device" | "--user-device" => {
+            "--disk" | "--net" | "--fs" | "--device" | "--user-device" | "--numa" => {
                 for text in flags.values(name, inline)? {
                     match name {
                         "--disk" => vm.disks.push(options::disk(&text).map_err(error)?),
                         "--net" => vm.nets.push(options::net(&text).map_err(error)?),
                         "--fs" => vm.fs.push(options::fs(&text).map_err(error)?),
                         "--device" => vm.devices.push(options::device(&text).map_err(error)?),
+                        "--numa" => vm.numa.push(options::numa(&text).map_err(error)?),
                         _ => vm
                             .user_devices
                             .push(options::user_device(&text).map_err(error)?),
@@ -315,6 +319,7 @@ fn option_name(name: &str) -> &'static str {
         "--fs",
         "--device",
         "--user-device",
+        "--numa",
     ];
     NAMES.iter().find(|n| **n == name).copied().unwrap_or("--")
 }
@@ -453,6 +458,7 @@ fn blame(request_blame: &'static str, message: &str) -> &'static str {
         ("devices", "--device"),
         ("serial", "--serial"),
         ("console", "--console"),
+        ("numa", "--numa"),
     ];
     let section = message
         .split(['.', '[', ' ', ':'])
@@ -885,5 +891,90 @@ mod tests {
         );
         assert_eq!(blame("vm.create", "something else"), "vm.create");
         assert_eq!(blame("--user-device", "pci_device_id = 3"), "--user-device");
+        assert_eq!(
+            blame(
+                "vm.create",
+                "numa[0].memory_zones: gpuvm has no memory zones"
+            ),
+            "--numa"
+        );
+    }
+
+    /// `--numa`, once per node, fills the `numa` field of the vm.create body; the
+    /// translation then gives the same machine config the API field gives, and refuses
+    /// memory zones and PCI segments by name.
+    #[test]
+    fn numa_nodes_become_the_numa_field() {
+        let base = [
+            "cloud-hypervisor",
+            "--kernel",
+            "/k",
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=1G",
+            "--numa",
+        ];
+        let config_of = |nodes: &[&str]| {
+            let mut argv: Vec<&str> = base.to_vec();
+            argv.extend_from_slice(nodes);
+            let Some(Start::Boot { config, .. }) = parsed(&argv).start else {
+                panic!("no boot: {argv:?}");
+            };
+            config
+        };
+        let config = config_of(&[
+            "guest_numa_id=0,cpus=[0],distances=[1@25]",
+            "guest_numa_id=1,cpus=1,distances=[0@25]",
+        ]);
+        assert_eq!(
+            config["numa"],
+            json!([
+                {"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}]},
+                {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}]}
+            ])
+        );
+        let from_flag = machine_numa(&config).unwrap();
+        let mut api_body = config.clone();
+        api_body["numa"] = json!([
+            {"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}]},
+            {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}]}
+        ]);
+        assert_eq!(from_flag, machine_numa(&api_body).unwrap());
+        assert_eq!(from_flag["distances"], json!([[10, 25], [25, 10]]));
+
+        for (node, named) in [
+            (
+                "guest_numa_id=0,cpus=[0-1],memory_zones=[mem0]",
+                "numa[0].memory_zones",
+            ),
+            (
+                "guest_numa_id=0,cpus=[0-1],pci_segments=[0]",
+                "numa[0].pci_segments",
+            ),
+            (
+                "guest_numa_id=0,cpus=[0-1],sgx_epc_sections=epc0",
+                "numa[0].sgx_epc_sections",
+            ),
+        ] {
+            let error = machine_numa(&config_of(&[node])).unwrap_err();
+            assert!(error.contains(named), "{node}: {error}");
+            assert_eq!(blame("vm.create", &error), "--numa", "{error}");
+        }
+    }
+
+    /// What the API's translation of vm.create `config` gives PUT /machine-config as
+    /// `numa`, or its refusal.
+    fn machine_numa(config: &Value) -> Result<Value, String> {
+        use gpuvm_api::cloud_hypervisor::config::VmConfig;
+        use gpuvm_vmm::action::VmmAction;
+        let config: VmConfig = serde_json::from_value(config.clone()).map_err(|e| e.to_string())?;
+        let actions = gpuvm_api::cloud_hypervisor::translate::vm_config(&config)?;
+        match actions.first() {
+            Some(VmmAction::PutMachineConfig(machine)) => {
+                Ok(serde_json::to_value(&machine.numa).map_err(|e| e.to_string())?)
+            }
+            other => Err(format!("{other:?}")),
+        }
     }
 }

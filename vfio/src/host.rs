@@ -179,7 +179,7 @@ pub fn check_host(paths: &HostPaths, gpus: &[String], memory: u64) -> Vec<Check>
         ("hugepages-1048576kB", 1 << 30),
     ] {
         let dir = paths.sys.join("kernel/mm/hugepages").join(name);
-        let free: u64 = std::fs::read_to_string(dir.join("free_hugepages"))
+        let free: u64 = crate::sysfs::read_text(&dir.join("free_hugepages"))
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(0);
@@ -222,7 +222,7 @@ const IORESOURCE_MEM_64: u64 = 0x0010_0000;
 pub fn memory_bars(paths: &HostPaths, bdf: &str) -> Option<Vec<(u8, u64, bool)>> {
     let bdf = normalize_bdf(bdf)?;
     let text =
-        std::fs::read_to_string(paths.sys.join("bus/pci/devices").join(bdf).join("resource"))
+        crate::sysfs::read_text(&paths.sys.join("bus/pci/devices").join(bdf).join("resource"))
             .ok()?;
     let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).ok();
     Some(
@@ -376,7 +376,7 @@ pub fn vfio_gpus(sys: &Path) -> Vec<String> {
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
         .filter(|bdf| driver_of(&paths, bdf).as_deref() == Some("vfio-pci"))
         .filter(|bdf| {
-            std::fs::read_to_string(sys.join("bus/pci/devices").join(bdf).join("class"))
+            crate::sysfs::read_text(&sys.join("bus/pci/devices").join(bdf).join("class"))
                 .ok()
                 .and_then(|class| {
                     u32::from_str_radix(class.trim().trim_start_matches("0x"), 16).ok()

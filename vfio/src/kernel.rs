@@ -459,7 +459,7 @@ impl crate::reset::KernelResetOps for ResetIoctls<'_> {
     }
 
     fn kernel_reset_method(&self) -> Option<String> {
-        std::fs::read_to_string(self.sysfs.join("reset_method"))
+        crate::sysfs::read_text(&self.sysfs.join("reset_method"))
             .ok()?
             .split_whitespace()
             .next()

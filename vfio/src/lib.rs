@@ -11,6 +11,8 @@
 //!   each device's Bus Master bit.
 //! - [`host`]: host checks (memlock limit, IOMMU groups) shared by `gpuvm check-host`.
 //! - [`topology`]: the host's PCIe topology from sysfs (switches, root complexes, cliques).
+//! - [`sysfs`]: bounded, non-blocking reads of host attribute files (all host facts go
+//!   through it).
 
 use std::os::fd::RawFd;
 
@@ -24,6 +26,7 @@ pub mod migration;
 pub mod msi;
 pub mod pci;
 pub mod reset;
+pub mod sysfs;
 pub mod topology;
 pub mod user;
 

@@ -276,7 +276,7 @@ pub fn reset_method_in(sysfs_dir: &Path) -> ResetMethod {
             reason: format!("no PCI device at {}", sysfs_dir.display()),
         };
     }
-    match std::fs::read_to_string(sysfs_dir.join("reset_method")) {
+    match crate::sysfs::read_text(&sysfs_dir.join("reset_method")) {
         Ok(methods) => match methods.split_whitespace().next() {
             Some(first) => ResetMethod::Function {
                 kernel_method: Some(first.to_string()),

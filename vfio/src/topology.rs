@@ -384,10 +384,21 @@ fn classify(bridges: &[(String, Option<u8>)]) -> (Option<String>, Vec<String>) {
     (root_port, switches)
 }
 
+/// The most of a `config` file read: PCIe extended configuration space.
+const CONFIG_SPACE_BYTES: usize = 4096;
+
 /// A bridge's PCIe port type from its `config` file, None when the file is missing,
-/// short, or shows no PCIe capability.
+/// short, or shows no PCIe capability. A `config` that is not a readable regular file of
+/// at most 4 KiB is warned about and treated as missing: the chain's shape decides then.
 fn port_type(device_dir: &Path) -> Option<u8> {
-    let config = std::fs::read(device_dir.join("config")).ok()?;
+    let config = match crate::sysfs::read_bytes(&device_dir.join("config"), CONFIG_SPACE_BYTES) {
+        Ok(config) => config,
+        Err(error) if error.is_not_found() => return None,
+        Err(error) => {
+            log::warn!("PCIe topology: {error}; the bridge chain's shape decides its port type");
+            return None;
+        }
+    };
     let byte = |offset: usize| config.get(offset).copied();
     const STATUS_CAPABILITY_LIST: u8 = 0x10;
     const CAP_ID_PCIE: u8 = 0x10;
@@ -687,5 +698,48 @@ mod tests {
         assert_eq!(topology.clique_of(&gpus[16]), None);
         assert!(topology.describe(&gpus[16]).contains("no clique"));
         assert_eq!(topology.describe("0000:99:00.0"), "not found in sysfs");
+    }
+
+    #[test]
+    fn a_hostile_config_file_falls_back_to_the_shape_in_bounded_time() {
+        use crate::sysfs::hostile::Hostile;
+        for hostile in Hostile::ALL {
+            let tree = FakeSysfs::new(&format!("hostile-{hostile:?}"));
+            two_switches(&tree);
+            // The root port is typed, the upstream port's config is hostile: the chain is
+            // not fully typed, so its shape decides, and finds the switch as untyped.
+            tree.port("pci0000:40/0000:40:01.0", PORT_TYPE_ROOT);
+            let upstream = tree
+                .root
+                .join("devices/pci0000:40/0000:40:01.0/0000:41:00.0");
+            hostile.create(&upstream.join("config")).unwrap();
+            let started = std::time::Instant::now();
+            let topology =
+                HostTopology::discover(&tree.root, &bdfs(&["0000:43:00.0", "0000:53:00.0"]))
+                    .unwrap();
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(2),
+                "{hostile:?}"
+            );
+            assert_eq!(
+                topology.switch_of("0000:43:00.0").as_deref(),
+                Some("0000:41:00.0"),
+                "{hostile:?}"
+            );
+            assert_eq!(topology.clique_of("0000:53:00.0"), Some(1), "{hostile:?}");
+        }
+    }
+
+    #[test]
+    fn a_device_link_in_a_loop_is_an_error_naming_the_device() {
+        let tree = FakeSysfs::new("linkloop");
+        let devices = tree.root.join("bus/pci/devices");
+        std::os::unix::fs::symlink(devices.join("0000:02:00.0"), devices.join("0000:01:00.0"))
+            .unwrap();
+        std::os::unix::fs::symlink(devices.join("0000:01:00.0"), devices.join("0000:02:00.0"))
+            .unwrap();
+        let error = HostTopology::discover(&tree.root, &bdfs(&["0000:01:00.0"])).unwrap_err();
+        assert!(matches!(error, TopologyError::NotFound { .. }), "{error}");
+        assert!(error.to_string().contains("0000:01:00.0"), "{error}");
     }
 }

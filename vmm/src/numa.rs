@@ -44,6 +44,8 @@ pub enum NumaError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("--numa: {0}")]
+    HostFile(#[from] gpuvm_vfio::sysfs::SysfsError),
     #[error("--numa: {path}: cannot parse {text:?}")]
     Parse { path: PathBuf, text: String },
     #[error("--numa: host NUMA node {node} does not exist on this host (its nodes: {known})")]
@@ -77,10 +79,10 @@ impl HostNuma {
         self.root.join("devices/system/node")
     }
 
+    /// A bounded read of one attribute: a FIFO, a device node, a huge file or a
+    /// directory at `path` is an error naming it, never a hang.
     fn read(&self, path: PathBuf) -> Result<String, NumaError> {
-        std::fs::read_to_string(&path)
-            .map(|text| text.trim().to_string())
-            .map_err(|source| NumaError::Read { path, source })
+        Ok(gpuvm_vfio::sysfs::read_text(&path)?)
     }
 
     /// The host's nodes, ascending. A host without the node directory (a kernel without
@@ -125,7 +127,10 @@ impl HostNuma {
     pub fn cpus_of(&self, node: u32) -> Result<Vec<usize>, NumaError> {
         let path = self.node_dir().join(format!("node{node}/cpulist"));
         let text = self.read(path.clone())?;
-        parse_cpu_list(&text).ok_or(NumaError::Parse { path, text })
+        parse_cpu_list(&text).ok_or_else(|| NumaError::Parse {
+            path,
+            text: excerpt(&text),
+        })
     }
 
     /// Host node `from`'s distance to each host node, keyed by node (sysfs lists them in
@@ -139,7 +144,7 @@ impl HostNuma {
             .collect::<Result<Vec<u32>, _>>()
             .map_err(|_| NumaError::Parse {
                 path: path.clone(),
-                text: text.clone(),
+                text: excerpt(&text),
             })?;
         Ok(self.nodes()?.into_iter().zip(values).collect())
     }
@@ -149,17 +154,24 @@ impl HostNuma {
     pub fn pci_device_node(&self, bdf: &str) -> Result<Option<u32>, NumaError> {
         let bdf = gpuvm_vfio::topology::normalize_bdf(bdf);
         let path = self.root.join(format!("bus/pci/devices/{bdf}/numa_node"));
-        match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let value: i64 = text.trim().parse().map_err(|_| NumaError::Parse {
-                    path: path.clone(),
-                    text: text.trim().to_string(),
-                })?;
-                Ok(u32::try_from(value).ok())
-            }
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(NumaError::Read { path, source }),
-        }
+        let Some(text) = gpuvm_vfio::sysfs::read_optional_text(&path)? else {
+            return Ok(None);
+        };
+        let value: i64 = text.parse().map_err(|_| NumaError::Parse {
+            path: path.clone(),
+            text: excerpt(&text),
+        })?;
+        Ok(u32::try_from(value).ok())
+    }
+}
+
+/// The start of a host file's text for an error message: a damaged file may hold up to
+/// [`gpuvm_vfio::sysfs::MAX_ATTRIBUTE_BYTES`] of anything.
+fn excerpt(text: &str) -> String {
+    const SHOWN: usize = 64;
+    match text.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!("{}...", &text[..end]),
+        None => text.to_string(),
     }
 }
 
@@ -169,21 +181,27 @@ pub fn pci_numa_node(bdf: &str) -> Result<Option<u32>, NumaError> {
     HostNuma::from_env().pci_device_node(bdf)
 }
 
-/// Parses a kernel CPU list such as `0-3,8,10-11`.
+/// CPU numbers a CPU list may name: above the kernel's largest NR_CPUS (8192), so a
+/// real list always fits, and a damaged one (`0-18446744073709551615`) cannot make
+/// gpuvm allocate without bound.
+pub const MAX_HOST_CPUS: usize = 1 << 16;
+
+/// Parses a kernel CPU list such as `0-3,8,10-11`; None when it is not one, or names a
+/// CPU at or above [`MAX_HOST_CPUS`].
 pub fn parse_cpu_list(text: &str) -> Option<Vec<usize>> {
     let mut cpus = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((first, last)) => {
-                let (first, last): (usize, usize) =
-                    (first.trim().parse().ok()?, last.trim().parse().ok()?);
-                if first > last {
-                    return None;
-                }
-                cpus.extend(first..=last);
+        let (first, last): (usize, usize) = match part.split_once('-') {
+            Some((first, last)) => (first.trim().parse().ok()?, last.trim().parse().ok()?),
+            None => {
+                let cpu = part.trim().parse().ok()?;
+                (cpu, cpu)
             }
-            None => cpus.push(part.trim().parse().ok()?),
+        };
+        if first > last || last >= MAX_HOST_CPUS || cpus.len() + (last - first) >= MAX_HOST_CPUS {
+            return None;
         }
+        cpus.extend(first..=last);
     }
     Some(cpus)
 }
@@ -270,6 +288,23 @@ pub fn plan(
             let host_nodes = host.nodes()?;
             if gpu_nodes.len() < 2 || host_nodes.len() < 2 {
                 return Ok(None);
+            }
+            // A device's numa_node names a node the node directory lacks: one of the two
+            // is wrong, and guessing which would bind RAM to the wrong socket.
+            if let Some((key, node)) = device_host_nodes
+                .iter()
+                .find(|(_, node)| !host_nodes.contains(node))
+            {
+                return Err(NumaError::Invalid(format!(
+                    "auto: device {key} is on host node {node} (its numa_node), which {} \
+                     does not list (the host's nodes: {})",
+                    host.node_dir().display(),
+                    host_nodes
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
             }
             let host_order: Vec<u32> = gpu_nodes.into_iter().collect();
             let nodes = auto_nodes(&host_order, possible, memory_size, page_size)?;

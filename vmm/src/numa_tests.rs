@@ -468,3 +468,74 @@ fn given_distances_replace_gpuvms_and_are_checked() {
         assert!(error.contains(expected), "{error}");
     }
 }
+
+#[test]
+fn hostile_host_files_are_clear_errors_in_bounded_time() {
+    use gpuvm_vfio::sysfs::hostile::Hostile;
+    for hostile in Hostile::ALL {
+        for file in ["numa_node", "cpulist", "distance"] {
+            let sysfs = two_sockets();
+            let pci = eight_gpus(&sysfs);
+            let path = match file {
+                "numa_node" => sysfs.root.join("bus/pci/devices/0000:18:00.0/numa_node"),
+                _ => sysfs.root.join(format!("devices/system/node/node0/{file}")),
+            };
+            hostile.create(&path).unwrap();
+            let host = sysfs.host();
+            let started = std::time::Instant::now();
+            let result = match file {
+                "cpulist" => host.cpus_of(0).map(|_| ()),
+                "distance" => plan(&auto(), 8, 8, 4 * GIB, 4096, &pci, &host).map(|_| ()),
+                _ => plan(&auto(), 8, 8, 4 * GIB, 4096, &pci, &host).map(|_| ()),
+            };
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(2),
+                "{hostile:?} {file}: {:?}",
+                started.elapsed()
+            );
+            let error = result.expect_err(&format!("{hostile:?} {file} must be refused"));
+            let message = error.to_string();
+            assert!(
+                message.starts_with("--numa: ") && message.contains(file),
+                "{hostile:?} {file}: {message}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_cpu_list_without_bound_is_refused() {
+    assert_eq!(parse_cpu_list("0-18446744073709551615"), None);
+    assert_eq!(parse_cpu_list(&format!("{MAX_HOST_CPUS}")), None);
+    let repeated = ["0-40000"; 4].join(",");
+    assert_eq!(parse_cpu_list(&repeated), None, "the total is bounded too");
+    let largest = MAX_HOST_CPUS - 1;
+    assert_eq!(
+        parse_cpu_list(&format!("0,{largest}")),
+        Some(vec![0, largest])
+    );
+}
+
+#[test]
+fn auto_refuses_a_device_on_a_node_the_host_does_not_list() {
+    let sysfs = two_sockets();
+    let pci = eight_gpus(&sysfs);
+    sysfs.gpu("0000:db:00.0", 7);
+    let error = plan(&auto(), 8, 8, 4 * GIB, 4096, &pci, &sysfs.host()).unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.contains("0000:db:00.0") && message.contains("host node 7"),
+        "{message}"
+    );
+    assert!(message.contains("the host's nodes: 0, 1"), "{message}");
+}
+
+#[test]
+fn a_long_garbage_file_is_quoted_short() {
+    let sysfs = two_sockets();
+    let path = sysfs.root.join("devices/system/node/node1/cpulist");
+    std::fs::write(&path, "x".repeat(60_000)).unwrap();
+    let error = sysfs.host().cpus_of(1).unwrap_err().to_string();
+    assert!(error.contains("cannot parse \"xxxx"), "{error}");
+    assert!(error.len() < 300, "{} bytes: {error:.300}", error.len());
+}

@@ -606,6 +606,106 @@ pub fn user_device(text: &str) -> Result<Value> {
     Ok(Value::Object(device))
 }
 
+/// `--numa guest_numa_id=0,cpus=[0-1,4],distances=[1@20,2@30],memory_zones=[mem0]` →
+/// one entry of `numa`. Lists take Cloud Hypervisor's forms: in brackets or bare when
+/// they have one item, vCPUs as numbers or `a-b` ranges, distances as
+/// `destination@distance`. `memory_zones`, `sgx_epc_sections` and `pci_segments` are
+/// passed on as written: the API's translation refuses what gpuvm cannot do by name,
+/// as it does for the `numa` field of vm.create.
+pub fn numa(text: &str) -> Result<Value> {
+    const OPTION: &str = "--numa";
+    const KEYS: &[(&str, Kind)] = &[
+        ("guest_numa_id", Kind::Number("guest_numa_id")),
+        ("cpus", Kind::Own),
+        ("distances", Kind::Own),
+        ("memory_zones", Kind::Own),
+        ("sgx_epc_sections", Kind::Own),
+        ("pci_segments", Kind::Own),
+    ];
+    let (mut node, own) = object(OPTION, text, &[KEYS])?;
+    require(OPTION, &node, "guest_numa_id", "guest_numa_id")?;
+    for (key, value) in &own {
+        let Value::String(text) = value else { continue };
+        let list = list_items(text);
+        let json = match key.as_str() {
+            "cpus" => json!(vcpu_list(&list).ok_or_else(|| bad(
+                OPTION,
+                key,
+                text,
+                "vCPU ids 0 to 255 or ranges a-b, e.g. [0-3,8]"
+            ))?),
+            "distances" => distance_list(&list).ok_or_else(|| {
+                bad(
+                    OPTION,
+                    key,
+                    text,
+                    "destination@distance pairs, e.g. [1@20,2@30]",
+                )
+            })?,
+            "pci_segments" => json!(list
+                .iter()
+                .map(|item| item.parse::<u16>().ok())
+                .collect::<Option<Vec<u16>>>()
+                .ok_or_else(|| bad(OPTION, key, text, "PCI segment numbers, e.g. [0,1]"))?),
+            // memory_zones, sgx_epc_sections: names.
+            _ => json!(list),
+        };
+        node.insert(key.clone(), json);
+    }
+    Ok(Value::Object(node))
+}
+
+/// A list value's items: `[a,b]`, or `a` alone; surrounding whitespace dropped.
+fn list_items(text: &str) -> Vec<String> {
+    let inner = text
+        .trim()
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .unwrap_or(text.trim());
+    inner
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// vCPU ids and `a-b` ranges (each id below 256, as Cloud Hypervisor's are bytes).
+fn vcpu_list(items: &[String]) -> Option<Vec<u8>> {
+    let mut cpus = Vec::new();
+    for item in items {
+        let (first, last) = match item.split_once('-') {
+            Some((first, last)) => (
+                first.trim().parse::<u8>().ok()?,
+                last.trim().parse::<u8>().ok()?,
+            ),
+            None => {
+                let cpu = item.parse::<u8>().ok()?;
+                (cpu, cpu)
+            }
+        };
+        if first > last {
+            return None;
+        }
+        cpus.extend(first..=last);
+    }
+    Some(cpus)
+}
+
+/// `destination@distance` pairs → `[{"destination": d, "distance": n}]`.
+fn distance_list(items: &[String]) -> Option<Value> {
+    items
+        .iter()
+        .map(|item| {
+            let (destination, distance) = item.split_once('@')?;
+            let destination: u32 = destination.trim().parse().ok()?;
+            let distance: u8 = distance.trim().parse().ok()?;
+            Some(json!({"destination": destination, "distance": distance}))
+        })
+        .collect::<Option<Vec<Value>>>()
+        .map(Value::Array)
+}
+
 /// `--serial` / `--console`: `off`, `pty`, `tty`, `null`, `file=<path>` or
 /// `socket=<path>` → `{"mode": ..., "file"/"socket": ...}`.
 pub fn console(option: &str, text: &str) -> Result<Value> {
@@ -863,6 +963,60 @@ mod tests {
         );
         assert!(user_device("id=emu").is_err());
         assert!(user_device("socket=/u,iommu=on").is_err());
+    }
+
+    #[test]
+    fn numa_nodes() {
+        assert_eq!(
+            numa("guest_numa_id=1,cpus=[0-2,5],distances=[0@20,2@30]").unwrap(),
+            json!({"guest_numa_id": 1, "cpus": [0, 1, 2, 5],
+                   "distances": [{"destination": 0, "distance": 20},
+                                 {"destination": 2, "distance": 30}]})
+        );
+        // One-item lists need no brackets; names and segments are passed on as written.
+        assert_eq!(
+            numa("guest_numa_id=0,cpus=3,distances=1@20,memory_zones=mem0,pci_segments=[0,1]")
+                .unwrap(),
+            json!({"guest_numa_id": 0, "cpus": [3],
+                   "distances": [{"destination": 1, "distance": 20}],
+                   "memory_zones": ["mem0"], "pci_segments": [0, 1]})
+        );
+        assert_eq!(
+            numa("guest_numa_id=0,sgx_epc_sections=[epc0,epc1]").unwrap(),
+            json!({"guest_numa_id": 0, "sgx_epc_sections": ["epc0", "epc1"]})
+        );
+        assert!(matches!(
+            numa("cpus=[0]").unwrap_err(),
+            OptionError::Required {
+                key: "guest_numa_id",
+                ..
+            }
+        ));
+        for (text, key) in [
+            ("guest_numa_id=0,cpus=[3-1]", "cpus"),
+            ("guest_numa_id=0,cpus=[0-256]", "cpus"),
+            ("guest_numa_id=0,cpus=[0-18446744073709551615]", "cpus"),
+            ("guest_numa_id=0,cpus=[x]", "cpus"),
+            ("guest_numa_id=0,distances=[1]", "distances"),
+            ("guest_numa_id=0,distances=[1@256]", "distances"),
+            ("guest_numa_id=0,distances=[x@20]", "distances"),
+            ("guest_numa_id=0,pci_segments=[65536]", "pci_segments"),
+            ("guest_numa_id=x", "guest_numa_id"),
+        ] {
+            let error = numa(text).unwrap_err();
+            assert!(
+                matches!(&error, OptionError::BadValue { key: k, .. } if k == key),
+                "{text}: {error}"
+            );
+        }
+        assert!(matches!(
+            numa("guest_numa_id=0,cpus=[0").unwrap_err(),
+            OptionError::Syntax { .. }
+        ));
+        assert!(matches!(
+            numa("guest_numa_id=0,memory=1G").unwrap_err(),
+            OptionError::UnknownKey { .. }
+        ));
     }
 
     #[test]
