@@ -1278,6 +1278,8 @@ fn gpuvm_front_end(scratch: &Scratch, kernel: &Path) -> FrontEnd {
         ping: "/",
         requests: vec![
             ("PUT", "/machine-config", r#"{"vcpu_count": 2, "mem_size_mib": 128}"#.into()),
+            ("PUT", "/machine-config", r#"{"vcpu_count": 2, "mem_size_mib": 128, "numa": {"nodes": [{"node": 0, "cpus": [0], "mem_mib": 64, "host_node": 0}, {"node": 1, "cpus": [1], "mem_mib": 64}], "distances": [[10, 21], [21, 10]], "pin_vcpus": true}}"#.into()),
+            ("PUT", "/machine-config", r#"{"vcpu_count": 2, "mem_size_mib": 128, "numa": {"auto": true}}"#.into()),
             ("PUT", "/boot-source", format!(r#"{{"kernel_image_path": "{k}", "boot_args": "memloop 1M 1 1"}}"#)),
             ("PUT", "/boot-source", r#"{"boot_args": "virtio-devices 2"}"#.into()),
             ("PUT", "/drives/root", format!(r#"{{"drive_id": "root", "path_on_host": "{s}.img", "is_root_device": false, "is_read_only": true}}"#)),
@@ -1287,6 +1289,8 @@ fn gpuvm_front_end(scratch: &Scratch, kernel: &Path) -> FrontEnd {
             ("PUT", "/entropy", r#"{"rate_limiter": {"bandwidth": {"size": 1048576, "refill_time": 100}}}"#.into()),
             ("PUT", "/balloon", r#"{"amount_mib": 0, "deflate_on_oom": true, "stats_polling_interval_s": 1}"#.into()),
             ("PUT", "/gpus/gpu0", format!(r#"{{"gpu_id": "gpu0", "vfio_user_socket": "{s}.gpu"}}"#)),
+            ("PUT", "/gpus/gpu1", format!(r#"{{"gpu_id": "gpu1", "vfio_user_socket": "{s}.gpu1", "gpudirect_clique": 3, "p2p": false}}"#)),
+            ("PUT", "/gpus/gpu2", r#"{"gpu_id": "gpu2", "host_bdf": "0000:41:00.0", "gpudirect_clique": 15, "p2p": true}"#.into()),
             ("PUT", "/fs/fs0", format!(r#"{{"fs_id": "fs0", "socket": "{s}.fs", "tag": "shared"}}"#)),
             ("PUT", "/snapshot/create", format!(r#"{{"snapshot_path": "{s}.snap"}}"#)),
             ("PUT", "/snapshot/load", format!(r#"{{"snapshot_path": "{s}.snap", "restore_mode": "Lazy", "resume_vm": true, "gpus": [{{"gpu_id": "gpu0", "vfio_user_socket": "{s}.gpu"}}]}}"#)),
@@ -1324,6 +1328,15 @@ fn cloud_hypervisor_front_end(scratch: &Scratch, kernel: &Path) -> FrontEnd {
             "vsock":{{"cid":3,"socket":"{s}.vsock"}},
             "platform":{{"num_pci_segments":2}}}}"#
     );
+    // Kata's GPU VM: two guest NUMA nodes and a device with its GPUDirect clique.
+    let create_numa = format!(
+        r#"{{"payload":{{"kernel":"{k}","cmdline":"memloop 1M 1 1"}},
+            "cpus":{{"boot_vcpus":2,"max_vcpus":2}},
+            "memory":{{"size":134217728}},
+            "devices":[{{"path":"/sys/bus/pci/devices/0000:41:00.0","id":"gpu0","x_nv_gpudirect_clique":2}}],
+            "numa":[{{"guest_numa_id":0,"cpus":[0],"distances":[{{"destination":1,"distance":20}}],"memory_zones":null,"pci_segments":null}},
+                    {{"guest_numa_id":1,"cpus":[1],"distances":[{{"destination":0,"distance":20}}]}}]}}"#
+    );
     FrontEnd {
         name: "cloud-hypervisor",
         process,
@@ -1331,6 +1344,7 @@ fn cloud_hypervisor_front_end(scratch: &Scratch, kernel: &Path) -> FrontEnd {
         ping: "/api/v1/vmm.ping",
         requests: vec![
             ("PUT", "/api/v1/vm.create", create),
+            ("PUT", "/api/v1/vm.create", create_numa),
             (
                 "PUT",
                 "/api/v1/vm.add-disk",
@@ -1350,6 +1364,12 @@ fn cloud_hypervisor_front_end(scratch: &Scratch, kernel: &Path) -> FrontEnd {
                 "PUT",
                 "/api/v1/vm.add-device",
                 r#"{"path":"/sys/bus/pci/devices/0000:00:00.0","id":"dev0"}"#.into(),
+            ),
+            (
+                "PUT",
+                "/api/v1/vm.add-device",
+                r#"{"path":"/sys/bus/pci/devices/0000:41:00.0","id":"gpu1","x_nv_gpudirect_clique":7}"#
+                    .into(),
             ),
             (
                 "PUT",
