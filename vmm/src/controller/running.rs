@@ -31,6 +31,8 @@ pub(super) struct RunningApi {
     cold_plugged: Vec<String>,
     /// DELETE /gpus/{id} requests waiting for the guest to eject.
     unplugs: Vec<PendingUnplug>,
+    /// Wakes this thread at each unplug's deadline.
+    eject_timer: EjectTimer,
     /// A client's record of the VM (see [`super::client`]).
     client: super::client::ClientState,
 }
@@ -41,6 +43,97 @@ struct PendingUnplug {
     bdf: String,
     deadline: Instant,
     reply: Sender<ActionResult>,
+}
+
+/// One thread for all the VM's eject deadlines, started by a removal when none runs: it
+/// inherits this (VMM) thread's seccomp filter, as it is spawned from it, sleeps until the
+/// earliest deadline it holds, and ends once none is left. Removals while it runs add a
+/// deadline and cost no thread.
+#[derive(Default)]
+struct EjectTimer {
+    shared: std::sync::Arc<(std::sync::Mutex<EjectDeadlines>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct EjectDeadlines {
+    pending: Vec<Instant>,
+    /// Whether the thread runs (it clears this as it ends, under the lock).
+    running: bool,
+    stop: bool,
+}
+
+impl EjectTimer {
+    /// Writes `wake` once `deadline` has passed.
+    fn wake_at(&mut self, wake: &EventFd, deadline: Instant) -> std::io::Result<()> {
+        let (deadlines, changed) = &*self.shared;
+        let mut state = lock_deadlines(deadlines);
+        if !state.running {
+            // The last one ended (or none ran): reap it, start one.
+            if let Some(ended) = self.thread.take() {
+                let _ = ended.join();
+            }
+            let wake = wake.try_clone()?;
+            let shared = self.shared.clone();
+            self.thread = Some(
+                std::thread::Builder::new()
+                    .name("eject-timer".into())
+                    .spawn(move || EjectTimer::serve(&shared, &wake))?,
+            );
+            state.running = true;
+        }
+        state.pending.push(deadline);
+        changed.notify_one();
+        Ok(())
+    }
+
+    fn serve(shared: &(std::sync::Mutex<EjectDeadlines>, std::sync::Condvar), wake: &EventFd) {
+        let (deadlines, changed) = shared;
+        let mut state = lock_deadlines(deadlines);
+        while !state.stop {
+            let now = Instant::now();
+            let before = state.pending.len();
+            state.pending.retain(|deadline| *deadline > now);
+            if state.pending.len() < before {
+                let _ = wake.write(1);
+            }
+            let Some(next) = state.pending.iter().min() else {
+                break;
+            };
+            let wait = next.saturating_duration_since(now);
+            state = changed
+                .wait_timeout(state, wait)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+        state.running = false;
+    }
+
+    /// How many deadlines are still to come (tests).
+    #[cfg(test)]
+    fn pending(&self) -> usize {
+        lock_deadlines(&self.shared.0).pending.len()
+    }
+}
+
+impl Drop for EjectTimer {
+    fn drop(&mut self) {
+        let (deadlines, changed) = &*self.shared;
+        lock_deadlines(deadlines).stop = true;
+        changed.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The deadlines' lock; a panic elsewhere while holding it leaves nothing half-done.
+fn lock_deadlines(
+    deadlines: &std::sync::Mutex<EjectDeadlines>,
+) -> std::sync::MutexGuard<'_, EjectDeadlines> {
+    deadlines
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn hotplug_error(error: crate::hotplug::HotplugError) -> ActionError {
@@ -65,6 +158,7 @@ impl RunningApi {
             hot_plugged: Default::default(),
             cold_plugged,
             unplugs: Vec::new(),
+            eject_timer: EjectTimer::default(),
             client,
         }
     }
@@ -240,19 +334,14 @@ impl RunningApi {
     }
 
     /// Wakes this thread when `timeout` is up (the guest's eject wakes it sooner).
-    fn wake_after(&self, timeout: Duration) {
-        if let Ok(wake) = self.event.try_clone() {
-            let spawned = std::thread::Builder::new()
-                .name("eject-timer".into())
-                .spawn(move || {
-                    std::thread::sleep(timeout + Duration::from_millis(5));
-                    let _ = wake.write(1);
-                });
-            if let Err(error) = spawned {
-                log::warn!(
-                    "no eject timer thread ({error}); the timeout is checked on the next request"
-                );
-            }
+    fn wake_after(&mut self, timeout: Duration) {
+        if let Err(error) = self
+            .eject_timer
+            .wake_at(&self.event, Instant::now() + timeout)
+        {
+            log::warn!(
+                "no eject timer thread ({error}); the timeout is checked on the next request"
+            );
         }
     }
 
@@ -830,5 +919,67 @@ impl RunControl for RunningApi {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod eject_timer_tests {
+    use super::*;
+
+    /// Many removals share one thread; each deadline wakes the event once it passed,
+    /// none before, and a passed deadline leaves nothing behind.
+    #[test]
+    fn one_thread_wakes_at_each_deadline() {
+        let event = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut timer = EjectTimer::default();
+        let start = Instant::now();
+        // Far first, then near: the near ones must not wait for the far one.
+        for after in [60_000, 40, 80, 120] {
+            timer
+                .wake_at(&event, start + Duration::from_millis(after))
+                .unwrap();
+        }
+        let thread = timer.thread.as_ref().expect("started").thread().id();
+        let mut woken = 0;
+        while woken < 3 {
+            match event.read() {
+                Ok(count) => woken += count,
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no wake");
+        }
+        assert!(start.elapsed() >= Duration::from_millis(40));
+        assert_eq!(timer.pending(), 1, "the 60 s deadline is still to come");
+        timer
+            .wake_at(&event, Instant::now() + Duration::from_millis(1))
+            .unwrap();
+        assert_eq!(
+            timer.thread.as_ref().map(|t| t.thread().id()),
+            Some(thread),
+            "no new thread"
+        );
+        // Drop stops and joins the thread although a deadline 60 s away is pending.
+        assert!(lock_deadlines(&timer.shared.0).running);
+        let dropped = Instant::now();
+        drop(timer);
+        assert!(dropped.elapsed() < Duration::from_secs(5));
+    }
+
+    /// With no deadline left the thread ends; the next removal starts one again.
+    #[test]
+    fn the_thread_ends_when_idle_and_comes_again() {
+        let event = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut timer = EjectTimer::default();
+        for round in 0..2 {
+            timer
+                .wake_at(&event, Instant::now() + Duration::from_millis(20))
+                .unwrap();
+            let start = Instant::now();
+            while lock_deadlines(&timer.shared.0).running {
+                assert!(start.elapsed() < Duration::from_secs(10), "round {round}");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert_eq!(event.read().unwrap(), 1, "round {round}");
+        }
     }
 }
