@@ -61,10 +61,9 @@ impl GuestEnd {
         match self {
             GuestEnd::ExitStatus(status) => (*status & 0xff) as i32,
             GuestEnd::TripleFault => i32::from(crate::exit_status::TRIPLE_FAULT),
-            GuestEnd::Reset
-            | GuestEnd::PowerOff
-            | GuestEnd::Snapshotted
-            | GuestEnd::HandedOver => 0,
+            GuestEnd::Reset | GuestEnd::PowerOff | GuestEnd::Snapshotted | GuestEnd::HandedOver => {
+                0
+            }
         }
     }
 }
