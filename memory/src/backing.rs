@@ -393,29 +393,40 @@ impl GuestRam {
                 "MADV_HUGEPAGE",
             );
         }
-        let guest_region =
-            GuestRegionMmap::new(mapping, GuestAddress(guest_addr)).ok_or_else(|| {
-                RamError::InvalidRegion {
-                    index: 0,
-                    region,
-                    reason: "it wraps around the address space".to_string(),
-                }
-            })?;
+        let area = self.in_same_file(mapping, region, None)?;
         info!(
             "room for hot-plugged RAM: {} at {guest_addr:#x}, in guest RAM's file at {:#x}, \
              nothing allocated until plugged",
             ByteSize(size),
             file_offset
         );
+        Ok(area)
+    }
+
+    /// RAM of `mapping`, the one region `region` of this RAM's file (the hot-plug area, or
+    /// a view kept alive by `parent`).
+    fn in_same_file(
+        &self,
+        mapping: MmapRegion,
+        region: RamRegion,
+        parent: Option<GuestMemoryMmap>,
+    ) -> Result<GuestRam, RamError> {
+        let host_addr = mapping.as_ptr() as usize;
+        let guest_region = GuestRegionMmap::new(mapping, GuestAddress(region.guest_addr))
+            .ok_or_else(|| RamError::InvalidRegion {
+                index: 0,
+                region,
+                reason: "it wraps around the address space".to_string(),
+            })?;
         Ok(GuestRam {
             memfd: Arc::clone(&self.memfd),
             memory: GuestMemoryMmap::from_regions(vec![guest_region])?,
             regions: vec![region],
-            host_addrs: vec![host_addr as usize],
+            host_addrs: vec![host_addr],
             backing: self.backing,
             huge_tmpfs: self.huge_tmpfs,
-            size,
-            _parent: None,
+            size: region.size,
+            _parent: parent,
         })
     }
 
@@ -470,7 +481,7 @@ impl GuestRam {
         let host_addr = outer_host.wrapping_add(offset as usize);
         let len = usize::try_from(size).map_err(|_| outside("it is too large".to_string()))?;
         // SAFETY: [host_addr, host_addr + len) lies inside this RAM's mapping of `outer`
-        // (checked above), which the view keeps alive (`parent`) and does not unmap.
+        // (checked above), which the view keeps alive (`_parent`) and does not unmap.
         let mapping = unsafe {
             MmapRegionBuilder::new(len)
                 .with_raw_mmap_pointer(host_addr)
@@ -484,18 +495,7 @@ impl GuestRam {
                 .build()
         }
         .map_err(|source| RamError::Map { index: 0, source })?;
-        let guest_region = GuestRegionMmap::new(mapping, GuestAddress(guest_addr))
-            .ok_or_else(|| outside("it wraps around the address space".to_string()))?;
-        Ok(GuestRam {
-            memfd: Arc::clone(&self.memfd),
-            memory: GuestMemoryMmap::from_regions(vec![guest_region])?,
-            regions: vec![region],
-            host_addrs: vec![host_addr as usize],
-            backing: self.backing,
-            huge_tmpfs: self.huge_tmpfs,
-            size,
-            _parent: Some(self.memory.clone()),
-        })
+        self.in_same_file(mapping, region, Some(self.memory.clone()))
     }
 
     /// This RAM's memory with `other`'s regions added (boot RAM and the hot-plug area:
