@@ -148,7 +148,7 @@ impl Machine {
         let dir_lock = snapshot::prepare_dir(dir)?;
         let was_running = !self.paused;
         let protected = if resume && was_running {
-            self.protect_for_background(dir, full)
+            self.protect_for_background(dir, full)?
         } else {
             None
         };
@@ -180,14 +180,16 @@ impl Machine {
 
     /// Guest RAM write-protected for a background snapshot into `dir`, armed while the
     /// guest runs; `None` (the memory is then written paused) when the snapshot is to
-    /// pause fully, the host cannot, or it would not help or not be consistent.
+    /// pause fully, the host cannot, or it would not help or not be consistent. Fails, with
+    /// nothing paused, when lazily restored memory cannot be completed: the snapshot could
+    /// not read it paused either.
     fn protect_for_background(
         &mut self,
         dir: &std::path::Path,
         full: bool,
-    ) -> Option<WriteProtectedRam> {
+    ) -> Result<Option<WriteProtectedRam>, Error> {
         if snapshot_pause() == SnapshotPause::Full {
-            return None;
+            return Ok(None);
         }
         if let Some(reason) = background_unsupported() {
             static LOGGED: AtomicBool = AtomicBool::new(false);
@@ -197,12 +199,12 @@ impl Machine {
                      cannot write-protect guest RAM ({reason})"
                 );
             }
-            return None;
+            return Ok(None);
         }
         // Passthrough devices write guest RAM by DMA, which write protection does not see.
         if !self.devices.passthrough.is_empty() {
             log::info!("snapshot memory written paused: the VM has passthrough devices");
-            return None;
+            return Ok(None);
         }
         // A diff holds the pages dirtied since the last snapshot: small, written paused.
         let diff = !full
@@ -213,11 +215,10 @@ impl Machine {
                 .as_ref()
                 .is_some_and(|chain| chain.dir == dir);
         if diff || self.ram.page_size() > MAX_BACKGROUND_PAGE_SIZE {
-            return None;
+            return Ok(None);
         }
-        if self.lazy.is_some() && self.complete_lazy_memory().is_err() {
-            // The paused path reports why.
-            return None;
+        if self.lazy.is_some() {
+            self.complete_lazy_memory()?;
         }
         let armed = self.ram_mappings().and_then(|mappings| {
             WriteProtectedRam::arm(
@@ -225,13 +226,13 @@ impl Machine {
                 crate::seccomp::thread_hook(crate::seccomp::ThreadKind::SnapshotFault),
             )
         });
-        match armed {
+        Ok(match armed {
             Ok(protected) => Some(protected),
             Err(error) => {
                 log::warn!("snapshot memory written with the vCPUs paused: {error}");
                 None
             }
-        }
+        })
     }
 
     /// The part of [`Machine::take_snapshot`] that pauses the vCPUs and writes, under
