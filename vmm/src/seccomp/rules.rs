@@ -144,20 +144,7 @@ fn clone_threads_only(rules: &mut Rules) -> BuildResult<()> {
 pub fn factory_rules(device: Rules) -> BuildResult<Rules> {
     let mut rules = device;
     clone_threads_only(&mut rules)?;
-    let mut prctl = rules.remove(&libc::SYS_prctl).unwrap_or_default();
-    prctl.extend(one_of(0, &[libc::PR_SET_NO_NEW_PRIVS as u32])?);
-    rules.insert(libc::SYS_prctl, prctl);
-    rules.insert(
-        libc::SYS_seccomp,
-        vec![SeccompRule::new(vec![
-            arg32(
-                0,
-                SeccompCmpOp::Eq,
-                u64::from(libc::SECCOMP_SET_MODE_FILTER),
-            )?,
-            arg32(1, SeccompCmpOp::Eq, 0)?,
-        ])?],
-    );
+    stack_filters(&mut rules)?;
     Ok(rules)
 }
 
