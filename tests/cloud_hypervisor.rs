@@ -45,7 +45,9 @@ fn start(scratch: &Scratch) -> (SpawnedProcess, std::path::PathBuf) {
 
 fn kata_config(kernel: &Path, vsock: &Path, extra: &str) -> String {
     format!(
-        r#"{{"payload":{{"kernel":"{}","cmdline":"virtio-vsock 1"}},
+        // Two connections: the test makes one, so the guest is still serving when the
+        // test's vmm.shutdown comes (with one, the guest ends the VM itself and races it).
+        r#"{{"payload":{{"kernel":"{}","cmdline":"virtio-vsock 2"}},
             "cpus":{{"boot_vcpus":1,"max_vcpus":4,"kvm_hyperv":false,"nested":true}},
             "memory":{{"size":134217728,"mergeable":false,"hotplug_method":"Acpi","shared":true,
                        "hugepages":false,"prefault":false,"thp":true,"hotplug_size":536870912}},
