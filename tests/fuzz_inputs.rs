@@ -459,8 +459,7 @@ fn watch(
             return Outcome::Verified;
         }
         if let Some(status) = process.try_status() {
-            // Let the readers drain the pipes.
-            std::thread::sleep(Duration::from_millis(20));
+            process.drain_output(Duration::from_secs(5));
             let (stdout, stderr) = (process.stdout(), process.stderr());
             return ended(status, &stdout, &stderr);
         }
@@ -769,7 +768,7 @@ fn judge_gpu_restore(vmm: &mut SpawnedProcess) -> Outcome {
     loop {
         let stdout = vmm.stdout();
         if let Some(status) = vmm.try_status() {
-            std::thread::sleep(Duration::from_millis(20));
+            vmm.drain_output(Duration::from_secs(5));
             let (stdout, stderr) = (vmm.stdout(), vmm.stderr());
             if status.code() == Some(0)
                 && has_line(&stdout, "gpu-migrate: ok")

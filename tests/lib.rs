@@ -463,6 +463,21 @@ impl SpawnedProcess {
         self.status
     }
 
+    /// Once the process has ended: waits (at most `limit`) until the readers have taken
+    /// everything it wrote, i.e. until its pipes are closed (a child it left running may
+    /// hold them open longer). A fixed sleep instead loses output on a loaded host.
+    pub fn drain_output(&mut self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        while self.readers.iter().any(|r| !r.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let (done, running) = self.readers.drain(..).partition(|r| r.is_finished());
+        self.readers = running;
+        for reader in done {
+            let _ = reader.join();
+        }
+    }
+
     /// Polls `ready` until it holds; panics with the output if the process ends first or
     /// `limit` passes.
     pub fn wait_until(
@@ -479,7 +494,11 @@ impl SpawnedProcess {
             let ended = self.try_status();
             if ended.is_some() || Instant::now() > deadline {
                 // One last look: the output may have arrived with the exit.
-                std::thread::sleep(Duration::from_millis(50));
+                if ended.is_some() {
+                    self.drain_output(Duration::from_secs(2));
+                } else {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 if ready(self) {
                     return;
                 }
@@ -560,8 +579,7 @@ impl SpawnedProcess {
     fn kill_and_panic(&mut self, why: &str) -> ! {
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();
-        // Let the readers take what the pipes still hold.
-        std::thread::sleep(Duration::from_millis(50));
+        self.drain_output(Duration::from_secs(2));
         panic!(
             "{why}\n--- stdout\n{}\n--- stderr\n{}",
             self.stdout(),
