@@ -16,25 +16,31 @@ pub struct RestoredAt {
     pub returned: Instant,
 }
 
-/// The `gpuvm: restore-stages` line: every stage from process start to vCPUs running,
-/// back to back (`process` = exec to restore, the builder's stages, `start_vcpus` = from
-/// the restore's return to the vCPU threads running), in microseconds; `total_us` is
-/// their sum; `parallel_*` ran on another thread meanwhile and are not in the sum.
-fn restore_stages_line(restored: &RestoredAt, process_start: Instant, running: Instant) -> String {
-    let mut stages = vec![("process", restored.called.duration_since(process_start))];
-    stages.extend(restored.timings.stages.iter().copied());
-    stages.push(("start_vcpus", running.duration_since(restored.returned)));
-    // The few microseconds between the builder's last stage and its return.
-    let builder_sum: Duration = restored.timings.stages.iter().map(|&(_, d)| d).sum();
-    let builder_wall = restored.returned.duration_since(restored.called);
-    stages.push(("other", builder_wall.saturating_sub(builder_sum)));
-    let total: Duration = stages.iter().map(|&(_, d)| d).sum();
-    let mut line = String::from("gpuvm: restore-stages");
-    for (name, d) in &stages {
+/// A `gpuvm: <label>` line of every stage from process start to vCPUs running, back to
+/// back, in microseconds: `process` (exec to the build's call), the builder's `stages`,
+/// `other` (between the builder's last stage and its return), `start_vcpus` (from its
+/// return to the vCPU threads running); `total_us` is their sum; `parallel_*` ran on
+/// another thread meanwhile and are not in the sum.
+fn stages_line(
+    label: &str,
+    (called, stages, returned): (Instant, &[(&str, Duration)], Instant),
+    parallel: &[(&str, Duration)],
+    process_start: Instant,
+    running: Instant,
+) -> String {
+    let mut all = vec![("process", called.duration_since(process_start))];
+    all.extend(stages.iter().copied());
+    let builder_sum: Duration = stages.iter().map(|&(_, d)| d).sum();
+    let builder_wall = returned.duration_since(called);
+    all.push(("other", builder_wall.saturating_sub(builder_sum)));
+    all.push(("start_vcpus", running.duration_since(returned)));
+    let total: Duration = all.iter().map(|&(_, d)| d).sum();
+    let mut line = format!("gpuvm: {label}");
+    for (name, d) in &all {
         line.push_str(&format!(" {name}_us={}", d.as_micros()));
     }
     line.push_str(&format!(" total_us={}", total.as_micros()));
-    for (name, d) in &restored.timings.parallel {
+    for (name, d) in parallel {
         line.push_str(&format!(" parallel_{name}_us={}", d.as_micros()));
     }
     line
@@ -59,7 +65,20 @@ pub fn finish(
                 started.duration_since(process_start).as_micros()
             );
             if let Some(restored) = &restored {
-                eprintln!("{}", restore_stages_line(restored, process_start, started));
+                let timings = &restored.timings;
+                let build = (restored.called, &timings.stages[..], restored.returned);
+                let line = stages_line(
+                    "restore-stages",
+                    build,
+                    &timings.parallel,
+                    process_start,
+                    started,
+                );
+                eprintln!("{line}");
+            } else if let Some(boot) = machine.boot_timings() {
+                let build = (boot.called, &boot.stages[..], boot.returned);
+                let line = stages_line("boot-stages", build, &[], process_start, started);
+                eprintln!("{line}");
             }
         }
         for snap in machine.snapshots() {

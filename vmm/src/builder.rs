@@ -220,11 +220,13 @@ pub fn build_with_pci(
     serial_out: Box<dyn Write + Send>,
 ) -> Result<Machine, Error> {
     let started = Instant::now();
+    let mut clock = StageClock::starting_at(started);
     let machine_config = &config.machine;
     let max_vcpus = pci.max_vcpus(machine_config);
     let ram_hotplug_size = pci.ram_hotplug_size;
     let numa = crate::numa::plan_for(machine_config, pci)?;
     let device_keys = crate::numa::device_keys(pci);
+    clock.mark("plan");
     let MachineBase {
         kvm,
         vm,
@@ -232,13 +234,11 @@ pub fn build_with_pci(
         ram_hotplug_area,
         devices,
         pci,
-    } = create_base(
-        open_kvm()?,
-        machine_config,
-        pci,
-        serial_out,
-        &mut StageClock::starting_at(started),
-    )?;
+    } = {
+        let kvm = open_kvm()?;
+        clock.mark("open_kvm");
+        create_base(kvm, machine_config, pci, serial_out, &mut clock)?
+    };
 
     let numa = numa.map(|plan| {
         plan.topology(
@@ -259,9 +259,11 @@ pub fn build_with_pci(
         },
         numa.as_ref(),
     )?;
+    clock.mark("acpi");
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;
     mptable::setup_mptable(ram.memory(), machine_config.vcpus)?;
     reset_vector::setup_reset_vector(ram.memory())?;
+    clock.mark("load_kernel");
 
     let supported_cpuid = crate::host::supported_cpuid(&kvm).map_err(|source| Error::KvmSetup {
         what: "read supported CPUID",
@@ -284,9 +286,11 @@ pub fn build_with_pci(
             vcpu.setup_boot_registers(ram.memory(), loaded.entry)?;
         }
     }
+    clock.mark("create_vcpus");
     let mut vcpu_threads = start_vcpu_threads(&vcpus)?;
     // Threads for the vCPUs hot-plug may add, each under its filter, waiting.
     vcpu_threads.extend(spare_vcpu_threads(machine_config.vcpus..max_vcpus)?);
+    clock.mark("vcpu_threads");
     let vcpu_template = match vcpus.first() {
         Some(first) if max_vcpus > machine_config.vcpus => Some(VcpuTemplate {
             supported_cpuid,
@@ -311,6 +315,11 @@ pub fn build_with_pci(
     {
         machine.ram_hotplug = Some(RamHotplug::new(area, ram_hotplug_size, block));
     }
+    machine.boot_timings = Some(crate::machine::BootTimings {
+        called: started,
+        stages: clock.into_stages(),
+        returned: Instant::now(),
+    });
     Ok(machine)
 }
 

@@ -167,6 +167,19 @@ impl RunningMachine<'_> {
     }
 }
 
+/// When [`crate::builder::build_with_pci`] ran and its stages, back to back from its call, for
+/// `--report-timing`'s `boot-stages` line: `plan` (NUMA plan from the host), `open_kvm`,
+/// then the base's (`guest_ram`, `create_vm`, `memslots`, `irqchip_pit`,
+/// `devices`), `acpi` (the tables), `load_kernel` (kernel, MP table, reset vector),
+/// `create_vcpus` (KVM_CREATE_VCPU, CPUID, boot registers) and `vcpu_threads` (threads
+/// started under their filters, spare ones for hot-plug included).
+#[derive(Clone, Debug)]
+pub struct BootTimings {
+    pub called: Instant,
+    pub stages: Vec<(&'static str, std::time::Duration)>,
+    pub returned: Instant,
+}
+
 pub struct Machine {
     // Field order is drop order: vCPUs, lazy loaders and the VM fd go before the memory
     // they use.
@@ -193,6 +206,8 @@ pub struct Machine {
     snapshot_policy: Option<SnapshotPolicy>,
     snapshots: Vec<SnapshotReport>,
     vcpus_started: Option<Instant>,
+    /// How long each stage of a boot's build took (None for a restored machine).
+    pub(crate) boot_timings: Option<BootTimings>,
     /// Where to write the working set of the snapshot this machine was lazily restored
     /// from (`--record-working-set`), until it is written.
     working_set_target: Option<(PathBuf, SnapshotId)>,
@@ -228,6 +243,7 @@ impl Machine {
             snapshot_policy: None,
             snapshots: Vec::new(),
             vcpus_started: None,
+            boot_timings: None,
             working_set_target: None,
             run_control: None,
             paused: false,
@@ -268,6 +284,11 @@ impl Machine {
     /// When the vCPU threads were started.
     pub fn vcpus_started(&self) -> Option<Instant> {
         self.vcpus_started
+    }
+
+    /// The stages of this machine's build, when it was built to boot.
+    pub fn boot_timings(&self) -> Option<&BootTimings> {
+        self.boot_timings.as_ref()
     }
 
     pub fn ram(&self) -> &GuestRam {
