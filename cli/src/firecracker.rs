@@ -146,17 +146,16 @@ pub fn main(args: &[String], process_start: Instant) -> ExitCode {
     }
 }
 
-/// Sends `actions` to the VMM thread one by one, then InstanceStart; the first refusal is
-/// kept in `failed` and ends the VMM instead. The API socket's clients wait until this
-/// returns (`_under_way` is dropped then), as Firecracker's wait for its `--config-file`
-/// boot.
+/// Sends `actions` to the VMM thread one by one; the first refusal is kept in `failed` and
+/// ends the VMM instead. The API socket's clients wait until this returns (`_under_way` is
+/// dropped then), as Firecracker's wait for its `--config-file` boot.
 fn configure(
     actions: Vec<VmmAction>,
     vmm: ActionSender,
     failed: Arc<Mutex<Option<String>>>,
     _under_way: StartUnderWay,
 ) {
-    for action in actions.into_iter().chain([VmmAction::StartInstance]) {
+    for action in actions {
         match vmm.call(action) {
             Ok(Ok(_)) => {}
             Ok(Err(error)) => {
@@ -172,7 +171,6 @@ fn configure(
 
 fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     let session = gpuvm_api::firecracker::Session::new(args.id.clone());
-    gpuvm_api::firecracker::set_mmds_size_limit(args.mmds_size_limit);
     let open = |path: &PathBuf| {
         gpuvm_vmm::outputs::open_nonblocking(path)
             .map_err(|e| CliError::Other(format!("cannot open {}: {e}", path.display())))
@@ -183,27 +181,27 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     if let Some(path) = &args.metrics_path {
         gpuvm_vmm::outputs::METRICS_OUT.set(open(path)?);
     }
-    let actions = match &args.config_file {
-        Some(path) => {
-            let bytes = gpuvm_memory::snapshot::read_regular_file(path, 1 << 20)
-                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
-            let json: serde_json::Value = serde_json::from_slice(&bytes)
-                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
-            let file = gpuvm_api::firecracker::translate::config_file(&json, &session.cwd)
-                .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
-            // Its mmds-config takes effect as PUT /mmds/config's does: before the start,
-            // so the interfaces it names answer MMDS from their creation.
-            if let Some(mmds) = file.mmds_config {
-                gpuvm_api::firecracker::set_mmds_config(mmds);
-            }
-            // GET /vm/config echoes the file's sections: the controller keeps them.
-            let record = gpuvm_api::firecracker::config_file_record(&json);
-            let mut actions = vec![VmmAction::Remember(record)];
-            actions.extend(file.actions);
-            Some(actions)
-        }
-        None => None,
-    };
+    // The MMDS store's limit is the controller's, set before any request is served (the
+    // controller's own store has the default already).
+    let mut actions = Vec::new();
+    if args.mmds_size_limit != gpuvm_api::firecracker::DEFAULT_MMDS_SIZE_LIMIT {
+        actions.push(VmmAction::SetMmdsSizeLimit(args.mmds_size_limit));
+    }
+    if let Some(path) = &args.config_file {
+        let bytes = gpuvm_memory::snapshot::read_regular_file(path, 1 << 20)
+            .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+        let json: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+        // Its mmds-config is one of its actions (PUT /mmds/config's): before the
+        // start, so the interfaces it names answer MMDS from their creation.
+        let file = gpuvm_api::firecracker::translate::config_file(&json, &session.cwd)
+            .map_err(|e| CliError::Other(format!("config file {}: {e}", path.display())))?;
+        // GET /vm/config echoes the file's sections: the controller keeps them.
+        let record = gpuvm_api::firecracker::config_file_record(&json);
+        actions.push(VmmAction::Remember(record));
+        actions.extend(file);
+        actions.push(VmmAction::StartInstance);
+    }
     let seccomp = SeccompArgs {
         no_seccomp: !args.seccomp,
         seccomp: false,
@@ -223,16 +221,15 @@ fn serve(args: &FcArgs, process_start: Instant) -> Result<ExitCode, CliError> {
         None => None,
     };
     let failed = Arc::new(Mutex::new(None));
-    match actions {
-        Some(actions) => {
-            let failed = failed.clone();
-            std::thread::Builder::new()
-                .name("fc-config".into())
-                .spawn(move || configure(actions, vmm, failed, under_way))
-                .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
-        }
-        // Nothing to start: requests are answered at once.
-        None => drop((vmm, under_way)),
+    if actions.is_empty() {
+        // Nothing to configure: requests are answered at once.
+        drop((vmm, under_way));
+    } else {
+        let failed = failed.clone();
+        std::thread::Builder::new()
+            .name("fc-config".into())
+            .spawn(move || configure(actions, vmm, failed, under_way))
+            .map_err(|e| CliError::Other(format!("cannot start: {e}")))?;
     }
     let wait_idle = |server: &Option<ApiServer>| {
         if let Some(server) = server {

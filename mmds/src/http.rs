@@ -2,7 +2,7 @@
 //! connection received, and the answers (V1: GETs answered; V2: a session token first).
 
 use crate::data_store::LookupError;
-use crate::{MmdsVersion, Shared};
+use crate::{Mmds, MmdsVersion};
 
 /// The longest request taken, head and body together.
 pub const MAX_REQUEST_LEN: usize = 8192;
@@ -178,15 +178,15 @@ const TTL_HEADER: &str = "x-metadata-token-ttl-seconds";
 const TOKEN_HEADER: &str = "x-metadata-token";
 
 /// Answers one request from the guest.
-pub fn respond(request: &Request, shared: &Shared) -> Response {
-    let mut response = answer(request, shared);
+pub fn respond(request: &Request, mmds: &Mmds) -> Response {
+    let mut response = answer(request, mmds);
     response.close |= request.close;
     response
 }
 
-fn answer(request: &Request, shared: &Shared) -> Response {
+fn answer(request: &Request, mmds: &Mmds) -> Response {
     let path = request.path.as_str();
-    let config = shared.config();
+    let config = mmds.config();
     match request.method.as_str() {
         "PUT" if path.trim_end_matches('/') == TOKEN_PATH => {
             if request.header("x-forwarded-for").is_some() {
@@ -201,7 +201,7 @@ fn answer(request: &Request, shared: &Shared) -> Response {
             let Ok(ttl) = ttl.parse::<u64>() else {
                 return Response::text(400, "Invalid time to live value provided for token.");
             };
-            match shared.tokens().generate(ttl) {
+            match mmds.tokens().generate(ttl) {
                 Ok(token) => Response::text(200, token),
                 Err(error) => Response::text(400, error.to_string()),
             }
@@ -212,7 +212,7 @@ fn answer(request: &Request, shared: &Shared) -> Response {
                 (Some(MmdsVersion::V2), None) => {
                     return Response::text(401, "No MMDS token provided. Use `X-metadata-token` header to specify the session token.")
                 }
-                (_, Some(token)) if !shared.tokens().is_valid(token) => {
+                (_, Some(token)) if !mmds.tokens().is_valid(token) => {
                     return Response::text(401, "MMDS token not valid.")
                 }
                 _ => {}
@@ -222,7 +222,7 @@ fn answer(request: &Request, shared: &Shared) -> Response {
                 && request
                     .header("accept")
                     .is_some_and(|a| a.contains("application/json"));
-            let store = shared.store();
+            let store = mmds.store();
             if json {
                 match store.lookup(path) {
                     Ok(value) => Response {
@@ -289,46 +289,38 @@ mod tests {
 
     #[test]
     fn v1_and_v2_answers() {
-        let shared = Shared::default();
-        shared
-            .store()
+        let mmds = Mmds::default();
+        mmds.store()
             .put(json!({"latest": {"meta-data": {"id": "i-1"}}}))
             .unwrap();
-        shared.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
-        let ok = respond(&req("GET /latest/meta-data HTTP/1.1\r\n\r\n"), &shared);
+        mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
+        let ok = respond(&req("GET /latest/meta-data HTTP/1.1\r\n\r\n"), &mmds);
         assert_eq!((ok.status, &ok.body[..]), (200, &b"id"[..]));
         let json = respond(
             &req("GET /latest HTTP/1.1\r\nAccept: application/json\r\n\r\n"),
-            &shared,
+            &mmds,
         );
         assert_eq!(json.body, br#"{"meta-data":{"id":"i-1"}}"#);
         assert_eq!(
-            respond(&req("GET /nope HTTP/1.1\r\n\r\n"), &shared).status,
+            respond(&req("GET /nope HTTP/1.1\r\n\r\n"), &mmds).status,
             404
         );
-        assert_eq!(
-            respond(&req("POST / HTTP/1.1\r\n\r\n"), &shared).status,
-            405
-        );
+        assert_eq!(respond(&req("POST / HTTP/1.1\r\n\r\n"), &mmds).status, 405);
 
-        shared.set_config(Some(MmdsConfig::new(MmdsVersion::V2, vec!["eth0".into()])));
+        mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V2, vec!["eth0".into()])));
         let get = "GET /latest/meta-data/id HTTP/1.1\r\n";
-        assert_eq!(respond(&req(&format!("{get}\r\n")), &shared).status, 401);
+        assert_eq!(respond(&req(&format!("{get}\r\n")), &mmds).status, 401);
         assert_eq!(
-            respond(
-                &req(&format!("{get}X-metadata-token: bad\r\n\r\n")),
-                &shared
-            )
-            .status,
+            respond(&req(&format!("{get}X-metadata-token: bad\r\n\r\n")), &mmds).status,
             401
         );
         assert_eq!(
-            respond(&req("PUT /latest/api/token HTTP/1.1\r\n\r\n"), &shared).status,
+            respond(&req("PUT /latest/api/token HTTP/1.1\r\n\r\n"), &mmds).status,
             400
         );
         let token = respond(
             &req("PUT /latest/api/token HTTP/1.1\r\nX-metadata-token-ttl-seconds: 60\r\n\r\n"),
-            &shared,
+            &mmds,
         );
         assert_eq!(token.status, 200);
         let token = String::from_utf8(token.body).unwrap();
@@ -336,7 +328,7 @@ mod tests {
             &req(&format!(
                 "{get}X-metadata-token: {token}\r\nConnection: close\r\n\r\n"
             )),
-            &shared,
+            &mmds,
         );
         assert_eq!(
             (got.status, &got.body[..], got.close),

@@ -7,9 +7,11 @@
 //! - [`ip`]: Ethernet, ARP and IPv4: which guest frames are for MMDS, ARP replies.
 //! - [`tcp`]: the minimal TCP responder on port 80, bounded connections.
 //!
-//! The store, the tokens and the configuration are the process's ([`shared`]: one VM per
-//! gpuvm process); a virtio-net device that MMDS is configured for holds an
-//! [`MmdsStack`], asks it whether each guest frame is for MMDS
+//! The store, the tokens and the configuration are one VM's [`Mmds`], which its VMM's
+//! controller owns (as `Arc<Mmds>`): the API's routes change it through the controller,
+//! and the controller hands it to each virtio-net device it builds. A device that MMDS is
+//! configured for takes an [`MmdsStack`] from it ([`Mmds::stack_for`]) when the guest
+//! activates it, asks the stack whether each guest frame is for MMDS
 //! ([`MmdsStack::intercept`]) and puts its reply frames ([`MmdsStack::next_reply`]) into
 //! the guest's RX queue. Nothing the guest sends can panic it: malformed frames are
 //! dropped, malformed requests answered 400.
@@ -22,7 +24,7 @@ pub mod token;
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use data_store::{DataStore, DataStoreError, DEFAULT_SIZE_LIMIT};
 pub use token::TokenAuthority;
@@ -96,9 +98,10 @@ impl MmdsConfig {
     }
 }
 
-/// What MMDS keeps for the process: the store, the tokens, the configuration.
+/// One VM's MMDS: the store, the tokens, the configuration. Shared (`Arc<Mmds>`) by the
+/// VMM's controller and the VM's network interfaces.
 #[derive(Debug, Default)]
-pub struct Shared {
+pub struct Mmds {
     store: Mutex<DataStore>,
     tokens: Mutex<TokenAuthority>,
     config: Mutex<Option<MmdsConfig>>,
@@ -108,7 +111,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Shared {
+impl Mmds {
     pub fn store(&self) -> MutexGuard<'_, DataStore> {
         lock(&self.store)
     }
@@ -126,35 +129,29 @@ impl Shared {
     }
 
     /// The stack for the interface `iface_id`, if MMDS is configured for it.
-    pub fn stack_for(&'static self, iface_id: &str) -> Option<MmdsStack> {
+    pub fn stack_for(self: &Arc<Self>, iface_id: &str) -> Option<MmdsStack> {
         let config = self.config()?;
         config
             .network_interfaces
             .iter()
             .any(|id| id == iface_id)
-            .then(|| MmdsStack::new(self, config.ipv4_address))
+            .then(|| MmdsStack::new(self.clone(), config.ipv4_address))
     }
-}
-
-/// This process's MMDS.
-pub fn shared() -> &'static Shared {
-    static SHARED: OnceLock<Shared> = OnceLock::new();
-    SHARED.get_or_init(Shared::default)
 }
 
 /// MMDS on one network interface: the frames it took, the frames it answers with.
 #[derive(Debug)]
 pub struct MmdsStack {
-    shared: &'static Shared,
+    mmds: Arc<Mmds>,
     address: Ipv4Addr,
     responder: tcp::Responder,
     pending: VecDeque<Vec<u8>>,
 }
 
 impl MmdsStack {
-    pub fn new(shared: &'static Shared, address: Ipv4Addr) -> Self {
+    pub fn new(mmds: Arc<Mmds>, address: Ipv4Addr) -> Self {
         MmdsStack {
-            shared,
+            mmds,
             address,
             responder: tcp::Responder::default(),
             pending: VecDeque::new(),
@@ -182,7 +179,7 @@ impl MmdsStack {
                             mmds_ip: self.address,
                             frames: &mut replies,
                         };
-                        self.responder.handle(&segment, self.shared, &mut out);
+                        self.responder.handle(&segment, &self.mmds, &mut out);
                     }
                 }
                 true

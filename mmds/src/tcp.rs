@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 
 use crate::http;
 use crate::ip::{checksum, ipv4_frame, PROTO_TCP};
-use crate::Shared;
+use crate::Mmds;
 
 pub const MMDS_PORT: u16 = 80;
 /// The most connections open at once (Firecracker's bound); a SYN past it is reset.
@@ -142,7 +142,7 @@ impl Responder {
     }
 
     /// Handles one segment from the guest, pushing the frames it answers with.
-    pub fn handle(&mut self, segment: &Segment, shared: &Shared, out: &mut Out) {
+    pub fn handle(&mut self, segment: &Segment, mmds: &Mmds, out: &mut Out) {
         let key = (out.guest_ip, segment.src_port);
         let (port, peer) = (segment.dst_port, segment.src_port);
         if segment.flags & RST != 0 {
@@ -230,7 +230,7 @@ impl Responder {
                     conn.request.clear();
                 } else {
                     conn.request.extend_from_slice(segment.payload);
-                    acknowledge = !serve(conn, shared, port, peer, out);
+                    acknowledge = !serve(conn, mmds, port, peer, out);
                 }
             }
         }
@@ -259,14 +259,14 @@ impl Responder {
 
 /// Answers every complete request in the buffer; true if anything was sent (which
 /// acknowledges the data too).
-fn serve(conn: &mut Connection, shared: &Shared, port: u16, peer: u16, out: &mut Out) -> bool {
+fn serve(conn: &mut Connection, mmds: &Mmds, port: u16, peer: u16, out: &mut Out) -> bool {
     let mut sent = false;
     while !conn.fin_sent {
         let response = match http::parse(&conn.request) {
             Ok(None) => break,
             Ok(Some((request, used))) => {
                 conn.request.drain(..used);
-                http::respond(&request, shared)
+                http::respond(&request, mmds)
             }
             Err(error) => {
                 conn.request.clear();

@@ -10,8 +10,8 @@ use super::*;
 const GUEST_MAC: [u8; 6] = [0x06, 0, 0, 0, 0, 2];
 const GUEST_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 0, 2);
 
-fn leaked() -> &'static Shared {
-    Box::leak(Box::default())
+fn new_mmds() -> Arc<Mmds> {
+    Arc::new(Mmds::default())
 }
 
 /// A TCP segment from the guest in an Ethernet frame.
@@ -98,14 +98,13 @@ fn exchange(stack: &mut MmdsStack, ours: u32, theirs: u32, request: &str) -> (St
 
 #[test]
 fn arp_then_a_v2_fetch_over_tcp() {
-    let shared = leaked();
-    shared
-        .store()
+    let mmds = new_mmds();
+    mmds.store()
         .put(json!({"latest": {"meta-data": {"instance-id": "i-1234"}}}))
         .unwrap();
-    shared.set_config(Some(MmdsConfig::new(MmdsVersion::V2, vec!["eth0".into()])));
-    assert!(shared.stack_for("eth1").is_none());
-    let mut stack = shared.stack_for("eth0").unwrap();
+    mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V2, vec!["eth0".into()])));
+    assert!(mmds.stack_for("eth1").is_none());
+    let mut stack = mmds.stack_for("eth0").unwrap();
 
     // Not for MMDS: left for the tap.
     let mut other = segment(80, 1, 0, 0x02, &[]);
@@ -147,11 +146,11 @@ fn arp_then_a_v2_fetch_over_tcp() {
 
 #[test]
 fn v1_answers_a_large_value_in_segments() {
-    let shared = leaked();
+    let mmds = new_mmds();
     let big = "x".repeat(5000);
-    shared.store().put(json!({"big": big})).unwrap();
-    shared.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
-    let mut stack = shared.stack_for("eth0").unwrap();
+    mmds.store().put(json!({"big": big})).unwrap();
+    mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
+    let mut stack = mmds.stack_for("eth0").unwrap();
     let (ours, theirs) = connect(&mut stack);
     let (answer, flags) = exchange(&mut stack, ours, theirs, "GET /big HTTP/1.1\r\n\r\n");
     assert!(answer.ends_with(&big), "{}", answer.len());
@@ -161,9 +160,9 @@ fn v1_answers_a_large_value_in_segments() {
 
 #[test]
 fn hostile_input_is_bounded() {
-    let shared = leaked();
-    shared.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
-    let mut stack = shared.stack_for("eth0").unwrap();
+    let mmds = new_mmds();
+    mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
+    let mut stack = mmds.stack_for("eth0").unwrap();
     // Data for no connection: reset. Another port: reset.
     assert!(stack.intercept(&segment(80, 5, 9, 0x10, b"GET")));
     assert!(stack.intercept(&segment(22, 5, 0, 0x02, &[])));
@@ -187,9 +186,9 @@ fn hostile_input_is_bounded() {
     assert_eq!(stack.connections(), tcp::MAX_CONNECTIONS);
     let _ = replies(&mut stack);
     // An over-long request: 400 and the connection closes.
-    let shared = leaked();
-    shared.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
-    let mut stack = shared.stack_for("eth0").unwrap();
+    let mmds = new_mmds();
+    mmds.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
+    let mut stack = mmds.stack_for("eth0").unwrap();
     let (mut ours, theirs) = connect(&mut stack);
     let chunk = vec![b'a'; 1400];
     let mut answer = String::new();
@@ -228,4 +227,24 @@ fn config_is_checked() {
         (parsed.version, parsed.ipv4_address),
         (MmdsVersion::V1, DEFAULT_IPV4)
     );
+}
+
+#[test]
+fn each_vm_has_its_own_mmds() {
+    let first = new_mmds();
+    first.store().set_limit(64);
+    let second = new_mmds();
+    first.store().put(json!({"vm": "first"})).unwrap();
+    first.set_config(Some(MmdsConfig::new(MmdsVersion::V1, vec!["eth0".into()])));
+    // Nothing of the first VM's store, limit or configuration shows in the second's.
+    assert_eq!(second.store().data(), &json!({}));
+    assert_eq!(second.store().limit(), DEFAULT_SIZE_LIMIT);
+    assert!(second.stack_for("eth0").is_none());
+    assert!(first.stack_for("eth0").is_some());
+    let over = first.store().put(json!({"vm": "x".repeat(64)}));
+    assert!(
+        matches!(over, Err(DataStoreError::TooLarge { .. })),
+        "{over:?}"
+    );
+    assert_eq!(first.store().data(), &json!({"vm": "first"}));
 }

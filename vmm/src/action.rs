@@ -161,9 +161,22 @@ pub enum VmmAction {
         entry: ClientDevice,
     },
     /// Bodies the client's record keeps that took effect without an action of their own
-    /// (a Firecracker config file's sections, carried out by their actions already; its
-    /// MMDS configuration, which the MMDS store took).
+    /// (a Firecracker config file's sections, carried out by their actions already).
     Remember(Vec<ClientDevice>),
+    /// Replace the VM's MMDS data store (Firecracker's PUT /mmds), any time. A store over
+    /// its size limit is refused with status 413 (Payload Too Large), others with 400.
+    PutMmds(serde_json::Value),
+    /// A JSON merge patch over the MMDS data store (PATCH /mmds), any time; refused as
+    /// [`VmmAction::PutMmds`] is.
+    PatchMmds(serde_json::Value),
+    /// The MMDS data store (GET /mmds), answered as JSON.
+    GetMmds,
+    /// Which network interfaces answer MMDS, with its version and address (PUT
+    /// /mmds/config): before start only, and each interface it names must be configured.
+    PutMmdsConfig(gpuvm_mmds::MmdsConfig),
+    /// The MMDS data store's limit in bytes (Firecracker's `--mmds-size-limit`), any
+    /// time: later PUTs and PATCHes that make the store larger are refused.
+    SetMmdsSizeLimit(usize),
 }
 
 /// What a client that configures its VM as one document (Cloud Hypervisor) gave: the

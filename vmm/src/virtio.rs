@@ -201,34 +201,63 @@ impl VirtioOptions {
     }
 }
 
-/// Tap queues that came as file descriptors (Cloud Hypervisor's vm.add-net passes them
-/// with SCM_RIGHTS), by interface id, for the network interfaces whose configuration names
-/// no tap (`host_dev_name` None). Clones share the set; building an interface's device
-/// takes its queues out (once: a failed start leaves the interface without taps).
-#[derive(Clone, Debug, Default)]
-pub struct PassedTaps(Arc<Mutex<BTreeMap<String, Vec<Tap>>>>);
+/// What the network interfaces the VMM builds are given besides their configuration: tap
+/// queues that came as file descriptors (Cloud Hypervisor's vm.add-net passes them with
+/// SCM_RIGHTS), by interface id, for the interfaces whose configuration names no tap
+/// (`host_dev_name` None); and the VM's MMDS, which the controller adds
+/// ([`PassedTaps::with_mmds`]) for every interface it builds (the MMDS configuration says
+/// which ones answer it). Clones share the tap set; building an interface's device takes
+/// its queues out (once: a failed start leaves the interface without taps).
+#[derive(Clone, Default)]
+pub struct PassedTaps {
+    taps: Arc<Mutex<BTreeMap<String, Vec<Tap>>>>,
+    mmds: Option<Arc<gpuvm_mmds::Mmds>>,
+}
 
 impl PassedTaps {
     /// Keeps `taps` for the interface `iface_id`, replacing (closing) any it had.
     pub fn insert(&self, iface_id: &str, taps: Vec<Tap>) {
-        lock(&self.0).insert(iface_id.to_string(), taps);
+        lock(&self.taps).insert(iface_id.to_string(), taps);
     }
 
     /// Takes the interface's taps out (None if none were passed, or they were taken).
     pub fn take(&self, iface_id: &str) -> Option<Vec<Tap>> {
-        lock(&self.0).remove(iface_id)
+        lock(&self.taps).remove(iface_id)
     }
 
     /// The interfaces that have taps waiting.
     pub fn ids(&self) -> Vec<String> {
-        lock(&self.0).keys().cloned().collect()
+        lock(&self.taps).keys().cloned().collect()
+    }
+
+    /// The same tap set (shared), with `mmds` for the interfaces built from it.
+    pub fn with_mmds(&self, mmds: &Arc<gpuvm_mmds::Mmds>) -> PassedTaps {
+        PassedTaps {
+            taps: self.taps.clone(),
+            mmds: Some(mmds.clone()),
+        }
+    }
+
+    /// The MMDS the interfaces built from this set get, if any.
+    pub fn mmds(&self) -> Option<&Arc<gpuvm_mmds::Mmds>> {
+        self.mmds.as_ref()
+    }
+}
+
+impl std::fmt::Debug for PassedTaps {
+    /// The interfaces with taps waiting, and whether MMDS is given (not the store).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PassedTaps")
+            .field("interfaces", &self.ids())
+            .field("mmds", &self.mmds.is_some())
+            .finish()
     }
 }
 
 impl PartialEq for PassedTaps {
     /// The same set, or sets for the same interfaces (descriptors are not compared).
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0) || self.ids() == other.ids()
+        Arc::ptr_eq(&self.taps, &other.taps) || self.ids() == other.ids()
     }
 }
 
@@ -357,7 +386,7 @@ pub struct VirtioDeviceState {
 }
 
 /// Opens the device `config` describes; a network interface that names no tap takes its
-/// queues from `passed`.
+/// queues from `passed`, and every network interface gets the MMDS `passed` holds.
 pub(crate) fn open_device(
     config: &VirtioDeviceConfig,
     passed: &PassedTaps,
@@ -384,7 +413,11 @@ pub(crate) fn open_device(
                     )
                 })?,
             };
-            Box::new(Net::new(config.clone(), taps).map_err(|e| net_error(e.to_string()))?)
+            let net = Net::new(config.clone(), taps).map_err(|e| net_error(e.to_string()))?;
+            match passed.mmds() {
+                Some(mmds) => Box::new(net.with_mmds(mmds.clone())),
+                None => Box::new(net),
+            }
         }
         VirtioDeviceConfig::Vsock(config) => {
             Box::new(Vsock::new(config).map_err(|e| VirtioSetupError::Vsock(e.to_string()))?)

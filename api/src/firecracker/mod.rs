@@ -29,18 +29,6 @@ pub const FIRECRACKER_API_VERSION: &str = "1.17.0";
 /// payload limit, which is its default for MMDS too.
 pub const DEFAULT_MMDS_SIZE_LIMIT: usize = gpuvm_mmds::DEFAULT_SIZE_LIMIT;
 
-/// `--mmds-size-limit`: PUT and PATCH /mmds that would make the store larger are refused
-/// (413, as Firecracker does).
-pub fn set_mmds_size_limit(bytes: usize) {
-    gpuvm_mmds::shared().store().set_limit(bytes);
-}
-
-/// A `--config-file`'s `mmds-config`, checked by [`translate::config_file`]: it takes
-/// effect as `PUT /mmds/config`'s does, before the start.
-pub fn set_mmds_config(config: gpuvm_mmds::MmdsConfig) {
-    gpuvm_mmds::shared().set_config(Some(config));
-}
-
 /// What this front end knows of its process: the instance id and the directory relative
 /// paths resolve against. The bodies GET /vm/config echoes are kept by the controller
 /// (the client's record).

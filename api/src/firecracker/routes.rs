@@ -226,45 +226,36 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
         }
         (Put | Patch, "/mmds") => {
             let value = body(request)?;
-            let mut store = gpuvm_mmds::shared().store();
-            let changed = if method == Put {
-                store.put(value)
+            let action = if method == Put {
+                VmmAction::PutMmds(value)
             } else {
-                store.patch(&value)
+                VmmAction::PatchMmds(value)
             };
-            match changed {
-                Ok(()) => Ok(Response::no_content()),
+            match dispatch(action) {
+                Ok(_) => Ok(Response::no_content()),
                 // Firecracker answers a store over its limit 413, its one refusal that
                 // is not 400.
-                Err(error @ gpuvm_mmds::DataStoreError::TooLarge { .. }) => Err(Response::fault(
-                    413,
-                    format!("MMDS data store limit exceeded: {error} (--mmds-size-limit)"),
-                )),
-                Err(error) => Err(fault(400, error.to_string())),
+                Err(error) if error.status == gpuvm_vmm::controller::mmds::TOO_LARGE => {
+                    Err(Response::fault(
+                        413,
+                        format!(
+                            "MMDS data store limit exceeded: {} (--mmds-size-limit)",
+                            error.message
+                        ),
+                    ))
+                }
+                Err(error) => Err(fault(error.status, error.message)),
             }
         }
-        (Get, "/mmds") => Ok(Response::json(200, gpuvm_mmds::shared().store().data())),
+        (Get, "/mmds") => Ok(Response::json(200, &json_of(VmmAction::GetMmds, dispatch)?)),
         (_, "/mmds") => Err(method_not_allowed("GET, PUT, PATCH")),
         (Put, "/mmds/config") => {
             let fc = checked_body(request, Body::MmdsConfig)?;
-            let info = json_of(VmmAction::GetInstanceInfo, dispatch)?;
-            if matches!(info["state"].as_str(), Some("Running" | "Paused")) {
-                return Err(fault(
-                    400,
-                    "The requested operation is not supported after starting the microVM.",
-                ));
-            }
-            let known: Vec<String> = client_record(dispatch)?
-                .devices
-                .into_iter()
-                .filter(|entry| entry.section == "network-interfaces")
-                .map(|entry| entry.client_id)
-                .collect();
-            let config = translate::mmds_config(&fc, &known).map_err(refused)?;
-            gpuvm_mmds::shared().set_config(Some(config));
-            let entry = super::record_entry("mmds-config", None, fc);
-            json_of(VmmAction::Remember(vec![entry]), dispatch)?;
-            Ok(Response::no_content())
+            let config = translate::mmds_config(&fc).map_err(refused)?;
+            Ok(no_content(
+                recorded(VmmAction::PutMmdsConfig(config), "mmds-config", None, fc),
+                dispatch,
+            ))
         }
         (_, "/mmds/config") => Err(method_not_allowed("PUT")),
         (Put, "/vsock") => {

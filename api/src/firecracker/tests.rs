@@ -175,14 +175,36 @@ fn config_file_sections_become_actions() {
             "logger": {"log_path": "/l"}, "metrics": {"metrics_path": "/m"}, "balloon": null}),
         Path::new("/w"),
     )
-    .unwrap()
-    .actions;
+    .unwrap();
     assert!(matches!(actions[0], VmmAction::PutLogger(_)));
     assert!(matches!(actions[1], VmmAction::PutMetrics(_)));
     assert_eq!(actions.len(), 5);
     let error =
         translate::config_file(&json!({"balloon": {"amount_mib": 1}}), Path::new("/")).unwrap_err();
     assert!(error.contains("balloon"), "{error}");
+    // mmds-config becomes the controller's action, after the interfaces it names; one
+    // the file does not configure refuses the file before anything runs.
+    let actions = translate::config_file(
+        &json!({"mmds-config": {"version": "V2", "network_interfaces": ["eth0"]},
+            "network-interfaces": [{"iface_id": "eth0", "host_dev_name": "tap0"}]}),
+        Path::new("/"),
+    )
+    .unwrap();
+    assert!(matches!(actions[0], VmmAction::PutNetworkInterface(_)));
+    let VmmAction::PutMmdsConfig(config) = &actions[1] else {
+        panic!("{actions:?}");
+    };
+    assert_eq!(config.version, gpuvm_mmds::MmdsVersion::V2);
+    let error = translate::config_file(
+        &json!({"mmds-config": {"network_interfaces": ["eth1"]},
+            "network-interfaces": [{"iface_id": "eth0", "host_dev_name": "tap0"}]}),
+        Path::new("/"),
+    )
+    .unwrap_err();
+    assert!(
+        error.contains("mmds-config.network_interfaces: no network interface [\"eth1\"]"),
+        "{error}"
+    );
 }
 
 fn request(method: Method, path: &str, body: &str) -> Request {
@@ -240,102 +262,93 @@ fn routes_answer_with_firecracker_codes_and_shapes() {
 }
 
 #[test]
-fn mmds_routes_store_and_configure() {
+fn mmds_routes_become_the_controllers_actions() {
     let session = Session::new("t");
-    let state = std::cell::Cell::new("NotStarted");
-    // The controller's record of the client's bodies (what Remember and Recorded keep).
-    let record = std::cell::RefCell::new(Vec::new());
-    let dispatch = |action: VmmAction| match action {
-        VmmAction::GetInstanceInfo => Ok(VmmData::Json(json!({
-            "state": state.get(),
-            "client_record": {"document": null, "devices": *record.borrow()},
-        }))),
-        VmmAction::Remember(entries) => {
-            record.borrow_mut().extend(entries);
-            Ok(VmmData::Empty)
+    // A fake controller: records each action; a PUT or PATCH with "big" in its body is
+    // refused as the controller refuses a store over its limit.
+    let seen = std::cell::RefCell::new(Vec::new());
+    let dispatch = |action: VmmAction| {
+        let text = format!("{action:?}");
+        seen.borrow_mut().push(text.clone());
+        match action {
+            VmmAction::GetMmds => Ok(VmmData::Json(json!({"latest": {"id": "i-1"}}))),
+            VmmAction::PutMmds(_) | VmmAction::PatchMmds(_) if text.contains("big") => {
+                Err(gpuvm_vmm::action::ActionError {
+                    status: gpuvm_vmm::controller::mmds::TOO_LARGE,
+                    message: "the MMDS data store would be 60 bytes, over its limit of 40 bytes"
+                        .into(),
+                })
+            }
+            VmmAction::Recorded { action, .. }
+                if matches!(*action, VmmAction::PutMmdsConfig(_)) && text.contains("eth9") =>
+            {
+                Err(gpuvm_vmm::action::ActionError::bad_request(
+                    "mmds-config.network_interfaces: no network interface [\"eth9\"] is configured",
+                ))
+            }
+            _ => Ok(VmmData::Empty),
         }
-        _ => Ok(VmmData::Empty),
     };
     let go =
         |method, path: &str, body: &str| handle(&request(method, path, body), &session, &dispatch);
+    let last = || seen.borrow().last().cloned().unwrap_or_default();
+
     assert_eq!(
         go(Method::Put, "/mmds", r#"{"latest": {"id": "i-1"}}"#).status,
         204
+    );
+    assert!(
+        last().starts_with("PutMmds(") && last().contains("i-1"),
+        "{}",
+        last()
     );
     assert_eq!(
         go(Method::Patch, "/mmds", r#"{"latest": {"x": "y"}}"#).status,
         204
     );
+    assert!(last().starts_with("PatchMmds("), "{}", last());
     let got = go(Method::Get, "/mmds", "");
     assert_eq!(got.status, 200);
     let value: serde_json::Value = serde_json::from_slice(&got.body).unwrap();
-    assert_eq!(value, json!({"latest": {"id": "i-1", "x": "y"}}));
-    assert_eq!(go(Method::Put, "/mmds", "[1]").status, 400);
-    let big = format!(
-        r#"{{"a": "{}"}}"#,
-        "x".repeat(gpuvm_mmds::DEFAULT_SIZE_LIMIT)
-    );
-    // Over the limit: 413 with a fault_message, as Firecracker answers, and the store as
-    // it was.
-    let refused = go(Method::Put, "/mmds", &big);
-    assert_eq!(refused.status, 413);
-    let message: serde_json::Value = serde_json::from_slice(&refused.body).unwrap();
-    let message = message["fault_message"].as_str().unwrap();
-    assert!(
-        message.contains("limit exceeded") && message.contains("51200"),
-        "{message}"
-    );
-    // --mmds-size-limit: a smaller limit refuses a PATCH that grows the store past it.
-    super::set_mmds_size_limit(40);
-    let refused = go(
-        Method::Patch,
-        "/mmds",
-        r#"{"latest": {"more": "0123456789"}}"#,
-    );
-    super::set_mmds_size_limit(super::DEFAULT_MMDS_SIZE_LIMIT);
-    assert_eq!(refused.status, 413);
-    assert!(String::from_utf8_lossy(&refused.body).contains("limit of 40 bytes"));
-    let value: serde_json::Value =
-        serde_json::from_slice(&go(Method::Get, "/mmds", "").body).unwrap();
-    assert_eq!(value, json!({"latest": {"id": "i-1", "x": "y"}}));
+    assert_eq!(value, json!({"latest": {"id": "i-1"}}));
+    assert_eq!(last(), "GetMmds");
+    // Not JSON: refused by the route, nothing sent.
+    let before = seen.borrow().len();
+    assert_eq!(go(Method::Put, "/mmds", "{").status, 400);
+    assert_eq!(seen.borrow().len(), before);
 
-    // The interface must be configured first.
+    // Over the limit: 413 with Firecracker's fault_message, for PUT and PATCH.
+    for method in [Method::Put, Method::Patch] {
+        let refused = go(method, "/mmds", r#"{"big": "0123456789"}"#);
+        assert_eq!(refused.status, 413);
+        let message: serde_json::Value = serde_json::from_slice(&refused.body).unwrap();
+        assert_eq!(
+            message["fault_message"],
+            "MMDS data store limit exceeded: the MMDS data store would be 60 bytes, over its limit of 40 bytes (--mmds-size-limit)"
+        );
+    }
+
+    // PUT /mmds/config: the body parsed here, then one recorded action (the controller
+    // checks it).
     let config = r#"{"version": "V2", "network_interfaces": ["eth0"]}"#;
-    let refused = go(Method::Put, "/mmds/config", config);
-    assert_eq!(refused.status, 400);
-    assert!(String::from_utf8_lossy(&refused.body).contains("eth0"));
-    assert_eq!(
-        go(Method::Put, "/mmds/config", r#"{"network_interfaces": []}"#).status,
-        400
-    );
-    record.borrow_mut().push(super::record_entry(
-        "network-interfaces",
-        Some("eth0"),
-        json!({"iface_id": "eth0", "host_dev_name": "tap0"}),
-    ));
-    assert_eq!(
-        go(
-            Method::Put,
-            "/mmds/config",
-            r#"{"network_interfaces": ["eth0"], "ipv4_address": "10.0.0.1"}"#
-        )
-        .status,
-        400
-    );
     assert_eq!(go(Method::Put, "/mmds/config", config).status, 204);
+    let sent = last();
     assert!(
-        record.borrow().iter().any(|e| e.section == "mmds-config"),
-        "the controller keeps the body for GET /vm/config"
+        sent.starts_with("Recorded { action: PutMmdsConfig(")
+            && sent.contains("V2")
+            && sent.contains("section: \"mmds-config\""),
+        "{sent}"
     );
-    let mmds = gpuvm_mmds::shared().config().unwrap();
-    assert_eq!(mmds.version, gpuvm_mmds::MmdsVersion::V2);
-    assert_eq!(mmds.ipv4_address, gpuvm_mmds::DEFAULT_IPV4);
-    assert!(gpuvm_mmds::shared().stack_for("eth0").is_some());
-    // Pre-boot only.
-    state.set("Running");
-    assert_eq!(go(Method::Put, "/mmds/config", config).status, 400);
-    assert_eq!(go(Method::Patch, "/mmds", r#"{"b": "c"}"#).status, 204);
+    // The controller's refusals come back 400 with its message.
+    let refused = go(
+        Method::Put,
+        "/mmds/config",
+        r#"{"network_interfaces": ["eth9"]}"#,
+    );
+    assert_eq!(refused.status, 400);
+    assert!(String::from_utf8_lossy(&refused.body).contains("eth9"));
     assert_eq!(go(Method::Delete, "/mmds", "").status, 400);
+    assert_eq!(go(Method::Get, "/mmds/config", "").status, 400);
 }
 
 #[test]

@@ -365,19 +365,12 @@ pub fn unsupported(path: &str) -> Option<&'static str> {
     })
 }
 
-/// What a `--config-file` stands for: the actions of its sections, and the MMDS
-/// configuration of its `mmds-config` section (front-end state, as `PUT /mmds/config`'s).
-#[derive(Debug)]
-pub struct ConfigFile {
-    pub actions: Vec<VmmAction>,
-    pub mmds_config: Option<gpuvm_mmds::MmdsConfig>,
-}
-
 /// `--config-file` in Firecracker's shape: the actions its sections stand for, in the
-/// order Firecracker applies them (logger and metrics first), without the start. Every
-/// section is checked first ([`super::validate::config_file`]), so a refusal names each bad
-/// value by its path (`drives[1].path_on_host`).
-pub fn config_file(json: &Value, cwd: &Path) -> Result<ConfigFile, Refusal> {
+/// order Firecracker applies them (logger and metrics first, `mmds-config` after the
+/// network interfaces it names), without the start. Every section is checked first
+/// ([`super::validate::config_file`]), so a refusal names each bad value by its path
+/// (`drives[1].path_on_host`).
+pub fn config_file(json: &Value, cwd: &Path) -> Result<Vec<VmmAction>, Refusal> {
     let Some(object) = json.as_object() else {
         return Err("the configuration is a JSON object".into());
     };
@@ -451,39 +444,21 @@ pub fn config_file(json: &Value, cwd: &Path) -> Result<ConfigFile, Refusal> {
     if let Some(body) = section("balloon") {
         actions.push(VmmAction::PutBalloon(balloon(body)?));
     }
-    let mmds_config = section("mmds-config")
-        .map(|body| mmds_config(body, &iface_ids))
-        .transpose()?;
-    Ok(ConfigFile {
-        actions,
-        mmds_config,
-    })
+    if let Some(body) = section("mmds-config") {
+        let config = mmds_config(body)?;
+        // The controller checks it when the action runs; checked here too, the file is
+        // refused before any of its sections takes effect.
+        let configured: Vec<&str> = iface_ids.iter().map(String::as_str).collect();
+        gpuvm_vmm::controller::mmds::check(&config, &configured).map_err(|error| error.message)?;
+        actions.push(VmmAction::PutMmdsConfig(config));
+    }
+    Ok(actions)
 }
 
-/// PUT /mmds/config (and a config file's `mmds-config`): Firecracker's checks, and each
-/// interface named must be one of `configured` (the interfaces configured so far).
-pub fn mmds_config(body: &Value, configured: &[String]) -> Result<gpuvm_mmds::MmdsConfig, Refusal> {
-    let config: gpuvm_mmds::MmdsConfig = parse("mmds-config", body)?;
-    config.validate().map_err(|error| {
-        let field = match error {
-            gpuvm_mmds::ConfigError::NoInterfaces => "network_interfaces",
-            gpuvm_mmds::ConfigError::NotLinkLocal(_) | gpuvm_mmds::ConfigError::Broadcast(_) => {
-                "ipv4_address"
-            }
-        };
-        format!("mmds-config.{field}: {error}")
-    })?;
-    let unknown: Vec<&String> = config
-        .network_interfaces
-        .iter()
-        .filter(|id| !configured.contains(id))
-        .collect();
-    if !unknown.is_empty() {
-        return Err(format!(
-            "mmds-config.network_interfaces: no network interface {unknown:?} is configured (MMDS answers on configured interfaces only)"
-        ));
-    }
-    Ok(config)
+/// PUT /mmds/config (and a config file's `mmds-config`): the body as gpuvm's
+/// configuration (the controller checks it: gpuvm_vmm::controller::mmds::check).
+pub fn mmds_config(body: &Value) -> Result<gpuvm_mmds::MmdsConfig, Refusal> {
+    parse("mmds-config", body)
 }
 
 /// PUT /balloon: free page hinting and reporting are refused when asked for.

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::sync::mpsc::Receiver;
+use std::sync::Arc;
 
 use gpuvm_arch::x86_64::boot::BootSource;
 use vmm_sys_util::eventfd::EventFd;
@@ -20,6 +21,7 @@ use crate::snapshot::RestoreMode;
 mod balloon;
 mod client;
 mod configure;
+pub mod mmds;
 mod resize;
 mod running;
 #[cfg(test)]
@@ -73,6 +75,9 @@ pub struct ApiController {
     own_requests: Option<std::sync::mpsc::Sender<ActionRequest>>,
     /// Whether a client created the VM as one document, and its record of it.
     client: client::ClientState,
+    /// The VM's MMDS: the API's MMDS actions change it, and every network interface
+    /// built for the VM is given it.
+    mmds: Arc<gpuvm_mmds::Mmds>,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -173,6 +178,7 @@ impl ApiController {
             shutdown_requested: false,
             own_requests: None,
             client: client::ClientState::default(),
+            mmds: Arc::default(),
         }
     }
 
@@ -187,9 +193,11 @@ impl ApiController {
         self.pci = pci;
     }
 
-    /// The devices InstanceStart attaches: the command line's, then the API's.
+    /// The devices InstanceStart attaches: the command line's, then the API's; its
+    /// network interfaces get the VM's MMDS.
     pub fn pci_options(&self) -> PciOptions {
         let mut pci = self.pci.clone();
+        pci.passed_taps = self.pci.passed_taps.with_mmds(&self.mmds);
         for gpu in &self.gpus {
             if let Some(key) = gpu.backend_key() {
                 pci.tuning.insert(key, gpu.tuning());
@@ -249,6 +257,20 @@ impl ApiController {
                 return (result, started);
             }
             VmmAction::Remember(entries) => Ok(self.client.remember_all(entries)),
+            action @ (VmmAction::PutMmds(_)
+            | VmmAction::PatchMmds(_)
+            | VmmAction::GetMmds
+            | VmmAction::SetMmdsSizeLimit(_)
+            | VmmAction::PutMmdsConfig(_)) => {
+                let nets: Vec<&str> = self
+                    .pci
+                    .virtio
+                    .nets
+                    .iter()
+                    .map(|net| net.iface_id.as_str())
+                    .collect();
+                mmds::act(&self.mmds, action, mmds::Stage::PreBoot { nets: &nets })
+            }
             VmmAction::RestoreWithTaps { .. } if self.client.is_created() => Err(
                 ActionError::wrong_state("the VM is already created: restore into a new gpuvm"),
             ),
@@ -480,7 +502,7 @@ impl ApiController {
             &mode,
             (self.serial_out)(),
             &body.gpus,
-            &self.pci.passed_taps,
+            &self.pci.passed_taps.with_mmds(&self.mmds),
             overrides,
         );
         match restored {
@@ -529,6 +551,13 @@ impl ApiController {
                     None,
                 ),
                 VmmAction::GetInstanceInfo => (Ok(instance_info(state, &self.client)), None),
+                action @ (VmmAction::PutMmds(_)
+                | VmmAction::PatchMmds(_)
+                | VmmAction::GetMmds
+                | VmmAction::SetMmdsSizeLimit(_)
+                | VmmAction::PutMmdsConfig(_)) => {
+                    (mmds::act(&self.mmds, action, mmds::Stage::Started), None)
+                }
                 VmmAction::GetMetrics => (Ok(metrics(state, Some(machine))), None),
                 VmmAction::GetMachineConfig => (Ok(machine_config_json(machine)), None),
                 VmmAction::Pause => (Ok(VmmData::Empty), None),
@@ -627,6 +656,7 @@ impl ApiController {
             self.event,
             cold,
             self.client,
+            self.mmds,
         ))
     }
 }

@@ -3,6 +3,7 @@
 //! guest's eject).
 
 use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
@@ -35,6 +36,8 @@ pub(super) struct RunningApi {
     eject_timer: EjectTimer,
     /// A client's record of the VM (see [`super::client`]).
     client: super::client::ClientState,
+    /// The VM's MMDS (see [`super::mmds`]): hot-plugged network interfaces get it too.
+    mmds: Arc<gpuvm_mmds::Mmds>,
 }
 
 /// A DELETE /gpus/{id} whose answer waits for the guest's eject, or the timeout.
@@ -150,6 +153,7 @@ impl RunningApi {
         event: EventFd,
         cold_plugged: Vec<String>,
         client: super::client::ClientState,
+        mmds: Arc<gpuvm_mmds::Mmds>,
     ) -> Self {
         RunningApi {
             requests,
@@ -160,6 +164,7 @@ impl RunningApi {
             unplugs: Vec::new(),
             eject_timer: EjectTimer::default(),
             client,
+            mmds,
         }
     }
 
@@ -196,7 +201,7 @@ impl RunningApi {
         let result = match action {
             VmmAction::PutGpu(gpu) => self.hot_plug(running, gpu),
             other => match VirtioHotplug::from_action(other) {
-                Some(device) => hot_plug_virtio(running, device),
+                Some(device) => hot_plug_virtio(running, device, &self.mmds),
                 None => Err(ActionError::bad_request(format!(
                     "{client_id}: no hot-plug for this kind of device"
                 ))),
@@ -439,6 +444,13 @@ impl RunningApi {
             VmmAction::Recorded { .. } => Err(ActionError::bad_request(
                 "a recorded action records one action",
             )),
+            action @ (VmmAction::PutMmds(_)
+            | VmmAction::PatchMmds(_)
+            | VmmAction::GetMmds
+            | VmmAction::SetMmdsSizeLimit(_)
+            | VmmAction::PutMmdsConfig(_)) => {
+                super::mmds::act(&self.mmds, action, super::mmds::Stage::Started)
+            }
             VmmAction::GetInstanceInfo => Ok(with_pci_devices(
                 with_hot_plugged(instance_info(state, &self.client), running),
                 running,
@@ -466,7 +478,7 @@ impl RunningApi {
             VmmAction::DeleteGpu(_) | VmmAction::RemoveDevice(_) => Err(ActionError::bad_request(
                 "a removal is answered from the run loop",
             )),
-            VmmAction::HotplugVirtio(device) => hot_plug_virtio(running, device),
+            VmmAction::HotplugVirtio(device) => hot_plug_virtio(running, device, &self.mmds),
             VmmAction::Resize {
                 desired_vcpus,
                 desired_ram,
@@ -555,10 +567,15 @@ fn live_update(
     }
 }
 
-/// A virtio device hot-plugged into the running VM: `{id, bdf}`.
-fn hot_plug_virtio(running: &mut RunningMachine<'_>, device: VirtioHotplug) -> ActionResult {
+/// A virtio device hot-plugged into the running VM: `{id, bdf}` (a network interface
+/// gets the VM's `mmds`).
+fn hot_plug_virtio(
+    running: &mut RunningMachine<'_>,
+    device: VirtioHotplug,
+    mmds: &Arc<gpuvm_mmds::Mmds>,
+) -> ActionResult {
     use crate::virtio::{PassedTaps, VirtioDeviceConfig};
-    let passed = PassedTaps::default();
+    let passed = PassedTaps::default().with_mmds(mmds);
     let config = match device {
         VirtioHotplug::Drive(DriveBody::Local(config)) => {
             absolute_path(&config.path, "path")?;

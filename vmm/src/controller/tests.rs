@@ -203,3 +203,143 @@ fn a_created_vm_takes_devices_by_the_clients_ids() {
     };
     assert_eq!(controller.pre_boot(restore).0.unwrap_err().status, 409);
 }
+
+fn mmds_config(interfaces: &[&str]) -> VmmAction {
+    VmmAction::PutMmdsConfig(gpuvm_mmds::MmdsConfig::new(
+        gpuvm_mmds::MmdsVersion::V2,
+        interfaces.iter().map(|id| id.to_string()).collect(),
+    ))
+}
+
+/// MMDS is the controller's: its data store round trip, its size limit refused as too
+/// large (413, the store as it was), its configuration before start naming configured
+/// interfaces only and recorded for the client, refused once started; and the network
+/// interfaces it builds get this VM's MMDS.
+#[test]
+fn mmds_actions_are_the_controllers() {
+    let mut controller = controller();
+    use serde_json::json;
+    let put = VmmAction::PutMmds(json!({"latest": {"id": "i-1"}}));
+    assert_eq!(controller.pre_boot(put).0, Ok(VmmData::Empty));
+    let patch = VmmAction::PatchMmds(json!({"latest": {"host": "vm"}}));
+    assert_eq!(controller.pre_boot(patch).0, Ok(VmmData::Empty));
+    let stored = json!({"latest": {"id": "i-1", "host": "vm"}});
+    assert_eq!(
+        controller.pre_boot(VmmAction::GetMmds).0,
+        Ok(VmmData::Json(stored.clone()))
+    );
+    let not_object = controller.pre_boot(VmmAction::PutMmds(json!([1]))).0;
+    assert_eq!(not_object.unwrap_err().status, 400);
+
+    // --mmds-size-limit: a change past it is refused as too large; nothing changes.
+    assert_eq!(
+        controller.pre_boot(VmmAction::SetMmdsSizeLimit(48)).0,
+        Ok(VmmData::Empty)
+    );
+    let grown = VmmAction::PatchMmds(json!({"latest": {"more": "0123456789abcdef"}}));
+    let error = controller.pre_boot(grown).0.unwrap_err();
+    assert_eq!(error.status, mmds::TOO_LARGE);
+    assert!(
+        error.message.contains("limit of 48 bytes"),
+        "{}",
+        error.message
+    );
+    assert_eq!(
+        controller.pre_boot(VmmAction::GetMmds).0,
+        Ok(VmmData::Json(stored))
+    );
+
+    // The configuration names configured interfaces only, each unknown one named.
+    let error = controller.pre_boot(mmds_config(&["eth0"])).0.unwrap_err();
+    assert_eq!(error.status, 400);
+    assert!(
+        error
+            .message
+            .contains("no network interface [\"eth0\"] is configured"),
+        "{}",
+        error.message
+    );
+    assert!(controller.mmds.config().is_none());
+    let net = gpuvm_virtio::net::NetConfig::new("eth0", Some("tap0"));
+    let configured = controller.pre_boot(VmmAction::PutNetworkInterface(net)).0;
+    assert_eq!(configured, Ok(VmmData::Empty));
+    let error = controller
+        .pre_boot(mmds_config(&["eth0", "eth1"]))
+        .0
+        .unwrap_err();
+    assert!(error.message.contains("[\"eth1\"]"), "{}", error.message);
+    let empty = controller.pre_boot(mmds_config(&[])).0.unwrap_err();
+    assert!(
+        empty.message.starts_with("mmds-config.network_interfaces:"),
+        "{}",
+        empty.message
+    );
+    let mut routable =
+        gpuvm_mmds::MmdsConfig::new(gpuvm_mmds::MmdsVersion::V1, vec!["eth0".into()]);
+    routable.ipv4_address = std::net::Ipv4Addr::new(10, 0, 0, 1);
+    let error = controller
+        .pre_boot(VmmAction::PutMmdsConfig(routable))
+        .0
+        .unwrap_err();
+    assert_eq!(error.status, 400);
+    assert!(
+        error.message.starts_with("mmds-config.ipv4_address:"),
+        "{}",
+        error.message
+    );
+    assert!(controller.mmds.config().is_none());
+    // Accepted, and its body recorded for GET /vm/config.
+    let body = json!({"version": "V2", "network_interfaces": ["eth0"]});
+    let recorded = VmmAction::Recorded {
+        action: Box::new(mmds_config(&["eth0"])),
+        entry: crate::action::ClientDevice {
+            client_id: "mmds-config".into(),
+            device_id: "mmds-config".into(),
+            section: "mmds-config".into(),
+            body: body.clone(),
+        },
+    };
+    assert_eq!(controller.pre_boot(recorded).0, Ok(VmmData::Empty));
+    let VmmData::Json(info) = controller.pre_boot(VmmAction::GetInstanceInfo).0.unwrap() else {
+        panic!("no instance info")
+    };
+    assert_eq!(info["client_record"]["devices"][0]["body"], body);
+    let config = controller.mmds.config().expect("configured");
+    assert_eq!(config.version, gpuvm_mmds::MmdsVersion::V2);
+
+    // The interfaces InstanceStart and a snapshot load build get this VM's MMDS, which
+    // answers on eth0.
+    let pci = controller.pci_options();
+    let given = pci
+        .passed_taps
+        .mmds()
+        .expect("MMDS given to the interfaces");
+    assert!(Arc::ptr_eq(given, &controller.mmds));
+    assert!(given.stack_for("eth0").is_some());
+    assert!(given.stack_for("eth1").is_none());
+
+    // Once started (loaded, paused or running): Firecracker's refusal; the store stays
+    // open.
+    let error = mmds::act(
+        &controller.mmds,
+        mmds_config(&["eth0"]),
+        mmds::Stage::Started,
+    )
+    .unwrap_err();
+    assert_eq!(
+        error.message,
+        "The requested operation is not supported after starting the microVM."
+    );
+    let put = VmmAction::PutMmds(json!({"after": "start"}));
+    assert_eq!(
+        mmds::act(&controller.mmds, put, mmds::Stage::Started),
+        Ok(VmmData::Empty)
+    );
+    // Another VM's controller has an MMDS of its own.
+    assert_eq!(
+        crate::controller::tests::controller()
+            .pre_boot(VmmAction::GetMmds)
+            .0,
+        Ok(VmmData::Json(json!({})))
+    );
+}

@@ -120,6 +120,9 @@ pub struct Net {
     worker: DeviceWorker<IdleResources, NetHandler>,
     /// The limiters' buckets (receive, transmit) as the last pause found them.
     buckets_at_pause: (RateLimiterState, RateLimiterState),
+    /// The VM's MMDS, given by the VMM that built this device: at each activation its
+    /// configuration says whether this interface answers MMDS.
+    mmds: Option<Arc<gpuvm_mmds::Mmds>>,
 }
 
 impl Net {
@@ -150,7 +153,14 @@ impl Net {
             counters: Arc::new(NetCounters::default()),
             active_pairs: 1,
             buckets_at_pause: Default::default(),
+            mmds: None,
         })
+    }
+
+    /// This device with the VM's MMDS (see [`gpuvm_mmds::Mmds::stack_for`]).
+    pub fn with_mmds(mut self, mmds: Arc<gpuvm_mmds::Mmds>) -> Net {
+        self.mmds = Some(mmds);
+        self
     }
 
     /// A device over the tap `host_dev_name` names (created if missing and allowed).
@@ -342,7 +352,10 @@ impl VirtioDevice for Net {
                 };
                 let mut pair = QueuePair::new(tap, index, rx, tx);
                 if index == 0 {
-                    pair.mmds = gpuvm_mmds::shared().stack_for(&self.config.iface_id);
+                    pair.mmds = self
+                        .mmds
+                        .as_ref()
+                        .and_then(|mmds| mmds.stack_for(&self.config.iface_id));
                 }
                 pair
             })

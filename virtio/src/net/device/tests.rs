@@ -488,3 +488,88 @@ fn saved(net: &Net) -> super::NetState {
 fn net_state(fields: serde_json::Value) -> crate::DeviceState {
     serde_json::from_value(json!({ "net": fields })).unwrap()
 }
+
+/// An ARP request from the guest for the default MMDS address, after the virtio-net header.
+fn mmds_arp_request() -> Vec<u8> {
+    let guest_mac = [0x06, 0, 0, 0, 0, 2];
+    let mut datagram = vec![0u8; VNET_HDR_LEN];
+    datagram.extend_from_slice(&[0xff; 6]);
+    datagram.extend_from_slice(&guest_mac);
+    datagram.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4, 0, 1]);
+    datagram.extend_from_slice(&guest_mac);
+    datagram.extend_from_slice(&[169, 254, 0, 2]);
+    datagram.extend_from_slice(&[0; 6]);
+    datagram.extend_from_slice(&gpuvm_mmds::DEFAULT_IPV4.octets());
+    datagram
+}
+
+/// The guest's ARP for the MMDS address: answered from the MMDS the device was given when
+/// its configuration names the interface; sent to the tap otherwise (no MMDS given, or
+/// one configured for other interfaces).
+#[test]
+fn mmds_answers_only_through_the_mmds_the_device_was_given() {
+    let configured = Arc::new(gpuvm_mmds::Mmds::default());
+    configured.set_config(Some(gpuvm_mmds::MmdsConfig::new(
+        gpuvm_mmds::MmdsVersion::V1,
+        vec!["eth0".into()],
+    )));
+    let elsewhere = Arc::new(gpuvm_mmds::Mmds::default());
+    elsewhere.set_config(Some(gpuvm_mmds::MmdsConfig::new(
+        gpuvm_mmds::MmdsVersion::V1,
+        vec!["eth1".into()],
+    )));
+    for (mmds, answered) in [
+        (Some(configured), true),
+        (Some(elsewhere), false),
+        (None, false),
+    ] {
+        let memory = memory();
+        let rxq = MockSplitQueue::create(&memory, GuestAddress(0), 16);
+        let txq = MockSplitQueue::create(&memory, GuestAddress(0x8000), 16);
+        let (taps, peers) = stand_in_taps(1);
+        let net = Net::new(NetConfig::new("eth0", None), taps).unwrap();
+        let mut net = match mmds {
+            Some(mmds) => net.with_mmds(mmds),
+            None => net,
+        };
+        let signals = Arc::new(RecordingInterrupt::default());
+        let rx = active_queue(&rxq);
+        let rx_kick = rx.kick.try_clone().unwrap();
+        let tx = active_queue(&txq);
+        let tx_kick = tx.kick.try_clone().unwrap();
+        net.activate(activation(&memory, vec![Some(rx), Some(tx)], 0, &signals))
+            .unwrap();
+        add_chain(&rxq, 0, &[descriptor(DATA, 2000, true)]);
+        rx_kick.write(1).unwrap();
+        let request = mmds_arp_request();
+        memory
+            .write_slice(&request, GuestAddress(DATA + 0x1000))
+            .unwrap();
+        add_chain(
+            &txq,
+            0,
+            &[descriptor(DATA + 0x1000, request.len() as u32, false)],
+        );
+        tx_kick.write(1).unwrap();
+        wait_until("the TX frame", || used(&txq).len() == 1);
+        let mut buf = vec![0u8; 200];
+        if answered {
+            wait_until("the ARP reply", || used(&rxq).len() == 1);
+            let mut reply = [0u8; 42];
+            memory
+                .read_slice(&mut reply, GuestAddress(DATA + VNET_HDR_LEN as u64))
+                .unwrap();
+            assert_eq!(
+                &reply[22..28],
+                &gpuvm_mmds::ip::MMDS_MAC,
+                "the sender is MMDS"
+            );
+            assert!(peers[0].recv(&mut buf).is_err(), "nothing reached the tap");
+        } else {
+            let n = peers[0].recv(&mut buf).expect("the ARP went to the tap");
+            assert_eq!(&buf[..n], &request[..]);
+            assert!(used(&rxq).is_empty());
+        }
+        net.reset();
+    }
+}
