@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::cloud_hypervisor_support::{
-    guest_image, put_with_fds, spawn_ch, vm_info, wait_for_vm,
+    self, guest_image, put_with_fds, spawn_ch, vm_info, wait_for_vm,
 };
 use gpuvm_tests::virtio_support::{assert_in_order, disk_image, pattern_is_on_disk, SECTOR};
 use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch, SpawnedProcess};
@@ -32,16 +32,7 @@ fn remove(api: &Path, id: &str) {
 
 /// The disk ids vm.info's configuration lists.
 fn disk_ids(api: &Path) -> Vec<String> {
-    let info = vm_info(api);
-    info["config"]["disks"]
-        .as_array()
-        .map(|disks| {
-            disks
-                .iter()
-                .filter_map(|d| d["id"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default()
+    cloud_hypervisor_support::disk_ids(&vm_info(api))
 }
 
 /// Waits for the guest's line saying the disk in `bdf` ("0000:00:XX.0") passed round

@@ -51,6 +51,37 @@ pub fn wait_for_vm(process: &mut SpawnedProcess, api: &Path, limit: std::time::D
     });
 }
 
+/// The ids of the disks in a vm.info answer's configuration, in its order.
+pub fn disk_ids(info: &serde_json::Value) -> Vec<String> {
+    info["config"]["disks"]
+        .as_array()
+        .map(|disks| {
+            disks
+                .iter()
+                .filter_map(|d| d["id"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `cloud-hypervisor` ([`spawn_ch`]) booting the test guest ([`guest_image`]) with `cmdline`
+/// and `options` (`--cpus`, `--memory`, devices...) after [`test_guest_args`], once vm.info
+/// answers (panics after `limit`).
+pub fn boot_test_guest(
+    scratch: &Scratch,
+    api: &Path,
+    cmdline: &str,
+    options: &[&str],
+    limit: Duration,
+) -> SpawnedProcess {
+    let kernel = guest_image(scratch);
+    let mut args = test_guest_args(api, &kernel, cmdline);
+    args.extend_from_slice(options);
+    let mut vm = spawn_ch(scratch, &args);
+    wait_for_vm(&mut vm, api, limit);
+    vm
+}
+
 /// Connects to `api` and sends `request` in one sendmsg carrying `fds` (SCM_RIGHTS) when
 /// there are any, as Kata's clh driver sends vm.add-net; returns the stream for the answer
 /// (reads time out after 30 s).

@@ -176,20 +176,8 @@ fn a_hot_plugged_gpu_takes_its_clique_into_the_snapshot() {
     let emu = PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
     let server = gpuvm_tests::start_emu_gpu(&emu, &socket, &[]);
     let api = gpuvm_tests::socket_path("gpu-clique", "hotplug-api");
-    let mut vmm = SpawnedProcess::gpuvm_with_env(
-        &[
-            "--log-level",
-            "info",
-            "run",
-            "--api-sock",
-            api.to_str().unwrap(),
-        ],
-        &[],
-    );
-    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": "gpu-migrate" }).to_string();
-    gpuvm_tests::api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    gpuvm_tests::api_start_instance(&api);
+    let mut vmm = gpuvm_tests::spawn_api_vmm(&api, Some("info"), &[]);
+    gpuvm_tests::api_boot(&api, "gpu-migrate");
     vmm.wait_for_stdout("gpu-migrate: waiting for a device", LIMIT);
     let gpu = serde_json::json!({
         "gpu_id": "gpu0",
@@ -200,8 +188,7 @@ fn a_hot_plugged_gpu_takes_its_clique_into_the_snapshot() {
     gpuvm_tests::api_expect(&api, 200, "PUT", "/gpus/gpu0", Some(&gpu));
     vmm.wait_for_stdout("gpu-migrate: iter 1 ok", LIMIT);
     let dir = scratch.path("snap");
-    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
-    gpuvm_tests::api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    gpuvm_tests::api_snapshot_create(&api, &dir);
     let state = std::fs::read(dir.join("state")).expect("state file");
     let state = String::from_utf8_lossy(&state);
     assert!(

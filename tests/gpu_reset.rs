@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuvm_tests::{api_expect, api_start_instance, wait_for_api_socket, SpawnedProcess};
+use gpuvm_tests::{api_boot, api_expect, gpu_body, spawn_api_vmm, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(120);
 /// What the vfio-user backend logs for each reset (the device is named before it).
@@ -100,20 +100,10 @@ fn a_device_that_does_not_come_back_from_reset_is_refused_at_start() {
 /// A running VM with the API on its socket, the guest waiting for hot-plugged devices.
 fn start_vm(name: &str, workload: &str) -> (SpawnedProcess, PathBuf) {
     let api = socket_path(&format!("{name}-api"));
-    let mut vmm = SpawnedProcess::gpuvm_with_env(
-        &["run", "--api-sock", api.to_str().unwrap()],
-        &[("GPUVM_LOG", "info")],
-    );
-    wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": workload }).to_string();
-    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    api_start_instance(&api);
+    let mut vmm = spawn_api_vmm(&api, None, &[("GPUVM_LOG", "info")]);
+    api_boot(&api, workload);
     vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
     (vmm, api)
-}
-
-fn gpu_body(id: &str, socket: &Path) -> String {
-    serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
 }
 
 /// Whether GET / lists a hot-plugged device `id`.

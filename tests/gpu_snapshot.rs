@@ -16,7 +16,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuvm_tests::{api_expect, api_start_instance, wait_for_api_socket, Scratch, SpawnedProcess};
+use gpuvm_tests::{
+    api_boot_source, api_expect, api_load_lazy, api_snapshot_create, api_start_instance, gpu_body,
+    spawn_api_vmm, wait_for_api_socket, Scratch, SpawnedProcess,
+};
 use serde_json::json;
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -27,22 +30,6 @@ fn emu_bin() -> PathBuf {
 
 fn socket_path(name: &str) -> PathBuf {
     gpuvm_tests::socket_path("gpusnap", name)
-}
-
-fn gpu_body(id: &str, socket: &Path) -> String {
-    serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
-}
-
-/// A VMM with its API on `api` (not started yet).
-fn spawn_vmm(api: &Path) -> SpawnedProcess {
-    spawn_vmm_with_env(api, &[])
-}
-
-fn spawn_vmm_with_env(api: &Path, env: &[(&str, &str)]) -> SpawnedProcess {
-    let mut vmm =
-        SpawnedProcess::gpuvm_with_env(&["run", "--api-sock", api.to_str().unwrap()], env);
-    wait_for_api_socket(&mut vmm, api);
-    vmm
 }
 
 /// A running VM with `workload`, and a vsock device on `vsock` when given.
@@ -57,9 +44,8 @@ fn start_vm_with_env(
     vsock: Option<&Path>,
     env: &[(&str, &str)],
 ) -> SpawnedProcess {
-    let vmm = spawn_vmm_with_env(api, env);
-    let boot = serde_json::json!({ "boot_args": workload }).to_string();
-    api_expect(api, 204, "PUT", "/boot-source", Some(&boot));
+    let vmm = spawn_api_vmm(api, None, env);
+    api_boot_source(api, workload);
     if let Some(vsock) = vsock {
         let body = serde_json::json!({ "guest_cid": 3, "uds_path": vsock }).to_string();
         api_expect(api, 204, "PUT", "/vsock", Some(&body));
@@ -190,14 +176,8 @@ fn a_gpu_vm_snapshots_through_the_guest_and_resumes_on_another_gpu() {
     // Restore into a new VMM; the guest waits for its GPU; another device is given.
     let _emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &second, &[]);
     let api2 = socket_path("api2");
-    let mut restored = spawn_vmm(&api2);
-    let load = serde_json::json!({
-        "snapshot_path": dir,
-        "restore_mode": "Lazy",
-        "resume_vm": true,
-    })
-    .to_string();
-    api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load));
+    let mut restored = spawn_api_vmm(&api2, None, &[]);
+    api_load_lazy(&api2, &dir);
     restored.wait_for_stdout("gpu-agent: transport reset", LIMIT);
     // Another model is refused before the guest hears of it; the id stays waiting.
     let other = socket_path("other-model");
@@ -368,8 +348,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
 
     // A plain snapshot: the device saves its own state beside RAM.
     let dir = scratch.path("snap");
-    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
-    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    api_snapshot_create(&api, &dir);
     let state = std::fs::read(dir.join("state")).expect("state file");
     let state = String::from_utf8_lossy(&state);
     assert!(
@@ -390,7 +369,7 @@ fn a_gpu_vm_snapshots_with_the_device_state_and_restores_onto_a_fresh_device() {
     });
     assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
     // A second snapshot into the same directory replaces the device file.
-    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    api_snapshot_create(&api, &dir);
     let replaced = device_files(&dir);
     assert_eq!(replaced.len(), 1, "{replaced:?}");
     assert_ne!(replaced, files, "a new device file");
@@ -481,7 +460,7 @@ fn a_device_being_unplugged_is_not_snapshotted() {
     let timed_out = delete.join().expect("DELETE thread");
     assert!(timed_out.contains("did not eject"), "{timed_out}");
     // The eject was withdrawn: the device is saved now.
-    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    api_snapshot_create(&api, &dir);
     assert_eq!(device_files(&dir).len(), 1);
     vmm.signal(libc::SIGKILL);
     let out = vmm.wait(Duration::from_secs(10));
@@ -547,8 +526,7 @@ fn a_restored_vm_keeps_its_pci_slots_bars_and_holes() {
     assert_ne!(gpu0_slot, gpu1_slot);
 
     let dir = scratch.path("snap");
-    let create = json!({ "snapshot_path": dir }).to_string();
-    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&create));
+    api_snapshot_create(&api, &dir);
     let state = std::fs::read(dir.join("state")).expect("state file");
     assert!(
         String::from_utf8_lossy(&state).contains("\"pci_root\""),
@@ -558,19 +536,8 @@ fn a_restored_vm_keeps_its_pci_slots_bars_and_holes() {
     let _ = vmm.wait(Duration::from_secs(10));
 
     let api2 = socket_path("alloc-api2");
-    let mut restored = SpawnedProcess::gpuvm_with_env(
-        &[
-            "--log-level",
-            "info",
-            "run",
-            "--api-sock",
-            api2.to_str().unwrap(),
-        ],
-        &[],
-    );
-    wait_for_api_socket(&mut restored, &api2);
-    let load = json!({ "snapshot_path": dir, "restore_mode": "Lazy", "resume_vm": true });
-    api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load.to_string()));
+    let mut restored = spawn_api_vmm(&api2, Some("info"), &[]);
+    api_load_lazy(&api2, &dir);
     // gpu1 is back in its slot, each BAR where the guest had it.
     for (bar, address) in gpu1_bars {
         let placed = format!("PCI 0000:{gpu1_slot}: {bar} ");

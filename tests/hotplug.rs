@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::{
-    api_expect, api_start_instance, thread_seccomp_modes, wait_for_api_socket, Scratch,
-    SpawnedProcess,
+    api_boot, api_expect, api_load_lazy, gpu_body, spawn_api_vmm, thread_seccomp_modes,
+    wait_for_api_socket, Scratch, SpawnedProcess,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
@@ -56,18 +56,10 @@ fn gpu_state(info: &serde_json::Value, id: &str) -> Option<String> {
 /// A running VM with the API on `api` and `workload` as its command line.
 fn start_vm(name: &str, workload: &str, env: &[(&str, &str)]) -> (SpawnedProcess, PathBuf) {
     let api = socket_path(&format!("{name}-api"));
-    let mut vmm =
-        SpawnedProcess::gpuvm_with_env(&["run", "--api-sock", api.to_str().unwrap()], env);
-    wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": workload }).to_string();
-    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    api_start_instance(&api);
+    let mut vmm = spawn_api_vmm(&api, None, env);
+    api_boot(&api, workload);
     vmm.wait_for_stdout("hotplug: waiting for", LIMIT);
     (vmm, api)
-}
-
-fn gpu_body(id: &str, socket: &Path) -> String {
-    serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
 }
 
 /// PUT /gpus/{id} on the running VM; checks the answer and returns the guest BDF.
@@ -376,15 +368,8 @@ fn a_gpu_hot_plugged_into_a_restored_vm_passes_the_checks() {
     original.wait(LIMIT);
 
     let api = socket_path("restored-api");
-    let mut vmm = SpawnedProcess::gpuvm(&["run", "--api-sock", api.to_str().unwrap()]);
-    wait_for_api_socket(&mut vmm, &api);
-    let load = serde_json::json!({
-        "snapshot_path": snapshot,
-        "restore_mode": "Lazy",
-        "resume_vm": true,
-    })
-    .to_string();
-    api_expect(&api, 204, "PUT", "/snapshot/load", Some(&load));
+    let mut vmm = spawn_api_vmm(&api, None, &[]);
+    api_load_lazy(&api, &snapshot);
     let socket = socket_path("restored-gpu");
     let emu = start_emu(&socket);
     let bdf = hot_plug(&api, "gpu0", &socket);

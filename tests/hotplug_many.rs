@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{guest_image, test_guest_args, vm_info};
+use gpuvm_tests::cloud_hypervisor_support::{disk_ids, guest_image, test_guest_args, vm_info};
 use gpuvm_tests::virtio_support::{disk_image, pattern_is_on_disk, SECTOR};
 use gpuvm_tests::{api_expect, gpuvm_bin, wait_for_api_socket, Scratch, SpawnedProcess};
 
@@ -69,16 +69,8 @@ fn settle(vm: &mut SpawnedProcess, expected: &[Task], context: &str) {
 /// The disks vm.info lists, by id: their PCI addresses from the device tree.
 fn disks(api: &Path) -> BTreeMap<String, String> {
     let info = vm_info(api);
-    let ids: Vec<String> = info["config"]["disks"]
-        .as_array()
-        .map(|disks| {
-            disks
-                .iter()
-                .filter_map(|d| d["id"].as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    ids.into_iter()
+    disk_ids(&info)
+        .into_iter()
         .map(|id| {
             let bdf = info["device_tree"][&id]["pci_bdf"]
                 .as_str()

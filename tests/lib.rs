@@ -1,10 +1,13 @@
 //! Helpers shared by gpuvm's integration tests: find the `gpuvm` binary, run it with a
-//! time limit while capturing its output, reserve huge pages for a test and give them back.
-//! The snapshot tests' own helpers are in [`snapshot_support`].
+//! time limit while capturing its output, reserve huge pages for a test and give them back,
+//! drive a VM through gpuvm's own API (start, boot, hot-plug a GPU, snapshot, restore).
+//! The snapshot tests' own helpers are in [`snapshot_support`], the vhost-user backends the
+//! tests start in [`vhost_user_support`].
 
 pub mod cloud_hypervisor_support;
 pub mod netns;
 pub mod snapshot_support;
+pub mod vhost_user_support;
 pub mod virtio_support;
 
 use std::io::Read;
@@ -118,6 +121,22 @@ pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
 /// guests that never end by themselves, like Linux on this host). Panics after `limit`.
 pub fn run_gpuvm_until(args: &[&str], limit: Duration, stop_at: Option<&str>) -> RunOutput {
     run_gpuvm_with_env(args, &[], limit, stop_at)
+}
+
+/// Boots a kernel with `gpuvm ARGS` until the console shows a whole line with `marker`
+/// ([`run_gpuvm_until`]); panics with the output if the run ends without it. Prints how
+/// long the marker took (boot times on loaded hosts vary widely).
+pub fn boot_until_marker(args: &[&str], limit: Duration, marker: &str) -> RunOutput {
+    let out = run_gpuvm_until(args, limit, Some(marker));
+    assert!(
+        out.stdout.contains(marker),
+        "no {marker:?} from the kernel (exit {:?})\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    eprintln!("{marker:?} after {:?}", out.elapsed);
+    out
 }
 
 /// Like [`run_gpuvm_until`], with extra environment variables (e.g. the seccomp test
@@ -327,6 +346,23 @@ pub fn start_emu_gpu(
     let mut emu = SpawnedProcess::spawn_with_env(emu_bin, &args, &[("GPUVM_LOG", "info")]);
     emu.wait_for_stderr("emu-gpu: listening on", Duration::from_secs(10));
     emu
+}
+
+/// `name` in the Linux guests' build output (`$GPUVM_LINUX_DIR`, else
+/// guest-images/linux/out); panics saying how to build it (`build_hint`) when it is missing.
+pub fn linux_guest_file(name: &str, build_hint: &str) -> PathBuf {
+    let dir = std::env::var_os("GPUVM_LINUX_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-images/linux/out")
+        });
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: {build_hint} or point GPUVM_LINUX_DIR at its output",
+        path.display()
+    );
+    path
 }
 
 /// The RAM ranges (start, length) the test guest sees for `memory` bytes of guest RAM.
@@ -631,6 +667,59 @@ pub fn api_start_instance(socket: &std::path::Path) {
         "/actions",
         Some(r#"{"action_type": "InstanceStart"}"#),
     );
+}
+
+/// Starts `gpuvm run --api-sock API` (after `--log-level LEVEL` where one is given, with
+/// `env`) and waits until the API answers; the VM is then configured through the API.
+pub fn spawn_api_vmm(api: &Path, log_level: Option<&str>, env: &[(&str, &str)]) -> SpawnedProcess {
+    let mut args = Vec::new();
+    if let Some(level) = log_level {
+        args.extend(["--log-level", level]);
+    }
+    args.extend([
+        "run",
+        "--api-sock",
+        api.to_str().expect("UTF-8 socket path"),
+    ]);
+    let mut vmm = SpawnedProcess::gpuvm_with_env(&args, env);
+    wait_for_api_socket(&mut vmm, api);
+    vmm
+}
+
+/// Gives the VM behind `api` the test guest's command line `boot_args` (PUT /boot-source).
+pub fn api_boot_source(api: &Path, boot_args: &str) {
+    let body = serde_json::json!({ "boot_args": boot_args }).to_string();
+    api_expect(api, 204, "PUT", "/boot-source", Some(&body));
+}
+
+/// Boots the test guest behind `api` with `boot_args` ([`api_boot_source`], then
+/// [`api_start_instance`]).
+pub fn api_boot(api: &Path, boot_args: &str) {
+    api_boot_source(api, boot_args);
+    api_start_instance(api);
+}
+
+/// The PUT /gpus/ID body for the GPU `id` served over vfio-user on `socket`.
+pub fn gpu_body(id: &str, socket: &Path) -> String {
+    serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
+}
+
+/// Snapshots the whole VM behind `api` into `dir` (PUT /snapshot/create, answered 200).
+pub fn api_snapshot_create(api: &Path, dir: &Path) {
+    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
+    api_expect(api, 200, "PUT", "/snapshot/create", Some(&body));
+}
+
+/// Restores `dir` into the VMM behind `api`, lazily, and resumes the VM (PUT
+/// /snapshot/load, answered 204).
+pub fn api_load_lazy(api: &Path, dir: &Path) {
+    let body = serde_json::json!({
+        "snapshot_path": dir,
+        "restore_mode": "Lazy",
+        "resume_vm": true,
+    })
+    .to_string();
+    api_expect(api, 204, "PUT", "/snapshot/load", Some(&body));
 }
 
 /// The `PUT /snapshot/load` body that restores `snapshot` through the page-fault handler

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpuvm_tests::{run_gpuvm_until, RunOutput};
+use gpuvm_tests::{boot_until_marker, linux_guest_file, RunOutput};
 
 /// Kernel arguments that get a stock kernel past what the nested emulator lacks.
 const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave mitigations=off \
@@ -16,19 +16,10 @@ const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 noxsave mitigations=off \
     initcall_blacklist=init_kprobe_trace,ftrace_check_for_weak_functions panic=-1";
 
 fn image(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUVM_LINUX_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-images/linux/out")
-        });
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the Linux guest with guest-images/linux/build.sh (scripts/test.sh does) \
-         or point GPUVM_LINUX_DIR at its output",
-        path.display()
-    );
-    path
+    linux_guest_file(
+        name,
+        "build the Linux guest with guest-images/linux/build.sh (scripts/test.sh does)",
+    )
 }
 
 fn boot_until(kernel: &str, marker: &str, limit: Duration) -> RunOutput {
@@ -51,16 +42,7 @@ fn boot_with_until(kernel: &str, extra: &[&str], marker: &str, limit: Duration) 
         CMDLINE,
     ];
     args.extend_from_slice(extra);
-    let out = run_gpuvm_until(&args, limit, Some(marker));
-    assert!(
-        out.stdout.contains(marker),
-        "no {marker:?} from the kernel (exit {:?})\n--- stdout\n{}\n--- stderr\n{}",
-        out.status,
-        out.stdout,
-        out.stderr
-    );
-    eprintln!("{marker:?} after {:?}", out.elapsed);
-    out
+    boot_until_marker(&args, limit, marker)
 }
 
 #[test]

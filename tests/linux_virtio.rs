@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::netns::Netns;
-use gpuvm_tests::{run_gpuvm_until, RunOutput, Scratch, SpawnedProcess};
+use gpuvm_tests::vhost_user_support::{backend_binary, start_virtiofsd, Backend};
+use gpuvm_tests::{boot_until_marker, linux_guest_file, RunOutput, Scratch, SpawnedProcess};
 
 /// Kernel arguments that get the kernel past what the nested emulator lacks; each test adds
 /// where its root is.
@@ -37,9 +38,6 @@ const EXT4_ROOT: &str = "root=/dev/vda ro rootfstype=ext4";
 /// for a much busier machine.
 const BOOT_LIMIT: Duration = Duration::from_secs(480);
 
-/// How long a backend gets to create its socket.
-const BACKEND_START: Duration = Duration::from_secs(10);
-
 fn cmdline(root_and_more: &str) -> String {
     format!("{BASE_CMDLINE} {root_and_more}")
 }
@@ -49,20 +47,11 @@ fn arg(path: &Path) -> &str {
 }
 
 fn image(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUVM_LINUX_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guest-images/linux/out")
-        });
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the virtio kernel and its ext4 image with \
-         guest-images/linux/build-virtio-kernel.sh (scripts/test.sh does) or point \
-         GPUVM_LINUX_DIR at its output",
-        path.display()
-    );
-    path
+    linux_guest_file(
+        name,
+        "build the virtio kernel and its ext4 image with \
+         guest-images/linux/build-virtio-kernel.sh (scripts/test.sh does)",
+    )
 }
 
 /// `gpuvm run` arguments that boot vmlinux-virtio (256 MiB, an entropy device) with `cmdline`
@@ -88,16 +77,7 @@ fn linux_args(cmdline: &str, devices: &[&str]) -> Vec<String> {
 /// Runs gpuvm with `args` until the console shows `marker` (a whole line).
 fn boot_until(args: &[String], marker: &str, limit: Duration) -> RunOutput {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = run_gpuvm_until(&args, limit, Some(marker));
-    assert!(
-        out.stdout.contains(marker),
-        "no {marker:?} from the kernel (exit {:?})\n--- stdout\n{}\n--- stderr\n{}",
-        out.status,
-        out.stdout,
-        out.stderr
-    );
-    eprintln!("{marker:?} after {:?}", out.elapsed);
-    out
+    boot_until_marker(&args, limit, marker)
 }
 
 /// The ext4 image as the drive `id=root` (made absolute: the API side wants absolute image
@@ -332,46 +312,6 @@ fn vmlinux_virtio_brings_eth0_up_with_its_mac_and_answers_ping() {
     );
 }
 
-/// `name` in $PATH (and, for cargo-installed backends, in ~/.cargo/bin), or `None` after saying
-/// on stderr that `test` is skipped.
-fn backend_binary(name: &str, test: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).collect())
-        .unwrap_or_default();
-    if let Some(cargo_home) = std::env::var_os("CARGO_HOME") {
-        dirs.push(PathBuf::from(cargo_home).join("bin"));
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        dirs.push(PathBuf::from(home).join(".cargo/bin"));
-    }
-    let found = dirs
-        .into_iter()
-        .map(|dir| dir.join(name))
-        .find(|candidate| {
-            std::fs::metadata(candidate)
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        });
-    if found.is_none() {
-        eprintln!(
-            "SKIPPED linux_virtio::{test}: {name} is not installed (not in PATH nor ~/.cargo/bin; \
-             scripts/install-deps.sh installs it)"
-        );
-    }
-    found
-}
-
-/// Starts `program ARGS` (a vhost-user backend) and waits until `socket` exists; the process
-/// is killed when the returned value drops.
-fn start_backend(name: &str, program: &Path, args: &[&str], socket: &Path) -> SpawnedProcess {
-    let mut process = SpawnedProcess::spawn(program, args);
-    process.wait_until(
-        &format!("{name} to create {}", socket.display()),
-        BACKEND_START,
-        |_| socket.exists(),
-    );
-    process
-}
-
 /// Linux's virtio_fs binds gpuvm's virtio-fs function (1af4:105a), a vhost-user device served
 /// by virtiofsd (`--fs tag=rootfs,socket=SOCK`), and the kernel mounts the tag as its root.
 /// Linux 6.1 has this (`root=TAG rootfstype=virtiofs`: init/do_mounts.c mount_nodev_root, since
@@ -389,7 +329,7 @@ fn start_backend(name: &str, program: &Path, args: &[&str], socket: &Path) -> Sp
 #[test]
 fn vmlinux_virtio_mounts_a_virtiofsd_directory_as_root() {
     let test = "vmlinux_virtio_mounts_a_virtiofsd_directory_as_root";
-    let Some(virtiofsd) = backend_binary("virtiofsd", test) else {
+    let Some(virtiofsd) = backend_binary("virtiofsd", "linux_virtio", test) else {
         return;
     };
     let scratch = Scratch::new("linux_virtio", "virtiofs");
@@ -409,17 +349,7 @@ fn vmlinux_virtio_mounts_a_virtiofsd_directory_as_root() {
     .unwrap();
     std::fs::set_permissions(&init, std::fs::Permissions::from_mode(0o755)).unwrap();
     let socket = scratch.path("virtiofsd.sock");
-    let _backend = start_backend(
-        "virtiofsd",
-        &virtiofsd,
-        &[
-            &format!("--socket-path={}", arg(&socket)),
-            &format!("--shared-dir={}", arg(&shared)),
-            "--sandbox",
-            "none",
-        ],
-        &socket,
-    );
+    let _backend = start_virtiofsd(&virtiofsd, &shared, &socket);
     let fs = format!("tag=rootfs,socket={}", arg(&socket));
     let init_failed = "Starting init: /sbin/init exists but couldn't execute it (error -8)";
     let out = boot_until(
@@ -466,14 +396,14 @@ fn vmlinux_virtio_mounts_a_virtiofsd_directory_as_root() {
 #[test]
 fn vmlinux_virtio_mounts_ext4_root_from_vhost_user_blk() {
     let test = "vmlinux_virtio_mounts_ext4_root_from_vhost_user_blk";
-    let Some(qsd) = backend_binary("qemu-storage-daemon", test) else {
+    let Some(qsd) = backend_binary("qemu-storage-daemon", "linux_virtio", test) else {
         return;
     };
     let scratch = Scratch::new("linux_virtio", "vhost-user-blk");
     let rootfs = scratch.path("rootfs-virtio.ext4");
     std::fs::copy(image("rootfs-virtio.ext4"), &rootfs).expect("copy the ext4 image");
     let socket = scratch.path("qsd.sock");
-    let _backend = start_backend(
+    let _backend = Backend::start(
         "qemu-storage-daemon",
         &qsd,
         &[

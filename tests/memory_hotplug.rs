@@ -8,9 +8,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use gpuvm_tests::cloud_hypervisor_support::{
-    guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
-};
+use gpuvm_tests::cloud_hypervisor_support::{boot_test_guest, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::vhost_user_support::{backend_binary, start_qsd};
 use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
@@ -21,21 +20,19 @@ const BLOCK_MIB: u64 = 128;
 /// `cloud-hypervisor --kernel <test guest> --cmdline memory-hotplug
 /// --memory size=256M,hotplug_size=1G`.
 fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
-    let kernel = guest_image(scratch);
-    let mut args = test_guest_args(api, &kernel, "memory-hotplug");
-    args.extend([
-        "--cpus",
-        "boot=1",
-        "--memory",
-        "size=256M,hotplug_size=1G",
-        "--seccomp",
-        "true",
-        "-v",
-    ]);
-    let mut vm = spawn_ch(scratch, &args);
-    wait_for_vm(&mut vm, api, LIMIT);
-    vm
+    boot_test_guest(scratch, api, "memory-hotplug", &HOT_PLUG_VM, LIMIT)
 }
+
+/// 1 vCPU, 256 MiB of RAM and room for 1 GiB more; seccomp on, verbose.
+const HOT_PLUG_VM: [&str; 7] = [
+    "--cpus",
+    "boot=1",
+    "--memory",
+    "size=256M,hotplug_size=1G",
+    "--seccomp",
+    "true",
+    "-v",
+];
 
 fn resize(api: &Path, status: u16, body: &str) -> String {
     api_expect(api, status, "PUT", "/api/v1/vm.resize", Some(body))
@@ -197,13 +194,8 @@ fn threads_stay_filtered_through_a_resize() {
 /// `cloud-hypervisor` running an endless memloop with `--memory <memory>` and `extra`
 /// flags, once its VM runs.
 fn start_memloop(scratch: &Scratch, api: &Path, memory: &str, extra: &[&str]) -> SpawnedProcess {
-    let kernel = guest_image(scratch);
-    let mut args = test_guest_args(api, &kernel, "memloop 1M 1 1000000000");
-    args.extend(["--memory", memory]);
-    args.extend_from_slice(extra);
-    let mut vm = spawn_ch(scratch, &args);
-    wait_for_vm(&mut vm, api, LIMIT);
-    vm
+    let options = [&["--memory", memory], extra].concat();
+    boot_test_guest(scratch, api, "memloop 1M 1 1000000000", &options, LIMIT)
 }
 
 /// Without `hotplug_size` a VM keeps its RAM: any other size is refused naming what to set.
@@ -283,44 +275,21 @@ fn ram_grows_under_a_virtio_disk_that_uses_it() {
 /// table from the start, so the back end reaches RAM plugged later without a new table.
 #[test]
 fn ram_grows_under_a_vhost_user_disk_that_uses_it() {
-    let Some(qsd) = find_in_path("qemu-storage-daemon") else {
-        eprintln!(
-            "SKIPPED memory_hotplug::ram_grows_under_a_vhost_user_disk_that_uses_it: \
-             qemu-storage-daemon is not installed (scripts/install-deps.sh installs it)"
-        );
+    let Some(qsd) = backend_binary(
+        "qemu-storage-daemon",
+        "memory_hotplug",
+        "ram_grows_under_a_vhost_user_disk_that_uses_it",
+    ) else {
         return;
     };
     let scratch = Scratch::new("memory_hotplug", "vhost-user");
     let disk = scratch.path("disk.img");
     std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
     let socket = scratch.path("qsd.sock");
-    let file = format!("driver=file,node-name=file0,filename={}", disk.display());
-    let export = format!(
-        "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable=on",
-        socket.display()
-    );
-    let mut backend = SpawnedProcess::spawn(
-        &qsd,
-        &[
-            "--blockdev",
-            &file,
-            "--blockdev",
-            "driver=raw,node-name=disk0,file=file0",
-            "--export",
-            &export,
-        ],
-    );
-    backend.wait_until("qemu-storage-daemon's socket", LIMIT, |_| socket.exists());
+    let backend = start_qsd(&qsd, &disk, &socket, true);
     let disk_arg = format!("vhost_user=on,socket={},id=data", socket.display());
     disk_moves_data_through_hot_plugged_ram(&scratch, &disk_arg, &disk);
-    backend.signal(libc::SIGTERM);
-    backend.wait(LIMIT);
-}
-
-fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file())
+    backend.terminate(LIMIT);
 }
 
 /// Boots `memory-hotplug blk 2` with `--disk disk_arg` (the disk's image at `image`), grows
@@ -328,21 +297,8 @@ fn find_in_path(name: &str) -> Option<std::path::PathBuf> {
 /// on the disk.
 fn disk_moves_data_through_hot_plugged_ram(scratch: &Scratch, disk_arg: &str, image: &Path) {
     let api = scratch.path("api.sock");
-    let kernel = guest_image(scratch);
-    let mut args = test_guest_args(&api, &kernel, "memory-hotplug blk 2");
-    args.extend([
-        "--cpus",
-        "boot=1",
-        "--memory",
-        "size=256M,hotplug_size=1G",
-        "--disk",
-        disk_arg,
-        "--seccomp",
-        "true",
-        "-v",
-    ]);
-    let mut vm = spawn_ch(scratch, &args);
-    wait_for_vm(&mut vm, &api, LIMIT);
+    let options = [&HOT_PLUG_VM[..], &["--disk", disk_arg]].concat();
+    let mut vm = boot_test_guest(scratch, &api, "memory-hotplug blk 2", &options, LIMIT);
     vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
     kata_resize_memory(&api, 256 + 200);
     assert_eq!(ram(&api).0, 512);

@@ -7,17 +7,69 @@
 //! give theirs, and an unplugged GPU's BARs leave its peers' contexts. A GPU restored from a
 //! snapshot (VFIO migration) is a peer again.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpuvm_tests::{
-    api_expect, api_start_instance, run_gpuvm, wait_for_api_socket, RunOutput, SpawnedProcess,
+    api_boot, api_expect, api_load_lazy, api_snapshot_create, gpu_body, run_gpuvm, spawn_api_vmm,
+    RunOutput, SpawnedProcess,
 };
 
 const LIMIT: Duration = Duration::from_secs(120);
 
 fn emu_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+/// An emulated GPU's server on each socket.
+fn start_servers(sockets: &[PathBuf]) -> Vec<SpawnedProcess> {
+    sockets
+        .iter()
+        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
+        .collect()
+}
+
+/// Each server ended with status 0 once its VMM was gone.
+fn assert_servers_ended_cleanly(servers: impl IntoIterator<Item = SpawnedProcess>) {
+    for server in servers {
+        let done = server.wait(Duration::from_secs(30));
+        assert_eq!(done.code(), Some(0), "{}", done.stderr);
+    }
+}
+
+/// A VMM logging at info with its API on `api`, booted into the guest's `p2p hotplug`,
+/// which waits for two hot-plugged GPUs.
+fn start_vm_waiting_for_gpus(api: &Path) -> SpawnedProcess {
+    let mut vmm = spawn_api_vmm(api, Some("info"), &[]);
+    api_boot(api, "p2p hotplug");
+    vmm.wait_for_stdout("p2p: waiting for 2 devices", LIMIT);
+    vmm
+}
+
+/// PUT /gpus/ID with the GPU served on `socket` (answered 200).
+fn hot_plug(api: &Path, id: &str, socket: &Path) {
+    api_expect(
+        api,
+        200,
+        "PUT",
+        &format!("/gpus/{id}"),
+        Some(&gpu_body(id, socket)),
+    );
+}
+
+/// Once the guest's `p2p hotplug` has seen each GPU reach the other's BAR1, unplugs gpu-b
+/// (DELETE /gpus/gpu-b) and waits for the VM's end: the guest saw B ejected and its old
+/// address refused, and the VMM unmapped B's BAR from A's context.
+fn unplug_b_once_peers(mut vmm: SpawnedProcess, api: &Path) -> RunOutput {
+    vmm.wait_for_stdout("p2p: both directions ok", LIMIT);
+    api_expect(api, 204, "DELETE", "/gpus/gpu-b", None);
+    let out = vmm.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("p2p: B ejected")
+        .assert_stdout_has("p2p: ejected peer's address refused")
+        .assert_stdout_has("p2p: ok hotplug")
+        .assert_stderr_has("unmapped at");
+    out
 }
 
 /// Runs the test guest's `p2p MODE...` with two emulated GPUs, B's `--vfio-user` value
@@ -27,10 +79,7 @@ fn run_two_gpus(name: &str, cmdline: &str, b_options: &str) -> RunOutput {
         gpuvm_tests::socket_path("p2p", &format!("{name}-a")),
         gpuvm_tests::socket_path("p2p", &format!("{name}-b")),
     ];
-    let servers: Vec<SpawnedProcess> = sockets
-        .iter()
-        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
-        .collect();
+    let servers = start_servers(&sockets);
     let b = format!("{}{b_options}", sockets[1].display());
     let out = run_gpuvm(
         &[
@@ -46,10 +95,7 @@ fn run_two_gpus(name: &str, cmdline: &str, b_options: &str) -> RunOutput {
         ],
         LIMIT,
     );
-    for server in servers {
-        let done = server.wait(Duration::from_secs(30));
-        assert_eq!(done.code(), Some(0), "{}", done.stderr);
-    }
+    assert_servers_ended_cleanly(servers);
     out
 }
 
@@ -91,42 +137,14 @@ fn hot_plugged_gpus_are_peers_until_one_is_unplugged() {
         gpuvm_tests::socket_path("p2p", "hot-a"),
         gpuvm_tests::socket_path("p2p", "hot-b"),
     ];
-    let servers: Vec<SpawnedProcess> = sockets
-        .iter()
-        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
-        .collect();
+    let servers = start_servers(&sockets);
     let api = gpuvm_tests::socket_path("p2p", "hot-api");
-    let mut vmm = SpawnedProcess::gpuvm_with_env(
-        &[
-            "--log-level",
-            "info",
-            "run",
-            "--api-sock",
-            api.to_str().unwrap(),
-        ],
-        &[],
-    );
-    wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": "p2p hotplug" }).to_string();
-    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    api_start_instance(&api);
-    vmm.wait_for_stdout("p2p: waiting for 2 devices", LIMIT);
+    let vmm = start_vm_waiting_for_gpus(&api);
     for (id, socket) in ["gpu-a", "gpu-b"].iter().zip(&sockets) {
-        let body = serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string();
-        api_expect(&api, 200, "PUT", &format!("/gpus/{id}"), Some(&body));
+        hot_plug(&api, id, socket);
     }
-    vmm.wait_for_stdout("p2p: both directions ok", LIMIT);
-    api_expect(&api, 204, "DELETE", "/gpus/gpu-b", None);
-    let out = vmm.wait(LIMIT);
-    out.assert_code(0)
-        .assert_stdout_has("p2p: B ejected")
-        .assert_stdout_has("p2p: ejected peer's address refused")
-        .assert_stdout_has("p2p: ok hotplug")
-        .assert_stderr_has("unmapped at");
-    for server in servers {
-        let done = server.wait(Duration::from_secs(30));
-        assert_eq!(done.code(), Some(0), "{}", done.stderr);
-    }
+    unplug_b_once_peers(vmm, &api);
+    assert_servers_ended_cleanly(servers);
 }
 
 /// A GPU restored from a snapshot (VFIO migration: its state saved beside RAM, the device
@@ -145,76 +163,20 @@ fn a_restored_gpu_is_a_peer_again() {
     // A serves the snapshotted VM, then the restored one.
     let server_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &["--clients", "2"]);
     let api = gpuvm_tests::socket_path("p2p", "restore-api");
-    let mut vmm = SpawnedProcess::gpuvm_with_env(
-        &[
-            "--log-level",
-            "info",
-            "run",
-            "--api-sock",
-            api.to_str().unwrap(),
-        ],
-        &[],
-    );
-    wait_for_api_socket(&mut vmm, &api);
-    let boot = serde_json::json!({ "boot_args": "p2p hotplug" }).to_string();
-    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot));
-    api_start_instance(&api);
-    vmm.wait_for_stdout("p2p: waiting for 2 devices", LIMIT);
-    let gpu_body = |id: &str, socket: &PathBuf| {
-        serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket }).to_string()
-    };
-    api_expect(
-        &api,
-        200,
-        "PUT",
-        "/gpus/gpu-a",
-        Some(&gpu_body("gpu-a", &sockets[0])),
-    );
+    let mut vmm = start_vm_waiting_for_gpus(&api);
+    hot_plug(&api, "gpu-a", &sockets[0]);
     let dir = scratch.path("snap");
-    let create = serde_json::json!({ "snapshot_path": dir }).to_string();
-    api_expect(&api, 200, "PUT", "/snapshot/create", Some(&create));
+    api_snapshot_create(&api, &dir);
     vmm.signal(libc::SIGKILL);
     let _ = vmm.wait(Duration::from_secs(10));
 
     let server_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[1], &[]);
     let api2 = gpuvm_tests::socket_path("p2p", "restore-api2");
-    let mut restored = SpawnedProcess::gpuvm_with_env(
-        &[
-            "--log-level",
-            "info",
-            "run",
-            "--api-sock",
-            api2.to_str().unwrap(),
-        ],
-        &[],
-    );
-    wait_for_api_socket(&mut restored, &api2);
-    let load = serde_json::json!({
-        "snapshot_path": dir,
-        "restore_mode": "Lazy",
-        "resume_vm": true,
-    })
-    .to_string();
-    api_expect(&api2, 204, "PUT", "/snapshot/load", Some(&load));
-    api_expect(
-        &api2,
-        200,
-        "PUT",
-        "/gpus/gpu-b",
-        Some(&gpu_body("gpu-b", &sockets[1])),
-    );
-    restored.wait_for_stdout("p2p: both directions ok", LIMIT);
-    api_expect(&api2, 204, "DELETE", "/gpus/gpu-b", None);
-    let out = restored.wait(LIMIT);
-    out.assert_code(0)
-        .assert_stdout_has("p2p: B ejected")
-        .assert_stdout_has("p2p: ejected peer's address refused")
-        .assert_stdout_has("p2p: ok hotplug")
+    let restored = spawn_api_vmm(&api2, Some("info"), &[]);
+    api_load_lazy(&api2, &dir);
+    hot_plug(&api2, "gpu-b", &sockets[1]);
+    unplug_b_once_peers(restored, &api2)
         .assert_stderr_has("restore: gpu-a is back at")
-        .assert_stderr_has("'s BAR1 +0x0 (256 MiB) mapped at")
-        .assert_stderr_has("unmapped at");
-    for server in [server_a, server_b] {
-        let done = server.wait(Duration::from_secs(30));
-        assert_eq!(done.code(), Some(0), "{}", done.stderr);
-    }
+        .assert_stderr_has("'s BAR1 +0x0 (256 MiB) mapped at");
+    assert_servers_ended_cleanly([server_a, server_b]);
 }

@@ -7,14 +7,14 @@
 //! the helpers they share in snapshot_support.rs.
 
 use std::collections::BTreeSet;
-use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::snapshot_support::{
-    arg, assert_continues, assert_restored_memloop_completes, field, has, iterations, memory_files,
-    memory_header, only_report, read_state, reports, restore, signal_snapshot, small_snapshot,
-    snapshot_memloop_then_exit, Memloop, GUEST_2_VCPUS, LIMIT,
+    arg, ask_for_a_second_snapshot, assert_continues, assert_restored_memloop_completes, field,
+    has, iterations, kill_9, memory_files, memory_header, only_report, read_state, reports,
+    restore, signal_snapshot, small_snapshot, snapshot_memloop_then_exit,
+    start_memloop_and_snapshot, wait_for_a_new_memory_file, Memloop, GUEST_2_VCPUS, LIMIT,
 };
 use gpuvm_tests::{
     start_uffd_handler, HugePageReservation, RunOutput, Scratch, SpawnedProcess, HUGEPAGE_LOCK,
@@ -119,6 +119,40 @@ fn restore_external(scratch: &Scratch, dir: &Path, extra: &[&str]) -> (RunOutput
     (out, handler)
 }
 
+/// Restores `dir` (plus `extra`) through the test page-fault handler, which dies after
+/// serving `die_after_faults` faults; gpuvm must end within a minute. Returns gpuvm's and
+/// the handler's output, the handler's exit checked (3: it died as told).
+fn restore_through_a_dying_handler(
+    scratch: &Scratch,
+    dir: &Path,
+    die_after_faults: &str,
+    extra: &[&str],
+) -> (RunOutput, RunOutput) {
+    let socket = scratch.path("uffd.sock");
+    let handler = start_uffd_handler(
+        Path::new(HANDLER),
+        &socket,
+        dir,
+        &["--die-after-faults", die_after_faults],
+    );
+    let mut args = vec![
+        "restore",
+        "--snapshot",
+        arg(dir),
+        "--restore-mode",
+        "external",
+        "--uffd-socket",
+        arg(&socket),
+    ];
+    args.extend_from_slice(extra);
+    let out = SpawnedProcess::gpuvm(&args)
+        .wait_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("gpuvm {args:?} hung after the page-fault handler died"));
+    let handler = handler.wait(Duration::from_secs(30));
+    assert_eq!(handler.code(), Some(3), "handler: {}", handler.describe());
+    (out, handler)
+}
+
 fn assert_handler_served(handler: &RunOutput) {
     assert_eq!(handler.code(), Some(0), "handler: {}", handler.describe());
     assert!(handler.stdout.contains("uffd-handler: gpuvm connected"));
@@ -176,27 +210,7 @@ fn external_handler_death_fails_the_restore_cleanly() {
     let scratch = Scratch::new("snapshot", "handler-death");
     let dir = scratch.path("snap");
     snapshot_memloop_then_exit(&dir, &GUEST_2_VCPUS);
-    let socket = scratch.path("uffd.sock");
-    let handler = start_uffd_handler(
-        Path::new(HANDLER),
-        &socket,
-        &dir,
-        &["--die-after-faults", "300"],
-    );
-    let run = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&dir),
-        "--restore-mode",
-        "external",
-        "--uffd-socket",
-        arg(&socket),
-    ]);
-    let out = run
-        .wait_timeout(Duration::from_secs(60))
-        .expect("gpuvm hung after the page-fault handler died");
-    let handler = handler.wait(Duration::from_secs(30));
-    assert_eq!(handler.code(), Some(3), "handler: {}", handler.describe());
+    let (out, handler) = restore_through_a_dying_handler(&scratch, &dir, "300", &[]);
     assert!(handler.stdout.contains("uffd-handler: dying after"));
     out.assert_clean_error("page-fault handler exited");
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
@@ -212,32 +226,13 @@ fn external_handler_death_during_a_snapshot_fails_cleanly() {
     // 128 MiB of RAM, 32 MiB touched by the guest: the guest alone faults well under
     // 20,000 pages; the snapshot's fault-in of all 32,768 pages crosses that.
     let dir = small_snapshot(&scratch);
-    let socket = scratch.path("uffd.sock");
-    let handler = start_uffd_handler(
-        Path::new(HANDLER),
-        &socket,
-        &dir,
-        &["--die-after-faults", "20000"],
-    );
     let second = scratch.path("second");
-    let run = SpawnedProcess::gpuvm(&[
-        "restore",
-        "--snapshot",
-        arg(&dir),
-        "--restore-mode",
-        "external",
-        "--uffd-socket",
-        arg(&socket),
-        "--snapshot-dir",
-        arg(&second),
-        "--snapshot-after-ms",
-        "300",
-    ]);
-    let out = run
-        .wait_timeout(Duration::from_secs(60))
-        .expect("gpuvm hung after the page-fault handler died during a snapshot");
-    let handler = handler.wait(Duration::from_secs(30));
-    assert_eq!(handler.code(), Some(3), "handler: {}", handler.describe());
+    let (out, _) = restore_through_a_dying_handler(
+        &scratch,
+        &dir,
+        "20000",
+        &["--snapshot-dir", arg(&second), "--snapshot-after-ms", "300"],
+    );
     out.assert_clean_error("page-fault handler exited");
     out.assert_clean_error("while the snapshot was loading guest memory");
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
@@ -333,14 +328,7 @@ fn restore_after_kill_9() {
     run.wait_until("an iteration after the snapshot", LIMIT, |p| {
         iterations(&p.stdout()).len() > seen
     });
-    run.signal(libc::SIGKILL);
-    let killed = run.wait(LIMIT);
-    assert_eq!(
-        killed.status.signal(),
-        Some(libc::SIGKILL),
-        "{}",
-        killed.describe()
-    );
+    let killed = kill_9(run, "a kill after the snapshot");
     assert!(
         !killed.stdout.contains("memloop: done"),
         "{}",
@@ -367,16 +355,6 @@ enum KillPoint {
     AfterCommit,
 }
 
-/// Whether `dir` holds a memory file (temporary or final) not in `named`.
-fn has_new_memory_file(dir: &Path, named: &BTreeSet<String>) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.contains("memory-") && !named.contains(&name)
-        })
-    })
-}
-
 #[test]
 fn kill_9_during_snapshot_keeps_the_previous_one() {
     let scratch = Scratch::new("snapshot", "kill-during");
@@ -388,7 +366,6 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
         backing: "memfd",
         seed: 11,
     };
-    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
     let mut mid_write = 0;
     let mut outcomes = Vec::new();
     // Kill after fixed delays into the second snapshot, as soon as its memory file
@@ -410,42 +387,21 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             KillPoint::AfterCommit => "kill after the commit".into(),
         };
         let dir = scratch.path(&format!("snap-{n}"));
-        let mut args = guest.args(&cmdline, &vcpus);
-        args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
-        let mut run = SpawnedProcess::gpuvm(&args);
-        run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-        signal_snapshot(run.pid());
-        run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
-        let first_state = std::fs::read(dir.join("state")).expect("state");
-        let first_files = memory_files(&dir);
-        let seen = iterations(&run.stdout()).len();
-        run.wait_until("an iteration after the first snapshot", LIMIT, |p| {
-            iterations(&p.stdout()).len() > seen
-        });
-        signal_snapshot(run.pid());
+        let mut run = start_memloop_and_snapshot(&guest, &dir, &[]);
+        let first = ask_for_a_second_snapshot(&mut run, &dir);
         match point {
             KillPoint::After(ms) => std::thread::sleep(Duration::from_millis(ms)),
             KillPoint::MemoryFileAppears => {
-                let named: BTreeSet<String> = first_files.iter().cloned().collect();
-                run.wait_until("the second memory file", LIMIT, |_| {
-                    has_new_memory_file(&dir, &named)
-                });
+                wait_for_a_new_memory_file(&mut run, &dir, &first.memory_files)
             }
             KillPoint::AfterCommit => run.wait_until("the second snapshot", LIMIT, |_| {
-                std::fs::read(dir.join("state")).is_ok_and(|now| now != first_state)
+                std::fs::read(dir.join("state")).is_ok_and(|now| now != first.state)
             }),
         }
-        run.signal(libc::SIGKILL);
-        let killed = run.wait(LIMIT);
-        assert_eq!(
-            killed.status.signal(),
-            Some(libc::SIGKILL),
-            "{label}: {}",
-            killed.describe()
-        );
+        kill_9(run, &label);
 
         let state_now = std::fs::read(dir.join("state")).expect("a state file survives");
-        let kept_previous = state_now == first_state;
+        let kept_previous = state_now == first.state;
         let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
         for file in &named {
             assert!(dir.join(file).exists(), "{label}: {file} is gone");
@@ -457,7 +413,7 @@ fn kill_9_during_snapshot_keeps_the_previous_one() {
             .filter(|name| name != "state" && !named.contains(name))
             .collect();
         if kept_previous {
-            assert_eq!(memory_files(&dir), first_files);
+            assert_eq!(memory_files(&dir), first.memory_files);
             if !leftovers.is_empty() {
                 mid_write += 1;
             }
@@ -494,19 +450,11 @@ fn interrupted_snapshot_leaves_no_garbage_after_the_next_one() {
         backing: "memfd",
         seed: 13,
     };
-    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
-    let mut args = guest.args(&cmdline, &vcpus);
-    args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
-    let mut run = SpawnedProcess::gpuvm(&args);
-    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-    signal_snapshot(run.pid());
+    let mut run = start_memloop_and_snapshot(&guest, &dir, &[]);
     run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
     signal_snapshot(run.pid());
     // Kill as soon as the second memory file is being written.
-    let named: BTreeSet<String> = memory_files(&dir).into_iter().collect();
-    run.wait_until("the second memory file", LIMIT, |_| {
-        has_new_memory_file(&dir, &named)
-    });
+    wait_for_a_new_memory_file(&mut run, &dir, &memory_files(&dir));
     run.signal(libc::SIGKILL);
     drop(run);
 

@@ -6,16 +6,16 @@
 //! leave the previous snapshot whole, and a writer that fails (a full disk) must leave the
 //! VM running.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::process::ExitStatusExt;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
 use gpuvm_tests::snapshot_support::{
-    arg, assert_restored_memloop_completes, field, iterations, memory_files, only_report, restore,
-    signal_snapshot, Memloop, LIMIT,
+    arg, ask_for_a_second_snapshot, assert_restored_memloop_completes, field, iterations, kill_9,
+    memory_files, only_report, restore, start_memloop_and_snapshot, wait_for_a_new_memory_file,
+    Memloop, LIMIT,
 };
-use gpuvm_tests::{Scratch, SpawnedProcess};
+use gpuvm_tests::Scratch;
 
 /// 384 MiB rewritten by 2 vCPUs: each iteration takes long enough that the memory file
 /// is written while the guest is mid-iteration, writing pages ahead of the writer.
@@ -52,14 +52,7 @@ fn unsupported(stderr: &str) -> Option<&str> {
 /// run), lets it finish, and returns the run's output and the snapshot's `memory_ms`
 /// and `paused_ms`.
 fn snapshot_while_running(dir: &Path, extra: &[&str]) -> (gpuvm_tests::RunOutput, i64, i64) {
-    let (cmdline, vcpus) = (GUEST.cmdline(), GUEST.vcpus.to_string());
-    let mut args = GUEST.args(&cmdline, &vcpus);
-    args.extend(["--snapshot-dir", arg(dir), "--snapshot-then", "resume"]);
-    args.extend_from_slice(extra);
-    let mut run = SpawnedProcess::gpuvm(&args);
-    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-    signal_snapshot(run.pid());
-    let out = run.wait(LIMIT);
+    let out = start_memloop_and_snapshot(&GUEST, dir, extra).wait(LIMIT);
     assert_eq!(out.code(), Some(0), "{}", out.describe());
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert!(out.stdout.contains("memloop: done"), "{}", out.describe());
@@ -117,52 +110,21 @@ fn snapshot_pause_full_keeps_the_vcpus_paused_for_the_write() {
     assert_restored_memloop_completes(&restored, GUEST.iters);
 }
 
-fn has_new_memory_file(dir: &Path, named: &BTreeSet<String>) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            name.contains("memory-") && !named.contains(&name)
-        })
-    })
-}
-
 #[test]
 fn kill_9_during_a_background_write_keeps_the_previous_snapshot() {
     let scratch = Scratch::new("snapshot-background", "kill");
     let dir = scratch.path("snap");
-    let (cmdline, vcpus) = (GUEST.cmdline(), GUEST.vcpus.to_string());
-    let mut args = GUEST.args(&cmdline, &vcpus);
-    args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
-    let mut run = SpawnedProcess::gpuvm(&args);
-    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-    signal_snapshot(run.pid());
-    run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
-    let first_state = std::fs::read(dir.join("state")).expect("state");
-    let first_files = memory_files(&dir);
-    let seen = iterations(&run.stdout()).len();
-    run.wait_until("an iteration after the first snapshot", LIMIT, |p| {
-        iterations(&p.stdout()).len() > seen
-    });
-    signal_snapshot(run.pid());
+    let mut run = start_memloop_and_snapshot(&GUEST, &dir, &[]);
+    let first = ask_for_a_second_snapshot(&mut run, &dir);
     // The second memory file appears once the vCPUs run again: kill mid-write.
-    let named: BTreeSet<String> = first_files.iter().cloned().collect();
-    run.wait_until("the second memory file", LIMIT, |_| {
-        has_new_memory_file(&dir, &named)
-    });
-    run.signal(libc::SIGKILL);
-    let killed = run.wait(LIMIT);
-    assert_eq!(
-        killed.status.signal(),
-        Some(libc::SIGKILL),
-        "{}",
-        killed.describe()
-    );
+    wait_for_a_new_memory_file(&mut run, &dir, &first.memory_files);
+    kill_9(run, "a kill during the background write");
     assert_eq!(
         std::fs::read(dir.join("state")).expect("a state file survives"),
-        first_state,
+        first.state,
         "the kill landed after the commit; the test proved nothing"
     );
-    assert_eq!(memory_files(&dir), first_files);
+    assert_eq!(memory_files(&dir), first.memory_files);
     let out = restore(&dir, "lazy", &[]);
     assert_restored_memloop_completes(&out, GUEST.iters);
 }
@@ -210,12 +172,7 @@ fn a_full_disk_fails_the_snapshot_and_the_vm_runs_on() {
         }
     };
     let dir = mount.join("snap");
-    let (cmdline, vcpus) = (GUEST.cmdline(), GUEST.vcpus.to_string());
-    let mut args = GUEST.args(&cmdline, &vcpus);
-    args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "resume"]);
-    let mut run = SpawnedProcess::gpuvm(&args);
-    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-    signal_snapshot(run.pid());
+    let mut run = start_memloop_and_snapshot(&GUEST, &dir, &[]);
     run.wait_for_stderr("the VM keeps running", LIMIT);
     let failed_at = iterations(&run.stdout()).len();
     let out = run.wait(LIMIT);

@@ -1,11 +1,13 @@
-//! Helpers the snapshot tests share (tests/snapshot.rs, snapshot_diff.rs,
-//! snapshot_damage.rs): the state and memory file formats, the memloop guest snapshotted
-//! by one gpuvm process and restored by another, and gpuvm's report lines.
+//! Helpers the snapshot tests share (tests/snapshot.rs, snapshot_background.rs,
+//! snapshot_diff.rs, snapshot_damage.rs): the state and memory file formats, the memloop
+//! guest snapshotted by one gpuvm process and restored by another (or snapshotted twice
+//! while it runs on), and gpuvm's report lines.
 //!
 //! The state and memory file formats are decoded here from their documentation
 //! (vmm/src/persist.rs, memory/src/snapshot/format.rs), not with gpuvm's own code, so a
 //! reader and writer that agree on a wrong format still fail.
 
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -319,6 +321,71 @@ pub fn snapshot_memloop_then_exit(dir: &Path, guest: &Memloop) -> String {
     );
     assert_eq!(header.data_pages, field(&report, "data_pages") as u64);
     out.stdout
+}
+
+/// Starts `guest` snapshotting into `dir` without stopping (`--snapshot-then resume`, plus
+/// `extra`) and asks for its first snapshot once iteration 0 is done.
+pub fn start_memloop_and_snapshot(guest: &Memloop, dir: &Path, extra: &[&str]) -> SpawnedProcess {
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend(["--snapshot-dir", arg(dir), "--snapshot-then", "resume"]);
+    args.extend_from_slice(extra);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
+    signal_snapshot(run.pid());
+    run
+}
+
+/// What a committed snapshot left in its directory.
+pub struct CommittedSnapshot {
+    /// The state file's bytes.
+    pub state: Vec<u8>,
+    /// The memory files it names.
+    pub memory_files: Vec<String>,
+}
+
+/// Waits until the first snapshot of `run` (from [`start_memloop_and_snapshot`]) has
+/// committed into `dir`, lets the guest finish one more iteration and asks for a second
+/// snapshot; returns what the first one left.
+pub fn ask_for_a_second_snapshot(run: &mut SpawnedProcess, dir: &Path) -> CommittedSnapshot {
+    run.wait_until("the first snapshot", LIMIT, |_| dir.join("state").exists());
+    let first = CommittedSnapshot {
+        state: std::fs::read(dir.join("state")).expect("state"),
+        memory_files: memory_files(dir),
+    };
+    let seen = iterations(&run.stdout()).len();
+    run.wait_until("an iteration after the first snapshot", LIMIT, |p| {
+        iterations(&p.stdout()).len() > seen
+    });
+    signal_snapshot(run.pid());
+    first
+}
+
+/// Waits until `dir` holds a memory file (temporary or final) not in `named`: the next
+/// snapshot's, being written.
+pub fn wait_for_a_new_memory_file(run: &mut SpawnedProcess, dir: &Path, named: &[String]) {
+    run.wait_until("the second memory file", LIMIT, |_| {
+        std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.flatten().any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.contains("memory-") && !named.contains(&name)
+            })
+        })
+    });
+}
+
+/// Kills `run` with SIGKILL and reaps it; it must have died of that signal (`context` for the
+/// assertion message).
+pub fn kill_9(mut run: SpawnedProcess, context: &str) -> RunOutput {
+    run.signal(libc::SIGKILL);
+    let killed = run.wait(LIMIT);
+    assert_eq!(
+        killed.status.signal(),
+        Some(libc::SIGKILL),
+        "{context}: {}",
+        killed.describe()
+    );
+    killed
 }
 
 /// Restores `dir` in `mode` (`--report-timing`, plus `extra`) and waits for the run to end.

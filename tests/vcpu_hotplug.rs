@@ -7,18 +7,14 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::cloud_hypervisor_support::{
-    guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
-};
+use gpuvm_tests::cloud_hypervisor_support::{boot_test_guest, spawn_ch, vm_info, wait_for_vm};
 use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// `cloud-hypervisor --kernel <test guest> --cmdline cpu-hotplug --cpus boot=1,max=4`.
 fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
-    let kernel = guest_image(scratch);
-    let mut args = test_guest_args(api, &kernel, "cpu-hotplug");
-    args.extend([
+    let options = [
         "--cpus",
         "boot=1,max=4",
         "--memory",
@@ -26,10 +22,8 @@ fn start(scratch: &Scratch, api: &Path) -> SpawnedProcess {
         "--seccomp",
         "true",
         "-v",
-    ]);
-    let mut vm = spawn_ch(scratch, &args);
-    wait_for_vm(&mut vm, api, LIMIT);
-    vm
+    ];
+    boot_test_guest(scratch, api, "cpu-hotplug", &options, LIMIT)
 }
 
 fn resize(api: &Path, status: u16, body: &str) -> String {

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::snapshot_support::arg;
+use gpuvm_tests::vhost_user_support::{backend_binary, start_qsd, start_virtiofsd, Backend};
 use gpuvm_tests::virtio_support::{self, blk_image, vsock_echo};
 use gpuvm_tests::{
     api_expect, api_start_instance, run_gpuvm, wait_for_api_socket, RunOutput, Scratch,
@@ -23,8 +24,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 /// How long gpuvm may take to refuse a device whose backend is not there (its connect
 /// timeout is 5 s, its reply timeout 5 s).
 const REFUSAL_LIMIT: Duration = Duration::from_secs(15);
-/// How long a backend gets to create its socket.
-const BACKEND_START: Duration = Duration::from_secs(10);
 /// Where the `virtio-blk` workload writes its pattern, and with which seed.
 const TEST_OFFSET: u64 = 8 * 512;
 const TEST_LEN: u64 = 8 * 512;
@@ -35,111 +34,6 @@ const DEVICES_FIRST_SECTOR: u64 = 16;
 /// What the `virtio-fs` workload writes into `from-guest.txt`
 /// (guest-images/testguest/src/virtio/fs.rs).
 const FS_WRITTEN: &str = "written by the gpuvm test guest over virtio-fs\n";
-
-/// `name` in $PATH (and, for cargo-installed backends, in ~/.cargo/bin).
-fn find_binary(name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).collect())
-        .unwrap_or_default();
-    if let Some(cargo_home) = std::env::var_os("CARGO_HOME") {
-        dirs.push(PathBuf::from(cargo_home).join("bin"));
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        dirs.push(PathBuf::from(home).join(".cargo/bin"));
-    }
-    dirs.into_iter()
-        .map(|dir| dir.join(name))
-        .find(|candidate| {
-            std::fs::metadata(candidate)
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-}
-
-/// The backend binary, or `None` after saying on stderr that `test` is skipped.
-fn backend_binary(name: &str, test: &str) -> Option<PathBuf> {
-    let found = find_binary(name);
-    if found.is_none() {
-        eprintln!(
-            "SKIPPED vhost_user::{test}: {name} is not installed (not in PATH nor ~/.cargo/bin; \
-             scripts/install-deps.sh installs it)"
-        );
-    }
-    found
-}
-
-/// A backend process started by a test: killed (SIGKILL) and reaped on drop
-/// ([`SpawnedProcess`]'s drop).
-struct Backend {
-    name: &'static str,
-    process: SpawnedProcess,
-}
-
-impl Backend {
-    /// Starts `program ARGS` and waits until `socket` exists (panics with the backend's
-    /// output if it exits first or takes longer than [`BACKEND_START`]).
-    fn start(name: &'static str, program: &Path, args: &[&str], socket: &Path) -> Backend {
-        let mut process = SpawnedProcess::spawn(program, args);
-        process.wait_until(
-            &format!("{name} to create {}", socket.display()),
-            BACKEND_START,
-            |_| socket.exists(),
-        );
-        Backend { name, process }
-    }
-
-    /// Kills the backend with SIGKILL and reaps it.
-    fn kill9(self) {
-        let Backend { name, mut process } = self;
-        process.signal(libc::SIGKILL);
-        let out = process.wait(Duration::from_secs(10));
-        assert_eq!(
-            out.status.code(),
-            None,
-            "{name} was expected to die of SIGKILL: {}",
-            out.describe()
-        );
-    }
-
-    /// What the backend wrote to stderr so far (for assertion messages).
-    fn stderr(&self) -> String {
-        format!("--- {} stderr\n{}", self.name, self.process.stderr())
-    }
-}
-
-/// qemu-storage-daemon exporting `image` as vhost-user-blk on `socket`.
-fn start_qsd(program: &Path, image: &Path, socket: &Path, writable: bool) -> Backend {
-    let file = format!("driver=file,node-name=file0,filename={}", arg(image));
-    let export = format!(
-        "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,addr.path={},writable={}",
-        arg(socket),
-        if writable { "on" } else { "off" }
-    );
-    Backend::start(
-        "qemu-storage-daemon",
-        program,
-        &[
-            "--blockdev",
-            &file,
-            "--blockdev",
-            "driver=raw,node-name=disk0,file=file0",
-            "--export",
-            &export,
-        ],
-        socket,
-    )
-}
-
-/// virtiofsd sharing `dir` on `socket` (it writes `<socket>.pid` beside it).
-fn start_virtiofsd(program: &Path, dir: &Path, socket: &Path) -> Backend {
-    let socket_arg = format!("--socket-path={}", arg(socket));
-    let dir_arg = format!("--shared-dir={}", arg(dir));
-    Backend::start(
-        "virtiofsd",
-        program,
-        &[&socket_arg, &dir_arg, "--sandbox", "none"],
-        socket,
-    )
-}
 
 /// The whole stdout line that starts with `prefix` (panics with the output without one).
 fn line_starting<'a>(out: &'a RunOutput, prefix: &str) -> &'a str {
@@ -217,7 +111,7 @@ struct QsdDrive {
 
 /// [`QsdDrive`], or `None` (the test skipped) without qemu-storage-daemon.
 fn qsd_drive(test: &str, name: &str, writable: bool) -> Option<QsdDrive> {
-    let qsd = backend_binary("qemu-storage-daemon", test)?;
+    let qsd = backend_binary("qemu-storage-daemon", "vhost_user", test)?;
     let scratch = Scratch::new("vhost_user", name);
     let image = blk_image(&scratch, 1 << 20);
     let socket = scratch.path("qsd.sock");
@@ -254,25 +148,18 @@ fn start_api_vm(
     (vm, api, uds)
 }
 
-#[test]
-fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
-    let Some(qsd) = qsd_drive(
-        "a_drive_on_qemu_storage_daemon_is_read_written_and_flushed",
-        "blk-rw",
-        true,
-    ) else {
-        return;
-    };
-    let out = run_gpuvm(
-        &["run", "--cmdline", "virtio-blk", "--drive", &qsd.drive],
-        LIMIT,
-    );
+/// Runs the `virtio-blk` workload with `qsd`'s export given as `flag value`: the guest
+/// sees 2048 writable sectors with flush, writes, flushes and reads back its pattern, ends
+/// with an ok line that goes on with `ok_fields` (and ends `rw=yes`), and the pattern is in
+/// the image.
+fn assert_blk_read_written_and_flushed(qsd: &QsdDrive, flag: &str, value: &str, ok_fields: &str) {
+    let out = run_gpuvm(&["run", "--cmdline", "virtio-blk", flag, value], LIMIT);
     out.assert_code(0);
     out.assert_stdout_has("virtio-blk: capacity 2048 sectors, read-write, flush offered");
     out.assert_stdout_has("virtio-blk: wrote, flushed and read back 4096 bytes at sector 8");
     let ok = line_starting(&out, "virtio-blk: ok ");
     assert!(
-        ok.starts_with("virtio-blk: ok capacity=2048 serial=") && ok.ends_with(" rw=yes"),
+        ok.starts_with(&format!("virtio-blk: ok {ok_fields}")) && ok.ends_with(" rw=yes"),
         "{ok:?}\n{}",
         out.describe()
     );
@@ -282,6 +169,18 @@ fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
         qsd.image.display(),
         qsd.backend.stderr()
     );
+}
+
+#[test]
+fn a_drive_on_qemu_storage_daemon_is_read_written_and_flushed() {
+    let Some(qsd) = qsd_drive(
+        "a_drive_on_qemu_storage_daemon_is_read_written_and_flushed",
+        "blk-rw",
+        true,
+    ) else {
+        return;
+    };
+    assert_blk_read_written_and_flushed(&qsd, "--drive", &qsd.drive, "capacity=2048 serial=");
 }
 
 #[test]
@@ -314,6 +213,7 @@ fn a_read_only_export_refuses_writes_and_keeps_its_image() {
 fn a_virtiofsd_share_is_read_and_written_over_fuse() {
     let Some(virtiofsd) = backend_binary(
         "virtiofsd",
+        "vhost_user",
         "a_virtiofsd_share_is_read_and_written_over_fuse",
     ) else {
         return;
@@ -566,6 +466,7 @@ fn a_killed_qemu_storage_daemon_leaves_the_vmm_in_control() {
 fn a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on() {
     let Some(virtiofsd) = backend_binary(
         "virtiofsd",
+        "vhost_user",
         "a_snapshot_of_a_vm_with_a_share_is_refused_and_the_vm_runs_on",
     ) else {
         return;
@@ -605,25 +506,7 @@ fn a_generic_vhost_user_block_device_is_read_written_and_flushed() {
         return;
     };
     let device = format!("type=2,socket={},id=gdisk,queue_size=128", arg(&qsd.socket));
-    let out = run_gpuvm(
-        &["run", "--cmdline", "virtio-blk", "--vhost-user", &device],
-        LIMIT,
-    );
-    out.assert_code(0);
-    out.assert_stdout_has("virtio-blk: capacity 2048 sectors, read-write, flush offered");
-    out.assert_stdout_has("virtio-blk: wrote, flushed and read back 4096 bytes at sector 8");
-    let ok = line_starting(&out, "virtio-blk: ok ");
-    assert!(
-        ok.starts_with("virtio-blk: ok capacity=2048 ") && ok.ends_with(" rw=yes"),
-        "{ok:?}\n{}",
-        out.describe()
-    );
-    assert!(
-        virtio_support::pattern_is_on_disk(&qsd.image, TEST_OFFSET, TEST_LEN, PATTERN_SEED),
-        "the guest's write (sectors 8..16) is not in {}\n{}",
-        qsd.image.display(),
-        qsd.backend.stderr()
-    );
+    assert_blk_read_written_and_flushed(&qsd, "--vhost-user", &device, "capacity=2048 ");
 }
 
 /// Bad `--vhost-user` values are refused from the configuration alone, before any connect
