@@ -96,6 +96,25 @@ abort_gpuvm() {
     fail "$2 (gpuvm $1 status $status)"
 }
 
+# start_ch: starts gpuvm as Cloud Hypervisor in the background, as Kata does (it starts the binary it is
+# configured with; gpuvm takes Cloud Hypervisor's command line by that name), its API on /tmp/ch.sock and
+# its output in /tmp/ch.log (the gpuvm named `ch` for wait_log, wait_gpuvm and abort_gpuvm); waits for the
+# socket.
+start_ch() {
+    ln -s /bin/gpuvm /tmp/cloud-hypervisor
+    echo "+ cloud-hypervisor --api-socket /tmp/ch.sock &"
+    /tmp/cloud-hypervisor --api-socket /tmp/ch.sock >/tmp/ch.log 2>&1 &
+    echo $! >/tmp/ch.pid
+    wait_for /tmp/ch.sock 30
+}
+
+# ch_checked METHOD PATH [BODY]: one request to start_ch's API, its answer in /tmp/ch-call.out; a failed
+# request ends that gpuvm and the scenario.
+ch_checked() {
+    gpuvm ctl --api-sock /tmp/ch.sock raw "$@" >/tmp/ch-call.out 2>&1 ||
+        abort_gpuvm ch "$1 $2 failed: $(cat /tmp/ch-call.out)"
+}
+
 # wait_log NAME TEXT SECONDS: waits until the log of gpuvm NAME holds TEXT (aborting it if it never does).
 wait_log() {
     n=0

@@ -1,27 +1,19 @@
 # about: memory hot-plug as Kata's default configuration asks for it, in a VM with a virtio disk: gpuvm as Cloud Hypervisor boots a Linux guest with 512 MiB and room for 1 GiB more; vm.resize desired_ram adds 256 MiB that Linux finds through its ACPI memory devices, onlines and fills, and the disk keeps working
 . /lib/real-kernel.sh
 dd if=/dev/zero of=/tmp/disk.img bs=1M count=16 2>/dev/null
-ln -s /bin/gpuvm /tmp/cloud-hypervisor
-echo "+ cloud-hypervisor --api-socket /tmp/ch.sock &"
-/tmp/cloud-hypervisor --api-socket /tmp/ch.sock >/tmp/ch.log 2>&1 &
-echo $! >/tmp/ch.pid
-wait_for /tmp/ch.sock 30
-ch() {
-    gpuvm ctl --api-sock /tmp/ch.sock raw "$@" >/tmp/ch-call.out 2>&1 ||
-        abort_gpuvm ch "$1 $2 failed: $(cat /tmp/ch-call.out)"
-}
-ch PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
+start_ch
+ch_checked PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
     "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=blk,memplug inner.end=poweroff"},
     "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
     "memory": {"size": 536870912, "hotplug_size": 1073741824},
     "disks": [{"path": "/tmp/disk.img", "id": "disk0"}],
     "serial": {"mode": "Tty"}, "console": {"mode": "Off"}}'
-ch PUT /api/v1/vm.boot
+ch_checked PUT /api/v1/vm.boot
 wait_log ch "inner: waiting for hot-plugged memory" 180
 # What Kata's ResizeMemory sends for a container with a 200 MiB limit: 256 MiB more (whole 128 MiB blocks).
-ch PUT /api/v1/vm.resize '{"desired_ram": 805306368}'
+ch_checked PUT /api/v1/vm.resize '{"desired_ram": 805306368}'
 wait_log ch "MiB held in tmpfs" 180
-ch GET /api/v1/vm.info
+ch_checked GET /api/v1/vm.info
 grep -q '"size": *805306368' /tmp/ch-call.out || abort_gpuvm ch "vm.info does not say 768 MiB: $(cat /tmp/ch-call.out)"
 wait_gpuvm ch 180 || fail "gpuvm status $?"
 expect_line /tmp/ch.log "inner: blk ok"

@@ -3,12 +3,7 @@
 . /lib/real-kernel.sh
 bdf="$(pci_find 1234 11e8)" || fail "no edu device"
 vfio_bind "$bdf" >/dev/null
-# Kata starts the binary it is configured with; gpuvm takes Cloud Hypervisor's command line by that name.
-ln -s /bin/gpuvm /tmp/cloud-hypervisor
-echo "+ cloud-hypervisor --api-socket /tmp/ch.sock &"
-/tmp/cloud-hypervisor --api-socket /tmp/ch.sock >/tmp/ch.log 2>&1 &
-echo $! >/tmp/ch.pid
-wait_for /tmp/ch.sock 30
+start_ch
 ch() {
     gpuvm ctl --api-sock /tmp/ch.sock raw "$@"
 }
