@@ -5,11 +5,18 @@
 //! its path after each update. A new binary that cannot start, refuses the VM, crashes,
 //! hangs or is killed with SIGKILL during the hand-over leaves the VM running in the old
 //! process. A VM with a device the hand-over does not carry yet is refused as such.
+//! Attackers' views: another local process connecting to the hand-over socket first gets
+//! nothing and the update goes through; the old process offers its VM to no symbolic
+//! link, no socket in a directory others may write to and no listener of another user.
 //! The guest-visible downtime is printed for 1 GiB and 16 GiB guests and must not grow
 //! with RAM.
 
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use gpuvm_tests::snapshot_support::iterations;
@@ -103,8 +110,14 @@ impl UpdatableVm {
     /// An update that must go through: the new process runs the VM, the old one ends,
     /// and the API socket answers at its path.
     fn update_ok(&mut self, extra: &[&str]) {
-        let old = self.owner;
         let out = self.update(extra, &[]);
+        self.updated(&out);
+    }
+
+    /// Checks that the `gpuvm update` that printed `out` went through (as
+    /// [`UpdatableVm::update_ok`]) and follows the VM to its new process.
+    fn updated(&mut self, out: &Output) {
+        let old = self.owner;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
             out.status.success(),
@@ -291,12 +304,13 @@ fn memloop_keeps_its_checksums_across_consecutive_updates() {
 fn a_failed_update_leaves_the_vm_running_in_the_old_process() {
     let vm = UpdatableVm::start("failures", "512M", "memloop 32M 9 100000", &[]);
     vm.wait_iterations_past(1);
-    // A binary that is not gpuvm: it holds the hand-over socket until it exits, so the old
-    // process finds nobody listening or a connection reset, depending on when it connects.
+    // A binary that is not gpuvm never listens on the hand-over socket: the old process is
+    // not even asked.
     vm.update_fails(
         &["--binary", "/bin/false"],
         &[],
-        "(the new gpuvm /bin/false ended: exit status: 1)",
+        "the new gpuvm /bin/false ended before it listened on the hand-over socket (exit \
+         status: 1)",
     );
     // The new gpuvm refuses the state, crashes before it is ready, never answers.
     vm.update_fails(
@@ -413,6 +427,178 @@ fn receiver_of(api: &Path) -> Option<i32> {
             let api = api.to_str()?.as_bytes();
             (args.contains(&&b"update-receive"[..]) && args.contains(&api)).then_some(pid)
         })
+}
+
+/// The hand-over socket `gpuvm update-receive` process `receiver` listens on.
+fn handover_socket_of(receiver: i32) -> Option<PathBuf> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{receiver}/fd"))
+        .ok()?
+        .flatten()
+        .filter_map(|entry| std::fs::read_link(entry.path()).ok())
+        .filter_map(|target| {
+            let target = target.to_str()?;
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_owned(),
+            )
+        })
+        .collect();
+    // Columns: Num RefCount Protocol Flags Type St Inode Path.
+    std::fs::read_to_string("/proc/net/unix")
+        .ok()?
+        .lines()
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let listening = u64::from_str_radix(fields.get(3)?, 16).ok()? & 0x10000 != 0;
+            let inode = fields.get(6)?;
+            let path = fields.get(7)?;
+            (listening
+                && inodes.iter().any(|held| held == inode)
+                && path.ends_with("/handover.sock"))
+            .then(|| PathBuf::from(path))
+        })
+}
+
+fn wait_for<T>(what: &str, mut found: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(value) = found() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "waiting for {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Another local process (this test, root, as the hand-over socket's owner) connects to
+/// the new gpuvm's hand-over socket before the old gpuvm: it is closed unread, nothing is
+/// sent to it, and the update goes through all the same.
+#[test]
+fn a_squatter_on_the_hand_over_socket_gets_nothing_and_the_update_goes_through() {
+    let mut vm = UpdatableVm::start("squatter", "512M", "memloop 32M 17 100000", &[]);
+    vm.wait_iterations_past(1);
+    let seen = iterations(&vm.stdout()).len();
+    // The update waits 3 s between the new gpuvm listening and asking the old one.
+    let update = Command::new(gpuvm_bin())
+        .args(["update", "--pid", &vm.owner.to_string()])
+        .env("GPUVM_TEST_UPDATE_DELAY_REQUEST_MS", "3000")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpuvm update");
+    let receiver = wait_for("the new gpuvm", || receiver_of(&vm.api));
+    let path = wait_for("its hand-over socket", || handover_socket_of(receiver));
+    let dir = path.parent().expect("the socket's directory");
+    let dir_meta = std::fs::symlink_metadata(dir).expect("the socket's directory");
+    assert!(dir_meta.is_dir());
+    assert_eq!(
+        dir_meta.permissions().mode() & 0o777,
+        0o700,
+        "{} is not private",
+        dir.display()
+    );
+    let mut squatter = UnixStream::connect(&path).expect("connect first");
+    squatter
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut got = Vec::new();
+    match squatter.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset),
+    }
+    assert!(got.is_empty(), "the squatter was sent {got:?}");
+    let out = update.wait_with_output().expect("gpuvm update");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        stderr.contains(&format!(
+            "refused a connection to the hand-over socket from process {}",
+            std::process::id()
+        )),
+        "{stderr}"
+    );
+    vm.updated(&out);
+    vm.wait_iterations_past(seen);
+    assert!(!dir.exists(), "{} was left behind", dir.display());
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// PUT /vmm/update names a socket someone else could have put there (reached through a
+/// symbolic link, or in a directory others may write to), or one whose listener is a
+/// process of another user: the old gpuvm refuses it before it sends anything, and runs
+/// the VM on.
+#[test]
+fn the_old_process_offers_its_vm_only_to_a_socket_and_a_listener_it_trusts() {
+    let vm = UpdatableVm::start("path-checks", "512M", "memloop 32M 19 100000", &[]);
+    vm.wait_iterations_past(1);
+    let put = |socket: &Path, expected: &str| {
+        let seen = iterations(&vm.stdout()).len();
+        let body = serde_json::json!({ "handover_socket": socket, "timeout_ms": 5000 });
+        let answer = api_expect(&vm.api, 500, "PUT", "/vmm/update", Some(&body.to_string()));
+        assert!(
+            answer.contains(expected) && answer.contains("the VM runs on in this process"),
+            "{answer}"
+        );
+        vm.wait_api();
+        vm.wait_iterations_past(seen);
+    };
+    let scratch = Scratch::new("live-update", "path-checks-sockets");
+    // A symbolic link (as one planted at a predictable path would be) to a real listener.
+    let private = scratch.path("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let real = private.join("real.sock");
+    let listener = UnixListener::bind(&real).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let link = private.join("link.sock");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    put(&link, "is a symbolic link");
+    // A directory anyone may write to (sticky, as /tmp).
+    let open = scratch.path("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let open_socket = open.join("open.sock");
+    let open_listener = UnixListener::bind(&open_socket).unwrap();
+    open_listener.set_nonblocking(true).unwrap();
+    put(&open_socket, "other users may write to its directory");
+    for listener in [&listener, &open_listener] {
+        assert_eq!(
+            listener.accept().err().map(|e| e.kind()),
+            Some(std::io::ErrorKind::WouldBlock),
+            "the old gpuvm connected"
+        );
+    }
+    // A private socket whose listener runs as another user (nobody).
+    let handover = gpuvm_vmm::update::socket::HandOverSocket::bind(&scratch.path(""))
+        .expect("a hand-over socket");
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&handover.fd());
+    let mut other_user = Command::new("/bin/sleep");
+    other_user.arg("60").uid(65534).gid(65534);
+    // SAFETY: runs in the child after fork, as uid 65534: listen(2) only, on a descriptor
+    // inherited from this process.
+    unsafe {
+        other_user.pre_exec(move || match libc::listen(fd, 1) {
+            0 => Ok(()),
+            _ => Err(std::io::Error::last_os_error()),
+        });
+    }
+    let mut other_user = other_user.spawn().expect("a listener of another user");
+    assert!(handover.is_listening().unwrap());
+    put(
+        handover.path(),
+        "(uid 65534), not a process of root or of uid 0",
+    );
+    // The old gpuvm connected, saw whose socket it was, and closed it without a byte.
+    let accepted = UnixListener::from(handover.fd().try_clone_to_owned().unwrap());
+    let (mut connection, _) = accepted.accept().expect("the old gpuvm's connection");
+    let mut got = Vec::new();
+    connection.read_to_end(&mut got).unwrap();
+    assert!(got.is_empty(), "the old gpuvm sent {got:?}");
+    let _ = other_user.kill();
+    let _ = other_user.wait();
+    assert_eq!(vm.owner, vm.first.pid());
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
 #[test]

@@ -2,14 +2,16 @@
 //! binary's side, the hidden `gpuvm update-receive`.
 //!
 //! The caller spawns the new binary, not the running gpuvm: the running VMM thread's
-//! seccomp filter allows no fork or exec (and should not), so `gpuvm update` starts
-//! `NEW update-receive` with a listening hand-over socket, then asks the running gpuvm
-//! over its API socket (PUT /vmm/update) to connect there and hand the VM over. The
-//! running gpuvm needs nothing new from its filter: a Unix socket, connect, sendmsg,
-//! recvmsg and socket timeouts, all of which it has for vfio-user devices already.
+//! seccomp filter allows no fork or exec (and should not), so `gpuvm update` binds a
+//! hand-over socket in a private directory, starts `NEW update-receive --old-pid P` with
+//! it (the new binary listens on it), then asks the running gpuvm over its API socket
+//! (PUT /vmm/update) to connect there and hand the VM over. Each side checks who is at
+//! the other end (SO_PEERCRED; gpuvm_vmm::update::socket). The running gpuvm needs from
+//! its filter a Unix socket, connect, sendmsg, recvmsg and socket timeouts, which it has
+//! for vfio-user devices already, and `getsockopt(SO_PEERCRED)` and `geteuid`.
 
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::io::{AsRawFd, FromRawFd};
+use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,7 @@ use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::controller::ApiController;
 use gpuvm_vmm::update::receive::{self, Outcome};
+use gpuvm_vmm::update::socket::HandOverSocket;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReportArgs, SeccompArgs};
@@ -49,9 +52,13 @@ pub struct UpdateArgs {
 /// `gpuvm update-receive` (started by `gpuvm update`; not for people).
 #[derive(Args, Debug)]
 pub struct ReceiveArgs {
-    /// The listening hand-over socket, inherited as this descriptor.
+    /// The hand-over socket, bound (this process listens on it), inherited as this
+    /// descriptor.
     #[arg(long)]
     pub handover_fd: i32,
+    /// The running gpuvm: the only process whose connection is accepted.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub old_pid: u32,
     /// The API socket to serve once the old gpuvm has gone (the same path).
     #[arg(long)]
     pub api_sock: PathBuf,
@@ -84,29 +91,42 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
         None => api_socket_of(pid)?,
     };
     let binary = args.binary.clone().unwrap_or_else(|| proc_dir.join("exe"));
-    let handover =
-        std::env::temp_dir().join(format!("gpuvm-update-{pid}-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&handover);
-    let listener = UnixListener::bind(&handover).map_err(|e| {
-        CliError::Other(format!(
-            "cannot listen on the hand-over socket {}: {e}",
-            handover.display()
-        ))
-    })?;
-    let removal = RemoveOnDrop(handover.clone());
-    let mut child = spawn_receiver(&binary, &listener, &api_sock, args.timeout_ms)?;
-    drop(listener);
+    let timeout = Duration::from_millis(args.timeout_ms);
+    // A fresh directory only this user can enter holds the socket: no one else can connect
+    // to it, bind one of their own at its path or put anything there beforehand.
+    let handover = HandOverSocket::bind(&std::env::temp_dir())
+        .map_err(|e| CliError::Other(format!("cannot make the hand-over socket: {e}")))?;
+    let mut child = spawn_receiver(&binary, &handover, pid, &api_sock, args.timeout_ms)?;
+    // The new gpuvm listens on the socket itself, so that the old one, once connected,
+    // sees who will run its VM (SO_PEERCRED). Until then nobody can connect, so the old
+    // one is asked only once it does.
+    if let Err(error) = wait_listening(&handover, &mut child, &binary, timeout) {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(error);
+    }
+    test_delay_request();
     let body = serde_json::json!({
-        "handover_socket": handover,
+        "handover_socket": handover.path(),
         "timeout_ms": args.timeout_ms,
     })
     .to_string();
     let started = Instant::now();
     let answer = gpuvm_api::client::request(&api_sock, "PUT", "/vmm/update", Some(&body));
-    drop(removal);
+    drop(handover);
     match answer {
         Ok(answer) if answer.is_success() => {
             let value: serde_json::Value = serde_json::from_str(&answer.body).unwrap_or_default();
+            // The old gpuvm reports whom it handed the VM to as the kernel names the
+            // socket's listener: the process started here, or something is badly wrong.
+            if value["new_pid"].as_u64() != Some(u64::from(child.id())) {
+                return Err(CliError::Other(format!(
+                    "process {pid} handed its VM to process {}, not to the new gpuvm this \
+                     update started (process {})",
+                    value["new_pid"],
+                    child.id()
+                )));
+            }
             println!(
                 "gpuvm: the VM now runs in process {} ({} binary {}); the hand-over took {} ms, \
                  {} us of it paused before the new process was ready",
@@ -130,6 +150,54 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
             )))
         }
         Err(error) => Err(no_answer(pid, &mut child, &error)),
+    }
+}
+
+/// Test hook: `gpuvm update` waits this many milliseconds between the new gpuvm listening
+/// and asking the old one to connect, so that a test can connect first.
+const DELAY_REQUEST_HOOK: &str = "GPUVM_TEST_UPDATE_DELAY_REQUEST_MS";
+
+fn test_delay_request() {
+    if let Some(millis) = std::env::var(DELAY_REQUEST_HOOK)
+        .ok()
+        .and_then(|value| value.parse::<u64>().ok())
+    {
+        log::warn!("{DELAY_REQUEST_HOOK}={millis}: waiting before asking the running gpuvm");
+        std::thread::sleep(Duration::from_millis(millis));
+    }
+}
+
+/// Waits (at most `timeout`) until the new gpuvm (`child`) listens on `handover`; an error
+/// if it ends first.
+fn wait_listening(
+    handover: &HandOverSocket,
+    child: &mut std::process::Child,
+    binary: &Path,
+    timeout: Duration,
+) -> Result<(), CliError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if handover
+            .is_listening()
+            .map_err(|e| CliError::Other(e.to_string()))?
+        {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(CliError::Other(format!(
+                "the new gpuvm {} ended before it listened on the hand-over socket ({status}); \
+                 the VM was not touched",
+                binary.display()
+            )));
+        }
+        if Instant::now() >= deadline {
+            return Err(CliError::Other(format!(
+                "the new gpuvm {} did not listen on the hand-over socket within {timeout:?}; \
+                 the VM was not touched",
+                binary.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -166,15 +234,17 @@ fn no_answer(
     }
 }
 
-/// Starts `binary update-receive` with `listener` as an inherited descriptor, in its own
-/// process group (a signal to the caller's group must not reach the VM's new home).
+/// Starts `binary update-receive` with the bound hand-over socket as an inherited
+/// descriptor, in its own process group (a signal to the caller's group must not reach
+/// the VM's new home).
 fn spawn_receiver(
     binary: &Path,
-    listener: &UnixListener,
+    handover: &HandOverSocket,
+    old_pid: i32,
     api_sock: &Path,
     timeout_ms: u64,
 ) -> Result<std::process::Child, CliError> {
-    let fd = listener.as_raw_fd();
+    let fd = handover.fd().as_raw_fd();
     // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below. This
     // process starts no other child meanwhile (it has one thread).
     if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
@@ -183,10 +253,12 @@ fn spawn_receiver(
             std::io::Error::last_os_error()
         )));
     }
-    Command::new(binary)
+    let spawned = Command::new(binary)
         .arg("update-receive")
         .arg("--handover-fd")
         .arg(fd.to_string())
+        .arg("--old-pid")
+        .arg(old_pid.to_string())
         .arg("--api-sock")
         .arg(api_sock)
         .arg("--timeout-ms")
@@ -195,16 +267,10 @@ fn spawn_receiver(
         .stdout(Stdio::null())
         .process_group(0)
         .spawn()
-        .map_err(|e| CliError::Other(format!("cannot start {}: {e}", binary.display())))
-}
-
-/// Removes the hand-over socket's file when `gpuvm update` is done with it.
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+        .map_err(|e| CliError::Other(format!("cannot start {}: {e}", binary.display())));
+    // SAFETY: as above; back to close-on-exec, so no later child inherits it.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    spawned
 }
 
 /// The API socket of gpuvm process `pid`: the one listening Unix socket with a path among
@@ -264,7 +330,7 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     args.seccomp.enable()?;
     let timeout = Duration::from_millis(args.timeout_ms);
     let listener = inherited_listener(args.handover_fd)?;
-    let mut incoming = receive::accept(&listener, timeout).map_err(refused)?;
+    let mut incoming = receive::accept(&listener, args.old_pid, timeout).map_err(refused)?;
     drop(listener);
     incoming.adopt_stdio().map_err(refused)?;
     incoming
@@ -316,12 +382,16 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     let api = std::thread::Builder::new()
         .name("api-takeover".into())
         .spawn(move || {
-            // No filter of its own: filters stack, and the API thread this starts takes
-            // the API filter alone (as when the VMM thread starts it before its own).
-            if !incoming.wait_old_exit(Duration::from_secs(10)) {
-                log::warn!("the old gpuvm has not exited 10 s after the hand-over");
+            // A filter of its own before anything else: the API list plus waiting on
+            // /proc, binding the socket and starting the API thread, which stacks the API
+            // filter on this one (filters intersect: it ends with the API filter's rights).
+            gpuvm_vmm::seccomp::apply_api_takeover().map_err(|e| e.to_string())?;
+            if !incoming.wait_old_exit(API_TAKEOVER_WAIT) {
+                log::warn!(
+                    "the old gpuvm has not exited {API_TAKEOVER_WAIT:?} after the hand-over"
+                );
             }
-            ApiServer::start(&api_sock, vmm)
+            ApiServer::start(&api_sock, vmm).map_err(|e| e.to_string())
         })
         .map_err(|e| CliError::Other(format!("cannot start the API thread: {e}")))?;
     let report = ReportArgs {
@@ -337,6 +407,10 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     result
 }
 
+/// How long the new process waits for the old one to exit before it binds the API socket
+/// all the same.
+const API_TAKEOVER_WAIT: Duration = Duration::from_secs(10);
+
 /// A hand-over this process did not complete: the VM is not its to run.
 fn refused(error: gpuvm_vmm::update::UpdateError) -> CliError {
     CliError::Other(format!(
@@ -344,7 +418,8 @@ fn refused(error: gpuvm_vmm::update::UpdateError) -> CliError {
     ))
 }
 
-/// The hand-over socket `gpuvm update` passed as descriptor `fd`, checked to be a socket.
+/// The hand-over socket `gpuvm update` passed as descriptor `fd`, checked to be a socket,
+/// listened on here (so that the old gpuvm sees this process as its peer).
 fn inherited_listener(fd: i32) -> Result<UnixListener, CliError> {
     let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
     // SAFETY: fstat writes one stat into `stat`; its result is checked before use.
@@ -361,6 +436,7 @@ fn inherited_listener(fd: i32) -> Result<UnixListener, CliError> {
     // SAFETY: a socket descriptor inherited for this process alone (see `gpuvm update`);
     // nothing else here owns it. CLOEXEC again, so no later child inherits it.
     unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    // SAFETY: as above: the listener takes ownership of `fd`.
-    Ok(unsafe { UnixListener::from_raw_fd(fd) })
+    // SAFETY: as above: the OwnedFd takes ownership of `fd`.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
+    gpuvm_vmm::update::socket::listen(socket).map_err(refused)
 }

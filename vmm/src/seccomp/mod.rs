@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `vmm` | the main thread once the vCPUs are spawned (event loop, API actions, snapshot writing, teardown), the threads it spawns later (snapshot scan), the lazy-restore fault and loader threads, the `dma-map` thread (guest RAM DMA-mapped in the background) and the `p2p-map` thread (peer BARs mapped for passthrough devices, started with the first one) | file I/O for snapshots, epoll, timers, KVM VM ioctls, userfaultfd ioctls, VFIO DMA mapping, teardown and INTx unmask |
 //! | `vcpu` | one per vCPU | `KVM_RUN` and the vCPU state ioctls, device emulation (eventfds, vfio-user messages, VFIO region access and interrupt setup, memory slots and MSI routes when the guest moves BARs or programs MSI) |
-//! | `api` | the API accept thread and its connection threads | accept, read, write on the socket, no ioctls at all |
+//! | `api` | the API accept thread and its connection threads; stacked on `api-takeover`'s (the API list plus reading /proc, binding the API socket and installing a filter) in a new gpuvm after a live update, whose `api-takeover` thread waits for the old gpuvm to exit and starts the API server | accept, read, write on the socket, no ioctls at all |
 //! | `snapshot-fault` | the `snapshot-wp` thread of a background snapshot (started by the main thread, which allows it to stack this filter on its own) | reading userfaultfd write faults, `UFFDIO_WRITEPROTECT` |
 //! | `device` | the virtio devices' I/O threads: one per device the VM is built with, made with it; any other (hot-plug, a device started again) made on demand by the factory below | epoll, file I/O on disk images (read, write, flush, discard, io_uring), tap reads and writes, Unix sockets of vsock, timers; no KVM ioctls |
 //!
@@ -211,6 +211,8 @@ struct Filters {
     programs: [BpfProgram; 5],
     /// The device-thread factory's ([`compile_factory`]).
     factory: BpfProgram,
+    /// The `api-takeover` thread's ([`apply_api_takeover`]).
+    api_takeover: BpfProgram,
     violation: Option<ThreadKind>,
 }
 
@@ -236,6 +238,7 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
         compile(ThreadKind::SnapshotFault, settings)?,
     ];
     let factory = compile_factory(settings)?;
+    let api_takeover = compile_api_takeover(settings)?;
     if settings.on_violation == OnViolation::Trap {
         install_sigsys_handler()?;
     }
@@ -243,6 +246,7 @@ pub fn enable(settings: &Settings) -> Result<(), SeccompError> {
         .set(Filters {
             programs,
             factory,
+            api_takeover,
             violation: settings.violation,
         })
         .map_err(|_| SeccompError::AlreadyEnabled)
@@ -332,6 +336,22 @@ pub fn apply_factory() -> Result<(), SeccompError> {
     Ok(())
 }
 
+/// Installs the `api-takeover` thread's filter on the calling thread: a new gpuvm after a
+/// live update waits there for the old one to exit, then starts the API server, whose
+/// thread stacks the API filter on this one ([`rules::api_takeover_rules`]). Does nothing
+/// unless [`enable`] ran.
+pub fn apply_api_takeover() -> Result<(), SeccompError> {
+    let Some(filters) = FILTERS.get() else {
+        return Ok(());
+    };
+    seccompiler::apply_filter(&filters.api_takeover).map_err(|source| SeccompError::Install {
+        kind: "api-takeover",
+        source,
+    })?;
+    log::debug!("seccomp: api-takeover filter installed");
+    Ok(())
+}
+
 /// A hook for threads other crates spawn (the memory crate's lazy-restore threads):
 /// installs `kind`'s filter on the thread that calls it. None while filters are off.
 pub fn thread_hook(kind: ThreadKind) -> Option<Arc<dyn Fn() -> std::io::Result<()> + Send + Sync>> {
@@ -376,6 +396,20 @@ pub fn compile_factory(settings: &Settings) -> Result<BpfProgram, SeccompError> 
     let rules = rules::factory_rules(kind_rules(ThreadKind::Device, settings)?).map_err(build)?;
     let program = compile_rules(ThreadKind::Device, rules, settings)?;
     Ok(clone3_enosys(program))
+}
+
+/// The `api-takeover` thread's filter: the API list (with `settings`' removals) plus what
+/// binding the API socket and starting the API thread take ([`rules::api_takeover_rules`]);
+/// its traps report an api thread.
+fn compile_api_takeover(settings: &Settings) -> Result<BpfProgram, SeccompError> {
+    let rules =
+        rules::api_takeover_rules(kind_rules(ThreadKind::Api, settings)?).map_err(|source| {
+            SeccompError::Build {
+                kind: "api-takeover",
+                source,
+            }
+        })?;
+    compile_rules(ThreadKind::Api, rules, settings)
 }
 
 /// `program` behind a check that answers x86_64's `clone3` with ENOSYS (and lets every

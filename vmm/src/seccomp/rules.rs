@@ -148,6 +148,29 @@ pub fn factory_rules(device: Rules) -> BuildResult<Rules> {
     Ok(rules)
 }
 
+/// The `api-takeover` thread's list (a new gpuvm after a live update): `api` (the API
+/// thread it starts inherits this filter and stacks the API filter on it, and filters
+/// intersect, so it must hold all of the API's) plus what it does before: wait for the old
+/// gpuvm to exit (reading /proc/PID/stat), replace a stale API socket file and bind, listen
+/// on a Unix socket at its path, and let the new thread install its own filter.
+pub fn api_takeover_rules(api: Rules) -> BuildResult<Rules> {
+    let mut rules = api;
+    allow_all(
+        &mut rules,
+        &[
+            libc::SYS_openat,
+            libc::SYS_newfstatat,
+            libc::SYS_statx,
+            libc::SYS_unlink,
+            libc::SYS_bind,
+            libc::SYS_listen,
+        ],
+    );
+    rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
+    stack_filters(&mut rules)?;
+    Ok(rules)
+}
+
 /// Installing a further filter on a thread: `prctl(PR_SET_NO_NEW_PRIVS)` (seccompiler sets
 /// it, already set) and `seccomp(SECCOMP_SET_MODE_FILTER)` without flags (no TSYNC).
 fn stack_filters(rules: &mut Rules) -> BuildResult<()> {
@@ -264,6 +287,16 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                     arg(2, SeccompCmpOp::Eq, 0)?,
                 ])?],
             );
+            // Live update (PUT /vmm/update): who listens on the hand-over socket, checked
+            // against this process's own uid before the VM is offered.
+            rules.insert(
+                libc::SYS_getsockopt,
+                vec![SeccompRule::new(vec![
+                    arg32(1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?,
+                    arg32(2, SeccompCmpOp::Eq, libc::SO_PEERCRED as u64)?,
+                ])?],
+            );
+            allow_all(&mut rules, &[libc::SYS_geteuid]);
             // The GPU agent's connection (gpu_release): read and write timeouts only.
             rules.insert(
                 libc::SYS_setsockopt,
@@ -615,6 +648,104 @@ mod tests {
             "fork refused"
         );
         assert_eq!(outcome.3, -1, "clone without CLONE_THREAD refused");
+    }
+
+    #[test]
+    fn the_vmm_filter_allows_the_live_update_checks() {
+        use crate::update::socket;
+        let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-rules-").unwrap();
+        let path = dir.path().join("handover.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let outcome = under_the_vmm_filter(move || {
+            let _b = b;
+            // The old process: who listens, its own uid, the socket's path.
+            let peer = socket::peer_credentials(&a).map(|peer| peer.pid).ok();
+            let uid = socket::effective_uid();
+            let mut value: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: getsockopt writes one int into `value` and its length into `len`,
+            // both live locals (or nothing, refused by the filter).
+            let other_option = unsafe {
+                libc::getsockopt(
+                    std::os::fd::AsRawFd::as_raw_fd(&a),
+                    libc::SOL_SOCKET,
+                    libc::SO_ACCEPTCONN,
+                    (&mut value as *mut libc::c_int).cast(),
+                    &mut len,
+                )
+            };
+            (peer, uid, other_option, socket::check_path(&path).is_ok())
+        });
+        // SAFETY: geteuid has no arguments and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        assert_eq!(
+            outcome,
+            (Some(std::process::id()), uid, -1, true),
+            "(peer pid, euid, SO_ACCEPTCONN refused, path checked)"
+        );
+    }
+
+    /// `rules` on the calling thread, with what they refuse failing with EPERM.
+    fn refuse_outside(rules: Rules) {
+        let filter = SeccompFilter::new(
+            rules,
+            SeccompAction::Errno(libc::EPERM as u32),
+            SeccompAction::Allow,
+            TargetArch::x86_64,
+        )
+        .unwrap();
+        let program: BpfProgram = filter.try_into().unwrap();
+        seccompiler::apply_filter(&program).unwrap();
+    }
+
+    #[test]
+    fn the_api_takeover_thread_binds_the_api_socket_and_starts_an_api_thread() {
+        use std::io::{Read, Write};
+        use std::os::unix::net::{UnixListener, UnixStream};
+        let dir = crate::update::socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-rules-")
+            .unwrap();
+        let path = dir.path().join("api.sock");
+        // The stale socket file a killed old gpuvm leaves.
+        drop(UnixListener::bind(&path).unwrap());
+        let bound = path.clone();
+        let takeover = std::thread::spawn(move || {
+            refuse_outside(api_takeover_rules(rules(ThreadKind::Api).unwrap()).unwrap());
+            // What ApiServer::start does, after waiting on /proc/PID/stat.
+            let waited = std::fs::read_to_string("/proc/self/stat").is_ok();
+            std::fs::remove_file(&bound).unwrap();
+            let listener = UnixListener::bind(&bound).unwrap();
+            let api = std::thread::spawn(move || {
+                refuse_outside(rules(ThreadKind::Api).unwrap());
+                let (mut connection, _) = listener.accept().unwrap();
+                let mut byte = [0u8; 1];
+                connection.read_exact(&mut byte).unwrap();
+                connection.write_all(&byte).unwrap();
+                // The API filter rules here: no files.
+                std::fs::File::open("/proc/self/stat").map_err(|e| e.raw_os_error())
+            });
+            // Never a KVM ioctl.
+            // SAFETY: an ioctl on no descriptor, refused by the filter before anything.
+            let ioctl = unsafe { libc::ioctl(-1, crate::seccomp::ioctls::KVM_RUN as _, 0) };
+            let errno = std::io::Error::last_os_error().raw_os_error();
+            (waited, ioctl, errno, api)
+        })
+        .join()
+        .unwrap();
+        let (waited, ioctl, errno, api) = takeover;
+        assert!(waited, "/proc/PID/stat is readable");
+        assert_eq!((ioctl, errno), (-1, Some(libc::EPERM)), "ioctl refused");
+        let mut client = UnixStream::connect(&path).unwrap();
+        client.write_all(b"x").unwrap();
+        let mut echo = [0u8; 1];
+        client.read_exact(&mut echo).unwrap();
+        assert_eq!(&echo, b"x");
+        let open = api.join().unwrap();
+        assert_eq!(
+            open.err(),
+            Some(Some(libc::EPERM)),
+            "the API thread opens no file"
+        );
     }
 
     #[test]

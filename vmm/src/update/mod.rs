@@ -9,13 +9,16 @@
 //!
 //! - [`protocol`]: the frames and messages;
 //! - `send`: the old side, run from the VMM thread's run loop (PUT /vmm/update);
-//! - [`receive`]: the new side (`gpuvm update-receive`).
+//! - [`receive`]: the new side (`gpuvm update-receive`);
+//! - [`socket`]: the hand-over socket in its private directory, and the checks of who is
+//!   at either end (`SO_PEERCRED`).
 
 use std::path::PathBuf;
 
 pub mod protocol;
 pub mod receive;
 mod send;
+pub mod socket;
 
 pub use send::{hand_over, HandOverReport};
 
@@ -31,6 +34,15 @@ pub enum UpdateError {
     Connect {
         path: PathBuf,
         source: std::io::Error,
+    },
+    #[error("refusing the hand-over socket {path}: {reason}")]
+    HandOverPath { path: PathBuf, reason: String },
+    /// The process at the other end is not the one this side expects.
+    #[error("the hand-over socket's peer is process {pid} (uid {uid}), not {expected}")]
+    UntrustedPeer {
+        pid: u32,
+        uid: u32,
+        expected: String,
     },
     #[error("cannot {what}: {source}")]
     Socket {

@@ -9,7 +9,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use super::protocol::{self, MessageKind, OfferMeta, ReadyBody, OFFER_FDS};
-use super::UpdateError;
+use super::{socket, UpdateError};
 use crate::builder::PreparedMachine;
 use crate::machine::Machine;
 use crate::snapshot::{MachineState, RestoreTimings};
@@ -46,31 +46,15 @@ pub enum Outcome {
     OldProcessDied,
 }
 
-/// Waits (at most `timeout`) for the old process to connect to `listener`, and takes its
-/// offer and state.
-pub fn accept(listener: &UnixListener, timeout: Duration) -> Result<Incoming, UpdateError> {
-    let mut poll = libc::pollfd {
-        fd: listener.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let millis = timeout.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: poll reads and writes the one pollfd passed, a live local.
-    let ready = unsafe { libc::poll(&mut poll, 1, millis) };
-    if ready <= 0 {
-        return Err(UpdateError::Socket {
-            what: "wait for the running gpuvm to connect",
-            source: if ready == 0 {
-                std::io::Error::from(std::io::ErrorKind::TimedOut)
-            } else {
-                std::io::Error::last_os_error()
-            },
-        });
-    }
-    let (socket, _) = listener.accept().map_err(|source| UpdateError::Socket {
-        what: "accept the running gpuvm's connection",
-        source,
-    })?;
+/// Waits (at most `timeout`) for the old process, `old_pid`, to connect to `listener`, and
+/// takes its offer and state. Connections from any other process are refused (closed
+/// unread) and the wait goes on.
+pub fn accept(
+    listener: &UnixListener,
+    old_pid: u32,
+    timeout: Duration,
+) -> Result<Incoming, UpdateError> {
+    let socket = accept_from(listener, old_pid, timeout)?;
     socket
         .set_read_timeout(Some(timeout))
         .map_err(|source| UpdateError::Socket {
@@ -80,6 +64,12 @@ pub fn accept(listener: &UnixListener, timeout: Duration) -> Result<Incoming, Up
     let offer = protocol::expect(&socket, MessageKind::Offer)?;
     let meta: OfferMeta = serde_json::from_slice(&offer.payload)
         .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
+    if meta.old_pid != old_pid {
+        return Err(UpdateError::Protocol(format!(
+            "the offer comes from process {old_pid} but names process {}",
+            meta.old_pid
+        )));
+    }
     if offer.fds.len() != OFFER_FDS {
         return Err(UpdateError::Protocol(format!(
             "the offer brings {} descriptors, not {OFFER_FDS}",
@@ -113,6 +103,69 @@ pub fn accept(listener: &UnixListener, timeout: Duration) -> Result<Incoming, Up
         prepared: None,
         paused_at_ns: None,
     })
+}
+
+/// The first connection to `listener` from process `old_pid` (of root or of this
+/// process's user) within `timeout`. Any other is closed at once, unread: whoever connects
+/// first cannot take the VM, nor end the wait for the old process.
+fn accept_from(
+    listener: &UnixListener,
+    old_pid: u32,
+    timeout: Duration,
+) -> Result<UnixStream, UpdateError> {
+    let deadline = Instant::now() + timeout;
+    let uid = socket::effective_uid();
+    let mut refused = 0usize;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let mut poll = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // Rounded up: a wait of less than a millisecond is not a zero-timeout poll.
+        let millis = left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+        // SAFETY: poll reads and writes the one pollfd passed, a live local.
+        let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+        if ready < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(UpdateError::Socket {
+                what: "wait for the running gpuvm to connect",
+                source: error,
+            });
+        }
+        if ready == 0 {
+            let others = match refused {
+                0 => String::new(),
+                n => format!("; connections refused from other processes: {n}"),
+            };
+            return Err(UpdateError::Socket {
+                what: "wait for the running gpuvm to connect",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("process {old_pid} did not connect within {timeout:?}{others}"),
+                ),
+            });
+        }
+        let (socket, _) = listener.accept().map_err(|source| UpdateError::Socket {
+            what: "accept the running gpuvm's connection",
+            source,
+        })?;
+        let peer = socket::peer_credentials(&socket)?;
+        if peer.pid == old_pid && (peer.uid == uid || uid == 0) {
+            return Ok(socket);
+        }
+        refused += 1;
+        log::warn!(
+            "live update: refused a connection to the hand-over socket from process {} \
+             (uid {}): only process {old_pid} hands its VM over",
+            peer.pid,
+            peer.uid
+        );
+    }
 }
 
 /// Reads the state as this binary reads a snapshot's state file: magic, version (older
@@ -321,6 +374,29 @@ mod tests {
     fn this_process_is_alive_and_a_bad_pid_is_not() {
         assert!(process_alive(std::process::id()));
         assert!(!process_alive(u32::MAX));
+    }
+
+    #[test]
+    fn only_the_old_process_is_accepted_and_others_are_closed_unread() {
+        use std::io::Read;
+        let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-receive-").unwrap();
+        let path = dir.path().join("handover.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let mut squatter = UnixStream::connect(&path).unwrap();
+        let error = accept_from(&listener, u32::MAX, Duration::from_millis(200))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("process 4294967295 did not connect")
+                && error.contains("connections refused from other processes: 1"),
+            "{error}"
+        );
+        let mut got = Vec::new();
+        squatter.read_to_end(&mut got).unwrap();
+        assert!(got.is_empty());
+        let _old = UnixStream::connect(&path).unwrap();
+        accept_from(&listener, std::process::id(), Duration::from_secs(5)).unwrap();
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use gpuvm_devices::Persist;
 
 use super::protocol::{self, MessageKind, OfferMeta};
-use super::UpdateError;
+use super::{socket, UpdateError};
 use crate::machine::RunningMachine;
 use crate::snapshot::{MachineState, SavedMachineConfig};
 use crate::vm_state::InKernelDevices;
@@ -21,7 +21,8 @@ pub const OLD_DIES_HOOK: &str = "GPUVM_TEST_UPDATE_OLD_DIES";
 /// What a hand-over that went through took.
 #[derive(Clone, Debug)]
 pub struct HandOverReport {
-    /// The new process, as its `Ready` says.
+    /// The new process: the socket's listener as the kernel reports it, which its `Ready`
+    /// confirmed.
     pub new_pid: Option<u32>,
     /// From the pause to the new process's `Ready` (the old side's share of the downtime).
     pub paused_to_ready: Duration,
@@ -38,10 +39,12 @@ pub fn hand_over(
     timeout: Duration,
 ) -> Result<HandOverReport, UpdateError> {
     check_supported(running)?;
+    socket::check_path(socket)?;
     let stream = UnixStream::connect(socket).map_err(|source| UpdateError::Connect {
         path: socket.to_path_buf(),
         source,
     })?;
+    let receiver = check_receiver(socket::peer_credentials(&stream)?)?;
     let set_timeout = |source| UpdateError::Socket {
         what: "set the hand-over socket's timeout",
         source,
@@ -63,9 +66,9 @@ pub fn hand_over(
         .pause()
         .map_err(|e| UpdateError::Save(format!("cannot pause the vCPUs: {e}")))?;
     let paused_at = Instant::now();
-    match hand_paused_and_commit(running, &stream) {
-        Ok((state_bytes, new_pid)) => Ok(HandOverReport {
-            new_pid,
+    match hand_paused_and_commit(running, &stream, receiver) {
+        Ok(state_bytes) => Ok(HandOverReport {
+            new_pid: Some(receiver.pid),
             paused_to_ready: paused_at.elapsed(),
             state_bytes,
         }),
@@ -118,12 +121,38 @@ fn offer(running: &RunningMachine<'_>, stream: &UnixStream) -> Result<(), Update
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
 
-/// With the vCPUs paused: sends the whole state, waits for `Ready`, commits. Returns the
-/// state's size and the new process's id.
+/// Whom the hand-over socket connects this process to (`SO_PEERCRED`: the process that
+/// listens, the new gpuvm) may take the VM: a process of root or of this process's user,
+/// and not this one. The socket's private directory keeps anyone else from listening
+/// there; this makes sure.
+fn check_receiver(
+    receiver: socket::PeerCredentials,
+) -> Result<socket::PeerCredentials, UpdateError> {
+    let uid = socket::effective_uid();
+    if receiver.pid == std::process::id() || receiver.pid == 0 {
+        return Err(UpdateError::UntrustedPeer {
+            pid: receiver.pid,
+            uid: receiver.uid,
+            expected: "another gpuvm process of this pid namespace".into(),
+        });
+    }
+    if receiver.uid != 0 && receiver.uid != uid {
+        return Err(UpdateError::UntrustedPeer {
+            pid: receiver.pid,
+            uid: receiver.uid,
+            expected: format!("a process of root or of uid {uid}"),
+        });
+    }
+    Ok(receiver)
+}
+
+/// With the vCPUs paused: sends the whole state, waits for `Ready` from `receiver`,
+/// commits. Returns the state's size.
 fn hand_paused_and_commit(
     running: &RunningMachine<'_>,
     stream: &UnixStream,
-) -> Result<(usize, Option<u32>), UpdateError> {
+    receiver: socket::PeerCredentials,
+) -> Result<usize, UpdateError> {
     let paused_at_ns = protocol::monotonic_ns();
     let framed = frame_state(&save_state(running, true)?)?;
     protocol::send(
@@ -137,12 +166,20 @@ fn hand_paused_and_commit(
         log::error!("{OLD_DIES_HOOK}: ending abruptly after the new gpuvm's Ready");
         std::process::abort();
     }
-    let new_pid = serde_json::from_slice::<protocol::ReadyBody>(&ready.payload)
-        .ok()
-        .map(|body| body.pid);
+    let ready: protocol::ReadyBody = serde_json::from_slice(&ready.payload)
+        .map_err(|e| UpdateError::Protocol(format!("a bad Ready: {e}")))?;
+    // The process that says it is ready must be the one the kernel says listens: the VM
+    // goes to no one else.
+    if ready.pid != receiver.pid {
+        return Err(UpdateError::UntrustedPeer {
+            pid: ready.pid,
+            uid: receiver.uid,
+            expected: format!("process {}, which listens on the socket", receiver.pid),
+        });
+    }
     // The point of no return: once `Commit` is out, the new process runs the VM.
     protocol::send(stream, MessageKind::Commit, b"", &[])?;
-    Ok((framed.len(), new_pid))
+    Ok(framed.len())
 }
 
 /// Refuses, before anything is paused, a VM whose pieces the hand-over does not carry yet.
