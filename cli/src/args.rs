@@ -43,10 +43,10 @@ pub enum Command {
         pid: i32,
     },
     /// Hand a running VM to a new gpuvm binary without stopping it (live update).
-    Update(crate::update::UpdateArgs),
+    Update(UpdateArgs),
     /// The new gpuvm's side of a live update (started by `gpuvm update`).
     #[command(hide = true)]
-    UpdateReceive(crate::update::ReceiveArgs),
+    UpdateReceive(ReceiveArgs),
     /// Talk to a running gpuvm's API socket.
     Ctl(CtlArgs),
     /// Check that this host can pass GPUs through (KVM, IOMMU, vfio-pci binding, IOMMU
@@ -269,6 +269,46 @@ pub fn snapshot_policy(args: &SnapshotArgs) -> Option<SnapshotPolicy> {
             Then::Exit => AfterSnapshot::Exit,
         },
     })
+}
+
+/// `gpuvm update`.
+#[derive(Args, Debug)]
+pub struct UpdateArgs {
+    /// Process id of the running gpuvm (started with --api-sock).
+    #[arg(long)]
+    pub pid: i32,
+    /// The gpuvm binary to hand the VM to (default: the binary the running gpuvm was
+    /// started from, as it was then: /proc/PID/exe).
+    #[arg(long)]
+    pub binary: Option<PathBuf>,
+    /// The running gpuvm's API socket (default: the one Unix socket it listens on with a
+    /// path).
+    #[arg(long)]
+    pub api_sock: Option<PathBuf>,
+    /// How long each side waits for the other at each step before the running gpuvm
+    /// takes the VM back.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout_ms: u64,
+}
+
+/// `gpuvm update-receive` (started by `gpuvm update`; not for people).
+#[derive(Args, Debug)]
+pub struct ReceiveArgs {
+    /// The hand-over socket, bound (this process listens on it), inherited as this
+    /// descriptor.
+    #[arg(long)]
+    pub handover_fd: i32,
+    /// The running gpuvm: the only process whose connection is accepted.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub old_pid: u32,
+    /// The API socket to serve once the old gpuvm has gone (the same path).
+    #[arg(long)]
+    pub api_sock: PathBuf,
+    /// How long to wait for the running gpuvm at each step.
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub timeout_ms: u64,
+    #[command(flatten)]
+    pub seccomp: SeccompArgs,
 }
 
 /// `gpuvm ctl`: a client of a running gpuvm's API socket.

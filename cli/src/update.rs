@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use clap::Args;
 use gpuvm_api::server::ApiServer;
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::controller::ApiController;
@@ -26,48 +25,8 @@ use gpuvm_vmm::update::receive::{self, Outcome};
 use gpuvm_vmm::update::socket::HandOverSocket;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::args::{ReportArgs, SeccompArgs};
+use crate::args::{ReceiveArgs, ReportArgs, UpdateArgs};
 use crate::CliError;
-
-/// `gpuvm update`.
-#[derive(Args, Debug)]
-pub struct UpdateArgs {
-    /// Process id of the running gpuvm (started with --api-sock).
-    #[arg(long)]
-    pub pid: i32,
-    /// The gpuvm binary to hand the VM to (default: the binary the running gpuvm was
-    /// started from, as it was then: /proc/PID/exe).
-    #[arg(long)]
-    pub binary: Option<PathBuf>,
-    /// The running gpuvm's API socket (default: the one Unix socket it listens on with a
-    /// path).
-    #[arg(long)]
-    pub api_sock: Option<PathBuf>,
-    /// How long each side waits for the other at each step before the running gpuvm
-    /// takes the VM back.
-    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub timeout_ms: u64,
-}
-
-/// `gpuvm update-receive` (started by `gpuvm update`; not for people).
-#[derive(Args, Debug)]
-pub struct ReceiveArgs {
-    /// The hand-over socket, bound (this process listens on it), inherited as this
-    /// descriptor.
-    #[arg(long)]
-    pub handover_fd: i32,
-    /// The running gpuvm: the only process whose connection is accepted.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
-    pub old_pid: u32,
-    /// The API socket to serve once the old gpuvm has gone (the same path).
-    #[arg(long)]
-    pub api_sock: PathBuf,
-    /// How long to wait for the running gpuvm at each step.
-    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
-    pub timeout_ms: u64,
-    #[command(flatten)]
-    pub seccomp: SeccompArgs,
-}
 
 /// `gpuvm update --pid P`: starts the new binary and asks the running gpuvm to hand it
 /// the VM. Succeeds once the new process runs the VM; on failure the VM runs on in the
