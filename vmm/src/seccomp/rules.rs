@@ -754,15 +754,7 @@ mod tests {
         let outcome = std::thread::spawn(|| {
             let mut rules = rules(ThreadKind::Api).unwrap();
             rules.remove(&libc::SYS_getpid);
-            let filter = SeccompFilter::new(
-                rules,
-                SeccompAction::Errno(libc::EPERM as u32),
-                SeccompAction::Allow,
-                TargetArch::x86_64,
-            )
-            .unwrap();
-            let program: BpfProgram = filter.try_into().unwrap();
-            seccompiler::apply_filter(&program).unwrap();
+            refuse_outside(rules);
             // SAFETY: raw syscalls without arguments or memory effects.
             let tid = unsafe { libc::syscall(libc::SYS_gettid) };
             // SAFETY: as above.
