@@ -8,11 +8,12 @@
 //! it at the offsets the handshake gives.
 //!
 //! Writing ([`write_raw`]) converts a validated [`SnapshotChain`] (gpuvm's own format,
-//! which the snapshot wrote first); reading ([`SnapshotChain::open_raw`]) presents a raw
-//! image as a one-file chain, so that eager restore and the lazy (userfaultfd) loader take
-//! it as their source unchanged. The holes the file system reports (`SEEK_DATA` /
-//! `SEEK_HOLE`) are the zero pages; a file system that reports none makes every page data,
-//! which is slower but the same guest.
+//! which the snapshot wrote first; the VMM then frees the converted file's data with
+//! [`MemoryFile::drop_page_data`], so that guest memory is kept on disk once); reading
+//! ([`SnapshotChain::open_raw`]) presents a raw image as a one-file chain, so that eager
+//! restore and the lazy (userfaultfd) loader take it as their source unchanged. The holes
+//! the file system reports (`SEEK_DATA` / `SEEK_HOLE`) are the zero pages; a file system
+//! that reports none makes every page data, which is slower but the same guest.
 //!
 //! The image itself has nowhere to hold a checksum, so gpuvm keeps one beside it: a
 //! [`RawPageCrcs`] table, one CRC32 per page of guest RAM in flat order (zero pages

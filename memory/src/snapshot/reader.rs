@@ -485,6 +485,46 @@ impl MemoryFile {
         &self.file
     }
 
+    /// Frees the disk blocks of this file's page data and keeps the rest: its length, and
+    /// its header, index and page CRC table, which all lie before the data. The data then
+    /// reads as zeros. For a file whose pages are kept elsewhere (the raw guest-RAM image
+    /// gpuvm converts it to for Firecracker's layout): what a later Diff's conversion reads
+    /// of it (its index and stored page CRCs, see [`super::RawPageCrcs::of_chain`]) stays.
+    /// Refused for a file without page CRCs (those would have to be read from the data).
+    /// Returns the bytes the file system freed.
+    ///
+    /// The blocks go by cutting the file to the start of its data and growing it back (a
+    /// hole), not with `fallocate`, which the VMM thread's seccomp filter does not allow.
+    pub fn drop_page_data(&self) -> Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        let fail = |e| SnapshotError::io("free page data of", &self.path, e);
+        if !self.has_page_crcs() {
+            return Err(fail(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "it stores no page CRCs, so its data is needed to check its pages",
+            )));
+        }
+        let opened = self.file.metadata().map_err(fail)?;
+        let writable = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&self.path)
+            .map_err(fail)?;
+        let meta = writable.metadata().map_err(fail)?;
+        // Only the file validated when this one was opened (not one renamed over it since).
+        if (meta.dev(), meta.ino()) != (opened.dev(), opened.ino()) {
+            return Err(fail(std::io::Error::other(
+                "it was replaced after it was opened",
+            )));
+        }
+        let len = meta.len();
+        let data_offset = self.header.data_offset.min(len);
+        writable.set_len(data_offset).map_err(fail)?;
+        writable.set_len(len).map_err(fail)?;
+        let after = writable.metadata().map_err(fail)?;
+        Ok((meta.blocks() * 512).saturating_sub(after.blocks() * 512))
+    }
+
     /// Reads stored data at `offset` into `buf`.
     pub(crate) fn read_data(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.file

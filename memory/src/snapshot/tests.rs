@@ -792,3 +792,46 @@ fn atomic_write_survives_sigkill() {
         .collect();
     assert_eq!(names, vec![std::ffi::OsString::from("mem")]);
 }
+
+/// Issue 30: a memory file converted to a raw image keeps its index and page CRCs, not its
+/// data: the blocks are freed, the file opens as before with the same length, the raw
+/// image's CRC table is still computed from it (a later Diff's conversion), and its pages
+/// now fail their checks rather than load as zeros. A file without page CRCs is refused.
+#[test]
+fn dropping_page_data_keeps_the_index_and_page_crcs() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = TempDir::new("drop-data");
+    let (path, layout, data_offset) = small_snapshot(&dir);
+    let len = std::fs::metadata(&path).unwrap().len();
+    let table = RawPageCrcs::of_chain(&SnapshotChain::open(&[&path], &layout).unwrap()).unwrap();
+
+    let freed = MemoryFile::open(&path).unwrap().drop_page_data().unwrap();
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.len(), len);
+    assert!(freed >= len - data_offset, "{freed} of {len} bytes freed");
+    assert!(
+        meta.blocks() * 512 <= data_offset,
+        "{} allocated",
+        meta.blocks() * 512
+    );
+    let chain = SnapshotChain::open(&[&path], &layout).unwrap();
+    assert_eq!(RawPageCrcs::of_chain(&chain).unwrap(), table);
+    let error = chain.layers()[0].verify_data().unwrap_err();
+    assert!(error.to_string().contains("data CRC mismatch"), "{error}");
+
+    let regions = two_regions(MIB, MIB, MIB);
+    let ram = guest_ram(&regions, Backing::Memfd);
+    fill_ram(&ram, &mut Rng::new(6), mixed);
+    let unchecked = dir.path().join("unchecked");
+    let opts = WriteOptions {
+        page_crcs: false,
+        threads: 1,
+    };
+    write_full(&unchecked, &mappings(&ram), &opts).unwrap();
+    let before = std::fs::metadata(&unchecked).unwrap().blocks();
+    assert!(MemoryFile::open(&unchecked)
+        .unwrap()
+        .drop_page_data()
+        .is_err());
+    assert_eq!(std::fs::metadata(&unchecked).unwrap().blocks(), before);
+}

@@ -1,8 +1,8 @@
 //! Firecracker's snapshot layout over gpuvm's snapshot directory: a state FILE
 //! (`snapshot_path`) and a memory FILE (`mem_file_path`). gpuvm still writes its
 //! directory (a hidden sibling of the state file, `.<name>.gpuvm`, which also holds the
-//! chain Diff snapshots extend), then hard-links (or, across file systems, copies) its
-//! `state` and newest memory file to the two paths. A load stages the two files back into
+//! chain Diff snapshots extend), then writes its `state` and its newest memory file, as a
+//! raw image, to the two paths. A load stages the two files back into
 //! a directory (`.<name>.gpuvm-load.<pid>`, hard links where possible) under the name the
 //! state gives its memory file.
 //!
@@ -14,6 +14,21 @@
 //! loads with its gpuvm-format memory file. A Diff's image holds only the dirty pages at
 //! their flat offsets, holes elsewhere: the client merges it onto the base image, as with
 //! Firecracker.
+//!
+//! Guest memory is kept on disk once: when the image and the state naming it are written,
+//! the converted memory file's page data is freed (`MemoryFile::drop_page_data`: same
+//! length, header, index and page CRCs kept, the data a hole). Nothing loads from it after
+//! that: a load stages the image, its CRC table and the state; a later Diff's conversion
+//! reads only the older files' indexes and stored CRCs (the CRC table of the merged image)
+//! and the new Diff file's own data; a Diff is written against the chain's id, kept in
+//! memory. Dropping the converted data was chosen over writing the image straight from guest
+//! RAM (no gpuvm-format data at all) because it leaves the snapshot path, its crash promises
+//! and the Diff chain as they are, at the cost of still writing memory twice (the indexed
+//! file is written and fsynced, then converted): the disk space is halved, not the time.
+//! A kill before the data is freed leaves it there (twice the space, nothing broken); a kill
+//! while it is freed can leave the file short, which only the dead process's next Diff
+//! would have read. The hidden directory is therefore no gpuvm snapshot of its own any more
+//! (its pages would fail their checks): it loads only with the two files.
 //!
 //! The raw image has no room for checks, so gpuvm keeps its page CRC table
 //! (`gpuvm_memory::snapshot::RawPageCrcs`: one CRC32 per page of guest RAM, for a Diff of
@@ -27,9 +42,13 @@
 
 use std::path::{Path, PathBuf};
 
-use gpuvm_memory::snapshot::{is_plain_file_name, write_raw, RawContent, SnapshotChain};
+use gpuvm_memory::snapshot::{
+    is_plain_file_name, write_raw, MemoryFile, RawContent, SnapshotChain,
+};
 
-use super::{MachineState, RawMemory, RawPageCrcsRecord, SnapshotReport, STATE_FILE};
+use super::{
+    MachineState, RawMemory, RawPageCrcsRecord, SnapshotDirLock, SnapshotReport, STATE_FILE,
+};
 
 /// What the name of a raw image's page CRC table adds to its memory file's name.
 pub(crate) const RAW_CRCS_SUFFIX: &str = ".raw-crcs";
@@ -140,7 +159,38 @@ pub fn export(report: &SnapshotReport, state_file: &Path, mem_file: &Path) -> Re
         }
     }
     crate::persist::write_state_file(state_file, &state)
-        .map_err(|e| format!("cannot write {}: {e}", state_file.display()))
+        .map_err(|e| format!("cannot write {}: {e}", state_file.display()))?;
+    if let Some(newest) = chain.layers().last() {
+        drop_converted_data(&report.dir, newest);
+    }
+    Ok(())
+}
+
+/// Once the raw image and the state naming it are written: frees the data of the memory
+/// file it was converted from, so that guest memory is kept on disk once (see the module
+/// doc). Nothing depends on it succeeding: a failure leaves the data there, and says so.
+fn drop_converted_data(dir: &Path, converted: &MemoryFile) {
+    // Not while a gpuvm-format load of the directory itself reads it.
+    let _lock = match SnapshotDirLock::exclusive(dir) {
+        Ok(lock) => lock,
+        Err(e) => {
+            log::warn!(
+                "{} keeps its page data (the disk holds guest memory twice): {e}",
+                converted.path().display()
+            );
+            return;
+        }
+    };
+    match converted.drop_page_data() {
+        Ok(freed) => log::info!(
+            "{}: {freed} bytes of page data freed (the raw image holds them)",
+            converted.path().display()
+        ),
+        Err(e) => log::warn!(
+            "{} keeps its page data (the disk holds guest memory twice): {e}",
+            converted.path().display()
+        ),
+    }
 }
 
 /// Before a load: a directory holding `state_file` as its state and `mem_file` as the
