@@ -120,7 +120,10 @@ impl Block {
     /// synchronous I/O where it cannot be set up, with a log line).
     pub fn new(config: BlockConfig) -> Result<Block, BlockError> {
         config.validate()?;
-        let disk = Disk::open(&config.path, config.read_only, config.direct)?;
+        let disk = match super::take_adopted_image(&config.drive_id) {
+            Some(image) => Disk::adopt(image, &config.path, config.read_only, config.direct)?,
+            None => Disk::open(&config.path, config.read_only, config.direct)?,
+        };
         let rate_limiter =
             RateLimiter::new(config.rate_limiter).map_err(|source| BlockError::RateLimiter {
                 drive_id: config.drive_id.clone(),
@@ -228,6 +231,15 @@ impl Block {
             }
         }
         Ok(())
+    }
+
+    /// A second descriptor of the image in use (the same open file description, so the
+    /// same lock), to hand the drive to another gpuvm process (a live update). The worker
+    /// stops between requests meanwhile, as for a hot-swap.
+    pub fn image_descriptor(&mut self) -> Result<std::fs::File, BlockError> {
+        let path = self.config.path.clone();
+        self.with_resources(|io| io.disk.file().try_clone())?
+            .map_err(|source| BlockError::Stat { path, source })
     }
 
     /// Replaces the rate limiter's buckets (`PATCH /drives/{id}` with a `rate_limiter`).

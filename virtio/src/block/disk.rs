@@ -85,6 +85,70 @@ impl Disk {
             .custom_flags(flags)
             .open(&path)
             .map_err(|source| open_error(&path, read_only, direct, source))?;
+        Self::from_open_file(file, path, read_only, direct, lock)
+    }
+
+    /// Takes over `file`, the image descriptor another gpuvm process had open for the
+    /// drive at `path` (a live update): it must be that file (same device and inode as
+    /// `path` now), opened as the drive says (read-write unless `read_only`, O_DIRECT if
+    /// `direct`). The lock is taken on it again, which succeeds at once where the
+    /// descriptor holds it already: flock locks belong to the open file description, which
+    /// the handed-over descriptor shares with the old process's.
+    pub fn adopt(
+        file: File,
+        path: &Path,
+        read_only: bool,
+        direct: bool,
+    ) -> Result<Disk, BlockError> {
+        let path = path.to_path_buf();
+        let mismatch = |reason: String| BlockError::AdoptedMismatch {
+            path: path.clone(),
+            reason,
+        };
+        let held = file
+            .metadata()
+            .map_err(|e| mismatch(format!("cannot stat the descriptor: {e}")))?;
+        let named =
+            std::fs::metadata(&path).map_err(|e| mismatch(format!("cannot stat the path: {e}")))?;
+        if (held.dev(), held.ino()) != (named.dev(), named.ino()) {
+            return Err(mismatch(format!(
+                "the descriptor is inode {} on device {:#x}, the path inode {} on device {:#x}",
+                held.ino(),
+                held.dev(),
+                named.ino(),
+                named.dev()
+            )));
+        }
+        // SAFETY: F_GETFL on a descriptor `file` owns; no memory is involved.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+        if flags < 0 {
+            return Err(mismatch(format!(
+                "cannot read its flags: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        let writable = flags & libc::O_ACCMODE == libc::O_RDWR;
+        if !read_only && !writable {
+            return Err(mismatch("the descriptor is not open read-write".into()));
+        }
+        if direct != (flags & libc::O_DIRECT != 0) {
+            return Err(mismatch(format!(
+                "the drive's direct is {direct}, the descriptor's O_DIRECT is {}",
+                !direct
+            )));
+        }
+        Self::from_open_file(file, path, read_only, direct, true)
+    }
+
+    /// The checks and figures common to a file opened here and one adopted: its type
+    /// (regular file or block device), its size, and the lock if `lock`.
+    fn from_open_file(
+        file: File,
+        path: PathBuf,
+        read_only: bool,
+        direct: bool,
+        lock: bool,
+    ) -> Result<Disk, BlockError> {
         let metadata = file.metadata().map_err(|source| BlockError::Stat {
             path: path.clone(),
             source,

@@ -1233,3 +1233,54 @@ fn state_carries_the_rate_limiter_buckets() {
     assert!(error.contains("more than its size 10"), "{error}");
     assert_eq!(refusing.config().serial, None, "nothing changed");
 }
+
+/// A live update's new process takes the old one's image descriptor: the drive keeps the
+/// lock (it belongs to the open file description), so nobody else can open the image
+/// meanwhile, and the image is not opened again.
+#[test]
+fn an_adopted_image_keeps_its_lock_and_data() {
+    let scratch = Scratch::new("adopt");
+    let path = scratch.file("disk", &pattern(8192, 5));
+    let mut old = Block::new(drive(&path, IoEngine::Sync)).unwrap();
+    let image = old.image_descriptor().unwrap();
+    let mut config = drive(&path, IoEngine::Sync);
+    config.drive_id = "adopt-same".into();
+    adopt_image(config.drive_id.clone(), image);
+    let adopted = Block::new(config.clone()).unwrap();
+    assert_eq!(adopted.capacity_sectors(), 16);
+    // The old process ends: the adopted descriptor holds the lock alone.
+    drop(old);
+    let error = Block::new(drive(&path, IoEngine::Sync))
+        .err()
+        .expect("a second writer beside the adopted image");
+    assert!(matches!(error, BlockError::Locked { .. }), "{error}");
+    drop(adopted);
+    Block::new(drive(&path, IoEngine::Sync)).unwrap();
+}
+
+#[test]
+fn an_image_descriptor_that_is_not_the_drives_is_refused() {
+    let scratch = Scratch::new("adopt-other");
+    let path = scratch.file("disk", &vec![0u8; 4096]);
+    let other = scratch.file("other", &vec![0u8; 4096]);
+    let mut config = drive(&path, IoEngine::Sync);
+    config.drive_id = "adopt-other".into();
+    adopt_image(
+        config.drive_id.clone(),
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&other)
+            .unwrap(),
+    );
+    let error = Block::new(config.clone()).err().expect("another file");
+    assert!(
+        matches!(error, BlockError::AdoptedMismatch { .. }) && error.to_string().contains("inode"),
+        "{error}"
+    );
+    // A read-only descriptor cannot serve a read-write drive.
+    config.drive_id = "adopt-read-only".into();
+    adopt_image(config.drive_id.clone(), std::fs::File::open(&path).unwrap());
+    let error = Block::new(config).err().expect("a read-only descriptor");
+    assert!(error.to_string().contains("not open read-write"), "{error}");
+}
