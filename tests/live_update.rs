@@ -5,6 +5,10 @@
 //! its path after each update. A new binary that cannot start, refuses the VM, crashes,
 //! hangs or is killed with SIGKILL during the hand-over leaves the VM running in the old
 //! process. A VM with a device the hand-over does not carry yet is refused as such.
+//! A VM with a virtio-blk drive and virtio-rng goes on reading its disk across an update
+//! (`virtio-blk-bench`: a request lost or failed fails the guest), the image stays locked
+//! against a second gpuvm, and what the guest wrote is on disk; an update the new process
+//! refuses leaves the old one doing the disk I/O.
 //! Attackers' views: another local process connecting to the hand-over socket first gets
 //! nothing and the update goes through; the old process offers its VM to no symbolic
 //! link, no socket in a directory others may write to and no listener of another user.
@@ -603,12 +607,21 @@ fn the_old_process_offers_its_vm_only_to_a_socket_and_a_listener_it_trusts() {
 
 #[test]
 fn a_vm_with_a_device_the_hand_over_does_not_carry_is_refused() {
-    let vm = UpdatableVm::start("unsupported", "512M", "memloop 32M 13 100000", &["--rng"]);
+    let scratch = Scratch::new("live-update", "unsupported-vsock");
+    let vsock = format!("cid=3,uds={}", scratch.path("vsock.sock").display());
+    let vm = UpdatableVm::start(
+        "unsupported",
+        "512M",
+        "memloop 32M 13 100000",
+        &["--rng", "--vsock", &vsock],
+    );
     vm.wait_iterations_past(1);
+    // The vsock device listens too: the API socket is named.
+    let api = vm.api.to_str().expect("UTF-8 path").to_string();
     vm.update_fails(
+        &["--api-sock", &api],
         &[],
-        &[],
-        "live update of a VM with virtio devices (rng) is not supported yet",
+        "live update of a VM with virtio devices (vsock) is not supported yet",
     );
     api_expect(
         &vm.api,
@@ -649,4 +662,133 @@ fn downtime_does_not_grow_with_guest_ram() {
         large <= 3 * small + 20_000,
         "downtime grows with RAM: 1 GiB {small} us, 16 GiB {large} us"
     );
+}
+
+/// The disk VM: `virtio-blk-bench` on a 2 MiB image, one request in flight, so that its
+/// sequential phases leave a known image (each 1 MiB request reads into, then writes from,
+/// the same buffer: both MiBs end up as the second's original content), then
+/// [`RANDOM_READS`] random 4 KiB reads that outlast an update (about 8 s here). The VM has
+/// virtio-rng too.
+const RANDOM_READS: &str = "250000";
+
+/// The image's original second MiB: anything but zeroes, that a lost write would show.
+fn second_mib() -> Vec<u8> {
+    (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect()
+}
+
+struct DiskVm {
+    vm: UpdatableVm,
+    image: PathBuf,
+    _scratch: Scratch,
+}
+
+fn start_disk_vm(name: &str) -> DiskVm {
+    let scratch = Scratch::new("live-update-disk", name);
+    let image = scratch.path("disk.img");
+    let mut bytes = vec![0u8; 1 << 20];
+    bytes[..8].copy_from_slice(b"GPUVMBLK");
+    bytes.extend_from_slice(&second_mib());
+    std::fs::write(&image, &bytes).expect("write the disk image");
+    let drive = format!("id=disk0,path={}", image.display());
+    let cmdline = format!("virtio-blk-bench 2 1 {RANDOM_READS}");
+    let vm = UpdatableVm::start(name, "256M", &cmdline, &["--drive", &drive, "--rng"]);
+    // The update comes during the random reads.
+    vm.wait_stdout("the sequential phases", |out| {
+        out.contains("virtio-blk-bench: seq-write bytes=")
+    });
+    DiskVm {
+        vm,
+        image,
+        _scratch: scratch,
+    }
+}
+
+impl DiskVm {
+    /// Waits for the guest's `ok` and the VM's end; checks the image.
+    fn finishes_with_the_image_right(&self) {
+        let vm = &self.vm;
+        vm.wait_stdout("virtio-blk-bench: ok", |out| {
+            out.contains("virtio-blk-bench: ok") || out.contains("FAIL")
+        });
+        let out = vm.stdout();
+        assert!(!out.contains("FAIL"), "{}", vm.describe());
+        assert!(
+            out.contains(&format!(
+                "rand-read bytes={} ",
+                4096 * RANDOM_READS.parse::<u64>().unwrap()
+            )),
+            "{}",
+            vm.describe()
+        );
+        wait_gone(vm.owner, &vm.describe());
+        let image = std::fs::read(&self.image).expect("read the disk image");
+        let second = second_mib();
+        assert_eq!(image.len(), 2 << 20);
+        assert!(
+            image[..1 << 20] == second[..] && image[1 << 20..] == second[..],
+            "the image is not what the guest's writes leave"
+        );
+    }
+
+    /// Whether the guest is still in its random reads.
+    fn still_reading(&self) -> bool {
+        !self.vm.stdout().contains("rand-read bytes=")
+    }
+}
+
+#[test]
+fn disk_io_goes_on_across_an_update_and_the_image_stays_locked() {
+    let mut disk = start_disk_vm("blk");
+    assert!(
+        disk.still_reading(),
+        "the random reads ended before the update: raise RANDOM_READS\n{}",
+        disk.vm.describe()
+    );
+    disk.vm.update_ok(&[]);
+    assert!(
+        disk.still_reading(),
+        "the random reads ended before the update did: raise RANDOM_READS\n{}",
+        disk.vm.describe()
+    );
+    // The new process holds the image's lock: a second VM cannot open it.
+    let drive = format!("id=disk0,path={}", disk.image.display());
+    let second = run_gpuvm(
+        &["run", "--cmdline", "virtio-blk", "--drive", &drive],
+        LIMIT,
+    );
+    assert!(
+        second.stderr.contains("is in use by another process"),
+        "a second gpuvm opened the image: {}\n{}",
+        second.stderr,
+        second.stdout
+    );
+    assert!(
+        disk.still_reading(),
+        "the random reads ended before the lock was checked: raise RANDOM_READS\n{}",
+        disk.vm.describe()
+    );
+    disk.finishes_with_the_image_right();
+    // The first gpuvm, this test's child, handed the VM over and ended with status 0.
+    let status = first_status(&mut disk.vm.first);
+    assert_eq!(status.code(), Some(0), "{}", disk.vm.describe());
+}
+
+#[test]
+fn an_update_the_new_process_refuses_leaves_disk_io_in_the_old_process() {
+    let mut disk = start_disk_vm("blk-refused");
+    let out = disk.vm.update(&[], &[("GPUVM_TEST_UPDATE_FAIL", "refuse")]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "the update went through\n{stderr}");
+    assert!(stderr.contains("the new gpuvm refused the VM"), "{stderr}");
+    assert!(
+        disk.still_reading(),
+        "the random reads ended before the update was refused: raise RANDOM_READS\n{}",
+        disk.vm.describe()
+    );
+    assert_eq!(disk.vm.owner, disk.vm.first.pid());
+    disk.finishes_with_the_image_right();
+    let status = first_status(&mut disk.vm.first);
+    assert_eq!(status.code(), Some(0), "{}", disk.vm.describe());
 }

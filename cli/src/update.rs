@@ -68,6 +68,8 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
     let body = serde_json::json!({
         "handover_socket": handover.path(),
         "timeout_ms": args.timeout_ms,
+        // The running gpuvm offers the VM to this child only, whoever else listens.
+        "receiver_pid": child.id(),
     })
     .to_string();
     let started = Instant::now();

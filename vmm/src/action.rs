@@ -840,6 +840,11 @@ pub struct LiveUpdateBody {
     /// (default: 30 s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// The process that must be listening on `handover_socket` (`gpuvm update` gives the
+    /// pid it spawned): the VM is offered to no other. Without it, any process of root or
+    /// of this process's user may take it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receiver_pid: Option<u32>,
 }
 
 /// PUT /snapshot/create.

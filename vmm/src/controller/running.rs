@@ -542,7 +542,7 @@ fn live_update(
     let timeout = body
         .timeout_ms
         .map_or(crate::update::DEFAULT_TIMEOUT, Duration::from_millis);
-    match crate::update::hand_over(running, &body.handover_socket, timeout) {
+    match crate::update::hand_over(running, &body.handover_socket, timeout, body.receiver_pid) {
         Ok(report) => {
             log::info!(
                 "live update: the VM is handed to pid {:?} ({} bytes of state, {:?} from the \

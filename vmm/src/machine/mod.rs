@@ -158,6 +158,17 @@ impl RunningMachine<'_> {
         Ok(())
     }
 
+    /// Stops the virtio devices' I/O after the request in flight, as a snapshot does, so
+    /// that their state can be saved (a live update); the vCPUs must be paused first.
+    pub fn pause_devices(&mut self) {
+        crate::virtio::pause_all(&self.machine.devices.virtio);
+    }
+
+    /// Lets the devices stopped by [`RunningMachine::pause_devices`] run again.
+    pub fn resume_devices(&mut self) {
+        self.machine.resume_devices();
+    }
+
     /// Snapshots into `dir` and leaves the vCPUs as they were (running or paused).
     /// `full` forces a full memory file even when dirty pages are tracked. A snapshot that
     /// fails leaves the VM as it was (see [`Machine::take_snapshot`]).

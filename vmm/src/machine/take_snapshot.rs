@@ -302,8 +302,8 @@ impl Machine {
         })
     }
 
-    /// Lets the devices paused for a snapshot run again.
-    fn resume_devices(&mut self) {
+    /// Lets the devices paused for a snapshot (or a live update) run again.
+    pub(crate) fn resume_devices(&mut self) {
         crate::virtio::resume_all(&self.devices.virtio);
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             hotplug.resume_migrated();

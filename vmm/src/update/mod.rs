@@ -1,11 +1,13 @@
 //! Live update: the running gpuvm (old) hands its VM to a new gpuvm process without
-//! copying guest RAM. The old one sends the guest RAM memfd, its stdio and the machine's
-//! configuration over a Unix socket ([`protocol`]); the new one builds its KVM VM over that
-//! memfd while the guest still runs. Only then does the old one pause the vCPUs, save every
-//! component's state as a snapshot does (the same [`crate::snapshot::MachineState`], no
-//! memory file) and send it; the new one loads it and says it is ready; the old one commits
-//! (and exits), and the new one runs the vCPUs. Until the commit the old one takes the VM
-//! back on any failure. docs/live-update.md has the whole flow.
+//! copying guest RAM. The old one sends the guest RAM memfd, its stdio, its virtio-blk
+//! drives' open images and the machine's configuration over a Unix socket ([`protocol`]);
+//! the new one builds its KVM VM over that memfd (its drives adopting those images, locks
+//! and all) while the guest still runs. Only then does the old one pause the vCPUs and the
+//! virtio devices, save every component's state as a snapshot does (the same
+//! [`crate::snapshot::MachineState`], no memory file) and send it; the new one loads it and
+//! says it is ready; the old one commits (and exits), and the new one runs the vCPUs. Until
+//! the commit the old one takes the VM back on any failure. docs/live-update.md has the
+//! whole flow.
 //!
 //! - [`protocol`]: the frames and messages;
 //! - `send`: the old side, run from the VMM thread's run loop (PUT /vmm/update);

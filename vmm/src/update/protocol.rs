@@ -11,7 +11,8 @@
 //! ```
 //!
 //! The exchange:
-//! 1. old → new `Offer` (JSON [`OfferMeta`], with the descriptors of [`OFFER_FDS`]) and
+//! 1. old → new `Offer` (JSON [`OfferMeta`], with the descriptors of [`OFFER_FDS`], then
+//!    one per virtio-blk drive, in the order of [`OfferMeta::drives`]) and
 //!    `State`: the machine's configuration and device state, saved while the guest runs
 //!    (no vCPU state), framed exactly as a snapshot's `state` file so that the new binary's
 //!    version checks and migrations apply;
@@ -37,8 +38,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 const HEADER_LEN: usize = 24;
 /// The largest payload accepted: a state is tens of KiB per vCPU.
 const MAX_PAYLOAD: u64 = 64 << 20;
+/// The most disk images an offer may bring, after its [`OFFER_FDS`].
+pub const MAX_DRIVES: usize = 16;
 /// The most descriptors one frame may bring.
-const MAX_FDS: usize = 8;
+const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +85,12 @@ pub struct OfferMeta {
     pub vcpu_ids: Vec<u8>,
     /// The old process's id (the new one takes the VM over if it dies before `Commit`).
     pub old_pid: u32,
+    /// The virtio-blk drives (by drive ID) whose open image descriptors follow the
+    /// [`OFFER_FDS`], in this order: the new process adopts them (with their locks)
+    /// rather than open the images again. Absent without drives, so that an offer
+    /// without them reads as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drives: Vec<String>,
 }
 
 /// A `PausedState` payload: when the vCPUs were paused, then the framed state.

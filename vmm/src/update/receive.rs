@@ -29,6 +29,8 @@ pub struct Incoming {
     pub meta: OfferMeta,
     ram: Option<OwnedFd>,
     stdio: [OwnedFd; 3],
+    /// The virtio-blk drives' open images (drive ID, descriptor), until the VM is built.
+    images: Vec<(String, std::fs::File)>,
     /// The configuration and device state the VM is built from, saved while it ran.
     state: MachineState,
     /// The VM built from `state`, until the paused state is loaded into it.
@@ -70,16 +72,23 @@ pub fn accept(
             meta.old_pid
         )));
     }
-    if offer.fds.len() != OFFER_FDS {
+    if offer.fds.len() != OFFER_FDS + meta.drives.len() {
         return Err(UpdateError::Protocol(format!(
-            "the offer brings {} descriptors, not {OFFER_FDS}",
-            offer.fds.len()
+            "the offer brings {} descriptors, not {OFFER_FDS} and one for each of its {} drives",
+            offer.fds.len(),
+            meta.drives.len()
         )));
     }
     let mut fds = offer.fds.into_iter();
     let mut next = || fds.next().ok_or(UpdateError::PeerClosed);
     let ram = next()?;
     let stdio = [next()?, next()?, next()?];
+    let images = meta
+        .drives
+        .iter()
+        .cloned()
+        .zip(fds.map(std::fs::File::from))
+        .collect();
     let framed = protocol::expect(&socket, MessageKind::State)?;
     let state = match decode_state(&framed.payload) {
         Ok(state) => state,
@@ -99,6 +108,7 @@ pub fn accept(
         meta,
         ram: Some(ram),
         stdio,
+        images,
         state,
         prepared: None,
         paused_at_ns: None,
@@ -216,18 +226,36 @@ impl Incoming {
                 self.meta.ram_size, self.state.config.memory_size
             ))));
         }
+        let mut offered: Vec<&str> = self.images.iter().map(|(id, _)| id.as_str()).collect();
+        let mut saved = state_drives(&self.state);
+        offered.sort_unstable();
+        saved.sort_unstable();
+        if offered != saved {
+            return Err(self.refuse(UpdateError::Protocol(format!(
+                "the offer brings the images of drives {offered:?}, the state has drives \
+                 {saved:?}"
+            ))));
+        }
         let ram = self
             .ram
             .take()
             .ok_or_else(|| UpdateError::Protocol("the RAM descriptor was used already".into()))?;
+        // Each drive takes its handed-over image (and lock) instead of opening its path.
+        for (drive_id, image) in self.images.drain(..) {
+            gpuvm_virtio::block::adopt_image(drive_id, image);
+        }
         let prepared = crate::builder::prepare_handed_over(
             &self.state,
             &self.meta.vcpu_ids,
             std::fs::File::from(ram),
             self.meta.huge_tmpfs,
             serial_out,
-        )
-        .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))?;
+        );
+        let unused = gpuvm_virtio::block::forget_adopted_images();
+        if !unused.is_empty() && prepared.is_ok() {
+            log::warn!("live update: handed-over images of drives {unused:?} were not used");
+        }
+        let prepared = prepared.map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))?;
         self.prepared = Some(prepared);
         protocol::send(&self.socket, MessageKind::Built, b"", &[])
     }
@@ -343,6 +371,19 @@ fn build_inputs(state: &MachineState) -> serde_json::Value {
         "pci_root": devices.pci_root,
         "numa": state.numa,
     })
+}
+
+/// The IDs of the virtio-blk drives in `state`.
+fn state_drives(state: &MachineState) -> Vec<&str> {
+    state
+        .devices
+        .virtio
+        .iter()
+        .filter_map(|device| match &device.config {
+            crate::virtio::VirtioDeviceConfig::Block(config) => Some(config.drive_id.as_str()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not).

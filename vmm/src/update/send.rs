@@ -1,7 +1,13 @@
 //! The old process's side of a live update, on the VMM thread: refuse what the hand-over
 //! does not carry yet, pause, save, send, and either commit or take the VM back.
+//!
+//! virtio devices are quiesced as a snapshot quiesces them (their I/O stops after the
+//! request in flight, `RunningMachine::pause_devices`) whenever their state is saved, and
+//! resumed if the VM is taken back. A virtio-blk drive's open image descriptor goes with
+//! the offer, so the new process keeps its lock (flock locks belong to the open file
+//! description); virtio-rng reopens /dev/urandom.
 
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -12,6 +18,7 @@ use super::protocol::{self, MessageKind, OfferMeta};
 use super::{socket, UpdateError};
 use crate::machine::RunningMachine;
 use crate::snapshot::{MachineState, SavedMachineConfig};
+use crate::virtio::VirtioDeviceConfig;
 use crate::vm_state::InKernelDevices;
 
 /// Test hook: the old process, started with this set, dies (abort) once the new one is
@@ -32,11 +39,13 @@ pub struct HandOverReport {
 
 /// Hands the running VM to the gpuvm listening on `socket`. On success the VM belongs to
 /// the new process: the caller must end the run without resuming anything. On failure
-/// the VM runs on here as before (its vCPUs resumed), and the error says why.
+/// the VM runs on here as before (its vCPUs and devices resumed), and the error says why.
+/// With `receiver_pid`, only that process may be the socket's listener.
 pub fn hand_over(
     running: &mut RunningMachine<'_>,
     socket: &Path,
     timeout: Duration,
+    receiver_pid: Option<u32>,
 ) -> Result<HandOverReport, UpdateError> {
     check_supported(running)?;
     socket::check_path(socket)?;
@@ -44,7 +53,7 @@ pub fn hand_over(
         path: socket.to_path_buf(),
         source,
     })?;
-    let receiver = check_receiver(socket::peer_credentials(&stream)?)?;
+    let receiver = check_receiver(socket::peer_credentials(&stream)?, receiver_pid)?;
     let set_timeout = |source| UpdateError::Socket {
         what: "set the hand-over socket's timeout",
         source,
@@ -62,9 +71,13 @@ pub fn hand_over(
         log::error!("live update refused before the pause; the VM runs on: {error}");
         return Err(error);
     }
-    running
-        .pause()
-        .map_err(|e| UpdateError::Save(format!("cannot pause the vCPUs: {e}")))?;
+    if let Err(error) = running.pause() {
+        let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
+        return Err(UpdateError::Save(format!(
+            "cannot pause the vCPUs: {error}"
+        )));
+    }
+    running.pause_devices();
     let paused_at = Instant::now();
     match hand_paused_and_commit(running, &stream, receiver) {
         Ok(state_bytes) => Ok(HandOverReport {
@@ -76,6 +89,7 @@ pub fn hand_over(
             // Tell the new process it must not run the VM (best effort: it may be gone),
             // then run it here again.
             let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
+            running.resume_devices();
             if let Err(resume) = running.resume() {
                 log::error!("live update failed and the vCPUs cannot be resumed: {resume}");
             }
@@ -95,39 +109,107 @@ fn explain_timeout(error: UpdateError, timeout: Duration) -> UpdateError {
     }
 }
 
-/// Sends the offer (RAM and stdio descriptors) and the running machine's configuration
-/// and device state, and waits until the new process has built its VM.
-fn offer(running: &RunningMachine<'_>, stream: &UnixStream) -> Result<(), UpdateError> {
+/// Sends the offer (RAM, stdio and disk image descriptors) and the running machine's
+/// configuration and device state, and waits until the new process has built its VM.
+fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), UpdateError> {
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
-    let framed = frame_state(&save_state(running, false)?)?;
+    let (drives, images) = drive_images(running)?;
+    let framed = frame_state(&save_configuration(running)?)?;
     let ram = running.machine().ram();
     let meta = OfferMeta {
         ram_size: ram.size(),
         huge_tmpfs: ram.huge_tmpfs(),
         vcpu_ids,
         old_pid: std::process::id(),
+        drives,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
-    let fds = [
+    let mut fds: Vec<RawFd> = vec![
         ram.memfd().as_raw_fd(),
         std::io::stdin().as_raw_fd(),
         std::io::stdout().as_raw_fd(),
         std::io::stderr().as_raw_fd(),
     ];
     debug_assert_eq!(fds.len(), protocol::OFFER_FDS);
+    fds.extend(images.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
+    // Ours are duplicates: the drives keep theirs.
+    drop(images);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
 
+/// Each virtio-blk drive's ID and a duplicate of its open image descriptor, in the
+/// order of the VM's devices.
+fn drive_images(
+    running: &RunningMachine<'_>,
+) -> Result<(Vec<String>, Vec<std::fs::File>), UpdateError> {
+    let mut drives = Vec::new();
+    let mut images = Vec::new();
+    for handle in &running.machine().devices().virtio {
+        let VirtioDeviceConfig::Block(config) = &handle.config else {
+            continue;
+        };
+        let mut transport = handle
+            .transport
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let block = transport
+            .device_mut()
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<gpuvm_virtio::block::Block>())
+            .ok_or_else(|| {
+                UpdateError::Save(format!(
+                    "drive {} is not a virtio-blk device",
+                    config.drive_id
+                ))
+            })?;
+        let image = block
+            .image_descriptor()
+            .map_err(|e| UpdateError::Save(format!("drive {}: {e}", config.drive_id)))?;
+        drives.push(config.drive_id.clone());
+        images.push(image);
+    }
+    Ok((drives, images))
+}
+
+/// What building the VM takes (configuration and devices), saved while the guest runs. A
+/// virtio device's state can only be saved paused: a VM with them is paused (vCPUs, then
+/// devices, as a snapshot) for as long as saving takes, and resumed.
+fn save_configuration(running: &mut RunningMachine<'_>) -> Result<MachineState, UpdateError> {
+    if running.machine().devices().virtio.is_empty() {
+        return save_state(running, false);
+    }
+    running
+        .pause()
+        .map_err(|e| UpdateError::Save(format!("cannot pause the vCPUs: {e}")))?;
+    running.pause_devices();
+    let saved = save_state(running, false);
+    running.resume_devices();
+    running
+        .resume()
+        .map_err(|e| UpdateError::Save(format!("cannot resume the vCPUs: {e}")))?;
+    saved
+}
+
 /// Whom the hand-over socket connects this process to (`SO_PEERCRED`: the process that
-/// listens, the new gpuvm) may take the VM: a process of root or of this process's user,
-/// and not this one. The socket's private directory keeps anyone else from listening
-/// there; this makes sure.
+/// listens, the new gpuvm) may take the VM: `expected_pid` where given, else a process
+/// of root or of this process's user, and not this one. The socket's private directory
+/// keeps anyone else from listening there; this makes sure.
 fn check_receiver(
     receiver: socket::PeerCredentials,
+    expected_pid: Option<u32>,
 ) -> Result<socket::PeerCredentials, UpdateError> {
+    if let Some(expected) = expected_pid {
+        if receiver.pid != expected {
+            return Err(UpdateError::UntrustedPeer {
+                pid: receiver.pid,
+                uid: receiver.uid,
+                expected: format!("process {expected} (receiver_pid)"),
+            });
+        }
+    }
     let uid = socket::effective_uid();
     if receiver.pid == std::process::id() || receiver.pid == 0 {
         return Err(UpdateError::UntrustedPeer {
@@ -202,11 +284,32 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
             None,
         ));
     }
-    if !devices.virtio.is_empty() {
-        let ids: Vec<&str> = devices.virtio.iter().map(|h| h.config.id()).collect();
+    let not_carried: Vec<&str> = devices
+        .virtio
+        .iter()
+        .filter(|h| {
+            !matches!(
+                h.config,
+                VirtioDeviceConfig::Block(_) | VirtioDeviceConfig::Rng(_)
+            )
+        })
+        .map(|h| h.config.id())
+        .collect();
+    if !not_carried.is_empty() {
         return Err(UpdateError::unsupported(
-            format!("a VM with virtio devices ({})", ids.join(", ")),
-            Some("their disk images, taps and sockets are not handed over yet"),
+            format!("a VM with virtio devices ({})", not_carried.join(", ")),
+            Some("only virtio-blk and virtio-rng are handed over; taps and sockets are not yet"),
+        ));
+    }
+    let drives = devices
+        .virtio
+        .iter()
+        .filter(|h| matches!(h.config, VirtioDeviceConfig::Block(_)))
+        .count();
+    if drives > protocol::MAX_DRIVES {
+        return Err(UpdateError::unsupported(
+            format!("a VM with {drives} drives"),
+            Some(&format!("at most {} are handed over", protocol::MAX_DRIVES)),
         ));
     }
     if !devices.passthrough.is_empty() {
@@ -293,4 +396,33 @@ fn frame_state(state: &MachineState) -> Result<Vec<u8>, UpdateError> {
     framed.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     framed.extend_from_slice(&payload);
     Ok(framed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(pid: u32) -> socket::PeerCredentials {
+        socket::PeerCredentials {
+            pid,
+            uid: socket::effective_uid(),
+        }
+    }
+
+    #[test]
+    fn only_the_named_receiver_is_trusted() {
+        let other = std::process::id() + 1;
+        assert_eq!(check_receiver(peer(other), Some(other)).unwrap().pid, other);
+        let error = check_receiver(peer(other), Some(other + 1))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains(&format!("process {} (receiver_pid)", other + 1)),
+            "{error}"
+        );
+        // Without a pid, any other process of this user.
+        assert_eq!(check_receiver(peer(other), None).unwrap().pid, other);
+        assert!(check_receiver(peer(std::process::id()), None).is_err());
+    }
 }
