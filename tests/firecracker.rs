@@ -880,23 +880,40 @@ fn diff_memory_file_merged_onto_the_full_image_loads() {
     );
     // The Diff's state alone with the Full image would be the wrong guest; the merge is
     // what loads.
+    let merged = merge_diff_image(&scratch, &base, &diff);
+    load_merged_image_and_check(&scratch, "raw-diff-load", &state, &merged, &before);
+}
+
+/// A copy of the Full image `base` with the Diff image `diff`'s data ranges written over
+/// it, as a Firecracker client merges them.
+fn merge_diff_image(scratch: &Scratch, base: &Path, diff: &Path) -> PathBuf {
     let merged = scratch.path("merged.mem");
-    std::fs::copy(&base, &merged).unwrap();
+    std::fs::copy(base, &merged).unwrap();
     let (from, to) = (
-        std::fs::File::open(&diff).unwrap(),
+        std::fs::File::open(diff).unwrap(),
         std::fs::File::options().write(true).open(&merged).unwrap(),
     );
     let ranges = data_ranges(&from);
-    assert!(!ranges.is_empty());
+    assert!(!ranges.is_empty(), "the Diff image holds no data");
     for (start, end) in ranges {
         let mut bytes = vec![0u8; (end - start) as usize];
         from.read_exact_at(&mut bytes, start).unwrap();
         to.write_all_at(&bytes, start).unwrap();
     }
-    drop(to);
+    merged
+}
 
-    let api = scratch.path("raw-diff-load.sock");
-    let restored = start(&scratch, &api, "fc-raw-diff-load");
+/// Loads `state` with the merged image in a new gpuvm (API socket named after `name`); the
+/// guest's memloop must go on from where `before` left it and finish.
+fn load_merged_image_and_check(
+    scratch: &Scratch,
+    name: &str,
+    state: &Path,
+    merged: &Path,
+    before: &str,
+) {
+    let api = scratch.path(&format!("{name}.sock"));
+    let restored = start(scratch, &api, &format!("fc-{name}"));
     api_expect(
         &api,
         204,
@@ -910,7 +927,7 @@ fn diff_memory_file_merged_onto_the_full_image_loads() {
     );
     let out = restored.wait(LIMIT);
     out.assert_code(0);
-    assert_memloop_went_on(&before, &out.stdout);
+    assert_memloop_went_on(before, &out.stdout);
 }
 
 /// Bytes the file system allocated for `path`: a file's blocks, or the sum over a
@@ -1006,32 +1023,6 @@ fn snapshots_keep_guest_memory_on_disk_once() {
 
     // The Diff merged onto the Full image (by its data ranges) loads, and the guest's own
     // checks of every page it wrote pass on.
-    let merged = scratch.path("merged.mem");
-    std::fs::copy(&base, &merged).unwrap();
-    let (from, to) = (
-        std::fs::File::open(&diff).unwrap(),
-        std::fs::File::options().write(true).open(&merged).unwrap(),
-    );
-    for (start, end) in data_ranges(&from) {
-        let mut bytes = vec![0u8; (end - start) as usize];
-        from.read_exact_at(&mut bytes, start).unwrap();
-        to.write_all_at(&bytes, start).unwrap();
-    }
-    drop(to);
-    let api = scratch.path("raw-once-load.sock");
-    let restored = start(&scratch, &api, "fc-raw-once-load");
-    api_expect(
-        &api,
-        204,
-        "PUT",
-        "/snapshot/load",
-        Some(&format!(
-            r#"{{"snapshot_path": "{}", "mem_file_path": "{}", "resume_vm": true}}"#,
-            state.display(),
-            merged.display()
-        )),
-    );
-    let out = restored.wait(LIMIT);
-    out.assert_code(0);
-    assert_memloop_went_on(&before, &out.stdout);
+    let merged = merge_diff_image(&scratch, &base, &diff);
+    load_merged_image_and_check(&scratch, "raw-once-load", &state, &merged, &before);
 }

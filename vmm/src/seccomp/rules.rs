@@ -588,15 +588,7 @@ mod tests {
     /// failing with EPERM instead of killing the test.
     fn under_the_vmm_filter<T: Send + 'static>(body: impl FnOnce() -> T + Send + 'static) -> T {
         std::thread::spawn(move || {
-            let filter = SeccompFilter::new(
-                rules(ThreadKind::Vmm).unwrap(),
-                SeccompAction::Errno(libc::EPERM as u32),
-                SeccompAction::Allow,
-                TargetArch::x86_64,
-            )
-            .unwrap();
-            let program: BpfProgram = filter.try_into().unwrap();
-            seccompiler::apply_filter(&program).unwrap();
+            refuse_outside(rules(ThreadKind::Vmm).unwrap());
             body()
         })
         .join()
