@@ -846,7 +846,7 @@ fn data_ranges(file: &std::fs::File) -> Vec<(u64, u64)> {
 /// guest's own checks pass on.
 #[test]
 fn diff_memory_file_merged_onto_the_full_image_loads() {
-    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::os::unix::fs::MetadataExt;
     let scratch = Scratch::new("firecracker", "raw-diff");
     let state = scratch.path("vm.state");
     let (base, diff) = (scratch.path("base.mem"), scratch.path("diff.mem"));
@@ -887,6 +887,7 @@ fn diff_memory_file_merged_onto_the_full_image_loads() {
 /// A copy of the Full image `base` with the Diff image `diff`'s data ranges written over
 /// it, as a Firecracker client merges them.
 fn merge_diff_image(scratch: &Scratch, base: &Path, diff: &Path) -> PathBuf {
+    use std::os::unix::fs::FileExt;
     let merged = scratch.path("merged.mem");
     std::fs::copy(base, &merged).unwrap();
     let (from, to) = (
@@ -952,7 +953,6 @@ fn allocated_bytes(path: &Path) -> u64 {
 /// passing on. Prints the figures (time of each snapshot request, bytes on disk).
 #[test]
 fn snapshots_keep_guest_memory_on_disk_once() {
-    use std::os::unix::fs::FileExt;
     const MEM_MIB: u64 = 512;
     let scratch = Scratch::new("firecracker", "raw-once");
     let state = scratch.path("vm.state");
