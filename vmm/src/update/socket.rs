@@ -33,35 +33,41 @@ pub struct PeerCredentials {
 
 /// The peer of `socket`.
 pub fn peer_credentials(socket: &UnixStream) -> Result<PeerCredentials, UpdateError> {
-    let mut credentials = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes at most `len` bytes (one ucred) into `credentials`, a live
-    // local, and the new length into `len`; the result is checked.
-    let result = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut credentials as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if result != 0 {
-        return Err(UpdateError::Socket {
+    let credentials: libc::ucred =
+        socket_option(socket.as_fd(), libc::SO_PEERCRED).map_err(|source| UpdateError::Socket {
             what: "read who is at the other end of the hand-over socket",
-            source: std::io::Error::last_os_error(),
-        });
-    }
+            source,
+        })?;
     // A peer in another pid namespace reads as pid 0, one with no mapped uid as the
     // overflow uid: neither matches an expected process.
     Ok(PeerCredentials {
         pid: u32::try_from(credentials.pid).unwrap_or(0),
         uid: credentials.uid,
     })
+}
+
+/// The `SOL_SOCKET` option `option` of `socket`, read as a `T` (a C struct or integer of
+/// exactly the size the kernel writes for it: `ucred` for SO_PEERCRED, `c_int` for flags).
+fn socket_option<T: Copy>(socket: BorrowedFd<'_>, option: libc::c_int) -> std::io::Result<T> {
+    // SAFETY: every T used here (ucred, c_int) is plain integers, for which all zero bytes
+    // is a valid value.
+    let mut value: T = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes (one T) into `value`, a live local, and
+    // the length it wrote into `len`; the result is checked.
+    let result = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&mut value as *mut T).cast(),
+            &mut len,
+        )
+    };
+    if result != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(value)
 }
 
 /// This process's effective uid.
@@ -197,25 +203,11 @@ impl HandOverSocket {
 
     /// Whether someone (the new gpuvm) listens on the socket now.
     pub fn is_listening(&self) -> Result<bool, UpdateError> {
-        let mut listening: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: SO_ACCEPTCONN writes one int into `listening`, a live local, and its
-        // length into `len`; the result is checked.
-        let result = unsafe {
-            libc::getsockopt(
-                self.socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_ACCEPTCONN,
-                (&mut listening as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        if result != 0 {
-            return Err(UpdateError::Socket {
+        let listening: libc::c_int = socket_option(self.socket.as_fd(), libc::SO_ACCEPTCONN)
+            .map_err(|source| UpdateError::Socket {
                 what: "check whether the new gpuvm listens",
-                source: std::io::Error::last_os_error(),
-            });
-        }
+                source,
+            })?;
         Ok(listening != 0)
     }
 }
