@@ -99,6 +99,24 @@ fn new_refuses_the_wrong_number_of_taps() {
     ));
 }
 
+/// Activates `net` with one queue pair over `queues` (RX, TX); returns their kick
+/// eventfds, with which the test notifies the device as a guest would.
+fn activate_one_pair(
+    net: &mut Net,
+    memory: &GuestMemory,
+    (rxq, txq): (&MockSplitQueue<GuestMemory>, &MockSplitQueue<GuestMemory>),
+    signals: &Arc<RecordingInterrupt>,
+) -> (
+    vmm_sys_util::eventfd::EventFd,
+    vmm_sys_util::eventfd::EventFd,
+) {
+    let (rx, tx) = (active_queue(rxq), active_queue(txq));
+    let kicks = (rx.kick.try_clone().unwrap(), tx.kick.try_clone().unwrap());
+    net.activate(activation(memory, vec![Some(rx), Some(tx)], 0, signals))
+        .unwrap();
+    kicks
+}
+
 fn activation(
     memory: &GuestMemory,
     queues: Vec<Option<ActiveQueue>>,
@@ -128,12 +146,7 @@ fn serves_frames_on_its_thread_pauses_resumes_and_resets() {
     datagram.extend(frame(90, 4));
     peer.send(&datagram).unwrap();
 
-    let rx = active_queue(&rxq);
-    let rx_kick = rx.kick.try_clone().unwrap();
-    let tx = active_queue(&txq);
-    let tx_kick = tx.kick.try_clone().unwrap();
-    net.activate(activation(&memory, vec![Some(rx), Some(tx)], 0, &signals))
-        .unwrap();
+    let (rx_kick, tx_kick) = activate_one_pair(&mut net, &memory, (&rxq, &txq), &signals);
     assert!(
         net.activate(activation(&memory, vec![], 0, &signals))
             .is_err(),
@@ -533,12 +546,7 @@ fn mmds_answers_only_through_the_mmds_the_device_was_given() {
             None => net,
         };
         let signals = Arc::new(RecordingInterrupt::default());
-        let rx = active_queue(&rxq);
-        let rx_kick = rx.kick.try_clone().unwrap();
-        let tx = active_queue(&txq);
-        let tx_kick = tx.kick.try_clone().unwrap();
-        net.activate(activation(&memory, vec![Some(rx), Some(tx)], 0, &signals))
-            .unwrap();
+        let (rx_kick, tx_kick) = activate_one_pair(&mut net, &memory, (&rxq, &txq), &signals);
         add_chain(&rxq, 0, &[descriptor(DATA, 2000, true)]);
         rx_kick.write(1).unwrap();
         let request = mmds_arp_request();
