@@ -476,14 +476,19 @@ fn memloop_full_snapshot(scratch: &Scratch, state: &Path, mem: &Path) -> String 
     let api = scratch.path("raw-create.sock");
     let mut vmm = boot_memloop_and_pause(scratch, &api, false);
     create_snapshot(&api, "Full", state, mem);
-    let before = vmm.stdout();
+    let before = output_until_killed(vmm);
     assert!(
         !before.contains("memloop: done"),
         "the guest finished before the snapshot: {before}"
     );
-    vmm.signal(libc::SIGKILL);
-    let _ = vmm.wait(LIMIT);
     before
+}
+
+/// Kills the paused VMM and returns all it printed: read after it ended, so no byte the
+/// guest wrote before the snapshot is still in the pipe.
+fn output_until_killed(mut vmm: SpawnedProcess) -> String {
+    vmm.signal(libc::SIGKILL);
+    vmm.wait(LIMIT).stdout
 }
 
 /// Whether `name`, in the hidden directory, is a gpuvm-format memory file (not the raw
@@ -592,18 +597,21 @@ fn assert_raw_image_of_gpuvm_snapshot(state: &Path, mem: &Path, refilled: &Path)
 }
 
 /// The restored guest resumed where it was snapshotted (no second boot) and its own
-/// checks pass to the end: memloop verifies every page it wrote, each iteration.
+/// checks pass to the end: memloop verifies every page it wrote, each iteration. The
+/// snapshot can cut a serial line in two (the guest paused mid-print), so the two runs'
+/// output together must be the whole loop, each iteration once and in order.
 fn assert_memloop_went_on(before: &str, after: &str) {
     assert!(!after.contains("FAIL"), "{after}");
     assert!(!after.contains("memloop: cpus="), "booted again: {after}");
     assert!(after.contains("memloop: done"), "{after}");
-    let last_before = gpuvm_tests::memloop_iterations(before)
-        .last()
-        .copied()
-        .unwrap();
-    let after_iters = gpuvm_tests::memloop_iterations(after);
+    let whole = gpuvm_tests::memloop_iterations(&format!("{before}{after}"));
+    assert_eq!(
+        whole,
+        (0..whole.len() as u64).collect::<Vec<_>>(),
+        "before: {before}\nafter: {after}"
+    );
     assert!(
-        after_iters.len() >= 2 && after_iters[0] <= last_before + 1,
+        gpuvm_tests::memloop_iterations(after).len() >= 2,
         "before: {before}\nafter: {after}"
     );
 }
@@ -858,10 +866,8 @@ fn diff_memory_file_merged_onto_the_full_image_loads() {
     vmm.wait_for_stdout(&format!("memloop: iter {} ok", iters + 1), LIMIT);
     api_expect(&api, 204, "PATCH", "/vm", Some(r#"{"state": "Paused"}"#));
     create_snapshot(&api, "Diff", &state, &diff);
-    let before = vmm.stdout();
+    let before = output_until_killed(vmm);
     assert!(!before.contains("memloop: done"), "{before}");
-    vmm.signal(libc::SIGKILL);
-    let _ = vmm.wait(LIMIT);
 
     let (base_meta, diff_meta) = (
         std::fs::metadata(&base).unwrap(),
@@ -1002,10 +1008,8 @@ fn snapshots_keep_guest_memory_on_disk_once() {
     let started = std::time::Instant::now();
     create_snapshot(&api, "Diff", &state, &diff);
     let diff_time = started.elapsed();
-    let before = vmm.stdout();
+    let before = output_until_killed(vmm);
     assert!(!before.contains("memloop: done"), "{before}");
-    vmm.signal(libc::SIGKILL);
-    let _ = vmm.wait(LIMIT);
 
     let (diff_image, kept) = (allocated_bytes(&diff), allocated_bytes(&hidden));
     eprintln!(

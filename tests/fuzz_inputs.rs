@@ -966,9 +966,9 @@ fn raw_snapshot(scratch: &Scratch) -> RawSnapshot {
         mem.display()
     );
     api_expect(&api, 204, "PUT", "/snapshot/create", Some(&create));
-    let before = vmm.stdout();
+    // Read after the VMM ended, so no line the guest printed is still in the pipe.
     vmm.signal(libc::SIGKILL);
-    let _ = vmm.wait(Duration::from_secs(10));
+    let before = vmm.wait(Duration::from_secs(10)).stdout;
     let last = *memloop_iterations(&before).last().expect("an iteration");
     let hidden = gpuvm_vmm::snapshot::files::directory_for(&state).expect("hidden directory");
     let crc_table = std::fs::read_dir(&hidden)
