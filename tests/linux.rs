@@ -125,10 +125,11 @@ fn vmlinux_pvh_enumerates_pci_through_acpi() {
             out.stderr
         );
     }
-    // The 64-bit window starts above RAM (4 GiB for this 256 MiB guest), 512 GiB long.
+    // The 64-bit window starts above RAM (4 GiB for this 256 MiB guest), 4 TiB long
+    // (room for eight hot-plugged GPUs with 256 GiB BAR1s).
     assert!(out
         .stdout
-        .contains("pci_bus 0000:00: root bus resource [mem 0x100000000-0x80ffffffff window]"));
+        .contains("pci_bus 0000:00: root bus resource [mem 0x100000000-0x400ffffffff window]"));
     assert!(!out.stdout.contains("ACPI Error") && !out.stdout.contains("ACPI BIOS Error"));
 }
 

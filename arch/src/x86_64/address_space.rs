@@ -14,8 +14,9 @@
 //! ```
 //!
 //! On AMD hosts the HyperTransport range 0xFD_0000_0000..0x100_0000_0000 (1012 GiB to
-//! 1 TiB) holds neither RAM nor BARs: a window that would cross it starts at 1 TiB instead,
-//! and RAM that would reach it is refused (RAM above 1 TiB is not laid out yet).
+//! 1 TiB) holds neither RAM nor BARs: a window that would cross it, or that the hole would
+//! cut short of the default, starts at 1 TiB instead where that gives it more room, and
+//! RAM that would reach it is refused (RAM above 1 TiB is not laid out yet).
 //!
 //! [`plan`] is pure: the VMM gives it the host's CPUID (KVM_GET_SUPPORTED_CPUID) and the
 //! 64-bit BAR sizes of the devices it has opened, before it builds the PCI roots, and a
@@ -386,6 +387,7 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
         starts.push(AMD_HT_HOLE_END);
     }
     let mut refused = None;
+    let mut best: Option<AddressSpacePlan> = None;
     for start in starts {
         // The size the window must have from `start`.
         let size = match (request.fixed_window, request.mmio64_size) {
@@ -423,7 +425,21 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
                 high = middle - 1;
             }
         }
-        return Ok(layout(start, low * PCI_MMIO64_ALIGN));
+        let grown = layout(start, low * PCI_MMIO64_ALIGN);
+        if grown.mmio64_size == PCI_MMIO64_DEFAULT_SIZE {
+            return Ok(grown);
+        }
+        // Cut short (on AMD hosts, by the HyperTransport hole): a later start (past the
+        // hole) may hold more, and hot-plug needs the room more than low addresses.
+        if best
+            .as_ref()
+            .is_none_or(|b| grown.mmio64_size > b.mmio64_size)
+        {
+            best = Some(grown);
+        }
+    }
+    if let Some(best) = best {
+        return Ok(best);
     }
     let refused = refused.expect("at least one start is tried");
     if request.fixed_window.is_some()
@@ -587,12 +603,31 @@ mod tests {
     fn without_devices_the_window_is_the_default() {
         for host in [intel(46), intel(48), amd(48)] {
             let plan = plan(&request(host, &[])).unwrap();
-            assert_eq!(plan.mmio64_start, FOUR_GIB);
+            // On AMD the hole would cut it to 1008 GiB: it starts past the hole.
+            let start = if host.has_ht_hole() {
+                AMD_HT_HOLE_END
+            } else {
+                FOUR_GIB
+            };
+            assert_eq!(plan.mmio64_start, start, "{plan}");
             assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
             assert_eq!(plan.hotplug_reserve, 0);
         }
+        // Room for eight H200-like GPUs hot-plugged one by one (Kata's path): each lands
+        // where the root's allocator puts it, in the window planned without them.
+        let plan = plan(&request(intel(46), &[])).unwrap();
+        let mut window = BarAllocator::new("64-bit", plan.mmio64_start, plan.mmio64_end());
+        for _ in 0..8 {
+            window
+                .allocate(256 * GIB)
+                .expect("room for a hot-plugged BAR1");
+            window.allocate(32 << 20).expect("room for its BAR3");
+        }
+        // A 42-bit host (4 TiB) gets all it has above 4 GiB.
+        let plan = super::plan(&request(intel(42), &[])).unwrap();
+        assert_eq!(plan.mmio64_end(), 4 * TIB);
         // A narrow host gets what fits: 39 bits (512 GiB) leaves 508 GiB above 4 GiB.
-        let narrow = plan(&request(intel(39), &[])).unwrap();
+        let narrow = super::plan(&request(intel(39), &[])).unwrap();
         assert_eq!(narrow.mmio64_end(), 512 * GIB);
         assert_eq!(narrow.mmio64_size, 508 * GIB);
     }
@@ -604,13 +639,14 @@ mod tests {
             let plan = plan(&request(host, &devices)).unwrap();
             assert_eq!(plan.mmio64_start, FOUR_GIB);
             // BAR1s at 256 GiB .. 2.25 TiB, the BAR3s in the gap below the first, and one
-            // more GPU's room: 2.5 TiB.
-            assert_eq!(plan.mmio64_end(), 2560 * GIB, "{plan}");
+            // more GPU's room: 2.5 TiB, inside the default window.
+            assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE, "{plan}");
             assert_eq!(plan.device_bars, 8 * (256 * GIB + (32 << 20)));
             assert_eq!(plan.hotplug_reserve, 256 * GIB + (32 << 20));
             let placed = check_fits(&plan, &devices);
             let bar1s: Vec<u64> = placed.iter().step_by(2).copied().collect();
             assert_eq!(bar1s, (1..=9).map(|i| i * 256 * GIB).collect::<Vec<_>>());
+            assert_eq!(bars_span(plan.mmio64_start, &devices).1, 2556 * GIB);
             assert!(placed
                 .iter()
                 .skip(1)
@@ -624,7 +660,11 @@ mod tests {
         let devices = vec![gpu(64 * GIB); 8];
         let plan = plan(&request(intel(46), &devices)).unwrap();
         // 64 GiB .. 576 GiB, one more: 640 GiB.
-        assert_eq!(plan.mmio64_end(), 640 * GIB, "{plan}");
+        assert_eq!(
+            FOUR_GIB + bars_span(FOUR_GIB, &devices).1,
+            640 * GIB,
+            "{plan}"
+        );
         check_fits(&plan, &devices);
         let mixed: Vec<Vec<u64>> = (0..8)
             .map(|i| gpu(if i % 2 == 0 { 64 * GIB } else { 256 * GIB }))
@@ -633,19 +673,27 @@ mod tests {
         check_fits(&plan, &mixed);
         // 4 x 256 + 4 x 64 GiB, one more 256 GiB, and the alignment waste stays below one
         // BAR1.
-        assert!(plan.mmio64_size < (5 * 256 + 4 * 64 + 256) * GIB, "{plan}");
+        assert!(
+            bars_span(plan.mmio64_start, &mixed).1 < (5 * 256 + 4 * 64 + 256) * GIB,
+            "{plan}"
+        );
     }
 
     #[test]
     fn two_h200s_fit_where_the_fixed_window_did_not() {
         let devices = vec![gpu(256 * GIB); 2];
-        let plan = plan(&request(intel(48), &devices)).unwrap();
+        // On a 40-bit host (1 TiB) the window is what the devices and the reserve need
+        // (BAR1s at 256 and 512 GiB, room for a third at 768 GiB), not the default.
+        let plan = plan(&request(intel(40), &devices)).unwrap();
         assert_eq!(
             (plan.mmio64_start, plan.mmio64_end()),
             (FOUR_GIB, 1024 * GIB)
         );
         check_fits(&plan, &devices);
-        // Small devices still get at least the old default.
+        // Three do not fit there (a fourth's room would end at 1.25 TiB), with the numbers.
+        let error = super::plan(&request(intel(40), &vec![gpu(256 * GIB); 3])).unwrap_err();
+        assert!(error.to_string().contains("1 TiB"), "{error}");
+        // Small devices still get at least the default.
         let small = vec![gpu(256 << 20); 2];
         let plan = super::plan(&request(intel(48), &small)).unwrap();
         assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
@@ -653,9 +701,15 @@ mod tests {
 
     #[test]
     fn amd_hosts_keep_the_hypertransport_hole_free() {
-        // Two H100s and one more fit below the hole.
+        // Two H100s and one more fit below the hole, but the default window does not: it
+        // starts past the hole. On a 40-bit host (1 TiB, nothing past the hole) they stay
+        // below it.
         let two = vec![gpu(64 * GIB); 2];
         let plan = plan(&request(amd(48), &two)).unwrap();
+        assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END, "{plan}");
+        assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE, "{plan}");
+        check_fits(&plan, &two);
+        let plan = super::plan(&request(amd(40), &two)).unwrap();
         assert_eq!(plan.mmio64_start, FOUR_GIB);
         assert!(plan.mmio64_end() <= AMD_HT_HOLE_START, "{plan}");
         check_fits(&plan, &two);
@@ -668,15 +722,16 @@ mod tests {
         let eight = vec![gpu(256 * GIB); 8];
         let plan = super::plan(&request(amd(48), &eight)).unwrap();
         assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END, "{plan}");
-        assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_END + 2560 * GIB);
+        assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_END + PCI_MMIO64_DEFAULT_SIZE);
         check_fits(&plan, &eight);
-        // Without devices on a large guest, the window stays below the hole as far as it
-        // goes; the segments after it skip the hole.
-        let mut with_segments = request(amd(48), &[]);
-        with_segments.ram_top = 600 * GIB;
+        // Without devices on a host with little room past the hole (41 bits: 1 TiB there,
+        // 896 GiB of it left by two more segments' windows), the window stays below the
+        // hole (912 GiB), the larger of the two; the segments after it skip the hole.
+        let mut with_segments = request(amd(41), &[]);
+        with_segments.ram_top = 100 * GIB;
         with_segments.segments = 3;
         let plan = super::plan(&with_segments).unwrap();
-        assert_eq!(plan.mmio64_start, 600 * GIB, "{plan}");
+        assert_eq!(plan.mmio64_start, 100 * GIB, "{plan}");
         assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_START, "{plan}");
         assert_eq!(plan.segment_mmio64_starts[0], AMD_HT_HOLE_END, "{plan}");
         assert!(plan
@@ -685,6 +740,7 @@ mod tests {
             .all(|&s| !overlaps_ht_hole(s, s + PCI_SEGMENT_MMIO64_SIZE)));
         // The same on Intel gets the whole default window, segments right after it.
         with_segments.host = intel(48);
+        with_segments.ram_top = 600 * GIB;
         let plan = super::plan(&with_segments).unwrap();
         assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
         assert_eq!(plan.segment_mmio64_starts[0], plan.mmio64_end());

@@ -53,10 +53,12 @@ pub const PCI_MMIO32_END: u64 = PCI_ECAM_START;
 /// to its own size.
 pub const PCI_MMIO64_ALIGN: u64 = 1 << 30;
 /// Least size of the 64-bit PCI BAR window where the host's address width allows (the
-/// whole window of a VM without passthrough devices): room for two 128 GiB BAR1s and
-/// their companions. With devices the window is planned from their BARs
-/// ([`super::address_space`]).
-pub const PCI_MMIO64_DEFAULT_SIZE: u64 = 512 << 30;
+/// whole window of a VM created without passthrough devices, as Kata creates one before it
+/// hot-plugs GPUs): room for eight GPUs with 256 GiB BAR1s (H200, B200) hot-plugged one
+/// by one, each BAR1 aligned to its size, and their 64-bit companions. Only addresses:
+/// nothing is allocated or registered for the empty part. With devices the window is
+/// planned from their BARs ([`super::address_space`]) and is at least this.
+pub const PCI_MMIO64_DEFAULT_SIZE: u64 = 4 << 40;
 pub const FOUR_GIB: u64 = 0x1_0000_0000;
 /// Most PCI segment groups a VM may have (segment 0 included); their ECAM windows fill
 /// `[PCI_ECAM_START, PCI_ECAM_START + MAX_PCI_SEGMENTS MiB)`.

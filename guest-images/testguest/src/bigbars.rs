@@ -1,4 +1,4 @@
-//! The `big-bars COUNT` workload: COUNT emulated GPUs with large 64-bit BARs (256 GiB
+//! The `big-bars COUNT [hotplug]` workload: COUNT emulated GPUs with large 64-bit BARs (256 GiB
 //! BAR1s, as an H200's) in one VM. For every GPU on bus 0 it sizes the BARs (memory
 //! decoding off meanwhile, as Linux does), and checks that each is assigned, aligned to
 //! its size, BAR0 in the 32-bit hole and the 64-bit ones inside the 64-bit window the
@@ -8,6 +8,9 @@
 //! space: the boot tables only map 64 GiB) and writes and reads back a word at the start
 //! and the end of each; BAR1's first word must reach the device (its BAR1 checksum
 //! register sums BAR1's first page).
+//!
+//! With `big-bars COUNT hotplug` the GPUs are hot-plugged after boot: it waits for COUNT
+//! arrivals (gpuvm's ACPI hot-plug registers, as `pci-hotplug` polls them) first.
 //!
 //! Lines: `big-bars: window START..END`, `big-bars: phys-bits N`, one `big-bars: 00:DD.0
 //! BAR1 ADDR size=SIZE BAR3 ADDR size=SIZE` per GPU, one `big-bars: 00:DD.0 words ok` per
@@ -166,11 +169,28 @@ struct Gpu {
     bar3: (u64, u64),
 }
 
-pub fn run(info: &BootInfo, count: Option<&str>) -> ! {
+pub fn run(info: &BootInfo, count: Option<&str>, mode: Option<&str>) -> ! {
     let Some(expected) = count.and_then(|c| c.parse::<usize>().ok()) else {
-        println!("big-bars: usage: big-bars COUNT");
+        println!("big-bars: usage: big-bars COUNT [hotplug]");
         exit(EXIT_USAGE)
     };
+    match mode {
+        None => {}
+        // The GPUs come by hot-plug into a VM created without them (Kata's path): wait for
+        // COUNT arrivals; the VMM placed their BARs in the window it planned at boot.
+        Some("hotplug") => {
+            println!("big-bars: waiting for {expected} hot-plugged device(s)");
+            let mut pending = 0;
+            for _ in 0..expected {
+                let slot = crate::hotplug::next_arrival(&mut pending);
+                println!("big-bars: device arrived at 00:{slot:02x}.0");
+            }
+        }
+        Some(other) => {
+            println!("big-bars: unknown mode {other}; usage: big-bars COUNT [hotplug]");
+            exit(EXIT_USAGE)
+        }
+    }
     let (windows, window_count) = windows_64(dsdt(info));
     if window_count == 0 {
         fail(format_args!("no 64-bit window in the DSDT"));

@@ -33,7 +33,7 @@ pub fn run(info: &BootInfo) -> ! {
         "info" => print_info(info, cmdline),
         "fault" => fault(words.next_word().unwrap_or("ud")),
         "pci" => crate::pci::run(words.next_word()),
-        "big-bars" => crate::bigbars::run(info, words.next_word()),
+        "big-bars" => crate::bigbars::run(info, words.next_word(), words.next_word()),
         "edu" => crate::edu::run(info, words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
         "gpu-migrate" => crate::gpu_migrate::run(),
