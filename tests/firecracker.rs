@@ -474,7 +474,7 @@ fn boot_sized_memloop_and_pause(
 /// Returns what the guest printed before the snapshot.
 fn memloop_full_snapshot(scratch: &Scratch, state: &Path, mem: &Path) -> String {
     let api = scratch.path("raw-create.sock");
-    let mut vmm = boot_memloop_and_pause(scratch, &api, false);
+    let vmm = boot_memloop_and_pause(scratch, &api, false);
     create_snapshot(&api, "Full", state, mem);
     let before = output_until_killed(vmm);
     assert!(

@@ -8,7 +8,8 @@
 //! A VM with a virtio-blk drive and virtio-rng goes on reading its disk across an update
 //! (`virtio-blk-bench`: a request lost or failed fails the guest), the image stays locked
 //! against a second gpuvm, and what the guest wrote is on disk; an update the new process
-//! refuses leaves the old one doing the disk I/O.
+//! refuses leaves the old one doing the disk I/O. A VM with a network interface on a tap
+//! answers pings across two updates, the tap handed over (not opened again).
 //! Attackers' views: another local process connecting to the hand-over socket first gets
 //! nothing and the update goes through; the old process offers its VM to no symbolic
 //! link, no socket in a directory others may write to and no listener of another user.
@@ -791,4 +792,69 @@ fn an_update_the_new_process_refuses_leaves_disk_io_in_the_old_process() {
     disk.finishes_with_the_image_right();
     let status = first_status(&mut disk.vm.first);
     assert_eq!(status.code(), Some(0), "{}", disk.vm.describe());
+}
+
+/// A VM with a network interface on a tap: the tap's queue goes with the offer (the
+/// namespace's tap0 is persistent and single-queue, so the new process could not attach
+/// it again while the old one holds it), the guest answers pings before and after two
+/// updates, the host sees the same tap, and the guest's UDP echo completes its run.
+#[test]
+fn a_network_interface_keeps_its_tap_across_updates() {
+    let Some(netns) =
+        gpuvm_tests::netns::Netns::create("a_network_interface_keeps_its_tap_across_updates")
+    else {
+        return;
+    };
+    let scratch = Scratch::new("live-update", "net");
+    let api = scratch.path("api.sock");
+    let cmdline = format!("virtio-net {}", netns.guest_ip());
+    let mut first = netns.spawn_gpuvm(&[
+        "run",
+        "--cmdline",
+        &cmdline,
+        "--net",
+        "id=eth0,tap=tap0",
+        "--api-sock",
+        api.to_str().expect("UTF-8 path"),
+    ]);
+    wait_for_api_socket(&mut first, &api);
+    api_start_instance(&api);
+    let mut vm = UpdatableVm {
+        owner: first.pid(),
+        first,
+        api,
+        _scratch: scratch,
+    };
+    vm.wait_stdout("the guest's announcement", |out| {
+        out.contains("virtio-net: sent gratuitous arp")
+    });
+    let guest = netns.guest_ip().to_string();
+    let ping = |when: &str, vm: &UpdatableVm| {
+        let out = netns.exec("ping", &["-c", "1", "-W", "5", &guest]);
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 received"),
+            "ping {guest} {when}: {}{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            vm.describe()
+        );
+    };
+    let tap_index = || netns.exec("cat", &["/sys/class/net/tap0/ifindex"]).stdout;
+    let index_before = tap_index();
+    ping("before the update", &vm);
+    for round in 1..=2 {
+        vm.update_ok(&[]);
+        ping(&format!("after update {round}"), &vm);
+    }
+    assert_eq!(tap_index(), index_before, "tap0 was made again");
+    // The echo ends the guest's run in the process that now runs the VM.
+    let payload = b"across the update".to_vec();
+    assert_eq!(netns.udp_echo(&payload), payload);
+    vm.wait_stdout("virtio-net: ok", |out| {
+        out.contains("virtio-net: ok") || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    wait_gone(vm.owner, &vm.describe());
+    let status = first_status(&mut vm.first);
+    assert_eq!(status.code(), Some(0), "{}", vm.describe());
 }

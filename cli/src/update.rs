@@ -235,7 +235,9 @@ fn spawn_receiver(
 }
 
 /// The API socket of gpuvm process `pid`: the one listening Unix socket with a path among
-/// its descriptors (/proc/PID/fd, /proc/net/unix).
+/// its descriptors (/proc/PID/fd, /proc/PID/net/unix: the table of the process's own
+/// network namespace, which need not be this one's, as with a VMM Kata starts in the
+/// pod's namespace).
 fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
     let inodes: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map_err(|e| CliError::Other(format!("cannot list process {pid}'s descriptors: {e}")))?
@@ -250,8 +252,8 @@ fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
                 .ok()
         })
         .collect();
-    let table = std::fs::read_to_string("/proc/net/unix")
-        .map_err(|e| CliError::Other(format!("cannot read /proc/net/unix: {e}")))?;
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix"))
+        .map_err(|e| CliError::Other(format!("cannot read /proc/{pid}/net/unix: {e}")))?;
     // Columns: Num RefCount Protocol Flags Type St Inode Path; flag 0x10000 is listening.
     let listening: Vec<PathBuf> = table
         .lines()

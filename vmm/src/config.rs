@@ -6,7 +6,7 @@ use gpuvm_arch::x86_64::boot::BootSource;
 use gpuvm_arch::x86_64::cpuid::CpuidMask;
 use gpuvm_memory::Backing;
 
-use crate::virtio::{PassedTaps, VirtioOptions};
+use crate::virtio::{DeviceResources, VirtioOptions};
 
 /// Default guest memory when none is given.
 pub const DEFAULT_MEMORY_SIZE: u64 = 128 << 20;
@@ -69,9 +69,9 @@ pub struct PciOptions {
     pub num_pci_segments: u16,
     /// Block, net, vsock and entropy devices.
     pub virtio: VirtioOptions,
-    /// Tap queues passed as descriptors for the network interfaces in `virtio` that name
-    /// no tap (taken when their devices are built).
-    pub passed_taps: PassedTaps,
+    /// Descriptors the devices in `virtio` take when they are built: tap queues passed
+    /// for network interfaces, and a live update's handed-over taps and drive images.
+    pub device_resources: DeviceResources,
     /// vCPUs the VM may grow to by ACPI hot-plug (Cloud Hypervisor's `cpus.max_vcpus`):
     /// CPUs are hot-pluggable devices like the PCI slots. 0, or no more than
     /// [`MachineConfig::vcpus`], means no vCPU hot-plug. (Here rather than in

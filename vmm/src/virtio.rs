@@ -201,20 +201,23 @@ impl VirtioOptions {
     }
 }
 
-/// What the network interfaces the VMM builds are given besides their configuration: tap
-/// queues that came as file descriptors (Cloud Hypervisor's vm.add-net passes them with
-/// SCM_RIGHTS), by interface id, for the interfaces whose configuration names no tap
-/// (`host_dev_name` None); and the VM's MMDS, which the controller adds
-/// ([`PassedTaps::with_mmds`]) for every interface it builds (the MMDS configuration says
-/// which ones answer it). Clones share the tap set; building an interface's device takes
-/// its queues out (once: a failed start leaves the interface without taps).
+/// What the devices the VMM builds are given besides their configuration: tap queues that
+/// came as file descriptors, by interface id (Cloud Hypervisor's vm.add-net passes them
+/// with SCM_RIGHTS, for interfaces whose configuration names no tap; a live update hands
+/// over every interface's, which its device takes instead of opening the tap by name);
+/// virtio-blk images a live update handed over, open and locked, by drive id; and the
+/// VM's MMDS, which the controller adds ([`DeviceResources::with_mmds`]) for every
+/// interface it builds (the MMDS configuration says which ones answer it). Clones share
+/// the descriptors; building a device takes its own out (once: a failed start leaves the
+/// interface without taps, and a drive opens its path).
 #[derive(Clone, Default)]
-pub struct PassedTaps {
+pub struct DeviceResources {
     taps: Arc<Mutex<BTreeMap<String, Vec<Tap>>>>,
+    images: Arc<Mutex<BTreeMap<String, std::fs::File>>>,
     mmds: Option<Arc<gpuvm_mmds::Mmds>>,
 }
 
-impl PassedTaps {
+impl DeviceResources {
     /// Keeps `taps` for the interface `iface_id`, replacing (closing) any it had.
     pub fn insert(&self, iface_id: &str, taps: Vec<Tap>) {
         lock(&self.taps).insert(iface_id.to_string(), taps);
@@ -230,10 +233,31 @@ impl PassedTaps {
         lock(&self.taps).keys().cloned().collect()
     }
 
-    /// The same tap set (shared), with `mmds` for the interfaces built from it.
-    pub fn with_mmds(&self, mmds: &Arc<gpuvm_mmds::Mmds>) -> PassedTaps {
-        PassedTaps {
+    /// Keeps `image` (an open, locked image a live update handed over) for the drive
+    /// `drive_id`, whose device then takes it instead of opening its path.
+    pub fn insert_image(&self, drive_id: &str, image: std::fs::File) {
+        lock(&self.images).insert(drive_id.to_string(), image);
+    }
+
+    /// Takes the drive's handed-over image out (None if there is none).
+    pub fn take_image(&self, drive_id: &str) -> Option<std::fs::File> {
+        lock(&self.images).remove(drive_id)
+    }
+
+    /// Closes the images and taps no device took; returns their drive and interface ids.
+    pub fn forget_unused(&self) -> Vec<String> {
+        let mut unused: Vec<String> = std::mem::take(&mut *lock(&self.images))
+            .into_keys()
+            .collect();
+        unused.extend(std::mem::take(&mut *lock(&self.taps)).into_keys());
+        unused
+    }
+
+    /// The same descriptors (shared), with `mmds` for the interfaces built from them.
+    pub fn with_mmds(&self, mmds: &Arc<gpuvm_mmds::Mmds>) -> DeviceResources {
+        DeviceResources {
             taps: self.taps.clone(),
+            images: self.images.clone(),
             mmds: Some(mmds.clone()),
         }
     }
@@ -244,17 +268,19 @@ impl PassedTaps {
     }
 }
 
-impl std::fmt::Debug for PassedTaps {
-    /// The interfaces with taps waiting, and whether MMDS is given (not the store).
+impl std::fmt::Debug for DeviceResources {
+    /// The interfaces with taps and the drives with images waiting, and whether MMDS is
+    /// given (not the store).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PassedTaps")
+        f.debug_struct("DeviceResources")
             .field("interfaces", &self.ids())
+            .field("drives", &lock(&self.images).keys().collect::<Vec<_>>())
             .field("mmds", &self.mmds.is_some())
             .finish()
     }
 }
 
-impl PartialEq for PassedTaps {
+impl PartialEq for DeviceResources {
     /// The same set, or sets for the same interfaces (descriptors are not compared).
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.taps, &other.taps) || self.ids() == other.ids()
@@ -385,33 +411,38 @@ pub struct VirtioDeviceState {
     pub transport: VirtioPciState,
 }
 
-/// Opens the device `config` describes; a network interface that names no tap takes its
-/// queues from `passed`, and every network interface gets the MMDS `passed` holds.
+/// Opens the device `config` describes. A drive takes its image from `passed` when a live
+/// update handed it over, else opens its path; a network interface takes its queues from
+/// `passed` when they came as descriptors, else opens the tap it names; and every network
+/// interface gets the MMDS `passed` holds.
 pub(crate) fn open_device(
     config: &VirtioDeviceConfig,
-    passed: &PassedTaps,
+    passed: &DeviceResources,
 ) -> Result<Box<dyn VirtioDevice>, VirtioSetupError> {
     Ok(match config {
-        VirtioDeviceConfig::Block(config) => Box::new(Block::new(config.clone()).map_err(
-            |source| VirtioSetupError::Block {
+        VirtioDeviceConfig::Block(config) => {
+            let block = match passed.take_image(&config.drive_id) {
+                Some(image) => Block::adopt(config.clone(), image),
+                None => Block::new(config.clone()),
+            };
+            Box::new(block.map_err(|source| VirtioSetupError::Block {
                 id: config.drive_id.clone(),
                 source,
-            },
-        )?),
+            })?)
+        }
         VirtioDeviceConfig::Net(config) => {
             let net_error = |message: String| VirtioSetupError::Net {
                 id: config.iface_id.clone(),
                 message,
             };
-            let taps = match config.host_dev_name.as_deref() {
-                Some(name) => Tap::open_queues(name, config.num_queue_pairs)
+            let taps = match (passed.take(&config.iface_id), config.host_dev_name.as_deref()) {
+                (Some(taps), _) => taps,
+                (None, Some(name)) => Tap::open_queues(name, config.num_queue_pairs)
                     .map_err(|e| net_error(e.to_string()))?,
-                None => passed.take(&config.iface_id).ok_or_else(|| {
-                    net_error(
-                        "no tap device named (host_dev_name), and no tap descriptors passed (or an earlier start took them: add the interface again; a snapshot's interface that came as descriptors takes new ones with Cloud Hypervisor's vm.restore `net_fds`)"
-                            .into(),
-                    )
-                })?,
+                (None, None) => return Err(net_error(
+                    "no tap device named (host_dev_name), and no tap descriptors passed (or an earlier start took them: add the interface again; a snapshot's interface that came as descriptors takes new ones with Cloud Hypervisor's vm.restore `net_fds`)"
+                        .into(),
+                )),
             };
             let net = Net::new(config.clone(), taps).map_err(|e| net_error(e.to_string()))?;
             match passed.mmds() {
@@ -487,7 +518,7 @@ pub fn attach(
     roots: &[Arc<PciRoot>],
     router: &Arc<MsiRouter>,
     options: &VirtioOptions,
-    passed: &PassedTaps,
+    passed: &DeviceResources,
 ) -> Result<Vec<VirtioHandle>, VirtioSetupError> {
     options.validate()?;
     let configs = device_configs(options);
@@ -797,7 +828,7 @@ mod tests {
     fn a_net_without_a_tap_name_is_snapshotted_and_needs_taps_to_come_back() {
         let passed = VirtioDeviceConfig::Net(NetConfig::new("net0", None));
         assert_eq!(passed.snapshot_refusal(), None);
-        let Err(error) = open_device(&passed, &PassedTaps::default()) else {
+        let Err(error) = open_device(&passed, &DeviceResources::default()) else {
             panic!("a restore without taps for net0 opened it");
         };
         let message = error.to_string();
@@ -811,13 +842,30 @@ mod tests {
 
     #[test]
     fn passed_taps_are_taken_once_and_shared_by_clones() {
-        let taps = PassedTaps::default();
+        let taps = DeviceResources::default();
         let clone = taps.clone();
         taps.insert("net0", Vec::new());
         assert_eq!(clone.ids(), ["net0"]);
         assert_eq!(taps, clone);
         assert!(clone.take("net0").is_some());
         assert!(taps.take("net0").is_none());
-        assert_eq!(taps, PassedTaps::default());
+        assert_eq!(taps, DeviceResources::default());
+    }
+
+    /// A live update's images and taps: each taken once, by its own id; what no device
+    /// took is closed and named.
+    #[test]
+    fn handed_over_images_are_taken_once_and_the_unused_named() {
+        let resources = DeviceResources::default();
+        let built_from = resources.with_mmds(&Arc::new(gpuvm_mmds::Mmds::default()));
+        resources.insert_image("disk0", std::fs::File::open("/dev/null").unwrap());
+        resources.insert_image("disk1", std::fs::File::open("/dev/null").unwrap());
+        resources.insert("net0", Vec::new());
+        assert!(built_from.take_image("disk9").is_none());
+        assert!(built_from.take_image("disk0").is_some());
+        assert!(resources.take_image("disk0").is_none());
+        assert_eq!(resources.forget_unused(), ["disk1", "net0"]);
+        assert!(resources.take_image("disk1").is_none());
+        assert!(resources.ids().is_empty());
     }
 }

@@ -120,10 +120,21 @@ impl Block {
     /// synchronous I/O where it cannot be set up, with a log line).
     pub fn new(config: BlockConfig) -> Result<Block, BlockError> {
         config.validate()?;
-        let disk = match super::take_adopted_image(&config.drive_id) {
-            Some(image) => Disk::adopt(image, &config.path, config.read_only, config.direct)?,
-            None => Disk::open(&config.path, config.read_only, config.direct)?,
-        };
+        let disk = Disk::open(&config.path, config.read_only, config.direct)?;
+        Block::over(config, disk)
+    }
+
+    /// Takes `image`, the drive's image another gpuvm process had open and locked (a live
+    /// update), instead of opening the path again: it must be that file, opened as the
+    /// configuration says ([`Disk::adopt`]).
+    pub fn adopt(config: BlockConfig, image: std::fs::File) -> Result<Block, BlockError> {
+        config.validate()?;
+        let disk = Disk::adopt(image, &config.path, config.read_only, config.direct)?;
+        Block::over(config, disk)
+    }
+
+    /// The device over an open disk; sets up the I/O engine.
+    fn over(config: BlockConfig, disk: Disk) -> Result<Block, BlockError> {
         let rate_limiter =
             RateLimiter::new(config.rate_limiter).map_err(|source| BlockError::RateLimiter {
                 drive_id: config.drive_id.clone(),

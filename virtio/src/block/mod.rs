@@ -56,41 +56,6 @@ pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 /// The longest drive ID (VIRTIO_BLK_ID_BYTES) a GET_ID request returns.
 pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
 
-/// Image descriptors handed over by a live update, by drive ID, waiting for the drive's
-/// [`Block::new`] (which takes its own and opens no file). Process-wide because the VMM
-/// builds its devices from their configurations alone; only a live update's receiving
-/// process puts anything here, just before it builds the VM.
-static ADOPTED_IMAGES: std::sync::Mutex<Vec<(String, std::fs::File)>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Makes the next [`Block::new`] of drive `drive_id` take `image` (the descriptor the old
-/// process had open, with its lock) instead of opening the image again.
-pub fn adopt_image(drive_id: String, image: std::fs::File) {
-    let mut adopted = ADOPTED_IMAGES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    adopted.retain(|(id, _)| *id != drive_id);
-    adopted.push((drive_id, image));
-}
-
-/// Closes the handed-over descriptors no drive took (the VM was not built); returns
-/// their drive IDs.
-pub fn forget_adopted_images() -> Vec<String> {
-    let mut adopted = ADOPTED_IMAGES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    adopted.drain(..).map(|(id, _)| id).collect()
-}
-
-/// The handed-over descriptor of drive `drive_id`, if any.
-fn take_adopted_image(drive_id: &str) -> Option<std::fs::File> {
-    let mut adopted = ADOPTED_IMAGES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let at = adopted.iter().position(|(id, _)| id == drive_id)?;
-    Some(adopted.swap_remove(at).1)
-}
-
 /// Checks the image `config` names as the device opens it at start (it exists, is a
 /// regular file or a block device, opens with the drive's mode, read-only or not, and
 /// direct I/O, and no other process holds its lock), then closes it: a drive configured

@@ -1245,8 +1245,7 @@ fn an_adopted_image_keeps_its_lock_and_data() {
     let image = old.image_descriptor().unwrap();
     let mut config = drive(&path, IoEngine::Sync);
     config.drive_id = "adopt-same".into();
-    adopt_image(config.drive_id.clone(), image);
-    let adopted = Block::new(config.clone()).unwrap();
+    let adopted = Block::adopt(config.clone(), image).unwrap();
     assert_eq!(adopted.capacity_sectors(), 16);
     // The old process ends: the adopted descriptor holds the lock alone.
     drop(old);
@@ -1265,22 +1264,22 @@ fn an_image_descriptor_that_is_not_the_drives_is_refused() {
     let other = scratch.file("other", &vec![0u8; 4096]);
     let mut config = drive(&path, IoEngine::Sync);
     config.drive_id = "adopt-other".into();
-    adopt_image(
-        config.drive_id.clone(),
-        std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&other)
-            .unwrap(),
-    );
-    let error = Block::new(config.clone()).err().expect("another file");
+    let other = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&other)
+        .unwrap();
+    let error = Block::adopt(config.clone(), other)
+        .err()
+        .expect("another file");
     assert!(
         matches!(error, BlockError::AdoptedMismatch { .. }) && error.to_string().contains("inode"),
         "{error}"
     );
     // A read-only descriptor cannot serve a read-write drive.
     config.drive_id = "adopt-read-only".into();
-    adopt_image(config.drive_id.clone(), std::fs::File::open(&path).unwrap());
-    let error = Block::new(config).err().expect("a read-only descriptor");
+    let error = Block::adopt(config, std::fs::File::open(&path).unwrap())
+        .err()
+        .expect("a read-only descriptor");
     assert!(error.to_string().contains("not open read-write"), "{error}");
 }

@@ -67,4 +67,9 @@ pub enum NetError {
     Broken(String),
     #[error("virtio-net: cannot start its I/O thread: {0}")]
     Thread(#[source] crate::worker::WorkerError),
+    #[error("net {iface_id}: cannot duplicate a tap queue's descriptor: {source}")]
+    Duplicate {
+        iface_id: String,
+        source: std::io::Error,
+    },
 }

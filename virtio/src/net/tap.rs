@@ -215,6 +215,14 @@ impl Tap {
     }
 }
 
+impl Tap {
+    /// A second descriptor of this queue (the same open file description: the same
+    /// attachment to the tap), to hand the interface to another gpuvm process.
+    pub fn try_clone_fd(&self) -> std::io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+}
+
 impl AsRawFd for Tap {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()

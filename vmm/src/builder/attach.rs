@@ -90,7 +90,7 @@ pub fn attach(
             &roots,
             &router,
             &options.virtio,
-            &options.passed_taps,
+            &options.device_resources,
         )?;
     }
     let mut hotplug =

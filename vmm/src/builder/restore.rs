@@ -22,7 +22,7 @@ use crate::config::PciOptions;
 use crate::host::open_kvm;
 use crate::machine::{LazyMemory, Machine, RamHotplug};
 use crate::snapshot::{self, MemoryChain, RestoreMode, RestoreTimings, SnapshotError, StageClock};
-use crate::virtio::{PassedTaps, VirtioOptions, VirtioSetupError};
+use crate::virtio::{DeviceResources, VirtioOptions, VirtioSetupError};
 use crate::vm_state::InKernelDevices;
 use crate::working_set;
 use crate::Error;
@@ -40,7 +40,7 @@ pub fn restore(
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
 ) -> Result<(Machine, RestoreTimings), Error> {
-    restore_with_gpus(dir, mode, serial_out, &[], &PassedTaps::default())
+    restore_with_gpus(dir, mode, serial_out, &[], &DeviceResources::default())
 }
 
 /// As [`restore`], opening the GPUs whose state the snapshot holds where `gpus` says
@@ -51,7 +51,7 @@ pub fn restore_with_gpus(
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
     gpus: &[crate::action::GpuBody],
-    taps: &PassedTaps,
+    taps: &DeviceResources,
 ) -> Result<(Machine, RestoreTimings), Error> {
     let none = LoadOverrides::default();
     restore_with_overrides(dir, mode, serial_out, gpus, taps, &none)
@@ -64,7 +64,7 @@ pub fn restore_with_overrides(
     mode: &RestoreMode,
     serial_out: Box<dyn Write + Send>,
     gpus: &[crate::action::GpuBody],
-    taps: &PassedTaps,
+    taps: &DeviceResources,
     overrides: &LoadOverrides,
 ) -> Result<(Machine, RestoreTimings), Error> {
     let started = Instant::now();
@@ -94,7 +94,7 @@ pub fn restore_with_overrides(
         .map_or(0, |cpus| cpus.max_vcpus);
     let pci = PciOptions {
         virtio,
-        passed_taps: taps.clone(),
+        device_resources: taps.clone(),
         max_vcpus,
         // Where the snapshot's guest has its 64-bit BAR window (older states: the default).
         mmio64_window: state.state.devices.pci_mmio64_window,
@@ -236,12 +236,15 @@ pub struct PreparedMachine {
 /// Builds the VM of a live update's `state` (its configuration and devices; its vCPU
 /// states may be absent) with vCPUs `vcpu_ids`, over `memfd` (on the huge-page tmpfs if
 /// `huge_tmpfs`): a restore's stages without a snapshot directory, nothing read into RAM.
+/// Its drives and network interfaces take the descriptors the old process handed over
+/// (`resources`) instead of opening their images and taps again.
 pub fn prepare_handed_over(
     state: &snapshot::MachineState,
     vcpu_ids: &[u8],
     memfd: std::fs::File,
     huge_tmpfs: bool,
     serial_out: Box<dyn Write + Send>,
+    resources: &DeviceResources,
 ) -> Result<PreparedMachine, Error> {
     let source = Path::new("(live update)");
     let mut clock = StageClock::starting_at(Instant::now());
@@ -262,7 +265,8 @@ pub fn prepare_handed_over(
         }
         .into());
     }
-    let pci = handed_over_pci_options(state);
+    let mut pci = handed_over_pci_options(state);
+    pci.device_resources = resources.clone();
     let max_vcpus = pci.max_vcpus(&config);
     let base = super::create_base_over(
         kvm,

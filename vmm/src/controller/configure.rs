@@ -117,7 +117,7 @@ impl ApiController {
         }
         v.pci_segments.remove(id);
         // Taps passed for an interface of that id are closed.
-        self.pci.passed_taps.take(id);
+        self.pci.device_resources.take(id);
         Ok(VmmData::Empty)
     }
 
@@ -135,7 +135,7 @@ impl ApiController {
         // The descriptors are the taps: nothing is opened by name.
         config.host_dev_name = None;
         self.put_virtio(|v| replace_or_push(&mut v.nets, config, |n| n.iface_id.clone()))?;
-        self.pci.passed_taps.insert(&id, taps);
+        self.pci.device_resources.insert(&id, taps);
         Ok(VmmData::Empty)
     }
 }

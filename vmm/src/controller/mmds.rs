@@ -1,6 +1,6 @@
 //! The VM's MMDS (Firecracker's microVM metadata service): the controller owns it (one
 //! [`Mmds`] per VM), the API changes it through these actions, and every virtio-net
-//! device the controller builds is given it (crate::virtio::PassedTaps::with_mmds), so
+//! device the controller builds is given it (crate::virtio::DeviceResources::with_mmds), so
 //! an interface the configuration names answers the guest's MMDS requests.
 
 use gpuvm_mmds::{ConfigError, DataStoreError, Mmds, MmdsConfig};

@@ -197,7 +197,7 @@ impl ApiController {
     /// network interfaces get the VM's MMDS.
     pub fn pci_options(&self) -> PciOptions {
         let mut pci = self.pci.clone();
-        pci.passed_taps = self.pci.passed_taps.with_mmds(&self.mmds);
+        pci.device_resources = self.pci.device_resources.with_mmds(&self.mmds);
         for gpu in &self.gpus {
             if let Some(key) = gpu.backend_key() {
                 pci.tuning.insert(key, gpu.tuning());
@@ -331,7 +331,7 @@ impl ApiController {
                     self.put_virtio(|v| replace_or_push(&mut v.nets, body, |n| n.iface_id.clone()));
                 if result.is_ok() {
                     // Replaced by one that names its tap: descriptors passed before close.
-                    self.pci.passed_taps.take(&id);
+                    self.pci.device_resources.take(&id);
                 }
                 result
             }
@@ -345,7 +345,7 @@ impl ApiController {
                         ActionError::bad_request(format!("network interface {iface_id}: {e}"))
                     });
                 taps.map(|taps| {
-                    self.pci.passed_taps.insert(&iface_id, taps);
+                    self.pci.device_resources.insert(&iface_id, taps);
                     VmmData::Empty
                 })
             }
@@ -502,7 +502,7 @@ impl ApiController {
             &mode,
             (self.serial_out)(),
             &body.gpus,
-            &self.pci.passed_taps.with_mmds(&self.mmds),
+            &self.pci.device_resources.with_mmds(&self.mmds),
             overrides,
         );
         match restored {
@@ -719,7 +719,7 @@ impl ApiController {
             let (result, _) = self.pre_boot(VmmAction::PassTaps { iface_id, fds });
             if let Err(error) = result {
                 ids.iter()
-                    .for_each(|id| drop(self.pci.passed_taps.take(id)));
+                    .for_each(|id| drop(self.pci.device_resources.take(id)));
                 return (Err(error), None);
             }
         }
@@ -728,7 +728,7 @@ impl ApiController {
             self.client.ensure_created();
         } else {
             ids.iter()
-                .for_each(|id| drop(self.pci.passed_taps.take(id)));
+                .for_each(|id| drop(self.pci.device_resources.take(id)));
         }
         (result, started)
     }

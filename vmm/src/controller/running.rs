@@ -574,8 +574,8 @@ fn hot_plug_virtio(
     device: VirtioHotplug,
     mmds: &Arc<gpuvm_mmds::Mmds>,
 ) -> ActionResult {
-    use crate::virtio::{PassedTaps, VirtioDeviceConfig};
-    let passed = PassedTaps::default().with_mmds(mmds);
+    use crate::virtio::{DeviceResources, VirtioDeviceConfig};
+    let passed = DeviceResources::default().with_mmds(mmds);
     let config = match device {
         VirtioHotplug::Drive(DriveBody::Local(config)) => {
             absolute_path(&config.path, "path")?;

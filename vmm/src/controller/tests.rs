@@ -44,7 +44,7 @@ fn passed_tap_descriptors_are_counted_and_checked() {
         error.message
     );
     assert!(controller.pci.virtio.nets.is_empty());
-    assert!(controller.pci.passed_taps.ids().is_empty());
+    assert!(controller.pci.device_resources.ids().is_empty());
 }
 
 /// vm.resize before start: the count to boot with, between 1 and `max_vcpus`; memory
@@ -311,7 +311,7 @@ fn mmds_actions_are_the_controllers() {
     // answers on eth0.
     let pci = controller.pci_options();
     let given = pci
-        .passed_taps
+        .device_resources
         .mmds()
         .expect("MMDS given to the interfaces");
     assert!(Arc::ptr_eq(given, &controller.mmds));

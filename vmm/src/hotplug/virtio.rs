@@ -23,7 +23,7 @@ use gpuvm_virtio::GuestMemory;
 
 use super::{EjectState, HotplugError, PciHotplug};
 use crate::lock;
-use crate::virtio::{BusPlug, PassedTaps, VirtioDeviceConfig, VirtioHandle, VirtioOptions};
+use crate::virtio::{BusPlug, DeviceResources, VirtioDeviceConfig, VirtioHandle, VirtioOptions};
 
 /// What PciHotplug keeps to build virtio devices at runtime.
 pub(crate) struct VirtioPlugContext {
@@ -60,7 +60,7 @@ impl PciHotplug {
         &mut self,
         handles: &mut Vec<VirtioHandle>,
         config: VirtioDeviceConfig,
-        passed: &PassedTaps,
+        passed: &DeviceResources,
     ) -> Result<PciBdf, HotplugError> {
         let id = config.id().to_string();
         let refuse =

@@ -12,7 +12,8 @@
 //!
 //! The exchange:
 //! 1. old → new `Offer` (JSON [`OfferMeta`], with the descriptors of [`OFFER_FDS`], then
-//!    one per virtio-blk drive, in the order of [`OfferMeta::drives`]) and
+//!    one per virtio-blk drive, in the order of [`OfferMeta::drives`], then each network
+//!    interface's tap queues, in the order of [`OfferMeta::interfaces`]) and
 //!    `State`: the machine's configuration and device state, saved while the guest runs
 //!    (no vCPU state), framed exactly as a snapshot's `state` file so that the new binary's
 //!    version checks and migrations apply;
@@ -40,8 +41,10 @@ const HEADER_LEN: usize = 24;
 const MAX_PAYLOAD: u64 = 64 << 20;
 /// The most disk images an offer may bring, after its [`OFFER_FDS`].
 pub const MAX_DRIVES: usize = 16;
+/// The most tap queues an offer may bring (all interfaces together), after the drives'.
+pub const MAX_TAP_QUEUES: usize = 64;
 /// The most descriptors one frame may bring.
-const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES;
+const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +94,34 @@ pub struct OfferMeta {
     /// without them reads as before.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub drives: Vec<String>,
+    /// The network interfaces whose tap queues follow the drives' images, in this order:
+    /// the new process's devices take them rather than open the taps by name (a tap queue
+    /// attached here cannot be attached twice, and taps a container runtime passed as
+    /// descriptors have no name to open). Absent without interfaces, so that an offer
+    /// without them reads as before; an older receiver refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<OfferedInterface>,
+}
+
+/// One network interface in an offer: its id and how many tap queues it brings.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct OfferedInterface {
+    pub iface_id: String,
+    pub queues: u16,
+}
+
+impl OfferMeta {
+    /// How many descriptors the offer frame must bring.
+    pub fn descriptor_count(&self) -> usize {
+        OFFER_FDS
+            + self.drives.len()
+            + self
+                .interfaces
+                .iter()
+                .map(|iface| usize::from(iface.queues))
+                .sum::<usize>()
+    }
 }
 
 /// A `PausedState` payload: when the vCPUs were paused, then the framed state.

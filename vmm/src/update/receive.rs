@@ -31,6 +31,8 @@ pub struct Incoming {
     stdio: [OwnedFd; 3],
     /// The virtio-blk drives' open images (drive ID, descriptor), until the VM is built.
     images: Vec<(String, std::fs::File)>,
+    /// The network interfaces' tap queues (interface ID, queues), until the VM is built.
+    taps: Vec<(String, Vec<gpuvm_virtio::net::Tap>)>,
     /// The configuration and device state the VM is built from, saved while it ran.
     state: MachineState,
     /// The VM built from `state`, until the paused state is loaded into it.
@@ -72,23 +74,36 @@ pub fn accept(
             meta.old_pid
         )));
     }
-    if offer.fds.len() != OFFER_FDS + meta.drives.len() {
+    if offer.fds.len() != meta.descriptor_count() {
         return Err(UpdateError::Protocol(format!(
-            "the offer brings {} descriptors, not {OFFER_FDS} and one for each of its {} drives",
+            "the offer brings {} descriptors, not {OFFER_FDS}, one for each of its {} drives \
+             and one for each tap queue of its {} interfaces",
             offer.fds.len(),
-            meta.drives.len()
+            meta.drives.len(),
+            meta.interfaces.len()
         )));
     }
     let mut fds = offer.fds.into_iter();
     let mut next = || fds.next().ok_or(UpdateError::PeerClosed);
     let ram = next()?;
     let stdio = [next()?, next()?, next()?];
-    let images = meta
-        .drives
-        .iter()
-        .cloned()
-        .zip(fds.map(std::fs::File::from))
-        .collect();
+    let mut images = Vec::new();
+    for drive in &meta.drives {
+        images.push((drive.clone(), std::fs::File::from(next()?)));
+    }
+    let mut taps = Vec::new();
+    for iface in &meta.interfaces {
+        let queues = (0..iface.queues)
+            .map(|_| {
+                // Checked as any tap passed by descriptor: an attached tap queue, with the
+                // flags the device needs.
+                gpuvm_virtio::net::Tap::from_fd(next()?).map_err(|e| {
+                    UpdateError::Protocol(format!("interface {}: {e}", iface.iface_id))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        taps.push((iface.iface_id.clone(), queues));
+    }
     let framed = protocol::expect(&socket, MessageKind::State)?;
     let state = match decode_state(&framed.payload) {
         Ok(state) => state,
@@ -109,6 +124,7 @@ pub fn accept(
         ram: Some(ram),
         stdio,
         images,
+        taps,
         state,
         prepared: None,
         paused_at_ns: None,
@@ -236,13 +252,28 @@ impl Incoming {
                  {saved:?}"
             ))));
         }
+        let mut offered: Vec<&str> = self.taps.iter().map(|(id, _)| id.as_str()).collect();
+        let mut saved = state_interfaces(&self.state);
+        offered.sort_unstable();
+        saved.sort_unstable();
+        if offered != saved {
+            return Err(self.refuse(UpdateError::Protocol(format!(
+                "the offer brings the taps of interfaces {offered:?}, the state has interfaces \
+                 {saved:?}"
+            ))));
+        }
         let ram = self
             .ram
             .take()
             .ok_or_else(|| UpdateError::Protocol("the RAM descriptor was used already".into()))?;
-        // Each drive takes its handed-over image (and lock) instead of opening its path.
+        // Each drive takes its handed-over image (and lock) instead of opening its path,
+        // each interface its tap queues instead of opening the tap.
+        let resources = crate::virtio::DeviceResources::default();
         for (drive_id, image) in self.images.drain(..) {
-            gpuvm_virtio::block::adopt_image(drive_id, image);
+            resources.insert_image(&drive_id, image);
+        }
+        for (iface_id, taps) in self.taps.drain(..) {
+            resources.insert(&iface_id, taps);
         }
         let prepared = crate::builder::prepare_handed_over(
             &self.state,
@@ -250,10 +281,11 @@ impl Incoming {
             std::fs::File::from(ram),
             self.meta.huge_tmpfs,
             serial_out,
+            &resources,
         );
-        let unused = gpuvm_virtio::block::forget_adopted_images();
+        let unused = resources.forget_unused();
         if !unused.is_empty() && prepared.is_ok() {
-            log::warn!("live update: handed-over images of drives {unused:?} were not used");
+            log::warn!("live update: handed-over descriptors of devices {unused:?} were not used");
         }
         let prepared = prepared.map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))?;
         self.prepared = Some(prepared);
@@ -381,6 +413,19 @@ fn state_drives(state: &MachineState) -> Vec<&str> {
         .iter()
         .filter_map(|device| match &device.config {
             crate::virtio::VirtioDeviceConfig::Block(config) => Some(config.drive_id.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The IDs of the network interfaces in `state`.
+fn state_interfaces(state: &MachineState) -> Vec<&str> {
+    state
+        .devices
+        .virtio
+        .iter()
+        .filter_map(|device| match &device.config {
+            crate::virtio::VirtioDeviceConfig::Net(config) => Some(config.iface_id.as_str()),
             _ => None,
         })
         .collect()

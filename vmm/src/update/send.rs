@@ -5,7 +5,8 @@
 //! request in flight, `RunningMachine::pause_devices`) whenever their state is saved, and
 //! resumed if the VM is taken back. A virtio-blk drive's open image descriptor goes with
 //! the offer, so the new process keeps its lock (flock locks belong to the open file
-//! description); virtio-rng reopens /dev/urandom.
+//! description); so do a network interface's tap queues (the tap stays attached, frames
+//! queue in it while the vCPUs are paused); virtio-rng reopens /dev/urandom.
 
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -114,6 +115,7 @@ fn explain_timeout(error: UpdateError, timeout: Duration) -> UpdateError {
 fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), UpdateError> {
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
     let (drives, images) = drive_images(running)?;
+    let (interfaces, taps) = interface_taps(running)?;
     let framed = frame_state(&save_configuration(running)?)?;
     let ram = running.machine().ram();
     let meta = OfferMeta {
@@ -122,6 +124,7 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
         vcpu_ids,
         old_pid: std::process::id(),
         drives,
+        interfaces,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -133,9 +136,11 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
     ];
     debug_assert_eq!(fds.len(), protocol::OFFER_FDS);
     fds.extend(images.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(taps.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
-    // Ours are duplicates: the drives keep theirs.
+    // Ours are duplicates: the drives and interfaces keep theirs.
     drop(images);
+    drop(taps);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
@@ -172,6 +177,43 @@ fn drive_images(
         images.push(image);
     }
     Ok((drives, images))
+}
+
+/// Each network interface (id and queue count) and duplicates of its tap queues' descriptors,
+/// in the order of the VM's devices.
+fn interface_taps(
+    running: &RunningMachine<'_>,
+) -> Result<(Vec<protocol::OfferedInterface>, Vec<std::os::fd::OwnedFd>), UpdateError> {
+    let mut interfaces = Vec::new();
+    let mut taps = Vec::new();
+    for handle in &running.machine().devices().virtio {
+        let VirtioDeviceConfig::Net(config) = &handle.config else {
+            continue;
+        };
+        let mut transport = handle
+            .transport
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let net = transport
+            .device_mut()
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<gpuvm_virtio::net::Net>())
+            .ok_or_else(|| {
+                UpdateError::Save(format!(
+                    "interface {} is not a virtio-net device",
+                    config.iface_id
+                ))
+            })?;
+        let queues = net
+            .tap_descriptors()
+            .map_err(|e| UpdateError::Save(e.to_string()))?;
+        interfaces.push(protocol::OfferedInterface {
+            iface_id: config.iface_id.clone(),
+            queues: queues.len() as u16,
+        });
+        taps.extend(queues);
+    }
+    Ok((interfaces, taps))
 }
 
 /// What building the VM takes (configuration and devices), saved while the guest runs. A
@@ -264,6 +306,41 @@ fn hand_paused_and_commit(
     Ok(framed.len())
 }
 
+/// Refuses network interfaces the hand-over cannot carry: one that answers MMDS (the
+/// metadata store and its tokens are not handed over yet), and more tap queues than an
+/// offer brings.
+fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
+    let mut queues = 0;
+    for handle in &running.machine().devices().virtio {
+        let VirtioDeviceConfig::Net(config) = &handle.config else {
+            continue;
+        };
+        queues += usize::from(config.num_queue_pairs);
+        let mut transport = handle
+            .transport
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let serves_mmds = transport
+            .device_mut()
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<gpuvm_virtio::net::Net>())
+            .is_some_and(|net| net.serves_mmds());
+        if serves_mmds {
+            return Err(UpdateError::unsupported(
+                format!("a VM whose interface {} answers MMDS", config.iface_id),
+                Some("the metadata store is not handed over yet"),
+            ));
+        }
+    }
+    if queues > protocol::MAX_TAP_QUEUES {
+        return Err(UpdateError::unsupported(
+            format!("a VM with {queues} tap queues"),
+            Some(&format!("at most {} are handed over", protocol::MAX_TAP_QUEUES)),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses, before anything is paused, a VM whose pieces the hand-over does not carry yet.
 fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     let machine = running.machine();
@@ -290,7 +367,9 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         .filter(|h| {
             !matches!(
                 h.config,
-                VirtioDeviceConfig::Block(_) | VirtioDeviceConfig::Rng(_)
+                VirtioDeviceConfig::Block(_)
+                    | VirtioDeviceConfig::Rng(_)
+                    | VirtioDeviceConfig::Net(_)
             )
         })
         .map(|h| h.config.id())
@@ -298,9 +377,13 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     if !not_carried.is_empty() {
         return Err(UpdateError::unsupported(
             format!("a VM with virtio devices ({})", not_carried.join(", ")),
-            Some("only virtio-blk and virtio-rng are handed over; taps and sockets are not yet"),
+            Some(
+                "virtio-blk, virtio-net and virtio-rng are handed over; vsock, balloon and \
+                 vhost-user sockets are not yet",
+            ),
         ));
     }
+    check_interfaces(running)?;
     let drives = devices
         .virtio
         .iter()

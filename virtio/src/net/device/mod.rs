@@ -163,6 +163,38 @@ impl Net {
         self
     }
 
+    /// A second descriptor of each tap queue, in queue-pair order, to hand the interface to
+    /// another gpuvm process (a live update): the taps stay attached while both hold them,
+    /// so a tap gpuvm created, or one a container runtime passed, goes on existing. The
+    /// I/O thread stops between frames meanwhile, as for a rate-limit change.
+    pub fn tap_descriptors(&mut self) -> Result<Vec<std::os::fd::OwnedFd>, NetError> {
+        let clone = |taps: &mut dyn Iterator<Item = &Tap>| -> std::io::Result<Vec<_>> {
+            taps.map(Tap::try_clone_fd).collect()
+        };
+        let cloned = self
+            .worker
+            .change(|held| match held {
+                Held::Idle(idle) => clone(&mut idle.taps.iter()),
+                Held::Handler(handler) => clone(&mut handler.pairs.iter().map(|pair| &pair.tap)),
+            })
+            .map_err(|error| match error {
+                ChangeError::Failed => NetError::Broken(self.name.clone()),
+                ChangeError::Restart(error) => NetError::Thread(error),
+            })?;
+        cloned.map_err(|source| NetError::Duplicate {
+            iface_id: self.config.iface_id.clone(),
+            source,
+        })
+    }
+
+    /// Whether this interface answers the VM's MMDS (configured for it).
+    pub fn serves_mmds(&self) -> bool {
+        self.mmds
+            .as_ref()
+            .and_then(|mmds| mmds.config())
+            .is_some_and(|config| config.network_interfaces.contains(&self.config.iface_id))
+    }
+
     /// A device over the tap `host_dev_name` names (created if missing and allowed).
     pub fn open(config: NetConfig) -> Result<Net, NetError> {
         config.validate()?;
