@@ -335,7 +335,10 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     if queues > protocol::MAX_TAP_QUEUES {
         return Err(UpdateError::unsupported(
             format!("a VM with {queues} tap queues"),
-            Some(&format!("at most {} are handed over", protocol::MAX_TAP_QUEUES)),
+            Some(&format!(
+                "at most {} are handed over",
+                protocol::MAX_TAP_QUEUES
+            )),
         ));
     }
     Ok(())
