@@ -544,3 +544,114 @@ fn cloud_hypervisor_numa_flag_gives_the_guest_its_nodes() {
         .assert_stdout_has("numa: vcpu apic 1 runs on node 1")
         .assert_stdout_has("numa: ok");
 }
+
+/// Room for hot-plugged RAM (Cloud Hypervisor's `hotplug_size`) is a hot-pluggable,
+/// enabled memory range in the SRAT, right after boot RAM and on the node that holds the
+/// highest boot RAM (node 1 here); the guest checks it against its e820 map, and a wrong
+/// expected node fails the check.
+#[test]
+fn the_hot_plug_area_is_a_hot_pluggable_range_of_the_last_node() {
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+    let scratch = Scratch::new("numa", "hotplug_area");
+    let kernel = guest_image(&scratch);
+    let kernel = kernel.to_str().unwrap();
+    let run = |expected_node: u32| {
+        let cmdline =
+            format!("numa cpus=0,1 mem=256M,256M dist=10,25,25,10 hotplug={expected_node},1G");
+        let args = [
+            "--kernel",
+            kernel,
+            "--cmdline",
+            cmdline.as_str(),
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=512M,hotplug_size=1G,thp=off",
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+            "--numa",
+            "guest_numa_id=0,cpus=[0],distances=[1@25]",
+            "guest_numa_id=1,cpus=[1],distances=[0@25]",
+        ];
+        spawn_ch(&scratch, &args).wait(LIMIT)
+    };
+    run(1)
+        .assert_code(0)
+        .assert_stdout_has("numa: SRAT memory node 1 0x10000000-0x20000000 flags 0x1")
+        .assert_stdout_has(
+            "numa: SRAT hot-pluggable memory node 1 0x100000000-0x140000000 flags 0x3",
+        )
+        .assert_stdout_has("numa: ok");
+    let wrong = run(0);
+    wrong.assert_stdout_has(
+        "numa: FAIL hot-pluggable range: node 1, 0x40000000 bytes; expected node 0",
+    );
+    assert_ne!(wrong.code(), Some(0), "{}", wrong.stdout);
+}
+
+/// With the host-mirroring PCIe topology each GPU sits behind a root port of its own
+/// (bus 1 and 2, not bus 0), and its Generic Initiator names it there: the guest finds a
+/// function at each address the SRAT gives, and each on its socket's node.
+#[test]
+fn devices_behind_root_ports_are_named_by_their_address_behind_the_port() {
+    let scratch = Scratch::new("numa", "root_ports");
+    let sysfs = scratch.path("sys");
+    fake_two_socket_sysfs(&sysfs);
+    let mut servers = Vec::new();
+    let mut devices = Vec::new();
+    for (index, (_, _, gpu, _)) in HOST_GPUS.iter().enumerate() {
+        let socket = scratch.path(&format!("gpu{index}.sock"));
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
+        devices.push(format!("{},topology_bdf={gpu}", socket.display()));
+    }
+    let mut args = vec![
+        "--log-level",
+        "info",
+        "run",
+        "--vcpus",
+        "2",
+        "--memory",
+        "512M",
+        "--numa",
+        "auto",
+        "--pci-topology",
+        "host",
+        "--cmdline",
+        "numa cpus=0,1 mem=256M,256M dist=10,21,21,10 gi=0,1",
+    ];
+    for device in &devices {
+        args.extend(["--vfio-user", device.as_str()]);
+    }
+    let env = [
+        ("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap()),
+        ("GPUVM_TEST_NUMA_BIND_NODE", "0"),
+    ];
+    let out = SpawnedProcess::gpuvm_with_env(&args, &env).wait(LIMIT);
+    for server in servers {
+        let done = server.wait(Duration::from_secs(30));
+        assert_eq!(done.code(), Some(0), "{}", done.stderr);
+    }
+    out.assert_code(0)
+        .assert_stderr_has(": root port")
+        .assert_stdout_has("numa: ok");
+    let named: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("numa: SRAT device 0000:"))
+        .collect();
+    assert_eq!(named.len(), 2, "{}", out.stdout);
+    for (line, node) in named.iter().zip([0, 1]) {
+        let bus = &line[..2];
+        assert_ne!(bus, "00", "behind a root port, not on bus 0: {line}");
+        assert!(line.contains(&format!(" node {node} ")), "{line}");
+        let address = &line[..7];
+        assert!(
+            out.stdout
+                .contains(&format!("numa: device {address} is 10de:")),
+            "no emulated GPU answers at {address}\n{}",
+            out.stdout
+        );
+    }
+}

@@ -282,3 +282,17 @@ fn linux_onlines_ram_hot_added_by_vm_resize_beside_a_virtio_disk() {
         ],
     );
 }
+
+#[test]
+fn linux_builds_two_numa_nodes_with_their_cpus_ram_distances_and_hot_plug_room() {
+    scenario_passes(
+        "linux-numa",
+        &[
+            "inner: node0 cpus 0 memory",
+            "inner: node1 cpus 1 memory",
+            "SRAT: Node 1 PXM 1 [mem 0x100000000-0x13fffffff] hotplug",
+            "inner: numa ok (2 nodes)",
+            "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest: ok",
+        ],
+    );
+}

@@ -640,7 +640,9 @@ impl NumaPlan {
     /// start with their guest address) are both in plug order.
     ///
     /// With `ram_hotplug_size` bytes of hot-pluggable RAM, its area (where the builder puts
-    /// it) is a hot-pluggable range of node 0, so the guest knows the node of RAM added later.
+    /// it, right after boot RAM) is a hot-pluggable range of the node that holds the highest
+    /// boot RAM ([`hotplug_domain`]), so the guest knows the range and the node of RAM added
+    /// later before any arrives.
     pub fn topology(
         &self,
         regions: &[RamRegion],
@@ -658,7 +660,7 @@ impl NumaPlan {
             let top = regions.iter().map(RamRegion::end).max().unwrap_or(0);
             let (base, size) = gpuvm_arch::x86_64::layout::ram_hotplug_area(top, ram_hotplug_size);
             topology.memory.push(NumaMemoryRange {
-                domain: 0,
+                domain: hotplug_domain(&topology.memory),
                 base,
                 size,
                 hotpluggable: true,
@@ -713,6 +715,17 @@ impl NumaPlan {
             distances: self.distances.clone(),
         }
     }
+}
+
+/// The proximity domain of the hot-plug area: that of the highest boot RAM (`boot_ram`:
+/// the node ranges), which the area continues; 0 without boot RAM ranges. gpuvm has one
+/// hot-plug area and no per-node hot-plug sizes (Cloud Hypervisor's memory zones have
+/// them), so the area extends the last node's RAM, as more DIMMs on that socket would.
+fn hotplug_domain(boot_ram: &[NumaMemoryRange]) -> u32 {
+    boot_ram
+        .iter()
+        .max_by_key(|range| range.base + range.size)
+        .map_or(0, |range| range.domain)
 }
 
 /// The NUMA plan of a VM of `machine` with `pci`, or None without NUMA nodes (the

@@ -408,7 +408,7 @@ fn without_numa_nothing_of_the_host_is_read() {
 }
 
 #[test]
-fn hot_pluggable_ram_is_a_hot_pluggable_range_of_node_0_above_boot_ram() {
+fn hot_pluggable_ram_is_a_hot_pluggable_range_of_the_last_node_above_boot_ram() {
     let plan = NumaPlan {
         nodes: vec![
             NodePlan {
@@ -438,8 +438,68 @@ fn hot_pluggable_ram_is_a_hot_pluggable_range_of_node_0_above_boot_ram() {
     let with = plan.topology(&regions, 3 * GIB, &keys, &labels);
     let last = with.memory.last().unwrap();
     let (base, size) = gpuvm_arch::x86_64::layout::ram_hotplug_area(512 * MIB, 3 * GIB);
-    assert_eq!((last.domain, last.base, last.size), (0, base, size));
+    assert_eq!((last.domain, last.base, last.size), (1, base, size));
     assert!(last.hotpluggable && base >= 4 * GIB);
+    assert_eq!(
+        with.memory.iter().filter(|m| m.hotpluggable).count(),
+        1,
+        "one hot-plug area"
+    );
+    assert_eq!(
+        &with.memory[..with.memory.len() - 1],
+        without.memory.as_slice(),
+        "boot RAM unchanged"
+    );
+}
+
+#[test]
+fn the_hot_plug_area_goes_to_the_node_of_the_highest_boot_ram() {
+    let node = |cpus: Vec<u8>, mem_size| NodePlan {
+        cpus,
+        mem_size,
+        host_node: None,
+    };
+    let distances = vec![vec![10, 20, 20], vec![20, 10, 20], vec![20, 20, 10]];
+    // Three nodes over 6 GiB: node 2's RAM lies above the 32-bit hole, the highest.
+    let plan = NumaPlan {
+        nodes: vec![
+            node(vec![0], 2 * GIB),
+            node(vec![1], 2 * GIB),
+            node(vec![2], 2 * GIB),
+        ],
+        distances: distances.clone(),
+        device_nodes: BTreeMap::new(),
+        pin_vcpus: false,
+    };
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(6 * GIB);
+    let topology = plan.topology(&regions, GIB, &[], &[]);
+    let area = topology.memory.last().unwrap();
+    let top = regions.iter().map(RamRegion::end).max().unwrap();
+    assert_eq!(top, 7 * GIB, "1 GiB below the hole moved above 4 GiB");
+    assert_eq!((area.domain, area.base, area.size), (2, 7 * GIB, GIB));
+    assert!(area.hotpluggable);
+    // One node: the area is node 0's.
+    let single = NumaPlan {
+        nodes: vec![node(vec![0, 1], 512 * MIB)],
+        distances: vec![vec![10]],
+        device_nodes: BTreeMap::new(),
+        pin_vcpus: false,
+    };
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(512 * MIB);
+    let topology = single.topology(&regions, GIB, &[], &[]);
+    assert_eq!(topology.memory.last().map(|m| m.domain), Some(0));
+    // And the SRAT encodes it: enabled and hot-pluggable.
+    let srat = gpuvm_arch::x86_64::acpi::numa::srat(&topology).unwrap();
+    let last = srat.len() - 40;
+    assert_eq!(srat[last], 1, "memory affinity");
+    assert_eq!(
+        u64::from_le_bytes(srat[last + 8..last + 16].try_into().unwrap()),
+        4 * GIB
+    );
+    assert_eq!(
+        u32::from_le_bytes(srat[last + 28..last + 32].try_into().unwrap()),
+        3
+    );
 }
 
 #[test]

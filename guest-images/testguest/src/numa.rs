@@ -3,16 +3,22 @@
 //! against what the test expects (it passes the VMM's command line on in words):
 //!
 //! ```text
-//! numa cpus=D0,D1,.. mem=SIZE0,SIZE1,.. dist=D00,D01,..,D10,.. [gi=N0,N1,..] [hold=SECONDS]
+//! numa cpus=D0,D1,.. mem=SIZE0,SIZE1,.. dist=D00,D01,..,D10,.. [gi=N0,N1,..]
+//!      [hotplug=NODE,SIZE] [hold=SECONDS]
 //! ```
 //!
-//! `cpus`: the node of APIC id 0, 1, ..; `mem`: each node's total RAM; `dist`: the SLIT row
-//! by row; `gi`: the node of each Generic Initiator (passthrough device) in SRAT order;
-//! `hold`: stay this long after `numa: ok` (the host side reads the VMM's numa_maps then).
-//! Every node range must lie in e820 RAM and not overlap another. Each online vCPU reads
-//! its own APIC id, and the node the SRAT gives that id is printed ("numa: vcpu apic A
-//! runs on node D"), so the node of each vCPU that really runs is what is checked. Ends
-//! `numa: ok`, or `numa: FAIL ...` and exit 1.
+//! `cpus`: the node of APIC id 0, 1, ..; `mem`: each node's total boot RAM; `dist`: the SLIT
+//! row by row; `gi`: the node of each Generic Initiator (passthrough device) in SRAT order;
+//! `hotplug`: the one hot-pluggable memory range (room for hot-plugged RAM) and its node,
+//! which must be flagged enabled and hot-pluggable, lie outside e820 RAM and start right
+//! after it (the highest e820 RAM's end, at least 4 GiB, on a 1 GiB boundary); without
+//! `hotplug` there must be none; `hold`: stay this long after `numa: ok` (the host side reads
+//! the VMM's numa_maps then). Every boot RAM range must lie in e820 RAM and not overlap another,
+//! and every Generic Initiator with a PCI handle in segment 0 must name a function that is
+//! there (on bus 0 or behind bridges). Each online vCPU reads its own APIC id, and the node
+//! the SRAT gives that id is printed ("numa: vcpu apic A runs on node D"), so the node of
+//! each vCPU that really runs is what is checked. Ends `numa: ok`, or `numa: FAIL ...` and
+//! exit 1.
 
 use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
@@ -28,6 +34,17 @@ const MAX_TABLE_LEN: u64 = 0x10000;
 /// Most nodes, vCPUs and devices this workload keeps.
 const MAX_ITEMS: usize = 64;
 const E820_RAM: u32 = 1;
+/// SRAT memory affinity flags.
+const MEMORY_ENABLED: u32 = 1;
+const MEMORY_HOTPLUGGABLE: u32 = 1 << 1;
+/// Where the VMM puts the hot-plug area: the end of boot RAM, at least 4 GiB, rounded up
+/// to this.
+const HOTPLUG_AREA_ALIGN: u64 = 1 << 30;
+const FOUR_GIB: u64 = 1 << 32;
+/// Generic Initiator device handle type: PCI (segment and bus/device/function).
+const HANDLE_PCI: u8 = 1;
+const CONFIG_ADDRESS: u16 = 0xcf8;
+const CONFIG_DATA: u16 = 0xcfc;
 /// How long APs have to report their APIC ids.
 const REPORT_WAIT_US: u64 = 2_000_000;
 
@@ -111,8 +128,88 @@ fn report_apic_id(_cpu_index: usize) {
     }
 }
 
+/// A Generic Initiator names its device by the guest address it has, behind however many
+/// bridges: a function must answer there (read with configuration mechanism #1, which
+/// reaches every bus of segment 0).
+fn check_device_present(bdf: u32) {
+    let address = 1 << 31 | (bdf & 0xffff) << 8;
+    crate::arch::outl(CONFIG_ADDRESS, address);
+    let ids = crate::arch::inl(CONFIG_DATA);
+    if ids & 0xffff == 0xffff {
+        fail(format_args!(
+            "the SRAT names device {:02x}:{:02x}.{}, where there is none",
+            bdf >> 8,
+            (bdf >> 3) & 0x1f,
+            bdf & 7
+        ));
+    }
+    println!(
+        "numa: device {:02x}:{:02x}.{} is {:04x}:{:04x}",
+        bdf >> 8,
+        (bdf >> 3) & 0x1f,
+        bdf & 7,
+        ids & 0xffff,
+        ids >> 16
+    );
+}
+
+/// The hot-pluggable range `found` (node, base, size, flags) against `expected` (node,
+/// size) and the e820 map: enabled and hot-pluggable, starting where the VMM's hot-plug
+/// area starts, outside e820 RAM.
+fn check_hotplug_range(
+    info: &BootInfo,
+    expected: Option<(u64, u64)>,
+    found: Option<(u64, u64, u64, u32)>,
+) {
+    let (expected, (node, base, size, flags)) = match (expected, found) {
+        (None, None) => return,
+        (Some(_), None) => fail(format_args!("the SRAT has no hot-pluggable memory range")),
+        (None, Some((node, base, ..))) => fail(format_args!(
+            "a hot-pluggable memory range at {base:#x} (node {node}), not expected"
+        )),
+        (Some(expected), Some(found)) => (expected, found),
+    };
+    let ram_top = info
+        .memmap()
+        .iter()
+        .filter(|e| e.kind == E820_RAM)
+        .map(|e| e.addr + e.size)
+        .max()
+        .unwrap_or(0);
+    let area_start = ram_top.max(FOUR_GIB).next_multiple_of(HOTPLUG_AREA_ALIGN);
+    let overlaps_ram = info
+        .memmap()
+        .iter()
+        .any(|e| e.kind == E820_RAM && e.addr < base + size && base < e.addr + e.size);
+    println!(
+        "numa: hot-pluggable range node {node} {base:#x}+{size:#x}, e820 RAM ends at {ram_top:#x}"
+    );
+    if flags != MEMORY_ENABLED | MEMORY_HOTPLUGGABLE {
+        fail(format_args!(
+            "hot-pluggable range flags {flags:#x}, expected enabled | hot-pluggable"
+        ));
+    }
+    if base != area_start {
+        fail(format_args!(
+            "hot-pluggable range at {base:#x}, expected {area_start:#x} (after boot RAM)"
+        ));
+    }
+    if overlaps_ram {
+        fail(format_args!(
+            "hot-pluggable range {base:#x} overlaps e820 RAM"
+        ));
+    }
+    if (node, size) != expected {
+        fail(format_args!(
+            "hot-pluggable range: node {node}, {size:#x} bytes; expected node {}, {:#x}",
+            expected.0, expected.1
+        ));
+    }
+}
+
 pub fn run(info: &BootInfo, words: &mut Words) -> ! {
     let (mut cpus, mut mem, mut dist, mut gi) = (None, None, None, None);
+    let mut hotplug = None;
     let mut hold_seconds = 0;
     while let Some(word) = words.next_word() {
         match word.split_once('=') {
@@ -120,12 +217,21 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
             Some(("mem", v)) => mem = Some(parse_list(v, parse_size)),
             Some(("dist", v)) => dist = Some(parse_list(v, parse_number)),
             Some(("gi", v)) => gi = Some(parse_list(v, parse_number)),
+            Some(("hotplug", v)) => {
+                let parsed = v
+                    .split_once(',')
+                    .and_then(|(node, size)| Some((parse_number(node)?, parse_size(size)?)));
+                match parsed {
+                    Some(expected) => hotplug = Some(expected),
+                    None => fail(format_args!("bad hotplug '{v}' (NODE,SIZE)")),
+                }
+            }
             Some(("hold", v)) => match parse_number(v) {
                 Some(seconds) => hold_seconds = seconds,
                 None => fail(format_args!("bad hold '{v}'")),
             },
             _ => fail(format_args!(
-                "unknown argument '{word}'; usage: numa cpus=.. mem=.. dist=.. [gi=..] [hold=S]"
+                "unknown argument '{word}'; usage: numa cpus=.. mem=.. dist=.. [gi=..] [hotplug=N,SIZE] [hold=S]"
             )),
         }
     }
@@ -154,6 +260,8 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
     let mut ranges = List::new();
     let mut range_ends = List::new();
     let mut devices = List::new();
+    // The hot-pluggable range: (node, base, size, flags).
+    let mut hotplug_range: Option<(u64, u64, u64, u32)> = None;
     let mut entry = srat + HEADER_LEN + 12;
     while entry + 2 <= srat + srat_len {
         let (kind, len) = (read_u8(entry), u64::from(read_u8(entry + 1)));
@@ -170,6 +278,19 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
                 if apic < MAX_ITEMS {
                     cpu_node[apic] = domain;
                 }
+            }
+            1 if read_u32(entry + 28) & MEMORY_HOTPLUGGABLE != 0 => {
+                let domain = u64::from(read_u32(entry + 2));
+                let (base, size) = (read_u64(entry + 8), read_u64(entry + 16));
+                let flags = read_u32(entry + 28);
+                println!(
+                    "numa: SRAT hot-pluggable memory node {domain} {base:#x}-{:#x} flags {flags:#x}",
+                    base + size
+                );
+                if hotplug_range.is_some() {
+                    fail(format_args!("more than one hot-pluggable memory range"));
+                }
+                hotplug_range = Some((domain, base, size, flags));
             }
             1 => {
                 let domain = u64::from(read_u32(entry + 2));
@@ -214,6 +335,9 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
                     (bdf >> 3) & 0x1f,
                     bdf & 7
                 );
+                if handle_type == HANDLE_PCI && segment == 0 {
+                    check_device_present(bdf);
+                }
                 devices.push(domain);
             }
             other => println!("numa: SRAT entry type {other} skipped"),
@@ -273,6 +397,7 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
             ));
         }
     }
+    check_hotplug_range(info, hotplug, hotplug_range);
     if let Some(gi) = gi {
         if gi.as_slice() != devices.as_slice() {
             fail(format_args!(

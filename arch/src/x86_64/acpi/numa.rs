@@ -5,7 +5,8 @@
 //! ```text
 //! SRAT rev 3: header, reserved u32 = 1, reserved u64
 //!   type 0  Processor Local APIC Affinity (16 bytes) per possible vCPU (hot-pluggable too)
-//!   type 1  Memory Affinity (40 bytes) per node range of boot RAM (split at the 32-bit hole)
+//!   type 1  Memory Affinity (40 bytes) per node range of boot RAM (split at the 32-bit hole),
+//!           and one flagged hot-pluggable for the room kept for hot-plugged RAM
 //!   type 5  Generic Initiator Affinity (32 bytes) per passthrough device whose node is known,
 //!           with a PCI handle (segment, bus << 8 | device << 3 | function)
 //! SLIT rev 1: header, u64 number of localities, then N x N distance bytes (row = from)
