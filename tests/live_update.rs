@@ -858,3 +858,74 @@ fn a_network_interface_keeps_its_tap_across_updates() {
     let status = first_status(&mut vm.first);
     assert_eq!(status.code(), Some(0), "{}", vm.describe());
 }
+
+/// A VM with the memory balloon: inflated before the update, the new process knows its
+/// target and actual (GET /balloon/statistics), deflates it on PATCH /balloon, and the
+/// guest reads the pages it gets back as zero (the host had freed them, in the RAM file
+/// both processes share).
+#[test]
+fn the_balloon_keeps_its_pages_across_an_update_and_deflates_after() {
+    let scratch = Scratch::new("live-update", "balloon");
+    let api = scratch.path("api.sock");
+    let mut first = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "256M",
+        "--cmdline",
+        "virtio-balloon",
+        "--api-sock",
+        api.to_str().expect("UTF-8 path"),
+    ]);
+    wait_for_api_socket(&mut first, &api);
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/balloon",
+        Some(r#"{"amount_mib": 16, "deflate_on_oom": false, "stats_polling_interval_s": 1}"#),
+    );
+    api_start_instance(&api);
+    let mut vm = UpdatableVm {
+        owner: first.pid(),
+        first,
+        api,
+        _scratch: scratch,
+    };
+    vm.wait_stdout("the inflation", |out| {
+        out.contains("virtio-balloon: actual 4096 pages") || out.contains("FAIL")
+    });
+    vm.update_ok(&[]);
+    let stats: serde_json::Value = serde_json::from_str(&api_expect(
+        &vm.api,
+        200,
+        "GET",
+        "/balloon/statistics",
+        None,
+    ))
+    .expect("JSON");
+    assert_eq!(
+        (stats["target_pages"].clone(), stats["actual_pages"].clone()),
+        (serde_json::json!(4096), serde_json::json!(4096)),
+        "{stats}"
+    );
+    api_expect(
+        &vm.api,
+        204,
+        "PATCH",
+        "/balloon",
+        Some(r#"{"amount_mib": 0}"#),
+    );
+    // The driver said "actual 0 pages" once before it inflated: the second time is this
+    // deflation's.
+    vm.wait_stdout("the deflation", |out| {
+        out.matches("virtio-balloon: actual 0 pages").count() >= 2 || out.contains("FAIL")
+    });
+    let out = vm.stdout();
+    assert!(!out.contains("FAIL"), "{}", vm.describe());
+    assert!(
+        out.contains("virtio-balloon: deflated pages read as zero"),
+        "{}",
+        vm.describe()
+    );
+    // The guest's driver has no end of its own: dropping `vm` ends the process that runs it.
+}

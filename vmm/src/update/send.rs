@@ -6,7 +6,8 @@
 //! resumed if the VM is taken back. A virtio-blk drive's open image descriptor goes with
 //! the offer, so the new process keeps its lock (flock locks belong to the open file
 //! description); so do a network interface's tap queues (the tap stays attached, frames
-//! queue in it while the vCPUs are paused); virtio-rng reopens /dev/urandom.
+//! queue in it while the vCPUs are paused); virtio-rng reopens /dev/urandom; the balloon
+//! holds no descriptor (the pages it freed stay holes in the RAM file both share).
 
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -373,6 +374,7 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
                 VirtioDeviceConfig::Block(_)
                     | VirtioDeviceConfig::Rng(_)
                     | VirtioDeviceConfig::Net(_)
+                    | VirtioDeviceConfig::Balloon(_)
             )
         })
         .map(|h| h.config.id())
@@ -381,8 +383,8 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         return Err(UpdateError::unsupported(
             format!("a VM with virtio devices ({})", not_carried.join(", ")),
             Some(
-                "virtio-blk, virtio-net and virtio-rng are handed over; vsock, balloon and \
-                 vhost-user sockets are not yet",
+                "virtio-blk, virtio-net, virtio-rng and the balloon are handed over; vsock \
+                 and vhost-user sockets are not yet",
             ),
         ));
     }
