@@ -59,14 +59,25 @@ impl UpdatableVm {
             api.to_str().expect("UTF-8 path"),
         ];
         args.extend_from_slice(extra);
-        let mut first = SpawnedProcess::gpuvm(&args);
+        let first = SpawnedProcess::gpuvm(&args);
+        UpdatableVm::started(first, api, scratch, |_| {})
+    }
+
+    /// The VM of `first`, a `gpuvm run --api-sock API` just spawned: `configure` gets the
+    /// API socket once it answers, then the VM starts.
+    fn started(
+        mut first: SpawnedProcess,
+        api: PathBuf,
+        scratch: Scratch,
+        configure: impl FnOnce(&Path),
+    ) -> UpdatableVm {
         wait_for_api_socket(&mut first, &api);
+        configure(&api);
         api_start_instance(&api);
-        let owner = first.pid();
         UpdatableVm {
+            owner: first.pid(),
             first,
             api,
-            owner,
             _scratch: scratch,
         }
     }
@@ -808,7 +819,7 @@ fn a_network_interface_keeps_its_tap_across_updates() {
     let scratch = Scratch::new("live-update", "net");
     let api = scratch.path("api.sock");
     let cmdline = format!("virtio-net {}", netns.guest_ip());
-    let mut first = netns.spawn_gpuvm(&[
+    let first = netns.spawn_gpuvm(&[
         "run",
         "--cmdline",
         &cmdline,
@@ -817,14 +828,7 @@ fn a_network_interface_keeps_its_tap_across_updates() {
         "--api-sock",
         api.to_str().expect("UTF-8 path"),
     ]);
-    wait_for_api_socket(&mut first, &api);
-    api_start_instance(&api);
-    let mut vm = UpdatableVm {
-        owner: first.pid(),
-        first,
-        api,
-        _scratch: scratch,
-    };
+    let mut vm = UpdatableVm::started(first, api, scratch, |_| {});
     vm.wait_stdout("the guest's announcement", |out| {
         out.contains("virtio-net: sent gratuitous arp")
     });
@@ -867,7 +871,7 @@ fn a_network_interface_keeps_its_tap_across_updates() {
 fn the_balloon_keeps_its_pages_across_an_update_and_deflates_after() {
     let scratch = Scratch::new("live-update", "balloon");
     let api = scratch.path("api.sock");
-    let mut first = SpawnedProcess::gpuvm(&[
+    let first = SpawnedProcess::gpuvm(&[
         "run",
         "--memory",
         "256M",
@@ -876,21 +880,15 @@ fn the_balloon_keeps_its_pages_across_an_update_and_deflates_after() {
         "--api-sock",
         api.to_str().expect("UTF-8 path"),
     ]);
-    wait_for_api_socket(&mut first, &api);
-    api_expect(
-        &api,
-        204,
-        "PUT",
-        "/balloon",
-        Some(r#"{"amount_mib": 16, "deflate_on_oom": false, "stats_polling_interval_s": 1}"#),
-    );
-    api_start_instance(&api);
-    let mut vm = UpdatableVm {
-        owner: first.pid(),
-        first,
-        api,
-        _scratch: scratch,
-    };
+    let mut vm = UpdatableVm::started(first, api, scratch, |api| {
+        api_expect(
+            api,
+            204,
+            "PUT",
+            "/balloon",
+            Some(r#"{"amount_mib": 16, "deflate_on_oom": false, "stats_polling_interval_s": 1}"#),
+        );
+    });
     vm.wait_stdout("the inflation", |out| {
         out.contains("virtio-balloon: actual 4096 pages") || out.contains("FAIL")
     });
