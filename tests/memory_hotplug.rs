@@ -3,12 +3,15 @@
 //! guest's memory block and sends the new total): gpuvm as `cloud-hypervisor` boots the
 //! test guest with `memory.hotplug_size`, and the guest's `memory-hotplug` workload finds
 //! each new range through the ACPI memory hot-plug registers and memtests all of it from
-//! ring 3.
+//! ring 3. A vm.resize below the current size removes whole slots, newest first, once the
+//! guest ejected them (the test guest does as soon as it sees the remove request).
 
 use std::path::Path;
 use std::time::Duration;
 
-use gpuvm_tests::cloud_hypervisor_support::{boot_test_guest, spawn_ch, vm_info, wait_for_vm};
+use gpuvm_tests::cloud_hypervisor_support::{
+    boot_test_guest, guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
+};
 use gpuvm_tests::vhost_user_support::{backend_binary, start_qsd};
 use gpuvm_tests::{api_expect, thread_seccomp_modes, Scratch, SpawnedProcess};
 
@@ -82,7 +85,7 @@ fn resize_adds_ram_the_guest_memtests() {
         ),
         (
             &format!(r#"{{"desired_ram":{}}}"#, 128 * MIB),
-            "cannot take hot-plugged RAM back",
+            "below the VM's 256 MiB of boot RAM",
         ),
     ] {
         let answer = resize(&api, 400, body);
@@ -334,4 +337,370 @@ fn disk_moves_data_through_hot_plugged_ram(scratch: &Scratch, disk_arg: &str, im
             assert_eq!(got, expected, "slot {slot}: disk offset {offset:#x}");
         }
     }
+}
+
+/// Bytes the host has allocated for guest RAM's file (memfd or tmpfs file), seen through
+/// the process's descriptors.
+fn guest_ram_allocated(pid: i32) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut inodes = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        if !target.to_string_lossy().contains("gpuvm-guest-ram") {
+            continue;
+        }
+        if let Ok(meta) = std::fs::metadata(entry.path()) {
+            inodes.insert((meta.dev(), meta.ino()), meta.blocks() * 512);
+        }
+    }
+    assert!(!inodes.is_empty(), "no guest RAM file in /proc/{pid}/fd");
+    inodes.values().sum()
+}
+
+/// `cloud-hypervisor` with `env` set, booting the test guest with `cmdline`.
+fn boot_with_env(
+    scratch: &Scratch,
+    api: &Path,
+    cmdline: &str,
+    env: &[(&str, &str)],
+) -> SpawnedProcess {
+    let kernel = guest_image(scratch);
+    let mut args = test_guest_args(api, &kernel, cmdline);
+    args.extend_from_slice(&HOT_PLUG_VM);
+    let link = scratch.path("cloud-hypervisor");
+    if !link.exists() {
+        std::os::unix::fs::symlink(gpuvm_tests::gpuvm_bin(), &link).unwrap();
+    }
+    let mut vm = SpawnedProcess::spawn_with_env(&link, &args, env);
+    wait_for_vm(&mut vm, api, LIMIT);
+    vm
+}
+
+fn desired(mib: u64) -> String {
+    format!(r#"{{"desired_ram":{}}}"#, mib * MIB)
+}
+
+/// Grow twice, then shrink by the newest slot: the guest ejects it, the resize answers,
+/// the VM's size drops, the host gets the pages back, and the next grow fills the same slot
+/// at the same place. Sizes that are not a slot boundary are refused. A snapshot taken
+/// after a shrink has no trace of the slot, and the restored VM grows again.
+#[test]
+fn shrinking_ejects_the_newest_slot_and_frees_its_pages() {
+    let scratch = Scratch::new("memory_hotplug", "shrink");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    resize(&api, 204, &desired(640));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 1 base=0x110000000 size=134217728 memtest ok",
+        LIMIT,
+    );
+    assert_eq!(ram(&api).0, 640);
+    let before = guest_ram_allocated(vm.pid());
+
+    // Inside a slot, or below boot RAM: refused, nothing changes.
+    let answer = resize(&api, 400, &desired(512 + 64));
+    assert!(
+        answer.contains(&format!("it can shrink to {}, {}", 512 * MIB, 256 * MIB)),
+        "{answer}"
+    );
+    let answer = resize(&api, 400, &desired(384));
+    assert!(answer.contains("newest first"), "{answer}");
+    let answer = resize(&api, 400, &desired(128));
+    assert!(
+        answer.contains("below the VM's 256 MiB of boot RAM"),
+        "{answer}"
+    );
+    assert_eq!(ram(&api).0, 640);
+    assert!(!vm.stdout().contains("ejected"), "{}", vm.stdout());
+
+    // One slot back: answered once the guest ejected it.
+    resize(&api, 204, &desired(512));
+    assert_eq!(ram(&api).0, 512);
+    vm.wait_for_stdout("memory-hotplug: slot 1 base=0x110000000 ejected", LIMIT);
+    assert_eq!(vm_info(&api)["config"]["memory"]["size"], 512 * MIB);
+    let after = guest_ram_allocated(vm.pid());
+    assert!(
+        before.saturating_sub(after) >= 120 * MIB,
+        "the host kept the slot's pages: {before} bytes allocated before, {after} after"
+    );
+
+    // The slot and its place are free again; the guest no longer counts the old range.
+    resize(&api, 204, &desired(640));
+    vm.wait_for_stdout("memory-hotplug: 3 slot(s), 536870912 bytes added", LIMIT);
+    let stdout = vm.stdout();
+    assert!(
+        stdout.contains("memory-hotplug: 1 earlier slot(s) still hold their patterns"),
+        "{stdout}"
+    );
+    vm.wait_for_stderr(
+        "of RAM hot-plugged at 0x110000000 (slot 1, KVM slot 3)",
+        LIMIT,
+    );
+    let stderr = vm.stderr();
+    assert_eq!(
+        stderr
+            .matches("of RAM hot-plugged at 0x110000000 (slot 1, KVM slot 3)")
+            .count(),
+        2,
+        "{stderr}"
+    );
+
+    // Shrunk again, then snapshotted: the memory file has nothing of slot 1.
+    resize(&api, 204, &desired(512));
+    assert_eq!(ram(&api).0, 512);
+    let snap = scratch.path("snap");
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    // Paused: the guest cannot eject, so a shrink is refused at once.
+    let answer = resize(&api, 409, &desired(256));
+    assert!(answer.contains("resume it first"), "{answer}");
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+    let saved: u64 = std::fs::read_dir(&snap)
+        .unwrap()
+        .flatten()
+        .map(|entry| entry.metadata().unwrap().len())
+        .sum();
+    // The memory file holds the pages in use: slot 0 (256 MiB, all memtested) and what
+    // boot RAM the guest touched (a few MiB); slot 1 would add its 128 MiB.
+    assert!(
+        (256 * MIB..384 * MIB).contains(&saved),
+        "the snapshot holds {saved} bytes"
+    );
+
+    let api2 = scratch.path("restored.sock");
+    let source = format!("source_url=file://{}", snap.display());
+    let mut restored = spawn_ch(
+        &scratch,
+        &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
+    );
+    wait_for_vm(&mut restored, &api2, LIMIT);
+    assert_eq!(ram(&api2), (512, 1 << 30));
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    resize(&api2, 204, &desired(640));
+    restored.wait_for_stdout(
+        "memory-hotplug: slot 1 base=0x110000000 size=134217728 memtest ok",
+        LIMIT,
+    );
+    let stdout = restored.stdout();
+    assert!(
+        stdout.contains("memory-hotplug: 1 earlier slot(s) still hold their patterns"),
+        "{stdout}"
+    );
+    assert_eq!(ram(&api2).0, 640);
+    // And it shrinks again after the restore.
+    resize(&api2, 204, &desired(512));
+    assert_eq!(ram(&api2).0, 512);
+    api_expect(&api2, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = restored.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+}
+
+/// A guest that never ejects: the shrink answers 504 after the (shortened) eject timeout,
+/// the VM keeps its RAM, and it grows again afterwards (the request was withdrawn).
+#[test]
+fn a_guest_that_does_not_eject_keeps_its_ram() {
+    let scratch = Scratch::new("memory_hotplug", "noeject");
+    let api = scratch.path("api.sock");
+    let mut vm = boot_with_env(
+        &scratch,
+        &api,
+        "memory-hotplug noeject",
+        &[("GPUVM_MEMORY_EJECT_TIMEOUT_MS", "1500")],
+    );
+    vm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    let before = guest_ram_allocated(vm.pid());
+    let started = std::time::Instant::now();
+    let answer = resize(&api, 504, &desired(256));
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+    assert!(
+        answer.contains("did not eject slot(s) [0] within 1500 ms"),
+        "{answer}"
+    );
+    vm.wait_for_stdout("memory-hotplug: slot 0 remove request ignored", LIMIT);
+    assert_eq!(ram(&api).0, 512);
+    assert_eq!(vm_info(&api)["config"]["memory"]["size"], 512 * MIB);
+    assert!(guest_ram_allocated(vm.pid()) >= before);
+    // Withdrawn: a grow is not held up by it.
+    resize(&api, 204, &desired(640));
+    vm.wait_for_stdout(
+        "memory-hotplug: 1 earlier slot(s) still hold their patterns",
+        LIMIT,
+    );
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 1 base=0x110000000 size=134217728 memtest ok",
+        LIMIT,
+    );
+    assert_eq!(ram(&api).0, 640);
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+}
+
+/// With a passthrough device attached the VM does not shrink: gpuvm cannot take a DMA
+/// mapping back yet, and a device must never reach freed RAM. The guest is not even asked.
+#[test]
+fn ram_is_not_removed_while_a_gpu_may_dma_to_it() {
+    let scratch = Scratch::new("memory_hotplug", "gpu-shrink");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
+    let socket = scratch.path("gpu.sock");
+    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
+    api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    let before = guest_ram_allocated(vm.pid());
+    let answer = resize(&api, 409, &desired(256));
+    assert!(answer.contains("passthrough device(s)"), "{answer}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!vm.stdout().contains("ejected"), "{}", vm.stdout());
+    assert_eq!(ram(&api).0, 512);
+    assert!(guest_ram_allocated(vm.pid()) >= before);
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    emu.signal(libc::SIGTERM);
+}
+
+/// A VM with no virtio device (vm.create without `rng`) that tracks dirty pages (gpuvm's
+/// PUT /machine-config before boot), running `memory-hotplug`.
+fn start_dirty_tracked(scratch: &Scratch, api: &Path) -> SpawnedProcess {
+    let mut vmm = spawn_ch(scratch, &["--api-socket", api.to_str().unwrap()]);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, api);
+    let create = serde_json::json!({
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 256 * MIB, "hotplug_size": 1u64 << 30},
+        "payload": {"kernel": guest_image(scratch), "cmdline": "memory-hotplug"},
+        "serial": {"mode": "Tty"},
+        "console": {"mode": "Off"},
+    })
+    .to_string();
+    api_expect(api, 204, "PUT", "/api/v1/vm.create", Some(&create));
+    let mut config: serde_json::Value =
+        serde_json::from_str(&api_expect(api, 200, "GET", "/machine-config", None)).unwrap();
+    config["track_dirty_pages"] = true.into();
+    api_expect(
+        api,
+        204,
+        "PUT",
+        "/machine-config",
+        Some(&config.to_string()),
+    );
+    api_expect(api, 204, "PUT", "/api/v1/vm.boot", None);
+    vmm.wait_for_stdout("memory-hotplug: waiting, 14 slot(s)", LIMIT);
+    vmm
+}
+
+fn set_state(api: &Path, state: &str) {
+    let body = format!(r#"{{"state": "{state}"}}"#);
+    api_expect(api, 204, "PATCH", "/vm", Some(&body));
+}
+
+/// PUT /snapshot/create of `snapshot_type` into `dir`: (a diff?, memory bytes written).
+fn snapshot_into(api: &Path, dir: &Path, snapshot_type: &str) -> (bool, u64) {
+    let body = format!(
+        r#"{{"snapshot_type": "{snapshot_type}", "snapshot_path": "{}"}}"#,
+        dir.display()
+    );
+    let answer: serde_json::Value = serde_json::from_str(&api_expect(
+        api,
+        200,
+        "PUT",
+        "/snapshot/create",
+        Some(&body),
+    ))
+    .unwrap();
+    (
+        answer["diff"].as_bool().unwrap(),
+        answer["memory_bytes_written"].as_u64().unwrap(),
+    )
+}
+
+/// Hot-plugged RAM is in the dirty-log walk: a Diff after growing holds the pages of the
+/// new range the guest wrote (its whole memtest), the next Diff of the idle guest holds
+/// next to nothing (before, every snapshot of a VM with hot-plugged RAM was a full file),
+/// and the chain restores to a guest whose range still holds its pattern.
+#[test]
+fn diffs_hold_only_the_dirty_pages_of_hot_plugged_ram() {
+    let scratch = Scratch::new("memory_hotplug", "diff");
+    let api = scratch.path("api.sock");
+    let dir = scratch.path("snap");
+    let mut vm = start_dirty_tracked(&scratch, &api);
+    // Plugged while paused: the base holds the new range before the guest wrote to it.
+    set_state(&api, "Paused");
+    resize(&api, 204, &desired(512));
+    let (diff, _) = snapshot_into(&api, &dir, "Full");
+    assert!(!diff);
+    set_state(&api, "Resumed");
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    set_state(&api, "Paused");
+    let (diff, written) = snapshot_into(&api, &dir, "Diff");
+    assert!(diff, "a full file after growing");
+    assert!(
+        written >= 256 * MIB,
+        "the range's dirty pages: {written} bytes"
+    );
+    set_state(&api, "Resumed");
+    std::thread::sleep(Duration::from_millis(200));
+    set_state(&api, "Paused");
+    let (diff, written) = snapshot_into(&api, &dir, "Diff");
+    assert!(diff);
+    assert!(written < 16 * MIB, "an idle guest's diff: {written} bytes");
+    assert_eq!(gpuvm_tests::snapshot_support::memory_files(&dir).len(), 3);
+    // Killed: the snapshot is all that is left of it.
+    drop(vm);
+
+    let api2 = scratch.path("restored.sock");
+    let source = format!("source_url=file://{}", dir.display());
+    let mut restored = spawn_ch(
+        &scratch,
+        &["--api-socket", api2.to_str().unwrap(), "--restore", &source],
+    );
+    wait_for_vm(&mut restored, &api2, LIMIT);
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    resize(&api2, 204, &desired(640));
+    restored.wait_for_stdout(
+        "memory-hotplug: 1 earlier slot(s) still hold their patterns",
+        LIMIT,
+    );
+    restored.wait_for_stdout(
+        "memory-hotplug: slot 1 base=0x110000000 size=134217728 memtest ok",
+        LIMIT,
+    );
+    // A slot plugged since the chain's last file: the layout is not the chain's, so a
+    // Diff asked for now is written as a full file.
+    set_state(&api2, "Paused");
+    let (diff, written) = snapshot_into(&api2, &dir, "Diff");
+    assert!(!diff, "a diff over a changed layout ({written} bytes)");
+    let stdout = restored.stdout();
+    assert!(!stdout.contains("FAIL"), "{stdout}");
 }

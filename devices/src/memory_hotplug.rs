@@ -25,7 +25,10 @@
 //! resize). The VMM maps the RAM (KVM memslot, DMA) first, then calls
 //! [`MemoryHotplug::insert`]; the guest's `MSCN` (run by the GED's `_EVT`, or the test
 //! guest polling from ring 3) finds MINS, clears it and notifies the device, whose `_CRS`
-//! reads MBAS and MLEN.
+//! reads MBAS and MLEN. Removal is the reverse: [`MemoryHotplug::request_remove`] sets MRMV
+//! and raises the interrupt, the guest offlines the range and writes MEJ (`_EJ0`), and the
+//! slot keeps its base and size until the VMM freed the RAM
+//! ([`MemoryHotplug::release_ejected`]), so it is not filled again before that.
 
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
@@ -172,15 +175,40 @@ impl MemoryHotplug {
         true
     }
 
-    /// The slots the guest ejected since the last call (their RAM is the VMM's to free).
-    pub fn take_ejected(&mut self) -> Vec<u8> {
-        let ejected = std::mem::take(&mut self.ejected);
-        for &slot in &ejected {
-            if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
-                *entry = MemorySlot::default();
-            }
+    /// The slots the guest ejected whose RAM the VMM has not freed yet.
+    pub fn ejected_slots(&self) -> Vec<u8> {
+        self.ejected.clone()
+    }
+
+    /// The VMM freed the RAM of ejected slot `slot`: the slot may be filled again. False
+    /// if the guest had not ejected it.
+    pub fn release_ejected(&mut self, slot: u8) -> bool {
+        let Some(at) = self.ejected.iter().position(|&ejected| ejected == slot) else {
+            return false;
+        };
+        self.ejected.remove(at);
+        if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
+            *entry = MemorySlot::default();
         }
-        ejected
+        true
+    }
+
+    /// Whether the guest ejected slot `slot` and the VMM has not freed its RAM yet.
+    pub fn is_ejected(&self, slot: u8) -> bool {
+        self.ejected.contains(&slot)
+    }
+
+    /// Whether the guest was asked to eject some slot and has not yet.
+    pub fn removal_pending(&self) -> bool {
+        self.slots.iter().any(|slot| slot.removing)
+    }
+
+    /// Withdraws the eject request for slot `slot` (the guest did not eject it in time):
+    /// the slot keeps its RAM.
+    pub fn cancel_remove(&mut self, slot: u8) {
+        if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
+            entry.removing = false;
+        }
     }
 
     /// Asks the guest to eject slot `slot` (one that holds RAM).
@@ -426,15 +454,27 @@ mod tests {
         assert!(block.insert(0, 4 * GIB, MEMORY_BLOCK_SIZE));
         assert!(!block.request_remove(1));
         assert!(block.request_remove(0));
+        assert!(block.removal_pending());
         assert_eq!(select(&mut block, 0), MEN | MRMV);
+        // Withdrawn, then asked again.
+        block.cancel_remove(0);
+        assert!(!block.removal_pending());
+        assert_eq!(select(&mut block, 0), MEN);
+        assert!(block.request_remove(0));
+        assert!(!block.is_ejected(0));
         block.write(FLAGS, &[MEJ]);
+        assert!(block.is_ejected(0));
+        assert!(!block.removal_pending());
         assert_eq!(select(&mut block, 0), 0);
         assert_eq!(wake.read().unwrap(), 1);
         // Not free again before the VMM freed its RAM.
         assert_eq!(block.free_slot(), Some(1));
-        assert_eq!(block.take_ejected(), [0]);
+        assert_eq!(block.ejected_slots(), [0]);
+        assert!(!block.release_ejected(1));
+        assert!(block.release_ejected(0));
         assert_eq!(block.free_slot(), Some(0));
-        assert!(block.take_ejected().is_empty());
+        assert!(block.ejected_slots().is_empty());
+        assert!(!block.release_ejected(0));
         assert_eq!(block.plugged_bytes(), 0);
     }
 
@@ -453,7 +493,7 @@ mod tests {
         block.write(MSEL, &[0xff, 0xff, 0xff, 0xff]);
         block.write(FLAGS, &[MEJ | MINS | MRMV]);
         assert_eq!(block.plugged_bytes(), 0);
-        assert!(block.take_ejected().is_empty());
+        assert!(block.ejected_slots().is_empty());
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! The `memory-hotplug [COUNT]` workload: uses RAM the VMM hot-plugs (vm.resize
-//! desired_ram), and exits 0 once COUNT slots were added (forever without COUNT).
+//! The `memory-hotplug [noeject] [blk] [COUNT]` workload: uses RAM the VMM hot-plugs
+//! (vm.resize desired_ram), gives it back when asked, and exits 0 once COUNT slots were
+//! added (forever without COUNT).
 //!
 //! It reads gpuvm's ACPI memory hot-plug registers the way the DSDT's AML does (MSCN selects
 //! each slot and reads its flags, `_CRS` reads the base and length, `_OST` reports), from
@@ -18,16 +19,22 @@
 //! Before it takes a new slot, it checks that every slot it took before still holds its
 //! pattern (`memory-hotplug: N earlier slot(s) still hold their patterns`): across a
 //! snapshot and restore of the VM, hot-plugged RAM must come back with its contents.
+//!
+//! On a slot's remove request (MRMV, a shrinking vm.resize) it stops using the range (no
+//! longer rechecked), clears the event, reports `_OST` and ejects the slot (MEJ, as `_EJ0`
+//! does): `memory-hotplug: slot N base=0x... ejected`. With `noeject` it ignores remove
+//! requests (`memory-hotplug: slot N remove request ignored`, once per request), for the
+//! host's eject timeout.
 
 use crate::arch::{inl, outl};
+use crate::args::Words;
 use crate::boot::MAPPED_LIMIT;
 use crate::bootinfo::BootInfo;
 use crate::console::exit;
-use crate::args::Words;
 use crate::pattern::{fill, pattern, verify, zero, Mismatch};
+use crate::println;
 use crate::virtio::transport::{VirtioPci, TYPE_BLOCK};
 use crate::virtio::{DiskIo, Dma};
-use crate::println;
 
 /// gpuvm_devices::memory_hotplug's register block.
 const PORT: u16 = 0xaf10;
@@ -42,9 +49,13 @@ const FLAGS: u16 = PORT + 0x14;
 const MSLT: u16 = PORT + 0x1c;
 const MEN: u32 = 1 << 0;
 const MINS: u32 = 1 << 1;
+const MRMV: u32 = 1 << 2;
+const MEJ: u32 = 1 << 3;
 /// _OST: insertion processing (ACPI "device check" event), status success.
 const OST_INSERT: u32 = 1;
 const OST_SUCCESS: u32 = 0;
+/// _OST: ejection processing (ACPI "eject request" event).
+const OST_EJECT: u32 = 3;
 const BLOCK: u64 = 128 << 20;
 const EXIT_FAIL: u32 = 1;
 const EXIT_USAGE: u32 = 2;
@@ -194,8 +205,24 @@ fn recheck(taken: &[(u32, u64, u64)], skip: u64) {
     );
 }
 
+/// Gives slot `slot` back: the remove event cleared (as MSCN does), `_OST`, then `_EJ0`.
+fn eject(slot: u32) {
+    let base = read_base(slot);
+    outl(MSEL, slot);
+    outl(FLAGS, MRMV);
+    outl(MOEV, OST_EJECT);
+    outl(MOSC, OST_SUCCESS);
+    outl(MSEL, slot);
+    outl(FLAGS, MEJ);
+    println!("memory-hotplug: slot {slot} base={base:#x} ejected");
+}
+
 pub fn run(info: &BootInfo, mut words: Words) -> ! {
     let mut count = words.next_word();
+    let ejects = count != Some("noeject");
+    if !ejects {
+        count = words.next_word();
+    }
     let with_disk = count == Some("blk");
     if with_disk {
         count = words.next_word();
@@ -213,7 +240,7 @@ pub fn run(info: &BootInfo, mut words: Words) -> ! {
         None => None,
         Some(Some(n)) => Some(n),
         Some(None) => {
-            println!("testguest: usage: memory-hotplug [blk] [COUNT]");
+            println!("testguest: usage: memory-hotplug [noeject] [blk] [COUNT]");
             exit(EXIT_USAGE)
         }
     };
@@ -223,23 +250,47 @@ pub fn run(info: &BootInfo, mut words: Words) -> ! {
     }
     println!("memory-hotplug: waiting, {slots} slot(s)");
     let (mut added, mut bytes) = (0u64, 0u64);
-    // The slots taken so far: (slot, base, size).
+    // The slots held now: (slot, base, size), the first `held` entries.
     let mut taken = [(0u32, 0u64, 0u64); 32];
+    let mut held = 0usize;
+    // Slots whose remove request was ignored already (`noeject`), one bit each.
+    let mut ignored = 0u64;
     loop {
         for slot in 0..slots {
-            if flags_of(slot) & MINS == 0 {
+            let flags = flags_of(slot);
+            if flags & MRMV != 0 {
+                if !ejects {
+                    if slot < 64 && ignored & (1 << slot) == 0 {
+                        ignored |= 1 << slot;
+                        println!("memory-hotplug: slot {slot} remove request ignored");
+                    }
+                    continue;
+                }
+                // Stop using the range first, then give it back.
+                if let Some(at) = taken[..held].iter().position(|t| t.0 == slot) {
+                    taken.copy_within(at + 1..held, at);
+                    held -= 1;
+                }
+                eject(slot);
+                continue;
+            }
+            if slot < 64 {
+                ignored &= !(1 << slot);
+            }
+            if flags & MINS == 0 {
                 continue;
             }
             // What `disk_round_trip` overwrote at the start of each range is not the memtest's.
             let skip = if disk.is_some() { 2 * BLK_BYTES } else { 0 };
-            recheck(&taken[..(added as usize).min(taken.len())], skip);
+            recheck(&taken[..held], skip);
             // Taken: clear the event first, as MSCN does.
             outl(FLAGS, MINS);
             let base = read_base(slot);
             let size = take(info, slot);
             bytes += size;
-            if let Some(entry) = taken.get_mut(added as usize) {
+            if let Some(entry) = taken.get_mut(held) {
                 *entry = (slot, base, size);
+                held += 1;
             }
             if let Some(disk) = disk.as_mut() {
                 disk_round_trip(disk, slot, base);

@@ -1,12 +1,15 @@
 //! Cloud Hypervisor's vm.resize ([`VmmAction::Resize`]): the vCPU count changes by ACPI
 //! hot-plug between 1 and the machine's `max_vcpus` (before start, the count to boot
 //! with); guest RAM grows by ACPI memory hot-plug, in whole memory blocks, up to boot RAM
-//! plus `memory.hotplug_size` (before start, `desired_ram` is the RAM to boot with).
+//! plus `memory.hotplug_size`, and shrinks by removing whole hot-plugged slots, newest
+//! first: the answer waits for the guest's eject (an error after the memory eject timeout,
+//! the VM keeping its RAM), as DELETE /gpus/{id} waits for a device's (before start,
+//! `desired_ram` is the RAM to boot with).
 //!
 //! [`VmmAction::Resize`]: crate::action::VmmAction::Resize
 
 use crate::action::{ActionError, ActionResult, VmmData};
-use crate::machine::{MemoryResizeError, RunningMachine};
+use crate::machine::{MemoryResizeError, RamResize, RunningMachine};
 
 use super::ApiController;
 
@@ -109,19 +112,19 @@ pub(super) fn resize_before_resume(
 }
 
 /// The running VM: vCPUs are added (and the guest told) or the guest is asked to eject
-/// the highest ones; RAM is hot-plugged (and the guest told). Both are checked before
-/// either changes.
+/// the highest ones; RAM is hot-plugged (and the guest told), or the newest slots are
+/// removed once the guest ejected them. Both are checked before either changes.
 pub(super) fn resize_running(
     running: &mut RunningMachine<'_>,
     desired_vcpus: Option<u8>,
     desired_ram: Option<u64>,
 ) -> ActionResult {
-    let ram_growth = match desired_ram {
+    let ram_change = match desired_ram {
         Some(ram) => running
             .machine()
             .check_ram_resize(ram)
             .map_err(|error| ram_error(ram, error))?,
-        None => 0,
+        None => RamResize::Unchanged,
     };
     if let Some(vcpus) = desired_vcpus {
         check_vcpus(vcpus, running.machine().max_vcpus())?;
@@ -129,8 +132,8 @@ pub(super) fn resize_running(
     let vcpus_change = desired_vcpus.filter(|&vcpus| vcpus != running.machine().vcpu_count());
     // A snapshot through the guest's agent is several steps (release, snapshot, give
     // back): the vCPUs and RAM it saw stay until it is done.
-    if !running.devices_mut().released_gpus.is_empty() && (vcpus_change.is_some() || ram_growth > 0)
-    {
+    let ram_change = ram_change != RamResize::Unchanged;
+    if !running.devices_mut().released_gpus.is_empty() && (vcpus_change.is_some() || ram_change) {
         return Err(ActionError::wrong_state(
             "a snapshot that released GPUs is under way (they are not given back yet): resize once it is done",
         ));
@@ -141,7 +144,7 @@ pub(super) fn resize_running(
             message: format!("cannot resize the VM to {vcpus} vCPU(s): {error}"),
         })?;
     }
-    if let Some(ram) = desired_ram.filter(|_| ram_growth > 0) {
+    if let Some(ram) = desired_ram.filter(|_| ram_change) {
         running
             .resize_ram(ram)
             .map_err(|error| ram_error(ram, error))?;

@@ -12,15 +12,27 @@
 //! range), a KVM memory slot, the DMA mapping for every passthrough device (synchronously:
 //! a device must never be able to DMA into RAM the guest was told about but the IOMMU
 //! does not map), and only
-//! then the guest is told (the block's insert event and the GED interrupt). Shrinking is
-//! refused: it needs the guest to offline and eject a slot first.
+//! then the guest is told (the block's insert event and the GED interrupt).
+//!
+//! Shrinking removes whole slots, newest first, down to exactly `desired_ram` (any other
+//! size is refused with the sizes it could be): the guest is asked to eject each (the
+//! block's remove event and the GED interrupt; Linux offlines the range and runs `_EJ0`)
+//! and the resize answers once it did, or with an error after [`memory_eject_timeout`]
+//! (the request is withdrawn and the RAM stays the guest's). Once ejected, on the VMM
+//! thread: the KVM memory slot goes, then the host pages (a hole punched in the file's
+//! range), then the slot is free for a later grow. Passthrough devices would have to lose
+//! their DMA mapping of the range first, which gpuvm's DMA mappers cannot do yet
+//! (`DmaMapper` has no unmap): a shrink is refused while one is attached, and RAM a guest
+//! ejects on its own then stays allocated (a device must never reach freed RAM).
 //!
 //! What the area's early mapping costs: a guest that points a virtio buffer into a part
 //! of the area it was not given gets zeroes and, for writes, makes the host allocate
 //! those pages: at most the hot-plug size the VM was allowed, its own memory, never
 //! another VM's, and never reachable by a passthrough device (no IOMMU mapping).
 
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use gpuvm_devices::memory_hotplug::{MemoryHotplug, MEMORY_BLOCK_SIZE, MEMORY_HOTPLUG_SLOTS};
 use gpuvm_memory::{ByteSize, GuestRam, RamError};
@@ -38,6 +50,22 @@ pub(crate) const FIRST_HOTPLUG_RAM_SLOT: u32 = 2;
 const BAR_SLOTS_START: u32 = 16;
 const _: () = assert!(FIRST_HOTPLUG_RAM_SLOT + MEMORY_HOTPLUG_SLOTS as u32 <= BAR_SLOTS_START);
 
+/// How long a vm.resize that shrinks RAM waits for the guest's eject, unless
+/// [`MEMORY_EJECT_TIMEOUT_VAR`] says otherwise (as DELETE /gpus/{id} does).
+pub const MEMORY_EJECT_TIMEOUT: Duration = Duration::from_secs(30);
+/// `GPUVM_MEMORY_EJECT_TIMEOUT_MS=<ms>`: the memory eject timeout.
+pub const MEMORY_EJECT_TIMEOUT_VAR: &str = "GPUVM_MEMORY_EJECT_TIMEOUT_MS";
+/// How often the VMM thread looks for the guest's eject while a shrink waits.
+const EJECT_POLL: Duration = Duration::from_millis(5);
+
+/// The memory eject timeout in effect.
+pub fn memory_eject_timeout() -> Duration {
+    std::env::var(MEMORY_EJECT_TIMEOUT_VAR)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map_or(MEMORY_EJECT_TIMEOUT, Duration::from_millis)
+}
+
 /// The machine's memory hot-plug: the room for it, the register block and the RAM added.
 pub(crate) struct RamHotplug {
     /// The room kept for hot-plugged RAM, mapped whole (see the module's comment).
@@ -47,9 +75,17 @@ pub(crate) struct RamHotplug {
     block: Arc<Mutex<MemoryHotplug>>,
     /// The RAM of each filled slot: a view of its range of `area`.
     added: Vec<AddedRam>,
+    /// Bumped whenever a slot is filled or freed: the memory file's layout changed.
+    layout: u64,
+    /// `layout` when the last memory file of the snapshot chain was written (or restored
+    /// from): a diff on that chain needs the same slots, registered since then (their
+    /// dirty log started with them).
+    chain_layout: Option<u64>,
 }
 
 struct AddedRam {
+    /// Its slot of the register block.
+    slot: u8,
     ram: GuestRam,
 }
 
@@ -62,7 +98,14 @@ impl RamHotplug {
             hotplug_size,
             block,
             added: Vec::new(),
+            layout: 0,
+            chain_layout: None,
         }
+    }
+
+    /// The memory chain was just written (or restored from) with the slots as they are.
+    pub(crate) fn note_chain_layout(&mut self) {
+        self.chain_layout = Some(self.layout);
     }
 
     /// Bytes of RAM added so far.
@@ -96,16 +139,44 @@ impl RamHotplug {
 pub enum MemoryResizeError {
     #[error(
         "this VM has no memory hot-plug (create it with memory.hotplug_size, or \
-         --memory-hotplug-size): it keeps its {} of RAM", ByteSize(*.current)
+         --memory hotplug_size=...): it keeps its {} of RAM", ByteSize(*.current)
     )]
     NoHotplug { current: u64 },
     #[error("desired_ram = 0: a VM needs RAM")]
     Zero,
     #[error(
-        "desired_ram = {desired} is below the VM's {current} bytes: gpuvm cannot take \
-         hot-plugged RAM back yet (the guest would have to offline and eject it first)"
+        "desired_ram = {desired} is below the VM's {} of boot RAM: only hot-plugged RAM \
+         can be removed", ByteSize(*.boot)
     )]
-    Shrink { desired: u64, current: u64 },
+    BelowBoot { desired: u64, boot: u64 },
+    #[error(
+        "desired_ram = {desired} is not boot RAM plus whole hot-plugged slots (RAM is \
+         removed a slot at a time, newest first): it can shrink to {}",
+        sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+    )]
+    NotSlotBoundary { desired: u64, sizes: Vec<u64> },
+    #[error("the VM is paused: resume it first (the guest has to eject the RAM)")]
+    Paused,
+    #[error(
+        "passthrough device(s) {0} are attached: gpuvm cannot take DMA mappings of guest \
+         RAM back yet, so RAM cannot be removed while a device may reach it"
+    )]
+    Passthrough(String),
+    #[error("the lazy restore has not loaded guest RAM yet: remove RAM once it is done")]
+    LazyLoading,
+    #[error("the guest is still asked to eject hot-plugged RAM: resize once that is done")]
+    RemovalPending,
+    #[error(
+        "the guest did not eject slot(s) {slots:?} within {} ms; the request is withdrawn \
+         and the VM keeps its {current} bytes (a Linux guest needs the range offlinable: \
+         memhp_default_state=online_movable)",
+        timeout.as_millis()
+    )]
+    EjectTimeout {
+        slots: Vec<u8>,
+        timeout: Duration,
+        current: u64,
+    },
     #[error(
         "desired_ram = {desired} grows RAM by {grow} bytes, which is not a multiple of \
          {} (the memory block size hot-plugged RAM comes in{})",
@@ -150,11 +221,17 @@ impl MemoryResizeError {
         match self {
             MemoryResizeError::NoHotplug { .. }
             | MemoryResizeError::Zero
-            | MemoryResizeError::Shrink { .. }
+            | MemoryResizeError::BelowBoot { .. }
+            | MemoryResizeError::NotSlotBoundary { .. }
             | MemoryResizeError::NotBlockMultiple { .. }
             | MemoryResizeError::AboveHotplugSize { .. }
             | MemoryResizeError::NoSlot
             | MemoryResizeError::NoRoom(_) => 400,
+            MemoryResizeError::Paused
+            | MemoryResizeError::Passthrough(_)
+            | MemoryResizeError::LazyLoading
+            | MemoryResizeError::RemovalPending => 409,
+            MemoryResizeError::EjectTimeout { .. } => 504,
             MemoryResizeError::Ram(_)
             | MemoryResizeError::Kvm(_)
             | MemoryResizeError::Dma { .. } => 500,
@@ -162,9 +239,61 @@ impl MemoryResizeError {
     }
 }
 
+/// What a resize of guest RAM does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RamResize {
+    Unchanged,
+    /// Bytes to add, in one new slot.
+    Grow(u64),
+    /// How many of the plugged slots to remove, newest first.
+    Shrink(usize),
+}
+
+/// What a resize to `desired` bytes does, for boot RAM `boot` and the slots `plugged`
+/// (their sizes, oldest first); see [`check_growth`] for growth. A shrink removes whole
+/// slots, newest first, and must land on `desired` exactly.
+pub fn plan_ram_resize(
+    desired: u64,
+    boot: u64,
+    plugged: &[u64],
+    hotplug_size: Option<u64>,
+    granule: u64,
+) -> Result<RamResize, MemoryResizeError> {
+    let current = boot + plugged.iter().sum::<u64>();
+    if desired == 0 {
+        return Err(MemoryResizeError::Zero);
+    }
+    if desired >= current {
+        let grow = check_growth(desired, current, boot, hotplug_size, granule)?;
+        return Ok(if grow == 0 {
+            RamResize::Unchanged
+        } else {
+            RamResize::Grow(grow)
+        });
+    }
+    if hotplug_size.is_none() {
+        return Err(MemoryResizeError::NoHotplug { current });
+    }
+    if desired < boot {
+        return Err(MemoryResizeError::BelowBoot { desired, boot });
+    }
+    // The sizes reachable by removing the newest slots, largest first.
+    let mut sizes = Vec::with_capacity(plugged.len());
+    let mut size = current;
+    for &slot_size in plugged.iter().rev() {
+        size -= slot_size;
+        sizes.push(size);
+        if size == desired {
+            return Ok(RamResize::Shrink(sizes.len()));
+        }
+    }
+    Err(MemoryResizeError::NotSlotBoundary { desired, sizes })
+}
+
 /// What a resize from `current` bytes (boot RAM `boot` plus hot-plugged) to `desired` adds,
-/// checked against the hot-plug size; `granule` is what RAM grows in. Ok(0) for no change.
-pub fn check_growth(
+/// checked against the hot-plug size; `granule` is what RAM grows in. Ok(0) for no change
+/// (and for a `desired` below `current`: shrinks are [`plan_ram_resize`]'s).
+fn check_growth(
     desired: u64,
     current: u64,
     boot: u64,
@@ -180,8 +309,8 @@ pub fn check_growth(
     let Some(hotplug_size) = hotplug_size else {
         return Err(MemoryResizeError::NoHotplug { current });
     };
-    if desired < current {
-        return Err(MemoryResizeError::Shrink { desired, current });
+    if desired <= current {
+        return Ok(0);
     }
     let grow = desired - current;
     if !grow.is_multiple_of(granule) {
@@ -219,11 +348,32 @@ impl Machine {
             .map(|hotplug| hotplug.hotplug_size)
     }
 
-    /// Whether RAM was hot-plugged (its snapshots are full memory files).
-    pub fn has_hotplugged_ram(&self) -> bool {
+    /// Whether hot-plugged RAM is laid out as when the memory chain's last file was
+    /// written: no slot filled or freed since (else a diff cannot build on that file).
+    pub fn hotplug_layout_is_the_chains(&self) -> bool {
         self.ram_hotplug
             .as_ref()
-            .is_some_and(|hotplug| !hotplug.added.is_empty())
+            .is_none_or(|hotplug| hotplug.chain_layout == Some(hotplug.layout))
+    }
+
+    /// The KVM memory slot and size of each plugged range, in the memory file's order (for
+    /// the dirty log, after boot RAM's slots).
+    pub(crate) fn hotplug_kvm_slots(&self) -> Vec<(u32, u64)> {
+        let Some(hotplug) = &self.ram_hotplug else {
+            return Vec::new();
+        };
+        let mut slots: Vec<(u32, u64)> = hotplug
+            .added
+            .iter()
+            .map(|added| {
+                (
+                    FIRST_HOTPLUG_RAM_SLOT + u32::from(added.slot),
+                    added.ram.size(),
+                )
+            })
+            .collect();
+        slots.sort_unstable();
+        slots
     }
 
     /// What hot-plugged RAM grows in: the memory block size, or the huge page if larger.
@@ -231,26 +381,55 @@ impl Machine {
         MEMORY_BLOCK_SIZE.max(self.ram.page_size())
     }
 
-    /// Checks a resize of guest RAM to `desired` bytes; Ok(bytes to add).
-    pub fn check_ram_resize(&self, desired: u64) -> Result<u64, MemoryResizeError> {
-        check_growth(
+    /// Checks a resize of guest RAM to `desired` bytes: what it would do.
+    pub fn check_ram_resize(&self, desired: u64) -> Result<RamResize, MemoryResizeError> {
+        let plugged: Vec<u64> = self
+            .ram_hotplug
+            .iter()
+            .flat_map(|hotplug| hotplug.added.iter().map(|added| added.ram.size()))
+            .collect();
+        plan_ram_resize(
             desired,
-            self.ram_size(),
             self.config.memory_size,
+            &plugged,
             self.ram_hotplug_size(),
             self.ram_granule(),
         )
     }
+
+    /// The passthrough devices that map guest RAM for DMA, by name ("" if none).
+    fn dma_mapper_names(&self) -> String {
+        let hot = self
+            .devices
+            .pci_hotplug
+            .iter()
+            .flat_map(|hotplug| hotplug.dma_mappings());
+        self.devices
+            .dma_mappings
+            .iter()
+            .chain(hot)
+            .map(|mapping| mapping.mapper().name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl RunningMachine<'_> {
-    /// Grows guest RAM to `desired` bytes: a new RAM range in a free slot, mapped for KVM
-    /// and every passthrough device, then the guest is told. Nothing changes on error.
+    /// Brings guest RAM to `desired` bytes: grows it ([`Self::grow_ram`]) or removes
+    /// whole slots ([`Self::shrink_ram`]). Slots the guest ejected on its own before are
+    /// freed first.
     pub fn resize_ram(&mut self, desired: u64) -> Result<(), MemoryResizeError> {
-        let grow = self.machine.check_ram_resize(desired)?;
-        if grow == 0 {
-            return Ok(());
+        self.free_ejected_ram()?;
+        match self.machine.check_ram_resize(desired)? {
+            RamResize::Unchanged => Ok(()),
+            RamResize::Grow(grow) => self.grow_ram(grow),
+            RamResize::Shrink(count) => self.shrink_ram(count),
         }
+    }
+
+    /// Adds `grow` bytes of RAM: a new RAM range in a free slot, mapped for KVM and every
+    /// passthrough device, then the guest is told. Nothing changes on error.
+    fn grow_ram(&mut self, grow: u64) -> Result<(), MemoryResizeError> {
         let granule = self.machine.ram_granule();
         let dirty_log = self.machine.config.track_dirty_pages;
         let Some(hotplug) = self.machine.ram_hotplug.as_mut() else {
@@ -258,6 +437,9 @@ impl RunningMachine<'_> {
                 current: self.machine.config.memory_size,
             });
         };
+        if lock(&hotplug.block).removal_pending() {
+            return Err(MemoryResizeError::RemovalPending);
+        }
         let slot = lock(&hotplug.block)
             .free_slot()
             .ok_or(MemoryResizeError::NoSlot)?;
@@ -276,7 +458,8 @@ impl RunningMachine<'_> {
             if let Err(undo) = unsafe { self.machine.vm.set_user_memory_region(removed) } {
                 log::error!("cannot remove KVM memory slot {kvm_slot} again: {undo}");
                 // Keep the RAM: KVM may still map it.
-                hotplug.added.push(AddedRam { ram });
+                hotplug.added.push(AddedRam { slot, ram });
+                hotplug.layout += 1;
             }
             return Err(error);
         }
@@ -284,7 +467,8 @@ impl RunningMachine<'_> {
             pci_hotplug.add_ram(&ram);
         }
         lock(&hotplug.block).insert(slot, base, grow);
-        hotplug.added.push(AddedRam { ram });
+        hotplug.added.push(AddedRam { slot, ram });
+        hotplug.layout += 1;
         log::info!(
             "{} of RAM hot-plugged at {base:#x} (slot {slot}, KVM slot {kvm_slot}); the guest has {}",
             ByteSize(grow),
@@ -292,6 +476,164 @@ impl RunningMachine<'_> {
         );
         Ok(())
     }
+}
+
+impl RunningMachine<'_> {
+    /// Removes the newest `count` slots: the guest is asked to eject them, and this waits
+    /// (on the VMM thread, at most [`memory_eject_timeout`]) until it did, then frees
+    /// their RAM. On timeout the requests still open are withdrawn and the RAM stays.
+    fn shrink_ram(&mut self, count: usize) -> Result<(), MemoryResizeError> {
+        if self.machine.paused {
+            return Err(MemoryResizeError::Paused);
+        }
+        let devices = self.machine.dma_mapper_names();
+        if !devices.is_empty() {
+            return Err(MemoryResizeError::Passthrough(devices));
+        }
+        if !self.machine.lazy_progress().unwrap_or(false) {
+            return Err(MemoryResizeError::LazyLoading);
+        }
+        let current = self.machine.ram_size();
+        let Some(hotplug) = self.machine.ram_hotplug.as_ref() else {
+            return Err(MemoryResizeError::NoHotplug { current });
+        };
+        let block = hotplug.block.clone();
+        if lock(&block).removal_pending() {
+            return Err(MemoryResizeError::RemovalPending);
+        }
+        let slots: Vec<u8> = hotplug
+            .added
+            .iter()
+            .rev()
+            .take(count)
+            .map(|added| added.slot)
+            .collect();
+        for &slot in &slots {
+            if lock(&block).request_remove(slot) {
+                log::info!("the guest is asked to eject hot-plugged RAM slot {slot}");
+            }
+        }
+        let timeout = memory_eject_timeout();
+        let deadline = Instant::now() + timeout;
+        loop {
+            let waiting: Vec<u8> = {
+                let block = lock(&block);
+                slots
+                    .iter()
+                    .copied()
+                    .filter(|&slot| !block.is_ejected(slot))
+                    .collect()
+            };
+            if waiting.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                for &slot in &waiting {
+                    lock(&block).cancel_remove(slot);
+                }
+                // What the guest did eject is its no more.
+                self.free_ejected_ram()?;
+                return Err(MemoryResizeError::EjectTimeout {
+                    slots: waiting,
+                    timeout,
+                    current: self.machine.ram_size(),
+                });
+            }
+            std::thread::sleep(EJECT_POLL);
+        }
+        self.free_ejected_ram()?;
+        log::info!(
+            "hot-plugged RAM removed; the guest has {}",
+            ByteSize(self.machine.ram_size())
+        );
+        Ok(())
+    }
+
+    /// Frees the RAM of every slot the guest ejected: its KVM memory slot goes, then its
+    /// host pages, then the slot is free again. Passthrough devices would have to lose
+    /// their DMA mapping of it first, which gpuvm cannot do yet: with one attached the
+    /// RAM stays allocated (and counted) so that no device can reach freed memory.
+    fn free_ejected_ram(&mut self) -> Result<(), MemoryResizeError> {
+        let devices = self.machine.dma_mapper_names();
+        let Some(hotplug) = self.machine.ram_hotplug.as_mut() else {
+            return Ok(());
+        };
+        let ejected = lock(&hotplug.block).ejected_slots();
+        if ejected.is_empty() {
+            return Ok(());
+        }
+        if !devices.is_empty() {
+            log::warn!(
+                "the guest ejected hot-plugged RAM slot(s) {ejected:?}; kept allocated while passthrough device(s) {devices} may DMA to it"
+            );
+            return Ok(());
+        }
+        for slot in ejected {
+            let Some(at) = hotplug.added.iter().position(|added| added.slot == slot) else {
+                lock(&hotplug.block).release_ejected(slot);
+                continue;
+            };
+            let ram = &hotplug.added[at].ram;
+            let (range, host) = ram
+                .host_regions()
+                .next()
+                .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
+            let removed = kvm_userspace_memory_region {
+                slot: FIRST_HOTPLUG_RAM_SLOT + u32::from(slot),
+                guest_phys_addr: range.guest_addr,
+                memory_size: 0,
+                userspace_addr: host as u64,
+                flags: 0,
+            };
+            // SAFETY: deleting the slot registered for this range; its memory stays mapped
+            // (the view is dropped only below, after KVM let go of it).
+            unsafe { self.machine.vm.set_user_memory_region(removed) }
+                .map_err(MemoryResizeError::Kvm)?;
+            if let Err(error) = punch_hole(ram) {
+                // The guest cannot reach the range any more; only the host memory stays.
+                log::warn!(
+                    "hot-plugged RAM at {:#x}: cannot free its host pages: {error}",
+                    range.guest_addr
+                );
+            }
+            hotplug.added.remove(at);
+            hotplug.layout += 1;
+            lock(&hotplug.block).release_ejected(slot);
+            log::info!(
+                "hot-plugged RAM slot {slot} ejected by the guest: {} at {:#x} freed",
+                ByteSize(range.size),
+                range.guest_addr
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Gives `ram`'s pages back to the host: a hole punched in its range of guest RAM's file
+/// (memfd, tmpfs or hugetlbfs alike; the range is whole pages of the backing), which also
+/// drops them from every mapping of the file.
+fn punch_hole(ram: &GuestRam) -> std::io::Result<()> {
+    for region in ram.regions() {
+        let offset = libc::off_t::try_from(region.file_offset)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let len = libc::off_t::try_from(region.size)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: fallocate on a file descriptor `ram` owns; nothing in this process is
+        // referenced as Rust data inside the range (guest RAM is only reached through
+        // volatile accesses), and neither KVM nor any device maps it any more.
+        let result = unsafe {
+            libc::fallocate(
+                ram.memfd().as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            )
+        };
+        if result != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// Registers `ram` (a view of the hot-plug area in hot-plug slot `slot`) as its KVM memory
@@ -348,7 +690,7 @@ impl RamHotplug {
                 .ok_or(MemoryResizeError::NoSlot)?;
             let ram = hotplug.area.view(held.base, held.size)?;
             register_slot(vm, slot, &ram, dirty_log)?;
-            hotplug.added.push(AddedRam { ram });
+            hotplug.added.push(AddedRam { slot, ram });
         }
         if hotplug.added_bytes() > hotplug.hotplug_size {
             return Err(MemoryResizeError::AboveHotplugSize {
@@ -360,9 +702,13 @@ impl RamHotplug {
         Ok(hotplug)
     }
 
-    /// The RAM plugged so far, one view per slot.
+    /// The RAM plugged so far, one view per slot, in slot order: the order of the memory
+    /// file, which a restore (that knows slots, not the order they were plugged in) reads
+    /// back the same way.
     pub(crate) fn plugged(&self) -> impl Iterator<Item = &GuestRam> {
-        self.added.iter().map(|added| &added.ram)
+        let mut by_slot: Vec<&AddedRam> = self.added.iter().collect();
+        by_slot.sort_unstable_by_key(|added| added.slot);
+        by_slot.into_iter().map(|added| &added.ram)
     }
 }
 
@@ -455,10 +801,6 @@ mod tests {
             check_growth(boot + 2 * GIB, boot, boot, Some(GIB), block),
             Err(MemoryResizeError::AboveHotplugSize { .. })
         ));
-        assert!(matches!(
-            check_growth(boot - block, boot, boot, Some(GIB), block),
-            Err(MemoryResizeError::Shrink { .. })
-        ));
         // Counted from boot RAM: what was added already uses up the hot-plug size.
         let now = boot + 768 * MIB;
         assert_eq!(
@@ -477,6 +819,71 @@ mod tests {
         ] {
             assert_eq!(error.status(), 400);
         }
+    }
+
+    #[test]
+    fn shrinking_removes_the_newest_slots_down_to_the_size_asked() {
+        let block = MEMORY_BLOCK_SIZE;
+        let boot = 256 * MIB;
+        let plugged = [256 * MIB, 128 * MIB, 512 * MIB];
+        let now = boot + 896 * MIB;
+        let plan = |desired| plan_ram_resize(desired, boot, &plugged, Some(2 * GIB), block);
+        assert_eq!(plan(now).unwrap(), RamResize::Unchanged);
+        assert_eq!(plan(now + block).unwrap(), RamResize::Grow(block));
+        assert_eq!(plan(now - 512 * MIB).unwrap(), RamResize::Shrink(1));
+        assert_eq!(plan(boot + 256 * MIB).unwrap(), RamResize::Shrink(2));
+        assert_eq!(plan(boot).unwrap(), RamResize::Shrink(3));
+        // Inside the newest slot, or between slots: refused, naming what is possible.
+        match plan(now - block) {
+            Err(error @ MemoryResizeError::NotSlotBoundary { .. }) => {
+                assert_eq!(error.status(), 400);
+                let says = error.to_string();
+                let sizes = format!("{}, {}, {}", boot + 384 * MIB, boot + 256 * MIB, boot);
+                assert!(says.ends_with(&sizes), "{says}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            plan(boot - block),
+            Err(MemoryResizeError::BelowBoot { .. })
+        ));
+        assert!(matches!(plan(0), Err(MemoryResizeError::Zero)));
+        // Without memory hot-plug nothing is removed either.
+        assert!(matches!(
+            plan_ram_resize(boot - block, boot, &[], None, block),
+            Err(MemoryResizeError::NoHotplug { .. })
+        ));
+        // Nothing plugged: boot RAM is all there is.
+        assert!(matches!(
+            plan_ram_resize(boot - block, boot, &[], Some(GIB), block),
+            Err(MemoryResizeError::BelowBoot { .. })
+        ));
+    }
+
+    #[test]
+    fn a_punched_hole_gives_the_pages_back() {
+        let ram = GuestRam::create(
+            &GuestRamConfig::new(4 * MIB),
+            &[gpuvm_memory::RamRegion {
+                guest_addr: 0,
+                size: 4 * MIB,
+                file_offset: 0,
+            }],
+        )
+        .unwrap();
+        let view = ram.view(MIB, 2 * MIB).unwrap();
+        let host = view.host_address(0).unwrap();
+        // SAFETY: the view maps 2 MiB at `host`, used by nothing else in this test.
+        unsafe { std::ptr::write_bytes(host, 0x5a, (2 * MIB) as usize) };
+        let allocated = |ram: &GuestRam| {
+            use std::os::unix::fs::MetadataExt;
+            ram.memfd().metadata().unwrap().blocks() * 512
+        };
+        assert!(allocated(&ram) >= 2 * MIB);
+        punch_hole(&view).unwrap();
+        assert!(allocated(&ram) < MIB, "{}", allocated(&ram));
+        // SAFETY: as above; the range reads as fresh pages now.
+        assert_eq!(unsafe { std::ptr::read_volatile(host) }, 0);
     }
 
     #[test]
@@ -502,7 +909,7 @@ mod tests {
         );
         let ram = hotplug.area.view(4 * GIB, 256 * MIB).unwrap();
         assert_eq!(ram.regions()[0].file_offset, 64 * MIB);
-        hotplug.added.push(AddedRam { ram });
+        hotplug.added.push(AddedRam { slot: 0, ram });
         assert_eq!(hotplug.added_bytes(), 256 * MIB);
         assert_eq!(
             hotplug.place(128 * MIB, MEMORY_BLOCK_SIZE),

@@ -29,7 +29,7 @@ pub use self::cpu_hotplug::CpuResizeError;
 use self::events::{install_snapshot_signal, ControlEvents, StdinInput, SNAPSHOT_SIGNAL_FD};
 use self::lazy::LAZY_CHECK_INTERVAL;
 pub(crate) use self::memory_hotplug::RamHotplug;
-pub use self::memory_hotplug::{check_growth, MemoryResizeError};
+pub use self::memory_hotplug::{plan_ram_resize, MemoryResizeError, RamResize};
 pub use self::report::MemoryReport;
 use crate::config::MachineConfig;
 use crate::devices::MachineDevices;
@@ -285,6 +285,9 @@ impl Machine {
     /// snapshot into the same directory builds on it.
     pub(crate) fn set_memory_chain(&mut self, chain: MemoryChain) {
         self.memory_chain = Some(chain);
+        if let Some(hotplug) = self.ram_hotplug.as_mut() {
+            hotplug.note_chain_layout();
+        }
     }
 
     /// Snapshots taken during the run.

@@ -258,9 +258,11 @@ impl Machine {
                 let dirty = self.dirty_bitmaps()?;
                 // KVM's dirty log sees only what vCPUs write: virtio devices write guest
                 // memory from gpuvm's threads, so a VM with them always gets a full file;
-                // so does a VM with hot-plugged RAM (its slots are not in the dirty log
-                // walk, and its layout is not the chain's).
-                let chain = if full || !self.devices.virtio.is_empty() || self.has_hotplugged_ram()
+                // so does one whose hot-plugged RAM changed since the chain's last file
+                // (its layout is not the chain's).
+                let chain = if full
+                    || !self.devices.virtio.is_empty()
+                    || !self.hotplug_layout_is_the_chains()
                 {
                     None
                 } else {
@@ -402,15 +404,22 @@ impl Machine {
             files,
             last: stats.info.clone(),
         });
+        if let Some(hotplug) = self.ram_hotplug.as_mut() {
+            hotplug.note_chain_layout();
+        }
         Ok((memory_file, stats, memory_time))
     }
 
     /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset),
-    /// with the pages of snapshots that failed since the last one that did not.
+    /// with the pages of snapshots that failed since the last one that did not: boot
+    /// RAM's slots, then the hot-plugged ones (the memory file's order).
     fn take_dirty_bitmaps(&mut self) -> Result<Vec<Vec<u64>>, Error> {
         let mut bitmaps = self.unsaved_dirty.take().unwrap_or_default();
-        for (slot, region) in self.ram.regions().iter().enumerate() {
-            let fresh = match self.vm.get_dirty_log(slot as u32, region.size as usize) {
+        let boot = self.ram.regions().iter().enumerate();
+        let mut slots: Vec<(u32, u64)> = boot.map(|(slot, r)| (slot as u32, r.size)).collect();
+        slots.extend(self.hotplug_kvm_slots());
+        for (index, (slot, size)) in slots.into_iter().enumerate() {
+            let fresh = match self.vm.get_dirty_log(slot, size as usize) {
                 Ok(fresh) => fresh,
                 Err(source) => {
                     // What was read so far is cleared in KVM: keep it for the next try.
@@ -421,7 +430,7 @@ impl Machine {
                     }));
                 }
             };
-            match bitmaps.get_mut(slot) {
+            match bitmaps.get_mut(index) {
                 Some(unsaved) => unsaved
                     .iter_mut()
                     .zip(&fresh)

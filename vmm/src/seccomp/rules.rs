@@ -26,6 +26,9 @@ fn one_of(index: u8, values: &[u32]) -> BuildResult<Vec<SeccompRule>> {
         .collect()
 }
 
+/// The one fallocate mode the VMM thread may use: freeing a range of guest RAM's file.
+const VMM_FALLOCATE_MODE: u32 = (libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE) as u32;
+
 fn allow_all(rules: &mut Rules, syscalls: &[i64]) {
     for nr in syscalls {
         rules.insert(*nr, Vec::new());
@@ -297,6 +300,9 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 ])?],
             );
             allow_all(&mut rules, &[libc::SYS_geteuid]);
+            // Memory hot-plug: the host pages of RAM the guest ejected are given back
+            // (a hole punched in guest RAM's file); no other fallocate mode.
+            rules.insert(libc::SYS_fallocate, one_of(1, &[VMM_FALLOCATE_MODE])?);
             // The GPU agent's connection (gpu_release): read and write timeouts only.
             rules.insert(
                 libc::SYS_setsockopt,
@@ -611,6 +617,39 @@ mod tests {
             (memlock, nofile, set)
         });
         assert_eq!(outcome, (0, -1, -1), "(memlock read, nofile read, set)");
+    }
+
+    #[test]
+    fn the_vmm_filter_punches_holes_but_allocates_nothing() {
+        let file = tempfile_in_memory();
+        let outcome = under_the_vmm_filter(move || {
+            use std::os::fd::AsRawFd;
+            let fd = file.as_raw_fd();
+            // SAFETY: fallocate on a memfd this closure owns.
+            let punch = unsafe {
+                libc::fallocate(
+                    fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    4096,
+                )
+            };
+            // SAFETY: as above; the filter refuses it before it changes anything.
+            let allocate = unsafe { libc::fallocate(fd, 0, 0, 4096) };
+            (punch, allocate)
+        });
+        assert_eq!(outcome, (0, -1), "(punch hole, allocate)");
+    }
+
+    fn tempfile_in_memory() -> std::fs::File {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a static name; the descriptor is owned by the File.
+        let fd = unsafe { libc::memfd_create(c"seccomp-test".as_ptr(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` was just created and is owned by nobody else.
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.set_len(8192).unwrap();
+        file
     }
 
     #[test]
