@@ -38,6 +38,10 @@ pub struct PassthroughArgs {
     /// switch on the host; the default where a device sits behind a host switch).
     #[arg(long, value_name = "flat|host", value_parser = ["flat", "host"])]
     pub pci_topology: Option<String>,
+    /// Empty PCIe root ports with native hot-plug slots (Kata's `pcie_root_port`): PUT
+    /// /gpus/{id} plugs into a free one instead of bus 0 (at most 8).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub pcie_root_ports: u8,
 }
 
 impl PassthroughArgs {
@@ -50,6 +54,7 @@ impl PassthroughArgs {
                 "flat" => PciTopology::Flat,
                 _ => PciTopology::Host,
             }),
+            pcie_root_ports: self.pcie_root_ports,
             ..PciOptions::default()
         };
         for value in &self.gpus {

@@ -89,6 +89,9 @@ pub struct PciOptions {
     /// None: mirror the host where a device with a known host place sits behind a host
     /// PCIe switch, else bus 0.
     pub pci_topology: Option<PciTopology>,
+    /// Empty PCIe root ports with native hot-plug slots (`--pcie-root-ports`, Kata's
+    /// `pcie_root_port`): PUT /gpus/{id} plugs into a free one (see crate::pci_topology).
+    pub pcie_root_ports: u8,
     /// Guest NUMA nodes (`--numa`); off by default. Here, not in [`MachineConfig`], for
     /// the same reason as `max_vcpus`; see crate::numa.
     pub numa: NumaOptions,

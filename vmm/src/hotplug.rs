@@ -16,6 +16,21 @@
 //!                    mappings go with them) and its MSI routes
 //! ```
 //!
+//! A VM with empty PCIe root ports (`--pcie-root-ports N`, crate::pci_topology) plugs
+//! into them instead, through PCIe native hot-plug (gpuvm_devices::pci::bridge: each
+//! port's slot):
+//!
+//! ```text
+//! PUT /gpus/{id}     as above, but the device goes on a free port's secondary bus with its
+//!                    BARs inside the port's windows; the slot's presence detect is set
+//!                    (changed); the link comes up when the guest powers the slot on.
+//!                    Answers the device's BDF on that bus. No free port left: 409.
+//! DELETE /gpus/{id}  press the slot's attention button; the guest turns the slot's power
+//!                    off when it let the device go (Slot Control, Power Controller
+//!                    Control); the VMM thread then takes the device down as above and
+//!                    clears presence detect. The same eject timeout bounds the wait.
+//! ```
+//!
 //! INTx is not wired for hot-plugged devices (guests use MSI/MSI-X for GPUs).
 //!
 //! A vfio-user device whose process dies while plugged (a crash, `kill -9`) is noticed by
@@ -45,6 +60,7 @@ use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
 use crate::p2p::{PeerBars, PeerDma, PeerId};
 use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
+use crate::pci_topology::{bars_in_port, HotplugPort};
 use crate::virtio::VirtioHandle;
 
 pub(crate) mod migration;
@@ -166,6 +182,11 @@ pub struct PciHotplug {
     peer_ids: BTreeMap<String, PeerId>,
     /// GPUDirect cliques, numbered on from the cold-plugged devices'.
     cliques: gpuvm_vfio::topology::CliqueAssigner,
+    /// Empty root ports with hot-plug slots; when there are any, devices go there.
+    ports: Vec<HotplugPort>,
+    /// The port (index into `ports`) each device plugged into one is in, by id; a device
+    /// not listed is on bus 0, in an ACPI slot.
+    port_of: BTreeMap<String, usize>,
 }
 
 impl PciHotplug {
@@ -206,7 +227,89 @@ impl PciHotplug {
             peers: PeerDma::new(),
             peer_ids: BTreeMap::new(),
             cliques: Default::default(),
+            ports: Vec::new(),
+            port_of: BTreeMap::new(),
         })
+    }
+
+    /// Adds `count` empty root ports (of a VM with `segments` PCI segments; see
+    /// crate::pci_topology::add_hotplug_ports), each with an MSI: devices are hot-plugged
+    /// into them from now on.
+    pub(crate) fn add_root_ports(
+        &mut self,
+        count: u8,
+        segments: u16,
+    ) -> Result<(), crate::pci_topology::PciTopologyError> {
+        self.ports = crate::pci_topology::add_hotplug_ports(
+            &self.root,
+            count,
+            segments,
+            Some(&self.router),
+        )?;
+        Ok(())
+    }
+
+    /// Whether the VM has root ports for hot-plug (a snapshot of it is refused: the
+    /// ports are not rebuilt on restore).
+    pub fn has_root_ports(&self) -> bool {
+        !self.ports.is_empty()
+    }
+
+    /// A free root port (no device of ours in it, no card present), if the VM has ports;
+    /// Ok(None) when it has none (bus 0 then).
+    fn free_port(&self) -> Result<Option<usize>, HotplugError> {
+        if self.ports.is_empty() {
+            return Ok(None);
+        }
+        let taken: Vec<&usize> = self.port_of.values().collect();
+        (0..self.ports.len())
+            .find(|i| !taken.contains(&i) && !lock(&self.ports[*i].bridge).slot_occupied())
+            .map(Some)
+            .ok_or_else(|| {
+                HotplugError::Conflict(format!(
+                    "no free PCIe root port: all {} root ports for hot-plug hold a device \
+                     (DELETE one, or start the VM with more --pcie-root-ports)",
+                    self.ports.len()
+                ))
+            })
+    }
+
+    /// Asks the guest to give up `id`'s device at `bdf`: its root port's attention button
+    /// is pressed, or (bus 0) its ACPI slot's eject is requested.
+    fn ask_eject(&self, id: &str, bdf: PciBdf) {
+        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+            Some(port) => lock(&port.bridge).press_attention_button(),
+            None => lock(&self.controller).request_eject(bdf.device),
+        }
+    }
+
+    /// Whether the guest let `id`'s device at `bdf` go: it turned its root port's slot
+    /// off, or (bus 0) ejected its ACPI slot.
+    fn let_go(&self, id: &str, bdf: PciBdf) -> bool {
+        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+            Some(port) => lock(&port.bridge).take_powered_off(),
+            None => lock(&self.controller).take_ejected(bdf.device),
+        }
+    }
+
+    /// Withdraws the request of [`PciHotplug::ask_eject`].
+    fn withdraw_eject(&self, id: &str, bdf: PciBdf) {
+        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+            Some(port) => lock(&port.bridge).release_attention_button(),
+            None => lock(&self.controller).cancel_eject(bdf.device),
+        }
+    }
+
+    /// Takes the device at `bdf` (in root port `port`, else on bus 0) off its bus.
+    fn off_the_bus(&self, port: Option<usize>, bdf: PciBdf) {
+        match port.and_then(|i| self.ports.get(i)) {
+            Some(port) => {
+                self.root.remove_behind(&[port.slot, bdf.device]);
+            }
+            None => {
+                self.root.remove_device(bdf);
+            }
+        }
     }
 
     /// Takes over the cold-plugged devices' clique numbering.
@@ -245,6 +348,14 @@ impl PciHotplug {
     pub fn save_root(
         &self,
     ) -> Result<gpuvm_devices::pci::PciRootState, gpuvm_devices::pci::PciError> {
+        if self.has_root_ports() {
+            // A restore rebuilds the bus from the snapshot's devices, and the empty root
+            // ports (their slots' state, the devices behind them) are not among them yet.
+            return Err(gpuvm_devices::pci::PciError::NotSaved(
+                "snapshots of a VM with PCIe root ports for hot-plug (--pcie-root-ports) are \
+                 not supported yet",
+            ));
+        }
         self.root.save()
     }
 
@@ -272,6 +383,13 @@ impl PciHotplug {
         match wake.try_clone() {
             Ok(copy) => lock(&self.controller).set_wake(copy),
             Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
+        }
+        // The root ports' slots report the guest turning them off to it.
+        for port in &self.ports {
+            match wake.try_clone() {
+                Ok(copy) => lock(&port.bridge).set_power_off_notice(copy),
+                Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
+            }
         }
         // Devices plugged before there was a run loop (a restore's) report to it too.
         for health in self.devices.values().filter_map(|d| d.health.as_ref()) {
@@ -331,18 +449,37 @@ impl PciHotplug {
             id: id.clone(),
             source,
         };
+        let port = self.free_port()?;
         let opened = self.open_backend(body).map_err(device_error)?;
         let plug = self.plugger();
         let progress = self.ram.progress(opened.mapper.name());
+        let port_place = port.map(|i| (self.ports[i].slot, self.ports[i].bridge.clone()));
+        let open = |backend| match &port_place {
+            None => plug.open(backend, &progress),
+            Some((slot, bridge)) => plug.open_with(backend, &progress, |root, device| {
+                let (memory, prefetchable) = {
+                    let bridge = lock(bridge);
+                    (bridge.memory_window(), bridge.prefetchable_window())
+                };
+                let specs = lock(&device).bar_specs();
+                let bars = bars_in_port(&specs, memory, prefetchable).map_err(|why| {
+                    log::error!("hot-plug: root port 00:{slot:02x}.0: {why}");
+                    gpuvm_devices::pci::PciError::Layout(
+                        "the device's BARs do not fit the root port's windows (see the log)",
+                    )
+                })?;
+                root.add_behind(&[*slot, 0], device, &bars, true)
+            }),
+        };
         // vfio-user: plugging resets the device, so map after that. Kernel VFIO: the
         // container maps for every device in it, and pinning takes longest: start first.
         let (plugged, mapping) = if opened.vfio.is_none() {
-            let plugged = plug.open(opened.backend, &progress).map_err(device_error)?;
+            let plugged = open(opened.backend).map_err(device_error)?;
             let mapping = self
                 .ram
-                .start_with(progress, opened.mapper, self.hooks, None)
+                .start_with(progress.clone(), opened.mapper, self.hooks, None)
                 .map_err(|e| {
-                    self.root.remove_device(plugged.bdf);
+                    self.off_the_bus(port, plugged.bdf);
                     device_error(e.into())
                 })?;
             (plugged, mapping)
@@ -351,14 +488,14 @@ impl PciHotplug {
                 .ram
                 .start_with(progress.clone(), opened.mapper, self.hooks, None)
                 .map_err(|e| device_error(e.into()))?;
-            let plugged = plug.open(opened.backend, &progress).map_err(device_error)?;
+            let plugged = open(opened.backend).map_err(device_error)?;
             (plugged, mapping)
         };
         let (health, watch, vfio) = (opened.health, opened.watch, opened.vfio);
         let bdf = plugged.bdf;
         let ids = lock(&plugged.device).pci_ids();
         if let Some(expected) = expected.filter(|expected| *expected != ids) {
-            self.root.remove_device(bdf);
+            self.off_the_bus(port, bdf);
             drop(mapping);
             drop(plugged.device);
             self.router.release(&plugged.gsis);
@@ -373,9 +510,15 @@ impl PciHotplug {
         (self.cliques).apply(&mut lock(&plugged.device), clique, host);
         // Under the VMM thread's filter already: the p2p-map thread inherits it.
         self.join_peers(&id, opened.peer, &plugged.device, None);
-        lock(&self.controller).device_added(bdf.device);
+        match port {
+            Some(i) => lock(&self.ports[i].bridge).card_inserted(),
+            None => lock(&self.controller).device_added(bdf.device),
+        }
         log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
         let label = plugged.label.clone();
+        if let Some(port) = port {
+            self.port_of.insert(id.clone(), port);
+        }
         self.devices.insert(
             id,
             HotDevice {
@@ -500,12 +643,10 @@ impl PciHotplug {
             )));
         }
         device.ejecting = true;
-        lock(&self.controller).request_eject(device.bdf.device);
-        log::info!(
-            "hot-unplug: asked the guest to eject {id} (0000:{})",
-            device.bdf
-        );
-        Ok(device.bdf)
+        let bdf = device.bdf;
+        self.ask_eject(id, bdf);
+        log::info!("hot-unplug: asked the guest to eject {id} (0000:{bdf})");
+        Ok(bdf)
     }
 
     /// Takes `id`'s device down if the guest ejected it (a virtio device's handle leaves
@@ -524,7 +665,7 @@ impl PciHotplug {
             .devices
             .get(id)
             .ok_or_else(|| HotplugError::NotFound(id.to_string()))?;
-        if !lock(&self.controller).take_ejected(device.bdf.device) {
+        if !self.let_go(id, device.bdf) {
             return Ok(EjectState::Waiting);
         }
         let label = self.remove(id).unwrap_or_default();
@@ -545,7 +686,8 @@ impl PciHotplug {
         }
         if let Some(device) = self.devices.get_mut(id) {
             device.ejecting = false;
-            lock(&self.controller).cancel_eject(device.bdf.device);
+            let bdf = device.bdf;
+            self.withdraw_eject(id, bdf);
         }
         None
     }
@@ -560,6 +702,7 @@ impl PciHotplug {
     /// latest, see [`PciHotplug::free_gone`]).
     pub fn check_backends(&mut self) -> Vec<Instant> {
         let mut deadlines = Vec::new();
+        let mut asks = Vec::new();
         for (id, device) in &mut self.devices {
             if device.gone.is_some() {
                 continue;
@@ -577,10 +720,13 @@ impl PciHotplug {
             );
             if !device.ejecting {
                 device.ejecting = true;
-                lock(&self.controller).request_eject(device.bdf.device);
+                asks.push((id.clone(), device.bdf));
             }
             device.gone = Some(GoneDevice { reason, deadline });
             deadlines.push(deadline);
+        }
+        for (id, bdf) in asks {
+            self.ask_eject(&id, bdf);
         }
         deadlines
     }
@@ -595,7 +741,7 @@ impl PciHotplug {
             .filter(|(id, _)| !skip.contains(&id.as_str()))
             .filter_map(|(id, device)| {
                 let gone = device.gone.as_ref()?;
-                let ejected = lock(&self.controller).take_ejected(device.bdf.device);
+                let ejected = self.let_go(id, device.bdf);
                 if !ejected && now < gone.deadline {
                     return None;
                 }
@@ -639,8 +785,18 @@ impl PciHotplug {
         if let Some(peer) = self.peer_ids.remove(id) {
             self.peers.remove_device(peer);
         }
-        lock(&self.controller).forget(device.bdf.device);
-        self.root.remove_device(device.bdf);
+        match self.port_of.remove(id) {
+            Some(port) => {
+                self.off_the_bus(Some(port), device.bdf);
+                if let Some(port) = self.ports.get(port) {
+                    lock(&port.bridge).card_removed();
+                }
+            }
+            None => {
+                lock(&self.controller).forget(device.bdf.device);
+                self.root.remove_device(device.bdf);
+            }
+        }
         drop(device.mapping.take());
         let gsis = std::mem::take(&mut device.gsis);
         let label = device.label.clone();

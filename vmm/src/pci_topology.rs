@@ -13,9 +13,11 @@
 //!
 //! Devices with no known host place stay on bus 0 under `host` too: there is nothing of
 //! the host to mirror, a root port would only cost a bus and 1 MiB-granular windows, and
-//! guests and tests that look for them on bus 0 keep working. (Kata gives QEMU a
-//! `pcie_root_port` per device so it can hot-plug into it; gpuvm's hot-plug goes to bus 0
-//! through its ACPI slots, so a root port would buy nothing yet.)
+//! guests and tests that look for them on bus 0 keep working.
+//!
+//! Empty root ports for hot-plug (`--pcie-root-ports N`, Kata's `pcie_root_port`) come
+//! after that layout: each has a bus and windows of its own and a PCIe native hot-plug
+//! slot ([`add_hotplug_ports`]); crate::hotplug plugs devices into them.
 //!
 //! gpuvm acts as firmware: bus numbers are handed out depth first from 1, and each port's
 //! windows are sized to hold exactly the BARs behind it (1 MiB granular, aligned to the
@@ -50,6 +52,167 @@ pub enum PciTopologyError {
     NoSlot,
     #[error("--pci-topology host: {0}")]
     Bus(#[from] PciError),
+    #[error("--pcie-root-ports {0}: at most {MAX_HOTPLUG_PORTS} root ports for hot-plug")]
+    TooManyHotplugPorts(u8),
+    #[error(
+        "--pcie-root-ports needs one PCI segment (with num_pci_segments = {0} each segment's \
+         ECAM window holds bus 0 only)"
+    )]
+    HotplugPortsSegments(u16),
+    #[error("--pcie-root-ports: no MSI for a root port: {0}")]
+    HotplugPortMsi(#[source] std::io::Error),
+    #[error("--pcie-root-ports: cannot add root port {index}: {source}")]
+    HotplugPort {
+        index: u8,
+        #[source]
+        source: PciError,
+    },
+}
+
+/// Each empty root port's prefetchable (64-bit) window: room for one GPU's 64-bit BARs
+/// (an H200's 256 GiB BAR1 and its 32 MiB BAR3 need the whole of it, rounded up as the
+/// planner rounds a port's window). The address-space planner reserves it per port as it
+/// reserves a cold-plugged device's BARs.
+pub const HOTPLUG_PORT_PREFETCHABLE: u64 = 512 << 30;
+/// Each empty root port's 32-bit memory window: a GPU's register BAR (16 MiB on current
+/// NVIDIA GPUs) with room to spare, out of the root's 512 MiB 32-bit window.
+pub const HOTPLUG_PORT_MEMORY: u64 = 32 << 20;
+/// How many empty root ports a VM may ask for (they take bus-0 slots and 32-bit window).
+pub const MAX_HOTPLUG_PORTS: u8 = 8;
+
+/// An empty root port with a hot-plug slot (`--pcie-root-ports`), for PUT /gpus/{id}.
+pub struct HotplugPort {
+    /// Its slot on bus 0.
+    pub slot: u8,
+    pub bridge: Arc<Mutex<PciBridge>>,
+}
+
+/// Plugs `count` empty root ports with PCIe native hot-plug slots into `root` (of a VM
+/// with `segments` PCI segments), each with its own bus and windows of
+/// [`HOTPLUG_PORT_PREFETCHABLE`] and [`HOTPLUG_PORT_MEMORY`], after the buses the
+/// cold-plugged layout took; each port gets an MSI (a GSI of `router`) for its slot's
+/// events where a router is given.
+pub fn add_hotplug_ports(
+    root: &Arc<PciRoot>,
+    count: u8,
+    segments: u16,
+    router: Option<&Arc<crate::interrupts::MsiRouter>>,
+) -> Result<Vec<HotplugPort>, PciTopologyError> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    if count > MAX_HOTPLUG_PORTS {
+        return Err(PciTopologyError::TooManyHotplugPorts(count));
+    }
+    if segments > 1 {
+        return Err(PciTopologyError::HotplugPortsSegments(segments));
+    }
+    let mut ports = Vec::new();
+    for index in 0..count {
+        let failed = |source| PciTopologyError::HotplugPort { index, source };
+        let slot = (1..32u8)
+            .find(|&slot| !root.has_device(slot))
+            .ok_or(PciTopologyError::NoSlot)?;
+        let bus = root
+            .highest_bus()
+            .checked_add(1)
+            .ok_or(PciTopologyError::TooManyBuses)?;
+        let prefetchable = root
+            .allocate_window(true, HOTPLUG_PORT_PREFETCHABLE, HOTPLUG_PORT_PREFETCHABLE)
+            .map_err(failed)?;
+        let memory = match root.allocate_window(false, HOTPLUG_PORT_MEMORY, HOTPLUG_PORT_MEMORY) {
+            Ok(base) => base,
+            Err(error) => {
+                root.release_window(true, prefetchable, HOTPLUG_PORT_PREFETCHABLE);
+                return Err(failed(error));
+            }
+        };
+        let taken = vec![
+            (true, prefetchable, HOTPLUG_PORT_PREFETCHABLE),
+            (false, memory, HOTPLUG_PORT_MEMORY),
+        ];
+        let mut bridge = PciBridge::new(&BridgeSetup {
+            kind: PortKind::RootPort,
+            primary_bus: 0,
+            secondary_bus: bus,
+            subordinate_bus: bus,
+            memory: Window {
+                base: memory,
+                size: HOTPLUG_PORT_MEMORY,
+            },
+            prefetchable: Window {
+                base: prefetchable,
+                size: HOTPLUG_PORT_PREFETCHABLE,
+            },
+            slot: u16::from(bus),
+            occupied: false,
+        });
+        let msi = match router {
+            Some(router) => {
+                let (gsi, trigger) = router
+                    .allocate(1)
+                    .map_err(PciTopologyError::HotplugPortMsi)?
+                    .pop()
+                    .ok_or_else(|| {
+                        PciTopologyError::HotplugPortMsi(std::io::Error::other("no GSI"))
+                    })?;
+                let routing: Arc<dyn gpuvm_devices::pci::MsiRouting> = router.clone();
+                Some((gsi, trigger, routing))
+            }
+            None => None,
+        };
+        bridge.make_hotplug_slot(msi);
+        bridge.enable_memory_decoding();
+        let bridge = Arc::new(Mutex::new(bridge));
+        if let Err(error) = root.add_port(slot, bridge.clone(), taken.clone()) {
+            for (wide, base, size) in taken {
+                root.release_window(wide, base, size);
+            }
+            return Err(failed(error));
+        }
+        log::info!(
+            "PCI 00:{slot:02x}.0: root port with a hot-plug slot (bus {bus:02x}, windows \
+             {memory:#x}+{HOTPLUG_PORT_MEMORY:#x}, {prefetchable:#x}+{HOTPLUG_PORT_PREFETCHABLE:#x})"
+        );
+        ports.push(HotplugPort { slot, bridge });
+    }
+    Ok(ports)
+}
+
+/// Where a device with BARs `specs` goes in an empty port with windows `memory` and
+/// `wide_window` (prefetchable): each BAR's index and address, laid out as a cold-plugged
+/// device's behind its root port; an error says which window it does not fit.
+pub fn bars_in_port(
+    specs: &[BarSpec],
+    memory: Window,
+    wide_window: Window,
+) -> Result<Vec<(u8, u64)>, String> {
+    let [wide, narrow] = device_blocks(specs);
+    for (block, window, what) in [
+        (&wide, wide_window, "prefetchable"),
+        (&narrow, memory, "memory"),
+    ] {
+        let fits =
+            block.size == 0 || (window.size >= block.size && window.base % block.align.max(1) == 0);
+        if !fits {
+            return Err(format!(
+                "its BARs need {:#x} bytes of the port's {what} window, which is {:#x} at {:#x}",
+                block.size, window.size, window.base
+            ));
+        }
+    }
+    Ok(specs
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let (block, window) = if prefetchable(spec) {
+                (&wide, wide_window)
+            } else {
+                (&narrow, memory)
+            };
+            (spec.index, window.base + block.offsets[i])
+        })
+        .collect())
 }
 
 /// One passthrough device to place: its host address (None: no known host place) and
@@ -69,6 +232,8 @@ pub struct LayoutRequest {
     pub segments: u16,
     /// The passthrough devices, in plug order.
     pub devices: Vec<DeviceInput>,
+    /// Empty root ports for hot-plug (PciOptions::pcie_root_ports).
+    pub hotplug_ports: u8,
     /// What [`LayoutRequest::decide`] found, once asked.
     decided: std::sync::OnceLock<Option<(HostTopology, Vec<Group>)>>,
 }
@@ -80,6 +245,7 @@ impl LayoutRequest {
             choice: options.pci_topology,
             segments: options.num_pci_segments,
             devices: Vec::new(),
+            hotplug_ports: options.pcie_root_ports,
             decided: std::sync::OnceLock::new(),
         }
     }
@@ -147,8 +313,15 @@ impl LayoutRequest {
     /// (crate::pci::plan_address_space): `flat` (each device's 64-bit BAR sizes, in plug
     /// order) where devices stay on bus 0; for each root port, one range the size of its
     /// prefetchable window rounded up to a power of two (the planner aligns each range to
-    /// its size, as the window must be aligned to its largest BAR).
+    /// its size, as the window must be aligned to its largest BAR); then each empty root
+    /// port's prefetchable window ([`HOTPLUG_PORT_PREFETCHABLE`]), placed after them.
     pub fn address_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
+        let mut needs = self.device_needs(flat)?;
+        needs.extend((0..self.hotplug_ports).map(|_| vec![HOTPLUG_PORT_PREFETCHABLE]));
+        Ok(needs)
+    }
+
+    fn device_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
         let Some((_, groups)) = self.decide()? else {
             return Ok(flat.to_vec());
         };
@@ -638,6 +811,75 @@ mod tests {
             ..PciOptions::default()
         });
         assert_eq!(flat_request.address_needs(&flat).unwrap(), flat);
+    }
+
+    #[test]
+    fn empty_root_ports_get_windows_and_a_device_fits_inside() {
+        let root = PciRoot::new(PciRootConfig {
+            ecam_base: 0xe000_0000,
+            buses: 1,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 40,
+            mmio64_size: 4 << 40,
+        })
+        .unwrap();
+        assert!(matches!(
+            add_hotplug_ports(&root, MAX_HOTPLUG_PORTS + 1, 1, None),
+            Err(PciTopologyError::TooManyHotplugPorts(_))
+        ));
+        assert!(matches!(
+            add_hotplug_ports(&root, 1, 2, None),
+            Err(PciTopologyError::HotplugPortsSegments(2))
+        ));
+        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        assert_eq!(ports.len(), 2);
+        assert_eq!(root.highest_bus(), 2, "a bus each");
+        let windows: Vec<(Window, Window)> = ports
+            .iter()
+            .map(|port| {
+                let bridge = port.bridge.lock().unwrap();
+                assert!(bridge.is_hotplug_slot() && !bridge.slot_occupied());
+                (bridge.memory_window(), bridge.prefetchable_window())
+            })
+            .collect();
+        assert_eq!(windows[0].1.size, HOTPLUG_PORT_PREFETCHABLE);
+        assert_eq!(windows[0].0.size, HOTPLUG_PORT_MEMORY);
+        assert!(windows[0].1.end() <= windows[1].1.base);
+        let bars = bars_in_port(&gpu_specs(), windows[1].0, windows[1].1).unwrap();
+        for (index, address) in bars {
+            let spec = gpu_specs().into_iter().find(|s| s.index == index).unwrap();
+            let window = if index == 0 {
+                windows[1].0
+            } else {
+                windows[1].1
+            };
+            assert!(
+                window.contains(address, spec.size),
+                "BAR{index} at {address:#x}"
+            );
+        }
+        // A BAR twice the window does not fit, and the error says which window.
+        let huge = vec![BarSpec {
+            index: 1,
+            size: 2 * HOTPLUG_PORT_PREFETCHABLE,
+            kind: BarKind::Memory64 { prefetchable: true },
+        }];
+        let why = bars_in_port(&huge, windows[1].0, windows[1].1).unwrap_err();
+        assert!(why.contains("prefetchable window"), "{why}");
+        // The planner is asked for each port's window after the devices' needs.
+        let request = LayoutRequest::new(&PciOptions {
+            pcie_root_ports: 2,
+            ..PciOptions::default()
+        });
+        assert_eq!(
+            request.address_needs(&[vec![MIB]]).unwrap(),
+            vec![
+                vec![MIB],
+                vec![HOTPLUG_PORT_PREFETCHABLE],
+                vec![HOTPLUG_PORT_PREFETCHABLE]
+            ]
+        );
     }
 
     #[test]

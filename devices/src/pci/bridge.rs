@@ -1,7 +1,9 @@
 //! PCI-to-PCI bridges as PCIe ports: a root port, a switch's upstream port and its
 //! downstream ports. Each is one function with a type-1 header (bus numbers, the memory,
 //! prefetchable-memory and I/O windows) and a PCIe capability saying which kind of port it
-//! is; root ports and downstream ports also carry a slot (its number, no hot-plug).
+//! is; root ports and downstream ports also carry a slot (its number). An empty root port
+//! for hot-plug has a PCIe native hot-plug slot and an MSI for its events
+//! ([`PciBridge::make_hotplug_slot`]); the other slots have no hot-plug.
 //!
 //! gpuvm acts as firmware: the VMM builds each bridge with bus numbers and windows that
 //! already hold what sits behind it, so a guest (Linux keeps valid firmware assignments)
@@ -9,7 +11,9 @@
 //! it wrote, which is what [`super::PciRoot`] routes configuration cycles by. BAR accesses
 //! are routed by address, so the windows are bookkeeping for the guest, not a filter.
 
-use super::{config, read_le, BarSpec, PciBar, PciDevice};
+use std::sync::Arc;
+
+use super::{config, read_le, BarSpec, MsiMessage, MsiRouting, PciBar, PciDevice};
 use crate::Persist;
 
 /// Red Hat's vendor ID and its ID for a generic PCIe root port (what QEMU's
@@ -42,12 +46,42 @@ pub mod regs {
     pub const LINK_CAP: u16 = 0x0c;
     pub const LINK_STATUS: u16 = 0x12;
     pub const SLOT_CAP: u16 = 0x14;
+    pub const SLOT_CONTROL: u16 = 0x18;
     pub const SLOT_STATUS: u16 = 0x1a;
     pub const LINK_CAP2: u16 = 0x2c;
     /// Slot status: a card is present.
     pub const PRESENCE_DETECT_STATE: u16 = 1 << 6;
     /// Link status: the data link layer is up.
     pub const DLL_LINK_ACTIVE: u16 = 1 << 13;
+    /// Slot capabilities of a hot-plug slot: Attention Button Present, Power Controller
+    /// Present, Hot-Plug Capable.
+    pub const SLOT_CAP_ATTENTION_BUTTON: u32 = 1 << 0;
+    pub const SLOT_CAP_POWER_CONTROLLER: u32 = 1 << 1;
+    pub const SLOT_CAP_HOT_PLUG_CAPABLE: u32 = 1 << 6;
+    /// Slot control: Power Controller Control (1: power off), and the indicators (2 bits
+    /// each: 01 on, 10 blink, 11 off).
+    pub const POWER_CONTROLLER_OFF: u16 = 1 << 10;
+    pub const POWER_INDICATOR_OFF: u16 = 0b11 << 8;
+    pub const ATTENTION_INDICATOR_OFF: u16 = 0b11 << 6;
+    /// Slot status: Attention Button Pressed, Presence Detect Changed, Command Completed,
+    /// Data Link Layer State Changed (all write-1-to-clear).
+    pub const ATTENTION_BUTTON_PRESSED: u16 = 1 << 0;
+    pub const PRESENCE_DETECT_CHANGED: u16 = 1 << 3;
+    pub const COMMAND_COMPLETED: u16 = 1 << 4;
+    pub const DLL_STATE_CHANGED: u16 = 1 << 8;
+    /// The slot status bits the guest clears by writing 1 (power fault, MRL sensor
+    /// changed included: they never set here).
+    pub const SLOT_STATUS_RW1C: u16 = 0x011f;
+    /// Slot control: the event enables (attention button, presence detect changed,
+    /// command completed, DLL state changed) and Hot-Plug Interrupt Enable.
+    pub const ATTENTION_BUTTON_ENABLE: u16 = 1 << 0;
+    pub const PRESENCE_DETECT_ENABLE: u16 = 1 << 3;
+    pub const COMMAND_COMPLETED_ENABLE: u16 = 1 << 4;
+    pub const HOT_PLUG_INTERRUPT_ENABLE: u16 = 1 << 5;
+    pub const DLL_STATE_ENABLE: u16 = 1 << 12;
+    /// Where a hot-plug port's MSI capability sits (after the PCIe capability).
+    pub const MSI_CAP: u16 = 0x80;
+    pub const CAP_ID_MSI: u8 = 0x05;
     /// PCIe flags: a slot is implemented.
     pub const SLOT_IMPLEMENTED: u16 = 1 << 8;
 }
@@ -151,6 +185,22 @@ pub struct PciBridge {
     space: [u8; SPACE],
     /// Bits the guest may change, per byte of `space`.
     writable: [u8; SPACE],
+    /// A hot-plug slot: the guest turned its power off while a card was present (the VMM
+    /// takes the card away then, see [`PciBridge::take_powered_off`]).
+    powered_off: bool,
+    /// Written when the guest turns a hot-plug slot's power off: the VMM thread's wake-up.
+    power_off_notice: Option<vmm_sys_util::eventfd::EventFd>,
+    /// A hot-plug slot's MSI: its GSI, the irqfd that raises it, and where its route goes.
+    msi: Option<SlotMsi>,
+}
+
+/// The MSI of a hot-plug port (see [`PciBridge::make_hotplug_slot`]).
+struct SlotMsi {
+    gsi: u32,
+    trigger: vmm_sys_util::eventfd::EventFd,
+    routing: Arc<dyn MsiRouting>,
+    /// The route as last installed (None: MSI off).
+    route: Option<MsiMessage>,
 }
 
 impl PciBridge {
@@ -159,6 +209,9 @@ impl PciBridge {
             kind: setup.kind,
             space: [0; SPACE],
             writable: [0; SPACE],
+            powered_off: false,
+            power_off_notice: None,
+            msi: None,
         };
         bridge.build_header(setup);
         bridge.build_pcie_capability(setup);
@@ -292,6 +345,239 @@ impl PciBridge {
         debug_assert!(usize::from(cap) + PCIE_CAP_LEN <= SPACE);
     }
 
+    /// Makes a root port's slot a PCIe native hot-plug slot, empty and powered off (what
+    /// Linux's pciehp drives): Hot-Plug Capable, an attention button (the VMM "presses"
+    /// it to ask for a removal, as an operator would on a server) and a power controller
+    /// (the guest turns the slot off when it is done with the card, which tells the VMM
+    /// it may take the card away: the handshake the ACPI slots' _EJ0 gives on bus 0). No
+    /// MRL sensor, no surprise removal, and Command Completed is reported for each Slot
+    /// Control write. With `msi` (a GSI, its irqfd and the routing that points the GSI at
+    /// the message the guest programs) the port gets an MSI capability and raises it when
+    /// an enabled slot event comes (Hot-Plug Interrupt Enable and the event's enable set);
+    /// without, guests poll the slot status.
+    pub fn make_hotplug_slot(
+        &mut self,
+        msi: Option<(u32, vmm_sys_util::eventfd::EventFd, Arc<dyn MsiRouting>)>,
+    ) {
+        let cap = regs::PCIE_CAP;
+        let slot_cap = self.get32(cap + regs::SLOT_CAP)
+            | regs::SLOT_CAP_ATTENTION_BUTTON
+            | regs::SLOT_CAP_POWER_CONTROLLER
+            | regs::SLOT_CAP_HOT_PLUG_CAPABLE;
+        self.put32(cap + regs::SLOT_CAP, slot_cap, 0);
+        self.put16(
+            cap + regs::SLOT_CONTROL,
+            regs::POWER_CONTROLLER_OFF | regs::POWER_INDICATOR_OFF | regs::ATTENTION_INDICATOR_OFF,
+            0x1fff,
+        );
+        self.put16(cap + regs::SLOT_STATUS, 0, 0);
+        self.set_link(false);
+        if let Some((gsi, trigger, routing)) = msi {
+            // The PCIe capability points on to the MSI capability: 64-bit addresses, one
+            // message, no per-vector masking.
+            self.put(cap + 1, &[regs::MSI_CAP as u8], &[0]);
+            let msi_cap = regs::MSI_CAP;
+            self.put(msi_cap, &[regs::CAP_ID_MSI, 0], &[0, 0]);
+            self.put16(msi_cap + 2, 1 << 7, 0x0001);
+            self.put32(msi_cap + 4, 0, 0xffff_fffc);
+            self.put32(msi_cap + 8, 0, u32::MAX);
+            self.put16(msi_cap + 12, 0, 0xffff);
+            self.msi = Some(SlotMsi {
+                gsi,
+                trigger,
+                routing,
+                route: None,
+            });
+        }
+    }
+
+    /// The MSI message the guest has programmed and enabled, if any.
+    fn msi_message(&self) -> Option<MsiMessage> {
+        let msi_cap = regs::MSI_CAP;
+        if self.msi.is_none() || self.get16(msi_cap + 2) & 1 == 0 {
+            return None;
+        }
+        Some(MsiMessage {
+            address: u64::from(self.get32(msi_cap + 4)) | u64::from(self.get32(msi_cap + 8)) << 32,
+            data: u32::from(self.get16(msi_cap + 12)),
+        })
+    }
+
+    /// Installs (or drops) the MSI route after the guest changed the MSI capability.
+    fn follow_msi(&mut self) {
+        let message = self.msi_message();
+        let Some(msi) = self.msi.as_mut() else {
+            return;
+        };
+        if msi.route == message {
+            return;
+        }
+        match msi.routing.set_route(msi.gsi, message) {
+            Ok(()) => msi.route = message,
+            Err(error) => log::warn!("PCIe slot: cannot route its MSI: {error}"),
+        }
+    }
+
+    /// Whether an enabled slot event is pending (what the hot-plug interrupt signals).
+    fn event_pending(&self) -> bool {
+        let control = self.get16(regs::PCIE_CAP + regs::SLOT_CONTROL);
+        let status = self.slot_status();
+        let command =
+            control & regs::COMMAND_COMPLETED_ENABLE != 0 && status & regs::COMMAND_COMPLETED != 0;
+        let events = [
+            (
+                regs::ATTENTION_BUTTON_ENABLE,
+                regs::ATTENTION_BUTTON_PRESSED,
+            ),
+            (regs::PRESENCE_DETECT_ENABLE, regs::PRESENCE_DETECT_CHANGED),
+            (regs::DLL_STATE_ENABLE, regs::DLL_STATE_CHANGED),
+        ];
+        let event = events
+            .iter()
+            .any(|(enable, bit)| control & enable != 0 && status & bit != 0);
+        control & regs::HOT_PLUG_INTERRUPT_ENABLE != 0 && (command || event)
+    }
+
+    /// Raises the MSI if an enabled event became pending (`was_pending`: before the change),
+    /// as a port signals the rising edge of its events.
+    fn interrupt_on_edge(&self, was_pending: bool) {
+        if was_pending || !self.event_pending() {
+            return;
+        }
+        let Some(msi) = self.msi.as_ref().filter(|msi| msi.route.is_some()) else {
+            return;
+        };
+        if let Err(error) = msi.trigger.write(1) {
+            log::warn!("PCIe slot: cannot raise its MSI: {error}");
+        }
+    }
+
+    /// Whether this port has a hot-plug slot ([`PciBridge::make_hotplug_slot`]).
+    pub fn is_hotplug_slot(&self) -> bool {
+        self.kind.has_slot()
+            && self.get32(regs::PCIE_CAP + regs::SLOT_CAP) & regs::SLOT_CAP_HOT_PLUG_CAPABLE != 0
+    }
+
+    /// Where the port tells the VMM that the guest turned the slot off.
+    pub fn set_power_off_notice(&mut self, notice: vmm_sys_util::eventfd::EventFd) {
+        self.power_off_notice = Some(notice);
+    }
+
+    fn slot_status(&self) -> u16 {
+        self.get16(regs::PCIE_CAP + regs::SLOT_STATUS)
+    }
+
+    fn set_slot_status(&mut self, status: u16) {
+        let at = usize::from(regs::PCIE_CAP + regs::SLOT_STATUS);
+        self.space[at..at + 2].copy_from_slice(&status.to_le_bytes());
+    }
+
+    /// Whether the guest has the slot's power on.
+    pub fn slot_powered(&self) -> bool {
+        self.get16(regs::PCIE_CAP + regs::SLOT_CONTROL) & regs::POWER_CONTROLLER_OFF == 0
+    }
+
+    /// Whether a card is in the slot.
+    pub fn slot_occupied(&self) -> bool {
+        self.slot_status() & regs::PRESENCE_DETECT_STATE != 0
+    }
+
+    /// The data link layer up (at the port's speed and width) or down.
+    fn set_link(&mut self, up: bool) {
+        let value = if up {
+            LINK_SPEED as u16 | (LINK_WIDTH as u16) << 4 | regs::DLL_LINK_ACTIVE
+        } else {
+            0
+        };
+        let at = usize::from(regs::PCIE_CAP + regs::LINK_STATUS);
+        self.space[at..at + 2].copy_from_slice(&value.to_le_bytes());
+    }
+
+    fn link_up(&self) -> bool {
+        self.get16(regs::PCIE_CAP + regs::LINK_STATUS) & regs::DLL_LINK_ACTIVE != 0
+    }
+
+    /// A card was put into the slot (the VMM has it on the secondary bus): presence
+    /// detect set and changed. The link comes up once the guest powers the slot on (or
+    /// at once, if it already is).
+    pub fn card_inserted(&mut self) {
+        let was_pending = self.event_pending();
+        self.powered_off = false;
+        let status =
+            self.slot_status() | regs::PRESENCE_DETECT_STATE | regs::PRESENCE_DETECT_CHANGED;
+        self.set_slot_status(status);
+        self.follow_power();
+        self.interrupt_on_edge(was_pending);
+    }
+
+    /// Asks the guest to give the card up: the attention button is pressed.
+    pub fn press_attention_button(&mut self) {
+        let was_pending = self.event_pending();
+        let status = self.slot_status() | regs::ATTENTION_BUTTON_PRESSED;
+        self.set_slot_status(status);
+        self.interrupt_on_edge(was_pending);
+    }
+
+    /// Withdraws a press the guest did not act on.
+    pub fn release_attention_button(&mut self) {
+        let status = self.slot_status() & !regs::ATTENTION_BUTTON_PRESSED;
+        self.set_slot_status(status);
+    }
+
+    /// Whether the guest turned the slot off with a card in it since the last call.
+    pub fn take_powered_off(&mut self) -> bool {
+        std::mem::take(&mut self.powered_off)
+    }
+
+    /// The VMM took the card away: presence detect cleared and changed, link down.
+    pub fn card_removed(&mut self) {
+        let was_pending = self.event_pending();
+        self.powered_off = false;
+        let mut status =
+            self.slot_status() & !regs::PRESENCE_DETECT_STATE & !regs::ATTENTION_BUTTON_PRESSED;
+        status |= regs::PRESENCE_DETECT_CHANGED;
+        if self.link_up() {
+            status |= regs::DLL_STATE_CHANGED;
+        }
+        self.set_slot_status(status);
+        self.set_link(false);
+        self.interrupt_on_edge(was_pending);
+    }
+
+    /// Brings the link up or down after the slot's power or presence changed; a power-off
+    /// with a card in it is noted for the VMM.
+    fn follow_power(&mut self) {
+        let up = self.slot_powered() && self.slot_occupied();
+        if up == self.link_up() {
+            return;
+        }
+        self.set_link(up);
+        let status = self.slot_status() | regs::DLL_STATE_CHANGED;
+        self.set_slot_status(status);
+        // Powered on again before the VMM took the card: it is wanted after all.
+        self.powered_off &= !up;
+        if !up && self.slot_occupied() {
+            self.powered_off = true;
+            if let Some(notice) = &self.power_off_notice {
+                if let Err(error) = notice.write(1) {
+                    log::warn!("PCIe slot: cannot wake the VMM thread: {error}");
+                }
+            }
+        }
+    }
+
+    /// After a guest write to a hot-plug slot: Slot Control was written (`control_written`)
+    /// and the Slot Status bits written 1 (`status_clear`) are cleared.
+    fn slot_write(&mut self, control_written: bool, status_clear: u16) {
+        let status = self.slot_status() & !(status_clear & regs::SLOT_STATUS_RW1C);
+        self.set_slot_status(status);
+        if control_written {
+            let status = self.slot_status() | regs::COMMAND_COMPLETED;
+            self.set_slot_status(status);
+            self.follow_power();
+        }
+    }
+
     /// The secondary and subordinate bus numbers as currently programmed.
     pub fn buses(&self) -> (u8, u8) {
         (
@@ -379,9 +665,32 @@ impl PciDevice for PciBridge {
             return;
         }
         let before = self.buses();
+        let was_pending = self.is_hotplug_slot() && self.event_pending();
         for (i, byte) in data.iter().enumerate() {
             let mask = self.writable[at + i];
             self.space[at + i] = self.space[at + i] & !mask | byte & mask;
+        }
+        if self.is_hotplug_slot() {
+            let control = usize::from(regs::PCIE_CAP + regs::SLOT_CONTROL);
+            let status = usize::from(regs::PCIE_CAP + regs::SLOT_STATUS);
+            let written = at..at + data.len();
+            let control_written = written.contains(&control) || written.contains(&(control + 1));
+            let mut clear = 0u16;
+            for (i, byte) in data.iter().enumerate() {
+                if at + i == status {
+                    clear |= u16::from(*byte);
+                } else if at + i == status + 1 {
+                    clear |= u16::from(*byte) << 8;
+                }
+            }
+            if control_written || clear != 0 {
+                self.slot_write(control_written, clear);
+            }
+            let msi = usize::from(regs::MSI_CAP);
+            if at < msi + 14 && written.end > msi {
+                self.follow_msi();
+            }
+            self.interrupt_on_edge(was_pending);
         }
         if self.buses() != before {
             log::debug!("PCI bridge: buses now {:?} (were {before:?})", self.buses());
@@ -553,6 +862,133 @@ mod tests {
         assert_eq!(read16(&mut bridge, 0x04), 0x0147);
         // Writes past the kept space are dropped without a panic.
         bridge.config_write(0xffc, &[1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_hot_plug_slot_goes_through_insertion_power_and_removal() {
+        let mut port = PciBridge::new(&BridgeSetup {
+            occupied: false,
+            ..setup(PortKind::RootPort)
+        });
+        port.make_hotplug_slot(None);
+        let notice =
+            vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+        port.set_power_off_notice(notice.try_clone().unwrap());
+        let cap = regs::PCIE_CAP;
+        let status = |port: &mut PciBridge| read16(port, cap + regs::SLOT_STATUS);
+        let link = |port: &mut PciBridge| read16(port, cap + regs::LINK_STATUS);
+        assert!(port.is_hotplug_slot());
+        assert_eq!(read32(&mut port, cap + regs::SLOT_CAP) & 0x43, 0x43);
+        assert!(!port.slot_powered() && !port.slot_occupied());
+        assert_eq!(link(&mut port) & regs::DLL_LINK_ACTIVE, 0);
+
+        port.card_inserted();
+        let present = regs::PRESENCE_DETECT_STATE | regs::PRESENCE_DETECT_CHANGED;
+        assert_eq!(status(&mut port) & present, present);
+        assert_eq!(
+            link(&mut port) & regs::DLL_LINK_ACTIVE,
+            0,
+            "off: no link yet"
+        );
+        // Acknowledge the change, then power on (16-bit Slot Control write).
+        port.config_write(
+            cap + regs::SLOT_STATUS,
+            &regs::PRESENCE_DETECT_CHANGED.to_le_bytes(),
+        );
+        assert_eq!(status(&mut port), regs::PRESENCE_DETECT_STATE);
+        port.config_write(cap + regs::SLOT_CONTROL, &0x0100u16.to_le_bytes());
+        let status_now = status(&mut port);
+        assert_ne!(status_now & regs::COMMAND_COMPLETED, 0);
+        assert_ne!(status_now & regs::DLL_STATE_CHANGED, 0);
+        assert_ne!(link(&mut port) & regs::DLL_LINK_ACTIVE, 0);
+        assert!(notice.read().is_err(), "powering on is no removal");
+        // Status bits are write-1-to-clear; presence detect state is not.
+        port.config_write(cap + regs::SLOT_STATUS, &0xffffu16.to_le_bytes());
+        assert_eq!(status(&mut port), regs::PRESENCE_DETECT_STATE);
+
+        port.press_attention_button();
+        assert_ne!(status(&mut port) & regs::ATTENTION_BUTTON_PRESSED, 0);
+        assert!(!port.take_powered_off());
+        // A 32-bit write: control (power off) and status (clear the button) at once.
+        let dword = u32::from(regs::POWER_CONTROLLER_OFF | 0x0300)
+            | u32::from(regs::ATTENTION_BUTTON_PRESSED) << 16;
+        port.config_write(cap + regs::SLOT_CONTROL, &dword.to_le_bytes());
+        assert_eq!(status(&mut port) & regs::ATTENTION_BUTTON_PRESSED, 0);
+        assert_eq!(link(&mut port) & regs::DLL_LINK_ACTIVE, 0);
+        assert_eq!(notice.read().unwrap(), 1, "the VMM is woken");
+        assert!(port.take_powered_off());
+        assert!(!port.take_powered_off(), "taken once");
+        port.card_removed();
+        let status_now = status(&mut port);
+        assert_eq!(status_now & regs::PRESENCE_DETECT_STATE, 0);
+        assert_ne!(status_now & regs::PRESENCE_DETECT_CHANGED, 0);
+        // A port without a hot-plug slot ignores the same writes.
+        let mut plain = PciBridge::new(&setup(PortKind::RootPort));
+        plain.config_write(cap + regs::SLOT_CONTROL, &dword.to_le_bytes());
+        assert!(!plain.is_hotplug_slot());
+        assert_ne!(status(&mut plain) & regs::PRESENCE_DETECT_STATE, 0);
+    }
+
+    #[test]
+    fn a_hot_plug_slot_raises_its_msi_on_the_rising_edge_of_enabled_events() {
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        let routes = Arc::new(crate::pci::RecordedRoutes::default());
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut port = PciBridge::new(&BridgeSetup {
+            occupied: false,
+            ..setup(PortKind::RootPort)
+        });
+        port.make_hotplug_slot(Some((30, irq.try_clone().unwrap(), routes.clone())));
+        let cap = regs::PCIE_CAP;
+        assert_eq!(
+            read16(&mut port, cap) >> 8,
+            regs::MSI_CAP,
+            "PCIe cap -> MSI cap"
+        );
+        let msi = regs::MSI_CAP;
+        assert_eq!(
+            read32(&mut port, msi) & 0x0080_00ff,
+            0x0080_0005,
+            "MSI, 64-bit"
+        );
+        port.config_write(msi + 4, &0xfee0_1000u32.to_le_bytes());
+        port.config_write(msi + 8, &0u32.to_le_bytes());
+        port.config_write(msi + 12, &0x45u16.to_le_bytes());
+        assert!(routes.routes().is_empty(), "not enabled yet");
+        port.config_write(msi + 2, &1u16.to_le_bytes());
+        assert_eq!(
+            routes.routes().get(&30),
+            Some(&MsiMessage {
+                address: 0xfee0_1000,
+                data: 0x45
+            })
+        );
+        // A card arrives before presence-detect events are enabled: no interrupt, until
+        // the guest enables them with the change still pending.
+        port.card_inserted();
+        assert!(irq.read().is_err());
+        let enables = regs::HOT_PLUG_INTERRUPT_ENABLE
+            | regs::PRESENCE_DETECT_ENABLE
+            | regs::ATTENTION_BUTTON_ENABLE
+            | regs::POWER_CONTROLLER_OFF;
+        port.config_write(cap + regs::SLOT_CONTROL, &enables.to_le_bytes());
+        assert_eq!(irq.read().unwrap(), 1, "raised on enable");
+        port.press_attention_button();
+        assert!(irq.read().is_err(), "still pending: no new edge");
+        let all = regs::SLOT_STATUS_RW1C;
+        port.config_write(cap + regs::SLOT_STATUS, &all.to_le_bytes());
+        port.press_attention_button();
+        assert_eq!(
+            irq.read().unwrap(),
+            1,
+            "a new edge after the guest cleared the bits"
+        );
+        // MSI off: the route goes and nothing is raised.
+        port.config_write(cap + regs::SLOT_STATUS, &all.to_le_bytes());
+        port.config_write(msi + 2, &0u16.to_le_bytes());
+        assert!(routes.routes().is_empty());
+        port.press_attention_button();
+        assert!(irq.read().is_err());
     }
 
     #[test]

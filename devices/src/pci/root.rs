@@ -47,6 +47,8 @@ pub enum PciError {
     },
     #[error("invalid PCI MMIO layout: {0}")]
     Layout(&'static str),
+    #[error("the PCI bus cannot be saved: {0}")]
+    NotSaved(&'static str),
     #[error("PCI slot {0:#04x} is taken or out of range")]
     SlotTaken(u8),
     #[error(
@@ -921,6 +923,23 @@ impl PciRoot {
         drop(downstream);
         self.bdf_of_path(path)
             .ok_or(PciError::Layout("no bus behind that bridge"))
+    }
+
+    /// Takes the function at `path` (behind a bridge, see [`PciRoot::add_behind`]) off
+    /// its bus (hot-unplug from a PCIe slot): from now on it reads all ones. Its BARs were
+    /// inside its bridges' windows, so nothing goes back to the root's windows. Returns
+    /// the function, if there was one.
+    pub fn remove_behind(&self, path: &[u8]) -> Option<SharedDevice> {
+        if path.len() < 2 {
+            return None;
+        }
+        let device = self
+            .downstream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(path)?;
+        log::info!("PCI {path:?} (path from bus 0): removed");
+        Some(device)
     }
 
     /// The highest bus number any bridge forwards to (0 without bridges).

@@ -27,6 +27,7 @@ mod p2p;
 mod pattern;
 mod pci;
 mod pci_topology;
+mod pcie_hotplug;
 mod region;
 mod smp;
 mod virtio;

@@ -36,6 +36,7 @@ pub fn run(info: &BootInfo) -> ! {
         "big-bars" => crate::bigbars::run(info, words.next_word(), words.next_word()),
         "edu" => crate::edu::run(info, words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
+        "pcie-hotplug" => crate::pcie_hotplug::run(words.next_word(), words.next_word()),
         "gpu-migrate" => crate::gpu_migrate::run(),
         "gpu-clique" => crate::gpu_clique::run(words.next_word()),
         "p2p" => crate::p2p::run(info, &mut words),

@@ -96,6 +96,7 @@ pub fn attach(
     let mut hotplug =
         crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
     hotplug.set_peer_dma(peers);
+    hotplug.add_root_ports(options.pcie_root_ports, count)?;
     // Hot-plugged GPUs continue the cold-plugged ones' clique numbering.
     hotplug.set_cliques(cliques);
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;

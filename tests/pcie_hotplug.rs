@@ -1,0 +1,197 @@
+//! GPU hot-plug into PCIe root ports end to end: a VM started with `--pcie-root-ports N`
+//! has N empty root ports with native hot-plug slots; PUT /gpus/{id} plugs the emulated
+//! GPU (`gpuvm-emu-gpu`, vfio-user) into a free one, and the test guest's `pcie-hotplug`
+//! workload drives the slot as Linux's pciehp does (presence detect, power on, link up;
+//! attention button with the port's MSI, power off), runs the `pci` checks on the device
+//! behind the port and checks its BARs lie in the port's windows.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuvm_tests::{api_boot, api_expect, gpu_body, wait_for_api_socket, Scratch, SpawnedProcess};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+fn socket_path(name: &str) -> PathBuf {
+    gpuvm_tests::socket_path("pcie-hp", name)
+}
+
+fn start_emu(socket: &Path) -> SpawnedProcess {
+    gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[])
+}
+
+/// A running VM with `ports` hot-plug root ports, the API on a socket, and `workload`
+/// as its command line; waits until the guest found the ports.
+fn start_vm(
+    name: &str,
+    ports: u8,
+    workload: &str,
+    env: &[(&str, &str)],
+) -> (SpawnedProcess, PathBuf) {
+    let api = socket_path(&format!("{name}-api"));
+    let ports = ports.to_string();
+    let args = [
+        "run",
+        "--api-sock",
+        api.to_str().expect("UTF-8 socket path"),
+        "--pcie-root-ports",
+        &ports,
+    ];
+    let mut vmm = SpawnedProcess::gpuvm_with_env(&args, env);
+    wait_for_api_socket(&mut vmm, &api);
+    api_boot(&api, workload);
+    vmm.wait_for_stdout("hot-plug root port(s); waiting for", LIMIT);
+    (vmm, api)
+}
+
+/// PUT /gpus/{id}: the answer's BDF, which must be device 0 of a bus behind bus 0.
+fn hot_plug(api: &Path, id: &str, socket: &Path) -> String {
+    let body = api_expect(
+        api,
+        200,
+        "PUT",
+        &format!("/gpus/{id}"),
+        Some(&gpu_body(id, socket)),
+    );
+    let answer: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    let bdf = answer["bdf"].as_str().expect("bdf").to_string();
+    assert!(
+        bdf.starts_with("0000:") && bdf.ends_with(":00.0") && !bdf.starts_with("0000:00:"),
+        "{bdf:?} is device 0 behind a root port"
+    );
+    bdf
+}
+
+fn ctl(api: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
+    let mut all = vec!["ctl", "--api-sock", api.to_str().unwrap()];
+    all.extend_from_slice(args);
+    gpuvm_tests::run_gpuvm(&all, LIMIT)
+}
+
+/// One root port, two devices in turn: each lands behind the port (the BDF says so), the
+/// guest powers the slot on, checks the device (MSI-X, DMA, BARs in the port's windows),
+/// and powers it off on DELETE, which removes it; the second goes into the same port.
+/// Around them: a plug with no free port left, DELETE of an unknown id, and a snapshot,
+/// which is refused with the VM left running.
+#[test]
+fn two_gpus_in_turn_through_one_root_port() {
+    let scratch = Scratch::new("pcie-hotplug", "turns");
+    let (mut vmm, api) = start_vm("turns", 1, "pcie-hotplug 2", &[]);
+    let out = vmm.stdout();
+    assert!(
+        out.contains("pcie-hotplug: 1 hot-plug root port(s)"),
+        "{out}"
+    );
+    let missing = api_expect(&api, 404, "DELETE", "/gpus/nothing", None);
+    assert!(missing.contains("nothing"), "{missing}");
+
+    let first = socket_path("first");
+    let emu_a = start_emu(&first);
+    let started = Instant::now();
+    let bdf = hot_plug(&api, "gpu0", &first);
+    vmm.wait_for_stdout("BARs inside the port's windows", LIMIT);
+    let out = vmm.stdout();
+    let bus = &bdf[5..7];
+    assert!(
+        out.contains(&format!(
+            "pcie-hotplug: device 1 at {bus}:00.0 passed the pci checks, BARs inside the port's windows"
+        )),
+        "{out}"
+    );
+    assert!(out.contains("pci: dma verified 65536 bytes"), "{out}");
+    eprintln!(
+        "plugged into {bdf}, checked by the guest after {:?}",
+        started.elapsed()
+    );
+
+    // The only port is taken: a second device is refused before anything is opened.
+    let extra = socket_path("extra");
+    let refused = api_expect(
+        &api,
+        409,
+        "PUT",
+        "/gpus/gpu1",
+        Some(&gpu_body("gpu1", &extra)),
+    );
+    assert!(refused.contains("no free PCIe root port"), "{refused}");
+
+    // A snapshot is refused cleanly; the VM keeps running with its device.
+    let snapshot = scratch.path("snap");
+    ctl(
+        &api,
+        &["snapshot-create", "--dir", snapshot.to_str().unwrap()],
+    )
+    .assert_clean_error("--pcie-root-ports");
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+    assert!(info.contains(r#""state":"attached""#), "{info}");
+
+    api_expect(&api, 204, "DELETE", "/gpus/gpu0", None);
+    vmm.wait_for_stdout("pcie-hotplug: device 1 removed", LIMIT);
+    let out = vmm.stdout();
+    assert!(
+        out.contains("pcie-hotplug: attention button pressed"),
+        "{out}"
+    );
+    assert!(out.contains("pcie-hotplug: MSI from 00:"), "{out}");
+    let emu_out = emu_a.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+    api_expect(&api, 404, "DELETE", "/gpus/gpu0", None);
+
+    let second = socket_path("second");
+    let emu_b = start_emu(&second);
+    let again = hot_plug(&api, "gpu1", &second);
+    assert_eq!(again, bdf, "the freed port takes the next device");
+    vmm.wait_for_stdout("pcie-hotplug: device 2 at", LIMIT);
+    api_expect(&api, 204, "DELETE", "/gpus/gpu1", None);
+    let out = vmm.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("pcie-hotplug: device 2 removed")
+        .assert_stdout_has("pcie-hotplug: ok");
+    emu_b.wait(Duration::from_secs(10));
+}
+
+/// A guest that never powers the slot off: DELETE answers 504 after the eject timeout,
+/// the device stays attached (the same id is still taken) and the VM keeps running.
+#[test]
+fn a_guest_that_never_powers_the_slot_off_times_the_delete_out() {
+    let socket = socket_path("keep");
+    let emu = start_emu(&socket);
+    let (mut vmm, api) = start_vm(
+        "keep",
+        2,
+        "pcie-hotplug 1 keep",
+        &[("GPUVM_HOTPLUG_EJECT_TIMEOUT_MS", "1500")],
+    );
+    hot_plug(&api, "gpu0", &socket);
+    vmm.wait_for_stdout("pcie-hotplug: keeping the device", LIMIT);
+    let started = Instant::now();
+    let error = api_expect(&api, 504, "DELETE", "/gpus/gpu0", None);
+    assert!(started.elapsed() >= Duration::from_millis(1400));
+    assert!(error.contains("gpu0"), "{error}");
+    let info = api_expect(&api, 200, "GET", "/", None);
+    assert!(info.contains(r#""state":"Running""#), "{info}");
+    assert!(info.contains(r#""state":"attached""#), "{info}");
+    api_expect(
+        &api,
+        409,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    ctl(&api, &["ctrl-alt-del"]).assert_code(0);
+    let out = vmm.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+    emu.wait(Duration::from_secs(10));
+}
+
+/// More root ports than gpuvm offers: refused before the VM starts, saying why.
+#[test]
+fn too_many_root_ports_are_refused() {
+    let out = gpuvm_tests::run_gpuvm(&["run", "--pcie-root-ports", "9"], LIMIT);
+    out.assert_clean_error("at most 8 root ports");
+}
