@@ -557,10 +557,13 @@ fn a_guest_that_does_not_eject_keeps_its_ram() {
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
 }
 
-/// With a passthrough device attached the VM does not shrink: gpuvm cannot take a DMA
-/// mapping back yet, and a device must never reach freed RAM. The guest is not even asked.
+/// With a passthrough device attached (the emulated GPU over vfio-user), a shrink takes
+/// the device's DMA mapping of the ejected range back before its pages are freed: the
+/// device process sees the unmap of exactly what it was given, the host frees the pages,
+/// and the range can be plugged and mapped again (the device refuses a mapping that
+/// overlaps one it still has).
 #[test]
-fn ram_is_not_removed_while_a_gpu_may_dma_to_it() {
+fn a_gpu_loses_its_dma_mapping_before_ejected_ram_is_freed() {
     let scratch = Scratch::new("memory_hotplug", "gpu-shrink");
     let api = scratch.path("api.sock");
     let mut vm = start(&scratch, &api);
@@ -575,13 +578,30 @@ fn ram_is_not_removed_while_a_gpu_may_dma_to_it() {
         "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
         LIMIT,
     );
+    let mapping = "0x100000000+0x10000000";
+    emu.wait_for_stderr(&format!("emu-gpu: DMA map {mapping}"), LIMIT);
     let before = guest_ram_allocated(vm.pid());
-    let answer = resize(&api, 409, &desired(256));
-    assert!(answer.contains("passthrough device(s)"), "{answer}");
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(!vm.stdout().contains("ejected"), "{}", vm.stdout());
-    assert_eq!(ram(&api).0, 512);
-    assert!(guest_ram_allocated(vm.pid()) >= before);
+    resize(&api, 204, &desired(256));
+    vm.wait_for_stdout("memory-hotplug: slot 0 base=0x100000000 ejected", LIMIT);
+    emu.wait_for_stderr(&format!("emu-gpu: DMA unmap {mapping}"), LIMIT);
+    assert_eq!(ram(&api).0, 256);
+    let after = guest_ram_allocated(vm.pid());
+    assert!(
+        before.saturating_sub(after) >= 248 * MIB,
+        "the host kept the slot's pages: {before} bytes allocated before, {after} after"
+    );
+    vm.wait_for_stderr("DMA mapping removed for", LIMIT);
+    // The same range again: mapped anew for the device, and the guest's memtest passes.
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout("memory-hotplug: 2 slot(s), 536870912 bytes added", LIMIT);
+    assert_eq!(
+        emu.stderr()
+            .matches(&format!("emu-gpu: DMA map {mapping}"))
+            .count(),
+        2,
+        "{}",
+        emu.stderr()
+    );
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     let out = vm.wait(LIMIT);
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());

@@ -41,6 +41,9 @@ pub trait DmaMapper: Send + Sync {
     /// The host range must stay mapped (and never be referenced as Rust data the device
     /// could race with) for as long as the IOMMU mapping exists.
     unsafe fn map(&self, chunk: &DmaRegion) -> std::io::Result<()>;
+    /// Removes the mapping [`DmaMapper::map`] made at `guest_addr` with `size` bytes (RAM
+    /// the guest gave back: only once this returns may its host pages be freed).
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()>;
 }
 
 /// Says when a chunk of guest RAM holds what the guest should see, so it may be pinned.
@@ -539,6 +542,13 @@ pub(crate) mod tests {
                 return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
             }
             self.calls.lock().unwrap().push(chunk.guest_addr);
+            Ok(())
+        }
+        fn unmap(&self, guest_addr: u64, _size: u64) -> std::io::Result<()> {
+            self.calls
+                .lock()
+                .unwrap()
+                .retain(|&iova| iova != guest_addr);
             Ok(())
         }
     }

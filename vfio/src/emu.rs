@@ -624,6 +624,7 @@ impl ServerBackend for EmuGpu {
     }
 
     fn dma_unmap(&mut self, _flags: DmaUnmapFlags, address: u64, size: u64) -> std::io::Result<()> {
+        log::info!("emu-gpu: DMA unmap {address:#x}+{size:#x}");
         self.dma.retain(|m| {
             let keep = !(m.guest_addr == address && m.size == size);
             if !keep {

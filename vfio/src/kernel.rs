@@ -77,6 +77,12 @@ impl DmaMapper for OpsMapper {
         }
         .map_err(|e| std::io::Error::other(e.to_string()))
     }
+
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.ops
+            .vfio_dma_unmap(guest_addr, size as usize)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
 }
 
 /// A type1 container maps peers' BARs from the host addresses where gpuvm mmapped them:
@@ -92,9 +98,7 @@ impl PeerMapper for OpsMapper {
     }
 
     fn unmap_peer(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
-        self.ops
-            .vfio_dma_unmap(guest_addr, size as usize)
-            .map_err(|e| std::io::Error::other(e.to_string()))
+        DmaMapper::unmap(self, guest_addr, size)
     }
 }
 

@@ -433,6 +433,9 @@ fn gated_device(
             }
             Ok(())
         }
+        fn unmap(&self, _guest_addr: u64, _size: u64) -> std::io::Result<()> {
+            Ok(())
+        }
     }
     let backend = FakeBackend::new("gated", false);
     let writes = backend.command_writes.clone();

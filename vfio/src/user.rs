@@ -453,6 +453,14 @@ impl DmaMapper for UserDmaMapper {
                 std::io::Error::other(format!("vfio-user DMA map: {e}"))
             })
     }
+
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.check_health("DMA unmap")?;
+        lock(&self.client).dma_unmap(guest_addr, size).map_err(|e| {
+            note_failure(&self.health, &self.name, "DMA unmap", self.timeout, &e);
+            std::io::Error::other(format!("vfio-user DMA unmap: {e}"))
+        })
+    }
 }
 
 impl UserDmaMapper {
@@ -480,11 +488,7 @@ impl PeerMapper for UserDmaMapper {
     }
 
     fn unmap_peer(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
-        self.check_health("DMA unmap")?;
-        lock(&self.client).dma_unmap(guest_addr, size).map_err(|e| {
-            note_failure(&self.health, &self.name, "DMA unmap", self.timeout, &e);
-            std::io::Error::other(format!("vfio-user DMA unmap: {e}"))
-        })
+        DmaMapper::unmap(self, guest_addr, size)
     }
 }
 

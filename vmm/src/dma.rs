@@ -75,6 +75,9 @@ impl DmaMapper for FailingMapper {
     fn max_parallel(&self) -> usize {
         self.0.max_parallel()
     }
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.0.unmap(guest_addr, size)
+    }
     unsafe fn map(&self, _chunk: &DmaRegion) -> std::io::Result<()> {
         Err(std::io::Error::other(format!(
             "injected failure ({DMA_FAIL_HOOK})"
@@ -89,8 +92,8 @@ pub(crate) struct RamChunks {
     /// A handle on guest RAM's mappings (and the memfd they map) that the mapper thread
     /// holds until it ends.
     memory: vm_memory::GuestMemoryMmap,
-    /// The same for RAM hot-plugged since ([`RamChunks::add`]).
-    added: Vec<vm_memory::GuestMemoryMmap>,
+    /// The same for RAM hot-plugged since ([`RamChunks::add`]), by its first guest address.
+    added: Vec<(u64, vm_memory::GuestMemoryMmap)>,
 }
 
 /// [`DMA_CHUNK`], or what [`DMA_CHUNK_HOOK`] asks for when it is a power of two of at
@@ -156,7 +159,22 @@ impl RamChunks {
         let chunks = plan_chunks(&Self::regions_of(ram), chunk, ram.page_size());
         self.total += chunks.iter().map(|c| c.size).sum::<u64>();
         self.chunks.extend(chunks);
-        self.added.push(ram.memory().clone());
+        let start = ram.regions().first().map_or(0, |r| r.guest_addr);
+        self.added.push((start, ram.memory().clone()));
+    }
+
+    /// Drops hot-plugged RAM the guest gave back (`guest_addr`, `size` bytes): devices
+    /// plugged from now on do not map it.
+    pub(crate) fn remove(&mut self, guest_addr: u64, size: u64) {
+        let end = guest_addr.saturating_add(size);
+        self.chunks.retain(|chunk| {
+            let inside = chunk.guest_addr >= guest_addr && chunk.guest_addr + chunk.size <= end;
+            if inside {
+                self.total -= chunk.size;
+            }
+            !inside
+        });
+        self.added.retain(|(start, _)| *start != guest_addr);
     }
 
     /// Starts mapping all chunks with `mapper` on a thread (under the VMM's seccomp

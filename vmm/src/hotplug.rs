@@ -333,6 +333,11 @@ impl PciHotplug {
         self.ram.add(ram);
     }
 
+    /// Hot-plugged RAM the guest gave back: devices plugged from now on leave it out.
+    pub(crate) fn remove_ram(&mut self, guest_addr: u64, size: u64) {
+        self.ram.remove(guest_addr, size);
+    }
+
     /// The register block, for the port-I/O bus.
     pub fn controller(&self) -> Arc<Mutex<HotplugController>> {
         self.controller.clone()

@@ -19,11 +19,10 @@
 //! block's remove event and the GED interrupt; Linux offlines the range and runs `_EJ0`)
 //! and the resize answers once it did, or with an error after [`memory_eject_timeout`]
 //! (the request is withdrawn and the RAM stays the guest's). Once ejected, on the VMM
-//! thread: the KVM memory slot goes, then the host pages (a hole punched in the file's
-//! range), then the slot is free for a later grow. Passthrough devices would have to lose
-//! their DMA mapping of the range first, which gpuvm's DMA mappers cannot do yet
-//! (`DmaMapper` has no unmap): a shrink is refused while one is attached, and RAM a guest
-//! ejects on its own then stays allocated (a device must never reach freed RAM).
+//! thread: every passthrough device's DMA mapping of the range goes first (a device must
+//! never reach freed RAM; if one cannot be removed the RAM stays allocated), then the KVM
+//! memory slot, then the host pages (a hole punched in the file's range), and the slot is
+//! free for a later grow; devices hot-plugged later no longer map the range.
 //!
 //! What the area's early mapping costs: a guest that points a virtio buffer into a part
 //! of the area it was not given gets zeroes and, for writes, makes the host allocate
@@ -157,11 +156,6 @@ pub enum MemoryResizeError {
     NotSlotBoundary { desired: u64, sizes: Vec<u64> },
     #[error("the VM is paused: resume it first (the guest has to eject the RAM)")]
     Paused,
-    #[error(
-        "passthrough device(s) {0} are attached: gpuvm cannot take DMA mappings of guest \
-         RAM back yet, so RAM cannot be removed while a device may reach it"
-    )]
-    Passthrough(String),
     #[error("the lazy restore has not loaded guest RAM yet: remove RAM once it is done")]
     LazyLoading,
     #[error("the guest is still asked to eject hot-plugged RAM: resize once that is done")]
@@ -213,6 +207,15 @@ pub enum MemoryResizeError {
         device: String,
         error: std::io::Error,
     },
+    #[error(
+        "cannot take passthrough device {device}'s DMA mapping of the RAM the guest ejected \
+         at {guest_addr:#x} back: {error}; the RAM stays allocated"
+    )]
+    DmaUnmap {
+        device: String,
+        guest_addr: u64,
+        error: std::io::Error,
+    },
 }
 
 impl MemoryResizeError {
@@ -228,13 +231,13 @@ impl MemoryResizeError {
             | MemoryResizeError::NoSlot
             | MemoryResizeError::NoRoom(_) => 400,
             MemoryResizeError::Paused
-            | MemoryResizeError::Passthrough(_)
             | MemoryResizeError::LazyLoading
             | MemoryResizeError::RemovalPending => 409,
             MemoryResizeError::EjectTimeout { .. } => 504,
             MemoryResizeError::Ram(_)
             | MemoryResizeError::Kvm(_)
-            | MemoryResizeError::Dma { .. } => 500,
+            | MemoryResizeError::Dma { .. }
+            | MemoryResizeError::DmaUnmap { .. } => 500,
         }
     }
 }
@@ -396,22 +399,6 @@ impl Machine {
             self.ram_granule(),
         )
     }
-
-    /// The passthrough devices that map guest RAM for DMA, by name ("" if none).
-    fn dma_mapper_names(&self) -> String {
-        let hot = self
-            .devices
-            .pci_hotplug
-            .iter()
-            .flat_map(|hotplug| hotplug.dma_mappings());
-        self.devices
-            .dma_mappings
-            .iter()
-            .chain(hot)
-            .map(|mapping| mapping.mapper().name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
 }
 
 impl RunningMachine<'_> {
@@ -486,10 +473,6 @@ impl RunningMachine<'_> {
         if self.machine.paused {
             return Err(MemoryResizeError::Paused);
         }
-        let devices = self.machine.dma_mapper_names();
-        if !devices.is_empty() {
-            return Err(MemoryResizeError::Passthrough(devices));
-        }
         if !self.machine.lazy_progress().unwrap_or(false) {
             return Err(MemoryResizeError::LazyLoading);
         }
@@ -549,25 +532,15 @@ impl RunningMachine<'_> {
         Ok(())
     }
 
-    /// Frees the RAM of every slot the guest ejected: its KVM memory slot goes, then its
-    /// host pages, then the slot is free again. Passthrough devices would have to lose
-    /// their DMA mapping of it first, which gpuvm cannot do yet: with one attached the
-    /// RAM stays allocated (and counted) so that no device can reach freed memory.
+    /// Frees the RAM of every slot the guest ejected: every passthrough device's DMA
+    /// mapping of it goes first, then its KVM memory slot, then its host pages, then the
+    /// slot is free again. A mapping that cannot be removed keeps the RAM allocated (and
+    /// counted): no device may reach freed memory.
     fn free_ejected_ram(&mut self) -> Result<(), MemoryResizeError> {
-        let devices = self.machine.dma_mapper_names();
         let Some(hotplug) = self.machine.ram_hotplug.as_mut() else {
             return Ok(());
         };
         let ejected = lock(&hotplug.block).ejected_slots();
-        if ejected.is_empty() {
-            return Ok(());
-        }
-        if !devices.is_empty() {
-            log::warn!(
-                "the guest ejected hot-plugged RAM slot(s) {ejected:?}; kept allocated while passthrough device(s) {devices} may DMA to it"
-            );
-            return Ok(());
-        }
         for slot in ejected {
             let Some(at) = hotplug.added.iter().position(|added| added.slot == slot) else {
                 lock(&hotplug.block).release_ejected(slot);
@@ -578,6 +551,7 @@ impl RunningMachine<'_> {
                 .host_regions()
                 .next()
                 .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
+            dma_unmap(&mut self.machine.devices, ram)?;
             let removed = kvm_userspace_memory_region {
                 slot: FIRST_HOTPLUG_RAM_SLOT + u32::from(slot),
                 guest_phys_addr: range.guest_addr,
@@ -595,6 +569,9 @@ impl RunningMachine<'_> {
                     "hot-plugged RAM at {:#x}: cannot free its host pages: {error}",
                     range.guest_addr
                 );
+            }
+            if let Some(pci_hotplug) = self.machine.devices.pci_hotplug.as_mut() {
+                pci_hotplug.remove_ram(range.guest_addr, range.size);
             }
             hotplug.added.remove(at);
             hotplug.layout += 1;
@@ -740,6 +717,14 @@ impl Machine {
     }
 }
 
+/// The DMA mappings of guest RAM of every passthrough device, cold- and hot-plugged.
+fn dma_mappings(
+    devices: &crate::devices::MachineDevices,
+) -> impl Iterator<Item = &gpuvm_vfio::dma::BackgroundMapping> {
+    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
+    devices.dma_mappings.iter().chain(hot)
+}
+
 /// Maps `ram` for every passthrough device, cold- and hot-plugged, before the guest may
 /// use it (through each device's mapper, on this thread, so that it is done when this
 /// returns).
@@ -747,8 +732,7 @@ fn dma_map(
     devices: &mut crate::devices::MachineDevices,
     ram: &GuestRam,
 ) -> Result<(), MemoryResizeError> {
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
-    for mapping in devices.dma_mappings.iter().chain(hot) {
+    for mapping in dma_mappings(devices) {
         let mapper = mapping.mapper();
         for region in RamChunks::regions_of(ram) {
             // SAFETY: `ram` stays mapped for as long as the machine, which drops its
@@ -760,6 +744,32 @@ fn dma_map(
         }
         log::info!(
             "hot-plugged RAM at {:#x}: DMA-mapped for {}",
+            ram.regions().first().map_or(0, |r| r.guest_addr),
+            mapper.name()
+        );
+    }
+    Ok(())
+}
+
+/// Takes every passthrough device's DMA mapping of `ram` (RAM the guest ejected) back,
+/// as [`dma_map`] made it, before its pages may be freed.
+fn dma_unmap(
+    devices: &mut crate::devices::MachineDevices,
+    ram: &GuestRam,
+) -> Result<(), MemoryResizeError> {
+    for mapping in dma_mappings(devices) {
+        let mapper = mapping.mapper();
+        for region in RamChunks::regions_of(ram) {
+            mapper
+                .unmap(region.guest_addr, region.size)
+                .map_err(|error| MemoryResizeError::DmaUnmap {
+                    device: mapper.name(),
+                    guest_addr: region.guest_addr,
+                    error,
+                })?;
+        }
+        log::info!(
+            "ejected RAM at {:#x}: DMA mapping removed for {}",
             ram.regions().first().map_or(0, |r| r.guest_addr),
             mapper.name()
         );
