@@ -737,7 +737,16 @@ pub fn build_with_numa(
     let cpu_hotplug = (config.max_vcpus > config.vcpus).then_some(cpus::CpuHotplugAml {
         max_vcpus: config.max_vcpus,
     });
-    let memory_hotplug = config.memory_hotplug.then_some(memory::MemoryHotplugAml);
+    let memory_hotplug = config.memory_hotplug.then_some(memory::MemoryHotplugAml {
+        // The node the SRAT gives the hot-plug area.
+        proximity_domain: numa.and_then(|topology| {
+            topology
+                .memory
+                .iter()
+                .find(|range| range.hotpluggable)
+                .map(|range| range.domain)
+        }),
+    });
     let dsdt = dsdt(
         &config.pci_segments,
         config.power_off,

@@ -45,11 +45,17 @@ fn slot_name(slot: u8) -> String {
     format!("MP{slot:02X}")
 }
 
-/// `\_SB.MHPC` with [`MEMORY_HOTPLUG_SLOTS`] memory devices.
-pub struct MemoryHotplugAml;
+/// `\_SB.MHPC` with [`MEMORY_HOTPLUG_SLOTS`] memory devices; with NUMA nodes, each has the
+/// proximity domain of the hot-plug area (`_PXM`, as the SRAT's hot-pluggable range says),
+/// so the guest adds the RAM to that node.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemoryHotplugAml {
+    pub proximity_domain: Option<u32>,
+}
 
 struct MemoryDeviceAml {
     slot: u8,
+    proximity_domain: Option<u32>,
 }
 
 impl Aml for MemoryDeviceAml {
@@ -68,18 +74,17 @@ impl Aml for MemoryDeviceAml {
         let ost = aml::Method::new("_OST".into(), 3, false, vec![&ost_call]);
         let ej0_call = aml::MethodCall::new("MEJ0".into(), vec![&uid, &aml::Arg(0)]);
         let ej0 = aml::Method::new("_EJ0".into(), 1, false, vec![&ej0_call]);
-        aml::Device::new(
-            slot_name(self.slot).as_str().into(),
-            vec![
-                &aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C80")),
-                &aml::Name::new("_UID".into(), &uid),
-                &crs,
-                &sta,
-                &ost,
-                &ej0,
-            ],
-        )
-        .to_aml_bytes(sink);
+        let hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C80"));
+        let uid_name = aml::Name::new("_UID".into(), &uid);
+        let pxm = self
+            .proximity_domain
+            .map(|domain| aml::Name::new("_PXM".into(), &domain));
+        let mut children: Vec<&dyn Aml> = vec![&hid, &uid_name];
+        if let Some(pxm) = &pxm {
+            children.push(pxm);
+        }
+        children.extend([&crs as &dyn Aml, &sta, &ost, &ej0]);
+        aml::Device::new(slot_name(self.slot).as_str().into(), children).to_aml_bytes(sink);
     }
 }
 
@@ -276,7 +281,10 @@ impl Aml for MemoryHotplugAml {
         let uid = aml::Name::new("_UID".into(), &"Memory hotplug resources");
         let mutex = aml::Mutex::new("MLCK".into(), 0);
         let devices: Vec<MemoryDeviceAml> = (0..MEMORY_HOTPLUG_SLOTS)
-            .map(|slot| MemoryDeviceAml { slot })
+            .map(|slot| MemoryDeviceAml {
+                slot,
+                proximity_domain: self.proximity_domain,
+            })
             .collect();
         let mut children: Vec<&dyn Aml> = vec![
             &hid, &uid, &mutex, &region, &reads, &writes, &flags, &msta, &mcrs, &most, &mej0,
@@ -298,7 +306,8 @@ mod tests {
     #[test]
     fn every_slot_has_a_memory_device_with_its_methods() {
         let mut aml = Vec::new();
-        MemoryHotplugAml.to_aml_bytes(&mut aml);
+        MemoryHotplugAml::default().to_aml_bytes(&mut aml);
+        assert!(!contains(&aml, b"_PXM"), "no NUMA, no _PXM");
         for name in [
             b"MHPC", b"MLCK", b"MHPR", b"MSEL", b"MBAL", b"MLNH", b"MEN_", b"MINS", b"MEVN",
             b"MSTA", b"MCRS", b"MOST", b"MEJ0", b"MTFY", b"MSCN", b"_OST", b"_EJ0", b"_CRS",
@@ -323,5 +332,21 @@ mod tests {
         assert!(contains(&aml, &port));
         // A fixed, small size whatever the hot-plug size (the DSDT shares 64 KiB).
         assert!(aml.len() < 4096, "{} bytes", aml.len());
+    }
+
+    #[test]
+    fn with_numa_every_memory_device_has_the_hot_plug_areas_domain() {
+        let mut aml = Vec::new();
+        MemoryHotplugAml {
+            proximity_domain: Some(1),
+        }
+        .to_aml_bytes(&mut aml);
+        let mut pxm = Vec::new();
+        aml::Name::new("_PXM".into(), &1u32).to_aml_bytes(&mut pxm);
+        let count = aml
+            .windows(pxm.len())
+            .filter(|w| *w == pxm.as_slice())
+            .count();
+        assert_eq!(count, usize::from(MEMORY_HOTPLUG_SLOTS));
     }
 }
