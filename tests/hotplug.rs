@@ -82,9 +82,7 @@ fn hot_plug(api: &Path, id: &str, socket: &Path) -> String {
 }
 
 fn ctl(api: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
-    let mut all = vec!["ctl", "--api-sock", api.to_str().unwrap()];
-    all.extend_from_slice(args);
-    gpuvm_tests::run_gpuvm(&all, LIMIT)
+    gpuvm_tests::gpuvm_ctl(api, args, LIMIT)
 }
 
 /// Two devices, one after the other, into one running VM: each is hot-plugged at a

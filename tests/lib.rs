@@ -117,6 +117,17 @@ pub fn run_gpuvm(args: &[&str], limit: Duration) -> RunOutput {
     run_gpuvm_until(args, limit, None)
 }
 
+/// `gpuvm ctl --api-sock API ARGS` (the CLI client of gpuvm's API), run to its end.
+pub fn gpuvm_ctl(api: &Path, args: &[&str], limit: Duration) -> RunOutput {
+    let mut all = vec![
+        "ctl",
+        "--api-sock",
+        api.to_str().expect("UTF-8 socket path"),
+    ];
+    all.extend_from_slice(args);
+    run_gpuvm(&all, limit)
+}
+
 /// Runs `gpuvm ARGS`; once a whole line with `stop_at` is on stdout the process is killed (for
 /// guests that never end by themselves, like Linux on this host). Panics after `limit`.
 pub fn run_gpuvm_until(args: &[&str], limit: Duration, stop_at: Option<&str>) -> RunOutput {

@@ -190,10 +190,8 @@ fn check_host_reports_truthfully() {
     assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
 }
 
-fn ctl(socket: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
-    let mut all = vec!["ctl", "--api-sock", socket.to_str().expect("utf-8 path")];
-    all.extend_from_slice(args);
-    run_gpuvm(&all, LIMIT)
+fn ctl(api: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
+    gpuvm_tests::gpuvm_ctl(api, args, LIMIT)
 }
 
 /// A GPU attached through PUT /gpus/{id} (`gpuvm ctl add-gpu`), the guest's `pci`

@@ -67,9 +67,7 @@ fn hot_plug(api: &Path, id: &str, socket: &Path) -> String {
 }
 
 fn ctl(api: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
-    let mut all = vec!["ctl", "--api-sock", api.to_str().unwrap()];
-    all.extend_from_slice(args);
-    gpuvm_tests::run_gpuvm(&all, LIMIT)
+    gpuvm_tests::gpuvm_ctl(api, args, LIMIT)
 }
 
 /// One root port, two devices in turn: each lands behind the port (the BDF says so), the
