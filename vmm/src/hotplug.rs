@@ -274,10 +274,15 @@ impl PciHotplug {
             })
     }
 
+    /// The root port `id`'s device is in; None for a device on bus 0.
+    fn port_holding(&self, id: &str) -> Option<&HotplugPort> {
+        self.port_of.get(id).and_then(|&i| self.ports.get(i))
+    }
+
     /// Asks the guest to give up `id`'s device at `bdf`: its root port's attention button
     /// is pressed, or (bus 0) its ACPI slot's eject is requested.
     fn ask_eject(&self, id: &str, bdf: PciBdf) {
-        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+        match self.port_holding(id) {
             Some(port) => lock(&port.bridge).press_attention_button(),
             None => lock(&self.controller).request_eject(bdf.device),
         }
@@ -286,7 +291,7 @@ impl PciHotplug {
     /// Whether the guest let `id`'s device at `bdf` go: it turned its root port's slot
     /// off, or (bus 0) ejected its ACPI slot.
     fn let_go(&self, id: &str, bdf: PciBdf) -> bool {
-        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+        match self.port_holding(id) {
             Some(port) => lock(&port.bridge).take_powered_off(),
             None => lock(&self.controller).take_ejected(bdf.device),
         }
@@ -294,7 +299,7 @@ impl PciHotplug {
 
     /// Withdraws the request of [`PciHotplug::ask_eject`].
     fn withdraw_eject(&self, id: &str, bdf: PciBdf) {
-        match self.port_of.get(id).and_then(|&i| self.ports.get(i)) {
+        match self.port_holding(id) {
             Some(port) => lock(&port.bridge).release_attention_button(),
             None => lock(&self.controller).cancel_eject(bdf.device),
         }

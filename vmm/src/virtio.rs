@@ -395,6 +395,19 @@ pub struct VirtioHandle {
     pub gsis: Vec<u32>,
 }
 
+impl VirtioHandle {
+    /// Runs `work` on the device behind the transport (locked meanwhile) when it is a `T`;
+    /// None when it is another kind of device.
+    pub fn with_device<T: 'static, R>(&self, work: impl FnOnce(&mut T) -> R) -> Option<R> {
+        let mut transport = lock(&self.transport);
+        let device = transport
+            .device_mut()
+            .as_any_mut()
+            .and_then(|any| any.downcast_mut::<T>())?;
+        Some(work(device))
+    }
+}
+
 /// One virtio device in a snapshot: how it was configured, the PCI segment it was on
 /// (absent in older states: 0) and its transport's state (which holds the device's own).
 #[derive(Debug, Serialize, Deserialize)]
@@ -713,15 +726,10 @@ pub fn with_balloon<T>(
     handles: &[VirtioHandle],
     work: impl FnOnce(&mut Balloon) -> T,
 ) -> Option<T> {
-    let handle = handles
+    handles
         .iter()
-        .find(|h| matches!(h.config, VirtioDeviceConfig::Balloon(_)))?;
-    let mut transport = lock(&handle.transport);
-    let balloon = transport
-        .device_mut()
-        .as_any_mut()
-        .and_then(|any| any.downcast_mut::<Balloon>())?;
-    Some(work(balloon))
+        .find(|h| matches!(h.config, VirtioDeviceConfig::Balloon(_)))?
+        .with_device(work)
 }
 
 /// Loads each saved state into the device built from the same configuration (matched by
@@ -801,23 +809,21 @@ pub fn update_drive(
         .iter()
         .find(|h| matches!(&h.config, VirtioDeviceConfig::Block(c) if c.drive_id == id))
         .ok_or_else(|| DriveUpdateError::NoSuchDrive(id.to_string()))?;
-    let mut transport = lock(&handle.transport);
-    let block = transport
-        .device_mut()
-        .as_any_mut()
-        .and_then(|any| any.downcast_mut::<Block>())
-        .ok_or_else(|| DriveUpdateError::NoSuchDrive(id.to_string()))?;
     let block_error = |source| DriveUpdateError::Block {
         id: id.to_string(),
         source,
     };
-    if let Some(path) = path {
-        block.update_backing(path).map_err(block_error)?;
-    }
-    if let Some(config) = rate_limiter {
-        block.update_rate_limiter(config).map_err(block_error)?;
-    }
-    Ok(())
+    handle
+        .with_device(|block: &mut Block| {
+            if let Some(path) = path {
+                block.update_backing(path).map_err(block_error)?;
+            }
+            if let Some(config) = rate_limiter {
+                block.update_rate_limiter(config).map_err(block_error)?;
+            }
+            Ok(())
+        })
+        .ok_or_else(|| DriveUpdateError::NoSuchDrive(id.to_string()))?
 }
 
 #[cfg(test)]

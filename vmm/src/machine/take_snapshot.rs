@@ -399,14 +399,11 @@ impl Machine {
                 return Err(error.into());
             }
         };
-        self.memory_chain = Some(MemoryChain {
+        self.set_memory_chain(MemoryChain {
             dir: dir.to_path_buf(),
             files,
             last: stats.info.clone(),
         });
-        if let Some(hotplug) = self.ram_hotplug.as_mut() {
-            hotplug.note_chain_layout();
-        }
         Ok((memory_file, stats, memory_time))
     }
 

@@ -157,22 +157,14 @@ fn drive_images(
         let VirtioDeviceConfig::Block(config) = &handle.config else {
             continue;
         };
-        let mut transport = handle
-            .transport
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let block = transport
-            .device_mut()
-            .as_any_mut()
-            .and_then(|any| any.downcast_mut::<gpuvm_virtio::block::Block>())
+        let image = handle
+            .with_device(gpuvm_virtio::block::Block::image_descriptor)
             .ok_or_else(|| {
                 UpdateError::Save(format!(
                     "drive {} is not a virtio-blk device",
                     config.drive_id
                 ))
-            })?;
-        let image = block
-            .image_descriptor()
+            })?
             .map_err(|e| UpdateError::Save(format!("drive {}: {e}", config.drive_id)))?;
         drives.push(config.drive_id.clone());
         images.push(image);
@@ -191,22 +183,14 @@ fn interface_taps(
         let VirtioDeviceConfig::Net(config) = &handle.config else {
             continue;
         };
-        let mut transport = handle
-            .transport
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let net = transport
-            .device_mut()
-            .as_any_mut()
-            .and_then(|any| any.downcast_mut::<gpuvm_virtio::net::Net>())
+        let queues = handle
+            .with_device(gpuvm_virtio::net::Net::tap_descriptors)
             .ok_or_else(|| {
                 UpdateError::Save(format!(
                     "interface {} is not a virtio-net device",
                     config.iface_id
                 ))
-            })?;
-        let queues = net
-            .tap_descriptors()
+            })?
             .map_err(|e| UpdateError::Save(e.to_string()))?;
         interfaces.push(protocol::OfferedInterface {
             iface_id: config.iface_id.clone(),
@@ -317,16 +301,8 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
             continue;
         };
         queues += usize::from(config.num_queue_pairs);
-        let mut transport = handle
-            .transport
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let serves_mmds = transport
-            .device_mut()
-            .as_any_mut()
-            .and_then(|any| any.downcast_mut::<gpuvm_virtio::net::Net>())
-            .is_some_and(|net| net.serves_mmds());
-        if serves_mmds {
+        let serves_mmds = handle.with_device(|net: &mut gpuvm_virtio::net::Net| net.serves_mmds());
+        if serves_mmds == Some(true) {
             return Err(UpdateError::unsupported(
                 format!("a VM whose interface {} answers MMDS", config.iface_id),
                 Some("the metadata store is not handed over yet"),
