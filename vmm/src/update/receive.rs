@@ -485,6 +485,57 @@ mod tests {
         accept_from(&listener, std::process::id(), Duration::from_secs(5)).unwrap();
     }
 
+    /// An offer from `meta` with the four descriptors every offer has (this process's
+    /// stdio and /dev/null for the RAM) and `extra`; what `accept` answers it with.
+    fn accept_offer(
+        meta: &OfferMeta,
+        extra: &[std::os::fd::RawFd],
+    ) -> Result<Incoming, UpdateError> {
+        use std::os::fd::AsRawFd;
+        let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-receive-").unwrap();
+        let path = dir.path().join("handover.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let old = UnixStream::connect(&path).unwrap();
+        let ram = std::fs::File::open("/dev/null").unwrap();
+        let mut fds = vec![ram.as_raw_fd(), 0, 1, 2];
+        fds.extend_from_slice(extra);
+        let payload = serde_json::to_vec(meta).unwrap();
+        protocol::send(&old, MessageKind::Offer, &payload, &fds).unwrap();
+        accept(&listener, std::process::id(), Duration::from_secs(5))
+    }
+
+    /// A forged offer's tap queues: a descriptor that is not an attached tap queue is
+    /// refused by name, and so is a descriptor count that is not the queues' count.
+    #[test]
+    fn handed_over_tap_queues_are_checked_before_anything_is_taken() {
+        use std::os::fd::AsRawFd;
+        let meta = OfferMeta {
+            ram_size: 0,
+            huge_tmpfs: false,
+            vcpu_ids: vec![0],
+            old_pid: std::process::id(),
+            drives: Vec::new(),
+            interfaces: vec![protocol::OfferedInterface {
+                iface_id: "eth0".into(),
+                queues: 1,
+            }],
+        };
+        let not_a_tap = std::fs::File::open("/dev/null").unwrap();
+        let error = accept_offer(&meta, &[not_a_tap.as_raw_fd()])
+            .err()
+            .expect("a descriptor that is no tap")
+            .to_string();
+        assert!(error.contains("interface eth0"), "{error}");
+        let error = accept_offer(&meta, &[])
+            .err()
+            .expect("one descriptor short")
+            .to_string();
+        assert!(
+            error.contains("one for each tap queue of its 1 interfaces"),
+            "{error}"
+        );
+    }
+
     #[test]
     fn a_state_of_an_unknown_version_is_refused() {
         let mut framed = Vec::new();
