@@ -142,10 +142,14 @@ pub enum VmmAction {
     /// Boot the VM [`VmmAction::CreateVm`] made (Cloud Hypervisor's vm.boot): 404 when
     /// none was created, 409 once booted.
     BootCreated,
-    /// A device added to a created VM (Cloud Hypervisor's vm.add-*): configured before
-    /// boot (answers Empty), hot-plugged after (answers `{id, bdf}`), its id made up
-    /// when the client gave none; checked and carried out as one step.
-    AddDevice(AddDevice),
+    /// A device added to a created VM (Cloud Hypervisor's vm.add-*): the client's request,
+    /// turned into an [`AddDevice`] against the client's record as it stands when the
+    /// controller takes it (so the peer's own rules see the configuration the device
+    /// joins), configured before boot (answers Empty) or hot-plugged after (answers
+    /// `{id, bdf}`; a hot-plug the VM cannot take now is a bad request naming the
+    /// device's kind), its id made up when the client gave none: checked and carried out
+    /// as one step.
+    AddDevice(AddDeviceRequest),
     /// A restore whose snapshot's network interfaces take tap queues passed as
     /// descriptors (Cloud Hypervisor's vm.restore `net_fds`), as one step; the restored
     /// VM counts as created.
@@ -202,6 +206,38 @@ pub struct ClientDevice {
     pub body: serde_json::Value,
 }
 
+/// How a client's device request becomes an [`AddDevice`]: given the client's record as
+/// the controller holds it when it takes the action.
+type DeviceTranslation = Box<dyn FnOnce(&ClientRecord) -> Result<AddDevice, ActionError> + Send>;
+
+/// The request of [`VmmAction::AddDevice`]: the front end's translation of the client's
+/// body, run by the controller so that the check and the add are one step (a second add
+/// between them cannot change what was checked).
+pub struct AddDeviceRequest(DeviceTranslation);
+
+impl AddDeviceRequest {
+    pub fn new(
+        translate: impl FnOnce(&ClientRecord) -> Result<AddDevice, ActionError> + Send + 'static,
+    ) -> Self {
+        AddDeviceRequest(Box::new(translate))
+    }
+
+    /// A device already in gpuvm's terms, whatever the record holds.
+    pub fn ready(add: AddDevice) -> Self {
+        AddDeviceRequest::new(move |_| Ok(add))
+    }
+
+    pub fn translate(self, record: &ClientRecord) -> Result<AddDevice, ActionError> {
+        (self.0)(record)
+    }
+}
+
+impl std::fmt::Debug for AddDeviceRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AddDeviceRequest")
+    }
+}
+
 /// A device for [`VmmAction::AddDevice`].
 #[derive(Debug)]
 pub struct AddDevice {
@@ -217,6 +253,8 @@ pub struct AddDevice {
     pub named_by_client_id: bool,
     /// The PCI segment the client asked for; hot-plug happens on segment 0 only.
     pub segment: u16,
+    /// What the client calls this kind of device ("disk", "GPU"), for a refused hot-plug.
+    pub noun: String,
     /// Where the client's body goes in its [`ClientRecord`], and the body.
     pub section: String,
     pub body: serde_json::Value,

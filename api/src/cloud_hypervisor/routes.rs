@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use serde_json::{json, Value};
 
 use gpuvm_vmm::action::{
-    ActionError, ActionResult, AddDevice, ClientRecord, GpuBody, RestoreModeBody,
+    ActionError, ActionResult, AddDevice, AddDeviceRequest, ClientRecord, GpuBody, RestoreModeBody,
     SnapshotCreateBody, SnapshotLoadBody, VmmAction, VmmData,
 };
 
@@ -501,32 +501,21 @@ impl Kind {
 }
 
 /// vm.add-*: before boot, the device joins the VM's configuration (204); after boot it is
-/// hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo). The controller decides which,
-/// makes up the id of a device given without one and keeps the client's record: one
-/// action.
+/// hot-plugged (200 with Cloud Hypervisor's PciDeviceInfo). One action: the controller
+/// runs this front end's translation (Cloud Hypervisor's rules on the configuration the
+/// device joins) against the client's record as it stands, decides which, makes up the
+/// id of a device given without one and keeps the record, all in one step.
 fn add(request: &Request, dispatch: Dispatch, kind: Kind, tap_fds: Vec<OwnedFd>) -> Response {
     let value: Value = match parse(&request.body) {
         Ok(value) => value,
         Err(response) => return response,
     };
-    // The configuration as it stands, for Cloud Hypervisor's own rules on the device.
-    let seen = match look(dispatch) {
-        Ok(seen) => seen,
-        Err(response) => return response,
+    let translate = move |record: &ClientRecord| {
+        let config = record::parsed(record).unwrap_or_else(empty_config);
+        validate_added(&config, kind, &value).map_err(ActionError::bad_request)?;
+        device_to_add(&config, kind, value, tap_fds).map_err(ActionError::bad_request)
     };
-    let Some(state) = seen.state else {
-        return not_created();
-    };
-    let booted = state != VmState::Created;
-    let config = record::parsed(&seen.record).unwrap_or_else(empty_config);
-    if let Err(message) = validate_added(&config, kind, &value) {
-        return fault(400, message);
-    }
-    let add = match device_to_add(&config, kind, value, tap_fds) {
-        Ok(add) => add,
-        Err(message) => return fault(400, message),
-    };
-    match dispatch(VmmAction::AddDevice(add)) {
+    match dispatch(VmmAction::AddDevice(AddDeviceRequest::new(translate))) {
         Ok(VmmData::Empty) => Response::no_content(),
         Ok(VmmData::Json(answer)) => match answer["bdf"].as_str() {
             Some(bdf) => Response::json(200, &json!({"id": answer["id"], "bdf": bdf})),
@@ -536,12 +525,6 @@ fn add(request: &Request, dispatch: Dispatch, kind: Kind, tap_fds: Vec<OwnedFd>)
             ),
         },
         Err(error) if error.status == 404 => not_created(),
-        // Any conflict (no hot-plug in this VM, an id already attached, a device being
-        // removed): the controller's message says which.
-        Err(error) if booted && error.status == 409 => fault(
-            400,
-            format!("{} hot-plug refused: {}", kind.noun(), error.message),
-        ),
         Err(error) => from_error(error),
     }
 }
@@ -631,6 +614,7 @@ fn device_to_add(
         id_prefix: kind.id_prefix().unwrap_or_default().to_string(),
         named_by_client_id: kind.id_prefix().is_some(),
         segment,
+        noun: kind.noun().to_string(),
         section: section.to_string(),
         body: value,
     })

@@ -128,10 +128,13 @@ impl Booted {
             }))),
             VmmAction::BootCreated => Err(ActionError::wrong_state("the VM is already booted")),
             VmmAction::Pause | VmmAction::Resume => Ok(VmmData::Empty),
-            VmmAction::AddDevice(add) if add.segment != 0 => Err(ActionError::bad_request(
-                "gpuvm hot-plugs devices on PCI segment 0 only",
-            )),
-            VmmAction::AddDevice(add) => {
+            VmmAction::AddDevice(request) => {
+                let add = request.translate(&self.record.borrow())?;
+                if add.segment != 0 {
+                    return Err(ActionError::bad_request(
+                        "gpuvm hot-plugs devices on PCI segment 0 only",
+                    ));
+                }
                 let id = add
                     .client_id
                     .unwrap_or_else(|| format!("{}1", add.id_prefix));

@@ -1,7 +1,7 @@
 //! The front end against Kata's bodies (as clh.go and its generated client build them:
 //! every constructor default present) and a fake VMM thread.
 
-use gpuvm_vmm::action::{BackingKind, DriveBody, VmmAction};
+use gpuvm_vmm::action::{AddDeviceRequest, BackingKind, DriveBody, VmmAction};
 use serde_json::json;
 
 use super::test_vmm::{call, controller, files, json_of, message, Booted, Files};
@@ -333,16 +333,24 @@ fn add_net_hands_passed_descriptors_to_the_vmm() {
         let fds = (0..count)
             .map(|_| std::os::fd::OwnedFd::from(std::io::pipe().unwrap().0))
             .collect();
-        let passed = std::cell::Cell::new(None);
-        let response = handle(&request, fds, &|action| {
-            if let VmmAction::AddDevice(add) = &action {
-                if let VmmAction::PutNetworkInterfaceFds { config, fds } = add.action.as_ref() {
-                    passed.set(Some((config.host_dev_name.clone(), fds.len())));
-                }
+        // What the translation hands the controller: the tap name and descriptor count.
+        let passed = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let response = handle(&request, fds, &|action| match action {
+            VmmAction::AddDevice(request) => {
+                let seen = passed.clone();
+                let watched = AddDeviceRequest::new(move |record| {
+                    let add = request.translate(record)?;
+                    if let VmmAction::PutNetworkInterfaceFds { config, fds } = add.action.as_ref() {
+                        *seen.lock().unwrap() = Some((config.host_dev_name.clone(), fds.len()));
+                    }
+                    Ok(add)
+                });
+                vmm.dispatch(VmmAction::AddDevice(watched))
             }
-            vmm.dispatch(action)
+            other => vmm.dispatch(other),
         });
-        (response.status, message(&response), passed.take())
+        let passed = passed.lock().unwrap().take();
+        (response.status, message(&response), passed)
     };
     let net = r#"{"mac":"06:00:0a:00:00:02","id":"net0","num_queues":2,"queue_size":256}"#;
     let (status, said, passed) = put("/api/v1/vm.add-net", net, 1);
@@ -451,6 +459,45 @@ fn devices_added_without_an_id_get_distinct_ids() {
     );
     let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
     assert_eq!(info["config"]["user_devices"].as_array().unwrap().len(), 1);
+}
+
+/// Two clients add a disk with the same id, the second's request reaching the controller
+/// just after the first's: Cloud Hypervisor's rules run against the record as the
+/// controller holds it when it takes the action (one step), so the second is refused
+/// by them ("Identifier is not unique"), not checked against a configuration read
+/// before the first disk was in.
+#[test]
+fn a_device_added_is_checked_against_the_configuration_it_joins() {
+    let (vmm, files) = (controller(), files());
+    let dispatch = &|action| vmm.dispatch(action);
+    let body = kata_config_with(&files).to_string();
+    assert_eq!(
+        call(dispatch, Method::Put, "/api/v1/vm.create", &body).status,
+        204
+    );
+    let disk = json!({"path": files.image, "id": "data"}).to_string();
+    // The first client's add arrives while the second's request is on its way.
+    let racing = &|action| {
+        if matches!(action, VmmAction::AddDevice(_)) {
+            let first = call(dispatch, Method::Put, "/api/v1/vm.add-disk", &disk);
+            assert_eq!(first.status, 204, "{}", message(&first));
+        }
+        vmm.dispatch(action)
+    };
+    let second = call(racing, Method::Put, "/api/v1/vm.add-disk", &disk);
+    assert_eq!(second.status, 400);
+    assert!(
+        message(&second).contains("Identifier is not unique"),
+        "{}",
+        message(&second)
+    );
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    let disks = info["config"]["disks"].as_array().unwrap();
+    assert_eq!(
+        disks.iter().filter(|d| d["id"] == "data").count(),
+        1,
+        "{info}"
+    );
 }
 
 /// `x_nv_gpudirect_clique` on a device becomes the GPU's clique; out of range, or not a

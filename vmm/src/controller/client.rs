@@ -39,6 +39,10 @@ impl ClientState {
         self.created = true;
     }
 
+    pub fn recorded(&self) -> &ClientRecord {
+        &self.record
+    }
+
     /// The record as GetInstanceInfo shows it (`client_record`), when there is one.
     pub fn json(&self) -> Option<serde_json::Value> {
         let record = &self.record;
@@ -194,6 +198,7 @@ mod tests {
             id_prefix: "_vfio".into(),
             named_by_client_id: true,
             segment: 0,
+            noun: "GPU".into(),
             section: "devices".into(),
             body: serde_json::json!({"path": "/sys/bus/pci/devices/0000:41:00.0"}),
         }

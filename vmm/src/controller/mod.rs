@@ -148,6 +148,10 @@ fn dma_mapping_json(mappings: &[gpuvm_vfio::dma::DmaStatus]) -> serde_json::Valu
     })
 }
 
+/// Why a restored VM not yet resumed takes no hot-plug or removal.
+const RESUME_FIRST: &str =
+    "resume the VM first: devices are hot-plugged and removed with the guest's help";
+
 fn not_created() -> ActionError {
     ActionError {
         status: 404,
@@ -591,11 +595,17 @@ impl ApiController {
                 VmmAction::Batch(_) => (Err(started_already()), None),
                 VmmAction::DeleteGpu(_)
                 | VmmAction::RemoveDevice(_)
-                | VmmAction::AddDevice(_)
-                | VmmAction::HotplugVirtio(_) => (
-                    Err(ActionError::wrong_state(
-                        "resume the VM first: devices are hot-plugged and removed with the guest's help",
-                    )),
+                | VmmAction::HotplugVirtio(_) => (Err(ActionError::wrong_state(RESUME_FIRST)), None),
+                // As a running VM answers a hot-plug it cannot take now.
+                VmmAction::AddDevice(request) => (
+                    request
+                        .translate(self.client.recorded())
+                        .and_then(|add| {
+                            Err(ActionError::bad_request(format!(
+                                "{} hot-plug refused: {RESUME_FIRST}",
+                                add.noun
+                            )))
+                        }),
                     None,
                 ),
                 VmmAction::LiveUpdate(_) => (
@@ -685,10 +695,11 @@ impl ApiController {
 
     /// [`VmmAction::AddDevice`] before boot: the device joins the configuration (on its
     /// PCI segment), all or nothing.
-    fn add_device(&mut self, add: crate::action::AddDevice) -> ActionResult {
+    fn add_device(&mut self, request: crate::action::AddDeviceRequest) -> ActionResult {
         if !self.client.is_created() {
             return Err(not_created());
         }
+        let add = request.translate(self.client.recorded())?;
         let (segment, section, body) = (add.segment, add.section.clone(), add.body.clone());
         let client::SettledDevice {
             action,

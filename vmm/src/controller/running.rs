@@ -188,6 +188,24 @@ impl RunningApi {
     fn add_device(
         &mut self,
         running: &mut RunningMachine<'_>,
+        request: crate::action::AddDeviceRequest,
+    ) -> ActionResult {
+        let add = request.translate(self.client.recorded())?;
+        let noun = add.noun.clone();
+        // The VM cannot take the device now (no hot-plug in it, its id attached or being
+        // removed): for the client, a request this VM does not fit.
+        self.hot_plug_added(running, add)
+            .map_err(|error| match error.status {
+                409 => {
+                    ActionError::bad_request(format!("{noun} hot-plug refused: {}", error.message))
+                }
+                _ => error,
+            })
+    }
+
+    fn hot_plug_added(
+        &mut self,
+        running: &mut RunningMachine<'_>,
         add: crate::action::AddDevice,
     ) -> ActionResult {
         let (segment, section, body) = (add.segment, add.section.clone(), add.body.clone());

@@ -124,15 +124,18 @@ fn user_gpu(socket: &str) -> VmmAction {
 }
 
 fn add(action: VmmAction, client_id: Option<&str>, segment: u16) -> VmmAction {
-    VmmAction::AddDevice(crate::action::AddDevice {
-        action: Box::new(action),
-        client_id: client_id.map(String::from),
-        id_prefix: "_user_device".into(),
-        named_by_client_id: true,
-        segment,
-        section: "user_devices".into(),
-        body: serde_json::json!({}),
-    })
+    VmmAction::AddDevice(crate::action::AddDeviceRequest::ready(
+        crate::action::AddDevice {
+            action: Box::new(action),
+            client_id: client_id.map(String::from),
+            id_prefix: "_user_device".into(),
+            named_by_client_id: true,
+            segment,
+            noun: "GPU".into(),
+            section: "user_devices".into(),
+            body: serde_json::json!({}),
+        },
+    ))
 }
 
 /// Cloud Hypervisor's lifecycle is the controller's: no device before vm.create, the
