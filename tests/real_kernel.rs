@@ -79,7 +79,11 @@ fn run_scenario(scenario: &str) -> Option<Outcome> {
 /// Runs `scenario` and checks that it passed and printed every line of `expected`. A run
 /// whose outer kernel (the QEMU-emulated host gpuvm runs on) panicked is run once more: that
 /// kernel under TCG has crashed in its own scheduler ("corrupted stack end detected") with
-/// no fault of the scenario, and the panic is printed with the first run's console.
+/// no fault of the scenario, and the panic is printed with the first run's console. So is
+/// a run whose inner Linux triple-faulted: seen once in about 200 runs (vfio-gpu-release,
+/// 7 s into a plain boot, before gpuvm had done more than boot it; it passed when run
+/// again), nested KVM under TCG being the likely cause. The first console is printed, so
+/// a fault of gpuvm's own stays visible, and a second failure fails the test.
 fn scenario_passes(scenario: &str, expected: &[&str]) {
     let Some(mut outcome) = run_scenario(scenario) else {
         return;
@@ -88,9 +92,11 @@ fn scenario_passes(scenario: &str, expected: &[&str]) {
         o.console.contains("Kernel panic - not syncing")
             || o.stderr.contains("Kernel panic - not syncing")
     };
-    if outcome.status != Some(0) && panicked(&outcome) {
+    let triple_faulted = |o: &Outcome| o.console.contains("the guest triple-faulted");
+    if outcome.status != Some(0) && (panicked(&outcome) || triple_faulted(&outcome)) {
         eprintln!(
-            "real-kernel scenario {scenario}: the outer kernel panicked; once more\n{}",
+            "real-kernel scenario {scenario}: the outer kernel panicked or the inner Linux \
+             triple-faulted; once more\n{}",
             outcome.describe()
         );
         let Some(again) = run_scenario(scenario) else {
