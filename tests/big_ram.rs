@@ -16,11 +16,12 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use gpuvm_arch::x86_64::layout::{ram_reaches_ht_hole, AMD_HT_HOLE_END, AMD_HT_HOLE_START};
 use gpuvm_tests::snapshot_support::{
     arg, assert_restored_memloop_completes, field, has, memory_files, memory_header, only_report,
     restore, signal_snapshot,
 };
-use gpuvm_tests::{guest_ram_ranges, run_gpuvm, Scratch, SpawnedProcess};
+use gpuvm_tests::{guest_ram_ranges_on, run_gpuvm, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(240);
 const GIB: u64 = 1 << 30;
@@ -83,30 +84,64 @@ fn guest_ram_larger_than_the_host_boots_and_restores_lazily_from_a_sparse_file()
             .unwrap_or("no timing line")
     );
     let ram = guest_e820_ram(&out.stdout);
-    assert_eq!(ram, guest_ram_ranges(bytes), "{}", out.stdout);
+    assert_eq!(
+        ram,
+        guest_ram_ranges_on(bytes, host_is_amd()),
+        "{}",
+        out.stdout
+    );
     let top = ram.last().map(|(start, len)| start + len).unwrap();
     assert!(
         top > bytes,
         "RAM must reach past its size (the 32-bit hole): {top:#x}"
     );
 
+    // The same guest on an AMD host (as this host plans when told to): RAM that would reach
+    // the HyperTransport range goes on at 1 TiB. The rest of the test runs that layout, its
+    // three regions through the memory file and a lazy restore.
+    let amd = [(AS_AMD, "amd")];
+    let reaches_hole = ram_reaches_ht_hole(bytes);
+    let out =
+        SpawnedProcess::gpuvm_with_env(&["run", "--memory", &memory, "--cmdline", "info"], &amd)
+            .wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "AMD layout: {}", out.describe());
+    let ram = guest_e820_ram(&out.stdout);
+    assert_eq!(ram, guest_ram_ranges_on(bytes, true), "{}", out.stdout);
+    if reaches_hole {
+        assert!(
+            ram.iter().any(|&(start, _)| start == AMD_HT_HOLE_END)
+                && ram
+                    .iter()
+                    .all(|&(start, len)| start + len <= AMD_HT_HOLE_START
+                        || start >= AMD_HT_HOLE_END),
+            "RAM must go on at 1 TiB, none in the HyperTransport range: {ram:x?}"
+        );
+    } else {
+        eprintln!(
+            "{memory} does not reach the HyperTransport range: the AMD layout is the usual one"
+        );
+    }
+
     // Snapshot a guest that writes a little of it, then restore it lazily.
     let scratch = Scratch::new("big-ram", "snapshot");
     let dir: PathBuf = scratch.path("snapshot");
     let iters = 150;
     let cmdline = format!("memloop 32M 1 {iters}");
-    let mut run = SpawnedProcess::gpuvm(&[
-        "run",
-        "--memory",
-        &memory,
-        "--cmdline",
-        &cmdline,
-        "--snapshot-dir",
-        arg(&dir),
-        "--snapshot-then",
-        "exit",
-        "--report-timing",
-    ]);
+    let mut run = SpawnedProcess::gpuvm_with_env(
+        &[
+            "run",
+            "--memory",
+            &memory,
+            "--cmdline",
+            &cmdline,
+            "--snapshot-dir",
+            arg(&dir),
+            "--snapshot-then",
+            "exit",
+            "--report-timing",
+        ],
+        &amd,
+    );
     run.wait_for_stdout("memloop: iter 1 ok", LIMIT);
     let snapshot_started = Instant::now();
     signal_snapshot(run.pid());
@@ -142,10 +177,31 @@ fn guest_ram_larger_than_the_host_boots_and_restores_lazily_from_a_sparse_file()
         header.file_len, header.data_pages
     );
 
+    // A host whose layout differs (no HyperTransport range) cannot take it: refused
+    // before anything runs, naming the region.
+    if reaches_hole && !host_is_amd() {
+        let out = restore(&dir, "lazy", &[]);
+        assert_ne!(out.code(), Some(0), "an Intel host restored an AMD layout");
+        assert!(out.stderr.contains("region"), "{}", out.stderr);
+        assert!(!out.stdout.contains("memloop: iter"), "{}", out.stdout);
+    }
+
     let restored_at = Instant::now();
-    let out = restore(&dir, "lazy", &[]);
+    let restore_args = ["restore", "--snapshot", arg(&dir), "--restore-mode", "lazy"];
+    let out = SpawnedProcess::gpuvm_with_env(&restore_args, &amd).wait(LIMIT);
     assert_restored_memloop_completes(&out, iters);
     eprintln!("{memory}: lazy restore to exit {:?}", restored_at.elapsed());
+}
+
+/// What makes gpuvm plan as an AMD host does (vmm/src/host.rs).
+const AS_AMD: &str = "GPUVM_TEST_HOST_VENDOR";
+
+fn host_is_amd() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .find(|line| line.starts_with("vendor_id"))
+            .is_some_and(|line| line.contains("AuthenticAMD") || line.contains("HygonGenuine"))
+    })
 }
 
 /// `0x...` after `at host ` in gpuvm's debug line for BAR `bar`'s mapping of `size` bytes.

@@ -378,8 +378,14 @@ pub fn linux_guest_file(name: &str, build_hint: &str) -> PathBuf {
 
 /// The RAM ranges (start, length) the test guest sees for `memory` bytes of guest RAM.
 pub fn guest_ram_ranges(memory: u64) -> Vec<(u64, u64)> {
-    use gpuvm_arch::x86_64::layout::{e820_map, ram_regions, E820_RAM};
-    e820_map(&ram_regions(memory))
+    guest_ram_ranges_on(memory, false)
+}
+
+/// As [`guest_ram_ranges`], on an AMD host where `amd` (RAM kept out of the HyperTransport
+/// range).
+pub fn guest_ram_ranges_on(memory: u64, amd: bool) -> Vec<(u64, u64)> {
+    use gpuvm_arch::x86_64::layout::{e820_map, ram_regions_around, E820_RAM};
+    e820_map(&ram_regions_around(memory, amd))
         .into_iter()
         .filter(|e| e.kind == E820_RAM)
         .map(|e| (e.addr, e.size))

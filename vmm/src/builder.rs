@@ -110,7 +110,7 @@ fn create_base_over(
     if size > 0 && size < layout::HIMEM_START {
         return Err(Error::MemoryTooSmall { size });
     }
-    let regions = layout::ram_regions(machine_config.memory_size);
+    let regions = crate::host::ram_regions(&kvm, machine_config.memory_size);
     // Where hot-plugged RAM may go, `(start, size)`: its room is in guest RAM's own file.
     let hotplug_area = (pci_options.ram_hotplug_size > 0).then(|| {
         let top = regions.iter().map(|r| r.end()).max().unwrap_or(0);
@@ -370,8 +370,13 @@ fn create_vcpus(
     .collect()
 }
 
+/// KVM memory slots kept for boot RAM, one per region: below the 32-bit hole, above it,
+/// and (AMD hosts) past the HyperTransport range (layout::ram_regions_around).
+pub(crate) const BOOT_RAM_SLOTS: u32 = 3;
+
 /// Hands every RAM region to KVM as a memory slot.
 fn register_memory(vm: &VmFd, ram: &GuestRam, track_dirty_pages: bool) -> Result<(), Error> {
+    debug_assert!(ram.regions().len() <= BOOT_RAM_SLOTS as usize);
     for (slot, (region, host)) in ram.host_regions().enumerate() {
         let memory_region = kvm_userspace_memory_region {
             slot: slot as u32,

@@ -2,6 +2,7 @@
 //! error that says what to do, and how many vCPUs a VM may have. A leaf: request
 //! validation ([`crate::action`]) and the builder both ask it.
 
+use gpuvm_arch::x86_64::address_space::{CpuVendor, HostAddressWidth};
 use gpuvm_arch::x86_64::mptable;
 use kvm_ioctls::Kvm;
 
@@ -36,6 +37,42 @@ pub fn supported_cpuid(kvm: &Kvm) -> Result<kvm_bindings::CpuId, kvm_ioctls::Err
     }
     let cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
     Ok(CPUID.get_or_init(|| cpuid).clone())
+}
+
+/// Guest RAM's regions for `size` bytes on this host: around the 32-bit MMIO hole, and on
+/// AMD hosts around the HyperTransport range where RAM reaches it (the host's vendor is
+/// read from KVM's CPUID only then). A CPUID that cannot be read counts as no AMD host:
+/// the address-space plan, which needs it too, then says why.
+pub fn ram_regions(kvm: &Kvm, size: u64) -> Vec<gpuvm_memory::RamRegion> {
+    use gpuvm_arch::x86_64::layout;
+    if !layout::ram_reaches_ht_hole(size) {
+        return layout::ram_regions(size);
+    }
+    let amd = address_width(kvm).is_ok_and(|host| host.has_ht_hole());
+    if amd {
+        log::info!(
+            "guest RAM reaches the AMD HyperTransport range: it goes on at 1 TiB, past \
+             {:#x}..{:#x}",
+            layout::AMD_HT_HOLE_START,
+            layout::AMD_HT_HOLE_END
+        );
+    }
+    layout::ram_regions_around(size, amd)
+}
+
+/// The guest-physical address width this host's KVM gives a VM (CPUID 0x80000008 as
+/// KVM_GET_SUPPORTED_CPUID reports it) and the host's CPU vendor, which decides where
+/// RAM and BARs may not go (AMD's HyperTransport range).
+///
+/// `GPUVM_TEST_HOST_VENDOR=amd` makes an Intel host plan as an AMD one does, so tests
+/// check the AMD layout end to end on the CI hosts (KVM itself does not care).
+pub fn address_width(kvm: &Kvm) -> Result<HostAddressWidth, kvm_ioctls::Error> {
+    let cpuid = supported_cpuid(kvm)?;
+    let mut host = HostAddressWidth::from_cpuid(cpuid.as_slice());
+    if std::env::var("GPUVM_TEST_HOST_VENDOR").as_deref() == Ok("amd") {
+        host.vendor = CpuVendor::Amd;
+    }
+    Ok(host)
 }
 
 /// [`max_vcpus`] of this host, read once, for checking a configuration before anything is

@@ -128,8 +128,9 @@ pub struct KvmBarSlots {
     next: AtomicU32,
 }
 
-/// First KVM slot for BARs; RAM takes one slot per region (at most two).
-const FIRST_BAR_SLOT: u32 = 16;
+/// First KVM slot for BARs; RAM has the slots below: boot RAM's regions
+/// ([`crate::builder::BOOT_RAM_SLOTS`]), then memory hot-plug's.
+pub(crate) const FIRST_BAR_SLOT: u32 = 17;
 
 impl KvmBarSlots {
     pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {
@@ -324,9 +325,8 @@ impl MutEventSubscriber for IntxResample {
 /// The guest-physical address width this host's KVM gives a VM (CPUID 0x80000008 as
 /// KVM_GET_SUPPORTED_CPUID reports it) and the host's CPU vendor.
 pub fn host_address_width(kvm: &Kvm) -> Result<HostAddressWidth, PciSetupError> {
-    let cpuid = crate::host::supported_cpuid(kvm)
-        .map_err(|e| PciSetupError::HostCpuid(std::io::Error::from_raw_os_error(e.errno())))?;
-    Ok(HostAddressWidth::from_cpuid(cpuid.as_slice()))
+    crate::host::address_width(kvm)
+        .map_err(|e| PciSetupError::HostCpuid(std::io::Error::from_raw_os_error(e.errno())))
 }
 
 /// The sizes of `backend`'s 64-bit BARs: what it needs in the 64-bit window.

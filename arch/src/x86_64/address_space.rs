@@ -37,9 +37,7 @@ use super::layout::{
 pub const MAX_GUEST_PHYS_BITS: u8 = 48;
 /// MAXPHYADDR when CPUID has no leaf 0x80000008 (Intel SDM, CPUID.80000008H absent).
 pub const DEFAULT_PHYS_BITS: u8 = 36;
-/// AMD's HyperTransport reserved range: no RAM and no BARs there.
-pub const AMD_HT_HOLE_START: u64 = 0xfd_0000_0000;
-pub const AMD_HT_HOLE_END: u64 = 0x100_0000_0000;
+pub use super::layout::{AMD_HT_HOLE_END, AMD_HT_HOLE_START};
 
 /// The host CPU's vendor, from CPUID leaf 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -268,13 +266,15 @@ pub enum PlanError {
     )]
     RamTooHigh { host: HostAddressWidth, end: u64 },
     #[error(
-        "guest RAM and the room kept for hot-plugged RAM end at {end:#x} ({}), inside the \
-         AMD HyperTransport range {AMD_HT_HOLE_START:#x}..{AMD_HT_HOLE_END:#x} (1012 GiB to \
-         1 TiB), which must hold no RAM; guest RAM above it is not laid out yet on AMD hosts: \
-         use at most 1008 GiB of RAM and hot-plug room",
+        "the room kept for hot-plugged RAM, {start:#x}..{end:#x} ({} to {}), crosses the AMD \
+         HyperTransport range {AMD_HT_HOLE_START:#x}..{AMD_HT_HOLE_END:#x} (1012 GiB to \
+         1 TiB), which must hold no RAM: boot RAM goes on above it, but the room is one \
+         range; make it smaller, or boot RAM larger (at least 1009 GiB puts the room above \
+         1 TiB)",
+        human(*start),
         human(*end)
     )]
-    RamInHtHole { end: u64 },
+    RamInHtHole { start: u64, end: u64 },
     #[error(
         "the snapshot's 64-bit PCI MMIO window {start:#x}..{end:#x} crosses the AMD \
          HyperTransport range {AMD_HT_HOLE_START:#x}..{AMD_HT_HOLE_END:#x} of this host"
@@ -346,9 +346,12 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
     let limit = host.limit();
     let (hotplug_start, hotplug_size) = ram_hotplug_area(request.ram_top, request.ram_hotplug_size);
     let ram_end = hotplug_start + hotplug_size;
-    if host.has_ht_hole() && request.ram_top.max(ram_end) > AMD_HT_HOLE_START {
+    // Boot RAM is laid out around the hole (layout::ram_regions_around); the hot-plug
+    // room after it is one range.
+    if host.has_ht_hole() && hotplug_size > 0 && overlaps_ht_hole(hotplug_start, ram_end) {
         return Err(PlanError::RamInHtHole {
-            end: request.ram_top.max(ram_end),
+            start: hotplug_start,
+            end: ram_end,
         });
     }
     if ram_end > limit {
@@ -751,17 +754,33 @@ mod tests {
     }
 
     #[test]
-    fn amd_ram_that_reaches_the_hole_is_refused() {
+    fn amd_hot_plug_room_across_the_hole_is_refused_and_ram_above_it_is_planned_past_it() {
+        // Boot RAM past the hole (its third region ends past 1 TiB): planned above it.
         let mut big = request(amd(48), &[]);
-        big.ram_top = 1016 * GIB;
+        big.ram_top = AMD_HT_HOLE_END + 8 * GIB;
+        big.ram_hotplug_size = 16 * GIB;
+        let planned = plan(&big).unwrap();
+        assert!(planned.ram_end >= big.ram_top + 16 * GIB);
+        assert!(planned.mmio64_start >= planned.ram_end);
+        // Room that would cross the hole: refused with the range.
+        big.ram_top = 1000 * GIB;
         let error = plan(&big).unwrap_err();
-        assert_eq!(error, PlanError::RamInHtHole { end: 1016 * GIB });
+        assert_eq!(
+            error,
+            PlanError::RamInHtHole {
+                start: 1000 * GIB,
+                end: 1016 * GIB
+            }
+        );
         assert!(error.to_string().contains("HyperTransport"), "{error}");
-        // Hot-plug room counts too.
+        // Boot RAM up to the hole with no room: its window goes past the hole.
+        big.ram_top = AMD_HT_HOLE_START;
+        big.ram_hotplug_size = 0;
+        let planned = plan(&big).unwrap();
+        assert!(!overlaps_ht_hole(planned.mmio64_start, planned.mmio64_end()));
+        big.host = intel(48);
         big.ram_top = 1000 * GIB;
         big.ram_hotplug_size = 16 * GIB;
-        assert!(matches!(plan(&big), Err(PlanError::RamInHtHole { .. })));
-        big.host = intel(48);
         assert!(plan(&big).is_ok());
     }
 

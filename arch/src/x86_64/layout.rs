@@ -106,7 +106,40 @@ pub fn pci_segment_mmio64_start(segment0_end: u64, segment: u16) -> u64 {
 pub const E820_RAM: u32 = 1;
 pub const E820_RESERVED: u32 = 2;
 
-/// Splits `size` bytes of guest RAM around the 32-bit MMIO hole.
+/// AMD's HyperTransport reserved range (1012 GiB to 1 TiB): no RAM and no BARs there.
+pub const AMD_HT_HOLE_START: u64 = 0xfd_0000_0000;
+pub const AMD_HT_HOLE_END: u64 = 0x100_0000_0000;
+
+/// Whether `size` bytes of guest RAM, laid out by [`ram_regions`], reach the AMD
+/// HyperTransport range: only then does the host's CPU vendor change the layout.
+pub fn ram_reaches_ht_hole(size: u64) -> bool {
+    FOUR_GIB.saturating_add(size.saturating_sub(MMIO_HOLE_START)) > AMD_HT_HOLE_START
+}
+
+/// Splits `size` bytes of guest RAM around the 32-bit MMIO hole and, where `ht_hole` (an
+/// AMD host), around the HyperTransport range: RAM that would reach it goes on at 1 TiB,
+/// in a third region (as the PC layout of QEMU and of AMD's firmware has it).
+pub fn ram_regions_around(size: u64, ht_hole: bool) -> Vec<RamRegion> {
+    let mut regions = ram_regions(size);
+    let Some(high) = regions.get_mut(1) else {
+        return regions;
+    };
+    if !ht_hole || high.end() <= AMD_HT_HOLE_START {
+        return regions;
+    }
+    let below = AMD_HT_HOLE_START - high.guest_addr;
+    let above = RamRegion {
+        guest_addr: AMD_HT_HOLE_END,
+        size: high.size - below,
+        file_offset: high.file_offset + below,
+    };
+    high.size = below;
+    regions.push(above);
+    regions
+}
+
+/// Splits `size` bytes of guest RAM around the 32-bit MMIO hole (a host without the AMD
+/// HyperTransport range, or RAM that does not reach it: [`ram_regions_around`]).
 pub fn ram_regions(size: u64) -> Vec<RamRegion> {
     let low = size.min(MMIO_HOLE_START);
     let mut regions = vec![RamRegion {
@@ -170,6 +203,35 @@ pub fn e820_map(regions: &[RamRegion]) -> Vec<E820Entry> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn amd_ram_goes_on_past_the_hypertransport_range() {
+        const GIB: u64 = 1 << 30;
+        // Below the hole, the AMD layout is the usual one.
+        assert!(!ram_reaches_ht_hole(1008 * GIB));
+        assert_eq!(ram_regions_around(1008 * GIB, true), ram_regions(1008 * GIB));
+        // 1.5 TiB: 3 GiB low, 4 GiB..1012 GiB, then the rest from 1 TiB, the file in order.
+        let size = 1536 * GIB;
+        assert!(ram_reaches_ht_hole(size));
+        let regions = ram_regions_around(size, true);
+        assert_eq!(regions.len(), 3);
+        assert_eq!(regions[1].guest_addr, FOUR_GIB);
+        assert_eq!(regions[1].end(), AMD_HT_HOLE_START);
+        assert_eq!(regions[2].guest_addr, AMD_HT_HOLE_END);
+        assert_eq!(regions.iter().map(|r| r.size).sum::<u64>(), size);
+        for pair in regions.windows(2) {
+            assert_eq!(pair[0].file_offset + pair[0].size, pair[1].file_offset);
+        }
+        // The e820 map has RAM on both sides of the hole and none in it.
+        let map = e820_map(&regions);
+        assert!(map.iter().all(|e| e.kind != E820_RAM
+            || e.addr + e.size <= AMD_HT_HOLE_START
+            || e.addr >= AMD_HT_HOLE_END));
+        let ram: u64 = map.iter().filter(|e| e.kind == E820_RAM).map(|e| e.size).sum();
+        assert_eq!(ram, size - (HIMEM_START - EBDA_START));
+        // Other hosts keep one high region.
+        assert_eq!(ram_regions_around(size, false).len(), 2);
+    }
 
     #[test]
     fn every_segment_window_fits_below_the_ioapic_without_overlap() {

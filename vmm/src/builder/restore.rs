@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use gpuvm_arch::x86_64::layout;
 use gpuvm_devices::Persist;
 use gpuvm_memory::snapshot::{restore_eager, EagerOptions, RamMappings, SnapshotChain};
 use gpuvm_memory::uffd::external::{mappings_for, send_handshake, HandlerWatch};
@@ -73,7 +72,7 @@ pub fn restore_with_overrides(
     clock.mark("open_kvm");
     // Not while another process writes a snapshot there; held until the restore is set up.
     let _reading = snapshot::SnapshotDirLock::shared(dir)?;
-    let state = snapshot::load_state(dir, layout::ram_regions)?;
+    let state = snapshot::load_state(dir, |size| crate::host::ram_regions(&kvm, size))?;
     clock.mark("state");
     let validation = Validation::start(&state, dir, mode)?;
     // Guest memory, ACPI tables included, comes from the snapshot.

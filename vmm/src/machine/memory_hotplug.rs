@@ -42,12 +42,11 @@ use crate::devices::SavedRamHotplug;
 use crate::dma::RamChunks;
 use crate::lock;
 
-/// KVM memory slot of hot-plug slot 0; slot n uses this + n. Boot RAM has slots 0 and 1
-/// (below and above the 32-bit hole: layout::ram_regions); BAR mappings count up from
-/// 16 (vmm/src/pci.rs FIRST_BAR_SLOT).
-pub(crate) const FIRST_HOTPLUG_RAM_SLOT: u32 = 2;
-const BAR_SLOTS_START: u32 = 16;
-const _: () = assert!(FIRST_HOTPLUG_RAM_SLOT + MEMORY_HOTPLUG_SLOTS as u32 <= BAR_SLOTS_START);
+/// KVM memory slot of hot-plug slot 0; slot n uses this + n. Boot RAM's regions have the
+/// slots below; BAR mappings count up from crate::pci::FIRST_BAR_SLOT.
+pub(crate) const FIRST_HOTPLUG_RAM_SLOT: u32 = crate::builder::BOOT_RAM_SLOTS;
+const _: () =
+    assert!(FIRST_HOTPLUG_RAM_SLOT + MEMORY_HOTPLUG_SLOTS as u32 <= crate::pci::FIRST_BAR_SLOT);
 
 /// How long a vm.resize that shrinks RAM waits for the guest's eject, unless
 /// [`MEMORY_EJECT_TIMEOUT_VAR`] says otherwise (as DELETE /gpus/{id} does).
