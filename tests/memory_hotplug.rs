@@ -607,6 +607,148 @@ fn a_gpu_loses_its_dma_mapping_before_ejected_ram_is_freed() {
     emu.signal(libc::SIGTERM);
 }
 
+/// A shrink racing a GPU hot-plugged moments before: the device's DMA mapping of guest RAM
+/// (hot-plugged slot 0 included) runs in the background, held back 3 s by the test hook.
+/// A shrink then could unmap slot 0 before the mapper thread maps it, leaving the device
+/// pinning pages the VM gave back; so it is refused (409, naming the device and saying to
+/// retry), the VM keeps its RAM and the guest is not asked anything. Retried, it succeeds
+/// once the mapping is done: the device got slot 0 mapped first, and unmapped after.
+#[test]
+fn a_shrink_waits_for_a_hot_plugged_gpus_dma_mapping() {
+    let scratch = Scratch::new("memory_hotplug", "gpu-shrink-race");
+    let api = scratch.path("api.sock");
+    let mut vm = boot_with_env(
+        &scratch,
+        &api,
+        "memory-hotplug",
+        &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "3000")],
+    );
+    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    let socket = scratch.path("gpu.sock");
+    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
+    api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    let mapping = "0x100000000+0x10000000";
+
+    // While the mapping is held back: refused, nothing changes, the guest runs on.
+    let answer = resize(&api, 409, &desired(256));
+    for says in [
+        "still DMA-mapping guest RAM",
+        socket.to_str().unwrap(),
+        "retry the resize once the mapping is done",
+        "keeps its 536870912 bytes",
+    ] {
+        assert!(answer.contains(says), "{says:?} not in {answer}");
+    }
+    assert_eq!(ram(&api).0, 512);
+    let info = vm_info(&api);
+    assert_eq!(info["config"]["memory"]["size"], 512 * MIB);
+    assert_eq!(info["state"], "Running");
+    assert!(!emu
+        .stderr()
+        .contains(&format!("emu-gpu: DMA map {mapping}")));
+
+    // Retried as a client would: refused while the mapping runs, then done.
+    let deadline = std::time::Instant::now() + LIMIT;
+    let when_done = loop {
+        let response =
+            gpuvm_api::client::request(&api, "PUT", "/api/v1/vm.resize", Some(&desired(256)))
+                .unwrap();
+        match response.status {
+            204 => break emu.stderr(),
+            409 if std::time::Instant::now() < deadline => {
+                assert!(
+                    response.body.contains("still DMA-mapping guest RAM"),
+                    "{}",
+                    response.body
+                );
+                assert_eq!(ram(&api).0, 512);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            status => panic!("vm.resize answered {status}: {}", response.body),
+        }
+    };
+    // The shrink went through only after the device had slot 0 mapped.
+    assert!(
+        when_done.contains(&format!("emu-gpu: DMA map {mapping}")),
+        "{when_done}"
+    );
+    assert_eq!(ram(&api).0, 256);
+    assert_eq!(vm_info(&api)["config"]["memory"]["size"], 256 * MIB);
+    vm.wait_for_stdout("memory-hotplug: slot 0 base=0x100000000 ejected", LIMIT);
+    emu.wait_for_stderr(&format!("emu-gpu: DMA unmap {mapping}"), LIMIT);
+    let stderr = emu.stderr();
+    let mapped = stderr.find(&format!("emu-gpu: DMA map {mapping}")).unwrap();
+    let unmapped = stderr
+        .find(&format!("emu-gpu: DMA unmap {mapping}"))
+        .unwrap();
+    assert!(mapped < unmapped, "{stderr}");
+    assert_eq!(
+        stderr
+            .matches(&format!("emu-gpu: DMA map {mapping}"))
+            .count(),
+        1,
+        "{stderr}"
+    );
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    assert!(!out.stderr.contains("SIGSYS"), "{}", out.describe());
+    emu.signal(libc::SIGTERM);
+}
+
+/// The other order: a GPU hot-plugged while a removal is open (a guest that does not eject,
+/// so the shrink waits out its 1.5 s eject timeout) waits for the shrink's answer (the run
+/// loop holds the removal), then maps the RAM the VM kept, slot 0 included.
+#[test]
+fn a_gpu_hot_plug_waits_for_an_open_memory_removal() {
+    let scratch = Scratch::new("memory_hotplug", "gpu-during-removal");
+    let api = scratch.path("api.sock");
+    let mut vm = boot_with_env(
+        &scratch,
+        &api,
+        "memory-hotplug noeject",
+        &[("GPUVM_MEMORY_EJECT_TIMEOUT_MS", "1500")],
+    );
+    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
+    resize(&api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    let socket = scratch.path("gpu.sock");
+    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let removal_started = std::time::Instant::now();
+    let shrink = std::thread::spawn({
+        let api = api.clone();
+        move || resize(&api, 504, &desired(256))
+    });
+    vm.wait_for_stdout("memory-hotplug: slot 0 remove request ignored", LIMIT);
+    let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
+    api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    // Answered only once the removal was given up (its 1.5 s eject timeout).
+    let plugged_after = removal_started.elapsed();
+    assert!(
+        plugged_after >= Duration::from_millis(1500),
+        "the hot-plug was answered {plugged_after:?} after the removal started"
+    );
+    let answer = shrink.join().unwrap();
+    assert!(answer.contains("did not eject slot(s) [0]"), "{answer}");
+    emu.wait_for_stderr("emu-gpu: DMA map 0x100000000+0x10000000", LIMIT);
+    assert_eq!(ram(&api).0, 512);
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+    emu.signal(libc::SIGTERM);
+}
+
 /// A VM with no virtio device (vm.create without `rng`) that tracks dirty pages (gpuvm's
 /// PUT /machine-config before boot), running `memory-hotplug`.
 fn start_dirty_tracked(scratch: &Scratch, api: &Path) -> SpawnedProcess {

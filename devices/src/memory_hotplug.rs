@@ -57,6 +57,27 @@ pub const MINS: u8 = 1 << 1;
 pub const MRMV: u8 = 1 << 2;
 pub const MEJ: u8 = 1 << 3;
 
+/// `_OST` source event of an eject request (the `Notify (MPnn, 3)` of a remove event).
+pub const OST_EJECT_REQUEST: u32 = 3;
+/// `_OST` status for an eject request: the eject is under way (Linux reports it before it
+/// offlines the range; the eject itself follows).
+pub const OST_EJECT_IN_PROGRESS: u32 = 0x84;
+
+/// What an `_OST` status code means (ACPI 6.5, 6.3.5 `_OST`; 0x80.. for eject requests).
+pub fn ost_status_meaning(status: u32) -> &'static str {
+    match status {
+        0 => "success",
+        1 => "non-specific failure",
+        2 => "unrecognized notify",
+        0x80 => "ejection not supported by the OS",
+        0x81 => "device in use",
+        0x82 => "device busy",
+        0x83 => "ejection dependency busy",
+        OST_EJECT_IN_PROGRESS => "ejection in progress",
+        _ => "unknown status",
+    }
+}
+
 /// Hot-plugged RAM comes in multiples of this, at addresses aligned to it: Linux's memory
 /// block size on x86_64 (one sparsemem section, 128 MiB, for machines below 64 GiB). Linux
 /// onlines and offlines whole blocks, so a range that is not made of whole blocks leaves
@@ -319,11 +340,15 @@ impl BusDevice for MemoryHotplug {
             MOEV => self.ost_event = value,
             MOSC => {
                 self.last_ost = Some((self.selected, self.ost_event, value));
-                if value != 0 {
+                let meaning = ost_status_meaning(value);
+                let (event, slot) = (self.ost_event, self.selected);
+                if value == 0 || (event == OST_EJECT_REQUEST && value == OST_EJECT_IN_PROGRESS) {
+                    log::info!(
+                        "memory hot-plug: the guest reports _OST {value:#x} ({meaning}) for event {event:#x} on slot {slot}"
+                    );
+                } else {
                     log::warn!(
-                        "memory hot-plug: the guest reports _OST status {value:#x} for event {:#x} on slot {}",
-                        self.ost_event,
-                        self.selected
+                        "memory hot-plug: the guest reports _OST {value:#x} ({meaning}) for event {event:#x} on slot {slot}"
                     );
                 }
             }
@@ -439,6 +464,8 @@ mod tests {
         block.write(MOEV, &1u32.to_le_bytes());
         block.write(MOSC, &0u32.to_le_bytes());
         assert_eq!(block.last_ost(), Some((0, 1, 0)));
+        assert_eq!(ost_status_meaning(0x81), "device in use");
+        assert_eq!(ost_status_meaning(0x84), "ejection in progress");
         // Beyond the slots: nothing.
         assert!(!block.insert(MEMORY_HOTPLUG_SLOTS, 7 * GIB, MEMORY_BLOCK_SIZE));
         assert!(!block.insert(2, 7 * GIB, 0));

@@ -24,6 +24,14 @@
 //! memory slot, then the host pages (a hole punched in the file's range), and the slot is
 //! free for a later grow; devices hot-plugged later no longer map the range.
 //!
+//! A device hot-plugged moments before maps guest RAM (hot-plugged slots included) on a
+//! background thread (crate::dma): a range unmapped while it runs could be mapped after,
+//! leaving the device pinning pages the VM gave back. So a shrink is refused (409, the
+//! client retries) while any passthrough device's background mapping is still running,
+//! and RAM the guest ejected on its own stays allocated until then. The other order
+//! cannot race: the shrink waits for the eject on the run loop, so a hot-plug sent
+//! meanwhile is handled after it answered, and maps only what is left.
+//!
 //! What the area's early mapping costs: a guest that points a virtio buffer into a part
 //! of the area it was not given gets zeroes and, for writes, makes the host allocate
 //! those pages: at most the hot-plug size the VM was allowed, its own memory, never
@@ -33,7 +41,9 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuvm_devices::memory_hotplug::{MemoryHotplug, MEMORY_BLOCK_SIZE, MEMORY_HOTPLUG_SLOTS};
+use gpuvm_devices::memory_hotplug::{
+    ost_status_meaning, MemoryHotplug, MEMORY_BLOCK_SIZE, MEMORY_HOTPLUG_SLOTS, OST_EJECT_REQUEST,
+};
 use gpuvm_memory::{ByteSize, GuestRam, RamError};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 
@@ -160,15 +170,31 @@ pub enum MemoryResizeError {
     #[error("the guest is still asked to eject hot-plugged RAM: resize once that is done")]
     RemovalPending,
     #[error(
-        "the guest did not eject slot(s) {slots:?} within {} ms; the request is withdrawn \
+        "passthrough device {device} is still DMA-mapping guest RAM in the background \
+         ({mapped_mib} of {total_mib} MiB mapped, as after a hot-plug or a restore): RAM is \
+         not removed before that mapping is done, or the device could map a range after it \
+         was taken back. The VM keeps its {current} bytes; retry the resize once the mapping \
+         is done"
+    )]
+    DmaMappingInProgress {
+        device: String,
+        mapped_mib: u64,
+        total_mib: u64,
+        current: u64,
+    },
+    #[error(
+        "the guest did not eject slot(s) {slots:?} within {} ms{}; the request is withdrawn \
          and the VM keeps its {current} bytes (a Linux guest needs the range offlinable: \
          memhp_default_state=online_movable)",
-        timeout.as_millis()
+        timeout.as_millis(),
+        guest_said.as_deref().map(|said| format!(" (its last _OST: {said})")).unwrap_or_default()
     )]
     EjectTimeout {
         slots: Vec<u8>,
         timeout: Duration,
         current: u64,
+        /// What the guest's `_OST` last said about the eject request of one of `slots`.
+        guest_said: Option<String>,
     },
     #[error(
         "desired_ram = {desired} grows RAM by {grow} bytes, which is not a multiple of \
@@ -231,7 +257,8 @@ impl MemoryResizeError {
             | MemoryResizeError::NoRoom(_) => 400,
             MemoryResizeError::Paused
             | MemoryResizeError::LazyLoading
-            | MemoryResizeError::RemovalPending => 409,
+            | MemoryResizeError::RemovalPending
+            | MemoryResizeError::DmaMappingInProgress { .. } => 409,
             MemoryResizeError::EjectTimeout { .. } => 504,
             MemoryResizeError::Ram(_)
             | MemoryResizeError::Kvm(_)
@@ -405,7 +432,14 @@ impl RunningMachine<'_> {
     /// whole slots ([`Self::shrink_ram`]). Slots the guest ejected on its own before are
     /// freed first.
     pub fn resize_ram(&mut self, desired: u64) -> Result<(), MemoryResizeError> {
-        self.free_ejected_ram()?;
+        match self.free_ejected_ram() {
+            // They stay allocated until the mapping is done; a grow need not wait for that
+            // (a shrink refuses on its own, below).
+            Err(MemoryResizeError::DmaMappingInProgress { device, .. }) => {
+                log::info!("RAM the guest ejected is freed once {device}'s DMA mapping is done")
+            }
+            other => other?,
+        }
         match self.machine.check_ram_resize(desired)? {
             RamResize::Unchanged => Ok(()),
             RamResize::Grow(grow) => self.grow_ram(grow),
@@ -475,6 +509,9 @@ impl RunningMachine<'_> {
         if !self.machine.lazy_progress().unwrap_or(false) {
             return Err(MemoryResizeError::LazyLoading);
         }
+        // Checked before the guest is asked: nothing can start a mapping while this waits
+        // for the eject (the run loop is here; a hot-plug waits for the answer).
+        self.refuse_while_dma_mapping()?;
         let current = self.machine.ram_size();
         let Some(hotplug) = self.machine.ram_hotplug.as_ref() else {
             return Err(MemoryResizeError::NoHotplug { current });
@@ -510,6 +547,13 @@ impl RunningMachine<'_> {
                 break;
             }
             if Instant::now() >= deadline {
+                let guest_said = lock(&block).last_ost().and_then(|(slot, event, status)| {
+                    let about_waiting =
+                        u8::try_from(slot).is_ok_and(|slot| waiting.contains(&slot));
+                    (about_waiting && event == OST_EJECT_REQUEST).then(|| {
+                        format!("{status:#x}, {} on slot {slot}", ost_status_meaning(status))
+                    })
+                });
                 for &slot in &waiting {
                     lock(&block).cancel_remove(slot);
                 }
@@ -519,6 +563,7 @@ impl RunningMachine<'_> {
                     slots: waiting,
                     timeout,
                     current: self.machine.ram_size(),
+                    guest_said,
                 });
             }
             std::thread::sleep(EJECT_POLL);
@@ -531,11 +576,40 @@ impl RunningMachine<'_> {
         Ok(())
     }
 
+    /// Refuses to take RAM back while a passthrough device's background DMA mapping of
+    /// guest RAM still runs (a device hot-plugged moments ago, or a restore's): its thread
+    /// maps the chunks it was given, hot-plugged RAM among them, until it is done, so a
+    /// range unmapped now could be mapped again after, leaving the device pinning pages the
+    /// VM no longer has. A mapping that failed or was stopped maps nothing more.
+    fn refuse_while_dma_mapping(&self) -> Result<(), MemoryResizeError> {
+        let running = dma_mappings(&self.machine.devices)
+            .map(|mapping| mapping.progress().status())
+            .find(|status| !status.done && status.error.is_none());
+        match running {
+            None => Ok(()),
+            Some(status) => Err(MemoryResizeError::DmaMappingInProgress {
+                device: status.name,
+                mapped_mib: status.mapped_bytes >> 20,
+                total_mib: status.total_bytes >> 20,
+                current: self.machine.ram_size(),
+            }),
+        }
+    }
+
     /// Frees the RAM of every slot the guest ejected: every passthrough device's DMA
     /// mapping of it goes first, then its KVM memory slot, then its host pages, then the
     /// slot is free again. A mapping that cannot be removed keeps the RAM allocated (and
-    /// counted): no device may reach freed memory.
+    /// counted): no device may reach freed memory. While a device's background mapping
+    /// still runs nothing is freed ([`Self::refuse_while_dma_mapping`]).
     fn free_ejected_ram(&mut self) -> Result<(), MemoryResizeError> {
+        let Some(hotplug) = self.machine.ram_hotplug.as_ref() else {
+            return Ok(());
+        };
+        if lock(&hotplug.block).ejected_slots().is_empty() {
+            return Ok(());
+        }
+        // A mapping still running may map the range after it was unmapped here.
+        self.refuse_while_dma_mapping()?;
         let Some(hotplug) = self.machine.ram_hotplug.as_mut() else {
             return Ok(());
         };
