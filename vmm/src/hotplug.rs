@@ -23,7 +23,9 @@
 //! ```text
 //! PUT /gpus/{id}     as above, but the device goes on a free port's secondary bus with its
 //!                    BARs inside the port's windows; the slot's presence detect is set
-//!                    (changed); the link comes up when the guest powers the slot on.
+//!                    (changed), and its attention button pressed for a guest that
+//!                    listens only to the button (Linux's pciehp); the link comes up when
+//!                    the guest powers the slot on.
 //!                    Answers the device's BDF on that bus. No free port left: 409.
 //! DELETE /gpus/{id}  press the slot's attention button; the guest turns the slot's power
 //!                    off when it let the device go (Slot Control, Power Controller

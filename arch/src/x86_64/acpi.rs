@@ -9,8 +9,10 @@
 //!           ├─ APIC (MADT): a local APIC per vCPU, the IOAPIC, LINT1 = NMI
 //!           └─ MCFG: one ECAM window per PCI segment group (the buses it covers)
 //! DSDT: \_SB.PCI0 (PNP0A08/PNP0A03, _SEG/_BBN 0, _CRS bus range + CF8..CFF + both BAR
-//!       windows, _PRT for 32 slots x 4 pins), with more segments \_SB.PC01.. (_SEG and
-//!       _UID N, _BBN 0, _CRS bus range + the segment's own BAR windows, _PRT),
+//!       windows, _PRT for 32 slots x 4 pins, _OSC granting native PCIe hot-plug, PME, AER
+//!       and the capability structure: see [`OscAml`]), with more segments \_SB.PC01..
+//!       (_SEG and _UID N, _BBN 0, _CRS bus range + the segment's own BAR windows, _PRT,
+//!       _OSC),
 //!       \_SB.MBRD (PNP0C02, reserves every ECAM window, the hot-plug ports and the
 //!       sleep control port), \_SB.COM1 (PNP0501, 0x3F8, IRQ 4); PCI hot-plug:
 //!       \_SB.PCI0.SDxx slots with _EJ0 and PCNT (see [`PciHotplugAml`]), \_SB.GED0
@@ -316,6 +318,7 @@ impl Aml for HostBridgeAml<'_> {
             aml::Name::new("_PRT".into(), self.prt),
         ];
         children.extend(names.iter().map(|n| n as &dyn Aml));
+        children.push(&OscAml);
         let hotplug = PciHotplugAml {
             slot_domains: self.slot_domains,
         };
@@ -324,6 +327,98 @@ impl Aml for HostBridgeAml<'_> {
         }
         aml::Device::new(host_bridge_name(self.segment).as_str().into(), children)
             .to_aml_bytes(sink);
+    }
+}
+
+/// The PCI Firmware Specification's `_OSC` UUID for PCI and PCIe host bridges.
+const PCI_HOST_BRIDGE_OSC_UUID: &str = "33DB4D5B-1FF7-401C-9657-7441C03DD766";
+/// `_OSC` control bits (the third DWord): PCIe native hot-plug, SHPC native hot-plug,
+/// native PME, AER, and the PCIe capability structure (without which Linux takes none).
+const OSC_CONTROL_PCIE_NATIVE_HOTPLUG: u32 = 1 << 0;
+const OSC_CONTROL_SHPC_NATIVE_HOTPLUG: u32 = 1 << 1;
+const OSC_CONTROL_PME: u32 = 1 << 2;
+const OSC_CONTROL_AER: u32 = 1 << 3;
+const OSC_CONTROL_CAPABILITY_STRUCTURE: u32 = 1 << 4;
+/// What gpuvm grants: every control the OS asks for among these. gpuvm has no firmware that
+/// handles PCIe events itself, so the OS owns them all; LTR and DPC stay with the
+/// "platform" (the ports implement neither).
+const OSC_GRANTED: u32 = OSC_CONTROL_PCIE_NATIVE_HOTPLUG
+    | OSC_CONTROL_SHPC_NATIVE_HOTPLUG
+    | OSC_CONTROL_PME
+    | OSC_CONTROL_AER
+    | OSC_CONTROL_CAPABILITY_STRUCTURE;
+/// `_OSC` status bits (the first DWord) the platform sets.
+const OSC_STATUS_UNRECOGNIZED_UUID: u32 = 1 << 2;
+const OSC_STATUS_UNRECOGNIZED_REVISION: u32 = 1 << 3;
+const OSC_STATUS_CAPABILITIES_MASKED: u32 = 1 << 4;
+/// The `_OSC` revision of the PCI Firmware Specification's UUID.
+const OSC_REVISION: u8 = 1;
+
+/// `_OSC` of a host bridge: grants the OS native control of PCIe hot-plug (the root ports'
+/// slots, which Linux's pciehp drives only when granted, short of `pcie_ports=native`),
+/// PME, AER and the capability structure:
+///
+/// ```text
+/// Method (_OSC, 4, Serialized) {
+///     CreateDWordField (Arg3, 0, CDW1)                        status
+///     If (Arg0 == ToUUID (PCI_HOST_BRIDGE_OSC_UUID)) {
+///         CreateDWordField (Arg3, 8, CDW3)                    control asked for
+///         Local0 = CDW3 & OSC_GRANTED
+///         If (Arg1 != 1) { CDW1 |= unrecognized revision }
+///         If (CDW3 != Local0) { CDW1 |= capabilities masked }
+///         CDW3 = Local0                                       control granted
+///     } Else { CDW1 |= unrecognized UUID }
+///     Return (Arg3)
+/// }
+/// ```
+///
+/// The support DWord (the second) is not read: what is granted does not depend on it
+/// (Linux asks for control only when it supports what the controls need).
+struct OscAml;
+
+impl Aml for OscAml {
+    fn to_aml_bytes(&self, sink: &mut dyn AmlSink) {
+        let (status, control): (aml::Path, aml::Path) = ("CDW1".into(), "CDW3".into());
+        let (uuid, revision, buffer) = (aml::Arg(0), aml::Arg(1), aml::Arg(3));
+        let granted = aml::Local(0);
+        let status_field = aml::CreateDWordField::new(&status, &buffer, &aml::ZERO);
+        let control_offset = 8u8;
+        let control_field = aml::CreateDWordField::new(&control, &buffer, &control_offset);
+        let mask = OSC_GRANTED;
+        let grant = aml::And::new(&granted, &control, &mask);
+        let our_revision = OSC_REVISION;
+        let bad_revision = OSC_STATUS_UNRECOGNIZED_REVISION;
+        let set_bad_revision = aml::Or::new(&status, &status, &bad_revision);
+        let revision_differs = aml::NotEqual::new(&revision, &our_revision);
+        let revision_check = aml::If::new(&revision_differs, vec![&set_bad_revision]);
+        let masked = OSC_STATUS_CAPABILITIES_MASKED;
+        let set_masked = aml::Or::new(&status, &status, &masked);
+        let control_masked = aml::NotEqual::new(&control, &granted);
+        let masked_check = aml::If::new(&control_masked, vec![&set_masked]);
+        let store_granted = aml::Store::new(&control, &granted);
+        let our_uuid = aml::Uuid::new(PCI_HOST_BRIDGE_OSC_UUID);
+        let uuid_equal = aml::Equal::new(&uuid, &our_uuid);
+        let uuid_matches = aml::If::new(
+            &uuid_equal,
+            vec![
+                &control_field,
+                &grant,
+                &revision_check,
+                &masked_check,
+                &store_granted,
+            ],
+        );
+        let bad_uuid = OSC_STATUS_UNRECOGNIZED_UUID;
+        let set_bad_uuid = aml::Or::new(&status, &status, &bad_uuid);
+        let otherwise = aml::Else::new(vec![&set_bad_uuid]);
+        let return_buffer = aml::Return::new(&buffer);
+        aml::Method::new(
+            "_OSC".into(),
+            4,
+            true,
+            vec![&status_field, &uuid_matches, &otherwise, &return_buffer],
+        )
+        .to_aml_bytes(sink);
     }
 }
 
@@ -1723,5 +1818,309 @@ mod tests {
         .unwrap();
         let (_, dsdt) = without.find(b"DSDT").unwrap();
         assert!(!contains(dsdt, b"MHPC") && !contains(dsdt, b"MSCN"));
+    }
+
+    /// Runs each host bridge's `_OSC` the way an OS calls it: a small AML interpreter for the
+    /// opcodes the method is made of, so the tests check what it answers, not its bytes.
+    mod osc {
+        use super::*;
+        use std::cell::RefCell;
+        use std::collections::HashMap;
+        use std::rc::Rc;
+
+        const METHOD_OP: u8 = 0x14;
+        /// What Linux asks for: native hot-plug, SHPC hot-plug, PME, AER, the capability
+        /// structure and LTR (drivers/acpi/pci_root.c with the usual configuration).
+        const LINUX_REQUEST: u32 = 0x3f;
+        const QUERY: u32 = 1;
+        /// Linux's support DWord: extended config space, ASPM, clock PM, segments, MSI.
+        const LINUX_SUPPORT: u32 = 0x1f;
+
+        /// A buffer the method and its caller share (`Arg3` is changed in place).
+        type SharedBuffer = Rc<RefCell<Vec<u8>>>;
+
+        #[derive(Clone)]
+        enum Value {
+            Integer(u64),
+            Buffer(SharedBuffer),
+        }
+
+        impl Value {
+            fn integer(&self) -> u64 {
+                match self {
+                    Value::Integer(value) => *value,
+                    Value::Buffer(_) => panic!("a buffer where _OSC uses an integer"),
+                }
+            }
+        }
+
+        /// A method's state: its arguments, locals and the buffer fields it created.
+        struct Frame {
+            args: Vec<Value>,
+            locals: [u64; 8],
+            /// `CreateDWordField`s: name -> (buffer, byte offset).
+            fields: HashMap<[u8; 4], (SharedBuffer, usize)>,
+        }
+
+        /// PkgLength at `aml[0..]`: (the length it encodes, the bytes it takes).
+        fn pkg_length(aml: &[u8]) -> (usize, usize) {
+            let follow = usize::from(aml[0] >> 6);
+            let mut length = if follow == 0 {
+                usize::from(aml[0] & 0x3f)
+            } else {
+                usize::from(aml[0] & 0x0f)
+            };
+            for i in 0..follow {
+                length |= usize::from(aml[1 + i]) << (4 + 8 * i);
+            }
+            (length, follow + 1)
+        }
+
+        impl Frame {
+            /// Evaluates the term at `aml[*at..]`, moving `at` past it.
+            fn term(&mut self, aml: &[u8], at: &mut usize) -> Value {
+                let op = aml[*at];
+                *at += 1;
+                let mut fixed = |n: usize| {
+                    let mut bytes = [0u8; 8];
+                    bytes[..n].copy_from_slice(&aml[*at..*at + n]);
+                    *at += n;
+                    Value::Integer(u64::from_le_bytes(bytes))
+                };
+                match op {
+                    0x00 => Value::Integer(0),
+                    0x01 => Value::Integer(1),
+                    0xff => Value::Integer(u64::MAX),
+                    0x0a => fixed(1),
+                    0x0b => fixed(2),
+                    0x0c => fixed(4),
+                    0x0e => fixed(8),
+                    0x60..=0x67 => Value::Integer(self.locals[usize::from(op - 0x60)]),
+                    0x68..=0x6e => self.args[usize::from(op - 0x68)].clone(),
+                    0x11 => {
+                        let start = *at;
+                        let (length, taken) = pkg_length(&aml[*at..]);
+                        *at += taken;
+                        let size = self.term(aml, at).integer() as usize;
+                        let end = start + length;
+                        let mut bytes = aml[*at..end].to_vec();
+                        bytes.resize(size, 0);
+                        *at = end;
+                        Value::Buffer(Rc::new(RefCell::new(bytes)))
+                    }
+                    0x92 => Value::Integer(u64::from(self.term(aml, at).integer() == 0)),
+                    0x93 => {
+                        let (a, b) = (self.term(aml, at), self.term(aml, at));
+                        let equal = match (a, b) {
+                            (Value::Integer(a), Value::Integer(b)) => a == b,
+                            (Value::Buffer(a), Value::Buffer(b)) => *a.borrow() == *b.borrow(),
+                            _ => false,
+                        };
+                        Value::Integer(u64::from(equal))
+                    }
+                    0x7b | 0x7d => {
+                        let a = self.term(aml, at).integer();
+                        let b = self.term(aml, at).integer();
+                        let result = if op == 0x7b { a & b } else { a | b };
+                        self.store(aml, at, result);
+                        Value::Integer(result)
+                    }
+                    b'A'..=b'Z' | b'_' => {
+                        *at -= 1;
+                        let (buffer, offset) = self.fields[&self.name(aml, at)].clone();
+                        let bytes = buffer.borrow();
+                        Value::Integer(u64::from(u32_at(&bytes, offset)))
+                    }
+                    _ => panic!("_OSC uses opcode {op:#x}, which this interpreter lacks"),
+                }
+            }
+
+            fn name(&self, aml: &[u8], at: &mut usize) -> [u8; 4] {
+                let name = aml[*at..*at + 4].try_into().unwrap();
+                *at += 4;
+                name
+            }
+
+            /// Stores `value` into the target at `aml[*at..]` (a local or a buffer field).
+            fn store(&mut self, aml: &[u8], at: &mut usize, value: u64) {
+                let op = aml[*at];
+                match op {
+                    0x60..=0x67 => {
+                        *at += 1;
+                        self.locals[usize::from(op - 0x60)] = value;
+                    }
+                    _ => {
+                        let (buffer, offset) = self.fields[&self.name(aml, at)].clone();
+                        let bytes = (value as u32).to_le_bytes();
+                        buffer.borrow_mut()[offset..offset + 4].copy_from_slice(&bytes);
+                    }
+                }
+            }
+
+            /// Runs the statements of `aml`; `Some` when one returned.
+            fn run(&mut self, aml: &[u8]) -> Option<Value> {
+                let mut at = 0;
+                while at < aml.len() {
+                    let op = aml[at];
+                    match op {
+                        0x8a => {
+                            at += 1;
+                            let Value::Buffer(buffer) = self.term(aml, &mut at) else {
+                                panic!("CreateDWordField of no buffer");
+                            };
+                            let offset = self.term(aml, &mut at).integer() as usize;
+                            assert!(offset + 4 <= buffer.borrow().len(), "field past the buffer");
+                            let name = self.name(aml, &mut at);
+                            self.fields.insert(name, (buffer, offset));
+                        }
+                        0x70 => {
+                            at += 1;
+                            let value = self.term(aml, &mut at).integer();
+                            self.store(aml, &mut at, value);
+                        }
+                        0xa0 => {
+                            let (length, taken) = pkg_length(&aml[at + 1..]);
+                            let end = at + 1 + length;
+                            let mut body = at + 1 + taken;
+                            let taken_branch = self.term(aml, &mut body).integer() != 0;
+                            if taken_branch {
+                                if let Some(value) = self.run(&aml[body..end]) {
+                                    return Some(value);
+                                }
+                            }
+                            at = end;
+                            if aml.get(at) == Some(&0xa1) {
+                                let (length, taken) = pkg_length(&aml[at + 1..]);
+                                let else_end = at + 1 + length;
+                                if !taken_branch {
+                                    let else_body = &aml[at + 1 + taken..else_end];
+                                    if let Some(value) = self.run(else_body) {
+                                        return Some(value);
+                                    }
+                                }
+                                at = else_end;
+                            }
+                        }
+                        0xa4 => {
+                            at += 1;
+                            return Some(self.term(aml, &mut at));
+                        }
+                        _ => {
+                            // Expressions with a target (And, Or) are statements too.
+                            self.term(aml, &mut at);
+                        }
+                    }
+                }
+                None
+            }
+        }
+
+        /// The body of every `_OSC` method in `aml` (after its name and flags).
+        fn osc_methods(aml: &[u8]) -> Vec<&[u8]> {
+            let mut methods = Vec::new();
+            for at in 0..aml.len().saturating_sub(6) {
+                if aml[at] != METHOD_OP {
+                    continue;
+                }
+                let (length, taken) = pkg_length(&aml[at + 1..]);
+                let name_at = at + 1 + taken;
+                if aml.get(name_at..name_at + 4) == Some(b"_OSC") {
+                    assert_eq!(aml[name_at + 4] & 0x7, 4, "_OSC takes 4 arguments");
+                    methods.push(&aml[name_at + 5..at + 1 + length]);
+                }
+            }
+            methods
+        }
+
+        fn uuid_bytes(uuid: &str) -> Vec<u8> {
+            let mut bytes = Vec::new();
+            aml::Uuid::new(uuid).to_aml_bytes(&mut bytes);
+            // BufferOp, PkgLength, BytePrefix 16: the data follows.
+            bytes[4..].to_vec()
+        }
+
+        /// Calls `method` with (uuid, revision, 3, [status, support, control]); the three
+        /// DWords it returns.
+        fn call(method: &[u8], uuid: &[u8], revision: u64, dwords: [u32; 3]) -> [u32; 3] {
+            let buffer: Vec<u8> = dwords.iter().flat_map(|d| d.to_le_bytes()).collect();
+            let buffer = Rc::new(RefCell::new(buffer));
+            let mut frame = Frame {
+                args: vec![
+                    Value::Buffer(Rc::new(RefCell::new(uuid.to_vec()))),
+                    Value::Integer(revision),
+                    Value::Integer(3),
+                    Value::Buffer(buffer),
+                ],
+                locals: [0; 8],
+                fields: HashMap::new(),
+            };
+            let Some(Value::Buffer(returned)) = frame.run(method) else {
+                panic!("_OSC returned no buffer");
+            };
+            let bytes = returned.borrow();
+            assert_eq!(bytes.len(), 12, "_OSC returns the buffer it was given");
+            [u32_at(&bytes, 0), u32_at(&bytes, 4), u32_at(&bytes, 8)]
+        }
+
+        fn dsdt_aml(segments: u16) -> Vec<u8> {
+            let tables = build(&AcpiConfig {
+                vcpus: 1,
+                max_vcpus: 0,
+                memory_hotplug: false,
+                pci_segments: super::segments(segments),
+                power_off: true,
+            })
+            .unwrap();
+            tables.find(b"DSDT").unwrap().1[36..].to_vec()
+        }
+
+        #[test]
+        fn every_host_bridge_grants_linux_native_hot_plug() {
+            let aml = dsdt_aml(3);
+            let methods = osc_methods(&aml);
+            assert_eq!(methods.len(), 3, "one _OSC per host bridge");
+            let uuid = uuid_bytes(PCI_HOST_BRIDGE_OSC_UUID);
+            for method in methods {
+                // Linux's query: everything it wants; LTR is masked off and said so.
+                let [status, support, granted] =
+                    call(method, &uuid, 1, [QUERY, LINUX_SUPPORT, LINUX_REQUEST]);
+                assert_eq!(granted, LINUX_REQUEST & OSC_GRANTED);
+                assert_eq!(status, QUERY | OSC_STATUS_CAPABILITIES_MASKED);
+                assert_eq!(support, LINUX_SUPPORT, "the support DWord is left alone");
+                // Linux then asks for what the query offered, for real: all of it, no error.
+                let [status, _, granted] = call(method, &uuid, 1, [0, LINUX_SUPPORT, granted]);
+                assert_eq!(status, 0);
+                for control in [
+                    OSC_CONTROL_PCIE_NATIVE_HOTPLUG,
+                    OSC_CONTROL_CAPABILITY_STRUCTURE,
+                    OSC_CONTROL_PME,
+                    OSC_CONTROL_AER,
+                ] {
+                    assert_ne!(granted & control, 0, "control {control:#x} granted");
+                }
+            }
+        }
+
+        #[test]
+        fn osc_grants_only_what_is_asked_and_flags_bad_uuids_and_revisions() {
+            let aml = dsdt_aml(1);
+            let method = osc_methods(&aml)[0];
+            let uuid = uuid_bytes(PCI_HOST_BRIDGE_OSC_UUID);
+            let only_hotplug = OSC_CONTROL_PCIE_NATIVE_HOTPLUG;
+            assert_eq!(
+                call(method, &uuid, 1, [0, LINUX_SUPPORT, only_hotplug]),
+                [0, LINUX_SUPPORT, only_hotplug]
+            );
+            assert_eq!(call(method, &uuid, 1, [0, 0, 0]), [0, 0, 0]);
+            // Another revision: answered, and flagged.
+            let [status, _, _] = call(method, &uuid, 2, [0, LINUX_SUPPORT, only_hotplug]);
+            assert_eq!(status, OSC_STATUS_UNRECOGNIZED_REVISION);
+            // Another UUID (CXL's): nothing granted, the request left as it was, flagged.
+            let cxl = uuid_bytes("68F2D50B-C469-4D8A-BD3D-941A103FD3FC");
+            assert_eq!(
+                call(method, &cxl, 1, [0, LINUX_SUPPORT, LINUX_REQUEST]),
+                [OSC_STATUS_UNRECOGNIZED_UUID, LINUX_SUPPORT, LINUX_REQUEST]
+            );
+        }
     }
 }

@@ -499,12 +499,22 @@ impl PciBridge {
 
     /// A card was put into the slot (the VMM has it on the secondary bus): presence
     /// detect set and changed. The link comes up once the guest powers the slot on (or
-    /// at once, if it already is).
+    /// at once, if it already is). A guest that listens to the attention button but not
+    /// to presence changes, with the slot off, also sees the button pressed, as an
+    /// operator presses it after inserting a card: Linux's pciehp, on a slot with an
+    /// attention button, enables only the button's event (the press's interrupt then shows
+    /// it the presence change too, and it powers the slot on).
     pub fn card_inserted(&mut self) {
         let was_pending = self.event_pending();
         self.powered_off = false;
-        let status =
+        let mut status =
             self.slot_status() | regs::PRESENCE_DETECT_STATE | regs::PRESENCE_DETECT_CHANGED;
+        let control = self.get16(regs::PCIE_CAP + regs::SLOT_CONTROL);
+        let listens_to_button_only = control & regs::ATTENTION_BUTTON_ENABLE != 0
+            && control & regs::PRESENCE_DETECT_ENABLE == 0;
+        if listens_to_button_only && !self.slot_powered() {
+            status |= regs::ATTENTION_BUTTON_PRESSED;
+        }
         self.set_slot_status(status);
         self.follow_power();
         self.interrupt_on_edge(was_pending);
@@ -989,6 +999,55 @@ mod tests {
         assert!(routes.routes().is_empty());
         port.press_attention_button();
         assert!(irq.read().is_err());
+    }
+
+    #[test]
+    fn an_insertion_presses_the_button_for_a_guest_that_listens_only_to_it() {
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        let cap = regs::PCIE_CAP;
+        let msi = regs::MSI_CAP;
+        let off = regs::POWER_CONTROLLER_OFF | regs::POWER_INDICATOR_OFF;
+        // Slot Control as Linux's pciehp leaves an empty slot with an attention button:
+        // the button's and the link's events, command completed, hot-plug interrupt.
+        let pciehp = off
+            | regs::ATTENTION_BUTTON_ENABLE
+            | regs::DLL_STATE_ENABLE
+            | regs::COMMAND_COMPLETED_ENABLE
+            | regs::HOT_PLUG_INTERRUPT_ENABLE;
+        let presence = pciehp | regs::PRESENCE_DETECT_ENABLE;
+        let powered_on = pciehp & !regs::POWER_CONTROLLER_OFF;
+        for (control, pressed) in [
+            (pciehp, true),
+            (presence, false),
+            (off, false),
+            (powered_on, false),
+        ] {
+            let routes = Arc::new(crate::pci::RecordedRoutes::default());
+            let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+            let mut port = PciBridge::new(&BridgeSetup {
+                occupied: false,
+                ..setup(PortKind::RootPort)
+            });
+            port.make_hotplug_slot(Some((30, irq.try_clone().unwrap(), routes)));
+            port.config_write(msi + 4, &0xfee0_1000u32.to_le_bytes());
+            port.config_write(msi + 2, &1u16.to_le_bytes());
+            port.config_write(cap + regs::SLOT_CONTROL, &control.to_le_bytes());
+            let all = regs::SLOT_STATUS_RW1C;
+            port.config_write(cap + regs::SLOT_STATUS, &all.to_le_bytes());
+            while irq.read().is_ok() {}
+
+            port.card_inserted();
+            let status = read16(&mut port, cap + regs::SLOT_STATUS);
+            assert_eq!(
+                status & regs::ATTENTION_BUTTON_PRESSED != 0,
+                pressed,
+                "Slot Control {control:#06x}: status {status:#06x}"
+            );
+            assert_ne!(status & regs::PRESENCE_DETECT_STATE, 0);
+            // The press, the presence change, or (powered on) the link coming up.
+            let interrupt = control & regs::HOT_PLUG_INTERRUPT_ENABLE != 0;
+            assert_eq!(irq.read().is_ok(), interrupt, "Slot Control {control:#06x}");
+        }
     }
 
     #[test]
