@@ -302,3 +302,35 @@ fn linux_builds_two_numa_nodes_with_their_cpus_ram_distances_and_hot_plug_room()
         ],
     );
 }
+
+#[test]
+fn linux_pciehp_takes_a_device_hot_plugged_into_a_root_port_and_powers_it_off_on_removal() {
+    scenario_passes(
+        "linux-pciehp",
+        &[
+            "inner: _OSC granted: [PCIeHotplug",
+            "inner: pciehp bound to 0000:00:01.0 0000:00:02.0",
+            "inner: hot-plugged 1234:11e8 at 0000:01:00.0 behind root port 0000:00:01.0 (secondary bus 1,",
+            "config space reads 11e81234",
+            "Powering off due to button press",
+            "inner: pciehp ok (1234:11e8 hot-plugged behind 0000:00:01.0 and removed)",
+            "PCIe native hot-plug (Linux pciehp, granted by _OSC) into and out of a gpuvm root port: ok",
+        ],
+    );
+}
+
+#[test]
+fn linux_offlines_and_ejects_movable_ram_when_vm_resize_shrinks_it() {
+    scenario_passes(
+        "linux-memory-unplug",
+        &[
+            "inner: memunplug memory32 online movable, MemTotal +128 MiB",
+            "inner: waiting for the memory removal (32 MiB in tmpfs,",
+            "figure: memory removal of 128 MiB through vm.resize",
+            "inner: memory32 removed, MemTotal",
+            "tmpfs data intact, /dev/vda moved 256 KiB",
+            "inner: memunplug ok",
+            "memory removal through vm.resize with a Linux guest and a virtio disk: ok",
+        ],
+    );
+}
