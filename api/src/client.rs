@@ -69,12 +69,48 @@ pub fn request(
     message.push_str("\r\n");
     message.push_str(body);
     stream.write_all(message.as_bytes())?;
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer)?;
+    let answer = read_answer(&mut stream)?;
     if answer.is_empty() {
         return Err(ClientError::NoAnswer);
     }
     parse_response(&answer).ok_or(ClientError::BadResponse)
+}
+
+/// Reads one answer: up to the end of its body where the head says where that is
+/// (Content-Length, or none for 1xx, 204 and 304), else to the end of the stream. A
+/// server that keeps the connection open in spite of `Connection: close` (Cloud
+/// Hypervisor's does) is not waited on.
+fn read_answer(stream: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let read = stream.read(&mut chunk)?;
+        if read == 0 {
+            return Ok(answer);
+        }
+        answer.extend_from_slice(&chunk[..read]);
+        if let Some(end) = answer_end(&answer) {
+            if answer.len() >= end {
+                answer.truncate(end);
+                return Ok(answer);
+            }
+        }
+    }
+}
+
+/// Where the answer in `answer` ends, once its head is complete and says.
+fn answer_end(answer: &[u8]) -> Option<usize> {
+    let head_end = answer.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = std::str::from_utf8(&answer[..head_end]).ok()?;
+    let status: u16 = head.split(' ').nth(1)?.parse().ok()?;
+    if matches!(status, 100..=199 | 204 | 304) {
+        return Some(head_end);
+    }
+    head.lines()
+        .filter_map(|line| line.split_once(':'))
+        .find(|(name, _)| name.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, value)| value.trim().parse::<usize>().ok())
+        .map(|length| head_end.saturating_add(length))
 }
 
 fn parse_response(answer: &[u8]) -> Option<ClientResponse> {
@@ -120,6 +156,47 @@ mod tests {
         );
         assert!(parse_response(b"garbage").is_none());
         assert!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab").is_none());
+    }
+
+    /// A server that answers and keeps the connection open (Cloud Hypervisor's ignores
+    /// `Connection: close`): the answer is read by its length, not waited on to the end.
+    #[test]
+    fn an_answer_is_read_to_its_length_on_a_connection_kept_open() {
+        let dir = std::env::temp_dir().join(format!("gpuvm-client-open-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("api.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let server = std::thread::spawn(move || {
+            for answer in [
+                &b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\n\r\n{\"build\": \"v\"}"[..],
+                b"HTTP/1.1 204 No Content\r\n\r\n",
+            ] {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut request = [0u8; 256];
+                let _ = stream.read(&mut request);
+                stream.write_all(answer).unwrap();
+                // Held open until the client is done (or the test gives up).
+                let _ = done_rx.recv_timeout(Duration::from_secs(10));
+            }
+        });
+        let started = std::time::Instant::now();
+        let answer = request(&socket, "GET", "/api/v1/vmm.ping", None).unwrap();
+        assert_eq!(
+            (answer.status, answer.body.as_str()),
+            (200, "{\"build\": \"v\"}")
+        );
+        done_tx.send(()).unwrap();
+        let answer = request(&socket, "PUT", "/api/v1/vm.boot", None).unwrap();
+        assert_eq!(answer.status, 204);
+        done_tx.send(()).unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        server.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
