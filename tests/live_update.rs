@@ -14,7 +14,9 @@
 //! nothing and the update goes through; the old process offers its VM to no symbolic
 //! link, no socket in a directory others may write to and no listener of another user.
 //! The guest-visible downtime is printed for 1 GiB and 16 GiB guests and must not grow
-//! with RAM.
+//! with RAM. A VM with the emulated GPU (vfio-user) keeps running DMA jobs across updates,
+//! the device process keeping its one connection and its DMA mappings (only its interrupt
+//! eventfds change); a failed update leaves the GPU working with the old process.
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -926,4 +928,140 @@ fn the_balloon_keeps_its_pages_across_an_update_and_deflates_after() {
         vm.describe()
     );
     // The guest's driver has no end of its own: dropping `vm` ends the process that runs it.
+}
+
+/// The emulated GPU's device process.
+fn emu_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
+}
+
+/// The last `pci: loop N ok` round the guest printed (0 before the first).
+fn gpu_rounds(stdout: &str) -> u64 {
+    stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("pci: loop "))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// A VM with the emulated GPU cold-plugged (`--vfio-user`) running `pci loop`: DMA jobs
+/// one after another, each one's data and MSI-X interrupt checked by the guest. Returns
+/// the VM and the device process.
+fn start_gpu_vm(name: &str) -> (UpdatableVm, SpawnedProcess) {
+    let socket = gpuvm_tests::socket_path("live-update-gpu", name);
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let vm = UpdatableVm::start(
+        name,
+        "256M",
+        "pci loop",
+        &["--vfio-user", socket.to_str().expect("UTF-8 path")],
+    );
+    wait_gpu_rounds(&vm, 16);
+    (vm, emu)
+}
+
+/// Waits until the guest has checked more than `past` DMA jobs (or failed).
+fn wait_gpu_rounds(vm: &UpdatableVm, past: u64) {
+    vm.wait_stdout("more DMA jobs of the guest", |out| {
+        gpu_rounds(out) > past || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// What the device process logged of one kind: its connections (one `listening` line per
+/// client), DMA maps and unmaps of guest RAM, and MSI-X arming (SET_IRQS).
+fn emu_counts(emu: &SpawnedProcess) -> (usize, usize, usize, usize) {
+    let log = emu.stderr();
+    (
+        log.matches("emu-gpu: listening on").count(),
+        log.matches("emu-gpu: DMA map ").count(),
+        log.matches("emu-gpu: DMA unmap ").count(),
+        log.matches("emu-gpu: MSI-X vectors").count(),
+    )
+}
+
+/// Live update of a GPU VM: the device process (the same process throughout) keeps its
+/// one connection and its DMA mappings of guest RAM (no new connection, no DMA map or
+/// unmap, no reset: a reset would clear the job counter the guest checks) while the guest
+/// keeps running DMA jobs across two updates; each update only gives the device the new
+/// process's interrupt eventfds (one SET_IRQS), and the MSI-X interrupts keep arriving.
+#[test]
+fn a_gpu_vm_keeps_its_gpu_running_across_updates() {
+    let (mut vm, mut emu) = start_gpu_vm("gpu");
+    let (connections, maps, unmaps, armed) = emu_counts(&emu);
+    assert_eq!((connections, unmaps), (1, 0), "{}", emu.stderr());
+    assert!(maps > 0 && armed > 0, "{}", emu.stderr());
+    for round in 1..=2 {
+        let seen = gpu_rounds(&vm.stdout());
+        vm.update_ok(&[]);
+        // The guest goes on with the GPU in the new process: jobs DMA into RAM and their
+        // interrupts arrive there.
+        wait_gpu_rounds(&vm, seen + 32);
+        assert!(emu.try_status().is_none(), "the device process ended");
+        assert_eq!(
+            emu_counts(&emu),
+            (connections, maps, unmaps, armed + round),
+            "the device saw more than its interrupts change\n{}",
+            emu.stderr()
+        );
+    }
+    // Each new process plugged the device back over the old connection (its `passthrough`
+    // stage, in the pause).
+    let stderr = vm.first.stderr();
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|line| line.starts_with("gpuvm: live update: this process")
+                && line.contains(" passthrough="))
+            .count(),
+        2,
+        "{stderr}"
+    );
+    assert!(
+        !emu.stderr().contains("Connection closed"),
+        "{}",
+        emu.stderr()
+    );
+}
+
+/// An update that fails once the new process has taken the GPU over (it crashes before it
+/// is ready, after giving the device its interrupt eventfds) leaves the VM in the old
+/// process with the GPU working: the old process gives the device its own eventfds back,
+/// and the guest's DMA jobs and their MSI-X interrupts go on; then an update goes through.
+#[test]
+fn a_failed_update_of_a_gpu_vm_leaves_the_gpu_with_the_old_process() {
+    let (mut vm, mut emu) = start_gpu_vm("gpu-fail");
+    let (connections, maps, unmaps, armed) = emu_counts(&emu);
+    for (hook, expected) in [
+        ("refuse", "the new gpuvm refused the VM"),
+        ("crash", "closed the hand-over socket"),
+    ] {
+        let seen = gpu_rounds(&vm.stdout());
+        let out = vm.update(&[], &[("GPUVM_TEST_UPDATE_FAIL", hook)]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "the update went through\n{stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{hook}: {stderr}\n{}",
+            vm.describe()
+        );
+        assert_eq!(vm.owner, vm.first.pid());
+        assert!(alive(vm.owner), "the old gpuvm ended\n{}", vm.describe());
+        vm.wait_api();
+        wait_gpu_rounds(&vm, seen + 32);
+    }
+    // The old process cannot know whether the new one reached the device before it
+    // failed: it arms MSI-X with its own eventfds again after each failure (2), and the
+    // crashed one had armed it with its eventfds (1); nothing else reached the device.
+    assert_eq!(
+        emu_counts(&emu),
+        (connections, maps, unmaps, armed + 3),
+        "{}",
+        emu.stderr()
+    );
+    let seen = gpu_rounds(&vm.stdout());
+    vm.update_ok(&[]);
+    wait_gpu_rounds(&vm, seen + 32);
+    assert!(emu.try_status().is_none(), "the device process ended");
 }

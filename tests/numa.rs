@@ -266,6 +266,19 @@ fn auto_gives_each_gpu_s_socket_a_guest_node() {
         .filter(|l| l.starts_with("numa: SRAT device "))
         .collect();
     assert_eq!(devices.len(), 2, "{}", out.stdout);
+    // Linux reads a device's node from its host bridge only: the node-1 GPU is on a PCI
+    // segment of its own (found there through the segment's ECAM window), the node-0 GPU
+    // stays on segment 0.
+    assert!(
+        devices[0].starts_with("numa: SRAT device 0000:00:") && devices[0].contains(" node 0 "),
+        "{devices:?}"
+    );
+    assert!(
+        devices[1].starts_with("numa: SRAT device 0001:00:01.0 node 1 "),
+        "{devices:?}"
+    );
+    out.assert_stdout_has("numa: device 0001:00:01.0 is ")
+        .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's");
 }
 
 #[test]

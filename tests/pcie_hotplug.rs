@@ -3,7 +3,9 @@
 //! GPU (`gpuvm-emu-gpu`, vfio-user) into a free one, and the test guest's `pcie-hotplug`
 //! workload drives the slot as Linux's pciehp does (presence detect, power on, link up;
 //! attention button with the port's MSI, power off), runs the `pci` checks on the device
-//! behind the port and checks its BARs lie in the port's windows.
+//! behind the port and checks its BARs lie in the port's windows. A snapshot keeps the
+//! ports (their registers; the device in one saves its own state by VFIO migration) and a
+//! restore rebuilds them in their slots with their windows.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -74,7 +76,7 @@ fn ctl(api: &Path, args: &[&str]) -> gpuvm_tests::RunOutput {
 /// guest powers the slot on, checks the device (MSI-X, DMA, BARs in the port's windows),
 /// and powers it off on DELETE, which removes it; the second goes into the same port.
 /// Around them: a plug with no free port left, DELETE of an unknown id, and a snapshot,
-/// which is refused with the VM left running.
+/// which is refused (the first device offers no VFIO migration) with the VM left running.
 #[test]
 fn two_gpus_in_turn_through_one_root_port() {
     let scratch = Scratch::new("pcie-hotplug", "turns");
@@ -88,7 +90,7 @@ fn two_gpus_in_turn_through_one_root_port() {
     assert!(missing.contains("nothing"), "{missing}");
 
     let first = socket_path("first");
-    let emu_a = start_emu(&first);
+    let emu_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &first, &["--no-migration"]);
     let started = Instant::now();
     let bdf = hot_plug(&api, "gpu0", &first);
     vmm.wait_for_stdout("BARs inside the port's windows", LIMIT);
@@ -117,13 +119,19 @@ fn two_gpus_in_turn_through_one_root_port() {
     );
     assert!(refused.contains("no free PCIe root port"), "{refused}");
 
-    // A snapshot is refused cleanly; the VM keeps running with its device.
+    // A snapshot of a device that cannot save its state is refused cleanly, naming it; the
+    // VM keeps running with its device.
     let snapshot = scratch.path("snap");
-    ctl(
+    let refused = ctl(
         &api,
         &["snapshot-create", "--dir", snapshot.to_str().unwrap()],
-    )
-    .assert_clean_error("--pcie-root-ports");
+    );
+    refused.assert_clean_error("gpu0");
+    assert!(
+        refused.stderr.contains("no VFIO migration"),
+        "{}",
+        refused.stderr
+    );
     let info = api_expect(&api, 200, "GET", "/", None);
     assert!(info.contains(r#""state":"Running""#), "{info}");
     assert!(info.contains(r#""state":"attached""#), "{info}");
@@ -151,6 +159,76 @@ fn two_gpus_in_turn_through_one_root_port() {
         .assert_stdout_has("pcie-hotplug: device 2 removed")
         .assert_stdout_has("pcie-hotplug: ok");
     emu_b.wait(Duration::from_secs(10));
+}
+
+/// Two root ports, a GPU hot-plugged into one, a snapshot, a restore into a fresh VMM: the
+/// ports come back in their slots with their windows, bus numbers and slot registers (card
+/// present, powered on, link up), the GPU behind its port with its state (the guest's
+/// `pci` checks pass on it again), and a second GPU hot-plugged after the restore goes into
+/// the other port. Both are removed through their slots at the end.
+#[test]
+fn root_ports_and_the_gpu_in_one_survive_a_snapshot_and_restore() {
+    let scratch = Scratch::new("pcie-hotplug", "snapshot");
+    let first = socket_path("snap-first");
+    // It serves the snapshotted VM, then the restored one.
+    let emu_a = gpuvm_tests::start_emu_gpu(&emu_bin(), &first, &["--clients", "2"]);
+    let (mut vmm, api) = start_vm("snap", 2, "pcie-hotplug 2 snapshot", &[]);
+    let bdf = hot_plug(&api, "gpu0", &first);
+    vmm.wait_for_stdout("send a byte once the VM is restored", LIMIT);
+    let out = vmm.stdout();
+    assert!(
+        out.contains("pcie-hotplug: 2 hot-plug root port(s)"),
+        "{out}"
+    );
+    let ports: Vec<&str> = out
+        .lines()
+        .filter(|line| line.starts_with("pcie-hotplug: root port 00:"))
+        .collect();
+    assert_eq!(ports.len(), 2, "{out}");
+
+    let dir = scratch.path("snap");
+    gpuvm_tests::api_snapshot_create(&api, &dir);
+    let state = std::fs::read(dir.join("state")).expect("state file");
+    let state = String::from_utf8_lossy(&state);
+    assert!(
+        state.contains("\"pcie_root_ports\"") && state.contains("\"migrated_gpus\""),
+        "the state holds the ports and the device"
+    );
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+
+    let api2 = socket_path("snap-api2");
+    let mut restored =
+        SpawnedProcess::gpuvm_with_input(&["run", "--api-sock", api2.to_str().unwrap()]);
+    wait_for_api_socket(&mut restored, &api2);
+    gpuvm_tests::api_load_lazy(&api2, &dir);
+    let info = api_expect(&api2, 200, "GET", "/", None);
+    assert!(info.contains("gpu0"), "{info}");
+    restored.write_stdin(b"r");
+    restored.wait_for_stdout("did one more DMA, verified", LIMIT);
+    let out = restored.stdout();
+    assert!(
+        out.contains(&format!("{}:00.0 kept its state", &bdf[5..7])),
+        "{out}"
+    );
+
+    // The second GPU goes into the other port.
+    let second = socket_path("snap-second");
+    let emu_b = start_emu(&second);
+    let other = hot_plug(&api2, "gpu1", &second);
+    assert_ne!(other, bdf, "the free port behind another bus");
+    restored.wait_for_stdout("pcie-hotplug: device 2 at", LIMIT);
+    api_expect(&api2, 204, "DELETE", "/gpus/gpu1", None);
+    restored.wait_for_stdout("pcie-hotplug: device 2 removed", LIMIT);
+    api_expect(&api2, 204, "DELETE", "/gpus/gpu0", None);
+    let out = restored.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("pcie-hotplug: device 1 removed")
+        .assert_stdout_has("pcie-hotplug: ok");
+    for emu in [emu_a, emu_b] {
+        let emu_out = emu.wait(Duration::from_secs(10));
+        assert!(!emu_out.stderr.contains("panicked"), "{}", emu_out.stderr);
+    }
 }
 
 /// A guest that never powers the slot off: DELETE answers 504 after the eject timeout,

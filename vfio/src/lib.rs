@@ -29,6 +29,7 @@ pub mod reset;
 pub mod sysfs;
 pub mod topology;
 pub mod user;
+pub mod user_handover;
 
 #[cfg(test)]
 mod migration_tests;
@@ -192,6 +193,11 @@ pub trait PassthroughDevice: Send {
     /// Unmasks INTx after the guest's end of interrupt; a line still asserted fires again.
     fn unmask_intx(&mut self) -> Result<()> {
         Ok(())
+    }
+    /// Whether the device must be left as it is when its model here goes: another gpuvm
+    /// process runs it now, or may yet take it back (a live update).
+    fn left_running_on_drop(&self) -> bool {
+        false
     }
     /// Makes guest RAM visible to the device for DMA (a synchronous map; the VMM maps in
     /// the background through the backend's [`dma::DmaMapper`] instead).

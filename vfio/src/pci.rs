@@ -193,8 +193,19 @@ impl VfioPciDevice {
         allocate: VectorAllocator<'_>,
         router: Arc<dyn MsiRouting>,
     ) -> Result<Self> {
-        let name = backend.name();
         backend.reset()?;
+        Self::over_running(backend, allocate, router)
+    }
+
+    /// As [`VfioPciDevice::new`] without the reset: the device runs on as it is (a live
+    /// update takes over a device another gpuvm process set up; its saved PCI state, loaded
+    /// with `Persist::restore`, gives it this process's interrupts).
+    pub fn over_running(
+        mut backend: Box<dyn PassthroughDevice>,
+        allocate: VectorAllocator<'_>,
+        router: Arc<dyn MsiRouting>,
+    ) -> Result<Self> {
+        let name = backend.name();
         let ids = read_config32(backend.as_mut(), config::VENDOR_ID)?;
         if ids & 0xffff == 0xffff || ids & 0xffff == 0 {
             return Err(VfioError::NotPci(format!(
@@ -510,6 +521,30 @@ impl VfioPciDevice {
         }
         log::info!("{}: INTx on GSI {gsi}", self.name);
         Ok(true)
+    }
+
+    /// Gives the backend this device's interrupt eventfds again as they are now: a live
+    /// update that failed after the new process had given the device its own. MSI (not
+    /// MSI-X) is not re-armed: [`VfioPciDevice::msi_enabled`] lets a caller refuse it first.
+    pub fn rearm_interrupts(&mut self) -> Result<()> {
+        if let Some(msix) = self.msix.as_ref().filter(|m| m.table.enabled()) {
+            let fds: Vec<&EventFd> = msix.eventfds.iter().collect();
+            self.backend.enable_msix(&fds)?;
+        }
+        if let Some(intx) = self.intx.as_ref().filter(|i| i.active) {
+            self.backend.enable_intx(&intx.trigger)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the guest has MSI (not MSI-X) on.
+    pub fn msi_enabled(&self) -> bool {
+        self.msi.as_ref().is_some_and(|m| m.enabled())
+    }
+
+    /// The GSI its INTx is wired to, if it is.
+    pub fn intx_gsi(&self) -> Option<u32> {
+        self.intx.as_ref().map(|intx| intx.gsi)
     }
 
     /// The guest ended a level-triggered INTx (KVM's resample eventfd fired): unmask the
@@ -1027,6 +1062,10 @@ impl Drop for VfioPciDevice {
                     let _ = mapper.unmap(handle);
                 }
             }
+        }
+        if self.backend.left_running_on_drop() {
+            // Its interrupts, its reset and its connection are another process's.
+            return;
         }
         if self.msix.as_ref().is_some_and(|m| m.table.enabled()) {
             let _ = self.backend.disable_msix();

@@ -109,6 +109,11 @@ impl Default for UserMigration {
 #[derive(Default)]
 pub struct BackendHealth {
     gone: AtomicBool,
+    /// Gone because another gpuvm process has the connection now (a live update).
+    handed_over: AtomicBool,
+    /// Taken over from another gpuvm process that may yet take it back (a live update
+    /// until it commits): usable, but neither reset nor closed here.
+    provisional: AtomicBool,
     reason: Mutex<Option<String>>,
     /// Written once when the device goes (the VMM thread's wake-up eventfd).
     wake: Mutex<Option<EventFd>>,
@@ -134,6 +139,44 @@ impl BackendHealth {
             let _ = wake.write(1);
         }
         *self.wake.lock().unwrap_or_else(|e| e.into_inner()) = Some(wake);
+    }
+
+    /// Marks the connection as another gpuvm process's now (a live update): from here on
+    /// this process sends nothing on it, as if the device were gone, without waking anyone
+    /// or logging an error (the device is fine).
+    pub fn mark_handed_over(&self, reason: String) {
+        {
+            let mut saved = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+            if saved.is_some() {
+                return;
+            }
+            log::info!("vfio-user: {reason}");
+            *saved = Some(reason);
+        }
+        self.handed_over.store(true, Ordering::Release);
+        self.gone.store(true, Ordering::Release);
+    }
+
+    /// Whether another process has the connection now ([`BackendHealth::mark_handed_over`]).
+    pub fn is_handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::Acquire)
+    }
+
+    /// The connection was taken over from a process that may yet take it back: until
+    /// [`BackendHealth::confirm`], dropping the device neither resets it nor closes the
+    /// connection.
+    pub fn mark_provisional(&self) {
+        self.provisional.store(true, Ordering::Release);
+    }
+
+    /// The connection is this process's for good (the live update committed).
+    pub fn confirm(&self) {
+        self.provisional.store(false, Ordering::Release);
+    }
+
+    /// Whether the device must be left as it is when its model here goes.
+    fn leaves_device_alone(&self) -> bool {
+        self.is_handed_over() || self.provisional.load(Ordering::Acquire)
     }
 
     /// Marks the device gone (the first reason wins) and wakes whoever watches.
@@ -314,18 +357,18 @@ fn open_sockets() -> Vec<(RawFd, u64)> {
 /// The socket among `candidates` (fd, inode) that is connected to `path`: the only one,
 /// or else the only one whose peer is `path` (other threads may open sockets meanwhile).
 /// Returned as a duplicate, checked to be the same socket (the fd may have been closed
-/// and reused since it was listed).
-fn claim_socket(candidates: &[(RawFd, u64)], path: &Path) -> Option<UnixStream> {
+/// and reused since it was listed), with the descriptor number it was found at.
+fn claim_socket(candidates: &[(RawFd, u64)], path: &Path) -> Option<(UnixStream, RawFd)> {
     let claimed: Vec<_> = candidates
         .iter()
-        .filter_map(|&(fd, inode)| Some((duplicate_socket(fd, inode)?, inode)))
+        .filter_map(|&(fd, inode)| Some(((duplicate_socket(fd, inode)?, fd), inode)))
         .collect();
     if claimed.len() <= 1 {
         return claimed.into_iter().next().map(|(socket, _)| socket);
     }
     let mut to_path: Vec<_> = claimed
         .into_iter()
-        .filter(|(socket, _)| {
+        .filter(|((socket, _), _)| {
             socket
                 .peer_addr()
                 .is_ok_and(|peer| peer.as_pathname() == Some(path))
@@ -358,7 +401,7 @@ fn duplicate_socket(fd: RawFd, inode: u64) -> Option<UnixStream> {
 /// Runs `Client::new` on a thread of its own and waits at most `timeout` for it. On
 /// timeout the connection's socket is shut down, so the stuck thread's read fails and
 /// the thread ends.
-fn connect_client(path: &Path, timeout: Duration) -> Result<(Client, Option<UnixStream>)> {
+fn connect_client(path: &Path, timeout: Duration) -> Result<(Client, Option<(UnixStream, RawFd)>)> {
     let before = open_sockets();
     let new_sockets = || -> Vec<(RawFd, u64)> {
         open_sockets()
@@ -383,7 +426,7 @@ fn connect_client(path: &Path, timeout: Duration) -> Result<(Client, Option<Unix
         }
         Err(mpsc::RecvTimeoutError::Timeout) => {
             match claim_socket(&new_sockets(), path) {
-                Some(socket) => {
+                Some((socket, _)) => {
                     if let Err(e) = socket.shutdown(std::net::Shutdown::Both) {
                         log::warn!("vfio-user: {}: shutdown: {e}", path.display());
                     }
@@ -415,6 +458,20 @@ fn connect_client(path: &Path, timeout: Duration) -> Result<(Client, Option<Unix
         }
     };
     Ok((client, claim_socket(&new_sockets(), path)))
+}
+
+/// A client connected to `path` (negotiated, regions read) under `timeout`, and the number
+/// of the descriptor it holds its socket at (the live update's adoption puts another
+/// connection there: crate::user_handover).
+pub(crate) fn connect_to(path: &Path, timeout: Duration) -> Result<(Client, RawFd)> {
+    let (client, socket) = connect_client(path, timeout)?;
+    match socket {
+        Some((_, fd)) => Ok((client, fd)),
+        None => Err(VfioError::Io(std::io::Error::other(format!(
+            "vfio-user: {}: cannot single out the client's socket",
+            path.display()
+        )))),
+    }
 }
 
 fn lock(client: &Mutex<Client>) -> MutexGuard<'_, Client> {
@@ -504,7 +561,7 @@ impl VfioUserDevice {
         // The client does not give out its socket: it is the new socket after the
         // connect (if it cannot be told apart, no hang-up watch and no timeouts).
         let (client, socket) = connect_client(path, timeout)?;
-        let socket = socket.filter(|socket| {
+        let socket = socket.map(|(socket, _)| socket).filter(|socket| {
             let timeouts = socket
                 .set_read_timeout(Some(timeout))
                 .and_then(|()| socket.set_write_timeout(Some(timeout)));
@@ -531,6 +588,58 @@ impl VfioUserDevice {
             socket: socket.map(OwnedFd::from),
             migration: UserMigration::default(),
         })
+    }
+
+    /// Takes over a connection another gpuvm process had to the device at `path` (a live
+    /// update): `connection` is its socket, `layout` and `files` what that process's client
+    /// knew of the device ([`UserConnection::hand_over`]); `health` is the caller's, to
+    /// mark the connection handed back should this process not run the VM. Nothing goes to
+    /// the device: it sees no new connection, negotiation or reset, and keeps its DMA
+    /// mappings.
+    pub fn adopt(
+        path: &Path,
+        connection: OwnedFd,
+        layout: &crate::user_handover::ConnectionLayout,
+        files: &[OwnedFd],
+        timeout: Duration,
+        health: Arc<BackendHealth>,
+    ) -> Result<Self> {
+        let client =
+            crate::user_handover::adopt_client(&connection, layout, files, timeout, connect_to)?;
+        let socket = UnixStream::from(connection);
+        socket.set_read_timeout(Some(timeout))?;
+        socket.set_write_timeout(Some(timeout))?;
+        log::info!(
+            "vfio-user: took over the connection to {} ({} regions)",
+            path.display(),
+            layout.regions.len()
+        );
+        Ok(VfioUserDevice {
+            client: Arc::new(Mutex::new(client)),
+            path: path.to_path_buf(),
+            health,
+            timeout,
+            socket: Some(OwnedFd::from(socket)),
+            migration: UserMigration::default(),
+        })
+    }
+
+    /// The device's socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// What hands this device's connection to another process ([`UserConnection`]).
+    pub fn connection(&self) -> UserConnection {
+        UserConnection {
+            client: self.client.clone(),
+            socket: self
+                .socket
+                .as_ref()
+                .and_then(|socket| socket.try_clone().ok()),
+            health: self.health.clone(),
+            name: self.name(),
+        }
     }
 
     /// Whether the device process is still there; shared with the DMA mapper.
@@ -722,9 +831,79 @@ impl VfioUserDevice {
     }
 }
 
+/// A vfio-user device's connection as a live update hands it over: the client (for its
+/// layout), a duplicate of the socket and the device's health (marked handed over once the
+/// other process has it, so that this one never speaks on it again).
+pub struct UserConnection {
+    client: Arc<Mutex<Client>>,
+    socket: Option<OwnedFd>,
+    health: Arc<BackendHealth>,
+    name: String,
+}
+
+impl UserConnection {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Why the connection cannot be handed over now, if it cannot.
+    pub fn refusal(&self) -> Option<String> {
+        if self.health.is_gone() {
+            return Some(
+                self.health
+                    .reason()
+                    .unwrap_or_else(|| "the device is gone".into()),
+            );
+        }
+        if self.socket.is_none() {
+            return Some(
+                "its connection's socket could not be singled out when it connected".into(),
+            );
+        }
+        None
+    }
+
+    /// A duplicate of the socket, the layout the client knows and duplicates of the
+    /// regions' files (in region order): what [`VfioUserDevice::adopt`] takes.
+    pub fn hand_over(
+        &self,
+    ) -> Result<(
+        crate::user_handover::ConnectionLayout,
+        OwnedFd,
+        Vec<OwnedFd>,
+    )> {
+        if let Some(reason) = self.refusal() {
+            return Err(VfioError::Io(std::io::Error::other(format!(
+                "{}: {reason}",
+                self.name
+            ))));
+        }
+        let socket = self
+            .socket
+            .as_ref()
+            .map(OwnedFd::try_clone)
+            .transpose()?
+            .ok_or_else(|| VfioError::Io(std::io::Error::other("no socket")))?;
+        let (layout, files) = crate::user_handover::layout_of(&lock(&self.client))?;
+        Ok((layout, socket, files))
+    }
+
+    /// From now on another process owns the connection: this one sends nothing on it
+    /// (requests fail at once, reads of the device return all ones) and neither resets
+    /// the device nor shuts the connection down when its device model goes.
+    pub fn release(&self, to: &str) {
+        self.health
+            .mark_handed_over(format!("{}: the connection is handed to {to}", self.name));
+    }
+}
+
 impl PassthroughDevice for VfioUserDevice {
     fn name(&self) -> String {
         format!("vfio-user:{}", self.path.display())
+    }
+
+    fn left_running_on_drop(&self) -> bool {
+        self.health.leaves_device_alone()
     }
 
     fn region_info(&self, index: u32) -> Option<RegionInfo> {
@@ -872,6 +1051,12 @@ impl PassthroughDevice for VfioUserDevice {
     fn reset(&mut self) -> Result<()> {
         use crate::reset::{ResetError, ResetMethod, UserResetFailure};
         let name = self.name();
+        if self.health.leaves_device_alone() {
+            // The device runs on for the process that has the connection now (or may
+            // take it back): not ours to reset.
+            log::debug!("{name}: not reset: the connection is another process's");
+            return Ok(());
+        }
         // vfio_user 0.1.7 inverts the flag: `resettable()` is true when the device does
         // NOT advertise VFIO_DEVICE_FLAGS_RESET.
         let method = if self.client().resettable() {
@@ -1045,7 +1230,7 @@ impl PassthroughDevice for VfioUserDevice {
 
 impl Drop for VfioUserDevice {
     fn drop(&mut self) {
-        if self.health.is_gone() {
+        if self.health.is_gone() || self.health.leaves_device_alone() {
             return;
         }
         if let Err(error) = self.client().shutdown() {

@@ -258,6 +258,9 @@ pub fn build_with_pci(
             power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
         numa.as_ref(),
+        &(devices.pci_hotplug.as_ref())
+            .map(|hotplug| hotplug.bridge_slots())
+            .unwrap_or_default(),
     )?;
     clock.mark("acpi");
     let loaded = boot::load(ram.memory(), ram.regions(), &config.boot, Some(rsdp))?;
@@ -534,5 +537,6 @@ fn create_devices(
         event_sources: Vec::new(),
         virtio: Vec::new(),
         released_gpus: Vec::new(),
+        handover: Default::default(),
     })
 }

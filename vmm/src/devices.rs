@@ -56,6 +56,9 @@ pub struct MachineDevices {
     /// GPUs the guest released for a snapshot and waits to get back (a PUT /gpus with
     /// one of these ids resumes it in the guest; see [`crate::gpu_release`]).
     pub released_gpus: Vec<crate::action::ReleasedGpu>,
+    /// The cold-plugged vfio-user devices as a live update hands them over, and where a
+    /// new process plugs them ([`crate::update::passthrough`]).
+    pub handover: crate::update::passthrough::PassthroughHandOver,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -95,12 +98,21 @@ pub struct DeviceStates {
     /// saved: the allocations are rebuilt from each device's own place then.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_root: Option<gpuvm_devices::pci::PciRootState>,
+    /// The root ports for hot-plug (`--pcie-root-ports`): their slots (not among
+    /// `pci_root`'s), windows and registers; a restore rebuilds them before the devices in
+    /// them. Absent for VMs without them and in state files written before they were saved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pcie_root_ports: Vec<crate::pci_topology::SavedHotplugPort>,
     /// Memory hot-plug: the room the VM was made with and the register block, whose slots
     /// say which RAM was plugged where (that RAM is in the memory file, after boot RAM).
     /// Filled by the snapshot (the room is the machine's, not a device's). Absent for VMs
     /// without memory hot-plug and in state files written before it was saved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ram_hotplug: Option<SavedRamHotplug>,
+    /// A live update's cold-plugged vfio-user devices (their PCI state; their connections
+    /// go as descriptors). Filled by the live update only; absent elsewhere.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handed_over_vfio_user: Vec<crate::update::passthrough::HandedOverVfioUser>,
 }
 
 /// Memory hot-plug in a snapshot ([`DeviceStates::ram_hotplug`]).
@@ -168,7 +180,11 @@ impl Persist for MachineDevices {
                 .as_ref()
                 .map(|h| h.save_root())
                 .transpose()?,
+            pcie_root_ports: (self.pci_hotplug.as_ref())
+                .map(|h| h.save_root_ports())
+                .unwrap_or_default(),
             ram_hotplug: None,
+            handed_over_vfio_user: Vec::new(),
         })
     }
 

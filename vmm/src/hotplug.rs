@@ -251,10 +251,31 @@ impl PciHotplug {
         Ok(())
     }
 
-    /// Whether the VM has root ports for hot-plug (a snapshot of it is refused: the
-    /// ports are not rebuilt on restore).
-    pub fn has_root_ports(&self) -> bool {
-        !self.ports.is_empty()
+    /// Rebuilds the root ports for hot-plug of a snapshot (`saved`, see
+    /// crate::pci_topology::restore_hotplug_ports), before the devices in them are
+    /// restored: devices are hot-plugged into them from now on.
+    pub(crate) fn restore_root_ports(
+        &mut self,
+        saved: &[crate::pci_topology::SavedHotplugPort],
+    ) -> Result<(), crate::pci_topology::PciTopologyError> {
+        if saved.is_empty() {
+            return Ok(());
+        }
+        self.ports =
+            crate::pci_topology::restore_hotplug_ports(&self.root, saved, Some(&self.router))?;
+        Ok(())
+    }
+
+    /// The root ports for hot-plug as a snapshot keeps them (their slots, windows and
+    /// registers; the devices in them save their own state).
+    pub fn save_root_ports(&self) -> Vec<crate::pci_topology::SavedHotplugPort> {
+        self.ports.iter().map(HotplugPort::save).collect()
+    }
+
+    /// Segment 0's bus-0 slots that hold a PCI bridge (root ports, cold-plugged or for
+    /// hot-plug): the ACPI tables leave them out of ACPI hot-plug.
+    pub fn bridge_slots(&self) -> Vec<u8> {
+        crate::pci_topology::bridge_slots(&self.root)
     }
 
     /// A free root port (no device of ours in it, no card present), if the VM has ports;
@@ -356,19 +377,18 @@ impl PciHotplug {
         (config.mmio64_start, config.mmio64_size)
     }
 
-    /// Segment 0's allocations for a snapshot.
+    /// Segment 0's allocations for a snapshot. The root ports for hot-plug are left out
+    /// of its slots ([`PciHotplug::save_root_ports`] keeps them, and a restore rebuilds
+    /// them in those slots); the ranges of the root's windows they hold stay taken in its
+    /// windows' bookkeeping.
     pub fn save_root(
         &self,
     ) -> Result<gpuvm_devices::pci::PciRootState, gpuvm_devices::pci::PciError> {
-        if self.has_root_ports() {
-            // A restore rebuilds the bus from the snapshot's devices, and the empty root
-            // ports (their slots' state, the devices behind them) are not among them yet.
-            return Err(gpuvm_devices::pci::PciError::NotSaved(
-                "snapshots of a VM with PCIe root ports for hot-plug (--pcie-root-ports) are \
-                 not supported yet",
-            ));
-        }
-        self.root.save()
+        let mut state = self.root.save()?;
+        state
+            .slots
+            .retain(|saved| !self.ports.iter().any(|port| port.slot == saved.slot));
+        Ok(state)
     }
 
     /// Ends a restore of segment 0's allocations: every saved function must be back.

@@ -20,6 +20,7 @@ use std::sync::Mutex;
 use gpuvm_arch::x86_64::acpi::numa::{
     NumaMemoryRange, NumaPciInitiator, NumaTopology, LOCAL_DISTANCE, REMOTE_DISTANCE,
 };
+use gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS;
 use gpuvm_memory::numa::{bind_file_range, NodePolicy, NumaBindError};
 use gpuvm_memory::{ByteSize, GuestRam, RamRegion};
 
@@ -650,10 +651,15 @@ impl NumaPlan {
         device_keys: &[String],
         labels: &[String],
     ) -> NumaTopology {
+        let segments = passthrough_segments();
         let guest_devices: Vec<(String, GuestPciAddress)> = device_keys
             .iter()
             .zip(labels)
-            .filter_map(|(key, label)| Some((key.clone(), parse_label_bdf(label)?)))
+            .filter_map(|(key, label)| {
+                let (_, bus, device, function) = parse_label_bdf(label)?;
+                let segment = segments.get(key).copied().unwrap_or(0);
+                Some((key.clone(), (segment, bus, device, function)))
+            })
             .collect();
         let mut topology = self.topology_of(regions, &guest_devices);
         if ram_hotplug_size > 0 {
@@ -717,6 +723,72 @@ impl NumaPlan {
     }
 }
 
+impl NumaPlan {
+    /// The PCI segment of each cold-plugged passthrough device (`device_keys`, in plug
+    /// order) that must leave segment 0 for Linux to see its node, by backend key.
+    ///
+    /// Linux takes a PCI device's `numa_node` from its host bridge's `_PXM` only (neither
+    /// a Generic Initiator nor a `_PXM` on the device reaches it), so each guest node other
+    /// than 0 that holds a device gets a segment (a host bridge) of its own, numbered from
+    /// `first_free` in node order; the ACPI tables give each such host bridge its devices'
+    /// node ([`gpuvm_arch::x86_64::acpi`]). Devices on node 0 or on no node stay on
+    /// segment 0, whose host bridge is node 0's. Empty when every device is on node 0 or
+    /// none: the layout stays as it is without NUMA.
+    pub fn passthrough_segments(
+        &self,
+        device_keys: &[String],
+        first_free: u16,
+    ) -> Result<BTreeMap<String, u16>, NumaError> {
+        let remote_nodes: BTreeSet<u32> = device_keys
+            .iter()
+            .filter_map(|key| self.device_nodes.get(key).copied())
+            .filter(|&node| node != 0)
+            .collect();
+        let mut node_segments = BTreeMap::new();
+        for (index, node) in remote_nodes.into_iter().enumerate() {
+            let segment = u16::try_from(index)
+                .ok()
+                .and_then(|index| first_free.checked_add(index))
+                .filter(|&segment| segment < MAX_PCI_SEGMENTS)
+                .ok_or_else(|| {
+                    NumaError::Invalid(format!(
+                        "passthrough devices on guest node {node} need a PCI segment of their \
+                         own (Linux reads a device's node from its host bridge), but the VM \
+                         has {first_free} already and at most {MAX_PCI_SEGMENTS}"
+                    ))
+                })?;
+            node_segments.insert(node, segment);
+        }
+        Ok(device_keys
+            .iter()
+            .filter_map(|key| {
+                let node = self.device_nodes.get(key)?;
+                Some((key.clone(), *node_segments.get(node)?))
+            })
+            .collect())
+    }
+}
+
+/// Each cold-plugged passthrough device's PCI segment other than 0, by backend key, as
+/// [`prepare`] planned it for the VM being built (one VM per process); the PCI stage
+/// (builder/attach.rs) plugs the devices there and the SRAT names them there.
+static PASSTHROUGH_SEGMENTS: Mutex<BTreeMap<String, u16>> = Mutex::new(BTreeMap::new());
+
+fn set_passthrough_segments(segments: BTreeMap<String, u16>) {
+    if let Ok(mut placed) = PASSTHROUGH_SEGMENTS.lock() {
+        *placed = segments;
+    }
+}
+
+/// The PCI segment of each cold-plugged passthrough device not on segment 0 (see
+/// [`NumaPlan::passthrough_segments`]), by backend key; empty without NUMA nodes.
+pub fn passthrough_segments() -> BTreeMap<String, u16> {
+    PASSTHROUGH_SEGMENTS
+        .lock()
+        .map(|placed| placed.clone())
+        .unwrap_or_default()
+}
+
 /// The proximity domain of the hot-plug area: that of the highest boot RAM (`boot_ram`:
 /// the node ranges), which the area continues; 0 without boot RAM ranges. gpuvm has one
 /// hot-plug area and no per-node hot-plug sizes (Cloud Hypervisor's memory zones have
@@ -754,9 +826,35 @@ pub fn prepare(
 ) -> Result<(), NumaError> {
     set_vcpu_affinity(BTreeMap::new());
     set_placed(None);
+    set_passthrough_segments(BTreeMap::new());
     match plan_for(machine, pci)? {
         Some(plan) => {
+            // Segments for passthrough devices come after those the VM asked for.
+            let asked = crate::pci::segment_count(pci)
+                .map_err(|error| NumaError::Invalid(error.to_string()))?;
+            let root_ports = pci.pci_topology == Some(crate::config::PciTopology::Host)
+                || pci.pcie_root_ports > 0;
+            let mut segments = plan.passthrough_segments(&device_keys(pci), asked)?;
+            if root_ports && !segments.is_empty() {
+                // Root ports need buses of segment 0, which has one when there are more
+                // segments (the next segment's ECAM window follows its bus 0): the ports
+                // asked for win.
+                log::info!(
+                    "--pci-topology host / --pcie-root-ports: passthrough devices stay on PCI \
+                     segment 0, whose host bridge is guest node 0's (Linux shows them all on \
+                     node 0)"
+                );
+                segments.clear();
+            }
+            for (key, segment) in &segments {
+                log::info!(
+                    "passthrough device {key}: PCI segment {segment}, whose host bridge is \
+                     guest node {}'s",
+                    plan.device_nodes.get(key).copied().unwrap_or_default()
+                );
+            }
             plan.place(ram, &HostNuma::from_env())?;
+            set_passthrough_segments(segments);
             set_placed(Some(SavedNumaPlan::of(&plan)));
             Ok(())
         }
@@ -852,8 +950,8 @@ pub fn set_vcpu_affinity(affinity: BTreeMap<u8, Vec<usize>>) {
     }
 }
 
-/// Parses a guest PCI address as a passthrough device's label starts (`bb:dd.f`, segment
-/// 0 for cold-plugged devices).
+/// Parses a guest PCI address as a passthrough device's label starts (`bb:dd.f`; the
+/// label has no segment: this says 0, [`passthrough_segments`] has the others).
 pub fn parse_label_bdf(label: &str) -> Option<GuestPciAddress> {
     let address = label.split_whitespace().next()?;
     let (bus, rest) = address.split_once(':')?;

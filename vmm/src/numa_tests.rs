@@ -599,3 +599,86 @@ fn a_long_garbage_file_is_quoted_short() {
     assert!(error.contains("cannot parse \"xxxx"), "{error}");
     assert!(error.len() < 300, "{} bytes: {error:.300}", error.len());
 }
+
+/// A plan of `nodes` guest nodes (one vCPU, 1 GiB each) whose devices are on `device_nodes`.
+fn plan_with_devices(nodes: usize, device_nodes: &[(&str, u32)]) -> NumaPlan {
+    NumaPlan {
+        nodes: (0..nodes)
+            .map(|node| NodePlan {
+                cpus: vec![node as u8],
+                mem_size: GIB,
+                host_node: Some(node as u32),
+            })
+            .collect(),
+        distances: vec![vec![10; nodes]; nodes],
+        device_nodes: (device_nodes.iter())
+            .map(|(key, node)| (key.to_string(), *node))
+            .collect(),
+        pin_vcpus: false,
+    }
+}
+
+/// Each guest node other than 0 holding a passthrough device gets a PCI segment of its own
+/// (after the VM's), shared by its devices; devices on node 0 or on no node stay on segment
+/// 0, as do all devices when none is on another node.
+#[test]
+fn devices_of_each_node_other_than_0_get_a_segment_of_their_own() {
+    let keys: Vec<String> = ["gpu0", "gpu1", "gpu2", "gpu3", "nic"]
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
+    let plan = plan_with_devices(4, &[("gpu0", 0), ("gpu1", 3), ("gpu2", 1), ("gpu3", 3)]);
+    let segments = plan.passthrough_segments(&keys, 2).unwrap();
+    assert_eq!(
+        segments,
+        [("gpu1", 3), ("gpu2", 2), ("gpu3", 3)]
+            .iter()
+            .map(|(key, segment)| (key.to_string(), *segment))
+            .collect::<BTreeMap<_, _>>(),
+        "node 1's devices on segment 2, node 3's on segment 3; node 0's and the nic on 0"
+    );
+    // Devices not cold-plugged (not in the keys) take no segment.
+    assert_eq!(
+        plan.passthrough_segments(&keys[..1], 1).unwrap(),
+        BTreeMap::new()
+    );
+    // All on node 0: nothing moves.
+    let local = plan_with_devices(2, &[("gpu0", 0), ("gpu1", 0)]);
+    assert!(local.passthrough_segments(&keys, 1).unwrap().is_empty());
+    // All on node 1: they still need node 1's host bridge.
+    let remote = plan_with_devices(2, &[("gpu0", 1), ("gpu1", 1)]);
+    assert_eq!(
+        remote
+            .passthrough_segments(&keys, 1)
+            .unwrap()
+            .values()
+            .collect::<Vec<_>>(),
+        [&1, &1]
+    );
+    // No segment left: refused with the numbers.
+    let error = plan
+        .passthrough_segments(&keys, MAX_PCI_SEGMENTS - 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("guest node 3") && error.contains(&format!("at most {MAX_PCI_SEGMENTS}")),
+        "{error}"
+    );
+}
+
+/// The SRAT names a device moved to its node's segment there (the plugged device's label
+/// has no segment).
+#[test]
+fn topology_names_a_device_on_its_segment() {
+    let plan = plan_with_devices(2, &[("gpu0", 0), ("gpu1", 1)]);
+    let keys = ["gpu0".to_string(), "gpu1".to_string()];
+    set_passthrough_segments(plan.passthrough_segments(&keys, 1).unwrap());
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(2 * GIB);
+    let labels = ["00:01.0 gpu0".to_string(), "00:01.0 gpu1".to_string()];
+    let topology = plan.topology(&regions, 0, &keys, &labels);
+    set_passthrough_segments(BTreeMap::new());
+    let placed: Vec<(u32, u16, u8)> = (topology.initiators.iter())
+        .map(|i| (i.domain, i.segment, i.device))
+        .collect();
+    assert_eq!(placed, [(0, 0, 1), (1, 1, 1)]);
+}

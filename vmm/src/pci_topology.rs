@@ -28,11 +28,13 @@
 
 use std::sync::{Arc, Mutex};
 
+use gpuvm_devices::pci::bridge::PciBridgeState;
 use gpuvm_devices::pci::bridge::WINDOW_GRANULE;
 use gpuvm_devices::pci::{
-    intx_gsi, BarKind, BarSpec, BridgeSetup, PciBdf, PciBridge, PciDevice, PciError, PciRoot,
-    PortKind, Window,
+    intx_gsi, BarKind, BarSpec, BridgeSetup, MsiRouting, PciBdf, PciBridge, PciDevice, PciError,
+    PciRoot, PortKind, Window,
 };
+use gpuvm_devices::Persist;
 use gpuvm_vfio::topology::{HostTopology, TopologyError};
 
 use crate::config::{PciOptions, PciTopology};
@@ -61,6 +63,8 @@ pub enum PciTopologyError {
     HotplugPortsSegments(u16),
     #[error("--pcie-root-ports: no MSI for a root port: {0}")]
     HotplugPortMsi(#[source] std::io::Error),
+    #[error("the snapshot's root port {index} for hot-plug cannot be rebuilt: {reason}")]
+    SavedPort { index: u8, reason: String },
     #[error("--pcie-root-ports: cannot add root port {index}: {source}")]
     HotplugPort {
         index: u8,
@@ -85,6 +89,152 @@ pub struct HotplugPort {
     /// Its slot on bus 0.
     pub slot: u8,
     pub bridge: Arc<Mutex<PciBridge>>,
+    /// The ranges of the root's windows it was given (the guest may reprogram its
+    /// registers; these stay its own).
+    pub memory: Window,
+    pub prefetchable: Window,
+}
+
+/// A root port for hot-plug as a snapshot keeps it: its bus-0 slot, the ranges of the
+/// root's windows it holds, and its registers (bus numbers and windows as the guest left
+/// them, the slot's control and status, its MSI). A restore rebuilds it in the same slot
+/// ([`restore_hotplug_ports`]); the device in it, if any, comes back by its own state.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedHotplugPort {
+    pub slot: u8,
+    /// (base, size) of its 32-bit and 64-bit (prefetchable) windows.
+    pub memory: (u64, u64),
+    pub prefetchable: (u64, u64),
+    pub registers: PciBridgeState,
+}
+
+impl HotplugPort {
+    /// What a snapshot keeps of it.
+    pub fn save(&self) -> SavedHotplugPort {
+        let registers = self
+            .bridge
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .registers();
+        SavedHotplugPort {
+            slot: self.slot,
+            memory: (self.memory.base, self.memory.size),
+            prefetchable: (self.prefetchable.base, self.prefetchable.size),
+            registers,
+        }
+    }
+}
+
+/// A hot-plug port's MSI: its GSI, the irqfd that raises it, and the routing of the GSI.
+type PortMsi = (u32, vmm_sys_util::eventfd::EventFd, Arc<dyn MsiRouting>);
+
+/// A GSI of `router` and its irqfd for a root port's MSI.
+fn port_msi(
+    router: Option<&Arc<crate::interrupts::MsiRouter>>,
+) -> Result<Option<PortMsi>, PciTopologyError> {
+    let Some(router) = router else {
+        return Ok(None);
+    };
+    let (gsi, trigger) = router
+        .allocate(1)
+        .map_err(PciTopologyError::HotplugPortMsi)?
+        .pop()
+        .ok_or_else(|| PciTopologyError::HotplugPortMsi(std::io::Error::other("no GSI")))?;
+    let routing: Arc<dyn MsiRouting> = router.clone();
+    Ok(Some((gsi, trigger, routing)))
+}
+
+/// Rebuilds the root ports for hot-plug a snapshot saved (`saved`, see
+/// [`SavedHotplugPort`]) in `root`, restored from the same snapshot: each in its slot,
+/// holding the same ranges of the root's windows (the restored allocators have them
+/// taken already), with its registers as the guest left them and a new MSI of `router`
+/// routed to the message the guest programmed.
+pub fn restore_hotplug_ports(
+    root: &Arc<PciRoot>,
+    saved: &[SavedHotplugPort],
+    router: Option<&Arc<crate::interrupts::MsiRouter>>,
+) -> Result<Vec<HotplugPort>, PciTopologyError> {
+    if saved.len() > usize::from(MAX_HOTPLUG_PORTS) {
+        return Err(PciTopologyError::TooManyHotplugPorts(
+            u8::try_from(saved.len()).unwrap_or(u8::MAX),
+        ));
+    }
+    let config = root.config();
+    let mut ports = Vec::new();
+    for (index, port) in saved.iter().enumerate() {
+        let index = index as u8;
+        let bad = |reason: String| PciTopologyError::SavedPort { index, reason };
+        let memory = Window {
+            base: port.memory.0,
+            size: port.memory.1,
+        };
+        let prefetchable = Window {
+            base: port.prefetchable.0,
+            size: port.prefetchable.1,
+        };
+        let inside = |window: Window, start: u64, end: u64| {
+            window.size > 0
+                && window.base >= start
+                && window
+                    .base
+                    .checked_add(window.size)
+                    .is_some_and(|e| e <= end)
+        };
+        let mmio64_end = config.mmio64_start.saturating_add(config.mmio64_size);
+        if !inside(memory, config.mmio32_start, config.mmio32_end)
+            || !inside(prefetchable, config.mmio64_start, mmio64_end)
+        {
+            return Err(bad(format!(
+                "its windows {:#x}+{:#x} and {:#x}+{:#x} are not inside the root's",
+                memory.base, memory.size, prefetchable.base, prefetchable.size
+            )));
+        }
+        let bus = |offset: u16| port.registers.config.get(usize::from(offset)).copied();
+        let (Some(secondary), Some(subordinate)) = (
+            bus(gpuvm_devices::pci::bridge::regs::SECONDARY_BUS),
+            bus(gpuvm_devices::pci::bridge::regs::SUBORDINATE_BUS),
+        ) else {
+            return Err(bad("its registers are cut short".into()));
+        };
+        let mut bridge = PciBridge::new(&BridgeSetup {
+            kind: PortKind::RootPort,
+            primary_bus: 0,
+            secondary_bus: secondary,
+            subordinate_bus: subordinate,
+            memory,
+            prefetchable,
+            slot: u16::from(secondary),
+            occupied: false,
+        });
+        // The hot-plug slot's writable bits and MSI first; the registers then say what
+        // the guest made of them.
+        bridge.make_hotplug_slot(port_msi(router)?);
+        bridge
+            .restore(&port.registers)
+            .map_err(|e| bad(e.to_string()))?;
+        if !bridge.is_hotplug_slot() {
+            return Err(bad("its registers are not a hot-plug slot's".into()));
+        }
+        let bridge = Arc::new(Mutex::new(bridge));
+        let windows = vec![
+            (true, prefetchable.base, prefetchable.size),
+            (false, memory.base, memory.size),
+        ];
+        root.add_port(port.slot, bridge.clone(), windows)
+            .map_err(|e| bad(format!("slot {:#04x}: {e}", port.slot)))?;
+        log::info!(
+            "PCI 00:{:02x}.0: root port with a hot-plug slot restored (bus {secondary:02x})",
+            port.slot
+        );
+        ports.push(HotplugPort {
+            slot: port.slot,
+            bridge,
+            memory,
+            prefetchable,
+        });
+    }
+    Ok(ports)
 }
 
 /// Plugs `count` empty root ports with PCIe native hot-plug slots into `root` (of a VM
@@ -147,19 +297,14 @@ pub fn add_hotplug_ports(
             slot: u16::from(bus),
             occupied: false,
         });
-        let msi = match router {
-            Some(router) => {
-                let (gsi, trigger) = router
-                    .allocate(1)
-                    .map_err(PciTopologyError::HotplugPortMsi)?
-                    .pop()
-                    .ok_or_else(|| {
-                        PciTopologyError::HotplugPortMsi(std::io::Error::other("no GSI"))
-                    })?;
-                let routing: Arc<dyn gpuvm_devices::pci::MsiRouting> = router.clone();
-                Some((gsi, trigger, routing))
+        let msi = match port_msi(router) {
+            Ok(msi) => msi,
+            Err(error) => {
+                for (wide, base, size) in taken {
+                    root.release_window(wide, base, size);
+                }
+                return Err(error);
             }
-            None => None,
         };
         bridge.make_hotplug_slot(msi);
         bridge.enable_memory_decoding();
@@ -174,9 +319,37 @@ pub fn add_hotplug_ports(
             "PCI 00:{slot:02x}.0: root port with a hot-plug slot (bus {bus:02x}, windows \
              {memory:#x}+{HOTPLUG_PORT_MEMORY:#x}, {prefetchable:#x}+{HOTPLUG_PORT_PREFETCHABLE:#x})"
         );
-        ports.push(HotplugPort { slot, bridge });
+        ports.push(HotplugPort {
+            slot,
+            bridge,
+            memory: Window {
+                base: memory,
+                size: HOTPLUG_PORT_MEMORY,
+            },
+            prefetchable: Window {
+                base: prefetchable,
+                size: HOTPLUG_PORT_PREFETCHABLE,
+            },
+        });
     }
     Ok(ports)
+}
+
+/// The bus-0 slots of `root` that hold a PCI bridge (the root ports of a host-mirroring
+/// layout and of [`add_hotplug_ports`]): the ACPI tables leave them out of ACPI PCI
+/// hot-plug, as their slots are PCIe native hot-plug's (or none).
+pub fn bridge_slots(root: &PciRoot) -> Vec<u8> {
+    (0..32u8)
+        .filter(|&slot| {
+            root.device_at(&[slot]).is_some_and(|device| {
+                device
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_bridge()
+                    .is_some()
+            })
+        })
+        .collect()
 }
 
 /// Where a device with BARs `specs` goes in an empty port with windows `memory` and
@@ -880,6 +1053,114 @@ mod tests {
                 vec![HOTPLUG_PORT_PREFETCHABLE]
             ]
         );
+    }
+
+    #[test]
+    fn a_guest_cannot_eject_a_root_port_through_acpi() {
+        use gpuvm_devices::pci::hotplug::B0EJ;
+        use gpuvm_devices::pci::HotplugController;
+        use gpuvm_devices::BusDevice;
+        let root = PciRoot::new(PciRootConfig {
+            ecam_base: 0xe000_0000,
+            buses: 1,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 40,
+            mmio64_size: 4 << 40,
+        })
+        .unwrap();
+        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        let slots: Vec<u8> = ports.iter().map(|p| p.slot).collect();
+        assert_eq!(
+            bridge_slots(&root),
+            slots,
+            "the ACPI tables leave these out"
+        );
+        let gpu = Arc::new(Mutex::new(Gpu(BarSet::new(&gpu_specs()))));
+        let (memory, wide) = {
+            let port = ports[0].bridge.lock().unwrap();
+            (port.memory_window(), port.prefetchable_window())
+        };
+        let bars = bars_in_port(&gpu_specs(), memory, wide).unwrap();
+        let behind = root.add_behind(&[slots[0], 0], gpu, &bars, false).unwrap();
+        let mut controller = HotplugController::new(root.clone(), None);
+        // A hostile guest writes B0EJ for every slot: neither port nor the device behind
+        // one leaves the bus, and the VMM is told of no eject.
+        controller.write(B0EJ, &u32::MAX.to_le_bytes());
+        for slot in &slots {
+            assert!(
+                root.has_device(*slot),
+                "root port in slot {slot} still there"
+            );
+            assert!(!controller.take_ejected(*slot));
+        }
+        let mut vendor = [0u8; 2];
+        root.config_read(behind, 0, &mut vendor);
+        assert_ne!(
+            vendor, [0xff; 2],
+            "the device behind the port still answers"
+        );
+        assert_eq!(root.highest_bus(), 2);
+    }
+
+    #[test]
+    fn saved_root_ports_come_back_in_their_slots_with_their_windows_and_registers() {
+        let config = PciRootConfig {
+            ecam_base: 0xe000_0000,
+            buses: 1,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 40,
+            mmio64_size: 4 << 40,
+        };
+        let root = PciRoot::new(config).unwrap();
+        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        // The guest powers port 1's slot on (Slot Control at 0x40 + 0x18).
+        ports[1]
+            .bridge
+            .lock()
+            .unwrap()
+            .config_write(0x58, &0u16.to_le_bytes());
+        let saved: Vec<SavedHotplugPort> = ports.iter().map(HotplugPort::save).collect();
+        let mut state = root.save().unwrap();
+        state
+            .slots
+            .retain(|slot| !ports.iter().any(|port| port.slot == slot.slot));
+
+        let mut again = PciRoot::new(config).unwrap();
+        Arc::get_mut(&mut again).unwrap().restore(&state).unwrap();
+        let back = restore_hotplug_ports(&again, &saved, None).unwrap();
+        again.finish_restore().unwrap();
+        assert_eq!(bridge_slots(&again), bridge_slots(&root));
+        assert_eq!(again.highest_bus(), 2);
+        for (port, before) in back.iter().zip(&ports) {
+            assert_eq!(
+                (port.slot, port.memory, port.prefetchable),
+                (before.slot, before.memory, before.prefetchable)
+            );
+            let (now, was) = (port.bridge.lock().unwrap(), before.bridge.lock().unwrap());
+            assert_eq!(now.registers(), was.registers());
+            assert!(now.is_hotplug_slot());
+        }
+        assert!(back[1].bridge.lock().unwrap().slot_powered());
+        assert!(!back[0].bridge.lock().unwrap().slot_powered());
+        // The windows stay taken: a new range goes elsewhere.
+        let wide = again
+            .allocate_window(true, HOTPLUG_PORT_PREFETCHABLE, HOTPLUG_PORT_PREFETCHABLE)
+            .unwrap();
+        assert!(back
+            .iter()
+            .all(|port| wide >= port.prefetchable.end() || wide < port.prefetchable.base));
+
+        // A saved port whose window lies outside the root's is refused.
+        let mut outside = saved.clone();
+        outside[0].prefetchable.0 = 1 << 50;
+        let mut fresh = PciRoot::new(config).unwrap();
+        Arc::get_mut(&mut fresh).unwrap().restore(&state).unwrap();
+        assert!(matches!(
+            restore_hotplug_ports(&fresh, &outside, None),
+            Err(PciTopologyError::SavedPort { index: 0, .. })
+        ));
     }
 
     #[test]

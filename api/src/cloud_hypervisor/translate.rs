@@ -363,7 +363,8 @@ pub fn numa(nodes: &[NumaConfig], machine: &MachineConfigBody) -> Result<NumaBod
         if node.pci_segments.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(format!(
                 "numa[{i}].pci_segments is not supported by gpuvm (a passthrough device's node \
-                 comes from its host node)"
+                 comes from its host node, and gpuvm gives each node's devices a PCI segment \
+                 of its own)"
             ));
         }
     }

@@ -276,6 +276,10 @@ struct HostBridgeAml<'a> {
     prt: &'a aml::Package<'a>,
     /// The proximity domain of the device in each bus-0 slot, where known (segment 0 only).
     slot_domains: &'a SlotDomains,
+    /// Segment 0's bus-0 slots that hold a PCI bridge (left out of ACPI hot-plug).
+    bridge_slots: &'a [u8],
+    /// The proximity domain of the devices below it (`_PXM`), where it has one.
+    domain: Option<u32>,
 }
 
 impl Aml for HostBridgeAml<'_> {
@@ -318,9 +322,16 @@ impl Aml for HostBridgeAml<'_> {
             aml::Name::new("_PRT".into(), self.prt),
         ];
         children.extend(names.iter().map(|n| n as &dyn Aml));
+        let pxm = self
+            .domain
+            .map(|domain| aml::Name::new("_PXM".into(), &domain));
+        if let Some(pxm) = &pxm {
+            children.push(pxm);
+        }
         children.push(&OscAml);
         let hotplug = PciHotplugAml {
             slot_domains: self.slot_domains,
+            bridge_slots: self.bridge_slots,
         };
         if self.segment == 0 {
             children.push(&hotplug);
@@ -430,6 +441,8 @@ fn dsdt(
     cpu_hotplug: Option<cpus::CpuHotplugAml>,
     memory_hotplug: Option<memory::MemoryHotplugAml>,
     slot_domains: &SlotDomains,
+    bridge_slots: &[u8],
+    bridge_domains: &[Option<u32>],
 ) -> Result<Vec<u8>, AcpiError> {
     check_segments(segments)?;
     let windows = segments
@@ -456,6 +469,8 @@ fn dsdt(
             windows,
             prt: &prt,
             slot_domains,
+            bridge_slots,
+            domain: bridge_domains.get(segment).copied().flatten(),
         })
         .collect();
     // Motherboard resources: the ECAM windows belong to the platform, not to RAM or any
@@ -565,6 +580,7 @@ fn dsdt(
 ///                                              EVEN, 32 }
 /// Method (PCEJ, 1, Serialized) { B0EJ = 1 << Arg0 }
 /// Device (SDxx) { _ADR = xx << 16, _SUN = xx, Method (_EJ0, 1) { PCEJ (xx) } }  slots 1..31
+///     but those holding a bridge
 ///     (and _PXM = the device's proximity domain, where a cold-plugged device's is known)
 /// Method (PCNT, 0, Serialized) {           called by \_SB.GED0._EVT
 ///     Local0 = PCIU; Local1 = PCID          (each read clears the register)
@@ -573,12 +589,46 @@ fn dsdt(
 /// }
 /// ```
 ///
-/// Linux's acpiphp finds the slots by their `_EJ0` and handles both notifications. Linux
-/// takes a PCI device's `numa_node` from `_PXM` of its ACPI companion (the SDxx whose
-/// `_ADR` matches), not from the SRAT's Generic Initiator, so a passthrough device with a
-/// known node gets both.
+/// Linux's acpiphp finds the slots by their `_EJ0` and handles both notifications. A
+/// passthrough device with a known node gets a `_PXM` on its SDxx and a Generic Initiator
+/// in the SRAT; Linux (6.1, 6.12) reads neither for `numa_node`, only the host bridge's
+/// `_PXM` ([`host_bridge_domains`]), which is why the VMM gives the devices of each node
+/// other than 0 a segment of their own.
+///
+/// Slots holding a PCI bridge (the PCIe root ports gpuvm puts on bus 0, for a host-mirroring
+/// topology or for hot-plug) get no SDxx and no notification: their slots are PCIe native
+/// hot-plug (pciehp) slots, and an ACPI slot on the same port would register a second
+/// hot-plug slot for it (pciehp's slot names then clash: "1-1" for "1") and offer the guest
+/// an `_EJ0` that detaches the whole port. The register block ignores B0EJ for them too.
 struct PciHotplugAml<'a> {
     slot_domains: &'a SlotDomains,
+    /// Bus-0 slots that hold a PCI bridge.
+    bridge_slots: &'a [u8],
+}
+
+/// The `_PXM` of each of `count` segments' host bridges: with NUMA nodes, segment 0's is
+/// domain 0 and another segment's is the domain of the devices the SRAT places on it (the
+/// VMM gives each node's passthrough devices a segment of their own); without NUMA nodes,
+/// or for a segment with no such devices, none. Linux takes a PCI device's `numa_node`
+/// from its host bridge's `_PXM` alone (acpi_pci_root_add), so this is what the guest's
+/// drivers (NVIDIA's, NCCL) see.
+fn host_bridge_domains(numa: Option<&numa::NumaTopology>, count: usize) -> Vec<Option<u32>> {
+    let Some(topology) = numa else {
+        return vec![None; count];
+    };
+    (0..count)
+        .map(|segment| {
+            if segment == 0 {
+                return Some(0);
+            }
+            let mut domains = (topology.initiators.iter())
+                .filter(|initiator| usize::from(initiator.segment) == segment)
+                .map(|initiator| initiator.domain);
+            let first = domains.next()?;
+            // A host bridge has one node: devices of several nodes on it get none.
+            domains.all(|domain| domain == first).then_some(first)
+        })
+        .collect()
 }
 
 /// `slot_domains[slot]`: the proximity domain of the device in that slot of segment 0, bus 0.
@@ -632,7 +682,10 @@ impl Aml for PciHotplugAml<'_> {
             )],
         )
         .to_aml_bytes(sink);
-        for slot in 1..PCI_SLOTS {
+        let acpi_slots: Vec<u8> = (1..PCI_SLOTS)
+            .filter(|slot| !self.bridge_slots.contains(slot))
+            .collect();
+        for &slot in &acpi_slots {
             let address = u32::from(slot) << 16;
             let sun = u32::from(slot);
             let pcej: aml::Path = "PCEJ".into();
@@ -657,7 +710,7 @@ impl Aml for PciHotplugAml<'_> {
         let (check, eject) = (1u8, 3u8);
         let mut tests = Vec::new();
         let mut notifies = Vec::new();
-        for slot in 1..usize::from(PCI_SLOTS) {
+        for slot in acpi_slots.iter().map(|&slot| usize::from(slot)) {
             tests.push((
                 aml::And::new(&aml::ZERO, &up, &bits[slot]),
                 aml::And::new(&aml::ZERO, &down, &bits[slot]),
@@ -820,6 +873,16 @@ pub fn build_with_numa(
     config: &AcpiConfig,
     numa: Option<&numa::NumaTopology>,
 ) -> Result<AcpiTables, AcpiError> {
+    build_with_bridges(config, numa, &[])
+}
+
+/// As [`build_with_numa`], for a segment 0 whose bus-0 slots `bridge_slots` hold PCI bridges
+/// (PCIe root ports): they are left out of ACPI PCI hot-plug (see [`PciHotplugAml`]).
+pub fn build_with_bridges(
+    config: &AcpiConfig,
+    numa: Option<&numa::NumaTopology>,
+    bridge_slots: &[u8],
+) -> Result<AcpiTables, AcpiError> {
     if config.vcpus == 0 || config.vcpus.max(config.max_vcpus) > MAX_MPTABLE_CPUS {
         return Err(AcpiError::CpuCount(config.vcpus.max(config.max_vcpus)));
     }
@@ -848,6 +911,8 @@ pub fn build_with_numa(
         cpu_hotplug,
         memory_hotplug,
         &slot_domains(numa),
+        bridge_slots,
+        &host_bridge_domains(numa, config.pci_segments.len()),
     )?;
     let dsdt_addr = place(dsdt.len());
     let fadt = fadt(dsdt_addr, config.power_off);
@@ -896,16 +961,19 @@ pub fn build_with_numa(
 
 /// Builds the tables and writes them into guest memory; returns the RSDP's address.
 pub fn setup_acpi(mem: &GuestMemoryMmap, config: &AcpiConfig) -> Result<u64, AcpiError> {
-    setup_acpi_with_numa(mem, config, None)
+    setup_acpi_with_numa(mem, config, None, &[])
 }
 
-/// As [`setup_acpi`], with the NUMA tables when `numa` is given.
+/// As [`setup_acpi`], with the NUMA tables when `numa` is given and segment 0's bus-0 slots
+/// that hold PCI bridges left out of ACPI hot-plug (`bridge_slots`, see
+/// [`build_with_bridges`]).
 pub fn setup_acpi_with_numa(
     mem: &GuestMemoryMmap,
     config: &AcpiConfig,
     numa: Option<&numa::NumaTopology>,
+    bridge_slots: &[u8],
 ) -> Result<u64, AcpiError> {
-    let tables = build_with_numa(config, numa)?;
+    let tables = build_with_bridges(config, numa, bridge_slots)?;
     for (addr, bytes) in &tables.blobs {
         mem.write_slice(bytes, GuestAddress(*addr))?;
     }
@@ -1071,6 +1139,73 @@ mod tests {
     const S5_NAME: [u8; 10] = [0x08, b'_', b'S', b'5', b'_', 0x12, 4, 1, 0x0a, 5];
     /// `IO (Decode16, 0x600, 0x600, 1, 1)` as a small resource descriptor.
     const SLEEP_PORT_IO: [u8; 8] = [0x47, 1, 0x00, 0x06, 0x00, 0x06, 1, 1];
+
+    /// Each host bridge's `_PXM` (Linux's only source of a PCI device's `numa_node`): with
+    /// NUMA nodes, PCI0 is node 0's and a further segment is the node of the devices the SRAT
+    /// places on it (none when it has none, or devices of two nodes); without, no `_PXM`.
+    #[test]
+    fn each_host_bridge_has_the_pxm_of_its_devices_node() {
+        use numa::{NumaMemoryRange, NumaPciInitiator, NumaTopology};
+        let config = AcpiConfig {
+            vcpus: 2,
+            max_vcpus: 2,
+            memory_hotplug: false,
+            pci_segments: segments(4),
+            power_off: false,
+        };
+        let initiator = |domain, segment, device| NumaPciInitiator {
+            domain,
+            segment,
+            bus: 0,
+            device,
+            function: 0,
+        };
+        let topology = NumaTopology {
+            cpu_domains: vec![0, 1],
+            memory: vec![NumaMemoryRange {
+                domain: 0,
+                base: 0,
+                size: 0x4000_0000,
+                hotpluggable: false,
+            }],
+            // Segment 1: two devices of node 1; segment 2: none; segment 3: two nodes.
+            initiators: vec![
+                initiator(1, 1, 1),
+                initiator(1, 1, 2),
+                initiator(0, 3, 1),
+                initiator(1, 3, 2),
+            ],
+            distances: vec![vec![10, 20], vec![20, 10]],
+        };
+        let tables = build_with_numa(&config, Some(&topology)).unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let position = |name: &[u8]| dsdt.windows(4).position(|w| w == name).unwrap();
+        let bridge = |name: &[u8], next: &[u8]| &dsdt[position(name)..position(next)];
+        // Name (_PXM, n): NameOp, the name, then ZeroOp / OneOp for 0 / 1.
+        let pxm = |domain: u8| [&[0x08][..], b"_PXM", &[domain]].concat();
+        let pxms = |body: &[u8]| body.windows(4).filter(|w| w == b"_PXM").count();
+        let pci0 = bridge(b"PCI0", b"PC01");
+        assert!(contains(pci0, &pxm(0)), "PCI0: node 0");
+        assert_eq!(
+            pxms(pci0),
+            1,
+            "no slot of segment 0 holds a device of a node"
+        );
+        let pc01 = bridge(b"PC01", b"PC02");
+        assert!(contains(pc01, &pxm(1)), "PC01: node 1");
+        assert_eq!(pxms(pc01), 1);
+        assert_eq!(pxms(bridge(b"PC02", b"PC03")), 0, "PC02 holds no device");
+        assert_eq!(pxms(&dsdt[position(b"PC03")..]), 0, "PC03 holds two nodes");
+        assert_eq!(
+            host_bridge_domains(Some(&topology), 4),
+            [Some(0), Some(1), None, None]
+        );
+
+        let plain = build(&config).unwrap();
+        let (_, plain_dsdt) = plain.find(b"DSDT").unwrap();
+        assert!(!contains(plain_dsdt, b"_PXM"), "no NUMA nodes: no _PXM");
+        assert_eq!(host_bridge_domains(None, 2), [None, None]);
+    }
 
     fn tables_with_power_off(power_off: bool) -> AcpiTables {
         build(&AcpiConfig {
@@ -1589,6 +1724,37 @@ mod tests {
         let mut irq = vec![0x89, 6, 0, 0x03, 1];
         irq.extend_from_slice(&HOTPLUG_GSI.to_le_bytes());
         assert!(contains(aml, &irq), "the GED's interrupt");
+    }
+
+    #[test]
+    fn slots_holding_bridges_are_left_out_of_acpi_hot_plug() {
+        let config = AcpiConfig {
+            vcpus: 1,
+            max_vcpus: 0,
+            memory_hotplug: false,
+            pci_segments: vec![pci()],
+            power_off: true,
+        };
+        let tables = build_with_bridges(&config, None, &[3, 0x1f]).unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let aml = &dsdt[36..];
+        for absent in [b"SD03", b"SD1F"] {
+            assert!(
+                !contains(aml, absent),
+                "{}: a root port's slot is no ACPI slot",
+                String::from_utf8_lossy(absent)
+            );
+        }
+        for present in [b"SD01", b"SD02", b"SD04", b"SD1E"] {
+            let name = String::from_utf8_lossy(present);
+            assert!(contains(aml, present), "{name}");
+        }
+        // One _EJ0 and one _SUN per ACPI slot: 31 without bridges, 29 with two.
+        let count = |aml: &[u8], name: &[u8]| aml.windows(4).filter(|w| *w == name).count();
+        assert_eq!((count(aml, b"_EJ0"), count(aml, b"_SUN")), (29, 29));
+        let plain = build(&config).unwrap();
+        let plain = &plain.find(b"DSDT").unwrap().1[36..];
+        assert_eq!((count(plain, b"_EJ0"), count(plain, b"_SUN")), (31, 31));
     }
 
     #[test]

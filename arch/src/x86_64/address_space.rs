@@ -777,7 +777,10 @@ mod tests {
         big.ram_top = AMD_HT_HOLE_START;
         big.ram_hotplug_size = 0;
         let planned = plan(&big).unwrap();
-        assert!(!overlaps_ht_hole(planned.mmio64_start, planned.mmio64_end()));
+        assert!(!overlaps_ht_hole(
+            planned.mmio64_start,
+            planned.mmio64_end()
+        ));
         big.host = intel(48);
         big.ram_top = 1000 * GIB;
         big.ram_hotplug_size = 16 * GIB;

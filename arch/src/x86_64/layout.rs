@@ -209,7 +209,10 @@ mod tests {
         const GIB: u64 = 1 << 30;
         // Below the hole, the AMD layout is the usual one.
         assert!(!ram_reaches_ht_hole(1008 * GIB));
-        assert_eq!(ram_regions_around(1008 * GIB, true), ram_regions(1008 * GIB));
+        assert_eq!(
+            ram_regions_around(1008 * GIB, true),
+            ram_regions(1008 * GIB)
+        );
         // 1.5 TiB: 3 GiB low, 4 GiB..1012 GiB, then the rest from 1 TiB, the file in order.
         let size = 1536 * GIB;
         assert!(ram_reaches_ht_hole(size));
@@ -227,7 +230,11 @@ mod tests {
         assert!(map.iter().all(|e| e.kind != E820_RAM
             || e.addr + e.size <= AMD_HT_HOLE_START
             || e.addr >= AMD_HT_HOLE_END));
-        let ram: u64 = map.iter().filter(|e| e.kind == E820_RAM).map(|e| e.size).sum();
+        let ram: u64 = map
+            .iter()
+            .filter(|e| e.kind == E820_RAM)
+            .map(|e| e.size)
+            .sum();
         assert_eq!(ram, size - (HIMEM_START - EBDA_START));
         // Other hosts keep one high region.
         assert_eq!(ram_regions_around(size, false).len(), 2);

@@ -588,6 +588,14 @@ impl PciBridge {
         }
     }
 
+    /// Its registers as a snapshot keeps them (what [`Persist::save`] gives; it cannot fail).
+    pub fn registers(&self) -> PciBridgeState {
+        PciBridgeState {
+            kind: self.kind,
+            config: self.space.to_vec(),
+        }
+    }
+
     /// The secondary and subordinate bus numbers as currently programmed.
     pub fn buses(&self) -> (u8, u8) {
         (
@@ -621,10 +629,7 @@ impl Persist for PciBridge {
     type Error = BridgeError;
 
     fn save(&self) -> Result<PciBridgeState, BridgeError> {
-        Ok(PciBridgeState {
-            kind: self.kind,
-            config: self.space.to_vec(),
-        })
+        Ok(self.registers())
     }
 
     fn restore(&mut self, state: &PciBridgeState) -> Result<(), BridgeError> {
@@ -638,6 +643,15 @@ impl Persist for PciBridge {
             return Err(BridgeError::StateSize(state.config.len()));
         }
         self.space.copy_from_slice(&state.config);
+        // A power-off the VMM had not acted on is not kept (snapshots refuse a device being
+        // removed).
+        self.powered_off = false;
+        // The MSI route lives in the hypervisor, not in the registers: install the one the
+        // restored MSI capability says (this port's GSI may differ from the saved one's).
+        if let Some(msi) = self.msi.as_mut() {
+            msi.route = None;
+        }
+        self.follow_msi();
         Ok(())
     }
 }
@@ -1070,5 +1084,60 @@ mod tests {
             config: vec![0; 12],
         };
         assert_eq!(again.restore(&short), Err(BridgeError::StateSize(12)));
+    }
+
+    #[test]
+    fn a_hot_plug_slot_comes_back_with_its_card_power_and_msi_route() {
+        use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+        let cap = regs::PCIE_CAP;
+        let msi = regs::MSI_CAP;
+        let empty = BridgeSetup {
+            occupied: false,
+            ..setup(PortKind::RootPort)
+        };
+        let routes = Arc::new(crate::pci::RecordedRoutes::default());
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut port = PciBridge::new(&empty);
+        port.make_hotplug_slot(Some((30, irq.try_clone().unwrap(), routes)));
+        port.config_write(msi + 4, &0xfee0_2000u32.to_le_bytes());
+        port.config_write(msi + 12, &0x51u16.to_le_bytes());
+        port.config_write(msi + 2, &1u16.to_le_bytes());
+        let enables = regs::HOT_PLUG_INTERRUPT_ENABLE | regs::PRESENCE_DETECT_ENABLE;
+        port.config_write(cap + regs::SLOT_CONTROL, &enables.to_le_bytes());
+        port.card_inserted();
+        let saved = port.save().unwrap();
+
+        // Rebuilt as the restore rebuilds it: empty, with another GSI.
+        let routes = Arc::new(crate::pci::RecordedRoutes::default());
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut again = PciBridge::new(&empty);
+        again.make_hotplug_slot(Some((41, irq.try_clone().unwrap(), routes.clone())));
+        again.restore(&saved).unwrap();
+        assert!(again.is_hotplug_slot());
+        assert!(again.slot_occupied() && again.slot_powered());
+        assert_ne!(
+            read16(&mut again, cap + regs::LINK_STATUS) & regs::DLL_LINK_ACTIVE,
+            0,
+            "powered with a card: link up"
+        );
+        assert_eq!(
+            read16(&mut again, cap + regs::SLOT_CONTROL),
+            read16(&mut port, cap + regs::SLOT_CONTROL)
+        );
+        assert_eq!(
+            routes.routes().get(&41),
+            Some(&MsiMessage {
+                address: 0xfee0_2000,
+                data: 0x51
+            }),
+            "the guest's MSI routed to the new GSI"
+        );
+        // Events after the restore still interrupt the guest.
+        let all = regs::SLOT_STATUS_RW1C;
+        again.config_write(cap + regs::SLOT_STATUS, &all.to_le_bytes());
+        while irq.read().is_ok() {}
+        again.card_removed();
+        assert_eq!(irq.read().unwrap(), 1);
+        assert!(!again.take_powered_off());
     }
 }

@@ -14,8 +14,9 @@
 //! after it (the highest e820 RAM's end, at least 4 GiB, on a 1 GiB boundary); without
 //! `hotplug` there must be none; `hold`: stay this long after `numa: ok` (the host side reads
 //! the VMM's numa_maps then). Every boot RAM range must lie in e820 RAM and not overlap another,
-//! and every Generic Initiator with a PCI handle in segment 0 must name a function that is
-//! there (on bus 0 or behind bridges). Each online vCPU reads its own APIC id, and the node
+//! and every Generic Initiator with a PCI handle must name a function that is there (in
+//! segment 0 on bus 0 or behind bridges, read through 0xCF8; in another segment through
+//! its ECAM window from the MCFG). Each online vCPU reads its own APIC id, and the node
 //! the SRAT gives that id is printed ("numa: vcpu apic A runs on node D"), so the node of
 //! each vCPU that really runs is what is checked. Ends `numa: ok`, or `numa: FAIL ...` and
 //! exit 1.
@@ -45,6 +46,10 @@ const FOUR_GIB: u64 = 1 << 32;
 const HANDLE_PCI: u8 = 1;
 const CONFIG_ADDRESS: u16 = 0xcf8;
 const CONFIG_DATA: u16 = 0xcfc;
+/// The MCFG's allocations start after its header and 8 reserved bytes; each is 16 bytes
+/// (base address, segment, start bus, end bus, reserved).
+const MCFG_ENTRIES: u64 = HEADER_LEN + 8;
+const MCFG_ENTRY_LEN: u64 = 16;
 /// How long APs have to report their APIC ids.
 const REPORT_WAIT_US: u64 = 2_000_000;
 
@@ -151,6 +156,49 @@ fn check_device_present(bdf: u32) {
         ids & 0xffff,
         ids >> 16
     );
+}
+
+/// A Generic Initiator on a segment other than 0 (the VMM puts a NUMA node's passthrough
+/// devices on a segment of their own): a function must answer at that address through the
+/// segment's ECAM window, which the MCFG gives (0xCF8 reaches segment 0 only).
+fn check_device_on_segment(rsdp: u64, segment: u32, bdf: u32) {
+    let Some((mcfg, mcfg_len)) = find_table(rsdp, b"MCFG") else {
+        fail(format_args!("the XSDT lists no MCFG for segment {segment}"))
+    };
+    let (bus, device, function) = (bdf >> 8, (bdf >> 3) & 0x1f, bdf & 7);
+    let mut entry = mcfg + MCFG_ENTRIES;
+    while entry + MCFG_ENTRY_LEN <= mcfg + mcfg_len {
+        let (start_bus, end_bus) = (
+            u32::from(read_u8(entry + 10)),
+            u32::from(read_u8(entry + 11)),
+        );
+        let covers =
+            (read_u32(entry + 8) & 0xffff) == segment && (start_bus..=end_bus).contains(&bus);
+        if covers {
+            let offset = u64::from(bus - start_bus) << 20
+                | u64::from(device) << 15
+                | u64::from(function) << 12;
+            let addr = read_u64(entry) + offset;
+            // SAFETY: the ECAM windows lie in the identity-mapped, user-accessible first
+            // 4 GiB; the read traps to the VMM's PCI root of that segment.
+            let ids = unsafe { (addr as *const u32).read_volatile() };
+            if ids & 0xffff == 0xffff {
+                fail(format_args!(
+                    "the SRAT names device {segment:04x}:{bus:02x}:{device:02x}.{function}, where there is none"
+                ));
+            }
+            println!(
+                "numa: device {segment:04x}:{bus:02x}:{device:02x}.{function} is {:04x}:{:04x} (ECAM {addr:#x})",
+                ids & 0xffff,
+                ids >> 16
+            );
+            return;
+        }
+        entry += MCFG_ENTRY_LEN;
+    }
+    fail(format_args!(
+        "the SRAT names segment {segment} bus {bus:02x}, which no MCFG window covers"
+    ));
 }
 
 /// The hot-pluggable range `found` (node, base, size, flags) against `expected` (node,
@@ -337,6 +385,8 @@ pub fn run(info: &BootInfo, words: &mut Words) -> ! {
                 );
                 if handle_type == HANDLE_PCI && segment == 0 {
                     check_device_present(bdf);
+                } else if handle_type == HANDLE_PCI {
+                    check_device_on_segment(info.rsdp_paddr, segment, bdf);
                 }
                 devices.push(domain);
             }

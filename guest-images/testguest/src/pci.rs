@@ -5,7 +5,8 @@
 //! Then MSI-X goes off and the same doorbell must arrive as a level-triggered INTx through
 //! the IOAPIC pin the VMM assigned (the Interrupt Line register); the handler acknowledges
 //! the device and ends the interrupt, and the device must not fire again.
-//! `pci hold` then idles until the VMM ends the run (for API tests).
+//! `pci hold` then idles until the VMM ends the run (for API tests); `pci loop` skips the
+//! INTx part and runs DMA jobs with MSI-X interrupts until the VMM ends the run.
 //!
 //! Interrupts are only delivered in ring 0 on the CI hypervisor, so the workload enables the
 //! local APIC, installs an IDT gate for its vector, and waits with `hlt`: from ring 3 that
@@ -345,13 +346,57 @@ pub fn run(mode: Option<&str>) -> ! {
             "no device {NVIDIA:#06x}:{H100_LIKE:#06x} on bus 0"
         ));
     };
-    check_device(device, true);
+    let looping = mode == Some("loop");
+    check_device(device, !looping);
     println!("pci: ok");
+    if looping {
+        dma_loop(device);
+    }
     if mode == Some("hold") {
         println!("pci: holding until the VMM ends the run");
         crate::console::halt_forever();
     }
     exit(0)
+}
+
+/// `pci loop`: DMA jobs one after another until the VMM ends the run, each with a seed of
+/// its own, its MSI-X interrupt awaited and its data checked (live update keeps the GPU
+/// busy with it). Prints every 16th round.
+fn dma_loop(device: u8) -> ! {
+    let bar0 = u64::from(config_read(device, 0x10) & !0xf);
+    let mut done = mmio_read(bar0 + REG_DMA_DONE);
+    let mut round = 0u64;
+    loop {
+        round += 1;
+        // The device's seed register is 32 bits wide.
+        let seed = DMA_SEED ^ u64::from((round as u32).wrapping_mul(0x9e37_79b9));
+        let before = TG_MSI_COUNT.load(Ordering::Acquire);
+        start_dma(bar0, seed);
+        let mut waits = 0;
+        while TG_MSI_COUNT.load(Ordering::Acquire) == before {
+            if waits == 1000 {
+                fail(format_args!("loop {round}: no MSI-X interrupt"));
+            }
+            waits += 1;
+            // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0.
+            unsafe { core::arch::asm!("hlt", options(nomem, nostack)) };
+        }
+        done = done.wrapping_add(1);
+        let status = mmio_read(bar0 + REG_DMA_STATUS);
+        let reported = mmio_read(bar0 + REG_DMA_DONE);
+        if status != 0 || reported != done {
+            fail(format_args!(
+                "loop {round}: DMA status {status} done {reported}, expected {done}"
+            ));
+        }
+        check_dma(seed);
+        if round % 16 == 0 {
+            println!(
+                "pci: loop {round} ok (msi-x count {})",
+                TG_MSI_COUNT.load(Ordering::Acquire)
+            );
+        }
+    }
 }
 
 /// The vendor and device id register of `device` on bus 0 (all ones: no device).

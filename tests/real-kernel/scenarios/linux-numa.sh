@@ -1,4 +1,5 @@
-# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's
+# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's. Then an edu device passed through (kernel VFIO) from host node 1 goes on node 1's PCI segment, and Linux's sysfs shows it on node 1
+# qemu: -device edu,addr=0x4
 . /lib/real-kernel.sh
 start_ch
 ch_checked PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
@@ -26,4 +27,23 @@ for node in 0 1; do
     [ "${mib:-0}" -ge 128 ] && [ "${mib:-0}" -le 256 ] || fail "node $node has ${mib:-no} MiB, not 128 to 256"
 done
 expect_line /tmp/ch.log "inner: checks passed"
-echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest: ok"
+
+# A passthrough device on host node 1. This machine has one node and edu none: a fake sysfs tree gives
+# gpuvm two host nodes and edu on node 1 (the host facts only; edu itself is the real one, through
+# kernel VFIO), and the test hook binds both guest nodes' RAM to the real node 0.
+edu="$(pci_find 1234 11e8)" || fail "no edu device"
+echo "edu at $edu ($(vfio_bind "$edu"))"
+mkdir -p /tmp/sys/devices/system/node/node0 /tmp/sys/devices/system/node/node1 "/tmp/sys/bus/pci/devices/$edu"
+echo 1 >"/tmp/sys/bus/pci/devices/$edu/numa_node"
+export GPUVM_TEST_SYSFS_ROOT=/tmp/sys GPUVM_TEST_NUMA_BIND_NODE=0
+run_gpuvm numa-gpu 240 run --log-level info --kernel /images/vmlinuz --initrd /images/initramfs.cpio \
+    --vcpus 2 --memory 512M --gpu "$edu" \
+    --numa node=0,cpus=0,mem_mib=256,host_node=0 --numa node=1,cpus=1,mem_mib=256,host_node=1 \
+    --cmdline "console=ttyS0 quiet panic=-1 inner.checks=numa inner.numa_device=1234:11e8 inner.end=poweroff" ||
+    fail "gpuvm status $?"
+unset GPUVM_TEST_SYSFS_ROOT GPUVM_TEST_NUMA_BIND_NODE
+expect_line /tmp/numa-gpu.log "passthrough device $edu: PCI segment 1, whose host bridge is guest node 1's"
+# Linux reads the node from PC01's _PXM: the device is on segment 1, node 1.
+expect_line /tmp/numa-gpu.log "inner: numa device 1234:11e8 at 0001:00:01.0 node 1"
+expect_line /tmp/numa-gpu.log "inner: checks passed"
+echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a passthrough device on node 1: ok"

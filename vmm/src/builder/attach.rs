@@ -45,8 +45,14 @@ pub fn attach(
     options: &PciOptions,
     devices: &mut MachineDevices,
 ) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
-    let count = segment_count(options)?;
-    let opened = open_devices(vm, options)?;
+    // Passthrough devices on guest NUMA nodes other than 0 go on segments of their own,
+    // after those asked for (crate::numa::NumaPlan::passthrough_segments).
+    let device_segments = crate::numa::passthrough_segments();
+    let count = (device_segments.values().copied())
+        .map(|segment| segment.saturating_add(1))
+        .fold(segment_count(options)?, u16::max);
+    let mut opened = open_devices(vm, options)?;
+    opened.layout.segments = count;
     let host = host_address_width(kvm)?;
     let needs = opened.layout.address_needs(&opened.bar64_sizes)?;
     let plan = plan_address_space(host, ram, options, &needs, count)?;
@@ -68,11 +74,14 @@ pub fn attach(
     let peers = crate::p2p::PeerDma::new();
     let mut cliques = gpuvm_vfio::topology::CliqueAssigner::default();
     if !options.is_empty() {
+        let segments = (crate::numa::device_keys(options).iter())
+            .map(|key| device_segments.get(key).copied().unwrap_or(0))
+            .collect();
         attach_devices(
             vm,
             ram,
             opened,
-            &root,
+            (&roots, segments),
             &router,
             &slots,
             &peers,
@@ -93,6 +102,12 @@ pub fn attach(
             &options.device_resources,
         )?;
     }
+    // A live update's new process plugs the old one's vfio-user devices here.
+    devices.handover.plug = Some(crate::update::passthrough::PlugParts {
+        root: root.clone(),
+        router: router.clone(),
+        slots: slots.clone(),
+    });
     let mut hotplug =
         crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
     hotplug.set_peer_dma(peers);
@@ -212,17 +227,18 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
     Ok(opened)
 }
 
-/// Plugs the `opened` passthrough devices into `root`. Guest RAM is mapped in the
-/// background: once per kernel VFIO context (its mappings serve all its devices), once
-/// per vfio-user device; each mapping starts as soon as its devices are open. Each
-/// device's BARs are DMA-mapped for the others (`peers`), and each gets its GPUDirect
+/// Plugs the `opened` passthrough devices into `roots` (`segments`: each device's, in plug
+/// order; segment 0's laid out by its topology, the others' on their bus 0). Guest RAM is
+/// mapped in the background: once per kernel VFIO context (its mappings serve all its
+/// devices), once per vfio-user device; each mapping starts as soon as its devices are
+/// open. Each device's BARs are DMA-mapped for the others (`peers`), and each gets its GPUDirect
 /// clique (explicit, else derived from its host place) from `cliques`.
 #[allow(clippy::too_many_arguments)]
 fn attach_devices(
     vm: &VmFd,
     ram: &GuestRam,
     opened: OpenedDevices,
-    root: &Arc<PciRoot>,
+    (roots, segments): (&[Arc<PciRoot>], Vec<u16>),
     router: &Arc<MsiRouter>,
     slots: &Arc<dyn GuestMemoryMapper>,
     peers: &Arc<PeerDma>,
@@ -237,7 +253,19 @@ fn attach_devices(
     };
     peers.ensure_worker(crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm))?;
     let mut peer_bars = opened.peer_bars.into_iter();
-    let placement = Placement::build(root, &opened.layout)?;
+    let root = &roots[0];
+    let count = opened.layout.devices.len();
+    let placements = std::iter::once(Placement::build(root, &opened.layout))
+        .chain(roots[1..].iter().map(|r| Ok(Placement::flat(r, count))))
+        .collect::<Result<Vec<_>, _>>()?;
+    let placement_of = |index: usize| {
+        let segment = segments.get(index).copied().unwrap_or(0);
+        (placements.get(usize::from(segment))).ok_or(PciSetupError::NoSuchSegment {
+            device: format!("passthrough device {index}"),
+            segment,
+            count: roots.len() as u16,
+        })
+    };
     let mut order = 0usize..;
     let ram_chunks = RamChunks::new(ram);
     let hooks = DmaTestHooks::from_env();
@@ -257,8 +285,9 @@ fn attach_devices(
             .push(ram_chunks.start(progress.clone(), mapper, hooks)?);
         let context = peers.add_context(progress.name().to_string(), vfio.peer_mapper());
         for (backend, bars) in backends.into_iter().zip(peer_bars.by_ref()) {
-            let at = (&placement, order.next().unwrap_or_default());
-            let device = plug_device(&plug, backend, &progress, at, devices)?;
+            let index = order.next().unwrap_or_default();
+            let at = (placement_of(index)?, index);
+            let (device, _) = plug_device(&plug, backend, &progress, at, devices)?;
             give_clique(&device);
             peers.plugged(context, bars, &device);
         }
@@ -267,10 +296,19 @@ fn attach_devices(
         let mapper = backend.dma_mapper();
         let progress = ram_chunks.progress(mapper.name());
         let peer_mapper = backend.peer_mapper();
+        let (socket, connection) = (backend.path().to_path_buf(), backend.connection());
         // Plugging resets the device: map after that.
-        let at = (&placement, order.next().unwrap_or_default());
-        let device = plug_device(&plug, Box::new(backend), &progress, at, devices)?;
+        let index = order.next().unwrap_or_default();
+        let at = (placement_of(index)?, index);
+        let (device, bdf) = plug_device(&plug, Box::new(backend), &progress, at, devices)?;
         give_clique(&device);
+        (devices.handover.vfio_user).push(crate::update::passthrough::PluggedVfioUser {
+            socket,
+            bdf,
+            device: device.clone(),
+            connection,
+            dma: progress.clone(),
+        });
         if let Some(bars) = peer_bars.next() {
             let context = peers.add_context(peer_mapper.name(), Ok(peer_mapper));
             peers.plugged(context, bars, &device);
@@ -284,14 +322,14 @@ fn attach_devices(
 
 /// Cold-plugs one device with `plug`: MSI/MSI-X vectors, BAR mappings, its Bus Master
 /// gated by the DMA mapping `dma`, its place in the layout (`at`: the layout and the
-/// device's index in plug order), and INTx on its GSI.
+/// device's index in plug order), and INTx on its GSI. Returns the device and where it is.
 fn plug_device(
     plug: &Plug<'_>,
     backend: Box<dyn PassthroughDevice>,
     dma: &Arc<DmaProgress>,
     (placement, index): (&Placement, usize),
     devices: &mut MachineDevices,
-) -> Result<Arc<Mutex<VfioPciDevice>>, PciSetupError> {
+) -> Result<(Arc<Mutex<VfioPciDevice>>, gpuvm_devices::pci::PciBdf), PciSetupError> {
     let plugged = plug.open_with(backend, dma, |_, device| placement.add(index, device))?;
     let (bdf, pin, device) = (plugged.bdf, plugged.pin, plugged.device);
     devices.passthrough.push(plugged.label);
@@ -301,5 +339,5 @@ fn plug_device(
             devices.event_sources.push(resample);
         }
     }
-    Ok(device)
+    Ok((device, bdf))
 }

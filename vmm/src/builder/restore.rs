@@ -143,6 +143,7 @@ pub fn restore_with_overrides(
     clock.mark("memory");
     restore_vm_state(&mut base, &loaded)?;
     clock.mark("vm_state");
+    restore_root_ports(&mut base, &loaded.state.devices, &loaded.dir)?;
     if !loaded.state.devices.migrated_gpus.is_empty() || !gpus.is_empty() {
         restore_passthrough(&mut base, &loaded, lazy.as_ref(), gpus)?;
         clock.mark("passthrough");
@@ -296,12 +297,14 @@ pub fn prepare_handed_over(
 impl PreparedMachine {
     /// Loads `state` (saved with the vCPUs paused; built from the same configuration and
     /// devices as the one this was prepared with) and gives the machine; its vCPUs run once
-    /// [`Machine::run`] is called. The timings have the stages of the preparation, then
-    /// `wait_for_state` (from the end of the preparation to this call), `vm_state` and
-    /// `vcpu_state`.
+    /// [`Machine::run`] is called. The old process's vfio-user devices are plugged back
+    /// over their handed-over connections (`vfio_user`, in the state's order). The timings
+    /// have the stages of the preparation, then `wait_for_state` (from the end of the
+    /// preparation to this call), `vm_state`, `passthrough` and `vcpu_state`.
     pub fn load(
         mut self,
         state: &snapshot::MachineState,
+        vfio_user: Vec<crate::update::passthrough::IncomingVfioUser>,
     ) -> Result<(Machine, RestoreTimings), Error> {
         let source = Path::new("(live update)");
         self.clock.mark("wait_for_state");
@@ -316,6 +319,20 @@ impl PreparedMachine {
         }
         load_vm_state(&mut self.base, state, source)?;
         self.clock.mark("vm_state");
+        restore_root_ports(&mut self.base, &state.devices, source)?;
+        // The old process's vfio-user devices, over its connections, back in their slots.
+        crate::update::passthrough::plug_handed_over(
+            &self.base.vm,
+            &self.base.ram,
+            &mut self.base.devices,
+            &state.devices.handed_over_vfio_user,
+            vfio_user,
+        )
+        .map_err(|reason| SnapshotError::Invalid {
+            dir: source.to_path_buf(),
+            reason,
+        })?;
+        self.clock.mark("passthrough");
         // As after a snapshot's restore: every function the saved PCI allocations hold is
         // back in its slot (and the root leaves its restore mode).
         if let Some(hotplug) = &self.base.devices.pci_hotplug {
@@ -619,6 +636,29 @@ impl gpuvm_vfio::dma::ChunkReady for LazyLoaded {
             }
         }
     }
+}
+
+/// Rebuilds the saved root ports for hot-plug (crate::pci_topology::SavedHotplugPort) in
+/// their slots, before the devices in them come back.
+fn restore_root_ports(
+    base: &mut MachineBase,
+    saved: &crate::devices::DeviceStates,
+    dir: &Path,
+) -> Result<(), SnapshotError> {
+    if saved.pcie_root_ports.is_empty() {
+        return Ok(());
+    }
+    let invalid = |reason: String| SnapshotError::Invalid {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    // Their windows are taken in the saved allocations' bookkeeping, which comes with them.
+    let hotplug = (base.devices.pci_hotplug.as_mut())
+        .filter(|_| saved.pci_root.is_some())
+        .ok_or_else(|| invalid("it has PCIe root ports but no saved PCI allocations".into()))?;
+    hotplug
+        .restore_root_ports(&saved.pcie_root_ports)
+        .map_err(|e| invalid(e.to_string()))
 }
 
 /// The `passthrough` stage: hot-plugged devices whose state the snapshot holds are

@@ -55,8 +55,11 @@ pub struct MigratedGpu {
     pub host_bdf: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vfio_user_socket: Option<PathBuf>,
-    /// Its slot on bus 0.
+    /// Its slot on bus 0, or on its root port's secondary bus.
     pub slot: u8,
+    /// The bus-0 slot of the root port for hot-plug it is in (absent: on bus 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u8>,
     pub vendor_id: u16,
     pub device_id: u16,
     /// The PCI state gpuvm emulates for it.
@@ -268,6 +271,9 @@ impl PciHotplug {
     /// [`PciHotplug::resume_migrated`] either way.
     pub fn save_migrated(&mut self, dir: &Path) -> Result<Vec<MigratedGpu>, SnapshotError> {
         let mut saved = Vec::new();
+        let port_slots: std::collections::BTreeMap<String, u8> = (self.port_of.iter())
+            .filter_map(|(id, &i)| Some((id.clone(), self.ports.get(i)?.slot)))
+            .collect();
         for (id, hot) in &mut self.devices {
             let mut device = lock(&hot.device);
             hot.stopped = true;
@@ -298,6 +304,7 @@ impl PciHotplug {
                 host_bdf: hot.source.host_bdf.clone(),
                 vfio_user_socket: hot.source.vfio_user_socket.clone(),
                 slot: hot.bdf.device,
+                port: port_slots.get(id).copied(),
                 vendor_id,
                 device_id,
                 pci,
@@ -352,15 +359,31 @@ impl PciHotplug {
         let opened = self
             .open_backend(&source)
             .map_err(|e| format!("cannot open its device again: {e}"))?;
+        let port = match gpu.port {
+            None => None,
+            Some(slot) => Some(
+                (self.ports.iter())
+                    .position(|port| port.slot == slot)
+                    .ok_or_else(|| {
+                        format!("the snapshot has no root port for hot-plug in slot {slot:#04x}")
+                    })?,
+            ),
+        };
         let plug = self.plugger();
         let progress = self.ram.progress(opened.mapper.name());
-        let plugged = plug
-            .open_placed(
-                opened.backend,
-                &progress,
-                Some((gpu.slot, gpu.pci.bars.as_slice())),
-            )
-            .map_err(|e| format!("cannot plug it back into slot {:#04x}: {e}", gpu.slot))?;
+        let bars = gpu.pci.bars.as_slice();
+        let plugged = match gpu.port {
+            None => plug.open_placed(opened.backend, &progress, Some((gpu.slot, bars))),
+            // Behind its root port, with its BARs where the guest had them (inside the
+            // port's windows); its own restored state says whether they decode.
+            Some(port) => plug.open_with(opened.backend, &progress, |root, device| {
+                root.add_behind(&[port, gpu.slot], device, bars, false)
+            }),
+        }
+        .map_err(|e| match gpu.port {
+            None => format!("cannot plug it back into slot {:#04x}: {e}", gpu.slot),
+            Some(port) => format!("cannot plug it back behind the root port in {port:#04x}: {e}"),
+        })?;
         let loaded = {
             let mut device = lock(&plugged.device);
             let ids = device.pci_ids();
@@ -392,12 +415,18 @@ impl PciHotplug {
         let mapping = match mapping {
             Ok(mapping) => mapping,
             Err(reason) => {
-                self.root.remove_device(plugged.bdf);
+                self.off_the_bus(port, plugged.bdf);
                 self.router.release(&plugged.gsis);
                 return Err(reason);
             }
         };
-        lock(&self.controller).device_restored(plugged.bdf.device);
+        match port {
+            // The port's restored registers show the card present already.
+            Some(port) => {
+                self.port_of.insert(gpu.gpu_id.clone(), port);
+            }
+            None => lock(&self.controller).device_restored(plugged.bdf.device),
+        }
         // A peer again, with its BARs where the restored PCI state put them. The restore
         // may run on a thread without the VMM's filter: the p2p-map thread applies it.
         self.join_peers(

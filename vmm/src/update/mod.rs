@@ -13,10 +13,13 @@
 //! - `send`: the old side, run from the VMM thread's run loop (PUT /vmm/update);
 //! - [`receive`]: the new side (`gpuvm update-receive`);
 //! - [`socket`]: the hand-over socket in its private directory, and the checks of who is
-//!   at either end (`SO_PEERCRED`).
+//!   at either end (`SO_PEERCRED`);
+//! - [`passthrough`]: cold-plugged vfio-user devices, whose connection goes over as it is
+//!   (the device sees no new connection, reset or DMA map).
 
 use std::path::PathBuf;
 
+pub mod passthrough;
 pub mod protocol;
 pub mod receive;
 mod send;

@@ -13,7 +13,9 @@
 //! The exchange:
 //! 1. old → new `Offer` (JSON [`OfferMeta`], with the descriptors of [`OFFER_FDS`], then
 //!    one per virtio-blk drive, in the order of [`OfferMeta::drives`], then each network
-//!    interface's tap queues, in the order of [`OfferMeta::interfaces`]) and
+//!    interface's tap queues, in the order of [`OfferMeta::interfaces`], then each
+//!    vfio-user device's connection and region files, in the order of
+//!    [`OfferMeta::vfio_user`]) and
 //!    `State`: the machine's configuration and device state, saved while the guest runs
 //!    (no vCPU state), framed exactly as a snapshot's `state` file so that the new binary's
 //!    version checks and migrations apply;
@@ -43,8 +45,11 @@ const MAX_PAYLOAD: u64 = 64 << 20;
 pub const MAX_DRIVES: usize = 16;
 /// The most tap queues an offer may bring (all interfaces together), after the drives'.
 pub const MAX_TAP_QUEUES: usize = 64;
+/// The most descriptors the vfio-user devices of an offer may bring (each its connection
+/// and its region files), after the tap queues.
+pub const MAX_VFIO_USER_FDS: usize = 16;
 /// The most descriptors one frame may bring.
-const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES;
+const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +106,12 @@ pub struct OfferMeta {
     /// without them reads as before; an older receiver refuses an offer with them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub interfaces: Vec<OfferedInterface>,
+    /// The cold-plugged vfio-user devices whose connections (each its socket, then its
+    /// region files) follow the tap queues, in this order: the new process takes the
+    /// connection over rather than connect again. Absent without them; an older receiver
+    /// refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vfio_user: Vec<super::passthrough::OfferedVfioUser>,
 }
 
 /// One network interface in an offer: its id and how many tap queues it brings.
@@ -120,6 +131,11 @@ impl OfferMeta {
                 .interfaces
                 .iter()
                 .map(|iface| usize::from(iface.queues))
+                .sum::<usize>()
+            + self
+                .vfio_user
+                .iter()
+                .map(super::passthrough::OfferedVfioUser::descriptor_count)
                 .sum::<usize>()
     }
 }

@@ -6,8 +6,12 @@
 use std::io::Write;
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuvm_vfio::user::BackendHealth;
+
+use super::passthrough::IncomingVfioUser;
 use super::protocol::{self, MessageKind, OfferMeta, ReadyBody, OFFER_FDS};
 use super::{socket, UpdateError};
 use crate::builder::PreparedMachine;
@@ -33,6 +37,11 @@ pub struct Incoming {
     images: Vec<(String, std::fs::File)>,
     /// The network interfaces' tap queues (interface ID, queues), until the VM is built.
     taps: Vec<(String, Vec<gpuvm_virtio::net::Tap>)>,
+    /// The vfio-user devices' connections, until the paused state is loaded.
+    vfio_user: Vec<IncomingVfioUser>,
+    /// The taken-over vfio-user connections' health: marked handed back if this process
+    /// does not run the VM, so that it neither speaks on them nor resets the devices.
+    adopted: Vec<Arc<BackendHealth>>,
     /// The configuration and device state the VM is built from, saved while it ran.
     state: MachineState,
     /// The VM built from `state`, until the paused state is loaded into it.
@@ -76,11 +85,15 @@ pub fn accept(
     }
     if offer.fds.len() != meta.descriptor_count() {
         return Err(UpdateError::Protocol(format!(
-            "the offer brings {} descriptors, not {OFFER_FDS}, one for each of its {} drives \
-             and one for each tap queue of its {} interfaces",
+            "the offer brings {} descriptors, not {OFFER_FDS}, one for each of its {} drives, \
+             one for each tap queue of its {} interfaces and {} for its vfio-user devices",
             offer.fds.len(),
             meta.drives.len(),
-            meta.interfaces.len()
+            meta.interfaces.len(),
+            meta.vfio_user
+                .iter()
+                .map(super::passthrough::OfferedVfioUser::descriptor_count)
+                .sum::<usize>()
         )));
     }
     let mut fds = offer.fds.into_iter();
@@ -104,6 +117,18 @@ pub fn accept(
             .collect::<Result<Vec<_>, _>>()?;
         taps.push((iface.iface_id.clone(), queues));
     }
+    let mut vfio_user = Vec::new();
+    for offered in &meta.vfio_user {
+        let connection = next()?;
+        let files = (0..offered.layout.file_count())
+            .map(|_| next())
+            .collect::<Result<Vec<_>, _>>()?;
+        vfio_user.push(IncomingVfioUser::new(offered.clone(), connection, files));
+    }
+    let adopted = vfio_user
+        .iter()
+        .map(|device| device.health.clone())
+        .collect();
     let framed = protocol::expect(&socket, MessageKind::State)?;
     let state = match decode_state(&framed.payload) {
         Ok(state) => state,
@@ -125,6 +150,8 @@ pub fn accept(
         stdio,
         images,
         taps,
+        vfio_user,
+        adopted,
         state,
         prepared: None,
         paused_at_ns: None,
@@ -236,6 +263,14 @@ impl Incoming {
     /// process still runs the guest, and says so (`Built`). A failure is told to the old
     /// process (which keeps the VM) and returned.
     pub fn prepare(&mut self, serial_out: Box<dyn Write + Send>) -> Result<(), UpdateError> {
+        self.prepare_or_hand_back(serial_out)
+            .inspect_err(|_| self.hand_back())
+    }
+
+    fn prepare_or_hand_back(
+        &mut self,
+        serial_out: Box<dyn Write + Send>,
+    ) -> Result<(), UpdateError> {
         if self.meta.ram_size != self.state.config.memory_size {
             return Err(self.refuse(UpdateError::Protocol(format!(
                 "the offer's RAM is {} bytes, the state's {}",
@@ -261,6 +296,33 @@ impl Incoming {
                 "the offer brings the taps of interfaces {offered:?}, the state has interfaces \
                  {saved:?}"
             ))));
+        }
+        let offered: Vec<&std::path::Path> = self
+            .vfio_user
+            .iter()
+            .map(|device| device.offered.socket.as_path())
+            .collect();
+        let saved: Vec<&std::path::Path> = self
+            .state
+            .devices
+            .handed_over_vfio_user
+            .iter()
+            .map(|device| device.socket.as_path())
+            .collect();
+        if offered != saved {
+            return Err(self.refuse(UpdateError::Protocol(format!(
+                "the offer brings the connections of vfio-user devices {offered:?}, the state \
+                 has {saved:?}"
+            ))));
+        }
+        // The vfio-user clients take their connections over now, outside the pause: only
+        // plugging the devices back (`load`) speaks to them.
+        let taken_over: Result<(), String> = self
+            .vfio_user
+            .iter_mut()
+            .try_for_each(IncomingVfioUser::take_over);
+        if let Err(reason) = taken_over {
+            return Err(self.refuse(UpdateError::Load(reason)));
         }
         let ram = self
             .ram
@@ -296,6 +358,10 @@ impl Incoming {
     /// once [`Machine::run`] is called, after [`Incoming::ready`]. A failure is told to the
     /// old process (which takes the VM back) and returned.
     pub fn load(&mut self) -> Result<(Machine, RestoreTimings), UpdateError> {
+        self.load_or_hand_back().inspect_err(|_| self.hand_back())
+    }
+
+    fn load_or_hand_back(&mut self) -> Result<(Machine, RestoreTimings), UpdateError> {
         let frame = protocol::expect(&self.socket, MessageKind::PausedState)?;
         let (paused_at_ns, framed) = protocol::split_paused_state(&frame.payload)?;
         self.paused_at_ns = Some(paused_at_ns);
@@ -310,9 +376,22 @@ impl Incoming {
             .prepared
             .take()
             .ok_or_else(|| UpdateError::Protocol("no VM was prepared".into()))?;
+        let vfio_user = std::mem::take(&mut self.vfio_user);
         prepared
-            .load(&state)
+            .load(&state, vfio_user)
             .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))
+    }
+
+    /// This process will not run the VM: its taken-over vfio-user connections are the old
+    /// process's again (nothing here speaks on them, resets the devices or closes the
+    /// connections as its half-built VM goes).
+    fn hand_back(&self) {
+        for health in &self.adopted {
+            health.mark_handed_over(format!(
+                "the vfio-user connection goes back to gpuvm process {}",
+                self.meta.old_pid
+            ));
+        }
     }
 
     /// Tells the old process why this one refuses the VM; returns `error`.
@@ -330,6 +409,17 @@ impl Incoming {
     /// `Commit`. Only [`Outcome`]s let this process run the VM; any error means it must
     /// not.
     pub fn ready(&self, timeout: Duration) -> Result<Outcome, UpdateError> {
+        self.ready_or_hand_back(timeout)
+            .inspect(|_| {
+                // The VM is this process's: so are the vfio-user connections.
+                for health in &self.adopted {
+                    health.confirm();
+                }
+            })
+            .inspect_err(|_| self.hand_back())
+    }
+
+    fn ready_or_hand_back(&self, timeout: Duration) -> Result<Outcome, UpdateError> {
         if fail_hook("crash").is_err() {
             log::error!("{FAIL_HOOK}=crash: ending abruptly before Ready");
             std::process::abort();
@@ -402,6 +492,11 @@ fn build_inputs(state: &MachineState) -> serde_json::Value {
         "pci_mmio64_window": devices.pci_mmio64_window,
         "pci_root": devices.pci_root,
         "numa": state.numa,
+        "vfio_user": devices
+            .handed_over_vfio_user
+            .iter()
+            .map(|device| (&device.socket, device.slot))
+            .collect::<Vec<_>>(),
     })
 }
 
@@ -515,6 +610,7 @@ mod tests {
             vcpu_ids: vec![0],
             old_pid: std::process::id(),
             drives: Vec::new(),
+            vfio_user: Vec::new(),
             interfaces: vec![protocol::OfferedInterface {
                 iface_id: "eth0".into(),
                 queues: 1,

@@ -7,7 +7,9 @@
 //! the offer, so the new process keeps its lock (flock locks belong to the open file
 //! description); so do a network interface's tap queues (the tap stays attached, frames
 //! queue in it while the vCPUs are paused); virtio-rng reopens /dev/urandom; the balloon
-//! holds no descriptor (the pages it freed stay holes in the RAM file both share).
+//! holds no descriptor (the pages it freed stay holes in the RAM file both share). A
+//! cold-plugged vfio-user device's connection goes with the offer, its PCI state with the
+//! paused state (`super::passthrough`); the device runs on throughout.
 
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -16,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use gpuvm_devices::Persist;
 
+use super::passthrough;
 use super::protocol::{self, MessageKind, OfferMeta};
 use super::{socket, UpdateError};
 use crate::machine::RunningMachine;
@@ -91,6 +94,8 @@ pub fn hand_over(
             // Tell the new process it must not run the VM (best effort: it may be gone),
             // then run it here again.
             let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
+            // The new process may have given the vfio-user devices its interrupts.
+            passthrough::rearm(&running.machine().devices().handover);
             running.resume_devices();
             if let Err(resume) = running.resume() {
                 log::error!("live update failed and the vCPUs cannot be resumed: {resume}");
@@ -117,6 +122,19 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
     let (drives, images) = drive_images(running)?;
     let (interfaces, taps) = interface_taps(running)?;
+    let (vfio_user, connections) = passthrough::offer(&running.machine().devices().handover)?;
+    if connections.len() > protocol::MAX_VFIO_USER_FDS {
+        return Err(UpdateError::unsupported(
+            format!(
+                "vfio-user devices with {} descriptors (connections and region files)",
+                connections.len()
+            ),
+            Some(&format!(
+                "at most {} are handed over",
+                protocol::MAX_VFIO_USER_FDS
+            )),
+        ));
+    }
     let framed = frame_state(&save_configuration(running)?)?;
     let ram = running.machine().ram();
     let meta = OfferMeta {
@@ -126,6 +144,7 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
         old_pid: std::process::id(),
         drives,
         interfaces,
+        vfio_user,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -138,10 +157,12 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
     debug_assert_eq!(fds.len(), protocol::OFFER_FDS);
     fds.extend(images.iter().map(AsRawFd::as_raw_fd));
     fds.extend(taps.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(connections.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
-    // Ours are duplicates: the drives and interfaces keep theirs.
+    // Ours are duplicates: the drives, interfaces and vfio-user devices keep theirs.
     drop(images);
     drop(taps);
+    drop(connections);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
@@ -288,6 +309,9 @@ fn hand_paused_and_commit(
     }
     // The point of no return: once `Commit` is out, the new process runs the VM.
     protocol::send(stream, MessageKind::Commit, b"", &[])?;
+    // Its vfio-user connections are the new process's: nothing here may use them, nor
+    // reset the devices or close the connections as this process's VM goes.
+    passthrough::release(&running.machine().devices().handover, receiver.pid);
     Ok(framed.len())
 }
 
@@ -316,6 +340,53 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
                 "at most {} are handed over",
                 protocol::MAX_TAP_QUEUES
             )),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses passthrough devices the hand-over does not carry: kernel VFIO devices,
+/// hot-plugged GPUs, and cold-plugged vfio-user devices it cannot take over now
+/// ([`passthrough::refusal`]).
+fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), UpdateError> {
+    let hot_plugged: Vec<String> = devices
+        .pci_hotplug
+        .as_ref()
+        .map(|hotplug| hotplug.labels().collect())
+        .unwrap_or_default();
+    if !hot_plugged.is_empty() {
+        return Err(UpdateError::unsupported(
+            format!("a VM with hot-plugged GPUs ({})", hot_plugged.join(", ")),
+            Some("only cold-plugged vfio-user devices (--vfio-user) are handed over"),
+        ));
+    }
+    let carried = |label: &&String| {
+        devices
+            .handover
+            .vfio_user
+            .iter()
+            .any(|plugged| label.ends_with(plugged.connection.name()))
+    };
+    let kernel: Vec<&str> = devices
+        .passthrough
+        .iter()
+        .filter(|label| !carried(label))
+        .map(String::as_str)
+        .collect();
+    if !kernel.is_empty() {
+        return Err(UpdateError::unsupported(
+            format!("a VM with kernel VFIO devices ({})", kernel.join(", ")),
+            Some(
+                "keeping their DMA mappings needs VFIO_DMA_UNMAP_FLAG_VADDR and \
+                 VFIO_DMA_MAP_FLAG_VADDR (type1) or IOMMU_IOAS_CHANGE_PROCESS (iommufd), which \
+                 gpuvm does not use yet; vfio-user devices are handed over",
+            ),
+        ));
+    }
+    if let Some(reason) = passthrough::refusal(&devices.handover) {
+        return Err(UpdateError::unsupported(
+            "a VM with this vfio-user device",
+            Some(&reason),
         ));
     }
     Ok(())
@@ -376,15 +447,7 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
             Some(&format!("at most {} are handed over", protocol::MAX_DRIVES)),
         ));
     }
-    if !devices.passthrough.is_empty() {
-        return Err(UpdateError::unsupported(
-            format!(
-                "a VM with passthrough devices ({})",
-                devices.passthrough.join(", ")
-            ),
-            Some("their VFIO and vfio-user descriptors and DMA mappings are not handed over yet"),
-        ));
-    }
+    check_passthrough(devices)?;
     if machine.ram_hotplug.is_some() {
         return Err(UpdateError::unsupported(
             "a VM with memory hot-plug",
@@ -432,10 +495,14 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
     let vm = InKernelDevices(machine.vm_fd())
         .save()
         .map_err(|e| save("in-kernel irqchip, PIT and clock", &e))?;
-    let devices = machine
+    let mut devices = machine
         .devices()
         .save()
         .map_err(|e| save("device state", &e))?;
+    devices.handed_over_vfio_user = passthrough::save(
+        &machine.devices().handover,
+        &crate::dma::RamChunks::regions_of(machine.ram()),
+    )?;
     Ok(MachineState {
         config: SavedMachineConfig::from_config(machine.config()),
         vm,

@@ -1,0 +1,449 @@
+//! Cold-plugged vfio-user devices (`--vfio-user`, the emulated GPU) across a live update:
+//! the GPU never stops.
+//!
+//! The old process hands over the device's connection (its socket, SCM_RIGHTS, with the
+//! other descriptors of the offer), what its client learnt when it connected (the region
+//! layout and region files: [`gpuvm_vfio::user_handover`]) and, with the paused state, the
+//! PCI state gpuvm emulates for it (`VfioPciDevice`'s `Persist`: BAR placement, MSI-X
+//! table, INTx wiring) and the guest RAM ranges it has DMA-mapped. The layout is handed
+//! over rather than queried again: the crate's client can only learn it by connecting, and
+//! a new connection is exactly what the device must not see.
+//!
+//! The new process's client takes the connection over while the guest still runs (that
+//! sends nothing to the device), but plugs the device back into its slot only once the old
+//! one has paused the vCPUs (before that, the old process speaks on the connection for the
+//! guest),
+//! without a reset and without a DMA map: the device keeps its own mmaps of the RAM memfd,
+//! which the new process maps too. Its interrupts are the one thing that changes: loading
+//! the PCI state enables MSI-X (and wires INTx) with the new process's irqfd eventfds, so
+//! the device gets SET_IRQS with those. Sending SET_IRQS rather than handing the old
+//! eventfds over keeps the new VM's interrupt routing exactly as a restore builds it
+//! (each eventfd is registered by the VM's MSI router as it allocates the GSI); the price
+//! is one request to the device, while the vCPUs are paused. If the update fails after
+//! that, the old process gives the device its own eventfds back before it resumes
+//! ([`rearm`]).
+//!
+//! Whichever process does not run the VM marks the connection handed over: it never speaks
+//! on it again, and its teardown neither resets the device nor shuts the connection down.
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use gpuvm_devices::pci::{GuestMemoryMapper, PciBdf, PciRoot};
+use gpuvm_devices::Persist;
+use gpuvm_vfio::dma::{DmaMapper, DmaProgress};
+use gpuvm_vfio::pci::{VfioPciDevice, VfioPciState};
+use gpuvm_vfio::user::{BackendHealth, UserConnection, VfioUserDevice};
+use gpuvm_vfio::user_handover::ConnectionLayout;
+use gpuvm_vfio::DmaRegion;
+use serde::{Deserialize, Serialize};
+
+use super::UpdateError;
+use crate::interrupts::MsiRouter;
+use crate::lock;
+
+/// What the VMM keeps of its passthrough devices for a live update: the cold-plugged
+/// vfio-user devices, and where a new process plugs handed-over ones.
+#[derive(Default)]
+pub struct PassthroughHandOver {
+    pub vfio_user: Vec<PluggedVfioUser>,
+    /// Segment 0's root, MSI router and BAR slots (set when PCI is attached).
+    pub plug: Option<PlugParts>,
+}
+
+/// What plugging a device into segment 0 takes besides the VM.
+pub struct PlugParts {
+    pub root: Arc<PciRoot>,
+    pub router: Arc<MsiRouter>,
+    pub slots: Arc<dyn GuestMemoryMapper>,
+}
+
+/// A cold-plugged vfio-user device.
+pub struct PluggedVfioUser {
+    /// The device's socket path (its name; never connected to again by a new process).
+    pub socket: PathBuf,
+    pub bdf: PciBdf,
+    pub device: Arc<Mutex<VfioPciDevice>>,
+    pub connection: UserConnection,
+    /// Guest RAM being (or done being) DMA-mapped for it.
+    pub dma: Arc<DmaProgress>,
+}
+
+/// One handed-over vfio-user device in the offer: its socket and client layout (the
+/// connection and the region files come as descriptors).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OfferedVfioUser {
+    pub socket: PathBuf,
+    pub layout: ConnectionLayout,
+}
+
+impl OfferedVfioUser {
+    /// The connection's socket and the region files.
+    pub fn descriptor_count(&self) -> usize {
+        1 + self.layout.file_count()
+    }
+}
+
+/// One handed-over vfio-user device in the state: where it is and the PCI state gpuvm
+/// emulates for it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverVfioUser {
+    pub socket: PathBuf,
+    /// Its slot on bus 0 of segment 0.
+    pub slot: u8,
+    pub vendor_id: u16,
+    pub device_id: u16,
+    pub pci: VfioPciState,
+    /// The GSI its INTx is wired to, if it is.
+    pub intx_gsi: Option<u32>,
+    /// The guest RAM the device has DMA-mapped (guest address, size, offset in the RAM
+    /// file): the new process maps none of it again.
+    pub dma_mapped: Vec<(u64, u64, u64)>,
+}
+
+/// Why the VM's cold-plugged vfio-user devices cannot be handed over now, if they cannot.
+pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
+    if handover.vfio_user.len() > 1 {
+        return Some(format!(
+            "{} vfio-user devices: one is handed over; the peer-to-peer DMA mappings between \
+             GPUs are not yet",
+            handover.vfio_user.len()
+        ));
+    }
+    for plugged in &handover.vfio_user {
+        let name = plugged.connection.name();
+        if let Some(reason) = plugged.connection.refusal() {
+            return Some(format!("{name}: {reason}"));
+        }
+        if !plugged.dma.is_done() {
+            return Some(format!(
+                "{name}: guest RAM is still being DMA-mapped for it; retry once it is"
+            ));
+        }
+        if plugged.bdf.segment != 0 || plugged.bdf.bus != 0 {
+            return Some(format!(
+                "{name} sits at {} (behind a bridge); only devices on bus 0 are handed over",
+                plugged.bdf
+            ));
+        }
+        if lock(&plugged.device).msi_enabled() {
+            return Some(format!(
+                "{name} has MSI (not MSI-X) on, whose eventfds are not given back on a failure"
+            ));
+        }
+    }
+    None
+}
+
+/// The offer's part: each device's socket and layout, and its descriptors (connection,
+/// then region files), in device order.
+pub(super) fn offer(
+    handover: &PassthroughHandOver,
+) -> Result<(Vec<OfferedVfioUser>, Vec<OwnedFd>), UpdateError> {
+    let mut offered = Vec::new();
+    let mut fds = Vec::new();
+    for plugged in &handover.vfio_user {
+        let (layout, socket, files) = plugged
+            .connection
+            .hand_over()
+            .map_err(|e| UpdateError::Save(format!("{}: {e}", plugged.connection.name())))?;
+        fds.push(socket);
+        fds.extend(files);
+        offered.push(OfferedVfioUser {
+            socket: plugged.socket.clone(),
+            layout,
+        });
+    }
+    Ok((offered, fds))
+}
+
+/// Each device's PCI state, saved as a snapshot saves a restored device's, with the guest
+/// RAM it has mapped (`ram`: the VM's RAM as DMA regions).
+pub(super) fn save(
+    handover: &PassthroughHandOver,
+    ram: &[DmaRegion],
+) -> Result<Vec<HandedOverVfioUser>, UpdateError> {
+    handover
+        .vfio_user
+        .iter()
+        .map(|plugged| {
+            let device = lock(&plugged.device);
+            let pci = device
+                .save()
+                .map_err(|e| UpdateError::Save(format!("{}: {e}", device.name())))?;
+            let (vendor_id, device_id) = device.pci_ids();
+            Ok(HandedOverVfioUser {
+                socket: plugged.socket.clone(),
+                slot: plugged.bdf.device,
+                vendor_id,
+                device_id,
+                pci,
+                intx_gsi: device.intx_gsi(),
+                dma_mapped: ram
+                    .iter()
+                    .map(|r| (r.guest_addr, r.size, r.fd_offset))
+                    .collect(),
+            })
+        })
+        .collect()
+}
+
+/// A live update failed after the new process may have given the devices its interrupt
+/// eventfds: gives them this process's again (before the vCPUs run).
+pub(super) fn rearm(handover: &PassthroughHandOver) {
+    for plugged in &handover.vfio_user {
+        let mut device = lock(&plugged.device);
+        match device.rearm_interrupts() {
+            Ok(()) => log::info!(
+                "{}: interrupts re-armed with this process's eventfds",
+                device.name()
+            ),
+            Err(error) => log::error!(
+                "{}: cannot give the device this process's interrupts back: {error}",
+                device.name()
+            ),
+        }
+    }
+}
+
+/// The new process has the devices: this one never speaks on their connections again.
+pub(super) fn release(handover: &PassthroughHandOver, to_pid: u32) {
+    for plugged in &handover.vfio_user {
+        plugged
+            .connection
+            .release(&format!("gpuvm process {to_pid}"));
+    }
+}
+
+/// A handed-over device from the offer, until it is plugged: its descriptors, then the
+/// client that took its connection over.
+pub struct IncomingVfioUser {
+    pub offered: OfferedVfioUser,
+    /// The connection and the region files, until [`IncomingVfioUser::take_over`].
+    descriptors: Option<(OwnedFd, Vec<OwnedFd>)>,
+    backend: Option<VfioUserDevice>,
+    /// Shared with the device: marked handed over (back to the old process) if this
+    /// process does not run the VM.
+    pub health: Arc<BackendHealth>,
+}
+
+impl IncomingVfioUser {
+    /// The device of `offered` over `connection`, provisionally this process's: until
+    /// the old process commits, dropping it leaves the device as it is.
+    pub fn new(offered: OfferedVfioUser, connection: OwnedFd, files: Vec<OwnedFd>) -> Self {
+        let health = Arc::new(BackendHealth::default());
+        health.mark_provisional();
+        IncomingVfioUser {
+            offered,
+            descriptors: Some((connection, files)),
+            backend: None,
+            health,
+        }
+    }
+
+    /// Gives the connection a client here. Nothing reaches the device (the client learns
+    /// the layout from the offer), so this runs while the old process still runs the
+    /// guest, outside the pause.
+    pub fn take_over(&mut self) -> Result<(), String> {
+        let (connection, files) = self
+            .descriptors
+            .take()
+            .ok_or("its connection was taken over already")?;
+        let backend = VfioUserDevice::adopt(
+            &self.offered.socket,
+            connection,
+            &self.offered.layout,
+            &files,
+            gpuvm_vfio::user::answer_timeout(),
+            self.health.clone(),
+        )
+        .map_err(|e| format!("{}: {e}", self.offered.socket.display()))?;
+        self.backend = Some(backend);
+        Ok(())
+    }
+}
+
+/// Maps nothing that the device has mapped already (the old process's table): only RAM
+/// outside it goes to the device.
+struct AlreadyMapped {
+    inner: Arc<dyn DmaMapper>,
+    mapped: Vec<(u64, u64, u64)>,
+}
+
+impl AlreadyMapped {
+    fn covers(&self, chunk: &DmaRegion) -> bool {
+        self.mapped.iter().any(|&(guest, size, offset)| {
+            chunk.guest_addr >= guest
+                && chunk.guest_addr + chunk.size <= guest + size
+                && chunk.fd_offset == offset + (chunk.guest_addr - guest)
+        })
+    }
+}
+
+impl DmaMapper for AlreadyMapped {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn max_parallel(&self) -> usize {
+        self.inner.max_parallel()
+    }
+
+    unsafe fn map(&self, chunk: &DmaRegion) -> std::io::Result<()> {
+        if self.covers(chunk) {
+            return Ok(());
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.inner.map(chunk) }
+    }
+
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        self.inner.unmap(guest_addr, size)
+    }
+}
+
+/// Plugs the handed-over devices (`saved`, from the paused state, and `incoming`, from the
+/// offer, in the same order) back into their slots of `devices`' segment 0, over the
+/// connections the old process used: no reset, no DMA map, the saved PCI state loaded
+/// (which gives the device this VM's interrupt eventfds). Runs with the old process's
+/// vCPUs paused, before this VM's root leaves its restore mode.
+pub(crate) fn plug_handed_over(
+    vm: &kvm_ioctls::VmFd,
+    ram: &gpuvm_memory::GuestRam,
+    devices: &mut crate::devices::MachineDevices,
+    saved: &[HandedOverVfioUser],
+    incoming: Vec<IncomingVfioUser>,
+) -> Result<(), String> {
+    if saved.len() != incoming.len() {
+        return Err(format!(
+            "the state has {} vfio-user devices, the offer {}",
+            saved.len(),
+            incoming.len()
+        ));
+    }
+    for (saved, incoming) in saved.iter().zip(incoming) {
+        plug_one(vm, ram, devices, saved, incoming)
+            .map_err(|reason| format!("{}: {reason}", saved.socket.display()))?;
+    }
+    Ok(())
+}
+
+fn plug_one(
+    vm: &kvm_ioctls::VmFd,
+    ram: &gpuvm_memory::GuestRam,
+    devices: &mut crate::devices::MachineDevices,
+    saved: &HandedOverVfioUser,
+    incoming: IncomingVfioUser,
+) -> Result<(), String> {
+    if incoming.offered.socket != saved.socket {
+        return Err(format!(
+            "the offer brings the connection of {}",
+            incoming.offered.socket.display()
+        ));
+    }
+    let parts = devices
+        .handover
+        .plug
+        .as_ref()
+        .ok_or("this VM has no PCI bus")?;
+    let backend = incoming
+        .backend
+        .ok_or("its connection was not taken over")?;
+    let connection = backend.connection();
+    let chunks = crate::dma::RamChunks::new(ram);
+    let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped {
+        inner: backend.dma_mapper(),
+        mapped: saved.dma_mapped.clone(),
+    });
+    let progress = chunks.progress(mapper.name());
+    let mut gsis = Vec::new();
+    let built = {
+        let mut allocate = |count| {
+            let vectors = parts.router.allocate(count)?;
+            gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
+            Ok(vectors)
+        };
+        VfioPciDevice::over_running(Box::new(backend), &mut allocate, parts.router.clone())
+    };
+    let mut device = built.map_err(|e| {
+        parts.router.release(&gsis);
+        format!("cannot take the device over: {e}")
+    })?;
+    let release_gsis = |error: String| {
+        parts.router.release(&gsis);
+        error
+    };
+    if device.pci_ids() != (saved.vendor_id, saved.device_id) {
+        let (vendor, id) = device.pci_ids();
+        return Err(release_gsis(format!(
+            "the device is a {vendor:04x}:{id:04x}; the old process had a {:04x}:{:04x}",
+            saved.vendor_id, saved.device_id
+        )));
+    }
+    device
+        .map_bars(parts.slots.clone())
+        .map_err(|e| release_gsis(format!("cannot map its BARs: {e}")))?;
+    device.gate_bus_master(
+        progress.clone(),
+        crate::dma::bus_master_wait_limit(progress.total_bytes()),
+    );
+    let name = device.name().to_string();
+    let device = Arc::new(Mutex::new(device));
+    let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
+    let bdf = parts
+        .root
+        .add_device_at(saved.slot, as_pci, &saved.pci.bars)
+        .map_err(|e| {
+            release_gsis(format!(
+                "cannot plug it back into slot {:#04x}: {e}",
+                saved.slot
+            ))
+        })?;
+    let plug = crate::pci::Plug {
+        vm,
+        root: &parts.root,
+        router: &parts.router,
+        slots: &parts.slots,
+    };
+    // INTx before the PCI state, as at boot: with MSI-X on, the device turns INTx off.
+    let unplug = |error: String| {
+        parts.root.remove_device(bdf);
+        parts.router.release(&gsis);
+        error
+    };
+    if let Some(gsi) = saved.intx_gsi {
+        match plug.intx(&device, gsi) {
+            Ok(Some(resample)) => devices.event_sources.push(resample),
+            Ok(None) => {}
+            Err(error) => return Err(unplug(format!("cannot wire its INTx: {error}"))),
+        }
+    }
+    lock(&device)
+        .restore(&saved.pci)
+        .map_err(|e| unplug(format!("its PCI state does not fit: {e}")))?;
+    let mapping = chunks
+        .start(
+            progress.clone(),
+            mapper,
+            crate::dma::DmaTestHooks::default(),
+        )
+        .map_err(|e| unplug(format!("cannot account for its DMA mappings: {e}")))?;
+    devices.dma_mappings.push(mapping);
+    let label = format!("{bdf} {name}");
+    log::info!(
+        "live update: {label} taken over from the old process (no reset, no DMA map; \
+         interrupts on this VM's eventfds)"
+    );
+    devices.passthrough.push(label);
+    devices.handover.vfio_user.push(PluggedVfioUser {
+        socket: saved.socket.clone(),
+        bdf,
+        device,
+        connection,
+        dma: progress,
+    });
+    Ok(())
+}
