@@ -100,9 +100,12 @@ abort_gpuvm() {
 # configured with; gpuvm takes Cloud Hypervisor's command line by that name), its API on /tmp/ch.sock and
 # its output in /tmp/ch.log (the gpuvm named `ch` for wait_log, wait_gpuvm and abort_gpuvm); waits for the
 # socket.
+# start_ch PEER starts the Cloud Hypervisor binary at PEER instead (bench/real-kernel --ch), its
+# socket, log and name the same.
 start_ch() {
-    ln -s /bin/gpuvm /tmp/cloud-hypervisor
-    echo "+ cloud-hypervisor --api-socket /tmp/ch.sock &"
+    rm -f /tmp/cloud-hypervisor /tmp/ch.sock
+    ln -s "${1:-/bin/gpuvm}" /tmp/cloud-hypervisor
+    echo "+ cloud-hypervisor --api-socket /tmp/ch.sock & (${1:-gpuvm})"
     /tmp/cloud-hypervisor --api-socket /tmp/ch.sock >/tmp/ch.log 2>&1 &
     echo $! >/tmp/ch.pid
     wait_for /tmp/ch.sock 30

@@ -20,6 +20,8 @@
 # Environment:
 #   GPUVM_BIN               the gpuvm binary to put in the machine (static; default: target/.../release/gpuvm)
 #   GPUVM_REAL_KERNEL_DIR   guest-images/real-kernel/build.sh's output (built here when missing)
+#   GPUVM_PEER_CLOUD_HYPERVISOR  a cloud-hypervisor binary, put in the machine as /bin/cloud-hypervisor-peer with
+#                           its libraries (bench/real-kernel --ch; linux-resize-side-by-side runs it)
 #   GPUVM_IOMMUFD_KERNEL_DIR  build-iommufd-kernel.sh's output (default: GPUVM_REAL_KERNEL_DIR/iommufd;
 #                           built here when missing), for `# kernel: iommufd`
 #   QEMU                    the QEMU binary (default qemu-system-x86_64)
@@ -153,6 +155,16 @@ for backend in virtiofsd; do
         cp -L "$library" "$outer$library"
     done
 done
+# A Cloud Hypervisor binary to compare with (bench/real-kernel --ch), with its shared libraries: scenarios
+# that find /bin/cloud-hypervisor-peer run it beside gpuvm.
+if [[ -n "${GPUVM_PEER_CLOUD_HYPERVISOR:-}" ]]; then
+    cp "$GPUVM_PEER_CLOUD_HYPERVISOR" "$outer/bin/cloud-hypervisor-peer" ||
+        die "cannot copy GPUVM_PEER_CLOUD_HYPERVISOR=$GPUVM_PEER_CLOUD_HYPERVISOR"
+    for library in $(ldd "$GPUVM_PEER_CLOUD_HYPERVISOR" | grep -o '/[^ ]*'); do
+        mkdir -p "$outer$(dirname "$library")"
+        cp -L "$library" "$outer$library"
+    done
+fi
 cp "$kernel_dir/vmlinuz" "$outer/images/vmlinuz"
 pack "$inner" "$outer/images/initramfs.cpio"
 pack "$outer" "$work/outer.cpio"
