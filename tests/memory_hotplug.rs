@@ -607,6 +607,25 @@ fn a_gpu_loses_its_dma_mapping_before_ejected_ram_is_freed() {
     emu.signal(libc::SIGTERM);
 }
 
+/// Grows the guest's RAM by slot 0 (256 MiB, memtested by the guest), then starts an
+/// emulated GPU (not yet attached): its socket and process.
+fn grow_then_start_gpu(
+    scratch: &Scratch,
+    api: &Path,
+    vm: &mut SpawnedProcess,
+) -> (std::path::PathBuf, SpawnedProcess) {
+    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
+    resize(api, 204, &desired(512));
+    vm.wait_for_stdout(
+        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
+        LIMIT,
+    );
+    let socket = scratch.path("gpu.sock");
+    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    (socket, emu)
+}
+
 /// A shrink racing a GPU hot-plugged moments before: the device's DMA mapping of guest RAM
 /// (hot-plugged slot 0 included) runs in the background, held back 3 s by the test hook.
 /// A shrink then could unmap slot 0 before the mapper thread maps it, leaving the device
@@ -623,15 +642,7 @@ fn a_shrink_waits_for_a_hot_plugged_gpus_dma_mapping() {
         "memory-hotplug",
         &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "3000")],
     );
-    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
-    resize(&api, 204, &desired(512));
-    vm.wait_for_stdout(
-        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
-        LIMIT,
-    );
-    let socket = scratch.path("gpu.sock");
-    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
-    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let (socket, mut emu) = grow_then_start_gpu(&scratch, &api, &mut vm);
     let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
     api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
     let mapping = "0x100000000+0x10000000";
@@ -716,15 +727,7 @@ fn a_gpu_hot_plug_waits_for_an_open_memory_removal() {
         "memory-hotplug noeject",
         &[("GPUVM_MEMORY_EJECT_TIMEOUT_MS", "1500")],
     );
-    vm.wait_for_stdout("memory-hotplug: waiting", LIMIT);
-    resize(&api, 204, &desired(512));
-    vm.wait_for_stdout(
-        "memory-hotplug: slot 0 base=0x100000000 size=268435456 memtest ok",
-        LIMIT,
-    );
-    let socket = scratch.path("gpu.sock");
-    let emu_bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"));
-    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin, &socket, &[]);
+    let (socket, mut emu) = grow_then_start_gpu(&scratch, &api, &mut vm);
     let removal_started = std::time::Instant::now();
     let shrink = std::thread::spawn({
         let api = api.clone();

@@ -986,9 +986,9 @@ mod tests {
         assert_eq!(flat_request.address_needs(&flat).unwrap(), flat);
     }
 
-    #[test]
-    fn empty_root_ports_get_windows_and_a_device_fits_inside() {
-        let root = PciRoot::new(PciRootConfig {
+    /// A one-bus root with a 4 TiB 64-bit window at 1 TiB: room for root ports' windows.
+    fn root_with_room_for_ports() -> Arc<PciRoot> {
+        PciRoot::new(PciRootConfig {
             ecam_base: 0xe000_0000,
             buses: 1,
             mmio32_start: 0xc000_0000,
@@ -996,7 +996,12 @@ mod tests {
             mmio64_start: 1 << 40,
             mmio64_size: 4 << 40,
         })
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn empty_root_ports_get_windows_and_a_device_fits_inside() {
+        let root = root_with_room_for_ports();
         assert!(matches!(
             add_hotplug_ports(&root, MAX_HOTPLUG_PORTS + 1, 1, None),
             Err(PciTopologyError::TooManyHotplugPorts(_))
@@ -1060,15 +1065,7 @@ mod tests {
         use gpuvm_devices::pci::hotplug::B0EJ;
         use gpuvm_devices::pci::HotplugController;
         use gpuvm_devices::BusDevice;
-        let root = PciRoot::new(PciRootConfig {
-            ecam_base: 0xe000_0000,
-            buses: 1,
-            mmio32_start: 0xc000_0000,
-            mmio32_end: 0xe000_0000,
-            mmio64_start: 1 << 40,
-            mmio64_size: 4 << 40,
-        })
-        .unwrap();
+        let root = root_with_room_for_ports();
         let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
         let slots: Vec<u8> = ports.iter().map(|p| p.slot).collect();
         assert_eq!(
