@@ -57,8 +57,8 @@ pub struct MachineDevices {
     /// one of these ids resumes it in the guest; see [`crate::gpu_release`]).
     pub released_gpus: Vec<crate::action::ReleasedGpu>,
     /// The cold-plugged vfio-user devices as a live update hands them over, and where a
-    /// new process plugs them ([`crate::update::passthrough`]).
-    pub handover: crate::update::passthrough::PassthroughHandOver,
+    /// new process plugs them (crate::update::passthrough).
+    pub handover: crate::update::handed_over::PassthroughHandOver,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -112,7 +112,7 @@ pub struct DeviceStates {
     /// A live update's cold-plugged vfio-user devices (their PCI state; their connections
     /// go as descriptors). Filled by the live update only; absent elsewhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub handed_over_vfio_user: Vec<crate::update::passthrough::HandedOverVfioUser>,
+    pub handed_over_vfio_user: Vec<crate::update::handed_over::HandedOverVfioUser>,
 }
 
 /// Memory hot-plug in a snapshot ([`DeviceStates::ram_hotplug`]).

@@ -20,6 +20,8 @@ pub const MEMORY_FILE_MAGIC: &[u8; 8] = &super::format::MAGIC;
 /// First bytes of gpuvm's framed files (a snapshot's `state`, a `working-set`); the VMM's
 /// `persist::STATE_MAGIC` is this constant.
 pub const FRAMED_FILE_MAGIC: &[u8; 8] = b"GPUVMSTA";
+/// First bytes of a raw image's page CRC table file (raw.rs writes it).
+pub const RAW_CRCS_MAGIC: &[u8; 8] = b"GPUVMRCT";
 
 /// Distinguishes temp files of concurrent writes from one process.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -150,11 +152,7 @@ pub fn remove_abandoned_temp_file(path: &Path) -> bool {
         return false;
     }
     let empty = file.metadata().is_ok_and(|m| m.len() == 0);
-    let magics = [
-        MEMORY_FILE_MAGIC,
-        FRAMED_FILE_MAGIC,
-        super::raw::RAW_CRCS_MAGIC,
-    ];
+    let magics = [MEMORY_FILE_MAGIC, FRAMED_FILE_MAGIC, RAW_CRCS_MAGIC];
     if !empty && !starts_with_any(&file, &magics) {
         return false;
     }

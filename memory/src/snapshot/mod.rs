@@ -37,7 +37,7 @@ use std::path::PathBuf;
 
 pub use atomic::{
     flock, is_gpuvm_file, remove_abandoned_temp_file, remove_logged, temp_file_target,
-    write_atomically, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC,
+    write_atomically, FRAMED_FILE_MAGIC, MEMORY_FILE_MAGIC, RAW_CRCS_MAGIC,
 };
 pub use background::{
     background_unsupported, BackgroundStats, WriteProtectedRam, MAX_BACKGROUND_PAGE_SIZE,
@@ -45,7 +45,7 @@ pub use background::{
 pub use eager::{restore_eager, EagerOptions, RestoreStats};
 pub use format::{ExtentKind, SnapshotId};
 pub use layout::{RamLayout, RamMappings};
-pub use raw::{write_raw, RawContent, RawPageCrcs, RawWriteStats, RAW_CRCS_MAGIC};
+pub use raw::{write_raw, RawContent, RawPageCrcs, RawWriteStats};
 pub use reader::{
     is_plain_file_name, open_in_dir, open_regular_file, read_in_dir, read_regular_file, MemoryFile,
     PlanRun, SnapshotChain,

@@ -37,7 +37,7 @@ use super::layout::RamLayout;
 #[cfg(test)]
 use super::reader::open_regular_file;
 use super::reader::{open_in_dir, MemoryFile, SnapshotChain};
-use super::{write_atomically, Result, SnapshotError};
+use super::{write_atomically, Result, SnapshotError, RAW_CRCS_MAGIC};
 
 /// Bytes per read and write while converting.
 const CHUNK: usize = 8 << 20;
@@ -69,8 +69,6 @@ pub struct RawWriteStats {
     pub page_crcs: RawPageCrcs,
 }
 
-/// The magic of a raw image's page CRC table file.
-pub const RAW_CRCS_MAGIC: &[u8; 8] = b"GPUVMRCT";
 const RAW_CRCS_VERSION: u32 = 1;
 /// magic, version, CRC of the entries, page size, page count.
 const RAW_CRCS_HEADER_LEN: usize = 32;

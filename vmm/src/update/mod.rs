@@ -19,6 +19,7 @@
 
 use std::path::PathBuf;
 
+pub mod handed_over;
 pub mod passthrough;
 pub mod protocol;
 pub mod receive;
