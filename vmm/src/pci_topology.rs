@@ -281,19 +281,21 @@ pub fn add_hotplug_ports(
             (true, prefetchable, HOTPLUG_PORT_PREFETCHABLE),
             (false, memory, HOTPLUG_PORT_MEMORY),
         ];
+        let memory_window = Window {
+            base: memory,
+            size: HOTPLUG_PORT_MEMORY,
+        };
+        let prefetchable_window = Window {
+            base: prefetchable,
+            size: HOTPLUG_PORT_PREFETCHABLE,
+        };
         let mut bridge = PciBridge::new(&BridgeSetup {
             kind: PortKind::RootPort,
             primary_bus: 0,
             secondary_bus: bus,
             subordinate_bus: bus,
-            memory: Window {
-                base: memory,
-                size: HOTPLUG_PORT_MEMORY,
-            },
-            prefetchable: Window {
-                base: prefetchable,
-                size: HOTPLUG_PORT_PREFETCHABLE,
-            },
+            memory: memory_window,
+            prefetchable: prefetchable_window,
             slot: u16::from(bus),
             occupied: false,
         });
@@ -322,14 +324,8 @@ pub fn add_hotplug_ports(
         ports.push(HotplugPort {
             slot,
             bridge,
-            memory: Window {
-                base: memory,
-                size: HOTPLUG_PORT_MEMORY,
-            },
-            prefetchable: Window {
-                base: prefetchable,
-                size: HOTPLUG_PORT_PREFETCHABLE,
-            },
+            memory: memory_window,
+            prefetchable: prefetchable_window,
         });
     }
     Ok(ports)
