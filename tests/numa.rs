@@ -192,6 +192,12 @@ const HOST_GPUS: [(&str, &str, &str, u32); 2] = [
 ];
 
 fn fake_two_socket_sysfs(root: &Path) {
+    fake_host_sysfs(root, &HOST_GPUS);
+}
+
+/// A two-socket host as [`fake_two_socket_sysfs`] with `gpus` (root complex, port, GPU,
+/// node) under its sockets.
+fn fake_host_sysfs(root: &Path, gpus: &[(&str, &str, &str, u32)]) {
     for (node, cpus) in [(0, "0-3"), (1, "4-7")] {
         let dir = root.join(format!("devices/system/node/node{node}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -201,7 +207,7 @@ fn fake_two_socket_sysfs(root: &Path) {
     }
     let links = root.join("bus/pci/devices");
     std::fs::create_dir_all(&links).unwrap();
-    for (complex, port, gpu, node) in HOST_GPUS {
+    for &(complex, port, gpu, node) in gpus {
         let port_dir = root.join(format!("devices/{complex}/{port}"));
         let gpu_dir = port_dir.join(gpu);
         std::fs::create_dir_all(&gpu_dir).unwrap();
@@ -279,6 +285,87 @@ fn auto_gives_each_gpu_s_socket_a_guest_node() {
     );
     out.assert_stdout_has("numa: device 0001:00:01.0 is ")
         .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's");
+}
+
+/// Two H100-like GPUs (64 GiB BAR1, 32 MiB BAR3, 16 MiB BAR0) under each socket.
+const H100_HOST_GPUS: [(&str, &str, &str, u32); 4] = [
+    ("pci0000:17", "0000:17:01.0", "0000:18:00.0", 0),
+    ("pci0000:17", "0000:17:02.0", "0000:19:00.0", 0),
+    ("pci0000:97", "0000:97:01.0", "0000:9a:00.0", 1),
+    ("pci0000:97", "0000:97:02.0", "0000:9b:00.0", 1),
+];
+
+/// With `--numa auto`, node 1's two GPUs go on a PCI segment of their own whose BAR
+/// windows are sized from them: 192 GiB of 64-bit window (two BAR1s, the BAR3s in the gap
+/// after the first) and 32 MiB below 4 GiB for their BAR0s, where the fixed 64 GiB and
+/// 16 MiB held not even one. The `big-bars` checks pass for all four GPUs, found on both
+/// segments: every BAR assigned, aligned to its size, inside the host bridges' `_CRS`
+/// windows, a word written and read back at both ends of each BAR1 and BAR3.
+#[test]
+fn a_node_segment_s_windows_hold_its_gpus_big_bars() {
+    let scratch = Scratch::new("numa", "node-segment-bars");
+    let sysfs = scratch.path("sys");
+    fake_host_sysfs(&sysfs, &H100_HOST_GPUS);
+    let mut servers = Vec::new();
+    let mut devices = Vec::new();
+    for (index, (_, _, gpu, _)) in H100_HOST_GPUS.iter().enumerate() {
+        let socket = scratch.path(&format!("gpu{index}.sock"));
+        let bar1 = ["--bar1-mib", "65536"];
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &bar1));
+        devices.push(format!("{},topology_bdf={gpu}", socket.display()));
+    }
+    let mut args = vec![
+        "--log-level",
+        "info",
+        "run",
+        "--vcpus",
+        "2",
+        "--memory",
+        "256M",
+        "--numa",
+        "auto",
+        "--cmdline",
+        "big-bars 4",
+    ];
+    for device in &devices {
+        args.extend(["--vfio-user", device.as_str()]);
+    }
+    let env = [
+        ("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap()),
+        ("GPUVM_TEST_NUMA_BIND_NODE", "0"),
+    ];
+    let out = gpuvm_tests::run_gpuvm_with_env(&args, &env, LIMIT, None);
+    for server in servers {
+        let done = server.wait(Duration::from_secs(30));
+        assert_eq!(done.code(), Some(0), "{}", done.stderr);
+    }
+    out.assert_code(0)
+        .assert_stdout_has("big-bars: ok 4")
+        .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's");
+    let window = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("PCI segment 1: 64-bit BAR window "))
+        .unwrap_or_else(|| panic!("segment 1's windows are logged: {}", out.stderr));
+    assert!(window.contains("(192 GiB), 32-bit "), "{window}");
+    let on_segment = |prefix: &str| {
+        out.stdout
+            .lines()
+            .filter(|l| l.starts_with(prefix) && l.contains(" BAR1 "))
+            .count()
+    };
+    assert_eq!(on_segment("big-bars: 00:"), 2, "{}", out.stdout);
+    assert_eq!(on_segment("big-bars: 0001:00:"), 2, "{}", out.stdout);
+    for line in out
+        .stdout
+        .lines()
+        .filter(|l| l.contains(" size=0x1000000000 "))
+    {
+        // Each 64 GiB BAR1 on its own 64 GiB boundary (the guest checked it too).
+        let address = line.split_whitespace().nth(3).unwrap();
+        let address = u64::from_str_radix(address.trim_start_matches("0x"), 16).unwrap();
+        assert_eq!(address % (64 << 30), 0, "{line}");
+    }
 }
 
 #[test]

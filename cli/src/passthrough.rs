@@ -240,6 +240,7 @@ fn eight_gpus_fit(host: HostAddressWidth, bars: Option<Vec<u64>>, memory: u64) -
         mmio64_size: 0,
         fixed_window: None,
         segments: 1,
+        segment_bars: &[],
     };
     match plan(&request) {
         Ok(plan) => (

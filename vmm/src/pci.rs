@@ -19,20 +19,21 @@
 //!
 //! With more PCI segment groups (`PciOptions::num_pci_segments`), segment N > 0 is a root
 //! of its own: ECAM at 0xe000_0000 + N MiB, 16 MiB of 32-bit BARs from 0xe100_0000, 64 GiB
-//! of 64-bit BARs after segment 0's window. Its configuration space is reachable through
-//! its ECAM window only (0xCF8/0xCFC reach segment 0). Virtio devices go on the segment
-//! `VirtioOptions::pci_segments` names; passthrough devices and hot-plug stay on segment 0.
+//! of 64-bit BARs after segment 0's window (both larger where the passthrough devices on
+//! it need more: a guest NUMA node's GPUs, crate::numa). Its configuration space is
+//! reachable through its ECAM window only (0xCF8/0xCFC reach segment 0). Virtio devices go
+//! on the segment `VirtioOptions::pci_segments` names; hot-plug stays on segment 0.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use gpuvm_arch::x86_64::address_space::{
-    self, AddressSpacePlan, HostAddressWidth, PlanError, PlanRequest,
+    self, AddressSpacePlan, HostAddressWidth, PlanError, PlanRequest, SegmentBars,
 };
 use gpuvm_arch::x86_64::layout::{
-    pci_segment_ecam, pci_segment_mmio32, ram_hotplug_area, FOUR_GIB, MAX_PCI_SEGMENTS,
-    PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START, PCI_MMIO64_ALIGN, PCI_SEGMENT_MMIO64_SIZE,
+    pci_segment_ecam, ram_hotplug_area, FOUR_GIB, MAX_PCI_SEGMENTS, PCI_ECAM_START, PCI_MMIO32_END,
+    PCI_MMIO32_START, PCI_MMIO64_ALIGN,
 };
 use gpuvm_devices::pci::{BarKind, GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
 use gpuvm_memory::GuestRam;
@@ -338,15 +339,16 @@ pub fn bar64_sizes(backend: &mut dyn PassthroughDevice) -> Result<Vec<u64>, PciS
         .collect())
 }
 
-/// The address space above RAM for a VM with `ram`, `options`, `segments` PCI segments and
-/// passthrough devices whose 64-bit BARs are `devices` (in plug order); see
-/// gpuvm_arch::x86_64::address_space. Refused, with the numbers, where it does not fit.
+/// The address space above RAM for a VM with `ram`, `options`, `segments` PCI segments,
+/// passthrough devices on segment 0 whose 64-bit BARs are `devices` (in plug order) and
+/// those on further segments `segment_bars`; see gpuvm_arch::x86_64::address_space.
+/// Refused, with the numbers, where it does not fit.
 pub fn plan_address_space(
     host: HostAddressWidth,
     ram: &GuestRam,
     options: &PciOptions,
     devices: &[Vec<u64>],
-    segments: u16,
+    (segments, segment_bars): (u16, &[SegmentBars]),
 ) -> Result<AddressSpacePlan, PciSetupError> {
     let ram_top = ram
         .regions()
@@ -362,6 +364,7 @@ pub fn plan_address_space(
         mmio64_size: options.mmio64_size,
         fixed_window: options.mmio64_window,
         segments,
+        segment_bars,
     })?;
     debug_assert!(
         options.mmio64_window.is_some()
@@ -403,7 +406,7 @@ pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
 }
 
 /// Where each segment's root puts configuration space and BARs: segment 0's 64-bit
-/// window and the others' where `plan` put them, the rest from the layout.
+/// window and the others' BAR windows where `plan` put them, ECAM from the layout.
 pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig> {
     let mut configs = vec![PciRootConfig {
         ecam_base: PCI_ECAM_START,
@@ -414,14 +417,16 @@ pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig
         mmio64_size: plan.mmio64_size,
     }];
     for segment in 1..count {
-        let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
+        let index = usize::from(segment) - 1;
+        let (mmio32_start, mmio32_end) = plan.segment_mmio32[index];
+        let (mmio64_start, mmio64_size) = plan.segment_mmio64[index];
         configs.push(PciRootConfig {
             ecam_base: pci_segment_ecam(segment),
             buses: 1,
             mmio32_start,
             mmio32_end,
-            mmio64_start: plan.segment_mmio64_starts[usize::from(segment) - 1],
-            mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
+            mmio64_start,
+            mmio64_size,
         });
     }
     configs

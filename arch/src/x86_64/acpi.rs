@@ -1381,6 +1381,7 @@ mod tests {
             mmio64_size: 0,
             fixed_window: None,
             segments: 3,
+            segment_bars: &[],
         })
         .unwrap();
         assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END);
@@ -1389,15 +1390,16 @@ mod tests {
             mmio64_size: plan.mmio64_size,
             ..pci()
         }];
-        for (segment, &start) in (1u16..).zip(&plan.segment_mmio64_starts) {
-            let (mmio32_start, mmio32_end) = pci_segment_mmio32(segment);
+        for (segment, (&(mmio64_start, mmio64_size), &(mmio32_start, mmio32_end))) in
+            (1u16..).zip(plan.segment_mmio64.iter().zip(&plan.segment_mmio32))
+        {
             pci_segments.push(PciRootConfig {
                 ecam_base: pci_segment_ecam(segment),
                 buses: 1,
                 mmio32_start,
                 mmio32_end,
-                mmio64_start: start,
-                mmio64_size: PCI_SEGMENT_MMIO64_SIZE,
+                mmio64_start,
+                mmio64_size,
             });
         }
         let tables = build(&AcpiConfig {

@@ -8,7 +8,8 @@
 //!                  (gpuvm_devices::pci::BarAllocator), plus room to hot-plug one more device
 //!                  of the largest BAR set present; at least PCI_MMIO64_DEFAULT_SIZE where
 //!                  the address width allows (a VM without passthrough devices gets that)
-//! ...              64 GiB windows of segments 1.. (layout::pci_segment_mmio64_start)
+//! ...              the windows of segments 1..: 64 GiB each, or what the devices placed
+//!                  on the segment need (a NUMA node's GPUs), aligned to their largest BAR
 //! < 2^phys_bits    the guest's physical address width: what KVM reports in CPUID
 //!                  0x80000008, at most 48 bits (4-level paging)
 //! ```
@@ -18,9 +19,12 @@
 //! cut short of the default, starts at 1 TiB instead where that gives it more room, and
 //! RAM that would reach it is refused (RAM above 1 TiB is not laid out yet).
 //!
+//! Below 4 GiB, segments 1.. share 0xe100_0000..0xf000_0000 for their 32-bit BARs: 16 MiB
+//! each, or what the devices placed on the segment need (an H100's BAR0 alone is 16 MiB).
+//!
 //! [`plan`] is pure: the VMM gives it the host's CPUID (KVM_GET_SUPPORTED_CPUID) and the
-//! 64-bit BAR sizes of the devices it has opened, before it builds the PCI roots, and a
-//! plan that does not fit is refused with the numbers before the guest starts.
+//! BAR sizes of the devices it has opened, before it builds the PCI roots, and a plan
+//! that does not fit is refused with the numbers before the guest starts.
 
 use std::fmt;
 
@@ -28,8 +32,8 @@ use gpuvm_devices::pci::BarAllocator;
 use kvm_bindings::kvm_cpuid_entry2;
 
 use super::layout::{
-    pci_segment_mmio64_start, ram_hotplug_area, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
-    PCI_SEGMENT_MMIO64_SIZE,
+    ram_hotplug_area, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE, PCI_SEGMENTS_MMIO32_END,
+    PCI_SEGMENTS_MMIO32_START, PCI_SEGMENT_MMIO32_SIZE, PCI_SEGMENT_MMIO64_SIZE,
 };
 
 /// The widest guest-physical address space gpuvm plans for: what 4-level paging (a
@@ -192,8 +196,20 @@ pub struct PlanRequest<'a> {
     pub mmio64_size: u64,
     /// The window exactly (start, size): a restored VM's, where its guest has it.
     pub fixed_window: Option<(u64, u64)>,
-    /// PCI segments (1..): segment 0 has the planned window, each further one 64 GiB.
+    /// PCI segments (1..): segment 0 has the planned window, each further one 64 GiB or
+    /// what its devices need.
     pub segments: u16,
+    /// The BARs of the devices placed on segments 1.. (segment 1's first; missing ones
+    /// hold none). `devices` holds only segment 0's.
+    pub segment_bars: &'a [SegmentBars],
+}
+
+/// The BARs of the passthrough devices on one PCI segment other than 0, device by device
+/// in plug order: each device's 64-bit memory BAR sizes and its 32-bit ones.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SegmentBars {
+    pub mmio64: Vec<Vec<u64>>,
+    pub mmio32: Vec<Vec<u64>>,
 }
 
 /// Where things go.
@@ -209,8 +225,10 @@ pub struct AddressSpacePlan {
     /// largest device's 64-bit BARs; 0 without devices).
     pub device_bars: u64,
     pub hotplug_reserve: u64,
-    /// Where each further segment's 64 GiB window starts (segment 1 first).
-    pub segment_mmio64_starts: Vec<u64>,
+    /// Each further segment's 64-bit window (start, size), segment 1's first.
+    pub segment_mmio64: Vec<(u64, u64)>,
+    /// Each further segment's 32-bit window (start, end), segment 1's first.
+    pub segment_mmio32: Vec<(u64, u64)>,
     /// The end of the last window: the highest guest-physical address used, plus one.
     pub end: u64,
 }
@@ -287,25 +305,47 @@ pub enum PlanError {
         human(*needed)
     )]
     WindowTooSmall { given: u64, needed: u64 },
+    #[error(
+        "the passthrough devices on PCI segment {segment} need {} of 32-bit BARs there, each \
+         aligned to its size; segments 1.. share {} below 4 GiB \
+         ({PCI_SEGMENTS_MMIO32_START:#x}..{PCI_SEGMENTS_MMIO32_END:#x}) and the segments \
+         before it take {}: put fewer devices with 32-bit BARs on one guest NUMA node",
+        human(*needed),
+        human(PCI_SEGMENTS_MMIO32_END - PCI_SEGMENTS_MMIO32_START),
+        human(*taken)
+    )]
+    Mmio32TooSmall {
+        segment: u16,
+        needed: u64,
+        taken: u64,
+    },
+}
+
+/// Places each device's BARs (largest first, as the root places a device's) from `start`,
+/// device by device; returns the allocator after them.
+fn place_devices(name: &'static str, start: u64, devices: &[Vec<u64>]) -> BarAllocator {
+    let mut allocator = BarAllocator::new(name, start, u64::MAX);
+    for bars in devices {
+        place(&mut allocator, bars);
+    }
+    allocator
+}
+
+fn place(allocator: &mut BarAllocator, bars: &[u64]) {
+    let mut sizes = bars.to_vec();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    for size in sizes {
+        // The window is unbounded here: only an address past u64 fails, and then the
+        // width check refuses the plan anyway.
+        let _ = allocator.allocate(size);
+    }
 }
 
 /// How much of a window starting at `start` the devices' BARs take, placed device by
 /// device as the root places them, and then once more the largest device's (the hot-plug
 /// reserve). Returns (up to the last device, up to the reserve), from `start`.
 fn bars_span(start: u64, devices: &[Vec<u64>]) -> (u64, u64) {
-    fn place(allocator: &mut BarAllocator, bars: &[u64]) {
-        let mut sizes = bars.to_vec();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        for size in sizes {
-            // The window is unbounded here: only an address past u64 fails, and then the
-            // width check refuses the plan anyway.
-            let _ = allocator.allocate(size);
-        }
-    }
-    let mut allocator = BarAllocator::new("64-bit", start, u64::MAX);
-    for bars in devices {
-        place(&mut allocator, bars);
-    }
+    let mut allocator = place_devices("64-bit", start, devices);
     let devices_end = allocator.high_water();
     if let Some(largest) = devices.iter().max_by_key(|bars| bars.iter().sum::<u64>()) {
         place(&mut allocator, largest);
@@ -314,30 +354,80 @@ fn bars_span(start: u64, devices: &[Vec<u64>]) -> (u64, u64) {
     (round(devices_end), round(allocator.high_water()))
 }
 
+/// A window for `devices` at or after `next`, in `unit`s: the `least` size at `next` where
+/// their BARs fit in it (the layout every segment had before windows were sized), else
+/// aligned to the largest BAR and as large as they take. Returns (start, size).
+fn sized_window(next: u64, devices: &[Vec<u64>], least: u64, unit: u64) -> (u64, u64) {
+    let span = |start: u64| {
+        (place_devices("", start, devices).high_water() - start).next_multiple_of(unit)
+    };
+    if span(next) <= least {
+        return (next, least);
+    }
+    let largest = devices.iter().flatten().copied().max().unwrap_or(unit);
+    let start = next.next_multiple_of(largest.max(unit));
+    (start, span(start).max(least))
+}
+
+/// The 32-bit windows of segments 1..`segments`, one after another from
+/// [`PCI_SEGMENTS_MMIO32_START`]: (start, end) each.
+fn segment_windows32(segments: u16, bars: &[SegmentBars]) -> Result<Vec<(u64, u64)>, PlanError> {
+    let mut windows = Vec::new();
+    let mut next = PCI_SEGMENTS_MMIO32_START;
+    for segment in 1..segments.max(1) {
+        let devices = bars
+            .get(usize::from(segment) - 1)
+            .map_or(&[][..], |b| &b.mmio32[..]);
+        let (start, size) = sized_window(next, devices, PCI_SEGMENT_MMIO32_SIZE, 1 << 20);
+        if start + size > PCI_SEGMENTS_MMIO32_END {
+            return Err(PlanError::Mmio32TooSmall {
+                segment,
+                needed: size,
+                taken: next - PCI_SEGMENTS_MMIO32_START,
+            });
+        }
+        windows.push((start, start + size));
+        next = start + size;
+    }
+    Ok(windows)
+}
+
 fn overlaps_ht_hole(start: u64, end: u64) -> bool {
     start < AMD_HT_HOLE_END && end > AMD_HT_HOLE_START
 }
 
-/// Where the windows of segments 1.. go after segment 0's ends at `end0`: right after
-/// it, or past the AMD hole if they would cross it. Returns their starts and their end.
-fn segment_windows(host: &HostAddressWidth, end0: u64, segments: u16) -> (Vec<u64>, u64) {
-    if segments <= 1 {
-        return (Vec::new(), end0);
-    }
+/// Where the 64-bit windows of segments 1.. go after segment 0's ends at `end0`: one
+/// after another from there, or past the AMD hole if they would cross it. Returns each
+/// (start, size) and where the last ends.
+fn segment_windows(
+    host: &HostAddressWidth,
+    end0: u64,
+    segments: u16,
+    bars: &[SegmentBars],
+) -> (Vec<(u64, u64)>, u64) {
     let lay = |base: u64| {
-        let starts: Vec<u64> = (1..segments)
-            .map(|segment| pci_segment_mmio64_start(base, segment))
-            .collect();
-        let end = starts
-            .last()
-            .map_or(base, |last| last + PCI_SEGMENT_MMIO64_SIZE);
-        (starts, end)
+        let mut windows = Vec::new();
+        let mut next = base.next_multiple_of(PCI_MMIO64_ALIGN);
+        for segment in 1..segments.max(1) {
+            let devices = bars
+                .get(usize::from(segment) - 1)
+                .map_or(&[][..], |b| &b.mmio64[..]);
+            let window = sized_window(next, devices, PCI_SEGMENT_MMIO64_SIZE, PCI_MMIO64_ALIGN);
+            next = window.0 + window.1;
+            windows.push(window);
+        }
+        let end = if windows.is_empty() { end0 } else { next };
+        (windows, end)
     };
-    let (starts, end) = lay(end0);
-    if host.has_ht_hole() && overlaps_ht_hole(starts[0], end) {
+    let (windows, end) = lay(end0);
+    if host.has_ht_hole()
+        && windows
+            .first()
+            .is_some_and(|&(first, _)| overlaps_ht_hole(first, end))
+    {
         return lay(end0.max(AMD_HT_HOLE_END));
     }
-    (starts, end)
+    (windows, end)
 }
 
 /// Plans the address space above RAM; see the module documentation.
@@ -366,9 +456,14 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
         .max()
         .unwrap_or(0);
     let planned = request.fixed_window.is_none() && request.mmio64_size == 0;
+    let segment_mmio32 = segment_windows32(request.segments, request.segment_bars)?;
     let layout = |start: u64, size: u64| {
-        let (segment_mmio64_starts, end) =
-            segment_windows(&host, start.saturating_add(size), request.segments);
+        let (segment_mmio64, end) = segment_windows(
+            &host,
+            start.saturating_add(size),
+            request.segments,
+            request.segment_bars,
+        );
         AddressSpacePlan {
             host,
             ram_end,
@@ -376,7 +471,8 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
             mmio64_size: size,
             device_bars,
             hotplug_reserve: if planned { largest } else { 0 },
-            segment_mmio64_starts,
+            segment_mmio64,
+            segment_mmio32: segment_mmio32.clone(),
             end,
         }
     };
@@ -467,10 +563,11 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
         what += ")";
     }
     if refused.end > refused.mmio64_end() {
+        let sizes: u64 = refused.segment_mmio64.iter().map(|&(_, size)| size).sum();
         what += &format!(
-            " and {} more PCI segment window(s) of {} to {:#x}",
+            " and {} more PCI segment window(s) of {} in all to {:#x}",
             request.segments - 1,
-            human(PCI_SEGMENT_MMIO64_SIZE),
+            human(sizes),
             refused.end
         );
     }
@@ -495,7 +592,7 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::x86_64::layout::FOUR_GIB;
+    use crate::x86_64::layout::{pci_segment_mmio32, pci_segment_mmio64_start, FOUR_GIB};
 
     const GIB: u64 = 1 << 30;
     const TIB: u64 = 1 << 40;
@@ -521,6 +618,7 @@ mod tests {
             mmio64_size: 0,
             fixed_window: None,
             segments: 1,
+            segment_bars: &[],
         }
     }
 
@@ -736,17 +834,17 @@ mod tests {
         let plan = super::plan(&with_segments).unwrap();
         assert_eq!(plan.mmio64_start, 100 * GIB, "{plan}");
         assert_eq!(plan.mmio64_end(), AMD_HT_HOLE_START, "{plan}");
-        assert_eq!(plan.segment_mmio64_starts[0], AMD_HT_HOLE_END, "{plan}");
+        assert_eq!(plan.segment_mmio64[0].0, AMD_HT_HOLE_END, "{plan}");
         assert!(plan
-            .segment_mmio64_starts
+            .segment_mmio64
             .iter()
-            .all(|&s| !overlaps_ht_hole(s, s + PCI_SEGMENT_MMIO64_SIZE)));
+            .all(|&(s, size)| size == PCI_SEGMENT_MMIO64_SIZE && !overlaps_ht_hole(s, s + size)));
         // The same on Intel gets the whole default window, segments right after it.
         with_segments.host = intel(48);
         with_segments.ram_top = 600 * GIB;
         let plan = super::plan(&with_segments).unwrap();
         assert_eq!(plan.mmio64_size, PCI_MMIO64_DEFAULT_SIZE);
-        assert_eq!(plan.segment_mmio64_starts[0], plan.mmio64_end());
+        assert_eq!(plan.segment_mmio64[0].0, plan.mmio64_end());
         // A 40-bit AMD host (1 TiB): nothing above the hole; the default window shrinks
         // below it.
         let plan = super::plan(&request(amd(40), &[])).unwrap();
@@ -863,21 +961,115 @@ mod tests {
         let mut three = request(intel(48), &devices);
         three.segments = 3;
         let plan = plan(&three).unwrap();
+        // Without devices of their own, 64 GiB each, where the fixed layout had them.
         assert_eq!(
-            plan.segment_mmio64_starts,
+            plan.segment_mmio64,
             vec![
-                pci_segment_mmio64_start(plan.mmio64_end(), 1),
-                pci_segment_mmio64_start(plan.mmio64_end(), 2)
+                (
+                    pci_segment_mmio64_start(plan.mmio64_end(), 1),
+                    PCI_SEGMENT_MMIO64_SIZE
+                ),
+                (
+                    pci_segment_mmio64_start(plan.mmio64_end(), 2),
+                    PCI_SEGMENT_MMIO64_SIZE
+                )
             ]
         );
         assert_eq!(
-            plan.end,
-            plan.segment_mmio64_starts[1] + PCI_SEGMENT_MMIO64_SIZE
+            plan.segment_mmio32,
+            vec![pci_segment_mmio32(1), pci_segment_mmio32(2)]
         );
+        assert_eq!(plan.end, plan.segment_mmio64[1].0 + PCI_SEGMENT_MMIO64_SIZE);
         // The segments push a 40-bit host over: said so.
         three.host = intel(40);
         let text = super::plan(&three).unwrap_err().to_string();
         assert!(text.contains("2 more PCI segment window(s)"), "{text}");
+    }
+
+    /// Four H100-like GPUs on segment 0 and four on a NUMA node's segment 1: each
+    /// segment's windows hold its own devices' BARs, aligned to their size (a 64 GiB
+    /// window, the fixed size, held none of them: BAR1 alone fills it), and a segment
+    /// without devices keeps the fixed sizes.
+    #[test]
+    fn a_node_segments_windows_are_sized_from_its_devices() {
+        let h100 = gpu(64 * GIB);
+        let h100_bar0 = vec![16u64 << 20];
+        let on_zero = vec![h100.clone(); 4];
+        let node_one = SegmentBars {
+            mmio64: vec![h100.clone(); 4],
+            mmio32: vec![h100_bar0.clone(); 4],
+        };
+        let bars = [node_one.clone(), SegmentBars::default()];
+        let mut request = request(intel(46), &on_zero);
+        request.segments = 3;
+        request.segment_bars = &bars;
+        let plan = plan(&request).unwrap();
+        let (start1, size1) = plan.segment_mmio64[0];
+        assert!(start1 >= plan.mmio64_end(), "{plan:?}");
+        let mut window = BarAllocator::new("64-bit", start1, start1 + size1);
+        for bars in &node_one.mmio64 {
+            let mut sizes = bars.clone();
+            sizes.sort_unstable_by(|a, b| b.cmp(a));
+            for size in sizes {
+                let at = window.allocate(size).expect("segment 1's window holds it");
+                assert_eq!(at % size, 0);
+            }
+        }
+        // Four BAR1s, the first BAR3 after the first BAR1 (pushing the next BAR1s one
+        // alignment on) and the others in the gap it leaves: 320 GiB, not more.
+        assert_eq!(size1, 320 * GIB, "{plan:?}");
+        assert_eq!(
+            plan.segment_mmio64[1],
+            (start1 + size1, PCI_SEGMENT_MMIO64_SIZE)
+        );
+        assert_eq!(plan.end, start1 + size1 + PCI_SEGMENT_MMIO64_SIZE);
+        // Below 4 GiB: 64 MiB for the four BAR0s, then segment 2's 16 MiB after it.
+        assert_eq!(
+            plan.segment_mmio32,
+            vec![
+                (
+                    PCI_SEGMENTS_MMIO32_START,
+                    PCI_SEGMENTS_MMIO32_START + (64 << 20)
+                ),
+                (
+                    PCI_SEGMENTS_MMIO32_START + (64 << 20),
+                    PCI_SEGMENTS_MMIO32_START + (80 << 20)
+                )
+            ]
+        );
+        // Too many 32-bit BARs for the room below 4 GiB: refused with the numbers.
+        let crowded = [SegmentBars {
+            mmio64: Vec::new(),
+            mmio32: vec![h100_bar0; 16],
+        }];
+        request.segments = 2;
+        request.segment_bars = &crowded;
+        let error = super::plan(&request).unwrap_err();
+        assert!(
+            matches!(error, PlanError::Mmio32TooSmall { segment: 1, needed, .. } if needed == 256 << 20),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("240 MiB"), "{error}");
+        // Eight H200s, four on each segment: too wide for a 41-bit host (2 TiB), with the
+        // numbers; a 42-bit one holds them.
+        let h200s = vec![gpu(256 * GIB); 4];
+        let node_one = [SegmentBars {
+            mmio64: h200s.clone(),
+            mmio32: Vec::new(),
+        }];
+        let mut eight = super::tests::request(intel(41), &h200s);
+        eight.segments = 2;
+        eight.segment_bars = &node_one;
+        let text = super::plan(&eight).unwrap_err().to_string();
+        // Placed device by device as the root places them, the BAR3s after the first
+        // BAR1 push each next BAR1 one alignment further: five BAR1s of room.
+        assert!(
+            text.contains("1 more PCI segment window(s) of 1280 GiB in all"),
+            "{text}"
+        );
+        eight.host = intel(42);
+        let plan = super::plan(&eight).unwrap();
+        assert_eq!(plan.segment_mmio64[0].0 % (256 * GIB), 0, "{plan:?}");
     }
 
     #[test]

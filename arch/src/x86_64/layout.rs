@@ -14,11 +14,13 @@
 //! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
 //!              0xe000_0000..0xe010_0000 (reserved in the e820 map); with more PCI
 //!              segments, segment N's ECAM at 0xe000_0000 + N MiB (up to 0xe100_0000) and
-//!              its 32-bit BARs in 16 MiB at 0xe100_0000 + (N - 1) * 16 MiB (up to
-//!              0xf000_0000); IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
+//!              its 32-bit BARs in 16 MiB at 0xe100_0000 + (N - 1) * 16 MiB, or as much
+//!              as the devices placed there need, the windows one after another up to
+//!              0xf000_0000; IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
 //! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window (PCI BARs; 1 GiB aligned,
 //!              sized from the passthrough devices' BARs: see address_space), then 64 GiB
-//!              of 64-bit BARs for each segment N > 0; all below the guest's physical
+//!              of 64-bit BARs for each segment N > 0 (more where its devices need it,
+//!              aligned to their largest BAR); all below the guest's physical
 //!              address width, and on AMD hosts clear of 0xfd_0000_0000..0x100_0000_0000
 //! ```
 
@@ -67,6 +69,10 @@ pub const MAX_PCI_SEGMENTS: u16 = 16;
 /// long (segment 0 keeps `[PCI_MMIO32_START, PCI_MMIO32_END)`).
 pub const PCI_SEGMENTS_MMIO32_START: u64 = PCI_ECAM_START + MAX_PCI_SEGMENTS as u64 * PCI_ECAM_SIZE;
 pub const PCI_SEGMENT_MMIO32_SIZE: u64 = 16 << 20;
+/// Where the 32-bit BAR windows of segments 1.. end: room for each to have 16 MiB, shared
+/// as the devices on them need (address_space sizes them).
+pub const PCI_SEGMENTS_MMIO32_END: u64 =
+    PCI_SEGMENTS_MMIO32_START + (MAX_PCI_SEGMENTS as u64 - 1) * PCI_SEGMENT_MMIO32_SIZE;
 /// The 64-bit BAR window of each segment 1.., after segment 0's.
 pub const PCI_SEGMENT_MMIO64_SIZE: u64 = 64 << 30;
 pub const IOAPIC_ADDR: u64 = 0xfec0_0000;

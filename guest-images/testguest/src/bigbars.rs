@@ -1,9 +1,11 @@
 //! The `big-bars COUNT [hotplug]` workload: COUNT emulated GPUs with large 64-bit BARs (256 GiB
-//! BAR1s, as an H200's) in one VM. For every GPU on bus 0 it sizes the BARs (memory
-//! decoding off meanwhile, as Linux does), and checks that each is assigned, aligned to
-//! its size, BAR0 in the 32-bit hole and the 64-bit ones inside the 64-bit window the
-//! host bridge's `_CRS` declares, that no two BARs overlap and that the window lies within
-//! the guest's physical address width (CPUID 0x80000008) and clear of RAM. Then it maps
+//! BAR1s, as an H200's) in one VM. For every GPU on bus 0 of every PCI segment the MCFG
+//! lists (segment 0 through 0xCF8, the others through their ECAM windows: a guest NUMA
+//! node's GPUs sit on a host bridge of their own) it sizes the BARs (memory decoding off
+//! meanwhile, as Linux does), and checks that each is assigned, aligned to its size, BAR0
+//! in the 32-bit hole and the 64-bit ones inside the 64-bit windows the host bridges'
+//! `_CRS` declare, that no two BARs overlap and that the windows lie within the guest's
+//! physical address width (CPUID 0x80000008) and clear of RAM. Then it maps
 //! the first and last page of each BAR1 and BAR3 (2 MiB pages, anywhere in the 48-bit
 //! space: the boot tables only map 64 GiB) and writes and reads back a word at the start
 //! and the end of each; BAR1's first word must reach the device (its BAR1 checksum
@@ -12,15 +14,16 @@
 //! With `big-bars COUNT hotplug` the GPUs are hot-plugged after boot: it waits for COUNT
 //! arrivals (gpuvm's ACPI hot-plug registers, as `pci-hotplug` polls them) first.
 //!
-//! Lines: `big-bars: window START..END`, `big-bars: phys-bits N`, one `big-bars: 00:DD.0
-//! BAR1 ADDR size=SIZE BAR3 ADDR size=SIZE` per GPU, one `big-bars: 00:DD.0 words ok` per
-//! GPU, then `big-bars: ok COUNT`; any failure prints `big-bars: FAIL ...` and exits 1.
+//! Lines: `big-bars: window START..END` (segment 0's first), `big-bars: phys-bits N`, one
+//! `big-bars: 00:DD.0 BAR1 ADDR size=SIZE BAR3 ADDR size=SIZE` per GPU (`SSSS:00:DD.0` off
+//! segment 0, with its BAR0 after BAR3), one `big-bars: 00:DD.0 words ok` per GPU, then
+//! `big-bars: ok COUNT`; any failure prints `big-bars: FAIL ...` and exits 1.
 
 use core::ptr::addr_of_mut;
 
 use crate::bootinfo::BootInfo;
 use crate::console::exit;
-use crate::pci::{config_read, config_write, is_gpu, mmio_read, size_bar};
+use crate::pci::{config_read, config_write, is_gpu_ids, mmio_read, size_bar_through};
 use crate::println;
 use crate::smp::{bytes_equal, read_u32, read_u64, read_u8};
 
@@ -35,6 +38,7 @@ const TABLE_FLAGS: u64 = crate::boot::TABLE_FLAGS;
 const LARGE_PAGE_FLAGS: u64 = crate::boot::LARGE_PAGE_FLAGS;
 const MAX_WINDOWS: usize = 8;
 const MAX_GPUS: usize = 32;
+const MAX_SEGMENTS: usize = 16;
 /// Page tables for the BAR mappings: each BAR end may need a page directory and a PDPT.
 const POOL_TABLES: usize = 64;
 
@@ -53,31 +57,96 @@ fn fail(what: core::fmt::Arguments) -> ! {
     exit(EXIT_FAIL)
 }
 
-/// The DSDT, through the RSDP the start info gives, the XSDT and the FADT.
-fn dsdt(info: &BootInfo) -> u64 {
+/// The table with signature `signature` the XSDT lists (through the RSDP the start info
+/// gives).
+fn xsdt_table(info: &BootInfo, signature: &[u8; 4]) -> Option<u64> {
     let rsdp = info.rsdp_paddr;
     if rsdp == 0 || !bytes_equal(rsdp, b"RSD PTR ") {
         fail(format_args!("no RSDP in the start info"));
     }
     let xsdt = read_u64(rsdp + 24);
     let len = u64::from(read_u32(xsdt + 4)).min(0x10000);
-    for entry in (xsdt + HEADER_LEN..xsdt + len).step_by(8) {
-        let table = read_u64(entry);
-        if table != 0 && bytes_equal(table, b"FACP") {
-            let fadt_len = u64::from(read_u32(table + 4));
-            let x_dsdt = if fadt_len >= 148 {
-                read_u64(table + 140)
-            } else {
-                0
-            };
-            return if x_dsdt != 0 {
-                x_dsdt
-            } else {
-                u64::from(read_u32(table + 40))
-            };
-        }
+    (xsdt + HEADER_LEN..xsdt + len)
+        .step_by(8)
+        .map(read_u64)
+        .find(|&table| table != 0 && bytes_equal(table, signature))
+}
+
+/// The DSDT, through the FADT.
+fn dsdt(info: &BootInfo) -> u64 {
+    let Some(table) = xsdt_table(info, b"FACP") else {
+        fail(format_args!("no FADT in the XSDT"))
+    };
+    let fadt_len = u64::from(read_u32(table + 4));
+    let x_dsdt = if fadt_len >= 148 {
+        read_u64(table + 140)
+    } else {
+        0
+    };
+    if x_dsdt != 0 {
+        x_dsdt
+    } else {
+        u64::from(read_u32(table + 40))
     }
-    fail(format_args!("no FADT in the XSDT"))
+}
+
+/// Each PCI segment's bus-0 ECAM base, from the MCFG: (segment, base).
+fn segments(info: &BootInfo) -> ([(u16, u64); MAX_SEGMENTS], usize) {
+    let Some(mcfg) = xsdt_table(info, b"MCFG") else {
+        fail(format_args!("no MCFG in the XSDT"))
+    };
+    let mut found = [(0, 0); MAX_SEGMENTS];
+    let mut count = 0;
+    let allocations = u64::from(read_u32(mcfg + 4)).saturating_sub(44) / 16;
+    for i in 0..allocations.min(MAX_SEGMENTS as u64) {
+        let entry = mcfg + 44 + 16 * i;
+        let segment = u16::from(read_u8(entry + 8)) | u16::from(read_u8(entry + 9)) << 8;
+        found[count] = (segment, read_u64(entry));
+        count += 1;
+    }
+    (found, count)
+}
+
+/// A function on bus 0 of a PCI segment: segment 0's configuration space is read through
+/// 0xCF8/0xCFC (as the rest of the test guest reads it), the others' through their ECAM
+/// window only.
+#[derive(Clone, Copy)]
+struct Function {
+    segment: u16,
+    ecam: u64,
+    device: u8,
+}
+
+impl Function {
+    fn ecam_address(&self, register: u8) -> u64 {
+        self.ecam + (u64::from(self.device) << 15 | u64::from(register & 0xfc))
+    }
+
+    fn read(&self, register: u8) -> u32 {
+        if self.segment == 0 {
+            return config_read(self.device, register);
+        }
+        // SAFETY: ECAM windows lie in the identity-mapped, user-accessible first 4 GiB; the
+        // read traps to the VMM's PCI root.
+        unsafe { (self.ecam_address(register) as *const u32).read_volatile() }
+    }
+
+    fn write(&self, register: u8, value: u32) {
+        if self.segment == 0 {
+            return config_write(self.device, register, value);
+        }
+        // SAFETY: as in `read`.
+        unsafe { (self.ecam_address(register) as *mut u32).write_volatile(value) }
+    }
+}
+
+impl core::fmt::Display for Function {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        if self.segment != 0 {
+            write!(f, "{:04x}:", self.segment)?;
+        }
+        write!(f, "00:{:02x}.0", self.device)
+    }
 }
 
 /// The QWord memory ranges (`[min, max + 1)`) in the DSDT's resource templates above
@@ -163,7 +232,7 @@ fn round_trip(address: u64, value: u64) {
 }
 
 struct Gpu {
-    device: u8,
+    function: Function,
     bar0: (u64, u64),
     bar1: (u64, u64),
     bar3: (u64, u64),
@@ -217,26 +286,44 @@ pub fn run(info: &BootInfo, count: Option<&str>, mode: Option<&str>) -> ! {
     }
     let mut gpus: [Option<Gpu>; MAX_GPUS] = [const { None }; MAX_GPUS];
     let mut found = 0;
-    for device in 0..32u8 {
-        if !is_gpu(device) {
+    let (segments, segment_count) = segments(info);
+    let functions = segments[..segment_count]
+        .iter()
+        .flat_map(|&(segment, ecam)| {
+            (0..32u8).map(move |device| Function {
+                segment,
+                ecam,
+                device,
+            })
+        });
+    for function in functions {
+        if !is_gpu_ids(function.read(0)) || found == MAX_GPUS {
             continue;
         }
         // Memory decoding off while sizing, as Linux does: the BARs do not move under the
         // guest while they read all ones.
-        let command = config_read(device, 0x04) & 0xffff;
-        config_write(device, 0x04, command & !0x2);
+        let command = function.read(0x04) & 0xffff;
+        function.write(0x04, command & !0x2);
         let bar = |index| {
-            let (address, size, _) = size_bar(device, index);
+            let (address, size, _) =
+                size_bar_through(|r| function.read(r), |r, v| function.write(r, v), index);
             (address, size)
         };
         let (bar0, bar1, bar3) = (bar(0), bar(1), bar(3));
-        config_write(device, 0x04, command | 0x2);
-        println!(
-            "big-bars: 00:{device:02x}.0 BAR1 {:#x} size={:#x} BAR3 {:#x} size={:#x}",
-            bar1.0, bar1.1, bar3.0, bar3.1
-        );
+        function.write(0x04, command | 0x2);
+        if function.segment == 0 {
+            println!(
+                "big-bars: {function} BAR1 {:#x} size={:#x} BAR3 {:#x} size={:#x}",
+                bar1.0, bar1.1, bar3.0, bar3.1
+            );
+        } else {
+            println!(
+                "big-bars: {function} BAR1 {:#x} size={:#x} BAR3 {:#x} size={:#x} BAR0 {:#x} size={:#x}",
+                bar1.0, bar1.1, bar3.0, bar3.1, bar0.0, bar0.1
+            );
+        }
         gpus[found] = Some(Gpu {
-            device,
+            function,
             bar0,
             bar1,
             bar3,
@@ -244,7 +331,9 @@ pub fn run(info: &BootInfo, count: Option<&str>, mode: Option<&str>) -> ! {
         found += 1;
     }
     if found != expected {
-        fail(format_args!("{found} GPUs on bus 0, expected {expected}"));
+        fail(format_args!(
+            "{found} GPUs on the segments' bus 0, expected {expected}"
+        ));
     }
     let gpus = &gpus[..found];
     let all_bars = || {
@@ -279,14 +368,16 @@ pub fn run(info: &BootInfo, count: Option<&str>, mode: Option<&str>) -> ! {
                 .any(|&(start, end)| start <= address && address + size <= end);
             if !inside {
                 fail(format_args!(
-                    "00:{:02x}.0: BAR {address:#x}+{size:#x} is outside the _CRS windows",
-                    gpu.device
+                    "{}: BAR {address:#x}+{size:#x} is outside the _CRS windows",
+                    gpu.function
                 ));
             }
         }
     }
     for gpu in gpus.iter().flatten() {
-        let seed = 0x5a5a_0000_0000_0000 | u64::from(gpu.device) << 32;
+        let seed = 0x5a5a_0000_0000_0000
+            | u64::from(gpu.function.segment) << 40
+            | u64::from(gpu.function.device) << 32;
         for (n, (address, size)) in [gpu.bar1, gpu.bar3].into_iter().enumerate() {
             let n = n as u64;
             round_trip(address, seed | n << 8 | 1);
@@ -297,12 +388,12 @@ pub fn run(info: &BootInfo, count: Option<&str>, mode: Option<&str>) -> ! {
             | u64::from(mmio_read(gpu.bar0.0 + REG_BAR1_CHECKSUM + 4)) << 32;
         if sum != (seed | 1) {
             fail(format_args!(
-                "00:{:02x}.0: the device's BAR1 page sum is {sum:#x}, the guest wrote {:#x}",
-                gpu.device,
+                "{}: the device's BAR1 page sum is {sum:#x}, the guest wrote {:#x}",
+                gpu.function,
                 seed | 1
             ));
         }
-        println!("big-bars: 00:{:02x}.0 words ok", gpu.device);
+        println!("big-bars: {} words ok", gpu.function);
     }
     println!("big-bars: ok {found}");
     exit(0)

@@ -131,20 +131,33 @@ fn fail(what: core::fmt::Arguments) -> ! {
 
 /// Sizes BAR `index` (all-ones write, read back, restore); returns (address, size, low flags).
 pub(crate) fn size_bar(device: u8, index: u8) -> (u64, u64, u32) {
+    size_bar_through(
+        |register| config_read(device, register),
+        |register, value| config_write(device, register, value),
+        index,
+    )
+}
+
+/// [`size_bar`] through any configuration access (a segment's ECAM window, say).
+pub(crate) fn size_bar_through(
+    read: impl Fn(u8) -> u32,
+    write: impl Fn(u8, u32),
+    index: u8,
+) -> (u64, u64, u32) {
     let register = 0x10 + 4 * index;
-    let original = config_read(device, register);
-    config_write(device, register, 0xffff_ffff);
-    let sized = config_read(device, register);
-    config_write(device, register, original);
+    let original = read(register);
+    write(register, 0xffff_ffff);
+    let sized = read(register);
+    write(register, original);
     let flags = original & 0xf;
     let mut address = u64::from(original & !0xf);
     let mut mask = u64::from(sized & !0xf) | 0xffff_ffff_0000_0000;
     if flags & 0b110 == 0b100 {
         let high = register + 4;
-        let original_high = config_read(device, high);
-        config_write(device, high, 0xffff_ffff);
-        let sized_high = config_read(device, high);
-        config_write(device, high, original_high);
+        let original_high = read(high);
+        write(high, 0xffff_ffff);
+        let sized_high = read(high);
+        write(high, original_high);
         address |= u64::from(original_high) << 32;
         mask = u64::from(sized_high) << 32 | u64::from(sized & !0xf);
     }
@@ -411,7 +424,11 @@ pub fn bar1_address(device: u8) -> u64 {
 
 /// Whether `device` on bus 0 is the emulated GPU.
 pub fn is_gpu(device: u8) -> bool {
-    let ids = config_read(device, 0);
+    is_gpu_ids(config_read(device, 0))
+}
+
+/// Whether a function's vendor and device id register names the emulated GPU.
+pub fn is_gpu_ids(ids: u32) -> bool {
     ids & 0xffff == NVIDIA && ids >> 16 == H100_LIKE
 }
 

@@ -5,9 +5,12 @@
 
 use std::sync::{Arc, Mutex};
 
+use gpuvm_arch::x86_64::address_space::SegmentBars;
 use gpuvm_arch::x86_64::layout::{PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START};
 use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
-use gpuvm_devices::pci::{ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciRoot};
+use gpuvm_devices::pci::{
+    BarKind, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciRoot,
+};
 use gpuvm_memory::GuestRam;
 use gpuvm_vfio::dma::DmaProgress;
 use gpuvm_vfio::kernel::KernelVfio;
@@ -54,10 +57,24 @@ pub fn attach(
     let mut opened = open_devices(vm, options)?;
     opened.layout.segments = count;
     let host = host_address_width(kvm)?;
+    let segments: Vec<u16> = (crate::numa::device_keys(options).iter())
+        .map(|key| device_segments.get(key).copied().unwrap_or(0))
+        .collect();
     let needs = opened.layout.address_needs(&opened.bar64_sizes)?;
-    let plan = plan_address_space(host, ram, options, &needs, count)?;
+    let (needs, segment_bars) = needs_by_segment(&opened, needs, &segments, count);
+    let plan = plan_address_space(host, ram, options, &needs, (count, &segment_bars))?;
     log::info!("guest address space: {plan}");
     let configs = segment_configs(&plan, count);
+    for (segment, config) in configs.iter().enumerate().skip(1) {
+        log::info!(
+            "PCI segment {segment}: 64-bit BAR window {:#x}..{:#x} ({}), 32-bit {:#x}..{:#x}",
+            config.mmio64_start,
+            config.mmio64_start + config.mmio64_size,
+            gpuvm_arch::x86_64::address_space::human(config.mmio64_size),
+            config.mmio32_start,
+            config.mmio32_end
+        );
+    }
     let mut roots = configs
         .iter()
         .enumerate()
@@ -74,9 +91,6 @@ pub fn attach(
     let peers = crate::p2p::PeerDma::new();
     let mut cliques = gpuvm_vfio::topology::CliqueAssigner::default();
     if !options.is_empty() {
-        let segments = (crate::numa::device_keys(options).iter())
-            .map(|key| device_segments.get(key).copied().unwrap_or(0))
-            .collect();
         attach_devices(
             vm,
             ram,
@@ -178,6 +192,49 @@ struct OpenedDevices {
     cliques: Vec<(Option<u8>, Option<String>)>,
     /// Each device's host place and BARs, in plug order, and the layout asked for.
     layout: LayoutRequest,
+}
+
+/// Splits what the BAR windows must hold by segment (`segments`: each device's, in plug
+/// order): segment 0's 64-bit window keeps `needs` (from the layout) less the devices
+/// placed on other segments, and each other segment gets its devices' BARs, which size
+/// its windows. With devices off segment 0 the layout leaves them all on bus 0
+/// (`LayoutRequest::decide` with more than one segment), so the first entries of `needs`
+/// are the devices' own, in plug order.
+fn needs_by_segment(
+    opened: &OpenedDevices,
+    needs: Vec<Vec<u64>>,
+    segments: &[u16],
+    count: u16,
+) -> (Vec<Vec<u64>>, Vec<SegmentBars>) {
+    let mut segment_bars = vec![SegmentBars::default(); usize::from(count.saturating_sub(1))];
+    if segments.iter().all(|&segment| segment == 0) {
+        return (needs, segment_bars);
+    }
+    let mut kept = Vec::new();
+    for (index, need) in needs.into_iter().enumerate() {
+        let segment = segments.get(index).copied().unwrap_or(0);
+        let Some(bars) = segment
+            .checked_sub(1)
+            .and_then(|at| segment_bars.get_mut(usize::from(at)))
+        else {
+            kept.push(need);
+            continue;
+        };
+        let specs = &opened.layout.devices[index].specs;
+        let sizes = |wide: bool| -> Vec<u64> {
+            (specs.iter())
+                .filter(|spec| match spec.kind {
+                    BarKind::Memory64 { .. } => wide,
+                    BarKind::Memory32 { .. } => !wide,
+                    BarKind::Rom => false,
+                })
+                .map(|spec| spec.size)
+                .collect()
+        };
+        bars.mmio64.push(sizes(true));
+        bars.mmio32.push(sizes(false));
+    }
+    (kept, segment_bars)
 }
 
 /// Opens the passthrough devices of `options` and reads what their BARs need.
