@@ -16,15 +16,25 @@
 //! snapshots of VMs with vhost-user devices), and a tap made in a test-made network
 //! namespace. The sequence, as Kata drives it: vmm.ping until it answers, vm.create,
 //! vm.info (Created), vm.add-net with the tap, vm.boot, vm.info (Running), the vCPU threads
-//! named `vcpu<N>`, the agent's `CONNECT 1024`, vm.resize as Kata's default configuration
-//! sends it (the boot vCPU count, then RAM for a container's memory limit: hot-plugged
-//! under the VM's virtio devices), a GPU hot-plugged and removed (the emulated
-//! GPU through vm.add-user-device: Kata's vm.add-device takes a sysfs path for kernel VFIO),
-//! a disk hot-plugged and removed, vm.pause, vm.info (Paused), vm.snapshot, vm.resume,
-//! vmm.shutdown; then a new process restored from the snapshot (vm.restore with `net_fds`
-//! for the passed tap, Cloud Hypervisor's way) with the hot-plugged RAM, vm.resume, the
-//! agent's second connection,
-//! vmm.shutdown.
+//! named `vcpu<N>`, the agent's `CONNECT 1024`; then what Kata's default configuration
+//! (static_sandbox_resource_mgmt = false) sends for a pod of containers with limits:
+//! vm.resize to the boot vCPU count and then to 2 vCPUs (the guest starts the new vCPU with
+//! INIT/SIPI and it checks itself in ring 3; vm.info's boot_vcpus and the `vcpu<N>`
+//! threads follow), vm.resize of RAM for a container's memory limit (hot-plugged under the
+//! VM's virtio devices), a GPU hot-plugged (the emulated GPU through vm.add-user-device:
+//! Kata's vm.add-device takes a sysfs path for kernel VFIO) and 8 disks hot-plugged back
+//! to back (vm.add-disk, one per container, each image tagged after its magic), every one
+//! on segment 0 in a slot of its own and checked by the guest where it arrived; all are
+//! kept: vm.pause, vm.info (Paused), vm.snapshot (the GPU's state saved beside RAM through
+//! VFIO migration), vm.resume, vmm.shutdown; then a fresh GPU process behind the same
+//! socket and a new VMM restored from the snapshot (vm.restore with `net_fds` for the
+//! passed tap, Cloud Hypervisor's way): vm.info (Paused) shows the grown RAM and 2 vCPUs
+//! (but no devices in its `config`: a snapshot does not keep the client's VmConfig);
+//! vm.resume, vm.info's `device_tree` with every device at the PCI address it had, the
+//! `vcpu0`/`vcpu1` threads, the agent's second connection, after which the guest uses the
+//! kept devices (a DMA job on the GPU,
+//! whose registers still hold what its checks wrote; each disk's magic, tag and the
+//! pattern its checks wrote), `kata-agent: ok`, vmm.shutdown.
 //!
 //! gpuvm is started as Kata's configuration may name it: through a `cloud-hypervisor`
 //! symlink; through that symlink resolved, as Kata resolves the configured path
@@ -57,7 +67,14 @@ const GROWN: u64 = MEMORY + (256 << 20);
 const GUEST_CID: u32 = 3;
 /// The configuration's `default_maxvcpus`: Kata's cpus.max_vcpus and cores_per_die.
 const MAX_VCPUS: u32 = 4;
-/// Where the `virtio-blk` checks write their pattern on the hot-plugged disk (sectors
+/// vCPUs after Kata's ResizeVCPUs for a container with a CPU limit.
+const VCPUS: u32 = 2;
+/// The containers, each with a block device hot-plugged for its volume (the guest's
+/// `kata-agent` workload expects as many).
+const DISKS: usize = 8;
+/// What the guest prints once the GPU and every disk passed its checks.
+const DEVICES_IN_PLACE: &str = "kata-agent: the GPU and 8 disks are in place";
+/// Where the `virtio-blk` checks write their pattern on each hot-plugged disk (sectors
 /// 8..16), and with which seed (guest-images/testguest/src/virtio/blk.rs).
 const BLK_TEST_SECTOR: u64 = 8;
 const BLK_TEST_SECTORS: u64 = 8;
@@ -321,8 +338,6 @@ fn replay(test: &str, program: PeerLaunch) {
     let kernel = guest_image(&scratch);
     let rootfs = scratch.path("rootfs.img");
     disk_image(&rootfs, b"KATAROOT", 1 << 20);
-    let volume = scratch.path("volume.img");
-    disk_image(&volume, BLK_MAGIC, 1 << 20);
     let vsock = scratch.path("clh.sock");
     let snapshot = scratch.path("template");
     std::fs::create_dir(&snapshot).unwrap();
@@ -372,17 +387,39 @@ fn replay(test: &str, program: PeerLaunch) {
     vmm.wait_for_stdout("kata-agent: agent connection 1 done", LIMIT);
 
     // Kata's default configuration (static_sandbox_resource_mgmt = false): ResizeVCPUs
-    // with the boot count when the sandbox starts, and ResizeMemory for a container with a
+    // with the boot count when the sandbox starts, then with more for a container's CPU
+    // limit (the guest brings the new vCPU online), and ResizeMemory for a container with a
     // memory limit (vm.info's size plus the growth in whole 128 MiB blocks), in this VM
     // with its virtio disk, NIC, entropy and vsock devices.
     kata.put_model("vm.resize", r#"{"desired_vcpus":1}"#.into(), false)
         .expect(204, "vm.resize to the boot vCPU count");
+    assert_eq!(
+        vcpu_threads(vmm.pid()),
+        [0],
+        "GetThreadIDs: still one vcpu0"
+    );
+    kata.put_model(
+        "vm.resize",
+        format!(r#"{{"desired_vcpus":{VCPUS}}}"#),
+        false,
+    )
+    .expect(204, "vm.resize to more vCPUs");
+    vmm.wait_for_stdout("kata-agent: cpu 1 online", LIMIT);
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], VCPUS, "{info}");
+    assert_eq!(info["config"]["cpus"]["max_vcpus"], MAX_VCPUS, "{info}");
+    assert_eq!(
+        vcpu_threads(vmm.pid()),
+        [0, 1],
+        "GetThreadIDs after the resize"
+    );
     kata.put_model("vm.resize", format!(r#"{{"desired_ram":{GROWN}}}"#), false)
         .expect(204, "vm.resize desired_ram");
     let info = kata.get("vm.info").expect(200, "vm.info").json();
     assert_eq!(info["config"]["memory"]["size"], GROWN, "{info}");
 
-    // HotplugAddDevice(VfioDev) → the emulated GPU; HotplugRemoveDevice with the id answered.
+    // HotplugAddDevice(VfioDev) → the emulated GPU, kept: the snapshot takes its state
+    // (VFIO migration).
     let gpu_socket = scratch.path("gpu.sock");
     let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &gpu_socket, &[]);
     let user_device = format!(r#"{{"socket":"{}"}}"#, gpu_socket.display());
@@ -392,45 +429,68 @@ fn replay(test: &str, program: PeerLaunch) {
         .json();
     let gpu_slot = kata_pci_slot(&gpu);
     let gpu_id = gpu["id"].as_str().expect("PciDeviceInfo.id").to_string();
-    // The whole line: the guest may be half-way through writing it.
-    vmm.wait_for_stdout(
-        &format!("kata-agent: GPU at 00:{gpu_slot}.0 passed the pci checks\n"),
-        LIMIT,
-    );
-    kata.put_model("vm.remove-device", format!(r#"{{"id":"{gpu_id}"}}"#), false)
-        .expect(204, "vm.remove-device (GPU)");
-    vmm.wait_for_stdout("kata-agent: GPU ejected", LIMIT);
-    let emu_out = emu.wait(Duration::from_secs(10));
-    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
 
-    // HotplugAddDevice(BlockDev): NewDiskConfig, Raw, not vhost-user, one queue per vCPU
-    // of 1024, no id; HotplugRemoveDevice with the id answered.
-    let add_disk = format!(
-        r#"{{"backing_files":false,"direct":false,"image_type":"Raw","iommu":false,"num_queues":1,"path":"{}","queue_size":1024,"readonly":false,"sparse":true,"vhost_user":false}}"#,
-        volume.display()
+    // HotplugAddDevice(BlockDev) for each container, back to back: NewDiskConfig, Raw, not
+    // vhost-user, one queue per vCPU of 1024, no id.
+    let disks: Vec<HotPluggedDisk> = (0..DISKS)
+        .map(|index| {
+            let image = scratch.path(&format!("volume-{index}.img"));
+            let tag = disk_tag(index);
+            tagged_disk_image(&image, &tag);
+            let add_disk = format!(
+                r#"{{"backing_files":false,"direct":false,"image_type":"Raw","iommu":false,"num_queues":1,"path":"{}","queue_size":1024,"readonly":false,"sparse":true,"vhost_user":false}}"#,
+                image.display()
+            );
+            let disk = kata
+                .put_model("vm.add-disk", add_disk, true)
+                .expect(200, "vm.add-disk after boot")
+                .json();
+            HotPluggedDisk {
+                slot: kata_pci_slot(&disk),
+                id: disk["id"].as_str().expect("PciDeviceInfo.id").to_string(),
+                image,
+                tag,
+            }
+        })
+        .collect();
+    let mut slots: Vec<&str> = disks.iter().map(|disk| disk.slot.as_str()).collect();
+    slots.push(&gpu_slot);
+    slots.sort_unstable();
+    slots.dedup();
+    assert_eq!(
+        slots.len(),
+        DISKS + 1,
+        "a slot each on segment 0: {slots:?}"
     );
-    let disk = kata
-        .put_model("vm.add-disk", add_disk, true)
-        .expect(200, "vm.add-disk after boot")
-        .json();
-    let disk_slot = kata_pci_slot(&disk);
-    let disk_id = disk["id"].as_str().expect("PciDeviceInfo.id").to_string();
-    vmm.wait_for_stdout(
-        &format!("kata-agent: disk at 00:{disk_slot}.0 passed the virtio-blk checks\n"),
-        LIMIT,
-    );
-    assert!(pattern_is_on_disk(
-        &volume,
-        BLK_TEST_SECTOR * SECTOR,
-        BLK_TEST_SECTORS * SECTOR,
-        BLK_PATTERN_SEED
-    ));
-    kata.put_model(
-        "vm.remove-device",
-        format!(r#"{{"id":"{disk_id}"}}"#),
-        false,
-    )
-    .expect(204, "vm.remove-device (disk)");
+
+    // The guest checks each device where it arrived (several may show in one PCIU read).
+    vmm.wait_for_stdout(DEVICES_IN_PLACE, LIMIT);
+    let booted = vmm.stdout();
+    let mut expected = vec![format!(
+        "kata-agent: GPU at 00:{gpu_slot}.0 passed the pci checks\n"
+    )];
+    for disk in &disks {
+        expected.push(format!(
+            "kata-agent: disk at 00:{}.0 passed the virtio-blk checks\n",
+            disk.slot
+        ));
+        assert!(
+            pattern_is_on_disk(
+                &disk.image,
+                BLK_TEST_SECTOR * SECTOR,
+                BLK_TEST_SECTORS * SECTOR,
+                BLK_PATTERN_SEED
+            ),
+            "the guest's pattern is on {}",
+            disk.image.display()
+        );
+    }
+    for line in &expected {
+        assert!(booted.contains(line.as_str()), "{line:?} in\n{booted}");
+    }
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    configured_devices(&info, &disks);
+    let placed = device_addresses(&info, (&gpu_id, &gpu_slot), &disks);
     vmm.wait_for_stdout("kata-agent: agent waiting for connection 2", LIMIT);
 
     // PauseVM, SaveVM (NewVmSnapshotConfig with a file:// URL), ResumeVM, StopVM.
@@ -439,29 +499,37 @@ fn replay(test: &str, program: PeerLaunch) {
     let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snapshot.display());
     kata.put_model("vm.snapshot", destination, false)
         .expect(204, "vm.snapshot");
+    let device_files = std::fs::read_dir(&snapshot)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("device-"))
+        .count();
+    assert_eq!(device_files, 1, "the GPU's state beside RAM");
     kata.put("vm.resume").expect(204, "vm.resume");
     assert_eq!(kata.state(), "Running");
     kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
     let out = vmm.wait(LIMIT);
     assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert_in_order(
         &out.stdout,
         &[
             "kata-agent: agent listening cid=3 port=1024",
             "kata-agent: connection 1 from cid 2",
             "kata-agent: agent connection 1 done",
-            &format!("kata-agent: GPU arrived at 00:{gpu_slot}.0"),
-            "kata-agent: GPU eject requested",
-            "kata-agent: GPU ejected, ",
-            &format!("virtio-blk-hotplug: disk arrived at 00:{disk_slot}.0"),
-            "virtio-blk: ok ",
-            "kata-agent: disk ejected, ",
+            "kata-agent: cpu 1 inserted",
+            "kata-agent: cpu 1 online",
+            DEVICES_IN_PLACE,
             "kata-agent: agent waiting for connection 2",
         ],
         "the booted pod",
     );
+    // The device process ends with the VMM's connection.
+    let _ = emu.wait(Duration::from_secs(10));
 
-    // restoreVM: a new VMM, vm.restore (with the tap again as net_fds), Paused, ResumeVM.
+    // restoreVM: a fresh device process behind the GPU's socket, a new VMM, vm.restore
+    // (with the tap again as net_fds), Paused, ResumeVM.
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &gpu_socket, &[]);
     let (mut restored, kata) = launch(&program, &scratch.path("clh-api-2.sock"));
     let restore = format!(
         r#"{{"net_fds":[{{"id":"{net_id}","num_fds":1}}],"source_url":"file://{}"}}"#,
@@ -477,11 +545,20 @@ fn replay(test: &str, program: PeerLaunch) {
         info["config"]["memory"]["size"], GROWN,
         "the hot-plugged RAM is restored: {info}"
     );
+    assert_eq!(info["config"]["cpus"]["boot_vcpus"], VCPUS, "{info}");
+    // Its `config` has no devices (the client's VmConfig is not in the snapshot), and its
+    // `device_tree` lists the running machine's: checked once it runs.
     kata.put("vm.resume").expect(204, "vm.resume");
-    assert_eq!(kata.state(), "Running");
+    let info = kata.get("vm.info").expect(200, "vm.info").json();
+    assert_eq!(info["state"], "Running");
+    assert_eq!(
+        device_addresses(&info, (&gpu_id, &gpu_slot), &disks),
+        placed,
+        "the devices are restored where they were"
+    );
     assert_eq!(
         vcpu_threads(restored.pid()),
-        [0],
+        [0, 1],
         "GetThreadIDs after restore"
     );
     vsock_echo(&vsock, b"kata agent: after the template");
@@ -489,19 +566,97 @@ fn replay(test: &str, program: PeerLaunch) {
     kata.put("vmm.shutdown").expect(204, "vmm.shutdown");
     let out = restored.wait(LIMIT);
     assert!(!out.stderr.contains("panicked"), "{}", out.describe());
+    assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
     assert!(
         !out.stdout.contains("kata-agent: agent listening"),
         "the guest started over: {}",
         out.stdout
     );
-    assert_in_order(
-        &out.stdout,
-        &[
-            "kata-agent: transport reset",
-            "kata-agent: connection 2 from cid 2",
-            "kata-agent: agent connection 2 done",
-            "kata-agent: ok",
-        ],
-        "the restored pod",
+    let mut expected = vec![
+        "kata-agent: transport reset".to_string(),
+        "kata-agent: connection 2 from cid 2".into(),
+        "kata-agent: agent connection 2 done".into(),
+        format!("kata-agent: GPU at 00:{gpu_slot}.0 kept its registers, DMA verified"),
+    ];
+    for disk in &disks {
+        expected.push(format!(
+            "kata-agent: disk at 00:{}.0 kept its data, tag '{}'",
+            disk.slot,
+            String::from_utf8_lossy(&disk.tag)
+        ));
+    }
+    expected.push("kata-agent: ok".into());
+    let expected: Vec<&str> = expected.iter().map(String::as_str).collect();
+    assert_in_order(&out.stdout, &expected, "the restored pod");
+    let emu_out = emu.wait(Duration::from_secs(10));
+    assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+}
+
+/// One of the containers' disks: where Kata got it, its id, its image and its tag.
+struct HotPluggedDisk {
+    slot: String,
+    id: String,
+    image: PathBuf,
+    tag: [u8; 8],
+}
+
+/// The 8 bytes after the magic on disk `index`, which the guest prints back after the
+/// restore (so a disk found in another disk's slot shows).
+fn disk_tag(index: usize) -> [u8; 8] {
+    let tag = format!("volume-{index}");
+    tag.as_bytes().try_into().expect("an 8-byte tag")
+}
+
+/// A 1 MiB disk: [`BLK_MAGIC`] and then `tag` in sector 0.
+fn tagged_disk_image(path: &Path, tag: &[u8; 8]) {
+    use std::os::unix::fs::FileExt;
+    disk_image(path, BLK_MAGIC, 1 << 20);
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.write_all_at(tag, BLK_MAGIC.len() as u64).unwrap();
+}
+
+/// vm.info's `config` lists the hot-plugged devices: each disk (after the rootfs disk) and
+/// the GPU in their sections.
+fn configured_devices(info: &serde_json::Value, disks: &[HotPluggedDisk]) {
+    let configured = info["config"]["disks"].as_array().expect("config.disks");
+    assert_eq!(
+        configured.len(),
+        1 + DISKS,
+        "the rootfs and the disks: {info}"
     );
+    for disk in disks {
+        assert!(
+            configured
+                .iter()
+                .any(|c| c["path"].as_str() == disk.image.to_str()),
+            "{} in config.disks: {info}",
+            disk.image.display()
+        );
+    }
+    let users = info["config"]["user_devices"]
+        .as_array()
+        .expect("config.user_devices");
+    assert_eq!(users.len(), 1, "the GPU: {info}");
+}
+
+/// Where vm.info's `device_tree` has the disks and the GPU: (id, PCI address), each at the
+/// slot Kata was answered.
+fn device_addresses(
+    info: &serde_json::Value,
+    gpu: (&str, &str),
+    disks: &[HotPluggedDisk],
+) -> Vec<(String, String)> {
+    let devices = disks
+        .iter()
+        .map(|d| (d.id.as_str(), d.slot.as_str()))
+        .chain([gpu]);
+    devices
+        .map(|(id, slot)| {
+            let bdf = info["device_tree"][id]["pci_bdf"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{id} in device_tree: {info}"));
+            assert_eq!(bdf, format!("0000:00:{slot}.0"), "{id}: {info}");
+            (id.to_string(), bdf.to_string())
+        })
+        .collect()
 }

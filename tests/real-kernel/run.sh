@@ -21,7 +21,7 @@
 #   GPUVM_BIN               the gpuvm binary to put in the machine (static; default: target/.../release/gpuvm)
 #   GPUVM_REAL_KERNEL_DIR   guest-images/real-kernel/build.sh's output (built here when missing)
 #   GPUVM_PEER_CLOUD_HYPERVISOR  a cloud-hypervisor binary, put in the machine as /bin/cloud-hypervisor-peer with
-#                           its libraries (bench/real-kernel --ch; linux-resize-side-by-side runs it)
+#                           its libraries (bench/real-kernel --ch; the linux-resize-*side-by-side scenarios run it)
 #   GPUVM_IOMMUFD_KERNEL_DIR  build-iommufd-kernel.sh's output (default: GPUVM_REAL_KERNEL_DIR/iommufd;
 #                           built here when missing), for `# kernel: iommufd`
 #   QEMU                    the QEMU binary (default qemu-system-x86_64)

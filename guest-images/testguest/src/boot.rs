@@ -40,8 +40,24 @@ pub const TABLE_FLAGS: u64 = 0x27;
 /// Large page leaf: the table flags plus dirty and PS.
 pub const LARGE_PAGE_FLAGS: u64 = 0xE7;
 
-/// Guest-physical space identity mapped (user accessible).
+/// Guest-physical space identity mapped (user accessible) from 0: RAM, and BARs where the
+/// VMM's 64-bit window starts right above RAM (Intel hosts).
 pub const MAPPED_LIMIT: u64 = 64 << 30;
+/// A second identity-mapped range, 64 GiB from 1 TiB: where gpuvm's 64-bit PCI window
+/// starts on AMD hosts (past the HyperTransport range 1012 GiB..1 TiB), so the BARs placed
+/// first (virtio devices', GPUs' first) are reachable there too.
+pub const WINDOW_MAP_START: u64 = 1 << 40;
+const WINDOW_GIB: usize = 64;
+pub const WINDOW_MAP_END: u64 = WINDOW_MAP_START + ((WINDOW_GIB as u64) << 30);
+
+/// Whether `[start, start + len)` lies in one identity-mapped range (below [`MAPPED_LIMIT`]
+/// or in [`WINDOW_MAP_START`]..[`WINDOW_MAP_END`]).
+pub fn is_mapped(start: u64, len: u64) -> bool {
+    let Some(end) = start.checked_add(len) else {
+        return false;
+    };
+    end <= MAPPED_LIMIT || (start >= WINDOW_MAP_START && end <= WINDOW_MAP_END)
+}
 /// The first 4 GiB are mapped statically with 2 MiB pages; ring 3 maps the rest.
 const STATIC_GIB: usize = 4;
 const HIGH_GIB: usize = (MAPPED_LIMIT >> 30) as usize - STATIC_GIB;
@@ -372,6 +388,12 @@ tg_percpu:
     .globl tg_pd_high
 tg_pd_high:
     .zero 4096 * {high_gib}
+    .globl tg_pdpt_window
+tg_pdpt_window:
+    .zero 4096
+    .globl tg_pd_window
+tg_pd_window:
+    .zero 4096 * {window_gib}
 tg_emergency_stack:
     .zero 16384
 tg_emergency_stack_top:
@@ -394,6 +416,7 @@ tg_emergency_stack_top:
     table_flags = const TABLE_FLAGS,
     large_flags = const LARGE_PAGE_FLAGS,
     high_gib = const HIGH_GIB,
+    window_gib = const WINDOW_GIB,
     options(att_syntax)
 );
 
@@ -405,6 +428,9 @@ extern "C" {
     static mut tg_gdt: [u64; 5 + 2 * MAX_CPUS];
     static mut tg_pdpt: [u64; 512];
     static mut tg_pd_high: [u64; 512 * HIGH_GIB];
+    static mut tg_pml4: [u64; 512];
+    static mut tg_pdpt_window: [u64; 512];
+    static mut tg_pd_window: [u64; 512 * WINDOW_GIB];
     static mut tg_percpu: [u8; PERCPU_SIZE * MAX_CPUS];
     static tg_tramp_start: u8;
     static tg_tramp_end: u8;
@@ -421,26 +447,48 @@ fn percpu_base(cpu: usize) -> u64 {
     addr_of_mut!(tg_percpu) as u64 + (cpu * PERCPU_SIZE) as u64
 }
 
-/// Maps guest-physical 4 GiB .. 64 GiB (identity, user) with 2 MiB pages. Runs once in ring 3
-/// on the BSP before any other CPU starts: the page tables are user accessible, and the entries
-/// written were not present before, so no TLB entry can be stale.
+/// Maps guest-physical 4 GiB .. 64 GiB and 1 TiB .. 1 TiB + 64 GiB (identity, user) with
+/// 2 MiB pages. Runs once in ring 3 on the BSP before any other CPU starts: the page tables
+/// are user accessible, and the entries written were not present before, so no TLB entry
+/// can be stale.
 ///
 /// Not 1 GiB pages: under kvm_pvm, CPUID reports pdpe1gb but a 1 GiB PDPT entry faults with a
 /// reserved-bit #PF (the shadow MMU does not accept it), so it cannot be trusted.
 pub fn map_high_memory() {
-    // SAFETY: the page tables are this image's statics; only not-present PDPT entries 4..64
-    // and the unused tg_pd_high tables are written, while only this CPU runs.
+    // SAFETY: the page tables are this image's statics; only not-present entries (PDPT
+    // entries 4..64, PML4 entry 2 and the window's PDPT) and the unused directories are
+    // written, while only this CPU runs.
     unsafe {
         let pdpt = addr_of_mut!(tg_pdpt) as *mut u64;
         let pds = addr_of_mut!(tg_pd_high) as *mut u64;
-        for gib in STATIC_GIB..STATIC_GIB + HIGH_GIB {
-            let base = (gib as u64) << 30;
-            // Fill the directory before linking it, so a walk never sees it half done; it is
-            // not a page table yet, so these writes do not trap under shadow paging.
-            let pd = pds.add((gib - STATIC_GIB) * 512);
+        map_gibs(pdpt, pds, STATIC_GIB, HIGH_GIB, 0);
+        let window_pdpt = addr_of_mut!(tg_pdpt_window) as *mut u64;
+        let window_pds = addr_of_mut!(tg_pd_window) as *mut u64;
+        map_gibs(window_pdpt, window_pds, 0, WINDOW_GIB, WINDOW_MAP_START);
+        let pml4 = addr_of_mut!(tg_pml4) as *mut u64;
+        let slot = (WINDOW_MAP_START >> 39) as usize;
+        pml4.add(slot)
+            .write_volatile(window_pdpt as u64 | TABLE_FLAGS);
+    }
+}
+
+/// Fills `count` page directories at `pds` with 2 MiB pages of guest-physical `base` +
+/// (`first` + n) GiB and links each into `pdpt` at index `first` + n.
+///
+/// # Safety
+/// `pdpt` and `pds` are unused (not present, not linked) tables of this image with room for
+/// the entries written.
+unsafe fn map_gibs(pdpt: *mut u64, pds: *mut u64, first: usize, count: usize, base: u64) {
+    for gib in first..first + count {
+        let address = base + ((gib as u64) << 30);
+        // Fill the directory before linking it, so a walk never sees it half done; it is
+        // not a page table yet, so these writes do not trap under shadow paging.
+        // SAFETY: as the caller promises.
+        unsafe {
+            let pd = pds.add((gib - first) * 512);
             for i in 0..512u64 {
                 pd.add(i as usize)
-                    .write_volatile((base + (i << 21)) | LARGE_PAGE_FLAGS);
+                    .write_volatile((address + (i << 21)) | LARGE_PAGE_FLAGS);
             }
             pdpt.add(gib).write_volatile(pd as u64 | TABLE_FLAGS);
         }

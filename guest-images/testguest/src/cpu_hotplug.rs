@@ -75,6 +75,25 @@ fn flags_of(cpu: u32) -> u32 {
     inl(FLAGS) & 0xff
 }
 
+/// Waits for the VMM's insert event for one of the CPUs `0..possible` (a vm.resize that
+/// adds vCPUs), acknowledges it and returns that CPU's APIC id, for the caller to start.
+/// The `kata-agent` workload's vCPU step.
+pub(crate) fn wait_for_insert(possible: u32) -> u32 {
+    loop {
+        for cpu in 0..possible {
+            let flags = flags_of(cpu);
+            if flags & CINS != 0 {
+                outl(FLAGS, CINS);
+                if flags & CPEN == 0 {
+                    fail(format_args!("cpu {cpu} inserted but not present"));
+                }
+                return cpu;
+            }
+        }
+        between_polls();
+    }
+}
+
 pub fn run(info: &BootInfo) -> ! {
     let Some(table) = smp::hotpluggable(info.rsdp_paddr) else {
         fail(format_args!("the MADT lists no online-capable CPU"));

@@ -40,8 +40,6 @@ const STAGING: u64 = 64 << 20;
 /// Command register: memory decoding and Bus Master.
 const COMMAND_MEMORY: u32 = 0x2;
 const COMMAND_BUS_MASTER: u32 = 0x4;
-/// What the boot page tables identity map (boot::map_high_memory).
-const MAPPED_LIMIT: u64 = 64 << 30;
 
 fn fail(what: core::fmt::Arguments) -> ! {
     println!("p2p: FAIL {what}");
@@ -75,9 +73,9 @@ fn open_gpu(slot: u8) -> Gpu {
     if config_read(slot, 0x04) & COMMAND_BUS_MASTER == 0 {
         fail(format_args!("00:{slot:02x}.0: bus master refused"));
     }
-    if bar1 == 0 || bar1 + bar1_size > MAPPED_LIMIT {
+    if bar1 == 0 || !crate::boot::is_mapped(bar1, bar1_size) {
         fail(format_args!(
-            "00:{slot:02x}.0: BAR1 at {bar1:#x} is not in the mapped 64 GiB"
+            "00:{slot:02x}.0: BAR1 at {bar1:#x} is not in a mapped range"
         ));
     }
     Gpu {
@@ -217,8 +215,10 @@ fn checks(off: bool) -> ! {
     dma_into_peer(&a, &b, 0x9a1);
     let old = b.bar1;
     let to = highest_bar_end().next_multiple_of(b.bar1_size);
-    if to + b.bar1_size > MAPPED_LIMIT {
-        fail(format_args!("no room to move B's BAR1 below 64 GiB"));
+    if !crate::boot::is_mapped(to, b.bar1_size) {
+        fail(format_args!(
+            "no room to move B's BAR1 within its mapped range"
+        ));
     }
     move_bar1(&mut b, to);
     println!("p2p: moved B.BAR1 to {to:#x}");

@@ -167,7 +167,7 @@ pub(crate) fn size_bar_through(
 /// Writes BAR1's first page through the guest mapping (a KVM memory slot over the device's
 /// memory where the VMM could map it), reads it back, and has the device checksum it.
 fn bar1_direct(bar0: u64, bar1: u64) {
-    if bar1 + 4096 > crate::boot::MAPPED_LIMIT {
+    if !crate::boot::is_mapped(bar1, 4096) {
         println!("pci: BAR1 at {bar1:#x} is above the guest's mapped range, skipped");
         return;
     }
@@ -175,7 +175,7 @@ fn bar1_direct(bar0: u64, bar1: u64) {
     for word in 0..512u64 {
         let value = pattern(BAR1_SEED, word * 8);
         sum = sum.wrapping_add(value);
-        // SAFETY: BAR1 is identity mapped (below MAPPED_LIMIT) and belongs to the device.
+        // SAFETY: BAR1 is identity mapped (checked) and belongs to the device.
         unsafe { ((bar1 + word * 8) as *mut u64).write_volatile(value) };
     }
     for word in 0..512u64 {
@@ -385,14 +385,8 @@ fn dma_loop(device: u8) -> ! {
         let seed = DMA_SEED ^ u64::from((round as u32).wrapping_mul(0x9e37_79b9));
         let before = TG_MSI_COUNT.load(Ordering::Acquire);
         start_dma(bar0, seed);
-        let mut waits = 0;
-        while TG_MSI_COUNT.load(Ordering::Acquire) == before {
-            if waits == 1000 {
-                fail(format_args!("loop {round}: no MSI-X interrupt"));
-            }
-            waits += 1;
-            // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0.
-            unsafe { core::arch::asm!("hlt", options(nomem, nostack)) };
+        if !interrupt_after(before) {
+            fail(format_args!("loop {round}: no MSI-X interrupt"));
         }
         done = done.wrapping_add(1);
         let status = mmio_read(bar0 + REG_DMA_STATUS);
@@ -410,6 +404,56 @@ fn dma_loop(device: u8) -> ! {
             );
         }
     }
+}
+
+/// Waits (as [`wait_for_interrupt`]) until the MSI count moves past `before`; whether it did.
+fn interrupt_after(before: u64) -> bool {
+    for _ in 0..1000 {
+        if TG_MSI_COUNT.load(Ordering::Acquire) != before {
+            return true;
+        }
+        // SAFETY: hlt faults in ring 3; the #GP handler waits for an interrupt in ring 0.
+        unsafe { core::arch::asm!("hlt", options(nomem, nostack)) };
+    }
+    TG_MSI_COUNT.load(Ordering::Acquire) != before
+}
+
+/// The BAR0 scratch registers [`check_device`] writes and reads back.
+const SCRATCH_CHECKED: u64 = 16;
+
+/// What [`check_device`] writes to BAR0 scratch register `index`.
+fn scratch_value(index: u64) -> u32 {
+    0x1234_5678u32 ^ (index as u32).wrapping_mul(0x0101_0101)
+}
+
+/// A GPU that passed [`check_device`] and was kept, through a snapshot and a restore onto
+/// another device process, say: its scratch registers still hold what the checks wrote
+/// (the device's state came along), and a DMA job with `seed` lands with its pattern and
+/// its MSI-X interrupt (the new process has guest RAM mapped and the vector routed).
+pub fn check_kept_device(device: u8, seed: u64) {
+    let bar0 = u64::from(config_read(device, 0x10) & !0xf);
+    for i in 0..SCRATCH_CHECKED {
+        let (expected, got) = (scratch_value(i), mmio_read(bar0 + REG_SCRATCH + 4 * i));
+        if got != expected {
+            fail(format_args!(
+                "kept GPU: BAR0 scratch {i} reads {got:#x}, the checks wrote {expected:#x}"
+            ));
+        }
+    }
+    let done = mmio_read(bar0 + REG_DMA_DONE).wrapping_add(1);
+    let before = TG_MSI_COUNT.load(Ordering::Acquire);
+    start_dma(bar0, seed);
+    if !interrupt_after(before) {
+        fail(format_args!("kept GPU: no MSI-X interrupt"));
+    }
+    let status = mmio_read(bar0 + REG_DMA_STATUS);
+    let reported = mmio_read(bar0 + REG_DMA_DONE);
+    if status != 0 || reported != done {
+        fail(format_args!(
+            "kept GPU: DMA status {status} done {reported}, expected {done}"
+        ));
+    }
+    check_dma(seed);
 }
 
 /// The vendor and device id register of `device` on bus 0 (all ones: no device).
@@ -482,12 +526,11 @@ pub fn check_device(device: u8, intx_too: bool) {
 
     let boot0 = mmio_read(bar0 + REG_BOOT_0);
     println!("pci: BAR0 boot0={boot0:#010x}");
-    for i in 0..16u64 {
-        let value = 0x1234_5678u32 ^ (i as u32).wrapping_mul(0x0101_0101);
-        mmio_write(bar0 + REG_SCRATCH + 4 * i, value);
+    for i in 0..SCRATCH_CHECKED {
+        mmio_write(bar0 + REG_SCRATCH + 4 * i, scratch_value(i));
     }
-    for i in 0..16u64 {
-        let expected = 0x1234_5678u32 ^ (i as u32).wrapping_mul(0x0101_0101);
+    for i in 0..SCRATCH_CHECKED {
+        let expected = scratch_value(i);
         let got = mmio_read(bar0 + REG_SCRATCH + 4 * i);
         if got != expected {
             fail(format_args!(

@@ -213,19 +213,10 @@ pub(crate) fn check(dev: &mut VirtioPci, dma: &mut Dma) {
             TEST_SECTOR,
             Some(Buffer::writable(data, len as u32)),
         );
-        let mut word = 0;
-        while word < len {
-            let mut bytes = [0u8; 8];
-            read_ram(data + word, &mut bytes);
-            let got = u64::from_le_bytes(bytes);
-            let offset = TEST_SECTOR * SECTOR + word;
-            let expected = pattern(PATTERN_SEED, offset);
-            if got != expected {
-                dev.fail(format_args!(
-                    "read back disk offset {offset:#x}: expected {expected:#018x} got {got:#018x}"
-                ));
-            }
-            word += 8;
+        if let Some((offset, expected, got)) = pattern_mismatch(data) {
+            dev.fail(format_args!(
+                "read back disk offset {offset:#x}: expected {expected:#018x} got {got:#018x}"
+            ));
         }
         let flushed = if features & F_FLUSH != 0 {
             ", flushed"
@@ -238,4 +229,51 @@ pub(crate) fn check(dev: &mut VirtioPci, dma: &mut Dma) {
         "{NAME}: ok capacity={capacity} serial={serial} rw={}",
         if read_only { "no" } else { "yes" }
     );
+}
+
+/// The first word of the write test's sectors, read into `data`, that is not the pattern
+/// [`check`] writes there: (disk offset, expected, got).
+fn pattern_mismatch(data: u64) -> Option<(u64, u64, u64)> {
+    (0..TEST_SECTORS * SECTOR).step_by(8).find_map(|word| {
+        let mut bytes = [0u8; 8];
+        read_ram(data + word, &mut bytes);
+        let got = u64::from_le_bytes(bytes);
+        let offset = TEST_SECTOR * SECTOR + word;
+        let expected = pattern(PATTERN_SEED, offset);
+        (got != expected).then_some((offset, expected, got))
+    })
+}
+
+/// A read-write disk [`check`] ran on earlier (before a snapshot and restore, say), read
+/// again through a fresh initialization of `dev`: sector 0 must still start with the magic
+/// and sectors 8..16 hold the pattern the checks wrote. Returns the 8 bytes after the magic
+/// (the host's tag for the disk, telling the disks apart).
+pub(crate) fn check_kept(dev: &mut VirtioPci, dma: &mut Dma) -> [u8; 8] {
+    let data = dma.alloc(TEST_SECTORS * SECTOR, 4096);
+    let mut disk = DiskIo::open(dev, dma);
+    disk.read(0, data, SECTOR as u32);
+    let mut first = [0u8; 16];
+    read_ram(data, &mut first);
+    if &first[..8] != MAGIC {
+        super::fail(
+            NAME,
+            format_args!(
+                "kept disk: sector 0 starts with {}, expected {} (\"GPUVMBLK\")",
+                Hex(&first[..8]),
+                Hex(MAGIC)
+            ),
+        );
+    }
+    disk.read(TEST_SECTOR, data, (TEST_SECTORS * SECTOR) as u32);
+    if let Some((offset, expected, got)) = pattern_mismatch(data) {
+        super::fail(
+            NAME,
+            format_args!(
+                "kept disk: offset {offset:#x} reads {got:#018x}, the checks wrote {expected:#018x}"
+            ),
+        );
+    }
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&first[8..]);
+    tag
 }

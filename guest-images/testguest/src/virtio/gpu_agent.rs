@@ -87,7 +87,7 @@ struct Agent {
 /// The device memory (BAR1) word `index` of the state, as a pointer.
 fn state_word(slot: u8, index: u64) -> *mut u64 {
     let bar1 = crate::pci::bar1_address(slot);
-    if bar1 == 0 || bar1 + STATE_OFFSET + 8 * STATE_WORDS > crate::boot::MAPPED_LIMIT {
+    if bar1 == 0 || !crate::boot::is_mapped(bar1, STATE_OFFSET + 8 * STATE_WORDS) {
         fail(format_args!("BAR1 at {bar1:#x} is not usable"));
     }
     (bar1 + STATE_OFFSET + 8 * index) as *mut u64
@@ -95,7 +95,7 @@ fn state_word(slot: u8, index: u64) -> *mut u64 {
 
 fn state_checksum(slot: u8) -> u64 {
     (0..STATE_WORDS).fold(0u64, |sum, i| {
-        // SAFETY: BAR1 is identity mapped below MAPPED_LIMIT (checked) and memory
+        // SAFETY: BAR1 is identity mapped (checked) and memory
         // decoding is on while the agent holds the device.
         sum.wrapping_add(unsafe { state_word(slot, i).read_volatile() }.rotate_left(i as u32))
     })

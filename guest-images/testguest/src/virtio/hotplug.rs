@@ -14,11 +14,25 @@ const NAME: &str = "virtio-blk-hotplug";
 /// returns its slot once it works.
 pub(crate) fn check_arriving_disk(dma: &mut Dma, pending: &mut u32) -> u8 {
     let slot = crate::hotplug::next_arrival(pending);
+    check_disk(dma, slot);
+    slot
+}
+
+/// The disk that arrived in `slot`: the `virtio-blk` checks on it, then a reset.
+pub(crate) fn check_disk(dma: &mut Dma, slot: u8) {
     println!("{NAME}: disk arrived at 00:{slot:02x}.0");
     let mut dev = VirtioPci::at(NAME, slot, TYPE_BLOCK);
     super::blk::check(&mut dev, dma);
     dev.reset();
-    slot
+}
+
+/// The disk in `slot`, checked by [`check_disk`] and kept (through a snapshot and restore,
+/// say): [`super::blk::check_kept`] on it, then a reset. Returns the disk's tag.
+pub(crate) fn check_kept_disk(dma: &mut Dma, slot: u8) -> [u8; 8] {
+    let mut dev = VirtioPci::at(NAME, slot, TYPE_BLOCK);
+    let tag = super::blk::check_kept(&mut dev, dma);
+    dev.reset();
+    tag
 }
 
 /// Waits for the eject request for the disk in `slot` and ejects it.

@@ -52,7 +52,7 @@ fn program_msix(dev: &VirtioPci, msix: &pci::Msix) {
         .unwrap_or_else(|err| dev.fail(format_args!("MSI-X table BAR {} {err}", msix.table_bar)));
     let table = table_base + u64::from(msix.table_offset);
     let entry = table + 16 * u64::from(QUEUE_VECTOR);
-    if entry + 16 > crate::boot::MAPPED_LIMIT {
+    if !crate::boot::is_mapped(entry, 16) {
         dev.fail(format_args!(
             "MSI-X table at {table:#x} is above the mapped range"
         ));
@@ -62,7 +62,7 @@ fn program_msix(dev: &VirtioPci, msix: &pci::Msix) {
         msix.pointer(),
         msix.table_size
     );
-    // SAFETY: `entry` is the first MSI-X table entry, in a memory BAR below MAPPED_LIMIT
+    // SAFETY: `entry` is the first MSI-X table entry, in a memory BAR in a mapped range
     // (identity mapped, user accessible); the accesses trap to the VMM.
     unsafe {
         (entry as *mut u32).write_volatile(irq::msi_address());

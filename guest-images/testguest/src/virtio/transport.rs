@@ -108,7 +108,7 @@ pub(crate) fn structures(workload: &str, device: u8) -> Structures {
             )
         });
         let addr = base + u64::from(offset);
-        if addr + u64::from(len) > crate::boot::MAPPED_LIMIT {
+        if !crate::boot::is_mapped(addr, u64::from(len)) {
             fail(
                 workload,
                 format_args!(
@@ -160,7 +160,7 @@ pub struct VirtioPci {
 }
 
 fn read8(addr: u64) -> u8 {
-    // SAFETY: `addr` lies in a virtio structure inside a memory BAR below MAPPED_LIMIT
+    // SAFETY: `addr` lies in a virtio structure inside a memory BAR in a mapped range
     // (checked in `find`), identity mapped and user accessible; the access traps to the VMM.
     unsafe { (addr as *const u8).read_volatile() }
 }

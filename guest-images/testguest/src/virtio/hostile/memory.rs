@@ -11,7 +11,7 @@ use super::{fail, AREA_LEN, AREA_START, MAX_QUEUES, RINGS, RING_STRIDE, RX, RX_B
 use crate::virtio::queue::DESC_F_WRITE;
 
 pub(super) fn mmio_read(addr: u64, width: u32) -> u64 {
-    // SAFETY: `addr` is in a BAR of a virtio device (below MAPPED_LIMIT, identity mapped,
+    // SAFETY: `addr` is in a BAR of a virtio device (in a mapped range, identity mapped,
     // user accessible) or guest RAM of the driver's area; the access touches nothing else.
     unsafe {
         match width {
