@@ -195,6 +195,8 @@ pub enum RamError {
     MemfdCreate { backing: Backing, source: io::Error },
     #[error("cannot size the guest RAM memfd to {}: {source}", ByteSize(*.size))]
     MemfdResize { size: u64, source: io::Error },
+    #[error("the guest RAM file handed over {reason}")]
+    HandedOver { reason: String },
     #[error("cannot map guest RAM region {index}: {source}")]
     Map {
         index: usize,
@@ -259,7 +261,7 @@ impl GuestRam {
     /// Creates the memfd and maps every region of `regions` (the guest-physical layout,
     /// sorted by address, with file offsets packed contiguously from 0).
     pub fn create(config: &GuestRamConfig, regions: &[RamRegion]) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, None, 0)
+        Self::create_with(config, regions, None, 0, FileState::New)
     }
 
     /// An empty memfd of `backing`'s kind, for [`GuestRam::create_in`] later: a process
@@ -276,42 +278,26 @@ impl GuestRam {
         config: &GuestRamConfig,
         regions: &[RamRegion],
     ) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, Some(memfd), 0)
+        Self::create_with(config, regions, Some(memfd), 0, FileState::New)
     }
 
     /// Guest RAM over `memfd`, a file that already holds a running guest's pages (a live
-    /// update hands the old process's over): mapped, nothing copied or touched. Its size
-    /// must be `config.size` already. `huge_tmpfs` says whether it is a file on gpuvm's
-    /// private huge-page tmpfs. Hugetlb-backed RAM is not adopted (its pool check would
-    /// count the pages the guest holds as missing).
+    /// update hands the old process's over): mapped, nothing copied, truncated or touched.
+    /// The file holds boot RAM (`config.size` bytes) and then `room` bytes of room for
+    /// hot-plugged RAM (made again over the same bytes by [`GuestRam::hotplug_area`]).
+    /// `huge_tmpfs` says whether it is a file on gpuvm's private huge-page tmpfs. Hugetlb
+    /// RAM must be a hugetlbfs file of the backing's page size; the pool is not checked:
+    /// the pages are the guest's already, and mapping the file again takes none (a shared
+    /// mapping's reservations belong to the file, which the old process reserved whole).
     pub fn adopt(
         memfd: File,
         config: &GuestRamConfig,
         regions: &[RamRegion],
         huge_tmpfs: bool,
+        room: u64,
     ) -> Result<GuestRam, RamError> {
-        let found = memfd
-            .metadata()
-            .map_err(|source| RamError::MemfdResize {
-                size: config.size,
-                source,
-            })?
-            .len();
-        if found != config.size || config.backing.is_hugetlb() {
-            return Err(RamError::MemfdResize {
-                size: config.size,
-                source: std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    format!(
-                        "the RAM file handed over is {found} bytes of {} backing; expected a \
-                         {}-byte memfd",
-                        config.backing, config.size
-                    ),
-                ),
-            });
-        }
-        // Same size: create_in's set_len changes nothing, and no page is touched.
-        let mut ram = Self::create_in(memfd, config, regions)?;
+        check_handed_over_file(&memfd, config.backing, config.size.saturating_add(room))?;
+        let mut ram = Self::create_with(config, regions, Some(memfd), 0, FileState::HandedOver)?;
         ram.huge_tmpfs = huge_tmpfs;
         Ok(ram)
     }
@@ -323,7 +309,7 @@ impl GuestRam {
         regions: &[RamRegion],
         room: u64,
     ) -> Result<GuestRam, RamError> {
-        Self::create_with(config, regions, None, room)
+        Self::create_with(config, regions, None, room, FileState::New)
     }
 
     /// The room for RAM hot-plugged later: `size` bytes at `guest_addr`, in this RAM's own
@@ -442,6 +428,17 @@ impl GuestRam {
     /// checked for the range first, so a short pool is an error here rather than a SIGBUS
     /// in the guest later (the area reserves nothing).
     pub fn view(&self, guest_addr: u64, size: u64) -> Result<GuestRam, RamError> {
+        self.view_of(guest_addr, size, FileState::New)
+    }
+
+    /// As [`GuestRam::view`], for a range whose pages the guest holds already (hot-plugged
+    /// RAM a live update handed over): the hugetlb pool is not checked, it would count
+    /// them as missing.
+    pub fn held_view(&self, guest_addr: u64, size: u64) -> Result<GuestRam, RamError> {
+        self.view_of(guest_addr, size, FileState::HandedOver)
+    }
+
+    fn view_of(&self, guest_addr: u64, size: u64, state: FileState) -> Result<GuestRam, RamError> {
         let page_size = self.page_size();
         let outside = |reason: String| RamError::InvalidRegion {
             index: 0,
@@ -475,7 +472,7 @@ impl GuestRam {
             size,
             file_offset: outer.file_offset + offset,
         };
-        if self.backing.is_hugetlb() {
+        if self.backing.is_hugetlb() && state == FileState::New {
             check_hugetlb_pool(self.backing, size)?;
         }
         let host_addr = outer_host.wrapping_add(offset as usize);
@@ -516,6 +513,7 @@ impl GuestRam {
         regions: &[RamRegion],
         memfd: Option<File>,
         room: u64,
+        state: FileState,
     ) -> Result<GuestRam, RamError> {
         let backing = config.backing;
         let page_size = backing.page_size();
@@ -530,7 +528,9 @@ impl GuestRam {
         // What this host can back first: a size past it says so, whatever else is wrong.
         check_fits_host(size, !backing.is_hugetlb())?;
         validate_regions(regions, size, page_size)?;
-        if backing.is_hugetlb() {
+        // A handed-over file's pages are the guest's already: the pool would count them
+        // as missing.
+        if backing.is_hugetlb() && state == FileState::New {
             check_hugetlb_pool(backing, size)?;
         }
 
@@ -551,9 +551,13 @@ impl GuestRam {
             }
             None => create_memfd(backing)?,
         });
-        memfd
-            .set_len(size)
-            .map_err(|source| RamError::MemfdResize { size, source })?;
+        // A handed-over file is sized already, and may hold hot-plugged RAM after boot
+        // RAM, which setting its length to boot RAM's would throw away.
+        if state == FileState::New {
+            memfd
+                .set_len(size)
+                .map_err(|source| RamError::MemfdResize { size, source })?;
+        }
 
         let mut mapped = Vec::with_capacity(regions.len());
         let mut host_addrs = Vec::with_capacity(regions.len());
@@ -926,6 +930,62 @@ fn note_memfd_fallback(why: &crate::huge_tmpfs::HugeTmpfsError) {
     }
 }
 
+/// Whether guest RAM's file is new (sized and, for hugetlb, checked against the pool
+/// here) or handed over with the guest's pages in it (taken as it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FileState {
+    New,
+    HandedOver,
+}
+
+/// hugetlbfs's `f_type` (linux/magic.h); memfds made with MFD_HUGETLB are on it.
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// Checks that `file`, handed over as guest RAM of `backing`, is `len` bytes long and of
+/// that kind: a hugetlbfs file of its page size for hugetlb, anything else for shmem
+/// (memfd or the private tmpfs). A mismatch would map the wrong pages, or fail with
+/// SIGBUS in the guest.
+fn check_handed_over_file(file: &File, backing: Backing, len: u64) -> Result<(), RamError> {
+    use std::os::fd::AsRawFd;
+    let refuse = |reason: String| RamError::HandedOver { reason };
+    let found = file
+        .metadata()
+        .map_err(|e| refuse(format!("cannot be read: {e}")))?
+        .len();
+    if found != len {
+        return Err(refuse(format!(
+            "is {found} bytes; the VM's RAM (and room for hot-plugged RAM) is {len}"
+        )));
+    }
+    // SAFETY: fstatfs writes one statfs into `stat`, a zeroed local; the descriptor is
+    // `file`'s, live for the call.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut stat) } != 0 {
+        return Err(refuse(format!(
+            "cannot be examined (fstatfs): {}",
+            io::Error::last_os_error()
+        )));
+    }
+    #[allow(clippy::unnecessary_cast)] // f_type is not i64 on every libc
+    let hugetlbfs = stat.f_type as i64 == HUGETLBFS_MAGIC;
+    let page = stat.f_bsize as u64;
+    match (backing.is_hugetlb(), hugetlbfs) {
+        (true, true) if page == backing.page_size() => Ok(()),
+        (true, true) => Err(refuse(format!(
+            "has {} huge pages; the VM's RAM is {backing}",
+            ByteSize(page)
+        ))),
+        (true, false) => Err(refuse(format!(
+            "is not on hugetlbfs; the VM's RAM is {backing}"
+        ))),
+        (false, true) => Err(refuse(format!(
+            "is a hugetlbfs file; the VM's RAM is {backing}"
+        ))),
+        (false, false) => Ok(()),
+    }
+}
+
 fn create_memfd(backing: Backing) -> Result<File, RamError> {
     const NAME: &CStr = c"gpuvm-guest-ram";
     // SAFETY: NAME is a valid NUL-terminated string; the flags are plain integers.
@@ -1214,7 +1274,7 @@ pub(crate) mod tests {
     }
 
     /// Restores `vm.nr_hugepages` when dropped, whatever the test did.
-    struct NrHugepagesGuard {
+    pub(crate) struct NrHugepagesGuard {
         old: u64,
     }
 
@@ -1222,7 +1282,7 @@ pub(crate) mod tests {
 
     impl NrHugepagesGuard {
         /// Grows the default-size pool by `extra` pages; `Err` says why it could not.
-        fn reserve(extra: u64) -> Result<Self, String> {
+        pub(crate) fn reserve(extra: u64) -> Result<Self, String> {
             let old: u64 = std::fs::read_to_string(NR_HUGEPAGES)
                 .map_err(|e| format!("cannot read {NR_HUGEPAGES}: {e}"))?
                 .trim()
@@ -1327,6 +1387,167 @@ pub(crate) mod tests {
             GuestRam::create_in(memfd, &GuestRamConfig::new(2 * region.size), &[region]),
             Err(RamError::RegionSizeMismatch { .. })
         ));
+    }
+}
+
+#[cfg(test)]
+mod adopt_tests {
+    use std::os::unix::fs::FileExt;
+
+    use vm_memory::Bytes;
+
+    use super::tests::{NrHugepagesGuard, HUGETLB_POOL};
+    use super::*;
+
+    fn region(size: u64) -> Vec<RamRegion> {
+        vec![RamRegion {
+            guest_addr: 0,
+            size,
+            file_offset: 0,
+        }]
+    }
+
+    /// A live update's RAM: the file of RAM made with room for hot-plug, adopted whole,
+    /// keeps what boot RAM and the hot-plugged range hold (nothing truncated), and a file
+    /// of another size or kind is refused by what is wrong.
+    #[test]
+    fn adopted_ram_keeps_boot_and_hot_plugged_pages() {
+        let config = GuestRamConfig {
+            thp: false,
+            ..GuestRamConfig::new(16 * MIB)
+        };
+        let old = GuestRam::create_with_hotplug_room(&config, &region(16 * MIB), 0).unwrap();
+        let area = old.hotplug_area(GIB, 8 * MIB).unwrap();
+        old.memory()
+            .write_slice(b"boot", GuestAddress(MIB))
+            .unwrap();
+        area.memory()
+            .write_slice(b"plug", GuestAddress(GIB + 3 * MIB))
+            .unwrap();
+        let file = || old.memfd().try_clone().unwrap();
+        let error = GuestRam::adopt(file(), &config, &region(16 * MIB), false, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("is 25165824 bytes"), "{error}");
+        let hugetlb = GuestRamConfig {
+            backing: Backing::Hugetlb2M,
+            ..config.clone()
+        };
+        let error = GuestRam::adopt(file(), &hugetlb, &region(16 * MIB), false, 8 * MIB)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("is not on hugetlbfs"), "{error}");
+
+        let new = GuestRam::adopt(file(), &config, &region(16 * MIB), false, 8 * MIB).unwrap();
+        let new_area = new.hotplug_area(GIB, 8 * MIB).unwrap();
+        let plugged = new_area.held_view(GIB + 2 * MIB, 2 * MIB).unwrap();
+        let mut buf = [0u8; 4];
+        new.memory()
+            .read_slice(&mut buf, GuestAddress(MIB))
+            .unwrap();
+        assert_eq!(&buf, b"boot");
+        plugged
+            .memory()
+            .read_slice(&mut buf, GuestAddress(GIB + 3 * MIB))
+            .unwrap();
+        assert_eq!(&buf, b"plug");
+        assert_eq!(new.memfd().metadata().unwrap().len(), 24 * MIB);
+        // One file: what the new mapping writes, the old one reads.
+        new.memory()
+            .write_slice(b"new!", GuestAddress(MIB))
+            .unwrap();
+        old.memory()
+            .read_slice(&mut buf, GuestAddress(MIB))
+            .unwrap();
+        assert_eq!(&buf, b"new!");
+    }
+
+    /// Hugetlb RAM adopted by a second mapping takes no page from the pool (free and
+    /// reserved counts unchanged) and sees the first one's pages; a shmem file is refused
+    /// as hugetlb RAM and the other way round.
+    #[test]
+    fn adopted_hugetlb_ram_takes_no_new_pages() {
+        let _pool = HUGETLB_POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = Backing::Hugetlb2M.hugetlb_pool_dir();
+        let size = 8 * MIB;
+        let needed = size / (2 * MIB);
+        if !dir.is_dir() {
+            eprintln!("skipped: no 2 MiB huge pages on this host");
+            return;
+        }
+        let default_is_2m = std::fs::read_to_string("/proc/meminfo")
+            .is_ok_and(|m| m.contains("Hugepagesize:       2048 kB"));
+        let available = || {
+            read_pool_counter(&dir, "free_hugepages")
+                .unwrap()
+                .saturating_sub(read_pool_counter(&dir, "resv_hugepages").unwrap())
+        };
+        // Dropped last: the pool shrinks back once no page is in use.
+        let _guard = match available() {
+            enough if enough >= needed => None,
+            _ if !default_is_2m => {
+                eprintln!("skipped: 2 MiB is not this host's default huge page size");
+                return;
+            }
+            short => match NrHugepagesGuard::reserve(needed - short) {
+                Ok(guard) => Some(guard),
+                Err(why) => {
+                    eprintln!("skipped: {why}");
+                    return;
+                }
+            },
+        };
+        if available() < needed {
+            eprintln!("skipped: the kernel could not make {needed} huge pages free");
+            return;
+        }
+        let config = GuestRamConfig {
+            size,
+            backing: Backing::Hugetlb2M,
+            thp: false,
+        };
+        let old = GuestRam::create(&config, &region(size)).unwrap();
+        old.memory()
+            .write_slice(b"huge", GuestAddress(5 * MIB))
+            .unwrap();
+        let counters = || {
+            (
+                read_pool_counter(&dir, "free_hugepages").unwrap(),
+                read_pool_counter(&dir, "resv_hugepages").unwrap(),
+            )
+        };
+        let before = counters();
+        let file = old.memfd().try_clone().unwrap();
+        let new = GuestRam::adopt(file, &config, &region(size), false, 0).unwrap();
+        assert_eq!(counters(), before, "adopting took pages");
+        let mut buf = [0u8; 4];
+        new.memory()
+            .read_slice(&mut buf, GuestAddress(5 * MIB))
+            .unwrap();
+        assert_eq!(&buf, b"huge");
+        drop(old);
+        assert_eq!(
+            counters(),
+            before,
+            "the first mapping's end gave pages back"
+        );
+        let shmem = GuestRamConfig {
+            backing: Backing::Memfd,
+            ..config
+        };
+        let error = GuestRam::adopt(
+            new.memfd().try_clone().unwrap(),
+            &shmem,
+            &region(size),
+            false,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("is a hugetlbfs file"), "{error}");
+        let mut written = [0u8; 4];
+        new.memfd().read_exact_at(&mut written, 5 * MIB).unwrap();
+        assert_eq!(&written, b"huge");
     }
 }
 

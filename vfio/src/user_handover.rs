@@ -137,13 +137,19 @@ impl ServerBackend for LayoutOnly {
 struct PrivateDir(PathBuf);
 
 impl PrivateDir {
+    /// A new directory, its name never used before by this process: a layout server of
+    /// an earlier take-over may still be ending, and removes its socket's path as it ends
+    /// (which must not be a later server's).
     fn create() -> std::io::Result<PrivateDir> {
         use std::os::unix::fs::DirBuilderExt;
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
         let base = std::env::temp_dir();
-        for attempt in 0..16u32 {
+        for _ in 0..16 {
             let path = base.join(format!(
-                "gpuvm-vfio-user-adopt-{}-{attempt}",
-                std::process::id()
+                "gpuvm-vfio-user-adopt-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
             ));
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => return Ok(PrivateDir(path)),

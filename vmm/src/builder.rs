@@ -122,8 +122,11 @@ fn create_base_over(
         thp: machine_config.thp,
     };
     let ram = match adopted {
-        // Its pages are where the guest left them.
-        Some((memfd, huge_tmpfs)) => GuestRam::adopt(memfd, &ram_config, &regions, huge_tmpfs)?,
+        // Its pages are where the guest left them, hot-plugged RAM's after boot RAM's.
+        Some((memfd, huge_tmpfs)) => {
+            let room = hotplug_area.map_or(0, |(_, room)| room);
+            GuestRam::adopt(memfd, &ram_config, &regions, huge_tmpfs, room)?
+        }
         None => {
             // Create RAM first: it is where bad sizes are caught, before any KVM object
             // exists.

@@ -482,6 +482,25 @@ impl PeerDma {
     pub fn limits(&self) -> Vec<String> {
         lock(&self.registry).limits.clone()
     }
+
+    /// The devices whose BARs are (or, once the guest places them, will be) DMA-mapped in
+    /// another device's context: those that share their BARs and have a file behind one,
+    /// where another context can map them. Empty when no peer mapping can exist.
+    pub fn sharing_devices(&self) -> Vec<String> {
+        let registry = lock(&self.registry);
+        registry
+            .peers
+            .iter()
+            .filter(|(_, peer)| peer.bars.shares_bars && !peer.bars.files.is_empty())
+            .filter(|(&id, _)| {
+                registry
+                    .contexts
+                    .values()
+                    .any(|ctx| ctx.mapper.is_some() && ctx.members.iter().any(|&m| m != id))
+            })
+            .map(|(_, peer)| peer.bars.name.clone())
+            .collect()
+    }
 }
 
 /// A device's [`BarPlacementWatch`]: forwards its windows to the registry.
@@ -603,6 +622,27 @@ mod tests {
         let (b, wb) = dma.add_device(cb, bars("B", b_shares));
         wb.placed(&bar1_at(Some(0x200_0000_0000)));
         (dma, [ma, mb], [wa, wb], [a, b])
+    }
+
+    /// What a live update asks before handing several devices over: who shares its BARs
+    /// with a peer (placed or not yet), nobody with p2p=off or without a peer.
+    #[test]
+    fn sharing_devices_are_those_whose_bars_a_peer_maps() {
+        let (dma, ..) = two_devices(true);
+        assert_eq!(dma.sharing_devices(), ["A", "B"]);
+        let (dma, ..) = two_devices(false);
+        assert_eq!(dma.sharing_devices(), ["A"]);
+        // Alone, nobody maps its BARs; p2p=off on both, nobody either.
+        let alone = PeerDma::new();
+        let context = alone.add_context("A".into(), Ok(FakeMapper::new("A")));
+        let _ = alone.add_device(context, bars("A", true));
+        assert!(alone.sharing_devices().is_empty());
+        let off = PeerDma::new();
+        for name in ["A", "B"] {
+            let context = off.add_context(name.into(), Ok(FakeMapper::new(name)));
+            let _ = off.add_device(context, bars(name, false));
+        }
+        assert!(off.sharing_devices().is_empty());
     }
 
     #[test]

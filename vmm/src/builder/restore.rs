@@ -267,6 +267,8 @@ pub fn prepare_handed_over(
     }
     let mut pci = handed_over_pci_options(state);
     pci.device_resources = resources.clone();
+    // Memory hot-plug's room, over the same bytes of the handed-over file.
+    pci.ram_hotplug_size = saved_ram_hotplug_size(state, source)?;
     let max_vcpus = pci.max_vcpus(&config);
     let base = super::create_base_over(
         kvm,
@@ -317,6 +319,16 @@ impl PreparedMachine {
             }
             .into());
         }
+        // Hot-plugged RAM before the devices' state, as a restore does: the register
+        // block's slots get their state with the other devices.
+        let ram_hotplug = adopt_ram_hotplug(&mut self.base, state, self.config.track_dirty_pages)
+            .map_err(|reason| SnapshotError::Invalid {
+            dir: source.to_path_buf(),
+            reason,
+        })?;
+        if ram_hotplug.is_some() {
+            self.clock.mark("ram_hotplug");
+        }
         load_vm_state(&mut self.base, state, source)?;
         self.clock.mark("vm_state");
         restore_root_ports(&mut self.base, &state.devices, source)?;
@@ -358,6 +370,7 @@ impl PreparedMachine {
         machine.vcpu_threads = self.vcpu_threads;
         machine.max_vcpus = self.max_vcpus;
         machine.vcpu_template = self.vcpu_template;
+        machine.ram_hotplug = ram_hotplug;
         let stages = self.clock.into_stages();
         let timings = RestoreTimings {
             total_to_ready: stages.iter().map(|&(_, d)| d).sum(),
@@ -558,6 +571,34 @@ fn restore_ram_hotplug(
     };
     let hotplug = RamHotplug::restore(&base.vm, area, saved, block, dirty_log)
         .map_err(|e| invalid(format!("its hot-plugged RAM: {e}")))?;
+    if let Some(pci_hotplug) = base.devices.pci_hotplug.as_mut() {
+        for ram in hotplug.plugged() {
+            pci_hotplug.add_ram(ram);
+        }
+    }
+    Ok(Some(hotplug))
+}
+
+/// Memory hot-plug of a live update's VM: the slots of `state` (saved paused) plugged
+/// again over the RAM the old process handed over, which holds their pages already (KVM
+/// slots, and the record PCI hot-plug keeps for GPUs plugged later; the cold-plugged
+/// vfio-user devices have them mapped already). None without memory hot-plug.
+fn adopt_ram_hotplug(
+    base: &mut MachineBase,
+    state: &snapshot::MachineState,
+    dirty_log: bool,
+) -> Result<Option<RamHotplug>, String> {
+    let Some(saved) = &state.devices.ram_hotplug else {
+        return Ok(None);
+    };
+    let (Some(area), Some(block)) = (
+        base.ram_hotplug_area.take(),
+        base.devices.memory_hotplug.clone(),
+    ) else {
+        return Err("its memory hot-plug could not be set up again".into());
+    };
+    let hotplug = RamHotplug::adopt(&base.vm, area, saved, block, dirty_log)
+        .map_err(|e| format!("its hot-plugged RAM: {e}"))?;
     if let Some(pci_hotplug) = base.devices.pci_hotplug.as_mut() {
         for ram in hotplug.plugged() {
             pci_hotplug.add_ram(ram);

@@ -729,6 +729,31 @@ impl RamHotplug {
         block: Arc<Mutex<MemoryHotplug>>,
         dirty_log: bool,
     ) -> Result<RamHotplug, MemoryResizeError> {
+        Self::plug_saved(vm, area, saved, block, dirty_log, GuestRam::view)
+    }
+
+    /// As [`RamHotplug::restore`], for a live update: `area` is in the RAM file the old
+    /// process handed over, whose plugged ranges hold the guest's pages already (with
+    /// hugetlb, the pool is not asked for them again).
+    pub(crate) fn adopt(
+        vm: &kvm_ioctls::VmFd,
+        area: GuestRam,
+        saved: &SavedRamHotplug,
+        block: Arc<Mutex<MemoryHotplug>>,
+        dirty_log: bool,
+    ) -> Result<RamHotplug, MemoryResizeError> {
+        Self::plug_saved(vm, area, saved, block, dirty_log, GuestRam::held_view)
+    }
+
+    /// Plugs each slot `saved` holds again, its RAM made by `view` of `area`.
+    fn plug_saved(
+        vm: &kvm_ioctls::VmFd,
+        area: GuestRam,
+        saved: &SavedRamHotplug,
+        block: Arc<Mutex<MemoryHotplug>>,
+        dirty_log: bool,
+        view: fn(&GuestRam, u64, u64) -> Result<GuestRam, RamError>,
+    ) -> Result<RamHotplug, MemoryResizeError> {
         let mut hotplug = RamHotplug::new(area, saved.hotplug_size, block);
         for (slot, held) in saved.block.slots.iter().enumerate() {
             if held.size == 0 {
@@ -738,7 +763,7 @@ impl RamHotplug {
                 .ok()
                 .filter(|&slot| slot < MEMORY_HOTPLUG_SLOTS)
                 .ok_or(MemoryResizeError::NoSlot)?;
-            let ram = hotplug.area.view(held.base, held.size)?;
+            let ram = view(&hotplug.area, held.base, held.size)?;
             register_slot(vm, slot, &ram, dirty_log)?;
             hotplug.added.push(AddedRam { slot, ram });
         }

@@ -42,12 +42,17 @@ use super::UpdateError;
 use crate::lock;
 
 /// Why the VM's cold-plugged vfio-user devices cannot be handed over now, if they cannot.
-pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
-    if handover.vfio_user.len() > 1 {
+/// `sharing`: the devices whose BARs are DMA-mapped for their peers (now, or once the
+/// guest places them): with more than one device those mappings would be needed, and
+/// they are not handed over yet (the new process would neither know them nor make them).
+pub(super) fn refusal(handover: &PassthroughHandOver, sharing: &[String]) -> Option<String> {
+    if handover.vfio_user.len() > 1 && !sharing.is_empty() {
         return Some(format!(
-            "{} vfio-user devices: one is handed over; the peer-to-peer DMA mappings between \
-             GPUs are not yet",
-            handover.vfio_user.len()
+            "{} vfio-user devices, whose BARs are DMA-mapped for their peers (p2p on: {}): \
+             the peer-to-peer DMA mappings between GPUs are not handed over yet; devices \
+             with p2p=off are",
+            handover.vfio_user.len(),
+            sharing.join(", ")
         ));
     }
     for plugged in &handover.vfio_user {

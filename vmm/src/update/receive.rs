@@ -491,6 +491,7 @@ fn build_inputs(state: &MachineState) -> serde_json::Value {
         "cpu_hotplug": devices.cpu_hotplug.as_ref().map(|cpus| cpus.max_vcpus),
         "pci_mmio64_window": devices.pci_mmio64_window,
         "pci_root": devices.pci_root,
+        "ram_hotplug_size": devices.ram_hotplug.as_ref().map(|hotplug| hotplug.hotplug_size),
         "numa": state.numa,
         "vfio_user": devices
             .handed_over_vfio_user

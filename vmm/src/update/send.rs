@@ -383,9 +383,12 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
             ),
         ));
     }
-    if let Some(reason) = passthrough::refusal(&devices.handover) {
+    let sharing = (devices.pci_hotplug.as_ref())
+        .map(|hotplug| hotplug.peer_dma_sharing_devices())
+        .unwrap_or_default();
+    if let Some(reason) = passthrough::refusal(&devices.handover, &sharing) {
         return Err(UpdateError::unsupported(
-            "a VM with this vfio-user device",
+            "a VM with these vfio-user devices",
             Some(&reason),
         ));
     }
@@ -448,18 +451,6 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         ));
     }
     check_passthrough(devices)?;
-    if machine.ram_hotplug.is_some() {
-        return Err(UpdateError::unsupported(
-            "a VM with memory hot-plug",
-            Some("only its boot RAM's memfd would be handed over"),
-        ));
-    }
-    if machine.ram().backing().is_hugetlb() {
-        return Err(UpdateError::unsupported(
-            "a VM with hugetlb-backed RAM",
-            None,
-        ));
-    }
     if machine.lazy.is_some() {
         return Err(UpdateError::unsupported(
             "a VM restored lazily",
@@ -499,6 +490,10 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         .devices()
         .save()
         .map_err(|e| save("device state", &e))?;
+    // Hot-plugged RAM is in the RAM file handed over (after boot RAM); its slots say where.
+    devices.ram_hotplug = machine
+        .save_ram_hotplug()
+        .map_err(|e| save("memory hot-plug", &e))?;
     devices.handed_over_vfio_user = passthrough::save(
         &machine.devices().handover,
         &crate::dma::RamChunks::regions_of(machine.ram()),
