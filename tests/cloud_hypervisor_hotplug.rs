@@ -3,7 +3,9 @@
 //! (`virtio-blk-hotplug`) finds the disk in that slot and reads and writes it,
 //! vm.remove-device answers at once and the guest ejects the disk; a hot-plugged disk
 //! survives a snapshot and restore in its slot and can still be removed, and a disk added
-//! after the restore gets an id of its own; refusals name what is wrong.
+//! after the restore gets an id of its own; refusals name what is wrong. A VM restored by
+//! vm.restore, or moved by a live update, keeps the client's configuration: vm.info lists
+//! the same devices under the same ids, and vm.remove-device takes them (issue 26).
 
 use std::path::Path;
 use std::time::Duration;
@@ -149,10 +151,10 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     let out = vm.wait(LIMIT);
     assert!(out.code().is_some(), "{}", out.describe());
 
-    // The restored VM has the disk in the same slot. A third disk hot-plugged after the
-    // restore, without an id, does not take the restored disk's (the restored VM's
-    // configuration does not list it: its devices do). The restored disk is removed as a
-    // hot-plugged one, then the guest finds the third.
+    // The restored VM has the disk in the same slot, and its configuration lists it under
+    // its id (the client's record is in the snapshot). A third disk hot-plugged after the
+    // restore, without an id, does not take the restored disk's. The restored disk is
+    // removed as a hot-plugged one, then the guest finds the third.
     let api2 = scratch.path("api2.sock");
     let source = format!("source_url=file://{}", snap.display());
     let mut restored = spawn_ch(
@@ -161,6 +163,7 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
     );
     wait_for_api_socket(&mut restored, &api2);
     wait_for_vm(&mut restored, &api2, LIMIT);
+    assert_eq!(disk_ids(&api2), ["_disk0"]);
     api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
     let third = add_disk(&api2, &format!(r#"{{"path":"{}"}}"#, images[2].display()));
     assert_eq!(third["id"], "_disk1", "{third}");
@@ -191,6 +194,254 @@ fn disks_hot_plug_after_boot_come_back_after_restore_and_are_removed() {
         ],
         "after the restore",
     );
+}
+
+/// Issue 26: a VM restored through vm.restore keeps the client's configuration. A VM
+/// created (vm.create) with two disks, one without an id (`_disk0`) and one with
+/// (`root`), gets a disk hot-plugged without an id (`_disk1`), which is removed, and one
+/// with an id (`volume`), which is kept; then vm.snapshot, and vm.restore in a new
+/// process. While Paused, vm.info's `config` is the same as before the snapshot (the same
+/// disks, ids and paths, the removed one absent) and its `device_tree` has every disk at
+/// its address; after vm.resume too; then `volume` is removed by its id (the guest ejects
+/// it), and a boot disk cannot be removed and stays listed.
+#[test]
+fn a_restored_vm_keeps_the_clients_devices_and_their_ids() {
+    let scratch = Scratch::new("cloud_hypervisor_hotplug", "restored-config");
+    let kernel = guest_image(&scratch);
+    let image = |name: &str| {
+        let path = scratch.path(name);
+        disk_image(&path, BLK_MAGIC, 1 << 20);
+        path
+    };
+    let (boot0, root, removed, volume) = (
+        image("boot0.img"),
+        image("root.img"),
+        image("removed.img"),
+        image("volume.img"),
+    );
+    let api = scratch.path("api.sock");
+    let snap = scratch.path("snap");
+    let mut vm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vm, &api);
+    let config = format!(
+        r#"{{"payload":{{"kernel":"{}","cmdline":"virtio-blk-hotplug 2"}},
+            "cpus":{{"boot_vcpus":1,"max_vcpus":1}},"memory":{{"size":134217728}},
+            "serial":{{"mode":"Tty"}},"console":{{"mode":"Off"}},
+            "disks":[{{"path":"{}"}},{{"path":"{}","id":"root","readonly":true}}]}}"#,
+        kernel.display(),
+        boot0.display(),
+        root.display()
+    );
+    api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    vm.wait_for_stdout("virtio-blk-hotplug: waiting for 2 disk(s)", LIMIT);
+
+    // Hot-plugged without an id, checked by the guest, removed.
+    let first = add_disk(&api, &format!(r#"{{"path":"{}"}}"#, removed.display()));
+    assert_eq!(first["id"], "_disk1", "{first}");
+    let first_bdf = first["bdf"].as_str().unwrap().to_string();
+    guest_checked(&mut vm, 1, &first_bdf, &removed);
+    remove(&api, "_disk1");
+    vm.wait_for_stdout(
+        &format!(
+            "virtio-blk-hotplug: {} ejected, reads all ones",
+            first_bdf.trim_start_matches("0000:")
+        ),
+        LIMIT,
+    );
+    // Hot-plugged with an id, kept through the snapshot.
+    let kept = add_disk(
+        &api,
+        &format!(r#"{{"path":"{}","id":"volume"}}"#, volume.display()),
+    );
+    assert_eq!(kept["id"], "volume", "{kept}");
+    let kept_bdf = kept["bdf"].as_str().unwrap().to_string();
+    guest_checked(&mut vm, 2, &kept_bdf, &volume);
+    api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    let before = vm_info(&api);
+    // (A disk given without an id at vm.create is listed as given: `_disk0` is its id in
+    // `device_tree` and for vm.remove-device.)
+    assert_eq!(
+        cloud_hypervisor_support::disk_ids(&before),
+        ["root", "volume"],
+        "{before}"
+    );
+    let paths: Vec<&str> = before["config"]["disks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|disk| disk["path"].as_str().unwrap())
+        .collect();
+    let expected = [&boot0, &root, &volume].map(|path| path.to_str().unwrap());
+    assert_eq!(paths, expected, "{before}");
+    let tree = before["device_tree"].clone();
+    let listed: Vec<&String> = tree.as_object().unwrap().keys().collect();
+    assert_eq!(listed, ["_disk0", "root", "volume"], "{before}");
+    assert_eq!(tree["volume"]["pci_bdf"], kept_bdf.as_str(), "{before}");
+    let destination = format!(r#"{{"destination_url":"file://{}"}}"#, snap.display());
+    api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&destination));
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vm.wait(LIMIT);
+    assert!(out.code().is_some(), "{}", out.describe());
+
+    // vm.restore in a new process: Paused, with the configuration and devices it had.
+    let api2 = scratch.path("api2.sock");
+    let mut restored = spawn_ch(&scratch, &["--api-socket", api2.to_str().unwrap()]);
+    wait_for_api_socket(&mut restored, &api2);
+    let source = format!(r#"{{"source_url":"file://{}"}}"#, snap.display());
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.restore", Some(&source));
+    let paused = vm_info(&api2);
+    assert_eq!(paused["state"], "Paused", "{paused}");
+    assert_eq!(paused["config"], before["config"], "while Paused");
+    assert_eq!(paused["device_tree"], tree, "while Paused");
+    api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    let running = vm_info(&api2);
+    assert_eq!(running["state"], "Running", "{running}");
+    assert_eq!(running["config"], before["config"], "after vm.resume");
+    assert_eq!(running["device_tree"], tree, "after vm.resume");
+
+    // A boot disk is not hot-unpluggable, here as before the snapshot; it stays listed.
+    let refused = api_expect(
+        &api2,
+        409,
+        "PUT",
+        "/api/v1/vm.remove-device",
+        Some(r#"{"id":"root"}"#),
+    );
+    assert!(refused.contains("root"), "{refused}");
+    // The kept disk, by the client's id: the guest ejects it and ends.
+    remove(&api2, "volume");
+    assert_eq!(disk_ids(&api2), ["root"]);
+    let out = restored.wait(LIMIT);
+    out.assert_code(0);
+    assert!(
+        !out.stdout.contains("waiting for 2 disk(s)"),
+        "the guest started over: {}",
+        out.describe()
+    );
+    assert_in_order(
+        &out.stdout,
+        &[
+            &format!(
+                "virtio-blk-hotplug: {} ejected, reads all ones",
+                kept_bdf.trim_start_matches("0000:")
+            ),
+            "virtio-blk-hotplug: ok",
+        ],
+        "after the restore",
+    );
+}
+
+/// A process this test made but is not the parent of (a live update's new gpuvm): killed
+/// if it still runs when the test ends, failed or not.
+struct KilledAtDrop(i32);
+
+impl Drop for KilledAtDrop {
+    fn drop(&mut self) {
+        if Path::new(&format!("/proc/{}", self.0)).exists() {
+            // SAFETY: kill(2) has no memory effects; the pid is the gpuvm this test's
+            // update started, checked to exist just before.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
+}
+
+/// The client's record goes with a live update too (`gpuvm update`, which Cloud
+/// Hypervisor does not have): a VM started by Cloud Hypervisor's command line with a disk
+/// (`root`) and one hot-plugged (`volume`) answers vm.info in the new process with the same
+/// `config` and `device_tree`, and `volume` is removed by its id there.
+#[test]
+fn a_live_update_keeps_the_clients_devices_and_their_ids() {
+    let scratch = Scratch::new("cloud_hypervisor_hotplug", "updated-config");
+    let kernel = guest_image(&scratch);
+    let (root, volume) = (scratch.path("root.img"), scratch.path("volume.img"));
+    disk_image(&root, BLK_MAGIC, 1 << 20);
+    disk_image(&volume, BLK_MAGIC, 1 << 20);
+    let api = scratch.path("api.sock");
+    let disk = format!("path={},id=root", root.display());
+    let mut vm = spawn_ch(
+        &scratch,
+        &[
+            "--api-socket",
+            api.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--cmdline",
+            "virtio-blk-hotplug 1",
+            "--memory",
+            "size=128M",
+            "--disk",
+            &disk,
+            "--serial",
+            "tty",
+            "--console",
+            "off",
+        ],
+    );
+    vm.wait_for_stdout("virtio-blk-hotplug: waiting for 1 disk(s)", LIMIT);
+    let kept = add_disk(
+        &api,
+        &format!(r#"{{"path":"{}","id":"volume"}}"#, volume.display()),
+    );
+    let kept_bdf = kept["bdf"].as_str().unwrap().to_string();
+    guest_checked(&mut vm, 1, &kept_bdf, &volume);
+    let before = vm_info(&api);
+    assert_eq!(disk_ids(&api), ["root", "volume"], "{before}");
+
+    let update = std::process::Command::new(gpuvm_tests::gpuvm_bin())
+        .args(["update", "--pid", &vm.pid().to_string()])
+        .args(["--api-sock", api.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&update.stdout).into_owned();
+    assert!(
+        update.status.success(),
+        "gpuvm update: {said}{}",
+        String::from_utf8_lossy(&update.stderr)
+    );
+    let new: i32 = said
+        .split("runs in process ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no new pid in {said:?}"));
+    assert_ne!(new, vm.pid());
+    let _new_process = KilledAtDrop(new);
+    // The new process serves the socket once the old one has gone (a zombie: it is ours).
+    let start = std::time::Instant::now();
+    let old_stat = format!("/proc/{}/stat", vm.pid());
+    while std::fs::read_to_string(&old_stat).is_ok_and(|stat| !stat.contains(") Z ")) {
+        assert!(start.elapsed() < LIMIT, "the old process does not end");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    while !gpuvm_api::client::request(&api, "GET", "/api/v1/vm.info", None)
+        .is_ok_and(|answer| answer.status == 200)
+    {
+        assert!(start.elapsed() < LIMIT, "the new process does not answer");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let after = vm_info(&api);
+    assert_eq!(after["config"], before["config"], "after the update");
+    assert_eq!(
+        after["device_tree"], before["device_tree"],
+        "after the update"
+    );
+    remove(&api, "volume");
+    assert_eq!(disk_ids(&api), ["root"]);
+    // The guest ejects it in the new process (which kept the old one's output) and ends.
+    vm.wait_for_stdout(
+        &format!(
+            "virtio-blk-hotplug: {} ejected, reads all ones",
+            kept_bdf.trim_start_matches("0000:")
+        ),
+        LIMIT,
+    );
+    vm.wait_for_stdout("virtio-blk-hotplug: ok", LIMIT);
+    let start = std::time::Instant::now();
+    while Path::new(&format!("/proc/{new}")).exists() {
+        assert!(start.elapsed() < LIMIT, "the new process {new} did not end");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Network interfaces (a tap by name, a tap passed as a descriptor) and a vsock device

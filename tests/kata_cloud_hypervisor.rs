@@ -28,9 +28,9 @@
 //! kept: vm.pause, vm.info (Paused), vm.snapshot (the GPU's state saved beside RAM through
 //! VFIO migration), vm.resume, vmm.shutdown; then a fresh GPU process behind the same
 //! socket and a new VMM restored from the snapshot (vm.restore with `net_fds` for the
-//! passed tap, Cloud Hypervisor's way): vm.info (Paused) shows the grown RAM and 2 vCPUs
-//! (but no devices in its `config`: a snapshot does not keep the client's VmConfig);
-//! vm.resume, vm.info's `device_tree` with every device at the PCI address it had, the
+//! passed tap, Cloud Hypervisor's way): vm.info (Paused) shows the grown RAM, 2 vCPUs,
+//! every device in its `config` (the snapshot keeps the client's VmConfig) and in its
+//! `device_tree` at the PCI address it had; vm.resume, the same `device_tree`, the
 //! `vcpu0`/`vcpu1` threads, the agent's second connection, after which the guest uses the
 //! kept devices (a DMA job on the GPU,
 //! whose registers still hold what its checks wrote; each disk's magic, tag and the
@@ -546,8 +546,14 @@ fn replay(test: &str, program: PeerLaunch) {
         "the hot-plugged RAM is restored: {info}"
     );
     assert_eq!(info["config"]["cpus"]["boot_vcpus"], VCPUS, "{info}");
-    // Its `config` has no devices (the client's VmConfig is not in the snapshot), and its
-    // `device_tree` lists the running machine's: checked once it runs.
+    // Its `config` lists the devices Kata added (the snapshot keeps the client's
+    // VmConfig), and its `device_tree` has them where they were, already while Paused.
+    configured_devices(&info, &disks);
+    assert_eq!(
+        device_addresses(&info, (&gpu_id, &gpu_slot), &disks),
+        placed,
+        "the devices are listed where they were while Paused"
+    );
     kata.put("vm.resume").expect(204, "vm.resume");
     let info = kata.get("vm.info").expect(200, "vm.info").json();
     assert_eq!(info["state"], "Running");

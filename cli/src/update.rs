@@ -313,6 +313,8 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     let mut controller =
         ApiController::new(requests_rx, wake, config, Box::new(crate::run::serial_out));
     controller.set_request_sender(requests_tx);
+    // The client's record came with the devices' state: its ids still name them.
+    controller.adopt_record(&machine);
     machine.set_run_control(controller.into_run_control());
     let outcome = incoming.ready(timeout).map_err(refused)?;
     // The VM was built while the guest ran (the stages before `wait_for_state`); only

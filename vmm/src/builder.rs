@@ -541,5 +541,6 @@ fn create_devices(
         virtio: Vec::new(),
         released_gpus: Vec::new(),
         handover: Default::default(),
+        client_record: None,
     })
 }

@@ -59,6 +59,11 @@ pub struct MachineDevices {
     /// The cold-plugged vfio-user devices as a live update hands them over, and where a
     /// new process plugs them (crate::update::passthrough).
     pub handover: crate::update::handed_over::PassthroughHandOver,
+    /// The configuration as the VM's client gave it, each device under the id the client
+    /// knows it by (see [`crate::action::ClientRecord`]). Not a device's state: the API's
+    /// controller keeps it up to date here so that whatever saves and restores the devices
+    /// (a snapshot, a live update) carries it with them. None when no client recorded one.
+    pub client_record: Option<crate::action::ClientRecord>,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -113,6 +118,11 @@ pub struct DeviceStates {
     /// go as descriptors). Filled by the live update only; absent elsewhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub handed_over_vfio_user: Vec<crate::update::handed_over::HandedOverVfioUser>,
+    /// The client's record of the VM's configuration ([`MachineDevices::client_record`]):
+    /// a restore gives it back to the API, so the client finds its devices under its ids.
+    /// Absent when no client recorded one, and in state files written before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_record: Option<crate::action::ClientRecord>,
 }
 
 /// Memory hot-plug in a snapshot ([`DeviceStates::ram_hotplug`]).
@@ -185,6 +195,7 @@ impl Persist for MachineDevices {
                 .unwrap_or_default(),
             ram_hotplug: None,
             handed_over_vfio_user: Vec::new(),
+            client_record: self.client_record.clone(),
         })
     }
 
@@ -210,6 +221,7 @@ impl Persist for MachineDevices {
             _ => return Err(DeviceStateError::MemoryHotplugMismatch),
         }
         self.released_gpus = state.released_gpus.clone();
+        self.client_record = state.client_record.clone();
         Ok(())
     }
 }

@@ -1,7 +1,9 @@
 //! The VmConfig as the client gave it, kept by gpuvm's controller as a
 //! [`ClientRecord`]: the document without its devices, and each device under its
-//! section with the id the client knows it by. vm.create makes it; vm.info puts the
-//! document back together from it.
+//! section with the id the client knows it by. vm.create makes it; vm.add-* and
+//! vm.remove-device change it; vm.info puts the document back together from it. A
+//! snapshot keeps it, so a VM restored by vm.restore shows the same configuration and its
+//! devices keep their ids, as Cloud Hypervisor's restore of its config.json does.
 
 use serde_json::{json, Value};
 
@@ -69,7 +71,8 @@ fn ids(section: &str, index: usize, body: &Value) -> (String, String) {
 }
 
 /// vm.info's `config`: the document with its devices back in their sections. A VM
-/// that was restored has no document: its machine's sizes stand in (`machine` is
+/// without a document (restored from a snapshot written before snapshots kept the record,
+/// or started through another front end) has its machine's sizes stand in (`machine` is
 /// GET /machine-config's answer).
 pub fn to_config(record: &ClientRecord, machine: Option<&Value>) -> Value {
     let mut document = match (&record.document, machine) {

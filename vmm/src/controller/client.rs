@@ -14,6 +14,9 @@ use crate::action::{
 pub(super) struct ClientState {
     created: bool,
     record: ClientRecord,
+    /// Counts the changes to `created` and `record`: the running machine's copy of the
+    /// record ([`ClientState::saved`]) is brought up to date when it moved.
+    revision: u64,
 }
 
 /// A device about to be added, its ids settled.
@@ -31,12 +34,36 @@ impl ClientState {
     pub fn create(&mut self, record: ClientRecord) {
         self.created = true;
         self.record = record;
+        self.revision += 1;
     }
 
     /// A VM that exists without a CreateVm (restored, or started through another front
     /// end) counts as created once a client adds to it.
     pub fn ensure_created(&mut self) {
-        self.created = true;
+        if !self.created {
+            self.created = true;
+            self.revision += 1;
+        }
+    }
+
+    /// Takes the record a restored VM's snapshot (or live update) kept, in place of this
+    /// one: the client finds its configuration and its devices under their ids again.
+    pub fn restored(&mut self, record: ClientRecord) {
+        self.record = record;
+        self.revision += 1;
+    }
+
+    /// The record as a snapshot keeps it (in the machine's devices): None when no client
+    /// created the VM nor recorded anything.
+    pub fn saved(&self) -> Option<ClientRecord> {
+        let record = &self.record;
+        let empty = record.document.is_null() && record.devices.is_empty();
+        (self.created || !empty).then(|| record.clone())
+    }
+
+    /// Which change of the record [`ClientState::saved`] shows (see `revision`).
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     pub fn recorded(&self) -> &ClientRecord {
@@ -45,11 +72,8 @@ impl ClientState {
 
     /// The record as GetInstanceInfo shows it (`client_record`), when there is one.
     pub fn json(&self) -> Option<serde_json::Value> {
-        let record = &self.record;
-        let empty = record.document.is_null() && record.devices.is_empty();
-        (self.created || !empty)
-            .then(|| serde_json::to_value(record).ok())
-            .flatten()
+        self.saved()
+            .and_then(|record| serde_json::to_value(record).ok())
     }
 
     /// Keeps `entry`, replacing the entry of the same section and id (a second PUT).
@@ -57,6 +81,7 @@ impl ClientState {
         let devices = &mut self.record.devices;
         devices.retain(|d| d.section != entry.section || d.client_id != entry.client_id);
         devices.push(entry);
+        self.revision += 1;
     }
 
     /// The id gpuvm's actions know the client's device `id` by (a share's tag for its
@@ -70,6 +95,7 @@ impl ClientState {
     /// Drops the device named `id` (the client's id or gpuvm's) from the record.
     pub fn forget(&mut self, id: &str) {
         (self.record.devices).retain(|d| d.client_id != id && d.device_id != id);
+        self.revision += 1;
     }
 
     fn devices(&self) -> impl Iterator<Item = &ClientDevice> {
@@ -133,6 +159,7 @@ impl ClientState {
             section,
             body,
         });
+        self.revision += 1;
     }
 }
 
@@ -271,6 +298,42 @@ mod tests {
         assert_eq!(record["devices"].as_array().unwrap().len(), 2);
         assert_eq!(record["devices"][1]["body"]["size"], 3);
         assert!(!state.is_created());
+    }
+
+    /// What a snapshot keeps of the record: nothing for a VM no client configured; the
+    /// record as it stands (each change counted) once one did; and a restore's record
+    /// replaces the one there was.
+    #[test]
+    fn the_saved_record_follows_each_change_and_a_restored_one_replaces_it() {
+        let mut state = ClientState::default();
+        assert_eq!(state.saved(), None);
+        let mut revisions = vec![state.revision()];
+        let document = serde_json::json!({"payload": {"kernel": "/k"}});
+        state.create(ClientRecord {
+            document: document.clone(),
+            devices: Vec::new(),
+        });
+        revisions.push(state.revision());
+        let device = state.settle(gpu_add(Some("gpu0")), &[]).unwrap();
+        let body = serde_json::json!({"path": "/x"});
+        state.record(&device.client_id, &device.device_id, "devices".into(), body);
+        revisions.push(state.revision());
+        let saved = state.saved().unwrap();
+        assert_eq!(saved.document, document);
+        assert_eq!(saved.devices[0].client_id, "gpu0");
+        state.forget("gpu0");
+        revisions.push(state.revision());
+        assert!(state.saved().unwrap().devices.is_empty());
+        let mut unique = revisions.clone();
+        unique.dedup();
+        assert_eq!(unique, revisions, "each change counts");
+
+        let mut restored = ClientState::default();
+        restored.restored(saved.clone());
+        assert_ne!(restored.revision(), 0);
+        assert_eq!(restored.saved(), Some(saved));
+        assert_eq!(restored.device_id("gpu0"), "gpu0");
+        assert!(restored.settle(gpu_add(Some("gpu0")), &[]).is_err());
     }
 
     #[test]

@@ -521,6 +521,7 @@ impl ApiController {
                     machine.release_lazy_loading();
                 }
                 self.machine_config = machine.config().clone();
+                self.adopt_record(&machine);
                 (
                     Ok(VmmData::Empty),
                     Some(Started {
@@ -554,7 +555,13 @@ impl ApiController {
                     Err(ActionError::bad_request("a recorded action records one action")),
                     None,
                 ),
-                VmmAction::GetInstanceInfo => (Ok(instance_info(state, &self.client)), None),
+                // As a running VM's: its devices are there, only its vCPUs wait.
+                VmmAction::GetInstanceInfo => {
+                    let info = instance_info(state, &self.client);
+                    let devices = machine.devices();
+                    let info = running::with_hot_plugged(info, devices);
+                    (Ok(running::with_pci_devices(info, devices)), None)
+                }
                 action @ (VmmAction::PutMmds(_)
                 | VmmAction::PatchMmds(_)
                 | VmmAction::GetMmds
@@ -651,6 +658,15 @@ impl ApiController {
             (self.pci.ram_hotplug_size > 0).then_some(self.pci.ram_hotplug_size);
         body.numa = crate::action::NumaBody::from_options(&self.pci.numa);
         body
+    }
+
+    /// Takes the client's record `machine` came with (kept by the snapshot it was
+    /// restored from, or handed over by a live update), when it has one: the client's
+    /// configuration and its devices under their ids, as before.
+    pub fn adopt_record(&mut self, machine: &Machine) {
+        if let Some(record) = &machine.devices().client_record {
+            self.client.restored(record.clone());
+        }
     }
 
     /// The part that serves a running machine.

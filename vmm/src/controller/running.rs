@@ -14,6 +14,7 @@ use crate::action::{
     InstanceState, PassthroughPolicy, SnapshotCreateBody, SnapshotType, VirtioHotplug, VmmAction,
     VmmData,
 };
+use crate::devices::MachineDevices;
 use crate::hotplug::EjectState;
 use crate::machine::{GuestEnd, Machine, RunControl, RunningMachine};
 use crate::metrics::{Metrics, METRICS};
@@ -38,6 +39,9 @@ pub(super) struct RunningApi {
     client: super::client::ClientState,
     /// The VM's MMDS (see [`super::mmds`]): hot-plugged network interfaces get it too.
     mmds: Arc<gpuvm_mmds::Mmds>,
+    /// The revision of `client`'s record the machine's devices hold (for snapshots and
+    /// live updates); None until the first copy.
+    record_in_machine: Option<u64>,
 }
 
 /// A DELETE /gpus/{id} whose answer waits for the guest's eject, or the timeout.
@@ -165,6 +169,17 @@ impl RunningApi {
             eject_timer: EjectTimer::default(),
             client,
             mmds,
+            record_in_machine: None,
+        }
+    }
+
+    /// Copies the client's record into the machine's devices when it changed, so that a
+    /// snapshot (whichever way it is taken) or a live update carries it as it is now.
+    fn sync_record(&mut self, running: &mut RunningMachine<'_>) {
+        let revision = self.client.revision();
+        if self.record_in_machine != Some(revision) {
+            running.devices_mut().client_record = self.client.saved();
+            self.record_in_machine = Some(revision);
         }
     }
 
@@ -469,13 +484,14 @@ impl RunningApi {
             | VmmAction::PutMmdsConfig(_)) => {
                 super::mmds::act(&self.mmds, action, super::mmds::Stage::Started)
             }
-            VmmAction::GetInstanceInfo => Ok(with_pci_devices(
-                with_hot_plugged(instance_info(state, &self.client), running),
-                running,
-            )),
+            VmmAction::GetInstanceInfo => {
+                let devices = running.machine().devices();
+                let info = with_hot_plugged(instance_info(state, &self.client), devices);
+                Ok(with_pci_devices(info, devices))
+            }
             VmmAction::GetMetrics => Ok(with_hot_plugged(
                 metrics(state, Some(running.machine())),
-                running,
+                running.machine().devices(),
             )),
             VmmAction::GetMachineConfig => Ok(machine_config_json(running.machine())),
             VmmAction::PatchDrive(body) => patch_drive(running.machine(), body),
@@ -637,8 +653,8 @@ fn hot_plug_virtio(
 /// Adds `hot_plugged_gpus` (each device's id, address and state: attached, ejecting or
 /// gone, with why) to a JSON answer, when any device was hot-plugged, and `p2p_limits`
 /// (the DMA contexts that cannot map peers' BARs, and why), when there are any.
-fn with_hot_plugged(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData {
-    let hotplug = running.devices_mut().pci_hotplug.as_ref();
+pub(super) fn with_hot_plugged(data: VmmData, devices: &MachineDevices) -> VmmData {
+    let hotplug = devices.pci_hotplug.as_ref();
     let described = hotplug.map(|h| h.describe()).unwrap_or_default();
     let p2p_limits = hotplug.map(|h| h.peer_dma_limits()).unwrap_or_default();
     let data = match data {
@@ -659,11 +675,10 @@ fn with_hot_plugged(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData 
 
 /// Adds `pci_devices`: each virtio device and hot-plugged passthrough device with its id,
 /// PCI address and kind (Cloud Hypervisor's vm.info builds its device_tree from it).
-fn with_pci_devices(data: VmmData, running: &mut RunningMachine<'_>) -> VmmData {
+pub(super) fn with_pci_devices(data: VmmData, devices: &MachineDevices) -> VmmData {
     let VmmData::Json(mut json) = data else {
         return data;
     };
-    let devices = running.devices_mut();
     let mut listed: Vec<serde_json::Value> = devices
         .virtio
         .iter()
@@ -910,6 +925,7 @@ impl RunControl for RunningApi {
     fn serve(&mut self, running: &mut RunningMachine<'_>) -> Option<GuestEnd> {
         self.handle_gone_devices(running);
         self.finish_unplugs(running);
+        self.sync_record(running);
         while let Ok(request) = self.requests.try_recv() {
             let request = match request.action {
                 VmmAction::DeleteGpu(id) => {
@@ -920,6 +936,7 @@ impl RunControl for RunningApi {
                     let device_id = self.client.device_id(&id);
                     if self.hot_unplug(running, device_id, request.reply, true) {
                         self.client.forget(&id);
+                        self.sync_record(running);
                     }
                     continue;
                 }
@@ -948,6 +965,7 @@ impl RunControl for RunningApi {
                 },
             };
             let (result, end) = self.act(request.action, running);
+            self.sync_record(running);
             let _ = request.reply.send(result);
             if end.is_some() {
                 return end;
