@@ -121,6 +121,17 @@ pub fn mmio64_start(ram: &GuestRam, ram_hotplug_size: u64) -> u64 {
     (hotplug_start + hotplug_size).next_multiple_of(PCI_MMIO64_ALIGN)
 }
 
+/// The 64-bit window of the builds before it was planned (and saved in snapshots): 512 GiB
+/// right above RAM ending at `ram_top` (None: 4 GiB) and the room for hot-plugged RAM. A
+/// restore of their states puts the window back there, where their guests have it.
+pub fn unplanned_mmio64_window(ram_top: Option<u64>, ram_hotplug_size: u64) -> (u64, u64) {
+    const UNPLANNED_MMIO64_SIZE: u64 = 512 << 30;
+    let top = ram_top.unwrap_or(FOUR_GIB).max(FOUR_GIB);
+    let (hotplug_start, hotplug_size) = ram_hotplug_area(top, ram_hotplug_size);
+    let start = (hotplug_start + hotplug_size).next_multiple_of(PCI_MMIO64_ALIGN);
+    (start, UNPLANNED_MMIO64_SIZE)
+}
+
 /// KVM memory slots for mmapped BAR parts, numbered from [`FIRST_BAR_SLOT`] (RAM uses the
 /// slots below).
 pub struct KvmBarSlots {

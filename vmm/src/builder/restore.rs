@@ -91,16 +91,25 @@ pub fn restore_with_overrides(
         .cpu_hotplug
         .as_ref()
         .map_or(0, |cpus| cpus.max_vcpus);
+    let ram_hotplug_size = saved_ram_hotplug_size(&state.state, dir)?;
     let pci = PciOptions {
         virtio,
         device_resources: taps.clone(),
         max_vcpus,
-        // Where the snapshot's guest has its 64-bit BAR window (older states: the default).
-        mmio64_window: state.state.devices.pci_mmio64_window,
+        // Where the snapshot's guest has its 64-bit BAR window (older states: the fixed
+        // window of the builds that wrote them, whatever this host would plan).
+        mmio64_window: (state.state.devices.pci_mmio64_window).or_else(|| {
+            // Those builds laid RAM out in at most two regions, on any host.
+            let regions = gpuvm_arch::x86_64::layout::ram_regions(state.config.memory_size);
+            Some(crate::pci::unplanned_mmio64_window(
+                regions.iter().map(|r| r.end()).max(),
+                ram_hotplug_size,
+            ))
+        }),
         // Its slot and BAR allocations (older states: rebuilt from the devices' places).
         pci_root: state.state.devices.pci_root.clone(),
         // Memory hot-plug's room, with the RAM plugged into it before the snapshot.
-        ram_hotplug_size: saved_ram_hotplug_size(&state.state, dir)?,
+        ram_hotplug_size,
         // The snapshot's NUMA nodes: each node's RAM bound to its host node again.
         numa: state
             .state

@@ -57,6 +57,24 @@ pub fn saved_msr_indices(kvm: &Kvm) -> Result<Vec<u32>, kvm_ioctls::Error> {
         .map(|list| list.as_slice().to_vec())
 }
 
+/// The CPU vendor (CPUID leaf 0) of a saved vCPU and of this host, when they differ.
+fn foreign_vendor(saved_cpuid: &[kvm_cpuid_entry2]) -> Option<(String, String)> {
+    let saved = saved_cpuid.iter().find(|entry| entry.function == 0)?;
+    let saved = vendor_name(saved.ebx, saved.edx, saved.ecx);
+    let host = std::arch::x86_64::__cpuid(0);
+    let here = vendor_name(host.ebx, host.edx, host.ecx);
+    (saved != here).then_some((saved, here))
+}
+
+/// The 12-character vendor string of CPUID leaf 0 (EBX, EDX, ECX in that order).
+fn vendor_name(ebx: u32, edx: u32, ecx: u32) -> String {
+    [ebx, edx, ecx]
+        .iter()
+        .flat_map(|word| word.to_le_bytes())
+        .map(char::from)
+        .collect()
+}
+
 fn read_msrs(fd: &VcpuFd, id: u8, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, PersistError> {
     // KVM_GET_MSRS stops at the first MSR it cannot read; skip that one and go on.
     let mut saved = Vec::with_capacity(indices.len());
@@ -152,24 +170,81 @@ impl Persist for Vcpu {
         fd.set_debug_regs(&state.debug_regs)
             .map_err(err("set debug registers"))?;
         fd.set_lapic(&state.lapic).map_err(err("set LAPIC"))?;
-        for chunk in state.msrs.chunks(kvm_bindings::KVM_MAX_MSR_ENTRIES) {
+        let foreign = foreign_vendor(&state.cpuid);
+        let mut left_out = Vec::new();
+        let mut rest = &state.msrs[..];
+        while !rest.is_empty() {
+            let chunk = &rest[..rest.len().min(kvm_bindings::KVM_MAX_MSR_ENTRIES)];
             let msrs = Msrs::from_entries(chunk).map_err(|_| PersistError::Vcpu {
                 id,
                 what: "size the MSR list",
                 source: kvm_ioctls::Error::new(libc::E2BIG),
             })?;
+            // KVM_SET_MSRS stops at the first MSR it refuses.
             let written = fd.set_msrs(&msrs).map_err(err("set MSRs"))?;
-            if written < chunk.len() {
-                return Err(PersistError::MsrRestore {
-                    id,
-                    index: chunk[written].index,
-                });
+            if written == chunk.len() {
+                rest = &rest[written..];
+                continue;
             }
+            // A state written on a host of the other CPU vendor holds that vendor's MSRs
+            // (IA32_FEATURE_CONTROL, ARCH_CAPABILITIES bits), which this host's KVM cannot
+            // take: those are left out, said below. On a host like the one that wrote it,
+            // a refused MSR is an error.
+            let refused = chunk[written].index;
+            if foreign.is_none() {
+                return Err(PersistError::MsrRestore { id, index: refused });
+            }
+            left_out.push(format!("{refused:#x}"));
+            rest = &rest[written + 1..];
+        }
+        if let (Some((saved, here)), false) = (&foreign, left_out.is_empty()) {
+            log::warn!(
+                "vCPU {id}: the state was written on a {saved} host, this one is {here}: its \
+                 MSR(s) {} are left out (a guest that relies on them may misbehave)",
+                left_out.join(", ")
+            );
         }
         fd.set_mp_state(state.mp_state)
             .map_err(err("set MP state"))?;
         fd.set_vcpu_events(&state.events)
             .map_err(err("set vCPU events"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn leaf0(vendor: &[u8; 12]) -> kvm_cpuid_entry2 {
+        let word = |i: usize| u32::from_le_bytes(vendor[i..i + 4].try_into().unwrap());
+        kvm_cpuid_entry2 {
+            function: 0,
+            ebx: word(0),
+            edx: word(4),
+            ecx: word(8),
+            ..Default::default()
+        }
+    }
+
+    /// A state from this host's kind of CPU is not foreign (its refused MSRs are errors);
+    /// one from the other vendor is, named with both vendors.
+    #[test]
+    fn a_state_from_the_other_cpu_vendor_is_told_apart() {
+        let host = std::arch::x86_64::__cpuid(0);
+        let here = vendor_name(host.ebx, host.edx, host.ecx);
+        let other: &[u8; 12] = if here == "AuthenticAMD" {
+            b"GenuineIntel"
+        } else {
+            b"AuthenticAMD"
+        };
+        assert_eq!(
+            foreign_vendor(&[leaf0(here.as_bytes().try_into().unwrap())]),
+            None
+        );
+        let (saved, host_vendor) = foreign_vendor(&[leaf0(other)]).expect("foreign");
+        assert_eq!(saved.as_bytes(), other);
+        assert_eq!(host_vendor, here);
+        assert_eq!(foreign_vendor(&[]), None, "no leaf 0: nothing to compare");
     }
 }
