@@ -942,6 +942,9 @@ mod tests {
         ]);
         assert_eq!(from_flag, machine_numa(&api_body).unwrap());
         assert_eq!(from_flag["distances"], json!([[10, 25], [25, 10]]));
+        // pci_segments: the node's host bridges, segment 0 being the VM's one.
+        let placed = machine_numa(&config_of(&["guest_numa_id=0,cpus=[0-1],pci_segments=[0]"]));
+        assert_eq!(placed.unwrap()["nodes"][0]["pci_segments"], json!([0]));
 
         for (node, named) in [
             (
@@ -949,8 +952,8 @@ mod tests {
                 "numa[0].memory_zones",
             ),
             (
-                "guest_numa_id=0,cpus=[0-1],pci_segments=[0]",
-                "numa[0].pci_segments",
+                "guest_numa_id=0,cpus=[0-1],pci_segments=[1]",
+                "numa[0].pci_segments[0] = 1: the VM has 1 PCI segment(s)",
             ),
             (
                 "guest_numa_id=0,cpus=[0-1],sgx_epc_sections=epc0",

@@ -1,5 +1,6 @@
-//! `gpuvm run --numa auto` or `--numa node=N,cpus=LIST,mem_mib=MIB[,host_node=H]` (repeated,
-//! one per guest node) and `--numa-pin-vcpus`: the guest's NUMA nodes
+//! `gpuvm run --numa auto` or `--numa node=N,cpus=LIST,mem_mib=MIB[,host_node=H]
+//! [,pci_segments=LIST]` (repeated, one per guest node) and `--numa-pin-vcpus`: the guest's
+//! NUMA nodes
 //! (gpuvm_vmm::numa plans, checks and places them).
 
 use clap::Args;
@@ -9,10 +10,14 @@ use gpuvm_vmm::numa::{NumaMode, NumaNodeSpec, NumaOptions};
 #[derive(Args, Debug, Default)]
 pub struct NumaArgs {
     /// Guest NUMA nodes: `auto` (one per host node that has a GPU of this VM, vCPUs and
-    /// RAM split evenly), or one `node=N,cpus=LIST,mem_mib=MIB[,host_node=H]` per node
-    /// (repeated); LIST is `A-B`, `A` or `[A-B,C]`. Every vCPU on one node, the nodes'
-    /// memory adding up to --memory; each node's RAM bound to its host node.
-    #[arg(long, value_name = "auto|node=N,cpus=LIST,mem_mib=MIB[,host_node=H]")]
+    /// RAM split evenly), or one `node=N,cpus=LIST,mem_mib=MIB[,host_node=H]
+    /// [,pci_segments=LIST]` per node (repeated); LIST is `A-B`, `A` or `[A-B,C]`. Every
+    /// vCPU on one node, the nodes' memory adding up to --memory; each node's RAM bound to
+    /// its host node; its PCI segments' host bridges (and their devices) on the node.
+    #[arg(
+        long,
+        value_name = "auto|node=N,cpus=LIST,mem_mib=MIB[,host_node=H][,pci_segments=LIST]"
+    )]
     pub numa: Vec<String>,
     /// Pin each vCPU thread to the host CPUs of its NUMA node's host node.
     #[arg(long, requires = "numa")]
@@ -69,6 +74,7 @@ fn split_options(text: &str) -> Vec<&str> {
 fn parse_node(value: &str) -> Result<NumaNodeSpec, String> {
     let bad = |why: String| format!("--numa {value}: {why}");
     let (mut node, mut cpus, mut mem_mib, mut host_node) = (None, None, None, None);
+    let mut pci_segments: Option<Vec<u16>> = None;
     for option in split_options(value) {
         let (key, text) = option
             .split_once('=')
@@ -107,9 +113,17 @@ fn parse_node(value: &str) -> Result<NumaNodeSpec, String> {
                         .map_err(|_| bad("host_node is too large".into()))?,
                 );
             }
+            "pci_segments" => {
+                duplicate(pci_segments.is_some())?;
+                let ids = parse_ids("pci_segments", "PCI segment", text).map_err(bad)?;
+                let ids = (ids.into_iter())
+                    .map(|id| u16::try_from(id).map_err(|_| bad(format!("segment {id}"))))
+                    .collect::<Result<_, _>>()?;
+                pci_segments = Some(ids);
+            }
             other => {
                 return Err(bad(format!(
-                    "unknown key '{other}' (node, cpus, mem_mib, host_node)"
+                    "unknown key '{other}' (node, cpus, mem_mib, host_node, pci_segments)"
                 )))
             }
         }
@@ -123,22 +137,28 @@ fn parse_node(value: &str) -> Result<NumaNodeSpec, String> {
             .checked_mul(1 << 20)
             .ok_or_else(|| bad("mem_mib is too large".into()))?,
         host_node,
+        pci_segments: pci_segments.unwrap_or_default(),
     })
 }
 
 /// `0-3`, `5` or `[0-1,4]`: vCPU ids.
 fn parse_vcpus(text: &str) -> Result<Vec<u8>, String> {
+    parse_ids("cpus", "vCPU", text)?
+        .into_iter()
+        .map(|cpu| u8::try_from(cpu).map_err(|_| format!("vCPU {cpu} is beyond 255")))
+        .collect()
+}
+
+/// `0-3`, `5` or `[0-1,4]`: the ids `key` lists (`what`s, for the refusal).
+fn parse_ids(key: &str, what: &str, text: &str) -> Result<Vec<usize>, String> {
     let inner = text.trim();
     let inner = inner
         .strip_prefix('[')
         .and_then(|t| t.strip_suffix(']'))
         .unwrap_or(inner);
-    let cpus = gpuvm_vmm::numa::parse_cpu_list(inner)
-        .filter(|cpus| !cpus.is_empty())
-        .ok_or_else(|| format!("cpus '{text}' is not a vCPU list (e.g. 0-3, 5 or [0-1,4])"))?;
-    cpus.into_iter()
-        .map(|cpu| u8::try_from(cpu).map_err(|_| format!("vCPU {cpu} is beyond 255")))
-        .collect()
+    gpuvm_vmm::numa::parse_cpu_list(inner)
+        .filter(|ids| !ids.is_empty())
+        .ok_or_else(|| format!("{key} '{text}' is not a {what} list (e.g. 0-3, 5 or [0-1,4])"))
 }
 
 #[cfg(test)]
@@ -166,14 +186,34 @@ mod tests {
                     cpus: vec![0, 1],
                     mem_size: 512 << 20,
                     host_node: Some(0),
+                    pci_segments: Vec::new(),
                 },
                 NumaNodeSpec {
                     node: 1,
                     cpus: vec![2, 3, 5, 6],
                     mem_size: 1 << 30,
                     host_node: None,
+                    pci_segments: Vec::new(),
                 },
             ])
+        );
+    }
+
+    #[test]
+    fn a_node_takes_its_pci_segments() {
+        let NumaMode::Nodes(nodes) = parse_numa(&values(&[
+            "node=0,cpus=0,mem_mib=512,pci_segments=0",
+            "node=1,cpus=1,mem_mib=512,pci_segments=[1-2,4]",
+        ]))
+        .unwrap() else {
+            panic!("nodes expected");
+        };
+        assert_eq!(nodes[0].pci_segments, [0]);
+        assert_eq!(nodes[1].pci_segments, [1, 2, 4]);
+        let error = parse_numa(&values(&["node=0,cpus=0,mem_mib=512,pci_segments=x"])).unwrap_err();
+        assert!(
+            error.contains("pci_segments 'x' is not a PCI segment list"),
+            "{error}"
         );
     }
 

@@ -461,6 +461,9 @@ pub struct NumaNodeBody {
     pub mem_mib: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_node: Option<u32>,
+    /// PCI segments whose host bridge is on this node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pci_segments: Vec<u16>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -493,6 +496,7 @@ impl NumaBody {
                         cpus: node.cpus.clone(),
                         mem_size,
                         host_node: node.host_node,
+                        pci_segments: node.pci_segments.clone(),
                     });
                 }
                 NumaMode::Nodes(specs)
@@ -524,6 +528,7 @@ impl NumaBody {
                         cpus: spec.cpus.clone(),
                         mem_mib: spec.mem_size >> 20,
                         host_node: spec.host_node,
+                        pci_segments: spec.pci_segments.clone(),
                     })
                     .collect(),
             ),

@@ -163,6 +163,9 @@ pub struct NumaNodeSpec {
     /// The host node its RAM is bound to (and its vCPUs pinned to, when asked); None
     /// leaves placement to the host.
     pub host_node: Option<u32>,
+    /// PCI segments whose host bridge is on this node (Cloud Hypervisor's
+    /// `numa[].pci_segments`): the virtio devices placed there are the node's.
+    pub pci_segments: Vec<u16>,
 }
 
 /// How the guest's NUMA nodes are chosen.

@@ -213,6 +213,8 @@ pub struct NodePlan {
     pub cpus: Vec<u8>,
     pub mem_size: u64,
     pub host_node: Option<u32>,
+    /// PCI segments whose host bridge is on this node (NumaNodeSpec::pci_segments).
+    pub pci_segments: Vec<u16>,
 }
 
 /// The guest's nodes, planned and checked. Guest node `i` is `nodes[i]`; its RAM is the
@@ -313,6 +315,9 @@ pub fn plan(
         }
         NumaMode::Nodes(specs) => {
             let nodes = explicit_nodes(specs, possible, memory_size, page_size)?;
+            let segments = crate::pci::segment_count(pci)
+                .map_err(|error| NumaError::Invalid(error.to_string()))?;
+            check_node_segments(&nodes, segments)?;
             for node in &nodes {
                 if let Some(host_node) = node.host_node {
                     host.check_node(host_node)?;
@@ -421,6 +426,7 @@ fn auto_nodes(
                 cpus: (first..next_cpu).collect(),
                 mem_size,
                 host_node: Some(*host_node),
+                pci_segments: Vec::new(),
             }
         })
         .collect())
@@ -526,8 +532,32 @@ fn explicit_nodes(
             cpus: spec.cpus.clone(),
             mem_size: spec.mem_size,
             host_node: spec.host_node,
+            pci_segments: spec.pci_segments.clone(),
         })
         .collect())
+}
+
+/// The PCI segments given to nodes: each one of the VM's `segments`, on one node.
+fn check_node_segments(nodes: &[NodePlan], segments: u16) -> Result<(), NumaError> {
+    let mut owner = BTreeMap::new();
+    for (node, plan) in nodes.iter().enumerate() {
+        for &segment in &plan.pci_segments {
+            if segment >= segments {
+                return Err(NumaError::Invalid(format!(
+                    "node {node} lists PCI segment {segment}, but the VM has segments 0 to {} \
+                     (platform.num_pci_segments)",
+                    segments - 1
+                )));
+            }
+            if let Some(other) = owner.insert(segment, node) {
+                return Err(NumaError::Invalid(format!(
+                    "PCI segment {segment} is on node {other} and node {node} (a host bridge \
+                     has one node)"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The guest-physical ranges of the RAM file's bytes `[offset, offset + size)`.
@@ -714,10 +744,16 @@ impl NumaPlan {
                 })
             })
             .collect();
+        let segment_domains = (self.nodes.iter().enumerate())
+            .flat_map(|(domain, node)| {
+                (node.pci_segments.iter()).map(move |&segment| (segment, domain as u32))
+            })
+            .collect();
         NumaTopology {
             cpu_domains,
             memory,
             initiators,
+            segment_domains,
             distances: self.distances.clone(),
         }
     }
@@ -888,6 +924,8 @@ pub struct SavedNumaNode {
     pub mem_size: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_node: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pci_segments: Vec<u16>,
 }
 
 impl SavedNumaPlan {
@@ -900,6 +938,7 @@ impl SavedNumaPlan {
                     cpus: node.cpus.clone(),
                     mem_size: node.mem_size,
                     host_node: node.host_node,
+                    pci_segments: node.pci_segments.clone(),
                 })
                 .collect(),
             distances: plan.distances.clone(),
@@ -919,6 +958,7 @@ impl SavedNumaPlan {
                 cpus: node.cpus.clone(),
                 mem_size: node.mem_size,
                 host_node: node.host_node,
+                pci_segments: node.pci_segments.clone(),
             })
             .collect();
         NumaOptions {

@@ -206,6 +206,7 @@ fn node(node: u32, cpus: &[u8], mib: u64, host_node: Option<u32>) -> NumaNodeSpe
         cpus: cpus.to_vec(),
         mem_size: mib * MIB,
         host_node,
+        pci_segments: Vec::new(),
     }
 }
 
@@ -281,6 +282,54 @@ fn explicit_nodes_are_checked_against_the_vm() {
     assert!(error.to_string().contains("1 GiB page size"), "{error}");
 }
 
+/// A node's PCI segments (Cloud Hypervisor's numa[].pci_segments) must be segments the VM
+/// has, each on one node; the SRAT's topology then gives each its node.
+#[test]
+fn nodes_pci_segments_are_checked_and_reach_the_topology() {
+    let sysfs = two_sockets();
+    let host = sysfs.host();
+    let with_segments = |zero: &[u16], one: &[u16]| {
+        let mut nodes = vec![node(0, &[0, 1], 512, None), node(1, &[2, 3], 512, None)];
+        nodes[0].pci_segments = zero.to_vec();
+        nodes[1].pci_segments = one.to_vec();
+        explicit(nodes)
+    };
+    let pci = PciOptions {
+        num_pci_segments: 3,
+        ..PciOptions::default()
+    };
+    let planned = plan(&with_segments(&[0], &[1, 2]), 4, 4, GIB, 4096, &pci, &host)
+        .unwrap()
+        .unwrap();
+    assert_eq!(planned.nodes[1].pci_segments, [1, 2]);
+    let regions = gpuvm_arch::x86_64::layout::ram_regions(GIB);
+    let topology = planned.topology_of(&regions, &[]);
+    assert_eq!(topology.segment_domains, [(0, 0), (1, 1), (2, 1)]);
+    for (zero, one, says) in [
+        (
+            &[0u16][..],
+            &[3u16][..],
+            "node 1 lists PCI segment 3, but the VM has segments 0 to 2",
+        ),
+        (&[1], &[1], "PCI segment 1 is on node 0 and node 1"),
+    ] {
+        let error = plan(&with_segments(zero, one), 4, 4, GIB, 4096, &pci, &host).unwrap_err();
+        assert!(error.to_string().contains(says), "{error}");
+    }
+    // One segment by default: segment 1 is not the VM's.
+    let error = plan(
+        &with_segments(&[], &[1]),
+        4,
+        4,
+        GIB,
+        4096,
+        &PciOptions::default(),
+        &host,
+    )
+    .unwrap_err();
+    assert!(error.to_string().contains("segments 0 to 0"), "{error}");
+}
+
 #[test]
 fn topology_splits_node_ram_at_the_32_bit_hole_and_names_devices() {
     let plan = NumaPlan {
@@ -289,11 +338,13 @@ fn topology_splits_node_ram_at_the_32_bit_hole_and_names_devices() {
                 cpus: vec![0, 2],
                 mem_size: 2 * GIB,
                 host_node: Some(0),
+                pci_segments: Vec::new(),
             },
             NodePlan {
                 cpus: vec![1, 3],
                 mem_size: 2 * GIB,
                 host_node: Some(1),
+                pci_segments: Vec::new(),
             },
         ],
         distances: vec![vec![10, 21], vec![21, 10]],
@@ -370,11 +421,13 @@ fn this_hosts_node_0_exists_and_its_ram_can_be_bound() {
                 cpus: vec![0],
                 mem_size: 32 * MIB,
                 host_node: Some(0),
+                pci_segments: Vec::new(),
             },
             NodePlan {
                 cpus: vec![1],
                 mem_size: 32 * MIB,
                 host_node: Some(0),
+                pci_segments: Vec::new(),
             },
         ],
         distances: vec![vec![10, 20], vec![20, 10]],
@@ -415,11 +468,13 @@ fn hot_pluggable_ram_is_a_hot_pluggable_range_of_the_last_node_above_boot_ram() 
                 cpus: vec![0],
                 mem_size: 256 * MIB,
                 host_node: None,
+                pci_segments: Vec::new(),
             },
             NodePlan {
                 cpus: vec![1],
                 mem_size: 256 * MIB,
                 host_node: None,
+                pci_segments: Vec::new(),
             },
         ],
         distances: vec![vec![10, 20], vec![20, 10]],
@@ -458,6 +513,7 @@ fn the_hot_plug_area_goes_to_the_node_of_the_highest_boot_ram() {
         cpus,
         mem_size,
         host_node: None,
+        pci_segments: Vec::new(),
     };
     let distances = vec![vec![10, 20, 20], vec![20, 10, 20], vec![20, 20, 10]];
     // Three nodes over 6 GiB: node 2's RAM lies above the 32-bit hole, the highest.
@@ -608,6 +664,7 @@ fn plan_with_devices(nodes: usize, device_nodes: &[(&str, u32)]) -> NumaPlan {
                 cpus: vec![node as u8],
                 mem_size: GIB,
                 host_node: Some(node as u32),
+                pci_segments: Vec::new(),
             })
             .collect(),
         distances: vec![vec![10; nodes]; nodes],

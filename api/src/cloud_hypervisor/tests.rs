@@ -571,6 +571,18 @@ fn numa_nodes_are_translated_and_checked() {
     ]))
     .unwrap();
     assert_eq!(plain.distances, None);
+    // A node's PCI segments (of the config's two): its host bridges.
+    let placed = two_node_config(json!([
+        {"guest_numa_id": 0, "cpus": [0], "pci_segments": [0]},
+        {"guest_numa_id": 1, "cpus": [1], "pci_segments": [1]}
+    ]))
+    .unwrap();
+    let segments: Vec<Vec<u16>> = placed
+        .nodes
+        .iter()
+        .map(|n| n.pci_segments.clone())
+        .collect();
+    assert_eq!(segments, [vec![0], vec![1]]);
     // Three nodes over 2048 MiB: the remainder on the first node listed.
     let mut body = kata_vm_config();
     body["cpus"]["boot_vcpus"] = json!(3);
@@ -599,8 +611,12 @@ fn numa_nodes_are_translated_and_checked() {
             "numa[0].memory_zones",
         ),
         (
-            json!([{"guest_numa_id": 0, "cpus": [0, 1], "pci_segments": [0]}]),
-            "numa[0].pci_segments",
+            json!([{"guest_numa_id": 0, "cpus": [0, 1], "pci_segments": [2]}]),
+            "numa[0].pci_segments[0] = 2: the VM has 2 PCI segment(s)",
+        ),
+        (
+            json!([{"guest_numa_id": 0, "cpus": [0, 1], "pci_segments": ["one"]}]),
+            "numa[0].pci_segments[0]",
         ),
         (
             json!([{"guest_numa_id": 1, "cpus": [0, 1]}]),

@@ -338,12 +338,17 @@ fn whole_number(field: &str, value: &serde_json::Value, max: u64) -> Result<u64,
         .ok_or_else(|| format!("{field} = {value}: expected a whole number from 0 to {max}"))
 }
 
-/// `numa`: guest node `guest_numa_id` with its `cpus` and `distances` (to nodes not
-/// listed: 20). gpuvm's guest RAM has no memory zones, so the nodes share the RAM evenly
-/// (in whole pages of its backing, the remainder on the first node listed);
-/// `memory_zones` and `pci_segments` are refused. The nodes are checked against the
+/// `numa`: guest node `guest_numa_id` with its `cpus`, `distances` (to nodes not
+/// listed: 20) and `pci_segments` (of the VM's `segments`: their host bridges are the
+/// node's, and so are the devices placed on them). gpuvm's guest RAM has no memory zones,
+/// so the nodes share the RAM evenly (in whole pages of its backing, the remainder on the
+/// first node listed); `memory_zones` is refused. The nodes are checked against the
 /// machine when it is built (every vCPU on one node, ids 0 to N-1 once each).
-pub fn numa(nodes: &[NumaConfig], machine: &MachineConfigBody) -> Result<NumaBody, Refusal> {
+pub fn numa(
+    nodes: &[NumaConfig],
+    machine: &MachineConfigBody,
+    segments: u16,
+) -> Result<NumaBody, Refusal> {
     let count = nodes.len() as u64;
     let mut ids = Vec::with_capacity(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
@@ -358,13 +363,6 @@ pub fn numa(nodes: &[NumaConfig], machine: &MachineConfigBody) -> Result<NumaBod
             return Err(format!(
                 "numa[{i}].memory_zones is not supported by gpuvm: its guest RAM has no memory \
                  zones (leave memory_zones out and the RAM is split evenly across the nodes)"
-            ));
-        }
-        if node.pci_segments.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(format!(
-                "numa[{i}].pci_segments is not supported by gpuvm (a passthrough device's node \
-                 comes from its host node, and gpuvm gives each node's devices a PCI segment \
-                 of its own)"
             ));
         }
     }
@@ -419,11 +417,25 @@ pub fn numa(nodes: &[NumaConfig], machine: &MachineConfigBody) -> Result<NumaBod
             distances[row][to as usize] = value as u8;
             distances_given = true;
         }
+        let pci_segments = (node.pci_segments.iter().flatten().enumerate())
+            .map(|(s, segment)| {
+                let field = format!("numa[{i}].pci_segments[{s}]");
+                let segment = whole_number(&field, segment, u64::from(u16::MAX))?;
+                if segment >= u64::from(segments) {
+                    return Err(format!(
+                        "{field} = {segment}: the VM has {segments} PCI segment(s) \
+                         (platform.num_pci_segments), numbered from 0"
+                    ));
+                }
+                Ok(segment as u16)
+            })
+            .collect::<Result<Vec<u16>, Refusal>>()?;
         bodies.push(NumaNodeBody {
             node: *id as u32,
             cpus,
             mem_mib: node_pages * page_mib,
             host_node: None,
+            pci_segments,
         });
     }
     Ok(NumaBody {
@@ -445,7 +457,7 @@ pub fn vm_config(config: &VmConfig) -> Result<Vec<VmmAction>, Refusal> {
         &mut machine_action,
         config.numa.as_deref().filter(|n| !n.is_empty()),
     ) {
-        body.numa = Some(numa(nodes, body)?);
+        body.numa = Some(numa(nodes, body, num_pci_segments(config)?)?);
     }
     let mut actions = vec![machine_action];
     if config.payload.kernel.is_none() {

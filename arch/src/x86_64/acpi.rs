@@ -606,18 +606,25 @@ struct PciHotplugAml<'a> {
     bridge_slots: &'a [u8],
 }
 
-/// The `_PXM` of each of `count` segments' host bridges: with NUMA nodes, segment 0's is
-/// domain 0 and another segment's is the domain of the devices the SRAT places on it (the
-/// VMM gives each node's passthrough devices a segment of their own); without NUMA nodes,
-/// or for a segment with no such devices, none. Linux takes a PCI device's `numa_node`
-/// from its host bridge's `_PXM` alone (acpi_pci_root_add), so this is what the guest's
-/// drivers (NVIDIA's, NCCL) see.
+/// The `_PXM` of each of `count` segments' host bridges: with NUMA nodes, the domain the
+/// configuration gives the segment (Cloud Hypervisor's `numa[].pci_segments`), else
+/// segment 0's is domain 0 and another segment's the domain of the devices the SRAT
+/// places on it (the VMM gives each node's passthrough devices a segment of their own);
+/// without NUMA nodes, or for a segment with neither, none. Linux takes a PCI device's
+/// `numa_node` from its host bridge's `_PXM` alone (acpi_pci_root_add), so this is what
+/// the guest's drivers (NVIDIA's, NCCL, virtio-net's queue placement) see.
 fn host_bridge_domains(numa: Option<&numa::NumaTopology>, count: usize) -> Vec<Option<u32>> {
     let Some(topology) = numa else {
         return vec![None; count];
     };
     (0..count)
         .map(|segment| {
+            let given = (topology.segment_domains.iter())
+                .find(|(given, _)| usize::from(*given) == segment)
+                .map(|&(_, domain)| domain);
+            if given.is_some() {
+                return given;
+            }
             if segment == 0 {
                 return Some(0);
             }
@@ -1175,6 +1182,7 @@ mod tests {
                 initiator(0, 3, 1),
                 initiator(1, 3, 2),
             ],
+            segment_domains: Vec::new(),
             distances: vec![vec![10, 20], vec![20, 10]],
         };
         let tables = build_with_numa(&config, Some(&topology)).unwrap();
@@ -1200,6 +1208,26 @@ mod tests {
             host_bridge_domains(Some(&topology), 4),
             [Some(0), Some(1), None, None]
         );
+        // Segments the configuration places (Cloud Hypervisor's numa[].pci_segments): that
+        // domain, over what the devices say, segment 0's included.
+        let placed = NumaTopology {
+            segment_domains: vec![(2, 1), (3, 0), (0, 1)],
+            ..topology.clone()
+        };
+        assert_eq!(
+            host_bridge_domains(Some(&placed), 4),
+            [Some(1), Some(1), Some(1), Some(0)]
+        );
+        let tables = build_with_numa(&config, Some(&placed)).unwrap();
+        let (_, dsdt) = tables.find(b"DSDT").unwrap();
+        let position = |name: &[u8]| dsdt.windows(4).position(|w| w == name).unwrap();
+        let pc02 = &dsdt[position(b"PC02")..position(b"PC03")];
+        assert!(contains(pc02, &pxm(1)), "PC02: node 1, as configured");
+        let unknown = NumaTopology {
+            segment_domains: vec![(1, 2)],
+            ..topology.clone()
+        };
+        assert!(build_with_numa(&config, Some(&unknown)).is_err());
 
         let plain = build(&config).unwrap();
         let (_, plain_dsdt) = plain.find(b"DSDT").unwrap();

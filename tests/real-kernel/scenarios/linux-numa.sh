@@ -1,13 +1,17 @@
-# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's. Then an edu device passed through (kernel VFIO) from host node 1 goes on node 1's PCI segment, and Linux's sysfs shows it on node 1
+# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk there on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes on node 1's PCI segment, and Linux's sysfs shows it on node 1
 # qemu: -device edu,addr=0x4
 . /lib/real-kernel.sh
 start_ch
+dd if=/dev/zero of=/tmp/numa-disk.img bs=1M count=4 2>/dev/null
+# The disk (virtio-blk, 1af4:1042) sits on PCI segment 1, which numa[1].pci_segments makes node 1's.
 ch_checked PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
-    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=numa inner.end=poweroff"},
+    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=numa inner.numa_device=1af4:1042 inner.end=poweroff"},
     "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
     "memory": {"size": 536870912, "hotplug_size": 1073741824},
-    "numa": [{"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}]},
-             {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}]}],
+    "platform": {"num_pci_segments": 2},
+    "disks": [{"path": "/tmp/numa-disk.img", "pci_segment": 1}],
+    "numa": [{"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}], "pci_segments": [0]},
+             {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}], "pci_segments": [1]}],
     "serial": {"mode": "Tty"}, "console": {"mode": "Off"}}'
 ch_checked PUT /api/v1/vm.boot
 wait_gpuvm ch 240 || fail "gpuvm status $?"
@@ -21,6 +25,8 @@ expect_line /tmp/ch.log "MiB distance 25 10"
 expect_line /tmp/ch.log "SRAT: Node 0 PXM 0 [mem 0x00000000-0x0fffffff]"
 expect_line /tmp/ch.log "SRAT: Node 1 PXM 1 [mem 0x10000000-0x1fffffff]"
 expect_line /tmp/ch.log "SRAT: Node 1 PXM 1 [mem 0x100000000-0x13fffffff] hotplug"
+# Linux reads the disk's node from PC01's _PXM, which numa[1].pci_segments gave it.
+expect_line /tmp/ch.log "inner: numa device 1af4:1042 at 0001:00:01.0 node 1"
 # Each node holds most of its 256 MiB (the kernel's own reservations come off node 0).
 for node in 0 1; do
     mib="$(sed -n "s/.*inner: node$node cpus [0-9-]* memory \([0-9]*\) MiB.*/\1/p" /tmp/ch.log)"

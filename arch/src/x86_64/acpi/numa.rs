@@ -66,6 +66,10 @@ pub struct NumaTopology {
     pub cpu_domains: Vec<u32>,
     pub memory: Vec<NumaMemoryRange>,
     pub initiators: Vec<NumaPciInitiator>,
+    /// PCI segments whose host bridge the configuration puts in a domain, (segment,
+    /// domain): Cloud Hypervisor's `numa[].pci_segments`, for the virtio devices placed
+    /// there. The other host bridges take their devices' domain.
+    pub segment_domains: Vec<(u16, u32)>,
     /// `distances[from][to]`; the diagonal is [`LOCAL_DISTANCE`].
     pub distances: Vec<Vec<u8>>,
 }
@@ -97,6 +101,15 @@ impl NumaTopology {
         {
             return Err(AcpiError::Layout(
                 "NUMA: a device is in an unknown proximity domain or has a bad PCI address",
+            ));
+        }
+        if !self
+            .segment_domains
+            .iter()
+            .all(|&(_, domain)| known(domain))
+        {
+            return Err(AcpiError::Layout(
+                "NUMA: a PCI segment is in an unknown proximity domain",
             ));
         }
         for (from, row) in self.distances.iter().enumerate() {
@@ -227,6 +240,7 @@ mod tests {
                 device: 3,
                 function: 0,
             }],
+            segment_domains: Vec::new(),
             distances: vec![vec![10, 21], vec![21, 10]],
         }
     }
