@@ -218,32 +218,31 @@ fn fake_host_sysfs(root: &Path, gpus: &[(&str, &str, &str, u32)]) {
     }
 }
 
-#[test]
-fn auto_gives_each_gpu_s_socket_a_guest_node() {
-    let scratch = Scratch::new("numa", "auto");
+/// A VM with `--numa auto` on a fake two-socket host with `gpus` (each an emulated GPU
+/// started with `emu_args`, its `topology_bdf` the host GPU it stands for): gpuvm runs
+/// with `vm_args` (`--vcpus`, `--memory`, `--cmdline`, ...), the devices and the
+/// environment that points it at the fake tree and binds every guest node's RAM to the
+/// real node 0. `run` gets the arguments and the environment and returns gpuvm's output;
+/// the device servers must then have ended well.
+fn run_on_fake_two_socket_host(
+    test: &str,
+    gpus: &[(&str, &str, &str, u32)],
+    emu_args: &[&str],
+    vm_args: &[&str],
+    run: impl FnOnce(&[&str], &[(&str, &str)]) -> RunOutput,
+) -> RunOutput {
+    let scratch = Scratch::new("numa", test);
     let sysfs = scratch.path("sys");
-    fake_two_socket_sysfs(&sysfs);
+    fake_host_sysfs(&sysfs, gpus);
     let mut servers = Vec::new();
     let mut devices = Vec::new();
-    for (index, (_, _, gpu, _)) in HOST_GPUS.iter().enumerate() {
+    for (index, (_, _, gpu, _)) in gpus.iter().enumerate() {
         let socket = scratch.path(&format!("gpu{index}.sock"));
-        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, emu_args));
         devices.push(format!("{},topology_bdf={gpu}", socket.display()));
     }
-    let mut args = vec![
-        "--log-level",
-        "info",
-        "run",
-        "--vcpus",
-        "3",
-        "--memory",
-        "512M",
-        "--numa",
-        "auto",
-        // 3 vCPUs and 512 MiB over two nodes: the remainder vCPU goes to node 0.
-        "--cmdline",
-        "numa cpus=0,0,1 mem=256M,256M dist=10,21,21,10 gi=0,1 hold=2",
-    ];
+    let mut args = vec!["--log-level", "info", "run", "--numa", "auto"];
+    args.extend_from_slice(vm_args);
     for device in &devices {
         args.extend(["--vfio-user", device.as_str()]);
     }
@@ -251,14 +250,31 @@ fn auto_gives_each_gpu_s_socket_a_guest_node() {
         ("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap()),
         ("GPUVM_TEST_NUMA_BIND_NODE", "0"),
     ];
-    let out = run_and_inspect(&args, &env, |_, policies| {
-        assert!(!policies.is_empty());
-        assert!(policies.iter().all(|(_, p)| p == "bind:0"), "{policies:?}");
-    });
+    let out = run(&args, &env);
     for server in servers {
         let done = server.wait(Duration::from_secs(30));
         assert_eq!(done.code(), Some(0), "{}", done.stderr);
     }
+    out
+}
+
+#[test]
+fn auto_gives_each_gpu_s_socket_a_guest_node() {
+    // 3 vCPUs and 512 MiB over two nodes: the remainder vCPU goes to node 0.
+    let vm = [
+        "--vcpus",
+        "3",
+        "--memory",
+        "512M",
+        "--cmdline",
+        "numa cpus=0,0,1 mem=256M,256M dist=10,21,21,10 gi=0,1 hold=2",
+    ];
+    let out = run_on_fake_two_socket_host("auto", &HOST_GPUS, &[], &vm, |args, env| {
+        run_and_inspect(args, env, |_, policies| {
+            assert!(!policies.is_empty());
+            assert!(policies.iter().all(|(_, p)| p == "bind:0"), "{policies:?}");
+        })
+    });
     out.assert_code(0)
         .assert_stdout_has("numa: ok")
         .assert_stdout_has("numa: vcpu apic 0 runs on node 0")
@@ -303,42 +319,21 @@ const H100_HOST_GPUS: [(&str, &str, &str, u32); 4] = [
 /// windows, a word written and read back at both ends of each BAR1 and BAR3.
 #[test]
 fn a_node_segment_s_windows_hold_its_gpus_big_bars() {
-    let scratch = Scratch::new("numa", "node-segment-bars");
-    let sysfs = scratch.path("sys");
-    fake_host_sysfs(&sysfs, &H100_HOST_GPUS);
-    let mut servers = Vec::new();
-    let mut devices = Vec::new();
-    for (index, (_, _, gpu, _)) in H100_HOST_GPUS.iter().enumerate() {
-        let socket = scratch.path(&format!("gpu{index}.sock"));
-        let bar1 = ["--bar1-mib", "65536"];
-        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &bar1));
-        devices.push(format!("{},topology_bdf={gpu}", socket.display()));
-    }
-    let mut args = vec![
-        "--log-level",
-        "info",
-        "run",
+    let vm = [
         "--vcpus",
         "2",
         "--memory",
         "256M",
-        "--numa",
-        "auto",
         "--cmdline",
         "big-bars 4",
     ];
-    for device in &devices {
-        args.extend(["--vfio-user", device.as_str()]);
-    }
-    let env = [
-        ("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap()),
-        ("GPUVM_TEST_NUMA_BIND_NODE", "0"),
-    ];
-    let out = gpuvm_tests::run_gpuvm_with_env(&args, &env, LIMIT, None);
-    for server in servers {
-        let done = server.wait(Duration::from_secs(30));
-        assert_eq!(done.code(), Some(0), "{}", done.stderr);
-    }
+    let out = run_on_fake_two_socket_host(
+        "node-segment-bars",
+        &H100_HOST_GPUS,
+        &["--bar1-mib", "65536"],
+        &vm,
+        |args, env| gpuvm_tests::run_gpuvm_with_env(args, env, LIMIT, None),
+    );
     out.assert_code(0)
         .assert_stdout_has("big-bars: ok 4")
         .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's");
