@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpuvm_arch::x86_64::layout::{ram_reaches_ht_hole, AMD_HT_HOLE_END, AMD_HT_HOLE_START};
+use gpuvm_tests::host_is_amd;
 use gpuvm_tests::snapshot_support::{
     arg, assert_restored_memloop_completes, field, has, memory_files, memory_header, only_report,
     restore, signal_snapshot,
@@ -195,14 +196,6 @@ fn guest_ram_larger_than_the_host_boots_and_restores_lazily_from_a_sparse_file()
 
 /// What makes gpuvm plan as an AMD host does (vmm/src/host.rs).
 const AS_AMD: &str = "GPUVM_TEST_HOST_VENDOR";
-
-fn host_is_amd() -> bool {
-    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
-        info.lines()
-            .find(|line| line.starts_with("vendor_id"))
-            .is_some_and(|line| line.contains("AuthenticAMD") || line.contains("HygonGenuine"))
-    })
-}
 
 /// `0x...` after `at host ` in gpuvm's debug line for BAR `bar`'s mapping of `size` bytes.
 fn logged_bar_host_address(stderr: &str, bar: u8, size: u64) -> u64 {

@@ -15,6 +15,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+/// Whether this host's CPU is AMD's (or Hygon's): gpuvm lays guest RAM and the 64-bit PCI
+/// window out around the HyperTransport range there.
+pub fn host_is_amd() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|info| {
+        info.lines()
+            .find(|line| line.starts_with("vendor_id"))
+            .is_some_and(|line| line.contains("AuthenticAMD") || line.contains("HygonGenuine"))
+    })
+}
+
 /// The `gpuvm` binary: `$GPUVM_BIN`, else the one cargo built next to this test.
 pub fn gpuvm_bin() -> PathBuf {
     if let Some(path) = std::env::var_os("GPUVM_BIN") {

@@ -61,7 +61,9 @@ fn guest_detects_a_wrong_page_after_restore() {
 /// Writes a valid, empty (all-zero) full memory file for a guest of `ram_size` bytes
 /// with gpuvm's layout: to build states that are consistent but unusable on this host.
 fn write_empty_memory_file(path: &Path, ram_size: u64) {
-    let regions = gpuvm_arch::x86_64::layout::ram_regions(ram_size);
+    // The layout this host gives that much RAM (around the HyperTransport range on AMD).
+    let regions =
+        gpuvm_arch::x86_64::layout::ram_regions_around(ram_size, gpuvm_tests::host_is_amd());
     let mut metadata = Vec::new();
     for r in &regions {
         metadata.extend_from_slice(&r.guest_addr.to_le_bytes());
