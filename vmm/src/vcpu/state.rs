@@ -1,6 +1,7 @@
 //! A vCPU's snapshot state: everything KVM holds for it, and how it is read from and
 //! loaded into the vCPU.
 
+use gpuvm_arch::x86_64::address_space::CpuVendor;
 use gpuvm_devices::Persist;
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
@@ -58,21 +59,12 @@ pub fn saved_msr_indices(kvm: &Kvm) -> Result<Vec<u32>, kvm_ioctls::Error> {
 }
 
 /// The CPU vendor (CPUID leaf 0) of a saved vCPU and of this host, when they differ.
-fn foreign_vendor(saved_cpuid: &[kvm_cpuid_entry2]) -> Option<(String, String)> {
+fn foreign_vendor(saved_cpuid: &[kvm_cpuid_entry2]) -> Option<(CpuVendor, CpuVendor)> {
     let saved = saved_cpuid.iter().find(|entry| entry.function == 0)?;
-    let saved = vendor_name(saved.ebx, saved.edx, saved.ecx);
+    let saved = CpuVendor::from_leaf0(saved.ebx, saved.ecx, saved.edx);
     let host = std::arch::x86_64::__cpuid(0);
-    let here = vendor_name(host.ebx, host.edx, host.ecx);
+    let here = CpuVendor::from_leaf0(host.ebx, host.ecx, host.edx);
     (saved != here).then_some((saved, here))
-}
-
-/// The 12-character vendor string of CPUID leaf 0 (EBX, EDX, ECX in that order).
-fn vendor_name(ebx: u32, edx: u32, ecx: u32) -> String {
-    [ebx, edx, ecx]
-        .iter()
-        .flat_map(|word| word.to_le_bytes())
-        .map(char::from)
-        .collect()
 }
 
 fn read_msrs(fd: &VcpuFd, id: u8, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, PersistError> {
@@ -199,7 +191,7 @@ impl Persist for Vcpu {
         }
         if let (Some((saved, here)), false) = (&foreign, left_out.is_empty()) {
             log::warn!(
-                "vCPU {id}: the state was written on a {saved} host, this one is {here}: its \
+                "vCPU {id}: the state was written on a {saved:?} host, this one is {here:?}: its \
                  MSR(s) {} are left out (a guest that relies on them may misbehave)",
                 left_out.join(", ")
             );
@@ -232,19 +224,20 @@ mod tests {
     #[test]
     fn a_state_from_the_other_cpu_vendor_is_told_apart() {
         let host = std::arch::x86_64::__cpuid(0);
-        let here = vendor_name(host.ebx, host.edx, host.ecx);
-        let other: &[u8; 12] = if here == "AuthenticAMD" {
-            b"GenuineIntel"
+        let here = CpuVendor::from_leaf0(host.ebx, host.ecx, host.edx);
+        let (own, other, other_vendor): (&[u8; 12], &[u8; 12], _) = if here == CpuVendor::Amd {
+            (b"AuthenticAMD", b"GenuineIntel", CpuVendor::Intel)
         } else {
-            b"AuthenticAMD"
+            (b"GenuineIntel", b"AuthenticAMD", CpuVendor::Amd)
         };
+        if here != CpuVendor::Other {
+            assert_eq!(foreign_vendor(&[leaf0(own)]), None);
+        }
         assert_eq!(
-            foreign_vendor(&[leaf0(here.as_bytes().try_into().unwrap())]),
-            None
+            foreign_vendor(&[leaf0(other)]),
+            Some((other_vendor, here)),
+            "foreign, named with both vendors"
         );
-        let (saved, host_vendor) = foreign_vendor(&[leaf0(other)]).expect("foreign");
-        assert_eq!(saved.as_bytes(), other);
-        assert_eq!(host_vendor, here);
         assert_eq!(foreign_vendor(&[]), None, "no leaf 0: nothing to compare");
     }
 }
