@@ -358,12 +358,15 @@ impl RunningApi {
         } else {
             reply
         };
-        let timeout = crate::hotplug::eject_timeout();
-        self.wake_after(timeout);
+        // One instant for the timer and the check: a timer armed for an earlier instant
+        // than the one `finish_unplugs` compares with could fire just before the deadline
+        // and leave the DELETE unanswered with nothing left to wake it.
+        let deadline = Instant::now() + crate::hotplug::eject_timeout();
+        self.wake_at(deadline);
         self.unplugs.push(PendingUnplug {
             id,
             bdf: format!("0000:{bdf}"),
-            deadline: Instant::now() + timeout,
+            deadline,
             reply,
         });
         // The guest may have been quick.
@@ -371,12 +374,9 @@ impl RunningApi {
         true
     }
 
-    /// Wakes this thread when `timeout` is up (the guest's eject wakes it sooner).
-    fn wake_after(&mut self, timeout: Duration) {
-        if let Err(error) = self
-            .eject_timer
-            .wake_at(&self.event, Instant::now() + timeout)
-        {
+    /// Wakes this thread once `deadline` has passed (the guest's eject wakes it sooner).
+    fn wake_at(&mut self, deadline: Instant) {
+        if let Err(error) = self.eject_timer.wake_at(&self.event, deadline) {
             log::warn!(
                 "no eject timer thread ({error}); the timeout is checked on the next request"
             );
@@ -395,9 +395,8 @@ impl RunningApi {
         let waiting: Vec<&str> = self.unplugs.iter().map(|u| u.id.as_str()).collect();
         let freed = hotplug.free_gone(&waiting);
         devices.passthrough.retain(|l| !freed.contains(l));
-        let now = std::time::Instant::now();
         for deadline in deadlines {
-            self.wake_after(deadline.saturating_duration_since(now));
+            self.wake_at(deadline);
         }
     }
 
