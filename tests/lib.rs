@@ -856,6 +856,15 @@ pub fn assert_memloop_resumed_and_done(out: &RunOutput) {
     );
 }
 
+/// Whether `pid` runs (a zombie does not).
+pub fn process_running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::has_whole_line_with;

@@ -750,3 +750,93 @@ fn devices_behind_root_ports_are_named_by_their_address_behind_the_port() {
         );
     }
 }
+
+/// A VM handed to a new gpuvm by a live update keeps its nodes as placed: the new
+/// process pins the vCPU threads it starts to their nodes' host CPUs, and its own
+/// snapshots (and further updates) carry the node plan, as the first process's do.
+#[test]
+fn a_live_update_keeps_the_nodes_pinning_and_plan() {
+    let scratch = Scratch::new("numa", "update");
+    let api = scratch.path("api.sock");
+    let snap = scratch.path("snap");
+    let node0_cpus = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
+        .unwrap()
+        .trim()
+        .to_string();
+    let mut first = SpawnedProcess::gpuvm(&[
+        "--log-level",
+        "info",
+        "run",
+        "--no-thp",
+        "--vcpus",
+        "2",
+        "--memory",
+        "1G",
+        "--numa",
+        "node=0,cpus=0,mem_mib=512,host_node=0",
+        "--numa",
+        "node=1,cpus=1,mem_mib=512,host_node=0",
+        "--numa-pin-vcpus",
+        "--cmdline",
+        "numa cpus=0,1 mem=512M,512M dist=10,20,20,10 hold=60",
+        "--api-sock",
+        api.to_str().unwrap(),
+    ]);
+    gpuvm_tests::wait_for_api_socket(&mut first, &api);
+    gpuvm_tests::api_start_instance(&api);
+    first.wait_for_stdout("numa: ok", LIMIT);
+    let update = std::process::Command::new(gpuvm_tests::gpuvm_bin())
+        .args(["update", "--pid", &first.pid().to_string()])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&update.stdout).into_owned();
+    assert!(
+        update.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&update.stderr)
+    );
+    let new: i32 = (said.split("runs in process ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no new pid in {said:?}"));
+    // The first process ends once it handed the VM over (until then its API thread may
+    // still take a connection on the shared socket); its output pipes are the VM's, which
+    // the new process holds.
+    let deadline = std::time::Instant::now() + LIMIT;
+    while gpuvm_tests::process_running(first.pid()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first gpuvm runs on"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The new process's own vCPU threads, pinned by it.
+    let vcpus: Vec<Vec<String>> =
+        gpuvm_tests::thread_status_fields(new, &["Name:", "Cpus_allowed_list:"])
+            .into_iter()
+            .filter(|fields| fields[0].starts_with("vcpu"))
+            .collect();
+    assert_eq!(vcpus.len(), 2, "{vcpus:?}");
+    for fields in &vcpus {
+        assert_eq!(fields[1], node0_cpus, "{fields:?}");
+    }
+    // The RAM it took over stays bound (the policy is the memfd's).
+    let policies = ram_policies(new);
+    assert!(
+        !policies.is_empty() && policies.iter().all(|(_, p)| p == "bind:0"),
+        "{policies:?}"
+    );
+    gpuvm_tests::api_expect(&api, 204, "PATCH", "/vm", Some(r#"{"state":"Paused"}"#));
+    let body = format!(
+        r#"{{"snapshot_path":"{}","snapshot_type":"Full"}}"#,
+        snap.display()
+    );
+    gpuvm_tests::api_expect(&api, 200, "PUT", "/snapshot/create", Some(&body));
+    let state = gpuvm_tests::snapshot_support::read_state(&snap);
+    let nodes = &state["numa"]["nodes"];
+    assert_eq!(nodes[0]["host_node"], 0, "{}", state["numa"]);
+    assert_eq!(nodes[1]["cpus"][0], 1, "{}", state["numa"]);
+    assert_eq!(state["numa"]["pin_vcpus"], true, "{}", state["numa"]);
+    // SAFETY: kill(2) has no memory effects; `new` is the gpuvm the update started.
+    unsafe { libc::kill(new, libc::SIGKILL) };
+}

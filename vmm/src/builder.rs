@@ -74,6 +74,9 @@ struct MachineBase {
     /// Where each PCI segment's root bus put ECAM and the BAR windows, segment 0's first
     /// (the ACPI tables describe them).
     pci: Vec<PciRootConfig>,
+    /// The NUMA nodes as placed: the vCPU threads' pinning, the ACPI tables' topology and
+    /// the plan the machine's snapshots carry.
+    numa: crate::numa::PlacedNuma,
 }
 
 fn create_base(
@@ -121,11 +124,14 @@ fn create_base_over(
         backing: machine_config.backing,
         thp: machine_config.thp,
     };
-    let ram = match adopted {
-        // Its pages are where the guest left them, hot-plugged RAM's after boot RAM's.
+    let (ram, numa) = match adopted {
+        // Its pages are where the guest left them, hot-plugged RAM's after boot RAM's,
+        // bound to their nodes by the process that made them.
         Some((memfd, huge_tmpfs)) => {
             let room = hotplug_area.map_or(0, |(_, room)| room);
-            GuestRam::adopt(memfd, &ram_config, &regions, huge_tmpfs, room)?
+            let ram = GuestRam::adopt(memfd, &ram_config, &regions, huge_tmpfs, room)?;
+            let numa = crate::numa::prepare(machine_config, pci_options, None)?;
+            (ram, numa)
         }
         None => {
             // Create RAM first: it is where bad sizes are caught, before any KVM object
@@ -135,8 +141,8 @@ fn create_base_over(
                 None => GuestRam::create(&ram_config, &regions)?,
             };
             // Before anything touches guest RAM (prefault, loaders, DMA mapping).
-            crate::numa::prepare(machine_config, pci_options, &ram)?;
-            ram
+            let numa = crate::numa::prepare(machine_config, pci_options, Some(&ram))?;
+            (ram, numa)
         }
     };
     let ram_hotplug_area = hotplug_area
@@ -196,10 +202,17 @@ fn create_base_over(
         devices.memory_hotplug = Some(create_memory_hotplug(&vm, &mut devices.io_bus)?);
     }
     // The root and its devices live on in the buses' entries.
-    let pci = attach::attach(&kvm, &vm, &ram, &device_memory, pci_options, &mut devices)?
-        .iter()
-        .map(|root| root.config())
-        .collect();
+    let pci = attach::attach(
+        &kvm,
+        &vm,
+        (&ram, &device_memory),
+        pci_options,
+        &numa.passthrough_segments,
+        &mut devices,
+    )?
+    .iter()
+    .map(|root| root.config())
+    .collect();
     clock.mark("devices");
     Ok(MachineBase {
         kvm,
@@ -208,6 +221,7 @@ fn create_base_over(
         ram_hotplug_area,
         devices,
         pci,
+        numa,
     })
 }
 
@@ -227,9 +241,7 @@ pub fn build_with_pci(
     let machine_config = &config.machine;
     let max_vcpus = pci.max_vcpus(machine_config);
     let ram_hotplug_size = pci.ram_hotplug_size;
-    let numa = crate::numa::plan_for(machine_config, pci)?;
     let device_keys = crate::numa::device_keys(pci);
-    clock.mark("plan");
     let MachineBase {
         kvm,
         vm,
@@ -237,18 +249,20 @@ pub fn build_with_pci(
         ram_hotplug_area,
         devices,
         pci,
+        numa,
     } = {
         let kvm = open_kvm()?;
         clock.mark("open_kvm");
         create_base(kvm, machine_config, pci, serial_out, &mut clock)?
     };
 
-    let numa = numa.map(|plan| {
+    let topology = numa.plan.as_ref().map(|plan| {
         plan.topology(
             ram.regions(),
             ram_hotplug_size,
             &device_keys,
             &devices.passthrough,
+            &numa.passthrough_segments,
         )
     });
     let rsdp = acpi::setup_acpi_with_numa(
@@ -260,7 +274,7 @@ pub fn build_with_pci(
             pci_segments: pci,
             power_off: ACPI_POWER_OFF.load(Ordering::Relaxed),
         },
-        numa.as_ref(),
+        topology.as_ref(),
         &(devices.pci_hotplug.as_ref())
             .map(|hotplug| hotplug.bridge_slots())
             .unwrap_or_default(),
@@ -293,9 +307,9 @@ pub fn build_with_pci(
         }
     }
     clock.mark("create_vcpus");
-    let mut vcpu_threads = start_vcpu_threads(&vcpus)?;
+    let mut vcpu_threads = start_vcpu_threads(&vcpus, &numa)?;
     // Threads for the vCPUs hot-plug may add, each under its filter, waiting.
-    vcpu_threads.extend(spare_vcpu_threads(machine_config.vcpus..max_vcpus)?);
+    vcpu_threads.extend(spare_vcpu_threads(machine_config.vcpus..max_vcpus, &numa)?);
     clock.mark("vcpu_threads");
     let vcpu_template = match vcpus.first() {
         Some(first) if max_vcpus > machine_config.vcpus => Some(VcpuTemplate {
@@ -314,6 +328,7 @@ pub fn build_with_pci(
         machine_config.backing
     );
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, machine_config.clone());
+    machine.numa = numa;
     machine.vcpu_threads = vcpu_threads;
     machine.max_vcpus = max_vcpus;
     machine.vcpu_template = vcpu_template;
@@ -330,19 +345,25 @@ pub fn build_with_pci(
 }
 
 /// Starts a thread for each of `vcpus` now, so that their seccomp filters are installed
-/// while the rest of the VM is set up (see [`VcpuThread`]).
-fn start_vcpu_threads(vcpus: &[Vcpu]) -> Result<Vec<VcpuThread>, Error> {
+/// while the rest of the VM is set up (see [`VcpuThread`]), each pinned where `numa` says.
+fn start_vcpu_threads(
+    vcpus: &[Vcpu],
+    numa: &crate::numa::PlacedNuma,
+) -> Result<Vec<VcpuThread>, Error> {
     vcpus
         .iter()
-        .map(|vcpu| VcpuThread::spawn(vcpu.id).map_err(Error::from))
+        .map(|vcpu| VcpuThread::spawn(vcpu.id, numa.cpus_of(vcpu.id)).map_err(Error::from))
         .collect()
 }
 
 /// Starts a thread for each vCPU of `ids` that hot-plug may add later: under the vCPU
 /// filter at once, each waits for its vCPU ([`VcpuThread`]), which the VMM thread creates
 /// when the guest is to get it (threads cannot be started under the filters later).
-fn spare_vcpu_threads(ids: impl Iterator<Item = u8>) -> Result<Vec<VcpuThread>, Error> {
-    ids.map(|id| VcpuThread::spawn_spare(id).map_err(Error::from))
+fn spare_vcpu_threads(
+    ids: impl Iterator<Item = u8>,
+    numa: &crate::numa::PlacedNuma,
+) -> Result<Vec<VcpuThread>, Error> {
+    ids.map(|id| VcpuThread::spawn_spare(id, numa.cpus_of(id)).map_err(Error::from))
         .collect()
 }
 

@@ -15,7 +15,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use gpuvm_arch::x86_64::acpi::numa::{
     NumaMemoryRange, NumaPciInitiator, NumaTopology, LOCAL_DISTANCE, REMOTE_DISTANCE,
@@ -597,20 +596,38 @@ fn real_host_node(node: u32) -> u32 {
 /// A guest PCI address: segment, bus, device, function.
 pub type GuestPciAddress = (u16, u8, u8, u8);
 
-/// The vCPU threads' CPU sets (by vCPU id) for [`pin_current_vcpu_thread`], set per build.
-static VCPU_AFFINITY: Mutex<BTreeMap<u8, Vec<usize>>> = Mutex::new(BTreeMap::new());
+/// What the NUMA stage decided for the VM being built: the builder carries it to the PCI
+/// stage (which segment each passthrough device goes on), to the vCPU threads (the host
+/// CPUs each pins itself to) and to the machine (the plan its snapshots and live updates
+/// carry). Empty without NUMA nodes.
+#[derive(Clone, Debug, Default)]
+pub struct PlacedNuma {
+    pub plan: Option<NumaPlan>,
+    /// Each cold-plugged passthrough device's PCI segment other than 0, by backend key
+    /// ([`NumaPlan::passthrough_segments`]).
+    pub passthrough_segments: BTreeMap<String, u16>,
+    /// The host CPUs of each pinned vCPU, by vCPU id.
+    pub vcpu_cpus: BTreeMap<u8, Vec<usize>>,
+}
 
-/// Pins the calling thread to the host CPUs planned for vCPU `id`, if any. vCPU threads
-/// call it before their seccomp filter is on (the filter has no sched_setaffinity).
-pub fn pin_current_vcpu_thread(id: u8) {
-    let cpus = match VCPU_AFFINITY.lock() {
-        Ok(map) => map.get(&id).cloned(),
-        Err(_) => None,
-    };
-    let Some(cpus) = cpus else { return };
+impl PlacedNuma {
+    /// The plan as a snapshot or live update carries it.
+    pub fn saved(&self) -> Option<SavedNumaPlan> {
+        self.plan.as_ref().map(SavedNumaPlan::of)
+    }
+
+    /// The host CPUs vCPU `id` is pinned to, if it is.
+    pub fn cpus_of(&self, id: u8) -> Option<Vec<usize>> {
+        self.vcpu_cpus.get(&id).cloned()
+    }
+}
+
+/// Pins the calling thread, vCPU `id`'s, to host CPUs `cpus`. vCPU threads call it before
+/// their seccomp filter is on (the filter has no sched_setaffinity).
+pub fn pin_current_vcpu_thread(id: u8, cpus: &[usize]) {
     // SAFETY: cpu_set_t is plain data; all zeroes is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for cpu in &cpus {
+    for cpu in cpus {
         // SAFETY: CPU_SET bounds-checks `cpu` against the set's size.
         unsafe { libc::CPU_SET(*cpu, &mut set) };
     }
@@ -627,9 +644,14 @@ pub fn pin_current_vcpu_thread(id: u8) {
 }
 
 impl NumaPlan {
-    /// Binds each node's RAM to its host node (before anything touches it) and sets up
-    /// the vCPU threads' pinning. A host node this host lacks is an error.
-    pub fn place(&self, ram: &GuestRam, host: &HostNuma) -> Result<(), NumaError> {
+    /// Binds each node's RAM to its host node (before anything touches it; `ram` None: RAM
+    /// a live update adopted, bound by the process that made it) and returns the vCPU
+    /// threads' pinning. A host node this host lacks is an error.
+    pub fn place(
+        &self,
+        ram: Option<&GuestRam>,
+        host: &HostNuma,
+    ) -> Result<BTreeMap<u8, Vec<usize>>, NumaError> {
         let mut affinity = BTreeMap::new();
         let real_sysfs = HostNuma::at(Path::new("/sys"));
         let mut offset = 0;
@@ -638,8 +660,10 @@ impl NumaPlan {
             if let Some(host_node) = node.host_node {
                 host.check_node(host_node)?;
                 let real = real_host_node(host_node);
-                bind_file_range(ram, offset, node.mem_size, real, NodePolicy::Bind)
-                    .map_err(|source| NumaError::Bind { guest_node, source })?;
+                if let Some(ram) = ram {
+                    bind_file_range(ram, offset, node.mem_size, real, NodePolicy::Bind)
+                        .map_err(|source| NumaError::Bind { guest_node, source })?;
+                }
                 if self.pin_vcpus {
                     let cpus = real_sysfs.cpus_of(real)?;
                     for cpu in &node.cpus {
@@ -661,14 +685,14 @@ impl NumaPlan {
             }
             offset += node.mem_size;
         }
-        set_vcpu_affinity(affinity);
-        Ok(())
+        Ok(affinity)
     }
 
     /// What the SRAT and SLIT say: each possible vCPU's node, each node's RAM ranges (in
     /// the guest layout `regions`), and each cold-plugged passthrough device's node:
     /// `device_keys` ([`device_keys`]) and `labels` (the plugged devices' labels, which
-    /// start with their guest address) are both in plug order.
+    /// start with their guest address) are both in plug order; `segments` has those not
+    /// on segment 0 ([`PlacedNuma::passthrough_segments`]).
     ///
     /// With `ram_hotplug_size` bytes of hot-pluggable RAM, its area (where the builder puts
     /// it, right after boot RAM) is a hot-pluggable range of the node that holds the highest
@@ -680,8 +704,8 @@ impl NumaPlan {
         ram_hotplug_size: u64,
         device_keys: &[String],
         labels: &[String],
+        segments: &BTreeMap<String, u16>,
     ) -> NumaTopology {
-        let segments = passthrough_segments();
         let guest_devices: Vec<(String, GuestPciAddress)> = device_keys
             .iter()
             .zip(labels)
@@ -805,26 +829,6 @@ impl NumaPlan {
     }
 }
 
-/// Each cold-plugged passthrough device's PCI segment other than 0, by backend key, as
-/// [`prepare`] planned it for the VM being built (one VM per process); the PCI stage
-/// (builder/attach.rs) plugs the devices there and the SRAT names them there.
-static PASSTHROUGH_SEGMENTS: Mutex<BTreeMap<String, u16>> = Mutex::new(BTreeMap::new());
-
-fn set_passthrough_segments(segments: BTreeMap<String, u16>) {
-    if let Ok(mut placed) = PASSTHROUGH_SEGMENTS.lock() {
-        *placed = segments;
-    }
-}
-
-/// The PCI segment of each cold-plugged passthrough device not on segment 0 (see
-/// [`NumaPlan::passthrough_segments`]), by backend key; empty without NUMA nodes.
-pub fn passthrough_segments() -> BTreeMap<String, u16> {
-    PASSTHROUGH_SEGMENTS
-        .lock()
-        .map(|placed| placed.clone())
-        .unwrap_or_default()
-}
-
 /// The proximity domain of the hot-plug area: that of the highest boot RAM (`boot_ram`:
 /// the node ranges), which the area continues; 0 without boot RAM ranges. gpuvm has one
 /// hot-plug area and no per-node hot-plug sizes (Cloud Hypervisor's memory zones have
@@ -836,8 +840,7 @@ fn hotplug_domain(boot_ram: &[NumaMemoryRange]) -> u32 {
         .map_or(0, |range| range.domain)
 }
 
-/// The NUMA plan of a VM of `machine` with `pci`, or None without NUMA nodes (the
-/// builder calls this twice: to place RAM, then for the ACPI tables).
+/// The NUMA plan of a VM of `machine` with `pci`, or None without NUMA nodes.
 pub fn plan_for(
     machine: &crate::config::MachineConfig,
     pci: &PciOptions,
@@ -853,16 +856,14 @@ pub fn plan_for(
     )
 }
 
-/// Plans the VM's nodes and places its RAM (just created, untouched) and vCPU threads;
-/// with no nodes, says why where `--numa auto` chose none.
+/// Plans the VM's nodes, places its RAM (`ram`: just created, untouched; None for RAM a
+/// live update adopted, placed already) and plans its vCPU threads' pinning and its
+/// passthrough devices' segments; with no nodes, says why where `--numa auto` chose none.
 pub fn prepare(
     machine: &crate::config::MachineConfig,
     pci: &PciOptions,
-    ram: &GuestRam,
-) -> Result<(), NumaError> {
-    set_vcpu_affinity(BTreeMap::new());
-    set_placed(None);
-    set_passthrough_segments(BTreeMap::new());
+    ram: Option<&GuestRam>,
+) -> Result<PlacedNuma, NumaError> {
     match plan_for(machine, pci)? {
         Some(plan) => {
             // Segments for passthrough devices come after those the VM asked for.
@@ -889,10 +890,12 @@ pub fn prepare(
                     plan.device_nodes.get(key).copied().unwrap_or_default()
                 );
             }
-            plan.place(ram, &HostNuma::from_env())?;
-            set_passthrough_segments(segments);
-            set_placed(Some(SavedNumaPlan::of(&plan)));
-            Ok(())
+            let vcpu_cpus = plan.place(ram, &HostNuma::from_env())?;
+            Ok(PlacedNuma {
+                plan: Some(plan),
+                passthrough_segments: segments,
+                vcpu_cpus,
+            })
         }
         None => {
             if pci.numa.mode == NumaMode::Auto {
@@ -901,7 +904,7 @@ pub fn prepare(
                      or the host has one): no SRAT/SLIT needed"
                 );
             }
-            Ok(())
+            Ok(PlacedNuma::default())
         }
     }
 }
@@ -969,29 +972,8 @@ impl SavedNumaPlan {
     }
 }
 
-/// The plan this process's VM was placed by (one VM per process), for its snapshots.
-static PLACED: Mutex<Option<SavedNumaPlan>> = Mutex::new(None);
-
-fn set_placed(plan: Option<SavedNumaPlan>) {
-    if let Ok(mut placed) = PLACED.lock() {
-        *placed = plan;
-    }
-}
-
-/// The node plan of the VM built or restored in this process; None without NUMA nodes.
-pub fn placed_plan() -> Option<SavedNumaPlan> {
-    PLACED.lock().ok().and_then(|placed| placed.clone())
-}
-
-/// Replaces the vCPU pinning of the VM being built (empty: none).
-pub fn set_vcpu_affinity(affinity: BTreeMap<u8, Vec<usize>>) {
-    if let Ok(mut map) = VCPU_AFFINITY.lock() {
-        *map = affinity;
-    }
-}
-
 /// Parses a guest PCI address as a passthrough device's label starts (`bb:dd.f`; the
-/// label has no segment: this says 0, [`passthrough_segments`] has the others).
+/// label has no segment: this says 0, [`PlacedNuma::passthrough_segments`] has the others).
 pub fn parse_label_bdf(label: &str) -> Option<GuestPciAddress> {
     let address = label.split_whitespace().next()?;
     let (bus, rest) = address.split_once(':')?;

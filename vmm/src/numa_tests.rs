@@ -434,7 +434,7 @@ fn this_hosts_node_0_exists_and_its_ram_can_be_bound() {
         device_nodes: BTreeMap::new(),
         pin_vcpus: false,
     };
-    plan.place(&ram, &host).unwrap();
+    plan.place(Some(&ram), &host).unwrap();
 }
 
 #[test]
@@ -484,13 +484,13 @@ fn hot_pluggable_ram_is_a_hot_pluggable_range_of_the_last_node_above_boot_ram() 
     let regions = gpuvm_arch::x86_64::layout::ram_regions(512 * MIB);
     let labels = ["00:01.0 gpu".to_string()];
     let keys = ["/run/a.sock".to_string()];
-    let without = plan.topology(&regions, 0, &keys, &labels);
+    let without = plan.topology(&regions, 0, &keys, &labels, &BTreeMap::new());
     assert!(without.memory.iter().all(|m| !m.hotpluggable));
     assert!(
         without.initiators.is_empty(),
         "the device's node is unknown"
     );
-    let with = plan.topology(&regions, 3 * GIB, &keys, &labels);
+    let with = plan.topology(&regions, 3 * GIB, &keys, &labels, &BTreeMap::new());
     let last = with.memory.last().unwrap();
     let (base, size) = gpuvm_arch::x86_64::layout::ram_hotplug_area(512 * MIB, 3 * GIB);
     assert_eq!((last.domain, last.base, last.size), (1, base, size));
@@ -528,7 +528,7 @@ fn the_hot_plug_area_goes_to_the_node_of_the_highest_boot_ram() {
         pin_vcpus: false,
     };
     let regions = gpuvm_arch::x86_64::layout::ram_regions(6 * GIB);
-    let topology = plan.topology(&regions, GIB, &[], &[]);
+    let topology = plan.topology(&regions, GIB, &[], &[], &BTreeMap::new());
     let area = topology.memory.last().unwrap();
     let top = regions.iter().map(RamRegion::end).max().unwrap();
     assert_eq!(top, 7 * GIB, "1 GiB below the hole moved above 4 GiB");
@@ -542,7 +542,7 @@ fn the_hot_plug_area_goes_to_the_node_of_the_highest_boot_ram() {
         pin_vcpus: false,
     };
     let regions = gpuvm_arch::x86_64::layout::ram_regions(512 * MIB);
-    let topology = single.topology(&regions, GIB, &[], &[]);
+    let topology = single.topology(&regions, GIB, &[], &[], &BTreeMap::new());
     assert_eq!(topology.memory.last().map(|m| m.domain), Some(0));
     // And the SRAT encodes it: enabled and hot-pluggable.
     let srat = gpuvm_arch::x86_64::acpi::numa::srat(&topology).unwrap();
@@ -729,11 +729,10 @@ fn devices_of_each_node_other_than_0_get_a_segment_of_their_own() {
 fn topology_names_a_device_on_its_segment() {
     let plan = plan_with_devices(2, &[("gpu0", 0), ("gpu1", 1)]);
     let keys = ["gpu0".to_string(), "gpu1".to_string()];
-    set_passthrough_segments(plan.passthrough_segments(&keys, 1).unwrap());
+    let segments = plan.passthrough_segments(&keys, 1).unwrap();
     let regions = gpuvm_arch::x86_64::layout::ram_regions(2 * GIB);
     let labels = ["00:01.0 gpu0".to_string(), "00:01.0 gpu1".to_string()];
-    let topology = plan.topology(&regions, 0, &keys, &labels);
-    set_passthrough_segments(BTreeMap::new());
+    let topology = plan.topology(&regions, 0, &keys, &labels, &segments);
     let placed: Vec<(u32, u16, u8)> = (topology.initiators.iter())
         .map(|i| (i.domain, i.segment, i.device))
         .collect();

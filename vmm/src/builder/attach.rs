@@ -3,6 +3,7 @@
 //! background, the virtio devices, and the hot-plug controller. The pieces it puts
 //! together (device plugging, BAR slots, segment windows) are [`crate::pci`]'s.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gpuvm_arch::x86_64::address_space::SegmentBars;
@@ -40,17 +41,19 @@ use crate::pci_topology::{host_place, DeviceInput, LayoutRequest, Placement};
 /// The passthrough devices are opened first: the 64-bit BAR window is sized from their
 /// BARs and the host's address width before any root exists (crate::pci::plan_address_space),
 /// and a VM that does not fit is refused there.
+///
+/// `(ram, device_memory)`: guest RAM, and what device emulation reads and writes (RAM
+/// and the hot-plug area). Passthrough devices on guest NUMA nodes other than 0 go on
+/// segments of their own, after those asked for: `device_segments`, by backend key
+/// (crate::numa::PlacedNuma::passthrough_segments).
 pub fn attach(
     kvm: &Kvm,
     vm: &VmFd,
-    ram: &GuestRam,
-    device_memory: &GuestMemoryMmap,
+    (ram, device_memory): (&GuestRam, &GuestMemoryMmap),
     options: &PciOptions,
+    device_segments: &BTreeMap<String, u16>,
     devices: &mut MachineDevices,
 ) -> Result<Vec<Arc<PciRoot>>, PciSetupError> {
-    // Passthrough devices on guest NUMA nodes other than 0 go on segments of their own,
-    // after those asked for (crate::numa::NumaPlan::passthrough_segments).
-    let device_segments = crate::numa::passthrough_segments();
     let count = (device_segments.values().copied())
         .map(|segment| segment.saturating_add(1))
         .fold(segment_count(options)?, u16::max);

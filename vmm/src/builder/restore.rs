@@ -124,9 +124,9 @@ pub fn restore_with_overrides(
     let created = create_base(kvm, &config, &pci, serial_out, &mut clock).and_then(|base| {
         let ids: Vec<u8> = state.state.vcpus.iter().map(|saved| saved.id).collect();
         let vcpus = create_vcpus(&base.kvm, &base.vm, ids.iter().copied(), &base.devices)?;
-        let mut threads = start_vcpu_threads(&vcpus)?;
+        let mut threads = start_vcpu_threads(&vcpus, &base.numa)?;
         let absent = (0..max_vcpus).filter(|id| !ids.contains(id));
-        threads.extend(spare_vcpu_threads(absent)?);
+        threads.extend(spare_vcpu_threads(absent, &base.numa)?);
         let template = hotplug_template(&base, &config, &vcpus, max_vcpus)?;
         Ok((base, vcpus, (threads, template)))
     });
@@ -177,8 +177,10 @@ pub fn restore_with_overrides(
         ram_hotplug_area: _,
         devices,
         pci: _,
+        numa,
     } = base;
     let mut machine = Machine::new(kvm, vm, ram, devices, vcpus, config);
+    machine.numa = numa;
     machine.vcpu_threads = vcpu_threads;
     machine.max_vcpus = max_vcpus;
     machine.vcpu_template = vcpu_template;
@@ -288,9 +290,10 @@ pub fn prepare_handed_over(
         &mut clock,
     )?;
     let vcpus = create_vcpus(&base.kvm, &base.vm, vcpu_ids.iter().copied(), &base.devices)?;
-    let mut vcpu_threads = start_vcpu_threads(&vcpus)?;
+    let mut vcpu_threads = start_vcpu_threads(&vcpus, &base.numa)?;
     vcpu_threads.extend(spare_vcpu_threads(
         (0..max_vcpus).filter(|id| !vcpu_ids.contains(id)),
+        &base.numa,
     )?);
     let vcpu_template = hotplug_template(&base, &config, &vcpus, max_vcpus)?;
     clock.mark("create_vcpus");
@@ -373,9 +376,11 @@ impl PreparedMachine {
             vm,
             ram,
             devices,
+            numa,
             ..
         } = self.base;
         let mut machine = Machine::new(kvm, vm, ram, devices, self.vcpus, self.config);
+        machine.numa = numa;
         machine.vcpu_threads = self.vcpu_threads;
         machine.max_vcpus = self.max_vcpus;
         machine.vcpu_template = self.vcpu_template;

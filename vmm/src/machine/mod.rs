@@ -227,6 +227,9 @@ pub struct Machine {
     /// Pages dirtied since the chain's last memory file that KVM no longer reports: its
     /// dirty log was read (and so cleared) for a snapshot that then failed.
     unsaved_dirty: Option<Vec<Vec<u64>>>,
+    /// Its NUMA nodes as placed (empty without): the plan its snapshots and live updates
+    /// carry, and where a vCPU thread started late pins itself.
+    pub(crate) numa: crate::numa::PlacedNuma,
 }
 
 impl Machine {
@@ -259,6 +262,7 @@ impl Machine {
             run_control: None,
             paused: false,
             unsaved_dirty: None,
+            numa: crate::numa::PlacedNuma::default(),
         }
     }
 
@@ -391,7 +395,7 @@ impl Machine {
             for vcpu in self.vcpus.drain(..) {
                 let thread = match threads.iter().position(|t| t.id() == vcpu.id) {
                     Some(at) => threads.swap_remove(at),
-                    None => VcpuThread::spawn(vcpu.id)?,
+                    None => VcpuThread::spawn(vcpu.id, self.numa.cpus_of(vcpu.id))?,
                 };
                 let mut handle = thread.launch(vcpu, reporter.clone())?;
                 if let Some(cause) = stall_cause {

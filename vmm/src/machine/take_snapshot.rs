@@ -370,6 +370,7 @@ impl Machine {
         ) -> Result<(String, WriteStats, Vec<String>), SnapshotError>,
     ) -> Result<(String, WriteStats, Duration), Error> {
         let device_files = saved.devices.migrated_gpus.clone();
+        let numa = self.numa.saved();
         let memory_started = Instant::now();
         let written = self
             .ram_mappings()
@@ -385,7 +386,7 @@ impl Machine {
                     memory_files: files,
                     memory_file_id: Some(stats.info.id.to_string()),
                     raw_memory: None,
-                    numa: crate::numa::placed_plan(),
+                    numa,
                 };
                 snapshot::commit(dir, &state, &memory_file)?;
                 Ok((memory_file, stats, memory_time, state.memory_files))

@@ -506,7 +506,7 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         memory_files: Vec::new(),
         memory_file_id: None,
         raw_memory: None,
-        numa: crate::numa::placed_plan(),
+        numa: machine.numa.saved(),
     })
 }
 

@@ -78,19 +78,23 @@ fn thread_name(id: u8) -> String {
 }
 
 impl VcpuThread {
-    /// Spawns the thread for vCPU `id`: it installs the vCPU filter, says it is ready,
-    /// and waits for its vCPU.
-    pub fn spawn(id: u8) -> Result<VcpuThread, VcpuError> {
-        Self::spawn_named(id, false)
+    /// Spawns the thread for vCPU `id`: it pins itself to host CPUs `pin_to` (if given:
+    /// its NUMA node's), installs the vCPU filter, says it is ready, and waits for its vCPU.
+    pub fn spawn(id: u8, pin_to: Option<Vec<usize>>) -> Result<VcpuThread, VcpuError> {
+        Self::spawn_named(id, false, pin_to)
     }
 
     /// As [`VcpuThread::spawn`], for a vCPU that hot-plug may add later: the thread is
     /// named `spare-vcpu<N>` until it is handed its vCPU, then takes the vCPU's name.
-    pub fn spawn_spare(id: u8) -> Result<VcpuThread, VcpuError> {
-        Self::spawn_named(id, true)
+    pub fn spawn_spare(id: u8, pin_to: Option<Vec<usize>>) -> Result<VcpuThread, VcpuError> {
+        Self::spawn_named(id, true, pin_to)
     }
 
-    fn spawn_named(id: u8, spare: bool) -> Result<VcpuThread, VcpuError> {
+    fn spawn_named(
+        id: u8,
+        spare: bool,
+        pin_to: Option<Vec<usize>>,
+    ) -> Result<VcpuThread, VcpuError> {
         install_kick_handler()?;
         let name = if spare {
             spare_thread_name(id)
@@ -106,7 +110,9 @@ impl VcpuThread {
                 let _ended = EndedOnDrop(thread_control.clone());
                 // Pinned to its NUMA node's host CPUs (if asked) while sched_setaffinity
                 // is still allowed.
-                crate::numa::pin_current_vcpu_thread(id);
+                if let Some(cpus) = &pin_to {
+                    crate::numa::pin_current_vcpu_thread(id, cpus);
+                }
                 // Filtered before anything else runs on this thread, guest code included.
                 let filtered = crate::seccomp::apply(crate::seccomp::ThreadKind::Vcpu);
                 let failed = filtered.is_err();

@@ -27,7 +27,7 @@ fn within_seconds(seconds: u64, f: impl FnOnce() + Send + 'static) {
 #[test]
 fn an_unlaunched_vcpu_thread_ends_when_dropped() {
     within_seconds(10, || {
-        let thread = VcpuThread::spawn(3).unwrap();
+        let thread = VcpuThread::spawn(3, None).unwrap();
         assert_eq!(thread.id(), 3);
         // Ready arrives whether or not the vCPU ever comes.
         thread.handle.wait_ready().unwrap();
@@ -49,7 +49,7 @@ fn a_vcpu_is_refused_by_another_vcpus_thread_and_runs_on_its_own() {
             reasons: channel().0,
             event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
         });
-        let err = VcpuThread::spawn(1)
+        let err = VcpuThread::spawn(1, None)
             .unwrap()
             .launch(vcpu(0), reporter.clone())
             .err()
@@ -59,7 +59,7 @@ fn a_vcpu_is_refused_by_another_vcpus_thread_and_runs_on_its_own() {
             "{err}"
         );
         // The right thread takes it; it stays paused until resumed, and stops on request.
-        let mut handle = VcpuThread::spawn(1)
+        let mut handle = VcpuThread::spawn(1, None)
             .unwrap()
             .launch(vcpu(1), reporter)
             .unwrap();
@@ -112,7 +112,7 @@ impl SpinningGuest {
             reasons: channel().0,
             event: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
         });
-        let handle = VcpuThread::spawn(0)
+        let handle = VcpuThread::spawn(0, None)
             .unwrap()
             .launch(
                 Vcpu::new(0, fd, bus(), bus(), Arc::new(Vec::new())),
