@@ -377,6 +377,15 @@ pub struct PciRootState {
     pub slots: Vec<SlotState>,
     pub mmio32: WindowState,
     pub mmio64: WindowState,
+    /// The buses its ECAM window covered (those behind its bridges included): the
+    /// restored root's window covers them from the start, before the bridges are rebuilt,
+    /// as the guest's MCFG (in its RAM) says. 0 in states written before it was saved.
+    #[serde(default, skip_serializing_if = "is_one_bus")]
+    pub buses: u16,
+}
+
+fn is_one_bus(buses: &u16) -> bool {
+    *buses <= 1
 }
 
 /// Bus 0 of one PCI segment group and its functions (function 0 of each device only).
@@ -1067,6 +1076,7 @@ impl crate::Persist for PciRoot {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .state(),
+            buses: self.config().buses,
         })
     }
 
@@ -1087,7 +1097,16 @@ impl crate::Persist for PciRoot {
         {
             return Err(bad("the bus has functions already".into()));
         }
-        let config = self.config;
+        let config = PciRootConfig {
+            buses: self.config.buses.max(state.buses),
+            ..self.config
+        };
+        if state.buses > 256 || config.validate().is_err() {
+            return Err(bad(format!(
+                "its ECAM window of {} buses does not fit this root's layout",
+                state.buses
+            )));
+        }
         let mmio32 = BarAllocator::from_state(
             "32-bit",
             config.mmio32_start,
@@ -1141,6 +1160,7 @@ impl crate::Persist for PciRoot {
         *self.mmio32.get_mut().unwrap_or_else(|e| e.into_inner()) = mmio32;
         *self.mmio64.get_mut().unwrap_or_else(|e| e.into_inner()) = mmio64;
         *self.awaited.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(awaited);
+        self.config = config;
         Ok(())
     }
 }
@@ -1564,6 +1584,32 @@ mod tests {
             error.contains(&format!("0000:00:{:02x}.0", devices[1].0.device)),
             "{error}"
         );
+    }
+
+    /// A root whose bridges numbered buses behind it saves how many its ECAM window
+    /// covered; the restored root covers them before any bridge is back (its window is
+    /// placed on the MMIO bus then), and a count its layout cannot hold is refused.
+    #[test]
+    fn the_ecam_window_covers_the_saved_buses_from_the_start() {
+        let root = PciRoot::new(PciRootConfig {
+            buses: 5,
+            ..root_config()
+        })
+        .unwrap();
+        let saved = crate::Persist::save(&*root).unwrap();
+        assert_eq!(saved.buses, 5);
+        let mut restored = PciRoot::new(root_config()).unwrap();
+        assert_eq!(restored.config().buses, 1);
+        crate::Persist::restore(Arc::get_mut(&mut restored).unwrap(), &saved).unwrap();
+        assert_eq!(restored.config().buses, 5);
+        assert_eq!(restored.config().ecam_size(), 5 * PciRootConfig::ECAM_SIZE);
+        let mut too_many = saved.clone();
+        too_many.buses = 4096;
+        let mut refused = PciRoot::new(root_config()).unwrap();
+        let error = crate::Persist::restore(Arc::get_mut(&mut refused).unwrap(), &too_many)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("ECAM window of 4096 buses"), "{error}");
     }
 
     #[test]
