@@ -638,13 +638,15 @@ impl SpawnedProcess {
         self.wait_timeout(Duration::ZERO).expect("ended")
     }
 
-    /// Kills the process and panics with `why` and everything it wrote.
+    /// Kills the process and panics with `why`, where each of its threads was (for a
+    /// hang that happens once in many runs) and everything it wrote.
     fn kill_and_panic(&mut self, why: &str) -> ! {
+        let threads = thread_report(self.pid());
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();
         self.drain_output(Duration::from_secs(2));
         panic!(
-            "{why}\n--- stdout\n{}\n--- stderr\n{}",
+            "{why}\n--- threads\n{threads}--- stdout\n{}\n--- stderr\n{}",
             self.stdout(),
             self.stderr()
         );
@@ -854,6 +856,32 @@ pub fn assert_memloop_resumed_and_done(out: &RunOutput) {
         "fewer than 2 iterations after restore: {}",
         out.describe()
     );
+}
+
+/// Each thread of `pid`: its name, state, wait channel and kernel stack (where readable).
+pub fn thread_report(pid: i32) -> String {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return "(no /proc entry)\n".into();
+    };
+    let mut report = String::new();
+    for task in tasks.flatten() {
+        let dir = task.path();
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap_or_default();
+        let stat = read("stat");
+        let state = (stat.rsplit_once(')'))
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("?");
+        report.push_str(&format!(
+            "{} {} state {state} wchan {}\n",
+            task.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim()
+        ));
+        for frame in read("stack").lines().take(8) {
+            report.push_str(&format!("    {frame}\n"));
+        }
+    }
+    report
 }
 
 /// Whether `pid` runs (a zombie does not).

@@ -433,6 +433,10 @@ pub struct MachineConfigBody {
     /// Guest NUMA nodes (`--numa`). Absent: the nodes already configured stay.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub numa: Option<NumaBody>,
+    /// Empty PCIe root ports for hot-plug (`--pcie-root-ports`), each with its own slot
+    /// and windows; 0 turns them off. Absent: those already configured stay.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_root_ports: Option<u8>,
 }
 
 /// The `numa` of PUT /machine-config: `auto`, explicit `nodes`, or neither (no NUMA nodes).
@@ -594,6 +598,21 @@ impl MachineConfigBody {
             max_vcpus: None,
             ram_hotplug_size: None,
             numa: None,
+            pcie_root_ports: None,
+        }
+    }
+
+    /// The root ports asked for, checked against what gpuvm offers; None: keep those
+    /// configured.
+    pub fn checked_pcie_root_ports(&self) -> Result<Option<u8>, ActionError> {
+        match self.pcie_root_ports {
+            Some(ports) if ports > crate::pci_topology::MAX_HOTPLUG_PORTS => {
+                Err(ActionError::bad_request(format!(
+                    "pcie_root_ports = {ports}: at most {} root ports for hot-plug",
+                    crate::pci_topology::MAX_HOTPLUG_PORTS
+                )))
+            }
+            ports => Ok(ports),
         }
     }
 

@@ -87,6 +87,7 @@ pub fn machine(
         max_vcpus: (max_vcpus > vcpu_count).then_some(max_vcpus),
         ram_hotplug_size,
         numa: None,
+        pcie_root_ports: None,
     }))
 }
 

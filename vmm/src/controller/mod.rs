@@ -292,12 +292,16 @@ impl ApiController {
             VmmAction::PutMachineConfig(body) => body.checked_max_vcpus().and_then(|max| {
                 let hotplug_size = body.checked_ram_hotplug_size()?;
                 let numa = body.numa.as_ref().map(|n| n.to_options()).transpose()?;
+                let root_ports = body.checked_pcie_root_ports()?;
                 body.to_config().map(|config| {
                     self.machine_config = config;
                     self.pci.max_vcpus = max;
                     self.pci.ram_hotplug_size = hotplug_size;
                     if let Some(numa) = numa {
                         self.pci.numa = numa;
+                    }
+                    if let Some(ports) = root_ports {
+                        self.pci.pcie_root_ports = ports;
                     }
                     VmmData::Empty
                 })
@@ -657,6 +661,7 @@ impl ApiController {
         body.ram_hotplug_size =
             (self.pci.ram_hotplug_size > 0).then_some(self.pci.ram_hotplug_size);
         body.numa = crate::action::NumaBody::from_options(&self.pci.numa);
+        body.pcie_root_ports = (self.pci.pcie_root_ports > 0).then_some(self.pci.pcie_root_ports);
         body
     }
 
@@ -831,5 +836,8 @@ fn machine_config_json(machine: &Machine) -> VmmData {
     // Likewise the RAM it has now, hot-plugged RAM included, and the room for more.
     body.mem_size_mib = machine.ram_size() >> 20;
     body.ram_hotplug_size = machine.ram_hotplug_size();
+    let root_ports = (machine.devices().pci_hotplug.as_ref())
+        .map_or(0, |hotplug| hotplug.save_root_ports().len());
+    body.pcie_root_ports = (root_ports > 0).then_some(root_ports as u8);
     VmmData::Json(serde_json::json!(body))
 }
