@@ -5,11 +5,13 @@
 //! lies inside its bridges' windows and reads each GPU's BOOT_0 register.
 //! `--pci-topology flat` keeps the devices on bus 0, and so does the default where the
 //! host GPUs hang straight off root ports (nothing to mirror) unless `host` is asked for.
+//! A VM with such a topology snapshots and restores in a new process: its ports rebuilt
+//! in place and its GPUs restored behind them through VFIO migration.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use gpuvm_tests::{run_gpuvm, run_gpuvm_with_env, RunOutput, Scratch, SpawnedProcess};
+use gpuvm_tests::{run_gpuvm_with_env, RunOutput, Scratch, SpawnedProcess};
 
 const LIMIT: Duration = Duration::from_secs(180);
 
@@ -174,63 +176,161 @@ fn the_walk_fails_where_the_layout_is_not_the_expected_one() {
         .assert_stdout_has("pci-topology: FAIL expected 4 GPUs on bus 0 and no bridges");
 }
 
-/// The passes of the guest's `hold` loop so far (`pci-topology: ok N` lines).
-fn passes(stdout: &str) -> usize {
-    stdout
-        .lines()
-        .filter(|l| l.starts_with("pci-topology: ok "))
-        .count()
-}
-
 #[test]
-fn a_snapshot_of_the_topology_vm_is_refused_and_the_guest_goes_on_seeing_it() {
-    // Cold-plugged devices, the only ones placed behind ports, cannot be snapshotted
-    // (their state lives in the device): the refusal is clean and the tree stays.
+fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gpus() {
+    // Two GPUs behind one host switch: a root port, a switch upstream port and two
+    // downstream ports, cold-plugged at boot. The snapshot keeps every port (place, bus
+    // numbers, windows, registers) and each GPU's state (VFIO migration); a new process
+    // rebuilds the ports in place and plugs the GPUs back behind them, onto the same
+    // device processes (each serves the restored VMs too).
     let scratch = Scratch::new("pci-topology", "snapshot");
     let sysfs = scratch.path("sys");
-    let chains: Vec<&[&str]> = HOST_GPUS.iter().map(|c| c.as_slice()).collect();
+    let chains: Vec<&[&str]> = HOST_GPUS[..2].iter().map(|c| c.as_slice()).collect();
     fake_sysfs(&sysfs, &chains);
     let mut servers = Vec::new();
     let mut devices = Vec::new();
-    for (i, chain) in HOST_GPUS.iter().enumerate() {
+    for (i, chain) in chains.iter().enumerate() {
         let socket = scratch.path(&format!("gpu{i}.sock"));
-        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
+        servers.push(gpuvm_tests::start_emu_gpu(
+            &emu_bin(),
+            &socket,
+            &["--clients", "3"],
+        ));
         devices.push(format!("{},topology_bdf={}", socket.display(), chain[3]));
     }
     let api = scratch.path("api.sock");
-    let mut args = vec!["run", "--api-sock", api.to_str().unwrap()];
-    args.extend(["--cmdline", "pci-topology 2 2 hold"]);
+    let mut args = vec![
+        "--log-level",
+        "info",
+        "run",
+        "--api-sock",
+        api.to_str().unwrap(),
+    ];
+    args.extend(["--cmdline", "pci-topology 1 2 snapshot"]);
     for device in &devices {
         args.extend(["--vfio-user", device.as_str()]);
     }
     let env = [("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())];
     let mut vmm = SpawnedProcess::gpuvm_with_env(&args, &env);
     gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
-    let ctl = |what: &[&str]| {
-        let mut all = vec!["ctl", "--api-sock", api.to_str().unwrap()];
-        all.extend_from_slice(what);
-        run_gpuvm(&all, LIMIT)
-    };
-    ctl(&["start"]).assert_code(0);
-    vmm.wait_for_stdout("pci-topology: ok 1", LIMIT);
-    assert!(
-        vmm.stdout().contains(" switch-upstream "),
-        "{}",
-        vmm.stdout()
+    gpuvm_tests::api_start_instance(&api);
+    vmm.wait_for_stdout("send a byte once the VM is restored", LIMIT);
+    let before = vmm.stdout();
+    assert_eq!(before.matches(" switch-downstream ").count(), 2, "{before}");
+    assert_eq!(
+        before.matches("passed the pci checks").count(),
+        2,
+        "{before}"
     );
-    let snapshot = scratch.path("snapshot");
-    ctl(&["snapshot-create", "--dir", snapshot.to_str().unwrap()])
-        .assert_clean_error("cannot snapshot a VM with cold-plugged passthrough devices (03:00.0");
-    let before = passes(&vmm.stdout());
-    vmm.wait_until("more passes after the refusal", LIMIT, |p| {
-        passes(&p.stdout()) > before + 1
-    });
-    ctl(&["ctrl-alt-del"]).assert_code(0);
-    let out = vmm.wait(LIMIT);
-    assert_eq!(out.code(), Some(0), "{}", out.stderr);
+
+    let dir = scratch.path("snap");
+    gpuvm_tests::api_snapshot_create(&api, &dir);
+    let state = gpuvm_tests::snapshot_support::read_state(&dir);
+    let ports = state["pci_topology_ports"].as_array().expect("the ports");
+    let paths: Vec<String> = ports.iter().map(|p| p["path"].to_string()).collect();
+    assert_eq!(paths, ["[1]", "[1,0]", "[1,0,0]", "[1,0,1]"], "{state}");
+    let gpus = state["migrated_gpus"].as_array().expect("the GPUs' state");
+    let places: Vec<String> = gpus.iter().map(|g| g["path"].to_string()).collect();
+    assert_eq!(places, ["[1,0,0,0]", "[1,0,1,0]"], "{state}");
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+
+    let api2 = scratch.path("api2.sock");
+    let mut restored = SpawnedProcess::gpuvm_with_input(&[
+        "--log-level",
+        "info",
+        "run",
+        "--api-sock",
+        api2.to_str().unwrap(),
+    ]);
+    gpuvm_tests::wait_for_api_socket(&mut restored, &api2);
+    gpuvm_tests::api_load_lazy(&api2, &dir);
+    // Behind a switch port there is no slot to take a GPU out of.
+    let refused = gpuvm_tests::api_expect(&api2, 409, "DELETE", "/gpus/vfio-user-03:00.0", None);
+    assert!(refused.contains("no hot-plug slot"), "{refused}");
+    // The restored VM snapshots again (its GPUs are the hot-plug manager's now, found
+    // behind the same ports), and a third process restores that snapshot: the guest,
+    // still waiting for its byte, checks against what it saw before the first one.
+    let again = scratch.path("snap-again");
+    snapshot_when_the_gpus_run(&api2, &again);
+    let state = gpuvm_tests::snapshot_support::read_state(&again);
+    let ports: Vec<String> = (state["pci_topology_ports"]
+        .as_array()
+        .expect("the ports")
+        .iter())
+    .map(|p| p["path"].to_string())
+    .collect();
+    assert_eq!(ports, ["[1]", "[1,0]", "[1,0,0]", "[1,0,1]"], "{state}");
+    let gpus = state["migrated_gpus"].as_array().expect("the GPUs' state");
+    let places: Vec<String> = gpus.iter().map(|g| g["path"].to_string()).collect();
+    assert_eq!(places, ["[1,0,0,0]", "[1,0,1,0]"], "{state}");
+    restored.signal(libc::SIGKILL);
+    let _ = restored.wait(Duration::from_secs(10));
+    let api3 = scratch.path("api3.sock");
+    let mut restored = SpawnedProcess::gpuvm_with_input(&[
+        "--log-level",
+        "info",
+        "run",
+        "--api-sock",
+        api3.to_str().unwrap(),
+    ]);
+    gpuvm_tests::wait_for_api_socket(&mut restored, &api3);
+    gpuvm_tests::api_load_lazy(&api3, &again);
+    restored.write_stdin(b"r");
+    let out = restored.wait(LIMIT);
+    assert_eq!(out.code(), Some(0), "{}", out.describe());
     assert!(!out.stdout.contains("FAIL"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("pci-topology: after the restore the same tree: 4 ports, 2 GPUs"),
+        "{}",
+        out.stdout
+    );
+    for bdf in ["03:00.0", "04:00.0"] {
+        assert!(
+            out.stdout.contains(&format!(
+                "pci-topology: {bdf} kept its state and did one more DMA with MSI-X, verified"
+            )),
+            "{}",
+            out.stdout
+        );
+    }
+    assert!(
+        out.stdout.contains("pci-topology: restored ok"),
+        "{}",
+        out.stdout
+    );
+    for what in [
+        "root port restored",
+        "switch upstream port restored",
+        "switch downstream port restored",
+    ] {
+        assert!(out.stderr.contains(what), "{what}: {}", out.stderr);
+    }
     for server in servers {
         let done = server.wait(Duration::from_secs(30));
-        assert_eq!(done.code(), Some(0), "{}", done.stderr);
+        assert!(!done.stderr.contains("panicked"), "{}", done.stderr);
+    }
+}
+
+/// Snapshots the VM behind `api` into `dir` once its restored GPUs run (until guest RAM
+/// is DMA-mapped for them a snapshot is refused, saying to retry).
+fn snapshot_when_the_gpus_run(api: &Path, dir: &Path) {
+    let body = serde_json::json!({ "snapshot_path": dir }).to_string();
+    let deadline = std::time::Instant::now() + LIMIT;
+    loop {
+        let answer = gpuvm_api::client::request(api, "PUT", "/snapshot/create", Some(&body))
+            .expect("PUT /snapshot/create");
+        if answer.status == 200 {
+            return;
+        }
+        let waiting = answer.body.contains("retry once it runs");
+        assert!(
+            waiting && std::time::Instant::now() < deadline,
+            "PUT /snapshot/create answered {}: {}",
+            answer.status,
+            answer.body
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
 }

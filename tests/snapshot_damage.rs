@@ -622,3 +622,142 @@ fn host_memory_bytes() -> u64 {
         .expect("MemTotal in /proc/meminfo");
     kib << 10
 }
+
+// ---- Damaged PCIe ports ----
+
+/// A snapshot of a memloop VM with two root ports for hot-plug (`--pcie-root-ports 2`),
+/// in `scratch`'s `ports` directory.
+fn snapshot_with_root_ports(scratch: &Scratch) -> std::path::PathBuf {
+    use gpuvm_tests::snapshot_support::{signal_snapshot, Memloop};
+    let dir = scratch.path("ports");
+    let guest = Memloop {
+        memory: "128M",
+        size: "32M",
+        vcpus: 1,
+        iters: 150,
+        backing: "memfd",
+        seed: 3,
+    };
+    let (cmdline, vcpus) = (guest.cmdline(), guest.vcpus.to_string());
+    let mut args = guest.args(&cmdline, &vcpus);
+    args.extend(["--pcie-root-ports", "2"]);
+    args.extend(["--snapshot-dir", arg(&dir), "--snapshot-then", "exit"]);
+    let mut run = SpawnedProcess::gpuvm(&args);
+    run.wait_for_stdout("memloop: iter 1 ok", Duration::from_secs(120));
+    signal_snapshot(run.pid());
+    let out = run.wait(Duration::from_secs(120));
+    assert_eq!(out.code(), Some(0), "snapshot run: {}", out.describe());
+    dir
+}
+
+/// Sets `bytes` at `offset` of a saved port's registers (a JSON port with `registers`).
+fn set_register(port: &mut serde_json::Value, offset: usize, bytes: &[u8]) {
+    for (i, byte) in bytes.iter().enumerate() {
+        port["registers"]["config"][offset + i] = (*byte).into();
+    }
+}
+
+#[test]
+fn damaged_or_hostile_pcie_ports_are_refused_naming_the_port() {
+    let scratch = Scratch::new("snapshot", "ports");
+    let good = snapshot_with_root_ports(&scratch);
+    let state = read_state(&good);
+    let ports = state["pcie_root_ports"].as_array().expect("the root ports");
+    assert_eq!(ports.len(), 2, "{state}");
+    let slot = |i: usize| ports[i]["slot"].as_u64().expect("slot");
+    let first = format!("root port for hot-plug 00:{:02x}.0", slot(0));
+    let second = format!("root port for hot-plug 00:{:02x}.0", slot(1));
+    let wide = ports[0]["prefetchable"].clone();
+    let bus = |i: usize| ports[i]["registers"]["config"][0x19].as_u64().expect("bus");
+    let (bus0, bus1) = (bus(0), bus(1));
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, Vec<String>)> = vec![
+        (
+            "two ports hold one range of the 64-bit window",
+            Box::new(move |s| s["pcie_root_ports"][1]["prefetchable"] = wide.clone()),
+            vec![second.clone(), "overlaps".into()],
+        ),
+        (
+            "two ports forward the same bus",
+            Box::new(move |s| {
+                set_register(
+                    &mut s["pcie_root_ports"][1],
+                    0x19,
+                    &[bus0 as u8, bus0 as u8],
+                )
+            }),
+            vec![
+                second.clone(),
+                format!("buses {bus0:#04x}..={bus0:#04x} overlap"),
+            ],
+        ),
+        (
+            "a port's prefetchable window far outside the segment's",
+            // Base and limit's upper halves: 0x40_0000_0000_0000 and up.
+            Box::new(|s| {
+                let port = &mut s["pcie_root_ports"][0];
+                set_register(port, 0x28, &0x40_0000u32.to_le_bytes());
+                set_register(port, 0x2c, &0x40_0000u32.to_le_bytes());
+            }),
+            vec![
+                first.clone(),
+                "prefetchable window 0x40000".into(),
+                "outside the segment's windows".into(),
+            ],
+        ),
+        (
+            "a switch port behind a root port the snapshot does not have",
+            Box::new(move |s| {
+                let mut port = s["pcie_root_ports"][0]["registers"].clone();
+                port["kind"] = "SwitchUpstream".into();
+                s["pci_topology_ports"] = serde_json::json!([{"path": [9, 0], "registers": port}]);
+            }),
+            vec![
+                "switch upstream port at [9, 0]".into(),
+                "no saved port leads to it".into(),
+            ],
+        ),
+        (
+            "a topology root port with a hot-plug slot's registers",
+            Box::new(move |s| {
+                let port = s["pcie_root_ports"][1]["registers"].clone();
+                s["pci_topology_ports"] = serde_json::json!([{"path": [20], "registers": port}]);
+            }),
+            vec![
+                "root port 00:14.0".into(),
+                "registers are a hot-plug slot's".into(),
+            ],
+        ),
+    ];
+    assert_ne!(bus0, bus1);
+    let mut failures = Vec::new();
+    for (index, (name, edit, expected)) in cases.into_iter().enumerate() {
+        let dir = scratch.path(&format!("ports-{index}"));
+        copy_dir(&good, &dir);
+        let mut damaged = read_state(&dir);
+        edit(&mut damaged);
+        write_state(&dir, &damaged);
+        let out = restore(&dir, "eager", &[]);
+        let stderr = out.stderr.to_lowercase();
+        let problem = if out.code() == Some(0) || out.status.code().is_none() {
+            Some(format!("not refused: {}", out.describe()))
+        } else if stderr.contains("panicked") {
+            Some(format!("panicked: {}", out.describe()))
+        } else if let Some(missing) =
+            (expected.iter()).find(|e| !stderr.contains(&e.to_lowercase()))
+        {
+            Some(format!("error lacks {missing:?}: {}", out.describe()))
+        } else if !out.stdout.is_empty() {
+            Some(format!("the guest ran: {}", out.describe()))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            failures.push(format!("[{name}] {problem}"));
+        }
+    }
+    // The good snapshot still restores (the damage hit copies only).
+    let out = restore(&good, "eager", &[]);
+    assert_restored_memloop_completes_or_runs(&out);
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}

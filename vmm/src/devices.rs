@@ -108,6 +108,13 @@ pub struct DeviceStates {
     /// them. Absent for VMs without them and in state files written before they were saved.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pcie_root_ports: Vec<crate::pci_topology::SavedHotplugPort>,
+    /// The ports of a host-mirroring layout (`--pci-topology host`: root ports, switch
+    /// upstream and downstream ports), parents first: their places, registers and (root
+    /// ports) their ranges of the root's windows, which leave `pci_root`'s slots. A restore
+    /// rebuilds them before the devices behind them. Absent for VMs without them and in
+    /// state files written before they were saved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pci_topology_ports: Vec<crate::pci_topology::SavedTopologyPort>,
     /// Memory hot-plug: the room the VM was made with and the register block, whose slots
     /// say which RAM was plugged where (that RAM is in the memory file, after boot RAM).
     /// Filled by the snapshot (the room is the machine's, not a device's). Absent for VMs
@@ -173,7 +180,7 @@ impl Persist for MachineDevices {
     type Error = DeviceStateError;
 
     fn save(&self) -> Result<DeviceStates, DeviceStateError> {
-        Ok(DeviceStates {
+        let mut saved = DeviceStates {
             serial: lock(&self.serial).save()?,
             virtio: crate::virtio::save_all(&self.virtio)?,
             pci_hotplug: self.pci_hotplug.as_ref().map(|h| h.save_controller()),
@@ -193,10 +200,16 @@ impl Persist for MachineDevices {
             pcie_root_ports: (self.pci_hotplug.as_ref())
                 .map(|h| h.save_root_ports())
                 .unwrap_or_default(),
+            pci_topology_ports: Vec::new(),
             ram_hotplug: None,
             handed_over_vfio_user: Vec::new(),
             client_record: self.client_record.clone(),
-        })
+        };
+        // The host-mirroring layout's ports, with their slots out of the root's.
+        if let (Some(state), Some(plug)) = (saved.pci_root.as_mut(), &self.handover.plug) {
+            saved.pci_topology_ports = crate::pci_topology::save_topology_ports(&plug.root, state);
+        }
+        Ok(saved)
     }
 
     fn restore(&mut self, state: &DeviceStates) -> Result<(), DeviceStateError> {

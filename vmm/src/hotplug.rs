@@ -667,6 +667,14 @@ impl PciHotplug {
                 return result;
             }
         }
+        // A device restored behind the switch ports of a host-mirroring layout
+        // (crate::pci_topology) has neither an ACPI slot nor a hot-plug slot.
+        if self.devices.get(id).is_some_and(|d| d.bdf.bus != 0) && !self.port_of.contains_key(id) {
+            return Err(HotplugError::Conflict(format!(
+                "{id} sits behind a port of the VM's PCIe topology, which has no hot-plug slot: \
+                 it cannot be removed"
+            )));
+        }
         let device = self
             .devices
             .get_mut(id)

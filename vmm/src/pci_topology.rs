@@ -19,6 +19,13 @@
 //! after that layout: each has a bus and windows of its own and a PCIe native hot-plug
 //! slot ([`add_hotplug_ports`]); crate::hotplug plugs devices into them.
 //!
+//! A snapshot keeps every port (its place, registers and, for a root port, its ranges of
+//! the root's windows: [`SavedTopologyPort`], [`SavedHotplugPort`]); a restore checks
+//! them against each other and the segment's windows ([`check_saved_ports`]) before any
+//! is built, then rebuilds them in place before the devices behind them come back. The
+//! cold-plugged vfio-user devices behind a host-mirroring layout's ports are saved through
+//! VFIO migration as hot-plugged ones are, and restored at their paths.
+//!
 //! gpuvm acts as firmware: bus numbers are handed out depth first from 1, and each port's
 //! windows are sized to hold exactly the BARs behind it (1 MiB granular, aligned to the
 //! largest BAR), each root port's windows taken from the root's 32-bit and 64-bit BAR
@@ -32,7 +39,7 @@ use gpuvm_devices::pci::bridge::PciBridgeState;
 use gpuvm_devices::pci::bridge::WINDOW_GRANULE;
 use gpuvm_devices::pci::{
     intx_gsi, BarKind, BarSpec, BridgeSetup, MsiRouting, PciBdf, PciBridge, PciDevice, PciError,
-    PciRoot, PortKind, Window,
+    PciRoot, PciRootState, PortKind, SavedRange, Window,
 };
 use gpuvm_devices::Persist;
 use gpuvm_vfio::topology::{HostTopology, TopologyError};
@@ -65,6 +72,8 @@ pub enum PciTopologyError {
     HotplugPortMsi(#[source] std::io::Error),
     #[error("the snapshot's root port {index} for hot-plug cannot be rebuilt: {reason}")]
     SavedPort { index: u8, reason: String },
+    #[error("the snapshot's {port} cannot be restored: {reason}")]
+    SavedLayout { port: String, reason: String },
     #[error("--pcie-root-ports: cannot add root port {index}: {source}")]
     HotplugPort {
         index: u8,
@@ -237,6 +246,513 @@ pub fn restore_hotplug_ports(
     Ok(ports)
 }
 
+/// A port of a host-mirroring layout as a snapshot keeps it: a root port on bus 0 or a
+/// switch's upstream or downstream port behind one (built at boot by [`Placement`]),
+/// with its registers as the guest left them (bus numbers, windows, enables). A restore
+/// rebuilds every one in place ([`restore_topology_ports`]) before the devices behind
+/// them come back.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedTopologyPort {
+    /// Its path from bus 0 (see `PciRoot::add_behind`): a root port's is its bus-0 slot.
+    pub path: Vec<u8>,
+    /// The ranges of the root's windows a root port holds (taken out of the saved root's
+    /// slots, which keep them taken in its windows' bookkeeping); none behind a root port.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<SavedRange>,
+    pub registers: PciBridgeState,
+}
+
+/// The ports of `root`'s host-mirroring layout for a snapshot, parents first: every
+/// bridge that is not a root port for hot-plug (those are [`SavedHotplugPort`]s). The
+/// root ports' slots leave `state` (the root's saved allocations) with their ranges,
+/// which a restore gives back to them in [`restore_topology_ports`].
+pub fn save_topology_ports(root: &PciRoot, state: &mut PciRootState) -> Vec<SavedTopologyPort> {
+    fn registers_of(root: &PciRoot, path: &[u8]) -> Option<PciBridgeState> {
+        let device = root.device_at(path)?;
+        let device = device.lock().unwrap_or_else(|e| e.into_inner());
+        let bridge = device.as_bridge()?;
+        (!bridge.is_hotplug_slot()).then(|| bridge.registers())
+    }
+    fn walk(root: &PciRoot, path: &mut Vec<u8>, ports: &mut Vec<SavedTopologyPort>) {
+        for number in 0..32u8 {
+            path.push(number);
+            if let Some(registers) = registers_of(root, path) {
+                ports.push(SavedTopologyPort {
+                    path: path.clone(),
+                    ranges: Vec::new(),
+                    registers,
+                });
+                walk(root, path, ports);
+            }
+            path.pop();
+        }
+    }
+    let mut ports = Vec::new();
+    for slot in 1..32u8 {
+        let Some(registers) = registers_of(root, &[slot]) else {
+            continue;
+        };
+        let ranges = match state.slots.iter().position(|saved| saved.slot == slot) {
+            Some(at) => state.slots.remove(at).ranges,
+            None => Vec::new(),
+        };
+        ports.push(SavedTopologyPort {
+            path: vec![slot],
+            ranges,
+            registers,
+        });
+        walk(root, &mut vec![slot], &mut ports);
+    }
+    ports
+}
+
+/// The address windows of a PCI segment ports must lie in: [start, end) of its 32-bit
+/// and of its 64-bit window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentWindows {
+    pub mmio32: (u64, u64),
+    pub mmio64: (u64, u64),
+}
+
+impl SegmentWindows {
+    /// The windows a saved root's allocators cover.
+    pub fn of_state(state: &PciRootState) -> Self {
+        SegmentWindows {
+            mmio32: (state.mmio32.start, state.mmio32.end),
+            mmio64: (state.mmio64.start, state.mmio64.end),
+        }
+    }
+}
+
+/// Where a saved port or device sits, for the checks of [`check_saved_ports`].
+struct PortView {
+    name: String,
+    kind: PortKind,
+    path: Vec<u8>,
+    primary: u8,
+    secondary: u8,
+    subordinate: u8,
+    memory: Window,
+    prefetchable: Window,
+    /// Ranges of the root's windows it holds: (64-bit, window).
+    ranges: Vec<(bool, Window)>,
+}
+
+/// A bridge of the saved kind with the saved registers, to read them as the guest left
+/// them; an error says why they do not make one.
+fn bridge_of(registers: &PciBridgeState) -> Result<PciBridge, String> {
+    let mut bridge = PciBridge::new(&BridgeSetup {
+        kind: registers.kind,
+        primary_bus: 0,
+        secondary_bus: 0,
+        subordinate_bus: 0,
+        memory: Window::default(),
+        prefetchable: Window::default(),
+        slot: 0,
+        occupied: true,
+    });
+    bridge
+        .restore(registers)
+        .map_err(|e| format!("its registers: {e}"))?;
+    Ok(bridge)
+}
+
+fn kind_name(kind: PortKind) -> &'static str {
+    match kind {
+        PortKind::RootPort => "root port",
+        PortKind::SwitchUpstream => "switch upstream port",
+        PortKind::SwitchDownstream => "switch downstream port",
+    }
+}
+
+fn show(window: Window) -> String {
+    format!(
+        "{:#x}..{:#x}",
+        window.base,
+        window.base.saturating_add(window.size)
+    )
+}
+
+fn overlap(a: Window, b: Window) -> bool {
+    a.size > 0
+        && b.size > 0
+        && a.base < b.base.saturating_add(b.size)
+        && b.base < a.base.saturating_add(a.size)
+}
+
+fn inside(inner: Window, (start, end): (u64, u64)) -> bool {
+    inner.base >= start && inner.base.checked_add(inner.size).is_some_and(|e| e <= end)
+}
+
+/// Checks the PCIe ports a snapshot holds before any is built: the root ports for
+/// hot-plug (`hotplug`), the ports of a host-mirroring layout (`topology`) and the
+/// devices placed behind them (`devices`: a name and the path of each). Every port's
+/// registers must make a port of its kind; each port sits on the bus its parent forwards
+/// to (a root port on bus 0, in a slot of its own and of no device in `bus0`, the slots
+/// the saved root keeps); bus ranges nest inside the parent's and do not overlap a
+/// sibling's; open windows lie inside the segment's (`windows`), inside the parent's,
+/// and clear of the siblings'; the ranges root ports hold of the root's windows lie
+/// inside those windows, clear of each other and of the devices' on bus 0; and each
+/// device behind a port points to a port that leads to a slot. A damaged or hostile
+/// state is refused naming the port and the numbers.
+pub fn check_saved_ports(
+    windows: SegmentWindows,
+    bus0: &[gpuvm_devices::pci::SlotState],
+    hotplug: &[SavedHotplugPort],
+    topology: &[SavedTopologyPort],
+    devices: &[(String, Vec<u8>)],
+) -> Result<(), PciTopologyError> {
+    let named = |path: &[u8], kind: PortKind, hot: bool| match path {
+        [slot] if hot => format!("root port for hot-plug 00:{slot:02x}.0"),
+        [slot] => format!("{} 00:{slot:02x}.0", kind_name(kind)),
+        _ => format!("{} at {path:?} (path from bus 0)", kind_name(kind)),
+    };
+    let mut views = Vec::new();
+    let inputs = (hotplug.iter())
+        .map(|port| {
+            let ranges = vec![
+                (
+                    true,
+                    Window {
+                        base: port.prefetchable.0,
+                        size: port.prefetchable.1,
+                    },
+                ),
+                (
+                    false,
+                    Window {
+                        base: port.memory.0,
+                        size: port.memory.1,
+                    },
+                ),
+            ];
+            (vec![port.slot], &port.registers, ranges, true)
+        })
+        .chain(topology.iter().map(|port| {
+            let ranges = (port.ranges.iter())
+                .map(|range| {
+                    (
+                        range.wide,
+                        Window {
+                            base: range.base,
+                            size: range.size,
+                        },
+                    )
+                })
+                .collect();
+            (port.path.clone(), &port.registers, ranges, false)
+        }));
+    for (path, registers, ranges, hot) in inputs {
+        let name = named(&path, registers.kind, hot);
+        let bad = |reason: String| PciTopologyError::SavedLayout {
+            port: name.clone(),
+            reason,
+        };
+        let bridge = bridge_of(registers).map_err(bad)?;
+        if path.is_empty() || path.len() > 8 || path.iter().any(|&n| n >= 32) || path[0] == 0 {
+            return Err(bad(format!(
+                "its path from bus 0 {path:?} is no place for a port"
+            )));
+        }
+        let root_port = registers.kind == PortKind::RootPort;
+        if root_port != (path.len() == 1) {
+            return Err(bad(format!(
+                "a {} cannot sit at {path:?} (root ports go on bus 0, switch ports behind them)",
+                kind_name(registers.kind)
+            )));
+        }
+        if !hot && bridge.is_hotplug_slot() {
+            return Err(bad("its registers are a hot-plug slot's".into()));
+        }
+        if !root_port && !ranges.is_empty() {
+            return Err(bad(
+                "it holds ranges of the root's windows behind a root port".into(),
+            ));
+        }
+        let (secondary, subordinate) = bridge.buses();
+        let primary = registers.config[usize::from(gpuvm_devices::pci::bridge::regs::PRIMARY_BUS)];
+        views.push(PortView {
+            name,
+            kind: registers.kind,
+            path,
+            primary,
+            secondary,
+            subordinate,
+            memory: bridge.memory_window(),
+            prefetchable: bridge.prefetchable_window(),
+            ranges,
+        });
+    }
+    let segment = |wide: bool| {
+        if wide {
+            ("64-bit", windows.mmio64)
+        } else {
+            ("32-bit", windows.mmio32)
+        }
+    };
+    for (index, port) in views.iter().enumerate() {
+        let bad = |reason: String| PciTopologyError::SavedLayout {
+            port: port.name.clone(),
+            reason,
+        };
+        if views[..index].iter().any(|other| other.path == port.path) {
+            return Err(bad(format!(
+                "the snapshot has two ports at {:?}",
+                port.path
+            )));
+        }
+        if let [slot] = port.path[..] {
+            if bus0.iter().any(|device| device.slot == slot) {
+                return Err(bad(format!(
+                    "the saved bus 0 has another function in slot {slot:#04x}"
+                )));
+            }
+        }
+        // The bus it sits on: bus 0, or the one its parent forwards to.
+        let (parent_bus, parent_subordinate, parent) = match port.path.len() {
+            1 => (0, 255, None),
+            n => {
+                let Some(parent) = views.iter().find(|p| p.path[..] == port.path[..n - 1]) else {
+                    return Err(bad(format!(
+                        "no saved port leads to it: there is none at {:?}",
+                        &port.path[..n - 1]
+                    )));
+                };
+                let allowed = match parent.kind {
+                    PortKind::SwitchUpstream => port.kind == PortKind::SwitchDownstream,
+                    _ => port.kind == PortKind::SwitchUpstream && port.path[n - 1] == 0,
+                };
+                if !allowed {
+                    return Err(bad(format!(
+                        "a {} cannot sit as device {} behind the {}",
+                        kind_name(port.kind),
+                        port.path[n - 1],
+                        parent.name
+                    )));
+                }
+                (parent.secondary, parent.subordinate, Some(parent))
+            }
+        };
+        if port.primary != parent_bus {
+            return Err(bad(format!(
+                "its primary bus {:#04x} is not bus {parent_bus:#04x}, where it sits",
+                port.primary
+            )));
+        }
+        if port.secondary <= parent_bus
+            || port.subordinate < port.secondary
+            || port.subordinate > parent_subordinate
+        {
+            return Err(bad(format!(
+                "its buses {:#04x}..={:#04x} do not lie behind bus {parent_bus:#04x} within \
+                 {:#04x}..={parent_subordinate:#04x}",
+                port.secondary,
+                port.subordinate,
+                parent_bus.saturating_add(1)
+            )));
+        }
+        for (what, window) in [("memory", port.memory), ("prefetchable", port.prefetchable)] {
+            if window.size == 0 {
+                continue;
+            }
+            // A prefetchable window may lie below 4 GiB too.
+            let fits = inside(window, windows.mmio32)
+                || (what == "prefetchable" && inside(window, windows.mmio64));
+            if !fits {
+                return Err(bad(format!(
+                    "its {what} window {} lies outside the segment's windows (32-bit {:#x}..{:#x}, \
+                     64-bit {:#x}..{:#x})",
+                    show(window),
+                    windows.mmio32.0,
+                    windows.mmio32.1,
+                    windows.mmio64.0,
+                    windows.mmio64.1
+                )));
+            }
+            if let Some(parent) = parent {
+                let outer = if what == "memory" {
+                    parent.memory
+                } else {
+                    parent.prefetchable
+                };
+                if !(outer.size > 0 && inside(window, (outer.base, outer.end()))) {
+                    return Err(bad(format!(
+                        "its {what} window {} lies outside the {}'s, {}",
+                        show(window),
+                        parent.name,
+                        show(outer)
+                    )));
+                }
+            }
+        }
+        for &(wide, range) in &port.ranges {
+            let (which, (start, end)) = segment(wide);
+            if range.size == 0 || !inside(range, (start, end)) {
+                return Err(bad(format!(
+                    "the range {} of the {which} window it holds lies outside that window \
+                     ({start:#x}..{end:#x})",
+                    show(range)
+                )));
+            }
+            let devices_ranges = bus0
+                .iter()
+                .flat_map(|device| device.ranges.iter().map(move |r| (device.slot, r)));
+            for (slot, taken) in devices_ranges {
+                let other = Window {
+                    base: taken.base,
+                    size: taken.size,
+                };
+                if taken.wide == wide && overlap(range, other) {
+                    return Err(bad(format!(
+                        "the range {} it holds overlaps {} of the function in slot {slot:#04x}",
+                        show(range),
+                        show(other)
+                    )));
+                }
+            }
+        }
+        // Against the ports before it: siblings' buses and windows, and every root port's
+        // ranges of the root's windows.
+        for other in &views[..index] {
+            for &(wide, range) in &port.ranges {
+                if let Some(&(_, taken)) = (other.ranges.iter())
+                    .find(|&&(other_wide, taken)| other_wide == wide && overlap(range, taken))
+                {
+                    return Err(bad(format!(
+                        "the range {} it holds overlaps {} of the {}",
+                        show(range),
+                        show(taken),
+                        other.name
+                    )));
+                }
+            }
+            let n = port.path.len();
+            let sibling = other.path.len() == n && other.path[..n - 1] == port.path[..n - 1];
+            if !sibling {
+                continue;
+            }
+            if port.secondary <= other.subordinate && other.secondary <= port.subordinate {
+                return Err(bad(format!(
+                    "its buses {:#04x}..={:#04x} overlap the {}'s, {:#04x}..={:#04x}",
+                    port.secondary,
+                    port.subordinate,
+                    other.name,
+                    other.secondary,
+                    other.subordinate
+                )));
+            }
+            for mine in [port.memory, port.prefetchable] {
+                for theirs in [other.memory, other.prefetchable] {
+                    if overlap(mine, theirs) {
+                        return Err(bad(format!(
+                            "its window {} overlaps the {}'s {}",
+                            show(mine),
+                            other.name,
+                            show(theirs)
+                        )));
+                    }
+                }
+            }
+        }
+    }
+    for (device, path) in devices {
+        let leads = path.len() >= 2
+            && views.iter().any(|port| {
+                port.path[..] == path[..path.len() - 1] && port.kind != PortKind::SwitchUpstream
+            });
+        if !leads {
+            return Err(PciTopologyError::SavedLayout {
+                port: format!("device {device}"),
+                reason: format!(
+                    "it sits at {path:?} (path from bus 0), behind no saved port that leads to a \
+                     slot: its bus does not exist"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// [`check_saved_ports`] on a snapshot's saved devices: its ports for hot-plug and of a
+/// host-mirroring layout against its saved root's windows and bus-0 slots, with the
+/// GPUs restored into root ports for hot-plug. Nothing to check without ports.
+pub fn check_saved_state(saved: &crate::devices::DeviceStates) -> Result<(), PciTopologyError> {
+    if saved.pcie_root_ports.is_empty() && saved.pci_topology_ports.is_empty() {
+        return Ok(());
+    }
+    let Some(root) = &saved.pci_root else {
+        return Err(PciTopologyError::SavedLayout {
+            port: "PCIe ports".into(),
+            reason: "the snapshot has no saved PCI allocations for them".into(),
+        });
+    };
+    let devices: Vec<(String, Vec<u8>)> = (saved.migrated_gpus.iter())
+        .filter_map(|gpu| Some((gpu.gpu_id.clone(), vec![gpu.port?, gpu.slot])))
+        .collect();
+    check_saved_ports(
+        SegmentWindows::of_state(root),
+        &root.slots,
+        &saved.pcie_root_ports,
+        &saved.pci_topology_ports,
+        &devices,
+    )
+}
+
+/// Rebuilds the ports of a host-mirroring layout a snapshot saved (`saved`, see
+/// [`SavedTopologyPort`]; checked by [`check_saved_ports`]) in `root`, restored from the
+/// same snapshot: each at its path, parents first, a root port holding its ranges of the
+/// root's windows again, with its registers as the guest left them. The devices behind
+/// them come back by their own state.
+pub fn restore_topology_ports(
+    root: &Arc<PciRoot>,
+    saved: &[SavedTopologyPort],
+) -> Result<(), PciTopologyError> {
+    let mut order: Vec<&SavedTopologyPort> = saved.iter().collect();
+    order.sort_by_key(|port| port.path.len());
+    for port in order {
+        let bad = |reason: String| PciTopologyError::SavedLayout {
+            port: format!(
+                "{} at {:?} (path from bus 0)",
+                kind_name(port.registers.kind),
+                port.path
+            ),
+            reason,
+        };
+        let bridge = bridge_of(&port.registers).map_err(bad)?;
+        let (secondary, subordinate) = bridge.buses();
+        let mut rebuilt = PciBridge::new(&BridgeSetup {
+            kind: port.registers.kind,
+            primary_bus: 0,
+            secondary_bus: secondary,
+            subordinate_bus: subordinate,
+            memory: bridge.memory_window(),
+            prefetchable: bridge.prefetchable_window(),
+            slot: u16::from(secondary),
+            occupied: true,
+        });
+        rebuilt
+            .restore(&port.registers)
+            .map_err(|e| bad(e.to_string()))?;
+        let rebuilt = Arc::new(Mutex::new(rebuilt));
+        let placed = match port.path[..] {
+            [slot] => {
+                let windows = (port.ranges.iter())
+                    .map(|range| (range.wide, range.base, range.size))
+                    .collect();
+                root.add_port(slot, rebuilt, windows)
+            }
+            _ => root.add_behind(&port.path, rebuilt, &[], false),
+        };
+        let bdf = placed.map_err(|e| bad(e.to_string()))?;
+        log::info!(
+            "PCI {bdf}: {} restored (buses {secondary:02x}..{subordinate:02x})",
+            kind_name(port.registers.kind)
+        );
+    }
+    Ok(())
+}
+
 /// Plugs `count` empty root ports with PCIe native hot-plug slots into `root` (of a VM
 /// with `segments` PCI segments), each with its own bus and windows of
 /// [`HOTPLUG_PORT_PREFETCHABLE`] and [`HOTPLUG_PORT_MEMORY`], after the buses the
@@ -329,6 +845,37 @@ pub fn add_hotplug_ports(
         });
     }
     Ok(ports)
+}
+
+/// The path from bus 0 (see `PciRoot::add_behind`) of the function at `bdf`, found
+/// through the bridges' bus numbers as they are now; None for a function on bus 0 or one
+/// no bridge leads to.
+pub fn path_of(root: &PciRoot, bdf: PciBdf) -> Option<Vec<u8>> {
+    if bdf.bus == 0 || bdf.segment != root.segment() {
+        return None;
+    }
+    let mut path = Vec::new();
+    // Each step goes one bridge down, so at most as many steps as buses.
+    for _ in 0..=u8::MAX {
+        let next = (0..32u8).find_map(|number| {
+            path.push(number);
+            let buses = root.device_at(&path).and_then(|device| {
+                let device = device.lock().unwrap_or_else(|e| e.into_inner());
+                device.as_bridge().map(|bridge| bridge.buses())
+            });
+            path.pop();
+            let (secondary, subordinate) = buses?;
+            (secondary != 0 && secondary <= bdf.bus && bdf.bus <= subordinate)
+                .then_some((number, secondary))
+        });
+        let (number, secondary) = next?;
+        path.push(number);
+        if secondary == bdf.bus {
+            path.push(bdf.device);
+            return root.device_at(&path).map(|_| path);
+        }
+    }
+    None
 }
 
 /// The bus-0 slots of `root` that hold a PCI bridge (the root ports of a host-mirroring
@@ -1154,6 +1701,215 @@ mod tests {
             restore_hotplug_ports(&fresh, &outside, None),
             Err(PciTopologyError::SavedPort { index: 0, .. })
         ));
+    }
+
+    /// A root with a switch of two GPUs behind root port 00:01.0 (buses 1..=4) and two
+    /// root ports for hot-plug after it; the GPUs are plugged.
+    fn topology_with_hotplug_ports(config: PciRootConfig) -> (Arc<PciRoot>, Vec<HotplugPort>) {
+        let root = PciRoot::new(config).unwrap();
+        let devices: Vec<DeviceInput> = (0..2)
+            .map(|_| DeviceInput {
+                host_bdf: Some("x".into()),
+                specs: gpu_specs(),
+            })
+            .collect();
+        let mut placement = Placement::flat(&root, 2);
+        let group = Group {
+            switch: Some("0000:40:01.0".into()),
+            devices: vec![0, 1],
+        };
+        placement
+            .plug_group(&group, &devices, 1, &HostTopology::default())
+            .unwrap();
+        for index in 0..2 {
+            let gpu = Arc::new(Mutex::new(Gpu(BarSet::new(&gpu_specs()))));
+            placement.add(index, gpu).unwrap();
+        }
+        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        (root, ports)
+    }
+
+    fn config_with_room() -> PciRootConfig {
+        PciRootConfig {
+            ecam_base: 0xe000_0000,
+            buses: 1,
+            mmio32_start: 0xc000_0000,
+            mmio32_end: 0xe000_0000,
+            mmio64_start: 1 << 40,
+            mmio64_size: 4 << 40,
+        }
+    }
+
+    /// What a snapshot of `root` keeps: the root's allocations less the ports, the
+    /// ports for hot-plug and the topology's ports.
+    fn save_ports(
+        root: &PciRoot,
+        ports: &[HotplugPort],
+    ) -> (PciRootState, Vec<SavedHotplugPort>, Vec<SavedTopologyPort>) {
+        let mut state = root.save().unwrap();
+        state
+            .slots
+            .retain(|slot| !ports.iter().any(|port| port.slot == slot.slot));
+        let topology = save_topology_ports(root, &mut state);
+        (
+            state,
+            ports.iter().map(HotplugPort::save).collect(),
+            topology,
+        )
+    }
+
+    #[test]
+    fn topology_ports_come_back_in_place_with_their_buses_windows_and_registers() {
+        let config = config_with_room();
+        let (root, ports) = topology_with_hotplug_ports(config);
+        // The guest turns bus mastering off on the second downstream port.
+        let down = root.device_at(&[1, 0, 1]).unwrap();
+        down.lock()
+            .unwrap()
+            .config_write(0x04, &0x0002u16.to_le_bytes());
+        let (state, hotplug, topology) = save_ports(&root, &ports);
+        let paths: Vec<&[u8]> = topology.iter().map(|p| p.path.as_slice()).collect();
+        assert_eq!(paths, [&[1][..], &[1, 0], &[1, 0, 0], &[1, 0, 1]]);
+        assert_eq!(topology[0].ranges.len(), 2, "both windows of the root's");
+        assert!(topology[1..].iter().all(|p| p.ranges.is_empty()));
+        assert!(
+            !state.slots.iter().any(|slot| slot.slot == 1),
+            "the root port's slot left the root's"
+        );
+        check_saved_ports(
+            SegmentWindows::of_state(&state),
+            &state.slots,
+            &hotplug,
+            &topology,
+            &[("gpu".into(), vec![1, 0, 1, 0])],
+        )
+        .unwrap();
+
+        let mut again = PciRoot::new(config).unwrap();
+        Arc::get_mut(&mut again).unwrap().restore(&state).unwrap();
+        restore_hotplug_ports(&again, &hotplug, None).unwrap();
+        restore_topology_ports(&again, &topology).unwrap();
+        for index in 0..2u8 {
+            let gpu = Arc::new(Mutex::new(Gpu(BarSet::new(&gpu_specs()))));
+            let was = root.device_at(&[1, 0, index, 0]).unwrap();
+            let bars: Vec<(u8, u64)> = (was.lock().unwrap().active_bars().iter())
+                .map(|bar| (bar.index, bar.address))
+                .collect();
+            let bdf = again
+                .add_behind(&[1, 0, index, 0], gpu, &bars, false)
+                .unwrap();
+            assert_eq!(bdf.to_string(), format!("{:02x}:00.0", 3 + index));
+            assert_eq!(path_of(&again, bdf), Some(vec![1, 0, index, 0]));
+        }
+        again.finish_restore().unwrap();
+        assert_eq!(again.highest_bus(), root.highest_bus());
+        assert_eq!(again.config(), root.config(), "ECAM and windows");
+        assert_eq!(bridge_slots(&again), bridge_slots(&root));
+        for port in &topology {
+            let now = again.device_at(&port.path).unwrap();
+            let now = now.lock().unwrap();
+            let now = now.as_bridge().unwrap();
+            assert_eq!(now.registers(), port.registers, "{:?}", port.path);
+            assert!(!now.is_hotplug_slot());
+        }
+        // The root port's windows stay taken: a new range goes elsewhere.
+        let taken = topology[0].ranges.iter().find(|r| r.wide).unwrap();
+        let wide = again
+            .allocate_window(true, taken.size, WINDOW_GRANULE)
+            .unwrap();
+        assert!(wide >= taken.base + taken.size || wide + taken.size <= taken.base);
+    }
+
+    #[test]
+    fn damaged_saved_ports_are_refused_naming_the_port_and_the_numbers() {
+        use gpuvm_devices::pci::bridge::regs;
+        let (root, ports) = topology_with_hotplug_ports(config_with_room());
+        let (state, hotplug, topology) = save_ports(&root, &ports);
+        let check = |hotplug: &[SavedHotplugPort],
+                     topology: &[SavedTopologyPort],
+                     devices: &[(String, Vec<u8>)]| {
+            match check_saved_ports(
+                SegmentWindows::of_state(&state),
+                &state.slots,
+                hotplug,
+                topology,
+                devices,
+            ) {
+                Err(PciTopologyError::SavedLayout { port, reason }) => format!("{port}: {reason}"),
+                other => panic!("not refused as a saved layout: {other:?}"),
+            }
+        };
+        let set = |port: &mut SavedTopologyPort, offset: u16, bytes: &[u8]| {
+            let at = usize::from(offset);
+            port.registers.config[at..at + bytes.len()].copy_from_slice(bytes);
+        };
+        // The second downstream port takes the first one's bus.
+        let mut buses = topology.clone();
+        set(&mut buses[3], regs::SECONDARY_BUS, &[3, 3]);
+        let why = check(&hotplug, &buses, &[]);
+        assert!(why.contains("switch downstream port at [1, 0, 1]"), "{why}");
+        assert!(why.contains("buses 0x03..=0x03 overlap"), "{why}");
+        // A switch port whose buses leave its root port's range.
+        let mut beyond = topology.clone();
+        set(&mut beyond[3], regs::SECONDARY_BUS, &[9, 9]);
+        let why = check(&hotplug, &beyond, &[]);
+        assert!(why.contains("do not lie behind bus 0x02"), "{why}");
+        // The root port's prefetchable window moved out of the segment's 64-bit window.
+        let mut outside = topology.clone();
+        set(
+            &mut outside[0],
+            regs::PREF_BASE_UPPER,
+            &0x10_0000u32.to_le_bytes(),
+        );
+        set(
+            &mut outside[0],
+            regs::PREF_LIMIT_UPPER,
+            &0x10_0000u32.to_le_bytes(),
+        );
+        let why = check(&hotplug, &outside, &[]);
+        assert!(why.contains("root port 00:01.0"), "{why}");
+        assert!(why.contains("prefetchable window 0x10000000"), "{why}");
+        // A downstream port's window outside its upstream port's.
+        let mut escaped = topology.clone();
+        set(&mut escaped[2], regs::MEMORY_BASE, &0xdff0u16.to_le_bytes());
+        set(
+            &mut escaped[2],
+            regs::MEMORY_LIMIT,
+            &0xdff0u16.to_le_bytes(),
+        );
+        let why = check(&hotplug, &escaped, &[]);
+        assert!(why.contains("outside the switch upstream port"), "{why}");
+        // Two root ports holding the same range of the root's 64-bit window.
+        let mut shared = hotplug.clone();
+        let wide = topology[0].ranges.iter().find(|r| r.wide).unwrap();
+        shared[0].prefetchable = (wide.base, wide.size);
+        let why = check(&shared, &topology, &[]);
+        assert!(why.contains("overlaps"), "{why}");
+        assert!(why.contains(&format!("{:#x}", wide.base)), "{why}");
+        // A switch port behind a root port the snapshot does not have.
+        let orphan = topology[1..].to_vec();
+        let why = check(&hotplug, &orphan, &[]);
+        assert!(why.contains("no saved port leads to it"), "{why}");
+        // A GPU behind a port that is not there.
+        let why = check(&hotplug, &topology, &[("gpu0".into(), vec![1, 0, 5, 0])]);
+        assert!(
+            why.contains("device gpu0") && why.contains("[1, 0, 5, 0]"),
+            "{why}"
+        );
+        // Two ports in one slot.
+        let mut twice = topology.clone();
+        twice[0].path = vec![hotplug[0].slot];
+        let why = check(&hotplug, &twice, &[]);
+        assert!(why.contains("two ports at"), "{why}");
+        // Registers cut short.
+        let mut short = topology.clone();
+        short[1].registers.config.truncate(16);
+        let why = check(&hotplug, &short, &[]);
+        assert!(why.contains("its registers"), "{why}");
+        // A restore of a port behind no root port fails cleanly.
+        let mut fresh = PciRoot::new(config_with_room()).unwrap();
+        Arc::get_mut(&mut fresh).unwrap().restore(&state).unwrap();
+        assert!(restore_topology_ports(&fresh, &orphan).is_err());
     }
 
     #[test]

@@ -12,6 +12,14 @@
 //! and its BAR0 must answer (the BOOT_0 register). Then `pci-topology: ok`. A last word
 //! `hold` repeats the whole check forever (`pci-topology: ok N` each pass) so a test can
 //! snapshot the VM and check the restored one.
+//!
+//! A last word `snapshot` runs the `pci` checks on every GPU (MSI-X on, a DMA, its scratch
+//! registers written), then waits for a byte on the serial port (sent to the restored VMM's
+//! stdin once the VM was snapshotted and restored in a new process), walks the tree again,
+//! which must be the same (every port's place, bus numbers and windows, every GPU's place
+//! and BARs), and checks that each GPU kept its state and does one more DMA signalled by
+//! its MSI-X interrupt: `pci-topology: restored ok`. The GPUs are reached through the
+//! configuration address's device field, as the `pci` checks take them (buses below 8).
 
 use crate::arch::{inl, outl};
 use crate::console::exit;
@@ -28,6 +36,11 @@ const EXIT_USAGE: u32 = 2;
 const MAX_DEPTH: usize = 8;
 const MAX_GPUS: usize = 32;
 const MAX_SWITCHES: usize = 16;
+const MAX_SEEN: usize = 64;
+/// The DMA each GPU does after the restore (pci::check_kept_device's seed).
+const AFTER_RESTORE_SEED: u64 = 0x70b0;
+const SERIAL_DATA: u16 = 0x3f8;
+const SERIAL_LINE_STATUS: u16 = 0x3fd;
 const PORT_ROOT: u32 = 0x4;
 const PORT_UPSTREAM: u32 = 0x5;
 const PORT_DOWNSTREAM: u32 = 0x6;
@@ -64,6 +77,36 @@ struct Found {
     gpus_on_bus0: usize,
     /// GPUs right behind a root port on bus 0.
     gpus_on_root_ports: usize,
+    /// What a restore must keep: each bridge (bus, device, secondary, subordinate and its
+    /// windows) and each GPU (bus, device and BARs), in walk order.
+    seen: [[u64; 6]; MAX_SEEN],
+    seen_count: usize,
+    /// Each GPU's bus and device.
+    gpu_places: [(u8, u8); MAX_GPUS],
+}
+
+impl Found {
+    fn new() -> Self {
+        Found {
+            gpus: 0,
+            bridges: 0,
+            switches: [(0, 0); MAX_SWITCHES],
+            switch_count: 0,
+            gpus_on_bus0: 0,
+            gpus_on_root_ports: 0,
+            seen: [[0; 6]; MAX_SEEN],
+            seen_count: 0,
+            gpu_places: [(0, 0); MAX_GPUS],
+        }
+    }
+
+    fn see(&mut self, entry: [u64; 6]) {
+        if self.seen_count == MAX_SEEN {
+            fail(format_args!("more than {MAX_SEEN} functions"));
+        }
+        self.seen[self.seen_count] = entry;
+        self.seen_count += 1;
+    }
 }
 
 /// The PCIe port type of a bridge (0 if it has no PCIe capability).
@@ -194,6 +237,14 @@ fn walk(bus: u8, above: &mut [Bridge; MAX_DEPTH], depth: usize, found: &mut Foun
                 ));
             }
             found.bridges += 1;
+            found.see([
+                u64::from(bus) << 8 | u64::from(device),
+                u64::from(secondary) << 8 | u64::from(subordinate),
+                memory.0,
+                memory.1,
+                prefetchable.0,
+                prefetchable.1,
+            ]);
             if port == PORT_UPSTREAM {
                 if found.switch_count == MAX_SWITCHES {
                     fail(format_args!("more than {MAX_SWITCHES} switches"));
@@ -211,10 +262,19 @@ fn walk(bus: u8, above: &mut [Bridge; MAX_DEPTH], depth: usize, found: &mut Foun
             walk(secondary, above, depth + 1, found, print);
         } else if ids & 0xffff == NVIDIA {
             check_gpu(bus, device, &above[..depth], print);
-            found.gpus += 1;
-            if found.gpus > MAX_GPUS {
+            if found.gpus == MAX_GPUS {
                 fail(format_args!("more than {MAX_GPUS} GPUs"));
             }
+            found.gpu_places[found.gpus] = (bus, device);
+            found.gpus += 1;
+            found.see([
+                1 << 32 | u64::from(bus) << 8 | u64::from(device),
+                0,
+                bar(bus, device, 0).0,
+                bar(bus, device, 1).0,
+                bar(bus, device, 3).0,
+                0,
+            ]);
             if depth == 0 {
                 found.gpus_on_bus0 += 1;
             }
@@ -243,7 +303,7 @@ fn number(word: Option<&str>) -> usize {
         Some(n) => n,
         None => {
             println!(
-                "pci-topology: usage: pci-topology SWITCHES PER_SWITCH | flat COUNT | ports COUNT [hold]"
+                "pci-topology: usage: pci-topology SWITCHES PER_SWITCH | flat COUNT | ports COUNT [hold|snapshot]"
             );
             exit(EXIT_USAGE)
         }
@@ -259,15 +319,8 @@ enum Expect {
 }
 
 /// One walk and check; prints the tree when `print`.
-fn check(expect: Expect, first: usize, second: usize, print: bool) {
-    let mut found = Found {
-        gpus: 0,
-        bridges: 0,
-        switches: [(0, 0); MAX_SWITCHES],
-        switch_count: 0,
-        gpus_on_bus0: 0,
-        gpus_on_root_ports: 0,
-    };
+fn check(expect: Expect, first: usize, second: usize, print: bool) -> Found {
+    let mut found = Found::new();
     let mut above = [Bridge::default(); MAX_DEPTH];
     walk(0, &mut above, 0, &mut found, print);
     if expect == Expect::Ports {
@@ -277,7 +330,7 @@ fn check(expect: Expect, first: usize, second: usize, print: bool) {
                 found.gpus, found.gpus_on_root_ports, found.switch_count
             ));
         }
-        return;
+        return found;
     }
     if expect == Expect::Flat {
         if found.bridges != 0 || found.gpus_on_bus0 != second || found.gpus != second {
@@ -286,7 +339,7 @@ fn check(expect: Expect, first: usize, second: usize, print: bool) {
                 found.gpus, found.gpus_on_bus0, found.bridges
             ));
         }
-        return;
+        return found;
     }
     let switches = &found.switches[..found.switch_count];
     if switches.len() != first
@@ -299,6 +352,72 @@ fn check(expect: Expect, first: usize, second: usize, print: bool) {
             found.gpus
         ));
     }
+    found
+}
+
+/// The `pci` checks' handle on the GPU at `bus`:`device` (bus below 8: it goes in the
+/// configuration address above the device number).
+fn pci_handle(bus: u8, device: u8) -> u8 {
+    if bus >= 8 || device >= 32 {
+        fail(format_args!(
+            "{bus:02x}:{device:02x}.0 is out of the pci checks' reach"
+        ));
+    }
+    bus << 5 | device
+}
+
+/// 8-bit port read (the #GP handler emulates it where the hypervisor drops IOPL).
+fn inb(port: u16) -> u8 {
+    let value: u8;
+    // SAFETY: port I/O to an emulated device touches no memory.
+    unsafe {
+        core::arch::asm!("in al, dx", in("dx") port, out("al") value,
+            options(nomem, nostack, preserves_flags));
+    }
+    value
+}
+
+/// `snapshot`: the GPUs checked and left with state, then (after the restore) the same
+/// tree, and each GPU's kept state and one more DMA with its MSI-X interrupt.
+fn snapshot_and_check(expect: Expect, first: usize, second: usize, before: Found) -> ! {
+    for &(bus, device) in &before.gpu_places[..before.gpus] {
+        crate::pci::check_device(pci_handle(bus, device), false);
+        println!("pci-topology: {bus:02x}:{device:02x}.0 passed the pci checks");
+    }
+    println!("pci-topology: GPUs checked; send a byte once the VM is restored");
+    while inb(SERIAL_LINE_STATUS) & 1 == 0 {
+        core::hint::spin_loop();
+    }
+    inb(SERIAL_DATA);
+    let after = check(expect, first, second, true);
+    if after.seen[..after.seen_count] != before.seen[..before.seen_count] {
+        for (index, entry) in before.seen[..before.seen_count].iter().enumerate() {
+            let now = after.seen.get(index).copied().unwrap_or_default();
+            if now != *entry {
+                fail(format_args!(
+                    "after the restore entry {index} of the tree is {now:x?}, was {entry:x?}"
+                ));
+            }
+        }
+        fail(format_args!(
+            "after the restore the tree has {} entries, had {}",
+            after.seen_count, before.seen_count
+        ));
+    }
+    println!(
+        "pci-topology: after the restore the same tree: {} ports, {} GPUs, same buses, windows \
+         and BARs",
+        after.bridges, after.gpus
+    );
+    for &(bus, device) in &after.gpu_places[..after.gpus] {
+        crate::pci::check_kept_device(pci_handle(bus, device), AFTER_RESTORE_SEED);
+        println!(
+            "pci-topology: {bus:02x}:{device:02x}.0 kept its state and did one more DMA with \
+             MSI-X, verified"
+        );
+    }
+    println!("pci-topology: restored ok");
+    exit(0)
 }
 
 pub fn run(words: &mut crate::args::Words) -> ! {
@@ -313,9 +432,13 @@ pub fn run(words: &mut crate::args::Words) -> ! {
     } else {
         (0, number(words.next_word()))
     };
-    let hold = words.next_word() == Some("hold");
-    check(expect, first, second, true);
+    let last = words.next_word();
+    let hold = last == Some("hold");
+    let found = check(expect, first, second, true);
     println!("pci-topology: ok");
+    if last == Some("snapshot") {
+        snapshot_and_check(expect, first, second, found);
+    }
     if !hold {
         exit(0);
     }

@@ -693,26 +693,38 @@ impl gpuvm_vfio::dma::ChunkReady for LazyLoaded {
     }
 }
 
-/// Rebuilds the saved root ports for hot-plug (crate::pci_topology::SavedHotplugPort) in
-/// their slots, before the devices in them come back.
+/// Rebuilds the saved PCIe ports in their places, before the devices in and behind them
+/// come back: the root ports for hot-plug (crate::pci_topology::SavedHotplugPort) and the
+/// ports of a host-mirroring layout (crate::pci_topology::SavedTopologyPort), after
+/// checking them against each other and the segment's windows (a damaged or hostile
+/// state is refused naming the port, before any is built).
 fn restore_root_ports(
     base: &mut MachineBase,
     saved: &crate::devices::DeviceStates,
     dir: &Path,
 ) -> Result<(), SnapshotError> {
-    if saved.pcie_root_ports.is_empty() {
+    if saved.pcie_root_ports.is_empty() && saved.pci_topology_ports.is_empty() {
         return Ok(());
     }
     let invalid = |reason: String| SnapshotError::Invalid {
         dir: dir.to_path_buf(),
         reason,
     };
+    crate::pci_topology::check_saved_state(saved).map_err(|e| invalid(e.to_string()))?;
     // Their windows are taken in the saved allocations' bookkeeping, which comes with them.
-    let hotplug = (base.devices.pci_hotplug.as_mut())
-        .filter(|_| saved.pci_root.is_some())
-        .ok_or_else(|| invalid("it has PCIe root ports but no saved PCI allocations".into()))?;
+    let root = (base.devices.handover.plug.as_ref()).map(|plug| plug.root.clone());
+    let (Some(hotplug), Some(root)) = (
+        (base.devices.pci_hotplug.as_mut()).filter(|_| saved.pci_root.is_some()),
+        root,
+    ) else {
+        return Err(invalid(
+            "it has PCIe ports but no saved PCI allocations".into(),
+        ));
+    };
     hotplug
         .restore_root_ports(&saved.pcie_root_ports)
+        .map_err(|e| invalid(e.to_string()))?;
+    crate::pci_topology::restore_topology_ports(&root, &saved.pci_topology_ports)
         .map_err(|e| invalid(e.to_string()))
 }
 

@@ -60,6 +60,11 @@ pub struct MigratedGpu {
     /// The bus-0 slot of the root port for hot-plug it is in (absent: on bus 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u8>,
+    /// Its path from bus 0 behind the ports of a host-mirroring layout (crate::pci_topology:
+    /// root port, switch ports, then its own device number), where it was cold-plugged;
+    /// empty otherwise (`slot` and `port` say where it is).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub path: Vec<u8>,
     pub vendor_id: u16,
     pub device_id: u16,
     /// The PCI state gpuvm emulates for it.
@@ -220,6 +225,42 @@ fn load_device_file(
         .map_err(|e| format!("the device refused its saved state: {e}"))
 }
 
+/// Stops a cold-plugged vfio-user device that sits behind the ports of a host-mirroring
+/// layout (`path` from bus 0, at `bdf`; crate::pci_topology) and writes its state into a
+/// new file in `dir`, as [`PciHotplug::save_migrated`] does for a hot-plugged one; a
+/// restore plugs it back at `path` (it is then a device of the hot-plug manager's, under
+/// `id`). The device is left stopped, even on error.
+pub(crate) fn save_behind_ports(
+    dir: &Path,
+    id: String,
+    socket: &Path,
+    (bdf, path): (gpuvm_devices::pci::PciBdf, Vec<u8>),
+    device: &std::sync::Mutex<VfioPciDevice>,
+) -> Result<MigratedGpu, SnapshotError> {
+    let mut device = lock(device);
+    let failed = |reason: String| SnapshotError::PassthroughState {
+        id: id.clone(),
+        reason,
+    };
+    let pci = gpuvm_devices::Persist::save(&*device).map_err(|e| failed(e.to_string()))?;
+    let (state_file, state_bytes) = write_device_file(dir, &mut device).map_err(failed)?;
+    let (vendor_id, device_id) = device.pci_ids();
+    log::info!("snapshot: {id} at {bdf} saved its state ({state_bytes} bytes, {state_file})");
+    Ok(MigratedGpu {
+        gpu_id: id,
+        host_bdf: None,
+        vfio_user_socket: Some(socket.to_path_buf()),
+        slot: bdf.device,
+        port: None,
+        path,
+        vendor_id,
+        device_id,
+        pci,
+        state_file,
+        state_bytes,
+    })
+}
+
 /// Removes the device-state files `saved` names (a snapshot that failed).
 pub(crate) fn remove_device_files(dir: &Path, saved: &[MigratedGpu]) {
     for gpu in saved {
@@ -305,6 +346,11 @@ impl PciHotplug {
                 vfio_user_socket: hot.source.vfio_user_socket.clone(),
                 slot: hot.bdf.device,
                 port: port_slots.get(id).copied(),
+                // Restored from behind a host-mirroring layout's ports: it goes back there.
+                path: (!port_slots.contains_key(id))
+                    .then(|| crate::pci_topology::path_of(&self.root, hot.bdf))
+                    .flatten()
+                    .unwrap_or_default(),
                 vendor_id,
                 device_id,
                 pci,
@@ -373,6 +419,13 @@ impl PciHotplug {
         let progress = self.ram.progress(opened.mapper.name());
         let bars = gpu.pci.bars.as_slice();
         let plugged = match gpu.port {
+            // Behind the ports of a host-mirroring layout (restored before it), where the
+            // guest had its BARs.
+            None if !gpu.path.is_empty() => {
+                plug.open_with(opened.backend, &progress, |root, device| {
+                    root.add_behind(&gpu.path, device, bars, false)
+                })
+            }
             None => plug.open_placed(opened.backend, &progress, Some((gpu.slot, bars))),
             // Behind its root port, with its BARs where the guest had them (inside the
             // port's windows); its own restored state says whether they decode.
@@ -381,6 +434,12 @@ impl PciHotplug {
             }),
         }
         .map_err(|e| match gpu.port {
+            None if !gpu.path.is_empty() => {
+                format!(
+                    "cannot plug it back at {:?} (path from bus 0): {e}",
+                    gpu.path
+                )
+            }
             None => format!("cannot plug it back into slot {:#04x}: {e}", gpu.slot),
             Some(port) => format!("cannot plug it back behind the root port in {port:#04x}: {e}"),
         })?;
@@ -425,6 +484,8 @@ impl PciHotplug {
             Some(port) => {
                 self.port_of.insert(gpu.gpu_id.clone(), port);
             }
+            // Behind a switch port: no slot of the ACPI hot-plug controller's.
+            None if !gpu.path.is_empty() => {}
             None => lock(&self.controller).device_restored(plugged.bdf.device),
         }
         // A peer again, with its BARs where the restored PCI state put them. The restore

@@ -100,22 +100,47 @@ impl Machine {
             .iter()
             .flat_map(|hotplug| hotplug.labels())
             .collect();
+        // Cold-plugged vfio-user devices behind the ports of a host-mirroring layout are
+        // saved through VFIO migration as hot-plugged ones are; other cold ones are not.
+        let behind_ports = self.behind_ports();
         let cold: Vec<String> = self
             .devices
             .passthrough
             .iter()
             .filter(|label| !hot.contains(label))
+            .filter(|label| {
+                !(behind_ports.iter())
+                    .any(|(plugged, _)| label.starts_with(&format!("{} ", plugged.bdf)))
+            })
             .cloned()
             .collect();
         if !cold.is_empty() {
             return Err(SnapshotError::Passthrough { devices: cold }.into());
         }
-        let refusals = self
-            .devices
-            .pci_hotplug
-            .as_mut()
-            .map(|hotplug| hotplug.migration_refusals())
-            .unwrap_or_default();
+        let mut refusals: Vec<String> = (behind_ports.iter())
+            .filter_map(|(plugged, _)| {
+                let info = crate::lock(&plugged.device).migration();
+                let reason = match info {
+                    None => {
+                        "it offers no VFIO migration (no migration region on the vfio-user device)"
+                    }
+                    Some(info) if !info.stop_copy => "its VFIO migration has no STOP_COPY",
+                    Some(_) => return None,
+                };
+                Some(format!(
+                    "{} ({}): {reason}",
+                    behind_ports_id(plugged),
+                    plugged.socket.display()
+                ))
+            })
+            .collect();
+        refusals.extend(
+            self.devices
+                .pci_hotplug
+                .as_mut()
+                .map(|hotplug| hotplug.migration_refusals())
+                .unwrap_or_default(),
+        );
         if refusals.is_empty() {
             Ok(())
         } else {
@@ -304,9 +329,39 @@ impl Machine {
         })
     }
 
+    /// The cold-plugged vfio-user devices behind the ports of a host-mirroring layout
+    /// (crate::pci_topology), each with its path from bus 0.
+    fn behind_ports(&self) -> Vec<(&crate::update::handed_over::PluggedVfioUser, Vec<u8>)> {
+        let Some(plug) = &self.devices.handover.plug else {
+            return Vec::new();
+        };
+        (self.devices.handover.vfio_user.iter())
+            .filter_map(|plugged| {
+                Some((
+                    plugged,
+                    crate::pci_topology::path_of(&plug.root, plugged.bdf)?,
+                ))
+            })
+            .collect()
+    }
+
     /// Lets the devices paused for a snapshot (or a live update) run again.
     pub(crate) fn resume_devices(&mut self) {
         crate::virtio::resume_all(&self.devices.virtio);
+        // The cold-plugged devices a snapshot stopped (running ones stay as they are).
+        for (plugged, _) in self.behind_ports() {
+            let mut device = crate::lock(&plugged.device);
+            if device.migration().is_some() {
+                if let Err(error) =
+                    device.set_migration_state(gpuvm_vfio::migration::MigrationState::Running)
+                {
+                    log::error!(
+                        "{} does not run again after the snapshot: {error}",
+                        behind_ports_id(plugged)
+                    );
+                }
+            }
+        }
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             hotplug.resume_migrated();
         }
@@ -353,6 +408,22 @@ impl Machine {
         // Passthrough devices stop (no more DMA into RAM) before RAM is written.
         if let Some(hotplug) = self.devices.pci_hotplug.as_mut() {
             devices.migrated_gpus = hotplug.save_migrated(dir)?;
+        }
+        for (plugged, path) in self.behind_ports() {
+            let saved = crate::hotplug::migration::save_behind_ports(
+                dir,
+                behind_ports_id(plugged),
+                &plugged.socket,
+                (plugged.bdf, path),
+                &plugged.device,
+            );
+            match saved {
+                Ok(gpu) => devices.migrated_gpus.push(gpu),
+                Err(error) => {
+                    crate::hotplug::migration::remove_device_files(dir, &devices.migrated_gpus);
+                    return Err(error.into());
+                }
+            }
         }
         Ok(SavedComponents { vcpus, vm, devices })
     }
@@ -438,4 +509,10 @@ impl Machine {
         }
         Ok(bitmaps)
     }
+}
+
+/// The id a cold-plugged vfio-user device behind a host-mirroring layout's ports is saved
+/// (and restored, as a device of the hot-plug manager's) under: its address at boot.
+fn behind_ports_id(plugged: &crate::update::handed_over::PluggedVfioUser) -> String {
+    format!("vfio-user-{}", plugged.bdf)
 }

@@ -204,6 +204,8 @@ pub fn load_state(
         }
         crate::hotplug::migration::check_device_file(dir, gpu).map_err(invalid)?;
     }
+    // The PCIe ports against each other and the segment's windows, before any is built.
+    crate::pci_topology::check_saved_state(&state.devices).map_err(|e| invalid(e.to_string()))?;
     if let Some(record) = state.raw_memory.as_ref().and_then(|r| r.page_crcs.as_ref()) {
         if !is_plain_file_name(&record.file) {
             return Err(invalid(format!(

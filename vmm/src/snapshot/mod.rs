@@ -110,7 +110,8 @@ pub enum SnapshotError {
     },
     #[error(
         "cannot snapshot a VM with cold-plugged passthrough devices ({}): gpuvm saves the \
-         state of hot-plugged ones only (PUT /gpus/{{id}} after start, with VFIO migration); \
+         state of hot-plugged ones (PUT /gpus/{{id}} after start, with VFIO migration) and of \
+         cold-plugged vfio-user ones behind the ports of --pci-topology host only; \
          hot-plugged GPUs can also be released by the guest for the snapshot (\"passthrough\": \"guest_release\", with a vsock device and the \
          guest's GPU agent; docs/gpu-snapshots.md)",
         devices.join(", ")
