@@ -1470,3 +1470,366 @@ fn two_gpus_with_peer_mappings_are_refused() {
         assert_eq!(emu_counts(emu).0, 1, "{}", emu.stderr());
     }
 }
+
+/// A GPU body for PUT /gpus/{id} over vfio-user `socket`, with `p2p=off` when `p2p` is
+/// false.
+fn hot_gpu_body(id: &str, socket: &Path, p2p: bool) -> String {
+    let mut body = serde_json::json!({ "gpu_id": id, "vfio_user_socket": socket });
+    if !p2p {
+        body["p2p"] = serde_json::Value::Bool(false);
+    }
+    body.to_string()
+}
+
+/// PUT /gpus/{id} on the running VM (the emulated GPU at `socket`); returns the guest
+/// BDF it answers, after the guest's `pci` checks on device `round` passed there.
+fn hot_plug_gpu(vm: &UpdatableVm, id: &str, socket: &Path, p2p: bool, round: u32) -> String {
+    let body = hot_gpu_body(id, socket, p2p);
+    let answer = api_expect(&vm.api, 200, "PUT", &format!("/gpus/{id}"), Some(&body));
+    let answer: serde_json::Value = serde_json::from_str(&answer).expect("JSON answer");
+    let bdf = answer["bdf"].as_str().expect("bdf").to_string();
+    assert!(bdf.starts_with("0000:00:"), "{answer}");
+    let checked = format!(
+        "hotplug: device {round} at {} passed the pci checks",
+        &bdf[5..]
+    );
+    vm.wait_stdout(&checked, |out| {
+        out.contains(&checked) || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    bdf
+}
+
+/// DELETE /gpus/{id}: answered once the guest ejected device `round`.
+fn hot_unplug_gpu(vm: &UpdatableVm, id: &str, round: u32) {
+    api_expect(&vm.api, 204, "DELETE", &format!("/gpus/{id}"), None);
+    let ejected = format!("hotplug: device {round} ejected");
+    vm.wait_stdout(&ejected, |out| {
+        out.contains(&ejected) || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// The hot-plugged GPUs GET / lists: (id, bdf, state).
+fn hot_plugged_gpus(vm: &UpdatableVm) -> Vec<(String, String, String)> {
+    let info: serde_json::Value =
+        serde_json::from_str(&api_expect(&vm.api, 200, "GET", "/", None)).expect("JSON");
+    info["hot_plugged_gpus"]
+        .as_array()
+        .map(|gpus| {
+            gpus.iter()
+                .map(|gpu| {
+                    let field = |name: &str| gpu[name].as_str().unwrap_or_default().to_string();
+                    (field("id"), field("bdf"), field("state"))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// How many `pci: loop` lines the guest printed (each 16 DMA jobs checked).
+fn loop_lines(stdout: &str) -> usize {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("pci: loop "))
+        .count()
+}
+
+/// Waits until the guest printed more than `past` `pci: loop` lines (or failed).
+fn wait_loop_lines(vm: &UpdatableVm, past: usize) {
+    vm.wait_stdout("more DMA jobs of the guest", |out| {
+        loop_lines(out) > past || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// Checks that the device process behind `emu` saw nothing but its interrupts change
+/// since `before` (its counts then): same one connection, no DMA map or unmap, MSI-X armed
+/// `armed` more times.
+fn only_interrupts_changed(
+    emu: &mut SpawnedProcess,
+    before: (usize, usize, usize, usize),
+    armed: usize,
+) {
+    assert!(emu.try_status().is_none(), "the device process ended");
+    assert_eq!(
+        emu_counts(emu),
+        (before.0, before.1, before.2, before.3 + armed),
+        "the device saw more than its interrupts change\n{}",
+        emu.stderr()
+    );
+    assert!(
+        !emu.stderr().contains("Connection closed"),
+        "{}",
+        emu.stderr()
+    );
+}
+
+/// A GPU hot-plugged after start (PUT /gpus/gpu0) is handed over as a cold-plugged one
+/// is. An update whose new process crashes leaves it working with the old process; then,
+/// across two updates the guest keeps running DMA jobs on it with their MSI-X
+/// interrupts, and the device process keeps its one connection and its DMA mappings (no
+/// reset, no map or unmap; only one SET_IRQS per update). In the new process it is still a
+/// hot-plugged device in the same slot: DELETE ejects it (the guest's ACPI handshake) and
+/// takes it down (reset, connection closed: the device process ends), and a second GPU
+/// hot-plugged there works.
+#[test]
+fn a_hot_plugged_gpu_keeps_running_across_updates_and_can_be_removed_after() {
+    let sockets = ["a", "b"].map(|gpu| gpuvm_tests::socket_path("live-update-hot", gpu));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &[]);
+    let mut vm = UpdatableVm::start("hot-gpu", "256M", "pci-hotplug 2 loop", &[]);
+    vm.wait_stdout("the workload", |out| out.contains("hotplug: waiting for"));
+    let bdf = hot_plug_gpu(&vm, "gpu0", &sockets[0], true, 1);
+    wait_gpu_rounds(&vm, 16);
+    let mut before = emu_counts(&emu);
+    assert_eq!((before.0, before.2), (1, 0), "{}", emu.stderr());
+    assert!(before.1 > 0 && before.3 > 0, "{}", emu.stderr());
+    // A new process that crashes after taking the GPU over (it gave the device its
+    // interrupts) leaves it with the old one, which gives the device its own back.
+    let seen = gpu_rounds(&vm.stdout());
+    let out = vm.update(&[], &[("GPUVM_TEST_UPDATE_FAIL", "crash")]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "the update went through\n{stderr}");
+    assert!(
+        stderr.contains("closed the hand-over socket"),
+        "{stderr}\n{}",
+        vm.describe()
+    );
+    assert_eq!(vm.owner, vm.first.pid());
+    vm.wait_api();
+    wait_gpu_rounds(&vm, seen + 32);
+    only_interrupts_changed(&mut emu, before, 2);
+    before.3 += 2;
+    for round in 1..=2 {
+        let seen = gpu_rounds(&vm.stdout());
+        vm.update_ok(&[]);
+        wait_gpu_rounds(&vm, seen + 32);
+        only_interrupts_changed(&mut emu, before, round);
+        assert_eq!(
+            hot_plugged_gpus(&vm),
+            [("gpu0".to_string(), bdf.clone(), "attached".to_string())],
+            "after update {round}"
+        );
+    }
+    let downtimes = paused_to_run_us(&vm.first.stderr());
+    println!(
+        "live update of a VM with a hot-plugged GPU: downtime (pause to run), us: {downtimes:?}"
+    );
+    assert_eq!(downtimes.len(), 2, "{}", vm.describe());
+    // Still a hot-plugged device: DELETE ejects it through the guest, and the new process
+    // takes it down (reset, connection closed), which ends the device process.
+    hot_unplug_gpu(&vm, "gpu0", 1);
+    let ended = emu.wait(Duration::from_secs(10));
+    assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
+    assert!(hot_plugged_gpus(&vm).is_empty());
+    api_expect(&vm.api, 404, "DELETE", "/gpus/gpu0", None);
+    // A GPU hot-plugged into the updated process takes the freed slot and works.
+    let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[1], &[]);
+    let again = hot_plug_gpu(&vm, "gpu1", &sockets[1], true, 2);
+    assert_eq!(again, bdf, "the freed slot is reused");
+    let seen = loop_lines(&vm.stdout());
+    wait_loop_lines(&vm, seen + 2);
+    hot_unplug_gpu(&vm, "gpu1", 2);
+    vm.wait_stdout("the workload's end", |out| out.contains("hotplug: ok"));
+    let ended = emu_b.wait(Duration::from_secs(10));
+    assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
+}
+
+/// A VM with a cold-plugged GPU (`--vfio-user`) and a hot-plugged one. While the
+/// hot-plugged one shares its BARs with its peer (p2p on), the update is refused, saying
+/// why, and both run on in the old process. Once it is replaced (DELETE, then PUT of
+/// another with p2p off), both GPUs are handed over across two updates, each device
+/// process keeping its one connection and its DMA mappings, and the guest's DMA jobs on
+/// the hot-plugged one going on; DELETE ejects it in the new process.
+#[test]
+fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
+    let sockets =
+        ["cold", "p2p", "hot"].map(|gpu| gpuvm_tests::socket_path("live-update-mixed", gpu));
+    let mut emus = [0, 1, 2].map(|i| gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[i], &[]));
+    let cold = format!("{},p2p=off", sockets[0].display());
+    let mut vm = UpdatableVm::start(
+        "mixed-gpus",
+        "256M",
+        "pci-hotplug 2 loop",
+        &["--vfio-user", &cold],
+    );
+    vm.wait_stdout("the workload", |out| out.contains("hotplug: waiting for"));
+
+    hot_plug_gpu(&vm, "shared", &sockets[1], true, 1);
+    wait_gpu_rounds(&vm, 16);
+    let refused = vm.update(&[], &[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(
+        !refused.status.success(),
+        "the update went through\n{stderr}"
+    );
+    assert!(
+        stderr.contains("2 vfio-user devices, whose BARs are DMA-mapped for their peers")
+            && stderr
+                .contains("the peer-to-peer DMA mappings between GPUs are not handed over yet"),
+        "{stderr}\n{}",
+        vm.describe()
+    );
+    assert!(alive(vm.owner), "the old gpuvm ended\n{}", vm.describe());
+    let seen = gpu_rounds(&vm.stdout());
+    wait_gpu_rounds(&vm, seen + 16);
+    hot_unplug_gpu(&vm, "shared", 1);
+
+    let bdf = hot_plug_gpu(&vm, "gpu1", &sockets[2], false, 2);
+    let seen = loop_lines(&vm.stdout());
+    wait_loop_lines(&vm, seen + 1);
+    let cold_before = emu_counts(&emus[0]);
+    let hot_before = emu_counts(&emus[2]);
+    // The cold-plugged GPU mapped and unmapped the first one's BARs (its peer's): not
+    // guest RAM, and nothing more once that one went.
+    assert_eq!(cold_before.0, 1, "{}", emus[0].stderr());
+    assert_eq!((hot_before.0, hot_before.2), (1, 0), "{}", emus[2].stderr());
+    for round in 1..=2 {
+        let seen = loop_lines(&vm.stdout());
+        vm.update_ok(&[]);
+        wait_loop_lines(&vm, seen + 2);
+        // The cold-plugged GPU's MSI-X is off (the guest drives only the hot-plugged
+        // one): it gets no SET_IRQS.
+        only_interrupts_changed(&mut emus[0], cold_before, 0);
+        only_interrupts_changed(&mut emus[2], hot_before, round);
+        assert_eq!(
+            hot_plugged_gpus(&vm),
+            [("gpu1".to_string(), bdf.clone(), "attached".to_string())],
+            "after update {round}"
+        );
+    }
+    let downtimes = paused_to_run_us(&vm.first.stderr());
+    println!(
+        "live update of a VM with a cold- and a hot-plugged GPU: downtime (pause to run), \
+         us: {downtimes:?}"
+    );
+    assert_eq!(downtimes.len(), 2, "{}", vm.describe());
+    // The cold-plugged one cannot be removed; the hot-plugged one is ejected.
+    hot_unplug_gpu(&vm, "gpu1", 2);
+    vm.wait_stdout("the workload's end", |out| out.contains("hotplug: ok"));
+    let [cold_emu, shared_emu, hot_emu] = emus;
+    assert_eq!(hot_emu.wait(Duration::from_secs(10)).code(), Some(0));
+    assert_eq!(shared_emu.wait(Duration::from_secs(10)).code(), Some(0));
+    assert_eq!(emu_counts(&cold_emu).0, 1, "{}", cold_emu.stderr());
+}
+
+/// A GPU hot-plugged through Cloud Hypervisor's API (vm.add-user-device, as Kata adds one)
+/// keeps its client id across an update: vm.info answers the new process with the same
+/// `config` and `device_tree`, the guest's DMA jobs on the GPU go on, and vm.remove-device
+/// takes it by that id there (the guest ejects it).
+#[test]
+fn a_gpu_hot_plugged_through_cloud_hypervisor_keeps_its_id_across_an_update() {
+    use gpuvm_tests::cloud_hypervisor_support::{
+        guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
+    };
+    let scratch = Scratch::new("live-update", "ch-hot-gpu");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("api.sock");
+    let socket = gpuvm_tests::socket_path("live-update-ch", "gpu");
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let mut args = test_guest_args(&api, &kernel, "pci-hotplug 1 loop");
+    args.extend_from_slice(&["--memory", "size=256M"]);
+    let mut first = spawn_ch(&scratch, &args);
+    wait_for_vm(&mut first, &api, LIMIT);
+    let mut vm = UpdatableVm {
+        owner: first.pid(),
+        first,
+        api: api.clone(),
+        _scratch: scratch,
+    };
+    vm.wait_stdout("the workload", |out| out.contains("hotplug: waiting for"));
+    let body = serde_json::json!({ "socket": socket, "id": "gpu0" }).to_string();
+    let answer = api_expect(&api, 200, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    assert!(answer.contains("gpu0"), "{answer}");
+    wait_gpu_rounds(&vm, 16);
+    let before = vm_info(&api);
+    assert!(before["device_tree"].get("gpu0").is_some(), "{before}");
+    let seen = gpu_rounds(&vm.stdout());
+    vm.update_ok(&["--api-sock", api.to_str().expect("UTF-8 path")]);
+    wait_gpu_rounds(&vm, seen + 32);
+    let after = vm_info(&api);
+    assert_eq!(after["config"], before["config"], "after the update");
+    assert_eq!(
+        after["device_tree"], before["device_tree"],
+        "after the update"
+    );
+    let body = serde_json::json!({ "id": "gpu0" }).to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.remove-device", Some(&body));
+    vm.wait_stdout("the guest's eject", |out| {
+        out.contains("hotplug: ok") || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    let ended = emu.wait(Duration::from_secs(10));
+    assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
+}
+
+/// A GPU hot-plugged into a PCIe root port for hot-plug (`--pcie-root-ports`, the
+/// `pcie-hotplug` workload driving the slot as Linux's pciehp does) is handed over in its
+/// port: the device process keeps its one connection and its DMA mappings across two
+/// updates; in the new process DELETE presses the slot's attention button, the guest turns
+/// the slot off and the device goes (its process ends), and the freed port takes another.
+#[test]
+fn a_gpu_in_a_root_port_for_hot_plug_is_handed_over_in_its_port() {
+    let sockets = ["a", "b"].map(|gpu| gpuvm_tests::socket_path("live-update-port", gpu));
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &[]);
+    let mut vm = UpdatableVm::start(
+        "port-gpu",
+        "256M",
+        "pcie-hotplug 2",
+        &["--pcie-root-ports", "1"],
+    );
+    vm.wait_stdout("the workload", |out| {
+        out.contains("hot-plug root port(s); waiting for")
+    });
+    let body = hot_gpu_body("gpu0", &sockets[0], true);
+    let answer = api_expect(&vm.api, 200, "PUT", "/gpus/gpu0", Some(&body));
+    let answer: serde_json::Value = serde_json::from_str(&answer).expect("JSON answer");
+    let bdf = answer["bdf"].as_str().expect("bdf").to_string();
+    assert!(!bdf.starts_with("0000:00:"), "behind the port: {bdf}");
+    vm.wait_stdout("the guest's checks", |out| {
+        out.contains("BARs inside the port's windows") || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    let before = emu_counts(&emu);
+    assert_eq!((before.0, before.2), (1, 0), "{}", emu.stderr());
+    for round in 1..=2 {
+        vm.update_ok(&[]);
+        assert!(emu.try_status().is_none(), "the device process ended");
+        let now = emu_counts(&emu);
+        assert_eq!(
+            (now.0, now.1, now.2),
+            (before.0, before.1, before.2),
+            "update {round}: the device saw a new connection or DMA map\n{}",
+            emu.stderr()
+        );
+        assert_eq!(
+            hot_plugged_gpus(&vm),
+            [("gpu0".to_string(), bdf.clone(), "attached".to_string())],
+            "after update {round}"
+        );
+    }
+    api_expect(&vm.api, 204, "DELETE", "/gpus/gpu0", None);
+    vm.wait_stdout("the slot turned off", |out| {
+        out.contains("pcie-hotplug: device 1 removed") || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    let ended = emu.wait(Duration::from_secs(10));
+    assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
+    let emu_b = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[1], &[]);
+    let body = hot_gpu_body("gpu1", &sockets[1], true);
+    let answer = api_expect(&vm.api, 200, "PUT", "/gpus/gpu1", Some(&body));
+    assert!(
+        answer.contains(&bdf),
+        "the freed port takes the next device: {answer}"
+    );
+    vm.wait_stdout("the second device", |out| {
+        out.contains("pcie-hotplug: device 2 at") || out.contains("FAIL")
+    });
+    api_expect(&vm.api, 204, "DELETE", "/gpus/gpu1", None);
+    vm.wait_stdout("the workload's end", |out| {
+        out.contains("pcie-hotplug: ok") || out.contains("FAIL")
+    });
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+    let ended = emu_b.wait(Duration::from_secs(10));
+    assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
+}

@@ -65,6 +65,7 @@ use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
 use crate::pci_topology::{bars_in_port, HotplugPort};
 use crate::virtio::VirtioHandle;
 
+mod handover;
 pub(crate) mod migration;
 mod virtio;
 pub use migration::{MigratedGpu, DEVICE_FILE_PREFIX};
@@ -130,6 +131,8 @@ struct HotDevice {
     stopped: bool,
     /// A restored device not running yet: guest RAM is still being DMA-mapped for it.
     held_for_dma: Arc<std::sync::atomic::AtomicBool>,
+    /// A vfio-user device's connection, as a live update hands it over (None: kernel VFIO).
+    connection: Option<gpuvm_vfio::user::UserConnection>,
 }
 
 /// A device opened for plugging, with what goes with it.
@@ -141,6 +144,8 @@ struct OpenedBackend {
     vfio: Option<KernelVfio>,
     /// Its DMA context's mapper for peers' BARs (or why there is none) and its own BARs.
     peer: (PeerMapperChoice, PeerBars),
+    /// A vfio-user device's connection (for a live update).
+    connection: Option<gpuvm_vfio::user::UserConnection>,
 }
 
 /// A context's mapper for peers' BARs, or why it cannot have one.
@@ -530,6 +535,7 @@ impl PciHotplug {
             (plugged, mapping)
         };
         let (health, watch, vfio) = (opened.health, opened.watch, opened.vfio);
+        let connection = opened.connection;
         let bdf = plugged.bdf;
         let ids = lock(&plugged.device).pci_ids();
         if let Some(expected) = expected.filter(|expected| *expected != ids) {
@@ -573,6 +579,7 @@ impl PciHotplug {
                 source: body.clone(),
                 stopped: false,
                 held_for_dma: Arc::default(),
+                connection,
             },
         );
         Ok((bdf, label))
@@ -623,6 +630,7 @@ impl PciHotplug {
             let bars = PeerBars::new(backend.name(), &body.tuning(), |i| backend.region_file(i));
             Ok(OpenedBackend {
                 peer: (Ok(backend.peer_mapper()), bars),
+                connection: Some(backend.connection()),
                 watch: backend.watch_hang_up(),
                 mapper: backend.dma_mapper(),
                 health: Some(health),
@@ -643,6 +651,7 @@ impl PciHotplug {
                 health: None,
                 watch: None,
                 vfio: Some(vfio),
+                connection: None,
             })
         } else {
             Err(PciSetupError::Device(gpuvm_vfio::VfioError::NotPci(

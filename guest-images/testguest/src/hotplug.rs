@@ -1,7 +1,8 @@
-//! The `pci-hotplug [N] [keep]` workload: waits for the VMM to hot-plug the emulated GPU
-//! (PUT /gpus/{id} while running), runs the `pci` checks on it, waits for the eject request
-//! (DELETE /gpus/{id}), releases the device and ejects it, N times (default 1). With `keep`
-//! it never ejects (for the VMM's eject timeout).
+//! The `pci-hotplug [N] [keep|loop]` workload: waits for the VMM to hot-plug the emulated
+//! GPU (PUT /gpus/{id} while running), runs the `pci` checks on it, waits for the eject
+//! request (DELETE /gpus/{id}), releases the device and ejects it, N times (default 1).
+//! With `keep` it never ejects (for the VMM's eject timeout); with `loop` it runs the DMA
+//! jobs of `pci loop` on the device until the eject request (a live update in between).
 //!
 //! It uses gpuvm's ACPI PCI hot-plug registers the way the DSDT's AML does (PCNT reads
 //! PCIU/PCID, _EJ0 writes B0EJ), from ring 3 and by polling: no ACPI interpreter, no SCI.
@@ -77,9 +78,10 @@ pub fn run(count: Option<&str>, mode: Option<&str>) -> ! {
     let count: u32 = match count.map(str::parse) {
         None => 1,
         Some(Ok(n)) if n > 0 => n,
-        Some(_) => fail(format_args!("usage: pci-hotplug [N] [keep]")),
+        Some(_) => fail(format_args!("usage: pci-hotplug [N] [keep|loop]")),
     };
     let keep = mode == Some("keep");
+    let looping = mode == Some("loop");
     println!("hotplug: waiting for {count} device(s)");
     let mut arrived = 0u32;
     for round in 1..=count {
@@ -94,7 +96,12 @@ pub fn run(count: Option<&str>, mode: Option<&str>) -> ! {
             println!("hotplug: keeping the device; eject requests are ignored");
             crate::console::halt_forever();
         }
-        wait_for_eject_request("hotplug", slot);
+        if looping {
+            // PCID clears as it is read: other slots' requests are dropped (one device).
+            crate::pci::dma_rounds(slot, || inl(PCID) & 1 << slot != 0);
+        } else {
+            wait_for_eject_request("hotplug", slot);
+        }
         println!("hotplug: eject requested for 00:{slot:02x}.0");
         crate::pci::release_device(slot);
         if let Err(ids) = eject(slot) {

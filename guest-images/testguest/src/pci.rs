@@ -376,10 +376,16 @@ pub fn run(mode: Option<&str>) -> ! {
 /// its own, its MSI-X interrupt awaited and its data checked (live update keeps the GPU
 /// busy with it). Prints every 16th round.
 fn dma_loop(device: u8) -> ! {
+    dma_rounds(device, || false);
+    unreachable!("dma_rounds ends only when told to")
+}
+
+/// The DMA jobs of `pci loop` on `device` until `stop` (asked before each job) says so.
+pub(crate) fn dma_rounds(device: u8, mut stop: impl FnMut() -> bool) {
     let bar0 = u64::from(config_read(device, 0x10) & !0xf);
     let mut done = mmio_read(bar0 + REG_DMA_DONE);
     let mut round = 0u64;
-    loop {
+    while !stop() {
         round += 1;
         // The device's seed register is 32 bits wide.
         let seed = DMA_SEED ^ u64::from((round as u32).wrapping_mul(0x9e37_79b9));

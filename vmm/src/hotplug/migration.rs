@@ -526,6 +526,7 @@ impl PciHotplug {
                 source,
                 stopped: false,
                 held_for_dma,
+                connection: opened.connection,
             },
         );
         Ok(())

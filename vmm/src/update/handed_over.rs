@@ -1,7 +1,7 @@
 //! What a VM keeps of its cold-plugged vfio-user devices for a live update, and what the
-//! offer and the paused state say of each: plain data, so that the machine's devices
-//! ([`crate::devices`]) can hold it while the hand-over's logic
-//! ([`super::passthrough`]) works on the devices.
+//! offer and the paused state say of each (cold- or hot-plugged): plain data, so that the
+//! machine's devices ([`crate::devices`]) can hold it while the hand-over's logic
+//! ([`super::passthrough`], and crate::hotplug for hot-plugged GPUs) works on the devices.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -74,4 +74,69 @@ pub struct HandedOverVfioUser {
     /// The guest RAM the device has DMA-mapped (guest address, size, offset in the RAM
     /// file): the new process maps none of it again.
     pub dma_mapped: Vec<(u64, u64, u64)>,
+    /// Set for a GPU hot-plugged at runtime (PUT /gpus/{id}): the new process keeps it a
+    /// hot-plugged device (DELETE ejects it). Absent for a cold-plugged one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_plugged: Option<HotPluggedGpu>,
+}
+
+/// What makes a handed-over vfio-user device a hot-plugged GPU again in the new process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotPluggedGpu {
+    /// What it was plugged from: its id, socket and choices (GPUDirect clique, p2p).
+    pub source: crate::action::GpuBody,
+    /// The bus-0 slot of the root port for hot-plug it is in (absent: on bus 0, in the
+    /// ACPI hot-plug slot `slot`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u8>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cold(socket: &str) -> HandedOverVfioUser {
+        HandedOverVfioUser {
+            socket: PathBuf::from(socket),
+            slot: 3,
+            vendor_id: 0x10de,
+            device_id: 0x2330,
+            pci: VfioPciState::default(),
+            intx_gsi: None,
+            dma_mapped: vec![(0, 1 << 28, 0)],
+            hot_plugged: None,
+        }
+    }
+
+    /// A cold-plugged device's entry is written as before hot-plugged GPUs were handed
+    /// over (an older new process reads it), and a hot-plugged one keeps its id, socket,
+    /// choices and root port.
+    #[test]
+    fn a_hot_plugged_gpu_is_marked_and_a_cold_plugged_one_is_not() {
+        let written = serde_json::to_value(cold("/run/a.sock")).unwrap();
+        assert!(written.get("hot_plugged").is_none(), "{written}");
+        let read: HandedOverVfioUser = serde_json::from_value(written).unwrap();
+        assert_eq!(read, cold("/run/a.sock"));
+
+        let mut source = crate::action::GpuBody::new("gpu1", None, Some("/run/b.sock".into()));
+        source.p2p = Some(false);
+        let hot = HandedOverVfioUser {
+            hot_plugged: Some(HotPluggedGpu {
+                source,
+                port: Some(0x1c),
+            }),
+            ..cold("/run/b.sock")
+        };
+        let read: HandedOverVfioUser =
+            serde_json::from_slice(&serde_json::to_vec(&hot).unwrap()).unwrap();
+        assert_eq!(read, hot);
+        let gpu = read.hot_plugged.unwrap();
+        assert_eq!(gpu.source.gpu_id, "gpu1");
+        assert!(!gpu.source.tuning().p2p);
+        // A field this build does not know is refused, not dropped.
+        let mut unknown = serde_json::to_value(&hot).unwrap();
+        unknown["hot_plugged"]["slot_power"] = serde_json::json!(true);
+        assert!(serde_json::from_value::<HandedOverVfioUser>(unknown).is_err());
+    }
 }

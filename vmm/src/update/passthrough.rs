@@ -42,16 +42,21 @@ use super::UpdateError;
 use crate::lock;
 
 /// Why the VM's cold-plugged vfio-user devices cannot be handed over now, if they cannot.
-/// `sharing`: the devices whose BARs are DMA-mapped for their peers (now, or once the
-/// guest places them): with more than one device those mappings would be needed, and
-/// they are not handed over yet (the new process would neither know them nor make them).
-pub(super) fn refusal(handover: &PassthroughHandOver, sharing: &[String]) -> Option<String> {
-    if handover.vfio_user.len() > 1 && !sharing.is_empty() {
+/// `hot_plugged`: how many hot-plugged vfio-user GPUs go with them. `sharing`: the devices
+/// whose BARs are DMA-mapped for their peers (now, or once the guest places them): with
+/// more than one device those mappings would be needed, and they are not handed over yet
+/// (the new process would neither know them nor make them).
+pub(super) fn refusal(
+    handover: &PassthroughHandOver,
+    hot_plugged: usize,
+    sharing: &[String],
+) -> Option<String> {
+    let devices = handover.vfio_user.len() + hot_plugged;
+    if devices > 1 && !sharing.is_empty() {
         return Some(format!(
-            "{} vfio-user devices, whose BARs are DMA-mapped for their peers (p2p on: {}): \
-             the peer-to-peer DMA mappings between GPUs are not handed over yet; devices \
+            "{devices} vfio-user devices, whose BARs are DMA-mapped for their peers (p2p on: \
+             {}): the peer-to-peer DMA mappings between GPUs are not handed over yet; devices \
              with p2p=off are",
-            handover.vfio_user.len(),
             sharing.join(", ")
         ));
     }
@@ -128,6 +133,7 @@ pub(super) fn save(
                     .iter()
                     .map(|r| (r.guest_addr, r.size, r.fd_offset))
                     .collect(),
+                hot_plugged: None,
             })
         })
         .collect()
@@ -206,16 +212,27 @@ impl IncomingVfioUser {
         self.backend = Some(backend);
         Ok(())
     }
+
+    /// The client that took the connection over ([`IncomingVfioUser::take_over`]).
+    pub(crate) fn into_backend(self) -> Result<VfioUserDevice, String> {
+        self.backend
+            .ok_or_else(|| "its connection was not taken over".to_string())
+    }
 }
 
 /// Maps nothing that the device has mapped already (the old process's table): only RAM
 /// outside it goes to the device.
-struct AlreadyMapped {
+pub(crate) struct AlreadyMapped {
     inner: Arc<dyn DmaMapper>,
     mapped: Vec<(u64, u64, u64)>,
 }
 
 impl AlreadyMapped {
+    /// `inner`, skipping the RAM of `mapped` (guest address, size, offset in the RAM file).
+    pub(crate) fn new(inner: Arc<dyn DmaMapper>, mapped: Vec<(u64, u64, u64)>) -> Self {
+        AlreadyMapped { inner, mapped }
+    }
+
     fn covers(&self, chunk: &DmaRegion) -> bool {
         self.mapped.iter().any(|&(guest, size, offset)| {
             chunk.guest_addr >= guest
@@ -250,8 +267,9 @@ impl DmaMapper for AlreadyMapped {
 /// Plugs the handed-over devices (`saved`, from the paused state, and `incoming`, from the
 /// offer, in the same order) back into their slots of `devices`' segment 0, over the
 /// connections the old process used: no reset, no DMA map, the saved PCI state loaded
-/// (which gives the device this VM's interrupt eventfds). Runs with the old process's
-/// vCPUs paused, before this VM's root leaves its restore mode.
+/// (which gives the device this VM's interrupt eventfds). Hot-plugged GPUs go back to PCI
+/// hot-plug (crate::hotplug::PciHotplug::adopt_handed_over), which can eject them later.
+/// Runs with the old process's vCPUs paused, before this VM's root leaves its restore mode.
 pub(crate) fn plug_handed_over(
     vm: &kvm_ioctls::VmFd,
     ram: &gpuvm_memory::GuestRam,
@@ -267,9 +285,31 @@ pub(crate) fn plug_handed_over(
         ));
     }
     for (saved, incoming) in saved.iter().zip(incoming) {
-        plug_one(vm, ram, devices, saved, incoming)
-            .map_err(|reason| format!("{}: {reason}", saved.socket.display()))?;
+        let plugged = match &saved.hot_plugged {
+            None => plug_one(vm, ram, devices, saved, incoming),
+            Some(hot) => adopt_hot_plugged(devices, saved, hot, incoming),
+        };
+        plugged.map_err(|reason| format!("{}: {reason}", saved.socket.display()))?;
     }
+    Ok(())
+}
+
+/// A hot-plugged GPU back into PCI hot-plug, in its slot (or its root port's).
+fn adopt_hot_plugged(
+    devices: &mut crate::devices::MachineDevices,
+    saved: &HandedOverVfioUser,
+    hot: &super::handed_over::HotPluggedGpu,
+    incoming: IncomingVfioUser,
+) -> Result<(), String> {
+    if incoming.offered.socket != saved.socket {
+        return Err(format!(
+            "the offer brings the connection of {}",
+            incoming.offered.socket.display()
+        ));
+    }
+    let hotplug = (devices.pci_hotplug.as_mut()).ok_or("this VM has no PCI hot-plug")?;
+    let label = hotplug.adopt_handed_over(saved, hot, incoming.into_backend()?)?;
+    devices.passthrough.push(label);
     Ok(())
 }
 

@@ -8,8 +8,10 @@
 //! description); so do a network interface's tap queues (the tap stays attached, frames
 //! queue in it while the vCPUs are paused); virtio-rng reopens /dev/urandom; the balloon
 //! holds no descriptor (the pages it freed stay holes in the RAM file both share). A
-//! cold-plugged vfio-user device's connection goes with the offer, its PCI state with the
-//! paused state (`super::passthrough`); the device runs on throughout.
+//! vfio-user device's connection goes with the offer, its PCI state with the paused state
+//! (`super::passthrough` for cold-plugged ones, crate::hotplug's hand-over for GPUs
+//! hot-plugged at runtime, which stay hot-plugged in the new process); the device runs on
+//! throughout.
 
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -95,7 +97,11 @@ pub fn hand_over(
             // then run it here again.
             let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
             // The new process may have given the vfio-user devices its interrupts.
-            passthrough::rearm(&running.machine().devices().handover);
+            let devices = running.machine().devices();
+            passthrough::rearm(&devices.handover);
+            if let Some(hotplug) = &devices.pci_hotplug {
+                hotplug.handover_rearm();
+            }
             running.resume_devices();
             if let Err(resume) = running.resume() {
                 log::error!("live update failed and the vCPUs cannot be resumed: {resume}");
@@ -122,7 +128,14 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
     let (drives, images) = drive_images(running)?;
     let (interfaces, taps) = interface_taps(running)?;
-    let (vfio_user, connections) = passthrough::offer(&running.machine().devices().handover)?;
+    let devices = running.machine().devices();
+    let (mut vfio_user, mut connections) = passthrough::offer(&devices.handover)?;
+    // The hot-plugged GPUs after the cold-plugged devices, as in the paused state.
+    if let Some(hotplug) = &devices.pci_hotplug {
+        let (hot, fds) = hotplug.handover_offer().map_err(UpdateError::Save)?;
+        vfio_user.extend(hot);
+        connections.extend(fds);
+    }
     if connections.len() > protocol::MAX_VFIO_USER_FDS {
         return Err(UpdateError::unsupported(
             format!(
@@ -311,7 +324,11 @@ fn hand_paused_and_commit(
     protocol::send(stream, MessageKind::Commit, b"", &[])?;
     // Its vfio-user connections are the new process's: nothing here may use them, nor
     // reset the devices or close the connections as this process's VM goes.
-    passthrough::release(&running.machine().devices().handover, receiver.pid);
+    let devices = running.machine().devices();
+    passthrough::release(&devices.handover, receiver.pid);
+    if let Some(hotplug) = &devices.pci_hotplug {
+        hotplug.handover_release(&format!("gpuvm process {}", receiver.pid));
+    }
     Ok(framed.len())
 }
 
@@ -345,31 +362,26 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     Ok(())
 }
 
-/// Refuses passthrough devices the hand-over does not carry: kernel VFIO devices,
-/// hot-plugged GPUs, and cold-plugged vfio-user devices it cannot take over now
-/// ([`passthrough::refusal`]).
+/// Refuses passthrough devices the hand-over does not carry: kernel VFIO devices (cold-
+/// or hot-plugged), and vfio-user devices it cannot take over now
+/// ([`passthrough::refusal`], crate::hotplug::PciHotplug::handover_refusal).
 fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), UpdateError> {
-    let hot_plugged: Vec<String> = devices
-        .pci_hotplug
-        .as_ref()
-        .map(|hotplug| hotplug.labels().collect())
-        .unwrap_or_default();
-    if !hot_plugged.is_empty() {
-        return Err(UpdateError::unsupported(
-            format!("a VM with hot-plugged GPUs ({})", hot_plugged.join(", ")),
-            Some("only cold-plugged vfio-user devices (--vfio-user) are handed over"),
-        ));
-    }
+    let hotplug = devices.pci_hotplug.as_ref();
+    let hot_kernel = hotplug.map(|h| h.kernel_vfio_labels()).unwrap_or_default();
+    let hot_labels: Vec<String> = hotplug.map(|h| h.labels().collect()).unwrap_or_default();
     let carried = |label: &&String| {
-        devices
-            .handover
-            .vfio_user
-            .iter()
-            .any(|plugged| label.ends_with(plugged.connection.name()))
+        let cold = (devices.handover.vfio_user.iter())
+            .any(|plugged| label.ends_with(plugged.connection.name()));
+        cold || (hot_labels.contains(label) && !hot_kernel.contains(label))
     };
     let kernel: Vec<&str> = devices
         .passthrough
         .iter()
+        .chain(
+            hot_kernel
+                .iter()
+                .filter(|l| !devices.passthrough.contains(l)),
+        )
         .filter(|label| !carried(label))
         .map(String::as_str)
         .collect();
@@ -383,10 +395,13 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
             ),
         ));
     }
-    let sharing = (devices.pci_hotplug.as_ref())
+    let sharing = hotplug
         .map(|hotplug| hotplug.peer_dma_sharing_devices())
         .unwrap_or_default();
-    if let Some(reason) = passthrough::refusal(&devices.handover, &sharing) {
+    let hot_vfio_user = hotplug.map_or(0, |h| h.handed_over_count());
+    let refusal = passthrough::refusal(&devices.handover, hot_vfio_user, &sharing)
+        .or_else(|| hotplug.and_then(|h| h.handover_refusal()));
+    if let Some(reason) = refusal {
         return Err(UpdateError::unsupported(
             "a VM with these vfio-user devices",
             Some(&reason),
@@ -498,6 +513,15 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         &machine.devices().handover,
         &crate::dma::RamChunks::regions_of(machine.ram()),
     )?;
+    // The hot-plugged GPUs have the hot-plugged RAM mapped too.
+    if let Some(hotplug) = &machine.devices().pci_hotplug {
+        let mut ram = crate::dma::RamChunks::regions_of(machine.ram());
+        for plugged in machine.ram_hotplug.iter().flat_map(|h| h.plugged()) {
+            ram.extend(crate::dma::RamChunks::regions_of(plugged));
+        }
+        let hot = hotplug.handover_save(&ram).map_err(UpdateError::Save)?;
+        devices.handed_over_vfio_user.extend(hot);
+    }
     Ok(MachineState {
         config: SavedMachineConfig::from_config(machine.config()),
         vm,
