@@ -1243,6 +1243,15 @@ fn the_balloon_keeps_its_pages_across_an_update_and_deflates_after() {
 }
 
 /// The emulated GPU's device process.
+/// One GPU VM test at a time: their guests run DMA jobs without pause and their device
+/// processes answer each, which on a host with two cores starves a second such VM's
+/// update past its deadlines.
+static GPU_VM_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn gpu_vm_turn() -> std::sync::MutexGuard<'static, ()> {
+    GPU_VM_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn emu_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
 }
@@ -1300,6 +1309,7 @@ fn emu_counts(emu: &SpawnedProcess) -> (usize, usize, usize, usize) {
 /// process's interrupt eventfds (one SET_IRQS), and the MSI-X interrupts keep arriving.
 #[test]
 fn a_gpu_vm_keeps_its_gpu_running_across_updates() {
+    let _turn = gpu_vm_turn();
     let (mut vm, mut emu) = start_gpu_vm("gpu");
     let (connections, maps, unmaps, armed) = emu_counts(&emu);
     assert_eq!((connections, unmaps), (1, 0), "{}", emu.stderr());
@@ -1343,6 +1353,7 @@ fn a_gpu_vm_keeps_its_gpu_running_across_updates() {
 /// and the guest's DMA jobs and their MSI-X interrupts go on; then an update goes through.
 #[test]
 fn a_failed_update_of_a_gpu_vm_leaves_the_gpu_with_the_old_process() {
+    let _turn = gpu_vm_turn();
     let (mut vm, mut emu) = start_gpu_vm("gpu-fail");
     let (connections, maps, unmaps, armed) = emu_counts(&emu);
     for (hook, expected) in [
@@ -1402,6 +1413,7 @@ fn start_two_gpu_vm(name: &str, options: &str) -> (UpdatableVm, [SpawnedProcess;
 /// jobs on the first go on, with their interrupts.
 #[test]
 fn two_gpus_without_peer_mappings_are_both_handed_over() {
+    let _turn = gpu_vm_turn();
     let (mut vm, mut emus) = start_two_gpu_vm("two-gpus", ",p2p=off");
     let before = emus.each_ref().map(emu_counts);
     for (connections, maps, unmaps, _) in before {
@@ -1450,6 +1462,7 @@ fn two_gpus_without_peer_mappings_are_both_handed_over() {
 /// so, and the VM runs on with both GPUs in the old process.
 #[test]
 fn two_gpus_with_peer_mappings_are_refused() {
+    let _turn = gpu_vm_turn();
     let (vm, emus) = start_two_gpu_vm("two-gpus-p2p", "");
     let out = vm.update(&[], &[]);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
@@ -1575,6 +1588,7 @@ fn only_interrupts_changed(
 /// hot-plugged there works.
 #[test]
 fn a_hot_plugged_gpu_keeps_running_across_updates_and_can_be_removed_after() {
+    let _turn = gpu_vm_turn();
     let sockets = ["a", "b"].map(|gpu| gpuvm_tests::socket_path("live-update-hot", gpu));
     let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &[]);
     let mut vm = UpdatableVm::start("hot-gpu", "256M", "pci-hotplug 2 loop", &[]);
@@ -1643,6 +1657,7 @@ fn a_hot_plugged_gpu_keeps_running_across_updates_and_can_be_removed_after() {
 /// the hot-plugged one going on; DELETE ejects it in the new process.
 #[test]
 fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
+    let _turn = gpu_vm_turn();
     let sockets =
         ["cold", "p2p", "hot"].map(|gpu| gpuvm_tests::socket_path("live-update-mixed", gpu));
     let mut emus = [0, 1, 2].map(|i| gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[i], &[]));
@@ -1719,6 +1734,7 @@ fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
 /// takes it by that id there (the guest ejects it).
 #[test]
 fn a_gpu_hot_plugged_through_cloud_hypervisor_keeps_its_id_across_an_update() {
+    let _turn = gpu_vm_turn();
     use gpuvm_tests::cloud_hypervisor_support::{
         guest_image, spawn_ch, test_guest_args, vm_info, wait_for_vm,
     };
@@ -1770,6 +1786,7 @@ fn a_gpu_hot_plugged_through_cloud_hypervisor_keeps_its_id_across_an_update() {
 /// the slot off and the device goes (its process ends), and the freed port takes another.
 #[test]
 fn a_gpu_in_a_root_port_for_hot_plug_is_handed_over_in_its_port() {
+    let _turn = gpu_vm_turn();
     let sockets = ["a", "b"].map(|gpu| gpuvm_tests::socket_path("live-update-port", gpu));
     let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[0], &[]);
     let mut vm = UpdatableVm::start(
