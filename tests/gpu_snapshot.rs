@@ -570,3 +570,55 @@ fn a_restored_vm_keeps_its_pci_slots_bars_and_holes() {
     let out = restored.wait(LIMIT);
     out.assert_code(0).assert_stdout_has("hotplug: ok");
 }
+
+/// A GPU brought back by a restore (its state through VFIO migration, not PUT /gpus in the
+/// new process) can be released through the guest for a later snapshot: gpuvm plugs it
+/// again from what the snapshot recorded of it.
+#[test]
+fn a_gpu_restored_through_migration_can_be_released_through_the_guest() {
+    let scratch = Scratch::new("gpusnap", "restored-release");
+    let socket = socket_path("restored-release-emu");
+    // This VM, the restored one, and the restored one after the release.
+    let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--clients", "3"]);
+    let api = socket_path("restored-release-api");
+    let vsock = scratch.path("vsock.sock");
+    let mut vmm = start_vm(&api, "gpu-agent", Some(&vsock));
+    vmm.wait_for_stdout("gpu-agent: listening", LIMIT);
+    api_expect(
+        &api,
+        200,
+        "PUT",
+        "/gpus/gpu0",
+        Some(&gpu_body("gpu0", &socket)),
+    );
+    wait_for_line(&mut vmm, "gpu-agent: holding");
+    let held = field_after(&vmm.stdout(), "gpu-agent: holding", "checksum=");
+    let migrated = scratch.path("migrated");
+    api_snapshot_create(&api, &migrated);
+    vmm.signal(libc::SIGKILL);
+    let _ = vmm.wait(Duration::from_secs(10));
+    let _ = std::fs::remove_file(&vsock);
+
+    let api2 = socket_path("restored-release-api2");
+    let mut restored = spawn_api_vmm(&api2, None, &[]);
+    api_load_lazy(&api2, &migrated);
+    let released = scratch.path("released");
+    let body = json!({ "snapshot_path": released, "passthrough": "guest_release" }).to_string();
+    let answer = json(&api_expect(
+        &api2,
+        200,
+        "PUT",
+        "/snapshot/create",
+        Some(&body),
+    ));
+    assert_eq!(answer["released_gpus"], json!(["gpu0"]), "{answer}");
+    assert_eq!(answer["reattached_gpus"][0]["id"], "gpu0", "{answer}");
+    wait_for_line(&mut restored, "gpu-agent: resumed gpu0");
+    assert_eq!(
+        field_after(&restored.stdout(), "gpu-agent: resumed gpu0", "checksum="),
+        held,
+        "the device memory the guest kept, across the migration and the release"
+    );
+    restored.signal(libc::SIGKILL);
+    let _ = restored.wait(Duration::from_secs(10));
+}

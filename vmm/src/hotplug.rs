@@ -453,6 +453,12 @@ impl PciHotplug {
         Some(lock(&self.devices.get(id)?.device).pci_ids())
     }
 
+    /// What device `id` was plugged with (as saved, for a device a restore or a live
+    /// update brought back).
+    pub fn plug_body(&self, id: &str) -> Option<GpuBody> {
+        Some(self.devices.get(id)?.source.clone())
+    }
+
     /// The ids and bus addresses of the hot-plugged devices.
     pub fn attached(&self) -> impl Iterator<Item = (&str, PciBdf)> {
         self.devices.iter().map(|(id, d)| (id.as_str(), d.bdf))

@@ -27,8 +27,6 @@ pub(super) struct RunningApi {
     /// A sender into `requests` (see [`super::ApiController::set_request_sender`]).
     own_requests: Option<Sender<ActionRequest>>,
     event: EventFd,
-    /// How each hot-plugged device was plugged, by id (a guest release plugs it again).
-    hot_plugged: std::collections::BTreeMap<String, GpuBody>,
     /// Ids of the devices PUT /gpus configured before start (not hot-pluggable).
     cold_plugged: Vec<String>,
     /// DELETE /gpus/{id} requests waiting for the guest to eject.
@@ -163,7 +161,6 @@ impl RunningApi {
             requests,
             own_requests,
             event,
-            hot_plugged: Default::default(),
             cold_plugged,
             unplugs: Vec::new(),
             eject_timer: EjectTimer::default(),
@@ -305,7 +302,6 @@ impl RunningApi {
             devices.released_gpus.remove(at);
         }
         devices.passthrough.push(label);
-        self.hot_plugged.insert(body.gpu_id.clone(), body.clone());
         Ok(VmmData::Json(serde_json::json!({
             "id": body.gpu_id,
             "bdf": format!("0000:{bdf}"),
@@ -416,7 +412,6 @@ impl RunningApi {
             match hotplug.poll_eject(&mut devices.virtio, &unplug.id) {
                 Ok(EjectState::Removed(label)) => {
                     devices.passthrough.retain(|l| *l != label);
-                    self.hot_plugged.remove(&unplug.id);
                     let _ = unplug.reply.send(Ok(VmmData::Empty));
                 }
                 Ok(EjectState::Waiting) if now >= unplug.deadline => {
@@ -852,7 +847,9 @@ impl RunningApi {
         };
         let mut gpus = Vec::new();
         for (id, bdf) in hotplug.attached() {
-            let body = self.hot_plugged.get(id).cloned().ok_or_else(|| {
+            // What it was plugged with, hot-plugged here or brought back by a restore or a
+            // live update (which plug it again after the release).
+            let body = hotplug.plug_body(id).ok_or_else(|| {
                 ActionError::wrong_state(format!("{id} is being plugged or removed; try again"))
             })?;
             let (vendor_id, device_id) = hotplug.pci_ids(id).unwrap_or_default();
