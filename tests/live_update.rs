@@ -153,7 +153,7 @@ impl UpdatableVm {
         wait_gone(old, &self.describe());
         self.owner = new;
         assert!(
-            alive(new),
+            gpuvm_tests::process_running(new),
             "the new gpuvm {new} is not running\n{}",
             self.describe()
         );
@@ -174,7 +174,7 @@ impl UpdatableVm {
         );
         assert!(!stderr.contains("panicked"), "{stderr}");
         assert!(
-            alive(self.owner),
+            gpuvm_tests::process_running(self.owner),
             "the old gpuvm ended\n{}",
             self.describe()
         );
@@ -205,7 +205,7 @@ impl UpdatableVm {
 impl Drop for UpdatableVm {
     fn drop(&mut self) {
         // A later owner is not this test's child: end it here if the test did not.
-        if self.owner != self.first.pid() && alive(self.owner) {
+        if self.owner != self.first.pid() && gpuvm_tests::process_running(self.owner) {
             // SAFETY: kill(2) has no memory effects; the pid is a gpuvm this test made
             // (checked alive just before).
             unsafe { libc::kill(self.owner, libc::SIGKILL) };
@@ -213,18 +213,9 @@ impl Drop for UpdatableVm {
     }
 }
 
-/// Whether `pid` runs (a zombie does not).
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X")
-    })
-}
-
 fn wait_gone(pid: i32, context: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while alive(pid) {
+    while gpuvm_tests::process_running(pid) {
         assert!(
             Instant::now() < deadline,
             "the old gpuvm {pid} still runs after the update\n{context}"
@@ -691,7 +682,7 @@ fn kill_9_of_the_new_process_mid_hand_over_leaves_the_old_running() {
         "the old gpuvm waited for its timeout instead of noticing the kill"
     );
     assert!(stderr.contains("closed the hand-over socket"), "{stderr}");
-    assert!(alive(vm.owner));
+    assert!(gpuvm_tests::process_running(vm.owner));
     vm.wait_api();
     vm.wait_iterations_past(seen);
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
@@ -1370,7 +1361,11 @@ fn a_failed_update_of_a_gpu_vm_leaves_the_gpu_with_the_old_process() {
             vm.describe()
         );
         assert_eq!(vm.owner, vm.first.pid());
-        assert!(alive(vm.owner), "the old gpuvm ended\n{}", vm.describe());
+        assert!(
+            gpuvm_tests::process_running(vm.owner),
+            "the old gpuvm ended\n{}",
+            vm.describe()
+        );
         vm.wait_api();
         wait_gpu_rounds(&vm, seen + 32);
     }
@@ -1475,7 +1470,11 @@ fn two_gpus_with_peer_mappings_are_refused() {
         "{stderr}\n{}",
         vm.describe()
     );
-    assert!(alive(vm.owner), "the old gpuvm ended\n{}", vm.describe());
+    assert!(
+        gpuvm_tests::process_running(vm.owner),
+        "the old gpuvm ended\n{}",
+        vm.describe()
+    );
     vm.wait_api();
     let seen = gpu_rounds(&vm.stdout());
     wait_gpu_rounds(&vm, seen + 16);
@@ -1685,7 +1684,11 @@ fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
         "{stderr}\n{}",
         vm.describe()
     );
-    assert!(alive(vm.owner), "the old gpuvm ended\n{}", vm.describe());
+    assert!(
+        gpuvm_tests::process_running(vm.owner),
+        "the old gpuvm ended\n{}",
+        vm.describe()
+    );
     let seen = gpu_rounds(&vm.stdout());
     wait_gpu_rounds(&vm, seen + 16);
     hot_unplug_gpu(&vm, "shared", 1);

@@ -33,6 +33,14 @@ fn ram_policies(pid: i32) -> Vec<(u64, String)> {
     found
 }
 
+/// The host CPUs of host node 0, as /proc's Cpus_allowed_list shows a pinned thread's.
+fn host_node0_cpus() -> String {
+    std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
 /// Runs gpuvm with `args` (whose guest holds after `numa: ok`), hands its numa_maps'
 /// guest RAM lines and its pid to `inspect` while it holds, and returns its output.
 fn run_and_inspect(
@@ -85,10 +93,7 @@ fn two_nodes_get_srat_slit_and_each_node_s_ram_its_own_policy() {
 fn both_nodes_bound_across_the_32_bit_hole_with_pinned_vcpus() {
     // 4 GiB: node 1's RAM is split by the 32-bit hole (3..4 GiB) into two SRAT ranges and
     // two mappings, both bound; each vCPU thread pinned to node 0's CPUs.
-    let node0_cpus = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
-        .unwrap()
-        .trim()
-        .to_string();
+    let node0_cpus = host_node0_cpus();
     let args = [
         "--log-level",
         "info",
@@ -759,10 +764,7 @@ fn a_live_update_keeps_the_nodes_pinning_and_plan() {
     let scratch = Scratch::new("numa", "update");
     let api = scratch.path("api.sock");
     let snap = scratch.path("snap");
-    let node0_cpus = std::fs::read_to_string("/sys/devices/system/node/node0/cpulist")
-        .unwrap()
-        .trim()
-        .to_string();
+    let node0_cpus = host_node0_cpus();
     let mut first = SpawnedProcess::gpuvm(&[
         "--log-level",
         "info",

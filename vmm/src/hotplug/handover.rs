@@ -108,29 +108,19 @@ impl PciHotplug {
         let port_slot = |id: &str| Some(self.ports.get(*self.port_of.get(id)?)?.slot);
         self.vfio_user_devices()
             .map(|(id, hot, _)| {
-                let device = lock(&hot.device);
-                let pci = device
-                    .save()
-                    .map_err(|e| format!("hot-plugged {id}: {e}"))?;
-                let (vendor_id, device_id) = device.pci_ids();
                 let socket = (hot.source.vfio_user_socket.clone())
                     .ok_or_else(|| format!("hot-plugged {id}: no vfio-user socket"))?;
-                Ok(HandedOverVfioUser {
-                    socket,
-                    slot: hot.bdf.device,
-                    vendor_id,
-                    device_id,
-                    pci,
-                    intx_gsi: device.intx_gsi(),
-                    dma_mapped: ram
-                        .iter()
-                        .map(|r| (r.guest_addr, r.size, r.fd_offset))
-                        .collect(),
-                    hot_plugged: Some(HotPluggedGpu {
-                        source: hot.source.clone(),
-                        port: port_slot(id),
-                    }),
-                })
+                let hot_plugged = HotPluggedGpu {
+                    source: hot.source.clone(),
+                    port: port_slot(id),
+                };
+                HandedOverVfioUser::of(
+                    &lock(&hot.device),
+                    (socket, hot.bdf.device),
+                    ram,
+                    Some(hot_plugged),
+                )
+                .map_err(|e| format!("hot-plugged {id}: {e}"))
             })
             .collect()
     }

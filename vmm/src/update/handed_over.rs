@@ -80,6 +80,35 @@ pub struct HandedOverVfioUser {
     pub hot_plugged: Option<HotPluggedGpu>,
 }
 
+impl HandedOverVfioUser {
+    /// What the paused state says of `device` (served on `socket`, in bus-0 slot `slot`),
+    /// which has `ram` DMA-mapped; `hot_plugged` for a GPU hot-plugged at runtime.
+    pub fn of(
+        device: &gpuvm_vfio::pci::VfioPciDevice,
+        (socket, slot): (PathBuf, u8),
+        ram: &[gpuvm_vfio::DmaRegion],
+        hot_plugged: Option<HotPluggedGpu>,
+    ) -> Result<Self, String> {
+        use gpuvm_devices::Persist;
+        let pci = device
+            .save()
+            .map_err(|e| format!("{}: {e}", device.name()))?;
+        let (vendor_id, device_id) = device.pci_ids();
+        Ok(HandedOverVfioUser {
+            socket,
+            slot,
+            vendor_id,
+            device_id,
+            pci,
+            intx_gsi: device.intx_gsi(),
+            dma_mapped: (ram.iter())
+                .map(|r| (r.guest_addr, r.size, r.fd_offset))
+                .collect(),
+            hot_plugged,
+        })
+    }
+}
+
 /// What makes a handed-over vfio-user device a hot-plugged GPU again in the new process.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

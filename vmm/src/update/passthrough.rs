@@ -117,24 +117,9 @@ pub(super) fn save(
         .vfio_user
         .iter()
         .map(|plugged| {
-            let device = lock(&plugged.device);
-            let pci = device
-                .save()
-                .map_err(|e| UpdateError::Save(format!("{}: {e}", device.name())))?;
-            let (vendor_id, device_id) = device.pci_ids();
-            Ok(HandedOverVfioUser {
-                socket: plugged.socket.clone(),
-                slot: plugged.bdf.device,
-                vendor_id,
-                device_id,
-                pci,
-                intx_gsi: device.intx_gsi(),
-                dma_mapped: ram
-                    .iter()
-                    .map(|r| (r.guest_addr, r.size, r.fd_offset))
-                    .collect(),
-                hot_plugged: None,
-            })
+            let place = (plugged.socket.clone(), plugged.bdf.device);
+            HandedOverVfioUser::of(&lock(&plugged.device), place, ram, None)
+                .map_err(UpdateError::Save)
         })
         .collect()
 }
@@ -294,6 +279,18 @@ pub(crate) fn plug_handed_over(
     Ok(())
 }
 
+/// Checks that the connection the offer brought at `saved`'s place is `saved`'s device's.
+fn same_socket(incoming: &IncomingVfioUser, saved: &HandedOverVfioUser) -> Result<(), String> {
+    if incoming.offered.socket == saved.socket {
+        Ok(())
+    } else {
+        Err(format!(
+            "the offer brings the connection of {}",
+            incoming.offered.socket.display()
+        ))
+    }
+}
+
 /// A hot-plugged GPU back into PCI hot-plug, in its slot (or its root port's).
 fn adopt_hot_plugged(
     devices: &mut crate::devices::MachineDevices,
@@ -301,12 +298,7 @@ fn adopt_hot_plugged(
     hot: &super::handed_over::HotPluggedGpu,
     incoming: IncomingVfioUser,
 ) -> Result<(), String> {
-    if incoming.offered.socket != saved.socket {
-        return Err(format!(
-            "the offer brings the connection of {}",
-            incoming.offered.socket.display()
-        ));
-    }
+    same_socket(&incoming, saved)?;
     let hotplug = (devices.pci_hotplug.as_mut()).ok_or("this VM has no PCI hot-plug")?;
     let label = hotplug.adopt_handed_over(saved, hot, incoming.into_backend()?)?;
     devices.passthrough.push(label);
@@ -320,12 +312,7 @@ fn plug_one(
     saved: &HandedOverVfioUser,
     incoming: IncomingVfioUser,
 ) -> Result<(), String> {
-    if incoming.offered.socket != saved.socket {
-        return Err(format!(
-            "the offer brings the connection of {}",
-            incoming.offered.socket.display()
-        ));
-    }
+    same_socket(&incoming, saved)?;
     let parts = devices
         .handover
         .plug
