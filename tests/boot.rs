@@ -182,7 +182,6 @@ fn report_timing_breaks_the_boot_into_stages() {
         names,
         [
             "process_us",
-            "plan_us",
             "open_kvm_us",
             "guest_ram_us",
             "create_vm_us",
