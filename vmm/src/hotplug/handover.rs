@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex};
 
 use gpuvm_devices::Persist;
 use gpuvm_vfio::dma::DmaMapper;
-use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::{UserConnection, VfioUserDevice};
 use gpuvm_vfio::{DmaRegion, PassthroughDevice};
 
@@ -188,38 +187,18 @@ impl PciHotplug {
             saved.dma_mapped.clone(),
         ));
         let progress = self.ram.progress(mapper.name());
-        let mut gsis = Vec::new();
-        let built = {
-            let router = &self.router;
-            let mut allocate = |count| {
-                let vectors = router.allocate(count)?;
-                gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
-                Ok(vectors)
-            };
-            VfioPciDevice::over_running(Box::new(backend), &mut allocate, self.router.clone())
-        };
+        let (device, gsis) = crate::update::passthrough::take_over(
+            backend,
+            &self.router,
+            &self.slots,
+            &progress,
+            saved,
+        )
+        .map_err(|e| format!("{id}: {e}"))?;
         let release = |gsis: &[u32], error: String| {
             self.router.release(gsis);
             format!("{id}: {error}")
         };
-        let mut device = built.map_err(|e| release(&gsis, format!("cannot take it over: {e}")))?;
-        if device.pci_ids() != (saved.vendor_id, saved.device_id) {
-            let (vendor, model) = device.pci_ids();
-            return Err(release(
-                &gsis,
-                format!(
-                    "the device is a {vendor:04x}:{model:04x}; the old process had a {:04x}:{:04x}",
-                    saved.vendor_id, saved.device_id
-                ),
-            ));
-        }
-        device
-            .map_bars(self.slots.clone())
-            .map_err(|e| release(&gsis, format!("cannot map its BARs: {e}")))?;
-        device.gate_bus_master(
-            progress.clone(),
-            crate::dma::bus_master_wait_limit(progress.total_bytes()),
-        );
         let name = device.name().to_string();
         let device = Arc::new(Mutex::new(device));
         let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();

@@ -279,6 +279,54 @@ pub(crate) fn plug_handed_over(
     Ok(())
 }
 
+/// The device over a handed-over vfio-user connection, as the old process left it (no
+/// reset): built with its vectors from `router`, checked to be the model `saved` names, its
+/// BARs mapped into the guest through `slots` and its Bus Master held until `progress` is
+/// done. Returns it with its vectors' GSIs; on an error they are released.
+pub(crate) fn take_over(
+    backend: VfioUserDevice,
+    router: &Arc<crate::interrupts::MsiRouter>,
+    slots: &Arc<dyn gpuvm_devices::pci::GuestMemoryMapper>,
+    progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
+    saved: &HandedOverVfioUser,
+) -> Result<(VfioPciDevice, Vec<u32>), String> {
+    let mut gsis = Vec::new();
+    let built = {
+        let mut allocate = |count| {
+            let vectors = router.allocate(count)?;
+            gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
+            Ok(vectors)
+        };
+        VfioPciDevice::over_running(Box::new(backend), &mut allocate, router.clone())
+    };
+    let checked = built
+        .map_err(|e| format!("cannot take the device over: {e}"))
+        .and_then(|mut device| {
+            if device.pci_ids() != (saved.vendor_id, saved.device_id) {
+                let (vendor, model) = device.pci_ids();
+                return Err(format!(
+                    "the device is a {vendor:04x}:{model:04x}; the old process had a {:04x}:{:04x}",
+                    saved.vendor_id, saved.device_id
+                ));
+            }
+            device
+                .map_bars(slots.clone())
+                .map_err(|e| format!("cannot map its BARs: {e}"))?;
+            device.gate_bus_master(
+                progress.clone(),
+                crate::dma::bus_master_wait_limit(progress.total_bytes()),
+            );
+            Ok(device)
+        });
+    match checked {
+        Ok(device) => Ok((device, gsis)),
+        Err(error) => {
+            router.release(&gsis);
+            Err(error)
+        }
+    }
+}
+
 /// Checks that the connection the offer brought at `saved`'s place is `saved`'s device's.
 fn same_socket(incoming: &IncomingVfioUser, saved: &HandedOverVfioUser) -> Result<(), String> {
     if incoming.offered.socket == saved.socket {
@@ -328,37 +376,11 @@ fn plug_one(
         mapped: saved.dma_mapped.clone(),
     });
     let progress = chunks.progress(mapper.name());
-    let mut gsis = Vec::new();
-    let built = {
-        let mut allocate = |count| {
-            let vectors = parts.router.allocate(count)?;
-            gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
-            Ok(vectors)
-        };
-        VfioPciDevice::over_running(Box::new(backend), &mut allocate, parts.router.clone())
-    };
-    let mut device = built.map_err(|e| {
-        parts.router.release(&gsis);
-        format!("cannot take the device over: {e}")
-    })?;
+    let (device, gsis) = take_over(backend, &parts.router, &parts.slots, &progress, saved)?;
     let release_gsis = |error: String| {
         parts.router.release(&gsis);
         error
     };
-    if device.pci_ids() != (saved.vendor_id, saved.device_id) {
-        let (vendor, id) = device.pci_ids();
-        return Err(release_gsis(format!(
-            "the device is a {vendor:04x}:{id:04x}; the old process had a {:04x}:{:04x}",
-            saved.vendor_id, saved.device_id
-        )));
-    }
-    device
-        .map_bars(parts.slots.clone())
-        .map_err(|e| release_gsis(format!("cannot map its BARs: {e}")))?;
-    device.gate_bus_master(
-        progress.clone(),
-        crate::dma::bus_master_wait_limit(progress.total_bytes()),
-    );
     let name = device.name().to_string();
     let device = Arc::new(Mutex::new(device));
     let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
