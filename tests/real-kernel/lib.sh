@@ -48,17 +48,46 @@ vfio_bind() {
 }
 
 # run_gpuvm NAME SECONDS ARGS...: runs gpuvm with ARGS, its output in /tmp/NAME.log (also printed,
-# indented); returns gpuvm's exit status (124: it ran past SECONDS).
+# indented); returns gpuvm's exit status (137: it ran past SECONDS and was killed, after a report of what
+# it was doing).
 run_gpuvm() {
     name="$1"
     limit="$2"
     shift 2
-    echo "+ gpuvm $*"
-    status=0
-    timeout "$limit" gpuvm "$@" >"/tmp/$name.log" 2>&1 || status=$?
-    sed 's/^/  | /' "/tmp/$name.log"
-    echo "gpuvm ($name) exited with status $status"
-    return "$status"
+    start_gpuvm "$name" "$@"
+    wait_gpuvm "$name" "$limit"
+}
+
+# report_stuck_gpuvm NAME PID: what a gpuvm that ran past its limit was doing, for the log: each
+# thread's state, wait channel and kernel stack, and KVM's exit counters for its vCPUs sampled twice a
+# second apart (a guest spinning exits steadily, a halted one waits for an interrupt, a stuck vCPU
+# thread does neither). A line says whether its guest printed anything: an inner Linux silent from the
+# start (stuck before its console) is told apart from one that stopped later.
+report_stuck_gpuvm() {
+    name="$1"
+    pid="$2"
+    echo "gpuvm ($name) ran past its limit; its threads:"
+    for task in /proc/"$pid"/task/*; do
+        printf '  thread %s %s: state %s, waiting in %s\n' "${task##*/}" "$(cat "$task/comm" 2>/dev/null)" \
+            "$(cut -d' ' -f3 "$task/stat" 2>/dev/null)" "$(cat "$task/wchan" 2>/dev/null)"
+        sed 's/^/      /' "$task/stack" 2>/dev/null | head -n 12
+    done
+    [ -d /sys/kernel/debug/kvm ] || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+    for round in 1 2; do
+        for vm in /sys/kernel/debug/kvm/"$pid"-*; do
+            [ -d "$vm" ] || continue
+            printf '  kvm (sample %s): exits %s halt_exits %s io_exits %s mmio_exits %s irq_injections %s\n' \
+                "$round" "$(cat "$vm/exits" 2>/dev/null)" "$(cat "$vm/halt_exits" 2>/dev/null)" \
+                "$(cat "$vm/io_exits" 2>/dev/null)" "$(cat "$vm/mmio_exits" 2>/dev/null)" \
+                "$(cat "$vm/irq_injections" 2>/dev/null)"
+        done
+        [ "$round" = 2 ] || sleep 1
+    done
+    if grep -q '^inner: ' "/tmp/$name.log"; then
+        echo "gpuvm ($name): its guest stopped after printing"
+    else
+        echo "gpuvm ($name): its guest printed nothing (inner guest silent)"
+    fi
 }
 
 # start_gpuvm NAME ARGS...: starts gpuvm in the background, its output in /tmp/NAME.log; wait_gpuvm NAME
@@ -78,7 +107,10 @@ wait_gpuvm() {
     while kill -0 "$pid" 2>/dev/null && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
         sleep 0.2
     done
-    kill -9 "$pid" 2>/dev/null && echo "gpuvm ($name) ran past $2 s; killed"
+    if kill -0 "$pid" 2>/dev/null; then
+        report_stuck_gpuvm "$name" "$pid"
+        kill -9 "$pid" 2>/dev/null && echo "gpuvm ($name) ran past $2 s; killed"
+    fi
     status=0
     wait "$pid" || status=$?
     sed 's/^/  | /' "/tmp/$name.log"
