@@ -2,6 +2,7 @@
 //! and dispatch of guest accesses to the BARs as currently programmed.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -382,6 +383,16 @@ pub struct PciRootState {
     /// as the guest's MCFG (in its RAM) says. 0 in states written before it was saved.
     #[serde(default, skip_serializing_if = "is_one_bus")]
     pub buses: u16,
+    /// The value the guest last wrote to 0xCF8 (configuration mechanism #1, segment 0):
+    /// a guest paused between selecting a register there and accessing it at 0xCFC gets
+    /// that register when it goes on. Absent when 0, and in states written before it was
+    /// saved.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub config_address: u32,
+}
+
+fn is_zero(value: &u32) -> bool {
+    *value == 0
 }
 
 fn is_one_bus(buses: &u16) -> bool {
@@ -407,6 +418,9 @@ pub struct PciRoot {
     /// Functions behind bridges, keyed by their path from bus 0: the bus-0 slot of the
     /// root port, then the device number on each secondary bus down to the function.
     downstream: Mutex<BTreeMap<Vec<u8>, SharedDevice>>,
+    /// The 0xCF8 address register ([`ConfigAddressPort`]): the root's, so that it is
+    /// saved with the root.
+    config_address: AtomicU32,
 }
 
 impl PciRoot {
@@ -436,6 +450,7 @@ impl PciRoot {
             placed_bars: Mutex::new(BTreeMap::new()),
             awaited: Mutex::new(None),
             downstream: Mutex::new(BTreeMap::new()),
+            config_address: AtomicU32::new(0),
         };
         root.add_device(Arc::new(Mutex::new(HostBridge::new())))?;
         Ok(Arc::new(root))
@@ -1077,6 +1092,7 @@ impl crate::Persist for PciRoot {
                 .unwrap_or_else(|e| e.into_inner())
                 .state(),
             buses: self.config().buses,
+            config_address: self.config_address.load(Ordering::Acquire),
         })
     }
 
@@ -1091,6 +1107,7 @@ impl crate::Persist for PciRoot {
                 state.segment, self.segment
             )));
         }
+        *self.config_address.get_mut() = state.config_address;
         let devices = self.devices.get_mut().unwrap_or_else(|e| e.into_inner());
         if devices.keys().any(|&slot| slot != 0)
             || !self.downstream.get_mut().is_ok_and(|d| d.is_empty())
@@ -1174,35 +1191,48 @@ fn valid_config_access(offset: u16, len: usize) -> bool {
 /// Configuration mechanism #1: 0xCF8 (address, 32-bit) and 0xCFC..0xCFF (data).
 /// Insert it on the port-I/O bus at 0xCF8 with length 8, for segment 0's root: the ports
 /// reach segment 0 only (other segments are reachable through their ECAM windows).
+/// The address register is the root's (saved with it).
 pub struct ConfigAddressPort {
     root: Arc<PciRoot>,
-    address: u32,
+}
+
+impl PciRoot {
+    /// Loads the 0xCF8 register as a paused guest left it (a live update builds the root
+    /// before the guest is paused, from a state saved while it ran).
+    pub fn load_config_address(&self, state: &PciRootState) {
+        (self.config_address).store(state.config_address, Ordering::Release);
+    }
 }
 
 impl ConfigAddressPort {
     pub fn new(root: Arc<PciRoot>) -> Self {
-        ConfigAddressPort { root, address: 0 }
+        ConfigAddressPort { root }
+    }
+
+    fn address(&self) -> u32 {
+        self.root.config_address.load(Ordering::Acquire)
     }
 
     /// The function and register selected by the address register, if enabled.
     fn target(&self, data_offset: u64) -> Option<(PciBdf, u16)> {
-        if self.address & (1 << 31) == 0 {
+        let address = self.address();
+        if address & (1 << 31) == 0 {
             return None;
         }
         let bdf = PciBdf {
             segment: self.root.segment,
-            bus: (self.address >> 16) as u8,
-            device: ((self.address >> 11) & 0x1f) as u8,
-            function: ((self.address >> 8) & 7) as u8,
+            bus: (address >> 16) as u8,
+            device: ((address >> 11) & 0x1f) as u8,
+            function: ((address >> 8) & 7) as u8,
         };
-        Some((bdf, (self.address & 0xfc) as u16 + data_offset as u16))
+        Some((bdf, (address & 0xfc) as u16 + data_offset as u16))
     }
 }
 
 impl BusDevice for ConfigAddressPort {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         match offset {
-            0 if data.len() == 4 => data.copy_from_slice(&self.address.to_le_bytes()),
+            0 if data.len() == 4 => data.copy_from_slice(&self.address().to_le_bytes()),
             4..=7 => match self.target(offset - 4) {
                 Some((bdf, register)) => self.root.config_read(bdf, register, data),
                 None => data.fill(0xff),
@@ -1216,7 +1246,8 @@ impl BusDevice for ConfigAddressPort {
             // Only 32-bit writes select a register; byte writes to 0xCF9 (reset control
             // on some chipsets) and friends are ignored.
             0 if data.len() == 4 => {
-                self.address = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) & !3
+                let address = u32::from_le_bytes([data[0], data[1], data[2], data[3]]) & !3;
+                self.root.config_address.store(address, Ordering::Release);
             }
             4..=7 => {
                 if let Some((bdf, register)) = self.target(offset - 4) {
@@ -1610,6 +1641,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(error.contains("ECAM window of 4096 buses"), "{error}");
+    }
+
+    /// A guest paused (snapshot, live update) between selecting a register at 0xCF8 and
+    /// accessing it at 0xCFC reaches that register in the restored root: the address
+    /// register is saved with the root.
+    #[test]
+    fn the_selected_config_register_survives_a_restore() {
+        let root = PciRoot::new(root_config()).unwrap();
+        let mut port = ConfigAddressPort::new(root.clone());
+        cf8(&mut port, 0, 0);
+        let host_bridge_ids = cfc_read32(&mut port);
+        assert_ne!(host_bridge_ids, 0xffff_ffff);
+        let saved = crate::Persist::save(&*root).unwrap();
+        assert_eq!(saved.config_address, 1 << 31);
+        let mut restored = PciRoot::new(root_config()).unwrap();
+        crate::Persist::restore(Arc::get_mut(&mut restored).unwrap(), &saved).unwrap();
+        let mut port = ConfigAddressPort::new(restored);
+        assert_eq!(cfc_read32(&mut port), host_bridge_ids);
+        let mut latch = [0; 4];
+        port.read(0, &mut latch);
+        assert_eq!(u32::from_le_bytes(latch), 1 << 31);
     }
 
     #[test]

@@ -342,6 +342,11 @@ impl PreparedMachine {
             self.clock.mark("ram_hotplug");
         }
         load_vm_state(&mut self.base, state, source)?;
+        if let (Some(parts), Some(saved)) =
+            (&self.base.devices.handover.plug, &state.devices.pci_root)
+        {
+            parts.root.load_config_address(saved);
+        }
         self.clock.mark("vm_state");
         restore_root_ports(&mut self.base, &state.devices, source)?;
         // The old process's vfio-user devices, over its connections, back in their slots.

@@ -490,7 +490,11 @@ fn build_inputs(state: &MachineState) -> serde_json::Value {
         "virtio": devices.virtio.len(),
         "cpu_hotplug": devices.cpu_hotplug.as_ref().map(|cpus| cpus.max_vcpus),
         "pci_mmio64_window": devices.pci_mmio64_window,
-        "pci_root": devices.pci_root,
+        // The 0xCF8 register is the guest's running state, loaded with the paused state.
+        "pci_root": devices.pci_root.as_ref().map(|root| gpuvm_devices::pci::PciRootState {
+            config_address: 0,
+            ..root.clone()
+        }),
         "ram_hotplug_size": devices.ram_hotplug.as_ref().map(|hotplug| hotplug.hotplug_size),
         "numa": state.numa,
         "vfio_user": devices
