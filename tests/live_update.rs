@@ -16,7 +16,9 @@
 //! The guest-visible downtime is printed for 1 GiB and 16 GiB guests and must not grow
 //! with RAM. A VM with the emulated GPU (vfio-user) keeps running DMA jobs across updates,
 //! the device process keeping its one connection and its DMA mappings (only its interrupt
-//! eventfds change); a failed update leaves the GPU working with the old process.
+//! eventfds change); a failed update leaves the GPU working with the old process. Two GPUs
+//! that DMA into each other's BARs keep those peer mappings across updates, the new process
+//! moving them with a BAR the guest moves.
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -188,8 +190,14 @@ impl UpdatableVm {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(answer) = gpuvm_api::client::request(&self.api, "GET", "/", None) {
-                assert_eq!(answer.status, 200, "{}", answer.body);
-                assert!(answer.body.contains("Running"), "{}", answer.body);
+                // A guest that failed just after an update stops the VM: show its output.
+                assert_eq!(answer.status, 200, "{}\n{}", answer.body, self.describe());
+                assert!(
+                    answer.body.contains("Running"),
+                    "{}\n{}",
+                    answer.body,
+                    self.describe()
+                );
                 return;
             }
             assert!(
@@ -1249,9 +1257,14 @@ fn emu_bin() -> PathBuf {
 
 /// The last `pci: loop N ok` round the guest printed (0 before the first).
 fn gpu_rounds(stdout: &str) -> u64 {
+    last_round(stdout, "pci: loop ")
+}
+
+/// The highest N of the guest's `PREFIX N ...` lines (0 before the first).
+fn last_round(stdout: &str, prefix: &str) -> u64 {
     stdout
         .lines()
-        .filter_map(|line| line.strip_prefix("pci: loop "))
+        .filter_map(|line| line.strip_prefix(prefix))
         .filter_map(|rest| rest.split_whitespace().next()?.parse().ok())
         .max()
         .unwrap_or(0)
@@ -1384,23 +1397,28 @@ fn a_failed_update_of_a_gpu_vm_leaves_the_gpu_with_the_old_process() {
     assert!(emu.try_status().is_none(), "the device process ended");
 }
 
-/// Two emulated GPUs cold-plugged (`--vfio-user` twice, each with `b_options` after its
-/// socket), the guest running `pci loop` on the first. Returns the VM and both device
-/// processes.
-fn start_two_gpu_vm(name: &str, options: &str) -> (UpdatableVm, [SpawnedProcess; 2]) {
+/// Two emulated GPUs cold-plugged (`--vfio-user` twice, each with `options` after its
+/// socket), the guest running `cmdline`. Returns the VM and both device processes.
+fn start_two_gpu_vm(
+    name: &str,
+    options: &str,
+    cmdline: &str,
+) -> (UpdatableVm, [SpawnedProcess; 2]) {
     let sockets =
         ["a", "b"].map(|gpu| gpuvm_tests::socket_path("live-update-gpu", &format!("{name}-{gpu}")));
     let emus = [0, 1].map(|i| gpuvm_tests::start_emu_gpu(&emu_bin(), &sockets[i], &[]));
     let values = [0, 1].map(|i| format!("{}{options}", sockets[i].display()));
     let vm = UpdatableVm::start(
         name,
-        "256M",
-        "pci loop",
+        &format!("{TWO_GPU_VM_MIB}M"),
+        cmdline,
         &["--vfio-user", &values[0], "--vfio-user", &values[1]],
     );
-    wait_gpu_rounds(&vm, 16);
     (vm, emus)
 }
+
+/// The guest RAM of [`start_two_gpu_vm`]'s VMs, MiB.
+const TWO_GPU_VM_MIB: u64 = 256;
 
 /// Two vfio-user GPUs whose BARs are not shared with their peers (`p2p=off`: no peer DMA
 /// mapping exists between them) are both handed over: each device process keeps its one
@@ -1409,7 +1427,8 @@ fn start_two_gpu_vm(name: &str, options: &str) -> (UpdatableVm, [SpawnedProcess;
 #[test]
 fn two_gpus_without_peer_mappings_are_both_handed_over() {
     let _turn = gpu_vm_turn();
-    let (mut vm, mut emus) = start_two_gpu_vm("two-gpus", ",p2p=off");
+    let (mut vm, mut emus) = start_two_gpu_vm("two-gpus", ",p2p=off", "pci loop");
+    wait_gpu_rounds(&vm, 16);
     let before = emus.each_ref().map(emu_counts);
     for (connections, maps, unmaps, _) in before {
         assert_eq!((connections, unmaps), (1, 0), "{}", vm.describe());
@@ -1452,35 +1471,127 @@ fn two_gpus_without_peer_mappings_are_both_handed_over() {
     );
 }
 
-/// Two vfio-user GPUs that share their BARs with each other (p2p on, the default): the
-/// peer DMA mappings between them are not handed over, so the update is refused, saying
-/// so, and the VM runs on with both GPUs in the old process.
+/// The last `p2p: round N ok` the guest's `p2p loop` printed (0 before the first).
+fn p2p_rounds(stdout: &str) -> u64 {
+    last_round(stdout, "p2p: round ")
+}
+
+/// Waits until the guest's `p2p loop` has finished round `round` (or failed).
+fn wait_p2p_round(vm: &UpdatableVm, round: u64) {
+    vm.wait_stdout("more peer-to-peer rounds of the guest", |out| {
+        p2p_rounds(out) >= round || out.contains("p2p: FAIL")
+    });
+    assert!(!vm.stdout().contains("p2p: FAIL"), "{}", vm.describe());
+}
+
+/// The DMA maps and unmaps the device process behind `emu` was asked for within guest RAM
+/// (a VM of `memory`), as opposed to those of its peer's BAR, which sit in the 64-bit BAR
+/// window.
+fn emu_ram_maps(emu: &SpawnedProcess, memory: u64) -> (usize, usize) {
+    let ram = gpuvm_tests::guest_ram_ranges(memory);
+    let in_ram = |rest: &str| {
+        let address = rest
+            .split('+')
+            .next()
+            .and_then(|hex| hex.strip_prefix("0x"))
+            .and_then(|hex| u64::from_str_radix(hex, 16).ok())
+            .unwrap_or_else(|| panic!("a DMA map line without an address: {rest:?}"));
+        ram.iter()
+            .any(|&(start, len)| (start..start + len).contains(&address))
+    };
+    let count = |what: &str| {
+        emu.stderr()
+            .lines()
+            .filter_map(|line| line.split(what).nth(1))
+            .filter(|rest| in_ram(rest))
+            .count()
+    };
+    (count("emu-gpu: DMA map "), count("emu-gpu: DMA unmap "))
+}
+
+/// The N of each `p2p: N peer mapping(s) taken over from the old process` line in a
+/// gpuvm log (0 where N does not parse).
+fn peer_takeovers(log: &str) -> Vec<u64> {
+    log.lines()
+        .filter_map(|line| {
+            let (before, _) =
+                line.split_once(" peer mapping(s) taken over from the old process")?;
+            Some(before.rsplit(' ').next()?.parse().unwrap_or(0))
+        })
+        .collect()
+}
+
+/// Two vfio-user GPUs that share their BARs with each other (p2p on, the default) keep
+/// their peer DMA mappings across two updates while the guest (`p2p loop`) moves the
+/// second one's BAR1 to and fro, A DMA-ing into it before and after each move and to the
+/// address it left (which must be refused). The rounds after an update move the BAR in the
+/// new process, which must unmap the peer mapping it took over at the old address and map
+/// the new one: a new process that did not know the old one's mappings would leave the old
+/// address mapped (the guest's refusal check fails) or fail to map over it. Each device
+/// process keeps its one connection throughout and is never asked to map guest RAM again.
 #[test]
-fn two_gpus_with_peer_mappings_are_refused() {
+fn two_gpus_keep_their_peer_mappings_across_updates() {
     let _turn = gpu_vm_turn();
-    let (vm, emus) = start_two_gpu_vm("two-gpus-p2p", "");
-    let out = vm.update(&[], &[]);
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "the update went through\n{stderr}");
-    assert!(
-        stderr.contains(
-            "live update of a VM with these vfio-user devices is not supported yet: 2 vfio-user \
-             devices, whose BARs are DMA-mapped for their peers"
-        ) && stderr.contains("the peer-to-peer DMA mappings between GPUs are not handed over yet"),
-        "{stderr}\n{}",
-        vm.describe()
-    );
-    assert!(
-        gpuvm_tests::process_running(vm.owner),
-        "the old gpuvm ended\n{}",
-        vm.describe()
-    );
-    vm.wait_api();
-    let seen = gpu_rounds(&vm.stdout());
-    wait_gpu_rounds(&vm, seen + 16);
-    for emu in &emus {
-        assert_eq!(emu_counts(emu).0, 1, "{}", emu.stderr());
+    let (mut vm, mut emus) = start_two_gpu_vm("two-gpus-p2p", "", "p2p loop");
+    wait_p2p_round(&vm, 3);
+    let memory = TWO_GPU_VM_MIB << 20;
+    // Guest RAM is mapped for each device once, at start; nothing in this test changes it
+    // (no memory hot-plug, no balloon), so the maps and unmaps within RAM must stay what
+    // they are now across the updates, whatever the BAR moves do to the peer mappings
+    // meanwhile. A new process that mapped RAM again (or unmapped and re-mapped it) adds
+    // to these counts; peer maps are left out, as every BAR move maps and unmaps.
+    let ram_maps = emus.each_ref().map(|emu| emu_ram_maps(emu, memory));
+    for (emu, &(maps, unmaps)) in emus.iter().zip(&ram_maps) {
+        assert!(maps > 0 && unmaps == 0, "{}", emu.stderr());
     }
+    for update in 1..=2 {
+        let seen = p2p_rounds(&vm.stdout());
+        // GPUVM_LOG=info: the new process logs what it took over (it inherits the
+        // environment of `gpuvm update`).
+        let out = vm.update(&[], &[("GPUVM_LOG", "info")]);
+        vm.updated(&out);
+        // Each round moves B's BAR1 once; the one in flight at the pause may have begun in
+        // the old process, the four after it are the new process's alone.
+        wait_p2p_round(&vm, seen + 5);
+        for (emu, &ram_maps) in emus.iter_mut().zip(&ram_maps) {
+            assert!(emu.try_status().is_none(), "a device process ended");
+            assert_eq!(
+                emu_counts(emu).0,
+                1,
+                "update {update}: a device saw a new connection\n{}",
+                emu.stderr()
+            );
+            assert_eq!(
+                emu_ram_maps(emu, memory),
+                ram_maps,
+                "update {update}: a device was asked to map or unmap guest RAM\n{}",
+                emu.stderr()
+            );
+            assert!(
+                !emu.stderr().contains("Connection closed")
+                    && !emu.stderr().contains("overlaps a mapping"),
+                "update {update}\n{}",
+                emu.stderr()
+            );
+        }
+        // The new process's log goes to the VM's stderr (it takes over the old one's):
+        // one more `p2p: N peer mapping(s) taken over` line, with N at least 1 (A's BAR1
+        // in B's context stays mapped whatever B's BAR1 was doing at the pause).
+        let taken_over = peer_takeovers(&vm.first.stderr());
+        assert!(
+            taken_over.len() == update && taken_over.iter().all(|&n| n >= 1),
+            "update {update}: peer mappings taken over: {taken_over:?}\n{}",
+            vm.describe()
+        );
+    }
+    assert!(!vm.stdout().contains("p2p: FAIL"), "{}", vm.describe());
+    println!(
+        "two GPUs with peer mappings: {} rounds of BAR moves; peer mappings taken over at \
+         each update: {:?}; downtime (pause to run), us: {:?}",
+        p2p_rounds(&vm.stdout()),
+        peer_takeovers(&vm.first.stderr()),
+        paused_to_run_us(&vm.first.stderr())
+    );
 }
 
 /// A GPU body for PUT /gpus/{id} over vfio-user `socket`, with `p2p=off` when `p2p` is
@@ -1648,12 +1759,51 @@ fn a_hot_plugged_gpu_keeps_running_across_updates_and_can_be_removed_after() {
     assert_eq!(ended.code(), Some(0), "{}", ended.stderr);
 }
 
-/// A VM with a cold-plugged GPU (`--vfio-user`) and a hot-plugged one. While the
-/// hot-plugged one shares its BARs with its peer (p2p on), the update is refused, saying
-/// why, and both run on in the old process. Once it is replaced (DELETE, then PUT of
-/// another with p2p off), both GPUs are handed over across two updates, each device
-/// process keeping its one connection and its DMA mappings, and the guest's DMA jobs on
-/// the hot-plugged one going on; DELETE ejects it in the new process.
+/// A hot-plugged GPU handed over by an update whose device process then dies (kill -9)
+/// before any hot-plug request reaches the new process: the new process notices the
+/// hang-up at once (its run loop is woken from the start, not only once a PUT or DELETE
+/// came), and GET / says the GPU is gone, or it is already ejected.
+#[test]
+fn a_handed_over_gpus_device_process_dying_is_noticed_by_the_new_process() {
+    let _turn = gpu_vm_turn();
+    let socket = gpuvm_tests::socket_path("live-update-dying", "gpu");
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let mut vm = UpdatableVm::start("dying-gpu", "256M", "pci-hotplug 1 loop", &[]);
+    vm.wait_stdout("the workload", |out| out.contains("hotplug: waiting for"));
+    hot_plug_gpu(&vm, "gpu0", &socket, true, 1);
+    wait_gpu_rounds(&vm, 16);
+    vm.update_ok(&[]);
+    assert_eq!(hot_plugged_gpus(&vm)[0].2, "attached", "{}", vm.describe());
+    emu.signal(libc::SIGKILL);
+    emu.wait(LIMIT);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let gpus = hot_plugged_gpus(&vm);
+        if gpus.first().is_none_or(|gpu| gpu.2 != "attached") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new process did not notice the device process's end: {gpus:?}\n{}",
+            vm.describe()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        vm.first.stderr().contains("hung up"),
+        "the log says why: {}",
+        vm.describe()
+    );
+}
+
+/// A VM with a cold-plugged GPU (`--vfio-user`, p2p off) and a hot-plugged one that
+/// shares its BARs (p2p on: its BAR is DMA-mapped in the cold one's context). An update
+/// hands both over with that peer mapping: neither device sees a DMA map or unmap, and
+/// the new process takes the mapping as made; DELETE of the shared GPU there unmaps it
+/// from its peer. Then another GPU (p2p off) is hot-plugged, both GPUs are handed over
+/// across two more updates, each device process keeping its one connection and its DMA
+/// mappings, and the guest's DMA jobs on the hot-plugged one going on; DELETE ejects it
+/// in the new process.
 #[test]
 fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
     let _turn = gpu_vm_turn();
@@ -1671,27 +1821,27 @@ fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
 
     hot_plug_gpu(&vm, "shared", &sockets[1], true, 1);
     wait_gpu_rounds(&vm, 16);
-    let refused = vm.update(&[], &[]);
-    let stderr = String::from_utf8_lossy(&refused.stderr).into_owned();
-    assert!(
-        !refused.status.success(),
-        "the update went through\n{stderr}"
-    );
-    assert!(
-        stderr.contains("2 vfio-user devices, whose BARs are DMA-mapped for their peers")
-            && stderr
-                .contains("the peer-to-peer DMA mappings between GPUs are not handed over yet"),
-        "{stderr}\n{}",
-        vm.describe()
-    );
-    assert!(
-        gpuvm_tests::process_running(vm.owner),
-        "the old gpuvm ended\n{}",
-        vm.describe()
-    );
+    let shared_before = [&emus[0], &emus[1]].map(emu_counts);
+    // The shared GPU's BAR1 is mapped in the cold one's context (the device's DMA_MAP).
+    assert!(shared_before[0].1 > 0, "{}", emus[0].stderr());
     let seen = gpu_rounds(&vm.stdout());
+    vm.update_ok(&[]);
     wait_gpu_rounds(&vm, seen + 16);
+    only_interrupts_changed(&mut emus[0], shared_before[0], 0);
+    only_interrupts_changed(&mut emus[1], shared_before[1], 1);
+    // Unplugged in the new process, the shared GPU's BAR leaves its peer's context: the
+    // new process knew the mapping the old one made.
     hot_unplug_gpu(&vm, "shared", 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while emu_counts(&emus[0]).2 == shared_before[0].2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        emu_counts(&emus[0]).2,
+        shared_before[0].2 + 1,
+        "{}",
+        emus[0].stderr()
+    );
 
     let bdf = hot_plug_gpu(&vm, "gpu1", &sockets[2], false, 2);
     let seen = loop_lines(&vm.stdout());
@@ -1721,7 +1871,7 @@ fn a_cold_plugged_and_a_hot_plugged_gpu_are_both_handed_over() {
         "live update of a VM with a cold- and a hot-plugged GPU: downtime (pause to run), \
          us: {downtimes:?}"
     );
-    assert_eq!(downtimes.len(), 2, "{}", vm.describe());
+    assert_eq!(downtimes.len(), 3, "{}", vm.describe());
     // The cold-plugged one cannot be removed; the hot-plugged one is ejected.
     hot_unplug_gpu(&vm, "gpu1", 2);
     vm.wait_stdout("the workload's end", |out| out.contains("hotplug: ok"));

@@ -246,6 +246,24 @@ fn kernel_vfio_through_iommufd_drives_edu_dma_msi_and_intx() {
 }
 
 #[test]
+fn kernel_vfio_through_iommufd_is_handed_over_by_a_live_update() {
+    scenario_passes(
+        "vfio-iommufd-update",
+        &[
+            "kernel VFIO: iommufd cdev API",
+            "edu: msi ok",
+            "the guest's edu loop runs",
+            "update 1: process",
+            "update 2: process",
+            "taken over from the old process (no reset, no DMA map",
+            "figure: live update 1 of a VM with kernel VFIO (edu, iommufd): guest paused",
+            "figure: live update 2 of a VM with kernel VFIO (edu, iommufd): guest paused",
+            "live update of a VM with kernel VFIO through iommufd, twice, edu's DMA and MSI running throughout: ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_guest_mounts_virtio_fs_and_inflates_its_balloon() {
     scenario_passes(
         "linux-fs-balloon",

@@ -6,9 +6,22 @@
 //! DMA mapping goes through [`KernelVfio::dma_mapper`], a [`DmaMapper`] over
 //! vfio-ioctls' `VfioOps` (VFIO_IOMMU_MAP_DMA for a type1 container, IOMMU_IOAS_MAP for
 //! an iommufd IOAS); the tests drive it over a fake `VfioOps`.
+//!
+//! A live update hands an iommufd context to the new gpuvm process as descriptors: the
+//! iommufd (whose IOAS keeps every mapping and pin) and each device's cdev, bound to it and
+//! attached to that IOAS ([`KernelVfio::hand_over`], [`KernelVfio::adopt`]). Nothing is
+//! unmapped, re-pinned, detached or reset. vfio-ioctls builds a device over a bound cdev
+//! (`VfioDevice::new_from_bound_fd`) but has no IOAS over an existing id, so the adopted
+//! context maps RAM added later through iommufd-ioctls' IOMMU_IOAS_MAP on that id
+//! ([`IoasMapper`]), and gives vfio-ioctls an empty IOAS of its own that nothing attaches
+//! to. The pins stay accounted to the old process's mm: moving them needs
+//! IOMMU_IOAS_CHANGE_PROCESS (Linux 6.13, and mappings made from a file), not used yet.
+//! The container/group API cannot be handed over this way: vfio-ioctls opens groups by
+//! path only, and a group cannot be opened a second time while the old process holds it.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use vfio_bindings::bindings::vfio::{VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
@@ -33,6 +46,96 @@ pub enum KernelApi {
 pub struct KernelVfio {
     ops: Arc<dyn VfioOps>,
     api: KernelApi,
+    /// An iommufd context's IOAS, where the devices are attached and RAM is mapped.
+    ioas: Option<(Arc<iommufd_ioctls::IommuFd>, u32)>,
+    /// Set when the context was handed over by a live update (the same context as
+    /// `ops`): RAM is mapped through [`IoasMapper`] on `ioas`, not through `ops` (whose
+    /// IOAS is an empty one), and devices are adopted into it.
+    adopted: Option<Arc<VfioIommufd>>,
+}
+
+/// Whether a device another gpuvm process may run must be left alone here (a live
+/// update): neither detached, reset nor given up when its model goes.
+#[derive(Default)]
+pub struct HandOverMark {
+    /// Another gpuvm process runs the device now.
+    handed_over: AtomicBool,
+    /// Taken over from a process that may yet take it back (until the update commits).
+    provisional: AtomicBool,
+}
+
+impl HandOverMark {
+    /// The new process has the device (this one gave it away or hands it back).
+    pub fn mark_handed_over(&self) {
+        self.handed_over.store(true, Ordering::Release);
+    }
+
+    /// Taken over by a live update that has not committed yet.
+    pub fn mark_provisional(&self) {
+        self.provisional.store(true, Ordering::Release);
+    }
+
+    /// The live update committed: the device is this process's for good.
+    pub fn confirm(&self) {
+        self.provisional.store(false, Ordering::Release);
+    }
+
+    fn leaves_device_alone(&self) -> bool {
+        self.handed_over.load(Ordering::Acquire) || self.provisional.load(Ordering::Acquire)
+    }
+}
+
+/// Maps RAM into a handed-over iommufd context's IOAS by its id (IOMMU_IOAS_MAP through
+/// iommufd-ioctls; see the module comment).
+struct IoasMapper {
+    iommufd: Arc<iommufd_ioctls::IommuFd>,
+    ioas_id: u32,
+}
+
+impl DmaMapper for IoasMapper {
+    fn name(&self) -> String {
+        format!("kernel VFIO (iommufd IOAS {}, handed over)", self.ioas_id)
+    }
+
+    fn max_parallel(&self) -> usize {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(IOMMUFD_MAX_PARALLEL)
+    }
+
+    unsafe fn map(&self, chunk: &crate::DmaRegion) -> std::io::Result<()> {
+        use iommufd_bindings::iommufd::{
+            iommu_ioas_map, iommufd_ioas_map_flags_IOMMU_IOAS_MAP_FIXED_IOVA as FIXED_IOVA,
+            iommufd_ioas_map_flags_IOMMU_IOAS_MAP_READABLE as READABLE,
+            iommufd_ioas_map_flags_IOMMU_IOAS_MAP_WRITEABLE as WRITEABLE,
+        };
+        let map = iommu_ioas_map {
+            size: std::mem::size_of::<iommu_ioas_map>() as u32,
+            flags: READABLE | WRITEABLE | FIXED_IOVA,
+            ioas_id: self.ioas_id,
+            __reserved: 0,
+            user_va: chunk.host_addr,
+            length: chunk.size,
+            iova: chunk.guest_addr,
+        };
+        // The kernel pins the caller's pages at `host_addr` (the caller's contract: they
+        // stay mapped until unmapped here).
+        self.iommufd
+            .map_iommu_ioas(&map)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    fn unmap(&self, guest_addr: u64, size: u64) -> std::io::Result<()> {
+        let mut unmap = iommufd_bindings::iommufd::iommu_ioas_unmap {
+            size: std::mem::size_of::<iommufd_bindings::iommufd::iommu_ioas_unmap>() as u32,
+            ioas_id: self.ioas_id,
+            iova: guest_addr,
+            length: size,
+        };
+        self.iommufd
+            .unmap_iommu_ioas(&mut unmap)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+    }
 }
 
 /// Most IOAS_MAP calls gpuvm keeps in flight at once on iommufd.
@@ -127,9 +230,12 @@ impl KernelVfio {
             let ops = VfioIommufd::new(Arc::new(iommufd), None, kvm_vfio)
                 .map_err(|e| std::io::Error::other(format!("iommufd IOAS: {e}")))?;
             log::info!("kernel VFIO: iommufd cdev API");
+            let ioas = Some((ops.iommufd().clone(), ops.ioas().id()));
             return Ok(KernelVfio {
                 ops: Arc::new(ops),
                 api: KernelApi::Iommufd,
+                ioas,
+                adopted: None,
             });
         }
         let container = VfioContainer::new(kvm_vfio)
@@ -138,6 +244,79 @@ impl KernelVfio {
         Ok(KernelVfio {
             ops: Arc::new(container),
             api: KernelApi::Container,
+            ioas: None,
+            adopted: None,
+        })
+    }
+
+    /// What a live update hands over of this context: a duplicate of its iommufd and the
+    /// id of the IOAS its devices are attached to. Refused for the container API (see the
+    /// module comment).
+    pub fn hand_over(&self) -> std::result::Result<(OwnedFd, u32), String> {
+        let Some((iommufd, ioas_id)) = &self.ioas else {
+            return Err(
+                "devices opened through the VFIO container/group API (a group \
+                        cannot be opened by a second process while this one holds it, and \
+                        vfio-ioctls rebuilds no group device from descriptors); through \
+                        iommufd (/dev/iommu and the device cdev) they are handed over"
+                    .into(),
+            );
+        };
+        // SAFETY: the iommufd stays open for as long as `iommufd`; borrowed only to be
+        // duplicated.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(iommufd.as_raw_fd()) };
+        let copy = fd
+            .try_clone_to_owned()
+            .map_err(|e| format!("cannot duplicate the iommufd: {e}"))?;
+        Ok((copy, *ioas_id))
+    }
+
+    /// A live update's new process: the context the old one handed over (`iommufd`, its
+    /// IOAS `ioas_id`), whose mappings stay as they are. `kvm_vfio` is this VM's KVM VFIO
+    /// pseudo-device, which the devices join as they are adopted.
+    pub fn adopt(
+        iommufd: OwnedFd,
+        ioas_id: u32,
+        kvm_vfio: Option<Arc<VfioDeviceFd>>,
+    ) -> Result<Self> {
+        let iommufd = Arc::new(iommufd_ioctls::IommuFd::new_from_fd(std::fs::File::from(
+            iommufd,
+        )));
+        // vfio-ioctls' context needs an IOAS of its own; it stays empty and unattached.
+        let ops = VfioIommufd::new(iommufd.clone(), None, kvm_vfio).map_err(|e| {
+            std::io::Error::other(format!("the handed-over iommufd refuses an IOAS: {e}"))
+        })?;
+        let ops = Arc::new(ops);
+        Ok(KernelVfio {
+            ops: ops.clone(),
+            api: KernelApi::Iommufd,
+            ioas: Some((iommufd, ioas_id)),
+            adopted: Some(ops),
+        })
+    }
+
+    /// A device of an adopted context ([`KernelVfio::adopt`]) over its handed-over cdev,
+    /// still bound to the iommufd and attached to the IOAS: nothing is asked of it but its
+    /// regions and interrupts. `mark` says whether it is left alone when it goes.
+    pub fn adopt_device(
+        &self,
+        cdev: OwnedFd,
+        bdf: &str,
+        mark: Arc<HandOverMark>,
+    ) -> Result<KernelVfioDevice> {
+        let context = (self.adopted.clone())
+            .ok_or_else(|| std::io::Error::other("not a handed-over iommufd context"))?;
+        let device = VfioDevice::new_from_bound_fd(std::fs::File::from(cdev), context, false)
+            .map_err(|e| std::io::Error::other(format!("adopt VFIO device {bdf}: {e}")))?;
+        let migration = KernelMigration::probe(&device, bdf.to_string());
+        Ok(KernelVfioDevice {
+            device: std::mem::ManuallyDrop::new(device),
+            name: bdf.to_string(),
+            mappings: Vec::new(),
+            migration,
+            sysfs: sysfs_path(bdf)?,
+            cdev: true,
+            mark,
         })
     }
 
@@ -153,22 +332,29 @@ impl KernelVfio {
             .map_err(|e| std::io::Error::other(format!("open VFIO device {bdf}: {e}")))?;
         let migration = KernelMigration::probe(&device, bdf.to_string());
         Ok(KernelVfioDevice {
-            device,
+            device: std::mem::ManuallyDrop::new(device),
             name: bdf.to_string(),
             mappings: Vec::new(),
             migration,
             sysfs: path,
             cdev: self.api == KernelApi::Iommufd,
+            mark: Arc::default(),
         })
     }
 
     /// The mapper for guest RAM ([`crate::dma::BackgroundMapping`]); its mappings cover
     /// every device of this context.
     pub fn dma_mapper(&self) -> Arc<dyn DmaMapper> {
-        Arc::new(OpsMapper {
-            ops: self.ops.clone(),
-            api: self.api,
-        })
+        match (&self.adopted, &self.ioas) {
+            (Some(_), Some((iommufd, ioas_id))) => Arc::new(IoasMapper {
+                iommufd: iommufd.clone(),
+                ioas_id: *ioas_id,
+            }),
+            _ => Arc::new(OpsMapper {
+                ops: self.ops.clone(),
+                api: self.api,
+            }),
+        }
     }
 
     /// The mapper for peers' BARs: a type1 container's; an iommufd IOAS cannot map
@@ -193,11 +379,30 @@ impl KernelVfio {
     /// A context over any `VfioOps` (the tests' fake ioctl layer).
     #[cfg(test)]
     pub(crate) fn with_ops(ops: Arc<dyn VfioOps>, api: KernelApi) -> Self {
-        KernelVfio { ops, api }
+        KernelVfio {
+            ops,
+            api,
+            ioas: None,
+            adopted: None,
+        }
     }
 }
 
 impl KernelVfioDevice {
+    /// A duplicate of the device's file (its cdev), for a live update's new process.
+    pub fn hand_over(&self) -> Result<OwnedFd> {
+        // SAFETY: the device fd is open for as long as `self.device`; borrowed only to be
+        // duplicated.
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.device.as_raw_fd()) };
+        Ok(fd.try_clone_to_owned()?)
+    }
+
+    /// Whether another gpuvm process runs the device (a live update), shared with whoever
+    /// hands it over.
+    pub fn hand_over_mark(&self) -> Arc<HandOverMark> {
+        self.mark.clone()
+    }
+
     /// A duplicate of the device file and the offset of region `index` in it: what a
     /// vfio-user peer is given to map this device's BAR (None if it cannot be mmapped).
     pub fn region_file(&self, index: u32) -> Option<(std::os::fd::OwnedFd, u64)> {
@@ -214,7 +419,9 @@ impl KernelVfioDevice {
 
 /// A device opened through kernel VFIO.
 pub struct KernelVfioDevice {
-    device: VfioDevice,
+    /// Dropped with the device unless another process runs it now (`mark`): vfio-ioctls'
+    /// drop detaches the device from its IOAS.
+    device: std::mem::ManuallyDrop<VfioDevice>,
     name: String,
     /// (address, length) of BAR mmaps, unmapped on drop.
     mappings: Vec<(usize, usize)>,
@@ -224,6 +431,8 @@ pub struct KernelVfioDevice {
     sysfs: PathBuf,
     /// Opened through the iommufd cdev API (a hot reset then takes no group fds).
     cdev: bool,
+    /// Whether a live update's other process runs the device (then it is left alone).
+    mark: Arc<HandOverMark>,
 }
 
 /// A refused interrupt request (vfio-ioctls' enable/disable/unmask of an IRQ index), as
@@ -238,6 +447,10 @@ unsafe impl Send for KernelVfioDevice {}
 impl PassthroughDevice for KernelVfioDevice {
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn left_running_on_drop(&self) -> bool {
+        self.mark.leaves_device_alone()
     }
 
     fn region_info(&self, index: u32) -> Option<RegionInfo> {
@@ -344,15 +557,15 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
-        self.migration.set_state(&self.device, state)
+        self.migration.set_state(&*self.device, state)
     }
 
     fn read_migration_data(&mut self, buf: &mut [u8]) -> Result<usize> {
-        self.migration.read(&self.device, buf)
+        self.migration.read(&*self.device, buf)
     }
 
     fn write_migration_data(&mut self, data: &[u8]) -> Result<()> {
-        self.migration.write(&self.device, data)
+        self.migration.write(&*self.device, data)
     }
 }
 
@@ -490,6 +703,10 @@ impl Drop for KernelVfioDevice {
         for &(address, len) in &self.mappings {
             // SAFETY: each mapping was created by mmap_region with this length.
             unsafe { libc::munmap(address as *mut libc::c_void, len) };
+        }
+        if !self.mark.leaves_device_alone() {
+            // SAFETY: dropped once, here, and never used again.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.device) };
         }
     }
 }

@@ -132,7 +132,8 @@ impl MsiState {
         }
     }
 
-    fn active_vectors(&self) -> usize {
+    /// The vectors the guest enabled (Multiple Message Enable).
+    pub fn active_vectors(&self) -> usize {
         (1usize << ((self.shadow[2] >> 4) & 7)).min(self.gsis.len())
     }
 

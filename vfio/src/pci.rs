@@ -514,7 +514,10 @@ impl VfioPciDevice {
             active: false,
         });
         self.update_intx();
-        if !self.intx.as_ref().is_some_and(|i| i.active) {
+        // With MSI or MSI-X on (a device taken over running) INTx stays off until they go.
+        let msi_on = self.msix.as_ref().is_some_and(|m| m.table.enabled())
+            || self.msi.as_ref().is_some_and(|m| m.enabled());
+        if !msi_on && !self.intx.as_ref().is_some_and(|i| i.active) {
             return Err(VfioError::Interrupts(std::io::Error::other(
                 "the device refused its INTx eventfd",
             )));
@@ -523,23 +526,29 @@ impl VfioPciDevice {
         Ok(true)
     }
 
+    /// The guest's INTERRUPT_LINE as `state` saved it, for INTx wired after the state was
+    /// loaded (a device taken over running: [`VfioPciDevice::attach_intx`] then).
+    pub fn restore_intx_line(&mut self, state: &VfioPciState) {
+        if let (Some(intx), Some(line)) = (self.intx.as_mut(), state.intx_line) {
+            intx.line = line;
+        }
+    }
+
     /// Gives the backend this device's interrupt eventfds again as they are now: a live
-    /// update that failed after the new process had given the device its own. MSI (not
-    /// MSI-X) is not re-armed: [`VfioPciDevice::msi_enabled`] lets a caller refuse it first.
+    /// update that failed after the new process had given the device its own.
     pub fn rearm_interrupts(&mut self) -> Result<()> {
         if let Some(msix) = self.msix.as_ref().filter(|m| m.table.enabled()) {
             let fds: Vec<&EventFd> = msix.eventfds.iter().collect();
             self.backend.enable_msix(&fds)?;
         }
+        if let Some(msi) = self.msi.as_ref().filter(|m| m.enabled()) {
+            let fds: Vec<&EventFd> = msi.eventfds.iter().take(msi.active_vectors()).collect();
+            self.backend.enable_msi(&fds)?;
+        }
         if let Some(intx) = self.intx.as_ref().filter(|i| i.active) {
             self.backend.enable_intx(&intx.trigger)?;
         }
         Ok(())
-    }
-
-    /// Whether the guest has MSI (not MSI-X) on.
-    pub fn msi_enabled(&self) -> bool {
-        self.msi.as_ref().is_some_and(|m| m.enabled())
     }
 
     /// The GSI its INTx is wired to, if it is.

@@ -897,9 +897,15 @@ impl UserConnection {
     }
 }
 
+/// The name of the vfio-user device served on `socket` (its backend's
+/// [`PassthroughDevice::name`]).
+pub fn device_name(socket: &Path) -> String {
+    format!("vfio-user:{}", socket.display())
+}
+
 impl PassthroughDevice for VfioUserDevice {
     fn name(&self) -> String {
-        format!("vfio-user:{}", self.path.display())
+        device_name(&self.path)
     }
 
     fn left_running_on_drop(&self) -> bool {

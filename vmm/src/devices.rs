@@ -125,6 +125,15 @@ pub struct DeviceStates {
     /// go as descriptors). Filled by the live update only; absent elsewhere.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub handed_over_vfio_user: Vec<crate::update::handed_over::HandedOverVfioUser>,
+    /// A live update's peer-to-peer DMA mappings between its vfio-user devices, which the
+    /// devices keep ([`crate::p2p::PeerDma::adopt`]). Filled by the live update only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handed_over_peer_mappings: Vec<crate::p2p::HandedOverPeerMapping>,
+    /// A live update's cold-plugged kernel VFIO devices (iommufd): their PCI state and
+    /// the RAM their context has mapped (the iommufd and cdevs go as descriptors). Filled
+    /// by the live update only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handed_over_kernel_vfio: Option<crate::update::handed_over::HandedOverKernelContext>,
     /// The client's record of the VM's configuration ([`MachineDevices::client_record`]):
     /// a restore gives it back to the API, so the client finds its devices under its ids.
     /// Absent when no client recorded one, and in state files written before it was kept.
@@ -203,6 +212,8 @@ impl Persist for MachineDevices {
             pci_topology_ports: Vec::new(),
             ram_hotplug: None,
             handed_over_vfio_user: Vec::new(),
+            handed_over_peer_mappings: Vec::new(),
+            handed_over_kernel_vfio: None,
             client_record: self.client_record.clone(),
         };
         // The host-mirroring layout's ports, with their slots out of the root's.

@@ -355,12 +355,6 @@ impl PciHotplug {
         self.peers.limits()
     }
 
-    /// The devices whose BARs are DMA-mapped for their peers, now or once placed
-    /// ([`PeerDma::sharing_devices`]).
-    pub fn peer_dma_sharing_devices(&self) -> Vec<String> {
-        self.peers.sharing_devices()
-    }
-
     /// Shares the cold-plugged devices' peer-to-peer DMA mappings with the devices
     /// hot-plugged from now on.
     pub(crate) fn set_peer_dma(&mut self, peers: Arc<PeerDma>) {

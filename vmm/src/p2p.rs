@@ -16,6 +16,12 @@
 //! devices, a few windows each) and compared with those made: stale ones are unmapped
 //! first (a moved BAR, decoding off, a device gone), then new ones mapped.
 //!
+//! A live update hands the table of made mappings to the new process
+//! ([`HandedOverPeerMapping`]): the vfio-user devices keep theirs (their connections are
+//! handed over), and the new process adopts each as its devices are plugged back and report
+//! their BARs where the old one had them ([`PeerDma::adopt`]), so it maps nothing again and
+//! unmaps them when the guest moves a BAR later.
+//!
 //! The map and unmap calls run on a `p2p-map` thread of their own (under the VMM's
 //! seccomp filter, which allows VFIO_IOMMU_MAP_DMA): BAR moves arrive on vCPU threads,
 //! whose filter does not. The vCPU waits for the thread, so when its config write
@@ -29,6 +35,7 @@ use std::sync::{Arc, Mutex, Weak};
 use gpuvm_vfio::dma::{BarPlacementWatch, BarWindow, PeerMapper, PeerMappingUnsupported};
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::{DmaRegion, VfioError};
+use serde::{Deserialize, Serialize};
 
 use crate::config::PassthroughTuning;
 use crate::pci::PciSetupError;
@@ -138,6 +145,20 @@ struct Mapped {
     size: u64,
 }
 
+/// A peer mapping a live update hands over: in the context of `context_device` (a
+/// vfio-user device's own), `peer_device`'s BAR part, where the old process mapped it.
+/// Devices are named as [`PeerBars`] names them (the backend's name).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverPeerMapping {
+    pub context_device: String,
+    pub peer_device: String,
+    pub bar: u8,
+    pub offset: u64,
+    pub guest_addr: u64,
+    pub size: u64,
+}
+
 #[derive(Default)]
 struct Registry {
     next_id: u32,
@@ -146,6 +167,11 @@ struct Registry {
     mapped: BTreeMap<MappingKey, Mapped>,
     /// Contexts that cannot map peer BARs, and why (said once each).
     limits: Vec<String>,
+    /// Mappings handed over by a live update's old process that no plugged device has
+    /// claimed yet ([`Registry::claim_adopted`]).
+    adopted: Vec<HandedOverPeerMapping>,
+    /// How many handed-over mappings were claimed.
+    claimed: usize,
 }
 
 impl Registry {
@@ -195,6 +221,55 @@ impl Registry {
         wanted
     }
 
+    fn peer_named(&self, name: &str) -> Option<PeerId> {
+        (self.peers.iter())
+            .find(|(_, peer)| peer.bars.name == name)
+            .map(|(&id, _)| id)
+    }
+
+    /// The key under which a handed-over mapping is made here, once its devices are
+    /// plugged and its peer reports the BAR part where the old process had it mapped
+    /// (until then the mapping is neither wanted nor stale).
+    fn adopted_key(&self, record: &HandedOverPeerMapping) -> Option<MappingKey> {
+        let peer = self.peer_named(&record.peer_device)?;
+        let context = self
+            .peers
+            .get(&self.peer_named(&record.context_device)?)?
+            .context;
+        let placed = self.peers.get(&peer)?.windows.iter().any(|w| {
+            w.bar == record.bar
+                && w.offset == record.offset
+                && w.guest_addr == Some(record.guest_addr)
+                && w.size == record.size
+        });
+        placed.then_some(MappingKey {
+            context,
+            peer,
+            bar: record.bar,
+            offset: record.offset,
+        })
+    }
+
+    /// Takes the handed-over mappings whose devices are here and placed as they were as
+    /// made: the device has them already.
+    fn claim_adopted(&mut self) {
+        for record in std::mem::take(&mut self.adopted) {
+            match self.adopted_key(&record) {
+                Some(key) => {
+                    self.mapped.insert(
+                        key,
+                        Mapped {
+                            guest_addr: record.guest_addr,
+                            size: record.size,
+                        },
+                    );
+                    self.claimed += 1;
+                }
+                None => self.adopted.push(record),
+            }
+        }
+    }
+
     fn peer_name(&self, peer: PeerId) -> String {
         self.peers
             .get(&peer)
@@ -204,6 +279,7 @@ impl Registry {
     /// Brings the made mappings in line with the wanted ones: stale ones unmapped first,
     /// then the missing ones mapped. Returns what failed.
     fn reconcile(&mut self) -> Vec<PeerDmaError> {
+        self.claim_adopted();
         let wanted = self.wanted();
         let mut errors = Vec::new();
         let stale: Vec<(MappingKey, Mapped)> = self
@@ -478,28 +554,112 @@ impl PeerDma {
         }))
     }
 
+    /// The peer mappings made now, for a live update's new process: each in the context
+    /// of its (first) device.
+    pub fn handed_over(&self) -> Vec<HandedOverPeerMapping> {
+        let registry = lock(&self.registry);
+        let context_device = |context: &ContextId| {
+            let ctx = registry.contexts.get(context)?;
+            let first = ctx.members.iter().next()?;
+            Some(registry.peers.get(first)?.bars.name.clone())
+        };
+        (registry.mapped.iter())
+            .filter_map(|(key, made)| {
+                Some(HandedOverPeerMapping {
+                    context_device: context_device(&key.context)?,
+                    peer_device: registry.peers.get(&key.peer)?.bars.name.clone(),
+                    bar: key.bar,
+                    offset: key.offset,
+                    guest_addr: made.guest_addr,
+                    size: made.size,
+                })
+            })
+            .collect()
+    }
+
+    /// Whether the device named `name` shares its BARs with its peers (false when no
+    /// such device is plugged).
+    pub fn shares_bars(&self, name: &str) -> bool {
+        let registry = lock(&self.registry);
+        (registry.peers.values()).any(|peer| peer.bars.name == name && peer.bars.shares_bars)
+    }
+
+    /// A live update's new process, before it plugs the handed-over devices: the
+    /// mappings the old process made, which the devices keep. Each is taken as made here
+    /// once its devices are plugged and placed as they were; none is mapped again.
+    pub fn adopt(&self, mappings: Vec<HandedOverPeerMapping>) {
+        let mut registry = lock(&self.registry);
+        registry.adopted.extend(mappings);
+    }
+
+    /// After the handed-over devices are plugged: a handed-over mapping no device claimed
+    /// (its peer placed elsewhere than the old process had it mapped, which a restored
+    /// PCI state should not allow) is removed from its context, so no stale mapping is
+    /// left behind in a device. Says how many were taken over.
+    pub fn finish_adoption(&self) -> Vec<PeerDmaError> {
+        self.run(Box::new(|registry: &mut Registry| {
+            registry.claim_adopted();
+            let mut errors = Vec::new();
+            for record in std::mem::take(&mut registry.adopted) {
+                let context = (registry.peer_named(&record.context_device))
+                    .and_then(|id| registry.peers.get(&id))
+                    .and_then(|peer| registry.contexts.get(&peer.context));
+                let Some(mapper) = context.and_then(|ctx| ctx.mapper.as_ref()) else {
+                    log::warn!(
+                        "p2p: a handed-over mapping of {}'s BAR{} at {:#x} has no context \
+                         here ({} is not plugged); left as the old process made it",
+                        record.peer_device,
+                        record.bar,
+                        record.guest_addr,
+                        record.context_device
+                    );
+                    continue;
+                };
+                let name = mapper.name();
+                match mapper.unmap_peer(record.guest_addr, record.size) {
+                    Ok(()) => log::warn!(
+                        "p2p: {name}: {}'s BAR{} +{:#x} was handed over mapped at {:#x}, where \
+                         it no longer is: unmapped",
+                        record.peer_device,
+                        record.bar,
+                        record.offset,
+                        record.guest_addr
+                    ),
+                    Err(source) => errors.push(PeerDmaError::Unmap {
+                        context: name,
+                        peer: record.peer_device.clone(),
+                        bar: record.bar,
+                        offset: record.offset,
+                        guest_addr: record.guest_addr,
+                        source,
+                    }),
+                }
+            }
+            if registry.claimed > 0 {
+                log::info!(
+                    "p2p: {} peer mapping(s) taken over from the old process (none mapped again)",
+                    registry.claimed
+                );
+            }
+            errors.extend(registry.reconcile());
+            errors
+        }))
+    }
+
+    /// A live update's old process once the new one has the devices: the mappings are
+    /// theirs now, so taking this VM's devices down unmaps nothing.
+    pub fn handed_over_elsewhere(&self) {
+        let mut registry = lock(&self.registry);
+        registry.mapped.clear();
+        registry
+            .contexts
+            .values_mut()
+            .for_each(|ctx| ctx.mapper = None);
+    }
+
     /// The contexts that cannot map peers' BARs, and why.
     pub fn limits(&self) -> Vec<String> {
         lock(&self.registry).limits.clone()
-    }
-
-    /// The devices whose BARs are (or, once the guest places them, will be) DMA-mapped in
-    /// another device's context: those that share their BARs and have a file behind one,
-    /// where another context can map them. Empty when no peer mapping can exist.
-    pub fn sharing_devices(&self) -> Vec<String> {
-        let registry = lock(&self.registry);
-        registry
-            .peers
-            .iter()
-            .filter(|(_, peer)| peer.bars.shares_bars && !peer.bars.files.is_empty())
-            .filter(|(&id, _)| {
-                registry
-                    .contexts
-                    .values()
-                    .any(|ctx| ctx.mapper.is_some() && ctx.members.iter().any(|&m| m != id))
-            })
-            .map(|(_, peer)| peer.bars.name.clone())
-            .collect()
     }
 }
 
@@ -624,25 +784,83 @@ mod tests {
         (dma, [ma, mb], [wa, wb], [a, b])
     }
 
-    /// What a live update asks before handing several devices over: who shares its BARs
-    /// with a peer (placed or not yet), nobody with p2p=off or without a peer.
+    /// A live update's new process over the same devices (`mappers`: they keep what the old
+    /// process mapped): A and B plugged back, B's BAR1 placed at `b_at`, after adopting
+    /// `handed_over`. Returns the registry and B's watch.
+    fn adopted_by_a_new_process(
+        mappers: &[Arc<FakeMapper>; 2],
+        handed_over: Vec<HandedOverPeerMapping>,
+        b_at: u64,
+    ) -> (Arc<PeerDma>, Arc<dyn BarPlacementWatch>) {
+        let dma = PeerDma::new();
+        dma.adopt(handed_over);
+        let ca = dma.add_context("A".into(), Ok(mappers[0].clone()));
+        let (_, wa) = dma.add_device(ca, bars("A", true));
+        wa.placed(&bar1_at(Some(0x100_0000_0000)));
+        let cb = dma.add_context("B".into(), Ok(mappers[1].clone()));
+        let (_, wb) = dma.add_device(cb, bars("B", true));
+        wb.placed(&bar1_at(Some(b_at)));
+        assert!(dma.finish_adoption().is_empty());
+        (dma, wb)
+    }
+
+    /// A live update: the old process's table names each mapping by its devices; the new
+    /// one takes them as made (the devices kept them: nothing is mapped again, which the
+    /// fake device would refuse) and, when the guest moves B's BAR1 afterwards, unmaps
+    /// the handed-over mapping at the old address before it maps the new one.
     #[test]
-    fn sharing_devices_are_those_whose_bars_a_peer_maps() {
-        let (dma, ..) = two_devices(true);
-        assert_eq!(dma.sharing_devices(), ["A", "B"]);
-        let (dma, ..) = two_devices(false);
-        assert_eq!(dma.sharing_devices(), ["A"]);
-        // Alone, nobody maps its BARs; p2p=off on both, nobody either.
-        let alone = PeerDma::new();
-        let context = alone.add_context("A".into(), Ok(FakeMapper::new("A")));
-        let _ = alone.add_device(context, bars("A", true));
-        assert!(alone.sharing_devices().is_empty());
-        let off = PeerDma::new();
-        for name in ["A", "B"] {
-            let context = off.add_context(name.into(), Ok(FakeMapper::new(name)));
-            let _ = off.add_device(context, bars(name, false));
+    fn handed_over_mappings_are_taken_as_made_and_follow_the_bar_after() {
+        let (old, mappers, _, _) = two_devices(true);
+        let handed_over = old.handed_over();
+        assert_eq!(handed_over.len(), 2, "{handed_over:?}");
+        let a_maps_b = (handed_over.iter())
+            .find(|m| m.context_device == "A")
+            .unwrap();
+        assert_eq!(
+            (
+                a_maps_b.peer_device.as_str(),
+                a_maps_b.bar,
+                a_maps_b.guest_addr
+            ),
+            ("B", 1, 0x200_0000_0000)
+        );
+        drop(old);
+        for mapper in &mappers {
+            mapper.calls.lock().unwrap().clear();
         }
-        assert!(off.sharing_devices().is_empty());
+        let (_new, wb) = adopted_by_a_new_process(&mappers, handed_over, 0x200_0000_0000);
+        for mapper in &mappers {
+            assert!(mapper.calls.lock().unwrap().is_empty(), "{}", mapper.name);
+        }
+        wb.placed(&bar1_at(Some(0x300_0000_0000)));
+        assert_eq!(
+            *mappers[0].calls.lock().unwrap(),
+            ["unmap 0x20000000000", "map 0x30000000000"]
+        );
+        assert_eq!(mappers[0].held(), [0x300_0000_0000]);
+    }
+
+    /// A handed-over mapping whose peer is not where the old process had it mapped is not
+    /// left behind in the device: it is unmapped, and the mapping at the peer's place made.
+    #[test]
+    fn a_handed_over_mapping_of_a_bar_placed_elsewhere_is_unmapped() {
+        let (old, mappers, _, _) = two_devices(true);
+        let handed_over = old.handed_over();
+        drop(old);
+        let (_new, _) = adopted_by_a_new_process(&mappers, handed_over, 0x300_0000_0000);
+        assert_eq!(mappers[0].held(), [0x300_0000_0000]);
+        assert_eq!(mappers[1].held(), [0x100_0000_0000]);
+    }
+
+    /// The old process, once the new one has the devices, takes its own down without
+    /// removing the mappings the devices keep for the new one.
+    #[test]
+    fn after_a_hand_over_taking_a_device_down_unmaps_nothing() {
+        let (dma, mappers, _, [_, b]) = two_devices(true);
+        dma.handed_over_elsewhere();
+        assert!(dma.remove_device(b).is_empty());
+        assert_eq!(mappers[0].held(), [0x200_0000_0000]);
+        assert_eq!(mappers[1].held(), [0x100_0000_0000]);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The `p2p [off | hotplug | bench MIB ROUNDS]` workload: peer-to-peer DMA between two emulated GPUs.
+//! The `p2p [off | hotplug | loop | bench MIB ROUNDS]` workload: peer-to-peer DMA between two emulated GPUs.
 //!
 //! GPU A's DMA engine writes a pattern at GPU B's BAR1 guest address; the VMM has mapped
 //! B's BAR1 there in A's DMA context, so the device process writes B's memory, and the
@@ -13,6 +13,9 @@
 //! prints `p2p: peer refused` and `p2p: ok off`.
 //!
 //! `p2p hotplug`: both GPUs hot-plugged (see [`hotplug_checks`]); prints `p2p: ok hotplug`.
+//!
+//! `p2p loop`: the default checks over and over, without end (see [`loop_checks`]); prints
+//! `p2p: round N ok` after each round.
 //!
 //! `p2p bench MIB ROUNDS`: ROUNDS times MIB MiB written by A into B's BAR1 directly, then
 //! the same through guest RAM (A's DMA into RAM, the guest copies RAM to B's BAR1: the
@@ -150,8 +153,15 @@ fn check_copied_pattern(at: u64, len: u64, seed: u64, written_at: u64) {
     }
 }
 
-/// A's DMA into B's BAR1 at its current address, read back through the guest's mapping.
+/// A's DMA into B's BAR1 at its current address, read back through the guest's mapping;
+/// prints `p2p: dma at ADDR ok`.
 fn dma_into_peer(a: &Gpu, b: &Gpu, seed: u64) {
+    reach_peer(a, b, seed);
+    println!("p2p: dma at {:#x} ok", b.bar1);
+}
+
+/// [`dma_into_peer`] without the line.
+fn reach_peer(a: &Gpu, b: &Gpu, seed: u64) {
     zero(b.bar1, CHECK_LEN);
     let status = dma(a, b.bar1, CHECK_LEN, seed);
     if status != 0 {
@@ -161,7 +171,27 @@ fn dma_into_peer(a: &Gpu, b: &Gpu, seed: u64) {
         ));
     }
     check_pattern(b.bar1, CHECK_LEN, seed);
-    println!("p2p: dma at {:#x} ok", b.bar1);
+}
+
+/// A's DMA to `old`, the address B's BAR1 just left, must fail: not mapped any more.
+fn old_address_refused(a: &Gpu, old: u64, seed: u64) {
+    let status = dma(a, old, CHECK_LEN, seed);
+    if status != STATUS_UNMAPPED {
+        fail(format_args!(
+            "DMA to B's old BAR1 address {old:#x}: status {status}, expected {STATUS_UNMAPPED}"
+        ));
+    }
+}
+
+/// A free address for B's BAR1 above every 64-bit BAR, within the guest's mapped range.
+fn free_bar1_address(b: &Gpu) -> u64 {
+    let to = highest_bar_end().next_multiple_of(b.bar1_size);
+    if !crate::boot::is_mapped(to, b.bar1_size) {
+        fail(format_args!(
+            "no room to move B's BAR1 within its mapped range"
+        ));
+    }
+    to
 }
 
 /// The end of the highest 64-bit BAR of any device on bus 0.
@@ -214,24 +244,40 @@ fn checks(off: bool) -> ! {
     }
     dma_into_peer(&a, &b, 0x9a1);
     let old = b.bar1;
-    let to = highest_bar_end().next_multiple_of(b.bar1_size);
-    if !crate::boot::is_mapped(to, b.bar1_size) {
-        fail(format_args!(
-            "no room to move B's BAR1 within its mapped range"
-        ));
-    }
+    let to = free_bar1_address(&b);
     move_bar1(&mut b, to);
     println!("p2p: moved B.BAR1 to {to:#x}");
     dma_into_peer(&a, &b, 0x9a2);
-    let status = dma(&a, old, CHECK_LEN, 0x9a3);
-    if status != STATUS_UNMAPPED {
-        fail(format_args!(
-            "DMA to B's old BAR1 address {old:#x}: status {status}, expected {STATUS_UNMAPPED}"
-        ));
-    }
+    old_address_refused(&a, old, 0x9a3);
     println!("p2p: old address refused");
     println!("p2p: ok");
     exit(0)
+}
+
+/// `p2p loop`: rounds without end, each A's DMA into B's BAR1 where it is, then B's BAR1
+/// moved to the other of two addresses (its first one and a free one above every 64-bit
+/// BAR, by turns), A's DMA there, and A's DMA to the address it left refused. Something
+/// outside the guest that changes hands between rounds (a live update of the VMM) must
+/// keep the peer mappings following the BAR.
+fn loop_checks() -> ! {
+    let (a, mut b) = find_gpus();
+    let home = b.bar1;
+    let away = free_bar1_address(&b);
+    println!(
+        "p2p: A 00:{:02x}.0 B 00:{:02x}.0 B.BAR1 {home:#x} and {away:#x} by turns",
+        a.slot, b.slot
+    );
+    let mut round = 0u64;
+    loop {
+        round += 1;
+        let seed = round << 2;
+        reach_peer(&a, &b, seed);
+        let old = b.bar1;
+        move_bar1(&mut b, if old == home { away } else { home });
+        reach_peer(&a, &b, seed + 1);
+        old_address_refused(&a, old, seed + 2);
+        println!("p2p: round {round} ok");
+    }
 }
 
 /// `p2p hotplug`: two GPUs hot-plugged one after the other (PUT /gpus); each must reach the
@@ -333,17 +379,20 @@ pub fn run(info: &BootInfo, words: &mut crate::args::Words) -> ! {
         None => checks(false),
         Some("off") => checks(true),
         Some("hotplug") => hotplug_checks(),
+        Some("loop") => loop_checks(),
         Some("bench") => {
             let number = |word: Option<&str>| word.and_then(crate::args::parse_number);
             let (Some(mib), Some(rounds)) = (number(words.next_word()), number(words.next_word()))
             else {
-                println!("p2p: usage: p2p [off | hotplug | bench MIB ROUNDS]");
+                println!("p2p: usage: p2p [off | hotplug | loop | bench MIB ROUNDS]");
                 exit(EXIT_USAGE)
             };
             bench(info, mib, rounds.max(1))
         }
         Some(other) => {
-            println!("p2p: unknown mode '{other}'; usage: p2p [off | hotplug | bench MIB ROUNDS]");
+            println!(
+                "p2p: unknown mode '{other}'; usage: p2p [off | hotplug | loop | bench MIB ROUNDS]"
+            );
             exit(EXIT_USAGE)
         }
     }

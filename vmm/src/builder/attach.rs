@@ -124,6 +124,7 @@ pub fn attach(
         root: root.clone(),
         router: router.clone(),
         slots: slots.clone(),
+        peers: peers.clone(),
     });
     let mut hotplug =
         crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
@@ -182,9 +183,18 @@ pub fn attach(
 }
 
 /// The passthrough devices of a VM, open but not plugged yet.
+type KernelHandle = (
+    String,
+    Result<std::os::fd::OwnedFd, String>,
+    Arc<gpuvm_vfio::kernel::HandOverMark>,
+);
+
 struct OpenedDevices {
     /// The kernel VFIO context and its devices (`--gpu`), if any.
     kernel: Option<(KernelVfio, Vec<Box<dyn PassthroughDevice>>)>,
+    /// What a live update hands over of each kernel VFIO device: its host address, a
+    /// duplicate of its cdev (or why there is none) and its hand-over mark.
+    kernel_handles: Vec<KernelHandle>,
     vfio_user: Vec<VfioUserDevice>,
     /// Each device's 64-bit BAR sizes, in plug order (kernel VFIO devices first).
     bar64_sizes: Vec<Vec<u64>>,
@@ -244,6 +254,7 @@ fn needs_by_segment(
 fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSetupError> {
     let mut opened = OpenedDevices {
         kernel: None,
+        kernel_handles: Vec::new(),
         vfio_user: Vec::new(),
         bar64_sizes: Vec::new(),
         peer_bars: Vec::new(),
@@ -255,6 +266,11 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
         let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
         for bdf in &options.gpus {
             let device = vfio.open_device(bdf)?;
+            (opened.kernel_handles).push((
+                bdf.clone(),
+                device.hand_over().map_err(|e| e.to_string()),
+                device.hand_over_mark(),
+            ));
             let tuning = options.tuning_of(bdf);
             (opened.cliques).push((tuning.clique, Some(bdf.clone())));
             (opened.peer_bars).push(PeerBars::new(bdf.clone(), &tuning, |i| {
@@ -344,13 +360,29 @@ fn attach_devices(
             .dma_mappings
             .push(ram_chunks.start(progress.clone(), mapper, hooks)?);
         let context = peers.add_context(progress.name().to_string(), vfio.peer_mapper());
-        for (backend, bars) in backends.into_iter().zip(peer_bars.by_ref()) {
+        let mut handed_over = Vec::new();
+        let handles = opened.kernel_handles.into_iter();
+        for ((backend, bars), (host_bdf, cdev, mark)) in
+            backends.into_iter().zip(peer_bars.by_ref()).zip(handles)
+        {
             let index = order.next().unwrap_or_default();
             let at = (placement_of(index)?, index);
-            let (device, _) = plug_device(&plug, backend, &progress, at, devices)?;
+            let (device, bdf) = plug_device(&plug, backend, &progress, at, devices)?;
             give_clique(&device);
             peers.plugged(context, bars, &device);
+            handed_over.push(crate::update::handed_over::PluggedKernelVfio {
+                host_bdf,
+                bdf,
+                device,
+                cdev,
+                mark,
+            });
         }
+        devices.handover.kernel = Some(crate::update::handed_over::PluggedKernelContext {
+            hand_over: vfio.hand_over(),
+            dma: progress,
+            devices: handed_over,
+        });
     }
     for backend in opened.vfio_user {
         let mapper = backend.dma_mapper();

@@ -311,14 +311,18 @@ pub fn prepare_handed_over(
 impl PreparedMachine {
     /// Loads `state` (saved with the vCPUs paused; built from the same configuration and
     /// devices as the one this was prepared with) and gives the machine; its vCPUs run once
-    /// [`Machine::run`] is called. The old process's vfio-user devices are plugged back
-    /// over their handed-over connections (`vfio_user`, in the state's order). The timings
+    /// [`Machine::run`] is called. The old process's vfio-user and kernel VFIO devices are
+    /// plugged back over their handed-over connections and descriptors (`vfio_user` in the
+    /// state's order, `kernel_vfio`). The timings
     /// have the stages of the preparation, then `wait_for_state` (from the end of the
     /// preparation to this call), `vm_state`, `passthrough` and `vcpu_state`.
     pub fn load(
         mut self,
         state: &snapshot::MachineState,
-        vfio_user: Vec<crate::update::passthrough::IncomingVfioUser>,
+        (vfio_user, kernel_vfio): (
+            Vec<crate::update::passthrough::IncomingVfioUser>,
+            Option<crate::update::kernel_vfio::IncomingKernelVfio>,
+        ),
     ) -> Result<(Machine, RestoreTimings), Error> {
         let source = Path::new("(live update)");
         self.clock.mark("wait_for_state");
@@ -354,9 +358,22 @@ impl PreparedMachine {
             &self.base.vm,
             &self.base.ram,
             &mut self.base.devices,
-            &state.devices.handed_over_vfio_user,
+            (
+                &state.devices.handed_over_vfio_user,
+                &state.devices.handed_over_peer_mappings,
+            ),
             vfio_user,
         )
+        .and_then(|()| {
+            // The old process's kernel VFIO devices, over its iommufd and cdevs.
+            crate::update::kernel_vfio::plug_handed_over(
+                &self.base.vm,
+                &self.base.ram,
+                &mut self.base.devices,
+                state.devices.handed_over_kernel_vfio.as_ref(),
+                kernel_vfio,
+            )
+        })
         .map_err(|reason| SnapshotError::Invalid {
             dir: source.to_path_buf(),
             reason,

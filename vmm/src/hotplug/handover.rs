@@ -39,11 +39,6 @@ impl PciHotplug {
             .collect()
     }
 
-    /// How many hot-plugged vfio-user GPUs a live update hands over.
-    pub(crate) fn handed_over_count(&self) -> usize {
-        self.vfio_user_devices().count()
-    }
-
     /// Why a hot-plugged vfio-user GPU cannot be handed over now, the first such one.
     pub(crate) fn handover_refusal(&self) -> Option<String> {
         for (id, hot, connection) in self.vfio_user_devices() {
@@ -65,11 +60,6 @@ impl PciHotplug {
                 Some(reason)
             } else if !(hot.mapping.as_ref()).is_some_and(|m| m.progress().is_done()) {
                 Some("guest RAM is still being DMA-mapped for it; retry once it is".to_string())
-            } else if lock(&hot.device).msi_enabled() {
-                Some(
-                    "it has MSI (not MSI-X) on, whose eventfds are not given back on a failure"
-                        .to_string(),
-                )
             } else {
                 None
             };
@@ -188,11 +178,11 @@ impl PciHotplug {
         ));
         let progress = self.ram.progress(mapper.name());
         let (device, gsis) = crate::update::passthrough::take_over(
-            backend,
+            Box::new(backend),
             &self.router,
             &self.slots,
             &progress,
-            saved,
+            (saved.vendor_id, saved.device_id),
         )
         .map_err(|e| format!("{id}: {e}"))?;
         let release = |gsis: &[u32], error: String| {

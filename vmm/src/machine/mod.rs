@@ -425,6 +425,14 @@ impl Machine {
                 lock(block).set_wake(wake);
             }
         }
+        // So do the guest's PCI ejects and a hot-plugged GPU's device process hanging up,
+        // from the start: a GPU a restore or a live update brought back may go before any
+        // hot-plug request has come.
+        if let (Some(hotplug), Some(control)) = (&mut self.devices.pci_hotplug, &self.run_control) {
+            if let Ok(wake) = control.event().try_clone() {
+                hotplug.set_wake(wake);
+            }
+        }
         // The background loader of a lazy restore was held back until now, so it did not
         // compete for CPUs with the restore's last steps.
         self.release_lazy_loading();

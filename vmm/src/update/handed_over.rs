@@ -3,11 +3,13 @@
 //! machine's devices ([`crate::devices`]) can hold it while the hand-over's logic
 //! ([`super::passthrough`], and crate::hotplug for hot-plugged GPUs) works on the devices.
 
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use gpuvm_devices::pci::{GuestMemoryMapper, PciBdf, PciRoot};
 use gpuvm_vfio::dma::DmaProgress;
+use gpuvm_vfio::kernel::HandOverMark;
 use gpuvm_vfio::pci::{VfioPciDevice, VfioPciState};
 use gpuvm_vfio::user::UserConnection;
 use gpuvm_vfio::user_handover::ConnectionLayout;
@@ -20,6 +22,8 @@ use crate::interrupts::MsiRouter;
 #[derive(Default)]
 pub struct PassthroughHandOver {
     pub vfio_user: Vec<PluggedVfioUser>,
+    /// The cold-plugged kernel VFIO devices and their IOMMU context.
+    pub kernel: Option<PluggedKernelContext>,
     /// Segment 0's root, MSI router and BAR slots (set when PCI is attached).
     pub plug: Option<PlugParts>,
 }
@@ -29,6 +33,8 @@ pub struct PlugParts {
     pub root: Arc<PciRoot>,
     pub router: Arc<MsiRouter>,
     pub slots: Arc<dyn GuestMemoryMapper>,
+    /// The VM's peer-to-peer DMA mappings, which a plugged device joins.
+    pub peers: Arc<crate::p2p::PeerDma>,
 }
 
 /// A cold-plugged vfio-user device.
@@ -40,6 +46,61 @@ pub struct PluggedVfioUser {
     pub connection: UserConnection,
     /// Guest RAM being (or done being) DMA-mapped for it.
     pub dma: Arc<DmaProgress>,
+}
+
+/// A VM's cold-plugged kernel VFIO devices and their IOMMU context.
+pub struct PluggedKernelContext {
+    /// A duplicate of the context's iommufd and the id of the devices' IOAS, or why the
+    /// context cannot be handed over (the container API).
+    pub hand_over: Result<(OwnedFd, u32), String>,
+    /// Guest RAM being (or done being) DMA-mapped in the context.
+    pub dma: Arc<DmaProgress>,
+    pub devices: Vec<PluggedKernelVfio>,
+}
+
+/// A cold-plugged kernel VFIO device.
+pub struct PluggedKernelVfio {
+    /// The host device (its PCI address), as `--gpu` named it.
+    pub host_bdf: String,
+    pub bdf: PciBdf,
+    pub device: Arc<Mutex<VfioPciDevice>>,
+    /// A duplicate of its cdev, or why there is none.
+    pub cdev: Result<OwnedFd, String>,
+    /// Set once another process runs it: the device is then left alone here.
+    pub mark: Arc<HandOverMark>,
+}
+
+/// The kernel VFIO devices in an offer: the IOAS their iommufd keeps the mappings in, and
+/// the devices (host PCI addresses) whose cdevs follow the iommufd, in this order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OfferedKernelVfio {
+    pub ioas_id: u32,
+    pub devices: Vec<String>,
+}
+
+/// The kernel VFIO devices in the paused state: the guest RAM their context has mapped
+/// (guest address, size, offset in the RAM file), and each device's place and PCI state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverKernelContext {
+    pub dma_mapped: Vec<(u64, u64, u64)>,
+    pub devices: Vec<HandedOverKernelVfio>,
+}
+
+/// One handed-over kernel VFIO device: the host device, its slot on bus 0 of segment 0,
+/// its model, and the PCI state gpuvm emulates for it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverKernelVfio {
+    pub host_bdf: String,
+    pub slot: u8,
+    pub vendor_id: u16,
+    pub device_id: u16,
+    pub pci: VfioPciState,
+    pub intx_gsi: Option<u32>,
+    /// Whether its BARs are DMA-mapped for its peers (`p2p`, on unless `p2p=off`).
+    pub p2p: bool,
 }
 
 /// One handed-over vfio-user device in the offer: its socket and client layout (the
@@ -74,6 +135,11 @@ pub struct HandedOverVfioUser {
     /// The guest RAM the device has DMA-mapped (guest address, size, offset in the RAM
     /// file): the new process maps none of it again.
     pub dma_mapped: Vec<(u64, u64, u64)>,
+    /// Whether its BARs are DMA-mapped for its peers (`p2p`, on unless `p2p=off`). Absent
+    /// in states of gpuvm versions that handed over only devices with p2p off, or alone,
+    /// and left out when off (so such a state reads as before).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub p2p: bool,
     /// Set for a GPU hot-plugged at runtime (PUT /gpus/{id}): the new process keeps it a
     /// hot-plugged device (DELETE ejects it). Absent for a cold-plugged one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +170,7 @@ impl HandedOverVfioUser {
             dma_mapped: (ram.iter())
                 .map(|r| (r.guest_addr, r.size, r.fd_offset))
                 .collect(),
+            p2p: false,
             hot_plugged,
         })
     }
@@ -134,6 +201,7 @@ mod tests {
             pci: VfioPciState::default(),
             intx_gsi: None,
             dma_mapped: vec![(0, 1 << 28, 0)],
+            p2p: false,
             hot_plugged: None,
         }
     }

@@ -20,6 +20,7 @@
 use std::path::PathBuf;
 
 pub mod handed_over;
+pub mod kernel_vfio;
 pub mod passthrough;
 pub mod protocol;
 pub mod receive;

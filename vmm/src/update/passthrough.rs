@@ -33,33 +33,17 @@ use gpuvm_devices::Persist;
 use gpuvm_vfio::dma::DmaMapper;
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::{BackendHealth, VfioUserDevice};
-use gpuvm_vfio::DmaRegion;
+use gpuvm_vfio::{DmaRegion, PassthroughDevice};
 
 pub use super::handed_over::{
     HandedOverVfioUser, OfferedVfioUser, PassthroughHandOver, PlugParts, PluggedVfioUser,
 };
 use super::UpdateError;
 use crate::lock;
+use crate::p2p::PeerBars;
 
 /// Why the VM's cold-plugged vfio-user devices cannot be handed over now, if they cannot.
-/// `hot_plugged`: how many hot-plugged vfio-user GPUs go with them. `sharing`: the devices
-/// whose BARs are DMA-mapped for their peers (now, or once the guest places them): with
-/// more than one device those mappings would be needed, and they are not handed over yet
-/// (the new process would neither know them nor make them).
-pub(super) fn refusal(
-    handover: &PassthroughHandOver,
-    hot_plugged: usize,
-    sharing: &[String],
-) -> Option<String> {
-    let devices = handover.vfio_user.len() + hot_plugged;
-    if devices > 1 && !sharing.is_empty() {
-        return Some(format!(
-            "{devices} vfio-user devices, whose BARs are DMA-mapped for their peers (p2p on: \
-             {}): the peer-to-peer DMA mappings between GPUs are not handed over yet; devices \
-             with p2p=off are",
-            sharing.join(", ")
-        ));
-    }
+pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
     for plugged in &handover.vfio_user {
         let name = plugged.connection.name();
         if let Some(reason) = plugged.connection.refusal() {
@@ -74,11 +58,6 @@ pub(super) fn refusal(
             return Some(format!(
                 "{name} sits at {} (behind a bridge); only devices on bus 0 are handed over",
                 plugged.bdf
-            ));
-        }
-        if lock(&plugged.device).msi_enabled() {
-            return Some(format!(
-                "{name} has MSI (not MSI-X) on, whose eventfds are not given back on a failure"
             ));
         }
     }
@@ -127,8 +106,9 @@ pub(super) fn save(
 /// A live update failed after the new process may have given the devices its interrupt
 /// eventfds: gives them this process's again (before the vCPUs run).
 pub(super) fn rearm(handover: &PassthroughHandOver) {
-    for plugged in &handover.vfio_user {
-        let mut device = lock(&plugged.device);
+    let kernel = super::kernel_vfio::devices(handover).map(|plugged| &plugged.device);
+    for device in handover.vfio_user.iter().map(|p| &p.device).chain(kernel) {
+        let mut device = lock(device);
         match device.rearm_interrupts() {
             Ok(()) => log::info!(
                 "{}: interrupts re-armed with this process's eventfds",
@@ -148,6 +128,10 @@ pub(super) fn release(handover: &PassthroughHandOver, to_pid: u32) {
         plugged
             .connection
             .release(&format!("gpuvm process {to_pid}"));
+    }
+    // Nor does it remove the peer mappings the devices keep for the new process.
+    if let Some(parts) = &handover.plug {
+        parts.peers.handed_over_elsewhere();
     }
 }
 
@@ -254,12 +238,14 @@ impl DmaMapper for AlreadyMapped {
 /// connections the old process used: no reset, no DMA map, the saved PCI state loaded
 /// (which gives the device this VM's interrupt eventfds). Hot-plugged GPUs go back to PCI
 /// hot-plug (crate::hotplug::PciHotplug::adopt_handed_over), which can eject them later.
+/// Each joins the VM's peers again; the `peer_mappings` the old process made between them
+/// are taken as made (the devices keep them), none mapped again.
 /// Runs with the old process's vCPUs paused, before this VM's root leaves its restore mode.
 pub(crate) fn plug_handed_over(
     vm: &kvm_ioctls::VmFd,
     ram: &gpuvm_memory::GuestRam,
     devices: &mut crate::devices::MachineDevices,
-    saved: &[HandedOverVfioUser],
+    (saved, peer_mappings): (&[HandedOverVfioUser], &[crate::p2p::HandedOverPeerMapping]),
     incoming: Vec<IncomingVfioUser>,
 ) -> Result<(), String> {
     if saved.len() != incoming.len() {
@@ -269,6 +255,10 @@ pub(crate) fn plug_handed_over(
             incoming.len()
         ));
     }
+    let peers = (devices.handover.plug.as_ref()).map(|parts| parts.peers.clone());
+    if let Some(peers) = &peers {
+        peers.adopt(peer_mappings.to_vec());
+    }
     for (saved, incoming) in saved.iter().zip(incoming) {
         let plugged = match &saved.hot_plugged {
             None => plug_one(vm, ram, devices, saved, incoming),
@@ -276,19 +266,24 @@ pub(crate) fn plug_handed_over(
         };
         plugged.map_err(|reason| format!("{}: {reason}", saved.socket.display()))?;
     }
+    if let Some(peers) = peers {
+        // Errors are logged: a stale mapping left in a device is not worth the VM.
+        peers.finish_adoption();
+    }
     Ok(())
 }
 
-/// The device over a handed-over vfio-user connection, as the old process left it (no
-/// reset): built with its vectors from `router`, checked to be the model `saved` names, its
-/// BARs mapped into the guest through `slots` and its Bus Master held until `progress` is
-/// done. Returns it with its vectors' GSIs; on an error they are released.
+/// The device over a handed-over backend (a vfio-user connection, a kernel VFIO cdev), as
+/// the old process left it (no reset): built with its vectors from `router`, checked to be
+/// the model `ids` (vendor, device) the old process had, its BARs mapped into the guest
+/// through `slots` and its Bus Master held until `progress` is done. Returns it with its
+/// vectors' GSIs; on an error they are released.
 pub(crate) fn take_over(
-    backend: VfioUserDevice,
+    backend: Box<dyn PassthroughDevice>,
     router: &Arc<crate::interrupts::MsiRouter>,
     slots: &Arc<dyn gpuvm_devices::pci::GuestMemoryMapper>,
     progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
-    saved: &HandedOverVfioUser,
+    ids: (u16, u16),
 ) -> Result<(VfioPciDevice, Vec<u32>), String> {
     let mut gsis = Vec::new();
     let built = {
@@ -297,16 +292,16 @@ pub(crate) fn take_over(
             gsis.extend(vectors.iter().map(|(gsi, _)| *gsi));
             Ok(vectors)
         };
-        VfioPciDevice::over_running(Box::new(backend), &mut allocate, router.clone())
+        VfioPciDevice::over_running(backend, &mut allocate, router.clone())
     };
     let checked = built
         .map_err(|e| format!("cannot take the device over: {e}"))
         .and_then(|mut device| {
-            if device.pci_ids() != (saved.vendor_id, saved.device_id) {
+            if device.pci_ids() != ids {
                 let (vendor, model) = device.pci_ids();
                 return Err(format!(
                     "the device is a {vendor:04x}:{model:04x}; the old process had a {:04x}:{:04x}",
-                    saved.vendor_id, saved.device_id
+                    ids.0, ids.1
                 ));
             }
             device
@@ -361,74 +356,53 @@ fn plug_one(
     incoming: IncomingVfioUser,
 ) -> Result<(), String> {
     same_socket(&incoming, saved)?;
-    let parts = devices
-        .handover
-        .plug
-        .as_ref()
-        .ok_or("this VM has no PCI bus")?;
     let backend = incoming
         .backend
         .ok_or("its connection was not taken over")?;
     let connection = backend.connection();
+    let tuning = crate::config::PassthroughTuning {
+        p2p: saved.p2p,
+        ..Default::default()
+    };
+    let bars = PeerBars::new(backend.name(), &tuning, |i| backend.region_file(i));
+    let peer_mapper = backend.peer_mapper();
     let chunks = crate::dma::RamChunks::new(ram);
     let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped {
         inner: backend.dma_mapper(),
         mapped: saved.dma_mapped.clone(),
     });
     let progress = chunks.progress(mapper.name());
-    let (device, gsis) = take_over(backend, &parts.router, &parts.slots, &progress, saved)?;
-    let release_gsis = |error: String| {
-        parts.router.release(&gsis);
-        error
+    let place = SavedPlace {
+        slot: saved.slot,
+        ids: (saved.vendor_id, saved.device_id),
+        pci: &saved.pci,
+        intx_gsi: saved.intx_gsi,
     };
-    let name = device.name().to_string();
-    let device = Arc::new(Mutex::new(device));
-    let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
-    let bdf = parts
-        .root
-        .add_device_at(saved.slot, as_pci, &saved.pci.bars)
-        .map_err(|e| {
-            release_gsis(format!(
-                "cannot plug it back into slot {:#04x}: {e}",
-                saved.slot
-            ))
-        })?;
-    let plug = crate::pci::Plug {
-        vm,
-        root: &parts.root,
-        router: &parts.router,
-        slots: &parts.slots,
-    };
-    // INTx before the PCI state, as at boot: with MSI-X on, the device turns INTx off.
-    let unplug = |error: String| {
-        parts.root.remove_device(bdf);
-        parts.router.release(&gsis);
-        error
-    };
-    if let Some(gsi) = saved.intx_gsi {
-        match plug.intx(&device, gsi) {
-            Ok(Some(resample)) => devices.event_sources.push(resample),
-            Ok(None) => {}
-            Err(error) => return Err(unplug(format!("cannot wire its INTx: {error}"))),
-        }
-    }
-    lock(&device)
-        .restore(&saved.pci)
-        .map_err(|e| unplug(format!("its PCI state does not fit: {e}")))?;
+    let (device, bdf) = plug_back(vm, devices, Box::new(backend), &place, &progress)?;
     let mapping = chunks
         .start(
             progress.clone(),
             mapper,
             crate::dma::DmaTestHooks::default(),
         )
-        .map_err(|e| unplug(format!("cannot account for its DMA mappings: {e}")))?;
+        .map_err(|e| format!("cannot account for its DMA mappings: {e}"))?;
     devices.dma_mappings.push(mapping);
-    let label = format!("{bdf} {name}");
+    let parts = (devices.handover.plug.as_ref()).ok_or("this VM has no PCI bus")?;
+    match parts
+        .peers
+        .ensure_worker(crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm))
+    {
+        Ok(()) => {
+            let context = parts.peers.add_context(peer_mapper.name(), Ok(peer_mapper));
+            parts.peers.plugged(context, bars, &device);
+        }
+        Err(error) => log::warn!("{bdf}: {error}; no peer-to-peer DMA mappings for it"),
+    }
     log::info!(
-        "live update: {label} taken over from the old process (no reset, no DMA map; \
-         interrupts on this VM's eventfds)"
+        "live update: {bdf} {} taken over from the old process (no reset, no DMA map; \
+         interrupts on this VM's eventfds)",
+        lock(&device).name()
     );
-    devices.passthrough.push(label);
     devices.handover.vfio_user.push(PluggedVfioUser {
         socket: saved.socket.clone(),
         bdf,
@@ -437,4 +411,66 @@ fn plug_one(
         dma: progress,
     });
     Ok(())
+}
+
+/// Where and how a handed-over device was plugged in the old process.
+pub(crate) struct SavedPlace<'a> {
+    /// Its slot on bus 0 of segment 0.
+    pub slot: u8,
+    /// (vendor, device) as the old process saw them.
+    pub ids: (u16, u16),
+    pub pci: &'a gpuvm_vfio::pci::VfioPciState,
+    pub intx_gsi: Option<u32>,
+}
+
+/// Plugs a handed-over `backend` back into its slot of segment 0 as `place` says: taken
+/// over without a reset ([`take_over`]), INTx wired, the saved PCI state loaded (which
+/// gives the device this VM's interrupt eventfds). Its Bus Master waits for `progress`.
+/// Listed among the VM's passthrough devices. Returns the device and where it is.
+pub(crate) fn plug_back(
+    vm: &kvm_ioctls::VmFd,
+    devices: &mut crate::devices::MachineDevices,
+    backend: Box<dyn PassthroughDevice>,
+    place: &SavedPlace<'_>,
+    progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
+) -> Result<(Arc<Mutex<VfioPciDevice>>, gpuvm_devices::pci::PciBdf), String> {
+    let parts = (devices.handover.plug.as_ref()).ok_or("this VM has no PCI bus")?;
+    let (device, gsis) = take_over(backend, &parts.router, &parts.slots, progress, place.ids)?;
+    let name = device.name().to_string();
+    let device = Arc::new(Mutex::new(device));
+    let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
+    let bdf = parts
+        .root
+        .add_device_at(place.slot, as_pci, &place.pci.bars)
+        .map_err(|e| {
+            parts.router.release(&gsis);
+            format!("cannot plug it back into slot {:#04x}: {e}", place.slot)
+        })?;
+    let plug = crate::pci::Plug {
+        vm,
+        root: &parts.root,
+        router: &parts.router,
+        slots: &parts.slots,
+    };
+    let unplug = |error: String| {
+        parts.root.remove_device(bdf);
+        parts.router.release(&gsis);
+        error
+    };
+    // The PCI state before INTx: a device running with MSI or MSI-X keeps them (its
+    // triggers swapped for this VM's), and INTx is armed only where the guest uses it (a
+    // kernel VFIO device refuses an INTx trigger while its MSI is on).
+    lock(&device)
+        .restore(place.pci)
+        .map_err(|e| unplug(format!("its PCI state does not fit: {e}")))?;
+    if let Some(gsi) = place.intx_gsi {
+        match plug.intx(&device, gsi) {
+            Ok(Some(resample)) => devices.event_sources.push(resample),
+            Ok(None) => {}
+            Err(error) => return Err(unplug(format!("cannot wire its INTx: {error}"))),
+        }
+        lock(&device).restore_intx_line(place.pci);
+    }
+    devices.passthrough.push(format!("{bdf} {name}"));
+    Ok((device, bdf))
 }

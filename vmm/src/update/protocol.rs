@@ -48,8 +48,12 @@ pub const MAX_TAP_QUEUES: usize = 64;
 /// The most descriptors the vfio-user devices of an offer may bring (each its connection
 /// and its region files), after the tap queues.
 pub const MAX_VFIO_USER_FDS: usize = 16;
+/// The most kernel VFIO devices an offer may bring (each its cdev), after the iommufd
+/// they are bound to, after the vfio-user devices' descriptors.
+pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
 /// The most descriptors one frame may bring.
-const MAX_FDS: usize = OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS;
+const MAX_FDS: usize =
+    OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS + 1 + MAX_KERNEL_VFIO_DEVICES;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +116,11 @@ pub struct OfferMeta {
     /// refuses an offer with them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub vfio_user: Vec<super::passthrough::OfferedVfioUser>,
+    /// The cold-plugged kernel VFIO devices (iommufd): the iommufd, then each device's
+    /// cdev, follow the vfio-user devices' descriptors. Absent without them; an older
+    /// receiver refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_vfio: Option<super::handed_over::OfferedKernelVfio>,
 }
 
 /// One network interface in an offer: its id and how many tap queues it brings.
@@ -137,6 +146,10 @@ impl OfferMeta {
                 .iter()
                 .map(super::passthrough::OfferedVfioUser::descriptor_count)
                 .sum::<usize>()
+            + self
+                .kernel_vfio
+                .as_ref()
+                .map_or(0, |kernel| 1 + kernel.devices.len())
     }
 }
 

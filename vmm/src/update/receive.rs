@@ -9,8 +9,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuvm_vfio::kernel::HandOverMark;
 use gpuvm_vfio::user::BackendHealth;
 
+use super::kernel_vfio::IncomingKernelVfio;
 use super::passthrough::IncomingVfioUser;
 use super::protocol::{self, MessageKind, OfferMeta, ReadyBody, OFFER_FDS};
 use super::{socket, UpdateError};
@@ -42,6 +44,11 @@ pub struct Incoming {
     /// The taken-over vfio-user connections' health: marked handed back if this process
     /// does not run the VM, so that it neither speaks on them nor resets the devices.
     adopted: Vec<Arc<BackendHealth>>,
+    /// The kernel VFIO devices' iommufd and cdevs, until the paused state is loaded.
+    kernel_vfio: Option<IncomingKernelVfio>,
+    /// Their marks: left alone here (neither detached nor reset) unless this process
+    /// commits.
+    kernel_marks: Vec<Arc<HandOverMark>>,
     /// The configuration and device state the VM is built from, saved while it ran.
     state: MachineState,
     /// The VM built from `state`, until the paused state is loaded into it.
@@ -125,6 +132,20 @@ pub fn accept(
             .collect::<Result<Vec<_>, _>>()?;
         vfio_user.push(IncomingVfioUser::new(offered.clone(), connection, files));
     }
+    let kernel_vfio = match &meta.kernel_vfio {
+        None => None,
+        Some(offered) => {
+            let iommufd = next()?;
+            let cdevs = (offered.devices.iter())
+                .map(|_| next())
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(IncomingKernelVfio::new(offered.clone(), iommufd, cdevs))
+        }
+    };
+    let kernel_marks = kernel_vfio
+        .as_ref()
+        .map(|kernel| kernel.marks.clone())
+        .unwrap_or_default();
     let adopted = vfio_user
         .iter()
         .map(|device| device.health.clone())
@@ -152,6 +173,8 @@ pub fn accept(
         taps,
         vfio_user,
         adopted,
+        kernel_vfio,
+        kernel_marks,
         state,
         prepared: None,
         paused_at_ns: None,
@@ -377,8 +400,9 @@ impl Incoming {
             .take()
             .ok_or_else(|| UpdateError::Protocol("no VM was prepared".into()))?;
         let vfio_user = std::mem::take(&mut self.vfio_user);
+        let kernel_vfio = self.kernel_vfio.take();
         prepared
-            .load(&state, vfio_user)
+            .load(&state, (vfio_user, kernel_vfio))
             .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))
     }
 
@@ -391,6 +415,9 @@ impl Incoming {
                 "the vfio-user connection goes back to gpuvm process {}",
                 self.meta.old_pid
             ));
+        }
+        for mark in &self.kernel_marks {
+            mark.mark_handed_over();
         }
     }
 
@@ -412,6 +439,9 @@ impl Incoming {
         self.ready_or_hand_back(timeout)
             .inspect(|_| {
                 // The VM is this process's: so are the vfio-user connections.
+                for mark in &self.kernel_marks {
+                    mark.confirm();
+                }
                 for health in &self.adopted {
                     health.confirm();
                 }
@@ -620,6 +650,7 @@ mod tests {
                 iface_id: "eth0".into(),
                 queues: 1,
             }],
+            kernel_vfio: None,
         };
         let not_a_tap = std::fs::File::open("/dev/null").unwrap();
         let error = accept_offer(&meta, &[not_a_tap.as_raw_fd()])
@@ -635,6 +666,33 @@ mod tests {
             error.contains("one for each tap queue of its 1 interfaces"),
             "{error}"
         );
+    }
+
+    /// A forged offer's kernel VFIO devices: the iommufd and one cdev per device must come,
+    /// or the offer is refused before anything is taken.
+    #[test]
+    fn an_offer_short_of_kernel_vfio_descriptors_is_refused() {
+        use std::os::fd::AsRawFd;
+        let meta = OfferMeta {
+            ram_size: 0,
+            huge_tmpfs: false,
+            vcpu_ids: vec![0],
+            old_pid: std::process::id(),
+            drives: Vec::new(),
+            vfio_user: Vec::new(),
+            interfaces: Vec::new(),
+            kernel_vfio: Some(super::super::handed_over::OfferedKernelVfio {
+                ioas_id: 2,
+                devices: vec!["0000:00:04.0".into(), "0000:00:05.0".into()],
+            }),
+        };
+        assert_eq!(meta.descriptor_count(), OFFER_FDS + 3);
+        let iommufd = std::fs::File::open("/dev/null").unwrap();
+        let error = accept_offer(&meta, &[iommufd.as_raw_fd(), iommufd.as_raw_fd()])
+            .err()
+            .expect("one cdev short")
+            .to_string();
+        assert!(error.contains("descriptors"), "{error}");
     }
 
     #[test]

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use gpuvm_devices::Persist;
 
-use super::passthrough;
 use super::protocol::{self, MessageKind, OfferMeta};
+use super::{kernel_vfio, passthrough};
 use super::{socket, UpdateError};
 use crate::machine::RunningMachine;
 use crate::snapshot::{MachineState, SavedMachineConfig};
@@ -136,6 +136,7 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
         vfio_user.extend(hot);
         connections.extend(fds);
     }
+    let (kernel_vfio, kernel_fds) = kernel_vfio::offer(&devices.handover)?;
     if connections.len() > protocol::MAX_VFIO_USER_FDS {
         return Err(UpdateError::unsupported(
             format!(
@@ -158,6 +159,7 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
         drives,
         interfaces,
         vfio_user,
+        kernel_vfio,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -171,11 +173,13 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
     fds.extend(images.iter().map(AsRawFd::as_raw_fd));
     fds.extend(taps.iter().map(AsRawFd::as_raw_fd));
     fds.extend(connections.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(kernel_fds.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
-    // Ours are duplicates: the drives, interfaces and vfio-user devices keep theirs.
+    // Ours are duplicates: the drives, interfaces and passthrough devices keep theirs.
     drop(images);
     drop(taps);
     drop(connections);
+    drop(kernel_fds);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
@@ -326,6 +330,7 @@ fn hand_paused_and_commit(
     // reset the devices or close the connections as this process's VM goes.
     let devices = running.machine().devices();
     passthrough::release(&devices.handover, receiver.pid);
+    kernel_vfio::release(&devices.handover, receiver.pid);
     if let Some(hotplug) = &devices.pci_hotplug {
         hotplug.handover_release(&format!("gpuvm process {}", receiver.pid));
     }
@@ -371,7 +376,8 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
     let hot_labels: Vec<String> = hotplug.map(|h| h.labels().collect()).unwrap_or_default();
     let carried = |label: &&String| {
         let cold = (devices.handover.vfio_user.iter())
-            .any(|plugged| label.ends_with(plugged.connection.name()));
+            .any(|plugged| label.ends_with(plugged.connection.name()))
+            || kernel_vfio::carries(&devices.handover, label);
         cold || (hot_labels.contains(label) && !hot_kernel.contains(label))
     };
     let kernel: Vec<&str> = devices
@@ -385,21 +391,22 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
         .filter(|label| !carried(label))
         .map(String::as_str)
         .collect();
+    if let Some(reason) = kernel_vfio::refusal(&devices.handover) {
+        return Err(UpdateError::unsupported(
+            "a VM with these kernel VFIO devices",
+            Some(&reason),
+        ));
+    }
     if !kernel.is_empty() {
         return Err(UpdateError::unsupported(
             format!("a VM with kernel VFIO devices ({})", kernel.join(", ")),
             Some(
-                "keeping their DMA mappings needs VFIO_DMA_UNMAP_FLAG_VADDR and \
-                 VFIO_DMA_MAP_FLAG_VADDR (type1) or IOMMU_IOAS_CHANGE_PROCESS (iommufd), which \
-                 gpuvm does not use yet; vfio-user devices are handed over",
+                "cold-plugged kernel VFIO devices opened through iommufd are handed over; \
+                 hot-plugged ones (each in a container of its own) are not yet",
             ),
         ));
     }
-    let sharing = hotplug
-        .map(|hotplug| hotplug.peer_dma_sharing_devices())
-        .unwrap_or_default();
-    let hot_vfio_user = hotplug.map_or(0, |h| h.handed_over_count());
-    let refusal = passthrough::refusal(&devices.handover, hot_vfio_user, &sharing)
+    let refusal = passthrough::refusal(&devices.handover)
         .or_else(|| hotplug.and_then(|h| h.handover_refusal()));
     if let Some(reason) = refusal {
         return Err(UpdateError::unsupported(
@@ -466,6 +473,13 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         ));
     }
     check_passthrough(devices)?;
+    let hot_ram = machine.ram_hotplug.iter().flat_map(|h| h.plugged()).count();
+    if devices.handover.kernel.is_some() && hot_ram > 0 {
+        return Err(UpdateError::unsupported(
+            "a VM with kernel VFIO devices and hot-plugged RAM",
+            Some("the kernel VFIO mappings of hot-plugged RAM are not handed over yet"),
+        ));
+    }
     if machine.lazy.is_some() {
         return Err(UpdateError::unsupported(
             "a VM restored lazily",
@@ -513,6 +527,10 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         &machine.devices().handover,
         &crate::dma::RamChunks::regions_of(machine.ram()),
     )?;
+    devices.handed_over_kernel_vfio = kernel_vfio::save(
+        &machine.devices().handover,
+        &crate::dma::RamChunks::regions_of(machine.ram()),
+    )?;
     // The hot-plugged GPUs have the hot-plugged RAM mapped too.
     if let Some(hotplug) = &machine.devices().pci_hotplug {
         let mut ram = crate::dma::RamChunks::regions_of(machine.ram());
@@ -521,6 +539,15 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         }
         let hot = hotplug.handover_save(&ram).map_err(UpdateError::Save)?;
         devices.handed_over_vfio_user.extend(hot);
+    }
+    // The devices keep their peer mappings; the new process takes the table.
+    if let Some(parts) = &machine.devices().handover.plug {
+        for device in &mut devices.handed_over_vfio_user {
+            device.p2p = parts
+                .peers
+                .shares_bars(&gpuvm_vfio::user::device_name(&device.socket));
+        }
+        devices.handed_over_peer_mappings = parts.peers.handed_over();
     }
     Ok(MachineState {
         config: SavedMachineConfig::from_config(machine.config()),
