@@ -308,16 +308,13 @@ impl KernelVfio {
             .ok_or_else(|| std::io::Error::other("not a handed-over iommufd context"))?;
         let device = VfioDevice::new_from_bound_fd(std::fs::File::from(cdev), context, false)
             .map_err(|e| std::io::Error::other(format!("adopt VFIO device {bdf}: {e}")))?;
-        let migration = KernelMigration::probe(&device, bdf.to_string());
-        Ok(KernelVfioDevice {
-            device: std::mem::ManuallyDrop::new(device),
-            name: bdf.to_string(),
-            mappings: Vec::new(),
-            migration,
-            sysfs: sysfs_path(bdf)?,
-            cdev: true,
+        Ok(KernelVfioDevice::over(
+            device,
+            bdf,
+            sysfs_path(bdf)?,
+            true,
             mark,
-        })
+        ))
     }
 
     pub fn api(&self) -> KernelApi {
@@ -330,16 +327,14 @@ impl KernelVfio {
         let path = sysfs_path(bdf)?;
         let device = VfioDevice::new(&path, self.ops.clone(), self.api == KernelApi::Iommufd)
             .map_err(|e| std::io::Error::other(format!("open VFIO device {bdf}: {e}")))?;
-        let migration = KernelMigration::probe(&device, bdf.to_string());
-        Ok(KernelVfioDevice {
-            device: std::mem::ManuallyDrop::new(device),
-            name: bdf.to_string(),
-            mappings: Vec::new(),
-            migration,
-            sysfs: path,
-            cdev: self.api == KernelApi::Iommufd,
-            mark: Arc::default(),
-        })
+        let cdev = self.api == KernelApi::Iommufd;
+        Ok(KernelVfioDevice::over(
+            device,
+            bdf,
+            path,
+            cdev,
+            Arc::default(),
+        ))
     }
 
     /// The mapper for guest RAM ([`crate::dma::BackgroundMapping`]); its mappings cover
@@ -389,6 +384,27 @@ impl KernelVfio {
 }
 
 impl KernelVfioDevice {
+    /// The backend over vfio-ioctls' `device` (host address `bdf`, sysfs directory
+    /// `sysfs`), opened through the cdev API or not, its VFIO migration probed.
+    fn over(
+        device: VfioDevice,
+        bdf: &str,
+        sysfs: PathBuf,
+        cdev: bool,
+        mark: Arc<HandOverMark>,
+    ) -> Self {
+        let migration = KernelMigration::probe(&device, bdf.to_string());
+        KernelVfioDevice {
+            device: std::mem::ManuallyDrop::new(device),
+            name: bdf.to_string(),
+            mappings: Vec::new(),
+            migration,
+            sysfs,
+            cdev,
+            mark,
+        }
+    }
+
     /// A duplicate of the device's file (its cdev), for a live update's new process.
     pub fn hand_over(&self) -> Result<OwnedFd> {
         // SAFETY: the device fd is open for as long as `self.device`; borrowed only to be

@@ -411,16 +411,11 @@ fn msi(edu: &Edu, apic_id: u32) -> u8 {
     TG_EDU_MSI_COUNT.store(0, Ordering::Release);
 
     let wait = |expected: u64, what: &str| {
-        let arrived = crate::virtio::irq::wait(INTERRUPT_TIMEOUT_MS, || {
-            TG_EDU_MSI_COUNT.load(Ordering::Acquire) >= expected
-        });
-        if !arrived {
+        wait_for_msi(edu, expected, |taken, status| {
             fail(format_args!(
-                "no MSI for {what} within {INTERRUPT_TIMEOUT_MS} ms (interrupt status {:#x}, {} taken)",
-                edu.read(REG_IRQ_STATUS),
-                TG_EDU_MSI_COUNT.load(Ordering::Acquire)
-            ));
-        }
+                "no MSI for {what} within {INTERRUPT_TIMEOUT_MS} ms (interrupt status {status:#x}, {taken} taken)"
+            ))
+        })
     };
     let expect_status = |bits: u32, what: &str| {
         let status = edu.read(REG_IRQ_STATUS);
@@ -552,6 +547,20 @@ fn intx(edu: &Edu, msi_cap: u8, apic_id: u32) {
     println!("edu: intx ok");
 }
 
+/// Waits up to [`INTERRUPT_TIMEOUT_MS`] until `expected` MSIs have arrived; else calls
+/// `missing` with how many did and the device's interrupt status.
+fn wait_for_msi(edu: &Edu, expected: u64, missing: impl Fn(u64, u32)) {
+    let arrived = crate::virtio::irq::wait(INTERRUPT_TIMEOUT_MS, || {
+        TG_EDU_MSI_COUNT.load(Ordering::Acquire) >= expected
+    });
+    if !arrived {
+        missing(
+            TG_EDU_MSI_COUNT.load(Ordering::Acquire),
+            edu.read(REG_IRQ_STATUS),
+        );
+    }
+}
+
 /// `edu loop`: DMA round trips and MSIs, round after round, until the VMM ends the run. MSI
 /// must be on (as [`msi`] leaves it).
 fn run_loop(edu: &Edu) -> ! {
@@ -582,16 +591,11 @@ fn run_loop(edu: &Edu) -> ! {
 
         expected_msis += 1;
         edu.write(REG_IRQ_RAISE, IRQ_MSI_TEST);
-        let arrived = crate::virtio::irq::wait(INTERRUPT_TIMEOUT_MS, || {
-            TG_EDU_MSI_COUNT.load(Ordering::Acquire) >= expected_msis
-        });
-        if !arrived {
+        wait_for_msi(edu, expected_msis, |taken, status| {
             fail_round(format_args!(
-                "no MSI within {INTERRUPT_TIMEOUT_MS} ms (interrupt status {:#x}, {} of {expected_msis} taken)",
-                edu.read(REG_IRQ_STATUS),
-                TG_EDU_MSI_COUNT.load(Ordering::Acquire)
-            ));
-        }
+                "no MSI within {INTERRUPT_TIMEOUT_MS} ms (interrupt status {status:#x}, {taken} of {expected_msis} taken)"
+            ))
+        });
         let status = edu.read(REG_IRQ_STATUS);
         if status != IRQ_MSI_TEST {
             fail_round(format_args!(

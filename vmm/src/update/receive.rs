@@ -634,23 +634,31 @@ mod tests {
         accept(&listener, std::process::id(), Duration::from_secs(5))
     }
 
-    /// A forged offer's tap queues: a descriptor that is not an attached tap queue is
-    /// refused by name, and so is a descriptor count that is not the queues' count.
-    #[test]
-    fn handed_over_tap_queues_are_checked_before_anything_is_taken() {
-        use std::os::fd::AsRawFd;
-        let meta = OfferMeta {
+    /// An offer of this process with one vCPU and nothing else.
+    fn empty_offer() -> OfferMeta {
+        OfferMeta {
             ram_size: 0,
             huge_tmpfs: false,
             vcpu_ids: vec![0],
             old_pid: std::process::id(),
             drives: Vec::new(),
             vfio_user: Vec::new(),
+            interfaces: Vec::new(),
+            kernel_vfio: None,
+        }
+    }
+
+    /// A forged offer's tap queues: a descriptor that is not an attached tap queue is
+    /// refused by name, and so is a descriptor count that is not the queues' count.
+    #[test]
+    fn handed_over_tap_queues_are_checked_before_anything_is_taken() {
+        use std::os::fd::AsRawFd;
+        let meta = OfferMeta {
             interfaces: vec![protocol::OfferedInterface {
                 iface_id: "eth0".into(),
                 queues: 1,
             }],
-            kernel_vfio: None,
+            ..empty_offer()
         };
         let not_a_tap = std::fs::File::open("/dev/null").unwrap();
         let error = accept_offer(&meta, &[not_a_tap.as_raw_fd()])
@@ -674,17 +682,11 @@ mod tests {
     fn an_offer_short_of_kernel_vfio_descriptors_is_refused() {
         use std::os::fd::AsRawFd;
         let meta = OfferMeta {
-            ram_size: 0,
-            huge_tmpfs: false,
-            vcpu_ids: vec![0],
-            old_pid: std::process::id(),
-            drives: Vec::new(),
-            vfio_user: Vec::new(),
-            interfaces: Vec::new(),
             kernel_vfio: Some(super::super::handed_over::OfferedKernelVfio {
                 ioas_id: 2,
                 devices: vec!["0000:00:04.0".into(), "0000:00:05.0".into()],
             }),
+            ..empty_offer()
         };
         assert_eq!(meta.descriptor_count(), OFFER_FDS + 3);
         let iommufd = std::fs::File::open("/dev/null").unwrap();
