@@ -362,8 +362,10 @@ fn find_edu() -> u8 {
     })
 }
 
-fn dma(edu: &Edu) {
-    crate::pattern::fill(BUFFER_A, DMA_LEN, DMA_SEED);
+/// Fills buffer A with pattern `seed`, zeroes B and has edu copy A into its buffer and back
+/// into B, waiting for each transfer; the caller compares the buffers.
+fn round_trip(edu: &Edu, seed: u64) {
+    crate::pattern::fill(BUFFER_A, DMA_LEN, seed);
     crate::pattern::zero(BUFFER_B, DMA_LEN);
     core::sync::atomic::fence(Ordering::SeqCst);
     edu.start_dma(BUFFER_A, DEVICE_BUFFER, DMA_LEN, 0);
@@ -371,6 +373,10 @@ fn dma(edu: &Edu) {
     edu.start_dma(DEVICE_BUFFER, BUFFER_B, DMA_LEN, DMA_TO_RAM);
     edu.wait_dma("device to RAM");
     core::sync::atomic::fence(Ordering::SeqCst);
+}
+
+fn dma(edu: &Edu) {
+    round_trip(edu, DMA_SEED);
     check_buffers("dma");
     println!("edu: dma ok {DMA_LEN} bytes");
 }
@@ -575,14 +581,7 @@ fn run_loop(edu: &Edu) -> ! {
 
         // A pattern of this round's own: a transfer that did not happen leaves buffer B
         // zero, one that moved an earlier round's data leaves that round's pattern.
-        crate::pattern::fill(BUFFER_A, DMA_LEN, DMA_SEED ^ round.rotate_left(17));
-        crate::pattern::zero(BUFFER_B, DMA_LEN);
-        core::sync::atomic::fence(Ordering::SeqCst);
-        edu.start_dma(BUFFER_A, DEVICE_BUFFER, DMA_LEN, 0);
-        edu.wait_dma("RAM to device");
-        edu.start_dma(DEVICE_BUFFER, BUFFER_B, DMA_LEN, DMA_TO_RAM);
-        edu.wait_dma("device to RAM");
-        core::sync::atomic::fence(Ordering::SeqCst);
+        round_trip(edu, DMA_SEED ^ round.rotate_left(17));
         if let Some((offset, a, b)) = compare_buffers() {
             fail_round(format_args!(
                 "DMA round trip: buffers differ at offset {offset:#x} (A {a:#04x}, B {b:#04x})"
