@@ -8,13 +8,15 @@
 #    image (guest-images/linux/build-virtio-kernel.sh) into $GPUVM_LINUX_DIR, and the real-kernel tier's
 #    outer kernel (guest-images/real-kernel/build.sh) into $GPUVM_REAL_KERNEL_DIR and its Linux 6.12
 #    kernel with iommufd (guest-images/real-kernel/build-iommufd-kernel.sh) into $GPUVM_IOMMUFD_KERNEL_DIR,
-# 3. cargo build --release --workspace, then cargo test --release --workspace (which includes the
-#    real-kernel tier, tests/real_kernel.rs: gpuvm inside QEMU TCG with nested KVM and an emulated IOMMU),
+# 3. cargo build --release --workspace (the gpuvm binary the tests drive), then the tests, built
+#    apart and run with cargo test --profile release-tests --workspace (which includes the
+#    real-kernel tier, tests/real_kernel.rs: gpuvm inside QEMU TCG with nested KVM and an emulated
+#    IOMMU),
 # 4. fuzzes the control API with schemathesis (scripts/api-fuzz.sh), and its Cloud Hypervisor front end
 #    (scripts/api-fuzz-ch.sh).
 # Tests find the VMM binary through GPUVM_BIN and the Linux images through GPUVM_LINUX_DIR.
-# GPUVM_TEST_TIMEOUT (default 45m, a timeout(1) duration) bounds the cargo test step so a hung guest
-# fails the run instead of stalling it.
+# GPUVM_TEST_TIMEOUT (default 45m, a timeout(1) duration) bounds the test run (not their build) so a
+# hung guest fails the run instead of stalling it.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
@@ -70,12 +72,16 @@ if [[ ! -x "$GPUVM_BIN" ]]; then
     exit 1
 fi
 
-step "cargo test --release --workspace (GPUVM_BIN=$GPUVM_BIN GPUVM_LINUX_DIR=$GPUVM_LINUX_DIR)"
+step "building the tests (cargo test --profile release-tests --workspace --no-run)"
+# Built apart from the run, so the time limit below bounds the tests themselves, not the compiler.
+cargo test --profile release-tests --workspace --no-run
+
+step "cargo test --profile release-tests --workspace (GPUVM_BIN=$GPUVM_BIN GPUVM_LINUX_DIR=$GPUVM_LINUX_DIR)"
 test_status=0
-timeout --foreground --kill-after=30s "${GPUVM_TEST_TIMEOUT:-45m}" cargo test --release --workspace ||
-    test_status=$?
+timeout --foreground --kill-after=30s "${GPUVM_TEST_TIMEOUT:-45m}" \
+    cargo test --profile release-tests --workspace || test_status=$?
 if ((test_status == 124 || test_status == 137)); then
-    echo "test.sh: error: cargo test ran longer than ${GPUVM_TEST_TIMEOUT:-45m} and was stopped" >&2
+    echo "test.sh: error: the tests ran longer than ${GPUVM_TEST_TIMEOUT:-45m} and were stopped" >&2
 fi
 ((test_status == 0)) || exit "$test_status"
 
