@@ -15,6 +15,8 @@ use std::time::Instant;
 static MACHINE: Mutex<()> = Mutex::new(());
 
 const SKIPPED: i32 = 77;
+/// run.sh's status for an outer machine that stopped answering.
+const WEDGED: i32 = 126;
 
 struct Outcome {
     status: Option<i32>,
@@ -86,7 +88,10 @@ fn run_scenario(scenario: &str) -> Option<Outcome> {
 /// printed nothing at all before gpuvm's limit (once in CI, linux-numa: 250 s silent, where
 /// it reaches user space in 6 s; 40 s for the whole scenario alone); its gpuvm's threads and
 /// KVM exit counters are printed with it (lib.sh `report_stuck_gpuvm`), so a stall of gpuvm's
-/// own shows where it sits. The first console is printed, so
+/// own shows where it sits. So is a run whose outer machine stopped answering (run.sh's status
+/// 126: its heartbeat stopped with both vCPUs stuck, about once in 20 runs with nested KVM
+/// under TCG, where the scenario's own limits never fire; run.sh prints the vCPUs' registers
+/// and the outer kernel's stack that an NMI got). The first console is printed, so
 /// a fault of gpuvm's own stays visible, and a second failure fails the test.
 fn scenario_passes(scenario: &str, expected: &[&str]) {
     let Some(mut outcome) = run_scenario(scenario) else {
@@ -98,12 +103,13 @@ fn scenario_passes(scenario: &str, expected: &[&str]) {
     };
     let triple_faulted = |o: &Outcome| o.console.contains("the guest triple-faulted");
     let silent = |o: &Outcome| o.console.contains("(inner guest silent)");
+    let wedged = |o: &Outcome| o.status == Some(WEDGED);
     if outcome.status != Some(0)
-        && (panicked(&outcome) || triple_faulted(&outcome) || silent(&outcome))
+        && (panicked(&outcome) || triple_faulted(&outcome) || silent(&outcome) || wedged(&outcome))
     {
         eprintln!(
-            "real-kernel scenario {scenario}: the outer kernel panicked, or the inner Linux \
-             triple-faulted or never reached its console; once more\n{}",
+            "real-kernel scenario {scenario}: the outer kernel panicked or stopped answering, or \
+             the inner Linux triple-faulted or never reached its console; once more\n{}",
             outcome.describe()
         );
         let Some(again) = run_scenario(scenario) else {

@@ -26,7 +26,11 @@
 #                           built here when missing), for `# kernel: iommufd`
 #   QEMU                    the QEMU binary (default qemu-system-x86_64)
 # Exit status: the scenario's; 77 when QEMU or the kernel cannot be had (the tier is skipped);
-# 124 when the machine ran past --timeout; 125 when the machine ended without reporting a result.
+# 124 when the machine ran past --timeout; 125 when the machine ended without reporting a result; 126
+# when the machine stopped answering (its heartbeat on the second serial port stopped for WEDGED_S
+# seconds: both its vCPUs stuck, seen about once in 20 scenario runs with nested KVM under TCG): its
+# vCPUs' registers are printed and it is sent an NMI, which its kernel answers with a panic and the
+# stack of the CPU it interrupted (`unknown_nmi_panic`), before it is stopped.
 set -euo pipefail
 
 TIER_DIR="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
@@ -175,7 +179,11 @@ while read -r name size; do
 done < <(sed -n 's/^# scratch: //p' "$scenario_file")
 qemu_devices="$(sed -n 's/^# qemu: //p' "$scenario_file" | tr '\n' ' ' | sed "s|@WORK@|$work|g")"
 memory="$(sed -n 's/^# memory: //p' "$scenario_file" | head -n1)"
-cmdline="console=ttyS0 quiet loglevel=3 panic=-1 intel_iommu=on real_kernel.scenario=$scenario"
+# unknown_nmi_panic: the NMI a wedged machine is sent (below) prints where its CPU was.
+cmdline="console=ttyS0 quiet loglevel=3 panic=-1 intel_iommu=on unknown_nmi_panic real_kernel.scenario=$scenario"
+heartbeat="$work/heartbeat"
+monitor_socket="$work/monitor.sock"
+readonly WEDGED_S=90
 
 echo "real-kernel: scenario $scenario on $release under $("$qemu" --version | head -n1)" >&2
 echo "real-kernel: console log $log_file" >&2
@@ -183,7 +191,8 @@ started=$SECONDS
 # shellcheck disable=SC2086 # the scenario's QEMU arguments are words
 "$qemu" -M q35,kernel-irqchip=split -accel tcg,thread=multi -smp 2 -m "${memory:-3G}" \
     -cpu qemu64,+svm,+npt -device intel-iommu,intremap=on \
-    -nodefaults -no-reboot -display none -monitor none -serial "file:$log_file" \
+    -nodefaults -no-reboot -display none -serial "file:$log_file" -serial "file:$heartbeat" \
+    -monitor "unix:$monitor_socket,server=on,wait=off" \
     -kernel "$kernel_dir/vmlinuz" -initrd "$work/outer.cpio" -append "$cmdline" \
     $qemu_devices </dev/null >"$work/qemu.out" 2>&1 &
 qemu_pid=$!
@@ -191,8 +200,59 @@ qemu_pid=$!
 # Follows the console while the machine runs, so a person watching sees the scenario as it goes.
 tail -n +1 -f "$log_file" --pid="$qemu_pid" 2>/dev/null | sed -u 's/\r$//' >&2 &
 tail_pid=$!
+# monitor COMMAND...: each command's answer from QEMU's human monitor.
+monitor() {
+    python3 - "$monitor_socket" "$@" <<'PYTHON' 2>&1 || true
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(3)
+s.connect(sys.argv[1])
+def answer():
+    data = b""
+    try:
+        while not data.endswith(b"(qemu) "):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        pass
+    return data.decode(errors="replace")
+answer()
+for command in sys.argv[2:]:
+    s.sendall(command.encode() + b"\n")
+    print(answer().replace("(qemu) ", "").strip())
+PYTHON
+}
+
+# wedged: the machine stopped answering; what its vCPUs were doing, then an NMI (see the header).
+wedged() {
+    echo "real-kernel: the outer machine stopped answering (no heartbeat for ${WEDGED_S} s); its vCPUs:" >&2
+    monitor "info cpus" "cpu 0" "info registers" "cpu 1" "info registers" | grep -E 'CPU|RIP|RSP|CR0|EFER|HLT|thread' >&2
+    monitor "nmi" >/dev/null
+    for _ in $(seq 1 150); do
+        kill -0 "$qemu_pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    kill -9 "$qemu_pid" 2>/dev/null || true
+    wait "$qemu_pid" 2>/dev/null || true
+    qemu_pid=""
+    wait "$tail_pid" 2>/dev/null || true
+    echo "real-kernel: $scenario: the outer machine stopped answering; stopped" >&2
+    exit 126
+}
+
 deadline=$((SECONDS + timeout_s))
+beat_size=0
+beat_at=$SECONDS
 while kill -0 "$qemu_pid" 2>/dev/null; do
+    size="$(stat -c %s "$heartbeat" 2>/dev/null || echo 0)"
+    if ((size != beat_size)); then
+        beat_size=$size
+        beat_at=$SECONDS
+    elif ((beat_size > 0 && SECONDS - beat_at >= WEDGED_S)); then
+        wedged
+    fi
     if ((SECONDS >= deadline)); then
         kill -9 "$qemu_pid" 2>/dev/null || true
         wait "$qemu_pid" 2>/dev/null || true
