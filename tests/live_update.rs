@@ -1176,6 +1176,136 @@ fn a_network_interface_keeps_its_tap_across_updates() {
     assert_eq!(status.code(), Some(0), "{}", vm.describe());
 }
 
+/// The names of process `pid`'s threads.
+fn thread_names(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+                .map(|name| name.trim_end().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A VM started through the Firecracker front end (the binary as `firecracker`, with
+/// `--id` and `--mmds-size-limit`, configured through Firecracker's API with MMDS V2 on an
+/// interface on a tap) goes through two updates and stays a Firecracker VM: the new
+/// process answers Firecracker's API under the same instance id (GET /, GET /vm/config
+/// as before), its vCPU threads keep Firecracker's names (Kata's Firecracker driver finds
+/// them by name), and the VM's MMDS came along: its store (GET /mmds) and configuration
+/// as before, its size limit still enforced (413), and PATCH /mmds changes it there. (A
+/// guest holding a V2 token keeps using it across updates: the real-kernel tier's
+/// firecracker-mmds-update scenario; tokens also in gpuvm-mmds's persist tests.)
+#[test]
+fn a_firecracker_vm_keeps_its_api_and_mmds_across_updates() {
+    let Some(netns) =
+        gpuvm_tests::netns::Netns::create("a_firecracker_vm_keeps_its_api_and_mmds_across_updates")
+    else {
+        return;
+    };
+    let scratch = Scratch::new("live-update", "firecracker");
+    let api = scratch.path("fc.sock");
+    let kernel = gpuvm_tests::cloud_hypervisor_support::guest_image(&scratch);
+    let link = gpuvm_tests::firecracker_link(&scratch);
+    let first = SpawnedProcess::spawn(
+        Path::new("ip"),
+        &[
+            "netns",
+            "exec",
+            &netns.name,
+            link.to_str().expect("UTF-8 path"),
+            "--api-sock",
+            api.to_str().expect("UTF-8 path"),
+            "--id",
+            "fc-update",
+            "--mmds-size-limit",
+            "4096",
+        ],
+    );
+    let metadata = serde_json::json!({
+        "latest": {"meta-data": {"instance-id": "i-update", "ami-id": "ami-1"}}
+    });
+    let boot = serde_json::json!({
+        "kernel_image_path": kernel,
+        "boot_args": "memloop 32M 13 100000",
+    });
+    let mut vm = UpdatableVm::started(first, api.clone(), scratch, |api| {
+        let put = |path: &str, body: &str| api_expect(api, 204, "PUT", path, Some(body));
+        put("/boot-source", &boot.to_string());
+        put(
+            "/machine-config",
+            r#"{"vcpu_count": 2, "mem_size_mib": 256}"#,
+        );
+        put(
+            "/network-interfaces/eth0",
+            r#"{"iface_id": "eth0", "host_dev_name": "tap0"}"#,
+        );
+        put(
+            "/mmds/config",
+            r#"{"version": "V2", "network_interfaces": ["eth0"]}"#,
+        );
+        put("/mmds", &metadata.to_string());
+    });
+    vm.wait_iterations_past(1);
+    let get = |path: &str| -> serde_json::Value {
+        serde_json::from_str(&api_expect(&api, 200, "GET", path, None)).expect("JSON")
+    };
+    let info_before = get("/");
+    assert_eq!(info_before["id"], "fc-update", "{info_before}");
+    let config_before = get("/vm/config");
+    assert_eq!(config_before["mmds-config"]["version"], "V2");
+    let fc_vcpus = |pid: i32| {
+        let mut names: Vec<String> = thread_names(pid)
+            .into_iter()
+            .filter(|name| name.starts_with("fc_vcpu"))
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(fc_vcpus(vm.owner), ["fc_vcpu 0", "fc_vcpu 1"]);
+    for round in 1..=2 {
+        let seen = iterations(&vm.stdout()).len();
+        vm.update_ok(&[]);
+        vm.wait_iterations_past(seen + 1);
+        let info = get("/");
+        assert_eq!(info["id"], "fc-update", "after update {round}: {info}");
+        assert_eq!(info["state"], "Running", "after update {round}: {info}");
+        assert_eq!(get("/vm/config"), config_before, "after update {round}");
+        assert_eq!(get("/mmds"), metadata, "after update {round}");
+        assert_eq!(
+            fc_vcpus(vm.owner),
+            ["fc_vcpu 0", "fc_vcpu 1"],
+            "after update {round}: {:?}",
+            thread_names(vm.owner)
+        );
+    }
+    // The limit came along with the store.
+    let big = serde_json::json!({"blob": "x".repeat(5000)}).to_string();
+    api_expect(&api, 413, "PUT", "/mmds", Some(&big));
+    api_expect(
+        &api,
+        204,
+        "PATCH",
+        "/mmds",
+        Some(r#"{"latest": {"meta-data": {"ami-id": null, "zone": "z1"}}}"#),
+    );
+    assert_eq!(
+        get("/mmds"),
+        serde_json::json!({"latest": {"meta-data": {"instance-id": "i-update", "zone": "z1"}}})
+    );
+    // The configuration is fixed once started, as Firecracker has it, in the new process too.
+    api_expect(
+        &api,
+        400,
+        "PUT",
+        "/mmds/config",
+        Some(r#"{"version": "V1", "network_interfaces": ["eth0"]}"#),
+    );
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
 /// A VM with the memory balloon: inflated before the update, the new process knows its
 /// target and actual (GET /balloon/statistics), deflates it on PATCH /balloon, and the
 /// guest reads the pages it gets back as zero (the host had freed them, in the RAM file

@@ -308,6 +308,19 @@ fn linux_onlines_a_vcpu_hot_added_by_vm_resize_and_ejects_it() {
 }
 
 #[test]
+fn firecracker_mmds_token_survives_live_updates() {
+    scenario_passes(
+        "firecracker-mmds-update",
+        &[
+            "update 1: process",
+            "update 2: process",
+            "inner: mmdsloop ok (40 rounds with one token",
+            "MMDS V2 token and metadata across two live updates of a Firecracker VM: ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_onlines_ram_hot_added_by_vm_resize_beside_a_virtio_disk() {
     scenario_passes(
         "linux-memory-hotplug",

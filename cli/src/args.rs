@@ -307,8 +307,24 @@ pub struct ReceiveArgs {
     /// How long to wait for the running gpuvm at each step.
     #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub timeout_ms: u64,
+    /// The API the running gpuvm serves on its socket, which this one serves after it.
+    #[arg(long, value_enum, default_value_t = ServedApi::Gpuvm)]
+    pub api: ServedApi,
+    /// Firecracker's instance id (`--api firecracker`), as the running gpuvm was given it.
+    #[arg(long, default_value = crate::firecracker::DEFAULT_ID)]
+    pub instance_id: String,
     #[command(flatten)]
     pub seccomp: SeccompArgs,
+}
+
+/// Which API a live update's new process serves: the one the old process served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ServedApi {
+    /// gpuvm's own, which answers Cloud Hypervisor's routes under /api/v1/ too (gpuvm
+    /// and `cloud-hypervisor` command lines).
+    Gpuvm,
+    /// Firecracker's (the `firecracker` command line), with its instance id.
+    Firecracker,
 }
 
 /// `gpuvm ctl`: a client of a running gpuvm's API socket.

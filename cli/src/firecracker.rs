@@ -41,11 +41,18 @@ struct FcArgs {
 }
 
 const DEFAULT_API_SOCK: &str = "/run/firecracker.socket";
+pub(crate) const DEFAULT_ID: &str = "anonymous-instance";
+
+/// The instance id a `firecracker` command line gives (`--id`, else Firecracker's
+/// default): a live update's new process serves the API under it.
+pub fn instance_id(args: &[String]) -> Result<String, String> {
+    Ok(parse(args)?.map_or_else(|| DEFAULT_ID.to_string(), |parsed| parsed.id))
+}
 
 fn parse(args: &[String]) -> Result<Option<FcArgs>, String> {
     let mut parsed = FcArgs {
         api_sock: Some(PathBuf::from(DEFAULT_API_SOCK)),
-        id: "anonymous-instance".into(),
+        id: DEFAULT_ID.into(),
         config_file: None,
         log_path: None,
         level: None,

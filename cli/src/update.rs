@@ -10,6 +10,8 @@
 //! its filter a Unix socket, connect, sendmsg, recvmsg and socket timeouts, which it has
 //! for vfio-user devices already, and `getsockopt(SO_PEERCRED)` and `geteuid`.
 
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
@@ -18,14 +20,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuvm_api::server::ApiServer;
+use clap::ValueEnum;
+use gpuvm_api::server::{ApiServer, StartGate};
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::controller::ApiController;
 use gpuvm_vmm::update::receive::{self, Outcome};
 use gpuvm_vmm::update::socket::HandOverSocket;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::args::{ReceiveArgs, ReportArgs, UpdateArgs};
+use crate::args::{ReceiveArgs, ReportArgs, ServedApi, UpdateArgs};
+use crate::front_end::FrontEnd;
 use crate::CliError;
 
 /// `gpuvm update --pid P`: starts the new binary and asks the running gpuvm to hand it
@@ -50,12 +54,13 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
         None => api_socket_of(pid)?,
     };
     let binary = args.binary.clone().unwrap_or_else(|| proc_dir.join("exe"));
+    let served = served_api_of(pid)?;
     let timeout = Duration::from_millis(args.timeout_ms);
     // A fresh directory only this user can enter holds the socket: no one else can connect
     // to it, bind one of their own at its path or put anything there beforehand.
     let handover = HandOverSocket::bind(&std::env::temp_dir())
         .map_err(|e| CliError::Other(format!("cannot make the hand-over socket: {e}")))?;
-    let mut child = spawn_receiver(&binary, &handover, pid, &api_sock, args.timeout_ms)?;
+    let mut child = spawn_receiver(&binary, &handover, pid, &api_sock, args.timeout_ms, &served)?;
     // The new gpuvm listens on the socket itself, so that the old one, once connected,
     // sees who will run its VM (SO_PEERCRED). Until then nobody can connect, so the old
     // one is asked only once it does.
@@ -204,7 +209,16 @@ fn spawn_receiver(
     old_pid: i32,
     api_sock: &Path,
     timeout_ms: u64,
+    served: &(ServedApi, String),
 ) -> Result<std::process::Child, CliError> {
+    // In the old process's working directory: Firecracker's API resolves relative paths
+    // against it, and so does anything else relative the new process is given later.
+    let cwd = std::fs::read_link(format!("/proc/{old_pid}/cwd")).map_err(|e| {
+        CliError::Other(format!(
+            "cannot read process {old_pid}'s working directory: {e}"
+        ))
+    })?;
+    let (api, instance_id) = served;
     let fd = handover.fd().as_raw_fd();
     // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below. This
     // process starts no other child meanwhile (it has one thread).
@@ -224,6 +238,15 @@ fn spawn_receiver(
         .arg(api_sock)
         .arg("--timeout-ms")
         .arg(timeout_ms.to_string())
+        .arg("--api")
+        .arg(
+            api.to_possible_value()
+                .expect("no skipped variants")
+                .get_name(),
+        )
+        .arg("--instance-id")
+        .arg(instance_id)
+        .current_dir(cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .process_group(0)
@@ -232,6 +255,50 @@ fn spawn_receiver(
     // SAFETY: as above; back to close-on-exec, so no later child inherits it.
     unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
     spawned
+}
+
+/// The API gpuvm process `pid` serves on its socket and, for Firecracker's, its instance
+/// id, from its command line: a front end's (`firecracker --id X ...`, `cloud-hypervisor
+/// ...`, `gpuvm run ...`) or, once it took a VM over itself, `gpuvm update-receive --api A
+/// --instance-id X`, which says them as this function passed them on.
+fn served_api_of(pid: i32) -> Result<(ServedApi, String), CliError> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map_err(|e| CliError::Other(format!("cannot read process {pid}'s command line: {e}")))?;
+    let raw = raw.strip_suffix(&[0]).unwrap_or(&raw);
+    let argv: Vec<OsString> = raw
+        .split(|byte| *byte == 0)
+        .map(|arg| OsString::from_vec(arg.to_vec()))
+        .collect();
+    served_api(&argv).map_err(|e| CliError::Other(format!("process {pid}'s command line: {e}")))
+}
+
+/// [`served_api_of`] for the command line `argv`.
+fn served_api(argv: &[OsString]) -> Result<(ServedApi, String), String> {
+    let default_id = || crate::firecracker::DEFAULT_ID.to_string();
+    if argv.get(1).is_some_and(|arg| arg == "update-receive") {
+        let value = |flag: &str| {
+            let at = argv.iter().position(|arg| arg == flag)?;
+            argv.get(at + 1)?.to_str().map(str::to_string)
+        };
+        let api = match value("--api").as_deref() {
+            None | Some("gpuvm") => ServedApi::Gpuvm,
+            Some("firecracker") => ServedApi::Firecracker,
+            Some(other) => return Err(format!("an API this gpuvm does not serve ({other})")),
+        };
+        return Ok((api, value("--instance-id").unwrap_or_else(default_id)));
+    }
+    match crate::front_end::select(argv).map_err(|e| e.to_string())? {
+        FrontEnd::Firecracker => {
+            let args = crate::front_end::utf8_args(argv, FrontEnd::Firecracker)?;
+            Ok((
+                ServedApi::Firecracker,
+                crate::firecracker::instance_id(&args)?,
+            ))
+        }
+        FrontEnd::Gpuvm | FrontEnd::CloudHypervisor | FrontEnd::Jailer => {
+            Ok((ServedApi::Gpuvm, default_id()))
+        }
+    }
 }
 
 /// The API socket of gpuvm process `pid`: the one listening Unix socket with a path among
@@ -290,6 +357,10 @@ fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
 /// `gpuvm update-receive`: takes the VM from the old gpuvm, runs it once the old one has
 /// committed, and serves the API socket at its path once the old one has gone.
 pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, CliError> {
+    if args.api == ServedApi::Firecracker {
+        // Kata's Firecracker driver finds the vCPU threads by Firecracker's names.
+        gpuvm_vmm::vcpu::name_threads_as_firecracker();
+    }
     args.seccomp.enable()?;
     let timeout = Duration::from_millis(args.timeout_ms);
     let listener = inherited_listener(args.handover_fd)?;
@@ -313,8 +384,10 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     let mut controller =
         ApiController::new(requests_rx, wake, config, Box::new(crate::run::serial_out));
     controller.set_request_sender(requests_tx);
-    // The client's record came with the devices' state: its ids still name them.
+    // The client's record came with the devices' state: its ids still name them. The MMDS
+    // came with it too, and the interfaces built here answer from it.
     controller.adopt_record(&machine);
+    controller.adopt_mmds(incoming.mmds());
     machine.set_run_control(controller.into_run_control());
     let outcome = incoming.ready(timeout).map_err(refused)?;
     // The VM was built while the guest ran (the stages before `wait_for_state`); only
@@ -344,6 +417,10 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     );
     // The old process removes the API socket's file as it exits: bind it after that.
     let api_sock = args.api_sock.clone();
+    // Made here, outside the API thread's filter: the session takes the working directory
+    // (the old process's, which this one was started in).
+    let firecracker = (args.api == ServedApi::Firecracker)
+        .then(|| gpuvm_api::firecracker::Session::new(args.instance_id.clone()));
     let api = std::thread::Builder::new()
         .name("api-takeover".into())
         .spawn(move || {
@@ -356,7 +433,13 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
                     "the old gpuvm has not exited {API_TAKEOVER_WAIT:?} after the hand-over"
                 );
             }
-            ApiServer::start(&api_sock, vmm).map_err(|e| e.to_string())
+            match firecracker {
+                None => ApiServer::start(&api_sock, vmm),
+                Some(session) => {
+                    ApiServer::start_firecracker(&api_sock, vmm, session, StartGate::default())
+                }
+            }
+            .map_err(|e| e.to_string())
         })
         .map_err(|e| CliError::Other(format!("cannot start the API thread: {e}")))?;
     let report = ReportArgs {
@@ -404,4 +487,59 @@ fn inherited_listener(fd: i32) -> Result<UnixListener, CliError> {
     // SAFETY: as above: the OwnedFd takes ownership of `fd`.
     let socket = unsafe { OwnedFd::from_raw_fd(fd) };
     gpuvm_vmm::update::socket::listen(socket).map_err(refused)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served(argv: &[&str]) -> Result<(ServedApi, String), String> {
+        served_api(&argv.iter().map(OsString::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn the_new_process_serves_the_api_the_old_command_line_chose() {
+        let gpuvm = (ServedApi::Gpuvm, "anonymous-instance".to_string());
+        assert_eq!(
+            served(&["/usr/bin/gpuvm", "run", "--api-sock", "/a"]),
+            Ok(gpuvm.clone())
+        );
+        assert_eq!(
+            served(&["cloud-hypervisor", "--api-socket", "/a"]),
+            Ok(gpuvm.clone())
+        );
+        assert_eq!(
+            served(&["/opt/gpuvm", "--api-socket", "path=/a"]),
+            Ok(gpuvm.clone())
+        );
+        let fc = |id: &str| Ok((ServedApi::Firecracker, id.to_string()));
+        assert_eq!(
+            served(&["/x/firecracker", "--api-sock", "/a", "--id", "vm7"]),
+            fc("vm7")
+        );
+        assert_eq!(
+            served(&["gpuvm", "--api-sock", "/a"]),
+            fc("anonymous-instance")
+        );
+        assert_eq!(served(&["gpuvm", "--fc-compat", "--id", "k"]), fc("k"));
+        // A process that took a VM over says what it serves on its own command line.
+        let receiver = |api: &str| {
+            served(&[
+                "gpuvm",
+                "update-receive",
+                "--handover-fd",
+                "3",
+                "--old-pid",
+                "9",
+                "--api",
+                api,
+                "--instance-id",
+                "vm7",
+            ])
+        };
+        assert_eq!(receiver("firecracker"), fc("vm7"));
+        assert_eq!(receiver("gpuvm"), Ok((ServedApi::Gpuvm, "vm7".to_string())));
+        assert!(receiver("qemu").unwrap_err().contains("qemu"));
+        assert!(served(&["gpuvm", "--api-sock", "/a", "--api-socket", "/b"]).is_err());
+    }
 }

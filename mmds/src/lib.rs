@@ -6,6 +6,7 @@
 //! - [`http`]: the guest's HTTP/1.1 requests, parsed with bounds, and the answers.
 //! - [`ip`]: Ethernet, ARP and IPv4: which guest frames are for MMDS, ARP replies.
 //! - [`tcp`]: the minimal TCP responder on port 80, bounded connections.
+//! - [`persist`]: what a live update carries of it.
 //!
 //! The store, the tokens and the configuration are one VM's [`Mmds`], which its VMM's
 //! controller owns (as `Arc<Mmds>`): the API's routes change it through the controller,
@@ -19,6 +20,7 @@
 pub mod data_store;
 pub mod http;
 pub mod ip;
+pub mod persist;
 pub mod tcp;
 pub mod token;
 
@@ -27,6 +29,7 @@ use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use data_store::{DataStore, DataStoreError, DEFAULT_SIZE_LIMIT};
+pub use persist::{MmdsState, MmdsStateError};
 pub use token::TokenAuthority;
 
 /// The default MMDS address.

@@ -82,6 +82,25 @@ impl TokenAuthority {
                 .any(|(t, until)| t == token && *until > now)
     }
 
+    /// The live tokens and the time each has left.
+    pub fn live(&self) -> impl Iterator<Item = (&str, Duration)> + '_ {
+        let now = Instant::now();
+        self.tokens
+            .iter()
+            .filter(move |(_, until)| *until > now)
+            .map(move |(token, until)| (token.as_str(), *until - now))
+    }
+
+    /// Takes a token given out elsewhere (by the process a live update took the VM from)
+    /// with `remaining` of its life left.
+    pub fn adopt(&mut self, token: String, remaining: Duration) {
+        self.expire(Instant::now());
+        while self.tokens.len() >= MAX_TOKENS {
+            self.tokens.pop_front();
+        }
+        self.tokens.push_back((token, Instant::now() + remaining));
+    }
+
     /// Test hook: the token expires now.
     #[cfg(test)]
     fn expire_all(&mut self) {

@@ -118,6 +118,21 @@ wait_gpuvm() {
     return "$status"
 }
 
+# running PID: whether process PID runs (a zombie has ended: a first gpuvm is the scenario's child, the
+# processes a live update started are init's).
+running() {
+    [ -r "/proc/$1/stat" ] && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]
+}
+
+# wait_ended PID SECONDS: waits until process PID has ended; fails if it still runs after SECONDS.
+wait_ended() {
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
+    while running "$1" && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
+        sleep 0.2
+    done
+    ! running "$1"
+}
+
 # abort_gpuvm NAME MESSAGE: ends a gpuvm started by start_gpuvm, shows its log and status, and fails.
 abort_gpuvm() {
     pid="$(cat "/tmp/$1.pid")"

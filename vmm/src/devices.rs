@@ -134,6 +134,11 @@ pub struct DeviceStates {
     /// by the live update only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handed_over_kernel_vfio: Option<crate::update::handed_over::HandedOverKernelContext>,
+    /// A live update's MMDS (Firecracker's metadata service): its configuration, data
+    /// store and live tokens, which the new process's interfaces and API serve. Filled by
+    /// the live update only, and only where the VM's MMDS is not as a new VM's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handed_over_mmds: Option<gpuvm_mmds::MmdsState>,
     /// The client's record of the VM's configuration ([`MachineDevices::client_record`]):
     /// a restore gives it back to the API, so the client finds its devices under its ids.
     /// Absent when no client recorded one, and in state files written before it was kept.
@@ -214,6 +219,7 @@ impl Persist for MachineDevices {
             handed_over_vfio_user: Vec::new(),
             handed_over_peer_mappings: Vec::new(),
             handed_over_kernel_vfio: None,
+            handed_over_mmds: None,
             client_record: self.client_record.clone(),
         };
         // The host-mirroring layout's ports, with their slots out of the root's.

@@ -306,6 +306,13 @@ pub fn handle(request: &Request, session: &Session, dispatch: Dispatch) -> Respo
                 dispatch,
             ))
         }
+        (Put, "/vmm/update") => {
+            // gpuvm's live update, no Firecracker route: its answer says which process
+            // runs the VM now, which `gpuvm update` checks, so it goes out as gpuvm's.
+            let action = gpuvm_action(request)?;
+            let answer = json_of(action, dispatch)?;
+            Ok(Response::json(200, &answer))
+        }
         _ => {
             if let Some(why) = translate::unsupported(path) {
                 return Err(fault(

@@ -22,12 +22,6 @@ loop_count() {
     echo "${count:-0}"
 }
 
-# Whether process $1 runs (a zombie has ended: the first gpuvm is this shell's child, the later ones
-# init's).
-running() {
-    [ -r "/proc/$1/stat" ] && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]
-}
-
 # rounds_past COUNT SECONDS: whether the guest reports more than COUNT rounds within SECONDS.
 rounds_past() {
     deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
@@ -86,11 +80,7 @@ for n in 1 2; do
     echo "$new" >/tmp/edu.pid
 
     # The old process ends (the first one with status 0: it handed its VM over), the new one runs.
-    deadline=$(($(cut -d. -f1 /proc/uptime) + 30))
-    while running "$old" && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
-        sleep 0.2
-    done
-    running "$old" && abort_gpuvm edu "the old gpuvm $old still runs 30 s after update $n"
+    wait_ended "$old" 30 || abort_gpuvm edu "the old gpuvm $old still runs 30 s after update $n"
     if [ "$old" = "$first" ]; then
         status=0
         wait "$old" || status=$?

@@ -674,6 +674,12 @@ impl ApiController {
         }
     }
 
+    /// Serves `mmds` as the VM's MMDS: the one a live update handed over, which the VM's
+    /// interfaces answer from already.
+    pub fn adopt_mmds(&mut self, mmds: Arc<gpuvm_mmds::Mmds>) {
+        self.mmds = mmds;
+    }
+
     /// The part that serves a running machine.
     pub fn into_run_control(self) -> Box<dyn RunControl> {
         // Requests queued behind the one that started or resumed the machine had their

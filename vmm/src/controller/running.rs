@@ -544,7 +544,7 @@ impl RunningApi {
                 .map_err(|e| ActionError::bad_request(format!("cannot resume: {e}"))),
             VmmAction::CreateSnapshot(body) => snapshot(running, body),
             VmmAction::LiveUpdate(body) => {
-                return match live_update(running, &body) {
+                return match live_update(running, &body, &self.mmds) {
                     Ok(answer) => (Ok(answer), Some(GuestEnd::HandedOver)),
                     Err(error) => (Err(error), None),
                 }
@@ -562,6 +562,7 @@ impl RunningApi {
 fn live_update(
     running: &mut RunningMachine<'_>,
     body: &crate::action::LiveUpdateBody,
+    mmds: &gpuvm_mmds::Mmds,
 ) -> ActionResult {
     absolute_path(&body.handover_socket, "handover_socket")?;
     if body.timeout_ms == Some(0) {
@@ -570,7 +571,8 @@ fn live_update(
     let timeout = body
         .timeout_ms
         .map_or(crate::update::DEFAULT_TIMEOUT, Duration::from_millis);
-    match crate::update::hand_over(running, &body.handover_socket, timeout, body.receiver_pid) {
+    let socket = &body.handover_socket;
+    match crate::update::hand_over(running, socket, timeout, body.receiver_pid, mmds) {
         Ok(report) => {
             log::info!(
                 "live update: the VM is handed to pid {:?} ({} bytes of state, {:?} from the \

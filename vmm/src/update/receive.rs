@@ -55,6 +55,10 @@ pub struct Incoming {
     prepared: Option<PreparedMachine>,
     /// When the old process paused the vCPUs (CLOCK_MONOTONIC ns), once it has.
     paused_at_ns: Option<u64>,
+    /// The VM's MMDS: given to the interfaces built here, taken from the state (the
+    /// offer's, then the paused one's), served by this process's API
+    /// ([`Incoming::mmds`]).
+    mmds: Arc<gpuvm_mmds::Mmds>,
 }
 
 /// How the hand-over ended for the new process.
@@ -178,6 +182,7 @@ pub fn accept(
         state,
         prepared: None,
         paused_at_ns: None,
+        mmds: Arc::default(),
     })
 }
 
@@ -267,6 +272,23 @@ fn decode_state(framed: &[u8]) -> Result<MachineState, UpdateError> {
 }
 
 impl Incoming {
+    /// The VM's MMDS as the old process handed it over: the API of the process that runs
+    /// the VM must serve this one (its interfaces answer from it).
+    pub fn mmds(&self) -> Arc<gpuvm_mmds::Mmds> {
+        self.mmds.clone()
+    }
+
+    /// Takes the MMDS from `state`, if it brings one.
+    fn take_mmds(&self, state: &MachineState) -> Result<(), UpdateError> {
+        match &state.devices.handed_over_mmds {
+            Some(saved) => self
+                .mmds
+                .restore(saved)
+                .map_err(|e| self.refuse(UpdateError::Load(e.to_string()))),
+            None => Ok(()),
+        }
+    }
+
     /// Makes the old process's stdin, stdout (the serial console) and stderr this
     /// process's, so the console and the log go on where they went.
     pub fn adopt_stdio(&self) -> Result<(), UpdateError> {
@@ -351,9 +373,11 @@ impl Incoming {
             .ram
             .take()
             .ok_or_else(|| UpdateError::Protocol("the RAM descriptor was used already".into()))?;
+        self.take_mmds(&self.state)?;
         // Each drive takes its handed-over image (and lock) instead of opening its path,
-        // each interface its tap queues instead of opening the tap.
-        let resources = crate::virtio::DeviceResources::default();
+        // each interface its tap queues instead of opening the tap; the interfaces get
+        // the VM's MMDS.
+        let resources = crate::virtio::DeviceResources::default().with_mmds(&self.mmds);
         for (drive_id, image) in self.images.drain(..) {
             resources.insert_image(&drive_id, image);
         }
@@ -395,6 +419,7 @@ impl Incoming {
                 "the VM's configuration or devices changed while this process built it".into(),
             )));
         }
+        self.take_mmds(&state)?;
         let prepared = self
             .prepared
             .take()

@@ -53,6 +53,7 @@ pub fn hand_over(
     socket: &Path,
     timeout: Duration,
     receiver_pid: Option<u32>,
+    mmds: &gpuvm_mmds::Mmds,
 ) -> Result<HandOverReport, UpdateError> {
     check_supported(running)?;
     socket::check_path(socket)?;
@@ -72,7 +73,7 @@ pub fn hand_over(
         .set_write_timeout(Some(timeout))
         .map_err(set_timeout)?;
     // The new process builds its VM while the guest runs here; only then is it paused.
-    if let Err(error) = offer(running, &stream) {
+    if let Err(error) = offer(running, &stream, mmds) {
         let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
         let error = explain_timeout(error, timeout);
         log::error!("live update refused before the pause; the VM runs on: {error}");
@@ -86,7 +87,7 @@ pub fn hand_over(
     }
     running.pause_devices();
     let paused_at = Instant::now();
-    match hand_paused_and_commit(running, &stream, receiver) {
+    match hand_paused_and_commit(running, &stream, receiver, mmds) {
         Ok(state_bytes) => Ok(HandOverReport {
             new_pid: Some(receiver.pid),
             paused_to_ready: paused_at.elapsed(),
@@ -124,7 +125,11 @@ fn explain_timeout(error: UpdateError, timeout: Duration) -> UpdateError {
 
 /// Sends the offer (RAM, stdio and disk image descriptors) and the running machine's
 /// configuration and device state, and waits until the new process has built its VM.
-fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), UpdateError> {
+fn offer(
+    running: &mut RunningMachine<'_>,
+    stream: &UnixStream,
+    mmds: &gpuvm_mmds::Mmds,
+) -> Result<(), UpdateError> {
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
     let (drives, images) = drive_images(running)?;
     let (interfaces, taps) = interface_taps(running)?;
@@ -149,7 +154,10 @@ fn offer(running: &mut RunningMachine<'_>, stream: &UnixStream) -> Result<(), Up
             )),
         ));
     }
-    let framed = frame_state(&save_configuration(running)?)?;
+    let mut configuration = save_configuration(running)?;
+    // The interfaces the new process builds answer MMDS from the start.
+    configuration.devices.handed_over_mmds = mmds.save();
+    let framed = frame_state(&configuration)?;
     let ram = running.machine().ram();
     let meta = OfferMeta {
         ram_size: ram.size(),
@@ -299,9 +307,13 @@ fn hand_paused_and_commit(
     running: &RunningMachine<'_>,
     stream: &UnixStream,
     receiver: socket::PeerCredentials,
+    mmds: &gpuvm_mmds::Mmds,
 ) -> Result<usize, UpdateError> {
     let paused_at_ns = protocol::monotonic_ns();
-    let framed = frame_state(&save_state(running, true)?)?;
+    let mut state = save_state(running, true)?;
+    // As the API last changed it, with the tokens the guest took since the offer.
+    state.devices.handed_over_mmds = mmds.save();
+    let framed = frame_state(&state)?;
     protocol::send(
         stream,
         MessageKind::PausedState,
@@ -337,9 +349,8 @@ fn hand_paused_and_commit(
     Ok(framed.len())
 }
 
-/// Refuses network interfaces the hand-over cannot carry: one that answers MMDS (the
-/// metadata store and its tokens are not handed over yet), and more tap queues than an
-/// offer brings.
+/// Refuses network interfaces the hand-over cannot carry: more tap queues than an offer
+/// brings. (An interface that answers MMDS goes over with the VM's MMDS.)
 fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     let mut queues = 0;
     for handle in &running.machine().devices().virtio {
@@ -347,13 +358,6 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
             continue;
         };
         queues += usize::from(config.num_queue_pairs);
-        let serves_mmds = handle.with_device(|net: &mut gpuvm_virtio::net::Net| net.serves_mmds());
-        if serves_mmds == Some(true) {
-            return Err(UpdateError::unsupported(
-                format!("a VM whose interface {} answers MMDS", config.iface_id),
-                Some("the metadata store is not handed over yet"),
-            ));
-        }
     }
     if queues > protocol::MAX_TAP_QUEUES {
         return Err(UpdateError::unsupported(

@@ -187,14 +187,6 @@ impl Net {
         })
     }
 
-    /// Whether this interface answers the VM's MMDS (configured for it).
-    pub fn serves_mmds(&self) -> bool {
-        self.mmds
-            .as_ref()
-            .and_then(|mmds| mmds.config())
-            .is_some_and(|config| config.network_interfaces.contains(&self.config.iface_id))
-    }
-
     /// A device over the tap `host_dev_name` names (created if missing and allowed).
     pub fn open(config: NetConfig) -> Result<Net, NetError> {
         config.validate()?;
