@@ -51,10 +51,17 @@ pub fn request(
     path: &str,
     body: Option<&str>,
 ) -> Result<ClientResponse, ClientError> {
-    let mut stream = UnixStream::connect(socket).map_err(|source| ClientError::Connect {
-        path: socket.to_path_buf(),
-        source,
-    })?;
+    let mut stream = loop {
+        match UnixStream::connect(socket) {
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            connected => {
+                break connected.map_err(|source| ClientError::Connect {
+                    path: socket.to_path_buf(),
+                    source,
+                })?
+            }
+        }
+    };
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
     let body = body.unwrap_or("");
@@ -84,7 +91,12 @@ fn read_answer(stream: &mut impl Read) -> std::io::Result<Vec<u8>> {
     let mut answer = Vec::new();
     let mut chunk = [0u8; 8192];
     loop {
-        let read = stream.read(&mut chunk)?;
+        // A read on a socket with a timeout is not restarted after a signal, nor after the
+        // process was stopped and continued (socket(7)): it fails with EINTR (seen in CI).
+        let read = match stream.read(&mut chunk) {
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            read => read?,
+        };
         if read == 0 {
             return Ok(answer);
         }
@@ -156,6 +168,34 @@ mod tests {
         );
         assert!(parse_response(b"garbage").is_none());
         assert!(parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nab").is_none());
+    }
+
+    /// A read interrupted (EINTR: a socket with a timeout after a stop and continue) is
+    /// read again, not an error.
+    #[test]
+    fn an_interrupted_read_is_read_again() {
+        struct Interrupting {
+            interrupted: bool,
+            answer: &'static [u8],
+        }
+        impl Read for Interrupting {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                if !self.interrupted {
+                    self.interrupted = true;
+                    return Err(std::io::ErrorKind::Interrupted.into());
+                }
+                let n = self.answer.len().min(buf.len());
+                buf[..n].copy_from_slice(&self.answer[..n]);
+                self.answer = &self.answer[n..];
+                Ok(n)
+            }
+        }
+        let mut stream = Interrupting {
+            interrupted: false,
+            answer: b"HTTP/1.1 204 No Content\r\n\r\n",
+        };
+        let answer = read_answer(&mut stream).unwrap();
+        assert_eq!(parse_response(&answer).unwrap().status, 204);
     }
 
     /// A server that answers and keeps the connection open (Cloud Hypervisor's ignores
