@@ -133,6 +133,34 @@ wait_ended() {
     ! running "$1"
 }
 
+# start_fc_mmds_vm CHECKS [ARG...]: gpuvm as `firecracker --api-sock /tmp/fc.sock ARG...` (the gpuvm
+# named `fc`: output in /tmp/fc.log), configured the way Firecracker's clients do it: a Linux guest that runs
+# inner.checks=CHECKS and reboots (which ends a Firecracker VMM), MMDS V2 on eth0 (over tap0) holding
+# instance-id i-gpuvm-42 and ami-id ami-real-kernel; then started.
+start_fc_mmds_vm() {
+    checks="$1"
+    shift
+    ln -sf /bin/gpuvm /tmp/firecracker
+    echo "+ firecracker --api-sock /tmp/fc.sock $* &"
+    /tmp/firecracker --api-sock /tmp/fc.sock "$@" >/tmp/fc.log 2>&1 &
+    echo $! >/tmp/fc.pid
+    wait_for /tmp/fc.sock 30
+    fc PUT /boot-source '{"kernel_image_path": "/images/vmlinuz", "initrd_path": "/images/initramfs.cpio",
+        "boot_args": "console=ttyS0 quiet panic=-1 inner.checks='"$checks"' inner.mmds=169.254.169.254 inner.end=reboot"}'
+    fc PUT /machine-config '{"vcpu_count": 1, "mem_size_mib": 256}'
+    fc PUT /network-interfaces/eth0 '{"iface_id": "eth0", "host_dev_name": "tap0"}'
+    fc PUT /mmds/config '{"version": "V2", "network_interfaces": ["eth0"]}'
+    fc PUT /mmds '{"latest": {"meta-data": {"instance-id": "i-gpuvm-42", "ami-id": "ami-real-kernel"}}}'
+    fc PUT /actions '{"action_type": "InstanceStart"}'
+}
+
+# fc METHOD PATH [BODY]: one request to the `fc` gpuvm's API (its answer in /tmp/fc-call.out); a failure
+# aborts it.
+fc() {
+    gpuvm ctl --api-sock /tmp/fc.sock raw "$@" >/tmp/fc-call.out 2>&1 ||
+        abort_gpuvm fc "$1 $2 failed: $(cat /tmp/fc-call.out)"
+}
+
 # abort_gpuvm NAME MESSAGE: ends a gpuvm started by start_gpuvm, shows its log and status, and fails.
 abort_gpuvm() {
     pid="$(cat "/tmp/$1.pid")"

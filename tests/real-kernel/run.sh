@@ -234,12 +234,17 @@ wedged() {
         kill -0 "$qemu_pid" 2>/dev/null || break
         sleep 0.2
     done
+    stop_machine
+    echo "real-kernel: $scenario: the outer machine stopped answering; stopped" >&2
+    exit 126
+}
+
+# stop_machine: ends QEMU (if it still runs) and the console's follower.
+stop_machine() {
     kill -9 "$qemu_pid" 2>/dev/null || true
     wait "$qemu_pid" 2>/dev/null || true
     qemu_pid=""
     wait "$tail_pid" 2>/dev/null || true
-    echo "real-kernel: $scenario: the outer machine stopped answering; stopped" >&2
-    exit 126
 }
 
 deadline=$((SECONDS + timeout_s))
@@ -254,10 +259,7 @@ while kill -0 "$qemu_pid" 2>/dev/null; do
         wedged
     fi
     if ((SECONDS >= deadline)); then
-        kill -9 "$qemu_pid" 2>/dev/null || true
-        wait "$qemu_pid" 2>/dev/null || true
-        qemu_pid=""
-        wait "$tail_pid" 2>/dev/null || true
+        stop_machine
         echo "real-kernel: $scenario ran past ${timeout_s}s; stopped" >&2
         exit 124
     fi

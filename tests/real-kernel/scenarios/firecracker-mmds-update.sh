@@ -1,22 +1,7 @@
 # about: live update of a Firecracker VM with MMDS: gpuvm as `firecracker` runs a Linux guest that took one MMDS V2 token and reads its metadata with it every half second while `gpuvm update` hands the VM to a new process, twice; the token, the metadata and Firecracker's API go along
 . /lib/real-kernel.sh
-ln -sf /bin/gpuvm /tmp/firecracker
-echo "+ firecracker --api-sock /tmp/fc.sock --id fc-live &"
-/tmp/firecracker --api-sock /tmp/fc.sock --id fc-live >/tmp/fc.log 2>&1 &
-echo $! >/tmp/fc.pid
+start_fc_mmds_vm mmdsloop --id fc-live
 first="$(cat /tmp/fc.pid)"
-wait_for /tmp/fc.sock 30
-fc() {
-    gpuvm ctl --api-sock /tmp/fc.sock raw "$@" >/tmp/fc-call.out 2>&1 ||
-        abort_gpuvm fc "$1 $2 failed: $(cat /tmp/fc-call.out)"
-}
-fc PUT /boot-source '{"kernel_image_path": "/images/vmlinuz", "initrd_path": "/images/initramfs.cpio",
-    "boot_args": "console=ttyS0 quiet panic=-1 inner.checks=mmdsloop inner.mmds=169.254.169.254 inner.rounds=40 inner.end=reboot"}'
-fc PUT /machine-config '{"vcpu_count": 1, "mem_size_mib": 256}'
-fc PUT /network-interfaces/eth0 '{"iface_id": "eth0", "host_dev_name": "tap0"}'
-fc PUT /mmds/config '{"version": "V2", "network_interfaces": ["eth0"]}'
-fc PUT /mmds '{"latest": {"meta-data": {"instance-id": "i-gpuvm-42"}}}'
-fc PUT /actions '{"action_type": "InstanceStart"}'
 
 # The guest's latest round read with its one token (0 before the first).
 round_count() {
