@@ -17,6 +17,10 @@ static MACHINE: Mutex<()> = Mutex::new(());
 const SKIPPED: i32 = 77;
 /// run.sh's status for an outer machine that stopped answering.
 const WEDGED: i32 = 126;
+/// How many more runs a scenario gets after faults of the emulation's own (see
+/// [`scenario_passes`]): CI saw linux-pciehp's inner Linux triple-fault in two runs in a
+/// row, 8 and 11 s into its boot, and pass alone at once after.
+const RUNS_AFTER_EMULATION_FAULTS: usize = 2;
 
 struct Outcome {
     status: Option<i32>,
@@ -91,8 +95,8 @@ fn run_scenario(scenario: &str) -> Option<Outcome> {
 /// own shows where it sits. So is a run whose outer machine stopped answering (run.sh's status
 /// 126: its heartbeat stopped with both vCPUs stuck, about once in 20 runs with nested KVM
 /// under TCG, where the scenario's own limits never fire; run.sh prints the vCPUs' registers
-/// and the outer kernel's stack that an NMI got). The first console is printed, so
-/// a fault of gpuvm's own stays visible, and a second failure fails the test.
+/// and the outer kernel's stack that an NMI got). Each such console is printed, so a fault of
+/// gpuvm's own stays visible, and any other failure, or a third fault, fails the test.
 fn scenario_passes(scenario: &str, expected: &[&str]) {
     let Some(mut outcome) = run_scenario(scenario) else {
         return;
@@ -104,9 +108,15 @@ fn scenario_passes(scenario: &str, expected: &[&str]) {
     let triple_faulted = |o: &Outcome| o.console.contains("the guest triple-faulted");
     let silent = |o: &Outcome| o.console.contains("(inner guest silent)");
     let wedged = |o: &Outcome| o.status == Some(WEDGED);
-    if outcome.status != Some(0)
-        && (panicked(&outcome) || triple_faulted(&outcome) || silent(&outcome) || wedged(&outcome))
-    {
+    for _ in 0..RUNS_AFTER_EMULATION_FAULTS {
+        if outcome.status == Some(0)
+            || !(panicked(&outcome)
+                || triple_faulted(&outcome)
+                || silent(&outcome)
+                || wedged(&outcome))
+        {
+            break;
+        }
         eprintln!(
             "real-kernel scenario {scenario}: the outer kernel panicked or stopped answering, or \
              the inner Linux triple-faulted or never reached its console; once more\n{}",

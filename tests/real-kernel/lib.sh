@@ -199,6 +199,9 @@ wait_log() {
     until grep -qF -- "$2" "/tmp/$1.log"; do
         n=$((n + 1))
         [ "$n" -gt $(($3 * 10)) ] && abort_gpuvm "$1" "no '$2' after $3 s"
+        # A gpuvm that has ended prints nothing more: no use waiting out the limit.
+        running "$(cat "/tmp/$1.pid")" || grep -qF -- "$2" "/tmp/$1.log" ||
+            abort_gpuvm "$1" "no '$2': gpuvm $1 ended"
         sleep 0.1
     done
 }
