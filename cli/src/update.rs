@@ -280,10 +280,11 @@ fn served_api(argv: &[OsString]) -> Result<(ServedApi, String), String> {
             let at = argv.iter().position(|arg| arg == flag)?;
             argv.get(at + 1)?.to_str().map(str::to_string)
         };
-        let api = match value("--api").as_deref() {
-            None | Some("gpuvm") => ServedApi::Gpuvm,
-            Some("firecracker") => ServedApi::Firecracker,
-            Some(other) => return Err(format!("an API this gpuvm does not serve ({other})")),
+        // Its own parser's names for the APIs (clap's, as `update-receive` read them).
+        let api = match value("--api") {
+            None => ServedApi::Gpuvm,
+            Some(name) => ServedApi::from_str(&name, false)
+                .map_err(|_| format!("an API this gpuvm does not serve ({name})"))?,
         };
         return Ok((api, value("--instance-id").unwrap_or_else(default_id)));
     }

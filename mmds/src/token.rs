@@ -56,16 +56,19 @@ impl TokenAuthority {
         if !(MIN_TTL_SECONDS..=MAX_TTL_SECONDS).contains(&ttl_seconds) {
             return Err(TokenError::Ttl(ttl_seconds));
         }
+        let token = random_hex()?;
+        self.insert(token.clone(), Duration::from_secs(ttl_seconds));
+        Ok(token)
+    }
+
+    /// Keeps `token` for `remaining`, after the expired ones and, past [`MAX_TOKENS`], the
+    /// oldest are dropped.
+    fn insert(&mut self, token: String, remaining: Duration) {
         self.expire(Instant::now());
         while self.tokens.len() >= MAX_TOKENS {
             self.tokens.pop_front();
         }
-        let token = random_hex()?;
-        self.tokens.push_back((
-            token.clone(),
-            Instant::now() + Duration::from_secs(ttl_seconds),
-        ));
-        Ok(token)
+        self.tokens.push_back((token, Instant::now() + remaining));
     }
 
     fn expire(&mut self, now: Instant) {
@@ -94,11 +97,7 @@ impl TokenAuthority {
     /// Takes a token given out elsewhere (by the process a live update took the VM from)
     /// with `remaining` of its life left.
     pub fn adopt(&mut self, token: String, remaining: Duration) {
-        self.expire(Instant::now());
-        while self.tokens.len() >= MAX_TOKENS {
-            self.tokens.pop_front();
-        }
-        self.tokens.push_back((token, Instant::now() + remaining));
+        self.insert(token, remaining);
     }
 
     /// Test hook: the token expires now.
