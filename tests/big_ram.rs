@@ -9,6 +9,10 @@
 //! shadow paging) registering the memory slot costs KVM about 0.2% of it in reverse maps
 //! and time to match, so the default stays below what the slowest host takes quickly.
 //!
+//! The many-slots test cuts a small guest's RAM into many KVM memory slots (as gpuvm cuts a
+//! region past KVM's 8 TiB per slot) and checks the guest's memory through a diff snapshot
+//! chain and a lazy restore.
+//!
 //! The BAR test starts one emulated GPU with an H200-like 256 GiB BAR1 and checks, in
 //! gpuvm's debug log and in /proc/PID/maps, that the BAR's host mapping is 1 GiB aligned.
 
@@ -19,8 +23,8 @@ use std::time::{Duration, Instant};
 use gpuvm_arch::x86_64::layout::{ram_reaches_ht_hole, AMD_HT_HOLE_END, AMD_HT_HOLE_START};
 use gpuvm_tests::host_is_amd;
 use gpuvm_tests::snapshot_support::{
-    arg, assert_restored_memloop_completes, field, has, memory_files, memory_header, only_report,
-    restore, signal_snapshot,
+    arg, assert_restored_memloop_completes, field, has, iterations, memory_files, memory_header,
+    only_report, restore, signal_snapshot,
 };
 use gpuvm_tests::{guest_ram_ranges_on, run_gpuvm, Scratch, SpawnedProcess};
 
@@ -196,6 +200,125 @@ fn guest_ram_larger_than_the_host_boots_and_restores_lazily_from_a_sparse_file()
 
 /// What makes gpuvm plan as an AMD host does (vmm/src/host.rs).
 const AS_AMD: &str = "GPUVM_TEST_HOST_VENDOR";
+
+/// What makes gpuvm cut boot RAM into KVM memory slots of at most this many MiB, as it cuts
+/// a region past KVM's 8 TiB per slot (vmm/src/builder.rs).
+const MAX_SLOT_MIB: &str = "GPUVM_TEST_MAX_SLOT_MIB";
+
+/// Waits until the state in `dir` names `count` memory files.
+fn wait_for_chain(run: &mut SpawnedProcess, dir: &std::path::Path, count: usize) {
+    run.wait_until(&format!("a state with {count} memory files"), LIMIT, |_| {
+        dir.join("state").exists() && memory_files(dir).len() == count
+    });
+}
+
+/// Boot RAM over many KVM memory slots, as a region larger than one slot (8 TiB) is: this
+/// host cannot hold such a guest, so `GPUVM_TEST_MAX_SLOT_MIB` cuts a 3.5 GiB one (3 GiB
+/// below the 32-bit hole, 512 MiB above) into 128 MiB slots. The guest checks 3200 MiB of
+/// it, across both regions and 26 of the slots, through a full snapshot, a diff snapshot
+/// (whose dirty pages come from every slot's dirty log, joined per region) and a lazy
+/// restore of the chain. A page lost from the diff would fail the guest's check.
+#[test]
+fn boot_ram_over_many_kvm_slots_snapshots_diffs_and_restores_lazily() {
+    let scratch = Scratch::new("big-ram", "many-slots");
+    let dir: PathBuf = scratch.path("snapshot");
+    let env = [(MAX_SLOT_MIB, "128")];
+    let slots_line = "guest RAM: 28 KVM memory slots for 2 region(s) (at most 128 MiB each)";
+    let iters = 6;
+    let cmdline = format!("memloop 3200M 5 {iters}");
+    let mut run = SpawnedProcess::gpuvm_with_env(
+        &[
+            "--log-level",
+            "info",
+            "run",
+            "--memory",
+            "3584M",
+            "--cmdline",
+            &cmdline,
+            "--track-dirty-pages",
+            "--snapshot-dir",
+            arg(&dir),
+            "--snapshot-then",
+            "resume",
+        ],
+        &env,
+    );
+    run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
+    assert!(run.stderr().contains(slots_line), "{}", run.stderr());
+    let snapshots_started = Instant::now();
+    signal_snapshot(run.pid());
+    wait_for_chain(&mut run, &dir, 1);
+    // As tests/snapshot_diff.rs: a diff taken before the vCPU ran again is rightly empty;
+    // take diffs until one holds pages.
+    let base = memory_header(&dir.join(&memory_files(&dir)[0]));
+    let mut chain_len = 1;
+    let diff = loop {
+        signal_snapshot(run.pid());
+        chain_len += 1;
+        wait_for_chain(&mut run, &dir, chain_len);
+        let diff = memory_header(&dir.join(&memory_files(&dir)[chain_len - 1]));
+        assert!(diff.is_diff(), "{diff:?}");
+        if diff.data_pages > 0 || chain_len == 6 {
+            break diff;
+        }
+    };
+    eprintln!(
+        "many slots: {chain_len} snapshots in {:?}",
+        snapshots_started.elapsed()
+    );
+    run.signal(libc::SIGKILL);
+    let killed = run.wait(LIMIT);
+    assert!(
+        !killed.stdout.contains("memloop: done") && !killed.stdout.contains("FAIL"),
+        "{}",
+        killed.describe()
+    );
+    assert!(
+        diff.data_pages > 0 && diff.data_pages < base.data_pages,
+        "the guest ran between snapshots, so the diff should hold some but not all pages:\n{base:?}\n{diff:?}"
+    );
+
+    // The chain restored lazily, its RAM over as many slots: every page the guest checks
+    // comes from the base or the diff.
+    let restore_args = [
+        "--log-level",
+        "info",
+        "restore",
+        "--snapshot",
+        arg(&dir),
+        "--restore-mode",
+        "lazy",
+    ];
+    let restored_at = Instant::now();
+    let out = SpawnedProcess::gpuvm_with_env(&restore_args, &env).wait(LIMIT);
+    assert_restored_memloop_completes(&out, iters);
+    assert!(out.stderr.contains(slots_line), "{}", out.stderr);
+    eprintln!(
+        "many slots: lazy restore to exit {:?}, {} iterations",
+        restored_at.elapsed(),
+        iterations(&out.stdout).len()
+    );
+
+    // A slot size that would need more slots than boot RAM has is refused before the
+    // guest runs, and so is one that is not a whole number of 2 MiB.
+    for (mib, says) in [
+        ("2", "KVM memory slots of at most 2 MiB"),
+        ("3", "multiple of 2 MiB"),
+    ] {
+        let out = SpawnedProcess::gpuvm_with_env(
+            &["run", "--memory", "3584M", "--cmdline", "info"],
+            &[(MAX_SLOT_MIB, mib)],
+        )
+        .wait(LIMIT);
+        assert_ne!(out.code(), Some(0), "{}", out.describe());
+        assert!(out.stderr.contains(says), "{}", out.describe());
+        assert!(
+            !out.stdout.contains("testguest: ready"),
+            "{}",
+            out.describe()
+        );
+    }
+}
 
 /// `0x...` after `at host ` in gpuvm's debug line for BAR `bar`'s mapping of `size` bytes.
 fn logged_bar_host_address(stderr: &str, bar: u8, size: u64) -> u64 {

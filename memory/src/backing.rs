@@ -206,6 +206,11 @@ pub enum RamError {
     GuestMemory(#[from] GuestRegionCollectionError),
     #[error("mincore on guest RAM failed: {0}")]
     Mincore(io::Error),
+    #[error(
+        "invalid KVM memory slot size {} ({bytes} bytes): it must be a non-zero multiple of {} and at most {}",
+        ByteSize(*.bytes), ByteSize(SLOT_SLICE_GRANULE), ByteSize(MAX_SLOT_BYTES)
+    )]
+    InvalidSlotSlice { bytes: u64 },
 }
 
 /// How much guest RAM to create and what backs it.
@@ -800,8 +805,81 @@ pub(crate) fn host_base_page_size() -> usize {
 }
 
 /// The most one KVM memory slot maps on x86-64 (KVM_MEM_MAX_NR_PAGES, 2^31 - 1 pages of
-/// 4 KiB: 8 TiB less a page); each RAM region becomes one slot.
+/// 4 KiB: 8 TiB less a page). A RAM region larger than a slot is registered as several
+/// ([`slot_slices`]).
 pub const MAX_SLOT_BYTES: u64 = ((1 << 31) - 1) * 4096;
+
+/// Slice sizes are multiples of this, and so are the offsets of the cuts in a region: a
+/// slice's dirty log (one bit per 4 KiB page, in u64 words) is then a whole number of
+/// words (512 pages, 8 words), so a region's log is its slices' logs joined, and no 2 MiB
+/// huge page straddles two slots.
+pub const SLOT_SLICE_GRANULE: u64 = 2 * MIB;
+
+/// How large the KVM memory slots of one RAM region may be: a region up to this size is
+/// one slot, a larger one is cut into slots of this size (the last holds the rest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotSliceSize(u64);
+
+impl SlotSliceSize {
+    /// The largest multiple of 1 GiB one slot holds (8 TiB - 1 GiB). A multiple of 1 GiB
+    /// keeps every 1 GiB huge page in one slot; the largest one keeps the slot count low
+    /// (33 for the 256 TiB a 48-bit guest addresses, against 64 with 4 TiB slices) and every
+    /// region that fits it in one slot, as it always was.
+    pub const KVM: SlotSliceSize = SlotSliceSize(MAX_SLOT_BYTES / GIB * GIB);
+
+    /// A slice size of `bytes`: a non-zero multiple of [`SLOT_SLICE_GRANULE`] that one slot
+    /// holds.
+    pub fn new(bytes: u64) -> Result<SlotSliceSize, RamError> {
+        if bytes == 0 || !bytes.is_multiple_of(SLOT_SLICE_GRANULE) || bytes > MAX_SLOT_BYTES {
+            return Err(RamError::InvalidSlotSlice { bytes });
+        }
+        Ok(SlotSliceSize(bytes))
+    }
+
+    pub const fn bytes(self) -> u64 {
+        self.0
+    }
+
+    /// How many slots `regions` take.
+    pub fn slot_count(self, regions: &[RamRegion]) -> u64 {
+        regions.iter().map(|r| r.size.div_ceil(self.0)).sum()
+    }
+}
+
+/// One KVM memory slot's part of a RAM region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotSlice {
+    /// Index of its region in the layout.
+    pub region: usize,
+    /// Guest-physical start address.
+    pub guest_addr: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// Offset of its first byte from its region's start (in the region's host mapping and in
+    /// the RAM file alike).
+    pub region_offset: u64,
+}
+
+/// The KVM memory slots of `regions`, in order: each region whole when it fits `slice`,
+/// else cut every `slice` bytes from its start. Every slot but a region's last is a
+/// multiple of [`SLOT_SLICE_GRANULE`] long, so the slots' dirty logs join into the region's.
+pub fn slot_slices(regions: &[RamRegion], slice: SlotSliceSize) -> Vec<SlotSlice> {
+    let mut slices = Vec::new();
+    for (index, region) in regions.iter().enumerate() {
+        let mut region_offset = 0;
+        while region_offset < region.size {
+            let size = (region.size - region_offset).min(slice.0);
+            slices.push(SlotSlice {
+                region: index,
+                guest_addr: region.guest_addr + region_offset,
+                size,
+                region_offset,
+            });
+            region_offset += size;
+        }
+    }
+    slices
+}
 
 fn validate_regions(regions: &[RamRegion], size: u64, page_size: u64) -> Result<(), RamError> {
     if regions.is_empty() {
@@ -831,15 +909,6 @@ fn validate_regions(regions: &[RamRegion], size: u64, page_size: u64) -> Result<
                 "it wraps around the address space".to_string(),
             ));
         };
-        if region.size > MAX_SLOT_BYTES {
-            return Err(invalid(
-                index,
-                format!(
-                    "it is larger than the {} one KVM memory slot holds (2^31 - 1 pages of 4 KiB)",
-                    ByteSize(MAX_SLOT_BYTES)
-                ),
-            ));
-        }
         if index > 0 && region.guest_addr < previous_end {
             return Err(invalid(
                 index,
@@ -1235,11 +1304,127 @@ pub(crate) mod tests {
         r[1].guest_addr += 512;
         check(&r, "multiples of the 4 KiB page size");
         check(&two_regions(8 * MIB, 0, 0), "empty");
-        // One region past KVM's per-slot maximum is refused before anything is mapped.
+        // A region past KVM's per-slot maximum is fine: it is registered as several slots.
         let huge = (MAX_SLOT_BYTES / MIB + 1) * MIB;
-        let err = validate_regions(&one_region(huge), huge, 4096).unwrap_err();
-        assert!(err.to_string().contains("one KVM memory slot"), "{err}");
+        validate_regions(&one_region(huge), huge, 4096).unwrap();
         validate_regions(&one_region(MAX_SLOT_BYTES), MAX_SLOT_BYTES, 4096).unwrap();
+    }
+
+    const TIB: u64 = 1 << 40;
+
+    fn region(guest_addr: u64, size: u64, file_offset: u64) -> RamRegion {
+        RamRegion {
+            guest_addr,
+            size,
+            file_offset,
+        }
+    }
+
+    /// `(guest_addr, size, region_offset)` of each slice of `regions`, and its region.
+    fn slices(regions: &[RamRegion], slice: SlotSliceSize) -> Vec<(usize, u64, u64, u64)> {
+        let slices = slot_slices(regions, slice);
+        assert_eq!(slices.len() as u64, slice.slot_count(regions));
+        slices
+            .iter()
+            .map(|s| (s.region, s.guest_addr, s.size, s.region_offset))
+            .collect()
+    }
+
+    #[test]
+    fn a_region_one_slot_holds_is_one_slice() {
+        let kvm = SlotSliceSize::KVM;
+        assert_eq!(kvm.bytes(), 8 * TIB - GIB);
+        assert!(kvm.bytes() <= MAX_SLOT_BYTES && kvm.bytes().is_multiple_of(GIB));
+        let at_limit = [region(4 * GIB, kvm.bytes(), 0)];
+        assert_eq!(slices(&at_limit, kvm), [(0, 4 * GIB, kvm.bytes(), 0)]);
+        let small = [region(0, 2 * GIB, 0)];
+        assert_eq!(slices(&small, kvm), [(0, 0, 2 * GIB, 0)]);
+        assert!(slices(&[], kvm).is_empty());
+    }
+
+    #[test]
+    fn a_region_past_the_slot_limit_is_cut_at_gib_multiples() {
+        let kvm = SlotSliceSize::KVM;
+        let slice = kvm.bytes();
+        // One page over: a second slot of one page.
+        let over = [region(4 * GIB, slice + 4096, 0)];
+        assert_eq!(
+            slices(&over, kvm),
+            [(0, 4 * GIB, slice, 0), (0, 4 * GIB + slice, 4096, slice)]
+        );
+        // KVM's own maximum (8 TiB less a page) no longer fits one slice of 8 TiB - 1 GiB.
+        let kvm_max = [region(4 * GIB, MAX_SLOT_BYTES, 0)];
+        assert_eq!(slices(&kvm_max, kvm).len(), 2);
+        // 20 TiB: two full slices and the rest, every cut 1 GiB aligned.
+        let twenty = [region(4 * GIB, 20 * TIB, 0)];
+        let cut = slices(&twenty, kvm);
+        assert_eq!(
+            cut,
+            [
+                (0, 4 * GIB, slice, 0),
+                (0, 4 * GIB + slice, slice, slice),
+                (0, 4 * GIB + 2 * slice, 20 * TIB - 2 * slice, 2 * slice),
+            ]
+        );
+        assert!(cut.iter().all(|&(_, addr, _, _)| addr.is_multiple_of(GIB)));
+        assert_eq!(cut.iter().map(|c| c.2).sum::<u64>(), 20 * TIB);
+    }
+
+    #[test]
+    fn slices_of_several_regions_follow_each_other_in_region_order() {
+        // An AMD layout of 9 TiB: below the 32-bit hole, up to the HyperTransport range,
+        // and past it at 1 TiB (8201 GiB: one slot of 8191 GiB and one of 10 GiB).
+        let low = region(0, 3 * GIB, 0);
+        let below_ht = region(4 * GIB, 1012 * GIB, 3 * GIB);
+        let above_ht = region(TIB, 9 * TIB - 1015 * GIB, 1015 * GIB);
+        let kvm = SlotSliceSize::KVM;
+        let slice = kvm.bytes();
+        let cut = slices(&[low, below_ht, above_ht], kvm);
+        assert_eq!(
+            cut,
+            [
+                (0, 0, 3 * GIB, 0),
+                (1, 4 * GIB, 1012 * GIB, 0),
+                (2, TIB, slice, 0),
+                (2, TIB + slice, 10 * GIB, slice),
+            ]
+        );
+        // A test-sized slice cuts every region, the last slice of each holding the rest.
+        let gib = SlotSliceSize::new(GIB).unwrap();
+        let cut = slices(
+            &[region(0, 3 * GIB, 0), region(4 * GIB, 2 * GIB + 2 * MIB, 0)],
+            gib,
+        );
+        assert_eq!(
+            cut,
+            [
+                (0, 0, GIB, 0),
+                (0, GIB, GIB, GIB),
+                (0, 2 * GIB, GIB, 2 * GIB),
+                (1, 4 * GIB, GIB, 0),
+                (1, 5 * GIB, GIB, GIB),
+                (1, 6 * GIB, 2 * MIB, 2 * GIB),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_slice_size_must_be_whole_dirty_log_words_within_one_slot() {
+        for bad in [0, 4096, MIB, 3 * MIB, MAX_SLOT_BYTES, 8 * TIB] {
+            let err = SlotSliceSize::new(bad).unwrap_err();
+            assert!(
+                matches!(err, RamError::InvalidSlotSlice { bytes } if bytes == bad),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains("multiple of 2 MiB"), "{err}");
+        }
+        for good in [2 * MIB, GIB, 8 * TIB - 2 * MIB] {
+            assert_eq!(SlotSliceSize::new(good).unwrap().bytes(), good);
+        }
+        assert_eq!(
+            SlotSliceSize::new(SlotSliceSize::KVM.bytes()).unwrap(),
+            SlotSliceSize::KVM
+        );
     }
 
     #[test]

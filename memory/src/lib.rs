@@ -23,8 +23,9 @@ pub mod snapshot;
 pub mod uffd;
 
 pub use backing::{
-    check_fits_host, host_memory_total, Backing, ByteSize, GuestRam, GuestRamConfig, RamError,
-    MAX_SLOT_BYTES, SPARSE_RAM_PER_HOST_RAM,
+    check_fits_host, host_memory_total, slot_slices, Backing, ByteSize, GuestRam, GuestRamConfig,
+    RamError, SlotSlice, SlotSliceSize, MAX_SLOT_BYTES, SLOT_SLICE_GRANULE,
+    SPARSE_RAM_PER_HOST_RAM,
 };
 pub use prefault::{prefault, PrefaultError, PrefaultStats};
 

@@ -6,10 +6,11 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use gpuvm_arch::x86_64::acpi::{self, AcpiConfig};
+use gpuvm_arch::x86_64::address_space::MAX_GUEST_PHYS_BITS;
 use gpuvm_arch::x86_64::cpuid::Topology;
 use gpuvm_arch::x86_64::layout::{self, KVM_IDENTITY_MAP_ADDR, KVM_TSS_ADDR};
 use gpuvm_arch::x86_64::{boot, mptable, reset_vector};
@@ -19,7 +20,7 @@ use gpuvm_devices::memory_hotplug::{MemoryHotplug, MEMORY_HOTPLUG_PORT, MEMORY_H
 use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
-use gpuvm_memory::{GuestRam, GuestRamConfig};
+use gpuvm_memory::{slot_slices, ByteSize, GuestRam, GuestRamConfig, RamRegion, SlotSliceSize};
 use kvm_bindings::{
     kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
@@ -114,6 +115,8 @@ fn create_base_over(
         return Err(Error::MemoryTooSmall { size });
     }
     let regions = crate::host::ram_regions(&kvm, machine_config.memory_size);
+    // Before any RAM is made: the layout must fit boot RAM's KVM memory slots.
+    boot_ram_slot_size(&regions)?;
     // Where hot-plugged RAM may go, `(start, size)`: its room is in guest RAM's own file.
     let hotplug_area = (pci_options.ram_hotplug_size > 0).then(|| {
         let top = regions.iter().map(|r| r.end()).max().unwrap_or(0);
@@ -397,31 +400,107 @@ fn create_vcpus(
     .collect()
 }
 
-/// KVM memory slots kept for boot RAM, one per region: below the 32-bit hole, above it,
-/// and (AMD hosts) past the HyperTransport range (layout::ram_regions_around).
-pub(crate) const BOOT_RAM_SLOTS: u32 = 3;
+/// Boot RAM's regions at most: below the 32-bit hole, above it, and (AMD hosts) past the
+/// HyperTransport range (layout::ram_regions_around).
+const MAX_BOOT_RAM_REGIONS: u32 = 3;
 
-/// Hands every RAM region to KVM as a memory slot.
+/// KVM memory slots kept for boot RAM, numbered from 0: its regions, each cut into slots of
+/// at most [`SlotSliceSize::KVM`] (KVM's slots hold 8 TiB less a page). Enough for RAM
+/// filling all the guest-physical address space gpuvm gives a guest: each region takes at
+/// most one slot more than its share of that space's slots. Memory hot-plug's slots
+/// follow, then the BAR mappings'.
+pub(crate) const BOOT_RAM_SLOTS: u32 = MAX_BOOT_RAM_REGIONS
+    + (1u64 << MAX_GUEST_PHYS_BITS).div_ceil(SlotSliceSize::KVM.bytes()) as u32;
+
+/// `GPUVM_TEST_MAX_SLOT_MIB=<MiB>`: boot RAM's KVM memory slots are at most this large
+/// (a multiple of 2 MiB) instead of [`SlotSliceSize::KVM`], so tests can split a guest that
+/// fits this host over many slots.
+pub const TEST_MAX_SLOT_VAR: &str = "GPUVM_TEST_MAX_SLOT_MIB";
+
+/// The most boot RAM's KVM memory slots hold: [`TEST_MAX_SLOT_VAR`]'s, read once, when set.
+fn max_slot_size() -> Result<SlotSliceSize, Error> {
+    static SIZE: OnceLock<Result<SlotSliceSize, (String, String)>> = OnceLock::new();
+    SIZE.get_or_init(|| match std::env::var(TEST_MAX_SLOT_VAR) {
+        Ok(value) if !value.is_empty() => {
+            parse_max_slot_mib(&value).map_err(|reason| (value, reason))
+        }
+        _ => Ok(SlotSliceSize::KVM),
+    })
+    .clone()
+    .map_err(|(value, reason)| Error::TestMaxSlot { value, reason })
+}
+
+fn parse_max_slot_mib(value: &str) -> Result<SlotSliceSize, String> {
+    let mib: u64 = value
+        .trim()
+        .parse()
+        .map_err(|_| "not a whole number of MiB".to_string())?;
+    let bytes = mib
+        .checked_mul(1 << 20)
+        .ok_or_else(|| "too large".to_string())?;
+    SlotSliceSize::new(bytes).map_err(|error| error.to_string())
+}
+
+/// How boot RAM laid out as `regions` is cut into KVM memory slots; refused when it would
+/// need more slots than boot RAM has (only a test's small [`TEST_MAX_SLOT_VAR`] can ask
+/// for that).
+pub(crate) fn boot_ram_slot_size(regions: &[RamRegion]) -> Result<SlotSliceSize, Error> {
+    fits_boot_ram_slots(regions, max_slot_size()?)
+}
+
+fn fits_boot_ram_slots(
+    regions: &[RamRegion],
+    slot_size: SlotSliceSize,
+) -> Result<SlotSliceSize, Error> {
+    let needed = slot_size.slot_count(regions);
+    if needed > u64::from(BOOT_RAM_SLOTS) {
+        return Err(Error::TooManyRamSlots {
+            needed,
+            reserved: BOOT_RAM_SLOTS,
+            slot_size: slot_size.bytes(),
+        });
+    }
+    Ok(slot_size)
+}
+
+/// Hands boot RAM to KVM: every region, as one memory slot or (past what one slot holds)
+/// several, numbered from 0 in address order.
 fn register_memory(vm: &VmFd, ram: &GuestRam, track_dirty_pages: bool) -> Result<(), Error> {
-    debug_assert!(ram.regions().len() <= BOOT_RAM_SLOTS as usize);
-    for (slot, (region, host)) in ram.host_regions().enumerate() {
-        let memory_region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            guest_phys_addr: region.guest_addr,
-            memory_size: region.size,
-            userspace_addr: host as u64,
-            flags: if track_dirty_pages {
-                KVM_MEM_LOG_DIRTY_PAGES
-            } else {
-                0
-            },
-        };
-        // SAFETY: the host range is a live mapping owned by `ram`, which the Machine keeps
-        // alive for as long as the VM fd (the VM is dropped first, see Machine's fields).
-        unsafe { vm.set_user_memory_region(memory_region) }.map_err(|source| Error::KvmSetup {
-            what: "register guest memory with KVM",
-            source,
-        })?;
+    let slot_size = boot_ram_slot_size(ram.regions())?;
+    let mut slot = 0u32;
+    for (region, host) in ram.host_regions() {
+        for slice in slot_slices(&[region], slot_size) {
+            let memory_region = kvm_userspace_memory_region {
+                slot,
+                guest_phys_addr: slice.guest_addr,
+                memory_size: slice.size,
+                userspace_addr: host as u64 + slice.region_offset,
+                flags: if track_dirty_pages {
+                    KVM_MEM_LOG_DIRTY_PAGES
+                } else {
+                    0
+                },
+            };
+            // SAFETY: the host range is inside a live mapping owned by `ram` (a slice lies
+            // within its region), which the Machine keeps alive for as long as the VM fd (the
+            // VM is dropped first, see Machine's fields).
+            unsafe { vm.set_user_memory_region(memory_region) }.map_err(|source| {
+                Error::KvmSetup {
+                    what: "register guest memory with KVM",
+                    source,
+                }
+            })?;
+            slot += 1;
+        }
+    }
+    let regions = ram.regions().len();
+    if slot as usize > regions {
+        log::info!(
+            "guest RAM: {slot} KVM memory slots for {regions} region(s) (at most {} each)",
+            ByteSize(slot_size.bytes())
+        );
+    } else {
+        log::debug!("guest RAM: {slot} KVM memory slot(s), one per region");
     }
     Ok(())
 }
@@ -564,4 +643,68 @@ fn create_devices(
         handover: Default::default(),
         client_record: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use gpuvm_arch::x86_64::layout::{ram_regions, ram_regions_around};
+
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const TIB: u64 = 1 << 40;
+
+    #[test]
+    fn boot_ram_slots_hold_ram_filling_the_guest_address_space() {
+        let space = 1u64 << MAX_GUEST_PHYS_BITS;
+        for amd in [false, true] {
+            let regions = ram_regions_around(space - 4 * GIB, amd);
+            let slots = fits_boot_ram_slots(&regions, SlotSliceSize::KVM).unwrap();
+            let needed = slots.slot_count(&regions);
+            assert!(needed > regions.len() as u64 && needed <= u64::from(BOOT_RAM_SLOTS));
+        }
+        // Up to 8 TiB - 1 GiB above 4 GiB is one slot per region, as before.
+        let regions = ram_regions(8 * TIB - GIB + 3 * GIB);
+        assert_eq!(SlotSliceSize::KVM.slot_count(&regions), 2);
+    }
+
+    #[test]
+    fn a_layout_needing_more_slots_than_boot_ram_has_is_refused() {
+        let regions = ram_regions(6 * GIB);
+        let two_mib = SlotSliceSize::new(2 << 20).unwrap();
+        let err = fits_boot_ram_slots(&regions, two_mib).unwrap_err();
+        assert!(
+            matches!(err, Error::TooManyRamSlots { needed: 3072, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains("3072 KVM memory slots of at most 2 MiB"),
+            "{err}"
+        );
+        let gib = SlotSliceSize::new(GIB).unwrap();
+        assert_eq!(
+            fits_boot_ram_slots(&regions, gib)
+                .unwrap()
+                .slot_count(&regions),
+            6
+        );
+    }
+
+    #[test]
+    fn the_test_slot_size_is_whole_mib_in_2_mib_steps() {
+        assert_eq!(parse_max_slot_mib("1024").unwrap().bytes(), GIB);
+        assert_eq!(parse_max_slot_mib(" 2 ").unwrap().bytes(), 2 << 20);
+        for (bad, why) in [
+            ("1G", "whole number"),
+            ("-2", "whole number"),
+            ("0", "multiple of 2 MiB"),
+            ("3", "multiple of 2 MiB"),
+            ("8388608", "at most"),
+            ("18446744073709551615", "too large"),
+        ] {
+            let reason = parse_max_slot_mib(bad).unwrap_err();
+            assert!(reason.contains(why), "{bad}: {reason}");
+        }
+    }
 }

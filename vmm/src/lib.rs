@@ -93,6 +93,20 @@ pub enum Error {
         .size >> 10
     )]
     MemoryTooSmall { size: u64 },
+    #[error(
+        "guest RAM needs {needed} KVM memory slots of at most {}, more than the {reserved} gpuvm keeps for boot RAM",
+        gpuvm_memory::ByteSize(*.slot_size)
+    )]
+    TooManyRamSlots {
+        needed: u64,
+        reserved: u32,
+        slot_size: u64,
+    },
+    #[error(
+        "{}={value:?} is not a KVM memory slot size: {reason}",
+        builder::TEST_MAX_SLOT_VAR
+    )]
+    TestMaxSlot { value: String, reason: String },
     #[error(transparent)]
     Memory(#[from] gpuvm_memory::RamError),
     #[error(transparent)]

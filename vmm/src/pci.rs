@@ -140,9 +140,10 @@ pub struct KvmBarSlots {
     next: AtomicU32,
 }
 
-/// First KVM slot for BARs; RAM has the slots below: boot RAM's regions
-/// ([`crate::builder::BOOT_RAM_SLOTS`]), then memory hot-plug's.
-pub(crate) const FIRST_BAR_SLOT: u32 = 17;
+/// First KVM slot for BARs; RAM has the slots below: boot RAM's
+/// ([`crate::builder::BOOT_RAM_SLOTS`]), then memory hot-plug's, with room to spare (a
+/// compile-time check in machine/memory_hotplug.rs). KVM allows 32764 slots on x86.
+pub(crate) const FIRST_BAR_SLOT: u32 = 64;
 
 impl KvmBarSlots {
     pub fn new(kvm: &Kvm, vm: &VmFd) -> Result<Self, PciSetupError> {

@@ -52,8 +52,8 @@ use crate::devices::SavedRamHotplug;
 use crate::dma::RamChunks;
 use crate::lock;
 
-/// KVM memory slot of hot-plug slot 0; slot n uses this + n. Boot RAM's regions have the
-/// slots below; BAR mappings count up from crate::pci::FIRST_BAR_SLOT.
+/// KVM memory slot of hot-plug slot 0; slot n uses this + n. Boot RAM has the slots
+/// below; BAR mappings count up from crate::pci::FIRST_BAR_SLOT.
 pub(crate) const FIRST_HOTPLUG_RAM_SLOT: u32 = crate::builder::BOOT_RAM_SLOTS;
 const _: () =
     assert!(FIRST_HOTPLUG_RAM_SLOT + MEMORY_HOTPLUG_SLOTS as u32 <= crate::pci::FIRST_BAR_SLOT);

@@ -479,40 +479,80 @@ impl Machine {
         Ok((memory_file, stats, memory_time))
     }
 
-    /// KVM's dirty bitmaps for every RAM slot since the last call (which they reset),
+    /// KVM's dirty bitmaps for every RAM region since the last call (which they reset),
     /// with the pages of snapshots that failed since the last one that did not: boot
-    /// RAM's slots, then the hot-plugged ones (the memory file's order).
+    /// RAM's regions, then the hot-plugged ones (the memory file's order). A boot region
+    /// registered as several slots has its slots' bitmaps joined: every slot but its last
+    /// is a whole number of bitmap words long (one bit per 4 KiB page, u64 words, the
+    /// lowest bit first), so the words follow each other as the pages do.
     fn take_dirty_bitmaps(&mut self) -> Result<Vec<Vec<u64>>, Error> {
+        let regions = self.ram.regions();
+        let slot_size = crate::builder::boot_ram_slot_size(regions)?;
+        // Each region's (slot, size) list: slots count from 0 in boot RAM's slice order.
+        let mut region_slots: Vec<Vec<(u32, u64)>> = vec![Vec::new(); regions.len()];
+        for (slot, slice) in (0u32..).zip(gpuvm_memory::slot_slices(regions, slot_size)) {
+            region_slots[slice.region].push((slot, slice.size));
+        }
+        region_slots.extend(self.hotplug_kvm_slots().into_iter().map(|slot| vec![slot]));
         let mut bitmaps = self.unsaved_dirty.take().unwrap_or_default();
-        let boot = self.ram.regions().iter().enumerate();
-        let mut slots: Vec<(u32, u64)> = boot.map(|(slot, r)| (slot as u32, r.size)).collect();
-        slots.extend(self.hotplug_kvm_slots());
-        for (index, (slot, size)) in slots.into_iter().enumerate() {
-            let fresh = match self.vm.get_dirty_log(slot, size as usize) {
-                Ok(fresh) => fresh,
-                Err(source) => {
-                    // What was read so far is cleared in KVM: keep it for the next try.
-                    self.unsaved_dirty = Some(bitmaps);
-                    return Err(Error::Snapshot(SnapshotError::Kvm {
-                        what: "read the dirty page log",
-                        source,
-                    }));
+        for (index, slots) in region_slots.into_iter().enumerate() {
+            let mut fresh = Vec::new();
+            for (slot, size) in slots {
+                match self.vm.get_dirty_log(slot, size as usize) {
+                    Ok(words) => fresh.extend(words),
+                    Err(source) => {
+                        // What was read so far is cleared in KVM: keep it for the next try.
+                        merge_dirty(&mut bitmaps, index, &fresh);
+                        self.unsaved_dirty = Some(bitmaps);
+                        return Err(Error::Snapshot(SnapshotError::Kvm {
+                            what: "read the dirty page log",
+                            source,
+                        }));
+                    }
                 }
-            };
-            match bitmaps.get_mut(index) {
-                Some(unsaved) => unsaved
-                    .iter_mut()
-                    .zip(&fresh)
-                    .for_each(|(word, dirty)| *word |= dirty),
-                None => bitmaps.push(fresh),
             }
+            merge_dirty(&mut bitmaps, index, &fresh);
         }
         Ok(bitmaps)
     }
+}
+
+/// ORs `fresh` into region `index`'s bitmap in `bitmaps`, which grows to hold it (a bitmap
+/// kept from a failed read may be a region's first slots only).
+fn merge_dirty(bitmaps: &mut Vec<Vec<u64>>, index: usize, fresh: &[u64]) {
+    if bitmaps.len() <= index {
+        bitmaps.resize_with(index + 1, Vec::new);
+    }
+    let bitmap = &mut bitmaps[index];
+    if bitmap.len() < fresh.len() {
+        bitmap.resize(fresh.len(), 0);
+    }
+    bitmap
+        .iter_mut()
+        .zip(fresh)
+        .for_each(|(word, dirty)| *word |= dirty);
 }
 
 /// The id a cold-plugged vfio-user device behind a host-mirroring layout's ports is saved
 /// (and restored, as a device of the hot-plug manager's) under: its address at boot.
 fn behind_ports_id(plugged: &crate::update::handed_over::PluggedVfioUser) -> String {
     format!("vfio-user-{}", plugged.bdf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_dirty;
+
+    #[test]
+    fn dirty_bitmaps_merge_and_grow_to_the_longest_read() {
+        // A failed read kept region 1's first slot only; the next read has both its slots.
+        let mut bitmaps = vec![vec![0b01], vec![0b10]];
+        merge_dirty(&mut bitmaps, 0, &[0b100]);
+        merge_dirty(&mut bitmaps, 1, &[0b01, 0b1000]);
+        merge_dirty(&mut bitmaps, 2, &[7]);
+        assert_eq!(bitmaps, [vec![0b101], vec![0b11, 0b1000], vec![7]]);
+        // A shorter read leaves the rest as it was.
+        merge_dirty(&mut bitmaps, 1, &[0b100]);
+        assert_eq!(bitmaps[1], [0b111, 0b1000]);
+    }
 }
