@@ -213,12 +213,15 @@ fn fake_host_sysfs(root: &Path, gpus: &[(&str, &str, &str, u32)]) {
     let links = root.join("bus/pci/devices");
     std::fs::create_dir_all(&links).unwrap();
     for &(complex, port, gpu, node) in gpus {
+        // `port`: the GPU's root port, or the chain of ports down to it through a switch
+        // ("root port/upstream/downstream").
         let port_dir = root.join(format!("devices/{complex}/{port}"));
         let gpu_dir = port_dir.join(gpu);
         std::fs::create_dir_all(&gpu_dir).unwrap();
         std::fs::write(gpu_dir.join("numa_node"), format!("{node}\n")).unwrap();
         std::fs::write(port_dir.join("numa_node"), format!("{node}\n")).unwrap();
-        std::os::unix::fs::symlink(&port_dir, links.join(port)).unwrap();
+        let port_name = port.rsplit('/').next().unwrap();
+        std::os::unix::fs::symlink(&port_dir, links.join(port_name)).unwrap();
         std::os::unix::fs::symlink(&gpu_dir, links.join(gpu)).unwrap();
     }
 }
@@ -691,9 +694,10 @@ fn the_hot_plug_area_is_a_hot_pluggable_range_of_the_last_node() {
     assert_ne!(wrong.code(), Some(0), "{}", wrong.stdout);
 }
 
-/// With the host-mirroring PCIe topology each GPU sits behind a root port of its own
-/// (bus 1 and 2, not bus 0), and its Generic Initiator names it there: the guest finds a
-/// function at each address the SRAT gives, and each on its socket's node.
+/// With the host-mirroring PCIe topology each GPU sits behind a root port of its own on
+/// its node's host bridge (bus 1 of segment 0 and of segment 1, not bus 0), and its
+/// Generic Initiator names it there: the guest finds a function at each address the SRAT
+/// gives, and each on its socket's node.
 #[test]
 fn devices_behind_root_ports_are_named_by_their_address_behind_the_port() {
     let scratch = Scratch::new("numa", "root_ports");
@@ -733,20 +737,29 @@ fn devices_behind_root_ports_are_named_by_their_address_behind_the_port() {
         let done = server.wait(Duration::from_secs(30));
         assert_eq!(done.code(), Some(0), "{}", done.stderr);
     }
+    // Each GPU behind a root port of its node's host bridge: node 1's on segment 1, whose
+    // ECAM window covers the port's bus (the guest finds the GPU there through the MCFG),
+    // so Linux would show it on node 1 and NCCL its port.
     out.assert_code(0)
         .assert_stderr_has(": root port")
+        .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's")
         .assert_stdout_has("numa: ok");
     let named: Vec<&str> = out
         .stdout
         .lines()
-        .filter_map(|l| l.strip_prefix("numa: SRAT device 0000:"))
+        .filter_map(|l| l.strip_prefix("numa: SRAT device "))
         .collect();
     assert_eq!(named.len(), 2, "{}", out.stdout);
     for (line, node) in named.iter().zip([0, 1]) {
-        let bus = &line[..2];
+        let (segment, bus) = (&line[..4], &line[5..7]);
+        assert_eq!(
+            segment,
+            format!("{node:04x}"),
+            "on its node's segment: {line}"
+        );
         assert_ne!(bus, "00", "behind a root port, not on bus 0: {line}");
         assert!(line.contains(&format!(" node {node} ")), "{line}");
-        let address = &line[..7];
+        let address = if node == 0 { &line[5..12] } else { &line[..12] };
         assert!(
             out.stdout
                 .contains(&format!("numa: device {address} is 10de:")),
@@ -754,6 +767,113 @@ fn devices_behind_root_ports_are_named_by_their_address_behind_the_port() {
             out.stdout
         );
     }
+}
+
+/// An 8-GPU host as HGX boards are built: on each socket two PCIe switches with two GPUs
+/// each (chains of root port, switch upstream port, downstream port).
+const HGX_HOST_GPUS: [(&str, &str, &str, u32); 8] = [
+    (
+        "pci0000:17",
+        "0000:17:01.0/0000:18:00.0/0000:19:00.0",
+        "0000:1a:00.0",
+        0,
+    ),
+    (
+        "pci0000:17",
+        "0000:17:01.0/0000:18:00.0/0000:19:01.0",
+        "0000:1b:00.0",
+        0,
+    ),
+    (
+        "pci0000:17",
+        "0000:17:02.0/0000:28:00.0/0000:29:00.0",
+        "0000:2a:00.0",
+        0,
+    ),
+    (
+        "pci0000:17",
+        "0000:17:02.0/0000:28:00.0/0000:29:01.0",
+        "0000:2b:00.0",
+        0,
+    ),
+    (
+        "pci0000:97",
+        "0000:97:01.0/0000:98:00.0/0000:99:00.0",
+        "0000:9a:00.0",
+        1,
+    ),
+    (
+        "pci0000:97",
+        "0000:97:01.0/0000:98:00.0/0000:99:01.0",
+        "0000:9b:00.0",
+        1,
+    ),
+    (
+        "pci0000:97",
+        "0000:97:02.0/0000:a8:00.0/0000:a9:00.0",
+        "0000:aa:00.0",
+        1,
+    ),
+    (
+        "pci0000:97",
+        "0000:97:02.0/0000:a8:00.0/0000:a9:01.0",
+        "0000:ab:00.0",
+        1,
+    ),
+];
+
+/// NUMA placement and the host's switches together, with a root port for hot-plug: each
+/// socket's four GPUs sit behind two virtual switches on their node's host bridge
+/// (segment 1 for node 1), so Linux would show each GPU on its socket's node and NCCL the
+/// switches it shares. Each segment's ECAM window covers the buses its ports number:
+/// segment 0 has 10 (bus 0, two switches of four buses, the hot-plug port's), so segment
+/// 1's window starts 10 MiB after segment 0's, where it used to be 1 MiB; 19 MiB of ECAM
+/// in all, past where the segments' 32-bit windows used to start. The guest finds every
+/// GPU at the address its Generic Initiator names, through the MCFG's windows.
+#[test]
+fn each_node_s_gpus_keep_their_switches_on_the_node_s_segment() {
+    let vm = [
+        "--vcpus",
+        "2",
+        "--memory",
+        "512M",
+        "--pcie-root-ports",
+        "1",
+        "--cmdline",
+        "numa cpus=0,1 mem=256M,256M dist=10,21,21,10 gi=0,0,0,0,1,1,1,1",
+    ];
+    let out = run_on_fake_two_socket_host("hgx", &HGX_HOST_GPUS, &[], &vm, |args, env| {
+        gpuvm_tests::run_gpuvm_with_env(args, env, LIMIT, None)
+    });
+    out.assert_code(0)
+        .assert_stdout_has("numa: ok")
+        .assert_stderr_has("PCI segment 1, whose host bridge is guest node 1's")
+        .assert_stderr_has("ECAM 0xe0a00000 (9 buses)");
+    let upstream_ports = |segment_one: bool| {
+        (out.stderr.lines())
+            .filter(|l| l.contains("switch upstream") && l.contains("PCI 0001:") == segment_one)
+            .count()
+    };
+    assert_eq!(upstream_ports(false), 2, "{}", out.stderr);
+    assert_eq!(upstream_ports(true), 2, "{}", out.stderr);
+    let named: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("numa: SRAT device "))
+        .collect();
+    assert_eq!(named.len(), 8, "{}", out.stdout);
+    for (index, line) in named.iter().enumerate() {
+        let node = index / 4;
+        assert!(line.starts_with(&format!("{node:04x}:")), "{line}");
+        assert!(line.contains(&format!(" node {node} ")), "{line}");
+        // Behind a root port and a switch: bus 3 or later on either segment.
+        let bus = u8::from_str_radix(&line[5..7], 16).unwrap();
+        assert!(bus >= 3, "{line}");
+    }
+    let found = (out.stdout.lines())
+        .filter(|l| l.starts_with("numa: device ") && l.contains(" is 10de:"))
+        .count();
+    assert_eq!(found, 8, "{}", out.stdout);
 }
 
 /// A VM handed to a new gpuvm by a live update keeps its nodes as placed: the new

@@ -241,6 +241,7 @@ fn eight_gpus_fit(host: HostAddressWidth, bars: Option<Vec<u64>>, memory: u64) -
         fixed_window: None,
         segments: 1,
         segment_bars: &[],
+        segment_buses: &[],
     };
     match plan(&request) {
         Ok(plan) => (

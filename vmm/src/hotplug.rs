@@ -239,20 +239,14 @@ impl PciHotplug {
         })
     }
 
-    /// Adds `count` empty root ports (of a VM with `segments` PCI segments; see
+    /// Adds `count` empty root ports on segment 0 (see
     /// crate::pci_topology::add_hotplug_ports), each with an MSI: devices are hot-plugged
     /// into them from now on.
     pub(crate) fn add_root_ports(
         &mut self,
         count: u8,
-        segments: u16,
     ) -> Result<(), crate::pci_topology::PciTopologyError> {
-        self.ports = crate::pci_topology::add_hotplug_ports(
-            &self.root,
-            count,
-            segments,
-            Some(&self.router),
-        )?;
+        self.ports = crate::pci_topology::add_hotplug_ports(&self.root, count, Some(&self.router))?;
         Ok(())
     }
 

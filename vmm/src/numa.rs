@@ -710,8 +710,8 @@ impl NumaPlan {
             .iter()
             .zip(labels)
             .filter_map(|(key, label)| {
-                let (_, bus, device, function) = parse_label_bdf(label)?;
-                let segment = segments.get(key).copied().unwrap_or(0);
+                let (segment, bus, device, function) = parse_label_bdf(label)?;
+                let segment = segments.get(key).copied().unwrap_or(segment);
                 Some((key.clone(), (segment, bus, device, function)))
             })
             .collect();
@@ -869,20 +869,10 @@ pub fn prepare(
             // Segments for passthrough devices come after those the VM asked for.
             let asked = crate::pci::segment_count(pci)
                 .map_err(|error| NumaError::Invalid(error.to_string()))?;
-            let root_ports = pci.pci_topology == Some(crate::config::PciTopology::Host)
-                || pci.pcie_root_ports > 0;
-            let mut segments = plan.passthrough_segments(&device_keys(pci), asked)?;
-            if root_ports && !segments.is_empty() {
-                // Root ports need buses of segment 0, which has one when there are more
-                // segments (the next segment's ECAM window follows its bus 0): the ports
-                // asked for win.
-                log::info!(
-                    "--pci-topology host / --pcie-root-ports: passthrough devices stay on PCI \
-                     segment 0, whose host bridge is guest node 0's (Linux shows them all on \
-                     node 0)"
-                );
-                segments.clear();
-            }
+            // Each segment's ECAM window covers the buses its root ports and switches
+            // number (layout::pci_ecam_bases), so a node's segment holds its devices with
+            // the host's topology as segment 0 does.
+            let segments = plan.passthrough_segments(&device_keys(pci), asked)?;
             for (key, segment) in &segments {
                 log::info!(
                     "passthrough device {key}: PCI segment {segment}, whose host bridge is \
@@ -972,14 +962,22 @@ impl SavedNumaPlan {
     }
 }
 
-/// Parses a guest PCI address as a passthrough device's label starts (`bb:dd.f`; the
-/// label has no segment: this says 0, [`PlacedNuma::passthrough_segments`] has the others).
+/// Parses a guest PCI address as a passthrough device's label starts (`bb:dd.f` on
+/// segment 0, `ssss:bb:dd.f` elsewhere: PciBdf::shown).
 pub fn parse_label_bdf(label: &str) -> Option<GuestPciAddress> {
     let address = label.split_whitespace().next()?;
+    // `bus:device.function`, or `segment:bus:device.function` off segment 0.
+    let (segment, address) = match address.matches(':').count() {
+        2 => {
+            let (segment, rest) = address.split_once(':')?;
+            (u16::from_str_radix(segment, 16).ok()?, rest)
+        }
+        _ => (0, address),
+    };
     let (bus, rest) = address.split_once(':')?;
     let (device, function) = rest.split_once('.')?;
     Some((
-        0,
+        segment,
         u8::from_str_radix(bus, 16).ok()?,
         u8::from_str_radix(device, 16).ok()?,
         function.parse().ok()?,

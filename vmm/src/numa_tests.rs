@@ -402,6 +402,11 @@ fn host_facts_are_read_from_the_tree() {
     assert_eq!(parse_cpu_list("3-1"), None);
     assert_eq!(parse_cpu_list("x"), None);
     assert_eq!(parse_label_bdf("00:1f.3 gpu0"), Some((0, 0, 0x1f, 3)));
+    assert_eq!(
+        parse_label_bdf("0001:03:00.0 vfio-user:/run/gpu4.sock"),
+        Some((1, 3, 0, 0))
+    );
+    assert_eq!(parse_label_bdf("0001:03:00 gpu"), None);
     assert_eq!(parse_label_bdf("nonsense"), None);
 }
 

@@ -32,8 +32,8 @@ use gpuvm_arch::x86_64::address_space::{
     self, AddressSpacePlan, HostAddressWidth, PlanError, PlanRequest, SegmentBars,
 };
 use gpuvm_arch::x86_64::layout::{
-    pci_segment_ecam, ram_hotplug_area, FOUR_GIB, MAX_PCI_SEGMENTS, PCI_ECAM_START, PCI_MMIO32_END,
-    PCI_MMIO32_START, PCI_MMIO64_ALIGN,
+    ram_hotplug_area, FOUR_GIB, MAX_PCI_SEGMENTS, PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START,
+    PCI_MMIO64_ALIGN,
 };
 use gpuvm_devices::pci::{BarKind, GuestMemoryMapper, PciError, PciRoot, PciRootConfig};
 use gpuvm_memory::GuestRam;
@@ -69,6 +69,15 @@ pub enum PciSetupError {
     VmFd(std::io::Error),
     #[error("cannot wire a device's INTx line: {0}")]
     Intx(std::io::Error),
+    #[error(
+        "PCI segment {segment} numbers {used} buses but its ECAM window was placed for \
+         {planned}: the next segment's window follows it"
+    )]
+    EcamBuses {
+        segment: u16,
+        used: u16,
+        planned: u16,
+    },
     #[error("cannot create the KVM VFIO device (KVM_DEV_TYPE_VFIO): {0}")]
     KvmVfio(std::io::Error),
     #[error(transparent)]
@@ -258,11 +267,12 @@ impl Plug<'_> {
                 return Err(error.into());
             }
         };
-        log::info!("PCI {bdf}: {name}");
+        // Segment 0's labels keep their short form (the API and snapshots show them).
+        log::info!("PCI {}: {name}", bdf.shown());
         Ok(Plugged {
             bdf,
             pin,
-            label: format!("{bdf} {name}"),
+            label: format!("{} {name}", bdf.shown()),
             device,
             gsis,
         })
@@ -360,7 +370,7 @@ pub fn plan_address_space(
     ram: &GuestRam,
     options: &PciOptions,
     devices: &[Vec<u64>],
-    (segments, segment_bars): (u16, &[SegmentBars]),
+    (segments, segment_bars, segment_buses): (u16, &[SegmentBars], &[u16]),
 ) -> Result<AddressSpacePlan, PciSetupError> {
     let ram_top = ram
         .regions()
@@ -377,6 +387,7 @@ pub fn plan_address_space(
         fixed_window: options.mmio64_window,
         segments,
         segment_bars,
+        segment_buses,
     })?;
     debug_assert!(
         options.mmio64_window.is_some()
@@ -418,11 +429,13 @@ pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
 }
 
 /// Where each segment's root puts configuration space and BARs: segment 0's 64-bit
-/// window and the others' BAR windows where `plan` put them, ECAM from the layout.
-pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig> {
+/// window, the others' BAR windows and every ECAM window where `plan` put them, each
+/// ECAM window covering the segment's `buses` (missing: one).
+pub fn segment_configs(plan: &AddressSpacePlan, count: u16, buses: &[u16]) -> Vec<PciRootConfig> {
+    let buses_of = |segment: u16| buses.get(usize::from(segment)).copied().unwrap_or(1);
     let mut configs = vec![PciRootConfig {
         ecam_base: PCI_ECAM_START,
-        buses: 1,
+        buses: buses_of(0),
         mmio32_start: PCI_MMIO32_START,
         mmio32_end: PCI_MMIO32_END,
         mmio64_start: plan.mmio64_start,
@@ -433,8 +446,8 @@ pub fn segment_configs(plan: &AddressSpacePlan, count: u16) -> Vec<PciRootConfig
         let (mmio32_start, mmio32_end) = plan.segment_mmio32[index];
         let (mmio64_start, mmio64_size) = plan.segment_mmio64[index];
         configs.push(PciRootConfig {
-            ecam_base: pci_segment_ecam(segment),
-            buses: 1,
+            ecam_base: plan.segment_ecam[usize::from(segment)],
+            buses: buses_of(segment),
             mmio32_start,
             mmio32_end,
             mmio64_start,

@@ -52,22 +52,12 @@ pub enum PciTopologyError {
     Host(#[from] TopologyError),
     #[error("--pci-topology host: the ports and devices need more than 255 PCI buses")]
     TooManyBuses,
-    #[error(
-        "--pci-topology host needs one PCI segment (with num_pci_segments = {0} each segment's \
-         ECAM window holds bus 0 only); use --pci-topology flat"
-    )]
-    Segments(u16),
     #[error("--pci-topology host: bus 0 has no free slot for another root port")]
     NoSlot,
     #[error("--pci-topology host: {0}")]
     Bus(#[from] PciError),
     #[error("--pcie-root-ports {0}: at most {MAX_HOTPLUG_PORTS} root ports for hot-plug")]
     TooManyHotplugPorts(u8),
-    #[error(
-        "--pcie-root-ports needs one PCI segment (with num_pci_segments = {0} each segment's \
-         ECAM window holds bus 0 only)"
-    )]
-    HotplugPortsSegments(u16),
     #[error("--pcie-root-ports: no MSI for a root port: {0}")]
     HotplugPortMsi(#[source] std::io::Error),
     #[error("the snapshot's root port {index} for hot-plug cannot be rebuilt: {reason}")]
@@ -753,15 +743,14 @@ pub fn restore_topology_ports(
     Ok(())
 }
 
-/// Plugs `count` empty root ports with PCIe native hot-plug slots into `root` (of a VM
-/// with `segments` PCI segments), each with its own bus and windows of
+/// Plugs `count` empty root ports with PCIe native hot-plug slots into `root`, each with
+/// its own bus (the root's ECAM window covers them: LayoutRequest::buses) and windows of
 /// [`HOTPLUG_PORT_PREFETCHABLE`] and [`HOTPLUG_PORT_MEMORY`], after the buses the
 /// cold-plugged layout took; each port gets an MSI (a GSI of `router`) for its slot's
 /// events where a router is given.
 pub fn add_hotplug_ports(
     root: &Arc<PciRoot>,
     count: u8,
-    segments: u16,
     router: Option<&Arc<crate::interrupts::MsiRouter>>,
 ) -> Result<Vec<HotplugPort>, PciTopologyError> {
     if count == 0 {
@@ -769,9 +758,6 @@ pub fn add_hotplug_ports(
     }
     if count > MAX_HOTPLUG_PORTS {
         return Err(PciTopologyError::TooManyHotplugPorts(count));
-    }
-    if segments > 1 {
-        return Err(PciTopologyError::HotplugPortsSegments(segments));
     }
     let mut ports = Vec::new();
     for index in 0..count {
@@ -944,8 +930,6 @@ pub struct DeviceInput {
 pub struct LayoutRequest {
     /// PciOptions::pci_topology.
     pub choice: Option<PciTopology>,
-    /// PciOptions::num_pci_segments.
-    pub segments: u16,
     /// The passthrough devices, in plug order.
     pub devices: Vec<DeviceInput>,
     /// Empty root ports for hot-plug (PciOptions::pcie_root_ports).
@@ -959,7 +943,6 @@ impl LayoutRequest {
     pub fn new(options: &PciOptions) -> Self {
         LayoutRequest {
             choice: options.pci_topology,
-            segments: options.num_pci_segments,
             devices: Vec::new(),
             hotplug_ports: options.pcie_root_ports,
             decided: std::sync::OnceLock::new(),
@@ -968,6 +951,46 @@ impl LayoutRequest {
 }
 
 impl LayoutRequest {
+    /// The request for one PCI segment: the devices `indices` (of this request, in plug
+    /// order) and `hotplug_ports` empty root ports. Each segment's root lays out its own
+    /// devices (a NUMA node's GPUs behind their switches on the node's segment).
+    pub fn for_segment(&self, indices: &[usize], hotplug_ports: u8) -> LayoutRequest {
+        LayoutRequest {
+            choice: self.choice,
+            devices: (indices.iter())
+                .filter_map(|&i| self.devices.get(i).cloned())
+                .collect(),
+            hotplug_ports,
+            decided: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// How many buses the layout numbers, bus 0 included: each root port, switch
+    /// upstream and downstream port has a bus behind it (Placement::plug_group,
+    /// add_hotplug_ports). The root's ECAM window covers them.
+    pub fn buses(&self) -> Result<u16, PciTopologyError> {
+        let mut buses = 1 + u16::from(self.hotplug_ports);
+        if let Some((_, groups)) = self.decide()? {
+            for group in &groups {
+                let count = group.devices.len() as u16;
+                buses += if group.switch.is_some() { 2 + count } else { 1 };
+            }
+        }
+        if buses > 256 {
+            return Err(PciTopologyError::TooManyBuses);
+        }
+        Ok(buses)
+    }
+
+    /// What the 32-bit BAR window must hold, for a segment whose window is sized from
+    /// its devices (address_space::SegmentBars::mmio32): `flat` (each device's 32-bit
+    /// BAR sizes, in plug order) where devices stay on bus 0; for each root port, one
+    /// range the size of its memory window (non-prefetchable BARs) rounded up to a
+    /// power of two.
+    pub fn mmio32_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
+        self.window_needs(flat, MEMORY_WINDOW)
+    }
+
     /// The host's topology and the groups of devices that get a root port each, or None
     /// for the flat layout (the reason logged). Decided once; later calls repeat it.
     fn decide(&self) -> Result<Option<(HostTopology, Vec<Group>)>, PciTopologyError> {
@@ -988,7 +1011,8 @@ impl LayoutRequest {
             .filter_map(|d| d.host_bdf.clone())
             .collect();
         if known.is_empty() {
-            if explicit {
+            // A segment with no devices at all (segment 0 beside a node's) has nothing to say.
+            if explicit && !self.devices.is_empty() {
                 log::info!("PCI topology: no device has a known host place: all on bus 0");
             }
             return Ok(None);
@@ -1008,19 +1032,6 @@ impl LayoutRequest {
             );
             return Ok(None);
         }
-        if self.segments > 1 {
-            // Segment N's ECAM window follows segment 0's bus 0: there is no room for
-            // more buses in segment 0.
-            if explicit {
-                return Err(PciTopologyError::Segments(self.segments));
-            }
-            log::warn!(
-                "PCI topology: {} PCI segments leave segment 0 one bus: passthrough devices \
-                 stay on bus 0",
-                self.segments
-            );
-            return Ok(None);
-        }
         let groups = group_by_switch(&self.devices, |bdf| host.switch_of(bdf));
         Ok(Some((host, groups)))
     }
@@ -1032,12 +1043,19 @@ impl LayoutRequest {
     /// its size, as the window must be aligned to its largest BAR); then each empty root
     /// port's prefetchable window ([`HOTPLUG_PORT_PREFETCHABLE`]), placed after them.
     pub fn address_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
-        let mut needs = self.device_needs(flat)?;
+        let mut needs = self.window_needs(flat, PREFETCHABLE_WINDOW)?;
         needs.extend((0..self.hotplug_ports).map(|_| vec![HOTPLUG_PORT_PREFETCHABLE]));
         Ok(needs)
     }
 
-    fn device_needs(&self, flat: &[Vec<u64>]) -> Result<Vec<Vec<u64>>, PciTopologyError> {
+    /// `flat` for the devices left on bus 0, then one power-of-two range per root port
+    /// for its window of `kind` (PREFETCHABLE_WINDOW or MEMORY_WINDOW, see
+    /// device_blocks).
+    fn window_needs(
+        &self,
+        flat: &[Vec<u64>],
+        kind: usize,
+    ) -> Result<Vec<Vec<u64>>, PciTopologyError> {
         let Some((_, groups)) = self.decide()? else {
             return Ok(flat.to_vec());
         };
@@ -1049,8 +1067,8 @@ impl LayoutRequest {
         for group in &groups {
             let pieces: Vec<(u64, u64)> = (group.devices.iter())
                 .map(|&i| {
-                    let [wide, _] = device_blocks(&self.devices[i].specs);
-                    (wide.size, wide.align)
+                    let block = &device_blocks(&self.devices[i].specs)[kind];
+                    (block.size, block.align)
                 })
                 .collect();
             let window = lay_out(&pieces).size;
@@ -1113,6 +1131,10 @@ fn lay_out(pieces: &[(u64, u64)]) -> Block {
         offsets,
     }
 }
+
+/// The index of the prefetchable and of the memory block in device_blocks' answer.
+const PREFETCHABLE_WINDOW: usize = 0;
+const MEMORY_WINDOW: usize = 1;
 
 /// One device's BARs in the two windows: (prefetchable block, memory block).
 fn device_blocks(specs: &[BarSpec]) -> [Block; 2] {
@@ -1267,11 +1289,13 @@ impl Placement {
                 );
                 let up_bdf = self.root.add_behind(&[slot, 0], port(up), &[], true)?;
                 log::info!(
-                    "PCI {rp}: root port, {up_bdf}: switch upstream port (host switch {upstream})"
+                    "PCI {}: root port, {}: switch upstream port (host switch {upstream})",
+                    rp.shown(),
+                    up_bdf.shown()
                 );
                 parent.push(0);
             }
-            None => log::info!("PCI {rp}: root port"),
+            None => log::info!("PCI {}: root port", rp.shown()),
         }
         for (n, &device) in group.devices.iter().enumerate() {
             let mut path = parent.clone();
@@ -1286,7 +1310,7 @@ impl Placement {
                 );
                 path.push(n as u8);
                 let bdf = self.root.add_behind(&path, port(down), &[], true)?;
-                log::info!("PCI {bdf}: switch downstream port");
+                log::info!("PCI {}: switch downstream port", bdf.shown());
             }
             path.push(0);
             let [wide_block, narrow_block] = &blocks[n];
@@ -1529,6 +1553,54 @@ mod tests {
         assert_eq!(flat_request.address_needs(&flat).unwrap(), flat);
     }
 
+    /// A segment's request counts the buses its ports number (the ECAM window is placed
+    /// for them) and asks for each port's memory window in the 32-bit space.
+    #[test]
+    fn a_segments_request_counts_its_buses_and_32_bit_windows() {
+        let mut request = LayoutRequest::new(&PciOptions {
+            pcie_root_ports: 2,
+            ..PciOptions::default()
+        });
+        request.devices = (0..4)
+            .map(|_| DeviceInput {
+                host_bdf: None,
+                specs: gpu_specs(),
+            })
+            .collect();
+        // Devices 1 and 3 of segment "1" behind one switch, 2 behind a root port alone.
+        let node = request.for_segment(&[1, 2, 3], 0);
+        assert_eq!(node.devices.len(), 3);
+        assert_eq!(node.hotplug_ports, 0);
+        let groups = vec![
+            Group {
+                switch: Some("sw".into()),
+                devices: vec![0, 2],
+            },
+            Group {
+                switch: None,
+                devices: vec![1],
+            },
+        ];
+        node.decided
+            .set(Some((HostTopology::default(), groups)))
+            .unwrap();
+        // Bus 0; root port, upstream port and two downstream ports; a root port.
+        assert_eq!(node.buses().unwrap(), 1 + 4 + 1);
+        let flat32 = vec![vec![16 * MIB]; 3];
+        // The switch's two 16 MiB BAR0s in one 32 MiB window, the lone GPU's in 16 MiB.
+        assert_eq!(
+            node.mmio32_needs(&flat32).unwrap(),
+            vec![vec![32 * MIB], vec![16 * MIB]]
+        );
+        // Segment 0 keeps the hot-plug ports: a bus each; no host place, no ports else.
+        let zero = request.for_segment(&[0], 2);
+        assert_eq!(zero.buses().unwrap(), 3);
+        assert_eq!(
+            zero.mmio32_needs(&flat32[..1]).unwrap(),
+            vec![vec![16 * MIB]]
+        );
+    }
+
     /// A one-bus root with a 4 TiB 64-bit window at 1 TiB: room for root ports' windows.
     fn root_with_room_for_ports() -> Arc<PciRoot> {
         PciRoot::new(PciRootConfig {
@@ -1546,14 +1618,10 @@ mod tests {
     fn empty_root_ports_get_windows_and_a_device_fits_inside() {
         let root = root_with_room_for_ports();
         assert!(matches!(
-            add_hotplug_ports(&root, MAX_HOTPLUG_PORTS + 1, 1, None),
+            add_hotplug_ports(&root, MAX_HOTPLUG_PORTS + 1, None),
             Err(PciTopologyError::TooManyHotplugPorts(_))
         ));
-        assert!(matches!(
-            add_hotplug_ports(&root, 1, 2, None),
-            Err(PciTopologyError::HotplugPortsSegments(2))
-        ));
-        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        let ports = add_hotplug_ports(&root, 2, None).unwrap();
         assert_eq!(ports.len(), 2);
         assert_eq!(root.highest_bus(), 2, "a bus each");
         let windows: Vec<(Window, Window)> = ports
@@ -1609,7 +1677,7 @@ mod tests {
         use gpuvm_devices::pci::HotplugController;
         use gpuvm_devices::BusDevice;
         let root = root_with_room_for_ports();
-        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        let ports = add_hotplug_ports(&root, 2, None).unwrap();
         let slots: Vec<u8> = ports.iter().map(|p| p.slot).collect();
         assert_eq!(
             bridge_slots(&root),
@@ -1654,7 +1722,7 @@ mod tests {
             mmio64_size: 4 << 40,
         };
         let root = PciRoot::new(config).unwrap();
-        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        let ports = add_hotplug_ports(&root, 2, None).unwrap();
         // The guest powers port 1's slot on (Slot Control at 0x40 + 0x18).
         ports[1]
             .bridge
@@ -1725,7 +1793,7 @@ mod tests {
             let gpu = Arc::new(Mutex::new(Gpu(BarSet::new(&gpu_specs()))));
             placement.add(index, gpu).unwrap();
         }
-        let ports = add_hotplug_ports(&root, 2, 1, None).unwrap();
+        let ports = add_hotplug_ports(&root, 2, None).unwrap();
         (root, ports)
     }
 

@@ -1410,6 +1410,7 @@ mod tests {
             fixed_window: None,
             segments: 3,
             segment_bars: &[],
+            segment_buses: &[],
         })
         .unwrap();
         assert_eq!(plan.mmio64_start, AMD_HT_HOLE_END);

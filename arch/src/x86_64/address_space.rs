@@ -19,8 +19,10 @@
 //! cut short of the default, starts at 1 TiB instead where that gives it more room, and
 //! RAM that would reach it is refused (RAM above 1 TiB is not laid out yet).
 //!
-//! Below 4 GiB, segments 1.. share 0xe100_0000..0xf000_0000 for their 32-bit BARs: 16 MiB
-//! each, or what the devices placed on the segment need (an H100's BAR0 alone is 16 MiB).
+//! Below 4 GiB, the segments' ECAM windows lie one after another from 0xe000_0000 (1 MiB
+//! per bus), and segments 1.. share 0xe100_0000 (or the end of the ECAM windows, if later)
+//! ..0xf000_0000 for their 32-bit BARs: 16 MiB each, or what the devices placed on the
+//! segment need (an H100's BAR0 alone is 16 MiB).
 //!
 //! [`plan`] is pure: the VMM gives it the host's CPUID (KVM_GET_SUPPORTED_CPUID) and the
 //! BAR sizes of the devices it has opened, before it builds the PCI roots, and a plan
@@ -32,8 +34,9 @@ use gpuvm_devices::pci::BarAllocator;
 use kvm_bindings::kvm_cpuid_entry2;
 
 use super::layout::{
-    ram_hotplug_area, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE, PCI_SEGMENTS_MMIO32_END,
-    PCI_SEGMENTS_MMIO32_START, PCI_SEGMENT_MMIO32_SIZE, PCI_SEGMENT_MMIO64_SIZE,
+    pci_ecam_bases, ram_hotplug_area, PCI_ECAM_START, PCI_MMIO64_ALIGN, PCI_MMIO64_DEFAULT_SIZE,
+    PCI_SEGMENTS_MMIO32_END, PCI_SEGMENTS_MMIO32_START, PCI_SEGMENT_MMIO32_SIZE,
+    PCI_SEGMENT_MMIO64_SIZE,
 };
 
 /// The widest guest-physical address space gpuvm plans for: what 4-level paging (a
@@ -202,6 +205,9 @@ pub struct PlanRequest<'a> {
     /// The BARs of the devices placed on segments 1.. (segment 1's first; missing ones
     /// hold none). `devices` holds only segment 0's.
     pub segment_bars: &'a [SegmentBars],
+    /// How many buses each segment's ECAM window covers, segment 0's first (missing: one;
+    /// more with root ports and switches).
+    pub segment_buses: &'a [u16],
 }
 
 /// The BARs of the passthrough devices on one PCI segment other than 0, device by device
@@ -229,6 +235,8 @@ pub struct AddressSpacePlan {
     pub segment_mmio64: Vec<(u64, u64)>,
     /// Each further segment's 32-bit window (start, end), segment 1's first.
     pub segment_mmio32: Vec<(u64, u64)>,
+    /// Each segment's ECAM window base, segment 0's first (layout::pci_ecam_bases).
+    pub segment_ecam: Vec<u64>,
     /// The end of the last window: the highest guest-physical address used, plus one.
     pub end: u64,
 }
@@ -319,6 +327,14 @@ pub enum PlanError {
         needed: u64,
         taken: u64,
     },
+    #[error(
+        "the ECAM windows of the {segments} PCI segments take {} (1 MiB per bus: each root \
+         port and switch port adds one), more than the {} left below 4 GiB beside the \
+         32-bit BAR windows of segments 1..: use fewer root ports or segments",
+        human(*size),
+        human(*room)
+    )]
+    EcamTooLarge { segments: u16, size: u64, room: u64 },
 }
 
 /// Places each device's BARs (largest first, as the root places a device's) from `start`,
@@ -370,11 +386,29 @@ fn sized_window(next: u64, devices: &[Vec<u64>], least: u64, unit: u64) -> (u64,
 }
 
 /// The 32-bit windows of segments 1..`segments`, one after another from
-/// [`PCI_SEGMENTS_MMIO32_START`]: (start, end) each.
-fn segment_windows32(segments: u16, bars: &[SegmentBars]) -> Result<Vec<(u64, u64)>, PlanError> {
+/// [`PCI_SEGMENTS_MMIO32_START`], or from `ecam_end` where the segments' ECAM windows
+/// reach past it: (start, end) each.
+fn segment_windows32(
+    segments: u16,
+    bars: &[SegmentBars],
+    ecam_end: u64,
+) -> Result<Vec<(u64, u64)>, PlanError> {
     let mut windows = Vec::new();
-    let mut next = PCI_SEGMENTS_MMIO32_START;
-    for segment in 1..segments.max(1) {
+    if segments <= 1 {
+        return Ok(windows);
+    }
+    // Each further segment's 32-bit window is at least PCI_SEGMENT_MMIO32_SIZE.
+    let room = PCI_SEGMENTS_MMIO32_END - u64::from(segments - 1) * PCI_SEGMENT_MMIO32_SIZE;
+    if ecam_end > room {
+        return Err(PlanError::EcamTooLarge {
+            segments,
+            size: ecam_end - PCI_ECAM_START,
+            room: room - PCI_ECAM_START,
+        });
+    }
+    let first = PCI_SEGMENTS_MMIO32_START.max(ecam_end);
+    let mut next = first;
+    for segment in 1..segments {
         let devices = bars
             .get(usize::from(segment) - 1)
             .map_or(&[][..], |b| &b.mmio32[..]);
@@ -383,7 +417,7 @@ fn segment_windows32(segments: u16, bars: &[SegmentBars]) -> Result<Vec<(u64, u6
             return Err(PlanError::Mmio32TooSmall {
                 segment,
                 needed: size,
-                taken: next - PCI_SEGMENTS_MMIO32_START,
+                taken: next - first,
             });
         }
         windows.push((start, start + size));
@@ -456,7 +490,8 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
         .max()
         .unwrap_or(0);
     let planned = request.fixed_window.is_none() && request.mmio64_size == 0;
-    let segment_mmio32 = segment_windows32(request.segments, request.segment_bars)?;
+    let (segment_ecam, ecam_end) = pci_ecam_bases(request.segments, request.segment_buses);
+    let segment_mmio32 = segment_windows32(request.segments, request.segment_bars, ecam_end)?;
     let layout = |start: u64, size: u64| {
         let (segment_mmio64, end) = segment_windows(
             &host,
@@ -473,6 +508,7 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
             hotplug_reserve: if planned { largest } else { 0 },
             segment_mmio64,
             segment_mmio32: segment_mmio32.clone(),
+            segment_ecam: segment_ecam.clone(),
             end,
         }
     };
@@ -619,6 +655,7 @@ mod tests {
             fixed_window: None,
             segments: 1,
             segment_bars: &[],
+            segment_buses: &[],
         }
     }
 
@@ -953,6 +990,54 @@ mod tests {
         restored.host = intel(41);
         let text = super::plan(&restored).unwrap_err().to_string();
         assert!(text.contains("snapshot"), "{text}");
+    }
+
+    /// Segments with root ports or switches cover more buses: the ECAM windows after them
+    /// move up, and the other segments' 32-bit windows start after the last ECAM window
+    /// once it reaches past their usual start; one bus each keeps the layout as it was.
+    #[test]
+    fn ecam_windows_follow_each_segments_buses() {
+        use crate::x86_64::layout::{pci_segment_ecam, PCI_SEGMENTS_MMIO32_START};
+        let mut three = request(intel(48), &[]);
+        three.segments = 3;
+        let planned = super::plan(&three).unwrap();
+        let old: Vec<u64> = (0..3).map(pci_segment_ecam).collect();
+        assert_eq!(planned.segment_ecam, old);
+        assert_eq!(planned.segment_mmio32[0].0, PCI_SEGMENTS_MMIO32_START);
+
+        let buses = [5, 3, 1];
+        three.segment_buses = &buses;
+        let planned = super::plan(&three).unwrap();
+        assert_eq!(
+            planned.segment_ecam,
+            vec![0xe000_0000, 0xe050_0000, 0xe080_0000]
+        );
+        assert_eq!(planned.segment_mmio32[0].0, PCI_SEGMENTS_MMIO32_START);
+
+        let buses = [12, 9, 2];
+        three.segment_buses = &buses;
+        let planned = super::plan(&three).unwrap();
+        assert_eq!(
+            planned.segment_ecam,
+            vec![0xe000_0000, 0xe0c0_0000, 0xe150_0000]
+        );
+        let (start, end) = planned.segment_mmio32[0];
+        assert!(start >= 0xe170_0000, "{start:#x}");
+        assert!(planned.segment_mmio32[1].0 >= end);
+
+        // One segment alone may use every bus (its ECAM ends at 0xf000_0000 at most).
+        let mut one = request(intel(48), &[]);
+        let buses = [256];
+        one.segment_buses = &buses;
+        assert_eq!(super::plan(&one).unwrap().segment_ecam, vec![0xe000_0000]);
+        let buses = [200, 25];
+        three.segment_buses = &buses;
+        let error = super::plan(&three).unwrap_err().to_string();
+        assert!(
+            error.contains("ECAM windows of the 3 PCI segments take 226 MiB"),
+            "{error}"
+        );
+        assert!(error.contains("than the 224 MiB left"), "{error}");
     }
 
     #[test]

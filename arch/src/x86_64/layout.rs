@@ -12,11 +12,12 @@
 //! 0x000f_0000  MP configuration table              (reserved in the e820 map)
 //! 0x0010_0000  kernel / test guest, then RAM
 //! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
-//!              0xe000_0000..0xe010_0000 (reserved in the e820 map); with more PCI
-//!              segments, segment N's ECAM at 0xe000_0000 + N MiB (up to 0xe100_0000) and
-//!              its 32-bit BARs in 16 MiB at 0xe100_0000 + (N - 1) * 16 MiB, or as much
-//!              as the devices placed there need, the windows one after another up to
-//!              0xf000_0000; IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
+//!              0xe000_0000..0xe010_0000 (reserved in the e820 map; 1 MiB per bus: more
+//!              with root ports or switches); with more PCI segments, their ECAM windows
+//!              one after another (segment N's at 0xe000_0000 + N MiB when each covers
+//!              one bus), then from 0xe100_0000 (or the end of the ECAM windows, if
+//!              later) their 32-bit BARs, 16 MiB each or as much as the devices placed
+//!              there need, up to 0xf000_0000; IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000
 //! 0x1_0000_0000 RAM above 4 GiB, then the 64-bit MMIO window (PCI BARs; 1 GiB aligned,
 //!              sized from the passthrough devices' BARs: see address_space), then 64 GiB
 //!              of 64-bit BARs for each segment N > 0 (more where its devices need it,
@@ -91,9 +92,26 @@ pub fn ram_hotplug_area(boot_ram_top: u64, hotplug_size: u64) -> (u64, u64) {
     (start, hotplug_size.next_multiple_of(PCI_MMIO64_ALIGN))
 }
 
-/// Segment `segment`'s ECAM window (bus 0).
+/// Segment `segment`'s ECAM window when every segment covers one bus (bus 0).
 pub const fn pci_segment_ecam(segment: u16) -> u64 {
     PCI_ECAM_START + segment as u64 * PCI_ECAM_SIZE
+}
+
+/// Where the ECAM window of each of `segments` segments starts, segment 0's first, given
+/// how many buses each covers (`buses[segment]`; missing or 0 count as one): one after
+/// another from [`PCI_ECAM_START`], so that with a bus each, segment N's is at
+/// [`pci_segment_ecam`] as it has always been (snapshots and live updates of such VMs keep
+/// their tables), and a segment with root ports or switches (more buses) moves the
+/// windows after it up. Returns the bases and where the last window ends.
+pub fn pci_ecam_bases(segments: u16, buses: &[u16]) -> (Vec<u64>, u64) {
+    let mut bases = Vec::with_capacity(usize::from(segments));
+    let mut next = PCI_ECAM_START;
+    for segment in 0..segments.max(1) {
+        bases.push(next);
+        let count = buses.get(usize::from(segment)).copied().unwrap_or(1);
+        next += u64::from(count.clamp(1, 256)) * PCI_ECAM_SIZE;
+    }
+    (bases, next)
 }
 
 /// Segment `segment`'s (1..) 32-bit BAR window, `[start, end)`.

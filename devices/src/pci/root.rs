@@ -33,6 +33,16 @@ impl PciBdf {
     pub fn full(&self) -> String {
         format!("{:04x}:{self}", self.segment)
     }
+
+    /// The address as gpuvm logs and labels a device: `bus:device.function` on segment 0,
+    /// with the segment in front elsewhere (`0001:03:00.0`, a NUMA node's segment).
+    pub fn shown(&self) -> String {
+        if self.segment == 0 {
+            self.to_string()
+        } else {
+            self.full()
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -1,5 +1,8 @@
-# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk there on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes on node 1's PCI segment, and Linux's sysfs shows it on node 1
+# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk there on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes behind a root port (--pci-topology host) on node 1's PCI segment, beside a root port for hot-plug on segment 0: Linux enumerates the port through segment 1's ECAM window (which moved up past segment 0's two buses) and its sysfs shows the device on node 1
 # qemu: -device edu,addr=0x4
+# The root port for hot-plug has a 512 GiB prefetchable window: above the 40 physical address bits QEMU's
+# CPU has by default, so this machine's CPU (the runner's, repeated: the last -cpu wins) gets 48.
+# qemu: -cpu qemu64,+svm,+npt,phys-bits=48
 . /lib/real-kernel.sh
 start_ch
 dd if=/dev/zero of=/tmp/numa-disk.img bs=1M count=4 2>/dev/null
@@ -39,17 +42,24 @@ expect_line /tmp/ch.log "inner: checks passed"
 # kernel VFIO), and the test hook binds both guest nodes' RAM to the real node 0.
 edu="$(pci_find 1234 11e8)" || fail "no edu device"
 echo "edu at $edu ($(vfio_bind "$edu"))"
-mkdir -p /tmp/sys/devices/system/node/node0 /tmp/sys/devices/system/node/node1 "/tmp/sys/bus/pci/devices/$edu"
-echo 1 >"/tmp/sys/bus/pci/devices/$edu/numa_node"
+# The device under its root complex, as sysfs links it (the host topology is read from the chain).
+complex="pci${edu%:*}"
+mkdir -p /tmp/sys/devices/system/node/node0 /tmp/sys/devices/system/node/node1 "/tmp/sys/devices/$complex/$edu" \
+    /tmp/sys/bus/pci/devices
+echo 1 >"/tmp/sys/devices/$complex/$edu/numa_node"
+ln -s "../../../devices/$complex/$edu" "/tmp/sys/bus/pci/devices/$edu"
 export GPUVM_TEST_SYSFS_ROOT=/tmp/sys GPUVM_TEST_NUMA_BIND_NODE=0
 run_gpuvm numa-gpu 240 run --log-level info --kernel /images/vmlinuz --initrd /images/initramfs.cpio \
-    --vcpus 2 --memory 512M --gpu "$edu" \
+    --vcpus 2 --memory 512M --gpu "$edu" --pci-topology host --pcie-root-ports 1 \
     --numa node=0,cpus=0,mem_mib=256,host_node=0 --numa node=1,cpus=1,mem_mib=256,host_node=1 \
     --cmdline "console=ttyS0 quiet panic=-1 inner.checks=numa inner.numa_device=1234:11e8 inner.end=poweroff" ||
     fail "gpuvm status $?"
 unset GPUVM_TEST_SYSFS_ROOT GPUVM_TEST_NUMA_BIND_NODE
 expect_line /tmp/numa-gpu.log "passthrough device $edu: PCI segment 1, whose host bridge is guest node 1's"
-# Linux reads the node from PC01's _PXM: the device is on segment 1, node 1.
-expect_line /tmp/numa-gpu.log "inner: numa device 1234:11e8 at 0001:00:01.0 node 1"
+# Segment 0 numbers two buses (bus 0 and the hot-plug port's), so segment 1's ECAM window starts 2 MiB up.
+expect_line /tmp/numa-gpu.log "ECAM 0xe0200000 (2 buses)"
+expect_line /tmp/numa-gpu.log "PCI 0001:00:01.0: root port"
+# Linux reads the node from PC01's _PXM: the device is behind the root port on segment 1, node 1.
+expect_line /tmp/numa-gpu.log "inner: numa device 1234:11e8 at 0001:01:00.0 node 1"
 expect_line /tmp/numa-gpu.log "inner: checks passed"
-echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a passthrough device on node 1: ok"
+echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a passthrough device behind a root port on node 1: ok"

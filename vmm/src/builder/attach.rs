@@ -57,25 +57,28 @@ pub fn attach(
     let count = (device_segments.values().copied())
         .map(|segment| segment.saturating_add(1))
         .fold(segment_count(options)?, u16::max);
-    let mut opened = open_devices(vm, options)?;
-    opened.layout.segments = count;
+    let opened = open_devices(vm, options)?;
     let host = host_address_width(kvm)?;
     let segments: Vec<u16> = (crate::numa::device_keys(options).iter())
         .map(|key| device_segments.get(key).copied().unwrap_or(0))
         .collect();
-    let needs = opened.layout.address_needs(&opened.bar64_sizes)?;
-    let (needs, segment_bars) = needs_by_segment(&opened, needs, &segments, count);
-    let plan = plan_address_space(host, ram, options, &needs, (count, &segment_bars))?;
+    let layouts = SegmentLayouts::new(&opened.layout, &segments, count, options.pcie_root_ports);
+    let buses = layouts.buses(options.pci_root.as_ref())?;
+    let (needs, segment_bars) = layouts.needs(&opened)?;
+    let plan = plan_address_space(host, ram, options, &needs, (count, &segment_bars, &buses))?;
     log::info!("guest address space: {plan}");
-    let configs = segment_configs(&plan, count);
+    let configs = segment_configs(&plan, count, &buses);
     for (segment, config) in configs.iter().enumerate().skip(1) {
         log::info!(
-            "PCI segment {segment}: 64-bit BAR window {:#x}..{:#x} ({}), 32-bit {:#x}..{:#x}",
+            "PCI segment {segment}: 64-bit BAR window {:#x}..{:#x} ({}), 32-bit {:#x}..{:#x}, \
+             ECAM {:#x} ({} buses)",
             config.mmio64_start,
             config.mmio64_start + config.mmio64_size,
             gpuvm_arch::x86_64::address_space::human(config.mmio64_size),
             config.mmio32_start,
-            config.mmio32_end
+            config.mmio32_end,
+            config.ecam_base,
+            config.buses
         );
     }
     let mut roots = configs
@@ -98,7 +101,7 @@ pub fn attach(
             vm,
             ram,
             opened,
-            (&roots, segments),
+            (&roots, &layouts),
             &router,
             &slots,
             &peers,
@@ -129,7 +132,18 @@ pub fn attach(
     let mut hotplug =
         crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
     hotplug.set_peer_dma(peers);
-    hotplug.add_root_ports(options.pcie_root_ports, count)?;
+    hotplug.add_root_ports(options.pcie_root_ports)?;
+    for (segment, root) in roots.iter().enumerate() {
+        // Each ECAM window was placed for the buses the layout said it would number.
+        let (used, planned) = (u16::from(root.highest_bus()) + 1, configs[segment].buses);
+        if used > planned {
+            return Err(PciSetupError::EcamBuses {
+                segment: segment as u16,
+                used,
+                planned,
+            });
+        }
+    }
     // Hot-plugged GPUs continue the cold-plugged ones' clique numbering.
     hotplug.set_cliques(cliques);
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
@@ -207,35 +221,74 @@ struct OpenedDevices {
     layout: LayoutRequest,
 }
 
-/// Splits what the BAR windows must hold by segment (`segments`: each device's, in plug
-/// order): segment 0's 64-bit window keeps `needs` (from the layout) less the devices
-/// placed on other segments, and each other segment gets its devices' BARs, which size
-/// its windows. With devices off segment 0 the layout leaves them all on bus 0
-/// (`LayoutRequest::decide` with more than one segment), so the first entries of `needs`
-/// are the devices' own, in plug order.
-fn needs_by_segment(
-    opened: &OpenedDevices,
-    needs: Vec<Vec<u64>>,
-    segments: &[u16],
-    count: u16,
-) -> (Vec<Vec<u64>>, Vec<SegmentBars>) {
-    let mut segment_bars = vec![SegmentBars::default(); usize::from(count.saturating_sub(1))];
-    if segments.iter().all(|&segment| segment == 0) {
-        return (needs, segment_bars);
+/// Each PCI segment's share of the passthrough devices and how its root lays them out:
+/// segment 0 with the empty root ports for hot-plug, a NUMA node's segment with the
+/// node's devices (behind root ports and switches like their host's, as segment 0's).
+struct SegmentLayouts {
+    /// Each segment's layout request, segment 0's first.
+    requests: Vec<LayoutRequest>,
+    /// Each segment's devices, by their index in plug order.
+    members: Vec<Vec<usize>>,
+    /// Each device's (segment, index among its segment's devices), in plug order.
+    places: Vec<(u16, usize)>,
+}
+
+impl SegmentLayouts {
+    /// `segments`: each device's segment, in plug order (missing: 0).
+    fn new(layout: &LayoutRequest, segments: &[u16], count: u16, hotplug_ports: u8) -> Self {
+        let mut members = vec![Vec::new(); usize::from(count.max(1))];
+        let mut places = Vec::new();
+        for index in 0..layout.devices.len() {
+            let segment = segments.get(index).copied().unwrap_or(0);
+            let group = usize::from(segment).min(members.len() - 1);
+            places.push((segment, members[group].len()));
+            members[group].push(index);
+        }
+        let requests = (members.iter().enumerate())
+            .map(|(segment, devices)| {
+                layout.for_segment(devices, if segment == 0 { hotplug_ports } else { 0 })
+            })
+            .collect();
+        SegmentLayouts {
+            requests,
+            members,
+            places,
+        }
     }
-    let mut kept = Vec::new();
-    for (index, need) in needs.into_iter().enumerate() {
-        let segment = segments.get(index).copied().unwrap_or(0);
-        let Some(bars) = segment
-            .checked_sub(1)
-            .and_then(|at| segment_bars.get_mut(usize::from(at)))
-        else {
-            kept.push(need);
-            continue;
-        };
-        let specs = &opened.layout.devices[index].specs;
-        let sizes = |wide: bool| -> Vec<u64> {
-            (specs.iter())
+
+    /// How many buses each segment's ECAM window covers, segment 0's first. A restored
+    /// segment 0 covers what it covered when saved (`saved`): more than its layout
+    /// numbers only if the guest numbered buses of its own, which one segment alone can
+    /// take but which would move the next segment's ECAM window from under its guest.
+    fn buses(
+        &self,
+        saved: Option<&gpuvm_devices::pci::PciRootState>,
+    ) -> Result<Vec<u16>, PciSetupError> {
+        let mut buses = (self.requests.iter())
+            .map(LayoutRequest::buses)
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(saved) = saved.filter(|saved| saved.buses > buses[0]) {
+            if buses.len() > 1 {
+                return Err(PciSetupError::EcamBuses {
+                    segment: 0,
+                    used: saved.buses,
+                    planned: buses[0],
+                });
+            }
+            buses[0] = saved.buses;
+        }
+        Ok(buses)
+    }
+
+    /// What the BAR windows must hold: segment 0's 64-bit window (its devices' BARs or
+    /// their root ports' windows, and the hot-plug ports'), and each further segment's
+    /// windows, sized from its devices.
+    fn needs(
+        &self,
+        opened: &OpenedDevices,
+    ) -> Result<(Vec<Vec<u64>>, Vec<SegmentBars>), PciSetupError> {
+        let sizes = |index: usize, wide: bool| -> Vec<u64> {
+            (opened.layout.devices[index].specs.iter())
                 .filter(|spec| match spec.kind {
                     BarKind::Memory64 { .. } => wide,
                     BarKind::Memory32 { .. } => !wide,
@@ -244,10 +297,23 @@ fn needs_by_segment(
                 .map(|spec| spec.size)
                 .collect()
         };
-        bars.mmio64.push(sizes(true));
-        bars.mmio32.push(sizes(false));
+        let flat = |segment: usize, wide: bool| -> Vec<Vec<u64>> {
+            self.members[segment]
+                .iter()
+                .map(|&i| sizes(i, wide))
+                .collect()
+        };
+        let needs = self.requests[0].address_needs(&flat(0, true))?;
+        let segment_bars = (1..self.requests.len())
+            .map(|segment| {
+                Ok(SegmentBars {
+                    mmio64: self.requests[segment].address_needs(&flat(segment, true))?,
+                    mmio32: self.requests[segment].mmio32_needs(&flat(segment, false))?,
+                })
+            })
+            .collect::<Result<Vec<_>, PciSetupError>>()?;
+        Ok((needs, segment_bars))
     }
-    (kept, segment_bars)
 }
 
 /// Opens the passthrough devices of `options` and reads what their BARs need.
@@ -303,8 +369,8 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
     Ok(opened)
 }
 
-/// Plugs the `opened` passthrough devices into `roots` (`segments`: each device's, in plug
-/// order; segment 0's laid out by its topology, the others' on their bus 0). Guest RAM is
+/// Plugs the `opened` passthrough devices into `roots`, each segment's laid out by its
+/// topology (`layouts`). Guest RAM is
 /// mapped in the background: once per kernel VFIO context (its mappings serve all its
 /// devices), once per vfio-user device; each mapping starts as soon as its devices are
 /// open. Each device's BARs are DMA-mapped for the others (`peers`), and each gets its GPUDirect
@@ -314,7 +380,7 @@ fn attach_devices(
     vm: &VmFd,
     ram: &GuestRam,
     opened: OpenedDevices,
-    (roots, segments): (&[Arc<PciRoot>], Vec<u16>),
+    (roots, layouts): (&[Arc<PciRoot>], &SegmentLayouts),
     router: &Arc<MsiRouter>,
     slots: &Arc<dyn GuestMemoryMapper>,
     peers: &Arc<PeerDma>,
@@ -330,17 +396,18 @@ fn attach_devices(
     peers.ensure_worker(crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm))?;
     let mut peer_bars = opened.peer_bars.into_iter();
     let root = &roots[0];
-    let count = opened.layout.devices.len();
-    let placements = std::iter::once(Placement::build(root, &opened.layout))
-        .chain(roots[1..].iter().map(|r| Ok(Placement::flat(r, count))))
+    let placements = (roots.iter().zip(&layouts.requests))
+        .map(|(root, request)| Placement::build(root, request))
         .collect::<Result<Vec<_>, _>>()?;
     let placement_of = |index: usize| {
-        let segment = segments.get(index).copied().unwrap_or(0);
-        (placements.get(usize::from(segment))).ok_or(PciSetupError::NoSuchSegment {
+        let (segment, local) = layouts.places.get(index).copied().unwrap_or_default();
+        let placement = placements.get(usize::from(segment));
+        let placement = placement.ok_or(PciSetupError::NoSuchSegment {
             device: format!("passthrough device {index}"),
             segment,
             count: roots.len() as u16,
-        })
+        })?;
+        Ok::<_, PciSetupError>((placement, local))
     };
     let mut order = 0usize..;
     let ram_chunks = RamChunks::new(ram);
@@ -365,8 +432,7 @@ fn attach_devices(
         for ((backend, bars), (host_bdf, cdev, mark)) in
             backends.into_iter().zip(peer_bars.by_ref()).zip(handles)
         {
-            let index = order.next().unwrap_or_default();
-            let at = (placement_of(index)?, index);
+            let at = placement_of(order.next().unwrap_or_default())?;
             let (device, bdf) = plug_device(&plug, backend, &progress, at, devices)?;
             give_clique(&device);
             peers.plugged(context, bars, &device);
@@ -390,8 +456,7 @@ fn attach_devices(
         let peer_mapper = backend.peer_mapper();
         let (socket, connection) = (backend.path().to_path_buf(), backend.connection());
         // Plugging resets the device: map after that.
-        let index = order.next().unwrap_or_default();
-        let at = (placement_of(index)?, index);
+        let at = placement_of(order.next().unwrap_or_default())?;
         let (device, bdf) = plug_device(&plug, Box::new(backend), &progress, at, devices)?;
         give_clique(&device);
         (devices.handover.vfio_user).push(crate::update::passthrough::PluggedVfioUser {

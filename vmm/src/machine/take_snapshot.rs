@@ -110,7 +110,7 @@ impl Machine {
             .filter(|label| !hot.contains(label))
             .filter(|label| {
                 !(behind_ports.iter())
-                    .any(|(plugged, _)| label.starts_with(&format!("{} ", plugged.bdf)))
+                    .any(|(plugged, _)| label.starts_with(&format!("{} ", plugged.bdf.shown())))
             })
             .cloned()
             .collect();
