@@ -462,6 +462,11 @@ impl SpawnedProcess {
         Self::spawn_with_stdin(&gpuvm_bin(), args, &[], Stdio::piped())
     }
 
+    /// [`SpawnedProcess::gpuvm_with_input`] with extra environment variables.
+    pub fn gpuvm_with_env_and_input(args: &[&str], env: &[(&str, &str)]) -> SpawnedProcess {
+        Self::spawn_with_stdin(&gpuvm_bin(), args, env, Stdio::piped())
+    }
+
     /// Writes `bytes` to the process's stdin (started by [`SpawnedProcess::gpuvm_with_input`]).
     pub fn write_stdin(&mut self, bytes: &[u8]) {
         use std::io::Write;

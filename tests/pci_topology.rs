@@ -6,7 +6,9 @@
 //! `--pci-topology flat` keeps the devices on bus 0, and so does the default where the
 //! host GPUs hang straight off root ports (nothing to mirror) unless `host` is asked for.
 //! A VM with such a topology snapshots and restores in a new process: its ports rebuilt
-//! in place and its GPUs restored behind them through VFIO migration.
+//! in place and its GPUs restored behind them through VFIO migration. It is live-updated
+//! too: the new process rebuilds the ports from the state and takes the GPUs behind them
+//! over on their device processes' connections, with no reset and no new DMA mapping.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -307,6 +309,141 @@ fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gp
     ] {
         assert!(out.stderr.contains(what), "{what}: {}", out.stderr);
     }
+    for server in servers {
+        let done = server.wait(Duration::from_secs(30));
+        assert!(!done.stderr.contains("panicked"), "{}", done.stderr);
+    }
+}
+
+/// A live update of a VM whose GPUs sit behind a virtual switch: two updates in a row
+/// (`gpuvm update --pid`), each new process rebuilding the root port and switch ports in
+/// place from the state and plugging the GPUs back behind them over the connections the
+/// old process used. Then the guest, which checked the GPUs before the first update, walks
+/// the tree again (the same ports, bus numbers, windows and BARs) and checks that each GPU
+/// kept its state and does one more DMA with MSI-X, now served by the last process. Each
+/// device process saw one connection and never mapped or unmapped guest RAM again.
+#[test]
+fn the_topology_vm_is_live_updated_with_its_gpus_behind_the_switch() {
+    let scratch = Scratch::new("pci-topology", "update");
+    let sysfs = scratch.path("sys");
+    let chains: Vec<&[&str]> = HOST_GPUS[..2].iter().map(|c| c.as_slice()).collect();
+    fake_sysfs(&sysfs, &chains);
+    let mut servers = Vec::new();
+    let mut devices = Vec::new();
+    for (i, chain) in chains.iter().enumerate() {
+        let socket = scratch.path(&format!("gpu{i}.sock"));
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
+        devices.push(format!("{},topology_bdf={}", socket.display(), chain[3]));
+    }
+    let api = scratch.path("api.sock");
+    let mut args = vec![
+        "--log-level",
+        "info",
+        "run",
+        "--api-sock",
+        api.to_str().unwrap(),
+        "--cmdline",
+        "pci-topology 1 2 snapshot",
+    ];
+    for device in &devices {
+        args.extend(["--vfio-user", device.as_str()]);
+    }
+    let env = [("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())];
+    let mut vmm = SpawnedProcess::gpuvm_with_env_and_input(&args, &env);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
+    gpuvm_tests::api_start_instance(&api);
+    vmm.wait_for_stdout("send a byte once the VM is restored", LIMIT);
+    let counts = |server: &SpawnedProcess| {
+        let log = server.stderr();
+        (
+            log.matches("emu-gpu: listening on").count(),
+            log.matches("emu-gpu: DMA map ").count(),
+            log.matches("emu-gpu: DMA unmap ").count(),
+        )
+    };
+    let before: Vec<_> = servers.iter().map(counts).collect();
+    let mut owner = vmm.pid();
+    for _ in 0..2 {
+        let old = owner;
+        let out = std::process::Command::new(gpuvm_tests::gpuvm_bin())
+            .args(["update", "--pid", &owner.to_string()])
+            // The new process logs where it rebuilt the ports and took the GPUs over.
+            .env("GPUVM_LOG", "info")
+            .output()
+            .expect("run gpuvm update");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "gpuvm update failed: {}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            vmm.stderr()
+        );
+        owner = (stdout.split("runs in process ").nth(1))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|pid| pid.parse().ok())
+            .unwrap_or_else(|| panic!("no new pid in {stdout:?}"));
+        // The old process ends, then the new one answers at the socket's path.
+        let deadline = std::time::Instant::now() + LIMIT;
+        let answers =
+            || gpuvm_api::client::request(&api, "GET", "/", None).is_ok_and(|a| a.status == 200);
+        while gpuvm_tests::process_running(old) || !answers() {
+            assert!(std::time::Instant::now() < deadline, "{}", vmm.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let stderr = vmm.stderr();
+    // Each new process rebuilt the root port, the upstream port and both downstream ports.
+    for (what, count) in [
+        ("root port restored", 2),
+        ("switch upstream port restored", 2),
+        ("switch downstream port restored", 4),
+    ] {
+        assert_eq!(stderr.matches(what).count(), count, "{what}: {stderr}");
+    }
+    assert_eq!(
+        stderr
+            .matches("taken over from the old process (no reset")
+            .count(),
+        4,
+        "each GPU in each new process: {stderr}"
+    );
+    // Across the updates each device process kept its one connection and saw no DMA map
+    // or unmap (guest RAM and the peer's BAR stay mapped as the first process mapped
+    // them). The guest's checks after this may move BARs, which moves peer mappings.
+    let after: Vec<_> = servers.iter().map(counts).collect();
+    assert_eq!(after, before, "{}", servers[0].stderr());
+    assert!(before
+        .iter()
+        .all(|&(connections, maps, _)| connections == 1 && maps > 0));
+    vmm.write_stdin(b"r");
+    vmm.wait_for_stdout("pci-topology: restored ok", LIMIT);
+    let out = vmm.stdout();
+    assert!(!out.contains("FAIL"), "{out}");
+    assert!(
+        out.contains("pci-topology: after the restore the same tree: 4 ports, 2 GPUs"),
+        "{out}"
+    );
+    for bdf in ["03:00.0", "04:00.0"] {
+        assert!(
+            out.contains(&format!(
+                "pci-topology: {bdf} kept its state and did one more DMA with MSI-X, verified"
+            )),
+            "{out}"
+        );
+    }
+    // The guest ends the VM after its checks; the last process then exits on its own.
+    let deadline = std::time::Instant::now() + LIMIT;
+    while gpuvm_tests::process_running(owner) {
+        assert!(std::time::Instant::now() < deadline, "{}", vmm.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stderr = vmm.stderr();
+    let ends: Vec<&str> = (stderr.lines())
+        .filter_map(|l| l.split("guest ended: ").nth(1))
+        .collect();
+    assert_eq!(ends.len(), 3, "{stderr}");
+    assert!(ends[..2].iter().all(|end| *end == "HandedOver"), "{ends:?}");
+    assert_ne!(ends[2], "HandedOver", "{stderr}");
     for server in servers {
         let done = server.wait(Duration::from_secs(30));
         assert!(!done.stderr.contains("panicked"), "{}", done.stderr);

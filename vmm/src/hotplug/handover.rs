@@ -105,7 +105,7 @@ impl PciHotplug {
                 };
                 HandedOverVfioUser::of(
                     &lock(&hot.device),
-                    (socket, hot.bdf.device),
+                    (socket, hot.bdf.device, None),
                     ram,
                     Some(hot_plugged),
                 )

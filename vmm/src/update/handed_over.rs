@@ -125,8 +125,14 @@ impl OfferedVfioUser {
 #[serde(deny_unknown_fields)]
 pub struct HandedOverVfioUser {
     pub socket: PathBuf,
-    /// Its slot on bus 0 of segment 0.
+    /// Its slot on bus 0 of segment 0, or its device number on its bus behind bridges.
     pub slot: u8,
+    /// Behind the ports of a host-mirroring layout (crate::pci_topology, rebuilt from the
+    /// state before the devices): its path from bus 0 (PciRoot::add_behind). Absent on
+    /// bus 0, so such a state reads as before (and an older binary, which would put the
+    /// device on bus 0, refuses the field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<Vec<u8>>,
     pub vendor_id: u16,
     pub device_id: u16,
     pub pci: VfioPciState,
@@ -147,11 +153,12 @@ pub struct HandedOverVfioUser {
 }
 
 impl HandedOverVfioUser {
-    /// What the paused state says of `device` (served on `socket`, in bus-0 slot `slot`),
-    /// which has `ram` DMA-mapped; `hot_plugged` for a GPU hot-plugged at runtime.
+    /// What the paused state says of `device` (served on `socket`, in bus-0 slot `slot`
+    /// or behind bridges at `path`), which has `ram` DMA-mapped; `hot_plugged` for a GPU
+    /// hot-plugged at runtime.
     pub fn of(
         device: &gpuvm_vfio::pci::VfioPciDevice,
-        (socket, slot): (PathBuf, u8),
+        (socket, slot, path): (PathBuf, u8, Option<Vec<u8>>),
         ram: &[gpuvm_vfio::DmaRegion],
         hot_plugged: Option<HotPluggedGpu>,
     ) -> Result<Self, String> {
@@ -163,6 +170,7 @@ impl HandedOverVfioUser {
         Ok(HandedOverVfioUser {
             socket,
             slot,
+            path,
             vendor_id,
             device_id,
             pci,
@@ -196,6 +204,7 @@ mod tests {
         HandedOverVfioUser {
             socket: PathBuf::from(socket),
             slot: 3,
+            path: None,
             vendor_id: 0x10de,
             device_id: 0x2330,
             pci: VfioPciState::default(),
@@ -213,6 +222,17 @@ mod tests {
     fn a_hot_plugged_gpu_is_marked_and_a_cold_plugged_one_is_not() {
         let written = serde_json::to_value(cold("/run/a.sock")).unwrap();
         assert!(written.get("hot_plugged").is_none(), "{written}");
+        assert!(written.get("path").is_none(), "{written}");
+        // One behind a switch's ports keeps its path from bus 0.
+        let behind = HandedOverVfioUser {
+            slot: 0,
+            path: Some(vec![1, 0, 1, 0]),
+            ..cold("/run/c.sock")
+        };
+        let behind_written = serde_json::to_value(&behind).unwrap();
+        assert_eq!(behind_written["path"], serde_json::json!([1, 0, 1, 0]));
+        let read_behind: HandedOverVfioUser = serde_json::from_value(behind_written).unwrap();
+        assert_eq!(read_behind, behind);
         let read: HandedOverVfioUser = serde_json::from_value(written).unwrap();
         assert_eq!(read, cold("/run/a.sock"));
 

@@ -260,6 +260,7 @@ pub(crate) fn plug_handed_over(
         };
         let bars = PeerBars::new(device.host_bdf.clone(), &tuning, |i| backend.region_file(i));
         let place = SavedPlace {
+            path: None,
             slot: device.slot,
             ids: (device.vendor_id, device.device_id),
             pci: &device.pci,

@@ -54,9 +54,20 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
                 "{name}: guest RAM is still being DMA-mapped for it; retry once it is"
             ));
         }
-        if plugged.bdf.segment != 0 || plugged.bdf.bus != 0 {
+        if plugged.bdf.segment != 0 {
+            // A node's segment is made for its devices from the command line, which the
+            // new process does not get for them.
             return Some(format!(
-                "{name} sits at {} (behind a bridge); only devices on bus 0 are handed over",
+                "{name} sits at {} on a NUMA node's PCI segment; only devices of segment 0 \
+                 are handed over",
+                plugged.bdf.shown()
+            ));
+        }
+        let behind_ports = (handover.plug.as_ref())
+            .and_then(|parts| crate::pci_topology::path_of(&parts.root, plugged.bdf));
+        if plugged.bdf.bus != 0 && behind_ports.is_none() {
+            return Some(format!(
+                "{name} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
                 plugged.bdf
             ));
         }
@@ -96,7 +107,10 @@ pub(super) fn save(
         .vfio_user
         .iter()
         .map(|plugged| {
-            let place = (plugged.socket.clone(), plugged.bdf.device);
+            // Behind the ports of a host-mirroring layout: its path through them.
+            let path = (handover.plug.as_ref())
+                .and_then(|parts| crate::pci_topology::path_of(&parts.root, plugged.bdf));
+            let place = (plugged.socket.clone(), plugged.bdf.device, path);
             HandedOverVfioUser::of(&lock(&plugged.device), place, ram, None)
                 .map_err(UpdateError::Save)
         })
@@ -374,6 +388,7 @@ fn plug_one(
     let progress = chunks.progress(mapper.name());
     let place = SavedPlace {
         slot: saved.slot,
+        path: saved.path.as_deref(),
         ids: (saved.vendor_id, saved.device_id),
         pci: &saved.pci,
         intx_gsi: saved.intx_gsi,
@@ -417,6 +432,8 @@ fn plug_one(
 pub(crate) struct SavedPlace<'a> {
     /// Its slot on bus 0 of segment 0.
     pub slot: u8,
+    /// Or its path from bus 0 behind the ports of a host-mirroring layout.
+    pub path: Option<&'a [u8]>,
     /// (vendor, device) as the old process saw them.
     pub ids: (u16, u16),
     pub pci: &'a gpuvm_vfio::pci::VfioPciState,
@@ -439,13 +456,17 @@ pub(crate) fn plug_back(
     let name = device.name().to_string();
     let device = Arc::new(Mutex::new(device));
     let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
-    let bdf = parts
-        .root
-        .add_device_at(place.slot, as_pci, &place.pci.bars)
-        .map_err(|e| {
-            parts.router.release(&gsis);
-            format!("cannot plug it back into slot {:#04x}: {e}", place.slot)
-        })?;
+    // Its BARs where the guest had them (behind ports: inside their windows, rebuilt
+    // before); its own restored state says whether they decode.
+    let added = match place.path {
+        Some(path) => (parts.root.add_behind(path, as_pci, &place.pci.bars, false))
+            .map_err(|e| format!("cannot plug it back at {path:?} (path from bus 0): {e}")),
+        None => (parts
+            .root
+            .add_device_at(place.slot, as_pci, &place.pci.bars))
+        .map_err(|e| format!("cannot plug it back into slot {:#04x}: {e}", place.slot)),
+    };
+    let bdf = added.inspect_err(|_| parts.router.release(&gsis))?;
     let plug = crate::pci::Plug {
         vm,
         root: &parts.root,
