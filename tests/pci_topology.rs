@@ -178,14 +178,14 @@ fn the_walk_fails_where_the_layout_is_not_the_expected_one() {
         .assert_stdout_has("pci-topology: FAIL expected 4 GPUs on bus 0 and no bridges");
 }
 
-#[test]
-fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gpus() {
-    // Two GPUs behind one host switch: a root port, a switch upstream port and two
-    // downstream ports, cold-plugged at boot. The snapshot keeps every port (place, bus
-    // numbers, windows, registers) and each GPU's state (VFIO migration); a new process
-    // rebuilds the ports in place and plugs the GPUs back behind them, onto the same
-    // device processes (each serves the restored VMs too).
-    let scratch = Scratch::new("pci-topology", "snapshot");
+/// Two emulated GPUs (started with `emu_args`) standing for two host GPUs behind one host
+/// switch, cold-plugged into a VM (`--api-sock`, a pipe on its stdin) whose guest runs
+/// `pci-topology 1 2 snapshot`: returned once the guest has checked the GPUs and waits for
+/// a byte, with the device processes and the API socket.
+fn start_gpus_behind_a_switch(
+    scratch: &Scratch,
+    emu_args: &[&str],
+) -> (SpawnedProcess, Vec<SpawnedProcess>, PathBuf) {
     let sysfs = scratch.path("sys");
     let chains: Vec<&[&str]> = HOST_GPUS[..2].iter().map(|c| c.as_slice()).collect();
     fake_sysfs(&sysfs, &chains);
@@ -193,11 +193,7 @@ fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gp
     let mut devices = Vec::new();
     for (i, chain) in chains.iter().enumerate() {
         let socket = scratch.path(&format!("gpu{i}.sock"));
-        servers.push(gpuvm_tests::start_emu_gpu(
-            &emu_bin(),
-            &socket,
-            &["--clients", "3"],
-        ));
+        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, emu_args));
         devices.push(format!("{},topology_bdf={}", socket.display(), chain[3]));
     }
     let api = scratch.path("api.sock");
@@ -207,16 +203,29 @@ fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gp
         "run",
         "--api-sock",
         api.to_str().unwrap(),
+        "--cmdline",
+        "pci-topology 1 2 snapshot",
     ];
-    args.extend(["--cmdline", "pci-topology 1 2 snapshot"]);
     for device in &devices {
         args.extend(["--vfio-user", device.as_str()]);
     }
     let env = [("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())];
-    let mut vmm = SpawnedProcess::gpuvm_with_env(&args, &env);
+    let mut vmm = SpawnedProcess::gpuvm_with_env_and_input(&args, &env);
     gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
     gpuvm_tests::api_start_instance(&api);
     vmm.wait_for_stdout("send a byte once the VM is restored", LIMIT);
+    (vmm, servers, api)
+}
+
+#[test]
+fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gpus() {
+    // Two GPUs behind one host switch: a root port, a switch upstream port and two
+    // downstream ports, cold-plugged at boot. The snapshot keeps every port (place, bus
+    // numbers, windows, registers) and each GPU's state (VFIO migration); a new process
+    // rebuilds the ports in place and plugs the GPUs back behind them, onto the same
+    // device processes (each serves the restored VMs too).
+    let scratch = Scratch::new("pci-topology", "snapshot");
+    let (mut vmm, servers, api) = start_gpus_behind_a_switch(&scratch, &["--clients", "3"]);
     let before = vmm.stdout();
     assert_eq!(before.matches(" switch-downstream ").count(), 2, "{before}");
     assert_eq!(
@@ -325,34 +334,7 @@ fn the_topology_vm_snapshots_and_restores_in_a_new_process_with_its_ports_and_gp
 #[test]
 fn the_topology_vm_is_live_updated_with_its_gpus_behind_the_switch() {
     let scratch = Scratch::new("pci-topology", "update");
-    let sysfs = scratch.path("sys");
-    let chains: Vec<&[&str]> = HOST_GPUS[..2].iter().map(|c| c.as_slice()).collect();
-    fake_sysfs(&sysfs, &chains);
-    let mut servers = Vec::new();
-    let mut devices = Vec::new();
-    for (i, chain) in chains.iter().enumerate() {
-        let socket = scratch.path(&format!("gpu{i}.sock"));
-        servers.push(gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]));
-        devices.push(format!("{},topology_bdf={}", socket.display(), chain[3]));
-    }
-    let api = scratch.path("api.sock");
-    let mut args = vec![
-        "--log-level",
-        "info",
-        "run",
-        "--api-sock",
-        api.to_str().unwrap(),
-        "--cmdline",
-        "pci-topology 1 2 snapshot",
-    ];
-    for device in &devices {
-        args.extend(["--vfio-user", device.as_str()]);
-    }
-    let env = [("GPUVM_TEST_SYSFS_ROOT", sysfs.to_str().unwrap())];
-    let mut vmm = SpawnedProcess::gpuvm_with_env_and_input(&args, &env);
-    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
-    gpuvm_tests::api_start_instance(&api);
-    vmm.wait_for_stdout("send a byte once the VM is restored", LIMIT);
+    let (mut vmm, servers, api) = start_gpus_behind_a_switch(&scratch, &[]);
     let counts = |server: &SpawnedProcess| {
         let log = server.stderr();
         (
