@@ -240,9 +240,12 @@ impl SegmentLayouts {
         let mut places = Vec::new();
         for index in 0..layout.devices.len() {
             let segment = segments.get(index).copied().unwrap_or(0);
-            let group = usize::from(segment).min(members.len() - 1);
-            places.push((segment, members[group].len()));
-            members[group].push(index);
+            // A segment the VM lacks holds nothing: plugging the device says so.
+            let at = members.get_mut(usize::from(segment)).map_or(0, |devices| {
+                devices.push(index);
+                devices.len() - 1
+            });
+            places.push((segment, at));
         }
         let requests = (members.iter().enumerate())
             .map(|(segment, devices)| {
