@@ -18,7 +18,11 @@
 //! the device process keeping its one connection and its DMA mappings (only its interrupt
 //! eventfds change); a failed update leaves the GPU working with the old process. Two GPUs
 //! that DMA into each other's BARs keep those peer mappings across updates, the new process
-//! moving them with a BAR the guest moves.
+//! moving them with a BAR the guest moves. The API socket is handed over with the VM: a
+//! client sending requests in a tight loop, each on a fresh connection, gets every one
+//! answered across three updates (no ECONNREFUSED, no ENOENT), the socket file keeps its
+//! inode, and a request sent during a failed update is answered by the old process once
+//! it has taken the VM back.
 
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -315,6 +319,211 @@ fn memloop_keeps_its_checksums_across_consecutive_updates() {
     );
     reference.assert_code(0);
     assert_eq!(checksum_lines(&updated), checksum_lines(&reference.stdout));
+}
+
+/// The inode of the API socket's file: the same socket while it does not change.
+fn socket_inode(path: &Path) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(path).expect("the API socket's file"))
+}
+
+const GET_INFO: &str = "GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+/// A request the API server answers by itself (404), without the VMM thread.
+const GET_NOT_FOUND: &str =
+    "GET /no-such-path HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+/// How long one request of [`one_request`] may take: the hand-over holds connections made
+/// during it for a fraction of this.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Sends `request` on a fresh connection to `api`, with no retry: its status code, and
+/// whether the answer carried Retry-After.
+fn one_request(api: &Path, request: &str) -> Result<(u16, bool), String> {
+    use std::io::Write;
+    let mut stream = UnixStream::connect(api).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(REQUEST_TIMEOUT)).unwrap();
+    stream.set_write_timeout(Some(REQUEST_TIMEOUT)).unwrap();
+    stream
+        .write_all(request.as_bytes())
+        .map_err(|e| format!("write: {e}"))?;
+    let mut answer = Vec::new();
+    stream
+        .read_to_end(&mut answer)
+        .map_err(|e| format!("read: {e}"))?;
+    let answer = String::from_utf8_lossy(&answer);
+    let status = answer
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| format!("no status line in {answer:?}"))?;
+    Ok((status, answer.contains("\r\nRetry-After: ")))
+}
+
+/// What the client thread of [`ApiProbe`] has seen.
+#[derive(Default)]
+struct ProbeLog {
+    /// Requests answered 200.
+    answered: usize,
+    /// Requests answered 503 with Retry-After (accepted just before an update, their
+    /// VMM thread gone with the VM).
+    retry: usize,
+    /// Everything else: connection errors, timeouts, other answers.
+    failures: Vec<String>,
+    /// The longest a request took.
+    slowest: Duration,
+}
+
+/// A client thread sending GET / in a tight loop, each request on a fresh connection.
+struct ApiProbe {
+    log: std::sync::Arc<std::sync::Mutex<ProbeLog>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ApiProbe {
+    fn start(api: &Path) -> ApiProbe {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(ProbeLog::default()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (thread_log, thread_stop, api) = (log.clone(), stop.clone(), api.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            while !thread_stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let started = Instant::now();
+                let outcome = one_request(&api, GET_INFO);
+                let mut log = thread_log.lock().unwrap();
+                log.slowest = log.slowest.max(started.elapsed());
+                match outcome {
+                    Ok((200, _)) => log.answered += 1,
+                    Ok((503, true)) => log.retry += 1,
+                    Ok((status, _)) => log.failures.push(format!("answered {status}")),
+                    Err(error) => log.failures.push(error),
+                }
+            }
+        });
+        ApiProbe {
+            log,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn answered(&self) -> usize {
+        self.log.lock().unwrap().answered
+    }
+
+    /// Waits until `more` further requests were answered 200.
+    fn wait_answers(&self, more: usize, vm: &UpdatableVm) {
+        let target = self.answered() + more;
+        let deadline = Instant::now() + LIMIT;
+        while self.answered() < target {
+            assert!(
+                Instant::now() < deadline,
+                "the API answers no more requests\n{}",
+                vm.describe()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn stop(mut self) -> ProbeLog {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            thread.join().expect("the client thread");
+        }
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+}
+
+/// The API socket is handed over with the VM, so it never stops answering: a client
+/// sending GET / in a tight loop on fresh connections, with no retry, gets every request
+/// answered across three updates (each process answers some; a request the old process
+/// had accepted just before the hand-over may be answered 503 with Retry-After), and the
+/// socket file is the same inode throughout. Before the API socket went with the VM,
+/// requests between the old process's exit and the new one's bind met ENOENT or
+/// ECONNREFUSED.
+#[test]
+fn the_api_socket_answers_every_request_across_updates() {
+    let mut vm = UpdatableVm::start("api-answers", "512M", "memloop 32M 17 100000", &[]);
+    vm.wait_iterations_past(1);
+    let inode = socket_inode(&vm.api);
+    let probe = ApiProbe::start(&vm.api);
+    for round in 1..=3 {
+        // Answered by the process that runs the VM now: no update is under way.
+        probe.wait_answers(20, &vm);
+        let seen = iterations(&vm.stdout()).len();
+        vm.update_ok(&[]);
+        assert_eq!(
+            socket_inode(&vm.api),
+            inode,
+            "the API socket's file changed in update {round}"
+        );
+        vm.wait_iterations_past(seen);
+    }
+    probe.wait_answers(20, &vm);
+    let log = probe.stop();
+    eprintln!(
+        "API requests across 3 updates: {} answered, {} answered 503 with Retry-After, \
+         slowest {:?}",
+        log.answered, log.retry, log.slowest
+    );
+    assert!(
+        log.failures.is_empty(),
+        "requests not answered: {:?}\n{}",
+        log.failures,
+        vm.describe()
+    );
+    assert!(log.answered >= 80, "{}", log.answered);
+    let status = first_status(&mut vm.first);
+    assert_eq!(status.code(), Some(0), "{}", vm.describe());
+    let stderr = vm.first.stderr();
+    assert!(!stderr.contains("could not be served"), "{stderr}");
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// During an update the old process accepts no connection: one made then waits in the
+/// socket's backlog, even for a request its API answers by itself. When the update fails
+/// (the new gpuvm never answers), the old process takes the VM back and answers it, and
+/// the socket is the same one after; an update then goes through.
+#[test]
+fn a_request_sent_during_a_failed_update_is_answered_by_the_old_process() {
+    let mut vm = UpdatableVm::start("api-failed", "512M", "memloop 32M 19 100000", &[]);
+    vm.wait_iterations_past(1);
+    let inode = socket_inode(&vm.api);
+    let update = Command::new(gpuvm_bin())
+        .args(["update", "--pid", &vm.owner.to_string()])
+        .args(["--timeout-ms", "3000"])
+        .env("GPUVM_TEST_UPDATE_FAIL", "hang")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run gpuvm update");
+    // The new gpuvm holds the paused VM and will not answer: the old one waits 3 s.
+    vm.wait_stdout("the new gpuvm to hold the VM", |_| {
+        vm.first.stderr().contains("GPUVM_TEST_UPDATE_FAIL=hang")
+    });
+    let sent = Instant::now();
+    let request = |request: &'static str| {
+        let api = vm.api.clone();
+        std::thread::spawn(move || (one_request(&api, request), sent.elapsed()))
+    };
+    let not_found = request(GET_NOT_FOUND);
+    let info = request(GET_INFO);
+    let out = update.wait_with_output().expect("gpuvm update");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("did not answer within"), "{stderr}");
+    let (not_found, waited) = not_found.join().unwrap();
+    assert_eq!(not_found, Ok((404, false)), "{}", vm.describe());
+    assert!(
+        waited >= Duration::from_millis(1000),
+        "answered {waited:?} after it was sent, during the update"
+    );
+    let (info, _) = info.join().unwrap();
+    assert_eq!(info, Ok((200, false)), "{}", vm.describe());
+    assert_eq!(vm.owner, vm.first.pid());
+    assert_eq!(socket_inode(&vm.api), inode);
+    let seen = iterations(&vm.stdout()).len();
+    vm.wait_iterations_past(seen);
+    vm.update_ok(&[]);
+    assert_eq!(socket_inode(&vm.api), inode);
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
 /// The 2 MiB hugetlb pool's counters: (free, reserved, in use or promised), the last
@@ -1265,9 +1474,12 @@ fn a_firecracker_vm_keeps_its_api_and_mmds_across_updates() {
         names
     };
     assert_eq!(fc_vcpus(vm.owner), ["fc_vcpu 0", "fc_vcpu 1"]);
+    let inode = socket_inode(&api);
     for round in 1..=2 {
         let seen = iterations(&vm.stdout()).len();
         vm.update_ok(&[]);
+        // The new process serves the same socket, handed over.
+        assert_eq!(socket_inode(&api), inode, "after update {round}");
         vm.wait_iterations_past(seen + 1);
         let info = get("/");
         assert_eq!(info["id"], "fc-update", "after update {round}: {info}");

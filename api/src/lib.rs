@@ -33,6 +33,8 @@ pub enum ApiError {
     PathTaken(PathBuf),
     #[error("cannot start the API thread: {0}")]
     Spawn(std::io::Error),
+    #[error("cannot make the eventfd that pauses the API's accept loop: {0}")]
+    EventFd(std::io::Error),
     #[error(transparent)]
     Seccomp(#[from] gpuvm_vmm::seccomp::SeccompError),
 }

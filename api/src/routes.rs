@@ -86,9 +86,11 @@ pub fn route(request: &Request) -> Result<VmmAction, Response> {
             _ => Err(method_not_allowed("PUT")),
         },
         "/vmm/update" => match method {
-            Put => Ok(VmmAction::LiveUpdate(parse::<LiveUpdateBody>(
-                &request.body,
-            )?)),
+            // The server attaches its listening socket (crate::server).
+            Put => Ok(VmmAction::LiveUpdate {
+                body: parse::<LiveUpdateBody>(&request.body)?,
+                api_listener: None,
+            }),
             _ => Err(method_not_allowed("PUT")),
         },
         "/snapshot/load" => match method {

@@ -1,7 +1,10 @@
 //! The API thread: accepts connections on the Unix socket, parses requests, turns each
 //! into a [`VmmAction`](gpuvm_vmm::action::VmmAction), hands it to the VMM thread
 //! ([`ActionSender`]) and writes the answer back. While a front end's command line is
-//! still starting the VM, requests wait for it ([`StartGate`]).
+//! still starting the VM, requests wait for it ([`StartGate`]). A live update (PUT
+//! /vmm/update) stops the accept loop while the VM changes hands and takes the listening
+//! socket along ([`AcceptGate`]): the socket keeps its path and every connection is
+//! answered, by this process or by the one that runs the VM after.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
@@ -11,12 +14,13 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::channel;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use gpuvm_vmm::action::VmmData;
+use gpuvm_vmm::action::{ActionError, ActionResult, VmmAction, VmmData};
 use gpuvm_vmm::action_channel::ActionSender;
 use gpuvm_vmm::metrics::METRICS;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::cloud_hypervisor;
 use crate::http::{ReadOutcome, Request, RequestReader, Response};
@@ -49,12 +53,16 @@ struct VmmLink {
     started: StartGate,
     /// Set when gpuvm runs as Firecracker: its front end answers every path.
     firecracker: Option<Arc<crate::firecracker::Session>>,
+    /// The accept loop's gate, which a live update closes.
+    gate: Arc<AcceptGate>,
 }
 
-/// The running API server. Dropping it removes the socket file.
+/// The running API server. Dropping it removes the socket file, unless the listening
+/// socket went to another process with the VM (a live update).
 pub struct ApiServer {
     path: PathBuf,
     busy: Arc<AtomicUsize>,
+    gate: Arc<AcceptGate>,
 }
 
 impl ApiServer {
@@ -90,6 +98,22 @@ impl ApiServer {
         Self::start_with(path, vmm, started, Some(Arc::new(session)))
     }
 
+    /// Serves `listener`, the API socket at `path` that the old gpuvm handed over with
+    /// the VM (a live update), at once: the connections waiting in its backlog are the
+    /// first accepted. Firecracker's API with `firecracker`, else gpuvm's (and Cloud
+    /// Hypervisor's beside it). Seccomp as [`ApiServer::start`].
+    pub fn serve_handed_over(
+        listener: UnixListener,
+        path: &Path,
+        vmm: ActionSender,
+        firecracker: Option<crate::firecracker::Session>,
+    ) -> Result<ApiServer, ApiError> {
+        let link_firecracker = firecracker.map(Arc::new);
+        let server = Self::serve(listener, path, vmm, StartGate::default(), link_firecracker)?;
+        log::info!("API serving the handed-over socket {}", path.display());
+        Ok(server)
+    }
+
     fn start_with(
         path: &Path,
         vmm: ActionSender,
@@ -107,11 +131,32 @@ impl ApiServer {
             path: path.to_path_buf(),
             source,
         })?;
+        let server = Self::serve(listener, path, vmm, started, firecracker)?;
+        log::info!("API listening on {}", path.display());
+        Ok(server)
+    }
+
+    /// Serves `listener` (the socket at `path`) on a new thread, under the `api` filter
+    /// from before its first accept.
+    fn serve(
+        listener: UnixListener,
+        path: &Path,
+        vmm: ActionSender,
+        started: StartGate,
+        firecracker: Option<Arc<crate::firecracker::Session>>,
+    ) -> Result<ApiServer, ApiError> {
+        let gate = Arc::new(AcceptGate {
+            listener,
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            wake: EventFd::new(EFD_NONBLOCK).map_err(ApiError::EventFd)?,
+        });
         let busy = Arc::new(AtomicUsize::new(0));
         let link = VmmLink {
             vmm,
             started,
             firecracker,
+            gate: gate.clone(),
         };
         let server_busy = busy.clone();
         let (ready_tx, ready_rx) = channel();
@@ -124,7 +169,7 @@ impl ApiServer {
                 if failed {
                     return;
                 }
-                accept_loop(listener, link, server_busy)
+                accept_loop(link, server_busy)
             })
             .map_err(ApiError::Spawn)?;
         match ready_rx.recv() {
@@ -132,10 +177,10 @@ impl ApiServer {
             Ok(Err(error)) => return Err(ApiError::Seccomp(error)),
             Err(_) => return Err(ApiError::Spawn(std::io::Error::other("API thread ended"))),
         }
-        log::info!("API listening on {}", path.display());
         Ok(ApiServer {
             path: path.to_path_buf(),
             busy,
+            gate,
         })
     }
 
@@ -156,10 +201,171 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        if self.path.as_os_str().is_empty() {
+        // After a live update the file names the new process's socket (the same inode).
+        if self.path.as_os_str().is_empty() || self.gate.lock().handed_over {
             return;
         }
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// How long a live update waits for the accept loop to stop before it is refused.
+const PAUSE_WAIT: Duration = Duration::from_secs(5);
+/// The longest a single accept may wait once poll said a connection waits: none can be
+/// taken from under this loop (nothing else accepts while it may), but an accept must
+/// never hold the loop.
+const ACCEPT_GUARD: Duration = Duration::from_millis(100);
+
+/// Whether the accept loop may accept. A live update closes it before the VM leaves this
+/// process: connections made meanwhile wait in the listen backlog, for whichever process
+/// runs the VM after (this one again if the update fails; the new one, which gets the
+/// listening socket with the VM, if it goes through). Once the socket went with the VM
+/// the loop never accepts again. Connections accepted before are answered here.
+struct AcceptGate {
+    listener: UnixListener,
+    state: Mutex<GateState>,
+    /// Signalled when `state` changes.
+    changed: Condvar,
+    /// Wakes the accept loop from its poll when a pause is asked.
+    wake: EventFd,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// Live updates under way, each holding a [`Paused`].
+    pauses: usize,
+    /// The accept loop has seen the pause and waits: it accepts nothing until it ends.
+    stopped: bool,
+    /// The listening socket is another process's now, with the VM.
+    handed_over: bool,
+}
+
+impl GateState {
+    fn closed(&self) -> bool {
+        self.pauses > 0 || self.handed_over
+    }
+}
+
+/// What woke the accept loop's poll.
+#[derive(Debug, PartialEq, Eq)]
+enum Woken {
+    /// A connection waits to be accepted.
+    Connection,
+    /// The gate may have changed, or the wait ran out.
+    Other,
+}
+
+impl AcceptGate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops accepting: returns once the accept loop has stopped (a connection it was
+    /// accepting meanwhile was accepted before the pause, and is answered here). None if
+    /// it did not stop within [`PAUSE_WAIT`] (then nothing is paused).
+    fn pause(self: &Arc<Self>) -> Option<Paused> {
+        let mut state = self.lock();
+        state.pauses += 1;
+        // Made under the lock: dropping it (below, on failure) resumes.
+        let paused = Paused(self.clone());
+        if let Err(error) = self.wake.write(1) {
+            log::warn!("cannot wake the API accept loop: {error}");
+        }
+        let (state, _) = self
+            .changed
+            .wait_timeout_while(state, PAUSE_WAIT, |state| !state.stopped)
+            .unwrap_or_else(|e| e.into_inner());
+        let stopped = state.stopped;
+        drop(state);
+        stopped.then_some(paused)
+    }
+
+    /// Waits while the gate is closed, refusing connections that waited too long for a
+    /// slot meanwhile; returns once accepting may go on.
+    fn wait_open(&self, slots: &Slots) {
+        let mut state = self.lock();
+        while state.closed() {
+            if !state.stopped {
+                state.stopped = true;
+                self.changed.notify_all();
+            }
+            let wait = slots
+                .next_expiry(Instant::now())
+                .unwrap_or(Duration::from_secs(3600));
+            state = self
+                .changed
+                .wait_timeout(state, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+            slots.admit(None, Instant::now());
+        }
+        state.stopped = false;
+    }
+
+    /// Waits (at most `timeout`, None: forever) for a connection or a wake-up.
+    fn poll(&self, timeout: Option<Duration>) -> Woken {
+        let mut polled = [
+            libc::pollfd {
+                fd: self.listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // Rounded up: a wait of less than a millisecond is not a zero-timeout poll.
+        let millis = timeout.map_or(-1, |t| {
+            t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+        });
+        // SAFETY: poll reads and writes the two pollfds passed, a live local array of
+        // that length.
+        let ready =
+            unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, millis) };
+        if ready < 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                log::warn!("API poll failed: {error}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            return Woken::Other;
+        }
+        if polled[1].revents != 0 {
+            // Cleared; the caller looks at the gate again.
+            let _ = self.wake.read();
+            return Woken::Other;
+        }
+        if polled[0].revents != 0 {
+            return Woken::Connection;
+        }
+        Woken::Other
+    }
+}
+
+/// A pause of the accept loop (a live update under way): accepting resumes when it is
+/// dropped, unless [`Paused::hand_over`] said the socket went with the VM.
+struct Paused(Arc<AcceptGate>);
+
+impl Paused {
+    /// A duplicate of the listening socket, for the new process.
+    fn listener(&self) -> std::io::Result<OwnedFd> {
+        self.0.listener.try_clone().map(OwnedFd::from)
+    }
+
+    /// The VM, and the listening socket with it, went to another process: accept nothing
+    /// ever again, and leave the socket file to that process.
+    fn hand_over(self) {
+        self.0.lock().handed_over = true;
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.pauses = state.pauses.saturating_sub(1);
+        self.0.changed.notify_all();
     }
 }
 
@@ -406,13 +612,11 @@ fn drained(stream: &UnixStream, scratch: &mut [u8]) -> bool {
     false
 }
 
-/// Bounds the accept wait (SO_RCVTIMEO applies to accept), so connections waiting for a
-/// slot are refused on time even when nothing else happens; None waits forever.
-fn set_accept_timeout(listener: &UnixListener, timeout: Option<Duration>) {
-    let timeout = timeout.map_or(Duration::ZERO, |t| t.max(Duration::from_millis(1)));
+/// Bounds each accept's wait (SO_RCVTIMEO applies to accept) by [`ACCEPT_GUARD`].
+fn set_accept_timeout(listener: &UnixListener) {
     let value = libc::timeval {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+        tv_sec: ACCEPT_GUARD.as_secs() as libc::time_t,
+        tv_usec: ACCEPT_GUARD.subsec_micros() as libc::suseconds_t,
     };
     // SAFETY: SO_RCVTIMEO reads a timeval of the given size from `value`, which lives
     // across the call; the descriptor is the listener's own.
@@ -433,20 +637,31 @@ fn set_accept_timeout(listener: &UnixListener, timeout: Option<Duration>) {
     }
 }
 
-fn accept_loop(listener: UnixListener, link: VmmLink, busy: Arc<AtomicUsize>) {
+/// Accepts connections while the gate is open. It waits in poll (bounded by when the
+/// oldest connection waiting for a slot runs out of time, so it is refused on time) on the
+/// listener and the gate's eventfd, and looks at the gate before every accept.
+fn accept_loop(link: VmmLink, busy: Arc<AtomicUsize>) {
+    let gate = link.gate.clone();
     let slots = Arc::new(Slots::default());
+    set_accept_timeout(&gate.listener);
     loop {
-        set_accept_timeout(&listener, slots.next_expiry(Instant::now()));
-        let accepted = match listener.accept() {
-            Ok((stream, _)) => Some(stream),
-            // The accept wait ran out: time to refuse connections that waited too long.
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
-            Err(error) => {
-                log::warn!("API accept failed: {error}");
-                std::thread::sleep(Duration::from_millis(10));
-                None
+        gate.wait_open(&slots);
+        let woken = gate.poll(slots.next_expiry(Instant::now()));
+        // A pause asked meanwhile wins over a waiting connection.
+        let accepted = if woken == Woken::Connection && !gate.lock().closed() {
+            match gate.listener.accept() {
+                Ok((stream, _)) => Some(stream),
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => None,
+                Err(error) => {
+                    log::warn!("API accept failed: {error}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    None
+                }
             }
+        } else {
+            None
         };
+        // With no connection: time to refuse those that waited too long for a slot.
         let Some(stream) = slots.admit(accepted, Instant::now()) else {
             continue;
         };
@@ -569,19 +784,30 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
     }
 }
 
+/// Answers one request ([`answer`]). A 503 while a live update is under way or done
+/// carries Retry-After: the client connects again, and the process that runs the VM
+/// answers.
+fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
+    let mut response = answer(request, fds, link);
+    if response.status == 503 && response.retry_after.is_none() && link.gate.lock().closed() {
+        response.retry_after = Some(RETRY_AFTER_S);
+    }
+    response
+}
+
 /// Answers one request: paths under `/api/v1/` are Cloud Hypervisor's API, the others
 /// gpuvm's own routes. `fds` came with the request (only Cloud Hypervisor's vm.add-net
 /// takes any; the others close them).
-fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
+fn answer(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
     if !link.started.wait(START_WAIT) {
         return still_starting(&request.path);
     }
     if let Some(session) = &link.firecracker {
         drop(fds);
-        return crate::firecracker::handle(request, session, &|action| link.vmm.dispatch(action));
+        return crate::firecracker::handle(request, session, &|action| dispatch(link, action));
     }
     if request.path.starts_with(cloud_hypervisor::PREFIX) {
-        return cloud_hypervisor::handle(request, fds, &|action| link.vmm.dispatch(action));
+        return cloud_hypervisor::handle(request, fds, &|action| dispatch(link, action));
     }
     drop(fds);
     let action = match route(request) {
@@ -593,16 +819,213 @@ fn handle(request: &Request, fds: Vec<OwnedFd>, link: &VmmLink) -> Response {
         request.method.as_str(),
         request.path
     );
-    match link.vmm.dispatch(action) {
+    match dispatch(link, action) {
         Ok(VmmData::Empty) => Response::no_content(),
         Ok(VmmData::Json(value)) => Response::json(200, &value),
         Err(error) => Response::fault(error.status, error.message),
     }
 }
 
+/// Hands `action` to the VMM thread and waits for its answer. A live update (whichever
+/// front end's route built it) first stops the accept loop and takes a duplicate of the
+/// listening socket along to the new process; accepting resumes if the VM stays here.
+fn dispatch(link: &VmmLink, mut action: VmmAction) -> ActionResult {
+    let VmmAction::LiveUpdate { api_listener, .. } = &mut action else {
+        return call(link, action);
+    };
+    let Some(paused) = link.gate.pause() else {
+        return Err(ActionError {
+            status: 503,
+            message: "the API server did not stop accepting connections for the live update \
+                      in time; the VM was not touched, try again"
+                .into(),
+        });
+    };
+    match paused.listener() {
+        Ok(listener) => *api_listener = Some(listener),
+        // The new process binds the path again then, as from an older gpuvm.
+        Err(error) => log::warn!("live update: cannot pass the API socket on: {error}"),
+    }
+    let result = call(link, action);
+    if result.is_ok() {
+        paused.hand_over();
+    }
+    result
+}
+
+/// [`ActionSender::call`]; a VMM thread that ended during or after a live update is said
+/// as such (the client is to connect again: the new process answers).
+fn call(link: &VmmLink, action: VmmAction) -> ActionResult {
+    link.vmm.call(action).unwrap_or_else(|gone| {
+        if link.gate.lock().closed() {
+            Err(ActionError {
+                status: 503,
+                message: "the VM is being handed to another gpuvm process (live update); \
+                          connect again"
+                    .into(),
+            })
+        } else {
+            Err(gone.into())
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gate over a listener no client reaches (abstract and unique).
+    fn unbound_gate() -> Arc<AcceptGate> {
+        use std::os::linux::net::SocketAddrExt;
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "gpuvm-api-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        let address = std::os::unix::net::SocketAddr::from_abstract_name(name).unwrap();
+        Arc::new(AcceptGate {
+            listener: UnixListener::bind_addr(&address).unwrap(),
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            wake: EventFd::new(EFD_NONBLOCK).unwrap(),
+        })
+    }
+
+    /// Connects to `path` and writes `request` (a whole HTTP request).
+    fn send(path: &Path, request: &str) -> UnixStream {
+        let mut stream = UnixStream::connect(path).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        stream
+    }
+
+    /// The answer on `stream`, read until it closes; None if nothing came within `limit`.
+    fn answer_within(mut stream: UnixStream, limit: Duration) -> Option<String> {
+        stream.set_read_timeout(Some(limit)).unwrap();
+        let mut text = Vec::new();
+        match stream.read_to_end(&mut text) {
+            Err(error) if text.is_empty() && error.kind() == std::io::ErrorKind::WouldBlock => None,
+            _ => Some(String::from_utf8_lossy(&text).into_owned()),
+        }
+    }
+
+    const NOT_FOUND: &str = "GET /no-such-path HTTP/1.1\r\nConnection: close\r\n\r\n";
+
+    fn put_update() -> String {
+        let body = r#"{"handover_socket": "/nowhere/handover.sock"}"#;
+        format!(
+            "PUT /vmm/update HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    }
+
+    /// A live update: the accept loop stops while the VMM thread hands the VM over (a
+    /// connection made meanwhile is not answered, even for a request the API answers by
+    /// itself) and the VMM thread gets the listening socket along. A failed update lets
+    /// the waiting connection be answered here; after one that went through nothing is
+    /// accepted here again, the socket's new holder accepts the connection waiting in
+    /// the backlog, and the socket file stays.
+    #[test]
+    fn a_live_update_pauses_accepting_and_hands_the_socket_over() {
+        let dir = std::env::temp_dir().join(format!("gpuvm-api-gate-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("api.sock");
+        let (vmm, end) = gpuvm_vmm::action_channel::action_channel().unwrap();
+        let server = ApiServer::start(&path, vmm).unwrap();
+        // The VMM thread: gives the test each live update's listener, and answers the
+        // update with what the test says.
+        let (listeners_tx, listeners_rx) = channel();
+        let (outcomes_tx, outcomes_rx) = channel::<ActionResult>();
+        std::thread::spawn(move || {
+            while let Ok(request) = end.requests.recv() {
+                let answer = match request.action {
+                    VmmAction::LiveUpdate { api_listener, .. } => {
+                        let _ = listeners_tx.send(api_listener);
+                        outcomes_rx.recv().unwrap_or(Ok(VmmData::Empty))
+                    }
+                    _ => Ok(VmmData::Empty),
+                };
+                let _ = request.reply.send(answer);
+            }
+        });
+        let short = Duration::from_millis(300);
+        let long = Duration::from_secs(10);
+
+        // An update the new process refuses.
+        let update = send(&path, &put_update());
+        let listener = listeners_rx.recv_timeout(long).unwrap();
+        assert!(
+            listener.is_some(),
+            "the listening socket goes with the update"
+        );
+        let waiting = send(&path, NOT_FOUND);
+        let waiting_reader = waiting.try_clone().unwrap();
+        assert_eq!(
+            answer_within(waiting_reader, short),
+            None,
+            "accepted mid-update"
+        );
+        outcomes_tx
+            .send(Err(ActionError {
+                status: 500,
+                message: "refused".into(),
+            }))
+            .unwrap();
+        let refused = answer_within(update, long).unwrap();
+        assert!(refused.starts_with("HTTP/1.1 500 "), "{refused}");
+        let answered = answer_within(waiting, long).expect("answered once the update failed");
+        assert!(answered.starts_with("HTTP/1.1 404 "), "{answered}");
+
+        // An update that goes through.
+        let update = send(&path, &put_update());
+        let listener = listeners_rx.recv_timeout(long).unwrap().unwrap();
+        outcomes_tx.send(Ok(VmmData::Empty)).unwrap();
+        let done = answer_within(update, long).unwrap();
+        assert!(done.starts_with("HTTP/1.1 204 "), "{done}");
+        let after = send(&path, NOT_FOUND);
+        assert_eq!(
+            answer_within(after.try_clone().unwrap(), short),
+            None,
+            "accepted after the hand-over"
+        );
+        // The new holder accepts it from the same socket's backlog.
+        let listener = UnixListener::from(listener);
+        let (taken, _) = listener.accept().unwrap();
+        drop(taken);
+        drop(server);
+        assert!(path.exists(), "the socket file is the new holder's");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A request whose VMM thread has gone during or after a live update: 503 with
+    /// Retry-After, saying why; without an update, 503 as before.
+    #[test]
+    fn a_request_the_handed_over_vmm_cannot_answer_is_told_to_retry() {
+        let (vmm, end) = gpuvm_vmm::action_channel::action_channel().unwrap();
+        drop(end);
+        let link = VmmLink {
+            vmm,
+            started: StartGate::default(),
+            firecracker: None,
+            gate: unbound_gate(),
+        };
+        let request = Request {
+            method: crate::http::Method::Get,
+            path: "/".into(),
+            body: Vec::new(),
+            close: true,
+        };
+        let gone = handle(&request, Vec::new(), &link);
+        assert_eq!((gone.status, gone.retry_after), (503, None));
+        link.gate.lock().handed_over = true;
+        let handed = handle(&request, Vec::new(), &link);
+        assert_eq!(
+            (handed.status, handed.retry_after),
+            (503, Some(RETRY_AFTER_S))
+        );
+        let body = String::from_utf8_lossy(&handed.body);
+        assert!(body.contains("live update"), "{body}");
+    }
 
     /// Reads what the server side wrote to `peer` until it closed.
     fn answer(mut peer: UnixStream) -> String {
@@ -681,6 +1104,7 @@ mod tests {
             vmm,
             started,
             firecracker: None,
+            gate: unbound_gate(),
         };
         let request = Request {
             method: crate::http::Method::Get,

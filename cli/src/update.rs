@@ -51,7 +51,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
     }
     let api_sock = match &args.api_sock {
         Some(path) => path.clone(),
-        None => api_socket_of(pid)?,
+        None => api_socket_of(pid).or_else(|error| handed_over_api_socket_of(pid).ok_or(error))?,
     };
     let binary = args.binary.clone().unwrap_or_else(|| proc_dir.join("exe"));
     let served = served_api_of(pid)?;
@@ -302,6 +302,33 @@ fn served_api(argv: &[OsString]) -> Result<(ServedApi, String), String> {
     }
 }
 
+/// The API socket a gpuvm that took a VM over (`update-receive --api-sock PATH`) serves:
+/// the listening socket handed to it belongs to the network namespace the first gpuvm made
+/// it in, which need not be this process's (nor its own), so /proc/PID/net/unix may not
+/// list it. The path its own command line names, if a socket is there.
+fn handed_over_api_socket_of(pid: i32) -> Option<PathBuf> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let argv: Vec<OsString> = raw
+        .strip_suffix(&[0])
+        .unwrap_or(&raw)
+        .split(|byte| *byte == 0)
+        .map(|arg| OsString::from_vec(arg.to_vec()))
+        .collect();
+    let path = receiver_api_sock(&argv)?;
+    std::fs::symlink_metadata(&path)
+        .is_ok_and(|meta| meta.file_type().is_socket())
+        .then_some(path)
+}
+
+/// The `--api-sock` of an `update-receive` command line `argv`.
+fn receiver_api_sock(argv: &[OsString]) -> Option<PathBuf> {
+    if argv.get(1).is_none_or(|arg| arg != "update-receive") {
+        return None;
+    }
+    let at = argv.iter().position(|arg| arg == "--api-sock")?;
+    argv.get(at + 1).map(PathBuf::from)
+}
+
 /// The API socket of gpuvm process `pid`: the one listening Unix socket with a path among
 /// its descriptors (/proc/PID/fd, /proc/PID/net/unix: the table of the process's own
 /// network namespace, which need not be this one's, as with a VMM Kata starts in the
@@ -356,7 +383,8 @@ fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
 }
 
 /// `gpuvm update-receive`: takes the VM from the old gpuvm, runs it once the old one has
-/// committed, and serves the API socket at its path once the old one has gone.
+/// committed, and serves the API socket the old one handed over with `Commit` (or, from an
+/// older gpuvm, binds its path again once the old one has gone).
 pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, CliError> {
     if args.api == ServedApi::Firecracker {
         // Kata's Firecracker driver finds the vCPU threads by Firecracker's names.
@@ -391,6 +419,9 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     controller.adopt_mmds(incoming.mmds());
     machine.set_run_control(controller.into_run_control());
     let outcome = incoming.ready(timeout).map_err(refused)?;
+    // The old process's API socket, with the connections made during the hand-over
+    // waiting in its backlog; None from an older gpuvm (or one that died before `Commit`).
+    let api_listener = incoming.take_api_listener();
     // The VM was built while the guest ran (the stages before `wait_for_state`); only
     // loading the state and what follows count in the pause.
     let built: Duration = timings
@@ -416,7 +447,6 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
             .map(|(name, d)| format!(" {name}={}", d.as_micros()))
             .collect::<String>()
     );
-    // The old process removes the API socket's file as it exits: bind it after that.
     let api_sock = args.api_sock.clone();
     // Made here, outside the API thread's filter: the session takes the working directory
     // (the old process's, which this one was started in).
@@ -429,6 +459,13 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
             // /proc, binding the socket and starting the API thread, which stacks the API
             // filter on this one (filters intersect: it ends with the API filter's rights).
             gpuvm_vmm::seccomp::apply_api_takeover().map_err(|e| e.to_string())?;
+            if let Some(listener) = api_listener {
+                // The same socket, served at once: it never stopped answering.
+                return ApiServer::serve_handed_over(listener, &api_sock, vmm, firecracker)
+                    .map_err(|e| e.to_string());
+            }
+            // The old process removes the API socket's file as it exits: bind it after
+            // that.
             if !incoming.wait_old_exit(API_TAKEOVER_WAIT) {
                 log::warn!(
                     "the old gpuvm has not exited {API_TAKEOVER_WAIT:?} after the hand-over"
@@ -496,6 +533,27 @@ mod tests {
 
     fn served(argv: &[&str]) -> Result<(ServedApi, String), String> {
         served_api(&argv.iter().map(OsString::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn a_receivers_api_socket_is_read_from_its_command_line() {
+        let argv = |args: &[&str]| args.iter().map(OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            receiver_api_sock(&argv(&[
+                "gpuvm",
+                "update-receive",
+                "--handover-fd",
+                "3",
+                "--api-sock",
+                "/run/vm.sock"
+            ])),
+            Some(PathBuf::from("/run/vm.sock"))
+        );
+        assert_eq!(
+            receiver_api_sock(&argv(&["gpuvm", "run", "--api-sock", "/run/vm.sock"])),
+            None
+        );
+        assert_eq!(receiver_api_sock(&argv(&["gpuvm", "update-receive"])), None);
     }
 
     #[test]

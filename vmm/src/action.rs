@@ -100,7 +100,13 @@ pub enum VmmAction {
     CreateSnapshot(SnapshotCreateBody),
     /// PUT /vmm/update: hand the running VM to the new gpuvm listening on a socket
     /// (crate::update; `gpuvm update` starts that one and asks for this).
-    LiveUpdate(LiveUpdateBody),
+    LiveUpdate {
+        body: LiveUpdateBody,
+        /// A duplicate of the API server's listening socket, which has stopped accepting
+        /// for the update: it goes to the new process with `Commit`, so the socket keeps
+        /// its path and answers throughout (None where the API has none to give).
+        api_listener: Option<OwnedFd>,
+    },
     LoadSnapshot(SnapshotLoadBody),
     /// A load that changes the restored VM (Firecracker's `track_dirty_pages`,
     /// `network_overrides` and `vsock_override`).

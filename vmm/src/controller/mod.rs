@@ -419,7 +419,7 @@ impl ApiController {
             VmmAction::CreateSnapshot(_) => Err(ActionError::wrong_state(
                 "there is no VM to snapshot yet (PUT /actions InstanceStart first)",
             )),
-            VmmAction::LiveUpdate(_) => Err(ActionError::wrong_state(
+            VmmAction::LiveUpdate { .. } => Err(ActionError::wrong_state(
                 "there is no running VM to hand over (PUT /actions InstanceStart first)",
             )),
         };
@@ -619,7 +619,7 @@ impl ApiController {
                         }),
                     None,
                 ),
-                VmmAction::LiveUpdate(_) => (
+                VmmAction::LiveUpdate { .. } => (
                     Err(ActionError::wrong_state(
                         "live update of a VM that has not run yet is not supported: resume it first",
                     )),

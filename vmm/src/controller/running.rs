@@ -543,8 +543,8 @@ impl RunningApi {
                 .map(|()| VmmData::Empty)
                 .map_err(|e| ActionError::bad_request(format!("cannot resume: {e}"))),
             VmmAction::CreateSnapshot(body) => snapshot(running, body),
-            VmmAction::LiveUpdate(body) => {
-                return match live_update(running, &body, &self.mmds) {
+            VmmAction::LiveUpdate { body, api_listener } => {
+                return match live_update(running, &body, api_listener, &self.mmds) {
                     Ok(answer) => (Ok(answer), Some(GuestEnd::HandedOver)),
                     Err(error) => (Err(error), None),
                 }
@@ -562,6 +562,7 @@ impl RunningApi {
 fn live_update(
     running: &mut RunningMachine<'_>,
     body: &crate::action::LiveUpdateBody,
+    api_listener: Option<std::os::fd::OwnedFd>,
     mmds: &gpuvm_mmds::Mmds,
 ) -> ActionResult {
     absolute_path(&body.handover_socket, "handover_socket")?;
@@ -572,7 +573,15 @@ fn live_update(
         .timeout_ms
         .map_or(crate::update::DEFAULT_TIMEOUT, Duration::from_millis);
     let socket = &body.handover_socket;
-    match crate::update::hand_over(running, socket, timeout, body.receiver_pid, mmds) {
+    let handed = crate::update::hand_over(
+        running,
+        socket,
+        timeout,
+        body.receiver_pid,
+        api_listener.as_ref().map(std::os::fd::AsFd::as_fd),
+        mmds,
+    );
+    match handed {
         Ok(report) => {
             log::info!(
                 "live update: the VM is handed to pid {:?} ({} bytes of state, {:?} from the \

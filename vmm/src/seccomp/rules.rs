@@ -155,7 +155,8 @@ pub fn factory_rules(device: Rules) -> BuildResult<Rules> {
 /// thread it starts inherits this filter and stacks the API filter on it, and filters
 /// intersect, so it must hold all of the API's) plus what it does before: wait for the old
 /// gpuvm to exit (reading /proc/PID/stat), replace a stale API socket file and bind, listen
-/// on a Unix socket at its path, and let the new thread install its own filter.
+/// on a Unix socket at its path (where the old gpuvm did not hand its listening socket
+/// over), make the API server's eventfd, and let the new thread install its own filter.
 pub fn api_takeover_rules(api: Rules) -> BuildResult<Rules> {
     let mut rules = api;
     allow_all(
@@ -167,6 +168,8 @@ pub fn api_takeover_rules(api: Rules) -> BuildResult<Rules> {
             libc::SYS_unlink,
             libc::SYS_bind,
             libc::SYS_listen,
+            // The API server's eventfd that pauses its accept loop.
+            libc::SYS_eventfd2,
         ],
     );
     rules.insert(libc::SYS_socket, one_of(0, &[libc::AF_UNIX as u32])?);
@@ -516,6 +519,9 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 &mut rules,
                 &[
                     libc::SYS_accept4,
+                    // The accept loop waits in poll on the listener and the eventfd that
+                    // pauses it for a live update (read to clear it).
+                    libc::SYS_poll,
                     libc::SYS_read,
                     libc::SYS_recvfrom,
                     // Requests are read with recvmsg: Cloud Hypervisor's vm.add-net brings
@@ -733,6 +739,7 @@ mod tests {
     #[test]
     fn the_api_takeover_thread_binds_the_api_socket_and_starts_an_api_thread() {
         use std::io::{Read, Write};
+        use std::os::fd::AsRawFd;
         use std::os::unix::net::{UnixListener, UnixStream};
         let dir = crate::update::socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-rules-")
             .unwrap();
@@ -746,8 +753,28 @@ mod tests {
             let waited = std::fs::read_to_string("/proc/self/stat").is_ok();
             std::fs::remove_file(&bound).unwrap();
             let listener = UnixListener::bind(&bound).unwrap();
+            // The eventfd that pauses the API server's accept loop.
+            let wake = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            wake.write(1).unwrap();
             let api = std::thread::spawn(move || {
                 refuse_outside(rules(ThreadKind::Api).unwrap());
+                // The accept loop: poll on the listener and the eventfd, which it reads.
+                let mut polled = [
+                    libc::pollfd {
+                        fd: listener.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                    libc::pollfd {
+                        fd: wake.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    },
+                ];
+                // SAFETY: poll reads and writes the two pollfds passed, a live local.
+                let ready = unsafe { libc::poll(polled.as_mut_ptr(), 2, 5000) };
+                assert!(ready >= 1, "{}", std::io::Error::last_os_error());
+                assert_eq!(wake.read().unwrap(), 1);
                 let (mut connection, _) = listener.accept().unwrap();
                 let mut byte = [0u8; 1];
                 connection.read_exact(&mut byte).unwrap();

@@ -25,6 +25,11 @@
 //!    little-endian), then the whole state framed as above;
 //! 4. new → old `Ready` (JSON [`ReadyBody`]) or `Refused`;
 //! 5. old → new `Commit` (the old one exits) or, at any step, `Abort` (it kept the VM).
+//!    `Commit` brings the old process's API listening socket as its one descriptor
+//!    ([`COMMIT_API_LISTENER`]), or none (an older sender, or no API socket): the new
+//!    process then serves that very socket, with the connections waiting in its backlog,
+//!    instead of binding the path again once the old one has gone. No version change: an
+//!    older receiver takes `Commit` as before and closes the descriptor unused.
 
 use std::io::{Read, Write};
 use std::os::unix::io::{FromRawFd, OwnedFd, RawFd};
@@ -183,6 +188,9 @@ pub struct ReadyBody {
 /// How many descriptors an offer has: the guest RAM memfd, then the old process's stdin,
 /// stdout (the serial console) and stderr (its log).
 pub const OFFER_FDS: usize = 4;
+
+/// The most descriptors a `Commit` brings: the old process's API listening socket.
+pub const COMMIT_API_LISTENER: usize = 1;
 
 /// A frame received: its kind, payload and descriptors.
 pub struct Frame {

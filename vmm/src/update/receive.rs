@@ -59,6 +59,9 @@ pub struct Incoming {
     /// offer's, then the paused one's), served by this process's API
     /// ([`Incoming::mmds`]).
     mmds: Arc<gpuvm_mmds::Mmds>,
+    /// The old process's API listening socket, which came with `Commit`
+    /// ([`Incoming::take_api_listener`]).
+    api_listener: Option<UnixListener>,
 }
 
 /// How the hand-over ended for the new process.
@@ -183,6 +186,7 @@ pub fn accept(
         prepared: None,
         paused_at_ns: None,
         mmds: Arc::default(),
+        api_listener: None,
     })
 }
 
@@ -460,7 +464,7 @@ impl Incoming {
     /// Says the VM is ready here and waits (at most `timeout`) for the old process's
     /// `Commit`. Only [`Outcome`]s let this process run the VM; any error means it must
     /// not.
-    pub fn ready(&self, timeout: Duration) -> Result<Outcome, UpdateError> {
+    pub fn ready(&mut self, timeout: Duration) -> Result<Outcome, UpdateError> {
         self.ready_or_hand_back(timeout)
             .inspect(|_| {
                 // The VM is this process's: so are the vfio-user connections.
@@ -474,7 +478,7 @@ impl Incoming {
             .inspect_err(|_| self.hand_back())
     }
 
-    fn ready_or_hand_back(&self, timeout: Duration) -> Result<Outcome, UpdateError> {
+    fn ready_or_hand_back(&mut self, timeout: Duration) -> Result<Outcome, UpdateError> {
         if fail_hook("crash").is_err() {
             log::error!("{FAIL_HOOK}=crash: ending abruptly before Ready");
             std::process::abort();
@@ -497,7 +501,10 @@ impl Incoming {
                 source,
             })?;
         match protocol::expect(&self.socket, MessageKind::Commit) {
-            Ok(_) => Ok(Outcome::Committed),
+            Ok(commit) => {
+                self.api_listener = api_listener(commit.fds);
+                Ok(Outcome::Committed)
+            }
             // Killed between our Ready and its Commit: its VM went with it, ours is the
             // only one left. (A process that took the VM back says Abort first; one that
             // dies closes the socket while its threads still exit, hence the wait.)
@@ -512,6 +519,14 @@ impl Incoming {
             }
             Err(error) => Err(error),
         }
+    }
+
+    /// The old process's API listening socket, if it came with `Commit`: this process
+    /// serves it from now on (the connections waiting in its backlog included). None from
+    /// an older gpuvm, or when the old process died before committing: the API socket is
+    /// then bound again at its path once the old process has gone.
+    pub fn take_api_listener(&mut self) -> Option<UnixListener> {
+        self.api_listener.take()
     }
 
     /// How long the guest has been paused, from the old process's pause until now (zero
@@ -534,6 +549,27 @@ impl Incoming {
         }
         true
     }
+}
+
+/// The API listening socket among the descriptors of `Commit`, checked to be one. The VM
+/// is this process's by then whatever came: anything else is dropped with a warning, and
+/// the API socket is bound again by path.
+fn api_listener(fds: Vec<OwnedFd>) -> Option<UnixListener> {
+    if fds.len() > protocol::COMMIT_API_LISTENER {
+        log::warn!(
+            "live update: Commit brought {} descriptors, not at most {}: the API socket is \
+             bound again at its path",
+            fds.len(),
+            protocol::COMMIT_API_LISTENER
+        );
+        return None;
+    }
+    let fd = fds.into_iter().next()?;
+    socket::listening_unix_stream(fd)
+        .inspect_err(|error| {
+            log::warn!("live update: {error}; the API socket is bound again at its path")
+        })
+        .ok()
 }
 
 /// What the VM is built from in a state: its configuration and what its devices are
@@ -720,6 +756,20 @@ mod tests {
             .expect("one cdev short")
             .to_string();
         assert!(error.contains("descriptors"), "{error}");
+    }
+
+    /// `Commit`'s descriptor: a listening Unix socket is served, anything else (or more)
+    /// leaves the API socket to be bound by path.
+    #[test]
+    fn commit_brings_the_api_listener_or_nothing_usable() {
+        let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-commit-").unwrap();
+        let listener = UnixListener::bind(dir.path().join("api.sock")).unwrap();
+        let dup = || OwnedFd::from(listener.try_clone().unwrap());
+        assert!(api_listener(Vec::new()).is_none(), "an older sender");
+        assert!(api_listener(vec![dup()]).is_some());
+        assert!(api_listener(vec![dup(), dup()]).is_none(), "too many");
+        let (stream, _peer) = UnixStream::pair().unwrap();
+        assert!(api_listener(vec![OwnedFd::from(stream)]).is_none());
     }
 
     #[test]

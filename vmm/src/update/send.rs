@@ -13,6 +13,7 @@
 //! hot-plugged at runtime, which stay hot-plugged in the new process); the device runs on
 //! throughout.
 
+use std::os::fd::BorrowedFd;
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -47,12 +48,15 @@ pub struct HandOverReport {
 /// Hands the running VM to the gpuvm listening on `socket`. On success the VM belongs to
 /// the new process: the caller must end the run without resuming anything. On failure
 /// the VM runs on here as before (its vCPUs and devices resumed), and the error says why.
-/// With `receiver_pid`, only that process may be the socket's listener.
+/// With `receiver_pid`, only that process may be the socket's listener. `api_listener`,
+/// the API's listening socket (which has stopped accepting), goes with `Commit`: the new
+/// process serves it from then on.
 pub fn hand_over(
     running: &mut RunningMachine<'_>,
     socket: &Path,
     timeout: Duration,
     receiver_pid: Option<u32>,
+    api_listener: Option<BorrowedFd<'_>>,
     mmds: &gpuvm_mmds::Mmds,
 ) -> Result<HandOverReport, UpdateError> {
     check_supported(running)?;
@@ -87,7 +91,7 @@ pub fn hand_over(
     }
     running.pause_devices();
     let paused_at = Instant::now();
-    match hand_paused_and_commit(running, &stream, receiver, mmds) {
+    match hand_paused_and_commit(running, &stream, receiver, api_listener, mmds) {
         Ok(state_bytes) => Ok(HandOverReport {
             new_pid: Some(receiver.pid),
             paused_to_ready: paused_at.elapsed(),
@@ -302,11 +306,12 @@ fn check_receiver(
 }
 
 /// With the vCPUs paused: sends the whole state, waits for `Ready` from `receiver`,
-/// commits. Returns the state's size.
+/// commits (with `api_listener`, if any). Returns the state's size.
 fn hand_paused_and_commit(
     running: &RunningMachine<'_>,
     stream: &UnixStream,
     receiver: socket::PeerCredentials,
+    api_listener: Option<BorrowedFd<'_>>,
     mmds: &gpuvm_mmds::Mmds,
 ) -> Result<usize, UpdateError> {
     let paused_at_ns = protocol::monotonic_ns();
@@ -336,8 +341,12 @@ fn hand_paused_and_commit(
             expected: format!("process {}, which listens on the socket", receiver.pid),
         });
     }
-    // The point of no return: once `Commit` is out, the new process runs the VM.
-    protocol::send(stream, MessageKind::Commit, b"", &[])?;
+    // The point of no return: once `Commit` is out, the new process runs the VM. The API's
+    // listening socket goes with it: the new process accepts the connections waiting in
+    // its backlog (this one stopped accepting before the update began, and never will
+    // again). A receiver that predates it closes it unused and binds the path again.
+    let api_fds: Vec<RawFd> = api_listener.iter().map(AsRawFd::as_raw_fd).collect();
+    protocol::send(stream, MessageKind::Commit, b"", &api_fds)?;
     // Its vfio-user connections are the new process's: nothing here may use them, nor
     // reset the devices or close the connections as this process's VM goes.
     let devices = running.machine().devices();

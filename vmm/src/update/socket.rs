@@ -226,6 +226,28 @@ pub fn listen(socket: OwnedFd) -> Result<UnixListener, UpdateError> {
     Ok(UnixListener::from(socket))
 }
 
+/// `socket` as a listener if it is a listening Unix stream socket (the old process's API
+/// socket, which comes with `Commit`); why not otherwise.
+pub fn listening_unix_stream(socket: OwnedFd) -> Result<UnixListener, UpdateError> {
+    let option = |option, what| {
+        socket_option::<libc::c_int>(socket.as_fd(), option)
+            .map_err(|source| UpdateError::Socket { what, source })
+    };
+    let domain = option(libc::SO_DOMAIN, "read the handed-over API socket's domain")?;
+    let kind = option(libc::SO_TYPE, "read the handed-over API socket's type")?;
+    let listening = option(
+        libc::SO_ACCEPTCONN,
+        "check whether the handed-over API socket listens",
+    )?;
+    if domain != libc::AF_UNIX || kind != libc::SOCK_STREAM || listening == 0 {
+        return Err(UpdateError::Protocol(format!(
+            "the API socket that came with Commit is not a listening Unix stream socket \
+             (domain {domain}, type {kind}, listening {listening})"
+        )));
+    }
+    Ok(UnixListener::from(socket))
+}
+
 /// The old gpuvm's check of the hand-over socket it is told to connect to: a socket (not a
 /// symbolic link to one), in a directory that belongs to root or to this user and that no
 /// one else may write to, so no one else can have put it there.
@@ -272,6 +294,24 @@ pub fn check_path(path: &Path) -> Result<(), UpdateError> {
 mod tests {
     use super::*;
     use std::os::unix::fs::FileTypeExt;
+
+    #[test]
+    fn only_a_listening_unix_stream_socket_is_taken_as_the_api_socket() {
+        let dir = PrivateDir::create(&std::env::temp_dir(), "gpuvm-api-listener-").unwrap();
+        let path = dir.path().join("api.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let taken = listening_unix_stream(OwnedFd::from(listener.try_clone().unwrap())).unwrap();
+        // The same socket: a connection made at the path is accepted through it.
+        let _client = UnixStream::connect(&path).unwrap();
+        taken.accept().unwrap();
+        let (connected, _peer) = UnixStream::pair().unwrap();
+        let error = listening_unix_stream(OwnedFd::from(connected))
+            .err()
+            .unwrap();
+        assert!(error.to_string().contains("not a listening"), "{error}");
+        let file = std::fs::File::open("/dev/null").unwrap();
+        assert!(listening_unix_stream(OwnedFd::from(file)).is_err());
+    }
 
     #[test]
     fn peer_credentials_name_the_process_at_the_other_end() {
