@@ -1518,6 +1518,119 @@ fn a_firecracker_vm_keeps_its_api_and_mmds_across_updates() {
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
+/// The log and metrics outputs go over as the same open files (Kata gives Firecracker
+/// FIFOs; a path may have gone, or lie outside the new process's jail): the lines each new
+/// process writes reach the renamed log file and the metrics FIFO's one reader, and nothing
+/// opens the log's old path again.
+#[test]
+fn the_log_and_metrics_outputs_follow_the_vm_across_updates() {
+    use std::io::BufRead;
+    const METRICS_PERIOD: &str = "GPUVM_METRICS_PERIOD_MS";
+    let scratch = Scratch::new("live-update", "outputs");
+    let api = scratch.path("fc.sock");
+    let log = scratch.path("fc.log");
+    let moved = scratch.path("fc.log.moved");
+    let metrics = scratch.path("metrics.fifo");
+    let name = std::ffi::CString::new(metrics.to_str().expect("UTF-8 path")).unwrap();
+    // SAFETY: mkfifo(3) reads a NUL-terminated path that lives across the call.
+    assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0, "mkfifo");
+    let metric_lines = std::sync::Arc::new(std::sync::Mutex::new(0usize));
+    let counted = metric_lines.clone();
+    let fifo = metrics.clone();
+    // The FIFO's only reader, for the test's whole life (the open waits for gpuvm's).
+    std::thread::spawn(move || {
+        let reader = std::io::BufReader::new(std::fs::File::open(fifo).expect("open the FIFO"));
+        for line in reader.lines() {
+            if line.is_ok_and(|line| line.starts_with('{')) {
+                *counted.lock().unwrap() += 1;
+            }
+        }
+    });
+    let kernel = gpuvm_tests::cloud_hypervisor_support::guest_image(&scratch);
+    let link = gpuvm_tests::firecracker_link(&scratch);
+    let utf8 = |path: &Path| path.to_str().expect("UTF-8 path").to_owned();
+    let first = SpawnedProcess::spawn_with_env(
+        &link,
+        &[
+            "--api-sock",
+            &utf8(&api),
+            "--id",
+            "fc-outputs",
+            "--log-path",
+            &utf8(&log),
+            "--metrics-path",
+            &utf8(&metrics),
+        ],
+        &[(METRICS_PERIOD, "100")],
+    );
+    let boot = serde_json::json!({
+        "kernel_image_path": kernel,
+        "boot_args": "memloop 32M 17 100000",
+    });
+    let mut vm = UpdatableVm::started(first, api.clone(), scratch, |api| {
+        api_expect(api, 204, "PUT", "/boot-source", Some(&boot.to_string()));
+        api_expect(
+            api,
+            204,
+            "PUT",
+            "/machine-config",
+            Some(r#"{"vcpu_count": 1, "mem_size_mib": 128}"#),
+        );
+    });
+    vm.wait_iterations_past(1);
+    std::fs::rename(&log, &moved).unwrap();
+    let count = || *metric_lines.lock().unwrap();
+    let flush = |api: &Path| {
+        api_expect(
+            api,
+            204,
+            "PUT",
+            "/actions",
+            Some(r#"{"action_type": "FlushMetrics"}"#),
+        );
+    };
+    for round in 1..=2 {
+        let seen = iterations(&vm.stdout()).len();
+        let out = vm.update(&[], &[(METRICS_PERIOD, "100")]);
+        vm.updated(&out);
+        vm.wait_iterations_past(seen + 1);
+        // The old process is gone: every line from here on is the new one's, periodic and
+        // asked for.
+        let before = count();
+        flush(&api);
+        wait_for(
+            &format!(
+                "metrics lines after update {round} (had {before})\n{}",
+                vm.describe()
+            ),
+            || (count() >= before + 3).then_some(()),
+        );
+        // A refused update makes the process that runs the VM log an error.
+        let logged = std::fs::read(&moved).unwrap().len();
+        vm.update_fails(
+            &[],
+            &[("GPUVM_TEST_UPDATE_FAIL", "refuse")],
+            "the new gpuvm refused the VM",
+        );
+        let log_text = || String::from_utf8_lossy(&std::fs::read(&moved).unwrap()).into_owned();
+        wait_for(
+            &format!(
+                "the log line after update {round}: log:\n{}\n{}",
+                log_text(),
+                vm.describe()
+            ),
+            || {
+                let text = std::fs::read(&moved).unwrap();
+                String::from_utf8_lossy(&text[logged..])
+                    .contains("the VM runs on")
+                    .then_some(())
+            },
+        );
+    }
+    assert!(!log.exists(), "a process opened the log's old path again");
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
 /// A VM with the memory balloon: inflated before the update, the new process knows its
 /// target and actual (GET /balloon/statistics), deflates it on PATCH /balloon, and the
 /// guest reads the pages it gets back as zero (the host had freed them, in the RAM file

@@ -111,7 +111,10 @@ fn gpuvm_main(argv: Vec<OsString>, process_start: Instant) -> ExitCode {
             };
         }
     };
-    if let Err(error) = gpuvm_vmm::logging::init(cli.log_format, cli.log_level) {
+    // A live update's new process may take over a log output (outputs::adopt): its
+    // records go there as well as to stderr.
+    let tee = matches!(cli.command, Command::UpdateReceive(_));
+    if let Err(error) = gpuvm_vmm::logging::init_with(cli.log_format, cli.log_level, tee) {
         eprintln!("gpuvm: error: cannot set up logging: {error}");
         return gpuvm_error();
     }

@@ -395,7 +395,7 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     let listener = inherited_listener(args.handover_fd)?;
     let mut incoming = receive::accept(&listener, args.old_pid, timeout).map_err(refused)?;
     drop(listener);
-    incoming.adopt_stdio().map_err(refused)?;
+    incoming.adopt_outputs().map_err(refused)?;
     incoming
         .prepare(crate::run::serial_out())
         .map_err(refused)?;

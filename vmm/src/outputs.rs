@@ -40,6 +40,14 @@ impl Sink {
         crate::lock(&self.file).is_some()
     }
 
+    /// A duplicate of the output's descriptor (the same open file), if it has one.
+    fn duplicate(&self) -> std::io::Result<Option<File>> {
+        crate::lock(&self.file)
+            .as_ref()
+            .map(File::try_clone)
+            .transpose()
+    }
+
     /// Writes `line` (one whole line) or drops it; never blocks.
     pub fn write_line(&self, line: &[u8]) {
         let mut file = crate::lock(&self.file);
@@ -151,6 +159,90 @@ pub fn flush_metrics() -> ActionResult {
     Ok(VmmData::Empty)
 }
 
+/// The outputs as a live update hands them to the new process: which of them come (their
+/// descriptors follow, log first) and the log level in effect (PUT /logger may have set
+/// it). The same open files go over, so a FIFO's reader, a file renamed or unlinked since
+/// it was opened, or one outside the new process's jail all keep getting the lines.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverOutputs {
+    pub log: bool,
+    pub metrics: bool,
+    /// `log::LevelFilter`'s name ("Off", "Error", ... "Trace").
+    pub log_level: String,
+}
+
+impl HandedOverOutputs {
+    /// How many descriptors follow it.
+    pub fn descriptor_count(&self) -> usize {
+        usize::from(self.log) + usize::from(self.metrics)
+    }
+}
+
+/// This process's outputs for a live update, with duplicates of their descriptors (log
+/// first); None without any.
+pub fn hand_over() -> std::io::Result<Option<(HandedOverOutputs, Vec<File>)>> {
+    let log = LOG.duplicate()?;
+    let metrics = METRICS_OUT.duplicate()?;
+    if log.is_none() && metrics.is_none() {
+        return Ok(None);
+    }
+    let outputs = HandedOverOutputs {
+        log: log.is_some(),
+        metrics: metrics.is_some(),
+        log_level: log::max_level().to_string(),
+    };
+    Ok(Some((outputs, log.into_iter().chain(metrics).collect())))
+}
+
+/// Takes over the old process's outputs (`log` and `metrics`, as `outputs` says) and its
+/// log level; the periodic metrics go on from here. Each must be a file this process can
+/// write lines to: a regular file, a FIFO or a character device (what `open_nonblocking`
+/// opens), else it is refused by name.
+pub fn adopt(
+    outputs: &HandedOverOutputs,
+    log: Option<File>,
+    metrics: Option<File>,
+) -> Result<(), String> {
+    let level: log::LevelFilter = outputs
+        .log_level
+        .parse()
+        .map_err(|_| format!("the log level {:?} is none gpuvm knows", outputs.log_level))?;
+    for (what, file) in [("log", &log), ("metrics", &metrics)] {
+        if let Some(file) = file {
+            check_output(file).map_err(|reason| format!("the {what} output: {reason}"))?;
+        }
+    }
+    if let Some(file) = log {
+        LOG.set(file);
+    }
+    log::set_max_level(level);
+    if let Some(file) = metrics {
+        METRICS_OUT.set(file);
+        start_periodic_metrics();
+    }
+    Ok(())
+}
+
+/// Whether `file` is what an output may be: open for writing, and a regular file, a FIFO
+/// or a character device.
+fn check_output(file: &File) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let kind = file
+        .metadata()
+        .map_err(|e| format!("cannot inspect it: {e}"))?
+        .file_type();
+    if !(kind.is_file() || kind.is_fifo() || kind.is_char_device()) {
+        return Err(format!("{kind:?} is not a file, FIFO or character device"));
+    }
+    // SAFETY: F_GETFL on a descriptor this File owns reads its status flags.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 || flags & libc::O_ACCMODE == libc::O_RDONLY {
+        return Err("it is not open for writing".into());
+    }
+    Ok(())
+}
+
 /// A writer for env_logger: each record to stderr and to [`LOG`].
 pub struct TeeToLog;
 
@@ -190,6 +282,49 @@ mod tests {
         sink.set(open_nonblocking(&file).unwrap());
         sink.write_line(b"one\n");
         assert_eq!(std::fs::read(&file).unwrap(), b"one\n");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// What goes over in a live update: the same open files, and the level; the new side
+    /// takes only outputs it can write to.
+    #[test]
+    fn outputs_are_handed_over_as_the_same_open_files() {
+        let dir = tempfile_dir().join("handover");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("log");
+        let file = open_nonblocking(&path).unwrap();
+        let sink = Sink::new();
+        sink.set(file);
+        let copy = sink.duplicate().unwrap().expect("a descriptor");
+        // Renamed since it was opened: the duplicate still writes where the sink does.
+        std::fs::rename(&path, dir.join("moved")).unwrap();
+        let other = Sink::new();
+        other.set(copy);
+        other.write_line(b"after\n");
+        assert_eq!(std::fs::read(dir.join("moved")).unwrap(), b"after\n");
+        assert!(Sink::new().duplicate().unwrap().is_none());
+
+        let outputs = HandedOverOutputs {
+            log: false,
+            metrics: true,
+            log_level: "Warn".into(),
+        };
+        assert_eq!(outputs.descriptor_count(), 1);
+        let read_only = File::open(dir.join("moved")).unwrap();
+        let error = adopt(&outputs, None, Some(read_only)).unwrap_err();
+        assert!(
+            error.contains("metrics output") && error.contains("writing"),
+            "{error}"
+        );
+        let directory = File::open(&dir).unwrap();
+        let error = adopt(&outputs, None, Some(directory)).unwrap_err();
+        assert!(error.contains("not a file"), "{error}");
+        let bad_level = HandedOverOutputs {
+            log_level: "Loud".into(),
+            ..outputs
+        };
+        let error = adopt(&bad_level, None, None).unwrap_err();
+        assert!(error.contains("Loud"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

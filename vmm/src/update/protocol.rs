@@ -15,7 +15,8 @@
 //!    one per virtio-blk drive, in the order of [`OfferMeta::drives`], then each network
 //!    interface's tap queues, in the order of [`OfferMeta::interfaces`], then each
 //!    vfio-user device's connection and region files, in the order of
-//!    [`OfferMeta::vfio_user`]) and
+//!    [`OfferMeta::vfio_user`], then the kernel VFIO devices' iommufd and cdevs, then the log
+//!    and metrics outputs of [`OfferMeta::outputs`]) and
 //!    `State`: the machine's configuration and device state, saved while the guest runs
 //!    (no vCPU state), framed exactly as a snapshot's `state` file so that the new binary's
 //!    version checks and migrations apply;
@@ -58,7 +59,7 @@ pub const MAX_VFIO_USER_FDS: usize = 16;
 pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
 /// The most descriptors one frame may bring.
 const MAX_FDS: usize =
-    OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS + 1 + MAX_KERNEL_VFIO_DEVICES;
+    OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS + 1 + MAX_KERNEL_VFIO_DEVICES + 2;
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +127,11 @@ pub struct OfferMeta {
     /// receiver refuses an offer with them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_vfio: Option<super::handed_over::OfferedKernelVfio>,
+    /// The log and metrics outputs (Firecracker's `--log-path`/`--metrics-path`, PUT
+    /// /logger and /metrics): their descriptors come last, log first. Absent without
+    /// them; an older receiver refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs: Option<crate::outputs::HandedOverOutputs>,
 }
 
 /// One network interface in an offer: its id and how many tap queues it brings.
@@ -155,6 +161,7 @@ impl OfferMeta {
                 .kernel_vfio
                 .as_ref()
                 .map_or(0, |kernel| 1 + kernel.devices.len())
+            + (self.outputs.as_ref()).map_or(0, crate::outputs::HandedOverOutputs::descriptor_count)
     }
 }
 

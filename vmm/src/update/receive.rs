@@ -3,6 +3,7 @@
 //! load the paused state, say it is ready, and run the VM only once the old process commits
 //! (or has died after `Ready` without taking the VM back).
 
+use std::fs::File;
 use std::io::Write;
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -49,6 +50,12 @@ pub struct Incoming {
     /// Their marks: left alone here (neither detached nor reset) unless this process
     /// commits.
     kernel_marks: Vec<Arc<HandOverMark>>,
+    /// The log and metrics outputs, as the offer said, until adopted.
+    outputs: Option<(
+        crate::outputs::HandedOverOutputs,
+        Option<File>,
+        Option<File>,
+    )>,
     /// The configuration and device state the VM is built from, saved while it ran.
     state: MachineState,
     /// The VM built from `state`, until the paused state is loaded into it.
@@ -149,6 +156,22 @@ pub fn accept(
             Some(IncomingKernelVfio::new(offered.clone(), iommufd, cdevs))
         }
     };
+    let outputs = match &meta.outputs {
+        None => None,
+        Some(offered) => {
+            let log = if offered.log {
+                Some(File::from(next()?))
+            } else {
+                None
+            };
+            let metrics = if offered.metrics {
+                Some(File::from(next()?))
+            } else {
+                None
+            };
+            Some((offered.clone(), log, metrics))
+        }
+    };
     let kernel_marks = kernel_vfio
         .as_ref()
         .map(|kernel| kernel.marks.clone())
@@ -182,6 +205,7 @@ pub fn accept(
         adopted,
         kernel_vfio,
         kernel_marks,
+        outputs,
         state,
         prepared: None,
         paused_at_ns: None,
@@ -294,8 +318,13 @@ impl Incoming {
     }
 
     /// Makes the old process's stdin, stdout (the serial console) and stderr this
-    /// process's, so the console and the log go on where they went.
-    pub fn adopt_stdio(&self) -> Result<(), UpdateError> {
+    /// process's, and its log and metrics outputs and log level, so the console, the log
+    /// and the metrics go on where they went.
+    pub fn adopt_outputs(&mut self) -> Result<(), UpdateError> {
+        if let Some((outputs, log, metrics)) = self.outputs.take() {
+            crate::outputs::adopt(&outputs, log, metrics)
+                .map_err(|reason| self.refuse(UpdateError::Protocol(reason)))?;
+        }
         for (target, fd) in self.stdio.iter().enumerate() {
             // SAFETY: dup2 onto 0, 1 and 2, which this process owns; `fd` is live.
             if unsafe { libc::dup2(fd.as_raw_fd(), target as i32) } < 0 {
@@ -706,6 +735,7 @@ mod tests {
             vfio_user: Vec::new(),
             interfaces: Vec::new(),
             kernel_vfio: None,
+            outputs: None,
         }
     }
 
@@ -754,6 +784,28 @@ mod tests {
         let error = accept_offer(&meta, &[iommufd.as_raw_fd(), iommufd.as_raw_fd()])
             .err()
             .expect("one cdev short")
+            .to_string();
+        assert!(error.contains("descriptors"), "{error}");
+    }
+
+    /// A forged offer's outputs: both descriptors must come, or the offer is refused
+    /// before anything is taken (what each must be: outputs::adopt's test).
+    #[test]
+    fn an_offer_short_of_its_outputs_is_refused() {
+        use std::os::fd::AsRawFd;
+        let meta = OfferMeta {
+            outputs: Some(crate::outputs::HandedOverOutputs {
+                log: true,
+                metrics: true,
+                log_level: "Info".into(),
+            }),
+            ..empty_offer()
+        };
+        assert_eq!(meta.descriptor_count(), OFFER_FDS + 2);
+        let log = std::fs::File::open("/dev/null").unwrap();
+        let error = accept_offer(&meta, &[log.as_raw_fd()])
+            .err()
+            .expect("one output short")
             .to_string();
         assert!(error.contains("descriptors"), "{error}");
     }

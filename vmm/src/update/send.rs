@@ -146,6 +146,12 @@ fn offer(
         connections.extend(fds);
     }
     let (kernel_vfio, kernel_fds) = kernel_vfio::offer(&devices.handover)?;
+    let (outputs, output_files) = crate::outputs::hand_over()
+        .map_err(|source| UpdateError::Io {
+            what: "duplicate the log and metrics outputs",
+            source,
+        })?
+        .unzip();
     if connections.len() > protocol::MAX_VFIO_USER_FDS {
         return Err(UpdateError::unsupported(
             format!(
@@ -172,6 +178,7 @@ fn offer(
         interfaces,
         vfio_user,
         kernel_vfio,
+        outputs,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -186,12 +193,14 @@ fn offer(
     fds.extend(taps.iter().map(AsRawFd::as_raw_fd));
     fds.extend(connections.iter().map(AsRawFd::as_raw_fd));
     fds.extend(kernel_fds.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(output_files.iter().flatten().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
     // Ours are duplicates: the drives, interfaces and passthrough devices keep theirs.
     drop(images);
     drop(taps);
     drop(connections);
     drop(kernel_fds);
+    drop(output_files);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
