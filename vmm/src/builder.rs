@@ -21,9 +21,7 @@ use gpuvm_devices::pci::hotplug::HOTPLUG_GSI;
 use gpuvm_devices::pci::PciRootConfig;
 use gpuvm_devices::{Bus, BusDevice};
 use gpuvm_memory::{slot_slices, ByteSize, GuestRam, GuestRamConfig, RamRegion, SlotSliceSize};
-use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
-};
+use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -470,25 +468,19 @@ fn register_memory(vm: &VmFd, ram: &GuestRam, track_dirty_pages: bool) -> Result
     let mut slot = 0u32;
     for (region, host) in ram.host_regions() {
         for slice in slot_slices(&[region], slot_size) {
-            let memory_region = kvm_userspace_memory_region {
+            let memory_slot = crate::memslots::MemorySlot {
                 slot,
-                guest_phys_addr: slice.guest_addr,
-                memory_size: slice.size,
-                userspace_addr: host as u64 + slice.region_offset,
-                flags: if track_dirty_pages {
-                    KVM_MEM_LOG_DIRTY_PAGES
-                } else {
-                    0
-                },
+                guest_addr: slice.guest_addr,
+                size: slice.size,
+                host: host as u64 + slice.region_offset,
+                dirty_log: track_dirty_pages,
             };
             // SAFETY: the host range is inside a live mapping owned by `ram` (a slice lies
             // within its region), which the Machine keeps alive for as long as the VM fd (the
             // VM is dropped first, see Machine's fields).
-            unsafe { vm.set_user_memory_region(memory_region) }.map_err(|source| {
-                Error::KvmSetup {
-                    what: "register guest memory with KVM",
-                    source,
-                }
+            unsafe { memory_slot.set(vm) }.map_err(|source| Error::KvmSetup {
+                what: "register guest memory with KVM",
+                source,
             })?;
             slot += 1;
         }

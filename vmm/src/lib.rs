@@ -31,6 +31,7 @@ pub mod hotplug;
 pub mod interrupts;
 pub mod logging;
 pub mod machine;
+mod memslots;
 pub mod metrics;
 pub mod numa;
 pub mod outputs;

@@ -41,9 +41,7 @@ use gpuvm_vfio::dma::DmaProgress;
 use gpuvm_vfio::kernel::VfioDeviceFd;
 use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::{PassthroughDevice, VfioError};
-use kvm_bindings::{
-    kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO, kvm_userspace_memory_region,
-};
+use kvm_bindings::{kvm_create_device, kvm_device_type_KVM_DEV_TYPE_VFIO};
 use kvm_ioctls::{Kvm, VmFd};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -164,17 +162,16 @@ impl KvmBarSlots {
     }
 
     fn set(&self, slot: u32, guest_addr: u64, size: u64, host: u64) -> std::io::Result<()> {
-        let region = kvm_userspace_memory_region {
+        let region = crate::memslots::MemorySlot {
             slot,
-            guest_phys_addr: guest_addr,
-            memory_size: size,
-            userspace_addr: host,
-            flags: 0,
+            guest_addr,
+            size,
+            host,
+            dirty_log: false,
         };
         // SAFETY: `host` is a device BAR mapping owned by the VfioPciDevice, which removes the
         // slot (size 0) before it unmaps the memory.
-        unsafe { self.vm.set_user_memory_region(region) }
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
+        unsafe { region.set(&self.vm) }.map_err(|e| std::io::Error::from_raw_os_error(e.errno()))
     }
 }
 

@@ -41,11 +41,11 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::memslots::MemorySlot;
 use gpuvm_devices::memory_hotplug::{
     ost_status_meaning, MemoryHotplug, MEMORY_BLOCK_SIZE, MEMORY_HOTPLUG_SLOTS, OST_EJECT_REQUEST,
 };
 use gpuvm_memory::{ByteSize, GuestRam, RamError};
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 
 use super::{Machine, RunningMachine};
 use crate::devices::SavedRamHotplug;
@@ -470,12 +470,7 @@ impl RunningMachine<'_> {
         let (kvm_slot, region) = register_slot(&self.machine.vm, slot, &ram, dirty_log)?;
         if let Err(error) = dma_map(&mut self.machine.devices, &ram) {
             // The guest was told nothing: take the slot back and drop the RAM.
-            let removed = kvm_userspace_memory_region {
-                memory_size: 0,
-                ..region
-            };
-            // SAFETY: removing the slot just added; its memory is still mapped.
-            if let Err(undo) = unsafe { self.machine.vm.set_user_memory_region(removed) } {
+            if let Err(undo) = region.remove(&self.machine.vm) {
                 log::error!("cannot remove KVM memory slot {kvm_slot} again: {undo}");
                 // Keep the RAM: KVM may still map it.
                 hotplug.added.push(AddedRam { slot, ram });
@@ -625,16 +620,16 @@ impl RunningMachine<'_> {
                 .next()
                 .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
             dma_unmap(&mut self.machine.devices, ram)?;
-            let removed = kvm_userspace_memory_region {
+            // The view is dropped only below, after KVM let go of it.
+            let removed = MemorySlot {
                 slot: FIRST_HOTPLUG_RAM_SLOT + u32::from(slot),
-                guest_phys_addr: range.guest_addr,
-                memory_size: 0,
-                userspace_addr: host as u64,
-                flags: 0,
+                guest_addr: range.guest_addr,
+                size: range.size,
+                host: host as u64,
+                dirty_log: false,
             };
-            // SAFETY: deleting the slot registered for this range; its memory stays mapped
-            // (the view is dropped only below, after KVM let go of it).
-            unsafe { self.machine.vm.set_user_memory_region(removed) }
+            removed
+                .remove(&self.machine.vm)
                 .map_err(MemoryResizeError::Kvm)?;
             if let Err(error) = punch_hole(ram) {
                 // The guest cannot reach the range any more; only the host memory stays.
@@ -693,26 +688,22 @@ fn register_slot(
     slot: u8,
     ram: &GuestRam,
     dirty_log: bool,
-) -> Result<(u32, kvm_userspace_memory_region), MemoryResizeError> {
+) -> Result<(u32, MemorySlot), MemoryResizeError> {
     let (range, host) = ram
         .host_regions()
         .next()
         .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
     let kvm_slot = FIRST_HOTPLUG_RAM_SLOT + u32::from(slot);
-    let region = kvm_userspace_memory_region {
+    let region = MemorySlot {
         slot: kvm_slot,
-        guest_phys_addr: range.guest_addr,
-        memory_size: range.size,
-        userspace_addr: host as u64,
-        flags: if dirty_log {
-            KVM_MEM_LOG_DIRTY_PAGES
-        } else {
-            0
-        },
+        guest_addr: range.guest_addr,
+        size: range.size,
+        host: host as u64,
+        dirty_log,
     };
     // SAFETY: `ram`'s mapping is kept in the machine (RamHotplug::added, dropped after the
     // VM fd) for as long as the slot exists.
-    unsafe { vm.set_user_memory_region(region) }.map_err(MemoryResizeError::Kvm)?;
+    unsafe { region.set(vm) }.map_err(MemoryResizeError::Kvm)?;
     Ok((kvm_slot, region))
 }
 
