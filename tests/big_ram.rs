@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use gpuvm_arch::x86_64::layout::{ram_reaches_ht_hole, AMD_HT_HOLE_END, AMD_HT_HOLE_START};
 use gpuvm_tests::host_is_amd;
 use gpuvm_tests::snapshot_support::{
-    arg, assert_restored_memloop_completes, field, has, iterations, memory_files, memory_header,
-    only_report, restore, signal_snapshot,
+    arg, assert_restored_memloop_completes, field, full_then_diff_with_pages, has, iterations,
+    memory_files, memory_header, only_report, restore, signal_snapshot,
 };
 use gpuvm_tests::{guest_ram_ranges_on, run_gpuvm, Scratch, SpawnedProcess};
 
@@ -205,13 +205,6 @@ const AS_AMD: &str = "GPUVM_TEST_HOST_VENDOR";
 /// a region past KVM's 8 TiB per slot (vmm/src/builder.rs).
 const MAX_SLOT_MIB: &str = "GPUVM_TEST_MAX_SLOT_MIB";
 
-/// Waits until the state in `dir` names `count` memory files.
-fn wait_for_chain(run: &mut SpawnedProcess, dir: &std::path::Path, count: usize) {
-    run.wait_until(&format!("a state with {count} memory files"), LIMIT, |_| {
-        dir.join("state").exists() && memory_files(dir).len() == count
-    });
-}
-
 /// Boot RAM over many KVM memory slots, as a region larger than one slot (8 TiB) is: this
 /// host cannot hold such a guest, so `GPUVM_TEST_MAX_SLOT_MIB` cuts a 3.5 GiB one (3 GiB
 /// below the 32-bit hole, 512 MiB above) into 128 MiB slots. The guest checks 3200 MiB of
@@ -246,22 +239,7 @@ fn boot_ram_over_many_kvm_slots_snapshots_diffs_and_restores_lazily() {
     run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
     assert!(run.stderr().contains(slots_line), "{}", run.stderr());
     let snapshots_started = Instant::now();
-    signal_snapshot(run.pid());
-    wait_for_chain(&mut run, &dir, 1);
-    // As tests/snapshot_diff.rs: a diff taken before the vCPU ran again is rightly empty;
-    // take diffs until one holds pages.
-    let base = memory_header(&dir.join(&memory_files(&dir)[0]));
-    let mut chain_len = 1;
-    let diff = loop {
-        signal_snapshot(run.pid());
-        chain_len += 1;
-        wait_for_chain(&mut run, &dir, chain_len);
-        let diff = memory_header(&dir.join(&memory_files(&dir)[chain_len - 1]));
-        assert!(diff.is_diff(), "{diff:?}");
-        if diff.data_pages > 0 || chain_len == 6 {
-            break diff;
-        }
-    };
+    let (base, diff, chain_len) = full_then_diff_with_pages(&mut run, &dir);
     eprintln!(
         "many slots: {chain_len} snapshots in {:?}",
         snapshots_started.elapsed()

@@ -388,23 +388,8 @@ fn a_live_update_keeps_the_clients_devices_and_their_ids() {
     let before = vm_info(&api);
     assert_eq!(disk_ids(&api), ["root", "volume"], "{before}");
 
-    let update = std::process::Command::new(gpuvm_tests::gpuvm_bin())
-        .args(["update", "--pid", &vm.pid().to_string()])
-        .args(["--api-sock", api.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&update.stdout).into_owned();
-    assert!(
-        update.status.success(),
-        "gpuvm update: {said}{}",
-        String::from_utf8_lossy(&update.stderr)
-    );
-    let new: i32 = said
-        .split("runs in process ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or_else(|| panic!("no new pid in {said:?}"));
+    let update = gpuvm_tests::gpuvm_update(vm.pid(), &["--api-sock", api.to_str().unwrap()], &[]);
+    let new = gpuvm_tests::updated_to(&update, "");
     assert_ne!(new, vm.pid());
     let _new_process = KilledAtDrop(new);
     // The new process serves the socket once the old one has gone (a zombie: it is ours).

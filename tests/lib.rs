@@ -889,6 +889,32 @@ pub fn thread_report(pid: i32) -> String {
     report
 }
 
+/// Runs `gpuvm update --pid PID EXTRA...` with `env` added to this process's environment
+/// (the new gpuvm inherits it) and returns what it printed.
+pub fn gpuvm_update(pid: i32, extra: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    Command::new(gpuvm_bin())
+        .args(["update", "--pid", &pid.to_string()])
+        .args(extra)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run gpuvm update")
+}
+
+/// The pid of the process that runs the VM after the `gpuvm update` that printed `out`,
+/// which must have gone through (`context`: what to show if it did not).
+pub fn updated_to(out: &std::process::Output, context: &str) -> i32 {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "gpuvm update failed: {}\n{stdout}\n{context}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (stdout.split("runs in process ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no new pid in {stdout:?}"))
+}
+
 /// Whether `pid` runs (a zombie does not).
 pub fn process_running(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {

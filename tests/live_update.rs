@@ -123,12 +123,7 @@ impl UpdatableVm {
 
     /// `gpuvm update --pid OWNER` with `extra` arguments and `env`.
     fn update(&self, extra: &[&str], env: &[(&str, &str)]) -> Output {
-        Command::new(gpuvm_bin())
-            .args(["update", "--pid", &self.owner.to_string()])
-            .args(extra)
-            .envs(env.iter().copied())
-            .output()
-            .expect("run gpuvm update")
+        gpuvm_tests::gpuvm_update(self.owner, extra, env)
     }
 
     /// An update that must go through: the new process runs the VM, the old one ends,
@@ -142,19 +137,7 @@ impl UpdatableVm {
     /// [`UpdatableVm::update_ok`]) and follows the VM to its new process.
     fn updated(&mut self, out: &Output) {
         let old = self.owner;
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "gpuvm update failed: {}\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            self.describe()
-        );
-        let new: i32 = stdout
-            .split("runs in process ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|pid| pid.parse().ok())
-            .unwrap_or_else(|| panic!("no new pid in {stdout:?}"));
+        let new = gpuvm_tests::updated_to(out, &self.describe());
         assert_ne!(new, old);
         wait_gone(old, &self.describe());
         self.owner = new;

@@ -907,20 +907,7 @@ fn a_live_update_keeps_the_nodes_pinning_and_plan() {
     gpuvm_tests::wait_for_api_socket(&mut first, &api);
     gpuvm_tests::api_start_instance(&api);
     first.wait_for_stdout("numa: ok", LIMIT);
-    let update = std::process::Command::new(gpuvm_tests::gpuvm_bin())
-        .args(["update", "--pid", &first.pid().to_string()])
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&update.stdout).into_owned();
-    assert!(
-        update.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&update.stderr)
-    );
-    let new: i32 = (said.split("runs in process ").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or_else(|| panic!("no new pid in {said:?}"));
+    let new = gpuvm_tests::updated_to(&gpuvm_tests::gpuvm_update(first.pid(), &[], &[]), "");
     // The first process ends once it handed the VM over (until then its API thread may
     // still take a connection on the shared socket); its output pipes are the VM's, which
     // the new process holds.

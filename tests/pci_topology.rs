@@ -347,23 +347,9 @@ fn the_topology_vm_is_live_updated_with_its_gpus_behind_the_switch() {
     let mut owner = vmm.pid();
     for _ in 0..2 {
         let old = owner;
-        let out = std::process::Command::new(gpuvm_tests::gpuvm_bin())
-            .args(["update", "--pid", &owner.to_string()])
-            // The new process logs where it rebuilt the ports and took the GPUs over.
-            .env("GPUVM_LOG", "info")
-            .output()
-            .expect("run gpuvm update");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "gpuvm update failed: {}\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            vmm.stderr()
-        );
-        owner = (stdout.split("runs in process ").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|pid| pid.parse().ok())
-            .unwrap_or_else(|| panic!("no new pid in {stdout:?}"));
+        // The new process logs where it rebuilt the ports and took the GPUs over.
+        let out = gpuvm_tests::gpuvm_update(owner, &[], &[("GPUVM_LOG", "info")]);
+        owner = gpuvm_tests::updated_to(&out, &vmm.stderr());
         // The old process ends, then the new one answers at the socket's path.
         let deadline = std::time::Instant::now() + LIMIT;
         let answers =

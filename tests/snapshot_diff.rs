@@ -8,10 +8,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use gpuvm_tests::snapshot_support::{
-    arg, assert_continues, assert_restored_memloop_completes, copy_dir, field, flip_byte, has,
-    iterations, memory_files, memory_header, only_report, restore, signal_snapshot,
-    snapshot_memloop_then_exit, u32_at, Memloop, GUEST_2_VCPUS, LIMIT, STATE_HEADER_LEN,
-    STATE_MAGIC,
+    arg, assert_continues, assert_restored_memloop_completes, copy_dir, field, flip_byte,
+    full_then_diff_with_pages, has, iterations, memory_files, memory_header, only_report, restore,
+    signal_snapshot, snapshot_memloop_then_exit, u32_at, wait_for_chain, Memloop, GUEST_2_VCPUS,
+    LIMIT, STATE_HEADER_LEN, STATE_MAGIC,
 };
 use gpuvm_tests::{guest_ram_ranges, Scratch, SpawnedProcess};
 
@@ -40,13 +40,6 @@ fn restore_lazy_then_snapshot(
 }
 
 // ---- Diff chains ----
-
-/// Waits until the state in `dir` names `count` memory files.
-fn wait_for_chain(run: &mut SpawnedProcess, dir: &Path, count: usize) {
-    run.wait_until(&format!("a state with {count} memory files"), LIMIT, |_| {
-        dir.join("state").exists() && memory_files(dir).len() == count
-    });
-}
 
 #[test]
 fn diff_snapshot_of_an_idle_guest_is_small() {
@@ -145,32 +138,9 @@ fn diff_chain_restores_memory_contents() {
     ]);
     let mut run = SpawnedProcess::gpuvm(&args);
     run.wait_for_stdout("memloop: iter 0 ok", LIMIT);
-    signal_snapshot(run.pid());
-    wait_for_chain(&mut run, &dir, 1);
-    // Pages must come from both files for the restore to prove the chain works. On a
-    // loaded host the second request can pause the vCPU before it has run again since
-    // the first snapshot resumed it, and that diff is (rightly) empty: take diffs until
-    // one holds pages. Each empty one is checked to be a valid diff and stays in the
-    // chain, which the restores below must then also read.
-    let base = memory_header(&dir.join(&memory_files(&dir)[0]));
-    let mut previous_id = base.snapshot_id;
-    let mut chain_len = 1;
-    let diff = loop {
-        signal_snapshot(run.pid());
-        chain_len += 1;
-        wait_for_chain(&mut run, &dir, chain_len);
-        let diff = memory_header(&dir.join(&memory_files(&dir)[chain_len - 1]));
-        assert!(
-            diff.is_diff()
-                && diff.base_id == previous_id
-                && diff.generation as usize == chain_len - 1,
-            "{diff:?}"
-        );
-        if diff.data_pages > 0 || chain_len == 6 {
-            break diff;
-        }
-        previous_id = diff.snapshot_id;
-    };
+    // Pages must come from both files for the restore to prove the chain works (empty
+    // diffs stay in the chain, which the restores below must then also read).
+    let (base, diff, chain_len) = full_then_diff_with_pages(&mut run, &dir);
     run.signal(libc::SIGKILL);
     let killed = run.wait(LIMIT);
     assert!(

@@ -258,6 +258,47 @@ pub fn signal_snapshot(pid: i32) {
     assert!(status.success(), "gpuvm snapshot --pid {pid}: {status}");
 }
 
+/// Waits until the state in `dir` names `count` memory files.
+pub fn wait_for_chain(run: &mut SpawnedProcess, dir: &Path, count: usize) {
+    run.wait_until(&format!("a state with {count} memory files"), LIMIT, |_| {
+        dir.join("state").exists() && memory_files(dir).len() == count
+    });
+}
+
+/// Snapshots the running `run` (whose `--snapshot-dir` is `dir`, `--snapshot-then
+/// resume`, with dirty tracking) into a full snapshot, then into diffs until one holds
+/// pages, at most 5: on a loaded host a request can pause the vCPUs before they ran again
+/// since the last snapshot resumed them, and that diff is (rightly) empty. Each diff is
+/// checked to follow the one before (base id, generation) and stays in the chain, which a
+/// restore must then read too. Returns the full snapshot's header, the last diff's and
+/// the chain's length.
+pub fn full_then_diff_with_pages(
+    run: &mut SpawnedProcess,
+    dir: &Path,
+) -> (MemoryHeader, MemoryHeader, usize) {
+    signal_snapshot(run.pid());
+    wait_for_chain(run, dir, 1);
+    let base = memory_header(&dir.join(&memory_files(dir)[0]));
+    let mut previous_id = base.snapshot_id;
+    let mut chain_len = 1;
+    loop {
+        signal_snapshot(run.pid());
+        chain_len += 1;
+        wait_for_chain(run, dir, chain_len);
+        let diff = memory_header(&dir.join(&memory_files(dir)[chain_len - 1]));
+        assert!(
+            diff.is_diff()
+                && diff.base_id == previous_id
+                && diff.generation as usize == chain_len - 1,
+            "{diff:?}"
+        );
+        if diff.data_pages > 0 || chain_len == 6 {
+            return (base, diff, chain_len);
+        }
+        previous_id = diff.snapshot_id;
+    }
+}
+
 /// A memloop guest and its VM.
 pub struct Memloop {
     pub memory: &'static str,
