@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use gpuvm_tests::snapshot_support::iterations;
+use gpuvm_tests::snapshot_support::{iterations, snapshot_memloop_then_exit, Memloop};
 use gpuvm_tests::{
     api_expect, api_start_instance, gpuvm_bin, run_gpuvm, wait_for_api_socket, HugePageReservation,
     Scratch, SpawnedProcess, HUGEPAGE_LOCK,
@@ -1499,6 +1499,61 @@ fn a_firecracker_vm_keeps_its_api_and_mmds_across_updates() {
         Some(r#"{"version": "V1", "network_interfaces": ["eth0"]}"#),
     );
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// A VM restored lazily is handed over once its loader has put every page in the RAM file
+/// (the new process maps the file without this process's userfaultfd, where a page not
+/// loaded would read as zero): the update is asked at once after the restore, while the
+/// loader runs, and the memloop guest, which checks its whole buffer every iteration, goes
+/// on with its checksums in the new process.
+#[test]
+fn a_lazily_restored_vm_is_handed_over_with_all_its_ram() {
+    let scratch = Scratch::new("live-update", "lazy");
+    let snap = scratch.path("snap");
+    let guest = Memloop {
+        memory: "1G",
+        size: "512M",
+        vcpus: 1,
+        iters: 100_000,
+        backing: "memfd",
+        seed: 23,
+    };
+    let before = snapshot_memloop_then_exit(&snap, &guest);
+    let api = scratch.path("api.sock");
+    let first = gpuvm_tests::spawn_api_vmm(&api, Some("info"), &[]);
+    let load = serde_json::json!({
+        "snapshot_path": snap,
+        "restore_mode": "Lazy",
+        "resume_vm": true,
+    });
+    api_expect(&api, 204, "PUT", "/snapshot/load", Some(&load.to_string()));
+    let mut vm = UpdatableVm {
+        owner: first.pid(),
+        first,
+        api,
+        _scratch: scratch,
+    };
+    vm.update_ok(&[]);
+    let stderr = vm.first.stderr();
+    eprintln!(
+        "the update {} for the loader",
+        if stderr.contains("the lazy restore is all loaded (waited") {
+            "waited"
+        } else {
+            "did not wait"
+        }
+    );
+    let seen = iterations(&vm.stdout()).len();
+    vm.wait_iterations_past(seen + 2);
+    let out = vm.stdout();
+    assert!(!out.contains("FAIL"), "{}", vm.describe());
+    // The restored guest continued from the snapshot's iteration.
+    let last_before = *iterations(&before).last().expect("iterations before");
+    assert!(
+        iterations(&out).iter().all(|&i| i > last_before),
+        "{}",
+        vm.describe()
+    );
 }
 
 /// The log and metrics outputs go over as the same open files (Kata gives Firecracker

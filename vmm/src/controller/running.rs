@@ -599,6 +599,10 @@ fn live_update(
         Err(error @ crate::update::UpdateError::Unsupported { .. }) => {
             Err(ActionError::bad_request(error.to_string()))
         }
+        Err(error @ crate::update::UpdateError::NotReady(_)) => Err(ActionError {
+            status: 409,
+            message: error.to_string(),
+        }),
         Err(error) => Err(ActionError {
             status: 500,
             message: format!("live update failed; the VM runs on in this process: {error}"),

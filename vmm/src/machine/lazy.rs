@@ -37,6 +37,37 @@ impl Machine {
             _ => None,
         }
     }
+    /// Makes every page of a lazily restored guest's RAM present in its file, for a live
+    /// update: the new process maps the file without this process's userfaultfd, so a page
+    /// not loaded yet would read as zero there. The in-process loader is given `limit` to
+    /// finish (it keeps loading if it does not: the update can be retried); an external
+    /// handler's pages are faulted in, bounded by its progress as a snapshot bounds it.
+    /// Returns how long it waited (zero without a lazy restore, or once it has finished).
+    pub(crate) fn finish_lazy_restore(&self, limit: Duration) -> Result<Duration, String> {
+        let started = std::time::Instant::now();
+        match &self.lazy {
+            None => {}
+            Some(LazyMemory::InProcess(lazy)) => match lazy.wait_timeout(Some(limit)) {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    let stats = lazy.stats();
+                    return Err(format!(
+                        "the lazy restore has loaded {} of {} pages of guest RAM after {:?}; \
+                         retry once it has finished",
+                        stats.loaded_data_pages,
+                        stats.total_data_pages,
+                        started.elapsed()
+                    ));
+                }
+                Err(error) => return Err(format!("the lazy restore failed: {error}")),
+            },
+            Some(LazyMemory::External(watch)) => watch
+                .fault_in(super::take_snapshot::SNAPSHOT_MEMORY_STALL)
+                .map_err(|e| format!("the page-fault handler did not serve guest RAM: {e}"))?,
+        }
+        Ok(started.elapsed())
+    }
+
     /// What a vCPU that does not leave KVM_RUN when kicked waits for: guest memory that a
     /// lazy restore has not served (nothing else blocks a kicked vCPU for long).
     pub(super) fn stall_cause(&self) -> Option<&'static str> {

@@ -28,7 +28,7 @@ struct SavedComponents {
 
 /// How long a snapshot waits for lazily restored guest memory that is not loading (see
 /// [`Machine::complete_lazy_memory`]).
-const SNAPSHOT_MEMORY_STALL: Duration = Duration::from_secs(10);
+pub(super) const SNAPSHOT_MEMORY_STALL: Duration = Duration::from_secs(10);
 
 impl Machine {
     /// Makes every page of guest RAM present in the memfd before a snapshot scans it:

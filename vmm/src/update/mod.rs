@@ -37,6 +37,9 @@ pub enum UpdateError {
     /// `what` the hand-over does not carry; `detail` (empty, or ": why") says more.
     #[error("live update of {what} is not supported yet{detail}")]
     Unsupported { what: String, detail: String },
+    /// The VM can be handed over, but not now (retry later).
+    #[error("the VM cannot be handed over yet: {0}")]
+    NotReady(String),
     #[error("cannot connect to the hand-over socket {path}: {source}")]
     Connect {
         path: PathBuf,

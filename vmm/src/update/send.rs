@@ -61,6 +61,15 @@ pub fn hand_over(
 ) -> Result<HandOverReport, UpdateError> {
     check_supported(running)?;
     socket::check_path(socket)?;
+    // A lazy restore still loading finishes first, within half the update's time (the
+    // new process waits that long for this one): the new process maps guest RAM without
+    // this one's userfaultfd, so every page must be in the RAM file.
+    let waited = (running.machine())
+        .finish_lazy_restore(timeout / 2)
+        .map_err(UpdateError::NotReady)?;
+    if !waited.is_zero() {
+        log::info!("live update: guest RAM of the lazy restore is all loaded (waited {waited:?})");
+    }
     let stream = UnixStream::connect(socket).map_err(|source| UpdateError::Connect {
         path: socket.to_path_buf(),
         source,
@@ -500,12 +509,6 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         return Err(UpdateError::unsupported(
             "a VM with kernel VFIO devices and hot-plugged RAM",
             Some("the kernel VFIO mappings of hot-plugged RAM are not handed over yet"),
-        ));
-    }
-    if machine.lazy.is_some() {
-        return Err(UpdateError::unsupported(
-            "a VM restored lazily",
-            Some("its userfaultfd and loader are not handed over yet"),
         ));
     }
     if !running.parked_vcpus().is_empty() {
