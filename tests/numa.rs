@@ -430,6 +430,71 @@ fn cloud_hypervisor_numa_field_gives_the_guest_its_nodes() {
         .assert_stdout_has("numa: ok");
 }
 
+/// Cloud Hypervisor's `pci_segment` on a passthrough device (Kata's way to put a GPU on its
+/// socket's host bridge): a vfio-user GPU added before boot with `pci_segment: 1` goes on
+/// segment 1, which numa[1].pci_segments makes node 1's (gpuvm's log says where). A GPU added to the running VM off segment 0 is refused by name (hot-plug
+/// is on segment 0). Linux's view of such a device's node: the real-kernel `linux-numa`.
+#[test]
+fn cloud_hypervisor_puts_a_gpu_on_the_segment_it_names() {
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch};
+    let scratch = Scratch::new("numa", "ch_gpu_segment");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("clh-api.sock");
+    let sockets = [scratch.path("gpu0.sock"), scratch.path("gpu1.sock")];
+    let _emus: Vec<SpawnedProcess> = (sockets.iter())
+        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
+        .collect();
+    let mut vmm = spawn_ch(&scratch, &["-v", "--api-socket", api.to_str().unwrap()]);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": {"kernel": kernel, "cmdline": "numa cpus=0,1 mem=256M,256M dist=10,25,25,10 hold=60"},
+        "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+        "memory": {"size": 512 * MIB, "thp": false},
+        "serial": {"mode": "Tty"},
+        "console": {"mode": "Off"},
+        "platform": {"num_pci_segments": 2},
+        "numa": [
+            {"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}],
+             "pci_segments": [0]},
+            {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}],
+             "pci_segments": [1]}
+        ]
+    })
+    .to_string();
+    let put = |status, route: &str, body: &serde_json::Value| {
+        gpuvm_tests::api_expect(&api, status, "PUT", route, Some(&body.to_string()))
+    };
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    let add = |socket: &Path, id: &str, segment: u16| serde_json::json!({"socket": socket, "id": id, "pci_segment": segment});
+    // A segment the VM does not have is refused before anything is added.
+    let refused = put(
+        400,
+        "/api/v1/vm.add-user-device",
+        &add(&sockets[0], "gpu0", 2),
+    );
+    assert!(refused.contains("pci_segment = 2"), "{refused}");
+    put(
+        204,
+        "/api/v1/vm.add-user-device",
+        &add(&sockets[0], "gpu0", 1),
+    );
+    put(204, "/api/v1/vm.boot", &serde_json::json!({}));
+    vmm.wait_for_stdout("numa: ok", LIMIT);
+    assert!(
+        vmm.stderr().contains("PCI 0001:00:01.0: vfio-user"),
+        "{}",
+        vmm.stderr()
+    );
+    // Hot-plug stays on segment 0.
+    let refused = put(
+        400,
+        "/api/v1/vm.add-user-device",
+        &add(&sockets[1], "gpu1", 1),
+    );
+    assert!(refused.contains("segment 0 only"), "{refused}");
+    assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
+}
+
 /// A snapshot of a two-node VM carries its node plan: the restored process binds node
 /// 0's RAM to host node 0 again and leaves node 1's to the host, as the first run did.
 #[test]

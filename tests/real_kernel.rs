@@ -352,6 +352,7 @@ fn linux_builds_two_numa_nodes_with_their_cpus_ram_distances_and_hot_plug_room()
             "inner: node1 cpus 1 memory",
             "SRAT: Node 1 PXM 1 [mem 0x100000000-0x13fffffff] hotplug",
             "inner: numa ok (2 nodes)",
+            "inner: numa device 1234:11e8 at 0001:00:01.0 node 1",
             "inner: numa device 1234:11e8 at 0001:01:00.0 node 1",
             "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a \
              passthrough device behind a root port on node 1: ok",

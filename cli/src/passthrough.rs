@@ -15,7 +15,8 @@ use gpuvm_vmm::config::{PassthroughTuning, PciOptions, PciTopology};
 pub struct PassthroughArgs {
     /// Pass through the host PCI device at this address (bound to vfio-pci), e.g.
     /// 0000:41:00.0, with optional `,clique=N` (GPUDirect clique, default from the host's
-    /// PCIe topology) and `,p2p=off` (peers do not DMA into its BARs). Repeatable; with
+    /// PCIe topology), `,p2p=off` (peers do not DMA into its BARs) and `,pci_segment=N`
+    /// (the guest PCI segment it goes on; default 0, or its NUMA node's). Repeatable; with
     /// --api-sock, PUT /gpus/{id} can add more.
     #[arg(long = "gpu", value_name = "BDF[,OPTIONS]")]
     pub gpus: Vec<String>,
@@ -81,7 +82,7 @@ fn device_value(
     let mut parts: Vec<&str> = value.split(',').collect();
     let known = |part: &str| {
         part.split_once('=')
-            .is_some_and(|(key, _)| ["clique", "p2p", "topology_bdf"].contains(&key))
+            .is_some_and(|(key, _)| ["clique", "p2p", "topology_bdf", "pci_segment"].contains(&key))
     };
     let first_option = (1..parts.len())
         .find(|&i| parts[i..].iter().all(|p| known(p)))
@@ -113,6 +114,16 @@ fn device_value(
                     "off" => false,
                     _ => return Err(format!("{flag} {value:?}: p2p={setting:?}: on or off")),
                 }
+            }
+            "pci_segment" => {
+                let segment = (setting.parse::<u16>().ok())
+                    .filter(|s| *s < gpuvm_vmm::action::MAX_PCI_SEGMENTS);
+                tuning.segment = Some(segment.ok_or_else(|| {
+                    format!(
+                        "{flag} {value:?}: pci_segment={setting:?} is not a segment (0 to {})",
+                        gpuvm_vmm::action::MAX_PCI_SEGMENTS - 1
+                    )
+                })?);
             }
             "topology_bdf" if vfio_user => {
                 gpuvm_vmm::action::parse_bdf(setting)
@@ -275,12 +286,16 @@ mod tests {
         assert_eq!(socket, "/run/a,b.sock");
         assert_eq!(tuning.topology_bdf.as_deref(), Some("0000:42:00.0"));
         assert!(tuning.p2p);
+        let (_, tuning) = device_value("--vfio-user", "/run/gpu.sock,pci_segment=1", true).unwrap();
+        assert_eq!(tuning.segment, Some(1));
         assert_eq!(
             device_value("--gpu", "0000:41:00.0", false).unwrap().1,
             PassthroughTuning::default()
         );
         for bad in [
             "0000:41:00.0,clique=16",
+            "0000:41:00.0,pci_segment=16",
+            "0000:41:00.0,pci_segment=-1",
             "0000:41:00.0,p2p=maybe",
             "0000:41:00.0,topology_bdf=0000:42:00.0",
             ",p2p=on",

@@ -764,6 +764,10 @@ pub struct GpuBody {
     /// Whether peers may DMA into this device's BARs (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p2p: Option<bool>,
+    /// The PCI segment it goes on (Cloud Hypervisor's `pci_segment`), at start only
+    /// (hot-plug is on segment 0); default: segment 0, or its NUMA node's segment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_segment: Option<u16>,
 }
 
 impl GpuBody {
@@ -779,6 +783,7 @@ impl GpuBody {
             vfio_user_socket,
             gpudirect_clique: None,
             p2p: None,
+            pci_segment: None,
         }
     }
 
@@ -794,6 +799,7 @@ impl GpuBody {
             clique: self.gpudirect_clique,
             p2p: self.p2p.unwrap_or(true),
             topology_bdf: None,
+            segment: self.pci_segment,
         }
     }
 
@@ -824,6 +830,12 @@ impl GpuBody {
                     "gpudirect_clique {clique}: a clique id is 0 to {MAX_GPUDIRECT_CLIQUE}"
                 )));
             }
+        }
+        if let Some(segment) = self.pci_segment.filter(|&s| s >= MAX_PCI_SEGMENTS) {
+            return Err(ActionError::bad_request(format!(
+                "pci_segment {segment}: a VM has PCI segments 0 to {}",
+                MAX_PCI_SEGMENTS - 1
+            )));
         }
         match (&self.host_bdf, &self.vfio_user_socket) {
             (Some(bdf), None) => parse_bdf(bdf).map(|_| ()),

@@ -121,6 +121,10 @@ pub struct PassthroughTuning {
     /// The host PCI device whose place in the host's topology this device takes (a
     /// vfio-user device standing for a host GPU); a kernel VFIO device is its own.
     pub topology_bdf: Option<String>,
+    /// The PCI segment the device goes on (Cloud Hypervisor's `pci_segment`, `--gpu
+    /// ...,pci_segment=N`): its host bridge's node is the guest node that lists the
+    /// segment. None: segment 0, or its NUMA node's segment (crate::numa).
+    pub segment: Option<u16>,
 }
 
 impl Default for PassthroughTuning {
@@ -129,6 +133,7 @@ impl Default for PassthroughTuning {
             clique: None,
             p2p: true,
             topology_bdf: None,
+            segment: None,
         }
     }
 }

@@ -864,15 +864,24 @@ pub fn prepare(
     pci: &PciOptions,
     ram: Option<&GuestRam>,
 ) -> Result<PlacedNuma, NumaError> {
+    let named = named_segments(pci);
     match plan_for(machine, pci)? {
         Some(plan) => {
-            // Segments for passthrough devices come after those the VM asked for.
-            let asked = crate::pci::segment_count(pci)
+            // Segments for passthrough devices come after those the VM asked for (and
+            // those devices name).
+            let asked = (named.values().map(|s| s.saturating_add(1)))
+                .fold(crate::pci::segment_count(pci), |count, needed| {
+                    count.map(|count| count.max(needed))
+                })
                 .map_err(|error| NumaError::Invalid(error.to_string()))?;
             // Each segment's ECAM window covers the buses its root ports and switches
             // number (layout::pci_ecam_bases), so a node's segment holds its devices with
-            // the host's topology as segment 0 does.
-            let segments = plan.passthrough_segments(&device_keys(pci), asked)?;
+            // the host's topology as segment 0 does. A device that names its segment
+            // stays there.
+            let placed: Vec<String> = (device_keys(pci).into_iter())
+                .filter(|key| !named.contains_key(key))
+                .collect();
+            let mut segments = plan.passthrough_segments(&placed, asked)?;
             for (key, segment) in &segments {
                 log::info!(
                     "passthrough device {key}: PCI segment {segment}, whose host bridge is \
@@ -880,6 +889,7 @@ pub fn prepare(
                     plan.device_nodes.get(key).copied().unwrap_or_default()
                 );
             }
+            segments.extend(named);
             let vcpu_cpus = plan.place(ram, &HostNuma::from_env())?;
             Ok(PlacedNuma {
                 plan: Some(plan),
@@ -894,9 +904,24 @@ pub fn prepare(
                      or the host has one): no SRAT/SLIT needed"
                 );
             }
-            Ok(PlacedNuma::default())
+            Ok(PlacedNuma {
+                passthrough_segments: named,
+                ..PlacedNuma::default()
+            })
         }
     }
+}
+
+/// The segments other than 0 that cold-plugged passthrough devices name (`pci_segment`),
+/// by backend key.
+fn named_segments(pci: &PciOptions) -> BTreeMap<String, u16> {
+    device_keys(pci)
+        .into_iter()
+        .filter_map(|key| {
+            let segment = pci.tuning_of(&key).segment.filter(|&s| s != 0)?;
+            Some((key, segment))
+        })
+        .collect()
 }
 
 /// The node plan a snapshot carries, so that a restore binds each node's RAM (and pins

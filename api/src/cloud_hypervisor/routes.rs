@@ -549,8 +549,9 @@ fn device_to_add(
     let (action, client_id, segment, section) = match kind {
         Kind::Device => {
             let device: DeviceConfig = serde_json::from_value(value.clone()).map_err(bad)?;
-            translate::passthrough_segment("device", &device.other, segments)?;
-            let gpu = translate::device(config.devices.len(), &device)?;
+            let mut gpu = translate::device(config.devices.len(), &device)?;
+            // Before boot it goes there; a running VM's hot-plug refuses another than 0.
+            gpu.pci_segment = translate::passthrough_segment("device", &device.other, segments)?;
             (VmmAction::PutGpu(gpu), given_id, 0, "devices")
         }
         Kind::UserDevice => {
@@ -564,9 +565,9 @@ fn device_to_add(
             }
             let user: UserDevice = serde_json::from_value(value.clone()).map_err(bad)?;
             check_other("", &user.other)?;
-            translate::passthrough_segment("device", &user.other, segments)?;
             // The controller names it (the placeholder id is replaced).
-            let gpu = GpuBody::new("_user_device", None, Some(user.socket));
+            let mut gpu = GpuBody::new("_user_device", None, Some(user.socket));
+            gpu.pci_segment = translate::passthrough_segment("device", &user.other, segments)?;
             gpu.validate(None).map_err(|e| e.message)?;
             (VmmAction::PutGpu(gpu), user.id, 0, "user_devices")
         }

@@ -69,9 +69,15 @@ fn kata_vm_config_translates_to_the_pre_boot_actions() {
         matches!(&actions[3], VmmAction::PutFs(f) if f.tag == "kataShared" && f.queue_size == 1024)
     );
     assert!(matches!(&actions[4], VmmAction::PutVsock(v) if v.guest_cid == 3));
-    assert!(
-        matches!(&actions[6], VmmAction::PutGpu(g) if g.host_bdf.as_deref() == Some("0000:41:00.0"))
-    );
+    assert!(matches!(&actions[6], VmmAction::PutGpu(g)
+        if g.host_bdf.as_deref() == Some("0000:41:00.0") && g.pci_segment.is_none()));
+    // A GPU that names segment 1 goes there (its host bridge's node is the numa[] entry
+    // that lists the segment).
+    let mut body = kata_vm_config();
+    body["devices"][0]["pci_segment"] = json!(1);
+    let config: VmConfig = serde_json::from_value(body).unwrap();
+    let actions = translate::vm_config(&config).unwrap();
+    assert!(matches!(&actions[6], VmmAction::PutGpu(g) if g.pci_segment == Some(1)));
 }
 
 #[test]
@@ -95,8 +101,8 @@ fn fields_away_from_their_default_are_refused_by_name() {
         ("/rng/pci_segment", json!("1"), "rng.pci_segment"),
         (
             "/devices/0/pci_segment",
-            json!(1),
-            "devices[0].pci_segment = 1",
+            json!(2),
+            "devices[0].pci_segment = 2",
         ),
         (
             "/platform/num_pci_segments",

@@ -321,14 +321,11 @@ pub fn pci_segment(field: &str, other: &Other, count: u16) -> Result<u16, Refusa
         })
 }
 
-/// Passthrough devices sit on segment 0 (hot-plug is there too): another is refused.
-pub fn passthrough_segment(field: &str, other: &Other, count: u16) -> Result<(), Refusal> {
-    match pci_segment(field, other, count)? {
-        0 => Ok(()),
-        segment => Err(format!(
-            "{field}.pci_segment = {segment}: gpuvm puts passthrough devices on PCI segment 0"
-        )),
-    }
+/// A passthrough device's `pci_segment` (one of the VM's `count`), None for 0: the
+/// device goes there at boot, where its host bridge's node is the `numa[]` entry that lists
+/// the segment (hot-plug stays on segment 0: the controller refuses another).
+pub fn passthrough_segment(field: &str, other: &Other, count: u16) -> Result<Option<u16>, Refusal> {
+    Ok(Some(pci_segment(field, other, count)?).filter(|&segment| segment != 0))
 }
 
 /// `value` as a whole number up to `max`, or a refusal naming `field`.
@@ -513,8 +510,9 @@ pub fn vm_config(config: &VmConfig) -> Result<Vec<VmmAction>, Refusal> {
         }
     }
     for (i, d) in config.devices.iter().enumerate() {
-        passthrough_segment(&format!("devices[{i}]"), &d.other, count)?;
-        actions.push(VmmAction::PutGpu(device(i, d)?));
+        let mut gpu = device(i, d)?;
+        gpu.pci_segment = passthrough_segment(&format!("devices[{i}]"), &d.other, count)?;
+        actions.push(VmmAction::PutGpu(gpu));
     }
     actions.push(VmmAction::PutPciSegments(PciSegmentsBody {
         num_pci_segments: Some(count),

@@ -1,18 +1,22 @@
-# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk there on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes behind a root port (--pci-topology host) on node 1's PCI segment, beside a root port for hot-plug on segment 0: Linux enumerates the port through segment 1's ECAM window (which moved up past segment 0's two buses) and its sysfs shows the device on node 1
+# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk and an edu device passed through with pci_segment 1 (kernel VFIO) there, on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes behind a root port (--pci-topology host) on node 1's PCI segment, beside a root port for hot-plug on segment 0: Linux enumerates the port through segment 1's ECAM window (which moved up past segment 0's two buses) and its sysfs shows the device on node 1
 # qemu: -device edu,addr=0x4
 # The root port for hot-plug has a 512 GiB prefetchable window: above the 40 physical address bits QEMU's
 # CPU has by default, so this machine's CPU (the runner's, repeated: the last -cpu wins) gets 48.
 # qemu: -cpu qemu64,+svm,+npt,phys-bits=48
 . /lib/real-kernel.sh
+edu="$(pci_find 1234 11e8)" || fail "no edu device"
+echo "edu at $edu ($(vfio_bind "$edu"))"
 start_ch
 dd if=/dev/zero of=/tmp/numa-disk.img bs=1M count=4 2>/dev/null
-# The disk (virtio-blk, 1af4:1042) sits on PCI segment 1, which numa[1].pci_segments makes node 1's.
+# The disk (virtio-blk, 1af4:1042) and edu (kernel VFIO, 1234:11e8, Cloud Hypervisor's `pci_segment` on a
+# device) sit on PCI segment 1, which numa[1].pci_segments makes node 1's.
 ch_checked PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
-    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=numa inner.numa_device=1af4:1042 inner.end=poweroff"},
+    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=numa inner.numa_device=1af4:1042,1234:11e8 inner.end=poweroff"},
     "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
     "memory": {"size": 536870912, "hotplug_size": 1073741824},
     "platform": {"num_pci_segments": 2},
     "disks": [{"path": "/tmp/numa-disk.img", "pci_segment": 1}],
+    "devices": [{"path": "/sys/bus/pci/devices/'"$edu"'", "pci_segment": 1}],
     "numa": [{"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}], "pci_segments": [0]},
              {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}], "pci_segments": [1]}],
     "serial": {"mode": "Tty"}, "console": {"mode": "Off"}}'
@@ -28,8 +32,10 @@ expect_line /tmp/ch.log "MiB distance 25 10"
 expect_line /tmp/ch.log "SRAT: Node 0 PXM 0 [mem 0x00000000-0x0fffffff]"
 expect_line /tmp/ch.log "SRAT: Node 1 PXM 1 [mem 0x10000000-0x1fffffff]"
 expect_line /tmp/ch.log "SRAT: Node 1 PXM 1 [mem 0x100000000-0x13fffffff] hotplug"
-# Linux reads the disk's node from PC01's _PXM, which numa[1].pci_segments gave it.
-expect_line /tmp/ch.log "inner: numa device 1af4:1042 at 0001:00:01.0 node 1"
+# Linux reads each device's node from PC01's _PXM, which numa[1].pci_segments gave it (edu, plugged
+# first, takes slot 1 and the disk slot 2).
+expect_line /tmp/ch.log "inner: numa device 1234:11e8 at 0001:00:01.0 node 1"
+expect_line /tmp/ch.log "inner: numa device 1af4:1042 at 0001:00:02.0 node 1"
 # Each node holds most of its 256 MiB (the kernel's own reservations come off node 0).
 for node in 0 1; do
     mib="$(sed -n "s/.*inner: node$node cpus [0-9-]* memory \([0-9]*\) MiB.*/\1/p" /tmp/ch.log)"
@@ -40,8 +46,6 @@ expect_line /tmp/ch.log "inner: checks passed"
 # A passthrough device on host node 1. This machine has one node and edu none: a fake sysfs tree gives
 # gpuvm two host nodes and edu on node 1 (the host facts only; edu itself is the real one, through
 # kernel VFIO), and the test hook binds both guest nodes' RAM to the real node 0.
-edu="$(pci_find 1234 11e8)" || fail "no edu device"
-echo "edu at $edu ($(vfio_bind "$edu"))"
 # The device under its root complex, as sysfs links it (the host topology is read from the chain).
 complex="pci${edu%:*}"
 mkdir -p /tmp/sys/devices/system/node/node0 /tmp/sys/devices/system/node/node1 "/tmp/sys/devices/$complex/$edu" \

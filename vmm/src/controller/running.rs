@@ -251,6 +251,7 @@ impl RunningApi {
     /// PUT /gpus/{id} while running: hot-plug.
     fn hot_plug(&mut self, running: &mut RunningMachine<'_>, body: GpuBody) -> ActionResult {
         body.validate(None)?;
+        super::client::check_hot_plug_segment(&body.gpu_id, body.pci_segment.unwrap_or(0))?;
         super::balloon::refuse_passthrough_with_balloon(running.machine())?;
         if self.cold_plugged.contains(&body.gpu_id) {
             return Err(ActionError::wrong_state(format!(

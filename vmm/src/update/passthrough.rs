@@ -55,11 +55,12 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
             ));
         }
         if plugged.bdf.segment != 0 {
-            // A node's segment is made for its devices from the command line, which the
-            // new process does not get for them.
+            // A segment beyond those the VM asked for is made for its devices from the
+            // command line (their NUMA node or `pci_segment`), which the new process does
+            // not get for them.
             return Some(format!(
-                "{name} sits at {} on a NUMA node's PCI segment; only devices of segment 0 \
-                 are handed over",
+                "{name} sits at {} off PCI segment 0 (its NUMA node's or its own \
+                 pci_segment); only devices of segment 0 are handed over",
                 plugged.bdf.shown()
             ));
         }
