@@ -464,6 +464,47 @@ fn the_api_socket_answers_every_request_across_updates() {
 /// socket's backlog, even for a request its API answers by itself. When the update fails
 /// (the new gpuvm never answers), the old process takes the VM back and answers it, and
 /// the socket is the same one after; an update then goes through.
+/// A client that has begun its request on the old process when the update hands the VM
+/// over (its connection accepted, the request not complete) is answered, not dropped: the
+/// old process waits for it before it exits and answers 503 with Retry-After; asked again,
+/// the new process answers.
+#[test]
+fn a_request_half_sent_during_an_update_is_answered_not_dropped() {
+    use std::io::Write;
+    let mut vm = UpdatableVm::start("half-sent", "256M", "memloop 16M 29 100000", &[]);
+    vm.wait_iterations_past(1);
+    let mut client = UnixStream::connect(&vm.api).unwrap();
+    client.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+    // The old process's API thread has the connection and the first line.
+    std::thread::sleep(Duration::from_millis(200));
+    let old = vm.owner;
+    let out = vm.update(&[], &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        gpuvm_tests::process_running(old),
+        "the old process ended with a request half read"
+    );
+    client
+        .write_all(b"Host: localhost\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut answer = String::new();
+    let _ = client.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer:?}");
+    assert!(answer.contains("Retry-After:"), "{answer:?}");
+    vm.updated(&out);
+    let again = "GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let (status, _) = one_request(&vm.api, again).unwrap();
+    assert_eq!(status, 200);
+}
+
 #[test]
 fn a_request_sent_during_a_failed_update_is_answered_by_the_old_process() {
     let mut vm = UpdatableVm::start("api-failed", "512M", "memloop 32M 19 100000", &[]);

@@ -189,8 +189,10 @@ impl ApiServer {
         self.path = PathBuf::new();
     }
 
-    /// Waits (at most `limit`) until no request is between parse and written answer, so
-    /// the answer to a request that ended the VM still reaches its client.
+    /// Waits (at most `limit`) until no request is between its first byte and its written
+    /// answer, so the answer to a request that ended the VM still reaches its client, and
+    /// a client still sending its request when a live update handed the VM over gets an
+    /// answer (503 with Retry-After) rather than a closed connection.
     pub fn wait_idle(&self, limit: Duration) {
         let started = Instant::now();
         while self.busy.load(Ordering::SeqCst) > 0 && started.elapsed() < limit {
@@ -688,15 +690,39 @@ fn accept_loop(link: VmmLink, busy: Arc<AtomicUsize>) {
 
 /// One side of a connection with an overall deadline: every read or write waits at most
 /// until it, so a client that sends or reads a byte at a time cannot stretch a request.
-struct Deadlined {
+struct Deadlined<'a> {
     stream: UnixStream,
     deadline: Instant,
     /// Descriptors that came with the bytes read (SCM_RIGHTS), for the request being
     /// read: Kata passes tap descriptors with Cloud Hypervisor's vm.add-net.
     fds: Vec<OwnedFd>,
+    /// Counts the requests begun and not yet answered: the first byte of a request adds
+    /// one ([`Deadlined::begun`] says so), so a process that ends (after a live update)
+    /// waits for a client still sending its request and answers it rather than drop it.
+    in_flight: Option<&'a AtomicUsize>,
+    begun: bool,
 }
 
-impl Deadlined {
+impl<'a> Deadlined<'a> {
+    fn new(stream: UnixStream, in_flight: Option<&'a AtomicUsize>) -> Self {
+        Deadlined {
+            stream,
+            deadline: Instant::now(),
+            fds: Vec::new(),
+            in_flight,
+            begun: false,
+        }
+    }
+
+    /// Ends the request [`Deadlined::read`] counted, if one was: answered, or given up.
+    fn end_request(&mut self) {
+        if std::mem::take(&mut self.begun) {
+            if let Some(in_flight) = self.in_flight {
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Time left, as a socket timeout; TimedOut once the deadline has passed.
     fn left(&self) -> std::io::Result<Option<Duration>> {
         let left = self.deadline.saturating_duration_since(Instant::now());
@@ -707,7 +733,7 @@ impl Deadlined {
     }
 }
 
-impl Read for Deadlined {
+impl Read for Deadlined<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         self.stream.set_read_timeout(self.left()?)?;
         // recvmsg, not read: descriptors may come with the bytes.
@@ -715,11 +741,17 @@ impl Read for Deadlined {
             gpuvm_virtio::net::fd_passing::MAX_FDS_PER_MESSAGE.saturating_sub(self.fds.len());
         let (read, fds) = gpuvm_virtio::net::recv_with_fds(&self.stream, buf, room)?;
         self.fds.extend(fds);
+        if read > 0 && !self.begun {
+            self.begun = true;
+            if let Some(in_flight) = self.in_flight {
+                in_flight.fetch_add(1, Ordering::SeqCst);
+            }
+        }
         Ok(read)
     }
 }
 
-impl Write for Deadlined {
+impl Write for Deadlined<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.stream.set_write_timeout(self.left()?)?;
         self.stream.write(buf)
@@ -734,16 +766,20 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
     let Ok(writer) = stream.try_clone() else {
         return;
     };
-    let mut writer = Deadlined {
-        stream: writer,
-        deadline: Instant::now(),
-        fds: Vec::new(),
-    };
-    let mut reader = RequestReader::new(Deadlined {
-        stream,
-        deadline: Instant::now(),
-        fds: Vec::new(),
-    });
+    let mut writer = Deadlined::new(writer, None);
+    let mut reader = RequestReader::new(Deadlined::new(stream, Some(busy)));
+    serve_requests(&mut reader, &mut writer, link);
+    // A request begun and neither answered nor completed (the client left, or ran out of
+    // time) is no longer in flight.
+    reader.get_mut().end_request();
+}
+
+/// Answers the requests of one connection until it closes or one asks to close.
+fn serve_requests(
+    reader: &mut RequestReader<Deadlined<'_>>,
+    writer: &mut Deadlined<'_>,
+    link: &VmmLink,
+) {
     loop {
         reader.get_mut().deadline = Instant::now() + REQUEST_DEADLINE;
         let (response, close, path) = match reader.next_request() {
@@ -757,7 +793,6 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
                 )
             }
             ReadOutcome::Request(request) => {
-                busy.fetch_add(1, Ordering::SeqCst);
                 let fds = std::mem::take(&mut reader.get_mut().fds);
                 let response = handle(&request, fds, link);
                 (response, request.close, Some(request.path))
@@ -771,13 +806,11 @@ fn serve_connection(stream: UnixStream, link: &VmmLink, busy: &AtomicUsize) {
             .as_deref()
             .is_some_and(|path| path.starts_with(cloud_hypervisor::PREFIX));
         let written = if plain {
-            response.write_without_reason_to(&mut writer, close)
+            response.write_without_reason_to(writer, close)
         } else {
-            response.write_to(&mut writer, close)
+            response.write_to(writer, close)
         };
-        if path.is_some() {
-            busy.fetch_sub(1, Ordering::SeqCst);
-        }
+        reader.get_mut().end_request();
         if written.is_err() || close {
             return;
         }
@@ -1178,9 +1211,8 @@ mod tests {
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         let started = Instant::now();
         let mut reader = RequestReader::new(Deadlined {
-            stream: ours,
             deadline: started + Duration::from_millis(300),
-            fds: Vec::new(),
+            ..Deadlined::new(ours, None)
         });
         let trickle = std::thread::spawn(move || {
             for byte in b"GET / HTTP/1.1\r\nX: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa".iter() {
@@ -1200,9 +1232,8 @@ mod tests {
         // Nothing sent by the deadline: the connection just closes.
         let (ours, _theirs) = UnixStream::pair().unwrap();
         let mut reader = RequestReader::new(Deadlined {
-            stream: ours,
             deadline: Instant::now() + Duration::from_millis(50),
-            fds: Vec::new(),
+            ..Deadlined::new(ours, None)
         });
         assert_eq!(reader.next_request(), ReadOutcome::Closed);
     }
