@@ -869,11 +869,9 @@ pub fn prepare(
         Some(plan) => {
             // Segments for passthrough devices come after those the VM asked for (and
             // those devices name).
-            let asked = (named.values().map(|s| s.saturating_add(1)))
-                .fold(crate::pci::segment_count(pci), |count, needed| {
-                    count.map(|count| count.max(needed))
-                })
-                .map_err(|error| NumaError::Invalid(error.to_string()))?;
+            let asked = crate::pci::segment_count(pci)
+                .map_err(|error| NumaError::Invalid(error.to_string()))?
+                .max(named.values().max().map_or(0, |highest| highest + 1));
             // Each segment's ECAM window covers the buses its root ports and switches
             // number (layout::pci_ecam_bases), so a node's segment holds its devices with
             // the host's topology as segment 0 does. A device that names its segment

@@ -37,16 +37,21 @@ impl Machine {
             _ => None,
         }
     }
+
     /// Makes every page of a lazily restored guest's RAM present in its file, for a live
     /// update: the new process maps the file without this process's userfaultfd, so a page
     /// not loaded yet would read as zero there. The in-process loader is given `limit` to
     /// finish (it keeps loading if it does not: the update can be retried); an external
     /// handler's pages are faulted in, bounded by its progress as a snapshot bounds it.
-    /// Returns how long it waited (zero without a lazy restore, or once it has finished).
-    pub(crate) fn finish_lazy_restore(&self, limit: Duration) -> Result<Duration, String> {
+    /// Returns how long it waited; None when there was nothing to wait for (no lazy
+    /// restore, or its loader had finished).
+    pub(crate) fn finish_lazy_restore(&self, limit: Duration) -> Result<Option<Duration>, String> {
         let started = std::time::Instant::now();
         match &self.lazy {
-            None => {}
+            None => return Ok(None),
+            Some(LazyMemory::InProcess(_)) if matches!(self.lazy_progress(), Ok(true)) => {
+                return Ok(None)
+            }
             Some(LazyMemory::InProcess(lazy)) => match lazy.wait_timeout(Some(limit)) {
                 Ok(Some(_)) => {}
                 Ok(None) => {
@@ -65,7 +70,7 @@ impl Machine {
                 .fault_in(super::take_snapshot::SNAPSHOT_MEMORY_STALL)
                 .map_err(|e| format!("the page-fault handler did not serve guest RAM: {e}"))?,
         }
-        Ok(started.elapsed())
+        Ok(Some(started.elapsed()))
     }
 
     /// What a vCPU that does not leave KVM_RUN when kicked waits for: guest memory that a

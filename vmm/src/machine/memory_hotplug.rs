@@ -467,7 +467,8 @@ impl RunningMachine<'_> {
             .place(grow, granule)
             .ok_or(MemoryResizeError::NoRoom(grow))?;
         let ram = hotplug.area.view(base, grow)?;
-        let (kvm_slot, region) = register_slot(&self.machine.vm, slot, &ram, dirty_log)?;
+        let region = register_slot(&self.machine.vm, slot, &ram, dirty_log)?;
+        let kvm_slot = region.slot;
         if let Err(error) = dma_map(&mut self.machine.devices, &ram) {
             // The guest was told nothing: take the slot back and drop the RAM.
             if let Err(undo) = region.remove(&self.machine.vm) {
@@ -682,20 +683,19 @@ fn punch_hole(ram: &GuestRam) -> std::io::Result<()> {
 }
 
 /// Registers `ram` (a view of the hot-plug area in hot-plug slot `slot`) as its KVM memory
-/// slot; returns the slot number and region.
+/// slot; returns it.
 fn register_slot(
     vm: &kvm_ioctls::VmFd,
     slot: u8,
     ram: &GuestRam,
     dirty_log: bool,
-) -> Result<(u32, MemorySlot), MemoryResizeError> {
+) -> Result<MemorySlot, MemoryResizeError> {
     let (range, host) = ram
         .host_regions()
         .next()
         .ok_or(MemoryResizeError::NoRoom(ram.size()))?;
-    let kvm_slot = FIRST_HOTPLUG_RAM_SLOT + u32::from(slot);
     let region = MemorySlot {
-        slot: kvm_slot,
+        slot: FIRST_HOTPLUG_RAM_SLOT + u32::from(slot),
         guest_addr: range.guest_addr,
         size: range.size,
         host: host as u64,
@@ -704,7 +704,7 @@ fn register_slot(
     // SAFETY: `ram`'s mapping is kept in the machine (RamHotplug::added, dropped after the
     // VM fd) for as long as the slot exists.
     unsafe { region.set(vm) }.map_err(MemoryResizeError::Kvm)?;
-    Ok((kvm_slot, region))
+    Ok(region)
 }
 
 impl RamHotplug {

@@ -67,7 +67,7 @@ pub fn hand_over(
     let waited = (running.machine())
         .finish_lazy_restore(timeout / 2)
         .map_err(UpdateError::NotReady)?;
-    if !waited.is_zero() {
+    if let Some(waited) = waited {
         log::info!("live update: guest RAM of the lazy restore is all loaded (waited {waited:?})");
     }
     let stream = UnixStream::connect(socket).map_err(|source| UpdateError::Connect {
