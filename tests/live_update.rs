@@ -475,6 +475,10 @@ fn a_request_half_sent_during_an_update_is_answered_not_dropped() {
     vm.wait_iterations_past(1);
     let mut client = UnixStream::connect(&vm.api).unwrap();
     client.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+    // And one that never finishes its request: the old process still ends (its wait for
+    // begun requests is bounded), which `updated` below checks.
+    let mut stalled = UnixStream::connect(&vm.api).unwrap();
+    stalled.write_all(b"GET / HTTP/1.1\r\n").unwrap();
     // The old process's API thread has the connection and the first line.
     std::thread::sleep(Duration::from_millis(200));
     let old = vm.owner;

@@ -1290,12 +1290,20 @@ mod tests {
             r#"{"gpu_id":"g","host_bdf":"0000:41:00.8"}"#,
             r#"{"gpu_id":"g","host_bdf":"zz:41:00.0"}"#,
             r#"{"gpu_id":"g","host_bdf":"../../etc"}"#,
+            r#"{"gpu_id":"g","host_bdf":"0000:41:00.0","pci_segment":16}"#,
         ] {
             assert_eq!(gpu(bad).validate(None).unwrap_err().status, 400, "{bad}");
         }
         let long = format!(r#"{{"gpu_id":"{}","host_bdf":"41:00.0"}}"#, "x".repeat(65));
         assert!(gpu(&long).validate(None).is_err());
         assert!(serde_json::from_str::<GpuBody>(r#"{"gpu_id":"g","bdf":"41:00.0"}"#).is_err());
+        let placed = gpu(r#"{"gpu_id":"g","host_bdf":"0000:41:00.0","pci_segment":15}"#);
+        assert_eq!(placed.validate(None), Ok(()));
+        assert_eq!(placed.tuning().segment, Some(15));
+        assert!(serde_json::from_str::<GpuBody>(
+            r#"{"gpu_id":"g","host_bdf":"0000:41:00.0","pci_segment":-1}"#
+        )
+        .is_err());
     }
 
     #[test]
