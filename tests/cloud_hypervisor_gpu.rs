@@ -7,12 +7,14 @@
 //! process restores it (`--restore source_url=file://...`) onto a fresh device process,
 //! vm.resume, and vm.remove-device of the restored GPU is answered by the restored guest's
 //! eject. Bad input: an unknown id to remove, a socket nobody serves, the same id twice.
+//! GPUs cold-plugged (vm.add-user-device before vm.boot, on PCI segments 0 and 1) are in
+//! vm.info's `device_tree` at the addresses the guest finds, the same after a live update.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpuvm_tests::cloud_hypervisor_support::{
-    guest_image, spawn_ch, vm_state as state, wait_for_vm,
+    guest_image, spawn_ch, vm_info, vm_state as state, wait_for_vm,
 };
 use gpuvm_tests::{api_expect, wait_for_api_socket, Scratch};
 
@@ -132,4 +134,180 @@ fn gpu_hot_plug_snapshot_and_restore_through_the_cloud_hypervisor_api() {
         .assert_stdout_has("hotplug: ok");
     let emu_out = emu_c.wait(Duration::from_secs(10));
     assert_eq!(emu_out.code(), Some(0), "{}", emu_out.stderr);
+}
+
+/// Where the test guest's `pci` workload found the emulated GPU on segment 0's bus 0
+/// (its `pci: 00:XX.0 vendor=0x10de device=0x2330` line), as `0000:00:XX.0`.
+fn gpu_found_by_guest(stdout: &str) -> String {
+    let line = (stdout.lines())
+        .find(|line| line.starts_with("pci: 00:") && line.contains("vendor=0x10de device=0x2330"))
+        .unwrap_or_else(|| panic!("the guest found no GPU on bus 0:\n{stdout}"));
+    let bdf = line["pci: ".len()..].split_whitespace().next().unwrap();
+    format!("0000:{bdf}")
+}
+
+/// GPUs cold-plugged through Cloud Hypervisor's API are in vm.info's device_tree, as Kata
+/// looks for a GPU it added before vm.boot: by vm.add-user-device, `gpu0` on segment 0
+/// and one without an id on PCI segment 1 of 2 (its id is the one vm.info's config shows
+/// for it). Each node has its id and its
+/// address with the segment (`pci_bdf`), shaped as the virtio disk's node; gpu0's address
+/// is where the guest found the GPU, the other's on segment 1 where gpuvm logged it.
+#[test]
+fn cold_plugged_gpus_are_in_the_device_tree_at_their_addresses() {
+    let scratch = Scratch::new("cloud_hypervisor_gpu", "cold_device_tree");
+    let kernel = guest_image(&scratch);
+    let image = scratch.path("disk.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let sockets = [scratch.path("gpu-a.sock"), scratch.path("gpu-b.sock")];
+    let _emus: Vec<_> = (sockets.iter())
+        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
+        .collect();
+    let api = scratch.path("api.sock");
+    let mut vmm = spawn_ch(&scratch, &["-v", "--api-socket", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": { "kernel": kernel, "cmdline": "pci hold" },
+        "cpus": { "boot_vcpus": 1, "max_vcpus": 1 },
+        "memory": { "size": 268435456u64, "shared": true },
+        "serial": { "mode": "Tty" },
+        "console": { "mode": "Off" },
+        "platform": { "num_pci_segments": 2 },
+        "disks": [{ "path": image, "id": "disk0" }],
+    })
+    .to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    let body = serde_json::json!({ "socket": sockets[0], "id": "gpu0" }).to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    let body = serde_json::json!({ "socket": sockets[1], "pci_segment": 1 }).to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    vmm.wait_for_stdout("pci: holding", LIMIT);
+
+    let info = vm_info(&api);
+    let tree = &info["device_tree"];
+    let second_id = (info["config"]["user_devices"].as_array())
+        .and_then(|devices| (devices.iter()).find(|d| d["socket"].as_str() == sockets[1].to_str()))
+        .and_then(|device| device["id"].as_str())
+        .unwrap_or_else(|| panic!("vm.info's config has no id for the second GPU: {info}"))
+        .to_string();
+    assert_ne!(second_id, "gpu0", "{info}");
+    for id in ["gpu0", second_id.as_str()] {
+        let node = &tree[id];
+        assert_eq!(node["id"], id, "{info}");
+        assert_eq!(node["resources"], serde_json::json!([]), "{info}");
+        assert_eq!(node["children"], serde_json::json!([]), "{info}");
+        // The fields of a virtio device's node, no more, no fewer.
+        let keys = |node: &serde_json::Value| -> Vec<String> {
+            node.as_object()
+                .map(|o| o.keys().cloned().collect())
+                .unwrap_or_default()
+        };
+        assert_eq!(keys(node), keys(&tree["disk0"]), "{info}");
+        // Where gpuvm put it, as it logged it (segment 0's without the segment).
+        let bdf = node["pci_bdf"].as_str().unwrap_or_default();
+        let logged = bdf.strip_prefix("0000:").unwrap_or(bdf);
+        assert!(
+            vmm.stderr().contains(&format!("PCI {logged}: vfio-user")),
+            "{id} at {bdf} is not where gpuvm plugged it:\n{}",
+            vmm.stderr()
+        );
+    }
+    assert_eq!(
+        tree["gpu0"]["pci_bdf"].as_str().unwrap(),
+        gpu_found_by_guest(&vmm.stdout()),
+        "{info}"
+    );
+    let on_segment_1 = tree[&second_id]["pci_bdf"].as_str().unwrap();
+    assert!(
+        on_segment_1.starts_with("0001:00:") && on_segment_1.ends_with(".0"),
+        "{info}"
+    );
+    assert!(
+        (tree["disk0"]["pci_bdf"].as_str()).is_some_and(|bdf| bdf.starts_with("0000:00:")),
+        "{info}"
+    );
+    assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vmm.wait(LIMIT);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+}
+
+/// Cold-plugged GPUs keep their nodes in vm.info's device_tree across a live update
+/// (`gpuvm update`): `gpu0` and one added without an id (`_user_device0`), at the same
+/// addresses, although the new process is not told the old one's ids.
+#[test]
+fn cold_plugged_gpus_keep_their_device_tree_nodes_across_a_live_update() {
+    let scratch = Scratch::new("cloud_hypervisor_gpu", "cold_update");
+    let kernel = guest_image(&scratch);
+    let sockets = [scratch.path("gpu-a.sock"), scratch.path("gpu-b.sock")];
+    let _emus: Vec<_> = (sockets.iter())
+        .map(|socket| gpuvm_tests::start_emu_gpu(&emu_bin(), socket, &[]))
+        .collect();
+    let api = scratch.path("api.sock");
+    let mut vmm = spawn_ch(&scratch, &["--api-socket", api.to_str().unwrap()]);
+    wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": { "kernel": kernel, "cmdline": "pci hold" },
+        "cpus": { "boot_vcpus": 1, "max_vcpus": 1 },
+        "memory": { "size": 268435456u64, "shared": true },
+        "serial": { "mode": "Tty" },
+        "console": { "mode": "Off" },
+    })
+    .to_string();
+    api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    for body in [
+        serde_json::json!({ "socket": sockets[0], "id": "gpu0" }),
+        serde_json::json!({ "socket": sockets[1] }),
+    ] {
+        let body = body.to_string();
+        api_expect(&api, 204, "PUT", "/api/v1/vm.add-user-device", Some(&body));
+    }
+    api_expect(&api, 204, "PUT", "/api/v1/vm.boot", None);
+    vmm.wait_for_stdout("pci: holding", LIMIT);
+    let before = vm_info(&api);
+    let tree = &before["device_tree"];
+    for id in ["gpu0", "_user_device0"] {
+        let bdf = tree[id]["pci_bdf"].as_str().unwrap_or_default();
+        assert!(bdf.starts_with("0000:00:"), "{id}: {before}");
+    }
+
+    let out = gpuvm_tests::gpuvm_update(vmm.pid(), &["--api-sock", api.to_str().unwrap()], &[]);
+    let new = gpuvm_tests::updated_to(&out, &vmm.stderr());
+    let deadline = std::time::Instant::now() + LIMIT;
+    while !gpuvm_api::client::request(&api, "GET", "/api/v1/vm.info", None)
+        .is_ok_and(|answer| answer.status == 200)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no vm.info from {new}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let after = vm_info(&api);
+    assert_eq!(after["device_tree"], before["device_tree"], "{after}");
+    assert_eq!(after["config"], before["config"], "{after}");
+    // The new process knows them by the same ids as devices attached at start: gpuvm's
+    // own API too (the ids came with the devices' state).
+    let info = api_expect(&api, 200, "GET", "/", None);
+    let listed = serde_json::from_str::<serde_json::Value>(&info).unwrap_or_default();
+    let ids: Vec<&str> = (listed["pci_devices"].as_array().into_iter().flatten())
+        .filter_map(|device| device["id"].as_str())
+        .collect();
+    assert!(
+        ids.contains(&"gpu0") && ids.contains(&"_user_device0"),
+        "{info}"
+    );
+    let refused = api_expect(
+        &api,
+        409,
+        "PUT",
+        "/api/v1/vm.remove-device",
+        Some(r#"{"id": "gpu0"}"#),
+    );
+    assert!(refused.contains("attached at start"), "{refused}");
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    while gpuvm_tests::process_running(new) {
+        assert!(std::time::Instant::now() < deadline, "{new} did not end");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

@@ -320,9 +320,9 @@ const H100_HOST_GPUS: [(&str, &str, &str, u32); 4] = [
 ];
 
 /// With `--numa auto`, node 1's two GPUs go on a PCI segment of their own whose BAR
-/// windows are sized from them: 192 GiB of 64-bit window (two BAR1s, the BAR3s in the gap
-/// after the first) and 32 MiB below 4 GiB for their BAR0s, where the fixed 64 GiB and
-/// 16 MiB held not even one. The `big-bars` checks pass for all four GPUs, found on both
+/// windows are sized from them and one more (hot-plug onto the node's segment): 256 GiB
+/// of 64-bit window (three BAR1s, the BAR3s in the gap after the first) and 48 MiB below
+/// 4 GiB for their BAR0s, where the fixed 64 GiB and 16 MiB held not even one. The `big-bars` checks pass for all four GPUs, found on both
 /// segments: every BAR assigned, aligned to its size, inside the host bridges' `_CRS`
 /// windows, a word written and read back at both ends of each BAR1 and BAR3.
 #[test]
@@ -350,7 +350,11 @@ fn a_node_segment_s_windows_hold_its_gpus_big_bars() {
         .lines()
         .find(|l| l.contains("PCI segment 1: 64-bit BAR window "))
         .unwrap_or_else(|| panic!("segment 1's windows are logged: {}", out.stderr));
-    assert!(window.contains("(192 GiB), 32-bit "), "{window}");
+    assert!(window.contains("(256 GiB), 32-bit "), "{window}");
+    assert!(
+        window.contains(" 32-bit 0xe1000000..0xe4000000,"),
+        "{window}"
+    );
     let on_segment = |prefix: &str| {
         out.stdout
             .lines()
@@ -485,14 +489,152 @@ fn cloud_hypervisor_puts_a_gpu_on_the_segment_it_names() {
         "{}",
         vmm.stderr()
     );
-    // Hot-plug stays on segment 0.
-    let refused = put(
-        400,
+    // A GPU hot-plugged onto segment 1 goes on its bus 0 (its own ACPI hot-plug slots).
+    let answer = put(
+        200,
         "/api/v1/vm.add-user-device",
         &add(&sockets[1], "gpu1", 1),
     );
-    assert!(refused.contains("segment 0 only"), "{refused}");
+    assert!(answer.contains("0001:00:02.0"), "{answer}");
+    // Other devices are hot-plugged on segment 0 only.
+    let disk = scratch.path("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let refused = put(
+        400,
+        "/api/v1/vm.add-disk",
+        &serde_json::json!({"path": disk, "id": "disk1", "pci_segment": 1}),
+    );
+    assert!(
+        refused.contains("other devices on segment 0 only"),
+        "{refused}"
+    );
     assert!(!vmm.stdout().contains("FAIL"), "{}", vmm.stdout());
+}
+
+/// A GPU hot-plugged onto PCI segment 1 of a running VM (Cloud Hypervisor's
+/// vm.add-user-device with `pci_segment`, as for a NUMA node's GPU) arrives through that
+/// segment's own ACPI hot-plug registers: the guest finds it through the segment's ECAM
+/// window, BAR1 lies naturally aligned in the segment's 64-bit window and its first and
+/// last words read back. The VM is snapshotted with it (its state through VFIO
+/// migration) and restored by a new process onto a fresh device process: there
+/// vm.remove-device asks the guest to eject it on segment 1, and it goes.
+#[test]
+fn a_gpu_is_hot_plugged_onto_another_segment_and_ejected_there() {
+    use gpuvm_tests::cloud_hypervisor_support::{guest_image, spawn_ch, wait_for_vm};
+    let scratch = Scratch::new("numa", "ch_segment_hotplug");
+    let kernel = guest_image(&scratch);
+    let api = scratch.path("clh-api.sock");
+    let socket = scratch.path("gpu0.sock");
+    let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let mut vmm = spawn_ch(&scratch, &["-v", "--api-socket", api.to_str().unwrap()]);
+    gpuvm_tests::wait_for_api_socket(&mut vmm, &api);
+    let config = serde_json::json!({
+        "payload": {"kernel": kernel, "cmdline": "segment-hotplug 1"},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 256 * MIB, "thp": false},
+        "serial": {"mode": "Tty"},
+        "console": {"mode": "Off"},
+        "platform": {"num_pci_segments": 2},
+    })
+    .to_string();
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.create", Some(&config));
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.boot", Some("{}"));
+    vmm.wait_for_stdout("seghotplug: waiting on segment 1", LIMIT);
+    let add = serde_json::json!({"socket": socket, "id": "gpu0", "pci_segment": 1});
+    let answer = gpuvm_tests::api_expect(
+        &api,
+        200,
+        "PUT",
+        "/api/v1/vm.add-user-device",
+        Some(&add.to_string()),
+    );
+    assert!(answer.contains("\"0001:00:01.0\""), "{answer}");
+    vmm.wait_for_stdout("reads back", LIMIT);
+    let found = vmm.stdout();
+    assert!(
+        found.contains("seghotplug: device at 0001:00:01.0 is the emulated GPU"),
+        "{found}"
+    );
+    // BAR1 inside segment 1's 64-bit window, as gpuvm planned and logged it.
+    let bar1 = hex_after(&found, "BAR1 at 0x");
+    let window = vmm.stderr();
+    let window = window
+        .lines()
+        .find(|line| line.contains("PCI segment 1: 64-bit BAR window"))
+        .unwrap_or_else(|| panic!("{window}"))
+        .to_string();
+    let (start, end) = (hex_after(&window, "window 0x"), hex_after(&window, ".."));
+    assert!(
+        (start..end).contains(&bar1),
+        "BAR1 {bar1:#x} outside {window}"
+    );
+
+    // Snapshotted with the GPU, restored by a new process onto a fresh device process.
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.pause", None);
+    let snapshot = scratch.path("snapshot");
+    std::fs::create_dir(&snapshot).unwrap();
+    let body = serde_json::json!({ "destination_url": format!("file://{}", snapshot.display()) });
+    let body = body.to_string();
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vm.snapshot", Some(&body));
+    let files: Vec<String> = std::fs::read_dir(&snapshot)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let state = std::fs::read(snapshot.join("state")).unwrap_or_default();
+    let state = String::from_utf8_lossy(&state);
+    assert!(
+        state.contains("\"pci_segment_hotplug\"") && state.contains("\"segment\":1"),
+        "segment 1's hot-plug registers and the GPU's segment are saved: {files:?}"
+    );
+    gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let out = vmm.wait(LIMIT);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    drop(_emu);
+    let _fresh = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let api2 = scratch.path("clh-api2.sock");
+    let source = format!("source_url=file://{}", snapshot.display());
+    let mut restored = spawn_ch(
+        &scratch,
+        &[
+            "-v",
+            "--api-socket",
+            api2.to_str().unwrap(),
+            "--restore",
+            &source,
+        ],
+    );
+    gpuvm_tests::wait_for_api_socket(&mut restored, &api2);
+    wait_for_vm(&mut restored, &api2, LIMIT);
+    gpuvm_tests::api_expect(&api2, 204, "PUT", "/api/v1/vm.resume", None);
+    let info = gpuvm_tests::api_expect(&api2, 200, "GET", "/api/v1/vm.info", None);
+    assert!(info.contains("0001:00:01.0"), "{info}");
+    gpuvm_tests::api_expect(
+        &api2,
+        204,
+        "PUT",
+        "/api/v1/vm.remove-device",
+        Some(r#"{"id": "gpu0"}"#),
+    );
+    let out = restored.wait(LIMIT);
+    out.assert_code(0)
+        .assert_stdout_has("seghotplug: ejected 0001:00:01.0")
+        .assert_stdout_has("seghotplug: ok");
+    assert!(!out.stdout.contains("FAIL"), "{}", out.stdout);
+}
+
+/// The hexadecimal number right after `marker` in `text`.
+fn hex_after(text: &str, marker: &str) -> u64 {
+    let at = text
+        .find(marker)
+        .unwrap_or_else(|| panic!("{marker:?} in {text}"))
+        + marker.len();
+    let digits: String = text[at..]
+        .trim_start_matches("0x")
+        .chars()
+        .take_while(char::is_ascii_hexdigit)
+        .collect();
+    u64::from_str_radix(&digits, 16).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
 /// A snapshot of a two-node VM carries its node plan: the restored process binds node

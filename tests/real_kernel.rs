@@ -331,6 +331,20 @@ fn firecracker_mmds_token_survives_live_updates() {
 }
 
 #[test]
+fn a_vsock_connection_to_a_linux_guest_survives_live_updates() {
+    scenario_passes(
+        "linux-vsock-update",
+        &[
+            "update 1: process",
+            "update 2: process",
+            "vsock-tool: all 60 rounds ok on one connection",
+            "vsock-tool: echoed 3932160 bytes",
+            "a vsock connection to a Linux guest across two live updates: ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_onlines_ram_hot_added_by_vm_resize_beside_a_virtio_disk() {
     scenario_passes(
         "linux-memory-hotplug",
@@ -354,8 +368,12 @@ fn linux_builds_two_numa_nodes_with_their_cpus_ram_distances_and_hot_plug_room()
             "inner: numa ok (2 nodes)",
             "inner: numa device 1234:11e8 at 0001:00:01.0 node 1",
             "inner: numa device 1234:11e8 at 0001:01:00.0 node 1",
+            "inner: hot-plugged 1234:11e8 at 0001:00:01.0, BAR0 ",
+            ", node 1",
+            "inner: 0001:00:01.0 ejected",
             "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a \
-             passthrough device behind a root port on node 1: ok",
+             passthrough device behind a root port on node 1, one hot-plugged onto node 1's \
+             segment: ok",
         ],
     );
 }

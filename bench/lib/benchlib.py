@@ -6,8 +6,9 @@ Each script puts its own directory's lib/ on sys.path and imports this module:
     import benchlib
 
 What is here: errors, statistics, finding gpuvm and naming a peer, facts about the host and its page
-cache, processes (start, wait with a timeout, read their output, sample their threads and RSS), the HTTP
-API over a Unix socket that gpuvm and Cloud Hypervisor serve, and the JSON report.
+cache, processes (start, wait with a timeout, read their output, sample their threads and RSS), what gpuvm
+prints about itself (--report-timing's boot stages, its log's timestamps), the HTTP API over a Unix socket
+that gpuvm and Cloud Hypervisor serve, and the JSON report.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -533,6 +535,41 @@ class Output:
             if left <= 0:
                 raise RuntimeError(f"no {what} within {timeout} s:\n{self.text()}")
             self._read(left)
+
+
+# --------------------------------------------------------------------------------------------
+# what gpuvm prints about itself: --report-timing's stages, its log's timestamps
+
+BOOT_STAGES_LINE = re.compile(r"^gpuvm: boot-stages (.*)$", re.MULTILINE)
+# env_logger's text format as gpuvm writes it: `[2026-01-01T10:00:00.123456Z DEBUG target] message`.
+LOG_RECORD = re.compile(r"^\[(\S+Z)\s+(\w+)\s+(\S+)\] (.*)$", re.MULTILINE)
+
+
+def boot_stages_us(stderr: str) -> dict[str, int]:
+    """{stage: microseconds} from `--report-timing`'s `gpuvm: boot-stages` line (names without the
+    `_us`; `total` is their sum, process start to vCPUs running); empty without the line."""
+    found = BOOT_STAGES_LINE.search(stderr)
+    if not found:
+        return {}
+    stages = {}
+    for pair in found.group(1).split():
+        name, _, value = pair.partition("=")
+        if name.endswith("_us") and value.lstrip("-").isdigit():
+            stages[name[: -len("_us")]] = int(value)
+    return stages
+
+
+def log_records(stderr: str) -> list[tuple[float, str, str, str]]:
+    """gpuvm's text log records as (seconds since the epoch, level, target, message), in order
+    (timestamps in microseconds: `format_timestamp_micros`)."""
+    records = []
+    for stamp, level, target, message in LOG_RECORD.findall(stderr):
+        try:
+            when = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        records.append((when, level, target, message))
+    return records
 
 
 # --------------------------------------------------------------------------------------------

@@ -400,6 +400,8 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
         .prepare(crate::run::serial_out())
         .map_err(refused)?;
     let (mut machine, timings) = incoming.load().map_err(refused)?;
+    // Nothing is served until the VM is this process's: the old one may yet take it back.
+    machine.hold_devices();
     let (requests_tx, requests_rx) = std::sync::mpsc::channel();
     let wake = EventFd::new(EFD_NONBLOCK).map_err(gpuvm_vmm::Error::EventFd)?;
     let vmm = gpuvm_vmm::action_channel::ActionSender::new(
@@ -419,6 +421,7 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
     controller.adopt_mmds(incoming.mmds());
     machine.set_run_control(controller.into_run_control());
     let outcome = incoming.ready(timeout).map_err(refused)?;
+    machine.take_over_devices();
     // The old process's API socket, with the connections made during the hand-over
     // waiting in its backlog; None from an older gpuvm (or one that died before `Commit`).
     let api_listener = incoming.take_api_listener();

@@ -14,6 +14,9 @@
  *                                           arrives on <uds>_<P>) and echo it until EOF
  *   vsock-tool uds-echo-client PATH PORT BYTES
  *                                           "CONNECT PORT", expect "OK", then as echo-client
+ *   vsock-tool uds-echo-rounds PATH PORT BYTES ROUNDS PAUSE_MS
+ *                                           as uds-echo-client, on one connection ROUNDS times,
+ *                                           PAUSE_MS apart (a live update goes on meanwhile)
  * Each mode prints one `vsock-tool: ...` line per step and exits 0 only when the step it was asked for
  * happened; every wait is bounded (SIGALRM), so a lost connection fails instead of hanging the tier.
  */
@@ -329,8 +332,31 @@ int main(int argc, char **argv)
         echo_exchange(fd, number(argv[4], "byte count"));
         return 0;
     }
+    if (strcmp(mode, "uds-echo-rounds") == 0 && argc == 7) {
+        struct sockaddr_un address;
+        int fd = unix_socket(argv[2], &address);
+        if (connect(fd, (struct sockaddr *)&address, sizeof(address)) < 0)
+            die("connect to %s: %s", argv[2], strerror(errno));
+        char request[64], line[128];
+        snprintf(request, sizeof(request), "CONNECT %lu\n", number(argv[3], "port"));
+        write_all(fd, request);
+        if (!read_line(fd, line, sizeof(line)) || strncmp(line, "OK ", 3) != 0)
+            die("CONNECT %s was answered \"%s\"", argv[3], line);
+        say("connected to the guest's port %s (%s)", argv[3], line);
+        unsigned long bytes = number(argv[4], "byte count"), rounds = number(argv[5], "rounds");
+        unsigned long pause_ms = number(argv[6], "pause");
+        for (unsigned long round = 1; round <= rounds; round++) {
+            alarm(TIMEOUT_S);
+            echo_exchange(fd, bytes);
+            say("round %lu ok", round);
+            usleep(pause_ms * 1000);
+        }
+        say("all %lu rounds ok on one connection", rounds);
+        return 0;
+    }
     fprintf(stderr,
             "usage: vsock-tool echo-client CID PORT BYTES | echo-server PORT | agent PORT HOOK |\n"
-            "                  uds-echo-server PATH | uds-echo-client PATH PORT BYTES\n");
+            "                  uds-echo-server PATH | uds-echo-client PATH PORT BYTES |\n"
+            "                  uds-echo-rounds PATH PORT BYTES ROUNDS PAUSE_MS\n");
     return 2;
 }

@@ -244,6 +244,42 @@ impl EmuGpu {
         config
     }
 
+    /// Merges the bytes of a configuration write (`data` at `offset`) that fall in the BAR
+    /// register at `register` and keeps only the bits a BAR of its size decodes (its type
+    /// bits fixed), as hardware does.
+    fn write_bar_register(&mut self, register: usize, offset: u64, data: &[u8]) {
+        let mut bytes = [0u8; 4];
+        bytes.copy_from_slice(&self.config[register..register + 4]);
+        for (i, byte) in data.iter().enumerate() {
+            let at = offset as usize + i;
+            if (register..register + 4).contains(&at) {
+                bytes[at - register] = *byte;
+            }
+        }
+        let value = u32::from_le_bytes(bytes);
+        // BAR0: 32-bit memory; BAR1 and BAR3: 64-bit prefetchable (low dword, then high);
+        // BAR5: none.
+        let (size, high, type_bits) = match register {
+            0x10 => (BAR0_SIZE, false, 0x0),
+            0x14 => (self.options.bar1_size, false, 0xc),
+            0x18 => (self.options.bar1_size, true, 0x0),
+            0x1c => (self.options.bar3_size, false, 0xc),
+            0x20 => (self.options.bar3_size, true, 0x0),
+            _ => (0, false, 0x0),
+        };
+        let decoded = match size {
+            0 => 0,
+            size => !(size - 1),
+        };
+        let kept = if high {
+            value & (decoded >> 32) as u32
+        } else {
+            (value & decoded as u32 & !0xf) | type_bits
+        };
+        let kept = if size == 0 { 0 } else { kept };
+        self.config[register..register + 4].copy_from_slice(&kept.to_le_bytes());
+    }
+
     fn region_size(&self, index: u32) -> u64 {
         match index {
             0 => BAR0_SIZE,
@@ -571,13 +607,19 @@ impl ServerBackend for EmuGpu {
                 std::os::unix::fs::FileExt::write_all_at(&self.bar1, data, offset)?
             }
             3 => self.memory_access(region, offset, None, data),
-            // Only the command register is writable; BARs and MSI-X are the VMM's.
-            7 if offset < 2 + 4 && offset + data.len() as u64 > 4 => {
+            // The command register, and the BAR registers as hardware has them: a VMM
+            // that sizes BARs by writing all ones (Cloud Hypervisor, QEMU) reads back
+            // the size mask. MSI-X and the rest are the VMM's.
+            7 => {
                 for (i, byte) in data.iter().enumerate() {
                     let at = offset as usize + i;
                     if (4..6).contains(&at) {
                         self.config[at] = *byte;
                     }
+                }
+                let touched = offset & !3..(offset + data.len() as u64).next_multiple_of(4);
+                for register in touched.step_by(4).filter(|r| (0x10..0x28).contains(r)) {
+                    self.write_bar_register(register as usize, offset, data);
                 }
             }
             MIGRATION_REGION => self.migration_write(offset, data),

@@ -841,3 +841,56 @@ fn a_vfio_user_device_whose_reset_fails_or_that_stays_dead_is_refused() {
     let mut device = open_over_vfio_user(&good).expect("attached");
     assert_eq!(read32(&mut device, 0) & 0xffff, 0x10de);
 }
+
+/// The emulated GPU's BAR registers behave as hardware's: all ones written reads back as
+/// the size mask with the type bits (how Cloud Hypervisor and QEMU size a vfio-user
+/// device's BARs), an address keeps only the bits its size decodes, and nothing else of
+/// the header but the command register changes.
+#[test]
+fn the_emulated_gpus_bar_registers_size_as_hardware() {
+    use vfio_user::ServerBackend;
+    let options = EmuGpuOptions {
+        bar1_size: 64 << 30,
+        ..EmuGpuOptions::default()
+    };
+    let bar3_size = options.bar3_size;
+    let mut device = emu::EmuGpu::new(options).expect("device");
+    let read = |device: &mut emu::EmuGpu, offset: u64| {
+        let mut data = [0u8; 4];
+        device.region_read(7, offset, &mut data).unwrap();
+        u32::from_le_bytes(data)
+    };
+    for register in [0x10u64, 0x14, 0x18, 0x1c, 0x20, 0x24] {
+        device.region_write(7, register, &[0xff; 4]).unwrap();
+    }
+    let size_of = |low: u32, high: u32| !(u64::from(high) << 32 | u64::from(low & !0xf)) + 1;
+    assert_eq!(
+        read(&mut device, 0x10),
+        !((16u32 << 20) - 1),
+        "BAR0: 16 MiB, 32-bit"
+    );
+    let (low, high) = (read(&mut device, 0x14), read(&mut device, 0x18));
+    assert_eq!(low & 0xf, 0xc, "BAR1: 64-bit prefetchable");
+    assert_eq!(size_of(low, high), 64 << 30);
+    let (low, high) = (read(&mut device, 0x1c), read(&mut device, 0x20));
+    assert_eq!(size_of(low, high), bar3_size);
+    assert_eq!(read(&mut device, 0x24), 0, "no BAR5");
+    // An address (byte writes too) keeps what its size decodes.
+    device
+        .region_write(7, 0x14, &0x8000_000cu32.to_le_bytes())
+        .unwrap();
+    device.region_write(7, 0x18, &[0x40]).unwrap();
+    assert_eq!(
+        read(&mut device, 0x14),
+        0xc,
+        "below 64 GiB nothing is decoded"
+    );
+    assert_eq!(read(&mut device, 0x18), 0xffff_ff40);
+    device
+        .region_write(7, 0x18, &0x50u32.to_le_bytes())
+        .unwrap();
+    assert_eq!(read(&mut device, 0x18), 0x50);
+    // The identity stays read-only.
+    device.region_write(7, 0, &[0; 4]).unwrap();
+    assert_eq!(read(&mut device, 0), 0x2330_10de);
+}

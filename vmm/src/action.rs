@@ -257,7 +257,8 @@ pub struct AddDevice {
     /// Whether gpuvm names the device by the client's id (false for a share, named by
     /// its tag, and vsock).
     pub named_by_client_id: bool,
-    /// The PCI segment the client asked for; hot-plug happens on segment 0 only.
+    /// The PCI segment the client asked for a device other than a GPU (a GPU's is its
+    /// body's `pci_segment`); such devices are hot-plugged on segment 0 only.
     pub segment: u16,
     /// What the client calls this kind of device ("disk", "GPU"), for a refused hot-plug.
     pub noun: String,
@@ -764,8 +765,9 @@ pub struct GpuBody {
     /// Whether peers may DMA into this device's BARs (default true).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub p2p: Option<bool>,
-    /// The PCI segment it goes on (Cloud Hypervisor's `pci_segment`), at start only
-    /// (hot-plug is on segment 0); default: segment 0, or its NUMA node's segment.
+    /// The PCI segment it goes on (Cloud Hypervisor's `pci_segment`), at start or by
+    /// hot-plug (onto that segment's bus 0); default: segment 0, or at start its NUMA
+    /// node's segment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_segment: Option<u16>,
 }

@@ -634,6 +634,7 @@ fn create_devices(
         released_gpus: Vec::new(),
         handover: Default::default(),
         client_record: None,
+        cold_plugged_ids: Default::default(),
     })
 }
 

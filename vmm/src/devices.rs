@@ -64,6 +64,10 @@ pub struct MachineDevices {
     /// controller keeps it up to date here so that whatever saves and restores the devices
     /// (a snapshot, a live update) carries it with them. None when no client recorded one.
     pub client_record: Option<crate::action::ClientRecord>,
+    /// The ids of the passthrough devices plugged at start, by backend (host PCI address
+    /// or socket path), as the API names them: kept here, as the record is, so that a live
+    /// update's new process names them the same.
+    pub cold_plugged_ids: std::collections::BTreeMap<String, String>,
 }
 
 /// The saved state of every emulated device, one field each. Flattened into the state
@@ -80,6 +84,10 @@ pub struct DeviceStates {
     /// Absent in state files written before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pci_hotplug: Option<gpuvm_devices::pci::hotplug::HotplugState>,
+    /// The ACPI hot-plug register blocks of PCI segments 1.., segment 1's first. Absent for
+    /// VMs with one segment and in state files written before other segments had them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pci_segment_hotplug: Vec<gpuvm_devices::pci::hotplug::HotplugState>,
     /// The CPU hot-plug register block: the possible and present CPUs. Absent for VMs
     /// without vCPU hot-plug (and in state files written before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -139,11 +147,20 @@ pub struct DeviceStates {
     /// the live update only, and only where the VM's MMDS is not as a new VM's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handed_over_mmds: Option<gpuvm_mmds::MmdsState>,
+    /// A live update's vsock connections and waiting host clients (their sockets come
+    /// beside the paused state), which the new process's vsock device serves on. Filled by
+    /// the live update only: a snapshot cannot keep host connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handed_over_vsock: Option<gpuvm_virtio::vsock::VsockLiveState>,
     /// The client's record of the VM's configuration ([`MachineDevices::client_record`]):
     /// a restore gives it back to the API, so the client finds its devices under its ids.
     /// Absent when no client recorded one, and in state files written before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_record: Option<crate::action::ClientRecord>,
+    /// [`MachineDevices::cold_plugged_ids`]. Absent when there are none, and in state files
+    /// written before it was kept.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub cold_plugged_ids: std::collections::BTreeMap<String, String>,
 }
 
 /// Memory hot-plug in a snapshot ([`DeviceStates::ram_hotplug`]).
@@ -174,9 +191,44 @@ pub enum DeviceStateError {
         "the snapshot has memory hot-plug and the restored VM has none, or the other way round"
     )]
     MemoryHotplugMismatch,
+    #[error("{0}")]
+    PciSegments(String),
+}
+
+/// A passthrough device plugged when the VM was built (cold-plugged): its backend as
+/// configured, and where the guest has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColdPlugged {
+    /// A kernel VFIO device's host PCI address, a vfio-user device's socket path: the
+    /// key the configuration names the device by
+    /// ([`crate::action::GpuBody::backend_key`]).
+    pub backend: String,
+    /// Whether it is a vfio-user device (else kernel VFIO).
+    pub vfio_user: bool,
+    pub bdf: gpuvm_devices::pci::PciBdf,
 }
 
 impl MachineDevices {
+    /// The cold-plugged passthrough devices, kernel VFIO devices first, each kind in plug
+    /// order. Read from what a live update hands over ([`Self::handover`]), which the
+    /// build fills and a live update's new process fills again as it plugs the old
+    /// process's devices back, so both list them.
+    pub fn cold_plugged(&self) -> Vec<ColdPlugged> {
+        let kernel = (self.handover.kernel.iter())
+            .flat_map(|context| &context.devices)
+            .map(|device| ColdPlugged {
+                backend: device.host_bdf.clone(),
+                vfio_user: false,
+                bdf: device.bdf,
+            });
+        let vfio_user = self.handover.vfio_user.iter().map(|device| ColdPlugged {
+            backend: device.socket.display().to_string(),
+            vfio_user: true,
+            bdf: device.bdf,
+        });
+        kernel.chain(vfio_user).collect()
+    }
+
     /// Where each background DMA mapping of the passthrough devices stands, cold- and
     /// hot-plugged (for the API).
     pub fn dma_mapping_status(&self) -> Vec<gpuvm_vfio::dma::DmaStatus> {
@@ -198,6 +250,9 @@ impl Persist for MachineDevices {
             serial: lock(&self.serial).save()?,
             virtio: crate::virtio::save_all(&self.virtio)?,
             pci_hotplug: self.pci_hotplug.as_ref().map(|h| h.save_controller()),
+            pci_segment_hotplug: (self.pci_hotplug.as_ref())
+                .map(|h| h.save_segment_controllers())
+                .unwrap_or_default(),
             cpu_hotplug: self
                 .cpu_hotplug
                 .as_ref()
@@ -220,7 +275,9 @@ impl Persist for MachineDevices {
             handed_over_peer_mappings: Vec::new(),
             handed_over_kernel_vfio: None,
             handed_over_mmds: None,
+            handed_over_vsock: None,
             client_record: self.client_record.clone(),
+            cold_plugged_ids: self.cold_plugged_ids.clone(),
         };
         // The host-mirroring layout's ports, with their slots out of the root's.
         if let (Some(state), Some(plug)) = (saved.pci_root.as_mut(), &self.handover.plug) {
@@ -240,6 +297,9 @@ impl Persist for MachineDevices {
         crate::virtio::restore_all(&self.virtio, &state.virtio)?;
         if let (Some(hotplug), Some(saved)) = (&self.pci_hotplug, &state.pci_hotplug) {
             hotplug.restore_controller(saved);
+            hotplug
+                .restore_segment_controllers(&state.pci_segment_hotplug)
+                .map_err(DeviceStateError::PciSegments)?;
             hotplug.virtio_restored(&self.virtio);
         }
         if let (Some(block), Some(saved)) = (&self.cpu_hotplug, &state.cpu_hotplug) {
@@ -252,6 +312,7 @@ impl Persist for MachineDevices {
         }
         self.released_gpus = state.released_gpus.clone();
         self.client_record = state.client_record.clone();
+        self.cold_plugged_ids = state.cold_plugged_ids.clone();
         Ok(())
     }
 }

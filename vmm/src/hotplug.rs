@@ -33,6 +33,11 @@
 //!                    clears presence detect. The same eject timeout bounds the wait.
 //! ```
 //!
+//! A device asked for on another PCI segment (`pci_segment`, Cloud Hypervisor's; a NUMA
+//! node's segment holds that node's GPUs) goes on that segment's bus 0, through the
+//! segment's own ACPI hot-plug register block and slots (`\_SB.PC0N`, raising the same
+//! GSI): the root ports for hot-plug are segment 0's.
+//!
 //! INTx is not wired for hot-plugged devices (guests use MSI/MSI-X for GPUs).
 //!
 //! A vfio-user device whose process dies while plugged (a crash, `kill -9`) is noticed by
@@ -91,6 +96,12 @@ pub enum HotplugError {
     NotFound(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("cannot hot-plug {id} on PCI segment {segment}: the VM has {count} segment(s), numbered from 0")]
+    NoSegment {
+        id: String,
+        segment: u16,
+        count: u16,
+    },
     #[error("cannot hot-plug {id}: {source}")]
     Device {
         id: String,
@@ -104,7 +115,7 @@ impl HotplugError {
         match self {
             HotplugError::NotFound(_) => 404,
             HotplugError::Conflict(_) => 409,
-            HotplugError::Device { .. } => 400,
+            HotplugError::Device { .. } | HotplugError::NoSegment { .. } => 400,
         }
     }
 }
@@ -167,10 +178,19 @@ pub enum EjectState {
     Removed(String),
 }
 
+/// ACPI hot-plug on the bus 0 of a PCI segment other than 0: its root and register block.
+struct SegmentSlots {
+    root: Arc<PciRoot>,
+    controller: Arc<Mutex<HotplugController>>,
+}
+
 /// The VM's hot-plug state, owned by the VMM thread (in `MachineDevices`).
 pub struct PciHotplug {
+    /// Segment 0's register block and root.
     controller: Arc<Mutex<HotplugController>>,
     root: Arc<PciRoot>,
+    /// Segments 1.. (index: segment - 1).
+    segments: Vec<SegmentSlots>,
     router: Arc<MsiRouter>,
     slots: Arc<dyn GuestMemoryMapper>,
     vm: VmFd,
@@ -181,8 +201,8 @@ pub struct PciHotplug {
     wake: Option<EventFd>,
     /// What virtio devices plugged at runtime are built with.
     virtio: virtio::VirtioPlugContext,
-    /// The hot-plug GSI's irqfd, kept registered.
-    _interrupt: EventFd,
+    /// The hot-plug GSI's irqfd, kept registered (every segment's block raises it).
+    interrupt: EventFd,
     /// Peer-to-peer DMA: every device's BARs mapped for the others.
     peers: Arc<PeerDma>,
     /// The hot-plugged devices' places among the peers, by id.
@@ -216,6 +236,7 @@ impl PciHotplug {
         Ok(PciHotplug {
             controller: Arc::new(Mutex::new(controller)),
             root,
+            segments: Vec::new(),
             router,
             slots,
             vm: duplicate_vm(kvm, vm).map_err(PciSetupError::VmFd)?,
@@ -230,13 +251,53 @@ impl PciHotplug {
                 )),
                 ejecting: Default::default(),
             },
-            _interrupt: interrupt,
+            interrupt,
             peers: PeerDma::new(),
             peer_ids: BTreeMap::new(),
             cliques: Default::default(),
             ports: Vec::new(),
             port_of: BTreeMap::new(),
         })
+    }
+
+    /// Gives the next PCI segment's bus 0 (`root`, segment 1 first) ACPI hot-plug; returns
+    /// its register block, for the port-I/O bus at its segment's ports
+    /// (gpuvm_devices::pci::hotplug::hotplug_port).
+    pub(crate) fn add_segment(
+        &mut self,
+        root: Arc<PciRoot>,
+    ) -> Result<Arc<Mutex<HotplugController>>, PciSetupError> {
+        debug_assert_eq!(usize::from(root.segment()), self.segments.len() + 1);
+        let interrupt = self.interrupt.try_clone().map_err(PciSetupError::Intx)?;
+        let controller = Arc::new(Mutex::new(HotplugController::new(
+            root.clone(),
+            Some(interrupt),
+        )));
+        self.segments.push(SegmentSlots {
+            root,
+            controller: controller.clone(),
+        });
+        Ok(controller)
+    }
+
+    /// Segment `segment`'s root, if the VM has that segment.
+    fn root_of(&self, segment: u16) -> Option<&Arc<PciRoot>> {
+        match segment {
+            0 => Some(&self.root),
+            n => Some(&self.segments.get(usize::from(n) - 1)?.root),
+        }
+    }
+
+    /// The register block of the segment `bdf` is on (segment 0's for a segment the VM
+    /// lacks: no device is ever plugged there).
+    fn controller_of(&self, bdf: PciBdf) -> &Arc<Mutex<HotplugController>> {
+        match bdf.segment {
+            0 => &self.controller,
+            n => self
+                .segments
+                .get(usize::from(n) - 1)
+                .map_or(&self.controller, |s| &s.controller),
+        }
     }
 
     /// Adds `count` empty root ports on segment 0 (see
@@ -271,10 +332,13 @@ impl PciHotplug {
         self.ports.iter().map(HotplugPort::save).collect()
     }
 
-    /// Segment 0's bus-0 slots that hold a PCI bridge (root ports, cold-plugged or for
-    /// hot-plug): the ACPI tables leave them out of ACPI hot-plug.
-    pub fn bridge_slots(&self) -> Vec<u8> {
-        crate::pci_topology::bridge_slots(&self.root)
+    /// Each segment's bus-0 slots that hold a PCI bridge (root ports, cold-plugged or for
+    /// hot-plug), segment 0's first: the ACPI tables leave them out of ACPI hot-plug.
+    pub fn bridge_slots(&self) -> Vec<Vec<u8>> {
+        std::iter::once(&self.root)
+            .chain(self.segments.iter().map(|s| &s.root))
+            .map(|root| crate::pci_topology::bridge_slots(root))
+            .collect()
     }
 
     /// A free root port (no device of ours in it, no card present), if the VM has ports;
@@ -306,7 +370,7 @@ impl PciHotplug {
     fn ask_eject(&self, id: &str, bdf: PciBdf) {
         match self.port_holding(id) {
             Some(port) => lock(&port.bridge).press_attention_button(),
-            None => lock(&self.controller).request_eject(bdf.device),
+            None => lock(self.controller_of(bdf)).request_eject(bdf.device),
         }
     }
 
@@ -315,7 +379,7 @@ impl PciHotplug {
     fn let_go(&self, id: &str, bdf: PciBdf) -> bool {
         match self.port_holding(id) {
             Some(port) => lock(&port.bridge).take_powered_off(),
-            None => lock(&self.controller).take_ejected(bdf.device),
+            None => lock(self.controller_of(bdf)).take_ejected(bdf.device),
         }
     }
 
@@ -323,7 +387,7 @@ impl PciHotplug {
     fn withdraw_eject(&self, id: &str, bdf: PciBdf) {
         match self.port_holding(id) {
             Some(port) => lock(&port.bridge).release_attention_button(),
-            None => lock(&self.controller).cancel_eject(bdf.device),
+            None => lock(self.controller_of(bdf)).cancel_eject(bdf.device),
         }
     }
 
@@ -334,7 +398,9 @@ impl PciHotplug {
                 self.root.remove_behind(&[port.slot, bdf.device]);
             }
             None => {
-                self.root.remove_device(bdf);
+                if let Some(root) = self.root_of(bdf.segment) {
+                    root.remove_device(bdf);
+                }
             }
         }
     }
@@ -395,15 +461,41 @@ impl PciHotplug {
         self.root.finish_restore()
     }
 
-    /// The register block's state for a snapshot.
+    /// Segment 0's register block's state for a snapshot.
     pub fn save_controller(&self) -> HotplugState {
         let Ok(state) = lock(&self.controller).save();
         state
     }
 
-    /// Loads the register block's saved state (a restore).
+    /// Loads segment 0's register block's saved state (a restore).
     pub fn restore_controller(&self, state: &HotplugState) {
         let Ok(()) = lock(&self.controller).restore(state);
+    }
+
+    /// The register blocks of segments 1.. for a snapshot, segment 1's first.
+    pub fn save_segment_controllers(&self) -> Vec<HotplugState> {
+        (self.segments.iter())
+            .map(|s| {
+                let Ok(state) = lock(&s.controller).save();
+                state
+            })
+            .collect()
+    }
+
+    /// Loads the saved states of segments 1..'s register blocks (a restore); a state for a
+    /// segment the VM lacks is refused.
+    pub fn restore_segment_controllers(&self, states: &[HotplugState]) -> Result<(), String> {
+        if states.len() > self.segments.len() {
+            return Err(format!(
+                "the snapshot has PCI hot-plug state for {} further segment(s), the VM {}",
+                states.len(),
+                self.segments.len()
+            ));
+        }
+        for (segment, state) in self.segments.iter().zip(states) {
+            let Ok(()) = lock(&segment.controller).restore(state);
+        }
+        Ok(())
     }
 
     /// Where the guest's ejects are signalled (the VMM thread's wake-up eventfd).
@@ -411,9 +503,13 @@ impl PciHotplug {
         if self.wake.is_some() {
             return;
         }
-        match wake.try_clone() {
-            Ok(copy) => lock(&self.controller).set_wake(copy),
-            Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
+        let controllers =
+            std::iter::once(&self.controller).chain(self.segments.iter().map(|s| &s.controller));
+        for controller in controllers {
+            match wake.try_clone() {
+                Ok(copy) => lock(controller).set_wake(copy),
+                Err(error) => log::warn!("hot-plug: cannot share the wake-up eventfd: {error}"),
+            }
         }
         // The root ports' slots report the guest turning them off to it.
         for port in &self.ports {
@@ -486,9 +582,22 @@ impl PciHotplug {
             id: id.clone(),
             source,
         };
-        let port = self.free_port()?;
+        // Another segment's devices go on its bus 0 (the root ports are segment 0's).
+        let segment = body.pci_segment.unwrap_or(0);
+        if self.root_of(segment).is_none() {
+            return Err(HotplugError::NoSegment {
+                id,
+                segment,
+                count: self.segments.len() as u16 + 1,
+            });
+        }
+        let port = if segment == 0 {
+            self.free_port()?
+        } else {
+            None
+        };
         let opened = self.open_backend(body).map_err(device_error)?;
-        let plug = self.plugger();
+        let plug = self.plugger(segment);
         let progress = self.ram.progress(opened.mapper.name());
         let port_place = port.map(|i| (self.ports[i].slot, self.ports[i].bridge.clone()));
         let open = |backend| match &port_place {
@@ -550,9 +659,9 @@ impl PciHotplug {
         self.join_peers(&id, opened.peer, &plugged.device, None);
         match port {
             Some(i) => lock(&self.ports[i].bridge).card_inserted(),
-            None => lock(&self.controller).device_added(bdf.device),
+            None => lock(self.controller_of(bdf)).device_added(bdf.device),
         }
-        log::info!("hot-plug: {id} is {} (0000:{bdf})", plugged.label);
+        log::info!("hot-plug: {id} is {} ({})", plugged.label, bdf.full());
         let label = plugged.label.clone();
         if let Some(port) = port {
             self.port_of.insert(id.clone(), port);
@@ -602,11 +711,12 @@ impl PciHotplug {
         self.peer_ids.insert(id.to_string(), peer);
     }
 
-    /// What plugs a device into this VM's bus 0 (the cold-plug path).
-    fn plugger(&self) -> Plug<'_> {
+    /// What plugs a device into this VM's segment `segment` (the cold-plug path); segment
+    /// 0's for a segment the VM lacks (callers check it first).
+    fn plugger(&self, segment: u16) -> Plug<'_> {
         Plug {
             vm: &self.vm,
-            root: &self.root,
+            root: self.root_of(segment).unwrap_or(&self.root),
             router: &self.router,
             slots: &self.slots,
         }
@@ -694,7 +804,7 @@ impl PciHotplug {
         device.ejecting = true;
         let bdf = device.bdf;
         self.ask_eject(id, bdf);
-        log::info!("hot-unplug: asked the guest to eject {id} (0000:{bdf})");
+        log::info!("hot-unplug: asked the guest to eject {id} ({})", bdf.full());
         Ok(bdf)
     }
 
@@ -764,8 +874,8 @@ impl PciHotplug {
                 .unwrap_or_else(|| "the device process went away".into());
             let deadline = Instant::now() + eject_timeout();
             log::error!(
-                "hot-plug: {id} (0000:{}) is gone: {reason}; asking the guest to eject it",
-                device.bdf
+                "hot-plug: {id} ({}) is gone: {reason}; asking the guest to eject it",
+                device.bdf.full()
             );
             if !device.ejecting {
                 device.ejecting = true;
@@ -816,7 +926,7 @@ impl PciHotplug {
                 };
                 serde_json::json!({
                     "id": id,
-                    "bdf": format!("0000:{}", device.bdf),
+                    "bdf": device.bdf.full(),
                     "device": device.label,
                     "state": state,
                     "error": device.gone.as_ref().map(|g| g.reason.clone()),
@@ -842,8 +952,8 @@ impl PciHotplug {
                 }
             }
             None => {
-                lock(&self.controller).forget(device.bdf.device);
-                self.root.remove_device(device.bdf);
+                lock(self.controller_of(device.bdf)).forget(device.bdf.device);
+                self.off_the_bus(None, device.bdf);
             }
         }
         drop(device.mapping.take());

@@ -214,6 +214,9 @@ impl VirtioOptions {
 pub struct DeviceResources {
     taps: Arc<Mutex<BTreeMap<String, Vec<Tap>>>>,
     images: Arc<Mutex<BTreeMap<String, std::fs::File>>>,
+    /// The vsock device's listening socket a live update handed over (a VM has at most
+    /// one vsock device).
+    vsock_listener: Arc<Mutex<Option<std::os::unix::net::UnixListener>>>,
     mmds: Option<Arc<gpuvm_mmds::Mmds>>,
 }
 
@@ -244,12 +247,27 @@ impl DeviceResources {
         lock(&self.images).remove(drive_id)
     }
 
-    /// Closes the images and taps no device took; returns their drive and interface ids.
+    /// Keeps the vsock listener a live update handed over: the vsock device built next
+    /// takes it instead of binding its `uds_path` (which the old process still listens on).
+    pub fn insert_vsock_listener(&self, listener: std::os::unix::net::UnixListener) {
+        *lock(&self.vsock_listener) = Some(listener);
+    }
+
+    /// Takes the handed-over vsock listener out (None if there is none).
+    pub fn take_vsock_listener(&self) -> Option<std::os::unix::net::UnixListener> {
+        lock(&self.vsock_listener).take()
+    }
+
+    /// Closes the images, taps and vsock listener no device took; returns their drive and
+    /// interface ids (`vsock` for the listener).
     pub fn forget_unused(&self) -> Vec<String> {
         let mut unused: Vec<String> = std::mem::take(&mut *lock(&self.images))
             .into_keys()
             .collect();
         unused.extend(std::mem::take(&mut *lock(&self.taps)).into_keys());
+        if self.take_vsock_listener().is_some() {
+            unused.push("vsock".into());
+        }
         unused
     }
 
@@ -258,6 +276,7 @@ impl DeviceResources {
         DeviceResources {
             taps: self.taps.clone(),
             images: self.images.clone(),
+            vsock_listener: self.vsock_listener.clone(),
             mmds: Some(mmds.clone()),
         }
     }
@@ -464,7 +483,11 @@ pub(crate) fn open_device(
             }
         }
         VirtioDeviceConfig::Vsock(config) => {
-            Box::new(Vsock::new(config).map_err(|e| VirtioSetupError::Vsock(e.to_string()))?)
+            let vsock = match passed.take_vsock_listener() {
+                Some(listener) => Vsock::adopting(config, listener),
+                None => Vsock::new(config),
+            };
+            Box::new(vsock.map_err(|e| VirtioSetupError::Vsock(e.to_string()))?)
         }
         VirtioDeviceConfig::Rng(config) => {
             Box::new(Rng::new(config.clone()).map_err(VirtioSetupError::Rng)?)

@@ -70,10 +70,12 @@ impl VmState {
     }
 }
 
-/// What the controller says of the VM: its state and the client's record of it.
+/// What the controller says of the VM: its state, the client's record of it and the PCI
+/// devices it lists (GetInstanceInfo's `pci_devices`).
 struct Seen {
     state: Option<VmState>,
     record: ClientRecord,
+    pci_devices: Vec<Value>,
 }
 
 fn look(dispatch: Dispatch) -> Result<Seen, Response> {
@@ -88,7 +90,12 @@ fn look(dispatch: Dispatch) -> Result<Seen, Response> {
         _ => None,
     };
     let record = serde_json::from_value(info["client_record"].clone()).unwrap_or_default();
-    Ok(Seen { state, record })
+    let pci_devices = info["pci_devices"].as_array().cloned().unwrap_or_default();
+    Ok(Seen {
+        state,
+        record,
+        pci_devices,
+    })
 }
 
 fn state(dispatch: Dispatch) -> Result<Option<VmState>, Response> {
@@ -309,21 +316,22 @@ fn info(dispatch: Dispatch) -> Response {
         "memory_actual_size": memory,
     });
     if state != VmState::Created {
-        answer["device_tree"] = device_tree(dispatch);
+        answer["device_tree"] = device_tree(&seen);
     }
     Response::json(200, &answer)
 }
 
 /// vm.info's `device_tree` once the VM runs: a node per PCI device gpuvm lists (virtio
-/// devices and hot-plugged passthrough devices), by id, with its address. gpuvm gives no
-/// resources and no parent/child links.
-fn device_tree(dispatch: Dispatch) -> Value {
-    let listed = match dispatch(VmmAction::GetInstanceInfo) {
-        Ok(VmmData::Json(info)) => info["pci_devices"].as_array().cloned().unwrap_or_default(),
-        _ => Vec::new(),
-    };
-    let nodes = listed.into_iter().filter_map(|device| {
-        let id = device["id"].as_str()?.to_string();
+/// devices, passthrough devices plugged at boot or hot-plugged), by id, with its address
+/// (`ssss:bb:dd.f`). A passthrough device the client configured goes by the client's id
+/// for its backend, also where gpuvm's process knows it by another (a live update's new
+/// process, a snapshot's restore). gpuvm gives no resources and no parent/child links.
+fn device_tree(seen: &Seen) -> Value {
+    let nodes = seen.pci_devices.iter().filter_map(|device| {
+        let own = device["id"].as_str()?;
+        let client_id = (device["backend"].as_str())
+            .and_then(|backend| client_id_of_backend(&seen.record, backend));
+        let id = client_id.unwrap_or(own).to_string();
         let node = json!({
             "id": id,
             "resources": [],
@@ -333,6 +341,22 @@ fn device_tree(dispatch: Dispatch) -> Value {
         Some((id, node))
     });
     Value::Object(nodes.collect())
+}
+
+/// The id of the passthrough device the client configured with `backend` (gpuvm's key
+/// for it: a `user_devices` entry's socket, the host PCI address that ends a `devices`
+/// entry's sysfs path), if the record has one.
+fn client_id_of_backend<'a>(record: &'a ClientRecord, backend: &str) -> Option<&'a str> {
+    let configured_with = |body: &Value, section: &str| match section {
+        "user_devices" => body["socket"].as_str() == Some(backend),
+        "devices" => (body["path"].as_str())
+            .and_then(|path| std::path::Path::new(path).file_name())
+            .is_some_and(|name| name == backend),
+        _ => false,
+    };
+    (record.devices.iter())
+        .find(|device| configured_with(&device.body, &device.section))
+        .map(|device| device.client_id.as_str())
 }
 
 /// vm.counters: gpuvm's counters, as Cloud Hypervisor's map of names to integer maps.
@@ -550,7 +574,7 @@ fn device_to_add(
         Kind::Device => {
             let device: DeviceConfig = serde_json::from_value(value.clone()).map_err(bad)?;
             let mut gpu = translate::device(config.devices.len(), &device)?;
-            // Before boot it goes there; a running VM's hot-plug refuses another than 0.
+            // Before boot it goes there; a running VM hot-plugs it onto that segment.
             gpu.pci_segment = translate::passthrough_segment("device", &device.other, segments)?;
             (VmmAction::PutGpu(gpu), given_id, 0, "devices")
         }

@@ -132,7 +132,7 @@ impl Booted {
                 let add = request.translate(&self.record.borrow())?;
                 if add.segment != 0 {
                     return Err(ActionError::bad_request(
-                        "gpuvm hot-plugs devices on PCI segment 0 only",
+                        "gpuvm hot-plugs devices other than GPUs on PCI segment 0 only",
                     ));
                 }
                 let id = add

@@ -1,7 +1,9 @@
 //! The front end against Kata's bodies (as clh.go and its generated client build them:
 //! every constructor default present) and a fake VMM thread.
 
-use gpuvm_vmm::action::{AddDeviceRequest, BackingKind, DriveBody, VmmAction};
+use gpuvm_vmm::action::{
+    AddDeviceRequest, BackingKind, ClientDevice, DriveBody, VmmAction, VmmData,
+};
 use serde_json::json;
 
 use super::test_vmm::{call, controller, files, json_of, message, Booted, Files};
@@ -288,6 +290,57 @@ fn devices_added_after_boot_are_answered_with_their_address() {
         409
     );
     assert!(booted.seen.borrow().contains(&"AddDevice".to_string()));
+}
+
+/// vm.info's device_tree has a node for each GPU plugged at boot, as for a virtio device:
+/// its id and its address with the segment (on segment 1, behind a root port). A GPU the
+/// client configured goes by the client's id for its backend also where gpuvm's process
+/// lists it under another (a live update's new process makes ids up); one the record does
+/// not name keeps gpuvm's.
+#[test]
+fn cold_plugged_gpus_are_device_tree_nodes_under_the_client_s_ids() {
+    let files = files();
+    let config: VmConfig = serde_json::from_value(kata_config_with(&files)).unwrap();
+    let mut record = super::record::of_config(&config);
+    record.devices.push(ClientDevice {
+        client_id: "emu".into(),
+        device_id: "emu".into(),
+        section: "user_devices".into(),
+        body: json!({"socket": "/run/emu.sock", "id": "emu", "pci_segment": 1}),
+    });
+    let booted = Booted::new(record);
+    let pci_devices = json!([
+        {"id": "_disk0", "bdf": "0000:00:04.0", "kind": "virtio-blk", "hot_plugged": false},
+        {"id": "_vfio0", "bdf": "0000:01:00.0", "kind": "passthrough", "hot_plugged": false,
+         "backend": "0000:41:00.0"},
+        {"id": "_user_device0", "bdf": "0001:00:01.0", "kind": "passthrough",
+         "hot_plugged": false, "backend": "/run/emu.sock"},
+        {"id": "_user_device1", "bdf": "0000:00:05.0", "kind": "passthrough",
+         "hot_plugged": false, "backend": "/run/unrecorded.sock"},
+    ]);
+    let dispatch = &|action| match action {
+        VmmAction::GetInstanceInfo => {
+            let mut info = booted.act(VmmAction::GetInstanceInfo)?;
+            if let VmmData::Json(info) = &mut info {
+                info["pci_devices"] = pci_devices.clone();
+            }
+            Ok(info)
+        }
+        other => booted.act(other),
+    };
+    let info = json_of(&call(dispatch, Method::Get, "/api/v1/vm.info", ""));
+    let tree = &info["device_tree"];
+    let node =
+        |id: &str, bdf: &str| json!({"id": id, "resources": [], "children": [], "pci_bdf": bdf});
+    assert_eq!(tree["_disk0"], node("_disk0", "0000:00:04.0"), "{info}");
+    assert_eq!(tree["gpu0"], node("gpu0", "0000:01:00.0"), "{info}");
+    assert_eq!(tree["emu"], node("emu", "0001:00:01.0"), "{info}");
+    assert_eq!(
+        tree["_user_device1"],
+        node("_user_device1", "0000:00:05.0"),
+        "{info}"
+    );
+    assert_eq!(tree.as_object().map(|nodes| nodes.len()), Some(4), "{info}");
 }
 
 #[test]

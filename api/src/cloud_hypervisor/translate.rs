@@ -323,7 +323,7 @@ pub fn pci_segment(field: &str, other: &Other, count: u16) -> Result<u16, Refusa
 
 /// A passthrough device's `pci_segment` (one of the VM's `count`), None for 0: the
 /// device goes there at boot, where its host bridge's node is the `numa[]` entry that lists
-/// the segment (hot-plug stays on segment 0: the controller refuses another).
+/// the segment, or by hot-plug into a running VM (that segment's ACPI hot-plug slots).
 pub fn passthrough_segment(field: &str, other: &Other, count: u16) -> Result<Option<u16>, Refusal> {
     Ok(Some(pci_segment(field, other, count)?).filter(|&segment| segment != 0))
 }

@@ -370,28 +370,62 @@ fn bars_span(start: u64, devices: &[Vec<u64>]) -> (u64, u64) {
     (round(devices_end), round(allocator.high_water()))
 }
 
+/// The device whose BARs take the most, if any.
+fn largest_device(devices: &[Vec<u64>]) -> Option<&Vec<u64>> {
+    devices.iter().max_by_key(|bars| bars.iter().sum::<u64>())
+}
+
 /// A window for `devices` at or after `next`, in `unit`s: the `least` size at `next` where
 /// their BARs fit in it (the layout every segment had before windows were sized), else
-/// aligned to the largest BAR and as large as they take. Returns (start, size).
-fn sized_window(next: u64, devices: &[Vec<u64>], least: u64, unit: u64) -> (u64, u64) {
+/// aligned to the largest BAR and as large as they take. With `reserve`, room for one more
+/// of `reserve`'s BARs after them (a device hot-plugged onto the segment). Returns
+/// (start, size).
+fn sized_window(
+    next: u64,
+    devices: &[Vec<u64>],
+    reserve: Option<&Vec<u64>>,
+    least: u64,
+    unit: u64,
+) -> (u64, u64) {
     let span = |start: u64| {
-        (place_devices("", start, devices).high_water() - start).next_multiple_of(unit)
+        let mut allocator = place_devices("", start, devices);
+        if let Some(bars) = reserve {
+            place(&mut allocator, bars);
+        }
+        (allocator.high_water() - start).next_multiple_of(unit)
     };
     if span(next) <= least {
         return (next, least);
     }
-    let largest = devices.iter().flatten().copied().max().unwrap_or(unit);
+    let largest = (devices.iter().chain(reserve))
+        .flatten()
+        .copied()
+        .max()
+        .unwrap_or(unit);
     let start = next.next_multiple_of(largest.max(unit));
     (start, span(start).max(least))
 }
 
 /// The 32-bit windows of segments 1..`segments`, one after another from
 /// [`PCI_SEGMENTS_MMIO32_START`], or from `ecam_end` where the segments' ECAM windows
-/// reach past it: (start, end) each.
+/// reach past it: (start, end) each. Each has room for one more of its largest device
+/// (hot-plug onto the segment) where the 32-bit space allows that for all of them.
 fn segment_windows32(
     segments: u16,
     bars: &[SegmentBars],
     ecam_end: u64,
+) -> Result<Vec<(u64, u64)>, PlanError> {
+    // Room for one more of each segment's largest device where the space allows it.
+    segment_windows32_with(segments, bars, ecam_end, true)
+        .or_else(|_| segment_windows32_with(segments, bars, ecam_end, false))
+}
+
+/// [`segment_windows32`], with or without the hot-plug `reserve`.
+fn segment_windows32_with(
+    segments: u16,
+    bars: &[SegmentBars],
+    ecam_end: u64,
+    reserve: bool,
 ) -> Result<Vec<(u64, u64)>, PlanError> {
     let mut windows = Vec::new();
     if segments <= 1 {
@@ -412,7 +446,8 @@ fn segment_windows32(
         let devices = bars
             .get(usize::from(segment) - 1)
             .map_or(&[][..], |b| &b.mmio32[..]);
-        let (start, size) = sized_window(next, devices, PCI_SEGMENT_MMIO32_SIZE, 1 << 20);
+        let spare = reserve.then(|| largest_device(devices)).flatten();
+        let (start, size) = sized_window(next, devices, spare, PCI_SEGMENT_MMIO32_SIZE, 1 << 20);
         if start + size > PCI_SEGMENTS_MMIO32_END {
             return Err(PlanError::Mmio32TooSmall {
                 segment,
@@ -431,13 +466,15 @@ fn overlaps_ht_hole(start: u64, end: u64) -> bool {
 }
 
 /// Where the 64-bit windows of segments 1.. go after segment 0's ends at `end0`: one
-/// after another from there, or past the AMD hole if they would cross it. Returns each
-/// (start, size) and where the last ends.
+/// after another from there, or past the AMD hole if they would cross it; with `reserve`
+/// (a planned window) each with room for one more of its largest device (hot-plug onto
+/// the segment). Returns each (start, size) and where the last ends.
 fn segment_windows(
     host: &HostAddressWidth,
     end0: u64,
     segments: u16,
     bars: &[SegmentBars],
+    reserve: bool,
 ) -> (Vec<(u64, u64)>, u64) {
     let lay = |base: u64| {
         let mut windows = Vec::new();
@@ -446,7 +483,14 @@ fn segment_windows(
             let devices = bars
                 .get(usize::from(segment) - 1)
                 .map_or(&[][..], |b| &b.mmio64[..]);
-            let window = sized_window(next, devices, PCI_SEGMENT_MMIO64_SIZE, PCI_MMIO64_ALIGN);
+            let spare = reserve.then(|| largest_device(devices)).flatten();
+            let window = sized_window(
+                next,
+                devices,
+                spare,
+                PCI_SEGMENT_MMIO64_SIZE,
+                PCI_MMIO64_ALIGN,
+            );
             next = window.0 + window.1;
             windows.push(window);
         }
@@ -498,6 +542,7 @@ pub fn plan(request: &PlanRequest<'_>) -> Result<AddressSpacePlan, PlanError> {
             start.saturating_add(size),
             request.segments,
             request.segment_bars,
+            planned,
         );
         AddressSpacePlan {
             host,
@@ -1073,8 +1118,9 @@ mod tests {
 
     /// Four H100-like GPUs on segment 0 and four on a NUMA node's segment 1: each
     /// segment's windows hold its own devices' BARs, aligned to their size (a 64 GiB
-    /// window, the fixed size, held none of them: BAR1 alone fills it), and a segment
-    /// without devices keeps the fixed sizes.
+    /// window, the fixed size, held none of them: BAR1 alone fills it), and room for one
+    /// more of them (hot-plug onto the node's segment); a segment without devices keeps
+    /// the fixed sizes.
     #[test]
     fn a_node_segments_windows_are_sized_from_its_devices() {
         let h100 = gpu(64 * GIB);
@@ -1100,25 +1146,31 @@ mod tests {
                 assert_eq!(at % size, 0);
             }
         }
-        // Four BAR1s, the first BAR3 after the first BAR1 (pushing the next BAR1s one
-        // alignment on) and the others in the gap it leaves: 320 GiB, not more.
-        assert_eq!(size1, 320 * GIB, "{plan:?}");
+        // Four BAR1s and the fifth's room, the first BAR3 after the first BAR1 (pushing
+        // the next BAR1s one alignment on) and the others in the gap it leaves: 384 GiB,
+        // not more.
+        assert_eq!(size1, 384 * GIB, "{plan:?}");
+        for size in [64 * GIB, 32 << 20] {
+            let at = window.allocate(size).expect("room for a fifth GPU");
+            assert_eq!(at % size, 0);
+        }
         assert_eq!(
             plan.segment_mmio64[1],
             (start1 + size1, PCI_SEGMENT_MMIO64_SIZE)
         );
         assert_eq!(plan.end, start1 + size1 + PCI_SEGMENT_MMIO64_SIZE);
-        // Below 4 GiB: 64 MiB for the four BAR0s, then segment 2's 16 MiB after it.
+        // Below 4 GiB: 80 MiB for the four BAR0s and a fifth's, then segment 2's 16 MiB
+        // after it.
         assert_eq!(
             plan.segment_mmio32,
             vec![
                 (
                     PCI_SEGMENTS_MMIO32_START,
-                    PCI_SEGMENTS_MMIO32_START + (64 << 20)
+                    PCI_SEGMENTS_MMIO32_START + (80 << 20)
                 ),
                 (
-                    PCI_SEGMENTS_MMIO32_START + (64 << 20),
-                    PCI_SEGMENTS_MMIO32_START + (80 << 20)
+                    PCI_SEGMENTS_MMIO32_START + (80 << 20),
+                    PCI_SEGMENTS_MMIO32_START + (96 << 20)
                 )
             ]
         );
@@ -1147,9 +1199,10 @@ mod tests {
         eight.segment_bars = &node_one;
         let text = super::plan(&eight).unwrap_err().to_string();
         // Placed device by device as the root places them, the BAR3s after the first
-        // BAR1 push each next BAR1 one alignment further: five BAR1s of room.
+        // BAR1 push each next BAR1 one alignment further: five BAR1s of room, and a
+        // sixth for hot-plug onto the segment.
         assert!(
-            text.contains("1 more PCI segment window(s) of 1280 GiB in all"),
+            text.contains("1 more PCI segment window(s) of 1536 GiB in all"),
             "{text}"
         );
         eight.host = intel(42);

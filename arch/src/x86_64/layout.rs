@@ -8,7 +8,8 @@
 //! 0x0000_9000  boot page tables (PML4, PDPT, 4 PDs identity-mapping 4 GiB)
 //! 0x0002_0000  kernel command line
 //! 0x0009_fc00  EBDA: MP floating pointer           (reserved in the e820 map)
-//! 0x000e_0000  ACPI: RSDP, then the tables          (reserved in the e820 map)
+//! 0x000a_0000  ACPI tables                          (reserved in the e820 map)
+//! 0x000e_0000  ACPI: RSDP                           (reserved in the e820 map)
 //! 0x000f_0000  MP configuration table              (reserved in the e820 map)
 //! 0x0010_0000  kernel / test guest, then RAM
 //! 0xc000_0000  32-bit MMIO hole: PCI BARs up to 0xe000_0000, then the PCI ECAM window
@@ -38,8 +39,11 @@ pub const PD_START: u64 = 0xb000;
 pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 4096;
 pub const EBDA_START: u64 = 0x9fc00;
-/// ACPI tables (RSDP first, where guests scan for it) fill `[ACPI_START, ACPI_END)`.
-pub const ACPI_START: u64 = 0xe0000;
+/// ACPI tables fill `[ACPI_START, ACPI_RSDP)`, the RSDP sits at [`ACPI_RSDP`] (where
+/// guests scan for it), and `[ACPI_START, ACPI_END)` is theirs. 256 KiB for the tables: a
+/// DSDT with hot-plug slots on 16 PCI segments and 255 hot-pluggable vCPUs takes ~90 KiB.
+pub const ACPI_START: u64 = 0xa0000;
+pub const ACPI_RSDP: u64 = 0xe0000;
 pub const ACPI_END: u64 = MPTABLE_CONFIG_START;
 pub const MPTABLE_CONFIG_START: u64 = 0xf0000;
 pub const BIOS_AREA_END: u64 = 0x10_0000;

@@ -32,6 +32,22 @@ use crate::{BusDevice, Persist};
 pub const HOTPLUG_PORT: u16 = 0xae00;
 /// Bytes of the register block.
 pub const HOTPLUG_PORT_LEN: u16 = 0x14;
+/// Where the register blocks of PCI segments 1.. start, one every
+/// [`SEGMENT_HOTPLUG_STRIDE`] ports: each segment's bus 0 has ACPI hot-plug of its own
+/// (`\_SB.PC0N`'s slots), so a device can be hot-plugged onto a NUMA node's segment.
+/// Below segment 0's block, so the 15 further segments' blocks end before it.
+pub const SEGMENT_HOTPLUG_PORT: u16 = 0xac00;
+/// Ports between two segments' register blocks.
+pub const SEGMENT_HOTPLUG_STRIDE: u16 = 0x20;
+
+/// The first port of PCI segment `segment`'s register block.
+pub const fn hotplug_port(segment: u16) -> u16 {
+    if segment == 0 {
+        HOTPLUG_PORT
+    } else {
+        SEGMENT_HOTPLUG_PORT + (segment - 1) * SEGMENT_HOTPLUG_STRIDE
+    }
+}
 /// Register offsets.
 pub const PCIU: u64 = 0x00;
 pub const PCID: u64 = 0x04;
@@ -254,6 +270,27 @@ mod tests {
     use super::*;
     use crate::pci::{HostBridge, PciRootConfig};
     use std::sync::Mutex;
+
+    #[test]
+    fn every_segments_register_block_has_ports_of_its_own() {
+        // Segments 0..16 (arch's MAX_PCI_SEGMENTS): no two blocks share a port, and the
+        // further segments' blocks stay below segment 0's.
+        let blocks: Vec<(u16, u16)> = (0..16u16)
+            .map(|segment| {
+                (
+                    hotplug_port(segment),
+                    hotplug_port(segment) + HOTPLUG_PORT_LEN,
+                )
+            })
+            .collect();
+        assert_eq!(blocks[0].0, HOTPLUG_PORT);
+        for (i, a) in blocks.iter().enumerate() {
+            for b in &blocks[i + 1..] {
+                assert!(a.1 <= b.0 || b.1 <= a.0, "{a:x?} and {b:x?} overlap");
+            }
+        }
+        assert!(blocks[15].1 <= HOTPLUG_PORT);
+    }
 
     fn root() -> Arc<PciRoot> {
         PciRoot::new(PciRootConfig {

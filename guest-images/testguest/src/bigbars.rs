@@ -217,7 +217,7 @@ fn map_page(address: u64) {
 }
 
 /// Writes a word at `address` and reads it back.
-fn round_trip(address: u64, value: u64) {
+pub(crate) fn round_trip(address: u64, value: u64) {
     map_page(address);
     // SAFETY: `address` is in one of the device's BARs, just mapped.
     let got = unsafe {

@@ -29,6 +29,7 @@ mod pci;
 mod pci_topology;
 mod pcie_hotplug;
 mod region;
+mod segment_hotplug;
 mod smp;
 mod virtio;
 mod workloads;

@@ -158,6 +158,20 @@ fn check_device_present(bdf: u32) {
     );
 }
 
+/// Where segment `segment`'s bus 0 configuration space starts (its MCFG entry's ECAM
+/// base, for a window that starts at bus 0), if the MCFG has one.
+pub(crate) fn ecam_base(rsdp: u64, segment: u32) -> Option<u64> {
+    let (mcfg, mcfg_len) = find_table(rsdp, b"MCFG")?;
+    let mut entry = mcfg + MCFG_ENTRIES;
+    while entry + MCFG_ENTRY_LEN <= mcfg + mcfg_len {
+        if (read_u32(entry + 8) & 0xffff) == segment && read_u8(entry + 10) == 0 {
+            return Some(read_u64(entry));
+        }
+        entry += MCFG_ENTRY_LEN;
+    }
+    None
+}
+
 /// A Generic Initiator on a segment other than 0 (the VMM puts a NUMA node's passthrough
 /// devices on a segment of their own): a function must answer at that address through the
 /// segment's ECAM window, which the MCFG gives (0xCF8 reaches segment 0 only).

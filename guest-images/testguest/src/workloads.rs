@@ -37,6 +37,7 @@ pub fn run(info: &BootInfo) -> ! {
         "edu" => crate::edu::run(info, words.next_word()),
         "pci-hotplug" => crate::hotplug::run(words.next_word(), words.next_word()),
         "pcie-hotplug" => crate::pcie_hotplug::run(words.next_word(), words.next_word()),
+        "segment-hotplug" => crate::segment_hotplug::run(info, words.next_word()),
         "gpu-migrate" => crate::gpu_migrate::run(),
         "gpu-clique" => crate::gpu_clique::run(words.next_word()),
         "p2p" => crate::p2p::run(info, &mut words),
@@ -48,10 +49,8 @@ pub fn run(info: &BootInfo) -> ! {
         name @ ("virtio-blk-bench" | "virtio-vsock-bench" | "virtio-fs-bench") => {
             crate::virtio::bench::run(info, name, &mut words)
         }
-        name @ ("virtio-rng" | "virtio-blk" | "virtio-blk-hotplug" | "virtio-vsock" | "virtio-net"
-        | "virtio-devices") => {
-            crate::virtio::run(info, name, &mut words)
-        }
+        name @ ("virtio-rng" | "virtio-blk" | "virtio-blk-hotplug" | "virtio-vsock"
+        | "virtio-net" | "virtio-devices") => crate::virtio::run(info, name, &mut words),
         "virtio-fs" => crate::virtio::run(info, "virtio-fs", &mut words),
         "virtio-balloon" => crate::virtio::run(info, "virtio-balloon", &mut words),
         "gpu-agent" => crate::virtio::run(info, "gpu-agent", &mut words),

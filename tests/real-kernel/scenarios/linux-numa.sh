@@ -1,4 +1,4 @@
-# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk and an edu device passed through with pci_segment 1 (kernel VFIO) there, on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes behind a root port (--pci-topology host) on node 1's PCI segment, beside a root port for hot-plug on segment 0: Linux enumerates the port through segment 1's ECAM window (which moved up past segment 0's two buses) and its sysfs shows the device on node 1
+# about: guest NUMA nodes as Kata's Cloud Hypervisor configuration gives them: gpuvm boots a Linux guest with two nodes (a vCPU and 256 MiB each, distance 25) and room for 1 GiB of hot-plugged RAM; Linux builds both nodes from the SRAT and SLIT with their CPUs, RAM and distances, and knows the hot-plug room as node 1's; PCI segment 1 is node 1's (numa[].pci_segments) and Linux puts the virtio disk and an edu device passed through with pci_segment 1 (kernel VFIO) there, on node 1. Then an edu device passed through (kernel VFIO) from host node 1 goes behind a root port (--pci-topology host) on node 1's PCI segment, beside a root port for hot-plug on segment 0: Linux enumerates the port through segment 1's ECAM window (which moved up past segment 0's two buses) and its sysfs shows the device on node 1. Last, edu hot-plugged by vm.add-device with pci_segment 1 into a running two-node VM arrives through segment 1's own ACPI hot-plug slots at 0001:00:01.0 on node 1 and is ejected there
 # qemu: -device edu,addr=0x4
 # The root port for hot-plug has a 512 GiB prefetchable window: above the 40 physical address bits QEMU's
 # CPU has by default, so this machine's CPU (the runner's, repeated: the last -cpu wins) gets 48.
@@ -66,4 +66,28 @@ expect_line /tmp/numa-gpu.log "PCI 0001:00:01.0: root port"
 # Linux reads the node from PC01's _PXM: the device is behind the root port on segment 1, node 1.
 expect_line /tmp/numa-gpu.log "inner: numa device 1234:11e8 at 0001:01:00.0 node 1"
 expect_line /tmp/numa-gpu.log "inner: checks passed"
-echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a passthrough device behind a root port on node 1: ok"
+
+# A device hot-plugged onto node 1's segment (Cloud Hypervisor's vm.add-device with pci_segment 1): the
+# GED's event runs PC01's PCNT over segment 1's own hot-plug registers, Linux's acpiphp finds the device in
+# PC01's slot 1, on node 1; vm.remove-device asks the guest to eject it there.
+start_ch
+ch_checked PUT /api/v1/vm.create '{"payload": {"kernel": "/images/vmlinuz", "initramfs": "/images/initramfs.cpio",
+    "cmdline": "console=ttyS0 quiet panic=-1 inner.checks=hotplug inner.hotplug=1234:11e8 inner.end=poweroff"},
+    "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+    "memory": {"size": 536870912},
+    "platform": {"num_pci_segments": 2},
+    "numa": [{"guest_numa_id": 0, "cpus": [0], "distances": [{"destination": 1, "distance": 25}], "pci_segments": [0]},
+             {"guest_numa_id": 1, "cpus": [1], "distances": [{"destination": 0, "distance": 25}], "pci_segments": [1]}],
+    "serial": {"mode": "Tty"}, "console": {"mode": "Off"}}'
+ch_checked PUT /api/v1/vm.boot
+wait_log ch "inner: waiting for hot-plug of 1234:11e8" 120
+ch_checked PUT /api/v1/vm.add-device '{"path": "/sys/bus/pci/devices/'"$edu"'", "id": "edu1", "pci_segment": 1}'
+cat /tmp/ch-call.out
+grep -q '"bdf": *"0001:00:01.0"' /tmp/ch-call.out || abort_gpuvm ch "vm.add-device answered no 0001:00:01.0"
+wait_log ch "inner: hot-plugged 1234:11e8 at 0001:00:01.0" 120
+expect_line /tmp/ch.log "inner: hot-plugged 1234:11e8 at 0001:00:01.0"
+ch_checked PUT /api/v1/vm.remove-device '{"id": "edu1"}'
+wait_log ch "inner: 0001:00:01.0 ejected" 120
+wait_gpuvm ch 120 || fail "gpuvm status $?"
+expect_line /tmp/ch.log "inner: checks passed"
+echo "two NUMA nodes with their CPUs, RAM, distances and hot-plug room in a Linux guest, a passthrough device behind a root port on node 1, one hot-plugged onto node 1's segment: ok"

@@ -35,7 +35,7 @@ const CREDIT_UPDATE_THRESHOLD: u32 = 64 * 1024;
 const IDLE_BUFFER_CAPACITY: usize = 16 * 1024;
 
 /// Where the connection stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum State {
     /// Host-initiated: REQUEST queued or sent, waiting for the guest's RESPONSE.
     Connecting,
@@ -63,6 +63,36 @@ pub enum RxFill {
     Nothing,
     /// The connection is over; the caller writes the RST (if any) and drops it.
     Close(Close),
+}
+
+/// A connection as a live update carries it ([`Connection::live`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectionLive {
+    pub local_port: u32,
+    pub peer_port: u32,
+    pub state: State,
+    pub host_initiated: bool,
+    /// Time left before it is killed, if it has a deadline.
+    pub deadline_ms: Option<u64>,
+    pub received: u32,
+    pub fwd_cnt: u32,
+    pub last_fwd_cnt_sent: u32,
+    /// The bytes waiting for the host socket (gpuvm's `OK` line first, `ok_line_left` of
+    /// them).
+    pub to_host: Vec<u8>,
+    pub ok_line_left: usize,
+    pub sent: u32,
+    pub peer_buf_alloc: u32,
+    pub peer_fwd_cnt: u32,
+    pub request_pending: bool,
+    pub response_pending: bool,
+    pub credit_update_pending: bool,
+    /// Not used on restore (the socket is read again); kept for the record.
+    pub host_readable: bool,
+    pub peer_shut_rcv: bool,
+    pub peer_shut_send: bool,
+    pub host_write_shut: bool,
 }
 
 pub struct Connection {
@@ -156,6 +186,83 @@ impl Connection {
         let mut connection = Connection::new(stream, token, State::Established);
         connection.response_pending = true;
         connection
+    }
+
+    /// The connection as a live update carries it to a new process (its host socket goes
+    /// beside, as a descriptor): everything but the epoll and rx-queue bookkeeping, which
+    /// the new process's muxer builds again. `now`: deadlines go as time left.
+    pub fn live(&self, key: ConnKey, now: Instant) -> ConnectionLive {
+        ConnectionLive {
+            local_port: key.local_port,
+            peer_port: key.peer_port,
+            state: self.state,
+            host_initiated: self.host_initiated,
+            deadline_ms: (self.deadline)
+                .map(|deadline| deadline.saturating_duration_since(now).as_millis() as u64),
+            received: self.received.0,
+            fwd_cnt: self.fwd_cnt.0,
+            last_fwd_cnt_sent: self.last_fwd_cnt_sent.0,
+            to_host: self.to_host.iter().copied().collect(),
+            ok_line_left: self.ok_line_left,
+            sent: self.sent.0,
+            peer_buf_alloc: self.peer_buf_alloc,
+            peer_fwd_cnt: self.peer_fwd_cnt.0,
+            request_pending: self.request_pending,
+            response_pending: self.response_pending,
+            credit_update_pending: self.credit_update_pending,
+            host_readable: self.host_readable,
+            peer_shut_rcv: self.peer_shut_rcv,
+            peer_shut_send: self.peer_shut_send,
+            host_write_shut: self.host_write_shut,
+        }
+    }
+
+    /// A connection a live update carried (`live`), over its handed-over host socket;
+    /// refused when its buffers say more than a connection ever holds.
+    pub fn from_live(
+        stream: UnixStream,
+        token: u64,
+        live: &ConnectionLive,
+        now: Instant,
+    ) -> Result<Connection, String> {
+        if live.ok_line_left > live.to_host.len()
+            || live.to_host.len() - live.ok_line_left > BUF_ALLOC as usize
+            || live.ok_line_left > super::unix::MAX_CONNECT_LINE
+        {
+            return Err(format!(
+                "connection {}:{} holds {} bytes for its host socket ({} of them gpuvm's \
+                 line): more than a connection holds",
+                live.local_port,
+                live.peer_port,
+                live.to_host.len(),
+                live.ok_line_left
+            ));
+        }
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| format!("connection {}:{}: {e}", live.local_port, live.peer_port))?;
+        let mut connection = Connection::new(stream, token, live.state);
+        connection.host_initiated = live.host_initiated;
+        if let Some(ms) = live.deadline_ms {
+            connection.set_deadline(now + std::time::Duration::from_millis(ms));
+        }
+        connection.received = Wrapping(live.received);
+        connection.fwd_cnt = Wrapping(live.fwd_cnt);
+        connection.last_fwd_cnt_sent = Wrapping(live.last_fwd_cnt_sent);
+        connection.to_host = live.to_host.iter().copied().collect();
+        connection.ok_line_left = live.ok_line_left;
+        connection.sent = Wrapping(live.sent);
+        connection.peer_buf_alloc = live.peer_buf_alloc;
+        connection.peer_fwd_cnt = Wrapping(live.peer_fwd_cnt);
+        connection.request_pending = live.request_pending;
+        connection.response_pending = live.response_pending;
+        connection.credit_update_pending = live.credit_update_pending;
+        // Whatever the host sent meanwhile is read again from the socket.
+        connection.host_readable = true;
+        connection.peer_shut_rcv = live.peer_shut_rcv;
+        connection.peer_shut_send = live.peer_shut_send;
+        connection.host_write_shut = live.host_write_shut;
+        Ok(connection)
     }
 
     fn set_deadline(&mut self, deadline: Instant) {

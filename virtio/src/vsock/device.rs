@@ -1,6 +1,8 @@
 //! [`Vsock`]: the virtio-vsock device as the transport sees it (configuration space,
 //! activation, pause/resume, snapshot state).
 
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 
 use gpuvm_devices::Persist;
@@ -10,7 +12,7 @@ use virtio_queue::QueueT;
 use vmm_sys_util::timerfd::TimerFd;
 
 use super::handler::VsockWorker;
-use super::muxer::Muxer;
+use super::muxer::{Muxer, MuxerLive};
 use super::unix::HostListener;
 use super::{validate_guest_cid, VsockConfig, VsockError};
 use crate::worker::{duplicate_timer, Worker};
@@ -32,6 +34,28 @@ const DEVICE: &str = "virtio-vsock";
 #[serde(deny_unknown_fields)]
 pub struct VsockState {
     pub guest_cid: u64,
+}
+
+/// A running vsock device's connections as a live update carries them to the new process
+/// (never in a snapshot, which cannot keep host connections): the muxer's state, whose
+/// sockets go beside as descriptors, and whether a TRANSPORT_RESET still waits.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockLiveState {
+    pub muxer: MuxerLive,
+    pub transport_reset_pending: bool,
+}
+
+impl VsockLiveState {
+    /// How many descriptors go with it (connections', then waiting clients').
+    pub fn descriptors(&self) -> usize {
+        self.muxer.descriptors()
+    }
+
+    /// The bytes its connections hold for their host sockets.
+    pub fn buffered(&self) -> usize {
+        self.muxer.buffered()
+    }
 }
 
 /// Why a vsock device's state was refused.
@@ -61,6 +85,9 @@ pub struct Vsock {
     run: Run,
     /// Set by a restore: the next activation sends the guest a TRANSPORT_RESET.
     transport_reset_on_activate: bool,
+    /// A live update's connections (and their sockets): the next activation serves them
+    /// instead of starting empty, with no TRANSPORT_RESET.
+    adopted: Option<(VsockLiveState, Vec<OwnedFd>)>,
 }
 
 impl Vsock {
@@ -69,6 +96,19 @@ impl Vsock {
     pub fn new(config: &VsockConfig) -> Result<Self, VsockError> {
         config.validate()?;
         let listener = HostListener::bind(&config.uds_path)?;
+        Self::with_listener(config, listener)
+    }
+
+    /// As [`Vsock::new`], over the listener another gpuvm process bound at `uds_path`
+    /// and handed over (a live update); the socket file is this device's once
+    /// [`Vsock::own_socket_file`] says so.
+    pub fn adopting(config: &VsockConfig, listener: UnixListener) -> Result<Self, VsockError> {
+        config.validate()?;
+        let listener = HostListener::adopt(listener, &config.uds_path)?;
+        Self::with_listener(config, listener)
+    }
+
+    fn with_listener(config: &VsockConfig, listener: HostListener) -> Result<Self, VsockError> {
         let timer = TimerFd::new().map_err(|error| VsockError::Timer(error.into()))?;
         let name = match &config.vsock_id {
             Some(id) => format!("virtio-vsock {id}"),
@@ -81,7 +121,52 @@ impl Vsock {
             timer,
             run: Run::Inactive,
             transport_reset_on_activate: false,
+            adopted: None,
         })
+    }
+
+    /// A duplicate of the listening socket (a live update hands it to the new process).
+    pub fn listener_descriptor(&self) -> std::io::Result<OwnedFd> {
+        Ok(OwnedFd::from(self.listener.listener.try_clone()?))
+    }
+
+    /// The paused device's connections and waiting host clients with duplicates of their
+    /// sockets (a live update); None when the driver never started the device (nothing
+    /// to carry).
+    pub fn hand_over(&self) -> Result<Option<(VsockLiveState, Vec<OwnedFd>)>, String> {
+        match &self.run {
+            Run::Paused(handler) => {
+                let (muxer, fds, transport_reset_pending) = handler
+                    .hand_over()
+                    .map_err(|e| format!("{}: cannot duplicate a socket: {e}", self.name))?;
+                let live = VsockLiveState {
+                    muxer,
+                    transport_reset_pending,
+                };
+                Ok(Some((live, fds)))
+            }
+            Run::Inactive => Ok(None),
+            Run::Running(_) => Err(format!("{} runs: pause it first", self.name)),
+            Run::Failed => Err(format!(
+                "{}: its worker thread died; the driver must reset it",
+                self.name
+            )),
+        }
+    }
+
+    /// Takes over the connections a live update carried (`live`, their sockets `fds`):
+    /// the device's next activation (the restore of its saved state) serves them, with
+    /// no TRANSPORT_RESET, and stays paused until resumed (nothing is read from or
+    /// written to the host sockets before the new process runs the VM).
+    pub fn adopt_connections(&mut self, live: VsockLiveState, fds: Vec<OwnedFd>) {
+        self.adopted = Some((live, fds));
+    }
+
+    /// Whether dropping the device removes `uds_path`'s socket file: a live update's old
+    /// process gives it up (`false`) once the new one has the VM, and the new one takes
+    /// it (`true`) then.
+    pub fn own_socket_file(&self, owns: bool) {
+        self.listener.set_owns_file(owns);
     }
 
     pub fn guest_cid(&self) -> u64 {
@@ -182,6 +267,36 @@ impl VirtioDevice for Vsock {
             device: DEVICE,
             message: format!("cannot use its timer: {error}"),
         })?;
+        if let Some((live, fds)) = self.adopted.take() {
+            // A live update's connections: held until the transport resumes the device.
+            let muxer = Muxer::from_live(
+                self.guest_cid,
+                self.listener.clone(),
+                timer,
+                &live.muxer,
+                fds,
+            )
+            .map_err(|message| ActivateError::Device {
+                device: DEVICE,
+                message: format!("the handed-over connections: {message}"),
+            })?;
+            log::info!(
+                "{}: {} connection(s) and {} waiting host client(s) taken over",
+                self.name,
+                live.muxer.connections.len(),
+                live.muxer.pending_clients.len()
+            );
+            let handler = VsockWorker::new(
+                activation.memory,
+                activation.interrupt,
+                queues,
+                muxer,
+                live.transport_reset_pending,
+            );
+            self.transport_reset_on_activate = false;
+            self.run = Run::Paused(Box::new(handler));
+            return Ok(());
+        }
         let muxer = Muxer::new(self.guest_cid, self.listener.clone(), timer);
         let handler = VsockWorker::new(
             activation.memory,
@@ -233,6 +348,11 @@ impl VirtioDevice for Vsock {
         Ok(DeviceState::Vsock(Persist::save(self)?))
     }
 
+    /// A live update reaches the device's listener and connections through this.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+
     fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceStateError> {
         match state {
             DeviceState::Vsock(state) => Ok(Persist::restore(self, state)?),
@@ -267,7 +387,8 @@ impl Persist for Vsock {
                 self.guest_cid
             );
         }
-        self.transport_reset_on_activate = true;
+        // A live update's connections go on: the guest must not hear of a reset.
+        self.transport_reset_on_activate = self.adopted.is_none();
         Ok(())
     }
 }

@@ -74,6 +74,16 @@ impl VsockWorker {
         &self.muxer
     }
 
+    /// The muxer's connections and what waits for the guest, with duplicates of their
+    /// sockets (a live update; the worker is stopped), and whether a TRANSPORT_RESET
+    /// still waits for an event buffer.
+    pub fn hand_over(
+        &self,
+    ) -> std::io::Result<(super::muxer::MuxerLive, Vec<std::os::fd::OwnedFd>, bool)> {
+        let (live, fds) = self.muxer.hand_over()?;
+        Ok((live, fds, self.transport_reset_pending))
+    }
+
     fn notify(&mut self, index: u16) {
         let active = match index {
             RX_QUEUE => &mut self.rx,

@@ -30,7 +30,10 @@
 //! virtio-pci transport; everything else follows from the [`crate::VirtioDevice`] calls.
 //! Snapshots cannot carry live host connections: a restored device sends the guest a
 //! TRANSPORT_RESET event and starts with none (the listener is bound again at the same
-//! `uds_path`).
+//! `uds_path`). A live update carries them: the old process hands the listener, every
+//! connection's and waiting client's socket and the muxer's state ([`VsockLiveState`])
+//! to the new one, whose device serves them on ([`Vsock::adopting`],
+//! [`Vsock::adopt_connections`]) with no reset the guest could see.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -46,8 +49,10 @@ mod unix;
 mod tests;
 
 pub use connection::BUF_ALLOC;
-pub use device::{Vsock, VsockState, VsockStateError, THREAD_NAME};
-pub use muxer::{FIRST_HOST_PORT, MAX_CONNECTIONS};
+pub use connection::{ConnectionLive, State as ConnectionState};
+pub use device::{Vsock, VsockLiveState, VsockState, VsockStateError, THREAD_NAME};
+pub use muxer::{MuxerLive, RxItemLive, FIRST_HOST_PORT, MAX_CONNECTIONS};
+pub use unix::PendingClientLive;
 pub use unix::MAX_CONNECT_LINE;
 
 /// How long the guest has to answer a host-initiated REQUEST.

@@ -6,7 +6,8 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,13 +16,13 @@ use vm_memory::bitmap::BitmapSlice;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::timerfd::TimerFd;
 
-use super::connection::{Close, Connection, RxFill};
+use super::connection::{Close, Connection, ConnectionLive, RxFill};
 use super::packet::{
     write_header, ConnKey, Reply, VSOCK_HOST_CID, VSOCK_OP_CREDIT_REQUEST, VSOCK_OP_CREDIT_UPDATE,
     VSOCK_OP_REQUEST, VSOCK_OP_RESPONSE, VSOCK_OP_RST, VSOCK_OP_RW, VSOCK_OP_SHUTDOWN,
     VSOCK_TYPE_STREAM,
 };
-use super::unix::{guest_port_path, HostListener, LineProgress, PendingClient};
+use super::unix::{guest_port_path, HostListener, LineProgress, PendingClient, PendingClientLive};
 use super::CONNECT_LINE_TIMEOUT;
 use crate::socket::connect_nonblocking;
 use crate::worker::EventControl;
@@ -87,6 +88,40 @@ enum RxItem {
     Rst(ConnKey),
 }
 
+/// What goes to the guest next, as a live update carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RxItemLive {
+    pub local_port: u32,
+    pub peer_port: u32,
+    /// An RST for a connection that does not exist (else: the connection's next packet).
+    pub rst: bool,
+}
+
+/// Every connection, waiting host client and queued packet of a muxer, as a live update
+/// carries them to a new process; the sockets go beside as descriptors, the connections'
+/// first, then the clients', in this order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MuxerLive {
+    pub connections: Vec<ConnectionLive>,
+    pub pending_clients: Vec<PendingClientLive>,
+    pub next_host_port: u32,
+    pub rx_items: Vec<RxItemLive>,
+}
+
+impl MuxerLive {
+    /// How many descriptors go with it.
+    pub fn descriptors(&self) -> usize {
+        self.connections.len() + self.pending_clients.len()
+    }
+
+    /// The bytes its connections hold for their host sockets.
+    pub fn buffered(&self) -> usize {
+        self.connections.iter().map(|c| c.to_host.len()).sum()
+    }
+}
+
 pub struct Muxer {
     guest_cid: u64,
     listener: Arc<HostListener>,
@@ -128,6 +163,121 @@ impl Muxer {
             timer_set_for: None,
             warnings: LogLimiter::new(),
         }
+    }
+
+    /// Every connection and waiting host client with a duplicate of its socket, and what
+    /// goes to the guest next (a live update; the worker is stopped).
+    pub fn hand_over(&self) -> std::io::Result<(MuxerLive, Vec<OwnedFd>)> {
+        let now = Instant::now();
+        let mut keys: Vec<ConnKey> = self.connections.keys().copied().collect();
+        keys.sort_by_key(|key| (key.local_port, key.peer_port));
+        let mut tokens: Vec<u64> = self.pending_clients.keys().copied().collect();
+        tokens.sort_unstable();
+        let mut live = MuxerLive {
+            next_host_port: self.next_host_port,
+            ..MuxerLive::default()
+        };
+        let mut fds = Vec::new();
+        for key in keys {
+            let connection = &self.connections[&key];
+            live.connections.push(connection.live(key, now));
+            fds.push(OwnedFd::from(connection.stream.try_clone()?));
+        }
+        for token in tokens {
+            let client = &self.pending_clients[&token];
+            live.pending_clients.push(client.live(now));
+            fds.push(OwnedFd::from(client.stream.try_clone()?));
+        }
+        live.rx_items = (self.rx_items.iter())
+            .map(|item| match *item {
+                RxItem::Connection(key) => RxItemLive {
+                    local_port: key.local_port,
+                    peer_port: key.peer_port,
+                    rst: false,
+                },
+                RxItem::Rst(key) => RxItemLive {
+                    local_port: key.local_port,
+                    peer_port: key.peer_port,
+                    rst: true,
+                },
+            })
+            .collect();
+        Ok((live, fds))
+    }
+
+    /// The muxer a live update carried (`live`, its sockets `fds` in its order), with this
+    /// process's listener and timer; refused, naming why, when the two do not match or a
+    /// part is out of bounds.
+    pub fn from_live(
+        guest_cid: u64,
+        listener: Arc<HostListener>,
+        timer: TimerFd,
+        live: &MuxerLive,
+        fds: Vec<OwnedFd>,
+    ) -> Result<Self, String> {
+        if fds.len() != live.descriptors() {
+            return Err(format!(
+                "{} connections and {} host clients came with {} sockets",
+                live.connections.len(),
+                live.pending_clients.len(),
+                fds.len()
+            ));
+        }
+        if live.descriptors() > MAX_CONNECTIONS || live.rx_items.len() > MAX_QUEUED_RST * 2 {
+            return Err(format!(
+                "{} connections and clients, {} queued packets: more than a muxer holds",
+                live.descriptors(),
+                live.rx_items.len()
+            ));
+        }
+        let now = Instant::now();
+        let mut muxer = Muxer::new(guest_cid, listener, timer);
+        muxer.next_host_port = live.next_host_port.max(FIRST_HOST_PORT);
+        let mut fds = fds.into_iter();
+        for saved in &live.connections {
+            let key = ConnKey {
+                local_port: saved.local_port,
+                peer_port: saved.peer_port,
+            };
+            let stream = UnixStream::from(fds.next().ok_or("a connection without its socket")?);
+            let token = muxer.next_token();
+            let connection = Connection::from_live(stream, token, saved, now)?;
+            if saved.host_initiated && !muxer.host_ports.insert(key.local_port) {
+                return Err(format!("host port {} is used twice", key.local_port));
+            }
+            if muxer.connections.insert(key, connection).is_some() {
+                return Err(format!(
+                    "connection {}:{} is there twice",
+                    key.local_port, key.peer_port
+                ));
+            }
+            muxer.by_token.insert(token, key);
+        }
+        for saved in &live.pending_clients {
+            let stream = UnixStream::from(fds.next().ok_or("a host client without its socket")?);
+            let client = PendingClient::from_live(stream, saved, now)?;
+            let token = muxer.next_token();
+            muxer.schedule(client.deadline, token);
+            muxer.pending_clients.insert(token, client);
+        }
+        for item in &live.rx_items {
+            let key = ConnKey {
+                local_port: item.local_port,
+                peer_port: item.peer_port,
+            };
+            if item.rst {
+                muxer.queue_rst(key);
+                continue;
+            }
+            // Each connection once, and only one that is there.
+            if let Some(connection) = muxer.connections.get_mut(&key) {
+                if !connection.queued_for_rx {
+                    connection.queued_for_rx = true;
+                    muxer.rx_items.push_back(RxItem::Connection(key));
+                }
+            }
+        }
+        Ok(muxer)
     }
 
     /// How many connections exist (host clients still writing their line excluded).

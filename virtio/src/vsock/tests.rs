@@ -164,6 +164,14 @@ struct TestGuest<'m> {
 impl<'m> TestGuest<'m> {
     /// Activates `device` with three fresh queues in `memory`.
     fn activate(device: &mut Vsock, memory: &'m GuestMemoryMmap) -> Self {
+        Self::try_activate(device, memory).expect("activate")
+    }
+
+    /// As [`TestGuest::activate`], returning the device's refusal.
+    fn try_activate(
+        device: &mut Vsock,
+        memory: &'m GuestMemoryMmap,
+    ) -> Result<Self, crate::ActivateError> {
         let interrupt = Arc::new(RecordingInterrupt::default());
         let mut rings = Vec::new();
         let mut queues = Vec::new();
@@ -176,15 +184,13 @@ impl<'m> TestGuest<'m> {
             queues.push(Some(ActiveQueue { queue, kick }));
             rings.push(mock);
         }
-        device
-            .activate(Activation {
-                memory: memory.clone(),
-                acked_features: 0,
-                queues,
-                interrupt: interrupt.clone(),
-            })
-            .expect("activate");
-        TestGuest {
+        device.activate(Activation {
+            memory: memory.clone(),
+            acked_features: 0,
+            queues,
+            interrupt: interrupt.clone(),
+        })?;
+        Ok(TestGuest {
             memory,
             rings,
             interrupt,
@@ -192,7 +198,7 @@ impl<'m> TestGuest<'m> {
             next_chain: [0; 3],
             used_seen: [0; 3],
             received: std::collections::VecDeque::new(),
-        }
+        })
     }
 
     fn mock(&self, queue: usize) -> &MockSplitQueue<'m, GuestMemoryMmap> {
@@ -1277,4 +1283,80 @@ fn an_available_index_far_ahead_is_ignored_not_spun_on() {
     guest.give_rx_buffers(1, 4096);
     guest.send(Hdr::from_guest(7, 5004, VSOCK_OP_RW), b"x");
     assert_eq!(guest.recv_one().hdr.op, VSOCK_OP_RST);
+}
+
+/// A live update's hand-over: the paused device gives its connections and listener to a
+/// device of a "new process", which serves them on (data both ways on the same
+/// connection, no TRANSPORT_RESET, no new REQUEST) and leaves the socket file alone until
+/// it owns it; the old device, given up, leaves it too.
+#[test]
+fn handed_over_connections_go_on_in_the_adopting_device() {
+    let (mut device, uds_path) = new_device("handover");
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut device, &memory);
+    guest.give_rx_buffers(8, 4096);
+    let (mut client, key) = host_connect(&mut guest, &uds_path, 6100);
+    client.write_all(b"to the guest").unwrap();
+    assert_eq!(guest.recv_data(key, 12), b"to the guest");
+    assert!(device.hand_over().is_err(), "a running device is refused");
+
+    device.pause();
+    let (live, fds) = device.hand_over().unwrap().expect("an active device");
+    assert_eq!(live.muxer.connections.len(), 1);
+    assert_eq!(fds.len(), 1);
+    assert!(!live.transport_reset_pending);
+    let state = device.save_state().unwrap();
+    let listener = UnixListener::from(device.listener_descriptor().unwrap());
+    let config = VsockConfig {
+        vsock_id: None,
+        guest_cid: GUEST_CID,
+        uds_path: uds_path.clone(),
+    };
+    // The old process's device gives the file up once the new one has the VM.
+    device.own_socket_file(false);
+    drop(device);
+    assert!(uds_path.exists(), "the old device left the socket file");
+
+    // A count of sockets that does not match is refused when the device starts.
+    let mut short = Vsock::adopting(&config, listener.try_clone().unwrap()).unwrap();
+    short.adopt_connections(live.clone(), Vec::new());
+    short.restore_state(&state).unwrap();
+    let memory_short = guest_memory();
+    let Err(error) = TestGuest::try_activate(&mut short, &memory_short) else {
+        panic!("activated with no sockets for its connection");
+    };
+    assert!(error.to_string().contains("came with 0 sockets"), "{error}");
+    drop(short);
+    assert!(
+        uds_path.exists(),
+        "a device that never owned the file leaves it"
+    );
+
+    let mut adopting = Vsock::adopting(&config, listener).unwrap();
+    adopting.adopt_connections(live, fds);
+    adopting.restore_state(&state).unwrap();
+    let memory = guest_memory();
+    let mut guest = TestGuest::activate(&mut adopting, &memory);
+    // Held until resumed: the host's bytes wait in the socket.
+    client.write_all(b"across").unwrap();
+    guest.give_rx_buffers(8, 4096);
+    assert!(guest.recv_for(Duration::from_millis(100)).is_empty());
+    adopting.pause();
+    adopting.resume().unwrap();
+    assert_eq!(guest.recv_data(key, 6), b"across");
+    guest.send(
+        Hdr::from_guest(key.peer_port, key.local_port, VSOCK_OP_RW),
+        b"back to the host",
+    );
+    let mut back = [0u8; 16];
+    client.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"back to the host");
+    // No TRANSPORT_RESET waits on the event queue.
+    assert!(guest.take_used(EVENT).is_empty());
+    adopting.own_socket_file(true);
+    drop(adopting);
+    assert!(
+        !uds_path.exists(),
+        "the device that owns it removes the file"
+    );
 }

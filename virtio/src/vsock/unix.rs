@@ -7,14 +7,15 @@ use std::io::{ErrorKind, Read};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::VsockError;
 
 /// The longest `CONNECT <port>\n` line, newline included.
 pub const MAX_CONNECT_LINE: usize = 32;
 
-/// `uds_path`, bound and listening; the socket file goes away with it.
+/// `uds_path`, bound and listening; the socket file goes away with it while it owns it.
 #[derive(Debug)]
 pub struct HostListener {
     pub listener: UnixListener,
@@ -22,6 +23,9 @@ pub struct HostListener {
     /// The socket file's identity, so that dropping does not remove a file someone else
     /// put at the path since.
     device_inode: (u64, u64),
+    /// Whether dropping removes the socket file: not while a live update hands the
+    /// listener between processes (both hold it; the one that ends must leave the file).
+    owns_file: AtomicBool,
 }
 
 impl HostListener {
@@ -51,7 +55,36 @@ impl HostListener {
             listener,
             path: path.to_path_buf(),
             device_inode: (metadata.dev(), metadata.ino()),
+            owns_file: AtomicBool::new(true),
         })
+    }
+
+    /// The listener another gpuvm process bound at `path` and handed over (a live update):
+    /// the socket file must be there still. It does not own the file until
+    /// [`HostListener::own_file`] (the hand-over may yet fail, and the file is the other
+    /// process's then).
+    pub fn adopt(listener: UnixListener, path: &Path) -> Result<Self, VsockError> {
+        let io_error = |source| VsockError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let metadata = std::fs::symlink_metadata(path).map_err(io_error)?;
+        if !metadata.file_type().is_socket() {
+            return Err(VsockError::PathNotSocket(path.to_path_buf()));
+        }
+        listener.set_nonblocking(true).map_err(io_error)?;
+        Ok(HostListener {
+            listener,
+            path: path.to_path_buf(),
+            device_inode: (metadata.dev(), metadata.ino()),
+            owns_file: AtomicBool::new(false),
+        })
+    }
+
+    /// Whether dropping the listener removes its socket file (`owns`): a live update's old
+    /// process gives it up when the new one takes the VM, which then owns it.
+    pub fn set_owns_file(&self, owns: bool) {
+        self.owns_file.store(owns, Ordering::Release);
     }
 
     pub fn path(&self) -> &Path {
@@ -61,6 +94,9 @@ impl HostListener {
 
 impl Drop for HostListener {
     fn drop(&mut self) {
+        if !self.owns_file.load(Ordering::Acquire) {
+            return;
+        }
         let ours = std::fs::symlink_metadata(&self.path)
             .map(|metadata| (metadata.dev(), metadata.ino()) == self.device_inode)
             .unwrap_or(false);
@@ -93,7 +129,47 @@ pub struct PendingClient {
     line: Vec<u8>,
 }
 
+/// A host client still writing its `CONNECT` line, as a live update carries it (its socket
+/// goes beside, as a descriptor).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PendingClientLive {
+    /// What it sent of the line so far.
+    pub line: Vec<u8>,
+    /// Time left to finish it.
+    pub deadline_ms: u64,
+}
+
 impl PendingClient {
+    pub fn live(&self, now: Instant) -> PendingClientLive {
+        PendingClientLive {
+            line: self.line.clone(),
+            deadline_ms: self.deadline.saturating_duration_since(now).as_millis() as u64,
+        }
+    }
+
+    /// A client a live update carried, over its handed-over socket.
+    pub fn from_live(
+        stream: UnixStream,
+        live: &PendingClientLive,
+        now: Instant,
+    ) -> Result<Self, String> {
+        if live.line.len() >= MAX_CONNECT_LINE || live.line.contains(&b'\n') {
+            return Err(format!(
+                "a host client's CONNECT line of {} bytes is not one being written",
+                live.line.len()
+            ));
+        }
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| format!("a host client's socket: {e}"))?;
+        Ok(PendingClient {
+            stream,
+            deadline: now + Duration::from_millis(live.deadline_ms),
+            line: live.line.clone(),
+        })
+    }
+
     pub fn new(stream: UnixStream, deadline: Instant) -> Self {
         PendingClient {
             stream,

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use gpuvm_arch::x86_64::address_space::SegmentBars;
 use gpuvm_arch::x86_64::layout::{PCI_ECAM_START, PCI_MMIO32_END, PCI_MMIO32_START};
-use gpuvm_devices::pci::hotplug::{HOTPLUG_PORT, HOTPLUG_PORT_LEN};
+use gpuvm_devices::pci::hotplug::{hotplug_port, HOTPLUG_PORT_LEN};
 use gpuvm_devices::pci::{
     BarKind, ConfigAddressPort, EcamWindow, GuestMemoryMapper, MmioWindows, PciRoot,
 };
@@ -149,11 +149,21 @@ pub fn attach(
     let io_bus = Arc::get_mut(&mut devices.io_bus).ok_or(PciSetupError::BusShared)?;
     io_bus
         .insert(
-            u64::from(HOTPLUG_PORT),
+            u64::from(hotplug_port(0)),
             u64::from(HOTPLUG_PORT_LEN),
             hotplug.controller(),
         )
         .map_err(PciSetupError::Place)?;
+    // Every further segment's bus 0 has ACPI hot-plug too, at its own ports.
+    for root in &roots[1..] {
+        io_bus
+            .insert(
+                u64::from(hotplug_port(root.segment())),
+                u64::from(HOTPLUG_PORT_LEN),
+                hotplug.add_segment(root.clone())?,
+            )
+            .map_err(PciSetupError::Place)?;
+    }
     devices.pci_hotplug = Some(hotplug);
     io_bus
         .insert(

@@ -108,6 +108,7 @@ pub fn restore_with_overrides(
         }),
         // Its slot and BAR allocations (older states: rebuilt from the devices' places).
         pci_root: state.state.devices.pci_root.clone(),
+        num_pci_segments: saved_segment_count(&state.state.devices),
         // Memory hot-plug's room, with the RAM plugged into it before the snapshot.
         ram_hotplug_size,
         // The snapshot's NUMA nodes: each node's RAM bound to its host node again.
@@ -207,6 +208,17 @@ pub fn restore_with_overrides(
     Ok((machine, timings))
 }
 
+/// How many PCI segments the saved VM had, where its state says (each segment after 0
+/// saves its hot-plug registers): a segment with no device at save time is rebuilt too,
+/// since the guest's ACPI tables describe it. 0 (older states): as many as the devices'
+/// segments need.
+fn saved_segment_count(devices: &crate::devices::DeviceStates) -> u16 {
+    match devices.pci_segment_hotplug.len() {
+        0 => 0,
+        further => u16::try_from(further + 1).unwrap_or(u16::MAX),
+    }
+}
+
 /// The PCI options that rebuild the devices a live update's `state` holds, as
 /// [`restore_with_overrides`] rebuilds a snapshot's: its virtio devices from their saved
 /// configuration, vCPU hot-plug, the 64-bit BAR window, the PCI root's allocations and the
@@ -221,6 +233,7 @@ fn handed_over_pci_options(state: &snapshot::MachineState) -> PciOptions {
             .map_or(0, |cpus| cpus.max_vcpus),
         mmio64_window: state.devices.pci_mmio64_window,
         pci_root: state.devices.pci_root.clone(),
+        num_pci_segments: saved_segment_count(&state.devices),
         numa: state
             .numa
             .as_ref()
@@ -313,7 +326,8 @@ impl PreparedMachine {
     /// devices as the one this was prepared with) and gives the machine; its vCPUs run once
     /// [`Machine::run`] is called. The old process's vfio-user and kernel VFIO devices are
     /// plugged back over their handed-over connections and descriptors (`vfio_user` in the
-    /// state's order, `kernel_vfio`). The timings
+    /// state's order, `kernel_vfio`); the vsock device serves the old one's connections
+    /// over their sockets (`vsock_sockets`, in the state's order). The timings
     /// have the stages of the preparation, then `wait_for_state` (from the end of the
     /// preparation to this call), `vm_state`, `passthrough` and `vcpu_state`.
     pub fn load(
@@ -323,6 +337,7 @@ impl PreparedMachine {
             Vec<crate::update::passthrough::IncomingVfioUser>,
             Option<crate::update::kernel_vfio::IncomingKernelVfio>,
         ),
+        vsock_sockets: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(Machine, RestoreTimings), Error> {
         let source = Path::new("(live update)");
         self.clock.mark("wait_for_state");
@@ -344,6 +359,22 @@ impl PreparedMachine {
         })?;
         if ram_hotplug.is_some() {
             self.clock.mark("ram_hotplug");
+        }
+        // The old process's vsock connections, before the device's state activates it.
+        if let Some(live) = &state.devices.handed_over_vsock {
+            let mut sockets = Some(vsock_sockets);
+            let adopted = (self.base.devices.virtio.iter()).find_map(|handle| {
+                handle.with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| {
+                    vsock.adopt_connections(live.clone(), sockets.take().unwrap_or_default())
+                })
+            });
+            if adopted.is_none() {
+                return Err(SnapshotError::Invalid {
+                    dir: source.to_path_buf(),
+                    reason: "the state has vsock connections and the VM no vsock device".into(),
+                }
+                .into());
+            }
         }
         load_vm_state(&mut self.base, state, source)?;
         if let (Some(parts), Some(saved)) =

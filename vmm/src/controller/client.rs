@@ -199,14 +199,12 @@ pub(super) fn segment_action(id: &str, segment: u16) -> Option<VmmAction> {
     })
 }
 
-/// The refusal for a device added to a running VM off segment 0.
-pub(super) fn check_hot_plug_segment(id: &str, segment: u16) -> Result<(), ActionError> {
-    if segment == 0 {
-        return Ok(());
-    }
-    Err(ActionError::bad_request(format!(
-        "{id}: gpuvm hot-plugs devices on PCI segment 0 only (pci_segment = {segment})"
-    )))
+/// The refusal for a device other than a GPU added to a running VM off segment 0.
+pub(super) fn hot_plug_segment_refusal(id: &str, segment: u16) -> ActionError {
+    ActionError::bad_request(format!(
+        "{id}: gpuvm hot-plugs GPUs on any PCI segment, other devices on segment 0 only \
+         (pci_segment = {segment})"
+    ))
 }
 
 #[cfg(test)]
@@ -337,11 +335,12 @@ mod tests {
     }
 
     #[test]
-    fn hot_plug_stays_on_segment_zero() {
-        assert!(check_hot_plug_segment("d", 0).is_ok());
-        let error = check_hot_plug_segment("d", 1).unwrap_err();
+    fn a_device_other_than_a_gpu_is_hot_plugged_on_segment_zero_only() {
+        let error = hot_plug_segment_refusal("d", 1);
+        assert_eq!(error.status, 400);
         assert!(
-            error.message.contains("segment 0 only"),
+            error.message.contains("other devices on segment 0 only")
+                && error.message.contains("pci_segment = 1"),
             "{}",
             error.message
         );

@@ -1,6 +1,7 @@
 //! The VMM thread's side of the API: holds the pre-boot configuration, builds or
 //! restores the machine on request, and serves actions while it runs.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
@@ -78,6 +79,9 @@ pub struct ApiController {
     /// The VM's MMDS: the API's MMDS actions change it, and every network interface
     /// built for the VM is given it.
     mmds: Arc<gpuvm_mmds::Mmds>,
+    /// The ids of the devices plugged at start, by backend, that a restored or handed-over
+    /// machine came with ([`ApiController::adopt_record`]).
+    adopted_cold_ids: BTreeMap<String, String>,
 }
 
 /// The configuration the test guest gets when nobody says otherwise.
@@ -183,6 +187,7 @@ impl ApiController {
             own_requests: None,
             client: client::ClientState::default(),
             mmds: Arc::default(),
+            adopted_cold_ids: BTreeMap::new(),
         }
     }
 
@@ -564,7 +569,11 @@ impl ApiController {
                     let info = instance_info(state, &self.client);
                     let devices = machine.devices();
                     let info = running::with_hot_plugged(info, devices);
-                    (Ok(running::with_pci_devices(info, devices)), None)
+                    let cold_ids = self.cold_plugged_ids();
+                    (
+                        Ok(running::with_pci_devices(info, devices, &cold_ids)),
+                        None,
+                    )
                 }
                 action @ (VmmAction::PutMmds(_)
                 | VmmAction::PatchMmds(_)
@@ -672,6 +681,8 @@ impl ApiController {
         if let Some(record) = &machine.devices().client_record {
             self.client.restored(record.clone());
         }
+        // The ids the old process named its devices plugged at start by.
+        self.adopted_cold_ids = machine.devices().cold_plugged_ids.clone();
     }
 
     /// Serves `mmds` as the VM's MMDS: the one a live update handed over, which the VM's
@@ -685,8 +696,7 @@ impl ApiController {
         // Requests queued behind the one that started or resumed the machine had their
         // wake-up read with it: the run loop is woken once to serve them.
         let _ = self.event.write(1);
-        // Devices from the command line have no id, so DELETE cannot name them.
-        let cold = self.gpus.iter().map(|g| g.gpu_id.clone()).collect();
+        let cold = self.cold_plugged_ids();
         Box::new(RunningApi::new(
             self.requests,
             self.own_requests,
@@ -695,6 +705,30 @@ impl ApiController {
             self.client,
             self.mmds,
         ))
+    }
+
+    /// The ids of the passthrough devices InstanceStart plugs, by backend (the host PCI
+    /// address or socket path they were configured with): the client's ids for the API's;
+    /// the command line's, which have none, get one made up as Cloud Hypervisor's front
+    /// end names a device given without one (`_vfio0`, `_user_device0`), free among the
+    /// configured devices' ids.
+    fn cold_plugged_ids(&self) -> BTreeMap<String, String> {
+        let mut ids: BTreeMap<String, String> = self.adopted_cold_ids.clone();
+        ids.extend(
+            (self.gpus.iter()).filter_map(|gpu| Some((gpu.backend_key()?, gpu.gpu_id.clone()))),
+        );
+        let mut taken = self.configured_ids();
+        let command_line = (self.pci.gpus.iter().map(|bdf| (bdf.clone(), false)))
+            .chain((self.pci.vfio_user.iter()).map(|socket| (socket.display().to_string(), true)));
+        for (backend, vfio_user) in command_line {
+            if ids.contains_key(&backend) {
+                continue;
+            }
+            let id = client::fresh_id(&taken, running::made_up_id_prefix(vfio_user));
+            taken.push(id.clone());
+            ids.insert(backend, id);
+        }
+        ids
     }
 }
 

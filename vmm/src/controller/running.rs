@@ -2,6 +2,7 @@
 //! (pause, resume, snapshots, drive changes, GPU hot-plug and the unplugs waiting for the
 //! guest's eject).
 
+use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,8 +28,10 @@ pub(super) struct RunningApi {
     /// A sender into `requests` (see [`super::ApiController::set_request_sender`]).
     own_requests: Option<Sender<ActionRequest>>,
     event: EventFd,
-    /// Ids of the devices PUT /gpus configured before start (not hot-pluggable).
-    cold_plugged: Vec<String>,
+    /// The ids of the passthrough devices plugged at start (not hot-pluggable), by
+    /// backend ([`crate::devices::ColdPlugged::backend`]): as the client configured them,
+    /// or made up for the command line's (see [`cold_plugged_devices`]).
+    cold_plugged: BTreeMap<String, String>,
     /// DELETE /gpus/{id} requests waiting for the guest to eject.
     unplugs: Vec<PendingUnplug>,
     /// Wakes this thread at each unplug's deadline.
@@ -153,7 +156,7 @@ impl RunningApi {
         requests: Receiver<ActionRequest>,
         own_requests: Option<Sender<ActionRequest>>,
         event: EventFd,
-        cold_plugged: Vec<String>,
+        cold_plugged: BTreeMap<String, String>,
         client: super::client::ClientState,
         mmds: Arc<gpuvm_mmds::Mmds>,
     ) -> Self {
@@ -178,6 +181,10 @@ impl RunningApi {
             running.devices_mut().client_record = self.client.saved();
             self.record_in_machine = Some(revision);
         }
+        // The ids of the devices plugged at start go along too.
+        if running.machine().devices().cold_plugged_ids != self.cold_plugged {
+            running.devices_mut().cold_plugged_ids = self.cold_plugged.clone();
+        }
     }
 
     /// The ids of the running VM's devices, as gpuvm's actions name them.
@@ -191,12 +198,19 @@ impl RunningApi {
         if let Some(hotplug) = devices.pci_hotplug.as_ref() {
             ids.extend(hotplug.attached().map(|(id, _)| id.to_string()));
         }
-        ids.extend(self.cold_plugged.iter().cloned());
+        ids.extend(self.cold_plugged_ids(devices));
         ids
     }
 
-    /// [`VmmAction::AddDevice`] while running: a hot-plug on PCI segment 0, recorded for
-    /// the client when the device is in.
+    /// The ids of the passthrough devices plugged at start, as vm.info lists them.
+    fn cold_plugged_ids(&self, devices: &MachineDevices) -> Vec<String> {
+        (cold_plugged_devices(devices, &self.cold_plugged).into_iter())
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// [`VmmAction::AddDevice`] while running: a hot-plug (a GPU on the PCI segment it
+    /// names, other devices on segment 0), recorded for the client when the device is in.
     fn add_device(
         &mut self,
         running: &mut RunningMachine<'_>,
@@ -227,9 +241,12 @@ impl RunningApi {
             client_id,
             device_id,
         } = self.client.settle(add, &in_use)?;
-        super::client::check_hot_plug_segment(&client_id, segment)?;
         let result = match action {
-            VmmAction::PutGpu(gpu) => self.hot_plug(running, gpu),
+            VmmAction::PutGpu(mut gpu) => {
+                gpu.pci_segment = (segment != 0).then_some(segment).or(gpu.pci_segment);
+                self.hot_plug(running, gpu)
+            }
+            _ if segment != 0 => Err(super::client::hot_plug_segment_refusal(&client_id, segment)),
             other => match VirtioHotplug::from_action(other) {
                 Some(device) => hot_plug_virtio(running, device, &self.mmds),
                 None => Err(ActionError::bad_request(format!(
@@ -251,9 +268,8 @@ impl RunningApi {
     /// PUT /gpus/{id} while running: hot-plug.
     fn hot_plug(&mut self, running: &mut RunningMachine<'_>, body: GpuBody) -> ActionResult {
         body.validate(None)?;
-        super::client::check_hot_plug_segment(&body.gpu_id, body.pci_segment.unwrap_or(0))?;
         super::balloon::refuse_passthrough_with_balloon(running.machine())?;
-        if self.cold_plugged.contains(&body.gpu_id) {
+        if (self.cold_plugged_ids(running.machine().devices())).contains(&body.gpu_id) {
             return Err(ActionError::wrong_state(format!(
                 "{:?} was attached at start; it cannot be replaced while the VM runs",
                 body.gpu_id
@@ -305,7 +321,7 @@ impl RunningApi {
         devices.passthrough.push(label);
         Ok(VmmData::Json(serde_json::json!({
             "id": body.gpu_id,
-            "bdf": format!("0000:{bdf}"),
+            "bdf": bdf.full(),
         })))
     }
 
@@ -322,7 +338,7 @@ impl RunningApi {
         at_once: bool,
     ) -> bool {
         let result = (|| {
-            if self.cold_plugged.contains(&id) {
+            if (self.cold_plugged_ids(running.machine().devices())).contains(&id) {
                 return Err(ActionError::wrong_state(format!(
                     "{id:?} was attached at start; only hot-plugged devices can be removed"
                 )));
@@ -362,7 +378,7 @@ impl RunningApi {
         self.wake_at(deadline);
         self.unplugs.push(PendingUnplug {
             id,
-            bdf: format!("0000:{bdf}"),
+            bdf: bdf.full(),
             deadline,
             reply,
         });
@@ -482,7 +498,7 @@ impl RunningApi {
             VmmAction::GetInstanceInfo => {
                 let devices = running.machine().devices();
                 let info = with_hot_plugged(instance_info(state, &self.client), devices);
-                Ok(with_pci_devices(info, devices))
+                Ok(with_pci_devices(info, devices, &self.cold_plugged))
             }
             VmmAction::GetMetrics => Ok(with_hot_plugged(
                 metrics(state, Some(running.machine())),
@@ -656,7 +672,7 @@ fn hot_plug_virtio(
         .map_err(hotplug_error)?;
     Ok(VmmData::Json(serde_json::json!({
         "id": id,
-        "bdf": format!("0000:{bdf}"),
+        "bdf": bdf.full(),
     })))
 }
 
@@ -683,9 +699,52 @@ pub(super) fn with_hot_plugged(data: VmmData, devices: &MachineDevices) -> VmmDa
     }
 }
 
-/// Adds `pci_devices`: each virtio device and hot-plugged passthrough device with its id,
-/// PCI address and kind (Cloud Hypervisor's vm.info builds its device_tree from it).
-pub(super) fn with_pci_devices(data: VmmData, devices: &MachineDevices) -> VmmData {
+/// How an id made up for a passthrough device plugged at start begins: Cloud Hypervisor's
+/// front end names devices given without an id so (`_vfio0`, `_user_device1`).
+pub(super) fn made_up_id_prefix(vfio_user: bool) -> &'static str {
+    if vfio_user {
+        "_user_device"
+    } else {
+        "_vfio"
+    }
+}
+
+/// The passthrough devices plugged at start, each with its id and place: the id `ids`
+/// has for its backend; else (a live update's new process, which is not told the old
+/// process's ids) one made up as for a device from the command line, free among the
+/// VM's other devices' ids.
+pub(super) fn cold_plugged_devices(
+    devices: &MachineDevices,
+    ids: &BTreeMap<String, String>,
+) -> Vec<(String, crate::devices::ColdPlugged)> {
+    let mut taken: Vec<String> = (devices.virtio.iter())
+        .map(|handle| handle.config.id().to_string())
+        .collect();
+    if let Some(hotplug) = devices.pci_hotplug.as_ref() {
+        taken.extend(hotplug.attached().map(|(id, _)| id.to_string()));
+    }
+    taken.extend(ids.values().cloned());
+    (devices.cold_plugged().into_iter())
+        .map(|device| {
+            let id = ids.get(&device.backend).cloned().unwrap_or_else(|| {
+                let id = super::client::fresh_id(&taken, made_up_id_prefix(device.vfio_user));
+                taken.push(id.clone());
+                id
+            });
+            (id, device)
+        })
+        .collect()
+}
+
+/// Adds `pci_devices`: each virtio device and passthrough device (plugged at start, whose
+/// ids are `cold_ids` by backend, or hot-plugged) with its id, PCI address (segment
+/// included) and kind; a passthrough device with its backend too. Cloud Hypervisor's
+/// vm.info builds its device_tree from it.
+pub(super) fn with_pci_devices(
+    data: VmmData,
+    devices: &MachineDevices,
+    cold_ids: &BTreeMap<String, String>,
+) -> VmmData {
     let VmmData::Json(mut json) = data else {
         return data;
     };
@@ -701,13 +760,26 @@ pub(super) fn with_pci_devices(data: VmmData, devices: &MachineDevices) -> VmmDa
             })
         })
         .collect();
+    listed.extend(
+        (cold_plugged_devices(devices, cold_ids).into_iter()).map(|(id, device)| {
+            serde_json::json!({
+                "id": id,
+                "bdf": device.bdf.full(),
+                "kind": "passthrough",
+                "hot_plugged": false,
+                "backend": device.backend,
+            })
+        }),
+    );
     if let Some(hotplug) = devices.pci_hotplug.as_ref() {
         listed.extend(hotplug.attached().map(|(id, bdf)| {
+            let backend = hotplug.plug_body(id).and_then(|body| body.backend_key());
             serde_json::json!({
                 "id": id,
                 "bdf": bdf.full(),
                 "kind": "passthrough",
                 "hot_plugged": true,
+                "backend": backend,
             })
         }));
     }
@@ -852,7 +924,7 @@ impl RunningApi {
         let requests = self.own_requests.clone().ok_or_else(|| {
             ActionError::wrong_state("guest_release is served on gpuvm's own API socket only")
         })?;
-        let cold: Vec<&String> = self.cold_plugged.iter().collect();
+        let cold = self.cold_plugged_ids(running.machine().devices());
         if !cold.is_empty() {
             return Err(ActionError::wrong_state(format!(
                 "{cold:?} were attached at start and cannot be ejected; guest_release needs GPUs hot-plugged after start (PUT /gpus while running)"
@@ -871,7 +943,7 @@ impl RunningApi {
             let (vendor_id, device_id) = hotplug.pci_ids(id).unwrap_or_default();
             gpus.push(crate::gpu_release::AttachedGpu {
                 body,
-                bdf: format!("0000:{bdf}"),
+                bdf: bdf.full(),
                 vendor_id,
                 device_id,
             });
@@ -1046,5 +1118,45 @@ mod eject_timer_tests {
             }
             assert_eq!(event.read().unwrap(), 1, "round {round}");
         }
+    }
+}
+
+#[cfg(test)]
+mod cold_plugged_id_tests {
+    use super::*;
+
+    /// The ids of the devices InstanceStart plugs: the client's for those configured
+    /// through the API; the command line's get Cloud Hypervisor's kind of made-up id, one
+    /// no configured device has (here `_vfio0` is a client's).
+    #[test]
+    fn command_line_devices_get_ids_no_configured_device_has() {
+        let (_, requests) = std::sync::mpsc::channel();
+        let config = crate::config::VmConfig {
+            machine: crate::config::MachineConfig::default(),
+            boot: super::super::default_boot_source(),
+        };
+        let mut controller = super::super::ApiController::new(
+            requests,
+            EventFd::new(0).unwrap(),
+            config,
+            Box::new(|| Box::new(std::io::sink())),
+        );
+        controller.set_pci_options(crate::config::PciOptions {
+            gpus: vec!["0000:41:00.0".into()],
+            vfio_user: vec!["/run/cli.sock".into()],
+            ..Default::default()
+        });
+        let api = GpuBody::new("_vfio0", None, Some("/run/api.sock".into()));
+        controller.put_gpu(api).unwrap();
+        let ids = controller.cold_plugged_ids();
+        let expected: BTreeMap<String, String> = [
+            ("/run/api.sock", "_vfio0"),
+            ("0000:41:00.0", "_vfio1"),
+            ("/run/cli.sock", "_user_device0"),
+        ]
+        .into_iter()
+        .map(|(backend, id)| (backend.to_string(), id.to_string()))
+        .collect();
+        assert_eq!(ids, expected);
     }
 }

@@ -48,6 +48,12 @@ impl PciHotplug {
                 Some("it is being hot-unplugged; retry once it is gone".to_string())
             } else if hot.stopped || hot.held_for_dma.load(std::sync::atomic::Ordering::Acquire) {
                 Some("it was restored and does not run yet; retry once it runs".to_string())
+            } else if hot.bdf.segment != 0 {
+                Some(format!(
+                    "it sits at {} on PCI segment {}; only devices of segment 0 are handed over",
+                    hot.bdf.full(),
+                    hot.bdf.segment
+                ))
             } else if hot.bdf.bus != 0 && !self.port_of.contains_key(id) {
                 // Neither in an ACPI slot nor in a root port for hot-plug: behind the
                 // ports of a host-mirroring layout (crate::pci_topology).
@@ -230,7 +236,7 @@ impl PciHotplug {
             Some(port) => {
                 self.port_of.insert(id.clone(), port);
             }
-            None => lock(&self.controller).device_restored(bdf.device),
+            None => lock(self.controller_of(bdf)).device_restored(bdf.device),
         }
         // A peer of the GPUs hot-plugged from now on. Alone (or with p2p off on every
         // device, which the old process checked) it maps nothing now.

@@ -55,6 +55,9 @@ pub struct MigratedGpu {
     pub host_bdf: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vfio_user_socket: Option<PathBuf>,
+    /// The PCI segment it is on (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub segment: u16,
     /// Its slot on bus 0, or on its root port's secondary bus.
     pub slot: u8,
     /// The bus-0 slot of the root port for hot-plug it is in (absent: on bus 0).
@@ -74,13 +77,19 @@ pub struct MigratedGpu {
     pub state_bytes: u64,
 }
 
+fn is_zero(segment: &u16) -> bool {
+    *segment == 0
+}
+
 impl MigratedGpu {
     fn source(&self) -> GpuBody {
-        GpuBody::new(
+        let mut body = GpuBody::new(
             self.gpu_id.clone(),
             self.host_bdf.clone(),
             self.vfio_user_socket.clone(),
-        )
+        );
+        body.pci_segment = (self.segment != 0).then_some(self.segment);
+        body
     }
 }
 
@@ -250,6 +259,7 @@ pub(crate) fn save_behind_ports(
         gpu_id: id,
         host_bdf: None,
         vfio_user_socket: Some(socket.to_path_buf()),
+        segment: bdf.segment,
         slot: bdf.device,
         port: None,
         path,
@@ -344,6 +354,7 @@ impl PciHotplug {
                 gpu_id: id.clone(),
                 host_bdf: hot.source.host_bdf.clone(),
                 vfio_user_socket: hot.source.vfio_user_socket.clone(),
+                segment: hot.bdf.segment,
                 slot: hot.bdf.device,
                 port: port_slots.get(id).copied(),
                 // Restored from behind a host-mirroring layout's ports: it goes back there.
@@ -415,7 +426,13 @@ impl PciHotplug {
                     })?,
             ),
         };
-        let plug = self.plugger();
+        if self.root_of(gpu.segment).is_none() {
+            return Err(format!(
+                "it was on PCI segment {}, which this VM does not have",
+                gpu.segment
+            ));
+        }
+        let plug = self.plugger(gpu.segment);
         let progress = self.ram.progress(opened.mapper.name());
         let bars = gpu.pci.bars.as_slice();
         let plugged = match gpu.port {
@@ -486,7 +503,7 @@ impl PciHotplug {
             }
             // Behind a switch port: no slot of the ACPI hot-plug controller's.
             None if !gpu.path.is_empty() => {}
-            None => lock(&self.controller).device_restored(plugged.bdf.device),
+            None => lock(self.controller_of(plugged.bdf)).device_restored(plugged.bdf.device),
         }
         // A peer again, with its BARs where the restored PCI state put them. The restore
         // may run on a thread without the VMM's filter: the p2p-map thread applies it.
@@ -504,10 +521,10 @@ impl PciHotplug {
             held_for_dma.clone(),
         );
         log::info!(
-            "restore: {} is back at 0000:{} with its saved state ({} bytes); it runs once guest \
+            "restore: {} is back at {} with its saved state ({} bytes); it runs once guest \
              RAM is DMA-mapped for it",
             gpu.gpu_id,
-            plugged.bdf,
+            plugged.bdf.full(),
             gpu.state_bytes
         );
         self.devices.insert(

@@ -281,6 +281,25 @@ impl Machine {
         &self.devices
     }
 
+    /// A live update's new process, once the paused state is loaded: the virtio devices
+    /// serve nothing (no ring, tap, image or host socket is touched) until the VM is this
+    /// process's ([`Machine::take_over_devices`]); the old process takes the VM back on any
+    /// failure before that, and must find everything as it left it.
+    pub fn hold_devices(&self) {
+        crate::virtio::pause_all(&self.devices.virtio);
+    }
+
+    /// The VM is this process's (the old one committed, or died after this one was ready):
+    /// the devices held by [`Machine::hold_devices`] serve, and the vsock socket file is
+    /// this process's to remove when the VM ends.
+    pub fn take_over_devices(&self) {
+        crate::virtio::resume_all(&self.devices.virtio);
+        for handle in &self.devices.virtio {
+            handle
+                .with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.own_socket_file(true));
+        }
+    }
+
     pub fn config(&self) -> &MachineConfig {
         &self.config
     }

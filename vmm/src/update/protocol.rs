@@ -57,9 +57,29 @@ pub const MAX_VFIO_USER_FDS: usize = 16;
 /// The most kernel VFIO devices an offer may bring (each its cdev), after the iommufd
 /// they are bound to, after the vfio-user devices' descriptors.
 pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
-/// The most descriptors one frame may bring.
-const MAX_FDS: usize =
-    OFFER_FDS + MAX_DRIVES + MAX_TAP_QUEUES + MAX_VFIO_USER_FDS + 1 + MAX_KERNEL_VFIO_DEVICES + 2;
+/// The most vsock connections and waiting host clients whose sockets the paused state
+/// may bring (one frame holds at most 253 descriptors): a VM with more is not handed
+/// over until it has fewer.
+pub const MAX_VSOCK_SOCKETS: usize = 128;
+/// The most bytes the vsock connections of a paused state may hold for their host
+/// sockets (guest data a host program has not read yet).
+pub const MAX_VSOCK_BUFFERED: usize = 8 << 20;
+/// The most descriptors one frame may bring: an offer's, or a paused state's.
+const MAX_FDS: usize = {
+    let offer = OFFER_FDS
+        + MAX_DRIVES
+        + MAX_TAP_QUEUES
+        + MAX_VFIO_USER_FDS
+        + 1
+        + MAX_KERNEL_VFIO_DEVICES
+        + 2
+        + 1;
+    if offer > MAX_VSOCK_SOCKETS {
+        offer
+    } else {
+        MAX_VSOCK_SOCKETS
+    }
+};
 
 /// What a frame is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,6 +152,12 @@ pub struct OfferMeta {
     /// them; an older receiver refuses an offer with them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outputs: Option<crate::outputs::HandedOverOutputs>,
+    /// The vsock device's listening socket comes after the outputs' descriptors: the new
+    /// process's device takes it instead of binding `uds_path` again (its connections'
+    /// sockets come with the paused state). Absent without vsock; an older receiver refuses
+    /// an offer with it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub vsock_listener: bool,
 }
 
 /// One network interface in an offer: its id and how many tap queues it brings.
@@ -162,6 +188,7 @@ impl OfferMeta {
                 .as_ref()
                 .map_or(0, |kernel| 1 + kernel.devices.len())
             + (self.outputs.as_ref()).map_or(0, crate::outputs::HandedOverOutputs::descriptor_count)
+            + usize::from(self.vsock_listener)
     }
 }
 

@@ -69,6 +69,8 @@ pub struct Incoming {
     /// The old process's API listening socket, which came with `Commit`
     /// ([`Incoming::take_api_listener`]).
     api_listener: Option<UnixListener>,
+    /// The vsock device's listening socket, until the VM is built.
+    vsock_listener: Option<UnixListener>,
 }
 
 /// How the hand-over ended for the new process.
@@ -172,6 +174,10 @@ pub fn accept(
             Some((offered.clone(), log, metrics))
         }
     };
+    let vsock_listener = match meta.vsock_listener {
+        true => Some(UnixListener::from(next()?)),
+        false => None,
+    };
     let kernel_marks = kernel_vfio
         .as_ref()
         .map(|kernel| kernel.marks.clone())
@@ -211,6 +217,7 @@ pub fn accept(
         paused_at_ns: None,
         mmds: Arc::default(),
         api_listener: None,
+        vsock_listener,
     })
 }
 
@@ -417,6 +424,10 @@ impl Incoming {
         for (iface_id, taps) in self.taps.drain(..) {
             resources.insert(&iface_id, taps);
         }
+        // The vsock device listens on the old process's socket (its path is taken).
+        if let Some(listener) = self.vsock_listener.take() {
+            resources.insert_vsock_listener(listener);
+        }
         let prepared = crate::builder::prepare_handed_over(
             &self.state,
             &self.meta.vcpu_ids,
@@ -459,8 +470,17 @@ impl Incoming {
             .ok_or_else(|| UpdateError::Protocol("no VM was prepared".into()))?;
         let vfio_user = std::mem::take(&mut self.vfio_user);
         let kernel_vfio = self.kernel_vfio.take();
+        // The vsock connections' sockets came with the paused state.
+        let vsock_sockets = (state.devices.handed_over_vsock.as_ref())
+            .map_or(0, gpuvm_virtio::vsock::VsockLiveState::descriptors);
+        if frame.fds.len() != vsock_sockets {
+            return Err(self.refuse(UpdateError::Protocol(format!(
+                "the paused state brings {} descriptors, its vsock connections {vsock_sockets}",
+                frame.fds.len()
+            ))));
+        }
         prepared
-            .load(&state, (vfio_user, kernel_vfio))
+            .load(&state, (vfio_user, kernel_vfio), frame.fds)
             .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))
     }
 
@@ -736,6 +756,7 @@ mod tests {
             interfaces: Vec::new(),
             kernel_vfio: None,
             outputs: None,
+            vsock_listener: false,
         }
     }
 
@@ -808,6 +829,25 @@ mod tests {
             .expect("one output short")
             .to_string();
         assert!(error.contains("descriptors"), "{error}");
+    }
+
+    /// An offer that announces the vsock listener must bring it: the count is checked
+    /// before any descriptor is taken.
+    #[test]
+    fn an_offer_short_of_its_vsock_listener_is_refused() {
+        let meta = OfferMeta {
+            vsock_listener: true,
+            ..empty_offer()
+        };
+        assert_eq!(meta.descriptor_count(), OFFER_FDS + 1);
+        let error = accept_offer(&meta, &[])
+            .err()
+            .expect("the listener short")
+            .to_string();
+        assert!(error.contains("descriptors"), "{error}");
+        // The field is left out of offers without it (an older receiver reads them).
+        let json = serde_json::to_string(&empty_offer()).unwrap();
+        assert!(!json.contains("vsock_listener"), "{json}");
     }
 
     /// `Commit`'s descriptor: a listening Unix socket is served, anything else (or more)

@@ -13,7 +13,7 @@
 //! hot-plugged at runtime, which stay hot-plugged in the new process); the device runs on
 //! throughout.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -173,6 +173,7 @@ fn offer(
             )),
         ));
     }
+    let vsock_listener = vsock_listener(running)?;
     let mut configuration = save_configuration(running)?;
     // The interfaces the new process builds answer MMDS from the start.
     configuration.devices.handed_over_mmds = mmds.save();
@@ -188,6 +189,7 @@ fn offer(
         vfio_user,
         kernel_vfio,
         outputs,
+        vsock_listener: vsock_listener.is_some(),
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -203,6 +205,7 @@ fn offer(
     fds.extend(connections.iter().map(AsRawFd::as_raw_fd));
     fds.extend(kernel_fds.iter().map(AsRawFd::as_raw_fd));
     fds.extend(output_files.iter().flatten().map(AsRawFd::as_raw_fd));
+    fds.extend(vsock_listener.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
     // Ours are duplicates: the drives, interfaces and passthrough devices keep theirs.
     drop(images);
@@ -210,8 +213,61 @@ fn offer(
     drop(connections);
     drop(kernel_fds);
     drop(output_files);
+    drop(vsock_listener);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
+}
+
+/// A duplicate of the vsock device's listening socket, if the VM has one (a VM has at
+/// most one vsock device).
+fn vsock_listener(running: &RunningMachine<'_>) -> Result<Option<OwnedFd>, UpdateError> {
+    let duplicated = (running.machine().devices().virtio.iter()).find_map(|handle| {
+        handle.with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.listener_descriptor())
+    });
+    duplicated.transpose().map_err(|source| UpdateError::Io {
+        what: "duplicate the vsock listener",
+        source,
+    })
+}
+
+/// The paused vsock device's connections and waiting host clients (a live update
+/// carries them with their sockets), if the VM has a vsock device its driver started;
+/// refused, for a retry, while more of them or of their buffered bytes than a hand-over
+/// carries.
+fn vsock_connections(
+    running: &RunningMachine<'_>,
+) -> Result<Option<(gpuvm_virtio::vsock::VsockLiveState, Vec<OwnedFd>)>, UpdateError> {
+    let Some(handed) = (running.machine().devices().virtio.iter()).find_map(|handle| {
+        handle.with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.hand_over())
+    }) else {
+        return Ok(None);
+    };
+    let Some((live, fds)) = handed.map_err(UpdateError::Save)? else {
+        return Ok(None);
+    };
+    if live.descriptors() > protocol::MAX_VSOCK_SOCKETS {
+        return Err(UpdateError::NotReady(format!(
+            "vsock has {} connections and waiting host clients; at most {} are handed over",
+            live.descriptors(),
+            protocol::MAX_VSOCK_SOCKETS
+        )));
+    }
+    if live.buffered() > protocol::MAX_VSOCK_BUFFERED {
+        return Err(UpdateError::NotReady(format!(
+            "vsock connections hold {} bytes their host sockets have not read; at most {} are \
+             handed over",
+            live.buffered(),
+            protocol::MAX_VSOCK_BUFFERED
+        )));
+    }
+    Ok(Some((live, fds)))
+}
+
+/// Tells the vsock device, if any, whether its socket file is this process's to remove.
+fn vsock_owns_socket_file(running: &RunningMachine<'_>, owns: bool) {
+    for handle in &running.machine().devices().virtio {
+        handle.with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.own_socket_file(owns));
+    }
 }
 
 /// Each virtio-blk drive's ID and a duplicate of its open image descriptor, in the
@@ -336,13 +392,22 @@ fn hand_paused_and_commit(
     let mut state = save_state(running, true)?;
     // As the API last changed it, with the tokens the guest took since the offer.
     state.devices.handed_over_mmds = mmds.save();
+    // The vsock connections go on in the new process: their state, sockets beside.
+    let (vsock, vsock_sockets) = vsock_connections(running)?.unzip();
+    state.devices.handed_over_vsock = vsock;
     let framed = frame_state(&state)?;
+    let vsock_fds: Vec<RawFd> = vsock_sockets
+        .iter()
+        .flatten()
+        .map(AsRawFd::as_raw_fd)
+        .collect();
     protocol::send(
         stream,
         MessageKind::PausedState,
         &protocol::paused_state(paused_at_ns, &framed),
-        &[],
+        &vsock_fds,
     )?;
+    drop(vsock_sockets);
     let ready = protocol::expect(stream, MessageKind::Ready)?;
     if std::env::var_os(OLD_DIES_HOOK).is_some() {
         log::error!("{OLD_DIES_HOOK}: ending abruptly after the new gpuvm's Ready");
@@ -367,6 +432,8 @@ fn hand_paused_and_commit(
     protocol::send(stream, MessageKind::Commit, b"", &api_fds)?;
     // Its vfio-user connections are the new process's: nothing here may use them, nor
     // reset the devices or close the connections as this process's VM goes.
+    // The vsock socket file is the new process's to remove now.
+    vsock_owns_socket_file(running, false);
     let devices = running.machine().devices();
     passthrough::release(&devices.handover, receiver.pid);
     kernel_vfio::release(&devices.handover, receiver.pid);
@@ -478,6 +545,7 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
                     | VirtioDeviceConfig::Rng(_)
                     | VirtioDeviceConfig::Net(_)
                     | VirtioDeviceConfig::Balloon(_)
+                    | VirtioDeviceConfig::Vsock(_)
             )
         })
         .map(|h| h.config.id())
@@ -486,8 +554,8 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         return Err(UpdateError::unsupported(
             format!("a VM with virtio devices ({})", not_carried.join(", ")),
             Some(
-                "virtio-blk, virtio-net, virtio-rng and the balloon are handed over; vsock \
-                 and vhost-user sockets are not yet",
+                "virtio-blk, virtio-net, virtio-rng, vsock and the balloon are handed over; \
+                 vhost-user sockets are not yet",
             ),
         ));
     }
