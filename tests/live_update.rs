@@ -1463,6 +1463,62 @@ fn an_update_the_new_process_refuses_leaves_disk_io_in_the_old_process() {
     assert_eq!(status.code(), Some(0), "{}", disk.vm.describe());
 }
 
+/// A drive served by qemu-storage-daemon over vhost-user: its connection goes over (the
+/// backend serves one frontend, so the new process could not connect again), the guest's
+/// disk I/O goes on across two updates (one refused first) and the image holds what the
+/// guest wrote; the backend saw one connection all along.
+#[test]
+fn a_vhost_user_drive_goes_on_across_updates() {
+    let test = "a_vhost_user_drive_goes_on_across_updates";
+    let Some(qsd) =
+        gpuvm_tests::vhost_user_support::backend_binary("qemu-storage-daemon", "live_update", test)
+    else {
+        return;
+    };
+    let scratch = Scratch::new("live-update-vu", "drive");
+    let image = scratch.path("disk.img");
+    let mut bytes = vec![0u8; 1 << 20];
+    bytes[..8].copy_from_slice(b"GPUVMBLK");
+    bytes.extend_from_slice(&second_mib());
+    std::fs::write(&image, &bytes).expect("write the disk image");
+    let socket = scratch.path("qsd.sock");
+    let backend = gpuvm_tests::vhost_user_support::start_qsd(&qsd, &image, &socket, true);
+    let drive = format!("id=disk0,vhost_user={}", socket.display());
+    let cmdline = format!("virtio-blk-bench 2 1 {RANDOM_READS}");
+    let vm = UpdatableVm::start("vhost-blk", "256M", &cmdline, &["--drive", &drive]);
+    vm.wait_stdout("the sequential phases", |out| {
+        out.contains("virtio-blk-bench: seq-write bytes=")
+    });
+    let mut disk = DiskVm {
+        vm,
+        image,
+        _scratch: scratch,
+    };
+    // A new process that refuses the VM said nothing on the connection: the old one goes on.
+    let out = disk.vm.update(&[], &[("GPUVM_TEST_UPDATE_FAIL", "refuse")]);
+    assert!(!out.status.success(), "{}", disk.vm.describe());
+    assert_eq!(disk.vm.owner, disk.vm.first.pid());
+    for round in 1..=2 {
+        assert!(
+            disk.still_reading(),
+            "the random reads ended before update {round}: raise RANDOM_READS\n{}",
+            disk.vm.describe()
+        );
+        disk.vm.update_ok(&[]);
+    }
+    assert!(
+        disk.still_reading(),
+        "the random reads ended before the updates did: raise RANDOM_READS\n{}",
+        disk.vm.describe()
+    );
+    disk.finishes_with_the_image_right();
+    assert!(
+        !backend.stderr().contains("rror"),
+        "qemu-storage-daemon: {}",
+        backend.stderr()
+    );
+}
+
 /// A VM with a network interface on a tap: the tap's queue goes with the offer (the
 /// namespace's tap0 is persistent and single-queue, so the new process could not attach
 /// it again while the old one holds it), the guest answers pings before and after two

@@ -185,6 +185,22 @@ fn linux_guest_agent_releases_a_kernel_vfio_device_for_a_snapshot_and_resumes_it
 }
 
 #[test]
+fn a_vm_with_root_ports_is_restored_with_its_gpu_behind_a_port() {
+    scenario_passes(
+        "vfio-topology-restore",
+        &[
+            "agent: RELEASE edu0 0000:0",
+            "gpu-hook: released edu0",
+            "\"released_gpus\":[\"edu0\"]",
+            "gpu-hook: resumed edu0",
+            "\"resumed\":true",
+            "a VM with PCIe root ports restored with its GPU behind a port (guest release, kernel \
+             VFIO): ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_guest_reboot_ends_gpuvm() {
     scenario_passes(
         "linux-reboot",
@@ -326,6 +342,20 @@ fn firecracker_mmds_token_survives_live_updates() {
             "update 2: process",
             "inner: mmdsloop ok (40 rounds with one token",
             "MMDS V2 token and metadata across two live updates of a Firecracker VM: ok",
+        ],
+    );
+}
+
+#[test]
+fn a_virtio_fs_share_goes_on_across_live_updates() {
+    scenario_passes(
+        "linux-fs-update",
+        &[
+            "update 1: process",
+            "update 2: process",
+            "took over the connection to the backend at /tmp/vfs.sock",
+            "inner: fsloop ok (60 rounds)",
+            "a virtio-fs share (virtiofsd over vhost-user) across two live updates: ok",
         ],
     );
 }

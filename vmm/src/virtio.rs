@@ -217,8 +217,17 @@ pub struct DeviceResources {
     /// The vsock device's listening socket a live update handed over (a VM has at most
     /// one vsock device).
     vsock_listener: Arc<Mutex<Option<std::os::unix::net::UnixListener>>>,
+    /// The vhost-user devices' connections a live update handed over, by device id, with
+    /// what they negotiated and showed the guest.
+    vhost_user: Arc<Mutex<BTreeMap<String, HandedOverVhostUser>>>,
     mmds: Option<Arc<gpuvm_mmds::Mmds>>,
 }
+
+/// A vhost-user device's connection a live update handed over, and what goes with it.
+pub type HandedOverVhostUser = (
+    std::os::unix::net::UnixStream,
+    gpuvm_virtio::vhost_user::VhostUserLive,
+);
 
 impl DeviceResources {
     /// Keeps `taps` for the interface `iface_id`, replacing (closing) any it had.
@@ -253,6 +262,18 @@ impl DeviceResources {
         *lock(&self.vsock_listener) = Some(listener);
     }
 
+    /// Keeps the connection a live update handed over for the vhost-user device `id`,
+    /// which its device then takes instead of connecting to the backend (which serves one
+    /// frontend, the old process's connection).
+    pub fn insert_vhost_user(&self, id: &str, connection: HandedOverVhostUser) {
+        lock(&self.vhost_user).insert(id.to_string(), connection);
+    }
+
+    /// Takes the vhost-user device's handed-over connection out (None if there is none).
+    pub fn take_vhost_user(&self, id: &str) -> Option<HandedOverVhostUser> {
+        lock(&self.vhost_user).remove(id)
+    }
+
     /// Takes the handed-over vsock listener out (None if there is none).
     pub fn take_vsock_listener(&self) -> Option<std::os::unix::net::UnixListener> {
         lock(&self.vsock_listener).take()
@@ -265,6 +286,7 @@ impl DeviceResources {
             .into_keys()
             .collect();
         unused.extend(std::mem::take(&mut *lock(&self.taps)).into_keys());
+        unused.extend(std::mem::take(&mut *lock(&self.vhost_user)).into_keys());
         if self.take_vsock_listener().is_some() {
             unused.push("vsock".into());
         }
@@ -277,6 +299,7 @@ impl DeviceResources {
             taps: self.taps.clone(),
             images: self.images.clone(),
             vsock_listener: self.vsock_listener.clone(),
+            vhost_user: self.vhost_user.clone(),
             mmds: Some(mmds.clone()),
         }
     }
@@ -496,18 +519,31 @@ pub(crate) fn open_device(
             Balloon::new(config.clone()).map_err(|e| VirtioSetupError::Invalid(e.to_string()))?,
         ),
         // The connection errors name the socket, not the device: say which one it is.
+        // A live update's device takes the old process's connection over instead.
         VirtioDeviceConfig::VhostUserBlock(config) => {
-            Box::new(VhostUserBlock::new(config.clone()).map_err(|e| {
+            let device = match passed.take_vhost_user(&config.drive_id) {
+                Some((stream, live)) => VhostUserBlock::adopting(config.clone(), stream, &live),
+                None => VhostUserBlock::new(config.clone()),
+            };
+            Box::new(device.map_err(|e| {
                 VirtioSetupError::VhostUser(format!("vhost-user-blk {}: {e}", config.drive_id))
             })?)
         }
         VirtioDeviceConfig::Fs(config) => {
-            Box::new(VhostUserFs::new(config.clone()).map_err(|e| {
+            let device = match passed.take_vhost_user(&config.tag) {
+                Some((stream, live)) => VhostUserFs::adopting(config.clone(), stream, &live),
+                None => VhostUserFs::new(config.clone()),
+            };
+            Box::new(device.map_err(|e| {
                 VirtioSetupError::VhostUser(format!("vhost-user-fs {}: {e}", config.tag))
             })?)
         }
         VirtioDeviceConfig::VhostUser(config) => {
-            Box::new(VhostUserGeneric::new(config.clone()).map_err(|e| {
+            let device = match passed.take_vhost_user(&config.id) {
+                Some((stream, live)) => VhostUserGeneric::adopting(config.clone(), stream, &live),
+                None => VhostUserGeneric::new(config.clone()),
+            };
+            Box::new(device.map_err(|e| {
                 VirtioSetupError::VhostUser(format!("{}: {e}", config.describe_device()))
             })?)
         }

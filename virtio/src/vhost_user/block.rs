@@ -97,6 +97,14 @@ impl VhostUserKind for VhostUserBlockConfig {
     fn queue_size(&self) -> u16 {
         self.queue_size
     }
+
+    fn names(&self) -> (&'static str, String, String) {
+        (
+            KIND,
+            format!("{KIND} {}", self.drive_id),
+            thread_name("vu-blk", &self.drive_id),
+        )
+    }
 }
 
 /// virtio-blk whose requests a vhost-user-blk backend serves straight from guest memory.
@@ -115,11 +123,11 @@ impl VhostUserBlock {
         timeouts: Timeouts,
     ) -> Result<VhostUserBlock, VhostUserError> {
         config.validate()?;
-        let name = format!("{KIND} {}", config.drive_id);
+        let (kind, name, thread) = config.names();
         let core = VhostUserCore::connect(
-            KIND,
+            kind,
             name.clone(),
-            thread_name("vu-blk", &config.drive_id),
+            thread,
             &config.socket,
             config.queue_count(),
             VhostUserProtocolFeatures::MQ

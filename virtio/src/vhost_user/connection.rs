@@ -39,6 +39,34 @@ impl Default for Timeouts {
     }
 }
 
+/// What a connection's negotiation settled, as a live update carries it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Negotiated {
+    /// GET_FEATURES' answer.
+    pub backend_features: u64,
+    /// The protocol features both sides speak (VhostUserProtocolFeatures bits).
+    pub protocol_features: u64,
+    /// GET_QUEUE_NUM's answer, when MQ was negotiated.
+    pub backend_queues: Option<u64>,
+    /// Guest RAM as the backend was last told it (SET_MEM_TABLE): the frontend addresses it
+    /// knows each region by, which ring addresses are given in. A new process keeps them
+    /// (its own mapping is elsewhere): a backend may translate rings it knows already
+    /// through a new table (libvhost-user does, and gives up when it cannot).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memory: Vec<RegionAddress>,
+}
+
+/// A guest RAM region as a backend knows it: its guest address and size, and the frontend
+/// (userspace) address it was told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionAddress {
+    pub guest: u64,
+    pub size: u64,
+    pub frontend: u64,
+}
+
 /// A negotiated connection.
 pub(super) struct Connection {
     socket_path: PathBuf,
@@ -55,6 +83,11 @@ pub(super) struct Connection {
     backend_queues: Option<u64>,
     /// Who we are in log lines ("vhost-user-blk rootfs").
     owner: String,
+    /// Adopted from another gpuvm process and not yet renegotiated
+    /// ([`Connection::renegotiate_if_adopted`]).
+    renegotiate: bool,
+    /// Guest RAM as the backend knows it ([`Negotiated::memory`]).
+    memory: Vec<RegionAddress>,
 }
 
 impl Connection {
@@ -87,9 +120,134 @@ impl Connection {
             protocol_features: VhostUserProtocolFeatures::empty(),
             backend_queues: None,
             owner: owner.to_string(),
+            renegotiate: false,
+            memory: Vec::new(),
         };
         connection.negotiate(wanted)?;
         Ok(connection)
+    }
+
+    /// The connection another gpuvm process negotiated on `stream` and handed over (a live
+    /// update): nothing is sent (the backend serves one frontend and already has it set
+    /// up); what was negotiated comes with it (`negotiated`).
+    pub(super) fn adopt(
+        owner: &str,
+        socket_path: &Path,
+        stream: UnixStream,
+        queues: usize,
+        negotiated: &Negotiated,
+        timeouts: Timeouts,
+    ) -> Result<Connection, VhostUserError> {
+        watchdog::start().map_err(VhostUserError::Watchdog)?;
+        let io_error = |source| VhostUserError::Connect {
+            socket: socket_path.to_path_buf(),
+            source,
+        };
+        stream.set_nonblocking(false).map_err(io_error)?;
+        let socket = stream
+            .try_clone()
+            .map(|s| Arc::new(OwnedFd::from(s)))
+            .map_err(io_error)?;
+        let protocol_features =
+            VhostUserProtocolFeatures::from_bits_truncate(negotiated.protocol_features);
+        Ok(Connection {
+            socket_path: socket_path.to_path_buf(),
+            frontend: Frontend::from_stream(stream, queues as u64),
+            socket,
+            timeouts,
+            broken: Arc::new(AtomicBool::new(false)),
+            backend_features: negotiated.backend_features,
+            protocol_features,
+            backend_queues: negotiated.backend_queues,
+            owner: owner.to_string(),
+            // The vhost crate's frontend learns what was agreed only by asking and setting
+            // it: done before the first ring start, once the connection is this process's.
+            renegotiate: true,
+            memory: negotiated.memory.clone(),
+        })
+    }
+
+    /// Gives the regions of a memory table about to be sent the frontend addresses the
+    /// backend knows them by (this process's own for a region it does not know), and
+    /// remembers the table as sent.
+    pub(super) fn announce_table(&mut self, table: &mut [vhost::VhostUserMemoryRegionInfo]) {
+        for region in table.iter_mut() {
+            let known = (self.memory.iter()).find(|known| {
+                known.guest == region.guest_phys_addr && known.size == region.memory_size
+            });
+            if let Some(known) = known {
+                region.userspace_addr = known.frontend;
+            }
+        }
+        self.memory = (table.iter())
+            .map(|region| RegionAddress {
+                guest: region.guest_phys_addr,
+                size: region.memory_size,
+                frontend: region.userspace_addr,
+            })
+            .collect();
+    }
+
+    /// The frontend address the backend knows `guest` by (through the last table sent);
+    /// `own`, this process's address for it, when no region holds it.
+    pub(super) fn frontend_address(&self, guest: u64, own: u64) -> u64 {
+        (self.memory.iter())
+            .find(|known| guest >= known.guest && guest - known.guest < known.size)
+            .map_or(own, |known| known.frontend + (guest - known.guest))
+    }
+
+    /// An adopted connection's first step, before its rings start: the vhost crate's
+    /// frontend learns the features again as it negotiated them (GET_FEATURES,
+    /// GET/SET_PROTOCOL_FEATURES; no SET_OWNER: the session is owned already), and every
+    /// request waits for its acknowledgement again where REPLY_ACK was agreed. A backend
+    /// whose features changed is refused.
+    pub(super) fn renegotiate_if_adopted(&mut self) -> Result<(), VhostUserError> {
+        if !std::mem::take(&mut self.renegotiate) {
+            return Ok(());
+        }
+        let features = self.request("GET_FEATURES", |f| f.get_features())?;
+        if features != self.backend_features {
+            return Err(VhostUserError::Unsupported {
+                socket: self.socket_path.clone(),
+                missing: format!(
+                    "offers features {features:#x} after the hand-over, {:#x} before",
+                    self.backend_features
+                ),
+            });
+        }
+        if features & PROTOCOL_FEATURES_BIT != 0 {
+            let agreed = self.protocol_features;
+            let offered = self.request("GET_PROTOCOL_FEATURES", |f| f.get_protocol_features())?;
+            if !offered.contains(agreed) {
+                return Err(VhostUserError::Unsupported {
+                    socket: self.socket_path.clone(),
+                    missing: format!(
+                        "offers protocol features {offered:?} after the hand-over, without \
+                         {agreed:?}"
+                    ),
+                });
+            }
+            self.request("SET_PROTOCOL_FEATURES", |f| f.set_protocol_features(agreed))?;
+            if agreed.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+                self.frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            }
+        }
+        log::info!(
+            "{}: took over the connection to the backend at {}",
+            self.owner,
+            self.socket_path.display()
+        );
+        Ok(())
+    }
+
+    /// What was negotiated, for a live update to hand over with the socket.
+    pub(super) fn negotiated(&self) -> Negotiated {
+        Negotiated {
+            backend_features: self.backend_features,
+            protocol_features: self.protocol_features.bits(),
+            backend_queues: self.backend_queues,
+            memory: self.memory.clone(),
+        }
     }
 
     fn negotiate(&mut self, wanted: VhostUserProtocolFeatures) -> Result<(), VhostUserError> {

@@ -93,6 +93,14 @@ impl VhostUserKind for FsConfig {
     fn queue_size(&self) -> u16 {
         self.queue_size
     }
+
+    fn names(&self) -> (&'static str, String, String) {
+        (
+            KIND,
+            format!("{KIND} {}", self.tag),
+            thread_name("vu-fs", &self.tag),
+        )
+    }
 }
 
 /// virtio-fs: FUSE requests on its queues, answered by virtiofsd from the shared
@@ -111,11 +119,11 @@ impl VhostUserFs {
         timeouts: Timeouts,
     ) -> Result<VhostUserFs, VhostUserError> {
         config.validate()?;
-        let name = format!("{KIND} {}", config.tag);
+        let (kind, name, thread) = config.names();
         let core = VhostUserCore::connect(
-            KIND,
+            kind,
             name.clone(),
-            thread_name("vu-fs", &config.tag),
+            thread,
             &config.socket,
             config.queue_count(),
             VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::REPLY_ACK,

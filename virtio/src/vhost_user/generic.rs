@@ -261,6 +261,10 @@ impl VhostUserKind for VhostUserConfig {
     fn passes_config_writes(&self) -> bool {
         true
     }
+
+    fn names(&self) -> (&'static str, String, String) {
+        (KIND, self.describe_device(), thread_name("vu", &self.id))
+    }
 }
 
 /// A virtio device of any type a vhost-user backend implements. The guest sees the
@@ -281,11 +285,11 @@ impl VhostUserGeneric {
         timeouts: Timeouts,
     ) -> Result<VhostUserGeneric, VhostUserError> {
         config.validate()?;
-        let name = config.describe_device();
+        let (kind, name, thread) = config.names();
         let core = VhostUserCore::connect(
-            "vhost-user",
+            kind,
             name.clone(),
-            thread_name("vu", &config.id),
+            thread,
             &config.socket,
             config.queue_count(),
             VhostUserProtocolFeatures::MQ

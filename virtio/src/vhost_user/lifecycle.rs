@@ -11,7 +11,7 @@ use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserProtocolFeatures
 use vhost::vhost_user::VhostUserFrontend;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::connection::{Connection, Timeouts};
+use super::connection::{Connection, Negotiated, Timeouts};
 use super::relay::{RelayHandler, RingQueue, Rings, StopRequest};
 use super::VhostUserError;
 use crate::device::{
@@ -45,6 +45,9 @@ pub(super) struct VhostUserCore {
     reply_timeout: Duration,
     queue_count: usize,
     state: State,
+    /// Adopted from another gpuvm process (a live update) and not activated since: the
+    /// activation that restores its state holds the rings until resumed.
+    adopted: bool,
 }
 
 impl VhostUserCore {
@@ -78,7 +81,45 @@ impl VhostUserCore {
             reply_timeout: timeouts.reply,
             queue_count,
             state: State::Idle,
+            adopted: false,
         })
+    }
+
+    /// The device's connection as another gpuvm process negotiated it on `stream` and
+    /// handed it over (a live update): nothing is sent until its rings start, once the VM
+    /// is this process's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adopt(
+        kind: &'static str,
+        name: String,
+        thread_name: String,
+        socket: &Path,
+        stream: std::os::unix::net::UnixStream,
+        queue_count: usize,
+        negotiated: &Negotiated,
+        timeouts: Timeouts,
+    ) -> Result<VhostUserCore, VhostUserError> {
+        let connection =
+            Connection::adopt(&name, socket, stream, queue_count, negotiated, timeouts)?;
+        Ok(VhostUserCore {
+            kind,
+            name,
+            thread_name,
+            broken: connection.broken_flag(),
+            connection: Arc::new(Mutex::new(connection)),
+            socket_path: socket.to_path_buf(),
+            reply_timeout: timeouts.reply,
+            queue_count,
+            state: State::Idle,
+            adopted: true,
+        })
+    }
+
+    /// What was negotiated and a duplicate of the connection's socket (a live update).
+    fn hand_over(&self) -> std::io::Result<(Negotiated, std::os::fd::OwnedFd)> {
+        let connection = crate::lock(&self.connection);
+        let socket = connection.socket().try_clone()?;
+        Ok((connection.negotiated(), socket))
     }
 
     pub fn name(&self) -> &str {
@@ -154,13 +195,20 @@ impl VhostUserCore {
                 needed: self.queue_count,
             });
         }
-        self.start(Rings {
+        let rings = Rings {
             memory,
             acked_features,
             queues: rings,
             total_queues: self.queue_count,
             interrupt,
-        })
+        };
+        if std::mem::take(&mut self.adopted) {
+            // A live update's restore: the old process may still take the VM back, so the
+            // backend hears nothing from here until the device resumes.
+            self.state = State::Paused(rings);
+            return Ok(());
+        }
+        self.start(rings)
     }
 
     /// Starts the I/O thread, which starts the backend's rings before it serves.
@@ -344,6 +392,19 @@ pub trait VhostUserKind: Send + 'static {
     fn passes_config_writes(&self) -> bool {
         false
     }
+    /// The device's kind ("vhost-user-blk"), its name in logs ("vhost-user-blk data") and
+    /// its I/O thread's name.
+    fn names(&self) -> (&'static str, String, String);
+}
+
+/// What a live update carries of a vhost-user device besides its connection's socket: what
+/// the connection negotiated, and the features and configuration space its guest sees.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VhostUserLive {
+    pub negotiated: Negotiated,
+    pub features: u64,
+    pub config_space: Vec<u8>,
 }
 
 /// What a vhost-user device's state can tell: which device it was. Its real state lives in
@@ -409,6 +470,56 @@ impl<C: VhostUserKind> VhostUserDevice<C> {
 
     fn refusal(&self) -> String {
         self.state_refusal().to_string()
+    }
+
+    /// What a live update carries of the device (the connection's negotiation, the
+    /// features and configuration space the guest sees) and a duplicate of the
+    /// connection's socket.
+    pub fn hand_over(&self) -> Result<(VhostUserLive, std::os::fd::OwnedFd), String> {
+        let (negotiated, socket) = self
+            .core
+            .hand_over()
+            .map_err(|e| format!("{}: cannot duplicate its socket: {e}", self.core.name()))?;
+        let live = VhostUserLive {
+            negotiated,
+            features: self.features,
+            config_space: self.config_space.clone(),
+        };
+        Ok((live, socket))
+    }
+
+    /// The device over the connection another gpuvm process handed over (`stream`, what
+    /// it negotiated and showed the guest in `live`): nothing is asked of the backend
+    /// here (it serves one frontend, set up already); the device's restored state activates
+    /// it held, and its resume (once the VM is this process's) renegotiates and starts the
+    /// rings.
+    pub fn adopting(
+        config: C,
+        stream: std::os::unix::net::UnixStream,
+        live: &VhostUserLive,
+    ) -> Result<Self, VhostUserError> {
+        let (kind, name, thread) = config.names();
+        let core = VhostUserCore::adopt(
+            kind,
+            name,
+            thread,
+            config.socket(),
+            stream,
+            config.queue_count(),
+            &live.negotiated,
+            Timeouts::default(),
+        )?;
+        log::info!(
+            "{}: adopting the handed-over connection to {}",
+            core.name(),
+            config.socket().display()
+        );
+        Ok(VhostUserDevice {
+            config,
+            core,
+            features: live.features,
+            config_space: live.config_space.clone(),
+        })
     }
 
     fn state_refusal(&self) -> VhostUserStateError {
@@ -524,8 +635,14 @@ impl<C: VhostUserKind> Persist for VhostUserDevice<C> {
         })
     }
 
-    /// Always refused: the backend's state was never saved.
-    fn restore(&mut self, _state: &VhostUserState) -> Result<(), VhostUserStateError> {
+    /// Refused (the backend's state was never saved) unless the device took over a live
+    /// update's connection, whose backend kept its state: the same device on the same socket.
+    fn restore(&mut self, state: &VhostUserState) -> Result<(), VhostUserStateError> {
+        let same =
+            state.device_type == self.config.device_type() && state.socket == self.config.socket();
+        if self.core.adopted && same {
+            return Ok(());
+        }
         Err(self.state_refusal())
     }
 }

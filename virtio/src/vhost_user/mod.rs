@@ -55,10 +55,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use block::{VhostUserBlock, VhostUserBlockConfig};
-pub use connection::Timeouts;
+pub use connection::{Negotiated, Timeouts};
 pub use fs::{FsConfig, VhostUserFs, FS_TAG_BYTES};
 pub use generic::{VhostUserConfig, VhostUserGeneric};
-pub use lifecycle::{VhostUserDevice, VhostUserKind, VhostUserState, VhostUserStateError};
+pub use lifecycle::{
+    VhostUserDevice, VhostUserKind, VhostUserLive, VhostUserState, VhostUserStateError,
+};
 
 /// Why a vhost-user device could not be built or talk to its backend.
 #[derive(Debug, thiserror::Error)]

@@ -140,10 +140,12 @@ impl RelayHandler {
 }
 
 fn start_rings(connection: &mut Connection, rings: &Rings) -> Result<(), VhostUserError> {
+    connection.renegotiate_if_adopted()?;
     let backend = connection.backend_features();
     let features = (rings.acked_features & backend) | (backend & PROTOCOL_FEATURES_BIT);
     connection.request("SET_FEATURES", |f| f.set_features(features))?;
-    let table = memory_table(&rings.memory)?;
+    let mut table = memory_table(&rings.memory)?;
+    connection.announce_table(&mut table);
     connection.request("SET_MEM_TABLE", |f| f.set_mem_table(&table).map(drop))?;
     for ring in &rings.queues {
         let index = ring.index;
@@ -153,27 +155,36 @@ fn start_rings(connection: &mut Connection, rings: &Rings) -> Result<(), VhostUs
             queue_max_size: queue.max_size(),
             queue_size: queue.size(),
             flags: 0,
-            desc_table_addr: host_address(
-                &rings.memory,
-                index,
-                "descriptor table",
+            desc_table_addr: connection.frontend_address(
                 queue.desc_table(),
-                16 * size,
-            )?,
-            used_ring_addr: host_address(
-                &rings.memory,
-                index,
-                "used ring",
+                host_address(
+                    &rings.memory,
+                    index,
+                    "descriptor table",
+                    queue.desc_table(),
+                    16 * size,
+                )?,
+            ),
+            used_ring_addr: connection.frontend_address(
                 queue.used_ring(),
-                6 + 8 * size,
-            )?,
-            avail_ring_addr: host_address(
-                &rings.memory,
-                index,
-                "available ring",
+                host_address(
+                    &rings.memory,
+                    index,
+                    "used ring",
+                    queue.used_ring(),
+                    6 + 8 * size,
+                )?,
+            ),
+            avail_ring_addr: connection.frontend_address(
                 queue.avail_ring(),
-                6 + 2 * size,
-            )?,
+                host_address(
+                    &rings.memory,
+                    index,
+                    "available ring",
+                    queue.avail_ring(),
+                    6 + 2 * size,
+                )?,
+            ),
             log_addr: None,
         };
         connection.request("SET_VRING_NUM", |f| f.set_vring_num(index, queue.size()))?;

@@ -403,3 +403,68 @@ fn a_generic_device_passes_config_writes_to_the_backend() {
     assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
     assert_eq!(driver.data(), pattern(7));
 }
+
+/// A live update's hand-over, within one process: the paused device gives up its
+/// connection (a duplicate of the socket, what it negotiated); a device over another
+/// mapping of the same guest RAM (the new process's, elsewhere in its address space)
+/// adopts it without a word to the backend, is restored held, and once resumed
+/// renegotiates and serves the same backend, which never sees a second connection (it
+/// serves one frontend). The ring addresses it is told are in the numbering it learnt
+/// from the first device (libvhost-user translates rings it knows through a new table, and
+/// gives up when it cannot).
+#[test]
+fn an_adopted_connection_serves_on_through_another_mapping_of_guest_ram() {
+    use std::os::unix::net::UnixStream;
+    use vm_memory::{FileOffset, GuestMemoryBackend, GuestMemoryRegion};
+    if !have_backend(
+        QSD,
+        "an_adopted_connection_serves_on_through_another_mapping_of_guest_ram",
+    ) {
+        return;
+    }
+    let exported = export(true);
+    let config = VhostUserBlockConfig::new("data", &exported.socket.0);
+    let mut device = VhostUserBlock::with_timeouts(config.clone(), timeouts()).unwrap();
+    let memory = shared_memory(4 << 20);
+    let mut driver = activate(&mut device, memory.clone()).unwrap();
+    let (status, _) = driver.request(VIRTIO_BLK_T_IN, 0, None);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    device.pause();
+    let (live, socket) = device.hand_over().unwrap();
+    assert_eq!(live.negotiated.memory.len(), 1, "{live:?}");
+    let state = device.save_state().unwrap();
+
+    let region = memory.iter().next().unwrap();
+    let file = region.file_offset().unwrap().file().try_clone().unwrap();
+    let again = GuestMemory::from_ranges_with_files([(
+        GuestAddress(0),
+        4 << 20,
+        Some(FileOffset::new(file, 0)),
+    )])
+    .unwrap();
+    assert_ne!(
+        again.get_host_address(GuestAddress(0)).unwrap(),
+        memory.get_host_address(GuestAddress(0)).unwrap(),
+        "the second mapping is elsewhere"
+    );
+    let mut adopted = VhostUserBlock::adopting(config, UnixStream::from(socket), &live).unwrap();
+    assert_eq!(adopted.capacity_sectors(), IMAGE_SIZE / 512);
+    adopted.restore_state(&state).unwrap();
+    let mut driver = activate(&mut adopted, again).unwrap();
+    // Held: the backend heard nothing yet; the resume starts the rings.
+    adopted.pause();
+    adopted.resume().unwrap();
+    let (status, _) = driver.request(VIRTIO_BLK_T_IN, 3, None);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    assert_eq!(driver.data(), pattern(3));
+    let written: Vec<u8> = (0..512).map(|i| (i % 11) as u8 + 0x30).collect();
+    let (status, _) = driver.request(VIRTIO_BLK_T_OUT, 7, Some(&written));
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    assert_eq!(read_image(&exported.image.0, 7), written);
+    assert!(!adopted.is_broken());
+    // The first device, given up, says nothing as it goes.
+    drop(device);
+    let (status, _) = driver.request(VIRTIO_BLK_T_IN, 7, None);
+    assert_eq!(u32::from(status), VIRTIO_BLK_S_OK);
+    assert_eq!(driver.data(), written);
+}

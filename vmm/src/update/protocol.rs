@@ -57,6 +57,8 @@ pub const MAX_VFIO_USER_FDS: usize = 16;
 /// The most kernel VFIO devices an offer may bring (each its cdev), after the iommufd
 /// they are bound to, after the vfio-user devices' descriptors.
 pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
+/// The most vhost-user devices an offer may bring (each its connection's socket).
+pub const MAX_VHOST_USER: usize = 16;
 /// The most vsock connections and waiting host clients whose sockets the paused state
 /// may bring (one frame holds at most 253 descriptors): a VM with more is not handed
 /// over until it has fewer.
@@ -73,7 +75,8 @@ const MAX_FDS: usize = {
         + 1
         + MAX_KERNEL_VFIO_DEVICES
         + 2
-        + 1;
+        + 1
+        + MAX_VHOST_USER;
     if offer > MAX_VSOCK_SOCKETS {
         offer
     } else {
@@ -158,6 +161,21 @@ pub struct OfferMeta {
     /// an offer with it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub vsock_listener: bool,
+    /// The vhost-user devices whose connections' sockets come after the vsock listener, in
+    /// this order: the new process's devices take them over rather than connect again (a
+    /// backend serves one frontend) and say nothing on them until the VM is theirs. Absent
+    /// without them; an older receiver refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vhost_user: Vec<OfferedVhostUser>,
+}
+
+/// One vhost-user device in an offer: its id and what its connection negotiated and its
+/// guest sees.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct OfferedVhostUser {
+    pub id: String,
+    pub live: gpuvm_virtio::vhost_user::VhostUserLive,
 }
 
 /// One network interface in an offer: its id and how many tap queues it brings.
@@ -189,6 +207,7 @@ impl OfferMeta {
                 .map_or(0, |kernel| 1 + kernel.devices.len())
             + (self.outputs.as_ref()).map_or(0, crate::outputs::HandedOverOutputs::descriptor_count)
             + usize::from(self.vsock_listener)
+            + self.vhost_user.len()
     }
 }
 

@@ -71,6 +71,9 @@ pub struct Incoming {
     api_listener: Option<UnixListener>,
     /// The vsock device's listening socket, until the VM is built.
     vsock_listener: Option<UnixListener>,
+    /// The vhost-user devices' connections (device id, socket and what goes with it), until
+    /// the VM is built.
+    vhost_user: Vec<(String, crate::virtio::HandedOverVhostUser)>,
 }
 
 /// How the hand-over ended for the new process.
@@ -178,6 +181,11 @@ pub fn accept(
         true => Some(UnixListener::from(next()?)),
         false => None,
     };
+    let mut vhost_user = Vec::new();
+    for offered in &meta.vhost_user {
+        let stream = std::os::unix::net::UnixStream::from(next()?);
+        vhost_user.push((offered.id.clone(), (stream, offered.live.clone())));
+    }
     let kernel_marks = kernel_vfio
         .as_ref()
         .map(|kernel| kernel.marks.clone())
@@ -218,6 +226,7 @@ pub fn accept(
         mmds: Arc::default(),
         api_listener: None,
         vsock_listener,
+        vhost_user,
     })
 }
 
@@ -427,6 +436,10 @@ impl Incoming {
         // The vsock device listens on the old process's socket (its path is taken).
         if let Some(listener) = self.vsock_listener.take() {
             resources.insert_vsock_listener(listener);
+        }
+        // The vhost-user devices take the old process's connections (quiet until Commit).
+        for (id, connection) in self.vhost_user.drain(..) {
+            resources.insert_vhost_user(&id, connection);
         }
         let prepared = crate::builder::prepare_handed_over(
             &self.state,
@@ -757,6 +770,7 @@ mod tests {
             kernel_vfio: None,
             outputs: None,
             vsock_listener: false,
+            vhost_user: Vec::new(),
         }
     }
 

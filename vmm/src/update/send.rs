@@ -174,6 +174,7 @@ fn offer(
         ));
     }
     let vsock_listener = vsock_listener(running)?;
+    let (vhost_user, vhost_user_sockets) = vhost_user_connections(running)?;
     let mut configuration = save_configuration(running)?;
     // The interfaces the new process builds answer MMDS from the start.
     configuration.devices.handed_over_mmds = mmds.save();
@@ -190,6 +191,7 @@ fn offer(
         kernel_vfio,
         outputs,
         vsock_listener: vsock_listener.is_some(),
+        vhost_user,
     };
     let meta = serde_json::to_vec(&meta)
         .map_err(|e| UpdateError::Save(format!("cannot encode the offer: {e}")))?;
@@ -206,6 +208,7 @@ fn offer(
     fds.extend(kernel_fds.iter().map(AsRawFd::as_raw_fd));
     fds.extend(output_files.iter().flatten().map(AsRawFd::as_raw_fd));
     fds.extend(vsock_listener.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(vhost_user_sockets.iter().map(AsRawFd::as_raw_fd));
     protocol::send(stream, MessageKind::Offer, &meta, &fds)?;
     // Ours are duplicates: the drives, interfaces and passthrough devices keep theirs.
     drop(images);
@@ -214,6 +217,7 @@ fn offer(
     drop(kernel_fds);
     drop(output_files);
     drop(vsock_listener);
+    drop(vhost_user_sockets);
     protocol::send(stream, MessageKind::State, &framed, &[])?;
     protocol::expect(stream, MessageKind::Built).map(drop)
 }
@@ -261,6 +265,46 @@ fn vsock_connections(
         )));
     }
     Ok(Some((live, fds)))
+}
+
+/// Each vhost-user device's id and what it negotiated and shows its guest, and a duplicate
+/// of its connection's socket, in the order of the VM's devices.
+fn vhost_user_connections(
+    running: &RunningMachine<'_>,
+) -> Result<(Vec<protocol::OfferedVhostUser>, Vec<OwnedFd>), UpdateError> {
+    use gpuvm_virtio::vhost_user::{VhostUserBlock, VhostUserFs, VhostUserGeneric};
+    let mut offered = Vec::new();
+    let mut sockets = Vec::new();
+    for handle in &running.machine().devices().virtio {
+        let handed = match &handle.config {
+            VirtioDeviceConfig::VhostUserBlock(_) => {
+                handle.with_device(|device: &mut VhostUserBlock| device.hand_over())
+            }
+            VirtioDeviceConfig::Fs(_) => {
+                handle.with_device(|device: &mut VhostUserFs| device.hand_over())
+            }
+            VirtioDeviceConfig::VhostUser(_) => {
+                handle.with_device(|device: &mut VhostUserGeneric| device.hand_over())
+            }
+            _ => continue,
+        };
+        let id = handle.config.id().to_string();
+        let (live, socket) = handed
+            .ok_or_else(|| UpdateError::Save(format!("{id} is not a vhost-user device")))?
+            .map_err(UpdateError::Save)?;
+        offered.push(protocol::OfferedVhostUser { id, live });
+        sockets.push(socket);
+    }
+    if offered.len() > protocol::MAX_VHOST_USER {
+        return Err(UpdateError::unsupported(
+            format!("a VM with {} vhost-user devices", offered.len()),
+            Some(&format!(
+                "at most {} are handed over",
+                protocol::MAX_VHOST_USER
+            )),
+        ));
+    }
+    Ok((offered, sockets))
 }
 
 /// Tells the vsock device, if any, whether its socket file is this process's to remove.
@@ -525,16 +569,6 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
             Some("resume it first (PATCH /vm {\"state\": \"Resumed\"})"),
         ));
     }
-    if let Some(vhost) = devices
-        .virtio
-        .iter()
-        .find(|handle| handle.config.snapshot_refusal().is_some())
-    {
-        return Err(UpdateError::unsupported(
-            format!("a VM with a vhost-user device ({})", vhost.config.id()),
-            None,
-        ));
-    }
     let not_carried: Vec<&str> = devices
         .virtio
         .iter()
@@ -546,6 +580,9 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
                     | VirtioDeviceConfig::Net(_)
                     | VirtioDeviceConfig::Balloon(_)
                     | VirtioDeviceConfig::Vsock(_)
+                    | VirtioDeviceConfig::VhostUserBlock(_)
+                    | VirtioDeviceConfig::Fs(_)
+                    | VirtioDeviceConfig::VhostUser(_)
             )
         })
         .map(|h| h.config.id())
@@ -554,8 +591,8 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         return Err(UpdateError::unsupported(
             format!("a VM with virtio devices ({})", not_carried.join(", ")),
             Some(
-                "virtio-blk, virtio-net, virtio-rng, vsock and the balloon are handed over; \
-                 vhost-user sockets are not yet",
+                "virtio-blk, virtio-net, virtio-rng, vsock, the balloon and vhost-user \
+                 devices are handed over",
             ),
         ));
     }

@@ -1,0 +1,58 @@
+# about: live update of a VM with a virtio-fs share (vhost-user, virtiofsd: Kata's default rootfs sharing): a Linux guest writes and reads files in the share every quarter second while `gpuvm update` hands the VM to a new process, twice; the vhost-user connection goes over (virtiofsd serves one frontend and never sees another), and every round's file is in the host directory
+. /lib/real-kernel.sh
+command -v virtiofsd >/dev/null || fail "no virtiofsd in the machine (scripts/install-deps.sh builds it)"
+mkdir -p /tmp/share
+echo "hello from the outer machine" >/tmp/share/hello
+virtiofsd --socket-path=/tmp/vfs.sock --shared-dir=/tmp/share --sandbox none >/tmp/virtiofsd.log 2>&1 &
+wait_for /tmp/vfs.sock 30
+start_gpuvm linux run --log-level info --api-sock /tmp/api.sock --kernel /images/vmlinuz \
+    --initrd /images/initramfs.cpio --memory 512M --fs tag=share,socket=/tmp/vfs.sock \
+    --cmdline "console=ttyS0 quiet panic=-1 inner.checks=fsloop inner.fs=share inner.fsloop=60 inner.end=poweroff"
+first="$(cat /tmp/linux.pid)"
+wait_for /tmp/api.sock 30
+gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm linux "InstanceStart failed"
+
+# The guest's latest round (0 before the first).
+round_count() {
+    count="$(sed -n 's/.*inner: fs round \([0-9][0-9]*\) ok.*/\1/p' /tmp/linux.log | tail -n1)"
+    echo "${count:-0}"
+}
+
+# rounds_past COUNT SECONDS WHAT: until the guest reports more than COUNT rounds.
+rounds_past() {
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
+    while [ "$(round_count)" -le "$1" ]; do
+        grep -q "inner: FAIL" /tmp/linux.log && abort_gpuvm linux "the guest failed $3"
+        running "$(cat /tmp/linux.pid)" || abort_gpuvm linux "gpuvm ended $3"
+        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
+            abort_gpuvm linux "no more than $1 rounds $2 s $3 (at $(round_count))"
+        sleep 0.2
+    done
+}
+
+rounds_past 2 180 "before the updates"
+for n in 1 2; do
+    old="$(cat /tmp/linux.pid)"
+    before="$(round_count)"
+    echo "+ gpuvm update --pid $old --api-sock /tmp/api.sock (update $n, at round $before)"
+    GPUVM_LOG=info gpuvm update --pid "$old" --api-sock /tmp/api.sock >"/tmp/update-$n.out" 2>&1 ||
+        { sed 's/^/  update: /' "/tmp/update-$n.out"; abort_gpuvm linux "live update $n of process $old failed"; }
+    cat "/tmp/update-$n.out"
+    new="$(sed -n 's/.*runs in process \([0-9][0-9]*\).*/\1/p' "/tmp/update-$n.out")"
+    [ -n "$new" ] && [ "$new" != "$old" ] || abort_gpuvm linux "update $n named no new process"
+    echo "$new" >/tmp/linux.pid
+    wait_ended "$old" 30 || abort_gpuvm linux "the old gpuvm $old still runs 30 s after update $n"
+    rounds_past $((before + 3)) 60 "after update $n"
+    echo "update $n: process $old -> $new; the guest's share went on from round $before"
+done
+wait_ended "$(cat /tmp/linux.pid)" 180 || abort_gpuvm linux "gpuvm still runs 180 s after the guest's last round"
+wait "$first" || fail "the first gpuvm exited with status $? after handing its VM over"
+sed 's/^/  | /' /tmp/linux.log
+expect_line /tmp/linux.log "took over the connection to the backend at /tmp/vfs.sock"
+expect_line /tmp/linux.log "inner: fsloop ok (60 rounds)"
+expect_line /tmp/linux.log "inner: checks passed"
+for n in 1 30 60; do
+    grep -q "round $n from the Linux guest" "/tmp/share/round-$n" || fail "round $n's file is not in the share"
+done
+grep -i "error\|panic" /tmp/virtiofsd.log && fail "virtiofsd reported an error"
+echo "a virtio-fs share (virtiofsd over vhost-user) across two live updates: ok"
