@@ -124,6 +124,24 @@ running() {
     [ -r "/proc/$1/stat" ] && [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" != Z ]
 }
 
+# live_update NAME N [ARGS...]: `gpuvm update` (update number N, ARGS passed on) of the gpuvm NAME runs, which
+# must hand its VM to a new process: /tmp/NAME.pid names that one afterwards, and the old one has ended.
+live_update() {
+    name="$1"
+    n="$2"
+    shift 2
+    old="$(cat "/tmp/$name.pid")"
+    echo "+ gpuvm update --pid $old $* (update $n)"
+    GPUVM_LOG=info gpuvm update --pid "$old" "$@" >"/tmp/update-$n.out" 2>&1 ||
+        { sed 's/^/  update: /' "/tmp/update-$n.out"; abort_gpuvm "$name" "live update $n of process $old failed"; }
+    cat "/tmp/update-$n.out"
+    new="$(sed -n 's/.*runs in process \([0-9][0-9]*\).*/\1/p' "/tmp/update-$n.out")"
+    [ -n "$new" ] && [ "$new" != "$old" ] || abort_gpuvm "$name" "update $n named no new process"
+    echo "$new" >"/tmp/$name.pid"
+    wait_ended "$old" 30 || abort_gpuvm "$name" "the old gpuvm $old still runs 30 s after update $n"
+    echo "update $n: process $old -> $new"
+}
+
 # wait_ended PID SECONDS: waits until process PID has ended; fails if it still runs after SECONDS.
 wait_ended() {
     deadline=$(($(cut -d. -f1 /proc/uptime) + $2))

@@ -271,6 +271,23 @@ static unsigned long number(const char *text, const char *what)
     return value;
 }
 
+/* Connects to gpuvm's hybrid vsock socket at `path` and asks for the guest's `port`
+ * ("CONNECT port", then gpuvm's "OK ..."): the stream to the guest. */
+static int uds_connect(const char *path, const char *port)
+{
+    struct sockaddr_un address;
+    int fd = unix_socket(path, &address);
+    if (connect(fd, (struct sockaddr *)&address, sizeof(address)) < 0)
+        die("connect to %s: %s", path, strerror(errno));
+    char request[64], line[128];
+    snprintf(request, sizeof(request), "CONNECT %lu\n", number(port, "port"));
+    write_all(fd, request);
+    if (!read_line(fd, line, sizeof(line)) || strncmp(line, "OK ", 3) != 0)
+        die("CONNECT %s was answered \"%s\"", port, line);
+    say("connected to the guest's port %s (%s)", port, line);
+    return fd;
+}
+
 int main(int argc, char **argv)
 {
     signal(SIGALRM, on_alarm);
@@ -319,30 +336,12 @@ int main(int argc, char **argv)
         return 0;
     }
     if (strcmp(mode, "uds-echo-client") == 0 && argc == 5) {
-        struct sockaddr_un address;
-        int fd = unix_socket(argv[2], &address);
-        if (connect(fd, (struct sockaddr *)&address, sizeof(address)) < 0)
-            die("connect to %s: %s", argv[2], strerror(errno));
-        char request[64], line[128];
-        snprintf(request, sizeof(request), "CONNECT %lu\n", number(argv[3], "port"));
-        write_all(fd, request);
-        if (!read_line(fd, line, sizeof(line)) || strncmp(line, "OK ", 3) != 0)
-            die("CONNECT %s was answered \"%s\"", argv[3], line);
-        say("connected to the guest's port %s (%s)", argv[3], line);
+        int fd = uds_connect(argv[2], argv[3]);
         echo_exchange(fd, number(argv[4], "byte count"));
         return 0;
     }
     if (strcmp(mode, "uds-echo-rounds") == 0 && argc == 7) {
-        struct sockaddr_un address;
-        int fd = unix_socket(argv[2], &address);
-        if (connect(fd, (struct sockaddr *)&address, sizeof(address)) < 0)
-            die("connect to %s: %s", argv[2], strerror(errno));
-        char request[64], line[128];
-        snprintf(request, sizeof(request), "CONNECT %lu\n", number(argv[3], "port"));
-        write_all(fd, request);
-        if (!read_line(fd, line, sizeof(line)) || strncmp(line, "OK ", 3) != 0)
-            die("CONNECT %s was answered \"%s\"", argv[3], line);
-        say("connected to the guest's port %s (%s)", argv[3], line);
+        int fd = uds_connect(argv[2], argv[3]);
         unsigned long bytes = number(argv[4], "byte count"), rounds = number(argv[5], "rounds");
         unsigned long pause_ms = number(argv[6], "pause");
         for (unsigned long round = 1; round <= rounds; round++) {

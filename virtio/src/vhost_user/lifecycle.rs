@@ -71,7 +71,42 @@ impl VhostUserCore {
                 });
             }
         }
-        Ok(VhostUserCore {
+        Ok(Self::over(
+            (kind, name, thread_name),
+            socket,
+            connection,
+            queue_count,
+            timeouts,
+        ))
+    }
+
+    /// The device's connection as another gpuvm process negotiated it on `stream` and
+    /// handed it over (a live update): nothing is sent until its rings start, once the VM
+    /// is this process's. `names`: as [`VhostUserKind::names`].
+    pub fn adopt(
+        names: (&'static str, String, String),
+        socket: &Path,
+        stream: std::os::unix::net::UnixStream,
+        queue_count: usize,
+        negotiated: &Negotiated,
+        timeouts: Timeouts,
+    ) -> Result<VhostUserCore, VhostUserError> {
+        let connection =
+            Connection::adopt(&names.1, socket, stream, queue_count, negotiated, timeouts)?;
+        let mut core = Self::over(names, socket, connection, queue_count, timeouts);
+        core.adopted = true;
+        Ok(core)
+    }
+
+    /// An idle device over `connection`.
+    fn over(
+        (kind, name, thread_name): (&'static str, String, String),
+        socket: &Path,
+        connection: Connection,
+        queue_count: usize,
+        timeouts: Timeouts,
+    ) -> VhostUserCore {
+        VhostUserCore {
             kind,
             name,
             thread_name,
@@ -82,37 +117,7 @@ impl VhostUserCore {
             queue_count,
             state: State::Idle,
             adopted: false,
-        })
-    }
-
-    /// The device's connection as another gpuvm process negotiated it on `stream` and
-    /// handed it over (a live update): nothing is sent until its rings start, once the VM
-    /// is this process's.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adopt(
-        kind: &'static str,
-        name: String,
-        thread_name: String,
-        socket: &Path,
-        stream: std::os::unix::net::UnixStream,
-        queue_count: usize,
-        negotiated: &Negotiated,
-        timeouts: Timeouts,
-    ) -> Result<VhostUserCore, VhostUserError> {
-        let connection =
-            Connection::adopt(&name, socket, stream, queue_count, negotiated, timeouts)?;
-        Ok(VhostUserCore {
-            kind,
-            name,
-            thread_name,
-            broken: connection.broken_flag(),
-            connection: Arc::new(Mutex::new(connection)),
-            socket_path: socket.to_path_buf(),
-            reply_timeout: timeouts.reply,
-            queue_count,
-            state: State::Idle,
-            adopted: true,
-        })
+        }
     }
 
     /// What was negotiated and a duplicate of the connection's socket (a live update).
@@ -498,11 +503,8 @@ impl<C: VhostUserKind> VhostUserDevice<C> {
         stream: std::os::unix::net::UnixStream,
         live: &VhostUserLive,
     ) -> Result<Self, VhostUserError> {
-        let (kind, name, thread) = config.names();
         let core = VhostUserCore::adopt(
-            kind,
-            name,
-            thread,
+            config.names(),
             config.socket(),
             stream,
             config.queue_count(),
