@@ -720,6 +720,15 @@ impl BusPlug<'_> {
     }
 }
 
+/// Tells the vsock device among `handles`, if any, whether `uds_path`'s socket file is this
+/// process's to remove when the device goes (a live update moves it from the old process to
+/// the new one at Commit).
+pub fn vsock_owns_socket_file(handles: &[VirtioHandle], owns: bool) {
+    for handle in handles {
+        handle.with_device(|vsock: &mut Vsock| vsock.own_socket_file(owns));
+    }
+}
+
 /// Stops every device's I/O after the request in flight (for a snapshot).
 pub fn pause_all(handles: &[VirtioHandle]) {
     for handle in handles {

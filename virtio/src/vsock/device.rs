@@ -267,45 +267,46 @@ impl VirtioDevice for Vsock {
             device: DEVICE,
             message: format!("cannot use its timer: {error}"),
         })?;
-        if let Some((live, fds)) = self.adopted.take() {
+        let adopted = self.adopted.take();
+        let (muxer, transport_reset) = match adopted {
             // A live update's connections: held until the transport resumes the device.
-            let muxer = Muxer::from_live(
-                self.guest_cid,
-                self.listener.clone(),
-                timer,
-                &live.muxer,
-                fds,
-            )
-            .map_err(|message| ActivateError::Device {
-                device: DEVICE,
-                message: format!("the handed-over connections: {message}"),
-            })?;
-            log::info!(
-                "{}: {} connection(s) and {} waiting host client(s) taken over",
-                self.name,
-                live.muxer.connections.len(),
-                live.muxer.pending_clients.len()
-            );
-            let handler = VsockWorker::new(
-                activation.memory,
-                activation.interrupt,
-                queues,
-                muxer,
-                live.transport_reset_pending,
-            );
-            self.transport_reset_on_activate = false;
-            self.run = Run::Paused(Box::new(handler));
-            return Ok(());
-        }
-        let muxer = Muxer::new(self.guest_cid, self.listener.clone(), timer);
+            Some((live, fds)) => {
+                let muxer = Muxer::from_live(
+                    self.guest_cid,
+                    self.listener.clone(),
+                    timer,
+                    &live.muxer,
+                    fds,
+                )
+                .map_err(|message| ActivateError::Device {
+                    device: DEVICE,
+                    message: format!("the handed-over connections: {message}"),
+                })?;
+                log::info!(
+                    "{}: {} connection(s) and {} waiting host client(s) taken over",
+                    self.name,
+                    live.muxer.connections.len(),
+                    live.muxer.pending_clients.len()
+                );
+                (muxer, Some(live.transport_reset_pending))
+            }
+            None => (
+                Muxer::new(self.guest_cid, self.listener.clone(), timer),
+                None,
+            ),
+        };
         let handler = VsockWorker::new(
             activation.memory,
             activation.interrupt,
             queues,
             muxer,
-            self.transport_reset_on_activate,
+            transport_reset.unwrap_or(self.transport_reset_on_activate),
         );
         self.transport_reset_on_activate = false;
+        if transport_reset.is_some() {
+            self.run = Run::Paused(Box::new(handler));
+            return Ok(());
+        }
         self.spawn(handler)
     }
 

@@ -294,10 +294,7 @@ impl Machine {
     /// this process's to remove when the VM ends.
     pub fn take_over_devices(&self) {
         crate::virtio::resume_all(&self.devices.virtio);
-        for handle in &self.devices.virtio {
-            handle
-                .with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.own_socket_file(true));
-        }
+        crate::virtio::vsock_owns_socket_file(&self.devices.virtio, true);
     }
 
     pub fn config(&self) -> &MachineConfig {

@@ -307,13 +307,6 @@ fn vhost_user_connections(
     Ok((offered, sockets))
 }
 
-/// Tells the vsock device, if any, whether its socket file is this process's to remove.
-fn vsock_owns_socket_file(running: &RunningMachine<'_>, owns: bool) {
-    for handle in &running.machine().devices().virtio {
-        handle.with_device(|vsock: &mut gpuvm_virtio::vsock::Vsock| vsock.own_socket_file(owns));
-    }
-}
-
 /// Each virtio-blk drive's ID and a duplicate of its open image descriptor, in the
 /// order of the VM's devices.
 fn drive_images(
@@ -477,7 +470,7 @@ fn hand_paused_and_commit(
     // Its vfio-user connections are the new process's: nothing here may use them, nor
     // reset the devices or close the connections as this process's VM goes.
     // The vsock socket file is the new process's to remove now.
-    vsock_owns_socket_file(running, false);
+    crate::virtio::vsock_owns_socket_file(&running.machine().devices().virtio, false);
     let devices = running.machine().devices();
     passthrough::release(&devices.handover, receiver.pid);
     kernel_vfio::release(&devices.handover, receiver.pid);
