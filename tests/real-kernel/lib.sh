@@ -211,14 +211,36 @@ ch_checked() {
         abort_gpuvm ch "$1 $2 failed: $(cat /tmp/ch-call.out)"
 }
 
+# guest_lines LOG: LOG as the guest printed it. A gpuvm log holds the guest's serial output (stdout) and
+# gpuvm's log records (stderr) in one file, and a record can land in the middle of a guest line
+# ("inner: 0001:00:0[... WARN ...] ...\n1.0 ejected"): each record that starts inside a line is taken
+# out and the line joined up again. Records at the start of a line stay.
+guest_lines() {
+    awk '{
+        line = pending $0
+        pending = ""
+        if (match(line, /\[20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]T[0-9:.]+Z (TRACE|DEBUG|INFO|WARN|ERROR) /) && RSTART > 1) {
+            pending = substr(line, 1, RSTART - 1)
+            next
+        }
+        print line
+    }
+    END { if (pending != "") print pending }' "$1"
+}
+
+# has_line LOG TEXT: whether LOG holds TEXT, as written or in its guest's lines (guest_lines).
+has_line() {
+    grep -qF -- "$2" "$1" || guest_lines "$1" | grep -qF -- "$2"
+}
+
 # wait_log NAME TEXT SECONDS: waits until the log of gpuvm NAME holds TEXT (aborting it if it never does).
 wait_log() {
     n=0
-    until grep -qF -- "$2" "/tmp/$1.log"; do
+    until has_line "/tmp/$1.log" "$2"; do
         n=$((n + 1))
         [ "$n" -gt $(($3 * 10)) ] && abort_gpuvm "$1" "no '$2' after $3 s"
         # A gpuvm that has ended prints nothing more: no use waiting out the limit.
-        running "$(cat "/tmp/$1.pid")" || grep -qF -- "$2" "/tmp/$1.log" ||
+        running "$(cat "/tmp/$1.pid")" || has_line "/tmp/$1.log" "$2" ||
             abort_gpuvm "$1" "no '$2': gpuvm $1 ended"
         sleep 0.1
     done
@@ -236,7 +258,7 @@ wait_for() {
 
 # expect_line LOG TEXT: fails unless LOG holds TEXT.
 expect_line() {
-    grep -qF -- "$2" "$1" || fail "no '$2' in $1"
+    has_line "$1" "$2" || fail "no '$2' in $1"
 }
 
 # The DMA map figure of a gpuvm log (its `--log-level info` line for the device).
