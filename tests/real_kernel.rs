@@ -296,6 +296,27 @@ fn kernel_vfio_through_iommufd_is_handed_over_by_a_live_update() {
 }
 
 #[test]
+fn kernel_vfio_through_a_type1_container_is_handed_over_by_a_live_update() {
+    scenario_passes(
+        "vfio-type1-update",
+        &[
+            "kernel VFIO: container/group API",
+            "edu: msi ok",
+            "the guest's edu loop runs",
+            "failed update: the loop went on in process",
+            "DMA mappings back on this process's addresses",
+            "update 1: process",
+            "update 2: process",
+            "taken over from the old process (no reset, no DMA map",
+            "VFIO_DMA_MAP_FLAG_VADDR",
+            "figure: live update 1 of a VM with kernel VFIO (edu, type1): guest paused",
+            "figure: live update 2 of a VM with kernel VFIO (edu, type1): guest paused",
+            "live update of a VM with kernel VFIO through type1, twice, edu's DMA and MSI running throughout: ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_guest_mounts_virtio_fs_and_inflates_its_balloon() {
     scenario_passes(
         "linux-fs-balloon",

@@ -267,3 +267,186 @@ dma_map_figure() {
         figure "DMA map $line"
     done
 }
+
+# edu_loop_count: the latest `edu: loop N ok` count in the log of the gpuvm `edu` (0 before the first).
+edu_loop_count() {
+    count="$(sed -n 's/.*edu: loop \([0-9][0-9]*\) ok.*/\1/p' /tmp/edu.log | tail -n1)"
+    echo "${count:-0}"
+}
+
+# edu_rounds_past COUNT SECONDS: whether the guest of the gpuvm `edu` reports more than COUNT rounds of
+# its `edu loop` within SECONDS.
+edu_rounds_past() {
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
+    while [ "$(edu_loop_count)" -le "$1" ]; do
+        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] || return 1
+        sleep 0.2
+    done
+}
+
+# edu_wait_rounds_past COUNT SECONDS WHAT: waits until the guest of the gpuvm `edu` reports more than COUNT
+# rounds, failing if it reports a failure, if the gpuvm running it (/tmp/edu.pid) ends, or after SECONDS.
+edu_wait_rounds_past() {
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
+    while [ "$(edu_loop_count)" -le "$1" ]; do
+        grep -q "edu: FAIL" /tmp/edu.log && abort_gpuvm edu "the guest failed $3"
+        running "$(cat /tmp/edu.pid)" || abort_gpuvm edu "gpuvm ended $3"
+        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
+            abort_gpuvm edu "no more than $1 loop rounds $2 s $3 (at $(edu_loop_count))"
+        sleep 0.2
+    done
+}
+
+# edu_live_update_scenario API: the vfio-*-update scenarios. QEMU's edu (1234:11e8), passed through with
+# kernel VFIO opened through API (`iommufd`: /dev/iommu and the device cdev, `type1`: the container/group
+# API), runs the test guest's `edu loop` (a checked DMA round trip and an MSI per round) while `gpuvm
+# update` hands the VM to a new process, twice; each new process takes the device over (no reset, guest
+# RAM not DMA-mapped again) and the loop goes on. With type1 the DMA mappings' host addresses move to the
+# new process (VFIO_DMA_MAP_FLAG_VADDR), and a failed update first puts them back on the old one.
+edu_live_update_scenario() {
+    edu_api="$1"
+    case "$edu_api" in
+    iommufd)
+        edu_api_line="kernel VFIO: iommufd cdev API"
+        edu_mapper="kernel VFIO (iommufd IOAS)"
+        ;;
+    type1)
+        edu_api_line="kernel VFIO: container/group API"
+        edu_mapper="kernel VFIO (type1 container)"
+        ;;
+    *) fail "edu_live_update_scenario: no API $edu_api (iommufd or type1)" ;;
+    esac
+    if [ "$edu_api" = iommufd ]; then
+        [ -c /dev/iommu ] || fail "no /dev/iommu (is CONFIG_IOMMUFD on in the outer kernel?)"
+    fi
+    bdf="$(pci_find 1234 11e8)" || fail "no edu device"
+    group="$(vfio_bind "$bdf")"
+    if [ "$edu_api" = iommufd ]; then
+        [ -d "/sys/bus/pci/devices/$bdf/vfio-dev" ] || fail "$bdf has no VFIO cdev (CONFIG_VFIO_DEVICE_CDEV)"
+        echo "edu at $bdf, $group, /dev/iommu"
+    else
+        echo "edu at $bdf, $group"
+    fi
+
+    log=/tmp/edu.log
+    # Every gpuvm that runs the VM writes $log: each new process takes over the first one's stdout and
+    # stderr. /tmp/edu.pid names the one that runs it now (abort_gpuvm ends that one).
+    start_gpuvm edu run --log-level info --memory 256M --gpu "$bdf" --api-sock /tmp/api.sock --cmdline "edu loop"
+    first="$(cat /tmp/edu.pid)"
+    wait_for /tmp/api.sock 30
+    gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm edu "InstanceStart failed"
+
+    edu_wait_rounds_past 0 180 "after InstanceStart"
+    expect_line "$log" "$edu_api_line"
+    expect_line "$log" "edu: msi ok"
+    # The loop's pace, before any update (each round a DMA round trip and an MSI).
+    rounds_from="$(edu_loop_count)"
+    from="$(uptime_s)"
+    edu_wait_rounds_past $((rounds_from + 15)) 120 "in its first rounds"
+    rounds="$(($(edu_loop_count) - rounds_from))"
+    seconds="$(seconds_between "$from" "$(uptime_s)")"
+    echo "the guest's edu loop runs: $rounds rounds in $seconds s"
+    figure "edu loop under kernel VFIO ($edu_api), nested: $(awk -v r="$rounds" -v s="$seconds" 'BEGIN { printf "%.0f", r / s }') rounds/s (a DMA round trip of 2048 bytes and an MSI each)"
+
+    if [ "$edu_api" = type1 ]; then
+        # A failed update (the new gpuvm crashes after the old one moved the DMA mappings' host addresses
+        # off its own memory with VFIO_DMA_UNMAP_FLAG_VADDR): the old process puts them back and runs on,
+        # the device's DMA working.
+        old="$(cat /tmp/edu.pid)"
+        rounds_before="$(edu_loop_count)"
+        echo "+ GPUVM_TEST_UPDATE_FAIL=crash gpuvm update --pid $old (must fail, at loop round $rounds_before)"
+        if GPUVM_TEST_UPDATE_FAIL=crash GPUVM_LOG=info gpuvm update --pid "$old" >/tmp/update-fail.out 2>&1; then
+            cat /tmp/update-fail.out
+            # abort_gpuvm ends the process that runs the VM now.
+            new="$(sed -n 's/.*runs in process \([0-9][0-9]*\).*/\1/p' /tmp/update-fail.out)"
+            [ -n "$new" ] && echo "$new" >/tmp/edu.pid
+            abort_gpuvm edu "the update with GPUVM_TEST_UPDATE_FAIL=crash succeeded"
+        fi
+        sed 's/^/  update: /' /tmp/update-fail.out
+        running "$old" || abort_gpuvm edu "the old gpuvm $old does not run after the failed update"
+        rounds_after="$(edu_loop_count)"
+        edu_wait_rounds_past $((rounds_after + 8)) 120 "after the failed update"
+        running "$old" || abort_gpuvm edu "the old gpuvm $old ended after the failed update"
+        grep -qF "DMA mappings back on this process's addresses" "$log" ||
+            abort_gpuvm edu "after the failed update process $old logged no 'DMA mappings back on this process's addresses'"
+        grep -F "DMA mappings back on this process's addresses" "$log" | sed "s/^/failed update: /"
+        echo "failed update: the loop went on in process $old from round $rounds_after ($rounds_before when the update began) to round $(edu_loop_count)"
+    fi
+
+    for n in 1 2; do
+        old="$(cat /tmp/edu.pid)"
+        lines_before="$(wc -l <"$log")"
+        rounds_before="$(edu_loop_count)"
+        echo "+ gpuvm update --pid $old (update $n, at loop round $rounds_before)"
+        # GPUVM_LOG=info: the new process (which inherits this environment, not the first one's
+        # --log-level) logs what it took over.
+        if ! GPUVM_LOG=info gpuvm update --pid "$old" >"/tmp/update-$n.out" 2>&1; then
+            sed 's/^/  update: /' "/tmp/update-$n.out"
+            # A failed update leaves the VM running in the old process, its device working.
+            at="$(edu_loop_count)"
+            if edu_rounds_past $((at + 4)) 15 && ! grep -q "edu: FAIL" "$log"; then
+                echo "after the failed update the loop runs on in process $old (round $(edu_loop_count))"
+            else
+                echo "after the failed update the loop stopped at round $(edu_loop_count)"
+            fi
+            abort_gpuvm edu "live update $n of process $old refused or failed"
+        fi
+        cat "/tmp/update-$n.out"
+        new="$(sed -n 's/.*runs in process \([0-9][0-9]*\).*/\1/p' "/tmp/update-$n.out")"
+        [ -n "$new" ] && [ "$new" != "$old" ] || abort_gpuvm edu "update $n named no new process"
+        echo "$new" >/tmp/edu.pid
+
+        # The old process ends (the first one with status 0: it handed its VM over), the new one runs.
+        wait_ended "$old" 30 || abort_gpuvm edu "the old gpuvm $old still runs 30 s after update $n"
+        if [ "$old" = "$first" ]; then
+            status=0
+            wait "$old" || status=$?
+            [ "$status" = 0 ] || abort_gpuvm edu "the first gpuvm exited with status $status after handing its VM over"
+        fi
+        running "$new" || abort_gpuvm edu "the new gpuvm $new does not run after update $n"
+
+        # The device keeps working under the new process alone: DMA and MSI, round after round.
+        rounds_after="$(edu_loop_count)"
+        edu_wait_rounds_past $((rounds_after + 16)) 120 "after update $n"
+        echo "update $n: process $old -> $new; the loop went on from round $rounds_after (the old process gone; $rounds_before when the update began) to $(edu_loop_count)"
+
+        # The new process took the device over: no reset, and guest RAM not DMA-mapped again.
+        # (What the new process logged before it took the VM's stdout and stderr over went to gpuvm
+        # update's.)
+        { tail -n +"$((lines_before + 1))" "$log"; cat "/tmp/update-$n.out"; } >"/tmp/after-$n.log"
+        grep "kernel VFIO" "/tmp/after-$n.log" | grep -q "taken over from the old process (no reset, no DMA map" ||
+            abort_gpuvm edu "update $n: no 'kernel VFIO ... taken over from the old process (no reset, no DMA map' line"
+        grep "kernel VFIO" "/tmp/after-$n.log" | grep "taken over from the old process" | sed "s/^/update $n: /"
+        # (A handed-over context accounts for the mappings it took over under a name of its own.)
+        grep -E "DMA map .*: (start|done)," "/tmp/after-$n.log" | sed "s/^/update $n: /"
+        grep -qF "DMA map $edu_mapper: start" "/tmp/after-$n.log" &&
+            abort_gpuvm edu "update $n: the new gpuvm DMA-mapped guest RAM again"
+        # type1: the container's mappings now point at the new process's memory (VFIO_DMA_MAP_FLAG_VADDR).
+        if [ "$edu_api" = type1 ]; then
+            grep -qF "DMA mappings now use this process's addresses (VFIO_DMA_MAP_FLAG_VADDR" "/tmp/after-$n.log" ||
+                abort_gpuvm edu "update $n: no 'DMA mappings now use this process's addresses (VFIO_DMA_MAP_FLAG_VADDR...' line"
+            grep -F "DMA mappings now use this process's addresses (VFIO_DMA_MAP_FLAG_VADDR" "/tmp/after-$n.log" |
+                sed "s/^/update $n: /"
+        fi
+
+        # The downtime: the new process's pause (its stderr, paused_to_run_us=) and the hand-over's length
+        # (gpuvm update's answer).
+        paused_us="$(sed -n 's/.*paused_to_run_us=\([0-9][0-9]*\).*/\1/p' "/tmp/after-$n.log" | tail -n1)"
+        [ -n "$paused_us" ] || abort_gpuvm edu "update $n: the new gpuvm reported no paused_to_run_us"
+        handover_ms="$(sed -n 's/.*the hand-over took \([0-9][0-9]*\) ms.*/\1/p' "/tmp/update-$n.out")"
+        figure "live update $n of a VM with kernel VFIO (edu, $edu_api): guest paused $((paused_us / 1000)) ms (paused_to_run_us=$paused_us), hand-over ${handover_ms:-?} ms"
+    done
+
+    grep -q "edu: loop note" "$log" && grep "edu: loop note" "$log"
+    # The VM ends through the API the last process serves.
+    last="$(cat /tmp/edu.pid)"
+    gpuvm ctl --api-sock /tmp/api.sock ctrl-alt-del || abort_gpuvm edu "SendCtrlAltDel to process $last failed"
+    deadline=$(($(cut -d. -f1 /proc/uptime) + 30))
+    while running "$last" && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
+        sleep 0.2
+    done
+    running "$last" && abort_gpuvm edu "gpuvm $last still runs 30 s after Ctrl-Alt-Del"
+    sed 's/^/  | /' "$log"
+    grep -q "edu: FAIL" "$log" && fail "the guest failed"
+    echo "live update of a VM with kernel VFIO through $edu_api, twice, edu's DMA and MSI running throughout: ok"
+}

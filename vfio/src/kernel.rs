@@ -16,15 +16,18 @@
 //! ([`IoasMapper`]), and gives vfio-ioctls an empty IOAS of its own that nothing attaches
 //! to. The pins stay accounted to the old process's mm: moving them needs
 //! IOMMU_IOAS_CHANGE_PROCESS (Linux 6.13, and mappings made from a file), not used yet.
-//! The container/group API cannot be handed over this way: vfio-ioctls opens groups by
-//! path only, and a group cannot be opened a second time while the old process holds it.
+//! A type1 container goes over with its groups and device files, which this crate drives
+//! itself in the new process (vfio-ioctls opens groups by path only, and a group cannot be
+//! opened a second time while the old process holds it): see [`crate::type1`].
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use vfio_bindings::bindings::vfio::{VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
+use vfio_bindings::bindings::vfio::{
+    VFIO_PCI_INTX_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_MSI_IRQ_INDEX,
+};
 /// The handle on a VM's KVM VFIO pseudo-device that [`KernelVfio::open`] takes.
 pub use vfio_ioctls::VfioDeviceFd;
 use vfio_ioctls::{VfioContainer, VfioDevice, VfioIommufd, VfioOps};
@@ -42,6 +45,14 @@ pub enum KernelApi {
     Container,
 }
 
+/// What a live update hands over of a kernel VFIO context ([`KernelVfio::hand_over`]).
+pub enum ContextHandOver {
+    /// A duplicate of the iommufd and the id of the devices' IOAS.
+    Iommufd { iommufd: OwnedFd, ioas_id: u32 },
+    /// A duplicate of the type1 container (its groups and devices go with the devices).
+    Container { container: OwnedFd },
+}
+
 /// The IOMMU context shared by all of a VM's kernel VFIO devices.
 pub struct KernelVfio {
     ops: Arc<dyn VfioOps>,
@@ -52,6 +63,8 @@ pub struct KernelVfio {
     /// `ops`): RAM is mapped through [`IoasMapper`] on `ioas`, not through `ops` (whose
     /// IOAS is an empty one), and devices are adopted into it.
     adopted: Option<Arc<VfioIommufd>>,
+    /// Handed over by a live update (an iommufd context or a type1 container).
+    handed_over: bool,
 }
 
 /// Whether a device another gpuvm process may run must be left alone here (a live
@@ -145,11 +158,16 @@ const IOMMUFD_MAX_PARALLEL: usize = 8;
 struct OpsMapper {
     ops: Arc<dyn VfioOps>,
     api: KernelApi,
+    /// A type1 container a live update handed over (its mappings under a name of their own).
+    handed_over: bool,
 }
 
 impl DmaMapper for OpsMapper {
     fn name(&self) -> String {
         match self.api {
+            KernelApi::Container if self.handed_over => {
+                "kernel VFIO (type1 container, handed over)".into()
+            }
             KernelApi::Container => "kernel VFIO (type1 container)".into(),
             KernelApi::Iommufd => "kernel VFIO (iommufd IOAS)".into(),
         }
@@ -236,6 +254,7 @@ impl KernelVfio {
                 api: KernelApi::Iommufd,
                 ioas,
                 adopted: None,
+                handed_over: false,
             });
         }
         let container = VfioContainer::new(kvm_vfio)
@@ -246,29 +265,68 @@ impl KernelVfio {
             api: KernelApi::Container,
             ioas: None,
             adopted: None,
+            handed_over: false,
         })
     }
 
     /// What a live update hands over of this context: a duplicate of its iommufd and the
-    /// id of the IOAS its devices are attached to. Refused for the container API (see the
-    /// module comment).
-    pub fn hand_over(&self) -> std::result::Result<(OwnedFd, u32), String> {
-        let Some((iommufd, ioas_id)) = &self.ioas else {
+    /// id of the IOAS its devices are attached to, or a duplicate of its type1 container
+    /// (refused, with the reason, where the kernel cannot move the mappings' host
+    /// addresses).
+    pub fn hand_over(&self) -> std::result::Result<ContextHandOver, String> {
+        if let Some((iommufd, ioas_id)) = &self.ioas {
+            // SAFETY: the iommufd stays open for as long as `iommufd`; borrowed only to be
+            // duplicated.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(iommufd.as_raw_fd()) };
+            let copy = fd
+                .try_clone_to_owned()
+                .map_err(|e| format!("cannot duplicate the iommufd: {e}"))?;
+            return Ok(ContextHandOver::Iommufd {
+                iommufd: copy,
+                ioas_id: *ioas_id,
+            });
+        }
+        let any = self.ops.as_any();
+        let container = (any.downcast_ref::<VfioContainer>().map(AsRawFd::as_raw_fd))
+            .or_else(|| {
+                (any.downcast_ref::<crate::type1::HandedOverContainer>())
+                    .map(|c| std::os::fd::AsFd::as_fd(c).as_raw_fd())
+            })
+            .ok_or("no type1 container to hand over")?;
+        // SAFETY: the container stays open for as long as `self.ops`; borrowed only to be
+        // asked about and duplicated.
+        let container = unsafe { std::os::fd::BorrowedFd::borrow_raw(container) };
+        if !crate::type1::supports_vaddr_update(container) {
             return Err(
-                "devices opened through the VFIO container/group API (a group \
-                        cannot be opened by a second process while this one holds it, and \
-                        vfio-ioctls rebuilds no group device from descriptors); through \
-                        iommufd (/dev/iommu and the device cdev) they are handed over"
+                "this kernel's type1 IOMMU cannot move a mapping's host address to \
+                        another process (no VFIO_UPDATE_VADDR: Linux before 5.12, or a \
+                        mediated device in the container)"
                     .into(),
             );
-        };
-        // SAFETY: the iommufd stays open for as long as `iommufd`; borrowed only to be
-        // duplicated.
-        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(iommufd.as_raw_fd()) };
-        let copy = fd
+        }
+        let copy = container
             .try_clone_to_owned()
-            .map_err(|e| format!("cannot duplicate the iommufd: {e}"))?;
-        Ok((copy, *ioas_id))
+            .map_err(|e| format!("cannot duplicate the container: {e}"))?;
+        Ok(ContextHandOver::Container { container: copy })
+    }
+
+    /// A live update's new process: the type1 container the old one handed over, its
+    /// mappings as they are (their host addresses moved with [`crate::type1::set_vaddr`]).
+    /// `groups` (IOMMU group number, file) were added to this VM's KVM VFIO device
+    /// `kvm_vfio` by the caller; both are held for as long as the context is.
+    pub fn adopt_container(
+        container: OwnedFd,
+        groups: Vec<(u32, OwnedFd)>,
+        kvm_vfio: Arc<VfioDeviceFd>,
+    ) -> Self {
+        let container = crate::type1::HandedOverContainer::new(container, groups, Some(kvm_vfio));
+        KernelVfio {
+            ops: Arc::new(container),
+            api: KernelApi::Container,
+            ioas: None,
+            adopted: None,
+            handed_over: true,
+        }
     }
 
     /// A live update's new process: the context the old one handed over (`iommufd`, its
@@ -292,18 +350,32 @@ impl KernelVfio {
             api: KernelApi::Iommufd,
             ioas: Some((iommufd, ioas_id)),
             adopted: Some(ops),
+            handed_over: true,
         })
     }
 
-    /// A device of an adopted context ([`KernelVfio::adopt`]) over its handed-over cdev,
-    /// still bound to the iommufd and attached to the IOAS: nothing is asked of it but its
-    /// regions and interrupts. `mark` says whether it is left alone when it goes.
+    /// A device of an adopted context over its handed-over file: a cdev still bound to the
+    /// iommufd and attached to the IOAS ([`KernelVfio::adopt`]), or a type1 group's device
+    /// file ([`KernelVfio::adopt_container`]). Nothing is asked of it but its regions and
+    /// interrupts. `mark` says whether it is left alone when it goes.
     pub fn adopt_device(
         &self,
-        cdev: OwnedFd,
+        file: OwnedFd,
         bdf: &str,
         mark: Arc<HandOverMark>,
     ) -> Result<KernelVfioDevice> {
+        if self.api == KernelApi::Container {
+            let device = crate::type1::HandedOverDevice::new(file)
+                .map_err(|e| std::io::Error::other(format!("adopt VFIO device {bdf}: {e}")))?;
+            return Ok(KernelVfioDevice::with_file(
+                DeviceFile::HandedOver(device),
+                bdf,
+                sysfs_path(bdf)?,
+                false,
+                mark,
+            ));
+        }
+        let cdev = file;
         let context = (self.adopted.clone())
             .ok_or_else(|| std::io::Error::other("not a handed-over iommufd context"))?;
         let device = VfioDevice::new_from_bound_fd(std::fs::File::from(cdev), context, false)
@@ -315,6 +387,19 @@ impl KernelVfio {
             true,
             mark,
         ))
+    }
+
+    /// A handed-over type1 container's file (None for any other context): where a live
+    /// update's new process moves the mappings' host addresses.
+    pub fn container(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        if !self.handed_over || self.api != KernelApi::Container {
+            return None;
+        }
+        (self
+            .ops
+            .as_any()
+            .downcast_ref::<crate::type1::HandedOverContainer>())
+        .map(std::os::fd::AsFd::as_fd)
     }
 
     pub fn api(&self) -> KernelApi {
@@ -348,6 +433,7 @@ impl KernelVfio {
             _ => Arc::new(OpsMapper {
                 ops: self.ops.clone(),
                 api: self.api,
+                handed_over: self.handed_over,
             }),
         }
     }
@@ -360,11 +446,13 @@ impl KernelVfio {
             KernelApi::Container => Ok(Arc::new(OpsMapper {
                 ops: self.ops.clone(),
                 api: self.api,
+                handed_over: self.handed_over,
             })),
             KernelApi::Iommufd => Err(PeerMappingUnsupported {
                 context: DmaMapper::name(&OpsMapper {
                     ops: self.ops.clone(),
                     api: self.api,
+                    handed_over: self.handed_over,
                 }),
                 reason: "IOMMU_IOAS_MAP cannot map PFNMAP (BAR) memory on this kernel".into(),
             }),
@@ -379,6 +467,7 @@ impl KernelVfio {
             api,
             ioas: None,
             adopted: None,
+            handed_over: false,
         }
     }
 }
@@ -393,9 +482,21 @@ impl KernelVfioDevice {
         cdev: bool,
         mark: Arc<HandOverMark>,
     ) -> Self {
+        let device = DeviceFile::Ioctls(std::mem::ManuallyDrop::new(device));
+        KernelVfioDevice::with_file(device, bdf, sysfs, cdev, mark)
+    }
+
+    /// The backend over `device`, its VFIO migration probed.
+    fn with_file(
+        device: DeviceFile,
+        bdf: &str,
+        sysfs: PathBuf,
+        cdev: bool,
+        mark: Arc<HandOverMark>,
+    ) -> Self {
         let migration = KernelMigration::probe(&device, bdf.to_string());
         KernelVfioDevice {
-            device: std::mem::ManuallyDrop::new(device),
+            device,
             name: bdf.to_string(),
             mappings: Vec::new(),
             migration,
@@ -422,22 +523,134 @@ impl KernelVfioDevice {
     /// A duplicate of the device file and the offset of region `index` in it: what a
     /// vfio-user peer is given to map this device's BAR (None if it cannot be mmapped).
     pub fn region_file(&self, index: u32) -> Option<(std::os::fd::OwnedFd, u64)> {
-        if self.device.get_region_flags(index) & REGION_MMAP == 0 {
+        if self.device.region_flags(index) & REGION_MMAP == 0 {
             return None;
         }
         // SAFETY: the device fd is open for as long as `self.device`; borrowing it only to
         // duplicate it.
         let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.device.as_raw_fd()) };
         let copy = fd.try_clone_to_owned().ok()?;
-        Some((copy, self.device.get_region_offset(index)))
+        Some((copy, self.device.region_offset(index)))
+    }
+}
+
+/// The device file a [`KernelVfioDevice`] drives.
+enum DeviceFile {
+    /// Opened by vfio-ioctls. Dropped with the device unless another process runs it now
+    /// (its `mark`): vfio-ioctls' drop detaches the device from its IOAS or group.
+    Ioctls(std::mem::ManuallyDrop<VfioDevice>),
+    /// A type1 group's device file a live update handed over (vfio-ioctls builds no group
+    /// device from a descriptor; see [`crate::type1`]).
+    HandedOver(crate::type1::HandedOverDevice),
+}
+
+impl DeviceFile {
+    fn region_flags(&self, index: u32) -> u32 {
+        match self {
+            DeviceFile::Ioctls(device) => device.get_region_flags(index),
+            DeviceFile::HandedOver(device) => device.region_flags(index),
+        }
+    }
+
+    fn region_offset(&self, index: u32) -> u64 {
+        match self {
+            DeviceFile::Ioctls(device) => device.get_region_offset(index),
+            DeviceFile::HandedOver(device) => device.region_offset(index),
+        }
+    }
+
+    fn region_size(&self, index: u32) -> u64 {
+        match self {
+            DeviceFile::Ioctls(device) => device.get_region_size(index),
+            DeviceFile::HandedOver(device) => device.region_size(index),
+        }
+    }
+
+    fn region_read(&self, index: u32, data: &mut [u8], offset: u64) -> Result<()> {
+        match self {
+            DeviceFile::Ioctls(device) => device.region_read(index, data, offset),
+            DeviceFile::HandedOver(device) => device.region_read(index, data, offset)?,
+        }
+        Ok(())
+    }
+
+    fn region_write(&self, index: u32, data: &[u8], offset: u64) -> Result<()> {
+        match self {
+            DeviceFile::Ioctls(device) => device.region_write(index, data, offset),
+            DeviceFile::HandedOver(device) => device.region_write(index, data, offset)?,
+        }
+        Ok(())
+    }
+
+    fn irq_count(&self, index: u32) -> Option<u32> {
+        match self {
+            DeviceFile::Ioctls(device) => device.get_irq_info(index).map(|irq| irq.count),
+            DeviceFile::HandedOver(device) => device.irq_count(index),
+        }
+    }
+
+    fn enable_irq(&self, index: u32, eventfds: &[&EventFd]) -> Result<()> {
+        match self {
+            DeviceFile::Ioctls(device) => device
+                .enable_irq(index, eventfds.to_vec())
+                .map_err(interrupt_error),
+            DeviceFile::HandedOver(device) => device
+                .enable_irq(index, eventfds)
+                .map_err(VfioError::Interrupts),
+        }
+    }
+
+    fn disable_irq(&self, index: u32) -> Result<()> {
+        match self {
+            DeviceFile::Ioctls(device) => device.disable_irq(index).map_err(interrupt_error),
+            DeviceFile::HandedOver(device) => {
+                device.disable_irq(index).map_err(VfioError::Interrupts)
+            }
+        }
+    }
+
+    fn unmask_irq(&self, index: u32) -> Result<()> {
+        match self {
+            DeviceFile::Ioctls(device) => device.unmask_irq(index).map_err(interrupt_error),
+            DeviceFile::HandedOver(device) => {
+                device.unmask_irq(index).map_err(VfioError::Interrupts)
+            }
+        }
+    }
+
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            DeviceFile::Ioctls(device) => device.as_raw_fd(),
+            DeviceFile::HandedOver(device) => device.as_raw_fd(),
+        }
+    }
+
+    fn migration_ops(&self) -> &dyn crate::migration::MigrationOps {
+        match self {
+            DeviceFile::Ioctls(device) => &**device,
+            DeviceFile::HandedOver(device) => device,
+        }
+    }
+}
+
+impl crate::migration::MigrationOps for DeviceFile {
+    fn query_migration_support(&self) -> std::io::Result<Option<u64>> {
+        self.migration_ops().query_migration_support()
+    }
+    fn set_migration_state(&self, state: u32) -> std::io::Result<()> {
+        self.migration_ops().set_migration_state(state)
+    }
+    fn read_migration_data(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.migration_ops().read_migration_data(buf)
+    }
+    fn write_migration_data(&self, data: &[u8]) -> std::io::Result<()> {
+        self.migration_ops().write_migration_data(data)
     }
 }
 
 /// A device opened through kernel VFIO.
 pub struct KernelVfioDevice {
-    /// Dropped with the device unless another process runs it now (`mark`): vfio-ioctls'
-    /// drop detaches the device from its IOAS.
-    device: std::mem::ManuallyDrop<VfioDevice>,
+    device: DeviceFile,
     name: String,
     /// (address, length) of BAR mmaps, unmapped on drop.
     mappings: Vec<(usize, usize)>,
@@ -470,30 +683,28 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn region_info(&self, index: u32) -> Option<RegionInfo> {
-        let size = self.device.get_region_size(index);
+        let size = self.device.region_size(index);
         (size > 0).then(|| RegionInfo {
             index,
             size,
-            flags: self.device.get_region_flags(index),
+            flags: self.device.region_flags(index),
             mmap_areas: Vec::new(),
         })
     }
 
     fn region_read(&mut self, index: u32, offset: u64, data: &mut [u8]) -> Result<()> {
-        self.device.region_read(index, data, offset);
-        Ok(())
+        self.device.region_read(index, data, offset)
     }
 
     fn region_write(&mut self, index: u32, offset: u64, data: &[u8]) -> Result<()> {
-        self.device.region_write(index, data, offset);
-        Ok(())
+        self.device.region_write(index, data, offset)
     }
 
     fn mmap_region(&mut self, index: u32, offset: u64, size: u64) -> Result<Option<*mut u8>> {
-        if self.device.get_region_flags(index) & REGION_MMAP == 0 {
+        if self.device.region_flags(index) & REGION_MMAP == 0 {
             return Ok(None);
         }
-        let file_offset = self.device.get_region_offset(index) + offset;
+        let file_offset = self.device.region_offset(index) + offset;
         // The kernel validates offset and length against the BAR.
         let address = crate::mmap_shared(self.device.as_raw_fd(), file_offset, size as usize)?;
         self.mappings.push((address as usize, size as usize));
@@ -501,54 +712,41 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn msix_vectors(&mut self) -> Result<u32> {
-        Ok(self
-            .device
-            .get_irq_info(VFIO_PCI_MSIX_IRQ_INDEX)
-            .map_or(0, |irq| irq.count))
+        Ok(self.device.irq_count(VFIO_PCI_MSIX_IRQ_INDEX).unwrap_or(0))
     }
 
     fn enable_msix(&mut self, eventfds: &[&EventFd]) -> Result<()> {
-        self.device
-            .enable_msix(eventfds.to_vec())
-            .map_err(interrupt_error)
+        self.device.enable_irq(VFIO_PCI_MSIX_IRQ_INDEX, eventfds)
     }
 
     fn disable_msix(&mut self) -> Result<()> {
-        self.device.disable_msix().map_err(interrupt_error)
+        self.device.disable_irq(VFIO_PCI_MSIX_IRQ_INDEX)
     }
 
     fn enable_msi(&mut self, eventfds: &[&EventFd]) -> Result<()> {
-        self.device
-            .enable_msi(eventfds.to_vec())
-            .map_err(interrupt_error)
+        self.device.enable_irq(VFIO_PCI_MSI_IRQ_INDEX, eventfds)
     }
 
     fn disable_msi(&mut self) -> Result<()> {
-        self.device.disable_msi().map_err(interrupt_error)
+        self.device.disable_irq(VFIO_PCI_MSI_IRQ_INDEX)
     }
 
     fn intx_supported(&mut self) -> bool {
         self.device
-            .get_irq_info(VFIO_PCI_INTX_IRQ_INDEX)
-            .is_some_and(|irq| irq.count > 0)
+            .irq_count(VFIO_PCI_INTX_IRQ_INDEX)
+            .is_some_and(|count| count > 0)
     }
 
     fn enable_intx(&mut self, trigger: &EventFd) -> Result<()> {
-        self.device
-            .enable_irq(VFIO_PCI_INTX_IRQ_INDEX, vec![trigger])
-            .map_err(interrupt_error)
+        self.device.enable_irq(VFIO_PCI_INTX_IRQ_INDEX, &[trigger])
     }
 
     fn disable_intx(&mut self) -> Result<()> {
-        self.device
-            .disable_irq(VFIO_PCI_INTX_IRQ_INDEX)
-            .map_err(interrupt_error)
+        self.device.disable_irq(VFIO_PCI_INTX_IRQ_INDEX)
     }
 
     fn unmask_intx(&mut self) -> Result<()> {
-        self.device
-            .unmask_irq(VFIO_PCI_INTX_IRQ_INDEX)
-            .map_err(interrupt_error)
+        self.device.unmask_irq(VFIO_PCI_INTX_IRQ_INDEX)
     }
 
     /// Guest RAM is mapped once per IOMMU context with [`KernelVfio::dma_mapper`], not per
@@ -573,20 +771,20 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
-        self.migration.set_state(&*self.device, state)
+        self.migration.set_state(&self.device, state)
     }
 
     fn read_migration_data(&mut self, buf: &mut [u8]) -> Result<usize> {
-        self.migration.read(&*self.device, buf)
+        self.migration.read(&self.device, buf)
     }
 
     fn write_migration_data(&mut self, data: &[u8]) -> Result<()> {
-        self.migration.write(&*self.device, data)
+        self.migration.write(&self.device, data)
     }
 }
 
 /// `_IO(VFIO_TYPE, VFIO_BASE + nr)` (linux/vfio.h).
-const fn vfio_io(nr: u32) -> libc::c_ulong {
+pub(crate) const fn vfio_io(nr: u32) -> libc::c_ulong {
     ((b';' as libc::c_ulong) << 8) | (100 + nr) as libc::c_ulong
 }
 const VFIO_DEVICE_GET_INFO: libc::c_ulong = vfio_io(7);
@@ -596,7 +794,7 @@ const VFIO_DEVICE_PCI_HOT_RESET: libc::c_ulong = vfio_io(13);
 
 /// The reset ioctls on one opened device; [`crate::reset`] picks the method.
 struct ResetIoctls<'a> {
-    device: &'a VfioDevice,
+    device: &'a DeviceFile,
     sysfs: &'a Path,
     cdev: bool,
 }
@@ -670,7 +868,7 @@ impl crate::reset::KernelResetOps for ResetIoctls<'_> {
     }
 
     fn read_ids(&self) -> std::io::Result<u32> {
-        let offset = self.device.get_region_offset(crate::region::CONFIG);
+        let offset = self.device.region_offset(crate::region::CONFIG);
         let mut ids = [0u8; 4];
         // SAFETY: a read into a 4-byte buffer we own, from the open device fd.
         let read = unsafe {
@@ -701,12 +899,7 @@ impl crate::reset::KernelResetOps for ResetIoctls<'_> {
 
     fn group_fd(&self, group: u32) -> Option<std::os::fd::RawFd> {
         // vfio-ioctls keeps its group files to itself; they are among this process's fds.
-        let wanted = PathBuf::from(format!("/dev/vfio/{group}"));
-        std::fs::read_dir("/proc/self/fd")
-            .ok()?
-            .flatten()
-            .find(|entry| std::fs::read_link(entry.path()).is_ok_and(|target| target == wanted))
-            .and_then(|entry| entry.file_name().to_str()?.parse().ok())
+        crate::type1::open_group_fd(group)
     }
 
     fn cdev(&self) -> bool {
@@ -720,9 +913,11 @@ impl Drop for KernelVfioDevice {
             // SAFETY: each mapping was created by mmap_region with this length.
             unsafe { libc::munmap(address as *mut libc::c_void, len) };
         }
-        if !self.mark.leaves_device_alone() {
-            // SAFETY: dropped once, here, and never used again.
-            unsafe { std::mem::ManuallyDrop::drop(&mut self.device) };
+        if let DeviceFile::Ioctls(device) = &mut self.device {
+            if !self.mark.leaves_device_alone() {
+                // SAFETY: dropped once, here, and never used again.
+                unsafe { std::mem::ManuallyDrop::drop(device) };
+            }
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod pci;
 pub mod reset;
 pub mod sysfs;
 pub mod topology;
+pub mod type1;
 pub mod user;
 pub mod user_handover;
 

@@ -231,6 +231,11 @@ impl RamChunks {
             .map_err(VfioError::Io)
     }
 
+    /// The chunks, each one DMA map call of a context that maps them all.
+    pub(crate) fn chunks(&self) -> &[DmaRegion] {
+        &self.chunks
+    }
+
     pub(crate) fn total(&self) -> u64 {
         self.total
     }

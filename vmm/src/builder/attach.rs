@@ -459,6 +459,7 @@ fn attach_devices(
         }
         devices.handover.kernel = Some(crate::update::handed_over::PluggedKernelContext {
             hand_over: vfio.hand_over(),
+            addresses_away: Default::default(),
             dma: progress,
             devices: handed_over,
         });

@@ -405,6 +405,7 @@ impl PreparedMachine {
                 kernel_vfio,
             )
         })
+        .map(|()| crate::update::passthrough::finish_peer_adoption(&self.base.devices))
         .map_err(|reason| SnapshotError::Invalid {
             dir: source.to_path_buf(),
             reason,

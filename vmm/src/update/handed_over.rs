@@ -50,9 +50,12 @@ pub struct PluggedVfioUser {
 
 /// A VM's cold-plugged kernel VFIO devices and their IOMMU context.
 pub struct PluggedKernelContext {
-    /// A duplicate of the context's iommufd and the id of the devices' IOAS, or why the
-    /// context cannot be handed over (the container API).
-    pub hand_over: Result<(OwnedFd, u32), String>,
+    /// A duplicate of the context's iommufd and the id of the devices' IOAS, or of its
+    /// type1 container; or why the context cannot be handed over.
+    pub hand_over: Result<gpuvm_vfio::kernel::ContextHandOver, String>,
+    /// Set while a live update has moved the type1 mappings' host addresses away from
+    /// this process (until it commits, or they come back when it fails).
+    pub addresses_away: std::sync::atomic::AtomicBool,
     /// Guest RAM being (or done being) DMA-mapped in the context.
     pub dma: Arc<DmaProgress>,
     pub devices: Vec<PluggedKernelVfio>,
@@ -71,12 +74,23 @@ pub struct PluggedKernelVfio {
 }
 
 /// The kernel VFIO devices in an offer: the IOAS their iommufd keeps the mappings in, and
-/// the devices (host PCI addresses) whose cdevs follow the iommufd, in this order.
+/// the devices (host PCI addresses) whose cdevs follow the iommufd, in this order. Or,
+/// for a type1 container (`type1_groups` set, `ioas_id` 0): the container, then each
+/// group's file (these IOMMU groups, in this order), then each device's file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OfferedKernelVfio {
     pub ioas_id: u32,
     pub devices: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub type1_groups: Option<Vec<u32>>,
+}
+
+impl OfferedKernelVfio {
+    /// The descriptors that follow in the offer.
+    pub fn descriptor_count(&self) -> usize {
+        1 + self.type1_groups.as_ref().map_or(0, Vec::len) + self.devices.len()
+    }
 }
 
 /// The kernel VFIO devices in the paused state: the guest RAM their context has mapped
@@ -85,6 +99,10 @@ pub struct OfferedKernelVfio {
 #[serde(deny_unknown_fields)]
 pub struct HandedOverKernelContext {
     pub dma_mapped: Vec<(u64, u64, u64)>,
+    /// A type1 container's mappings (IOVA, size: each one VFIO_IOMMU_MAP_DMA) whose host
+    /// addresses the old process invalidated: the new process gives them its own.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub type1_vaddr: Vec<(u64, u64)>,
     pub devices: Vec<HandedOverKernelVfio>,
 }
 

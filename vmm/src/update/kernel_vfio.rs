@@ -1,26 +1,34 @@
-//! Cold-plugged kernel VFIO devices (`--gpu BDF`, opened through iommufd) across a live
-//! update: the device never stops and guest RAM is never unmapped or pinned again.
+//! Cold-plugged kernel VFIO devices (`--gpu BDF`, through iommufd or a type1 container)
+//! across a live update: the device never stops and guest RAM is never unmapped or pinned
+//! again.
 //!
-//! The old process hands over its iommufd (whose IOAS holds every mapping and pin of guest
-//! RAM) and each device's cdev (bound to that iommufd, attached to the IOAS), and, with the
-//! paused state, each device's PCI state (as for a vfio-user device) and the RAM its
-//! context has mapped. The new process builds its context and devices over those
-//! descriptors ([`gpuvm_vfio::kernel::KernelVfio::adopt`]), adds the cdevs to its own KVM
-//! VFIO pseudo-device and plugs each device back into its slot: no reset, no DMA map, no
-//! attach. Its interrupts change as a vfio-user device's do: loading the PCI state arms
+//! iommufd: the old process hands over its iommufd (whose IOAS holds every mapping and pin
+//! of guest RAM) and each device's cdev (bound to that iommufd, attached to the IOAS).
+//! type1: the container (holding every mapping and pin), each group's file and each
+//! device's file; once its vCPUs are paused the old process invalidates the mappings' host
+//! addresses and the new one gives its own (gpuvm_vfio::type1; a failed update gives the
+//! old ones back). With the paused state go each device's PCI state (as for a vfio-user
+//! device) and the RAM its context has mapped. The new process builds its context and
+//! devices over those descriptors ([`gpuvm_vfio::kernel::KernelVfio::adopt`],
+//! [`gpuvm_vfio::kernel::KernelVfio::adopt_container`]), adds the cdevs or groups to its
+//! own KVM VFIO pseudo-device and plugs each device back into its slot: no reset, no DMA
+//! map, no attach. Its interrupts change as a vfio-user device's do: loading the PCI state arms
 //! MSI/MSI-X (or INTx) with the new VM's eventfds (VFIO_DEVICE_SET_IRQS swaps the
 //! triggers), and a failed update re-arms the old process's.
 //!
 //! Whichever process does not run the VM marks the devices handed over
 //! ([`gpuvm_vfio::kernel::HandOverMark`]): its teardown then neither resets them nor
-//! detaches them from the IOAS (which vfio-ioctls' drop would do to the shared cdev).
-//! The container/group API is refused with the reason (see gpuvm_vfio::kernel).
+//! detaches them from the IOAS or group (which vfio-ioctls' drop would do to the shared
+//! file).
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::atomic::Ordering;
+
 use gpuvm_vfio::dma::DmaMapper;
-use gpuvm_vfio::kernel::{HandOverMark, KernelVfio};
+use gpuvm_vfio::kernel::{ContextHandOver, HandOverMark, KernelVfio};
 use gpuvm_vfio::DmaRegion;
 
 use super::handed_over::{
@@ -76,8 +84,9 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
     None
 }
 
-/// The offer's part: the context's IOAS and devices, and their descriptors (the iommufd,
-/// then each device's cdev). None without kernel VFIO devices.
+/// The offer's part: the context's IOAS or container and devices, and their descriptors
+/// (the iommufd, or the container and each group's file; then each device's file). None
+/// without kernel VFIO devices.
 pub(super) fn offer(
     handover: &PassthroughHandOver,
 ) -> Result<(Option<OfferedKernelVfio>, Vec<OwnedFd>), UpdateError> {
@@ -88,20 +97,92 @@ pub(super) fn offer(
         fd.try_clone()
             .map_err(|e| UpdateError::Save(format!("cannot duplicate {what}: {e}")))
     };
-    let (iommufd, ioas_id) =
-        (context.hand_over.as_ref()).map_err(|e| UpdateError::Save(e.clone()))?;
-    let mut fds = vec![duplicate(iommufd, "the iommufd")?];
+    let hosts: Vec<&str> = (context.devices.iter())
+        .map(|d| d.host_bdf.as_str())
+        .collect();
+    let (mut fds, ioas_id, type1_groups) = match (context.hand_over.as_ref())
+        .map_err(|e| UpdateError::Save(e.clone()))?
+    {
+        ContextHandOver::Iommufd { iommufd, ioas_id } => {
+            (vec![duplicate(iommufd, "the iommufd")?], *ioas_id, None)
+        }
+        ContextHandOver::Container { container } => {
+            let groups = gpuvm_vfio::type1::group_files(&hosts)
+                .map_err(|e| UpdateError::Save(format!("the type1 devices' group files: {e}")))?;
+            let (ids, files): (Vec<u32>, Vec<OwnedFd>) = groups.into_iter().unzip();
+            let mut fds = vec![duplicate(container, "the type1 container")?];
+            fds.extend(files);
+            (fds, 0, Some(ids))
+        }
+    };
     for device in &context.devices {
-        let cdev = (device.cdev.as_ref()).map_err(|e| UpdateError::Save(e.clone()))?;
-        fds.push(duplicate(cdev, &format!("{}'s cdev", device.host_bdf))?);
+        let file = (device.cdev.as_ref()).map_err(|e| UpdateError::Save(e.clone()))?;
+        fds.push(duplicate(
+            file,
+            &format!("{}'s device file", device.host_bdf),
+        )?);
     }
     let offered = OfferedKernelVfio {
-        ioas_id: *ioas_id,
-        devices: (context.devices.iter())
-            .map(|d| d.host_bdf.clone())
-            .collect(),
+        ioas_id,
+        devices: hosts.iter().map(|h| h.to_string()).collect(),
+        type1_groups,
     };
     Ok((Some(offered), fds))
+}
+
+/// The type1 container of the context, if that is what it is.
+fn type1_container(handover: &PassthroughHandOver) -> Option<&OwnedFd> {
+    match handover.kernel.as_ref()?.hand_over.as_ref().ok()? {
+        ContextHandOver::Container { container } => Some(container),
+        ContextHandOver::Iommufd { .. } => None,
+    }
+}
+
+/// With the vCPUs paused: a type1 context's mappings of guest RAM (`ram`, as this process
+/// DMA-mapped it) lose their host addresses here, for the new process to give its own;
+/// they are returned for the paused state. Nothing for iommufd or without kernel VFIO.
+pub(super) fn move_addresses_away(
+    handover: &PassthroughHandOver,
+    ram: &gpuvm_memory::GuestRam,
+) -> Result<Vec<(u64, u64)>, UpdateError> {
+    let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
+        return Ok(Vec::new());
+    };
+    let chunks = crate::dma::RamChunks::new(ram);
+    let mappings: Vec<(u64, u64)> = (chunks.chunks().iter())
+        .map(|c| (c.guest_addr, c.size))
+        .collect();
+    gpuvm_vfio::type1::invalidate_vaddr(container.as_fd(), &mappings, chunks.chunks())
+        .map_err(|e| UpdateError::Save(format!("kernel VFIO (type1): {e}")))?;
+    context.addresses_away.store(true, Ordering::Release);
+    log::info!(
+        "kernel VFIO (type1): {} DMA mappings' host addresses invalidated for the new process \
+         (VFIO_DMA_UNMAP_FLAG_VADDR; the device's DMA goes on)",
+        mappings.len()
+    );
+    Ok(mappings)
+}
+
+/// After a failed update: a type1 context's mappings take this process's host addresses
+/// again (the new process may have given its own already).
+pub(super) fn take_addresses_back(handover: &PassthroughHandOver, ram: &gpuvm_memory::GuestRam) {
+    let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
+        return;
+    };
+    if !context.addresses_away.swap(false, Ordering::AcqRel) {
+        return;
+    }
+    let chunks = crate::dma::RamChunks::new(ram);
+    match gpuvm_vfio::type1::restore_vaddr(container.as_fd(), chunks.chunks()) {
+        Ok(()) => log::info!(
+            "kernel VFIO (type1): {} DMA mappings back on this process's addresses",
+            chunks.chunks().len()
+        ),
+        Err(error) => log::error!(
+            "kernel VFIO (type1): the DMA mappings cannot take this process's addresses back \
+             ({error}): the device's DMA goes on, but the kernel cannot pin through them again"
+        ),
+    }
 }
 
 /// Each device's PCI state and the RAM the context has mapped (`ram`: the VM's RAM as DMA
@@ -139,6 +220,7 @@ pub(super) fn save(
         dma_mapped: (ram.iter())
             .map(|r| (r.guest_addr, r.size, r.fd_offset))
             .collect(),
+        type1_vaddr: Vec::new(),
         devices,
     }))
 }
@@ -159,17 +241,24 @@ pub(super) fn devices(handover: &PassthroughHandOver) -> impl Iterator<Item = &P
     handover.kernel.iter().flat_map(|context| &context.devices)
 }
 
-/// The kernel VFIO devices from the offer, until they are plugged: the iommufd and the
-/// cdevs, and their marks (provisional: left alone here unless this process commits).
+/// The kernel VFIO devices from the offer, until they are plugged: the iommufd or the
+/// type1 container (`context`) and groups, the device files (`cdevs`), and their marks
+/// (provisional: left alone here unless this process commits).
 pub struct IncomingKernelVfio {
     pub offered: OfferedKernelVfio,
-    iommufd: OwnedFd,
+    context: OwnedFd,
+    groups: Vec<OwnedFd>,
     cdevs: Vec<OwnedFd>,
     pub marks: Vec<Arc<HandOverMark>>,
 }
 
 impl IncomingKernelVfio {
-    pub fn new(offered: OfferedKernelVfio, iommufd: OwnedFd, cdevs: Vec<OwnedFd>) -> Self {
+    pub fn new(
+        offered: OfferedKernelVfio,
+        context: OwnedFd,
+        groups: Vec<OwnedFd>,
+        cdevs: Vec<OwnedFd>,
+    ) -> Self {
         let marks = (cdevs.iter())
             .map(|_| {
                 let mark = Arc::new(HandOverMark::default());
@@ -179,7 +268,8 @@ impl IncomingKernelVfio {
             .collect();
         IncomingKernelVfio {
             offered,
-            iommufd,
+            context,
+            groups,
             cdevs,
             marks,
         }
@@ -221,13 +311,22 @@ pub(crate) fn plug_handed_over(
             incoming.offered.devices
         ));
     }
-    let kvm_vfio = crate::pci::create_kvm_vfio_device(vm).map_err(|e| e.to_string())?;
-    let vfio = KernelVfio::adopt(
-        incoming.iommufd,
-        incoming.offered.ioas_id,
-        Some(Arc::new(kvm_vfio)),
-    )
-    .map_err(|e| e.to_string())?;
+    let vfio = match &incoming.offered.type1_groups {
+        None => {
+            let kvm_vfio = crate::pci::create_kvm_vfio_device(vm).map_err(|e| e.to_string())?;
+            KernelVfio::adopt(
+                incoming.context,
+                incoming.offered.ioas_id,
+                Some(Arc::new(kvm_vfio)),
+            )
+            .map_err(|e| e.to_string())?
+        }
+        Some(ids) => {
+            let kvm_vfio = kvm_vfio_with_groups(vm, &incoming.groups)?;
+            let groups = ids.iter().copied().zip(incoming.groups).collect();
+            KernelVfio::adopt_container(incoming.context, groups, kvm_vfio)
+        }
+    };
     let chunks = crate::dma::RamChunks::new(ram);
     let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
         vfio.dma_mapper(),
@@ -284,6 +383,16 @@ pub(crate) fn plug_handed_over(
             mark,
         });
     }
+    if let Some(container) = vfio.container() {
+        let own = crate::dma::RamChunks::regions_of(ram);
+        let moved = gpuvm_vfio::type1::own_chunks(&saved.type1_vaddr, &own)
+            .and_then(|chunks| gpuvm_vfio::type1::set_vaddr(container, &chunks))
+            .map_err(|e| format!("kernel VFIO (type1): {e}"))?;
+        log::info!(
+            "kernel VFIO (type1): {moved} DMA mappings now use this process's addresses \
+             (VFIO_DMA_MAP_FLAG_VADDR; nothing unmapped or pinned again)"
+        );
+    }
     let mapping = chunks
         .start(
             progress.clone(),
@@ -294,10 +403,46 @@ pub(crate) fn plug_handed_over(
     devices.dma_mappings.push(mapping);
     devices.handover.kernel = Some(PluggedKernelContext {
         hand_over: vfio.hand_over(),
+        addresses_away: Default::default(),
         dma: progress,
         devices: plugged,
     });
     Ok(())
+}
+
+/// This VM's KVM VFIO pseudo-device with the handed-over type1 groups added
+/// (KVM_DEV_VFIO_GROUP_ADD), as vfio-ioctls adds the groups it opens.
+fn kvm_vfio_with_groups(
+    vm: &kvm_ioctls::VmFd,
+    groups: &[OwnedFd],
+) -> Result<Arc<gpuvm_vfio::kernel::VfioDeviceFd>, String> {
+    use kvm_bindings::{
+        kvm_create_device, kvm_device_attr, kvm_device_type_KVM_DEV_TYPE_VFIO, KVM_DEV_VFIO_GROUP,
+        KVM_DEV_VFIO_GROUP_ADD,
+    };
+    let mut request = kvm_create_device {
+        type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
+        fd: 0,
+        flags: 0,
+    };
+    let device = vm
+        .create_device(&mut request)
+        .map_err(|e| format!("the KVM VFIO device: {e}"))?;
+    for group in groups {
+        let fd: i32 = group.as_raw_fd();
+        let attr = kvm_device_attr {
+            group: KVM_DEV_VFIO_GROUP,
+            attr: u64::from(KVM_DEV_VFIO_GROUP_ADD),
+            addr: &fd as *const i32 as u64,
+            flags: 0,
+        };
+        device
+            .set_device_attr(&attr)
+            .map_err(|e| format!("KVM_DEV_VFIO_GROUP_ADD of a handed-over group: {e}"))?;
+    }
+    Ok(Arc::new(gpuvm_vfio::kernel::VfioDeviceFd::new_from_kvm(
+        device,
+    )))
 }
 
 /// Whether `label` (an entry of `MachineDevices::passthrough`) is a cold-plugged kernel

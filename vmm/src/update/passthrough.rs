@@ -254,7 +254,8 @@ impl DmaMapper for AlreadyMapped {
 /// (which gives the device this VM's interrupt eventfds). Hot-plugged GPUs go back to PCI
 /// hot-plug (crate::hotplug::PciHotplug::adopt_handed_over), which can eject them later.
 /// Each joins the VM's peers again; the `peer_mappings` the old process made between them
-/// are taken as made (the devices keep them), none mapped again.
+/// are taken as made (the devices keep them), none mapped again ([`finish_peer_adoption`]
+/// once the kernel VFIO devices are plugged too).
 /// Runs with the old process's vCPUs paused, before this VM's root leaves its restore mode.
 pub(crate) fn plug_handed_over(
     vm: &kvm_ioctls::VmFd,
@@ -281,11 +282,17 @@ pub(crate) fn plug_handed_over(
         };
         plugged.map_err(|reason| format!("{}: {reason}", saved.socket.display()))?;
     }
-    if let Some(peers) = peers {
-        // Errors are logged: a stale mapping left in a device is not worth the VM.
-        peers.finish_adoption();
-    }
     Ok(())
+}
+
+/// After every handed-over device is plugged (vfio-user and kernel VFIO: a type1 context's
+/// peer mappings are claimed by its devices too): the peer mappings no device claimed are
+/// removed ([`crate::p2p::PeerDma::finish_adoption`]).
+pub(crate) fn finish_peer_adoption(devices: &crate::devices::MachineDevices) {
+    if let Some(parts) = &devices.handover.plug {
+        // Errors are logged: a stale mapping left in a device is not worth the VM.
+        parts.peers.finish_adoption();
+    }
 }
 
 /// The device over a handed-over backend (a vfio-user connection, a kernel VFIO cdev), as

@@ -54,8 +54,9 @@ pub const MAX_TAP_QUEUES: usize = 64;
 /// The most descriptors the vfio-user devices of an offer may bring (each its connection
 /// and its region files), after the tap queues.
 pub const MAX_VFIO_USER_FDS: usize = 16;
-/// The most kernel VFIO devices an offer may bring (each its cdev), after the iommufd
-/// they are bound to, after the vfio-user devices' descriptors.
+/// The most kernel VFIO devices an offer may bring (each its cdev, or a type1 group's device
+/// file and at most as many group files), after the iommufd or container they are bound
+/// to, after the vfio-user devices' descriptors.
 pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
 /// The most vhost-user devices an offer may bring (each its connection's socket).
 pub const MAX_VHOST_USER: usize = 16;
@@ -73,7 +74,7 @@ const MAX_FDS: usize = {
         + MAX_TAP_QUEUES
         + MAX_VFIO_USER_FDS
         + 1
-        + MAX_KERNEL_VFIO_DEVICES
+        + 2 * MAX_KERNEL_VFIO_DEVICES
         + 2
         + 1
         + MAX_VHOST_USER;
@@ -204,7 +205,7 @@ impl OfferMeta {
             + self
                 .kernel_vfio
                 .as_ref()
-                .map_or(0, |kernel| 1 + kernel.devices.len())
+                .map_or(0, super::handed_over::OfferedKernelVfio::descriptor_count)
             + (self.outputs.as_ref()).map_or(0, crate::outputs::HandedOverOutputs::descriptor_count)
             + usize::from(self.vsock_listener)
             + self.vhost_user.len()

@@ -154,11 +154,24 @@ pub fn accept(
     let kernel_vfio = match &meta.kernel_vfio {
         None => None,
         Some(offered) => {
-            let iommufd = next()?;
+            let groups = offered.type1_groups.as_ref().map_or(0, Vec::len);
+            if groups > offered.devices.len() {
+                return Err(UpdateError::Protocol(format!(
+                    "the offer brings {groups} type1 groups for {} devices",
+                    offered.devices.len()
+                )));
+            }
+            let context = next()?;
+            let groups = (0..groups).map(|_| next()).collect::<Result<Vec<_>, _>>()?;
             let cdevs = (offered.devices.iter())
                 .map(|_| next())
                 .collect::<Result<Vec<_>, _>>()?;
-            Some(IncomingKernelVfio::new(offered.clone(), iommufd, cdevs))
+            Some(IncomingKernelVfio::new(
+                offered.clone(),
+                context,
+                groups,
+                cdevs,
+            ))
         }
     };
     let outputs = match &meta.outputs {
@@ -811,6 +824,7 @@ mod tests {
             kernel_vfio: Some(super::super::handed_over::OfferedKernelVfio {
                 ioas_id: 2,
                 devices: vec!["0000:00:04.0".into(), "0000:00:05.0".into()],
+                type1_groups: None,
             }),
             ..empty_offer()
         };
@@ -821,6 +835,38 @@ mod tests {
             .expect("one cdev short")
             .to_string();
         assert!(error.contains("descriptors"), "{error}");
+    }
+
+    /// A forged type1 offer: the container, each group's file and each device's file must
+    /// come, and more groups than devices is refused before anything is taken.
+    #[test]
+    fn a_type1_offer_brings_its_container_groups_and_device_files() {
+        use std::os::fd::AsRawFd;
+        let offered = |groups: Vec<u32>| super::super::handed_over::OfferedKernelVfio {
+            ioas_id: 0,
+            devices: vec!["0000:00:04.0".into()],
+            type1_groups: Some(groups),
+        };
+        let meta = OfferMeta {
+            kernel_vfio: Some(offered(vec![7])),
+            ..empty_offer()
+        };
+        assert_eq!(meta.descriptor_count(), OFFER_FDS + 3);
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let error = accept_offer(&meta, &[null.as_raw_fd(), null.as_raw_fd()])
+            .err()
+            .expect("the device file short")
+            .to_string();
+        assert!(error.contains("descriptors"), "{error}");
+        let meta = OfferMeta {
+            kernel_vfio: Some(offered(vec![7, 8])),
+            ..empty_offer()
+        };
+        let error = accept_offer(&meta, &[null.as_raw_fd(); 4])
+            .err()
+            .expect("two groups for one device")
+            .to_string();
+        assert!(error.contains("2 type1 groups for 1 devices"), "{error}");
     }
 
     /// A forged offer's outputs: both descriptors must come, or the offer is refused

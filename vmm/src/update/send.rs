@@ -113,6 +113,7 @@ pub fn hand_over(
             // The new process may have given the vfio-user devices its interrupts.
             let devices = running.machine().devices();
             passthrough::rearm(&devices.handover);
+            kernel_vfio::take_addresses_back(&devices.handover, running.machine().ram());
             if let Some(hotplug) = &devices.pci_hotplug {
                 hotplug.handover_rearm();
             }
@@ -427,6 +428,12 @@ fn hand_paused_and_commit(
 ) -> Result<usize, UpdateError> {
     let paused_at_ns = protocol::monotonic_ns();
     let mut state = save_state(running, true)?;
+    // A type1 container's mappings: their host addresses become the new process's to give.
+    if let Some(kernel) = state.devices.handed_over_kernel_vfio.as_mut() {
+        let machine = running.machine();
+        kernel.type1_vaddr =
+            kernel_vfio::move_addresses_away(&machine.devices().handover, machine.ram())?;
+    }
     // As the API last changed it, with the tokens the guest took since the offer.
     state.devices.handed_over_mmds = mmds.save();
     // The vsock connections go on in the new process: their state, sockets beside.
@@ -536,8 +543,8 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
         return Err(UpdateError::unsupported(
             format!("a VM with kernel VFIO devices ({})", kernel.join(", ")),
             Some(
-                "cold-plugged kernel VFIO devices opened through iommufd are handed over; \
-                 hot-plugged ones (each in a container of its own) are not yet",
+                "cold-plugged kernel VFIO devices (iommufd or a type1 container) are handed \
+                 over; hot-plugged ones (each in a container of its own) are not yet",
             ),
         ));
     }
