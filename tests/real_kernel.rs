@@ -61,6 +61,8 @@ fn run_scenario(scenario: &str) -> Option<Outcome> {
         .arg(&log)
         .arg(scenario)
         .env("GPUVM_BIN", gpuvm_tests::gpuvm_bin())
+        // The emulated GPU, for the scenarios that run it (`# needs: gpuvm-emu-gpu`).
+        .env("GPUVM_EMU_BIN", env!("CARGO_BIN_EXE_gpuvm-emu-gpu"))
         .output()
         .expect("cannot start tests/real-kernel/run.sh");
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
@@ -229,6 +231,24 @@ fn linux_enumerates_the_virtual_switch_that_mirrors_the_hosts() {
             "switch upstream port (host switch",
             "inner: topology ok",
             "inner: checks passed",
+        ],
+    );
+}
+
+#[test]
+fn linux_enumerates_two_mirrored_switches_of_vfio_user_gpus_before_and_after_a_restore() {
+    scenario_passes(
+        "vfio-user-topology",
+        &[
+            "switch upstream port (host switch 0000:41:00.0)",
+            "switch upstream port (host switch 0000:51:00.0)",
+            "inner: switches ok: 2 switches, 4 GPUs",
+            "inner: switches round 1 ok: 2 switches, 4 GPUs, the same tree",
+            "\"snapshot_path\":\"/tmp/snap\"",
+            "switch downstream port restored",
+            "after the restore the guest went on from topology round",
+            "emulated GPUs ended with status 0",
+            "kept across snapshot and restore in a new gpuvm: ok",
         ],
     );
 }

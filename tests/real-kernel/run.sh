@@ -13,12 +13,16 @@
 #                     named @WORK@/NAME in its QEMU arguments
 #   # kernel: iommufd the outer machine boots guest-images/real-kernel/build-iommufd-kernel.sh's Linux 6.12
 #                     (iommufd, the VFIO cdev; drivers built in, no modules) instead of Debian's kernel
+#   # needs: gpuvm-emu-gpu   the emulated GPU (a vfio-user device process; GPUVM_EMU_BIN) in the machine as
+#                     /bin/gpuvm-emu-gpu; the runner fails without it
 # The scenario runs as a shell script in the outer machine's busybox user space, with the helpers of
 # tests/real-kernel/lib.sh; its exit status is the runner's. Lines it prints starting `figure:` are the
 # tier's figures (bench/real-kernel collects them).
 #
 # Environment:
 #   GPUVM_BIN               the gpuvm binary to put in the machine (static; default: target/.../release/gpuvm)
+#   GPUVM_EMU_BIN           the gpuvm-emu-gpu binary, for scenarios that need it (static; default: the one
+#                           beside GPUVM_BIN; `cargo build --release --workspace` builds both)
 #   GPUVM_REAL_KERNEL_DIR   guest-images/real-kernel/build.sh's output (built here when missing)
 #   GPUVM_PEER_CLOUD_HYPERVISOR  a cloud-hypervisor binary, put in the machine as /bin/cloud-hypervisor-peer with
 #                           its libraries (bench/real-kernel --ch; the linux-resize-*side-by-side scenarios run it)
@@ -79,6 +83,21 @@ gpuvm_bin="${GPUVM_BIN:-$REPO_ROOT/target/x86_64-unknown-linux-gnu/release/gpuvm
 if file "$gpuvm_bin" 2>/dev/null | grep -q 'dynamically linked'; then
     die "$gpuvm_bin is dynamically linked; the machine has no C library (build with the workspace's .cargo/config.toml)"
 fi
+
+# The emulated GPU (tests/bin/emu_gpu.rs), put in the machine only for the scenarios that need it.
+emu_bin=""
+case "$(sed -n 's/^# needs: //p' "$scenario_file" | tr '\n' ' ')" in
+"") ;;
+"gpuvm-emu-gpu ")
+    emu_bin="${GPUVM_EMU_BIN:-$(dirname "$gpuvm_bin")/gpuvm-emu-gpu}"
+    [[ -x "$emu_bin" ]] ||
+        die "$scenario needs gpuvm-emu-gpu: none at $emu_bin (cargo build --release --workspace, or set GPUVM_EMU_BIN)"
+    if file "$emu_bin" 2>/dev/null | grep -q 'dynamically linked'; then
+        die "$emu_bin is dynamically linked; the machine has no C library (build with the workspace's .cargo/config.toml)"
+    fi
+    ;;
+*) die "$scenario needs something unknown (# needs: gpuvm-emu-gpu is what there is)" 2 ;;
+esac
 
 kernel_dir="${GPUVM_REAL_KERNEL_DIR:-$REPO_ROOT/guest-images/real-kernel/out}"
 kernel_builder=build.sh
@@ -148,6 +167,7 @@ chmod +x "$outer/init"
 mkdir -p "$outer/scenarios" "$outer/images"
 cp "$TIER_DIR"/scenarios/*.sh "$outer/scenarios/"
 cp "$gpuvm_bin" "$outer/bin/gpuvm"
+[[ -z "$emu_bin" ]] || cp "$emu_bin" "$outer/bin/gpuvm-emu-gpu"
 # Backends gpuvm talks to over vhost-user, with the shared libraries they load (the outer machine has no
 # C library of its own); a scenario that needs one it lacks fails saying so.
 for backend in virtiofsd; do

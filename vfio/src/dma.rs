@@ -469,6 +469,11 @@ pub struct BarWindow {
 /// memory decoding on or off (and once more, all unplaced, when the device goes).
 pub trait BarPlacementWatch: Send + Sync {
     fn placed(&self, windows: &[BarWindow]);
+
+    /// The device is being dropped (`windows` placed nowhere): by default, as unplaced.
+    fn gone(&self, windows: &[BarWindow]) {
+        self.placed(windows);
+    }
 }
 
 /// Why an IOMMU context cannot map peer BAR memory.

@@ -294,16 +294,10 @@ impl KernelVfio {
             })
             .ok_or("no type1 container to hand over")?;
         // SAFETY: the container stays open for as long as `self.ops`; borrowed only to be
-        // asked about and duplicated.
+        // duplicated. (Whether the kernel can move the mappings is asked at the update,
+        // crate::type1::vaddr_update_refusal: the question waits for the container's lock,
+        // which a DMA mapping in progress holds, and this runs as the VM is built.)
         let container = unsafe { std::os::fd::BorrowedFd::borrow_raw(container) };
-        if !crate::type1::supports_vaddr_update(container) {
-            return Err(
-                "this kernel's type1 IOMMU cannot move a mapping's host address to \
-                        another process (no VFIO_UPDATE_VADDR: Linux before 5.12, or a \
-                        mediated device in the container)"
-                    .into(),
-            );
-        }
         let copy = container
             .try_clone_to_owned()
             .map_err(|e| format!("cannot duplicate the container: {e}"))?;

@@ -299,7 +299,11 @@ impl VfioPciDevice {
                 guest_addr: m.wanted.filter(|_| !dropping),
             })
             .collect();
-        watch.placed(&windows);
+        if dropping {
+            watch.gone(&windows);
+        } else {
+            watch.placed(&windows);
+        }
     }
 
     /// Whether a guest write may set Bus Master now; waits for the mapping if need be.

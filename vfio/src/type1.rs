@@ -65,6 +65,16 @@ unsafe fn ioctl_ptr<T>(fd: RawFd, request: libc::c_ulong, arg: *mut T) -> std::i
     Ok(rc)
 }
 
+/// Why the container cannot hand its mappings to another process, if it cannot. Asks the
+/// kernel, which takes the container's lock: not while a DMA mapping is in progress.
+pub fn vaddr_update_refusal(container: BorrowedFd<'_>) -> Option<String> {
+    (!supports_vaddr_update(container)).then(|| {
+        "this kernel's type1 IOMMU cannot move a mapping's host address to another process \
+         (no VFIO_UPDATE_VADDR: Linux before 5.12, or a mediated device in the container)"
+            .into()
+    })
+}
+
 /// Whether the container's IOMMU driver can move a mapping's host address
 /// (VFIO_UPDATE_VADDR: type1 from Linux 5.12, unless the container has mediated devices).
 pub fn supports_vaddr_update(container: BorrowedFd<'_>) -> bool {
@@ -609,6 +619,8 @@ mod tests {
     fn vaddr_moves_on_a_file_that_is_no_container_fail_by_name() {
         let file = File::open("/dev/null").unwrap();
         assert!(!supports_vaddr_update(file.as_fd()));
+        let refusal = vaddr_update_refusal(file.as_fd()).expect("no container: refused");
+        assert!(refusal.contains("VFIO_UPDATE_VADDR"), "{refusal}");
         let own = [region(0, 0x20_0000, 0x7f00_0000_0000)];
         let error = invalidate_vaddr(file.as_fd(), &[(0, 0x20_0000)], &own).unwrap_err();
         assert!(

@@ -675,6 +675,15 @@ impl BarPlacementWatch for PeerWatch {
             dma.placed(self.peer, windows.to_vec());
         }
     }
+
+    /// The device leaves the registry while its context still works: its BARs leave its
+    /// peers' contexts, and its context (when it was the last device there) drops its
+    /// mappings of theirs now, not when a peer goes after its connection has closed.
+    fn gone(&self, _windows: &[BarWindow]) {
+        if let Some(dma) = self.dma.upgrade() {
+            dma.remove_device(self.peer);
+        }
+    }
 }
 
 #[cfg(test)]

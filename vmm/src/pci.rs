@@ -103,15 +103,19 @@ pub enum PciSetupError {
 /// with it, so KVM knows the VM has assigned devices: on hosts where device DMA is not
 /// cache-coherent KVM then honours the guest's memory types instead of forcing write-back.
 pub fn create_kvm_vfio_device(vm: &VmFd) -> Result<VfioDeviceFd, PciSetupError> {
+    Ok(VfioDeviceFd::new_from_kvm(kvm_vfio_device(vm)?))
+}
+
+/// The KVM VFIO pseudo-device itself (KVM_CREATE_DEVICE), for callers that add files to it
+/// themselves (a live update's handed-over type1 groups).
+pub fn kvm_vfio_device(vm: &VmFd) -> Result<kvm_ioctls::DeviceFd, PciSetupError> {
     let mut request = kvm_create_device {
         type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
         fd: 0,
         flags: 0,
     };
-    let device = vm
-        .create_device(&mut request)
-        .map_err(|e| PciSetupError::KvmVfio(std::io::Error::from_raw_os_error(e.errno())))?;
-    Ok(VfioDeviceFd::new_from_kvm(device))
+    vm.create_device(&mut request)
+        .map_err(|e| PciSetupError::KvmVfio(std::io::Error::from_raw_os_error(e.errno())))
 }
 
 /// The 64-bit window: after the top of RAM and the room kept for hot-plugged RAM, aligned

@@ -59,6 +59,11 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
             names()
         ));
     }
+    if let Some(reason) = type1_container(handover)
+        .and_then(|container| gpuvm_vfio::type1::vaddr_update_refusal(container.as_fd()))
+    {
+        return Some(format!("kernel VFIO devices ({}): {reason}", names()));
+    }
     if context.devices.len() > super::protocol::MAX_KERNEL_VFIO_DEVICES {
         return Some(format!(
             "{} kernel VFIO devices: at most {} are handed over",
@@ -416,18 +421,8 @@ fn kvm_vfio_with_groups(
     vm: &kvm_ioctls::VmFd,
     groups: &[OwnedFd],
 ) -> Result<Arc<gpuvm_vfio::kernel::VfioDeviceFd>, String> {
-    use kvm_bindings::{
-        kvm_create_device, kvm_device_attr, kvm_device_type_KVM_DEV_TYPE_VFIO, KVM_DEV_VFIO_GROUP,
-        KVM_DEV_VFIO_GROUP_ADD,
-    };
-    let mut request = kvm_create_device {
-        type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
-        fd: 0,
-        flags: 0,
-    };
-    let device = vm
-        .create_device(&mut request)
-        .map_err(|e| format!("the KVM VFIO device: {e}"))?;
+    use kvm_bindings::{kvm_device_attr, KVM_DEV_VFIO_GROUP, KVM_DEV_VFIO_GROUP_ADD};
+    let device = crate::pci::kvm_vfio_device(vm).map_err(|e| e.to_string())?;
     for group in groups {
         let fd: i32 = group.as_raw_fd();
         let attr = kvm_device_attr {
