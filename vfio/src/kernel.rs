@@ -286,19 +286,11 @@ impl KernelVfio {
                 ioas_id: *ioas_id,
             });
         }
-        let any = self.ops.as_any();
-        let container = (any.downcast_ref::<VfioContainer>().map(AsRawFd::as_raw_fd))
-            .or_else(|| {
-                (any.downcast_ref::<crate::type1::HandedOverContainer>())
-                    .map(|c| std::os::fd::AsFd::as_fd(c).as_raw_fd())
-            })
-            .ok_or("no type1 container to hand over")?;
-        // SAFETY: the container stays open for as long as `self.ops`; borrowed only to be
-        // duplicated. (Whether the kernel can move the mappings is asked at the update,
-        // crate::type1::vaddr_update_refusal: the question waits for the container's lock,
-        // which a DMA mapping in progress holds, and this runs as the VM is built.)
-        let container = unsafe { std::os::fd::BorrowedFd::borrow_raw(container) };
-        let copy = container
+        // Whether the kernel can move the mappings is asked at the update
+        // (crate::type1::vaddr_update_refusal): the question waits for the container's lock,
+        // which a DMA mapping in progress holds, and this runs as the VM is built.
+        let copy = (self.container())
+            .ok_or("no type1 container to hand over")?
             .try_clone_to_owned()
             .map_err(|e| format!("cannot duplicate the container: {e}"))?;
         Ok(ContextHandOver::Container { container: copy })
@@ -383,17 +375,21 @@ impl KernelVfio {
         ))
     }
 
-    /// A handed-over type1 container's file (None for any other context): where a live
-    /// update's new process moves the mappings' host addresses.
+    /// The type1 container's file, opened here or handed over (None for iommufd): what a
+    /// live update hands over, and where its new process moves the mappings' host
+    /// addresses.
     pub fn container(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
-        if !self.handed_over || self.api != KernelApi::Container {
+        if self.api != KernelApi::Container {
             return None;
         }
-        (self
-            .ops
-            .as_any()
-            .downcast_ref::<crate::type1::HandedOverContainer>())
-        .map(std::os::fd::AsFd::as_fd)
+        let any = self.ops.as_any();
+        let fd = (any.downcast_ref::<VfioContainer>().map(AsRawFd::as_raw_fd)).or_else(|| {
+            (any.downcast_ref::<crate::type1::HandedOverContainer>())
+                .map(|c| std::os::fd::AsFd::as_fd(c).as_raw_fd())
+        })?;
+        // SAFETY: the container stays open for as long as `self.ops`, which the returned
+        // borrow cannot outlive.
+        Some(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })
     }
 
     pub fn api(&self) -> KernelApi {
@@ -488,7 +484,7 @@ impl KernelVfioDevice {
         cdev: bool,
         mark: Arc<HandOverMark>,
     ) -> Self {
-        let migration = KernelMigration::probe(&device, bdf.to_string());
+        let migration = KernelMigration::probe(device.migration_ops(), bdf.to_string());
         KernelVfioDevice {
             device,
             name: bdf.to_string(),
@@ -627,21 +623,6 @@ impl DeviceFile {
     }
 }
 
-impl crate::migration::MigrationOps for DeviceFile {
-    fn query_migration_support(&self) -> std::io::Result<Option<u64>> {
-        self.migration_ops().query_migration_support()
-    }
-    fn set_migration_state(&self, state: u32) -> std::io::Result<()> {
-        self.migration_ops().set_migration_state(state)
-    }
-    fn read_migration_data(&self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.migration_ops().read_migration_data(buf)
-    }
-    fn write_migration_data(&self, data: &[u8]) -> std::io::Result<()> {
-        self.migration_ops().write_migration_data(data)
-    }
-}
-
 /// A device opened through kernel VFIO.
 pub struct KernelVfioDevice {
     device: DeviceFile,
@@ -765,15 +746,15 @@ impl PassthroughDevice for KernelVfioDevice {
     }
 
     fn set_migration_state(&mut self, state: MigrationState) -> Result<()> {
-        self.migration.set_state(&self.device, state)
+        self.migration.set_state(self.device.migration_ops(), state)
     }
 
     fn read_migration_data(&mut self, buf: &mut [u8]) -> Result<usize> {
-        self.migration.read(&self.device, buf)
+        self.migration.read(self.device.migration_ops(), buf)
     }
 
     fn write_migration_data(&mut self, data: &[u8]) -> Result<()> {
-        self.migration.write(&self.device, data)
+        self.migration.write(self.device.migration_ops(), data)
     }
 }
 

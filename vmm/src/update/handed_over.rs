@@ -53,6 +53,10 @@ pub struct PluggedKernelContext {
     /// A duplicate of the context's iommufd and the id of the devices' IOAS, or of its
     /// type1 container; or why the context cannot be handed over.
     pub hand_over: Result<gpuvm_vfio::kernel::ContextHandOver, String>,
+    /// The mappings of guest RAM the context holds (IOVA, size: each one DMA map call), as
+    /// the process that made them planned them (this one at boot, or the old one of a live
+    /// update): a type1 update moves exactly these, whatever this binary would plan.
+    pub ram_mappings: Vec<(u64, u64)>,
     /// Set while a live update has moved the type1 mappings' host addresses away from
     /// this process (until it commits, or they come back when it fails).
     pub addresses_away: std::sync::atomic::AtomicBool,

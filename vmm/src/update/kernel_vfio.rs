@@ -135,6 +135,15 @@ pub(super) fn offer(
     Ok((Some(offered), fds))
 }
 
+/// `mappings` (IOVA, size) at this process's addresses of the same guest RAM.
+fn own_mappings(
+    mappings: &[(u64, u64)],
+    ram: &gpuvm_memory::GuestRam,
+) -> Result<Vec<DmaRegion>, String> {
+    gpuvm_vfio::type1::own_chunks(mappings, &crate::dma::RamChunks::regions_of(ram))
+        .map_err(|e| format!("kernel VFIO (type1): {e}"))
+}
+
 /// The type1 container of the context, if that is what it is.
 fn type1_container(handover: &PassthroughHandOver) -> Option<&OwnedFd> {
     match handover.kernel.as_ref()?.hand_over.as_ref().ok()? {
@@ -143,8 +152,8 @@ fn type1_container(handover: &PassthroughHandOver) -> Option<&OwnedFd> {
     }
 }
 
-/// With the vCPUs paused: a type1 context's mappings of guest RAM (`ram`, as this process
-/// DMA-mapped it) lose their host addresses here, for the new process to give its own;
+/// With the vCPUs paused: a type1 context's mappings of guest RAM (`ram`: where this
+/// process maps it) lose their host addresses here, for the new process to give its own;
 /// they are returned for the paused state. Nothing for iommufd or without kernel VFIO.
 pub(super) fn move_addresses_away(
     handover: &PassthroughHandOver,
@@ -153,11 +162,9 @@ pub(super) fn move_addresses_away(
     let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
         return Ok(Vec::new());
     };
-    let chunks = crate::dma::RamChunks::new(ram);
-    let mappings: Vec<(u64, u64)> = (chunks.chunks().iter())
-        .map(|c| (c.guest_addr, c.size))
-        .collect();
-    gpuvm_vfio::type1::invalidate_vaddr(container.as_fd(), &mappings, chunks.chunks())
+    let mappings = context.ram_mappings.clone();
+    let own = own_mappings(&mappings, ram).map_err(UpdateError::Save)?;
+    gpuvm_vfio::type1::invalidate_vaddr(container.as_fd(), &mappings, &own)
         .map_err(|e| UpdateError::Save(format!("kernel VFIO (type1): {e}")))?;
     context.addresses_away.store(true, Ordering::Release);
     log::info!(
@@ -177,11 +184,13 @@ pub(super) fn take_addresses_back(handover: &PassthroughHandOver, ram: &gpuvm_me
     if !context.addresses_away.swap(false, Ordering::AcqRel) {
         return;
     }
-    let chunks = crate::dma::RamChunks::new(ram);
-    match gpuvm_vfio::type1::restore_vaddr(container.as_fd(), chunks.chunks()) {
+    let restored = own_mappings(&context.ram_mappings, ram).and_then(|own| {
+        gpuvm_vfio::type1::restore_vaddr(container.as_fd(), &own).map_err(|e| e.to_string())
+    });
+    match restored {
         Ok(()) => log::info!(
             "kernel VFIO (type1): {} DMA mappings back on this process's addresses",
-            chunks.chunks().len()
+            context.ram_mappings.len()
         ),
         Err(error) => log::error!(
             "kernel VFIO (type1): the DMA mappings cannot take this process's addresses back \
@@ -389,9 +398,8 @@ pub(crate) fn plug_handed_over(
         });
     }
     if let Some(container) = vfio.container() {
-        let own = crate::dma::RamChunks::regions_of(ram);
-        let moved = gpuvm_vfio::type1::own_chunks(&saved.type1_vaddr, &own)
-            .and_then(|chunks| gpuvm_vfio::type1::set_vaddr(container, &chunks))
+        let own = own_mappings(&saved.type1_vaddr, ram)?;
+        let moved = gpuvm_vfio::type1::set_vaddr(container, &own)
             .map_err(|e| format!("kernel VFIO (type1): {e}"))?;
         log::info!(
             "kernel VFIO (type1): {moved} DMA mappings now use this process's addresses \
@@ -408,6 +416,9 @@ pub(crate) fn plug_handed_over(
     devices.dma_mappings.push(mapping);
     devices.handover.kernel = Some(PluggedKernelContext {
         hand_over: vfio.hand_over(),
+        // The type1 mappings the old process made and moved here (none for iommufd, whose
+        // mappings have no host address to move).
+        ram_mappings: saved.type1_vaddr.clone(),
         addresses_away: Default::default(),
         dma: progress,
         devices: plugged,
