@@ -481,3 +481,37 @@ fn mixed_front_end_flags_are_refused_naming_them() {
     .assert_clean_error("--id is required")
     .assert_code(1);
 }
+
+/// `gpuvm ctl` against a socket that takes the request and never answers (a stuck VMM):
+/// with GPUVM_CTL_TIMEOUT_S it gives up after that long, saying so, instead of the 600 s
+/// it waits for a snapshot of a large guest.
+#[test]
+fn ctl_gives_up_on_a_vmm_that_never_answers_after_its_timeout() {
+    let dir = std::env::temp_dir().join(format!("gpuvm-ctl-silent-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("api.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    // Accepts and holds each connection, reading the request, answering nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let out = gpuvm_tests::run_gpuvm_with_env(
+        &[
+            "ctl",
+            "--api-sock",
+            socket.to_str().unwrap(),
+            "raw",
+            "GET",
+            "/",
+        ],
+        &[("GPUVM_CTL_TIMEOUT_S", "1")],
+        LIMIT,
+        None,
+    );
+    out.assert_clean_error("gpuvm did not answer within 1 s");
+    assert!(out.elapsed < Duration::from_secs(30), "{:?}", out.elapsed);
+    let _ = std::fs::remove_dir_all(&dir);
+}

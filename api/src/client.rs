@@ -8,6 +8,18 @@ use std::time::Duration;
 
 /// Long enough for a snapshot of a large guest.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(600);
+/// `GPUVM_CTL_TIMEOUT_S=<seconds>`: how long a request waits for its answer instead of
+/// [`CLIENT_TIMEOUT`] (scripts that would rather fail than wait on a stuck VMM).
+pub const CLIENT_TIMEOUT_VAR: &str = "GPUVM_CTL_TIMEOUT_S";
+
+/// The answer timeout in effect.
+fn client_timeout() -> Duration {
+    std::env::var(CLIENT_TIMEOUT_VAR)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|&s| s > 0)
+        .map_or(CLIENT_TIMEOUT, Duration::from_secs)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -22,6 +34,8 @@ pub enum ClientError {
     BadResponse,
     #[error("the API closed the connection without answering (has gpuvm exited?)")]
     NoAnswer,
+    #[error("gpuvm did not answer within {} s", .0.as_secs())]
+    Timeout(Duration),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,8 +76,9 @@ pub fn request(
             }
         }
     };
-    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
-    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let timeout = client_timeout();
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     let body = body.unwrap_or("");
     let mut message =
         format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
@@ -75,8 +90,14 @@ pub fn request(
     }
     message.push_str("\r\n");
     message.push_str(body);
-    stream.write_all(message.as_bytes())?;
-    let answer = read_answer(&mut stream)?;
+    let timed_out = |error: std::io::Error| match error.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            ClientError::Timeout(timeout)
+        }
+        _ => ClientError::Io(error),
+    };
+    stream.write_all(message.as_bytes()).map_err(timed_out)?;
+    let answer = read_answer(&mut stream).map_err(timed_out)?;
     if answer.is_empty() {
         return Err(ClientError::NoAnswer);
     }

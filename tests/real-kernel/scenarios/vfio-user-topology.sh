@@ -44,6 +44,15 @@ for n in 0 1 2 3; do
 done
 echo "4 emulated GPUs (10de:2330) listening on /tmp/gpu[0-3].sock"
 
+# abort_restored MESSAGE: the restored gpuvm failed: the emulated GPUs' logs (what each did with the first
+# gpuvm's connection and the new one) are shown with its own.
+abort_restored() {
+    for n in 0 1 2 3; do
+        sed "s/^/  emu$n: /" "/tmp/emu$n.log"
+    done
+    abort_gpuvm restored "$1"
+}
+
 # emu_ended N: waits for emulated GPU N to end (killing it past 30 s) and sets `status` to its exit status.
 emu_ended() {
     pid="$(cat "/tmp/emu$1.pid")"
@@ -127,8 +136,8 @@ rm -f /tmp/api.sock
 start_gpuvm restored run --log-level info --api-sock /tmp/api.sock
 wait_for /tmp/api.sock 30
 from="$(uptime_s)"
-gpuvm ctl --api-sock /tmp/api.sock snapshot-load --dir /tmp/snap || abort_gpuvm restored "the restore failed"
-gpuvm ctl --api-sock /tmp/api.sock resume || abort_gpuvm restored "resuming the restored VM failed"
+gpuvm ctl --api-sock /tmp/api.sock snapshot-load --dir /tmp/snap || abort_restored "the restore failed"
+gpuvm ctl --api-sock /tmp/api.sock resume || abort_restored "resuming the restored VM failed"
 for what in "root port restored" "switch upstream port restored" "switch downstream port restored"; do
     expect_line /tmp/restored.log "$what"
 done
