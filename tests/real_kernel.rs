@@ -342,6 +342,23 @@ fn kernel_vfio_through_a_type1_container_is_handed_over_by_a_live_update() {
 }
 
 #[test]
+fn kernel_vfio_mappings_of_hot_plugged_ram_move_with_a_live_update_and_go_on_eject() {
+    scenario_passes(
+        "vfio-memory-update",
+        &[
+            "kernel VFIO: container/group API",
+            "DMA-mapped for kernel VFIO (type1 container)",
+            "type1 mappings moved to process",
+            "of hot-plugged RAM)",
+            "figure: live update of a VM with kernel VFIO (edu, type1) and hot-plugged RAM: guest paused",
+            "DMA mapping removed for kernel VFIO (type1 container, handed over)",
+            "inner: memunplug ok",
+            "kernel VFIO (type1) and hot-plugged RAM across a live update, the RAM ejected afterwards: ok",
+        ],
+    );
+}
+
+#[test]
 fn linux_guest_mounts_virtio_fs_and_inflates_its_balloon() {
     scenario_passes(
         "linux-fs-balloon",

@@ -153,6 +153,18 @@ impl RamChunks {
             .collect()
     }
 
+    /// Boot RAM `ram` and the hot-plugged RAM `plugged` as DMA regions.
+    pub(crate) fn regions_of_all<'a>(
+        ram: &GuestRam,
+        plugged: impl Iterator<Item = &'a GuestRam>,
+    ) -> Vec<DmaRegion> {
+        let mut regions = Self::regions_of(ram);
+        for ram in plugged {
+            regions.extend(Self::regions_of(ram));
+        }
+        regions
+    }
+
     /// Adds hot-plugged RAM: devices plugged from now on map it with the rest.
     pub(crate) fn add(&mut self, ram: &GuestRam) {
         let chunk = chunk_size_from_env(ram.page_size());

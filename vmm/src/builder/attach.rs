@@ -459,9 +459,11 @@ fn attach_devices(
         }
         devices.handover.kernel = Some(crate::update::handed_over::PluggedKernelContext {
             hand_over: vfio.hand_over(),
-            ram_mappings: (ram_chunks.chunks().iter())
-                .map(|c| (c.guest_addr, c.size))
-                .collect(),
+            ram_mappings: std::sync::Mutex::new(
+                (ram_chunks.chunks().iter())
+                    .map(|c| (c.guest_addr, c.size))
+                    .collect(),
+            ),
             addresses_away: Default::default(),
             dma: progress,
             devices: handed_over,

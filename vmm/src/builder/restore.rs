@@ -397,9 +397,11 @@ impl PreparedMachine {
         )
         .and_then(|()| {
             // The old process's kernel VFIO devices, over its iommufd and cdevs.
+            let plugged = ram_hotplug.iter().flat_map(|hotplug| hotplug.plugged());
+            let all_ram = crate::dma::RamChunks::regions_of_all(&self.base.ram, plugged);
             crate::update::kernel_vfio::plug_handed_over(
                 &self.base.vm,
-                &self.base.ram,
+                (&self.base.ram, &all_ram),
                 &mut self.base.devices,
                 state.devices.handed_over_kernel_vfio.as_ref(),
                 kernel_vfio,

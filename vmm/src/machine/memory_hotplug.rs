@@ -792,6 +792,15 @@ impl Machine {
         gpuvm_memory::snapshot::RamMappings::from_guest_rams(&rams)
     }
 
+    /// Boot and hot-plugged RAM as DMA regions at this process's addresses.
+    pub(crate) fn dma_regions_of_all_ram(&self) -> Vec<gpuvm_vfio::DmaRegion> {
+        let plugged = self
+            .ram_hotplug
+            .iter()
+            .flat_map(|hotplug| hotplug.plugged());
+        RamChunks::regions_of_all(&self.ram, plugged)
+    }
+
     /// Memory hot-plug's part of a snapshot: the room and the register block's slots.
     pub(crate) fn save_ram_hotplug(
         &self,
@@ -816,26 +825,53 @@ fn dma_mappings(
 
 /// Maps `ram` for every passthrough device, cold- and hot-plugged, before the guest may
 /// use it (through each device's mapper, on this thread, so that it is done when this
-/// returns).
+/// returns). On failure what was mapped is unmapped again: the RAM is dropped, and no
+/// device may keep it pinned. The cold-plugged kernel VFIO context notes the mappings (a
+/// type1 live update moves their host addresses).
 fn dma_map(
     devices: &mut crate::devices::MachineDevices,
     ram: &GuestRam,
 ) -> Result<(), MemoryResizeError> {
-    for mapping in dma_mappings(devices) {
+    let regions = RamChunks::regions_of(ram);
+    let mut mapped: Vec<(Arc<dyn gpuvm_vfio::dma::DmaMapper>, &gpuvm_vfio::DmaRegion)> = Vec::new();
+    let mut failed = None;
+    'devices: for mapping in dma_mappings(devices) {
         let mapper = mapping.mapper();
-        for region in RamChunks::regions_of(ram) {
+        for region in &regions {
             // SAFETY: `ram` stays mapped for as long as the machine, which drops its
-            // devices (and so their IOMMU mappings) first.
-            unsafe { mapper.map(&region) }.map_err(|error| MemoryResizeError::Dma {
-                device: mapper.name(),
-                error,
-            })?;
+            // devices (and so their IOMMU mappings) first; on failure every mapping made
+            // here is removed before `ram` is dropped.
+            match unsafe { mapper.map(region) } {
+                Ok(()) => mapped.push((mapper.clone(), region)),
+                Err(error) => {
+                    failed = Some(MemoryResizeError::Dma {
+                        device: mapper.name(),
+                        error,
+                    });
+                    break 'devices;
+                }
+            }
         }
         log::info!(
             "hot-plugged RAM at {:#x}: DMA-mapped for {}",
             ram.regions().first().map_or(0, |r| r.guest_addr),
             mapper.name()
         );
+    }
+    if let Some(error) = failed {
+        for (mapper, region) in mapped.iter().rev() {
+            if let Err(undo) = mapper.unmap(region.guest_addr, region.size) {
+                log::error!(
+                    "hot-plugged RAM at {:#x}: {} keeps a DMA mapping after the failed hot-plug: {undo}",
+                    region.guest_addr,
+                    mapper.name()
+                );
+            }
+        }
+        return Err(error);
+    }
+    if let Some(context) = &devices.handover.kernel {
+        context.note_mapped(&regions);
     }
     Ok(())
 }
@@ -862,6 +898,9 @@ fn dma_unmap(
             ram.regions().first().map_or(0, |r| r.guest_addr),
             mapper.name()
         );
+    }
+    if let Some(context) = &devices.handover.kernel {
+        context.note_unmapped(&RamChunks::regions_of(ram));
     }
     Ok(())
 }

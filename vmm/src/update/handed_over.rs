@@ -54,15 +54,37 @@ pub struct PluggedKernelContext {
     /// type1 container; or why the context cannot be handed over.
     pub hand_over: Result<gpuvm_vfio::kernel::ContextHandOver, String>,
     /// The mappings of guest RAM the context holds (IOVA, size: each one DMA map call), as
-    /// the process that made them planned them (this one at boot, or the old one of a live
-    /// update): a type1 update moves exactly these, whatever this binary would plan.
-    pub ram_mappings: Vec<(u64, u64)>,
+    /// the process that made them planned them (this one at boot or at a RAM hot-plug, or
+    /// the old one of a live update): a type1 update moves exactly these, whatever this
+    /// binary would plan. See [`PluggedKernelContext::ram_mappings`].
+    pub ram_mappings: std::sync::Mutex<Vec<(u64, u64)>>,
     /// Set while a live update has moved the type1 mappings' host addresses away from
     /// this process (until it commits, or they come back when it fails).
     pub addresses_away: std::sync::atomic::AtomicBool,
     /// Guest RAM being (or done being) DMA-mapped in the context.
     pub dma: Arc<DmaProgress>,
     pub devices: Vec<PluggedKernelVfio>,
+}
+
+impl PluggedKernelContext {
+    /// The mappings of guest RAM the context holds, in the order they were made.
+    pub fn ram_mappings(&self) -> Vec<(u64, u64)> {
+        crate::lock(&self.ram_mappings).clone()
+    }
+
+    /// Hot-plugged RAM mapped in the context (each region one DMA map call).
+    pub fn note_mapped(&self, regions: &[gpuvm_vfio::DmaRegion]) {
+        (crate::lock(&self.ram_mappings)).extend(regions.iter().map(|r| (r.guest_addr, r.size)));
+    }
+
+    /// RAM the guest ejected, its mappings removed from the context.
+    pub fn note_unmapped(&self, regions: &[gpuvm_vfio::DmaRegion]) {
+        crate::lock(&self.ram_mappings).retain(|&(iova, size)| {
+            !regions
+                .iter()
+                .any(|r| r.guest_addr == iova && r.size == size)
+        });
+    }
 }
 
 /// A cold-plugged kernel VFIO device.

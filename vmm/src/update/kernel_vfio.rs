@@ -135,13 +135,10 @@ pub(super) fn offer(
     Ok((Some(offered), fds))
 }
 
-/// `mappings` (IOVA, size) at this process's addresses of the same guest RAM.
-fn own_mappings(
-    mappings: &[(u64, u64)],
-    ram: &gpuvm_memory::GuestRam,
-) -> Result<Vec<DmaRegion>, String> {
-    gpuvm_vfio::type1::own_chunks(mappings, &crate::dma::RamChunks::regions_of(ram))
-        .map_err(|e| format!("kernel VFIO (type1): {e}"))
+/// `mappings` (IOVA, size) at this process's addresses of the same guest RAM (`ram`: boot
+/// and hot-plugged RAM as this process maps it).
+fn own_mappings(mappings: &[(u64, u64)], ram: &[DmaRegion]) -> Result<Vec<DmaRegion>, String> {
+    gpuvm_vfio::type1::own_chunks(mappings, ram).map_err(|e| format!("kernel VFIO (type1): {e}"))
 }
 
 /// The type1 container of the context, if that is what it is.
@@ -152,17 +149,18 @@ fn type1_container(handover: &PassthroughHandOver) -> Option<&OwnedFd> {
     }
 }
 
-/// With the vCPUs paused: a type1 context's mappings of guest RAM (`ram`: where this
-/// process maps it) lose their host addresses here, for the new process to give its own;
-/// they are returned for the paused state. Nothing for iommufd or without kernel VFIO.
+/// With the vCPUs paused: a type1 context's mappings of guest RAM, boot and hot-plugged
+/// (`ram`: where this process maps it), lose their host addresses here, for the new
+/// process to give its own; they are returned for the paused state. Nothing for iommufd
+/// or without kernel VFIO.
 pub(super) fn move_addresses_away(
     handover: &PassthroughHandOver,
-    ram: &gpuvm_memory::GuestRam,
+    ram: &[DmaRegion],
 ) -> Result<Vec<(u64, u64)>, UpdateError> {
     let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
         return Ok(Vec::new());
     };
-    let mappings = context.ram_mappings.clone();
+    let mappings = context.ram_mappings();
     let own = own_mappings(&mappings, ram).map_err(UpdateError::Save)?;
     gpuvm_vfio::type1::invalidate_vaddr(container.as_fd(), &mappings, &own)
         .map_err(|e| UpdateError::Save(format!("kernel VFIO (type1): {e}")))?;
@@ -177,20 +175,21 @@ pub(super) fn move_addresses_away(
 
 /// After a failed update: a type1 context's mappings take this process's host addresses
 /// again (the new process may have given its own already).
-pub(super) fn take_addresses_back(handover: &PassthroughHandOver, ram: &gpuvm_memory::GuestRam) {
+pub(super) fn take_addresses_back(handover: &PassthroughHandOver, ram: &[DmaRegion]) {
     let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
         return;
     };
     if !context.addresses_away.swap(false, Ordering::AcqRel) {
         return;
     }
-    let restored = own_mappings(&context.ram_mappings, ram).and_then(|own| {
+    let mappings = context.ram_mappings();
+    let restored = own_mappings(&mappings, ram).and_then(|own| {
         gpuvm_vfio::type1::restore_vaddr(container.as_fd(), &own).map_err(|e| e.to_string())
     });
     match restored {
         Ok(()) => log::info!(
             "kernel VFIO (type1): {} DMA mappings back on this process's addresses",
-            context.ram_mappings.len()
+            mappings.len()
         ),
         Err(error) => log::error!(
             "kernel VFIO (type1): the DMA mappings cannot take this process's addresses back \
@@ -292,11 +291,12 @@ impl IncomingKernelVfio {
 
 /// Plugs the handed-over kernel VFIO devices (`saved`, from the paused state, `incoming`,
 /// from the offer) back into their slots of segment 0 over the old process's iommufd and
-/// cdevs: no reset, no DMA map, the saved PCI state loaded. Runs with the old process's
-/// vCPUs paused.
+/// cdevs: no reset, no DMA map, the saved PCI state loaded. `ram` is boot RAM, `all_ram`
+/// boot and hot-plugged RAM as DMA regions at this process's addresses. Runs with the old
+/// process's vCPUs paused.
 pub(crate) fn plug_handed_over(
     vm: &kvm_ioctls::VmFd,
-    ram: &gpuvm_memory::GuestRam,
+    (ram, all_ram): (&gpuvm_memory::GuestRam, &[DmaRegion]),
     devices: &mut crate::devices::MachineDevices,
     saved: Option<&HandedOverKernelContext>,
     incoming: Option<IncomingKernelVfio>,
@@ -398,7 +398,7 @@ pub(crate) fn plug_handed_over(
         });
     }
     if let Some(container) = vfio.container() {
-        let own = own_mappings(&saved.type1_vaddr, ram)?;
+        let own = own_mappings(&saved.type1_vaddr, all_ram)?;
         let moved = gpuvm_vfio::type1::set_vaddr(container, &own)
             .map_err(|e| format!("kernel VFIO (type1): {e}"))?;
         log::info!(
@@ -418,7 +418,7 @@ pub(crate) fn plug_handed_over(
         hand_over: vfio.hand_over(),
         // The type1 mappings the old process made and moved here (none for iommufd, whose
         // mappings have no host address to move).
-        ram_mappings: saved.type1_vaddr.clone(),
+        ram_mappings: std::sync::Mutex::new(saved.type1_vaddr.clone()),
         addresses_away: Default::default(),
         dma: progress,
         devices: plugged,

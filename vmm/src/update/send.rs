@@ -113,7 +113,8 @@ pub fn hand_over(
             // The new process may have given the vfio-user devices its interrupts.
             let devices = running.machine().devices();
             passthrough::rearm(&devices.handover);
-            kernel_vfio::take_addresses_back(&devices.handover, running.machine().ram());
+            let ram = running.machine().dma_regions_of_all_ram();
+            kernel_vfio::take_addresses_back(&devices.handover, &ram);
             if let Some(hotplug) = &devices.pci_hotplug {
                 hotplug.handover_rearm();
             }
@@ -431,8 +432,10 @@ fn hand_paused_and_commit(
     // A type1 container's mappings: their host addresses become the new process's to give.
     if let Some(kernel) = state.devices.handed_over_kernel_vfio.as_mut() {
         let machine = running.machine();
-        kernel.type1_vaddr =
-            kernel_vfio::move_addresses_away(&machine.devices().handover, machine.ram())?;
+        kernel.type1_vaddr = kernel_vfio::move_addresses_away(
+            &machine.devices().handover,
+            &machine.dma_regions_of_all_ram(),
+        )?;
     }
     // As the API last changed it, with the tokens the guest took since the offer.
     state.devices.handed_over_mmds = mmds.save();
@@ -609,13 +612,6 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         ));
     }
     check_passthrough(devices)?;
-    let hot_ram = machine.ram_hotplug.iter().flat_map(|h| h.plugged()).count();
-    if devices.handover.kernel.is_some() && hot_ram > 0 {
-        return Err(UpdateError::unsupported(
-            "a VM with kernel VFIO devices and hot-plugged RAM",
-            Some("the kernel VFIO mappings of hot-plugged RAM are not handed over yet"),
-        ));
-    }
     if !running.parked_vcpus().is_empty() {
         return Err(UpdateError::unsupported(
             "a VM with vCPUs the guest ejected",
@@ -663,10 +659,7 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
     )?;
     // The hot-plugged GPUs have the hot-plugged RAM mapped too.
     if let Some(hotplug) = &machine.devices().pci_hotplug {
-        let mut ram = crate::dma::RamChunks::regions_of(machine.ram());
-        for plugged in machine.ram_hotplug.iter().flat_map(|h| h.plugged()) {
-            ram.extend(crate::dma::RamChunks::regions_of(plugged));
-        }
+        let ram = machine.dma_regions_of_all_ram();
         let hot = hotplug.handover_save(&ram).map_err(UpdateError::Save)?;
         devices.handed_over_vfio_user.extend(hot);
     }
