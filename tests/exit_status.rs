@@ -147,6 +147,12 @@ fn a_triple_fault_has_its_own_status() {
     );
     assert_eq!(code, Some(i32::from(TRIPLE_FAULT)), "{stderr}");
     assert!(stderr.contains("triple-faulted"), "{stderr}");
+    // Where it was: the ud2 (the code's tenth byte), in 64-bit mode with gpuvm's boot IDT.
+    assert!(
+        stderr.contains("vCPU 0 at the triple fault: rip 0x100081 "),
+        "{stderr}"
+    );
+    assert!(stderr.contains(" efer 0x"), "{stderr}");
 }
 
 /// The same for a restored guest (eager and lazy): a damaged or hostile snapshot whose

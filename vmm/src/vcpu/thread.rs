@@ -254,7 +254,10 @@ impl Vcpu {
                     data.fill(0xff);
                 }
             }
-            Ok(VcpuExit::Shutdown) => return Ok(Some(VcpuStop::TripleFault)),
+            Ok(VcpuExit::Shutdown) => {
+                self.log_triple_fault_state();
+                return Ok(Some(VcpuStop::TripleFault));
+            }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 return Ok(Some(match kind {
                     KVM_SYSTEM_EVENT_RESET => VcpuStop::Reset,
@@ -290,6 +293,40 @@ impl Vcpu {
     }
 
     /// Completes an instruction KVM's emulator could not, or reports it.
+    /// Where the guest was when it triple-faulted, for the log: the registers a guest
+    /// kernel's developer (or a map of its symbols) needs to find the fault. The run ends
+    /// either way; a register that cannot be read is left out.
+    fn log_triple_fault_state(&self) {
+        let id = self.id;
+        let regs = self.fd.get_regs().map(|r| {
+            format!(
+                "rip {:#x} rsp {:#x} rflags {:#x} rax {:#x} rdi {:#x}",
+                r.rip, r.rsp, r.rflags, r.rax, r.rdi
+            )
+        });
+        let sregs = self.fd.get_sregs().map(|s| {
+            format!(
+                "cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} cs {:#x} (base {:#x}) idt {:#x}+{:#x}",
+                s.cr0, s.cr2, s.cr3, s.cr4, s.efer, s.cs.selector, s.cs.base, s.idt.base, s.idt.limit
+            )
+        });
+        let events = self.fd.get_vcpu_events().map(|e| {
+            format!(
+                "exception {} (injected {}, pending {}, error code {:#x})",
+                e.exception.nr, e.exception.injected, e.exception.pending, e.exception.error_code
+            )
+        });
+        let part = |read: Result<String, kvm_ioctls::Error>| {
+            read.unwrap_or_else(|error| format!("(unreadable: {error})"))
+        };
+        log::error!(
+            "vCPU {id} at the triple fault: {}; {}; {}",
+            part(regs),
+            part(sregs),
+            part(events)
+        );
+    }
+
     fn handle_internal_error(&mut self) -> Result<(), VcpuError> {
         let id = self.id;
         let run = self.fd.get_kvm_run();
