@@ -334,7 +334,11 @@ edu_live_update_scenario() {
     log=/tmp/edu.log
     # Every gpuvm that runs the VM writes $log: each new process takes over the first one's stdout and
     # stderr. /tmp/edu.pid names the one that runs it now (abort_gpuvm ends that one).
+    # The first process dies (abort) once the new one of its first update is ready, before it commits
+    # (GPUVM_TEST_UPDATE_OLD_DIES; the processes the updates start have no such hook).
+    export GPUVM_TEST_UPDATE_OLD_DIES=1
     start_gpuvm edu run --log-level info --memory 256M --gpu "$bdf" --api-sock /tmp/api.sock --cmdline "edu loop"
+    unset GPUVM_TEST_UPDATE_OLD_DIES
     first="$(cat /tmp/edu.pid)"
     wait_for /tmp/api.sock 30
     gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm edu "InstanceStart failed"
@@ -376,6 +380,37 @@ edu_live_update_scenario() {
         echo "failed update: the loop went on in process $old from round $rounds_after ($rounds_before when the update began) to round $(edu_loop_count)"
     fi
 
+    # The old process dies after the hand-over point (the new one ready, no Commit yet): the new one runs
+    # the VM, with the device and its DMA mappings (type1: at the new process's addresses), and serves the
+    # API socket again. `gpuvm update` itself fails: the process it asked is gone.
+    rounds_before="$(edu_loop_count)"
+    echo "+ gpuvm update --pid $first (its process dies after the new one is ready, at loop round $rounds_before)"
+    if GPUVM_LOG=info gpuvm update --pid "$first" >/tmp/update-dies.out 2>&1; then
+        cat /tmp/update-dies.out
+        abort_gpuvm edu "the update whose old process dies succeeded"
+    fi
+    status=0
+    wait "$first" || status=$?
+    [ "$status" = 134 ] || abort_gpuvm edu "the first gpuvm exited with status $status, not 134 (abort), in its update"
+    new=""
+    for exe in /proc/[0-9]*/exe; do
+        [ "$(readlink "$exe" 2>/dev/null)" = /bin/gpuvm ] || continue
+        new="${exe#/proc/}"
+        new="${new%/exe}"
+    done
+    [ -n "$new" ] || { sed 's/^/  update: /' /tmp/update-dies.out; fail "no gpuvm runs after the first one died in its update"; }
+    echo "$new" >/tmp/edu.pid
+    wait_log edu "died after this one was ready: running the VM" 30
+    rounds_after="$(edu_loop_count)"
+    edu_wait_rounds_past $((rounds_after + 8)) 120 "after the old process died in the update"
+    if [ "$edu_api" = type1 ]; then
+        grep -qF "DMA mappings now use this process's addresses (VFIO_DMA_MAP_FLAG_VADDR" "$log" ||
+            abort_gpuvm edu "after the old process died, no 'DMA mappings now use this process's addresses' line"
+    fi
+    gpuvm ctl --api-sock /tmp/api.sock raw GET / >/dev/null ||
+        abort_gpuvm edu "process $new does not serve the API socket after the old one died"
+    echo "old process died: process $first ended by abort after the new one's Ready; process $new runs the VM, the loop went on from round $rounds_after ($rounds_before when the update began) to $(edu_loop_count)"
+
     for n in 1 2; do
         old="$(cat /tmp/edu.pid)"
         lines_before="$(wc -l <"$log")"
@@ -386,13 +421,7 @@ edu_live_update_scenario() {
         live_update edu "$n"
         new="$(cat /tmp/edu.pid)"
 
-        # The old process has ended (the first one with status 0: it handed its VM over), the new
-        # one runs.
-        if [ "$old" = "$first" ]; then
-            status=0
-            wait "$old" || status=$?
-            [ "$status" = 0 ] || abort_gpuvm edu "the first gpuvm exited with status $status after handing its VM over"
-        fi
+        # The old process has ended, the new one runs.
         running "$new" || abort_gpuvm edu "the new gpuvm $new does not run after update $n"
 
         # The device keeps working under the new process alone: DMA and MSI, round after round.
