@@ -298,13 +298,20 @@ impl Vcpu {
     /// either way; a register that cannot be read is left out.
     fn log_triple_fault_state(&self) {
         let id = self.id;
-        let regs = self.fd.get_regs().map(|r| {
+        let (regs, sregs) = (self.fd.get_regs(), self.fd.get_sregs());
+        // KVM on AMD resets the vCPU at a shutdown intercept (the VMCB is undefined after
+        // one): what is read then is the reset state, not where the guest was.
+        let reset = matches!(
+            (&regs, &sregs),
+            (Ok(r), Ok(s)) if r.rip == 0xfff0 && s.cs.base == 0xffff_0000
+        );
+        let regs = regs.map(|r| {
             format!(
                 "rip {:#x} rsp {:#x} rflags {:#x} rax {:#x} rdi {:#x}",
                 r.rip, r.rsp, r.rflags, r.rax, r.rdi
             )
         });
-        let sregs = self.fd.get_sregs().map(|s| {
+        let sregs = sregs.map(|s| {
             format!(
                 "cr0 {:#x} cr2 {:#x} cr3 {:#x} cr4 {:#x} efer {:#x} cs {:#x} (base {:#x}) idt {:#x}+{:#x}",
                 s.cr0, s.cr2, s.cr3, s.cr4, s.efer, s.cs.selector, s.cs.base, s.idt.base, s.idt.limit
@@ -320,10 +327,16 @@ impl Vcpu {
             read.unwrap_or_else(|error| format!("(unreadable: {error})"))
         };
         log::error!(
-            "vCPU {id} at the triple fault: {}; {}; {}",
+            "vCPU {id} at the triple fault: {}; {}; {}{}",
             part(regs),
             part(sregs),
-            part(events)
+            part(events),
+            if reset {
+                " (KVM reset the vCPU at the shutdown, as it does on AMD hosts: the registers \
+                 are the reset state's; the exception is the last one KVM recorded)"
+            } else {
+                ""
+            }
         );
     }
 
