@@ -344,6 +344,22 @@ fn kernel_vfio_through_a_type1_container_is_handed_over_by_a_live_update() {
 }
 
 #[test]
+fn kernel_vfio_devices_behind_a_mirrored_switch_are_handed_over_by_a_live_update() {
+    scenario_passes(
+        "vfio-topology-update",
+        &[
+            "under root port",
+            "update 1: process",
+            "taken over from the old process (no reset, no DMA map",
+            "switch downstream port restored",
+            "after the update the guest's rounds went on from",
+            "figure: live update of a VM with 2 kernel VFIO devices behind a mirrored switch: guest paused",
+            "kernel VFIO devices behind a mirrored PCIe switch across a live update: ok",
+        ],
+    );
+}
+
+#[test]
 fn kernel_vfio_mappings_of_hot_plugged_ram_move_with_a_live_update_and_go_on_eject() {
     scenario_passes(
         "vfio-memory-update",

@@ -139,6 +139,10 @@ pub struct HandedOverKernelContext {
 pub struct HandedOverKernelVfio {
     pub host_bdf: String,
     pub slot: u8,
+    /// Behind the VM's PCIe ports: the path from bus 0 (None on bus 0; absent in the
+    /// state of a gpuvm that handed over bus 0 only).
+    #[serde(default)]
+    pub path: Option<Vec<u8>>,
     pub vendor_id: u16,
     pub device_id: u16,
     pub pci: VfioPciState,

@@ -39,6 +39,7 @@ use super::passthrough::{plug_back, AlreadyMapped, SavedPlace};
 use super::UpdateError;
 use crate::lock;
 use crate::p2p::PeerBars;
+use gpuvm_devices::pci::PciBdf;
 
 /// Why the VM's cold-plugged kernel VFIO devices cannot be handed over now, if they cannot.
 pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
@@ -78,10 +79,19 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
                 device.host_bdf
             ));
         }
-        if device.bdf.segment != 0 || device.bdf.bus != 0 {
+        if device.bdf.segment != 0 {
+            // As for vfio-user devices: a segment beyond those the VM asked for is made for
+            // its devices from the command line, which the new process does not get.
             return Some(format!(
-                "{} sits at {} (behind a bridge or on another PCI segment); only devices on \
-                 bus 0 of segment 0 are handed over",
+                "{} sits at {} off PCI segment 0 (its NUMA node's or its own pci_segment); \
+                 only devices of segment 0 are handed over",
+                device.host_bdf,
+                device.bdf.shown()
+            ));
+        }
+        if device.bdf.bus != 0 && path_behind_ports(handover, device.bdf).is_none() {
+            return Some(format!(
+                "{} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
                 device.host_bdf, device.bdf
             ));
         }
@@ -139,6 +149,12 @@ pub(super) fn offer(
 /// and hot-plugged RAM as this process maps it).
 fn own_mappings(mappings: &[(u64, u64)], ram: &[DmaRegion]) -> Result<Vec<DmaRegion>, String> {
     gpuvm_vfio::type1::own_chunks(mappings, ram).map_err(|e| format!("kernel VFIO (type1): {e}"))
+}
+
+/// The path from bus 0 through the VM's PCIe ports (`--pci-topology host`) of the device
+/// at `bdf`; None on bus 0.
+fn path_behind_ports(handover: &PassthroughHandOver, bdf: PciBdf) -> Option<Vec<u8>> {
+    (handover.plug.as_ref()).and_then(|parts| crate::pci_topology::path_of(&parts.root, bdf))
 }
 
 /// The type1 container of the context, if that is what it is.
@@ -221,6 +237,7 @@ pub(super) fn save(
             Ok(HandedOverKernelVfio {
                 host_bdf: plugged.host_bdf.clone(),
                 slot: plugged.bdf.device,
+                path: path_behind_ports(handover, plugged.bdf),
                 vendor_id,
                 device_id,
                 pci,
@@ -290,8 +307,8 @@ impl IncomingKernelVfio {
 }
 
 /// Plugs the handed-over kernel VFIO devices (`saved`, from the paused state, `incoming`,
-/// from the offer) back into their slots of segment 0 over the old process's iommufd and
-/// cdevs: no reset, no DMA map, the saved PCI state loaded. `ram` is boot RAM, `all_ram`
+/// from the offer) back into their places on segment 0 (bus 0, or behind the VM's PCIe
+/// ports, rebuilt before) over the old process's iommufd and cdevs: no reset, no DMA map, the saved PCI state loaded. `ram` is boot RAM, `all_ram`
 /// boot and hot-plugged RAM as DMA regions at this process's addresses. Runs with the old
 /// process's vCPUs paused.
 pub(crate) fn plug_handed_over(
@@ -373,7 +390,7 @@ pub(crate) fn plug_handed_over(
         };
         let bars = PeerBars::new(device.host_bdf.clone(), &tuning, |i| backend.region_file(i));
         let place = SavedPlace {
-            path: None,
+            path: device.path.as_deref(),
             slot: device.slot,
             ids: (device.vendor_id, device.device_id),
             pci: &device.pci,
