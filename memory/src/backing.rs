@@ -302,9 +302,13 @@ impl GuestRam {
         room: u64,
     ) -> Result<GuestRam, RamError> {
         check_handed_over_file(&memfd, config.backing, config.size.saturating_add(room))?;
-        let mut ram = Self::create_with(config, regions, Some(memfd), 0, FileState::HandedOver)?;
-        ram.huge_tmpfs = huge_tmpfs;
-        Ok(ram)
+        Self::create_with(
+            config,
+            regions,
+            Some(memfd),
+            0,
+            FileState::HandedOver { huge_tmpfs },
+        )
     }
 
     /// As [`GuestRam::create`], with `room` bytes more in its file for RAM hot-plugged later
@@ -440,7 +444,13 @@ impl GuestRam {
     /// RAM a live update handed over): the hugetlb pool is not checked, it would count
     /// them as missing.
     pub fn held_view(&self, guest_addr: u64, size: u64) -> Result<GuestRam, RamError> {
-        self.view_of(guest_addr, size, FileState::HandedOver)
+        self.view_of(
+            guest_addr,
+            size,
+            FileState::HandedOver {
+                huge_tmpfs: self.huge_tmpfs,
+            },
+        )
     }
 
     fn view_of(&self, guest_addr: u64, size: u64, state: FileState) -> Result<GuestRam, RamError> {
@@ -539,7 +549,8 @@ impl GuestRam {
             check_hugetlb_pool(backing, size)?;
         }
 
-        let mut huge_tmpfs = false;
+        // A handed-over file is on the private tmpfs if the old process made it there.
+        let mut huge_tmpfs = matches!(state, FileState::HandedOver { huge_tmpfs: true });
         let memfd = Arc::new(match memfd {
             Some(memfd) => memfd,
             None if backing == Backing::Memfd && config.thp => {
@@ -1004,7 +1015,11 @@ fn note_memfd_fallback(why: &crate::huge_tmpfs::HugeTmpfsError) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum FileState {
     New,
-    HandedOver,
+    /// A file that holds a running guest's pages already; `huge_tmpfs`: on gpuvm's private
+    /// huge-page tmpfs.
+    HandedOver {
+        huge_tmpfs: bool,
+    },
 }
 
 /// hugetlbfs's `f_type` (linux/magic.h); memfds made with MFD_HUGETLB are on it.
