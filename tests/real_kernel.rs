@@ -344,6 +344,23 @@ fn kernel_vfio_through_a_type1_container_is_handed_over_by_a_live_update() {
 }
 
 #[test]
+fn a_hot_plugged_kernel_vfio_device_is_handed_over_by_a_live_update_and_removed_after() {
+    scenario_passes(
+        "vfio-hotplug-update",
+        &[
+            "inner: hot-plugged round 2 ok",
+            "update 1: process",
+            "update: ",
+            "taken over from the old process (no reset, no DMA map",
+            "VFIO_DMA_MAP_FLAG_VADDR",
+            "after the update the guest's rounds on the hot-plugged edu went on from",
+            "figure: live update of a VM with a hot-plugged kernel VFIO device (edu, type1): guest paused",
+            "a hot-plugged kernel VFIO device across a live update, removed afterwards: ok",
+        ],
+    );
+}
+
+#[test]
 fn kernel_vfio_devices_behind_a_mirrored_switch_are_handed_over_by_a_live_update() {
     scenario_passes(
         "vfio-topology-update",

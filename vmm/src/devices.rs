@@ -142,6 +142,11 @@ pub struct DeviceStates {
     /// by the live update only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handed_over_kernel_vfio: Option<crate::update::handed_over::HandedOverKernelContext>,
+    /// A live update's hot-plugged kernel VFIO devices, each in a context of its own: as
+    /// `handed_over_kernel_vfio`, with what makes it a hot-plugged GPU again. Filled by the
+    /// live update only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handed_over_hot_kernel_vfio: Vec<crate::update::handed_over::HandedOverHotKernelVfio>,
     /// A live update's MMDS (Firecracker's metadata service): its configuration, data
     /// store and live tokens, which the new process's interfaces and API serve. Filled by
     /// the live update only, and only where the VM's MMDS is not as a new VM's.
@@ -274,6 +279,7 @@ impl Persist for MachineDevices {
             handed_over_vfio_user: Vec::new(),
             handed_over_peer_mappings: Vec::new(),
             handed_over_kernel_vfio: None,
+            handed_over_hot_kernel_vfio: Vec::new(),
             handed_over_mmds: None,
             handed_over_vsock: None,
             client_record: self.client_record.clone(),

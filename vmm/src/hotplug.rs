@@ -144,6 +144,9 @@ struct HotDevice {
     held_for_dma: Arc<std::sync::atomic::AtomicBool>,
     /// A vfio-user device's connection, as a live update hands it over (None: kernel VFIO).
     connection: Option<gpuvm_vfio::user::UserConnection>,
+    /// A kernel VFIO device's context as a live update hands it over (its own, with this
+    /// one device; None: vfio-user).
+    kernel: Option<crate::update::handed_over::PluggedKernelContext>,
 }
 
 /// A device opened for plugging, with what goes with it.
@@ -157,7 +160,17 @@ struct OpenedBackend {
     peer: (PeerMapperChoice, PeerBars),
     /// A vfio-user device's connection (for a live update).
     connection: Option<gpuvm_vfio::user::UserConnection>,
+    /// A kernel VFIO device's host address, a duplicate of its file (or why there is
+    /// none) and its mark (for a live update).
+    kernel_handle: Option<KernelHandle>,
 }
+
+/// A kernel VFIO device's host address, a duplicate of its file and its mark.
+type KernelHandle = (
+    String,
+    Result<std::os::fd::OwnedFd, String>,
+    Arc<gpuvm_vfio::kernel::HandOverMark>,
+);
 
 /// A context's mapper for peers' BARs, or why it cannot have one.
 type PeerMapperChoice =
@@ -640,6 +653,12 @@ impl PciHotplug {
         let (health, watch, vfio) = (opened.health, opened.watch, opened.vfio);
         let connection = opened.connection;
         let bdf = plugged.bdf;
+        let kernel = self.kernel_context(
+            opened.kernel_handle,
+            vfio.as_ref(),
+            (bdf, &plugged.device),
+            &progress,
+        );
         let ids = lock(&plugged.device).pci_ids();
         if let Some(expected) = expected.filter(|expected| *expected != ids) {
             self.off_the_bus(port, bdf);
@@ -683,9 +702,40 @@ impl PciHotplug {
                 stopped: false,
                 held_for_dma: Arc::default(),
                 connection,
+                kernel,
             },
         );
         Ok((bdf, label))
+    }
+
+    /// What a live update hands over of a kernel VFIO device's own context (`vfio`, with
+    /// the device `handle` names, plugged at `bdf`): the RAM chunks its mapping (`progress`)
+    /// maps, one DMA map call each. None for a vfio-user device.
+    fn kernel_context(
+        &self,
+        handle: Option<KernelHandle>,
+        vfio: Option<&KernelVfio>,
+        (bdf, device): (PciBdf, &Arc<Mutex<gpuvm_vfio::pci::VfioPciDevice>>),
+        progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
+    ) -> Option<crate::update::handed_over::PluggedKernelContext> {
+        let ((host_bdf, cdev, mark), vfio) = handle.zip(vfio)?;
+        Some(crate::update::handed_over::PluggedKernelContext {
+            hand_over: vfio.hand_over(),
+            ram_mappings: Mutex::new(
+                (self.ram.chunks().iter())
+                    .map(|c| (c.guest_addr, c.size))
+                    .collect(),
+            ),
+            addresses_away: Default::default(),
+            dma: progress.clone(),
+            devices: vec![crate::update::handed_over::PluggedKernelVfio {
+                host_bdf,
+                bdf,
+                device: device.clone(),
+                cdev,
+                mark,
+            }],
+        })
     }
 
     /// Makes the plugged device `id` a peer of the others: their BARs are DMA-mapped in
@@ -740,12 +790,18 @@ impl PciHotplug {
                 health: Some(health),
                 backend: Box::new(backend),
                 vfio: None,
+                kernel_handle: None,
             })
         } else if let Some(bdf) = &body.host_bdf {
             let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
             let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
             let device = vfio.open_device(bdf)?;
             let bars = PeerBars::new(bdf.clone(), &body.tuning(), |i| device.region_file(i));
+            let kernel_handle = (
+                bdf.clone(),
+                device.hand_over().map_err(|e| e.to_string()),
+                device.hand_over_mark(),
+            );
             let backend: Box<dyn PassthroughDevice> = Box::new(device);
             gpuvm_vfio::host::check_memlock(self.ram_size())?;
             Ok(OpenedBackend {
@@ -756,6 +812,7 @@ impl PciHotplug {
                 watch: None,
                 vfio: Some(vfio),
                 connection: None,
+                kernel_handle: Some(kernel_handle),
             })
         } else {
             Err(PciSetupError::Device(gpuvm_vfio::VfioError::NotPci(
@@ -957,6 +1014,8 @@ impl PciHotplug {
             }
         }
         drop(device.mapping.take());
+        // The hand-over's record of its context holds the device too.
+        drop(device.kernel.take());
         let gsis = std::mem::take(&mut device.gsis);
         let label = device.label.clone();
         if Arc::strong_count(&device.device) > 1 {

@@ -333,9 +333,10 @@ impl PreparedMachine {
     pub fn load(
         mut self,
         state: &snapshot::MachineState,
-        (vfio_user, kernel_vfio): (
+        (vfio_user, kernel_vfio, hot_kernel_vfio): (
             Vec<crate::update::passthrough::IncomingVfioUser>,
             Option<crate::update::kernel_vfio::IncomingKernelVfio>,
+            Vec<crate::update::kernel_vfio::IncomingKernelVfio>,
         ),
         vsock_sockets: Vec<std::os::fd::OwnedFd>,
     ) -> Result<(Machine, RestoreTimings), Error> {
@@ -405,6 +406,14 @@ impl PreparedMachine {
                 &mut self.base.devices,
                 state.devices.handed_over_kernel_vfio.as_ref(),
                 kernel_vfio,
+            )?;
+            // The hot-plugged ones, each over its own context, back into their hot-plug
+            // slots.
+            crate::update::kernel_vfio::plug_hot_handed_over(
+                &mut self.base.devices,
+                &all_ram,
+                &state.devices.handed_over_hot_kernel_vfio,
+                hot_kernel_vfio,
             )
         })
         .map(|()| crate::update::passthrough::finish_peer_adoption(&self.base.devices))

@@ -6,22 +6,32 @@
 //! gives the device that process's MSI-X eventfds) and keeps it a hot-plugged device:
 //! DELETE /gpus/{id} ejects it there, and it is a peer of the GPUs plugged after.
 //!
-//! Kernel VFIO devices are not handed over (their DMA mappings would need the VFIO vaddr
-//! update or iommufd's process change): the old process refuses a VM with one.
+//! Hot-plugged kernel VFIO devices go over the same way, each with its own context (an
+//! iommufd or a type1 container holding that one device) handed over as the cold-plugged
+//! context is (crate::update::kernel_vfio): the new process adopts the context and the
+//! device's file, moves the type1 mappings' host addresses to its own, and plugs the
+//! device back into its hot-plug slot.
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
+use gpuvm_devices::pci::PciBdf;
 use gpuvm_devices::Persist;
 use gpuvm_vfio::dma::DmaMapper;
+use gpuvm_vfio::pci::VfioPciDevice;
 use gpuvm_vfio::user::{UserConnection, VfioUserDevice};
 use gpuvm_vfio::{DmaRegion, PassthroughDevice};
 
 use super::{HotDevice, PciHotplug};
 use crate::lock;
 use crate::p2p::PeerBars;
-use crate::update::handed_over::{HandedOverVfioUser, HotPluggedGpu, OfferedVfioUser};
+use crate::update::handed_over::{
+    HandedOverHotKernelVfio, HandedOverVfioUser, HotPluggedGpu, OfferedKernelVfio, OfferedVfioUser,
+    PluggedKernelContext, PluggedKernelVfio,
+};
+use crate::update::kernel_vfio;
 use crate::update::passthrough::AlreadyMapped;
+use crate::update::UpdateError;
 
 impl PciHotplug {
     /// The hot-plugged vfio-user GPUs (by id) and their connections.
@@ -30,38 +40,48 @@ impl PciHotplug {
             .filter_map(|(id, hot)| Some((id.as_str(), hot, hot.connection.as_ref()?)))
     }
 
-    /// The labels of the hot-plugged kernel VFIO devices, which a live update does not
-    /// carry.
+    /// The hot-plugged kernel VFIO devices (by id) and their own contexts.
+    fn kernel_devices(&self) -> impl Iterator<Item = (&str, &HotDevice, &PluggedKernelContext)> {
+        (self.devices.iter()).filter_map(|(id, hot)| Some((id.as_str(), hot, hot.kernel.as_ref()?)))
+    }
+
+    /// The hot-plugged kernel VFIO devices' own contexts (memory hot-plug notes the RAM it
+    /// maps in them).
+    pub(crate) fn kernel_contexts(&self) -> impl Iterator<Item = &PluggedKernelContext> {
+        self.kernel_devices().map(|(_, _, context)| context)
+    }
+
+    /// The labels of the hot-plugged kernel VFIO devices a live update does not carry:
+    /// those with no context to hand over.
     pub(crate) fn kernel_vfio_labels(&self) -> Vec<String> {
         (self.devices.values())
-            .filter(|hot| hot.connection.is_none())
+            .filter(|hot| hot.connection.is_none() && hot.kernel.is_none())
             .map(|hot| hot.label.clone())
             .collect()
     }
 
-    /// Why a hot-plugged vfio-user GPU cannot be handed over now, the first such one.
+    /// Why a hot-plugged GPU cannot be handed over now, the first such one.
     pub(crate) fn handover_refusal(&self) -> Option<String> {
+        let kernel = self.kernel_devices().count();
+        if kernel > crate::update::protocol::MAX_HOT_KERNEL_VFIO_DEVICES {
+            return Some(format!(
+                "{kernel} hot-plugged kernel VFIO devices: at most {} are handed over",
+                crate::update::protocol::MAX_HOT_KERNEL_VFIO_DEVICES
+            ));
+        }
+        for (id, hot, context) in self.kernel_devices() {
+            let reason = self
+                .place_refusal(id, hot)
+                .or_else(|| kernel_vfio::context_refusal(context, &|_| None));
+            if let Some(reason) = reason {
+                return Some(format!("hot-plugged {id} ({}): {reason}", hot.label));
+            }
+        }
         for (id, hot, connection) in self.vfio_user_devices() {
             let reason = if hot.gone.is_some() {
                 Some("its device process is gone".to_string())
-            } else if hot.ejecting {
-                Some("it is being hot-unplugged; retry once it is gone".to_string())
-            } else if hot.stopped || hot.held_for_dma.load(std::sync::atomic::Ordering::Acquire) {
-                Some("it was restored and does not run yet; retry once it runs".to_string())
-            } else if hot.bdf.segment != 0 {
-                Some(format!(
-                    "it sits at {} on PCI segment {}; only devices of segment 0 are handed over",
-                    hot.bdf.full(),
-                    hot.bdf.segment
-                ))
-            } else if hot.bdf.bus != 0 && !self.port_of.contains_key(id) {
-                // Neither in an ACPI slot nor in a root port for hot-plug: behind the
-                // ports of a host-mirroring layout (crate::pci_topology).
-                Some(format!(
-                    "it sits at {} behind the VM's PCIe ports; only GPUs on bus 0 or in a \
-                     root port for hot-plug are handed over",
-                    hot.bdf
-                ))
+            } else if let Some(reason) = self.place_refusal(id, hot) {
+                Some(reason)
             } else if let Some(reason) = connection.refusal() {
                 Some(reason)
             } else if !(hot.mapping.as_ref()).is_some_and(|m| m.progress().is_done()) {
@@ -74,6 +94,105 @@ impl PciHotplug {
             }
         }
         None
+    }
+
+    /// Why hot-plugged device `id` cannot be handed over as it stands (being ejected, not
+    /// running yet) or where it sits, if it cannot.
+    fn place_refusal(&self, id: &str, hot: &HotDevice) -> Option<String> {
+        if hot.ejecting {
+            Some("it is being hot-unplugged; retry once it is gone".to_string())
+        } else if hot.stopped || hot.held_for_dma.load(std::sync::atomic::Ordering::Acquire) {
+            Some("it was restored and does not run yet; retry once it runs".to_string())
+        } else if hot.bdf.segment != 0 {
+            Some(format!(
+                "it sits at {} on PCI segment {}; only devices of segment 0 are handed over",
+                hot.bdf.full(),
+                hot.bdf.segment
+            ))
+        } else if hot.bdf.bus != 0 && !self.port_of.contains_key(id) {
+            // Neither in an ACPI slot nor in a root port for hot-plug: behind the ports
+            // of a host-mirroring layout (crate::pci_topology).
+            Some(format!(
+                "it sits at {} behind the VM's PCIe ports; only GPUs on bus 0 or in a root \
+                 port for hot-plug are handed over",
+                hot.bdf
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// The offer's part for the hot-plugged kernel VFIO devices: each one's own context
+    /// and its descriptors (as a cold-plugged context's), in id order.
+    pub(crate) fn handover_offer_kernel(
+        &self,
+    ) -> Result<(Vec<OfferedKernelVfio>, Vec<OwnedFd>), UpdateError> {
+        let mut offered = Vec::new();
+        let mut fds = Vec::new();
+        for (_, _, context) in self.kernel_devices() {
+            let (offer, files) = kernel_vfio::offer_context(context)?;
+            offered.push(offer);
+            fds.extend(files);
+        }
+        Ok((offered, fds))
+    }
+
+    /// The paused state's part for the hot-plugged kernel VFIO devices, in the offer's
+    /// order: each context's device and mapped RAM (`ram`: the VM's RAM as DMA regions,
+    /// hot-plugged RAM included), and what makes it a hot-plugged GPU again.
+    pub(crate) fn handover_save_kernel(
+        &self,
+        ram: &[DmaRegion],
+    ) -> Result<Vec<HandedOverHotKernelVfio>, UpdateError> {
+        let shares_bars = |name: &str| self.peers.shares_bars(name);
+        (self.kernel_devices())
+            .map(|(id, hot, context)| {
+                let context = kernel_vfio::save_context(context, ram, &|_| None, &shares_bars)?;
+                let port = (self.port_of.get(id)).and_then(|&i| self.ports.get(i));
+                Ok(HandedOverHotKernelVfio {
+                    context,
+                    hot: HotPluggedGpu {
+                        source: hot.source.clone(),
+                        port: port.map(|port| port.slot),
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// With the vCPUs paused: each hot-plugged type1 context's mappings lose this
+    /// process's host addresses (`ram`: where it maps guest RAM), recorded in `saved` (its
+    /// entries matched by id) for the new process to give its own.
+    pub(crate) fn handover_move_addresses_away(
+        &self,
+        saved: &mut [HandedOverHotKernelVfio],
+        ram: &[DmaRegion],
+    ) -> Result<(), UpdateError> {
+        for (id, _, context) in self.kernel_devices() {
+            let entry = (saved.iter_mut())
+                .find(|entry| entry.hot.source.gpu_id == id)
+                .ok_or_else(|| {
+                    UpdateError::Save(format!("hot-plugged {id} is not in the state"))
+                })?;
+            entry.context.type1_vaddr = kernel_vfio::move_context_addresses_away(context, ram)?;
+        }
+        Ok(())
+    }
+
+    /// After a failed update: the hot-plugged type1 contexts' mappings take this process's
+    /// host addresses again.
+    pub(crate) fn handover_take_addresses_back(&self, ram: &[DmaRegion]) {
+        for (_, _, context) in self.kernel_devices() {
+            kernel_vfio::take_context_addresses_back(context, ram);
+        }
+    }
+
+    /// The new process runs the hot-plugged kernel VFIO devices: this one leaves them
+    /// alone from now on.
+    pub(crate) fn handover_release_kernel(&self, to_pid: u32) {
+        for (_, _, context) in self.kernel_devices() {
+            kernel_vfio::release_context(context, to_pid);
+        }
     }
 
     /// The offer's part: each hot-plugged GPU's socket and layout, and its descriptors
@@ -123,7 +242,9 @@ impl PciHotplug {
     /// A live update failed after the new process may have given the hot-plugged GPUs its
     /// interrupt eventfds: gives them this process's again (before the vCPUs run).
     pub(crate) fn handover_rearm(&self) {
-        for (id, hot, _) in self.vfio_user_devices() {
+        let vfio_user = self.vfio_user_devices().map(|(id, hot, _)| (id, hot));
+        let kernel = self.kernel_devices().map(|(id, hot, _)| (id, hot));
+        for (id, hot) in vfio_user.chain(kernel) {
             match lock(&hot.device).rearm_interrupts() {
                 Ok(()) => log::info!("{id}: interrupts re-armed with this process's eventfds"),
                 Err(error) => log::error!(
@@ -151,11 +272,141 @@ impl PciHotplug {
         hot: &HotPluggedGpu,
         backend: VfioUserDevice,
     ) -> Result<String, String> {
+        let health = backend.health();
+        if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
+            health.set_wake(wake);
+        }
+        let watch = backend.watch_hang_up();
+        let connection = backend.connection();
+        let bars = PeerBars::new(backend.name(), &hot.source.tuning(), |i| {
+            backend.region_file(i)
+        });
+        let peer = (Ok(backend.peer_mapper()), bars);
+        let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
+            backend.dma_mapper(),
+            saved.dma_mapped.clone(),
+        ));
+        let place = SavedHotPlace {
+            slot: saved.slot,
+            ids: (saved.vendor_id, saved.device_id),
+            pci: &saved.pci,
+            intx_gsi: saved.intx_gsi,
+        };
+        let kept = Kept {
+            health: Some(health),
+            watch,
+            vfio: None,
+            connection: Some(connection),
+        };
+        self.adopt(
+            hot,
+            place,
+            (Box::new(backend), mapper, peer),
+            kept,
+            |_, _, _| None,
+        )
+    }
+
+    /// Plugs a hot-plugged kernel VFIO device the old process handed over (`saved`; its
+    /// context's descriptors in `incoming`) back into its slot over its own context: no
+    /// reset, no DMA map, its type1 mappings given this process's addresses (`all_ram`:
+    /// boot and hot-plugged RAM here), its PCI state loaded. It is a hot-plugged device
+    /// from then on, which a later update hands over again. Returns its label.
+    pub(crate) fn adopt_handed_over_kernel(
+        &mut self,
+        saved: &HandedOverHotKernelVfio,
+        incoming: crate::update::kernel_vfio::IncomingKernelVfio,
+        all_ram: &[DmaRegion],
+    ) -> Result<String, String> {
+        let id = &saved.hot.source.gpu_id;
+        let [device] = saved.context.devices.as_slice() else {
+            return Err(format!(
+                "{id}: a hot-plugged kernel VFIO context holds one device, the state {}",
+                saved.context.devices.len()
+            ));
+        };
+        let (vfio, handles) = incoming.adopt(&self.vm, &saved.context)?;
+        let Some((file, mark)) = handles.into_iter().next() else {
+            return Err(format!("{id}: the offer brings no device file"));
+        };
+        let backend = (vfio.adopt_device(file, &device.host_bdf, mark.clone()))
+            .map_err(|e| format!("{id} ({}): {e}", device.host_bdf))?;
+        let cdev = backend.hand_over().map_err(|e| e.to_string());
+        crate::update::kernel_vfio::take_type1_mappings(&vfio, &saved.context.type1_vaddr, all_ram)
+            .map_err(|e| format!("{id}: {e}"))?;
+        let bars = PeerBars::new(device.host_bdf.clone(), &saved.hot.source.tuning(), |i| {
+            backend.region_file(i)
+        });
+        let peer = (vfio.peer_mapper(), bars);
+        let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
+            vfio.dma_mapper(),
+            saved.context.dma_mapped.clone(),
+        ));
+        let place = SavedHotPlace {
+            slot: device.slot,
+            ids: (device.vendor_id, device.device_id),
+            pci: &device.pci,
+            intx_gsi: device.intx_gsi,
+        };
+        let hand_over = vfio.hand_over();
+        let kept = Kept {
+            health: None,
+            watch: None,
+            vfio: Some(vfio),
+            connection: None,
+        };
+        let host_bdf = device.host_bdf.clone();
+        let type1_vaddr = saved.context.type1_vaddr.clone();
+        let context = move |bdf, pci_device: &Arc<Mutex<VfioPciDevice>>, dma| {
+            Some(PluggedKernelContext {
+                hand_over,
+                // The type1 mappings the old process made and moved here.
+                ram_mappings: Mutex::new(type1_vaddr),
+                addresses_away: Default::default(),
+                dma,
+                devices: vec![PluggedKernelVfio {
+                    host_bdf,
+                    bdf,
+                    device: pci_device.clone(),
+                    cdev,
+                    mark,
+                }],
+            })
+        };
+        self.adopt(
+            &saved.hot,
+            place,
+            (Box::new(backend), mapper, peer),
+            kept,
+            context,
+        )
+    }
+
+    /// What the adoptions share: `backend` (with its RAM `mapper`, mapped already, and its
+    /// peer mapper and BARs) plugged back at `place` in the slot `hot` says, its PCI state
+    /// loaded, the mapping accounted for, a peer of the others again; then a hot-plugged
+    /// device holding `kept` and the kernel VFIO context `context` makes for it.
+    fn adopt(
+        &mut self,
+        hot: &HotPluggedGpu,
+        place: SavedHotPlace<'_>,
+        (backend, mapper, (peer_mapper, bars)): (
+            Box<dyn PassthroughDevice>,
+            Arc<dyn DmaMapper>,
+            (super::PeerMapperChoice, PeerBars),
+        ),
+        kept: Kept,
+        context: impl FnOnce(
+            PciBdf,
+            &Arc<Mutex<VfioPciDevice>>,
+            Arc<gpuvm_vfio::dma::DmaProgress>,
+        ) -> Option<PluggedKernelContext>,
+    ) -> Result<String, String> {
         let id = hot.source.gpu_id.clone();
         if self.devices.contains_key(&id) {
             return Err(format!("the state names the GPU {id} twice"));
         }
-        if saved.intx_gsi.is_some() {
+        if place.intx_gsi.is_some() {
             return Err(format!("{id}: a hot-plugged GPU has no INTx wired"));
         }
         let port = match hot.port {
@@ -168,27 +419,13 @@ impl PciHotplug {
                     })?,
             ),
         };
-        let health = backend.health();
-        if let Some(wake) = self.wake.as_ref().and_then(|w| w.try_clone().ok()) {
-            health.set_wake(wake);
-        }
-        let watch = backend.watch_hang_up();
-        let connection = backend.connection();
-        let bars = PeerBars::new(backend.name(), &hot.source.tuning(), |i| {
-            backend.region_file(i)
-        });
-        let peer_mapper = backend.peer_mapper();
-        let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
-            backend.dma_mapper(),
-            saved.dma_mapped.clone(),
-        ));
         let progress = self.ram.progress(mapper.name());
         let (device, gsis) = crate::update::passthrough::take_over(
-            Box::new(backend),
+            backend,
             &self.router,
             &self.slots,
             &progress,
-            (saved.vendor_id, saved.device_id),
+            place.ids,
         )
         .map_err(|e| format!("{id}: {e}"))?;
         let release = |gsis: &[u32], error: String| {
@@ -198,26 +435,26 @@ impl PciHotplug {
         let name = device.name().to_string();
         let device = Arc::new(Mutex::new(device));
         let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
-        let bars_at = saved.pci.bars.as_slice();
+        let bars_at = place.pci.bars.as_slice();
         let added = match hot.port {
-            None => self.root.add_device_at(saved.slot, as_pci, bars_at),
+            None => self.root.add_device_at(place.slot, as_pci, bars_at),
             Some(port) => self
                 .root
-                .add_behind(&[port, saved.slot], as_pci, bars_at, false),
+                .add_behind(&[port, place.slot], as_pci, bars_at, false),
         };
         let bdf = added.map_err(|e| {
             release(
                 &gsis,
-                format!("cannot plug it back into slot {:#04x}: {e}", saved.slot),
+                format!("cannot plug it back into slot {:#04x}: {e}", place.slot),
             )
         })?;
         let loaded = lock(&device)
-            .restore(&saved.pci)
+            .restore(place.pci)
             .map_err(|e| format!("its PCI state does not fit: {e}"))
             .and_then(|()| {
                 self.ram
                     .start_with(
-                        progress,
+                        progress.clone(),
                         mapper,
                         self.hooks,
                         crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
@@ -242,7 +479,7 @@ impl PciHotplug {
         // device, which the old process checked) it maps nothing now.
         self.join_peers(
             &id,
-            (Ok(peer_mapper), bars),
+            (peer_mapper, bars),
             &device,
             crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
         );
@@ -251,25 +488,43 @@ impl PciHotplug {
             "live update: hot-plugged {id} ({label}) taken over from the old process (no \
              reset, no DMA map; interrupts on this VM's eventfds)"
         );
+        let kernel = context(bdf, &device, progress);
         self.devices.insert(
             id,
             HotDevice {
                 bdf,
                 label: label.clone(),
                 mapping: Some(mapping),
-                health: Some(health),
-                _watch: watch,
+                health: kept.health,
+                _watch: kept.watch,
                 gone: None,
                 device,
-                _vfio: None,
+                _vfio: kept.vfio,
                 gsis,
                 ejecting: false,
                 source: hot.source.clone(),
                 stopped: false,
                 held_for_dma: Arc::default(),
-                connection: Some(connection),
+                connection: kept.connection,
+                kernel,
             },
         );
         Ok(label)
     }
+}
+
+/// A handed-over hot-plugged device's place and PCI state in the paused state.
+struct SavedHotPlace<'a> {
+    slot: u8,
+    ids: (u16, u16),
+    pci: &'a gpuvm_vfio::pci::VfioPciState,
+    intx_gsi: Option<u32>,
+}
+
+/// What an adopted hot-plugged device keeps that depends on its kind.
+struct Kept {
+    health: Option<Arc<gpuvm_vfio::user::BackendHealth>>,
+    watch: Option<gpuvm_vfio::user::HangupWatch>,
+    vfio: Option<gpuvm_vfio::kernel::KernelVfio>,
+    connection: Option<UserConnection>,
 }

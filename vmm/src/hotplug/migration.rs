@@ -513,6 +513,12 @@ impl PciHotplug {
             &plugged.device,
             crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
         );
+        let kernel = self.kernel_context(
+            opened.kernel_handle,
+            opened.vfio.as_ref(),
+            (plugged.bdf, &plugged.device),
+            &progress,
+        );
         let held_for_dma = Arc::new(AtomicBool::new(true));
         run_once_mapped(
             gpu.gpu_id.clone(),
@@ -544,6 +550,7 @@ impl PciHotplug {
                 stopped: false,
                 held_for_dma,
                 connection: opened.connection,
+                kernel,
             },
         );
         Ok(())

@@ -826,8 +826,8 @@ fn dma_mappings(
 /// Maps `ram` for every passthrough device, cold- and hot-plugged, before the guest may
 /// use it (through each device's mapper, on this thread, so that it is done when this
 /// returns). On failure what was mapped is unmapped again: the RAM is dropped, and no
-/// device may keep it pinned. The cold-plugged kernel VFIO context notes the mappings (a
-/// type1 live update moves their host addresses).
+/// device may keep it pinned. The kernel VFIO contexts note the mappings (a type1 live
+/// update moves their host addresses).
 fn dma_map(
     devices: &mut crate::devices::MachineDevices,
     ram: &GuestRam,
@@ -870,7 +870,8 @@ fn dma_map(
         }
         return Err(error);
     }
-    if let Some(context) = &devices.handover.kernel {
+    let hot = devices.pci_hotplug.iter().flat_map(|h| h.kernel_contexts());
+    for context in devices.handover.kernel.iter().chain(hot) {
         context.note_mapped(&regions);
     }
     Ok(())
@@ -899,8 +900,10 @@ fn dma_unmap(
             mapper.name()
         );
     }
-    if let Some(context) = &devices.handover.kernel {
-        context.note_unmapped(&RamChunks::regions_of(ram));
+    let hot = devices.pci_hotplug.iter().flat_map(|h| h.kernel_contexts());
+    let regions = RamChunks::regions_of(ram);
+    for context in devices.handover.kernel.iter().chain(hot) {
+        context.note_unmapped(&regions);
     }
     Ok(())
 }

@@ -132,8 +132,18 @@ pub struct HandedOverKernelContext {
     pub devices: Vec<HandedOverKernelVfio>,
 }
 
-/// One handed-over kernel VFIO device: the host device, its slot on bus 0 of segment 0,
-/// its model, and the PCI state gpuvm emulates for it.
+/// A hot-plugged kernel VFIO device in the paused state: its own context (one device) and
+/// what makes it a hot-plugged GPU again in the new process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedOverHotKernelVfio {
+    pub context: HandedOverKernelContext,
+    pub hot: HotPluggedGpu,
+}
+
+/// One handed-over kernel VFIO device: the host device, its slot on bus 0 of segment 0
+/// (or its device number behind the VM's PCIe ports, with its path), its model, and the
+/// PCI state gpuvm emulates for it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HandedOverKernelVfio {

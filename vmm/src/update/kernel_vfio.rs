@@ -1,6 +1,7 @@
-//! Cold-plugged kernel VFIO devices (`--gpu BDF`, through iommufd or a type1 container)
-//! across a live update: the device never stops and guest RAM is never unmapped or pinned
-//! again.
+//! Kernel VFIO devices (cold-plugged with `--gpu BDF`, through iommufd or a type1
+//! container; hot-plugged ones each in a context of their own, crate::hotplug's hand-over
+//! using the per-context functions here) across a live update: the device never stops and
+//! guest RAM is never unmapped or pinned again.
 //!
 //! iommufd: the old process hands over its iommufd (whose IOAS holds every mapping and pin
 //! of guest RAM) and each device's cdev (bound to that iommufd, attached to the IOAS).
@@ -44,6 +45,33 @@ use gpuvm_devices::pci::PciBdf;
 /// Why the VM's cold-plugged kernel VFIO devices cannot be handed over now, if they cannot.
 pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
     let context = handover.kernel.as_ref()?;
+    context_refusal(context, &|device| {
+        if device.bdf.segment != 0 {
+            // As for vfio-user devices: a segment beyond those the VM asked for is made for
+            // its devices from the command line, which the new process does not get.
+            return Some(format!(
+                "{} sits at {} off PCI segment 0 (its NUMA node's or its own pci_segment); \
+                 only devices of segment 0 are handed over",
+                device.host_bdf,
+                device.bdf.shown()
+            ));
+        }
+        if device.bdf.bus != 0 && path_behind_ports(handover, device.bdf).is_none() {
+            return Some(format!(
+                "{} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
+                device.host_bdf, device.bdf
+            ));
+        }
+        None
+    })
+}
+
+/// Why the kernel VFIO `context` (the cold-plugged devices', or a hot-plugged device's own)
+/// cannot be handed over now, if it cannot; `placed` says why a device's place cannot.
+pub(crate) fn context_refusal(
+    context: &PluggedKernelContext,
+    placed: &dyn Fn(&PluggedKernelVfio) -> Option<String>,
+) -> Option<String> {
     let names = || {
         (context.devices.iter())
             .map(|d| d.host_bdf.as_str())
@@ -60,7 +88,7 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
             names()
         ));
     }
-    if let Some(reason) = type1_container(handover)
+    if let Some(reason) = context_container(context)
         .and_then(|container| gpuvm_vfio::type1::vaddr_update_refusal(container.as_fd()))
     {
         return Some(format!("kernel VFIO devices ({}): {reason}", names()));
@@ -79,21 +107,8 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
                 device.host_bdf
             ));
         }
-        if device.bdf.segment != 0 {
-            // As for vfio-user devices: a segment beyond those the VM asked for is made for
-            // its devices from the command line, which the new process does not get.
-            return Some(format!(
-                "{} sits at {} off PCI segment 0 (its NUMA node's or its own pci_segment); \
-                 only devices of segment 0 are handed over",
-                device.host_bdf,
-                device.bdf.shown()
-            ));
-        }
-        if device.bdf.bus != 0 && path_behind_ports(handover, device.bdf).is_none() {
-            return Some(format!(
-                "{} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
-                device.host_bdf, device.bdf
-            ));
+        if let Some(reason) = placed(device) {
+            return Some(reason);
         }
     }
     None
@@ -108,6 +123,15 @@ pub(super) fn offer(
     let Some(context) = &handover.kernel else {
         return Ok((None, Vec::new()));
     };
+    let (offered, fds) = offer_context(context)?;
+    Ok((Some(offered), fds))
+}
+
+/// The offer's part of one kernel VFIO context: its IOAS or container and devices, and
+/// their descriptors (as [`offer`] says).
+pub(crate) fn offer_context(
+    context: &PluggedKernelContext,
+) -> Result<(OfferedKernelVfio, Vec<OwnedFd>), UpdateError> {
     let duplicate = |fd: &OwnedFd, what: &str| {
         fd.try_clone()
             .map_err(|e| UpdateError::Save(format!("cannot duplicate {what}: {e}")))
@@ -142,7 +166,7 @@ pub(super) fn offer(
         devices: hosts.iter().map(|h| h.to_string()).collect(),
         type1_groups,
     };
-    Ok((Some(offered), fds))
+    Ok((offered, fds))
 }
 
 /// `mappings` (IOVA, size) at this process's addresses of the same guest RAM (`ram`: boot
@@ -158,8 +182,8 @@ fn path_behind_ports(handover: &PassthroughHandOver, bdf: PciBdf) -> Option<Vec<
 }
 
 /// The type1 container of the context, if that is what it is.
-fn type1_container(handover: &PassthroughHandOver) -> Option<&OwnedFd> {
-    match handover.kernel.as_ref()?.hand_over.as_ref().ok()? {
+fn context_container(context: &PluggedKernelContext) -> Option<&OwnedFd> {
+    match context.hand_over.as_ref().ok()? {
         ContextHandOver::Container { container } => Some(container),
         ContextHandOver::Iommufd { .. } => None,
     }
@@ -173,7 +197,18 @@ pub(super) fn move_addresses_away(
     handover: &PassthroughHandOver,
     ram: &[DmaRegion],
 ) -> Result<Vec<(u64, u64)>, UpdateError> {
-    let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
+    match &handover.kernel {
+        Some(context) => move_context_addresses_away(context, ram),
+        None => Ok(Vec::new()),
+    }
+}
+
+/// [`move_addresses_away`] for one kernel VFIO context.
+pub(crate) fn move_context_addresses_away(
+    context: &PluggedKernelContext,
+    ram: &[DmaRegion],
+) -> Result<Vec<(u64, u64)>, UpdateError> {
+    let Some(container) = context_container(context) else {
         return Ok(Vec::new());
     };
     let mappings = context.ram_mappings();
@@ -192,7 +227,14 @@ pub(super) fn move_addresses_away(
 /// After a failed update: a type1 context's mappings take this process's host addresses
 /// again (the new process may have given its own already).
 pub(super) fn take_addresses_back(handover: &PassthroughHandOver, ram: &[DmaRegion]) {
-    let (Some(container), Some(context)) = (type1_container(handover), &handover.kernel) else {
+    if let Some(context) = &handover.kernel {
+        take_context_addresses_back(context, ram);
+    }
+}
+
+/// [`take_addresses_back`] for one kernel VFIO context.
+pub(crate) fn take_context_addresses_back(context: &PluggedKernelContext, ram: &[DmaRegion]) {
+    let Some(container) = context_container(context) else {
         return;
     };
     if !context.addresses_away.swap(false, Ordering::AcqRel) {
@@ -226,6 +268,18 @@ pub(super) fn save(
     let shares_bars = |host_bdf: &str| {
         (handover.plug.as_ref()).is_some_and(|parts| parts.peers.shares_bars(host_bdf))
     };
+    let path = |device: &PluggedKernelVfio| path_behind_ports(handover, device.bdf);
+    save_context(context, ram, &path, &shares_bars).map(Some)
+}
+
+/// [`save`] for one kernel VFIO context: `path` gives a device's path behind the VM's
+/// PCIe ports, `shares_bars` whether it shares its BARs with its peers.
+pub(crate) fn save_context(
+    context: &PluggedKernelContext,
+    ram: &[DmaRegion],
+    path: &dyn Fn(&PluggedKernelVfio) -> Option<Vec<u8>>,
+    shares_bars: &dyn Fn(&str) -> bool,
+) -> Result<HandedOverKernelContext, UpdateError> {
     let devices = (context.devices.iter())
         .map(|plugged| {
             use gpuvm_devices::Persist;
@@ -237,7 +291,7 @@ pub(super) fn save(
             Ok(HandedOverKernelVfio {
                 host_bdf: plugged.host_bdf.clone(),
                 slot: plugged.bdf.device,
-                path: path_behind_ports(handover, plugged.bdf),
+                path: path(plugged),
                 vendor_id,
                 device_id,
                 pci,
@@ -246,18 +300,25 @@ pub(super) fn save(
             })
         })
         .collect::<Result<Vec<_>, UpdateError>>()?;
-    Ok(Some(HandedOverKernelContext {
+    Ok(HandedOverKernelContext {
         dma_mapped: (ram.iter())
             .map(|r| (r.guest_addr, r.size, r.fd_offset))
             .collect(),
         type1_vaddr: Vec::new(),
         devices,
-    }))
+    })
 }
 
 /// The new process has the devices: this one leaves them alone from now on.
 pub(super) fn release(handover: &PassthroughHandOver, to_pid: u32) {
-    for device in handover.kernel.iter().flat_map(|c| &c.devices) {
+    if let Some(context) = &handover.kernel {
+        release_context(context, to_pid);
+    }
+}
+
+/// [`release`] for one kernel VFIO context.
+pub(crate) fn release_context(context: &PluggedKernelContext, to_pid: u32) {
+    for device in &context.devices {
         device.mark.mark_handed_over();
         log::info!(
             "kernel VFIO: {} is run by gpuvm process {to_pid} now",
@@ -282,7 +343,63 @@ pub struct IncomingKernelVfio {
     pub marks: Vec<Arc<HandOverMark>>,
 }
 
+/// A handed-over type1 context's mappings (`type1_vaddr`, as the old process made them)
+/// take this process's host addresses (`all_ram`: boot and hot-plugged RAM here).
+/// Nothing for iommufd.
+pub(crate) fn take_type1_mappings(
+    vfio: &KernelVfio,
+    type1_vaddr: &[(u64, u64)],
+    all_ram: &[DmaRegion],
+) -> Result<(), String> {
+    let Some(container) = vfio.container() else {
+        return Ok(());
+    };
+    let own = own_mappings(type1_vaddr, all_ram)?;
+    let moved = gpuvm_vfio::type1::set_vaddr(container, &own)
+        .map_err(|e| format!("kernel VFIO (type1): {e}"))?;
+    log::info!(
+        "kernel VFIO (type1): {moved} DMA mappings now use this process's addresses \
+         (VFIO_DMA_MAP_FLAG_VADDR; nothing unmapped or pinned again)"
+    );
+    Ok(())
+}
+
+/// A handed-over device's file and its mark, as [`IncomingKernelVfio::adopt`] gives them.
+pub(crate) type AdoptedDeviceFile = (OwnedFd, Arc<HandOverMark>);
+
 impl IncomingKernelVfio {
+    /// The context the old process handed over, rebuilt here over its iommufd or its type1
+    /// container and groups (which join this VM's KVM VFIO device), and each device's
+    /// file and mark, in `saved`'s order (checked against the offer).
+    pub(crate) fn adopt(
+        self,
+        vm: &kvm_ioctls::VmFd,
+        saved: &HandedOverKernelContext,
+    ) -> Result<(KernelVfio, Vec<AdoptedDeviceFile>), String> {
+        let hosts: Vec<&str> = (saved.devices.iter())
+            .map(|d| d.host_bdf.as_str())
+            .collect();
+        if hosts != self.offered.devices || self.cdevs.len() != hosts.len() {
+            return Err(format!(
+                "the state has kernel VFIO devices {hosts:?}, the offer {:?}",
+                self.offered.devices
+            ));
+        }
+        let vfio = match &self.offered.type1_groups {
+            None => {
+                let kvm_vfio = crate::pci::create_kvm_vfio_device(vm).map_err(|e| e.to_string())?;
+                KernelVfio::adopt(self.context, self.offered.ioas_id, Some(Arc::new(kvm_vfio)))
+                    .map_err(|e| e.to_string())?
+            }
+            Some(ids) => {
+                let kvm_vfio = kvm_vfio_with_groups(vm, &self.groups)?;
+                let groups = ids.iter().copied().zip(self.groups).collect();
+                KernelVfio::adopt_container(self.context, groups, kvm_vfio)
+            }
+        };
+        Ok((vfio, self.cdevs.into_iter().zip(self.marks).collect()))
+    }
+
     pub fn new(
         offered: OfferedKernelVfio,
         context: OwnedFd,
@@ -333,31 +450,7 @@ pub(crate) fn plug_handed_over(
             ))
         }
     };
-    let hosts: Vec<&str> = (saved.devices.iter())
-        .map(|d| d.host_bdf.as_str())
-        .collect();
-    if hosts != incoming.offered.devices || incoming.cdevs.len() != hosts.len() {
-        return Err(format!(
-            "the state has kernel VFIO devices {hosts:?}, the offer {:?}",
-            incoming.offered.devices
-        ));
-    }
-    let vfio = match &incoming.offered.type1_groups {
-        None => {
-            let kvm_vfio = crate::pci::create_kvm_vfio_device(vm).map_err(|e| e.to_string())?;
-            KernelVfio::adopt(
-                incoming.context,
-                incoming.offered.ioas_id,
-                Some(Arc::new(kvm_vfio)),
-            )
-            .map_err(|e| e.to_string())?
-        }
-        Some(ids) => {
-            let kvm_vfio = kvm_vfio_with_groups(vm, &incoming.groups)?;
-            let groups = ids.iter().copied().zip(incoming.groups).collect();
-            KernelVfio::adopt_container(incoming.context, groups, kvm_vfio)
-        }
-    };
+    let (vfio, handles) = incoming.adopt(vm, saved)?;
     let chunks = crate::dma::RamChunks::new(ram);
     let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
         vfio.dma_mapper(),
@@ -378,8 +471,7 @@ pub(crate) fn plug_handed_over(
         .as_ref()
         .map(|peers| peers.add_context(progress.name().to_string(), vfio.peer_mapper()));
     let mut plugged = Vec::new();
-    let pairs = saved.devices.iter().zip(incoming.cdevs).zip(incoming.marks);
-    for ((device, cdev), mark) in pairs {
+    for (device, (cdev, mark)) in saved.devices.iter().zip(handles) {
         let backend = vfio
             .adopt_device(cdev, &device.host_bdf, mark.clone())
             .map_err(|e| format!("{}: {e}", device.host_bdf))?;
@@ -414,15 +506,7 @@ pub(crate) fn plug_handed_over(
             mark,
         });
     }
-    if let Some(container) = vfio.container() {
-        let own = own_mappings(&saved.type1_vaddr, all_ram)?;
-        let moved = gpuvm_vfio::type1::set_vaddr(container, &own)
-            .map_err(|e| format!("kernel VFIO (type1): {e}"))?;
-        log::info!(
-            "kernel VFIO (type1): {moved} DMA mappings now use this process's addresses \
-             (VFIO_DMA_MAP_FLAG_VADDR; nothing unmapped or pinned again)"
-        );
-    }
+    take_type1_mappings(&vfio, &saved.type1_vaddr, all_ram)?;
     let mapping = chunks
         .start(
             progress.clone(),
@@ -440,6 +524,34 @@ pub(crate) fn plug_handed_over(
         dma: progress,
         devices: plugged,
     });
+    Ok(())
+}
+
+/// Plugs the hot-plugged kernel VFIO devices the old process handed over (`saved`, from
+/// the paused state, `incoming`, from the offer, in the same order) back into their
+/// hot-plug slots, each over its own context (`all_ram`: boot and hot-plugged RAM here):
+/// no reset, no DMA map. They stay hot-plugged devices, which DELETE /gpus/{id} ejects.
+pub(crate) fn plug_hot_handed_over(
+    devices: &mut crate::devices::MachineDevices,
+    all_ram: &[DmaRegion],
+    saved: &[super::handed_over::HandedOverHotKernelVfio],
+    incoming: Vec<IncomingKernelVfio>,
+) -> Result<(), String> {
+    if saved.len() != incoming.len() {
+        return Err(format!(
+            "the state has {} hot-plugged kernel VFIO devices, the offer {}",
+            saved.len(),
+            incoming.len()
+        ));
+    }
+    if saved.is_empty() {
+        return Ok(());
+    }
+    let hotplug = (devices.pci_hotplug.as_mut())
+        .ok_or("the state has hot-plugged kernel VFIO devices and this VM no PCI hot-plug")?;
+    for (saved, incoming) in saved.iter().zip(incoming) {
+        hotplug.adopt_handed_over_kernel(saved, incoming, all_ram)?;
+    }
     Ok(())
 }
 

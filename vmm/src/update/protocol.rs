@@ -58,6 +58,10 @@ pub const MAX_VFIO_USER_FDS: usize = 16;
 /// file and at most as many group files), after the iommufd or container they are bound
 /// to, after the vfio-user devices' descriptors.
 pub const MAX_KERNEL_VFIO_DEVICES: usize = 16;
+/// The most hot-plugged kernel VFIO devices an offer may bring (each its own iommufd or
+/// container, its group's file for type1, and its device's file), after the cold-plugged
+/// ones' descriptors.
+pub const MAX_HOT_KERNEL_VFIO_DEVICES: usize = 8;
 /// The most vhost-user devices an offer may bring (each its connection's socket).
 pub const MAX_VHOST_USER: usize = 16;
 /// The most vsock connections and waiting host clients whose sockets the paused state
@@ -75,6 +79,7 @@ const MAX_FDS: usize = {
         + MAX_VFIO_USER_FDS
         + 1
         + 2 * MAX_KERNEL_VFIO_DEVICES
+        + 3 * MAX_HOT_KERNEL_VFIO_DEVICES
         + 2
         + 1
         + MAX_VHOST_USER;
@@ -151,6 +156,11 @@ pub struct OfferMeta {
     /// receiver refuses an offer with them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel_vfio: Option<super::handed_over::OfferedKernelVfio>,
+    /// The hot-plugged kernel VFIO devices, each its own context as `kernel_vfio` is
+    /// offered, in the paused state's order: their descriptors follow the cold-plugged
+    /// ones'. Absent without them; an older receiver refuses an offer with them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hot_kernel_vfio: Vec<super::handed_over::OfferedKernelVfio>,
     /// The log and metrics outputs (Firecracker's `--log-path`/`--metrics-path`, PUT
     /// /logger and /metrics): their descriptors come last, log first. Absent without
     /// them; an older receiver refuses an offer with them.
@@ -206,6 +216,9 @@ impl OfferMeta {
                 .kernel_vfio
                 .as_ref()
                 .map_or(0, super::handed_over::OfferedKernelVfio::descriptor_count)
+            + (self.hot_kernel_vfio.iter())
+                .map(super::handed_over::OfferedKernelVfio::descriptor_count)
+                .sum::<usize>()
             + (self.outputs.as_ref()).map_or(0, crate::outputs::HandedOverOutputs::descriptor_count)
             + usize::from(self.vsock_listener)
             + self.vhost_user.len()

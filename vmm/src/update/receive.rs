@@ -47,6 +47,8 @@ pub struct Incoming {
     adopted: Vec<Arc<BackendHealth>>,
     /// The kernel VFIO devices' iommufd and cdevs, until the paused state is loaded.
     kernel_vfio: Option<IncomingKernelVfio>,
+    /// The hot-plugged kernel VFIO devices' contexts and files, each its own, likewise.
+    hot_kernel_vfio: Vec<IncomingKernelVfio>,
     /// Their marks: left alone here (neither detached nor reset) unless this process
     /// commits.
     kernel_marks: Vec<Arc<HandOverMark>>,
@@ -151,29 +153,45 @@ pub fn accept(
             .collect::<Result<Vec<_>, _>>()?;
         vfio_user.push(IncomingVfioUser::new(offered.clone(), connection, files));
     }
-    let kernel_vfio = match &meta.kernel_vfio {
-        None => None,
-        Some(offered) => {
-            let groups = offered.type1_groups.as_ref().map_or(0, Vec::len);
-            if groups > offered.devices.len() {
-                return Err(UpdateError::Protocol(format!(
-                    "the offer brings {groups} type1 groups for {} devices",
-                    offered.devices.len()
-                )));
-            }
-            let context = next()?;
-            let groups = (0..groups).map(|_| next()).collect::<Result<Vec<_>, _>>()?;
-            let cdevs = (offered.devices.iter())
-                .map(|_| next())
-                .collect::<Result<Vec<_>, _>>()?;
-            Some(IncomingKernelVfio::new(
-                offered.clone(),
-                context,
-                groups,
-                cdevs,
-            ))
+    // One kernel VFIO context's descriptors: its iommufd or container, its type1 groups'
+    // files, its devices' files.
+    let mut kernel_context = |offered: &super::handed_over::OfferedKernelVfio| {
+        let groups = offered.type1_groups.as_ref().map_or(0, Vec::len);
+        if groups > offered.devices.len() {
+            return Err(UpdateError::Protocol(format!(
+                "the offer brings {groups} type1 groups for {} devices",
+                offered.devices.len()
+            )));
         }
+        let context = next()?;
+        let groups = (0..groups).map(|_| next()).collect::<Result<Vec<_>, _>>()?;
+        let cdevs = (offered.devices.iter())
+            .map(|_| next())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(IncomingKernelVfio::new(
+            offered.clone(),
+            context,
+            groups,
+            cdevs,
+        ))
     };
+    let kernel_vfio = meta
+        .kernel_vfio
+        .as_ref()
+        .map(&mut kernel_context)
+        .transpose()?;
+    if meta.hot_kernel_vfio.len() > protocol::MAX_HOT_KERNEL_VFIO_DEVICES
+        || meta.hot_kernel_vfio.iter().any(|o| o.devices.len() != 1)
+    {
+        return Err(UpdateError::Protocol(format!(
+            "the offer brings {} hot-plugged kernel VFIO contexts (at most {}, one device each)",
+            meta.hot_kernel_vfio.len(),
+            protocol::MAX_HOT_KERNEL_VFIO_DEVICES
+        )));
+    }
+    let hot_kernel_vfio = (meta.hot_kernel_vfio.iter())
+        .map(&mut kernel_context)
+        .collect::<Result<Vec<_>, _>>()?;
     let outputs = match &meta.outputs {
         None => None,
         Some(offered) => {
@@ -199,10 +217,9 @@ pub fn accept(
         let stream = std::os::unix::net::UnixStream::from(next()?);
         vhost_user.push((offered.id.clone(), (stream, offered.live.clone())));
     }
-    let kernel_marks = kernel_vfio
-        .as_ref()
-        .map(|kernel| kernel.marks.clone())
-        .unwrap_or_default();
+    let kernel_marks = (kernel_vfio.iter().chain(&hot_kernel_vfio))
+        .flat_map(|kernel| kernel.marks.clone())
+        .collect();
     let adopted = vfio_user
         .iter()
         .map(|device| device.health.clone())
@@ -231,6 +248,7 @@ pub fn accept(
         vfio_user,
         adopted,
         kernel_vfio,
+        hot_kernel_vfio,
         kernel_marks,
         outputs,
         state,
@@ -496,6 +514,7 @@ impl Incoming {
             .ok_or_else(|| UpdateError::Protocol("no VM was prepared".into()))?;
         let vfio_user = std::mem::take(&mut self.vfio_user);
         let kernel_vfio = self.kernel_vfio.take();
+        let hot_kernel_vfio = std::mem::take(&mut self.hot_kernel_vfio);
         // The vsock connections' sockets came with the paused state.
         let vsock_sockets = (state.devices.handed_over_vsock.as_ref())
             .map_or(0, gpuvm_virtio::vsock::VsockLiveState::descriptors);
@@ -506,7 +525,7 @@ impl Incoming {
             ))));
         }
         prepared
-            .load(&state, (vfio_user, kernel_vfio), frame.fds)
+            .load(&state, (vfio_user, kernel_vfio, hot_kernel_vfio), frame.fds)
             .map_err(|e| self.refuse(UpdateError::Build(Box::new(e))))
     }
 
@@ -781,6 +800,7 @@ mod tests {
             vfio_user: Vec::new(),
             interfaces: Vec::new(),
             kernel_vfio: None,
+            hot_kernel_vfio: Vec::new(),
             outputs: None,
             vsock_listener: false,
             vhost_user: Vec::new(),
@@ -867,6 +887,42 @@ mod tests {
             .expect("two groups for one device")
             .to_string();
         assert!(error.contains("2 type1 groups for 1 devices"), "{error}");
+    }
+
+    /// A forged offer's hot-plugged kernel VFIO devices: each context's descriptors must
+    /// come, a context holds one device, and an offer without them says nothing of them
+    /// (an older receiver reads it).
+    #[test]
+    fn hot_plugged_kernel_vfio_contexts_bring_their_descriptors_one_device_each() {
+        use std::os::fd::AsRawFd;
+        let context = |devices: Vec<String>| super::super::handed_over::OfferedKernelVfio {
+            ioas_id: 0,
+            devices,
+            type1_groups: Some(vec![7]),
+        };
+        let meta = OfferMeta {
+            hot_kernel_vfio: vec![context(vec!["0000:00:04.0".into()])],
+            ..empty_offer()
+        };
+        // The container, the group's file, the device's file.
+        assert_eq!(meta.descriptor_count(), OFFER_FDS + 3);
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let error = accept_offer(&meta, &[null.as_raw_fd(); 2])
+            .err()
+            .expect("the device file short")
+            .to_string();
+        assert!(error.contains("descriptors"), "{error}");
+        let meta = OfferMeta {
+            hot_kernel_vfio: vec![context(vec!["0000:00:04.0".into(), "0000:00:05.0".into()])],
+            ..empty_offer()
+        };
+        let error = accept_offer(&meta, &[null.as_raw_fd(); 4])
+            .err()
+            .expect("two devices in one hot-plugged context")
+            .to_string();
+        assert!(error.contains("one device each"), "{error}");
+        let json = serde_json::to_string(&empty_offer()).unwrap();
+        assert!(!json.contains("hot_kernel_vfio"), "{json}");
     }
 
     /// A forged offer's outputs: both descriptors must come, or the offer is refused

@@ -116,6 +116,7 @@ pub fn hand_over(
             let ram = running.machine().dma_regions_of_all_ram();
             kernel_vfio::take_addresses_back(&devices.handover, &ram);
             if let Some(hotplug) = &devices.pci_hotplug {
+                hotplug.handover_take_addresses_back(&ram);
                 hotplug.handover_rearm();
             }
             running.resume_devices();
@@ -157,6 +158,10 @@ fn offer(
         connections.extend(fds);
     }
     let (kernel_vfio, kernel_fds) = kernel_vfio::offer(&devices.handover)?;
+    let (hot_kernel_vfio, hot_kernel_fds) = match &devices.pci_hotplug {
+        Some(hotplug) => hotplug.handover_offer_kernel()?,
+        None => (Vec::new(), Vec::new()),
+    };
     let (outputs, output_files) = crate::outputs::hand_over()
         .map_err(|source| UpdateError::Io {
             what: "duplicate the log and metrics outputs",
@@ -191,6 +196,7 @@ fn offer(
         interfaces,
         vfio_user,
         kernel_vfio,
+        hot_kernel_vfio,
         outputs,
         vsock_listener: vsock_listener.is_some(),
         vhost_user,
@@ -208,6 +214,7 @@ fn offer(
     fds.extend(taps.iter().map(AsRawFd::as_raw_fd));
     fds.extend(connections.iter().map(AsRawFd::as_raw_fd));
     fds.extend(kernel_fds.iter().map(AsRawFd::as_raw_fd));
+    fds.extend(hot_kernel_fds.iter().map(AsRawFd::as_raw_fd));
     fds.extend(output_files.iter().flatten().map(AsRawFd::as_raw_fd));
     fds.extend(vsock_listener.iter().map(AsRawFd::as_raw_fd));
     fds.extend(vhost_user_sockets.iter().map(AsRawFd::as_raw_fd));
@@ -217,6 +224,7 @@ fn offer(
     drop(taps);
     drop(connections);
     drop(kernel_fds);
+    drop(hot_kernel_fds);
     drop(output_files);
     drop(vsock_listener);
     drop(vhost_user_sockets);
@@ -430,12 +438,14 @@ fn hand_paused_and_commit(
     let paused_at_ns = protocol::monotonic_ns();
     let mut state = save_state(running, true)?;
     // A type1 container's mappings: their host addresses become the new process's to give.
+    let machine = running.machine();
+    let ram = machine.dma_regions_of_all_ram();
     if let Some(kernel) = state.devices.handed_over_kernel_vfio.as_mut() {
-        let machine = running.machine();
-        kernel.type1_vaddr = kernel_vfio::move_addresses_away(
-            &machine.devices().handover,
-            &machine.dma_regions_of_all_ram(),
-        )?;
+        kernel.type1_vaddr = kernel_vfio::move_addresses_away(&machine.devices().handover, &ram)?;
+    }
+    if let Some(hotplug) = &machine.devices().pci_hotplug {
+        hotplug
+            .handover_move_addresses_away(&mut state.devices.handed_over_hot_kernel_vfio, &ram)?;
     }
     // As the API last changed it, with the tokens the guest took since the offer.
     state.devices.handed_over_mmds = mmds.save();
@@ -486,6 +496,7 @@ fn hand_paused_and_commit(
     kernel_vfio::release(&devices.handover, receiver.pid);
     if let Some(hotplug) = &devices.pci_hotplug {
         hotplug.handover_release(&format!("gpuvm process {}", receiver.pid));
+        hotplug.handover_release_kernel(receiver.pid);
     }
     Ok(framed.len())
 }
@@ -546,8 +557,8 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
         return Err(UpdateError::unsupported(
             format!("a VM with kernel VFIO devices ({})", kernel.join(", ")),
             Some(
-                "cold-plugged kernel VFIO devices (iommufd or a type1 container) are handed \
-                 over; hot-plugged ones (each in a container of its own) are not yet",
+                "kernel VFIO devices are handed over with their iommufd or type1 container; \
+                 these have none this process can hand over",
             ),
         ));
     }
@@ -662,6 +673,7 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
         let ram = machine.dma_regions_of_all_ram();
         let hot = hotplug.handover_save(&ram).map_err(UpdateError::Save)?;
         devices.handed_over_vfio_user.extend(hot);
+        devices.handed_over_hot_kernel_vfio = hotplug.handover_save_kernel(&ram)?;
     }
     // The devices keep their peer mappings; the new process takes the table.
     if let Some(parts) = &machine.devices().handover.plug {
