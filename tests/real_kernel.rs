@@ -463,7 +463,7 @@ fn a_vsock_connection_to_a_linux_guest_survives_live_updates() {
     scenario_passes(
         "linux-vsock-update",
         &[
-            "update 1: process",
+            "old process died: process",
             "update 2: process",
             "vsock-tool: all 60 rounds ok on one connection",
             "vsock-tool: echoed 3932160 bytes",

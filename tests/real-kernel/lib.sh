@@ -147,6 +147,42 @@ live_update() {
     echo "update $n: process $old -> $new"
 }
 
+# live_update_old_dies NAME [ARGS...]: `gpuvm update` (ARGS passed on) of the gpuvm NAME (the scenario's child, started with
+# GPUVM_TEST_UPDATE_OLD_DIES=1), whose process then dies (abort) once the new one is ready and before it
+# commits: the update fails (the process it asked is gone), the old process ends with status 134, and the new
+# one runs the VM and says so (/tmp/NAME.pid names it afterwards).
+live_update_old_dies() {
+    local name old new exe status
+    name="$1"
+    shift
+    old="$(cat "/tmp/$name.pid")"
+    echo "+ gpuvm update --pid $old $* (its process dies after the new one is ready)"
+    if GPUVM_LOG=info gpuvm update --pid "$old" "$@" >/tmp/update-dies.out 2>&1; then
+        cat /tmp/update-dies.out
+        abort_gpuvm "$name" "the update whose old process dies succeeded"
+    fi
+    wait_ended "$old" 30 || {
+        sed 's/^/  update: /' /tmp/update-dies.out
+        abort_gpuvm "$name" "gpuvm $old still runs 30 s after its update failed"
+    }
+    status=0
+    wait "$old" || status=$?
+    [ "$status" = 134 ] || {
+        sed 's/^/  update: /' /tmp/update-dies.out
+        abort_gpuvm "$name" "gpuvm $old exited with status $status, not 134 (abort), in its update"
+    }
+    new=""
+    for exe in /proc/[0-9]*/exe; do
+        [ "$(readlink "$exe" 2>/dev/null)" = /bin/gpuvm ] || continue
+        new="${exe#/proc/}"
+        new="${new%/exe}"
+    done
+    [ -n "$new" ] || { sed 's/^/  update: /' /tmp/update-dies.out; fail "no gpuvm runs after process $old died in its update"; }
+    echo "$new" >"/tmp/$name.pid"
+    wait_log "$name" "died after this one was ready: running the VM" 30
+    echo "old process died: process $old ended by abort after the new one's Ready; process $new runs the VM"
+}
+
 # wait_ended PID SECONDS: waits until process PID has ended; fails if it still runs after SECONDS.
 wait_ended() {
     deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
@@ -290,12 +326,21 @@ edu_loop_count() {
 # edu_wait_rounds_past COUNT SECONDS WHAT: waits until the guest of the gpuvm `edu` reports more than COUNT
 # rounds, failing if it reports a failure, if the gpuvm running it (/tmp/edu.pid) ends, or after SECONDS.
 edu_wait_rounds_past() {
-    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
-    while [ "$(edu_loop_count)" -le "$1" ]; do
-        grep -q "edu: FAIL" /tmp/edu.log && abort_gpuvm edu "the guest failed $3"
-        running "$(cat /tmp/edu.pid)" || abort_gpuvm edu "gpuvm ended $3"
+    wait_past edu edu_loop_count "$1" "$2" "$3"
+}
+
+# wait_past NAME COUNTER COUNT SECONDS WHAT: waits until COUNTER (a command printing a number: the guest's
+# latest round) prints more than COUNT; aborts the gpuvm NAME (/tmp/NAME.pid runs it) if its guest reports a
+# failure (`inner: FAIL`, or the test guest's `edu: FAIL`), if it ends, or after SECONDS. WHAT says when, for
+# the messages.
+wait_past() {
+    local deadline
+    deadline=$(($(cut -d. -f1 /proc/uptime) + $4))
+    while [ "$($2)" -le "$3" ]; do
+        grep -qE "(inner|edu): FAIL" "/tmp/$1.log" && abort_gpuvm "$1" "the guest failed $5"
+        running "$(cat "/tmp/$1.pid")" || abort_gpuvm "$1" "gpuvm ended $5"
         [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
-            abort_gpuvm edu "no more than $1 loop rounds $2 s $3 (at $(edu_loop_count))"
+            abort_gpuvm "$1" "no more than $3 rounds $4 s $5 (at $($2))"
         sleep 0.2
     done
 }
@@ -384,23 +429,8 @@ edu_live_update_scenario() {
     # the VM, with the device and its DMA mappings (type1: at the new process's addresses), and serves the
     # API socket again. `gpuvm update` itself fails: the process it asked is gone.
     rounds_before="$(edu_loop_count)"
-    echo "+ gpuvm update --pid $first (its process dies after the new one is ready, at loop round $rounds_before)"
-    if GPUVM_LOG=info gpuvm update --pid "$first" >/tmp/update-dies.out 2>&1; then
-        cat /tmp/update-dies.out
-        abort_gpuvm edu "the update whose old process dies succeeded"
-    fi
-    status=0
-    wait "$first" || status=$?
-    [ "$status" = 134 ] || abort_gpuvm edu "the first gpuvm exited with status $status, not 134 (abort), in its update"
-    new=""
-    for exe in /proc/[0-9]*/exe; do
-        [ "$(readlink "$exe" 2>/dev/null)" = /bin/gpuvm ] || continue
-        new="${exe#/proc/}"
-        new="${new%/exe}"
-    done
-    [ -n "$new" ] || { sed 's/^/  update: /' /tmp/update-dies.out; fail "no gpuvm runs after the first one died in its update"; }
-    echo "$new" >/tmp/edu.pid
-    wait_log edu "died after this one was ready: running the VM" 30
+    live_update_old_dies edu
+    new="$(cat /tmp/edu.pid)"
     rounds_after="$(edu_loop_count)"
     edu_wait_rounds_past $((rounds_after + 8)) 120 "after the old process died in the update"
     if [ "$edu_api" = type1 ]; then
@@ -409,7 +439,7 @@ edu_live_update_scenario() {
     fi
     gpuvm ctl --api-sock /tmp/api.sock raw GET / >/dev/null ||
         abort_gpuvm edu "process $new does not serve the API socket after the old one died"
-    echo "old process died: process $first ended by abort after the new one's Ready; process $new runs the VM, the loop went on from round $rounds_after ($rounds_before when the update began) to $(edu_loop_count)"
+    echo "after the old process died the loop went on in process $new from round $rounds_after ($rounds_before when the update began) to $(edu_loop_count)"
 
     for n in 1 2; do
         old="$(cat /tmp/edu.pid)"

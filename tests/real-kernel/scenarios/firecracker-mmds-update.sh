@@ -12,14 +12,7 @@ round_count() {
 # wait_rounds_past COUNT SECONDS WHAT: until the guest reports more than COUNT rounds; fails if the guest
 # fails, if the gpuvm running it ends, or after SECONDS.
 wait_rounds_past() {
-    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
-    while [ "$(round_count)" -le "$1" ]; do
-        grep -q "inner: FAIL" /tmp/fc.log && abort_gpuvm fc "the guest failed $3"
-        running "$(cat /tmp/fc.pid)" || abort_gpuvm fc "gpuvm ended $3"
-        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
-            abort_gpuvm fc "no more than $1 rounds $2 s $3 (at $(round_count))"
-        sleep 0.2
-    done
+    wait_past fc round_count "$1" "$2" "$3"
 }
 
 wait_rounds_past 2 180 "after InstanceStart"

@@ -20,14 +20,7 @@ round_count() {
 
 # rounds_past COUNT SECONDS WHAT: until the guest reports more than COUNT rounds.
 rounds_past() {
-    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
-    while [ "$(round_count)" -le "$1" ]; do
-        grep -q "inner: FAIL" /tmp/linux.log && abort_gpuvm linux "the guest failed $3"
-        running "$(cat /tmp/linux.pid)" || abort_gpuvm linux "gpuvm ended $3"
-        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
-            abort_gpuvm linux "no more than $1 rounds $2 s $3 (at $(round_count))"
-        sleep 0.2
-    done
+    wait_past linux round_count "$1" "$2" "$3"
 }
 
 rounds_past 2 180 "before the updates"

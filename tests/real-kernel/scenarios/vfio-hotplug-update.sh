@@ -32,12 +32,7 @@ grep -qF "DMA mappings now use this process's addresses (VFIO_DMA_MAP_FLAG_VADDR
 grep -qE "DMA map kernel VFIO \(type1 container\): start" /tmp/after-1.log &&
     abort_gpuvm linux "the new process DMA-mapped guest RAM again"
 grep -E "taken over from the old process|DMA mappings now use" /tmp/after-1.log | sed 's/^/update: /'
-deadline=$(($(cut -d. -f1 /proc/uptime) + 60))
-while [ "$(round_count)" -le $((before + 3)) ]; do
-    grep -q "inner: FAIL" /tmp/linux.log && abort_gpuvm linux "the guest failed after the update"
-    [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] || abort_gpuvm linux "no round past $((before + 3)) 60 s after the update"
-    sleep 0.2
-done
+wait_past linux round_count $((before + 3)) 60 "after the update"
 echo "after the update the guest's rounds on the hot-plugged edu went on from $before to $(round_count)"
 paused_us="$(sed -n 's/.*paused_to_run_us=\([0-9][0-9]*\).*/\1/p' /tmp/after-1.log | tail -n1)"
 figure "live update of a VM with a hot-plugged kernel VFIO device (edu, type1): guest paused $((${paused_us:-0} / 1000)) ms"
