@@ -258,6 +258,47 @@ pub struct HotPluggedGpu {
 mod tests {
     use super::*;
 
+    /// A kernel VFIO context's record of its RAM mappings: hot-plugged RAM joins it as it
+    /// is mapped and leaves it when ejected, one entry per DMA map call, in order.
+    #[test]
+    fn a_context_notes_the_ram_mapped_and_unmapped_in_it() {
+        let context = PluggedKernelContext {
+            hand_over: Err("a test context".into()),
+            ram_mappings: std::sync::Mutex::new(vec![(0, 1 << 30)]),
+            addresses_away: Default::default(),
+            dma: gpuvm_vfio::dma::DmaProgress::new("test", 1 << 30),
+            devices: Vec::new(),
+        };
+        let region = |guest_addr: u64, size: u64| gpuvm_vfio::DmaRegion {
+            guest_addr,
+            size,
+            host_addr: 0x7f00_0000_0000 + guest_addr,
+            fd: -1,
+            fd_offset: guest_addr,
+        };
+        let plugged = [
+            region(1 << 32, 128 << 20),
+            region((1 << 32) + (128 << 20), 64 << 20),
+        ];
+        context.note_mapped(&plugged);
+        assert_eq!(
+            context.ram_mappings(),
+            vec![
+                (0, 1 << 30),
+                (1 << 32, 128 << 20),
+                ((1 << 32) + (128 << 20), 64 << 20)
+            ]
+        );
+        // Only a mapping made exactly so leaves: one of another size is not the one made.
+        context.note_unmapped(&[region(1 << 32, 64 << 20)]);
+        assert_eq!(context.ram_mappings().len(), 3);
+        context.note_unmapped(&plugged[..1]);
+        assert_eq!(
+            context.ram_mappings(),
+            vec![(0, 1 << 30), ((1 << 32) + (128 << 20), 64 << 20)]
+        );
+    }
+
     fn cold(socket: &str) -> HandedOverVfioUser {
         HandedOverVfioUser {
             socket: PathBuf::from(socket),
