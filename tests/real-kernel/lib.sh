@@ -94,7 +94,6 @@ report_stuck_gpuvm() {
     fi
 }
 
-
 # start_gpuvm NAME ARGS...: starts gpuvm in the background, its output in /tmp/NAME.log; wait_gpuvm NAME
 # SECONDS then waits for it (killing it past SECONDS), prints the log and returns its status.
 start_gpuvm() {
@@ -274,6 +273,13 @@ has_line() {
     grep -qF -- "$2" "$1" || guest_lines "$1" | grep -qF -- "$2"
 }
 
+# guest_reported_failure LOG: whether the guest of a gpuvm log reported a failure (`inner: FAIL` from a Linux
+# guest, `edu: FAIL` from the test guest's edu loop). A plain grep, cheap enough for every round of a wait:
+# a line a log record split is caught by the checks after the wait.
+guest_reported_failure() {
+    grep -qE "(inner|edu): FAIL" "$1"
+}
+
 # wait_log NAME TEXT SECONDS: waits until the log of gpuvm NAME holds TEXT (aborting it if it never does, or
 # if its guest reports a failure first).
 # (The limit is read from the clock, not counted in rounds: each round forks a few processes, slow enough in
@@ -287,7 +293,7 @@ wait_log() {
             abort_gpuvm "$1" "no '$2' after $3 s"
         }
         # A guest that reported a failure prints no more of its checks.
-        grep -qF "inner: FAIL" "/tmp/$1.log" && abort_gpuvm "$1" "no '$2': the guest failed"
+        guest_reported_failure "/tmp/$1.log" && abort_gpuvm "$1" "no '$2': the guest failed"
         # A gpuvm that has ended prints nothing more: no use waiting out the limit.
         running "$(cat "/tmp/$1.pid")" || has_line "/tmp/$1.log" "$2" ||
             abort_gpuvm "$1" "no '$2': gpuvm $1 ended"
@@ -329,15 +335,15 @@ edu_wait_rounds_past() {
     wait_past edu edu_loop_count "$1" "$2" "$3"
 }
 
-# wait_past NAME COUNTER COUNT SECONDS WHAT: waits until COUNTER (a command printing a number: the guest's
-# latest round) prints more than COUNT; aborts the gpuvm NAME (/tmp/NAME.pid runs it) if its guest reports a
-# failure (`inner: FAIL`, or the test guest's `edu: FAIL`), if it ends, or after SECONDS. WHAT says when, for
-# the messages.
+# wait_past NAME COUNTER COUNT SECONDS WHAT: waits until COUNTER (a command, with its arguments as one word,
+# printing a number: the guest's latest round) prints more than COUNT; aborts the gpuvm NAME (/tmp/NAME.pid
+# runs it) if its guest reports a failure (guest_reported_failure), if it ends, or after SECONDS. WHAT says
+# when, for the messages.
 wait_past() {
     local deadline
     deadline=$(($(cut -d. -f1 /proc/uptime) + $4))
     while [ "$($2)" -le "$3" ]; do
-        grep -qE "(inner|edu): FAIL" "/tmp/$1.log" && abort_gpuvm "$1" "the guest failed $5"
+        guest_reported_failure "/tmp/$1.log" && abort_gpuvm "$1" "the guest failed $5"
         running "$(cat "/tmp/$1.pid")" || abort_gpuvm "$1" "gpuvm ended $5"
         [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
             abort_gpuvm "$1" "no more than $3 rounds $4 s $5 (at $($2))"
@@ -384,7 +390,6 @@ edu_live_update_scenario() {
     export GPUVM_TEST_UPDATE_OLD_DIES=1
     start_gpuvm edu run --log-level info --memory 256M --gpu "$bdf" --api-sock /tmp/api.sock --cmdline "edu loop"
     unset GPUVM_TEST_UPDATE_OLD_DIES
-    first="$(cat /tmp/edu.pid)"
     wait_for /tmp/api.sock 30
     gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm edu "InstanceStart failed"
 

@@ -244,8 +244,11 @@ impl RamChunks {
     }
 
     /// The chunks, each one DMA map call of a context that maps them all.
-    pub(crate) fn chunks(&self) -> &[DmaRegion] {
-        &self.chunks
+    /// Each chunk's (IOVA, size): the DMA map calls a mapping of these chunks makes.
+    pub(crate) fn map_calls(&self) -> Vec<(u64, u64)> {
+        (self.chunks.iter())
+            .map(|c| (c.guest_addr, c.size))
+            .collect()
     }
 
     pub(crate) fn total(&self) -> u64 {

@@ -719,23 +719,19 @@ impl PciHotplug {
         progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
     ) -> Option<crate::update::handed_over::PluggedKernelContext> {
         let ((host_bdf, cdev, mark), vfio) = handle.zip(vfio)?;
-        Some(crate::update::handed_over::PluggedKernelContext {
-            hand_over: vfio.hand_over(),
-            ram_mappings: Mutex::new(
-                (self.ram.chunks().iter())
-                    .map(|c| (c.guest_addr, c.size))
-                    .collect(),
-            ),
-            addresses_away: Default::default(),
-            dma: progress.clone(),
-            devices: vec![crate::update::handed_over::PluggedKernelVfio {
-                host_bdf,
-                bdf,
-                device: device.clone(),
-                cdev,
-                mark,
-            }],
-        })
+        let device = crate::update::handed_over::PluggedKernelVfio {
+            host_bdf,
+            bdf,
+            device: device.clone(),
+            cdev,
+            mark,
+        };
+        Some(crate::update::handed_over::PluggedKernelContext::new(
+            vfio.hand_over(),
+            self.ram.map_calls(),
+            progress.clone(),
+            vec![device],
+        ))
     }
 
     /// Makes the plugged device `id` a peer of the others: their BARs are DMA-mapped in

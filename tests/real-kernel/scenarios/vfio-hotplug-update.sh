@@ -40,7 +40,10 @@ figure "live update of a VM with a hot-plugged kernel VFIO device (edu, type1): 
 # Still a hot-plugged device, in the new process: DELETE has the guest eject it.
 last="$(cat /tmp/linux.pid)"
 gpuvm ctl --api-sock /tmp/api.sock remove-gpu --id edu0 || abort_gpuvm linux "DELETE /gpus/edu0 in the new process failed"
-wait_ended "$last" 120 || abort_gpuvm linux "gpuvm $last still runs 120 s after the removal"
+wait_ended "$last" 120 || {
+    report_stuck_gpuvm linux "$last"
+    abort_gpuvm linux "gpuvm $last still runs 120 s after the removal"
+}
 sed 's/^/  | /' /tmp/linux.log
 expect_line /tmp/linux.log "ejected"
 expect_line /tmp/linux.log "inner: checks passed"

@@ -67,33 +67,6 @@ round_count() {
     echo "${count:-0}"
 }
 
-# guest_failed NAME: aborts gpuvm NAME if its guest reported a failure or gpuvm ended.
-guest_failed() {
-    has_line "/tmp/$1.log" "inner: FAIL" && abort_gpuvm "$1" "the guest's topology check failed"
-    running "$(cat "/tmp/$1.pid")" || abort_gpuvm "$1" "gpuvm $1 ended"
-}
-
-# wait_walk NAME SECONDS: waits until the guest of gpuvm NAME has walked its tree once (`inner: switches ok`).
-wait_walk() {
-    deadline=$(($(cut -d. -f1 /proc/uptime) + $2))
-    until has_line "/tmp/$1.log" "inner: switches ok"; do
-        guest_failed "$1"
-        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] || abort_gpuvm "$1" "no 'inner: switches ok' within $2 s"
-        sleep 0.2
-    done
-}
-
-# wait_round_past NAME COUNT SECONDS: waits until the guest of gpuvm NAME reports a round past COUNT.
-wait_round_past() {
-    deadline=$(($(cut -d. -f1 /proc/uptime) + $3))
-    while [ "$(round_count "$1")" -le "$2" ]; do
-        guest_failed "$1"
-        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] ||
-            abort_gpuvm "$1" "no topology round past $2 within $3 s"
-        sleep 0.2
-    done
-}
-
 export GPUVM_TEST_SYSFS_ROOT="$sys"
 # shellcheck disable=SC2086 # the --vfio-user arguments are words
 start_gpuvm topo run --log-level info --api-sock /tmp/api.sock --kernel /images/vmlinuz \
@@ -103,12 +76,12 @@ unset GPUVM_TEST_SYSFS_ROOT
 wait_for /tmp/api.sock 30
 started="$(uptime_s)"
 gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm topo "InstanceStart failed"
-wait_walk topo 240
+wait_log topo "inner: switches ok" 240
 figure "vfio-user topology: InstanceStart to the guest's first walk of 2 switches and 4 GPUs $(seconds_between "$started" "$(uptime_s)") s"
 for host_switch in 0000:41:00.0 0000:51:00.0; do
     expect_line /tmp/topo.log "switch upstream port (host switch $host_switch)"
 done
-wait_round_past topo 0 120
+wait_past topo "round_count topo" 0 120 "before the snapshot"
 guest_lines /tmp/topo.log | grep -E "^inner: (GPU|switches)"
 
 # Paused, snapshotted (each GPU's state through its migration region), and the first gpuvm ended.
@@ -141,10 +114,10 @@ gpuvm ctl --api-sock /tmp/api.sock resume || abort_restored "resuming the restor
 for what in "root port restored" "switch upstream port restored" "switch downstream port restored"; do
     expect_line /tmp/restored.log "$what"
 done
-wait_round_past restored "$before" 120
+wait_past restored "round_count restored" "$before" 120 "after the restore"
 figure "vfio-user topology: restore and resume to the guest's next topology round $(seconds_between "$from" "$(uptime_s)") s"
 after="$(round_count restored)"
-wait_round_past restored "$after" 60
+wait_past restored "round_count restored" "$after" 60 "after the restore"
 echo "after the restore the guest went on from topology round $before to $(round_count restored), the same tree each round"
 
 # Ctrl-Alt-Del ends the restored VM; then each emulated GPU, having served both gpuvms, ends with status 0.

@@ -457,17 +457,12 @@ fn attach_devices(
                 mark,
             });
         }
-        devices.handover.kernel = Some(crate::update::handed_over::PluggedKernelContext {
-            hand_over: vfio.hand_over(),
-            ram_mappings: std::sync::Mutex::new(
-                (ram_chunks.chunks().iter())
-                    .map(|c| (c.guest_addr, c.size))
-                    .collect(),
-            ),
-            addresses_away: Default::default(),
-            dma: progress,
-            devices: handed_over,
-        });
+        devices.handover.kernel = Some(crate::update::handed_over::PluggedKernelContext::new(
+            vfio.hand_over(),
+            ram_chunks.map_calls(),
+            progress,
+            handed_over,
+        ));
     }
     for backend in opened.vfio_user {
         let mapper = backend.dma_mapper();

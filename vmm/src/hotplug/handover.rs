@@ -51,15 +51,6 @@ impl PciHotplug {
         self.kernel_devices().map(|(_, _, context)| context)
     }
 
-    /// The labels of the hot-plugged kernel VFIO devices a live update does not carry:
-    /// those with no context to hand over.
-    pub(crate) fn kernel_vfio_labels(&self) -> Vec<String> {
-        (self.devices.values())
-            .filter(|hot| hot.connection.is_none() && hot.kernel.is_none())
-            .map(|hot| hot.label.clone())
-            .collect()
-    }
-
     /// Why a hot-plugged GPU cannot be handed over now, the first such one.
     pub(crate) fn handover_refusal(&self) -> Option<String> {
         let kernel = self.kernel_devices().count();
@@ -358,20 +349,20 @@ impl PciHotplug {
         let host_bdf = device.host_bdf.clone();
         let type1_vaddr = saved.context.type1_vaddr.clone();
         let context = move |bdf, pci_device: &Arc<Mutex<VfioPciDevice>>, dma| {
-            Some(PluggedKernelContext {
+            let device = PluggedKernelVfio {
+                host_bdf,
+                bdf,
+                device: pci_device.clone(),
+                cdev,
+                mark,
+            };
+            // The type1 mappings the old process made and moved here.
+            Some(PluggedKernelContext::new(
                 hand_over,
-                // The type1 mappings the old process made and moved here.
-                ram_mappings: Mutex::new(type1_vaddr),
-                addresses_away: Default::default(),
+                type1_vaddr,
                 dma,
-                devices: vec![PluggedKernelVfio {
-                    host_bdf,
-                    bdf,
-                    device: pci_device.clone(),
-                    cdev,
-                    mark,
-                }],
-            })
+                vec![device],
+            ))
         };
         self.adopt(
             &saved.hot,

@@ -823,6 +823,15 @@ fn dma_mappings(
     devices.dma_mappings.iter().chain(hot)
 }
 
+/// Every kernel VFIO context, the cold-plugged devices' and each hot-plugged device's own:
+/// each notes the RAM mapped in it (a type1 live update moves those host addresses).
+fn kernel_contexts(
+    devices: &crate::devices::MachineDevices,
+) -> impl Iterator<Item = &crate::update::handed_over::PluggedKernelContext> {
+    let hot = devices.pci_hotplug.iter().flat_map(|h| h.kernel_contexts());
+    devices.handover.kernel.iter().chain(hot)
+}
+
 /// Maps `ram` for every passthrough device, cold- and hot-plugged, before the guest may
 /// use it (through each device's mapper, on this thread, so that it is done when this
 /// returns). On failure what was mapped is unmapped again: the RAM is dropped, and no
@@ -870,8 +879,7 @@ fn dma_map(
         }
         return Err(error);
     }
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.kernel_contexts());
-    for context in devices.handover.kernel.iter().chain(hot) {
+    for context in kernel_contexts(devices) {
         context.note_mapped(&regions);
     }
     Ok(())
@@ -883,9 +891,10 @@ fn dma_unmap(
     devices: &mut crate::devices::MachineDevices,
     ram: &GuestRam,
 ) -> Result<(), MemoryResizeError> {
+    let regions = RamChunks::regions_of(ram);
     for mapping in dma_mappings(devices) {
         let mapper = mapping.mapper();
-        for region in RamChunks::regions_of(ram) {
+        for region in &regions {
             mapper
                 .unmap(region.guest_addr, region.size)
                 .map_err(|error| MemoryResizeError::DmaUnmap {
@@ -900,9 +909,7 @@ fn dma_unmap(
             mapper.name()
         );
     }
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.kernel_contexts());
-    let regions = RamChunks::regions_of(ram);
-    for context in devices.handover.kernel.iter().chain(hot) {
+    for context in kernel_contexts(devices) {
         context.note_unmapped(&regions);
     }
     Ok(())

@@ -57,7 +57,7 @@ pub struct PluggedKernelContext {
     /// the process that made them planned them (this one at boot or at a RAM hot-plug, or
     /// the old one of a live update): a type1 update moves exactly these, whatever this
     /// binary would plan. See [`PluggedKernelContext::ram_mappings`].
-    pub ram_mappings: std::sync::Mutex<Vec<(u64, u64)>>,
+    pub ram_mappings: Mutex<Vec<(u64, u64)>>,
     /// Set while a live update has moved the type1 mappings' host addresses away from
     /// this process (until it commits, or they come back when it fails).
     pub addresses_away: std::sync::atomic::AtomicBool,
@@ -67,6 +67,23 @@ pub struct PluggedKernelContext {
 }
 
 impl PluggedKernelContext {
+    /// A context whose RAM is mapped by the DMA map calls `ram_mappings` (IOVA, size), its
+    /// mapping's progress `dma`; no live update has moved its addresses.
+    pub fn new(
+        hand_over: Result<gpuvm_vfio::kernel::ContextHandOver, String>,
+        ram_mappings: Vec<(u64, u64)>,
+        dma: Arc<DmaProgress>,
+        devices: Vec<PluggedKernelVfio>,
+    ) -> Self {
+        PluggedKernelContext {
+            hand_over,
+            ram_mappings: Mutex::new(ram_mappings),
+            addresses_away: Default::default(),
+            dma,
+            devices,
+        }
+    }
+
     /// The mappings of guest RAM the context holds, in the order they were made.
     pub fn ram_mappings(&self) -> Vec<(u64, u64)> {
         crate::lock(&self.ram_mappings).clone()
@@ -262,13 +279,12 @@ mod tests {
     /// is mapped and leaves it when ejected, one entry per DMA map call, in order.
     #[test]
     fn a_context_notes_the_ram_mapped_and_unmapped_in_it() {
-        let context = PluggedKernelContext {
-            hand_over: Err("a test context".into()),
-            ram_mappings: std::sync::Mutex::new(vec![(0, 1 << 30)]),
-            addresses_away: Default::default(),
-            dma: gpuvm_vfio::dma::DmaProgress::new("test", 1 << 30),
-            devices: Vec::new(),
-        };
+        let context = PluggedKernelContext::new(
+            Err("a test context".into()),
+            vec![(0, 1 << 30)],
+            DmaProgress::new("test", 1 << 30),
+            Vec::new(),
+        );
         let region = |guest_addr: u64, size: u64| gpuvm_vfio::DmaRegion {
             guest_addr,
             size,

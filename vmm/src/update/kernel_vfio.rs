@@ -515,15 +515,14 @@ pub(crate) fn plug_handed_over(
         )
         .map_err(|e| format!("cannot account for the kernel VFIO DMA mappings: {e}"))?;
     devices.dma_mappings.push(mapping);
-    devices.handover.kernel = Some(PluggedKernelContext {
-        hand_over: vfio.hand_over(),
-        // The type1 mappings the old process made and moved here (none for iommufd, whose
-        // mappings have no host address to move).
-        ram_mappings: std::sync::Mutex::new(saved.type1_vaddr.clone()),
-        addresses_away: Default::default(),
-        dma: progress,
-        devices: plugged,
-    });
+    // The type1 mappings the old process made and moved here (none for iommufd, whose
+    // mappings have no host address to move).
+    devices.handover.kernel = Some(PluggedKernelContext::new(
+        vfio.hand_over(),
+        saved.type1_vaddr.clone(),
+        progress,
+        plugged,
+    ));
     Ok(())
 }
 

@@ -921,6 +921,20 @@ mod tests {
             .expect("two devices in one hot-plugged context")
             .to_string();
         assert!(error.contains("one device each"), "{error}");
+        // More contexts than an offer may bring, each with its descriptors: refused by count.
+        let many = protocol::MAX_HOT_KERNEL_VFIO_DEVICES + 1;
+        let meta = OfferMeta {
+            hot_kernel_vfio: vec![context(vec!["0000:00:04.0".into()]); many],
+            ..empty_offer()
+        };
+        let error = accept_offer(&meta, &vec![null.as_raw_fd(); 3 * many])
+            .err()
+            .expect("one hot-plugged context too many")
+            .to_string();
+        assert!(
+            error.contains(&format!("brings {many} hot-plugged")),
+            "{error}"
+        );
         let json = serde_json::to_string(&empty_offer()).unwrap();
         assert!(!json.contains("hot_kernel_vfio"), "{json}");
     }

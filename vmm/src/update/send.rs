@@ -523,27 +523,22 @@ fn check_interfaces(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
     Ok(())
 }
 
-/// Refuses passthrough devices the hand-over does not carry: kernel VFIO devices (cold-
-/// or hot-plugged), and vfio-user devices it cannot take over now
-/// ([`passthrough::refusal`], crate::hotplug::PciHotplug::handover_refusal).
+/// Refuses passthrough devices the hand-over does not carry, or cannot take over now:
+/// cold-plugged kernel VFIO ([`kernel_vfio::refusal`]) and vfio-user devices
+/// ([`passthrough::refusal`]), hot-plugged GPUs of either kind
+/// (crate::hotplug::PciHotplug::handover_refusal).
 fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), UpdateError> {
     let hotplug = devices.pci_hotplug.as_ref();
-    let hot_kernel = hotplug.map(|h| h.kernel_vfio_labels()).unwrap_or_default();
+    // Hot-plugged GPUs (vfio-user or kernel VFIO) all go over, unless their own refusal
+    // (PciHotplug::handover_refusal) says why not now.
     let hot_labels: Vec<String> = hotplug.map(|h| h.labels().collect()).unwrap_or_default();
     let carried = |label: &&String| {
-        let cold = (devices.handover.vfio_user.iter())
+        (devices.handover.vfio_user.iter())
             .any(|plugged| label.ends_with(plugged.connection.name()))
-            || kernel_vfio::carries(&devices.handover, label);
-        cold || (hot_labels.contains(label) && !hot_kernel.contains(label))
+            || kernel_vfio::carries(&devices.handover, label)
+            || hot_labels.contains(label)
     };
-    let kernel: Vec<&str> = devices
-        .passthrough
-        .iter()
-        .chain(
-            hot_kernel
-                .iter()
-                .filter(|l| !devices.passthrough.contains(l)),
-        )
+    let kernel: Vec<&str> = (devices.passthrough.iter())
         .filter(|label| !carried(label))
         .map(String::as_str)
         .collect();
@@ -562,11 +557,15 @@ fn check_passthrough(devices: &crate::devices::MachineDevices) -> Result<(), Upd
             ),
         ));
     }
-    let refusal = passthrough::refusal(&devices.handover)
-        .or_else(|| hotplug.and_then(|h| h.handover_refusal()));
-    if let Some(reason) = refusal {
+    if let Some(reason) = passthrough::refusal(&devices.handover) {
         return Err(UpdateError::unsupported(
             "a VM with these vfio-user devices",
+            Some(&reason),
+        ));
+    }
+    if let Some(reason) = hotplug.and_then(|h| h.handover_refusal()) {
+        return Err(UpdateError::unsupported(
+            "a VM with these hot-plugged GPUs",
             Some(&reason),
         ));
     }

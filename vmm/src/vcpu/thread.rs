@@ -292,7 +292,6 @@ impl Vcpu {
         Ok(None)
     }
 
-    /// Completes an instruction KVM's emulator could not, or reports it.
     /// Where the guest was when it triple-faulted, for the log: the registers a guest
     /// kernel's developer (or a map of its symbols) needs to find the fault. The run ends
     /// either way; a register that cannot be read is left out.
@@ -340,6 +339,7 @@ impl Vcpu {
         );
     }
 
+    /// Completes an instruction KVM's emulator could not, or reports it.
     fn handle_internal_error(&mut self) -> Result<(), VcpuError> {
         let id = self.id;
         let run = self.fd.get_kvm_run();
