@@ -43,11 +43,98 @@ impl Outcome {
 
     fn assert_has(&self, text: &str) {
         assert!(
-            self.console.contains(text),
+            self.console.contains(text) || guest_lines(&self.console).contains(text),
             "the console has no {text:?}\n{}",
             self.describe()
         );
     }
+}
+
+/// The console as the guests printed it. A scenario shows a gpuvm log (the guest's serial
+/// output and gpuvm's log records in one file) line by line behind `  | `, and a record can land
+/// in the middle of a guest line (`  | inner: 0001:00:0[... WARN ...] ...` then `  | 1.0 ejected`):
+/// each record that starts inside a line is taken out and the line joined up with the next, as
+/// lib.sh's `guest_lines` does for the scenarios' own waits.
+fn guest_lines(console: &str) -> String {
+    const SHOWN: &str = "  | ";
+    let mut joined = String::with_capacity(console.len());
+    let mut pending: Option<String> = None;
+    for line in console.lines() {
+        let line = match pending.take() {
+            Some(start) => start + line.strip_prefix(SHOWN).unwrap_or(line),
+            None => line.to_string(),
+        };
+        let body_start = if line.starts_with(SHOWN) {
+            SHOWN.len()
+        } else {
+            0
+        };
+        match log_record_start(&line[body_start..]) {
+            Some(at) if at > 0 => pending = Some(line[..body_start + at].to_string()),
+            _ => {
+                joined.push_str(&line);
+                joined.push('\n');
+            }
+        }
+    }
+    if let Some(start) = pending {
+        joined.push_str(&start);
+        joined.push('\n');
+    }
+    joined
+}
+
+/// Where in `line` a gpuvm log record starts (`[2026-12-07T17:07:44.733317Z WARN  ...`), if anywhere.
+fn log_record_start(line: &str) -> Option<usize> {
+    const LEVELS: [&str; 5] = ["TRACE", "DEBUG", "INFO", "WARN", "ERROR"];
+    line.match_indices("[20").map(|(at, _)| at).find(|&at| {
+        let rest = &line[at + 1..];
+        let date = rest.as_bytes().get(..10).unwrap_or_default();
+        let date_ok = date.len() == 10
+            && date.iter().enumerate().all(|(i, b)| {
+                if i == 4 || i == 7 {
+                    *b == b'-'
+                } else {
+                    b.is_ascii_digit()
+                }
+            });
+        let Some(time) = rest.get(10..).and_then(|t| t.strip_prefix('T')) else {
+            return false;
+        };
+        let Some(z) = time.find("Z ") else {
+            return false;
+        };
+        date_ok
+            && z > 0
+            && time[..z]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || b == b':' || b == b'.')
+            && LEVELS.iter().any(|level| time[z + 2..].starts_with(level))
+    })
+}
+
+#[test]
+fn guest_lines_takes_out_a_log_record_that_split_a_guest_line() {
+    let console =
+        "  | inner: hot-plugged 1234:11e8\n  | inner: [2026-12-07T17:07:44.733317Z WARN  \
+                   gpuvm_vfio::reset] 0000:00:04.0: cannot be reset\n  | 0001:00:01.0 ejected\n  \
+                   | [2026-12-07T17:07:45.000000Z INFO  gpuvm] kept [2026 as it is\n";
+    let lines = guest_lines(console);
+    assert!(
+        lines.contains("  | inner: 0001:00:01.0 ejected\n"),
+        "{lines}"
+    );
+    assert!(!lines.contains("cannot be reset"), "{lines}");
+    assert!(
+        lines.contains("  | inner: hot-plugged 1234:11e8\n"),
+        "{lines}"
+    );
+    assert!(lines.contains("  | [2026-12-07T17:07:45.000000Z INFO  gpuvm] kept [2026 as it is\n"));
+    // A bracket that is no record stays where it is.
+    assert_eq!(
+        guest_lines("inner: [2026] not a record\n"),
+        "inner: [2026] not a record\n"
+    );
 }
 
 /// Runs `scenario`; `None` when the tier is skipped on this host.
