@@ -1172,29 +1172,132 @@ fn the_old_process_offers_its_vm_only_to_a_socket_and_a_listener_it_trusts() {
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
+/// A GPU on a PCI segment of its own (`pci_segment=1`: segment 1's windows were planned
+/// from its BARs at boot, which the new process does not plan from) goes across two
+/// updates: each new process builds segment 1 as the old one had it and plugs the GPU
+/// back into its slot there, over the same connection (no new client, no DMA map), and
+/// the guest's RAM goes on counting.
 #[test]
-fn a_vm_with_a_device_the_hand_over_does_not_carry_is_refused() {
+fn a_gpu_on_a_pci_segment_of_its_own_is_handed_over() {
     let _turn = gpu_vm_turn();
-    let scratch = Scratch::new("live-update", "unsupported-segment");
+    let scratch = Scratch::new("live-update", "segment-1-gpu");
     let socket = scratch.path("gpu.sock");
-    let _emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
-    // A GPU on a PCI segment of its own: only segment 0's devices are handed over.
+    // A 128 GiB BAR1: segment 1's 64-bit window is planned past its 64 GiB default for it.
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &["--bar1-mib", "131072"]);
     let gpu = format!("{},pci_segment=1", socket.display());
-    let vm = UpdatableVm::start(
-        "unsupported",
+    let mut vm = UpdatableVm::start(
+        "segment-1",
         "512M",
         "memloop 32M 13 100000",
-        &["--rng", "--vfio-user", &gpu],
+        &["--log-level", "info", "--rng", "--vfio-user", &gpu],
     );
     vm.wait_iterations_past(1);
-    vm.update_fails(&[], &[], "only devices of segment 0 are handed over");
-    api_expect(
+    let before = emu_counts(&emu);
+    assert_eq!(before.0, 1, "{}", emu.stderr());
+    assert!(
+        vm.first.stderr().contains("PCI 0001:00:01.0: "),
+        "the GPU is not at 0001:00:01.0\n{}",
+        vm.describe()
+    );
+    for round in 1..=2 {
+        let seen = iterations(&vm.stdout()).len();
+        let out = vm.update(&[], &[("GPUVM_LOG", "info")]);
+        vm.updated(&out);
+        vm.wait_iterations_past(seen + 1);
+        assert!(emu.try_status().is_none(), "the device process ended");
+        let (connections, maps, unmaps, armed) = emu_counts(&emu);
+        assert_eq!(
+            (connections, maps, unmaps),
+            (before.0, before.1, before.2),
+            "round {round}: the device saw a new client or DMA map\n{}",
+            emu.stderr()
+        );
+        assert!(armed <= before.3 + round, "{}", emu.stderr());
+        // The new process logs where it plugged the GPU back.
+        let logged = format!(
+            "{}{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            vm.first.stderr()
+        );
+        assert!(
+            logged
+                .lines()
+                .any(|line| line.contains("live update: 0001:00:01.0 ")
+                    && line.contains("taken over from the old process")),
+            "round {round}: the GPU was not taken over at 0001:00:01.0\n{logged}"
+        );
+    }
+    // An update to a hand-over socket nobody serves fails saying so, and the VM runs on.
+    let answer = api_expect(
         &vm.api,
-        400,
+        500,
         "PUT",
         "/vmm/update",
         Some(r#"{"handover_socket": "/nonexistent.sock"}"#),
     );
+    assert!(
+        answer.contains("the VM runs on in this process")
+            && answer.contains("cannot connect to the hand-over socket /nonexistent.sock"),
+        "{answer}"
+    );
+    vm.wait_iterations_past(iterations(&vm.stdout()).len() + 1);
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// An update asked for while guest RAM is still being DMA-mapped for a GPU (each mapping
+/// held back 3 s) waits for the mapping, the guest running meanwhile, then hands the VM
+/// over with the mapping complete: it is not refused.
+#[test]
+fn an_update_during_a_gpus_dma_mapping_waits_for_it() {
+    let _turn = gpu_vm_turn();
+    let gpu_scratch = Scratch::new("live-update", "dma-wait-gpu");
+    let socket = gpu_scratch.path("gpu.sock");
+    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let scratch = Scratch::new("live-update", "dma-wait");
+    let api = scratch.path("api.sock");
+    let args = [
+        "run",
+        "--log-level",
+        "info",
+        "--memory",
+        "256M",
+        "--vcpus",
+        "2",
+        "--cmdline",
+        "memloop 32M 13 100000",
+        "--api-sock",
+        api.to_str().expect("UTF-8 path"),
+        "--vfio-user",
+        socket.to_str().expect("UTF-8 path"),
+    ];
+    let first = SpawnedProcess::spawn_with_env(
+        &gpuvm_tests::gpuvm_bin(),
+        &args,
+        &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "3000")],
+    );
+    let mut vm = UpdatableVm::started(first, api, scratch, |_| {});
+    vm.wait_iterations_past(1);
+    assert_eq!(
+        emu_counts(&emu).1,
+        0,
+        "the device saw a DMA map before the update\n{}",
+        emu.stderr()
+    );
+    let seen = iterations(&vm.stdout()).len();
+    vm.update_ok(&[]);
+    let stderr = vm.first.stderr();
+    assert!(
+        stderr.contains("live update: guest RAM is DMA-mapped for every device (waited"),
+        "{}",
+        vm.describe()
+    );
+    vm.wait_iterations_past(seen + 1);
+    assert!(emu.try_status().is_none(), "the device process ended");
+    let (connections, maps, unmaps, _) = emu_counts(&emu);
+    assert_eq!((connections, unmaps), (1, 0), "{}", emu.stderr());
+    assert!(maps > 0, "{}", emu.stderr());
+    assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
 /// One `CONNECT 1024` to the guest's echo server through the vsock listener at `uds`:

@@ -1156,3 +1156,58 @@ fn a_live_update_keeps_the_nodes_pinning_and_plan() {
     // SAFETY: kill(2) has no memory effects; `new` is the gpuvm the update started.
     unsafe { libc::kill(new, libc::SIGKILL) };
 }
+
+/// A live update of the HGX-like VM of [`each_node_s_gpus_keep_their_switches_on_the_node_s_segment`]:
+/// node 1's four GPUs sit behind two switches on PCI segment 1, whose windows, ECAM and ports
+/// the first process planned from the GPUs. The new process builds segment 1 as the state
+/// has it (not planned again: it opens no GPU), rebuilds the switches' ports on both
+/// segments, and takes every GPU over at its address over the connection it had: each
+/// device process sees one client and no new DMA map. The VM then ends through the API.
+#[test]
+fn each_node_s_gpus_behind_their_switches_go_across_a_live_update() {
+    let scratch = Scratch::new("numa", "hgx-update");
+    let api = scratch.path("api.sock");
+    let vm = [
+        "--api-sock",
+        api.to_str().unwrap(),
+        "--vcpus",
+        "2",
+        "--memory",
+        "512M",
+        "--cmdline",
+        "numa cpus=0,1 mem=256M,256M dist=10,21,21,10 gi=0,0,0,0,1,1,1,1 hold=120",
+    ];
+    let out = run_on_fake_two_socket_host("hgx-update", &HGX_HOST_GPUS, &[], &vm, |args, env| {
+        let mut first = SpawnedProcess::spawn_with_env(&gpuvm_tests::gpuvm_bin(), args, env);
+        gpuvm_tests::wait_for_api_socket(&mut first, &api);
+        gpuvm_tests::api_start_instance(&api);
+        first.wait_for_stdout("numa: ok", LIMIT);
+        let mut update_env = vec![("GPUVM_LOG", "info")];
+        update_env.extend_from_slice(env);
+        let update = gpuvm_tests::gpuvm_update(first.pid(), &[], &update_env);
+        let new = gpuvm_tests::updated_to(&update, &first.stderr());
+        let logged = format!(
+            "{}{}",
+            String::from_utf8_lossy(&update.stderr),
+            first.stderr()
+        );
+        // Two switches on each segment (each with two downstream ports), and each GPU taken
+        // over: node 1's four at segment 1's addresses.
+        for (what, count) in [
+            ("switch upstream port restored", 4),
+            ("switch downstream port restored", 8),
+            ("taken over from the old process (no reset", 8),
+            ("live update: 0001:", 4),
+        ] {
+            assert_eq!(logged.matches(what).count(), count, "{what}\n{logged}");
+        }
+        gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+        let deadline = std::time::Instant::now() + LIMIT;
+        while gpuvm_tests::process_running(new) {
+            assert!(std::time::Instant::now() < deadline, "{}", first.stderr());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        first.wait(LIMIT)
+    });
+    assert!(!out.stdout.contains("FAIL"), "{}", out.stdout);
+}

@@ -464,6 +464,22 @@ fn kernel_vfio_devices_behind_a_mirrored_switch_are_handed_over_by_a_live_update
 }
 
 #[test]
+fn kernel_vfio_devices_on_a_pci_segment_of_their_own_are_handed_over_by_a_live_update() {
+    scenario_passes(
+        "vfio-segment-update",
+        &[
+            "update 1: process",
+            "at 0001:00:01.0 taken over from the old process (no reset, no DMA map",
+            "hot-plugged edu1 (0001:00:",
+            "after the update the guest's rounds over both edu devices on segment 1 went on from",
+            "figure: live update of a VM with 2 kernel VFIO devices on PCI segment 1 (one hot-plugged): guest paused",
+            "inner: devrounds ok",
+            "two kernel VFIO devices on PCI segment 1, one hot-plugged, across a live update, the hot-plugged one removed afterwards: ok",
+        ],
+    );
+}
+
+#[test]
 fn kernel_vfio_mappings_of_hot_plugged_ram_move_with_a_live_update_and_go_on_eject() {
     scenario_passes(
         "vfio-memory-update",

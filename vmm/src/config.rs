@@ -67,6 +67,10 @@ pub struct PciOptions {
     /// PCI segment groups (1 to [`gpuvm_arch::x86_64::layout::MAX_PCI_SEGMENTS`]); 0 means 1, or as many as the
     /// virtio devices' segments need (a restore rebuilds them from the devices).
     pub num_pci_segments: u16,
+    /// Segments 1.. as a live update's old process had them (their windows, allocations
+    /// and host-mirroring ports): the new process builds them so instead of planning them.
+    /// Empty otherwise.
+    pub saved_segments: Vec<crate::pci::SavedPciSegment>,
     /// Block, net, vsock and entropy devices.
     pub virtio: VirtioOptions,
     /// Descriptors the devices in `virtio` take when they are built: tap queues passed

@@ -147,6 +147,13 @@ pub struct DeviceStates {
     /// live update only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub handed_over_hot_kernel_vfio: Vec<crate::update::handed_over::HandedOverHotKernelVfio>,
+    /// A live update's PCI segments beyond 0, as the old process built them (their
+    /// windows were planned from its devices, which the new process does not plan from):
+    /// the new process builds them so, its handed-over devices back in their places on
+    /// them. Filled by the live update only (a restore plans segments from its command
+    /// line as a boot does).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handed_over_pci_segments: Vec<crate::pci::SavedPciSegment>,
     /// A live update's MMDS (Firecracker's metadata service): its configuration, data
     /// store and live tokens, which the new process's interfaces and API serve. Filled by
     /// the live update only, and only where the VM's MMDS is not as a new VM's.
@@ -234,6 +241,41 @@ impl MachineDevices {
         kernel.chain(vfio_user).collect()
     }
 
+    /// Waits, `limit` at most in all, until every background DMA mapping of guest RAM
+    /// (cold- and hot-plugged devices') is done: a live update hands over only mappings
+    /// that are. Ok(None) when none was running, Ok(Some(waited)) after waiting; Err says
+    /// which one is not done (or failed).
+    pub fn finish_dma_mappings(
+        &self,
+        limit: std::time::Duration,
+    ) -> Result<Option<std::time::Duration>, String> {
+        let started = std::time::Instant::now();
+        let hot = self.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
+        let mut waited = false;
+        for mapping in self.dma_mappings.iter().chain(hot) {
+            let progress = mapping.progress();
+            if progress.is_done() {
+                continue;
+            }
+            if let Some(error) = progress.status().error {
+                return Err(format!(
+                    "the DMA mapping for {} failed: {error}",
+                    progress.name()
+                ));
+            }
+            waited = true;
+            progress
+                .wait(limit.saturating_sub(started.elapsed()))
+                .map_err(|error| {
+                    format!(
+                        "guest RAM is still being DMA-mapped for {} ({error}); retry once it is",
+                        progress.name()
+                    )
+                })?;
+        }
+        Ok(waited.then(|| started.elapsed()))
+    }
+
     /// Where each background DMA mapping of the passthrough devices stands, cold- and
     /// hot-plugged (for the API).
     pub fn dma_mapping_status(&self) -> Vec<gpuvm_vfio::dma::DmaStatus> {
@@ -280,6 +322,7 @@ impl Persist for MachineDevices {
             handed_over_peer_mappings: Vec::new(),
             handed_over_kernel_vfio: None,
             handed_over_hot_kernel_vfio: Vec::new(),
+            handed_over_pci_segments: Vec::new(),
             handed_over_mmds: None,
             handed_over_vsock: None,
             client_record: self.client_record.clone(),

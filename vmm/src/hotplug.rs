@@ -66,7 +66,7 @@ use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::lock;
 use crate::p2p::{PeerBars, PeerDma, PeerId};
-use crate::pci::{create_kvm_vfio_device, PciSetupError, Plug};
+use crate::pci::{PciSetupError, Plug};
 use crate::pci_topology::{bars_in_port, HotplugPort};
 use crate::virtio::VirtioHandle;
 
@@ -218,6 +218,9 @@ pub struct PciHotplug {
     interrupt: EventFd,
     /// Peer-to-peer DMA: every device's BARs mapped for the others.
     peers: Arc<PeerDma>,
+    /// The VM's KVM VFIO device, which each hot-plugged kernel VFIO context shares with
+    /// the others.
+    pub(crate) kvm_vfio: Arc<crate::pci::SharedKvmVfio>,
     /// The hot-plugged devices' places among the peers, by id.
     peer_ids: BTreeMap<String, PeerId>,
     /// GPUDirect cliques, numbered on from the cold-plugged devices'.
@@ -266,6 +269,7 @@ impl PciHotplug {
             },
             interrupt,
             peers: PeerDma::new(),
+            kvm_vfio: Arc::default(),
             peer_ids: BTreeMap::new(),
             cliques: Default::default(),
             ports: Vec::new(),
@@ -434,6 +438,12 @@ impl PciHotplug {
         self.peers = peers;
     }
 
+    /// Shares the VM's KVM VFIO device (the cold-plugged devices' too) with the kernel
+    /// VFIO devices hot-plugged from now on.
+    pub(crate) fn set_kvm_vfio(&mut self, kvm_vfio: Arc<crate::pci::SharedKvmVfio>) {
+        self.kvm_vfio = kvm_vfio;
+    }
+
     /// RAM hot-plugged into the VM (vm.resize): devices plugged from now on map it too.
     pub(crate) fn add_ram(&mut self, ram: &GuestRam) {
         self.ram.add(ram);
@@ -469,9 +479,32 @@ impl PciHotplug {
         Ok(state)
     }
 
-    /// Ends a restore of segment 0's allocations: every saved function must be back.
+    /// Ends a restore of the roots' allocations (segment 0's; a live update's segments
+    /// 1.. too): every saved function must be back.
     pub fn finish_root_restore(&self) -> Result<(), gpuvm_devices::pci::PciError> {
-        self.root.finish_restore()
+        self.root.finish_restore()?;
+        self.segments
+            .iter()
+            .try_for_each(|segment| segment.root.finish_restore())
+    }
+
+    /// Segments 1..'s windows, allocations and host-mirroring ports, for a live update,
+    /// segment 1's first.
+    pub fn save_segments(
+        &self,
+    ) -> Result<Vec<crate::pci::SavedPciSegment>, gpuvm_devices::pci::PciError> {
+        (self.segments.iter())
+            .map(|segment| {
+                let mut root = segment.root.save()?;
+                let topology_ports =
+                    crate::pci_topology::save_topology_ports(&segment.root, &mut root);
+                Ok(crate::pci::SavedPciSegment {
+                    config: segment.root.config(),
+                    root,
+                    topology_ports,
+                })
+            })
+            .collect()
     }
 
     /// Segment 0's register block's state for a snapshot.
@@ -789,8 +822,7 @@ impl PciHotplug {
                 kernel_handle: None,
             })
         } else if let Some(bdf) = &body.host_bdf {
-            let kvm_vfio = Arc::new(create_kvm_vfio_device(&self.vm)?);
-            let vfio = KernelVfio::open(bdf, Some(kvm_vfio))?;
+            let vfio = KernelVfio::open(bdf, Some(self.kvm_vfio.get(&self.vm)?))?;
             let device = vfio.open_device(bdf)?;
             let bars = PeerBars::new(bdf.clone(), &body.tuning(), |i| device.region_file(i));
             let kernel_handle = (

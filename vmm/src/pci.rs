@@ -97,6 +97,8 @@ pub enum PciSetupError {
         segment: u16,
         count: u16,
     },
+    #[error("the handed-over PCI segments do not fit: {0}")]
+    SavedSegments(String),
 }
 
 /// The VM's KVM VFIO pseudo-device. vfio-ioctls registers each VFIO group (or cdev device)
@@ -106,9 +108,59 @@ pub fn create_kvm_vfio_device(vm: &VmFd) -> Result<VfioDeviceFd, PciSetupError> 
     Ok(VfioDeviceFd::new_from_kvm(kvm_vfio_device(vm)?))
 }
 
-/// The KVM VFIO pseudo-device itself (KVM_CREATE_DEVICE), for callers that add files to it
-/// themselves (a live update's handed-over type1 groups).
-pub fn kvm_vfio_device(vm: &VmFd) -> Result<kvm_ioctls::DeviceFd, PciSetupError> {
+/// The VM's one KVM VFIO pseudo-device, shared by every kernel VFIO context of the VM (the
+/// cold-plugged devices', each hot-plugged device's own, a live update's adopted ones):
+/// KVM allows one per VM, a second KVM_CREATE_DEVICE of the type failing with EBUSY, so a
+/// context made while another lives must register its files with the same device. Made
+/// when a context first needs it and held only by the contexts: once the last one is gone
+/// its file closes and KVM drops it, and the next context makes a new one.
+#[derive(Default)]
+pub struct SharedKvmVfio(Mutex<std::sync::Weak<VfioDeviceFd>>);
+
+impl SharedKvmVfio {
+    /// The VM's device, made now if no context holds one.
+    pub fn get(&self, vm: &VmFd) -> Result<Arc<VfioDeviceFd>, PciSetupError> {
+        let mut shared = lock(&self.0);
+        if let Some(device) = shared.upgrade() {
+            return Ok(device);
+        }
+        let device = Arc::new(create_kvm_vfio_device(vm)?);
+        *shared = Arc::downgrade(&device);
+        Ok(device)
+    }
+
+    /// The VM's device with the type1 `groups` a live update handed over added to it
+    /// (KVM_DEV_VFIO_GROUP_ADD, as vfio-ioctls adds the groups it opens).
+    pub fn with_groups(
+        &self,
+        vm: &VmFd,
+        groups: &[std::os::fd::OwnedFd],
+    ) -> Result<Arc<VfioDeviceFd>, String> {
+        use kvm_bindings::{kvm_device_attr, KVM_DEV_VFIO_GROUP, KVM_DEV_VFIO_GROUP_ADD};
+        use std::os::fd::AsRawFd;
+        let shared = self.get(vm).map_err(|e| e.to_string())?;
+        // A second descriptor of the same device: closing it leaves the device as it is.
+        let device = (shared.try_clone())
+            .and_then(VfioDeviceFd::to_kvm)
+            .map_err(|e| format!("cannot use the KVM VFIO device: {e}"))?;
+        for group in groups {
+            let fd: i32 = group.as_raw_fd();
+            let attr = kvm_device_attr {
+                group: KVM_DEV_VFIO_GROUP,
+                attr: u64::from(KVM_DEV_VFIO_GROUP_ADD),
+                addr: &fd as *const i32 as u64,
+                flags: 0,
+            };
+            device
+                .set_device_attr(&attr)
+                .map_err(|e| format!("KVM_DEV_VFIO_GROUP_ADD of a handed-over group: {e}"))?;
+        }
+        Ok(shared)
+    }
+}
+
+/// The KVM VFIO pseudo-device itself (KVM_CREATE_DEVICE).
+fn kvm_vfio_device(vm: &VmFd) -> Result<kvm_ioctls::DeviceFd, PciSetupError> {
     let mut request = kvm_create_device {
         type_: kvm_device_type_KVM_DEV_TYPE_VFIO,
         fd: 0,
@@ -429,6 +481,50 @@ pub fn segment_count(options: &PciOptions) -> Result<u16, PciSetupError> {
     Ok(count)
 }
 
+/// A PCI segment beyond 0 as a live update hands it over: the windows and ECAM the
+/// guest's ACPI tables give it (planned from the old process's devices, which the new
+/// process does not plan from: its devices come over by descriptor), its root's
+/// allocations, and the ports of a host-mirroring layout on it (their slots out of the
+/// root's, as segment 0's are: crate::pci_topology::save_topology_ports).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SavedPciSegment {
+    pub config: PciRootConfig,
+    pub root: gpuvm_devices::pci::PciRootState,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topology_ports: Vec<crate::pci_topology::SavedTopologyPort>,
+}
+
+/// `configs` (segment 0's first) with segments 1.. as `saved` has them (a live update's
+/// new process); `saved` must hold every one of them.
+pub fn saved_segment_configs(
+    mut configs: Vec<PciRootConfig>,
+    saved: &[SavedPciSegment],
+) -> Result<Vec<PciRootConfig>, PciSetupError> {
+    if saved.is_empty() {
+        return Ok(configs);
+    }
+    if saved.len() + 1 != configs.len() {
+        return Err(PciSetupError::SavedSegments(format!(
+            "{} saved segment(s) beyond 0 for a VM of {} segment(s)",
+            saved.len(),
+            configs.len()
+        )));
+    }
+    for (segment, saved) in saved.iter().enumerate() {
+        if usize::from(saved.root.segment) != segment + 1 {
+            return Err(PciSetupError::SavedSegments(format!(
+                "segment {}'s allocations are saved as segment {}'s",
+                segment + 1,
+                saved.root.segment
+            )));
+        }
+        saved.config.validate()?;
+        configs[segment + 1] = saved.config;
+    }
+    Ok(configs)
+}
+
 /// Where each segment's root puts configuration space and BARs: segment 0's 64-bit
 /// window, the others' BAR windows and every ECAM window where `plan` put them, each
 /// ECAM window covering the segment's `buses` (missing: one).
@@ -517,6 +613,30 @@ mod tests {
             segment_count(&restored),
             Err(PciSetupError::NoSuchSegment { segment, count: 2, .. }) if segment == MAX_PCI_SEGMENTS
         ));
+    }
+
+    /// KVM allows one VFIO pseudo-device per VM: a second one is refused while the first
+    /// lives, so every context shares the one `SharedKvmVfio` gives; once nothing holds
+    /// it, KVM drops it and the next context gets a new one.
+    #[test]
+    fn the_vms_kvm_vfio_device_is_shared_while_it_lives() {
+        let kvm = Kvm::new().expect("open /dev/kvm");
+        let vm = kvm.create_vm().expect("create VM");
+        let shared = SharedKvmVfio::default();
+        let first = shared.get(&vm).expect("the first context's device");
+        let second = shared.get(&vm).expect("the second context's device");
+        assert!(
+            Arc::ptr_eq(&first, &second),
+            "two KVM VFIO devices for one VM"
+        );
+        let busy = create_kvm_vfio_device(&vm).expect_err("KVM made a second VFIO device");
+        assert!(busy.to_string().contains("busy"), "{busy}");
+        let with_groups = shared.with_groups(&vm, &[]).expect("no groups to add");
+        assert!(Arc::ptr_eq(&first, &with_groups));
+        drop((first, second, with_groups));
+        shared
+            .get(&vm)
+            .expect("a new device once the old one is gone");
     }
 
     /// The pseudo-device exists on this host's KVM, accepts the VFIO file attribute and

@@ -77,8 +77,10 @@ pub enum PciError {
     NotWhereSaved { bdf: String, reason: String },
 }
 
-/// Where the root puts things in guest-physical space.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where the root puts things in guest-physical space. Saved for a live update's new
+/// process, which rebuilds segments 1.. as the guest's ACPI tables have them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PciRootConfig {
     /// ECAM (memory-mapped configuration) base: 1 MiB per bus from bus 0.
     pub ecam_base: u64,

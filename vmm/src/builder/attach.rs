@@ -27,7 +27,7 @@ use crate::dma::{DmaTestHooks, RamChunks};
 use crate::interrupts::{duplicate_vm, MsiRouter};
 use crate::p2p::{PeerBars, PeerDma};
 use crate::pci::{
-    bar64_sizes, create_kvm_vfio_device, host_address_width, plan_address_space, segment_configs,
+    bar64_sizes, host_address_width, plan_address_space, saved_segment_configs, segment_configs,
     segment_count, KvmBarSlots, PciSetupError, Plug, CONFIG_ADDRESS_PORT,
 };
 use crate::pci_topology::{host_place, DeviceInput, LayoutRequest, Placement};
@@ -57,17 +57,27 @@ pub fn attach(
     let count = (device_segments.values().copied())
         .map(|segment| segment.saturating_add(1))
         .fold(segment_count(options)?, u16::max);
-    let opened = open_devices(vm, options)?;
+    // One KVM VFIO device for the VM: the cold-plugged context's, shared with those of the
+    // kernel VFIO devices hot-plugged (or handed over) later.
+    let kvm_vfio = Arc::new(crate::pci::SharedKvmVfio::default());
+    let opened = open_devices(vm, options, &kvm_vfio)?;
     let host = host_address_width(kvm)?;
     let segments: Vec<u16> = (crate::numa::device_keys(options).iter())
         .map(|key| device_segments.get(key).copied().unwrap_or(0))
         .collect();
     let layouts = SegmentLayouts::new(&opened.layout, &segments, count, options.pcie_root_ports);
-    let buses = layouts.buses(options.pci_root.as_ref())?;
+    let buses = layouts.buses(
+        options.pci_root.as_ref(),
+        !options.saved_segments.is_empty(),
+    )?;
     let (needs, segment_bars) = layouts.needs(&opened)?;
     let plan = plan_address_space(host, ram, options, &needs, (count, &segment_bars, &buses))?;
     log::info!("guest address space: {plan}");
-    let configs = segment_configs(&plan, count, &buses);
+    // A live update's new process: segments 1.. where the guest's ACPI tables have them.
+    let configs = saved_segment_configs(
+        segment_configs(&plan, count, &buses),
+        &options.saved_segments,
+    )?;
     for (segment, config) in configs.iter().enumerate().skip(1) {
         log::info!(
             "PCI segment {segment}: 64-bit BAR window {:#x}..{:#x} ({}), 32-bit {:#x}..{:#x}, \
@@ -90,6 +100,11 @@ pub fn attach(
         // A restore: segment 0's allocations as saved, before any device is placed.
         let root = Arc::get_mut(&mut roots[0]).ok_or(PciSetupError::BusShared)?;
         gpuvm_devices::Persist::restore(root, saved)?;
+    }
+    for (segment, saved) in options.saved_segments.iter().enumerate() {
+        // A live update: segments 1..'s allocations too.
+        let root = Arc::get_mut(&mut roots[segment + 1]).ok_or(PciSetupError::BusShared)?;
+        gpuvm_devices::Persist::restore(root, &saved.root)?;
     }
     let (config, root) = (configs[0], roots[0].clone());
     let router = Arc::new(MsiRouter::new(kvm, vm).map_err(PciSetupError::VmFd)?);
@@ -125,13 +140,16 @@ pub fn attach(
     // A live update's new process plugs the old one's vfio-user devices here.
     devices.handover.plug = Some(crate::update::passthrough::PlugParts {
         root: root.clone(),
+        segments: roots[1..].to_vec(),
         router: router.clone(),
         slots: slots.clone(),
         peers: peers.clone(),
+        kvm_vfio: kvm_vfio.clone(),
     });
     let mut hotplug =
         crate::hotplug::PciHotplug::new(kvm, vm, ram, device_memory, root.clone(), router, slots)?;
     hotplug.set_peer_dma(peers);
+    hotplug.set_kvm_vfio(kvm_vfio);
     hotplug.add_root_ports(options.pcie_root_ports)?;
     for (segment, root) in roots.iter().enumerate() {
         // Each ECAM window was placed for the buses the layout said it would number.
@@ -276,12 +294,15 @@ impl SegmentLayouts {
     fn buses(
         &self,
         saved: Option<&gpuvm_devices::pci::PciRootState>,
+        further_saved: bool,
     ) -> Result<Vec<u16>, PciSetupError> {
         let mut buses = (self.requests.iter())
             .map(LayoutRequest::buses)
             .collect::<Result<Vec<_>, _>>()?;
         if let Some(saved) = saved.filter(|saved| saved.buses > buses[0]) {
-            if buses.len() > 1 {
+            // The next segment's ECAM window follows segment 0's, unless it comes as saved
+            // too (a live update's segments, placed after the buses saved here).
+            if buses.len() > 1 && !further_saved {
                 return Err(PciSetupError::EcamBuses {
                     segment: 0,
                     used: saved.buses,
@@ -330,7 +351,11 @@ impl SegmentLayouts {
 }
 
 /// Opens the passthrough devices of `options` and reads what their BARs need.
-fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSetupError> {
+fn open_devices(
+    vm: &VmFd,
+    options: &PciOptions,
+    kvm_vfio: &crate::pci::SharedKvmVfio,
+) -> Result<OpenedDevices, PciSetupError> {
     let mut opened = OpenedDevices {
         kernel: None,
         kernel_handles: Vec::new(),
@@ -341,7 +366,7 @@ fn open_devices(vm: &VmFd, options: &PciOptions) -> Result<OpenedDevices, PciSet
         layout: LayoutRequest::new(options),
     };
     if let Some(first) = options.gpus.first() {
-        let vfio = KernelVfio::open(first, Some(Arc::new(create_kvm_vfio_device(vm)?)))?;
+        let vfio = KernelVfio::open(first, Some(kvm_vfio.get(vm)?))?;
         let mut backends: Vec<Box<dyn PassthroughDevice>> = Vec::new();
         for bdf in &options.gpus {
             let device = vfio.open_device(bdf)?;

@@ -234,6 +234,7 @@ fn handed_over_pci_options(state: &snapshot::MachineState) -> PciOptions {
         mmio64_window: state.devices.pci_mmio64_window,
         pci_root: state.devices.pci_root.clone(),
         num_pci_segments: saved_segment_count(&state.devices),
+        saved_segments: state.devices.handed_over_pci_segments.clone(),
         numa: state
             .numa
             .as_ref()
@@ -768,13 +769,14 @@ fn restore_root_ports(
     saved: &crate::devices::DeviceStates,
     dir: &Path,
 ) -> Result<(), SnapshotError> {
-    if saved.pcie_root_ports.is_empty() && saved.pci_topology_ports.is_empty() {
-        return Ok(());
-    }
     let invalid = |reason: String| SnapshotError::Invalid {
         dir: dir.to_path_buf(),
         reason,
     };
+    restore_segment_ports(base, saved).map_err(invalid)?;
+    if saved.pcie_root_ports.is_empty() && saved.pci_topology_ports.is_empty() {
+        return Ok(());
+    }
     crate::pci_topology::check_saved_state(saved).map_err(|e| invalid(e.to_string()))?;
     // Their windows are taken in the saved allocations' bookkeeping, which comes with them.
     let root = (base.devices.handover.plug.as_ref()).map(|plug| plug.root.clone());
@@ -791,6 +793,33 @@ fn restore_root_ports(
         .map_err(|e| invalid(e.to_string()))?;
     crate::pci_topology::restore_topology_ports(&root, &saved.pci_topology_ports)
         .map_err(|e| invalid(e.to_string()))
+}
+
+/// A live update's segments 1..: the ports of their host-mirroring layouts, checked
+/// against each segment's windows and bus-0 slots, rebuilt in place.
+fn restore_segment_ports(
+    base: &MachineBase,
+    saved: &crate::devices::DeviceStates,
+) -> Result<(), String> {
+    let roots = (base.devices.handover.plug.as_ref()).map_or(&[][..], |plug| &plug.segments);
+    for (index, segment) in saved.handed_over_pci_segments.iter().enumerate() {
+        if segment.topology_ports.is_empty() {
+            continue;
+        }
+        let number = index + 1;
+        let root =
+            (roots.get(index)).ok_or_else(|| format!("the VM has no PCI segment {number}"))?;
+        crate::pci_topology::check_saved_ports(
+            crate::pci_topology::SegmentWindows::of_state(&segment.root),
+            &segment.root.slots,
+            &[],
+            &segment.topology_ports,
+            &[],
+        )
+        .and_then(|()| crate::pci_topology::restore_topology_ports(root, &segment.topology_ports))
+        .map_err(|e| format!("PCI segment {number}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// The `passthrough` stage: hot-plugged devices whose state the snapshot holds are

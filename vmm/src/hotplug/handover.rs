@@ -94,12 +94,6 @@ impl PciHotplug {
             Some("it is being hot-unplugged; retry once it is gone".to_string())
         } else if hot.stopped || hot.held_for_dma.load(std::sync::atomic::Ordering::Acquire) {
             Some("it was restored and does not run yet; retry once it runs".to_string())
-        } else if hot.bdf.segment != 0 {
-            Some(format!(
-                "it sits at {} on PCI segment {}; only devices of segment 0 are handed over",
-                hot.bdf.full(),
-                hot.bdf.segment
-            ))
         } else if hot.bdf.bus != 0 && !self.port_of.contains_key(id) {
             // Neither in an ACPI slot nor in a root port for hot-plug: behind the ports
             // of a host-mirroring layout (crate::pci_topology).
@@ -221,7 +215,7 @@ impl PciHotplug {
                 };
                 HandedOverVfioUser::of(
                     &lock(&hot.device),
-                    (socket, hot.bdf.device, None),
+                    (socket, hot.bdf, None),
                     ram,
                     Some(hot_plugged),
                 )
@@ -278,6 +272,7 @@ impl PciHotplug {
             saved.dma_mapped.clone(),
         ));
         let place = SavedHotPlace {
+            segment: saved.segment,
             slot: saved.slot,
             ids: (saved.vendor_id, saved.device_id),
             pci: &saved.pci,
@@ -316,7 +311,7 @@ impl PciHotplug {
                 saved.context.devices.len()
             ));
         };
-        let (vfio, handles) = incoming.adopt(&self.vm, &saved.context)?;
+        let (vfio, handles) = incoming.adopt((&self.vm, &self.kvm_vfio), &saved.context)?;
         let Some((file, mark)) = handles.into_iter().next() else {
             return Err(format!("{id}: the offer brings no device file"));
         };
@@ -334,6 +329,7 @@ impl PciHotplug {
             saved.context.dma_mapped.clone(),
         ));
         let place = SavedHotPlace {
+            segment: device.segment,
             slot: device.slot,
             ids: (device.vendor_id, device.device_id),
             pci: &device.pci,
@@ -427,11 +423,19 @@ impl PciHotplug {
         let device = Arc::new(Mutex::new(device));
         let as_pci: Arc<Mutex<dyn gpuvm_devices::pci::PciDevice>> = device.clone();
         let bars_at = place.pci.bars.as_slice();
-        let added = match hot.port {
-            None => self.root.add_device_at(place.slot, as_pci, bars_at),
-            Some(port) => self
-                .root
-                .add_behind(&[port, place.slot], as_pci, bars_at, false),
+        let added = match (hot.port, self.root_of(place.segment)) {
+            (None, Some(root)) => root.add_device_at(place.slot, as_pci, bars_at),
+            (Some(port), _) if place.segment == 0 => {
+                (self.root).add_behind(&[port, place.slot], as_pci, bars_at, false)
+            }
+            (Some(_), _) => Err(gpuvm_devices::pci::PciError::SavedState(format!(
+                "it is in a root port for hot-plug on PCI segment {}; those are segment 0's",
+                place.segment
+            ))),
+            (None, None) => Err(gpuvm_devices::pci::PciError::SavedState(format!(
+                "the VM has no PCI segment {}",
+                place.segment
+            ))),
         };
         let bdf = added.map_err(|e| {
             release(
@@ -474,7 +478,7 @@ impl PciHotplug {
             &device,
             crate::seccomp::thread_hook(crate::seccomp::ThreadKind::Vmm),
         );
-        let label = format!("{bdf} {name}");
+        let label = format!("{} {name}", bdf.shown());
         log::info!(
             "live update: hot-plugged {id} ({label}) taken over from the old process (no \
              reset, no DMA map; interrupts on this VM's eventfds)"
@@ -506,6 +510,9 @@ impl PciHotplug {
 
 /// A handed-over hot-plugged device's place and PCI state in the paused state.
 struct SavedHotPlace<'a> {
+    /// Its PCI segment: its slot is one of that segment's ACPI hot-plug slots (root ports
+    /// for hot-plug are segment 0's).
+    segment: u16,
     slot: u8,
     ids: (u16, u16),
     pci: &'a gpuvm_vfio::pci::VfioPciState,

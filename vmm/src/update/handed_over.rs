@@ -28,13 +28,34 @@ pub struct PassthroughHandOver {
     pub plug: Option<PlugParts>,
 }
 
-/// What plugging a device into segment 0 takes besides the VM.
+/// What plugging a device into the VM's PCI segments takes besides the VM.
 pub struct PlugParts {
+    /// Segment 0's root.
     pub root: Arc<PciRoot>,
+    /// Segments 1..'s roots, segment 1's first.
+    pub segments: Vec<Arc<PciRoot>>,
     pub router: Arc<MsiRouter>,
     pub slots: Arc<dyn GuestMemoryMapper>,
     /// The VM's peer-to-peer DMA mappings, which a plugged device joins.
     pub peers: Arc<crate::p2p::PeerDma>,
+    /// The VM's KVM VFIO device, which every kernel VFIO context shares.
+    pub kvm_vfio: Arc<crate::pci::SharedKvmVfio>,
+}
+
+impl PlugParts {
+    /// The root of PCI segment `segment`, if the VM has it.
+    pub fn root_of(&self, segment: u16) -> Option<&Arc<PciRoot>> {
+        match segment {
+            0 => Some(&self.root),
+            further => self.segments.get(usize::from(further) - 1),
+        }
+    }
+
+    /// The path from bus 0 of its segment's root to `bdf`, behind the ports of a
+    /// host-mirroring layout (None on bus 0, or where no port leads there).
+    pub fn path_of(&self, bdf: PciBdf) -> Option<Vec<u8>> {
+        crate::pci_topology::path_of(self.root_of(bdf.segment)?, bdf)
+    }
 }
 
 /// A cold-plugged vfio-user device.
@@ -158,13 +179,17 @@ pub struct HandedOverHotKernelVfio {
     pub hot: HotPluggedGpu,
 }
 
-/// One handed-over kernel VFIO device: the host device, its slot on bus 0 of segment 0
-/// (or its device number behind the VM's PCIe ports, with its path), its model, and the
-/// PCI state gpuvm emulates for it.
+/// One handed-over kernel VFIO device: the host device, its PCI segment and its slot on
+/// the segment's bus 0 (or its device number behind the VM's PCIe ports, with its path),
+/// its model, and the PCI state gpuvm emulates for it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HandedOverKernelVfio {
     pub host_bdf: String,
+    /// Its PCI segment (absent: 0, as in the state of a gpuvm that handed over segment 0
+    /// only; an older binary refuses the field rather than put the device on segment 0).
+    #[serde(default, skip_serializing_if = "is_segment_0")]
+    pub segment: u16,
     pub slot: u8,
     /// Behind the VM's PCIe ports: the path from bus 0 (None on bus 0; absent in the
     /// state of a gpuvm that handed over bus 0 only).
@@ -200,7 +225,10 @@ impl OfferedVfioUser {
 #[serde(deny_unknown_fields)]
 pub struct HandedOverVfioUser {
     pub socket: PathBuf,
-    /// Its slot on bus 0 of segment 0, or its device number on its bus behind bridges.
+    /// Its PCI segment (absent: 0, as for [`HandedOverKernelVfio::segment`]).
+    #[serde(default, skip_serializing_if = "is_segment_0")]
+    pub segment: u16,
+    /// Its slot on its segment's bus 0, or its device number on its bus behind bridges.
     pub slot: u8,
     /// Behind the ports of a host-mirroring layout (crate::pci_topology, rebuilt from the
     /// state before the devices): its path from bus 0 (PciRoot::add_behind). Absent on
@@ -227,13 +255,17 @@ pub struct HandedOverVfioUser {
     pub hot_plugged: Option<HotPluggedGpu>,
 }
 
+fn is_segment_0(segment: &u16) -> bool {
+    *segment == 0
+}
+
 impl HandedOverVfioUser {
-    /// What the paused state says of `device` (served on `socket`, in bus-0 slot `slot`
-    /// or behind bridges at `path`), which has `ram` DMA-mapped; `hot_plugged` for a GPU
-    /// hot-plugged at runtime.
+    /// What the paused state says of `device` (served on `socket`, at `bdf`: in a slot
+    /// of its segment's bus 0, or behind bridges at `path`), which has `ram` DMA-mapped;
+    /// `hot_plugged` for a GPU hot-plugged at runtime.
     pub fn of(
         device: &gpuvm_vfio::pci::VfioPciDevice,
-        (socket, slot, path): (PathBuf, u8, Option<Vec<u8>>),
+        (socket, bdf, path): (PathBuf, PciBdf, Option<Vec<u8>>),
         ram: &[gpuvm_vfio::DmaRegion],
         hot_plugged: Option<HotPluggedGpu>,
     ) -> Result<Self, String> {
@@ -244,7 +276,8 @@ impl HandedOverVfioUser {
         let (vendor_id, device_id) = device.pci_ids();
         Ok(HandedOverVfioUser {
             socket,
-            slot,
+            segment: bdf.segment,
+            slot: bdf.device,
             path,
             vendor_id,
             device_id,
@@ -318,6 +351,7 @@ mod tests {
     fn cold(socket: &str) -> HandedOverVfioUser {
         HandedOverVfioUser {
             socket: PathBuf::from(socket),
+            segment: 0,
             slot: 3,
             path: None,
             vendor_id: 0x10de,
@@ -338,6 +372,16 @@ mod tests {
         let written = serde_json::to_value(cold("/run/a.sock")).unwrap();
         assert!(written.get("hot_plugged").is_none(), "{written}");
         assert!(written.get("path").is_none(), "{written}");
+        assert!(written.get("segment").is_none(), "{written}");
+        // One on another PCI segment says which.
+        let on_segment_1 = HandedOverVfioUser {
+            segment: 1,
+            ..cold("/run/s.sock")
+        };
+        let segment_written = serde_json::to_value(&on_segment_1).unwrap();
+        assert_eq!(segment_written["segment"], 1);
+        let read_segment: HandedOverVfioUser = serde_json::from_value(segment_written).unwrap();
+        assert_eq!(read_segment, on_segment_1);
         // One behind a switch's ports keeps its path from bus 0.
         let behind = HandedOverVfioUser {
             slot: 0,

@@ -25,7 +25,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 
 use gpuvm_vfio::dma::DmaMapper;
@@ -46,16 +46,6 @@ use gpuvm_devices::pci::PciBdf;
 pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
     let context = handover.kernel.as_ref()?;
     context_refusal(context, &|device| {
-        if device.bdf.segment != 0 {
-            // As for vfio-user devices: a segment beyond those the VM asked for is made for
-            // its devices from the command line, which the new process does not get.
-            return Some(format!(
-                "{} sits at {} off PCI segment 0 (its NUMA node's or its own pci_segment); \
-                 only devices of segment 0 are handed over",
-                device.host_bdf,
-                device.bdf.shown()
-            ));
-        }
         if device.bdf.bus != 0 && path_behind_ports(handover, device.bdf).is_none() {
             return Some(format!(
                 "{} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
@@ -175,10 +165,10 @@ fn own_mappings(mappings: &[(u64, u64)], ram: &[DmaRegion]) -> Result<Vec<DmaReg
     gpuvm_vfio::type1::own_chunks(mappings, ram).map_err(|e| format!("kernel VFIO (type1): {e}"))
 }
 
-/// The path from bus 0 through the VM's PCIe ports (`--pci-topology host`) of the device
-/// at `bdf`; None on bus 0.
+/// The path from its segment's bus 0 through the VM's PCIe ports (`--pci-topology host`)
+/// of the device at `bdf`; None on bus 0.
 fn path_behind_ports(handover: &PassthroughHandOver, bdf: PciBdf) -> Option<Vec<u8>> {
-    (handover.plug.as_ref()).and_then(|parts| crate::pci_topology::path_of(&parts.root, bdf))
+    (handover.plug.as_ref()).and_then(|parts| parts.path_of(bdf))
 }
 
 /// The type1 container of the context, if that is what it is.
@@ -290,6 +280,7 @@ pub(crate) fn save_context(
             let (vendor_id, device_id) = device.pci_ids();
             Ok(HandedOverKernelVfio {
                 host_bdf: plugged.host_bdf.clone(),
+                segment: plugged.bdf.segment,
                 slot: plugged.bdf.device,
                 path: path(plugged),
                 vendor_id,
@@ -373,7 +364,7 @@ impl IncomingKernelVfio {
     /// file and mark, in `saved`'s order (checked against the offer).
     pub(crate) fn adopt(
         self,
-        vm: &kvm_ioctls::VmFd,
+        (vm, kvm_vfio): (&kvm_ioctls::VmFd, &crate::pci::SharedKvmVfio),
         saved: &HandedOverKernelContext,
     ) -> Result<(KernelVfio, Vec<AdoptedDeviceFile>), String> {
         let hosts: Vec<&str> = (saved.devices.iter())
@@ -387,12 +378,12 @@ impl IncomingKernelVfio {
         }
         let vfio = match &self.offered.type1_groups {
             None => {
-                let kvm_vfio = crate::pci::create_kvm_vfio_device(vm).map_err(|e| e.to_string())?;
-                KernelVfio::adopt(self.context, self.offered.ioas_id, Some(Arc::new(kvm_vfio)))
+                let kvm_vfio = kvm_vfio.get(vm).map_err(|e| e.to_string())?;
+                KernelVfio::adopt(self.context, self.offered.ioas_id, Some(kvm_vfio))
                     .map_err(|e| e.to_string())?
             }
             Some(ids) => {
-                let kvm_vfio = kvm_vfio_with_groups(vm, &self.groups)?;
+                let kvm_vfio = kvm_vfio.with_groups(vm, &self.groups)?;
                 let groups = ids.iter().copied().zip(self.groups).collect();
                 KernelVfio::adopt_container(self.context, groups, kvm_vfio)
             }
@@ -450,7 +441,10 @@ pub(crate) fn plug_handed_over(
             ))
         }
     };
-    let (vfio, handles) = incoming.adopt(vm, saved)?;
+    let kvm_vfio = (devices.handover.plug.as_ref())
+        .map(|parts| parts.kvm_vfio.clone())
+        .ok_or("this VM has no PCI bus")?;
+    let (vfio, handles) = incoming.adopt((vm, &kvm_vfio), saved)?;
     let chunks = crate::dma::RamChunks::new(ram);
     let mapper: Arc<dyn DmaMapper> = Arc::new(AlreadyMapped::new(
         vfio.dma_mapper(),
@@ -482,6 +476,7 @@ pub(crate) fn plug_handed_over(
         };
         let bars = PeerBars::new(device.host_bdf.clone(), &tuning, |i| backend.region_file(i));
         let place = SavedPlace {
+            segment: device.segment,
             path: device.path.as_deref(),
             slot: device.slot,
             ids: (device.vendor_id, device.device_id),
@@ -494,9 +489,10 @@ pub(crate) fn plug_handed_over(
             peers.plugged(context, bars, &pci_device);
         }
         log::info!(
-            "live update: kernel VFIO {} at {bdf} taken over from the old process (no reset, \
+            "live update: kernel VFIO {} at {} taken over from the old process (no reset, \
              no DMA map, no attach; interrupts on this VM's eventfds)",
-            device.host_bdf
+            device.host_bdf,
+            bdf.shown()
         );
         plugged.push(PluggedKernelVfio {
             host_bdf: device.host_bdf.clone(),
@@ -552,31 +548,6 @@ pub(crate) fn plug_hot_handed_over(
         hotplug.adopt_handed_over_kernel(saved, incoming, all_ram)?;
     }
     Ok(())
-}
-
-/// This VM's KVM VFIO pseudo-device with the handed-over type1 groups added
-/// (KVM_DEV_VFIO_GROUP_ADD), as vfio-ioctls adds the groups it opens.
-fn kvm_vfio_with_groups(
-    vm: &kvm_ioctls::VmFd,
-    groups: &[OwnedFd],
-) -> Result<Arc<gpuvm_vfio::kernel::VfioDeviceFd>, String> {
-    use kvm_bindings::{kvm_device_attr, KVM_DEV_VFIO_GROUP, KVM_DEV_VFIO_GROUP_ADD};
-    let device = crate::pci::kvm_vfio_device(vm).map_err(|e| e.to_string())?;
-    for group in groups {
-        let fd: i32 = group.as_raw_fd();
-        let attr = kvm_device_attr {
-            group: KVM_DEV_VFIO_GROUP,
-            attr: u64::from(KVM_DEV_VFIO_GROUP_ADD),
-            addr: &fd as *const i32 as u64,
-            flags: 0,
-        };
-        device
-            .set_device_attr(&attr)
-            .map_err(|e| format!("KVM_DEV_VFIO_GROUP_ADD of a handed-over group: {e}"))?;
-    }
-    Ok(Arc::new(gpuvm_vfio::kernel::VfioDeviceFd::new_from_kvm(
-        device,
-    )))
 }
 
 /// Whether `label` (an entry of `MachineDevices::passthrough`) is a cold-plugged kernel

@@ -54,18 +54,7 @@ pub(super) fn refusal(handover: &PassthroughHandOver) -> Option<String> {
                 "{name}: guest RAM is still being DMA-mapped for it; retry once it is"
             ));
         }
-        if plugged.bdf.segment != 0 {
-            // A segment beyond those the VM asked for is made for its devices from the
-            // command line (their NUMA node or `pci_segment`), which the new process does
-            // not get for them.
-            return Some(format!(
-                "{name} sits at {} off PCI segment 0 (its NUMA node's or its own \
-                 pci_segment); only devices of segment 0 are handed over",
-                plugged.bdf.shown()
-            ));
-        }
-        let behind_ports = (handover.plug.as_ref())
-            .and_then(|parts| crate::pci_topology::path_of(&parts.root, plugged.bdf));
+        let behind_ports = (handover.plug.as_ref()).and_then(|parts| parts.path_of(plugged.bdf));
         if plugged.bdf.bus != 0 && behind_ports.is_none() {
             return Some(format!(
                 "{name} sits at {} behind a bridge that is not a port of gpuvm's PCIe topology",
@@ -109,9 +98,8 @@ pub(super) fn save(
         .iter()
         .map(|plugged| {
             // Behind the ports of a host-mirroring layout: its path through them.
-            let path = (handover.plug.as_ref())
-                .and_then(|parts| crate::pci_topology::path_of(&parts.root, plugged.bdf));
-            let place = (plugged.socket.clone(), plugged.bdf.device, path);
+            let path = (handover.plug.as_ref()).and_then(|parts| parts.path_of(plugged.bdf));
+            let place = (plugged.socket.clone(), plugged.bdf, path);
             HandedOverVfioUser::of(&lock(&plugged.device), place, ram, None)
                 .map_err(UpdateError::Save)
         })
@@ -395,6 +383,7 @@ fn plug_one(
     });
     let progress = chunks.progress(mapper.name());
     let place = SavedPlace {
+        segment: saved.segment,
         slot: saved.slot,
         path: saved.path.as_deref(),
         ids: (saved.vendor_id, saved.device_id),
@@ -422,8 +411,9 @@ fn plug_one(
         Err(error) => log::warn!("{bdf}: {error}; no peer-to-peer DMA mappings for it"),
     }
     log::info!(
-        "live update: {bdf} {} taken over from the old process (no reset, no DMA map; \
+        "live update: {} {} taken over from the old process (no reset, no DMA map; \
          interrupts on this VM's eventfds)",
+        bdf.shown(),
         lock(&device).name()
     );
     devices.handover.vfio_user.push(PluggedVfioUser {
@@ -438,9 +428,11 @@ fn plug_one(
 
 /// Where and how a handed-over device was plugged in the old process.
 pub(crate) struct SavedPlace<'a> {
-    /// Its slot on bus 0 of segment 0.
+    /// Its PCI segment.
+    pub segment: u16,
+    /// Its slot on the segment's bus 0.
     pub slot: u8,
-    /// Or its path from bus 0 behind the ports of a host-mirroring layout.
+    /// Or its path from the segment's bus 0 behind the ports of a host-mirroring layout.
     pub path: Option<&'a [u8]>,
     /// (vendor, device) as the old process saw them.
     pub ids: (u16, u16),
@@ -448,7 +440,7 @@ pub(crate) struct SavedPlace<'a> {
     pub intx_gsi: Option<u32>,
 }
 
-/// Plugs a handed-over `backend` back into its slot of segment 0 as `place` says: taken
+/// Plugs a handed-over `backend` back into its place (segment, slot or path) as `place` says: taken
 /// over without a reset ([`take_over`]), INTx wired, the saved PCI state loaded (which
 /// gives the device this VM's interrupt eventfds). Its Bus Master waits for `progress`.
 /// Listed among the VM's passthrough devices. Returns the device and where it is.
@@ -460,6 +452,13 @@ pub(crate) fn plug_back(
     progress: &Arc<gpuvm_vfio::dma::DmaProgress>,
 ) -> Result<(Arc<Mutex<VfioPciDevice>>, gpuvm_devices::pci::PciBdf), String> {
     let parts = (devices.handover.plug.as_ref()).ok_or("this VM has no PCI bus")?;
+    let root = parts.root_of(place.segment).ok_or_else(|| {
+        format!(
+            "its PCI segment {} is not among the VM's {}",
+            place.segment,
+            parts.segments.len() + 1
+        )
+    })?;
     let (device, gsis) = take_over(backend, &parts.router, &parts.slots, progress, place.ids)?;
     let name = device.name().to_string();
     let device = Arc::new(Mutex::new(device));
@@ -467,22 +466,20 @@ pub(crate) fn plug_back(
     // Its BARs where the guest had them (behind ports: inside their windows, rebuilt
     // before); its own restored state says whether they decode.
     let added = match place.path {
-        Some(path) => (parts.root.add_behind(path, as_pci, &place.pci.bars, false))
+        Some(path) => (root.add_behind(path, as_pci, &place.pci.bars, false))
             .map_err(|e| format!("cannot plug it back at {path:?} (path from bus 0): {e}")),
-        None => (parts
-            .root
-            .add_device_at(place.slot, as_pci, &place.pci.bars))
-        .map_err(|e| format!("cannot plug it back into slot {:#04x}: {e}", place.slot)),
+        None => (root.add_device_at(place.slot, as_pci, &place.pci.bars))
+            .map_err(|e| format!("cannot plug it back into slot {:#04x}: {e}", place.slot)),
     };
     let bdf = added.inspect_err(|_| parts.router.release(&gsis))?;
     let plug = crate::pci::Plug {
         vm,
-        root: &parts.root,
+        root,
         router: &parts.router,
         slots: &parts.slots,
     };
     let unplug = |error: String| {
-        parts.root.remove_device(bdf);
+        root.remove_device(bdf);
         parts.router.release(&gsis);
         error
     };
@@ -500,6 +497,6 @@ pub(crate) fn plug_back(
         }
         lock(&device).restore_intx_line(place.pci);
     }
-    devices.passthrough.push(format!("{bdf} {name}"));
+    devices.passthrough.push(format!("{} {name}", bdf.shown()));
     Ok((device, bdf))
 }

@@ -681,6 +681,7 @@ fn build_inputs(state: &MachineState) -> serde_json::Value {
             ..root.clone()
         }),
         "ram_hotplug_size": devices.ram_hotplug.as_ref().map(|hotplug| hotplug.hotplug_size),
+        "pci_segments": devices.handed_over_pci_segments,
         "numa": state.numa,
         "vfio_user": devices
             .handed_over_vfio_user

@@ -59,6 +59,16 @@ pub fn hand_over(
     api_listener: Option<BorrowedFd<'_>>,
     mmds: &gpuvm_mmds::Mmds,
 ) -> Result<HandOverReport, UpdateError> {
+    // The passthrough devices' background DMA mappings of guest RAM finish first, within
+    // half the update's time (the guest runs meanwhile): the new process takes over only
+    // mappings that are complete, so an update asked for right after a device came would
+    // otherwise be refused.
+    let waited = (running.machine().devices())
+        .finish_dma_mappings(timeout / 2)
+        .map_err(UpdateError::NotReady)?;
+    if let Some(waited) = waited {
+        log::info!("live update: guest RAM is DMA-mapped for every device (waited {waited:?})");
+    }
     check_supported(running)?;
     socket::check_path(socket)?;
     // A lazy restore still loading finishes first, within half the update's time (the
@@ -669,6 +679,9 @@ fn save_state(running: &RunningMachine<'_>, paused: bool) -> Result<MachineState
     )?;
     // The hot-plugged GPUs have the hot-plugged RAM mapped too.
     if let Some(hotplug) = &machine.devices().pci_hotplug {
+        devices.handed_over_pci_segments = hotplug
+            .save_segments()
+            .map_err(|e| save("PCI segments", &e))?;
         let ram = machine.dma_regions_of_all_ram();
         let hot = hotplug.handover_save(&ram).map_err(UpdateError::Save)?;
         devices.handed_over_vfio_user.extend(hot);
