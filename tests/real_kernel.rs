@@ -535,6 +535,20 @@ fn linux_onlines_a_vcpu_hot_added_by_vm_resize_and_ejects_it() {
 }
 
 #[test]
+fn a_vcpu_ejected_before_a_live_update_is_hot_plugged_again_after_it() {
+    scenario_passes(
+        "linux-cpu-hotplug-update",
+        &[
+            "update 1: process",
+            "figure: live update of a VM whose guest ejected a vCPU: guest paused",
+            "inner: cpuplug round 1 done",
+            "inner: cpuplug round 2 done",
+            "a vCPU the guest ejected before a live update, hot-plugged and ejected again after it: ok",
+        ],
+    );
+}
+
+#[test]
 fn firecracker_mmds_token_survives_live_updates() {
     scenario_passes(
         "firecracker-mmds-update",

@@ -60,7 +60,12 @@ fn wait_for_times(vm: &mut SpawnedProcess, line: &str, times: usize) {
 /// `spare-vcpu<N>` before (Kata counts vCPU threads by the `vcpu` prefix); `vcpus` of them
 /// have one.
 fn every_thread_is_filtered(vm: &SpawnedProcess, vcpus: usize) {
-    let threads = thread_seccomp_modes(vm.pid());
+    every_thread_of_is_filtered(vm.pid(), vcpus);
+}
+
+/// [`every_thread_is_filtered`] for the gpuvm process `pid` (one a live update started).
+fn every_thread_of_is_filtered(pid: i32, vcpus: usize) {
+    let threads = thread_seccomp_modes(pid);
     let possible = threads.iter().filter(|(name, _)| name.contains("vcpu"));
     assert_eq!(
         possible.count(),
@@ -183,4 +188,54 @@ fn hot_plugged_vcpus_survive_a_snapshot() {
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
     let out = restored.wait(LIMIT);
     assert!(!out.stdout.contains("FAIL"), "{}", out.describe());
+}
+
+/// A live update of a VM whose guest ejected vCPUs: the old process parks their threads
+/// and hands over the vCPUs still running (0 and 1); the new process keeps spare threads
+/// for the others, and a later vm.resize makes them there afresh: the guest brings them
+/// online again, and ejects all but one at the next resize.
+#[test]
+fn ejected_vcpus_come_back_after_a_live_update() {
+    let scratch = Scratch::new("vcpu_hotplug", "update");
+    let api = scratch.path("api.sock");
+    let mut vm = start(&scratch, &api);
+    vm.wait_for_stdout("cpu-hotplug: waiting, 3 CPU(s) hot-pluggable of 4", LIMIT);
+    resize(&api, 204, r#"{"desired_vcpus":4}"#);
+    vm.wait_for_stdout("cpu-hotplug: cpu 3 online", LIMIT);
+    resize(&api, 204, r#"{"desired_vcpus":2}"#);
+    vm.wait_for_stdout("cpu-hotplug: cpu 3 ejected", LIMIT);
+    vm.wait_for_stdout("cpu-hotplug: cpu 2 ejected", LIMIT);
+    wait_for_vcpus(&mut vm, &api, 2);
+
+    let update = gpuvm_tests::gpuvm_update(vm.pid(), &[], &[]);
+    let new = gpuvm_tests::updated_to(&update, &vm.stderr());
+    let deadline = Instant::now() + LIMIT;
+    let answers =
+        || gpuvm_api::client::request(&api, "GET", "/", None).is_ok_and(|a| a.status == 200);
+    while gpuvm_tests::process_running(vm.pid()) || !answers() {
+        assert!(Instant::now() < deadline, "{}", vm.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(vcpus(&api), (2, 4));
+    // vCPUs 0 and 1 run; 2 and 3 wait on spare threads.
+    every_thread_of_is_filtered(new, 2);
+
+    resize(&api, 204, r#"{"desired_vcpus":4}"#);
+    wait_for_times(&mut vm, "cpu-hotplug: cpu 2 online", 2);
+    wait_for_times(&mut vm, "cpu-hotplug: cpu 3 online", 2);
+    assert_eq!(vcpus(&api), (4, 4));
+    every_thread_of_is_filtered(new, 4);
+    resize(&api, 204, r#"{"desired_vcpus":1}"#);
+    wait_for_times(&mut vm, "cpu-hotplug: cpu 1 ejected", 1);
+    wait_for_vcpus(&mut vm, &api, 1);
+
+    api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
+    let deadline = Instant::now() + LIMIT;
+    while gpuvm_tests::process_running(new) {
+        assert!(Instant::now() < deadline, "{}", vm.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stdout = vm.stdout();
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    assert!(!vm.stderr().contains("SIGSYS"), "{}", vm.stderr());
 }

@@ -40,18 +40,22 @@
 
 static void say(const char *format, ...)
 {
+    static const char prefix[] = "vsock-tool: ";
     char line[512];
     va_list args;
+    memcpy(line, prefix, sizeof(prefix) - 1);
+    size_t room = sizeof(line) - (sizeof(prefix) - 1) - 1;
     va_start(args, format);
-    int n = vsnprintf(line, sizeof(line) - 1, format, args);
+    int n = vsnprintf(line + sizeof(prefix) - 1, room, format, args);
     va_end(args);
     if (n < 0)
         return;
-    if (n > (int)sizeof(line) - 2)
-        n = sizeof(line) - 2;
+    if (n > (int)room - 1)
+        n = (int)room - 1;
+    n += sizeof(prefix) - 1;
     line[n++] = '\n';
-    /* One write per line: the console interleaves it with the shell's output whole. */
-    (void)!write(STDOUT_FILENO, "vsock-tool: ", 12);
+    /* One write per line, prefix included: the console interleaves it with the shell's output
+     * whole (two writes let init's `inner: ...` land between them). */
     (void)!write(STDOUT_FILENO, line, n);
 }
 

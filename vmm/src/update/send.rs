@@ -632,10 +632,19 @@ fn check_supported(running: &RunningMachine<'_>) -> Result<(), UpdateError> {
         ));
     }
     check_passthrough(devices)?;
-    if !running.parked_vcpus().is_empty() {
+    // vCPUs the guest ejected stay parked here; the new process makes none for them, only
+    // spare threads (a later vm.resize makes them there). It builds vCPUs 0..N in order:
+    // the VMM adds them in order and ejects the highest first, so a gap means the guest
+    // ejected one on its own.
+    let ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
+    if ids
+        .iter()
+        .enumerate()
+        .any(|(index, &id)| usize::from(id) != index)
+    {
         return Err(UpdateError::unsupported(
-            "a VM with vCPUs the guest ejected",
-            None,
+            format!("a VM whose vCPUs are {ids:?}"),
+            Some("vCPUs 0 to N are handed over: the guest ejected one below others"),
         ));
     }
     Ok(())
