@@ -915,6 +915,20 @@ pub fn updated_to(out: &std::process::Output, context: &str) -> i32 {
         .unwrap_or_else(|| panic!("no new pid in {stdout:?}"))
 }
 
+/// Waits until process `pid` (not this one's child: a gpuvm a live update started) has
+/// ended, at most `limit`; past it the test fails with `context()`.
+pub fn wait_process_gone(pid: i32, limit: Duration, context: impl Fn() -> String) {
+    let deadline = Instant::now() + limit;
+    while process_running(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} still runs after {limit:?}\n{}",
+            context()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Whether `pid` runs (a zombie does not).
 pub fn process_running(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {

@@ -209,14 +209,9 @@ impl Drop for UpdatableVm {
 }
 
 fn wait_gone(pid: i32, context: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while gpuvm_tests::process_running(pid) {
-        assert!(
-            Instant::now() < deadline,
-            "the old gpuvm {pid} still runs after the update\n{context}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    gpuvm_tests::wait_process_gone(pid, Duration::from_secs(20), || {
+        format!("the old gpuvm {pid} still runs after the update\n{context}")
+    });
 }
 
 /// The exit status of `process`, which ends (it may still be tearing down threads once it

@@ -1118,14 +1118,7 @@ fn a_live_update_keeps_the_nodes_pinning_and_plan() {
     // The first process ends once it handed the VM over (until then its API thread may
     // still take a connection on the shared socket); its output pipes are the VM's, which
     // the new process holds.
-    let deadline = std::time::Instant::now() + LIMIT;
-    while gpuvm_tests::process_running(first.pid()) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the first gpuvm runs on"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    gpuvm_tests::wait_process_gone(first.pid(), LIMIT, || "the first gpuvm runs on".into());
     // The new process's own vCPU threads, pinned by it.
     let vcpus: Vec<Vec<String>> =
         gpuvm_tests::thread_status_fields(new, &["Name:", "Cpus_allowed_list:"])
@@ -1202,11 +1195,7 @@ fn each_node_s_gpus_behind_their_switches_go_across_a_live_update() {
             assert_eq!(logged.matches(what).count(), count, "{what}\n{logged}");
         }
         gpuvm_tests::api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
-        let deadline = std::time::Instant::now() + LIMIT;
-        while gpuvm_tests::process_running(new) {
-            assert!(std::time::Instant::now() < deadline, "{}", first.stderr());
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        gpuvm_tests::wait_process_gone(new, LIMIT, || first.stderr());
         first.wait(LIMIT)
     });
     assert!(!out.stdout.contains("FAIL"), "{}", out.stdout);

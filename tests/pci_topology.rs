@@ -400,11 +400,7 @@ fn the_topology_vm_is_live_updated_with_its_gpus_behind_the_switch() {
         );
     }
     // The guest ends the VM after its checks; the last process then exits on its own.
-    let deadline = std::time::Instant::now() + LIMIT;
-    while gpuvm_tests::process_running(owner) {
-        assert!(std::time::Instant::now() < deadline, "{}", vmm.stderr());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    gpuvm_tests::wait_process_gone(owner, LIMIT, || vmm.stderr());
     let stderr = vmm.stderr();
     let ends: Vec<&str> = (stderr.lines())
         .filter_map(|l| l.split("guest ended: ").nth(1))

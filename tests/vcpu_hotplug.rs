@@ -230,11 +230,7 @@ fn ejected_vcpus_come_back_after_a_live_update() {
     wait_for_vcpus(&mut vm, &api, 1);
 
     api_expect(&api, 204, "PUT", "/api/v1/vmm.shutdown", None);
-    let deadline = Instant::now() + LIMIT;
-    while gpuvm_tests::process_running(new) {
-        assert!(Instant::now() < deadline, "{}", vm.stderr());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    gpuvm_tests::wait_process_gone(new, LIMIT, || vm.stderr());
     let stdout = vm.stdout();
     assert!(!stdout.contains("FAIL"), "{stdout}");
     assert!(!vm.stderr().contains("SIGSYS"), "{}", vm.stderr());

@@ -146,6 +146,24 @@ live_update() {
     echo "update $n: process $old -> $new"
 }
 
+# live_update_logged NAME N [ARGS...]: live_update, then /tmp/after-N.log holds what the update logged: the
+# lines the gpuvm log NAME gained during it (the new process writes to the old one's output) and the update's
+# own output.
+live_update_logged() {
+    local log_lines
+    log_lines="$(wc -l <"/tmp/$1.log")"
+    live_update "$@"
+    { tail -n +"$((log_lines + 1))" "/tmp/$1.log"; cat "/tmp/update-$2.out"; } >"/tmp/after-$2.log"
+}
+
+# update_paused_ms N: how long update N paused the guest, in ms, from the new process's paused_to_run_us
+# (in /tmp/after-N.log); 0 if it printed none.
+update_paused_ms() {
+    local paused_us
+    paused_us="$(sed -n 's/.*paused_to_run_us=\([0-9][0-9]*\).*/\1/p' "/tmp/after-$1.log" | tail -n1)"
+    echo $((${paused_us:-0} / 1000))
+}
+
 # live_update_old_dies NAME [ARGS...]: `gpuvm update` (ARGS passed on) of the gpuvm NAME (the scenario's child, started with
 # GPUVM_TEST_UPDATE_OLD_DIES=1), whose process then dies (abort) once the new one is ready and before it
 # commits: the update fails (the process it asked is gone), the old process ends with status 134, and the new
@@ -189,6 +207,16 @@ wait_ended() {
         sleep 0.2
     done
     ! running "$1"
+}
+
+# wait_gpuvm_ended NAME PID SECONDS WHAT: waits until gpuvm NAME's process PID (one a live update started)
+# has ended, once its guest is done; past SECONDS its threads are shown and the scenario ends ("gpuvm PID still
+# runs SECONDS s after WHAT").
+wait_gpuvm_ended() {
+    wait_ended "$2" "$3" || {
+        report_stuck_gpuvm "$1" "$2"
+        abort_gpuvm "$1" "gpuvm $2 still runs $3 s after $4"
+    }
 }
 
 # start_fc_mmds_vm CHECKS [ARG...]: gpuvm as `firecracker --api-sock /tmp/fc.sock ARG...` (the gpuvm

@@ -34,18 +34,16 @@ wait_log ch "inner: waiting for the memory removal" 180
 # The update: the container's mappings (boot RAM's chunks and the hot-plugged range) move to the new
 # process's addresses, none unmapped or pinned again.
 lines_before="$(wc -l </tmp/ch.log)"
-live_update ch 1
+live_update_logged ch 1
 new="$(cat /tmp/ch.pid)"
 wait "$first" || abort_gpuvm ch "the first gpuvm exited with status $? after handing its VM over"
-{ tail -n +"$((lines_before + 1))" /tmp/ch.log; cat /tmp/update-1.out; } >/tmp/after-1.log
 grep -qF "DMA map $mapper: start" /tmp/after-1.log && abort_gpuvm ch "the new gpuvm DMA-mapped guest RAM again"
 moved="$(sed -n "s/.*kernel VFIO (type1): \([0-9][0-9]*\) DMA mappings now use this process's addresses.*/\1/p" /tmp/after-1.log | tail -n1)"
 [ -n "$moved" ] || abort_gpuvm ch "no 'N DMA mappings now use this process's addresses' line"
 [ "$moved" = $((boot_chunks + 1)) ] ||
     abort_gpuvm ch "the new process moved $moved mappings: boot RAM's $boot_chunks and the hot-plugged range's 1 expected"
 echo "update: $moved type1 mappings moved to process $new ($boot_chunks of boot RAM, 1 of hot-plugged RAM)"
-paused_us="$(sed -n 's/.*paused_to_run_us=\([0-9][0-9]*\).*/\1/p' /tmp/after-1.log | tail -n1)"
-figure "live update of a VM with kernel VFIO (edu, type1) and hot-plugged RAM: guest paused $((${paused_us:-0} / 1000)) ms"
+figure "live update of a VM with kernel VFIO (edu, type1) and hot-plugged RAM: guest paused $(update_paused_ms 1) ms"
 
 # The removal, in the new process: Linux ejects the range, gpuvm unmaps it from the container, then frees it.
 started="$(uptime_s)"

@@ -27,17 +27,14 @@ rounds_past 1 240 "before the update"
 has_line /tmp/linux.log "inner: $a under root port" || abort_gpuvm linux "the guest found $a under no root port"
 guest_lines /tmp/linux.log | grep -E "^inner: (0000|topology)"
 before="$(round_count)"
-lines_before="$(wc -l </tmp/linux.log)"
-live_update linux 1 --api-sock /tmp/api.sock
-{ tail -n +"$((lines_before + 1))" /tmp/linux.log; cat /tmp/update-1.out; } >/tmp/after-1.log
+live_update_logged linux 1 --api-sock /tmp/api.sock
 taken="$(grep -c "kernel VFIO .* taken over from the old process (no reset, no DMA map" /tmp/after-1.log)"
 [ "$taken" = 2 ] || abort_gpuvm linux "the new process took $taken kernel VFIO devices over, not 2"
 grep "taken over from the old process" /tmp/after-1.log | sed 's/^/update: /'
 grep -F "switch downstream port restored" /tmp/after-1.log | sed 's/^/update: /'
 rounds_past $((before + 3)) 60 "after the update"
 echo "after the update the guest's rounds went on from $before to $(round_count), both devices answering behind the ports"
-paused_us="$(sed -n 's/.*paused_to_run_us=\([0-9][0-9]*\).*/\1/p' /tmp/after-1.log | tail -n1)"
-figure "live update of a VM with 2 kernel VFIO devices behind a mirrored switch: guest paused $((${paused_us:-0} / 1000)) ms"
+figure "live update of a VM with 2 kernel VFIO devices behind a mirrored switch: guest paused $(update_paused_ms 1) ms"
 last="$(cat /tmp/linux.pid)"
 gpuvm ctl --api-sock /tmp/api.sock ctrl-alt-del || abort_gpuvm linux "SendCtrlAltDel failed"
 wait_ended "$last" 60 || abort_gpuvm linux "gpuvm $last still runs 60 s after Ctrl-Alt-Del"
