@@ -298,15 +298,32 @@ mod tests {
         }
     }
 
-    fn temp(name: &str) -> std::path::PathBuf {
+    /// A scratch directory for one test's state file, removed when the test ends (a
+    /// 64 MiB one among them: left behind, every run of the suite would add its files).
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn state(&self) -> std::path::PathBuf {
+            self.0.join("state")
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn temp(name: &str) -> Scratch {
         let dir = std::env::temp_dir().join(format!("gpuvm-persist-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        dir.join("state")
+        Scratch(dir)
     }
 
     #[test]
     fn round_trip() {
-        let path = temp("round-trip");
+        let scratch = temp("round-trip");
+        let path = scratch.state();
         write_state_file(&path, &sample()).unwrap();
         let back: Sample = read_state_file(&path).unwrap();
         assert_eq!(back, sample());
@@ -314,7 +331,8 @@ mod tests {
 
     #[test]
     fn every_corruption_is_detected() {
-        let path = temp("corrupt");
+        let scratch = temp("corrupt");
+        let path = scratch.state();
         write_state_file(&path, &sample()).unwrap();
         let good = std::fs::read(&path).unwrap();
         let check = |bytes: &[u8]| decode_state::<Sample>(bytes, "state").unwrap_err();
@@ -351,7 +369,8 @@ mod tests {
     /// are refused, and a version-1 payload the migration cannot rewrite names why.
     #[test]
     fn older_versions_are_migrated_and_unknown_ones_refused() {
-        let path = temp("versions");
+        let scratch = temp("versions");
+        let path = scratch.state();
         write_state_file(&path, &sample()).unwrap();
         let good = std::fs::read(&path).unwrap();
         assert_eq!(good[8..12], STATE_FORMAT_VERSION.to_le_bytes());
@@ -392,7 +411,8 @@ mod tests {
 
     #[test]
     fn only_regular_state_files_of_bounded_size_are_read() {
-        let path = temp("special");
+        let scratch = temp("special");
+        let path = scratch.state();
         let _ = std::fs::remove_file(&path);
         let name = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
         // SAFETY: `name` is a valid NUL-terminated path for the duration of the call.
@@ -413,7 +433,8 @@ mod tests {
 
     #[test]
     fn state_write_replaces_whole_file() {
-        let path = temp("atomic");
+        let scratch = temp("atomic");
+        let path = scratch.state();
         write_state_file(&path, &sample()).unwrap();
         let second = Sample {
             name: "second version".into(),

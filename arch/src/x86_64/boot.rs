@@ -21,7 +21,8 @@ use linux_loader::loader::{
     self, BzImage, Cmdline, Elf, KernelLoader, KernelLoaderResult, PvhBootCapability,
 };
 use vm_memory::{
-    Address, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, ReadVolatile,
+    Address, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap,
+    GuestMemoryRegion, ReadVolatile,
 };
 
 use super::layout::{
@@ -282,6 +283,7 @@ pub fn load(
     };
     let format = detect_format(&mut image, &name)?;
     check_fits(mem, regions, &mut image, format, &name)?;
+    populate_copied(mem, &mut image, format);
     let load_error = |source| BootError::Load {
         image: name.clone(),
         source,
@@ -379,10 +381,62 @@ fn check_fits(
     Ok(())
 }
 
+/// Faults in, one `MADV_POPULATE_WRITE` per range, the guest RAM the loader is about to copy
+/// the image's bytes into (not a segment's zero-filled tail, which the guest may never touch):
+/// one system call instead of a page fault per 4 KiB as the copy goes (the test guest's
+/// 600 KiB, about 150 faults). Only an optimisation: a range it cannot populate is copied
+/// into as before.
+fn populate_copied(mem: &GuestMemoryMmap, image: &mut Image, format: ImageFormat) {
+    let Ok(extents) = image_extents_with(image, format, true) else {
+        return;
+    };
+    let page = PAGE_SIZE;
+    for (start, len) in extents {
+        let (Some(region), Ok(host)) = (
+            mem.find_region(GuestAddress(start)),
+            mem.get_host_address(GuestAddress(start)),
+        ) else {
+            continue;
+        };
+        let region_end = region.start_addr().raw_value() + region.len();
+        if len == 0 || start.saturating_add(len) > region_end {
+            continue;
+        }
+        let from = (host as usize) & !(page as usize - 1);
+        let to = (host as usize + len as usize).div_ceil(page as usize) * page as usize;
+        // SAFETY: [from, to) lies in one guest RAM region's live mapping (checked above, the
+        // ends rounded out to pages of that page-aligned mapping); populating only faults
+        // pages in and never changes their contents.
+        let done = unsafe {
+            libc::madvise(
+                from as *mut libc::c_void,
+                to - from,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if done != 0 {
+            log::debug!(
+                "cannot populate guest RAM at {start:#x}+{len:#x} for the kernel: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
 /// The guest-physical ranges (start, length) the image is loaded into, from its headers,
 /// as linux-loader places them: ELF PT_LOAD segments at `p_paddr` for `p_memsz` bytes; a
 /// bzImage's protected-mode kernel (the image past its setup sectors) at `code32_start`.
 fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<(u64, u64)>> {
+    image_extents_with(image, format, false)
+}
+
+/// [`image_extents`]; with `copied`, an ELF segment's file bytes only (`p_filesz`), what
+/// the loader copies.
+fn image_extents_with(
+    image: &mut Image,
+    format: ImageFormat,
+    copied: bool,
+) -> std::io::Result<Vec<(u64, u64)>> {
     let mut extents = Vec::new();
     match format {
         ImageFormat::Elf => {
@@ -391,8 +445,9 @@ fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<
             for index in 0..u64::from(ehdr.e_phnum) {
                 let at = ehdr.e_phoff.saturating_add(index * phdr_size);
                 let phdr: Elf64_Phdr = read_header(image, at)?;
-                if phdr.p_type == PT_LOAD && phdr.p_memsz > 0 {
-                    extents.push((phdr.p_paddr, phdr.p_memsz));
+                let len = if copied { phdr.p_filesz } else { phdr.p_memsz };
+                if phdr.p_type == PT_LOAD && len > 0 {
+                    extents.push((phdr.p_paddr, len));
                 }
             }
         }
@@ -669,6 +724,46 @@ mod tests {
         mem.read_slice(&mut cmdline, GuestAddress(info.cmdline_paddr))
             .unwrap();
         assert_eq!(&cmdline, b"hello\0");
+    }
+
+    /// The RAM the loader copies the test guest's file bytes into is populated (one
+    /// MADV_POPULATE_WRITE), and its zero-filled tail (.bss: most of its 5 MiB) is left
+    /// alone: populating that too would add megabytes of RSS the guest may never touch.
+    #[test]
+    fn the_copied_bytes_are_populated_and_the_zero_filled_tail_is_not() {
+        let (mem, regions) = memory(64 << 20);
+        let mut image = Image::Embedded(Cursor::new(gpuvm_guest_images::TEST_GUEST_ELF));
+        let copied = image_extents_with(&mut image, ImageFormat::Elf, true).unwrap();
+        let loaded = image_extents_with(&mut image, ImageFormat::Elf, false).unwrap();
+        let (&(start, file_len), &(_, mem_len)) =
+            (copied.first().unwrap(), loaded.first().unwrap());
+        assert!(
+            mem_len >= file_len + (2 << 20),
+            "{file_len:#x} of {mem_len:#x}"
+        );
+        populate_copied(&mem, &mut image, ImageFormat::Elf);
+        let resident = |at: u64, len: u64| -> usize {
+            let host = mem.get_host_address(GuestAddress(at)).unwrap() as usize;
+            let from = host & !(PAGE_SIZE as usize - 1);
+            let pages = (host + len as usize - from).div_ceil(PAGE_SIZE as usize);
+            let mut vec = vec![0u8; pages];
+            // SAFETY: mincore reads the residency of [from, from + pages pages), inside the
+            // test's anonymous mapping, into `vec`, which holds one byte per page.
+            let done = unsafe {
+                libc::mincore(
+                    from as *mut libc::c_void,
+                    pages * PAGE_SIZE as usize,
+                    vec.as_mut_ptr(),
+                )
+            };
+            assert_eq!(done, 0, "{}", std::io::Error::last_os_error());
+            vec.iter().filter(|&&v| v & 1 == 1).count()
+        };
+        let file_pages = file_len.div_ceil(PAGE_SIZE) as usize;
+        assert_eq!(resident(start, file_len), file_pages);
+        // The tail past the last copied page: nothing of it.
+        let tail = (start + file_len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        assert_eq!(resident(tail, start + mem_len - tail), 0);
     }
 
     #[test]
