@@ -731,7 +731,7 @@ mod tests {
     /// alone: populating that too would add megabytes of RSS the guest may never touch.
     #[test]
     fn the_copied_bytes_are_populated_and_the_zero_filled_tail_is_not() {
-        let (mem, regions) = memory(64 << 20);
+        let (mem, _) = memory(64 << 20);
         let mut image = Image::Embedded(Cursor::new(gpuvm_guest_images::TEST_GUEST_ELF));
         let copied = image_extents_with(&mut image, ImageFormat::Elf, true).unwrap();
         let loaded = image_extents_with(&mut image, ImageFormat::Elf, false).unwrap();
