@@ -21,8 +21,7 @@ use linux_loader::loader::{
     self, BzImage, Cmdline, Elf, KernelLoader, KernelLoaderResult, PvhBootCapability,
 };
 use vm_memory::{
-    Address, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap,
-    GuestMemoryRegion, ReadVolatile,
+    Address, ByteValued, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, ReadVolatile,
 };
 
 use super::layout::{
@@ -282,8 +281,11 @@ pub fn load(
         }
     };
     let format = detect_format(&mut image, &name)?;
-    check_fits(mem, regions, &mut image, format, &name)?;
-    populate_copied(mem, &mut image, format);
+    // Headers linux-loader cannot read are its to report, when it loads the image.
+    if let Ok(extents) = image_extents(&mut image, format) {
+        check_fits(mem, regions, &extents, &name)?;
+        populate_copied(mem, &extents);
+    }
     let load_error = |source| BootError::Load {
         image: name.clone(),
         source,
@@ -354,57 +356,52 @@ fn release_embedded_image(bytes: &'static [u8]) {
     }
 }
 
-/// Checks that every part of the image, its zero-filled parts (ELF `p_memsz`) included,
-/// lands in guest RAM, before anything is copied: the loader would only say "Unable to
-/// read kernel image", and a zero-filled part beyond RAM would leave a guest writing to
-/// memory that is not there. Headers the loader would refuse are left to its error.
+/// Checks that every part of the image (`extents`), its zero-filled parts (ELF `p_memsz`)
+/// included, lands in guest RAM, before anything is copied: the loader would only say
+/// "Unable to read kernel image", and a zero-filled part beyond RAM would leave a guest
+/// writing to memory that is not there. Headers the loader would refuse are left to its
+/// error (the caller checks nothing then).
 fn check_fits(
     mem: &GuestMemoryMmap,
     regions: &[RamRegion],
-    image: &mut Image,
-    format: ImageFormat,
+    extents: &[Extent],
     name: &str,
 ) -> Result<(), BootError> {
-    let Ok(extents) = image_extents(image, format) else {
-        return Ok(());
-    };
-    let outside = extents.iter().find(|&&(start, len)| {
-        usize::try_from(len).map_or(true, |len| !mem.check_range(GuestAddress(start), len))
+    let outside = extents.iter().find(|extent| {
+        usize::try_from(extent.loaded).map_or(true, |len| {
+            !mem.check_range(GuestAddress(extent.start), len)
+        })
     });
-    if let Some(&(start, len)) = outside {
+    if let Some(extent) = outside {
         return Err(BootError::RamTooSmall {
             image: name.to_string(),
-            end: start.saturating_add(len),
+            end: extent.start.saturating_add(extent.loaded),
             ram_mib: regions.iter().map(|r| r.size).sum::<u64>() >> 20,
         });
     }
     Ok(())
 }
 
-/// Faults in, one `MADV_POPULATE_WRITE` per range, the guest RAM the loader is about to copy
-/// the image's bytes into (not a segment's zero-filled tail, which the guest may never touch):
-/// one system call instead of a page fault per 4 KiB as the copy goes (the test guest's
-/// 600 KiB, about 150 faults). Only an optimisation: a range it cannot populate is copied
-/// into as before.
-fn populate_copied(mem: &GuestMemoryMmap, image: &mut Image, format: ImageFormat) {
-    let Ok(extents) = image_extents_with(image, format, true) else {
-        return;
-    };
-    let page = PAGE_SIZE;
-    for (start, len) in extents {
-        let (Some(region), Ok(host)) = (
-            mem.find_region(GuestAddress(start)),
-            mem.get_host_address(GuestAddress(start)),
-        ) else {
+/// Faults in, one `MADV_POPULATE_WRITE` per segment, the guest RAM the loader is about to
+/// copy the image's bytes into (not a segment's zero-filled tail, which the guest may never
+/// touch): one system call instead of a page fault per 4 KiB as the copy goes (the test
+/// guest's 600 KiB, about 150 faults). Only an optimisation: a range it cannot populate is
+/// copied into as before.
+fn populate_copied(mem: &GuestMemoryMmap, extents: &[Extent]) {
+    let page = PAGE_SIZE as usize;
+    for extent in extents {
+        let len = match usize::try_from(extent.copied) {
+            Ok(len) if len > 0 => len,
+            _ => continue,
+        };
+        // In one region's mapping (get_slice refuses a range that is not).
+        let Ok(slice) = mem.get_slice(GuestAddress(extent.start), len) else {
             continue;
         };
-        let region_end = region.start_addr().raw_value() + region.len();
-        if len == 0 || start.saturating_add(len) > region_end {
-            continue;
-        }
-        let from = (host as usize) & !(page as usize - 1);
-        let to = (host as usize + len as usize).div_ceil(page as usize) * page as usize;
-        // SAFETY: [from, to) lies in one guest RAM region's live mapping (checked above, the
+        let host = slice.ptr_guard_mut().as_ptr() as usize;
+        let from = host & !(page - 1);
+        let to = (host + len).div_ceil(page) * page;
+        // SAFETY: [from, to) lies in one guest RAM region's live mapping (the slice's, its
         // ends rounded out to pages of that page-aligned mapping); populating only faults
         // pages in and never changes their contents.
         let done = unsafe {
@@ -416,27 +413,28 @@ fn populate_copied(mem: &GuestMemoryMmap, image: &mut Image, format: ImageFormat
         };
         if done != 0 {
             log::debug!(
-                "cannot populate guest RAM at {start:#x}+{len:#x} for the kernel: {}",
+                "cannot populate guest RAM at {:#x}+{len:#x} for the kernel: {}",
+                extent.start,
                 std::io::Error::last_os_error()
             );
         }
     }
 }
 
-/// The guest-physical ranges (start, length) the image is loaded into, from its headers,
-/// as linux-loader places them: ELF PT_LOAD segments at `p_paddr` for `p_memsz` bytes; a
-/// bzImage's protected-mode kernel (the image past its setup sectors) at `code32_start`.
-fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<(u64, u64)>> {
-    image_extents_with(image, format, false)
+/// Where one piece of the image goes in guest RAM, as linux-loader places it.
+#[derive(Clone, Copy, Debug)]
+struct Extent {
+    start: u64,
+    /// Bytes copied from the image (an ELF segment's `p_filesz`).
+    copied: u64,
+    /// Bytes it takes in guest RAM, its zero-filled tail included (`p_memsz`).
+    loaded: u64,
 }
 
-/// [`image_extents`]; with `copied`, an ELF segment's file bytes only (`p_filesz`), what
-/// the loader copies.
-fn image_extents_with(
-    image: &mut Image,
-    format: ImageFormat,
-    copied: bool,
-) -> std::io::Result<Vec<(u64, u64)>> {
+/// Where the image is loaded, from its headers, as linux-loader places it: ELF PT_LOAD
+/// segments at `p_paddr`; a bzImage's protected-mode kernel (the image past its setup
+/// sectors) at `code32_start`.
+fn image_extents(image: &mut Image, format: ImageFormat) -> std::io::Result<Vec<Extent>> {
     let mut extents = Vec::new();
     match format {
         ImageFormat::Elf => {
@@ -445,9 +443,12 @@ fn image_extents_with(
             for index in 0..u64::from(ehdr.e_phnum) {
                 let at = ehdr.e_phoff.saturating_add(index * phdr_size);
                 let phdr: Elf64_Phdr = read_header(image, at)?;
-                let len = if copied { phdr.p_filesz } else { phdr.p_memsz };
-                if phdr.p_type == PT_LOAD && len > 0 {
-                    extents.push((phdr.p_paddr, len));
+                if phdr.p_type == PT_LOAD && phdr.p_memsz > 0 {
+                    extents.push(Extent {
+                        start: phdr.p_paddr,
+                        copied: phdr.p_filesz.min(phdr.p_memsz),
+                        loaded: phdr.p_memsz,
+                    });
                 }
             }
         }
@@ -457,9 +458,13 @@ fn image_extents_with(
                 0 => 4,
                 n => u64::from(n),
             };
-            let code32_start = u64::from(header.code32_start);
             let size = image.seek(SeekFrom::End(0))?;
-            extents.push((code32_start, size.saturating_sub((setup_sects + 1) * 512)));
+            let kernel = size.saturating_sub((setup_sects + 1) * 512);
+            extents.push(Extent {
+                start: u64::from(header.code32_start),
+                copied: kernel,
+                loaded: kernel,
+            });
         }
     }
     image.seek(SeekFrom::Start(0))?;
@@ -733,15 +738,13 @@ mod tests {
     fn the_copied_bytes_are_populated_and_the_zero_filled_tail_is_not() {
         let (mem, _) = memory(64 << 20);
         let mut image = Image::Embedded(Cursor::new(gpuvm_guest_images::TEST_GUEST_ELF));
-        let copied = image_extents_with(&mut image, ImageFormat::Elf, true).unwrap();
-        let loaded = image_extents_with(&mut image, ImageFormat::Elf, false).unwrap();
-        let (&(start, file_len), &(_, mem_len)) =
-            (copied.first().unwrap(), loaded.first().unwrap());
+        let extents = image_extents(&mut image, ImageFormat::Elf).unwrap();
+        let (start, file_len, mem_len) = (extents[0].start, extents[0].copied, extents[0].loaded);
         assert!(
             mem_len >= file_len + (2 << 20),
             "{file_len:#x} of {mem_len:#x}"
         );
-        populate_copied(&mem, &mut image, ImageFormat::Elf);
+        populate_copied(&mem, &extents);
         let resident = |at: u64, len: u64| -> usize {
             let host = mem.get_host_address(GuestAddress(at)).unwrap() as usize;
             let from = host & !(PAGE_SIZE as usize - 1);
