@@ -1240,16 +1240,14 @@ fn a_gpu_on_a_pci_segment_of_its_own_is_handed_over() {
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
-/// An update asked for while guest RAM is still being DMA-mapped for a GPU (each mapping
-/// held back 3 s) waits for the mapping, the guest running meanwhile, then hands the VM
-/// over with the mapping complete: it is not refused.
-#[test]
-fn an_update_during_a_gpus_dma_mapping_waits_for_it() {
-    let _turn = gpu_vm_turn();
-    let gpu_scratch = Scratch::new("live-update", "dma-wait-gpu");
+/// A memloop VM with an emulated GPU (`--vfio-user`) whose gpuvm runs with `env` (the DMA
+/// mapping test hooks), its scratch directories named after `name`: the VM and the device
+/// process. The first iterations have run.
+fn start_hooked_gpu_vm(name: &str, env: &[(&str, &str)]) -> (UpdatableVm, SpawnedProcess, Scratch) {
+    let gpu_scratch = Scratch::new("live-update", &format!("{name}-gpu"));
     let socket = gpu_scratch.path("gpu.sock");
-    let mut emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
-    let scratch = Scratch::new("live-update", "dma-wait");
+    let emu = gpuvm_tests::start_emu_gpu(&emu_bin(), &socket, &[]);
+    let scratch = Scratch::new("live-update", name);
     let api = scratch.path("api.sock");
     let args = [
         "run",
@@ -1266,13 +1264,20 @@ fn an_update_during_a_gpus_dma_mapping_waits_for_it() {
         "--vfio-user",
         socket.to_str().expect("UTF-8 path"),
     ];
-    let first = SpawnedProcess::spawn_with_env(
-        &gpuvm_tests::gpuvm_bin(),
-        &args,
-        &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "3000")],
-    );
-    let mut vm = UpdatableVm::started(first, api, scratch, |_| {});
+    let first = SpawnedProcess::spawn_with_env(&gpuvm_tests::gpuvm_bin(), &args, env);
+    let vm = UpdatableVm::started(first, api, scratch, |_| {});
     vm.wait_iterations_past(1);
+    (vm, emu, gpu_scratch)
+}
+
+/// An update asked for while guest RAM is still being DMA-mapped for a GPU (each mapping
+/// held back 3 s) waits for the mapping, the guest running meanwhile, then hands the VM
+/// over with the mapping complete: it is not refused.
+#[test]
+fn an_update_during_a_gpus_dma_mapping_waits_for_it() {
+    let _turn = gpu_vm_turn();
+    let (mut vm, mut emu, _gpu_scratch) =
+        start_hooked_gpu_vm("dma-wait", &[("GPUVM_TEST_DMA_MAP_DELAY_MS", "3000")]);
     assert_eq!(
         emu_counts(&emu).1,
         0,
@@ -1293,6 +1298,23 @@ fn an_update_during_a_gpus_dma_mapping_waits_for_it() {
     assert_eq!((connections, unmaps), (1, 0), "{}", emu.stderr());
     assert!(maps > 0, "{}", emu.stderr());
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
+}
+
+/// An update of a VM whose GPU's DMA mapping failed (injected) is refused saying so (not
+/// "still being DMA-mapped"), and the VM runs on in the old process.
+#[test]
+fn an_update_after_a_failed_dma_mapping_is_refused_with_the_reason() {
+    let _turn = gpu_vm_turn();
+    let (vm, _emu, _gpu_scratch) =
+        start_hooked_gpu_vm("dma-failed", &[("GPUVM_TEST_DMA_MAP_FAIL", "1")]);
+    vm.update_fails(&[], &[], "the DMA mapping for vfio-user:");
+    assert!(
+        vm.first
+            .stderr()
+            .contains("injected failure (GPUVM_TEST_DMA_MAP_FAIL)"),
+        "{}",
+        vm.describe()
+    );
 }
 
 /// One `CONNECT 1024` to the guest's echo server through the vsock listener at `uds`:

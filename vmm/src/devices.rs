@@ -250,39 +250,42 @@ impl MachineDevices {
         limit: std::time::Duration,
     ) -> Result<Option<std::time::Duration>, String> {
         let started = std::time::Instant::now();
-        let hot = self.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
         let mut waited = false;
-        for mapping in self.dma_mappings.iter().chain(hot) {
+        for mapping in self.background_mappings() {
             let progress = mapping.progress();
             if progress.is_done() {
                 continue;
             }
-            if let Some(error) = progress.status().error {
-                return Err(format!(
-                    "the DMA mapping for {} failed: {error}",
-                    progress.name()
-                ));
-            }
             waited = true;
+            // Err for a mapping that failed (before or while waiting) or is not done in time.
             progress
                 .wait(limit.saturating_sub(started.elapsed()))
-                .map_err(|error| {
-                    format!(
+                .map_err(|error| match progress.status().error {
+                    Some(failed) => {
+                        format!("the DMA mapping for {} failed: {failed}", progress.name())
+                    }
+                    None => format!(
                         "guest RAM is still being DMA-mapped for {} ({error}); retry once it is",
                         progress.name()
-                    )
+                    ),
                 })?;
         }
         Ok(waited.then(|| started.elapsed()))
     }
 
+    /// The background DMA mappings of guest RAM of every passthrough device, cold- and
+    /// hot-plugged.
+    pub(crate) fn background_mappings(
+        &self,
+    ) -> impl Iterator<Item = &gpuvm_vfio::dma::BackgroundMapping> {
+        let hot = self.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
+        self.dma_mappings.iter().chain(hot)
+    }
+
     /// Where each background DMA mapping of the passthrough devices stands, cold- and
     /// hot-plugged (for the API).
     pub fn dma_mapping_status(&self) -> Vec<gpuvm_vfio::dma::DmaStatus> {
-        let hot = self.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
-        self.dma_mappings
-            .iter()
-            .chain(hot)
+        self.background_mappings()
             .map(|m| m.progress().status())
             .collect()
     }

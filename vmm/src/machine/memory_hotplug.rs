@@ -578,7 +578,10 @@ impl RunningMachine<'_> {
     /// range unmapped now could be mapped again after, leaving the device pinning pages the
     /// VM no longer has. A mapping that failed or was stopped maps nothing more.
     fn refuse_while_dma_mapping(&self) -> Result<(), MemoryResizeError> {
-        let running = dma_mappings(&self.machine.devices)
+        let running = self
+            .machine
+            .devices
+            .background_mappings()
             .map(|mapping| mapping.progress().status())
             .find(|status| !status.done && status.error.is_none());
         match running {
@@ -815,14 +818,6 @@ impl Machine {
     }
 }
 
-/// The DMA mappings of guest RAM of every passthrough device, cold- and hot-plugged.
-fn dma_mappings(
-    devices: &crate::devices::MachineDevices,
-) -> impl Iterator<Item = &gpuvm_vfio::dma::BackgroundMapping> {
-    let hot = devices.pci_hotplug.iter().flat_map(|h| h.dma_mappings());
-    devices.dma_mappings.iter().chain(hot)
-}
-
 /// Every kernel VFIO context, the cold-plugged devices' and each hot-plugged device's own:
 /// each notes the RAM mapped in it (a type1 live update moves those host addresses).
 fn kernel_contexts(
@@ -844,7 +839,7 @@ fn dma_map(
     let regions = RamChunks::regions_of(ram);
     let mut mapped: Vec<(Arc<dyn gpuvm_vfio::dma::DmaMapper>, &gpuvm_vfio::DmaRegion)> = Vec::new();
     let mut failed = None;
-    'devices: for mapping in dma_mappings(devices) {
+    'devices: for mapping in devices.background_mappings() {
         let mapper = mapping.mapper();
         for region in &regions {
             // SAFETY: `ram` stays mapped for as long as the machine, which drops its
@@ -892,7 +887,7 @@ fn dma_unmap(
     ram: &GuestRam,
 ) -> Result<(), MemoryResizeError> {
     let regions = RamChunks::regions_of(ram);
-    for mapping in dma_mappings(devices) {
+    for mapping in devices.background_mappings() {
         let mapper = mapping.mapper();
         for region in &regions {
             mapper

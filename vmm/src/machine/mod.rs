@@ -131,11 +131,6 @@ impl RunningMachine<'_> {
         self.handles
     }
 
-    /// vCPUs the guest ejected (a live update refuses them).
-    pub fn parked_vcpus(&self) -> &[VcpuHandle] {
-        self.parked
-    }
-
     /// Whether a control request paused the vCPUs.
     pub fn is_paused(&self) -> bool {
         self.machine.paused
