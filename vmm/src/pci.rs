@@ -567,6 +567,56 @@ mod tests {
         }
     }
 
+    /// A live update's saved segments replace the planned configurations of segments 1..,
+    /// and a state that does not fit (another count of segments, a segment's allocations
+    /// under another number, windows that are no layout) is refused, not built.
+    #[test]
+    fn saved_segments_replace_the_plan_or_are_refused() {
+        let config = |mmio64_start: u64| PciRootConfig {
+            ecam_base: 0xe010_0000,
+            buses: 1,
+            mmio32_start: 0xe100_0000,
+            mmio32_end: 0xe200_0000,
+            mmio64_start,
+            mmio64_size: 1 << 36,
+        };
+        let saved_segment = |segment: u16, config: PciRootConfig| {
+            let root = PciRoot::new_segment(segment, config).unwrap();
+            SavedPciSegment {
+                config,
+                root: gpuvm_devices::Persist::save(&*root).unwrap(),
+                topology_ports: Vec::new(),
+            }
+        };
+        let planned = vec![config(1 << 40), config(5 << 40)];
+        assert_eq!(
+            saved_segment_configs(planned.clone(), &[]).unwrap(),
+            planned,
+            "nothing saved: the plan"
+        );
+        let saved = saved_segment(1, config(6 << 40));
+        let built = saved_segment_configs(planned.clone(), std::slice::from_ref(&saved)).unwrap();
+        assert_eq!(built, vec![planned[0], saved.config]);
+
+        let two = [saved.clone(), saved_segment(2, config(7 << 40))];
+        let error = saved_segment_configs(planned.clone(), &two).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("2 saved segment(s) beyond 0 for a VM of 2"),
+            "{error}"
+        );
+        let renumbered = saved_segment(2, config(6 << 40));
+        let error = saved_segment_configs(planned.clone(), &[renumbered]).unwrap_err();
+        assert!(
+            error.to_string().contains("saved as segment 2's"),
+            "{error}"
+        );
+        let mut bad = saved;
+        bad.config.mmio32_end = bad.config.mmio32_start;
+        assert!(saved_segment_configs(planned, &[bad]).is_err());
+    }
+
     #[test]
     fn segment_counts_and_device_segments_are_checked() {
         let mut options = PciOptions::default();
