@@ -123,6 +123,35 @@ fn writable_cgroup() -> Result<(&'static str, PathBuf, &'static str, &'static st
     Err("no writable cgroup hierarchy with the cpu controller in /proc/mounts".into())
 }
 
+/// Boots the test guest with `cmdline` through the Firecracker API of the jail at `root`
+/// (its socket at /run/api.sock), the kernel copied into the jail as Firecracker's docs
+/// ask.
+fn boot_memloop(root: &Path, cmdline: &str) {
+    let api = root.join("run/api.sock");
+    let kernel = root.join("vmlinux");
+    run_gpuvm(
+        &["guest-image", "--output", kernel.to_str().unwrap()],
+        LIMIT,
+    )
+    .assert_code(0);
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/machine-config",
+        Some(r#"{"vcpu_count": 1, "mem_size_mib": 64}"#),
+    );
+    let boot = serde_json::json!({"kernel_image_path": "/vmlinux", "boot_args": cmdline});
+    api_expect(&api, 204, "PUT", "/boot-source", Some(&boot.to_string()));
+    api_expect(
+        &api,
+        204,
+        "PUT",
+        "/actions",
+        Some(r#"{"action_type": "InstanceStart"}"#),
+    );
+}
+
 #[test]
 fn jailed_firecracker_serves_its_api_and_boots_as_the_jailed_user() {
     let scratch = Scratch::new("jailer", "boots");
@@ -219,46 +248,152 @@ fn jailed_firecracker_serves_its_api_and_boots_as_the_jailed_user() {
         );
     }
 
-    // A Firecracker client's sequence over the jailed socket, with a kernel copied into
-    // the jail as Firecracker's docs ask.
+    // A Firecracker client's sequence over the jailed socket.
     let info = || -> serde_json::Value {
         serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap()
     };
     assert_eq!(info()["id"], "t1");
     assert_eq!(info()["state"], "Not started");
-    let kernel = root.join("vmlinux");
-    run_gpuvm(
-        &["guest-image", "--output", kernel.to_str().unwrap()],
-        LIMIT,
-    )
-    .assert_code(0);
-    api_expect(
-        &api,
-        204,
-        "PUT",
-        "/machine-config",
-        Some(r#"{"vcpu_count": 1, "mem_size_mib": 64}"#),
-    );
-    api_expect(
-        &api,
-        204,
-        "PUT",
-        "/boot-source",
-        Some(r#"{"kernel_image_path": "/vmlinux", "boot_args": "memloop 1M 7 0"}"#),
-    );
-    api_expect(
-        &api,
-        204,
-        "PUT",
-        "/actions",
-        Some(r#"{"action_type": "InstanceStart"}"#),
-    );
+    boot_memloop(&root, "memloop 1M 7 0");
     vmm.wait_for_stdout("memloop: cpus=1", LIMIT);
     assert_eq!(info()["state"], "Running");
     vmm.signal(libc::SIGKILL);
     let _ = vmm.wait(LIMIT);
     if let Ok((_, hierarchy, _, _)) = &cgroup {
         let _ = std::fs::remove_dir(hierarchy.join(&parent).join("t1"));
+        let _ = std::fs::remove_dir(hierarchy.join(&parent));
+    }
+}
+
+/// What a jailed process is confined by, as /proc shows it from outside.
+#[derive(Debug, PartialEq)]
+struct Confinement {
+    uid: String,
+    gid: String,
+    groups: String,
+    namespaces: Vec<PathBuf>,
+    root_entries: Vec<String>,
+    cgroups: String,
+    open_files_limit: String,
+}
+
+fn confinement(pid: i32) -> Confinement {
+    let mut root_entries: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    root_entries.sort();
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    Confinement {
+        uid: status_field(pid, "Uid:"),
+        gid: status_field(pid, "Gid:"),
+        groups: status_field(pid, "Groups:"),
+        namespaces: ["mnt", "net", "pid", "ipc", "uts"]
+            .iter()
+            .map(|ns| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap())
+            .collect(),
+        root_entries,
+        cgroups: std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap(),
+        open_files_limit: limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap()
+            .to_string(),
+    }
+}
+
+/// The memloop iterations in `stdout`.
+fn memloop_iterations(stdout: &str) -> usize {
+    stdout
+        .lines()
+        .filter(|line| line.starts_with("memloop: iter ") && line.contains(" ok"))
+        .count()
+}
+
+/// A live update of a jailed VMM (the jailer's mount namespace, cgroup, limits and user):
+/// the new gpuvm is started inside the same jail, from a copy of its binary in the jail,
+/// and the VM runs on there; twice, the second time with another binary, which becomes the
+/// jail's.
+#[test]
+fn a_jailed_vmm_is_updated_inside_its_jail() {
+    let scratch = Scratch::new("jailer", "update");
+    let cgroup = writable_cgroup();
+    let parent = format!("gpuvm-jailer-update-{}", std::process::id());
+    let mut extra: Vec<String> = ["--resource-limit", "no-file=1000"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    if let Ok((version, _, file, value)) = &cgroup {
+        extra.extend([
+            "--cgroup-version".into(),
+            version.to_string(),
+            "--cgroup".into(),
+            format!("{file}={value}"),
+            "--parent-cgroup".into(),
+            parent.clone(),
+        ]);
+    }
+    extra.extend(["--", "--api-sock", "/run/api.sock"].map(String::from));
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let args = jail_args(&scratch, "u1", &extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut first = SpawnedProcess::spawn(&link(&scratch, "jailer"), &args);
+    let root = base(&scratch).join("firecracker/u1/root");
+    let api = root.join("run/api.sock");
+    first.wait_until("the jailed API socket", LIMIT, |_| {
+        std::os::unix::net::UnixStream::connect(&api).is_ok()
+    });
+    boot_memloop(&root, "memloop 4M 7 0");
+    first.wait_for_stdout("memloop: iter 2 ok", LIMIT);
+    let jailed = confinement(first.pid());
+    assert_eq!(jailed.uid, format!("{UID} {UID} {UID} {UID}"));
+    let mut owner = first.pid();
+    let gpuvm_copy = scratch.path("gpuvm-new");
+    std::fs::copy(gpuvm_bin(), &gpuvm_copy).unwrap();
+    for binary in [None, Some(&gpuvm_copy)] {
+        let mut extra = Vec::new();
+        if let Some(binary) = binary {
+            extra.extend(["--binary", binary.to_str().unwrap()]);
+        }
+        let seen = memloop_iterations(&first.stdout());
+        let out = gpuvm_tests::gpuvm_update(owner, &extra, &[]);
+        let context = format!("{}\n{}", first.stdout(), first.stderr());
+        let new = gpuvm_tests::updated_to(&out, &context);
+        gpuvm_tests::wait_process_gone(owner, LIMIT, || context.clone());
+        owner = new;
+        // Everything the jail confines, the same: nothing of the update is left in it.
+        assert_eq!(confinement(new), jailed, "{context}");
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{new}/exe")).unwrap(),
+            PathBuf::from("/firecracker")
+        );
+        let installed = std::fs::metadata(root.join("firecracker")).unwrap();
+        assert_eq!(
+            (installed.len(), installed.uid(), installed.gid()),
+            (std::fs::metadata(gpuvm_bin()).unwrap().len(), UID, GID)
+        );
+        // The jailed API answers from the new process, and the guest goes on.
+        let info: serde_json::Value =
+            serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap();
+        assert_eq!(
+            (&info["id"], &info["state"]),
+            (&"u1".into(), &"Running".into())
+        );
+        first.wait_until("more memloop iterations", LIMIT, |out| {
+            memloop_iterations(&out.stdout()) > seen + 2
+        });
+    }
+    // The jail's binary is the second update's: a new inode, the old ones' gone.
+    assert_eq!(
+        std::fs::read(root.join("firecracker")).unwrap(),
+        std::fs::read(&gpuvm_copy).unwrap()
+    );
+    assert!(first.try_status().is_some_and(|s| s.success()));
+    // SAFETY: kill(2) of the gpuvm the last update started (checked above to run the VM).
+    unsafe { libc::kill(owner, libc::SIGKILL) };
+    gpuvm_tests::wait_process_gone(owner, LIMIT, String::new);
+    if let Ok((_, hierarchy, _, _)) = &cgroup {
+        let _ = std::fs::remove_dir(hierarchy.join(&parent).join("u1"));
         let _ = std::fs::remove_dir(hierarchy.join(&parent));
     }
 }
@@ -343,6 +478,23 @@ fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
     let info: serde_json::Value =
         serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap();
     assert_eq!(info["state"], "Not started");
+
+    // A live update cannot start the new gpuvm in this namespace (the VMM is its init,
+    // whose exit would kill it): refused before anything is touched.
+    let update = gpuvm_tests::gpuvm_update(pid, &[], &[]);
+    let stderr = String::from_utf8_lossy(&update.stderr);
+    assert!(!update.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("pid namespace of its own") && stderr.contains("not touched"),
+        "{stderr}"
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["dev", "firecracker", "firecracker.pid", "run"]);
+    api_expect(&api, 200, "GET", "/", None);
 }
 
 #[test]

@@ -861,6 +861,71 @@ fn hot_plugged_hugetlb_ram_keeps_its_contents_across_updates() {
     hot_plugged_ram_survives_updates("memory-hotplug-hugetlb", true);
 }
 
+/// `Uid:` of /proc/PID/status.
+fn uids(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .map(|ids| ids.split_whitespace().collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// gpuvm's own jail (`--chroot`, `--uid`, `--gid`, entered once the VM's descriptors are
+/// open): each new process runs in the same root as the same user, given /dev/kvm (the
+/// jail does not hold it) and a copy of its binary in the jail; nothing of the hand-over
+/// is left there.
+#[test]
+fn a_vm_in_gpuvms_own_jail_is_updated_inside_it() {
+    let scratch = Scratch::new("live-update", "own-jail");
+    let root = scratch.path("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let api = root.join("api.sock");
+    let first = SpawnedProcess::gpuvm(&[
+        "run",
+        "--memory",
+        "64M",
+        "--cmdline",
+        "memloop 8M 7 0",
+        "--api-sock",
+        api.to_str().unwrap(),
+        "--chroot",
+        root.to_str().unwrap(),
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+    ]);
+    let new_binary = scratch.path("gpuvm-new");
+    std::fs::copy(gpuvm_tests::gpuvm_bin(), &new_binary).unwrap();
+    let mut vm = UpdatableVm::started(first, api, scratch, |_| {});
+    vm.wait_iterations_past(2);
+    let jail = root.canonicalize().unwrap();
+    for extra in [vec![], vec!["--binary", new_binary.to_str().unwrap()]] {
+        let seen = iterations(&vm.stdout()).len();
+        vm.update_ok(&extra);
+        let owner = vm.owner;
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{owner}/root")).unwrap(),
+            jail,
+            "{}",
+            vm.describe()
+        );
+        assert_eq!(uids(owner), "65534 65534 65534 65534");
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{owner}/exe")).unwrap(),
+            jail.join("gpuvm")
+        );
+        let mut left: Vec<String> = std::fs::read_dir(&jail)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["api.sock", "gpuvm"]);
+        vm.wait_iterations_past(seen + 2);
+    }
+}
+
 #[test]
 fn a_failed_update_leaves_the_vm_running_in_the_old_process() {
     let vm = UpdatableVm::start("failures", "512M", "memloop 32M 9 100000", &[]);

@@ -301,6 +301,10 @@ pub struct ReceiveArgs {
     /// The running gpuvm: the only process whose connection is accepted.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub old_pid: u32,
+    /// /dev/kvm, opened by `gpuvm update` and inherited as this descriptor: a jail need
+    /// not hold the device node.
+    #[arg(long)]
+    pub kvm_fd: Option<i32>,
     /// The API socket to serve once the old gpuvm has gone (the same path).
     #[arg(long)]
     pub api_sock: PathBuf,

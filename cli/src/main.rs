@@ -25,6 +25,7 @@ mod restore;
 mod run;
 mod snapshot_signal;
 mod update;
+mod update_jail;
 
 use args::{Cli, Command};
 use front_end::FrontEnd;

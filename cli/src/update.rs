@@ -12,7 +12,6 @@
 
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
-use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
@@ -30,6 +29,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReceiveArgs, ReportArgs, ServedApi, UpdateArgs};
 use crate::front_end::FrontEnd;
+use crate::update_jail::Confinement;
 use crate::CliError;
 
 /// `gpuvm update --pid P`: starts the new binary and asks the running gpuvm to hand it
@@ -44,41 +44,148 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
     if !proc_dir.exists() {
         return Err(CliError::Other(format!("no process {pid}")));
     }
-    if std::fs::read_link(proc_dir.join("root")).ok() != Some(PathBuf::from("/")) {
-        return Err(CliError::Other(format!(
-            "live update of a jailed gpuvm (process {pid} runs in a chroot) is not supported yet"
-        )));
-    }
+    // Where the running gpuvm is confined (root, namespaces, cgroups, limits, ids): the
+    // new one is started there (update_jail).
+    let confinement = Confinement::of(pid)?;
     let api_sock = match &args.api_sock {
         Some(path) => path.clone(),
-        None => api_socket_of(pid).or_else(|error| handed_over_api_socket_of(pid).ok_or(error))?,
+        None => api_socket_of(pid, &confinement)
+            .or_else(|error| handed_over_api_socket_of(pid, &confinement).ok_or(error))?,
     };
     let binary = args.binary.clone().unwrap_or_else(|| proc_dir.join("exe"));
     let served = served_api_of(pid)?;
-    let timeout = Duration::from_millis(args.timeout_ms);
-    // A fresh directory only this user can enter holds the socket: no one else can connect
-    // to it, bind one of their own at its path or put anything there beforehand.
-    let handover = HandOverSocket::bind(&std::env::temp_dir())
+    // In a jail, the new binary is copied in (as the jailer copies its exec file) and run
+    // from there; the hand-over socket is made inside it too, the only place the jailed
+    // gpuvm can reach, and given to its user.
+    let staged = confinement
+        .jailed()
+        .then(|| confinement.copy_in(&binary))
+        .transpose()?;
+    let program = match &staged {
+        Some(name) => Path::new("/").join(name),
+        None => binary.clone(),
+    };
+    let started_in_jail = spawn_in_jail(&confinement, &program, pid, &api_sock, &args, &served);
+    let (handover, mut child) = match started_in_jail {
+        Ok(started) => started,
+        Err(error) => {
+            if let Some(staged) = &staged {
+                confinement.discard(staged);
+            }
+            return Err(error);
+        }
+    };
+    let outcome = hand_over(
+        &args,
+        pid,
+        &binary,
+        &api_sock,
+        handover,
+        &mut child,
+        &confinement,
+    );
+    if let Some(staged) = &staged {
+        match &outcome {
+            // The jail's binary is the one that runs the VM now.
+            Ok(_) => confinement.install(staged)?,
+            // The running process keeps its binary; the new one may still be running
+            // from the copy (the old gpuvm died during the hand-over): left then.
+            Err(_) if child.try_wait().ok().flatten().is_none() => {}
+            Err(_) => confinement.discard(staged),
+        }
+    }
+    outcome
+}
+
+/// Makes the hand-over socket where the running gpuvm can reach it and starts the new
+/// gpuvm `program` in `confinement`, listening on it.
+fn spawn_in_jail(
+    confinement: &Confinement,
+    program: &Path,
+    pid: i32,
+    api_sock: &Path,
+    args: &UpdateArgs,
+    served: &(ServedApi, String),
+) -> Result<(HandOverSocket, std::process::Child), CliError> {
+    // A fresh directory only the running gpuvm's user can enter holds the socket: no one
+    // else can connect to it, bind one of their own at its path or put anything there
+    // beforehand.
+    let parent = match confinement.jailed() {
+        true => confinement.root_path(),
+        false => std::env::temp_dir(),
+    };
+    let handover = HandOverSocket::bind(&parent)
         .map_err(|e| CliError::Other(format!("cannot make the hand-over socket: {e}")))?;
-    let mut child = spawn_receiver(&binary, &handover, pid, &api_sock, args.timeout_ms, &served)?;
+    if let Some((uid, gid)) = confinement.ids() {
+        handover
+            .give_to(uid, gid)
+            .map_err(|e| CliError::Other(format!("cannot make the hand-over socket: {e}")))?;
+    }
+    // A jail need not hold /dev/kvm (gpuvm's own --chroot): the new gpuvm is given it.
+    let kvm = match confinement.jailed() {
+        true => Some(
+            std::fs::File::options()
+                .read(true)
+                .write(true)
+                .open("/dev/kvm")
+                .map_err(|e| {
+                    CliError::Other(format!("cannot open /dev/kvm for the new gpuvm: {e}"))
+                })?,
+        ),
+        false => None,
+    };
+    let mut child = spawn_receiver(
+        program,
+        Inherited {
+            handover: &handover,
+            kvm: kvm.as_ref(),
+        },
+        confinement,
+        pid,
+        api_sock,
+        args.timeout_ms,
+        served,
+    )?;
     // The new gpuvm listens on the socket itself, so that the old one, once connected,
     // sees who will run its VM (SO_PEERCRED). Until then nobody can connect, so the old
     // one is asked only once it does.
-    if let Err(error) = wait_listening(&handover, &mut child, &binary, timeout) {
+    let timeout = Duration::from_millis(args.timeout_ms);
+    if let Err(error) = wait_listening(&handover, &mut child, program, timeout) {
         let _ = child.kill();
         let _ = child.wait();
         return Err(error);
     }
+    Ok((handover, child))
+}
+
+/// Asks the running gpuvm `pid` to hand its VM to `child`, listening on `handover`.
+fn hand_over(
+    args: &UpdateArgs,
+    pid: i32,
+    binary: &Path,
+    api_sock: &Path,
+    handover: HandOverSocket,
+    child: &mut std::process::Child,
+    confinement: &Confinement,
+) -> Result<ExitCode, CliError> {
     test_delay_request();
     let body = serde_json::json!({
-        "handover_socket": handover.path(),
+        // As the running gpuvm names it: inside its jail, if it has one.
+        "handover_socket": confinement.inside(handover.path()),
         "timeout_ms": args.timeout_ms,
         // The running gpuvm offers the VM to this child only, whoever else listens.
         "receiver_pid": child.id(),
     })
     .to_string();
     let started = Instant::now();
-    let answer = gpuvm_api::client::request(&api_sock, "PUT", "/vmm/update", Some(&body));
+    // The running gpuvm names its socket as it bound it: inside its jail, or before.
+    let reachable = confinement.reachable(api_sock).ok_or_else(|| {
+        CliError::Other(format!(
+            "process {pid}'s API socket {} cannot be reached from here",
+            api_sock.display()
+        ))
+    })?;
+    let answer = gpuvm_api::client::request(&reachable, "PUT", "/vmm/update", Some(&body));
     drop(handover);
     match answer {
         Ok(answer) if answer.is_success() => {
@@ -115,7 +222,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
                 answer.message()
             )))
         }
-        Err(error) => Err(no_answer(pid, &mut child, &error)),
+        Err(error) => Err(no_answer(pid, child, &error)),
     }
 }
 
@@ -200,38 +307,46 @@ fn no_answer(
     }
 }
 
-/// Starts `binary update-receive` with the bound hand-over socket as an inherited
-/// descriptor, in its own process group (a signal to the caller's group must not reach
-/// the VM's new home).
+/// The descriptors the new gpuvm inherits: the bound hand-over socket and, for a jail,
+/// /dev/kvm.
+struct Inherited<'a> {
+    handover: &'a HandOverSocket,
+    kvm: Option<&'a std::fs::File>,
+}
+
+/// Starts `binary update-receive` with the `inherited` descriptors, in its own process
+/// group (a signal to the caller's group must not reach the VM's new home), inside the
+/// old process's `confinement` (its working directory among it: Firecracker's API
+/// resolves relative paths against it, and so does anything else relative the new
+/// process is given later).
 fn spawn_receiver(
     binary: &Path,
-    handover: &HandOverSocket,
+    inherited: Inherited<'_>,
+    confinement: &Confinement,
     old_pid: i32,
     api_sock: &Path,
     timeout_ms: u64,
     served: &(ServedApi, String),
 ) -> Result<std::process::Child, CliError> {
-    // In the old process's working directory: Firecracker's API resolves relative paths
-    // against it, and so does anything else relative the new process is given later.
-    let cwd = std::fs::read_link(format!("/proc/{old_pid}/cwd")).map_err(|e| {
-        CliError::Other(format!(
-            "cannot read process {old_pid}'s working directory: {e}"
-        ))
-    })?;
     let (api, instance_id) = served;
-    let fd = handover.fd().as_raw_fd();
-    // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below. This
-    // process starts no other child meanwhile (it has one thread).
-    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
-        return Err(CliError::Other(format!(
-            "cannot pass the hand-over socket on: {}",
-            std::io::Error::last_os_error()
-        )));
+    let fds: Vec<i32> = std::iter::once(inherited.handover.fd().as_raw_fd())
+        .chain(inherited.kvm.map(AsRawFd::as_raw_fd))
+        .collect();
+    for &fd in &fds {
+        // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below.
+        // This process starts no other child meanwhile (it has one thread).
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+            return Err(CliError::Other(format!(
+                "cannot pass a descriptor on to the new gpuvm: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
     }
-    let spawned = Command::new(binary)
+    let mut command = Command::new(binary);
+    command
         .arg("update-receive")
         .arg("--handover-fd")
-        .arg(fd.to_string())
+        .arg(fds[0].to_string())
         .arg("--old-pid")
         .arg(old_pid.to_string())
         .arg("--api-sock")
@@ -245,15 +360,31 @@ fn spawn_receiver(
                 .get_name(),
         )
         .arg("--instance-id")
-        .arg(instance_id)
-        .current_dir(cwd)
+        .arg(instance_id);
+    if let Some(kvm) = fds.get(1) {
+        command.arg("--kvm-fd").arg(kvm.to_string());
+    }
+    let entering = confinement.entering();
+    // SAFETY: `enter` makes system calls only, on descriptors `confinement` keeps open
+    // until after the spawn (see update_jail), as a pre-exec hook must.
+    unsafe {
+        command.pre_exec(move || entering.enter());
+    }
+    let spawned = command
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .process_group(0)
         .spawn()
-        .map_err(|e| CliError::Other(format!("cannot start {}: {e}", binary.display())));
-    // SAFETY: as above; back to close-on-exec, so no later child inherits it.
-    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        .map_err(|e| {
+            CliError::Other(format!(
+                "cannot start {} in process {old_pid}'s confinement: {e}",
+                binary.display()
+            ))
+        });
+    for fd in fds {
+        // SAFETY: as above; back to close-on-exec, so no later child inherits it.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
     spawned
 }
 
@@ -306,7 +437,7 @@ fn served_api(argv: &[OsString]) -> Result<(ServedApi, String), String> {
 /// the listening socket handed to it belongs to the network namespace the first gpuvm made
 /// it in, which need not be this process's (nor its own), so /proc/PID/net/unix may not
 /// list it. The path its own command line names, if a socket is there.
-fn handed_over_api_socket_of(pid: i32) -> Option<PathBuf> {
+fn handed_over_api_socket_of(pid: i32, confinement: &Confinement) -> Option<PathBuf> {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let argv: Vec<OsString> = raw
         .strip_suffix(&[0])
@@ -315,9 +446,7 @@ fn handed_over_api_socket_of(pid: i32) -> Option<PathBuf> {
         .map(|arg| OsString::from_vec(arg.to_vec()))
         .collect();
     let path = receiver_api_sock(&argv)?;
-    std::fs::symlink_metadata(&path)
-        .is_ok_and(|meta| meta.file_type().is_socket())
-        .then_some(path)
+    confinement.reachable(&path).map(|_| path)
 }
 
 /// The `--api-sock` of an `update-receive` command line `argv`.
@@ -333,7 +462,7 @@ fn receiver_api_sock(argv: &[OsString]) -> Option<PathBuf> {
 /// its descriptors (/proc/PID/fd, /proc/PID/net/unix: the table of the process's own
 /// network namespace, which need not be this one's, as with a VMM Kata starts in the
 /// pod's namespace).
-fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
+fn api_socket_of(pid: i32, confinement: &Confinement) -> Result<PathBuf, CliError> {
     let inodes: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map_err(|e| CliError::Other(format!("cannot list process {pid}'s descriptors: {e}")))?
         .flatten()
@@ -361,9 +490,7 @@ fn api_socket_of(pid: i32) -> Result<PathBuf, CliError> {
             (flags & 0x10000 != 0 && inodes.contains(&inode) && path.starts_with('/'))
                 .then(|| PathBuf::from(path))
         })
-        .filter(|path| {
-            std::fs::symlink_metadata(path).is_ok_and(|meta| meta.file_type().is_socket())
-        })
+        .filter(|path| confinement.reachable(path).is_some())
         .collect();
     match listening.as_slice() {
         [one] => Ok(one.clone()),
@@ -390,10 +517,15 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
         // Kata's Firecracker driver finds the vCPU threads by Firecracker's names.
         gpuvm_vmm::vcpu::name_threads_as_firecracker();
     }
+    // Before the filters, which allow no pidfd_open.
+    let old = receive::OldProcess::open(args.old_pid).map_err(refused)?;
+    if let Some(fd) = args.kvm_fd {
+        gpuvm_vmm::host::adopt_kvm(inherited(fd, "--kvm-fd", libc::S_IFCHR)?);
+    }
     args.seccomp.enable()?;
     let timeout = Duration::from_millis(args.timeout_ms);
     let listener = inherited_listener(args.handover_fd)?;
-    let mut incoming = receive::accept(&listener, args.old_pid, timeout).map_err(refused)?;
+    let mut incoming = receive::accept(&listener, old, timeout).map_err(refused)?;
     drop(listener);
     incoming.adopt_outputs().map_err(refused)?;
     incoming
@@ -510,24 +642,31 @@ fn refused(error: gpuvm_vmm::update::UpdateError) -> CliError {
 /// The hand-over socket `gpuvm update` passed as descriptor `fd`, checked to be a socket,
 /// listened on here (so that the old gpuvm sees this process as its peer).
 fn inherited_listener(fd: i32) -> Result<UnixListener, CliError> {
+    let socket = inherited(fd, "--handover-fd", libc::S_IFSOCK)?;
+    gpuvm_vmm::update::socket::listen(socket).map_err(refused)
+}
+
+/// Descriptor `fd`, inherited from `gpuvm update` for this process alone as `flag`,
+/// checked to be of file type `kind` (`S_IFSOCK`, `S_IFCHR`); close-on-exec again, so no
+/// later child inherits it.
+fn inherited(fd: i32, flag: &str, kind: libc::mode_t) -> Result<OwnedFd, CliError> {
     let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
     // SAFETY: fstat writes one stat into `stat`; its result is checked before use.
-    let is_socket = fd > 2
+    let is_kind = fd > 2
         && unsafe { libc::fstat(fd, stat.as_mut_ptr()) } == 0
         // SAFETY: fstat succeeded, so `stat` is initialised.
-        && unsafe { stat.assume_init() }.st_mode & libc::S_IFMT == libc::S_IFSOCK;
-    if !is_socket {
+        && unsafe { stat.assume_init() }.st_mode & libc::S_IFMT == kind;
+    if !is_kind {
         return Err(CliError::Other(format!(
-            "--handover-fd {fd} is not a socket (gpuvm update-receive is started by gpuvm \
-             update)"
+            "{flag} {fd} is not an inherited descriptor of the right kind (gpuvm \
+             update-receive is started by gpuvm update)"
         )));
     }
-    // SAFETY: a socket descriptor inherited for this process alone (see `gpuvm update`);
-    // nothing else here owns it. CLOEXEC again, so no later child inherits it.
+    // SAFETY: fcntl on a descriptor checked open just above.
     unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    // SAFETY: as above: the OwnedFd takes ownership of `fd`.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    gpuvm_vmm::update::socket::listen(socket).map_err(refused)
+    // SAFETY: a descriptor inherited for this process alone (see `gpuvm update`); nothing
+    // else here owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[cfg(test)]

@@ -4,12 +4,37 @@
 
 use gpuvm_arch::x86_64::address_space::{CpuVendor, HostAddressWidth};
 use gpuvm_arch::x86_64::mptable;
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+
 use kvm_ioctls::Kvm;
 
 use crate::Error;
 
-/// Opens /dev/kvm with an error that tells the user what to do.
+/// /dev/kvm as opened before this process entered its jail ([`adopt_kvm`]), if it was.
+static ADOPTED_KVM: std::sync::Mutex<Option<OwnedFd>> = std::sync::Mutex::new(None);
+
+/// Takes `kvm`, an open /dev/kvm, as the one every later [`open_kvm`] copies: a process
+/// started inside a jail (a live update's new gpuvm) is given it, the jail need not hold
+/// the device node.
+pub fn adopt_kvm(kvm: OwnedFd) {
+    *ADOPTED_KVM.lock().unwrap_or_else(|e| e.into_inner()) = Some(kvm);
+}
+
+/// Opens /dev/kvm (or copies the adopted one) with an error that tells the user what to do.
 pub fn open_kvm() -> Result<Kvm, Error> {
+    if let Some(adopted) = ADOPTED_KVM
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+    {
+        let copy = adopted.try_clone().map_err(|e| Error::Kvm {
+            hint: "cannot copy the inherited /dev/kvm descriptor",
+            source: kvm_ioctls::Error::new(e.raw_os_error().unwrap_or(libc::EBADF)),
+        })?;
+        // SAFETY: `copy` is a descriptor of /dev/kvm (checked a character device when
+        // inherited) that this process owns and hands to the Kvm alone.
+        return Ok(unsafe { Kvm::from_raw_fd(copy.into_raw_fd()) });
+    }
     Kvm::new().map_err(|source| {
         let hint = match source.errno() {
             libc::ENOENT => "no /dev/kvm: is KVM enabled (kvm_intel/kvm_amd loaded, virtualization on in firmware)?",

@@ -155,6 +155,15 @@ pub fn read_state_file_in_dir<T: for<'de> Deserialize<'de>>(
     decode_state(&bytes, &shown)
 }
 
+/// As [`read_state_file`], for a state file's bytes already read (`name` says where they
+/// came from in errors).
+pub fn decode_state_bytes<T: for<'de> Deserialize<'de>>(
+    bytes: &[u8],
+    name: &str,
+) -> Result<T, PersistError> {
+    decode_state(bytes, name)
+}
+
 fn decode_state<T: for<'de> Deserialize<'de>>(bytes: &[u8], name: &str) -> Result<T, PersistError> {
     if bytes.len() < HEADER_LEN || &bytes[..8] != STATE_MAGIC {
         return Err(PersistError::BadMagic { path: name.into() });

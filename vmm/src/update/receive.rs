@@ -33,6 +33,8 @@ const OLD_EXIT_WAIT: Duration = Duration::from_secs(2);
 /// An offer taken from the old process, its descriptors owned here.
 pub struct Incoming {
     socket: UnixStream,
+    /// The old process, watched for its exit.
+    old: OldProcess,
     pub meta: OfferMeta,
     ram: Option<OwnedFd>,
     stdio: [OwnedFd; 3],
@@ -92,9 +94,10 @@ pub enum Outcome {
 /// unread) and the wait goes on.
 pub fn accept(
     listener: &UnixListener,
-    old_pid: u32,
+    old: OldProcess,
     timeout: Duration,
 ) -> Result<Incoming, UpdateError> {
+    let old_pid = old.pid;
     let socket = accept_from(listener, old_pid, timeout)?;
     socket
         .set_read_timeout(Some(timeout))
@@ -240,6 +243,7 @@ pub fn accept(
     };
     Ok(Incoming {
         socket,
+        old,
         meta,
         ram: Some(ram),
         stdio,
@@ -325,24 +329,10 @@ fn accept_from(
 }
 
 /// Reads the state as this binary reads a snapshot's state file: magic, version (older
-/// ones migrated, newer ones refused), length, CRC. The bytes go through a memfd so that
-/// the one reader of state files does the checks.
+/// ones migrated, newer ones refused), length, CRC, by the one decoder of state files.
 fn decode_state(framed: &[u8]) -> Result<MachineState, UpdateError> {
-    let io = |what, source| UpdateError::Io { what, source };
-    // SAFETY: memfd_create takes a NUL-terminated name and flags; the result is checked.
-    let fd = unsafe { libc::memfd_create(c"gpuvm-update-state".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io(
-            "create a memfd for the handed-over state",
-            std::io::Error::last_os_error(),
-        ));
-    }
-    // SAFETY: memfd_create returned this descriptor, owned by nothing else.
-    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
-    file.write_all(framed)
-        .map_err(|e| io("write the handed-over state", e))?;
-    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
-    crate::persist::read_state_file(std::path::Path::new(&path))
+    // Decoded from memory: a jailed new process has no /proc to reopen a memfd by.
+    crate::persist::decode_state_bytes(framed, "the handed-over state")
         .map_err(|e| UpdateError::Load(e.to_string()))
 }
 
@@ -635,7 +625,7 @@ impl Incoming {
     /// it removes on its way out can be bound again. Returns whether it has.
     pub fn wait_old_exit(&self, limit: Duration) -> bool {
         let started = Instant::now();
-        while process_alive(self.meta.old_pid) {
+        while self.old.alive() {
             if started.elapsed() >= limit {
                 return false;
             }
@@ -717,16 +707,51 @@ fn state_interfaces(state: &MachineState) -> Vec<&str> {
         .collect()
 }
 
-/// Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not).
-fn process_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the command name, which is in parentheses and may hold any
-        // byte: it is the first field after the last ')'.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X"),
-        Err(_) => false,
+/// The running gpuvm that hands its VM over, watched through a pidfd: a jailed new
+/// process has no /proc to look in, and a pidfd cannot come to name another process
+/// that reused the pid.
+#[derive(Debug)]
+pub struct OldProcess {
+    pid: u32,
+    pidfd: OwnedFd,
+}
+
+impl OldProcess {
+    /// Process `pid` of this process's pid namespace; opened before this process's
+    /// seccomp filters, which do not allow `pidfd_open`.
+    pub fn open(pid: u32) -> Result<OldProcess, UpdateError> {
+        let io = |source| UpdateError::Io {
+            what: "watch the running gpuvm (pidfd_open)",
+            source,
+        };
+        let pid_t = libc::pid_t::try_from(pid)
+            .map_err(|_| io(std::io::Error::from_raw_os_error(libc::ESRCH)))?;
+        // SAFETY: pidfd_open takes a pid and flags; the result is checked.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid_t, 0) };
+        if fd < 0 {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        // SAFETY: pidfd_open returned this descriptor, owned by nothing else; pidfds are
+        // close-on-exec.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(OldProcess { pid, pidfd })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether the process runs: its pidfd turns readable once it has exited (a zombie,
+    /// dead but not yet reaped by its parent, has).
+    fn alive(&self) -> bool {
+        let mut poll = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll reads and writes the one pollfd passed, a live local.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        ready == 0
     }
 }
 
@@ -743,9 +768,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn this_process_is_alive_and_a_bad_pid_is_not() {
-        assert!(process_alive(std::process::id()));
-        assert!(!process_alive(u32::MAX));
+    fn the_old_process_is_alive_until_it_exits_and_a_bad_pid_is_refused() {
+        assert!(OldProcess::open(std::process::id()).unwrap().alive());
+        assert!(OldProcess::open(u32::MAX).is_err());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let old = OldProcess::open(child.id()).unwrap();
+        assert!(old.alive());
+        child.kill().unwrap();
+        // Dead, not yet reaped: no longer alive.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while old.alive() {
+            assert!(Instant::now() < deadline, "the killed child reads as alive");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!old.alive());
     }
 
     #[test]
@@ -787,7 +827,11 @@ mod tests {
         fds.extend_from_slice(extra);
         let payload = serde_json::to_vec(meta).unwrap();
         protocol::send(&old, MessageKind::Offer, &payload, &fds).unwrap();
-        accept(&listener, std::process::id(), Duration::from_secs(5))
+        accept(
+            &listener,
+            OldProcess::open(std::process::id()).unwrap(),
+            Duration::from_secs(5),
+        )
     }
 
     /// An offer of this process with one vCPU and nothing else.

@@ -192,6 +192,21 @@ impl HandOverSocket {
         &self.path
     }
 
+    /// Gives the directory and the socket to `uid`/`gid`, the running gpuvm's user when it
+    /// is not this process's (a jail's): it, and root, are then the only ones that can
+    /// reach the socket.
+    pub fn give_to(&self, uid: u32, gid: u32) -> Result<(), UpdateError> {
+        for path in [self.dir.path(), self.path.as_path()] {
+            std::os::unix::fs::chown(path, Some(uid), Some(gid)).map_err(|source| {
+                UpdateError::Io {
+                    what: "give the hand-over socket to the running gpuvm's user",
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
