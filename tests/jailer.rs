@@ -478,23 +478,82 @@ fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
     let info: serde_json::Value =
         serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap();
     assert_eq!(info["state"], "Not started");
+}
 
-    // A live update cannot start the new gpuvm in this namespace (the VMM is its init,
-    // whose exit would kill it): refused before anything is touched.
-    let update = gpuvm_tests::gpuvm_update(pid, &[], &[]);
-    let stderr = String::from_utf8_lossy(&update.stderr);
-    assert!(!update.status.success(), "{stderr}");
-    assert!(
-        stderr.contains("pid namespace of its own") && stderr.contains("not touched"),
-        "{stderr}"
+/// A live update of a VMM that is pid 1 of its own PID namespace (`--new-pid-ns`): the
+/// new gpuvm cannot live in that namespace (its init's exit kills it), so it is pid 1 of a
+/// new one of its own, in the same jail; the two sides know each other by pidfs inode. The
+/// jail's pid file follows the VM.
+#[test]
+fn a_vmm_that_is_init_of_its_pid_namespace_is_updated_into_one_of_its_own() {
+    let scratch = Scratch::new("jailer", "pidns-update");
+    let args = jail_args(
+        &scratch,
+        "p2",
+        &["--new-pid-ns", "--", "--api-sock", "/run/api.sock"],
     );
-    let mut left: Vec<String> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    left.sort();
-    assert_eq!(left, ["dev", "firecracker", "firecracker.pid", "run"]);
-    api_expect(&api, 200, "GET", "/", None);
+    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+    args.insert(0, "jailer");
+    // The VMM keeps the stdio it inherits: the guest's serial output goes to a file.
+    let console = scratch.path("console");
+    let status = std::process::Command::new(gpuvm_bin())
+        .args(&args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&console).unwrap())
+        .stderr(std::fs::File::create(scratch.path("stderr")).unwrap())
+        .status()
+        .unwrap();
+    assert!(status.success(), "{status}");
+    let root = base(&scratch).join("firecracker/p2/root");
+    let pid_file = root.join("firecracker.pid");
+    let read_pid = || -> i32 { std::fs::read_to_string(&pid_file).unwrap().parse().unwrap() };
+    let mut vmm = Detached(read_pid());
+    let api = root.join("run/api.sock");
+    wait_for_socket(&api);
+    boot_memloop(&root, "memloop 4M 7 0");
+    let iterations = || memloop_iterations(&std::fs::read_to_string(&console).unwrap_or_default());
+    wait_for("memloop iterations", || iterations() > 2);
+    let pid_ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap();
+    let jailed = confinement(vmm.0);
+    let gpuvm_copy = scratch.path("gpuvm-new");
+    std::fs::copy(gpuvm_bin(), &gpuvm_copy).unwrap();
+    for binary in [None, Some(&gpuvm_copy)] {
+        let mut extra = Vec::new();
+        if let Some(binary) = binary {
+            extra.extend(["--binary", binary.to_str().unwrap()]);
+        }
+        let old = vmm.0;
+        let seen = iterations();
+        let out = gpuvm_tests::gpuvm_update(old, &extra, &[]);
+        let context = || {
+            format!(
+                "{}\n{}",
+                std::fs::read_to_string(&console).unwrap_or_default(),
+                std::fs::read_to_string(scratch.path("stderr")).unwrap_or_default()
+            )
+        };
+        let new = gpuvm_tests::updated_to(&out, &context());
+        gpuvm_tests::wait_process_gone(old, LIMIT, context);
+        vmm = Detached(new);
+        // Pid 1 of a pid namespace of its own, neither the old one's nor the host's.
+        assert_eq!(status_field(new, "NSpid:"), format!("{new} 1"));
+        assert_ne!(
+            pid_ns(new),
+            std::fs::read_link("/proc/self/ns/pid").unwrap()
+        );
+        assert_eq!(read_pid(), new);
+        // Otherwise confined as the first: the pid namespace aside, the same.
+        let mut now = confinement(new);
+        assert_ne!(now.namespaces[2], jailed.namespaces[2]);
+        now.namespaces[2] = jailed.namespaces[2].clone();
+        assert_eq!(now, jailed);
+        let info: serde_json::Value =
+            serde_json::from_str(&api_expect(&api, 200, "GET", "/", None)).unwrap();
+        assert_eq!(info["state"], "Running");
+        wait_for("memloop iterations after the update", || {
+            iterations() > seen + 2
+        });
+    }
 }
 
 #[test]

@@ -926,6 +926,73 @@ fn a_vm_in_gpuvms_own_jail_is_updated_inside_it() {
     }
 }
 
+/// The pid (as this process sees it) of the process whose command line holds `needle`,
+/// other than `except`.
+fn pid_with_argument(needle: &str, except: i32) -> Option<i32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            (pid != except && args.contains(&needle.as_bytes())).then_some(pid)
+        })
+}
+
+/// A gpuvm in a PID namespace it is not the init of (a container's, whose init is a
+/// shell here): the new gpuvm joins that namespace, the two sides knowing each other by
+/// pidfs inode, and the VM goes on there after the old one has exited.
+#[test]
+fn a_vm_in_a_pid_namespace_it_is_not_init_of_is_updated_into_it() {
+    let scratch = Scratch::new("live-update", "pidns-join");
+    let api = scratch.path("api.sock");
+    let api_arg = api.to_str().unwrap().to_string();
+    let gpuvm = gpuvm_tests::gpuvm_bin();
+    // The shell is the namespace's init and outlives the gpuvm it starts.
+    let script = format!(
+        "'{}' run --memory 64M --vcpus 1 --cmdline 'memloop 4M 7 0' --api-sock '{api_arg}'; \
+         sleep 600",
+        gpuvm.display()
+    );
+    let mut first = SpawnedProcess::spawn(
+        Path::new("unshare"),
+        &["--pid", "--fork", "--kill-child", "sh", "-c", &script],
+    );
+    wait_for_api_socket(&mut first, &api);
+    api_start_instance(&api);
+    let shell_init = first.pid();
+    let owner = wait_for("the gpuvm in the namespace", || {
+        pid_with_argument(&api_arg, shell_init).filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == gpuvm)
+        })
+    });
+    let ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).unwrap();
+    let namespace = ns(owner);
+    assert_ne!(namespace, ns(std::process::id() as i32));
+    let mut vm = UpdatableVm {
+        owner,
+        first,
+        api,
+        _scratch: scratch,
+    };
+    vm.wait_iterations_past(2);
+    let seen = iterations(&vm.stdout()).len();
+    vm.update_ok(&[]);
+    let new = vm.owner;
+    assert_eq!(ns(new), namespace, "{}", vm.describe());
+    // A member of the namespace, not its init.
+    let nspid = std::fs::read_to_string(format!("/proc/{new}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|line| line.strip_prefix("NSpid:").map(str::to_string))
+        .unwrap();
+    let inner: Vec<&str> = nspid.split_whitespace().collect();
+    assert_eq!(inner.len(), 2, "{nspid}");
+    assert_ne!(inner[1], "1");
+    vm.wait_iterations_past(seen + 2);
+}
+
 #[test]
 fn a_failed_update_leaves_the_vm_running_in_the_old_process() {
     let vm = UpdatableVm::start("failures", "512M", "memloop 32M 9 100000", &[]);

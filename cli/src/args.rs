@@ -301,6 +301,11 @@ pub struct ReceiveArgs {
     /// The running gpuvm: the only process whose connection is accepted.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub old_pid: u32,
+    /// A pidfd of the running gpuvm, inherited as this descriptor, when this process is
+    /// in another pid namespace (its `--old-pid` is then `gpuvm update`'s view): the
+    /// connection accepted is the one of that process (SO_PEERPIDFD).
+    #[arg(long)]
+    pub old_pidfd: Option<i32>,
     /// /dev/kvm, opened by `gpuvm update` and inherited as this descriptor: a jail need
     /// not hold the device node.
     #[arg(long)]

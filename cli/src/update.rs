@@ -29,7 +29,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReceiveArgs, ReportArgs, ServedApi, UpdateArgs};
 use crate::front_end::FrontEnd;
-use crate::update_jail::Confinement;
+use crate::update_jail::{self, Confinement};
 use crate::CliError;
 
 /// `gpuvm update --pid P`: starts the new binary and asks the running gpuvm to hand it
@@ -87,7 +87,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
     if let Some(staged) = &staged {
         match &outcome {
             // The jail's binary is the one that runs the VM now.
-            Ok(_) => confinement.install(staged)?,
+            Ok(_) => confinement.install(staged, child.id())?,
             // The running process keeps its binary; the new one may still be running
             // from the copy (the old gpuvm died during the hand-over): left then.
             Err(_) if child.try_wait().ok().flatten().is_none() => {}
@@ -139,6 +139,7 @@ fn spawn_in_jail(
         Inherited {
             handover: &handover,
             kvm: kvm.as_ref(),
+            old_pidfd: confinement.old_pidfd(),
         },
         confinement,
         pid,
@@ -169,14 +170,27 @@ fn hand_over(
     confinement: &Confinement,
 ) -> Result<ExitCode, CliError> {
     test_delay_request();
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         // As the running gpuvm names it: inside its jail, if it has one.
         "handover_socket": confinement.inside(handover.path()),
         "timeout_ms": args.timeout_ms,
-        // The running gpuvm offers the VM to this child only, whoever else listens.
-        "receiver_pid": child.id(),
-    })
-    .to_string();
+    });
+    // The running gpuvm offers the VM to this child only, whoever else listens: by its
+    // pid, or where that is not the same in its pid namespace, by its pidfs inode.
+    let by_inode = confinement.old_pidfd().is_some();
+    if by_inode {
+        match update_jail::pidfs_inode_of(child.id() as i32) {
+            Ok(inode) => body["receiver_pidfs_inode"] = inode.into(),
+            Err(error) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(error);
+            }
+        }
+    } else {
+        body["receiver_pid"] = child.id().into();
+    }
+    let body = body.to_string();
     let started = Instant::now();
     // The running gpuvm names its socket as it bound it: inside its jail, or before.
     let reachable = confinement.reachable(api_sock).ok_or_else(|| {
@@ -192,7 +206,7 @@ fn hand_over(
             let value: serde_json::Value = serde_json::from_str(&answer.body).unwrap_or_default();
             // The old gpuvm reports whom it handed the VM to as the kernel names the
             // socket's listener: the process started here, or something is badly wrong.
-            if value["new_pid"].as_u64() != Some(u64::from(child.id())) {
+            if !by_inode && value["new_pid"].as_u64() != Some(u64::from(child.id())) {
                 return Err(CliError::Other(format!(
                     "process {pid} handed its VM to process {}, not to the new gpuvm this \
                      update started (process {})",
@@ -307,11 +321,12 @@ fn no_answer(
     }
 }
 
-/// The descriptors the new gpuvm inherits: the bound hand-over socket and, for a jail,
-/// /dev/kvm.
+/// The descriptors the new gpuvm inherits: the bound hand-over socket, for a jail
+/// /dev/kvm, and for a new gpuvm in another pid namespace a pidfd of the old one.
 struct Inherited<'a> {
     handover: &'a HandOverSocket,
     kvm: Option<&'a std::fs::File>,
+    old_pidfd: Option<&'a OwnedFd>,
 }
 
 /// Starts `binary update-receive` with the `inherited` descriptors, in its own process
@@ -329,8 +344,14 @@ fn spawn_receiver(
     served: &(ServedApi, String),
 ) -> Result<std::process::Child, CliError> {
     let (api, instance_id) = served;
-    let fds: Vec<i32> = std::iter::once(inherited.handover.fd().as_raw_fd())
-        .chain(inherited.kvm.map(AsRawFd::as_raw_fd))
+    let (handover, kvm, old_pidfd) = (
+        inherited.handover.fd().as_raw_fd(),
+        inherited.kvm.map(AsRawFd::as_raw_fd),
+        inherited.old_pidfd.map(AsRawFd::as_raw_fd),
+    );
+    let fds: Vec<i32> = std::iter::once(handover)
+        .chain(kvm)
+        .chain(old_pidfd)
         .collect();
     for &fd in &fds {
         // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below.
@@ -346,7 +367,7 @@ fn spawn_receiver(
     command
         .arg("update-receive")
         .arg("--handover-fd")
-        .arg(fds[0].to_string())
+        .arg(handover.to_string())
         .arg("--old-pid")
         .arg(old_pid.to_string())
         .arg("--api-sock")
@@ -361,9 +382,13 @@ fn spawn_receiver(
         )
         .arg("--instance-id")
         .arg(instance_id);
-    if let Some(kvm) = fds.get(1) {
+    if let Some(kvm) = kvm {
         command.arg("--kvm-fd").arg(kvm.to_string());
     }
+    if let Some(pidfd) = old_pidfd {
+        command.arg("--old-pidfd").arg(pidfd.to_string());
+    }
+    confinement.enter_pid_namespace()?;
     let entering = confinement.entering();
     // SAFETY: `enter` makes system calls only, on descriptors `confinement` keeps open
     // until after the spawn (see update_jail), as a pre-exec hook must.
@@ -518,9 +543,15 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
         gpuvm_vmm::vcpu::name_threads_as_firecracker();
     }
     // Before the filters, which allow no pidfd_open.
-    let old = receive::OldProcess::open(args.old_pid).map_err(refused)?;
+    let old = match args.old_pidfd {
+        Some(fd) => {
+            receive::OldProcess::inherited(args.old_pid, inherited(fd, "--old-pidfd", None)?)
+        }
+        None => receive::OldProcess::open(args.old_pid),
+    }
+    .map_err(refused)?;
     if let Some(fd) = args.kvm_fd {
-        gpuvm_vmm::host::adopt_kvm(inherited(fd, "--kvm-fd", libc::S_IFCHR)?);
+        gpuvm_vmm::host::adopt_kvm(inherited(fd, "--kvm-fd", Some(libc::S_IFCHR))?);
     }
     args.seccomp.enable()?;
     let timeout = Duration::from_millis(args.timeout_ms);
@@ -642,20 +673,20 @@ fn refused(error: gpuvm_vmm::update::UpdateError) -> CliError {
 /// The hand-over socket `gpuvm update` passed as descriptor `fd`, checked to be a socket,
 /// listened on here (so that the old gpuvm sees this process as its peer).
 fn inherited_listener(fd: i32) -> Result<UnixListener, CliError> {
-    let socket = inherited(fd, "--handover-fd", libc::S_IFSOCK)?;
+    let socket = inherited(fd, "--handover-fd", Some(libc::S_IFSOCK))?;
     gpuvm_vmm::update::socket::listen(socket).map_err(refused)
 }
 
 /// Descriptor `fd`, inherited from `gpuvm update` for this process alone as `flag`,
-/// checked to be of file type `kind` (`S_IFSOCK`, `S_IFCHR`); close-on-exec again, so no
-/// later child inherits it.
-fn inherited(fd: i32, flag: &str, kind: libc::mode_t) -> Result<OwnedFd, CliError> {
+/// checked to be open and, where given, of file type `kind` (`S_IFSOCK`, `S_IFCHR`);
+/// close-on-exec again, so no later child inherits it.
+fn inherited(fd: i32, flag: &str, kind: Option<libc::mode_t>) -> Result<OwnedFd, CliError> {
     let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
     // SAFETY: fstat writes one stat into `stat`; its result is checked before use.
     let is_kind = fd > 2
         && unsafe { libc::fstat(fd, stat.as_mut_ptr()) } == 0
         // SAFETY: fstat succeeded, so `stat` is initialised.
-        && unsafe { stat.assume_init() }.st_mode & libc::S_IFMT == kind;
+        && kind.is_none_or(|kind| unsafe { stat.assume_init() }.st_mode & libc::S_IFMT == kind);
     if !is_kind {
         return Err(CliError::Other(format!(
             "{flag} {fd} is not an inherited descriptor of the right kind (gpuvm \

@@ -11,9 +11,12 @@
 //! directory, uid/gid last (everything before needs root). Then the new binary, copied into
 //! the jail as the jailer copies its exec file, is executed from inside it.
 //!
-//! Not followed: a PID namespace of the running gpuvm's own (the jailer's `--new-pid-ns`:
-//! it is that namespace's init, whose exit kills every process in it) and a user namespace;
-//! both are refused before anything is touched.
+//! PID namespaces: a running gpuvm that is the init of a namespace of its own (the
+//! jailer's `--new-pid-ns`) cannot have the new one in it (when the init exits, the kernel
+//! kills every process of its namespace), so the new gpuvm gets one of its own as well;
+//! one in a namespace it is not the init of has the new one join it. Either way the two
+//! sides know each other by pidfs inode, not pid (`gpuvm_vmm::update::socket`). A user
+//! namespace is not followed: refused before anything is touched.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -68,6 +71,46 @@ pub struct Confinement {
     limits: Vec<(libc::__rlimit_resource_t, libc::rlimit)>,
     /// Its uid and gid, where they are not this process's.
     ids: Option<(libc::uid_t, libc::gid_t)>,
+    pid_namespace: PidNamespace,
+}
+
+/// Where the new gpuvm's pid namespace comes from.
+#[derive(Debug)]
+enum PidNamespace {
+    /// The running gpuvm's is this process's.
+    Same,
+    /// The running gpuvm's, of which it is not the init: joined. With a pidfd of the
+    /// running gpuvm, which the new one is given.
+    Join(File, OwnedFd),
+    /// The running gpuvm is its own namespace's init: the new gpuvm is too, of a new one.
+    New(OwnedFd),
+}
+
+/// A pidfd of process `pid`, checked to be on pidfs (the two sides of the hand-over tell
+/// each other by its inode).
+fn pidfd_of(pid: i32) -> Result<OwnedFd, CliError> {
+    // SAFETY: pidfd_open takes a pid and flags; the result is checked.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(other(format!(
+            "cannot open a pidfd of process {pid}: {}",
+            io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: pidfd_open returned this descriptor, owned by nothing else (close-on-exec).
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    Ok(pidfd)
+}
+
+/// The pidfs inode of process `pid` (`gpuvm_vmm::update::socket::pidfs_inode`).
+pub fn pidfs_inode_of(pid: i32) -> Result<u64, CliError> {
+    let pidfd = pidfd_of(pid)?;
+    gpuvm_vmm::update::socket::pidfs_inode(std::os::fd::AsFd::as_fd(&pidfd)).map_err(|e| {
+        other(format!(
+            "process {pid} is in another pid namespace and this kernel cannot name it \
+             across namespaces: {e}"
+        ))
+    })
 }
 
 fn other(what: String) -> CliError {
@@ -128,16 +171,29 @@ fn status_ids(status: &str, name: &str) -> Vec<u32> {
 impl Confinement {
     /// Reads and opens process `pid`'s confinement.
     pub fn of(pid: i32) -> Result<Confinement, CliError> {
-        for refused in ["pid", "user"] {
-            if other_namespace(pid, refused)?.is_some() {
-                return Err(other(format!(
-                    "live update of process {pid}, which runs in a {refused} namespace of its \
-                     own (the jailer's --new-pid-ns, or a container's), is not supported: the \
-                     new gpuvm could not be started inside it; the VM was not touched"
-                )));
-            }
+        if other_namespace(pid, "user")?.is_some() {
+            return Err(other(format!(
+                "live update of process {pid}, which runs in a user namespace of its own, is \
+                 not supported: the new gpuvm could not be started inside it; the VM was not \
+                 touched"
+            )));
         }
         let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+        let status = std::fs::read_to_string(proc_dir.join("status"))
+            .map_err(|e| other(format!("cannot read process {pid}'s status: {e}")))?;
+        let pid_namespace = match other_namespace(pid, "pid")? {
+            None => PidNamespace::Same,
+            Some(namespace) => {
+                // Checked usable before anything is touched.
+                pidfs_inode_of(pid)?;
+                let pidfd = pidfd_of(pid)?;
+                // Its pid in the namespace it is in: the last of NSpid.
+                match status_ids(&status, "NSpid:").last() {
+                    Some(1) => PidNamespace::New(pidfd),
+                    _ => PidNamespace::Join(namespace, pidfd),
+                }
+            }
+        };
         let root = open_dir(&proc_dir.join("root"))?;
         let cwd = open_dir(&proc_dir.join("cwd"))?;
         let mount_ns = other_namespace(pid, "mnt")?;
@@ -166,8 +222,6 @@ impl Confinement {
                 differs.then_some((resource, limit))
             })
             .collect();
-        let status = std::fs::read_to_string(proc_dir.join("status"))
-            .map_err(|e| other(format!("cannot read process {pid}'s status: {e}")))?;
         let (uids, gids) = (status_ids(&status, "Uid:"), status_ids(&status, "Gid:"));
         let (uid, gid) = match (uids.as_slice(), gids.as_slice()) {
             ([real, effective, ..], [greal, geffective, ..])
@@ -194,7 +248,41 @@ impl Confinement {
             cgroups,
             limits,
             ids: ((uid, gid) != ours).then_some((uid, gid)),
+            pid_namespace,
         })
+    }
+
+    /// A pidfd of the running gpuvm when the new one will be in another pid namespace
+    /// than this process's (it cannot open one itself), for it to inherit.
+    pub fn old_pidfd(&self) -> Option<&OwnedFd> {
+        match &self.pid_namespace {
+            PidNamespace::Same => None,
+            PidNamespace::Join(_, pidfd) | PidNamespace::New(pidfd) => Some(pidfd),
+        }
+    }
+
+    /// Makes the children this process starts from now on (the new gpuvm) members of the
+    /// running gpuvm's pid namespace, or of a new one of their own. Only for that child:
+    /// this process has one thread and starts nothing else.
+    pub fn enter_pid_namespace(&self) -> Result<(), CliError> {
+        let result = match &self.pid_namespace {
+            PidNamespace::Same => return Ok(()),
+            // SAFETY: setns(2) on an open namespace file: it decides the namespace of this
+            // process's later children only.
+            PidNamespace::Join(namespace, _) => unsafe {
+                libc::setns(namespace.as_raw_fd(), libc::CLONE_NEWPID)
+            },
+            // SAFETY: unshare(2) of the pid namespace: likewise for later children.
+            PidNamespace::New(_) => unsafe { libc::unshare(libc::CLONE_NEWPID) },
+        };
+        if result != 0 {
+            return Err(other(format!(
+                "cannot start the new gpuvm in a pid namespace like process {}'s: {}",
+                self.pid,
+                io::Error::last_os_error()
+            )));
+        }
+        Ok(())
     }
 
     /// Whether the running gpuvm's root is not this process's: the new binary must be
@@ -264,9 +352,19 @@ impl Confinement {
     }
 
     /// The staged copy (`.NAME.update`) becomes the jail's `NAME`, as the jailer would
-    /// have copied the new binary: the running process's binary keeps its inode.
-    pub fn install(&self, staged: &str) -> Result<(), CliError> {
+    /// have copied the new binary: the running process's binary keeps its inode. The
+    /// jailer's pid file (`NAME.pid`), if it names the old process, names `new_pid` now.
+    pub fn install(&self, staged: &str, new_pid: u32) -> Result<(), CliError> {
         let name = &staged[1..staged.len() - ".update".len()];
+        let pid_file = self.root_path().join(format!("{name}.pid"));
+        if std::fs::read_to_string(&pid_file).is_ok_and(|pid| pid.trim() == self.pid.to_string()) {
+            std::fs::write(&pid_file, new_pid.to_string()).map_err(|e| {
+                other(format!(
+                    "the VM runs in the new gpuvm (process {new_pid}), but the jail's pid file \
+                     could not say so: {e}"
+                ))
+            })?;
+        }
         let (from, to) = (cstring(staged)?, cstring(name)?);
         // SAFETY: renameat(2) inside the jail's root, a descriptor this process holds,
         // with two NUL-terminated names that outlive the call; the result is checked.

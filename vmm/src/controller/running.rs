@@ -594,7 +594,10 @@ fn live_update(
         running,
         socket,
         timeout,
-        body.receiver_pid,
+        crate::update::ExpectedReceiver {
+            pid: body.receiver_pid,
+            pidfs_inode: body.receiver_pidfs_inode,
+        },
         api_listener.as_ref().map(std::os::fd::AsFd::as_fd),
         mmds,
     );

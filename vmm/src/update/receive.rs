@@ -98,7 +98,7 @@ pub fn accept(
     timeout: Duration,
 ) -> Result<Incoming, UpdateError> {
     let old_pid = old.pid;
-    let socket = accept_from(listener, old_pid, timeout)?;
+    let socket = accept_from(listener, &old, timeout)?;
     socket
         .set_read_timeout(Some(timeout))
         .map_err(|source| UpdateError::Socket {
@@ -108,7 +108,8 @@ pub fn accept(
     let offer = protocol::expect(&socket, MessageKind::Offer)?;
     let meta: OfferMeta = serde_json::from_slice(&offer.payload)
         .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
-    if meta.old_pid != old_pid {
+    // (One in another pid namespace names itself by its pid there.)
+    if old.inode.is_none() && meta.old_pid != old_pid {
         return Err(UpdateError::Protocol(format!(
             "the offer comes from process {old_pid} but names process {}",
             meta.old_pid
@@ -270,9 +271,10 @@ pub fn accept(
 /// first cannot take the VM, nor end the wait for the old process.
 fn accept_from(
     listener: &UnixListener,
-    old_pid: u32,
+    old: &OldProcess,
     timeout: Duration,
 ) -> Result<UnixStream, UpdateError> {
+    let old_pid = old.pid;
     let deadline = Instant::now() + timeout;
     let uid = socket::effective_uid();
     let mut refused = 0usize;
@@ -315,7 +317,7 @@ fn accept_from(
             source,
         })?;
         let peer = socket::peer_credentials(&socket)?;
-        if peer.pid == old_pid && (peer.uid == uid || uid == 0) {
+        if old.is_peer(&socket, peer) && (peer.uid == uid || uid == 0) {
             return Ok(socket);
         }
         refused += 1;
@@ -712,8 +714,13 @@ fn state_interfaces(state: &MachineState) -> Vec<&str> {
 /// that reused the pid.
 #[derive(Debug)]
 pub struct OldProcess {
+    /// Its pid: in this process's pid namespace, or (`inode` set) as `gpuvm update` saw
+    /// it, for messages only.
     pid: u32,
     pidfd: OwnedFd,
+    /// Its pidfs inode, when it is in another pid namespace than this process (whose
+    /// pid it cannot read): how its connection is known then.
+    inode: Option<u64>,
 }
 
 impl OldProcess {
@@ -734,7 +741,31 @@ impl OldProcess {
         // SAFETY: pidfd_open returned this descriptor, owned by nothing else; pidfds are
         // close-on-exec.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        Ok(OldProcess { pid, pidfd })
+        Ok(OldProcess {
+            pid,
+            pidfd,
+            inode: None,
+        })
+    }
+
+    /// Process `pid` of another pid namespace (`gpuvm update`'s view of its pid, for
+    /// messages), by `pidfd`, a pidfd of it `gpuvm update` passed on: known by its pidfs
+    /// inode.
+    pub fn inherited(pid: u32, pidfd: OwnedFd) -> Result<OldProcess, UpdateError> {
+        let inode = socket::pidfs_inode(std::os::fd::AsFd::as_fd(&pidfd))?;
+        Ok(OldProcess {
+            pid,
+            pidfd,
+            inode: Some(inode),
+        })
+    }
+
+    /// Whether the process at the other end of `socket`, `peer`, is this one.
+    fn is_peer(&self, socket: &UnixStream, peer: socket::PeerCredentials) -> bool {
+        match self.inode {
+            None => peer.pid == self.pid,
+            Some(inode) => socket::peer_pidfs_inode(socket).is_ok_and(|theirs| theirs == inode),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -795,7 +826,12 @@ mod tests {
         let path = dir.path().join("handover.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let mut squatter = UnixStream::connect(&path).unwrap();
-        let error = accept_from(&listener, u32::MAX, Duration::from_millis(200))
+        let other = OldProcess {
+            pid: u32::MAX,
+            pidfd: OldProcess::open(std::process::id()).unwrap().pidfd,
+            inode: None,
+        };
+        let error = accept_from(&listener, &other, Duration::from_millis(200))
             .err()
             .unwrap()
             .to_string();
@@ -808,7 +844,41 @@ mod tests {
         squatter.read_to_end(&mut got).unwrap();
         assert!(got.is_empty());
         let _old = UnixStream::connect(&path).unwrap();
-        accept_from(&listener, std::process::id(), Duration::from_secs(5)).unwrap();
+        let this = OldProcess::open(std::process::id()).unwrap();
+        accept_from(&listener, &this, Duration::from_secs(5)).unwrap();
+    }
+
+    #[test]
+    fn an_old_process_of_another_pid_namespace_is_known_by_its_pidfs_inode() {
+        let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-receive-").unwrap();
+        let path = dir.path().join("handover.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        // Whatever pid it is named by: only the inode counts.
+        let pidfd = OldProcess::open(std::process::id()).unwrap().pidfd;
+        let this = OldProcess::inherited(12345, pidfd).unwrap();
+        let _old = UnixStream::connect(&path).unwrap();
+        accept_from(&listener, &this, Duration::from_secs(5)).unwrap();
+        // Another process's connection is refused.
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let theirs = OldProcess::open(child.id()).unwrap().pidfd;
+        let them = OldProcess::inherited(std::process::id(), theirs).unwrap();
+        let _mine = UnixStream::connect(&path).unwrap();
+        let error = accept_from(&listener, &them, Duration::from_millis(200))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            error.contains("connections refused from other processes: 1"),
+            "{error}"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Not a pidfd: refused.
+        let file = std::fs::File::open("/dev/null").unwrap();
+        assert!(OldProcess::inherited(1, file.into()).is_err());
     }
 
     /// An offer from `meta` with the four descriptors every offer has (this process's

@@ -48,14 +48,14 @@ pub struct HandOverReport {
 /// Hands the running VM to the gpuvm listening on `socket`. On success the VM belongs to
 /// the new process: the caller must end the run without resuming anything. On failure
 /// the VM runs on here as before (its vCPUs and devices resumed), and the error says why.
-/// With `receiver_pid`, only that process may be the socket's listener. `api_listener`,
+/// With `expected`, only that process may be the socket's listener. `api_listener`,
 /// the API's listening socket (which has stopped accepting), goes with `Commit`: the new
 /// process serves it from then on.
 pub fn hand_over(
     running: &mut RunningMachine<'_>,
     socket: &Path,
     timeout: Duration,
-    receiver_pid: Option<u32>,
+    expected: ExpectedReceiver,
     api_listener: Option<BorrowedFd<'_>>,
     mmds: &gpuvm_mmds::Mmds,
 ) -> Result<HandOverReport, UpdateError> {
@@ -84,7 +84,11 @@ pub fn hand_over(
         path: socket.to_path_buf(),
         source,
     })?;
-    let receiver = check_receiver(socket::peer_credentials(&stream)?, receiver_pid)?;
+    let inode = match expected.pidfs_inode {
+        Some(_) => Some(socket::peer_pidfs_inode(&stream)?),
+        None => None,
+    };
+    let receiver = check_receiver(socket::peer_credentials(&stream)?, inode, expected)?;
     let set_timeout = |source| UpdateError::Socket {
         what: "set the hand-over socket's timeout",
         source,
@@ -112,7 +116,8 @@ pub fn hand_over(
     let paused_at = Instant::now();
     match hand_paused_and_commit(running, &stream, receiver, api_listener, mmds) {
         Ok(state_bytes) => Ok(HandOverReport {
-            new_pid: Some(receiver.pid),
+            // A receiver in another pid namespace has no pid here.
+            new_pid: (receiver.pid != 0).then_some(receiver.pid),
             paused_to_ready: paused_at.elapsed(),
             state_bytes,
         }),
@@ -401,25 +406,49 @@ fn save_configuration(running: &mut RunningMachine<'_>) -> Result<MachineState, 
     saved
 }
 
+/// Who `gpuvm update` says must listen on the hand-over socket (PUT /vmm/update's
+/// `receiver_pid`, `receiver_pidfs_inode`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExpectedReceiver {
+    /// Its pid, in this process's pid namespace.
+    pub pid: Option<u32>,
+    /// Its pidfs inode ([`socket::pidfs_inode`]): a receiver in another pid namespace
+    /// (the new process of a gpuvm that is its own namespace's init) has no pid here.
+    pub pidfs_inode: Option<u64>,
+}
+
 /// Whom the hand-over socket connects this process to (`SO_PEERCRED`: the process that
-/// listens, the new gpuvm) may take the VM: `expected_pid` where given, else a process
-/// of root or of this process's user, and not this one. The socket's private directory
-/// keeps anyone else from listening there; this makes sure.
+/// listens, the new gpuvm; `inode`: its pidfs inode, read where one is expected) may take
+/// the VM: the `expected` one where given, else a process of root or of this process's
+/// user, and not this one. The socket's private directory keeps anyone else from
+/// listening there; this makes sure.
 fn check_receiver(
     receiver: socket::PeerCredentials,
-    expected_pid: Option<u32>,
+    inode: Option<u64>,
+    expected: ExpectedReceiver,
 ) -> Result<socket::PeerCredentials, UpdateError> {
-    if let Some(expected) = expected_pid {
-        if receiver.pid != expected {
+    if let Some(pid) = expected.pid {
+        if receiver.pid != pid {
             return Err(UpdateError::UntrustedPeer {
                 pid: receiver.pid,
                 uid: receiver.uid,
-                expected: format!("process {expected} (receiver_pid)"),
+                expected: format!("process {pid} (receiver_pid)"),
             });
         }
     }
+    let known_by_inode = match expected.pidfs_inode {
+        Some(wanted) if inode == Some(wanted) => true,
+        Some(wanted) => {
+            return Err(UpdateError::UntrustedPeer {
+                pid: receiver.pid,
+                uid: receiver.uid,
+                expected: format!("the process of pidfs inode {wanted} (receiver_pidfs_inode)"),
+            })
+        }
+        None => false,
+    };
     let uid = socket::effective_uid();
-    if receiver.pid == std::process::id() || receiver.pid == 0 {
+    if receiver.pid == std::process::id() || (receiver.pid == 0 && !known_by_inode) {
         return Err(UpdateError::UntrustedPeer {
             pid: receiver.pid,
             uid: receiver.uid,
@@ -483,8 +512,9 @@ fn hand_paused_and_commit(
     let ready: protocol::ReadyBody = serde_json::from_slice(&ready.payload)
         .map_err(|e| UpdateError::Protocol(format!("a bad Ready: {e}")))?;
     // The process that says it is ready must be the one the kernel says listens: the VM
-    // goes to no one else.
-    if ready.pid != receiver.pid {
+    // goes to no one else. (One in another pid namespace, known by its pidfs inode, says
+    // its pid in its own.)
+    if receiver.pid != 0 && ready.pid != receiver.pid {
         return Err(UpdateError::UntrustedPeer {
             pid: ready.pid,
             uid: receiver.uid,
@@ -742,11 +772,23 @@ mod tests {
         }
     }
 
+    fn by_pid(pid: u32) -> ExpectedReceiver {
+        ExpectedReceiver {
+            pid: Some(pid),
+            pidfs_inode: None,
+        }
+    }
+
     #[test]
     fn only_the_named_receiver_is_trusted() {
         let other = std::process::id() + 1;
-        assert_eq!(check_receiver(peer(other), Some(other)).unwrap().pid, other);
-        let error = check_receiver(peer(other), Some(other + 1))
+        assert_eq!(
+            check_receiver(peer(other), None, by_pid(other))
+                .unwrap()
+                .pid,
+            other
+        );
+        let error = check_receiver(peer(other), None, by_pid(other + 1))
             .err()
             .unwrap()
             .to_string();
@@ -755,7 +797,23 @@ mod tests {
             "{error}"
         );
         // Without a pid, any other process of this user.
-        assert_eq!(check_receiver(peer(other), None).unwrap().pid, other);
-        assert!(check_receiver(peer(std::process::id()), None).is_err());
+        let anyone = ExpectedReceiver::default();
+        assert_eq!(
+            check_receiver(peer(other), None, anyone).unwrap().pid,
+            other
+        );
+        assert!(check_receiver(peer(std::process::id()), None, anyone).is_err());
+        // A process of another pid namespace (pid 0) only by its pidfs inode.
+        assert!(check_receiver(peer(0), None, anyone).is_err());
+        let by_inode = ExpectedReceiver {
+            pid: None,
+            pidfs_inode: Some(77),
+        };
+        assert_eq!(check_receiver(peer(0), Some(77), by_inode).unwrap().pid, 0);
+        let error = check_receiver(peer(0), Some(78), by_inode)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(error.contains("pidfs inode 77"), "{error}");
     }
 }
