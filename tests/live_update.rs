@@ -1060,6 +1060,41 @@ fn kill_9_of_the_new_process_mid_hand_over_leaves_the_old_running() {
     assert!(!vm.stdout().contains("FAIL"), "{}", vm.describe());
 }
 
+/// The new gpuvm killed once it listens, before the running one is asked: the update fails
+/// at once saying the VM was not touched (nothing is left holding the socket, so the old
+/// gpuvm would not wait on a backlog no one accepts), and the VM runs on.
+#[test]
+fn kill_9_of_the_new_process_before_the_hand_over_leaves_the_vm_untouched() {
+    let vm = UpdatableVm::start("kill-new-early", "256M", "memloop 8M 5 0", &[]);
+    vm.wait_iterations_past(1);
+    let update = Command::new(gpuvm_bin())
+        .args(["update", "--pid", &vm.owner.to_string()])
+        .env("GPUVM_TEST_UPDATE_DELAY_REQUEST_MS", "3000")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run gpuvm update");
+    let new = wait_for("the new gpuvm listening", || {
+        receiver_of(&vm.api).filter(|&pid| handover_socket_of(pid).is_some())
+    });
+    // SAFETY: kill(2) has no memory effects; `new` is the gpuvm this test's update started.
+    unsafe { libc::kill(new, libc::SIGKILL) };
+    let started = Instant::now();
+    let out = update.wait_with_output().expect("gpuvm update");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ended before the running one was asked")
+            && stderr.contains("the VM was not touched"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20), "{stderr}");
+    assert!(gpuvm_tests::process_running(vm.owner));
+    vm.wait_api();
+    let seen = iterations(&vm.stdout()).len();
+    vm.wait_iterations_past(seen + 1);
+}
+
 #[test]
 fn the_old_process_dying_after_the_new_one_is_ready_leaves_the_vm_to_the_new_one() {
     let scratch = Scratch::new("live-update", "old-dies");

@@ -576,6 +576,21 @@ fn a_virtio_fs_share_goes_on_across_live_updates() {
 }
 
 #[test]
+fn vhost_user_backends_serve_on_through_kill_9_at_each_update_step() {
+    scenario_passes(
+        "linux-vhost-user-update-kill",
+        &[
+            "step 1: the new process",
+            "step 2: the new process",
+            "step 3: the old process died after the new one's Ready",
+            "step 4: a plain update",
+            "inner: vhostloop ok (120 rounds)",
+            "vhost-user disk and share across kill -9 at each step of a live update: ok",
+        ],
+    );
+}
+
+#[test]
 fn a_vsock_connection_to_a_linux_guest_survives_live_updates() {
     scenario_passes(
         "linux-vsock-update",

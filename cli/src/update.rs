@@ -24,7 +24,7 @@ use gpuvm_api::server::{ApiServer, StartGate};
 use gpuvm_vmm::config::VmConfig;
 use gpuvm_vmm::controller::ApiController;
 use gpuvm_vmm::update::receive::{self, Outcome};
-use gpuvm_vmm::update::socket::HandOverSocket;
+use gpuvm_vmm::update::socket::{HandOverSocket, ListenedHandOver};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReceiveArgs, ReportArgs, ServedApi, UpdateArgs};
@@ -106,7 +106,7 @@ fn spawn_in_jail(
     api_sock: &Path,
     args: &UpdateArgs,
     served: &(ServedApi, String),
-) -> Result<(HandOverSocket, std::process::Child), CliError> {
+) -> Result<(ListenedHandOver, std::process::Child), CliError> {
     // A fresh directory only the running gpuvm's user can enter holds the socket: no one
     // else can connect to it, bind one of their own at its path or put anything there
     // beforehand.
@@ -156,7 +156,7 @@ fn spawn_in_jail(
         let _ = child.wait();
         return Err(error);
     }
-    Ok((handover, child))
+    Ok((handover.release(), child))
 }
 
 /// Asks the running gpuvm `pid` to hand its VM to `child`, listening on `handover`.
@@ -165,11 +165,18 @@ fn hand_over(
     pid: i32,
     binary: &Path,
     api_sock: &Path,
-    handover: HandOverSocket,
+    handover: ListenedHandOver,
     child: &mut std::process::Child,
     confinement: &Confinement,
 ) -> Result<ExitCode, CliError> {
     test_delay_request();
+    if let Ok(Some(status)) = child.try_wait() {
+        return Err(CliError::Other(format!(
+            "the new gpuvm {} ended before the running one was asked ({status}); the VM was \
+             not touched",
+            binary.display()
+        )));
+    }
     let mut body = serde_json::json!({
         // As the running gpuvm names it: inside its jail, if it has one.
         "handover_socket": confinement.inside(handover.path()),

@@ -170,7 +170,7 @@ cp "$gpuvm_bin" "$outer/bin/gpuvm"
 [[ -z "$emu_bin" ]] || cp "$emu_bin" "$outer/bin/gpuvm-emu-gpu"
 # Backends gpuvm talks to over vhost-user, with the shared libraries they load (the outer machine has no
 # C library of its own); a scenario that needs one it lacks fails saying so.
-for backend in virtiofsd; do
+for backend in virtiofsd qemu-storage-daemon; do
     backend_path="$(command -v "$backend" || true)"
     [[ -n "$backend_path" ]] || continue
     cp "$backend_path" "$outer/bin/$backend"

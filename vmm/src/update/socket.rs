@@ -263,6 +263,16 @@ impl HandOverSocket {
         self.socket.as_fd()
     }
 
+    /// Once the new gpuvm listens: closes this process's copy of the socket, so that the
+    /// socket ends with the new gpuvm (the old one's `connect` is then refused at once,
+    /// not left in a backlog no one accepts); the path and directory stay.
+    pub fn release(self) -> ListenedHandOver {
+        ListenedHandOver {
+            path: self.path,
+            dir: self.dir,
+        }
+    }
+
     /// Whether someone (the new gpuvm) listens on the socket now.
     pub fn is_listening(&self) -> Result<bool, UpdateError> {
         let listening: libc::c_int = socket_option(self.socket.as_fd(), libc::SO_ACCEPTCONN)
@@ -271,6 +281,25 @@ impl HandOverSocket {
                 source,
             })?;
         Ok(listening != 0)
+    }
+}
+
+/// A [`HandOverSocket`] the new gpuvm listens on, released by `gpuvm update`: its path, in
+/// its directory (removed when dropped).
+#[derive(Debug)]
+pub struct ListenedHandOver {
+    path: PathBuf,
+    // Dropped last: the socket's file goes with it.
+    dir: PrivateDir,
+}
+
+impl ListenedHandOver {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
     }
 }
 
