@@ -576,6 +576,20 @@ fn a_virtio_fs_share_goes_on_across_live_updates() {
 }
 
 #[test]
+fn a_jailed_firecracker_vm_is_updated_inside_its_jail() {
+    scenario_passes(
+        "firecracker-jailed-update",
+        &[
+            "jailed update 1: process",
+            "jailed update 2: process",
+            "inner: ioloop ok (80 rounds)",
+            "a jailed Firecracker VM across two live updates: ok",
+            "a --new-pid-ns VMM refused on a kernel without pidfs, untouched: ok",
+        ],
+    );
+}
+
+#[test]
 fn vhost_user_backends_serve_on_through_kill_9_at_each_update_step() {
     scenario_passes(
         "linux-vhost-user-update-kill",
@@ -584,7 +598,7 @@ fn vhost_user_backends_serve_on_through_kill_9_at_each_update_step() {
             "step 2: the new process",
             "step 3: the old process died after the new one's Ready",
             "step 4: a plain update",
-            "inner: vhostloop ok (120 rounds)",
+            "inner: ioloop ok (120 rounds)",
             "vhost-user disk and share across kill -9 at each step of a live update: ok",
         ],
     );

@@ -108,7 +108,7 @@ pub fn pidfs_inode_of(pid: i32) -> Result<u64, CliError> {
     gpuvm_vmm::update::socket::pidfs_inode(std::os::fd::AsFd::as_fd(&pidfd)).map_err(|e| {
         other(format!(
             "process {pid} is in another pid namespace and this kernel cannot name it \
-             across namespaces: {e}"
+             across namespaces: {e}; the VM was not touched"
         ))
     })
 }

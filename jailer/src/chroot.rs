@@ -92,10 +92,11 @@ pub(crate) fn pivot_into(new_root: &Path) -> Result<(), JailerError> {
     let pivoted =
         unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c"old_root".as_ptr()) };
     if pivoted < 0 {
-        return Err(JailerError::Syscall(
-            "pivot_root",
-            io::Error::last_os_error(),
-        ));
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EINVAL) && root_is_initramfs() {
+            return move_over_initramfs();
+        }
+        return Err(JailerError::Syscall("pivot_root", error));
     }
     std::env::set_current_dir("/").map_err(io_error("enter", Path::new("/")))?;
     // SAFETY: umount2(2) reads a NUL-terminated literal.
@@ -106,6 +107,54 @@ pub(crate) fn pivot_into(new_root: &Path) -> Result<(), JailerError> {
     // SAFETY: chroot(2) reads a NUL-terminated literal; the root is already the jail, this
     // also sets the process's root for good measure as the jailer does.
     check("chroot", unsafe { libc::chroot(c".".as_ptr()) })?;
+    Ok(())
+}
+
+/// Whether this mount namespace's root is the kernel's initramfs (rootfs: a ramfs or
+/// tmpfs that is the root of the mount tree), which pivot_root(2) refuses to move.
+fn root_is_initramfs() -> bool {
+    let mut filesystem = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: statfs(2) writes one statfs into `filesystem`; read only when it succeeded.
+    let known = unsafe { libc::statfs(c"/".as_ptr(), filesystem.as_mut_ptr()) } == 0;
+    // SAFETY: statfs succeeded, so `filesystem` is initialised.
+    known
+        && [RAMFS_MAGIC, TMPFS_MAGIC].contains(&unsafe { filesystem.assume_init() }.f_type)
+        && fs::read_to_string("/proc/self/mountinfo").is_ok_and(|mounts| {
+            // A mount of type rootfs on "/".
+            mounts.lines().any(|line| {
+                line.split_whitespace().nth(4) == Some("/") && line.contains(" - rootfs ")
+            })
+        })
+}
+
+/// linux/magic.h's ramfs and tmpfs `f_type`s: rootfs is one or the other.
+const RAMFS_MAGIC: libc::__fsword_t = 0x8584_58f6;
+const TMPFS_MAGIC: libc::__fsword_t = 0x0102_1994;
+
+/// On a host that runs from its initramfs (PXE-booted hosts, the real-kernel tier's outer
+/// machine), where pivot_root cannot work: the jail (the current directory, a bind mount
+/// in this process's own mount namespace) is moved over "/" as switch_root does, and the
+/// process chroots into it. The initramfs stays mounted beneath, out of reach of a process
+/// without CAP_SYS_ADMIN and CAP_SYS_CHROOT, which the VMM gives up before it execs.
+fn move_over_initramfs() -> Result<(), JailerError> {
+    eprintln!(
+        "gpuvm: jailer: the root is the initramfs, which pivot_root cannot move: the jail is \
+         moved over / in its own mount namespace instead"
+    );
+    fs::remove_dir("old_root").map_err(io_error("remove", Path::new("old_root")))?;
+    // SAFETY: mount(2) with MS_MOVE reads two NUL-terminated literals.
+    check("move the jail over /", unsafe {
+        libc::mount(
+            c".".as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_MOVE,
+            std::ptr::null(),
+        )
+    })?;
+    // SAFETY: chroot(2) reads a NUL-terminated literal: the moved jail, the current directory.
+    check("chroot", unsafe { libc::chroot(c".".as_ptr()) })?;
+    std::env::set_current_dir("/").map_err(io_error("enter", Path::new("/")))?;
     Ok(())
 }
 

@@ -18,14 +18,14 @@ export GPUVM_TEST_UPDATE_OLD_DIES=1
 start_gpuvm linux run --log-level info --api-sock /tmp/api.sock --kernel /images/vmlinuz \
     --initrd /images/initramfs.cpio --memory 512M --fs tag=share,socket=/tmp/vfs.sock \
     --drive id=data,vhost_user=/tmp/qsd.sock \
-    --cmdline "console=ttyS0 quiet panic=-1 inner.checks=vhostloop inner.fs=share inner.vhostloop=120 inner.end=poweroff"
+    --cmdline "console=ttyS0 quiet panic=-1 inner.checks=ioloop inner.fs=share inner.ioloop=120 inner.end=poweroff"
 unset GPUVM_TEST_UPDATE_OLD_DIES
 first="$(cat /tmp/linux.pid)"
 wait_for /tmp/api.sock 30
 gpuvm ctl --api-sock /tmp/api.sock start || abort_gpuvm linux "InstanceStart failed"
 
 round_count() {
-    count="$(sed -n 's/.*inner: vhost round \([0-9][0-9]*\) ok.*/\1/p' /tmp/linux.log | tail -n1)"
+    count="$(sed -n 's/.*inner: io round \([0-9][0-9]*\) ok.*/\1/p' /tmp/linux.log | tail -n1)"
     echo "${count:-0}"
 }
 
@@ -105,7 +105,7 @@ echo "step 4: a plain update"
 
 wait_gpuvm_ended linux "$(cat /tmp/linux.pid)" 240 "the guest's last round"
 sed 's/^/  | /' /tmp/linux.log
-expect_line /tmp/linux.log "inner: vhostloop ok (120 rounds)"
+expect_line /tmp/linux.log "inner: ioloop ok (120 rounds)"
 expect_line /tmp/linux.log "inner: checks passed"
 for n in 1 60 120; do
     grep -q "fs round $n from the Linux guest" "/tmp/share/round-$n" || fail "round $n's file is not in the share"
