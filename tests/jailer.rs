@@ -482,7 +482,7 @@ fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
 
 /// A live update of a VMM that is pid 1 of its own PID namespace (`--new-pid-ns`): the
 /// new gpuvm cannot live in that namespace (its init's exit kills it), so it is pid 1 of a
-/// new one of its own, in the same jail; the two sides know each other by pidfs inode. The
+/// new one of its own, in the same jail; the new one knows the old one's offer by a token. The
 /// jail's pid file follows the VM.
 #[test]
 fn a_vmm_that_is_init_of_its_pid_namespace_is_updated_into_one_of_its_own() {

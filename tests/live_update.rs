@@ -942,7 +942,7 @@ fn pid_with_argument(needle: &str, except: i32) -> Option<i32> {
 
 /// A gpuvm in a PID namespace it is not the init of (a container's, whose init is a
 /// shell here): the new gpuvm joins that namespace, the two sides knowing each other by
-/// pidfs inode, and the VM goes on there after the old one has exited.
+/// a token, and the VM goes on there after the old one has exited.
 #[test]
 fn a_vm_in_a_pid_namespace_it_is_not_init_of_is_updated_into_it() {
     let scratch = Scratch::new("live-update", "pidns-join");

@@ -584,7 +584,6 @@ fn a_jailed_firecracker_vm_is_updated_inside_its_jail() {
             "jailed update 2: process",
             "inner: ioloop ok (80 rounds)",
             "a jailed Firecracker VM across two live updates: ok",
-            "a --new-pid-ns VMM refused on a kernel without pidfs, untouched: ok",
         ],
     );
 }

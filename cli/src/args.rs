@@ -302,10 +302,15 @@ pub struct ReceiveArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub old_pid: u32,
     /// A pidfd of the running gpuvm, inherited as this descriptor, when this process is
-    /// in another pid namespace (its `--old-pid` is then `gpuvm update`'s view): the
-    /// connection accepted is the one of that process (SO_PEERPIDFD).
-    #[arg(long)]
+    /// in another pid namespace (its `--old-pid` is then `gpuvm update`'s view): watched
+    /// for its exit. Needs `--token-fd`.
+    #[arg(long, requires = "token_fd")]
     pub old_pidfd: Option<i32>,
+    /// A pipe holding the hand-over token, inherited as this descriptor, with
+    /// `--old-pidfd`: the running gpuvm's offer must bring it (its pid cannot be read from
+    /// another pid namespace).
+    #[arg(long, requires = "old_pidfd")]
+    pub token_fd: Option<i32>,
     /// /dev/kvm, opened by `gpuvm update` and inherited as this descriptor: a jail need
     /// not hold the device node.
     #[arg(long)]

@@ -29,7 +29,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::args::{ReceiveArgs, ReportArgs, ServedApi, UpdateArgs};
 use crate::front_end::FrontEnd;
-use crate::update_jail::{self, Confinement};
+use crate::update_jail::Confinement;
 use crate::CliError;
 
 /// `gpuvm update --pid P`: starts the new binary and asks the running gpuvm to hand it
@@ -66,7 +66,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
         None => binary.clone(),
     };
     let started_in_jail = spawn_in_jail(&confinement, &program, pid, &api_sock, &args, &served);
-    let (handover, mut child) = match started_in_jail {
+    let (handover, mut child, token) = match started_in_jail {
         Ok(started) => started,
         Err(error) => {
             if let Some(staged) = &staged {
@@ -80,7 +80,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
         pid,
         &binary,
         &api_sock,
-        handover,
+        (handover, token),
         &mut child,
         &confinement,
     );
@@ -106,7 +106,7 @@ fn spawn_in_jail(
     api_sock: &Path,
     args: &UpdateArgs,
     served: &(ServedApi, String),
-) -> Result<(ListenedHandOver, std::process::Child), CliError> {
+) -> Result<(ListenedHandOver, std::process::Child, Option<String>), CliError> {
     // A fresh directory only the running gpuvm's user can enter holds the socket: no one
     // else can connect to it, bind one of their own at its path or put anything there
     // beforehand.
@@ -134,12 +134,16 @@ fn spawn_in_jail(
         ),
         false => None,
     };
+    // A new gpuvm in another pid namespace than the old one knows the old one's offer by a
+    // secret only the two get (and the old one its listener by the socket alone).
+    let token = confinement.old_pidfd().map(|_| new_token()).transpose()?;
+    let token_pipe = token.as_deref().map(token_pipe).transpose()?;
     let mut child = spawn_receiver(
         program,
         Inherited {
             handover: &handover,
             kvm: kvm.as_ref(),
-            old_pidfd: confinement.old_pidfd(),
+            old: confinement.old_pidfd().zip(token_pipe.as_ref()),
         },
         confinement,
         pid,
@@ -156,7 +160,7 @@ fn spawn_in_jail(
         let _ = child.wait();
         return Err(error);
     }
-    Ok((handover.release(), child))
+    Ok((handover.release(), child, token))
 }
 
 /// Asks the running gpuvm `pid` to hand its VM to `child`, listening on `handover`.
@@ -165,7 +169,7 @@ fn hand_over(
     pid: i32,
     binary: &Path,
     api_sock: &Path,
-    handover: ListenedHandOver,
+    (handover, token): (ListenedHandOver, Option<String>),
     child: &mut std::process::Child,
     confinement: &Confinement,
 ) -> Result<ExitCode, CliError> {
@@ -183,19 +187,12 @@ fn hand_over(
         "timeout_ms": args.timeout_ms,
     });
     // The running gpuvm offers the VM to this child only, whoever else listens: by its
-    // pid, or where that is not the same in its pid namespace, by its pidfs inode.
-    let by_inode = confinement.old_pidfd().is_some();
-    if by_inode {
-        match update_jail::pidfs_inode_of(child.id() as i32) {
-            Ok(inode) => body["receiver_pidfs_inode"] = inode.into(),
-            Err(error) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(error);
-            }
-        }
-    } else {
-        body["receiver_pid"] = child.id().into();
+    // pid; where the two are in different pid namespaces, the token (which the child has
+    // too) goes with the offer instead, and the child takes no other.
+    let by_token = token.is_some();
+    match token {
+        Some(token) => body["handover_token"] = token.into(),
+        None => body["receiver_pid"] = child.id().into(),
     }
     let body = body.to_string();
     let started = Instant::now();
@@ -213,7 +210,7 @@ fn hand_over(
             let value: serde_json::Value = serde_json::from_str(&answer.body).unwrap_or_default();
             // The old gpuvm reports whom it handed the VM to as the kernel names the
             // socket's listener: the process started here, or something is badly wrong.
-            if !by_inode && value["new_pid"].as_u64() != Some(u64::from(child.id())) {
+            if !by_token && value["new_pid"].as_u64() != Some(u64::from(child.id())) {
                 return Err(CliError::Other(format!(
                     "process {pid} handed its VM to process {}, not to the new gpuvm this \
                      update started (process {})",
@@ -245,6 +242,39 @@ fn hand_over(
         }
         Err(error) => Err(no_answer(pid, child, &error)),
     }
+}
+
+/// A fresh hand-over token: 32 random bytes in hex.
+fn new_token() -> Result<String, CliError> {
+    let mut bytes = [0u8; 32];
+    // SAFETY: getrandom(2) writes at most `bytes.len()` bytes into `bytes`, a live local.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if got != bytes.len() as isize {
+        return Err(CliError::Other(format!(
+            "cannot draw a hand-over token: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A pipe holding `token` (its write end closed), for the new gpuvm to inherit and read:
+/// the token never shows on a command line or in an environment.
+fn token_pipe(token: &str) -> Result<OwnedFd, CliError> {
+    let mut ends = [0; 2];
+    // SAFETY: pipe2(2) writes two descriptors into `ends`, a live local.
+    if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(CliError::Other(format!(
+            "cannot make a pipe for the hand-over token: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: pipe2 returned these two descriptors, owned by nothing else.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(ends[0]), OwnedFd::from_raw_fd(ends[1])) };
+    // 64 bytes: far below a pipe's buffer, so the write cannot block.
+    std::io::Write::write_all(&mut std::fs::File::from(write), token.as_bytes())
+        .map_err(|e| CliError::Other(format!("cannot write the hand-over token: {e}")))?;
+    Ok(read)
 }
 
 /// Test hook: `gpuvm update` waits this many milliseconds between the new gpuvm listening
@@ -329,11 +359,12 @@ fn no_answer(
 }
 
 /// The descriptors the new gpuvm inherits: the bound hand-over socket, for a jail
-/// /dev/kvm, and for a new gpuvm in another pid namespace a pidfd of the old one.
+/// /dev/kvm, and for a new gpuvm in another pid namespace a pidfd of the old one and a
+/// pipe holding the hand-over token.
 struct Inherited<'a> {
     handover: &'a HandOverSocket,
     kvm: Option<&'a std::fs::File>,
-    old_pidfd: Option<&'a OwnedFd>,
+    old: Option<(&'a OwnedFd, &'a OwnedFd)>,
 }
 
 /// Starts `binary update-receive` with the `inherited` descriptors, in its own process
@@ -351,14 +382,16 @@ fn spawn_receiver(
     served: &(ServedApi, String),
 ) -> Result<std::process::Child, CliError> {
     let (api, instance_id) = served;
-    let (handover, kvm, old_pidfd) = (
+    let (handover, kvm) = (
         inherited.handover.fd().as_raw_fd(),
         inherited.kvm.map(AsRawFd::as_raw_fd),
-        inherited.old_pidfd.map(AsRawFd::as_raw_fd),
     );
+    let old = inherited
+        .old
+        .map(|(pidfd, token)| (pidfd.as_raw_fd(), token.as_raw_fd()));
     let fds: Vec<i32> = std::iter::once(handover)
         .chain(kvm)
-        .chain(old_pidfd)
+        .chain(old.into_iter().flat_map(|(pidfd, token)| [pidfd, token]))
         .collect();
     for &fd in &fds {
         // SAFETY: F_SETFD on a descriptor this process owns: it survives the exec below.
@@ -392,8 +425,12 @@ fn spawn_receiver(
     if let Some(kvm) = kvm {
         command.arg("--kvm-fd").arg(kvm.to_string());
     }
-    if let Some(pidfd) = old_pidfd {
-        command.arg("--old-pidfd").arg(pidfd.to_string());
+    if let Some((pidfd, token)) = old {
+        command
+            .arg("--old-pidfd")
+            .arg(pidfd.to_string())
+            .arg("--token-fd")
+            .arg(token.to_string());
     }
     confinement.enter_pid_namespace()?;
     let entering = confinement.entering();
@@ -550,11 +587,16 @@ pub fn receive(args: ReceiveArgs, process_start: Instant) -> Result<ExitCode, Cl
         gpuvm_vmm::vcpu::name_threads_as_firecracker();
     }
     // Before the filters, which allow no pidfd_open.
-    let old = match args.old_pidfd {
-        Some(fd) => {
-            receive::OldProcess::inherited(args.old_pid, inherited(fd, "--old-pidfd", None)?)
+    let old = match (args.old_pidfd, args.token_fd) {
+        (Some(pidfd), Some(token)) => {
+            let pidfd = inherited(pidfd, "--old-pidfd", None)?;
+            let pipe = inherited(token, "--token-fd", Some(libc::S_IFIFO))?;
+            let mut token = String::new();
+            std::io::Read::read_to_string(&mut std::fs::File::from(pipe), &mut token)
+                .map_err(|e| CliError::Other(format!("cannot read the hand-over token: {e}")))?;
+            receive::OldProcess::inherited(args.old_pid, pidfd, token)
         }
-        None => receive::OldProcess::open(args.old_pid),
+        _ => receive::OldProcess::open(args.old_pid),
     }
     .map_err(refused)?;
     if let Some(fd) = args.kvm_fd {

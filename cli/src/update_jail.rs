@@ -14,9 +14,10 @@
 //! PID namespaces: a running gpuvm that is the init of a namespace of its own (the
 //! jailer's `--new-pid-ns`) cannot have the new one in it (when the init exits, the kernel
 //! kills every process of its namespace), so the new gpuvm gets one of its own as well;
-//! one in a namespace it is not the init of has the new one join it. Either way the two
-//! sides know each other by pidfs inode, not pid (`gpuvm_vmm::update::socket`). A user
-//! namespace is not followed: refused before anything is touched.
+//! one in a namespace it is not the init of has the new one join it. Either way the new
+//! one cannot read the old one's pid: it watches it through a pidfd given to it and knows
+//! its offer by a token (cli/src/update.rs). A user namespace is not followed: refused
+//! before anything is touched.
 
 use std::ffi::CString;
 use std::fs::File;
@@ -86,8 +87,11 @@ enum PidNamespace {
     New(OwnedFd),
 }
 
-/// A pidfd of process `pid`, checked to be on pidfs (the two sides of the hand-over tell
-/// each other by its inode).
+fn other(what: String) -> CliError {
+    CliError::Other(what)
+}
+
+/// A pidfd of process `pid`.
 fn pidfd_of(pid: i32) -> Result<OwnedFd, CliError> {
     // SAFETY: pidfd_open takes a pid and flags; the result is checked.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -100,21 +104,6 @@ fn pidfd_of(pid: i32) -> Result<OwnedFd, CliError> {
     // SAFETY: pidfd_open returned this descriptor, owned by nothing else (close-on-exec).
     let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
     Ok(pidfd)
-}
-
-/// The pidfs inode of process `pid` (`gpuvm_vmm::update::socket::pidfs_inode`).
-pub fn pidfs_inode_of(pid: i32) -> Result<u64, CliError> {
-    let pidfd = pidfd_of(pid)?;
-    gpuvm_vmm::update::socket::pidfs_inode(std::os::fd::AsFd::as_fd(&pidfd)).map_err(|e| {
-        other(format!(
-            "process {pid} is in another pid namespace and this kernel cannot name it \
-             across namespaces: {e}; the VM was not touched"
-        ))
-    })
-}
-
-fn other(what: String) -> CliError {
-    CliError::Other(what)
 }
 
 /// Opens `path` as a path-only directory descriptor.
@@ -184,8 +173,6 @@ impl Confinement {
         let pid_namespace = match other_namespace(pid, "pid")? {
             None => PidNamespace::Same,
             Some(namespace) => {
-                // Checked usable before anything is touched.
-                pidfs_inode_of(pid)?;
                 let pidfd = pidfd_of(pid)?;
                 // Its pid in the namespace it is in: the last of NSpid.
                 match status_ids(&status, "NSpid:").last() {

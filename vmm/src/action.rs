@@ -927,11 +927,13 @@ pub struct LiveUpdateBody {
     /// of this process's user may take it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub receiver_pid: Option<u32>,
-    /// The same process by its pidfs inode (the inode of a pidfd of it, Linux 6.9): how
-    /// `gpuvm update` names a new gpuvm in another pid namespace than this process's
-    /// (one started for a gpuvm that is its own namespace's init), whose pid reads 0 here.
+    /// For a new gpuvm in another pid namespace than this process's (one started for a
+    /// gpuvm that is its own namespace's init), whose pid reads 0 here: a secret `gpuvm
+    /// update` gave it alone, which goes with the offer so that it knows the offer comes
+    /// from this process (16 to 64 bytes, in hex). The listener's uid is checked as
+    /// without `receiver_pid`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub receiver_pidfs_inode: Option<u64>,
+    pub handover_token: Option<String>,
 }
 
 /// PUT /snapshot/create.

@@ -1,16 +1,18 @@
-# about: live update of a jailed Firecracker VM (gpuvm as Firecracker's jailer on a host that runs from its initramfs: the jail moved over / in a mount namespace of its own, uid/gid 1234/1235, an open-files limit): a Linux guest writes and reads back a block of its disk (an image inside the jail) every quarter second while `gpuvm update` hands the VM to a new process twice, the second time with another binary; each new process runs in the same jail (the same mount namespace and root), as the same user, with the same limit, from the jail's binary (the second binary once it ran), and the jail's pid file names it. A jailed VMM that is pid 1 of its own PID namespace (--new-pid-ns) is refused on this kernel (no pidfs before Linux 6.9), its VM untouched
+# about: live update of a jailed Firecracker VM (gpuvm as Firecracker's jailer on a host that runs from its initramfs: the jail moved over / in a mount namespace of its own, uid/gid 1234/1235, an open-files limit, --new-pid-ns: the VMM is pid 1 of its own PID namespace): a Linux guest writes and reads back a block of its disk (an image inside the jail) every quarter second while `gpuvm update` hands the VM to a new process twice, the second time with another binary; each new process runs in the same jail (mount namespace and root), as the same user, with the same limit, as pid 1 of a PID namespace of its own, from the jail's binary (the second binary once it ran), and the jail's pid file names it
 . /lib/real-kernel.sh
 mkdir -p /tmp/jails
 ln -sf /bin/gpuvm /tmp/firecracker
 cp /bin/gpuvm /tmp/gpuvm-new
-echo "+ gpuvm jailer --id jailed --exec-file /tmp/firecracker --uid 1234 --gid 1235 ... &"
+echo "+ gpuvm jailer --id jailed --exec-file /tmp/firecracker --uid 1234 --gid 1235 --new-pid-ns ..."
+# The jailer returns once the VMM runs in its PID namespace; the VMM keeps the output file.
 gpuvm jailer --id jailed --exec-file /tmp/firecracker --uid 1234 --gid 1235 --chroot-base-dir /tmp/jails \
-    --resource-limit no-file=1024 -- --api-sock /run/api.sock >/tmp/fc.log 2>&1 &
-echo $! >/tmp/fc.pid
-first="$(cat /tmp/fc.pid)"
-root=/tmp/jails/firecracker/jailed/root
-wait_for "$root/run/api.sock" 30 ||
+    --new-pid-ns --resource-limit no-file=1024 -- --api-sock /run/api.sock >/tmp/fc.log 2>&1 ||
     { cat /tmp/fc.log; fail "the jailer failed"; }
+root=/tmp/jails/firecracker/jailed/root
+wait_for "$root/firecracker.pid" 30
+cat "$root/firecracker.pid" >/tmp/fc.pid
+first="$(cat /tmp/fc.pid)"
+wait_for "$root/run/api.sock" 30
 ln -sf "$root/run/api.sock" /tmp/fc.sock
 # The guest's files, inside the jail as Firecracker's docs ask; its disk writable by the jail's user.
 cp /images/vmlinuz /images/initramfs.cpio "$root/"
@@ -34,7 +36,9 @@ field() {
 
 jail_listing="$(ls "$root")"
 jail_mnt="$(readlink "/proc/$first/ns/mnt")"
+first_pidns="$(readlink "/proc/$first/ns/pid")"
 [ "$jail_mnt" != "$(readlink /proc/self/ns/mnt)" ] || abort_gpuvm fc "the jailed VMM shares this mount namespace"
+[ "$(field "$first" NSpid)" = 1 ] || abort_gpuvm fc "the jailed VMM is not pid 1 of its namespace"
 wait_past fc round_count 2 180 "before the updates"
 for n in 1 2; do
     old="$(cat /tmp/fc.pid)"
@@ -45,9 +49,12 @@ for n in 1 2; do
         live_update fc "$n"
     fi
     new="$(cat /tmp/fc.pid)"
-    # The same jail (mount namespace and root), user and limit; the jail's binary.
+    # The same jail (mount namespace and root), user and limit; pid 1 of a PID namespace of its own; the
+    # jail's binary.
     [ "$(cat "$root/firecracker.pid")" = "$new" ] || abort_gpuvm fc "the jail's pid file does not name $new"
     [ "$(readlink "/proc/$new/ns/mnt")" = "$jail_mnt" ] || abort_gpuvm fc "process $new is not in the jail's mount namespace"
+    [ "$(field "$new" NSpid)" = 1 ] || abort_gpuvm fc "process $new is not pid 1 of its namespace"
+    [ "$(readlink "/proc/$new/ns/pid")" != "$first_pidns" ] || abort_gpuvm fc "process $new is in the first one's namespace"
     [ "$(ls "/proc/$new/root")" = "$jail_listing" ] || abort_gpuvm fc "process $new's root is not the jail"
     [ "$(awk '/^Uid:/ { print $2 "/" $3 }' "/proc/$new/status")" = 1234/1234 ] || abort_gpuvm fc "process $new is not uid 1234"
     grep -q "^Max open files  *1024  *1024" "/proc/$new/limits" || abort_gpuvm fc "process $new lost the open-files limit"
@@ -56,7 +63,7 @@ for n in 1 2; do
     grep -q '"id": *"jailed"' /tmp/fc-call.out && grep -q '"state": *"Running"' /tmp/fc-call.out ||
         abort_gpuvm fc "GET / after update $n: $(cat /tmp/fc-call.out)"
     wait_past fc round_count $((before + 3)) 120 "after update $n"
-    echo "jailed update $n: process $old -> $new (uid 1234, in the jail), rounds $before -> $(round_count)"
+    echo "jailed update $n: process $old -> $new (pid 1 of its own namespace, uid 1234, in the jail), rounds $before -> $(round_count)"
 done
 cmp -s "$root/firecracker" /tmp/gpuvm-new || abort_gpuvm fc "the jail's binary is not the second update's"
 # The guest reboots after its last round, which ends the VMM.
@@ -70,31 +77,3 @@ for n in 1 40 80; do
 done
 ls -a "$root" | grep -q "update" && fail "the update left $(ls -a "$root" | grep update) in the jail"
 echo "a jailed Firecracker VM across two live updates: ok"
-
-# --new-pid-ns: the VMM is its namespace's init; on a kernel without pidfs the update cannot name the two
-# sides across namespaces and is refused before anything is touched.
-gpuvm jailer --id pidns --exec-file /tmp/firecracker --uid 1234 --gid 1235 --chroot-base-dir /tmp/jails \
-    --new-pid-ns -- --api-sock /run/api.sock >/tmp/pidns.log 2>&1 || { cat /tmp/pidns.log; fail "the jailer failed"; }
-pidns_root=/tmp/jails/firecracker/pidns/root
-wait_for "$pidns_root/run/api.sock" 30
-pidns_vmm="$(cat "$pidns_root/firecracker.pid")"
-[ "$(field "$pidns_vmm" NSpid)" = 1 ] || fail "the --new-pid-ns VMM is not pid 1 of its namespace"
-if gpuvm update --pid "$pidns_vmm" >/tmp/update-pidns.out 2>&1; then
-    cat /tmp/update-pidns.out
-    fail "the update of a --new-pid-ns VMM went through on a kernel without pidfs"
-fi
-cat /tmp/update-pidns.out
-release="$(uname -r)"
-major="${release%%.*}"
-minor="${release#*.}"
-minor="${minor%%.*}"
-if [ "$major" -gt 6 ] || { [ "$major" = 6 ] && [ "$minor" -ge 9 ]; }; then
-    fail "this scenario expects a kernel without pidfs (before 6.9), not $release"
-fi
-expect_line /tmp/update-pidns.out "cannot name it across namespaces"
-running "$pidns_vmm" || fail "the --new-pid-ns VMM ended after its refused update"
-gpuvm ctl --api-sock "$pidns_root/run/api.sock" raw GET / >/tmp/pidns-call.out 2>&1 ||
-    fail "the --new-pid-ns VMM does not answer after its refused update"
-ls -a "$pidns_root" | grep -q "update" && fail "the refused update left $(ls -a "$pidns_root" | grep update) in the jail"
-kill -9 "$pidns_vmm"
-echo "a --new-pid-ns VMM refused on a kernel without pidfs, untouched: ok"

@@ -586,6 +586,9 @@ fn live_update(
     if body.timeout_ms == Some(0) {
         return Err(ActionError::bad_request("timeout_ms must be at least 1"));
     }
+    if let Some(token) = &body.handover_token {
+        crate::update::check_token(token).map_err(ActionError::bad_request)?;
+    }
     let timeout = body
         .timeout_ms
         .map_or(crate::update::DEFAULT_TIMEOUT, Duration::from_millis);
@@ -596,7 +599,7 @@ fn live_update(
         timeout,
         crate::update::ExpectedReceiver {
             pid: body.receiver_pid,
-            pidfs_inode: body.receiver_pidfs_inode,
+            token: body.handover_token.clone(),
         },
         api_listener.as_ref().map(std::os::fd::AsFd::as_fd),
         mmds,

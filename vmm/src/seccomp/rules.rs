@@ -294,21 +294,15 @@ pub fn rules(kind: ThreadKind) -> BuildResult<Rules> {
                 ])?],
             );
             // Live update (PUT /vmm/update): who listens on the hand-over socket, checked
-            // against this process's own uid before the VM is offered; a listener in
-            // another pid namespace by its pidfd's inode on pidfs (fstatfs, fstat).
+            // against this process's own uid before the VM is offered.
             rules.insert(
                 libc::SYS_getsockopt,
-                [libc::SO_PEERCRED, libc::SO_PEERPIDFD]
-                    .into_iter()
-                    .map(|option| {
-                        SeccompRule::new(vec![
-                            arg32(1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?,
-                            arg32(2, SeccompCmpOp::Eq, option as u64)?,
-                        ])
-                    })
-                    .collect::<BuildResult<Vec<_>>>()?,
+                vec![SeccompRule::new(vec![
+                    arg32(1, SeccompCmpOp::Eq, libc::SOL_SOCKET as u64)?,
+                    arg32(2, SeccompCmpOp::Eq, libc::SO_PEERCRED as u64)?,
+                ])?],
             );
-            allow_all(&mut rules, &[libc::SYS_geteuid, libc::SYS_fstatfs]);
+            allow_all(&mut rules, &[libc::SYS_geteuid]);
             // Memory hot-plug: the host pages of RAM the guest ejected are given back
             // (a hole punched in guest RAM's file); no other fallocate mode.
             rules.insert(libc::SYS_fallocate, one_of(1, &[VMM_FALLOCATE_MODE])?);
@@ -704,8 +698,6 @@ mod tests {
             let _b = b;
             // The old process: who listens, its own uid, the socket's path.
             let peer = socket::peer_credentials(&a).map(|peer| peer.pid).ok();
-            // A listener in another pid namespace: by its pidfs inode.
-            let inode = socket::peer_pidfs_inode(&a).ok();
             let uid = socket::effective_uid();
             let mut value: libc::c_int = 0;
             let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
@@ -720,27 +712,14 @@ mod tests {
                     &mut len,
                 )
             };
-            (
-                peer,
-                inode,
-                uid,
-                other_option,
-                socket::check_path(&path).is_ok(),
-            )
+            (peer, uid, other_option, socket::check_path(&path).is_ok())
         });
         // SAFETY: geteuid has no arguments and cannot fail.
         let uid = unsafe { libc::geteuid() };
-        // SAFETY: pidfd_open of this process; checked below.
-        let own = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
-        assert!(own >= 0);
-        // SAFETY: a new descriptor, owned by nothing else.
-        let own =
-            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(own as i32) };
-        let inode = socket::pidfs_inode(std::os::fd::AsFd::as_fd(&own)).unwrap();
         assert_eq!(
             outcome,
-            (Some(std::process::id()), Some(inode), uid, -1, true),
-            "(peer pid, peer pidfs inode, euid, SO_ACCEPTCONN refused, path checked)"
+            (Some(std::process::id()), uid, -1, true),
+            "(peer pid, euid, SO_ACCEPTCONN refused, path checked)"
         );
     }
 

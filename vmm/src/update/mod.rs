@@ -27,7 +27,7 @@ pub mod receive;
 mod send;
 pub mod socket;
 
-pub use send::{hand_over, ExpectedReceiver, HandOverReport};
+pub use send::{check_token, hand_over, ExpectedReceiver, HandOverReport};
 
 /// How long the old process waits, by default, for the new one to say it is ready.
 pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);

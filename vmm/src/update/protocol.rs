@@ -132,6 +132,10 @@ pub struct OfferMeta {
     pub vcpu_ids: Vec<u8>,
     /// The old process's id (the new one takes the VM over if it dies before `Commit`).
     pub old_pid: u32,
+    /// The secret `gpuvm update` gave both processes when the new one is in another pid
+    /// namespace (it cannot read the old one's pid): the new one takes no offer without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover_token: Option<String>,
     /// The virtio-blk drives (by drive ID) whose open image descriptors follow the
     /// [`OFFER_FDS`], in this order: the new process adopts them (with their locks)
     /// rather than open the images again. Absent without drives, so that an offer

@@ -98,18 +98,9 @@ pub fn accept(
     timeout: Duration,
 ) -> Result<Incoming, UpdateError> {
     let old_pid = old.pid;
-    let socket = accept_from(listener, &old, timeout)?;
-    socket
-        .set_read_timeout(Some(timeout))
-        .map_err(|source| UpdateError::Socket {
-            what: "set the hand-over socket's timeout",
-            source,
-        })?;
-    let offer = protocol::expect(&socket, MessageKind::Offer)?;
-    let meta: OfferMeta = serde_json::from_slice(&offer.payload)
-        .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
+    let (socket, offer, meta) = offer_from(listener, &old, timeout)?;
     // (One in another pid namespace names itself by its pid there.)
-    if old.inode.is_none() && meta.old_pid != old_pid {
+    if old.token.is_none() && meta.old_pid != old_pid {
         return Err(UpdateError::Protocol(format!(
             "the offer comes from process {old_pid} but names process {}",
             meta.old_pid
@@ -266,6 +257,59 @@ pub fn accept(
     })
 }
 
+/// The old process's connection and offer. Known by its token, it is the first connection
+/// whose offer brings it (others are closed with no answer, and the wait goes on: a
+/// process that connects first learns nothing); known by its pid, the first connection
+/// from it.
+fn offer_from(
+    listener: &UnixListener,
+    old: &OldProcess,
+    timeout: Duration,
+) -> Result<(UnixStream, protocol::Frame, OfferMeta), UpdateError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let socket = accept_from(listener, old, left)?;
+        // A connection that may not be the old process's gets what is left of the wait.
+        let wait = match old.token {
+            Some(_) => left.max(Duration::from_millis(1)),
+            None => timeout,
+        };
+        socket
+            .set_read_timeout(Some(wait))
+            .map_err(|source| UpdateError::Socket {
+                what: "set the hand-over socket's timeout",
+                source,
+            })?;
+        let offer = protocol::expect(&socket, MessageKind::Offer);
+        let Some(token) = &old.token else {
+            let offer = offer?;
+            let meta = serde_json::from_slice(&offer.payload)
+                .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
+            return Ok((socket, offer, meta));
+        };
+        let parsed = offer.ok().and_then(|offer| {
+            let meta: OfferMeta = serde_json::from_slice(&offer.payload).ok()?;
+            Some((offer, meta))
+        });
+        match parsed {
+            Some((offer, meta)) if meta.handover_token.as_deref() == Some(token.as_str()) => {
+                socket
+                    .set_read_timeout(Some(timeout))
+                    .map_err(|source| UpdateError::Socket {
+                        what: "set the hand-over socket's timeout",
+                        source,
+                    })?;
+                return Ok((socket, offer, meta));
+            }
+            _ => log::warn!(
+                "live update: refused a connection to the hand-over socket whose offer does not \
+                 bring the hand-over token"
+            ),
+        }
+    }
+}
+
 /// The first connection to `listener` from process `old_pid` (of root or of this
 /// process's user) within `timeout`. Any other is closed at once, unread: whoever connects
 /// first cannot take the VM, nor end the wait for the old process.
@@ -317,7 +361,7 @@ fn accept_from(
             source,
         })?;
         let peer = socket::peer_credentials(&socket)?;
-        if old.is_peer(&socket, peer) && (peer.uid == uid || uid == 0) {
+        if old.may_be(peer) && (peer.uid == uid || uid == 0) {
             return Ok(socket);
         }
         refused += 1;
@@ -718,9 +762,9 @@ pub struct OldProcess {
     /// it, for messages only.
     pid: u32,
     pidfd: OwnedFd,
-    /// Its pidfs inode, when it is in another pid namespace than this process (whose
-    /// pid it cannot read): how its connection is known then.
-    inode: Option<u64>,
+    /// When it is in another pid namespace than this process (whose pid it cannot read):
+    /// the secret `gpuvm update` gave both, which its offer must bring.
+    token: Option<String>,
 }
 
 impl OldProcess {
@@ -744,28 +788,26 @@ impl OldProcess {
         Ok(OldProcess {
             pid,
             pidfd,
-            inode: None,
+            token: None,
         })
     }
 
     /// Process `pid` of another pid namespace (`gpuvm update`'s view of its pid, for
-    /// messages), by `pidfd`, a pidfd of it `gpuvm update` passed on: known by its pidfs
-    /// inode.
-    pub fn inherited(pid: u32, pidfd: OwnedFd) -> Result<OldProcess, UpdateError> {
-        let inode = socket::pidfs_inode(std::os::fd::AsFd::as_fd(&pidfd))?;
+    /// messages), watched through `pidfd`, a pidfd of it `gpuvm update` passed on, and
+    /// known by the secret `token` its offer must bring.
+    pub fn inherited(pid: u32, pidfd: OwnedFd, token: String) -> Result<OldProcess, UpdateError> {
+        super::check_token(&token).map_err(UpdateError::Protocol)?;
         Ok(OldProcess {
             pid,
             pidfd,
-            inode: Some(inode),
+            token: Some(token),
         })
     }
 
-    /// Whether the process at the other end of `socket`, `peer`, is this one.
-    fn is_peer(&self, socket: &UnixStream, peer: socket::PeerCredentials) -> bool {
-        match self.inode {
-            None => peer.pid == self.pid,
-            Some(inode) => socket::peer_pidfs_inode(socket).is_ok_and(|theirs| theirs == inode),
-        }
+    /// Whether `peer`, at the other end of a connection, may be this process: its pid, or
+    /// any pid when it is known by its token instead (checked in its offer).
+    fn may_be(&self, peer: socket::PeerCredentials) -> bool {
+        self.token.is_some() || peer.pid == self.pid
     }
 
     pub fn pid(&self) -> u32 {
@@ -829,7 +871,7 @@ mod tests {
         let other = OldProcess {
             pid: u32::MAX,
             pidfd: OldProcess::open(std::process::id()).unwrap().pidfd,
-            inode: None,
+            token: None,
         };
         let error = accept_from(&listener, &other, Duration::from_millis(200))
             .err()
@@ -849,36 +891,38 @@ mod tests {
     }
 
     #[test]
-    fn an_old_process_of_another_pid_namespace_is_known_by_its_pidfs_inode() {
+    fn an_old_process_of_another_pid_namespace_is_known_by_its_token() {
         let dir = socket::PrivateDir::create(&std::env::temp_dir(), "gpuvm-receive-").unwrap();
         let path = dir.path().join("handover.sock");
         let listener = UnixListener::bind(&path).unwrap();
-        // Whatever pid it is named by: only the inode counts.
+        let token = "5a".repeat(16);
+        // Named by any pid: only the token counts.
         let pidfd = OldProcess::open(std::process::id()).unwrap().pidfd;
-        let this = OldProcess::inherited(12345, pidfd).unwrap();
-        let _old = UnixStream::connect(&path).unwrap();
-        accept_from(&listener, &this, Duration::from_secs(5)).unwrap();
-        // Another process's connection is refused.
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let theirs = OldProcess::open(child.id()).unwrap().pidfd;
-        let them = OldProcess::inherited(std::process::id(), theirs).unwrap();
-        let _mine = UnixStream::connect(&path).unwrap();
-        let error = accept_from(&listener, &them, Duration::from_millis(200))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            error.contains("connections refused from other processes: 1"),
-            "{error}"
-        );
-        child.kill().unwrap();
-        child.wait().unwrap();
-        // Not a pidfd: refused.
-        let file = std::fs::File::open("/dev/null").unwrap();
-        assert!(OldProcess::inherited(1, file.into()).is_err());
+        let old = OldProcess::inherited(12345, pidfd, token.clone()).unwrap();
+        let ram = std::fs::File::open("/dev/null").unwrap();
+        let fds = [std::os::fd::AsRawFd::as_raw_fd(&ram), 0, 1, 2];
+        let offer = |token: Option<String>| {
+            let connection = UnixStream::connect(&path).unwrap();
+            let meta = OfferMeta {
+                handover_token: token,
+                ..empty_offer()
+            };
+            let payload = serde_json::to_vec(&meta).unwrap();
+            protocol::send(&connection, MessageKind::Offer, &payload, &fds).unwrap();
+            connection
+        };
+        // Without the token, or with another, refused; with it, taken.
+        let _none = offer(None);
+        let _wrong = offer(Some("a5".repeat(16)));
+        let _right = offer(Some(token.clone()));
+        let (_, _, meta) = offer_from(&listener, &old, Duration::from_secs(5)).unwrap();
+        assert_eq!(meta.handover_token.as_deref(), Some(token.as_str()));
+        // Without the right one in time, the wait ends saying so.
+        let _late = offer(None);
+        assert!(offer_from(&listener, &old, Duration::from_millis(300)).is_err());
+        // A malformed token is refused up front.
+        let pidfd = OldProcess::open(std::process::id()).unwrap().pidfd;
+        assert!(OldProcess::inherited(1, pidfd, "xyz".into()).is_err());
     }
 
     /// An offer from `meta` with the four descriptors every offer has (this process's
@@ -911,6 +955,7 @@ mod tests {
             huge_tmpfs: false,
             vcpu_ids: vec![0],
             old_pid: std::process::id(),
+            handover_token: None,
             drives: Vec::new(),
             vfio_user: Vec::new(),
             interfaces: Vec::new(),

@@ -84,11 +84,7 @@ pub fn hand_over(
         path: socket.to_path_buf(),
         source,
     })?;
-    let inode = match expected.pidfs_inode {
-        Some(_) => Some(socket::peer_pidfs_inode(&stream)?),
-        None => None,
-    };
-    let receiver = check_receiver(socket::peer_credentials(&stream)?, inode, expected)?;
+    let receiver = check_receiver(socket::peer_credentials(&stream)?, &expected)?;
     let set_timeout = |source| UpdateError::Socket {
         what: "set the hand-over socket's timeout",
         source,
@@ -100,7 +96,7 @@ pub fn hand_over(
         .set_write_timeout(Some(timeout))
         .map_err(set_timeout)?;
     // The new process builds its VM while the guest runs here; only then is it paused.
-    if let Err(error) = offer(running, &stream, mmds) {
+    if let Err(error) = offer(running, &stream, mmds, expected.token) {
         let _ = protocol::send(&stream, MessageKind::Abort, b"", &[]);
         let error = explain_timeout(error, timeout);
         log::error!("live update refused before the pause; the VM runs on: {error}");
@@ -160,6 +156,7 @@ fn offer(
     running: &mut RunningMachine<'_>,
     stream: &UnixStream,
     mmds: &gpuvm_mmds::Mmds,
+    handover_token: Option<String>,
 ) -> Result<(), UpdateError> {
     let vcpu_ids: Vec<u8> = running.vcpu_handles().iter().map(|h| h.id).collect();
     let (drives, images) = drive_images(running)?;
@@ -207,6 +204,7 @@ fn offer(
         huge_tmpfs: ram.huge_tmpfs(),
         vcpu_ids,
         old_pid: std::process::id(),
+        handover_token,
         drives,
         interfaces,
         vfio_user,
@@ -407,25 +405,34 @@ fn save_configuration(running: &mut RunningMachine<'_>) -> Result<MachineState, 
 }
 
 /// Who `gpuvm update` says must listen on the hand-over socket (PUT /vmm/update's
-/// `receiver_pid`, `receiver_pidfs_inode`).
-#[derive(Clone, Copy, Debug, Default)]
+/// `receiver_pid`, `handover_token`).
+#[derive(Clone, Debug, Default)]
 pub struct ExpectedReceiver {
     /// Its pid, in this process's pid namespace.
     pub pid: Option<u32>,
-    /// Its pidfs inode ([`socket::pidfs_inode`]): a receiver in another pid namespace
-    /// (the new process of a gpuvm that is its own namespace's init) has no pid here.
-    pub pidfs_inode: Option<u64>,
+    /// A receiver in another pid namespace (the new process of a gpuvm that is its own
+    /// namespace's init), whose pid reads 0 here: the secret it was given, which goes with
+    /// the offer (it takes no offer without it).
+    pub token: Option<String>,
+}
+
+/// Checks a hand-over token's form: 32 to 128 hex digits.
+pub fn check_token(token: &str) -> Result<(), String> {
+    if (32..=128).contains(&token.len()) && token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(())
+    } else {
+        Err("handover_token must be 32 to 128 hex digits".into())
+    }
 }
 
 /// Whom the hand-over socket connects this process to (`SO_PEERCRED`: the process that
-/// listens, the new gpuvm; `inode`: its pidfs inode, read where one is expected) may take
-/// the VM: the `expected` one where given, else a process of root or of this process's
-/// user, and not this one. The socket's private directory keeps anyone else from
-/// listening there; this makes sure.
+/// listens, the new gpuvm) may take the VM: the `expected` one where given, else a process
+/// of root or of this process's user, and not this one; one whose pid reads 0 (another
+/// pid namespace) only when a token is given. The socket's private directory keeps anyone
+/// else from listening there; this makes sure.
 fn check_receiver(
     receiver: socket::PeerCredentials,
-    inode: Option<u64>,
-    expected: ExpectedReceiver,
+    expected: &ExpectedReceiver,
 ) -> Result<socket::PeerCredentials, UpdateError> {
     if let Some(pid) = expected.pid {
         if receiver.pid != pid {
@@ -436,19 +443,8 @@ fn check_receiver(
             });
         }
     }
-    let known_by_inode = match expected.pidfs_inode {
-        Some(wanted) if inode == Some(wanted) => true,
-        Some(wanted) => {
-            return Err(UpdateError::UntrustedPeer {
-                pid: receiver.pid,
-                uid: receiver.uid,
-                expected: format!("the process of pidfs inode {wanted} (receiver_pidfs_inode)"),
-            })
-        }
-        None => false,
-    };
     let uid = socket::effective_uid();
-    if receiver.pid == std::process::id() || (receiver.pid == 0 && !known_by_inode) {
+    if receiver.pid == std::process::id() || (receiver.pid == 0 && expected.token.is_none()) {
         return Err(UpdateError::UntrustedPeer {
             pid: receiver.pid,
             uid: receiver.uid,
@@ -512,8 +508,7 @@ fn hand_paused_and_commit(
     let ready: protocol::ReadyBody = serde_json::from_slice(&ready.payload)
         .map_err(|e| UpdateError::Protocol(format!("a bad Ready: {e}")))?;
     // The process that says it is ready must be the one the kernel says listens: the VM
-    // goes to no one else. (One in another pid namespace, known by its pidfs inode, says
-    // its pid in its own.)
+    // goes to no one else. (One in another pid namespace says its pid in its own.)
     if receiver.pid != 0 && ready.pid != receiver.pid {
         return Err(UpdateError::UntrustedPeer {
             pid: ready.pid,
@@ -775,7 +770,7 @@ mod tests {
     fn by_pid(pid: u32) -> ExpectedReceiver {
         ExpectedReceiver {
             pid: Some(pid),
-            pidfs_inode: None,
+            token: None,
         }
     }
 
@@ -783,12 +778,10 @@ mod tests {
     fn only_the_named_receiver_is_trusted() {
         let other = std::process::id() + 1;
         assert_eq!(
-            check_receiver(peer(other), None, by_pid(other))
-                .unwrap()
-                .pid,
+            check_receiver(peer(other), &by_pid(other)).unwrap().pid,
             other
         );
-        let error = check_receiver(peer(other), None, by_pid(other + 1))
+        let error = check_receiver(peer(other), &by_pid(other + 1))
             .err()
             .unwrap()
             .to_string();
@@ -798,22 +791,31 @@ mod tests {
         );
         // Without a pid, any other process of this user.
         let anyone = ExpectedReceiver::default();
-        assert_eq!(
-            check_receiver(peer(other), None, anyone).unwrap().pid,
-            other
-        );
-        assert!(check_receiver(peer(std::process::id()), None, anyone).is_err());
-        // A process of another pid namespace (pid 0) only by its pidfs inode.
-        assert!(check_receiver(peer(0), None, anyone).is_err());
-        let by_inode = ExpectedReceiver {
+        assert_eq!(check_receiver(peer(other), &anyone).unwrap().pid, other);
+        assert!(check_receiver(peer(std::process::id()), &anyone).is_err());
+        // A process of another pid namespace (pid 0) only with a token for it.
+        assert!(check_receiver(peer(0), &anyone).is_err());
+        let with_token = ExpectedReceiver {
             pid: None,
-            pidfs_inode: Some(77),
+            token: Some("ab".repeat(16)),
         };
-        assert_eq!(check_receiver(peer(0), Some(77), by_inode).unwrap().pid, 0);
-        let error = check_receiver(peer(0), Some(78), by_inode)
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(error.contains("pidfs inode 77"), "{error}");
+        assert_eq!(check_receiver(peer(0), &with_token).unwrap().pid, 0);
+        // Of another user, not even then.
+        let stranger = socket::PeerCredentials {
+            pid: 0,
+            uid: socket::effective_uid() + 1,
+        };
+        if socket::effective_uid() != 0 {
+            assert!(check_receiver(stranger, &with_token).is_err());
+        }
+    }
+
+    #[test]
+    fn a_token_is_32_to_128_hex_digits() {
+        assert!(check_token(&"0f".repeat(16)).is_ok());
+        assert!(check_token(&"A9".repeat(64)).is_ok());
+        assert!(check_token(&"0f".repeat(15)).is_err());
+        assert!(check_token(&"0f".repeat(65)).is_err());
+        assert!(check_token(&format!("{}zz", "0f".repeat(16))).is_err());
     }
 }

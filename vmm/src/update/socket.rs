@@ -46,53 +46,6 @@ pub fn peer_credentials(socket: &UnixStream) -> Result<PeerCredentials, UpdateEr
     })
 }
 
-/// The identity of process `pidfd` that holds across pid namespaces: its pidfd's inode on
-/// pidfs (Linux 6.9), one per process for as long as the system runs. A process in
-/// another pid namespace, whose pid reads 0 here, is known by it.
-pub fn pidfs_inode(pidfd: BorrowedFd<'_>) -> Result<u64, UpdateError> {
-    let io = |source| UpdateError::Socket {
-        what: "tell a process of another pid namespace by its pidfd",
-        source,
-    };
-    let mut filesystem = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: fstatfs writes one statfs into `filesystem`; its result is checked.
-    let on_pidfs = unsafe { libc::fstatfs(pidfd.as_raw_fd(), filesystem.as_mut_ptr()) } == 0
-        // SAFETY: fstatfs succeeded, so `filesystem` is initialised.
-        && unsafe { filesystem.assume_init() }.f_type == PIDFS_MAGIC;
-    if !on_pidfs {
-        // Before pidfs every pidfd shares one anonymous inode: it would tell no process
-        // from another.
-        return Err(io(std::io::Error::other(
-            "not a pidfd of pidfs (Linux 6.9)",
-        )));
-    }
-    let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
-    // SAFETY: fstat writes one stat into `stat`; its result is checked.
-    if unsafe { libc::fstat(pidfd.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
-        return Err(io(std::io::Error::last_os_error()));
-    }
-    // SAFETY: fstat succeeded, so `stat` is initialised.
-    Ok(unsafe { stat.assume_init() }.st_ino)
-}
-
-/// pidfs's `f_type` (linux/magic.h PID_FS_MAGIC).
-const PIDFS_MAGIC: libc::__fsword_t = 0x5049_4446;
-
-/// The [`pidfs_inode`] of the process at the other end of `socket` (`SO_PEERPIDFD`, Linux
-/// 6.5): as [`peer_credentials`], for a peer in another pid namespace.
-pub fn peer_pidfs_inode(socket: &UnixStream) -> Result<u64, UpdateError> {
-    let what = "read who is at the other end of the hand-over socket (SO_PEERPIDFD)";
-    let fd: libc::c_int = socket_option(socket.as_fd(), libc::SO_PEERPIDFD)
-        .map_err(|source| UpdateError::Socket { what, source })?;
-    if fd < 0 {
-        let source = std::io::Error::from_raw_os_error(libc::ESRCH);
-        return Err(UpdateError::Socket { what, source });
-    }
-    // SAFETY: SO_PEERPIDFD returned a new descriptor, owned by nothing else.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
-    pidfs_inode(pidfd.as_fd())
-}
-
 /// The `SOL_SOCKET` option `option` of `socket`, read as a `T` (a C struct or integer of
 /// exactly the size the kernel writes for it: `ucred` for SO_PEERCRED, `c_int` for flags).
 fn socket_option<T: Copy>(socket: BorrowedFd<'_>, option: libc::c_int) -> std::io::Result<T> {
@@ -402,35 +355,6 @@ mod tests {
         assert!(error.to_string().contains("not a listening"), "{error}");
         let file = std::fs::File::open("/dev/null").unwrap();
         assert!(listening_unix_stream(OwnedFd::from(file)).is_err());
-    }
-
-    #[test]
-    fn a_peer_is_known_by_its_pidfs_inode() {
-        let (a, b) = UnixStream::pair().unwrap();
-        // SAFETY: pidfd_open of this process; the result is checked.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
-        assert!(fd >= 0);
-        // SAFETY: a new descriptor, owned by nothing else.
-        let own = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        let own = pidfs_inode(own.as_fd()).unwrap();
-        assert_eq!(peer_pidfs_inode(&a).unwrap(), own);
-        assert_eq!(peer_pidfs_inode(&b).unwrap(), own);
-        // Another process has another.
-        let child = std::process::Command::new("sleep")
-            .arg("5")
-            .spawn()
-            .unwrap();
-        // SAFETY: as above.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id(), 0) };
-        // SAFETY: as above.
-        let theirs = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        assert_ne!(pidfs_inode(theirs.as_fd()).unwrap(), own);
-        // Not a pidfd: refused.
-        let file = std::fs::File::open("/dev/null").unwrap();
-        assert!(pidfs_inode(file.as_fd()).is_err());
-        let mut child = child;
-        let _ = child.kill();
-        let _ = child.wait();
     }
 
     #[test]
