@@ -19,6 +19,15 @@ fn main() {
             "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={}",
             order.display()
         );
+        // The link argument names the file, not what it holds: a changed list must still
+        // relink. An environment value of the crate's that follows the contents does.
+        let contents = std::fs::read(&order).unwrap_or_default();
+        let digest = contents
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+                (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+            });
+        println!("cargo:rustc-env=GPUVM_BOOT_TEXT_ORDER_DIGEST={digest:016x}");
         println!("cargo:rustc-link-arg-bins=-Wl,--no-warn-symbol-ordering");
     }
     if let Ok(map) = std::env::var("GPUVM_LINK_MAP") {
