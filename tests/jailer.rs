@@ -441,23 +441,23 @@ fn daemonize_returns_at_once_and_the_vmm_runs_on() {
     }
 }
 
-#[test]
-fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
-    let scratch = Scratch::new("jailer", "pidns");
+/// Runs the jailer for jail `id` with `--new-pid-ns` (the VMM's API at /run/api.sock), the
+/// VMM's stdout going to `stdout`; returns the jail's root and the VMM's pid (from the pid
+/// file) once the jailer has left. The VMM keeps the stdio it inherits, so the jailer's go to
+/// files (pipes would stay open).
+fn jail_in_new_pid_ns(scratch: &Scratch, id: &str, stdout: std::fs::File) -> (PathBuf, i32) {
     let args = jail_args(
-        &scratch,
-        "p1",
+        scratch,
+        id,
         &["--new-pid-ns", "--", "--api-sock", "/run/api.sock"],
     );
     let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
     args.insert(0, "jailer");
-    // The jailer leaves once the VMM is started in the new namespace; the VMM keeps the
-    // stdio it inherits, so the jailer's go to a file (pipes would stay open).
-    let errors = scratch.path("jailer.stderr");
+    let errors = scratch.path(&format!("{id}.stderr"));
     let status = std::process::Command::new(gpuvm_bin())
         .args(&args)
         .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
+        .stdout(stdout)
         .stderr(std::fs::File::create(&errors).unwrap())
         .status()
         .unwrap();
@@ -466,11 +466,18 @@ fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
         "{status}: {}",
         std::fs::read_to_string(&errors).unwrap_or_default()
     );
-    let root = base(&scratch).join("firecracker/p1/root");
-    let pid: i32 = std::fs::read_to_string(root.join("firecracker.pid"))
+    let root = base(scratch).join(format!("firecracker/{id}/root"));
+    let pid = std::fs::read_to_string(root.join("firecracker.pid"))
         .unwrap()
         .parse()
         .unwrap();
+    (root, pid)
+}
+
+#[test]
+fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
+    let scratch = Scratch::new("jailer", "pidns");
+    let (root, pid) = jail_in_new_pid_ns(&scratch, "p1", std::fs::File::open("/dev/null").unwrap());
     let vmm = Detached(pid);
     let api = root.join("run/api.sock");
     wait_for_socket(&api);
@@ -487,24 +494,9 @@ fn new_pid_ns_runs_the_vmm_as_pid_1_of_its_namespace() {
 #[test]
 fn a_vmm_that_is_init_of_its_pid_namespace_is_updated_into_one_of_its_own() {
     let scratch = Scratch::new("jailer", "pidns-update");
-    let args = jail_args(
-        &scratch,
-        "p2",
-        &["--new-pid-ns", "--", "--api-sock", "/run/api.sock"],
-    );
-    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
-    args.insert(0, "jailer");
     // The VMM keeps the stdio it inherits: the guest's serial output goes to a file.
     let console = scratch.path("console");
-    let status = std::process::Command::new(gpuvm_bin())
-        .args(&args)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::fs::File::create(&console).unwrap())
-        .stderr(std::fs::File::create(scratch.path("stderr")).unwrap())
-        .status()
-        .unwrap();
-    assert!(status.success(), "{status}");
-    let root = base(&scratch).join("firecracker/p2/root");
+    let (root, _) = jail_in_new_pid_ns(&scratch, "p2", std::fs::File::create(&console).unwrap());
     let pid_file = root.join("firecracker.pid");
     let read_pid = || -> i32 { std::fs::read_to_string(&pid_file).unwrap().parse().unwrap() };
     let mut vmm = Detached(read_pid());
@@ -529,7 +521,7 @@ fn a_vmm_that_is_init_of_its_pid_namespace_is_updated_into_one_of_its_own() {
             format!(
                 "{}\n{}",
                 std::fs::read_to_string(&console).unwrap_or_default(),
-                std::fs::read_to_string(scratch.path("stderr")).unwrap_or_default()
+                std::fs::read_to_string(scratch.path("p2.stderr")).unwrap_or_default()
             )
         };
         let new = gpuvm_tests::updated_to(&out, &context());

@@ -58,37 +58,36 @@ failed_update() {
 
 rounds_past 2 180 "before the updates"
 
+# killed_update N HOOK WHEN EXPECTED: update N of the first gpuvm with the test hook HOOK (VAR=VALUE) in its
+# environment; its new process is killed (SIGKILL) once the shell test WHEN holds (and a second later);
+# the update must fail saying EXPECTED, and the guest go on in the first process.
+killed_update() {
+    before="$(round_count)"
+    env "$2" gpuvm update --pid "$first" --timeout-ms 60000 >"/tmp/update-$1.out" 2>&1 &
+    echo $! >/tmp/update.pid
+    deadline=$(($(cut -d. -f1 /proc/uptime) + 60))
+    receiver=""
+    until [ -n "$receiver" ] && eval "$3"; do
+        [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ] || abort_gpuvm linux "update $1: no new gpuvm to kill"
+        receiver="$(receiver_pid)"
+        sleep 0.1
+    done
+    sleep 1
+    kill -9 "$receiver"
+    failed_update "$1" "its new process was killed"
+    expect_line "/tmp/update-$1.out" "$4"
+    rounds_past $((before + 3)) 60 "after update $1's new process was killed"
+}
+
 # (1) The new process holds the paused VM and never says it is ready: killed.
-before="$(round_count)"
 echo "+ gpuvm update --pid $first (its new process is killed before it is ready)"
-GPUVM_TEST_UPDATE_FAIL=hang gpuvm update --pid "$first" --timeout-ms 60000 >/tmp/update-1.out 2>&1 &
-echo $! >/tmp/update.pid
-wait_log linux "GPUVM_TEST_UPDATE_FAIL=hang" 60
-receiver="$(receiver_pid)"
-[ -n "$receiver" ] || abort_gpuvm linux "no new gpuvm holds the VM in update 1"
-kill -9 "$receiver"
-failed_update 1 "its new process was killed"
-expect_line /tmp/update-1.out "closed the hand-over socket"
-rounds_past $((before + 3)) 60 "after the new process was killed holding the VM"
+killed_update 1 GPUVM_TEST_UPDATE_FAIL=hang 'has_line /tmp/linux.log GPUVM_TEST_UPDATE_FAIL=hang' \
+    "closed the hand-over socket"
 echo "step 1: the new process $receiver killed before its Ready; the old one runs the VM"
 
 # (2) The new process is killed once it listens, before the old one is asked to connect.
-before="$(round_count)"
 echo "+ gpuvm update --pid $first (its new process is killed before the old one connects)"
-GPUVM_TEST_UPDATE_DELAY_REQUEST_MS=5000 gpuvm update --pid "$first" >/tmp/update-2.out 2>&1 &
-echo $! >/tmp/update.pid
-deadline=$(($(cut -d. -f1 /proc/uptime) + 30))
-receiver=""
-while [ -z "$receiver" ] && [ "$(cut -d. -f1 /proc/uptime)" -lt "$deadline" ]; do
-    receiver="$(receiver_pid)"
-    sleep 0.1
-done
-[ -n "$receiver" ] || abort_gpuvm linux "no new gpuvm started in update 2"
-sleep 1
-kill -9 "$receiver"
-failed_update 2 "its new process was killed"
-expect_line /tmp/update-2.out "the VM was not touched"
-rounds_past $((before + 3)) 60 "after the new process was killed before the hand-over"
+killed_update 2 GPUVM_TEST_UPDATE_DELAY_REQUEST_MS=5000 true "the VM was not touched"
 echo "step 2: the new process $receiver killed before the hand-over; the VM untouched"
 
 # (3) The old process dies after the new one is ready.
