@@ -152,29 +152,61 @@ fn boot_memloop(root: &Path, cmdline: &str) {
     );
 }
 
+/// A jail with an open-files limit of 1000 and, where the host lets the test write one, a
+/// cgroup value under a parent cgroup of the test's own (removed when dropped, once the
+/// VMM has gone).
+struct LimitedJail {
+    cgroup: Result<(&'static str, PathBuf, &'static str, &'static str), String>,
+    parent: String,
+    id: String,
+}
+
+impl LimitedJail {
+    fn new(parent: &str, id: &str) -> LimitedJail {
+        LimitedJail {
+            cgroup: writable_cgroup(),
+            parent: format!("{parent}-{}", std::process::id()),
+            id: id.to_string(),
+        }
+    }
+
+    /// The jailer's arguments for it, the VMM's API socket at /run/api.sock.
+    fn args(&self, scratch: &Scratch) -> Vec<String> {
+        let mut extra: Vec<String> = vec!["--resource-limit".into(), "no-file=1000".into()];
+        if let Ok((version, _, file, value)) = &self.cgroup {
+            extra.extend([
+                "--cgroup-version".into(),
+                version.to_string(),
+                "--cgroup".into(),
+                format!("{file}={value}"),
+                "--parent-cgroup".into(),
+                self.parent.clone(),
+            ]);
+        }
+        extra.extend(["--", "--api-sock", "/run/api.sock"].map(String::from));
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        jail_args(scratch, &self.id, &extra)
+    }
+}
+
+impl Drop for LimitedJail {
+    fn drop(&mut self) {
+        if let Ok((_, hierarchy, _, _)) = &self.cgroup {
+            let _ = std::fs::remove_dir(hierarchy.join(&self.parent).join(&self.id));
+            let _ = std::fs::remove_dir(hierarchy.join(&self.parent));
+        }
+    }
+}
+
 #[test]
 fn jailed_firecracker_serves_its_api_and_boots_as_the_jailed_user() {
     let scratch = Scratch::new("jailer", "boots");
-    let cgroup = writable_cgroup();
-    let parent = format!("gpuvm-jailer-test-{}", std::process::id());
-    let mut extra: Vec<String> = ["--resource-limit", "no-file=1000"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    match &cgroup {
-        Ok((version, _, file, value)) => extra.extend([
-            "--cgroup-version".into(),
-            version.to_string(),
-            "--cgroup".into(),
-            format!("{file}={value}"),
-            "--parent-cgroup".into(),
-            parent.clone(),
-        ]),
-        Err(reason) => println!("skipping the cgroup checks: {reason}"),
+    let jail = LimitedJail::new("gpuvm-jailer-test", "t1");
+    let (cgroup, parent) = (&jail.cgroup, &jail.parent);
+    if let Err(reason) = cgroup {
+        println!("skipping the cgroup checks: {reason}");
     }
-    extra.extend(["--", "--api-sock", "/run/api.sock"].map(String::from));
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let args = jail_args(&scratch, "t1", &extra);
+    let args = jail.args(&scratch);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut vmm = SpawnedProcess::spawn(&link(&scratch, "jailer"), &args);
     let root = base(&scratch).join("firecracker/t1/root");
@@ -259,10 +291,6 @@ fn jailed_firecracker_serves_its_api_and_boots_as_the_jailed_user() {
     assert_eq!(info()["state"], "Running");
     vmm.signal(libc::SIGKILL);
     let _ = vmm.wait(LIMIT);
-    if let Ok((_, hierarchy, _, _)) = &cgroup {
-        let _ = std::fs::remove_dir(hierarchy.join(&parent).join("t1"));
-        let _ = std::fs::remove_dir(hierarchy.join(&parent));
-    }
 }
 
 /// What a jailed process is confined by, as /proc shows it from outside.
@@ -317,25 +345,8 @@ fn memloop_iterations(stdout: &str) -> usize {
 #[test]
 fn a_jailed_vmm_is_updated_inside_its_jail() {
     let scratch = Scratch::new("jailer", "update");
-    let cgroup = writable_cgroup();
-    let parent = format!("gpuvm-jailer-update-{}", std::process::id());
-    let mut extra: Vec<String> = ["--resource-limit", "no-file=1000"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    if let Ok((version, _, file, value)) = &cgroup {
-        extra.extend([
-            "--cgroup-version".into(),
-            version.to_string(),
-            "--cgroup".into(),
-            format!("{file}={value}"),
-            "--parent-cgroup".into(),
-            parent.clone(),
-        ]);
-    }
-    extra.extend(["--", "--api-sock", "/run/api.sock"].map(String::from));
-    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-    let args = jail_args(&scratch, "u1", &extra);
+    let jail = LimitedJail::new("gpuvm-jailer-update", "u1");
+    let args = jail.args(&scratch);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut first = SpawnedProcess::spawn(&link(&scratch, "jailer"), &args);
     let root = base(&scratch).join("firecracker/u1/root");
@@ -348,6 +359,9 @@ fn a_jailed_vmm_is_updated_inside_its_jail() {
     let jailed = confinement(first.pid());
     assert_eq!(jailed.uid, format!("{UID} {UID} {UID} {UID}"));
     let mut owner = first.pid();
+    // The process a later update started is not this test's child: ended when the test ends,
+    // whatever fails.
+    let mut _later: Option<Detached> = None;
     let gpuvm_copy = scratch.path("gpuvm-new");
     std::fs::copy(gpuvm_bin(), &gpuvm_copy).unwrap();
     for binary in [None, Some(&gpuvm_copy)] {
@@ -361,6 +375,7 @@ fn a_jailed_vmm_is_updated_inside_its_jail() {
         let new = gpuvm_tests::updated_to(&out, &context);
         gpuvm_tests::wait_process_gone(owner, LIMIT, || context.clone());
         owner = new;
+        _later = Some(Detached(new));
         // Everything the jail confines, the same: nothing of the update is left in it.
         assert_eq!(confinement(new), jailed, "{context}");
         assert_eq!(
@@ -389,13 +404,6 @@ fn a_jailed_vmm_is_updated_inside_its_jail() {
         std::fs::read(&gpuvm_copy).unwrap()
     );
     assert!(first.try_status().is_some_and(|s| s.success()));
-    // SAFETY: kill(2) of the gpuvm the last update started (checked above to run the VM).
-    unsafe { libc::kill(owner, libc::SIGKILL) };
-    gpuvm_tests::wait_process_gone(owner, LIMIT, String::new);
-    if let Ok((_, hierarchy, _, _)) = &cgroup {
-        let _ = std::fs::remove_dir(hierarchy.join(&parent).join("u1"));
-        let _ = std::fs::remove_dir(hierarchy.join(&parent));
-    }
 }
 
 #[test]
