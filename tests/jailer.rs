@@ -269,7 +269,7 @@ fn jailed_firecracker_serves_its_api_and_boots_as_the_jailed_user() {
         "{open_files}"
     );
     if let Ok((_, hierarchy, file, value)) = &cgroup {
-        let dir = hierarchy.join(&parent).join("t1");
+        let dir = hierarchy.join(parent).join("t1");
         let written = std::fs::read_to_string(dir.join(file)).unwrap();
         assert_eq!(written.trim(), *value);
         let member = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
