@@ -132,11 +132,17 @@ fn open_dir(path: &Path) -> Result<OwnedFd, CliError> {
 /// `/proc/PID/ns/NAME` of `pid` opened, if it is not this process's.
 fn other_namespace(pid: i32, name: &str) -> Result<Option<File>, CliError> {
     let theirs = format!("/proc/{pid}/ns/{name}");
+    let ours = format!("/proc/self/ns/{name}");
+    // A kernel built without that kind of namespace (the tier's small iommufd kernel has no
+    // user namespaces) has no such file: everyone is in the one there is.
+    if std::fs::symlink_metadata(&ours).is_err_and(|e| e.kind() == io::ErrorKind::NotFound) {
+        return Ok(None);
+    }
     let read = |path: &str| {
         std::fs::read_link(path)
             .map_err(|e| other(format!("cannot read process {pid}'s {name} namespace: {e}")))
     };
-    if read(&theirs)? == read(&format!("/proc/self/ns/{name}"))? {
+    if read(&theirs)? == read(&ours)? {
         return Ok(None);
     }
     File::open(&theirs)
@@ -198,7 +204,7 @@ impl Confinement {
         // container may lack).
         let table = std::fs::read_to_string(proc_dir.join("limits"))
             .map_err(|e| other(format!("cannot read process {pid}'s resource limits: {e}")))?;
-        let limits = LIMITS
+        let limits: Vec<_> = LIMITS
             .iter()
             .filter_map(|&(resource, name)| {
                 let limit = limit_in(&table, name)?;
@@ -206,8 +212,29 @@ impl Confinement {
                 // SAFETY: getrlimit(2) writes one rlimit into `own`.
                 unsafe { libc::getrlimit(resource, &mut own) };
                 let differs = (own.rlim_cur, own.rlim_max) != (limit.rlim_cur, limit.rlim_max);
-                differs.then_some((resource, limit))
+                differs.then_some((resource, name, limit, own))
             })
+            .collect();
+        // A hard limit above this process's needs CAP_SYS_RESOURCE (a VMM given unlimited
+        // locked memory, an update run from a shell in a container): tried here first, so
+        // that a refusal names the limit instead of failing the new process's start.
+        for (resource, name, limit, own) in &limits {
+            if limit.rlim_max > own.rlim_max {
+                // SAFETY: setrlimit(2) reads one rlimit that outlives the call; this
+                // short-lived process only raises its own limit to the running gpuvm's.
+                if unsafe { libc::setrlimit(*resource, limit) } != 0 {
+                    return Err(other(format!(
+                        "cannot give the new gpuvm process {pid}'s limit \"{name}\" ({}): {}; \
+                         the VM was not touched",
+                        limit.rlim_max,
+                        io::Error::last_os_error()
+                    )));
+                }
+            }
+        }
+        let limits = limits
+            .into_iter()
+            .map(|(resource, _, limit, _)| (resource, limit))
             .collect();
         let (uids, gids) = (status_ids(&status, "Uid:"), status_ids(&status, "Gid:"));
         let (uid, gid) = match (uids.as_slice(), gids.as_slice()) {
@@ -502,6 +529,10 @@ fn other_cgroups(pid: i32) -> Result<Vec<File>, CliError> {
     let read = |path: String| {
         std::fs::read_to_string(&path).map_err(|e| other(format!("cannot read {path}: {e}")))
     };
+    // A kernel without cgroups has no /proc/PID/cgroup: nothing to join.
+    if !Path::new("/proc/self/cgroup").exists() {
+        return Ok(Vec::new());
+    }
     let theirs = read(format!("/proc/{pid}/cgroup"))?;
     let ours = read("/proc/self/cgroup".into())?;
     let mounts = read("/proc/self/mountinfo".into())?;
@@ -580,6 +611,14 @@ mod tests {
         // Mounted, but not at the hierarchy's root: a cgroup path cannot be found there.
         assert_eq!(found("cpuset"), None);
         assert_eq!(found("memory"), None);
+    }
+
+    #[test]
+    fn a_kind_of_namespace_the_kernel_lacks_is_shared_by_everyone() {
+        // As on a kernel built without user namespaces: no /proc/PID/ns file for it.
+        let own = std::process::id() as i32;
+        assert!(other_namespace(own, "no-such-kind").unwrap().is_none());
+        assert!(other_namespace(own, "mnt").unwrap().is_none());
     }
 
     #[test]
