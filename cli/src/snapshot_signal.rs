@@ -86,8 +86,9 @@ fn is_gpuvm_binary(exe: &std::path::Path) -> std::io::Result<bool> {
     }
 }
 
-/// pidfd_open(2) and pidfd_send_signal(2), which libc does not wrap.
-mod pidfd {
+/// pidfd_open(2) and pidfd_send_signal(2), which libc does not wrap (a live update's
+/// confinement opens its pidfds here too).
+pub(crate) mod pidfd {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
     use crate::CliError;

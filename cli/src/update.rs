@@ -65,8 +65,8 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
         Some(name) => Path::new("/").join(name),
         None => binary.clone(),
     };
-    let started_in_jail = spawn_in_jail(&confinement, &program, pid, &api_sock, &args, &served);
-    let (handover, mut child, token) = match started_in_jail {
+    let started = start_receiver(&confinement, &program, pid, &api_sock, &args, &served);
+    let (handover, mut child, token) = match started {
         Ok(started) => started,
         Err(error) => {
             if let Some(staged) = &staged {
@@ -99,7 +99,7 @@ pub fn update(args: UpdateArgs) -> Result<ExitCode, CliError> {
 
 /// Makes the hand-over socket where the running gpuvm can reach it and starts the new
 /// gpuvm `program` in `confinement`, listening on it.
-fn spawn_in_jail(
+fn start_receiver(
     confinement: &Confinement,
     program: &Path,
     pid: i32,

@@ -91,21 +91,6 @@ fn other(what: String) -> CliError {
     CliError::Other(what)
 }
 
-/// A pidfd of process `pid`.
-fn pidfd_of(pid: i32) -> Result<OwnedFd, CliError> {
-    // SAFETY: pidfd_open takes a pid and flags; the result is checked.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(other(format!(
-            "cannot open a pidfd of process {pid}: {}",
-            io::Error::last_os_error()
-        )));
-    }
-    // SAFETY: pidfd_open returned this descriptor, owned by nothing else (close-on-exec).
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-    Ok(pidfd)
-}
-
 /// Opens `path` as a path-only directory descriptor.
 fn open_dir(path: &Path) -> Result<OwnedFd, CliError> {
     let c_path = CString::new(path.as_os_str().as_bytes())
@@ -179,7 +164,7 @@ impl Confinement {
         let pid_namespace = match other_namespace(pid, "pid")? {
             None => PidNamespace::Same,
             Some(namespace) => {
-                let pidfd = pidfd_of(pid)?;
+                let pidfd = crate::snapshot_signal::pidfd::open(pid)?;
                 // Its pid in the namespace it is in: the last of NSpid.
                 match status_ids(&status, "NSpid:").last() {
                     Some(1) => PidNamespace::New(pidfd),

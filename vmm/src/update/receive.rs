@@ -266,40 +266,35 @@ fn offer_from(
     old: &OldProcess,
     timeout: Duration,
 ) -> Result<(UnixStream, protocol::Frame, OfferMeta), UpdateError> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let socket = accept_from(listener, old, left)?;
-        // A connection that may not be the old process's gets what is left of the wait.
-        let wait = match old.token {
-            Some(_) => left.max(Duration::from_millis(1)),
-            None => timeout,
-        };
+    let set_timeout = |socket: &UnixStream, wait: Duration| {
         socket
             .set_read_timeout(Some(wait))
             .map_err(|source| UpdateError::Socket {
                 what: "set the hand-over socket's timeout",
                 source,
-            })?;
-        let offer = protocol::expect(&socket, MessageKind::Offer);
+            })
+    };
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let socket = accept_from(listener, old, left)?;
         let Some(token) = &old.token else {
-            let offer = offer?;
+            set_timeout(&socket, timeout)?;
+            let offer = protocol::expect(&socket, MessageKind::Offer)?;
             let meta = serde_json::from_slice(&offer.payload)
                 .map_err(|e| UpdateError::Protocol(format!("a bad offer: {e}")))?;
             return Ok((socket, offer, meta));
         };
-        let parsed = offer.ok().and_then(|offer| {
+        // A connection that may not be the old process's gets what is left of the wait.
+        set_timeout(&socket, left.max(Duration::from_millis(1)))?;
+        let offer = protocol::expect(&socket, MessageKind::Offer).ok();
+        let parsed = offer.and_then(|offer| {
             let meta: OfferMeta = serde_json::from_slice(&offer.payload).ok()?;
             Some((offer, meta))
         });
         match parsed {
             Some((offer, meta)) if meta.handover_token.as_deref() == Some(token.as_str()) => {
-                socket
-                    .set_read_timeout(Some(timeout))
-                    .map_err(|source| UpdateError::Socket {
-                        what: "set the hand-over socket's timeout",
-                        source,
-                    })?;
+                set_timeout(&socket, timeout)?;
                 return Ok((socket, offer, meta));
             }
             _ => log::warn!(
@@ -758,7 +753,7 @@ fn state_interfaces(state: &MachineState) -> Vec<&str> {
 /// that reused the pid.
 #[derive(Debug)]
 pub struct OldProcess {
-    /// Its pid: in this process's pid namespace, or (`inode` set) as `gpuvm update` saw
+    /// Its pid: in this process's pid namespace, or (`token` set) as `gpuvm update` saw
     /// it, for messages only.
     pid: u32,
     pidfd: OwnedFd,
